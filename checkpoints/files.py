@@ -1,0 +1,86 @@
+"""Crash-safe file handling shared by conversion and training: whole directories appear at once or not at all,
+and ``latest`` only ever names a complete checkpoint."""
+import contextlib
+import os
+import shutil
+import tempfile
+
+LATEST = "latest"
+COMPLETE_MARKER = "COMPLETE"
+# Everything in a Hugging Face model directory that is not a weight: configs, tokenizer, chat template.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+WEIGHT_INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def write_text_atomic(path, text):
+    """Write via a temporary file, fsync, rename: a reader sees the old content or the new, never a torn file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    fsync_dir(directory)
+
+
+def fsync_dir(directory):
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_latest(ckpt_dir):
+    path = os.path.join(ckpt_dir, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
+
+
+def check_output_dir(output_dir, overwrite):
+    """Refuse to replace a non-empty directory unless asked; called before any work is done."""
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+        raise FileExistsError(f"output directory '{output_dir}' exists and is not empty; pass --overwrite to "
+                              f"replace it, or choose another --output_dir.")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise FileExistsError(f"output path '{output_dir}' exists and is not a directory.")
+
+
+@contextlib.contextmanager
+def staged_directory(output_dir):
+    """Yield a temporary sibling directory; on success it replaces output_dir, on failure it is removed and
+    output_dir is left exactly as it was."""
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(output_dir)}.partial-")
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    previous = None
+    if os.path.exists(output_dir):
+        previous = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(output_dir)}.old-")
+        os.rmdir(previous)
+        os.replace(output_dir, previous)
+    os.replace(staging, output_dir)
+    fsync_dir(parent)
+    if previous:
+        shutil.rmtree(previous, ignore_errors=True)
+
+
+def copy_model_side_files(src_dir, dst_dir):
+    """Copy config, generation config and tokenizer files (everything but weights) from src_dir to dst_dir."""
+    for name in sorted(os.listdir(src_dir)):
+        path = os.path.join(src_dir, name)
+        if (os.path.isfile(path) and not name.endswith(WEIGHT_SUFFIXES) and name not in WEIGHT_INDEX_NAMES
+                and name not in (LATEST, COMPLETE_MARKER) and not name.startswith(".")):
+            shutil.copy2(path, os.path.join(dst_dir, name))

@@ -1,0 +1,147 @@
+"""Hugging Face weights to DeepSpeed per-layer files, streamed one layer at a time.
+
+Every weight's name and shape is checked against the config before anything is written (safetensors headers and
+memory-mapped .bin files give both without reading the data); then each layer file is written from memory-mapped
+shards, so memory holds one layer, not the model.
+"""
+import json
+import os
+from collections import defaultdict
+
+import deepspeed
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from checkpoints.files import LATEST, check_output_dir, copy_model_side_files, staged_directory
+from models.layout import layer_file_path, layer_indices_with_files, layer_of_hf_name
+from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe
+from models.pipeline import check_model_config
+
+IMPORT_TAG = "global_step0"
+
+
+def find_weight_files(model_dir):
+    """Weight files of a Hugging Face directory, in the order its index (if any) lists them."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index_path = os.path.join(model_dir, index_name)
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            missing = [s for s in shards if not os.path.isfile(os.path.join(model_dir, s))]
+            if missing:
+                raise FileNotFoundError(f"{index_path} lists shards that do not exist: {missing}")
+            return [os.path.join(model_dir, s) for s in shards]
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if os.path.isfile(os.path.join(model_dir, single)):
+            return [os.path.join(model_dir, single)]
+    raise FileNotFoundError(f"no weights in '{model_dir}': expected model.safetensors, "
+                            f"model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json.")
+
+
+class WeightReader:
+    """Name -> tensor across shards, memory-mapped: a tensor's bytes are read only when it is asked for."""
+
+    def __init__(self, files):
+        self.file_of = {}
+        self._handles = {}
+        for path in files:
+            handle = self._open(path)
+            self._handles[path] = handle
+            for name in handle.keys():
+                self.file_of[name] = path
+
+    @staticmethod
+    def _open(path):
+        if path.endswith(".safetensors"):
+            return safe_open(path, framework="pt")
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+    def shape(self, name):
+        handle = self._handles[self.file_of[name]]
+        if isinstance(handle, dict):
+            return tuple(handle[name].shape)
+        return tuple(handle.get_slice(name).get_shape())
+
+    def tensor(self, name):
+        handle = self._handles[self.file_of[name]]
+        tensor = handle[name] if isinstance(handle, dict) else handle.get_tensor(name)
+        # A .bin tensor may be a view into a larger shared storage; torch.save would write all of it.
+        return tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor
+
+
+def expected_layer_shapes(config):
+    """{layer index: {key: shape}} from modules built on the meta device (no memory, no init)."""
+    with torch.device("meta"):
+        modules = {0: EmbeddingPipe(config), config.num_hidden_layers + 1: FinalNormPipe(config)}
+        decoder = DecoderLayerPipe(config, stage_inputs=None)
+        if not config.tie_word_embeddings:
+            modules[config.num_hidden_layers + 2] = LMHeadPipe(config)
+    shapes = {i: {k: tuple(v.shape) for k, v in m.state_dict().items()} for i, m in modules.items()}
+    decoder_shapes = {k: tuple(v.shape) for k, v in decoder.state_dict().items()}
+    for i in range(1, config.num_hidden_layers + 1):
+        shapes[i] = decoder_shapes
+    return shapes
+
+
+def plan_layers(reader, config):
+    """{layer index: {key: HF name}}, after checking every name and shape against the config."""
+    num_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
+    expected = expected_layer_shapes(config)
+    plan, unknown, mismatched = defaultdict(dict), [], []
+    for name in sorted(reader.file_of):
+        if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved; derived from the config
+            continue
+        located = layer_of_hf_name(name, num_layers, tied)
+        if located is None or located[1] not in expected[located[0]]:
+            unknown.append(f"{name} ({os.path.basename(reader.file_of[name])})")
+            continue
+        index, key = located
+        if tied and name == "lm_head.weight":  # tied: the embedding already holds this weight
+            continue
+        if reader.shape(name) != expected[index][key]:
+            mismatched.append(f"{name}: {reader.shape(name)} in {os.path.basename(reader.file_of[name])}, "
+                              f"config expects {expected[index][key]}")
+            continue
+        plan[index][key] = name
+    if unknown:
+        raise ValueError(f"weights not part of a {config.model_type} model with num_hidden_layers={num_layers}: "
+                         f"{', '.join(unknown[:20])}{' ...' if len(unknown) > 20 else ''}; check config.json.")
+    if mismatched:
+        raise ValueError("weight shapes do not match config.json: " + "; ".join(mismatched[:20]))
+    missing = [f"layer {i}: {sorted(set(expected[i]) - set(plan[i]))}"
+               for i in layer_indices_with_files(num_layers, tied) if set(plan[i]) != set(expected[i])]
+    if missing:
+        raise ValueError(f"weights missing for {', '.join(missing[:20])} (num_hidden_layers={num_layers} in "
+                         f"config.json).")
+    return plan
+
+
+def write_module_only_states(tag_dir):
+    """The small file DeepSpeed's load_checkpoint(load_module_only=True) opens before the per-layer files."""
+    torch.save({"module": None, "dp_world_size": 1, "mp_world_size": 1, "ds_version": deepspeed.__version__},
+               os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+
+
+def convert_hf_to_ds(model_dir, output_dir, overwrite=False):
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"model directory '{model_dir}' does not exist.")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"'{model_dir}' has no config.json: not a Hugging Face model directory.")
+    config = AutoConfig.from_pretrained(model_dir)
+    check_model_config(config)
+    check_output_dir(output_dir, overwrite)
+    reader = WeightReader(find_weight_files(model_dir))
+    plan = plan_layers(reader, config)
+
+    with staged_directory(output_dir) as staging:
+        tag_dir = os.path.join(staging, IMPORT_TAG)
+        os.makedirs(tag_dir)
+        for index in sorted(plan):
+            layer = {key: reader.tensor(name) for key, name in plan[index].items()}
+            torch.save(layer, layer_file_path(tag_dir, index))
+        write_module_only_states(tag_dir)
+        copy_model_side_files(model_dir, staging)
+        with open(os.path.join(staging, LATEST), "w") as f:
+            f.write(IMPORT_TAG)
+    return output_dir

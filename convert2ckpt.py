@@ -1,0 +1,43 @@
+"""Convert a Hugging Face LLaMA-family model to DeepSpeed per-layer pipeline files, and back.
+
+  python convert2ckpt.py --model_name_or_path HF_DIR --output_dir DS_DIR [--overwrite]
+  python convert2ckpt.py --to_hf --ckpt_dir DS_DIR --output_dir HF_DIR [--tag TAG] [--max_shard_size 5GB]
+"""
+import argparse
+import sys
+
+from checkpoints.ds_to_hf import convert_ds_to_hf
+from checkpoints.hf_to_ds import convert_hf_to_ds
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--to_hf", action="store_true", help="convert DeepSpeed layer files back to Hugging Face")
+    parser.add_argument("--model_name_or_path", help="local Hugging Face model directory (HF -> DeepSpeed)")
+    parser.add_argument("--ckpt_dir", help="DeepSpeed checkpoint directory holding 'latest' (DeepSpeed -> HF)")
+    parser.add_argument("--tag", help="checkpoint tag to export (default: the one 'latest' names)")
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors shard written by --to_hf")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output_dir")
+    args = parser.parse_args(argv)
+    if args.to_hf and not args.ckpt_dir:
+        parser.error("--to_hf needs --ckpt_dir")
+    if not args.to_hf and not args.model_name_or_path:
+        parser.error("--model_name_or_path is required (or --to_hf with --ckpt_dir)")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        if args.to_hf:
+            out = convert_ds_to_hf(args.ckpt_dir, args.output_dir, args.tag, args.max_shard_size, args.overwrite)
+        else:
+            out = convert_hf_to_ds(args.model_name_or_path, args.output_dir, args.overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError) as error:
+        sys.exit(f"convert2ckpt: error: {error}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""The LLaMA-family model as pipeline layers: embedding, decoder layers, final norm, LM head, and the loss.
+
+Every layer takes and returns what DeepSpeed's pipeline engine passes between layers. From the embedding to the
+last decoder layer that is the tuple ``(hidden_states, attention_mask, position_ids)``: only the hidden states are
+floating point, because the engine sends a gradient back for every floating tensor that crosses a stage boundary.
+The final norm and the LM head pass plain tensors. Parameter names inside each layer equal transformers' names
+after the ``model.layers.{i}.`` prefix, so a layer's state dict is the Hugging Face one with the prefix stripped.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+IGNORE_INDEX = -100
+
+
+def head_dim_of(config):
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+
+    def __init__(self, hidden_size, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x):
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class StageAttentionInputs:
+    """The attention mask and rotary tables of one micro-batch, built once and shared by every decoder layer of
+    the stage (a plain object, not a module, so it adds no parameters or buffers to the layers holding it)."""
+
+    def __init__(self, config):
+        self.rotary = LlamaRotaryEmbedding(config)
+        self._key = None
+        self._value = None
+
+    def __call__(self, hidden, attention_mask, position_ids):
+        # Keyed on storage while the previous tensors are held, so a reused address cannot alias another batch.
+        key = (attention_mask.data_ptr(), attention_mask._version, position_ids.data_ptr(), position_ids._version,
+               tuple(attention_mask.shape), hidden.dtype, hidden.device)
+        if key != self._key:
+            self.rotary.to(hidden.device)
+            cos, sin = self.rotary(hidden, position_ids)
+            self._value = (cos, sin, causal_padding_mask(attention_mask))
+            self._key = key
+            self._held = (attention_mask, position_ids)
+        return self._value
+
+
+def causal_padding_mask(attention_mask):
+    """Boolean (batch, 1, seq, seq) mask, True where a query may attend; None when nothing is padded (the fast
+    ``is_causal`` path). Each position also sees itself so that a padded query row is never empty (no NaN)."""
+    if bool(attention_mask.all()):
+        return None
+    seq = attention_mask.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()
+    allowed = causal[None, None] & attention_mask.bool()[:, None, None, :]
+    return allowed | torch.eye(seq, dtype=torch.bool, device=attention_mask.device)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x, cos, sin):
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, config, attention_impl):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        self.head_dim = head_dim_of(config)
+        self.attention_impl = attention_impl
+        # Qwen2 puts a bias on q, k, v only; LLaMA's attention_bias covers all four projections.
+        qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        o_bias = getattr(config, "attention_bias", False) and config.model_type != "qwen2"
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+
+    def forward(self, x, cos, sin, mask):
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.num_kv_heads != self.num_heads:
+            k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+            v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+        if self.attention_impl == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        else:
+            out = eager_attention(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def eager_attention(q, k, v, mask):
+    scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class EmbeddingPipe(nn.Embedding):
+    """Layer 0: token ids to hidden states; mask and positions pass through as integer tensors."""
+
+    def __init__(self, config):
+        super().__init__(config.vocab_size, config.hidden_size, padding_idx=None)
+
+    def forward(self, inputs):
+        input_ids, attention_mask, position_ids = inputs
+        return super().forward(input_ids), attention_mask, position_ids
+
+
+class DecoderLayerPipe(nn.Module):
+    def __init__(self, config, stage_inputs, attention_impl="sdpa"):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, attention_impl)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+        self.stage_inputs = stage_inputs
+
+    def forward(self, inputs):
+        hidden, attention_mask, position_ids = inputs
+        cos, sin, mask = self.stage_inputs(hidden, attention_mask, position_ids)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask)
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden, attention_mask, position_ids
+
+
+class FinalNormPipe(RMSNorm):
+    """Layer L+1: drops mask and positions, which nothing after it needs."""
+
+    def __init__(self, config):
+        super().__init__(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, inputs):
+        return super().forward(inputs[0])
+
+
+class LMHeadPipe(nn.Linear):
+    """Layer L+2: hidden states to logits."""
+
+    def __init__(self, config):
+        super().__init__(config.hidden_size, config.vocab_size, bias=False)
+
+
+def tied_lm_head(embedding, hidden):
+    """The LM head when it shares the embedding's weight (DeepSpeed's TiedLayerSpec calls it with the module)."""
+    return F.linear(hidden, embedding.weight)
+
+
+def causal_lm_loss(logits, labels):
+    """transformers' causal LM loss: next-token cross-entropy in fp32, mean over the tokens not labelled -100."""
+    shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+    shift_labels = labels[:, 1:].reshape(-1).to(logits.device)
+    return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX)

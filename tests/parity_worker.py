@@ -1,0 +1,114 @@
+"""One rank of a parity run: the pipeline's losses and gradients on a batch, next to transformers' on the same
+batch, written as JSON for the test process to judge."""
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import deepspeed  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+from models.layout import hf_name_of_layer_key  # noqa: E402
+from models.pipeline import build_pipeline_module  # noqa: E402
+from tests.tiny_models import make_batch  # noqa: E402
+from training.distributed import init_distributed, pipe_data_topology  # noqa: E402
+
+
+class GradientRecorder(torch.optim.Optimizer):
+    """An optimizer whose step keeps the gradients DeepSpeed hands it (after data-parallel and tied reduction)."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+        self.recorded = {}
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.recorded[p] = p.grad.detach().clone()
+
+
+def hf_name_of_pipeline_param(name, num_hidden_layers):
+    if name.startswith("tied_modules.embed."):
+        return "model.embed_tokens.weight"
+    index, key = name.split(".", 1)
+    return hf_name_of_layer_key(int(index), key, num_hidden_layers)
+
+
+class LayerFileOpens:
+    """Records the layer files this process opens (an audit hook sees every open, whoever calls it)."""
+
+    def __init__(self):
+        self.paths = []
+        self.active = False
+        sys.addaudithook(self._hook)
+
+    def _hook(self, event, args):
+        if self.active and event == "open" and isinstance(args[0], str) and "layer_" in args[0]:
+            self.paths.append(os.path.basename(args[0]))
+
+
+def micro_batches(batch, micro_batch_size, gas, dp_size, dp_rank):
+    """The micro-batches of one data-parallel rank: row block (step * dp_size + dp_rank) for each step."""
+    input_ids, attention_mask, labels = batch
+    seq = input_ids.shape[1]
+    position_ids = torch.arange(seq).expand_as(input_ids)
+    for step in range(gas):
+        rows = slice((step * dp_size + dp_rank) * micro_batch_size, (step * dp_size + dp_rank + 1) * micro_batch_size)
+        yield (input_ids[rows], attention_mask[rows], position_ids[rows]), labels[rows]
+
+
+def hf_reference(hf_dir, batch, micro_batch_size):
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+    input_ids, attention_mask, labels = batch
+    losses = []
+    for start in range(0, input_ids.shape[0], micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        losses.append(model(input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows]).loss)
+    torch.stack(losses).mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    if model.config.tie_word_embeddings:
+        grads.pop("lm_head.weight", None)  # the same tensor as the embedding's
+    return [loss.item() for loss in losses], grads
+
+
+def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir):
+    init_distributed(timeout_minutes=2)
+    opens = LayerFileOpens()
+    results = {}
+    for case in cases:
+        config = AutoConfig.from_pretrained(case["hf_dir"])
+        dp_size = torch.distributed.get_world_size() // num_stages
+        batch = make_batch(micro_batch_size * gas * dp_size, seq_len, config.vocab_size, seed=1)
+        module = build_pipeline_module(config, pipe_data_topology(num_stages), partition=case.get("partition", "parameters"),
+                                       attention_impl=case.get("attention", "sdpa"),
+                                       activation_checkpoint_interval=case.get("checkpoint_interval", 0))
+        optimizer = GradientRecorder(module.parameters())
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config={
+            "train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": gas,
+            "steps_per_print": 10**9, "gradient_clipping": 0.0})
+        opens.paths, opens.active = [], True
+        engine.load_checkpoint(case["ds_dir"], load_module_only=True)
+        opens.active = False
+        step_losses = []
+        loss_fn = module.loss_fn
+        module.loss_fn = lambda logits, labels: step_losses.append(loss_fn(logits, labels)) or step_losses[-1]
+        mean_loss = engine.train_batch(micro_batches(batch, micro_batch_size, gas, dp_size, engine.grid.data_parallel_id))
+        ref_losses, ref_grads = hf_reference(case["hf_dir"], batch, micro_batch_size)
+        grad_errors = {}
+        for name, param in module.named_parameters():
+            hf_name = hf_name_of_pipeline_param(name, config.num_hidden_layers)
+            ref = ref_grads[hf_name]
+            grad_errors[hf_name] = ((optimizer.recorded[param] - ref).abs().max() / ref.abs().max()).item()
+        results[case["name"]] = {
+            "stage": engine.stage_id, "dp_rank": engine.grid.data_parallel_id, "parts": [int(p) for p in module.parts],
+            "layer_files_opened": sorted(set(opens.paths)),
+            "losses": [loss.item() for loss in step_losses], "mean_loss": float(mean_loss),
+            "ref_losses": ref_losses, "grad_errors": grad_errors, "ref_param_names": sorted(ref_grads)}
+        torch.distributed.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    torch.distributed.destroy_process_group()

@@ -1,0 +1,167 @@
+"""HF -> DeepSpeed -> HF conversion: bit-identical round trips, loadable output, and clear refusals of bad input."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from checkpoints.ds_to_hf import convert_ds_to_hf
+from checkpoints.hf_to_ds import convert_hf_to_ds
+from tests.conftest import ROOT
+from tests.tiny_models import TINY_CONFIGS, make_tiny_model
+
+
+def load_hf_weights(model_dir):
+    state = {}
+    for name in os.listdir(model_dir):
+        path = os.path.join(model_dir, name)
+        if name.endswith(".safetensors"):
+            state.update(load_file(path))
+        elif name.endswith(".bin"):
+            state.update(torch.load(path, weights_only=True))
+    return state
+
+
+def assert_bit_identical(expected, actual):
+    assert sorted(expected) == sorted(actual)
+    for name, tensor in expected.items():
+        assert actual[name].dtype == tensor.dtype, name
+        assert torch.equal(actual[name], tensor), name
+
+
+def save_as_bin(model, model_dir, shards):
+    """Old-style pytorch_model*.bin checkpoint, with an index when sharded."""
+    os.makedirs(model_dir)
+    model.config.save_pretrained(model_dir)
+    state = {k: v for k, v in model.state_dict().items() if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+    names = sorted(state)
+    if shards == 1:
+        torch.save(state, os.path.join(model_dir, "pytorch_model.bin"))
+        return state
+    weight_map = {}
+    for i in range(shards):
+        file = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        part = names[i::shards]
+        torch.save({n: state[n] for n in part}, os.path.join(model_dir, file))
+        weight_map.update(dict.fromkeys(part, file))
+    with open(os.path.join(model_dir, "pytorch_model.bin.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return state
+
+
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_round_trip_from_sharded_safetensors_is_bit_identical(tiny_checkpoints, tmp_path, name):
+    hf_dir, ds_dir = tiny_checkpoints[name]
+    out = str(tmp_path / "hf")
+    convert_ds_to_hf(ds_dir, out, max_shard_size="20KB")
+    assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+    assert_bit_identical(load_hf_weights(hf_dir), load_hf_weights(out))
+    original = AutoModelForCausalLM.from_pretrained(hf_dir)
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.arange(12).view(1, 12) % original.config.vocab_size
+    assert torch.equal(original(ids).logits, exported(ids).logits)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_round_trip_from_bin_is_bit_identical(tmp_path, shards):
+    model = make_tiny_model("llama3", str(tmp_path / "unused")).to(torch.bfloat16)
+    state = save_as_bin(model, str(tmp_path / "hf_bin"), shards)
+    convert_hf_to_ds(str(tmp_path / "hf_bin"), str(tmp_path / "ds"))
+    convert_ds_to_hf(str(tmp_path / "ds"), str(tmp_path / "hf"))
+    assert_bit_identical(state, load_hf_weights(str(tmp_path / "hf")))
+
+
+def test_layer_files_follow_the_index_map(tiny_checkpoints):
+    _, ds_dir = tiny_checkpoints["llama2"]
+    with open(os.path.join(ds_dir, "latest")) as f:
+        tag_dir = os.path.join(ds_dir, f.read().strip())
+    files = sorted(os.listdir(tag_dir))
+    assert files == [f"layer_{i:02d}-model_states.pt" for i in range(7)] + ["mp_rank_00_model_states.pt"]
+    hf = load_hf_weights(tiny_checkpoints["llama2"][0])
+    assert torch.equal(torch.load(os.path.join(tag_dir, "layer_00-model_states.pt"))["weight"],
+                       hf["model.embed_tokens.weight"])
+    assert torch.equal(torch.load(os.path.join(tag_dir, "layer_02-model_states.pt"))["self_attn.q_proj.weight"],
+                       hf["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(torch.load(os.path.join(tag_dir, "layer_06-model_states.pt"))["weight"], hf["lm_head.weight"])
+    for side_file in ("config.json", "generation_config.json"):
+        assert os.path.isfile(os.path.join(ds_dir, side_file))
+
+
+def convert_cli(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "convert2ckpt.py"), *args], capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+def assert_nothing_written(parent, out):
+    assert not os.path.exists(out)
+    assert not [n for n in os.listdir(parent) if ".partial-" in n]
+
+
+def test_missing_directory_is_a_clear_error(tmp_path):
+    result = convert_cli("--model_name_or_path", str(tmp_path / "nope"), "--output_dir", str(tmp_path / "out"))
+    assert result.returncode != 0
+    assert f"model directory '{tmp_path / 'nope'}' does not exist" in result.stderr
+    assert_nothing_written(tmp_path, str(tmp_path / "out"))
+
+
+def test_unsupported_model_type_lists_supported(tmp_path):
+    GPT2Config(n_layer=2, n_embd=32, n_head=4).save_pretrained(tmp_path / "gpt2")
+    result = convert_cli("--model_name_or_path", str(tmp_path / "gpt2"), "--output_dir", str(tmp_path / "out"))
+    assert result.returncode != 0
+    assert "model_type 'gpt2' is not supported; supported: llama, mistral, qwen2" in result.stderr
+    assert_nothing_written(tmp_path, str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("num_hidden_layers,message", [
+    (3, "weights not part of a llama model with num_hidden_layers=3: model.layers.3."),
+    (5, "weights missing for layer 5"),
+])
+def test_wrong_layer_count_names_the_weights(tmp_path, num_hidden_layers, message):
+    hf_dir = str(tmp_path / "hf")
+    make_tiny_model("llama2", hf_dir)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = num_hidden_layers
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        convert_hf_to_ds(hf_dir, str(tmp_path / "out"))
+    assert_nothing_written(tmp_path, str(tmp_path / "out"))
+
+
+def test_shape_mismatch_names_the_key_and_file(tmp_path):
+    hf_dir = str(tmp_path / "hf")
+    make_tiny_model("llama2", hf_dir)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    config["intermediate_size"] = 48
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.weight: \(32, 64\) in "
+                                         r"model\.safetensors, config expects \(32, 48\)"):
+        convert_hf_to_ds(hf_dir, str(tmp_path / "out"))
+    assert_nothing_written(tmp_path, str(tmp_path / "out"))
+
+
+def test_existing_output_is_kept_unless_overwrite(tiny_checkpoints, tmp_path):
+    hf_dir, _ = tiny_checkpoints["tied"]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    result = convert_cli("--model_name_or_path", hf_dir, "--output_dir", str(out))
+    assert result.returncode != 0 and "pass --overwrite" in result.stderr
+    assert (out / "precious.txt").read_text() == "keep me"
+    result = convert_cli("--model_name_or_path", hf_dir, "--output_dir", str(out), "--overwrite")
+    assert result.returncode == 0, result.stderr
+    assert not (out / "precious.txt").exists() and (out / "latest").read_text() == "global_step0"
+
+
+def test_to_hf_without_latest_lists_tags(tmp_path):
+    (tmp_path / "ckpt" / "global_step5").mkdir(parents=True)
+    result = convert_cli("--to_hf", "--ckpt_dir", str(tmp_path / "ckpt"), "--output_dir", str(tmp_path / "hf"))
+    assert result.returncode != 0
+    assert "has no 'latest' file; pass --tag with one of: ['global_step5']" in result.stderr

@@ -1,0 +1,72 @@
+"""Loss and gradient parity with transformers, across stage counts and data parallelism (real processes)."""
+import glob
+import json
+import os
+
+import pytest
+
+from models.layout import layer_file_name
+from tests import parity_worker
+from tests.distributed import spawn
+from tests.tiny_models import TINY_CONFIGS
+
+MICRO_BATCH, GAS, SEQ = 2, 2, 16
+
+
+def run_parity(tiny_checkpoints, tmp_path, num_stages, world_size, attention="sdpa"):
+    cases = [dict(name=name, hf_dir=hf, ds_dir=ds, attention=attention) for name, (hf, ds) in tiny_checkpoints.items()]
+    spawn(parity_worker.run, world_size, cases, num_stages, MICRO_BATCH, GAS, SEQ, str(tmp_path))
+    return [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "rank*.json")))]
+
+
+@pytest.mark.parametrize("num_stages,world_size", [(1, 1), (2, 2), (4, 4), (2, 4)],
+                         ids=["1stage", "2stages", "4stages", "2stages_x_2dp"])
+def test_loss_gradients_and_file_reads(tiny_checkpoints, tmp_path, num_stages, world_size):
+    ranks = run_parity(tiny_checkpoints, tmp_path, num_stages, world_size)
+    assert len(ranks) == world_size
+    dp_size = world_size // num_stages
+    for name in TINY_CONFIGS:
+        for rank in ranks:
+            result = rank[name]
+            ref = result["ref_losses"]
+            assert result["mean_loss"] == pytest.approx(sum(ref) / len(ref), abs=1e-5), name
+            if result["stage"] == num_stages - 1:
+                mine = [ref[step * dp_size + result["dp_rank"]] for step in range(GAS)]
+                assert result["losses"] == pytest.approx(mine, abs=1e-5), name
+            bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
+            assert not bad, f"{name}: gradients differ from transformers: {bad}"
+            assert set(result["layer_files_opened"]) == own_layer_files(tiny_checkpoints[name][1], result), name
+        # Every Hugging Face parameter (the tied LM head is the embedding) was compared on some rank.
+        assert set().union(*(r[name]["grad_errors"] for r in ranks)) == set(ranks[0][name]["ref_param_names"])
+
+
+def own_layer_files(ds_dir, result):
+    """The layer files of this rank's stage (a tied LM head has none: the embedding's file holds it)."""
+    tag_dir = os.path.join(ds_dir, "global_step0")
+    start, stop = result["parts"][result["stage"]], result["parts"][result["stage"] + 1]
+    return {layer_file_name(i) for i in range(start, stop) if os.path.exists(os.path.join(tag_dir, layer_file_name(i)))}
+
+
+def test_eager_attention_matches_transformers(tiny_checkpoints, tmp_path):
+    (rank,) = run_parity(tiny_checkpoints, tmp_path, 1, 1, attention="eager")
+    for name, result in rank.items():
+        assert result["losses"] == pytest.approx(result["ref_losses"], abs=1e-5), name
+        assert max(result["grad_errors"].values()) < 1e-4, name
+
+
+@pytest.mark.parametrize("partition,checkpoint_interval,parts", [
+    ([1, 3], 1, [0, 2, 7]),
+    ("uniform", 0, [0, 4, 7]),
+    ("type:decoderlayer", 2, [0, 3, 7]),
+], ids=["explicit+checkpointing", "uniform", "type"])
+def test_partition_methods_and_activation_checkpointing_keep_parity(tiny_checkpoints, tmp_path, partition,
+                                                                   checkpoint_interval, parts):
+    hf_dir, ds_dir = tiny_checkpoints["tied"]
+    cases = [dict(name="tied", hf_dir=hf_dir, ds_dir=ds_dir, partition=partition,
+                  checkpoint_interval=checkpoint_interval)]
+    spawn(parity_worker.run, 2, cases, 2, MICRO_BATCH, GAS, SEQ, str(tmp_path))
+    for path in sorted(glob.glob(str(tmp_path / "rank*.json"))):
+        result = json.load(open(path))["tied"]
+        assert result["parts"] == parts
+        assert result["mean_loss"] == pytest.approx(sum(result["ref_losses"]) / GAS, abs=1e-5)
+        assert max(result["grad_errors"].values()) < 1e-4

@@ -1,0 +1,42 @@
+"""Tiny LLaMA-family models built locally from a config (random weights, save_pretrained): the Hugging Face model
+is the oracle the pipeline must match."""
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+              max_position_embeddings=64, rms_norm_eps=1e-5)
+
+TINY_CONFIGS = {
+    # LLaMA-2 style: multi-head attention.
+    "llama2": lambda: LlamaConfig(**COMMON, num_key_value_heads=4),
+    # LLaMA-3 style: grouped-query attention, rope_theta 500000, llama3 rope scaling.
+    "llama3": lambda: LlamaConfig(**COMMON, num_key_value_heads=2, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "tied": lambda: LlamaConfig(**COMMON, num_key_value_heads=2, tie_word_embeddings=True),
+    # Qwen2 style: bias on q, k, v.
+    "qwen2": lambda: Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=False),
+}
+
+
+def make_tiny_model(name, path, seed=0, **save_kwargs):
+    """Save a randomly initialised tiny model to path and return it (fp32, eval mode)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[name](), attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():  # HF zero-inits biases; random ones make the bias mapping testable
+        for param_name, param in model.named_parameters():
+            if param_name.endswith(".bias"):
+                param.normal_(std=0.02)
+    model.save_pretrained(path, **save_kwargs)
+    return model.eval()
+
+
+def make_batch(num_rows, seq_len, vocab_size, seed=0):
+    """Right-padded rows of random lengths: (input_ids, attention_mask, labels) with -100 on padding."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (num_rows, seq_len), generator=gen)
+    lengths = torch.randint(seq_len // 2, seq_len + 1, (num_rows,), generator=gen)
+    lengths[0] = seq_len
+    attention_mask = (torch.arange(seq_len)[None] < lengths[:, None]).long()
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return input_ids, attention_mask, labels
