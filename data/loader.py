@@ -1,0 +1,141 @@
+"""Stage-aware micro-batch loading for a pipeline × data-parallel topology.
+
+The first pipeline stage needs the inputs and the last the labels, so both read the same micro-batches: same
+dataset, seed and data-parallel rank give them the same `DistributedSampler` order. Middle stages read nothing but
+still count the same number of micro-batches, so every stage agrees on the epoch length.
+
+Epoch semantics (per epoch, over all data-parallel ranks; N examples, D ranks, B = micro_batch_size):
+  drop_last=True: each rank takes floor(N/D) examples and the whole micro-batches of those, floor(floor(N/D)/B);
+                  no example repeats, the remaining N - D·B·len examples (a different random set every epoch) wait.
+  drop_last=False: each rank takes ceil(ceil(N/D)/B) micro-batches; every example is used at least once and the
+                  D·B·len - N (< D·B) extra slots repeat examples: DistributedSampler's padding to a multiple of D,
+                  then each rank's wrap-around to a whole last micro-batch.
+Micro-batches are always full: the pipeline engine fixes tensor shapes on its first micro-batch.
+"""
+
+import math
+from functools import partial
+from itertools import cycle, islice, repeat
+from typing import Sized
+
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from .collator import collate_causal_lm
+
+
+def micro_batches_per_epoch(num_examples: int, dp_size: int, micro_batch_size: int, drop_last: bool = True) -> int:
+    """Micro-batches one data-parallel rank gets per epoch; a function of the sizes only, the same on every stage."""
+    if drop_last:
+        return num_examples // dp_size // micro_batch_size
+    return math.ceil(math.ceil(num_examples / dp_size) / micro_batch_size)
+
+
+class _EpochIndices(Sampler):
+    """One rank's example indices for the current epoch: the DistributedSampler order, wrapped or cut to `count`,
+    minus the first `skip` that a resumed run has already trained on (skipped as indices, never read)."""
+
+    def __init__(self, sampler: DistributedSampler, count: int):
+        self.sampler, self.count, self.skip = sampler, count, 0
+
+    def __len__(self) -> int:
+        return self.count - self.skip
+
+    def __iter__(self):
+        return islice(cycle(self.sampler), self.skip, self.count)
+
+
+class StageLoader:
+    """Micro-batches of one data-parallel rank for one pipeline stage; see `build_stage_loader`."""
+
+    def __init__(self, dataset: Sized, *, reads_data: bool, dp_rank: int, dp_size: int, micro_batch_size: int,
+                 seq_length: int, pad_id: int, seed: int, drop_last: bool = True, num_workers: int = 0):
+        self.micro_batch_size = micro_batch_size
+        self.num_micro_batches = micro_batches_per_epoch(len(dataset), dp_size, micro_batch_size, drop_last)
+        if self.num_micro_batches == 0:
+            raise ValueError(f"{len(dataset)} examples give no micro-batch of {micro_batch_size} to each of "
+                             f"{dp_size} data-parallel ranks")
+        self.epoch, self.start = 0, 0
+        self._loader = None
+        if reads_data:
+            self._sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=seed,
+                                               drop_last=drop_last)
+            self._indices = _EpochIndices(self._sampler, self.num_micro_batches * micro_batch_size)
+            self._loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self._indices,
+                                      num_workers=num_workers,
+                                      collate_fn=partial(collate_causal_lm, seq_length=seq_length, pad_id=pad_id))
+
+    def __len__(self) -> int:
+        """Micro-batches in a whole epoch (an iteration after `set_position(e, k)` yields `len - k` of them)."""
+        return self.num_micro_batches
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its beginning; its order is a function of (seed, epoch, dp rank)."""
+        self.set_position(epoch, 0)
+
+    def set_position(self, epoch: int, consumed_micro_batches: int) -> None:
+        """Make the next iteration continue `epoch` after its first `consumed_micro_batches` micro-batches."""
+        if not 0 <= consumed_micro_batches <= self.num_micro_batches:
+            raise ValueError(f"consumed_micro_batches={consumed_micro_batches} outside [0, {self.num_micro_batches}]")
+        self.epoch, self.start = epoch, consumed_micro_batches
+        if self._loader is not None:
+            self._sampler.set_epoch(epoch)
+            self._indices.skip = consumed_micro_batches * self.micro_batch_size
+
+    def __iter__(self):
+        """First/last stage: `((input_ids, attention_mask, position_ids), labels)` tuples; middle stage: None."""
+        if self._loader is None:
+            return repeat(None, self.num_micro_batches - self.start)
+        return iter(self._loader)
+
+
+def build_stage_loader(dataset: Sized, *, reads_data: bool, dp_rank: int, dp_size: int, micro_batch_size: int,
+                       seq_length: int, pad_id: int, seed: int, drop_last: bool = True,
+                       num_workers: int = 0) -> StageLoader:
+    """Loader for one stage of data-parallel rank `dp_rank`: real micro-batches when `reads_data` (first and last
+    pipeline stage), otherwise placeholders (None) of the same count. A middle stage only needs `len(dataset)`, so
+    any sized object, e.g. `range(n)`, will do there."""
+    return StageLoader(dataset, reads_data=reads_data, dp_rank=dp_rank, dp_size=dp_size,
+                       micro_batch_size=micro_batch_size, seq_length=seq_length, pad_id=pad_id, seed=seed,
+                       drop_last=drop_last, num_workers=num_workers)
+
+
+class MicroBatchStream:
+    """Endless micro-batches across epochs, moving the loader to the next epoch at each epoch's end.
+
+    `position` = (epoch, micro-batches handed out in it): save it in a checkpoint and pass it back as
+    `infinite_micro_batches(loader, *position)` to continue with exactly the micro-batches not yet seen. It counts
+    what was pulled; DeepSpeed's pipeline engine pulls only on the first and last stage, so read it there.
+    """
+
+    def __init__(self, loader: StageLoader, start_epoch: int = 0, consumed_micro_batches: int = 0):
+        self.loader = loader
+        self.epoch, self.consumed = start_epoch, consumed_micro_batches
+        self._iterator = None
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return self.epoch, self.consumed
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._iterator is None:
+            self.loader.set_position(self.epoch, self.consumed)
+            self._iterator = iter(self.loader)
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            self.epoch, self.consumed = self.epoch + 1, 0
+            self.loader.set_epoch(self.epoch)
+            self._iterator = iter(self.loader)
+            batch = next(self._iterator)
+        self.consumed += 1
+        return batch
+
+
+def infinite_micro_batches(loader: StageLoader, start_epoch: int = 0,
+                           consumed_micro_batches: int = 0) -> MicroBatchStream:
+    """An endless iterator over `loader`'s micro-batches from (start_epoch, consumed_micro_batches); see
+    `MicroBatchStream` for its `position`."""
+    return MicroBatchStream(loader, start_epoch, consumed_micro_batches)
