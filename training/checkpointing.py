@@ -1,0 +1,111 @@
+"""Crash-safe training checkpoints on top of DeepSpeed's save/load.
+
+A save writes tag directory ``global_stepN`` through DeepSpeed (every rank its own files), then, only after every
+rank has finished, rank 0 drops a COMPLETE marker in it and atomically points ``latest`` at it. A process killed
+mid-save therefore leaves the previous checkpoint as ``latest``; tag directories without the marker are never
+resumed from and are removed by the next run.
+"""
+import os
+import random
+import re
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from checkpoints.files import COMPLETE_MARKER, LATEST, copy_model_side_files, read_latest, write_text_atomic
+
+TAG_PATTERN = re.compile(r"^global_step(\d+)$")
+RUN_CONFIG_NAME = "run_config.yaml"
+
+
+def tag_of_step(step):
+    return f"global_step{step}"
+
+
+def is_complete(tag_dir):
+    return os.path.isfile(os.path.join(tag_dir, COMPLETE_MARKER))
+
+
+def complete_tags(output_dir):
+    """Complete checkpoint tags in output_dir, oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    tags = [(int(m.group(1)), name) for name in os.listdir(output_dir)
+            if (m := TAG_PATTERN.match(name)) and is_complete(os.path.join(output_dir, name))]
+    return [name for _, name in sorted(tags)]
+
+
+def remove_incomplete_checkpoints(output_dir):
+    """Delete tag directories a crashed save left behind (rank 0, before training starts)."""
+    if not os.path.isdir(output_dir):
+        return []
+    removed = []
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        if TAG_PATTERN.match(name) and os.path.isdir(path) and not is_complete(path):
+            shutil.rmtree(path)
+            removed.append(name)
+    return removed
+
+
+def resolve_resume(resume, output_dir):
+    """(checkpoint dir, tag) to resume from, or None for a fresh start. resume: auto | a checkpoint dir | a tag dir."""
+    if resume in (None, "", False):
+        return None
+    if resume == "auto":
+        tags = complete_tags(output_dir)
+        return (output_dir, tags[-1]) if tags else None
+    path = os.path.abspath(str(resume))
+    if is_complete(path):
+        return os.path.dirname(path), os.path.basename(path)
+    tag = read_latest(path)
+    if tag and is_complete(os.path.join(path, tag)):
+        return path, tag
+    raise FileNotFoundError(f"resume='{resume}' is neither a complete checkpoint tag directory (with a {COMPLETE_MARKER} "
+                            f"file) nor a directory whose 'latest' names one; use resume=auto or a valid path.")
+
+
+def rng_state_path(tag_dir, rank):
+    return os.path.join(tag_dir, f"rng_state_rank{rank:05d}.pt")
+
+
+def save_rng_state(tag_dir, rank):
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+               rng_state_path(tag_dir, rank))
+
+
+def load_rng_state(tag_dir, rank):
+    path = rng_state_path(tag_dir, rank)
+    if not os.path.isfile(path):
+        return
+    state = torch.load(path, weights_only=False)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(engine, cfg, model_files_dir, step, client_state):
+    output_dir, tag = cfg.output_dir, tag_of_step(step)
+    tag_dir = os.path.join(output_dir, tag)
+    engine.save_checkpoint(output_dir, tag=tag, client_state=client_state, save_latest=False)
+    save_rng_state(tag_dir, dist.get_rank())
+    dist.barrier()  # every rank's files are written before the checkpoint is declared complete
+    if dist.get_rank() == 0:
+        copy_model_side_files(model_files_dir, tag_dir)
+        OmegaConf.save(cfg, os.path.join(tag_dir, RUN_CONFIG_NAME), resolve=True)
+        write_text_atomic(os.path.join(tag_dir, COMPLETE_MARKER), tag)
+        write_text_atomic(os.path.join(output_dir, LATEST), tag)
+        prune_checkpoints(output_dir, cfg.save_total_limit)
+    dist.barrier()
+    return tag_dir
+
+
+def prune_checkpoints(output_dir, keep):
+    """Delete the oldest complete checkpoints beyond the newest `keep` (at least one is always kept)."""
+    tags = complete_tags(output_dir)
+    for tag in tags[:-max(1, keep)]:
+        os.remove(os.path.join(output_dir, tag, COMPLETE_MARKER))  # a crash mid-delete must not leave it "complete"
+        shutil.rmtree(os.path.join(output_dir, tag))

@@ -1,0 +1,105 @@
+"""Checks a run's config against the world size, the model and the data before any heavy work, and turns the
+Hydra config into DeepSpeed's. Every check runs identically on every rank, so all ranks fail together."""
+import os
+
+from omegaconf import OmegaConf
+from transformers import AutoConfig
+
+from checkpoints.files import read_latest
+from models.layout import layer_file_name
+from models.pipeline import check_model_config
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULERS = ("cosine", "linear", "constant")
+
+
+class ConfigError(ValueError):
+    """A config that cannot work; the message names the bad value and what to do."""
+
+
+def load_model_config(model_dir):
+    """The model config of a converted checkpoint directory, or an error that says how to make one."""
+    convert_hint = (f"convert a Hugging Face model first: python convert2ckpt.py --model_name_or_path HF_DIR "
+                    f"--output_dir {model_dir}")
+    if not os.path.isdir(model_dir):
+        raise ConfigError(f"model_name_or_path '{model_dir}' does not exist; {convert_hint}")
+    tag = read_latest(model_dir)
+    if tag is None or not os.path.isfile(os.path.join(model_dir, tag, layer_file_name(0))):
+        raise ConfigError(f"model_name_or_path '{model_dir}' is not a converted DeepSpeed checkpoint (no 'latest' "
+                          f"naming a directory of layer_XX-model_states.pt files); {convert_hint}")
+    side_dir = next((d for d in (os.path.join(model_dir, tag), model_dir)
+                     if os.path.isfile(os.path.join(d, "config.json"))), None)
+    if side_dir is None:
+        raise ConfigError(f"no config.json in '{model_dir}'; {convert_hint}")
+    config = AutoConfig.from_pretrained(side_dir)
+    check_model_config(config)
+    return config, side_dir
+
+
+def check_run_config(cfg, world_size, model_config):
+    stages = cfg.num_stages
+    if stages < 1 or stages > world_size or world_size % stages:
+        raise ConfigError(f"num_stages={stages} does not divide the world size {world_size}: launch a multiple of "
+                          f"{stages} processes (e.g. deepspeed --num_gpus {stages} ...) or set num_stages to a "
+                          f"divisor of {world_size}.")
+    if model_config.num_hidden_layers < stages:
+        raise ConfigError(f"num_stages={stages} is more than the model's {model_config.num_hidden_layers} decoder "
+                          f"layers (num_hidden_layers); use at most {model_config.num_hidden_layers} stages.")
+    if cfg.seq_length > model_config.max_position_embeddings:
+        raise ConfigError(f"seq_length={cfg.seq_length} exceeds the model's max_position_embeddings="
+                          f"{model_config.max_position_embeddings}; lower seq_length.")
+    window = getattr(model_config, "sliding_window", None)
+    if window and cfg.seq_length > window:
+        raise ConfigError(f"seq_length={cfg.seq_length} exceeds sliding_window={window}, which this pipeline does "
+                          f"not implement; use seq_length <= {window}.")
+    if cfg.precision not in PRECISIONS:
+        raise ConfigError(f"precision '{cfg.precision}' is not one of {PRECISIONS}.")
+    if cfg.zero_stage not in (0, 1):
+        raise ConfigError(f"zero_stage={cfg.zero_stage}: pipeline parallelism supports ZeRO stage 0 or 1 only.")
+    if cfg.precision == "bf16" and cfg.zero_stage == 0:
+        raise ConfigError("precision=bf16 with zero_stage=0 cannot reload its own checkpoints in DeepSpeed "
+                          "(KeyError in the bf16 optimizer's loader); use zero_stage=1.")
+    if cfg.lr_scheduler not in SCHEDULERS:
+        raise ConfigError(f"lr_scheduler '{cfg.lr_scheduler}' is not one of {SCHEDULERS}.")
+    if cfg.micro_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
+        raise ConfigError("micro_batch_size and gradient_accumulation_steps must be at least 1.")
+    if cfg.nan_policy not in ("stop", "skip"):
+        raise ConfigError(f"nan_policy '{cfg.nan_policy}' is not one of ('stop', 'skip').")
+    check_data_files(cfg)
+
+
+def check_data_files(cfg):
+    if cfg.eval_only:
+        if not cfg.eval_file:
+            raise ConfigError("eval_only=true needs eval_file.")
+    elif not cfg.train_file:
+        raise ConfigError("train_file is not set; pass train_file=PATH (jsonl, json, parquet or txt).")
+    for key in ("train_file", "eval_file"):
+        path = cfg.get(key)
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"{key} '{path}' does not exist.")
+
+
+def deepspeed_config(cfg, total_steps):
+    """DeepSpeed's config from the Hydra node, with precision and the LR schedule filled in; monitors are
+    returned apart because the trainer drives them itself."""
+    ds = OmegaConf.to_container(cfg.deepspeed, resolve=True)
+    monitors = {key: ds.pop(key) for key in ("tensorboard", "wandb", "csv_monitor", "comet") if key in ds}
+    ds["bf16"] = {"enabled": cfg.precision == "bf16"}
+    ds["fp16"] = {"enabled": cfg.precision == "fp16", "initial_scale_power": 16}
+    ds["scheduler"] = lr_scheduler_config(cfg, total_steps)
+    return ds, monitors
+
+
+def lr_scheduler_config(cfg, total_steps):
+    warmup = min(cfg.warmup_steps, total_steps)
+    if cfg.lr_scheduler == "cosine":
+        return {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": total_steps, "warmup_num_steps": warmup, "warmup_type": "linear",
+            "warmup_min_ratio": 0.0, "cos_min_ratio": cfg.min_lr_ratio}}
+    if cfg.lr_scheduler == "linear":
+        return {"type": "WarmupDecayLR", "params": {
+            "total_num_steps": total_steps, "warmup_num_steps": warmup, "warmup_type": "linear",
+            "warmup_min_lr": 0.0, "warmup_max_lr": cfg.learning_rate}}
+    return {"type": "WarmupLR", "params": {"warmup_num_steps": warmup, "warmup_type": "linear",
+                                           "warmup_min_lr": 0.0, "warmup_max_lr": cfg.learning_rate}}

@@ -1,0 +1,63 @@
+"""Evaluation over a whole dataset, each example exactly once, as a token-weighted mean loss.
+
+DeepSpeed's eval_batch averages micro-batch means and needs full micro-batches on every data-parallel rank; so each
+rank takes every dp_size-th example, the shards are padded to the same number of full micro-batches with rows that
+carry no labels, and every micro-batch loss is weighted by its number of labelled tokens.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from data.collator import collate_causal_lm
+from models.llama import IGNORE_INDEX
+
+EMPTY_ROW = {"input_ids": [], "labels": []}
+
+
+class PaddedShard(torch.utils.data.Dataset):
+    def __init__(self, dataset, dp_rank, dp_size, micro_batch_size):
+        self.dataset = dataset
+        self.indices = list(range(dp_rank, len(dataset), dp_size))
+        per_rank = math.ceil(len(dataset) / dp_size)
+        self.length = math.ceil(per_rank / micro_batch_size) * micro_batch_size
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        return self.dataset[self.indices[i]] if i < len(self.indices) else EMPTY_ROW
+
+
+def labelled_tokens(labels):
+    """Tokens that count in the shifted loss: the labels after the first position that are not ignored."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def evaluate(engine, dataset, dataset_length, cfg, pad_id):
+    """(token-weighted mean loss, perplexity) over the whole dataset, the same value on every rank.
+    Middle stages pass dataset=None and read nothing."""
+    dp_rank, dp_size = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
+    micro_batch = cfg.micro_batch_size
+    num_micro_batches = math.ceil(math.ceil(dataset_length / dp_size) / micro_batch)
+    token_counts = []
+    batches = None
+    if dataset is not None:
+        loader = DataLoader(PaddedShard(dataset, dp_rank, dp_size, micro_batch), batch_size=micro_batch,
+                            collate_fn=lambda rows: collate_causal_lm(rows, cfg.seq_length, pad_id))
+        batches = (token_counts.append(labelled_tokens(b[1])) or b for b in loader)
+    loss_sum, tokens = 0.0, 0
+    for start in range(0, num_micro_batches, cfg.gradient_accumulation_steps):
+        chunk = min(cfg.gradient_accumulation_steps, num_micro_batches - start)
+        losses = engine.eval_batch(batches, reduce_output=None, bcast_loss=False, num_micro_batches=chunk)
+        if engine.is_last_stage():
+            for loss, count in zip(losses, token_counts[start:start + chunk]):
+                if count:
+                    loss_sum += float(loss) * count
+                    tokens += count
+    # Only last-stage ranks hold losses; a world-wide sum gives every rank the total.
+    totals = torch.tensor([loss_sum, tokens], dtype=torch.float64)
+    dist.all_reduce(totals)
+    mean = (totals[0] / totals[1]).item() if totals[1] else float("nan")
+    return mean, math.exp(min(mean, 80.0))

@@ -1,0 +1,208 @@
+"""A training run from a validated config: build this rank's stage, load its weights, read data on the first
+and last stage, then train, evaluate, log and save."""
+import math
+import os
+import random
+import time
+
+import deepspeed
+from deepspeed.runtime.utils import clip_grad_norm_
+import numpy as np
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from checkpoints.ds_to_hf import convert_ds_to_hf
+from data.datasets import build_dataset_distributed
+from data.loader import build_stage_loader, infinite_micro_batches
+from models.pipeline import build_pipeline_module
+from training.checkpointing import (load_rng_state, remove_incomplete_checkpoints, resolve_resume,
+                                    save_checkpoint)
+from training.config import ConfigError, check_run_config, deepspeed_config, load_model_config
+from training.distributed import init_distributed, pipe_data_topology, set_threads_per_process
+from training.evaluation import evaluate
+from training.metrics import RunLogger
+
+
+def log_rank0(message):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class RunData:
+    """Datasets of a run. Every rank takes part in building (local rank 0 tokenizes, the others reuse the
+    memory-mapped cache); only the first and last stage read rows, middle stages use the lengths."""
+
+    def __init__(self, cfg, tokenizer, model_config, reads_data):
+        cache_dir = cfg.data.cache_dir or os.path.join(cfg.output_dir, "data_cache")
+        self.train = self.eval = None
+        self.train_length = self.eval_length = 0
+        for split in ("train", "eval"):
+            path = cfg.get(f"{split}_file")
+            if not path or (split == "train" and cfg.eval_only):
+                continue
+            dataset, _ = build_dataset_distributed(path, tokenizer, cfg.data, cfg.seq_length, cache_dir=cache_dir,
+                                                   vocab_size=model_config.vocab_size)
+            setattr(self, f"{split}_length", len(dataset))
+            setattr(self, split, dataset if reads_data else None)
+
+
+def pad_token_id(tokenizer):
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id, 0):
+        if candidate is not None:
+            return candidate
+
+
+def build_engine(cfg, model_config, total_steps):
+    module = build_pipeline_module(model_config, pipe_data_topology(cfg.num_stages), partition=_partition(cfg),
+                                   attention_impl=cfg.attention_impl,
+                                   activation_checkpoint_interval=cfg.activation_checkpoint_interval)
+    if cfg.compile:
+        module.compile()
+    ds_config, monitors = deepspeed_config(cfg, total_steps)
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()
+                                                                           if p.requires_grad], config=ds_config)
+    keep_fp32_grad_norm(engine)
+    return engine, monitors
+
+
+def keep_fp32_grad_norm(engine):
+    """DeepSpeed computes the fp32 gradient norm while clipping and drops it (bf16/fp16 optimizers keep theirs);
+    keep it so get_global_grad_norm() can be logged."""
+    def clip_and_keep_norm():
+        engine._global_grad_norm = clip_grad_norm_(parameters=engine.module.parameters(),
+                                                   max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+    engine.clip_fp32_gradients = clip_and_keep_norm
+
+
+def _partition(cfg):
+    return cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
+
+
+def load_start_state(engine, cfg):
+    """Resume from a checkpoint of this run, or start from the converted model's weights. Returns client state."""
+    if dist.get_rank() == 0:
+        removed = remove_incomplete_checkpoints(cfg.output_dir)
+        if removed:
+            print(f"removed incomplete checkpoints left by an interrupted save: {removed}", flush=True)
+    dist.barrier()
+    resume_from = resolve_resume(cfg.resume, cfg.output_dir)
+    if resume_from is None:
+        engine.load_checkpoint(cfg.model_name_or_path, load_module_only=True)
+        return {}
+    ckpt_dir, tag = resume_from
+    weights_only = cfg.resume_weights_only
+    _, client_state = engine.load_checkpoint(ckpt_dir, tag, load_module_only=True)
+    saved = client_state.get("topology", {})
+    if not weights_only and saved and saved != current_topology(engine):
+        raise ConfigError(f"checkpoint {tag} was trained with {saved}, this run has {current_topology(engine)}; "
+                          f"optimizer state cannot follow a topology change. Set resume_weights_only=true to "
+                          f"continue from its weights with a fresh optimizer.")
+    if not weights_only:
+        engine.load_checkpoint(ckpt_dir, tag)
+        load_rng_state(os.path.join(ckpt_dir, tag), dist.get_rank())
+    log_rank0(f"resumed from {os.path.join(ckpt_dir, tag)} at step {client_state['step']}"
+              f"{' (weights only, fresh optimizer)' if weights_only else ''}")
+    return client_state
+
+
+def current_topology(engine):
+    return {"num_stages": engine.num_stages, "data_parallel": engine.grid.get_data_parallel_world_size()}
+
+
+def data_position(client_state, micro_batches_per_epoch, dp_size, micro_batch_size):
+    """(epoch, micro-batches consumed in it) to continue from. Derived from consumed samples, which every rank
+    knows (middle stages pull no data) and which stays meaningful when the data-parallel degree changes."""
+    if not client_state:
+        return 0, 0
+    consumed = client_state["consumed_samples"] // (dp_size * micro_batch_size)
+    return divmod(consumed, micro_batches_per_epoch)
+
+
+def run(cfg):
+    set_threads_per_process()
+    model_config, model_files_dir = load_model_config(cfg.model_name_or_path)
+    check_run_config(cfg, int(os.environ.get("WORLD_SIZE", "1")), model_config)
+    init_distributed(cfg.dist_timeout_minutes)
+    seed_everything(cfg.seed)
+    topology = pipe_data_topology(cfg.num_stages)
+    coord = topology.get_coord(dist.get_rank())
+    dp_size = topology.get_dim("data")
+    reads_data = coord.pipe in (0, cfg.num_stages - 1)
+    tokenizer = AutoTokenizer.from_pretrained(model_files_dir)
+    pad_id = pad_token_id(tokenizer)
+    data = RunData(cfg, tokenizer, model_config, reads_data)
+
+    if cfg.eval_only:
+        engine, monitors = build_engine(cfg, model_config, total_steps=1)
+        client_state = load_start_state(engine, cfg)
+        loss, ppl = evaluate(engine, data.eval, data.eval_length, cfg, pad_id)
+        logger = RunLogger(cfg.output_dir, monitors, total_steps=0, start_step=0)
+        logger.log({"step": client_state.get("step", 0), "eval_loss": loss, "eval_ppl": ppl,
+                    "eval_examples": data.eval_length})
+        logger.close()
+        return {"eval_loss": loss, "eval_ppl": ppl}
+
+    loader = build_stage_loader(data.train if reads_data else range(data.train_length), reads_data=reads_data,
+                                dp_rank=coord.data, dp_size=dp_size, micro_batch_size=cfg.micro_batch_size,
+                                seq_length=cfg.seq_length, pad_id=pad_id, seed=cfg.seed)
+    steps_per_epoch = len(loader) // cfg.gradient_accumulation_steps
+    if steps_per_epoch == 0:
+        raise ConfigError(f"train_file gives {data.train_length} examples: {len(loader)} micro-batches per "
+                          f"data-parallel rank, fewer than gradient_accumulation_steps="
+                          f"{cfg.gradient_accumulation_steps}; add data or lower the batch size.")
+    total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
+    engine, monitors = build_engine(cfg, model_config, total_steps)
+    client_state = load_start_state(engine, cfg)
+    step = client_state.get("step", 0)
+    epoch, consumed = data_position(client_state, len(loader), dp_size, cfg.micro_batch_size)
+    stream = infinite_micro_batches(loader, epoch, consumed)
+    return train(engine, cfg, stream, data, pad_id, model_files_dir, monitors, step, total_steps)
+
+
+def train(engine, cfg, stream, data, pad_id, model_files_dir, monitors, step, total_steps):
+    dp_size = engine.grid.get_data_parallel_world_size()
+    samples_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp_size
+    logger = RunLogger(cfg.output_dir, monitors, total_steps, step)
+    last_checkpoint = resolve_resume("auto", cfg.output_dir)
+    start_time = window_start = time.time()
+    window_steps, losses = 0, []
+    result = {}
+    while step < total_steps:
+        loss = float(engine.train_batch(stream))
+        step += 1
+        window_steps += 1
+        losses.append(loss)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step}; last good checkpoint: "
+                                     f"{os.path.join(*last_checkpoint) if last_checkpoint else 'none saved yet'}.")
+        logger.advance()
+        if step % cfg.logging_steps == 0 or step == total_steps:
+            elapsed = time.time() - window_start
+            grad_norm = engine.get_global_grad_norm()
+            logger.log({"step": step, "loss": sum(losses) / len(losses), "lr": engine.get_lr()[0],
+                        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                        "tokens_per_sec": window_steps * samples_per_step * cfg.seq_length / elapsed,
+                        "samples_per_sec": window_steps * samples_per_step / elapsed,
+                        "elapsed_s": time.time() - start_time})
+            window_start, window_steps, losses = time.time(), 0, []
+        if data.eval_length and (step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)):
+            eval_loss, eval_ppl = evaluate(engine, data.eval, data.eval_length, cfg, pad_id)
+            logger.log({"step": step, "eval_loss": eval_loss, "eval_ppl": eval_ppl})
+            result.update(eval_loss=eval_loss, eval_ppl=eval_ppl)
+        if step == total_steps or (cfg.save_steps and step % cfg.save_steps == 0):
+            save_checkpoint(engine, cfg, model_files_dir, step, client_state={
+                "step": step, "consumed_samples": step * samples_per_step, "topology": current_topology(engine)})
+            last_checkpoint = (cfg.output_dir, f"global_step{step}")
+    logger.close()
+    if cfg.export_hf and dist.get_rank() == 0:
+        convert_ds_to_hf(cfg.output_dir, os.path.join(cfg.output_dir, "hf"), overwrite=True)
+        print(f"exported Hugging Face model to {os.path.join(cfg.output_dir, 'hf')}", flush=True)
+    dist.barrier()
+    return result

@@ -1,0 +1,74 @@
+"""Run logging on rank 0: a progress bar, one JSON line per logged step in metrics.jsonl, DeepSpeed's monitors
+(TensorBoard, W&B, CSV) and, at the end, a PNG of the training and evaluation loss."""
+import json
+import os
+
+import torch.distributed as dist
+from deepspeed.monitor.config import get_monitor_config
+from deepspeed.monitor.monitor import MonitorMaster
+from tqdm import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+
+class RunLogger:
+    def __init__(self, output_dir, monitors, total_steps, start_step):
+        self.enabled = dist.get_rank() == 0
+        self.output_dir = output_dir
+        if monitors.get("wandb", {}).get("enabled"):
+            os.environ.setdefault("WANDB_MODE", "offline")  # no network on many clusters' compute nodes
+        # Every rank constructs it (it checks the rank itself); only rank 0 writes.
+        self.monitor = MonitorMaster(get_monitor_config(monitors))
+        if not self.enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        self.file = open(os.path.join(output_dir, METRICS_FILE), "a")
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    def log(self, record):
+        """Write one record: {"step": N, name: value, ...}."""
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        step = record["step"]
+        self.monitor.write_events([(f"Train/{k}", v, step) for k, v in record.items()
+                                   if k != "step" and isinstance(v, (int, float))])
+        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in record.items() if k != "step"}
+        self.bar.set_postfix(shown, refresh=False)
+        self.bar.write(json.dumps(record))
+
+    def advance(self, steps=1):
+        if self.enabled:
+            self.bar.update(steps)
+
+    def close(self):
+        if not self.enabled:
+            return
+        self.bar.close()
+        self.file.close()
+        plot_losses(os.path.join(self.output_dir, METRICS_FILE), os.path.join(self.output_dir, PLOT_FILE))
+
+
+def plot_losses(metrics_path, png_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(metrics_path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
