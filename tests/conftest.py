@@ -22,3 +22,17 @@ def tiny_checkpoints(tmp_path_factory):
         convert_hf_to_ds(hf_dir, ds_dir)
         dirs[name] = (hf_dir, ds_dir)
     return dirs
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory):
+    """The tiny default made by the project's own script (smaller corpus), converted: {hf, ds, train, eval} paths."""
+    import subprocess
+    root = tmp_path_factory.mktemp("demo")
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_llama.py"), "--output_dir", str(root),
+                    "--train_lines", "3000", "--eval_lines", "100", "--vocab_size", "384", "--hidden_size", "64"],
+                   check=True, capture_output=True)
+    from checkpoints.hf_to_ds import convert_hf_to_ds
+    convert_hf_to_ds(str(root / "hf"), str(root / "ds"))
+    return {"hf": str(root / "hf"), "ds": str(root / "ds"), "train": str(root / "train.txt"),
+            "eval": str(root / "eval.txt"), "root": root}

@@ -6,7 +6,6 @@ import random
 import time
 
 import deepspeed
-from deepspeed.runtime.utils import clip_grad_norm_
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -68,17 +67,21 @@ def build_engine(cfg, model_config, total_steps):
     ds_config, monitors = deepspeed_config(cfg, total_steps)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()
                                                                            if p.requires_grad], config=ds_config)
-    keep_fp32_grad_norm(engine)
+    engine.clip_fp32_gradients = lambda: clip_fp32_gradients_across_stages(engine)
     return engine, monitors
 
 
-def keep_fp32_grad_norm(engine):
-    """DeepSpeed computes the fp32 gradient norm while clipping and drops it (bf16/fp16 optimizers keep theirs);
-    keep it so get_global_grad_norm() can be logged."""
-    def clip_and_keep_norm():
-        engine._global_grad_norm = clip_grad_norm_(parameters=engine.module.parameters(),
-                                                   max_norm=engine.gradient_clipping(), mpu=engine.mpu)
-    engine.clip_fp32_gradients = clip_and_keep_norm
+def clip_fp32_gradients_across_stages(engine):
+    """Replaces DeepSpeed's fp32 clipping, whose norm counts only the first stage's gradients (it treats the other
+    stages as model-parallel replicas), so every stage clipped by a different factor. This norm sums each stage once
+    (a tied weight once) over all stages of the replica, as DeepSpeed's bf16/ZeRO paths do, and is kept for logging."""
+    params = [p for p in engine.module.parameters() if p.grad is not None]
+    owned = [p.grad for p in params if not getattr(p, "ds_pipe_replicated", False)]
+    squares = torch.stack([g.float().pow(2).sum() for g in owned]).sum() if owned else torch.zeros(())
+    dist.all_reduce(squares, group=engine.mpu.get_model_parallel_group())
+    total_norm = squares.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, engine.gradient_clipping(), total_norm)
+    engine._global_grad_norm = total_norm.item()
 
 
 def _partition(cfg):
