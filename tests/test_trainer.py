@@ -24,10 +24,12 @@ def read_metrics(output_dir):
         return [json.loads(line) for line in f]
 
 
-def test_end_to_end_two_stages(demo_model, tmp_path):
+def test_end_to_end_two_stages_through_a_hostfile(demo_model, tmp_path):
     out = tmp_path / "run"
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
     result = launch_trainer(2, demo_overrides(demo_model, out, max_steps=6, logging_steps=2, eval_steps=3,
-                                              save_steps=3, save_total_limit=1, export_hf="true"))
+                                              save_steps=3, save_total_limit=1, export_hf="true"), hostfile=hostfile)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = read_metrics(out)
     train = [r for r in records if "loss" in r]
@@ -117,3 +119,14 @@ def test_more_stages_than_layers(tmp_path):
                                 f"output_dir={tmp_path / 'run'}"], timeout=120)
     assert result.returncode != 0
     assert "num_stages=2 is more than the model's 1 decoder layers" in result.stdout + result.stderr
+
+
+def test_fresh_run_refuses_to_mix_with_existing_checkpoints(demo_model, tmp_path):
+    out = tmp_path / "run"
+    (out / "global_step4").mkdir(parents=True)
+    (out / "global_step4" / "COMPLETE").write_text("global_step4")
+    result = launch_trainer(1, demo_overrides(demo_model, out, num_stages=1), timeout=120)
+    assert result.returncode != 0
+    assert (f"output_dir '{out}' already holds checkpoints (global_step4); set resume=auto to continue from "
+            f"global_step4" in result.stdout + result.stderr)
+    assert sorted(os.listdir(out)) == ["global_step4"]

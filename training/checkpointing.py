@@ -68,6 +68,25 @@ def resolve_resume(resume, output_dir):
                             f"file) nor a directory whose 'latest' names one; use resume=auto or a valid path.")
 
 
+def check_fresh_start(output_dir, overwrite):
+    """A run that does not resume must not mix its checkpoints with an older run's."""
+    tags = complete_tags(output_dir)
+    if tags and not overwrite:
+        raise FileExistsError(f"output_dir '{output_dir}' already holds checkpoints ({', '.join(tags)}); set resume=auto "
+                              f"to continue from {tags[-1]}, choose another output_dir, or set overwrite_output_dir=true "
+                              f"to delete them.")
+
+
+def clear_previous_run(output_dir):
+    """overwrite_output_dir=true: remove an older run's checkpoints, 'latest' and metrics (rank 0)."""
+    for tag in complete_tags(output_dir):
+        os.remove(os.path.join(output_dir, tag, COMPLETE_MARKER))
+        shutil.rmtree(os.path.join(output_dir, tag))
+    for name in (LATEST, "metrics.jsonl"):
+        if os.path.exists(os.path.join(output_dir, name)):
+            os.remove(os.path.join(output_dir, name))
+
+
 def rng_state_path(tag_dir, rank):
     return os.path.join(tag_dir, f"rng_state_rank{rank:05d}.pt")
 
@@ -90,6 +109,9 @@ def load_rng_state(tag_dir, rank):
 def save_checkpoint(engine, cfg, model_files_dir, step, client_state):
     output_dir, tag = cfg.output_dir, tag_of_step(step)
     tag_dir = os.path.join(output_dir, tag)
+    if dist.get_rank() == 0 and os.path.exists(os.path.join(tag_dir, COMPLETE_MARKER)):
+        os.remove(os.path.join(tag_dir, COMPLETE_MARKER))  # rewriting a tag: it is incomplete until done again
+    dist.barrier()
     engine.save_checkpoint(output_dir, tag=tag, client_state=client_state, save_latest=False)
     save_rng_state(tag_dir, dist.get_rank())
     dist.barrier()  # every rank's files are written before the checkpoint is declared complete

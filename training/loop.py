@@ -15,8 +15,8 @@ from checkpoints.ds_to_hf import convert_ds_to_hf
 from data.datasets import build_dataset_distributed
 from data.loader import build_stage_loader, infinite_micro_batches
 from models.pipeline import build_pipeline_module
-from training.checkpointing import (load_rng_state, remove_incomplete_checkpoints, resolve_resume,
-                                    save_checkpoint)
+from training.checkpointing import (check_fresh_start, clear_previous_run, load_rng_state,
+                                    remove_incomplete_checkpoints, resolve_resume, save_checkpoint)
 from training.config import ConfigError, check_run_config, deepspeed_config, load_model_config
 from training.distributed import init_distributed, pipe_data_topology, set_threads_per_process
 from training.evaluation import evaluate
@@ -88,14 +88,19 @@ def _partition(cfg):
     return cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
 
 
-def load_start_state(engine, cfg):
-    """Resume from a checkpoint of this run, or start from the converted model's weights. Returns client state."""
+def prepare_output_dir(cfg, resume_from):
+    """Rank 0 removes what an interrupted save left behind and, when asked, an older run's checkpoints."""
     if dist.get_rank() == 0:
         removed = remove_incomplete_checkpoints(cfg.output_dir)
         if removed:
             print(f"removed incomplete checkpoints left by an interrupted save: {removed}", flush=True)
+        if resume_from is None and cfg.overwrite_output_dir and not cfg.eval_only:
+            clear_previous_run(cfg.output_dir)
     dist.barrier()
-    resume_from = resolve_resume(cfg.resume, cfg.output_dir)
+
+
+def load_start_state(engine, cfg, resume_from):
+    """Resume from a checkpoint of this run, or start from the converted model's weights. Returns client state."""
     if resume_from is None:
         engine.load_checkpoint(cfg.model_name_or_path, load_module_only=True)
         return {}
@@ -132,7 +137,11 @@ def run(cfg):
     set_threads_per_process()
     model_config, model_files_dir = load_model_config(cfg.model_name_or_path)
     check_run_config(cfg, int(os.environ.get("WORLD_SIZE", "1")), model_config)
+    resume_from = resolve_resume(cfg.resume, cfg.output_dir)
+    if resume_from is None and not cfg.eval_only:
+        check_fresh_start(cfg.output_dir, cfg.overwrite_output_dir)
     init_distributed(cfg.dist_timeout_minutes)
+    prepare_output_dir(cfg, resume_from)
     seed_everything(cfg.seed)
     topology = pipe_data_topology(cfg.num_stages)
     coord = topology.get_coord(dist.get_rank())
@@ -144,7 +153,7 @@ def run(cfg):
 
     if cfg.eval_only:
         engine, monitors = build_engine(cfg, model_config, total_steps=1)
-        client_state = load_start_state(engine, cfg)
+        client_state = load_start_state(engine, cfg, resume_from)
         loss, ppl = evaluate(engine, data.eval, data.eval_length, cfg, pad_id)
         logger = RunLogger(cfg.output_dir, monitors, total_steps=0, start_step=0)
         logger.log({"step": client_state.get("step", 0), "eval_loss": loss, "eval_ppl": ppl,
@@ -162,7 +171,7 @@ def run(cfg):
                           f"{cfg.gradient_accumulation_steps}; add data or lower the batch size.")
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     engine, monitors = build_engine(cfg, model_config, total_steps)
-    client_state = load_start_state(engine, cfg)
+    client_state = load_start_state(engine, cfg, resume_from)
     step = client_state.get("step", 0)
     epoch, consumed = data_position(client_state, len(loader), dp_size, cfg.micro_batch_size)
     stream = infinite_micro_batches(loader, epoch, consumed)

@@ -1,0 +1,102 @@
+"""The per-stage memory plan of a run from its config alone (plan_only=true): no GPU, no weights, no processes.
+
+Per stage: weights, gradients and optimizer state for the precision, ZeRO stage and data-parallel degree;
+activations with and without activation checkpointing (1F1B keeps up to num_stages - stage micro-batches in
+flight); the optimizer step's short-lived buffers; the total per device and whether it fits device_memory_gb.
+The numbers come from models/partition.py's cost model, the one the balanced partition uses.
+"""
+import dataclasses
+import os
+
+from omegaconf import OmegaConf
+from transformers import AutoConfig
+
+from models.partition import PRECISION_BYTES, Workload, describe_workload, stage_bounds, stage_plan
+from models.pipeline import build_pipeline_layers, check_model_config
+from training.config import ConfigError
+
+GIB = 2 ** 30
+RUNTIME_NOTE = "not modelled: CUDA context, NCCL buffers, allocator fragmentation (keep ~10% headroom)"
+
+
+def workload_from_cfg(cfg, world_size):
+    """The run's Workload for the cost model (models/partition.py)."""
+    zero = OmegaConf.to_container(cfg.deepspeed, resolve=True).get("zero_optimization", {})
+    return Workload(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
+                    micro_batches=cfg.gradient_accumulation_steps, precision=cfg.precision,
+                    zero_stage=cfg.zero_stage, data_parallel=world_size // cfg.num_stages,
+                    activation_checkpoint_interval=cfg.activation_checkpoint_interval,
+                    reduce_bucket_size=int(zero.get("reduce_bucket_size", Workload.reduce_bucket_size)))
+
+
+def load_plan_model_config(cfg):
+    """The model config to plan for: config.json in model_name_or_path (a Hugging Face or a converted directory;
+    no weights are read), else the published config written into the run config's model_config node."""
+    path = cfg.model_name_or_path
+    if os.path.isfile(os.path.join(str(path), "config.json")):
+        config = AutoConfig.from_pretrained(path)
+    elif cfg.get("model_config"):
+        fields = OmegaConf.to_container(cfg.model_config, resolve=True)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    else:
+        raise ConfigError(f"plan_only needs a model config: '{path}' has no config.json and model_config is not "
+                          f"set; point model_name_or_path at a Hugging Face or converted directory.")
+    check_model_config(config)
+    return config
+
+
+def memory_plan(cfg, model_config, world_size):
+    """Per-stage rows (bytes) for the configured partition, with activations with and without checkpointing."""
+    stages = cfg.num_stages
+    if cfg.precision not in PRECISION_BYTES:
+        raise ConfigError(f"precision '{cfg.precision}' is not one of {tuple(PRECISION_BYTES)}.")
+    if stages < 1 or world_size % stages:
+        raise ConfigError(f"num_stages={stages} does not divide the world size {world_size}.")
+    if model_config.num_hidden_layers < stages:
+        raise ConfigError(f"num_stages={stages} is more than the model's {model_config.num_hidden_layers} layers.")
+    workload = workload_from_cfg(cfg, world_size)
+    partition = cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
+    class_names = [spec.typename.__name__ for spec in build_pipeline_layers(model_config)]
+    bounds = stage_bounds(model_config, stages, partition, workload, class_names)
+    interval = workload.activation_checkpoint_interval
+    with_checkpointing = stage_plan(model_config, bounds,
+                                    dataclasses.replace(workload, activation_checkpoint_interval=interval or 1))
+    without_checkpointing = stage_plan(model_config, bounds,
+                                       dataclasses.replace(workload, activation_checkpoint_interval=0))
+    configured = with_checkpointing if interval else without_checkpointing
+    device_bytes = cfg.device_memory_gb * GIB
+    rows = []
+    for row, ckpt, full in zip(configured, with_checkpointing, without_checkpointing):
+        rows.append({**row, "activation_checkpointed_bytes": ckpt["activation_bytes"],
+                     "activation_full_bytes": full["activation_bytes"],
+                     "fits": row["memory_bytes"] <= device_bytes})
+    return workload, rows
+
+
+def format_memory_plan(cfg, workload, rows, world_size):
+    interval = workload.activation_checkpoint_interval or 1
+    header = (f"{'stage':>5} {'layers':>7} {'params':>8} {'weights':>8} {'grads':>8} {'optim':>8} "
+              f"{f'act(ckpt {interval})':>12} {'act(full)':>10} {'step':>7} {'total':>8}  fits")
+    lines = [f"memory plan: {world_size} devices = {cfg.num_stages} stages x {workload.data_parallel} "
+             f"data-parallel; {describe_workload(workload)}; partition '{cfg.partition}'; GiB per device", header]
+    for row in rows:
+        start, stop = row["layers"]
+        lines.append(
+            f"{row['stage']:>5} {f'{start}-{stop - 1}':>7} {row['parameters'] / 1e9:>7.2f}B "
+            f"{row['weights_bytes'] / GIB:>8.1f} {row['gradients_bytes'] / GIB:>8.1f} "
+            f"{row['optimizer_bytes'] / GIB:>8.1f} {row['activation_checkpointed_bytes'] / GIB:>12.1f} "
+            f"{row['activation_full_bytes'] / GIB:>10.1f} {row['step_bytes'] / GIB:>7.1f} "
+            f"{row['memory_bytes'] / GIB:>8.1f}  {'yes' if row['fits'] else 'NO'}")
+    largest = max(rows, key=lambda row: row["memory_bytes"])
+    verdict = "fits" if all(row["fits"] for row in rows) else "does NOT fit"
+    lines.append(f"total = weights + grads + optim + max(activations as configured, step); largest stage "
+                 f"{largest['memory_bytes'] / GIB:.1f} GiB: {verdict} in {cfg.device_memory_gb} GiB per device")
+    lines.append(RUNTIME_NOTE)
+    return "\n".join(lines)
+
+
+def print_memory_plan(cfg, model_config, world_size):
+    """Print the plan; returns its per-stage rows (bytes, and whether each stage fits device_memory_gb)."""
+    workload, rows = memory_plan(cfg, model_config, world_size)
+    print(format_memory_plan(cfg, workload, rows, world_size), flush=True)
+    return rows
