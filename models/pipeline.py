@@ -1,11 +1,12 @@
 """The model as DeepSpeed layer specs, split into stages. Specs are built into modules only on the rank that owns
 them, so no rank ever holds more than its own stage."""
+import dataclasses
+
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from deepspeed.runtime import utils as ds_utils
 
 from models.llama import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs,
-                          causal_lm_loss, head_dim_of, tied_lm_head)
-from models.layout import num_pipeline_layers
+                          causal_lm_loss, tied_lm_head)
+from models.partition import Workload, describe_workload, format_stage_plan, stage_bounds, stage_plan
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 ATTENTION_IMPLS = ("sdpa", "eager")
@@ -38,64 +39,36 @@ def build_pipeline_layers(config, attention_impl="sdpa"):
     return [embedding, *decoders, LayerSpec(FinalNormPipe, config), head]
 
 
-def layer_parameter_counts(config):
-    """Parameters of each pipeline layer, from the config alone (nothing is built)."""
-    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_heads = config.num_key_value_heads or heads
-    head_dim = head_dim_of(config)
-    attn = hidden * head_dim * (2 * heads + 2 * kv_heads)
-    if getattr(config, "attention_bias", False) or config.model_type == "qwen2":
-        attn += head_dim * (heads + 2 * kv_heads)
-    if getattr(config, "attention_bias", False) and config.model_type != "qwen2":
-        attn += hidden
-    mlp = 3 * hidden * inter + ((2 * inter + hidden) if getattr(config, "mlp_bias", False) else 0)
-    decoder = attn + mlp + 2 * hidden
-    embedding = config.vocab_size * hidden
-    head = 0 if config.tie_word_embeddings else embedding
-    return [embedding] + [decoder] * layers + [hidden, head]
-
-
-def stage_bounds_from_decoder_counts(decoder_counts, num_hidden_layers):
-    """Stage boundaries from decoder layers per stage; the embedding joins the first stage, norm and head the last."""
-    if sum(decoder_counts) != num_hidden_layers or min(decoder_counts) < 0:
-        raise ValueError(f"partition {list(decoder_counts)} must list decoder layers per stage summing to "
-                         f"num_hidden_layers ({num_hidden_layers}).")
-    bounds = [0]
-    for count in decoder_counts:
-        bounds.append(bounds[-1] + count)
-    bounds = [b + 1 for b in bounds]
-    bounds[0], bounds[-1] = 0, num_pipeline_layers(num_hidden_layers)
-    return bounds
-
-
 class LlamaPipeline(PipelineModule):
     """DeepSpeed's PipelineModule with partitions computed from the config instead of by building every layer
-    (DeepSpeed's 'parameters' method builds each layer on every rank to count it), plus explicit partitions."""
+    (DeepSpeed's 'parameters' method builds each layer on every rank to count it), plus explicit and balanced
+    partitions (models/partition.py). Rank 0 prints the plan: layers, parameters, compute and memory per stage."""
 
-    def __init__(self, config, partition, **kwargs):
+    def __init__(self, config, partition, workload, **kwargs):
         self.model_config = config
         self.partition = partition
+        self.workload = workload
         super().__init__(partition_method=partition if isinstance(partition, str) else "explicit", **kwargs)
 
     def _partition_layers(self, method="parameters"):
+        class_names = [spec.typename.__name__ for spec in self._layer_specs]
+        self.parts = stage_bounds(self.model_config, self.num_stages, self.partition, self.workload, class_names)
+        if self.global_rank == 0:
+            print(f"pipeline partition '{self.partition}' for {describe_workload(self.workload)}:\n"
+                  f"{format_stage_plan(stage_plan(self.model_config, self.parts, self.workload))}", flush=True)
         stage = self._topo.get_coord(self.global_rank).pipe
-        if isinstance(self.partition, str) and self.partition != "parameters":
-            return super()._partition_layers(self.partition)
-        if self.partition == "parameters":
-            self.parts = ds_utils.partition_balanced(layer_parameter_counts(self.model_config), self.num_stages)
-        else:
-            if len(self.partition) != self.num_stages:
-                raise ValueError(f"partition {list(self.partition)} has {len(self.partition)} entries for "
-                                 f"{self.num_stages} stages.")
-            self.parts = stage_bounds_from_decoder_counts(self.partition, self.model_config.num_hidden_layers)
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
 
 def build_pipeline_module(config, topology, partition="parameters", attention_impl="sdpa",
-                          activation_checkpoint_interval=0):
+                          activation_checkpoint_interval=0, workload=None):
+    """The pipeline module of this rank's stage. workload (models/partition.py) describes the run for the
+    balanced partition and the printed plan; its stage count, data-parallel degree and checkpoint interval are
+    taken from the arguments here."""
     check_model_config(config)
-    return LlamaPipeline(config, partition,
+    workload = dataclasses.replace(workload or Workload(), data_parallel=topology.get_dim("data"),
+                                   activation_checkpoint_interval=activation_checkpoint_interval)
+    return LlamaPipeline(config, partition, workload,
                          layers=build_pipeline_layers(config, attention_impl),
                          topology=topology,
                          loss_fn=causal_lm_loss,

@@ -1,0 +1,336 @@
+"""Which pipeline layers each stage owns, and what each stage costs in compute and memory.
+
+The cost model works from the model config and the workload alone (nothing is built), per layer kind:
+- compute: training FLOPs per micro-batch (forward, backward = 2x forward, and the forward again when the layer is
+  recomputed by activation checkpointing). Decoder layers count their attention at seq_length, the LM head its
+  matmul over the whole vocabulary; the embedding (a gather) and the final norm are free.
+- memory: parameters, gradients and optimizer state per parameter for the precision and ZeRO stage, plus what
+  autograd keeps per micro-batch in flight (1F1B keeps up to num_stages - stage micro-batches on a stage) and the
+  largest short-lived peak of one backward pass (a recomputed chunk, the LM head's fp32 loss gradients).
+
+A stage's cost is the mean of its compute and its memory, each in units of one decoder layer, so an embedding
+that holds 2.4 decoder layers of memory and does no compute weighs 1.2 decoder layers. The balanced partition
+minimises the largest stage cost.
+"""
+import re
+from dataclasses import dataclass
+
+from deepspeed.runtime import utils as ds_utils
+
+from models.layout import num_pipeline_layers
+from models.llama import head_dim_of
+
+EMBEDDING, DECODER, NORM, HEAD = "embedding", "decoder", "norm", "head"
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FP32_BYTES = 4
+ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32
+INT64_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one training step runs, as far as compute and memory depend on it (conf/base.yaml's defaults)."""
+    seq_length: int = 512
+    micro_batch_size: int = 1
+    micro_batches: int = 8  # gradient_accumulation_steps: the pipeline's m
+    precision: str = "bf16"
+    zero_stage: int = 1
+    data_parallel: int = 1
+    activation_checkpoint_interval: int = 0
+    reduce_bucket_size: int = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default
+
+    @property
+    def tokens(self):
+        return self.seq_length * self.micro_batch_size
+
+    @property
+    def activation_bytes(self):
+        return PRECISION_BYTES[self.precision]
+
+
+def describe_workload(workload):
+    checkpointing = (f"checkpoint every {workload.activation_checkpoint_interval} layers"
+                     if workload.activation_checkpoint_interval else "no activation checkpointing")
+    return (f"seq_length={workload.seq_length}, micro_batch_size={workload.micro_batch_size}, "
+            f"{workload.micro_batches} micro-batches, {workload.precision}, ZeRO-{workload.zero_stage}, "
+            f"data-parallel {workload.data_parallel}, {checkpointing}")
+
+
+def layer_kinds(num_hidden_layers):
+    """Layer kind of every pipeline index (models/layout.py's map)."""
+    return [EMBEDDING] + [DECODER] * num_hidden_layers + [NORM, HEAD]
+
+
+def decoder_parameter_count(config):
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = config.num_key_value_heads or heads
+    head_dim = head_dim_of(config)
+    attn = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    if getattr(config, "attention_bias", False) or config.model_type == "qwen2":
+        attn += head_dim * (heads + 2 * kv_heads)
+    if getattr(config, "attention_bias", False) and config.model_type != "qwen2":
+        attn += hidden
+    inter = config.intermediate_size
+    mlp = 3 * hidden * inter + ((2 * inter + hidden) if getattr(config, "mlp_bias", False) else 0)
+    return attn + mlp + 2 * hidden
+
+
+def layer_parameter_counts(config):
+    """Parameters of each pipeline layer, from the config alone (a tied LM head counts 0: the embedding owns it)."""
+    embedding = config.vocab_size * config.hidden_size
+    head = 0 if config.tie_word_embeddings else embedding
+    return [embedding] + [decoder_parameter_count(config)] * config.num_hidden_layers + [config.hidden_size, head]
+
+
+def state_bytes_per_parameter(workload):
+    """Bytes per parameter held through the whole run: weights, gradients, optimizer state.
+
+    DeepSpeed accumulates gradients in the model's dtype (data_types.grad_accum_dtype unset). The optimizer keeps
+    fp32 master weights (ZeRO-1 keeps its fp32 partition even for fp32 models) and Adam's two fp32 moments, sharded
+    over data-parallel ranks by ZeRO-1.
+    """
+    weight = PRECISION_BYTES[workload.precision]
+    keeps_master = workload.precision != "fp32" or workload.zero_stage >= 1
+    return {"weights": weight, "gradients": weight,
+            "optimizer": ((FP32_BYTES if keeps_master else 0) + ADAM_STATE_BYTES) / optimizer_shards(workload)}
+
+
+def step_bytes_per_parameter(workload):
+    """Bytes per parameter the optimizer step adds for its duration: ZeRO-1 flattens its gradient partition and
+    casts it to fp32; without ZeRO, a 16-bit model's optimizer builds fp32 gradients."""
+    weight = PRECISION_BYTES[workload.precision]
+    if workload.zero_stage >= 1:
+        return (weight + (FP32_BYTES if workload.precision != "fp32" else 0)) / optimizer_shards(workload)
+    return FP32_BYTES if workload.precision != "fp32" else 0
+
+
+def optimizer_shards(workload):
+    return workload.data_parallel if workload.zero_stage >= 1 else 1
+
+
+class LayerCosts:
+    """Compute and activation memory of each layer kind for one micro-batch of a workload."""
+
+    def __init__(self, config, workload):
+        self.config, self.workload = config, workload
+        tokens, hidden, vocab = workload.tokens, config.hidden_size, config.vocab_size
+        shifted_tokens = workload.micro_batch_size * (workload.seq_length - 1)
+        act = workload.activation_bytes
+        q_width = config.num_attention_heads * head_dim_of(config)
+        decoder_params = decoder_parameter_count(config)
+        self.parameters = {EMBEDDING: vocab * hidden, DECODER: decoder_params, NORM: hidden,
+                           HEAD: vocab * hidden}  # a tied head is a second copy of the embedding on its stage
+        # Matmuls: 2 FLOPs per weight per token; causal attention: QK^T and PV over half the seq x seq scores.
+        self.forward_flops = {EMBEDDING: 0, NORM: 0, HEAD: 2 * tokens * hidden * vocab,
+                              DECODER: 2 * tokens * decoder_params + 2 * tokens * workload.seq_length * q_width}
+        self.saved_bytes = {
+            EMBEDDING: 0,
+            # What autograd keeps for one layer (tests/test_partition.py checks this against saved-tensor hooks):
+            # 8 hidden-sized and 4 intermediate-sized tensors in the activation dtype, the two norms' fp32 inputs
+            # and inverse RMS, and attention's log-sum-exp per head.
+            DECODER: tokens * (act * (8 * hidden + 4 * config.intermediate_size)
+                               + FP32_BYTES * (2 * hidden + config.num_attention_heads + 2)),
+            # The norm's fp32 input and inverse RMS, its normalised and its scaled output.
+            NORM: tokens * (FP32_BYTES * (hidden + 1) + 2 * act * hidden),
+            # Logits held by the engine until backward; the loss keeps its fp32 log-softmax and the labels of the
+            # shifted positions.
+            HEAD: tokens * vocab * act + shifted_tokens * (vocab * FP32_BYTES + INT64_BYTES),
+        }
+        # The loss's backward holds two fp32 logits-sized gradients at once.
+        self.head_backward_bytes = 2 * tokens * vocab * FP32_BYTES
+        self.hidden_bytes = tokens * hidden * act  # one hidden-states tensor: a stage boundary, a checkpoint input
+
+    def chunks(self, kinds):
+        """DeepSpeed's activation checkpointing: consecutive runs of `interval` layers from the stage's first layer,
+        each checkpointed when it holds decoder layers only (the project's checkpointable_layers)."""
+        interval = self.workload.activation_checkpoint_interval
+        if interval == 0:
+            return [(kinds, False)]
+        runs = [kinds[i:i + interval] for i in range(0, len(kinds), interval)]
+        return [(run, all(kind == DECODER for kind in run)) for run in runs]
+
+    def stage_flops(self, kinds):
+        flops = 0
+        for run, checkpointed in self.chunks(kinds):
+            forward = sum(self.forward_flops[kind] for kind in run)
+            flops += forward * (4 if checkpointed else 3)
+        return flops
+
+    def stage_activation_bytes(self, kinds, in_flight):
+        """Peak activation memory: in_flight micro-batches of what stays saved (and the engine's stage input and
+        output buffers), plus the largest short-lived peak of one backward pass."""
+        held = self.hidden_bytes * ((kinds[0] != EMBEDDING) + (kinds[-1] != HEAD))
+        peak = self.head_backward_bytes if HEAD in kinds else 0
+        for run, checkpointed in self.chunks(kinds):
+            full = sum(self.saved_bytes[kind] for kind in run)
+            if checkpointed:
+                held += self.hidden_bytes
+                peak = max(peak, full)
+            else:
+                held += full
+        return in_flight * held + peak
+
+    def stage_parameters(self, kinds):
+        return sum(self.parameters[kind] for kind in kinds)
+
+    def stage_state_bytes(self, kinds):
+        """Weights, gradients and optimizer state of a stage, in bytes."""
+        parameters = self.stage_parameters(kinds)
+        return {name: parameters * size for name, size in state_bytes_per_parameter(self.workload).items()}
+
+    def stage_step_bytes(self, kinds):
+        """What the optimizer step allocates on top of the state (activations are freed by then)."""
+        parameters = self.stage_parameters(kinds)
+        step = parameters * step_bytes_per_parameter(self.workload)
+        if self.workload.zero_stage >= 1:
+            # DeepSpeed's pipeline path copies gradients into a reduce bucket before reducing them.
+            step += min(self.workload.reduce_bucket_size, parameters) * PRECISION_BYTES[self.workload.precision]
+        return step
+
+
+def in_flight_micro_batches(stage, num_stages, micro_batches):
+    """1F1B: stage s runs num_stages - s forward passes before its first backward."""
+    return min(num_stages - stage, micro_batches)
+
+
+def stage_kinds(stage, num_stages, num_decoders):
+    kinds = [DECODER] * num_decoders
+    if stage == 0:
+        kinds = [EMBEDDING] + kinds
+    if stage == num_stages - 1:
+        kinds = kinds + [NORM, HEAD]
+    return kinds
+
+
+class StageCostModel:
+    """Compute, memory and the combined cost of a stage given its layer kinds."""
+
+    def __init__(self, config, workload, num_stages, compute_weight=0.5):
+        self.layers = LayerCosts(config, workload)
+        self.workload, self.num_stages, self.compute_weight = workload, num_stages, compute_weight
+        # Units: one decoder layer's compute, and its memory on a stage with the mean number of micro-batches in
+        # flight.
+        self.compute_unit = self.layers.stage_flops([DECODER])
+        mean_in_flight = sum(self.in_flight(s) for s in range(num_stages)) / num_stages
+        self.memory_unit = (sum(self.layers.stage_state_bytes([DECODER]).values())
+                            + mean_in_flight * self.layers.stage_activation_bytes([DECODER], 1))
+
+    def in_flight(self, stage):
+        return in_flight_micro_batches(stage, self.num_stages, self.workload.micro_batches)
+
+    def memory_bytes(self, stage, kinds):
+        """Peak memory: the state, plus the larger of the backward passes' activations and the optimizer step."""
+        return (sum(self.layers.stage_state_bytes(kinds).values())
+                + max(self.layers.stage_activation_bytes(kinds, self.in_flight(stage)),
+                      self.layers.stage_step_bytes(kinds)))
+
+    def cost(self, stage, kinds):
+        compute = self.layers.stage_flops(kinds) / self.compute_unit
+        memory = self.memory_bytes(stage, kinds) / self.memory_unit
+        return self.compute_weight * compute + (1 - self.compute_weight) * memory
+
+
+def balanced_decoder_counts(config, num_stages, workload, compute_weight=0.5):
+    """Decoder layers per stage minimising the largest stage cost.
+
+    Decoder layers are identical, so the partition is a count per stage, and adding layers one at a time to the
+    stage whose cost after the addition is smallest minimises the maximum (every stage's cost rises with its
+    count). Ties go to the stage nearest the middle: first and last stages carry the embedding, the head and the
+    most micro-batches in flight, so a spare layer belongs in between. Every stage gets at least one layer.
+    """
+    if not 1 <= num_stages <= config.num_hidden_layers:
+        raise ValueError(f"{num_stages} stages for {config.num_hidden_layers} decoder layers: need 1 to "
+                         f"{config.num_hidden_layers} stages.")
+    model = StageCostModel(config, workload, num_stages, compute_weight)
+    counts = [1] * num_stages
+    middle = (num_stages - 1) / 2
+    for _ in range(config.num_hidden_layers - num_stages):
+        stage = min(range(num_stages),
+                    key=lambda s: (model.cost(s, stage_kinds(s, num_stages, counts[s] + 1)), abs(s - middle)))
+        counts[stage] += 1
+    return counts
+
+
+def stage_bounds_from_decoder_counts(decoder_counts, num_hidden_layers):
+    """Stage boundaries from decoder layers per stage; the embedding joins the first stage, norm and head the last."""
+    if sum(decoder_counts) != num_hidden_layers or min(decoder_counts) < 0:
+        raise ValueError(f"partition {list(decoder_counts)} must list decoder layers per stage summing to "
+                         f"num_hidden_layers ({num_hidden_layers}).")
+    bounds = [0]
+    for count in decoder_counts:
+        bounds.append(bounds[-1] + count)
+    bounds = [b + 1 for b in bounds]
+    bounds[0], bounds[-1] = 0, num_pipeline_layers(num_hidden_layers)
+    return bounds
+
+
+def stage_bounds(config, num_stages, partition, workload, layer_class_names):
+    """Stage boundaries (pipeline layer indices, DeepSpeed's `parts`) for every partition method.
+
+    partition: 'balanced' (the cost model), 'parameters' (parameter counts), DeepSpeed's 'uniform' and
+    'type:<regex>' (a case-insensitive search on layer class names, layer_class_names in pipeline order), or a
+    list of decoder layers per stage.
+    """
+    num_layers = num_pipeline_layers(config.num_hidden_layers)
+    if not isinstance(partition, str):
+        if len(partition) != num_stages:
+            raise ValueError(f"partition {list(partition)} has {len(partition)} entries for {num_stages} stages.")
+        return stage_bounds_from_decoder_counts(partition, config.num_hidden_layers)
+    method = partition.lower()
+    if method == "balanced":
+        counts = balanced_decoder_counts(config, num_stages, workload)
+        return stage_bounds_from_decoder_counts(counts, config.num_hidden_layers)
+    if method == "parameters":
+        return ds_utils.partition_balanced(layer_parameter_counts(config), num_stages)
+    if method == "uniform":
+        return ds_utils.partition_uniform(num_layers, num_stages)
+    if method.startswith("type:"):
+        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        matches = [1 if pattern.search(name) else 0 for name in layer_class_names]
+        if not any(matches):
+            raise ValueError(f"partition '{partition}' matches none of the layer classes {sorted(set(layer_class_names))}.")
+        return ds_utils.partition_balanced(matches, num_stages)
+    raise ValueError(f"partition '{partition}' is not one of balanced, parameters, uniform, type:<regex> or a "
+                     f"list of decoder layers per stage.")
+
+
+def stage_plan(config, bounds, workload):
+    """Per stage: its layers, parameters, compute, memory by kind (bytes) and combined cost."""
+    num_stages = len(bounds) - 1
+    model = StageCostModel(config, workload, num_stages)
+    kinds_of = layer_kinds(config.num_hidden_layers)
+    rows = []
+    for stage in range(num_stages):
+        start, stop = bounds[stage], bounds[stage + 1]
+        kinds = kinds_of[start:stop]
+        state = model.layers.stage_state_bytes(kinds)
+        rows.append({
+            "stage": stage, "layers": (start, stop), "decoder_layers": kinds.count(DECODER),
+            "parameters": model.layers.stage_parameters(kinds),
+            "tflops_per_micro_batch": model.layers.stage_flops(kinds) / 1e12,
+            **{f"{name}_bytes": value for name, value in state.items()},
+            "activation_bytes": model.layers.stage_activation_bytes(kinds, model.in_flight(stage)),
+            "step_bytes": model.layers.stage_step_bytes(kinds),
+            "in_flight": model.in_flight(stage),
+            "memory_bytes": model.memory_bytes(stage, kinds),
+            "cost": model.cost(stage, kinds),
+        })
+    return rows
+
+
+def format_stage_plan(rows):
+    """The plan as a table: layers, parameters, compute and estimated memory per stage."""
+    lines = [f"{'stage':>5} {'layers':>9} {'decoders':>8} {'params':>9} {'TFLOP/mb':>9} {'memory':>9} {'cost':>6}"]
+    for row in rows:
+        start, stop = row["layers"]
+        lines.append(f"{row['stage']:>5} {f'{start}-{stop - 1}':>9} {row['decoder_layers']:>8} "
+                     f"{row['parameters'] / 1e9:>8.2f}B {row['tflops_per_micro_batch']:>9.2f} "
+                     f"{row['memory_bytes'] / 2**30:>6.1f}GiB {row['cost']:>6.2f}")
+    lines.append(f"largest / smallest stage cost: {cost_spread(rows):.3f}")
+    return "\n".join(lines)
+
+
+def cost_spread(rows):
+    """Largest stage cost over the smallest: 1.0 is a perfect balance."""
+    costs = [row["cost"] for row in rows]
+    return max(costs) / min(costs)

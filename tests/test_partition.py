@@ -1,0 +1,173 @@
+"""The cost model and the partitions built from it (fast: no processes, nothing of model size is built)."""
+import os
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from transformers import LlamaConfig
+
+from models.layout import num_pipeline_layers
+from models.llama import DecoderLayerPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs, causal_lm_loss
+from models.partition import (DECODER, HEAD, NORM, LayerCosts, Workload, balanced_decoder_counts, cost_spread,
+                              stage_bounds, stage_plan)
+from models.pipeline import build_pipeline_layers
+from tests.conftest import ROOT
+from training.plan import workload_from_cfg
+
+# Published sizes (config.json of meta-llama/Llama-2-7b-hf, Meta-Llama-3.1-8B, llama-65b).
+PUBLISHED = {
+    "llama_7b": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                            rms_norm_eps=1e-5),
+    "llama3_8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                             rms_norm_eps=1e-5),
+    "llama_65b": LlamaConfig(vocab_size=32000, hidden_size=8192, intermediate_size=22016, num_hidden_layers=80,
+                             num_attention_heads=64, num_key_value_heads=64, max_position_embeddings=2048,
+                            rms_norm_eps=1e-6),
+}
+# The world size each config's header comment launches.
+WORLD_SIZE = {"llama_7b": 8, "llama3_8b": 8, "llama_65b": 16}
+
+
+def run_config(name):
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
+        return compose(config_name=name)
+
+
+def configured_plan(name, partition=None):
+    cfg = run_config(name)
+    config = PUBLISHED[name]
+    workload = workload_from_cfg(cfg, WORLD_SIZE[name])
+    class_names = [spec.typename.__name__ for spec in build_pipeline_layers(config)]
+    bounds = stage_bounds(config, cfg.num_stages, partition or cfg.partition, workload, class_names)
+    return cfg, bounds, stage_plan(config, bounds, workload)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_balanced_stages_cost_within_15_percent(name):
+    cfg, bounds, rows = configured_plan(name)
+    assert cfg.partition == "balanced"
+    assert len(rows) == cfg.num_stages
+    assert cost_spread(rows) <= 1.15, [round(row["cost"], 2) for row in rows]
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_run_configs_carry_the_published_sizes(name):
+    model_config = run_config(name).model_config
+    for key, value in model_config.items():
+        if key != "model_type":
+            assert getattr(PUBLISHED[name], key) == pytest.approx(value), key
+
+
+def test_balanced_beats_parameter_counts_at_a_128k_vocabulary():
+    """At 128k tokens the LM head's matmul weighs two decoder layers of compute that parameter counts miss."""
+    _, _, balanced = configured_plan("llama3_8b")
+    _, _, by_parameters = configured_plan("llama3_8b", partition="parameters")
+    assert cost_spread(balanced) < cost_spread(by_parameters)
+    assert max(row["cost"] for row in balanced) < max(row["cost"] for row in by_parameters)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_first_and_last_stage_get_no_extra_layer(name):
+    _, _, rows = configured_plan(name)
+    counts = [row["decoder_layers"] for row in rows]
+    assert counts[0] <= min(counts[1:-1]) and counts[-1] <= min(counts[1:-1]), counts
+
+
+def test_uneven_layers_go_to_middle_stages():
+    config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=10,
+                         num_attention_heads=4)
+    assert balanced_decoder_counts(config, 4, Workload(seq_length=64, activation_checkpoint_interval=1)) == [2, 3, 3, 2]
+
+
+def assert_valid_bounds(bounds, num_stages, num_hidden_layers):
+    assert len(bounds) == num_stages + 1
+    assert bounds[0] == 0 and bounds[-1] == num_pipeline_layers(num_hidden_layers)
+    assert all(start < stop for start, stop in zip(bounds, bounds[1:]))
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_balanced_bounds_are_valid_and_keep_embedding_and_head_at_the_ends(name):
+    cfg, bounds, rows = configured_plan(name)
+    layers = PUBLISHED[name].num_hidden_layers
+    assert_valid_bounds(bounds, cfg.num_stages, layers)
+    assert all(row["decoder_layers"] >= 1 for row in rows)
+    assert sum(row["decoder_layers"] for row in rows) == layers
+    assert bounds[1] >= 2 and bounds[-2] <= layers  # the embedding has a decoder with it; so has norm + head
+
+
+def test_explicit_bounds():
+    config = PUBLISHED["llama_7b"]
+    bounds = stage_bounds(config, 4, [6, 10, 10, 6], Workload(), [])
+    assert_valid_bounds(bounds, 4, 32)
+    assert bounds == [0, 7, 17, 27, 35]
+    with pytest.raises(ValueError, match="summing to num_hidden_layers"):
+        stage_bounds(config, 4, [6, 10, 10, 5], Workload(), [])
+    with pytest.raises(ValueError, match="3 entries for 4 stages"):
+        stage_bounds(config, 4, [10, 12, 10], Workload(), [])
+
+
+def test_deepspeed_methods_match_the_parity_tests_expectations():
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    class_names = [spec.typename.__name__ for spec in build_pipeline_layers(config)]
+    assert stage_bounds(config, 2, "uniform", Workload(), class_names) == [0, 4, 7]
+    assert stage_bounds(config, 2, "type:decoderlayer", Workload(), class_names) == [0, 3, 7]
+    with pytest.raises(ValueError, match="matches none"):
+        stage_bounds(config, 2, "type:nosuchlayer", Workload(), class_names)
+
+
+def saved_activation_bytes(run, exclude):
+    """Bytes of the distinct storages autograd saves while run() builds its graph, leaving out `exclude`."""
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_activation_model_matches_what_autograd_saves(dtype, precision, kv_heads):
+    config = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=kv_heads)
+    batch, seq = 2, 24
+    costs = LayerCosts(config, Workload(seq_length=seq, micro_batch_size=batch, precision=precision))
+    stage_inputs = StageAttentionInputs(config)
+    decoder = DecoderLayerPipe(config, stage_inputs).to(dtype)
+    norm, head = FinalNormPipe(config).to(dtype), LMHeadPipe(config).to(dtype)
+    hidden = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    positions = torch.arange(seq).expand(batch, seq)
+    # The rotary tables belong to the stage, not to a layer; parameters are state, not activations.
+    shared = {t.untyped_storage().data_ptr() for t in stage_inputs(hidden, mask, positions) if t is not None}
+    params = {p.untyped_storage().data_ptr() for m in (decoder, norm, head) for p in m.parameters()}
+    assert saved_activation_bytes(lambda: decoder((hidden, mask, positions)), shared | params) \
+        == costs.saved_bytes[DECODER]
+    labels = torch.randint(0, config.vocab_size, (batch, seq))
+    logits = []
+    measured = saved_activation_bytes(lambda: causal_lm_loss(logits.append(head(norm((hidden,)))) or logits[0],
+                                                             labels), params)
+    # The engine also holds the logits until backward; the model counts them with the head (and not the loss's
+    # 4-byte scalar).
+    assert measured + logits[0].untyped_storage().nbytes() == pytest.approx(
+        costs.saved_bytes[NORM] + costs.saved_bytes[HEAD], abs=4)
+
+
+def test_checkpointed_stage_keeps_one_hidden_state_per_layer_and_recomputes_one():
+    config = PUBLISHED["llama_7b"]
+    workload = Workload(seq_length=2048, activation_checkpoint_interval=1)
+    costs = LayerCosts(config, workload)
+    kinds = [DECODER] * 8
+    in_flight = 4
+    # Per micro-batch in flight: the stage's input and output buffers and one checkpoint input per layer.
+    expected = in_flight * costs.hidden_bytes * (2 + 8) + costs.saved_bytes[DECODER]
+    assert costs.stage_activation_bytes(kinds, in_flight) == expected
+    assert costs.stage_activation_bytes(kinds + [NORM, HEAD], 1) > costs.head_backward_bytes
