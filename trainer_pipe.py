@@ -20,7 +20,7 @@ def main(cfg):
     from training.loop import run  # heavy imports after Hydra has parsed the command line
     try:
         run(cfg)
-    except (ValueError, FileNotFoundError) as error:  # bad config or data: the message says what to fix
+    except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as error:  # says what to fix
         sys.exit(f"trainer_pipe: error: {error}")
     finally:
         import torch.distributed as dist

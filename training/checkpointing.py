@@ -5,6 +5,7 @@ rank has finished, rank 0 drops a COMPLETE marker in it and atomically points ``
 mid-save therefore leaves the previous checkpoint as ``latest``; tag directories without the marker are never
 resumed from and are removed by the next run.
 """
+import json
 import os
 import random
 import re
@@ -19,6 +20,7 @@ from checkpoints.files import COMPLETE_MARKER, LATEST, copy_model_side_files, re
 
 TAG_PATTERN = re.compile(r"^global_step(\d+)$")
 RUN_CONFIG_NAME = "run_config.yaml"
+TRAINER_STATE_NAME = "trainer_state.json"
 
 
 def tag_of_step(step):
@@ -106,18 +108,38 @@ def load_rng_state(tag_dir, rank):
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(engine, cfg, model_files_dir, step, client_state):
-    output_dir, tag = cfg.output_dir, tag_of_step(step)
+def read_trainer_state(tag_dir):
+    """{"step", "consumed_samples", "topology"} of a training checkpoint ({} for a converted model)."""
+    path = os.path.join(tag_dir, TRAINER_STATE_NAME)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_resume_topology(trainer_state, topology, weights_only, tag_dir):
+    """Optimizer state is laid out per stage (and per data-parallel rank under ZeRO-1): it cannot follow a change."""
+    saved = trainer_state.get("topology")
+    if saved and saved != topology and not weights_only:
+        raise ValueError(f"checkpoint {tag_dir} was trained with {saved}, this run has {topology}; optimizer state "
+                         f"cannot follow a topology change. Set resume_weights_only=true to continue from its weights "
+                         f"with a fresh optimizer (the data position is kept by consumed samples).")
+
+
+def save_checkpoint(engine, cfg, model_files_dir, trainer_state):
+    output_dir, tag = cfg.output_dir, tag_of_step(trainer_state["step"])
     tag_dir = os.path.join(output_dir, tag)
     if dist.get_rank() == 0 and os.path.exists(os.path.join(tag_dir, COMPLETE_MARKER)):
         os.remove(os.path.join(tag_dir, COMPLETE_MARKER))  # rewriting a tag: it is incomplete until done again
     dist.barrier()
-    engine.save_checkpoint(output_dir, tag=tag, client_state=client_state, save_latest=False)
+    engine.save_checkpoint(output_dir, tag=tag, client_state=trainer_state, save_latest=False)
     save_rng_state(tag_dir, dist.get_rank())
     dist.barrier()  # every rank's files are written before the checkpoint is declared complete
     if dist.get_rank() == 0:
         copy_model_side_files(model_files_dir, tag_dir)
         OmegaConf.save(cfg, os.path.join(tag_dir, RUN_CONFIG_NAME), resolve=True)
+        with open(os.path.join(tag_dir, TRAINER_STATE_NAME), "w") as f:
+            json.dump(trainer_state, f, indent=2)
         write_text_atomic(os.path.join(tag_dir, COMPLETE_MARKER), tag)
         write_text_atomic(os.path.join(output_dir, LATEST), tag)
         prune_checkpoints(output_dir, cfg.save_total_limit)

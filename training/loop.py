@@ -15,12 +15,14 @@ from checkpoints.ds_to_hf import convert_ds_to_hf
 from data.datasets import build_dataset_distributed
 from data.loader import build_stage_loader, infinite_micro_batches
 from models.pipeline import build_pipeline_module
-from training.checkpointing import (check_fresh_start, clear_previous_run, load_rng_state,
-                                    remove_incomplete_checkpoints, resolve_resume, save_checkpoint)
+from training.checkpointing import (check_fresh_start, check_resume_topology, clear_previous_run, load_rng_state,
+                                    read_trainer_state, remove_incomplete_checkpoints, resolve_resume,
+                                    save_checkpoint)
 from training.config import ConfigError, check_run_config, deepspeed_config, load_model_config
 from training.distributed import init_distributed, pipe_data_topology, set_threads_per_process
 from training.evaluation import evaluate
 from training.metrics import RunLogger
+from training.optimizer import skipping_optimizer
 
 
 def log_rank0(message):
@@ -65,8 +67,13 @@ def build_engine(cfg, model_config, total_steps):
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()
-                                                                           if p.requires_grad], config=ds_config)
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = None
+    if cfg.nan_policy == "skip":
+        optimizer = skipping_optimizer(cfg, params)
+        ds_config.pop("optimizer")
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, optimizer=optimizer,
+                                           config=ds_config)
     engine.clip_fp32_gradients = lambda: clip_fp32_gradients_across_stages(engine)
     return engine, monitors
 
@@ -100,46 +107,41 @@ def prepare_output_dir(cfg, resume_from):
 
 
 def load_start_state(engine, cfg, resume_from):
-    """Resume from a checkpoint of this run, or start from the converted model's weights. Returns client state."""
+    """Load the resume checkpoint (all state, or weights only), or the converted model's weights."""
     if resume_from is None:
         engine.load_checkpoint(cfg.model_name_or_path, load_module_only=True)
-        return {}
+        return
     ckpt_dir, tag = resume_from
     weights_only = cfg.resume_weights_only
-    _, client_state = engine.load_checkpoint(ckpt_dir, tag, load_module_only=True)
-    saved = client_state.get("topology", {})
-    if not weights_only and saved and saved != current_topology(engine):
-        raise ConfigError(f"checkpoint {tag} was trained with {saved}, this run has {current_topology(engine)}; "
-                          f"optimizer state cannot follow a topology change. Set resume_weights_only=true to "
-                          f"continue from its weights with a fresh optimizer.")
+    engine.load_checkpoint(ckpt_dir, tag, load_module_only=weights_only)
     if not weights_only:
-        engine.load_checkpoint(ckpt_dir, tag)
         load_rng_state(os.path.join(ckpt_dir, tag), dist.get_rank())
-    log_rank0(f"resumed from {os.path.join(ckpt_dir, tag)} at step {client_state['step']}"
-              f"{' (weights only, fresh optimizer)' if weights_only else ''}")
-    return client_state
+    log_rank0(f"resumed from {os.path.join(ckpt_dir, tag)}{' (weights only, fresh optimizer)' if weights_only else ''}")
 
 
-def current_topology(engine):
-    return {"num_stages": engine.num_stages, "data_parallel": engine.grid.get_data_parallel_world_size()}
+def topology_of(num_stages, world_size):
+    return {"num_stages": num_stages, "data_parallel": world_size // num_stages}
 
 
-def data_position(client_state, micro_batches_per_epoch, dp_size, micro_batch_size):
+def data_position(trainer_state, micro_batches_per_epoch, dp_size, micro_batch_size):
     """(epoch, micro-batches consumed in it) to continue from. Derived from consumed samples, which every rank
     knows (middle stages pull no data) and which stays meaningful when the data-parallel degree changes."""
-    if not client_state:
-        return 0, 0
-    consumed = client_state["consumed_samples"] // (dp_size * micro_batch_size)
+    consumed = trainer_state.get("consumed_samples", 0) // (dp_size * micro_batch_size)
     return divmod(consumed, micro_batches_per_epoch)
 
 
 def run(cfg):
     set_threads_per_process()
     model_config, model_files_dir = load_model_config(cfg.model_name_or_path)
-    check_run_config(cfg, int(os.environ.get("WORLD_SIZE", "1")), model_config)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    check_run_config(cfg, world_size, model_config)
     resume_from = resolve_resume(cfg.resume, cfg.output_dir)
+    trainer_state = read_trainer_state(os.path.join(*resume_from)) if resume_from else {}
     if resume_from is None and not cfg.eval_only:
         check_fresh_start(cfg.output_dir, cfg.overwrite_output_dir)
+    if not cfg.eval_only:
+        check_resume_topology(trainer_state, topology_of(cfg.num_stages, world_size), cfg.resume_weights_only,
+                              os.path.join(*resume_from) if resume_from else None)
     init_distributed(cfg.dist_timeout_minutes)
     prepare_output_dir(cfg, resume_from)
     seed_everything(cfg.seed)
@@ -153,10 +155,10 @@ def run(cfg):
 
     if cfg.eval_only:
         engine, monitors = build_engine(cfg, model_config, total_steps=1)
-        client_state = load_start_state(engine, cfg, resume_from)
+        load_start_state(engine, cfg, resume_from)
         loss, ppl = evaluate(engine, data.eval, data.eval_length, cfg, pad_id)
         logger = RunLogger(cfg.output_dir, monitors, total_steps=0, start_step=0)
-        logger.log({"step": client_state.get("step", 0), "eval_loss": loss, "eval_ppl": ppl,
+        logger.log({"step": trainer_state.get("step", 0), "eval_loss": loss, "eval_ppl": ppl,
                     "eval_examples": data.eval_length})
         logger.close()
         return {"eval_loss": loss, "eval_ppl": ppl}
@@ -171,9 +173,9 @@ def run(cfg):
                           f"{cfg.gradient_accumulation_steps}; add data or lower the batch size.")
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     engine, monitors = build_engine(cfg, model_config, total_steps)
-    client_state = load_start_state(engine, cfg, resume_from)
-    step = client_state.get("step", 0)
-    epoch, consumed = data_position(client_state, len(loader), dp_size, cfg.micro_batch_size)
+    load_start_state(engine, cfg, resume_from)
+    step = trainer_state.get("step", 0)
+    epoch, consumed = data_position(trainer_state, len(loader), dp_size, cfg.micro_batch_size)
     stream = infinite_micro_batches(loader, epoch, consumed)
     return train(engine, cfg, stream, data, pad_id, model_files_dir, monitors, step, total_steps)
 
@@ -184,33 +186,40 @@ def train(engine, cfg, stream, data, pad_id, model_files_dir, monitors, step, to
     logger = RunLogger(cfg.output_dir, monitors, total_steps, step)
     last_checkpoint = resolve_resume("auto", cfg.output_dir)
     start_time = window_start = time.time()
-    window_steps, losses = 0, []
+    window_steps, losses, skipped = 0, [], 0
     result = {}
     while step < total_steps:
         loss = float(engine.train_batch(stream))
         step += 1
         window_steps += 1
-        losses.append(loss)
         if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step}; last good checkpoint: "
-                                     f"{os.path.join(*last_checkpoint) if last_checkpoint else 'none saved yet'}.")
+            if cfg.nan_policy == "stop":
+                raise FloatingPointError(
+                    f"loss is {loss} at step {step}; stopping (nan_policy=stop). Last good checkpoint: "
+                    f"{os.path.join(*last_checkpoint) if last_checkpoint else 'none saved yet'}.")
+            skipped += 1
+            log_rank0(f"loss is {loss} at step {step}: optimizer step skipped (nan_policy=skip, {skipped} so far)")
+        else:
+            losses.append(loss)
         logger.advance()
         if step % cfg.logging_steps == 0 or step == total_steps:
             elapsed = time.time() - window_start
             grad_norm = engine.get_global_grad_norm()
-            logger.log({"step": step, "loss": sum(losses) / len(losses), "lr": engine.get_lr()[0],
+            logger.log({"step": step, "loss": sum(losses) / len(losses) if losses else float("nan"),
+                        "lr": engine.get_lr()[0],
                         "grad_norm": float(grad_norm) if grad_norm is not None else None,
                         "tokens_per_sec": window_steps * samples_per_step * cfg.seq_length / elapsed,
                         "samples_per_sec": window_steps * samples_per_step / elapsed,
-                        "elapsed_s": time.time() - start_time})
+                        "elapsed_s": time.time() - start_time, **({"skipped_steps": skipped} if skipped else {})})
             window_start, window_steps, losses = time.time(), 0, []
         if data.eval_length and (step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)):
             eval_loss, eval_ppl = evaluate(engine, data.eval, data.eval_length, cfg, pad_id)
             logger.log({"step": step, "eval_loss": eval_loss, "eval_ppl": eval_ppl})
             result.update(eval_loss=eval_loss, eval_ppl=eval_ppl)
         if step == total_steps or (cfg.save_steps and step % cfg.save_steps == 0):
-            save_checkpoint(engine, cfg, model_files_dir, step, client_state={
-                "step": step, "consumed_samples": step * samples_per_step, "topology": current_topology(engine)})
+            save_checkpoint(engine, cfg, model_files_dir, {
+                "step": step, "consumed_samples": step * samples_per_step,
+                "topology": topology_of(engine.num_stages, dist.get_world_size())})
             last_checkpoint = (cfg.output_dir, f"global_step{step}")
     logger.close()
     if cfg.export_hf and dist.get_rank() == 0:

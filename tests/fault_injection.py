@@ -1,0 +1,60 @@
+"""trainer_pipe.py with one fault injected, for reliability tests launched through the real launcher.
+
+FAULT=kind:rank:step, kind one of
+  kill_during_save  SIGKILL this rank after it wrote its part of the step's checkpoint, before it is complete
+  raise             raise RuntimeError in this rank's train_batch at that step
+  nan               the loss (last stage) becomes NaN at that step, so gradients are NaN too
+"""
+import os
+import signal
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import trainer_pipe  # noqa: E402
+
+
+def rank():
+    return int(os.environ["RANK"])
+
+
+def inject(kind, fault_rank, fault_step):
+    if kind == "kill_during_save":
+        from training import checkpointing
+        save_rng_state = checkpointing.save_rng_state
+
+        def save_then_die(tag_dir, this_rank):
+            save_rng_state(tag_dir, this_rank)
+            if this_rank == fault_rank and tag_dir.endswith(f"global_step{fault_step}"):
+                os.kill(os.getpid(), signal.SIGKILL)
+        checkpointing.save_rng_state = save_then_die
+    elif kind == "raise":
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+        train_batch = PipelineEngine.train_batch
+
+        def failing_train_batch(self, *args, **kwargs):
+            if rank() == fault_rank and self.global_steps + 1 == fault_step:
+                raise RuntimeError(f"injected failure on rank {fault_rank} at step {fault_step}")
+            return train_batch(self, *args, **kwargs)
+        PipelineEngine.train_batch = failing_train_batch
+    elif kind == "nan":
+        from models import pipeline
+        loss_fn = pipeline.causal_lm_loss
+        calls = []
+
+        def nan_at_step(logits, labels):
+            calls.append(1)
+            loss = loss_fn(logits, labels)
+            gas = int(os.environ["FAULT_GAS"])
+            return loss * float("nan") if (len(calls) - 1) // gas + 1 == fault_step else loss
+        pipeline.causal_lm_loss = nan_at_step
+    else:
+        raise ValueError(f"unknown fault {kind}")
+
+
+if __name__ == "__main__":
+    fault_kind, fault_rank_text, fault_step_text = os.environ["FAULT"].split(":")
+    inject(fault_kind, int(fault_rank_text), int(fault_step_text))
+    trainer_pipe.strip_launcher_arguments()
+    trainer_pipe.main()

@@ -1,0 +1,109 @@
+"""Resume, crash-safe saves, prompt failure and NaN handling, with real processes and real faults."""
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from tests.launch import launch_trainer
+from tests.test_trainer import demo_overrides, per_step_losses, read_metrics
+
+FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
+# 2 stages x 2 data-parallel ranks, fp32, 8 steps; checkpoints every 2 steps, all kept; an epoch is ~100 steps.
+REFERENCE = dict(num_stages=2, gradient_accumulation_steps=2, max_steps=8, save_steps=2, save_total_limit=10,
+                 logging_steps=1, learning_rate=1e-3, warmup_steps=2)
+
+
+def ok(result):
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def reference_run(demo_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference") / "run"
+    ok(launch_trainer(4, demo_overrides(demo_model, out, **REFERENCE)))
+    return out
+
+
+def test_killed_save_resumes_from_previous_checkpoint_with_identical_losses(demo_model, reference_run, tmp_path):
+    out = tmp_path / "run"
+    overrides = demo_overrides(demo_model, out, **REFERENCE)
+    killed = launch_trainer(4, overrides, script=FAULT_SCRIPT, env={"FAULT": "kill_during_save:1:6"})
+    assert killed.returncode != 0
+    # Rank 1 died after writing its share of step 6: that checkpoint is incomplete and 'latest' still names step 4.
+    assert (out / "latest").read_text() == "global_step4"
+    assert (out / "global_step6").is_dir() and not (out / "global_step6" / "COMPLETE").exists()
+
+    resumed = ok(launch_trainer(4, overrides + ["resume=auto"]))
+    assert "removed incomplete checkpoints left by an interrupted save: ['global_step6']" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "global_step4" in resumed.stdout
+    reference = per_step_losses(reference_run)
+    # Weights, optimizer, LR schedule, data position (mid-epoch) and RNG restored: fp32 losses are identical.
+    assert per_step_losses(out)[-4:] == reference[4:8]
+    assert [r["step"] for r in read_metrics(out) if "loss" in r][-4:] == [5, 6, 7, 8]
+
+
+def test_weights_only_resume_into_another_stage_count_keeps_eval_loss(demo_model, reference_run, tmp_path):
+    checkpoint = reference_run / "global_step8"
+    evals = {}
+    for procs, stages in ((2, 2), (1, 1)):
+        out = tmp_path / f"eval{stages}"
+        ok(launch_trainer(procs, demo_overrides(demo_model, out, num_stages=stages, eval_only="true",
+                                                resume=str(checkpoint), resume_weights_only="true")))
+        (record,) = read_metrics(out)
+        assert record["step"] == 8 and record["eval_examples"] > 0
+        evals[stages] = record["eval_loss"]
+    assert evals[1] == pytest.approx(evals[2], abs=1e-5)
+
+
+def test_topology_change_needs_weights_only(demo_model, reference_run, tmp_path):
+    result = launch_trainer(1, demo_overrides(demo_model, tmp_path / "run", num_stages=1,
+                                              resume=str(reference_run)), timeout=120)
+    assert result.returncode != 0
+    assert ("was trained with {'num_stages': 2, 'data_parallel': 2}, this run has {'num_stages': 1, "
+            "'data_parallel': 1}; optimizer state cannot follow a topology change. Set resume_weights_only=true"
+            in result.stdout + result.stderr)
+
+
+def test_exception_on_one_rank_ends_the_whole_job_promptly(demo_model, tmp_path):
+    start = time.time()
+    result = launch_trainer(2, demo_overrides(demo_model, tmp_path / "run", max_steps=20, eval_file="null"),
+                            script=FAULT_SCRIPT, env={"FAULT": "raise:1:3"}, timeout=120)
+    elapsed = time.time() - start
+    assert result.returncode != 0
+    assert "RuntimeError: injected failure on rank 1 at step 3" in result.stdout + result.stderr
+    assert elapsed < 60, f"job took {elapsed:.0f}s to end after one rank failed"
+
+
+def test_nan_loss_stops_with_step_and_last_good_checkpoint(demo_model, tmp_path):
+    out = tmp_path / "run"
+    result = launch_trainer(2, demo_overrides(demo_model, out, max_steps=6, save_steps=2, eval_file="null"),
+                            script=FAULT_SCRIPT, env={"FAULT": "nan:1:3", "FAULT_GAS": "4"}, timeout=120)
+    assert result.returncode != 0
+    assert (f"loss is nan at step 3; stopping (nan_policy=stop). Last good checkpoint: {out}/global_step2"
+            in result.stdout + result.stderr)
+    assert (out / "latest").read_text() == "global_step2"
+
+
+def test_nan_loss_step_is_skipped_when_configured(demo_model, tmp_path):
+    out = tmp_path / "run"
+    ok(launch_trainer(2, demo_overrides(demo_model, out, max_steps=5, logging_steps=1, eval_file="null",
+                                        nan_policy="skip"),
+                      script=FAULT_SCRIPT, env={"FAULT": "nan:1:3", "FAULT_GAS": "4"}, timeout=120))
+    records = {r["step"]: r for r in read_metrics(out)}
+    assert records[3].get("skipped_steps") == 1 and records[3]["loss"] != records[3]["loss"]  # NaN
+    assert all(records[s]["loss"] < records[1]["loss"] for s in (4, 5))
+    for name in ("layer_00-model_states.pt", "layer_03-model_states.pt"):
+        weights = torch.load(out / "global_step5" / name)
+        assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_malformed_jsonl_line_is_named(demo_model, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"text": "a fine line"}) + "\n" + '{"text": "broken\n')
+    result = launch_trainer(1, demo_overrides(demo_model, tmp_path / "run", num_stages=1, train_file=str(data),
+                                              eval_file="null"), timeout=120)
+    assert result.returncode != 0
+    assert f"{data}: line 2: malformed JSON line" in result.stdout + result.stderr
