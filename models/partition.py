@@ -38,6 +38,7 @@ class Workload:
     data_parallel: int = 1
     activation_checkpoint_interval: int = 0
     reduce_bucket_size: int = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default
+    torch_adam: bool = True  # torch's Adam (conf/base.yaml) rather than DeepSpeed's fused one
 
     @property
     def tokens(self):
@@ -95,49 +96,49 @@ def state_bytes_per_parameter(workload):
             "optimizer": ((FP32_BYTES if keeps_master else 0) + ADAM_STATE_BYTES) / optimizer_shards(workload)}
 
 
-def step_bytes_per_parameter(workload):
-    """Bytes per parameter the optimizer step adds for its duration: ZeRO-1 flattens its gradient partition and
-    casts it to fp32; without ZeRO, a 16-bit model's optimizer builds fp32 gradients."""
-    weight = PRECISION_BYTES[workload.precision]
-    if workload.zero_stage >= 1:
-        return (weight + (FP32_BYTES if workload.precision != "fp32" else 0)) / optimizer_shards(workload)
-    return FP32_BYTES if workload.precision != "fp32" else 0
-
-
 def optimizer_shards(workload):
     return workload.data_parallel if workload.zero_stage >= 1 else 1
 
 
 class LayerCosts:
-    """Compute and activation memory of each layer kind for one micro-batch of a workload."""
+    """Compute and memory of each layer kind for one micro-batch of a workload, and of stages built from them.
+
+    The activation figures follow what this project's layers and DeepSpeed's pipeline engine keep alive; they were
+    checked against saved-tensor hooks (tests/test_partition.py) and against torch's memory profiler and peak RSS
+    on the CPU (bench/memory_plan_check.py).
+    """
 
     def __init__(self, config, workload):
         self.config, self.workload = config, workload
         tokens, hidden, vocab = workload.tokens, config.hidden_size, config.vocab_size
+        inter = config.intermediate_size
         shifted_tokens = workload.micro_batch_size * (workload.seq_length - 1)
         act = workload.activation_bytes
         q_width = config.num_attention_heads * head_dim_of(config)
         decoder_params = decoder_parameter_count(config)
         self.parameters = {EMBEDDING: vocab * hidden, DECODER: decoder_params, NORM: hidden,
                            HEAD: vocab * hidden}  # a tied head is a second copy of the embedding on its stage
+        self.largest_tensor = {EMBEDDING: vocab * hidden, DECODER: hidden * max(inter, q_width), NORM: hidden,
+                               HEAD: vocab * hidden}
         # Matmuls: 2 FLOPs per weight per token; causal attention: QK^T and PV over half the seq x seq scores.
         self.forward_flops = {EMBEDDING: 0, NORM: 0, HEAD: 2 * tokens * hidden * vocab,
                               DECODER: 2 * tokens * decoder_params + 2 * tokens * workload.seq_length * q_width}
         self.saved_bytes = {
             EMBEDDING: 0,
-            # What autograd keeps for one layer (tests/test_partition.py checks this against saved-tensor hooks):
             # 8 hidden-sized and 4 intermediate-sized tensors in the activation dtype, the two norms' fp32 inputs
             # and inverse RMS, and attention's log-sum-exp per head.
-            DECODER: tokens * (act * (8 * hidden + 4 * config.intermediate_size)
+            DECODER: tokens * (act * (8 * hidden + 4 * inter)
                                + FP32_BYTES * (2 * hidden + config.num_attention_heads + 2)),
             # The norm's fp32 input and inverse RMS, its normalised and its scaled output.
             NORM: tokens * (FP32_BYTES * (hidden + 1) + 2 * act * hidden),
-            # Logits held by the engine until backward; the loss keeps its fp32 log-softmax and the labels of the
-            # shifted positions.
-            HEAD: tokens * vocab * act + shifted_tokens * (vocab * FP32_BYTES + INT64_BYTES),
+            # The loss's fp32 log-softmax and the labels of the shifted positions (the logits: see logits_bytes).
+            HEAD: shifted_tokens * (vocab * FP32_BYTES + INT64_BYTES),
         }
-        # The loss's backward holds two fp32 logits-sized gradients at once.
-        self.head_backward_bytes = 2 * tokens * vocab * FP32_BYTES
+        # Gradients alive at once while a layer runs backward: a decoder's MLP and residual stream; the loss's two
+        # fp32 logits-sized gradients.
+        self.backward_bytes = {EMBEDDING: 0, NORM: 0, DECODER: tokens * act * (2 * inter + 4 * hidden),
+                               HEAD: 2 * tokens * vocab * FP32_BYTES}
+        self.logits_bytes = tokens * vocab * act
         self.hidden_bytes = tokens * hidden * act  # one hidden-states tensor: a stage boundary, a checkpoint input
 
     def chunks(self, kinds):
@@ -157,18 +158,28 @@ class LayerCosts:
         return flops
 
     def stage_activation_bytes(self, kinds, in_flight):
-        """Peak activation memory: in_flight micro-batches of what stays saved (and the engine's stage input and
-        output buffers), plus the largest short-lived peak of one backward pass."""
-        held = self.hidden_bytes * ((kinds[0] != EMBEDDING) + (kinds[-1] != HEAD))
-        peak = self.head_backward_bytes if HEAD in kinds else 0
+        """Peak activation memory: what in_flight micro-batches keep for their backward, the engine's buffers, and
+        the largest short-lived peak of one layer's backward (after recomputing its checkpointed chunk)."""
+        per_micro_batch, transient = 0, 0
         for run, checkpointed in self.chunks(kinds):
-            full = sum(self.saved_bytes[kind] for kind in run)
+            saved = sum(self.saved_bytes[kind] for kind in run)
+            workspace = max(self.backward_bytes[kind] for kind in run)
             if checkpointed:
-                held += self.hidden_bytes
-                peak = max(peak, full)
+                per_micro_batch += self.hidden_bytes
+                transient = max(transient, saved + workspace)
             else:
-                held += full
-        return in_flight * held + peak
+                per_micro_batch += saved
+                transient = max(transient, workspace)
+        persistent = 0
+        if kinds[0] != EMBEDDING:  # the received input stays until its gradient is sent; a receive buffer and copy
+            per_micro_batch += self.hidden_bytes
+            persistent += 2 * self.hidden_bytes
+        if kinds[-1] != HEAD:  # the output stays until its backward; a receive buffer for its gradient
+            per_micro_batch += self.hidden_bytes
+            persistent += self.hidden_bytes
+        else:  # DeepSpeed never frees the last stage's outputs: each of its two buffers keeps logits until reused
+            persistent += min(2, self.workload.micro_batches) * self.logits_bytes
+        return in_flight * per_micro_batch + persistent + transient
 
     def stage_parameters(self, kinds):
         return sum(self.parameters[kind] for kind in kinds)
@@ -178,14 +189,29 @@ class LayerCosts:
         parameters = self.stage_parameters(kinds)
         return {name: parameters * size for name, size in state_bytes_per_parameter(self.workload).items()}
 
+    def stage_buffer_bytes(self):
+        """ZeRO-1's two gradient reduce buckets in the pipeline path (allocated in full on GPUs)."""
+        if self.workload.zero_stage == 0:
+            return 0
+        return 2 * self.workload.reduce_bucket_size * self.workload.activation_bytes
+
     def stage_step_bytes(self, kinds):
-        """What the optimizer step allocates on top of the state (activations are freed by then)."""
+        """The optimizer step's peak beyond weights and optimizer state, gradients included (activations are freed
+        by then). ZeRO-1 copies its gradient partition flat and casts it to fp32, frees the gradients, then runs
+        Adam on the flat partition; without ZeRO a 16-bit model's optimizer builds fp32 gradients, and Adam runs
+        one parameter at a time. torch's Adam allocates two fp32 temporaries (sqrt and division) per tensor."""
+        work = self.workload
         parameters = self.stage_parameters(kinds)
-        step = parameters * step_bytes_per_parameter(self.workload)
-        if self.workload.zero_stage >= 1:
-            # DeepSpeed's pipeline path copies gradients into a reduce bucket before reducing them.
-            step += min(self.workload.reduce_bucket_size, parameters) * PRECISION_BYTES[self.workload.precision]
-        return step
+        grad = PRECISION_BYTES[work.precision]
+        cast = FP32_BYTES if work.precision != "fp32" else 0
+        temporaries = 2 * FP32_BYTES if work.torch_adam else 0
+        if work.zero_stage >= 1:
+            shards = optimizer_shards(work)
+            flatten = parameters * (grad + (grad + cast) / shards)
+            adam = parameters * (FP32_BYTES + temporaries) / shards
+            return max(flatten, adam)
+        largest = max(self.largest_tensor[kind] for kind in kinds)
+        return parameters * (grad + cast) + largest * temporaries
 
 
 def in_flight_micro_batches(stage, num_stages, micro_batches):
@@ -208,21 +234,24 @@ class StageCostModel:
     def __init__(self, config, workload, num_stages, compute_weight=0.5):
         self.layers = LayerCosts(config, workload)
         self.workload, self.num_stages, self.compute_weight = workload, num_stages, compute_weight
-        # Units: one decoder layer's compute, and its memory on a stage with the mean number of micro-batches in
-        # flight.
+        # Units: one decoder layer's compute, and its state plus what it keeps per micro-batch for the mean number
+        # of micro-batches in flight.
         self.compute_unit = self.layers.stage_flops([DECODER])
         mean_in_flight = sum(self.in_flight(s) for s in range(num_stages)) / num_stages
-        self.memory_unit = (sum(self.layers.stage_state_bytes([DECODER]).values())
-                            + mean_in_flight * self.layers.stage_activation_bytes([DECODER], 1))
+        kept = (self.layers.hidden_bytes if workload.activation_checkpoint_interval
+                else self.layers.saved_bytes[DECODER])
+        self.memory_unit = sum(self.layers.stage_state_bytes([DECODER]).values()) + mean_in_flight * kept
 
     def in_flight(self, stage):
         return in_flight_micro_batches(stage, self.num_stages, self.workload.micro_batches)
 
     def memory_bytes(self, stage, kinds):
-        """Peak memory: the state, plus the larger of the backward passes' activations and the optimizer step."""
-        return (sum(self.layers.stage_state_bytes(kinds).values())
-                + max(self.layers.stage_activation_bytes(kinds, self.in_flight(stage)),
-                      self.layers.stage_step_bytes(kinds)))
+        """Peak memory: weights, optimizer state and buffers, plus the larger of the backward passes (gradients
+        and activations) and the optimizer step."""
+        state = self.layers.stage_state_bytes(kinds)
+        backward = state["gradients"] + self.layers.stage_activation_bytes(kinds, self.in_flight(stage))
+        return (state["weights"] + state["optimizer"] + self.layers.stage_buffer_bytes()
+                + max(backward, self.layers.stage_step_bytes(kinds)))
 
     def cost(self, stage, kinds):
         compute = self.layers.stage_flops(kinds) / self.compute_unit
@@ -311,6 +340,7 @@ def stage_plan(config, bounds, workload):
             **{f"{name}_bytes": value for name, value in state.items()},
             "activation_bytes": model.layers.stage_activation_bytes(kinds, model.in_flight(stage)),
             "step_bytes": model.layers.stage_step_bytes(kinds),
+            "buffer_bytes": model.layers.stage_buffer_bytes(),
             "in_flight": model.in_flight(stage),
             "memory_bytes": model.memory_bytes(stage, kinds),
             "cost": model.cost(stage, kinds),

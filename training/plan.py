@@ -21,12 +21,15 @@ RUNTIME_NOTE = "not modelled: CUDA context, NCCL buffers, allocator fragmentatio
 
 def workload_from_cfg(cfg, world_size):
     """The run's Workload for the cost model (models/partition.py)."""
-    zero = OmegaConf.to_container(cfg.deepspeed, resolve=True).get("zero_optimization", {})
+    ds = OmegaConf.to_container(cfg.deepspeed, resolve=True)
+    zero = ds.get("zero_optimization", {})
+    optimizer_params = ds.get("optimizer", {}).get("params", {})
     return Workload(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
                     micro_batches=cfg.gradient_accumulation_steps, precision=cfg.precision,
                     zero_stage=cfg.zero_stage, data_parallel=world_size // cfg.num_stages,
                     activation_checkpoint_interval=cfg.activation_checkpoint_interval,
-                    reduce_bucket_size=int(zero.get("reduce_bucket_size", Workload.reduce_bucket_size)))
+                    reduce_bucket_size=int(zero.get("reduce_bucket_size", Workload.reduce_bucket_size)),
+                    torch_adam=bool(optimizer_params.get("torch_adam", False)))
 
 
 def load_plan_model_config(cfg):
@@ -76,7 +79,7 @@ def memory_plan(cfg, model_config, world_size):
 def format_memory_plan(cfg, workload, rows, world_size):
     interval = workload.activation_checkpoint_interval or 1
     header = (f"{'stage':>5} {'layers':>7} {'params':>8} {'weights':>8} {'grads':>8} {'optim':>8} "
-              f"{f'act(ckpt {interval})':>12} {'act(full)':>10} {'step':>7} {'total':>8}  fits")
+              f"{f'act(ckpt {interval})':>12} {'act(full)':>10} {'step':>7} {'buffers':>8} {'total':>8}  fits")
     lines = [f"memory plan: {world_size} devices = {cfg.num_stages} stages x {workload.data_parallel} "
              f"data-parallel; {describe_workload(workload)}; partition '{cfg.partition}'; GiB per device", header]
     for row in rows:
@@ -86,10 +89,12 @@ def format_memory_plan(cfg, workload, rows, world_size):
             f"{row['weights_bytes'] / GIB:>8.1f} {row['gradients_bytes'] / GIB:>8.1f} "
             f"{row['optimizer_bytes'] / GIB:>8.1f} {row['activation_checkpointed_bytes'] / GIB:>12.1f} "
             f"{row['activation_full_bytes'] / GIB:>10.1f} {row['step_bytes'] / GIB:>7.1f} "
+            f"{row['buffer_bytes'] / GIB:>8.1f} "
             f"{row['memory_bytes'] / GIB:>8.1f}  {'yes' if row['fits'] else 'NO'}")
     largest = max(rows, key=lambda row: row["memory_bytes"])
     verdict = "fits" if all(row["fits"] for row in rows) else "does NOT fit"
-    lines.append(f"total = weights + grads + optim + max(activations as configured, step); largest stage "
+    lines.append(f"total = weights + optim + buffers + max(grads + activations as configured, step: the optimizer "
+                 f"step's peak incl. gradients); largest stage "
                  f"{largest['memory_bytes'] / GIB:.1f} GiB: {verdict} in {cfg.device_memory_gb} GiB per device")
     lines.append(RUNTIME_NOTE)
     return "\n".join(lines)

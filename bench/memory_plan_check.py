@@ -1,0 +1,118 @@
+"""The memory planner (training/plan.py) against measured peak RSS on this CPU machine.
+
+For small configs, each stage's process trains a few steps through the real engine and DeepSpeed config; its
+model memory is the peak RSS over those steps minus the RSS before the model was built (the Python, torch and
+DeepSpeed baseline). Prints planned and measured memory per stage and their ratio; target: within 15%.
+
+glibc's malloc raises its mmap threshold as large blocks are freed, after which freed tensors stay in the heap as
+fragments and RSS overstates live memory by up to a third; the workers therefore run with the threshold fixed
+(MALLOC_MMAP_THRESHOLD_), so that RSS follows the tensors alive, as a GPU's allocated-memory figure does.
+--default-malloc measures with glibc's defaults instead.
+
+  python bench/memory_plan_check.py [--default-malloc]
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_note, peak_rss_bytes, random_micro_batches, reset_peak_rss, rss_bytes, run_config, spawn  # noqa: E402,I001
+
+STEPS = 2
+TOLERANCE = 0.15
+FIXED_MMAP_THRESHOLD = str(128 * 1024)
+# Weights-heavy: a 32k vocabulary on a small trunk. Activations-heavy: long sequences on a small model.
+WEIGHTS_HEAVY = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                     num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048)
+ACTIVATIONS_HEAVY = dict(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+CASES = [
+    ("weights, 1 stage, fp32, ZeRO-0", WEIGHTS_HEAVY,
+     ["num_stages=1", "precision=fp32", "zero_stage=0", "seq_length=256", "micro_batch_size=2",
+      "gradient_accumulation_steps=2"]),
+    ("activations, 1 stage, fp32, ZeRO-0", ACTIVATIONS_HEAVY,
+     ["num_stages=1", "precision=fp32", "zero_stage=0", "seq_length=1024", "micro_batch_size=4",
+      "gradient_accumulation_steps=2"]),
+    ("activations, 2 stages, fp32, ZeRO-0", ACTIVATIONS_HEAVY,
+     ["num_stages=2", "precision=fp32", "zero_stage=0", "seq_length=1024", "micro_batch_size=4",
+      "gradient_accumulation_steps=4"]),
+    # A small reduce bucket: torch.empty's untouched pages cost no RSS on the CPU but are allocated on a GPU.
+    ("weights, 2 stages, bf16, ZeRO-1, checkpointing", WEIGHTS_HEAVY,
+     ["num_stages=2", "precision=bf16", "zero_stage=1", "seq_length=512", "micro_batch_size=2",
+      "gradient_accumulation_steps=4", "activation_checkpoint_interval=1",
+      "+deepspeed.zero_optimization.reduce_bucket_size=1000000"]),
+]
+
+
+def measure(rank, model_fields, overrides, out_dir):
+    """One rank: train STEPS steps, write (stage, peak RSS over the steps minus the RSS before the model)."""
+    import deepspeed
+    import torch.distributed as dist
+    from transformers import LlamaConfig
+
+    from models.pipeline import build_pipeline_module
+    from training.config import deepspeed_config
+    from training.distributed import init_distributed, pipe_data_topology
+    from training.plan import workload_from_cfg
+
+    cfg = run_config(overrides)
+    init_distributed(timeout_minutes=10)
+    config = LlamaConfig(**model_fields)
+    baseline = rss_bytes()
+    module = build_pipeline_module(config, pipe_data_topology(cfg.num_stages), partition=cfg.partition,
+                                   activation_checkpoint_interval=cfg.activation_checkpoint_interval,
+                                   workload=workload_from_cfg(cfg, dist.get_world_size()))
+    ds_config, _ = deepspeed_config(cfg, total_steps=STEPS)
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
+                                           config=ds_config)
+    batches = random_micro_batches(config.vocab_size, cfg.seq_length, cfg.micro_batch_size)
+    reset_peak_rss()  # the window is training: the fp32 -> bf16 cast at initialisation is not the plan's
+    for _ in range(STEPS):
+        engine.train_batch(batches)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"stage": engine.stage_id, "measured": peak_rss_bytes() - baseline}, f)
+    dist.destroy_process_group()
+
+
+def check_case(name, model_fields, overrides):
+    from transformers import LlamaConfig
+
+    from training.plan import memory_plan
+
+    cfg = run_config(overrides)
+    world_size = cfg.num_stages
+    with tempfile.TemporaryDirectory() as out_dir:
+        spawn(measure, world_size, model_fields, overrides, out_dir)
+        measured = {}
+        for rank in range(world_size):
+            with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+                result = json.load(f)
+            measured[result["stage"]] = result["measured"]
+    _, rows = memory_plan(cfg, LlamaConfig(**model_fields), world_size)
+    results = []
+    for row in rows:
+        ratio = measured[row["stage"]] / row["memory_bytes"]
+        results.append((name, row["stage"], row["memory_bytes"], measured[row["stage"]], ratio))
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--default-malloc", action="store_true", help="measure with glibc's default mmap threshold")
+    if not parser.parse_args().default_malloc:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = FIXED_MMAP_THRESHOLD  # read by each worker's malloc at start-up
+    print(f"{'case':<46} {'stage':>5} {'planned MiB':>12} {'measured MiB':>13} {'measured/planned':>17}")
+    worst = 0.0
+    for name, model_fields, overrides in CASES:
+        for case, stage, planned, measured, ratio in check_case(name, model_fields, overrides):
+            worst = max(worst, abs(ratio - 1))
+            print(f"{case:<46} {stage:>5} {planned / 2**20:>12.0f} {measured / 2**20:>13.0f} {ratio:>17.3f}",
+                  flush=True)
+    verdict = "met" if worst <= TOLERANCE else "NOT met"
+    print(f"largest deviation: {worst:.1%} (target <= {TOLERANCE:.0%}: {verdict}); {machine_note()}")
+
+
+if __name__ == "__main__":
+    main()
