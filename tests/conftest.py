@@ -36,3 +36,12 @@ def demo_model(tmp_path_factory):
     convert_hf_to_ds(str(root / "hf"), str(root / "ds"))
     return {"hf": str(root / "hf"), "ds": str(root / "ds"), "train": str(root / "train.txt"),
             "eval": str(root / "eval.txt"), "root": root}
+
+
+@pytest.fixture(scope="session")
+def reference_run(demo_model, tmp_path_factory):
+    """The 2 stages x 2 data-parallel fp32 run that parity and resume tests compare against."""
+    from tests.launch import REFERENCE, check_ok, demo_overrides, launch_trainer
+    out = tmp_path_factory.mktemp("reference") / "run"
+    check_ok(launch_trainer(4, demo_overrides(demo_model, out, **REFERENCE)))
+    return out

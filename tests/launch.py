@@ -1,4 +1,6 @@
-"""Run trainer_pipe.py through DeepSpeed's real launcher, as a user would."""
+"""Run trainer_pipe.py as a user would: through DeepSpeed's real launcher, or (for checks that happen before any
+process group exists) in this process with the same Hydra config."""
+import json
 import os
 import subprocess
 import sys
@@ -19,3 +21,46 @@ def launch_trainer(num_procs, overrides, config="tiny", timeout=240, hostfile=No
                *overrides]
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# 2 stages x 2 data-parallel ranks, fp32, 8 steps of 8 sequences; checkpoints every 2 steps, all kept.
+REFERENCE = dict(num_stages=2, gradient_accumulation_steps=2, max_steps=8, save_steps=2, save_total_limit=10,
+                 logging_steps=1, learning_rate=1e-3, warmup_steps=2)
+
+
+def demo_overrides(demo_model, output_dir, **extra):
+    values = dict(model_name_or_path=demo_model["ds"], train_file=demo_model["train"], eval_file=demo_model["eval"],
+                  output_dir=str(output_dir), seq_length=64, micro_batch_size=2, gradient_accumulation_steps=4)
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def run_in_process(overrides, world_size, config="tiny"):
+    """trainer's run() with the launcher's environment for world_size ranks, up to its first failure."""
+    from hydra import compose, initialize_config_dir
+    from training.loop import run
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
+        cfg = compose(config_name=config, overrides=overrides)
+    previous = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world_size)
+    try:
+        return run(cfg)
+    finally:
+        if previous is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = previous
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def per_step_losses(output_dir):
+    return [r["loss"] for r in read_metrics(output_dir) if "loss" in r]
+
+
+def check_ok(result):
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
