@@ -91,3 +91,14 @@ def test_malformed_jsonl_line_is_named(demo_model, tmp_path):
                                               eval_file="null"), timeout=120)
     assert result.returncode != 0
     assert f"{data}: line 2: malformed JSON line" in result.stdout + result.stderr
+
+
+def test_bf16_zero1_resume_matches_uninterrupted_run(demo_model, tmp_path):
+    run = dict(max_steps=5, save_steps=3, save_total_limit=5, logging_steps=1, eval_file="null", precision="bf16",
+               zero_stage=1, learning_rate=1e-3, warmup_steps=2)
+    check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "full", **run)))
+    check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "resumed",
+                                              resume=str(tmp_path / "full" / "global_step3"), **run)))
+    resumed = read_metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [4, 5]
+    assert [r["loss"] for r in resumed] == pytest.approx(per_step_losses(tmp_path / "full")[3:], rel=1e-3)
