@@ -41,6 +41,7 @@ class StageAttentionInputs:
         self._key = None
         self._value = None
 
+    @torch.compiler.disable  # a Python-side cache: compiled layers call it as is instead of tracing it
     def __call__(self, hidden, attention_mask, position_ids):
         # Keyed on storage while the previous tensors are held, so a reused address cannot alias another batch.
         key = (attention_mask.data_ptr(), attention_mask._version, position_ids.data_ptr(), position_ids._version,
@@ -179,7 +180,7 @@ def tied_lm_head(embedding, hidden):
 
 
 def causal_lm_loss(logits, labels):
-    """transformers' causal LM loss: next-token cross-entropy in fp32, mean over the tokens not labelled -100."""
-    shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
-    shift_labels = labels[:, 1:].reshape(-1).to(logits.device)
-    return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX)
+    """transformers' causal LM loss: next-token cross-entropy in fp32, mean over the tokens not labelled -100.
+    The labels shift left (the last position predicts nothing) rather than the logits, which are not copied."""
+    next_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1).to(logits.device)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), next_labels, ignore_index=IGNORE_INDEX)

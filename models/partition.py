@@ -112,7 +112,6 @@ class LayerCosts:
         self.config, self.workload = config, workload
         tokens, hidden, vocab = workload.tokens, config.hidden_size, config.vocab_size
         inter = config.intermediate_size
-        shifted_tokens = workload.micro_batch_size * (workload.seq_length - 1)
         act = workload.activation_bytes
         q_width = config.num_attention_heads * head_dim_of(config)
         decoder_params = decoder_parameter_count(config)
@@ -131,8 +130,8 @@ class LayerCosts:
                                + FP32_BYTES * (2 * hidden + config.num_attention_heads + 2)),
             # The norm's fp32 input and inverse RMS, its normalised and its scaled output.
             NORM: tokens * (FP32_BYTES * (hidden + 1) + 2 * act * hidden),
-            # The loss's fp32 log-softmax and the labels of the shifted positions (the logits: see logits_bytes).
-            HEAD: shifted_tokens * (vocab * FP32_BYTES + INT64_BYTES),
+            # The loss's fp32 log-softmax and its shifted labels (the logits themselves: see logits_bytes).
+            HEAD: tokens * (vocab * FP32_BYTES + INT64_BYTES),
         }
         # Gradients alive at once while a layer runs backward: a decoder's MLP and residual stream; the loss's two
         # fp32 logits-sized gradients.

@@ -86,6 +86,8 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir):
         module = build_pipeline_module(config, pipe_data_topology(num_stages), partition=case.get("partition", "parameters"),
                                        attention_impl=case.get("attention", "sdpa"),
                                        activation_checkpoint_interval=case.get("checkpoint_interval", 0))
+        if case.get("compile"):
+            module.compile()
         optimizer = GradientRecorder(module.parameters())
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config={
             "train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": gas,

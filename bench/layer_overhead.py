@@ -1,0 +1,111 @@
+"""The project's pipeline on one stage against a plain PyTorch loop over transformers' LlamaForCausalLM.
+
+Both train the same config on the same batches with one thread: ours through DeepSpeed's engine (train_batch:
+m micro-batches, then AdamW), transformers' as forward, backward per micro-batch and torch's AdamW step. Steps
+alternate between the contenders so that background load hits all alike, and each rate comes from the median
+step time. Prints tokens/s of each and the ratio to transformers (target: ours >= 1.10x); with --compile, also
+ours with every layer compiled (PipelineModule.compile(), what compile=true does).
+
+  python bench/layer_overhead.py [--steps 6] [--compile]
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_note, random_micro_batches, run_config, spawn  # noqa: E402
+
+# A few million parameters: 4 layers of hidden 256 with an 8k vocabulary.
+MODEL = dict(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=4, max_position_embeddings=1024)
+SEQ_LENGTH, MICRO_BATCH, MICRO_BATCHES = 256, 4, 4
+OVERRIDES = ["num_stages=1", "precision=fp32", "zero_stage=0", f"seq_length={SEQ_LENGTH}",
+             f"micro_batch_size={MICRO_BATCH}", f"gradient_accumulation_steps={MICRO_BATCHES}",
+             "max_grad_norm=0", "lr_scheduler=constant"]
+
+
+def pipeline_step(config, compile_layers):
+    """One training step of the project's engine on one stage, as training/loop.py builds it."""
+    import deepspeed
+
+    from models.pipeline import build_pipeline_module
+    from training.config import deepspeed_config
+    from training.distributed import pipe_data_topology
+    from training.plan import workload_from_cfg
+
+    cfg = run_config(OVERRIDES)
+    module = build_pipeline_module(config, pipe_data_topology(1), workload=workload_from_cfg(cfg, 1))
+    if compile_layers:
+        module.compile()
+    ds_config, _ = deepspeed_config(cfg, total_steps=10**6)
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
+                                           config=ds_config)
+    batches = random_micro_batches(config.vocab_size, SEQ_LENGTH, MICRO_BATCH)
+    return lambda: engine.train_batch(batches)
+
+
+def transformers_step(config):
+    """One training step of a plain loop: forward and backward per micro-batch, then AdamW."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    cfg = run_config(OVERRIDES)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+    batches = random_micro_batches(config.vocab_size, SEQ_LENGTH, MICRO_BATCH)
+
+    def step():
+        for _ in range(MICRO_BATCHES):
+            (input_ids, _, _), labels = next(batches)
+            (model(input_ids=input_ids, labels=labels).loss / MICRO_BATCHES).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def seconds(step):
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+def compare(rank, steps, compile_layers):
+    from transformers import LlamaConfig
+
+    from training.distributed import init_distributed
+
+    init_distributed(timeout_minutes=30)
+    config = LlamaConfig(**MODEL)
+    contenders = {"transformers": transformers_step(config), "pipeline": pipeline_step(config, False)}
+    if compile_layers:
+        contenders["pipeline, compiled layers"] = pipeline_step(config, True)
+    for step in contenders.values():  # warm-up: first-use allocations, compilation
+        step()
+        step()
+    times = {name: [] for name in contenders}
+    for _ in range(steps):
+        for name, step in contenders.items():
+            times[name].append(seconds(step))
+    tokens_per_step = MICRO_BATCHES * MICRO_BATCH * SEQ_LENGTH
+    rates = {name: tokens_per_step / statistics.median(values) for name, values in times.items()}
+    parameters = sum(p.numel() for p in __import__("transformers").LlamaForCausalLM(config).parameters())
+    print(f"{parameters / 1e6:.1f}M parameters, seq_length {SEQ_LENGTH}, micro-batch {MICRO_BATCH}, "
+          f"{MICRO_BATCHES} micro-batches per step, fp32, 1 thread, median of {steps} alternating steps each")
+    for name, rate in rates.items():
+        print(f"{name:<28} {rate:>9.0f} tokens/s   {rate / rates['transformers']:.3f}x transformers")
+    print(machine_note())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--compile", action="store_true", help="also time the pipeline with compiled layers")
+    args = parser.parse_args()
+    spawn(compare, 1, args.steps, args.compile)
+
+
+if __name__ == "__main__":
+    main()
