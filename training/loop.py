@@ -23,6 +23,7 @@ from training.distributed import init_distributed, pipe_data_topology, set_threa
 from training.evaluation import evaluate
 from training.metrics import RunLogger
 from training.optimizer import skipping_optimizer
+from training.plan import load_plan_model_config, print_memory_plan, workload_from_cfg
 
 
 def log_rank0(message):
@@ -63,7 +64,8 @@ def pad_token_id(tokenizer):
 def build_engine(cfg, model_config, total_steps):
     module = build_pipeline_module(model_config, pipe_data_topology(cfg.num_stages), partition=_partition(cfg),
                                    attention_impl=cfg.attention_impl,
-                                   activation_checkpoint_interval=cfg.activation_checkpoint_interval)
+                                   activation_checkpoint_interval=cfg.activation_checkpoint_interval,
+                                   workload=workload_from_cfg(cfg, dist.get_world_size()))
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
@@ -132,8 +134,10 @@ def data_position(trainer_state, micro_batches_per_epoch, dp_size, micro_batch_s
 
 def run(cfg):
     set_threads_per_process()
-    model_config, model_files_dir = load_model_config(cfg.model_name_or_path)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.plan_only:  # no processes, weights or devices needed: the world is the one the config describes
+        return print_memory_plan(cfg, load_plan_model_config(cfg), cfg.plan_world_size or world_size)
+    model_config, model_files_dir = load_model_config(cfg.model_name_or_path)
     check_run_config(cfg, world_size, model_config)
     resume_from = resolve_resume(cfg.resume, cfg.output_dir)
     trainer_state = read_trainer_state(os.path.join(*resume_from)) if resume_from else {}
