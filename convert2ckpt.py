@@ -6,8 +6,6 @@
 import argparse
 import sys
 
-from checkpoints.ds_to_hf import convert_ds_to_hf
-from checkpoints.hf_to_ds import convert_hf_to_ds
 
 
 def parse_args(argv=None):
@@ -29,10 +27,12 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
+    try:  # each direction imports only what it needs: start-up is a visible share of converting a small model
         if args.to_hf:
+            from checkpoints.ds_to_hf import convert_ds_to_hf
             out = convert_ds_to_hf(args.ckpt_dir, args.output_dir, args.tag, args.max_shard_size, args.overwrite)
         else:
+            from checkpoints.hf_to_ds import convert_hf_to_ds
             out = convert_hf_to_ds(args.model_name_or_path, args.output_dir, args.overwrite)
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         sys.exit(f"convert2ckpt: error: {error}")

@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from checkpoints.files import check_output_dir, copy_model_side_files, read_latest, staged_directory
 from models.layout import hf_name_of_layer_key, layer_file_path, layer_indices_with_files
-from models.pipeline import check_model_config
+from models.llama import check_model_config
 
 
 def resolve_tag_dir(ckpt_dir, tag=None):

@@ -1,22 +1,25 @@
 """Hugging Face weights to DeepSpeed per-layer files, streamed one layer at a time.
 
 Every weight's name and shape is checked against the config before anything is written (safetensors headers and
-memory-mapped .bin files give both without reading the data); then each layer file is written from memory-mapped
-shards, so memory holds one layer, not the model.
+memory-mapped .bin files give both without reading the data); then each layer file is written from tensors read
+straight out of the shards, so memory holds one layer, not the model nor the pages of the shards read so far.
 """
+import contextlib
+import importlib.metadata
 import json
 import os
+import struct
 from collections import defaultdict
 
-import deepspeed
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
 from checkpoints.files import LATEST, check_output_dir, copy_model_side_files, staged_directory
+from checkpoints.layer_files import read_exactly
 from models.layout import layer_file_path, layer_indices_with_files, layer_of_hf_name
 from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe
-from models.pipeline import check_model_config
+from models.llama import check_model_config
 
 IMPORT_TAG = "global_step0"
 
@@ -39,35 +42,61 @@ def find_weight_files(model_dir):
                             f"model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json.")
 
 
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+def safetensors_entries(path):
+    """{name: (dtype string, shape, byte offset in the file, byte length)} from a safetensors header: an 8-byte
+    little-endian header size, the JSON header, then the data its offsets point into."""
+    with open(path, "rb") as f:
+        (header_size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_size))
+    header.pop("__metadata__", None)
+    start = 8 + header_size
+    return {name: (entry["dtype"], tuple(entry["shape"]), start + entry["data_offsets"][0],
+                   entry["data_offsets"][1] - entry["data_offsets"][0]) for name, entry in header.items()}
+
+
 class WeightReader:
-    """Name -> tensor across shards, memory-mapped: a tensor's bytes are read only when it is asked for."""
+    """Name -> tensor across shards; a tensor's bytes are read only when it is asked for. safetensors tensors are
+    read straight from the file into a new tensor, without mapping the shard, so memory holds what is asked for
+    and not the pages of every shard touched so far; .bin shards are memory-mapped."""
 
     def __init__(self, files):
         self.file_of = {}
-        self._handles = {}
+        self._entries = {}
+        self._bin_shards = {}
         for path in files:
-            handle = self._open(path)
-            self._handles[path] = handle
-            for name in handle.keys():
+            if path.endswith(".safetensors"):
+                entries = safetensors_entries(path)
+                self._entries.update(entries)
+            else:
+                entries = self._bin_shards[path] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            for name in entries:
                 self.file_of[name] = path
 
-    @staticmethod
-    def _open(path):
-        if path.endswith(".safetensors"):
-            return safe_open(path, framework="pt")
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-
     def shape(self, name):
-        handle = self._handles[self.file_of[name]]
-        if isinstance(handle, dict):
-            return tuple(handle[name].shape)
-        return tuple(handle.get_slice(name).get_shape())
+        if name in self._entries:
+            return self._entries[name][1]
+        return tuple(self._bin_shards[self.file_of[name]][name].shape)
 
     def tensor(self, name):
-        handle = self._handles[self.file_of[name]]
-        tensor = handle[name] if isinstance(handle, dict) else handle.get_tensor(name)
-        # A .bin tensor may be a view into a larger shared storage; torch.save would write all of it.
-        return tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor
+        path = self.file_of[name]
+        if name not in self._entries:
+            tensor = self._bin_shards[path][name]
+            # A .bin tensor may be a view into a larger shared storage; torch.save would write all of it.
+            return tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor
+        dtype, shape, offset, length = self._entries[name]
+        if dtype not in SAFETENSORS_DTYPES:
+            with safe_open(path, framework="pt") as handle:
+                return handle.get_tensor(name)
+        tensor = torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype])
+        if length:
+            with open(path, "rb") as f:
+                read_exactly(f.fileno(), tensor.reshape(-1).view(torch.uint8).numpy(), offset)
+        return tensor
 
 
 def expected_layer_shapes(config):
@@ -119,8 +148,20 @@ def plan_layers(reader, config):
 
 def write_module_only_states(tag_dir):
     """The small file DeepSpeed's load_checkpoint(load_module_only=True) opens before the per-layer files."""
-    torch.save({"module": None, "dp_world_size": 1, "mp_world_size": 1, "ds_version": deepspeed.__version__},
+    torch.save({"module": None, "dp_world_size": 1, "mp_world_size": 1, "ds_version": importlib.metadata.version("deepspeed")},
                os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+
+
+@contextlib.contextmanager
+def zip_checksums_off():
+    """torch.save without the zip's CRC-32 of every record: computing it triples the time to write a layer file,
+    and torch.load does not check it (zip tools would warn)."""
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
 
 
 def convert_hf_to_ds(model_dir, output_dir, overwrite=False):
@@ -137,9 +178,10 @@ def convert_hf_to_ds(model_dir, output_dir, overwrite=False):
     with staged_directory(output_dir) as staging:
         tag_dir = os.path.join(staging, IMPORT_TAG)
         os.makedirs(tag_dir)
-        for index in sorted(plan):
-            layer = {key: reader.tensor(name) for key, name in plan[index].items()}
-            torch.save(layer, layer_file_path(tag_dir, index))
+        with zip_checksums_off():
+            for index in sorted(plan):
+                layer = {key: reader.tensor(name) for key, name in plan[index].items()}
+                torch.save(layer, layer_file_path(tag_dir, index))
         write_module_only_states(tag_dir)
         copy_model_side_files(model_dir, staging)
         with open(os.path.join(staging, LATEST), "w") as f:

@@ -6,13 +6,31 @@ floating point, because the engine sends a gradient back for every floating tens
 The final norm and the LM head pass plain tensors. Parameter names inside each layer equal transformers' names
 after the ``model.layers.{i}.`` prefix, so a layer's state dict is the Hugging Face one with the prefix stripped.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 IGNORE_INDEX = -100
+# transformers' ACT2FN for the activations LLaMA-family models use (importing ACT2FN costs ~75 MB per process).
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
+               "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def check_model_config(config):
+    """Refuse configs whose layout this pipeline does not implement, before anything is built."""
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type '{config.model_type}' is not supported; supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (the LLaMA layout).")
+    kv_heads = config.num_key_value_heads or config.num_attention_heads
+    if config.num_attention_heads % kv_heads:
+        raise ValueError(f"num_attention_heads ({config.num_attention_heads}) is not a multiple of "
+                         f"num_key_value_heads ({kv_heads}).")
+    if config.hidden_act not in ACTIVATIONS:
+        raise ValueError(f"hidden_act '{config.hidden_act}' is not supported.")
 
 
 def head_dim_of(config):
@@ -32,16 +50,43 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+class RotaryEmbedding(nn.Module):
+    """transformers' LlamaRotaryEmbedding (every rope_type, through its own init functions and dynamic update),
+    written here because importing transformers' modeling code costs every rank ~130 MB of memory."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters["rope_type"]
+        init = default_rope_parameters if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = init(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+
+    @torch.no_grad()
+    @dynamic_rope_update
+    def forward(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def default_rope_parameters(config):
+    dim = head_dim_of(config)
+    inv_freq = 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    return inv_freq, 1.0
+
+
 class StageAttentionInputs:
     """The attention mask and rotary tables of one micro-batch, built once and shared by every decoder layer of
     the stage (a plain object, not a module, so it adds no parameters or buffers to the layers holding it)."""
 
     def __init__(self, config):
-        self.rotary = LlamaRotaryEmbedding(config)
+        self.rotary = RotaryEmbedding(config)
         self._key = None
         self._value = None
 
-    @torch.compiler.disable  # a Python-side cache: compiled layers call it as is instead of tracing it
     def __call__(self, hidden, attention_mask, position_ids):
         # Keyed on storage while the previous tensors are held, so a reused address cannot alias another batch.
         key = (attention_mask.data_ptr(), attention_mask._version, position_ids.data_ptr(), position_ids._version,
@@ -123,7 +168,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act_fn = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
@@ -152,9 +197,15 @@ class DecoderLayerPipe(nn.Module):
     def forward(self, inputs):
         hidden, attention_mask, position_ids = inputs
         cos, sin, mask = self.stage_inputs(hidden, attention_mask, position_ids)
+        return self.residual_blocks(hidden, cos, sin, mask), attention_mask, position_ids
+
+    def residual_blocks(self, hidden, cos, sin, mask):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask)
-        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
-        return hidden, attention_mask, position_ids
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def compile(self, *args, **kwargs):
+        """torch.compile the layer's math only: the stage's shared attention inputs stay a Python-side cache."""
+        self.residual_blocks = torch.compile(self.residual_blocks, *args, **kwargs)
 
 
 class FinalNormPipe(RMSNorm):

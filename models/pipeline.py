@@ -2,27 +2,16 @@
 them, so no rank ever holds more than its own stage."""
 import dataclasses
 
+import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-from models.llama import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs,
-                          causal_lm_loss, tied_lm_head)
+from checkpoints.layer_files import load_layer_file
+from models.llama import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe,
+                          StageAttentionInputs, causal_lm_loss, check_model_config, tied_lm_head)
 from models.partition import Workload, describe_workload, format_stage_plan, stage_bounds, stage_plan
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 ATTENTION_IMPLS = ("sdpa", "eager")
-
-
-def check_model_config(config):
-    """Refuse configs whose layout this pipeline does not implement, before anything is built."""
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type '{config.model_type}' is not supported; supported: "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (the LLaMA layout).")
-    kv_heads = config.num_key_value_heads or config.num_attention_heads
-    if config.num_attention_heads % kv_heads:
-        raise ValueError(f"num_attention_heads ({config.num_attention_heads}) is not a multiple of "
-                         f"num_key_value_heads ({kv_heads}).")
-    if config.hidden_act not in ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu"):
-        raise ValueError(f"hidden_act '{config.hidden_act}' is not supported.")
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_pipeline_layers(config, attention_impl="sdpa"):
@@ -59,19 +48,36 @@ class LlamaPipeline(PipelineModule):
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
+    def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
+        """DeepSpeed's per-layer loading, reading each layer file straight into the layer's parameters
+        (checkpoints/layer_files.py): loading costs this stage and nothing more, where DeepSpeed's own loader also
+        holds two layers' tensors."""
+        for index, layer in enumerate(self.forward_funcs):
+            if not hasattr(layer, "load_state_dict"):  # a tied head's forward function: its weight is tied
+                continue
+            (path,) = self.ckpt_layer_path_list(load_dir, index)
+            load_layer_file(layer, path, strict)
+        self._synchronize_tied_weights()
+
 
 def build_pipeline_module(config, topology, partition="parameters", attention_impl="sdpa",
-                          activation_checkpoint_interval=0, workload=None):
+                          activation_checkpoint_interval=0, workload=None, dtype=None):
     """The pipeline module of this rank's stage. workload (models/partition.py) describes the run for the
-    balanced partition and the printed plan; its stage count, data-parallel degree and checkpoint interval are
-    taken from the arguments here."""
+    balanced partition and the printed plan; its data-parallel degree and checkpoint interval are taken from the
+    arguments here. dtype: the training dtype to build the stage in (default torch's, fp32), so that a bf16 stage
+    never exists in fp32 first."""
     check_model_config(config)
     workload = dataclasses.replace(workload or Workload(), data_parallel=topology.get_dim("data"),
                                    activation_checkpoint_interval=activation_checkpoint_interval)
-    return LlamaPipeline(config, partition, workload,
-                         layers=build_pipeline_layers(config, attention_impl),
-                         topology=topology,
-                         loss_fn=causal_lm_loss,
-                         activation_checkpoint_interval=activation_checkpoint_interval,
-                         # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.
-                         checkpointable_layers=[DecoderLayerPipe.__name__])
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or previous_dtype)
+    try:
+        return LlamaPipeline(config, partition, workload,
+                             layers=build_pipeline_layers(config, attention_impl),
+                             topology=topology,
+                             loss_fn=causal_lm_loss,
+                             activation_checkpoint_interval=activation_checkpoint_interval,
+                             # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.
+                             checkpointable_layers=[DecoderLayerPipe.__name__])
+    finally:
+        torch.set_default_dtype(previous_dtype)

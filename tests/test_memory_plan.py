@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 from tests.conftest import ROOT
 from tests.tiny_models import make_tiny_model
 from training.config import ConfigError
-from training.plan import load_plan_model_config, memory_plan, print_memory_plan
+from training.plan import load_plan_model_config, memory_plan, plan_world_size, print_memory_plan
 
 GIB = 2 ** 30
 
@@ -72,3 +72,11 @@ def test_stages_must_divide_the_world_size():
     cfg = run_config("llama_65b")
     with pytest.raises(ConfigError, match="does not divide"):
         memory_plan(cfg, load_plan_model_config(cfg), world_size=12)
+
+
+def test_world_size_to_plan_for(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert plan_world_size(run_config("llama_65b")) == 8
+    assert plan_world_size(run_config("llama_65b", "plan_world_size=16")) == 16
+    monkeypatch.setenv("WORLD_SIZE", "32")
+    assert plan_world_size(run_config("llama_65b")) == 32

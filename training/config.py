@@ -7,7 +7,7 @@ from transformers import AutoConfig
 
 from checkpoints.files import read_latest
 from models.layout import layer_file_name
-from models.pipeline import check_model_config
+from models.llama import check_model_config
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULERS = ("cosine", "linear", "constant")

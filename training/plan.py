@@ -12,11 +12,17 @@ from omegaconf import OmegaConf
 from transformers import AutoConfig
 
 from models.partition import PRECISION_BYTES, Workload, describe_workload, stage_bounds, stage_plan
-from models.pipeline import build_pipeline_layers, check_model_config
+from models.llama import check_model_config
+from models.pipeline import build_pipeline_layers
 from training.config import ConfigError
 
 GIB = 2 ** 30
 RUNTIME_NOTE = "not modelled: CUDA context, NCCL buffers, allocator fragmentation (keep ~10% headroom)"
+
+
+def plan_world_size(cfg):
+    """Devices to plan for: plan_world_size, else the launched world size, else one data-parallel replica."""
+    return cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", cfg.num_stages))
 
 
 def workload_from_cfg(cfg, world_size):

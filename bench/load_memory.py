@@ -1,0 +1,161 @@
+"""Bounded load memory: loading a converted ~1B-parameter model on 2 pipeline ranks against every rank calling
+from_pretrained on the whole model, and converting a sharded checkpoint.
+
+1. Makes a random LLaMA of about 1B parameters (bf16, safetensors shards of SHARD_SIZE) in a temporary directory.
+2. Conversion (python convert2ckpt.py): peak RSS against the largest shard plus the largest layer (target: within
+   +10%), and wall time against reading every shard and writing the same bytes (target: <= 1.5x).
+3. Loading: per-rank peak RSS of 2 ranks that build their stage and load its layer files through DeepSpeed
+   (engine.load_checkpoint), against 2 processes that each call from_pretrained on the whole model (target: <= 0.6x).
+Every figure is the peak RSS of a fresh process (Python, torch and the libraries included).
+
+  python bench/load_memory.py [--work-dir DIR]
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, machine_note, peak_rss_bytes, spawn  # noqa: E402
+
+MODEL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=18, num_attention_heads=16,
+             num_key_value_heads=16, max_position_embeddings=2048, tie_word_embeddings=False)
+SHARD_SIZE = "500MB"
+MIB = 2 ** 20
+
+
+def parameter_count():
+    from transformers import LlamaConfig
+
+    from models.partition import layer_parameter_counts
+    return sum(layer_parameter_counts(LlamaConfig(**MODEL)))
+
+
+def make_model(rank, hf_dir):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**MODEL)).to(torch.bfloat16)
+    model.save_pretrained(hf_dir, max_shard_size=SHARD_SIZE)
+
+
+# The I/O floor of a conversion, in a plain interpreter: read every shard, write the same bytes.
+COPY_SHARDS = """
+import os, shutil, sys
+source, target = sys.argv[1:]
+for name in sorted(os.listdir(source)):
+    if name.endswith(".safetensors"):
+        with open(os.path.join(source, name), "rb") as src, open(os.path.join(target, name), "wb") as dst:
+            shutil.copyfileobj(src, dst, 16 * 2**20)
+"""
+
+
+def pipeline_load(rank, ds_dir, out_dir):
+    """One of 2 pipeline ranks: build its stage in bf16, load its layer files; writes its peak RSS."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from models.pipeline import build_pipeline_module
+    from training.distributed import init_distributed, pipe_data_topology
+
+    init_distributed(timeout_minutes=30)
+    module = build_pipeline_module(AutoConfig.from_pretrained(ds_dir), pipe_data_topology(2), dtype=torch.bfloat16)
+    engine, _, _, _ = deepspeed.initialize(model=module, config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True}})
+    engine.load_checkpoint(ds_dir, load_module_only=True)
+    write_peak(out_dir, f"pipeline{rank}")
+    dist.destroy_process_group()
+
+
+def transformers_load(rank, hf_dir, out_dir):
+    """One of 2 ranks loading the whole model. transformers maps safetensors lazily, so the weights are read once
+    (as the first training step would) to count them resident."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.sum()
+    write_peak(out_dir, f"transformers{rank}")
+
+
+def write_peak(out_dir, name):
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(peak_rss_bytes(), f)
+
+
+def read_peaks(out_dir, prefix):
+    return [json.load(open(os.path.join(out_dir, n))) for n in sorted(os.listdir(out_dir)) if n.startswith(prefix)]
+
+
+def timed_subprocess(command):
+    """Run a command; (wall seconds, its peak RSS in bytes)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    if status:
+        raise RuntimeError(f"{' '.join(command)} failed: {proc.stderr.read().decode()[-2000:]}")
+    return wall, usage.ru_maxrss * 1024
+
+
+def largest_layer_bytes(ds_dir):
+    tag_dir = os.path.join(ds_dir, open(os.path.join(ds_dir, "latest")).read().strip())
+    return max(os.path.getsize(os.path.join(tag_dir, n)) for n in os.listdir(tag_dir) if n.startswith("layer_"))
+
+
+def bench_conversion(hf_dir, ds_dir, work):
+    shards = [os.path.join(hf_dir, n) for n in os.listdir(hf_dir) if n.endswith(".safetensors")]
+    copy_dir = os.path.join(work, "copy")
+    for _ in range(2):  # the first run also brings the shards into the page cache, as they are for the conversion
+        shutil.rmtree(copy_dir, ignore_errors=True)
+        os.makedirs(copy_dir)
+        copy_seconds, _ = timed_subprocess([sys.executable, "-c", COPY_SHARDS, hf_dir, copy_dir])
+    shutil.rmtree(copy_dir)
+    startup_seconds, _ = timed_subprocess([sys.executable, "-c", "import checkpoints.hf_to_ds"])
+    convert_seconds, convert_peak = timed_subprocess(
+        [sys.executable, "convert2ckpt.py", "--model_name_or_path", hf_dir, "--output_dir", ds_dir])
+    largest_shard = max(os.path.getsize(s) for s in shards)
+    bound = largest_shard + largest_layer_bytes(ds_dir)
+    print(f"conversion of {len(shards)} shards ({sum(os.path.getsize(s) for s in shards) / MIB:.0f} MiB): "
+          f"peak RSS {convert_peak / MIB:.0f} MiB = {convert_peak / bound:.2f}x (largest shard "
+          f"{largest_shard / MIB:.0f} MiB + largest layer {(bound - largest_shard) / MIB:.0f} MiB; target <= 1.10x)")
+    work_seconds = convert_seconds - startup_seconds
+    print(f"conversion wall time {convert_seconds:.1f} s = {convert_seconds / copy_seconds:.2f}x reading every shard "
+          f"and writing the same bytes ({copy_seconds:.1f} s; target <= 1.5x); of which start-up (Python, torch, "
+          f"transformers imports) {startup_seconds:.1f} s, the conversion itself {work_seconds:.1f} s = "
+          f"{work_seconds / copy_seconds:.2f}x", flush=True)
+
+
+def bench_loading(hf_dir, ds_dir, work):
+    out_dir = os.path.join(work, "peaks")
+    os.makedirs(out_dir)
+    spawn(pipeline_load, 2, ds_dir, out_dir)
+    spawn(transformers_load, 2, hf_dir, out_dir)
+    ours, theirs = read_peaks(out_dir, "pipeline"), read_peaks(out_dir, "transformers")
+    print(f"load, per-rank peak RSS: pipeline (2 stages) {[round(p / MIB) for p in ours]} MiB, from_pretrained "
+          f"{[round(p / MIB) for p in theirs]} MiB: {max(ours) / max(theirs):.2f}x (target <= 0.6x)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work-dir", help="where the model and its conversion go (default: a temporary directory)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
+        hf_dir, ds_dir = os.path.join(work, "hf"), os.path.join(work, "ds")
+        spawn(make_model, 1, hf_dir)
+        print(f"model: {parameter_count() / 1e9:.2f}B parameters {MODEL}, bf16, shards of {SHARD_SIZE}", flush=True)
+        bench_conversion(hf_dir, ds_dir, work)
+        bench_loading(hf_dir, ds_dir, work)
+    print(machine_note())
+
+
+if __name__ == "__main__":
+    main()
