@@ -76,7 +76,7 @@ def test_stages_must_divide_the_world_size():
 
 def test_world_size_to_plan_for(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert plan_world_size(run_config("llama_65b")) == 8
-    assert plan_world_size(run_config("llama_65b", "plan_world_size=16")) == 16
+    assert plan_world_size(run_config("llama_65b")) == 16  # the config's 2 nodes x 8 devices
+    assert plan_world_size(run_config("llama_65b", "plan_world_size=null")) == 8  # one replica of the stages
     monkeypatch.setenv("WORLD_SIZE", "32")
-    assert plan_world_size(run_config("llama_65b")) == 32
+    assert plan_world_size(run_config("llama_65b", "plan_world_size=null")) == 32
