@@ -8,6 +8,7 @@ FAULT=kind:rank:step, kind one of
 import os
 import signal
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -35,6 +36,7 @@ def inject(kind, fault_rank, fault_step):
 
         def failing_train_batch(self, *args, **kwargs):
             if rank() == fault_rank and self.global_steps + 1 == fault_step:
+                print(f"FAULT_AT {time.time()}", flush=True)
                 raise RuntimeError(f"injected failure on rank {fault_rank} at step {fault_step}")
             return train_batch(self, *args, **kwargs)
         PipelineEngine.train_batch = failing_train_batch
