@@ -7,7 +7,7 @@ For p = 2 and 4 stages (one process each, one thread each) and m = 2, 4, 8, 16 m
 - efficiency = (pipeline / cores) / (m / (m + p - 1)): 1.0 is a schedule that loses nothing beyond the bubble.
 Then where each stage's time goes: compute (forward, backward), optimizer (gradient reduction and step), send,
 receive (a receive waits for the peer: bubble, imbalance and transfer), batch loading and the engine's own
-overhead (the rest of the wall time).
+overhead (the rest of the wall time: schedule and Python between instructions).
 
 The model is sized so that a stage's micro-batch costs at least 50 ms on one thread, and split so that stages do
 equal work (the LM head weighs about one decoder layer here, so it counts as one).
@@ -161,7 +161,8 @@ def report(num_stages, micro_batch_counts, pipeline, replicas):
 
 
 def print_breakdown(num_stages, m, ranks):
-    names = ["compute", "optimizer", "send", "receive", "load", "other"]
+    names = ["compute", "optimizer", "send", "receive", "load"]
+    names += ["other"] if any("other" in rank["spent"] for rank in ranks) else []
     print(f"where the time goes, p={num_stages} m={m} (% of mean step wall time per stage):")
     print("  stage " + "".join(f"{name:>10}" for name in names) + f"{'engine':>10}")
     for rank in sorted(ranks, key=lambda r: r["stage"]):

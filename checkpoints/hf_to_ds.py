@@ -5,6 +5,8 @@ memory-mapped .bin files give both without reading the data); then each layer fi
 straight out of the shards, so memory holds one layer, not the model nor the pages of the shards read so far.
 """
 import contextlib
+import ctypes
+import ctypes.util
 import importlib.metadata
 import json
 import os
@@ -152,6 +154,14 @@ def write_module_only_states(tag_dir):
                os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
 
 
+def release_freed_memory():
+    """Hand the layer just written back to the OS. glibc keeps freed blocks below its mmap threshold (up to 32 MB)
+    in the heap, where a stream of layers fragments memory towards the model's size."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if hasattr(libc, "malloc_trim"):  # glibc only
+        libc.malloc_trim(0)
+
+
 @contextlib.contextmanager
 def zip_checksums_off():
     """torch.save without the zip's CRC-32 of every record: computing it triples the time to write a layer file,
@@ -182,6 +192,8 @@ def convert_hf_to_ds(model_dir, output_dir, overwrite=False):
             for index in sorted(plan):
                 layer = {key: reader.tensor(name) for key, name in plan[index].items()}
                 torch.save(layer, layer_file_path(tag_dir, index))
+                del layer
+                release_freed_memory()
         write_module_only_states(tag_dir)
         copy_model_side_files(model_dir, staging)
         with open(os.path.join(staging, LATEST), "w") as f:
