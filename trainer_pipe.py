@@ -22,10 +22,11 @@ def main(cfg):
         run(cfg)
     except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as error:  # says what to fix
         sys.exit(f"trainer_pipe: error: {error}")
-    finally:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # Only after success: tearing down a group whose peers are still mid-collective can block a failing rank,
+    # while a plain exit lets the launcher end the others at once.
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

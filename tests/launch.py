@@ -30,7 +30,8 @@ REFERENCE = dict(num_stages=2, gradient_accumulation_steps=2, max_steps=8, save_
 
 def demo_overrides(demo_model, output_dir, **extra):
     values = dict(model_name_or_path=demo_model["ds"], train_file=demo_model["train"], eval_file=demo_model["eval"],
-                  output_dir=str(output_dir), seq_length=64, micro_batch_size=2, gradient_accumulation_steps=4)
+                  output_dir=str(output_dir), seq_length=64, micro_batch_size=2, gradient_accumulation_steps=4,
+                  **{"data.cache_dir": os.path.join(demo_model["root"], "data_cache")})  # tokenize once per session
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
 
