@@ -4,9 +4,11 @@ The cost model works from the model config and the workload alone (nothing is bu
 - compute: training FLOPs per micro-batch (forward, backward = 2x forward, and the forward again when the layer is
   recomputed by activation checkpointing). Decoder layers count their attention at seq_length, the LM head its
   matmul over the whole vocabulary; the embedding (a gather) and the final norm are free.
-- memory: parameters, gradients and optimizer state per parameter for the precision and ZeRO stage, plus what
-  autograd keeps per micro-batch in flight (1F1B keeps up to num_stages - stage micro-batches on a stage) and the
-  largest short-lived peak of one backward pass (a recomputed chunk, the LM head's fp32 loss gradients).
+- memory: weights, gradients and optimizer state for the precision, ZeRO stage and data-parallel degree; what
+  autograd and the engine keep per micro-batch in flight (1F1B keeps up to num_stages - stage micro-batches on a
+  stage; the last stage also keeps two micro-batches of logits); the largest short-lived peak of one backward
+  pass (a recomputed chunk, the LM head's fp32 loss gradients); ZeRO-1's reduce buckets; and the optimizer step's
+  peak, which replaces the activations' once they are freed.
 
 A stage's cost is the mean of its compute and its memory, each in units of one decoder layer, so an embedding
 that holds 2.4 decoder layers of memory and does no compute weighs 1.2 decoder layers. The balanced partition
