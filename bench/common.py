@@ -9,27 +9,7 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _bootstrap(rank, world_size, port, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size), DS_ACCELERATOR="cpu",
-                      OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    fn(rank, *args)
-
-
-def spawn(fn, world_size, *args):
-    """fn(rank, *args) in world_size fresh processes of one thread each, as a launcher would start them."""
-    mp.start_processes(_bootstrap, args=(world_size, free_port(), fn, args), nprocs=world_size,
-                       start_method="spawn", join=True)
+from tests.distributed import free_port, spawn  # noqa: E402,F401  (worker processes, as the tests start them)
 
 
 def _status_kib(field):

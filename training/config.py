@@ -92,14 +92,17 @@ def deepspeed_config(cfg, total_steps):
 
 
 def lr_scheduler_config(cfg, total_steps):
-    warmup = min(cfg.warmup_steps, total_steps)
+    # DeepSpeed's schedulers need a warmup of at least one step; warmup_steps=0 means starting at the peak LR.
+    warmup = max(1, min(cfg.warmup_steps, total_steps))
+    start_ratio = 0.0 if cfg.warmup_steps > 0 else 1.0
     if cfg.lr_scheduler == "cosine":
+        # Without warmup, start past iteration -1, where this scheduler would set the first step's LR to 0.
         return {"type": "WarmupCosineLR", "params": {
             "total_num_steps": total_steps, "warmup_num_steps": warmup, "warmup_type": "linear",
-            "warmup_min_ratio": 0.0, "cos_min_ratio": cfg.min_lr_ratio}}
+            "warmup_min_ratio": start_ratio, "cos_min_ratio": cfg.min_lr_ratio,
+            "last_batch_iteration": -1 if cfg.warmup_steps > 0 else 0}}
+    params = {"warmup_num_steps": warmup, "warmup_type": "linear", "warmup_min_lr": start_ratio * cfg.learning_rate,
+              "warmup_max_lr": cfg.learning_rate}
     if cfg.lr_scheduler == "linear":
-        return {"type": "WarmupDecayLR", "params": {
-            "total_num_steps": total_steps, "warmup_num_steps": warmup, "warmup_type": "linear",
-            "warmup_min_lr": 0.0, "warmup_max_lr": cfg.learning_rate}}
-    return {"type": "WarmupLR", "params": {"warmup_num_steps": warmup, "warmup_type": "linear",
-                                           "warmup_min_lr": 0.0, "warmup_max_lr": cfg.learning_rate}}
+        return {"type": "WarmupDecayLR", "params": {"total_num_steps": total_steps, **params}}
+    return {"type": "WarmupLR", "params": params}

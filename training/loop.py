@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from data.datasets import build_dataset_distributed
 from data.loader import build_stage_loader, infinite_micro_batches
-from models.pipeline import build_pipeline_module
+from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from training.checkpointing import (check_fresh_start, check_resume_topology, clear_previous_run, load_rng_state,
                                     read_trainer_state, remove_incomplete_checkpoints, resolve_resume,
                                     save_checkpoint)
@@ -23,7 +23,7 @@ from training.distributed import init_distributed, pipe_data_topology, set_threa
 from training.evaluation import evaluate
 from training.metrics import RunLogger
 from training.optimizer import skipping_optimizer
-from training.plan import load_plan_model_config, print_memory_plan, workload_from_cfg
+from training.plan import load_plan_model_config, plan_world_size, print_memory_plan, workload_from_cfg
 
 
 def log_rank0(message):
@@ -65,7 +65,8 @@ def build_engine(cfg, model_config, total_steps):
     module = build_pipeline_module(model_config, pipe_data_topology(cfg.num_stages), partition=_partition(cfg),
                                    attention_impl=cfg.attention_impl,
                                    activation_checkpoint_interval=cfg.activation_checkpoint_interval,
-                                   workload=workload_from_cfg(cfg, dist.get_world_size()))
+                                   workload=workload_from_cfg(cfg, dist.get_world_size()),
+                                   dtype=PRECISION_DTYPES[cfg.precision])
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
@@ -136,7 +137,7 @@ def run(cfg):
     set_threads_per_process()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.plan_only:  # no processes, weights or devices needed: the world is the one the config describes
-        return print_memory_plan(cfg, load_plan_model_config(cfg), cfg.plan_world_size or world_size)
+        return print_memory_plan(cfg, load_plan_model_config(cfg), plan_world_size(cfg))
     model_config, model_files_dir = load_model_config(cfg.model_name_or_path)
     check_run_config(cfg, world_size, model_config)
     resume_from = resolve_resume(cfg.resume, cfg.output_dir)

@@ -1,0 +1,34 @@
+"""The LR schedule handed to DeepSpeed: the learning rate each optimizer step actually uses."""
+import pytest
+import torch
+from deepspeed.runtime import lr_schedules
+from omegaconf import OmegaConf
+
+from training.config import lr_scheduler_config
+
+
+def step_lrs(schedule, steps):
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = getattr(lr_schedules, schedule["type"])(optimizer, **schedule["params"])
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])
+def test_no_warmup_starts_at_the_peak(kind):
+    cfg = OmegaConf.create(dict(warmup_steps=0, lr_scheduler=kind, min_lr_ratio=0.1, learning_rate=1e-3))
+    lrs = step_lrs(lr_scheduler_config(cfg, total_steps=10), 10)
+    assert lrs[0] == pytest.approx(1e-3)
+    if kind == "cosine":
+        assert lrs[-1] == pytest.approx(1e-4)
+
+
+def test_warmup_rises_then_cosine_decays_to_the_floor():
+    cfg = OmegaConf.create(dict(warmup_steps=4, lr_scheduler="cosine", min_lr_ratio=0.1, learning_rate=1e-3))
+    lrs = step_lrs(lr_scheduler_config(cfg, total_steps=12), 13)
+    assert lrs[0] == 0.0 and lrs[2] < lrs[3] < lrs[4] < lrs[5] and max(lrs) <= 1e-3
+    assert lrs[5:] == sorted(lrs[5:], reverse=True) and lrs[12] == pytest.approx(1e-4)
