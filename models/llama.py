@@ -85,6 +85,7 @@ class StageAttentionInputs:
     def __init__(self, config):
         self.rotary = RotaryEmbedding(config)
         self._key = None
+        self._held = None  # the tensors the key's addresses belong to, kept alive so no other batch reuses them
         self._value = None
 
     def __call__(self, hidden, attention_mask, position_ids):
