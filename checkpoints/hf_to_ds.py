@@ -18,7 +18,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from checkpoints.files import LATEST, check_output_dir, copy_model_side_files, staged_directory
-from checkpoints.layer_files import read_exactly
+from checkpoints.layer_files import read_exactly, write_layer_file_from_ranges
 from models.layout import layer_file_path, layer_indices_with_files, layer_of_hf_name
 from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe
 from models.llama import check_model_config
@@ -83,6 +83,14 @@ class WeightReader:
         if name in self._entries:
             return self._entries[name][1]
         return tuple(self._bin_shards[self.file_of[name]][name].shape)
+
+    def byte_range(self, name):
+        """(dtype, shape, path, byte offset) of a safetensors tensor whose bytes can be copied as they are; else None."""
+        entry = self._entries.get(name)
+        if entry is None or entry[0] not in SAFETENSORS_DTYPES:
+            return None
+        dtype, shape, offset, _ = entry
+        return SAFETENSORS_DTYPES[dtype], shape, self.file_of[name], offset
 
     def tensor(self, name):
         path = self.file_of[name]
@@ -174,6 +182,18 @@ def zip_checksums_off():
         torch.serialization.set_crc32_options(previous)
 
 
+def write_layer_file(reader, names, path):
+    """names: {key: HF name}. safetensors bytes are copied by the kernel; .bin tensors go through torch.save."""
+    ranges = {key: reader.byte_range(name) for key, name in names.items()}
+    if all(ranges.values()):
+        write_layer_file_from_ranges(path, ranges)
+        return
+    layer = {key: reader.tensor(name) for key, name in names.items()}
+    torch.save(layer, path)
+    del layer
+    release_freed_memory()
+
+
 def convert_hf_to_ds(model_dir, output_dir, overwrite=False):
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory '{model_dir}' does not exist.")
@@ -190,10 +210,7 @@ def convert_hf_to_ds(model_dir, output_dir, overwrite=False):
         os.makedirs(tag_dir)
         with zip_checksums_off():
             for index in sorted(plan):
-                layer = {key: reader.tensor(name) for key, name in plan[index].items()}
-                torch.save(layer, layer_file_path(tag_dir, index))
-                del layer
-                release_freed_memory()
+                write_layer_file(reader, plan[index], layer_file_path(tag_dir, index))
         write_module_only_states(tag_dir)
         copy_model_side_files(model_dir, staging)
         with open(os.path.join(staging, LATEST), "w") as f:

@@ -1,4 +1,5 @@
-"""Reading a per-layer file (torch.save format) straight into a built layer's parameters.
+"""Reading a per-layer file (torch.save format) straight into a built layer's parameters, and writing one from
+byte ranges of other files.
 
 torch.load(mmap=True) maps the file and locates every tensor without reading its bytes; each tensor is then read
 with pread directly into the parameter it belongs to. Nothing is staged: loading a stage costs the stage itself,
@@ -53,3 +54,29 @@ def read_exactly(fd, buffer, offset):
         if count == 0:
             raise EOFError(f"layer file ends before a tensor's data (offset {offset}).")
         view, offset = view[count:], offset + count
+
+
+def write_layer_file_from_ranges(path, sources):
+    """A torch.save file of {key: tensor} whose bytes are copied by the kernel from other files.
+
+    sources: {key: (dtype, shape, source path, byte offset)}. torch.save under skip_data writes the file's skeleton
+    (pickle, zip records, holes where the data goes); copy_file_range then fills each hole straight from the source
+    file, so the bytes never pass through this process: faster than reading and writing them, and no memory."""
+    with torch.serialization.skip_data():
+        torch.save({key: torch.empty(shape, dtype=dtype) for key, (dtype, shape, _, _) in sources.items()}, path)
+    offsets = file_offsets(path, torch.load(path, map_location="cpu", mmap=True, weights_only=True))
+    if offsets is None:
+        raise RuntimeError(f"unexpected layout of the torch.save file '{path}'.")
+    with open(path, "r+b") as target:
+        for key, (dtype, shape, source_path, source_offset) in sources.items():
+            length = torch.Size(shape).numel() * dtype.itemsize
+            with open(source_path, "rb") as source:
+                copy_range(source.fileno(), source_offset, target.fileno(), offsets[key], length)
+
+
+def copy_range(source_fd, source_offset, target_fd, target_offset, length):
+    while length:
+        count = os.copy_file_range(source_fd, target_fd, length, source_offset, target_offset)
+        if count == 0:
+            raise EOFError(f"source file ends before its tensor's data (offset {source_offset}).")
+        source_offset, target_offset, length = source_offset + count, target_offset + count, length - count
