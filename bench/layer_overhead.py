@@ -32,11 +32,11 @@ def pipeline_step(config, compile_layers):
 
     from models.pipeline import build_pipeline_module
     from training.config import deepspeed_config
-    from training.distributed import pipe_data_topology
+    from training.distributed import parallel_topology
     from training.plan import workload_from_cfg
 
     cfg = run_config(OVERRIDES)
-    module = build_pipeline_module(config, pipe_data_topology(1), workload=workload_from_cfg(cfg, 1))
+    module = build_pipeline_module(config, parallel_topology(1), workload=workload_from_cfg(cfg, 1))
     if compile_layers:
         module.compile()
     ds_config, _ = deepspeed_config(cfg, total_steps=10**6)

@@ -48,10 +48,10 @@ def build_engine(num_stages, micro_batches):
 
     from models.pipeline import build_pipeline_module
     from training.config import deepspeed_config
-    from training.distributed import pipe_data_topology
+    from training.distributed import parallel_topology
 
     cfg = run_config(overrides(num_stages, micro_batches))
-    module = build_pipeline_module(LlamaConfig(**MODEL), pipe_data_topology(num_stages),
+    module = build_pipeline_module(LlamaConfig(**MODEL), parallel_topology(num_stages),
                                    partition=list(cfg.partition))
     ds_config, _ = deepspeed_config(cfg, total_steps=10**6)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),

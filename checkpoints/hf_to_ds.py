@@ -20,8 +20,7 @@ from transformers import AutoConfig
 from checkpoints.files import LATEST, check_output_dir, copy_model_side_files, staged_directory
 from checkpoints.layer_files import read_exactly, write_layer_file_from_ranges
 from models.layout import layer_file_path, layer_indices_with_files, layer_of_hf_name
-from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe
-from models.llama import check_model_config
+from models.llama import check_model_config, layers_on_meta
 
 IMPORT_TAG = "global_step0"
 
@@ -110,17 +109,8 @@ class WeightReader:
 
 
 def expected_layer_shapes(config):
-    """{layer index: {key: shape}} from modules built on the meta device (no memory, no init)."""
-    with torch.device("meta"):
-        modules = {0: EmbeddingPipe(config), config.num_hidden_layers + 1: FinalNormPipe(config)}
-        decoder = DecoderLayerPipe(config, stage_inputs=None)
-        if not config.tie_word_embeddings:
-            modules[config.num_hidden_layers + 2] = LMHeadPipe(config)
-    shapes = {i: {k: tuple(v.shape) for k, v in m.state_dict().items()} for i, m in modules.items()}
-    decoder_shapes = {k: tuple(v.shape) for k, v in decoder.state_dict().items()}
-    for i in range(1, config.num_hidden_layers + 1):
-        shapes[i] = decoder_shapes
-    return shapes
+    """{layer index: {key: shape}}."""
+    return {i: {k: tuple(v.shape) for k, v in m.state_dict().items()} for i, m in layers_on_meta(config).items()}
 
 
 def plan_layers(reader, config):

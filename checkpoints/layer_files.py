@@ -11,21 +11,49 @@ import os
 import torch
 
 
-def load_layer_file(layer, path, strict=True):
+def load_layer_slice(layer, paths, rank, size, strict=True):
+    """Load this tensor-parallel rank's part of a layer: its slice of the one whole-layer file, or its own file
+    when the layer was saved by `size` ranks (DeepSpeed names them layer_XX-model_YY-model_states.pt)."""
+    if len(paths) == 1:
+        load_layer_file(layer, paths[0], strict, rank, size)
+    elif len(paths) == size:
+        load_layer_file(layer, sorted(paths)[rank], strict)
+    else:
+        found = [os.path.basename(p) for p in paths] or "none"
+        raise ValueError(f"layer files {found} in {os.path.dirname(paths[0]) if paths else 'the checkpoint'}: "
+                         f"expected 1 (a whole layer) or {size} (one per tensor-parallel rank); the checkpoint was "
+                         f"saved with tensor_parallel_size={len(paths)}. Use that size, or export it to Hugging "
+                         f"Face (convert2ckpt.py --ds_to_hf) and convert it again.")
+
+
+def load_layer_file(layer, path, strict=True, rank=0, size=1):
+    """Read a layer file into the layer's parameters; a parameter split across `size` tensor-parallel ranks
+    (tensor_parallel_dim set by models/tensor_parallel.py) gets this rank's slice of the whole tensor."""
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     targets = layer.state_dict(keep_vars=True)
+    sliced = {key: own_slice(tensor, getattr(targets.get(key), "tensor_parallel_dim", None), rank, size)
+              for key, tensor in state.items()}
     offsets = file_offsets(path, state)
     if offsets is None or set(state) != set(targets):
-        layer.load_state_dict(state, strict=strict)  # copies through the mapping, or raises load_state_dict's error
+        layer.load_state_dict(sliced, strict=strict)  # copies through the mapping, or raises load_state_dict's error
         return
     with open(path, "rb") as f:
-        for key, source in state.items():
+        for key, source in sliced.items():
             target = targets[key].detach()
             if (target.dtype, target.shape) == (source.dtype, source.shape) and target.is_contiguous() \
                     and source.is_contiguous() and target.numel():
-                read_exactly(f.fileno(), target.view(torch.uint8).reshape(-1).numpy(), offsets[key])
+                offset = offsets[key] + (source.storage_offset() - state[key].storage_offset()) * source.element_size()
+                read_exactly(f.fileno(), target.view(torch.uint8).reshape(-1).numpy(), offset)
             else:
                 target.copy_(source)
+
+
+def own_slice(tensor, dim, rank, size):
+    if dim is None or size == 1:
+        return tensor
+    if tensor.shape[dim] % size:
+        raise ValueError(f"a tensor of shape {tuple(tensor.shape)} does not split in {size} along dim {dim}.")
+    return tensor.chunk(size, dim)[rank]
 
 
 def file_offsets(path, state):

@@ -5,6 +5,9 @@ last decoder layer that is the tuple ``(hidden_states, attention_mask, position_
 floating point, because the engine sends a gradient back for every floating tensor that crosses a stage boundary.
 The final norm and the LM head pass plain tensors. Parameter names inside each layer equal transformers' names
 after the ``model.layers.{i}.`` prefix, so a layer's state dict is the Hugging Face one with the prefix stripped.
+
+Every layer takes a ``parallel`` (models/tensor_parallel.py): it sizes the projections to this rank's share and
+does the few collectives tensor parallelism needs; the default is the plain single-process computation.
 """
 import functools
 
@@ -12,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+
+from models.tensor_parallel import NO_TENSOR_PARALLEL
 
 IGNORE_INDEX = -100
 # transformers' ACT2FN for the activations LLaMA-family models use (importing ACT2FN costs ~75 MB per process).
@@ -40,14 +45,15 @@ def head_dim_of(config):
 class RMSNorm(nn.Module):
     """transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale."""
 
-    def __init__(self, hidden_size, eps):
+    def __init__(self, hidden_size, eps, parallel=NO_TENSOR_PARALLEL):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.parallel = parallel
 
     def forward(self, x):
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.parallel.replicated(self.weight) * normed.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -122,7 +128,7 @@ def apply_rotary(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, config, attention_impl):
+    def __init__(self, config, attention_impl, parallel=NO_TENSOR_PARALLEL):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
@@ -131,17 +137,23 @@ class Attention(nn.Module):
         # Qwen2 puts a bias on q, k, v only; LLaMA's attention_bias covers all four projections.
         qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         o_bias = getattr(config, "attention_bias", False) and config.model_type != "qwen2"
-        hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        hidden, self.parallel = config.hidden_size, parallel
+        # Each rank computes whole heads: its query heads and the key/value heads they attend with.
+        heads = parallel.local(self.num_heads, "num_attention_heads")
+        kv_heads = parallel.local(self.num_kv_heads, "num_key_value_heads")
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=o_bias)
+        for projection in (self.q_proj, self.k_proj, self.v_proj):
+            parallel.mark_sharded(projection, dim=0)
+        parallel.mark_sharded(self.o_proj, dim=1)
 
-    def forward(self, x, cos, sin, mask):
-        batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+    def forward(self, x, cos, sin, mask, batch, seq):
+        q, k, v = self.parallel.column_linears(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.num_kv_heads != self.num_heads:
             k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
@@ -150,7 +162,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         else:
             out = eager_attention(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        return self.parallel.row_linear(out.transpose(1, 2).reshape(batch, seq, -1), self.o_proj)
 
 
 def eager_attention(q, k, v, mask):
@@ -163,45 +175,57 @@ def eager_attention(q, k, v, mask):
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        inter = parallel.local(config.intermediate_size, "intermediate_size")
+        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+        parallel.mark_sharded(self.gate_proj, dim=0)
+        parallel.mark_sharded(self.up_proj, dim=0)
+        parallel.mark_sharded(self.down_proj, dim=1)
         self.act_fn = ACTIVATIONS[config.hidden_act]
+        self.parallel = parallel
 
     def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.parallel.column_linears(x, (self.gate_proj, self.up_proj))
+        return self.parallel.row_linear(self.act_fn(gate) * up, self.down_proj)
 
 
 class EmbeddingPipe(nn.Embedding):
     """Layer 0: token ids to hidden states; mask and positions pass through as integer tensors."""
 
-    def __init__(self, config):
-        super().__init__(config.vocab_size, config.hidden_size, padding_idx=None)
+    def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
+        super().__init__(parallel.local(config.vocab_size, "vocab_size"), config.hidden_size, padding_idx=None)
+        parallel.mark_sharded(self, dim=0)
+        self.parallel = parallel
 
     def forward(self, inputs):
         input_ids, attention_mask, position_ids = inputs
-        return super().forward(input_ids), attention_mask, position_ids
+        return self.parallel.embedding(input_ids, self.weight), attention_mask, position_ids
 
 
 class DecoderLayerPipe(nn.Module):
-    def __init__(self, config, stage_inputs, attention_impl="sdpa"):
+    """hidden_states are (batch, seq, hidden), or under sequence parallelism this rank's share of the
+    flattened tokens (batch * seq / tp, hidden); the mask gives batch and seq either way."""
+
+    def __init__(self, config, stage_inputs, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, attention_impl)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, parallel)
+        self.self_attn = Attention(config, attention_impl, parallel)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, parallel)
+        self.mlp = MLP(config, parallel)
         self.stage_inputs = stage_inputs
 
     def forward(self, inputs):
         hidden, attention_mask, position_ids = inputs
         cos, sin, mask = self.stage_inputs(hidden, attention_mask, position_ids)
-        return self.residual_blocks(hidden, cos, sin, mask), attention_mask, position_ids
+        batch, seq = attention_mask.shape
+        return self.residual_blocks(hidden, cos, sin, mask, batch, seq), attention_mask, position_ids
 
-    def residual_blocks(self, hidden, cos, sin, mask):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask)
+    def residual_blocks(self, hidden, cos, sin, mask, batch, seq):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask, batch, seq)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
     def compile(self, *args, **kwargs):
@@ -212,27 +236,44 @@ class DecoderLayerPipe(nn.Module):
 class FinalNormPipe(RMSNorm):
     """Layer L+1: drops mask and positions, which nothing after it needs."""
 
-    def __init__(self, config):
-        super().__init__(config.hidden_size, config.rms_norm_eps)
+    def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
+        super().__init__(config.hidden_size, config.rms_norm_eps, parallel)
 
     def forward(self, inputs):
         return super().forward(inputs[0])
 
 
 class LMHeadPipe(nn.Linear):
-    """Layer L+2: hidden states to logits."""
+    """Layer L+2: hidden states to logits (this rank's vocabulary rows under tensor parallelism)."""
 
-    def __init__(self, config):
-        super().__init__(config.hidden_size, config.vocab_size, bias=False)
+    def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
+        super().__init__(config.hidden_size, parallel.local(config.vocab_size, "vocab_size"), bias=False)
+        parallel.mark_sharded(self, dim=0)
+        self.parallel = parallel
+
+    def forward(self, hidden):
+        return self.parallel.column_linears(hidden, [self])[0]
 
 
 def tied_lm_head(embedding, hidden):
     """The LM head when it shares the embedding's weight (DeepSpeed's TiedLayerSpec calls it with the module)."""
-    return F.linear(hidden, embedding.weight)
+    return embedding.parallel.column_linears(hidden, [embedding])[0]
 
 
-def causal_lm_loss(logits, labels):
+def causal_lm_loss(logits, labels, parallel=NO_TENSOR_PARALLEL):
     """transformers' causal LM loss: next-token cross-entropy in fp32, mean over the tokens not labelled -100.
     The labels shift left (the last position predicts nothing) rather than the logits, which are not copied."""
     next_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1).to(logits.device)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), next_labels, ignore_index=IGNORE_INDEX)
+    return parallel.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), next_labels, IGNORE_INDEX)
+
+
+def layers_on_meta(config, parallel=NO_TENSOR_PARALLEL):
+    """{pipeline index: module} with one decoder layer standing for all, built on the meta device (no memory):
+    the shapes and split dimensions of every layer file."""
+    with torch.device("meta"):
+        decoder = DecoderLayerPipe(config, stage_inputs=None, parallel=parallel)
+        modules = {0: EmbeddingPipe(config, parallel), config.num_hidden_layers + 1: FinalNormPipe(config, parallel)}
+        if not config.tie_word_embeddings:
+            modules[config.num_hidden_layers + 2] = LMHeadPipe(config, parallel)
+    modules.update({i: decoder for i in range(1, config.num_hidden_layers + 1)})
+    return modules

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from models.layout import hf_name_of_layer_key  # noqa: E402
 from models.pipeline import build_pipeline_module  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
-from training.distributed import init_distributed, pipe_data_topology  # noqa: E402
+from training.distributed import init_distributed, parallel_topology  # noqa: E402
 
 
 class GradientRecorder(torch.optim.Optimizer):
@@ -75,23 +75,40 @@ def hf_reference(hf_dir, batch, micro_batch_size):
     return [loss.item() for loss in losses], grads
 
 
-def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir):
+def replicated_gradient_spread(module, optimizer, engine):
+    """Largest difference, over the tensor-parallel group, of the gradients of parameters every rank holds whole."""
+    group = engine.grid.get_slice_parallel_group()
+    spread = 0.0
+    for _, param in module.named_parameters():
+        if getattr(param, "tensor_parallel_dim", None) is None:
+            grad = optimizer.recorded[param]
+            gathered = [torch.empty_like(grad) for _ in range(engine.grid.get_slice_parallel_world_size())]
+            torch.distributed.all_gather(gathered, grad, group=group)
+            spread = max(spread, max((g - grad).abs().max().item() for g in gathered))
+    return spread
+
+
+def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor_parallel=1):
     init_distributed(timeout_minutes=2)
     opens = LayerFileOpens()
     results = {}
     for case in cases:
         config = AutoConfig.from_pretrained(case["hf_dir"])
-        dp_size = torch.distributed.get_world_size() // num_stages
+        dp_size = torch.distributed.get_world_size() // (num_stages * tensor_parallel)
         batch = make_batch(micro_batch_size * gas * dp_size, seq_len, config.vocab_size, seed=1)
-        module = build_pipeline_module(config, pipe_data_topology(num_stages), partition=case.get("partition", "parameters"),
+        module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel),
+                                       partition=case.get("partition", "parameters"),
                                        attention_impl=case.get("attention", "sdpa"),
-                                       activation_checkpoint_interval=case.get("checkpoint_interval", 0))
+                                       activation_checkpoint_interval=case.get("checkpoint_interval", 0),
+                                       sequence_parallel=case.get("sequence_parallel", True),
+                                       recompute_sequence_gather=case.get("recompute_sequence_gather", False))
         if case.get("compile"):
             module.compile()
         optimizer = GradientRecorder(module.parameters())
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config={
             "train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": gas,
-            "steps_per_print": 10**9, "gradient_clipping": 0.0})
+            "steps_per_print": 10**9, "gradient_clipping": 0.0,
+            "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}})
         opens.paths, opens.active = [], True
         engine.load_checkpoint(case["ds_dir"], load_module_only=True)
         opens.active = False
@@ -104,12 +121,15 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir):
         for name, param in module.named_parameters():
             hf_name = hf_name_of_pipeline_param(name, config.num_hidden_layers)
             ref = ref_grads[hf_name]
+            if getattr(param, "tensor_parallel_dim", None) is not None:  # this rank's slice of the HF gradient
+                ref = ref.chunk(tensor_parallel, param.tensor_parallel_dim)[engine.grid.get_slice_parallel_rank()]
             grad_errors[hf_name] = ((optimizer.recorded[param] - ref).abs().max() / ref.abs().max()).item()
         results[case["name"]] = {
             "stage": engine.stage_id, "dp_rank": engine.grid.data_parallel_id, "parts": [int(p) for p in module.parts],
             "layer_files_opened": sorted(set(opens.paths)),
             "losses": [loss.item() for loss in step_losses], "mean_loss": float(mean_loss),
-            "ref_losses": ref_losses, "grad_errors": grad_errors, "ref_param_names": sorted(ref_grads)}
+            "ref_losses": ref_losses, "grad_errors": grad_errors, "ref_param_names": sorted(ref_grads),
+            "replicated_grad_spread": replicated_gradient_spread(module, optimizer, engine)}
         torch.distributed.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

@@ -1,11 +1,12 @@
-"""Process-group setup: threads per process, DeepSpeed's distributed init, and the pipeline × data topology."""
+"""Process-group setup: threads per process, DeepSpeed's distributed init, and the pipeline × tensor × data
+topology."""
 import os
 from datetime import timedelta
 
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
 
 
 def set_threads_per_process():
@@ -25,6 +26,11 @@ def init_distributed(timeout_minutes):
     deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes))
 
 
-def pipe_data_topology(num_stages):
+def parallel_topology(num_stages, tensor_parallel_size=1):
+    """DeepSpeed's topology, tensor-parallel ranks innermost (consecutive ranks: one node's fast links). Without
+    tensor parallelism there is no 'model' axis, so layer files keep their plain names (layer_XX-model_states.pt)."""
     world = torch.distributed.get_world_size()
-    return PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages)
+    data_parallel = world // (num_stages * tensor_parallel_size)
+    if tensor_parallel_size == 1:
+        return PipeDataParallelTopology(num_pp=num_stages, num_dp=data_parallel)
+    return PipeModelDataParallelTopology(num_pp=num_stages, num_mp=tensor_parallel_size, num_dp=data_parallel)

@@ -19,7 +19,7 @@ from training.checkpointing import (check_fresh_start, check_resume_topology, cl
                                     read_trainer_state, remove_incomplete_checkpoints, resolve_resume,
                                     save_checkpoint)
 from training.config import ConfigError, check_run_config, deepspeed_config, load_model_config
-from training.distributed import init_distributed, pipe_data_topology, set_threads_per_process
+from training.distributed import init_distributed, parallel_topology, set_threads_per_process
 from training.evaluation import evaluate
 from training.metrics import RunLogger
 from training.optimizer import skipping_optimizer
@@ -62,7 +62,7 @@ def pad_token_id(tokenizer):
 
 
 def build_engine(cfg, model_config, total_steps):
-    module = build_pipeline_module(model_config, pipe_data_topology(cfg.num_stages), partition=_partition(cfg),
+    module = build_pipeline_module(model_config, parallel_topology(cfg.num_stages), partition=_partition(cfg),
                                    attention_impl=cfg.attention_impl,
                                    activation_checkpoint_interval=cfg.activation_checkpoint_interval,
                                    workload=workload_from_cfg(cfg, dist.get_world_size()),
@@ -150,7 +150,7 @@ def run(cfg):
     init_distributed(cfg.dist_timeout_minutes)
     prepare_output_dir(cfg, resume_from)
     seed_everything(cfg.seed)
-    topology = pipe_data_topology(cfg.num_stages)
+    topology = parallel_topology(cfg.num_stages)
     coord = topology.get_coord(dist.get_rank())
     dp_size = topology.get_dim("data")
     reads_data = coord.pipe in (0, cfg.num_stages - 1)

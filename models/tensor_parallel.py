@@ -1,0 +1,244 @@
+"""Tensor parallelism inside a pipeline stage, in Megatron's layout, as the few calls the layers make.
+
+A layer built with ``TensorParallel(size=t)`` holds 1/t of its projections: q, k, v, gate and up split by output
+feature (column-parallel: each rank computes its own heads or MLP columns from the whole input), o and down split
+by input feature (row-parallel: partial sums, added across the group), the embedding and LM head split by
+vocabulary row. With ``sequence_parallel`` the residual stream between those projections holds 1/t of the tokens
+(batch and sequence flattened), so norms, residual adds and the tensors sent between stages shrink by t; the
+tokens are all-gathered before a column-parallel group and reduce-scattered after a row-parallel one.
+
+With size 1 every call is the plain computation and no collective runs: the single-process model is this one.
+Written here rather than taken from a library because DeepSpeed's AutoTP does not compose with PipelineModule, and
+DTensor parameters would bypass DeepSpeed's optimizer and gradient machinery.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# DeepSpeed's marker of a parameter split across the tensor-parallel group: its gradient-norm code counts such a
+# parameter on every rank and a replicated one on tensor-parallel rank 0 only.
+SHARDED_MARKER = "tensor_model_parallel"
+
+
+class TensorParallel:
+    """One rank's place in its tensor-parallel group, and the collectives the layers call."""
+
+    def __init__(self, size=1, rank=0, sequence_parallel=False, recompute_sequence_gather=False, group=None):
+        self.size, self.rank, self.group = size, rank, group
+        self.sequence_parallel = sequence_parallel and size > 1
+        self.recompute_sequence_gather = recompute_sequence_gather
+        self.buffers = BufferPool()
+
+    def local(self, count, what):
+        """This rank's share of `count` (heads, features, vocabulary rows), or an error naming what does not split."""
+        if count % self.size:
+            raise ValueError(f"{what}={count} is not divisible by tensor_parallel_size={self.size}; choose a "
+                             f"tensor_parallel_size that divides it.")
+        return count // self.size
+
+    def mark_sharded(self, module, dim):
+        """Record on each parameter of a split module the dimension it is split along (biases of a row-parallel
+        layer are whole, added once after the reduction)."""
+        if self.size == 1:
+            return
+        for name, param in module.named_parameters(recurse=False):
+            if dim == 0 or name == "weight":
+                setattr(param, SHARDED_MARKER, True)
+                param.tensor_parallel_dim = dim
+
+    # --- the calls the layers make ---------------------------------------------------------------------------
+    def column_linears(self, x, linears):
+        """Column-parallel projections sharing one input (q, k, v; gate, up; the LM head): this rank's output
+        features for every token. Under sequence parallelism x holds this rank's tokens and the full set is
+        gathered once for the whole group of projections."""
+        if self.size == 1:
+            return [F.linear(x, lin.weight, getattr(lin, "bias", None)) for lin in linears]
+        if self.sequence_parallel:
+            params = [t for lin in linears for t in (lin.weight, getattr(lin, "bias", None))]
+            return list(GatheredLinears.apply(self, x, *params))
+        x = CopyToGroup.apply(x, self.group)
+        return [F.linear(x, lin.weight, getattr(lin, "bias", None)) for lin in linears]
+
+    def row_linear(self, x, linear):
+        """A row-parallel projection: partial sums over this rank's input features, added across the group (and
+        split by token under sequence parallelism); the bias, held whole, is added once after the sum."""
+        if self.size == 1:
+            return linear(x)
+        out = self.reduce(F.linear(x, linear.weight))
+        return out if linear.bias is None else out + self.replicated(linear.bias)
+
+    def reduce(self, partial):
+        """Sum partial results across the group: all-reduce, or reduce-scatter by token under sequence parallelism."""
+        if self.size == 1:
+            return partial
+        if self.sequence_parallel:
+            return ReduceScatterTokens.apply(partial.reshape(-1, partial.shape[-1]), self)
+        return AllReduce.apply(partial, self.group)
+
+    def replicated(self, param):
+        """A parameter every rank holds whole (norms, row-parallel biases). Under sequence parallelism each rank
+        sees only its tokens, so the gradient is summed over the group: identical on every rank, as without."""
+        return CopyToGroup.apply(param, self.group) if self.sequence_parallel else param
+
+    def embedding(self, input_ids, weight):
+        """Vocabulary-parallel lookup: this rank's rows, zeros for ids outside them, summed over the group."""
+        if self.size == 1:
+            return F.embedding(input_ids, weight)
+        local = input_ids - self.rank * weight.shape[0]
+        outside = (local < 0) | (local >= weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside[..., None], 0)
+        return self.reduce(rows)
+
+    def cross_entropy(self, logits, labels, ignore_index):
+        """Mean cross-entropy over the labels not equal to ignore_index, from vocabulary-sharded logits (never
+        gathered: max, sum of exponentials and the target logit are reduced across the group instead)."""
+        if self.size == 1:
+            return F.cross_entropy(logits, labels, ignore_index=ignore_index)
+        losses = VocabParallelCrossEntropy.apply(logits, labels, self, ignore_index)
+        return losses.sum() / (labels != ignore_index).sum()
+
+    # --- collectives -----------------------------------------------------------------------------------------
+    def gather_tokens(self, x, pooled):
+        """All-gather this rank's tokens (dim 0) from the group; into the reused pool buffer when pooled."""
+        shape = (x.shape[0] * self.size, *x.shape[1:])
+        out = (self.buffers.get("gather", shape, x.dtype, x.device) if pooled
+               else torch.empty(shape, dtype=x.dtype, device=x.device))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        return out
+
+    def scatter_tokens(self, x):
+        """Reduce-scatter over tokens (dim 0): the group's sum of this rank's share."""
+        if x.shape[0] % self.size:
+            raise ValueError(f"{x.shape[0]} tokens (micro_batch_size x seq_length) do not split over "
+                             f"tensor_parallel_size={self.size} with sequence_parallel; make the product divisible.")
+        out = torch.empty((x.shape[0] // self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=self.group)
+        return out
+
+
+
+class BufferPool:
+    """Megatron's global memory buffer: one tensor per name and dtype, grown on demand and reused by every call,
+    for data that lives only within one call (a gathered input used for one group of matmuls)."""
+
+    def __init__(self):
+        self._buffers = {}
+
+    def get(self, name, shape, dtype, device):
+        count = math.prod(shape)
+        key = (name, dtype, device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < count:
+            buffer = self._buffers[key] = torch.empty(count, dtype=dtype, device=device)
+        return buffer[:count].view(shape)
+
+
+def all_reduce_copy(tensor, group):
+    tensor = tensor.clone()  # never sum in place into a tensor autograd may still hand to another consumer
+    dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+class CopyToGroup(torch.autograd.Function):
+    """Identity forward; gradients summed over the group in backward (an input every rank uses whole)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_copy(grad, ctx.group), None
+
+
+class AllReduce(torch.autograd.Function):
+    """Sum over the group forward; the gradient passes through (every rank's output is the same sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce_copy(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ReduceScatterTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, parallel):
+        ctx.parallel = parallel
+        return parallel.scatter_tokens(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.parallel.gather_tokens(grad, pooled=False), None
+
+
+class GatheredLinears(torch.autograd.Function):
+    """Sequence-parallel column projections: gather the tokens once, apply every projection of the group.
+
+    Backward needs the gathered input for the weight gradients: kept from forward (memory: the full tokens per
+    layer and micro-batch in flight), or, with recompute_sequence_gather, gathered again into the pool buffer
+    (one more all-gather per group, and only the pool's one buffer alive)."""
+
+    @staticmethod
+    def forward(ctx, parallel, x, *params):
+        recompute = parallel.recompute_sequence_gather
+        full = parallel.gather_tokens(x, pooled=recompute)
+        weights, biases = params[0::2], params[1::2]
+        outputs = tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
+        ctx.parallel, ctx.has_bias = parallel, [b is not None for b in biases]
+        ctx.save_for_backward(x if recompute else full, *weights)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        parallel = ctx.parallel
+        saved, *weights = ctx.saved_tensors
+        full = parallel.gather_tokens(saved, pooled=True) if parallel.recompute_sequence_gather else saved
+        full_2d = full.reshape(-1, full.shape[-1])
+        grad_full = None
+        param_grads = []
+        for grad, weight, has_bias in zip(grads, weights, ctx.has_bias):
+            grad_2d = grad.reshape(-1, grad.shape[-1])
+            grad_full = grad_2d @ weight if grad_full is None else grad_full.addmm_(grad_2d, weight)
+            param_grads += [grad_2d.t() @ full_2d, grad_2d.sum(0) if has_bias else None]
+        grad_x = parallel.scatter_tokens(grad_full.view(full.shape))
+        return None, grad_x, *param_grads
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy (0 where ignored) from logits split by vocabulary over the group."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, parallel, ignore_index):
+        group, vocab_local = parallel.group, logits.shape[-1]
+        logits_max = logits.max(dim=-1).values
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max[:, None]
+        local = labels - parallel.rank * vocab_local
+        outside = (local < 0) | (local >= vocab_local)
+        local = local.masked_fill(outside, 0)
+        target = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(outside, 0.0)
+        dist.all_reduce(target, group=group)
+        exp = shifted.exp_()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        valid = labels != ignore_index
+        ctx.save_for_backward(exp.div_(sum_exp[:, None]), local, outside, valid)
+        return (sum_exp.log() - target) * valid
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, outside, valid = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        rows = torch.arange(local.shape[0], device=local.device)
+        grad_logits[rows, local] -= (~outside).to(grad_logits.dtype)
+        grad_logits *= (grad * valid)[:, None]
+        return grad_logits, None, None, None
+
+
+NO_TENSOR_PARALLEL = TensorParallel()  # the plain single-process model
