@@ -10,6 +10,14 @@ The cost model works from the model config and the workload alone (nothing is bu
   pass (a recomputed chunk, the LM head's fp32 loss gradients); ZeRO-1's reduce buckets; and the optimizer step's
   peak, which replaces the activations' once they are freed.
 
+Tensor parallelism (Megatron's layout, models/tensor_parallel.py) over t ranks: every figure is one rank's. The
+projections, the embedding and the LM head hold 1/t of their weights (norms and row-parallel biases stay whole),
+so do their gradients and optimizer state, and the matmuls do 1/t of the FLOPs; attention heads, MLP columns and
+logits split by t. With sequence parallelism the residual stream, the norms and the stage-boundary hidden states
+hold 1/t of the tokens; each column-parallel group (q/k/v, gate/up, LM head) all-gathers its input, which backward
+keeps (full tokens, per layer and micro-batch in flight) unless recompute_sequence_gather gathers it again into one
+pooled buffer. Without sequence parallelism the residual stream is whole on every rank.
+
 A stage's cost is the mean of its compute and its memory, each in units of one decoder layer, so an embedding
 that holds 2.4 decoder layers of memory and does no compute weighs 1.2 decoder layers. The balanced partition
 minimises the largest stage cost.
@@ -41,10 +49,29 @@ class Workload:
     activation_checkpoint_interval: int = 0
     reduce_bucket_size: int = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default
     torch_adam: bool = True  # torch's Adam (conf/base.yaml) rather than DeepSpeed's fused one
+    tensor_parallel: int = 1  # ranks splitting each layer (conf/base.yaml's tensor_parallel_size)
+    sequence_parallel: bool = True  # with tensor_parallel > 1: residual stream on 1/t of the tokens
+    recompute_sequence_gather: bool = False  # sequence parallel: gather again in backward rather than keep
 
     @property
     def tokens(self):
         return self.seq_length * self.micro_batch_size
+
+    @property
+    def splits_sequence(self):
+        """Whether the residual stream holds 1/tensor_parallel of the tokens on each rank."""
+        return self.sequence_parallel and self.tensor_parallel > 1
+
+    @property
+    def residual_tokens(self):
+        """Tokens of the residual stream, norms and stage-boundary hidden states on one rank."""
+        return self.tokens // self.tensor_parallel if self.splits_sequence else self.tokens
+
+    @property
+    def gathered_input_tokens(self):
+        """Tokens of the input a column-parallel group keeps for its backward: all of them, or this rank's share
+        when recompute_sequence_gather gathers them again."""
+        return self.residual_tokens if self.splits_sequence and self.recompute_sequence_gather else self.tokens
 
     @property
     def activation_bytes(self):
@@ -54,9 +81,15 @@ class Workload:
 def describe_workload(workload):
     checkpointing = (f"checkpoint every {workload.activation_checkpoint_interval} layers"
                      if workload.activation_checkpoint_interval else "no activation checkpointing")
+    tensor = ""
+    if workload.tensor_parallel > 1:
+        sequence = ("sequence parallel, sequence gather recomputed in backward"
+                    if workload.splits_sequence and workload.recompute_sequence_gather
+                    else "sequence parallel" if workload.splits_sequence else "no sequence parallel")
+        tensor = f"tensor-parallel {workload.tensor_parallel} ({sequence}), "
     return (f"seq_length={workload.seq_length}, micro_batch_size={workload.micro_batch_size}, "
             f"{workload.micro_batches} micro-batches, {workload.precision}, ZeRO-{workload.zero_stage}, "
-            f"data-parallel {workload.data_parallel}, {checkpointing}")
+            f"{tensor}data-parallel {workload.data_parallel}, {checkpointing}")
 
 
 def layer_kinds(num_hidden_layers):
@@ -64,18 +97,44 @@ def layer_kinds(num_hidden_layers):
     return [EMBEDDING] + [DECODER] * num_hidden_layers + [NORM, HEAD]
 
 
-def decoder_parameter_count(config):
+def decoder_parameter_split(config):
+    """A decoder layer's parameters as (sharded, replicated) under tensor parallelism: the projections' weights
+    and the column-parallel biases (q, k, v, gate, up) split over the ranks; the two norms and the row-parallel
+    biases (o, down) are whole on every rank."""
     hidden, heads = config.hidden_size, config.num_attention_heads
     kv_heads = config.num_key_value_heads or heads
     head_dim = head_dim_of(config)
-    attn = hidden * head_dim * (2 * heads + 2 * kv_heads)
-    if getattr(config, "attention_bias", False) or config.model_type == "qwen2":
-        attn += head_dim * (heads + 2 * kv_heads)
-    if getattr(config, "attention_bias", False) and config.model_type != "qwen2":
-        attn += hidden
     inter = config.intermediate_size
-    mlp = 3 * hidden * inter + ((2 * inter + hidden) if getattr(config, "mlp_bias", False) else 0)
-    return attn + mlp + 2 * hidden
+    sharded = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter
+    replicated = 2 * hidden
+    if getattr(config, "attention_bias", False) or config.model_type == "qwen2":
+        sharded += head_dim * (heads + 2 * kv_heads)
+    if getattr(config, "attention_bias", False) and config.model_type != "qwen2":
+        replicated += hidden
+    if getattr(config, "mlp_bias", False):
+        sharded += 2 * inter
+        replicated += hidden
+    return sharded, replicated
+
+
+def decoder_parameter_count(config):
+    return sum(decoder_parameter_split(config))
+
+
+def check_tensor_parallel(config, workload):
+    """Raise ValueError naming what tensor_parallel does not split evenly (heads, MLP columns, vocabulary, tokens)."""
+    t = workload.tensor_parallel
+    if t < 1:
+        raise ValueError(f"tensor_parallel_size={t} must be at least 1.")
+    counts = {"num_attention_heads": config.num_attention_heads,
+              "num_key_value_heads": config.num_key_value_heads or config.num_attention_heads,
+              "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+    if workload.splits_sequence:
+        counts["micro_batch_size x seq_length"] = workload.tokens
+    bad = [f"{name}={count}" for name, count in counts.items() if count % t]
+    if bad:
+        raise ValueError(f"tensor_parallel_size={t} does not divide {', '.join(bad)}; choose a tensor_parallel_size "
+                         f"that divides {'them' if len(bad) > 1 else 'it'}.")
 
 
 def layer_parameter_counts(config):
@@ -112,35 +171,55 @@ class LayerCosts:
 
     def __init__(self, config, workload):
         self.config, self.workload = config, workload
-        tokens, hidden, vocab = workload.tokens, config.hidden_size, config.vocab_size
-        inter = config.intermediate_size
+        check_tensor_parallel(config, workload)
+        t = workload.tensor_parallel  # every split count below divides by t (check_tensor_parallel)
+        tokens, hidden, vocab = workload.tokens, config.hidden_size, config.vocab_size // t
+        residual, gathered = workload.residual_tokens, workload.gathered_input_tokens
+        inter = config.intermediate_size // t
         act = workload.activation_bytes
-        q_width = config.num_attention_heads * head_dim_of(config)
-        decoder_params = decoder_parameter_count(config)
-        self.parameters = {EMBEDDING: vocab * hidden, DECODER: decoder_params, NORM: hidden,
+        q_width = config.num_attention_heads * head_dim_of(config) // t
+        heads = config.num_attention_heads // t
+        sharded, replicated = decoder_parameter_split(config)
+        # vocab, inter, q_width and heads are this rank's share; parameters are this rank's too.
+        self.parameters = {EMBEDDING: vocab * hidden, DECODER: sharded // t + replicated, NORM: hidden,
                            HEAD: vocab * hidden}  # a tied head is a second copy of the embedding on its stage
         self.largest_tensor = {EMBEDDING: vocab * hidden, DECODER: hidden * max(inter, q_width), NORM: hidden,
                                HEAD: vocab * hidden}
         # Matmuls: 2 FLOPs per weight per token; causal attention: QK^T and PV over half the seq x seq scores.
+        # Norms and row-parallel biases (counted the same way) run on the residual stream's tokens.
         self.forward_flops = {EMBEDDING: 0, NORM: 0, HEAD: 2 * tokens * hidden * vocab,
-                              DECODER: 2 * tokens * decoder_params + 2 * tokens * workload.seq_length * q_width}
+                              DECODER: 2 * tokens * (sharded // t) + 2 * residual * replicated
+                              + 2 * tokens * workload.seq_length * q_width}
         self.saved_bytes = {
-            EMBEDDING: 0,
+            # Vocabulary-parallel: this rank's local ids and the mask of ids outside its rows.
+            EMBEDDING: tokens * (INT64_BYTES + 1) if t > 1 else 0,
             # 8 hidden-sized and 4 intermediate-sized tensors in the activation dtype, the two norms' fp32 inputs
-            # and inverse RMS, and attention's log-sum-exp per head.
-            DECODER: tokens * (act * (8 * hidden + 4 * inter)
-                               + FP32_BYTES * (2 * hidden + config.num_attention_heads + 2)),
-            # The norm's fp32 input and inverse RMS, its normalised and its scaled output.
-            NORM: tokens * (FP32_BYTES * (hidden + 1) + 2 * act * hidden),
-            # The loss's fp32 log-softmax and its shifted labels (the logits themselves: see logits_bytes).
-            HEAD: tokens * (vocab * FP32_BYTES + INT64_BYTES),
+            # and inverse RMS, and attention's log-sum-exp per head. Of the hidden-sized ones, the norms' normalised
+            # outputs are on the residual stream's tokens, the inputs of the column-parallel groups (q/k/v,
+            # gate/up) on the gathered tokens, and q, k, v and attention's output on this rank's heads (counted
+            # hidden-sized: heads x head_dim = hidden in LLaMA-family configs).
+            DECODER: act * (2 * residual * hidden + 2 * gathered * hidden + 4 * tokens * hidden // t
+                            + 4 * tokens * inter)
+                     + FP32_BYTES * (residual * (2 * hidden + 2) + tokens * heads),
+            # The norm's fp32 input and inverse RMS, its normalised output, and its scaled output as the LM head's
+            # input (gathered under sequence parallelism).
+            NORM: residual * (FP32_BYTES * (hidden + 1) + act * hidden) + gathered * act * hidden,
+            # The loss's fp32 log-softmax and its shifted labels (the logits themselves: see logits_bytes);
+            # vocabulary-parallel, the labels as local ids and two boolean token masks (models/tensor_parallel.py).
+            HEAD: tokens * (vocab * FP32_BYTES + INT64_BYTES + (2 if t > 1 else 0)),
         }
-        # Gradients alive at once while a layer runs backward: a decoder's MLP and residual stream; the loss's two
-        # fp32 logits-sized gradients.
-        self.backward_bytes = {EMBEDDING: 0, NORM: 0, DECODER: tokens * act * (2 * inter + 4 * hidden),
+        # Gradients alive at once while a layer runs backward: a decoder's MLP and residual stream (two on this
+        # rank's residual tokens, two on all tokens: a column group's input gradient and a row-parallel output's
+        # gathered gradient); the loss's two fp32 logits-sized gradients.
+        self.backward_bytes = {EMBEDDING: 0, NORM: 0,
+                               DECODER: act * (2 * tokens * inter + 2 * residual * hidden + 2 * tokens * hidden),
                                HEAD: 2 * tokens * vocab * FP32_BYTES}
         self.logits_bytes = tokens * vocab * act
-        self.hidden_bytes = tokens * hidden * act  # one hidden-states tensor: a stage boundary, a checkpoint input
+        # One hidden-states tensor: a stage boundary, a checkpoint input.
+        self.hidden_bytes = residual * hidden * act
+        # recompute_sequence_gather: the pooled buffer every column group gathers its input into, once per stage.
+        self.gather_pool_bytes = (tokens * hidden * act
+                                  if workload.splits_sequence and workload.recompute_sequence_gather else 0)
 
     def chunks(self, kinds):
         """DeepSpeed's activation checkpointing: consecutive runs of `interval` layers from the stage's first layer,
@@ -180,6 +259,8 @@ class LayerCosts:
             persistent += self.hidden_bytes
         else:  # DeepSpeed never frees the last stage's outputs: each of its two buffers keeps logits until reused
             persistent += min(2, self.workload.micro_batches) * self.logits_bytes
+        if DECODER in kinds or HEAD in kinds:  # column-parallel groups gather into one pooled buffer per stage
+            persistent += self.gather_pool_bytes
         return in_flight * per_micro_batch + persistent + transient
 
     def stage_parameters(self, kinds):

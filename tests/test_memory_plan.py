@@ -3,11 +3,13 @@ import os
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
 
 from tests.conftest import ROOT
 from tests.tiny_models import make_tiny_model
 from training.config import ConfigError
-from training.plan import load_plan_model_config, memory_plan, plan_world_size, print_memory_plan
+from training.plan import (load_plan_model_config, memory_plan, plan_world_size, print_memory_plan,
+                           workload_from_cfg)
 
 GIB = 2 ** 30
 
@@ -80,3 +82,97 @@ def test_world_size_to_plan_for(monkeypatch):
     assert plan_world_size(run_config("llama_65b", "plan_world_size=null")) == 8  # one replica of the stages
     monkeypatch.setenv("WORLD_SIZE", "32")
     assert plan_world_size(run_config("llama_65b", "plan_world_size=null")) == 32
+
+
+# Tensor parallelism. llama_65b's published sizes: what tensor_parallel_size splits (q, k, v, o, gate, up, down;
+# embedding and LM head rows) and what every rank holds whole (the two norms of each decoder, the final norm).
+HIDDEN, INTER, VOCAB = 8192, 22016, 32000
+DECODER_SHARDED, DECODER_REPLICATED = 4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTER, 2 * HIDDEN
+# 4 stages of 20 decoder layers: (sharded, replicated) parameters of each stage.
+STAGE_PARAMETERS = [(VOCAB * HIDDEN + 20 * DECODER_SHARDED, 20 * DECODER_REPLICATED),
+                    (20 * DECODER_SHARDED, 20 * DECODER_REPLICATED),
+                    (20 * DECODER_SHARDED, 20 * DECODER_REPLICATED),
+                    (20 * DECODER_SHARDED + VOCAB * HIDDEN, 20 * DECODER_REPLICATED + HIDDEN)]
+
+
+def four_stage_plan(tensor_parallel, world_size, *overrides):
+    cfg = run_config("llama_65b", "num_stages=4", "partition=[20,20,20,20]",
+                     f"tensor_parallel_size={tensor_parallel}", *overrides)
+    return memory_plan(cfg, load_plan_model_config(cfg), world_size=world_size)
+
+
+def test_tensor_parallel_splits_sharded_weights_and_keeps_norms_whole():
+    one, rows_one = four_stage_plan(1, 8)
+    two, rows_two = four_stage_plan(2, 16)
+    assert one.data_parallel == two.data_parallel == 2 and two.tensor_parallel == 2
+    for one_row, two_row, (sharded, replicated) in zip(rows_one, rows_two, STAGE_PARAMETERS):
+        assert one_row["parameters"] == sharded + replicated
+        per_device = sharded // 2 + replicated
+        assert two_row["parameters"] == per_device
+        # bf16 weights and gradients; fp32 master and Adam moments (12 bytes) over the 2 data-parallel ranks.
+        assert two_row["weights_bytes"] == two_row["gradients_bytes"] == 2 * per_device
+        assert two_row["optimizer_bytes"] == 6 * per_device
+        # Half of everything, plus the other half of the norms' 2 bytes per replicated parameter.
+        assert two_row["weights_bytes"] == one_row["weights_bytes"] // 2 + replicated
+        # Every matmul splits; under sequence parallelism the norms run on half the tokens: half the FLOPs.
+        assert two_row["tflops_per_micro_batch"] == pytest.approx(one_row["tflops_per_micro_batch"] / 2, rel=1e-12)
+
+
+def test_sequence_parallel_and_recomputed_gathers_shrink_activations():
+    tokens_hidden_bytes = 2048 * HIDDEN * 2  # one full-sequence hidden-states tensor in bf16
+    _, whole = four_stage_plan(1, 8)
+    _, no_sequence = four_stage_plan(2, 16, "sequence_parallel=false")
+    _, sequence = four_stage_plan(2, 16)
+    _, recompute = four_stage_plan(2, 16, "recompute_sequence_gather=true")
+    for rows in (no_sequence, sequence, recompute):  # activations change nothing in the state
+        assert [row["weights_bytes"] for row in rows] == [row["weights_bytes"] for row in sequence]
+    for a, b, c, d in zip(whole, no_sequence, sequence, recompute):
+        # Heads and MLP columns split; then the residual stream; then the gathered inputs are not kept.
+        assert a["activation_full_bytes"] > b["activation_full_bytes"] > c["activation_full_bytes"] \
+            > d["activation_full_bytes"]
+        # Checkpointed, only the recomputed layer holds gathered inputs: recomputing the gather saves nothing there.
+        assert a["activation_checkpointed_bytes"] > b["activation_checkpointed_bytes"] \
+            > c["activation_checkpointed_bytes"] >= d["activation_checkpointed_bytes"]
+    # Stage 1, no checkpointing: 3 micro-batches in flight x 20 layers x 2 column groups (q/k/v, gate/up) each
+    # keep their all-gathered input; recomputing keeps this rank's half instead, plus one pooled gather buffer.
+    assert sequence[1]["in_flight"] == 3
+    saved = 3 * 20 * 2 * tokens_hidden_bytes // 2
+    assert sequence[1]["activation_full_bytes"] - recompute[1]["activation_full_bytes"] == saved - tokens_hidden_bytes
+    # A stage boundary's hidden states split by token: the checkpointed stage keeps 22 per micro-batch in flight
+    # (input, output, one per layer) and 3 buffers, all halved; the recomputed layer is in what remains.
+    halved = (3 * 22 + 3) * tokens_hidden_bytes // 2
+    assert no_sequence[1]["activation_checkpointed_bytes"] - sequence[1]["activation_checkpointed_bytes"] > halved
+
+
+def test_tensor_parallel_plan_header(capsys):
+    cfg = run_config("llama_65b", "num_stages=4", "tensor_parallel_size=2")
+    rows = print_memory_plan(cfg, load_plan_model_config(cfg), world_size=16)
+    printed = capsys.readouterr().out
+    assert len(rows) == 4
+    assert "16 devices = 4 stages x 2 tensor-parallel x 2 data-parallel" in printed
+    assert "tensor-parallel 2 (sequence parallel)" in printed and "params and GiB per device" in printed
+
+
+def test_world_size_must_divide_by_stages_times_tensor_parallel():
+    cfg = run_config("llama_65b", "tensor_parallel_size=2")
+    with pytest.raises(ConfigError, match=r"num_stages=8 x tensor_parallel_size=2 = 16 devices per data-parallel "
+                                          r"replica does not divide the world size 24; .* multiple of 16"):
+        memory_plan(cfg, load_plan_model_config(cfg), world_size=24)
+
+
+def test_tensor_parallel_must_divide_heads_and_vocabulary():
+    cfg = run_config("llama_65b", "tensor_parallel_size=3")
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 does not divide num_attention_heads=64, "
+                                          r"num_key_value_heads=64, intermediate_size=22016, vocab_size=32000"):
+        memory_plan(cfg, load_plan_model_config(cfg), world_size=24)
+
+
+def test_configs_without_tensor_parallel_keys_and_the_fallback_world(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert plan_world_size(run_config("llama_65b", "plan_world_size=null", "tensor_parallel_size=2")) == 16
+    cfg = run_config("llama_65b")
+    with open_dict(cfg):
+        for key in ("tensor_parallel_size", "sequence_parallel", "recompute_sequence_gather"):
+            del cfg[key]
+    workload = workload_from_cfg(cfg, 16)
+    assert (workload.tensor_parallel, workload.data_parallel) == (1, 2)

@@ -1,4 +1,5 @@
 """The cost model and the partitions built from it (fast: no processes, nothing of model size is built)."""
+import dataclasses
 import os
 
 import pytest
@@ -66,6 +67,20 @@ def test_balanced_has_the_smallest_largest_stage_cost(name, other):
     _, _, balanced = configured_plan(name)
     _, _, alternative = configured_plan(name, partition=other)
     assert max(row["cost"] for row in balanced) <= max(row["cost"] for row in alternative)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_balanced_stays_balanced_under_tensor_parallelism(name, sequence_parallel):
+    cfg, config = run_config(name), PUBLISHED[name]
+    workload = dataclasses.replace(workload_from_cfg(cfg, WORLD_SIZE[name]), tensor_parallel=4,
+                                   sequence_parallel=sequence_parallel)
+    class_names = [spec.typename.__name__ for spec in build_pipeline_layers(config)]
+    plans = {method: stage_plan(config, stage_bounds(config, cfg.num_stages, method, workload, class_names), workload)
+             for method in ("balanced", "parameters", "uniform")}
+    assert cost_spread(plans["balanced"]) <= 1.15
+    assert max(row["cost"] for row in plans["balanced"]) <= min(max(row["cost"] for row in plans[method])
+                                                                for method in ("parameters", "uniform"))
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

@@ -1,9 +1,11 @@
 """The per-stage memory plan of a run from its config alone (plan_only=true): no GPU, no weights, no processes.
 
-Per stage: weights, gradients and optimizer state for the precision, ZeRO stage and data-parallel degree;
+Per stage and per device: weights, gradients and optimizer state for the precision, ZeRO stage, tensor-parallel
+and data-parallel degrees;
 activations with and without activation checkpointing (1F1B keeps up to num_stages - stage micro-batches in
 flight); the optimizer step's short-lived buffers; the total per device and whether it fits device_memory_gb.
-The numbers come from models/partition.py's cost model, the one the balanced partition uses.
+The numbers come from models/partition.py's cost model, the one the balanced partition uses. The world is
+num_stages x tensor_parallel_size x data-parallel devices.
 """
 import dataclasses
 import os
@@ -11,7 +13,8 @@ import os
 from omegaconf import OmegaConf
 from transformers import AutoConfig
 
-from models.partition import PRECISION_BYTES, Workload, describe_workload, stage_bounds, stage_plan
+from models.partition import (PRECISION_BYTES, Workload, check_tensor_parallel, describe_workload, stage_bounds,
+                              stage_plan)
 from models.llama import check_model_config
 from models.pipeline import build_pipeline_layers
 from training.config import ConfigError
@@ -20,9 +23,28 @@ GIB = 2 ** 30
 RUNTIME_NOTE = "not modelled: CUDA context, NCCL buffers, allocator fragmentation (keep ~10% headroom)"
 
 
+def tensor_parallel_size(cfg):
+    """cfg.tensor_parallel_size; 1 for configs written before tensor parallelism (or setting it null)."""
+    size = cfg.get("tensor_parallel_size", 1)
+    return 1 if size is None else int(size)
+
+
 def plan_world_size(cfg):
     """Devices to plan for: plan_world_size, else the launched world size, else one data-parallel replica."""
-    return cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", cfg.num_stages))
+    return cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", cfg.num_stages * tensor_parallel_size(cfg)))
+
+
+def data_parallel_size(cfg, world_size):
+    """world_size / (num_stages x tensor_parallel_size), or a ConfigError naming the values that do not divide."""
+    stages, tp = cfg.num_stages, tensor_parallel_size(cfg)
+    if stages < 1 or tp < 1:
+        raise ConfigError(f"num_stages={stages} and tensor_parallel_size={tp} must both be at least 1.")
+    replica = stages * tp
+    if world_size % replica:
+        raise ConfigError(f"num_stages={stages} x tensor_parallel_size={tp} = {replica} devices per data-parallel "
+                          f"replica does not divide the world size {world_size}; plan for (plan_world_size) or "
+                          f"launch a multiple of {replica} devices, or change num_stages or tensor_parallel_size.")
+    return world_size // replica
 
 
 def workload_from_cfg(cfg, world_size):
@@ -32,10 +54,13 @@ def workload_from_cfg(cfg, world_size):
     optimizer_params = ds.get("optimizer", {}).get("params", {})
     return Workload(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
                     micro_batches=cfg.gradient_accumulation_steps, precision=cfg.precision,
-                    zero_stage=cfg.zero_stage, data_parallel=world_size // cfg.num_stages,
+                    zero_stage=cfg.zero_stage, data_parallel=data_parallel_size(cfg, world_size),
                     activation_checkpoint_interval=cfg.activation_checkpoint_interval,
                     reduce_bucket_size=int(zero.get("reduce_bucket_size", Workload.reduce_bucket_size)),
-                    torch_adam=bool(optimizer_params.get("torch_adam", False)))
+                    torch_adam=bool(optimizer_params.get("torch_adam", False)),
+                    tensor_parallel=tensor_parallel_size(cfg),
+                    sequence_parallel=bool(cfg.get("sequence_parallel", True)),
+                    recompute_sequence_gather=bool(cfg.get("recompute_sequence_gather", False)))
 
 
 def load_plan_model_config(cfg):
@@ -59,11 +84,13 @@ def memory_plan(cfg, model_config, world_size):
     stages = cfg.num_stages
     if cfg.precision not in PRECISION_BYTES:
         raise ConfigError(f"precision '{cfg.precision}' is not one of {tuple(PRECISION_BYTES)}.")
-    if stages < 1 or world_size % stages:
-        raise ConfigError(f"num_stages={stages} does not divide the world size {world_size}.")
+    workload = workload_from_cfg(cfg, world_size)  # checks the world size against stages x tensor-parallel
     if model_config.num_hidden_layers < stages:
         raise ConfigError(f"num_stages={stages} is more than the model's {model_config.num_hidden_layers} layers.")
-    workload = workload_from_cfg(cfg, world_size)
+    try:
+        check_tensor_parallel(model_config, workload)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     partition = cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
     class_names = [spec.typename.__name__ for spec in build_pipeline_layers(model_config)]
     bounds = stage_bounds(model_config, stages, partition, workload, class_names)
@@ -86,8 +113,10 @@ def format_memory_plan(cfg, workload, rows, world_size):
     interval = workload.activation_checkpoint_interval or 1
     header = (f"{'stage':>5} {'layers':>7} {'params':>8} {'weights':>8} {'grads':>8} {'optim':>8} "
               f"{f'act(ckpt {interval})':>12} {'act(full)':>10} {'step':>7} {'buffers':>8} {'total':>8}  fits")
-    lines = [f"memory plan: {world_size} devices = {cfg.num_stages} stages x {workload.data_parallel} "
-             f"data-parallel; {describe_workload(workload)}; partition '{cfg.partition}'; GiB per device", header]
+    tensor = f"{workload.tensor_parallel} tensor-parallel x " if workload.tensor_parallel > 1 else ""
+    per_device = "params and GiB per device" if workload.tensor_parallel > 1 else "GiB per device"
+    lines = [f"memory plan: {world_size} devices = {cfg.num_stages} stages x {tensor}{workload.data_parallel} "
+             f"data-parallel; {describe_workload(workload)}; partition '{cfg.partition}'; {per_device}", header]
     for row in rows:
         start, stop = row["layers"]
         lines.append(
