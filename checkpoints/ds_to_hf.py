@@ -1,5 +1,7 @@
 """DeepSpeed per-layer files (a converted directory or a training checkpoint) back to a Hugging Face directory:
-sharded safetensors, index, config and tokenizer. Layer files are memory-mapped, so memory holds one shard."""
+sharded safetensors, index, config and tokenizer. Layer files are memory-mapped, so memory holds one shard; a
+tensor-parallel checkpoint's per-rank slices are merged back into whole weights."""
+import functools
 import glob
 import json
 import os
@@ -10,8 +12,9 @@ from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from checkpoints.files import check_output_dir, copy_model_side_files, read_latest, staged_directory
-from models.layout import hf_name_of_layer_key, layer_file_path, layer_indices_with_files
-from models.llama import check_model_config
+from models.layout import hf_name_of_layer_key, layer_indices_with_files
+from models.llama import check_model_config, layers_on_meta
+from models.tensor_parallel import TensorParallel
 
 
 def resolve_tag_dir(ckpt_dir, tag=None):
@@ -35,19 +38,40 @@ def model_files_dir(ckpt_dir, tag_dir):
     raise FileNotFoundError(f"no config.json in '{tag_dir}' or '{ckpt_dir}'.")
 
 
-def read_hf_state_dict(tag_dir, config):
-    """HF name -> memory-mapped tensor, for every layer file of the model."""
-    state = {}
+def layer_files(tag_dir, index, config):
+    """The files of one layer: one whole-layer file, or one per tensor-parallel rank (layer_XX-model_YY-...)."""
+    paths = sorted(glob.glob(os.path.join(tag_dir, f"layer_{index:02d}-*model_states.pt")))
+    if not paths:
+        found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(tag_dir, "layer_*")))
+        raise FileNotFoundError(f"no layer file for layer {index} in {tag_dir} (num_hidden_layers="
+                                f"{config.num_hidden_layers} in config.json); layer files present: {found}")
+    return paths
+
+
+def read_hf_tensors(tag_dir, config):
+    """{HF name: a function returning the tensor} and {HF name: a meta tensor of its shape} (to plan the output
+    shards without reading anything). Layer files are memory-mapped; the slices of a tensor-parallel checkpoint
+    are concatenated along each weight's split dimension only when its output shard is written."""
+    tensors, shapes = {}, {}
+    split_dims = {}
     for index in layer_indices_with_files(config.num_hidden_layers, config.tie_word_embeddings):
-        path = layer_file_path(tag_dir, index)
-        if not os.path.isfile(path):
-            found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(tag_dir, "layer_*")))
-            raise FileNotFoundError(f"missing {path} (num_hidden_layers={config.num_hidden_layers} in config.json); "
-                                    f"layer files present: {found}")
-        layer = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        for key, tensor in layer.items():
-            state[hf_name_of_layer_key(index, key, config.num_hidden_layers)] = tensor
-    return state
+        slices = [torch.load(p, map_location="cpu", mmap=True, weights_only=True)
+                  for p in layer_files(tag_dir, index, config)]
+        if len(slices) > 1 and len(slices) not in split_dims:
+            split_dims[len(slices)] = {i: {k: getattr(p, "tensor_parallel_dim", None)
+                                           for k, p in m.named_parameters()}
+                                       for i, m in layers_on_meta(config, TensorParallel(len(slices))).items()}
+        for key, first in slices[0].items():
+            name = hf_name_of_layer_key(index, key, config.num_hidden_layers)
+            dim = split_dims[len(slices)][index][key] if len(slices) > 1 else None
+            if dim is None:
+                tensors[name] = functools.partial(torch.Tensor.contiguous, first)
+                shape = first.shape
+            else:
+                tensors[name] = functools.partial(torch.cat, [s[key] for s in slices], dim)
+                shape = first.shape[:dim] + (first.shape[dim] * len(slices),) + first.shape[dim + 1:]
+            shapes[name] = torch.empty(shape, dtype=first.dtype, device="meta")
+    return tensors, shapes
 
 
 def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overwrite=False):
@@ -56,13 +80,13 @@ def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overw
     config = AutoConfig.from_pretrained(side_dir)
     check_model_config(config)
     check_output_dir(output_dir, overwrite)
-    state = read_hf_state_dict(tag_dir, config)
-    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
+    tensors, shapes = read_hf_tensors(tag_dir, config)
+    split = split_torch_state_dict_into_shards(shapes, max_shard_size=max_shard_size)
 
     with staged_directory(output_dir) as staging:
         copy_model_side_files(side_dir, staging)
         for filename, names in split.filename_to_tensors.items():
-            save_file({n: state[n].contiguous() for n in names}, os.path.join(staging, filename),
+            save_file({n: tensors[n]() for n in names}, os.path.join(staging, filename),
                       metadata={"format": "pt"})
         if split.is_sharded:
             with open(os.path.join(staging, "model.safetensors.index.json"), "w") as f:

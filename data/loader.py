@@ -18,6 +18,8 @@ from functools import partial
 from itertools import cycle, islice, repeat
 from typing import Sized
 
+import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from .collator import collate_causal_lm
@@ -139,3 +141,27 @@ def infinite_micro_batches(loader: StageLoader, start_epoch: int = 0,
     """An endless iterator over `loader`'s micro-batches from (start_epoch, consumed_micro_batches); see
     `MicroBatchStream` for its `position`."""
     return MicroBatchStream(loader, start_epoch, consumed_micro_batches)
+
+
+def check_identical_across_group(batches, group):
+    """Yield `batches`, first checking that every rank of `group` (a tensor-parallel group, whose ranks must
+    compute on the same tokens) got the same micro-batch: one all-reduce of two integers per micro-batch."""
+    for index, batch in enumerate(batches):
+        digest = batch_fingerprint(batch)
+        extremes = torch.tensor([digest, -digest], dtype=torch.int64)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+        if extremes[0] != -extremes[1]:
+            raise ValueError(
+                f"tensor-parallel ranks {dist.get_process_group_ranks(group)} received different micro-batches "
+                f"(micro-batch {index} of this run): every rank of a tensor-parallel group must see the same data. "
+                f"Usual cause: random augmentation, shuffling or sampling seeded per global rank; seed it by the "
+                f"data-parallel rank instead.")
+        yield batch
+
+
+def batch_fingerprint(batch) -> int:
+    """A position-weighted sum of every integer in a (nested) tuple of tensors: equal batches, equal fingerprints."""
+    if isinstance(batch, (tuple, list)):
+        return sum(batch_fingerprint(item) * (i + 1) for i, item in enumerate(batch)) % 2 ** 61
+    values = batch.reshape(-1).to(torch.int64)
+    return int((values * (torch.arange(values.numel()) % 65521 + 1)).sum())

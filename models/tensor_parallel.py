@@ -105,7 +105,7 @@ class TensorParallel:
         shape = (x.shape[0] * self.size, *x.shape[1:])
         out = (self.buffers.get("gather", shape, x.dtype, x.device) if pooled
                else torch.empty(shape, dtype=x.dtype, device=x.device))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        dist.all_gather_single(out, x.contiguous(), group=self.group)
         return out
 
     def scatter_tokens(self, x):
@@ -114,7 +114,7 @@ class TensorParallel:
             raise ValueError(f"{x.shape[0]} tokens (micro_batch_size x seq_length) do not split over "
                              f"tensor_parallel_size={self.size} with sequence_parallel; make the product divisible.")
         out = torch.empty((x.shape[0] // self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=self.group)
+        dist.reduce_scatter_single(out, x.contiguous(), group=self.group)
         return out
 
 

@@ -8,6 +8,7 @@ from transformers import AutoConfig
 from checkpoints.files import read_latest
 from models.layout import layer_file_name
 from models.llama import check_model_config
+from models.tensor_parallel import TensorParallel
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULERS = ("cosine", "linear", "constant")
@@ -38,6 +39,7 @@ def load_model_config(model_dir):
 
 def check_run_config(cfg, world_size, model_config):
     stages = cfg.num_stages
+    check_tensor_parallel_config(cfg, world_size, model_config)
     if stages < 1 or stages > world_size or world_size % stages:
         raise ConfigError(f"num_stages={stages} does not divide the world size {world_size}: launch a multiple of "
                           f"{stages} processes (e.g. deepspeed --num_gpus {stages} ...) or set num_stages to a "
@@ -68,6 +70,24 @@ def check_run_config(cfg, world_size, model_config):
     check_data_files(cfg)
 
 
+def check_tensor_parallel_config(cfg, world_size, model_config):
+    tp, stages = cfg.tensor_parallel_size, cfg.num_stages
+    if tp == 1:
+        return
+    if tp < 1 or stages < 1 or world_size % (stages * tp):
+        raise ConfigError(f"num_stages={stages} x tensor_parallel_size={tp} does not divide the world size "
+                          f"{world_size}: launch a multiple of {stages * tp} processes (stages x tensor-parallel x "
+                          f"data-parallel) or change num_stages / tensor_parallel_size.")
+    parallel = TensorParallel(tp)
+    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        parallel.local(getattr(model_config, what) or model_config.num_attention_heads, what)
+    tokens = cfg.micro_batch_size * cfg.seq_length
+    if cfg.sequence_parallel and tokens % tp:
+        raise ConfigError(f"sequence_parallel splits the {tokens} tokens of a micro-batch (micro_batch_size x "
+                          f"seq_length) over tensor_parallel_size={tp}: make that product divisible by {tp}, or set "
+                          f"sequence_parallel=false.")
+
+
 def check_data_files(cfg):
     if cfg.eval_only:
         if not cfg.eval_file:
@@ -88,6 +108,9 @@ def deepspeed_config(cfg, total_steps):
     ds["bf16"] = {"enabled": cfg.precision == "bf16"}
     ds["fp16"] = {"enabled": cfg.precision == "fp16", "initial_scale_power": 16}
     ds["scheduler"] = lr_scheduler_config(cfg, total_steps)
+    # DeepSpeed's partitioning of tensors sent between stages assumes they are equal on every tensor-parallel rank;
+    # under sequence parallelism each rank already sends only its own tokens.
+    ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
     return ds, monitors
 
 

@@ -13,8 +13,9 @@ from transformers import AutoTokenizer
 
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from data.datasets import build_dataset_distributed
-from data.loader import build_stage_loader, infinite_micro_batches
+from data.loader import build_stage_loader, check_identical_across_group, infinite_micro_batches
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
+from models.tensor_parallel import SHARDED_MARKER
 from training.checkpointing import (check_fresh_start, check_resume_topology, clear_previous_run, load_rng_state,
                                     read_trainer_state, remove_incomplete_checkpoints, resolve_resume,
                                     save_checkpoint)
@@ -62,11 +63,12 @@ def pad_token_id(tokenizer):
 
 
 def build_engine(cfg, model_config, total_steps):
-    module = build_pipeline_module(model_config, parallel_topology(cfg.num_stages), partition=_partition(cfg),
-                                   attention_impl=cfg.attention_impl,
+    module = build_pipeline_module(model_config, parallel_topology(cfg.num_stages, cfg.tensor_parallel_size),
+                                   partition=_partition(cfg), attention_impl=cfg.attention_impl,
                                    activation_checkpoint_interval=cfg.activation_checkpoint_interval,
                                    workload=workload_from_cfg(cfg, dist.get_world_size()),
-                                   dtype=PRECISION_DTYPES[cfg.precision])
+                                   dtype=PRECISION_DTYPES[cfg.precision], sequence_parallel=cfg.sequence_parallel,
+                                   recompute_sequence_gather=cfg.recompute_sequence_gather)
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
@@ -84,9 +86,12 @@ def build_engine(cfg, model_config, total_steps):
 def clip_fp32_gradients_across_stages(engine):
     """Replaces DeepSpeed's fp32 clipping, whose norm counts only the first stage's gradients (it treats the other
     stages as model-parallel replicas), so every stage clipped by a different factor. This norm sums each stage once
-    (a tied weight once) over all stages of the replica, as DeepSpeed's bf16/ZeRO paths do, and is kept for logging."""
+    (a tied weight once, a weight every tensor-parallel rank holds whole once) over all stages and tensor-parallel
+    ranks of the replica, as DeepSpeed's bf16/ZeRO paths do, and is kept for logging."""
     params = [p for p in engine.module.parameters() if p.grad is not None]
-    owned = [p.grad for p in params if not getattr(p, "ds_pipe_replicated", False)]
+    first_of_group = engine.grid.get_slice_parallel_rank() == 0
+    owned = [p.grad for p in params if not getattr(p, "ds_pipe_replicated", False)
+             and (first_of_group or getattr(p, SHARDED_MARKER, False))]
     squares = torch.stack([g.float().pow(2).sum() for g in owned]).sum() if owned else torch.zeros(())
     dist.all_reduce(squares, group=engine.mpu.get_model_parallel_group())
     total_norm = squares.sqrt()
@@ -122,8 +127,9 @@ def load_start_state(engine, cfg, resume_from):
     log_rank0(f"resumed from {os.path.join(ckpt_dir, tag)}{' (weights only, fresh optimizer)' if weights_only else ''}")
 
 
-def topology_of(num_stages, world_size):
-    return {"num_stages": num_stages, "data_parallel": world_size // num_stages}
+def topology_of(num_stages, world_size, tensor_parallel_size):
+    topology = {"num_stages": num_stages, "data_parallel": world_size // (num_stages * tensor_parallel_size)}
+    return {**topology, "tensor_parallel": tensor_parallel_size} if tensor_parallel_size > 1 else topology
 
 
 def data_position(trainer_state, micro_batches_per_epoch, dp_size, micro_batch_size):
@@ -145,12 +151,13 @@ def run(cfg):
     if resume_from is None and not cfg.eval_only:
         check_fresh_start(cfg.output_dir, cfg.overwrite_output_dir)
     if not cfg.eval_only:
-        check_resume_topology(trainer_state, topology_of(cfg.num_stages, world_size), cfg.resume_weights_only,
+        check_resume_topology(trainer_state, topology_of(cfg.num_stages, world_size, cfg.tensor_parallel_size),
+                              cfg.resume_weights_only,
                               os.path.join(*resume_from) if resume_from else None)
     init_distributed(cfg.dist_timeout_minutes)
     prepare_output_dir(cfg, resume_from)
     seed_everything(cfg.seed)
-    topology = parallel_topology(cfg.num_stages)
+    topology = parallel_topology(cfg.num_stages, cfg.tensor_parallel_size)
     coord = topology.get_coord(dist.get_rank())
     dp_size = topology.get_dim("data")
     reads_data = coord.pipe in (0, cfg.num_stages - 1)
@@ -182,6 +189,8 @@ def run(cfg):
     step = trainer_state.get("step", 0)
     epoch, consumed = data_position(trainer_state, len(loader), dp_size, cfg.micro_batch_size)
     stream = infinite_micro_batches(loader, epoch, consumed)
+    if cfg.tensor_parallel_size > 1 and reads_data:
+        stream = check_identical_across_group(stream, engine.grid.get_slice_parallel_group())
     return train(engine, cfg, stream, data, pad_id, model_files_dir, monitors, step, total_steps)
 
 
@@ -224,7 +233,7 @@ def train(engine, cfg, stream, data, pad_id, model_files_dir, monitors, step, to
         if step == total_steps or (cfg.save_steps and step % cfg.save_steps == 0):
             save_checkpoint(engine, cfg, model_files_dir, {
                 "step": step, "consumed_samples": step * samples_per_step,
-                "topology": topology_of(engine.num_stages, dist.get_world_size())})
+                "topology": topology_of(engine.num_stages, dist.get_world_size(), cfg.tensor_parallel_size)})
             last_checkpoint = (cfg.output_dir, f"global_step{step}")
     logger.close()
     if cfg.export_hf and dist.get_rank() == 0:
