@@ -81,7 +81,9 @@ def build_pipeline_module(config, topology, partition="parameters", attention_im
     parallel = TensorParallel(tp_size, getattr(topology.get_coord(rank), "model", 0), sequence_parallel,
                               recompute_sequence_gather)
     workload = dataclasses.replace(workload or Workload(), data_parallel=topology.get_dim("data"),
-                                   activation_checkpoint_interval=activation_checkpoint_interval)
+                                   activation_checkpoint_interval=activation_checkpoint_interval,
+                                   tensor_parallel=tp_size, sequence_parallel=sequence_parallel,
+                                   recompute_sequence_gather=recompute_sequence_gather)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype or previous_dtype)
     try:

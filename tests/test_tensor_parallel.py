@@ -1,11 +1,16 @@
-"""Tensor parallelism inside stages: loss and gradient parity with transformers (real processes, gloo)."""
+"""Tensor parallelism inside stages (real processes, gloo): loss and gradient parity with transformers, checkpoint
+and export round trips, the same-batch check, config errors, and training parity through the launcher."""
 import glob
 import json
+import os
 
 import pytest
+import torch
 
+from checkpoints.layer_files import load_layer_slice
 from tests import parity_worker
 from tests.distributed import spawn
+from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, run_in_process
 from tests.test_parity import GAS, MICRO_BATCH, SEQ, own_layer_files
 
 TP_CONFIGS = ("llama3", "tied")  # grouped-query attention; embedding tied to the LM head
@@ -37,3 +42,136 @@ def test_loss_and_gradients_match_transformers(tiny_checkpoints, tmp_path, num_s
             assert result["replicated_grad_spread"] == 0.0, name
             assert set(result["layer_files_opened"]) == own_layer_files(case["ds_dir"], result), name
         assert set().union(*(r[name]["grad_errors"] for r in ranks)) == set(ranks[0][name]["ref_param_names"])
+
+
+def save_and_export_worker(rank, hf_dir, ds_dir, out_dir):
+    """One of 2 tensor-parallel ranks: load the converted model, save a checkpoint (one file per rank and layer),
+    load it back over zeroed weights, and (rank 0) export it to Hugging Face."""
+    import deepspeed
+    import torch
+    from transformers import AutoConfig
+
+    from checkpoints.ds_to_hf import convert_ds_to_hf
+    from checkpoints.files import copy_model_side_files
+    from models.pipeline import build_pipeline_module
+    from training.distributed import init_distributed, parallel_topology
+
+    init_distributed(timeout_minutes=2)
+    module = build_pipeline_module(AutoConfig.from_pretrained(hf_dir), parallel_topology(1, 2))
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"torch_adam": True}},
+        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}})
+    engine.load_checkpoint(ds_dir, load_module_only=True)
+    loaded = {n: p.detach().clone() for n, p in module.named_parameters()}
+    ckpt = os.path.join(out_dir, "ckpt")
+    engine.save_checkpoint(ckpt, tag="tp2")
+    with torch.no_grad():
+        for p in module.parameters():
+            p.zero_()
+    engine.load_checkpoint(ckpt, tag="tp2", load_module_only=True)
+    reloaded = all(torch.equal(p, loaded[n]) for n, p in module.named_parameters())
+    with open(os.path.join(out_dir, f"reloaded{rank}.json"), "w") as f:
+        json.dump(reloaded, f)
+    torch.distributed.barrier()
+    if rank == 0:
+        copy_model_side_files(hf_dir, ckpt)
+        convert_ds_to_hf(ckpt, os.path.join(out_dir, "hf"), tag="tp2")
+    torch.distributed.barrier()
+
+
+@pytest.mark.parametrize("name", TP_CONFIGS)
+def test_save_reload_and_export_are_bit_identical(tiny_checkpoints, tmp_path, name):
+    from safetensors.torch import load_file
+
+    hf_dir, ds_dir = tiny_checkpoints[name]
+    spawn(save_and_export_worker, 2, hf_dir, ds_dir, str(tmp_path))
+    tag_dir = tmp_path / "ckpt" / "tp2"
+    assert (tag_dir / "layer_01-model_00-model_states.pt").is_file()
+    assert (tag_dir / "layer_01-model_01-model_states.pt").is_file()
+    assert not (tag_dir / "layer_01-model_states.pt").exists()
+    assert all(json.load(open(tmp_path / f"reloaded{rank}.json")) for rank in range(2))
+    original = {k: v for p in glob.glob(os.path.join(hf_dir, "*.safetensors")) for k, v in load_file(p).items()}
+    exported = {k: v for p in glob.glob(str(tmp_path / "hf" / "*.safetensors")) for k, v in load_file(p).items()}
+    assert sorted(exported) == sorted(original)
+    for key, tensor in original.items():
+        assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
+
+
+def test_checkpoint_of_another_tensor_parallel_size_is_refused(tmp_path):
+    paths = [str(tmp_path / f"layer_01-model_0{r}-model_states.pt") for r in range(2)]
+    with pytest.raises(ValueError, match="the checkpoint was saved with tensor_parallel_size=2. Use that size"):
+        load_layer_slice(torch.nn.Linear(2, 2), paths, rank=0, size=4)
+
+
+def different_batches_worker(rank, same, out_dir):
+    import torch.distributed as dist
+
+    from data.loader import check_identical_across_group
+    from training.distributed import init_distributed
+
+    init_distributed(timeout_minutes=1)
+    ids = torch.arange(8).reshape(2, 4) + (0 if same else rank)
+    batches = [((ids, torch.ones_like(ids), ids), ids)] * 3
+    try:
+        seen = len(list(check_identical_across_group(iter(batches), dist.new_group([0, 1]))))
+        message = f"passed {seen}"
+    except ValueError as error:
+        message = str(error)
+    with open(os.path.join(out_dir, f"check{rank}.txt"), "w") as f:
+        f.write(message)
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same", "different"])
+def test_tensor_parallel_ranks_must_see_the_same_batch(tmp_path, same):
+    spawn(different_batches_worker, 2, same, str(tmp_path))
+    for rank in range(2):
+        message = (tmp_path / f"check{rank}.txt").read_text()
+        if same:
+            assert message == "passed 3"
+        else:
+            assert message.startswith("tensor-parallel ranks [0, 1] received different micro-batches (micro-batch 0")
+            assert "seed it by the data-parallel rank" in message
+
+
+@pytest.mark.parametrize("overrides,world_size,message", [
+    ({"num_stages": 2, "tensor_parallel_size": 2}, 2,
+     "num_stages=2 x tensor_parallel_size=2 does not divide the world size 2"),
+    ({"num_stages": 1, "tensor_parallel_size": 3}, 3, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
+    ({"num_stages": 1, "tensor_parallel_size": 2, "seq_length": 63, "micro_batch_size": 1}, 2,
+     "sequence_parallel splits the 63 tokens of a micro-batch"),
+], ids=["world", "heads", "tokens"])
+def test_bad_tensor_parallel_config_is_refused_before_any_work(demo_model, tmp_path, overrides, world_size, message):
+    with pytest.raises(ValueError, match=message):
+        run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), world_size)
+    assert not (tmp_path / "run").exists()
+
+
+TRAIN = dict(gradient_accumulation_steps=4, max_steps=5, logging_steps=1, learning_rate=1e-3, warmup_steps=2,
+             eval_file="null")
+
+
+def test_training_parity_resume_and_export(demo_model, tmp_path):
+    """5 fp32 steps of 2 stages x tensor parallel 2 against 1 process on the same global batch; a resume from
+    step 3 repeats steps 4 and 5; the exported model is the merged final checkpoint."""
+    single, parallel, resumed = tmp_path / "1x1", tmp_path / "2x2tp", tmp_path / "resumed"
+    check_ok(launch_trainer(1, demo_overrides(demo_model, single, num_stages=1, **TRAIN)))
+    check_ok(launch_trainer(4, demo_overrides(demo_model, parallel, num_stages=2, tensor_parallel_size=2,
+                                              save_steps=3, save_total_limit=5, export_hf="true", **TRAIN)))
+    losses = per_step_losses(parallel)
+    assert len(losses) == 5 and losses == pytest.approx(per_step_losses(single), abs=1e-4)
+    assert json.load(open(parallel / "global_step3" / "trainer_state.json"))["topology"] == {
+        "num_stages": 2, "data_parallel": 1, "tensor_parallel": 2}
+
+    check_ok(launch_trainer(4, demo_overrides(demo_model, resumed, num_stages=2, tensor_parallel_size=2,
+                                              resume=str(parallel / "global_step3"), **TRAIN)))
+    assert per_step_losses(resumed) == pytest.approx(losses[3:], abs=1e-6)
+
+    from transformers import AutoModelForCausalLM
+    exported = AutoModelForCausalLM.from_pretrained(parallel / "hf")
+    tag = parallel / "global_step5"
+    head = torch.cat([torch.load(tag / f"layer_06-model_0{r}-model_states.pt")["weight"] for r in range(2)])
+    down = torch.cat([torch.load(tag / f"layer_02-model_0{r}-model_states.pt")["mlp.down_proj.weight"]
+                      for r in range(2)], dim=1)
+    assert torch.equal(exported.lm_head.weight, head)
+    assert torch.equal(exported.model.layers[1].mlp.down_proj.weight, down)
+    assert not torch.equal(head, AutoModelForCausalLM.from_pretrained(demo_model["hf"]).lm_head.weight)
