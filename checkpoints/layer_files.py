@@ -23,7 +23,7 @@ def load_layer_slice(layer, paths, rank, size, strict=True):
         raise ValueError(f"layer files {found} in {os.path.dirname(paths[0]) if paths else 'the checkpoint'}: "
                          f"expected 1 (a whole layer) or {size} (one per tensor-parallel rank); the checkpoint was "
                          f"saved with tensor_parallel_size={len(paths)}. Use that size, or export it to Hugging "
-                         f"Face (convert2ckpt.py --ds_to_hf) and convert it again.")
+                         f"Face (convert2ckpt.py --to_hf) and convert it again.")
 
 
 def load_layer_file(layer, path, strict=True, rank=0, size=1):
