@@ -1,0 +1,175 @@
+"""Tensor parallelism's activation memory on this CPU machine: sequence parallelism, and recomputing its all-gather.
+
+An activation-heavy config (long sequences on a small model) trains a few steps through the real engine and
+DeepSpeed config on 2 processes, one stage x tensor_parallel_size=2, in three variants:
+  - sequence_parallel=false: the residual stream, the norms and the column-parallel inputs whole on every rank;
+  - sequence_parallel=true: the residual stream on 1/2 of the tokens; each column-parallel group (q/k/v, gate/up,
+    LM head) all-gathers its input into a fresh tensor, which backward keeps (full tokens, per layer);
+  - sequence_parallel=true, recompute_sequence_gather=true: backward keeps this rank's tokens only and gathers them
+    again into the TensorParallel's BufferPool, the one buffer every forward and backward gather reuses;
+and, as a reference, the same config on 1 process without tensor parallelism.
+
+Per variant: each rank's peak RSS over the steps minus its RSS before the model was built (MiB), the ratio to the
+sequence_parallel=false variant, the memory planner's estimate (training/plan.py memory_plan, models/partition.py)
+and measured/planned, tokens/s (median step after the first; noisy on a shared machine), and what the pool held
+after the steps with how many gathers went through it (evidence that one buffer serves every call).
+
+Workers run with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_), as bench/memory_plan_check.py does, so that
+RSS follows the tensors alive; --default-malloc measures with glibc's defaults instead.
+
+  python bench/tensor_parallel_memory.py [--steps N] [--no-reference] [--default-malloc]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_note, peak_rss_bytes, random_micro_batches, reset_peak_rss, rss_bytes, run_config, spawn  # noqa: E402,I001
+
+MIB = 2 ** 20
+FIXED_MMAP_THRESHOLD = str(128 * 1024)
+MODEL = dict(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=8, max_position_embeddings=2048)
+RUN = ["num_stages=1", "precision=fp32", "zero_stage=0", "seq_length=1024", "micro_batch_size=2",
+       "gradient_accumulation_steps=2"]
+BASELINE = "tp2, sequence_parallel=false"
+VARIANTS = [  # name, processes, overrides
+    ("1 process, no tensor parallelism", 1, ["tensor_parallel_size=1"]),
+    (BASELINE, 2, ["tensor_parallel_size=2", "sequence_parallel=false"]),
+    ("tp2, sequence parallel, gather kept", 2, ["tensor_parallel_size=2", "sequence_parallel=true",
+                                                 "recompute_sequence_gather=false"]),
+    ("tp2, sequence parallel, gather recomputed", 2, ["tensor_parallel_size=2", "sequence_parallel=true",
+                                                       "recompute_sequence_gather=true"]),
+]
+
+
+def count_gathers(parallel):
+    """Wrap this rank's TensorParallel.gather_tokens to count its calls, pooled or fresh, and the distinct storages
+    the pooled ones wrote into."""
+    stats = {"pooled_calls": 0, "pooled_storages": set(), "fresh_calls": 0, "fresh_bytes": 0}
+    gather = parallel.gather_tokens
+
+    def counted(x, pooled):
+        out = gather(x, pooled)
+        if pooled:
+            stats["pooled_calls"] += 1
+            stats["pooled_storages"].add(out.untyped_storage().data_ptr())
+        else:
+            stats["fresh_calls"] += 1
+            stats["fresh_bytes"] += out.numel() * out.element_size()
+        return out
+
+    parallel.gather_tokens = counted
+    return stats
+
+
+def measure(rank, overrides, steps, out_dir):
+    """One rank: train `steps` steps; write its peak RSS over them minus the RSS before the model, its step times,
+    the pool's buffers and the gather counts."""
+    import deepspeed
+    import torch.distributed as dist
+    from transformers import LlamaConfig
+
+    from models.pipeline import build_pipeline_module
+    from training.config import deepspeed_config
+    from training.distributed import init_distributed, parallel_topology
+    from training.loop import clip_fp32_gradients_across_stages
+    from training.plan import workload_from_cfg
+
+    cfg = run_config(overrides)
+    init_distributed(timeout_minutes=10)
+    config = LlamaConfig(**MODEL)
+    baseline = rss_bytes()
+    module = build_pipeline_module(config, parallel_topology(cfg.num_stages, cfg.tensor_parallel_size),
+                                   partition=cfg.partition,
+                                   activation_checkpoint_interval=cfg.activation_checkpoint_interval,
+                                   workload=workload_from_cfg(cfg, dist.get_world_size()),
+                                   sequence_parallel=cfg.sequence_parallel,
+                                   recompute_sequence_gather=cfg.recompute_sequence_gather)
+    gathers = count_gathers(module.parallel)
+    ds_config, _ = deepspeed_config(cfg, total_steps=steps)
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
+                                           config=ds_config)
+    engine.clip_fp32_gradients = lambda: clip_fp32_gradients_across_stages(engine)  # as the trainer does
+    # The same seed on every rank: a tensor-parallel group must see the same micro-batches.
+    batches = random_micro_batches(config.vocab_size, cfg.seq_length, cfg.micro_batch_size)
+    reset_peak_rss()
+    step_seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.train_batch(batches)
+        step_seconds.append(time.perf_counter() - start)
+    peak = peak_rss_bytes() - baseline
+    pool = [{"name": name, "dtype": str(dtype).replace("torch.", ""), "elements": buffer.numel(),
+             "bytes": buffer.numel() * buffer.element_size()}
+            for (name, dtype, _), buffer in module.parallel.buffers._buffers.items()]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"measured": peak, "step_seconds": step_seconds, "pool": pool,
+                   "gathers": {**gathers, "pooled_storages": len(gathers["pooled_storages"])}}, f)
+    dist.destroy_process_group()
+
+
+def run_variant(overrides, processes, steps):
+    from transformers import LlamaConfig
+
+    from training.plan import memory_plan
+
+    cfg = run_config(RUN + overrides)
+    with tempfile.TemporaryDirectory() as out_dir:
+        spawn(measure, processes, RUN + overrides, steps, out_dir)
+        ranks = []
+        for rank in range(processes):
+            with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+                ranks.append(json.load(f))
+    _, rows = memory_plan(cfg, LlamaConfig(**MODEL), processes)
+    tokens_per_step = cfg.micro_batch_size * cfg.seq_length * cfg.gradient_accumulation_steps
+    timed = ranks[0]["step_seconds"][1:] or ranks[0]["step_seconds"]  # the first step warms up
+    return {"ranks": ranks, "planned": rows[0]["memory_bytes"], "planned_activations": rows[0]["activation_bytes"],
+            "tokens_per_s": tokens_per_step / statistics.median(timed)}
+
+
+def describe_pool(result):
+    rank0 = result["ranks"][0]
+    gathers = rank0["gathers"]
+    pool = ", ".join(f"{b['name']} {b['dtype']} {b['elements']:,} elements ({b['bytes'] / MIB:.1f} MiB)"
+                     for b in rank0["pool"]) or "empty"
+    return (f"pool on rank 0: {pool}; gathers over the steps: {gathers['pooled_calls']} into the pool "
+            f"({gathers['pooled_storages']} distinct storage{'s' if gathers['pooled_storages'] != 1 else ''}), "
+            f"{gathers['fresh_calls']} into fresh tensors ({gathers['fresh_bytes'] / MIB:.0f} MiB allocated)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3, help="training steps per variant (default 3)")
+    parser.add_argument("--no-reference", action="store_true", help="skip the 1-process reference")
+    parser.add_argument("--default-malloc", action="store_true", help="measure with glibc's default mmap threshold")
+    args = parser.parse_args()
+    if not args.default_malloc:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = FIXED_MMAP_THRESHOLD  # read by each worker's malloc at start-up
+    fields = ", ".join(f"{k}={v}" for k, v in MODEL.items() if k != "max_position_embeddings")
+    print(f"model: {fields}; {' '.join(RUN)}; {args.steps} steps; per-rank peak RSS over the steps minus the RSS "
+          f"before the model was built", flush=True)
+    results = {}
+    for name, processes, overrides in VARIANTS:
+        if not (args.no_reference and processes == 1):
+            results[name] = run_variant(overrides, processes, args.steps)
+    baseline = max(rank["measured"] for rank in results[BASELINE]["ranks"])
+    print(f"{'variant':<42} {'per-rank MiB':>13} {'vs sp=false':>11} {'planned MiB':>11} {'meas/plan':>9} "
+          f"{'tokens/s':>8}")
+    for name, result in results.items():
+        measured = [rank["measured"] for rank in result["ranks"]]
+        print(f"{name:<42} {' / '.join(f'{m / MIB:.0f}' for m in measured):>13} {max(measured) / baseline:>11.3f} "
+              f"{result['planned'] / MIB:>11.0f} {max(measured) / result['planned']:>9.3f} "
+              f"{result['tokens_per_s']:>8.0f}")
+    for name, result in results.items():
+        if name.startswith("tp2"):
+            print(f"{name}: {describe_pool(result)}")
+    print(machine_note())
+
+
+if __name__ == "__main__":
+    main()
