@@ -8,7 +8,10 @@ from_pretrained on the whole model, and converting a sharded checkpoint.
    (engine.load_checkpoint), against 2 processes that each call from_pretrained on the whole model (target: <= 0.6x).
 Every figure is the peak RSS of a fresh process (Python, torch and the libraries included).
 
-  python bench/load_memory.py [--work-dir DIR]
+With --conversion-7b, the conversion figures are also measured on a LLaMA-2-7B-shaped checkpoint (13.5 GB, bf16,
+uninitialised weights: their values do not matter to the I/O), where interpreter and import start-up weigh less.
+
+  python bench/load_memory.py [--work-dir DIR] [--conversion-7b]
 """
 import argparse
 import json
@@ -25,6 +28,9 @@ from common import ROOT, machine_note, peak_rss_bytes, spawn  # noqa: E402
 MODEL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=18, num_attention_heads=16,
              num_key_value_heads=16, max_position_embeddings=2048, tie_word_embeddings=False)
 SHARD_SIZE = "500MB"
+LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                 tie_word_embeddings=False)
 MIB = 2 ** 20
 
 
@@ -35,12 +41,17 @@ def parameter_count():
     return sum(layer_parameter_counts(LlamaConfig(**MODEL)))
 
 
-def make_model(rank, hf_dir):
+def make_model(rank, hf_dir, fields=MODEL, shard_size=SHARD_SIZE, initialise=True):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(**MODEL)).to(torch.bfloat16)
-    model.save_pretrained(hf_dir, max_shard_size=SHARD_SIZE)
+    if initialise:
+        model = LlamaForCausalLM(LlamaConfig(**fields)).to(torch.bfloat16)
+    else:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(LlamaConfig(**fields))
+        model = model.to_empty(device="cpu").to(torch.bfloat16)
+    model.save_pretrained(hf_dir, max_shard_size=shard_size)
 
 
 # The I/O floor of a conversion, in a plain interpreter: read every shard, write the same bytes.
@@ -152,6 +163,7 @@ def bench_loading(hf_dir, ds_dir, work):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", help="where the model and its conversion go (default: a temporary directory)")
+    parser.add_argument("--conversion-7b", action="store_true", help="also convert a LLaMA-2-7B-shaped checkpoint")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
         hf_dir, ds_dir = os.path.join(work, "hf"), os.path.join(work, "ds")
@@ -159,6 +171,12 @@ def main():
         print(f"model: {parameter_count() / 1e9:.2f}B parameters {MODEL}, bf16, shards of {SHARD_SIZE}", flush=True)
         bench_conversion(hf_dir, ds_dir, work)
         bench_loading(hf_dir, ds_dir, work)
+    if args.conversion_7b:
+        with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
+            hf_dir = os.path.join(work, "hf")
+            spawn(make_model, 1, hf_dir, LLAMA2_7B, "5GB", False)
+            print(f"LLaMA-2-7B-shaped model, bf16, shards of 5GB", flush=True)
+            bench_conversion(hf_dir, os.path.join(work, "ds"), work)
     print(machine_note())
 
 

@@ -54,14 +54,14 @@ def measure(rank, model_fields, overrides, out_dir):
 
     from models.pipeline import build_pipeline_module
     from training.config import deepspeed_config
-    from training.distributed import init_distributed, pipe_data_topology
+    from training.distributed import init_distributed, parallel_topology
     from training.plan import workload_from_cfg
 
     cfg = run_config(overrides)
     init_distributed(timeout_minutes=10)
     config = LlamaConfig(**model_fields)
     baseline = rss_bytes()
-    module = build_pipeline_module(config, pipe_data_topology(cfg.num_stages), partition=cfg.partition,
+    module = build_pipeline_module(config, parallel_topology(cfg.num_stages), partition=cfg.partition,
                                    activation_checkpoint_interval=cfg.activation_checkpoint_interval,
                                    workload=workload_from_cfg(cfg, dist.get_world_size()))
     ds_config, _ = deepspeed_config(cfg, total_steps=STEPS)
