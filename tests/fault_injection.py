@@ -45,9 +45,9 @@ def inject(kind, fault_rank, fault_step):
         loss_fn = pipeline.causal_lm_loss
         calls = []
 
-        def nan_at_step(logits, labels):
+        def nan_at_step(logits, labels, **kwargs):
             calls.append(1)
-            loss = loss_fn(logits, labels)
+            loss = loss_fn(logits, labels, **kwargs)
             gas = int(os.environ["FAULT_GAS"])
             return loss * float("nan") if (len(calls) - 1) // gas + 1 == fault_step else loss
         pipeline.causal_lm_loss = nan_at_step
