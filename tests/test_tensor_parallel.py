@@ -18,6 +18,8 @@ VARIANTS = {  # case suffix: tensor-parallel options
     "": {"sequence_parallel": False},
     "+sp": {"sequence_parallel": True},
     "+sp+recompute": {"sequence_parallel": True, "recompute_sequence_gather": True},
+    "+sp+recompute+checkpointing": {"sequence_parallel": True, "recompute_sequence_gather": True,
+                                    "checkpoint_interval": 1},
 }
 
 
