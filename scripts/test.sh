@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export DS_ACCELERATOR=cpu
-python -m pytest -q tests "$@"
+python -m pytest -q --durations=10 tests "$@"
