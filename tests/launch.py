@@ -36,6 +36,29 @@ def demo_overrides(demo_model, output_dir, **extra):
     return [f"{k}={v}" for k, v in values.items()]
 
 
+def launch_ranks_separately(num_procs, overrides, config="tiny", timeout=120):
+    """Start each rank as its own `python trainer_pipe.py` with the environment the deepspeed launcher sets, and wait
+    for all; returns one CompletedProcess per rank. Unlike the launcher, a failing rank does not get its peers killed,
+    so each rank's own exit and message can be checked."""
+    port = str(free_port())
+    processes = []
+    for rank in range(num_procs):
+        env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE=str(num_procs), LOCAL_WORLD_SIZE=str(num_procs), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        processes.append(subprocess.Popen([sys.executable, "trainer_pipe.py", "-cp", "conf", "-cn", config, *overrides],
+                                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for process in processes:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            raise
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    return results
+
+
 def run_in_process(overrides, world_size, config="tiny"):
     """trainer's run() with the launcher's environment for world_size ranks, up to its first failure."""
     from hydra import compose, initialize_config_dir

@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from checkpoints.hf_to_ds import convert_hf_to_ds
-from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics,
-                          run_in_process)
+from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_ranks_separately, launch_trainer,
+                          per_step_losses, read_metrics, run_in_process)
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "samples_per_sec", "elapsed_s"}
 
@@ -63,10 +63,10 @@ def test_training_parity_across_topologies(demo_model, reference_run, tmp_path):
 
 def test_bad_config_fails_on_every_rank(demo_model, tmp_path):
     message = "num_stages=3 does not divide the world size 2"
-    result = launch_trainer(2, demo_overrides(demo_model, tmp_path / "run", num_stages=3), timeout=120)
-    assert result.returncode != 0
-    output = result.stdout + result.stderr
-    assert output.count(message) == 2, output[-3000:]  # each rank says why, before any heavy work
+    results = launch_ranks_separately(2, demo_overrides(demo_model, tmp_path / "run", num_stages=3))
+    for rank, result in enumerate(results):  # each rank says why and exits, none waits at a collective
+        assert result.returncode == 1, (rank, result.stderr[-3000:])
+        assert f"trainer_pipe: error: {message}" in result.stderr, (rank, result.stderr[-3000:])
     assert not (tmp_path / "run").exists()
 
 
