@@ -29,6 +29,7 @@ from deepspeed.runtime import utils as ds_utils
 
 from models.layout import num_pipeline_layers
 from models.llama import head_dim_of
+from models.tensor_parallel import check_tensor_parallel_split
 
 EMBEDDING, DECODER, NORM, HEAD = "embedding", "decoder", "norm", "head"
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -122,19 +123,8 @@ def decoder_parameter_count(config):
 
 
 def check_tensor_parallel(config, workload):
-    """Raise ValueError naming what tensor_parallel does not split evenly (heads, MLP columns, vocabulary, tokens)."""
-    t = workload.tensor_parallel
-    if t < 1:
-        raise ValueError(f"tensor_parallel_size={t} must be at least 1.")
-    counts = {"num_attention_heads": config.num_attention_heads,
-              "num_key_value_heads": config.num_key_value_heads or config.num_attention_heads,
-              "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
-    if workload.splits_sequence:
-        counts["micro_batch_size x seq_length"] = workload.tokens
-    bad = [f"{name}={count}" for name, count in counts.items() if count % t]
-    if bad:
-        raise ValueError(f"tensor_parallel_size={t} does not divide {', '.join(bad)}; choose a tensor_parallel_size "
-                         f"that divides {'them' if len(bad) > 1 else 'it'}.")
+    """check_tensor_parallel_split for a workload: ValueError naming what its tensor-parallel size does not split."""
+    check_tensor_parallel_split(config, workload.tensor_parallel, workload.tokens if workload.splits_sequence else None)
 
 
 def layer_parameter_counts(config):

@@ -241,4 +241,21 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits, None, None, None
 
 
+def check_tensor_parallel_split(config, size, sequence_tokens=None):
+    """Raise ValueError naming every count that tensor_parallel_size does not split evenly: heads, key/value heads,
+    MLP columns, vocabulary rows and, under sequence parallelism, the tokens of a micro-batch."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size={size} must be at least 1.")
+    counts = {"num_attention_heads": config.num_attention_heads,
+              "num_key_value_heads": config.num_key_value_heads or config.num_attention_heads,
+              "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+    if sequence_tokens is not None:
+        counts["micro_batch_size x seq_length"] = sequence_tokens
+    bad = [f"{name}={count}" for name, count in counts.items() if count % size]
+    if bad:
+        hint = " (or set sequence_parallel=false)" if bad[-1].startswith("micro_batch_size") else ""
+        raise ValueError(f"tensor_parallel_size={size} does not divide {', '.join(bad)}; choose a tensor_parallel_size "
+                         f"that divides {'them' if len(bad) > 1 else 'it'}{hint}.")
+
+
 NO_TENSOR_PARALLEL = TensorParallel()  # the plain single-process model

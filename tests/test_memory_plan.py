@@ -155,8 +155,8 @@ def test_tensor_parallel_plan_header(capsys):
 
 def test_world_size_must_divide_by_stages_times_tensor_parallel():
     cfg = run_config("llama_65b", "tensor_parallel_size=2")
-    with pytest.raises(ConfigError, match=r"num_stages=8 x tensor_parallel_size=2 = 16 devices per data-parallel "
-                                          r"replica does not divide the world size 24; .* multiple of 16"):
+    with pytest.raises(ConfigError, match=r"num_stages=8 x tensor_parallel_size=2 does not divide the world size "
+                                          r"24: .* a multiple of 16 processes"):
         memory_plan(cfg, load_plan_model_config(cfg), world_size=24)
 
 

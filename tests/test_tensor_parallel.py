@@ -138,9 +138,11 @@ def test_tensor_parallel_ranks_must_see_the_same_batch(tmp_path, same):
 @pytest.mark.parametrize("overrides,world_size,message", [
     ({"num_stages": 2, "tensor_parallel_size": 2}, 2,
      "num_stages=2 x tensor_parallel_size=2 does not divide the world size 2"),
-    ({"num_stages": 1, "tensor_parallel_size": 3}, 3, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
+    ({"num_stages": 1, "tensor_parallel_size": 3}, 3, r"tensor_parallel_size=3 does not divide num_attention_heads=4, num_key_value_heads=2, micro_batch_size x "
+     r"seq_length=128; choose a tensor_parallel_size that divides them \(or set sequence_parallel=false\)."),
     ({"num_stages": 1, "tensor_parallel_size": 2, "seq_length": 63, "micro_batch_size": 1}, 2,
-     "sequence_parallel splits the 63 tokens of a micro-batch"),
+     r"tensor_parallel_size=2 does not divide micro_batch_size x seq_length=63; choose a tensor_parallel_size that "
+     r"divides it \(or set sequence_parallel=false\)."),
 ], ids=["world", "heads", "tokens"])
 def test_bad_tensor_parallel_config_is_refused_before_any_work(demo_model, tmp_path, overrides, world_size, message):
     with pytest.raises(ValueError, match=message):

@@ -8,7 +8,7 @@ from transformers import AutoConfig
 from checkpoints.files import read_latest
 from models.layout import layer_file_name
 from models.llama import check_model_config
-from models.tensor_parallel import TensorParallel
+from models.tensor_parallel import check_tensor_parallel_split
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULERS = ("cosine", "linear", "constant")
@@ -38,12 +38,13 @@ def load_model_config(model_dir):
 
 
 def check_run_config(cfg, world_size, model_config):
-    stages = cfg.num_stages
-    check_tensor_parallel_config(cfg, world_size, model_config)
-    if stages < 1 or stages > world_size or world_size % stages:
-        raise ConfigError(f"num_stages={stages} does not divide the world size {world_size}: launch a multiple of "
-                          f"{stages} processes (e.g. deepspeed --num_gpus {stages} ...) or set num_stages to a "
-                          f"divisor of {world_size}.")
+    stages, tp = cfg.num_stages, cfg.tensor_parallel_size
+    data_parallel_size(world_size, stages, tp)
+    try:
+        check_tensor_parallel_split(model_config, tp, cfg.micro_batch_size * cfg.seq_length
+                                    if cfg.sequence_parallel else None)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     if model_config.num_hidden_layers < stages:
         raise ConfigError(f"num_stages={stages} is more than the model's {model_config.num_hidden_layers} decoder "
                           f"layers (num_hidden_layers); use at most {model_config.num_hidden_layers} stages.")
@@ -70,22 +71,18 @@ def check_run_config(cfg, world_size, model_config):
     check_data_files(cfg)
 
 
-def check_tensor_parallel_config(cfg, world_size, model_config):
-    tp, stages = cfg.tensor_parallel_size, cfg.num_stages
-    if tp == 1:
-        return
-    if tp < 1 or stages < 1 or world_size % (stages * tp):
-        raise ConfigError(f"num_stages={stages} x tensor_parallel_size={tp} does not divide the world size "
-                          f"{world_size}: launch a multiple of {stages * tp} processes (stages x tensor-parallel x "
-                          f"data-parallel) or change num_stages / tensor_parallel_size.")
-    parallel = TensorParallel(tp)
-    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-        parallel.local(getattr(model_config, what) or model_config.num_attention_heads, what)
-    tokens = cfg.micro_batch_size * cfg.seq_length
-    if cfg.sequence_parallel and tokens % tp:
-        raise ConfigError(f"sequence_parallel splits the {tokens} tokens of a micro-batch (micro_batch_size x "
-                          f"seq_length) over tensor_parallel_size={tp}: make that product divisible by {tp}, or set "
-                          f"sequence_parallel=false.")
+def data_parallel_size(world_size, num_stages, tensor_parallel_size=1):
+    """Data-parallel replicas in world_size devices, or an error naming the split that does not fit it."""
+    replica = num_stages * tensor_parallel_size
+    split = f"num_stages={num_stages}" + (f" x tensor_parallel_size={tensor_parallel_size}"
+                                          if tensor_parallel_size != 1 else "")
+    if num_stages < 1 or tensor_parallel_size < 1:
+        raise ConfigError(f"{split}: num_stages and tensor_parallel_size must be at least 1.")
+    if world_size % replica:
+        raise ConfigError(f"{split} does not divide the world size {world_size}: launch (or plan for, with "
+                          f"plan_world_size) a multiple of {replica} processes, e.g. deepspeed --num_gpus {replica} "
+                          f"..., or change num_stages{'' if tensor_parallel_size == 1 else ' / tensor_parallel_size'}.")
+    return world_size // replica
 
 
 def check_data_files(cfg):

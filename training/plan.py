@@ -17,7 +17,7 @@ from models.partition import (PRECISION_BYTES, Workload, check_tensor_parallel, 
                               stage_plan)
 from models.llama import check_model_config
 from models.pipeline import build_pipeline_layers
-from training.config import ConfigError
+from training.config import ConfigError, data_parallel_size
 
 GIB = 2 ** 30
 RUNTIME_NOTE = "not modelled: CUDA context, NCCL buffers, allocator fragmentation (keep ~10% headroom)"
@@ -34,19 +34,6 @@ def plan_world_size(cfg):
     return cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", cfg.num_stages * tensor_parallel_size(cfg)))
 
 
-def data_parallel_size(cfg, world_size):
-    """world_size / (num_stages x tensor_parallel_size), or a ConfigError naming the values that do not divide."""
-    stages, tp = cfg.num_stages, tensor_parallel_size(cfg)
-    if stages < 1 or tp < 1:
-        raise ConfigError(f"num_stages={stages} and tensor_parallel_size={tp} must both be at least 1.")
-    replica = stages * tp
-    if world_size % replica:
-        raise ConfigError(f"num_stages={stages} x tensor_parallel_size={tp} = {replica} devices per data-parallel "
-                          f"replica does not divide the world size {world_size}; plan for (plan_world_size) or "
-                          f"launch a multiple of {replica} devices, or change num_stages or tensor_parallel_size.")
-    return world_size // replica
-
-
 def workload_from_cfg(cfg, world_size):
     """The run's Workload for the cost model (models/partition.py)."""
     ds = OmegaConf.to_container(cfg.deepspeed, resolve=True)
@@ -54,7 +41,8 @@ def workload_from_cfg(cfg, world_size):
     optimizer_params = ds.get("optimizer", {}).get("params", {})
     return Workload(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
                     micro_batches=cfg.gradient_accumulation_steps, precision=cfg.precision,
-                    zero_stage=cfg.zero_stage, data_parallel=data_parallel_size(cfg, world_size),
+                    zero_stage=cfg.zero_stage,
+                    data_parallel=data_parallel_size(world_size, cfg.num_stages, tensor_parallel_size(cfg)),
                     activation_checkpoint_interval=cfg.activation_checkpoint_interval,
                     reduce_bucket_size=int(zero.get("reduce_bucket_size", Workload.reduce_bucket_size)),
                     torch_adam=bool(optimizer_params.get("torch_adam", False)),
