@@ -12,18 +12,47 @@ import torch
 
 
 def load_layer_slice(layer, paths, rank, size, strict=True):
-    """Load this tensor-parallel rank's part of a layer: its slice of the one whole-layer file, or its own file
-    when the layer was saved by `size` ranks (DeepSpeed names them layer_XX-model_YY-model_states.pt)."""
+    """Load this tensor-parallel rank's part of a layer: its slice of the one whole-layer file, its own file when
+    the layer was saved by `size` ranks (DeepSpeed names them layer_XX-model_YY-model_states.pt), or, from a
+    checkpoint saved with another tensor-parallel size (resume_weights_only after changing it), its slice assembled
+    from the saved slices."""
+    if not paths:
+        raise FileNotFoundError("no layer file for this layer in the checkpoint; was it written by this model?")
     if len(paths) == 1:
         load_layer_file(layer, paths[0], strict, rank, size)
     elif len(paths) == size:
         load_layer_file(layer, sorted(paths)[rank], strict)
     else:
-        found = [os.path.basename(p) for p in paths] or "none"
-        raise ValueError(f"layer files {found} in {os.path.dirname(paths[0]) if paths else 'the checkpoint'}: "
-                         f"expected 1 (a whole layer) or {size} (one per tensor-parallel rank); the checkpoint was "
-                         f"saved with tensor_parallel_size={len(paths)}. Use that size, or export it to Hugging "
-                         f"Face (convert2ckpt.py --to_hf) and convert it again.")
+        layer.load_state_dict(resliced_state(layer, sorted(paths), rank, size), strict=strict)
+
+
+def resliced_state(layer, paths, rank, size):
+    """This rank's tensors of a layer saved as len(paths) tensor-parallel slices. A split tensor is recognised by
+    its saved shape differing from the wanted one (only along the split dimension); only the saved slices that
+    overlap this rank's range are read."""
+    saved = [torch.load(p, map_location="cpu", mmap=True, weights_only=True) for p in paths]
+    targets = layer.state_dict()
+    state = {}
+    for key, first in saved[0].items():
+        target = targets.get(key)
+        if target is None or target.shape == first.shape:  # replicated (norms), or unknown: strict loading says so
+            state[key] = first
+            continue
+        differing = [d for d, (a, b) in enumerate(zip(first.shape, target.shape)) if a != b]
+        if first.dim() != target.dim() or len(differing) != 1 or \
+                first.shape[differing[0]] * len(saved) != target.shape[differing[0]] * size:
+            raise ValueError(f"{key} in {paths[0]}: {len(saved)} saved slices of shape {tuple(first.shape)} do not "
+                             f"make {size} slices of shape {tuple(target.shape)}; the checkpoint is of another model.")
+        dim = differing[0]
+        piece, want = first.shape[dim], target.shape[dim]
+        low, high = rank * want, (rank + 1) * want
+        parts = []
+        for i, slices in enumerate(saved):
+            begin, end = max(low, i * piece), min(high, (i + 1) * piece)
+            if begin < end:
+                parts.append(slices[key].narrow(dim, begin - i * piece, end - begin))
+        state[key] = torch.cat(parts, dim)
+    return state
 
 
 def load_layer_file(layer, path, strict=True, rank=0, size=1):

@@ -6,8 +6,10 @@ import os
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from checkpoints.layer_files import load_layer_slice
+from models.layout import layer_indices_with_files
 from tests import parity_worker
 from tests.distributed import spawn
 from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, run_in_process
@@ -48,13 +50,13 @@ def test_loss_and_gradients_match_transformers(tiny_checkpoints, tmp_path, num_s
 
 def save_and_export_worker(rank, hf_dir, ds_dir, out_dir):
     """One of 2 tensor-parallel ranks: load the converted model, save a checkpoint (one file per rank and layer),
-    load it back over zeroed weights, and (rank 0) export it to Hugging Face."""
+    load it back over zeroed weights, (rank 0) export it to Hugging Face, then load it into 2 stages at T=1."""
     import deepspeed
     import torch
     from transformers import AutoConfig
 
     from checkpoints.ds_to_hf import convert_ds_to_hf
-    from checkpoints.files import copy_model_side_files
+    from checkpoints.files import copy_model_side_files, read_latest
     from models.pipeline import build_pipeline_module
     from training.distributed import init_distributed, parallel_topology
 
@@ -78,6 +80,20 @@ def save_and_export_worker(rank, hf_dir, ds_dir, out_dir):
     if rank == 0:
         copy_model_side_files(hf_dir, ckpt)
         convert_ds_to_hf(ckpt, os.path.join(out_dir, "hf"), tag="tp2")
+    # The same checkpoint read by 2 stages without tensor parallelism (resume_weights_only after changing T): each
+    # rank's layers are merged from the saved slices and must equal the converted whole-layer files.
+    stages = build_pipeline_module(AutoConfig.from_pretrained(hf_dir), parallel_topology(2, 1))
+    stages.load_state_dir(os.path.join(ckpt, "tp2"), checkpoint_engine=None)
+    converted = os.path.join(ds_dir, read_latest(ds_dir))
+    merged = {}
+    for local_index, layer in enumerate(stages.forward_funcs):
+        if hasattr(layer, "state_dict"):
+            index = int(stages._local_start) + local_index
+            whole = torch.load(os.path.join(converted, f"layer_{index:02d}-model_states.pt"))
+            merged[index] = sorted(whole) == sorted(layer.state_dict()) and all(
+                torch.equal(whole[k], v) for k, v in layer.state_dict().items())
+    with open(os.path.join(out_dir, f"merged{rank}.json"), "w") as f:
+        json.dump(merged, f)
     torch.distributed.barrier()
 
 
@@ -92,6 +108,10 @@ def test_save_reload_and_export_are_bit_identical(tiny_checkpoints, tmp_path, na
     assert (tag_dir / "layer_01-model_01-model_states.pt").is_file()
     assert not (tag_dir / "layer_01-model_states.pt").exists()
     assert all(json.load(open(tmp_path / f"reloaded{rank}.json")) for rank in range(2))
+    merged = {k: v for rank in range(2) for k, v in json.load(open(tmp_path / f"merged{rank}.json")).items()}
+    config = AutoConfig.from_pretrained(hf_dir)
+    assert merged == {str(i): True for i in layer_indices_with_files(config.num_hidden_layers,
+                                                                     config.tie_word_embeddings)}, merged
     original = {k: v for p in glob.glob(os.path.join(hf_dir, "*.safetensors")) for k, v in load_file(p).items()}
     exported = {k: v for p in glob.glob(str(tmp_path / "hf" / "*.safetensors")) for k, v in load_file(p).items()}
     assert sorted(exported) == sorted(original)
@@ -99,10 +119,13 @@ def test_save_reload_and_export_are_bit_identical(tiny_checkpoints, tmp_path, na
         assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
 
 
-def test_checkpoint_of_another_tensor_parallel_size_is_refused(tmp_path):
-    paths = [str(tmp_path / f"layer_01-model_0{r}-model_states.pt") for r in range(2)]
-    with pytest.raises(ValueError, match="the checkpoint was saved with tensor_parallel_size=2. Use that size"):
-        load_layer_slice(torch.nn.Linear(2, 2), paths, rank=0, size=4)
+def test_slices_of_another_model_are_refused(tmp_path):
+    for rank in range(2):
+        torch.save({"weight": torch.zeros(3, 2)}, tmp_path / f"layer_01-model_0{rank}-model_states.pt")
+    paths = sorted(str(p) for p in tmp_path.iterdir())
+    with pytest.raises(ValueError, match=r"weight in .*layer_01-model_00-model_states.pt: 2 saved slices of shape "
+                                         r"\(3, 2\) do not make 4 slices of shape \(2, 2\); the checkpoint is of another"):
+        load_layer_slice(torch.nn.Linear(2, 2, bias=False), paths, rank=0, size=4)
 
 
 def different_batches_worker(rank, same, out_dir):
@@ -156,7 +179,8 @@ TRAIN = dict(gradient_accumulation_steps=4, max_steps=5, logging_steps=1, learni
 
 def test_training_parity_resume_and_export(demo_model, tmp_path):
     """5 fp32 steps of 2 stages x tensor parallel 2 against 1 process on the same global batch; a resume from
-    step 3 repeats steps 4 and 5; the exported model is the merged final checkpoint."""
+    step 3 repeats steps 4 and 5, also without tensor parallelism (weights only); the exported model is the merged
+    final checkpoint."""
     single, parallel, resumed = tmp_path / "1x1", tmp_path / "2x2tp", tmp_path / "resumed"
     check_ok(launch_trainer(1, demo_overrides(demo_model, single, num_stages=1, **TRAIN)))
     check_ok(launch_trainer(4, demo_overrides(demo_model, parallel, num_stages=2, tensor_parallel_size=2,
@@ -169,6 +193,12 @@ def test_training_parity_resume_and_export(demo_model, tmp_path):
     check_ok(launch_trainer(4, demo_overrides(demo_model, resumed, num_stages=2, tensor_parallel_size=2,
                                               resume=str(parallel / "global_step3"), **TRAIN)))
     assert per_step_losses(resumed) == pytest.approx(losses[3:], abs=1e-6)
+    # One process without tensor parallelism continues from the same weights (merged from the slices): its step 4
+    # is computed with the step-3 weights on the same batch.
+    merged = tmp_path / "merged"
+    check_ok(launch_trainer(1, demo_overrides(demo_model, merged, num_stages=1, resume=str(parallel / "global_step3"),
+                                              resume_weights_only="true", **{**TRAIN, "max_steps": 4})))
+    assert per_step_losses(merged) == pytest.approx(losses[3:4], abs=1e-5)
 
     from transformers import AutoModelForCausalLM
     exported = AutoModelForCausalLM.from_pretrained(parallel / "hf")
