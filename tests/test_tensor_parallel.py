@@ -12,7 +12,7 @@ from checkpoints.layer_files import load_layer_slice
 from models.layout import layer_indices_with_files
 from tests import parity_worker
 from tests.distributed import spawn
-from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, run_in_process
+from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics, run_in_process
 from tests.test_parity import GAS, MICRO_BATCH, SEQ, own_layer_files
 
 TP_CONFIGS = ("llama3", "tied")  # grouped-query attention; embedding tied to the LM head
@@ -178,15 +178,19 @@ TRAIN = dict(gradient_accumulation_steps=4, max_steps=5, logging_steps=1, learni
 
 
 def test_training_parity_resume_and_export(demo_model, tmp_path):
-    """5 fp32 steps of 2 stages x tensor parallel 2 against 1 process on the same global batch; a resume from
-    step 3 repeats steps 4 and 5, also without tensor parallelism (weights only); the exported model is the merged
-    final checkpoint."""
+    """5 fp32 steps of 2 stages x tensor parallel 2 against 1 process on the same global batch, and the same eval
+    loss after them; a resume from step 3 repeats steps 4 and 5, also without tensor parallelism (weights only); the
+    exported model is the merged final checkpoint."""
     single, parallel, resumed = tmp_path / "1x1", tmp_path / "2x2tp", tmp_path / "resumed"
-    check_ok(launch_trainer(1, demo_overrides(demo_model, single, num_stages=1, **TRAIN)))
+    evaluated = {**TRAIN, "eval_file": demo_model["eval"]}
+    check_ok(launch_trainer(1, demo_overrides(demo_model, single, num_stages=1, **evaluated)))
     check_ok(launch_trainer(4, demo_overrides(demo_model, parallel, num_stages=2, tensor_parallel_size=2,
-                                              save_steps=3, save_total_limit=5, export_hf="true", **TRAIN)))
+                                              save_steps=3, save_total_limit=5, export_hf="true", **evaluated)))
     losses = per_step_losses(parallel)
     assert len(losses) == 5 and losses == pytest.approx(per_step_losses(single), abs=1e-4)
+    (evaluation,) = [r["eval_loss"] for r in read_metrics(parallel) if "eval_loss" in r]
+    (reference,) = [r["eval_loss"] for r in read_metrics(single) if "eval_loss" in r]
+    assert evaluation == pytest.approx(reference, abs=1e-4)
     assert json.load(open(parallel / "global_step3" / "trainer_state.json"))["topology"] == {
         "num_stages": 2, "data_parallel": 1, "tensor_parallel": 2}
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from data.collator import collate_causal_lm
+from data.loader import check_identical_across_group
 from models.llama import IGNORE_INDEX
 
 EMPTY_ROW = {"input_ids": [], "labels": []}
@@ -47,11 +48,13 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
         loader = DataLoader(PaddedShard(dataset, dp_rank, dp_size, micro_batch), batch_size=micro_batch,
                             collate_fn=lambda rows: collate_causal_lm(rows, cfg.seq_length, pad_id))
         batches = (token_counts.append(labelled_tokens(b[1])) or b for b in loader)
+        if cfg.tensor_parallel_size > 1:
+            batches = check_identical_across_group(batches, engine.grid.get_slice_parallel_group())
     loss_sum, tokens = 0.0, 0
     for start in range(0, num_micro_batches, cfg.gradient_accumulation_steps):
         chunk = min(cfg.gradient_accumulation_steps, num_micro_batches - start)
         losses = engine.eval_batch(batches, reduce_output=None, bcast_loss=False, num_micro_batches=chunk)
-        if engine.is_last_stage():
+        if engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0:  # once per tensor-parallel group
             for loss, count in zip(losses, token_counts[start:start + chunk]):
                 if count:
                     loss_sum += float(loss) * count
