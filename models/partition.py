@@ -16,7 +16,8 @@ so do their gradients and optimizer state, and the matmuls do 1/t of the FLOPs; 
 logits split by t. With sequence parallelism the residual stream, the norms and the stage-boundary hidden states
 hold 1/t of the tokens; each column-parallel group (q/k/v, gate/up, LM head) all-gathers its input, which backward
 keeps (full tokens, per layer and micro-batch in flight) unless recompute_sequence_gather gathers it again into one
-pooled buffer. Without sequence parallelism the residual stream is whole on every rank.
+pooled buffer; its input gradient over all tokens is summed into another before the reduce-scatter. Without
+sequence parallelism the residual stream is whole on every rank.
 
 A stage's cost is the mean of its compute and its memory, each in units of one decoder layer, so an embedding
 that holds 2.4 decoder layers of memory and does no compute weighs 1.2 decoder layers. The balanced partition
@@ -199,17 +200,19 @@ class LayerCosts:
             HEAD: tokens * (vocab * FP32_BYTES + INT64_BYTES + (2 if t > 1 else 0)),
         }
         # Gradients alive at once while a layer runs backward: a decoder's MLP and residual stream (two on this
-        # rank's residual tokens, two on all tokens: a column group's input gradient and a row-parallel output's
-        # gathered gradient); the loss's two fp32 logits-sized gradients.
+        # rank's residual tokens, two on all tokens: a column group's input gradient, in the pool under sequence
+        # parallelism, and a row-parallel output's gathered gradient); the loss's two fp32 logits-sized gradients.
+        pooled = 1 if workload.splits_sequence else 0
         self.backward_bytes = {EMBEDDING: 0, NORM: 0,
-                               DECODER: act * (2 * tokens * inter + 2 * residual * hidden + 2 * tokens * hidden),
+                               DECODER: act * (2 * tokens * inter + 2 * residual * hidden
+                                               + (2 - pooled) * tokens * hidden),
                                HEAD: 2 * tokens * vocab * FP32_BYTES}
         self.logits_bytes = tokens * vocab * act
         # One hidden-states tensor: a stage boundary, a checkpoint input.
         self.hidden_bytes = residual * hidden * act
-        # recompute_sequence_gather: the pooled buffer every column group gathers its input into, once per stage.
-        self.gather_pool_bytes = (tokens * hidden * act
-                                  if workload.splits_sequence and workload.recompute_sequence_gather else 0)
+        # Sequence parallelism's pool, once per stage: the buffer every column group sums its input gradient into,
+        # and with recompute_sequence_gather the one it gathers its input into.
+        self.pool_bytes = tokens * hidden * act * pooled * (2 if workload.recompute_sequence_gather else 1)
 
     def chunks(self, kinds):
         """DeepSpeed's activation checkpointing: consecutive runs of `interval` layers from the stage's first layer,
@@ -249,8 +252,8 @@ class LayerCosts:
             persistent += self.hidden_bytes
         else:  # DeepSpeed never frees the last stage's outputs: each of its two buffers keeps logits until reused
             persistent += min(2, self.workload.micro_batches) * self.logits_bytes
-        if DECODER in kinds or HEAD in kinds:  # column-parallel groups gather into one pooled buffer per stage
-            persistent += self.gather_pool_bytes
+        if DECODER in kinds or HEAD in kinds:  # column-parallel groups use the stage's pool
+            persistent += self.pool_bytes
         return in_flight * per_micro_batch + persistent + transient
 
     def stage_parameters(self, kinds):

@@ -200,11 +200,12 @@ class GatheredLinears(torch.autograd.Function):
         saved, *weights = ctx.saved_tensors
         full = parallel.gather_tokens(saved, pooled=True) if parallel.recompute_sequence_gather else saved
         full_2d = full.reshape(-1, full.shape[-1])
-        grad_full = None
+        # The input gradient over all tokens lives only until it is reduce-scattered: a pool buffer.
+        grad_full = parallel.buffers.get("input_grad", full_2d.shape, full.dtype, full.device)
         param_grads = []
-        for grad, weight, has_bias in zip(grads, weights, ctx.has_bias):
+        for index, (grad, weight, has_bias) in enumerate(zip(grads, weights, ctx.has_bias)):
             grad_2d = grad.reshape(-1, grad.shape[-1])
-            grad_full = grad_2d @ weight if grad_full is None else grad_full.addmm_(grad_2d, weight)
+            grad_full.addmm_(grad_2d, weight, beta=1 if index else 0)
             param_grads += [grad_2d.t() @ full_2d, grad_2d.sum(0) if has_bias else None]
         grad_x = parallel.scatter_tokens(grad_full.view(full.shape))
         return None, grad_x, *param_grads
