@@ -188,6 +188,9 @@ def test_training_parity_resume_and_export(demo_model, tmp_path):
                                               save_steps=3, save_total_limit=5, export_hf="true", **evaluated)))
     losses = per_step_losses(parallel)
     assert len(losses) == 5 and losses == pytest.approx(per_step_losses(single), abs=1e-4)
+    # The clipping norm (above max_grad_norm here, so clipping acts) counts the norms' replicated weights once.
+    norms = {run: [r["grad_norm"] for r in read_metrics(run) if "loss" in r] for run in (single, parallel)}
+    assert min(norms[single]) > 1.0 and norms[parallel] == pytest.approx(norms[single], rel=1e-5)
     (evaluation,) = [r["eval_loss"] for r in read_metrics(parallel) if "eval_loss" in r]
     (reference,) = [r["eval_loss"] for r in read_metrics(single) if "eval_loss" in r]
     assert evaluation == pytest.approx(reference, abs=1e-4)
