@@ -15,7 +15,7 @@ from tests.distributed import spawn
 from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics, run_in_process
 from tests.test_parity import GAS, MICRO_BATCH, SEQ, own_layer_files
 
-TP_CONFIGS = ("llama3", "tied")  # grouped-query attention; embedding tied to the LM head
+TP_CONFIGS = ("llama3", "tied", "qwen2")  # grouped-query attention; embedding tied to the LM head; q/k/v biases
 VARIANTS = {  # case suffix: tensor-parallel options
     "": {"sequence_parallel": False},
     "+sp": {"sequence_parallel": True},
