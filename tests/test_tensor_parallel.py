@@ -123,8 +123,9 @@ def test_slices_of_another_model_are_refused(tmp_path):
     for rank in range(2):
         torch.save({"weight": torch.zeros(3, 2)}, tmp_path / f"layer_01-model_0{rank}-model_states.pt")
     paths = sorted(str(p) for p in tmp_path.iterdir())
-    with pytest.raises(ValueError, match=r"weight in .*layer_01-model_00-model_states.pt: 2 saved slices of shape "
-                                         r"\(3, 2\) do not make 4 slices of shape \(2, 2\); the checkpoint is of another"):
+    message = (r"weight in .*layer_01-model_00-model_states.pt: 2 saved slices of shape \(3, 2\) do not make 4 "
+               r"slices of shape \(2, 2\); the checkpoint is of another model")
+    with pytest.raises(ValueError, match=message):
         load_layer_slice(torch.nn.Linear(2, 2, bias=False), paths, rank=0, size=4)
 
 
@@ -161,7 +162,8 @@ def test_tensor_parallel_ranks_must_see_the_same_batch(tmp_path, same):
 @pytest.mark.parametrize("overrides,world_size,message", [
     ({"num_stages": 2, "tensor_parallel_size": 2}, 2,
      "num_stages=2 x tensor_parallel_size=2 does not divide the world size 2"),
-    ({"num_stages": 1, "tensor_parallel_size": 3}, 3, r"tensor_parallel_size=3 does not divide num_attention_heads=4, num_key_value_heads=2, micro_batch_size x "
+    ({"num_stages": 1, "tensor_parallel_size": 3}, 3,
+     r"tensor_parallel_size=3 does not divide num_attention_heads=4, num_key_value_heads=2, micro_batch_size x "
      r"seq_length=128; choose a tensor_parallel_size that divides them \(or set sequence_parallel=false\)."),
     ({"num_stages": 1, "tensor_parallel_size": 2, "seq_length": 63, "micro_batch_size": 1}, 2,
      r"tensor_parallel_size=2 does not divide micro_batch_size x seq_length=63; choose a tensor_parallel_size that "

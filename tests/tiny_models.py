@@ -1,7 +1,7 @@
 """Tiny LLaMA-family models built locally from a config (random weights, save_pretrained): the Hugging Face model
 is the oracle the pipeline must match."""
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
               max_position_embeddings=64, rms_norm_eps=1e-5)
@@ -14,6 +14,8 @@ TINY_CONFIGS = {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
     "tied": lambda: LlamaConfig(**COMMON, num_key_value_heads=2, tie_word_embeddings=True),
+    # Mistral: grouped-query attention, a sliding window longer than any sequence here (not implemented).
+    "mistral": lambda: MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=64),
     # Qwen2 style: bias on q, k, v.
     "qwen2": lambda: Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=False),
 }
