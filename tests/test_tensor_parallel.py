@@ -181,9 +181,9 @@ TRAIN = dict(gradient_accumulation_steps=4, max_steps=5, logging_steps=1, learni
 
 def test_training_parity_resume_and_export(demo_model, tmp_path):
     """5 fp32 steps of 2 stages x tensor parallel 2 against 1 process on the same global batch, and the same eval
-    loss after them; a resume from step 3 repeats steps 4 and 5, also without tensor parallelism (weights only); the
-    exported model is the merged final checkpoint."""
-    single, parallel, resumed = tmp_path / "1x1", tmp_path / "2x2tp", tmp_path / "resumed"
+    loss after them; the step-3 checkpoint continues without tensor parallelism (weights only); the exported model
+    is the merged final checkpoint."""
+    single, parallel = tmp_path / "1x1", tmp_path / "2x2tp"
     evaluated = {**TRAIN, "eval_file": demo_model["eval"]}
     check_ok(launch_trainer(1, demo_overrides(demo_model, single, num_stages=1, **evaluated)))
     check_ok(launch_trainer(4, demo_overrides(demo_model, parallel, num_stages=2, tensor_parallel_size=2,
@@ -199,11 +199,9 @@ def test_training_parity_resume_and_export(demo_model, tmp_path):
     assert json.load(open(parallel / "global_step3" / "trainer_state.json"))["topology"] == {
         "num_stages": 2, "data_parallel": 1, "tensor_parallel": 2}
 
-    check_ok(launch_trainer(4, demo_overrides(demo_model, resumed, num_stages=2, tensor_parallel_size=2,
-                                              resume=str(parallel / "global_step3"), **TRAIN)))
-    assert per_step_losses(resumed) == pytest.approx(losses[3:], abs=1e-6)
     # One process without tensor parallelism continues from the same weights (merged from the slices): its step 4
-    # is computed with the step-3 weights on the same batch.
+    # is computed with the step-3 weights on the same batch. (A full resume under tensor parallelism, optimizer
+    # included: tests/test_reliability.py::test_bf16_zero1_resume_matches_uninterrupted_run.)
     merged = tmp_path / "merged"
     check_ok(launch_trainer(1, demo_overrides(demo_model, merged, num_stages=1, resume=str(parallel / "global_step3"),
                                               resume_weights_only="true", **{**TRAIN, "max_steps": 4})))
