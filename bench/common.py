@@ -3,6 +3,7 @@ import os
 import re
 import socket
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -47,6 +48,16 @@ def random_micro_batches(vocab_size, seq_length, micro_batch_size, seed=0):
     while True:
         ids = torch.randint(0, vocab_size, (micro_batch_size, seq_length), generator=generator)
         yield (ids, mask, positions), ids
+
+
+def train_step_seconds(engine, batches, steps):
+    """Wall seconds of each of `steps` calls of engine.train_batch."""
+    durations = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.train_batch(batches)
+        durations.append(time.perf_counter() - start)
+    return durations
 
 
 def machine_note():

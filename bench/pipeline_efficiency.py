@@ -24,7 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_note, random_micro_batches, run_config, spawn  # noqa: E402
+from common import machine_note, random_micro_batches, run_config, spawn, train_step_seconds  # noqa: E402
 
 MODEL = dict(vocab_size=3072, hidden_size=256, intermediate_size=688, num_hidden_layers=7, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=1024)
@@ -80,11 +80,7 @@ def timed_steps(engine, batches, steps, barrier):
     engine.train_batch(batches)
     spent = time_instructions(engine)
     barrier()
-    durations = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.train_batch(batches)
-        durations.append(time.perf_counter() - start)
+    durations = train_step_seconds(engine, batches, steps)
     return statistics.median(durations), {k: v / steps for k, v in spent.items()}, sum(durations) / steps
 
 

@@ -25,10 +25,10 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_note, peak_rss_bytes, random_micro_batches, reset_peak_rss, rss_bytes, run_config, spawn  # noqa: E402,I001
+from common import (machine_note, peak_rss_bytes, random_micro_batches, reset_peak_rss, rss_bytes,  # noqa: E402,I001
+                    run_config, spawn, train_step_seconds)
 
 MIB = 2 ** 20
 FIXED_MMAP_THRESHOLD = str(128 * 1024)
@@ -98,11 +98,7 @@ def measure(rank, overrides, steps, out_dir):
     # The same seed on every rank: a tensor-parallel group must see the same micro-batches.
     batches = random_micro_batches(config.vocab_size, cfg.seq_length, cfg.micro_batch_size)
     reset_peak_rss()
-    step_seconds = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.train_batch(batches)
-        step_seconds.append(time.perf_counter() - start)
+    step_seconds = train_step_seconds(engine, batches, steps)
     peak = peak_rss_bytes() - baseline
     pool = [{"name": name, "dtype": str(dtype).replace("torch.", ""), "elements": buffer.numel(),
              "bytes": buffer.numel() * buffer.element_size()}
