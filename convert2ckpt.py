@@ -1,11 +1,10 @@
 """Convert a Hugging Face LLaMA-family model to DeepSpeed per-layer pipeline files, and back.
 
-  python convert2ckpt.py --model_name_or_path HF_DIR --output_dir DS_DIR [--overwrite]
+  python convert2ckpt.py --model_name_or_path HF_DIR --output_dir DS_DIR [--tokenizer_name_or_path DIR] [--overwrite]
   python convert2ckpt.py --to_hf --ckpt_dir DS_DIR --output_dir HF_DIR [--tag TAG] [--max_shard_size 5GB]
 """
 import argparse
 import sys
-
 
 
 def parse_args(argv=None):
@@ -17,6 +16,10 @@ def parse_args(argv=None):
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors shard written by --to_hf")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output_dir")
+    parser.add_argument("--tokenizer_name_or_path",
+                        help="directory of the tokenizer to copy beside the layer files (default: the model's own)")
+    parser.add_argument("--skip_checksums", action="store_true",
+                        help="--to_hf: export without checking the layer files against their checksums.json")
     args = parser.parse_args(argv)
     if args.to_hf and not args.ckpt_dir:
         parser.error("--to_hf needs --ckpt_dir")
@@ -30,10 +33,12 @@ def main(argv=None):
     try:  # each direction imports only what it needs: start-up is a visible share of converting a small model
         if args.to_hf:
             from checkpoints.ds_to_hf import convert_ds_to_hf
-            out = convert_ds_to_hf(args.ckpt_dir, args.output_dir, args.tag, args.max_shard_size, args.overwrite)
+            out = convert_ds_to_hf(args.ckpt_dir, args.output_dir, args.tag, args.max_shard_size, args.overwrite,
+                                   verify_checksums=not args.skip_checksums)
         else:
             from checkpoints.hf_to_ds import convert_hf_to_ds
-            out = convert_hf_to_ds(args.model_name_or_path, args.output_dir, args.overwrite)
+            out = convert_hf_to_ds(args.model_name_or_path, args.output_dir, args.overwrite,
+                                   args.tokenizer_name_or_path)
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         sys.exit(f"convert2ckpt: error: {error}")
     print(f"wrote {out}")

@@ -7,9 +7,22 @@ import tempfile
 
 LATEST = "latest"
 COMPLETE_MARKER = "COMPLETE"
+MANIFEST_NAME = "checksums.json"  # per-file checksums of a tag directory (checkpoints/integrity.py)
 # Everything in a Hugging Face model directory that is not a weight: configs, tokenizer, chat template.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 WEIGHT_INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# The files a Hugging Face tokenizer is saved as (tokenizer.json, tokenizer.model, tokenizer_config.json, ...).
+TOKENIZER_PREFIXES = ("tokenizer",)
+TOKENIZER_NAMES = ("special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt",
+                   "chat_template.jinja", "chat_template.json")
+
+
+def is_tokenizer_file(name):
+    return name.startswith(TOKENIZER_PREFIXES) or name in TOKENIZER_NAMES
+
+
+def has_tokenizer_files(directory):
+    return os.path.isdir(directory) and any(is_tokenizer_file(name) for name in os.listdir(directory))
 
 
 def write_text_atomic(path, text):
@@ -77,10 +90,18 @@ def staged_directory(output_dir):
         shutil.rmtree(previous, ignore_errors=True)
 
 
-def copy_model_side_files(src_dir, dst_dir):
-    """Copy config, generation config and tokenizer files (everything but weights) from src_dir to dst_dir."""
+def copy_model_side_files(src_dir, dst_dir, tokenizer=True):
+    """Copy config, generation config and (unless tokenizer=False) tokenizer files: everything but weights and
+    checkpoint bookkeeping, from src_dir to dst_dir."""
     for name in sorted(os.listdir(src_dir)):
         path = os.path.join(src_dir, name)
         if (os.path.isfile(path) and not name.endswith(WEIGHT_SUFFIXES) and name not in WEIGHT_INDEX_NAMES
-                and name not in (LATEST, COMPLETE_MARKER) and not name.startswith(".")):
+                and name not in (LATEST, COMPLETE_MARKER, MANIFEST_NAME) and not name.startswith(".")
+                and (tokenizer or not is_tokenizer_file(name))):
             shutil.copy2(path, os.path.join(dst_dir, name))
+
+
+def copy_tokenizer_files(src_dir, dst_dir):
+    for name in sorted(os.listdir(src_dir)):
+        if is_tokenizer_file(name) and os.path.isfile(os.path.join(src_dir, name)):
+            shutil.copy2(os.path.join(src_dir, name), os.path.join(dst_dir, name))

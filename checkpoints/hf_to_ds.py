@@ -10,14 +10,18 @@ import ctypes.util
 import importlib.metadata
 import json
 import os
+import pickle
 import struct
+import zipfile
 from collections import defaultdict
 
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from checkpoints.files import LATEST, check_output_dir, copy_model_side_files, staged_directory
+from checkpoints.files import (LATEST, check_output_dir, copy_model_side_files, copy_tokenizer_files,
+                               has_tokenizer_files, staged_directory)
+from checkpoints.integrity import file_checksum, write_manifest
 from checkpoints.layer_files import read_exactly, write_layer_file_from_ranges
 from models.layout import layer_file_path, layer_indices_with_files, layer_of_hf_name
 from models.llama import check_model_config, layers_on_meta
@@ -50,14 +54,46 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 
 def safetensors_entries(path):
     """{name: (dtype string, shape, byte offset in the file, byte length)} from a safetensors header: an 8-byte
-    little-endian header size, the JSON header, then the data its offsets point into."""
-    with open(path, "rb") as f:
-        (header_size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_size))
-    header.pop("__metadata__", None)
-    start = 8 + header_size
-    return {name: (entry["dtype"], tuple(entry["shape"]), start + entry["data_offsets"][0],
-                   entry["data_offsets"][1] - entry["data_offsets"][0]) for name, entry in header.items()}
+    little-endian header size, the JSON header, then the data its offsets point into. A file too short for what
+    its header describes (a cut download or copy) is refused here, before anything is written."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            (header_size,) = struct.unpack("<Q", f.read(8))
+            if 8 + header_size > size:
+                raise ValueError(f"its header claims {header_size} bytes")
+            header = json.loads(f.read(header_size))
+        header.pop("__metadata__", None)
+        start = 8 + header_size
+        entries = {name: (entry["dtype"], tuple(entry["shape"]), start + entry["data_offsets"][0],
+                          entry["data_offsets"][1] - entry["data_offsets"][0]) for name, entry in header.items()}
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"'{path}' is not a valid safetensors file ({error}); download or copy it again.") from None
+    end = max((offset + length for _, _, offset, length in entries.values()), default=start)
+    if end > size:
+        raise ValueError(f"'{path}' is truncated: its header places tensor data up to byte {end}, the file has "
+                         f"{size} bytes; download or copy it again.")
+    return entries
+
+
+def load_bin_shard(path):
+    """A pytorch_model*.bin shard, memory-mapped and unpickled with weights_only=True: only tensors and plain
+    containers, never code. Anything else is refused with what to do; there is no fallback to an unsafe load."""
+    advice = ("re-save it with a current torch (torch.save, zip format) from a source you trust, or convert it to "
+              "safetensors; this converter never unpickles files that could run code.")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"'{path}' is in torch's legacy (non-zip) pickle format, which cannot be loaded safely "
+                         f"(memory-mapped with torch.load(weights_only=True)); {advice}")
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as error:
+        reason = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "Unsupported" in line),
+                      "it holds objects other than tensors")
+        raise ValueError(f"'{path}' cannot be loaded safely with torch.load(weights_only=True): its pickle refers to "
+                         f"code ({reason}); {advice}") from None
+    except RuntimeError as error:
+        raise ValueError(f"'{path}' is not a readable torch.save file ({str(error).splitlines()[0]}): truncated or "
+                         f"corrupt; download or copy it again.") from None
 
 
 class WeightReader:
@@ -74,7 +110,7 @@ class WeightReader:
                 entries = safetensors_entries(path)
                 self._entries.update(entries)
             else:
-                entries = self._bin_shards[path] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+                entries = self._bin_shards[path] = load_bin_shard(path)
             for name in entries:
                 self.file_of[name] = path
 
@@ -184,11 +220,17 @@ def write_layer_file(reader, names, path):
     release_freed_memory()
 
 
-def convert_hf_to_ds(model_dir, output_dir, overwrite=False):
+def convert_hf_to_ds(model_dir, output_dir, overwrite=False, tokenizer_name_or_path=None):
+    """tokenizer_name_or_path: a directory whose tokenizer files are copied beside the layer files instead of
+    model_dir's (for checkpoints that keep their tokenizer elsewhere)."""
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model directory '{model_dir}' does not exist.")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"'{model_dir}' has no config.json: not a Hugging Face model directory.")
+    if tokenizer_name_or_path and not has_tokenizer_files(tokenizer_name_or_path):
+        raise FileNotFoundError(f"--tokenizer_name_or_path '{tokenizer_name_or_path}' holds no tokenizer files "
+                                f"(tokenizer.json, tokenizer.model, tokenizer_config.json, ...); point it at the "
+                                f"directory of the model's tokenizer, or leave it out to copy '{model_dir}''s.")
     config = AutoConfig.from_pretrained(model_dir)
     check_model_config(config)
     check_output_dir(output_dir, overwrite)
@@ -198,11 +240,19 @@ def convert_hf_to_ds(model_dir, output_dir, overwrite=False):
     with staged_directory(output_dir) as staging:
         tag_dir = os.path.join(staging, IMPORT_TAG)
         os.makedirs(tag_dir)
+        checksums = {}
         with zip_checksums_off():
             for index in sorted(plan):
-                write_layer_file(reader, plan[index], layer_file_path(tag_dir, index))
+                path = layer_file_path(tag_dir, index)
+                write_layer_file(reader, plan[index], path)
+                checksums[os.path.basename(path)] = file_checksum(path)  # its pages are still in the page cache
         write_module_only_states(tag_dir)
-        copy_model_side_files(model_dir, staging)
+        for name in sorted(os.listdir(tag_dir)):
+            checksums.setdefault(name, file_checksum(os.path.join(tag_dir, name)))
+        write_manifest(tag_dir, checksums)
+        copy_model_side_files(model_dir, staging, tokenizer=not tokenizer_name_or_path)
+        if tokenizer_name_or_path:
+            copy_tokenizer_files(tokenizer_name_or_path, staging)
         with open(os.path.join(staging, LATEST), "w") as f:
             f.write(IMPORT_TAG)
     return output_dir

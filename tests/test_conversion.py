@@ -80,7 +80,8 @@ def test_layer_files_follow_the_index_map(tiny_checkpoints):
     with open(os.path.join(ds_dir, "latest")) as f:
         tag_dir = os.path.join(ds_dir, f.read().strip())
     files = sorted(os.listdir(tag_dir))
-    assert files == [f"layer_{i:02d}-model_states.pt" for i in range(7)] + ["mp_rank_00_model_states.pt"]
+    assert files == ["checksums.json"] + [f"layer_{i:02d}-model_states.pt" for i in range(7)] + \
+        ["mp_rank_00_model_states.pt"]
     hf = load_hf_weights(tiny_checkpoints["llama2"][0])
     assert torch.equal(torch.load(os.path.join(tag_dir, "layer_00-model_states.pt"))["weight"],
                        hf["model.embed_tokens.weight"])

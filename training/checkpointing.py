@@ -1,10 +1,11 @@
 """Crash-safe training checkpoints on top of DeepSpeed's save/load.
 
-A save writes tag directory ``global_stepN`` through DeepSpeed (every rank its own files), then, only after every
-rank has finished, rank 0 drops a COMPLETE marker in it and atomically points ``latest`` at it. A process killed
-mid-save therefore leaves the previous checkpoint as ``latest``; tag directories without the marker are never
-resumed from and are removed by the next run.
+A save writes tag directory ``global_stepN`` through DeepSpeed (every rank its own files, each hashed right after
+it is written), then, only after every rank has finished, rank 0 writes the checksum manifest, drops a COMPLETE
+marker in it and atomically points ``latest`` at it. A process killed mid-save therefore leaves the previous
+checkpoint as ``latest``; tag directories without the marker are never resumed from and are removed by the next run.
 """
+import contextlib
 import json
 import os
 import random
@@ -16,7 +17,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from checkpoints.files import COMPLETE_MARKER, LATEST, copy_model_side_files, read_latest, write_text_atomic
+from checkpoints.files import (COMPLETE_MARKER, LATEST, copy_model_side_files, copy_tokenizer_files, read_latest,
+                               write_text_atomic)
+from checkpoints.integrity import ChecksumError, file_checksum, no_manifest_note, read_manifest, verify_files, \
+    write_manifest
 
 TAG_PATTERN = re.compile(r"^global_step(\d+)$")
 RUN_CONFIG_NAME = "run_config.yaml"
@@ -126,25 +130,78 @@ def check_resume_topology(trainer_state, topology, weights_only, tag_dir):
                          f"with a fresh optimizer (the data position is kept by consumed samples).")
 
 
+@contextlib.contextmanager
+def hashing_saves(checkpoint_engine, checksums):
+    """Record {path: checksum} of every file DeepSpeed's checkpoint engine writes on this rank, each hashed right
+    after it is written (its pages still in the page cache)."""
+    save = checkpoint_engine.save
+
+    def save_and_hash(state_dict, path):
+        save(state_dict, path)
+        checksums[path] = file_checksum(path)
+    checkpoint_engine.save = save_and_hash
+    try:
+        yield checksums
+    finally:
+        checkpoint_engine.save = save
+
+
 def save_checkpoint(engine, cfg, model_files_dir, trainer_state):
     output_dir, tag = cfg.output_dir, tag_of_step(trainer_state["step"])
     tag_dir = os.path.join(output_dir, tag)
     if dist.get_rank() == 0 and os.path.exists(os.path.join(tag_dir, COMPLETE_MARKER)):
         os.remove(os.path.join(tag_dir, COMPLETE_MARKER))  # rewriting a tag: it is incomplete until done again
     dist.barrier()
-    engine.save_checkpoint(output_dir, tag=tag, client_state=trainer_state, save_latest=False)
+    with hashing_saves(engine.checkpoint_engine, {}) as written:
+        engine.save_checkpoint(output_dir, tag=tag, client_state=trainer_state, save_latest=False)
     save_rng_state(tag_dir, dist.get_rank())
-    dist.barrier()  # every rank's files are written before the checkpoint is declared complete
+    rng_path = rng_state_path(tag_dir, dist.get_rank())
+    written[rng_path] = file_checksum(rng_path)
+    every_rank = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object({os.path.relpath(p, tag_dir): c for p, c in written.items()}, every_rank, dst=0)
+    # gather_object returned: every rank's files are written before the checkpoint is declared complete
     if dist.get_rank() == 0:
         copy_model_side_files(model_files_dir, tag_dir)
+        if cfg.tokenizer_name_or_path:
+            copy_tokenizer_files(cfg.tokenizer_name_or_path, tag_dir)
         OmegaConf.save(cfg, os.path.join(tag_dir, RUN_CONFIG_NAME), resolve=True)
         with open(os.path.join(tag_dir, TRAINER_STATE_NAME), "w") as f:
             json.dump(trainer_state, f, indent=2)
+        checksums = {name: checksum for files in every_rank for name, checksum in files.items()}
+        for name in os.listdir(tag_dir):  # the small side files rank 0 just wrote
+            if name not in checksums and os.path.isfile(os.path.join(tag_dir, name)):
+                checksums[name] = file_checksum(os.path.join(tag_dir, name))
+        write_manifest(tag_dir, checksums)
         write_text_atomic(os.path.join(tag_dir, COMPLETE_MARKER), tag)
         write_text_atomic(os.path.join(output_dir, LATEST), tag)
         prune_checkpoints(output_dir, cfg.save_total_limit)
     dist.barrier()
     return tag_dir
+
+
+def verify_checkpoint(tag_dir):
+    """Check every file of a checkpoint about to be loaded against its manifest, before any weight is read. File i
+    (sorted) is checked by rank i mod world size: each byte is read once, all ranks in parallel, whatever DeepSpeed's
+    file layout (stages, ZeRO shards, tensor-parallel slices); every rank then raises the same error, naming each
+    file that fails, so none is left waiting at a collective."""
+    recorded = read_manifest(tag_dir)
+    if recorded is None:
+        if dist.get_rank() == 0:
+            print(no_manifest_note(tag_dir), flush=True)
+        return
+    mine = sorted(recorded)[dist.get_rank()::dist.get_world_size()]
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, verify_files(tag_dir, mine))
+    failures = [message for messages in every_rank for message in messages]
+    if failures:
+        raise ChecksumError("\n".join(failures))
+
+
+def start_checkpoint_dir(model_name_or_path, resume_from):
+    """The tag directory a run loads: the resumed checkpoint's, else the converted model's."""
+    if resume_from:
+        return os.path.join(*resume_from)
+    return os.path.join(model_name_or_path, read_latest(model_name_or_path))
 
 
 def prune_checkpoints(output_dir, keep):

@@ -5,7 +5,7 @@ import os
 from omegaconf import OmegaConf
 from transformers import AutoConfig
 
-from checkpoints.files import read_latest
+from checkpoints.files import has_tokenizer_files, read_latest
 from models.layout import layer_file_name
 from models.llama import check_model_config
 from models.tensor_parallel import check_tensor_parallel_split
@@ -35,6 +35,22 @@ def load_model_config(model_dir):
     config = AutoConfig.from_pretrained(side_dir)
     check_model_config(config)
     return config, side_dir
+
+
+def tokenizer_dir(cfg, model_files_dir):
+    """Where the run's tokenizer is (tokenizer_name_or_path, else the converted model's directory), or None when
+    every data file is pre-tokenized and none is needed; an error naming the directory and the key when one is
+    needed and missing."""
+    if cfg.data.format == "pretokenized":
+        return None
+    path = cfg.tokenizer_name_or_path or model_files_dir
+    if not has_tokenizer_files(path):
+        source = "tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model_name_or_path"
+        raise ConfigError(f"data.format={cfg.data.format} needs a tokenizer, and '{path}' ({source}) holds no "
+                          f"tokenizer files (tokenizer.json, tokenizer.model, tokenizer_config.json, ...); set "
+                          f"tokenizer_name_or_path to the directory of the model's tokenizer, or pre-tokenize the "
+                          f"data (data.format=pretokenized, lines of input_ids).")
+    return path
 
 
 def check_run_config(cfg, world_size, model_config):

@@ -18,8 +18,8 @@ from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.tensor_parallel import SHARDED_MARKER
 from training.checkpointing import (check_fresh_start, check_resume_topology, clear_previous_run, load_rng_state,
                                     read_trainer_state, remove_incomplete_checkpoints, resolve_resume,
-                                    save_checkpoint)
-from training.config import ConfigError, check_run_config, deepspeed_config, load_model_config
+                                    save_checkpoint, start_checkpoint_dir, verify_checkpoint)
+from training.config import ConfigError, check_run_config, deepspeed_config, load_model_config, tokenizer_dir
 from training.distributed import init_distributed, parallel_topology, set_threads_per_process
 from training.evaluation import evaluate
 from training.metrics import RunLogger
@@ -56,10 +56,19 @@ class RunData:
             setattr(self, split, dataset if reads_data else None)
 
 
-def pad_token_id(tokenizer):
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id, 0):
+def pad_token_id(tokenizer, model_config):
+    """The id padding positions get (their labels are -100): the tokenizer's, or without one (pre-tokenized data)
+    the model config's pad, else eos (the first, when it lists several), else 0."""
+    if tokenizer is not None:
+        candidates = (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id)
+    else:
+        candidates = (model_config.pad_token_id, model_config.eos_token_id)
+    for candidate in candidates:
+        if isinstance(candidate, (list, tuple)):
+            candidate = candidate[0] if candidate else None
         if candidate is not None:
             return candidate
+    return 0
 
 
 def build_engine(cfg, model_config, total_steps):
@@ -146,6 +155,7 @@ def run(cfg):
         return print_memory_plan(cfg, load_plan_model_config(cfg), plan_world_size(cfg))
     model_config, model_files_dir = load_model_config(cfg.model_name_or_path)
     check_run_config(cfg, world_size, model_config)
+    tokenizer_path = tokenizer_dir(cfg, model_files_dir)
     resume_from = resolve_resume(cfg.resume, cfg.output_dir)
     trainer_state = read_trainer_state(os.path.join(*resume_from)) if resume_from else {}
     if resume_from is None and not cfg.eval_only:
@@ -161,8 +171,10 @@ def run(cfg):
     coord = topology.get_coord(dist.get_rank())
     dp_size = topology.get_dim("data")
     reads_data = coord.pipe in (0, cfg.num_stages - 1)
-    tokenizer = AutoTokenizer.from_pretrained(model_files_dir)
-    pad_id = pad_token_id(tokenizer)
+    if cfg.verify_checksums:
+        verify_checkpoint(start_checkpoint_dir(cfg.model_name_or_path, resume_from))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else None
+    pad_id = pad_token_id(tokenizer, model_config)
     data = RunData(cfg, tokenizer, model_config, reads_data)
 
     if cfg.eval_only:
@@ -237,7 +249,8 @@ def train(engine, cfg, stream, data, pad_id, model_files_dir, monitors, step, to
             last_checkpoint = (cfg.output_dir, f"global_step{step}")
     logger.close()
     if cfg.export_hf and dist.get_rank() == 0:
-        convert_ds_to_hf(cfg.output_dir, os.path.join(cfg.output_dir, "hf"), overwrite=True)
+        convert_ds_to_hf(cfg.output_dir, os.path.join(cfg.output_dir, "hf"), overwrite=True,
+                         verify_checksums=cfg.verify_checksums)
         print(f"exported Hugging Face model to {os.path.join(cfg.output_dir, 'hf')}", flush=True)
     dist.barrier()
     return result

@@ -1,0 +1,98 @@
+"""Per-file checksums of a checkpoint directory: recorded when it is written, verified before it is read.
+
+Layer files are written without zip CRCs (and torch.load checks none), so a flipped byte would otherwise load and
+export silently. Every converted directory and every training checkpoint holds ``checksums.json``: for each file of
+its tag directory, the size and an xxh3-128 hash (xxhash, ~25 GB/s: bench/README.md). A file is hashed right after it
+is written, while its pages are still in the page cache; the manifest is written atomically and before the
+checkpoint is declared complete, so a complete checkpoint always has a complete manifest.
+"""
+import json
+import os
+
+import xxhash
+
+from checkpoints.files import MANIFEST_NAME, write_text_atomic
+
+ALGORITHM = "xxh3_128"
+CHUNK_BYTES = 16 << 20
+
+
+class ChecksumError(ValueError):
+    """A file of a checkpoint differs from what its manifest recorded; the message names the file."""
+
+
+def file_checksum(path):
+    """{"bytes": size, ALGORITHM: hex digest} of a file, read in chunks into one reused buffer."""
+    digest = xxhash.xxh3_128()
+    buffer = bytearray(CHUNK_BYTES)
+    view = memoryview(buffer)
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while count := f.readinto(buffer):
+            digest.update(view[:count])
+            size += count
+    return {"bytes": size, ALGORITHM: digest.hexdigest()}
+
+
+def write_manifest(directory, checksums):
+    """checksums: {file name in directory: file_checksum(...)}; written atomically (temporary file, rename)."""
+    write_text_atomic(os.path.join(directory, MANIFEST_NAME),
+                      json.dumps({"algorithm": ALGORITHM, "files": dict(sorted(checksums.items()))}, indent=1))
+
+
+def read_manifest(directory):
+    """{file name: recorded checksum}, or None for a directory written before checksums were recorded."""
+    path = os.path.join(directory, MANIFEST_NAME)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        if manifest["algorithm"] != ALGORITHM:
+            raise ValueError(f"algorithm {manifest['algorithm']!r}")
+        return manifest["files"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise ChecksumError(f"checksum manifest '{path}' is unreadable ({error}); the checkpoint cannot be verified. "
+                            f"Restore it from a copy, or skip the check (verify_checksums=false / "
+                            f"--skip_checksums) if you trust the files.") from None
+
+
+def verify_file(directory, name, recorded):
+    """None if the file matches its recorded checksum, else the message naming it."""
+    path = os.path.join(directory, name)
+    skip = "restore the file from a copy or resume from an older checkpoint (verify_checksums=false / " \
+           "--skip_checksums skips this check)"
+    if not os.path.isfile(path):
+        return f"checkpoint file '{path}' is missing but listed in {MANIFEST_NAME}; {skip}."
+    size = os.path.getsize(path)
+    if size != recorded["bytes"]:
+        return (f"checkpoint file '{path}' is {size} bytes, {MANIFEST_NAME} recorded {recorded['bytes']} when it was "
+                f"written (truncated or replaced); {skip}.")
+    actual = file_checksum(path)[ALGORITHM]
+    if actual != recorded[ALGORITHM]:
+        return (f"checkpoint file '{path}' is corrupt: its {ALGORITHM} checksum {actual} differs from the "
+                f"{recorded[ALGORITHM]} {MANIFEST_NAME} recorded when it was written; {skip}.")
+    return None
+
+
+def verify_files(directory, names=None):
+    """Check the manifest's files (or the given subset of them). Returns the messages of the files that fail, or
+    None when the directory has no manifest."""
+    recorded = read_manifest(directory)
+    if recorded is None:
+        return None
+    names = sorted(recorded) if names is None else names
+    return [message for name in names if (message := verify_file(directory, name, recorded[name]))]
+
+
+def verify_directory(directory):
+    """Raise ChecksumError naming every file that fails; returns False when there is no manifest to check."""
+    failures = verify_files(directory)
+    if failures:
+        raise ChecksumError("\n".join(failures))
+    return failures is not None
+
+
+def no_manifest_note(directory):
+    return (f"note: '{directory}' has no {MANIFEST_NAME} (written before checksums were recorded): its files are "
+            f"not verified.")
