@@ -184,8 +184,10 @@ def plan_layers(reader, config):
 
 def write_module_only_states(tag_dir):
     """The small file DeepSpeed's load_checkpoint(load_module_only=True) opens before the per-layer files."""
+    path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     torch.save({"module": None, "dp_world_size": 1, "mp_world_size": 1, "ds_version": importlib.metadata.version("deepspeed")},
-               os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+               path)
+    return path
 
 
 def release_freed_memory():
@@ -246,9 +248,8 @@ def convert_hf_to_ds(model_dir, output_dir, overwrite=False, tokenizer_name_or_p
                 path = layer_file_path(tag_dir, index)
                 write_layer_file(reader, plan[index], path)
                 checksums[os.path.basename(path)] = file_checksum(path)  # its pages are still in the page cache
-        write_module_only_states(tag_dir)
-        for name in sorted(os.listdir(tag_dir)):
-            checksums.setdefault(name, file_checksum(os.path.join(tag_dir, name)))
+        path = write_module_only_states(tag_dir)
+        checksums[os.path.basename(path)] = file_checksum(path)
         write_manifest(tag_dir, checksums)
         copy_model_side_files(model_dir, staging, tokenizer=not tokenizer_name_or_path)
         if tokenizer_name_or_path:

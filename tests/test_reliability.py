@@ -21,6 +21,9 @@ def test_killed_save_resumes_from_previous_checkpoint_with_identical_losses(demo
     # Rank 1 died after writing its share of step 6: that checkpoint is incomplete and 'latest' still names step 4.
     assert (out / "latest").read_text() == "global_step4"
     assert (out / "global_step6").is_dir() and not (out / "global_step6" / "COMPLETE").exists()
+    # The checksum manifest is written with the checkpoint, after every rank's files and before COMPLETE.
+    assert (out / "global_step4" / "checksums.json").is_file()
+    assert not (out / "global_step6" / "checksums.json").exists()
 
     resumed = check_ok(launch_trainer(4, overrides + ["resume=auto"]))
     assert "removed incomplete checkpoints left by an interrupted save: ['global_step6']" in resumed.stdout

@@ -1,0 +1,176 @@
+"""Untrusted, truncated and corrupted files, and model directories without a tokenizer: each refused with the
+project's own message naming the file (nothing written, no code run), or, for pre-tokenized data, trained on."""
+import json
+import os
+import pathlib
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig
+
+from checkpoints.files import is_tokenizer_file
+from checkpoints.hf_to_ds import convert_hf_to_ds
+from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics, run_in_process
+from tests.test_conversion import assert_nothing_written, convert_cli
+from tests.tiny_models import make_tiny_model
+from training.loop import pad_token_id
+
+
+class Payload:
+    """Unpickling this runs code: it creates the marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (pathlib.Path(self.marker),)
+
+
+def flip_bytes(path, count=64):
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
+    path.write_bytes(bytes(data))
+
+
+def tag_dir(ckpt_dir):
+    return pathlib.Path(ckpt_dir) / (pathlib.Path(ckpt_dir) / "latest").read_text().strip()
+
+
+@pytest.mark.parametrize("legacy", [True, False], ids=["legacy_pickle", "zip_with_code"])
+def test_bin_whose_pickle_carries_code_is_refused_and_never_run(tmp_path, legacy):
+    model = make_tiny_model("llama2", str(tmp_path / "safetensors"))
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    model.config.save_pretrained(hf_dir)
+    marker = tmp_path / "payload_ran"
+
+    def save(path, marker_path):
+        state = {**model.state_dict(), "extra": Payload(str(marker_path))}
+        torch.save(state, path, _use_new_zipfile_serialization=not legacy)
+    save(hf_dir / "pytorch_model.bin", marker)
+
+    result = convert_cli("--model_name_or_path", str(hf_dir), "--output_dir", str(tmp_path / "out"))
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    reason = ("is in torch's legacy (non-zip) pickle format, which cannot be loaded safely" if legacy else
+              "cannot be loaded safely with torch.load(weights_only=True): its pickle refers to code")
+    assert f"convert2ckpt: error: '{hf_dir / 'pytorch_model.bin'}' {reason}" in result.stderr
+    assert "re-save it with a current torch" in result.stderr and "convert it to safetensors" in result.stderr
+    assert not marker.exists()
+    assert_nothing_written(tmp_path, str(tmp_path / "out"))
+    # The file is armed: an unsafe load of the same content runs the payload.
+    armed = tmp_path / "armed_ran"
+    save(tmp_path / "armed.bin", armed)
+    torch.load(tmp_path / "armed.bin", weights_only=False)
+    assert armed.exists()
+
+
+def test_truncated_safetensors_shard_is_the_converters_error(tiny_checkpoints, tmp_path):
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(tiny_checkpoints["llama2"][0], hf_dir)
+    shard = sorted(hf_dir.glob("model-*.safetensors"))[1]
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:size // 2])
+    result = convert_cli("--model_name_or_path", str(hf_dir), "--output_dir", str(tmp_path / "out"))
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert f"convert2ckpt: error: '{shard}' is truncated: its header places tensor data up to byte {size}, " \
+           f"the file has {size // 2} bytes; download or copy it again." in result.stderr
+    assert_nothing_written(tmp_path, str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_damaged_layer_file_is_refused_by_export_naming_it(tiny_checkpoints, tmp_path, damage):
+    ds_dir = tmp_path / "ds"
+    shutil.copytree(tiny_checkpoints["llama2"][1], ds_dir)
+    layer = tag_dir(ds_dir) / "layer_03-model_states.pt"
+    recorded = json.loads((tag_dir(ds_dir) / "checksums.json").read_text())["files"]
+    assert sorted(recorded) == sorted(n for n in os.listdir(tag_dir(ds_dir)) if n != "checksums.json")
+    if damage == "flipped":
+        flip_bytes(layer)
+    else:
+        layer.write_bytes(layer.read_bytes()[:-100])
+    result = convert_cli("--to_hf", "--ckpt_dir", str(ds_dir), "--output_dir", str(tmp_path / "out"))
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    size = layer.stat().st_size
+    what = ("is corrupt: its xxh3_128 checksum" if damage == "flipped" else
+            f"is {size} bytes, checksums.json recorded {size + 100} when it was written (truncated or replaced)")
+    assert f"convert2ckpt: error: checkpoint file '{layer}' {what}" in result.stderr
+    assert_nothing_written(tmp_path, str(tmp_path / "out"))
+    if damage == "flipped":  # what the check prevents: skipped, the damage exports without a word
+        check = convert_cli("--to_hf", "--ckpt_dir", str(ds_dir), "--output_dir", str(tmp_path / "out"),
+                            "--skip_checksums")
+        assert check.returncode == 0, check.stderr
+        exported = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(f).items()}
+        original = {k: v for f in pathlib.Path(tiny_checkpoints["llama2"][0]).glob("*.safetensors")
+                    for k, v in load_file(f).items()}
+        assert [k for k in original if not torch.equal(original[k], exported[k])]
+
+
+def without_tokenizer(ds_dir, target):
+    shutil.copytree(ds_dir, target, ignore=lambda _, names: [n for n in names if is_tokenizer_file(n)])
+    return target
+
+
+def test_converter_takes_the_tokenizer_from_elsewhere(demo_model, tmp_path):
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(demo_model["hf"], hf_dir, ignore=lambda _, names: [n for n in names if is_tokenizer_file(n)])
+    result = convert_cli("--model_name_or_path", str(hf_dir), "--output_dir", str(tmp_path / "out"),
+                         "--tokenizer_name_or_path", str(hf_dir))
+    assert result.returncode != 0
+    assert f"--tokenizer_name_or_path '{hf_dir}' holds no tokenizer files" in result.stderr
+    assert_nothing_written(tmp_path, str(tmp_path / "out"))
+    convert_hf_to_ds(str(hf_dir), str(tmp_path / "out"), tokenizer_name_or_path=demo_model["hf"])
+    tokenizer_files = sorted(n for n in os.listdir(demo_model["hf"]) if is_tokenizer_file(n))
+    assert tokenizer_files and all(
+        (tmp_path / "out" / n).read_bytes() == (pathlib.Path(demo_model["hf"]) / n).read_bytes()
+        for n in tokenizer_files)
+
+
+def test_text_data_without_a_tokenizer_names_the_directory_and_key(demo_model, tmp_path):
+    ds_dir = without_tokenizer(demo_model["ds"], tmp_path / "ds")
+    with pytest.raises(ValueError) as error:
+        run_in_process(demo_overrides(demo_model, tmp_path / "run", model_name_or_path=ds_dir), 2)
+    assert (f"data.format=text needs a tokenizer, and '{ds_dir}' (model_name_or_path) holds no tokenizer files"
+            in str(error.value))
+    assert "set tokenizer_name_or_path to the directory of the model's tokenizer" in str(error.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_pad_id_without_a_tokenizer_comes_from_the_model_config():
+    assert pad_token_id(None, LlamaConfig(pad_token_id=3, eos_token_id=2)) == 3
+    assert pad_token_id(None, LlamaConfig(pad_token_id=None, eos_token_id=[7, 9])) == 7
+    assert pad_token_id(None, LlamaConfig(pad_token_id=None, eos_token_id=None)) == 0
+
+
+def test_pretokenized_run_without_tokenizer_then_corrupt_checkpoint_is_refused(demo_model, tmp_path):
+    """A model directory without tokenizer files trains and evaluates on pre-tokenized data (2 stages); its
+    checkpoint carries a manifest of every file; one layer file with 64 flipped bytes is then refused by resume
+    (every rank fails, the file named) and by export."""
+    ds_dir = without_tokenizer(demo_model["ds"], tmp_path / "ds")
+    generator = torch.Generator().manual_seed(0)
+    for split, rows in (("train", 40), ("eval", 8)):
+        with open(tmp_path / f"{split}.jsonl", "w") as f:
+            for _ in range(rows):
+                length = int(torch.randint(16, 64, (1,), generator=generator))
+                f.write(json.dumps({"input_ids": torch.randint(3, 384, (length,), generator=generator).tolist()}) + "\n")
+    out = tmp_path / "run"
+    overrides = demo_overrides(demo_model, out, model_name_or_path=ds_dir, num_stages=2,
+                               train_file=tmp_path / "train.jsonl", eval_file=tmp_path / "eval.jsonl",
+                               **{"data.format": "pretokenized"})
+    check_ok(launch_trainer(2, overrides + ["max_steps=2"]))
+    assert [r["step"] for r in read_metrics(out) if "eval_loss" in r] == [2]
+    checkpoint = out / "global_step2"
+    recorded = json.loads((checkpoint / "checksums.json").read_text())["files"]
+    assert sorted(recorded) == sorted(n for n in os.listdir(checkpoint) if n not in ("checksums.json", "COMPLETE"))
+
+    layer = checkpoint / "layer_02-model_states.pt"
+    flip_bytes(layer)
+    resumed = launch_trainer(2, overrides + ["max_steps=3", "resume=auto"])
+    assert resumed.returncode != 0
+    said = resumed.stdout + resumed.stderr
+    assert said.count(f"trainer_pipe: error: checkpoint file '{layer}' is corrupt") == 2, said[-3000:]  # both ranks
+    exported = convert_cli("--to_hf", "--ckpt_dir", str(out), "--output_dir", str(tmp_path / "hf"))
+    assert exported.returncode != 0 and f"checkpoint file '{layer}' is corrupt" in exported.stderr
