@@ -159,7 +159,7 @@ def test_pretokenized_run_without_tokenizer_then_corrupt_checkpoint_is_refused(d
     out = tmp_path / "run"
     overrides = demo_overrides(demo_model, out, model_name_or_path=ds_dir, num_stages=2,
                                train_file=tmp_path / "train.jsonl", eval_file=tmp_path / "eval.jsonl",
-                               **{"data.format": "pretokenized"})
+                               zero_stage=1, **{"data.format": "pretokenized"})  # ZeRO-1: optimizer files too
     check_ok(launch_trainer(2, overrides + ["max_steps=2"]))
     assert [r["step"] for r in read_metrics(out) if "eval_loss" in r] == [2]
     checkpoint = out / "global_step2"
