@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from omegaconf import OmegaConf
 from transformers import LlamaConfig
 
 from checkpoints.files import is_tokenizer_file
@@ -15,6 +16,7 @@ from checkpoints.hf_to_ds import convert_hf_to_ds
 from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics, run_in_process
 from tests.test_conversion import assert_nothing_written, convert_cli
 from tests.tiny_models import make_tiny_model
+from training.config import tokenizer_dir
 from training.loop import pad_token_id
 
 
@@ -137,6 +139,13 @@ def test_text_data_without_a_tokenizer_names_the_directory_and_key(demo_model, t
             in str(error.value))
     assert "set tokenizer_name_or_path to the directory of the model's tokenizer" in str(error.value)
     assert not (tmp_path / "run").exists()
+    cfg = OmegaConf.create({"data": {"format": "text"}, "tokenizer_name_or_path": str(tmp_path / "nowhere")})
+    with pytest.raises(ValueError, match=f"'{tmp_path / 'nowhere'}' \\(tokenizer_name_or_path\\) holds no tokenizer"):
+        tokenizer_dir(cfg, str(ds_dir))
+    cfg.tokenizer_name_or_path = demo_model["hf"]
+    assert tokenizer_dir(cfg, str(ds_dir)) == demo_model["hf"]
+    cfg.data.format = "pretokenized"
+    assert tokenizer_dir(cfg, str(ds_dir)) is None
 
 
 def test_pad_id_without_a_tokenizer_comes_from_the_model_config():
@@ -156,8 +165,13 @@ def test_pretokenized_run_without_tokenizer_then_corrupt_checkpoint_is_refused(d
             for _ in range(rows):
                 length = int(torch.randint(16, 64, (1,), generator=generator))
                 f.write(json.dumps({"input_ids": torch.randint(3, 384, (length,), generator=generator).tolist()}) + "\n")
+    # A tokenizer_name_or_path that no tokenizer could load from: pre-tokenized data never loads it, checkpoints
+    # carry its files.
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text("not a tokenizer")
     out = tmp_path / "run"
     overrides = demo_overrides(demo_model, out, model_name_or_path=ds_dir, num_stages=2,
+                               tokenizer_name_or_path=tmp_path / "tokenizer",
                                train_file=tmp_path / "train.jsonl", eval_file=tmp_path / "eval.jsonl",
                                zero_stage=1, **{"data.format": "pretokenized"})  # ZeRO-1: optimizer files too
     check_ok(launch_trainer(2, overrides + ["max_steps=2"]))
@@ -165,6 +179,9 @@ def test_pretokenized_run_without_tokenizer_then_corrupt_checkpoint_is_refused(d
     checkpoint = out / "global_step2"
     recorded = json.loads((checkpoint / "checksums.json").read_text())["files"]
     assert sorted(recorded) == sorted(n for n in os.listdir(checkpoint) if n not in ("checksums.json", "COMPLETE"))
+    assert {"layer_00-model_states.pt", "mp_rank_01_model_states.pt", "rng_state_rank00001.pt",
+            "zero_pp_rank_0_mp_rank_01_optim_states.pt", "tokenizer.json"} <= set(recorded)
+    assert (checkpoint / "tokenizer.json").read_text() == "not a tokenizer"
 
     layer = checkpoint / "layer_02-model_states.pt"
     flip_bytes(layer)

@@ -24,6 +24,8 @@ def init_distributed(timeout_minutes):
         # gloo does the CPU collectives; this skips JIT-building DeepSpeed's shared-memory op (~35 s per machine).
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes))
+    # Object collectives before the engine exists (checksum verification) run on the current device: each rank's own.
+    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def parallel_topology(num_stages, tensor_parallel_size=1):
