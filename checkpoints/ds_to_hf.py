@@ -14,6 +14,7 @@ from transformers import AutoConfig
 
 from checkpoints.files import check_output_dir, copy_model_side_files, read_latest, staged_directory
 from checkpoints.integrity import no_manifest_note, verify_directory
+from checkpoints.layer_files import load_weights_only
 from models.layout import hf_name_of_layer_key, layer_indices_with_files
 from models.llama import check_model_config, layers_on_meta
 from models.tensor_parallel import TensorParallel
@@ -57,8 +58,7 @@ def read_hf_tensors(tag_dir, config):
     tensors, shapes = {}, {}
     split_dims = {}
     for index in layer_indices_with_files(config.num_hidden_layers, config.tie_word_embeddings):
-        slices = [torch.load(p, map_location="cpu", mmap=True, weights_only=True)
-                  for p in layer_files(tag_dir, index, config)]
+        slices = [load_weights_only(p) for p in layer_files(tag_dir, index, config)]
         if len(slices) > 1 and len(slices) not in split_dims:
             split_dims[len(slices)] = {i: {k: getattr(p, "tensor_parallel_dim", None)
                                            for k, p in m.named_parameters()}

@@ -10,9 +10,7 @@ import ctypes.util
 import importlib.metadata
 import json
 import os
-import pickle
 import struct
-import zipfile
 from collections import defaultdict
 
 import torch
@@ -22,7 +20,7 @@ from transformers import AutoConfig
 from checkpoints.files import (LATEST, check_output_dir, copy_model_side_files, copy_tokenizer_files,
                                has_tokenizer_files, staged_directory)
 from checkpoints.integrity import file_checksum, write_manifest
-from checkpoints.layer_files import read_exactly, write_layer_file_from_ranges
+from checkpoints.layer_files import load_weights_only, read_exactly, write_layer_file_from_ranges
 from models.layout import layer_file_path, layer_indices_with_files, layer_of_hf_name
 from models.llama import check_model_config, layers_on_meta
 
@@ -76,26 +74,6 @@ def safetensors_entries(path):
     return entries
 
 
-def load_bin_shard(path):
-    """A pytorch_model*.bin shard, memory-mapped and unpickled with weights_only=True: only tensors and plain
-    containers, never code. Anything else is refused with what to do; there is no fallback to an unsafe load."""
-    advice = ("re-save it with a current torch (torch.save, zip format) from a source you trust, or convert it to "
-              "safetensors; this converter never unpickles files that could run code.")
-    if not zipfile.is_zipfile(path):
-        raise ValueError(f"'{path}' is in torch's legacy (non-zip) pickle format, which cannot be loaded safely "
-                         f"(memory-mapped with torch.load(weights_only=True)); {advice}")
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except pickle.UnpicklingError as error:
-        reason = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "Unsupported" in line),
-                      "it holds objects other than tensors")
-        raise ValueError(f"'{path}' cannot be loaded safely with torch.load(weights_only=True): its pickle refers to "
-                         f"code ({reason}); {advice}") from None
-    except RuntimeError as error:
-        raise ValueError(f"'{path}' is not a readable torch.save file ({str(error).splitlines()[0]}): truncated or "
-                         f"corrupt; download or copy it again.") from None
-
-
 class WeightReader:
     """Name -> tensor across shards; a tensor's bytes are read only when it is asked for. safetensors tensors are
     read straight from the file into a new tensor, without mapping the shard, so memory holds what is asked for
@@ -110,7 +88,7 @@ class WeightReader:
                 entries = safetensors_entries(path)
                 self._entries.update(entries)
             else:
-                entries = self._bin_shards[path] = load_bin_shard(path)
+                entries = self._bin_shards[path] = load_weights_only(path)
             for name in entries:
                 self.file_of[name] = path
 

@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 from checkpoints.files import is_tokenizer_file
 from checkpoints.hf_to_ds import convert_hf_to_ds
 from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics, run_in_process
-from tests.test_conversion import assert_nothing_written, convert_cli
+from tests.test_conversion import assert_nothing_written, convert_cli, save_as_bin
 from tests.tiny_models import make_tiny_model
 from training.config import tokenizer_dir
 from training.loop import pad_token_id
@@ -57,7 +57,8 @@ def test_bin_whose_pickle_carries_code_is_refused_and_never_run(tmp_path, legacy
     result = convert_cli("--model_name_or_path", str(hf_dir), "--output_dir", str(tmp_path / "out"))
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
-    reason = ("is in torch's legacy (non-zip) pickle format, which cannot be loaded safely" if legacy else
+    reason = ("is not in torch's zip format (a legacy pickle from torch < 1.6, or not a torch file), which cannot "
+              "be loaded safely" if legacy else
               "cannot be loaded safely with torch.load(weights_only=True): its pickle refers to code")
     assert f"convert2ckpt: error: '{hf_dir / 'pytorch_model.bin'}' {reason}" in result.stderr
     assert "re-save it with a current torch" in result.stderr and "convert it to safetensors" in result.stderr
@@ -70,16 +71,24 @@ def test_bin_whose_pickle_carries_code_is_refused_and_never_run(tmp_path, legacy
     assert armed.exists()
 
 
-def test_truncated_safetensors_shard_is_the_converters_error(tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+def test_truncated_shard_is_the_converters_error(tiny_checkpoints, tmp_path, kind):
     hf_dir = tmp_path / "hf"
-    shutil.copytree(tiny_checkpoints["llama2"][0], hf_dir)
-    shard = sorted(hf_dir.glob("model-*.safetensors"))[1]
+    if kind == "safetensors":
+        shutil.copytree(tiny_checkpoints["llama2"][0], hf_dir)
+        shard = sorted(hf_dir.glob("model-*.safetensors"))[1]
+    else:
+        save_as_bin(make_tiny_model("llama2", str(tmp_path / "unused")), str(hf_dir), shards=1)
+        shard = hf_dir / "pytorch_model.bin"
     size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[:size // 2])
     result = convert_cli("--model_name_or_path", str(hf_dir), "--output_dir", str(tmp_path / "out"))
     assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert f"convert2ckpt: error: '{shard}' is truncated: its header places tensor data up to byte {size}, " \
-           f"the file has {size // 2} bytes; download or copy it again." in result.stderr
+    expected = (f"is truncated: its header places tensor data up to byte {size}, the file has {size // 2} bytes; "
+                f"download or copy it again." if kind == "safetensors" else
+                "is not a readable torch.save file (PytorchStreamReader failed reading zip archive: failed finding "
+                "central directory): truncated or corrupt; download or copy it again.")
+    assert f"convert2ckpt: error: '{shard}' {expected}" in result.stderr
     assert_nothing_written(tmp_path, str(tmp_path / "out"))
 
 
