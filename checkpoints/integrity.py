@@ -75,22 +75,32 @@ def verify_file(directory, name, recorded):
     return None
 
 
-def verify_files(directory, names=None):
-    """Check the manifest's files (or the given subset of them). Returns the messages of the files that fail, or
-    None when the directory has no manifest."""
+def verify_files(directory, names):
+    """The messages of the named files (listed in the manifest) that fail."""
     recorded = read_manifest(directory)
-    if recorded is None:
-        return None
-    names = sorted(recorded) if names is None else names
     return [message for name in names if (message := verify_file(directory, name, recorded[name]))]
 
 
-def verify_directory(directory):
-    """Raise ChecksumError naming every file that fails; returns False when there is no manifest to check."""
-    failures = verify_files(directory)
+def verify_directory(directory, needed=lambda name: True):
+    """Check the manifest's files that needed(name) selects (those the caller will read); raise ChecksumError
+    naming every file that fails. Returns False when there is no manifest to check."""
+    recorded = read_manifest(directory)
+    if recorded is None:
+        return False
+    failures = verify_files(directory, [name for name in sorted(recorded) if needed(name)])
     if failures:
         raise ChecksumError("\n".join(failures))
-    return failures is not None
+    return True
+
+
+def read_by_export(name):
+    """Export to Hugging Face reads the layer files and the side files, not optimizer, engine or RNG states."""
+    return name.startswith("layer_") or not name.endswith(".pt")
+
+
+def read_by_weights_only_load(name):
+    """A weights-only load (a converted model, resume_weights_only) reads everything but the optimizer states."""
+    return "optim_states" not in name
 
 
 def no_manifest_note(directory):

@@ -19,8 +19,8 @@ from omegaconf import OmegaConf
 
 from checkpoints.files import (COMPLETE_MARKER, LATEST, copy_model_side_files, copy_tokenizer_files, read_latest,
                                write_text_atomic)
-from checkpoints.integrity import ChecksumError, file_checksum, no_manifest_note, read_manifest, verify_files, \
-    write_manifest
+from checkpoints.integrity import (ChecksumError, file_checksum, no_manifest_note, read_by_weights_only_load,
+                                   read_manifest, verify_files, write_manifest)
 
 TAG_PATTERN = re.compile(r"^global_step(\d+)$")
 RUN_CONFIG_NAME = "run_config.yaml"
@@ -179,9 +179,9 @@ def save_checkpoint(engine, cfg, model_files_dir, trainer_state):
     return tag_dir
 
 
-def verify_checkpoint(tag_dir):
-    """Check every file of a checkpoint about to be loaded against its manifest, before any weight is read. File i
-    (sorted) is checked by rank i mod world size: each byte is read once, all ranks in parallel, whatever DeepSpeed's
+def verify_checkpoint(tag_dir, weights_only):
+    """Check the files of a checkpoint about to be loaded (weights_only: all but the optimizer states) against its
+    manifest, before any weight is read. File i (sorted) is checked by rank i mod world size: each byte is read once, all ranks in parallel, whatever DeepSpeed's
     file layout (stages, ZeRO shards, tensor-parallel slices); every rank then raises the same error, naming each
     file that fails, so none is left waiting at a collective."""
     recorded = read_manifest(tag_dir)
@@ -189,7 +189,8 @@ def verify_checkpoint(tag_dir):
         if dist.get_rank() == 0:
             print(no_manifest_note(tag_dir), flush=True)
         return
-    mine = sorted(recorded)[dist.get_rank()::dist.get_world_size()]
+    needed = sorted(name for name in recorded if not weights_only or read_by_weights_only_load(name))
+    mine = needed[dist.get_rank()::dist.get_world_size()]
     every_rank = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, verify_files(tag_dir, mine))
     failures = [message for messages in every_rank for message in messages]

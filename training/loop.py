@@ -172,7 +172,8 @@ def run(cfg):
     dp_size = topology.get_dim("data")
     reads_data = coord.pipe in (0, cfg.num_stages - 1)
     if cfg.verify_checksums:
-        verify_checkpoint(start_checkpoint_dir(cfg.model_name_or_path, resume_from))
+        verify_checkpoint(start_checkpoint_dir(cfg.model_name_or_path, resume_from),
+                          weights_only=resume_from is None or cfg.resume_weights_only)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else None
     pad_id = pad_token_id(tokenizer, model_config)
     data = RunData(cfg, tokenizer, model_config, reads_data)
