@@ -181,9 +181,9 @@ def save_checkpoint(engine, cfg, model_files_dir, trainer_state):
 
 def verify_checkpoint(tag_dir, weights_only):
     """Check the files of a checkpoint about to be loaded (weights_only: all but the optimizer states) against its
-    manifest, before any weight is read. File i (sorted) is checked by rank i mod world size: each byte is read once, all ranks in parallel, whatever DeepSpeed's
-    file layout (stages, ZeRO shards, tensor-parallel slices); every rank then raises the same error, naming each
-    file that fails, so none is left waiting at a collective."""
+    manifest, before the engine is built. File i (sorted) is checked by rank i mod world size: each byte is read
+    once, all ranks in parallel, whatever DeepSpeed's file layout (stages, ZeRO shards, tensor-parallel slices);
+    every rank then raises the same error, naming each file that fails, so none is left waiting at a collective."""
     recorded = read_manifest(tag_dir)
     if recorded is None:
         if dist.get_rank() == 0:
