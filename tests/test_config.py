@@ -1,9 +1,12 @@
-"""The LR schedule handed to DeepSpeed: the learning rate each optimizer step actually uses."""
+"""The LR schedule handed to DeepSpeed: the learning rate each optimizer step actually uses; shipped defaults."""
+import os
+
 import pytest
 import torch
 from deepspeed.runtime import lr_schedules
 from omegaconf import OmegaConf
 
+from tests.conftest import ROOT
 from training.config import lr_scheduler_config
 
 
@@ -32,3 +35,14 @@ def test_warmup_rises_then_cosine_decays_to_the_floor():
     lrs = step_lrs(lr_scheduler_config(cfg, total_steps=12), 13)
     assert lrs[0] == 0.0 and lrs[2] < lrs[3] < lrs[4] < lrs[5] and max(lrs) <= 1e-3
     assert lrs[5:] == sorted(lrs[5:], reverse=True) and lrs[12] == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(n[:-len(".yaml")] for n in os.listdir(os.path.join(ROOT, "conf"))
+                                        if n.endswith(".yaml")))
+def test_shipped_configs_leave_unmeasured_compile_off_and_verify_checksums(name):
+    """compile=true gains nothing measurable on the CPU and never ran on a GPU here (issue 13, README)."""
+    from hydra import compose, initialize_config_dir
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
+        cfg = compose(config_name=name)
+    assert cfg.compile is False
+    assert cfg.verify_checksums is True and cfg.tokenizer_name_or_path is None
