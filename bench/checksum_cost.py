@@ -2,9 +2,9 @@
 
 1. Hash speed in memory: xxh3-128 (the one used) against zlib's CRC-32 and hashlib's BLAKE2b.
 2. Conversion: convert2ckpt's HF -> DeepSpeed of a random ~1B LLaMA (bf16, 2 GB in 500 MB safetensors shards), with
-   every layer file hashed right after it is written (as shipped) and with hashing stubbed out; alternated, medians.
-3. Save: torch.save of a 1 GiB state (what DeepSpeed's checkpoint engine does per file) and the hash of the file
-   just written (what save_checkpoint adds); then verifying it (what resume and export add), pages cached.
+   every layer file hashed (as shipped) and with hashing stubbed out; alternated, medians.
+3. Save: one rank writing 1 GiB in 4 files through a checkpoint engine (torch.save, as DeepSpeed's), with and without
+   save_checkpoint's hashing; then verifying them (what resume and export add), pages cached.
 
   python bench/checksum_cost.py
 """
@@ -25,6 +25,7 @@ import xxhash  # noqa: E402
 
 import checkpoints.hf_to_ds as hf_to_ds  # noqa: E402
 from checkpoints.integrity import file_checksum  # noqa: E402
+from training.checkpointing import hashing_saves  # noqa: E402
 
 REPEATS = 5
 GIB = 2 ** 30
@@ -45,37 +46,62 @@ def hash_speeds():
 
 
 def conversion(work):
+    """Medians of REPEATS conversions per variant, alternated; each starts after os.sync() so that write-back of the
+    previous one does not land in it. Timed with and without the final os.sync() (the bytes on disk)."""
     hf_dir = os.path.join(work, "hf")
     make_model(0, hf_dir, initialise=False)
     size = sum(os.path.getsize(os.path.join(hf_dir, n)) for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
     real = hf_to_ds.file_checksum
-    times = {"hashed": [], "not hashed": []}
+    out = os.path.join(work, "ds")
+    times = {(variant, synced): [] for variant in ("hashed", "not hashed") for synced in (False, True)}
     for _ in range(REPEATS):
-        for variant in times:
+        for variant in ("hashed", "not hashed"):
             hf_to_ds.file_checksum = real if variant == "hashed" else (lambda path: {"bytes": 0, "xxh3_128": ""})
-            out = os.path.join(work, "ds")
-            os.sync()  # the previous run's dirty pages are written back before this one is timed
-            times[variant].append(timed(lambda: hf_to_ds.convert_hf_to_ds(hf_dir, out, overwrite=True)))
+            os.sync()
+            start = time.perf_counter()
+            hf_to_ds.convert_hf_to_ds(hf_dir, out, overwrite=True)
+            times[variant, False].append(time.perf_counter() - start)
+            os.sync()
+            times[variant, True].append(time.perf_counter() - start)
     hf_to_ds.file_checksum = real
-    hashed, plain = statistics.median(times["hashed"]), statistics.median(times["not hashed"])
-    print(f"conversion of {size / 1e9:.2f} GB: {hashed:.2f} s with checksums, {plain:.2f} s without: "
-          f"{hashed / plain:.3f}x ({(hashed - plain) / plain * 100:+.1f}%)")
+    for synced in (False, True):
+        hashed, plain = statistics.median(times["hashed", synced]), statistics.median(times["not hashed", synced])
+        print(f"conversion of {size / 1e9:.2f} GB{' + os.sync()' if synced else ''}: {hashed:.2f} s with checksums, "
+              f"{plain:.2f} s without: {hashed / plain:.3f}x ({(hashed - plain) / plain * 100:+.1f}%)")
+
+
+class TorchSaveEngine:
+    """What DeepSpeed's TorchCheckpointEngine.save does."""
+
+    def save(self, state_dict, path):
+        torch.save(state_dict, path)
 
 
 def save(work):
-    state = {f"tensor{i}": torch.randn(GIB // 4 // 4) for i in range(4)}  # 4 x 256 MiB fp32
-    path = os.path.join(work, "state.pt")
-    saves, hashes, verifies = [], [], []
+    """A rank's save: 4 files of 256 MiB through the checkpoint engine, plain and under save_checkpoint's
+    hashing_saves (each file hashed by a second thread while the next is written); alternated, medians."""
+    states = [{"weight": torch.randn(GIB // 4 // 4)} for _ in range(4)]
+    engine = TorchSaveEngine()
+
+    def save_all():
+        for i, state in enumerate(states):
+            engine.save(state, os.path.join(work, f"file{i}.pt"))
+
+    def save_all_hashed():
+        with hashing_saves(engine):
+            save_all()
+    times = {"plain": [], "hashed": []}
     for _ in range(REPEATS):
-        os.sync()
-        saves.append(timed(lambda: torch.save(state, path)))
-        hashes.append(timed(lambda: file_checksum(path)))
-        verifies.append(timed(lambda: file_checksum(path)))
-        os.remove(path)
-    save_s, hash_s = statistics.median(saves), statistics.median(hashes)
-    print(f"save of 1 GiB: torch.save {save_s:.2f} s, hash of the file just written {hash_s:.2f} s: "
-          f"+{hash_s / save_s * 100:.1f}% of the save; verify (pages cached) {statistics.median(verifies):.2f} s "
-          f"= {GIB / statistics.median(verifies) / 1e9:.2f} GB/s")
+        for variant, function in (("plain", save_all), ("hashed", save_all_hashed)):
+            os.sync()
+            times[variant].append(timed(function))
+    verify = min(timed(lambda: [file_checksum(os.path.join(work, f"file{i}.pt")) for i in range(4)])
+                 for _ in range(REPEATS))
+    plain, hashed = statistics.median(times["plain"]), statistics.median(times["hashed"])
+    print(f"save of 1 GiB in 4 files: {hashed:.2f} s with checksums, {plain:.2f} s without: {hashed / plain:.3f}x "
+          f"({(hashed - plain) / plain * 100:+.1f}%); verify (pages cached) {verify:.2f} s = {GIB / verify / 1e9:.2f} GB/s")
+    for i in range(4):
+        os.remove(os.path.join(work, f"file{i}.pt"))
 
 
 def main():

@@ -12,6 +12,7 @@ import json
 import os
 import struct
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors import safe_open
@@ -220,15 +221,17 @@ def convert_hf_to_ds(model_dir, output_dir, overwrite=False, tokenizer_name_or_p
     with staged_directory(output_dir) as staging:
         tag_dir = os.path.join(staging, IMPORT_TAG)
         os.makedirs(tag_dir)
-        checksums = {}
-        with zip_checksums_off():
+        # Each file is hashed by a second thread while the next one is written, its pages still in the page cache
+        # (copy_file_range never brings them into this process; reading and hashing release the GIL).
+        with zip_checksums_off(), ThreadPoolExecutor(max_workers=1) as hasher:
+            checksums = {}
             for index in sorted(plan):
                 path = layer_file_path(tag_dir, index)
                 write_layer_file(reader, plan[index], path)
-                checksums[os.path.basename(path)] = file_checksum(path)  # its pages are still in the page cache
-        path = write_module_only_states(tag_dir)
-        checksums[os.path.basename(path)] = file_checksum(path)
-        write_manifest(tag_dir, checksums)
+                checksums[os.path.basename(path)] = hasher.submit(file_checksum, path)
+            path = write_module_only_states(tag_dir)
+            checksums[os.path.basename(path)] = hasher.submit(file_checksum, path)
+            write_manifest(tag_dir, {name: future.result() for name, future in checksums.items()})
         copy_model_side_files(model_dir, staging, tokenizer=not tokenizer_name_or_path)
         if tokenizer_name_or_path:
             copy_tokenizer_files(tokenizer_name_or_path, staging)

@@ -11,6 +11,7 @@ import os
 import random
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -131,19 +132,21 @@ def check_resume_topology(trainer_state, topology, weights_only, tag_dir):
 
 
 @contextlib.contextmanager
-def hashing_saves(checkpoint_engine, checksums):
-    """Record {path: checksum} of every file DeepSpeed's checkpoint engine writes on this rank, each hashed right
-    after it is written (its pages still in the page cache)."""
-    save = checkpoint_engine.save
+def hashing_saves(checkpoint_engine):
+    """Yields {path: checksum} of every file DeepSpeed's checkpoint engine writes on this rank, filled on exit. Each
+    file is hashed by a second thread while the next one is written, its pages still in the page cache."""
+    save, hasher, pending, checksums = checkpoint_engine.save, ThreadPoolExecutor(max_workers=1), {}, {}
 
     def save_and_hash(state_dict, path):
         save(state_dict, path)
-        checksums[path] = file_checksum(path)
+        pending[path] = hasher.submit(file_checksum, path)
     checkpoint_engine.save = save_and_hash
     try:
         yield checksums
+        checksums.update({path: future.result() for path, future in pending.items()})
     finally:
         checkpoint_engine.save = save
+        hasher.shutdown()
 
 
 def save_checkpoint(engine, cfg, model_files_dir, trainer_state):
@@ -152,7 +155,7 @@ def save_checkpoint(engine, cfg, model_files_dir, trainer_state):
     if dist.get_rank() == 0 and os.path.exists(os.path.join(tag_dir, COMPLETE_MARKER)):
         os.remove(os.path.join(tag_dir, COMPLETE_MARKER))  # rewriting a tag: it is incomplete until done again
     dist.barrier()
-    with hashing_saves(engine.checkpoint_engine, {}) as written:
+    with hashing_saves(engine.checkpoint_engine) as written:
         engine.save_checkpoint(output_dir, tag=tag, client_state=trainer_state, save_latest=False)
     save_rng_state(tag_dir, dist.get_rank())
     rng_path = rng_state_path(tag_dir, dist.get_rank())
