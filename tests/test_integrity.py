@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 from transformers import LlamaConfig
 
 from checkpoints.files import is_tokenizer_file
