@@ -2,15 +2,19 @@
 import json
 import os
 import re
+import signal
 import time
 
+import psutil
 import pytest
 import torch
 
 from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics,
-                          run_in_process)
+                          run_in_process, start_trainer)
+from training.preemption import PREEMPTED_EXIT_CODE
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
+REFERENCE_GRACE = 60  # seconds from SIGTERM to every process gone: a step and a save of the tiny model, with margin
 
 
 def test_killed_save_resumes_from_previous_checkpoint_with_identical_losses(demo_model, reference_run, tmp_path):
@@ -29,6 +33,48 @@ def test_killed_save_resumes_from_previous_checkpoint_with_identical_losses(demo
     # Weights, optimizer, LR schedule, data position (mid-epoch) and RNG restored: fp32 losses are identical.
     assert per_step_losses(out)[-4:] == reference[4:8]
     assert [r["step"] for r in read_metrics(out) if "loss" in r][-4:] == [5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("target", ["runner", "rank"])
+def test_sigterm_mid_run_saves_that_step_and_resume_matches_uninterrupted_run(demo_model, reference_run, tmp_path,
+                                                                             target):
+    """SIGTERM to DeepSpeed's runner (which dies without forwarding it) or to one rank, while rank 0 is in step 5:
+    every rank finishes step 5, saves it (not a save_steps multiple), and exits; resume=auto then gives the
+    uninterrupted run's losses."""
+    out = tmp_path / "run"
+    overrides = demo_overrides(demo_model, out, **REFERENCE)
+    runner = start_trainer(4, overrides, script=FAULT_SCRIPT, env={"FAULT": "pause:0:5"})
+    output = []
+    for line in runner.stdout:
+        output.append(line)
+        if "PAUSED_AT 5" in line:  # tqdm's bar (stderr, merged) may lead the line
+            break
+    assert "PAUSED_AT 5" in output[-1], "".join(output)[-3000:]
+    launcher = psutil.Process(runner.pid).children()[0]
+    ranks = launcher.children()
+    signalled = time.time()
+    if target == "runner":
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=30) == -signal.SIGTERM
+        reason = "the process that started the DeepSpeed launcher (the deepspeed runner) is gone"
+    else:
+        next(p for p in ranks if p.environ()["RANK"] == "0").send_signal(signal.SIGTERM)
+        reason = "SIGTERM"
+    output.append(runner.stdout.read())  # until the ranks and the launcher, orphaned or not, have all exited
+    _, alive = psutil.wait_procs([launcher, *ranks], timeout=30)
+    output = "".join(output)
+    assert not alive and time.time() - signalled < REFERENCE_GRACE, output[-3000:]
+    if target == "rank":  # the ranks' code passes through DeepSpeed's launcher and runner
+        assert runner.wait(timeout=30) == PREEMPTED_EXIT_CODE, output[-3000:]
+    assert (f"trainer_pipe: preempted ({reason}) after step 5: saved {out}/global_step5" in output
+            or f"trainer_pipe: preempted (another rank was asked to stop) after step 5: saved {out}/global_step5"
+            in output), output[-3000:]
+    assert (out / "latest").read_text() == "global_step5" and (out / "global_step5" / "COMPLETE").is_file()
+
+    resumed = check_ok(launch_trainer(4, overrides + ["resume=auto"]))
+    assert f"resumed from {out}/global_step5" in resumed.stdout
+    assert per_step_losses(out)[-3:] == per_step_losses(reference_run)[5:8]
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, 9))
 
 
 def test_weights_only_resume_into_another_stage_count_keeps_eval_loss(demo_model, reference_run, tmp_path):
