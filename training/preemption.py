@@ -11,7 +11,8 @@ SIGTERM to its ranks one at a time and SIGKILL to any still alive 30 s later, th
 and after every optimizer step all ranks agree (the flag's maximum over the world), so they stop at the same step
 and save together (DeepSpeed's save is collective). A watchdog ends the process preemption_grace_seconds after
 the request if the step and the save have not finished by then (a hung peer): the last complete checkpoint stays
-`latest` either way, so `resume=auto` continues the run.
+`latest` either way, so `resume=auto` continues the run. A SIGTERM that comes after a sibling rank of the same
+launcher has exited is the launcher ending a failed job: the rank exits at once, as it did before.
 """
 import os
 import signal
@@ -39,6 +40,7 @@ class PreemptionWatch:
         self.reason = None
         self._lock = threading.Lock()
         self.launcher_pid, self.launcher_parent_pid = deepspeed_launcher_of_this_process()
+        self.local_ranks = len(self._live_siblings()) if self.launcher_pid else None
         # Python runs signal handlers in the main thread between bytecodes, never while it waits in a collective;
         # the wakeup fd is written at delivery, so a thread records the request (and starts the watchdog) even
         # when the main thread is stuck. The handler itself only keeps SIGTERM from ending the process.
@@ -51,8 +53,13 @@ class PreemptionWatch:
 
     def _wait_for_signal(self, wakeup_read):
         while True:
-            if signal.SIGTERM in wakeup_read.recv(64):
-                self.request("SIGTERM")
+            if signal.SIGTERM not in wakeup_read.recv(64):
+                continue
+            if self.sibling_rank_has_exited():
+                # DeepSpeed's launcher is ending the job because a rank failed (or, after a preemption, because
+                # the first rank is done saving): no step can complete, so end as SIGTERM's default action would.
+                os._exit(128 + signal.SIGTERM)
+            self.request("SIGTERM")
 
     def request(self, reason):
         with self._lock:
@@ -67,6 +74,18 @@ class PreemptionWatch:
               f"preemption_grace_seconds={self.grace_seconds}; exiting without it (the last complete checkpoint "
               f"stays 'latest'; rerun with resume=auto)", flush=True)
         os._exit(PREEMPTED_EXIT_CODE)
+
+    def _live_siblings(self):
+        return [p for p in psutil.Process(self.launcher_pid).children() if p.status() != psutil.STATUS_ZOMBIE]
+
+    def sibling_rank_has_exited(self):
+        """Whether a rank started by this rank's DeepSpeed launcher has already exited."""
+        if self.launcher_pid is None:
+            return False
+        try:
+            return len(self._live_siblings()) < self.local_ranks
+        except psutil.Error:
+            return True
 
     def check_launcher(self):
         """Request a stop when the DeepSpeed launcher that started this rank, or the launcher's parent, is gone."""
