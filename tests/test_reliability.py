@@ -1,20 +1,23 @@
-"""Resume, crash-safe saves, prompt failure and NaN handling, with real processes and real faults."""
+"""Resume, crash-safe saves, preemption, prompt failure and NaN handling, with real processes and real faults."""
 import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
 import pytest
 import torch
 
+from tests.conftest import ROOT
 from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics,
                           run_in_process, start_trainer)
 from training.preemption import PREEMPTED_EXIT_CODE
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
-REFERENCE_GRACE = 60  # seconds from SIGTERM to every process gone: a step and a save of the tiny model, with margin
+STOP_DEADLINE_S = 60  # seconds from SIGTERM to every process gone: a step and a save of the tiny model, with margin
 
 
 def test_killed_save_resumes_from_previous_checkpoint_with_identical_losses(demo_model, reference_run, tmp_path):
@@ -60,7 +63,7 @@ def test_sigterm_mid_run_saves_that_step_and_resume_matches_uninterrupted_run(de
     output.append(runner.stdout.read())  # until the ranks and the launcher, orphaned or not, have all exited
     _, alive = psutil.wait_procs([launcher, *ranks], timeout=30)
     output = "".join(output)
-    assert not alive and time.time() - signalled < REFERENCE_GRACE, output[-3000:]
+    assert not alive and time.time() - signalled < STOP_DEADLINE_S, output[-3000:]
     # The ranks' code passes through DeepSpeed's launcher and runner; a signalled launcher exits 1, a runner dies.
     expected_exit = {"runner": -signal.SIGTERM, "launcher": 1, "rank": PREEMPTED_EXIT_CODE}[target]
     assert runner.wait(timeout=30) == expected_exit, output[-3000:]
@@ -151,3 +154,19 @@ def test_bf16_zero1_resume_matches_uninterrupted_run(demo_model, tmp_path):
     resumed = read_metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [4, 5]
     assert [r["loss"] for r in resumed] == pytest.approx(per_step_losses(tmp_path / "full")[3:], rel=1e-3)
+
+
+def test_preemption_grace_bounds_a_stop_that_cannot_finish():
+    """A SIGTERM while the main thread never reaches a step boundary (a hung peer): the process still ends, with the
+    preempted exit code, preemption_grace_seconds after the signal."""
+    code = ("import os, signal, time\n"
+            "from training.preemption import PreemptionWatch\n"
+            "PreemptionWatch(grace_seconds=1)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(60)\n")
+    started = time.time()
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == PREEMPTED_EXIT_CODE, result.stderr[-2000:]
+    assert time.time() - started < 30
+    assert ("preemption (SIGTERM): the step and the checkpoint did not finish within preemption_grace_seconds=1; "
+            "exiting without it" in result.stdout)
