@@ -18,15 +18,22 @@ def strip_launcher_arguments():
 @hydra.main(version_base=None, config_path="conf", config_name="tiny")
 def main(cfg):
     from training.loop import run  # heavy imports after Hydra has parsed the command line
+    from training.preemption import PREEMPTED_EXIT_CODE, Preempted
+    exit_code = 0
     try:
         run(cfg)
     except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as error:  # says what to fix
         sys.exit(f"trainer_pipe: error: {error}")
-    # Only after success: tearing down a group whose peers are still mid-collective can block a failing rank,
-    # while a plain exit lets the launcher end the others at once.
+    except Preempted as stop:  # every rank saved together; the launcher passes the code on
+        print(f"trainer_pipe: {stop}", flush=True)
+        exit_code = PREEMPTED_EXIT_CODE
+    # Only after success or a collective stop: tearing down a group whose peers are still mid-collective can block
+    # a failing rank, while a plain exit lets the launcher end the others at once.
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
+    if exit_code:
+        sys.exit(exit_code)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,17 @@ def decoder_parameter_count(config):
     return sum(decoder_parameter_split(config))
 
 
+def training_flops_per_token(config, seq_length):
+    """Model FLOPs of one training token (forward + backward = 3 x forward, recomputation not counted), the figure
+    MFU divides by the device's peak: 2 per weight per token for every decoder weight and the LM head (the
+    embedding is a gather), plus attention's QK^T and PV, 2 x 2 x seq_length x heads x head_dim per token and
+    layer over all seq_length x seq_length scores (PaLM's convention, as published MFU figures and
+    torch.utils.flop_counter count it; the planner's cost model instead counts only the causal half)."""
+    matmul_weights = config.num_hidden_layers * decoder_parameter_count(config) + config.vocab_size * config.hidden_size
+    attention = config.num_hidden_layers * 4 * seq_length * config.num_attention_heads * head_dim_of(config)
+    return 3 * (2 * matmul_weights + attention)
+
+
 def check_tensor_parallel(config, workload):
     """check_tensor_parallel_split for a workload: ValueError naming what its tensor-parallel size does not split."""
     check_tensor_parallel_split(config, workload.tensor_parallel, workload.tokens if workload.splits_sequence else None)

@@ -4,6 +4,8 @@ FAULT=kind:rank:step, kind one of
   kill_during_save  SIGKILL this rank after it wrote its part of the step's checkpoint, before it is complete
   raise             raise RuntimeError in this rank's train_batch at that step
   nan               the loss (last stage) becomes NaN at that step, so gradients are NaN too
+  pause             this rank prints PAUSED_AT <step> and waits at the start of that step until it is asked to stop
+                    (SIGTERM, or its launcher gone): a preemption lands in a known step
 """
 import os
 import signal
@@ -51,6 +53,26 @@ def inject(kind, fault_rank, fault_step):
             gas = int(os.environ["FAULT_GAS"])
             return loss * float("nan") if (len(calls) - 1) // gas + 1 == fault_step else loss
         pipeline.causal_lm_loss = nan_at_step
+    elif kind == "pause":
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+        from training import preemption
+        watches = []
+        watch_init = preemption.PreemptionWatch.__init__
+
+        def recording_init(self, *args, **kwargs):
+            watch_init(self, *args, **kwargs)
+            watches.append(self)
+        preemption.PreemptionWatch.__init__ = recording_init
+        train_batch = PipelineEngine.train_batch
+
+        def paused_train_batch(self, *args, **kwargs):
+            if rank() == fault_rank and self.global_steps + 1 == fault_step:
+                print(f"PAUSED_AT {fault_step}", flush=True)
+                while watches[0].requested_at is None:
+                    watches[0].check_launcher()
+                    time.sleep(0.1)
+            return train_batch(self, *args, **kwargs)
+        PipelineEngine.train_batch = paused_train_batch
     else:
         raise ValueError(f"unknown fault {kind}")
 

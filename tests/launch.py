@@ -13,14 +13,25 @@ def launch_trainer(num_procs, overrides, config="tiny", timeout=240, hostfile=No
                    env=None):
     """Run `deepspeed --num_gpus N trainer_pipe.py -cp conf -cn CONFIG overrides...`; returns CompletedProcess.
     With a hostfile, launch as on a cluster; on one machine without ssh (README, multi-node)."""
+    command, env = trainer_command(num_procs, overrides, config, hostfile, script, env)
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def start_trainer(num_procs, overrides, config="tiny", script="trainer_pipe.py", env=None):
+    """launch_trainer without waiting: the runner's Popen (stdout and stderr merged, line by line)."""
+    command, env = trainer_command(num_procs, overrides, config, None, script, env)
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1)
+
+
+def trainer_command(num_procs, overrides, config, hostfile, script, env):
     placement = (["--hostfile", str(hostfile), "--no_ssh_check", "--master_addr", "127.0.0.1"] if hostfile
                  else ["--num_gpus", str(num_procs)])
     command = [sys.executable, "-m", "deepspeed.launcher.runner", *placement, "--master_port", str(free_port()),
                # Hydra resolves a relative -cp against the script that calls hydra.main; another script needs it absolute.
                script, "-cp", "conf" if script == "trainer_pipe.py" else os.path.join(ROOT, "conf"), "-cn", config,
                *overrides]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **(env or {}))
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return command, dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **(env or {}))
 
 
 # 2 stages x 2 data-parallel ranks, fp32, 8 steps of 8 sequences; checkpoints every 2 steps, all kept.

@@ -195,3 +195,26 @@ def test_last_stage_keeps_two_micro_batches_of_logits():
     one_logits = LayerCosts(PUBLISHED["llama3_8b"], Workload(seq_length=4096, micro_batches=1)) \
         .stage_activation_bytes([DECODER, NORM, HEAD], 1)
     assert two_logits - one_logits == costs.logits_bytes
+
+
+def test_training_flops_per_token_by_hand_and_against_torch_flop_counter():
+    """The FLOPs behind the logged tflops_per_device and mfu: a hand count, and torch's own count of a forward and
+    backward of the Hugging Face model (eager attention: the CPU's fused attention kernel is not in torch's table)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+    from models.partition import training_flops_per_token
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False, attn_implementation="eager")
+    seq = 96
+    # Per layer: q and o 64x64, k and v 64x32, gate/up/down 64x160, two norms of 64; LM head 64x256.
+    weights = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 160 + 2 * 64) + 64 * 256
+    attention = 2 * (2 * 2 * seq * 64)  # QK^T and PV over seq scores per token, 4 heads x 16 dims, 2 layers
+    assert training_flops_per_token(config, seq) == 3 * (2 * weights + attention)
+
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, config.vocab_size, (2, seq))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    counted = counter.get_total_flops() / ids.numel()
+    assert training_flops_per_token(config, seq) == pytest.approx(counted, rel=0.05)

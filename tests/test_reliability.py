@@ -1,16 +1,23 @@
-"""Resume, crash-safe saves, prompt failure and NaN handling, with real processes and real faults."""
+"""Resume, crash-safe saves, preemption, prompt failure and NaN handling, with real processes and real faults."""
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 import torch
 
+from tests.conftest import ROOT
 from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics,
-                          run_in_process)
+                          run_in_process, start_trainer)
+from training.preemption import PREEMPTED_EXIT_CODE
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
+STOP_DEADLINE_S = 60  # seconds from SIGTERM to every process gone: a step and a save of the tiny model, with margin
 
 
 def test_killed_save_resumes_from_previous_checkpoint_with_identical_losses(demo_model, reference_run, tmp_path):
@@ -32,6 +39,48 @@ def test_killed_save_resumes_from_previous_checkpoint_with_identical_losses(demo
     # Weights, optimizer, LR schedule, data position (mid-epoch) and RNG restored: fp32 losses are identical.
     assert per_step_losses(out)[-4:] == reference[4:8]
     assert [r["step"] for r in read_metrics(out) if "loss" in r][-4:] == [5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("target", ["runner", "launcher", "rank"])
+def test_sigterm_mid_run_saves_that_step_and_resume_matches_uninterrupted_run(demo_model, reference_run, tmp_path,
+                                                                             target):
+    """SIGTERM, while rank 0 is in step 5, to DeepSpeed's runner (which dies without forwarding it), to its per-node
+    launcher (which forwards it to rank 0 first) or to rank 0: every rank finishes step 5, saves it (not a
+    save_steps multiple) and exits; resume=auto then gives the uninterrupted run's losses (resumed once: the
+    checkpoint is the same whichever process got the signal)."""
+    out = tmp_path / "run"
+    overrides = demo_overrides(demo_model, out, **REFERENCE)
+    runner = start_trainer(4, overrides, script=FAULT_SCRIPT, env={"FAULT": "pause:0:5"})
+    output = []
+    for line in runner.stdout:
+        output.append(line)
+        if "PAUSED_AT 5" in line:  # tqdm's bar (stderr, merged) may lead the line
+            break
+    assert "PAUSED_AT 5" in output[-1], "".join(output)[-3000:]
+    launcher = psutil.Process(runner.pid).children()[0]
+    ranks = launcher.children()
+    signalled = time.time()
+    target_process = {"runner": runner, "launcher": launcher,
+                      "rank": next(p for p in ranks if p.environ()["RANK"] == "0")}[target]
+    target_process.send_signal(signal.SIGTERM)
+    output.append(runner.stdout.read())  # until the ranks and the launcher, orphaned or not, have all exited
+    _, alive = psutil.wait_procs([launcher, *ranks], timeout=30)
+    output = "".join(output)
+    assert not alive and time.time() - signalled < STOP_DEADLINE_S, output[-3000:]
+    # The ranks' code passes through DeepSpeed's launcher and runner; a signalled launcher exits 1, a runner dies.
+    expected_exit = {"runner": -signal.SIGTERM, "launcher": 1, "rank": PREEMPTED_EXIT_CODE}[target]
+    assert runner.wait(timeout=30) == expected_exit, output[-3000:]
+    reason = ("the process that started the DeepSpeed launcher (the deepspeed runner) is gone" if target == "runner"
+              else "SIGTERM")
+    assert f"trainer_pipe: preempted ({reason}) after step 5: saved {out}/global_step5" in output, output[-3000:]
+    assert (out / "latest").read_text() == "global_step5" and (out / "global_step5" / "COMPLETE").is_file()
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == [1, 2, 3, 4, 5]
+    if target != "runner":
+        return
+    resumed = check_ok(launch_trainer(4, overrides + ["resume=auto"]))
+    assert f"resumed from {out}/global_step5" in resumed.stdout
+    assert per_step_losses(out)[-3:] == per_step_losses(reference_run)[5:8]
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, 9))
 
 
 def test_weights_only_resume_into_another_stage_count_keeps_eval_loss(demo_model, reference_run, tmp_path):
@@ -108,3 +157,19 @@ def test_bf16_zero1_resume_matches_uninterrupted_run(demo_model, tmp_path):
     resumed = read_metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [4, 5]
     assert [r["loss"] for r in resumed] == pytest.approx(per_step_losses(tmp_path / "full")[3:], rel=1e-3)
+
+
+def test_preemption_grace_bounds_a_stop_that_cannot_finish():
+    """A SIGTERM while the main thread never reaches a step boundary (a hung peer): the process still ends, with the
+    preempted exit code, preemption_grace_seconds after the signal."""
+    code = ("import os, signal, time\n"
+            "from training.preemption import PreemptionWatch\n"
+            "PreemptionWatch(grace_seconds=1)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(60)\n")
+    started = time.time()
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == PREEMPTED_EXIT_CODE, result.stderr[-2000:]
+    assert time.time() - started < 30
+    assert ("preemption (SIGTERM): the step and the checkpoint did not finish within preemption_grace_seconds=1; "
+            "exiting without it" in result.stdout)

@@ -4,13 +4,15 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from checkpoints.hf_to_ds import convert_hf_to_ds
+from models.partition import training_flops_per_token
 from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_ranks_separately, launch_trainer,
                           per_step_losses, read_metrics, run_in_process)
 
-METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "samples_per_sec", "elapsed_s"}
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device", "mfu", "samples_per_sec",
+               "elapsed_s"}
 
 
 def test_end_to_end_two_stages_through_a_hostfile(demo_model, tmp_path):
@@ -18,7 +20,8 @@ def test_end_to_end_two_stages_through_a_hostfile(demo_model, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
     check_ok(launch_trainer(2, demo_overrides(demo_model, out, max_steps=6, logging_steps=2, eval_steps=3,
-                                              save_steps=3, save_total_limit=1, export_hf="true"),
+                                              save_steps=3, save_total_limit=1, export_hf="true",
+                                              peak_tflops=0.5),
                             hostfile=hostfile))
     records = read_metrics(out)
     train = [r for r in records if "loss" in r]
@@ -26,6 +29,11 @@ def test_end_to_end_two_stages_through_a_hostfile(demo_model, tmp_path):
     assert [r["step"] for r in train] == [2, 4, 6] and [r["step"] for r in evals] == [3, 6]
     assert all(set(r) == METRIC_KEYS for r in train)
     assert all(r["grad_norm"] > 0 and r["tokens_per_sec"] > 0 for r in train)
+    # Model FLOPs per token x tokens/s over 2 devices, and utilisation of the configured 0.5 TFLOP/s peak.
+    flops_per_token = training_flops_per_token(AutoConfig.from_pretrained(demo_model["hf"]), 64)
+    for r in train:
+        assert r["tflops_per_device"] == pytest.approx(flops_per_token * r["tokens_per_sec"] / 2 / 1e12, rel=1e-9)
+        assert r["mfu"] == pytest.approx(r["tflops_per_device"] / 0.5, rel=1e-9)
     assert train[-1]["loss"] < train[0]["loss"]
     assert evals[-1]["eval_ppl"] == pytest.approx(torch.tensor(evals[-1]["eval_loss"]).exp().item(), rel=1e-6)
     # Only the last complete checkpoint is kept, and 'latest' names it.
@@ -76,7 +84,9 @@ def test_bad_config_fails_on_every_rank(demo_model, tmp_path):
     ({"train_file": "null"}, 2, "train_file is not set"),
     ({"seq_length": 4096}, 2, "seq_length=4096 exceeds the model's max_position_embeddings=512"),
     ({"precision": "bf16", "zero_stage": 0}, 2, "precision=bf16 with zero_stage=0 cannot reload"),
-], ids=["stages", "train_file", "no_train_file", "seq_length", "bf16_zero0"])
+    ({"preemption_grace_seconds": 0}, 2, "preemption_grace_seconds=0 must be positive"),
+    ({"peak_tflops": -1}, 2, "peak_tflops=-1 must be a device's positive peak TFLOP/s, or null"),
+], ids=["stages", "train_file", "no_train_file", "seq_length", "bf16_zero0", "grace", "peak"])
 def test_bad_config_is_refused_before_any_work(demo_model, tmp_path, overrides, world_size, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), world_size)

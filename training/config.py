@@ -84,6 +84,11 @@ def check_run_config(cfg, world_size, model_config):
         raise ConfigError("micro_batch_size and gradient_accumulation_steps must be at least 1.")
     if cfg.nan_policy not in ("stop", "skip"):
         raise ConfigError(f"nan_policy '{cfg.nan_policy}' is not one of ('stop', 'skip').")
+    if not cfg.preemption_grace_seconds > 0:
+        raise ConfigError(f"preemption_grace_seconds={cfg.preemption_grace_seconds} must be positive: the seconds a "
+                          f"SIGTERM leaves to finish the step and save.")
+    if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
+        raise ConfigError(f"peak_tflops={cfg.peak_tflops} must be a device's positive peak TFLOP/s, or null.")
     check_data_files(cfg)
 
 

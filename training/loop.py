@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from data.datasets import build_dataset_distributed
 from data.loader import build_stage_loader, check_identical_across_group, infinite_micro_batches
+from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.tensor_parallel import SHARDED_MARKER
 from training.checkpointing import (check_fresh_start, check_resume_topology, clear_previous_run, load_rng_state,
@@ -22,8 +23,9 @@ from training.checkpointing import (check_fresh_start, check_resume_topology, cl
 from training.config import ConfigError, check_run_config, deepspeed_config, load_model_config, tokenizer_dir
 from training.distributed import init_distributed, parallel_topology, set_threads_per_process
 from training.evaluation import evaluate
-from training.metrics import RunLogger
+from training.metrics import RunLogger, compute_throughput, device_peak_tflops
 from training.optimizer import skipping_optimizer
+from training.preemption import Preempted, PreemptionWatch
 from training.plan import load_plan_model_config, plan_world_size, print_memory_plan, workload_from_cfg
 
 
@@ -212,6 +214,9 @@ def train(engine, cfg, stream, data, pad_id, model_files_dir, monitors, step, to
     samples_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp_size
     logger = RunLogger(cfg.output_dir, monitors, total_steps, step)
     last_checkpoint = resolve_resume("auto", cfg.output_dir)
+    preemption = PreemptionWatch(cfg.preemption_grace_seconds)
+    flops_per_token = training_flops_per_token(engine.module.model_config, cfg.seq_length)
+    peak_tflops = device_peak_tflops(cfg.peak_tflops, cfg.precision)
     start_time = window_start = time.time()
     window_steps, losses, skipped = 0, [], 0
     result = {}
@@ -232,10 +237,12 @@ def train(engine, cfg, stream, data, pad_id, model_files_dir, monitors, step, to
         if step % cfg.logging_steps == 0 or step == total_steps:
             elapsed = time.time() - window_start
             grad_norm = engine.get_global_grad_norm()
+            tokens_per_sec = window_steps * samples_per_step * cfg.seq_length / elapsed
             logger.log({"step": step, "loss": sum(losses) / len(losses) if losses else float("nan"),
                         "lr": engine.get_lr()[0],
                         "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                        "tokens_per_sec": window_steps * samples_per_step * cfg.seq_length / elapsed,
+                        "tokens_per_sec": tokens_per_sec,
+                        **compute_throughput(tokens_per_sec, flops_per_token, dist.get_world_size(), peak_tflops),
                         "samples_per_sec": window_steps * samples_per_step / elapsed,
                         "elapsed_s": time.time() - start_time, **({"skipped_steps": skipped} if skipped else {})})
             window_start, window_steps, losses = time.time(), 0, []
@@ -243,11 +250,17 @@ def train(engine, cfg, stream, data, pad_id, model_files_dir, monitors, step, to
             eval_loss, eval_ppl = evaluate(engine, data.eval, data.eval_length, cfg, pad_id)
             logger.log({"step": step, "eval_loss": eval_loss, "eval_ppl": eval_ppl})
             result.update(eval_loss=eval_loss, eval_ppl=eval_ppl)
-        if step == total_steps or (cfg.save_steps and step % cfg.save_steps == 0):
+        preempted = preemption.should_stop() and step < total_steps
+        if preempted or step == total_steps or (cfg.save_steps and step % cfg.save_steps == 0):
             save_checkpoint(engine, cfg, model_files_dir, {
                 "step": step, "consumed_samples": step * samples_per_step,
                 "topology": topology_of(engine.num_stages, dist.get_world_size(), cfg.tensor_parallel_size)})
             last_checkpoint = (cfg.output_dir, f"global_step{step}")
+        if preempted:
+            logger.close()
+            raise Preempted(f"preempted ({preemption.reason}) after step {step}: saved "
+                            f"{os.path.join(*last_checkpoint)} {time.time() - preemption.requested_at:.1f}s after "
+                            f"the request; rerun with resume=auto to continue")
     logger.close()
     if cfg.export_hf and dist.get_rank() == 0:
         convert_ds_to_hf(cfg.output_dir, os.path.join(cfg.output_dir, "hf"), overwrite=True,

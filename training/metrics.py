@@ -3,6 +3,7 @@
 import json
 import os
 
+import torch
 import torch.distributed as dist
 from deepspeed.monitor.config import get_monitor_config
 from deepspeed.monitor.monitor import MonitorMaster
@@ -10,6 +11,28 @@ from tqdm import tqdm
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
+# Dense bf16/fp16 tensor-core peak TFLOP/s (no sparsity) from the vendors' data sheets, by a substring of
+# torch.cuda.get_device_name(); the first match wins, so longer names come first.
+PEAK_TFLOPS_16BIT = (("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200", 989), ("B200", 2250),
+                     ("A100", 312), ("L40S", 362), ("L40", 181), ("L4", 121))
+
+
+def device_peak_tflops(configured, precision):
+    """One device's peak TFLOP/s: the peak_tflops key, else this GPU's bf16/fp16 entry in PEAK_TFLOPS_16BIT, else
+    None (fp32, a CPU, an unlisted GPU: no mfu is logged)."""
+    if configured:
+        return float(configured)
+    if precision == "fp32" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_TFLOPS_16BIT if key in name), None)
+
+
+def compute_throughput(tokens_per_sec, flops_per_token, devices, peak_tflops):
+    """Model TFLOP/s per device (models/partition.py's training_flops_per_token x tokens/s / devices) and, with a
+    known peak, model FLOPs utilisation."""
+    tflops = flops_per_token * tokens_per_sec / devices / 1e12
+    return {"tflops_per_device": tflops, **({"mfu": tflops / peak_tflops} if peak_tflops else {})}
 
 
 class RunLogger:
