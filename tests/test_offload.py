@@ -11,7 +11,7 @@ from training.config import ConfigError
 
 
 def test_fp32_offload_matches_device_optimizer_on_2_stages_x_2_data_parallel(demo_model, reference_run, tmp_path):
-    run = dict(REFERENCE, max_steps=6, save_steps=0, offload_optimizer="cpu")
+    run = dict(REFERENCE, max_steps=6, save_steps=0, zero_stage=1, offload_optimizer="cpu")
     check_ok(launch_trainer(4, demo_overrides(demo_model, tmp_path / "run", **run)))
     assert per_step_losses(tmp_path / "run") == pytest.approx(per_step_losses(reference_run)[:6], abs=1e-4)
 
