@@ -35,6 +35,7 @@ from models.tensor_parallel import check_tensor_parallel_split
 EMBEDDING, DECODER, NORM, HEAD = "embedding", "decoder", "norm", "head"
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32_BYTES = 4
+FP64_BYTES = 8
 ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32
 INT64_BYTES = 8
 
@@ -305,8 +306,10 @@ class LayerCosts:
         work = self.workload
         parameters = self.stage_parameters(kinds)
         grad = PRECISION_BYTES[work.precision]
-        if work.offload_optimizer:  # gradients go to the host partition; the updated partition comes back in place
-            return parameters * grad
+        if work.offload_optimizer:
+            # Gradients go to the host partition one tensor at a time (the updated weights come back in place);
+            # DeepSpeed 0.19.8 takes each one's norm on an fp64 copy first (zero/utils.py get_norm_dtype).
+            return parameters * grad + max(self.largest_tensor[kind] for kind in kinds) * FP64_BYTES
         cast = FP32_BYTES if work.precision != "fp32" else 0
         temporaries = 2 * FP32_BYTES if work.torch_adam else 0
         if work.zero_stage >= 1:
