@@ -35,6 +35,7 @@ from models.tensor_parallel import check_tensor_parallel_split
 EMBEDDING, DECODER, NORM, HEAD = "embedding", "decoder", "norm", "head"
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32_BYTES = 4
+FP64_BYTES = 8
 ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32
 INT64_BYTES = 8
 
@@ -54,6 +55,7 @@ class Workload:
     tensor_parallel: int = 1  # ranks splitting each layer (conf/base.yaml's tensor_parallel_size)
     sequence_parallel: bool = True  # with tensor_parallel > 1: residual stream on 1/t of the tokens
     recompute_sequence_gather: bool = False  # sequence parallel: gather again in backward rather than keep
+    offload_optimizer: bool = False  # ZeRO-1's fp32 partition, its gradient and Adam's moments in host memory
 
     @property
     def tokens(self):
@@ -90,7 +92,8 @@ def describe_workload(workload):
                     else "sequence parallel" if workload.splits_sequence else "no sequence parallel")
         tensor = f"tensor-parallel {workload.tensor_parallel} ({sequence}), "
     return (f"seq_length={workload.seq_length}, micro_batch_size={workload.micro_batch_size}, "
-            f"{workload.micro_batches} micro-batches, {workload.precision}, ZeRO-{workload.zero_stage}, "
+            f"{workload.micro_batches} micro-batches, {workload.precision}, ZeRO-{workload.zero_stage}"
+            f"{' with optimizer offloaded to CPU' if workload.offload_optimizer else ''}, "
             f"{tensor}data-parallel {workload.data_parallel}, {checkpointing}")
 
 
@@ -154,9 +157,21 @@ def state_bytes_per_parameter(workload):
     over data-parallel ranks by ZeRO-1.
     """
     weight = PRECISION_BYTES[workload.precision]
+    if workload.offload_optimizer:  # on the host: host_state_bytes_per_parameter
+        return {"weights": weight, "gradients": weight, "optimizer": 0}
     keeps_master = workload.precision != "fp32" or workload.zero_stage >= 1
     return {"weights": weight, "gradients": weight,
             "optimizer": ((FP32_BYTES if keeps_master else 0) + ADAM_STATE_BYTES) / optimizer_shards(workload)}
+
+
+def host_state_bytes_per_parameter(workload):
+    """Host bytes per parameter of a stage with offload_optimizer=cpu (DeepSpeed 0.19.8, zero/stage_1_and_2.py),
+    all pinned: the fp32 master partition, its fp32 gradient, Adam's two moments, and a weight-dtype copy of the
+    partition the updated weights go back to the device through; each 1/data-parallel of the stage."""
+    if not workload.offload_optimizer:
+        return 0
+    return (FP32_BYTES + FP32_BYTES + ADAM_STATE_BYTES + PRECISION_BYTES[workload.precision]) / optimizer_shards(
+        workload)
 
 
 def optimizer_shards(workload):
@@ -276,10 +291,23 @@ class LayerCosts:
         return {name: parameters * size for name, size in state_bytes_per_parameter(self.workload).items()}
 
     def stage_buffer_bytes(self):
-        """ZeRO-1's two gradient reduce buckets in the pipeline path (allocated in full on GPUs)."""
+        """ZeRO-1's two gradient reduce buckets in the pipeline path (allocated in full on GPUs); with offload, the
+        staging buffer of the largest tensor that gradients cross to the host through."""
         if self.workload.zero_stage == 0:
             return 0
-        return 2 * self.workload.reduce_bucket_size * self.workload.activation_bytes
+        staging = self.largest_tensor_bytes() if self.workload.offload_optimizer else 0
+        return 2 * self.workload.reduce_bucket_size * self.workload.activation_bytes + staging
+
+    def largest_tensor_bytes(self):
+        return max(self.largest_tensor.values()) * self.workload.activation_bytes
+
+    def stage_host_bytes(self, kinds):
+        """Host memory of one rank of a stage for the offloaded optimizer: its state (host_state_bytes_per_parameter)
+        and the pinned staging buffer of the largest tensor; 0 without offload."""
+        if not self.workload.offload_optimizer:
+            return 0
+        return (self.stage_parameters(kinds) * host_state_bytes_per_parameter(self.workload)
+                + self.largest_tensor_bytes())
 
     def stage_step_bytes(self, kinds):
         """The optimizer step's peak beyond weights and optimizer state, gradients included (activations are freed
@@ -289,6 +317,10 @@ class LayerCosts:
         work = self.workload
         parameters = self.stage_parameters(kinds)
         grad = PRECISION_BYTES[work.precision]
+        if work.offload_optimizer:
+            # Gradients go to the host partition one tensor at a time (the updated weights come back in place);
+            # DeepSpeed 0.19.8 takes each one's norm on an fp64 copy first (zero/utils.py get_norm_dtype).
+            return parameters * grad + max(self.largest_tensor[kind] for kind in kinds) * FP64_BYTES
         cast = FP32_BYTES if work.precision != "fp32" else 0
         temporaries = 2 * FP32_BYTES if work.torch_adam else 0
         if work.zero_stage >= 1:
@@ -427,6 +459,7 @@ def stage_plan(config, bounds, workload):
             "activation_bytes": model.layers.stage_activation_bytes(kinds, model.in_flight(stage)),
             "step_bytes": model.layers.stage_step_bytes(kinds),
             "buffer_bytes": model.layers.stage_buffer_bytes(),
+            "host_bytes": model.layers.stage_host_bytes(kinds),
             "in_flight": model.in_flight(stage),
             "memory_bytes": model.memory_bytes(stage, kinds),
             "cost": model.cost(stage, kinds),

@@ -8,8 +8,8 @@ from omegaconf import open_dict
 from tests.conftest import ROOT
 from tests.tiny_models import make_tiny_model
 from training.config import ConfigError
-from training.plan import (load_plan_model_config, memory_plan, plan_world_size, print_memory_plan,
-                           workload_from_cfg)
+from training.plan import (HOST_PROCESS_BYTES, format_memory_plan, host_memory_plan, load_plan_model_config,
+                           memory_plan, plan_fits, plan_world_size, print_memory_plan, workload_from_cfg)
 
 GIB = 2 ** 30
 
@@ -19,8 +19,8 @@ def run_config(name, *overrides):
         return compose(config_name=name, overrides=["plan_only=true", *overrides])
 
 
-def test_llama_65b_on_two_nodes_of_eight_80gb_devices(capsys):
-    cfg = run_config("llama_65b")
+def test_llama_65b_without_offload_does_not_fit_two_nodes_of_eight_80gb_devices(capsys):
+    cfg = run_config("llama_65b", "offload_optimizer=none")
     rows = print_memory_plan(cfg, load_plan_model_config(cfg), world_size=16)
     printed = capsys.readouterr().out
     assert len(rows) == 8 and "8 stages x 2 data-parallel" in printed
@@ -39,8 +39,54 @@ def test_llama_65b_on_two_nodes_of_eight_80gb_devices(capsys):
     assert not any(row["fits"] for row in rows) and "does NOT fit in 80 GiB" in printed
 
 
+def test_llama_65b_as_shipped_offloads_the_optimizer_and_fits_gpu_and_host(capsys):
+    cfg = run_config("llama_65b")
+    model_config = load_plan_model_config(cfg)
+    rows = print_memory_plan(cfg, model_config, world_size=16)
+    printed = capsys.readouterr().out
+    workload, _ = memory_plan(cfg, model_config, world_size=16)
+    largest_tensor = model_config.vocab_size * model_config.hidden_size * 2  # the embedding's bf16 staging buffer
+    for row in rows:
+        assert row["optimizer_bytes"] == 0 and row["fits"]
+        # fp32 master, its fp32 gradient, Adam's two moments and a bf16 copy (18 bytes) over 2 data-parallel ranks.
+        assert row["host_bytes"] == 9 * row["parameters"] + largest_tensor
+        assert row["buffer_bytes"] == 2 * 500_000_000 * 2 + largest_tensor
+        assert row["step_bytes"] == row["gradients_bytes"] + 8 * (largest_tensor // 2 if row["stage"] in (0, 7)
+                                                                   else 8192 * 22016)  # fp64 norm of one grad
+    # Ranks 0-7 (stages 0-3 x 2 replicas) on node 0, 8-15 on node 1.
+    nodes = host_memory_plan(cfg, workload, rows, 16)
+    assert nodes == [2 * sum(row["host_bytes"] for row in rows[start:start + 4]) + 8 * HOST_PROCESS_BYTES
+                     for start in (0, 4)]
+    assert "fits in 80 GiB per device" in printed and "fits in 1024 GiB per node" in printed
+    assert "does NOT" not in printed and plan_fits(cfg, rows, nodes)
+    # Half the host memory is not enough; the verdict says so.
+    small = run_config("llama_65b", "host_memory_gb=512")
+    capsys.readouterr()
+    rows = print_memory_plan(small, model_config, world_size=16)
+    assert "does NOT fit in 512 GiB per node" in capsys.readouterr().out
+    assert not plan_fits(small, rows, nodes)
+
+
+@pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "conf"))
+                                        if f.endswith(".yaml") and f != "base.yaml"))
+def test_every_shipped_config_fits_the_hardware_it_names(name, demo_model):
+    # tiny plans the model scripts/make_tiny_llama.py makes; the others carry their published sizes.
+    cfg = run_config(name, *([f"model_name_or_path={demo_model['hf']}"] if name == "tiny" else []))
+    world_size = plan_world_size(cfg)
+    workload, rows = memory_plan(cfg, load_plan_model_config(cfg), world_size)
+    nodes = host_memory_plan(cfg, workload, rows, world_size)
+    assert plan_fits(cfg, rows, nodes), format_memory_plan(cfg, workload, rows, world_size)
+
+
+@pytest.mark.parametrize("value", ["nvme", "gpu"])
+def test_unknown_offload_device_is_a_clear_error(value):
+    cfg = run_config("llama_65b", f"offload_optimizer={value}")
+    with pytest.raises(ConfigError, match=f"offload_optimizer '{value}' is not one of \\('none', 'cpu'\\)"):
+        memory_plan(cfg, load_plan_model_config(cfg), world_size=16)
+
+
 def test_more_stages_or_memory_make_it_fit():
-    cfg = run_config("llama_65b", "num_stages=16")
+    cfg = run_config("llama_65b", "num_stages=16", "offload_optimizer=none")
     _, rows = memory_plan(cfg, load_plan_model_config(cfg), world_size=32)
     assert all(row["fits"] for row in rows)
     assert max(row["memory_bytes"] for row in rows) < 80 * GIB
@@ -96,7 +142,7 @@ STAGE_PARAMETERS = [(VOCAB * HIDDEN + 20 * DECODER_SHARDED, 20 * DECODER_REPLICA
 
 
 def four_stage_plan(tensor_parallel, world_size, *overrides):
-    cfg = run_config("llama_65b", "num_stages=4", "partition=[20,20,20,20]",
+    cfg = run_config("llama_65b", "num_stages=4", "partition=[20,20,20,20]", "offload_optimizer=none",
                      f"tensor_parallel_size={tensor_parallel}", *overrides)
     return memory_plan(cfg, load_plan_model_config(cfg), world_size=world_size)
 

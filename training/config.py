@@ -12,6 +12,7 @@ from models.tensor_parallel import check_tensor_parallel_split
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULERS = ("cosine", "linear", "constant")
+OFFLOAD_DEVICES = ("none", "cpu")
 
 
 class ConfigError(ValueError):
@@ -78,6 +79,7 @@ def check_run_config(cfg, world_size, model_config):
     if cfg.precision == "bf16" and cfg.zero_stage == 0:
         raise ConfigError("precision=bf16 with zero_stage=0 cannot reload its own checkpoints in DeepSpeed "
                           "(KeyError in the bf16 optimizer's loader); use zero_stage=1.")
+    check_offload(cfg)
     if cfg.lr_scheduler not in SCHEDULERS:
         raise ConfigError(f"lr_scheduler '{cfg.lr_scheduler}' is not one of {SCHEDULERS}.")
     if cfg.micro_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
@@ -90,6 +92,26 @@ def check_run_config(cfg, world_size, model_config):
     if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
         raise ConfigError(f"peak_tflops={cfg.peak_tflops} must be a device's positive peak TFLOP/s, or null.")
     check_data_files(cfg)
+
+
+def offload_device(cfg):
+    """cfg.offload_optimizer as a string ('none' for configs without the key; YAML's null reads as none too)."""
+    value = cfg.get("offload_optimizer", "none")
+    return "none" if value is None else str(value).lower()
+
+
+def check_offload(cfg):
+    device = offload_device(cfg)
+    if device not in OFFLOAD_DEVICES:
+        raise ConfigError(f"offload_optimizer '{cfg.offload_optimizer}' is not one of {OFFLOAD_DEVICES} (NVMe "
+                          f"offload needs ZeRO-3, which pipeline parallelism does not support).")
+    if device == "cpu" and cfg.zero_stage != 1:
+        raise ConfigError(f"offload_optimizer=cpu needs ZeRO's partitioned optimizer: set zero_stage=1 (got "
+                          f"zero_stage={cfg.zero_stage}).")
+    if device == "cpu" and cfg.nan_policy == "skip":
+        raise ConfigError("nan_policy=skip replaces DeepSpeed's optimizer with a torch AdamW on the device, which "
+                          "cannot be offloaded; use nan_policy=stop with offload_optimizer=cpu, or "
+                          "offload_optimizer=none.")
 
 
 def data_parallel_size(world_size, num_stages, tensor_parallel_size=1):
@@ -129,6 +151,11 @@ def deepspeed_config(cfg, total_steps):
     # DeepSpeed's partitioning of tensors sent between stages assumes they are equal on every tensor-parallel rank;
     # under sequence parallelism each rank already sends only its own tokens.
     ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
+    if offload_device(cfg) == "cpu":
+        # ZeRO-1 keeps its fp32 partition and Adam's moments in pinned host memory; the step runs DeepSpeed's
+        # CPU Adam (ops/adam/cpu_adam, JIT-built on first use: scripts/setup.sh prebuilds it).
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        ds["optimizer"]["params"].pop("torch_adam", None)
     return ds, monitors
 
 

@@ -4,6 +4,9 @@ Per stage and per device: weights, gradients and optimizer state for the precisi
 and data-parallel degrees;
 activations with and without activation checkpointing (1F1B keeps up to num_stages - stage micro-batches in
 flight); the optimizer step's short-lived buffers; the total per device and whether it fits device_memory_gb.
+With offload_optimizer=cpu, the optimizer state leaves the device plan for the host plan: per node (gpus_per_node
+consecutive ranks), each rank's offloaded state and a per-process runtime, plus the memory-mapped dataset, against
+host_memory_gb.
 The numbers come from models/partition.py's cost model, the one the balanced partition uses. The world is
 num_stages x tensor_parallel_size x data-parallel devices.
 """
@@ -17,10 +20,13 @@ from models.partition import (PRECISION_BYTES, Workload, check_tensor_parallel, 
                               stage_plan)
 from models.llama import check_model_config
 from models.pipeline import build_pipeline_layers
-from training.config import ConfigError, data_parallel_size
+from training.config import ConfigError, check_offload, data_parallel_size, offload_device
 
 GIB = 2 ** 30
 RUNTIME_NOTE = "not modelled: CUDA context, NCCL buffers, allocator fragmentation (keep ~10% headroom)"
+# Host memory of one training process apart from the offloaded optimizer: Python, torch with its CUDA and NCCL
+# libraries, DeepSpeed, the tokenizer and the data loader (resident set of a GPU training process, typically 3-5 GiB).
+HOST_PROCESS_BYTES = 4 * GIB
 
 
 def tensor_parallel_size(cfg):
@@ -48,7 +54,8 @@ def workload_from_cfg(cfg, world_size):
                     torch_adam=bool(optimizer_params.get("torch_adam", False)),
                     tensor_parallel=tensor_parallel_size(cfg),
                     sequence_parallel=bool(cfg.get("sequence_parallel", True)),
-                    recompute_sequence_gather=bool(cfg.get("recompute_sequence_gather", False)))
+                    recompute_sequence_gather=bool(cfg.get("recompute_sequence_gather", False)),
+                    offload_optimizer=offload_device(cfg) == "cpu")
 
 
 def load_plan_model_config(cfg):
@@ -72,6 +79,7 @@ def memory_plan(cfg, model_config, world_size):
     stages = cfg.num_stages
     if cfg.precision not in PRECISION_BYTES:
         raise ConfigError(f"precision '{cfg.precision}' is not one of {tuple(PRECISION_BYTES)}.")
+    check_offload(cfg)
     workload = workload_from_cfg(cfg, world_size)  # checks the world size against stages x tensor-parallel
     if model_config.num_hidden_layers < stages:
         raise ConfigError(f"num_stages={stages} is more than the model's {model_config.num_hidden_layers} layers.")
@@ -97,6 +105,28 @@ def memory_plan(cfg, model_config, world_size):
     return workload, rows
 
 
+def dataset_bytes(cfg):
+    """The memory-mapped tokenized dataset, shared by a node's ranks through the page cache: estimated as the
+    train file's size (about 4 bytes of text per token, stored as 4-byte ids); 0 when the file is not there yet."""
+    path = cfg.get("train_file")
+    return os.path.getsize(path) if path and os.path.isfile(str(path)) else 0
+
+
+def host_memory_plan(cfg, workload, rows, world_size):
+    """Host bytes per node: gpus_per_node consecutive ranks (DeepSpeed's topology puts a replica's tensor-parallel
+    ranks, then data-parallel replicas, then stages next to each other), each with its offloaded optimizer state
+    and HOST_PROCESS_BYTES, plus the dataset once."""
+    per_node = min(int(cfg.get("gpus_per_node", 8)), world_size)
+    ranks_per_stage = world_size // len(rows)
+    rank_bytes = [rows[rank // ranks_per_stage]["host_bytes"] + HOST_PROCESS_BYTES for rank in range(world_size)]
+    return [sum(rank_bytes[start:start + per_node]) + dataset_bytes(cfg) for start in range(0, world_size, per_node)]
+
+
+def plan_fits(cfg, rows, host_nodes):
+    """Whether every device and every node's host memory holds the plan."""
+    return all(row["fits"] for row in rows) and max(host_nodes) <= cfg.get("host_memory_gb", 1024) * GIB
+
+
 def format_memory_plan(cfg, workload, rows, world_size):
     interval = workload.activation_checkpoint_interval or 1
     header = (f"{'stage':>5} {'layers':>7} {'params':>8} {'weights':>8} {'grads':>8} {'optim':>8} "
@@ -120,6 +150,15 @@ def format_memory_plan(cfg, workload, rows, world_size):
                  f"step's peak incl. gradients); largest stage "
                  f"{largest['memory_bytes'] / GIB:.1f} GiB: {verdict} in {cfg.device_memory_gb} GiB per device")
     lines.append(RUNTIME_NOTE)
+    host_nodes = host_memory_plan(cfg, workload, rows, world_size)
+    host_gb = cfg.get("host_memory_gb", 1024)
+    largest_node = max(host_nodes)
+    offloaded = sum(row["host_bytes"] for row in rows) * (world_size // len(rows))
+    lines.append(f"host memory per node ({min(int(cfg.get('gpus_per_node', 8)), world_size)} devices, "
+                 f"{len(host_nodes)} node(s)): offloaded optimizer {offloaded / len(host_nodes) / GIB:.1f} GiB "
+                 f"(fp32 master, its gradient, Adam moments, pinned copies) + {HOST_PROCESS_BYTES / GIB:.0f} GiB per "
+                 f"process + dataset {dataset_bytes(cfg) / GIB:.1f} GiB; largest node {largest_node / GIB:.1f} GiB: "
+                 f"{'fits' if largest_node <= host_gb * GIB else 'does NOT fit'} in {host_gb} GiB per node")
     return "\n".join(lines)
 
 

@@ -1,0 +1,49 @@
+"""Optimizer offload (offload_optimizer=cpu: ZeRO-1's fp32 partition and Adam moments in host memory, DeepSpeed's
+CPU Adam): same losses as the device optimizer under pipeline, data and tensor parallelism; bf16 saves, resumes
+and exports; bad values are refused before any process starts."""
+import os
+import re
+
+import pytest
+
+from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics,
+                          run_in_process)
+
+
+@pytest.mark.parametrize("stages,tensor_parallel,procs", [(2, 1, 4), (1, 2, 2)], ids=["2stages_x_2dp", "tp2"])
+def test_fp32_offload_matches_the_device_optimizer(demo_model, tmp_path, stages, tensor_parallel, procs):
+    """ZeRO-1 on both sides: the reference run (ZeRO-0) clips its gradients through another path, and its losses
+    part from ZeRO-1's by ~1e-2 from step 5 with or without offload."""
+    run = dict(REFERENCE, max_steps=6, save_steps=0, eval_file="null", zero_stage=1, num_stages=stages,
+               tensor_parallel_size=tensor_parallel)
+    for offload in ("none", "cpu"):
+        check_ok(launch_trainer(procs, demo_overrides(demo_model, tmp_path / offload, offload_optimizer=offload,
+                                                      **run)))
+    assert per_step_losses(tmp_path / "cpu") == pytest.approx(per_step_losses(tmp_path / "none"), abs=1e-4)
+
+
+def test_bf16_offload_on_2_stages_resumes_and_exports(demo_model, tmp_path):
+    run = dict(max_steps=5, save_steps=3, save_total_limit=5, logging_steps=1, eval_file="null", precision="bf16",
+               zero_stage=1, learning_rate=1e-3, warmup_steps=2, num_stages=2, offload_optimizer="cpu")
+    check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "full", export_hf="true", **run)))
+    check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "resumed",
+                                              resume=str(tmp_path / "full" / "global_step3"), **run)))
+    resumed = read_metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed if "loss" in r] == [4, 5]
+    assert [r["loss"] for r in resumed if "loss" in r] == pytest.approx(per_step_losses(tmp_path / "full")[3:],
+                                                                         rel=1e-3)
+    assert os.path.isfile(tmp_path / "full" / "hf" / "model.safetensors")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"offload_optimizer": "nvme"}, "offload_optimizer 'nvme' is not one of ('none', 'cpu')"),
+    ({"offload_optimizer": "disk"}, "offload_optimizer 'disk' is not one of ('none', 'cpu')"),
+    ({"offload_optimizer": "cpu", "zero_stage": 0}, "offload_optimizer=cpu needs ZeRO's partitioned optimizer: set "
+                                                    "zero_stage=1 (got zero_stage=0)"),
+    ({"offload_optimizer": "cpu", "zero_stage": 1, "nan_policy": "skip"}, "use nan_policy=stop with "
+                                                                           "offload_optimizer=cpu"),
+], ids=["nvme", "unknown", "zero0", "nan_skip"])
+def test_bad_offload_config_is_refused_before_any_work(demo_model, tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), 2)
+    assert not (tmp_path / "run").exists()
