@@ -593,7 +593,7 @@ def _why_empty(stats: BuildStats, settings: _Settings) -> str:
 
 def _log_stats(stats: BuildStats) -> None:
     lost = stats.bad_lines_skipped or stats.truncated or stats.dropped_no_target
-    packed = f" packed from {stats.packed_from} examples," if stats.packed_from else ""
+    packed = f"packed from {stats.packed_from} examples, " if stats.packed_from else ""
     logger.log(logging.WARNING if lost else logging.INFO,
                "%s: %d records → %d rows of ≤%d tokens (%s%.1f%% of their tokens real; bad lines skipped %d, "
                "truncated %d, split %d, dropped without target %d, packing tail tokens dropped %d)",
