@@ -122,3 +122,42 @@ def test_packed_rows_match_transformers_on_each_example(tiny_checkpoints, tmp_pa
             assert result["eval_loss"] == pytest.approx(result["ref_loss"], abs=1e-5), name
             bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
             assert not bad, f"{name}: gradients differ from transformers on each example alone: {bad}"
+
+
+def test_trainer_eval_only_on_packed_chat_equals_transformers_per_conversation(demo_model, tmp_path):
+    """trainer_pipe.py through the launcher, data.format=chat with a template file and packing: its eval_loss is
+    transformers' token-weighted loss over the assistant tokens of each conversation run alone."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.chat_tokenizers import CHATML_TEMPLATE
+    from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics
+
+    rng = random.Random(1)
+    words = "the cat dog sees a red ball near park".split()
+    say = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))  # noqa: E731
+    conversations = [[message for _ in range(rng.randint(1, 2)) for message in
+                      ({"role": "user", "content": say()}, {"role": "assistant", "content": say()})]
+                     for _ in range(12)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML_TEMPLATE)
+    out = tmp_path / "run"
+    check_ok(launch_trainer(1, demo_overrides(
+        demo_model, out, num_stages=1, eval_only="true", eval_file=data, micro_batch_size=2, seq_length=256,
+        **{"data.format": "chat", "data.chat_template": template, "data.packing": "true",
+           "data.cache_dir": tmp_path / "cache"})))
+    (record,) = [r for r in read_metrics(out) if "eval_loss" in r]
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model["hf"])
+    unpacked, _ = build_dataset(data, tokenizer, {"format": "chat", "chat_template": str(template)}, 256,
+                                cache_dir=tmp_path / "cache")
+    model = AutoModelForCausalLM.from_pretrained(demo_model["hf"], dtype=torch.float32)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in unpacked:
+            loss_sum, n = hf_loss_sum_and_count(model, row["input_ids"], row["labels"])
+            total, count = total + loss_sum.item(), count + n
+    assert len(unpacked) == 12 and count > 100 and record["eval_examples"] < 12  # the trainer's rows were packed
+    assert record["eval_loss"] == pytest.approx(total / count, abs=1e-5)
