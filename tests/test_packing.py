@@ -145,13 +145,13 @@ def test_trainer_eval_only_on_packed_chat_equals_transformers_per_conversation(d
     template.write_text(CHATML_TEMPLATE)
     out = tmp_path / "run"
     check_ok(launch_trainer(1, demo_overrides(
-        demo_model, out, num_stages=1, eval_only="true", eval_file=data, micro_batch_size=2, seq_length=256,
+        demo_model, out, num_stages=1, eval_only="true", eval_file=data, micro_batch_size=2, seq_length=512,
         **{"data.format": "chat", "data.chat_template": template, "data.packing": "true",
            "data.cache_dir": tmp_path / "cache"})))
     (record,) = [r for r in read_metrics(out) if "eval_loss" in r]
 
     tokenizer = AutoTokenizer.from_pretrained(demo_model["hf"])
-    unpacked, _ = build_dataset(data, tokenizer, {"format": "chat", "chat_template": str(template)}, 256,
+    unpacked, _ = build_dataset(data, tokenizer, {"format": "chat", "chat_template": str(template)}, 512,
                                 cache_dir=tmp_path / "cache")
     model = AutoModelForCausalLM.from_pretrained(demo_model["hf"], dtype=torch.float32)
     total, count = 0.0, 0
