@@ -251,8 +251,8 @@ def _load_raw(path: Path, settings: _Settings, cache_dir: Path, stats: BuildStat
             source.unlink()
     missing = [] if loader == "text" else [f for f in settings.required_fields() if f not in raw.column_names]
     if missing:
-        raise ValueError(f"{path}: records lack field(s) {missing} of data.format={settings.format}; they have "
-                         f"{raw.column_names}{settings.format_hint(raw.column_names)}")
+        raise ValueError(f"{path}: records lack field(s) {missing} of data.format={settings.format}"
+                         f"{settings.format_hint(raw.column_names) or f'; they have {raw.column_names}'}")
     stats.records = raw.num_rows
     return raw
 

@@ -206,3 +206,13 @@ def test_text_document_isolation_lists_each_blocks_document_pieces(tmp_path):
         start = index * 16
         inside = [e - start for e in ends if start < e < start + 16]
         assert lengths == [b - a for a, b in zip([0, *inside], [*inside, 16])]
+
+
+def test_a_parquet_file_of_another_format_says_which_format_reads_it(tmp_path):
+    import datasets
+    datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]] * 3}).to_parquet(tmp_path / "ids.parquet")
+    with pytest.raises(ValueError) as error:
+        build_dataset(tmp_path / "ids.parquet", make_chat_tokenizer("chatml"), {"format": "text"}, 16,
+                      cache_dir=tmp_path / "cache")
+    assert str(error.value) == (f"{tmp_path / 'ids.parquet'}: records lack field(s) ['text'] of data.format=text; "
+                                "they hold 'input_ids': set data.format=pretokenized to read them")
