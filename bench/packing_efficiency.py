@@ -103,8 +103,8 @@ def main():
               f"{row['real_tokens_per_s']:.0f} learned tokens/s")
     speedup = result["true"]["real_tokens_per_s"] / result["false"]["real_tokens_per_s"]
     print(f"learned tokens/s, packing true / false: {speedup:.2f}x (model hidden {MODEL['hidden_size']}, "
-          f"{MODEL['num_hidden_layers']} layers, seq {SEQ_LENGTH}, {GAS}x{MICRO_BATCH} micro-batches, fp32, 1 process); "
-          f"{machine_note()}")
+          f"{MODEL['num_hidden_layers']} layers, seq {SEQ_LENGTH}, {GAS}x{MICRO_BATCH} micro-batches, fp32, "
+          f"1 process); {machine_note()}")
 
 
 if __name__ == "__main__":
