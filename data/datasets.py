@@ -359,6 +359,8 @@ def _with_chat_template(tokenizer, template_file: str | None):
     """The tokenizer with `template_file`'s Jinja template (a copy: the caller's is left alone), or the tokenizer
     itself when it ships a template; an error naming data.chat_template when neither has one."""
     if template_file:
+        if not Path(template_file).is_file():
+            raise ValueError(f"data.chat_template '{template_file}' does not exist; give the path of a Jinja file")
         tokenizer = copy.copy(tokenizer)
         tokenizer.chat_template = Path(template_file).read_text()
     elif not getattr(tokenizer, "chat_template", None):

@@ -124,6 +124,8 @@ def test_missing_template_names_the_key_and_a_template_file_supplies_it(tmp_path
     with pytest.raises(ValueError, match="has no chat template .* data.chat_template=PATH"):
         build(path, tokenizer, 256, tmp_path)
     template = tmp_path / "llama3.jinja"
+    with pytest.raises(ValueError, match=f"data.chat_template '{template}' does not exist"):
+        build(path, tokenizer, 256, tmp_path, chat_template=str(template))
     template.write_text(make_chat_tokenizer("llama3").chat_template)
     dataset, _ = build(path, tokenizer, 256, tmp_path, chat_template=str(template))
     assert dataset[0]["labels"] == expected_labels(make_chat_tokenizer("llama3"), "llama3", CONVERSATION)[1]
