@@ -1,7 +1,7 @@
 """The LLaMA-family model as pipeline layers: embedding, decoder layers, final norm, LM head, and the loss.
 
 Every layer takes and returns what DeepSpeed's pipeline engine passes between layers. From the embedding to the
-last decoder layer that is the tuple ``(hidden_states, attention_mask, position_ids)``: only the hidden states are
+last decoder layer that is the tuple ``(hidden_states, document_ids, position_ids)``: only the hidden states are
 floating point, because the engine sends a gradient back for every floating tensor that crosses a stage boundary.
 The final norm and the LM head pass plain tensors. Parameter names inside each layer equal transformers' names
 after the ``model.layers.{i}.`` prefix, so a layer's state dict is the Hugging Face one with the prefix stripped.
@@ -94,28 +94,32 @@ class StageAttentionInputs:
         self._held = None  # the tensors the key's addresses belong to, kept alive so no other batch reuses them
         self._value = None
 
-    def __call__(self, hidden, attention_mask, position_ids):
+    def __call__(self, hidden, document_ids, position_ids):
         # Keyed on storage while the previous tensors are held, so a reused address cannot alias another batch.
-        key = (attention_mask.data_ptr(), attention_mask._version, position_ids.data_ptr(), position_ids._version,
-               tuple(attention_mask.shape), hidden.dtype, hidden.device)
+        key = (document_ids.data_ptr(), document_ids._version, position_ids.data_ptr(), position_ids._version,
+               tuple(document_ids.shape), hidden.dtype, hidden.device)
         if key != self._key:
             self.rotary.to(hidden.device)
             cos, sin = self.rotary(hidden, position_ids)
-            self._value = (cos, sin, causal_padding_mask(attention_mask))
+            self._value = (cos, sin, document_causal_mask(document_ids))
             self._key = key
-            self._held = (attention_mask, position_ids)
+            self._held = (document_ids, position_ids)
         return self._value
 
 
-def causal_padding_mask(attention_mask):
-    """Boolean (batch, 1, seq, seq) mask, True where a query may attend; None when nothing is padded (the fast
-    ``is_causal`` path). Each position also sees itself so that a padded query row is never empty (no NaN)."""
-    if bool(attention_mask.all()):
+def document_causal_mask(document_ids):
+    """Boolean (batch, 1, seq, seq) mask, True where a query may attend: causal and within the query's document.
+
+    document_ids (batch, seq): 0 on padding, k >= 1 on the tokens of a row's k-th document (a row holding one
+    document is its padding mask). None when every row is one unpadded document (the fast ``is_causal`` path).
+    A padding query sees only itself, so no query row is empty (no NaN) and no real token sees padding."""
+    if bool((document_ids == 1).all()):
         return None
-    seq = attention_mask.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()
-    allowed = causal[None, None] & attention_mask.bool()[:, None, None, :]
-    return allowed | torch.eye(seq, dtype=torch.bool, device=attention_mask.device)
+    seq = document_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    same_document = document_ids[:, None, :, None] == document_ids[:, None, None, :]
+    allowed = causal[None, None] & same_document & (document_ids != 0)[:, None, None, :]
+    return allowed | torch.eye(seq, dtype=torch.bool, device=document_ids.device)
 
 
 def rotate_half(x):
@@ -194,7 +198,7 @@ class MLP(nn.Module):
 
 
 class EmbeddingPipe(nn.Embedding):
-    """Layer 0: token ids to hidden states; mask and positions pass through as integer tensors."""
+    """Layer 0: token ids to hidden states; document ids and positions pass through as integer tensors."""
 
     def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
         super().__init__(parallel.local(config.vocab_size, "vocab_size"), config.hidden_size, padding_idx=None)
@@ -202,13 +206,13 @@ class EmbeddingPipe(nn.Embedding):
         self.parallel = parallel
 
     def forward(self, inputs):
-        input_ids, attention_mask, position_ids = inputs
-        return self.parallel.embedding(input_ids, self.weight), attention_mask, position_ids
+        input_ids, document_ids, position_ids = inputs
+        return self.parallel.embedding(input_ids, self.weight), document_ids, position_ids
 
 
 class DecoderLayerPipe(nn.Module):
     """hidden_states are (batch, seq, hidden), or under sequence parallelism this rank's share of the
-    flattened tokens (batch * seq / tp, hidden); the mask gives batch and seq either way."""
+    flattened tokens (batch * seq / tp, hidden); the document ids give batch and seq either way."""
 
     def __init__(self, config, stage_inputs, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL):
         super().__init__()
@@ -219,10 +223,10 @@ class DecoderLayerPipe(nn.Module):
         self.stage_inputs = stage_inputs
 
     def forward(self, inputs):
-        hidden, attention_mask, position_ids = inputs
-        cos, sin, mask = self.stage_inputs(hidden, attention_mask, position_ids)
-        batch, seq = attention_mask.shape
-        return self.residual_blocks(hidden, cos, sin, mask, batch, seq), attention_mask, position_ids
+        hidden, document_ids, position_ids = inputs
+        cos, sin, mask = self.stage_inputs(hidden, document_ids, position_ids)
+        batch, seq = document_ids.shape
+        return self.residual_blocks(hidden, cos, sin, mask, batch, seq), document_ids, position_ids
 
     def residual_blocks(self, hidden, cos, sin, mask, batch, seq):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask, batch, seq)
@@ -234,7 +238,7 @@ class DecoderLayerPipe(nn.Module):
 
 
 class FinalNormPipe(RMSNorm):
-    """Layer L+1: drops mask and positions, which nothing after it needs."""
+    """Layer L+1: drops document ids and positions, which nothing after it needs."""
 
     def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
         super().__init__(config.hidden_size, config.rms_norm_eps, parallel)

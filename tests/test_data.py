@@ -131,7 +131,7 @@ def test_malformed_json_lines_skipped_and_counted(tokenizer, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="data.datasets"):
         _, stats = build(path, tokenizer, 8, tmp_path / "cache", format="text", bad_lines="skip")
     assert (stats.bad_lines_skipped, stats.records) == (3, 6)
-    assert "skipped 3 malformed JSON lines (first: [4, 5, 6])" in caplog.text
+    assert "skipped 3 malformed JSON lines or bad examples (first: [4, 5, 6])" in caplog.text
 
 
 def test_overlong_truncate_and_split_counts(tokenizer, tmp_path):

@@ -32,7 +32,9 @@ class PaddedShard(torch.utils.data.Dataset):
 
 
 def labelled_tokens(labels):
-    """Tokens that count in the shifted loss: the labels after the first position that are not ignored."""
+    """Tokens that count in the shifted loss: the labels after the first position that are not ignored. In packed
+    rows the collator has already ignored each later document's first token, so this is the loss's own count and
+    a packed micro-batch weighs as many tokens as its examples would alone."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 

@@ -1,0 +1,163 @@
+"""Packed rows with per-document isolation against transformers on each example alone (real processes, gloo):
+the token-weighted eval loss (training/evaluation.py) and the training gradients, for 1 stage x 2 data-parallel,
+2 stages, and 1 stage x tensor parallel 2 with sequence parallelism, in one launch of 2 processes."""
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from data import build_dataset
+from tests.distributed import spawn
+
+SEQ, MICRO_BATCH, GAS = 32, 2, 2
+TOPOLOGIES = {"1stage_x_2dp": (1, 1), "2stages": (2, 1), "1stage_x_tp2": (1, 2)}  # name: (stages, tensor parallel)
+
+
+def micro_batches(rows, dp_size, dp_rank):
+    """Rows 0..(GAS * dp_size * MICRO_BATCH): micro-batch (step * dp_size + dp_rank) for each step."""
+    from data.collator import collate_causal_lm
+    for step in range(GAS):
+        start = (step * dp_size + dp_rank) * MICRO_BATCH
+        yield collate_causal_lm(rows[start:start + MICRO_BATCH], SEQ, pad_id=0)
+
+
+def documents(row):
+    """(input_ids, labels) of each document of a packed row."""
+    start = 0
+    for length in row["lengths"]:
+        yield row["input_ids"][start:start + length], row["labels"][start:start + length]
+        start += length
+
+
+def hf_loss_sum_and_count(model, ids, labels):
+    """transformers' model on one document alone: summed next-token cross-entropy and its token count."""
+    import torch
+    import torch.nn.functional as F
+    logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    targets = torch.tensor(labels[1:])
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), int((targets != -100).sum())
+
+
+def hf_reference(hf_dir, rows, num_micro_batches):
+    """Token-weighted loss over every document of `rows`; gradients of the training objective (the mean over the
+    first num_micro_batches micro-batches of their token-weighted mean), each document run alone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            for ids, labels in documents(row):
+                loss_sum, n = hf_loss_sum_and_count(model, ids, labels)
+                total, count = total + loss_sum.item(), count + n
+    objective = 0
+    for index in range(num_micro_batches):
+        sums, counts = zip(*(hf_loss_sum_and_count(model, ids, labels)
+                             for row in rows[index * MICRO_BATCH:(index + 1) * MICRO_BATCH]
+                             for ids, labels in documents(row)))
+        objective = objective + sum(sums) / sum(counts)
+    (objective / num_micro_batches).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return total / count, grads
+
+
+def packed_parity_worker(rank, hf_dir, ds_dir, rows, out_dir):
+    import deepspeed
+    import torch
+    from transformers import AutoConfig
+
+    from models.pipeline import build_pipeline_module
+    from tests.parity_worker import GradientRecorder, hf_name_of_pipeline_param
+    from training.distributed import init_distributed, parallel_topology
+    from training.evaluation import evaluate
+
+    init_distributed(timeout_minutes=2)
+    config = AutoConfig.from_pretrained(hf_dir)
+    results = {}
+    for name, (stages, tensor_parallel) in TOPOLOGIES.items():
+        module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True)
+        optimizer = GradientRecorder(module.parameters())
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config={
+            "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GAS,
+            "steps_per_print": 10**9, "gradient_clipping": 0.0,
+            "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}})
+        engine.load_checkpoint(ds_dir, load_module_only=True)
+        reads_data = engine.is_first_stage() or engine.is_last_stage()
+        cfg = SimpleNamespace(micro_batch_size=MICRO_BATCH, seq_length=SEQ, gradient_accumulation_steps=GAS,
+                              tensor_parallel_size=tensor_parallel)
+        eval_loss, _ = evaluate(engine, rows if reads_data else None, len(rows), cfg, pad_id=0)
+        dp_size = engine.grid.get_data_parallel_world_size()
+        engine.train_batch(micro_batches(rows, dp_size, engine.grid.data_parallel_id))
+        ref_loss, ref_grads = hf_reference(hf_dir, rows, GAS * dp_size)
+        grad_errors = {}
+        for param_name, param in module.named_parameters():
+            ref = ref_grads[hf_name_of_pipeline_param(param_name, config.num_hidden_layers)]
+            if getattr(param, "tensor_parallel_dim", None) is not None:
+                ref = ref.chunk(tensor_parallel, param.tensor_parallel_dim)[engine.grid.get_slice_parallel_rank()]
+            grad_errors[param_name] = ((optimizer.recorded[param] - ref).abs().max() / ref.abs().max()).item()
+        results[name] = {"eval_loss": eval_loss, "ref_loss": ref_loss, "grad_errors": grad_errors}
+        torch.distributed.barrier()
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    torch.distributed.destroy_process_group()
+
+
+def test_packed_rows_match_transformers_on_each_example(tiny_checkpoints, tmp_path):
+    rng = random.Random(0)
+    # Skewed lengths: mostly short, a few close to SEQ.
+    lengths = [rng.choice([3, 4, 5, 6, 8, 10, 12, 29, 31]) for _ in range(40)]
+    records = [{"input_ids": [rng.randrange(96) for _ in range(n)]} for n in lengths]
+    path = tmp_path / "ids.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    packed, stats = build_dataset(path, None, {"format": "pretokenized", "packing": True}, SEQ,
+                                  cache_dir=tmp_path / "cache", vocab_size=96)
+    rows = packed.to_list()[::-1]  # best fit puts the long examples first; train on rows of several documents
+    assert stats.packed_from == 40 and len(rows) < 40 and any(len(r["lengths"]) > 2 for r in rows[:GAS * 2 * 2])
+    hf_dir, ds_dir = tiny_checkpoints["llama3"]
+    spawn(packed_parity_worker, 2, hf_dir, ds_dir, rows, str(tmp_path))
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    for name in TOPOLOGIES:
+        for result in (rank[name] for rank in ranks):
+            assert result["eval_loss"] == pytest.approx(result["ref_loss"], abs=1e-5), name
+            bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
+            assert not bad, f"{name}: gradients differ from transformers on each example alone: {bad}"
+
+
+def test_trainer_eval_only_on_packed_chat_equals_transformers_per_conversation(demo_model, tmp_path):
+    """trainer_pipe.py through the launcher, data.format=chat with a template file and packing: its eval_loss is
+    transformers' token-weighted loss over the assistant tokens of each conversation run alone."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.chat_tokenizers import CHATML_TEMPLATE
+    from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics
+
+    rng = random.Random(1)
+    words = "the cat dog sees a red ball near park".split()
+    say = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))  # noqa: E731
+    conversations = [[message for _ in range(rng.randint(1, 2)) for message in
+                      ({"role": "user", "content": say()}, {"role": "assistant", "content": say()})]
+                     for _ in range(12)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML_TEMPLATE)
+    out = tmp_path / "run"
+    check_ok(launch_trainer(1, demo_overrides(
+        demo_model, out, num_stages=1, eval_only="true", eval_file=data, micro_batch_size=2, seq_length=512,
+        **{"data.format": "chat", "data.chat_template": template, "data.packing": "true",
+           "data.cache_dir": tmp_path / "cache"})))
+    (record,) = [r for r in read_metrics(out) if "eval_loss" in r]
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model["hf"])
+    unpacked, _ = build_dataset(data, tokenizer, {"format": "chat", "chat_template": str(template)}, 512,
+                                cache_dir=tmp_path / "cache")
+    model = AutoModelForCausalLM.from_pretrained(demo_model["hf"], dtype=torch.float32)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in unpacked:
+            loss_sum, n = hf_loss_sum_and_count(model, row["input_ids"], row["labels"])
+            total, count = total + loss_sum.item(), count + n
+    assert len(unpacked) == 12 and count > 100 and record["eval_examples"] < 12  # the trainer's rows were packed
+    assert record["eval_loss"] == pytest.approx(total / count, abs=1e-5)
