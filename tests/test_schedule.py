@@ -62,14 +62,15 @@ def test_orders_are_complete_and_respect_memory(stages, micro_batches):
             assert waiting <= stages  # never more micro-batches between F and W than 1F1B holds on stage 0
 
 
-@pytest.mark.parametrize("stages,micro_batches", [(2, 8), (4, 16), (8, 64)])
-def test_simulated_step_times(stages, micro_batches):
-    unit = [{"F": 1.0, "B": 1.0, "W": 1.0}] * stages
-    step = {policy: max(end for _, end in simulate(stages, micro_batches, unit, policy)[0].values())
-            for policy in ("1f1b", "zero_bubble")}
-    assert step["1f1b"] == 3 * (micro_batches + stages - 1)  # the 1F1B bound
-    # ZB-H1's bubble is (p - 1)(F + B - W) (Qi et al.); the list schedule gets within one slot per stage of it.
-    assert 3 * micro_batches + stages - 1 <= step["zero_bubble"] <= 3 * micro_batches + 2 * (stages - 1)
+@pytest.mark.parametrize("stages,micro_batches", [(2, 4), (2, 8), (4, 16), (8, 64)])
+@pytest.mark.parametrize("forward,backward,weight", [(1, 1, 1), (1, 2, 1), (1, 1.2, 0.8), (1, 1.5, 0.5)])
+def test_simulated_step_is_the_zb_h1_bound(stages, micro_batches, forward, backward, weight):
+    times = [{"F": forward, "B": backward, "W": weight}] * stages
+    step = {schedule: max(end for _, end in simulate(stages, micro_batches, times, schedule).values())
+            for schedule in ("1f1b", "zero_bubble")}
+    work = micro_batches * (forward + backward + weight)
+    assert step["1f1b"] == pytest.approx(work + (stages - 1) * (forward + backward + weight))  # 1F1B's bubble
+    assert step["zero_bubble"] == pytest.approx(work + (stages - 1) * (forward + backward - weight))  # ZB-H1's
 
 
 @pytest.mark.parametrize("overrides,message", [

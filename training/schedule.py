@@ -1,16 +1,16 @@
 """The zero-bubble pipeline schedule (ZB-H1, Qi et al., ICLR 2024) in DeepSpeed's instruction style.
 
 Each backward is split in two: B, the input gradient the previous stage waits for, and W, the weight gradient
-nobody waits for (models/weight_grads.py defers it). A stage runs B as soon as its gradient has arrived, else the
-next forward, else the oldest pending W: the Ws of the last micro-batches fill the cool-down, where 1F1B idles.
-Memory stays 1F1B's: a stage starts a forward only while fewer than `p` micro-batches are between their F and their
-W (1F1B's peak, that of stage 0; a micro-batch waiting only for W holds its linear layers' inputs and output
-gradients, less than a whole forward's activations).
+nobody waits for (models/weight_grads.py defers it). Stage s runs 1F1B's forwards and backwards in 1F1B's order, B
+standing for the whole backward, and places the Ws: in the steady state the W of the micro-batch s places back
+follows each B, and in the cool-down, where 1F1B idles waiting for gradients, one pending W follows each B; the rest
+come last. The bubble shrinks from (p-1)(F+B+W) to (p-1)(F+B-W) for any F, B, W (the paper's ZB-H1 bound;
+tests/test_schedule.py checks it by simulation). Memory stays within 1F1B's peak: at most p micro-batches are
+between their F and their W on any stage, as on 1F1B's first stage (one waiting only for W holds its linear layers'
+inputs and output gradients, less than a forward's activations); later stages hold more than under 1F1B.
 
-The order of each stage's computations comes from a list-scheduling simulation of all stages (`stage_orders`),
-with equal F, B and W times unless measured ones are given; bench/schedule_simulator.py runs the same simulation
-with measured times. Any order it produces respects every dependency, so executing it with non-blocking sends
-(training/pipeline_engine.py) cannot deadlock.
+Executed with non-blocking sends (training/pipeline_engine.py), any order that respects the dependencies runs
+without deadlock; `simulate` times these orders for bench/schedule_simulator.py.
 """
 from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicroBatch, OptimizerStep, PipeInstruction,
                                              RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation,
@@ -23,70 +23,67 @@ class BackwardWeightPass(PipeInstruction):
     """Compute the weight gradients deferred by the oldest micro-batch's BackwardPass and accumulate them."""
 
 
-def simulate(stages, micro_batches, costs, policy):
-    """Run every stage's computations in time; returns ({(kind, stage, micro_batch): (start, end)}, orders), orders
-    being [[(kind, micro_batch), ...] per stage]. costs: per stage {"F": s, "B": s, "W": s}. policy "1f1b":
-    DeepSpeed's TrainSchedule order (stage s runs min(p - s, m) forwards, then backward and forward alternate; a
-    backward is B and W together); "zero_bubble": B if its gradient is there, else F while fewer than p
-    micro-batches await their W, else the oldest W. Transfers between stages take no time."""
-    p, m = stages, micro_batches
-    kinds = ("F", "B") if policy == "1f1b" else ("F", "B", "W")
-    cost_of = [dict(c, B=c["B"] + c["W"]) if policy == "1f1b" else c for c in costs]
-    done, free_at = {}, [0.0] * p
-    count = [dict.fromkeys(kinds, 0) for _ in range(p)]
-    orders = [[] for _ in range(p)]
+def one_f_one_b_order(stages, micro_batches, stage):
+    """DeepSpeed's TrainSchedule: min(p - s, m) forwards, then backward and forward alternate: [("F"|"B", j)]."""
+    warmup = min(stages - stage, micro_batches)
+    order = [("F", j) for j in range(warmup)]
+    for j in range(micro_batches - warmup):
+        order += [("B", j), ("F", j + warmup)]
+    return order + [("B", j) for j in range(micro_batches - warmup, micro_batches)]
+
+
+def zero_bubble_order(stages, micro_batches, stage):
+    """ZB-H1 on stage s: 1F1B's order of F and B, W_{j-s} after B_j in the steady state (W before the next F keeps
+    at most p micro-batches waiting for their W), one W after each cool-down B, the rest last."""
+    order = []
+    weights_done = 0
+    for kind, j in one_f_one_b_order(stages, micro_batches, stage):
+        order.append((kind, j))
+        steady = j < micro_batches - min(stages - stage, micro_batches)
+        if kind == "B" and (j - stage >= weights_done if steady else True):
+            order.append(("W", weights_done))
+            weights_done += 1
+    return order + [("W", j) for j in range(weights_done, micro_batches)]
+
+
+def stage_orders(stages, micro_batches, schedule="zero_bubble"):
+    """[[(kind, micro_batch), ...] per stage] of a schedule."""
+    order_of = zero_bubble_order if schedule == "zero_bubble" else one_f_one_b_order
+    return [order_of(stages, micro_batches, stage) for stage in range(stages)]
+
+
+def simulate(stages, micro_batches, costs, schedule):
+    """Time every stage's order: each computation starts when its stage is free and its input is complete
+    (transfers free). costs: per stage {"F": s, "B": s, "W": s}; under 1F1B a backward costs B + W.
+    Returns {(kind, stage, micro_batch): (start, end)}."""
+    orders = stage_orders(stages, micro_batches, schedule)
+    cost_of = [dict(c, B=c["B"] + c["W"]) if schedule == "1f1b" else c for c in costs]
+    done, free_at, position = {}, [0.0] * stages, [0] * stages
 
     def producer(kind, s, j):
         if kind == "F":
             return ("F", s - 1, j) if s > 0 else None
         if kind == "B":
-            return ("B", s + 1, j) if s < p - 1 else ("F", s, j)
+            return ("B", s + 1, j) if s < stages - 1 else ("F", s, j)
         return ("B", s, j)
 
-    def options(s):
-        n = count[s]
-        if policy == "1f1b":
-            warmup = min(p - s, m)
-            if n["B"] == m:
-                return []
-            return [("B", n["B"])] if n["F"] == m or n["F"] - n["B"] == warmup else [("F", n["F"])]
-        return ([("B", n["B"])] if n["B"] < n["F"] else []) + \
-               ([("F", n["F"])] if n["F"] < m and n["F"] - n["W"] < p else []) + \
-               ([("W", n["W"])] if n["W"] < n["B"] else [])
-
-    def inputs_ready(kind, s, j):
-        """When (kind, s, j) could start, or None while its producer is not scheduled."""
-        source = producer(kind, s, j)
-        return 0.0 if source is None else done[source][1] if source in done else None
-
-    while True:
-        busy = [s for s in range(p) if options(s)]
-        if not busy:
-            return done, orders
-        now = min(free_at[s] for s in busy)
-        deciding = [s for s in busy if free_at[s] == now]
-        for s in deciding:
-            runnable = [(kind, j) for kind, j in options(s)
-                        if inputs_ready(kind, s, j) is not None and inputs_ready(kind, s, j) <= now]
-            if runnable:
-                kind, j = runnable[0]
-                done[(kind, s, j)] = (now, now + cost_of[s][kind])
-                free_at[s] = now + cost_of[s][kind]
-                count[s][kind] += 1
-                orders[s].append((kind, j))
-                break
-        else:  # nobody can start now: the idle stages wait for the next end or decision elsewhere
-            later = [end for _, end in done.values() if end > now] + [free_at[o] for o in busy if free_at[o] > now]
-            if not later:
-                raise RuntimeError(f"{policy} schedule deadlocks at time {now}")
-            for s in deciding:
-                free_at[s] = min(later)
-
-
-def stage_orders(stages, micro_batches, costs=None):
-    """The zero-bubble order of computations of every stage: [[("F" | "B" | "W", micro_batch), ...] per stage]."""
-    costs = costs or [{"F": 1.0, "B": 1.0, "W": 1.0}] * stages
-    return simulate(stages, micro_batches, costs, "zero_bubble")[1]
+    progressed = True
+    while progressed:
+        progressed = False
+        for s in range(stages):
+            while position[s] < len(orders[s]):
+                kind, j = orders[s][position[s]]
+                source = producer(kind, s, j)
+                if source is not None and source not in done:
+                    break
+                start = max(free_at[s], done[source][1] if source else 0.0)
+                done[(kind, s, j)] = (start, start + cost_of[s][kind])
+                free_at[s] = start + cost_of[s][kind]
+                position[s] += 1
+                progressed = True
+    if any(position[s] < len(orders[s]) for s in range(stages)):
+        raise RuntimeError(f"{schedule} orders deadlock for {stages} stages and {micro_batches} micro-batches")
+    return done
 
 
 class ZeroBubbleSchedule(TrainSchedule):
@@ -95,7 +92,7 @@ class ZeroBubbleSchedule(TrainSchedule):
 
     def __init__(self, micro_batches, stages, stage_id):
         super().__init__(micro_batches, stages, stage_id)
-        self.order = stage_orders(stages, micro_batches)[stage_id]
+        self.order = zero_bubble_order(stages, micro_batches, stage_id)
 
     def steps(self):
         for kind, micro_batch in self.order:
