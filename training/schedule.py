@@ -88,7 +88,8 @@ def simulate(stages, micro_batches, costs, schedule):
 
 class ZeroBubbleSchedule(TrainSchedule):
     """One step per computation of this stage's zero-bubble order: receive what it needs, compute, send what it
-    made. The optimizer step comes after the last W, so it sees every gradient of the batch."""
+    made. The optimizer step comes after the last W, so it sees every gradient of the batch. Pipe buffers are
+    TrainSchedule's: a buffer holds a micro-batch from its F to its B, and those run in 1F1B's order."""
 
     def __init__(self, micro_batches, stages, stage_id):
         super().__init__(micro_batches, stages, stage_id)
@@ -113,7 +114,3 @@ class ZeroBubbleSchedule(TrainSchedule):
                 cmds = [BackwardWeightPass()]
             yield cmds
         yield [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
-
-    def num_pipe_buffers(self):
-        """One buffer per micro-batch: a buffer holds tensors only between a micro-batch's F and its B."""
-        return self.micro_batches
