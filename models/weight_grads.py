@@ -3,8 +3,8 @@ gradient, which the previous stage waits for, now; the weight gradient, which no
 
 While a `WeightGradQueue` is deferring (one micro-batch's backward pass B), the linear layers built with it return
 no weight gradient and queue (input, output gradient) instead; `run_oldest` (the schedule's W) computes that
-micro-batch's weight gradients and accumulates them through autograd, so DeepSpeed's gradient hooks see them as
-they would see a normal backward's. Embedding, norm and LM-head weights keep their gradients in B (the LM head's
+micro-batch's weight gradients and adds them into .grad as autograd's accumulation would (no gradient hooks run:
+the zero-bubble schedule supports the fp32, ZeRO-0 path, training/config.py). Embedding, norm and LM-head weights keep their gradients in B (the LM head's
 would hold a logits-sized output gradient until W).
 """
 import collections
@@ -40,10 +40,13 @@ class WeightGradQueue:
 
     def run_oldest(self):
         """Compute the oldest micro-batch's weight gradients and accumulate them into the parameters' .grad."""
-        pairs = [pair for work in self._pending.popleft() for pair in work()]
-        if pairs:
-            params, grads = zip(*pairs)
-            torch.autograd.backward(params, grads)
+        with torch.no_grad():
+            for work in self._pending.popleft():
+                for param, grad in work():
+                    if param.grad is None:
+                        param.grad = grad
+                    else:
+                        param.grad.add_(grad)
 
 
 def linear(x, weight, bias, queue):

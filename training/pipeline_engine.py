@@ -25,11 +25,7 @@ class ZeroBubblePipelineEngine(PipelineEngine):
             super()._exec_backward_pass(buffer_id)
 
     def _exec_backward_weight_pass(self):
-        self._running_engine_backward = True
-        try:
-            self.module.parallel.weight_grads.run_oldest()
-        finally:
-            self._running_engine_backward = False
+        self.module.parallel.weight_grads.run_oldest()
 
     def _exec_send_activations(self, buffer_id):
         outputs = self.pipe_buffers["outputs"][buffer_id]
