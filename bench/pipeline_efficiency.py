@@ -11,7 +11,8 @@ For p stages (one process each, one thread each; default p = 2) and m micro-batc
   BackwardPass and BackwardWeightPass instructions; under 1F1B the backward is B + W) plus the optimizer's time,
   as a ratio, beside the measured one;
 - peak RSS per stage during the timed steps (each schedule and m in fresh processes), and its rise over the RSS
-  before them (activations and gradients).
+  before them (activations and gradients). Every process runs with glibc's mmap threshold fixed, as
+  bench/memory_plan_check.py does, so that RSS follows the live tensors rather than heap fragments.
 Then where each stage's time goes: compute (forward, backward), optimizer (gradient reduction and step), send,
 receive (a receive waits for the peer: bubble, imbalance and transfer), batch loading and the engine's own
 overhead (the rest of the wall time: schedule and Python between instructions).
@@ -33,6 +34,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (machine_note, peak_rss_bytes, random_micro_batches, reset_peak_rss, rss_bytes,  # noqa: E402
                     run_config, spawn, train_step_seconds)
+from memory_plan_check import FIXED_MMAP_THRESHOLD  # noqa: E402
 from schedule_simulator import predict  # noqa: E402
 
 MODEL = dict(vocab_size=3072, hidden_size=256, intermediate_size=688, num_hidden_layers=7, num_attention_heads=4,
@@ -232,6 +234,7 @@ def main():
     parser.add_argument("--stages", type=int, nargs="+", default=[2])
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "zero_bubble"], choices=["1f1b", "zero_bubble"])
+    parser.add_argument("--default-malloc", action="store_true", help="glibc's default mmap threshold")
     parser.add_argument("--replica", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--ready-dir", help=argparse.SUPPRESS)
@@ -240,6 +243,8 @@ def main():
     if args.replica:
         spawn(replica_worker, 1, args.micro_batches, args.steps, args.out, args.ready_dir, args.copies)
         return
+    if not args.default_malloc:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = FIXED_MMAP_THRESHOLD  # read by each worker's malloc at start-up
     print(f"model: {MODEL}; seq_length {SEQ_LENGTH}, micro-batch {MICRO_BATCH}, fp32, 1 thread per process; "
           f"median of {args.steps} steps after one warm-up")
     for num_stages in args.stages:
