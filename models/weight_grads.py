@@ -4,8 +4,8 @@ gradient, which the previous stage waits for, now; the weight gradient, which no
 While a `WeightGradQueue` is deferring (one micro-batch's backward pass B), the linear layers built with it return
 no weight gradient and queue (input, output gradient) instead; `run_oldest` (the schedule's W) computes that
 micro-batch's weight gradients and adds them into .grad as autograd's accumulation would (no gradient hooks run:
-the zero-bubble schedule supports the fp32, ZeRO-0 path, training/config.py). Embedding, norm and LM-head weights keep their gradients in B (the LM head's
-would hold a logits-sized output gradient until W).
+the zero-bubble schedule supports the fp32, ZeRO-0 path, training/config.py). Embedding, norm and LM-head weights
+keep their gradients in B (the LM head's would hold a logits-sized output gradient until W).
 """
 import collections
 import contextlib

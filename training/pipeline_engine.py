@@ -53,11 +53,14 @@ class ZeroBubblePipelineEngine(PipelineEngine):
     def _send_async(self, tensors, stage):
         """isend each tensor; the request keeps it alive until the receiver has it (waited for at the step's end)."""
         peer = self.grid.stage_to_global(stage)
-        self._sends = [work for work in getattr(self, "_sends", []) if not work.is_completed()]
+        self._sends = [work for work in self._sends if not work.is_completed()]
         self._sends += [dist.isend(t.contiguous(), peer) for t in tensors]
 
     def _exec_reduce_tied_grads(self):
-        for work in getattr(self, "_sends", []):
+        """The step's first instruction after the last W: sends complete, no weight gradient left behind."""
+        if len(self.module.parallel.weight_grads):
+            raise RuntimeError("zero_bubble: a micro-batch's weight gradients were not computed before the step")
+        for work in self._sends:
             work.wait()
         self._sends = []
         super()._exec_reduce_tied_grads()
@@ -75,10 +78,12 @@ class ZeroBubblePipelineEngine(PipelineEngine):
 
 def use_zero_bubble(engine):
     """Turn the PipelineEngine that deepspeed.initialize built (it picks the class itself) into the zero-bubble
-    one: the subclass adds methods and instructions only, no state of its own beyond the module's queue."""
+    one: the subclass adds methods and instructions, and two pieces of state: the module's weight-gradient queue
+    and the sends in flight."""
     if engine.dynamic_shape or engine.has_bool_tensors or engine.is_pipe_partitioned:
         raise ValueError("pipeline_schedule=zero_bubble does not support dynamic shapes, bool tensors between "
                          "stages or pipe_partitioned; use pipeline_schedule=1f1b.")
     engine.module.parallel.weight_grads = WeightGradQueue()
+    engine._sends = []
     engine.__class__ = ZeroBubblePipelineEngine
     return engine

@@ -1,13 +1,13 @@
 """The zero-bubble pipeline schedule (ZB-H1, Qi et al., ICLR 2024) in DeepSpeed's instruction style.
 
 Each backward is split in two: B, the input gradient the previous stage waits for, and W, the weight gradient
-nobody waits for (models/weight_grads.py defers it). Stage s runs 1F1B's forwards and backwards in 1F1B's order, B
-standing for the whole backward, and places the Ws: in the steady state the W of the micro-batch s places back
-follows each B, and in the cool-down, where 1F1B idles waiting for gradients, one pending W follows each B; the rest
-come last. The bubble shrinks from (p-1)(F+B+W) to (p-1)(F+B-W) for any F, B, W (the paper's ZB-H1 bound;
-tests/test_schedule.py checks it by simulation). Memory stays within 1F1B's peak: at most p micro-batches are
-between their F and their W on any stage, as on 1F1B's first stage (one waiting only for W holds its linear layers'
-inputs and output gradients, less than a forward's activations); later stages hold more than under 1F1B.
+nobody waits for (models/weight_grads.py defers it). Stage s runs its forwards and Bs in 1F1B's order and places
+the Ws: in the steady state B_j is followed by W_(j-s) (stage s holds its Ws s micro-batches back), in the cool-down,
+where 1F1B idles waiting for gradients, one pending W follows each B, and the rest come last. The bubble shrinks
+from (p-1)(F+B+W) to (p-1)(F+B-W) for any F, B, W (the paper's ZB-H1 bound; tests/test_schedule.py checks it by
+simulation). Memory stays within 1F1B's peak: at most p micro-batches are between their F and their W on any
+stage, as on 1F1B's first stage (one waiting only for W holds its linear layers' inputs and output gradients, less
+than a forward's activations); later stages hold more than under 1F1B.
 
 Executed with non-blocking sends (training/pipeline_engine.py), any order that respects the dependencies runs
 without deadlock; `simulate` times these orders for bench/schedule_simulator.py.
@@ -40,7 +40,7 @@ def zero_bubble_order(stages, micro_batches, stage):
     for kind, j in one_f_one_b_order(stages, micro_batches, stage):
         order.append((kind, j))
         steady = j < micro_batches - min(stages - stage, micro_batches)
-        if kind == "B" and (j - stage >= weights_done if steady else True):
+        if kind == "B" and (not steady or j - stage >= weights_done):
             order.append(("W", weights_done))
             weights_done += 1
     return order + [("W", j) for j in range(weights_done, micro_batches)]
