@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from models.weight_grads import linear as deferrable_linear, linear_weight_grads
+
 # DeepSpeed's marker of a parameter split across the tensor-parallel group: its gradient-norm code counts such a
 # parameter on every rank and a replicated one on tensor-parallel rank 0 only.
 SHARDED_MARKER = "tensor_model_parallel"
@@ -30,6 +32,7 @@ class TensorParallel:
         self.sequence_parallel = sequence_parallel and size > 1
         self.recompute_sequence_gather = recompute_sequence_gather
         self.buffers = BufferPool()
+        self.weight_grads = None  # a WeightGradQueue (models/weight_grads.py) under the zero-bubble schedule
 
     def local(self, count, what):
         """This rank's share of `count` (heads, features, vocabulary rows), or an error naming what does not split."""
@@ -54,20 +57,30 @@ class TensorParallel:
         features for every token. Under sequence parallelism x holds this rank's tokens and the full set is
         gathered once for the whole group of projections."""
         if self.size == 1:
-            return [F.linear(x, lin.weight, getattr(lin, "bias", None)) for lin in linears]
+            return [self.linear(x, lin) for lin in linears]
         if self.sequence_parallel:
             params = [t for lin in linears for t in (lin.weight, getattr(lin, "bias", None))]
-            return list(GatheredLinears.apply(self, x, *params))
+            defer = self.weight_grads is not None and not any(getattr(lin, "keeps_weight_grad", False)
+                                                              for lin in linears)
+            return list(GatheredLinears.apply(self, defer, x, *params))
         x = CopyToGroup.apply(x, self.group)
-        return [F.linear(x, lin.weight, getattr(lin, "bias", None)) for lin in linears]
+        return [self.linear(x, lin) for lin in linears]
 
     def row_linear(self, x, linear):
         """A row-parallel projection: partial sums over this rank's input features, added across the group (and
         split by token under sequence parallelism); the bias, held whole, is added once after the sum."""
         if self.size == 1:
-            return linear(x)
-        out = self.reduce(F.linear(x, linear.weight))
+            return self.linear(x, linear)
+        out = self.reduce(self.linear(x, linear, bias=False))
         return out if linear.bias is None else out + self.replicated(linear.bias)
+
+    def linear(self, x, module, bias=True):
+        """x through a linear module (without its bias if bias=False); its weight gradients deferred when the
+        schedule splits the backward, except the LM head's and tied embedding's (keeps_weight_grad)."""
+        bias = getattr(module, "bias", None) if bias else None
+        if self.weight_grads is None or getattr(module, "keeps_weight_grad", False):
+            return F.linear(x, module.weight, bias)
+        return deferrable_linear(x, module.weight, bias, self.weight_grads)
 
     def reduce(self, partial):
         """Sum partial results across the group: all-reduce, or reduce-scatter by token under sequence parallelism."""
@@ -185,12 +198,12 @@ class GatheredLinears(torch.autograd.Function):
     (one more all-gather per group, and only the pool's one buffer alive)."""
 
     @staticmethod
-    def forward(ctx, parallel, x, *params):
+    def forward(ctx, parallel, defer, x, *params):
         recompute = parallel.recompute_sequence_gather
         full = parallel.gather_tokens(x, pooled=recompute)
         weights, biases = params[0::2], params[1::2]
         outputs = tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
-        ctx.parallel, ctx.has_bias = parallel, [b is not None for b in biases]
+        ctx.parallel, ctx.has_bias, ctx.biases, ctx.defer = parallel, [b is not None for b in biases], biases, defer
         ctx.save_for_backward(x if recompute else full, *weights)
         return outputs
 
@@ -202,13 +215,28 @@ class GatheredLinears(torch.autograd.Function):
         full_2d = full.reshape(-1, full.shape[-1])
         # The input gradient over all tokens lives only until it is reduce-scattered: a pool buffer.
         grad_full = parallel.buffers.get("input_grad", full_2d.shape, full.dtype, full.device)
-        param_grads = []
-        for index, (grad, weight, has_bias) in enumerate(zip(grads, weights, ctx.has_bias)):
-            grad_2d = grad.reshape(-1, grad.shape[-1])
-            grad_full.addmm_(grad_2d, weight, beta=1 if index else 0)
-            param_grads += [grad_2d.t() @ full_2d, grad_2d.sum(0) if has_bias else None]
+        for index, (grad, weight) in enumerate(zip(grads, weights)):
+            grad_full.addmm_(grad.reshape(-1, grad.shape[-1]), weight, beta=1 if index else 0)
         grad_x = parallel.scatter_tokens(grad_full.view(full.shape))
-        return None, grad_x, *param_grads
+        if ctx.defer and parallel.weight_grads.deferring:
+            # W may run after other layers reused the pool buffer: keep the input, or gather it again then.
+            queue_gathered_weight_grads(parallel, saved, grads, weights, ctx.biases)
+            return None, None, grad_x, *([None] * 2 * len(weights))
+        param_grads = []
+        for grad, weight, has_bias in zip(grads, weights, ctx.has_bias):
+            grad_2d = grad.reshape(-1, grad.shape[-1])
+            param_grads += [grad_2d.t() @ full_2d, grad_2d.sum(0) if has_bias else None]
+        return None, None, grad_x, *param_grads
+
+
+def queue_gathered_weight_grads(parallel, saved, grads, weights, biases):
+    """Queue GatheredLinears' weight gradients (zero-bubble W); the tokens are gathered again at W when
+    recompute_sequence_gather keeps only this rank's share (every rank of the group runs W at the same point)."""
+    def params_and_grads():
+        full = parallel.gather_tokens(saved, pooled=True) if parallel.recompute_sequence_gather else saved
+        return [pair for grad, weight, bias in zip(grads, weights, biases)
+                for pair in linear_weight_grads(full, grad, weight, bias)]
+    parallel.weight_grads.add(params_and_grads)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):

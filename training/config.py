@@ -9,6 +9,7 @@ from checkpoints.files import has_tokenizer_files, read_latest
 from models.layout import layer_file_name
 from models.llama import check_model_config
 from models.tensor_parallel import check_tensor_parallel_split
+from training.schedule import PIPELINE_SCHEDULES
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULERS = ("cosine", "linear", "constant")
@@ -84,6 +85,7 @@ def check_run_config(cfg, world_size, model_config):
         raise ConfigError(f"lr_scheduler '{cfg.lr_scheduler}' is not one of {SCHEDULERS}.")
     if cfg.micro_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise ConfigError("micro_batch_size and gradient_accumulation_steps must be at least 1.")
+    check_pipeline_schedule(cfg)
     if cfg.nan_policy not in ("stop", "skip"):
         raise ConfigError(f"nan_policy '{cfg.nan_policy}' is not one of ('stop', 'skip').")
     if not cfg.preemption_grace_seconds > 0:
@@ -112,6 +114,21 @@ def check_offload(cfg):
         raise ConfigError("nan_policy=skip replaces DeepSpeed's optimizer with a torch AdamW on the device, which "
                           "cannot be offloaded; use nan_policy=stop with offload_optimizer=cpu, or "
                           "offload_optimizer=none.")
+
+
+def check_pipeline_schedule(cfg):
+    if cfg.pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"pipeline_schedule '{cfg.pipeline_schedule}' is not one of {PIPELINE_SCHEDULES}.")
+    if cfg.pipeline_schedule != "zero_bubble":
+        return
+    unsupported = [what for what, bad in (
+        (f"precision={cfg.precision}", cfg.precision != "fp32"),
+        (f"zero_stage={cfg.zero_stage}", cfg.zero_stage != 0),
+        ("compile=true", cfg.compile),  # compiled backward graphs cannot queue the weight-gradient work
+    ) if bad]
+    if unsupported:
+        raise ConfigError(f"pipeline_schedule=zero_bubble does not support {', '.join(unsupported)} yet (it runs "
+                          f"with precision=fp32, zero_stage=0, compile=false); use pipeline_schedule=1f1b.")
 
 
 def data_parallel_size(world_size, num_stages, tensor_parallel_size=1):

@@ -25,6 +25,7 @@ from training.distributed import init_distributed, parallel_topology, set_thread
 from training.evaluation import evaluate
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
 from training.optimizer import skipping_optimizer
+from training.pipeline_engine import use_zero_bubble
 from training.preemption import Preempted, PreemptionWatch
 from training.plan import load_plan_model_config, plan_world_size, print_memory_plan, workload_from_cfg
 
@@ -91,6 +92,8 @@ def build_engine(cfg, model_config, total_steps):
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, optimizer=optimizer,
                                            config=ds_config)
     engine.clip_fp32_gradients = lambda: clip_fp32_gradients_across_stages(engine)
+    if cfg.pipeline_schedule == "zero_bubble":
+        use_zero_bubble(engine)
     return engine, monitors
 
 

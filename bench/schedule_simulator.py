@@ -1,0 +1,105 @@
+"""Step time and bubble of each pipeline schedule from the F, B and W times of each stage.
+
+F: a micro-batch's forward; B: its input-gradient backward (what the previous stage waits for); W: its
+weight-gradient backward (under 1F1B a backward is B + W). The schedules are the ones the trainer runs
+(training/schedule.py simulates both in time, transfers free), so a measured F, B, W predicts a measured step;
+bench/pipeline_efficiency.py prints the prediction beside its measurements.
+
+  python bench/schedule_simulator.py --stages 2 --micro-batches 8 --times 0.030,0.032,0.025
+  python bench/schedule_simulator.py --stages 2 --micro-batches 8 --times 0.03,0.03,0.02 0.03,0.04,0.02  # per stage
+  python bench/schedule_simulator.py --overhead 0.05 ...   # seconds each step adds (optimizer, loads)
+  python bench/schedule_simulator.py                        # llama_65b on paper (times from its FLOPs)
+
+bubble = 1 - (compute of all stages) / (stages x step): the fraction of the devices' time spent idle.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from training.schedule import PIPELINE_SCHEDULES, simulate  # noqa: E402
+
+
+def predict(stages, micro_batches, times, overhead=0.0):
+    """{schedule: (step seconds, bubble fraction)}; times: one {"F", "B", "W"} per stage (or one for all)."""
+    times = list(times) * stages if len(times) == 1 else list(times)
+    if len(times) != stages:
+        raise ValueError(f"{len(times)} stage times for {stages} stages: give one for all or one per stage.")
+    work = sum(micro_batches * (t["F"] + t["B"] + t["W"]) for t in times)
+    result = {}
+    for schedule in PIPELINE_SCHEDULES:
+        done = simulate(stages, micro_batches, times, schedule)
+        makespan = max(end for _, end in done.values())
+        result[schedule] = (makespan + overhead, 1 - work / (stages * makespan))
+    return result
+
+
+def paper_times_llama_65b():
+    """F, B, W per stage of conf/llama_65b.yaml (balanced partition, checkpointing as configured), in units of one
+    decoder layer's forward: matmuls cost as much in B as in W; attention has no weights (all its backward is B);
+    a checkpointed layer recomputes its forward in B; the LM head's weight gradient stays in B."""
+    from omegaconf import OmegaConf
+    from transformers import LlamaConfig
+
+    from models.partition import (DECODER, HEAD, LayerCosts, balanced_decoder_counts, decoder_parameter_split)
+    from training.plan import workload_from_cfg
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf",
+                                      "llama_65b.yaml"))
+    cfg = OmegaConf.merge(OmegaConf.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                      "conf", "base.yaml")), cfg)
+    config = LlamaConfig(**cfg.model_config)
+    workload = workload_from_cfg(cfg, cfg.plan_world_size)
+    layers = LayerCosts(config, workload)
+    sharded, replicated = decoder_parameter_split(config)
+    unit = layers.forward_flops[DECODER]
+    matmul = (2 * workload.tokens * sharded + 2 * workload.residual_tokens * replicated) / unit
+    attention = 1 - matmul
+    recompute = 1 if workload.activation_checkpoint_interval else 0
+    head = layers.forward_flops[HEAD] / unit
+    counts = balanced_decoder_counts(config, cfg.num_stages, workload)
+    times = []
+    for stage, count in enumerate(counts):
+        last = stage == cfg.num_stages - 1
+        times.append({"F": count + (head if last else 0),
+                      "B": count * (matmul + 2 * attention + recompute) + (2 * head if last else 0),
+                      "W": count * matmul})
+    return cfg.num_stages, cfg.gradient_accumulation_steps, times, counts
+
+
+def print_prediction(stages, micro_batches, times, overhead=0.0, unit="s"):
+    for schedule, (step, bubble) in predict(stages, micro_batches, times, overhead).items():
+        print(f"p={stages} m={micro_batches:>3}  {schedule:<12} step {step:10.4f} {unit}  bubble {bubble:6.1%}")
+
+
+def parse_times(text):
+    values = [float(v) for v in text.split(",")]
+    if len(values) != 3 or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"'{text}' is not F,B,W (three non-negative seconds)")
+    return dict(zip("FBW", values))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", type=int)
+    parser.add_argument("--micro-batches", type=int, nargs="+")
+    parser.add_argument("--times", type=parse_times, nargs="+", help="F,B,W seconds: one for all stages or per stage")
+    parser.add_argument("--overhead", type=float, default=0.0, help="seconds each step adds outside the schedule")
+    args = parser.parse_args()
+    if args.times is None:
+        stages, micro_batches, times, counts = paper_times_llama_65b()
+        print(f"llama_65b on paper (conf/llama_65b.yaml: {stages} stages, {micro_batches} micro-batches, decoder "
+              f"layers per stage {counts}); times in decoder-layer forwards; stage 0: F {times[0]['F']:.2f} "
+              f"B {times[0]['B']:.2f} W {times[0]['W']:.2f}, last stage: F {times[-1]['F']:.2f} "
+              f"B {times[-1]['B']:.2f} W {times[-1]['W']:.2f}")
+        print_prediction(stages, micro_batches, times, unit="F")
+        return
+    if args.stages is None or args.micro_batches is None:
+        parser.error("--times needs --stages and --micro-batches")
+    for m in args.micro_batches:
+        print_prediction(args.stages, m, args.times, args.overhead)
+
+
+if __name__ == "__main__":
+    main()

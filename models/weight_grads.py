@@ -1,0 +1,79 @@
+"""A linear layer's backward split in two for zero-bubble pipeline schedules (training/schedule.py): the input
+gradient, which the previous stage waits for, now; the weight gradient, which nobody waits for, later.
+
+While a `WeightGradQueue` is deferring (one micro-batch's backward pass B), the linear layers built with it return
+no weight gradient and queue (input, output gradient) instead; `run_oldest` (the schedule's W) computes that
+micro-batch's weight gradients and adds them into .grad as autograd's accumulation would (no gradient hooks run:
+the zero-bubble schedule supports the fp32, ZeRO-0 path, training/config.py). Embedding, norm and LM-head weights
+keep their gradients in B (the LM head's would hold a logits-sized output gradient until W).
+"""
+import collections
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+
+class WeightGradQueue:
+    """Weight-gradient work of the micro-batches whose B has run and whose W has not, oldest first."""
+
+    def __init__(self):
+        self.deferring = False
+        self._pending = collections.deque()
+
+    @contextlib.contextmanager
+    def defer(self):
+        """Queue the weight-gradient work of the backward run inside this block as one micro-batch's W."""
+        self.deferring, work = True, []
+        self._pending.append(work)
+        try:
+            yield
+        finally:
+            self.deferring = False
+
+    def add(self, params_and_grads_fn):
+        """params_and_grads_fn() -> [(parameter, gradient), ...], computed when W runs."""
+        self._pending[-1].append(params_and_grads_fn)
+
+    def __len__(self):
+        return len(self._pending)
+
+    def run_oldest(self):
+        """Compute the oldest micro-batch's weight gradients and accumulate them into the parameters' .grad."""
+        with torch.no_grad():
+            for work in self._pending.popleft():
+                for param, grad in work():
+                    if param.grad is None:
+                        param.grad = grad
+                    else:
+                        param.grad.add_(grad)
+
+
+def linear(x, weight, bias, queue):
+    """F.linear whose weight and bias gradients go to `queue` while it is deferring."""
+    return DeferrableLinear.apply(x, weight, bias, queue)
+
+
+def linear_weight_grads(x, grad, weight, bias):
+    """[(weight, dW), (bias, db)] of y = x W^T + b from its input and output gradient (any leading dimensions)."""
+    grad_2d = grad.reshape(-1, grad.shape[-1])
+    pairs = [(weight, grad_2d.t() @ x.reshape(-1, x.shape[-1]))]
+    return pairs + ([(bias, grad_2d.sum(0))] if bias is not None else [])
+
+
+class DeferrableLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, queue):
+        ctx.save_for_backward(x, weight, bias)
+        ctx.queue = queue
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        grad_x = grad @ weight
+        if ctx.queue.deferring:
+            ctx.queue.add(lambda: linear_weight_grads(x, grad, weight, bias))
+            return grad_x, None, None, None
+        (_, grad_w), *bias_grad = linear_weight_grads(x, grad, weight, bias)
+        return grad_x, grad_w, bias_grad[0][1] if bias_grad else None, None

@@ -1,0 +1,75 @@
+"""One rank of a schedule comparison: the same model trained for a few steps under 1F1B and under zero_bubble,
+every step's loss and every gradient the optimizer receives written as JSON for the test to compare."""
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import deepspeed  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
+
+from models.pipeline import build_pipeline_module  # noqa: E402
+from tests.parity_worker import micro_batches  # noqa: E402
+from tests.tiny_models import make_batch  # noqa: E402
+from training.distributed import init_distributed, parallel_topology  # noqa: E402
+from training.pipeline_engine import use_zero_bubble  # noqa: E402
+
+
+class RecordingAdamW(torch.optim.AdamW):
+    """AdamW that keeps a copy of the gradients it steps with (after data-parallel and tied reduction)."""
+
+    def __init__(self, named_params, **kwargs):
+        self.names = {p: n for n, p in named_params}
+        super().__init__(list(self.names), **kwargs)
+        self.recorded = []
+
+    def step(self, closure=None):
+        self.recorded.append({self.names[p]: p.grad.detach().clone() for p in self.names if p.grad is not None})
+        return super().step(closure)
+
+
+def train(case, schedule, steps, micro_batch_size, gas, seq_len):
+    config = AutoConfig.from_pretrained(case["hf_dir"])
+    num_stages, tensor_parallel = case["stages"], case.get("tensor_parallel", 1)
+    dp_size = torch.distributed.get_world_size() // (num_stages * tensor_parallel)
+    module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel),
+                                   activation_checkpoint_interval=case.get("checkpoint_interval", 0),
+                                   sequence_parallel=case.get("sequence_parallel", True),
+                                   recompute_sequence_gather=case.get("recompute_sequence_gather", False))
+    optimizer = RecordingAdamW(module.named_parameters(), lr=1e-3)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config={
+        "train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": gas,
+        "steps_per_print": 10**9, "gradient_clipping": 0.0,
+        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}})
+    engine.load_checkpoint(case["ds_dir"], load_module_only=True)
+    if schedule == "zero_bubble":
+        use_zero_bubble(engine)
+    losses = []
+    batch = make_batch(micro_batch_size * gas * dp_size, seq_len, config.vocab_size, seed=1)
+    for _ in range(steps):  # the same batch every step: the loss must fall
+        losses.append(float(engine.train_batch(micro_batches(batch, micro_batch_size, gas, dp_size,
+                                                             engine.grid.data_parallel_id))))
+    return losses, optimizer.recorded
+
+
+def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
+    init_distributed(timeout_minutes=2)
+    results = {}
+    for case in cases:
+        runs = {schedule: train(case, schedule, steps, micro_batch_size, gas, seq_len)
+                for schedule in ("1f1b", "zero_bubble")}
+        (ref_losses, ref_grads), (losses, grads) = runs["1f1b"], runs["zero_bubble"]
+        results[case["name"]] = {
+            "losses": losses, "ref_losses": ref_losses,
+            "grad_steps": [len(ref_grads), len(grads)],
+            "grad_names": [sorted(g) for g in ref_grads] == [sorted(g) for g in grads],
+            "max_grad_error": max(((g[n] - r[n]).abs().max() / r[n].abs().max().clamp(min=1e-30)).item()
+                                  for r, g in zip(ref_grads, grads) for n in r),
+            "compared_grads": sum(len(r) for r in ref_grads)}
+        torch.distributed.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    torch.distributed.destroy_process_group()

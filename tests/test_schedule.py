@@ -1,0 +1,90 @@
+"""The zero-bubble schedule (training/schedule.py) against DeepSpeed's 1F1B: same losses and gradients, resumable
+across the two, and the orders it runs are valid and fill the bubble."""
+import glob
+import json
+
+import pytest
+
+from tests import schedule_worker
+from tests.distributed import spawn
+from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics,
+                          run_in_process)
+from training.schedule import simulate, stage_orders
+
+STEPS, MICRO_BATCH, GAS, SEQ = 6, 2, 4, 16
+CASES = {  # name: (tiny config, case settings); all on 4 processes
+    "4stages": ("llama2", dict(stages=4)),
+    "2stages_x_2dp": ("qwen2", dict(stages=2)),
+    "2stages_x_2dp_tied_checkpointing": ("tied", dict(stages=2, checkpoint_interval=1)),
+    "2stages_x_tp2": ("llama3", dict(stages=2, tensor_parallel=2)),
+    "2stages_x_tp2_recompute_gather": ("llama2", dict(stages=2, tensor_parallel=2, recompute_sequence_gather=True)),
+    "2stages_x_tp2_no_sequence_parallel": ("qwen2", dict(stages=2, tensor_parallel=2, sequence_parallel=False)),
+}
+
+
+def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
+    cases = [dict(name=name, hf_dir=tiny_checkpoints[model][0], ds_dir=tiny_checkpoints[model][1], **settings)
+             for name, (model, settings) in CASES.items()]
+    spawn(schedule_worker.run, 4, cases, STEPS, MICRO_BATCH, GAS, SEQ, str(tmp_path))
+    ranks = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "rank*.json")))]
+    assert len(ranks) == 4
+    for name in CASES:
+        for rank in ranks:
+            result = rank[name]
+            assert result["grad_steps"] == [STEPS, STEPS] and result["grad_names"] and result["compared_grads"], name
+            assert result["losses"] == pytest.approx(result["ref_losses"], abs=1e-6, rel=0), name
+            assert result["max_grad_error"] < 1e-6, name
+            assert result["losses"][-1] < result["losses"][0], name  # it trained
+
+
+def test_resume_across_schedules_keeps_losses(demo_model, reference_run, tmp_path):
+    """The 1F1B reference run's step-4 checkpoint resumed under zero_bubble, whose step-6 checkpoint is resumed
+    under 1F1B again: every step's loss, and the final evaluation, equal the reference's."""
+    reference = per_step_losses(reference_run)
+    zero_bubble = tmp_path / "zero_bubble"
+    check_ok(launch_trainer(4, demo_overrides(demo_model, zero_bubble, **REFERENCE, pipeline_schedule="zero_bubble",
+                                              resume=str(reference_run / "global_step4"))))
+    assert per_step_losses(zero_bubble) == pytest.approx(reference[4:8], abs=1e-6, rel=0)
+    assert final_eval_loss(zero_bubble) == pytest.approx(final_eval_loss(reference_run), abs=1e-6, rel=0)
+    back = tmp_path / "back_to_1f1b"
+    check_ok(launch_trainer(4, demo_overrides(demo_model, back, **REFERENCE, resume=str(zero_bubble / "global_step6"),
+                                              eval_file="null")))
+    assert per_step_losses(back) == pytest.approx(reference[6:8], abs=1e-6, rel=0)
+
+
+def final_eval_loss(output_dir):
+    return [r["eval_loss"] for r in read_metrics(output_dir) if "eval_loss" in r][-1]
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(1, 3), (2, 1), (2, 8), (3, 5), (4, 8), (8, 64)])
+def test_orders_are_complete_and_respect_memory(stages, micro_batches):
+    for order in stage_orders(stages, micro_batches):
+        assert sorted(order) == sorted((kind, j) for kind in "FBW" for j in range(micro_batches))
+        for kind in "FBW":  # every kind in micro-batch order: activations and gradients arrive in order
+            assert [j for k, j in order if k == kind] == list(range(micro_batches))
+        waiting = 0
+        for kind, _ in order:
+            waiting += {"F": 1, "B": 0, "W": -1}[kind]
+            assert waiting <= stages  # never more micro-batches between F and W than 1F1B holds on stage 0
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(2, 4), (2, 8), (4, 16), (8, 64)])
+@pytest.mark.parametrize("forward,backward,weight", [(1, 1, 1), (1, 2, 1), (1, 1.2, 0.8), (1, 1.5, 0.5)])
+def test_simulated_step_is_the_zb_h1_bound(stages, micro_batches, forward, backward, weight):
+    times = [{"F": forward, "B": backward, "W": weight}] * stages
+    step = {schedule: max(end for _, end in simulate(stages, micro_batches, times, schedule).values())
+            for schedule in ("1f1b", "zero_bubble")}
+    work = micro_batches * (forward + backward + weight)
+    assert step["1f1b"] == pytest.approx(work + (stages - 1) * (forward + backward + weight))  # 1F1B's bubble
+    assert step["zero_bubble"] == pytest.approx(work + (stages - 1) * (forward + backward - weight))  # ZB-H1's
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"pipeline_schedule": "gpipe"}, "pipeline_schedule 'gpipe' is not one of ('1f1b', 'zero_bubble')"),
+    ({"pipeline_schedule": "zero_bubble", "precision": "bf16", "zero_stage": 1, "compile": "true"},
+     "pipeline_schedule=zero_bubble does not support precision=bf16, zero_stage=1, compile=true yet"),
+])
+def test_bad_schedule_config_is_refused_before_start(demo_model, tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), 2)
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,89 @@
+"""DeepSpeed's PipelineEngine running the zero-bubble schedule (training/schedule.py).
+
+What changes against the 1F1B engine: a BackwardPass computes only input gradients (the stage's linear layers
+queue their weight-gradient work, models/weight_grads.py) and the new BackwardWeightPass instruction runs the
+oldest queued work; sends do not wait for the receiver (the schedule's orders interleave sends and receives
+differently on neighbouring stages, which blocking sends could deadlock). Loss, gradient reduction, clipping and
+the optimizer step are the engine's own, and run after every W of the batch.
+"""
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from models.weight_grads import WeightGradQueue
+from training.schedule import BackwardWeightPass, ZeroBubbleSchedule
+
+
+class ZeroBubblePipelineEngine(PipelineEngine):
+
+    def _train_schedule(self):
+        return ZeroBubbleSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+
+    def _exec_backward_pass(self, buffer_id):
+        with self.module.parallel.weight_grads.defer():
+            super()._exec_backward_pass(buffer_id)
+
+    def _exec_backward_weight_pass(self):
+        self.module.parallel.weight_grads.run_oldest()
+
+    def _exec_send_activations(self, buffer_id):
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        if self.first_output_send:  # shapes once, blocking: the next stage's first instruction receives them
+            self.first_output_send = False
+            self._send_tensor_meta(outputs, self.next_stage)
+        self._send_async(outputs if isinstance(outputs, tuple) else (outputs,), self.next_stage)
+
+    def _exec_send_grads(self, buffer_id):
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        self._send_async([t.grad for t in inputs if t.is_floating_point()], self.prev_stage)
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _exec_recv_grads(self, buffer_id):
+        """Into new tensors, not the engine's one reused buffer: a deferred W may still hold the last one."""
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        grads = [torch.empty_like(t) for t in (outputs if isinstance(outputs, tuple) else (outputs,))
+                 if t.is_floating_point()]
+        peer = self.grid.stage_to_global(self.next_stage)
+        for grad in grads:
+            dist.recv(grad, peer)
+        self.grad_layer = grads if isinstance(outputs, tuple) else grads[0]
+
+    def _send_async(self, tensors, stage):
+        """isend each tensor; the request keeps it alive until the receiver has it (waited for at the step's end)."""
+        peer = self.grid.stage_to_global(stage)
+        self._sends = [work for work in self._sends if not work.is_completed()]
+        self._sends += [dist.isend(t.contiguous(), peer) for t in tensors]
+
+    def _exec_reduce_tied_grads(self):
+        """The step's first instruction after the last W: sends complete, no weight gradient left behind."""
+        if len(self.module.parallel.weight_grads):
+            raise RuntimeError("zero_bubble: a micro-batch's weight gradients were not computed before the step")
+        for work in self._sends:
+            work.wait()
+        self._sends = []
+        super()._exec_reduce_tied_grads()
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        schedule.BackwardPass: _exec_backward_pass,
+        BackwardWeightPass: _exec_backward_weight_pass,
+        schedule.SendActivation: _exec_send_activations,
+        schedule.SendGrad: _exec_send_grads,
+        schedule.RecvGrad: _exec_recv_grads,
+        schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
+    }
+
+
+def use_zero_bubble(engine):
+    """Turn the PipelineEngine that deepspeed.initialize built (it picks the class itself) into the zero-bubble
+    one: the subclass adds methods and instructions, and two pieces of state: the module's weight-gradient queue
+    and the sends in flight."""
+    if engine.dynamic_shape or engine.has_bool_tensors or engine.is_pipe_partitioned:
+        raise ValueError("pipeline_schedule=zero_bubble does not support dynamic shapes, bool tensors between "
+                         "stages or pipe_partitioned; use pipeline_schedule=1f1b.")
+    engine.module.parallel.weight_grads = WeightGradQueue()
+    engine._sends = []
+    engine.__class__ = ZeroBubblePipelineEngine
+    return engine

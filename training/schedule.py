@@ -1,0 +1,116 @@
+"""The zero-bubble pipeline schedule (ZB-H1, Qi et al., ICLR 2024) in DeepSpeed's instruction style.
+
+Each backward is split in two: B, the input gradient the previous stage waits for, and W, the weight gradient
+nobody waits for (models/weight_grads.py defers it). Stage s runs its forwards and Bs in 1F1B's order and places
+the Ws: in the steady state B_j is followed by W_(j-s) (stage s holds its Ws s micro-batches back), in the cool-down,
+where 1F1B idles waiting for gradients, one pending W follows each B, and the rest come last. The bubble shrinks
+from (p-1)(F+B+W) to (p-1)(F+B-W) for any F, B, W (the paper's ZB-H1 bound; tests/test_schedule.py checks it by
+simulation). Memory stays within 1F1B's peak: at most p micro-batches are between their F and their W on any
+stage, as on 1F1B's first stage (one waiting only for W holds its linear layers' inputs and output gradients, less
+than a forward's activations); later stages hold more than under 1F1B.
+
+Executed with non-blocking sends (training/pipeline_engine.py), any order that respects the dependencies runs
+without deadlock; `simulate` times these orders for bench/schedule_simulator.py.
+"""
+from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicroBatch, OptimizerStep, PipeInstruction,
+                                             RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation,
+                                             SendGrad, TrainSchedule)
+
+PIPELINE_SCHEDULES = ("1f1b", "zero_bubble")
+
+
+class BackwardWeightPass(PipeInstruction):
+    """Compute the weight gradients deferred by the oldest micro-batch's BackwardPass and accumulate them."""
+
+
+def one_f_one_b_order(stages, micro_batches, stage):
+    """DeepSpeed's TrainSchedule: min(p - s, m) forwards, then backward and forward alternate: [("F"|"B", j)]."""
+    warmup = min(stages - stage, micro_batches)
+    order = [("F", j) for j in range(warmup)]
+    for j in range(micro_batches - warmup):
+        order += [("B", j), ("F", j + warmup)]
+    return order + [("B", j) for j in range(micro_batches - warmup, micro_batches)]
+
+
+def zero_bubble_order(stages, micro_batches, stage):
+    """ZB-H1 on stage s: 1F1B's order of F and B, W_{j-s} after B_j in the steady state (W before the next F keeps
+    at most p micro-batches waiting for their W), one W after each cool-down B, the rest last."""
+    order = []
+    weights_done = 0
+    for kind, j in one_f_one_b_order(stages, micro_batches, stage):
+        order.append((kind, j))
+        steady = j < micro_batches - min(stages - stage, micro_batches)
+        if kind == "B" and (not steady or j - stage >= weights_done):
+            order.append(("W", weights_done))
+            weights_done += 1
+    return order + [("W", j) for j in range(weights_done, micro_batches)]
+
+
+def stage_orders(stages, micro_batches, schedule="zero_bubble"):
+    """[[(kind, micro_batch), ...] per stage] of a schedule."""
+    order_of = zero_bubble_order if schedule == "zero_bubble" else one_f_one_b_order
+    return [order_of(stages, micro_batches, stage) for stage in range(stages)]
+
+
+def simulate(stages, micro_batches, costs, schedule):
+    """Time every stage's order: each computation starts when its stage is free and its input is complete
+    (transfers free). costs: per stage {"F": s, "B": s, "W": s}; under 1F1B a backward costs B + W.
+    Returns {(kind, stage, micro_batch): (start, end)}."""
+    orders = stage_orders(stages, micro_batches, schedule)
+    cost_of = [dict(c, B=c["B"] + c["W"]) if schedule == "1f1b" else c for c in costs]
+    done, free_at, position = {}, [0.0] * stages, [0] * stages
+
+    def producer(kind, s, j):
+        if kind == "F":
+            return ("F", s - 1, j) if s > 0 else None
+        if kind == "B":
+            return ("B", s + 1, j) if s < stages - 1 else ("F", s, j)
+        return ("B", s, j)
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for s in range(stages):
+            while position[s] < len(orders[s]):
+                kind, j = orders[s][position[s]]
+                source = producer(kind, s, j)
+                if source is not None and source not in done:
+                    break
+                start = max(free_at[s], done[source][1] if source else 0.0)
+                done[(kind, s, j)] = (start, start + cost_of[s][kind])
+                free_at[s] = start + cost_of[s][kind]
+                position[s] += 1
+                progressed = True
+    if any(position[s] < len(orders[s]) for s in range(stages)):
+        raise RuntimeError(f"{schedule} orders deadlock for {stages} stages and {micro_batches} micro-batches")
+    return done
+
+
+class ZeroBubbleSchedule(TrainSchedule):
+    """One step per computation of this stage's zero-bubble order: receive what it needs, compute, send what it
+    made. The optimizer step comes after the last W, so it sees every gradient of the batch. Pipe buffers are
+    TrainSchedule's: a buffer holds a micro-batch from its F to its B, and those run in 1F1B's order."""
+
+    def __init__(self, micro_batches, stages, stage_id):
+        super().__init__(micro_batches, stages, stage_id)
+        self.order = zero_bubble_order(stages, micro_batches, stage_id)
+
+    def steps(self):
+        for kind, micro_batch in self.order:
+            buffer_id = self._buffer_idx(micro_batch)
+            if kind == "F":
+                cmds = [] if self.is_first_stage else [RecvActivation(buffer_id)]
+                if self.is_first_stage or self.is_last_stage:
+                    cmds.append(LoadMicroBatch(buffer_id))
+                cmds.append(ForwardPass(buffer_id))
+                if not self.is_last_stage:
+                    cmds.append(SendActivation(buffer_id))
+            elif kind == "B":
+                cmds = [] if self.is_last_stage else [RecvGrad(buffer_id)]
+                cmds.append(BackwardPass(buffer_id))
+                if not self.is_first_stage:
+                    cmds.append(SendGrad(buffer_id))
+            else:
+                cmds = [BackwardWeightPass()]
+            yield cmds
+        yield [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
