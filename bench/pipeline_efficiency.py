@@ -1,263 +1,261 @@
 """Pipeline efficiency: p stages against what p cores deliver, for each pipeline schedule (1F1B, zero_bubble),
 next to the 1F1B bound m / (m + p - 1) and the schedule simulator's prediction.
 
-For p stages (one process each, one thread each; default p = 2) and m micro-batches per step (default 4, 8, 16):
-- pipeline: tokens/s of the p-stage engine (the trainer's: models/pipeline.py, training/pipeline_engine.py) on one
-  global batch of m micro-batches, under each schedule;
-- cores: p copies of the one-stage engine (one process, one thread each) training the same global batch at the
-  same time, their tokens/s summed: what p cores really deliver at this load;
-- ratio = pipeline / cores; efficiency = ratio / (m / (m + p - 1)): 1.0 is 1F1B losing nothing beyond its bubble;
-- predicted: bench/schedule_simulator.py's step time from the F, B, W times measured in this run per stage (ForwardPass,
-  BackwardPass and BackwardWeightPass instructions; under 1F1B the backward is B + W) plus the optimizer's time,
-  as a ratio, beside the measured one;
-- peak RSS per stage during the timed steps (each schedule and m in fresh processes), and its rise over the RSS
-  before them (activations and gradients). Every process runs with glibc's mmap threshold fixed, as
-  bench/memory_plan_check.py does, so that RSS follows the live tensors rather than heap fragments.
-Then where each stage's time goes: compute (forward, backward), optimizer (gradient reduction and step), send,
-receive (a receive waits for the peer: bubble, imbalance and transfer), batch loading and the engine's own
-overhead (the rest of the wall time: schedule and Python between instructions).
+For p stages (one process each, one thread each; default p = 2) and m micro-batches per step (default 4, 8, 16),
+measured in one run of p processes:
+- cores: every process trains its own copy of the whole model with the trainer's engine at one stage (nothing
+  ties the copies together), all at once: what p cores deliver without a pipeline; their tokens/s summed;
+- pipeline: tokens/s of the trainer's p-stage engine (training/loop.py build_engine) under each schedule;
+- the two alternate step by step for --rounds rounds, so that the machine's drift (this virtual machine's speed
+  moves by 10-15% between steps and over minutes) falls on both alike; each throughput is the rounds' tokens over
+  their summed seconds, and the per-round ratios' range is printed beside it;
+- ratio = pipeline / cores; 1F1B's bound is m / (m + p - 1); efficiency = ratio / bound;
+- simulated: bench/schedule_simulator.py's step from the F, B, W times measured per stage in the same rounds
+  (ForwardPass with its batch loading, BackwardPass, BackwardWeightPass; under 1F1B the backward is B + W) plus
+  the optimizer's time, as a ratio beside the measured one.
+Timing runs with glibc keeping freed memory for reuse (large mmap and trim thresholds), as a GPU's caching
+allocator does: with glibc's defaults many large tensors are fresh mappings whose pages the kernel zeroes, which
+here costs up to a third of a step, and more under the schedule that keeps more tensors alive at once.
+Peak RSS per stage comes from separate fresh processes per schedule and m, with a small fixed mmap threshold
+(bench/memory_plan_check.py's) so that RSS follows the live tensors: the peak over one step after a warm-up, and
+its rise over the RSS before the step (activations and gradients).
+Then where each stage's time goes: compute, optimizer (gradient reduction, clipping, step), send, receive (a
+receive waits for the peer: bubble, imbalance and transfer), batch loading and the engine's own overhead.
 
-The model is sized so that a stage's micro-batch costs at least 50 ms on one thread, and split so that stages do
-equal work (the LM head weighs about one decoder layer here, so it counts as one).
+The model (MODEL, SEQ_LENGTH, MICRO_BATCH) is split so that stages do equal work; --hidden-size scales its width
+(heads and MLP with it; the stages stay balanced only near the default).
 
-  python bench/pipeline_efficiency.py [--steps 3] [--stages 2] [--micro-batches 4 8 16] [--schedules 1f1b zero_bubble]
+  python bench/pipeline_efficiency.py [--rounds 8] [--micro-batches 4 8 16] [--schedules 1f1b zero_bubble]
 """
 import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (machine_note, peak_rss_bytes, random_micro_batches, reset_peak_rss, rss_bytes,  # noqa: E402
-                    run_config, spawn, train_step_seconds)
+                    run_config, spawn)
 from memory_plan_check import FIXED_MMAP_THRESHOLD  # noqa: E402
 from schedule_simulator import predict  # noqa: E402
 
-MODEL = dict(vocab_size=3072, hidden_size=256, intermediate_size=688, num_hidden_layers=7, num_attention_heads=4,
-             num_key_value_heads=4, max_position_embeddings=1024)
-SEQ_LENGTH, MICRO_BATCH = 128, 4
+# Wide enough that matmuls dominate, as in real LLaMA shapes (at hidden 256 element-wise work and Python overhead
+# per op weigh as much as the weight gradients); the vocabulary sized so that the LM head with its loss costs
+# about one decoder layer, and the stages [embedding + 4 layers | 3 layers + head] do equal work.
+MODEL = dict(vocab_size=6144, hidden_size=512, intermediate_size=1376, num_hidden_layers=7, num_attention_heads=8,
+             num_key_value_heads=8, max_position_embeddings=1024)
+SEQ_LENGTH, MICRO_BATCH = 128, 2
 # Decoder layers per stage: the LM head (with norm and loss) on the last stage counts as one decoder layer.
 PARTITIONS = {1: [7], 2: [4, 3], 4: [2, 2, 2, 1]}
+CACHING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**31), "MALLOC_TRIM_THRESHOLD_": str(2**31)}
 CATEGORIES = {"ForwardPass": "compute", "BackwardPass": "compute", "BackwardWeightPass": "compute",
-              "OptimizerStep": "optimizer",
-              "ReduceGrads": "optimizer", "ReduceTiedGrads": "optimizer", "SendActivation": "send",
-              "SendGrad": "send", "RecvActivation": "receive", "RecvGrad": "receive", "LoadMicroBatch": "load"}
+              "OptimizerStep": "optimizer", "ReduceGrads": "optimizer", "ReduceTiedGrads": "optimizer",
+              "SendActivation": "send", "SendGrad": "send", "RecvActivation": "receive", "RecvGrad": "receive",
+              "LoadMicroBatch": "load"}
 
 
-def overrides(num_stages, micro_batches, schedule):
-    return [f"num_stages={num_stages}", "precision=fp32", "zero_stage=0", f"seq_length={SEQ_LENGTH}",
-            f"micro_batch_size={MICRO_BATCH}", f"gradient_accumulation_steps={micro_batches}",
-            f"partition={PARTITIONS[num_stages]}", "lr_scheduler=constant", f"pipeline_schedule={schedule}"]
-
-
-def build_engine(num_stages, micro_batches, schedule="1f1b"):
-    import deepspeed
+def model_config(hidden_size):
     from transformers import LlamaConfig
+    scale = hidden_size / MODEL["hidden_size"]
+    return LlamaConfig(**dict(MODEL, hidden_size=hidden_size,
+                              intermediate_size=round(MODEL["intermediate_size"] * scale),
+                              num_attention_heads=round(MODEL["num_attention_heads"] * scale),
+                              num_key_value_heads=round(MODEL["num_key_value_heads"] * scale)))
 
-    from models.pipeline import build_pipeline_module
-    from training.config import deepspeed_config
-    from training.distributed import parallel_topology
-    from training.pipeline_engine import use_zero_bubble
 
-    cfg = run_config(overrides(num_stages, micro_batches, schedule))
-    module = build_pipeline_module(LlamaConfig(**MODEL), parallel_topology(num_stages),
-                                   partition=list(cfg.partition))
-    ds_config, _ = deepspeed_config(cfg, total_steps=10**6)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
-                                           config=ds_config)
-    return use_zero_bubble(engine) if cfg.pipeline_schedule == "zero_bubble" else engine
+def build_engine(config, num_stages, micro_batches, schedule):
+    """The trainer's engine (training/loop.py) for this model, fp32, one step of m micro-batches."""
+    from training.loop import build_engine as trainer_engine
+    cfg = run_config([f"num_stages={num_stages}", "precision=fp32", "zero_stage=0", f"seq_length={SEQ_LENGTH}",
+                      f"micro_batch_size={MICRO_BATCH}", f"gradient_accumulation_steps={micro_batches}",
+                      f"partition={PARTITIONS[num_stages]}", "lr_scheduler=constant",
+                      f"pipeline_schedule={schedule}"])
+    return trainer_engine(cfg, config, total_steps=10**6)[0]
 
 
 def time_instructions(engine):
-    """Wrap the engine's instruction handlers with timers; returns ({category: s}, {instruction name: s})."""
-    spent, by_instruction = {}, {}
+    """Wrap the engine's instruction handlers with timers; returns {instruction name: seconds}, added up."""
+    spent = {}
     timed_map = {}
     for instruction, handler in engine._INSTRUCTION_MAP.items():
-        category = CATEGORIES.get(instruction.__name__, "other")
-
-        def timed(self, *args, _handler=handler, _category=category, _name=instruction.__name__, **kwargs):
+        def timed(self, *args, _handler=handler, _name=instruction.__name__, **kwargs):
             start = time.perf_counter()
             _handler(self, *args, **kwargs)
-            seconds = time.perf_counter() - start
-            spent[_category] = spent.get(_category, 0.0) + seconds
-            by_instruction[_name] = by_instruction.get(_name, 0.0) + seconds
+            spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - start
         timed_map[instruction] = timed
     engine._INSTRUCTION_MAP = timed_map
-    return spent, by_instruction
+    return spent
 
 
-def timed_steps(engine, batches, steps, barrier):
-    """Warm up, wait for the others, then time steps; returns (median step seconds, time by category, mean step
-    seconds, time by instruction, peak RSS and RSS before the steps)."""
-    engine.train_batch(batches)
-    spent, by_instruction = time_instructions(engine)
-    barrier()
-    reset_peak_rss()
-    start_rss = rss_bytes()
-    durations = train_step_seconds(engine, batches, steps)
-    return (statistics.median(durations), {k: v / steps for k, v in spent.items()}, sum(durations) / steps,
-            {k: v / steps for k, v in by_instruction.items()}, peak_rss_bytes(), start_rss)
-
-
-def pipeline_worker(rank, num_stages, micro_batch_counts, steps, out_dir, schedule):
+def timing_worker(rank, num_stages, micro_batches, rounds, schedules, hidden_size, out_dir):
+    """Alternate, after a warm-up of each: a step of every process's own one-stage copy (all at once), then a step of
+    the pipeline under each schedule; every step starts at a barrier."""
     import torch.distributed as dist
 
     from training.distributed import init_distributed
 
     init_distributed(timeout_minutes=30)
-    results = {}
-    for micro_batches in micro_batch_counts:
-        engine = build_engine(num_stages, micro_batches, schedule)
-        batches = random_micro_batches(MODEL["vocab_size"], SEQ_LENGTH, MICRO_BATCH, seed=rank)
-        median, spent, mean, by_instruction, peak, start_rss = timed_steps(engine, batches, steps, dist.barrier)
-        results[micro_batches] = {"stage": engine.stage_id, "step_s": median, "mean_step_s": mean, "spent": spent,
-                                  "instructions": by_instruction, "peak_rss": peak, "start_rss": start_rss}
+    config = model_config(hidden_size)
+    engines = {schedule: build_engine(config, num_stages, micro_batches, schedule) for schedule in schedules}
+    replica = build_engine(config, 1, micro_batches, "1f1b")
+    # Every process trains its own copy: no gradient and no loss all-reduce ties the copies' steps together.
+    replica.pipeline_enable_backward_allreduce = replica.is_data_parallel = False
+    batches = random_micro_batches(config.vocab_size, SEQ_LENGTH, MICRO_BATCH, seed=rank)
+    steps = {"cores": lambda: replica.train_batch(batches)}
+    steps.update({name: (lambda engine=engine: engine.train_batch(batches)) for name, engine in engines.items()})
+    for step in steps.values():
+        step()
+    spent = {schedule: time_instructions(engine) for schedule, engine in {**engines, "cores": replica}.items()}
+    seconds = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            seconds[name].append(time.perf_counter() - start)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+        json.dump({"stage": engines[schedules[0]].stage_id, "seconds": seconds,
+                   "spent": {s: {k: v / rounds for k, v in spent[s].items()} for s in spent}}, f)
     dist.destroy_process_group()
 
 
-def replica_worker(rank, micro_batch_counts, steps, out_path, ready_dir, copies):
-    """One of the copies of the one-stage loop; copies start timing together (a file barrier)."""
+def memory_worker(rank, num_stages, micro_batches, schedule, hidden_size, out_dir):
+    """Peak RSS over one step after a warm-up, and the RSS before it."""
+    import torch.distributed as dist
+
     from training.distributed import init_distributed
 
     init_distributed(timeout_minutes=30)
-    results = {}
-    for micro_batches in micro_batch_counts:
-        engine = build_engine(1, micro_batches)
-        batches = random_micro_batches(MODEL["vocab_size"], SEQ_LENGTH, MICRO_BATCH)
-
-        def file_barrier():
-            open(os.path.join(ready_dir, f"{micro_batches}-{os.getpid()}"), "w").close()
-            while len([n for n in os.listdir(ready_dir) if n.startswith(f"{micro_batches}-")]) < copies:
-                time.sleep(0.01)
-        median = timed_steps(engine, batches, steps, file_barrier)[0]
-        results[micro_batches] = median
-    with open(out_path, "w") as f:
-        json.dump(results, f)
+    config = model_config(hidden_size)
+    engine = build_engine(config, num_stages, micro_batches, schedule)
+    batches = random_micro_batches(config.vocab_size, SEQ_LENGTH, MICRO_BATCH, seed=rank)
+    engine.train_batch(batches)
+    dist.barrier()
+    reset_peak_rss()
+    start = rss_bytes()
+    engine.train_batch(batches)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"stage": engine.stage_id, "peak": peak_rss_bytes(), "start": start}, f)
+    dist.destroy_process_group()
 
 
-def run_pipeline(num_stages, micro_batch_counts, steps, schedule):
-    """{m: [result per rank]}; fresh processes for each m, so that each peak RSS is that run's alone."""
-    results = {}
-    for m in micro_batch_counts:
+def run_workers(worker, num_stages, env, *args):
+    """worker in num_stages fresh processes with env set; [result per stage]."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)  # read by each spawned interpreter's malloc at start-up
+    try:
         with tempfile.TemporaryDirectory() as out_dir:
-            spawn(pipeline_worker, num_stages, num_stages, [m], steps, out_dir, schedule)
-            results[m] = [json.load(open(os.path.join(out_dir, f"rank{r}.json")))[str(m)] for r in range(num_stages)]
-    return results
+            spawn(worker, num_stages, *args, out_dir)
+            ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(num_stages)]
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    return sorted(ranks, key=lambda r: r["stage"])
 
 
-def run_replicas(copies, micro_batch_counts, steps):
-    """copies one-stage loops at once, each its own process and world; returns {m: [step seconds per copy]}."""
-    with tempfile.TemporaryDirectory() as work:
-        outs = [os.path.join(work, f"copy{i}.json") for i in range(copies)]
-        command = [sys.executable, os.path.abspath(__file__), "--replica", "--steps", str(steps), "--ready-dir", work,
-                   "--copies", str(copies), "--micro-batches", *map(str, micro_batch_counts)]
-        procs = [subprocess.Popen(command + ["--out", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                 for out in outs]
-        if any(proc.wait() for proc in procs):
-            raise RuntimeError("a replica failed; run it alone: " + " ".join(command + ["--out", outs[0]]))
-        results = [json.load(open(out)) for out in outs]
-    return {m: [result[str(m)] for result in results] for m in micro_batch_counts}
+def stage_times(ranks, schedule, m):
+    """F (with its batch loading), B and W seconds per micro-batch of each stage, and the optimizer's own time per
+    step: the least over stages, as the others' includes waiting at the clipping all-reduce for the last stage to
+    finish its backward (already in the simulated schedule)."""
+    times = []
+    for rank in ranks:
+        spent = rank["spent"][schedule]
+        times.append({"F": (spent.get("ForwardPass", 0.0) + spent.get("LoadMicroBatch", 0.0)) / m,
+                      "B": spent.get("BackwardPass", 0.0) / m, "W": spent.get("BackwardWeightPass", 0.0) / m})
+    optimizer = min(sum(v for k, v in rank["spent"][schedule].items() if CATEGORIES.get(k) == "optimizer")
+                    for rank in ranks)
+    return times, optimizer
 
 
-def stage_times(ranks, m):
-    """Measured F, B, W seconds per micro-batch of each stage, and the step's time outside the schedule."""
-    times, overhead = [], 0.0
-    for rank in sorted(ranks, key=lambda r: r["stage"]):
-        spent = rank["instructions"]
-        times.append({"F": spent.get("ForwardPass", 0.0) / m, "B": spent.get("BackwardPass", 0.0) / m,
-                      "W": spent.get("BackwardWeightPass", 0.0) / m})
-        overhead = max(overhead, rank["spent"].get("optimizer", 0.0) + rank["spent"].get("load", 0.0))
-    return times, overhead
+def throughputs(ranks, schedule, tokens):
+    """Tokens/s over all rounds of the copies (summed) and of the pipeline (a step ends when its last stage's does),
+    and each round's ratio of the two."""
+    rounds = len(ranks[0]["seconds"]["cores"])
+    cores = sum(tokens * rounds / sum(rank["seconds"]["cores"]) for rank in ranks)
+    steps = [max(rank["seconds"][schedule][i] for rank in ranks) for i in range(rounds)]
+    per_round = [tokens / steps[i] / sum(tokens / rank["seconds"]["cores"][i] for rank in ranks)
+                 for i in range(rounds)]
+    return cores, tokens * rounds / sum(steps), per_round
 
 
-def report(num_stages, micro_batch_counts, pipelines, replicas):
-    """One row per m and schedule: measured ratio against the cores, the 1F1B bound, the simulator's prediction."""
-    tokens = lambda m: m * MICRO_BATCH * SEQ_LENGTH  # noqa: E731
-    rows = []
-    for m in micro_batch_counts:
-        cores = sum(tokens(m) / seconds for seconds in replicas[m])
-        bound = m / (m + num_stages - 1)
-        for schedule, pipeline in pipelines.items():
-            step = max(rank["step_s"] for rank in pipeline[m])
-            times, overhead = stage_times(pipeline[m], m)
-            predicted = predict(num_stages, m, times, overhead)[schedule][0]
-            ratio, predicted_ratio = tokens(m) / step / cores, tokens(m) / predicted / cores
-            rows.append((m, schedule, ratio, predicted_ratio))
-            print(f"p={num_stages} m={m:>2} {schedule:<12} {num_stages} cores {cores:>6.0f} tok/s  pipeline "
-                  f"{tokens(m) / step:>6.0f} tok/s  ratio {ratio:.3f} (simulated {predicted_ratio:.3f}; step "
-                  f"{step:.3f} s, simulated {predicted:.3f} s, {100 * (predicted / step - 1):+.1f}%)  1F1B bound "
-                  f"{bound:.3f}  efficiency vs bound {ratio / bound:.3f}", flush=True)
-    return rows
+def report(num_stages, m, ranks, schedules):
+    tokens = m * MICRO_BATCH * SEQ_LENGTH
+    bound = m / (m + num_stages - 1)
+    for schedule in schedules:
+        cores, pipeline, per_round = throughputs(ranks, schedule, tokens)
+        times, optimizer = stage_times(ranks, schedule, m)
+        simulated = predict(num_stages, m, times, optimizer)[schedule][0]
+        ratio, step = pipeline / cores, tokens / pipeline
+        print(f"p={num_stages} m={m:>2} {schedule:<12} cores {cores:>5.0f} tok/s  pipeline {pipeline:>5.0f} tok/s  "
+              f"ratio {ratio:.3f} (rounds {min(per_round):.3f}-{max(per_round):.3f})  "
+              f"simulated {tokens / simulated / cores:.3f} "
+              f"(step {step:.3f} s, simulated {simulated:.3f} s, {100 * (simulated / step - 1):+.1f}%)  "
+              f"1F1B bound {bound:.3f}  efficiency vs bound {ratio / bound:.3f}", flush=True)
 
 
-def print_memory(num_stages, micro_batch_counts, pipelines):
-    print("peak RSS per stage during the timed steps, MiB (rise over the RSS before them):")
-    for m in micro_batch_counts:
-        for schedule, pipeline in pipelines.items():
-            stages = sorted(pipeline[m], key=lambda r: r["stage"])
-            print(f"  p={num_stages} m={m:>2} {schedule:<12} " + "  ".join(
-                f"stage {r['stage']}: {r['peak_rss'] / 2**20:.0f} (+{(r['peak_rss'] - r['start_rss']) / 2**20:.0f})"
-                for r in stages))
-
-
-def print_fbw(num_stages, m, pipelines):
-    for schedule, pipeline in pipelines.items():
-        times, overhead = stage_times(pipeline[m], m)
-        print(f"  measured per micro-batch, {schedule}: " + "; ".join(
-            f"stage {s}: F {1e3 * t['F']:.1f} B {1e3 * t['B']:.1f} W {1e3 * t['W']:.1f} ms"
-            for s, t in enumerate(times)) + f"; optimizer and loads {1e3 * overhead:.0f} ms/step")
-
-
-def print_breakdown(num_stages, m, ranks):
+def print_details(num_stages, m, ranks, schedules):
     names = ["compute", "optimizer", "send", "receive", "load"]
-    names += ["other"] if any("other" in rank["spent"] for rank in ranks) else []
-    print(f"where the time goes, p={num_stages} m={m} (% of mean step wall time per stage):")
-    print("  stage " + "".join(f"{name:>10}" for name in names) + f"{'engine':>10}")
-    for rank in sorted(ranks, key=lambda r: r["stage"]):
-        wall = rank["mean_step_s"]
-        spent = dict(rank["spent"])
-        engine = wall - sum(spent.values())
-        print(f"  {rank['stage']:>5} " + "".join(f"{100 * spent.get(name, 0) / wall:>9.1f}%" for name in names)
-              + f"{100 * engine / wall:>9.1f}%")
-    print(f"  the bubble alone idles each stage {100 * (num_stages - 1) / (m + num_stages - 1):.1f}% of a step")
+    for schedule in schedules:
+        times, optimizer = stage_times(ranks, schedule, m)
+        print(f"  {schedule}, m={m}, per micro-batch: " + "; ".join(
+            f"stage {s}: F {1e3 * t['F']:.1f} B {1e3 * t['B']:.1f} W {1e3 * t['W']:.1f} ms"
+            for s, t in enumerate(times)) + f"; optimizer {1e3 * optimizer:.0f} ms/step")
+        for rank in ranks:
+            wall = statistics.mean(rank["seconds"][schedule])
+            spent = {}
+            for name, seconds in rank["spent"][schedule].items():
+                spent[CATEGORIES.get(name, "other")] = spent.get(CATEGORIES.get(name, "other"), 0.0) + seconds
+            engine = wall - sum(spent.values())
+            print(f"    stage {rank['stage']} time: " + "  ".join(
+                f"{name} {100 * spent.get(name, 0) / wall:.1f}%" for name in names + ["other"] if name in spent
+                or name != "other") + f"  engine {100 * engine / wall:.1f}%")
+    one_stage = stage_times(ranks[:1], "cores", m)[0][0]
+    for schedule in schedules:
+        summed = sum(sum(t.values()) for t in stage_times(ranks, schedule, m)[0])
+        print(f"    {schedule}: the stages' F + B + W per micro-batch, summed, is "
+              f"{summed / sum(one_stage.values()):.3f}x "
+              f"the one-stage engine's F + B ({1e3 * one_stage['F']:.1f} + {1e3 * one_stage['B']:.1f} ms) for the "
+              f"same layers")
+    print(f"    the 1F1B bubble alone idles each stage {100 * (num_stages - 1) / (m + num_stages - 1):.1f}% of a step")
+
+
+def print_memory(num_stages, m, memory):
+    for schedule, ranks in memory.items():
+        print(f"  peak RSS, m={m:>2} {schedule:<12} " + "  ".join(
+            f"stage {r['stage']}: {r['peak'] / 2**20:.0f} MiB (+{(r['peak'] - r['start']) / 2**20:.0f})"
+            for r in ranks))
+    if "1f1b" in memory and len(memory) > 1:
+        for schedule in (s for s in memory if s != "1f1b"):
+            print(f"    {schedule} / 1f1b peak: " + "  ".join(
+                f"stage {a['stage']} {a['peak'] / b['peak']:.3f}" for a, b in zip(memory[schedule], memory["1f1b"])))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--stages", type=int, nargs="+", default=[2])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--stages", type=int, default=2, choices=sorted(PARTITIONS))
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "zero_bubble"], choices=["1f1b", "zero_bubble"])
-    parser.add_argument("--default-malloc", action="store_true", help="glibc's default mmap threshold")
-    parser.add_argument("--replica", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--ready-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--copies", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--hidden-size", type=int, default=MODEL["hidden_size"])
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
     args = parser.parse_args()
-    if args.replica:
-        spawn(replica_worker, 1, args.micro_batches, args.steps, args.out, args.ready_dir, args.copies)
-        return
-    if not args.default_malloc:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = FIXED_MMAP_THRESHOLD  # read by each worker's malloc at start-up
-    print(f"model: {MODEL}; seq_length {SEQ_LENGTH}, micro-batch {MICRO_BATCH}, fp32, 1 thread per process; "
-          f"median of {args.steps} steps after one warm-up")
-    for num_stages in args.stages:
-        replicas = run_replicas(num_stages, args.micro_batches, args.steps)
-        pipelines = {schedule: run_pipeline(num_stages, args.micro_batches, args.steps, schedule)
-                     for schedule in args.schedules}
-        report(num_stages, args.micro_batches, pipelines, replicas)
-        print_memory(num_stages, args.micro_batches, pipelines)
-        for m in args.micro_batches:
-            for schedule, pipeline in pipelines.items():
-                print(f"{schedule}:", end=" ")
-                print_breakdown(num_stages, m, pipeline[m])
-            print_fbw(num_stages, m, pipelines)
+    config = model_config(args.hidden_size)
+    print(f"model: hidden {config.hidden_size}, intermediate {config.intermediate_size}, {config.num_hidden_layers} "
+          f"layers, vocabulary {config.vocab_size}; seq_length {SEQ_LENGTH}, micro-batch {MICRO_BATCH}, fp32, one "
+          f"thread per process; {args.rounds} interleaved rounds after one warm-up")
+    for m in args.micro_batches:
+        ranks = run_workers(timing_worker, args.stages, CACHING_MALLOC, args.stages, m, args.rounds, args.schedules,
+                            args.hidden_size)
+        report(args.stages, m, ranks, args.schedules)
+        print_details(args.stages, m, ranks, args.schedules)
+        if not args.no_memory:
+            memory = {schedule: run_workers(memory_worker, args.stages,
+                                            {"MALLOC_MMAP_THRESHOLD_": FIXED_MMAP_THRESHOLD}, args.stages, m,
+                                            schedule, args.hidden_size)
+                      for schedule in args.schedules}
+            print_memory(args.stages, m, memory)
     print(machine_note())
 
 
