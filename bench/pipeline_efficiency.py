@@ -89,6 +89,13 @@ def time_instructions(engine):
     return spent
 
 
+def pin_to_core(rank):
+    """Each process keeps one core, as each stage keeps its GPU: a stage that sleeps in a receive would otherwise
+    wake on whichever core is free, with a cold cache."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
 def timing_worker(rank, num_stages, micro_batches, rounds, schedules, hidden_size, out_dir):
     """Alternate, after a warm-up of each: a step of every process's own one-stage copy (all at once), then a step of
     the pipeline under each schedule; every step starts at a barrier."""
@@ -96,6 +103,7 @@ def timing_worker(rank, num_stages, micro_batches, rounds, schedules, hidden_siz
 
     from training.distributed import init_distributed
 
+    pin_to_core(rank)
     init_distributed(timeout_minutes=30)
     config = model_config(hidden_size)
     engines = {schedule: build_engine(config, num_stages, micro_batches, schedule) for schedule in schedules}
