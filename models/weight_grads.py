@@ -3,9 +3,9 @@ gradient, which the previous stage waits for, now; the weight gradient, which no
 
 While a `WeightGradQueue` is deferring (one micro-batch's backward pass B), the linear layers built with it return
 no weight gradient and queue (input, output gradient) instead; `run_oldest` (the schedule's W) computes that
-micro-batch's weight gradients and adds them into .grad as autograd's accumulation would (no gradient hooks run:
-the zero-bubble schedule supports the fp32, ZeRO-0 path, training/config.py). Embedding, norm and LM-head weights
-keep their gradients in B (the LM head's would hold a logits-sized output gradient until W).
+micro-batch's weight gradients and hands them to autograd's accumulation, so .grad and the gradient hooks that
+DeepSpeed's optimizers register (bf16 and ZeRO gradient buffers) see them as in an undivided backward. Embedding,
+norm and LM-head weights keep their gradients in B (the LM head's would hold a logits-sized output gradient until W).
 """
 import collections
 import contextlib
@@ -39,14 +39,11 @@ class WeightGradQueue:
         return len(self._pending)
 
     def run_oldest(self):
-        """Compute the oldest micro-batch's weight gradients and accumulate them into the parameters' .grad."""
+        """Compute the oldest micro-batch's weight gradients and accumulate them as autograd does (hooks included)."""
         with torch.no_grad():
-            for work in self._pending.popleft():
-                for param, grad in work():
-                    if param.grad is None:
-                        param.grad = grad
-                    else:
-                        param.grad.add_(grad)
+            pairs = [pair for work in self._pending.popleft() for pair in work()]
+        if pairs:  # a stage without linear layers (embedding only) defers nothing
+            torch.autograd.backward(*zip(*pairs))
 
 
 def linear(x, weight, bias, queue):

@@ -1,5 +1,5 @@
 """One rank of a schedule comparison: the same model trained for a few steps under 1F1B and under zero_bubble,
-every step's loss and every gradient the optimizer receives written as JSON for the test to compare."""
+every step's loss and every gradient the optimizer steps with written as JSON for the test to compare."""
 import json
 import os
 import sys
@@ -18,17 +18,21 @@ from training.distributed import init_distributed, parallel_topology  # noqa: E4
 from training.pipeline_engine import use_zero_bubble  # noqa: E402
 
 
-class RecordingAdamW(torch.optim.AdamW):
-    """AdamW that keeps a copy of the gradients it steps with (after data-parallel and tied reduction)."""
+def record_optimizer_gradients(engine):
+    """Keep a copy of the gradients the engine's innermost optimizer steps with: after data-parallel and tied
+    reduction, clipping and, under bf16 or ZeRO, in its fp32 (partitioned, possibly offloaded) buffers."""
+    optimizer, recorded = engine.basic_optimizer, []
+    names = {p: n for n, p in engine.module.named_parameters()}
+    step = optimizer.step
 
-    def __init__(self, named_params, **kwargs):
-        self.names = {p: n for n, p in named_params}
-        super().__init__(list(self.names), **kwargs)
-        self.recorded = []
+    def recording_step(*args, **kwargs):
+        recorded.append({names.get(p, f"group{i}.{j}"): p.grad.detach().clone()
+                         for i, group in enumerate(optimizer.param_groups)
+                         for j, p in enumerate(group["params"]) if p.grad is not None})
+        return step(*args, **kwargs)
 
-    def step(self, closure=None):
-        self.recorded.append({self.names[p]: p.grad.detach().clone() for p in self.names if p.grad is not None})
-        return super().step(closure)
+    optimizer.step = recording_step
+    return recorded
 
 
 def train(case, schedule, steps, micro_batch_size, gas, seq_len):
@@ -39,20 +43,21 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
                                    activation_checkpoint_interval=case.get("checkpoint_interval", 0),
                                    sequence_parallel=case.get("sequence_parallel", True),
                                    recompute_sequence_gather=case.get("recompute_sequence_gather", False))
-    optimizer = RecordingAdamW(module.named_parameters(), lr=1e-3)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config={
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config={
         "train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": gas,
         "steps_per_print": 10**9, "gradient_clipping": 0.0,
-        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}})
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}, **case.get("deepspeed", {})})
     engine.load_checkpoint(case["ds_dir"], load_module_only=True)
     if schedule == "zero_bubble":
         use_zero_bubble(engine)
+    recorded = record_optimizer_gradients(engine)
     losses = []
     batch = make_batch(micro_batch_size * gas * dp_size, seq_len, config.vocab_size, seed=1)
     for _ in range(steps):  # the same batch every step: the loss must fall
         losses.append(float(engine.train_batch(micro_batches(batch, micro_batch_size, gas, dp_size,
                                                              engine.grid.data_parallel_id))))
-    return losses, optimizer.recorded
+    return losses, recorded
 
 
 def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):

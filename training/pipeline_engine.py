@@ -2,8 +2,9 @@
 
 What changes against the 1F1B engine: a BackwardPass computes only input gradients (the stage's linear layers
 queue their weight-gradient work, models/weight_grads.py) and the new BackwardWeightPass instruction runs the
-oldest queued work; sends do not wait for the receiver (the schedule's orders interleave sends and receives
-differently on neighbouring stages, which blocking sends could deadlock). Loss, gradient reduction, clipping and
+oldest queued work into the same gradient buffers (fp32 or bf16, ZeRO-0 or 1, offloaded or not); sends do not
+wait for the receiver (the schedule's orders interleave sends and receives differently on neighbouring stages,
+which blocking sends could deadlock). Loss, gradient reduction, clipping and
 the optimizer step are the engine's own, and run after every W of the batch.
 """
 import torch
@@ -25,7 +26,13 @@ class ZeroBubblePipelineEngine(PipelineEngine):
             super()._exec_backward_pass(buffer_id)
 
     def _exec_backward_weight_pass(self):
+        """The bf16 optimizer copies .grad into its fp32 buffer after each backward (B did, for the rest of the
+        stage's gradients): W does the same with a cleared .grad, so nothing is added twice."""
+        if self.using_bf16_optimizer:
+            self.optimizer.clear_lp_grads()
         self.module.parallel.weight_grads.run_oldest()
+        if self.using_bf16_optimizer:
+            self.optimizer.update_hp_grads()
 
     def _exec_send_activations(self, buffer_id):
         outputs = self.pipe_buffers["outputs"][buffer_id]
