@@ -1,7 +1,6 @@
 """Shared by the bench scripts: worker processes on this machine, memory readings, run configs and batches."""
 import os
 import re
-import socket
 import sys
 import time
 

@@ -7,7 +7,7 @@ from deepspeed.runtime import lr_schedules
 from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
-from training.config import lr_scheduler_config
+from training.config import deepspeed_config, lr_scheduler_config
 
 
 def step_lrs(schedule, steps):
@@ -46,3 +46,15 @@ def test_shipped_configs_leave_unmeasured_compile_off_and_verify_checksums(name)
         cfg = compose(config_name=name)
     assert cfg.compile is False
     assert cfg.verify_checksums is True and cfg.tokenizer_name_or_path is None
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_deepspeed_keys_added_to_the_precision_nodes_are_kept(precision):
+    """precision switches bf16 on or off; other keys of the bf16 node (DeepSpeed's) pass through to DeepSpeed."""
+    from hydra import compose, initialize_config_dir
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
+        cfg = compose(config_name="tiny", overrides=[f"precision={precision}",
+                                                     "+deepspeed.bf16.immediate_grad_update=true"])
+    ds, _ = deepspeed_config(cfg, total_steps=10)
+    assert ds["bf16"] == {"immediate_grad_update": True, "enabled": precision == "bf16"}
+    assert ds["fp16"] == {"initial_scale_power": 16, "enabled": False}

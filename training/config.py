@@ -162,8 +162,9 @@ def deepspeed_config(cfg, total_steps):
     returned apart because the trainer drives them itself."""
     ds = OmegaConf.to_container(cfg.deepspeed, resolve=True)
     monitors = {key: ds.pop(key) for key in ("tensorboard", "wandb", "csv_monitor", "comet") if key in ds}
-    ds["bf16"] = {"enabled": cfg.precision == "bf16"}
-    ds["fp16"] = {"enabled": cfg.precision == "fp16", "initial_scale_power": 16}
+    # precision decides which is enabled; other keys of a bf16/fp16 node added under deepspeed are kept
+    ds["bf16"] = {**ds.get("bf16", {}), "enabled": cfg.precision == "bf16"}
+    ds["fp16"] = {"initial_scale_power": 16, **ds.get("fp16", {}), "enabled": cfg.precision == "fp16"}
     ds["scheduler"] = lr_scheduler_config(cfg, total_steps)
     # DeepSpeed's partitioning of tensors sent between stages assumes they are equal on every tensor-parallel rank;
     # under sequence parallelism each rank already sends only its own tokens.
