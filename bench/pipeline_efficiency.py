@@ -146,6 +146,7 @@ def memory_worker(rank, num_stages, micro_batches, schedule, hidden_size, out_di
     engine.train_batch(batches)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"stage": engine.stage_id, "peak": peak_rss_bytes(), "start": start}, f)
+    dist.barrier()  # a stage that tears down gloo while its peer still steps aborts it (seen with 1F1B)
     dist.destroy_process_group()
 
 

@@ -40,10 +40,10 @@ class WeightGradQueue:
 
     def run_oldest(self):
         """Compute the oldest micro-batch's weight gradients and accumulate them as autograd does (hooks included)."""
-        with torch.no_grad():
-            pairs = [pair for work in self._pending.popleft() for pair in work()]
-        if pairs:  # a stage without linear layers (embedding only) defers nothing
-            torch.autograd.backward(*zip(*pairs))
+        for work in self._pending.popleft():  # one linear layer at a time: only its weight gradients alive at once
+            with torch.no_grad():
+                params, grads = zip(*work())
+            torch.autograd.backward(params, grads)
 
 
 def linear(x, weight, bias, queue):
