@@ -4,8 +4,8 @@ What changes against the 1F1B engine: a BackwardPass computes only input gradien
 queue their weight-gradient work, models/weight_grads.py) and the new BackwardWeightPass instruction runs the
 oldest queued work into the same gradient buffers (fp32 or bf16, ZeRO-0 or 1, offloaded or not); sends do not
 wait for the receiver (the schedule's orders interleave sends and receives differently on neighbouring stages,
-which blocking sends could deadlock). Loss, gradient reduction, clipping and
-the optimizer step are the engine's own, and run after every W of the batch.
+which blocking sends could deadlock). Loss, gradient reduction, clipping and the optimizer step are the engine's
+own, and run after every W of the batch.
 """
 import torch
 import torch.distributed as dist
