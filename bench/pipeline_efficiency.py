@@ -23,7 +23,7 @@ Then where each stage's time goes: compute, optimizer (gradient reduction, clipp
 receive waits for the peer: bubble, imbalance and transfer), batch loading and the engine's own overhead.
 
 The model (MODEL, SEQ_LENGTH, MICRO_BATCH) is split so that stages do equal work; --hidden-size scales its width
-(heads and MLP with it; the stages stay balanced only near the default).
+(heads, MLP and vocabulary with it, so that the LM head keeps the cost of about one decoder layer).
 
   python bench/pipeline_efficiency.py [--rounds 8] [--micro-batches 4 8 16] [--schedules 1f1b zero_bubble]
 """
@@ -41,11 +41,11 @@ from common import (machine_note, peak_rss_bytes, random_micro_batches, reset_pe
 from memory_plan_check import FIXED_MMAP_THRESHOLD  # noqa: E402
 from schedule_simulator import predict  # noqa: E402
 
-# Wide enough that matmuls dominate, as in real LLaMA shapes (at hidden 256 element-wise work and Python overhead
-# per op weigh as much as the weight gradients); the vocabulary sized so that the LM head with its loss costs
-# about one decoder layer, and the stages [embedding + 4 layers | 3 layers + head] do equal work.
-MODEL = dict(vocab_size=6144, hidden_size=512, intermediate_size=1376, num_hidden_layers=7, num_attention_heads=8,
-             num_key_value_heads=8, max_position_embeddings=1024)
+# Wide enough that matmuls dominate, as in real LLaMA shapes: B and W then cost about the same (at hidden 512
+# element-wise work in B made it 1.2-1.8x W, at hidden 256 up to 2.5x); the vocabulary sized so that the LM head
+# with its loss costs about one decoder layer, and the stages [embedding + 4 layers | 3 layers + head] do equal work.
+MODEL = dict(vocab_size=12288, hidden_size=1024, intermediate_size=2752, num_hidden_layers=7, num_attention_heads=16,
+             num_key_value_heads=16, max_position_embeddings=1024)
 SEQ_LENGTH, MICRO_BATCH = 128, 2
 # Decoder layers per stage: the LM head (with norm and loss) on the last stage counts as one decoder layer.
 PARTITIONS = {1: [7], 2: [4, 3], 4: [2, 2, 2, 1]}
@@ -59,7 +59,7 @@ CATEGORIES = {"ForwardPass": "compute", "BackwardPass": "compute", "BackwardWeig
 def model_config(hidden_size):
     from transformers import LlamaConfig
     scale = hidden_size / MODEL["hidden_size"]
-    return LlamaConfig(**dict(MODEL, hidden_size=hidden_size,
+    return LlamaConfig(**dict(MODEL, hidden_size=hidden_size, vocab_size=round(MODEL["vocab_size"] * scale),
                               intermediate_size=round(MODEL["intermediate_size"] * scale),
                               num_attention_heads=round(MODEL["num_attention_heads"] * scale),
                               num_key_value_heads=round(MODEL["num_key_value_heads"] * scale)))

@@ -199,7 +199,6 @@ class MLP(nn.Module):
 
 class EmbeddingPipe(nn.Embedding):
     """Layer 0: token ids to hidden states; document ids and positions pass through as integer tensors."""
-    keeps_weight_grad = True  # as a tied LM head too: its gradient is never deferred (models/weight_grads.py)
 
     def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
         super().__init__(parallel.local(config.vocab_size, "vocab_size"), config.hidden_size, padding_idx=None)
@@ -250,7 +249,6 @@ class FinalNormPipe(RMSNorm):
 
 class LMHeadPipe(nn.Linear):
     """Layer L+2: hidden states to logits (this rank's vocabulary rows under tensor parallelism)."""
-    keeps_weight_grad = True  # deferring it would hold a logits-sized output gradient (models/weight_grads.py)
 
     def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
         super().__init__(config.hidden_size, parallel.local(config.vocab_size, "vocab_size"), bias=False)

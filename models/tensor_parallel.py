@@ -60,9 +60,7 @@ class TensorParallel:
             return [self.linear(x, lin) for lin in linears]
         if self.sequence_parallel:
             params = [t for lin in linears for t in (lin.weight, getattr(lin, "bias", None))]
-            defer = self.weight_grads is not None and not any(getattr(lin, "keeps_weight_grad", False)
-                                                              for lin in linears)
-            return list(GatheredLinears.apply(self, defer, x, *params))
+            return list(GatheredLinears.apply(self, x, *params))
         x = CopyToGroup.apply(x, self.group)
         return [self.linear(x, lin) for lin in linears]
 
@@ -76,9 +74,9 @@ class TensorParallel:
 
     def linear(self, x, module, bias=True):
         """x through a linear module (without its bias if bias=False); its weight gradients deferred when the
-        schedule splits the backward, except the LM head's and tied embedding's (keeps_weight_grad)."""
+        schedule splits the backward."""
         bias = getattr(module, "bias", None) if bias else None
-        if self.weight_grads is None or getattr(module, "keeps_weight_grad", False):
+        if self.weight_grads is None:
             return F.linear(x, module.weight, bias)
         return deferrable_linear(x, module.weight, bias, self.weight_grads)
 
@@ -198,12 +196,12 @@ class GatheredLinears(torch.autograd.Function):
     (one more all-gather per group, and only the pool's one buffer alive)."""
 
     @staticmethod
-    def forward(ctx, parallel, defer, x, *params):
+    def forward(ctx, parallel, x, *params):
         recompute = parallel.recompute_sequence_gather
         full = parallel.gather_tokens(x, pooled=recompute)
         weights, biases = params[0::2], params[1::2]
         outputs = tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
-        ctx.parallel, ctx.has_bias, ctx.biases, ctx.defer = parallel, [b is not None for b in biases], biases, defer
+        ctx.parallel, ctx.has_bias, ctx.biases = parallel, [b is not None for b in biases], biases
         ctx.save_for_backward(x if recompute else full, *weights)
         return outputs
 
@@ -218,15 +216,15 @@ class GatheredLinears(torch.autograd.Function):
         for index, (grad, weight) in enumerate(zip(grads, weights)):
             grad_full.addmm_(grad.reshape(-1, grad.shape[-1]), weight, beta=1 if index else 0)
         grad_x = parallel.scatter_tokens(grad_full.view(full.shape))
-        if ctx.defer and parallel.weight_grads.deferring:
+        if parallel.weight_grads is not None and parallel.weight_grads.deferring:
             # W may run after other layers reused the pool buffer: keep the input, or gather it again then.
             queue_gathered_weight_grads(parallel, saved, grads, weights, ctx.biases)
-            return None, None, grad_x, *([None] * 2 * len(weights))
+            return None, grad_x, *([None] * 2 * len(weights))
         param_grads = []
         for grad, weight, has_bias in zip(grads, weights, ctx.has_bias):
             grad_2d = grad.reshape(-1, grad.shape[-1])
             param_grads += [grad_2d.t() @ full_2d, grad_2d.sum(0) if has_bias else None]
-        return None, None, grad_x, *param_grads
+        return None, grad_x, *param_grads
 
 
 def queue_gathered_weight_grads(parallel, saved, grads, weights, biases):

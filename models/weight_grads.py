@@ -4,8 +4,12 @@ gradient, which the previous stage waits for, now; the weight gradient, which no
 While a `WeightGradQueue` is deferring (one micro-batch's backward pass B), the linear layers built with it return
 no weight gradient and queue (input, output gradient) instead; `run_oldest` (the schedule's W) computes that
 micro-batch's weight gradients and hands them to autograd's accumulation, so .grad and the gradient hooks that
-DeepSpeed's optimizers register (bf16 and ZeRO gradient buffers) see them as in an undivided backward. Embedding,
-norm and LM-head weights keep their gradients in B (the LM head's would hold a logits-sized output gradient until W).
+DeepSpeed's optimizers register (bf16 and ZeRO gradient buffers) see them as in an undivided backward. Embedding
+and norm weights keep their gradients in B. The LM head's (tied or not) waits for W like any linear layer's: its
+B would otherwise cost the last stage twice its W, and the first stage waits for that B at the start of every step.
+Its price is the logits' output gradient (activation dtype, this rank's vocabulary share) held by each micro-batch
+waiting for W on the last stage, at most p - 1 of them, on the stage that holds the fewest activations under 1F1B
+(one micro-batch's, against the first stage's p); bench/README.md row 8 measures both stages' peaks.
 """
 import collections
 import contextlib
