@@ -17,8 +17,9 @@ Timing runs with glibc keeping freed memory for reuse (large mmap and trim thres
 allocator does: with glibc's defaults many large tensors are fresh mappings whose pages the kernel zeroes, which
 here costs up to a third of a step, and more under the schedule that keeps more tensors alive at once.
 Peak RSS per stage comes from separate fresh processes per schedule and m, with a small fixed mmap threshold
-(bench/memory_plan_check.py's) so that RSS follows the live tensors: the peak over one step after a warm-up, and
-its rise over the RSS before the step (activations and gradients).
+(bench/memory_plan_check.py's) so that RSS follows the live tensors, over one step after a warm-up: the peak until
+the last W (the schedule's part: activations and gradients; the optimizer's temporaries can hide it in the peak of
+the whole step) and over the whole step, each with its rise over the RSS before the step.
 Then where each stage's time goes: compute, optimizer (gradient reduction, clipping, step), send, receive (a
 receive waits for the peer: bubble, imbalance and transfer), batch loading and the engine's own overhead.
 
@@ -130,8 +131,9 @@ def timing_worker(rank, num_stages, micro_batches, rounds, schedules, hidden_siz
 
 
 def memory_worker(rank, num_stages, micro_batches, schedule, hidden_size, out_dir):
-    """Peak RSS over one step after a warm-up, and the RSS before it."""
+    """Peak RSS until the last W and over one step after a warm-up, and the RSS before it."""
     import torch.distributed as dist
+    from deepspeed.runtime.pipe.schedule import ReduceTiedGrads
 
     from training.distributed import init_distributed
 
@@ -140,14 +142,27 @@ def memory_worker(rank, num_stages, micro_batches, schedule, hidden_size, out_di
     engine = build_engine(config, num_stages, micro_batches, schedule)
     batches = random_micro_batches(config.vocab_size, SEQ_LENGTH, MICRO_BATCH, seed=rank)
     engine.train_batch(batches)
+    schedule_peaks = record_peak_before(engine, ReduceTiedGrads)
     dist.barrier()
     reset_peak_rss()
     start = rss_bytes()
     engine.train_batch(batches)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"stage": engine.stage_id, "peak": peak_rss_bytes(), "start": start}, f)
+        json.dump({"stage": engine.stage_id, "peak": peak_rss_bytes(), "schedule_peak": schedule_peaks[-1],
+                   "start": start}, f)
     dist.barrier()  # a stage that tears down gloo while its peer still steps aborts it (seen with 1F1B)
     dist.destroy_process_group()
+
+
+def record_peak_before(engine, instruction):
+    """[peak RSS so far] appended each time the engine is about to run `instruction`."""
+    peaks, handler = [], engine._INSTRUCTION_MAP[instruction]
+
+    def recorded(self, *args, **kwargs):
+        peaks.append(peak_rss_bytes())
+        handler(self, *args, **kwargs)
+    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, instruction: recorded}
+    return peaks
 
 
 def run_workers(worker, num_stages, env, *args):
@@ -231,14 +246,15 @@ def print_details(num_stages, m, ranks, schedules):
 
 
 def print_memory(num_stages, m, memory):
-    for schedule, ranks in memory.items():
-        print(f"  peak RSS, m={m:>2} {schedule:<12} " + "  ".join(
-            f"stage {r['stage']}: {r['peak'] / 2**20:.0f} MiB (+{(r['peak'] - r['start']) / 2**20:.0f})"
-            for r in ranks))
-    if "1f1b" in memory and len(memory) > 1:
-        for schedule in (s for s in memory if s != "1f1b"):
-            print(f"    {schedule} / 1f1b peak: " + "  ".join(
-                f"stage {a['stage']} {a['peak'] / b['peak']:.3f}" for a, b in zip(memory[schedule], memory["1f1b"])))
+    for key, what in (("schedule_peak", "until the last W"), ("peak", "over the step")):
+        for schedule, ranks in memory.items():
+            print(f"  peak RSS {what}, m={m:>2} {schedule:<12} " + "  ".join(
+                f"stage {r['stage']}: {r[key] / 2**20:.0f} MiB (+{(r[key] - r['start']) / 2**20:.0f})"
+                for r in ranks))
+        for schedule in (s for s in memory if s != "1f1b" and "1f1b" in memory):
+            print(f"    {schedule} / 1f1b: " + "  ".join(
+                f"stage {a['stage']} {a[key] / b[key]:.3f} (rise {(a[key] - a['start']) / (b[key] - b['start']):.3f})"
+                for a, b in zip(memory[schedule], memory["1f1b"])))
 
 
 def main():

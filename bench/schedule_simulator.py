@@ -38,7 +38,7 @@ def predict(stages, micro_batches, times, overhead=0.0):
 def paper_times_llama_65b():
     """F, B, W per stage of conf/llama_65b.yaml (balanced partition, checkpointing as configured), in units of one
     decoder layer's forward: matmuls cost as much in B as in W; attention has no weights (all its backward is B);
-    a checkpointed layer recomputes its forward in B; the LM head's weight gradient stays in B."""
+    a checkpointed layer recomputes its forward in B; the LM head's input gradient is B, its weight gradient W."""
     from omegaconf import OmegaConf
     from transformers import LlamaConfig
 
@@ -63,8 +63,8 @@ def paper_times_llama_65b():
     for stage, count in enumerate(counts):
         last = stage == cfg.num_stages - 1
         times.append({"F": count + (head if last else 0),
-                      "B": count * (matmul + 2 * attention + recompute) + (2 * head if last else 0),
-                      "W": count * matmul})
+                      "B": count * (matmul + 2 * attention + recompute) + (head if last else 0),
+                      "W": count * matmul + (head if last else 0)})
     return cfg.num_stages, cfg.gradient_accumulation_steps, times, counts
 
 
