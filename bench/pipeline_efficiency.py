@@ -66,13 +66,13 @@ def model_config(hidden_size):
                               num_key_value_heads=round(MODEL["num_key_value_heads"] * scale)))
 
 
-def build_engine(config, num_stages, micro_batches, schedule):
+def build_engine(config, num_stages, micro_batches, schedule, checkpoint_interval=0):
     """The trainer's engine (training/loop.py) for this model, fp32, one step of m micro-batches."""
     from training.loop import build_engine as trainer_engine
     cfg = run_config([f"num_stages={num_stages}", "precision=fp32", "zero_stage=0", f"seq_length={SEQ_LENGTH}",
                       f"micro_batch_size={MICRO_BATCH}", f"gradient_accumulation_steps={micro_batches}",
                       f"partition={PARTITIONS[num_stages]}", "lr_scheduler=constant",
-                      f"pipeline_schedule={schedule}"])
+                      f"pipeline_schedule={schedule}", f"activation_checkpoint_interval={checkpoint_interval}"])
     return trainer_engine(cfg, config, total_steps=10**6)[0]
 
 
@@ -97,7 +97,7 @@ def pin_to_core(rank):
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
 
-def timing_worker(rank, num_stages, micro_batches, rounds, schedules, hidden_size, out_dir):
+def timing_worker(rank, num_stages, micro_batches, rounds, schedules, hidden_size, checkpoint_interval, out_dir):
     """Alternate, after a warm-up of each: a step of every process's own one-stage copy (all at once), then a step of
     the pipeline under each schedule; every step starts at a barrier."""
     import torch.distributed as dist
@@ -107,8 +107,9 @@ def timing_worker(rank, num_stages, micro_batches, rounds, schedules, hidden_siz
     pin_to_core(rank)
     init_distributed(timeout_minutes=30)
     config = model_config(hidden_size)
-    engines = {schedule: build_engine(config, num_stages, micro_batches, schedule) for schedule in schedules}
-    replica = build_engine(config, 1, micro_batches, "1f1b")
+    engines = {schedule: build_engine(config, num_stages, micro_batches, schedule, checkpoint_interval)
+               for schedule in schedules}
+    replica = build_engine(config, 1, micro_batches, "1f1b", checkpoint_interval)
     # Every process trains its own copy: no gradient and no loss all-reduce ties the copies' steps together.
     replica.pipeline_enable_backward_allreduce = replica.is_data_parallel = False
     batches = random_micro_batches(config.vocab_size, SEQ_LENGTH, MICRO_BATCH, seed=rank)
@@ -130,7 +131,7 @@ def timing_worker(rank, num_stages, micro_batches, rounds, schedules, hidden_siz
     dist.destroy_process_group()
 
 
-def memory_worker(rank, num_stages, micro_batches, schedule, hidden_size, out_dir):
+def memory_worker(rank, num_stages, micro_batches, schedule, hidden_size, checkpoint_interval, out_dir):
     """Peak RSS until the last W and over one step after a warm-up, and the RSS before it."""
     import torch.distributed as dist
     from deepspeed.runtime.pipe.schedule import ReduceTiedGrads
@@ -139,7 +140,7 @@ def memory_worker(rank, num_stages, micro_batches, schedule, hidden_size, out_di
 
     init_distributed(timeout_minutes=30)
     config = model_config(hidden_size)
-    engine = build_engine(config, num_stages, micro_batches, schedule)
+    engine = build_engine(config, num_stages, micro_batches, schedule, checkpoint_interval)
     batches = random_micro_batches(config.vocab_size, SEQ_LENGTH, MICRO_BATCH, seed=rank)
     engine.train_batch(batches)
     schedule_peaks = record_peak_before(engine, ReduceTiedGrads)
@@ -264,21 +265,25 @@ def main():
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "zero_bubble"], choices=["1f1b", "zero_bubble"])
     parser.add_argument("--hidden-size", type=int, default=MODEL["hidden_size"])
+    parser.add_argument("--activation-checkpoint-interval", type=int, default=0)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
+    parser.add_argument("--no-timing", action="store_true", help="only the peak-RSS runs")
     args = parser.parse_args()
     config = model_config(args.hidden_size)
     print(f"model: hidden {config.hidden_size}, intermediate {config.intermediate_size}, {config.num_hidden_layers} "
           f"layers, vocabulary {config.vocab_size}; seq_length {SEQ_LENGTH}, micro-batch {MICRO_BATCH}, fp32, one "
-          f"thread per process; {args.rounds} interleaved rounds after one warm-up")
+          f"thread per process; {args.rounds} interleaved rounds after one warm-up; activation checkpointing every "
+          f"{args.activation_checkpoint_interval} layers (0: off)")
     for m in args.micro_batches:
-        ranks = run_workers(timing_worker, args.stages, CACHING_MALLOC, args.stages, m, args.rounds, args.schedules,
-                            args.hidden_size)
-        report(args.stages, m, ranks, args.schedules)
-        print_details(args.stages, m, ranks, args.schedules)
+        if not args.no_timing:
+            ranks = run_workers(timing_worker, args.stages, CACHING_MALLOC, args.stages, m, args.rounds,
+                                args.schedules, args.hidden_size, args.activation_checkpoint_interval)
+            report(args.stages, m, ranks, args.schedules)
+            print_details(args.stages, m, ranks, args.schedules)
         if not args.no_memory:
             memory = {schedule: run_workers(memory_worker, args.stages,
                                             {"MALLOC_MMAP_THRESHOLD_": FIXED_MMAP_THRESHOLD}, args.stages, m,
-                                            schedule, args.hidden_size)
+                                            schedule, args.hidden_size, args.activation_checkpoint_interval)
                       for schedule in args.schedules}
             print_memory(args.stages, m, memory)
     print(machine_note())
