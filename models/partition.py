@@ -6,7 +6,8 @@ The cost model works from the model config and the workload alone (nothing is bu
   matmul over the whole vocabulary; the embedding (a gather) and the final norm are free.
 - memory: weights, gradients and optimizer state for the precision, ZeRO stage and data-parallel degree; what
   autograd and the engine keep per micro-batch in flight (1F1B keeps up to num_stages - stage micro-batches on a
-  stage; the last stage also keeps two micro-batches of logits); the largest short-lived peak of one backward
+  stage; the last stage also keeps two micro-batches of logits; under the zero-bubble schedule stage s also keeps up
+  to s micro-batches waiting for their weight gradients); the largest short-lived peak of one backward
   pass (a recomputed chunk, the LM head's fp32 loss gradients); ZeRO-1's reduce buckets; and the optimizer step's
   peak, which replaces the activations' once they are freed.
 
@@ -56,6 +57,7 @@ class Workload:
     sequence_parallel: bool = True  # with tensor_parallel > 1: residual stream on 1/t of the tokens
     recompute_sequence_gather: bool = False  # sequence parallel: gather again in backward rather than keep
     offload_optimizer: bool = False  # ZeRO-1's fp32 partition, its gradient and Adam's moments in host memory
+    pipeline_schedule: str = "1f1b"  # zero_bubble: micro-batches also wait for their weight gradients (W)
 
     @property
     def tokens(self):
@@ -94,7 +96,8 @@ def describe_workload(workload):
     return (f"seq_length={workload.seq_length}, micro_batch_size={workload.micro_batch_size}, "
             f"{workload.micro_batches} micro-batches, {workload.precision}, ZeRO-{workload.zero_stage}"
             f"{' with optimizer offloaded to CPU' if workload.offload_optimizer else ''}, "
-            f"{tensor}data-parallel {workload.data_parallel}, {checkpointing}")
+            f"{tensor}data-parallel {workload.data_parallel}, {checkpointing}"
+            f"{', zero-bubble schedule' if workload.pipeline_schedule == 'zero_bubble' else ''}")
 
 
 def layer_kinds(num_hidden_layers):
@@ -234,6 +237,15 @@ class LayerCosts:
                                                + (2 - pooled) * tokens * hidden),
                                HEAD: 2 * tokens * vocab * FP32_BYTES}
         self.logits_bytes = tokens * vocab * act
+        # A micro-batch waiting for its W (zero-bubble schedule) keeps each deferred linear layer's input and output
+        # gradient (models/weight_grads.py), checkpointed or not: a decoder's q/k/v and gate/up inputs (gathered),
+        # o_proj's and down_proj's inputs, q, k, v, gate and up's output gradients, and o_proj's and down_proj's
+        # (all tokens, before the row-parallel reduction); the LM head's input and its logits-sized gradient.
+        kv_width = config.num_key_value_heads * head_dim_of(config) // t
+        self.weight_grad_bytes = {
+            EMBEDDING: 0, NORM: 0,
+            DECODER: act * (2 * gathered * hidden + tokens * (2 * q_width + 2 * kv_width + 3 * inter + 2 * hidden)),
+            HEAD: act * (gathered * hidden + tokens * vocab)}
         # One hidden-states tensor: a stage boundary, a checkpoint input.
         self.hidden_bytes = residual * hidden * act
         # Sequence parallelism's pool, once per stage: the buffer every column group sums its input gradient into,
@@ -256,9 +268,10 @@ class LayerCosts:
             flops += forward * (4 if checkpointed else 3)
         return flops
 
-    def stage_activation_bytes(self, kinds, in_flight):
-        """Peak activation memory: what in_flight micro-batches keep for their backward, the engine's buffers, and
-        the largest short-lived peak of one layer's backward (after recomputing its checkpointed chunk)."""
+    def stage_activation_bytes(self, kinds, in_flight, waiting=0):
+        """Peak activation memory: what in_flight micro-batches keep for their backward and `waiting` ones for
+        their weight gradients, the engine's buffers, and the largest short-lived peak of one layer's backward
+        (after recomputing its checkpointed chunk)."""
         per_micro_batch, transient = 0, 0
         for run, checkpointed in self.chunks(kinds):
             saved = sum(self.saved_bytes[kind] for kind in run)
@@ -280,7 +293,8 @@ class LayerCosts:
             persistent += min(2, self.workload.micro_batches) * self.logits_bytes
         if DECODER in kinds or HEAD in kinds:  # column-parallel groups use the stage's pool
             persistent += self.pool_bytes
-        return in_flight * per_micro_batch + persistent + transient
+        waiting_bytes = waiting * sum(self.weight_grad_bytes[kind] for kind in kinds)
+        return in_flight * per_micro_batch + waiting_bytes + persistent + transient
 
     def stage_parameters(self, kinds):
         return sum(self.parameters[kind] for kind in kinds)
@@ -337,6 +351,14 @@ def in_flight_micro_batches(stage, num_stages, micro_batches):
     return min(num_stages - stage, micro_batches)
 
 
+def waiting_micro_batches(stage, num_stages, micro_batches, schedule):
+    """Micro-batches waiting only for their W at a stage's peak: ZB-H1 holds s of them back on stage s, next to
+    1F1B's in flight (training/schedule.py), never more than the step's micro-batches."""
+    if schedule != "zero_bubble":
+        return 0
+    return min(stage, micro_batches - in_flight_micro_batches(stage, num_stages, micro_batches))
+
+
 def stage_kinds(stage, num_stages, num_decoders):
     kinds = [DECODER] * num_decoders
     if stage == 0:
@@ -363,11 +385,18 @@ class StageCostModel:
     def in_flight(self, stage):
         return in_flight_micro_batches(stage, self.num_stages, self.workload.micro_batches)
 
+    def waiting(self, stage):
+        return waiting_micro_batches(stage, self.num_stages, self.workload.micro_batches,
+                                     self.workload.pipeline_schedule)
+
+    def activation_bytes(self, stage, kinds):
+        return self.layers.stage_activation_bytes(kinds, self.in_flight(stage), self.waiting(stage))
+
     def memory_bytes(self, stage, kinds):
         """Peak memory: weights, optimizer state and buffers, plus the larger of the backward passes (gradients
         and activations) and the optimizer step."""
         state = self.layers.stage_state_bytes(kinds)
-        backward = state["gradients"] + self.layers.stage_activation_bytes(kinds, self.in_flight(stage))
+        backward = state["gradients"] + self.activation_bytes(stage, kinds)
         return (state["weights"] + state["optimizer"] + self.layers.stage_buffer_bytes()
                 + max(backward, self.layers.stage_step_bytes(kinds)))
 
@@ -456,11 +485,12 @@ def stage_plan(config, bounds, workload):
             "parameters": model.layers.stage_parameters(kinds),
             "tflops_per_micro_batch": model.layers.stage_flops(kinds) / 1e12,
             **{f"{name}_bytes": value for name, value in state.items()},
-            "activation_bytes": model.layers.stage_activation_bytes(kinds, model.in_flight(stage)),
+            "activation_bytes": model.activation_bytes(stage, kinds),
             "step_bytes": model.layers.stage_step_bytes(kinds),
             "buffer_bytes": model.layers.stage_buffer_bytes(),
             "host_bytes": model.layers.stage_host_bytes(kinds),
             "in_flight": model.in_flight(stage),
+            "waiting_for_weight_grads": model.waiting(stage),
             "memory_bytes": model.memory_bytes(stage, kinds),
             "cost": model.cost(stage, kinds),
         })

@@ -12,6 +12,8 @@ from models.llama import DecoderLayerPipe, FinalNormPipe, LMHeadPipe, StageAtten
 from models.partition import (DECODER, HEAD, NORM, LayerCosts, Workload, balanced_decoder_counts, cost_spread,
                               stage_bounds, stage_plan)
 from models.pipeline import build_pipeline_layers
+from models.tensor_parallel import TensorParallel
+from models.weight_grads import WeightGradQueue
 from tests.conftest import ROOT
 from training.plan import workload_from_cfg
 
@@ -173,6 +175,44 @@ def test_activation_model_matches_what_autograd_saves(dtype, precision, kv_heads
     # The loss's 4-byte scalar is not modelled; the logits, which the engine holds, are counted apart.
     assert measured == pytest.approx(costs.saved_bytes[NORM] + costs.saved_bytes[HEAD], abs=4)
     assert logits[0].untyped_storage().nbytes() == costs.logits_bytes
+
+
+def queued_tensor_bytes(queue, exclude):
+    """Bytes of the distinct storages the queued weight-gradient work of a WeightGradQueue keeps alive."""
+    storages = {}
+    for work in queue._pending:
+        for params_and_grads in work:
+            for cell in params_and_grads.__closure__ or ():
+                value = cell.cell_contents
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in exclude:
+                    storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_weight_grad_model_matches_what_the_zero_bubble_queue_keeps(dtype, precision, kv_heads):
+    """What a micro-batch waiting for W holds (models/weight_grads.py), per decoder layer and for the LM head."""
+    config = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=kv_heads)
+    batch, seq = 2, 24
+    costs = LayerCosts(config, Workload(seq_length=seq, micro_batch_size=batch, precision=precision))
+    parallel = TensorParallel()
+    parallel.weight_grads = WeightGradQueue()
+    decoder = DecoderLayerPipe(config, StageAttentionInputs(config), parallel=parallel).to(dtype)
+    norm, head = FinalNormPipe(config, parallel).to(dtype), LMHeadPipe(config, parallel).to(dtype)
+    params = {p.untyped_storage().data_ptr() for m in (decoder, norm, head) for p in m.parameters()}
+    hidden = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
+    mask, positions = torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq)
+    output = decoder((hidden, mask, positions))[0]
+    with parallel.weight_grads.defer():
+        output.backward(torch.randn_like(output))
+    assert queued_tensor_bytes(parallel.weight_grads, params) == costs.weight_grad_bytes[DECODER]
+    parallel.weight_grads.run_oldest()
+    loss = causal_lm_loss(head(norm((hidden.detach(),))), torch.randint(0, config.vocab_size, (batch, seq)))
+    with parallel.weight_grads.defer():
+        loss.backward()
+    assert queued_tensor_bytes(parallel.weight_grads, params) == costs.weight_grad_bytes[HEAD]
 
 
 def test_checkpointed_stage_keeps_one_hidden_state_per_layer_and_recomputes_one():

@@ -197,7 +197,7 @@ def test_training_parity_resume_and_export(demo_model, tmp_path):
     (reference,) = [r["eval_loss"] for r in read_metrics(single) if "eval_loss" in r]
     assert evaluation == pytest.approx(reference, abs=1e-4)
     assert json.load(open(parallel / "global_step3" / "trainer_state.json"))["topology"] == {
-        "num_stages": 2, "data_parallel": 1, "tensor_parallel": 2}
+        "num_stages": 2, "data_parallel": 1, "tensor_parallel": 2, "stage_bounds": [0, 3, 7]}
 
     # One process without tensor parallelism continues from the same weights (merged from the slices): its step 4
     # is computed with the step-3 weights on the same batch. (A full resume under tensor parallelism, optimizer

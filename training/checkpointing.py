@@ -125,10 +125,21 @@ def read_trainer_state(tag_dir):
 def check_resume_topology(trainer_state, topology, weights_only, tag_dir):
     """Optimizer state is laid out per stage (and per data-parallel rank under ZeRO-1): it cannot follow a change."""
     saved = trainer_state.get("topology")
+    if saved and "stage_bounds" not in saved:  # written before the stages' layers were recorded
+        topology = {key: value for key, value in topology.items() if key != "stage_bounds"}
     if saved and saved != topology and not weights_only:
+        same_stages = saved.get("stage_bounds") and len(saved["stage_bounds"]) == len(topology["stage_bounds"])
+        partition = (f", or partition={decoder_layers_per_stage(saved['stage_bounds'])} to build the checkpoint's "
+                     f"stages" if same_stages else "")
         raise ValueError(f"checkpoint {tag_dir} was trained with {saved}, this run has {topology}; optimizer state "
                          f"cannot follow a topology change. Set resume_weights_only=true to continue from its weights "
-                         f"with a fresh optimizer (the data position is kept by consumed samples).")
+                         f"with a fresh optimizer (the data position is kept by consumed samples){partition}.")
+
+
+def decoder_layers_per_stage(bounds):
+    """The explicit partition (decoder layers per stage) of stage bounds over [embedding, decoders, norm, head]."""
+    last_decoder = bounds[-1] - 3
+    return [len(range(max(start, 1), min(stop, last_decoder + 1))) for start, stop in zip(bounds, bounds[1:])]
 
 
 @contextlib.contextmanager

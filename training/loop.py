@@ -27,7 +27,8 @@ from training.metrics import RunLogger, compute_throughput, device_peak_tflops
 from training.optimizer import skipping_optimizer
 from training.pipeline_engine import use_zero_bubble
 from training.preemption import Preempted, PreemptionWatch
-from training.plan import load_plan_model_config, plan_world_size, print_memory_plan, workload_from_cfg
+from training.plan import (configured_stage_bounds, load_plan_model_config, plan_world_size, print_memory_plan,
+                           workload_from_cfg)
 
 
 def log_rank0(message):
@@ -141,9 +142,13 @@ def load_start_state(engine, cfg, resume_from):
     log_rank0(f"resumed from {os.path.join(ckpt_dir, tag)}{' (weights only, fresh optimizer)' if weights_only else ''}")
 
 
-def topology_of(num_stages, world_size, tensor_parallel_size):
+def topology_of(num_stages, world_size, tensor_parallel_size, stage_bounds):
+    """What a checkpoint's optimizer state is laid out by: the parallel degrees and the layers of each stage (the
+    balanced partition moves with the workload: sequence length, micro-batches, checkpointing, schedule)."""
     topology = {"num_stages": num_stages, "data_parallel": world_size // (num_stages * tensor_parallel_size)}
-    return {**topology, "tensor_parallel": tensor_parallel_size} if tensor_parallel_size > 1 else topology
+    if tensor_parallel_size > 1:
+        topology["tensor_parallel"] = tensor_parallel_size
+    return {**topology, "stage_bounds": [int(bound) for bound in stage_bounds]}
 
 
 def data_position(trainer_state, micro_batches_per_epoch, dp_size, micro_batch_size):
@@ -166,7 +171,8 @@ def run(cfg):
     if resume_from is None and not cfg.eval_only:
         check_fresh_start(cfg.output_dir, cfg.overwrite_output_dir)
     if not cfg.eval_only:
-        check_resume_topology(trainer_state, topology_of(cfg.num_stages, world_size, cfg.tensor_parallel_size),
+        bounds = configured_stage_bounds(cfg, model_config, workload_from_cfg(cfg, world_size))
+        check_resume_topology(trainer_state, topology_of(cfg.num_stages, world_size, cfg.tensor_parallel_size, bounds),
                               cfg.resume_weights_only,
                               os.path.join(*resume_from) if resume_from else None)
     init_distributed(cfg.dist_timeout_minutes)
@@ -257,7 +263,8 @@ def train(engine, cfg, stream, data, pad_id, model_files_dir, monitors, step, to
         if preempted or step == total_steps or (cfg.save_steps and step % cfg.save_steps == 0):
             save_checkpoint(engine, cfg, model_files_dir, {
                 "step": step, "consumed_samples": step * samples_per_step,
-                "topology": topology_of(engine.num_stages, dist.get_world_size(), cfg.tensor_parallel_size)})
+                "topology": topology_of(engine.num_stages, dist.get_world_size(), cfg.tensor_parallel_size,
+                                        engine.module.parts)})
             last_checkpoint = (cfg.output_dir, f"global_step{step}")
         if preempted:
             logger.close()

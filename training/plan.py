@@ -55,7 +55,8 @@ def workload_from_cfg(cfg, world_size):
                     tensor_parallel=tensor_parallel_size(cfg),
                     sequence_parallel=bool(cfg.get("sequence_parallel", True)),
                     recompute_sequence_gather=bool(cfg.get("recompute_sequence_gather", False)),
-                    offload_optimizer=offload_device(cfg) == "cpu")
+                    offload_optimizer=offload_device(cfg) == "cpu",
+                    pipeline_schedule=cfg.get("pipeline_schedule", "1f1b"))
 
 
 def load_plan_model_config(cfg):
@@ -74,6 +75,13 @@ def load_plan_model_config(cfg):
     return config
 
 
+def configured_stage_bounds(cfg, model_config, workload):
+    """[first layer of each stage..., layer count]: the bounds models/pipeline.py computes for this run."""
+    partition = cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
+    class_names = [spec.typename.__name__ for spec in build_pipeline_layers(model_config)]
+    return stage_bounds(model_config, cfg.num_stages, partition, workload, class_names)
+
+
 def memory_plan(cfg, model_config, world_size):
     """Per-stage rows (bytes) for the configured partition, with activations with and without checkpointing."""
     stages = cfg.num_stages
@@ -87,9 +95,7 @@ def memory_plan(cfg, model_config, world_size):
         check_tensor_parallel(model_config, workload)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    partition = cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
-    class_names = [spec.typename.__name__ for spec in build_pipeline_layers(model_config)]
-    bounds = stage_bounds(model_config, stages, partition, workload, class_names)
+    bounds = configured_stage_bounds(cfg, model_config, workload)
     interval = workload.activation_checkpoint_interval
     with_checkpointing = stage_plan(model_config, bounds,
                                     dataclasses.replace(workload, activation_checkpoint_interval=interval or 1))
