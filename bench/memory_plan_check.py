@@ -38,6 +38,13 @@ CASES = [
     ("activations, 2 stages, fp32, ZeRO-0", ACTIVATIONS_HEAVY,
      ["num_stages=2", "precision=fp32", "zero_stage=0", "seq_length=1024", "micro_batch_size=4",
       "gradient_accumulation_steps=4"]),
+    ("activations, 2 stages, fp32, ZeRO-0, zero_bubble", ACTIVATIONS_HEAVY,
+     ["num_stages=2", "precision=fp32", "zero_stage=0", "seq_length=1024", "micro_batch_size=4",
+      "gradient_accumulation_steps=4", "pipeline_schedule=zero_bubble"]),
+    # Checkpointed layers keep a hidden state per micro-batch; one waiting for W keeps all its linear layers' tensors.
+    ("activations, 2 stages, checkpointing, zero_bubble", ACTIVATIONS_HEAVY,
+     ["num_stages=2", "precision=fp32", "zero_stage=0", "seq_length=1024", "micro_batch_size=4",
+      "gradient_accumulation_steps=4", "activation_checkpoint_interval=1", "pipeline_schedule=zero_bubble"]),
     # A small reduce bucket: torch.empty's untouched pages cost no RSS on the CPU but are allocated on a GPU.
     ("weights, 2 stages, bf16, ZeRO-1, checkpointing", WEIGHTS_HEAVY,
      ["num_stages=2", "precision=bf16", "zero_stage=1", "seq_length=512", "micro_batch_size=2",
@@ -55,6 +62,7 @@ def measure(rank, model_fields, overrides, out_dir):
     from models.pipeline import build_pipeline_module
     from training.config import deepspeed_config
     from training.distributed import init_distributed, parallel_topology
+    from training.pipeline_engine import use_zero_bubble
     from training.plan import workload_from_cfg
 
     cfg = run_config(overrides)
@@ -67,6 +75,8 @@ def measure(rank, model_fields, overrides, out_dir):
     ds_config, _ = deepspeed_config(cfg, total_steps=STEPS)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
                                            config=ds_config)
+    if cfg.pipeline_schedule == "zero_bubble":
+        use_zero_bubble(engine)
     batches = random_micro_batches(config.vocab_size, cfg.seq_length, cfg.micro_batch_size)
     reset_peak_rss()  # the window is training: the fp32 -> bf16 cast at initialisation is not the plan's
     for _ in range(STEPS):

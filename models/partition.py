@@ -390,7 +390,13 @@ class StageCostModel:
                                      self.workload.pipeline_schedule)
 
     def activation_bytes(self, stage, kinds):
-        return self.layers.stage_activation_bytes(kinds, self.in_flight(stage), self.waiting(stage))
+        """Under zero_bubble the larger of two moments: before a B, and just after it, when its micro-batch has
+        traded its activations for its weight-gradient tensors (more than a checkpointed micro-batch keeps)."""
+        in_flight, waiting = self.in_flight(stage), self.waiting(stage)
+        peak = self.layers.stage_activation_bytes(kinds, in_flight, waiting)
+        if self.workload.pipeline_schedule == "zero_bubble":
+            peak = max(peak, self.layers.stage_activation_bytes(kinds, in_flight - 1, waiting + 1))
+        return peak
 
     def memory_bytes(self, stage, kinds):
         """Peak memory: weights, optimizer state and buffers, plus the larger of the backward passes (gradients

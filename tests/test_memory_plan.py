@@ -5,6 +5,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
+from models.partition import DECODER, EMBEDDING, HEAD, NORM, LayerCosts
 from tests.conftest import ROOT
 from tests.tiny_models import make_tiny_model
 from training.config import ConfigError
@@ -99,6 +100,33 @@ def test_first_stage_holds_the_most_micro_batches_without_checkpointing():
     middle = rows[1:-1]
     assert middle[0]["activation_full_bytes"] > middle[1]["activation_full_bytes"]
     assert all(row["activation_bytes"] == row["activation_full_bytes"] for row in rows)
+
+
+def test_zero_bubble_adds_micro_batches_waiting_for_weight_gradients():
+    """ZB-H1 holds s micro-batches back for W on stage s: the same partition plans s weight-gradient sets more."""
+    overrides = ("activation_checkpoint_interval=0", "partition=[8,8,8,8]")
+    one_f_one_b = run_config("llama_7b", *overrides)
+    zero_bubble = run_config("llama_7b", *overrides, "pipeline_schedule=zero_bubble")
+    model_config = load_plan_model_config(one_f_one_b)
+    _, rows_1f1b = memory_plan(one_f_one_b, model_config, world_size=4)
+    workload, rows = memory_plan(zero_bubble, model_config, world_size=4)
+    assert [row["in_flight"] for row in rows] == [row["in_flight"] for row in rows_1f1b] == [4, 3, 2, 1]
+    assert [row["waiting_for_weight_grads"] for row in rows] == [0, 1, 2, 3]
+    layers = LayerCosts(model_config, workload)
+    for row, reference, kinds in zip(rows, rows_1f1b, ([EMBEDDING] + [DECODER] * 8, [DECODER] * 8, [DECODER] * 8,
+                                                        [DECODER] * 8 + [NORM, HEAD])):
+        waiting = row["waiting_for_weight_grads"] * sum(layers.weight_grad_bytes[kind] for kind in kinds)
+        assert row["activation_bytes"] - reference["activation_bytes"] == waiting
+    assert "zero-bubble schedule" in format_memory_plan(zero_bubble, workload, rows, 4)
+
+
+def test_llama3_70b_as_shipped_does_not_fit_under_zero_bubble(capsys):
+    """With checkpointing every layer, a micro-batch waiting for W keeps far more than its checkpoints: the later
+    stages outgrow the 80 GB devices that 1F1B fits in, and the plan says so."""
+    cfg = run_config("llama3_70b", "pipeline_schedule=zero_bubble")
+    rows = print_memory_plan(cfg, load_plan_model_config(cfg), world_size=plan_world_size(cfg))
+    assert "does NOT fit in 80 GiB per device" in capsys.readouterr().out
+    assert not rows[-1]["fits"] and rows[0]["fits"]
 
 
 def test_model_config_from_a_model_directory(tmp_path):
