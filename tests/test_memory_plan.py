@@ -113,8 +113,8 @@ def test_zero_bubble_adds_micro_batches_waiting_for_weight_gradients():
     assert [row["in_flight"] for row in rows] == [row["in_flight"] for row in rows_1f1b] == [4, 3, 2, 1]
     assert [row["waiting_for_weight_grads"] for row in rows] == [0, 1, 2, 3]
     layers = LayerCosts(model_config, workload)
-    for row, reference, kinds in zip(rows, rows_1f1b, ([EMBEDDING] + [DECODER] * 8, [DECODER] * 8, [DECODER] * 8,
-                                                        [DECODER] * 8 + [NORM, HEAD])):
+    stage_kinds = ([EMBEDDING] + [DECODER] * 8, [DECODER] * 8, [DECODER] * 8, [DECODER] * 8 + [NORM, HEAD])
+    for row, reference, kinds in zip(rows, rows_1f1b, stage_kinds):
         waiting = row["waiting_for_weight_grads"] * sum(layers.weight_grad_bytes[kind] for kind in kinds)
         assert row["activation_bytes"] - reference["activation_bytes"] == waiting
     assert "zero-bubble schedule" in format_memory_plan(zero_bubble, workload, rows, 4)
