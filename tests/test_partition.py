@@ -135,28 +135,39 @@ def test_deepspeed_methods_match_the_parity_tests_expectations():
         stage_bounds(config, 2, "type:nosuchlayer", Workload(), class_names)
 
 
+def distinct_storage_bytes(tensors, exclude):
+    """Bytes of the distinct storages under `tensors`, leaving out those in `exclude` (data pointers)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(size for pointer, size in storages.items() if pointer not in exclude)
+
+
 def saved_activation_bytes(run, exclude):
     """Bytes of the distinct storages autograd saves while run() builds its graph, leaving out `exclude`."""
-    storages = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in exclude:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda t: t):
         run()
-    return sum(storages.values())
+    return distinct_storage_bytes(saved, exclude)
+
+
+def queued_tensor_bytes(queue, exclude):
+    """Bytes of the distinct storages the queued weight-gradient work of a WeightGradQueue keeps alive."""
+    cells = [cell.cell_contents for work in queue._pending for params_and_grads in work
+             for cell in params_and_grads.__closure__ or ()]
+    return distinct_storage_bytes([value for value in cells if isinstance(value, torch.Tensor)], exclude)
+
+
+def small_layer(kv_heads, precision, batch=2, seq=24):
+    """A one-layer config and the cost model's figures for a (batch, seq) micro-batch of it."""
+    config = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=kv_heads)
+    return config, LayerCosts(config, Workload(seq_length=seq, micro_batch_size=batch, precision=precision))
 
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_activation_model_matches_what_autograd_saves(dtype, precision, kv_heads):
-    config = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=kv_heads)
     batch, seq = 2, 24
-    costs = LayerCosts(config, Workload(seq_length=seq, micro_batch_size=batch, precision=precision))
+    config, costs = small_layer(kv_heads, precision, batch, seq)
     stage_inputs = StageAttentionInputs(config)
     decoder = DecoderLayerPipe(config, stage_inputs).to(dtype)
     norm, head = FinalNormPipe(config).to(dtype), LMHeadPipe(config).to(dtype)
@@ -177,26 +188,12 @@ def test_activation_model_matches_what_autograd_saves(dtype, precision, kv_heads
     assert logits[0].untyped_storage().nbytes() == costs.logits_bytes
 
 
-def queued_tensor_bytes(queue, exclude):
-    """Bytes of the distinct storages the queued weight-gradient work of a WeightGradQueue keeps alive."""
-    storages = {}
-    for work in queue._pending:
-        for params_and_grads in work:
-            for cell in params_and_grads.__closure__ or ():
-                value = cell.cell_contents
-                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in exclude:
-                    storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_weight_grad_model_matches_what_the_zero_bubble_queue_keeps(dtype, precision, kv_heads):
     """What a micro-batch waiting for W holds (models/weight_grads.py), per decoder layer and for the LM head."""
-    config = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=kv_heads)
     batch, seq = 2, 24
-    costs = LayerCosts(config, Workload(seq_length=seq, micro_batch_size=batch, precision=precision))
+    config, costs = small_layer(kv_heads, precision, batch, seq)
     parallel = TensorParallel()
     parallel.weight_grads = WeightGradQueue()
     decoder = DecoderLayerPipe(config, StageAttentionInputs(config), parallel=parallel).to(dtype)
