@@ -85,16 +85,15 @@ def test_sigterm_mid_run_saves_that_step_and_resume_matches_uninterrupted_run(de
 
 
 def test_weights_only_resume_into_another_stage_count_keeps_eval_loss(demo_model, reference_run, tmp_path):
-    checkpoint = reference_run / "global_step8"
-    evals = {}
-    for procs, stages in ((2, 2), (1, 1)):
-        out = tmp_path / f"eval{stages}"
-        check_ok(launch_trainer(procs, demo_overrides(demo_model, out, num_stages=stages, eval_only="true",
-                                                resume=str(checkpoint), resume_weights_only="true")))
-        (record,) = read_metrics(out)
-        assert record["step"] == 8 and record["eval_examples"] > 0
-        evals[stages] = record["eval_loss"]
-    assert evals[1] == pytest.approx(evals[2], abs=1e-5)
+    """The 2-stage reference run's step-8 weights evaluated on 1 stage: the eval loss it logged at step 8."""
+    out = tmp_path / "eval1"
+    check_ok(launch_trainer(1, demo_overrides(demo_model, out, num_stages=1, eval_only="true",
+                                              resume=str(reference_run / "global_step8"), resume_weights_only="true")))
+    (record,) = read_metrics(out)
+    assert record["step"] == 8 and record["eval_examples"] > 0
+    (reference,) = [r for r in read_metrics(reference_run) if "eval_loss" in r]
+    assert reference["step"] == 8
+    assert record["eval_loss"] == pytest.approx(reference["eval_loss"], abs=1e-5)
 
 
 def test_topology_change_needs_weights_only(demo_model, reference_run, tmp_path):

@@ -14,14 +14,13 @@ from training.schedule import simulate, stage_orders
 STEPS, MICRO_BATCH, GAS, SEQ = 6, 2, 4, 16
 CASES = {  # name: (tiny config, case settings); all on 4 processes
     "4stages": ("llama2", dict(stages=4)),
-    "2stages_x_2dp": ("qwen2", dict(stages=2)),
     "2stages_x_2dp_tied_checkpointing": ("tied", dict(stages=2, checkpoint_interval=1)),
     "2stages_x_tp2": ("llama3", dict(stages=2, tensor_parallel=2)),
     "2stages_x_tp2_recompute_gather": ("llama2", dict(stages=2, tensor_parallel=2, recompute_sequence_gather=True)),
     "2stages_x_tp2_no_sequence_parallel": ("qwen2", dict(stages=2, tensor_parallel=2, sequence_parallel=False)),
     # DeepSpeed's other gradient buffers, bf16 losses bit-identical: ZeRO-1's (bf16: the trainer's default), the bf16
     # optimizer's fp32 accumulation (filled after each backward, or by gradient hooks) and offloaded ZeRO-1's.
-    "2stages_x_2dp_zero1_clipped": ("llama2", dict(stages=2, deepspeed=dict(
+    "2stages_x_2dp_zero1_clipped": ("qwen2", dict(stages=2, deepspeed=dict(
         zero_optimization={"stage": 1}, gradient_clipping=0.5))),
     "2stages_x_2dp_bf16_zero1": ("qwen2", dict(stages=2, tolerance=0.0, deepspeed=dict(
         zero_optimization={"stage": 1}, bf16={"enabled": True}))),
