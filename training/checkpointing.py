@@ -126,14 +126,19 @@ def check_resume_topology(trainer_state, topology, weights_only, tag_dir):
     """Optimizer state is laid out per stage (and per data-parallel rank under ZeRO-1): it cannot follow a change."""
     saved = trainer_state.get("topology")
     if saved and "stage_bounds" not in saved:  # written before the stages' layers were recorded
-        topology = {key: value for key, value in topology.items() if key != "stage_bounds"}
+        topology = degrees_of(topology)
     if saved and saved != topology and not weights_only:
-        same_stages = saved.get("stage_bounds") and len(saved["stage_bounds"]) == len(topology["stage_bounds"])
+        only_layers_differ = "stage_bounds" in saved and degrees_of(saved) == degrees_of(topology)
         partition = (f", or partition={decoder_layers_per_stage(saved['stage_bounds'])} to build the checkpoint's "
-                     f"stages" if same_stages else "")
+                     f"stages" if only_layers_differ else "")
         raise ValueError(f"checkpoint {tag_dir} was trained with {saved}, this run has {topology}; optimizer state "
                          f"cannot follow a topology change. Set resume_weights_only=true to continue from its weights "
                          f"with a fresh optimizer (the data position is kept by consumed samples){partition}.")
+
+
+def degrees_of(topology):
+    """A saved or current topology without its stage bounds: the parallel degrees alone."""
+    return {key: value for key, value in topology.items() if key != "stage_bounds"}
 
 
 def decoder_layers_per_stage(bounds):

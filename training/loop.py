@@ -27,8 +27,8 @@ from training.metrics import RunLogger, compute_throughput, device_peak_tflops
 from training.optimizer import skipping_optimizer
 from training.pipeline_engine import use_zero_bubble
 from training.preemption import Preempted, PreemptionWatch
-from training.plan import (configured_stage_bounds, load_plan_model_config, plan_world_size, print_memory_plan,
-                           workload_from_cfg)
+from training.plan import (configured_partition, configured_stage_bounds, load_plan_model_config, plan_world_size,
+                           print_memory_plan, workload_from_cfg)
 
 
 def log_rank0(message):
@@ -77,7 +77,7 @@ def pad_token_id(tokenizer, model_config):
 
 def build_engine(cfg, model_config, total_steps):
     module = build_pipeline_module(model_config, parallel_topology(cfg.num_stages, cfg.tensor_parallel_size),
-                                   partition=_partition(cfg), attention_impl=cfg.attention_impl,
+                                   partition=configured_partition(cfg), attention_impl=cfg.attention_impl,
                                    activation_checkpoint_interval=cfg.activation_checkpoint_interval,
                                    workload=workload_from_cfg(cfg, dist.get_world_size()),
                                    dtype=PRECISION_DTYPES[cfg.precision], sequence_parallel=cfg.sequence_parallel,
@@ -112,10 +112,6 @@ def clip_fp32_gradients_across_stages(engine):
     total_norm = squares.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, engine.gradient_clipping(), total_norm)
     engine._global_grad_norm = total_norm.item()
-
-
-def _partition(cfg):
-    return cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
 
 
 def prepare_output_dir(cfg, resume_from):

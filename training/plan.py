@@ -75,11 +75,15 @@ def load_plan_model_config(cfg):
     return config
 
 
+def configured_partition(cfg):
+    """cfg.partition as models/partition.py takes it: a method name or a list of decoder layers per stage."""
+    return cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
+
+
 def configured_stage_bounds(cfg, model_config, workload):
     """[first layer of each stage..., layer count]: the bounds models/pipeline.py computes for this run."""
-    partition = cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
     class_names = [spec.typename.__name__ for spec in build_pipeline_layers(model_config)]
-    return stage_bounds(model_config, cfg.num_stages, partition, workload, class_names)
+    return stage_bounds(model_config, cfg.num_stages, configured_partition(cfg), workload, class_names)
 
 
 def memory_plan(cfg, model_config, world_size):
