@@ -45,3 +45,12 @@ def reference_run(demo_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference") / "run"
     check_ok(launch_trainer(4, demo_overrides(demo_model, out, **REFERENCE)))
     return out
+
+
+@pytest.fixture(scope="session")
+def single_process_run(demo_model, tmp_path_factory):
+    """The reference run's steps on 1 process (tests/launch.py SINGLE_PROCESS), evaluated at the end."""
+    from tests.launch import SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer
+    out = tmp_path_factory.mktemp("single_process") / "run"
+    check_ok(launch_trainer(1, demo_overrides(demo_model, out, **SINGLE_PROCESS)))
+    return out

@@ -12,7 +12,8 @@ from checkpoints.layer_files import load_layer_slice
 from models.layout import layer_indices_with_files
 from tests import parity_worker
 from tests.distributed import spawn
-from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics, run_in_process
+from tests.launch import (SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics,
+                          run_in_process)
 from tests.test_parity import GAS, MICRO_BATCH, SEQ, own_layer_files
 
 TP_CONFIGS = ("llama3", "tied", "qwen2")  # grouped-query attention; embedding tied to the LM head; q/k/v biases
@@ -175,41 +176,37 @@ def test_bad_tensor_parallel_config_is_refused_before_any_work(demo_model, tmp_p
     assert not (tmp_path / "run").exists()
 
 
-TRAIN = dict(gradient_accumulation_steps=4, max_steps=5, logging_steps=1, learning_rate=1e-3, warmup_steps=2,
-             eval_file="null")
-
-
-def test_training_parity_resume_and_export(demo_model, tmp_path):
-    """5 fp32 steps of 2 stages x tensor parallel 2 against 1 process on the same global batch, and the same eval
-    loss after them; the step-3 checkpoint continues without tensor parallelism (weights only); the exported model
+def test_training_parity_resume_and_export(demo_model, single_process_run, tmp_path):
+    """8 fp32 steps of 2 stages x tensor parallel 2 against 1 process on the same global batch, and the same eval
+    loss after them; the step-4 checkpoint continues without tensor parallelism (weights only); the exported model
     is the merged final checkpoint."""
-    single, parallel = tmp_path / "1x1", tmp_path / "2x2tp"
-    evaluated = {**TRAIN, "eval_file": demo_model["eval"]}
-    check_ok(launch_trainer(1, demo_overrides(demo_model, single, num_stages=1, **evaluated)))
-    check_ok(launch_trainer(4, demo_overrides(demo_model, parallel, num_stages=2, tensor_parallel_size=2,
-                                              save_steps=3, save_total_limit=5, export_hf="true", **evaluated)))
+    parallel = tmp_path / "2x2tp"
+    check_ok(launch_trainer(4, demo_overrides(demo_model, parallel, **dict(
+        SINGLE_PROCESS, num_stages=2, tensor_parallel_size=2, save_steps=4, export_hf="true"))))
     losses = per_step_losses(parallel)
-    assert len(losses) == 5 and losses == pytest.approx(per_step_losses(single), abs=1e-4)
+    assert len(losses) == 8 and losses == pytest.approx(per_step_losses(single_process_run), abs=1e-4)
     # The clipping norm (above max_grad_norm here, so clipping acts) counts the norms' replicated weights once.
-    norms = {run: [r["grad_norm"] for r in read_metrics(run) if "loss" in r] for run in (single, parallel)}
-    assert min(norms[single]) > 1.0 and norms[parallel] == pytest.approx(norms[single], rel=1e-5)
+    norms = {run: [r["grad_norm"] for r in read_metrics(run) if "loss" in r] for run in (single_process_run, parallel)}
+    assert min(norms[single_process_run]) > 1.0
+    assert norms[parallel] == pytest.approx(norms[single_process_run], rel=1e-5)
     (evaluation,) = [r["eval_loss"] for r in read_metrics(parallel) if "eval_loss" in r]
-    (reference,) = [r["eval_loss"] for r in read_metrics(single) if "eval_loss" in r]
+    (reference,) = [r["eval_loss"] for r in read_metrics(single_process_run) if "eval_loss" in r]
     assert evaluation == pytest.approx(reference, abs=1e-4)
-    assert json.load(open(parallel / "global_step3" / "trainer_state.json"))["topology"] == {
+    assert json.load(open(parallel / "global_step4" / "trainer_state.json"))["topology"] == {
         "num_stages": 2, "data_parallel": 1, "tensor_parallel": 2, "stage_bounds": [0, 3, 7]}
 
-    # One process without tensor parallelism continues from the same weights (merged from the slices): its step 4
-    # is computed with the step-3 weights on the same batch. (A full resume under tensor parallelism, optimizer
+    # One process without tensor parallelism continues from the same weights (merged from the slices): its step 5
+    # is computed with the step-4 weights on the same batch. (A full resume under tensor parallelism, optimizer
     # included: tests/test_reliability.py::test_bf16_zero1_resume_matches_uninterrupted_run.)
     merged = tmp_path / "merged"
-    check_ok(launch_trainer(1, demo_overrides(demo_model, merged, num_stages=1, resume=str(parallel / "global_step3"),
-                                              resume_weights_only="true", **{**TRAIN, "max_steps": 4})))
-    assert per_step_losses(merged) == pytest.approx(losses[3:4], abs=1e-5)
+    check_ok(launch_trainer(1, demo_overrides(demo_model, merged, **dict(
+        SINGLE_PROCESS, max_steps=5, eval_file="null", resume=str(parallel / "global_step4"),
+        resume_weights_only="true"))))
+    assert per_step_losses(merged) == pytest.approx(losses[4:5], abs=1e-5)
 
     from transformers import AutoModelForCausalLM
     exported = AutoModelForCausalLM.from_pretrained(parallel / "hf")
-    tag = parallel / "global_step5"
+    tag = parallel / "global_step8"
     head = torch.cat([torch.load(tag / f"layer_06-model_0{r}-model_states.pt")["weight"] for r in range(2)])
     down = torch.cat([torch.load(tag / f"layer_02-model_0{r}-model_states.pt")["mlp.down_proj.weight"]
                       for r in range(2)], dim=1)

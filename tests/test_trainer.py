@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from checkpoints.hf_to_ds import convert_hf_to_ds
 from models.partition import training_flops_per_token
-from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_ranks_separately, launch_trainer,
+from tests.launch import (SINGLE_PROCESS, check_ok, demo_overrides, launch_ranks_separately, launch_trainer,
                           per_step_losses, read_metrics, run_in_process)
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device", "mfu", "samples_per_sec",
@@ -53,16 +53,13 @@ def test_end_to_end_two_stages_through_a_hostfile(demo_model, tmp_path):
     assert not torch.equal(head, AutoModelForCausalLM.from_pretrained(demo_model["hf"]).lm_head.weight)
 
 
-def test_training_parity_across_topologies(demo_model, reference_run, tmp_path):
-    """8 fp32 steps with the same global batch (8 sequences): 1 process and 2 stages against 2 stages x 2
-    data-parallel (the reference run)."""
-    common = {k: v for k, v in REFERENCE.items() if k not in ("num_stages", "gradient_accumulation_steps")}
-    losses = {"2x2": per_step_losses(reference_run)}
-    for name, procs, stages in (("1x1", 1, 1), ("2x1", 2, 2)):
-        out = tmp_path / name
-        check_ok(launch_trainer(procs, demo_overrides(demo_model, out, num_stages=stages, eval_file="null",
-                                                      gradient_accumulation_steps=4, **common)))
-        losses[name] = per_step_losses(out)
+def test_training_parity_across_topologies(demo_model, reference_run, single_process_run, tmp_path):
+    """8 fp32 steps with the same global batch (8 sequences): 2 stages, and 2 stages x 2 data-parallel (the reference
+    run), against 1 process."""
+    check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "2x1", **dict(
+        SINGLE_PROCESS, num_stages=2, eval_file="null"))))
+    losses = {"1x1": per_step_losses(single_process_run), "2x2": per_step_losses(reference_run),
+              "2x1": per_step_losses(tmp_path / "2x1")}
     assert len(losses["1x1"]) == 8
     assert losses["1x1"][-1] < losses["1x1"][0]
     for name in ("2x1", "2x2"):
