@@ -60,7 +60,7 @@ class TensorParallel:
             return [self.linear(x, lin) for lin in linears]
         if self.sequence_parallel:
             params = [t for lin in linears for t in (lin.weight, getattr(lin, "bias", None))]
-            return list(GatheredLinears.apply(self, x, *params))
+            return list(gathered_linears(self, x, *params))
         x = CopyToGroup.apply(x, self.group)
         return [self.linear(x, lin) for lin in linears]
 
@@ -225,6 +225,11 @@ class GatheredLinears(torch.autograd.Function):
             grad_2d = grad.reshape(-1, grad.shape[-1])
             param_grads += [grad_2d.t() @ full_2d, grad_2d.sum(0) if has_bias else None]
         return None, grad_x, *param_grads
+
+
+@torch.compiler.disable  # its backward decides at run time whether W is deferred (models/weight_grads.py)
+def gathered_linears(parallel, x, *params):
+    return GatheredLinears.apply(parallel, x, *params)
 
 
 def queue_gathered_weight_grads(parallel, saved, grads, weights, biases):

@@ -50,6 +50,7 @@ class WeightGradQueue:
             torch.autograd.backward(params, grads)
 
 
+@torch.compiler.disable  # a compiled graph would fix at trace time whether its backward defers (compile=true)
 def linear(x, weight, bias, queue):
     """F.linear whose weight and bias gradients go to `queue` while it is deferring."""
     return DeferrableLinear.apply(x, weight, bias, queue)

@@ -15,6 +15,7 @@ from models.layout import hf_name_of_layer_key  # noqa: E402
 from models.pipeline import build_pipeline_module  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
 from training.distributed import init_distributed, parallel_topology  # noqa: E402
+from training.pipeline_engine import use_zero_bubble  # noqa: E402
 
 
 class GradientRecorder(torch.optim.Optimizer):
@@ -88,6 +89,22 @@ def replicated_gradient_spread(module, optimizer, engine):
     return spread
 
 
+def record_deferred_weights(engine):
+    """{name of each parameter whose gradient a zero-bubble W computed}, filled as the engine runs."""
+    names = {p: n for n, p in engine.module.named_parameters()}
+    queue, deferred = engine.module.parallel.weight_grads, set()
+    add = queue.add
+
+    def recording_add(params_and_grads_fn):
+        def recorded():
+            pairs = params_and_grads_fn()
+            deferred.update(names[p] for p, _ in pairs)
+            return pairs
+        add(recorded)
+    queue.add = recording_add
+    return deferred
+
+
 def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor_parallel=1):
     init_distributed(timeout_minutes=2)
     opens = LayerFileOpens()
@@ -112,6 +129,10 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
         opens.paths, opens.active = [], True
         engine.load_checkpoint(case["ds_dir"], load_module_only=True)
         opens.active = False
+        deferred = set()
+        if case.get("schedule") == "zero_bubble":
+            use_zero_bubble(engine)
+            deferred = record_deferred_weights(engine)
         step_losses = []
         loss_fn = module.loss_fn
         module.loss_fn = lambda logits, labels: step_losses.append(loss_fn(logits, labels)) or step_losses[-1]
@@ -129,7 +150,8 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
             "layer_files_opened": sorted(set(opens.paths)),
             "losses": [loss.item() for loss in step_losses], "mean_loss": float(mean_loss),
             "ref_losses": ref_losses, "grad_errors": grad_errors, "ref_param_names": sorted(ref_grads),
-            "replicated_grad_spread": replicated_gradient_spread(module, optimizer, engine)}
+            "replicated_grad_spread": replicated_gradient_spread(module, optimizer, engine),
+            "param_names": [name for name, _ in module.named_parameters()], "deferred_weights": sorted(deferred)}
         torch.distributed.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
