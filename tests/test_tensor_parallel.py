@@ -130,34 +130,33 @@ def test_slices_of_another_model_are_refused(tmp_path):
         load_layer_slice(torch.nn.Linear(2, 2, bias=False), paths, rank=0, size=4)
 
 
-def different_batches_worker(rank, same, out_dir):
+def different_batches_worker(rank, out_dir):
+    """The same-batch check on identical micro-batches, then on micro-batches that differ by rank."""
     import torch.distributed as dist
 
     from data.loader import check_identical_across_group
     from training.distributed import init_distributed
 
     init_distributed(timeout_minutes=1)
-    ids = torch.arange(8).reshape(2, 4) + (0 if same else rank)
-    batches = [((ids, torch.ones_like(ids), ids), ids)] * 3
-    try:
-        seen = len(list(check_identical_across_group(iter(batches), dist.new_group([0, 1]))))
-        message = f"passed {seen}"
-    except ValueError as error:
-        message = str(error)
-    with open(os.path.join(out_dir, f"check{rank}.txt"), "w") as f:
-        f.write(message)
+    group = dist.new_group([0, 1])
+    for case, offset in (("same", 0), ("different", rank)):
+        ids = torch.arange(8).reshape(2, 4) + offset
+        batches = [((ids, torch.ones_like(ids), ids), ids)] * 3
+        try:
+            message = f"passed {len(list(check_identical_across_group(iter(batches), group)))}"
+        except ValueError as error:
+            message = str(error)
+        with open(os.path.join(out_dir, f"{case}{rank}.txt"), "w") as f:
+            f.write(message)
 
 
-@pytest.mark.parametrize("same", [True, False], ids=["same", "different"])
-def test_tensor_parallel_ranks_must_see_the_same_batch(tmp_path, same):
-    spawn(different_batches_worker, 2, same, str(tmp_path))
+def test_tensor_parallel_ranks_must_see_the_same_batch(tmp_path):
+    spawn(different_batches_worker, 2, str(tmp_path))
     for rank in range(2):
-        message = (tmp_path / f"check{rank}.txt").read_text()
-        if same:
-            assert message == "passed 3"
-        else:
-            assert message.startswith("tensor-parallel ranks [0, 1] received different micro-batches (micro-batch 0")
-            assert "seed it by the data-parallel rank" in message
+        assert (tmp_path / f"same{rank}.txt").read_text() == "passed 3"
+        message = (tmp_path / f"different{rank}.txt").read_text()
+        assert message.startswith("tensor-parallel ranks [0, 1] received different micro-batches (micro-batch 0")
+        assert "seed it by the data-parallel rank" in message
 
 
 @pytest.mark.parametrize("overrides,world_size,message", [
