@@ -9,7 +9,7 @@ fragments and RSS overstates live memory by up to a third; the workers therefore
 (MALLOC_MMAP_THRESHOLD_), so that RSS follows the tensors alive, as a GPU's allocated-memory figure does.
 --default-malloc measures with glibc's defaults instead.
 
-  python bench/memory_plan_check.py [--default-malloc]
+  python bench/memory_plan_check.py [--default-malloc] [--only zero_bubble]
 """
 import argparse
 import json
@@ -45,6 +45,10 @@ CASES = [
     ("activations, 2 stages, checkpointing, zero_bubble", ACTIVATIONS_HEAVY,
      ["num_stages=2", "precision=fp32", "zero_stage=0", "seq_length=1024", "micro_batch_size=4",
       "gradient_accumulation_steps=4", "activation_checkpoint_interval=1", "pipeline_schedule=zero_bubble"]),
+    ("activations, 2 stages, checkpointing, zero_bubble_max_waiting=0", ACTIVATIONS_HEAVY,
+     ["num_stages=2", "precision=fp32", "zero_stage=0", "seq_length=1024", "micro_batch_size=4",
+      "gradient_accumulation_steps=4", "activation_checkpoint_interval=1", "pipeline_schedule=zero_bubble",
+      "zero_bubble_max_waiting=0"]),
     # A small reduce bucket: torch.empty's untouched pages cost no RSS on the CPU but are allocated on a GPU.
     ("weights, 2 stages, bf16, ZeRO-1, checkpointing", WEIGHTS_HEAVY,
      ["num_stages=2", "precision=bf16", "zero_stage=1", "seq_length=512", "micro_batch_size=2",
@@ -76,7 +80,7 @@ def measure(rank, model_fields, overrides, out_dir):
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
                                            config=ds_config)
     if cfg.pipeline_schedule == "zero_bubble":
-        use_zero_bubble(engine)
+        use_zero_bubble(engine, cfg.zero_bubble_max_waiting)
     batches = random_micro_batches(config.vocab_size, cfg.seq_length, cfg.micro_batch_size)
     reset_peak_rss()  # the window is training: the fp32 -> bf16 cast at initialisation is not the plan's
     for _ in range(STEPS):
@@ -111,14 +115,16 @@ def check_case(name, model_fields, overrides):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--default-malloc", action="store_true", help="measure with glibc's default mmap threshold")
-    if not parser.parse_args().default_malloc:
+    parser.add_argument("--only", default="", help="only the cases whose name contains this text")
+    args = parser.parse_args()
+    if not args.default_malloc:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = FIXED_MMAP_THRESHOLD  # read by each worker's malloc at start-up
-    print(f"{'case':<46} {'stage':>5} {'planned MiB':>12} {'measured MiB':>13} {'measured/planned':>17}")
+    print(f"{'case':<64} {'stage':>5} {'planned MiB':>12} {'measured MiB':>13} {'measured/planned':>17}")
     worst = 0.0
-    for name, model_fields, overrides in CASES:
+    for name, model_fields, overrides in (case for case in CASES if args.only in case[0]):
         for case, stage, planned, measured, ratio in check_case(name, model_fields, overrides):
             worst = max(worst, abs(ratio - 1))
-            print(f"{case:<46} {stage:>5} {planned / 2**20:>12.0f} {measured / 2**20:>13.0f} {ratio:>17.3f}",
+            print(f"{case:<64} {stage:>5} {planned / 2**20:>12.0f} {measured / 2**20:>13.0f} {ratio:>17.3f}",
                   flush=True)
     verdict = "met" if worst <= TOLERANCE else "NOT met"
     print(f"largest deviation: {worst:.1%} (target <= {TOLERANCE:.0%}: {verdict}); {machine_note()}")

@@ -8,7 +8,8 @@ bench/pipeline_efficiency.py prints the prediction beside its measurements.
   python bench/schedule_simulator.py --stages 2 --micro-batches 8 --times 0.030,0.032,0.025
   python bench/schedule_simulator.py --stages 2 --micro-batches 8 --times 0.03,0.03,0.02 0.03,0.04,0.02  # per stage
   python bench/schedule_simulator.py --overhead 0.05 ...   # seconds each step adds (optimizer, loads)
-  python bench/schedule_simulator.py                        # llama_65b on paper (times from its FLOPs)
+  python bench/schedule_simulator.py --max-waiting 0 1 ...  # zero_bubble with zero_bubble_max_waiting capped
+  python bench/schedule_simulator.py [--config llama3_70b]  # a shipped config on paper (times from its FLOPs)
 
 bubble = 1 - (compute of all stages) / (stages x step): the fraction of the devices' time spent idle.
 """
@@ -21,22 +22,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from training.schedule import PIPELINE_SCHEDULES, simulate  # noqa: E402
 
 
-def predict(stages, micro_batches, times, overhead=0.0):
-    """{schedule: (step seconds, bubble fraction)}; times: one {"F", "B", "W"} per stage (or one for all)."""
+def predict(stages, micro_batches, times, overhead=0.0, max_waiting=None):
+    """{schedule: (step seconds, bubble fraction)}; times: one {"F", "B", "W"} per stage (or one for all);
+    max_waiting: zero_bubble's cap on micro-batches waiting for W (None: ZB-H1's)."""
     times = list(times) * stages if len(times) == 1 else list(times)
     if len(times) != stages:
         raise ValueError(f"{len(times)} stage times for {stages} stages: give one for all or one per stage.")
     work = sum(micro_batches * (t["F"] + t["B"] + t["W"]) for t in times)
     result = {}
     for schedule in PIPELINE_SCHEDULES:
-        done = simulate(stages, micro_batches, times, schedule)
+        done = simulate(stages, micro_batches, times, schedule, max_waiting)
         makespan = max(end for _, end in done.values())
         result[schedule] = (makespan + overhead, 1 - work / (stages * makespan))
     return result
 
 
-def paper_times_llama_65b():
-    """F, B, W per stage of conf/llama_65b.yaml (balanced partition, checkpointing as configured), in units of one
+def paper_times(config_name):
+    """F, B, W per stage of conf/<config_name>.yaml (its partition, checkpointing as configured), in units of one
     decoder layer's forward: matmuls cost as much in B as in W; attention has no weights (all its backward is B);
     a checkpointed layer recomputes its forward in B; the LM head's input gradient is B, its weight gradient W."""
     from omegaconf import OmegaConf
@@ -45,10 +47,9 @@ def paper_times_llama_65b():
     from models.partition import (DECODER, HEAD, LayerCosts, balanced_decoder_counts, decoder_parameter_split)
     from training.plan import workload_from_cfg
 
-    cfg = OmegaConf.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf",
-                                      "llama_65b.yaml"))
-    cfg = OmegaConf.merge(OmegaConf.load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                      "conf", "base.yaml")), cfg)
+    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    cfg = OmegaConf.merge(OmegaConf.load(os.path.join(conf, "base.yaml")),
+                          OmegaConf.load(os.path.join(conf, f"{config_name}.yaml")))
     config = LlamaConfig(**cfg.model_config)
     workload = workload_from_cfg(cfg, cfg.plan_world_size)
     layers = LayerCosts(config, workload)
@@ -68,9 +69,17 @@ def paper_times_llama_65b():
     return cfg.num_stages, cfg.gradient_accumulation_steps, times, counts
 
 
-def print_prediction(stages, micro_batches, times, overhead=0.0, unit="s"):
-    for schedule, (step, bubble) in predict(stages, micro_batches, times, overhead).items():
-        print(f"p={stages} m={micro_batches:>3}  {schedule:<12} step {step:10.4f} {unit}  bubble {bubble:6.1%}")
+def print_prediction(stages, micro_batches, times, overhead=0.0, unit="s", caps=(None,)):
+    """1F1B's step and bubble, then zero_bubble's for each cap on micro-batches waiting for W."""
+    for i, cap in enumerate(caps):
+        for schedule, (step, bubble) in predict(stages, micro_batches, times, overhead, cap).items():
+            if schedule == "zero_bubble" or i == 0:
+                name = schedule if schedule != "zero_bubble" or cap is None else f"{schedule} max_waiting={cap}"
+                print(f"p={stages} m={micro_batches:>3}  {name:<26} step {step:10.4f} {unit}  bubble {bubble:6.1%}")
+
+
+def parse_cap(text):
+    return None if text.lower() in ("none", "null") else int(text)
 
 
 def parse_times(text):
@@ -86,19 +95,22 @@ def main():
     parser.add_argument("--micro-batches", type=int, nargs="+")
     parser.add_argument("--times", type=parse_times, nargs="+", help="F,B,W seconds: one for all stages or per stage")
     parser.add_argument("--overhead", type=float, default=0.0, help="seconds each step adds outside the schedule")
+    parser.add_argument("--max-waiting", type=parse_cap, nargs="+", default=[None],
+                        help="zero_bubble_max_waiting values to simulate (null: ZB-H1's)")
+    parser.add_argument("--config", default="llama_65b", help="without --times: the shipped config on paper")
     args = parser.parse_args()
     if args.times is None:
-        stages, micro_batches, times, counts = paper_times_llama_65b()
-        print(f"llama_65b on paper (conf/llama_65b.yaml: {stages} stages, {micro_batches} micro-batches, decoder "
+        stages, micro_batches, times, counts = paper_times(args.config)
+        print(f"{args.config} on paper (conf/{args.config}.yaml: {stages} stages, {micro_batches} micro-batches, decoder "
               f"layers per stage {counts}); times in decoder-layer forwards; stage 0: F {times[0]['F']:.2f} "
               f"B {times[0]['B']:.2f} W {times[0]['W']:.2f}, last stage: F {times[-1]['F']:.2f} "
               f"B {times[-1]['B']:.2f} W {times[-1]['W']:.2f}")
-        print_prediction(stages, micro_batches, times, unit="F")
+        print_prediction(stages, micro_batches, times, unit="F", caps=args.max_waiting)
         return
     if args.stages is None or args.micro_batches is None:
         parser.error("--times needs --stages and --micro-batches")
     for m in args.micro_batches:
-        print_prediction(args.stages, m, args.times, args.overhead)
+        print_prediction(args.stages, m, args.times, args.overhead, caps=args.max_waiting)
 
 
 if __name__ == "__main__":

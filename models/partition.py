@@ -58,6 +58,7 @@ class Workload:
     recompute_sequence_gather: bool = False  # sequence parallel: gather again in backward rather than keep
     offload_optimizer: bool = False  # ZeRO-1's fp32 partition, its gradient and Adam's moments in host memory
     pipeline_schedule: str = "1f1b"  # zero_bubble: micro-batches also wait for their weight gradients (W)
+    zero_bubble_max_waiting: int | None = None  # zero_bubble: cap on those per stage (None: ZB-H1's s on stage s)
 
     @property
     def tokens(self):
@@ -97,7 +98,12 @@ def describe_workload(workload):
             f"{workload.micro_batches} micro-batches, {workload.precision}, ZeRO-{workload.zero_stage}"
             f"{' with optimizer offloaded to CPU' if workload.offload_optimizer else ''}, "
             f"{tensor}data-parallel {workload.data_parallel}, {checkpointing}"
-            f"{', zero-bubble schedule' if workload.pipeline_schedule == 'zero_bubble' else ''}")
+            f"{zero_bubble_description(workload) if workload.pipeline_schedule == 'zero_bubble' else ''}")
+
+
+def zero_bubble_description(workload):
+    cap = workload.zero_bubble_max_waiting
+    return ", zero-bubble schedule" + ("" if cap is None else f" (at most {cap} micro-batches waiting for W)")
 
 
 def layer_kinds(num_hidden_layers):
@@ -351,12 +357,13 @@ def in_flight_micro_batches(stage, num_stages, micro_batches):
     return min(num_stages - stage, micro_batches)
 
 
-def waiting_micro_batches(stage, num_stages, micro_batches, schedule):
-    """Micro-batches waiting only for their W at a stage's peak: ZB-H1 holds s of them back on stage s, next to
-    1F1B's in flight (training/schedule.py), never more than the step's micro-batches."""
+def waiting_micro_batches(stage, num_stages, micro_batches, schedule, max_waiting=None):
+    """Micro-batches waiting only for their W at a stage's peak: ZB-H1 holds s of them back on stage s (at most
+    max_waiting if given), next to 1F1B's in flight (training/schedule.py), never more than the step's."""
     if schedule != "zero_bubble":
         return 0
-    return min(stage, micro_batches - in_flight_micro_batches(stage, num_stages, micro_batches))
+    held = stage if max_waiting is None else min(stage, max_waiting)
+    return min(held, micro_batches - in_flight_micro_batches(stage, num_stages, micro_batches))
 
 
 def stage_kinds(stage, num_stages, num_decoders):
@@ -387,7 +394,7 @@ class StageCostModel:
 
     def waiting(self, stage):
         return waiting_micro_batches(stage, self.num_stages, self.workload.micro_batches,
-                                     self.workload.pipeline_schedule)
+                                     self.workload.pipeline_schedule, self.workload.zero_bubble_max_waiting)
 
     def activation_bytes(self, stage, kinds):
         """Under zero_bubble the larger of two moments: before a B, and just after it, when its micro-batch has

@@ -49,15 +49,28 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}, **case.get("deepspeed", {})})
     engine.load_checkpoint(case["ds_dir"], load_module_only=True)
+    waiting = []
     if schedule == "zero_bubble":
-        use_zero_bubble(engine)
+        use_zero_bubble(engine, case.get("max_waiting"))
+        waiting = record_waiting_before_backward(engine.module.parallel.weight_grads)
     recorded = record_optimizer_gradients(engine)
     losses = []
     batch = make_batch(micro_batch_size * gas * dp_size, seq_len, config.vocab_size, seed=1)
     for _ in range(steps):  # the same batch every step: the loss must fall
         losses.append(float(engine.train_batch(micro_batches(batch, micro_batch_size, gas, dp_size,
                                                              engine.grid.data_parallel_id))))
-    return losses, recorded
+    return losses, recorded, {"stage": engine.stage_id, "waiting": max(waiting, default=0)}
+
+
+def record_waiting_before_backward(queue):
+    """[micro-batches waiting for their W as each B starts]: what the schedule's cap bounds."""
+    waiting, defer = [], queue.defer
+
+    def recording_defer():
+        waiting.append(len(queue))
+        return defer()
+    queue.defer = recording_defer
+    return waiting
 
 
 def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
@@ -66,8 +79,8 @@ def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
     for case in cases:
         runs = {schedule: train(case, schedule, steps, micro_batch_size, gas, seq_len)
                 for schedule in ("1f1b", "zero_bubble")}
-        (ref_losses, ref_grads), (losses, grads) = runs["1f1b"], runs["zero_bubble"]
-        results[case["name"]] = {
+        (ref_losses, ref_grads, _), (losses, grads, held) = runs["1f1b"], runs["zero_bubble"]
+        results[case["name"]] = {**held,
             "losses": losses, "ref_losses": ref_losses,
             "grad_steps": [len(ref_grads), len(grads)],
             "grad_names": [sorted(g) for g in ref_grads] == [sorted(g) for g in grads],

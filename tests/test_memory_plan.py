@@ -118,6 +118,11 @@ def test_zero_bubble_adds_micro_batches_waiting_for_weight_gradients():
         waiting = row["waiting_for_weight_grads"] * sum(layers.weight_grad_bytes[kind] for kind in kinds)
         assert row["activation_bytes"] - reference["activation_bytes"] == waiting
     assert "zero-bubble schedule" in format_memory_plan(zero_bubble, workload, rows, 4)
+    capped = run_config("llama_7b", *overrides, "pipeline_schedule=zero_bubble", "zero_bubble_max_waiting=1")
+    workload, rows = memory_plan(capped, model_config, world_size=4)
+    assert [row["waiting_for_weight_grads"] for row in rows] == [0, 1, 1, 1]
+    assert "zero-bubble schedule (at most 1 micro-batches waiting for W)" in format_memory_plan(capped, workload,
+                                                                                                rows, 4)
 
 
 def test_llama3_70b_as_shipped_does_not_fit_under_zero_bubble(capsys):
@@ -127,6 +132,15 @@ def test_llama3_70b_as_shipped_does_not_fit_under_zero_bubble(capsys):
     rows = print_memory_plan(cfg, load_plan_model_config(cfg), world_size=plan_world_size(cfg))
     assert "does NOT fit in 80 GiB per device" in capsys.readouterr().out
     assert not rows[-1]["fits"] and rows[0]["fits"]
+
+
+def test_llama3_70b_fits_under_zero_bubble_with_max_waiting_1(capsys):
+    """Holding at most one micro-batch back for W per stage brings every stage back under 80 GB."""
+    cfg = run_config("llama3_70b", "pipeline_schedule=zero_bubble", "zero_bubble_max_waiting=1")
+    rows = print_memory_plan(cfg, load_plan_model_config(cfg), world_size=plan_world_size(cfg))
+    out = capsys.readouterr().out
+    assert "(at most 1 micro-batches waiting for W)" in out and "does NOT fit" not in out
+    assert all(row["fits"] for row in rows) and {row["waiting_for_weight_grads"] for row in rows} == {0, 1}
 
 
 def test_model_config_from_a_model_directory(tmp_path):

@@ -14,7 +14,9 @@ from training.schedule import simulate, stage_orders
 STEPS, MICRO_BATCH, GAS, SEQ = 6, 2, 4, 16
 CASES = {  # name: (tiny config, case settings); all on 4 processes
     "4stages": ("llama2", dict(stages=4)),
-    "2stages_x_2dp_tied_checkpointing": ("tied", dict(stages=2, checkpoint_interval=1)),
+    # zero_bubble_max_waiting: 0 runs each W right after its B (checkpointed), 1 caps stages 2 and 3 of 4
+    "2stages_x_2dp_tied_checkpointing_max_waiting_0": ("tied", dict(stages=2, checkpoint_interval=1, max_waiting=0)),
+    "4stages_max_waiting_1": ("llama3", dict(stages=4, max_waiting=1)),
     "2stages_x_tp2": ("llama3", dict(stages=2, tensor_parallel=2)),
     "2stages_x_tp2_recompute_gather": ("llama2", dict(stages=2, tensor_parallel=2, recompute_sequence_gather=True)),
     "2stages_x_tp2_no_sequence_parallel": ("qwen2", dict(stages=2, tensor_parallel=2, sequence_parallel=False)),
@@ -48,29 +50,39 @@ def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
             assert result["losses"] == pytest.approx(result["ref_losses"], abs=tolerance, rel=0), name
             assert result["max_grad_error"] <= tolerance, name
             assert result["losses"][-1] < result["losses"][0], name  # it trained
+            order = stage_orders(settings["stages"], GAS, max_waiting=settings.get("max_waiting"))[result["stage"]]
+            assert result["waiting"] == max(sum(k == "B" for k, _ in order[:i]) - sum(k == "W" for k, _ in order[:i])
+                                            for i, (kind, _) in enumerate(order) if kind == "B"), name
 
 
+@pytest.mark.parametrize("max_waiting", [None, 0, 1, 3])
 @pytest.mark.parametrize("stages,micro_batches", [(1, 3), (2, 1), (2, 8), (3, 5), (4, 8), (8, 64)])
-def test_orders_are_complete_and_respect_memory(stages, micro_batches):
-    for order in stage_orders(stages, micro_batches):
+def test_orders_are_complete_and_respect_memory(stages, micro_batches, max_waiting):
+    for stage, order in enumerate(stage_orders(stages, micro_batches, max_waiting=max_waiting)):
         assert sorted(order) == sorted((kind, j) for kind in "FBW" for j in range(micro_batches))
         for kind in "FBW":  # every kind in micro-batch order: activations and gradients arrive in order
             assert [j for k, j in order if k == kind] == list(range(micro_batches))
-        waiting = 0
+        held = stage if max_waiting is None else min(stage, max_waiting)
+        between, waiting_for_w = 0, 0
         for kind, _ in order:
-            waiting += {"F": 1, "B": 0, "W": -1}[kind]
-            assert waiting <= stages  # never more micro-batches between F and W than 1F1B holds on stage 0
+            between += {"F": 1, "B": 0, "W": -1}[kind]
+            waiting_for_w += {"F": 0, "B": 1, "W": -1}[kind]
+            assert between <= stages  # never more micro-batches between F and W than 1F1B holds on stage 0
+            assert waiting_for_w <= held + (kind == "B")  # the cap, but for the B whose W may come next
 
 
+@pytest.mark.parametrize("max_waiting", [None, 0, 1, 3])
 @pytest.mark.parametrize("stages,micro_batches", [(2, 4), (2, 8), (4, 16), (8, 64)])
 @pytest.mark.parametrize("forward,backward,weight", [(1, 1, 1), (1, 2, 1), (1, 1.2, 0.8), (1, 1.5, 0.5)])
-def test_simulated_step_is_the_zb_h1_bound(stages, micro_batches, forward, backward, weight):
+def test_simulated_step_is_the_zb_h1_bound(stages, micro_batches, forward, backward, weight, max_waiting):
     times = [{"F": forward, "B": backward, "W": weight}] * stages
-    step = {schedule: max(end for _, end in simulate(stages, micro_batches, times, schedule).values())
+    step = {schedule: max(end for _, end in simulate(stages, micro_batches, times, schedule, max_waiting).values())
             for schedule in ("1f1b", "zero_bubble")}
     work = micro_batches * (forward + backward + weight)
     assert step["1f1b"] == pytest.approx(work + (stages - 1) * (forward + backward + weight))  # 1F1B's bubble
-    assert step["zero_bubble"] == pytest.approx(work + (stages - 1) * (forward + backward - weight))  # ZB-H1's
+    # ZB-H1's (p-1)(F+B-W); each W fewer held back on the last stages costs one W
+    filled = stages - 1 if max_waiting is None else min(max_waiting, stages - 1)
+    assert step["zero_bubble"] == pytest.approx(work + (stages - 1) * (forward + backward) - filled * weight)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -78,6 +90,9 @@ def test_simulated_step_is_the_zb_h1_bound(stages, micro_batches, forward, backw
     ({"pipeline_schedule": "zero_bubble", "precision": "fp16", "zero_stage": 1},
      "pipeline_schedule=zero_bubble does not support precision=fp16 yet (it runs with precision fp32 or bf16); use "
      "pipeline_schedule=1f1b."),
+    ({"pipeline_schedule": "zero_bubble", "zero_bubble_max_waiting": -1},
+     "zero_bubble_max_waiting=-1 is not a number of micro-batches: set an integer >= 0, or null for ZB-H1's "
+     "(stage s holds s)."),
 ])
 def test_bad_schedule_config_is_refused_before_start(demo_model, tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):

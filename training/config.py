@@ -119,6 +119,10 @@ def check_offload(cfg):
 def check_pipeline_schedule(cfg):
     if cfg.pipeline_schedule not in PIPELINE_SCHEDULES:
         raise ConfigError(f"pipeline_schedule '{cfg.pipeline_schedule}' is not one of {PIPELINE_SCHEDULES}.")
+    cap = cfg.zero_bubble_max_waiting
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
+        raise ConfigError(f"zero_bubble_max_waiting={cap!r} is not a number of micro-batches: set an integer >= 0, "
+                          f"or null for ZB-H1's (stage s holds s).")
     if cfg.pipeline_schedule != "zero_bubble":
         return
     # fp16's loss scaler is untested with deferred weight gradients (DeepSpeed's CPU accelerator refuses fp16)

@@ -94,7 +94,7 @@ def build_engine(cfg, model_config, total_steps):
                                            config=ds_config)
     engine.clip_fp32_gradients = lambda: clip_fp32_gradients_across_stages(engine)
     if cfg.pipeline_schedule == "zero_bubble":
-        use_zero_bubble(engine)
+        use_zero_bubble(engine, cfg.zero_bubble_max_waiting)
     return engine, monitors
 
 

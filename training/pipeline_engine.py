@@ -19,7 +19,8 @@ from training.schedule import BackwardWeightPass, ZeroBubbleSchedule
 class ZeroBubblePipelineEngine(PipelineEngine):
 
     def _train_schedule(self):
-        return ZeroBubbleSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+        return ZeroBubbleSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id,
+                                  max_waiting=self.zero_bubble_max_waiting)
 
     def _exec_backward_pass(self, buffer_id):
         with self.module.parallel.weight_grads.defer():
@@ -83,14 +84,15 @@ class ZeroBubblePipelineEngine(PipelineEngine):
     }
 
 
-def use_zero_bubble(engine):
+def use_zero_bubble(engine, max_waiting=None):
     """Turn the PipelineEngine that deepspeed.initialize built (it picks the class itself) into the zero-bubble
-    one: the subclass adds methods and instructions, and two pieces of state: the module's weight-gradient queue
-    and the sends in flight."""
+    one: the subclass adds methods and instructions, and its state: the module's weight-gradient queue, the sends
+    in flight and the cap on micro-batches waiting for W (None: ZB-H1's)."""
     if engine.dynamic_shape or engine.has_bool_tensors or engine.is_pipe_partitioned:
         raise ValueError("pipeline_schedule=zero_bubble does not support dynamic shapes, bool tensors between "
                          "stages or pipe_partitioned; use pipeline_schedule=1f1b.")
     engine.module.parallel.weight_grads = WeightGradQueue()
     engine._sends = []
+    engine.zero_bubble_max_waiting = max_waiting
     engine.__class__ = ZeroBubblePipelineEngine
     return engine

@@ -56,7 +56,8 @@ def workload_from_cfg(cfg, world_size):
                     sequence_parallel=bool(cfg.get("sequence_parallel", True)),
                     recompute_sequence_gather=bool(cfg.get("recompute_sequence_gather", False)),
                     offload_optimizer=offload_device(cfg) == "cpu",
-                    pipeline_schedule=cfg.get("pipeline_schedule", "1f1b"))
+                    pipeline_schedule=cfg.get("pipeline_schedule", "1f1b"),
+                    zero_bubble_max_waiting=cfg.get("zero_bubble_max_waiting"))
 
 
 def load_plan_model_config(cfg):

@@ -4,10 +4,15 @@ Each backward is split in two: B, the input gradient the previous stage waits fo
 nobody waits for (models/weight_grads.py defers it). Stage s runs its forwards and Bs in 1F1B's order and places
 the Ws: in the steady state B_j is followed by W_(j-s) (stage s holds its Ws s micro-batches back), in the cool-down,
 where 1F1B idles waiting for gradients, one pending W follows each B, and the rest come last. The bubble shrinks
-from (p-1)(F+B+W) to (p-1)(F+B-W) for any F, B, W (the paper's ZB-H1 bound; tests/test_schedule.py checks it by
-simulation). Memory stays within 1F1B's peak: at most p micro-batches are between their F and their W on any
-stage, as on 1F1B's first stage (one waiting only for W holds its linear layers' inputs and output gradients, less
-than a forward's activations); later stages hold more than under 1F1B.
+from (p-1)(F+B+W) to (p-1)(F+B-W) for any F, B, W with W <= B (the paper's ZB-H1 bound; tests/test_schedule.py
+checks it by simulation). Memory stays within 1F1B's peak: at most p micro-batches are between their F and their W
+on any stage, as on 1F1B's first stage (one waiting only for W holds its linear layers' inputs and output
+gradients, less than a forward's activations); later stages hold more than under 1F1B.
+
+With activation checkpointing a micro-batch waiting for W keeps far more than its checkpoints, so `max_waiting`
+(conf: zero_bubble_max_waiting) caps the Ws a stage holds back at c: stage s holds min(s, c), and the bubble is
+(p-1)(F+B) - min(c, p-1) W. Even c = 0 (each W right after its B) beats 1F1B by (p-1) W: the previous stage gets
+its gradient after B, not after B + W.
 
 Executed with non-blocking sends (training/pipeline_engine.py), any order that respects the dependencies runs
 without deadlock; `simulate` times these orders for bench/schedule_simulator.py.
@@ -32,31 +37,34 @@ def one_f_one_b_order(stages, micro_batches, stage):
     return order + [("B", j) for j in range(micro_batches - warmup, micro_batches)]
 
 
-def zero_bubble_order(stages, micro_batches, stage):
-    """ZB-H1 on stage s: 1F1B's order of F and B, W_{j-s} after B_j in the steady state (W before the next F keeps
-    at most p micro-batches waiting for their W), one W after each cool-down B, the rest last."""
+def zero_bubble_order(stages, micro_batches, stage, max_waiting=None):
+    """ZB-H1 on stage s: 1F1B's order of F and B, W_{j-h} after B_j in the steady state, where h = s, or
+    min(s, max_waiting) if given (W before the next F keeps at most p micro-batches waiting for their W), one W
+    after each cool-down B, the rest last."""
+    held = stage if max_waiting is None else min(stage, max_waiting)
     order = []
     weights_done = 0
     for kind, j in one_f_one_b_order(stages, micro_batches, stage):
         order.append((kind, j))
         steady = j < micro_batches - min(stages - stage, micro_batches)
-        if kind == "B" and (not steady or j - stage >= weights_done):
+        if kind == "B" and (not steady or j - held >= weights_done):
             order.append(("W", weights_done))
             weights_done += 1
     return order + [("W", j) for j in range(weights_done, micro_batches)]
 
 
-def stage_orders(stages, micro_batches, schedule="zero_bubble"):
+def stage_orders(stages, micro_batches, schedule="zero_bubble", max_waiting=None):
     """[[(kind, micro_batch), ...] per stage] of a schedule."""
-    order_of = zero_bubble_order if schedule == "zero_bubble" else one_f_one_b_order
-    return [order_of(stages, micro_batches, stage) for stage in range(stages)]
+    if schedule == "zero_bubble":
+        return [zero_bubble_order(stages, micro_batches, stage, max_waiting) for stage in range(stages)]
+    return [one_f_one_b_order(stages, micro_batches, stage) for stage in range(stages)]
 
 
-def simulate(stages, micro_batches, costs, schedule):
+def simulate(stages, micro_batches, costs, schedule, max_waiting=None):
     """Time every stage's order: each computation starts when its stage is free and its input is complete
     (transfers free). costs: per stage {"F": s, "B": s, "W": s}; under 1F1B a backward costs B + W.
     Returns {(kind, stage, micro_batch): (start, end)}."""
-    orders = stage_orders(stages, micro_batches, schedule)
+    orders = stage_orders(stages, micro_batches, schedule, max_waiting)
     cost_of = [dict(c, B=c["B"] + c["W"]) if schedule == "1f1b" else c for c in costs]
     done, free_at, position = {}, [0.0] * stages, [0] * stages
 
@@ -91,9 +99,9 @@ class ZeroBubbleSchedule(TrainSchedule):
     made. The optimizer step comes after the last W, so it sees every gradient of the batch. Pipe buffers are
     TrainSchedule's: a buffer holds a micro-batch from its F to its B, and those run in 1F1B's order."""
 
-    def __init__(self, micro_batches, stages, stage_id):
+    def __init__(self, micro_batches, stages, stage_id, max_waiting=None):
         super().__init__(micro_batches, stages, stage_id)
-        self.order = zero_bubble_order(stages, micro_batches, stage_id)
+        self.order = zero_bubble_order(stages, micro_batches, stage_id, max_waiting)
 
     def steps(self):
         for kind, micro_batch in self.order:
