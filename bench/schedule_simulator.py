@@ -101,8 +101,8 @@ def main():
     args = parser.parse_args()
     if args.times is None:
         stages, micro_batches, times, counts = paper_times(args.config)
-        print(f"{args.config} on paper (conf/{args.config}.yaml: {stages} stages, {micro_batches} micro-batches, decoder "
-              f"layers per stage {counts}); times in decoder-layer forwards; stage 0: F {times[0]['F']:.2f} "
+        print(f"{args.config} on paper (conf/{args.config}.yaml: {stages} stages, {micro_batches} micro-batches, "
+              f"decoder layers per stage {counts}); times in decoder-layer forwards; stage 0: F {times[0]['F']:.2f} "
               f"B {times[0]['B']:.2f} W {times[0]['W']:.2f}, last stage: F {times[-1]['F']:.2f} "
               f"B {times[-1]['B']:.2f} W {times[-1]['W']:.2f}")
         print_prediction(stages, micro_batches, times, unit="F", caps=args.max_waiting)

@@ -80,8 +80,8 @@ def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
         runs = {schedule: train(case, schedule, steps, micro_batch_size, gas, seq_len)
                 for schedule in ("1f1b", "zero_bubble")}
         (ref_losses, ref_grads, _), (losses, grads, held) = runs["1f1b"], runs["zero_bubble"]
-        results[case["name"]] = {**held,
-            "losses": losses, "ref_losses": ref_losses,
+        results[case["name"]] = {
+            **held, "losses": losses, "ref_losses": ref_losses,
             "grad_steps": [len(ref_grads), len(grads)],
             "grad_names": [sorted(g) for g in ref_grads] == [sorted(g) for g in grads],
             "max_grad_error": max(((g[n] - r[n]).abs().max() / r[n].abs().max().clamp(min=1e-30)).item()
