@@ -42,6 +42,9 @@ CASES = [
      ["num_stages=2", "precision=fp32", "zero_stage=0", "seq_length=1024", "micro_batch_size=4",
       "gradient_accumulation_steps=4", "pipeline_schedule=zero_bubble"]),
     # Checkpointed layers keep a hidden state per micro-batch; one waiting for W keeps all its linear layers' tensors.
+    ("activations, 2 stages, checkpointing, 1f1b", ACTIVATIONS_HEAVY,
+     ["num_stages=2", "precision=fp32", "zero_stage=0", "seq_length=1024", "micro_batch_size=4",
+      "gradient_accumulation_steps=4", "activation_checkpoint_interval=1"]),
     ("activations, 2 stages, checkpointing, zero_bubble", ACTIVATIONS_HEAVY,
      ["num_stages=2", "precision=fp32", "zero_stage=0", "seq_length=1024", "micro_batch_size=4",
       "gradient_accumulation_steps=4", "activation_checkpoint_interval=1", "pipeline_schedule=zero_bubble"]),

@@ -27,6 +27,7 @@ The model (MODEL, SEQ_LENGTH, MICRO_BATCH) is split so that stages do equal work
 (heads, MLP and vocabulary with it, so that the LM head keeps the cost of about one decoder layer).
 
   python bench/pipeline_efficiency.py [--rounds 8] [--micro-batches 4 8 16] [--schedules 1f1b zero_bubble]
+  python bench/pipeline_efficiency.py --schedules 1f1b zero_bubble zero_bubble:0   # :c = zero_bubble_max_waiting
 """
 import argparse
 import json
@@ -41,6 +42,8 @@ from common import (machine_note, peak_rss_bytes, random_micro_batches, reset_pe
                     run_config, spawn)
 from memory_plan_check import FIXED_MMAP_THRESHOLD  # noqa: E402
 from schedule_simulator import predict  # noqa: E402
+
+from training.schedule import PIPELINE_SCHEDULES  # noqa: E402
 
 # Wide enough that matmuls dominate, as in real LLaMA shapes: B and W then cost about the same (at hidden 512
 # element-wise work in B made it 1.2-1.8x W, at hidden 256 up to 2.5x); the vocabulary sized so that the LM head
@@ -66,13 +69,23 @@ def model_config(hidden_size):
                               num_key_value_heads=round(MODEL["num_key_value_heads"] * scale)))
 
 
-def build_engine(config, num_stages, micro_batches, schedule, checkpoint_interval=0):
+def schedule_and_cap(name):
+    """'zero_bubble:1' -> ('zero_bubble', 1): a schedule, and zero_bubble's cap on micro-batches waiting for W."""
+    schedule, _, cap = name.partition(":")
+    if schedule not in PIPELINE_SCHEDULES or (cap and (schedule != "zero_bubble" or not cap.isdigit())):
+        raise argparse.ArgumentTypeError(f"'{name}' is not 1f1b, zero_bubble or zero_bubble:<max waiting>")
+    return schedule, int(cap) if cap else None
+
+
+def build_engine(config, num_stages, micro_batches, name, checkpoint_interval=0):
     """The trainer's engine (training/loop.py) for this model, fp32, one step of m micro-batches."""
     from training.loop import build_engine as trainer_engine
+    schedule, cap = schedule_and_cap(name)
     cfg = run_config([f"num_stages={num_stages}", "precision=fp32", "zero_stage=0", f"seq_length={SEQ_LENGTH}",
                       f"micro_batch_size={MICRO_BATCH}", f"gradient_accumulation_steps={micro_batches}",
                       f"partition={PARTITIONS[num_stages]}", "lr_scheduler=constant",
-                      f"pipeline_schedule={schedule}", f"activation_checkpoint_interval={checkpoint_interval}"])
+                      f"pipeline_schedule={schedule}", f"zero_bubble_max_waiting={'null' if cap is None else cap}",
+                      f"activation_checkpoint_interval={checkpoint_interval}"])
     return trainer_engine(cfg, config, total_steps=10**6)[0]
 
 
@@ -211,9 +224,10 @@ def report(num_stages, m, ranks, schedules):
     for schedule in schedules:
         cores, pipeline, per_round = throughputs(ranks, schedule, tokens)
         times, optimizer = stage_times(ranks, schedule, m)
-        simulated = predict(num_stages, m, times, optimizer)[schedule][0]
+        kind, cap = schedule_and_cap(schedule)
+        simulated = predict(num_stages, m, times, optimizer, cap)[kind][0]
         ratio, step = pipeline / cores, tokens / pipeline
-        print(f"p={num_stages} m={m:>2} {schedule:<12} cores {cores:>5.0f} tok/s  pipeline {pipeline:>5.0f} tok/s  "
+        print(f"p={num_stages} m={m:>2} {schedule:<13} cores {cores:>5.0f} tok/s  pipeline {pipeline:>5.0f} tok/s  "
               f"ratio {ratio:.3f} (rounds {min(per_round):.3f}-{max(per_round):.3f})  "
               f"simulated {tokens / simulated / cores:.3f} "
               f"(step {step:.3f} s, simulated {simulated:.3f} s, {100 * (simulated / step - 1):+.1f}%)  "
@@ -263,12 +277,18 @@ def main():
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--stages", type=int, default=2, choices=sorted(PARTITIONS))
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--schedules", nargs="+", default=["1f1b", "zero_bubble"], choices=["1f1b", "zero_bubble"])
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "zero_bubble"],
+                        help="1f1b, zero_bubble, or zero_bubble:<c> with zero_bubble_max_waiting=c")
     parser.add_argument("--hidden-size", type=int, default=MODEL["hidden_size"])
     parser.add_argument("--activation-checkpoint-interval", type=int, default=0)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
     parser.add_argument("--no-timing", action="store_true", help="only the peak-RSS runs")
     args = parser.parse_args()
+    for name in args.schedules:
+        try:
+            schedule_and_cap(name)
+        except argparse.ArgumentTypeError as error:
+            parser.error(str(error))
     config = model_config(args.hidden_size)
     print(f"model: hidden {config.hidden_size}, intermediate {config.intermediate_size}, {config.num_hidden_layers} "
           f"layers, vocabulary {config.vocab_size}; seq_length {SEQ_LENGTH}, micro-batch {MICRO_BATCH}, fp32, one "
