@@ -13,10 +13,9 @@ from training.schedule import simulate, stage_orders
 
 STEPS, MICRO_BATCH, GAS, SEQ = 6, 2, 4, 16
 CASES = {  # name: (tiny config, case settings); all on 4 processes
-    "4stages": ("llama2", dict(stages=4)),
-    # zero_bubble_max_waiting: 0 runs each W right after its B (checkpointed), 1 caps stages 2 and 3 of 4
+    # zero_bubble_max_waiting: 2 caps stage 3 of 4 (ZB-H1 holds 3 there), 0 runs each W right after its B
+    "4stages_max_waiting_2": ("llama2", dict(stages=4, max_waiting=2)),
     "2stages_x_2dp_tied_checkpointing_max_waiting_0": ("tied", dict(stages=2, checkpoint_interval=1, max_waiting=0)),
-    "4stages_max_waiting_1": ("llama3", dict(stages=4, max_waiting=1)),
     "2stages_x_tp2": ("llama3", dict(stages=2, tensor_parallel=2)),
     "2stages_x_tp2_recompute_gather": ("llama2", dict(stages=2, tensor_parallel=2, recompute_sequence_gather=True)),
     "2stages_x_tp2_no_sequence_parallel": ("qwen2", dict(stages=2, tensor_parallel=2, sequence_parallel=False)),
