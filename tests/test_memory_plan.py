@@ -130,8 +130,17 @@ def test_llama3_70b_as_shipped_does_not_fit_under_zero_bubble(capsys):
     stages outgrow the 80 GB devices that 1F1B fits in, and the plan says so."""
     cfg = run_config("llama3_70b", "pipeline_schedule=zero_bubble")
     rows = print_memory_plan(cfg, load_plan_model_config(cfg), world_size=plan_world_size(cfg))
-    assert "does NOT fit in 80 GiB per device" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "does NOT fit in 80 GiB per device" in out
     assert not rows[-1]["fits"] and rows[0]["fits"]
+    # ... and names the caps that would (largest first); at 40 GiB none does
+    assert ("zero_bubble holding fewer micro-batches back for W fits in 80 GiB per device: zero_bubble_max_waiting=2: "
+            "largest stage 73.4 GiB; zero_bubble_max_waiting=1: largest stage 63.6 GiB; zero_bubble_max_waiting=0: "
+            "largest stage 57.3 GiB") in out
+    cfg = run_config("llama3_70b", "pipeline_schedule=zero_bubble", "device_memory_gb=40")
+    print_memory_plan(cfg, load_plan_model_config(cfg), world_size=plan_world_size(cfg))
+    assert ("zero_bubble: no zero_bubble_max_waiting fits either (pipeline_schedule=1f1b holds the least)"
+            in capsys.readouterr().out)
 
 
 def test_llama3_70b_fits_under_zero_bubble_with_max_waiting_1(capsys):

@@ -177,4 +177,23 @@ def print_memory_plan(cfg, model_config, world_size):
     """Print the plan; returns its per-stage rows (bytes, and whether each stage fits device_memory_gb)."""
     workload, rows = memory_plan(cfg, model_config, world_size)
     print(format_memory_plan(cfg, workload, rows, world_size), flush=True)
+    if cfg.pipeline_schedule == "zero_bubble" and not all(row["fits"] for row in rows):
+        print(zero_bubble_caps_that_fit(cfg, model_config, world_size), flush=True)
     return rows
+
+
+def zero_bubble_caps_that_fit(cfg, model_config, world_size):
+    """Which zero_bubble_max_waiting values below the configured one fit, with their largest stage."""
+    configured = cfg.zero_bubble_max_waiting
+    fitting = []
+    for cap in reversed(range(cfg.num_stages - 1 if configured is None else configured)):
+        capped = OmegaConf.merge(cfg, {"zero_bubble_max_waiting": cap})
+        _, rows = memory_plan(capped, model_config, world_size)
+        if all(row["fits"] for row in rows):
+            largest = max(row["memory_bytes"] for row in rows)
+            fitting.append(f"zero_bubble_max_waiting={cap}: largest stage {largest / GIB:.1f} GiB")
+    if not fitting:
+        return "zero_bubble: no zero_bubble_max_waiting fits either (pipeline_schedule=1f1b holds the least)"
+    return (f"zero_bubble holding fewer micro-batches back for W fits in {cfg.device_memory_gb} GiB per device: "
+            + "; ".join(fitting) + " (the bubble of each on paper: python bench/schedule_simulator.py --config "
+            "<config> --max-waiting null 0 1 ...)")
