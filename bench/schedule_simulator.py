@@ -38,7 +38,7 @@ def predict(stages, micro_batches, times, overhead=0.0, max_waiting=None):
 
 
 def paper_times(config_name):
-    """F, B, W per stage of conf/<config_name>.yaml (its partition, checkpointing as configured), in units of one
+    """F, B, W per stage of conf/<config_name>.yaml (balanced partition, checkpointing as configured), in units of one
     decoder layer's forward: matmuls cost as much in B as in W; attention has no weights (all its backward is B);
     a checkpointed layer recomputes its forward in B; the LM head's input gradient is B, its weight gradient W."""
     from omegaconf import OmegaConf
