@@ -71,11 +71,11 @@ def paper_times(config_name):
 
 def print_prediction(stages, micro_batches, times, overhead=0.0, unit="s", caps=(None,)):
     """1F1B's step and bubble, then zero_bubble's for each cap on micro-batches waiting for W."""
-    for i, cap in enumerate(caps):
-        for schedule, (step, bubble) in predict(stages, micro_batches, times, overhead, cap).items():
-            if schedule == "zero_bubble" or i == 0:
-                name = schedule if schedule != "zero_bubble" or cap is None else f"{schedule} max_waiting={cap}"
-                print(f"p={stages} m={micro_batches:>3}  {name:<26} step {step:10.4f} {unit}  bubble {bubble:6.1%}")
+    lines = [("1f1b", predict(stages, micro_batches, times, overhead)["1f1b"])]
+    lines += [("zero_bubble" if cap is None else f"zero_bubble max_waiting={cap}",
+               predict(stages, micro_batches, times, overhead, cap)["zero_bubble"]) for cap in caps]
+    for name, (step, bubble) in lines:
+        print(f"p={stages} m={micro_batches:>3}  {name:<26} step {step:10.4f} {unit}  bubble {bubble:6.1%}")
 
 
 def parse_cap(text):
