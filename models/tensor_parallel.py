@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from models.weight_grads import linear as deferrable_linear, linear_weight_grads
+from models.weight_grads import embedding as row_grad_embedding, linear as deferrable_linear, linear_weight_grads
 
 # DeepSpeed's marker of a parameter split across the tensor-parallel group: its gradient-norm code counts such a
 # parameter on every rank and a replicated one on tensor-parallel rank 0 only.
@@ -96,10 +96,10 @@ class TensorParallel:
     def embedding(self, input_ids, weight):
         """Vocabulary-parallel lookup: this rank's rows, zeros for ids outside them, summed over the group."""
         if self.size == 1:
-            return F.embedding(input_ids, weight)
+            return row_grad_embedding(input_ids, weight)
         local = input_ids - self.rank * weight.shape[0]
         outside = (local < 0) | (local >= weight.shape[0])
-        rows = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside[..., None], 0)
+        rows = row_grad_embedding(local.masked_fill(outside, 0), weight).masked_fill(outside[..., None], 0)
         return self.reduce(rows)
 
     def cross_entropy(self, logits, labels, ignore_index):
@@ -127,7 +127,6 @@ class TensorParallel:
         out = torch.empty((x.shape[0] // self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.reduce_scatter_single(out, x.contiguous(), group=self.group)
         return out
-
 
 
 class BufferPool:

@@ -10,6 +10,9 @@ B would otherwise cost the last stage twice its W, and the first stage waits for
 Its price is the logits' output gradient (activation dtype, this rank's vocabulary share) held by each micro-batch
 waiting for W on the last stage, at most p - 1 of them, on the stage that holds the fewest activations under 1F1B
 (one micro-batch's, against the first stage's p); bench/README.md row 8 measures both stages' peaks.
+
+The embedding's weight gradient, under every schedule, is added to .grad row by row once .grad exists: torch's own
+backward builds a dense vocabulary x hidden tensor per micro-batch (1-2 GB on a LLaMA-3 vocabulary) to add into it.
 """
 import collections
 import contextlib
@@ -79,3 +82,27 @@ class DeferrableLinear(torch.autograd.Function):
             return grad_x, None, None, None
         (_, grad_w), *bias_grad = linear_weight_grads(x, grad, weight, bias)
         return grad_x, grad_w, bias_grad[0][1] if bias_grad else None, None
+
+
+def embedding(input_ids, weight):
+    """F.embedding whose weight gradient reaches autograd's accumulation as only the looked-up rows."""
+    return RowGradEmbedding.apply(input_ids, weight)
+
+
+class RowGradEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_ids, weight):
+        ctx.save_for_backward(input_ids)
+        ctx.weight = weight
+        return F.embedding(input_ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (input_ids,) = ctx.saved_tensors
+        weight = ctx.weight
+        if not weight.is_leaf or weight.grad is None:
+            # The first gradient of a step becomes .grad itself: dense, as torch's embedding backward makes it.
+            return None, torch.ops.aten.embedding_dense_backward(grad, input_ids, weight.shape[0], -1, False)
+        # Accumulation into a dense .grad adds a sparse gradient in place, one row per token (hooks run as usual).
+        return None, torch.sparse_coo_tensor(input_ids.reshape(1, -1), grad.reshape(-1, grad.shape[-1]),
+                                             weight.shape, check_invariants=False)
