@@ -93,6 +93,10 @@ def build_engine(cfg, model_config, total_steps):
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, optimizer=optimizer,
                                            config=ds_config)
     engine.clip_fp32_gradients = lambda: clip_fp32_gradients_across_stages(engine)
+    if not engine.is_data_parallel and engine.zero_optimization_stage() == 0:
+        # DeepSpeed's pipeline all-reduces gradients over a data-parallel group of one too: a flattened copy of
+        # every gradient and a copy back, for nothing (ZeRO-1's reduction also fills its partitions: kept).
+        engine.pipeline_enable_backward_allreduce = False
     if cfg.pipeline_schedule == "zero_bubble":
         use_zero_bubble(engine, cfg.zero_bubble_max_waiting)
     return engine, monitors
