@@ -6,9 +6,9 @@ measured in one run of p processes:
 - cores: every process trains its own copy of the whole model with the trainer's engine at one stage (nothing
   ties the copies together), all at once: what p cores deliver without a pipeline; their tokens/s summed;
 - pipeline: tokens/s of the trainer's p-stage engine (training/loop.py build_engine) under each schedule;
-- the two alternate step by step for --rounds rounds, so that the machine's drift (this virtual machine's speed
-  moves by 10-15% between steps and over minutes) falls on both alike; each throughput is the rounds' tokens over
-  their summed seconds, and the per-round ratios' range is printed beside it;
+- the two alternate step by step for --rounds rounds, after --warm-up-rounds untimed ones, so that the machine's
+  drift (this virtual machine's speed moves by 10-15% between steps and over minutes) falls on both alike; each
+  throughput is the rounds' tokens over their summed seconds, and the per-round ratios' range is printed beside it;
 - ratio = pipeline / cores; 1F1B's bound is m / (m + p - 1); efficiency = ratio / bound;
 - simulated: bench/schedule_simulator.py's step from the F, B, W times measured per stage in the same rounds
   (ForwardPass with its batch loading, BackwardPass, BackwardWeightPass; under 1F1B the backward is B + W) plus
@@ -110,8 +110,9 @@ def pin_to_core(rank):
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
 
-def timing_worker(rank, num_stages, micro_batches, rounds, schedules, hidden_size, checkpoint_interval, out_dir):
-    """Alternate, after a warm-up of each: a step of every process's own one-stage copy (all at once), then a step of
+def timing_worker(rank, num_stages, micro_batches, rounds, warm_up_rounds, schedules, hidden_size,
+                  checkpoint_interval, out_dir):
+    """Alternate, after warm-up rounds: a step of every process's own one-stage copy (all at once), then a step of
     the pipeline under each schedule; every step starts at a barrier."""
     import torch.distributed as dist
 
@@ -128,8 +129,9 @@ def timing_worker(rank, num_stages, micro_batches, rounds, schedules, hidden_siz
     batches = random_micro_batches(config.vocab_size, SEQ_LENGTH, MICRO_BATCH, seed=rank)
     steps = {"cores": lambda: replica.train_batch(batches)}
     steps.update({name: (lambda engine=engine: engine.train_batch(batches)) for name, engine in engines.items()})
-    for step in steps.values():
-        step()
+    for _ in range(warm_up_rounds):
+        for step in steps.values():
+            step()
     spent = {schedule: time_instructions(engine) for schedule, engine in {**engines, "cores": replica}.items()}
     seconds = {name: [] for name in steps}
     for _ in range(rounds):
@@ -280,6 +282,9 @@ def main():
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "zero_bubble"],
                         help="1f1b, zero_bubble, or zero_bubble:<c> with zero_bubble_max_waiting=c")
     parser.add_argument("--hidden-size", type=int, default=MODEL["hidden_size"])
+    parser.add_argument("--warm-up-rounds", type=int, default=2,
+                        help="untimed rounds first: a round after one still spent up to 1.3 s per step in page faults "
+                             "as the engines' memory settled")
     parser.add_argument("--activation-checkpoint-interval", type=int, default=0)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
     parser.add_argument("--no-timing", action="store_true", help="only the peak-RSS runs")
@@ -292,12 +297,13 @@ def main():
     config = model_config(args.hidden_size)
     print(f"model: hidden {config.hidden_size}, intermediate {config.intermediate_size}, {config.num_hidden_layers} "
           f"layers, vocabulary {config.vocab_size}; seq_length {SEQ_LENGTH}, micro-batch {MICRO_BATCH}, fp32, one "
-          f"thread per process; {args.rounds} interleaved rounds after one warm-up; activation checkpointing every "
-          f"{args.activation_checkpoint_interval} layers (0: off)")
+          f"thread per process; {args.rounds} interleaved rounds after {args.warm_up_rounds} warm-up rounds; "
+          f"activation checkpointing every {args.activation_checkpoint_interval} layers (0: off)")
     for m in args.micro_batches:
         if not args.no_timing:
             ranks = run_workers(timing_worker, args.stages, CACHING_MALLOC, args.stages, m, args.rounds,
-                                args.schedules, args.hidden_size, args.activation_checkpoint_interval)
+                                args.warm_up_rounds, args.schedules, args.hidden_size,
+                                args.activation_checkpoint_interval)
             report(args.stages, m, ranks, args.schedules)
             print_details(args.stages, m, ranks, args.schedules)
         if not args.no_memory:
