@@ -77,6 +77,12 @@ def schedule_and_cap(name):
     return schedule, int(cap) if cap else None
 
 
+def checked_schedule(name):
+    """--schedules' argument type: the name itself, once schedule_and_cap accepts it."""
+    schedule_and_cap(name)
+    return name
+
+
 def build_engine(config, num_stages, micro_batches, name, checkpoint_interval=0):
     """The trainer's engine (training/loop.py) for this model, fp32, one step of m micro-batches."""
     from training.loop import build_engine as trainer_engine
@@ -279,7 +285,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--stages", type=int, default=2, choices=sorted(PARTITIONS))
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--schedules", nargs="+", default=["1f1b", "zero_bubble"],
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "zero_bubble"], type=checked_schedule,
                         help="1f1b, zero_bubble, or zero_bubble:<c> with zero_bubble_max_waiting=c")
     parser.add_argument("--hidden-size", type=int, default=MODEL["hidden_size"])
     parser.add_argument("--warm-up-rounds", type=int, default=2,
@@ -289,11 +295,6 @@ def main():
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
     parser.add_argument("--no-timing", action="store_true", help="only the peak-RSS runs")
     args = parser.parse_args()
-    for name in args.schedules:
-        try:
-            schedule_and_cap(name)
-        except argparse.ArgumentTypeError as error:
-            parser.error(str(error))
     config = model_config(args.hidden_size)
     print(f"model: hidden {config.hidden_size}, intermediate {config.intermediate_size}, {config.num_hidden_layers} "
           f"layers, vocabulary {config.vocab_size}; seq_length {SEQ_LENGTH}, micro-batch {MICRO_BATCH}, fp32, one "
