@@ -9,7 +9,8 @@ The cost model works from the model config and the workload alone (nothing is bu
   stage; the last stage also keeps two micro-batches of logits; under the zero-bubble schedule stage s also keeps up
   to s micro-batches waiting for their weight gradients); the largest short-lived peak of one backward
   pass (a recomputed chunk, the LM head's fp32 loss gradients); ZeRO-1's reduce buckets; and the optimizer step's
-  peak, which replaces the activations' once they are freed.
+  peak (with ZeRO-0 and data parallelism, the gradient all-reduce's flat copy before it), which replaces the
+  activations' once they are freed.
 
 Tensor parallelism (Megatron's layout, models/tensor_parallel.py) over t ranks: every figure is one rank's. The
 projections, the embedding and the LM head hold 1/t of their weights (norms and row-parallel biases stay whole),
@@ -28,6 +29,7 @@ import re
 from dataclasses import dataclass
 
 from deepspeed.runtime import utils as ds_utils
+from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
 
 from models.layout import num_pipeline_layers
 from models.llama import head_dim_of
@@ -332,8 +334,9 @@ class LayerCosts:
     def stage_step_bytes(self, kinds):
         """The optimizer step's peak beyond weights and optimizer state, gradients included (activations are freed
         by then). ZeRO-1 copies its gradient partition flat and casts it to fp32, frees the gradients, then runs
-        Adam on the flat partition; without ZeRO a 16-bit model's optimizer builds fp32 gradients, and Adam runs
-        one parameter at a time. torch's Adam allocates two fp32 temporaries (sqrt and division) per tensor."""
+        Adam on the flat partition; without ZeRO the gradients are first all-reduced over data-parallel ranks
+        (allreduce_bucket_bytes), a 16-bit model's optimizer builds fp32 gradients, and Adam runs one parameter at
+        a time. torch's Adam allocates two fp32 temporaries (sqrt and division) per tensor."""
         work = self.workload
         parameters = self.stage_parameters(kinds)
         grad = PRECISION_BYTES[work.precision]
@@ -349,7 +352,15 @@ class LayerCosts:
             adam = parameters * (FP32_BYTES + temporaries) / shards
             return max(flatten, adam)
         largest = max(self.largest_tensor[kind] for kind in kinds)
-        return parameters * (grad + cast) + largest * temporaries
+        return max(parameters * (grad + cast) + largest * temporaries,
+                   parameters * grad + self.allreduce_bucket_bytes(parameters, largest))
+
+    def allreduce_bucket_bytes(self, parameters, largest):
+        """ZeRO-0 with data parallelism: DeepSpeed's pipeline all-reduces the gradients (model dtype; bf16 needs
+        ZeRO-1) through flat copies of MEMORY_OPT_ALLREDUCE_SIZE elements, plus the tensor that fills the bucket."""
+        if self.workload.zero_stage >= 1 or self.workload.data_parallel == 1:
+            return 0
+        return min(parameters, MEMORY_OPT_ALLREDUCE_SIZE + largest) * PRECISION_BYTES[self.workload.precision]
 
 
 def in_flight_micro_batches(stage, num_stages, micro_batches):

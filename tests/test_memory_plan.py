@@ -102,6 +102,27 @@ def test_first_stage_holds_the_most_micro_batches_without_checkpointing():
     assert all(row["activation_bytes"] == row["activation_full_bytes"] for row in rows)
 
 
+@pytest.mark.parametrize("partition", ["[8,8,8,8]", "[2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2]"])
+def test_zero_0_with_data_parallelism_plans_the_gradient_allreduce_copy(partition):
+    """Without ZeRO, DeepSpeed's pipeline all-reduces each stage's gradients through flat copies of 500M elements,
+    overfilled by the tensor that crosses the limit: 4 stages copy that much, 16 stages (400M parameters in the
+    middle) their whole gradient. One data-parallel rank skips the all-reduce (training/loop.py): no copy."""
+    cfg = run_config("llama_7b", "precision=fp32", "zero_stage=0", f"partition={partition}",
+                     f"num_stages={partition.count(',') + 1}")
+    config = load_plan_model_config(cfg)
+    stages = cfg.num_stages
+    _, alone = memory_plan(cfg, config, world_size=stages)
+    _, replicated = memory_plan(cfg, config, world_size=2 * stages)
+    for stage, (one, two) in enumerate(zip(alone, replicated)):
+        parameters = one["parameters"]
+        assert two["parameters"] == parameters and one["step_bytes"] < parameters * 4 * 2
+        largest = (config.vocab_size if stage in (0, stages - 1) else config.intermediate_size) * config.hidden_size
+        copy = min(parameters, 500_000_000 + largest)
+        assert two["step_bytes"] == 4 * (parameters + copy)
+    over_the_limit = [row["parameters"] > 500_000_000 for row in replicated]
+    assert over_the_limit == ([True] * 4 if stages == 4 else [True] + [False] * 14 + [True])
+
+
 def test_zero_bubble_adds_micro_batches_waiting_for_weight_gradients():
     """ZB-H1 holds s micro-batches back for W on stage s: the same partition plans s weight-gradient sets more."""
     overrides = ("activation_checkpoint_interval=0", "partition=[8,8,8,8]")
