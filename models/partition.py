@@ -373,8 +373,13 @@ def waiting_micro_batches(stage, num_stages, micro_batches, schedule, max_waitin
     max_waiting if given), next to 1F1B's in flight (training/schedule.py), never more than the step's."""
     if schedule != "zero_bubble":
         return 0
-    held = stage if max_waiting is None else min(stage, max_waiting)
-    return min(held, micro_batches - in_flight_micro_batches(stage, num_stages, micro_batches))
+    return min(held_back_micro_batches(stage, max_waiting),
+               micro_batches - in_flight_micro_batches(stage, num_stages, micro_batches))
+
+
+def held_back_micro_batches(stage, max_waiting=None):
+    """zero_bubble's steady state: stage s runs W s micro-batches after their B (ZB-H1), at most max_waiting."""
+    return stage if max_waiting is None else min(stage, max_waiting)
 
 
 def stage_kinds(stage, num_stages, num_decoders):

@@ -21,6 +21,8 @@ from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicr
                                              RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation,
                                              SendGrad, TrainSchedule)
 
+from models.partition import held_back_micro_batches, in_flight_micro_batches
+
 PIPELINE_SCHEDULES = ("1f1b", "zero_bubble")
 
 
@@ -30,7 +32,7 @@ class BackwardWeightPass(PipeInstruction):
 
 def one_f_one_b_order(stages, micro_batches, stage):
     """DeepSpeed's TrainSchedule: min(p - s, m) forwards, then backward and forward alternate: [("F"|"B", j)]."""
-    warmup = min(stages - stage, micro_batches)
+    warmup = in_flight_micro_batches(stage, stages, micro_batches)
     order = [("F", j) for j in range(warmup)]
     for j in range(micro_batches - warmup):
         order += [("B", j), ("F", j + warmup)]
@@ -41,12 +43,12 @@ def zero_bubble_order(stages, micro_batches, stage, max_waiting=None):
     """ZB-H1 on stage s: 1F1B's order of F and B, W_{j-h} after B_j in the steady state, where h = s, or
     min(s, max_waiting) if given (W before the next F keeps at most p micro-batches waiting for their W), one W
     after each cool-down B, the rest last."""
-    held = stage if max_waiting is None else min(stage, max_waiting)
+    held = held_back_micro_batches(stage, max_waiting)
     order = []
     weights_done = 0
     for kind, j in one_f_one_b_order(stages, micro_batches, stage):
         order.append((kind, j))
-        steady = j < micro_batches - min(stages - stage, micro_batches)
+        steady = j < micro_batches - in_flight_micro_batches(stage, stages, micro_batches)
         if kind == "B" and (not steady or j - held >= weights_done):
             order.append(("W", weights_done))
             weights_done += 1
