@@ -12,7 +12,10 @@ measured in one run of p processes:
 - ratio = pipeline / cores; 1F1B's bound is m / (m + p - 1); efficiency = ratio / bound;
 - simulated: bench/schedule_simulator.py's step from the F, B, W times measured per stage in the same rounds
   (ForwardPass with its batch loading, BackwardPass, BackwardWeightPass; under 1F1B the backward is B + W) plus
-  the optimizer's time, as a ratio beside the measured one.
+  the optimizer's time, as a ratio beside the measured one; and again with those times scaled to add up to the
+  copies' F + B for the same layers: the schedule's own ratio, without the stages computing slower than the copies
+  (the gap between measured and simulated is the rest: per-operation variation that one stage waits out for the
+  other, transfers, the engine).
 Timing runs with glibc keeping freed memory for reuse (large mmap and trim thresholds), as a GPU's caching
 allocator does: with glibc's defaults many large tensors are fresh mappings whose pages the kernel zeroes, which
 here costs up to a third of a step, and more under the schedule that keeps more tensors alive at once.
@@ -226,6 +229,15 @@ def throughputs(ranks, schedule, tokens):
     return cores, tokens * rounds / sum(steps), per_round
 
 
+def at_copies_speed(ranks, schedule, m):
+    """The stages' F, B, W scaled by one factor so that they add up to the one-stage engine's F + B for the same
+    layers: what the stages would take computing as fast as the copies do."""
+    times = stage_times(ranks, schedule, m)[0]
+    one_stage = stage_times(ranks[:1], "cores", m)[0][0]
+    scale = sum(one_stage.values()) / sum(sum(t.values()) for t in times)
+    return [{kind: scale * seconds for kind, seconds in t.items()} for t in times]
+
+
 def report(num_stages, m, ranks, schedules):
     tokens = m * MICRO_BATCH * SEQ_LENGTH
     bound = m / (m + num_stages - 1)
@@ -234,11 +246,13 @@ def report(num_stages, m, ranks, schedules):
         times, optimizer = stage_times(ranks, schedule, m)
         kind, cap = schedule_and_cap(schedule)
         simulated = predict(num_stages, m, times, optimizer, cap)[kind][0]
+        schedule_alone = predict(num_stages, m, at_copies_speed(ranks, schedule, m), optimizer, cap)[kind][0]
         ratio, step = pipeline / cores, tokens / pipeline
         print(f"p={num_stages} m={m:>2} {schedule:<13} cores {cores:>5.0f} tok/s  pipeline {pipeline:>5.0f} tok/s  "
               f"ratio {ratio:.3f} (rounds {min(per_round):.3f}-{max(per_round):.3f})  "
               f"simulated {tokens / simulated / cores:.3f} "
-              f"(step {step:.3f} s, simulated {simulated:.3f} s, {100 * (simulated / step - 1):+.1f}%)  "
+              f"(step {step:.3f} s, simulated {simulated:.3f} s, {100 * (simulated / step - 1):+.1f}%; "
+              f"at the copies' compute speed {tokens / schedule_alone / cores:.3f})  "
               f"1F1B bound {bound:.3f}  efficiency vs bound {ratio / bound:.3f}", flush=True)
 
 
