@@ -229,12 +229,15 @@ def throughputs(ranks, schedule, tokens):
     return cores, tokens * rounds / sum(steps), per_round
 
 
-def at_copies_speed(ranks, schedule, m):
-    """The stages' F, B, W scaled by one factor so that they add up to the one-stage engine's F + B for the same
-    layers: what the stages would take computing as fast as the copies do."""
-    times = stage_times(ranks, schedule, m)[0]
-    one_stage = stage_times(ranks[:1], "cores", m)[0][0]
-    scale = sum(one_stage.values()) / sum(sum(t.values()) for t in times)
+def copy_times(ranks, m):
+    """F and B (W 0: one fused backward) per micro-batch of the one-stage engine's copy on the first rank."""
+    return stage_times(ranks[:1], "cores", m)[0][0]
+
+
+def at_copies_speed(times, copy):
+    """The stages' F, B, W scaled by one factor so that they add up to the copy's F + B for the same layers: what
+    the stages would take computing as fast as the copies do."""
+    scale = sum(copy.values()) / sum(sum(t.values()) for t in times)
     return [{kind: scale * seconds for kind, seconds in t.items()} for t in times]
 
 
@@ -246,7 +249,7 @@ def report(num_stages, m, ranks, schedules):
         times, optimizer = stage_times(ranks, schedule, m)
         kind, cap = schedule_and_cap(schedule)
         simulated = predict(num_stages, m, times, optimizer, cap)[kind][0]
-        schedule_alone = predict(num_stages, m, at_copies_speed(ranks, schedule, m), optimizer, cap)[kind][0]
+        schedule_alone = predict(num_stages, m, at_copies_speed(times, copy_times(ranks, m)), optimizer, cap)[kind][0]
         ratio, step = pipeline / cores, tokens / pipeline
         print(f"p={num_stages} m={m:>2} {schedule:<13} cores {cores:>5.0f} tok/s  pipeline {pipeline:>5.0f} tok/s  "
               f"ratio {ratio:.3f} (rounds {min(per_round):.3f}-{max(per_round):.3f})  "
@@ -272,7 +275,7 @@ def print_details(num_stages, m, ranks, schedules):
             print(f"    stage {rank['stage']} time: " + "  ".join(
                 f"{name} {100 * spent.get(name, 0) / wall:.1f}%" for name in names + ["other"] if name in spent
                 or name != "other") + f"  engine {100 * engine / wall:.1f}%")
-    one_stage = stage_times(ranks[:1], "cores", m)[0][0]
+    one_stage = copy_times(ranks, m)
     for schedule in schedules:
         summed = sum(sum(t.values()) for t in stage_times(ranks, schedule, m)[0])
         print(f"    {schedule}: the stages' F + B + W per micro-batch, summed, is "

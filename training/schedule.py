@@ -44,11 +44,12 @@ def zero_bubble_order(stages, micro_batches, stage, max_waiting=None):
     min(s, max_waiting) if given (W before the next F keeps at most p micro-batches waiting for their W), one W
     after each cool-down B, the rest last."""
     held = held_back_micro_batches(stage, max_waiting)
+    cool_down = micro_batches - in_flight_micro_batches(stage, stages, micro_batches)  # from B_cool_down on, no F
     order = []
     weights_done = 0
     for kind, j in one_f_one_b_order(stages, micro_batches, stage):
         order.append((kind, j))
-        steady = j < micro_batches - in_flight_micro_batches(stage, stages, micro_batches)
+        steady = j < cool_down
         if kind == "B" and (not steady or j - held >= weights_done):
             order.append(("W", weights_done))
             weights_done += 1
