@@ -19,6 +19,10 @@ measured in one run of p processes:
 Timing runs with glibc keeping freed memory for reuse (large mmap and trim thresholds), as a GPU's caching
 allocator does: with glibc's defaults many large tensors are fresh mappings whose pages the kernel zeroes, which
 here costs up to a third of a step, and more under the schedule that keeps more tensors alive at once.
+While it runs, idle cores poll instead of halting (bench/common.py idle_cores_polling; --idle-halt keeps the
+machine's default): a GPU that waited in a receive computes on at full speed, a vCPU of this virtual machine that
+halted did not (20 one-thread matmuls right after a 300 ms sleep took 1.007-1.105x, mean 1.049x, their time back to
+back over 6 runs; 0.988-1.031x, mean 1.007x, with the cores polling).
 Peak RSS per stage comes from separate fresh processes per schedule and m, with a small fixed mmap threshold
 (bench/memory_plan_check.py's) so that RSS follows the live tensors, over one step after a warm-up: the peak until
 the last W (the schedule's part: activations and gradients; the optimizer's temporaries can hide it in the peak of
@@ -33,6 +37,7 @@ The model (MODEL, SEQ_LENGTH, MICRO_BATCH) is split so that stages do equal work
   python bench/pipeline_efficiency.py --schedules 1f1b zero_bubble zero_bubble:0   # :c = zero_bubble_max_waiting
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -41,8 +46,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (machine_note, peak_rss_bytes, random_micro_batches, reset_peak_rss, rss_bytes,  # noqa: E402
-                    run_config, spawn)
+from common import (idle_cores_polling, machine_note, peak_rss_bytes, random_micro_batches,  # noqa: E402
+                    reset_peak_rss, rss_bytes, run_config, spawn)
 from memory_plan_check import FIXED_MMAP_THRESHOLD  # noqa: E402
 from schedule_simulator import predict  # noqa: E402
 
@@ -311,25 +316,31 @@ def main():
     parser.add_argument("--activation-checkpoint-interval", type=int, default=0)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
     parser.add_argument("--no-timing", action="store_true", help="only the peak-RSS runs")
+    parser.add_argument("--idle-halt", action="store_true",
+                        help="let idle cores halt, the machine's default (by default they poll while this runs)")
     args = parser.parse_args()
     config = model_config(args.hidden_size)
-    print(f"model: hidden {config.hidden_size}, intermediate {config.intermediate_size}, {config.num_hidden_layers} "
-          f"layers, vocabulary {config.vocab_size}; seq_length {SEQ_LENGTH}, micro-batch {MICRO_BATCH}, fp32, one "
-          f"thread per process; {args.rounds} interleaved rounds after {args.warm_up_rounds} warm-up rounds; "
-          f"activation checkpointing every {args.activation_checkpoint_interval} layers (0: off)")
-    for m in args.micro_batches:
-        if not args.no_timing:
-            ranks = run_workers(timing_worker, args.stages, CACHING_MALLOC, args.stages, m, args.rounds,
-                                args.warm_up_rounds, args.schedules, args.hidden_size,
-                                args.activation_checkpoint_interval)
-            report(args.stages, m, ranks, args.schedules)
-            print_details(args.stages, m, ranks, args.schedules)
-        if not args.no_memory:
-            memory = {schedule: run_workers(memory_worker, args.stages,
-                                            {"MALLOC_MMAP_THRESHOLD_": FIXED_MMAP_THRESHOLD}, args.stages, m,
-                                            schedule, args.hidden_size, args.activation_checkpoint_interval)
-                      for schedule in args.schedules}
-            print_memory(args.stages, m, memory)
+    with contextlib.nullcontext(False) if args.idle_halt else idle_cores_polling() as polling:
+        idle = ("poll (/dev/cpu_dma_latency held at 0)" if polling else
+                "halt" + ("" if args.idle_halt else " (/dev/cpu_dma_latency cannot be opened)"))
+        print(f"model: hidden {config.hidden_size}, intermediate {config.intermediate_size}, "
+              f"{config.num_hidden_layers} layers, vocabulary {config.vocab_size}; seq_length {SEQ_LENGTH}, "
+              f"micro-batch {MICRO_BATCH}, fp32, one thread per process; {args.rounds} interleaved rounds after "
+              f"{args.warm_up_rounds} warm-up rounds; activation checkpointing every "
+              f"{args.activation_checkpoint_interval} layers (0: off); idle cores {idle}")
+        for m in args.micro_batches:
+            if not args.no_timing:
+                ranks = run_workers(timing_worker, args.stages, CACHING_MALLOC, args.stages, m, args.rounds,
+                                    args.warm_up_rounds, args.schedules, args.hidden_size,
+                                    args.activation_checkpoint_interval)
+                report(args.stages, m, ranks, args.schedules)
+                print_details(args.stages, m, ranks, args.schedules)
+            if not args.no_memory:
+                memory = {schedule: run_workers(memory_worker, args.stages,
+                                                {"MALLOC_MMAP_THRESHOLD_": FIXED_MMAP_THRESHOLD}, args.stages, m,
+                                                schedule, args.hidden_size, args.activation_checkpoint_interval)
+                          for schedule in args.schedules}
+                print_memory(args.stages, m, memory)
     print(machine_note())
 
 
