@@ -1,8 +1,6 @@
 """Shared by the bench scripts: worker processes on this machine, memory readings, run configs and batches."""
-import contextlib
 import os
 import re
-import struct
 import sys
 import time
 
@@ -59,24 +57,6 @@ def train_step_seconds(engine, batches, steps):
         engine.train_batch(batches)
         durations.append(time.perf_counter() - start)
     return durations
-
-
-@contextlib.contextmanager
-def idle_cores_polling():
-    """Hold Linux's CPU latency request at 0 µs while inside (/dev/cpu_dma_latency, as cyclictest and tuned's
-    latency-performance profile do): an idle core polls instead of halting. On a virtual machine a halted vCPU goes
-    back to the host and resumes slower, which a pipeline stage waiting in a receive pays and a GPU does not. Yields
-    whether the request holds (it needs root)."""
-    try:
-        fd = os.open("/dev/cpu_dma_latency", os.O_WRONLY)
-    except OSError:
-        yield False
-        return
-    try:
-        os.write(fd, struct.pack("i", 0))
-        yield True
-    finally:
-        os.close(fd)
 
 
 def machine_note():

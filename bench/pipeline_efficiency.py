@@ -19,8 +19,8 @@ measured in one run of p processes:
 Timing runs with glibc keeping freed memory for reuse (large mmap and trim thresholds), as a GPU's caching
 allocator does: with glibc's defaults many large tensors are fresh mappings whose pages the kernel zeroes, which
 here costs up to a third of a step, and more under the schedule that keeps more tensors alive at once.
-While it runs, idle cores poll instead of halting (bench/common.py idle_cores_polling; --idle-halt keeps the
-machine's default): a GPU that waited in a receive computes on at full speed, a vCPU of this virtual machine that
+While it runs, idle cores poll instead of halting (idle_cores_polling; --idle-halt keeps the machine's
+default): a GPU that waited in a receive computes on at full speed, a vCPU of this virtual machine that
 halted did not (20 one-thread matmuls right after a 300 ms sleep took 1.007-1.105x, mean 1.049x, their time back to
 back over 6 runs; 0.988-1.031x, mean 1.007x, with the cores polling).
 Peak RSS per stage comes from separate fresh processes per schedule and m, with a small fixed mmap threshold
@@ -41,13 +41,14 @@ import contextlib
 import json
 import os
 import statistics
+import struct
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (idle_cores_polling, machine_note, peak_rss_bytes, random_micro_batches,  # noqa: E402
-                    reset_peak_rss, rss_bytes, run_config, spawn)
+from common import (machine_note, peak_rss_bytes, random_micro_batches, reset_peak_rss, rss_bytes,  # noqa: E402
+                    run_config, spawn)
 from memory_plan_check import FIXED_MMAP_THRESHOLD  # noqa: E402
 from schedule_simulator import predict  # noqa: E402
 
@@ -115,6 +116,23 @@ def time_instructions(engine):
         timed_map[instruction] = timed
     engine._INSTRUCTION_MAP = timed_map
     return spent
+
+
+@contextlib.contextmanager
+def idle_cores_polling():
+    """Hold Linux's CPU latency request at 0 µs while inside (/dev/cpu_dma_latency, as cyclictest and tuned's
+    latency-performance profile do): an idle core polls instead of halting. Yields whether the request holds (it
+    needs root)."""
+    try:
+        fd = os.open("/dev/cpu_dma_latency", os.O_WRONLY)
+    except OSError:
+        yield False
+        return
+    try:
+        os.write(fd, struct.pack("i", 0))
+        yield True
+    finally:
+        os.close(fd)
 
 
 def pin_to_core(rank):
