@@ -267,12 +267,13 @@ def at_copies_speed(times, copy):
 def report(num_stages, m, ranks, schedules):
     tokens = m * MICRO_BATCH * SEQ_LENGTH
     bound = m / (m + num_stages - 1)
+    copy = copy_times(ranks, m)
     for schedule in schedules:
         cores, pipeline, per_round = throughputs(ranks, schedule, tokens)
         times, optimizer = stage_times(ranks, schedule, m)
         kind, cap = schedule_and_cap(schedule)
         simulated = predict(num_stages, m, times, optimizer, cap)[kind][0]
-        schedule_alone = predict(num_stages, m, at_copies_speed(times, copy_times(ranks, m)), optimizer, cap)[kind][0]
+        schedule_alone = predict(num_stages, m, at_copies_speed(times, copy), optimizer, cap)[kind][0]
         ratio, step = pipeline / cores, tokens / pipeline
         print(f"p={num_stages} m={m:>2} {schedule:<13} cores {cores:>5.0f} tok/s  pipeline {pipeline:>5.0f} tok/s  "
               f"ratio {ratio:.3f} (rounds {min(per_round):.3f}-{max(per_round):.3f})  "
