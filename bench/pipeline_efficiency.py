@@ -7,7 +7,8 @@ measured in one run of p processes:
   ties the copies together), all at once: what p cores deliver without a pipeline; their tokens/s summed;
 - pipeline: tokens/s of the trainer's p-stage engine (training/loop.py build_engine) under each schedule;
 - the two alternate step by step for --rounds rounds, after --warm-up-rounds untimed ones, so that the machine's
-  drift (this virtual machine's speed moves by 10-15% between steps and over minutes) falls on both alike; each
+  drift (this virtual machine's speed moves by 10-15% between steps and over minutes) falls on both alike, in
+  reverse order every other round, so that no step always runs right after the same other one; each
   throughput is the rounds' tokens over their summed seconds, and the per-round ratios' range is printed beside it;
 - ratio = pipeline / cores; 1F1B's bound is m / (m + p - 1); efficiency = ratio / bound;
 - simulated: bench/schedule_simulator.py's step from the F, B, W times measured per stage in the same rounds
@@ -166,8 +167,9 @@ def timing_worker(rank, num_stages, micro_batches, rounds, warm_up_rounds, sched
             step()
     spent = {schedule: time_instructions(engine) for schedule, engine in {**engines, "cores": replica}.items()}
     seconds = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
+    for round_index in range(rounds):
+        # Every other round runs its steps in reverse, so that no step always follows the same one.
+        for name, step in list(steps.items())[::1 if round_index % 2 == 0 else -1]:
             dist.barrier()
             start = time.perf_counter()
             step()
