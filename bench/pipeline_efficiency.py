@@ -12,11 +12,11 @@ measured in one run of p processes:
   throughput is the rounds' tokens over their summed seconds, and the per-round ratios' range is printed beside it;
 - ratio = pipeline / cores; 1F1B's bound is m / (m + p - 1); efficiency = ratio / bound;
 - simulated: bench/schedule_simulator.py's step from the F, B, W times measured per stage in the same rounds
-  (ForwardPass with its batch loading, BackwardPass, BackwardWeightPass; under 1F1B the backward is B + W) plus
-  the optimizer's time, as a ratio beside the measured one; and again with those times scaled to add up to the
-  copies' F + B for the same layers: the schedule's own ratio, without the stages computing slower than the copies
-  (the gap between measured and simulated is the rest: per-operation variation that one stage waits out for the
-  other, transfers, the engine).
+  (ForwardPass with its batch loading, BackwardInputPass or BackwardPass, BackwardWeightPass; a BackwardPass is
+  B + W: 1F1B's, and zero_bubble's on the first stage) plus the optimizer's time, as a ratio beside the measured
+  one; and again with those times scaled to add up to the copies' F + B for the same layers: the schedule's own
+  ratio, without the stages computing slower than the copies (the gap between measured and simulated is the
+  rest: per-operation variation that one stage waits out for the other, transfers, the engine).
 Timing runs with glibc keeping freed memory for reuse (large mmap and trim thresholds), as a GPU's caching
 allocator does: with glibc's defaults many large tensors are fresh mappings whose pages the kernel zeroes, which
 here costs up to a third of a step, and more under the schedule that keeps more tensors alive at once.
@@ -64,7 +64,8 @@ SEQ_LENGTH, MICRO_BATCH = 128, 2
 # Decoder layers per stage: the LM head (with norm and loss) on the last stage counts as one decoder layer.
 PARTITIONS = {1: [7], 2: [4, 3], 4: [2, 2, 2, 1]}
 CACHING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**31), "MALLOC_TRIM_THRESHOLD_": str(2**31)}
-CATEGORIES = {"ForwardPass": "compute", "BackwardPass": "compute", "BackwardWeightPass": "compute",
+CATEGORIES = {"ForwardPass": "compute", "BackwardPass": "compute", "BackwardInputPass": "compute",
+              "BackwardWeightPass": "compute",
               "OptimizerStep": "optimizer", "ReduceGrads": "optimizer", "ReduceTiedGrads": "optimizer",
               "SendActivation": "send", "SendGrad": "send", "RecvActivation": "receive", "RecvGrad": "receive",
               "LoadMicroBatch": "load"}
@@ -236,8 +237,9 @@ def stage_times(ranks, schedule, m):
     times = []
     for rank in ranks:
         spent = rank["spent"][schedule]
+        backward = spent.get("BackwardPass", 0.0) + spent.get("BackwardInputPass", 0.0)
         times.append({"F": (spent.get("ForwardPass", 0.0) + spent.get("LoadMicroBatch", 0.0)) / m,
-                      "B": spent.get("BackwardPass", 0.0) / m, "W": spent.get("BackwardWeightPass", 0.0) / m})
+                      "B": backward / m, "W": spent.get("BackwardWeightPass", 0.0) / m})
     optimizer = min(sum(v for k, v in rank["spent"][schedule].items() if CATEGORIES.get(k) == "optimizer")
                     for rank in ranks)
     return times, optimizer

@@ -71,17 +71,18 @@ def resolve_resume(resume, output_dir):
     tag = read_latest(path)
     if tag and is_complete(os.path.join(path, tag)):
         return path, tag
-    raise FileNotFoundError(f"resume='{resume}' is neither a complete checkpoint tag directory (with a {COMPLETE_MARKER} "
-                            f"file) nor a directory whose 'latest' names one; use resume=auto or a valid path.")
+    raise FileNotFoundError(f"resume='{resume}' is neither a complete checkpoint tag directory (with a "
+                            f"{COMPLETE_MARKER} file) nor a directory whose 'latest' names one; use resume=auto or a "
+                            f"valid path.")
 
 
 def check_fresh_start(output_dir, overwrite):
     """A run that does not resume must not mix its checkpoints with an older run's."""
     tags = complete_tags(output_dir)
     if tags and not overwrite:
-        raise FileExistsError(f"output_dir '{output_dir}' already holds checkpoints ({', '.join(tags)}); set resume=auto "
-                              f"to continue from {tags[-1]}, choose another output_dir, or set overwrite_output_dir=true "
-                              f"to delete them.")
+        raise FileExistsError(f"output_dir '{output_dir}' already holds checkpoints ({', '.join(tags)}); set "
+                              f"resume=auto to continue from {tags[-1]}, choose another output_dir, or set "
+                              f"overwrite_output_dir=true to delete them.")
 
 
 def clear_previous_run(output_dir):

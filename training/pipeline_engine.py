@@ -1,7 +1,7 @@
 """DeepSpeed's PipelineEngine running the zero-bubble schedule (training/schedule.py).
 
-What changes against the 1F1B engine: a BackwardPass computes only input gradients (the stage's linear layers
-queue their weight-gradient work, models/weight_grads.py) and the new BackwardWeightPass instruction runs the
+What changes against the 1F1B engine: the new BackwardInputPass computes only input gradients (the stage's linear
+layers queue their weight-gradient work, models/weight_grads.py) and the new BackwardWeightPass instruction runs the
 oldest queued work into the same gradient buffers (fp32 or bf16, ZeRO-0 or 1, offloaded or not); sends do not
 wait for the receiver (the schedule's orders interleave sends and receives differently on neighbouring stages,
 which blocking sends could deadlock). Loss, gradient reduction, clipping and the optimizer step are the engine's
@@ -13,7 +13,7 @@ from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from models.weight_grads import WeightGradQueue
-from training.schedule import BackwardWeightPass, ZeroBubbleSchedule
+from training.schedule import BackwardInputPass, BackwardWeightPass, ZeroBubbleSchedule
 
 
 class ZeroBubblePipelineEngine(PipelineEngine):
@@ -22,9 +22,9 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         return ZeroBubbleSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id,
                                   max_waiting=self.zero_bubble_max_waiting)
 
-    def _exec_backward_pass(self, buffer_id):
+    def _exec_backward_input_pass(self, buffer_id):
         with self.module.parallel.weight_grads.defer():
-            super()._exec_backward_pass(buffer_id)
+            self._exec_backward_pass(buffer_id)
 
     def _exec_backward_weight_pass(self):
         """The bf16 optimizer copies .grad into its fp32 buffer after each backward (B did, for the rest of the
@@ -75,7 +75,7 @@ class ZeroBubblePipelineEngine(PipelineEngine):
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
-        schedule.BackwardPass: _exec_backward_pass,
+        BackwardInputPass: _exec_backward_input_pass,
         BackwardWeightPass: _exec_backward_weight_pass,
         schedule.SendActivation: _exec_send_activations,
         schedule.SendGrad: _exec_send_grads,
