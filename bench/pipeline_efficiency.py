@@ -6,11 +6,16 @@ measured in one run of p processes:
 - cores: every process trains its own copy of the whole model with the trainer's engine at one stage (nothing
   ties the copies together), all at once: what p cores deliver without a pipeline; their tokens/s summed;
 - pipeline: tokens/s of the trainer's p-stage engine (training/loop.py build_engine) under each schedule;
+- cores in lockstep: the same copies, each waiting for all the others after every forward and every backward of a
+  micro-batch, as a pipeline's stages wait for each other's activations and gradients: what coupling the cores
+  costs with no schedule at all (this virtual machine slows one core or the other by 10-30% for a second or two at
+  a time; a free copy loses only its own time, a pipeline or a lockstep runs at the slower core's pace);
 - the two alternate step by step for --rounds rounds, after --warm-up-rounds untimed ones, so that the machine's
   drift (this virtual machine's speed moves by 10-15% between steps and over minutes) falls on both alike, in
   reverse order every other round, so that no step always runs right after the same other one; each
   throughput is the rounds' tokens over their summed seconds, and the per-round ratios' range is printed beside it;
-- ratio = pipeline / cores; 1F1B's bound is m / (m + p - 1); efficiency = ratio / bound;
+- ratio = pipeline / cores; 1F1B's bound is m / (m + p - 1); efficiency = ratio / bound; lockstep = cores in
+  lockstep / cores, and each pipeline's ratio to the cores in lockstep beside its own;
 - simulated: bench/schedule_simulator.py's step from the F, B, W times measured per stage in the same rounds
   (ForwardPass with its batch loading, BackwardInputPass or BackwardPass, BackwardWeightPass; a BackwardPass is
   B + W: 1F1B's, and zero_bubble's on the first stage) plus the optimizer's time, as a ratio beside the measured
@@ -120,6 +125,29 @@ def time_instructions(engine):
     return spent
 
 
+def in_lockstep(engine):
+    """A train_batch of `engine` whose every ForwardPass and BackwardPass ends at a barrier of all processes (the
+    engine's handlers as they are now, before any timer wraps them)."""
+    import torch.distributed as dist
+    from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
+
+    def then_barrier(handler):
+        def handled(self, *args, **kwargs):
+            handler(self, *args, **kwargs)
+            dist.barrier()
+        return handled
+    handlers = {**engine._INSTRUCTION_MAP, **{instruction: then_barrier(engine._INSTRUCTION_MAP[instruction])
+                                               for instruction in (ForwardPass, BackwardPass)}}
+
+    def step(batches):
+        own, engine._INSTRUCTION_MAP = engine._INSTRUCTION_MAP, handlers
+        try:
+            engine.train_batch(batches)
+        finally:
+            engine._INSTRUCTION_MAP = own
+    return step
+
+
 @contextlib.contextmanager
 def idle_cores_polling():
     """Hold Linux's CPU latency request at 0 µs while inside (/dev/cpu_dma_latency, as cyclictest and tuned's
@@ -146,8 +174,8 @@ def pin_to_core(rank):
 
 def timing_worker(rank, num_stages, micro_batches, rounds, warm_up_rounds, schedules, hidden_size,
                   checkpoint_interval, out_dir):
-    """Alternate, after warm-up rounds: a step of every process's own one-stage copy (all at once), then a step of
-    the pipeline under each schedule; every step starts at a barrier."""
+    """Alternate, after warm-up rounds: a step of every process's own one-stage copy (all at once), the same in
+    lockstep, then a step of the pipeline under each schedule; every step starts at a barrier."""
     import torch.distributed as dist
 
     from training.distributed import init_distributed
@@ -161,7 +189,8 @@ def timing_worker(rank, num_stages, micro_batches, rounds, warm_up_rounds, sched
     # Every process trains its own copy: no gradient and no loss all-reduce ties the copies' steps together.
     replica.pipeline_enable_backward_allreduce = replica.is_data_parallel = False
     batches = random_micro_batches(config.vocab_size, SEQ_LENGTH, MICRO_BATCH, seed=rank)
-    steps = {"cores": lambda: replica.train_batch(batches)}
+    steps = {"cores": lambda: replica.train_batch(batches),
+             "lockstep": lambda step=in_lockstep(replica): step(batches)}
     steps.update({name: (lambda engine=engine: engine.train_batch(batches)) for name, engine in engines.items()})
     for _ in range(warm_up_rounds):
         for step in steps.values():
@@ -245,12 +274,15 @@ def stage_times(ranks, schedule, m):
     return times, optimizer
 
 
-def throughputs(ranks, schedule, tokens):
-    """Tokens/s over all rounds of the copies (summed) and of the pipeline (a step ends when its last stage's does),
-    and each round's ratio of the two."""
+def throughputs(ranks, name, tokens):
+    """Tokens/s over all rounds of the free copies (summed) and of `name`: the pipeline under a schedule (a step ends
+    when its last stage's does) or the copies in lockstep (summed); and each round's ratio of the two."""
     rounds = len(ranks[0]["seconds"]["cores"])
     cores = sum(tokens * rounds / sum(rank["seconds"]["cores"]) for rank in ranks)
-    steps = [max(rank["seconds"][schedule][i] for rank in ranks) for i in range(rounds)]
+    if name == "lockstep":
+        steps = [tokens / sum(tokens / rank["seconds"][name][i] for rank in ranks) for i in range(rounds)]
+    else:
+        steps = [max(rank["seconds"][name][i] for rank in ranks) for i in range(rounds)]
     per_round = [tokens / steps[i] / sum(tokens / rank["seconds"]["cores"][i] for rank in ranks)
                  for i in range(rounds)]
     return cores, tokens * rounds / sum(steps), per_round
@@ -272,6 +304,10 @@ def report(num_stages, m, ranks, schedules):
     tokens = m * MICRO_BATCH * SEQ_LENGTH
     bound = m / (m + num_stages - 1)
     copy = copy_times(ranks, m)
+    cores, lockstep, per_round = throughputs(ranks, "lockstep", tokens)
+    print(f"p={num_stages} m={m:>2} {'lockstep':<13} cores {cores:>5.0f} tok/s  in lockstep {lockstep:>5.0f} tok/s  "
+          f"ratio {lockstep / cores:.3f} (rounds {min(per_round):.3f}-{max(per_round):.3f}): the free copies "
+          f"waiting for each other after every forward and backward", flush=True)
     for schedule in schedules:
         cores, pipeline, per_round = throughputs(ranks, schedule, tokens)
         times, optimizer = stage_times(ranks, schedule, m)
@@ -280,8 +316,8 @@ def report(num_stages, m, ranks, schedules):
         schedule_alone = predict(num_stages, m, at_copies_speed(times, copy), optimizer, cap)[kind][0]
         ratio, step = pipeline / cores, tokens / pipeline
         print(f"p={num_stages} m={m:>2} {schedule:<13} cores {cores:>5.0f} tok/s  pipeline {pipeline:>5.0f} tok/s  "
-              f"ratio {ratio:.3f} (rounds {min(per_round):.3f}-{max(per_round):.3f})  "
-              f"simulated {tokens / simulated / cores:.3f} "
+              f"ratio {ratio:.3f} (rounds {min(per_round):.3f}-{max(per_round):.3f}; to the cores in lockstep "
+              f"{pipeline / lockstep:.3f})  simulated {tokens / simulated / cores:.3f} "
               f"(step {step:.3f} s, simulated {simulated:.3f} s, {100 * (simulated / step - 1):+.1f}%; "
               f"at the copies' compute speed {tokens / schedule_alone / cores:.3f})  "
               f"1F1B bound {bound:.3f}  efficiency vs bound {ratio / bound:.3f}", flush=True)
