@@ -189,8 +189,8 @@ def timing_worker(rank, num_stages, micro_batches, rounds, warm_up_rounds, sched
     # Every process trains its own copy: no gradient and no loss all-reduce ties the copies' steps together.
     replica.pipeline_enable_backward_allreduce = replica.is_data_parallel = False
     batches = random_micro_batches(config.vocab_size, SEQ_LENGTH, MICRO_BATCH, seed=rank)
-    steps = {"cores": lambda: replica.train_batch(batches),
-             "lockstep": lambda step=in_lockstep(replica): step(batches)}
+    lockstep = in_lockstep(replica)
+    steps = {"cores": lambda: replica.train_batch(batches), "lockstep": lambda: lockstep(batches)}
     steps.update({name: (lambda engine=engine: engine.train_batch(batches)) for name, engine in engines.items()})
     for _ in range(warm_up_rounds):
         for step in steps.values():
