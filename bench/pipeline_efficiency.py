@@ -11,7 +11,7 @@ measured in one run of p processes:
   costs with no schedule at all (this virtual machine slows one core or the other by 10-30% for a second or two at
   a time; a free copy loses only its own time, a pipeline or a lockstep runs at the slower core's pace);
 - all of them alternate step by step for --rounds rounds, after --warm-up-rounds untimed ones, so that the machine's
-  drift (this virtual machine's speed moves by 10-15% between steps and over minutes) falls on both alike, in
+  drift (this virtual machine's speed moves by 10-15% between steps and over minutes) falls on all alike, in
   reverse order every other round, so that no step always runs right after the same other one; each
   throughput is the rounds' tokens over their summed seconds, and the per-round ratios' range is printed beside it;
 - ratio = pipeline / cores; 1F1B's bound is m / (m + p - 1); efficiency = ratio / bound; lockstep = cores in
