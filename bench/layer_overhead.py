@@ -31,12 +31,11 @@ def pipeline_step(config, compile_layers):
     import deepspeed
 
     from models.pipeline import build_pipeline_module
-    from training.config import deepspeed_config
+    from training.deepspeed_config import deepspeed_config
     from training.distributed import parallel_topology
-    from training.plan import workload_from_cfg
 
     cfg = run_config(OVERRIDES)
-    module = build_pipeline_module(config, parallel_topology(1), workload=workload_from_cfg(cfg, 1))
+    module = build_pipeline_module(config, parallel_topology(1))
     if compile_layers:
         module.compile()
     ds_config, _ = deepspeed_config(cfg, total_steps=10**6)

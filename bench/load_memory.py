@@ -77,11 +77,13 @@ def pipeline_load(rank, ds_dir, out_dir):
     import torch.distributed as dist
     from transformers import AutoConfig
 
+    from checkpoints.layer_files import load_layer_slice
     from models.pipeline import build_pipeline_module
     from training.distributed import init_distributed, parallel_topology
 
     init_distributed(timeout_minutes=30)
-    module = build_pipeline_module(AutoConfig.from_pretrained(ds_dir), parallel_topology(2), dtype=torch.bfloat16)
+    module = build_pipeline_module(AutoConfig.from_pretrained(ds_dir), parallel_topology(2), dtype=torch.bfloat16,
+                                   layer_loader=load_layer_slice)
     engine, _, _, _ = deepspeed.initialize(model=module, config={
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True}})
     engine.load_checkpoint(ds_dir, load_module_only=True)

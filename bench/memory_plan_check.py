@@ -1,4 +1,4 @@
-"""The memory planner (training/plan.py) against measured peak RSS on this CPU machine.
+"""The memory planner (planner/memory_plan.py) against measured peak RSS on this CPU machine.
 
 For small configs, each stage's process trains a few steps through the real engine and DeepSpeed config; its
 model memory is the peak RSS over those steps minus the RSS before the model was built (the Python, torch and
@@ -71,18 +71,18 @@ def measure(rank, model_fields, overrides, out_dir):
     from transformers import LlamaConfig
 
     from models.pipeline import build_pipeline_module
-    from training.config import deepspeed_config
+    from training.deepspeed_config import deepspeed_config
     from training.distributed import init_distributed, parallel_topology
     from training.pipeline_engine import use_zero_bubble
-    from training.plan import workload_from_cfg
+    from training.run_spec import plan_spec
 
     cfg = run_config(overrides)
     init_distributed(timeout_minutes=10)
     config = LlamaConfig(**model_fields)
     baseline = rss_bytes()
-    module = build_pipeline_module(config, parallel_topology(cfg.num_stages), partition=cfg.partition,
-                                   activation_checkpoint_interval=cfg.activation_checkpoint_interval,
-                                   workload=workload_from_cfg(cfg, dist.get_world_size()))
+    spec = plan_spec(cfg, dist.get_world_size(), config)
+    module = build_pipeline_module(config, parallel_topology(cfg.num_stages), stage_bounds=spec.stage_bounds,
+                                   activation_checkpoint_interval=cfg.activation_checkpoint_interval)
     ds_config, _ = deepspeed_config(cfg, total_steps=STEPS)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
                                            config=ds_config)
@@ -100,7 +100,8 @@ def measure(rank, model_fields, overrides, out_dir):
 def check_case(name, model_fields, overrides):
     from transformers import LlamaConfig
 
-    from training.plan import memory_plan
+    from planner.memory_plan import memory_plan
+    from training.run_spec import plan_spec
 
     cfg = run_config(overrides)
     world_size = cfg.plan_world_size or cfg.num_stages
@@ -111,7 +112,7 @@ def check_case(name, model_fields, overrides):
             with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
                 result = json.load(f)
             measured[result["stage"]] = max(result["measured"], measured.get(result["stage"], 0))
-    _, rows = memory_plan(cfg, LlamaConfig(**model_fields), world_size)
+    rows = memory_plan(plan_spec(cfg, world_size, LlamaConfig(**model_fields)))
     results = []
     for row in rows:
         ratio = measured[row["stage"]] / row["memory_bytes"]

@@ -33,7 +33,8 @@ ADAM_PARAMETERS = 50_000_000
 def check_case(name, overrides):
     from transformers import LlamaConfig
 
-    from training.plan import memory_plan
+    from planner.memory_plan import memory_plan
+    from training.run_spec import plan_spec
 
     cfg = run_config(overrides)
     with tempfile.TemporaryDirectory() as out_dir:
@@ -43,7 +44,7 @@ def check_case(name, overrides):
             with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
                 result = json.load(f)
             measured[result["stage"]] = result["measured"]
-    _, rows = memory_plan(cfg, LlamaConfig(**WEIGHTS_HEAVY), cfg.num_stages)
+    rows = memory_plan(plan_spec(cfg, cfg.num_stages, LlamaConfig(**WEIGHTS_HEAVY)))
     return [(name, row["stage"], row["memory_bytes"], row["host_bytes"], measured[row["stage"]]) for row in rows]
 
 

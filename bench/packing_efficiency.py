@@ -52,7 +52,7 @@ def worker(rank, data_file, cache_dir, steps, out):
     from data import build_dataset, build_stage_loader, infinite_micro_batches
     from models.pipeline import build_pipeline_module
     from tests.chat_tokenizers import make_chat_tokenizer
-    from training.config import deepspeed_config
+    from training.deepspeed_config import deepspeed_config
     from training.distributed import init_distributed, parallel_topology
 
     init_distributed(timeout_minutes=5)

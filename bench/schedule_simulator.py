@@ -41,17 +41,16 @@ def paper_times(config_name):
     """F, B, W per stage of conf/<config_name>.yaml (balanced partition, checkpointing as configured), in units of one
     decoder layer's forward: matmuls cost as much in B as in W; attention has no weights (all its backward is B);
     a checkpointed layer recomputes its forward in B; the LM head's input gradient is B, its weight gradient W."""
-    from omegaconf import OmegaConf
-    from transformers import LlamaConfig
+    from hydra import compose, initialize_config_dir
 
-    from models.partition import (DECODER, HEAD, LayerCosts, balanced_decoder_counts, decoder_parameter_split)
-    from training.plan import workload_from_cfg
+    from models.partition import DECODER, HEAD, decoder_counts_of_bounds, decoder_parameter_split
+    from planner.stage_costs import LayerCosts
+    from training.run_spec import plan_spec
 
     conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-    cfg = OmegaConf.merge(OmegaConf.load(os.path.join(conf, "base.yaml")),
-                          OmegaConf.load(os.path.join(conf, f"{config_name}.yaml")))
-    config = LlamaConfig(**cfg.model_config)
-    workload = workload_from_cfg(cfg, cfg.plan_world_size)
+    with initialize_config_dir(config_dir=conf, version_base=None):
+        spec = plan_spec(compose(config_name=config_name))
+    cfg, config, workload = spec.cfg, spec.model_config, spec.workload
     layers = LayerCosts(config, workload)
     sharded, replicated = decoder_parameter_split(config)
     unit = layers.forward_flops[DECODER]
@@ -59,7 +58,7 @@ def paper_times(config_name):
     attention = 1 - matmul
     recompute = 1 if workload.activation_checkpoint_interval else 0
     head = layers.forward_flops[HEAD] / unit
-    counts = balanced_decoder_counts(config, cfg.num_stages, workload)
+    counts = decoder_counts_of_bounds(spec.stage_bounds)
     times = []
     for stage, count in enumerate(counts):
         last = stage == cfg.num_stages - 1

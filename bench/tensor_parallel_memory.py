@@ -10,7 +10,7 @@ DeepSpeed config on 2 processes, one stage x tensor_parallel_size=2, in three va
 and, as a reference, the same config on 1 process without tensor parallelism.
 
 Per variant: each rank's peak RSS over the steps minus its RSS before the model was built (MiB), the ratio to the
-sequence_parallel=false variant, the memory planner's estimate (training/plan.py memory_plan, models/partition.py)
+sequence_parallel=false variant, the memory planner's estimate (planner/memory_plan.py, planner/stage_costs.py)
 and measured/planned, tokens/s (median step after the first; noisy on a shared machine), and what the pool held
 after the steps with how many gathers went through it (evidence that one buffer serves every call).
 
@@ -75,19 +75,18 @@ def measure(rank, overrides, steps, out_dir):
     from transformers import LlamaConfig
 
     from models.pipeline import build_pipeline_module
-    from training.config import deepspeed_config
+    from training.deepspeed_config import deepspeed_config
     from training.distributed import init_distributed, parallel_topology
     from training.loop import clip_fp32_gradients_across_stages
-    from training.plan import workload_from_cfg
+    from training.run_spec import plan_spec
 
     cfg = run_config(overrides)
     init_distributed(timeout_minutes=10)
     config = LlamaConfig(**MODEL)
     baseline = rss_bytes()
     module = build_pipeline_module(config, parallel_topology(cfg.num_stages, cfg.tensor_parallel_size),
-                                   partition=cfg.partition,
+                                   stage_bounds=plan_spec(cfg, dist.get_world_size(), config).stage_bounds,
                                    activation_checkpoint_interval=cfg.activation_checkpoint_interval,
-                                   workload=workload_from_cfg(cfg, dist.get_world_size()),
                                    sequence_parallel=cfg.sequence_parallel,
                                    recompute_sequence_gather=cfg.recompute_sequence_gather)
     gathers = count_gathers(module.parallel)
@@ -112,7 +111,8 @@ def measure(rank, overrides, steps, out_dir):
 def run_variant(overrides, processes, steps):
     from transformers import LlamaConfig
 
-    from training.plan import memory_plan
+    from planner.memory_plan import memory_plan
+    from training.run_spec import plan_spec
 
     cfg = run_config(RUN + overrides)
     with tempfile.TemporaryDirectory() as out_dir:
@@ -121,7 +121,7 @@ def run_variant(overrides, processes, steps):
         for rank in range(processes):
             with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
                 ranks.append(json.load(f))
-    _, rows = memory_plan(cfg, LlamaConfig(**MODEL), processes)
+    rows = memory_plan(plan_spec(cfg, processes, LlamaConfig(**MODEL)))
     tokens_per_step = cfg.micro_batch_size * cfg.seq_length * cfg.gradient_accumulation_steps
     timed = ranks[0]["step_seconds"][1:] or ranks[0]["step_seconds"]  # the first step warms up
     return {"ranks": ranks, "planned": rows[0]["memory_bytes"], "planned_activations": rows[0]["activation_bytes"],

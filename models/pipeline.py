@@ -1,15 +1,14 @@
 """The model as DeepSpeed layer specs, split into stages. Specs are built into modules only on the rank that owns
-them, so no rank ever holds more than its own stage."""
-import dataclasses
+them, so no rank ever holds more than its own stage. Which layers a stage owns, and how a layer's weights are read,
+come from the caller (the trainer: training/run_spec.py's stage bounds, checkpoints/layer_files.py's reader)."""
 import functools
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-from checkpoints.layer_files import load_layer_slice
 from models.llama import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe,
                           StageAttentionInputs, causal_lm_loss, check_model_config, tied_lm_head)
-from models.partition import Workload, describe_workload, format_stage_plan, stage_bounds, stage_plan
+from models.partition import stage_bounds
 from models.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel
 
 ATTENTION_IMPLS = ("sdpa", "eager")
@@ -31,63 +30,64 @@ def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARA
     return [embedding, *decoders, LayerSpec(FinalNormPipe, config, parallel), head]
 
 
-class LlamaPipeline(PipelineModule):
-    """DeepSpeed's PipelineModule with partitions computed from the config instead of by building every layer
-    (DeepSpeed's 'parameters' method builds each layer on every rank to count it), plus explicit and balanced
-    partitions (models/partition.py). Rank 0 prints the plan: layers, parameters, compute and memory per stage."""
+def partition_stages(config, num_stages, partition="parameters", stage_cost=None):
+    """Stage bounds for a partition method or a list of decoder layers per stage (models/partition.py);
+    'balanced' needs stage_cost (planner/stage_costs.py)."""
+    class_names = [spec.typename.__name__ for spec in build_pipeline_layers(config)]
+    return stage_bounds(config, num_stages, partition, class_names, stage_cost)
 
-    def __init__(self, config, partition, workload, parallel, **kwargs):
+
+class LlamaPipeline(PipelineModule):
+    """DeepSpeed's PipelineModule over given stage bounds instead of partitioning by building every layer
+    (DeepSpeed's 'parameters' method builds each layer on every rank to count it). layer_loader(layer, paths,
+    tensor-parallel rank, size, strict) reads one layer's files into it; None keeps DeepSpeed's own loader."""
+
+    def __init__(self, config, stage_bounds, parallel, layer_loader, **kwargs):
         self.model_config = config
-        self.partition = partition
-        self.workload = workload
+        self.stage_bounds = list(stage_bounds)
         self.parallel = parallel
-        super().__init__(partition_method=partition if isinstance(partition, str) else "explicit", **kwargs)
+        self.layer_loader = layer_loader
+        super().__init__(partition_method="explicit", **kwargs)
 
     def _partition_layers(self, method="parameters"):
         # DeepSpeed's grid made the process groups just before this call, and the layers are built after it.
         self.parallel.group = self._grid.get_slice_parallel_group()
-        class_names = [spec.typename.__name__ for spec in self._layer_specs]
-        self.parts = stage_bounds(self.model_config, self.num_stages, self.partition, self.workload, class_names)
-        if self.global_rank == 0:
-            print(f"pipeline partition '{self.partition}' for {describe_workload(self.workload)}:\n"
-                  f"{format_stage_plan(stage_plan(self.model_config, self.parts, self.workload))}", flush=True)
+        if len(self.stage_bounds) != self.num_stages + 1:
+            raise ValueError(f"stage bounds {self.stage_bounds} are not {self.num_stages} stages.")
+        self.parts = self.stage_bounds
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
     def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
-        """DeepSpeed's per-layer loading, reading each layer file straight into the layer's parameters
-        (checkpoints/layer_files.py): loading costs this stage and nothing more, where DeepSpeed's own loader also
-        holds two layers' tensors. Under tensor parallelism each rank reads its slice of a whole layer file, or
-        its own file of a checkpoint saved with the same tensor-parallel size."""
+        """DeepSpeed's per-layer loading through layer_loader: each layer's files straight into its parameters
+        (under tensor parallelism, this rank's slice)."""
+        if self.layer_loader is None:
+            return super().load_state_dir(load_dir, checkpoint_engine, strict)
         for index, layer in enumerate(self.forward_funcs):
             if not hasattr(layer, "load_state_dict"):  # a tied head's forward function: its weight is tied
                 continue
-            load_layer_slice(layer, self.ckpt_layer_path_list(load_dir, index), self.parallel.rank,
-                             self.parallel.size, strict)
+            self.layer_loader(layer, self.ckpt_layer_path_list(load_dir, index), self.parallel.rank,
+                              self.parallel.size, strict)
         self._synchronize_tied_weights()
 
 
-def build_pipeline_module(config, topology, partition="parameters", attention_impl="sdpa",
-                          activation_checkpoint_interval=0, workload=None, dtype=None, sequence_parallel=True,
-                          recompute_sequence_gather=False):
+def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,
+                          dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None):
     """The pipeline module of this rank's stage. topology: DeepSpeed's, with a 'model' axis for tensor
-    parallelism (training/distributed.py). workload (models/partition.py) describes the run for the balanced
-    partition and the printed plan; its parallel degrees and checkpoint interval are taken from the arguments here.
-    dtype: the training dtype to build the stage in (default torch's, fp32), so that a bf16 stage never exists in
-    fp32 first."""
+    parallelism (training/distributed.py). stage_bounds: the first pipeline layer of each stage and the layer
+    count (default: the 'parameters' partition). dtype: the training dtype to build the stage in (default
+    torch's, fp32), so that a bf16 stage never exists in fp32 first. layer_loader: see LlamaPipeline."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
     parallel = TensorParallel(tp_size, getattr(topology.get_coord(rank), "model", 0), sequence_parallel,
                               recompute_sequence_gather)
-    workload = dataclasses.replace(workload or Workload(), data_parallel=topology.get_dim("data"),
-                                   activation_checkpoint_interval=activation_checkpoint_interval,
-                                   tensor_parallel=tp_size, sequence_parallel=sequence_parallel,
-                                   recompute_sequence_gather=recompute_sequence_gather)
+    if stage_bounds is None:
+        stage_bounds = partition_stages(config, topology.get_dim("pipe"))
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype or previous_dtype)
     try:
-        return LlamaPipeline(config, partition, workload, parallel,
+        return LlamaPipeline(config, stage_bounds, parallel, layer_loader,
                              layers=build_pipeline_layers(config, attention_impl, parallel),
                              topology=topology,
                              loss_fn=functools.partial(causal_lm_loss, parallel=parallel),

@@ -12,7 +12,8 @@ import deepspeed  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from models.layout import hf_name_of_layer_key  # noqa: E402
-from models.pipeline import build_pipeline_module  # noqa: E402
+from checkpoints.layer_files import load_layer_slice  # noqa: E402
+from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
 from training.distributed import init_distributed, parallel_topology  # noqa: E402
 from training.pipeline_engine import use_zero_bubble  # noqa: E402
@@ -114,7 +115,9 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
         dp_size = torch.distributed.get_world_size() // (num_stages * tensor_parallel)
         batch = make_batch(micro_batch_size * gas * dp_size, seq_len, config.vocab_size, seed=1)
         module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel),
-                                       partition=case.get("partition", "parameters"),
+                                       stage_bounds=partition_stages(config, num_stages,
+                                                                     case.get("partition", "parameters")),
+                                       layer_loader=load_layer_slice,
                                        attention_impl=case.get("attention", "sdpa"),
                                        activation_checkpoint_interval=case.get("checkpoint_interval", 0),
                                        sequence_parallel=case.get("sequence_parallel", True),

@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deepspeed  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
+from checkpoints.layer_files import load_layer_slice  # noqa: E402
 from models.pipeline import build_pipeline_module  # noqa: E402
 from tests.parity_worker import micro_batches  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
@@ -39,7 +40,7 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     config = AutoConfig.from_pretrained(case["hf_dir"])
     num_stages, tensor_parallel = case["stages"], case.get("tensor_parallel", 1)
     dp_size = torch.distributed.get_world_size() // (num_stages * tensor_parallel)
-    module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel),
+    module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel), layer_loader=load_layer_slice,
                                    activation_checkpoint_interval=case.get("checkpoint_interval", 0),
                                    sequence_parallel=case.get("sequence_parallel", True),
                                    recompute_sequence_gather=case.get("recompute_sequence_gather", False))

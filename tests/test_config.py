@@ -1,5 +1,7 @@
-"""The LR schedule handed to DeepSpeed: the learning rate each optimizer step actually uses; shipped defaults."""
+"""A run's config: unknown keys and bad values refused before anything is built, the LR schedule handed to
+DeepSpeed (the learning rate each optimizer step actually uses), shipped defaults."""
 import os
+import re
 
 import pytest
 import torch
@@ -7,7 +9,7 @@ from deepspeed.runtime import lr_schedules
 from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
-from training.config import deepspeed_config, lr_scheduler_config
+from training.deepspeed_config import deepspeed_config, lr_scheduler_config
 
 
 def step_lrs(schedule, steps):
@@ -58,3 +60,50 @@ def test_deepspeed_keys_added_to_the_precision_nodes_are_kept(precision):
     ds, _ = deepspeed_config(cfg, total_steps=10)
     assert ds["bf16"] == {"immediate_grad_update": True, "enabled": precision == "bf16"}
     assert ds["fp16"] == {"initial_scale_power": 16, "enabled": False}
+
+
+def composed(name, *overrides):
+    from hydra import compose, initialize_config_dir
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("++lerning_rate=1e-3", "unknown config key 'lerning_rate': did you mean learning_rate?"),
+    ("++data.formt=chat", "unknown config key 'data.formt': did you mean data.format?"),
+    ("++pipeline_schedul=zero_bubble", "unknown config key 'pipeline_schedul': did you mean pipeline_schedule"),
+    ("++no_such_knob=1", "unknown config key 'no_such_knob': every key of a run is listed, with its meaning, in "
+                         "conf/base.yaml"),
+])
+def test_unknown_or_misspelt_keys_are_refused_naming_the_closest(override, message):
+    """Hydra's ++ adds any key; an ignored misspelling would train with the default silently."""
+    from training.run_spec import ConfigError, checked_config
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        checked_config(composed("tiny", override))
+
+
+def test_free_form_nodes_take_any_key_and_defaults_fill_older_configs():
+    """DeepSpeed's own keys (under deepspeed.) and a published config.json's fields (model_config) pass; a config
+    without a newer key gets conf/base.yaml's default, and YAML's null reads as the default for offload."""
+    from omegaconf import open_dict
+
+    from training.run_spec import checked_config
+    cfg = composed("llama_65b", "+deepspeed.bf16.immediate_grad_update=true", "+model_config.rope_theta=10000.0",
+                   "offload_optimizer=null")
+    with open_dict(cfg):
+        del cfg["zero_bubble_max_waiting"]
+    checked = checked_config(cfg)
+    assert checked.deepspeed.bf16.immediate_grad_update is True and checked.model_config.rope_theta == 10000.0
+    assert checked.zero_bubble_max_waiting is None and checked.offload_optimizer == "none"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("precision=fp8", "precision 'fp8' is not one of ('fp32', 'bf16', 'fp16')"),
+    ("attention_impl=flash", "attention_impl 'flash' is not one of ('sdpa', 'eager')"),
+    ("nan_policy=ignore", "nan_policy 'ignore' is not one of ('stop', 'skip')"),
+    ("pipeline_schedule=gpipe", "pipeline_schedule 'gpipe' is not one of ('1f1b', 'zero_bubble')"),
+])
+def test_each_choice_is_checked_before_anything_is_built(override, message):
+    from training.run_spec import ConfigError, checked_config
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        checked_config(composed("tiny", override))

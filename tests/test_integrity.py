@@ -16,7 +16,7 @@ from checkpoints.hf_to_ds import convert_hf_to_ds
 from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics, run_in_process
 from tests.test_conversion import assert_nothing_written, convert_cli, save_as_bin
 from tests.tiny_models import make_tiny_model
-from training.config import tokenizer_dir
+from training.run_spec import tokenizer_dir
 from training.loop import pad_token_id
 
 

@@ -5,12 +5,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from models.partition import DECODER, EMBEDDING, HEAD, NORM, LayerCosts
+from models.partition import DECODER, EMBEDDING, HEAD, NORM
+from planner.memory_plan import HOST_PROCESS_BYTES, format_memory_plan, host_memory_plan, memory_plan, plan_fits, \
+    print_memory_plan
+from planner.stage_costs import LayerCosts
 from tests.conftest import ROOT
 from tests.tiny_models import make_tiny_model
-from training.config import ConfigError
-from training.plan import (HOST_PROCESS_BYTES, format_memory_plan, host_memory_plan, load_plan_model_config,
-                           memory_plan, plan_fits, plan_world_size, print_memory_plan, workload_from_cfg)
+from training.run_spec import ConfigError, load_plan_model_config, plan_spec, plan_world_size
 
 GIB = 2 ** 30
 
@@ -22,7 +23,7 @@ def run_config(name, *overrides):
 
 def test_llama_65b_without_offload_does_not_fit_two_nodes_of_eight_80gb_devices(capsys):
     cfg = run_config("llama_65b", "offload_optimizer=none")
-    rows = print_memory_plan(cfg, load_plan_model_config(cfg), world_size=16)
+    rows = print_memory_plan(plan_spec(cfg, 16))
     printed = capsys.readouterr().out
     assert len(rows) == 8 and "8 stages x 2 data-parallel" in printed
     assert sum(row["parameters"] for row in rows) == pytest.approx(65.3e9, rel=0.01)
@@ -43,9 +44,9 @@ def test_llama_65b_without_offload_does_not_fit_two_nodes_of_eight_80gb_devices(
 def test_llama_65b_as_shipped_offloads_the_optimizer_and_fits_gpu_and_host(capsys):
     cfg = run_config("llama_65b")
     model_config = load_plan_model_config(cfg)
-    rows = print_memory_plan(cfg, model_config, world_size=16)
+    spec = plan_spec(cfg, 16)
+    rows = print_memory_plan(spec)
     printed = capsys.readouterr().out
-    workload, _ = memory_plan(cfg, model_config, world_size=16)
     largest_tensor = model_config.vocab_size * model_config.hidden_size * 2  # the embedding's bf16 staging buffer
     for row in rows:
         assert row["optimizer_bytes"] == 0 and row["fits"]
@@ -55,17 +56,18 @@ def test_llama_65b_as_shipped_offloads_the_optimizer_and_fits_gpu_and_host(capsy
         assert row["step_bytes"] == row["gradients_bytes"] + 8 * (largest_tensor // 2 if row["stage"] in (0, 7)
                                                                    else 8192 * 22016)  # fp64 norm of one grad
     # Ranks 0-7 (stages 0-3 x 2 replicas) on node 0, 8-15 on node 1.
-    nodes = host_memory_plan(cfg, workload, rows, 16)
+    nodes = host_memory_plan(spec, rows)
     assert nodes == [2 * sum(row["host_bytes"] for row in rows[start:start + 4]) + 8 * HOST_PROCESS_BYTES
                      for start in (0, 4)]
     assert "fits in 80 GiB per device" in printed and "fits in 1024 GiB per node" in printed
-    assert "does NOT" not in printed and plan_fits(cfg, rows, nodes)
+    assert "does NOT" not in printed and plan_fits(spec, rows, nodes)
     # Half the host memory is not enough; the verdict says so.
     small = run_config("llama_65b", "host_memory_gb=512")
     capsys.readouterr()
-    rows = print_memory_plan(small, model_config, world_size=16)
+    small_spec = plan_spec(small, 16)
+    rows = print_memory_plan(small_spec)
     assert "does NOT fit in 512 GiB per node" in capsys.readouterr().out
-    assert not plan_fits(small, rows, nodes)
+    assert not plan_fits(small_spec, rows, nodes)
 
 
 @pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "conf"))
@@ -74,28 +76,28 @@ def test_every_shipped_config_fits_the_hardware_it_names(name, demo_model):
     # tiny plans the model scripts/make_tiny_llama.py makes; the others carry their published sizes.
     cfg = run_config(name, *([f"model_name_or_path={demo_model['hf']}"] if name == "tiny" else []))
     world_size = plan_world_size(cfg)
-    workload, rows = memory_plan(cfg, load_plan_model_config(cfg), world_size)
-    nodes = host_memory_plan(cfg, workload, rows, world_size)
-    assert plan_fits(cfg, rows, nodes), format_memory_plan(cfg, workload, rows, world_size)
+    spec = plan_spec(cfg, world_size)
+    rows = memory_plan(spec)
+    assert plan_fits(spec, rows, host_memory_plan(spec, rows)), format_memory_plan(spec, rows)
 
 
 @pytest.mark.parametrize("value", ["nvme", "gpu"])
 def test_unknown_offload_device_is_a_clear_error(value):
     cfg = run_config("llama_65b", f"offload_optimizer={value}")
     with pytest.raises(ConfigError, match=f"offload_optimizer '{value}' is not one of \\('none', 'cpu'\\)"):
-        memory_plan(cfg, load_plan_model_config(cfg), world_size=16)
+        memory_plan(plan_spec(cfg, 16))
 
 
 def test_more_stages_or_memory_make_it_fit():
     cfg = run_config("llama_65b", "num_stages=16", "offload_optimizer=none")
-    _, rows = memory_plan(cfg, load_plan_model_config(cfg), world_size=32)
+    rows = memory_plan(plan_spec(cfg, 32))
     assert all(row["fits"] for row in rows)
     assert max(row["memory_bytes"] for row in rows) < 80 * GIB
 
 
 def test_first_stage_holds_the_most_micro_batches_without_checkpointing():
     cfg = run_config("llama_7b", "activation_checkpoint_interval=0")
-    _, rows = memory_plan(cfg, load_plan_model_config(cfg), world_size=4)
+    rows = memory_plan(plan_spec(cfg, 4))
     assert [row["in_flight"] for row in rows] == [4, 3, 2, 1]
     middle = rows[1:-1]
     assert middle[0]["activation_full_bytes"] > middle[1]["activation_full_bytes"]
@@ -111,8 +113,8 @@ def test_zero_0_with_data_parallelism_plans_the_gradient_allreduce_copy(partitio
                      f"num_stages={partition.count(',') + 1}")
     config = load_plan_model_config(cfg)
     stages = cfg.num_stages
-    _, alone = memory_plan(cfg, config, world_size=stages)
-    _, replicated = memory_plan(cfg, config, world_size=2 * stages)
+    alone = memory_plan(plan_spec(cfg, stages))
+    replicated = memory_plan(plan_spec(cfg, 2 * stages))
     for stage, (one, two) in enumerate(zip(alone, replicated)):
         parameters = one["parameters"]
         assert two["parameters"] == parameters and one["step_bytes"] < parameters * 4 * 2
@@ -129,8 +131,9 @@ def test_zero_bubble_adds_micro_batches_waiting_for_weight_gradients():
     one_f_one_b = run_config("llama_7b", *overrides)
     zero_bubble = run_config("llama_7b", *overrides, "pipeline_schedule=zero_bubble")
     model_config = load_plan_model_config(one_f_one_b)
-    _, rows_1f1b = memory_plan(one_f_one_b, model_config, world_size=4)
-    workload, rows = memory_plan(zero_bubble, model_config, world_size=4)
+    rows_1f1b = memory_plan(plan_spec(one_f_one_b, 4))
+    spec = plan_spec(zero_bubble, 4)
+    workload, rows = spec.workload, memory_plan(spec)
     assert [row["in_flight"] for row in rows] == [row["in_flight"] for row in rows_1f1b] == [4, 3, 2, 1]
     assert [row["waiting_for_weight_grads"] for row in rows] == [0, 1, 2, 3]
     layers = LayerCosts(model_config, workload)
@@ -138,19 +141,19 @@ def test_zero_bubble_adds_micro_batches_waiting_for_weight_gradients():
     for row, reference, kinds in zip(rows, rows_1f1b, stage_kinds):
         waiting = row["waiting_for_weight_grads"] * sum(layers.weight_grad_bytes[kind] for kind in kinds)
         assert row["activation_bytes"] - reference["activation_bytes"] == waiting
-    assert "zero-bubble schedule" in format_memory_plan(zero_bubble, workload, rows, 4)
+    assert "zero-bubble schedule" in format_memory_plan(spec, rows)
     capped = run_config("llama_7b", *overrides, "pipeline_schedule=zero_bubble", "zero_bubble_max_waiting=1")
-    workload, rows = memory_plan(capped, model_config, world_size=4)
+    capped_spec = plan_spec(capped, 4)
+    rows = memory_plan(capped_spec)
     assert [row["waiting_for_weight_grads"] for row in rows] == [0, 1, 1, 1]
-    assert "zero-bubble schedule (at most 1 micro-batches waiting for W)" in format_memory_plan(capped, workload,
-                                                                                                rows, 4)
+    assert "zero-bubble schedule (at most 1 micro-batches waiting for W)" in format_memory_plan(capped_spec, rows)
 
 
 def test_llama3_70b_as_shipped_does_not_fit_under_zero_bubble(capsys):
     """With checkpointing every layer, a micro-batch waiting for W keeps far more than its checkpoints: the later
     stages outgrow the 80 GB devices that 1F1B fits in, and the plan says so."""
     cfg = run_config("llama3_70b", "pipeline_schedule=zero_bubble")
-    rows = print_memory_plan(cfg, load_plan_model_config(cfg), world_size=plan_world_size(cfg))
+    rows = print_memory_plan(plan_spec(cfg, plan_world_size(cfg)))
     out = capsys.readouterr().out
     assert "does NOT fit in 80 GiB per device" in out
     assert not rows[-1]["fits"] and rows[0]["fits"]
@@ -159,7 +162,7 @@ def test_llama3_70b_as_shipped_does_not_fit_under_zero_bubble(capsys):
             "largest stage 73.4 GiB; zero_bubble_max_waiting=1: largest stage 63.6 GiB; zero_bubble_max_waiting=0: "
             "largest stage 57.3 GiB") in out
     cfg = run_config("llama3_70b", "pipeline_schedule=zero_bubble", "device_memory_gb=40")
-    print_memory_plan(cfg, load_plan_model_config(cfg), world_size=plan_world_size(cfg))
+    print_memory_plan(plan_spec(cfg, plan_world_size(cfg)))
     assert ("zero_bubble: no zero_bubble_max_waiting fits either (pipeline_schedule=1f1b holds the least)"
             in capsys.readouterr().out)
 
@@ -167,7 +170,7 @@ def test_llama3_70b_as_shipped_does_not_fit_under_zero_bubble(capsys):
 def test_llama3_70b_fits_under_zero_bubble_with_max_waiting_1(capsys):
     """Holding at most one micro-batch back for W per stage brings every stage back under 80 GB."""
     cfg = run_config("llama3_70b", "pipeline_schedule=zero_bubble", "zero_bubble_max_waiting=1")
-    rows = print_memory_plan(cfg, load_plan_model_config(cfg), world_size=plan_world_size(cfg))
+    rows = print_memory_plan(plan_spec(cfg, plan_world_size(cfg)))
     out = capsys.readouterr().out
     assert "(at most 1 micro-batches waiting for W)" in out and "does NOT fit" not in out
     assert all(row["fits"] for row in rows) and {row["waiting_for_weight_grads"] for row in rows} == {0, 1}
@@ -175,10 +178,10 @@ def test_llama3_70b_fits_under_zero_bubble_with_max_waiting_1(capsys):
 
 def test_model_config_from_a_model_directory(tmp_path):
     make_tiny_model("llama3", str(tmp_path / "hf"))
-    cfg = run_config("tiny", f"model_name_or_path={tmp_path / 'hf'}")
+    cfg = run_config("tiny", f"model_name_or_path={tmp_path / 'hf'}", "seq_length=64")  # the model's positions
     config = load_plan_model_config(cfg)
     assert config.num_key_value_heads == 2
-    _, rows = memory_plan(cfg, config, world_size=2)
+    rows = memory_plan(plan_spec(cfg, 2))
     assert [row["layers"] for row in rows] == [(0, 3), (3, 7)]
 
 
@@ -191,7 +194,7 @@ def test_no_model_config_is_a_clear_error(tmp_path):
 def test_stages_must_divide_the_world_size():
     cfg = run_config("llama_65b")
     with pytest.raises(ConfigError, match="does not divide"):
-        memory_plan(cfg, load_plan_model_config(cfg), world_size=12)
+        memory_plan(plan_spec(cfg, 12))
 
 
 def test_world_size_to_plan_for(monkeypatch):
@@ -216,7 +219,8 @@ STAGE_PARAMETERS = [(VOCAB * HIDDEN + 20 * DECODER_SHARDED, 20 * DECODER_REPLICA
 def four_stage_plan(tensor_parallel, world_size, *overrides):
     cfg = run_config("llama_65b", "num_stages=4", "partition=[20,20,20,20]", "offload_optimizer=none",
                      f"tensor_parallel_size={tensor_parallel}", *overrides)
-    return memory_plan(cfg, load_plan_model_config(cfg), world_size=world_size)
+    spec = plan_spec(cfg, world_size)
+    return spec.workload, memory_plan(spec)
 
 
 def test_tensor_parallel_splits_sharded_weights_and_keeps_norms_whole():
@@ -264,7 +268,7 @@ def test_sequence_parallel_and_recomputed_gathers_shrink_activations():
 
 def test_tensor_parallel_plan_header(capsys):
     cfg = run_config("llama_65b", "num_stages=4", "tensor_parallel_size=2")
-    rows = print_memory_plan(cfg, load_plan_model_config(cfg), world_size=16)
+    rows = print_memory_plan(plan_spec(cfg, 16))
     printed = capsys.readouterr().out
     assert len(rows) == 4
     assert "16 devices = 4 stages x 2 tensor-parallel x 2 data-parallel" in printed
@@ -275,14 +279,14 @@ def test_world_size_must_divide_by_stages_times_tensor_parallel():
     cfg = run_config("llama_65b", "tensor_parallel_size=2")
     with pytest.raises(ConfigError, match=r"num_stages=8 x tensor_parallel_size=2 does not divide the world size "
                                           r"24: .* a multiple of 16 processes"):
-        memory_plan(cfg, load_plan_model_config(cfg), world_size=24)
+        memory_plan(plan_spec(cfg, 24))
 
 
 def test_tensor_parallel_must_divide_heads_and_vocabulary():
     cfg = run_config("llama_65b", "tensor_parallel_size=3")
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 does not divide num_attention_heads=64, "
                                           r"num_key_value_heads=64, intermediate_size=22016, vocab_size=32000"):
-        memory_plan(cfg, load_plan_model_config(cfg), world_size=24)
+        memory_plan(plan_spec(cfg, 24))
 
 
 def test_configs_without_tensor_parallel_keys_and_the_fallback_world(monkeypatch):
@@ -292,5 +296,5 @@ def test_configs_without_tensor_parallel_keys_and_the_fallback_world(monkeypatch
     with open_dict(cfg):
         for key in ("tensor_parallel_size", "sequence_parallel", "recompute_sequence_gather"):
             del cfg[key]
-    workload = workload_from_cfg(cfg, 16)
+    workload = plan_spec(cfg, 16).workload
     assert (workload.tensor_parallel, workload.data_parallel) == (1, 2)

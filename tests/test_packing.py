@@ -67,6 +67,7 @@ def packed_parity_worker(rank, hf_dir, ds_dir, rows, out_dir):
     import torch
     from transformers import AutoConfig
 
+    from checkpoints.layer_files import load_layer_slice
     from models.pipeline import build_pipeline_module
     from tests.parity_worker import GradientRecorder, hf_name_of_pipeline_param
     from training.distributed import init_distributed, parallel_topology
@@ -76,7 +77,8 @@ def packed_parity_worker(rank, hf_dir, ds_dir, rows, out_dir):
     config = AutoConfig.from_pretrained(hf_dir)
     results = {}
     for name, (stages, tensor_parallel) in TOPOLOGIES.items():
-        module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True)
+        module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True,
+                                       layer_loader=load_layer_slice)
         optimizer = GradientRecorder(module.parameters())
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config={
             "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GAS,

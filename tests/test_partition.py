@@ -9,13 +9,14 @@ from transformers import LlamaConfig
 
 from models.layout import num_pipeline_layers
 from models.llama import DecoderLayerPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs, causal_lm_loss
-from models.partition import (DECODER, HEAD, NORM, LayerCosts, Workload, balanced_decoder_counts, cost_spread,
-                              stage_bounds, stage_plan)
-from models.pipeline import build_pipeline_layers
+from models.partition import DECODER, HEAD, NORM, balanced_decoder_counts, stage_bounds
+from models.pipeline import build_pipeline_layers, partition_stages
 from models.tensor_parallel import TensorParallel
 from models.weight_grads import WeightGradQueue
+from planner.stage_costs import LayerCosts, balanced_stage_cost, cost_spread, stage_plan
+from planner.workload import Workload
 from tests.conftest import ROOT
-from training.plan import workload_from_cfg
+from training.run_spec import plan_spec
 
 # Published sizes (config.json of meta-llama/Llama-2-7b-hf, Meta-Llama-3.1-8B, llama-65b).
 PUBLISHED = {
@@ -41,10 +42,13 @@ def run_config(name):
 def configured_plan(name, partition=None):
     cfg = run_config(name)
     config = PUBLISHED[name]
-    workload = workload_from_cfg(cfg, WORLD_SIZE[name])
-    class_names = [spec.typename.__name__ for spec in build_pipeline_layers(config)]
-    bounds = stage_bounds(config, cfg.num_stages, partition or cfg.partition, workload, class_names)
+    workload = plan_spec(cfg, WORLD_SIZE[name]).workload
+    bounds = bounds_for(config, cfg.num_stages, partition or cfg.partition, workload)
     return cfg, bounds, stage_plan(config, bounds, workload)
+
+
+def bounds_for(config, num_stages, partition, workload):
+    return partition_stages(config, num_stages, partition, balanced_stage_cost(config, workload, num_stages))
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -75,10 +79,9 @@ def test_balanced_has_the_smallest_largest_stage_cost(name, other):
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_balanced_stays_balanced_under_tensor_parallelism(name, sequence_parallel):
     cfg, config = run_config(name), PUBLISHED[name]
-    workload = dataclasses.replace(workload_from_cfg(cfg, WORLD_SIZE[name]), tensor_parallel=4,
+    workload = dataclasses.replace(plan_spec(cfg, WORLD_SIZE[name]).workload, tensor_parallel=4,
                                    sequence_parallel=sequence_parallel)
-    class_names = [spec.typename.__name__ for spec in build_pipeline_layers(config)]
-    plans = {method: stage_plan(config, stage_bounds(config, cfg.num_stages, method, workload, class_names), workload)
+    plans = {method: stage_plan(config, bounds_for(config, cfg.num_stages, method, workload), workload)
              for method in ("balanced", "parameters", "uniform")}
     assert cost_spread(plans["balanced"]) <= 1.15
     assert max(row["cost"] for row in plans["balanced"]) <= min(max(row["cost"] for row in plans[method])
@@ -95,7 +98,8 @@ def test_first_and_last_stage_get_no_extra_layer(name):
 def test_uneven_layers_go_to_middle_stages():
     config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=10,
                          num_attention_heads=4)
-    assert balanced_decoder_counts(config, 4, Workload(seq_length=64, activation_checkpoint_interval=1)) == [2, 3, 3, 2]
+    cost = balanced_stage_cost(config, Workload(seq_length=64, activation_checkpoint_interval=1), 4)
+    assert balanced_decoder_counts(10, 4, cost) == [2, 3, 3, 2]
 
 
 def assert_valid_bounds(bounds, num_stages, num_hidden_layers):
@@ -116,23 +120,23 @@ def test_balanced_bounds_are_valid_and_keep_embedding_and_head_at_the_ends(name)
 
 def test_explicit_bounds():
     config = PUBLISHED["llama_7b"]
-    bounds = stage_bounds(config, 4, [6, 10, 10, 6], Workload(), [])
+    bounds = stage_bounds(config, 4, [6, 10, 10, 6], [])
     assert_valid_bounds(bounds, 4, 32)
     assert bounds == [0, 7, 17, 27, 35]
     with pytest.raises(ValueError, match="summing to num_hidden_layers"):
-        stage_bounds(config, 4, [6, 10, 10, 5], Workload(), [])
+        stage_bounds(config, 4, [6, 10, 10, 5], [])
     with pytest.raises(ValueError, match="3 entries for 4 stages"):
-        stage_bounds(config, 4, [10, 12, 10], Workload(), [])
+        stage_bounds(config, 4, [10, 12, 10], [])
 
 
 def test_deepspeed_methods_match_the_parity_tests_expectations():
     config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     class_names = [spec.typename.__name__ for spec in build_pipeline_layers(config)]
-    assert stage_bounds(config, 2, "uniform", Workload(), class_names) == [0, 4, 7]
-    assert stage_bounds(config, 2, "type:decoderlayer", Workload(), class_names) == [0, 3, 7]
+    assert stage_bounds(config, 2, "uniform", class_names) == [0, 4, 7]
+    assert stage_bounds(config, 2, "type:decoderlayer", class_names) == [0, 3, 7]
     with pytest.raises(ValueError, match="matches none"):
-        stage_bounds(config, 2, "type:nosuchlayer", Workload(), class_names)
+        stage_bounds(config, 2, "type:nosuchlayer", class_names)
 
 
 def distinct_storage_bytes(tensors, exclude):

@@ -62,7 +62,8 @@ def save_and_export_worker(rank, hf_dir, ds_dir, out_dir):
     from training.distributed import init_distributed, parallel_topology
 
     init_distributed(timeout_minutes=2)
-    module = build_pipeline_module(AutoConfig.from_pretrained(hf_dir), parallel_topology(1, 2))
+    module = build_pipeline_module(AutoConfig.from_pretrained(hf_dir), parallel_topology(1, 2),
+                                   layer_loader=load_layer_slice)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config={
         "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"torch_adam": True}},
         "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}})
@@ -83,7 +84,8 @@ def save_and_export_worker(rank, hf_dir, ds_dir, out_dir):
         convert_ds_to_hf(ckpt, os.path.join(out_dir, "hf"), tag="tp2")
     # The same checkpoint read by 2 stages without tensor parallelism (resume_weights_only after changing T): each
     # rank's layers are merged from the saved slices and must equal the converted whole-layer files.
-    stages = build_pipeline_module(AutoConfig.from_pretrained(hf_dir), parallel_topology(2, 1))
+    stages = build_pipeline_module(AutoConfig.from_pretrained(hf_dir), parallel_topology(2, 1),
+                                   layer_loader=load_layer_slice)
     stages.load_state_dir(os.path.join(ckpt, "tp2"), checkpoint_engine=None)
     converted = os.path.join(ds_dir, read_latest(ds_dir))
     merged = {}

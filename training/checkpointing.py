@@ -22,6 +22,7 @@ from checkpoints.files import (COMPLETE_MARKER, LATEST, copy_model_side_files, c
                                write_text_atomic)
 from checkpoints.integrity import (ChecksumError, file_checksum, no_manifest_note, read_by_weights_only_load,
                                    read_manifest, verify_files, write_manifest)
+from models.partition import decoder_counts_of_bounds
 
 TAG_PATTERN = re.compile(r"^global_step(\d+)$")
 RUN_CONFIG_NAME = "run_config.yaml"
@@ -130,7 +131,7 @@ def check_resume_topology(trainer_state, topology, weights_only, tag_dir):
         topology = degrees_of(topology)
     if saved and saved != topology and not weights_only:
         only_layers_differ = "stage_bounds" in saved and degrees_of(saved) == degrees_of(topology)
-        partition = (f", or partition={decoder_layers_per_stage(saved['stage_bounds'])} to build the checkpoint's "
+        partition = (f", or partition={decoder_counts_of_bounds(saved['stage_bounds'])} to build the checkpoint's "
                      f"stages" if only_layers_differ else "")
         raise ValueError(f"checkpoint {tag_dir} was trained with {saved}, this run has {topology}; optimizer state "
                          f"cannot follow a topology change. Set resume_weights_only=true to continue from its weights "
@@ -140,12 +141,6 @@ def check_resume_topology(trainer_state, topology, weights_only, tag_dir):
 def degrees_of(topology):
     """A saved or current topology without its stage bounds: the parallel degrees alone."""
     return {key: value for key, value in topology.items() if key != "stage_bounds"}
-
-
-def decoder_layers_per_stage(bounds):
-    """The explicit partition (decoder layers per stage) of stage bounds over [embedding, decoders, norm, head]."""
-    last_decoder = bounds[-1] - 3
-    return [len(range(max(start, 1), min(stop, last_decoder + 1))) for start, stop in zip(bounds, bounds[1:])]
 
 
 @contextlib.contextmanager

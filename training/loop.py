@@ -1,5 +1,5 @@
-"""A training run from a validated config: build this rank's stage, load its weights, read data on the first
-and last stage, then train, evaluate, log and save."""
+"""A training run from a validated RunSpec (training/run_spec.py): build this rank's stage, load its weights, read
+data on the first and last stage, then train, evaluate, log and save."""
 import math
 import os
 import random
@@ -12,23 +12,23 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from checkpoints.ds_to_hf import convert_ds_to_hf
+from checkpoints.layer_files import load_layer_slice
 from data.datasets import build_dataset_distributed
 from data.loader import build_stage_loader, check_identical_across_group, infinite_micro_batches
 from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.tensor_parallel import SHARDED_MARKER
-from training.checkpointing import (check_fresh_start, check_resume_topology, clear_previous_run, load_rng_state,
-                                    read_trainer_state, remove_incomplete_checkpoints, resolve_resume,
+from planner.memory_plan import describe_stages, print_memory_plan
+from training.checkpointing import (clear_previous_run, load_rng_state, remove_incomplete_checkpoints, resolve_resume,
                                     save_checkpoint, start_checkpoint_dir, verify_checkpoint)
-from training.config import ConfigError, check_run_config, deepspeed_config, load_model_config, tokenizer_dir
+from training.deepspeed_config import deepspeed_config
 from training.distributed import init_distributed, parallel_topology, set_threads_per_process
 from training.evaluation import evaluate
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
 from training.optimizer import skipping_optimizer
 from training.pipeline_engine import use_zero_bubble
 from training.preemption import Preempted, PreemptionWatch
-from training.plan import (configured_partition, configured_stage_bounds, load_plan_model_config, plan_world_size,
-                           print_memory_plan, workload_from_cfg)
+from training.run_spec import ConfigError, plan_spec, run_spec
 
 
 def log_rank0(message):
@@ -46,16 +46,17 @@ class RunData:
     """Datasets of a run. Every rank takes part in building (local rank 0 tokenizes, the others reuse the
     memory-mapped cache); only the first and last stage read rows, middle stages use the lengths."""
 
-    def __init__(self, cfg, tokenizer, model_config, reads_data):
+    def __init__(self, spec, tokenizer, reads_data):
+        cfg = spec.cfg
         cache_dir = cfg.data.cache_dir or os.path.join(cfg.output_dir, "data_cache")
         self.train = self.eval = None
         self.train_length = self.eval_length = 0
         for split in ("train", "eval"):
-            path = cfg.get(f"{split}_file")
+            path = cfg[f"{split}_file"]
             if not path or (split == "train" and cfg.eval_only):
                 continue
             dataset, _ = build_dataset_distributed(path, tokenizer, cfg.data, cfg.seq_length, cache_dir=cache_dir,
-                                                   vocab_size=model_config.vocab_size)
+                                                   vocab_size=spec.model_config.vocab_size)
             setattr(self, f"{split}_length", len(dataset))
             setattr(self, split, dataset if reads_data else None)
 
@@ -75,13 +76,14 @@ def pad_token_id(tokenizer, model_config):
     return 0
 
 
-def build_engine(cfg, model_config, total_steps):
-    module = build_pipeline_module(model_config, parallel_topology(cfg.num_stages, cfg.tensor_parallel_size),
-                                   partition=configured_partition(cfg), attention_impl=cfg.attention_impl,
+def build_engine(spec, total_steps):
+    cfg = spec.cfg
+    module = build_pipeline_module(spec.model_config, parallel_topology(spec.num_stages, spec.tensor_parallel),
+                                   stage_bounds=spec.stage_bounds, attention_impl=cfg.attention_impl,
                                    activation_checkpoint_interval=cfg.activation_checkpoint_interval,
-                                   workload=workload_from_cfg(cfg, dist.get_world_size()),
                                    dtype=PRECISION_DTYPES[cfg.precision], sequence_parallel=cfg.sequence_parallel,
-                                   recompute_sequence_gather=cfg.recompute_sequence_gather)
+                                   recompute_sequence_gather=cfg.recompute_sequence_gather,
+                                   layer_loader=load_layer_slice)
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
@@ -142,15 +144,6 @@ def load_start_state(engine, cfg, resume_from):
     log_rank0(f"resumed from {os.path.join(ckpt_dir, tag)}{' (weights only, fresh optimizer)' if weights_only else ''}")
 
 
-def topology_of(num_stages, world_size, tensor_parallel_size, stage_bounds):
-    """What a checkpoint's optimizer state is laid out by: the parallel degrees and the layers of each stage (the
-    balanced partition moves with the workload: sequence length, micro-batches, checkpointing, schedule)."""
-    topology = {"num_stages": num_stages, "data_parallel": world_size // (num_stages * tensor_parallel_size)}
-    if tensor_parallel_size > 1:
-        topology["tensor_parallel"] = tensor_parallel_size
-    return {**topology, "stage_bounds": [int(bound) for bound in stage_bounds]}
-
-
 def data_position(trainer_state, micro_batches_per_epoch, dp_size, micro_batch_size):
     """(epoch, micro-batches consumed in it) to continue from. Derived from consumed samples, which every rank
     knows (middle stages pull no data) and which stays meaningful when the data-parallel degree changes."""
@@ -160,47 +153,36 @@ def data_position(trainer_state, micro_batches_per_epoch, dp_size, micro_batch_s
 
 def run(cfg):
     set_threads_per_process()
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.plan_only:  # no processes, weights or devices needed: the world is the one the config describes
-        return print_memory_plan(cfg, load_plan_model_config(cfg), plan_world_size(cfg))
-    model_config, model_files_dir = load_model_config(cfg.model_name_or_path)
-    check_run_config(cfg, world_size, model_config)
-    tokenizer_path = tokenizer_dir(cfg, model_files_dir)
-    resume_from = resolve_resume(cfg.resume, cfg.output_dir)
-    trainer_state = read_trainer_state(os.path.join(*resume_from)) if resume_from else {}
-    if resume_from is None and not cfg.eval_only:
-        check_fresh_start(cfg.output_dir, cfg.overwrite_output_dir)
-    if not cfg.eval_only:
-        bounds = configured_stage_bounds(cfg, model_config, workload_from_cfg(cfg, world_size))
-        check_resume_topology(trainer_state, topology_of(cfg.num_stages, world_size, cfg.tensor_parallel_size, bounds),
-                              cfg.resume_weights_only,
-                              os.path.join(*resume_from) if resume_from else None)
+        return print_memory_plan(plan_spec(cfg))
+    spec = run_spec(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # every check, before anything is started
+    cfg, resume_from = spec.cfg, spec.resume_from
     init_distributed(cfg.dist_timeout_minutes)
     prepare_output_dir(cfg, resume_from)
     seed_everything(cfg.seed)
-    topology = parallel_topology(cfg.num_stages, cfg.tensor_parallel_size)
+    log_rank0(describe_stages(spec))
+    topology = parallel_topology(spec.num_stages, spec.tensor_parallel)
     coord = topology.get_coord(dist.get_rank())
-    dp_size = topology.get_dim("data")
-    reads_data = coord.pipe in (0, cfg.num_stages - 1)
+    reads_data = coord.pipe in (0, spec.num_stages - 1)
     if cfg.verify_checksums:
         verify_checkpoint(start_checkpoint_dir(cfg.model_name_or_path, resume_from),
                           weights_only=resume_from is None or cfg.resume_weights_only)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else None
-    pad_id = pad_token_id(tokenizer, model_config)
-    data = RunData(cfg, tokenizer, model_config, reads_data)
+    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir) if spec.tokenizer_dir else None
+    pad_id = pad_token_id(tokenizer, spec.model_config)
+    data = RunData(spec, tokenizer, reads_data)
 
     if cfg.eval_only:
-        engine, monitors = build_engine(cfg, model_config, total_steps=1)
+        engine, monitors = build_engine(spec, total_steps=1)
         load_start_state(engine, cfg, resume_from)
         loss, ppl = evaluate(engine, data.eval, data.eval_length, cfg, pad_id)
         logger = RunLogger(cfg.output_dir, monitors, total_steps=0, start_step=0)
-        logger.log({"step": trainer_state.get("step", 0), "eval_loss": loss, "eval_ppl": ppl,
+        logger.log({"step": spec.trainer_state.get("step", 0), "eval_loss": loss, "eval_ppl": ppl,
                     "eval_examples": data.eval_length})
         logger.close()
         return {"eval_loss": loss, "eval_ppl": ppl}
 
     loader = build_stage_loader(data.train if reads_data else range(data.train_length), reads_data=reads_data,
-                                dp_rank=coord.data, dp_size=dp_size, micro_batch_size=cfg.micro_batch_size,
+                                dp_rank=coord.data, dp_size=spec.data_parallel, micro_batch_size=cfg.micro_batch_size,
                                 seq_length=cfg.seq_length, pad_id=pad_id, seed=cfg.seed)
     steps_per_epoch = len(loader) // cfg.gradient_accumulation_steps
     if steps_per_epoch == 0:
@@ -208,23 +190,24 @@ def run(cfg):
                           f"data-parallel rank, fewer than gradient_accumulation_steps="
                           f"{cfg.gradient_accumulation_steps}; add data or lower the batch size.")
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
-    engine, monitors = build_engine(cfg, model_config, total_steps)
+    engine, monitors = build_engine(spec, total_steps)
     load_start_state(engine, cfg, resume_from)
-    step = trainer_state.get("step", 0)
-    epoch, consumed = data_position(trainer_state, len(loader), dp_size, cfg.micro_batch_size)
+    step = spec.trainer_state.get("step", 0)
+    epoch, consumed = data_position(spec.trainer_state, len(loader), spec.data_parallel, cfg.micro_batch_size)
     stream = infinite_micro_batches(loader, epoch, consumed)
-    if cfg.tensor_parallel_size > 1 and reads_data:
+    if spec.tensor_parallel > 1 and reads_data:
         stream = check_identical_across_group(stream, engine.grid.get_slice_parallel_group())
-    return train(engine, cfg, stream, data, pad_id, model_files_dir, monitors, step, total_steps)
+    return train(engine, spec, stream, data, pad_id, monitors, step, total_steps)
 
 
-def train(engine, cfg, stream, data, pad_id, model_files_dir, monitors, step, total_steps):
+def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
+    cfg = spec.cfg
     dp_size = engine.grid.get_data_parallel_world_size()
     samples_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp_size
     logger = RunLogger(cfg.output_dir, monitors, total_steps, step)
     last_checkpoint = resolve_resume("auto", cfg.output_dir)
     preemption = PreemptionWatch(cfg.preemption_grace_seconds)
-    flops_per_token = training_flops_per_token(engine.module.model_config, cfg.seq_length)
+    flops_per_token = training_flops_per_token(spec.model_config, cfg.seq_length)
     peak_tflops = device_peak_tflops(cfg.peak_tflops, cfg.precision)
     start_time = window_start = time.time()
     window_steps, losses, skipped = 0, [], 0
@@ -261,10 +244,8 @@ def train(engine, cfg, stream, data, pad_id, model_files_dir, monitors, step, to
             result.update(eval_loss=eval_loss, eval_ppl=eval_ppl)
         preempted = preemption.should_stop() and step < total_steps
         if preempted or step == total_steps or (cfg.save_steps and step % cfg.save_steps == 0):
-            save_checkpoint(engine, cfg, model_files_dir, {
-                "step": step, "consumed_samples": step * samples_per_step,
-                "topology": topology_of(engine.num_stages, dist.get_world_size(), cfg.tensor_parallel_size,
-                                        engine.module.parts)})
+            save_checkpoint(engine, cfg, spec.model_files_dir, {
+                "step": step, "consumed_samples": step * samples_per_step, "topology": spec.layout})
             last_checkpoint = (cfg.output_dir, f"global_step{step}")
         if preempted:
             logger.close()

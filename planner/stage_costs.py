@@ -1,0 +1,263 @@
+"""What each stage costs in compute and memory, per rank, from the model config and the workload alone (nothing is
+built): the cost the `balanced` partition minimises and the per-stage figures the memory plan prints.
+
+Per layer kind (LayerCosts):
+- compute: training FLOPs per micro-batch (forward, backward = 2x forward, and the forward again when the layer is
+  recomputed by activation checkpointing). Decoder layers count their attention at seq_length, the LM head its
+  matmul over the whole vocabulary; the embedding (a gather) and the final norm are free.
+- activations: what autograd and the engine keep per micro-batch in flight (1F1B keeps up to num_stages - stage
+  micro-batches on a stage; the last stage also keeps two micro-batches of logits; under the zero-bubble schedule
+  stage s also keeps up to s micro-batches waiting for their weight gradients), and the largest short-lived peak
+  of one backward pass (a recomputed chunk, the LM head's fp32 loss gradients).
+The training state beside them (weights, gradients, optimizer, buffers, the optimizer step's peak, host memory) is
+planner/training_state.py's, from the stage's parameters and largest tensor.
+
+Tensor parallelism (Megatron's layout, models/tensor_parallel.py) over t ranks: every figure is one rank's. The
+projections, the embedding and the LM head hold 1/t of their weights (norms and row-parallel biases stay whole),
+and the matmuls do 1/t of the FLOPs; attention heads, MLP columns and logits split by t. With sequence parallelism
+the residual stream, the norms and the stage-boundary hidden states hold 1/t of the tokens; each column-parallel
+group (q/k/v, gate/up, LM head) all-gathers its input, which backward keeps (full tokens, per layer and micro-batch
+in flight) unless recompute_sequence_gather gathers it again into one pooled buffer; its input gradient over all
+tokens is summed into another before the reduce-scatter. Without sequence parallelism the residual stream is whole
+on every rank.
+
+A stage's cost is the mean of its compute and its memory, each in units of one decoder layer, so an embedding
+that holds 2.4 decoder layers of memory and does no compute weighs 1.2 decoder layers.
+"""
+from models.llama import head_dim_of
+from models.partition import DECODER, EMBEDDING, HEAD, NORM, decoder_parameter_split, layer_kinds
+from planner import training_state
+from planner.training_state import FP32_BYTES
+from planner.workload import check_tensor_parallel
+from training.schedule import in_flight_micro_batches, waiting_micro_batches
+
+INT64_BYTES = 8
+
+
+class LayerCosts:
+    """Compute and memory of each layer kind for one micro-batch of a workload, and of stages built from them.
+
+    The activation figures follow what this project's layers and DeepSpeed's pipeline engine keep alive; they were
+    checked against saved-tensor hooks (tests/test_partition.py) and against torch's memory profiler and peak RSS
+    on the CPU (bench/memory_plan_check.py).
+    """
+
+    def __init__(self, config, workload):
+        self.config, self.workload = config, workload
+        check_tensor_parallel(config, workload)
+        t = workload.tensor_parallel  # every split count below divides by t (check_tensor_parallel)
+        tokens, hidden, vocab = workload.tokens, config.hidden_size, config.vocab_size // t
+        residual, gathered = workload.residual_tokens, workload.gathered_input_tokens
+        inter = config.intermediate_size // t
+        act = workload.activation_bytes
+        q_width = config.num_attention_heads * head_dim_of(config) // t
+        heads = config.num_attention_heads // t
+        sharded, replicated = decoder_parameter_split(config)
+        # vocab, inter, q_width and heads are this rank's share; parameters are this rank's too.
+        self.parameters = {EMBEDDING: vocab * hidden, DECODER: sharded // t + replicated, NORM: hidden,
+                           HEAD: vocab * hidden}  # a tied head is a second copy of the embedding on its stage
+        self.largest_tensor = {EMBEDDING: vocab * hidden, DECODER: hidden * max(inter, q_width), NORM: hidden,
+                               HEAD: vocab * hidden}
+        # Matmuls: 2 FLOPs per weight per token; causal attention: QK^T and PV over half the seq x seq scores.
+        # Norms and row-parallel biases (counted the same way) run on the residual stream's tokens.
+        self.forward_flops = {EMBEDDING: 0, NORM: 0, HEAD: 2 * tokens * hidden * vocab,
+                              DECODER: 2 * tokens * (sharded // t) + 2 * residual * replicated
+                              + 2 * tokens * workload.seq_length * q_width}
+        self.saved_bytes = {
+            # Vocabulary-parallel: this rank's local ids and the mask of ids outside its rows.
+            EMBEDDING: tokens * (INT64_BYTES + 1) if t > 1 else 0,
+            # 8 hidden-sized and 4 intermediate-sized tensors in the activation dtype, the two norms' fp32 inputs
+            # and inverse RMS, and attention's log-sum-exp per head. Of the hidden-sized ones, the norms' normalised
+            # outputs are on the residual stream's tokens, the inputs of the column-parallel groups (q/k/v,
+            # gate/up) on the gathered tokens, and q, k, v and attention's output on this rank's heads (counted
+            # hidden-sized: heads x head_dim = hidden in LLaMA-family configs).
+            DECODER: act * (2 * residual * hidden + 2 * gathered * hidden + 4 * tokens * hidden // t
+                            + 4 * tokens * inter)
+                     + FP32_BYTES * (residual * (2 * hidden + 2) + tokens * heads),
+            # The norm's fp32 input and inverse RMS, its normalised output, and its scaled output as the LM head's
+            # input (gathered under sequence parallelism).
+            NORM: residual * (FP32_BYTES * (hidden + 1) + act * hidden) + gathered * act * hidden,
+            # The loss's fp32 log-softmax and its shifted labels (the logits themselves: see logits_bytes);
+            # vocabulary-parallel, the labels as local ids and two boolean token masks (models/tensor_parallel.py).
+            HEAD: tokens * (vocab * FP32_BYTES + INT64_BYTES + (2 if t > 1 else 0)),
+        }
+        # Gradients alive at once while a layer runs backward: a decoder's MLP and residual stream (two on this
+        # rank's residual tokens, two on all tokens: a column group's input gradient, in the pool under sequence
+        # parallelism, and a row-parallel output's gathered gradient); the loss's two fp32 logits-sized gradients.
+        pooled = 1 if workload.splits_sequence else 0
+        self.backward_bytes = {EMBEDDING: 0, NORM: 0,
+                               DECODER: act * (2 * tokens * inter + 2 * residual * hidden
+                                               + (2 - pooled) * tokens * hidden),
+                               HEAD: 2 * tokens * vocab * FP32_BYTES}
+        self.logits_bytes = tokens * vocab * act
+        # A micro-batch waiting for its W (zero-bubble schedule) keeps each deferred linear layer's input and output
+        # gradient (models/weight_grads.py), checkpointed or not: a decoder's q/k/v and gate/up inputs (gathered),
+        # o_proj's and down_proj's inputs, q, k, v, gate and up's output gradients, and o_proj's and down_proj's
+        # (all tokens, before the row-parallel reduction); the LM head's input and its logits-sized gradient.
+        kv_width = config.num_key_value_heads * head_dim_of(config) // t
+        self.weight_grad_bytes = {
+            EMBEDDING: 0, NORM: 0,
+            DECODER: act * (2 * gathered * hidden + tokens * (2 * q_width + 2 * kv_width + 3 * inter + 2 * hidden)),
+            HEAD: act * (gathered * hidden + tokens * vocab)}
+        # One hidden-states tensor: a stage boundary, a checkpoint input.
+        self.hidden_bytes = residual * hidden * act
+        # Sequence parallelism's pool, once per stage: the buffer every column group sums its input gradient into,
+        # and with recompute_sequence_gather the one it gathers its input into.
+        self.pool_bytes = tokens * hidden * act * pooled * (2 if workload.recompute_sequence_gather else 1)
+
+    def chunks(self, kinds):
+        """DeepSpeed's activation checkpointing: consecutive runs of `interval` layers from the stage's first layer,
+        each checkpointed when it holds decoder layers only (the project's checkpointable_layers)."""
+        interval = self.workload.activation_checkpoint_interval
+        if interval == 0:
+            return [(kinds, False)]
+        runs = [kinds[i:i + interval] for i in range(0, len(kinds), interval)]
+        return [(run, all(kind == DECODER for kind in run)) for run in runs]
+
+    def stage_flops(self, kinds):
+        flops = 0
+        for run, checkpointed in self.chunks(kinds):
+            forward = sum(self.forward_flops[kind] for kind in run)
+            flops += forward * (4 if checkpointed else 3)
+        return flops
+
+    def stage_activation_bytes(self, kinds, in_flight, waiting=0):
+        """Peak activation memory: what in_flight micro-batches keep for their backward and `waiting` ones for
+        their weight gradients, the engine's buffers, and the largest short-lived peak of one layer's backward
+        (after recomputing its checkpointed chunk)."""
+        per_micro_batch, transient = 0, 0
+        for run, checkpointed in self.chunks(kinds):
+            saved = sum(self.saved_bytes[kind] for kind in run)
+            workspace = max(self.backward_bytes[kind] for kind in run)
+            if checkpointed:
+                per_micro_batch += self.hidden_bytes
+                transient = max(transient, saved + workspace)
+            else:
+                per_micro_batch += saved
+                transient = max(transient, workspace)
+        persistent = 0
+        if kinds[0] != EMBEDDING:  # the received input stays until its gradient is sent; a receive buffer and copy
+            per_micro_batch += self.hidden_bytes
+            persistent += 2 * self.hidden_bytes
+        if kinds[-1] != HEAD:  # the output stays until its backward; a receive buffer for its gradient
+            per_micro_batch += self.hidden_bytes
+            persistent += self.hidden_bytes
+        else:  # DeepSpeed never frees the last stage's outputs: each of its two buffers keeps logits until reused
+            persistent += min(2, self.workload.micro_batches) * self.logits_bytes
+        if DECODER in kinds or HEAD in kinds:  # column-parallel groups use the stage's pool
+            persistent += self.pool_bytes
+        waiting_bytes = waiting * sum(self.weight_grad_bytes[kind] for kind in kinds)
+        return in_flight * per_micro_batch + waiting_bytes + persistent + transient
+
+    def stage_parameters(self, kinds):
+        return sum(self.parameters[kind] for kind in kinds)
+
+    def stage_largest_tensor(self, kinds):
+        return max(self.largest_tensor[kind] for kind in kinds)
+
+    def stage_state_bytes(self, kinds):
+        """Weights, gradients and optimizer state of a stage, in bytes."""
+        return training_state.state_bytes(self.workload, self.stage_parameters(kinds))
+
+    def stage_buffer_bytes(self):
+        return training_state.buffer_bytes(self.workload, max(self.largest_tensor.values()))
+
+    def stage_host_bytes(self, kinds):
+        return training_state.host_bytes(self.workload, self.stage_parameters(kinds), max(self.largest_tensor.values()))
+
+    def stage_step_bytes(self, kinds):
+        return training_state.step_bytes(self.workload, self.stage_parameters(kinds), self.stage_largest_tensor(kinds))
+
+
+class StageCostModel:
+    """Compute, memory and the combined cost of a stage given its layer kinds."""
+
+    def __init__(self, config, workload, num_stages, compute_weight=0.5):
+        self.layers = LayerCosts(config, workload)
+        self.workload, self.num_stages, self.compute_weight = workload, num_stages, compute_weight
+        # Units: one decoder layer's compute, and its state plus what it keeps per micro-batch for the mean number
+        # of micro-batches in flight.
+        self.compute_unit = self.layers.stage_flops([DECODER])
+        mean_in_flight = sum(self.in_flight(s) for s in range(num_stages)) / num_stages
+        kept = (self.layers.hidden_bytes if workload.activation_checkpoint_interval
+                else self.layers.saved_bytes[DECODER])
+        self.memory_unit = sum(self.layers.stage_state_bytes([DECODER]).values()) + mean_in_flight * kept
+
+    def in_flight(self, stage):
+        return in_flight_micro_batches(stage, self.num_stages, self.workload.micro_batches)
+
+    def waiting(self, stage):
+        return waiting_micro_batches(stage, self.num_stages, self.workload.micro_batches,
+                                     self.workload.pipeline_schedule, self.workload.zero_bubble_max_waiting)
+
+    def activation_bytes(self, stage, kinds):
+        """Under zero_bubble the larger of two moments: before a B, and just after it, when its micro-batch has
+        traded its activations for its weight-gradient tensors (more than a checkpointed micro-batch keeps)."""
+        in_flight, waiting = self.in_flight(stage), self.waiting(stage)
+        peak = self.layers.stage_activation_bytes(kinds, in_flight, waiting)
+        if self.workload.pipeline_schedule == "zero_bubble":
+            peak = max(peak, self.layers.stage_activation_bytes(kinds, in_flight - 1, waiting + 1))
+        return peak
+
+    def memory_bytes(self, stage, kinds):
+        """Peak memory: weights, optimizer state and buffers, plus the larger of the backward passes (gradients
+        and activations) and the optimizer step."""
+        state = self.layers.stage_state_bytes(kinds)
+        backward = state["gradients"] + self.activation_bytes(stage, kinds)
+        return (state["weights"] + state["optimizer"] + self.layers.stage_buffer_bytes()
+                + max(backward, self.layers.stage_step_bytes(kinds)))
+
+    def cost(self, stage, kinds):
+        compute = self.layers.stage_flops(kinds) / self.compute_unit
+        memory = self.memory_bytes(stage, kinds) / self.memory_unit
+        return self.compute_weight * compute + (1 - self.compute_weight) * memory
+
+
+def balanced_stage_cost(config, workload, num_stages):
+    """The stage cost models/partition.py's `balanced` method minimises for this run."""
+    return StageCostModel(config, workload, num_stages).cost
+
+
+def stage_plan(config, bounds, workload):
+    """Per stage: its layers, parameters, compute, memory by kind (bytes) and combined cost."""
+    num_stages = len(bounds) - 1
+    model = StageCostModel(config, workload, num_stages)
+    kinds_of = layer_kinds(config.num_hidden_layers)
+    rows = []
+    for stage in range(num_stages):
+        start, stop = bounds[stage], bounds[stage + 1]
+        kinds = kinds_of[start:stop]
+        state = model.layers.stage_state_bytes(kinds)
+        rows.append({
+            "stage": stage, "layers": (start, stop), "decoder_layers": kinds.count(DECODER),
+            "parameters": model.layers.stage_parameters(kinds),
+            "tflops_per_micro_batch": model.layers.stage_flops(kinds) / 1e12,
+            **{f"{name}_bytes": value for name, value in state.items()},
+            "activation_bytes": model.activation_bytes(stage, kinds),
+            "step_bytes": model.layers.stage_step_bytes(kinds),
+            "buffer_bytes": model.layers.stage_buffer_bytes(),
+            "host_bytes": model.layers.stage_host_bytes(kinds),
+            "in_flight": model.in_flight(stage),
+            "waiting_for_weight_grads": model.waiting(stage),
+            "memory_bytes": model.memory_bytes(stage, kinds),
+            "cost": model.cost(stage, kinds),
+        })
+    return rows
+
+
+def format_stage_plan(rows):
+    """The plan as a table: layers, parameters, compute and estimated memory per stage."""
+    lines = [f"{'stage':>5} {'layers':>9} {'decoders':>8} {'params':>9} {'TFLOP/mb':>9} {'memory':>9} {'cost':>6}"]
+    for row in rows:
+        start, stop = row["layers"]
+        lines.append(f"{row['stage']:>5} {f'{start}-{stop - 1}':>9} {row['decoder_layers']:>8} "
+                     f"{row['parameters'] / 1e9:>8.2f}B {row['tflops_per_micro_batch']:>9.2f} "
+                     f"{row['memory_bytes'] / 2**30:>6.1f}GiB {row['cost']:>6.2f}")
+    lines.append(f"largest / smallest stage cost: {cost_spread(rows):.3f}")
+    return "\n".join(lines)
+
+
+def cost_spread(rows):
+    """Largest stage cost over the smallest: 1.0 is a perfect balance."""
+    costs = [row["cost"] for row in rows]
+    return max(costs) / min(costs)

@@ -1,0 +1,76 @@
+"""What one training step runs, as far as compute and memory depend on it: the planner's view of a run."""
+from dataclasses import dataclass
+
+from models.tensor_parallel import check_tensor_parallel_split
+
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """conf/base.yaml's defaults; training/run_spec.py fills it from a run's config."""
+    seq_length: int = 512
+    micro_batch_size: int = 1
+    micro_batches: int = 8  # gradient_accumulation_steps: the pipeline's m
+    precision: str = "bf16"
+    zero_stage: int = 1
+    data_parallel: int = 1
+    activation_checkpoint_interval: int = 0
+    reduce_bucket_size: int = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default
+    torch_adam: bool = True  # torch's Adam (conf/base.yaml) rather than DeepSpeed's fused one
+    tensor_parallel: int = 1  # ranks splitting each layer (conf/base.yaml's tensor_parallel_size)
+    sequence_parallel: bool = True  # with tensor_parallel > 1: residual stream on 1/t of the tokens
+    recompute_sequence_gather: bool = False  # sequence parallel: gather again in backward rather than keep
+    offload_optimizer: bool = False  # ZeRO-1's fp32 partition, its gradient and Adam's moments in host memory
+    pipeline_schedule: str = "1f1b"  # zero_bubble: micro-batches also wait for their weight gradients (W)
+    zero_bubble_max_waiting: int | None = None  # zero_bubble: cap on those per stage (None: ZB-H1's s on stage s)
+
+    @property
+    def tokens(self):
+        return self.seq_length * self.micro_batch_size
+
+    @property
+    def splits_sequence(self):
+        """Whether the residual stream holds 1/tensor_parallel of the tokens on each rank."""
+        return self.sequence_parallel and self.tensor_parallel > 1
+
+    @property
+    def residual_tokens(self):
+        """Tokens of the residual stream, norms and stage-boundary hidden states on one rank."""
+        return self.tokens // self.tensor_parallel if self.splits_sequence else self.tokens
+
+    @property
+    def gathered_input_tokens(self):
+        """Tokens of the input a column-parallel group keeps for its backward: all of them, or this rank's share
+        when recompute_sequence_gather gathers them again."""
+        return self.residual_tokens if self.splits_sequence and self.recompute_sequence_gather else self.tokens
+
+    @property
+    def activation_bytes(self):
+        return PRECISION_BYTES[self.precision]
+
+
+def check_tensor_parallel(config, workload):
+    """check_tensor_parallel_split for a workload: ValueError naming what its tensor-parallel size does not split."""
+    check_tensor_parallel_split(config, workload.tensor_parallel, workload.tokens if workload.splits_sequence else None)
+
+
+def describe_workload(workload):
+    checkpointing = (f"checkpoint every {workload.activation_checkpoint_interval} layers"
+                     if workload.activation_checkpoint_interval else "no activation checkpointing")
+    tensor = ""
+    if workload.tensor_parallel > 1:
+        sequence = ("sequence parallel, sequence gather recomputed in backward"
+                    if workload.splits_sequence and workload.recompute_sequence_gather
+                    else "sequence parallel" if workload.splits_sequence else "no sequence parallel")
+        tensor = f"tensor-parallel {workload.tensor_parallel} ({sequence}), "
+    return (f"seq_length={workload.seq_length}, micro_batch_size={workload.micro_batch_size}, "
+            f"{workload.micro_batches} micro-batches, {workload.precision}, ZeRO-{workload.zero_stage}"
+            f"{' with optimizer offloaded to CPU' if workload.offload_optimizer else ''}, "
+            f"{tensor}data-parallel {workload.data_parallel}, {checkpointing}"
+            f"{zero_bubble_description(workload) if workload.pipeline_schedule == 'zero_bubble' else ''}")
+
+
+def zero_bubble_description(workload):
+    cap = workload.zero_bubble_max_waiting
+    return ", zero-bubble schedule" + ("" if cap is None else f" (at most {cap} micro-batches waiting for W)")

@@ -1,0 +1,318 @@
+"""Check, then build: one pass turns a run's Hydra config into a RunSpec, the validated description that every
+builder (topology, stages, data, engine, memory plan) takes what it needs from.
+
+Every rule of a run lives here: unknown keys, each key's values, the rules across keys, the layout against the
+world size and the model, the data files, and the checkpoint a run starts from. All of it runs before any process
+group is started or any file is written, identically on every rank, so all ranks fail together with a message that
+names the bad value and what to do.
+"""
+import dataclasses
+import difflib
+import os
+
+from omegaconf import DictConfig, OmegaConf
+from transformers import AutoConfig
+
+from checkpoints.files import has_tokenizer_files, read_latest
+from models.layout import layer_file_name
+from models.llama import check_model_config
+from models.pipeline import ATTENTION_IMPLS, partition_stages
+from models.tensor_parallel import check_tensor_parallel_split
+from planner.stage_costs import balanced_stage_cost
+from planner.workload import Workload
+from training.checkpointing import check_fresh_start, check_resume_topology, read_trainer_state, resolve_resume
+from training.schedule import PIPELINE_SCHEDULES
+
+BASE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "base.yaml")
+FREE_FORM_NODES = ("deepspeed", "model_config")  # DeepSpeed's own keys; a published config.json's fields
+PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULERS = ("cosine", "linear", "constant")
+OFFLOAD_DEVICES = ("none", "cpu")
+NAN_POLICIES = ("stop", "skip")
+
+
+class ConfigError(ValueError):
+    """A config that cannot work; the message names the bad value and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """A validated run. cfg holds every key of conf/base.yaml (its defaults where the run's config lacks one)."""
+    cfg: DictConfig
+    model_config: object  # transformers' PretrainedConfig
+    world_size: int
+    workload: Workload
+    stage_bounds: tuple  # first pipeline layer of each stage, then the layer count
+    model_files_dir: str | None = None  # config.json and tokenizer of the converted checkpoint (None: planning)
+    tokenizer_dir: str | None = None  # None: pre-tokenized data needs none
+    resume_from: tuple | None = None  # (checkpoint dir, tag)
+    trainer_state: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_stages(self):
+        return self.cfg.num_stages
+
+    @property
+    def tensor_parallel(self):
+        return self.cfg.tensor_parallel_size
+
+    @property
+    def data_parallel(self):
+        return self.workload.data_parallel
+
+    @property
+    def layout(self):
+        """What a checkpoint's optimizer state is laid out by: the parallel degrees and the layers of each stage
+        (the balanced partition moves with the workload: sequence length, micro-batches, checkpointing, schedule)."""
+        layout = {"num_stages": self.num_stages, "data_parallel": self.data_parallel}
+        if self.tensor_parallel > 1:
+            layout["tensor_parallel"] = self.tensor_parallel
+        return {**layout, "stage_bounds": list(self.stage_bounds)}
+
+    def replanned(self, **workload_changes):
+        """The same run with another workload (and the stage bounds the partition gives it)."""
+        workload = dataclasses.replace(self.workload, **workload_changes)
+        bounds = configured_stage_bounds(self.cfg, self.model_config, workload)
+        return dataclasses.replace(self, workload=workload, stage_bounds=bounds)
+
+
+def run_spec(cfg, world_size):
+    """A training or evaluation run on world_size processes: config, converted model, data files and resume."""
+    cfg = checked_config(cfg)
+    check_data_files(cfg)
+    model_config, model_files_dir = load_model_config(cfg.model_name_or_path)
+    workload = check_layout(cfg, model_config, world_size)
+    resume_from = resolve_resume(cfg.resume, cfg.output_dir)
+    trainer_state = read_trainer_state(os.path.join(*resume_from)) if resume_from else {}
+    if resume_from is None and not cfg.eval_only:
+        check_fresh_start(cfg.output_dir, cfg.overwrite_output_dir)
+    spec = RunSpec(cfg, model_config, world_size, workload, configured_stage_bounds(cfg, model_config, workload),
+                   model_files_dir, tokenizer_dir(cfg, model_files_dir), resume_from, trainer_state)
+    if not cfg.eval_only:
+        check_resume_topology(trainer_state, spec.layout, cfg.resume_weights_only,
+                              os.path.join(*resume_from) if resume_from else None)
+    return spec
+
+
+def plan_spec(cfg, world_size=None, model_config=None):
+    """A run to plan (plan_only): no processes, weights or data needed. world_size defaults to plan_world_size,
+    model_config to load_plan_model_config's."""
+    cfg = checked_config(cfg)
+    model_config = model_config or load_plan_model_config(cfg)
+    world_size = world_size or plan_world_size(cfg)
+    workload = check_layout(cfg, model_config, world_size)
+    return RunSpec(cfg, model_config, world_size, workload, configured_stage_bounds(cfg, model_config, workload))
+
+
+def plan_world_size(cfg):
+    """Devices to plan for: plan_world_size, else the launched world size, else one data-parallel replica."""
+    return cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", cfg.num_stages * (cfg.tensor_parallel_size or 1)))
+
+
+# --- the config alone ------------------------------------------------------------------------------------------------
+
+def checked_config(cfg):
+    """cfg with conf/base.yaml's defaults under it and its values normalised, after every check that needs
+    nothing but the config."""
+    base = OmegaConf.load(BASE_CONFIG)
+    for node in ("defaults", "hydra"):
+        base.pop(node)
+    check_known_keys(OmegaConf.to_container(cfg), OmegaConf.to_container(base))
+    cfg = OmegaConf.merge(base, cfg)
+    # YAML's null (and configs written before these keys) read as their defaults.
+    cfg.offload_optimizer = "none" if cfg.offload_optimizer is None else str(cfg.offload_optimizer).lower()
+    cfg.tensor_parallel_size = 1 if cfg.tensor_parallel_size is None else cfg.tensor_parallel_size
+    check_values(cfg)
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def check_known_keys(cfg, schema, prefix=""):
+    """Every key is one of conf/base.yaml's (any key under its free-form nodes): a misspelt key, or one added with
+    Hydra's `++`, would otherwise be ignored silently. cfg and schema: plain dicts (OmegaConf.to_container)."""
+    for key, value in cfg.items():
+        name = f"{prefix}{key}"
+        if key not in schema:
+            close = difflib.get_close_matches(str(key), [str(k) for k in schema], n=3)
+            hint = f"did you mean {' or '.join(prefix + k for k in close)}? " if close else ""
+            raise ConfigError(f"unknown config key '{name}': {hint}every key of a run is listed, with its meaning, "
+                              f"in conf/base.yaml (DeepSpeed's own keys go under deepspeed.).")
+        if name not in FREE_FORM_NODES and isinstance(value, dict) and isinstance(schema[key], dict):
+            check_known_keys(value, schema[key], f"{name}.")
+
+
+def check_values(cfg):
+    """Each key's allowed values, and the rules between keys that need no model or world size."""
+    choices = {"precision": PRECISIONS, "lr_scheduler": SCHEDULERS, "offload_optimizer": OFFLOAD_DEVICES,
+               "pipeline_schedule": PIPELINE_SCHEDULES, "nan_policy": NAN_POLICIES, "attention_impl": ATTENTION_IMPLS}
+    for key, allowed in choices.items():
+        if cfg[key] not in allowed:
+            extra = (" (NVMe offload needs ZeRO-3, which pipeline parallelism does not support)"
+                     if key == "offload_optimizer" else "")
+            raise ConfigError(f"{key} '{cfg[key]}' is not one of {allowed}{extra}.")
+    if cfg.num_stages < 1 or cfg.tensor_parallel_size < 1:
+        raise ConfigError(f"num_stages={cfg.num_stages}, tensor_parallel_size={cfg.tensor_parallel_size}: both "
+                          f"must be at least 1.")
+    if cfg.zero_stage not in (0, 1):
+        raise ConfigError(f"zero_stage={cfg.zero_stage}: pipeline parallelism supports ZeRO stage 0 or 1 only.")
+    if cfg.precision == "bf16" and cfg.zero_stage == 0:
+        raise ConfigError("precision=bf16 with zero_stage=0 cannot reload its own checkpoints in DeepSpeed "
+                          "(KeyError in the bf16 optimizer's loader); use zero_stage=1.")
+    check_offload(cfg)
+    if cfg.micro_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
+        raise ConfigError("micro_batch_size and gradient_accumulation_steps must be at least 1.")
+    check_zero_bubble(cfg)
+    if not cfg.preemption_grace_seconds > 0:
+        raise ConfigError(f"preemption_grace_seconds={cfg.preemption_grace_seconds} must be positive: the seconds a "
+                          f"SIGTERM leaves to finish the step and save.")
+    if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
+        raise ConfigError(f"peak_tflops={cfg.peak_tflops} must be a device's positive peak TFLOP/s, or null.")
+
+
+def check_offload(cfg):
+    if cfg.offload_optimizer == "cpu" and cfg.zero_stage != 1:
+        raise ConfigError(f"offload_optimizer=cpu needs ZeRO's partitioned optimizer: set zero_stage=1 (got "
+                          f"zero_stage={cfg.zero_stage}).")
+    if cfg.offload_optimizer == "cpu" and cfg.nan_policy == "skip":
+        raise ConfigError("nan_policy=skip replaces DeepSpeed's optimizer with a torch AdamW on the device, which "
+                          "cannot be offloaded; use nan_policy=stop with offload_optimizer=cpu, or "
+                          "offload_optimizer=none.")
+
+
+def check_zero_bubble(cfg):
+    cap = cfg.zero_bubble_max_waiting
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
+        raise ConfigError(f"zero_bubble_max_waiting={cap!r} is not a number of micro-batches: set an integer >= 0, "
+                          f"or null for ZB-H1's (stage s holds s).")
+    # fp16's loss scaler is untested with deferred weight gradients (DeepSpeed's CPU accelerator refuses fp16)
+    if cfg.pipeline_schedule == "zero_bubble" and cfg.precision == "fp16":
+        raise ConfigError("pipeline_schedule=zero_bubble does not support precision=fp16 yet (it runs with precision "
+                          "fp32 or bf16); use pipeline_schedule=1f1b.")
+
+
+def check_data_files(cfg):
+    if cfg.eval_only:
+        if not cfg.eval_file:
+            raise ConfigError("eval_only=true needs eval_file.")
+    elif not cfg.train_file:
+        raise ConfigError("train_file is not set; pass train_file=PATH (jsonl, json, parquet or txt).")
+    for key in ("train_file", "eval_file"):
+        path = cfg[key]
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"{key} '{path}' does not exist.")
+
+
+# --- the config against the model and the world ----------------------------------------------------------------------
+
+def check_layout(cfg, model_config, world_size):
+    """The run's Workload, once its layout fits the world size and the model."""
+    stages, tp = cfg.num_stages, cfg.tensor_parallel_size
+    workload = workload_of(cfg, data_parallel_size(world_size, stages, tp))
+    try:
+        check_tensor_parallel_split(model_config, tp, workload.tokens if workload.splits_sequence else None)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if model_config.num_hidden_layers < stages:
+        raise ConfigError(f"num_stages={stages} is more than the model's {model_config.num_hidden_layers} decoder "
+                          f"layers (num_hidden_layers); use at most {model_config.num_hidden_layers} stages.")
+    if cfg.seq_length > model_config.max_position_embeddings:
+        raise ConfigError(f"seq_length={cfg.seq_length} exceeds the model's max_position_embeddings="
+                          f"{model_config.max_position_embeddings}; lower seq_length.")
+    window = getattr(model_config, "sliding_window", None)
+    if window and cfg.seq_length > window:
+        raise ConfigError(f"seq_length={cfg.seq_length} exceeds sliding_window={window}, which this pipeline does "
+                          f"not implement; use seq_length <= {window}.")
+    return workload
+
+
+def data_parallel_size(world_size, num_stages, tensor_parallel_size=1):
+    """Data-parallel replicas in world_size devices, or an error naming the split that does not fit it."""
+    replica = num_stages * tensor_parallel_size
+    split = f"num_stages={num_stages}" + (f" x tensor_parallel_size={tensor_parallel_size}"
+                                          if tensor_parallel_size != 1 else "")
+    if world_size % replica:
+        raise ConfigError(f"{split} does not divide the world size {world_size}: launch (or plan for, with "
+                          f"plan_world_size) a multiple of {replica} processes, e.g. deepspeed --num_gpus {replica} "
+                          f"..., or change num_stages{'' if tensor_parallel_size == 1 else ' / tensor_parallel_size'}.")
+    return world_size // replica
+
+
+def workload_of(cfg, data_parallel):
+    """The run's Workload for the cost model (planner/stage_costs.py)."""
+    ds = OmegaConf.to_container(cfg.deepspeed, resolve=True)
+    optimizer_params = ds.get("optimizer", {}).get("params", {})
+    return Workload(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
+                    micro_batches=cfg.gradient_accumulation_steps, precision=cfg.precision,
+                    zero_stage=cfg.zero_stage, data_parallel=data_parallel,
+                    activation_checkpoint_interval=cfg.activation_checkpoint_interval,
+                    reduce_bucket_size=int(ds.get("zero_optimization", {}).get("reduce_bucket_size",
+                                                                                Workload.reduce_bucket_size)),
+                    torch_adam=bool(optimizer_params.get("torch_adam", False)),
+                    tensor_parallel=cfg.tensor_parallel_size, sequence_parallel=bool(cfg.sequence_parallel),
+                    recompute_sequence_gather=bool(cfg.recompute_sequence_gather),
+                    offload_optimizer=cfg.offload_optimizer == "cpu", pipeline_schedule=cfg.pipeline_schedule,
+                    zero_bubble_max_waiting=cfg.zero_bubble_max_waiting)
+
+
+def configured_stage_bounds(cfg, model_config, workload):
+    """The stage bounds cfg.partition gives this workload (a method name or a list of decoder layers per stage)."""
+    partition = cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
+    cost = balanced_stage_cost(model_config, workload, cfg.num_stages) if partition == "balanced" else None
+    try:
+        return tuple(partition_stages(model_config, cfg.num_stages, partition, cost))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+# --- the files a run starts from ---------------------------------------------------------------------------------
+
+def load_model_config(model_dir):
+    """The model config of a converted checkpoint directory and the directory holding it, or an error that says
+    how to make one."""
+    convert_hint = (f"convert a Hugging Face model first: python convert2ckpt.py --model_name_or_path HF_DIR "
+                    f"--output_dir {model_dir}")
+    if not os.path.isdir(model_dir):
+        raise ConfigError(f"model_name_or_path '{model_dir}' does not exist; {convert_hint}")
+    tag = read_latest(model_dir)
+    if tag is None or not os.path.isfile(os.path.join(model_dir, tag, layer_file_name(0))):
+        raise ConfigError(f"model_name_or_path '{model_dir}' is not a converted DeepSpeed checkpoint (no 'latest' "
+                          f"naming a directory of layer_XX-model_states.pt files); {convert_hint}")
+    side_dir = next((d for d in (os.path.join(model_dir, tag), model_dir)
+                     if os.path.isfile(os.path.join(d, "config.json"))), None)
+    if side_dir is None:
+        raise ConfigError(f"no config.json in '{model_dir}'; {convert_hint}")
+    config = AutoConfig.from_pretrained(side_dir)
+    check_model_config(config)
+    return config, side_dir
+
+
+def load_plan_model_config(cfg):
+    """The model config to plan for: config.json in model_name_or_path (a Hugging Face or a converted directory;
+    no weights are read), else the published config written into the run config's model_config node."""
+    path = cfg.model_name_or_path
+    if os.path.isfile(os.path.join(str(path), "config.json")):
+        config = AutoConfig.from_pretrained(path)
+    elif cfg.model_config:
+        fields = OmegaConf.to_container(cfg.model_config, resolve=True)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    else:
+        raise ConfigError(f"plan_only needs a model config: '{path}' has no config.json and model_config is not "
+                          f"set; point model_name_or_path at a Hugging Face or converted directory.")
+    check_model_config(config)
+    return config
+
+
+def tokenizer_dir(cfg, model_files_dir):
+    """Where the run's tokenizer is (tokenizer_name_or_path, else the converted model's directory), or None when
+    every data file is pre-tokenized and none is needed; an error naming the directory and the key when one is
+    needed and missing."""
+    if cfg.data.format == "pretokenized":
+        return None
+    path = cfg.tokenizer_name_or_path or model_files_dir
+    if not has_tokenizer_files(path):
+        source = "tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model_name_or_path"
+        raise ConfigError(f"data.format={cfg.data.format} needs a tokenizer, and '{path}' ({source}) holds no "
+                          f"tokenizer files (tokenizer.json, tokenizer.model, tokenizer_config.json, ...); set "
+                          f"tokenizer_name_or_path to the directory of the model's tokenizer, or pre-tokenize the "
+                          f"data (data.format=pretokenized, lines of input_ids).")
+    return path
