@@ -118,6 +118,11 @@ def stage_bounds(config, num_stages, partition, layer_class_names, stage_cost=No
     partition: 'balanced' (needs stage_cost(stage, kinds)), 'parameters' (parameter counts), DeepSpeed's 'uniform'
     and 'type:<regex>' (on layer_class_names, in pipeline order), or a list of decoder layers per stage.
     """
+    # DeepSpeed's partitioners return numpy integers; bounds go into checkpoints' JSON.
+    return [int(bound) for bound in partition_bounds(config, num_stages, partition, layer_class_names, stage_cost)]
+
+
+def partition_bounds(config, num_stages, partition, layer_class_names, stage_cost):
     if not isinstance(partition, str):
         if len(partition) != num_stages:
             raise ValueError(f"partition {list(partition)} has {len(partition)} entries for {num_stages} stages.")
