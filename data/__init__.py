@@ -2,7 +2,8 @@
 
 from .collator import collate_causal_lm
 from .corpus import train_demo_tokenizer, write_demo_corpus
-from .datasets import IGNORE_INDEX, BuildStats, build_dataset, build_dataset_distributed
+from .datasets import BuildStats, build_dataset, build_dataset_distributed
+from .formats import IGNORE_INDEX
 from .loader import (
     MicroBatchStream,
     StageLoader,

@@ -2,7 +2,7 @@
 
 import torch
 
-from .datasets import IGNORE_INDEX
+from .formats import IGNORE_INDEX
 
 
 def collate_causal_lm(examples, seq_length: int, pad_id: int):

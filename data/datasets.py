@@ -11,17 +11,15 @@ Building runs in cached `Dataset.map` passes, the pattern of transformers' `run_
 The cache files live in `cache_dir` under names derived from the source file's path, size and mtime, the tokenizer,
 the data settings and `seq_length`. A JSON manifest written last lists them with the build statistics; when it exists
 a call memory-maps the cached Arrow files directly and neither reads the source nor calls the tokenizer.
+What each format turns a record into is data/formats.py's; cutting and packing rows, data/packing.py's.
 """
 
-import bisect
-import copy
 import dataclasses
 import hashlib
 import json
 import logging
 import os
 from functools import partial
-from itertools import accumulate, chain
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +29,13 @@ import pyarrow.compute as pc
 import torch.distributed as dist
 from datasets.fingerprint import Hasher
 
+from .formats import TOKEN_FEATURE, DataSettings, chat_problem, record_tokenizer, with_chat_template
+from .packing import PACKED_FEATURES, cut_sequences, pack_blocks, pack_examples, turn_pieces
+
 logger = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100  # label value the causal-LM loss skips (torch CrossEntropyLoss ignore_index)
-FORMATS = ("pretokenized", "text", "instruction", "chat")
-_FORMAT_FIELDS = {"pretokenized": ("input_ids",), "instruction": ("prompt", "response"), "chat": ("messages",)}
 _LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 _MAP_BATCH_SIZE = 1000  # also the packing window for text: each batch's tail shorter than a block is dropped
-_TOKEN_FEATURE = datasets.List(datasets.Value("int32"))
-_PACKED_FEATURES = datasets.Features({"input_ids": _TOKEN_FEATURE, "labels": _TOKEN_FEATURE, "lengths": _TOKEN_FEATURE})
 
 
 @dataclasses.dataclass
@@ -59,60 +55,6 @@ class BuildStats:
     packed_from: int = 0  # data.packing: examples packed into the `examples` rows (0: packing off)
     real_tokens: int = 0  # tokens in the rows, padding excluded
     from_cache: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class _Settings:
-    format: str
-    text_field: str
-    prompt_field: str
-    response_field: str
-    messages_field: str
-    chat_template: str | None
-    overlong: str
-    bad_lines: str
-    packing: bool
-    document_isolation: bool
-    num_proc: int
-
-    @classmethod
-    def from_cfg(cls, data_cfg: Any) -> "_Settings":
-        get = data_cfg.get  # dict and OmegaConf DictConfig alike
-        settings = cls(
-            format=get("format", "text"),
-            text_field=get("text_field", "text"),
-            prompt_field=get("prompt_field", "prompt"),
-            response_field=get("response_field", "response"),
-            messages_field=get("messages_field", "messages"),
-            chat_template=get("chat_template", None),
-            overlong=get("overlong", "truncate"),
-            bad_lines=get("bad_lines", "error"),
-            packing=bool(get("packing", False)),
-            document_isolation=bool(get("document_isolation", False)),
-            num_proc=int(get("num_proc", 1) or 1),
-        )
-        choices = {"format": FORMATS, "overlong": ("truncate", "split"), "bad_lines": ("error", "skip")}
-        for name, allowed in choices.items():
-            if getattr(settings, name) not in allowed:
-                raise ValueError(f"data.{name}={getattr(settings, name)!r}: expected one of {', '.join(allowed)}")
-        return settings
-
-    def required_fields(self) -> dict[str, type]:
-        """Field → JSON type each record must hold for this format."""
-        if self.format == "pretokenized":
-            return {"input_ids": list}
-        if self.format == "instruction":
-            return {self.prompt_field: str, self.response_field: str}
-        if self.format == "chat":
-            return {self.messages_field: list}
-        return {self.text_field: str}
-
-    def format_hint(self, fields) -> str:
-        """For records lacking this format's fields: the format whose fields they hold, as advice (or "")."""
-        for name, wanted in _FORMAT_FIELDS.items():
-            if name != self.format and all(field in fields for field in wanted):
-                return f"; they hold {', '.join(repr(f) for f in wanted)}: set data.format={name} to read them"
-        return ""
 
 
 def build_dataset(
@@ -139,9 +81,9 @@ def build_dataset(
     token ids outside the vocabulary (file, example index, id) and an empty result (file and why).
     """
     path = Path(path).resolve()
-    settings = _Settings.from_cfg(data_cfg)
+    settings = DataSettings.from_cfg(data_cfg)
     if settings.format == "chat":
-        tokenizer = _with_chat_template(tokenizer, settings.chat_template)
+        tokenizer = with_chat_template(tokenizer, settings.chat_template)
     vocab_size = len(tokenizer) if vocab_size is None else vocab_size
     cache_dir = Path(cache_dir or Path(datasets.config.HF_DATASETS_CACHE) / "pipeline_tokenized")
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -168,7 +110,7 @@ def build_dataset(
         raise _no_examples(path, _why_empty(stats, settings))
     if settings.packing and settings.format != "text":
         stats.packed_from = examples.num_rows
-        examples = _cached_map(examples, partial(_pack_examples, seq_length=seq_length), _PACKED_FEATURES,
+        examples = _cached_map(examples, partial(pack_examples, seq_length=seq_length), PACKED_FEATURES,
                                settings.num_proc, cache_dir / f"{stem}-L{seq_length}-{examples_key}-packed.arrow",
                                f"packing into rows of {seq_length}")
         stats.examples = examples.num_rows
@@ -224,7 +166,7 @@ def _write_manifest(manifest: Path, examples: datasets.Dataset, stats: BuildStat
 
 # --- reading the source ----------------------------------------------------------------------------------------------
 
-def _load_raw(path: Path, settings: _Settings, cache_dir: Path, stats: BuildStats, tokenizer) -> datasets.Dataset:
+def _load_raw(path: Path, settings: DataSettings, cache_dir: Path, stats: BuildStats, tokenizer) -> datasets.Dataset:
     loader = _LOADERS.get(path.suffix.lower())
     if loader is None:
         raise ValueError(f"{path}: unsupported file type {path.suffix!r}; expected one of {', '.join(_LOADERS)}")
@@ -234,7 +176,7 @@ def _load_raw(path: Path, settings: _Settings, cache_dir: Path, stats: BuildStat
         raise _no_examples(path, "the file is empty")
     source = path
     if loader == "json" and not _is_json_array(path):
-        check = partial(_chat_problem, tokenizer=tokenizer, field=settings.messages_field) \
+        check = partial(chat_problem, tokenizer=tokenizer, field=settings.messages_field) \
             if settings.format == "chat" else None
         good, bad = _scan_json_lines(path, settings, check)
         if good == 0:
@@ -262,7 +204,7 @@ def _is_json_array(path: Path) -> bool:
         return f.read(4096).lstrip().startswith(b"[")
 
 
-def _scan_json_lines(path: Path, settings: _Settings, check=None) -> tuple[int, list[int]]:
+def _scan_json_lines(path: Path, settings: DataSettings, check=None) -> tuple[int, list[int]]:
     """(well-formed record count, 1-based numbers of bad lines); with bad_lines=error raise at the first bad line.
     A line is bad when it is not a JSON object with the format's fields, or when `check(record)` names a problem.
     Streams the file: one line in memory at a time."""
@@ -283,7 +225,7 @@ def _scan_json_lines(path: Path, settings: _Settings, check=None) -> tuple[int, 
     return good, bad
 
 
-def _json_line_problem(line: bytes, settings: _Settings, check) -> str | None:
+def _json_line_problem(line: bytes, settings: DataSettings, check) -> str | None:
     try:
         record = json.loads(line)
     except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
@@ -310,123 +252,13 @@ def _copy_without_lines(path: Path, skip: set[int], out: Path) -> Path:
 
 # --- pass 1: records → full token sequences --------------------------------------------------------------------------
 
-def _tokenize_records(raw: datasets.Dataset, tokenizer, settings: _Settings, cache_file: Path,
+def _tokenize_records(raw: datasets.Dataset, tokenizer, settings: DataSettings, cache_file: Path,
                       path: Path) -> datasets.Dataset:
-    if settings.format == "pretokenized":
+    tokenize = record_tokenizer(settings, tokenizer, raw.column_names, path)
+    if tokenize is None:
         return raw  # already ids; pass 2 reads them straight from the source's Arrow table
-    if settings.format == "chat":
-        function = partial(_tokenize_chats, tokenizer=tokenizer, field=settings.messages_field, path=path)
-        features = datasets.Features({"input_ids": _TOKEN_FEATURE, "labels": _TOKEN_FEATURE,
-                                      "turn_ends": _TOKEN_FEATURE})
-        return _cached_map(raw, function, features, settings.num_proc, cache_file, "rendering chats", indices=True)
-    if settings.format == "text":
-        text_field = settings.text_field if settings.text_field in raw.column_names else "text"
-        function = partial(_tokenize_documents, tokenizer=tokenizer, text_field=text_field)
-        features = datasets.Features({"input_ids": _TOKEN_FEATURE})
-    else:
-        function = partial(_tokenize_instructions, tokenizer=tokenizer,
-                           prompt_field=settings.prompt_field, response_field=settings.response_field)
-        features = datasets.Features({"input_ids": _TOKEN_FEATURE, "labels": _TOKEN_FEATURE})
-    return _cached_map(raw, function, features, settings.num_proc, cache_file, "tokenizing")
-
-
-def _special_ids(tokenizer) -> tuple[list[int], list[int]]:
-    as_list = lambda token_id: [] if token_id is None else [token_id]  # noqa: E731
-    return as_list(tokenizer.bos_token_id), as_list(tokenizer.eos_token_id)
-
-
-def _tokenize_documents(batch, *, tokenizer, text_field: str) -> dict:
-    """Each document → bos + tokens + eos; empty documents (blank lines) → no tokens."""
-    bos, eos = _special_ids(tokenizer)
-    documents = tokenizer(batch[text_field], add_special_tokens=False)["input_ids"]
-    return {"input_ids": [bos + ids + eos if ids else [] for ids in documents]}
-
-
-def _tokenize_instructions(batch, *, tokenizer, prompt_field: str, response_field: str) -> dict:
-    """bos + prompt (labels -100) followed by response + eos (labels = ids): the loss covers the response only."""
-    bos, eos = _special_ids(tokenizer)
-    prompts = tokenizer(batch[prompt_field], add_special_tokens=False)["input_ids"]
-    responses = tokenizer(batch[response_field], add_special_tokens=False)["input_ids"]
-    input_ids, labels = [], []
-    for prompt, response in zip(prompts, responses):
-        prompt, response = bos + prompt, response + eos
-        input_ids.append(prompt + response)
-        labels.append([IGNORE_INDEX] * len(prompt) + response)
-    return {"input_ids": input_ids, "labels": labels}
-
-
-def _with_chat_template(tokenizer, template_file: str | None):
-    """The tokenizer with `template_file`'s Jinja template (a copy: the caller's is left alone), or the tokenizer
-    itself when it ships a template; an error naming data.chat_template when neither has one."""
-    if template_file:
-        if not Path(template_file).is_file():
-            raise ValueError(f"data.chat_template '{template_file}' does not exist; give the path of a Jinja file")
-        tokenizer = copy.copy(tokenizer)
-        tokenizer.chat_template = Path(template_file).read_text()
-    elif not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"data.format=chat: the tokenizer ({getattr(tokenizer, 'name_or_path', '') or 'given'}) has "
-                         "no chat template (an instruct checkpoint ships one in tokenizer_config.json or "
-                         "chat_template.jinja, which convert2ckpt.py copies); supply one from a Jinja file with "
-                         "data.chat_template=PATH")
-    return tokenizer
-
-
-def _chat_problem(record: dict, *, tokenizer, field: str) -> str | None:
-    """Why a chat record cannot train (or None): no messages, a malformed message, no assistant turn to learn,
-    an assistant turn first (nothing to condition it on), or a template that refuses the conversation."""
-    messages = record[field]
-    if not messages:
-        return f"bad chat example (empty {field!r} list)"
-    for index, message in enumerate(messages):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            return f"bad chat example (message {index} is not a {{'role': str, 'content': str}} object)"
-    roles = [message["role"] for message in messages]
-    if "assistant" not in roles:
-        return "bad chat example (no assistant turn: nothing to train on)"
-    if roles[0] == "assistant":
-        return "bad chat example (it starts with an assistant turn: no prompt before it)"
-    try:
-        tokenizer.apply_chat_template(messages, tokenize=False)
-    except Exception as error:  # jinja2's TemplateError from the template's raise_exception, or a broken template
-        return f"bad chat example (the chat template rejects it: {error})"
-    return None
-
-
-def _tokenize_chats(batch, indices, *, tokenizer, field: str, path: Path) -> dict:
-    """Each conversation rendered with the tokenizer's chat template; labels only on what assistant turns add.
-
-    Assistant turn i adds the tokens of render(messages[:i+1]) beyond render(messages[:i], add_generation_prompt):
-    its content and the template's end-of-turn marker, not its header. Both renders must be token prefixes of the
-    whole conversation's tokens (checked: a template that rewrites earlier turns cannot be trained this way).
-    `turn_ends`: the token offset where each assistant turn ends, where overlong=split may cut.
-    """
-    input_ids, labels, turn_ends = [], [], []
-    for index, messages in zip(indices, batch[field]):
-        problem = _chat_problem({field: messages}, tokenizer=tokenizer, field=field)
-        if problem:
-            raise ValueError(f"{path}: example {index}: {problem}; fix it (a JSON-lines file can also skip it with "
-                             "data.bad_lines=skip)")
-        turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
-        texts = [tokenizer.apply_chat_template(messages, tokenize=False)]
-        for i in turns:
-            texts += [tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True),
-                      tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)]
-        full, *prefixes = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        targets, ends = [IGNORE_INDEX] * len(full), []
-        for i, prompt, upto in zip(turns, prefixes[0::2], prefixes[1::2]):
-            if full[:len(upto)] != upto or upto[:len(prompt)] != prompt:
-                raise ValueError(
-                    f"{path}: example {index}: the chat template's render of the conversation up to message {i} "
-                    "is not a token prefix of the whole conversation's, so the assistant's tokens cannot be "
-                    "located (templates that rewrite earlier turns, e.g. drop past reasoning, do this); supply a "
-                    "template without it with data.chat_template=PATH")
-            targets[len(prompt):len(upto)] = full[len(prompt):len(upto)]
-            ends.append(len(upto))
-        input_ids.append(full)
-        labels.append(targets)
-        turn_ends.append(ends)
-    return {"input_ids": input_ids, "labels": labels, "turn_ends": turn_ends}
+    function, features, desc, indices = tokenize
+    return _cached_map(raw, function, features, settings.num_proc, cache_file, desc, indices=indices)
 
 
 def _check_token_ids(records: datasets.Dataset, vocab_size: int, path: Path) -> None:
@@ -448,95 +280,14 @@ def _check_token_ids(records: datasets.Dataset, vocab_size: int, path: Path) -> 
 
 # --- pass 2: token sequences → training rows of at most seq_length -----------------------------------------------
 
-def _cut_records(records: datasets.Dataset, settings: _Settings, seq_length: int, cache_file: Path) -> datasets.Dataset:
-    features = datasets.Features({"input_ids": _TOKEN_FEATURE, "labels": _TOKEN_FEATURE})
+def _cut_records(records: datasets.Dataset, settings: DataSettings, seq_length: int, cache_file: Path) -> datasets.Dataset:
+    features = datasets.Features({"input_ids": TOKEN_FEATURE, "labels": TOKEN_FEATURE})
     if settings.format == "text":
-        function = partial(_pack_blocks, seq_length=seq_length, isolate=settings.document_isolation)
-        features = _PACKED_FEATURES if settings.document_isolation else features
+        function = partial(pack_blocks, seq_length=seq_length, isolate=settings.document_isolation)
+        features = PACKED_FEATURES if settings.document_isolation else features
     else:
-        function = partial(_cut_sequences, seq_length=seq_length, split=settings.overlong == "split")
+        function = partial(cut_sequences, seq_length=seq_length, split=settings.overlong == "split")
     return _cached_map(records, function, features, settings.num_proc, cache_file, f"cutting to {seq_length}")
-
-
-def _pack_blocks(batch, *, seq_length: int, isolate: bool) -> dict:
-    """Concatenate the batch's documents and cut the stream into blocks of exactly seq_length (tail dropped);
-    with `isolate`, each block also lists the lengths of the document pieces it holds."""
-    stream = list(chain.from_iterable(batch["input_ids"]))
-    starts = range(0, len(stream) - seq_length + 1, seq_length)
-    blocks = [stream[start:start + seq_length] for start in starts]
-    if not isolate:
-        return {"input_ids": blocks, "labels": blocks}
-    boundaries = list(accumulate(len(ids) for ids in batch["input_ids"] if ids))
-    lengths = []
-    for start in starts:
-        inside = boundaries[bisect.bisect_right(boundaries, start):bisect.bisect_left(boundaries, start + seq_length)]
-        edges = [start, *inside, start + seq_length]
-        lengths.append([end - begin for begin, end in zip(edges, edges[1:])])
-    return {"input_ids": blocks, "labels": blocks, "lengths": lengths}
-
-
-def _pack_examples(batch, *, seq_length: int) -> dict:
-    """Best-fit decreasing within the batch: each example, longest first, goes into the row whose free space it
-    fills most tightly, or a new row. Rows keep whole examples and list their lengths (data/collator.py)."""
-    order = sorted(range(len(batch["input_ids"])), key=lambda i: -len(batch["input_ids"][i]))
-    rows, free = [], []  # free: sorted (space left, row index)
-    for i in order:
-        length = len(batch["input_ids"][i])
-        slot = bisect.bisect_left(free, (length, -1))
-        if slot == len(free):
-            rows.append([])
-            space, row = seq_length, len(rows) - 1
-        else:
-            space, row = free.pop(slot)
-        rows[row].append(i)
-        bisect.insort(free, (space - length, row))
-    pick = lambda column, row: list(chain.from_iterable(batch[column][i] for i in row))  # noqa: E731
-    return {"input_ids": [pick("input_ids", row) for row in rows], "labels": [pick("labels", row) for row in rows],
-            "lengths": [[len(batch["input_ids"][i]) for i in row] for row in rows]}
-
-
-def _cut_sequences(batch, *, seq_length: int, split: bool) -> dict:
-    """Truncate each sequence to seq_length, or split it into pieces of at most seq_length (chat: at the ends of
-    assistant turns, `_turn_pieces`); keep pieces with a target.
-
-    A piece needs a label after its first position: the model predicts token t from tokens before t, so a piece of
-    one token, or of prompt only, adds nothing to the loss (and a micro-batch of only such pieces would divide by 0).
-    """
-    all_labels = batch["labels"] if "labels" in batch else batch["input_ids"]
-    all_turn_ends = batch["turn_ends"] if "turn_ends" in batch else [None] * len(all_labels)
-    input_ids, labels = [], []
-    for ids, targets, turn_ends in zip(batch["input_ids"], all_labels, all_turn_ends):
-        if not split:
-            pieces = [(0, seq_length)]
-        elif turn_ends is None:
-            pieces = [(start, start + seq_length) for start in range(0, len(ids), seq_length)]
-        else:
-            pieces = _turn_pieces(len(ids), turn_ends, seq_length)[0]
-        for start, end in pieces:
-            piece_labels = targets[start:end]
-            if any(label != IGNORE_INDEX for label in piece_labels[1:]):
-                input_ids.append(ids[start:end])
-                labels.append(piece_labels)
-    return {"input_ids": input_ids, "labels": labels}
-
-
-def _turn_pieces(length: int, turn_ends: list[int], seq_length: int) -> tuple[list[tuple[int, int]], int]:
-    """A conversation of `length` tokens cut at assistant-turn ends into (start, end) pieces of at most seq_length
-    tokens, each holding as many whole turns as fit; and how many pieces were cut inside a turn (a single
-    exchange longer than seq_length keeps its first seq_length tokens). Tokens after the last assistant turn
-    (nothing to learn) are dropped from a split conversation."""
-    if length <= seq_length:
-        return [(0, length)], 0
-    pieces, truncated, start, next_end = [], 0, 0, 0
-    while next_end < len(turn_ends):
-        fits = bisect.bisect_right(turn_ends, start + seq_length, lo=next_end)
-        if fits > next_end:
-            end, next_end = turn_ends[fits - 1], fits
-        else:
-            end, next_end, truncated = start + seq_length, next_end + 1, truncated + 1
-        pieces.append((start, end))
-        start = turn_ends[next_end - 1]
-    return pieces, truncated
 
 
 def _cached_map(dataset, function, features, num_proc: int, cache_file: Path, desc: str,
@@ -552,7 +303,7 @@ def _cached_map(dataset, function, features, num_proc: int, cache_file: Path, de
 
 # --- statistics ------------------------------------------------------------------------------------------------------
 
-def _count(records: datasets.Dataset, examples: datasets.Dataset, settings: _Settings, seq_length: int,
+def _count(records: datasets.Dataset, examples: datasets.Dataset, settings: DataSettings, seq_length: int,
            stats: BuildStats) -> None:
     """Fill the cut/drop counts from the record lengths, column-wise in Arrow (no second pass over the tokens)."""
     lengths = pc.list_value_length(records.data.column("input_ids"))
@@ -564,7 +315,7 @@ def _count(records: datasets.Dataset, examples: datasets.Dataset, settings: _Set
     if settings.overlong == "split" and settings.format == "chat":
         stats.split, pieces = overlong, 0
         for length, turn_ends in zip(lengths.to_pylist(), records.data.column("turn_ends").to_pylist()):
-            cut, truncated = _turn_pieces(length, turn_ends, seq_length)
+            cut, truncated = turn_pieces(length, turn_ends, seq_length)
             pieces, stats.truncated = pieces + len(cut), stats.truncated + truncated
     elif settings.overlong == "split":
         stats.split = overlong
@@ -583,7 +334,7 @@ def _no_examples(path: Path, why: str) -> ValueError:
     return ValueError(f"{path}: no training examples after tokenization: {why}")
 
 
-def _why_empty(stats: BuildStats, settings: _Settings) -> str:
+def _why_empty(stats: BuildStats, settings: DataSettings) -> str:
     if stats.records == 0:
         return "the file holds no records"
     if settings.format == "text":

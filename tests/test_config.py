@@ -102,6 +102,7 @@ def test_free_form_nodes_take_any_key_and_defaults_fill_older_configs():
     ("attention_impl=flash", "attention_impl 'flash' is not one of ('sdpa', 'eager')"),
     ("nan_policy=ignore", "nan_policy 'ignore' is not one of ('stop', 'skip')"),
     ("pipeline_schedule=gpipe", "pipeline_schedule 'gpipe' is not one of ('1f1b', 'zero_bubble')"),
+    ("data.format=csv", "data.format='csv': expected one of pretokenized, text, instruction, chat"),
 ])
 def test_each_choice_is_checked_before_anything_is_built(override, message):
     from training.run_spec import ConfigError, checked_config

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
 from checkpoints.files import has_tokenizer_files, read_latest
+from data.formats import DataSettings
 from models.layout import layer_file_name
 from models.llama import check_model_config
 from models.pipeline import ATTENTION_IMPLS, partition_stages
@@ -167,6 +168,10 @@ def check_values(cfg):
                           f"SIGTERM leaves to finish the step and save.")
     if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
         raise ConfigError(f"peak_tflops={cfg.peak_tflops} must be a device's positive peak TFLOP/s, or null.")
+    try:
+        DataSettings.from_cfg(cfg.data)  # data.format, data.overlong, data.bad_lines
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def check_offload(cfg):

@@ -1,0 +1,192 @@
+"""The four data formats and how a record becomes tokens: `pretokenized` (input_ids), `text` (documents: bos +
+tokens + eos), `instruction` (prompt and response, the loss on the response) and `chat` (a conversation rendered
+with the tokenizer's chat template, the loss on what each assistant turn adds). Each format's settings and fields,
+and the per-batch functions that data/datasets.py runs in its cached passes."""
+import copy
+import dataclasses
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+IGNORE_INDEX = -100  # label value the causal-LM loss skips (torch CrossEntropyLoss ignore_index)
+FORMATS = ("pretokenized", "text", "instruction", "chat")
+FORMAT_FIELDS = {"pretokenized": ("input_ids",), "instruction": ("prompt", "response"), "chat": ("messages",)}
+TOKEN_FEATURE = datasets.List(datasets.Value("int32"))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+    format: str
+    text_field: str
+    prompt_field: str
+    response_field: str
+    messages_field: str
+    chat_template: str | None
+    overlong: str
+    bad_lines: str
+    packing: bool
+    document_isolation: bool
+    num_proc: int
+
+    @classmethod
+    def from_cfg(cls, data_cfg: Any) -> "DataSettings":
+        get = data_cfg.get  # dict and OmegaConf DictConfig alike
+        settings = cls(
+            format=get("format", "text"),
+            text_field=get("text_field", "text"),
+            prompt_field=get("prompt_field", "prompt"),
+            response_field=get("response_field", "response"),
+            messages_field=get("messages_field", "messages"),
+            chat_template=get("chat_template", None),
+            overlong=get("overlong", "truncate"),
+            bad_lines=get("bad_lines", "error"),
+            packing=bool(get("packing", False)),
+            document_isolation=bool(get("document_isolation", False)),
+            num_proc=int(get("num_proc", 1) or 1),
+        )
+        choices = {"format": FORMATS, "overlong": ("truncate", "split"), "bad_lines": ("error", "skip")}
+        for name, allowed in choices.items():
+            if getattr(settings, name) not in allowed:
+                raise ValueError(f"data.{name}={getattr(settings, name)!r}: expected one of {', '.join(allowed)}")
+        return settings
+
+    def required_fields(self) -> dict[str, type]:
+        """Field → JSON type each record must hold for this format."""
+        if self.format == "pretokenized":
+            return {"input_ids": list}
+        if self.format == "instruction":
+            return {self.prompt_field: str, self.response_field: str}
+        if self.format == "chat":
+            return {self.messages_field: list}
+        return {self.text_field: str}
+
+    def format_hint(self, fields) -> str:
+        """For records lacking this format's fields: the format whose fields they hold, as advice (or "")."""
+        for name, wanted in FORMAT_FIELDS.items():
+            if name != self.format and all(field in fields for field in wanted):
+                return f"; they hold {', '.join(repr(f) for f in wanted)}: set data.format={name} to read them"
+        return ""
+
+
+def record_tokenizer(settings: DataSettings, tokenizer, columns: list[str], path: Path):
+    """(batch function, its output features, a description, whether it takes row indices) that turns a batch of
+    records of this format into full token sequences; None for pretokenized records, which already are."""
+    if settings.format == "pretokenized":
+        return None
+    if settings.format == "chat":
+        function = partial(_tokenize_chats, tokenizer=tokenizer, field=settings.messages_field, path=path)
+        features = datasets.Features({"input_ids": TOKEN_FEATURE, "labels": TOKEN_FEATURE,
+                                      "turn_ends": TOKEN_FEATURE})
+        return function, features, "rendering chats", True
+    if settings.format == "text":
+        text_field = settings.text_field if settings.text_field in columns else "text"
+        function = partial(_tokenize_documents, tokenizer=tokenizer, text_field=text_field)
+        features = datasets.Features({"input_ids": TOKEN_FEATURE})
+    else:
+        function = partial(_tokenize_instructions, tokenizer=tokenizer,
+                           prompt_field=settings.prompt_field, response_field=settings.response_field)
+        features = datasets.Features({"input_ids": TOKEN_FEATURE, "labels": TOKEN_FEATURE})
+    return function, features, "tokenizing", False
+
+
+def _special_ids(tokenizer) -> tuple[list[int], list[int]]:
+    as_list = lambda token_id: [] if token_id is None else [token_id]  # noqa: E731
+    return as_list(tokenizer.bos_token_id), as_list(tokenizer.eos_token_id)
+
+
+def _tokenize_documents(batch, *, tokenizer, text_field: str) -> dict:
+    """Each document → bos + tokens + eos; empty documents (blank lines) → no tokens."""
+    bos, eos = _special_ids(tokenizer)
+    documents = tokenizer(batch[text_field], add_special_tokens=False)["input_ids"]
+    return {"input_ids": [bos + ids + eos if ids else [] for ids in documents]}
+
+
+def _tokenize_instructions(batch, *, tokenizer, prompt_field: str, response_field: str) -> dict:
+    """bos + prompt (labels -100) followed by response + eos (labels = ids): the loss covers the response only."""
+    bos, eos = _special_ids(tokenizer)
+    prompts = tokenizer(batch[prompt_field], add_special_tokens=False)["input_ids"]
+    responses = tokenizer(batch[response_field], add_special_tokens=False)["input_ids"]
+    input_ids, labels = [], []
+    for prompt, response in zip(prompts, responses):
+        prompt, response = bos + prompt, response + eos
+        input_ids.append(prompt + response)
+        labels.append([IGNORE_INDEX] * len(prompt) + response)
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def with_chat_template(tokenizer, template_file: str | None):
+    """The tokenizer with `template_file`'s Jinja template (a copy: the caller's is left alone), or the tokenizer
+    itself when it ships a template; an error naming data.chat_template when neither has one."""
+    if template_file:
+        if not Path(template_file).is_file():
+            raise ValueError(f"data.chat_template '{template_file}' does not exist; give the path of a Jinja file")
+        tokenizer = copy.copy(tokenizer)
+        tokenizer.chat_template = Path(template_file).read_text()
+    elif not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"data.format=chat: the tokenizer ({getattr(tokenizer, 'name_or_path', '') or 'given'}) has "
+                         "no chat template (an instruct checkpoint ships one in tokenizer_config.json or "
+                         "chat_template.jinja, which convert2ckpt.py copies); supply one from a Jinja file with "
+                         "data.chat_template=PATH")
+    return tokenizer
+
+
+def chat_problem(record: dict, *, tokenizer, field: str) -> str | None:
+    """Why a chat record cannot train (or None): no messages, a malformed message, no assistant turn to learn,
+    an assistant turn first (nothing to condition it on), or a template that refuses the conversation."""
+    messages = record[field]
+    if not messages:
+        return f"bad chat example (empty {field!r} list)"
+    for index, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            return f"bad chat example (message {index} is not a {{'role': str, 'content': str}} object)"
+    roles = [message["role"] for message in messages]
+    if "assistant" not in roles:
+        return "bad chat example (no assistant turn: nothing to train on)"
+    if roles[0] == "assistant":
+        return "bad chat example (it starts with an assistant turn: no prompt before it)"
+    try:
+        tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception as error:  # jinja2's TemplateError from the template's raise_exception, or a broken template
+        return f"bad chat example (the chat template rejects it: {error})"
+    return None
+
+
+def _tokenize_chats(batch, indices, *, tokenizer, field: str, path: Path) -> dict:
+    """Each conversation rendered with the tokenizer's chat template; labels only on what assistant turns add.
+
+    Assistant turn i adds the tokens of render(messages[:i+1]) beyond render(messages[:i], add_generation_prompt):
+    its content and the template's end-of-turn marker, not its header. Both renders must be token prefixes of the
+    whole conversation's tokens (checked: a template that rewrites earlier turns cannot be trained this way).
+    `turn_ends`: the token offset where each assistant turn ends, where overlong=split may cut.
+    """
+    input_ids, labels, turn_ends = [], [], []
+    for index, messages in zip(indices, batch[field]):
+        problem = chat_problem({field: messages}, tokenizer=tokenizer, field=field)
+        if problem:
+            raise ValueError(f"{path}: example {index}: {problem}; fix it (a JSON-lines file can also skip it with "
+                             "data.bad_lines=skip)")
+        turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+        texts = [tokenizer.apply_chat_template(messages, tokenize=False)]
+        for i in turns:
+            texts += [tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True),
+                      tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)]
+        full, *prefixes = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        targets, ends = [IGNORE_INDEX] * len(full), []
+        for i, prompt, upto in zip(turns, prefixes[0::2], prefixes[1::2]):
+            if full[:len(upto)] != upto or upto[:len(prompt)] != prompt:
+                raise ValueError(
+                    f"{path}: example {index}: the chat template's render of the conversation up to message {i} "
+                    "is not a token prefix of the whole conversation's, so the assistant's tokens cannot be "
+                    "located (templates that rewrite earlier turns, e.g. drop past reasoning, do this); supply a "
+                    "template without it with data.chat_template=PATH")
+            targets[len(prompt):len(upto)] = full[len(prompt):len(upto)]
+            ends.append(len(upto))
+        input_ids.append(full)
+        labels.append(targets)
+        turn_ends.append(ends)
+    return {"input_ids": input_ids, "labels": labels, "turn_ends": turn_ends}
+
+
