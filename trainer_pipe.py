@@ -18,11 +18,12 @@ def strip_launcher_arguments():
 @hydra.main(version_base=None, config_path="conf", config_name="tiny")
 def main(cfg):
     from training.loop import run  # heavy imports after Hydra has parsed the command line
+    from training.checkpointing import DiskFullError
     from training.preemption import PREEMPTED_EXIT_CODE, Preempted
     exit_code = 0
     try:
         run(cfg)
-    except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as error:  # says what to fix
+    except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError, DiskFullError) as error:  # what to fix
         sys.exit(f"trainer_pipe: error: {error}")
     except Preempted as stop:  # every rank saved together; the launcher passes the code on
         print(f"trainer_pipe: {stop}", flush=True)

@@ -3,6 +3,8 @@ the precision, ZeRO stage, data-parallel degree and optimizer offload; the host 
 buffers; and the optimizer step's short-lived peak. Each figure is a function of the stage's parameter count and
 its largest tensor (elements), so it stays apart from the model's layers (planner/stage_costs.py counts those).
 Figures follow DeepSpeed 0.19.8's code paths named in each docstring."""
+import dataclasses
+
 from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
 
 from planner.workload import PRECISION_BYTES
@@ -29,6 +31,13 @@ def state_bytes_per_parameter(workload):
     keeps_master = workload.precision != "fp32" or workload.zero_stage >= 1
     return {"weights": weight, "gradients": weight,
             "optimizer": ((FP32_BYTES if keeps_master else 0) + ADAM_STATE_BYTES) / optimizer_shards(workload)}
+
+
+def checkpoint_bytes_per_parameter(workload):
+    """Bytes per parameter of a training checkpoint on disk: the weights and the whole optimizer state (every
+    rank's ZeRO shard, offloaded or not); gradients are not saved."""
+    whole = state_bytes_per_parameter(dataclasses.replace(workload, data_parallel=1, offload_optimizer=False))
+    return whole["weights"] + whole["optimizer"]
 
 
 def host_state_bytes_per_parameter(workload):

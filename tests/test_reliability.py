@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -201,3 +202,83 @@ def test_preemption_grace_bounds_a_stop_that_cannot_finish():
     assert time.time() - started < 30
     assert ("preemption (SIGTERM): the step and the checkpoint did not finish within preemption_grace_seconds=1; "
             "exiting without it" in result.stdout)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real filesystem of a chosen size (tmpfs, resized with remount): mount(size_bytes) -> its path."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+
+    def mount(size_bytes):
+        options = f"size={size_bytes}" if not os.path.ismount(disk) else f"remount,size={size_bytes}"
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(disk)], capture_output=True)
+        if result.returncode:
+            pytest.skip(f"mounting a tmpfs needs root: {result.stderr.decode().strip()}")
+        return disk
+    yield mount
+    if os.path.ismount(disk):
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def used_bytes(path):
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+
+
+@pytest.fixture(scope="module")
+def two_step_run(demo_model, tmp_path_factory):
+    """2 steps on 2 ranks with a checkpoint at step 2 (no export): what the disk tests size their disks from."""
+    out = tmp_path_factory.mktemp("two_steps") / "run"
+    check_ok(launch_trainer(2, two_step_overrides(demo_model, out)))
+    return out
+
+
+def two_step_overrides(demo_model, out, **extra):
+    return demo_overrides(demo_model, out, **{"max_steps": 2, "save_steps": 2, "eval_file": "null",
+                                              "export_hf": "false", **extra})
+
+
+def test_full_disk_is_one_line_before_anything_is_written_and_resume_continues(demo_model, two_step_run, small_disk):
+    """The second save finds less free space than the first checkpoint took: every rank refuses it in one line
+    naming the checkpoint, the sizes and where to resume; `latest` stays; the start-up warns of it."""
+    from training.checkpointing import checkpoint_bytes
+    disk = small_disk(64 * 2**20)
+    out = disk / "run"
+    shutil.copytree(two_step_run, out)
+    checkpoint = checkpoint_bytes(out / "global_step2")
+    small_disk(used_bytes(disk) + checkpoint // 2)
+    result = launch_trainer(2, two_step_overrides(demo_model, out, resume="auto", max_steps=4), timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert f"warning: the disk of output_dir '{out}' holds" in output and "less than save_total_limit + 1 = 3" in output
+    refusal = re.findall(rf"trainer_pipe: error: checkpoint global_step4 does not fit on the disk of '{out}': "
+                         rf"[\d.]+ MiB free, a checkpoint needs about {checkpoint / 2**20:.1f} MiB; .*; resume=auto "
+                         rf"continues from the last complete checkpoint, {out}/global_step2\.", output)
+    assert len(refusal) == 2, output[-3000:]  # one line from each rank
+    assert "Traceback" not in output and "inline_container" not in output
+    assert (out / "latest").read_text() == "global_step2" and not (out / "global_step4").exists()
+
+
+def test_disk_filling_during_the_first_save_is_one_line(demo_model, two_step_run, small_disk):
+    """Before the first save only the planner's estimate is known (weights and optimizer state, without the
+    tokenizer and other side files): a disk with room for the estimate but not the checkpoint fills mid-save,
+    and the rank that hit it says so in one line (its peers then stop on the lost connection), with no checkpoint
+    marked complete."""
+    from hydra import compose, initialize_config_dir
+
+    from training.checkpointing import checkpoint_bytes
+    from training.run_spec import run_spec
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
+        estimate = run_spec(compose(config_name="tiny", overrides=two_step_overrides(
+            demo_model, two_step_run, overwrite_output_dir="true")), 2).checkpoint_bytes
+    actual = checkpoint_bytes(two_step_run / "global_step2")
+    assert estimate < actual
+    disk = small_disk(used_bytes(two_step_run) - actual + (estimate + actual) // 2)
+    out = disk / "run"
+    result = launch_trainer(2, two_step_overrides(demo_model, out), timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert re.search(rf"trainer_pipe: error: checkpoint global_step2 does not fit on the disk of '{out}': .*; no "
+                     rf"complete checkpoint was saved yet\.", output), output[-3000:]
+    assert "inline_container" not in output and "Errno 28" not in output
+    assert not (out / "latest").exists() and not (out / "global_step2" / "COMPLETE").exists()

@@ -6,6 +6,7 @@ marker in it and atomically points ``latest`` at it. A process killed mid-save t
 checkpoint as ``latest``; tag directories without the marker are never resumed from and are removed by the next run.
 """
 import contextlib
+import errno
 import json
 import os
 import random
@@ -27,6 +28,10 @@ from models.partition import decoder_counts_of_bounds
 TAG_PATTERN = re.compile(r"^global_step(\d+)$")
 RUN_CONFIG_NAME = "run_config.yaml"
 TRAINER_STATE_NAME = "trainer_state.json"
+
+
+class DiskFullError(OSError):
+    """A checkpoint that does not fit on its disk; the message names it, what it needs and where to resume."""
 
 
 def tag_of_step(step):
@@ -161,37 +166,106 @@ def hashing_saves(checkpoint_engine):
         hasher.shutdown()
 
 
-def save_checkpoint(engine, cfg, model_files_dir, trainer_state):
+def save_checkpoint(engine, cfg, model_files_dir, trainer_state, needed_bytes):
+    """Save global_step<step> crash-safely; needed_bytes: what the checkpoint takes on disk (the last one's size,
+    or the planner's estimate before the first), checked against the free space before anything is written."""
     output_dir, tag = cfg.output_dir, tag_of_step(trainer_state["step"])
     tag_dir = os.path.join(output_dir, tag)
+    check_space_for_checkpoint(output_dir, tag, needed_bytes)
     if dist.get_rank() == 0 and os.path.exists(os.path.join(tag_dir, COMPLETE_MARKER)):
         os.remove(os.path.join(tag_dir, COMPLETE_MARKER))  # rewriting a tag: it is incomplete until done again
     dist.barrier()
-    with hashing_saves(engine.checkpoint_engine) as written:
+    with disk_full_is_one_line(output_dir, tag, needed_bytes), hashing_saves(engine.checkpoint_engine) as written:
         engine.save_checkpoint(output_dir, tag=tag, client_state=trainer_state, save_latest=False)
-    save_rng_state(tag_dir, dist.get_rank())
+        save_rng_state(tag_dir, dist.get_rank())
     rng_path = rng_state_path(tag_dir, dist.get_rank())
     written[rng_path] = file_checksum(rng_path)
     every_rank = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object({os.path.relpath(p, tag_dir): c for p, c in written.items()}, every_rank, dst=0)
     # gather_object returned: every rank's files are written before the checkpoint is declared complete
     if dist.get_rank() == 0:
-        copy_model_side_files(model_files_dir, tag_dir)
-        if cfg.tokenizer_name_or_path:
-            copy_tokenizer_files(cfg.tokenizer_name_or_path, tag_dir)
-        OmegaConf.save(cfg, os.path.join(tag_dir, RUN_CONFIG_NAME), resolve=True)
-        with open(os.path.join(tag_dir, TRAINER_STATE_NAME), "w") as f:
-            json.dump(trainer_state, f, indent=2)
-        checksums = {name: checksum for files in every_rank for name, checksum in files.items()}
-        for name in os.listdir(tag_dir):  # the small side files rank 0 just wrote
-            if name not in checksums and os.path.isfile(os.path.join(tag_dir, name)):
-                checksums[name] = file_checksum(os.path.join(tag_dir, name))
-        write_manifest(tag_dir, checksums)
-        write_text_atomic(os.path.join(tag_dir, COMPLETE_MARKER), tag)
-        write_text_atomic(os.path.join(output_dir, LATEST), tag)
+        with disk_full_is_one_line(output_dir, tag, needed_bytes):
+            write_side_files_and_complete(cfg, model_files_dir, tag_dir, trainer_state, every_rank)
         prune_checkpoints(output_dir, cfg.save_total_limit)
     dist.barrier()
     return tag_dir
+
+
+def write_side_files_and_complete(cfg, model_files_dir, tag_dir, trainer_state, every_rank):
+    """Rank 0, once every rank's files are written: the side files, the checksum manifest, COMPLETE, `latest`."""
+    output_dir, tag = os.path.dirname(tag_dir), os.path.basename(tag_dir)
+    copy_model_side_files(model_files_dir, tag_dir)
+    if cfg.tokenizer_name_or_path:
+        copy_tokenizer_files(cfg.tokenizer_name_or_path, tag_dir)
+    OmegaConf.save(cfg, os.path.join(tag_dir, RUN_CONFIG_NAME), resolve=True)
+    with open(os.path.join(tag_dir, TRAINER_STATE_NAME), "w") as f:
+        json.dump(trainer_state, f, indent=2)
+    checksums = {name: checksum for files in every_rank for name, checksum in files.items()}
+    for name in os.listdir(tag_dir):  # the small side files rank 0 just wrote
+        if name not in checksums and os.path.isfile(os.path.join(tag_dir, name)):
+            checksums[name] = file_checksum(os.path.join(tag_dir, name))
+    write_manifest(tag_dir, checksums)
+    write_text_atomic(os.path.join(tag_dir, COMPLETE_MARKER), tag)
+    write_text_atomic(os.path.join(output_dir, LATEST), tag)
+
+
+@contextlib.contextmanager
+def disk_full_is_one_line(output_dir, tag, needed_bytes):
+    """A full disk while writing a checkpoint becomes a DiskFullError saying what to do, instead of torch's
+    "[enforce fail at inline_container.cc] unexpected pos" (or ENOSPC) traceback."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        if getattr(error, "errno", None) != errno.ENOSPC and "unexpected pos" not in str(error):
+            raise
+        raise DiskFullError(disk_full_message(output_dir, tag, needed_bytes, free_bytes(output_dir))) from None
+
+
+def free_bytes(path):
+    """Free bytes of the filesystem path is on (or will be created on)."""
+    while not os.path.exists(path):
+        path = os.path.dirname(os.path.abspath(path))
+    return shutil.disk_usage(path).free
+
+
+def checkpoint_bytes(tag_dir):
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(tag_dir) for name in names)
+
+
+def check_space_for_checkpoint(output_dir, tag, needed_bytes):
+    """Every rank takes rank 0's reading of the free space, so all refuse together, before anything is written:
+    `latest` stays on the last complete checkpoint."""
+    reading = [(free_bytes(output_dir), needed_bytes) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(reading, src=0)
+    free, needed = reading[0]
+    if free < needed:
+        raise DiskFullError(disk_full_message(output_dir, tag, needed, free))
+
+
+def disk_full_message(output_dir, tag, needed_bytes, free):
+    tags = complete_tags(output_dir)
+    resume = (f"resume=auto continues from the last complete checkpoint, {os.path.join(output_dir, tags[-1])}"
+              if tags else "no complete checkpoint was saved yet")
+    return (f"checkpoint {tag} does not fit on the disk of '{output_dir}': {size_text(free)} free, a checkpoint "
+            f"needs about {size_text(needed_bytes)}; free space there (or lower save_total_limit, or choose an "
+            f"output_dir on a larger disk); {resume}.")
+
+
+def storage_warning(output_dir, needed_bytes, save_total_limit):
+    """A start-up warning when output_dir's filesystem cannot hold the save_total_limit + 1 checkpoints a save
+    needs at once (the kept ones and the one being written; this run's older checkpoints count as free); else None."""
+    wanted = (max(1, save_total_limit) + 1) * needed_bytes
+    capacity = free_bytes(output_dir) + sum(checkpoint_bytes(os.path.join(output_dir, tag))
+                                            for tag in complete_tags(output_dir))
+    if capacity >= wanted:
+        return None
+    return (f"warning: the disk of output_dir '{output_dir}' holds {size_text(capacity)} for checkpoints, less "
+            f"than save_total_limit + 1 = {max(1, save_total_limit) + 1} checkpoints of about "
+            f"{size_text(needed_bytes)}; a save will stop the run when the disk is full.")
+
+
+def size_text(size):
+    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
 def verify_checkpoint(tag_dir, weights_only):

@@ -19,8 +19,9 @@ from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.tensor_parallel import SHARDED_MARKER
 from planner.memory_plan import describe_stages, print_memory_plan
-from training.checkpointing import (clear_previous_run, load_rng_state, remove_incomplete_checkpoints, resolve_resume,
-                                    save_checkpoint, start_checkpoint_dir, verify_checkpoint)
+from training.checkpointing import (checkpoint_bytes, clear_previous_run, load_rng_state, remove_incomplete_checkpoints,
+                                    resolve_resume, save_checkpoint, start_checkpoint_dir, storage_warning,
+                                    verify_checkpoint)
 from training.deepspeed_config import deepspeed_config
 from training.distributed import init_distributed, parallel_topology, set_threads_per_process
 from training.evaluation import evaluate
@@ -120,14 +121,20 @@ def clip_fp32_gradients_across_stages(engine):
     engine._global_grad_norm = total_norm.item()
 
 
-def prepare_output_dir(cfg, resume_from):
-    """Rank 0 removes what an interrupted save left behind and, when asked, an older run's checkpoints."""
+def prepare_output_dir(spec):
+    """Rank 0 removes what an interrupted save left behind and, when asked, an older run's checkpoints, and warns
+    when the disk cannot hold the checkpoints the run keeps."""
+    cfg, resume_from = spec.cfg, spec.resume_from
     if dist.get_rank() == 0:
         removed = remove_incomplete_checkpoints(cfg.output_dir)
         if removed:
             print(f"removed incomplete checkpoints left by an interrupted save: {removed}", flush=True)
         if resume_from is None and cfg.overwrite_output_dir and not cfg.eval_only:
             clear_previous_run(cfg.output_dir)
+        warning = None if cfg.eval_only else storage_warning(cfg.output_dir, spec.checkpoint_bytes,
+                                                             cfg.save_total_limit)
+        if warning:
+            print(warning, flush=True)
     dist.barrier()
 
 
@@ -158,7 +165,7 @@ def run(cfg):
     spec = run_spec(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # every check, before anything is started
     cfg, resume_from = spec.cfg, spec.resume_from
     init_distributed(cfg.dist_timeout_minutes)
-    prepare_output_dir(cfg, resume_from)
+    prepare_output_dir(spec)
     seed_everything(cfg.seed)
     log_rank0(describe_stages(spec))
     topology = parallel_topology(spec.num_stages, spec.tensor_parallel)
@@ -206,6 +213,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
     samples_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp_size
     logger = RunLogger(cfg.output_dir, monitors, total_steps, step)
     last_checkpoint = resolve_resume("auto", cfg.output_dir)
+    checkpoint_size = checkpoint_bytes(os.path.join(*last_checkpoint)) if last_checkpoint else spec.checkpoint_bytes
     preemption = PreemptionWatch(cfg.preemption_grace_seconds)
     flops_per_token = training_flops_per_token(spec.model_config, cfg.seq_length)
     peak_tflops = device_peak_tflops(cfg.peak_tflops, cfg.precision)
@@ -245,8 +253,9 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
         preempted = preemption.should_stop() and step < total_steps
         if preempted or step == total_steps or (cfg.save_steps and step % cfg.save_steps == 0):
             save_checkpoint(engine, cfg, spec.model_files_dir, {
-                "step": step, "consumed_samples": step * samples_per_step, "topology": spec.layout})
+                "step": step, "consumed_samples": step * samples_per_step, "topology": spec.layout}, checkpoint_size)
             last_checkpoint = (cfg.output_dir, f"global_step{step}")
+            checkpoint_size = checkpoint_bytes(os.path.join(*last_checkpoint))
         if preempted:
             logger.close()
             raise Preempted(f"preempted ({preemption.reason}) after step {step}: saved "

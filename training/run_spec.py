@@ -17,9 +17,11 @@ from checkpoints.files import has_tokenizer_files, read_latest
 from data.formats import DataSettings
 from models.layout import layer_file_name
 from models.llama import check_model_config
+from models.partition import layer_parameter_counts
 from models.pipeline import ATTENTION_IMPLS, partition_stages
 from models.tensor_parallel import check_tensor_parallel_split
 from planner.stage_costs import balanced_stage_cost
+from planner.training_state import checkpoint_bytes_per_parameter
 from planner.workload import Workload
 from training.checkpointing import check_fresh_start, check_resume_topology, read_trainer_state, resolve_resume
 from training.schedule import PIPELINE_SCHEDULES
@@ -69,6 +71,11 @@ class RunSpec:
         if self.tensor_parallel > 1:
             layout["tensor_parallel"] = self.tensor_parallel
         return {**layout, "stage_bounds": list(self.stage_bounds)}
+
+    @property
+    def checkpoint_bytes(self):
+        """The planner's estimate of one training checkpoint on disk (weights and optimizer state)."""
+        return int(sum(layer_parameter_counts(self.model_config)) * checkpoint_bytes_per_parameter(self.workload))
 
     def replanned(self, **workload_changes):
         """The same run with another workload (and the stage bounds the partition gives it)."""
