@@ -15,19 +15,22 @@ import torch
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6 is a zip archive
 
 
-def load_weights_only(path):
-    """A torch.save file (a pytorch_model*.bin shard, a layer file), memory-mapped and unpickled with
-    weights_only=True: only tensors and plain containers, never code. Anything else is refused with what to do;
-    there is no fallback to an unsafe load."""
-    advice = ("re-save it with a current torch (torch.save, zip format) from a source you trust, or convert it to "
-              "safetensors; the converter never unpickles files that could run code.")
+CONVERT_ADVICE = ("re-save it with a current torch (torch.save, zip format) from a source you trust, or convert it "
+                  "to safetensors; the converter never unpickles files that could run code.")
+
+
+def load_weights_only(path, allowed=(), advice=CONVERT_ADVICE, mmap=True, map_location="cpu"):
+    """A torch.save file (a pytorch_model*.bin shard, a layer file, a training state file), unpickled with
+    weights_only=True: only tensors, plain containers and the `allowed` classes (torch's safe globals), never code.
+    Anything else is refused with what to do; there is no fallback to an unsafe load."""
     with open(path, "rb") as f:
         if f.read(4) != ZIP_MAGIC:
             raise ValueError(f"'{path}' is not in torch's zip format (a legacy pickle from torch < 1.6, or not a torch "
                              f"file), which cannot be loaded safely (memory-mapped with torch.load(weights_only=True)); "
                              f"{advice}")
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as error:
         called = re.search(r"GLOBAL (\S+)", str(error))
         reason = f"it names {called.group(1)}, which is not a tensor type" if called else "not only tensors"

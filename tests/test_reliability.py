@@ -282,3 +282,23 @@ def test_disk_filling_during_the_first_save_is_one_line(demo_model, two_step_run
                      rf"complete checkpoint was saved yet\.", output), output[-3000:]
     assert "inline_container" not in output and "Errno 28" not in output
     assert not (out / "latest").exists() and not (out / "global_step2" / "COMPLETE").exists()
+
+
+def test_a_state_file_carrying_code_is_refused_naming_it_and_never_run(demo_model, two_step_run, tmp_path):
+    """A shared checkpoint whose DeepSpeed state file carries a pickle payload, with a checksums.json forged to
+    match: resuming refuses the file by name (DeepSpeed's own loader would unpickle it with weights_only=False)."""
+    from checkpoints.integrity import file_checksum, read_manifest, write_manifest
+    from tests.test_integrity import Payload
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    tag = out / "global_step2"
+    forged, marker = tag / "mp_rank_00_model_states.pt", tmp_path / "payload_ran"
+    torch.save({**torch.load(forged, weights_only=True), "extra": Payload(str(marker))}, forged)
+    write_manifest(str(tag), {**read_manifest(str(tag)), forged.name: file_checksum(str(forged))})
+    result = launch_trainer(2, two_step_overrides(demo_model, out, resume="auto", max_steps=4), timeout=120)
+    assert result.returncode != 0
+    assert (f"trainer_pipe: error: '{forged}' cannot be loaded safely with torch.load(weights_only=True): its pickle "
+            f"refers to code" in result.stdout + result.stderr), (result.stdout + result.stderr)[-3000:]
+    assert not marker.exists()
+    torch.load(forged, weights_only=False)  # the file is armed: an unsafe load runs the payload
+    assert marker.exists()

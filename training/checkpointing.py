@@ -23,6 +23,7 @@ from checkpoints.files import (COMPLETE_MARKER, LATEST, copy_model_side_files, c
                                write_text_atomic)
 from checkpoints.integrity import (ChecksumError, file_checksum, no_manifest_note, read_by_weights_only_load,
                                    read_manifest, verify_files, write_manifest)
+from checkpoints.state_files import load_rng_file
 from models.partition import decoder_counts_of_bounds
 
 TAG_PATTERN = re.compile(r"^global_step(\d+)$")
@@ -114,7 +115,7 @@ def load_rng_state(tag_dir, rank):
     path = rng_state_path(tag_dir, rank)
     if not os.path.isfile(path):
         return
-    state = torch.load(path, weights_only=False)
+    state = load_rng_file(path)
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.layer_files import load_layer_slice
+from checkpoints.state_files import WeightsOnlyCheckpointEngine
 from data.datasets import build_dataset_distributed
 from data.loader import build_stage_loader, check_identical_across_group, infinite_micro_batches
 from models.partition import training_flops_per_token
@@ -96,6 +97,8 @@ def build_engine(spec, total_steps):
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, optimizer=optimizer,
                                            config=ds_config)
     engine.clip_fp32_gradients = lambda: clip_fp32_gradients_across_stages(engine)
+    # Resuming runs no code from the checkpoint; DeepSpeed's config keeps deciding how files are written (zip).
+    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
     if not engine.is_data_parallel and engine.zero_optimization_stage() == 0:
         # DeepSpeed's pipeline all-reduces gradients over a data-parallel group of one too: a flattened copy of
         # every gradient and a copy back, for nothing (ZeRO-1's reduction also fills its partitions: kept).
