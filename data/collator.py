@@ -10,7 +10,7 @@ def collate_causal_lm(examples, seq_length: int, pad_id: int):
 
     All tensors are torch.long of shape (batch, seq_length): integer tensors cross stage boundaries without the
     engine asking for their gradients, and stay linear in seq_length. A row is one document, or, when it has a
-    `lengths` field (packed rows, data/datasets.py), the documents of those lengths one after another.
+    `lengths` field (packed rows, data/packing.py), the documents of those lengths one after another.
     document_ids is k on the tokens of the row's k-th document (1 for a one-document row) and 0 on padding: the
     model attends only within a document. position_ids restart at 0 with every document (padding continues the
     last one's count); labels are -100 on padding and on the first token of each later document, which the

@@ -50,7 +50,7 @@ def pack_examples(batch, *, seq_length: int) -> dict:
 
 def cut_sequences(batch, *, seq_length: int, split: bool) -> dict:
     """Truncate each sequence to seq_length, or split it into pieces of at most seq_length (chat: at the ends of
-    assistant turns, `_turn_pieces`); keep pieces with a target.
+    assistant turns, `turn_pieces`); keep pieces with a target.
 
     A piece needs a label after its first position: the model predicts token t from tokens before t, so a piece of
     one token, or of prompt only, adds nothing to the loss (and a micro-batch of only such pieces would divide by 0).
