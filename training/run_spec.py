@@ -18,7 +18,7 @@ from data.formats import DataSettings
 from models.layout import layer_file_name
 from models.llama import check_model_config
 from models.partition import layer_parameter_counts
-from models.pipeline import ATTENTION_IMPLS, partition_stages
+from models.pipeline import ATTENTION_IMPLS, PRECISION_DTYPES, partition_stages
 from models.tensor_parallel import check_tensor_parallel_split
 from planner.stage_costs import balanced_stage_cost
 from planner.training_state import checkpoint_bytes_per_parameter
@@ -28,7 +28,7 @@ from training.schedule import PIPELINE_SCHEDULES
 
 BASE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "base.yaml")
 FREE_FORM_NODES = ("deepspeed", "model_config")  # DeepSpeed's own keys; a published config.json's fields
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = tuple(PRECISION_DTYPES)
 SCHEDULERS = ("cosine", "linear", "constant")
 OFFLOAD_DEVICES = ("none", "cpu")
 NAN_POLICIES = ("stop", "skip")
