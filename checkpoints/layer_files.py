@@ -45,8 +45,7 @@ def load_weights_only(path, allowed=(), advice=CONVERT_ADVICE, mmap=True, map_lo
 def load_layer_slice(layer, paths, rank, size, strict=True):
     """Load this tensor-parallel rank's part of a layer: its slice of the one whole-layer file, its own file when
     the layer was saved by `size` ranks (DeepSpeed names them layer_XX-model_YY-model_states.pt), or, from a
-    checkpoint saved with another tensor-parallel size (resume_weights_only after changing it), its slice assembled
-    from the saved slices."""
+    checkpoint saved with another tensor-parallel size, its slice assembled from the saved slices."""
     if not paths:
         raise FileNotFoundError("no layer file for this layer in the checkpoint; was it written by this model?")
     if len(paths) == 1:
@@ -54,15 +53,22 @@ def load_layer_slice(layer, paths, rank, size, strict=True):
     elif len(paths) == size:
         load_layer_file(layer, sorted(paths)[rank], strict)
     else:
-        layer.load_state_dict(resliced_state(layer, sorted(paths), rank, size), strict=strict)
+        saved = [torch.load(p, map_location="cpu", mmap=True, weights_only=True) for p in sorted(paths)]
+        layer.load_state_dict(tensors_for_rank(saved, layer.state_dict(keep_vars=True), rank, size, paths[0]),
+                              strict=strict)
 
 
-def resliced_state(layer, paths, rank, size):
-    """This rank's tensors of a layer saved as len(paths) tensor-parallel slices. A split tensor is recognised by
-    its saved shape differing from the wanted one (only along the split dimension); only the saved slices that
-    overlap this rank's range are read."""
-    saved = [torch.load(p, map_location="cpu", mmap=True, weights_only=True) for p in paths]
-    targets = layer.state_dict()
+def tensors_for_rank(saved, targets, rank, size, where):
+    """This tensor-parallel rank's tensors of a layer saved as len(saved) {key: tensor} slices (one whole, one per
+    rank, or another count). targets: {key: this rank's tensor}, whose tensor_parallel_dim (models/tensor_parallel.py)
+    says how a whole tensor splits. Between other counts, a split tensor is recognised by its saved shape differing
+    from the wanted one (only along the split dimension); only the saved slices that overlap this rank's range are
+    read. where: the file named in errors."""
+    if len(saved) == 1:
+        return {key: own_slice(tensor, getattr(targets.get(key), "tensor_parallel_dim", None), rank, size)
+                for key, tensor in saved[0].items()}
+    if len(saved) == size:
+        return saved[rank]
     state = {}
     for key, first in saved[0].items():
         target = targets.get(key)
@@ -72,7 +78,7 @@ def resliced_state(layer, paths, rank, size):
         differing = [d for d, (a, b) in enumerate(zip(first.shape, target.shape)) if a != b]
         if first.dim() != target.dim() or len(differing) != 1 or \
                 first.shape[differing[0]] * len(saved) != target.shape[differing[0]] * size:
-            raise ValueError(f"{key} in {paths[0]}: {len(saved)} saved slices of shape {tuple(first.shape)} do not "
+            raise ValueError(f"{key} in {where}: {len(saved)} saved slices of shape {tuple(first.shape)} do not "
                              f"make {size} slices of shape {tuple(target.shape)}; the checkpoint is of another model.")
         dim = differing[0]
         piece, want = first.shape[dim], target.shape[dim]

@@ -25,6 +25,7 @@ from checkpoints.integrity import (ChecksumError, file_checksum, no_manifest_not
                                    read_manifest, verify_files, write_manifest)
 from checkpoints.state_files import load_rng_file
 from models.partition import decoder_counts_of_bounds
+from training.optimizer_state import missing_state_message, save_training_state, saved_optimizer_state_paths
 
 TAG_PATTERN = re.compile(r"^global_step(\d+)$")
 RUN_CONFIG_NAME = "run_config.yaml"
@@ -130,8 +131,15 @@ def read_trainer_state(tag_dir):
         return json.load(f)
 
 
+def has_layout_free_state(trainer_state):
+    """Whether a checkpoint's optimizer state is saved per layer (training/optimizer_state.py), so that any layout
+    resumes it; older checkpoints hold DeepSpeed's per-rank files, which only their own layout loads."""
+    return "optimizer_step" in trainer_state
+
+
 def check_resume_topology(trainer_state, topology, weights_only, tag_dir):
-    """Optimizer state is laid out per stage (and per data-parallel rank under ZeRO-1): it cannot follow a change."""
+    """A checkpoint written before the optimizer state was saved per layer: its state is laid out per stage (and per
+    data-parallel rank under ZeRO-1) and cannot follow a change."""
     saved = trainer_state.get("topology")
     if saved and "stage_bounds" not in saved:  # written before the stages' layers were recorded
         topology = degrees_of(topology)
@@ -139,14 +147,61 @@ def check_resume_topology(trainer_state, topology, weights_only, tag_dir):
         only_layers_differ = "stage_bounds" in saved and degrees_of(saved) == degrees_of(topology)
         partition = (f", or partition={decoder_counts_of_bounds(saved['stage_bounds'])} to build the checkpoint's "
                      f"stages" if only_layers_differ else "")
-        raise ValueError(f"checkpoint {tag_dir} was trained with {saved}, this run has {topology}; optimizer state "
-                         f"cannot follow a topology change. Set resume_weights_only=true to continue from its weights "
-                         f"with a fresh optimizer (the data position is kept by consumed samples){partition}.")
+        raise ValueError(f"checkpoint {tag_dir} was trained with {saved}, this run has {topology}; its optimizer "
+                         f"state (written before checkpoints saved it per layer) cannot follow a topology change. Set "
+                         f"resume_weights_only=true to continue from its weights with a fresh optimizer (the data "
+                         f"position is kept by consumed samples){partition}.")
 
 
 def degrees_of(topology):
     """A saved or current topology without its stage bounds: the parallel degrees alone."""
     return {key: value for key, value in topology.items() if key != "stage_bounds"}
+
+
+MODEL_SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+
+
+def check_same_model(tag_dir, model_config):
+    """A checkpoint resumes only onto the model it was trained as: its config.json against the run's model."""
+    path = os.path.join(tag_dir, "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        saved = json.load(f)
+    current = model_config.to_dict()
+    differ = [f"{key} {saved.get(key)} there, {current.get(key)} here" for key in MODEL_SHAPE_KEYS
+              if saved.get(key) != current.get(key)]
+    if differ:
+        raise ValueError(f"checkpoint {tag_dir} is of another model than model_name_or_path ({'; '.join(differ)}): "
+                         f"resume a checkpoint of this model, or set model_name_or_path to the converted model the "
+                         f"checkpoint was trained from.")
+
+
+def check_optimizer_state_files(tag_dir, trainer_state, layer_indices):
+    """Every layer's optimizer state is in the checkpoint (one file per tensor-parallel rank that wrote it)."""
+    slices = trainer_state.get("topology", {}).get("tensor_parallel", 1)
+    for index in layer_indices:
+        found = len(saved_optimizer_state_paths(tag_dir, index))
+        if found != slices:
+            raise FileNotFoundError(missing_state_message(tag_dir, index) if not found else
+                                    f"checkpoint {tag_dir} has {found} optimizer-state files for layer {index}, its "
+                                    f"{slices} tensor-parallel ranks wrote {slices}; copy the checkpoint again, or "
+                                    f"set resume_weights_only=true to continue from its weights.")
+
+
+def dropped_state(saved_settings, settings):
+    """What a resume under `settings` cannot carry over from a checkpoint written under saved_settings."""
+    if saved_settings.get("precision") == "fp16" and settings["precision"] != "fp16":
+        return [f"fp16's loss scale (the run goes from fp16 to {settings['precision']})"]
+    return []
+
+
+def layout_change(trainer_state, layout, settings):
+    """'key: old -> new' for each thing a resume changes about the run that wrote the checkpoint."""
+    saved = {"tensor_parallel": 1, **trainer_state.get("topology", {}), **trainer_state.get("settings", {})}
+    current = {"tensor_parallel": 1, **layout, **settings}
+    return [f"{key} {saved[key]} -> {current[key]}" for key in current if key in saved and saved[key] != current[key]]
 
 
 @contextlib.contextmanager
@@ -178,6 +233,7 @@ def save_checkpoint(engine, cfg, model_files_dir, trainer_state, needed_bytes):
     dist.barrier()
     with disk_full_is_one_line(output_dir, tag, needed_bytes), hashing_saves(engine.checkpoint_engine) as written:
         engine.save_checkpoint(output_dir, tag=tag, client_state=trainer_state, save_latest=False)
+        trainer_state = {**trainer_state, **save_training_state(engine, tag_dir)}
         save_rng_state(tag_dir, dist.get_rank())
     rng_path = rng_state_path(tag_dir, dist.get_rank())
     written[rng_path] = file_checksum(rng_path)

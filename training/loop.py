@@ -20,14 +20,15 @@ from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.tensor_parallel import SHARDED_MARKER
 from planner.memory_plan import describe_stages, print_memory_plan
-from training.checkpointing import (checkpoint_bytes, clear_previous_run, load_rng_state, remove_incomplete_checkpoints,
-                                    resolve_resume, save_checkpoint, start_checkpoint_dir, storage_warning,
-                                    verify_checkpoint)
+from training.checkpointing import (checkpoint_bytes, clear_previous_run, dropped_state, has_layout_free_state,
+                                    layout_change, load_rng_state, remove_incomplete_checkpoints, resolve_resume,
+                                    save_checkpoint, start_checkpoint_dir, storage_warning, verify_checkpoint)
 from training.deepspeed_config import deepspeed_config
 from training.distributed import init_distributed, parallel_topology, set_threads_per_process
 from training.evaluation import evaluate
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
 from training.optimizer import skipping_optimizer
+from training.optimizer_state import load_training_state
 from training.pipeline_engine import use_zero_bubble
 from training.preemption import Preempted, PreemptionWatch
 from training.run_spec import ConfigError, plan_spec, run_spec
@@ -99,6 +100,11 @@ def build_engine(spec, total_steps):
     engine.clip_fp32_gradients = lambda: clip_fp32_gradients_across_stages(engine)
     # Resuming runs no code from the checkpoint; DeepSpeed's config keeps deciding how files are written (zip).
     engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
+    # The optimizer's state is saved per layer (training/optimizer_state.py), which any layout loads; DeepSpeed's
+    # per-rank copy of it (ZeRO's files, the optimizer in mp_rank_*) would double a checkpoint.
+    engine.save_zero_checkpoint = False
+    common_checkpoint_state = engine._common_checkpoint_state
+    engine._common_checkpoint_state = lambda *args: {**common_checkpoint_state(*args), "optimizer": None}
     if not engine.is_data_parallel and engine.zero_optimization_stage() == 0:
         # DeepSpeed's pipeline all-reduces gradients over a data-parallel group of one too: a flattened copy of
         # every gradient and a copy back, for nothing (ZeRO-1's reduction also fills its partitions: kept).
@@ -141,17 +147,39 @@ def prepare_output_dir(spec):
     dist.barrier()
 
 
-def load_start_state(engine, cfg, resume_from):
+def load_start_state(engine, spec):
     """Load the resume checkpoint (all state, or weights only), or the converted model's weights."""
+    cfg, resume_from = spec.cfg, spec.resume_from
     if resume_from is None:
         engine.load_checkpoint(cfg.model_name_or_path, load_module_only=True)
         return
     ckpt_dir, tag = resume_from
-    weights_only = cfg.resume_weights_only
-    engine.load_checkpoint(ckpt_dir, tag, load_module_only=weights_only)
-    if not weights_only:
-        load_rng_state(os.path.join(ckpt_dir, tag), dist.get_rank())
-    log_rank0(f"resumed from {os.path.join(ckpt_dir, tag)}{' (weights only, fresh optimizer)' if weights_only else ''}")
+    tag_dir = os.path.join(ckpt_dir, tag)
+    if cfg.resume_weights_only:
+        engine.load_checkpoint(ckpt_dir, tag, load_module_only=True)
+        log_rank0(f"resumed from {tag_dir} (weights only, fresh optimizer)")
+        return
+    if has_layout_free_state(spec.trainer_state):
+        engine.load_checkpoint(ckpt_dir, tag, load_module_only=True)
+        load_training_state(engine, tag_dir, spec.trainer_state)
+    else:  # written before the optimizer state was saved per layer: DeepSpeed's own files, on their own layout
+        engine.load_checkpoint(ckpt_dir, tag)
+    load_rng_state(tag_dir, dist.get_rank())
+    log_rank0(f"resumed from {tag_dir}")
+
+
+def describe_resume(spec):
+    """What a resume changes about the run that wrote its checkpoint (a line at start-up), or None."""
+    if spec.resume_from is None or spec.cfg.resume_weights_only:
+        return None
+    changes = layout_change(spec.trainer_state, spec.layout, spec.settings)
+    if not changes:
+        return None
+    return (f"resuming {os.path.join(*spec.resume_from)} with another layout ({'; '.join(changes)}): the optimizer "
+            f"state is resharded from its per-layer files; the data position is kept in samples "
+            f"({spec.trainer_state.get('consumed_samples', 0)} consumed)"
+            + "".join(f"; dropped: {state}" for state in
+                      dropped_state(spec.trainer_state.get("settings", {}), spec.settings)))
 
 
 def data_position(trainer_state, micro_batches_per_epoch, dp_size, micro_batch_size):
@@ -171,6 +199,8 @@ def run(cfg):
     prepare_output_dir(spec)
     seed_everything(cfg.seed)
     log_rank0(describe_stages(spec))
+    if describe_resume(spec):
+        log_rank0(describe_resume(spec))
     topology = parallel_topology(spec.num_stages, spec.tensor_parallel)
     coord = topology.get_coord(dist.get_rank())
     reads_data = coord.pipe in (0, spec.num_stages - 1)
@@ -183,7 +213,7 @@ def run(cfg):
 
     if cfg.eval_only:
         engine, monitors = build_engine(spec, total_steps=1)
-        load_start_state(engine, cfg, resume_from)
+        load_start_state(engine, spec)
         loss, ppl = evaluate(engine, data.eval, data.eval_length, cfg, pad_id)
         logger = RunLogger(cfg.output_dir, monitors, total_steps=0, start_step=0)
         logger.log({"step": spec.trainer_state.get("step", 0), "eval_loss": loss, "eval_ppl": ppl,
@@ -201,7 +231,7 @@ def run(cfg):
                           f"{cfg.gradient_accumulation_steps}; add data or lower the batch size.")
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     engine, monitors = build_engine(spec, total_steps)
-    load_start_state(engine, cfg, resume_from)
+    load_start_state(engine, spec)
     step = spec.trainer_state.get("step", 0)
     epoch, consumed = data_position(spec.trainer_state, len(loader), spec.data_parallel, cfg.micro_batch_size)
     stream = infinite_micro_batches(loader, epoch, consumed)
@@ -215,6 +245,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
     dp_size = engine.grid.get_data_parallel_world_size()
     samples_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp_size
     logger = RunLogger(cfg.output_dir, monitors, total_steps, step)
+    start_step, start_consumed = step, spec.trainer_state.get("consumed_samples", 0)  # the global batch may change
     last_checkpoint = resolve_resume("auto", cfg.output_dir)
     checkpoint_size = checkpoint_bytes(os.path.join(*last_checkpoint)) if last_checkpoint else spec.checkpoint_bytes
     preemption = PreemptionWatch(cfg.preemption_grace_seconds)
@@ -255,8 +286,10 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
             result.update(eval_loss=eval_loss, eval_ppl=eval_ppl)
         preempted = preemption.should_stop() and step < total_steps
         if preempted or step == total_steps or (cfg.save_steps and step % cfg.save_steps == 0):
+            consumed = start_consumed + (step - start_step) * samples_per_step
             save_checkpoint(engine, cfg, spec.model_files_dir, {
-                "step": step, "consumed_samples": step * samples_per_step, "topology": spec.layout}, checkpoint_size)
+                "step": step, "consumed_samples": consumed, "topology": spec.layout, "settings": spec.settings},
+                checkpoint_size)
             last_checkpoint = (cfg.output_dir, f"global_step{step}")
             checkpoint_size = checkpoint_bytes(os.path.join(*last_checkpoint))
         if preempted:

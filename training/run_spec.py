@@ -15,7 +15,7 @@ from transformers import AutoConfig
 
 from checkpoints.files import has_tokenizer_files, read_latest
 from data.formats import DataSettings
-from models.layout import layer_file_name
+from models.layout import layer_file_name, layer_indices_with_files
 from models.llama import check_model_config
 from models.partition import layer_parameter_counts
 from models.pipeline import ATTENTION_IMPLS, PRECISION_DTYPES, partition_stages
@@ -23,7 +23,9 @@ from models.tensor_parallel import check_tensor_parallel_split
 from planner.stage_costs import balanced_stage_cost
 from planner.training_state import checkpoint_bytes_per_parameter
 from planner.workload import Workload
-from training.checkpointing import check_fresh_start, check_resume_topology, read_trainer_state, resolve_resume
+from training.checkpointing import (check_fresh_start, check_optimizer_state_files, check_resume_topology,
+                                    check_same_model, dropped_state, has_layout_free_state, read_trainer_state,
+                                    resolve_resume)
 from training.schedule import PIPELINE_SCHEDULES
 
 BASE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "base.yaml")
@@ -73,6 +75,14 @@ class RunSpec:
         return {**layout, "stage_bounds": list(self.stage_bounds)}
 
     @property
+    def settings(self):
+        """What else a checkpoint's training state is written under; a resume may change any of it."""
+        cfg = self.cfg
+        return {"precision": cfg.precision, "zero_stage": cfg.zero_stage, "offload_optimizer": cfg.offload_optimizer,
+                "pipeline_schedule": cfg.pipeline_schedule,
+                "global_batch_size": self.data_parallel * cfg.micro_batch_size * cfg.gradient_accumulation_steps}
+
+    @property
     def checkpoint_bytes(self):
         """The planner's estimate of one training checkpoint on disk (weights and optimizer state)."""
         return int(sum(layer_parameter_counts(self.model_config)) * checkpoint_bytes_per_parameter(self.workload))
@@ -96,10 +106,26 @@ def run_spec(cfg, world_size):
         check_fresh_start(cfg.output_dir, cfg.overwrite_output_dir)
     spec = RunSpec(cfg, model_config, world_size, workload, configured_stage_bounds(cfg, model_config, workload),
                    model_files_dir, tokenizer_dir(cfg, model_files_dir), resume_from, trainer_state)
-    if not cfg.eval_only:
-        check_resume_topology(trainer_state, spec.layout, cfg.resume_weights_only,
-                              os.path.join(*resume_from) if resume_from else None)
+    if resume_from:
+        check_resume(spec)
     return spec
+
+
+def check_resume(spec):
+    """The checkpoint to resume fits this run: the same model, its state files present, and state that cannot carry
+    over to this run's settings dropped only when asked (resume_drop_state)."""
+    cfg, trainer_state, tag_dir = spec.cfg, spec.trainer_state, os.path.join(*spec.resume_from)
+    check_same_model(tag_dir, spec.model_config)
+    if cfg.eval_only or cfg.resume_weights_only:
+        return
+    if not has_layout_free_state(trainer_state):
+        return check_resume_topology(trainer_state, spec.layout, False, tag_dir)
+    check_optimizer_state_files(tag_dir, trainer_state, layer_indices_with_files(
+        spec.model_config.num_hidden_layers, spec.model_config.tie_word_embeddings))
+    dropped = dropped_state(trainer_state.get("settings", {}), spec.settings)
+    if dropped and not cfg.resume_drop_state:
+        raise ConfigError(f"resuming {tag_dir} cannot carry over {', '.join(dropped)}; set resume_drop_state=true "
+                          f"to start it fresh, or resume with the checkpoint's settings.")
 
 
 def plan_spec(cfg, world_size=None, model_config=None):
@@ -163,9 +189,9 @@ def check_values(cfg):
                           f"must be at least 1.")
     if cfg.zero_stage not in (0, 1):
         raise ConfigError(f"zero_stage={cfg.zero_stage}: pipeline parallelism supports ZeRO stage 0 or 1 only.")
-    if cfg.precision == "bf16" and cfg.zero_stage == 0:
-        raise ConfigError("precision=bf16 with zero_stage=0 cannot reload its own checkpoints in DeepSpeed "
-                          "(KeyError in the bf16 optimizer's loader); use zero_stage=1.")
+    if cfg.precision != "fp32" and cfg.zero_stage == 0:
+        raise ConfigError(f"precision={cfg.precision} with zero_stage=0: below fp32 a checkpoint takes the fp32 master "
+                          f"weights and moments from ZeRO's partitions (training/optimizer_state.py); use zero_stage=1.")
     check_offload(cfg)
     if cfg.micro_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise ConfigError("micro_batch_size and gradient_accumulation_steps must be at least 1.")

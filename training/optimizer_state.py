@@ -1,0 +1,209 @@
+"""The optimizer's state saved per layer, beside the layer files, in a form every layout loads.
+
+For each pipeline layer a training checkpoint holds `layer_XX[-model_YY]-optim_states.pt`: per parameter its fp32
+master weight and the optimizer's moments (Adam's exp_avg, exp_avg_sq), whole across data-parallel ranks (ZeRO-1's
+partitions gathered) and sliced like the layer's own file under tensor parallelism. A resume cuts each rank's share
+out of them, one layer at a time, for whatever stages, tensor- and data-parallel ranks, ZeRO stage, offload and
+partition it runs with; the step count, the LR schedule's position and the engine's counters travel in
+trainer_state.json. DeepSpeed's own per-rank copies (ZeRO's *_optim_states.pt, the optimizer inside mp_rank_*) are
+not written: they would double a checkpoint and load only on the layout that wrote them. Hand-written because
+DeepSpeed's universal checkpoint needs an offline conversion and does not handle a PipelineModule outside
+Megatron-DeepSpeed; the fragment bookkeeping is DeepSpeed's own (_hp_mapping, as its safe_get_full_* helpers use).
+"""
+import glob
+import os
+
+import torch
+import torch.distributed as dist
+from deepspeed.pipe import TiedLayerSpec
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from checkpoints.layer_files import load_weights_only, tensors_for_rank
+from checkpoints.state_files import STATE_ADVICE
+
+MASTER = "fp32"  # the key of the master weights in a layer's optimizer-state file
+LOSS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def optimizer_state_path(layer_path):
+    """layer_03-model_states.pt -> layer_03-optim_states.pt (layer_03-model_01-… keeps its tensor-parallel rank)."""
+    return layer_path[:-len("model_states.pt")] + "optim_states.pt"
+
+
+def saved_optimizer_state_paths(tag_dir, index):
+    return sorted(glob.glob(os.path.join(tag_dir, f"layer_{index:02d}-*optim_states.pt")))
+
+
+def stage_layers(module):
+    """(pipeline layer index, layer, whether this stage saves it) for each layer with parameters on this stage. A
+    tied weight (the embedding again as the LM head on the last stage) is saved with its first layer, by the stage
+    holding it, and read from that layer's files by every stage that holds it."""
+    layers, seen = [], set()
+    for local, layer in enumerate(module.forward_funcs):
+        if isinstance(layer, torch.nn.Module) and next(layer.parameters(), None) is not None:
+            layers.append((module._local_start + local, layer, True))
+            seen.add(id(layer))
+    for key, tied in module.tied_modules.items():
+        if id(tied) not in seen:
+            first = next(i for i, spec in enumerate(module._layer_specs)
+                         if isinstance(spec, TiedLayerSpec) and spec.key == key)
+            layers.append((first, tied, False))
+    return layers
+
+
+class MasterState:
+    """Where this rank keeps each parameter's fp32 master weight and optimizer moments: ZeRO's flat partitions, of
+    which a parameter may own a fragment (DeepSpeed's _hp_mapping), or, without ZeRO in fp32, the parameter itself
+    and torch's per-parameter state."""
+
+    def __init__(self, engine):
+        self.zero = isinstance(engine.optimizer, DeepSpeedZeroOptimizer)
+        self.optimizer = engine.optimizer.optimizer if self.zero else engine.optimizer
+        self.partitions = engine.optimizer.single_partition_of_fp32_groups if self.zero else None
+        if not self.zero and (engine.fp16_enabled() or engine.bfloat16_enabled()):
+            raise ValueError("below fp32 the master weights are ZeRO's: set zero_stage=1.")
+        self.create_state()
+
+    def holders(self):
+        """The tensors the optimizer steps: ZeRO's flat partitions, or the parameters."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def create_state(self):
+        """Adam-type optimizers create their state at the first step: one with zero gradients and lr 0 creates it
+        and changes no weight (AdamW's decay is lr x weight_decay). Every rank calls this together (the skipping
+        optimizer's step is a collective)."""
+        holders, groups = self.holders(), self.optimizer.param_groups
+        if all(self.optimizer.state.get(holder) for holder in holders):
+            return
+        grads, lrs = [holder.grad for holder in holders], [group["lr"] for group in groups]
+        for holder in holders:
+            holder.grad = torch.zeros_like(holder)
+        for group in groups:
+            group["lr"] = 0.0
+        self.optimizer.step()
+        for holder, grad in zip(holders, grads):
+            holder.grad = grad
+        for group, lr in zip(groups, lrs):
+            group["lr"] = lr
+        self.step = 0
+
+    @property
+    def moment_keys(self):
+        holder = self.holders()[0]
+        return sorted(key for key, value in self.optimizer.state[holder].items()
+                      if torch.is_tensor(value) and value.shape == holder.shape)
+
+    @property
+    def step(self):
+        return int(self.optimizer.state[self.holders()[0]]["step"])
+
+    @step.setter
+    def step(self, step):
+        for holder in self.holders():
+            state = self.optimizer.state[holder]
+            if torch.is_tensor(state["step"]):
+                state["step"].fill_(step)
+            else:
+                state["step"] = step
+        for group in self.optimizer.param_groups:
+            if "step" in group:  # DeepSpeed's fused Adam keeps a group's step too
+                group["step"] = step
+
+    def fragment(self, param, key):
+        """(offset in the flattened parameter, this rank's piece of its master weight or moment `key`), or None
+        when ZeRO placed none of the parameter in this rank's partition."""
+        if not self.zero:
+            return 0, (param if key == MASTER else self.optimizer.state[param][key]).detach().view(-1)
+        mapping = param._hp_mapping
+        if mapping is None:
+            return None
+        partition = self.partitions[mapping.param_group_index]
+        source = partition if key == MASTER else self.optimizer.state[partition][key]
+        address = mapping.hp_fragment_address
+        return mapping.lp_fragment_address.start, source.detach().narrow(0, address.start, address.numel)
+
+    def gathered(self, param, key, group, writer):
+        """The whole parameter's `key` on the data-parallel rank `writer` (ZeRO's fragments summed into it)."""
+        whole = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        piece = self.fragment(param, key)
+        if piece is not None:
+            whole.narrow(0, piece[0], piece[1].numel()).copy_(piece[1])
+        if self.zero:
+            dist.reduce(whole, dst=dist.get_global_rank(group, writer), group=group)
+        return whole.view(param.shape).cpu()
+
+    def assign(self, param, key, value, name, where):
+        if value.shape != param.shape:
+            raise ValueError(f"{key} of {name} in {where} has shape {tuple(value.shape)}, this run's parameter "
+                             f"{tuple(param.shape)}; the checkpoint is of another model.")
+        piece = self.fragment(param, key)
+        if piece is not None:
+            piece[1].copy_(value.reshape(-1).narrow(0, piece[0], piece[1].numel()))
+
+
+def save_training_state(engine, tag_dir):
+    """Write this stage's layers' optimizer state (every rank takes part: a layer's parameters are gathered on
+    the data-parallel rank that writes it, layers taking turns) through the engine's checkpoint engine; returns
+    what trainer_state.json carries for the resume: the step count, the lr and the LR schedule, the engine's counters and
+    fp16's loss scaler."""
+    state = MasterState(engine)
+    keys = [MASTER, *state.moment_keys]
+    group = engine.grid.get_data_parallel_group()
+    dp_rank, dp_size = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
+    module = engine.module
+    saved_here = [(index, layer) for index, layer, saves in stage_layers(module) if saves]
+    for turn, (index, layer) in enumerate(saved_here):
+        writer = turn % dp_size
+        tensors = {key: {name: state.gathered(param, key, group, writer) for name, param in layer.named_parameters()}
+                   for key in keys}
+        if dp_rank == writer:
+            path = optimizer_state_path(module.ckpt_layer_path(tag_dir, index - module._local_start))
+            engine.checkpoint_engine.save(tensors, path)
+    scaler = getattr(engine.optimizer, "loss_scaler", None) if engine.fp16_enabled() else None
+    return {"optimizer_step": state.step, "lr": engine.optimizer.param_groups[0]["lr"],
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "engine_counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                                "skipped_steps": engine.skipped_steps},
+            "loss_scaler": {field: getattr(scaler, field) for field in LOSS_SCALER_FIELDS if hasattr(scaler, field)}
+            if scaler is not None else None}
+
+
+def load_training_state(engine, tag_dir, trainer_state):
+    """The optimizer state of this rank's parameters from the per-layer files (this rank's tensor-parallel slice
+    and ZeRO fragment; the weights themselves came with the layer files), then the step count, lr, LR schedule,
+    counters and loss scaler. Peak memory: one layer's saved state, memory-mapped."""
+    state = MasterState(engine)
+    keys = [MASTER, *state.moment_keys]
+    rank, size = engine.module.parallel.rank, engine.module.parallel.size
+    for index, layer, _ in stage_layers(engine.module):
+        paths = saved_optimizer_state_paths(tag_dir, index)
+        if not paths:
+            raise FileNotFoundError(missing_state_message(tag_dir, index))
+        saved = [load_weights_only(path, advice=STATE_ADVICE) for path in paths]
+        targets = dict(layer.named_parameters())
+        for key in keys:
+            if key not in saved[0]:
+                raise ValueError(f"{paths[0]} holds no '{key}' (it has {sorted(saved[0])}): the checkpoint was "
+                                 f"trained with another optimizer; set resume_weights_only=true to start a fresh one.")
+            values = tensors_for_rank([s[key] for s in saved], targets, rank, size, paths[0])
+            for name, param in targets.items():
+                if name not in values:
+                    raise ValueError(f"{paths[0]} has no {key} of {name}; the checkpoint is of another model.")
+                state.assign(param, key, values[name], name, paths[0])
+    state.step = trainer_state["optimizer_step"]
+    for group in engine.optimizer.param_groups:  # the schedule sets the lr after a step: this step's is saved
+        group["lr"] = trainer_state["lr"]
+    if engine.lr_scheduler is not None and trainer_state.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(trainer_state["lr_scheduler"])
+    for counter, value in trainer_state["engine_counters"].items():
+        setattr(engine, counter, value)
+    scaler = getattr(engine.optimizer, "loss_scaler", None) if engine.fp16_enabled() else None
+    for field, value in (trainer_state.get("loss_scaler") or {}).items():
+        if scaler is not None:
+            setattr(scaler, field, value)
+
+
+def missing_state_message(tag_dir, index):
+    return (f"checkpoint {tag_dir} has no optimizer state for layer {index} "
+            f"({os.path.basename(optimizer_state_path(os.path.join(tag_dir, f'layer_{index:02d}-model_states.pt')))}"
+            f"); set resume_weights_only=true to continue from its weights with a fresh optimizer.")
