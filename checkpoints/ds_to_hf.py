@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from checkpoints.files import check_output_dir, copy_model_side_files, read_latest, staged_directory
-from checkpoints.integrity import no_manifest_note, read_by_export, verify_directory
+from checkpoints.integrity import no_manifest_note, read_by_export, verify_directory, verify_model_side_files
 from checkpoints.layer_files import load_weights_only
 from models.layout import hf_name_of_layer_key, layer_indices_with_files
 from models.llama import check_model_config, layers_on_meta
@@ -77,9 +77,11 @@ def read_hf_tensors(tag_dir, config):
 
 
 def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overwrite=False, verify_checksums=True):
-    """verify_checksums: check the files export reads against the tag directory's checksums.json first."""
+    """verify_checksums: check the files export reads against their checksums.json before reading them."""
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
     side_dir = model_files_dir(ckpt_dir, tag_dir)
+    if verify_checksums:
+        verify_model_side_files(side_dir)
     config = AutoConfig.from_pretrained(side_dir)
     check_model_config(config)
     check_output_dir(output_dir, overwrite)

@@ -235,6 +235,8 @@ def convert_hf_to_ds(model_dir, output_dir, overwrite=False, tokenizer_name_or_p
         copy_model_side_files(model_dir, staging, tokenizer=not tokenizer_name_or_path)
         if tokenizer_name_or_path:
             copy_tokenizer_files(tokenizer_name_or_path, staging)
+        write_manifest(staging, {name: file_checksum(os.path.join(staging, name)) for name in os.listdir(staging)
+                                 if os.path.isfile(os.path.join(staging, name))})
         with open(os.path.join(staging, LATEST), "w") as f:
             f.write(IMPORT_TAG)
     return output_dir

@@ -2,7 +2,7 @@
 
 Layer files are written without zip CRCs (and torch.load checks none), so a flipped byte would otherwise load and
 export silently. Every converted directory and every training checkpoint holds ``checksums.json``: for each file of
-its tag directory, the size and an xxh3-128 hash (xxhash, ~25 GB/s: bench/README.md). A file is hashed right after it
+its tag directory (and, in a converted directory, one more for the config and tokenizer files at its top level), the size and an xxh3-128 hash (xxhash, ~25 GB/s: bench/README.md). A file is hashed right after it
 is written, while its pages are still in the page cache; the manifest is written atomically and before the
 checkpoint is declared complete, so a complete checkpoint always has a complete manifest.
 """
@@ -96,6 +96,17 @@ def verify_directory(directory, needed=lambda name: True):
 def read_by_export(name):
     """Export to Hugging Face reads the layer files and the side files, not optimizer, engine or RNG states."""
     return name.startswith("layer_") or not name.endswith(".pt")
+
+
+def is_model_side_file(name):
+    """config.json, generation_config.json, the tokenizer: what a run or an export reads beside the layer files."""
+    return not name.endswith(".pt")
+
+
+def verify_model_side_files(directory):
+    """Check the side files in directory's manifest (a converted directory's top level, or a training checkpoint's
+    tag directory) before any is read; False when there is no manifest (converted before they were recorded)."""
+    return verify_directory(directory, is_model_side_file)
 
 
 def read_by_weights_only_load(name):

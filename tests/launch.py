@@ -34,11 +34,11 @@ def trainer_command(num_procs, overrides, config, hostfile, script, env):
     return command, dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **(env or {}))
 
 
-# 2 stages x 2 data-parallel ranks, fp32, 8 steps of 8 sequences; checkpoints every 2 steps, all kept.
-REFERENCE = dict(num_stages=2, gradient_accumulation_steps=2, max_steps=8, save_steps=2, save_total_limit=10,
+# 2 stages x 2 data-parallel ranks, ZeRO-1, fp32, 8 steps of 8 sequences; checkpoints every 2 steps, all kept.
+REFERENCE = dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1, max_steps=8, save_steps=2, save_total_limit=10,
                  logging_steps=1, learning_rate=1e-3, warmup_steps=2)
 # The same 8 steps of the same global batch on 1 process, without checkpoints: what other topologies must match.
-SINGLE_PROCESS = dict(REFERENCE, num_stages=1, gradient_accumulation_steps=4, save_steps=0)
+SINGLE_PROCESS = dict(REFERENCE, num_stages=1, gradient_accumulation_steps=4, save_steps=0, zero_stage=0)
 
 
 def demo_overrides(demo_model, output_dir, **extra):

@@ -3,6 +3,7 @@ project's own message naming the file (nothing written, no code run), or, for pr
 import json
 import os
 import pathlib
+import re
 import shutil
 
 import pytest
@@ -120,8 +121,31 @@ def test_damaged_layer_file_is_refused_by_export_naming_it(tiny_checkpoints, tmp
         assert [k for k in original if not torch.equal(original[k], exported[k])]
 
 
-def without_tokenizer(ds_dir, target):
-    shutil.copytree(ds_dir, target, ignore=lambda _, names: [n for n in names if is_tokenizer_file(n)])
+def test_converted_directorys_config_and_tokenizer_are_checked_before_they_are_read(demo_model, tmp_path):
+    """The top-level files of a converted directory (config, tokenizer with its chat template) have their own
+    manifest: an edited chat template stops the trainer, an edited config.json stops export, each naming the file."""
+    ds_dir = tmp_path / "ds"
+    shutil.copytree(demo_model["ds"], ds_dir)
+    top_level = sorted(n for n in os.listdir(ds_dir) if (ds_dir / n).is_file() and n not in ("latest", "checksums.json"))
+    assert "config.json" in top_level and "tokenizer_config.json" in top_level
+    assert sorted(json.loads((ds_dir / "checksums.json").read_text())["files"]) == top_level
+    tokenizer_config = ds_dir / "tokenizer_config.json"
+    tokenizer_config.write_text(tokenizer_config.read_text().replace("{", "{ ", 1))
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint file '{tokenizer_config}' is ") + ".* bytes, checksums.json recorded"):
+        run_in_process(demo_overrides(demo_model, tmp_path / "run", model_name_or_path=ds_dir), 2)
+    assert not (tmp_path / "run").exists()
+    config = ds_dir / "config.json"
+    flip_bytes(config, count=1)
+    result = convert_cli("--to_hf", "--ckpt_dir", str(ds_dir), "--output_dir", str(tmp_path / "out"))
+    assert f"convert2ckpt: error: checkpoint file '{config}' is corrupt" in result.stderr
+    assert_nothing_written(tmp_path, str(tmp_path / "out"))
+
+
+def without_tokenizer(demo_model, target):
+    """The demo model converted from a Hugging Face directory that holds no tokenizer files."""
+    hf_dir = target.parent / f"{target.name}-hf"
+    shutil.copytree(demo_model["hf"], hf_dir, ignore=lambda _, names: [n for n in names if is_tokenizer_file(n)])
+    convert_hf_to_ds(str(hf_dir), str(target))
     return target
 
 
@@ -141,7 +165,7 @@ def test_converter_takes_the_tokenizer_from_elsewhere(demo_model, tmp_path):
 
 
 def test_text_data_without_a_tokenizer_names_the_directory_and_key(demo_model, tmp_path):
-    ds_dir = without_tokenizer(demo_model["ds"], tmp_path / "ds")
+    ds_dir = without_tokenizer(demo_model, tmp_path / "ds")
     with pytest.raises(ValueError) as error:
         run_in_process(demo_overrides(demo_model, tmp_path / "run", model_name_or_path=ds_dir), 2)
     assert (f"data.format=text needs a tokenizer, and '{ds_dir}' (model_name_or_path) holds no tokenizer files"
@@ -167,7 +191,7 @@ def test_pretokenized_run_without_tokenizer_then_corrupt_checkpoint_is_refused(d
     """A model directory without tokenizer files trains and evaluates on pre-tokenized data (2 stages); its
     checkpoint carries a manifest of every file; one layer file with 64 flipped bytes is then refused by resume
     (every rank fails, the file named) and by export."""
-    ds_dir = without_tokenizer(demo_model["ds"], tmp_path / "ds")
+    ds_dir = without_tokenizer(demo_model, tmp_path / "ds")
     generator = torch.Generator().manual_seed(0)
     for split, rows in (("train", 40), ("eval", 8)):
         with open(tmp_path / f"{split}.jsonl", "w") as f:
@@ -182,14 +206,14 @@ def test_pretokenized_run_without_tokenizer_then_corrupt_checkpoint_is_refused(d
     overrides = demo_overrides(demo_model, out, model_name_or_path=ds_dir, num_stages=2,
                                tokenizer_name_or_path=tmp_path / "tokenizer",
                                train_file=tmp_path / "train.jsonl", eval_file=tmp_path / "eval.jsonl",
-                               zero_stage=1, **{"data.format": "pretokenized"})  # ZeRO-1: optimizer files too
+                               zero_stage=1, **{"data.format": "pretokenized"})
     check_ok(launch_trainer(2, overrides + ["max_steps=2"]))
     assert [r["step"] for r in read_metrics(out) if "eval_loss" in r] == [2]
     checkpoint = out / "global_step2"
     recorded = json.loads((checkpoint / "checksums.json").read_text())["files"]
     assert sorted(recorded) == sorted(n for n in os.listdir(checkpoint) if n not in ("checksums.json", "COMPLETE"))
     assert {"layer_00-model_states.pt", "mp_rank_01_model_states.pt", "rng_state_rank00001.pt",
-            "zero_pp_rank_0_mp_rank_01_optim_states.pt", "tokenizer.json"} <= set(recorded)
+            "layer_02-optim_states.pt", "tokenizer.json"} <= set(recorded)
     assert (checkpoint / "tokenizer.json").read_text() == "not a tokenizer"
 
     layer = checkpoint / "layer_02-model_states.pt"

@@ -9,10 +9,13 @@ import pytest
 from tests.launch import (REFERENCE, SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, per_step_losses,
                           read_metrics, run_in_process)
 
+# bf16 losses of a resume on another layout against the run that never stopped: measured 9.3e-5 at most
+# (docs/checkpoints.md), allowed 5x that.
+BF16_RESUME_TOLERANCE = 5e-4
+
 
 def test_fp32_offload_matches_the_device_optimizer(demo_model, reference_run, tmp_path):
-    """2 stages x 2 data-parallel: offload against the reference run (ZeRO-0, whose losses ZeRO-1's equal exactly
-    here), 8 steps."""
+    """2 stages x 2 data-parallel: offload against the reference run (ZeRO-1 on the device), 8 steps."""
     run = dict(REFERENCE, save_steps=0, eval_file="null", zero_stage=1, offload_optimizer="cpu")
     check_ok(launch_trainer(4, demo_overrides(demo_model, tmp_path / "cpu", **run)))
     assert per_step_losses(tmp_path / "cpu") == pytest.approx(per_step_losses(reference_run), abs=1e-4)
@@ -25,16 +28,20 @@ def test_fp32_offload_matches_the_device_optimizer_under_tensor_parallelism(demo
     assert per_step_losses(tmp_path / "cpu") == pytest.approx(per_step_losses(single_process_run), abs=1e-4)
 
 
-def test_bf16_offload_on_2_stages_resumes_and_exports(demo_model, tmp_path):
+def test_bf16_offload_on_2_stages_resumes_on_another_layout_and_exports(demo_model, tmp_path):
+    """bf16 with offload on 2 stages, resumed from step 3 on 1 stage x 2 data-parallel without offload (the same
+    global batch): the fp32 master weights and moments carry over; the losses differ from the run that never stopped
+    only by bf16's other rounding of the other reduction order."""
     run = dict(max_steps=5, save_steps=3, save_total_limit=5, logging_steps=1, eval_file="null", precision="bf16",
                zero_stage=1, learning_rate=1e-3, warmup_steps=2, num_stages=2, offload_optimizer="cpu")
     check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "full", export_hf="true", **run)))
-    check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "resumed",
-                                              resume=str(tmp_path / "full" / "global_step3"), **run)))
+    check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "resumed", **{
+        **run, "num_stages": 1, "offload_optimizer": "none", "gradient_accumulation_steps": 2,
+        "resume": str(tmp_path / "full" / "global_step3")})))
     resumed = read_metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed if "loss" in r] == [4, 5]
     assert [r["loss"] for r in resumed if "loss" in r] == pytest.approx(per_step_losses(tmp_path / "full")[3:],
-                                                                         rel=1e-3)
+                                                                         abs=BF16_RESUME_TOLERANCE)
     assert os.path.isfile(tmp_path / "full" / "hf" / "model.safetensors")
 
 

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
 from checkpoints.files import has_tokenizer_files, read_latest
+from checkpoints.integrity import verify_model_side_files
 from data.formats import DataSettings
 from models.layout import layer_file_name, layer_indices_with_files
 from models.llama import check_model_config
@@ -98,7 +99,7 @@ def run_spec(cfg, world_size):
     """A training or evaluation run on world_size processes: config, converted model, data files and resume."""
     cfg = checked_config(cfg)
     check_data_files(cfg)
-    model_config, model_files_dir = load_model_config(cfg.model_name_or_path)
+    model_config, model_files_dir = load_model_config(cfg.model_name_or_path, cfg.verify_checksums)
     workload = check_layout(cfg, model_config, world_size)
     resume_from = resolve_resume(cfg.resume, cfg.output_dir)
     trainer_state = read_trainer_state(os.path.join(*resume_from)) if resume_from else {}
@@ -304,9 +305,9 @@ def configured_stage_bounds(cfg, model_config, workload):
 
 # --- the files a run starts from ---------------------------------------------------------------------------------
 
-def load_model_config(model_dir):
+def load_model_config(model_dir, verify_checksums):
     """The model config of a converted checkpoint directory and the directory holding it, or an error that says
-    how to make one."""
+    how to make one; verify_checksums: its config and tokenizer files against their manifest first."""
     convert_hint = (f"convert a Hugging Face model first: python convert2ckpt.py --model_name_or_path HF_DIR "
                     f"--output_dir {model_dir}")
     if not os.path.isdir(model_dir):
@@ -319,6 +320,8 @@ def load_model_config(model_dir):
                      if os.path.isfile(os.path.join(d, "config.json"))), None)
     if side_dir is None:
         raise ConfigError(f"no config.json in '{model_dir}'; {convert_hint}")
+    if verify_checksums:
+        verify_model_side_files(side_dir)
     config = AutoConfig.from_pretrained(side_dir)
     check_model_config(config)
     return config, side_dir

@@ -1,0 +1,96 @@
+"""Resume on any layout: the reference run's step-4 checkpoint (2 stages x 2 data-parallel, ZeRO-1, fp32) goes on
+under other stage counts, tensor- and data-parallel sizes, ZeRO stages and offload with its whole training state,
+and its losses equal the run that never stopped; what cannot resume is refused before anything is built."""
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+from tests.launch import REFERENCE, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics, \
+    run_in_process
+
+# fp32 reduction-order noise: the same sums over other ranks and stage boundaries.
+EXACT = dict(abs=1e-5, rel=0)
+
+
+def resumed_losses(demo_model, reference_run, out, procs, layout, start):
+    result = check_ok(launch_trainer(procs, demo_overrides(demo_model, out, **{**REFERENCE, **layout,
+                                                                               "resume": str(start)})))
+    assert [r["step"] for r in read_metrics(out) if "loss" in r][0] == int(start.name.removeprefix("global_step")) + 1
+    return result, per_step_losses(out)
+
+
+@pytest.mark.parametrize("procs,layout,changes", [
+    (1, dict(num_stages=1, gradient_accumulation_steps=4, zero_stage=0),
+     "num_stages 2 -> 1; data_parallel 2 -> 1; stage_bounds [0, 3, 7] -> [0, 7]; zero_stage 1 -> 0"),
+    (4, dict(num_stages=4, gradient_accumulation_steps=4, save_steps=0),
+     "num_stages 2 -> 4; data_parallel 2 -> 1; stage_bounds [0, 3, 7] -> [0, 2, 3, 4, 7]"),
+], ids=["1_process_zero0", "4_stages"])
+def test_resume_on_another_layout_equals_the_run_that_never_stopped(demo_model, reference_run, tmp_path, procs,
+                                                                   layout, changes):
+    result, losses = resumed_losses(demo_model, reference_run, tmp_path / "run", procs, layout,
+                                    reference_run / "global_step4")
+    assert (f"resuming {reference_run}/global_step4 with another layout ({changes}): the optimizer state is "
+            f"resharded from its per-layer files; the data position is kept in samples (32 consumed)") in result.stdout
+    assert losses == pytest.approx(per_step_losses(reference_run)[4:], **EXACT)
+
+
+def test_resume_into_tensor_parallel_and_back_out_with_offload(demo_model, reference_run, tmp_path):
+    """2 stages x 2 data-parallel -> 1 stage x tensor parallel 2 (steps 5-8, saved at 6) -> 2 stages x 1
+    data-parallel with offload_optimizer=cpu (steps 7-8): each leg's losses equal the uninterrupted run's. (max_steps
+    stays 8: it sets the LR schedule's length.)"""
+    reference = per_step_losses(reference_run)
+    tp_run = tmp_path / "tp2"
+    _, losses = resumed_losses(demo_model, reference_run, tp_run, 2, dict(
+        num_stages=1, tensor_parallel_size=2, gradient_accumulation_steps=4, eval_file="null", export_hf="false"),
+        reference_run / "global_step4")
+    assert losses == pytest.approx(reference[4:], **EXACT)
+    assert sorted(name for name in os.listdir(tp_run / "global_step6") if name.startswith("layer_01")) == [
+        "layer_01-model_00-model_states.pt", "layer_01-model_00-optim_states.pt",
+        "layer_01-model_01-model_states.pt", "layer_01-model_01-optim_states.pt"]
+    result, losses = resumed_losses(demo_model, reference_run, tmp_path / "offload", 2, dict(
+        gradient_accumulation_steps=4, offload_optimizer="cpu", eval_file="null", export_hf="false"),
+        tp_run / "global_step6")
+    assert "tensor_parallel 2 -> 1" in result.stdout and "offload_optimizer none -> cpu" in result.stdout
+    assert losses == pytest.approx(reference[6:8], **EXACT)
+
+
+def copy_of_checkpoint(reference_run, tmp_path):
+    tag = tmp_path / "ckpt" / "global_step4"
+    shutil.copytree(reference_run / "global_step4", tag)
+    (tmp_path / "ckpt" / "latest").write_text("global_step4")
+    return tag
+
+
+def edit_json(path, **changes):
+    content = json.loads(path.read_text())
+    for key, value in changes.items():
+        content[key] = {**content[key], **value} if isinstance(value, dict) else value
+    path.write_text(json.dumps(content))
+
+
+@pytest.mark.parametrize("fault,overrides,message", [
+    ("other_model", {}, "is of another model than model_name_or_path (num_hidden_layers 6 there, 4 here): resume a "
+                        "checkpoint of this model, or set model_name_or_path to the converted model the checkpoint "
+                        "was trained from."),
+    ("missing_state", {}, "has no optimizer state for layer 3 (layer_03-optim_states.pt); set "
+                          "resume_weights_only=true to continue from its weights with a fresh optimizer."),
+    ("from_fp16", {"precision": "bf16"}, "cannot carry over fp16's loss scale (the run goes from fp16 to bf16); set "
+                                         "resume_drop_state=true to start it fresh, or resume with the checkpoint's "
+                                         "settings."),
+])
+def test_a_checkpoint_that_cannot_resume_is_refused_before_anything_is_built(demo_model, reference_run, tmp_path,
+                                                                             fault, overrides, message):
+    tag = copy_of_checkpoint(reference_run, tmp_path)
+    if fault == "other_model":
+        edit_json(tag / "config.json", num_hidden_layers=6)
+    elif fault == "missing_state":
+        os.remove(tag / "layer_03-optim_states.pt")
+    else:
+        edit_json(tag / "trainer_state.json", settings={"precision": "fp16"})
+    with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)):
+        run_in_process(demo_overrides(demo_model, tmp_path / "run", **{**REFERENCE, **overrides},
+                                      resume=str(tag)), 4)
+    assert not (tmp_path / "run").exists()
