@@ -263,15 +263,17 @@ def test_disk_filling_during_the_first_save_is_one_line(demo_model, two_step_run
     assert not (out / "latest").exists() and not (out / "global_step2" / "COMPLETE").exists()
 
 
-def test_a_state_file_carrying_code_is_refused_naming_it_and_never_run(demo_model, two_step_run, tmp_path):
-    """A shared checkpoint whose DeepSpeed state file carries a pickle payload, with a checksums.json forged to
-    match: resuming refuses the file by name (DeepSpeed's own loader would unpickle it with weights_only=False)."""
+@pytest.mark.parametrize("state_file", ["mp_rank_00_model_states.pt", "layer_01-optim_states.pt"])
+def test_a_state_file_carrying_code_is_refused_naming_it_and_never_run(demo_model, two_step_run, tmp_path, state_file):
+    """A shared checkpoint whose state file (DeepSpeed's own, or a layer's optimizer state) carries a pickle payload,
+    with a checksums.json forged to match: resuming refuses the file by name (DeepSpeed's own loader would unpickle
+    its file with weights_only=False)."""
     from checkpoints.integrity import file_checksum, read_manifest, write_manifest
     from tests.test_integrity import Payload
     out = tmp_path / "run"
     shutil.copytree(two_step_run, out)
     tag = out / "global_step2"
-    forged, marker = tag / "mp_rank_00_model_states.pt", tmp_path / "payload_ran"
+    forged, marker = tag / state_file, tmp_path / "payload_ran"
     torch.save({**torch.load(forged, weights_only=True), "extra": Payload(str(marker))}, forged)
     write_manifest(str(tag), {**read_manifest(str(tag)), forged.name: file_checksum(str(forged))})
     result = launch_trainer(2, two_step_overrides(demo_model, out, resume="auto", max_steps=4), timeout=120)

@@ -37,6 +37,26 @@ def test_resume_on_another_layout_equals_the_run_that_never_stopped(demo_model, 
     assert losses == pytest.approx(per_step_losses(reference_run)[4:], **EXACT)
 
 
+def test_a_changed_global_batch_is_said_at_start_up(demo_model, reference_run):
+    """2 data-parallel ranks of 3 sequences per micro-batch (the global batch 8 -> 6): 32 consumed samples are 5
+    micro-batches and 2 samples; the 2 are read again, and the line says so."""
+    from hydra import compose, initialize_config_dir
+
+    from tests.conftest import ROOT
+    from training.loop import describe_resume
+    from training.run_spec import run_spec
+    overrides = demo_overrides(demo_model, "unused", **{**REFERENCE, "num_stages": 1, "micro_batch_size": 3,
+                                                         "gradient_accumulation_steps": 1,
+                                                         "resume": str(reference_run / "global_step4")})
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
+        spec = run_spec(compose(config_name="tiny", overrides=overrides), 2)
+    assert describe_resume(spec) == (
+        f"resuming {reference_run}/global_step4 with another layout (num_stages 2 -> 1; stage_bounds [0, 3, 7] -> "
+        f"[0, 7]; global_batch_size 8 -> 6): the optimizer state is resharded from its per-layer files; the data "
+        f"position is kept in samples (32 consumed, of which the last 2 are read again: the position rounds down to "
+        f"a whole micro-batch of each of the 2 data-parallel ranks)")
+
+
 def test_resume_into_tensor_parallel_and_back_out_with_offload(demo_model, reference_run, tmp_path):
     """2 stages x 2 data-parallel -> 1 stage x tensor parallel 2 (steps 5-8, saved at 6) -> 2 stages x 1
     data-parallel with offload_optimizer=cpu (steps 7-8): each leg's losses equal the uninterrupted run's. (max_steps

@@ -175,9 +175,13 @@ def describe_resume(spec):
     changes = layout_change(spec.trainer_state, spec.layout, spec.settings)
     if not changes:
         return None
+    consumed = spec.trainer_state.get("consumed_samples", 0)
+    per_micro_step = spec.data_parallel * spec.cfg.micro_batch_size
+    again = (f", of which the last {consumed % per_micro_step} are read again: the position rounds down to a whole "
+             f"micro-batch of each of the {spec.data_parallel} data-parallel ranks" if consumed % per_micro_step else "")
     return (f"resuming {os.path.join(*spec.resume_from)} with another layout ({'; '.join(changes)}): the optimizer "
-            f"state is resharded from its per-layer files; the data position is kept in samples "
-            f"({spec.trainer_state.get('consumed_samples', 0)} consumed)"
+            f"state is resharded from its per-layer files; the data position is kept in samples ({consumed} "
+            f"consumed{again})"
             + "".join(f"; dropped: {state}" for state in
                       dropped_state(spec.trainer_state.get("settings", {}), spec.settings)))
 
