@@ -58,6 +58,7 @@ from common import (machine_note, peak_rss_bytes, random_micro_batches, reset_pe
 from memory_plan_check import FIXED_MMAP_THRESHOLD  # noqa: E402
 from schedule_simulator import predict  # noqa: E402
 
+from training.profiling import add_to, time_instructions  # noqa: E402
 from training.schedule import PIPELINE_SCHEDULES  # noqa: E402
 
 # Wide enough that matmuls dominate, as in real LLaMA shapes: B and W then cost about the same (at hidden 512
@@ -109,20 +110,6 @@ def build_engine(config, num_stages, micro_batches, name, checkpoint_interval=0)
                       f"pipeline_schedule={schedule}", f"zero_bubble_max_waiting={'null' if cap is None else cap}",
                       f"activation_checkpoint_interval={checkpoint_interval}"])
     return trainer_engine(cfg, config, total_steps=10**6)[0]
-
-
-def time_instructions(engine):
-    """Wrap the engine's instruction handlers with timers; returns {instruction name: seconds}, added up."""
-    spent = {}
-    timed_map = {}
-    for instruction, handler in engine._INSTRUCTION_MAP.items():
-        def timed(self, *args, _handler=handler, _name=instruction.__name__, **kwargs):
-            start = time.perf_counter()
-            _handler(self, *args, **kwargs)
-            spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - start
-        timed_map[instruction] = timed
-    engine._INSTRUCTION_MAP = timed_map
-    return spent
 
 
 def in_lockstep(engine):
@@ -195,7 +182,9 @@ def timing_worker(rank, num_stages, micro_batches, rounds, warm_up_rounds, sched
     for _ in range(warm_up_rounds):
         for step in steps.values():
             step()
-    spent = {schedule: time_instructions(engine) for schedule, engine in {**engines, "cores": replica}.items()}
+    spent = {schedule: {} for schedule in {**engines, "cores": replica}}
+    for schedule, engine in {**engines, "cores": replica}.items():
+        time_instructions(engine, add_to(spent[schedule]))
     seconds = {name: [] for name in steps}
     for round_index in range(rounds):
         # Every other round runs its steps in reverse, so that no step always follows the same one.

@@ -1,5 +1,6 @@
 """trainer_pipe.py end to end through the deepspeed launcher: metrics, checkpoints, export, training parity
 across topologies, and clear failures on bad input."""
+import json
 import os
 
 import pytest
@@ -21,7 +22,7 @@ def test_end_to_end_two_stages_through_a_hostfile(demo_model, tmp_path):
     hostfile.write_text("localhost slots=2\n")
     check_ok(launch_trainer(2, demo_overrides(demo_model, out, max_steps=6, logging_steps=2, eval_steps=3,
                                               save_steps=3, save_total_limit=1, export_hf="true",
-                                              peak_tflops=0.5),
+                                              peak_tflops=0.5, profile="true"),
                             hostfile=hostfile))
     records = read_metrics(out)
     train = [r for r in records if "loss" in r]
@@ -45,6 +46,15 @@ def test_end_to_end_two_stages_through_a_hostfile(demo_model, tmp_path):
                  "mp_rank_01_model_states.pt"):
         assert (tag / name).is_file(), name
     assert (out / "loss.png").stat().st_size > 0
+    # profile=true: each stage's time per instruction of its schedule and per part of the loop, steps 2-6.
+    profiles = [json.loads((out / "profile" / f"rank{r:05d}.json").read_text()) for r in range(2)]
+    assert [p["stage"] for p in profiles] == [0, 1] and all(len(p["step_seconds"]) == 5 for p in profiles)
+    assert {"ForwardPass", "BackwardPass", "SendActivation", "RecvGrad", "OptimizerStep"} <= set(profiles[0]["instructions"])
+    assert {"RecvActivation", "SendGrad"} <= set(profiles[1]["instructions"])
+    for p in profiles:
+        assert set(p["loop"]) == {"train_batch", "logging", "evaluation", "preemption check", "checkpoint"}
+        assert sum(p["instructions"].values()) < p["loop"]["train_batch"]
+        assert sum(p["loop"].values()) == pytest.approx(sum(p["step_seconds"]), rel=1e-6)
     assert any(name.startswith("events.out.tfevents") for _, _, files in os.walk(out / "tensorboard") for name in files)
     # The exported model is the trained one, loadable by transformers.
     exported = AutoModelForCausalLM.from_pretrained(out / "hf")

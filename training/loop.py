@@ -31,6 +31,7 @@ from training.optimizer import skipping_optimizer
 from training.optimizer_state import load_training_state
 from training.pipeline_engine import use_zero_bubble
 from training.preemption import Preempted, PreemptionWatch
+from training.profiling import NoProfile, StepProfile
 from training.run_spec import ConfigError, plan_spec, run_spec
 
 
@@ -86,7 +87,7 @@ def build_engine(spec, total_steps):
                                    activation_checkpoint_interval=cfg.activation_checkpoint_interval,
                                    dtype=PRECISION_DTYPES[cfg.precision], sequence_parallel=cfg.sequence_parallel,
                                    recompute_sequence_gather=cfg.recompute_sequence_gather,
-                                   layer_loader=load_layer_slice)
+                                   layer_loader=load_layer_slice, context_parallel_size=cfg.context_parallel_size)
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
@@ -226,7 +227,9 @@ def run(cfg):
         return {"eval_loss": loss, "eval_ppl": ppl}
 
     loader = build_stage_loader(data.train if reads_data else range(data.train_length), reads_data=reads_data,
-                                dp_rank=coord.data, dp_size=spec.data_parallel, micro_batch_size=cfg.micro_batch_size,
+                                # the ranks of a context group (on DeepSpeed's data axis) read one replica's samples
+                                dp_rank=coord.data // cfg.context_parallel_size, dp_size=spec.data_parallel,
+                                micro_batch_size=cfg.micro_batch_size,
                                 seq_length=cfg.seq_length, pad_id=pad_id, seed=cfg.seed)
     steps_per_epoch = len(loader) // cfg.gradient_accumulation_steps
     if steps_per_epoch == 0:
@@ -239,6 +242,8 @@ def run(cfg):
     step = spec.trainer_state.get("step", 0)
     epoch, consumed = data_position(spec.trainer_state, len(loader), spec.data_parallel, cfg.micro_batch_size)
     stream = infinite_micro_batches(loader, epoch, consumed)
+    if cfg.context_parallel_size > 1:
+        stream = map(engine.module.context.split_micro_batch, stream)
     if spec.tensor_parallel > 1 and reads_data:
         stream = check_identical_across_group(stream, engine.grid.get_slice_parallel_group())
     return train(engine, spec, stream, data, pad_id, monitors, step, total_steps)
@@ -246,8 +251,7 @@ def run(cfg):
 
 def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
     cfg = spec.cfg
-    dp_size = engine.grid.get_data_parallel_world_size()
-    samples_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp_size
+    samples_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * spec.data_parallel
     logger = RunLogger(cfg.output_dir, monitors, total_steps, step)
     start_step, start_consumed = step, spec.trainer_state.get("consumed_samples", 0)  # the global batch may change
     last_checkpoint = resolve_resume("auto", cfg.output_dir)
@@ -255,11 +259,13 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
     preemption = PreemptionWatch(cfg.preemption_grace_seconds)
     flops_per_token = training_flops_per_token(spec.model_config, cfg.seq_length)
     peak_tflops = device_peak_tflops(cfg.peak_tflops, cfg.precision)
+    profile = StepProfile(engine, cfg.output_dir, dist.get_rank()) if cfg.profile else NoProfile()
     start_time = window_start = time.time()
     window_steps, losses, skipped = 0, [], 0
     result = {}
     while step < total_steps:
         loss = float(engine.train_batch(stream))
+        profile.lap("train_batch")
         step += 1
         window_steps += 1
         if not math.isfinite(loss):
@@ -284,11 +290,14 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
                         "samples_per_sec": window_steps * samples_per_step / elapsed,
                         "elapsed_s": time.time() - start_time, **({"skipped_steps": skipped} if skipped else {})})
             window_start, window_steps, losses = time.time(), 0, []
+        profile.lap("logging")
         if data.eval_length and (step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)):
             eval_loss, eval_ppl = evaluate(engine, data.eval, data.eval_length, cfg, pad_id)
             logger.log({"step": step, "eval_loss": eval_loss, "eval_ppl": eval_ppl})
             result.update(eval_loss=eval_loss, eval_ppl=eval_ppl)
+        profile.lap("evaluation")
         preempted = preemption.should_stop() and step < total_steps
+        profile.lap("preemption check")
         if preempted or step == total_steps or (cfg.save_steps and step % cfg.save_steps == 0):
             consumed = start_consumed + (step - start_step) * samples_per_step
             save_checkpoint(engine, cfg, spec.model_files_dir, {
@@ -296,12 +305,15 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
                 checkpoint_size)
             last_checkpoint = (cfg.output_dir, f"global_step{step}")
             checkpoint_size = checkpoint_bytes(os.path.join(*last_checkpoint))
+        profile.lap("checkpoint")
+        profile.step_done()
         if preempted:
             logger.close()
             raise Preempted(f"preempted ({preemption.reason}) after step {step}: saved "
                             f"{os.path.join(*last_checkpoint)} {time.time() - preemption.requested_at:.1f}s after "
                             f"the request; rerun with resume=auto to continue")
     logger.close()
+    profile.write()
     if cfg.export_hf and dist.get_rank() == 0:
         convert_ds_to_hf(cfg.output_dir, os.path.join(cfg.output_dir, "hf"), overwrite=True,
                          verify_checksums=cfg.verify_checksums)

@@ -1,0 +1,167 @@
+"""The trainer as a user runs it against transformers' own training loop, end to end, and where its step time goes.
+
+For a workload (a LLaMA shape with random weights, fp32, one thread per process, m micro-batches per step), in
+interleaved rounds (reversed every other round, so that the machine's drift falls on all alike):
+- transformers: transformers' LlamaForCausalLM with torch's AdamW, forward and backward per micro-batch (bench/
+  layer_overhead.py's loop), one process alone, and two processes at once (what two cores deliver);
+- the trainer: `deepspeed --num_gpus N trainer_pipe.py ... profile=true` on 1 stage, and on 2 stages under each
+  pipeline schedule, its step time from the profile (the first step left out, as for the loop's warm-up step).
+Prints each round's ratios (1 stage ÷ one loop, 2 stages ÷ two loops at once) and their spread, then, from the last
+round's profiles (training/profiling.py), milliseconds per step on each stage: each engine instruction, the engine's
+own work between them, and the loop's work between steps.
+
+  python bench/trainer_profile.py [--workload small|smollm2] [--rounds 3] [--steps 6] [--partition balanced]
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, machine_note, random_micro_batches, spawn  # noqa: E402
+
+from tests.launch import trainer_command  # noqa: E402
+
+WORKLOADS = {  # the shapes of issue 31's table; smollm2 is SmolLM2-135M's published config
+    "small": (dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024), 256, 4),
+    "smollm2": (dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                     tie_word_embeddings=True, rope_theta=100000.0), 256, 2),
+}
+MICRO_BATCHES = 8
+TRAINER_RUNS = {"1 stage": (1, "1f1b"), "2 stages 1f1b": (2, "1f1b"), "2 stages zero_bubble": (2, "zero_bubble")}
+
+
+def make_model(work, fields, seq_length, micro_batch, steps):
+    """The model converted for the trainer, and enough pre-tokenized rows of seq_length tokens for its steps."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from checkpoints.hf_to_ds import convert_hf_to_ds
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**fields)).save_pretrained(os.path.join(work, "hf"))
+    convert_hf_to_ds(os.path.join(work, "hf"), os.path.join(work, "ds"))
+    generator = torch.Generator().manual_seed(0)
+    with open(os.path.join(work, "train.jsonl"), "w") as f:
+        for _ in range((steps + 1) * MICRO_BATCHES * micro_batch):
+            ids = torch.randint(3, fields["vocab_size"], (seq_length,), generator=generator).tolist()
+            f.write(json.dumps({"input_ids": ids}) + "\n")
+
+
+def transformers_loop(rank, fields, seq_length, micro_batch, steps, out_dir):
+    """transformers' loop for 1 + steps steps; writes the seconds of each step after the first."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**fields)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batches = random_micro_batches(config.vocab_size, seq_length, micro_batch, seed=rank)
+    seconds = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        for _ in range(MICRO_BATCHES):
+            (input_ids, _, _), labels = next(batches)
+            (model(input_ids=input_ids, labels=labels).loss / MICRO_BATCHES).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds.append(time.perf_counter() - start)
+    with open(os.path.join(out_dir, f"transformers{rank}.json"), "w") as f:
+        json.dump(seconds[1:], f)
+
+
+def run_trainer(work, name, seq_length, micro_batch, steps, partition):
+    """One trainer_pipe.py run with profile=true; returns {stage: profile} (training/profiling.py's files)."""
+    num_stages, schedule = TRAINER_RUNS[name]
+    out = os.path.join(work, "run")
+    shutil.rmtree(out, ignore_errors=True)
+    overrides = [f"model_name_or_path={os.path.join(work, 'ds')}", f"train_file={os.path.join(work, 'train.jsonl')}",
+                 "eval_file=null", f"output_dir={out}", "data.format=pretokenized", f"seq_length={seq_length}",
+                 f"micro_batch_size={micro_batch}", f"gradient_accumulation_steps={MICRO_BATCHES}",
+                 f"num_stages={num_stages}", f"pipeline_schedule={schedule}", "precision=fp32", "zero_stage=0",
+                 f"max_steps={steps + 1}", "logging_steps=1", "save_steps=0", "save_total_limit=1",
+                 "lr_scheduler=constant", "warmup_steps=1", "profile=true", "export_hf=false",
+                 f"data.cache_dir={os.path.join(work, 'cache')}", *([f"partition={partition}"] if partition else [])]
+    command, env = trainer_command(num_stages, overrides, "base", None, "trainer_pipe.py", {"OMP_NUM_THREADS": "1"})
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(result.stdout[-3000:] + result.stderr[-3000:])
+    profiles = [json.load(open(os.path.join(out, "profile", n))) for n in sorted(os.listdir(os.path.join(out, "profile")))]
+    return {p["stage"]: p for p in profiles}
+
+
+def step_seconds(profiles):
+    """A pipeline step ends when its slowest stage's does; the last step carries the final checkpoint: left out."""
+    steps = zip(*(p["step_seconds"][:-1] for p in profiles.values()))
+    return [max(step) for step in steps]
+
+
+def transformers_seconds(work, fields, seq_length, micro_batch, steps, processes):
+    out_dir = tempfile.mkdtemp(dir=work)
+    spawn(transformers_loop, processes, fields, seq_length, micro_batch, steps, out_dir)
+    return [json.load(open(os.path.join(out_dir, f"transformers{r}.json"))) for r in range(processes)]
+
+
+def tokens_per_second(tokens, seconds):
+    return tokens * len(seconds) / sum(seconds)
+
+
+def print_profile(name, profiles):
+    print(f"{name}: ms per step (mean over the profiled steps; the final checkpoint left out)")
+    for stage, profile in sorted(profiles.items()):
+        steps = len(profile["step_seconds"])
+        instructions = {k: 1e3 * v / steps for k, v in sorted(profile["instructions"].items(), key=lambda i: -i[1])}
+        loop = {k: 1e3 * v / steps for k, v in profile["loop"].items()}
+        engine_own = loop["train_batch"] - sum(instructions.values())
+        step = 1e3 * statistics.mean(profile["step_seconds"][:-1])
+        print(f"  stage {stage}: step {step:.0f} ms = " + ", ".join(f"{k} {v:.0f}" for k, v in instructions.items())
+              + f", engine's own {engine_own:.0f}, " + ", ".join(f"{k} {v:.1f}" for k, v in loop.items()
+                                                                    if k not in ("train_batch", "checkpoint")))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="small")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per run (after one warm-up step)")
+    parser.add_argument("--partition", help="the trainer's partition (default: conf/base.yaml's)")
+    args = parser.parse_args()
+    fields, seq_length, micro_batch = WORKLOADS[args.workload]
+    tokens = MICRO_BATCHES * micro_batch * seq_length
+    with tempfile.TemporaryDirectory() as work:
+        make_model(work, fields, seq_length, micro_batch, args.steps + 1)
+        print(f"workload {args.workload}: {fields}, seq {seq_length}, micro-batch {micro_batch}, m = {MICRO_BATCHES}, "
+              f"fp32, 1 thread per process, {args.steps} timed steps per run, {args.rounds} rounds", flush=True)
+        contenders = ["one loop", "1 stage", "two loops", "2 stages 1f1b", "2 stages zero_bubble"]
+        rates = {name: [] for name in contenders}
+        profiles = {}
+        for round_index in range(args.rounds):
+            for name in contenders[::1 if round_index % 2 == 0 else -1]:
+                if name in TRAINER_RUNS:
+                    profiles[name] = run_trainer(work, name, seq_length, micro_batch, args.steps + 1,
+                                                 args.partition)
+                    rates[name].append(tokens_per_second(tokens, step_seconds(profiles[name])))
+                else:
+                    loops = transformers_seconds(work, fields, seq_length, micro_batch, args.steps,
+                                                 1 if name == "one loop" else 2)
+                    rates[name].append(sum(tokens_per_second(tokens, s) for s in loops))
+            print(f"round {round_index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.0f} tok/s" for n in contenders),
+                  flush=True)
+        for name, base in (("1 stage", "one loop"), ("2 stages 1f1b", "two loops"), ("2 stages zero_bubble",
+                                                                                    "two loops")):
+            ratios = [a / b for a, b in zip(rates[name], rates[base])]
+            print(f"{name} ÷ {base}: {sum(rates[name]) / sum(rates[base]):.3f} (rounds {min(ratios):.3f}-"
+                  f"{max(ratios):.3f})")
+        for name, stage_profiles in profiles.items():
+            print_profile(name, stage_profiles)
+    print(machine_note())
+
+
+if __name__ == "__main__":
+    main()
