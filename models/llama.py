@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
+from models.context_parallel import NO_CONTEXT_PARALLEL
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 
 IGNORE_INDEX = -100
@@ -86,10 +87,12 @@ def default_rope_parameters(config):
 
 class StageAttentionInputs:
     """The attention mask and rotary tables of one micro-batch, built once and shared by every decoder layer of
-    the stage (a plain object, not a module, so it adds no parameters or buffers to the layers holding it)."""
+    the stage (a plain object, not a module, so it adds no parameters or buffers to the layers holding it). Under
+    context parallelism the mask is one per local half of the tokens (models/context_parallel.py)."""
 
-    def __init__(self, config):
+    def __init__(self, config, context=NO_CONTEXT_PARALLEL):
         self.rotary = RotaryEmbedding(config)
+        self.context = context
         self._key = None
         self._held = None  # the tensors the key's addresses belong to, kept alive so no other batch reuses them
         self._value = None
@@ -101,7 +104,9 @@ class StageAttentionInputs:
         if key != self._key:
             self.rotary.to(hidden.device)
             cos, sin = self.rotary(hidden, position_ids)
-            self._value = (cos, sin, document_causal_mask(document_ids))
+            mask = (document_causal_mask(document_ids) if self.context.size == 1
+                    else self.context.attention_masks(document_ids))
+            self._value = (cos, sin, mask)
             self._key = key
             self._held = (document_ids, position_ids)
         return self._value
@@ -132,8 +137,9 @@ def apply_rotary(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, config, attention_impl, parallel=NO_TENSOR_PARALLEL):
+    def __init__(self, config, attention_impl, parallel=NO_TENSOR_PARALLEL, context=NO_CONTEXT_PARALLEL):
         super().__init__()
+        self.context = context
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
         self.head_dim = head_dim_of(config)
@@ -159,14 +165,17 @@ class Attention(nn.Module):
         k = k.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k, v = self.context.gather_keys_values(k, v)  # the whole sequence's, under context parallelism
         if self.num_kv_heads != self.num_heads:
             k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
             v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
-        if self.attention_impl == "sdpa":
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-        else:
-            out = eager_attention(q, k, v, mask)
+        out = self.context.attend(self.attend, q, k, v, mask)
         return self.parallel.row_linear(out.transpose(1, 2).reshape(batch, seq, -1), self.o_proj)
+
+    def attend(self, q, k, v, mask):
+        if self.attention_impl == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return eager_attention(q, k, v, mask)
 
 
 def eager_attention(q, k, v, mask):
@@ -214,10 +223,11 @@ class DecoderLayerPipe(nn.Module):
     """hidden_states are (batch, seq, hidden), or under sequence parallelism this rank's share of the
     flattened tokens (batch * seq / tp, hidden); the document ids give batch and seq either way."""
 
-    def __init__(self, config, stage_inputs, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL):
+    def __init__(self, config, stage_inputs, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL,
+                 context=NO_CONTEXT_PARALLEL):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, parallel)
-        self.self_attn = Attention(config, attention_impl, parallel)
+        self.self_attn = Attention(config, attention_impl, parallel, context)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, parallel)
         self.mlp = MLP(config, parallel)
         self.stage_inputs = stage_inputs

@@ -6,7 +6,8 @@ import functools
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-from models.llama import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe,
+from models.context_parallel import NO_CONTEXT_PARALLEL, build_context_parallel
+from models.llama import (IGNORE_INDEX, DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe,
                           StageAttentionInputs, causal_lm_loss, check_model_config, tied_lm_head)
 from models.partition import stage_bounds
 from models.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel
@@ -15,17 +16,17 @@ ATTENTION_IMPLS = ("sdpa", "eager")
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL):
+def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL, context=NO_CONTEXT_PARALLEL):
     """Layer specs in pipeline index order (models/layout.py): embedding, decoder layers, final norm, LM head."""
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl '{attention_impl}' is not one of {ATTENTION_IMPLS}.")
-    stage_inputs = StageAttentionInputs(config)
+    stage_inputs = StageAttentionInputs(config, context)
     tied = config.tie_word_embeddings
     embedding = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel) if tied
                  else LayerSpec(EmbeddingPipe, config, parallel))
     head = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel, forward_fn=tied_lm_head)
             if tied else LayerSpec(LMHeadPipe, config, parallel))
-    decoders = [LayerSpec(DecoderLayerPipe, config, stage_inputs, attention_impl, parallel)
+    decoders = [LayerSpec(DecoderLayerPipe, config, stage_inputs, attention_impl, parallel, context)
                 for _ in range(config.num_hidden_layers)]
     return [embedding, *decoders, LayerSpec(FinalNormPipe, config, parallel), head]
 
@@ -42,10 +43,11 @@ class LlamaPipeline(PipelineModule):
     (DeepSpeed's 'parameters' method builds each layer on every rank to count it). layer_loader(layer, paths,
     tensor-parallel rank, size, strict) reads one layer's files into it; None keeps DeepSpeed's own loader."""
 
-    def __init__(self, config, stage_bounds, parallel, layer_loader, **kwargs):
+    def __init__(self, config, stage_bounds, parallel, layer_loader, context=NO_CONTEXT_PARALLEL, **kwargs):
         self.model_config = config
         self.stage_bounds = list(stage_bounds)
         self.parallel = parallel
+        self.context = context  # its split_micro_batch gives this rank its tokens of a collated micro-batch
         self.layer_loader = layer_loader
         super().__init__(partition_method="explicit", **kwargs)
 
@@ -72,25 +74,30 @@ class LlamaPipeline(PipelineModule):
 
 
 def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,
-                          dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None):
+                          dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
+                          context_parallel_size=1):
     """The pipeline module of this rank's stage. topology: DeepSpeed's, with a 'model' axis for tensor
     parallelism (training/distributed.py). stage_bounds: the first pipeline layer of each stage and the layer
     count (default: the 'parameters' partition). dtype: the training dtype to build the stage in (default
-    torch's, fp32), so that a bf16 stage never exists in fp32 first. layer_loader: see LlamaPipeline."""
+    torch's, fp32), so that a bf16 stage never exists in fp32 first. layer_loader: see LlamaPipeline.
+    context_parallel_size: ranks of the topology's data axis splitting each sequence (models/context_parallel.py);
+    under it the stage takes its tokens of each sequence (ContextParallel.split_micro_batch, labels shifted)."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
     parallel = TensorParallel(tp_size, getattr(topology.get_coord(rank), "model", 0), sequence_parallel,
                               recompute_sequence_gather)
+    context = build_context_parallel(topology, context_parallel_size)
+    loss_fn = (functools.partial(causal_lm_loss, parallel=parallel) if context.size == 1
+               else functools.partial(context.loss, tensor_parallel=parallel, ignore_index=IGNORE_INDEX))
     if stage_bounds is None:
         stage_bounds = partition_stages(config, topology.get_dim("pipe"))
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype or previous_dtype)
     try:
-        return LlamaPipeline(config, stage_bounds, parallel, layer_loader,
-                             layers=build_pipeline_layers(config, attention_impl, parallel),
-                             topology=topology,
-                             loss_fn=functools.partial(causal_lm_loss, parallel=parallel),
+        return LlamaPipeline(config, stage_bounds, parallel, layer_loader, context,
+                             layers=build_pipeline_layers(config, attention_impl, parallel, context),
+                             topology=topology, loss_fn=loss_fn,
                              activation_checkpoint_interval=activation_checkpoint_interval,
                              # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.
                              checkpointable_layers=[DecoderLayerPipe.__name__])

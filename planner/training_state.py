@@ -15,7 +15,7 @@ ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32
 
 
 def optimizer_shards(workload):
-    return workload.data_parallel if workload.zero_stage >= 1 else 1
+    return workload.gradient_reduction_ranks if workload.zero_stage >= 1 else 1
 
 
 def state_bytes_per_parameter(workload):
@@ -36,7 +36,8 @@ def state_bytes_per_parameter(workload):
 def checkpoint_bytes_per_parameter(workload):
     """Bytes per parameter of a training checkpoint on disk: the weights and the whole optimizer state (every
     rank's ZeRO shard, offloaded or not); gradients are not saved."""
-    whole = state_bytes_per_parameter(dataclasses.replace(workload, data_parallel=1, offload_optimizer=False))
+    whole = state_bytes_per_parameter(dataclasses.replace(workload, data_parallel=1, context_parallel=1,
+                                                          offload_optimizer=False))
     return whole["weights"] + whole["optimizer"]
 
 
@@ -98,6 +99,6 @@ def allreduce_bucket_bytes(workload, parameters, largest_tensor):
     """ZeRO-0 with data parallelism: DeepSpeed's pipeline all-reduces the gradients (model dtype; bf16 needs ZeRO-1)
     through flat copies of MEMORY_OPT_ALLREDUCE_SIZE elements, plus the tensor that fills the bucket. One
     data-parallel rank skips the all-reduce (training/loop.py)."""
-    if workload.zero_stage >= 1 or workload.data_parallel == 1:
+    if workload.zero_stage >= 1 or workload.gradient_reduction_ranks == 1:
         return 0
     return min(parameters, MEMORY_OPT_ALLREDUCE_SIZE + largest_tensor) * PRECISION_BYTES[workload.precision]

@@ -14,20 +14,27 @@ class Workload:
     micro_batches: int = 8  # gradient_accumulation_steps: the pipeline's m
     precision: str = "bf16"
     zero_stage: int = 1
-    data_parallel: int = 1
+    data_parallel: int = 1  # replicas of the model (each context group is one)
     activation_checkpoint_interval: int = 0
     reduce_bucket_size: int = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default
     torch_adam: bool = True  # torch's Adam (conf/base.yaml) rather than DeepSpeed's fused one
     tensor_parallel: int = 1  # ranks splitting each layer (conf/base.yaml's tensor_parallel_size)
     sequence_parallel: bool = True  # with tensor_parallel > 1: residual stream on 1/t of the tokens
     recompute_sequence_gather: bool = False  # sequence parallel: gather again in backward rather than keep
+    context_parallel: int = 1  # ranks splitting each sequence (models/context_parallel.py)
     offload_optimizer: bool = False  # ZeRO-1's fp32 partition, its gradient and Adam's moments in host memory
     pipeline_schedule: str = "1f1b"  # zero_bubble: micro-batches also wait for their weight gradients (W)
     zero_bubble_max_waiting: int | None = None  # zero_bubble: cap on those per stage (None: ZB-H1's s on stage s)
 
     @property
     def tokens(self):
-        return self.seq_length * self.micro_batch_size
+        """Tokens of a micro-batch one rank computes on: its share of each sequence under context parallelism."""
+        return self.seq_length * self.micro_batch_size // self.context_parallel
+
+    @property
+    def gradient_reduction_ranks(self):
+        """Ranks DeepSpeed averages gradients and partitions ZeRO over: data x context parallel."""
+        return self.data_parallel * self.context_parallel
 
     @property
     def splits_sequence(self):

@@ -2,7 +2,8 @@
 
 DeepSpeed's eval_batch averages micro-batch means and needs full micro-batches on every data-parallel rank; so each
 rank takes every dp_size-th example, the shards are padded to the same number of full micro-batches with rows that
-carry no labels, and every micro-batch loss is weighted by its number of labelled tokens.
+carry no labels, and every micro-batch loss is weighted by its number of labelled tokens. Under context parallelism
+the ranks of a context group read the same examples (sharded by replica) and each takes its tokens of them.
 """
 import math
 
@@ -41,7 +42,8 @@ def labelled_tokens(labels):
 def evaluate(engine, dataset, dataset_length, cfg, pad_id):
     """(token-weighted mean loss, perplexity) over the whole dataset, the same value on every rank.
     Middle stages pass dataset=None and read nothing."""
-    dp_rank, dp_size = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
+    context = engine.module.context
+    dp_rank, dp_size = context.replica(engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size())
     micro_batch = cfg.micro_batch_size
     num_micro_batches = math.ceil(math.ceil(dataset_length / dp_size) / micro_batch)
     token_counts = []
@@ -49,7 +51,7 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
     if dataset is not None:
         loader = DataLoader(PaddedShard(dataset, dp_rank, dp_size, micro_batch), batch_size=micro_batch,
                             collate_fn=lambda rows: collate_causal_lm(rows, cfg.seq_length, pad_id))
-        batches = (token_counts.append(labelled_tokens(b[1])) or b for b in loader)
+        batches = (token_counts.append(labelled_tokens(b[1])) or context.split_micro_batch(b) for b in loader)
         if cfg.tensor_parallel_size > 1:
             batches = check_identical_across_group(batches, engine.grid.get_slice_parallel_group())
     loss_sum, tokens = 0.0, 0
@@ -58,9 +60,9 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
         losses = engine.eval_batch(batches, reduce_output=None, bcast_loss=False, num_micro_batches=chunk)
         if engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0:  # once per tensor-parallel group
             for loss, count in zip(losses, token_counts[start:start + chunk]):
-                if count:
-                    loss_sum += float(loss) * count
-                    tokens += count
+                if count:  # each context rank holds size x its share of the loss (ContextParallel.loss): 1/size each
+                    loss_sum += float(loss) * count / context.size
+                    tokens += count / context.size
     # Only last-stage ranks hold losses; a world-wide sum gives every rank the total.
     totals = torch.tensor([loss_sum, tokens], dtype=torch.float64)
     dist.all_reduce(totals)

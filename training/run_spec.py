@@ -17,6 +17,7 @@ from checkpoints.files import has_tokenizer_files, read_latest
 from checkpoints.integrity import verify_model_side_files
 from data.formats import DataSettings
 from models.layout import layer_file_name, layer_indices_with_files
+from models.context_parallel import context_parallel_error
 from models.llama import check_model_config
 from models.partition import layer_parameter_counts
 from models.pipeline import ATTENTION_IMPLS, PRECISION_DTYPES, partition_stages
@@ -73,6 +74,8 @@ class RunSpec:
         layout = {"num_stages": self.num_stages, "data_parallel": self.data_parallel}
         if self.tensor_parallel > 1:
             layout["tensor_parallel"] = self.tensor_parallel
+        if self.workload.context_parallel > 1:
+            layout["context_parallel"] = self.workload.context_parallel
         return {**layout, "stage_bounds": list(self.stage_bounds)}
 
     @property
@@ -246,7 +249,11 @@ def check_data_files(cfg):
 def check_layout(cfg, model_config, world_size):
     """The run's Workload, once its layout fits the world size and the model."""
     stages, tp = cfg.num_stages, cfg.tensor_parallel_size
-    workload = workload_of(cfg, data_parallel_size(world_size, stages, tp))
+    data_axis = data_parallel_size(world_size, stages, tp)  # data-parallel x context-parallel ranks
+    error = context_parallel_error(cfg.context_parallel_size, cfg.seq_length, data_axis)
+    if error:
+        raise ConfigError(error)
+    workload = workload_of(cfg, data_axis // cfg.context_parallel_size)
     try:
         check_tensor_parallel_split(model_config, tp, workload.tokens if workload.splits_sequence else None)
     except ValueError as error:
@@ -288,6 +295,7 @@ def workload_of(cfg, data_parallel):
                                                                                 Workload.reduce_bucket_size)),
                     torch_adam=bool(optimizer_params.get("torch_adam", False)),
                     tensor_parallel=cfg.tensor_parallel_size, sequence_parallel=bool(cfg.sequence_parallel),
+                    context_parallel=cfg.context_parallel_size,
                     recompute_sequence_gather=bool(cfg.recompute_sequence_gather),
                     offload_optimizer=cfg.offload_optimizer == "cpu", pipeline_schedule=cfg.pipeline_schedule,
                     zero_bubble_max_waiting=cfg.zero_bubble_max_waiting)

@@ -1,0 +1,192 @@
+"""Context parallelism inside a pipeline stage: every rank of a context group holds 1/c of each sequence's tokens
+through the whole stage, and attention sees the whole sequence.
+
+The form Llama 3 was trained with (all-gather context parallelism, not a ring): each attention layer all-gathers
+the keys and values of the group's tokens and attends this rank's queries over them; backward reduce-scatters the
+key/value gradients back to the ranks that own the tokens. It splits any head count (Ulysses' all-to-all needs the
+query and key/value heads to divide by tensor x context size, which 8 key/value heads stop at 8), and under
+grouped-query attention the gathered keys and values are small next to the queries and the MLP's activations.
+
+Tokens are split zig-zag: the sequence is cut into 2c chunks and rank r keeps chunks r and 2c-1-r, so under the
+causal mask every rank attends over the same number of keys ((2c+1)/(2c) of a sequence's worth of chunks), and
+each local half attends only over the keys up to its own chunk. Each token keeps its document id and position
+(they travel with it), so rotary embeddings and the per-document causal mask are those of the whole sequence.
+
+With size 1 every call is the plain computation and no collective runs.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class ContextParallel:
+    """One rank's place in its context group, the data split and the collectives attention calls."""
+
+    def __init__(self, size=1, rank=0, group=None):
+        self.size, self.rank, self.group = size, rank, group
+        self._orders = {}  # {chunk length: (gathered -> global order, global -> gathered order)}
+
+    def replica(self, data_rank, data_size):
+        """(this rank's replica, replicas) from its coordinate on DeepSpeed's data axis, which holds the context
+        ranks too (build_context_parallel): the data loader's rank and size, shared by the context group."""
+        return data_rank // self.size, data_size // self.size
+
+    # --- which tokens this rank holds --------------------------------------------------------------------------
+    def global_chunks(self):
+        """The global chunk index of this rank's two halves (of 2 x size chunks)."""
+        return self.rank, 2 * self.size - 1 - self.rank
+
+    def local_tokens(self, x, dim=1):
+        """This rank's tokens of a whole sequence: chunks rank and 2c-1-rank of `dim`, concatenated."""
+        if self.size == 1:
+            return x
+        chunks = x.chunk(2 * self.size, dim=dim)
+        return torch.cat([chunks[index] for index in self.global_chunks()], dim=dim)
+
+    def split_micro_batch(self, batch):
+        """A collated micro-batch ((input_ids, document_ids, position_ids), labels) of whole sequences -> this
+        rank's tokens of each. The labels are shifted here, while the sequence is whole (each token's label is the
+        next token's, which may sit on another rank): the context-parallel loss does not shift them again."""
+        if self.size == 1 or batch is None:
+            return batch
+        inputs, labels = batch
+        next_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
+        return tuple(self.local_tokens(t) for t in inputs), self.local_tokens(next_labels)
+
+    # --- attention --------------------------------------------------------------------------------------------
+    def gather_keys_values(self, k, v):
+        """Keys and values (batch, heads, local tokens, head_dim) of the whole sequence in global order; one
+        all-gather for both, its backward a reduce-scatter of their gradients."""
+        if self.size == 1:
+            return k, v
+        gathered = GatherSequence.apply(torch.cat([k, v], dim=-1), self, 2)
+        return gathered.split(k.shape[-1], dim=-1)
+
+    def attention_masks(self, document_ids):
+        """Per local half, the boolean (batch or 1, 1, chunk, keys up to the chunk's end) mask of the keys its
+        queries may attend: causal by global position and within the query's document; a padding query sees only
+        itself (no empty row). The document ids of the whole sequence are all-gathered once per micro-batch."""
+        whole = self.gather_sequence(document_ids, dim=1)
+        chunk = document_ids.shape[1] // 2
+        masks = []
+        for index in self.global_chunks():
+            end = (index + 1) * chunk
+            queries = torch.arange(index * chunk, end, device=document_ids.device)
+            keys = torch.arange(end, device=document_ids.device)
+            causal = keys[None, :] <= queries[:, None]
+            if bool((whole == 1).all()):  # one unpadded document per row: the causal mask serves every row
+                masks.append(causal[None, None])
+                continue
+            query_docs, key_docs = whole[:, index * chunk:end], whole[:, :end]
+            allowed = causal & (query_docs[:, :, None] == key_docs[:, None, :]) & (key_docs != 0)[:, None, :]
+            masks.append((allowed | (keys[None, :] == queries[:, None]))[:, None])
+        return masks
+
+    def attend(self, attention, q, k, v, masks):
+        """attention(q, k, v, mask) of this rank's queries: each half over the keys up to its own chunk (the
+        causal saving that the zig-zag split makes even across ranks)."""
+        if self.size == 1:
+            return attention(q, k, v, masks)
+        chunk = q.shape[2] // 2
+        outputs = []
+        for half, (index, mask) in enumerate(zip(self.global_chunks(), masks)):
+            end = (index + 1) * chunk
+            outputs.append(attention(q[:, :, half * chunk:(half + 1) * chunk], k[:, :, :end], v[:, :, :end], mask))
+        return torch.cat(outputs, dim=2)
+
+    # --- the loss ---------------------------------------------------------------------------------------------
+    def loss(self, logits, next_labels, tensor_parallel, ignore_index=-100):
+        """This rank's share of the micro-batch's token-weighted mean loss, times the group size.
+
+        DeepSpeed sees the context ranks as data-parallel ranks and averages their gradients and losses; so each
+        rank returns size x (its tokens' loss sum) / (the group's labelled tokens), whose mean over the group is
+        exactly the whole sequences' mean loss, and the averaged gradient exactly its gradient."""
+        labels = next_labels.reshape(-1).to(logits.device)
+        counts = torch.tensor([int((labels != ignore_index).sum())], dtype=torch.int64)
+        local = int(counts)
+        dist.all_reduce(counts, group=self.group)
+        total = int(counts)
+        if local == 0:  # no labelled token here (padding): a zero that still reaches the logits' graph
+            return logits.float().sum() * 0.0
+        mean = tensor_parallel.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels, ignore_index)
+        return mean * (local * self.size / total)
+
+    # --- collectives ------------------------------------------------------------------------------------------
+    def gather_sequence(self, x, dim):
+        """All-gather this rank's tokens along `dim` into the whole sequence in global order (no gradient)."""
+        gathered_first = self.all_gather(x.movedim(dim, 0))
+        to_global, _ = self.orders(x.shape[dim] // 2, x.device)
+        return gathered_first.index_select(0, to_global).movedim(0, dim)
+
+    def all_gather(self, x):
+        out = torch.empty((x.shape[0] * self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_single(out, x.contiguous(), group=self.group)
+        return out
+
+    def reduce_scatter(self, x):
+        out = torch.empty((x.shape[0] // self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_single(out, x.contiguous(), group=self.group)
+        return out
+
+    def orders(self, chunk, device):
+        """Index maps between the all-gathered order (rank 0's two chunks, rank 1's, ...) and the global one."""
+        if chunk not in self._orders:
+            gathered_chunk = [index for rank in range(self.size)
+                              for index in (rank, 2 * self.size - 1 - rank)]  # the global chunk at each position
+            to_gathered = torch.tensor(gathered_chunk).argsort()  # global chunk -> position in the gathered order
+            to_global = (to_gathered[:, None] * chunk + torch.arange(chunk)).reshape(-1)
+            self._orders[chunk] = (to_global, to_global.argsort())
+        to_global, to_gathered = self._orders[chunk]
+        return to_global.to(device), to_gathered.to(device)
+
+
+class GatherSequence(torch.autograd.Function):
+    """The whole sequence along `dim` from every rank's tokens; backward: each rank's share of the summed
+    gradient (reduce-scatter), since every rank's queries used every rank's keys and values."""
+
+    @staticmethod
+    def forward(ctx, x, context, dim):
+        ctx.context, ctx.dim = context, dim
+        return context.gather_sequence(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        context, dim = ctx.context, ctx.dim
+        _, to_gathered = context.orders(grad.shape[dim] // (2 * context.size), grad.device)
+        in_gathered_order = grad.movedim(dim, 0).index_select(0, to_gathered)
+        return context.reduce_scatter(in_gathered_order).movedim(0, dim), None, None
+
+
+def build_context_parallel(topology, size):
+    """This rank's ContextParallel. The context ranks are folded into DeepSpeed's data axis (so DeepSpeed
+    averages gradients and partitions ZeRO over data x context, as Megatron does): data coordinate d is replica
+    d // size, context rank d % size. Every rank creates every group, in the same order, as new_group requires."""
+    if size == 1:
+        return NO_CONTEXT_PARALLEL
+    rank = dist.get_rank()
+    mine = None
+    for data_ranks in topology.get_axis_comm_lists("data"):
+        for start in range(0, len(data_ranks), size):
+            members = data_ranks[start:start + size]
+            group = dist.new_group(members)
+            if rank in members:
+                mine = ContextParallel(size, members.index(rank), group)
+    return mine
+
+
+def context_parallel_error(size, seq_length, data_axis):
+    """Why context_parallel_size cannot split this run (a message naming the key and what to set), or None.
+    data_axis: world size / (num_stages x tensor_parallel_size), which context x data-parallel ranks share."""
+    if size < 1:
+        return f"context_parallel_size={size} must be at least 1."
+    if seq_length % (2 * size):
+        return (f"seq_length={seq_length} does not split over context_parallel_size={size}: the zig-zag split "
+                f"cuts each sequence into 2 x {size} equal chunks; set seq_length to a multiple of {2 * size}.")
+    if data_axis % size:
+        return (f"context_parallel_size={size} does not divide the {data_axis} ranks each stage x tensor-parallel "
+                f"slot has (world size / (num_stages x tensor_parallel_size)); launch a multiple of {size} such "
+                f"ranks or set context_parallel_size to a divisor of {data_axis}.")
+    return None
+
+
+NO_CONTEXT_PARALLEL = ContextParallel()  # every rank holds whole sequences

@@ -1,0 +1,180 @@
+"""Context parallelism (models/context_parallel.py) against transformers, on real processes (gloo): packed rows of
+several documents with padding, the token-weighted eval loss (training/evaluation.py) and the training gradients for
+1 stage x context 2 (x 2 replicas), 2 stages x context 2 (tied embeddings), context 2 x tensor parallel 2 (sequence
+parallel), context 4, and 2 stages x context 2 under the zero-bubble schedule with activation checkpointing, in one
+launch of 4 processes; training parity through the launcher; config errors before any process group."""
+import json
+import random
+
+import pytest
+
+from data import build_dataset
+from tests.distributed import spawn
+from tests.launch import SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics
+from tests.launch import run_in_process
+from tests.test_packing import documents, hf_loss_sum_and_count
+
+SEQ, MICRO_BATCH, GAS = 32, 2, 2
+CASES = {  # name: (tiny model, stages, tensor parallel, context parallel, options)
+    "1stage_x_cp2_x_2replicas": ("llama3", 1, 1, 2, {}),
+    "2stages_x_cp2_tied": ("tied", 2, 1, 2, {}),
+    "cp2_x_tp2_sp": ("qwen2", 1, 2, 2, {}),
+    "cp4_eager": ("llama3", 1, 1, 4, {"attention_impl": "eager"}),
+    "2stages_x_cp2_zero_bubble_checkpointing": ("llama3", 2, 1, 2, {"activation_checkpoint_interval": 1,
+                                                                    "zero_bubble": True}),
+}
+
+
+def micro_batches(rows, replicas, replica, context):
+    """This rank's tokens of micro-batch (step * replicas + replica) for each step."""
+    from data.collator import collate_causal_lm
+    for step in range(GAS):
+        start = (step * replicas + replica) * MICRO_BATCH
+        yield context.split_micro_batch(collate_causal_lm(rows[start:start + MICRO_BATCH], SEQ, pad_id=0))
+
+
+def hf_reference(hf_dir, rows, num_micro_batches):
+    """Token-weighted loss over every document of `rows`, and the gradients of the training objective (mean over
+    the first num_micro_batches micro-batches of their token-weighted mean), each document run alone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        sums, counts = zip(*(hf_loss_sum_and_count(model, ids, labels)
+                             for row in rows for ids, labels in documents(row)))
+    eval_loss = (sum(sums) / sum(counts)).item()
+    objective = 0
+    for index in range(num_micro_batches):
+        sums, counts = zip(*(hf_loss_sum_and_count(model, ids, labels)
+                             for row in rows[index * MICRO_BATCH:(index + 1) * MICRO_BATCH]
+                             for ids, labels in documents(row)))
+        objective = objective + sum(sums) / sum(counts)
+    (objective / num_micro_batches).backward()
+    return eval_loss, {n: p.grad for n, p in model.named_parameters()}
+
+
+def context_parity_worker(rank, checkpoints, rows, out_dir):
+    from types import SimpleNamespace
+
+    import deepspeed
+    import torch
+    from transformers import AutoConfig
+
+    from checkpoints.layer_files import load_layer_slice
+    from models.pipeline import build_pipeline_module
+    from tests.parity_worker import GradientRecorder, hf_name_of_pipeline_param
+    from training.distributed import init_distributed, parallel_topology
+    from training.evaluation import evaluate
+    from training.pipeline_engine import use_zero_bubble
+
+    init_distributed(timeout_minutes=2)
+    results = {}
+    for name, (model, stages, tensor_parallel, context_parallel, options) in CASES.items():
+        hf_dir, ds_dir = checkpoints[model]
+        config = AutoConfig.from_pretrained(hf_dir)
+        module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True,
+                                       layer_loader=load_layer_slice, context_parallel_size=context_parallel,
+                                       attention_impl=options.get("attention_impl", "sdpa"),
+                                       activation_checkpoint_interval=options.get("activation_checkpoint_interval", 0))
+        optimizer = GradientRecorder(module.parameters())
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config={
+            "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GAS,
+            "steps_per_print": 10**9, "gradient_clipping": 0.0,
+            "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}})
+        engine.load_checkpoint(ds_dir, load_module_only=True)
+        if options.get("zero_bubble"):
+            use_zero_bubble(engine)
+        reads_data = engine.is_first_stage() or engine.is_last_stage()
+        cfg = SimpleNamespace(micro_batch_size=MICRO_BATCH, seq_length=SEQ, gradient_accumulation_steps=GAS,
+                              tensor_parallel_size=tensor_parallel)
+        eval_loss, _ = evaluate(engine, rows if reads_data else None, len(rows), cfg, pad_id=0)
+        replica, replicas = module.context.replica(engine.grid.data_parallel_id,
+                                                   engine.grid.get_data_parallel_world_size())
+        train_loss = float(engine.train_batch(micro_batches(rows, replicas, replica, module.context)))
+        ref_loss, ref_grads = hf_reference(hf_dir, rows, GAS * replicas)
+        train_ref = sum(hf_reference_losses(hf_dir, rows, GAS * replicas)) / (GAS * replicas)
+        grad_errors = {}
+        for param_name, param in module.named_parameters():
+            ref = ref_grads[hf_name_of_pipeline_param(param_name, config.num_hidden_layers)]
+            if getattr(param, "tensor_parallel_dim", None) is not None:
+                ref = ref.chunk(tensor_parallel, param.tensor_parallel_dim)[engine.grid.get_slice_parallel_rank()]
+            grad_errors[param_name] = ((optimizer.recorded[param] - ref).abs().max() / ref.abs().max()).item()
+        results[name] = {"eval_loss": eval_loss, "ref_loss": ref_loss, "train_loss": train_loss,
+                         "train_ref": train_ref, "grad_errors": grad_errors, "context_rank": module.context.rank}
+        torch.distributed.barrier()
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    torch.distributed.destroy_process_group()
+
+
+def hf_reference_losses(hf_dir, rows, num_micro_batches):
+    """transformers' token-weighted loss of each of the first num_micro_batches micro-batches."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+    losses = []
+    with torch.no_grad():
+        for index in range(num_micro_batches):
+            sums, counts = zip(*(hf_loss_sum_and_count(model, ids, labels)
+                                 for row in rows[index * MICRO_BATCH:(index + 1) * MICRO_BATCH]
+                                 for ids, labels in documents(row)))
+            losses.append((sum(sums) / sum(counts)).item())
+    return losses
+
+
+def packed_rows(tmp_path):
+    rng = random.Random(0)
+    lengths = [rng.choice([3, 4, 5, 6, 8, 10, 12, 29, 31]) for _ in range(40)]
+    records = [{"input_ids": [rng.randrange(96) for _ in range(n)]} for n in lengths]
+    path = tmp_path / "ids.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    packed, _ = build_dataset(path, None, {"format": "pretokenized", "packing": True}, SEQ,
+                              cache_dir=tmp_path / "cache", vocab_size=96)
+    rows = packed.to_list()[::-1]  # rows of several documents first, padding in most
+    assert any(len(r["lengths"]) > 2 for r in rows[:GAS * 2 * MICRO_BATCH])
+    return rows
+
+
+def test_context_parallel_matches_transformers_on_packed_documents(tiny_checkpoints, tmp_path):
+    spawn(context_parity_worker, 4, tiny_checkpoints, packed_rows(tmp_path), str(tmp_path))
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(4)]
+    for name in CASES:
+        assert {rank[name]["context_rank"] for rank in ranks} == set(range(CASES[name][3])), name
+        for result in (rank[name] for rank in ranks):
+            assert result["eval_loss"] == pytest.approx(result["ref_loss"], abs=1e-5), name
+            assert result["train_loss"] == pytest.approx(result["train_ref"], abs=1e-5), name
+            bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
+            assert not bad, f"{name}: gradients differ from transformers on each document alone: {bad}"
+
+
+def test_training_parity_with_context_parallel(demo_model, single_process_run, tmp_path):
+    """8 fp32 steps of 1 stage x context 2 through the launcher against 1 process on the same global batch (the
+    losses, the clipping norm, the samples counted for the data position) and the same eval loss after them."""
+    out = tmp_path / "cp2"
+    check_ok(launch_trainer(2, demo_overrides(demo_model, out, **dict(SINGLE_PROCESS, context_parallel_size=2))))
+    losses = per_step_losses(out)
+    assert len(losses) == 8 and losses == pytest.approx(per_step_losses(single_process_run), abs=1e-4)
+    records = {run: [r for r in read_metrics(run) if "loss" in r] for run in (single_process_run, out)}
+    assert min(r["grad_norm"] for r in records[single_process_run]) > 1.0  # clipping acts
+    assert [r["grad_norm"] for r in records[out]] == pytest.approx(
+        [r["grad_norm"] for r in records[single_process_run]], rel=1e-5)
+    (evaluation,) = [r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r]
+    (reference,) = [r["eval_loss"] for r in read_metrics(single_process_run) if "eval_loss" in r]
+    assert evaluation == pytest.approx(reference, abs=1e-5)
+    state = json.load(open(out / "global_step8" / "trainer_state.json"))
+    assert state["topology"]["context_parallel"] == 2 and state["topology"]["data_parallel"] == 1
+    assert state["consumed_samples"] == 64
+
+
+@pytest.mark.parametrize("overrides,world_size,message", [
+    ({"context_parallel_size": 2, "seq_length": 66}, 2,
+     r"seq_length=66 does not split over context_parallel_size=2: the zig-zag split cuts each sequence into 2 x 2 "
+     r"equal chunks; set seq_length to a multiple of 4\."),
+    ({"context_parallel_size": 2, "num_stages": 1}, 3,
+     r"context_parallel_size=2 does not divide the 3 ranks each stage x tensor-parallel slot has"),
+    ({"context_parallel_size": 0}, 2, r"context_parallel_size=0 must be at least 1\."),
+], ids=["seq_length", "world_size", "zero"])
+def test_bad_context_parallel_config_is_refused_before_any_work(demo_model, tmp_path, overrides, world_size, message):
+    with pytest.raises(ValueError, match=message):
+        run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), world_size)
+    assert not (tmp_path / "run").exists()
