@@ -34,8 +34,8 @@ def micro_batches(rows, replicas, replica, context):
 
 
 def hf_reference(hf_dir, rows, num_micro_batches):
-    """Token-weighted loss over every document of `rows`, and the gradients of the training objective (mean over
-    the first num_micro_batches micro-batches of their token-weighted mean), each document run alone."""
+    """Token-weighted loss over every document of `rows`, the training objective (the mean over the first
+    num_micro_batches micro-batches of their token-weighted mean) and its gradients, each document run alone."""
     import torch
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
@@ -49,8 +49,9 @@ def hf_reference(hf_dir, rows, num_micro_batches):
                              for row in rows[index * MICRO_BATCH:(index + 1) * MICRO_BATCH]
                              for ids, labels in documents(row)))
         objective = objective + sum(sums) / sum(counts)
-    (objective / num_micro_batches).backward()
-    return eval_loss, {n: p.grad for n, p in model.named_parameters()}
+    objective = objective / num_micro_batches
+    objective.backward()
+    return eval_loss, objective.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
 def context_parity_worker(rank, checkpoints, rows, out_dir):
@@ -91,8 +92,7 @@ def context_parity_worker(rank, checkpoints, rows, out_dir):
         replica, replicas = module.context.replica(engine.grid.data_parallel_id,
                                                    engine.grid.get_data_parallel_world_size())
         train_loss = float(engine.train_batch(micro_batches(rows, replicas, replica, module.context)))
-        ref_loss, ref_grads = hf_reference(hf_dir, rows, GAS * replicas)
-        train_ref = sum(hf_reference_losses(hf_dir, rows, GAS * replicas)) / (GAS * replicas)
+        ref_loss, train_ref, ref_grads = hf_reference(hf_dir, rows, GAS * replicas)
         grad_errors = {}
         for param_name, param in module.named_parameters():
             ref = ref_grads[hf_name_of_pipeline_param(param_name, config.num_hidden_layers)]
@@ -105,21 +105,6 @@ def context_parity_worker(rank, checkpoints, rows, out_dir):
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(results, f)
     torch.distributed.destroy_process_group()
-
-
-def hf_reference_losses(hf_dir, rows, num_micro_batches):
-    """transformers' token-weighted loss of each of the first num_micro_batches micro-batches."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
-    losses = []
-    with torch.no_grad():
-        for index in range(num_micro_batches):
-            sums, counts = zip(*(hf_loss_sum_and_count(model, ids, labels)
-                                 for row in rows[index * MICRO_BATCH:(index + 1) * MICRO_BATCH]
-                                 for ids, labels in documents(row)))
-            losses.append((sum(sums) / sum(counts)).item())
-    return losses
 
 
 def packed_rows(tmp_path):
