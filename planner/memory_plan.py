@@ -75,6 +75,8 @@ def format_memory_plan(spec, rows):
     header = (f"{'stage':>5} {'layers':>7} {'params':>8} {'weights':>8} {'grads':>8} {'optim':>8} "
               f"{f'act(ckpt {interval})':>12} {'act(full)':>10} {'step':>7} {'buffers':>8} {'total':>8}  fits")
     tensor = f"{workload.tensor_parallel} tensor-parallel x " if workload.tensor_parallel > 1 else ""
+    if workload.context_parallel > 1:
+        tensor += f"{workload.context_parallel} context-parallel x "
     per_device = "params and GiB per device" if workload.tensor_parallel > 1 else "GiB per device"
     lines = [f"memory plan: {world_size} devices = {cfg.num_stages} stages x {tensor}{workload.data_parallel} "
              f"data-parallel; {describe_workload(workload)}; partition '{cfg.partition}'; {per_device}", header]

@@ -12,6 +12,12 @@ Per layer kind (LayerCosts):
 The training state beside them (weights, gradients, optimizer, buffers, the optimizer step's peak, host memory) is
 planner/training_state.py's, from the stage's parameters and largest tensor.
 
+Context parallelism over c ranks (models/context_parallel.py): every rank computes on 1/c of each sequence's tokens
+(the workload's `tokens`), its queries attend over the whole sequence (attention FLOPs: local tokens x
+seq_length), attention keeps the whole sequence's keys and values for backward (all-gathered, expanded to this
+rank's query heads) and their gradients while it runs backward, and each stage holds one boolean mask per local
+half (local chunk x the keys up to it, per row when documents are packed; counted packed).
+
 Tensor parallelism (Megatron's layout, models/tensor_parallel.py) over t ranks: every figure is one rank's. The
 projections, the embedding and the LM head hold 1/t of their weights (norms and row-parallel biases stay whole),
 and the matmuls do 1/t of the FLOPs; attention heads, MLP columns and logits split by t. With sequence parallelism
@@ -70,9 +76,10 @@ class LayerCosts:
             # and inverse RMS, and attention's log-sum-exp per head. Of the hidden-sized ones, the norms' normalised
             # outputs are on the residual stream's tokens, the inputs of the column-parallel groups (q/k/v,
             # gate/up) on the gathered tokens, and q, k, v and attention's output on this rank's heads (counted
-            # hidden-sized: heads x head_dim = hidden in LLaMA-family configs).
-            DECODER: act * (2 * residual * hidden + 2 * gathered * hidden + 4 * tokens * hidden // t
-                            + 4 * tokens * inter)
+            # hidden-sized: heads x head_dim = hidden in LLaMA-family configs; k and v over the whole sequence
+            # under context parallelism).
+            DECODER: act * (2 * residual * hidden + 2 * gathered * hidden + 2 * tokens * hidden // t
+                            + 2 * workload.key_value_tokens * hidden // t + 4 * tokens * inter)
                      + FP32_BYTES * (residual * (2 * hidden + 2) + tokens * heads),
             # The norm's fp32 input and inverse RMS, its normalised output, and its scaled output as the LM head's
             # input (gathered under sequence parallelism).
@@ -85,9 +92,11 @@ class LayerCosts:
         # rank's residual tokens, two on all tokens: a column group's input gradient, in the pool under sequence
         # parallelism, and a row-parallel output's gathered gradient); the loss's two fp32 logits-sized gradients.
         pooled = 1 if workload.splits_sequence else 0
+        # Context parallelism adds the whole sequence's key and value gradients (this rank's heads).
+        gathered_kv_grads = 2 * workload.key_value_tokens * hidden // t if workload.context_parallel > 1 else 0
         self.backward_bytes = {EMBEDDING: 0, NORM: 0,
                                DECODER: act * (2 * tokens * inter + 2 * residual * hidden
-                                               + (2 - pooled) * tokens * hidden),
+                                               + (2 - pooled) * tokens * hidden + gathered_kv_grads),
                                HEAD: 2 * tokens * vocab * FP32_BYTES}
         self.logits_bytes = tokens * vocab * act
         # A micro-batch waiting for its W (zero-bubble schedule) keeps each deferred linear layer's input and output
@@ -104,6 +113,10 @@ class LayerCosts:
         # Sequence parallelism's pool, once per stage: the buffer every column group sums its input gradient into,
         # and with recompute_sequence_gather the one it gathers its input into.
         self.pool_bytes = tokens * hidden * act * pooled * (2 if workload.recompute_sequence_gather else 1)
+        # Context parallelism's attention masks, once per stage: local chunk x keys up to it, for both halves.
+        c = workload.context_parallel
+        chunk = workload.seq_length // (2 * c)
+        self.context_mask_bytes = workload.micro_batch_size * chunk * chunk * (2 * c + 1) if c > 1 else 0
 
     def chunks(self, kinds):
         """DeepSpeed's activation checkpointing: consecutive runs of `interval` layers from the stage's first layer,
@@ -146,6 +159,8 @@ class LayerCosts:
             persistent += min(2, self.workload.micro_batches) * self.logits_bytes
         if DECODER in kinds or HEAD in kinds:  # column-parallel groups use the stage's pool
             persistent += self.pool_bytes
+        if DECODER in kinds:
+            persistent += self.context_mask_bytes
         waiting_bytes = waiting * sum(self.weight_grad_bytes[kind] for kind in kinds)
         return in_flight * per_micro_batch + waiting_bytes + persistent + transient
 

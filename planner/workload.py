@@ -32,6 +32,11 @@ class Workload:
         return self.seq_length * self.micro_batch_size // self.context_parallel
 
     @property
+    def key_value_tokens(self):
+        """Tokens whose keys and values attention holds: the whole sequences under context parallelism."""
+        return self.seq_length * self.micro_batch_size if self.context_parallel > 1 else self.tokens
+
+    @property
     def gradient_reduction_ranks(self):
         """Ranks DeepSpeed averages gradients and partitions ZeRO over: data x context parallel."""
         return self.data_parallel * self.context_parallel
@@ -71,6 +76,8 @@ def describe_workload(workload):
                     if workload.splits_sequence and workload.recompute_sequence_gather
                     else "sequence parallel" if workload.splits_sequence else "no sequence parallel")
         tensor = f"tensor-parallel {workload.tensor_parallel} ({sequence}), "
+    if workload.context_parallel > 1:
+        tensor += f"context-parallel {workload.context_parallel}, "
     return (f"seq_length={workload.seq_length}, micro_batch_size={workload.micro_batch_size}, "
             f"{workload.micro_batches} micro-batches, {workload.precision}, ZeRO-{workload.zero_stage}"
             f"{' with optimizer offloaded to CPU' if workload.offload_optimizer else ''}, "

@@ -163,3 +163,24 @@ def test_bad_context_parallel_config_is_refused_before_any_work(demo_model, tmp_
     with pytest.raises(ValueError, match=message):
         run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), world_size)
     assert not (tmp_path / "run").exists()
+
+
+def test_plan_counts_the_context_split():
+    """plan_only on the shipped 32k config: each rank's activations about halve with the split (the whole sequence's
+    keys and values and the masks stay; the stage-boundary buffers halve too), ZeRO partitions over data x
+    context, and only the split plan fits the 16 devices it names."""
+    from planner.memory_plan import memory_plan, plan_fits, host_memory_plan
+    from tests.test_memory_plan import run_config
+    from training.run_spec import plan_spec
+
+    plans = {}
+    for size in (1, 2):
+        spec = plan_spec(run_config("llama3_70b_32k", f"context_parallel_size={size}"))
+        rows = memory_plan(spec)
+        plans[size] = (spec, rows, plan_fits(spec, rows, host_memory_plan(spec, rows)))
+    (one, rows1, fits1), (two, rows2, fits2) = plans[1], plans[2]
+    assert (one.data_parallel, two.data_parallel) == (2, 1) and not fits1 and fits2
+    assert two.workload.gradient_reduction_ranks == one.workload.gradient_reduction_ranks == 2
+    for row1, row2 in zip(rows1, rows2):
+        assert row2["optimizer_bytes"] == row1["optimizer_bytes"]  # partitioned over the same 2 ranks
+        assert 0.45 < row2["activation_full_bytes"] / row1["activation_full_bytes"] < 0.6
