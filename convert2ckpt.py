@@ -4,6 +4,7 @@
   python convert2ckpt.py --to_hf --ckpt_dir DS_DIR --output_dir HF_DIR [--tag TAG] [--max_shard_size 5GB]
 """
 import argparse
+import os
 import sys
 
 
@@ -41,7 +42,25 @@ def main(argv=None):
                                    args.tokenizer_name_or_path)
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         sys.exit(f"convert2ckpt: error: {error}")
+    except Exception as error:  # torch.save's and safetensors' own words for a full disk: RuntimeError, SafetensorError
+        from checkpoints.files import is_disk_full
+        if not is_disk_full(error):
+            raise
+        sys.exit(f"convert2ckpt: error: {disk_full_message(args)}")
     print(f"wrote {out}")
+
+
+def disk_full_message(args):
+    """What to do when the output's disk filled up: the output directory is untouched (it is written into a
+    staging sibling that is removed on failure), and the conversion needs about its input's weight bytes again."""
+    from checkpoints.ds_to_hf import resolve_tag_dir
+    from checkpoints.files import WEIGHT_SUFFIXES, free_bytes, size_text
+    source = resolve_tag_dir(args.ckpt_dir, args.tag) if args.to_hf else args.model_name_or_path
+    needed = sum(os.path.getsize(os.path.join(source, name)) for name in os.listdir(source)
+                 if name.endswith(WEIGHT_SUFFIXES) and "optim_states" not in name and not name.startswith("mp_rank"))
+    return (f"the disk of '{args.output_dir}' filled up: {size_text(free_bytes(args.output_dir))} free, the "
+            f"converted weights need about {size_text(needed)}; nothing was written ('{args.output_dir}' is as it "
+            f"was). Free space there or choose an --output_dir on a larger disk.")
 
 
 if __name__ == "__main__":

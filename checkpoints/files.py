@@ -1,6 +1,7 @@
 """Crash-safe file handling shared by conversion and training: whole directories appear at once or not at all,
 and ``latest`` only ever names a complete checkpoint."""
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -105,3 +106,21 @@ def copy_tokenizer_files(src_dir, dst_dir):
     for name in sorted(os.listdir(src_dir)):
         if is_tokenizer_file(name) and os.path.isfile(os.path.join(src_dir, name)):
             shutil.copy2(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+
+
+def is_disk_full(error):
+    """ENOSPC as an OSError, as safetensors' error text ("os error 28"), or as torch.save's zip writer sees a write
+    the full disk cut short ("unexpected pos")."""
+    return (getattr(error, "errno", None) == errno.ENOSPC or "unexpected pos" in str(error)
+            or f"os error {errno.ENOSPC}" in str(error))
+
+
+def free_bytes(path):
+    """Free bytes of the filesystem path is on (or will be created on)."""
+    while not os.path.exists(path):
+        path = os.path.dirname(os.path.abspath(path))
+    return shutil.disk_usage(path).free
+
+
+def size_text(size):
+    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"

@@ -6,6 +6,7 @@ with pread directly into the parameter it belongs to. Nothing is staged: loading
 not the stage plus a layer (load_state_dict from a loaded or mapped file keeps the whole layer resident until the
 next one).
 """
+import errno
 import os
 import pickle
 import re
@@ -169,8 +170,25 @@ def write_layer_file_from_ranges(path, sources):
 
 
 def copy_range(source_fd, source_offset, target_fd, target_offset, length):
+    """copy_file_range, or sendfile where the kernel will not copy between the two files' filesystems (a model on
+    one disk or NFS, its conversion on another: EXDEV on many kernels)."""
+    copy = os.copy_file_range
     while length:
-        count = os.copy_file_range(source_fd, target_fd, length, source_offset, target_offset)
+        try:
+            count = copy(source_fd, target_fd, length, source_offset, target_offset)
+        except OSError as error:
+            if error.errno not in NO_KERNEL_COPY or copy is send_range:
+                raise
+            copy = send_range
+            continue
         if count == 0:
             raise EOFError(f"source file ends before its tensor's data (offset {source_offset}).")
         source_offset, target_offset, length = source_offset + count, target_offset + count, length - count
+
+
+NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+def send_range(source_fd, target_fd, length, source_offset, target_offset):
+    os.lseek(target_fd, target_offset, os.SEEK_SET)
+    return os.sendfile(target_fd, source_fd, source_offset, length)

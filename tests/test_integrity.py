@@ -16,6 +16,7 @@ from checkpoints.files import is_tokenizer_file
 from checkpoints.hf_to_ds import convert_hf_to_ds
 from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics, run_in_process
 from tests.test_conversion import assert_nothing_written, convert_cli, save_as_bin
+from tests.test_reliability import small_disk  # noqa: F401  (a fixture)
 from tests.tiny_models import make_tiny_model
 from training.run_spec import tokenizer_dir
 from training.loop import pad_token_id
@@ -224,3 +225,26 @@ def test_pretokenized_run_without_tokenizer_then_corrupt_checkpoint_is_refused(d
     assert said.count(f"trainer_pipe: error: checkpoint file '{layer}' is corrupt") == 2, said[-3000:]  # both ranks
     exported = convert_cli("--to_hf", "--ckpt_dir", str(out), "--output_dir", str(tmp_path / "hf"))
     assert exported.returncode != 0 and f"checkpoint file '{layer}' is corrupt" in exported.stderr
+
+
+def test_a_full_disk_during_conversion_is_one_line_and_leaves_nothing(demo_model, small_disk):
+    """Both directions into a disk too small for the weights (another filesystem than the model's): one line naming
+    the output, the free space and what the weights need; no traceback, no partial directory, an existing output
+    untouched."""
+    disk = small_disk(128 * 1024)
+    existing = disk / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("kept")
+    for direction in (["--model_name_or_path", demo_model["hf"]], ["--to_hf", "--ckpt_dir", demo_model["ds"]]):
+        result = convert_cli(*direction, "--output_dir", str(existing), "--overwrite")
+        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert re.search(rf"convert2ckpt: error: the disk of '{re.escape(str(existing))}' filled up: [0-9.]+ MiB free, "
+                         rf"the converted weights need about [0-9.]+ MiB; nothing was written", result.stderr)
+        assert sorted(os.listdir(disk)) == ["existing"] and (existing / "keep.txt").read_text() == "kept"
+    # With room, the conversion onto this other filesystem (where the kernel's copy_file_range may refuse the
+    # cross-device copy) writes the same bytes as on the model's own.
+    small_disk(16 * 2**20)
+    assert convert_cli("--model_name_or_path", demo_model["hf"], "--output_dir", str(disk / "ds")).returncode == 0
+    written, reference = tag_dir(disk / "ds"), tag_dir(demo_model["ds"])
+    assert sorted(os.listdir(written)) == sorted(os.listdir(reference))
+    assert all((written / n).read_bytes() == (reference / n).read_bytes() for n in os.listdir(reference))

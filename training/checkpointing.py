@@ -6,7 +6,6 @@ marker in it and atomically points ``latest`` at it. A process killed mid-save t
 checkpoint as ``latest``; tag directories without the marker are never resumed from and are removed by the next run.
 """
 import contextlib
-import errno
 import json
 import os
 import random
@@ -19,8 +18,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from checkpoints.files import (COMPLETE_MARKER, LATEST, copy_model_side_files, copy_tokenizer_files, read_latest,
-                               write_text_atomic)
+from checkpoints.files import (COMPLETE_MARKER, LATEST, copy_model_side_files, copy_tokenizer_files, free_bytes,
+                               is_disk_full, read_latest, size_text, write_text_atomic)
 from checkpoints.integrity import (ChecksumError, file_checksum, no_manifest_note, read_by_weights_only_load,
                                    read_manifest, verify_files, write_manifest)
 from checkpoints.state_files import load_rng_file
@@ -274,16 +273,9 @@ def disk_full_is_one_line(output_dir, tag, needed_bytes):
     try:
         yield
     except (OSError, RuntimeError) as error:
-        if getattr(error, "errno", None) != errno.ENOSPC and "unexpected pos" not in str(error):
+        if not is_disk_full(error):
             raise
         raise DiskFullError(disk_full_message(output_dir, tag, needed_bytes, free_bytes(output_dir))) from None
-
-
-def free_bytes(path):
-    """Free bytes of the filesystem path is on (or will be created on)."""
-    while not os.path.exists(path):
-        path = os.path.dirname(os.path.abspath(path))
-    return shutil.disk_usage(path).free
 
 
 def checkpoint_bytes(tag_dir):
@@ -322,8 +314,6 @@ def storage_warning(output_dir, needed_bytes, save_total_limit):
             f"{size_text(needed_bytes)}; a save will stop the run when the disk is full.")
 
 
-def size_text(size):
-    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
 def verify_checkpoint(tag_dir, weights_only):
