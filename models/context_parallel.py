@@ -179,7 +179,7 @@ def context_parallel_error(size, seq_length, data_axis):
     data_axis: world size / (num_stages x tensor_parallel_size), which context x data-parallel ranks share."""
     if size < 1:
         return f"context_parallel_size={size} must be at least 1."
-    if seq_length % (2 * size):
+    if size > 1 and seq_length % (2 * size):
         return (f"seq_length={seq_length} does not split over context_parallel_size={size}: the zig-zag split "
                 f"cuts each sequence into 2 x {size} equal chunks; set seq_length to a multiple of {2 * size}.")
     if data_axis % size:

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from data import build_dataset
+from models.context_parallel import context_parallel_error
 from tests.distributed import spawn
 from tests.launch import SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics
 from tests.launch import run_in_process
@@ -163,6 +164,7 @@ def test_bad_context_parallel_config_is_refused_before_any_work(demo_model, tmp_
     with pytest.raises(ValueError, match=message):
         run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), world_size)
     assert not (tmp_path / "run").exists()
+    assert context_parallel_error(1, 63, world_size) is None  # without the split any length goes
 
 
 def test_plan_counts_the_context_split():
