@@ -4,16 +4,14 @@ several documents with padding, the token-weighted eval loss (training/evaluatio
 parallel), context 4, and 2 stages x context 2 under the zero-bubble schedule with activation checkpointing, in one
 launch of 4 processes; training parity through the launcher; config errors before any process group."""
 import json
-import random
 
 import pytest
 
-from data import build_dataset
 from models.context_parallel import context_parallel_error
 from tests.distributed import spawn
 from tests.launch import SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics
 from tests.launch import run_in_process
-from tests.test_packing import documents, hf_loss_sum_and_count
+from tests.test_packing import documents, hf_loss_sum_and_count, packed_rows
 
 SEQ, MICRO_BATCH, GAS = 32, 2, 2
 CASES = {  # name: (tiny model, stages, tensor parallel, context parallel, options)
@@ -108,21 +106,14 @@ def context_parity_worker(rank, checkpoints, rows, out_dir):
     torch.distributed.destroy_process_group()
 
 
-def packed_rows(tmp_path):
-    rng = random.Random(0)
-    lengths = [rng.choice([3, 4, 5, 6, 8, 10, 12, 29, 31]) for _ in range(40)]
-    records = [{"input_ids": [rng.randrange(96) for _ in range(n)]} for n in lengths]
-    path = tmp_path / "ids.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    packed, _ = build_dataset(path, None, {"format": "pretokenized", "packing": True}, SEQ,
-                              cache_dir=tmp_path / "cache", vocab_size=96)
-    rows = packed.to_list()[::-1]  # rows of several documents first, padding in most
+def packed_documents(tmp_path):
+    rows, _ = packed_rows(tmp_path)  # rows of several documents first, padding in most
     assert any(len(r["lengths"]) > 2 for r in rows[:GAS * 2 * MICRO_BATCH])
     return rows
 
 
 def test_context_parallel_matches_transformers_on_packed_documents(tiny_checkpoints, tmp_path):
-    spawn(context_parity_worker, 4, tiny_checkpoints, packed_rows(tmp_path), str(tmp_path))
+    spawn(context_parity_worker, 4, tiny_checkpoints, packed_documents(tmp_path), str(tmp_path))
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(4)]
     for name in CASES:
         assert {rank[name]["context_rank"] for rank in ranks} == set(range(CASES[name][3])), name

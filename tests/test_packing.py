@@ -105,16 +105,21 @@ def packed_parity_worker(rank, hf_dir, ds_dir, rows, out_dir):
     torch.distributed.destroy_process_group()
 
 
-def test_packed_rows_match_transformers_on_each_example(tiny_checkpoints, tmp_path):
+def packed_rows(tmp_path):
+    """40 pre-tokenized examples of skewed lengths (mostly short, a few close to SEQ) packed into rows of SEQ, rows
+    of several documents first (best fit puts the long examples first); and the packing statistics."""
     rng = random.Random(0)
-    # Skewed lengths: mostly short, a few close to SEQ.
     lengths = [rng.choice([3, 4, 5, 6, 8, 10, 12, 29, 31]) for _ in range(40)]
     records = [{"input_ids": [rng.randrange(96) for _ in range(n)]} for n in lengths]
     path = tmp_path / "ids.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     packed, stats = build_dataset(path, None, {"format": "pretokenized", "packing": True}, SEQ,
                                   cache_dir=tmp_path / "cache", vocab_size=96)
-    rows = packed.to_list()[::-1]  # best fit puts the long examples first; train on rows of several documents
+    return packed.to_list()[::-1], stats
+
+
+def test_packed_rows_match_transformers_on_each_example(tiny_checkpoints, tmp_path):
+    rows, stats = packed_rows(tmp_path)
     assert stats.packed_from == 40 and len(rows) < 40 and any(len(r["lengths"]) > 2 for r in rows[:GAS * 2 * 2])
     hf_dir, ds_dir = tiny_checkpoints["llama3"]
     spawn(packed_parity_worker, 2, hf_dir, ds_dir, rows, str(tmp_path))

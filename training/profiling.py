@@ -79,19 +79,6 @@ class StepProfile:
 class NoProfile:
     """profile=false: the loop's calls cost nothing."""
 
-    def record_instruction(self, name, seconds):
-        if self.training:  # evaluation's instructions count as a whole, under the loop's "evaluation"
-            self.instructions[name] = self.instructions.get(name, 0.0) + seconds
-
-    def not_recorded(self, eval_batch):
-        def unrecorded_eval_batch(*args, **kwargs):
-            self.training = False
-            try:
-                return eval_batch(*args, **kwargs)
-            finally:
-                self.training = True
-        return unrecorded_eval_batch
-
     def lap(self, name):
         pass
 
