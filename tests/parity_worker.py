@@ -53,6 +53,20 @@ class LayerFileOpens:
             self.paths.append(os.path.basename(args[0]))
 
 
+def gradient_errors(module, recorded, ref_grads, num_hidden_layers, engine):
+    """{HF name: max |pipeline - transformers| / max |transformers|} for each of this rank's parameters' gradients
+    (recorded: {param: gradient}), against this rank's tensor-parallel slice of the HF gradient."""
+    errors = {}
+    for name, param in module.named_parameters():
+        hf_name = hf_name_of_pipeline_param(name, num_hidden_layers)
+        ref = ref_grads[hf_name]
+        if getattr(param, "tensor_parallel_dim", None) is not None:
+            ref = ref.chunk(engine.grid.get_slice_parallel_world_size(),
+                            param.tensor_parallel_dim)[engine.grid.get_slice_parallel_rank()]
+        errors[hf_name] = ((recorded[param] - ref).abs().max() / ref.abs().max()).item()
+    return errors
+
+
 def micro_batches(batch, micro_batch_size, gas, dp_size, dp_rank):
     """The micro-batches of one data-parallel rank: row block (step * dp_size + dp_rank) for each step."""
     input_ids, attention_mask, labels = batch
@@ -141,13 +155,7 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
         module.loss_fn = lambda logits, labels: step_losses.append(loss_fn(logits, labels)) or step_losses[-1]
         mean_loss = engine.train_batch(micro_batches(batch, micro_batch_size, gas, dp_size, engine.grid.data_parallel_id))
         ref_losses, ref_grads = hf_reference(case["hf_dir"], batch, micro_batch_size)
-        grad_errors = {}
-        for name, param in module.named_parameters():
-            hf_name = hf_name_of_pipeline_param(name, config.num_hidden_layers)
-            ref = ref_grads[hf_name]
-            if getattr(param, "tensor_parallel_dim", None) is not None:  # this rank's slice of the HF gradient
-                ref = ref.chunk(tensor_parallel, param.tensor_parallel_dim)[engine.grid.get_slice_parallel_rank()]
-            grad_errors[hf_name] = ((optimizer.recorded[param] - ref).abs().max() / ref.abs().max()).item()
+        grad_errors = gradient_errors(module, optimizer.recorded, ref_grads, config.num_hidden_layers, engine)
         results[case["name"]] = {
             "stage": engine.stage_id, "dp_rank": engine.grid.data_parallel_id, "parts": [int(p) for p in module.parts],
             "layer_files_opened": sorted(set(opens.paths)),

@@ -11,7 +11,7 @@ from models.context_parallel import context_parallel_error
 from tests.distributed import spawn
 from tests.launch import SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics
 from tests.launch import run_in_process
-from tests.test_packing import documents, hf_loss_sum_and_count, packed_rows
+from tests.test_packing import hf_reference, packed_rows
 
 SEQ, MICRO_BATCH, GAS = 32, 2, 2
 CASES = {  # name: (tiny model, stages, tensor parallel, context parallel, options)
@@ -32,27 +32,6 @@ def micro_batches(rows, replicas, replica, context):
         yield context.split_micro_batch(collate_causal_lm(rows[start:start + MICRO_BATCH], SEQ, pad_id=0))
 
 
-def hf_reference(hf_dir, rows, num_micro_batches):
-    """Token-weighted loss over every document of `rows`, the training objective (the mean over the first
-    num_micro_batches micro-batches of their token-weighted mean) and its gradients, each document run alone."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():
-        sums, counts = zip(*(hf_loss_sum_and_count(model, ids, labels)
-                             for row in rows for ids, labels in documents(row)))
-    eval_loss = (sum(sums) / sum(counts)).item()
-    objective = 0
-    for index in range(num_micro_batches):
-        sums, counts = zip(*(hf_loss_sum_and_count(model, ids, labels)
-                             for row in rows[index * MICRO_BATCH:(index + 1) * MICRO_BATCH]
-                             for ids, labels in documents(row)))
-        objective = objective + sum(sums) / sum(counts)
-    objective = objective / num_micro_batches
-    objective.backward()
-    return eval_loss, objective.item(), {n: p.grad for n, p in model.named_parameters()}
-
-
 def context_parity_worker(rank, checkpoints, rows, out_dir):
     from types import SimpleNamespace
 
@@ -62,7 +41,7 @@ def context_parity_worker(rank, checkpoints, rows, out_dir):
 
     from checkpoints.layer_files import load_layer_slice
     from models.pipeline import build_pipeline_module
-    from tests.parity_worker import GradientRecorder, hf_name_of_pipeline_param
+    from tests.parity_worker import GradientRecorder, gradient_errors
     from training.distributed import init_distributed, parallel_topology
     from training.evaluation import evaluate
     from training.pipeline_engine import use_zero_bubble
@@ -92,12 +71,7 @@ def context_parity_worker(rank, checkpoints, rows, out_dir):
                                                    engine.grid.get_data_parallel_world_size())
         train_loss = float(engine.train_batch(micro_batches(rows, replicas, replica, module.context)))
         ref_loss, train_ref, ref_grads = hf_reference(hf_dir, rows, GAS * replicas)
-        grad_errors = {}
-        for param_name, param in module.named_parameters():
-            ref = ref_grads[hf_name_of_pipeline_param(param_name, config.num_hidden_layers)]
-            if getattr(param, "tensor_parallel_dim", None) is not None:
-                ref = ref.chunk(tensor_parallel, param.tensor_parallel_dim)[engine.grid.get_slice_parallel_rank()]
-            grad_errors[param_name] = ((optimizer.recorded[param] - ref).abs().max() / ref.abs().max()).item()
+        grad_errors = gradient_errors(module, optimizer.recorded, ref_grads, config.num_hidden_layers, engine)
         results[name] = {"eval_loss": eval_loss, "ref_loss": ref_loss, "train_loss": train_loss,
                          "train_ref": train_ref, "grad_errors": grad_errors, "context_rank": module.context.rank}
         torch.distributed.barrier()

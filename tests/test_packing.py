@@ -40,26 +40,24 @@ def hf_loss_sum_and_count(model, ids, labels):
 
 
 def hf_reference(hf_dir, rows, num_micro_batches):
-    """Token-weighted loss over every document of `rows`; gradients of the training objective (the mean over the
-    first num_micro_batches micro-batches of their token-weighted mean), each document run alone."""
+    """Token-weighted loss over every document of `rows`, the training objective (the mean over the first
+    num_micro_batches micro-batches of their token-weighted mean) and its gradients, each document run alone."""
     import torch
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
-    total, count = 0.0, 0
     with torch.no_grad():
-        for row in rows:
-            for ids, labels in documents(row):
-                loss_sum, n = hf_loss_sum_and_count(model, ids, labels)
-                total, count = total + loss_sum.item(), count + n
+        sums, counts = zip(*(hf_loss_sum_and_count(model, ids, labels)
+                             for row in rows for ids, labels in documents(row)))
+    eval_loss = (sum(sums) / sum(counts)).item()
     objective = 0
     for index in range(num_micro_batches):
         sums, counts = zip(*(hf_loss_sum_and_count(model, ids, labels)
                              for row in rows[index * MICRO_BATCH:(index + 1) * MICRO_BATCH]
                              for ids, labels in documents(row)))
         objective = objective + sum(sums) / sum(counts)
-    (objective / num_micro_batches).backward()
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    return total / count, grads
+    objective = objective / num_micro_batches
+    objective.backward()
+    return eval_loss, objective.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
 def packed_parity_worker(rank, hf_dir, ds_dir, rows, out_dir):
@@ -69,7 +67,7 @@ def packed_parity_worker(rank, hf_dir, ds_dir, rows, out_dir):
 
     from checkpoints.layer_files import load_layer_slice
     from models.pipeline import build_pipeline_module
-    from tests.parity_worker import GradientRecorder, hf_name_of_pipeline_param
+    from tests.parity_worker import GradientRecorder, gradient_errors
     from training.distributed import init_distributed, parallel_topology
     from training.evaluation import evaluate
 
@@ -91,13 +89,8 @@ def packed_parity_worker(rank, hf_dir, ds_dir, rows, out_dir):
         eval_loss, _ = evaluate(engine, rows if reads_data else None, len(rows), cfg, pad_id=0)
         dp_size = engine.grid.get_data_parallel_world_size()
         engine.train_batch(micro_batches(rows, dp_size, engine.grid.data_parallel_id))
-        ref_loss, ref_grads = hf_reference(hf_dir, rows, GAS * dp_size)
-        grad_errors = {}
-        for param_name, param in module.named_parameters():
-            ref = ref_grads[hf_name_of_pipeline_param(param_name, config.num_hidden_layers)]
-            if getattr(param, "tensor_parallel_dim", None) is not None:
-                ref = ref.chunk(tensor_parallel, param.tensor_parallel_dim)[engine.grid.get_slice_parallel_rank()]
-            grad_errors[param_name] = ((optimizer.recorded[param] - ref).abs().max() / ref.abs().max()).item()
+        ref_loss, _, ref_grads = hf_reference(hf_dir, rows, GAS * dp_size)
+        grad_errors = gradient_errors(module, optimizer.recorded, ref_grads, config.num_hidden_layers, engine)
         results[name] = {"eval_loss": eval_loss, "ref_loss": ref_loss, "grad_errors": grad_errors}
         torch.distributed.barrier()
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
