@@ -11,7 +11,7 @@ from models.context_parallel import context_parallel_error
 from tests.distributed import spawn
 from tests.launch import SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics
 from tests.launch import run_in_process
-from tests.test_packing import hf_reference, packed_rows
+from tests.test_packing import hf_reference, packed_rows, recording_engine
 
 SEQ, MICRO_BATCH, GAS = 32, 2, 2
 CASES = {  # name: (tiny model, stages, tensor parallel, context parallel, options)
@@ -35,13 +35,12 @@ def micro_batches(rows, replicas, replica, context):
 def context_parity_worker(rank, checkpoints, rows, out_dir):
     from types import SimpleNamespace
 
-    import deepspeed
     import torch
     from transformers import AutoConfig
 
     from checkpoints.layer_files import load_layer_slice
     from models.pipeline import build_pipeline_module
-    from tests.parity_worker import GradientRecorder, gradient_errors
+    from tests.parity_worker import gradient_errors
     from training.distributed import init_distributed, parallel_topology
     from training.evaluation import evaluate
     from training.pipeline_engine import use_zero_bubble
@@ -55,12 +54,7 @@ def context_parity_worker(rank, checkpoints, rows, out_dir):
                                        layer_loader=load_layer_slice, context_parallel_size=context_parallel,
                                        attention_impl=options.get("attention_impl", "sdpa"),
                                        activation_checkpoint_interval=options.get("activation_checkpoint_interval", 0))
-        optimizer = GradientRecorder(module.parameters())
-        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config={
-            "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GAS,
-            "steps_per_print": 10**9, "gradient_clipping": 0.0,
-            "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}})
-        engine.load_checkpoint(ds_dir, load_module_only=True)
+        engine, optimizer = recording_engine(module, ds_dir)
         if options.get("zero_bubble"):
             use_zero_bubble(engine)
         reads_data = engine.is_first_stage() or engine.is_last_stage()

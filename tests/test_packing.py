@@ -60,14 +60,28 @@ def hf_reference(hf_dir, rows, num_micro_batches):
     return eval_loss, objective.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def packed_parity_worker(rank, hf_dir, ds_dir, rows, out_dir):
+def recording_engine(module, ds_dir):
+    """A DeepSpeed engine over `module` with its converted weights, whose optimizer records the gradients of one
+    step of GAS micro-batches (no clipping)."""
     import deepspeed
+
+    from tests.parity_worker import GradientRecorder
+    optimizer = GradientRecorder(module.parameters())
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config={
+        "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GAS,
+        "steps_per_print": 10**9, "gradient_clipping": 0.0,
+        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}})
+    engine.load_checkpoint(ds_dir, load_module_only=True)
+    return engine, optimizer
+
+
+def packed_parity_worker(rank, hf_dir, ds_dir, rows, out_dir):
     import torch
     from transformers import AutoConfig
 
     from checkpoints.layer_files import load_layer_slice
     from models.pipeline import build_pipeline_module
-    from tests.parity_worker import GradientRecorder, gradient_errors
+    from tests.parity_worker import gradient_errors
     from training.distributed import init_distributed, parallel_topology
     from training.evaluation import evaluate
 
@@ -77,12 +91,7 @@ def packed_parity_worker(rank, hf_dir, ds_dir, rows, out_dir):
     for name, (stages, tensor_parallel) in TOPOLOGIES.items():
         module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True,
                                        layer_loader=load_layer_slice)
-        optimizer = GradientRecorder(module.parameters())
-        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config={
-            "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GAS,
-            "steps_per_print": 10**9, "gradient_clipping": 0.0,
-            "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}})
-        engine.load_checkpoint(ds_dir, load_module_only=True)
+        engine, optimizer = recording_engine(module, ds_dir)
         reads_data = engine.is_first_stage() or engine.is_last_stage()
         cfg = SimpleNamespace(micro_batch_size=MICRO_BATCH, seq_length=SEQ, gradient_accumulation_steps=GAS,
                               tensor_parallel_size=tensor_parallel)
