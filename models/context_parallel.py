@@ -95,21 +95,15 @@ class ContextParallel:
         return torch.cat(outputs, dim=2)
 
     # --- the loss ---------------------------------------------------------------------------------------------
-    def loss(self, logits, next_labels, tensor_parallel, ignore_index=-100):
-        """This rank's share of the micro-batch's token-weighted mean loss, times the group size.
+    def loss_divisor(self, next_labels, ignore_index):
+        """What this rank divides its tokens' loss sum by: the group's labelled tokens / size.
 
         DeepSpeed sees the context ranks as data-parallel ranks and averages their gradients and losses; so each
         rank returns size x (its tokens' loss sum) / (the group's labelled tokens), whose mean over the group is
         exactly the whole sequences' mean loss, and the averaged gradient exactly its gradient."""
-        labels = next_labels.reshape(-1).to(logits.device)
-        counts = torch.tensor([int((labels != ignore_index).sum())], dtype=torch.int64)
-        local = int(counts)
-        dist.all_reduce(counts, group=self.group)
-        total = int(counts)
-        if local == 0:  # no labelled token here (padding): a zero that still reaches the logits' graph
-            return logits.float().sum() * 0.0
-        mean = tensor_parallel.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels, ignore_index)
-        return mean * (local * self.size / total)
+        count = (next_labels != ignore_index).sum().reshape(1)
+        dist.all_reduce(count, group=self.group)
+        return count.clamp(min=1).squeeze(0) / self.size
 
     # --- collectives ------------------------------------------------------------------------------------------
     def gather_sequence(self, x, dim):

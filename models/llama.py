@@ -19,7 +19,6 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_u
 from models.context_parallel import NO_CONTEXT_PARALLEL
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 
-IGNORE_INDEX = -100
 # transformers' ACT2FN for the activations LLaMA-family models use (importing ACT2FN costs ~75 MB per process).
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
                "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
@@ -258,27 +257,25 @@ class FinalNormPipe(RMSNorm):
 
 
 class LMHeadPipe(nn.Linear):
-    """Layer L+2: hidden states to logits (this rank's vocabulary rows under tensor parallelism)."""
+    """Layer L+2: hidden states to logits (this rank's vocabulary rows under tensor parallelism); with
+    chunked_loss, the hidden states and the weight, which the loss projects a chunk of tokens at a time
+    (models/loss.py), so no layer output holds the logits."""
 
-    def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
+    def __init__(self, config, parallel=NO_TENSOR_PARALLEL, chunked_loss=False):
         super().__init__(config.hidden_size, parallel.local(config.vocab_size, "vocab_size"), bias=False)
         parallel.mark_sharded(self, dim=0)
-        self.parallel = parallel
+        self.parallel, self.chunked_loss = parallel, chunked_loss
 
     def forward(self, hidden):
-        return self.parallel.column_linears(hidden, [self])[0]
+        return lm_head(self, hidden, self.chunked_loss)
 
 
-def tied_lm_head(embedding, hidden):
-    """The LM head when it shares the embedding's weight (DeepSpeed's TiedLayerSpec calls it with the module)."""
-    return embedding.parallel.column_linears(hidden, [embedding])[0]
-
-
-def causal_lm_loss(logits, labels, parallel=NO_TENSOR_PARALLEL):
-    """transformers' causal LM loss: next-token cross-entropy in fp32, mean over the tokens not labelled -100.
-    The labels shift left (the last position predicts nothing) rather than the logits, which are not copied."""
-    next_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1).to(logits.device)
-    return parallel.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), next_labels, IGNORE_INDEX)
+def lm_head(module, hidden, chunked_loss=False):
+    """The LM head of `module`'s weight: its own, or the embedding's when tied (DeepSpeed's TiedLayerSpec calls
+    forward_fn(embedding, hidden))."""
+    if chunked_loss:
+        return hidden, module.weight
+    return module.parallel.column_linears(hidden, [module])[0]
 
 
 def layers_on_meta(config, parallel=NO_TENSOR_PARALLEL):

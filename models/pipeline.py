@@ -7,25 +7,30 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from models.context_parallel import NO_CONTEXT_PARALLEL, build_context_parallel
-from models.llama import (IGNORE_INDEX, DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe,
-                          StageAttentionInputs, causal_lm_loss, check_model_config, tied_lm_head)
+from models.llama import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs,
+                          check_model_config, lm_head)
+from models.loss import CausalLMLoss
 from models.partition import stage_bounds
 from models.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel
 
 ATTENTION_IMPLS = ("sdpa", "eager")
+LOSS_IMPLS = ("chunked", "logits")
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL, context=NO_CONTEXT_PARALLEL):
-    """Layer specs in pipeline index order (models/layout.py): embedding, decoder layers, final norm, LM head."""
+def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL, context=NO_CONTEXT_PARALLEL,
+                          chunked_loss=False):
+    """Layer specs in pipeline index order (models/layout.py): embedding, decoder layers, final norm, LM head.
+    chunked_loss: the head hands the loss its input and weight instead of logits (models/loss.py)."""
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl '{attention_impl}' is not one of {ATTENTION_IMPLS}.")
     stage_inputs = StageAttentionInputs(config, context)
     tied = config.tie_word_embeddings
     embedding = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel) if tied
                  else LayerSpec(EmbeddingPipe, config, parallel))
-    head = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel, forward_fn=tied_lm_head)
-            if tied else LayerSpec(LMHeadPipe, config, parallel))
+    head = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel,
+                          forward_fn=functools.partial(lm_head, chunked_loss=chunked_loss))
+            if tied else LayerSpec(LMHeadPipe, config, parallel, chunked_loss))
     decoders = [LayerSpec(DecoderLayerPipe, config, stage_inputs, attention_impl, parallel, context)
                 for _ in range(config.num_hidden_layers)]
     return [embedding, *decoders, LayerSpec(FinalNormPipe, config, parallel), head]
@@ -75,29 +80,29 @@ class LlamaPipeline(PipelineModule):
 
 def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
-                          context_parallel_size=1):
+                          context_parallel_size=1, loss_chunk_tokens=0):
     """The pipeline module of this rank's stage. topology: DeepSpeed's, with a 'model' axis for tensor
     parallelism (training/distributed.py). stage_bounds: the first pipeline layer of each stage and the layer
     count (default: the 'parameters' partition). dtype: the training dtype to build the stage in (default
     torch's, fp32), so that a bf16 stage never exists in fp32 first. layer_loader: see LlamaPipeline.
     context_parallel_size: ranks of the topology's data axis splitting each sequence (models/context_parallel.py);
-    under it the stage takes its tokens of each sequence (ContextParallel.split_micro_batch, labels shifted)."""
+    under it the stage takes its tokens of each sequence (ContextParallel.split_micro_batch, labels shifted).
+    loss_chunk_tokens: > 0, the LM head and the loss run that many tokens at a time; 0, through the full logits."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
     parallel = TensorParallel(tp_size, getattr(topology.get_coord(rank), "model", 0), sequence_parallel,
                               recompute_sequence_gather)
     context = build_context_parallel(topology, context_parallel_size)
-    loss_fn = (functools.partial(causal_lm_loss, parallel=parallel) if context.size == 1
-               else functools.partial(context.loss, tensor_parallel=parallel, ignore_index=IGNORE_INDEX))
     if stage_bounds is None:
         stage_bounds = partition_stages(config, topology.get_dim("pipe"))
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype or previous_dtype)
     try:
         return LlamaPipeline(config, stage_bounds, parallel, layer_loader, context,
-                             layers=build_pipeline_layers(config, attention_impl, parallel, context),
-                             topology=topology, loss_fn=loss_fn,
+                             layers=build_pipeline_layers(config, attention_impl, parallel, context,
+                                                          chunked_loss=loss_chunk_tokens > 0),
+                             topology=topology, loss_fn=CausalLMLoss(parallel, loss_chunk_tokens, context),
                              activation_checkpoint_interval=activation_checkpoint_interval,
                              # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.
                              checkpointable_layers=[DecoderLayerPipe.__name__])

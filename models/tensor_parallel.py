@@ -64,6 +64,15 @@ class TensorParallel:
         x = CopyToGroup.apply(x, self.group)
         return [self.linear(x, lin) for lin in linears]
 
+    def whole_input(self, x):
+        """The input of a column-parallel projection done outside column_linears (the chunked LM loss): every
+        token (gathered under sequence parallelism), its gradient summed over the group."""
+        if self.size == 1:
+            return x
+        if self.sequence_parallel:
+            return GatherTokens.apply(x, self)
+        return CopyToGroup.apply(x, self.group)
+
     def row_linear(self, x, linear):
         """A row-parallel projection: partial sums over this rank's input features, added across the group (and
         split by token under sequence parallelism); the bias, held whole, is added once after the sum."""
@@ -185,6 +194,17 @@ class ReduceScatterTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.parallel.gather_tokens(grad, pooled=False), None
+
+
+class GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, parallel):
+        ctx.parallel = parallel
+        return parallel.gather_tokens(x, pooled=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.parallel.scatter_tokens(grad), None
 
 
 class GatheredLinears(torch.autograd.Function):

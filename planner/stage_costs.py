@@ -6,9 +6,10 @@ Per layer kind (LayerCosts):
   recomputed by activation checkpointing). Decoder layers count their attention at seq_length, the LM head its
   matmul over the whole vocabulary; the embedding (a gather) and the final norm are free.
 - activations: what autograd and the engine keep per micro-batch in flight (1F1B keeps up to num_stages - stage
-  micro-batches on a stage; the last stage also keeps two micro-batches of logits; under the zero-bubble schedule
+  micro-batches on a stage; the last stage also keeps two micro-batches of its output (the logits, or with the
+  chunked loss the head's input); under the zero-bubble schedule
   stage s also keeps up to s micro-batches waiting for their weight gradients), and the largest short-lived peak
-  of one backward pass (a recomputed chunk, the LM head's fp32 loss gradients).
+  of one backward pass (a recomputed chunk, the LM head's fp32 loss gradients, or the chunked loss's one chunk).
 The training state beside them (weights, gradients, optimizer, buffers, the optimizer step's peak, host memory) is
 planner/training_state.py's, from the stage's parameters and largest tensor.
 
@@ -59,6 +60,16 @@ class LayerCosts:
         q_width = config.num_attention_heads * head_dim_of(config) // t
         heads = config.num_attention_heads // t
         sharded, replicated = decoder_parameter_split(config)
+        chunked, zero_bubble = workload.loss_chunk_tokens > 0, workload.pipeline_schedule == "zero_bubble"
+        # What the chunked loss keeps for a zero-bubble W: the head's input (all tokens), each token's log-sum-exp,
+        # and where its label falls in this rank's vocabulary (local id, two boolean masks).
+        head_w_bytes = tokens * (act * hidden + FP32_BYTES + INT64_BYTES + 2)
+        # The chunked loss's working set: one chunk of fp32 logits (and its activation-dtype copies below fp32),
+        # and under fp16 one chunk's weight gradient before it is added to the fp32 sum (models/loss.py).
+        weight_grad_bytes = FP32_BYTES if workload.precision == "fp16" else act
+        chunk = min(workload.loss_chunk_tokens, tokens)
+        chunk_bytes = (chunk * vocab * (FP32_BYTES + (act if act != FP32_BYTES else 0))
+                       + (vocab * hidden * act if workload.precision == "fp16" else 0))
         # vocab, inter, q_width and heads are this rank's share; parameters are this rank's too.
         self.parameters = {EMBEDDING: vocab * hidden, DECODER: sharded // t + replicated, NORM: hidden,
                            HEAD: vocab * hidden}  # a tied head is a second copy of the embedding on its stage
@@ -83,10 +94,15 @@ class LayerCosts:
                      + FP32_BYTES * (residual * (2 * hidden + 2) + tokens * heads),
             # The norm's fp32 input and inverse RMS, its normalised output, and its scaled output as the LM head's
             # input (gathered under sequence parallelism).
-            NORM: residual * (FP32_BYTES * (hidden + 1) + act * hidden) + gathered * act * hidden,
-            # The loss's fp32 log-softmax and its shifted labels (the logits themselves: see logits_bytes);
-            # vocabulary-parallel, the labels as local ids and two boolean token masks (models/tensor_parallel.py).
-            HEAD: tokens * (vocab * FP32_BYTES + INT64_BYTES + (2 if t > 1 else 0)),
+            # The chunked loss keeps no input of the head: it has its gradients already (models/loss.py).
+            NORM: residual * (FP32_BYTES * (hidden + 1) + act * hidden) + (0 if chunked else gathered * act * hidden),
+            # Logits: the loss's fp32 log-softmax and its shifted labels (the logits themselves: see
+            # last_output_bytes); vocabulary-parallel, the labels as local ids and two boolean token masks
+            # (models/tensor_parallel.py). Chunked: the gradients of the head's input (all tokens) and weight
+            # computed in forward (fp32 weight gradient under fp16), or under zero_bubble the input's and what W
+            # needs (below).
+            HEAD: (act * tokens * hidden + (head_w_bytes if zero_bubble else weight_grad_bytes * vocab * hidden)
+                   if chunked else tokens * (vocab * FP32_BYTES + INT64_BYTES + (2 if t > 1 else 0))),
         }
         # Gradients alive at once while a layer runs backward: a decoder's MLP and residual stream (two on this
         # rank's residual tokens, two on all tokens: a column group's input gradient, in the pool under sequence
@@ -97,8 +113,9 @@ class LayerCosts:
         self.backward_bytes = {EMBEDDING: 0, NORM: 0,
                                DECODER: act * (2 * tokens * inter + 2 * residual * hidden
                                                + (2 - pooled) * tokens * hidden + gathered_kv_grads),
-                               HEAD: 2 * tokens * vocab * FP32_BYTES}
-        self.logits_bytes = tokens * vocab * act
+                               HEAD: chunk_bytes if chunked else 2 * tokens * vocab * FP32_BYTES}
+        # The last stage's output, which the engine holds (below): the logits, or the chunked loss's input.
+        self.last_output_bytes = residual * hidden * act if chunked else tokens * vocab * act
         # A micro-batch waiting for its W (zero-bubble schedule) keeps each deferred linear layer's input and output
         # gradient (models/weight_grads.py), checkpointed or not: a decoder's q/k/v and gate/up inputs (gathered),
         # o_proj's and down_proj's inputs, q, k, v, gate and up's output gradients, and o_proj's and down_proj's
@@ -107,7 +124,7 @@ class LayerCosts:
         self.weight_grad_bytes = {
             EMBEDDING: 0, NORM: 0,
             DECODER: act * (2 * gathered * hidden + tokens * (2 * q_width + 2 * kv_width + 3 * inter + 2 * hidden)),
-            HEAD: act * (gathered * hidden + tokens * vocab)}
+            HEAD: head_w_bytes if chunked else act * (gathered * hidden + tokens * vocab)}
         # One hidden-states tensor: a stage boundary, a checkpoint input.
         self.hidden_bytes = residual * hidden * act
         # Sequence parallelism's pool, once per stage: the buffer every column group sums its input gradient into,
@@ -132,6 +149,8 @@ class LayerCosts:
         for run, checkpointed in self.chunks(kinds):
             forward = sum(self.forward_flops[kind] for kind in run)
             flops += forward * (4 if checkpointed else 3)
+        if HEAD in kinds and self.workload.loss_chunk_tokens and self.workload.pipeline_schedule == "zero_bubble":
+            flops += self.forward_flops[HEAD]  # W projects every chunk again (models/loss.py)
         return flops
 
     def stage_activation_bytes(self, kinds, in_flight, waiting=0):
@@ -155,8 +174,8 @@ class LayerCosts:
         if kinds[-1] != HEAD:  # the output stays until its backward; a receive buffer for its gradient
             per_micro_batch += self.hidden_bytes
             persistent += self.hidden_bytes
-        else:  # DeepSpeed never frees the last stage's outputs: each of its two buffers keeps logits until reused
-            persistent += min(2, self.workload.micro_batches) * self.logits_bytes
+        else:  # DeepSpeed never frees the last stage's outputs: each of its two buffers keeps one until reused
+            persistent += min(2, self.workload.micro_batches) * self.last_output_bytes
         if DECODER in kinds or HEAD in kinds:  # column-parallel groups use the stage's pool
             persistent += self.pool_bytes
         if DECODER in kinds:

@@ -25,6 +25,7 @@ class Workload:
     offload_optimizer: bool = False  # ZeRO-1's fp32 partition, its gradient and Adam's moments in host memory
     pipeline_schedule: str = "1f1b"  # zero_bubble: micro-batches also wait for their weight gradients (W)
     zero_bubble_max_waiting: int | None = None  # zero_bubble: cap on those per stage (None: ZB-H1's s on stage s)
+    loss_chunk_tokens: int = 1024  # the LM head and loss a chunk of tokens at a time (models/loss.py); 0: logits
 
     @property
     def tokens(self):

@@ -19,6 +19,10 @@ from training.distributed import init_distributed, parallel_topology  # noqa: E4
 from training.pipeline_engine import use_zero_bubble  # noqa: E402
 
 
+# The trainer's chunked LM loss, in chunks that split each micro-batch unevenly (0: the full logits).
+CHUNK_TOKENS = 7
+
+
 class GradientRecorder(torch.optim.Optimizer):
     """An optimizer whose step keeps the gradients DeepSpeed hands it (after data-parallel and tied reduction)."""
 
@@ -135,7 +139,8 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
                                        attention_impl=case.get("attention", "sdpa"),
                                        activation_checkpoint_interval=case.get("checkpoint_interval", 0),
                                        sequence_parallel=case.get("sequence_parallel", True),
-                                       recompute_sequence_gather=case.get("recompute_sequence_gather", False))
+                                       recompute_sequence_gather=case.get("recompute_sequence_gather", False),
+                                       loss_chunk_tokens=case.get("loss_chunk_tokens", CHUNK_TOKENS))
         if case.get("compile"):
             module.compile()
         optimizer = GradientRecorder(module.parameters())
@@ -163,6 +168,9 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
             "ref_losses": ref_losses, "grad_errors": grad_errors, "ref_param_names": sorted(ref_grads),
             "replicated_grad_spread": replicated_gradient_spread(module, optimizer, engine),
             "param_names": [name for name, _ in module.named_parameters()], "deferred_weights": sorted(deferred)}
+        if case.get("save_grads"):  # for tests comparing two runs' gradients directly
+            torch.save({name: optimizer.recorded[param] for name, param in module.named_parameters()},
+                       os.path.join(out_dir, f"{case['name']}-rank{rank}.pt"))
         torch.distributed.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

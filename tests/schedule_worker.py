@@ -13,7 +13,7 @@ from transformers import AutoConfig  # noqa: E402
 
 from checkpoints.layer_files import load_layer_slice  # noqa: E402
 from models.pipeline import build_pipeline_module  # noqa: E402
-from tests.parity_worker import micro_batches  # noqa: E402
+from tests.parity_worker import CHUNK_TOKENS, micro_batches  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
 from training.distributed import init_distributed, parallel_topology  # noqa: E402
 from training.pipeline_engine import use_zero_bubble  # noqa: E402
@@ -43,7 +43,8 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel), layer_loader=load_layer_slice,
                                    activation_checkpoint_interval=case.get("checkpoint_interval", 0),
                                    sequence_parallel=case.get("sequence_parallel", True),
-                                   recompute_sequence_gather=case.get("recompute_sequence_gather", False))
+                                   recompute_sequence_gather=case.get("recompute_sequence_gather", False),
+                                   loss_chunk_tokens=case.get("loss_chunk_tokens", CHUNK_TOKENS))
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config={
         "train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": gas,
         "steps_per_print": 10**9, "gradient_clipping": 0.0,

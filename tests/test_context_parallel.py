@@ -9,6 +9,7 @@ import pytest
 
 from models.context_parallel import context_parallel_error
 from tests.distributed import spawn
+from tests.parity_worker import CHUNK_TOKENS
 from tests.launch import SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics
 from tests.launch import run_in_process
 from tests.test_packing import hf_reference, packed_rows, recording_engine
@@ -18,7 +19,7 @@ CASES = {  # name: (tiny model, stages, tensor parallel, context parallel, optio
     "1stage_x_cp2_x_2replicas": ("llama3", 1, 1, 2, {}),
     "2stages_x_cp2_tied": ("tied", 2, 1, 2, {}),
     "cp2_x_tp2_sp": ("qwen2", 1, 2, 2, {}),
-    "cp4_eager": ("llama3", 1, 1, 4, {"attention_impl": "eager"}),
+    "cp4_eager_logits": ("llama3", 1, 1, 4, {"attention_impl": "eager", "loss_chunk_tokens": 0}),
     "2stages_x_cp2_zero_bubble_checkpointing": ("llama3", 2, 1, 2, {"activation_checkpoint_interval": 1,
                                                                     "zero_bubble": True}),
 }
@@ -53,7 +54,8 @@ def context_parity_worker(rank, checkpoints, rows, out_dir):
         module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True,
                                        layer_loader=load_layer_slice, context_parallel_size=context_parallel,
                                        attention_impl=options.get("attention_impl", "sdpa"),
-                                       activation_checkpoint_interval=options.get("activation_checkpoint_interval", 0))
+                                       activation_checkpoint_interval=options.get("activation_checkpoint_interval", 0),
+                                       loss_chunk_tokens=options.get("loss_chunk_tokens", CHUNK_TOKENS))
         engine, optimizer = recording_engine(module, ds_dir)
         if options.get("zero_bubble"):
             use_zero_bubble(engine)

@@ -127,7 +127,8 @@ def test_zero_0_with_data_parallelism_plans_the_gradient_allreduce_copy(partitio
 
 def test_zero_bubble_adds_micro_batches_waiting_for_weight_gradients():
     """ZB-H1 holds s micro-batches back for W on stage s: the same partition plans s weight-gradient sets more."""
-    overrides = ("activation_checkpoint_interval=0", "partition=[8,8,8,8]")
+    # The logits head keeps the same per micro-batch under both schedules (the chunked loss's differs: its own test).
+    overrides = ("activation_checkpoint_interval=0", "partition=[8,8,8,8]", "loss_impl=logits")
     one_f_one_b = run_config("llama_7b", *overrides)
     zero_bubble = run_config("llama_7b", *overrides, "pipeline_schedule=zero_bubble")
     model_config = load_plan_model_config(one_f_one_b)
@@ -159,8 +160,8 @@ def test_llama3_70b_as_shipped_does_not_fit_under_zero_bubble(capsys):
     assert not rows[-1]["fits"] and rows[0]["fits"]
     # ... and names the caps that would (largest first); at 40 GiB none does
     assert ("zero_bubble holding fewer micro-batches back for W fits in 80 GiB per device: zero_bubble_max_waiting=2: "
-            "largest stage 73.4 GiB; zero_bubble_max_waiting=1: largest stage 63.6 GiB; zero_bubble_max_waiting=0: "
-            "largest stage 57.3 GiB") in out
+            "largest stage 72.6 GiB; zero_bubble_max_waiting=1: largest stage 63.6 GiB; zero_bubble_max_waiting=0: "
+            "largest stage 53.7 GiB") in out
     cfg = run_config("llama3_70b", "pipeline_schedule=zero_bubble", "device_memory_gb=40")
     print_memory_plan(plan_spec(cfg, plan_world_size(cfg)))
     assert ("zero_bubble: no zero_bubble_max_waiting fits either (pipeline_schedule=1f1b holds the least)"

@@ -9,6 +9,7 @@ import pytest
 
 from data import build_dataset
 from tests.distributed import spawn
+from tests.parity_worker import CHUNK_TOKENS
 
 SEQ, MICRO_BATCH, GAS = 32, 2, 2
 TOPOLOGIES = {"1stage_x_2dp": (1, 1), "2stages": (2, 1), "1stage_x_tp2": (1, 2)}  # name: (stages, tensor parallel)
@@ -90,7 +91,7 @@ def packed_parity_worker(rank, hf_dir, ds_dir, rows, out_dir):
     results = {}
     for name, (stages, tensor_parallel) in TOPOLOGIES.items():
         module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True,
-                                       layer_loader=load_layer_slice)
+                                       layer_loader=load_layer_slice, loss_chunk_tokens=CHUNK_TOKENS)
         engine, optimizer = recording_engine(module, ds_dir)
         reads_data = engine.is_first_stage() or engine.is_last_stage()
         cfg = SimpleNamespace(micro_batch_size=MICRO_BATCH, seq_length=SEQ, gradient_accumulation_steps=GAS,

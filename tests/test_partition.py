@@ -1,5 +1,6 @@
 """The cost model and the partitions built from it (fast: no processes, nothing of model size is built)."""
 import dataclasses
+import functools
 import os
 
 import pytest
@@ -8,7 +9,8 @@ from hydra import compose, initialize_config_dir
 from transformers import LlamaConfig
 
 from models.layout import num_pipeline_layers
-from models.llama import DecoderLayerPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs, causal_lm_loss
+from models.llama import DecoderLayerPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
+from models.loss import CausalLMLoss
 from models.partition import DECODER, HEAD, NORM, balanced_decoder_counts, stage_bounds
 from models.pipeline import build_pipeline_layers, partition_stages
 from models.tensor_parallel import TensorParallel
@@ -154,27 +156,31 @@ def saved_activation_bytes(run, exclude):
 
 
 def queued_tensor_bytes(queue, exclude):
-    """Bytes of the distinct storages the queued weight-gradient work of a WeightGradQueue keeps alive."""
-    cells = [cell.cell_contents for work in queue._pending for params_and_grads in work
-             for cell in params_and_grads.__closure__ or ()]
-    return distinct_storage_bytes([value for value in cells if isinstance(value, torch.Tensor)], exclude)
+    """Bytes of the distinct storages the queued weight-gradient work of a WeightGradQueue keeps alive (a closure's
+    cells or a partial's arguments, and the tensors of objects among them)."""
+    values = [value for work in queue._pending for params_and_grads in work
+              for value in (params_and_grads.args if isinstance(params_and_grads, functools.partial)
+                            else [cell.cell_contents for cell in params_and_grads.__closure__ or ()])]
+    values += [member for value in values for member in getattr(value, "__dict__", {}).values()]
+    return distinct_storage_bytes([value for value in values if isinstance(value, torch.Tensor)], exclude)
 
 
-def small_layer(kv_heads, precision, batch=2, seq=24):
+def small_layer(kv_heads, precision, batch=2, seq=24, loss_chunk_tokens=0):
     """A one-layer config and the cost model's figures for a (batch, seq) micro-batch of it."""
     config = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=kv_heads)
-    return config, LayerCosts(config, Workload(seq_length=seq, micro_batch_size=batch, precision=precision))
+    return config, LayerCosts(config, Workload(seq_length=seq, micro_batch_size=batch, precision=precision,
+                                               loss_chunk_tokens=loss_chunk_tokens))
 
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
-@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_activation_model_matches_what_autograd_saves(dtype, precision, kv_heads):
+@pytest.mark.parametrize("kv_heads,chunk", [(4, 0), (2, 0), (2, 7)], ids=["mha", "gqa", "gqa-chunked-loss"])
+def test_activation_model_matches_what_autograd_saves(dtype, precision, kv_heads, chunk):
     batch, seq = 2, 24
-    config, costs = small_layer(kv_heads, precision, batch, seq)
+    config, costs = small_layer(kv_heads, precision, batch, seq, chunk)
     stage_inputs = StageAttentionInputs(config)
     decoder = DecoderLayerPipe(config, stage_inputs).to(dtype)
-    norm, head = FinalNormPipe(config).to(dtype), LMHeadPipe(config).to(dtype)
+    norm, head = FinalNormPipe(config).to(dtype), LMHeadPipe(config, chunked_loss=chunk > 0).to(dtype)
     hidden = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
     mask = torch.ones(batch, seq, dtype=torch.long)
     positions = torch.arange(seq).expand(batch, seq)
@@ -184,24 +190,30 @@ def test_activation_model_matches_what_autograd_saves(dtype, precision, kv_heads
     assert saved_activation_bytes(lambda: decoder((hidden, mask, positions)), shared | params) \
         == costs.saved_bytes[DECODER]
     labels = torch.randint(0, config.vocab_size, (batch, seq))
-    logits = []
-    measured = saved_activation_bytes(lambda: causal_lm_loss(logits.append(head(norm((hidden,)))) or logits[0],
-                                                             labels), params)
-    # The loss's 4-byte scalar is not modelled; the logits, which the engine holds, are counted apart.
-    assert measured == pytest.approx(costs.saved_bytes[NORM] + costs.saved_bytes[HEAD], abs=4)
-    assert logits[0].untyped_storage().nbytes() == costs.logits_bytes
+    outputs, losses = [], []
+    measured = saved_activation_bytes(lambda: losses.append(CausalLMLoss(chunk_tokens=chunk)(
+        outputs.append(head(norm((hidden,)))) or outputs[0], labels)), params)
+    if chunk:  # the chunked loss holds its gradients, computed in forward, on its backward node
+        measured += sum(t.untyped_storage().nbytes() for t in (losses[0].grad_fn.grad_hidden,
+                                                               losses[0].grad_fn.grad_weight))
+    # The loss's scalars (its value, its divisor) are not modelled; the last output (logits, or the head's input),
+    # which the engine holds, is counted apart.
+    assert measured == pytest.approx(costs.saved_bytes[NORM] + costs.saved_bytes[HEAD], abs=16)
+    last_output = outputs[0][0] if chunk else outputs[0]
+    assert last_output.untyped_storage().nbytes() == costs.last_output_bytes
 
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
-@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_weight_grad_model_matches_what_the_zero_bubble_queue_keeps(dtype, precision, kv_heads):
+@pytest.mark.parametrize("kv_heads,chunk", [(4, 0), (2, 0), (2, 7)], ids=["mha", "gqa", "gqa-chunked-loss"])
+def test_weight_grad_model_matches_what_the_zero_bubble_queue_keeps(dtype, precision, kv_heads, chunk):
     """What a micro-batch waiting for W holds (models/weight_grads.py), per decoder layer and for the LM head."""
     batch, seq = 2, 24
-    config, costs = small_layer(kv_heads, precision, batch, seq)
+    config, costs = small_layer(kv_heads, precision, batch, seq, chunk)
     parallel = TensorParallel()
     parallel.weight_grads = WeightGradQueue()
     decoder = DecoderLayerPipe(config, StageAttentionInputs(config), parallel=parallel).to(dtype)
-    norm, head = FinalNormPipe(config, parallel).to(dtype), LMHeadPipe(config, parallel).to(dtype)
+    norm = FinalNormPipe(config, parallel).to(dtype)
+    head = LMHeadPipe(config, parallel, chunked_loss=chunk > 0).to(dtype)
     params = {p.untyped_storage().data_ptr() for m in (decoder, norm, head) for p in m.parameters()}
     hidden = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
     mask, positions = torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq)
@@ -210,10 +222,12 @@ def test_weight_grad_model_matches_what_the_zero_bubble_queue_keeps(dtype, preci
         output.backward(torch.randn_like(output))
     assert queued_tensor_bytes(parallel.weight_grads, params) == costs.weight_grad_bytes[DECODER]
     parallel.weight_grads.run_oldest()
-    loss = causal_lm_loss(head(norm((hidden.detach(),))), torch.randint(0, config.vocab_size, (batch, seq)))
+    loss = CausalLMLoss(parallel, chunk)(head(norm((hidden.detach(),))),
+                                         torch.randint(0, config.vocab_size, (batch, seq)))
     with parallel.weight_grads.defer():
         loss.backward()
-    assert queued_tensor_bytes(parallel.weight_grads, params) == costs.weight_grad_bytes[HEAD]
+    # The chunked loss's W also holds the loss's 4-byte gradient scale, not modelled.
+    assert queued_tensor_bytes(parallel.weight_grads, params) == pytest.approx(costs.weight_grad_bytes[HEAD], abs=4)
 
 
 def test_checkpointed_stage_keeps_one_hidden_state_per_layer_and_recomputes_one():
@@ -231,11 +245,12 @@ def test_checkpointed_stage_keeps_one_hidden_state_per_layer_and_recomputes_one(
 
 def test_last_stage_keeps_two_micro_batches_of_logits():
     """DeepSpeed's engine frees a last stage's outputs only when their buffer is reused."""
-    costs = LayerCosts(PUBLISHED["llama3_8b"], Workload(seq_length=4096, micro_batches=8))
+    costs = LayerCosts(PUBLISHED["llama3_8b"], Workload(seq_length=4096, micro_batches=8, loss_chunk_tokens=0))
     two_logits = costs.stage_activation_bytes([DECODER, NORM, HEAD], 1)
-    one_logits = LayerCosts(PUBLISHED["llama3_8b"], Workload(seq_length=4096, micro_batches=1)) \
+    one_logits = LayerCosts(PUBLISHED["llama3_8b"], Workload(seq_length=4096, micro_batches=1,
+                                                             loss_chunk_tokens=0)) \
         .stage_activation_bytes([DECODER, NORM, HEAD], 1)
-    assert two_logits - one_logits == costs.logits_bytes
+    assert two_logits - one_logits == costs.last_output_bytes
 
 
 def test_training_flops_per_token_by_hand_and_against_torch_flop_counter():

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from data.collator import collate_causal_lm
 from data.loader import check_identical_across_group
-from models.llama import IGNORE_INDEX
+from models.loss import IGNORE_INDEX
 
 EMPTY_ROW = {"input_ids": [], "labels": []}
 

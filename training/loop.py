@@ -87,7 +87,8 @@ def build_engine(spec, total_steps):
                                    activation_checkpoint_interval=cfg.activation_checkpoint_interval,
                                    dtype=PRECISION_DTYPES[cfg.precision], sequence_parallel=cfg.sequence_parallel,
                                    recompute_sequence_gather=cfg.recompute_sequence_gather,
-                                   layer_loader=load_layer_slice, context_parallel_size=cfg.context_parallel_size)
+                                   layer_loader=load_layer_slice, context_parallel_size=cfg.context_parallel_size,
+                                   loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0)
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)

@@ -20,7 +20,7 @@ from models.layout import layer_file_name, layer_indices_with_files
 from models.context_parallel import context_parallel_error
 from models.llama import check_model_config
 from models.partition import layer_parameter_counts
-from models.pipeline import ATTENTION_IMPLS, PRECISION_DTYPES, partition_stages
+from models.pipeline import ATTENTION_IMPLS, LOSS_IMPLS, PRECISION_DTYPES, partition_stages
 from models.tensor_parallel import check_tensor_parallel_split
 from planner.stage_costs import balanced_stage_cost
 from planner.training_state import checkpoint_bytes_per_parameter
@@ -182,7 +182,8 @@ def check_known_keys(cfg, schema, prefix=""):
 def check_values(cfg):
     """Each key's allowed values, and the rules between keys that need no model or world size."""
     choices = {"precision": PRECISIONS, "lr_scheduler": SCHEDULERS, "offload_optimizer": OFFLOAD_DEVICES,
-               "pipeline_schedule": PIPELINE_SCHEDULES, "nan_policy": NAN_POLICIES, "attention_impl": ATTENTION_IMPLS}
+               "pipeline_schedule": PIPELINE_SCHEDULES, "nan_policy": NAN_POLICIES, "attention_impl": ATTENTION_IMPLS,
+               "loss_impl": LOSS_IMPLS}
     for key, allowed in choices.items():
         if cfg[key] not in allowed:
             extra = (" (NVMe offload needs ZeRO-3, which pipeline parallelism does not support)"
@@ -197,6 +198,10 @@ def check_values(cfg):
         raise ConfigError(f"precision={cfg.precision} with zero_stage=0: below fp32 a checkpoint takes the fp32 master "
                           f"weights and moments from ZeRO's partitions (training/optimizer_state.py); use zero_stage=1.")
     check_offload(cfg)
+    chunk = cfg.loss_chunk_tokens
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ConfigError(f"loss_chunk_tokens={chunk!r} must be a positive number of tokens (the LM head and loss "
+                          f"run that many at a time; 1024 by default).")
     if cfg.micro_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise ConfigError("micro_batch_size and gradient_accumulation_steps must be at least 1.")
     check_zero_bubble(cfg)
@@ -298,6 +303,7 @@ def workload_of(cfg, data_parallel):
                     context_parallel=cfg.context_parallel_size,
                     recompute_sequence_gather=bool(cfg.recompute_sequence_gather),
                     offload_optimizer=cfg.offload_optimizer == "cpu", pipeline_schedule=cfg.pipeline_schedule,
+                    loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
                     zero_bubble_max_waiting=cfg.zero_bubble_max_waiting)
 
 

@@ -1,0 +1,137 @@
+"""The last stage's LM head and loss, forward and backward, at LLaMA 3's vocabulary: memory and speed of each way.
+
+  - logits: the head's full logits, then the cross-entropy in fp32 (loss_impl=logits; the project before issue 28)
+  - chunked: the head and loss a chunk of tokens at a time (loss_impl=chunked, loss_chunk_tokens; models/loss.py)
+  - chunked+compile: the same with each chunk's log-sum-exp and softmax through torch.compile
+  - cce: Apple's cut-cross-entropy package (`pip install cut-cross-entropy`), its CPU path (impl=torch_compile)
+
+Memory: the peak RSS rise of one forward + backward over the inputs and weight already in memory, each way in a
+fresh process (freed memory stays with the allocator). Speed: tokens/s, median of interleaved rounds in one process.
+
+  python bench/lm_loss.py [--tokens 4096] [--hidden 256] [--chunks 1024 4096] [--rounds 5]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_note, peak_rss_bytes, reset_peak_rss, rss_bytes, spawn  # noqa: E402
+
+VOCAB = 128256  # LLaMA 3's
+MIB = 2 ** 20
+
+
+def loss_function(way, chunk_tokens):
+    """(hidden (tokens, H), weight, next-token labels) -> mean loss, one of the ways above."""
+    import torch
+
+    from models import loss
+
+    if way == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+        return lambda hidden, weight, labels: linear_cross_entropy(hidden, weight, labels, impl="torch_compile")
+    if way == "chunked+compile":
+        loss.log_sum_exp_and_softmax = torch.compile(loss.log_sum_exp_and_softmax, dynamic=False)
+    compute = loss.CausalLMLoss(chunk_tokens=0 if way == "logits" else chunk_tokens)
+    # CausalLMLoss shifts labels; give it the labels one position later so both see the same targets.
+    shifted = lambda labels: torch.nn.functional.pad(labels, (1, 0), value=-100)[None, :-1]  # noqa: E731
+    if way == "logits":
+        return lambda hidden, weight, labels: compute(torch.nn.functional.linear(hidden, weight), shifted(labels))
+    return lambda hidden, weight, labels: compute((hidden, weight), shifted(labels))
+
+
+def inputs(tokens, hidden_size, dtype_name):
+    import torch
+    generator = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, dtype_name)
+    hidden = torch.randn(tokens, hidden_size, generator=generator).to(dtype).requires_grad_()
+    weight = (torch.randn(VOCAB, hidden_size, generator=generator) * hidden_size ** -0.5).to(dtype).requires_grad_()
+    labels = torch.randint(0, VOCAB, (tokens,), generator=generator)
+    labels[::7] = -100
+    return hidden, weight, labels
+
+
+def step(function, hidden, weight, labels):
+    hidden.grad = weight.grad = None
+    function(hidden, weight, labels).backward()
+
+
+def measure_memory(rank, way, chunk_tokens, tokens, hidden_size, dtype_name, out_path):
+    import torch
+    torch.set_num_threads(1)
+    function = loss_function(way, chunk_tokens)
+    hidden, weight, labels = inputs(tokens, hidden_size, dtype_name)
+    step(function, hidden, weight, labels)  # warm-up (compilation), then gradients freed
+    hidden.grad = weight.grad = None
+    before = rss_bytes()
+    reset_peak_rss()
+    step(function, hidden, weight, labels)
+    with open(out_path, "w") as f:
+        json.dump({"peak_rise": peak_rss_bytes() - before}, f)
+
+
+def measure_speed(rank, ways, tokens, hidden_size, dtype_name, rounds, out_path):
+    import torch
+    torch.set_num_threads(1)
+    hidden, weight, labels = inputs(tokens, hidden_size, dtype_name)
+    functions = {label: loss_function(way, chunk) for label, (way, chunk) in ways.items()}
+    losses = {}
+    for label, function in functions.items():  # warm-up, and every way's loss for the record
+        step(function, hidden, weight, labels)
+        losses[label] = float(function(hidden, weight, labels))
+    times = {label: [] for label in functions}
+    for _ in range(rounds):
+        for label, function in functions.items():
+            start = time.perf_counter()
+            step(function, hidden, weight, labels)
+            times[label].append(time.perf_counter() - start)
+    with open(out_path, "w") as f:
+        json.dump({"times": times, "losses": losses}, f)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1024])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile ways")
+    args = parser.parse_args()
+    ways = {"logits": ("logits", 0)}
+    ways.update({f"chunked {c}": ("chunked", c) for c in args.chunks})
+    if not args.no_compile:
+        ways.update({f"chunked+compile {c}": ("chunked+compile", c) for c in args.chunks})
+        try:
+            import cut_cross_entropy  # noqa: F401
+            ways["cce (torch_compile)"] = ("cce", 0)
+        except ImportError:
+            print("cut-cross-entropy is not installed: pip install cut-cross-entropy to compare it")
+    out = os.path.join(tempfile.mkdtemp(), "result.json")
+    print(f"LM head + loss, forward + backward: vocab {VOCAB}, {args.tokens} tokens, hidden {args.hidden}, 1 thread")
+    for dtype in args.dtypes:
+        peaks = {}
+        for label, (way, chunk) in ways.items():
+            spawn(measure_memory, 1, way, chunk, args.tokens, args.hidden, dtype, out)
+            with open(out) as f:
+                peaks[label] = json.load(f)["peak_rise"]
+        spawn(measure_speed, 1, ways, args.tokens, args.hidden, dtype, args.rounds, out)
+        with open(out) as f:
+            result = json.load(f)
+        rates = {label: args.tokens / statistics.median(values) for label, values in result["times"].items()}
+        print(f"\n{dtype}: {'way':<26} {'peak rise':>10} {'÷ logits':>9} {'tokens/s':>10} {'÷ logits':>9}  "
+              f"{'per round':>13}  loss")
+        for label in ways:
+            spread = [base / t for base, t in zip(result["times"]["logits"], result["times"][label])]
+            print(f"{'':>{len(dtype) + 1}} {label:<26} {peaks[label] / MIB:>7.0f} MiB {peaks[label] / peaks['logits']:>8.3f}x "
+                  f"{rates[label]:>10.0f} {rates[label] / rates['logits']:>8.3f}x  "
+                  f"{min(spread):.3f}-{max(spread):.3f}  {result['losses'][label]:.6f}")
+    print(machine_note())
+
+
+if __name__ == "__main__":
+    main()

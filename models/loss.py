@@ -1,0 +1,181 @@
+"""The causal LM loss on the last stage: next-token cross-entropy in fp32, the mean over the labelled tokens
+(transformers' loss), from the LM head's input, so the stage never holds a tokens x vocabulary tensor.
+
+`loss_chunk_tokens` > 0 (the default): the head's projection and the cross-entropy run together, that many tokens at
+a time (Liger Kernel's fused linear cross-entropy, in plain torch). In training the gradients are computed in the
+forward pass, chunk by chunk, while each chunk's logits exist; backward only scales them by the loss's gradient, so
+the head costs the same three matmuls as the logits path and its backward is instant for the stage before it. Under
+the zero-bubble schedule the weight gradient stays W work: the forward pass keeps each token's log-sum-exp and W
+projects each chunk again (one matmul more than the logits path, no logits-sized gradient waiting for W).
+`loss_chunk_tokens` = 0: the head's full logits, then the cross-entropy (the reference the chunked path is tested
+against). Under tensor parallelism each rank projects onto its vocabulary rows, and the log-sum-exp and the target
+logit are combined across the group, never the logits.
+"""
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from models.context_parallel import NO_CONTEXT_PARALLEL
+from models.tensor_parallel import NO_TENSOR_PARALLEL
+
+IGNORE_INDEX = -100
+
+
+class CausalLMLoss:
+    """The pipeline's loss_fn: (the last layer's output, a micro-batch's labels) -> the mean next-token loss. The
+    last layer's output is the logits, or with chunk_tokens > 0 the head's input and weight (LMHeadPipe)."""
+
+    def __init__(self, parallel=NO_TENSOR_PARALLEL, chunk_tokens=0, context=NO_CONTEXT_PARALLEL):
+        self.parallel, self.chunk_tokens, self.context = parallel, chunk_tokens, context
+
+    def __call__(self, outputs, labels):
+        if self.context.size > 1:  # shifted and split already (ContextParallel.split_micro_batch)
+            next_labels = labels.reshape(-1)
+            divisor = self.context.loss_divisor(next_labels, IGNORE_INDEX)
+        else:  # the labels shift left (the last position predicts nothing) rather than the logits
+            next_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+            divisor = (next_labels != IGNORE_INDEX).sum().clamp(min=1)
+        if self.chunk_tokens:
+            hidden, weight = outputs
+            return chunked_loss_sum(hidden, weight, next_labels.to(hidden.device), divisor, self.parallel,
+                                    self.chunk_tokens)
+        return logits_loss_sum(outputs, next_labels.to(outputs.device), self.parallel) / divisor
+
+
+def logits_loss_sum(logits, labels, parallel):
+    """Summed cross-entropy of the labelled tokens from (this rank's vocabulary share of) the logits, in fp32."""
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    if parallel.size == 1:
+        return F.cross_entropy(flat, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return parallel.cross_entropy(flat, labels, IGNORE_INDEX).sum()
+
+
+def chunked_loss_sum(hidden, weight, labels, divisor, parallel, chunk_tokens):
+    """Summed cross-entropy of the labelled tokens / divisor, projecting `chunk_tokens` tokens at a time."""
+    whole = parallel.whole_input(hidden)  # every token of the micro-batch; its gradient reduced over the group
+    return ChunkedLinearCrossEntropy.apply(whole.reshape(-1, whole.shape[-1]), weight, labels, divisor, parallel,
+                                           chunk_tokens)
+
+
+class VocabularyShare:
+    """Where each token's label falls in this rank's rows of the vocabulary."""
+
+    def __init__(self, labels, rows, parallel):
+        local = labels - parallel.rank * rows
+        self.labelled = labels != IGNORE_INDEX
+        self.inside = self.labelled & (local >= 0) & (local < rows)
+        self.local = local.masked_fill(~self.inside, 0)
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum over labelled tokens of (log-sum-exp of the token's logits - its label's logit), / divisor.
+
+    hidden (tokens, hidden) in the activation dtype; weight (this rank's vocabulary rows, hidden). Each chunk's
+    logits are the head's (activation dtype), upcast to fp32 as the logits path does; its gradient
+    (softmax - one-hot, unscaled, in [-1, 1]: no fp16 underflow) goes through the matmuls in the activation dtype
+    and is summed in fp32."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, divisor, parallel, chunk_tokens):
+        share = VocabularyShare(labels, weight.shape[0], parallel)
+        wants_hidden_grad, wants_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        defer_weight = wants_weight_grad and parallel.weight_grads is not None
+        grad_hidden = torch.empty_like(hidden) if wants_hidden_grad else None
+        grad_weight = weight_grad_buffer(weight) if wants_weight_grad and not defer_weight else None
+        log_sum_exp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        target_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for rows in token_chunks(hidden.shape[0], chunk_tokens):
+            logits = F.linear(hidden[rows], weight).float()
+            target_sum += logits.gather(1, share.local[rows, None]).squeeze(1)[share.inside[rows]].sum()
+            wants_softmax = grad_hidden is not None or grad_weight is not None
+            log_sum_exp[rows] = log_sum_exp_and_softmax(logits, parallel, share.labelled[rows] if wants_softmax
+                                                        else None)
+            if wants_softmax:
+                grad_logits = subtract_target(logits, share, rows).to(hidden.dtype)
+                if grad_hidden is not None:
+                    grad_hidden[rows] = grad_logits @ weight
+                if grad_weight is not None:
+                    add_weight_grad(grad_weight, grad_logits, hidden[rows])
+                del grad_logits
+            del logits  # before the next chunk's: one chunk of logits alive at a time
+        if parallel.size > 1:
+            dist.all_reduce(target_sum, group=parallel.group)
+        ctx.parallel, ctx.chunk_tokens, ctx.divisor = parallel, chunk_tokens, divisor
+        ctx.dtypes = hidden.dtype, weight.dtype
+        ctx.grad_hidden, ctx.grad_weight, ctx.defer_weight = grad_hidden, grad_weight, defer_weight
+        if defer_weight:
+            ctx.save_for_backward(hidden, weight)
+            ctx.log_sum_exp, ctx.share = log_sum_exp, share
+        return (log_sum_exp[share.labelled].sum() - target_sum) / divisor
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        scale = grad_loss.float() / ctx.divisor
+        grad_hidden = None if ctx.grad_hidden is None else (ctx.grad_hidden * scale).to(ctx.dtypes[0])
+        grad_weight = None if ctx.grad_weight is None else ctx.grad_weight.mul_(scale).to(ctx.dtypes[1])
+        if ctx.defer_weight:
+            hidden, weight = ctx.saved_tensors
+            weight_grads = functools.partial(recomputed_weight_grads, hidden, weight, ctx.log_sum_exp, ctx.share,
+                                             scale, ctx.parallel, ctx.chunk_tokens)
+            queue = ctx.parallel.weight_grads
+            if queue.deferring:
+                queue.add(weight_grads)
+            else:
+                grad_weight = weight_grads()[0][1]
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def recomputed_weight_grads(hidden, weight, log_sum_exp, share, scale, parallel, chunk_tokens):
+    """[(weight, its gradient)], projecting each chunk again (the zero-bubble schedule's W)."""
+    grad_weight = weight_grad_buffer(weight)
+    for rows in token_chunks(hidden.shape[0], chunk_tokens):
+        softmax = F.linear(hidden[rows], weight).float().sub_(log_sum_exp[rows, None]).exp_()
+        softmax.mul_(share.labelled[rows, None])
+        add_weight_grad(grad_weight, subtract_target(softmax, share, rows).to(hidden.dtype), hidden[rows])
+        del softmax
+    return [(weight, grad_weight.mul_(scale).to(weight.dtype))]
+
+
+def weight_grad_buffer(weight):
+    """Zeros to sum the chunks' weight gradients into: in the weight's dtype, as Liger does (an fp32 one would be
+    2x a bf16 70B head's 2 GiB), but fp32 under fp16, whose range an unscaled sum over many tokens can leave."""
+    return torch.zeros(weight.shape, dtype=torch.float32 if weight.dtype == torch.float16 else weight.dtype,
+                       device=weight.device)
+
+
+def add_weight_grad(grad_weight, grad_logits, hidden):
+    """grad_weight += grad_logits^T hidden, in place (no weight-sized temporary) where the dtypes allow."""
+    if grad_weight.dtype == hidden.dtype:
+        grad_weight.addmm_(grad_logits.t(), hidden)
+    else:
+        grad_weight += grad_logits.t() @ hidden
+
+
+def token_chunks(tokens, chunk_tokens):
+    return [slice(start, min(start + chunk_tokens, tokens)) for start in range(0, tokens, chunk_tokens)]
+
+
+def log_sum_exp_and_softmax(logits, parallel, labelled=None):
+    """Each token's log-sum-exp over the whole vocabulary, from this rank's share of its fp32 logits; with
+    `labelled`, the logits become the softmax in place (0 on the rows not labelled), with no temporary copy."""
+    row_max = logits.amax(dim=-1)
+    exp = logits.sub_(row_max[:, None]).exp_()
+    local = exp.sum(dim=-1).log_().add_(row_max)
+    if parallel.size == 1:
+        log_sum_exp = local
+    else:
+        gathered = torch.empty(parallel.size * local.shape[0], dtype=local.dtype, device=local.device)
+        dist.all_gather_single(gathered, local, group=parallel.group)
+        log_sum_exp = torch.logsumexp(gathered.view(parallel.size, -1), dim=0)
+    if labelled is not None:  # e^(x - max) e^(max - lse) = e^(x - lse)
+        exp.mul_(((row_max - log_sum_exp).exp_() * labelled)[:, None])
+    return log_sum_exp
+
+
+def subtract_target(softmax, share, rows):
+    """softmax - one-hot of each labelled token's target (this rank's rows of it): d(loss)/d(logits), in place."""
+    inside = share.inside[rows]
+    softmax[inside.nonzero().squeeze(1), share.local[rows][inside]] -= 1.0
+    return softmax
