@@ -3,8 +3,9 @@
 Both train the same config on the same batches with one thread: ours through DeepSpeed's engine (train_batch:
 m micro-batches, then AdamW), transformers' as forward, backward per micro-batch and torch's AdamW step. Steps
 alternate between the contenders so that background load hits all alike, and each rate comes from the median
-step time. Prints tokens/s of each and the ratio to transformers (target: ours >= 1.10x); with --compile, also
-ours with every layer compiled (PipelineModule.compile(), what compile=true does).
+step time. Prints tokens/s of each and the ratio to transformers (target: ours >= 1.10x), ours with the default chunked LM loss
+and with the full-logits head (loss_impl=logits); with --compile, also ours with every layer compiled
+(PipelineModule.compile(), what compile=true does).
 
   python bench/layer_overhead.py [--steps 6] [--compile]
 """
@@ -21,12 +22,16 @@ from common import machine_note, random_micro_batches, run_config, spawn  # noqa
 MODEL = dict(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=1024)
 SEQ_LENGTH, MICRO_BATCH, MICRO_BATCHES = 256, 4, 4
-OVERRIDES = ["num_stages=1", "precision=fp32", "zero_stage=0", f"seq_length={SEQ_LENGTH}",
-             f"micro_batch_size={MICRO_BATCH}", f"gradient_accumulation_steps={MICRO_BATCHES}",
-             "max_grad_norm=0", "lr_scheduler=constant"]
 
 
-def pipeline_step(config, compile_layers):
+def run_overrides(seq_length, micro_batch, micro_batches, loss_impl="chunked"):
+    return ["num_stages=1", "precision=fp32", "zero_stage=0", f"seq_length={seq_length}",
+            f"micro_batch_size={micro_batch}", f"gradient_accumulation_steps={micro_batches}", "max_grad_norm=0",
+            "lr_scheduler=constant", f"loss_impl={loss_impl}"]
+
+
+def pipeline_step(config, compile_layers, loss_impl="chunked", seq_length=SEQ_LENGTH, micro_batch=MICRO_BATCH,
+                  micro_batches=MICRO_BATCHES):
     """One training step of the project's engine on one stage, as training/loop.py builds it."""
     import deepspeed
 
@@ -34,32 +39,33 @@ def pipeline_step(config, compile_layers):
     from training.deepspeed_config import deepspeed_config
     from training.distributed import parallel_topology
 
-    cfg = run_config(OVERRIDES)
-    module = build_pipeline_module(config, parallel_topology(1))
+    cfg = run_config(run_overrides(seq_length, micro_batch, micro_batches, loss_impl))
+    module = build_pipeline_module(config, parallel_topology(1),
+                                   loss_chunk_tokens=cfg.loss_chunk_tokens if loss_impl == "chunked" else 0)
     if compile_layers:
         module.compile()
     ds_config, _ = deepspeed_config(cfg, total_steps=10**6)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
                                            config=ds_config)
-    batches = random_micro_batches(config.vocab_size, SEQ_LENGTH, MICRO_BATCH)
+    batches = random_micro_batches(config.vocab_size, seq_length, micro_batch)
     return lambda: engine.train_batch(batches)
 
 
-def transformers_step(config):
+def transformers_step(config, seq_length=SEQ_LENGTH, micro_batch=MICRO_BATCH, micro_batches=MICRO_BATCHES):
     """One training step of a plain loop: forward and backward per micro-batch, then AdamW."""
     import torch
     from transformers import LlamaForCausalLM
 
-    cfg = run_config(OVERRIDES)
+    cfg = run_config(run_overrides(seq_length, micro_batch, micro_batches))
     model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
-    batches = random_micro_batches(config.vocab_size, SEQ_LENGTH, MICRO_BATCH)
+    batches = random_micro_batches(config.vocab_size, seq_length, micro_batch)
 
     def step():
-        for _ in range(MICRO_BATCHES):
+        for _ in range(micro_batches):
             (input_ids, _, _), labels = next(batches)
-            (model(input_ids=input_ids, labels=labels).loss / MICRO_BATCHES).backward()
+            (model(input_ids=input_ids, labels=labels).loss / micro_batches).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step
@@ -78,7 +84,8 @@ def compare(rank, steps, compile_layers):
 
     init_distributed(timeout_minutes=30)
     config = LlamaConfig(**MODEL)
-    contenders = {"transformers": transformers_step(config), "pipeline": pipeline_step(config, False)}
+    contenders = {"transformers": transformers_step(config), "pipeline": pipeline_step(config, False),
+                  "pipeline, logits head": pipeline_step(config, False, loss_impl="logits")}
     if compile_layers:
         contenders["pipeline, compiled layers"] = pipeline_step(config, True)
     for step in contenders.values():  # warm-up: first-use allocations, compilation

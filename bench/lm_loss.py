@@ -7,8 +7,12 @@
 
 Memory: the peak RSS rise of one forward + backward over the inputs and weight already in memory, each way in a
 fresh process (freed memory stays with the allocator). Speed: tokens/s, median of interleaved rounds in one process.
+--whole-step: the peak RSS of a whole 1-stage training step (above the RSS before the model existed) of a small
+model with that vocabulary, the trainer's engine with each head against transformers' own loop (bench/layer_overhead.py
+builds both), each in a fresh process after one warm-up step.
 
   python bench/lm_loss.py [--tokens 4096] [--hidden 256] [--chunks 1024 4096] [--rounds 5]
+  python bench/lm_loss.py --whole-step
 """
 import argparse
 import json
@@ -93,6 +97,44 @@ def measure_speed(rank, ways, tokens, hidden_size, dtype_name, rounds, out_path)
         json.dump({"times": times, "losses": losses}, f)
 
 
+WHOLE_STEP_MODEL = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024)
+WHOLE_STEP_SHAPE = dict(seq_length=1024, micro_batch=4, micro_batches=2)  # 4096 tokens per micro-batch
+
+
+def whole_step_memory(rank, contender, out_path):
+    import torch
+    from transformers import LlamaConfig
+
+    from layer_overhead import pipeline_step, transformers_step
+    from training.distributed import init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed(timeout_minutes=30)
+    before_model = rss_bytes()
+    config = LlamaConfig(**WHOLE_STEP_MODEL)
+    step = (transformers_step(config, **WHOLE_STEP_SHAPE) if contender == "transformers"
+            else pipeline_step(config, False, loss_impl=contender, **WHOLE_STEP_SHAPE))
+    step()  # optimizer state allocated
+    reset_peak_rss()
+    step()
+    with open(out_path, "w") as f:
+        json.dump({"peak": peak_rss_bytes() - before_model}, f)
+
+
+def compare_whole_steps(out):
+    peaks = {}
+    for contender in ("transformers", "logits", "chunked"):
+        spawn(whole_step_memory, 1, contender, out)
+        with open(out) as f:
+            peaks[contender] = json.load(f)["peak"]
+    print(f"whole 1-stage training step, vocab {VOCAB}, hidden 256, 2 layers, {WHOLE_STEP_SHAPE}, fp32, 1 thread: "
+          f"peak RSS above the pre-model RSS")
+    for contender, peak in peaks.items():
+        name = contender if contender == "transformers" else f"trainer, loss_impl={contender}"
+        print(f"  {name:<28} {peak / MIB:>7.0f} MiB  {peak / peaks['transformers']:.3f}x transformers")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096)
@@ -101,7 +143,13 @@ def main():
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile ways")
+    parser.add_argument("--whole-step", action="store_true", help="whole training steps against transformers")
     args = parser.parse_args()
+    out = os.path.join(tempfile.mkdtemp(), "result.json")
+    if args.whole_step:
+        compare_whole_steps(out)
+        print(machine_note())
+        return
     ways = {"logits": ("logits", 0)}
     ways.update({f"chunked {c}": ("chunked", c) for c in args.chunks})
     if not args.no_compile:
@@ -111,7 +159,6 @@ def main():
             ways["cce (torch_compile)"] = ("cce", 0)
         except ImportError:
             print("cut-cross-entropy is not installed: pip install cut-cross-entropy to compare it")
-    out = os.path.join(tempfile.mkdtemp(), "result.json")
     print(f"LM head + loss, forward + backward: vocab {VOCAB}, {args.tokens} tokens, hidden {args.hidden}, 1 thread")
     for dtype in args.dtypes:
         peaks = {}

@@ -84,16 +84,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         defer_weight = wants_weight_grad and parallel.weight_grads is not None
         grad_hidden = torch.empty_like(hidden) if wants_hidden_grad else None
         grad_weight = weight_grad_buffer(weight) if wants_weight_grad and not defer_weight else None
-        log_sum_exp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        log_sum_exp, row_max = (torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+                                for _ in range(2))
         target_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for rows in token_chunks(hidden.shape[0], chunk_tokens):
             logits = F.linear(hidden[rows], weight).float()
             target_sum += logits.gather(1, share.local[rows, None]).squeeze(1)[share.inside[rows]].sum()
-            wants_softmax = grad_hidden is not None or grad_weight is not None
-            log_sum_exp[rows] = log_sum_exp_and_softmax(logits, parallel, share.labelled[rows] if wants_softmax
-                                                        else None)
-            if wants_softmax:
-                grad_logits = subtract_target(logits, share, rows).to(hidden.dtype)
+            row_max[rows] = exp_minus_row_max(logits)
+            log_sum_exp[rows] = group_log_sum_exp(logits, row_max[rows], parallel)
+            if grad_hidden is not None or grad_weight is not None:
+                grad_logits = softmax_minus_target(logits, row_max, log_sum_exp, share, rows).to(hidden.dtype)
                 if grad_hidden is not None:
                     grad_hidden[rows] = grad_logits @ weight
                 if grad_weight is not None:
@@ -107,7 +107,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.grad_hidden, ctx.grad_weight, ctx.defer_weight = grad_hidden, grad_weight, defer_weight
         if defer_weight:
             ctx.save_for_backward(hidden, weight)
-            ctx.log_sum_exp, ctx.share = log_sum_exp, share
+            ctx.row_max, ctx.log_sum_exp, ctx.share = row_max, log_sum_exp, share
         return (log_sum_exp[share.labelled].sum() - target_sum) / divisor
 
     @staticmethod
@@ -117,7 +117,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = None if ctx.grad_weight is None else ctx.grad_weight.mul_(scale).to(ctx.dtypes[1])
         if ctx.defer_weight:
             hidden, weight = ctx.saved_tensors
-            weight_grads = functools.partial(recomputed_weight_grads, hidden, weight, ctx.log_sum_exp, ctx.share,
+            weight_grads = functools.partial(recomputed_weight_grads, hidden, weight, ctx.row_max, ctx.log_sum_exp, ctx.share,
                                              scale, ctx.parallel, ctx.chunk_tokens)
             queue = ctx.parallel.weight_grads
             if queue.deferring:
@@ -127,14 +127,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def recomputed_weight_grads(hidden, weight, log_sum_exp, share, scale, parallel, chunk_tokens):
-    """[(weight, its gradient)], projecting each chunk again (the zero-bubble schedule's W)."""
+def recomputed_weight_grads(hidden, weight, row_max, log_sum_exp, share, scale, parallel, chunk_tokens):
+    """[(weight, its gradient)], projecting each chunk again (the zero-bubble schedule's W); bit for bit the
+    gradient the forward pass computes without the zero-bubble schedule."""
     grad_weight = weight_grad_buffer(weight)
     for rows in token_chunks(hidden.shape[0], chunk_tokens):
-        softmax = F.linear(hidden[rows], weight).float().sub_(log_sum_exp[rows, None]).exp_()
-        softmax.mul_(share.labelled[rows, None])
-        add_weight_grad(grad_weight, subtract_target(softmax, share, rows).to(hidden.dtype), hidden[rows])
-        del softmax
+        logits = F.linear(hidden[rows], weight).float()
+        exp_minus_row_max(logits, row_max[rows])
+        add_weight_grad(grad_weight, softmax_minus_target(logits, row_max, log_sum_exp, share, rows).to(hidden.dtype),
+                        hidden[rows])
+        del logits
     return [(weight, grad_weight.mul_(scale).to(weight.dtype))]
 
 
@@ -157,25 +159,27 @@ def token_chunks(tokens, chunk_tokens):
     return [slice(start, min(start + chunk_tokens, tokens)) for start in range(0, tokens, chunk_tokens)]
 
 
-def log_sum_exp_and_softmax(logits, parallel, labelled=None):
-    """Each token's log-sum-exp over the whole vocabulary, from this rank's share of its fp32 logits; with
-    `labelled`, the logits become the softmax in place (0 on the rows not labelled), with no temporary copy."""
-    row_max = logits.amax(dim=-1)
-    exp = logits.sub_(row_max[:, None]).exp_()
+def exp_minus_row_max(logits, row_max=None):
+    """logits -> e^(logits - each row's max), in place (no temporary copy); returns the max."""
+    row_max = logits.amax(dim=-1) if row_max is None else row_max
+    logits.sub_(row_max[:, None]).exp_()
+    return row_max
+
+
+def group_log_sum_exp(exp, row_max, parallel):
+    """Each token's log-sum-exp over the whole vocabulary, from e^(x - max) over this rank's share of it."""
     local = exp.sum(dim=-1).log_().add_(row_max)
     if parallel.size == 1:
-        log_sum_exp = local
-    else:
-        gathered = torch.empty(parallel.size * local.shape[0], dtype=local.dtype, device=local.device)
-        dist.all_gather_single(gathered, local, group=parallel.group)
-        log_sum_exp = torch.logsumexp(gathered.view(parallel.size, -1), dim=0)
-    if labelled is not None:  # e^(x - max) e^(max - lse) = e^(x - lse)
-        exp.mul_(((row_max - log_sum_exp).exp_() * labelled)[:, None])
-    return log_sum_exp
+        return local
+    gathered = torch.empty(parallel.size * local.shape[0], dtype=local.dtype, device=local.device)
+    dist.all_gather_single(gathered, local, group=parallel.group)
+    return torch.logsumexp(gathered.view(parallel.size, -1), dim=0)
 
 
-def subtract_target(softmax, share, rows):
-    """softmax - one-hot of each labelled token's target (this rank's rows of it): d(loss)/d(logits), in place."""
+def softmax_minus_target(exp, row_max, log_sum_exp, share, rows):
+    """d(token's loss)/d(logits) from e^(x - max), in place: the softmax e^(x - max) e^(max - lse) less the one-hot
+    of the label (this rank's rows of it), 0 on the tokens not labelled."""
+    exp.mul_(((row_max[rows] - log_sum_exp[rows]).exp_() * share.labelled[rows])[:, None])
     inside = share.inside[rows]
-    softmax[inside.nonzero().squeeze(1), share.local[rows][inside]] -= 1.0
-    return softmax
+    exp[inside.nonzero().squeeze(1), share.local[rows][inside]] -= 1.0
+    return exp

@@ -61,9 +61,9 @@ class LayerCosts:
         heads = config.num_attention_heads // t
         sharded, replicated = decoder_parameter_split(config)
         chunked, zero_bubble = workload.loss_chunk_tokens > 0, workload.pipeline_schedule == "zero_bubble"
-        # What the chunked loss keeps for a zero-bubble W: the head's input (all tokens), each token's log-sum-exp,
-        # and where its label falls in this rank's vocabulary (local id, two boolean masks).
-        head_w_bytes = tokens * (act * hidden + FP32_BYTES + INT64_BYTES + 2)
+        # What the chunked loss keeps for a zero-bubble W: the head's input (all tokens), each token's logits' max
+        # and log-sum-exp, and where its label falls in this rank's vocabulary (local id, two boolean masks).
+        head_w_bytes = tokens * (act * hidden + 2 * FP32_BYTES + INT64_BYTES + 2)
         # The chunked loss's working set: one chunk of fp32 logits (and its activation-dtype copies below fp32),
         # and under fp16 one chunk's weight gradient before it is added to the fp32 sum (models/loss.py).
         weight_grad_bytes = FP32_BYTES if workload.precision == "fp16" else act

@@ -103,6 +103,9 @@ def test_free_form_nodes_take_any_key_and_defaults_fill_older_configs():
     ("nan_policy=ignore", "nan_policy 'ignore' is not one of ('stop', 'skip')"),
     ("pipeline_schedule=gpipe", "pipeline_schedule 'gpipe' is not one of ('1f1b', 'zero_bubble')"),
     ("data.format=csv", "data.format='csv': expected one of pretokenized, text, instruction, chat"),
+    ("loss_impl=fused", "loss_impl 'fused' is not one of ('chunked', 'logits')"),
+    ("loss_chunk_tokens=0", "loss_chunk_tokens=0 must be a positive number of tokens"),
+    ("loss_chunk_tokens=-512", "loss_chunk_tokens=-512 must be a positive number of tokens"),
 ])
 def test_each_choice_is_checked_before_anything_is_built(override, message):
     from training.run_spec import ConfigError, checked_config

@@ -1,0 +1,77 @@
+"""The chunked LM head + loss (models/loss.py) against the full-logits head it replaces: the same losses and
+gradients through the engine (1 stage, 2 stages, tensor parallel 2, tied and untied), its zero-bubble W and its
+evaluation path. Against transformers, every parity test runs it already (tests/parity_worker.py CHUNK_TOKENS)."""
+import glob
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from models.llama import LMHeadPipe
+from models.loss import CausalLMLoss
+from models.tensor_parallel import TensorParallel
+from models.weight_grads import WeightGradQueue
+from tests import parity_worker
+from tests.distributed import spawn
+
+MICRO_BATCH, GAS, SEQ = 2, 2, 16
+
+
+@pytest.mark.parametrize("num_stages,world_size,tensor_parallel", [(1, 1, 1), (2, 2, 1), (1, 2, 2)],
+                         ids=["1stage", "2stages", "tp2"])
+def test_chunked_loss_equals_the_logits_head(tiny_checkpoints, tmp_path, num_stages, world_size, tensor_parallel):
+    cases = [dict(name=f"{model}-{chunk}", hf_dir=tiny_checkpoints[model][0], ds_dir=tiny_checkpoints[model][1],
+                  loss_chunk_tokens=chunk, save_grads=True)
+             for model in ("llama3", "tied") for chunk in (0, parity_worker.CHUNK_TOKENS)]
+    spawn(parity_worker.run, world_size, cases, num_stages, MICRO_BATCH, GAS, SEQ, str(tmp_path), tensor_parallel)
+    for path in sorted(glob.glob(str(tmp_path / "rank*.json"))):
+        rank = path[-len("0.json"):-len(".json")]
+        results = json.load(open(path))
+        for model in ("llama3", "tied"):
+            logits, chunked = results[f"{model}-0"], results[f"{model}-{parity_worker.CHUNK_TOKENS}"]
+            assert chunked["losses"] == pytest.approx(logits["losses"], abs=1e-6, rel=0), model
+            assert chunked["mean_loss"] == pytest.approx(logits["mean_loss"], abs=1e-6, rel=0), model
+            grads = {chunk: torch.load(tmp_path / f"{model}-{chunk}-rank{rank}.pt")
+                     for chunk in (0, parity_worker.CHUNK_TOKENS)}
+            for name, reference in grads[0].items():
+                error = (grads[parity_worker.CHUNK_TOKENS][name] - reference).abs().max().item()
+                assert error <= 1e-5, f"{model} {name}: {error}"
+
+
+def head_and_batch(dtype, chunk, parallel):
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, vocab_size=101, num_attention_heads=4, num_hidden_layers=1,
+                         intermediate_size=64)
+    head = LMHeadPipe(config, parallel, chunked_loss=chunk > 0).to(dtype)
+    hidden = torch.randn(2, 9, 32, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, 101, (2, 9))
+    labels[0, :4] = -100
+    return head, hidden, labels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_zero_bubble_w_computes_the_chunked_head_weight_gradient(dtype):
+    """Under zero_bubble the head's weight gradient is queued for W, projects the chunks again there, and equals,
+    bit for bit, the gradient the forward pass computes otherwise; the input gradient is B's, at once."""
+    head, hidden, labels = head_and_batch(dtype, 4, TensorParallel())
+    CausalLMLoss(head.parallel, 4)(head(hidden), labels).backward(torch.tensor(3.0))
+    expected_weight, expected_input = head.weight.grad, hidden.grad
+    deferring = TensorParallel()
+    deferring.weight_grads = WeightGradQueue()
+    head.parallel, head.weight.grad, hidden.grad = deferring, None, None
+    loss = CausalLMLoss(deferring, 4)(head(hidden), labels)
+    with deferring.weight_grads.defer():
+        loss.backward(torch.tensor(3.0))
+    assert head.weight.grad is None and torch.equal(hidden.grad, expected_input)
+    deferring.weight_grads.run_oldest()
+    assert torch.equal(head.weight.grad, expected_weight)
+
+
+def test_evaluation_keeps_no_gradient_and_equals_the_logits_loss():
+    head, hidden, labels = head_and_batch(torch.float32, 4, TensorParallel())
+    logits_head, _, _ = head_and_batch(torch.float32, 0, TensorParallel())
+    with torch.no_grad():
+        loss = CausalLMLoss(chunk_tokens=4)(head(hidden), labels)
+        reference = CausalLMLoss()(logits_head(hidden), labels)
+    assert loss.grad_fn is None and abs(loss.item() - reference.item()) <= 1e-6
