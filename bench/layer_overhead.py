@@ -3,8 +3,8 @@
 Both train the same config on the same batches with one thread: ours through DeepSpeed's engine (train_batch:
 m micro-batches, then AdamW), transformers' as forward, backward per micro-batch and torch's AdamW step. Steps
 alternate between the contenders so that background load hits all alike, and each rate comes from the median
-step time. Prints tokens/s of each and the ratio to transformers (target: ours >= 1.10x), ours with the default chunked LM loss
-and with the full-logits head (loss_impl=logits); with --compile, also ours with every layer compiled
+step time. Prints tokens/s of each and the ratio to transformers (target: ours >= 1.10x), ours with the default
+chunked LM loss and with the full-logits head (loss_impl=logits); with --compile, also ours with every layer compiled
 (PipelineModule.compile(), what compile=true does).
 
   python bench/layer_overhead.py [--steps 6] [--compile]

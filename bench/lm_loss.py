@@ -174,7 +174,8 @@ def main():
               f"{'per round':>13}  loss")
         for label in ways:
             spread = [base / t for base, t in zip(result["times"]["logits"], result["times"][label])]
-            print(f"{'':>{len(dtype) + 1}} {label:<26} {peaks[label] / MIB:>7.0f} MiB {peaks[label] / peaks['logits']:>8.3f}x "
+            print(f"{'':>{len(dtype) + 1}} {label:<26} {peaks[label] / MIB:>7.0f} MiB "
+                  f"{peaks[label] / peaks['logits']:>8.3f}x "
                   f"{rates[label]:>10.0f} {rates[label] / rates['logits']:>8.3f}x  "
                   f"{min(spread):.3f}-{max(spread):.3f}  {result['losses'][label]:.6f}")
     print(machine_note())

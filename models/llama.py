@@ -274,7 +274,9 @@ def lm_head(module, hidden, chunked_loss=False):
     """The LM head of `module`'s weight: its own, or the embedding's when tied (DeepSpeed's TiedLayerSpec calls
     forward_fn(embedding, hidden))."""
     if chunked_loss:
-        return hidden, module.weight
+        # A view, not the leaf: DeepSpeed hooks the outputs that have a grad_fn to start each backward (the bf16
+        # optimizer clears its gradients there), and so runs that before the weight's gradient accumulates.
+        return hidden, module.weight.view_as(module.weight)
     return module.parallel.column_linears(hidden, [module])[0]
 
 

@@ -46,10 +46,7 @@ class CausalLMLoss:
 
 def logits_loss_sum(logits, labels, parallel):
     """Summed cross-entropy of the labelled tokens from (this rank's vocabulary share of) the logits, in fp32."""
-    flat = logits.float().reshape(-1, logits.shape[-1])
-    if parallel.size == 1:
-        return F.cross_entropy(flat, labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    return parallel.cross_entropy(flat, labels, IGNORE_INDEX).sum()
+    return parallel.cross_entropy_sum(logits.float().reshape(-1, logits.shape[-1]), labels, IGNORE_INDEX)
 
 
 def chunked_loss_sum(hidden, weight, labels, divisor, parallel, chunk_tokens):
@@ -106,7 +103,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.dtypes = hidden.dtype, weight.dtype
         ctx.grad_hidden, ctx.grad_weight, ctx.defer_weight = grad_hidden, grad_weight, defer_weight
         if defer_weight:
-            ctx.save_for_backward(hidden, weight)
+            ctx.save_for_backward(hidden)
+            # W adds into the parameter, not the view the head hands over (models/llama.py lm_head): DeepSpeed's
+            # hook on that view would scale a gradient that reaches it outside the engine's backward.
+            ctx.parameter = weight if weight._base is None else weight._base
             ctx.row_max, ctx.log_sum_exp, ctx.share = row_max, log_sum_exp, share
         return (log_sum_exp[share.labelled].sum() - target_sum) / divisor
 
@@ -116,9 +116,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = None if ctx.grad_hidden is None else (ctx.grad_hidden * scale).to(ctx.dtypes[0])
         grad_weight = None if ctx.grad_weight is None else ctx.grad_weight.mul_(scale).to(ctx.dtypes[1])
         if ctx.defer_weight:
-            hidden, weight = ctx.saved_tensors
-            weight_grads = functools.partial(recomputed_weight_grads, hidden, weight, ctx.row_max, ctx.log_sum_exp, ctx.share,
-                                             scale, ctx.parallel, ctx.chunk_tokens)
+            (hidden,) = ctx.saved_tensors
+            weight_grads = functools.partial(recomputed_weight_grads, hidden, ctx.parameter, ctx.row_max,
+                                             ctx.log_sum_exp, ctx.share, scale, ctx.parallel, ctx.chunk_tokens)
             queue = ctx.parallel.weight_grads
             if queue.deferring:
                 queue.add(weight_grads)

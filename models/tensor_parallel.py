@@ -111,13 +111,12 @@ class TensorParallel:
         rows = row_grad_embedding(local.masked_fill(outside, 0), weight).masked_fill(outside[..., None], 0)
         return self.reduce(rows)
 
-    def cross_entropy(self, logits, labels, ignore_index):
-        """Mean cross-entropy over the labels not equal to ignore_index, from vocabulary-sharded logits (never
+    def cross_entropy_sum(self, logits, labels, ignore_index):
+        """Summed cross-entropy over the labels not equal to ignore_index, from vocabulary-sharded logits (never
         gathered: max, sum of exponentials and the target logit are reduced across the group instead)."""
         if self.size == 1:
-            return F.cross_entropy(logits, labels, ignore_index=ignore_index)
-        losses = VocabParallelCrossEntropy.apply(logits, labels, self, ignore_index)
-        return losses.sum() / (labels != ignore_index).sum()
+            return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+        return VocabParallelCrossEntropy.apply(logits, labels, self, ignore_index).sum()
 
     # --- collectives -----------------------------------------------------------------------------------------
     def gather_tokens(self, x, pooled):

@@ -130,8 +130,8 @@ def test_bad_context_parallel_config_is_refused_before_any_work(demo_model, tmp_
 
 def test_plan_counts_the_context_split():
     """plan_only on the shipped 32k config: each rank's activations about halve with the split (the whole sequence's
-    keys and values and the masks stay; the stage-boundary buffers halve too), ZeRO partitions over data x
-    context, and only the split plan fits the 16 devices it names."""
+    keys and values, the masks and the chunked loss's head weight gradient stay; the stage-boundary buffers halve
+    too), ZeRO partitions over data x context, and only the split plan fits the 16 devices it names."""
     from planner.memory_plan import memory_plan, plan_fits, host_memory_plan
     from tests.test_memory_plan import run_config
     from training.run_spec import plan_spec
@@ -146,4 +146,4 @@ def test_plan_counts_the_context_split():
     assert two.workload.gradient_reduction_ranks == one.workload.gradient_reduction_ranks == 2
     for row1, row2 in zip(rows1, rows2):
         assert row2["optimizer_bytes"] == row1["optimizer_bytes"]  # partitioned over the same 2 ranks
-        assert 0.45 < row2["activation_full_bytes"] / row1["activation_full_bytes"] < 0.6
+        assert 0.45 < row2["activation_full_bytes"] / row1["activation_full_bytes"] < 0.62
