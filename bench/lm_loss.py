@@ -2,7 +2,7 @@
 
   - logits: the head's full logits, then the cross-entropy in fp32 (loss_impl=logits; the project before issue 28)
   - chunked: the head and loss a chunk of tokens at a time (loss_impl=chunked, loss_chunk_tokens; models/loss.py)
-  - chunked+compile: the same with each chunk's log-sum-exp and softmax through torch.compile
+  - chunked+compile: the same with each chunk's elementwise steps (exp, log-sum-exp, softmax) through torch.compile
   - cce: Apple's cut-cross-entropy package (`pip install cut-cross-entropy`), its CPU path (impl=torch_compile)
 
 Memory: the peak RSS rise of one forward + backward over the inputs and weight already in memory, each way in a
@@ -39,7 +39,8 @@ def loss_function(way, chunk_tokens):
         from cut_cross_entropy import linear_cross_entropy
         return lambda hidden, weight, labels: linear_cross_entropy(hidden, weight, labels, impl="torch_compile")
     if way == "chunked+compile":
-        loss.log_sum_exp_and_softmax = torch.compile(loss.log_sum_exp_and_softmax, dynamic=False)
+        for name in ("exp_minus_row_max", "group_log_sum_exp", "softmax_minus_target"):
+            setattr(loss, name, torch.compile(getattr(loss, name), dynamic=False))
     compute = loss.CausalLMLoss(chunk_tokens=0 if way == "logits" else chunk_tokens)
     # CausalLMLoss shifts labels; give it the labels one position later so both see the same targets.
     shifted = lambda labels: torch.nn.functional.pad(labels, (1, 0), value=-100)[None, :-1]  # noqa: E731

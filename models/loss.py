@@ -5,8 +5,9 @@
 a time (Liger Kernel's fused linear cross-entropy, in plain torch). In training the gradients are computed in the
 forward pass, chunk by chunk, while each chunk's logits exist; backward only scales them by the loss's gradient, so
 the head costs the same three matmuls as the logits path and its backward is instant for the stage before it. Under
-the zero-bubble schedule the weight gradient stays W work: the forward pass keeps each token's log-sum-exp and W
-projects each chunk again (one matmul more than the logits path, no logits-sized gradient waiting for W).
+the zero-bubble schedule the weight gradient stays W work: the forward pass keeps each token's logit max and
+log-sum-exp, and W projects each chunk again (one matmul more than the logits path, no logits-sized gradient
+waiting for W).
 `loss_chunk_tokens` = 0: the head's full logits, then the cross-entropy (the reference the chunked path is tested
 against). Under tensor parallelism each rank projects onto its vocabulary rows, and the log-sum-exp and the target
 logit are combined across the group, never the logits.
@@ -72,7 +73,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     hidden (tokens, hidden) in the activation dtype; weight (this rank's vocabulary rows, hidden). Each chunk's
     logits are the head's (activation dtype), upcast to fp32 as the logits path does; its gradient
     (softmax - one-hot, unscaled, in [-1, 1]: no fp16 underflow) goes through the matmuls in the activation dtype
-    and is summed in fp32."""
+    and is summed in the weight's dtype (fp32 under fp16); backward scales the sums by the loss's gradient and
+    1 / divisor, in fp32."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, divisor, parallel, chunk_tokens):

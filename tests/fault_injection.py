@@ -43,16 +43,16 @@ def inject(kind, fault_rank, fault_step):
             return train_batch(self, *args, **kwargs)
         PipelineEngine.train_batch = failing_train_batch
     elif kind == "nan":
-        from models import pipeline
-        loss_fn = pipeline.causal_lm_loss
+        from models.loss import CausalLMLoss
+        loss_fn = CausalLMLoss.__call__
         calls = []
 
-        def nan_at_step(logits, labels, **kwargs):
+        def nan_at_step(self, outputs, labels):
             calls.append(1)
-            loss = loss_fn(logits, labels, **kwargs)
+            loss = loss_fn(self, outputs, labels)
             gas = int(os.environ["FAULT_GAS"])
             return loss * float("nan") if (len(calls) - 1) // gas + 1 == fault_step else loss
-        pipeline.causal_lm_loss = nan_at_step
+        CausalLMLoss.__call__ = nan_at_step
     elif kind == "pause":
         from deepspeed.runtime.pipe.engine import PipelineEngine
         from training import preemption
