@@ -103,8 +103,8 @@ class StageAttentionInputs:
         if key != self._key:
             self.rotary.to(hidden.device)
             cos, sin = self.rotary(hidden, position_ids)
-            mask = (document_causal_mask(document_ids) if self.context.size == 1
-                    else self.context.attention_masks(document_ids))
+            mask = (additive_mask(document_causal_mask(document_ids), hidden.dtype) if self.context.size == 1
+                    else [additive_mask(half, hidden.dtype) for half in self.context.attention_masks(document_ids)])
             self._value = (cos, sin, mask)
             self._key = key
             self._held = (document_ids, position_ids)
@@ -124,6 +124,14 @@ def document_causal_mask(document_ids):
     same_document = document_ids[:, None, :, None] == document_ids[:, None, None, :]
     allowed = causal[None, None] & same_document & (document_ids != 0)[:, None, None, :]
     return allowed | torch.eye(seq, dtype=torch.bool, device=document_ids.device)
+
+
+def additive_mask(allowed, dtype):
+    """A boolean mask as the scores' additive one (0 where allowed, the dtype's minimum elsewhere), built once per
+    stage: SDPA would otherwise convert a boolean mask per call and keep each layer's copy for backward."""
+    if allowed is None:
+        return None
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def rotate_half(x):
@@ -165,24 +173,26 @@ class Attention(nn.Module):
         v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k, v = self.context.gather_keys_values(k, v)  # the whole sequence's, under context parallelism
-        if self.num_kv_heads != self.num_heads:
-            k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
-            v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
         out = self.context.attend(self.attend, q, k, v, mask)
         return self.parallel.row_linear(out.transpose(1, 2).reshape(batch, seq, -1), self.o_proj)
 
     def attend(self, q, k, v, mask):
+        """Grouped-query attention: each key/value head serves q heads / kv heads query heads. SDPA reads them
+        as they are (enable_gqa); a copy per query head would be kept for backward, over the whole sequence under
+        context parallelism."""
+        grouped = q.shape[1] != k.shape[1]
         if self.attention_impl == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped)
+        if grouped:
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         return eager_attention(q, k, v, mask)
 
 
 def eager_attention(q, k, v, mask):
     scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5
     if mask is None:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        mask = additive_mask(torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(), q.dtype)
+    probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 
 

@@ -15,9 +15,9 @@ planner/training_state.py's, from the stage's parameters and largest tensor.
 
 Context parallelism over c ranks (models/context_parallel.py): every rank computes on 1/c of each sequence's tokens
 (the workload's `tokens`), its queries attend over the whole sequence (attention FLOPs: local tokens x
-seq_length), attention keeps the whole sequence's keys and values for backward (all-gathered, expanded to this
-rank's query heads) and their gradients while it runs backward, and each stage holds one boolean mask per local
-half (local chunk x the keys up to it, per row when documents are packed; counted packed).
+seq_length), attention keeps the whole sequence's keys and values for backward (all-gathered, this rank's key/value
+heads) and their gradients while it runs backward, and each stage holds one additive mask per local half (local
+chunk x the keys up to it, in the activation dtype, per row when documents are packed; counted packed).
 
 Tensor parallelism (Megatron's layout, models/tensor_parallel.py) over t ranks: every figure is one rank's. The
 projections, the embedding and the LM head hold 1/t of their weights (norms and row-parallel biases stay whole),
@@ -58,6 +58,7 @@ class LayerCosts:
         inter = config.intermediate_size // t
         act = workload.activation_bytes
         q_width = config.num_attention_heads * head_dim_of(config) // t
+        kv_width = (config.num_key_value_heads or config.num_attention_heads) * head_dim_of(config) // t
         heads = config.num_attention_heads // t
         sharded, replicated = decoder_parameter_split(config)
         chunked, zero_bubble = workload.loss_chunk_tokens > 0, workload.pipeline_schedule == "zero_bubble"
@@ -86,11 +87,11 @@ class LayerCosts:
             # 8 hidden-sized and 4 intermediate-sized tensors in the activation dtype, the two norms' fp32 inputs
             # and inverse RMS, and attention's log-sum-exp per head. Of the hidden-sized ones, the norms' normalised
             # outputs are on the residual stream's tokens, the inputs of the column-parallel groups (q/k/v,
-            # gate/up) on the gathered tokens, and q, k, v and attention's output on this rank's heads (counted
-            # hidden-sized: heads x head_dim = hidden in LLaMA-family configs; k and v over the whole sequence
-            # under context parallelism).
+            # gate/up) on the gathered tokens, q and attention's output on this rank's heads (counted hidden-sized:
+            # heads x head_dim = hidden in LLaMA-family configs), k and v on its key/value heads (SDPA's
+            # enable_gqa: not copied per query head), over the whole sequence under context parallelism.
             DECODER: act * (2 * residual * hidden + 2 * gathered * hidden + 2 * tokens * hidden // t
-                            + 2 * workload.key_value_tokens * hidden // t + 4 * tokens * inter)
+                            + 2 * workload.key_value_tokens * kv_width + 4 * tokens * inter)
                      + FP32_BYTES * (residual * (2 * hidden + 2) + tokens * heads),
             # The norm's fp32 input and inverse RMS, its normalised output, and its scaled output as the LM head's
             # input (gathered under sequence parallelism).
@@ -109,7 +110,7 @@ class LayerCosts:
         # parallelism, and a row-parallel output's gathered gradient); the loss's two fp32 logits-sized gradients.
         pooled = 1 if workload.splits_sequence else 0
         # Context parallelism adds the whole sequence's key and value gradients (this rank's heads).
-        gathered_kv_grads = 2 * workload.key_value_tokens * hidden // t if workload.context_parallel > 1 else 0
+        gathered_kv_grads = 2 * workload.key_value_tokens * kv_width if workload.context_parallel > 1 else 0
         self.backward_bytes = {EMBEDDING: 0, NORM: 0,
                                DECODER: act * (2 * tokens * inter + 2 * residual * hidden
                                                + (2 - pooled) * tokens * hidden + gathered_kv_grads),
@@ -120,7 +121,6 @@ class LayerCosts:
         # gradient (models/weight_grads.py), checkpointed or not: a decoder's q/k/v and gate/up inputs (gathered),
         # o_proj's and down_proj's inputs, q, k, v, gate and up's output gradients, and o_proj's and down_proj's
         # (all tokens, before the row-parallel reduction); the LM head's input and its logits-sized gradient.
-        kv_width = config.num_key_value_heads * head_dim_of(config) // t
         self.weight_grad_bytes = {
             EMBEDDING: 0, NORM: 0,
             DECODER: act * (2 * gathered * hidden + tokens * (2 * q_width + 2 * kv_width + 3 * inter + 2 * hidden)),
@@ -133,7 +133,7 @@ class LayerCosts:
         # Context parallelism's attention masks, once per stage: local chunk x keys up to it, for both halves.
         c = workload.context_parallel
         chunk = workload.seq_length // (2 * c)
-        self.context_mask_bytes = workload.micro_batch_size * chunk * chunk * (2 * c + 1) if c > 1 else 0
+        self.context_mask_bytes = workload.micro_batch_size * chunk * chunk * (2 * c + 1) * act if c > 1 else 0
 
     def chunks(self, kinds):
         """DeepSpeed's activation checkpointing: consecutive runs of `interval` layers from the stage's first layer,
