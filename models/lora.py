@@ -153,6 +153,11 @@ def initial_factors(seed, index, position, rank, in_features, out_features):
     return a, torch.zeros(out_features, rank)
 
 
+def adapter_layer_indices(num_hidden_layers):
+    """Pipeline layers that hold adapters (and, in a LoRA checkpoint, optimizer state): the decoder layers."""
+    return range(1, num_hidden_layers + 1)
+
+
 def is_adapter_key(key):
     """Whether a layer's state-dict key (or parameter name) belongs to an adapter."""
     return any(f".{factor}." in f".{key}" for factor in ADAPTER_FACTORS)
