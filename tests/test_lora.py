@@ -3,13 +3,18 @@ checkpointing; training steps against a plain peft + torch AdamW loop; checkpoin
 peft adapter and a merged model; the memory plan; bad input."""
 import glob
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from models.lora import LoraSettings
+from models.lora import LoraSettings, adapter_parameter_count
 from tests import parity_worker
+from tests.conftest import ROOT
 from tests.distributed import spawn
 from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics
 from tests.lora_reference import hf_eval_loss
@@ -102,3 +107,78 @@ def test_lora_training_equals_peft_and_its_export_loads_in_peft(demo_model, peft
         if param.requires_grad:
             assert torch.allclose(trained[name], param, atol=1e-5), name
 
+
+
+def test_data_and_tensor_parallel_runs_and_a_resume_on_another_layout_equal_peft(demo_model, peft_run, lora_run,
+                                                                                tmp_path):
+    """The same 6 steps on 2 stages x 2 data-parallel ranks (ZeRO-1) and on 1 stage x tensor parallel 2; the first's
+    step-3 checkpoint resumed on 1 process goes on as the peft loop; the tensor-parallel run's slices export as the
+    single process's adapter."""
+    ref_losses, _ = peft_run
+    runs = {"2x2": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1)),
+            "tp2": (2, dict(tensor_parallel_size=2))}
+    for name, (procs, layout) in runs.items():
+        check_ok(launch_trainer(procs, demo_overrides(demo_model, tmp_path / name, **{
+            **TRAINING, **layout, "save_steps": 3, "eval_file": "null"})))
+        assert per_step_losses(tmp_path / name) == pytest.approx(ref_losses, abs=1e-4), name
+    assert (tmp_path / "tp2" / "global_step6" / "layer_01-model_01-model_states.pt").is_file()
+    resumed = tmp_path / "resumed"
+    result = check_ok(launch_trainer(1, demo_overrides(demo_model, resumed, **{
+        **TRAINING, "eval_file": "null", "resume": str(tmp_path / "2x2" / "global_step3")})))
+    assert "resuming" in result.stdout and "num_stages 2 -> 1" in result.stdout
+    assert per_step_losses(resumed) == pytest.approx(ref_losses[3:], abs=1e-4)
+
+    from checkpoints.ds_to_hf import convert_ds_to_hf
+    convert_ds_to_hf(str(tmp_path / "tp2"), str(tmp_path / "tp2_adapter"))
+    single, sliced = (load_file(str(d / "adapter_model.safetensors")) for d in (lora_run / "hf", tmp_path / "tp2_adapter"))
+    assert sorted(sliced) == sorted(single)
+    for key, tensor in single.items():
+        assert torch.allclose(sliced[key], tensor, atol=1e-5), key
+
+
+def test_checkpoint_holds_the_adapters_and_points_at_its_base(demo_model, lora_run):
+    from checkpoints.integrity import manifest_digest
+    from models.lora import PROJECTIONS
+    tag = lora_run / "global_step6"
+    adapter_keys = {f"{'self_attn' if i < 4 else 'mlp'}.{name}.lora_{factor}.weight"
+                    for i, name in enumerate(PROJECTIONS) for factor in "AB"}
+    for index in range(1, 5):
+        assert set(torch.load(tag / f"layer_{index:02d}-model_states.pt")) == adapter_keys
+        optimizer_state = torch.load(tag / f"layer_{index:02d}-optim_states.pt")
+        assert {key: set(values) for key, values in optimizer_state.items()} == {
+            key: adapter_keys for key in ("fp32", "exp_avg", "exp_avg_sq")}
+    for index in (0, 5, 6):  # embedding, final norm, LM head: frozen, nothing saved
+        assert torch.load(tag / f"layer_{index:02d}-model_states.pt") == {}
+        assert not (tag / f"layer_{index:02d}-optim_states.pt").exists()
+    # The saved weights are the adapters' parameters and nothing else: a fifth of the base's bytes here.
+    config = AutoConfig.from_pretrained(demo_model["hf"])
+    saved = sum(t.numel() for i in range(1, 5) for t in torch.load(tag / f"layer_{i:02d}-model_states.pt").values())
+    assert saved == 4 * adapter_parameter_count(config, LoraSettings(4, 8.0))
+    base_tag = f"{demo_model['ds']}/global_step0"
+    weights = sum(f.stat().st_size for f in tag.glob("layer_*-model_states.pt"))
+    assert weights < sum(f.stat().st_size for f in Path(base_tag).glob("layer_*")) / 5
+    state = json.loads((tag / "trainer_state.json").read_text())
+    assert state["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": list(PROJECTIONS)}
+    assert state["base_model"] == {"path": demo_model["ds"], "tag": "global_step0",
+                                   "manifest_xxh3_128": manifest_digest(base_tag)}
+
+
+def test_merged_export_equals_peft_merge(demo_model, lora_run, tmp_path):
+    from peft import PeftModel
+    result = subprocess.run([sys.executable, "convert2ckpt.py", "--to_hf", "--merge_lora", "--ckpt_dir",
+                             str(lora_run), "--output_dir", str(tmp_path / "merged")], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    original = AutoModelForCausalLM.from_pretrained(demo_model["hf"]).state_dict()
+    peft_merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(demo_model["hf"]),
+                                            lora_run / "hf").merge_and_unload().state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    assert sorted(merged) == sorted(peft_merged)
+    changed = 0
+    for key, tensor in merged.items():
+        assert torch.allclose(tensor, peft_merged[key], atol=1e-6, rtol=0), key
+        if not any(f".{name}." in key for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                    "down_proj")):
+            assert torch.equal(tensor, original[key]), key  # embedding, norms, LM head: the base's bits
+        changed += not torch.equal(tensor, original[key])
+    assert changed == 4 * 7
