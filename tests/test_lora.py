@@ -16,7 +16,7 @@ from models.lora import LoraSettings, adapter_parameter_count
 from tests import parity_worker
 from tests.conftest import ROOT
 from tests.distributed import spawn
-from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics
+from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics, run_in_process
 from tests.lora_reference import hf_eval_loss
 from tests.test_parity import GAS, MICRO_BATCH, SEQ
 
@@ -182,3 +182,51 @@ def test_merged_export_equals_peft_merge(demo_model, lora_run, tmp_path):
             assert torch.equal(tensor, original[key]), key  # embedding, norms, LM head: the base's bits
         changed += not torch.equal(tensor, original[key])
     assert changed == 4 * 7
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"lora.rank": 4, "lora.target_modules": "[q_proj,qkv_proj]"},
+     r"lora.target_modules \['q_proj', 'qkv_proj'\]: \['qkv_proj'\] matches no layer; the layers that take adapters "
+     r"are q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."),
+    ({"lora.rank": 48}, r"lora.rank=48 does not fit k_proj \(smallest side 32\), v_proj \(smallest side 32\): a rank "
+                        r"must be below a projection's smaller side; lower lora.rank."),
+    ({"lora.rank": -1}, r"lora.rank=-1 must be an integer >= 0 \(0: full fine-tuning\)."),
+    ({"++lora.ranks": 4}, r"unknown config key 'lora.ranks': did you mean lora.rank\?"),
+], ids=["unknown_target", "rank_too_wide", "negative_rank", "unknown_key"])
+def test_bad_lora_config_is_refused_before_any_work(demo_model, tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        run_in_process(demo_overrides(demo_model, tmp_path / "run", num_stages=1, **overrides), 1)
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_refuses_another_base_and_a_full_fine_tuning_run(demo_model, lora_run, tmp_path):
+    from checkpoints.hf_to_ds import convert_hf_to_ds
+    other_hf, other_ds = tmp_path / "other_hf", tmp_path / "other_ds"
+    model = AutoModelForCausalLM.from_pretrained(demo_model["hf"])
+    with torch.no_grad():
+        model.model.norm.weight.add_(1e-3)  # the same shapes, other weights
+    model.save_pretrained(other_hf)
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        (other_hf / name).write_bytes((Path(demo_model["hf"]) / name).read_bytes())
+    convert_hf_to_ds(str(other_hf), str(other_ds))
+    start = str(lora_run / "global_step3")
+    runs = {
+        "another base": (dict(TRAINING, model_name_or_path=str(other_ds), resume=start),
+                         f"checkpoint {start} holds adapters trained on the base {demo_model['ds']} .*, but "
+                         f"model_name_or_path {other_ds} has checksum .*: another base"),
+        "full fine-tuning": ({"resume": start, "num_stages": 1},
+                             rf"checkpoint {start} holds LoRA adapters, not a whole model: resume it as LoRA with "
+                             r"lora.rank=4 lora.alpha=8.0 lora.target_modules=\[q_proj,k_proj,v_proj,o_proj,"
+                             r"gate_proj,up_proj,down_proj\]"),
+        "another rank": (dict(TRAINING, resume=start, **{"lora.rank": 8}),
+                         rf"checkpoint {start} holds adapters with lora.rank=4 .*; this run has lora.rank=8"),
+    }
+    for name, (overrides, message) in runs.items():
+        with pytest.raises(ValueError, match=message):
+            run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), 1)
+        assert not (tmp_path / "run").exists(), name
+    result = subprocess.run([sys.executable, "convert2ckpt.py", "--to_hf", "--merge_lora", "--ckpt_dir",
+                             demo_model["ds"], "--output_dir", str(tmp_path / "merged")], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 1 and "holds no LoRA adapters (it is a whole model); export it without --merge_lora" \
+        in result.stderr

@@ -35,7 +35,7 @@ def saved_optimizer_state_paths(tag_dir, index):
 
 
 def stage_layers(module):
-    """(pipeline layer index, layer, whether this stage saves it) for each layer with parameters on this stage. A
+    """(pipeline layer index, layer, whether this stage saves it) for each layer with trained parameters here. A
     tied weight (the embedding again as the LM head on the last stage) is saved with its first layer, by the stage
     holding it, and read from that layer's files by every stage that holds it."""
     layers, seen = [], set()
