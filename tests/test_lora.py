@@ -192,10 +192,14 @@ def test_merged_export_equals_peft_merge(demo_model, lora_run, tmp_path):
                         r"must be below a projection's smaller side; lower lora.rank."),
     ({"lora.rank": -1}, r"lora.rank=-1 must be an integer >= 0 \(0: full fine-tuning\)."),
     ({"++lora.ranks": 4}, r"unknown config key 'lora.ranks': did you mean lora.rank\?"),
-], ids=["unknown_target", "rank_too_wide", "negative_rank", "unknown_key"])
+    ({"lora.rank": 4, "num_stages": 2, "partition": "[4,0]"},
+     r"partition \[4, 0\] \(decoder layers per stage\) leaves stage 1 without a decoder layer: under LoRA it would "
+     r"hold no adapter, nothing to train; give every stage at least one decoder layer."),
+], ids=["unknown_target", "rank_too_wide", "negative_rank", "unknown_key", "stage_without_adapters"])
 def test_bad_lora_config_is_refused_before_any_work(demo_model, tmp_path, overrides, message):
+    overrides = {"num_stages": 1, **overrides}
     with pytest.raises(ValueError, match=message):
-        run_in_process(demo_overrides(demo_model, tmp_path / "run", num_stages=1, **overrides), 1)
+        run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), overrides["num_stages"])
     assert not (tmp_path / "run").exists()
 
 

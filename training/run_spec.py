@@ -20,7 +20,7 @@ from models.layout import layer_file_name, layer_indices_with_files
 from models.context_parallel import context_parallel_error
 from models.llama import check_model_config
 from models.lora import LoraSettings, adapter_layer_indices, adapter_parameter_count, check_rank_fits
-from models.partition import layer_parameter_counts
+from models.partition import decoder_counts_of_bounds, layer_parameter_counts
 from models.pipeline import ATTENTION_IMPLS, PRECISION_DTYPES, partition_stages
 from models.tensor_parallel import check_tensor_parallel_split
 from planner.stage_costs import balanced_stage_cost
@@ -367,9 +367,15 @@ def configured_stage_bounds(cfg, model_config, workload):
     partition = cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
     cost = balanced_stage_cost(model_config, workload, cfg.num_stages) if partition == "balanced" else None
     try:
-        return tuple(partition_stages(model_config, cfg.num_stages, partition, cost))
+        bounds = tuple(partition_stages(model_config, cfg.num_stages, partition, cost))
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    counts = decoder_counts_of_bounds(bounds)
+    if workload.lora.enabled and 0 in counts:
+        raise ConfigError(f"partition {counts} (decoder layers per stage) leaves stage {counts.index(0)} without a "
+                          f"decoder layer: under LoRA it would hold no adapter, nothing to train; give every stage "
+                          f"at least one decoder layer.")
+    return bounds
 
 
 # --- the files a run starts from ---------------------------------------------------------------------------------
