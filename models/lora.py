@@ -95,27 +95,28 @@ def whole_features(projection, size):
 
 def check_rank_fits(config, settings):
     """A rank at least as wide as a targeted projection's smaller side adds nothing a full update would not."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv = (config.num_key_value_heads or config.num_attention_heads) * head_dim
-    sides = {"q_proj": (config.hidden_size, config.num_attention_heads * head_dim), "k_proj": (config.hidden_size, kv),
-             "v_proj": (config.hidden_size, kv), "o_proj": (config.num_attention_heads * head_dim, config.hidden_size),
-             "gate_proj": (config.hidden_size, config.intermediate_size),
-             "up_proj": (config.hidden_size, config.intermediate_size),
-             "down_proj": (config.intermediate_size, config.hidden_size)}
-    too_narrow = {name: min(sides[name]) for name in settings.target_modules if settings.rank >= min(sides[name])}
+    too_narrow = {name: min(projection.in_features, projection.out_features)
+                  for name, projection in projections_of(decoder_on_meta(config)).items()
+                  if name in settings.target_modules and settings.rank >= min(projection.in_features,
+                                                                             projection.out_features)}
     if too_narrow:
         raise ValueError(f"lora.rank={settings.rank} does not fit "
                          f"{', '.join(f'{name} (smallest side {side})' for name, side in too_narrow.items())}: a "
                          f"rank must be below a projection's smaller side; lower lora.rank.")
 
 
+def decoder_on_meta(config, tensor_parallel=1):
+    """One decoder layer on the meta device (shapes only, no memory)."""
+    with torch.device("meta"):
+        return DecoderLayerPipe(config, stage_inputs=None, parallel=TensorParallel(tensor_parallel))
+
+
 def adapter_parameter_count(config, settings, tensor_parallel=1):
     """Adapter parameters of one decoder layer on one tensor-parallel rank, from the config alone."""
     if not settings.enabled:
         return 0
-    with torch.device("meta"):
-        layer = DecoderLayerPipe(config, stage_inputs=None, parallel=TensorParallel(tensor_parallel))
-        add_adapters(layer, settings, tensor_parallel)
+    layer = decoder_on_meta(config, tensor_parallel)
+    add_adapters(layer, settings, tensor_parallel)
     return sum(p.numel() for p in adapter_parameters(layer))
 
 

@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from checkpoints.ds_to_hf import PEFT_PREFIX
-from models.lora import PROJECTIONS, initial_factors
+from models.lora import MLP_PROJECTIONS, decoder_on_meta, initial_factors, projections_of
 
 
 def hf_name_of_peft(name):
@@ -15,28 +15,18 @@ def adapter_values(config, settings, seed, nonzero_b=False):
     """{HF name of each adapter factor: its whole initial value}: the trainer's (models/lora.py), or with B drawn
     at random too (nonzero_b), so that a single step's gradients reach A."""
     values = {}
+    projections = projections_of(decoder_on_meta(config))
     for layer in range(config.num_hidden_layers):
-        for position, name in enumerate(PROJECTIONS):
+        for position, (name, projection) in enumerate(projections.items()):
             if name not in settings.target_modules:
                 continue
-            module = f"model.layers.{layer}.{'self_attn' if position < 4 else 'mlp'}.{name}"
-            in_features, out_features = projection_shape(config, name)
-            a, b = initial_factors(seed, layer + 1, position, settings.rank, in_features, out_features)
+            module = f"model.layers.{layer}.{'mlp' if name in MLP_PROJECTIONS else 'self_attn'}.{name}"
+            a, b = initial_factors(seed, layer + 1, position, settings.rank, projection.in_features,
+                                   projection.out_features)
             if nonzero_b:
                 b = torch.randn(b.shape, generator=torch.Generator().manual_seed(seed + layer * 10 + position)) * 0.1
             values[f"{module}.lora_A.weight"], values[f"{module}.lora_B.weight"] = a, b
     return values
-
-
-def projection_shape(config, name):
-    """(in, out) features of a projection of the Hugging Face model."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    q, kv = config.num_attention_heads * head_dim, (config.num_key_value_heads or config.num_attention_heads) * head_dim
-    outputs = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": config.hidden_size,
-               "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size,
-               "down_proj": config.hidden_size}
-    inputs = {"o_proj": q, "down_proj": config.intermediate_size}
-    return inputs.get(name, config.hidden_size), outputs[name]
 
 
 def peft_model(hf_dir, settings, values):
