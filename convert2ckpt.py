@@ -2,6 +2,7 @@
 
   python convert2ckpt.py --model_name_or_path HF_DIR --output_dir DS_DIR [--tokenizer_name_or_path DIR] [--overwrite]
   python convert2ckpt.py --to_hf --ckpt_dir DS_DIR --output_dir HF_DIR [--tag TAG] [--max_shard_size 5GB]
+  a LoRA checkpoint: --to_hf writes a peft adapter directory; add --merge_lora for the merged Hugging Face model
 """
 import argparse
 import os
@@ -19,6 +20,8 @@ def parse_args(argv=None):
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output_dir")
     parser.add_argument("--tokenizer_name_or_path",
                         help="directory of the tokenizer to copy beside the layer files (default: the model's own)")
+    parser.add_argument("--merge_lora", action="store_true",
+                        help="--to_hf of a LoRA checkpoint: the base with its adapters merged, not the adapter")
     parser.add_argument("--skip_checksums", action="store_true",
                         help="--to_hf: export without checking the layer files against their checksums.json")
     args = parser.parse_args(argv)
@@ -35,7 +38,7 @@ def main(argv=None):
         if args.to_hf:
             from checkpoints.ds_to_hf import convert_ds_to_hf
             out = convert_ds_to_hf(args.ckpt_dir, args.output_dir, args.tag, args.max_shard_size, args.overwrite,
-                                   verify_checksums=not args.skip_checksums)
+                                   verify_checksums=not args.skip_checksums, merge_lora=args.merge_lora)
         else:
             from checkpoints.hf_to_ds import convert_hf_to_ds
             out = convert_hf_to_ds(args.model_name_or_path, args.output_dir, args.overwrite,

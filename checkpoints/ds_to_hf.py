@@ -1,6 +1,7 @@
 """DeepSpeed per-layer files (a converted directory or a training checkpoint) back to a Hugging Face directory:
 sharded safetensors, index, config and tokenizer. Layer files are memory-mapped, so memory holds one shard; a
-tensor-parallel checkpoint's per-rank slices are merged back into whole weights."""
+tensor-parallel checkpoint's per-rank slices are merged back into whole weights. A LoRA checkpoint leaves as a peft
+adapter directory, or merged into the base it was trained on."""
 import functools
 import glob
 import json
@@ -12,11 +13,16 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
-from checkpoints.files import check_output_dir, copy_model_side_files, read_latest, staged_directory
-from checkpoints.integrity import no_manifest_note, read_by_export, verify_directory, verify_model_side_files
+from checkpoints.files import (check_output_dir, copy_model_side_files, copy_tokenizer_files, read_latest,
+                               staged_directory)
+from checkpoints.integrity import (manifest_digest, no_manifest_note, read_by_export, verify_directory,
+                                   verify_model_side_files)
 from checkpoints.layer_files import load_weights_only
 from models.layout import hf_name_of_layer_key, layer_indices_with_files
 from models.llama import check_model_config, layers_on_meta
+from models.lora import NO_LORA, LoraSettings, add_adapters
+
+PEFT_PREFIX = "base_model.model."  # peft's name of the wrapped model in an adapter's weights
 from models.tensor_parallel import TensorParallel
 
 
@@ -51,18 +57,26 @@ def layer_files(tag_dir, index, config):
     return paths
 
 
-def read_hf_tensors(tag_dir, config):
+def split_dims_of(config, size, lora):
+    """{pipeline index: {key: the dimension tensor parallelism over `size` ranks splits it along, or None}}."""
+    layers = layers_on_meta(config, TensorParallel(size))
+    if lora.enabled:
+        add_adapters(layers[1], lora, size)  # one decoder layer stands for all
+    return {i: {k: getattr(p, "tensor_parallel_dim", None) for k, p in m.named_parameters()}
+            for i, m in layers.items()}
+
+
+def read_hf_tensors(tag_dir, config, lora=NO_LORA):
     """{HF name: a function returning the tensor} and {HF name: a meta tensor of its shape} (to plan the output
     shards without reading anything). Layer files are memory-mapped; the slices of a tensor-parallel checkpoint
-    are concatenated along each weight's split dimension only when its output shard is written."""
+    are concatenated along each weight's split dimension only when its output shard is written. lora: the
+    adapters a LoRA checkpoint's layer files hold (and nothing else)."""
     tensors, shapes = {}, {}
     split_dims = {}
     for index in layer_indices_with_files(config.num_hidden_layers, config.tie_word_embeddings):
         slices = [load_weights_only(p) for p in layer_files(tag_dir, index, config)]
         if len(slices) > 1 and len(slices) not in split_dims:
-            split_dims[len(slices)] = {i: {k: getattr(p, "tensor_parallel_dim", None)
-                                           for k, p in m.named_parameters()}
-                                       for i, m in layers_on_meta(config, TensorParallel(len(slices))).items()}
+            split_dims[len(slices)] = split_dims_of(config, len(slices), lora)
         for key, first in slices[0].items():
             name = hf_name_of_layer_key(index, key, config.num_hidden_layers)
             dim = split_dims[len(slices)][index][key] if len(slices) > 1 else None
@@ -76,10 +90,17 @@ def read_hf_tensors(tag_dir, config):
     return tensors, shapes
 
 
-def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overwrite=False, verify_checksums=True):
-    """verify_checksums: check the files export reads against their checksums.json before reading them."""
+def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overwrite=False, verify_checksums=True,
+                     merge_lora=False):
+    """verify_checksums: check the files export reads against their checksums.json before reading them. A LoRA
+    checkpoint exports as a peft adapter directory, or with merge_lora as the model with its adapters merged into
+    the base it was trained on."""
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
     side_dir = model_files_dir(ckpt_dir, tag_dir)
+    record = lora_record(tag_dir)
+    if merge_lora and record is None:
+        raise ValueError(f"--merge_lora: checkpoint {tag_dir} holds no LoRA adapters (it is a whole model); export "
+                         f"it without --merge_lora.")
     if verify_checksums:
         verify_model_side_files(side_dir)
     config = AutoConfig.from_pretrained(side_dir)
@@ -87,7 +108,15 @@ def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overw
     check_output_dir(output_dir, overwrite)
     if verify_checksums and not verify_directory(tag_dir, read_by_export):
         print(no_manifest_note(tag_dir), file=sys.stderr, flush=True)
-    tensors, shapes = read_hf_tensors(tag_dir, config)
+    if record is None:
+        tensors, shapes = read_hf_tensors(tag_dir, config)
+    else:
+        lora = LoraSettings(**{**record["lora"], "target_modules": tuple(record["lora"]["target_modules"])})
+        adapters, adapter_shapes = read_hf_tensors(tag_dir, config, lora)
+        if not merge_lora:
+            return write_peft_adapter(adapters, lora, record["base_model"]["path"], side_dir, output_dir)
+        tensors, shapes = read_hf_tensors(base_tag_dir(record, tag_dir, verify_checksums), config)
+        tensors = merged(tensors, adapters, lora.scaling)
     split = split_torch_state_dict_into_shards(shapes, max_shard_size=max_shard_size)
 
     with staged_directory(output_dir) as staging:
@@ -98,4 +127,57 @@ def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overw
         if split.is_sharded:
             with open(os.path.join(staging, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
+    return output_dir
+
+
+def lora_record(tag_dir):
+    """A LoRA checkpoint's record of its adapters and base (training/run_spec.py: RunSpec.lora_record), else None."""
+    path = os.path.join(tag_dir, "trainer_state.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        state = json.load(f)
+    return {"lora": state["lora"], "base_model": state["base_model"]} if "lora" in state else None
+
+
+def base_tag_dir(record, tag_dir, verify_checksums):
+    """The converted base a LoRA checkpoint was trained on, checked to be the same (its manifest's checksum) and,
+    with verify_checksums, intact."""
+    base = record["base_model"]
+    base_tag = os.path.join(base["path"], base["tag"])
+    if manifest_digest(base_tag) != base["manifest_xxh3_128"]:
+        raise ValueError(f"--merge_lora: checkpoint {tag_dir} was trained on the base {base_tag} (checksum "
+                         f"{base['manifest_xxh3_128']}), which is no longer there or has changed (checksum "
+                         f"{manifest_digest(base_tag) if os.path.isdir(base_tag) else 'none: missing'}); restore it "
+                         f"there, or export the adapter alone (without --merge_lora).")
+    if verify_checksums:
+        verify_directory(base_tag, read_by_export)
+    return base_tag
+
+
+def merged(base_tensors, adapters, scaling):
+    """{HF name: a function returning the tensor} of the base with W + scaling * B @ A for every adapted weight
+    (computed in fp32, stored in the base's dtype)."""
+    tensors = dict(base_tensors)
+    for name in adapters:
+        if name.endswith(".lora_A.weight"):
+            module = name.removesuffix(".lora_A.weight")
+            a, b, weight = adapters[name], adapters[f"{module}.lora_B.weight"], base_tensors[f"{module}.weight"]
+            tensors[f"{module}.weight"] = functools.partial(merged_weight, weight, a, b, scaling)
+    return tensors
+
+
+def merged_weight(weight, a, b, scaling):
+    base = weight()
+    return (base.float() + scaling * (b().float() @ a().float())).to(base.dtype)
+
+
+def write_peft_adapter(adapters, lora, base_path, side_dir, output_dir):
+    """A peft adapter directory (adapter_config.json, adapter_model.safetensors, the tokenizer) that
+    peft.PeftModel.from_pretrained loads onto the Hugging Face base."""
+    with staged_directory(output_dir) as staging:
+        save_file({PEFT_PREFIX + name: tensor() for name, tensor in adapters.items()},
+                  os.path.join(staging, "adapter_model.safetensors"), metadata={"format": "pt"})
+        lora.peft_config(base_model_name_or_path=base_path).save_pretrained(staging)
+        copy_tokenizer_files(side_dir, staging)
     return output_dir

@@ -117,3 +117,12 @@ def read_by_weights_only_load(name):
 def no_manifest_note(directory):
     return (f"note: '{directory}' has no {MANIFEST_NAME} (written before checksums were recorded): its files are "
             f"not verified.")
+
+
+def manifest_digest(directory):
+    """One checksum of a whole directory as its manifest recorded it (every file's size and hash), or None without
+    a manifest: what a LoRA checkpoint records of the frozen base it was trained on, checked again on resume."""
+    recorded = read_manifest(directory)
+    if recorded is None:
+        return None
+    return xxhash.xxh3_128(json.dumps(recorded, sort_keys=True).encode()).hexdigest()

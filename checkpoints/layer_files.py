@@ -46,9 +46,12 @@ def load_weights_only(path, allowed=(), advice=CONVERT_ADVICE, mmap=True, map_lo
 def load_layer_slice(layer, paths, rank, size, strict=True):
     """Load this tensor-parallel rank's part of a layer: its slice of the one whole-layer file, its own file when
     the layer was saved by `size` ranks (DeepSpeed names them layer_XX-model_YY-model_states.pt), or, from a
-    checkpoint saved with another tensor-parallel size, its slice assembled from the saved slices."""
+    checkpoint saved with another tensor-parallel size, its slice assembled from the saved slices. A layer with
+    frozen parameters (LoRA) loads the part its files hold: the frozen base (a converted model) or the trainable
+    parameters (a checkpoint saved without the frozen ones)."""
     if not paths:
         raise FileNotFoundError("no layer file for this layer in the checkpoint; was it written by this model?")
+    layer = part_held(layer, torch.load(paths[0], map_location="cpu", mmap=True, weights_only=True).keys())
     if len(paths) == 1:
         load_layer_file(layer, paths[0], strict, rank, size)
     elif len(paths) == size:
@@ -57,6 +60,35 @@ def load_layer_slice(layer, paths, rank, size, strict=True):
         saved = [torch.load(p, map_location="cpu", mmap=True, weights_only=True) for p in sorted(paths)]
         layer.load_state_dict(tensors_for_rank(saved, layer.state_dict(keep_vars=True), rank, size, paths[0]),
                               strict=strict)
+
+
+class LayerPart:
+    """Some of a layer's parameters, loaded as load_state_dict loads a whole layer (strict: exactly these keys)."""
+
+    def __init__(self, layer, keys):
+        self.layer, self.keys = layer, set(keys)
+
+    def state_dict(self, keep_vars=False):
+        return {k: v for k, v in self.layer.state_dict(keep_vars=keep_vars).items() if k in self.keys}
+
+    def load_state_dict(self, state, strict=True):
+        if strict and set(state) != self.keys:
+            raise RuntimeError(f"layer file keys differ from the layer's: missing {sorted(self.keys - set(state))}, "
+                               f"unexpected {sorted(set(state) - self.keys)}")
+        self.layer.load_state_dict(state, strict=False)
+
+
+def part_held(layer, saved_keys):
+    """The part of a layer with frozen parameters that a file of saved_keys holds (its frozen or its trainable
+    parameters), else the layer (whose strict load then names what differs)."""
+    params = layer.state_dict(keep_vars=True)
+    trainable = {key for key, param in params.items() if param.requires_grad}
+    if len(trainable) == len(params):
+        return layer
+    for keys in (trainable, set(params) - trainable):
+        if set(saved_keys) == keys:
+            return LayerPart(layer, keys)
+    return layer
 
 
 def tensors_for_rank(saved, targets, rank, size, where):

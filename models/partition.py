@@ -11,6 +11,7 @@ from deepspeed.runtime import utils as ds_utils
 
 from models.layout import num_pipeline_layers
 from models.llama import head_dim_of
+from models.lora import NO_LORA, adapter_parameter_count
 
 EMBEDDING, DECODER, NORM, HEAD = "embedding", "decoder", "norm", "head"
 
@@ -62,15 +63,20 @@ def layer_parameter_counts(config):
     return [embedding] + [decoder_parameter_count(config)] * config.num_hidden_layers + [config.hidden_size, head]
 
 
-def training_flops_per_token(config, seq_length):
+def training_flops_per_token(config, seq_length, lora=NO_LORA):
     """Model FLOPs of one training token (forward + backward = 3 x forward, recomputation not counted), the figure
     MFU divides by the device's peak: 2 per weight per token for every decoder weight and the LM head (the
     embedding is a gather), plus attention's QK^T and PV, 2 x 2 x seq_length x heads x head_dim per token and
     layer over all seq_length x seq_length scores (PaLM's convention, as published MFU figures and
-    torch.utils.flop_counter count it; the planner's cost model instead counts only the causal half)."""
+    torch.utils.flop_counter count it; the planner's cost model instead counts only the causal half). Under LoRA
+    the frozen weights' backward computes input gradients only (2 x forward becomes 1 x), and the adapters count
+    like any trained weight."""
     matmul_weights = config.num_hidden_layers * decoder_parameter_count(config) + config.vocab_size * config.hidden_size
     attention = config.num_hidden_layers * 4 * seq_length * config.num_attention_heads * head_dim_of(config)
-    return 3 * (2 * matmul_weights + attention)
+    if not lora.enabled:
+        return 3 * (2 * matmul_weights + attention)
+    adapters = config.num_hidden_layers * adapter_parameter_count(config, lora)
+    return 2 * 2 * matmul_weights + 3 * (attention + 2 * adapters)
 
 
 def balanced_decoder_counts(num_hidden_layers, num_stages, stage_cost):

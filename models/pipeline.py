@@ -5,10 +5,12 @@ import functools
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint, non_reentrant_checkpoint
 
 from models.context_parallel import NO_CONTEXT_PARALLEL, build_context_parallel
 from models.llama import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs,
                           check_model_config, lm_head)
+from models.lora import NO_LORA, add_adapters, freeze_all_but_adapters
 from models.loss import CausalLMLoss
 from models.partition import stage_bounds
 from models.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel
@@ -80,14 +82,16 @@ class LlamaPipeline(PipelineModule):
 
 def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
-                          context_parallel_size=1, loss_chunk_tokens=0):
+                          context_parallel_size=1, loss_chunk_tokens=0, lora=NO_LORA, seed=0):
     """The pipeline module of this rank's stage. topology: DeepSpeed's, with a 'model' axis for tensor
     parallelism (training/distributed.py). stage_bounds: the first pipeline layer of each stage and the layer
     count (default: the 'parameters' partition). dtype: the training dtype to build the stage in (default
     torch's, fp32), so that a bf16 stage never exists in fp32 first. layer_loader: see LlamaPipeline.
     context_parallel_size: ranks of the topology's data axis splitting each sequence (models/context_parallel.py);
     under it the stage takes its tokens of each sequence (ContextParallel.split_micro_batch, labels shifted).
-    loss_chunk_tokens: > 0, the LM head and the loss run that many tokens at a time; 0, through the full logits."""
+    loss_chunk_tokens: > 0, the LM head and the loss run that many tokens at a time; 0, through the full logits.
+    lora: LoRA adapters on the decoder layers, initialised from `seed`, and everything else frozen
+    (models/lora.py)."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
@@ -99,12 +103,21 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype or previous_dtype)
     try:
-        return LlamaPipeline(config, stage_bounds, parallel, layer_loader, context,
-                             layers=build_pipeline_layers(config, attention_impl, parallel, context,
-                                                          chunked_loss=loss_chunk_tokens > 0),
-                             topology=topology, loss_fn=CausalLMLoss(parallel, loss_chunk_tokens, context),
-                             activation_checkpoint_interval=activation_checkpoint_interval,
-                             # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.
-                             checkpointable_layers=[DecoderLayerPipe.__name__])
+        module = LlamaPipeline(config, stage_bounds, parallel, layer_loader, context,
+                               layers=build_pipeline_layers(config, attention_impl, parallel, context,
+                                                            chunked_loss=loss_chunk_tokens > 0),
+                               topology=topology, loss_fn=CausalLMLoss(parallel, loss_chunk_tokens, context),
+                               activation_checkpoint_interval=activation_checkpoint_interval,
+                               # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.
+                               checkpointable_layers=[DecoderLayerPipe.__name__],
+                               # Under LoRA the frozen embedding's output takes no gradient: reentrant checkpointing
+                               # of the first decoder layer would then give its adapters none either.
+                               activation_checkpoint_func=non_reentrant_checkpoint if lora.enabled else checkpoint)
+        if lora.enabled:
+            for local, layer in enumerate(module.forward_funcs):
+                if isinstance(layer, DecoderLayerPipe):
+                    add_adapters(layer, lora, parallel.size, parallel.rank, seed, module._local_start + local)
+            freeze_all_but_adapters(module)
+        return module
     finally:
         torch.set_default_dtype(previous_dtype)

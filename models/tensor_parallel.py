@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from models.weight_grads import embedding as row_grad_embedding, linear as deferrable_linear, linear_weight_grads
+from models.weight_grads import (embedding as row_grad_embedding, linear as deferrable_linear, linear_weight_grads,
+                                 takes_weight_grads)
 
 # DeepSpeed's marker of a parameter split across the tensor-parallel group: its gradient-norm code counts such a
 # parameter on every rank and a replicated one on tensor-parallel rank 0 only.
@@ -55,14 +56,17 @@ class TensorParallel:
     def column_linears(self, x, linears):
         """Column-parallel projections sharing one input (q, k, v; gate, up; the LM head): this rank's output
         features for every token. Under sequence parallelism x holds this rank's tokens and the full set is
-        gathered once for the whole group of projections."""
+        gathered once for the whole group of projections. Projections with LoRA adapters add theirs."""
+        adapters = self.column_adapters(x, linears)
         if self.size == 1:
-            return [self.linear(x, lin) for lin in linears]
-        if self.sequence_parallel:
+            outputs = [self.linear(x, lin) for lin in linears]
+        elif self.sequence_parallel:
             params = [t for lin in linears for t in (lin.weight, getattr(lin, "bias", None))]
-            return list(gathered_linears(self, x, *params))
-        x = CopyToGroup.apply(x, self.group)
-        return [self.linear(x, lin) for lin in linears]
+            outputs = list(gathered_linears(self, x, *params))
+        else:
+            copied = CopyToGroup.apply(x, self.group)
+            outputs = [self.linear(copied, lin) for lin in linears]
+        return [out + adapters[i] if i in adapters else out for i, out in enumerate(outputs)]
 
     def whole_input(self, x):
         """The input of a column-parallel projection done outside column_linears (the chunked LM loss): every
@@ -77,17 +81,44 @@ class TensorParallel:
         """A row-parallel projection: partial sums over this rank's input features, added across the group (and
         split by token under sequence parallelism); the bias, held whole, is added once after the sum."""
         if self.size == 1:
-            return self.linear(x, linear)
-        out = self.reduce(self.linear(x, linear, bias=False))
-        return out if linear.bias is None else out + self.replicated(linear.bias)
+            out = self.linear(x, linear)
+        else:
+            out = self.reduce(self.linear(x, linear, bias=False))
+            out = out if linear.bias is None else out + self.replicated(linear.bias)
+        return out + self.row_adapter(x, linear) if hasattr(linear, "lora_A") else out
 
     def linear(self, x, module, bias=True):
-        """x through a linear module (without its bias if bias=False); its weight gradients deferred when the
-        schedule splits the backward."""
-        bias = getattr(module, "bias", None) if bias else None
+        """x through a linear module (without its bias if bias=False)."""
+        return self.matmul(x, module.weight, getattr(module, "bias", None) if bias else None)
+
+    def matmul(self, x, weight, bias=None):
+        """F.linear, its weight gradients deferred when the schedule splits the backward."""
         if self.weight_grads is None:
-            return F.linear(x, module.weight, bias)
-        return deferrable_linear(x, module.weight, bias, self.weight_grads)
+            return F.linear(x, weight, bias)
+        return deferrable_linear(x, weight, bias, self.weight_grads)
+
+    # --- LoRA adapters (models/lora.py): split like their projection, so only rank-wide activations travel ----------
+    def column_adapters(self, x, linears):
+        """{position in linears: scaling * B(A(dropout(x)))} of the column-parallel projections with adapters.
+        A is whole: each rank computes the rank-wide h = A x of its own tokens, and the h of the whole group cross
+        the tensor-parallel group at once (gathered by token under sequence parallelism, whose A gradient, of this
+        rank's tokens only, is then summed like a norm's); B holds this rank's output rows."""
+        adapted = [(i, lin) for i, lin in enumerate(linears) if hasattr(lin, "lora_A")]
+        if not adapted:
+            return {}
+        h = torch.cat([self.matmul(F.dropout(x, lin.lora_dropout, lin.training),
+                                   self.replicated(lin.lora_A.weight)) for _, lin in adapted], dim=-1)
+        if self.size > 1:
+            h = GatherTokens.apply(h, self) if self.sequence_parallel else CopyToGroup.apply(h, self.group)
+        parts = h.split([lin.lora_A.out_features for _, lin in adapted], dim=-1)
+        return {i: self.matmul(part, lin.lora_B.weight) * lin.lora_scaling for (i, lin), part in zip(adapted, parts)}
+
+    def row_adapter(self, x, linear):
+        """scaling * B(A(dropout(x))) of a row-parallel projection: A holds this rank's input columns, so h = A x is
+        a partial sum, reduced like the projection's own output (rank-wide); B is whole (its gradient, under
+        sequence parallelism of this rank's tokens only, summed like a norm's)."""
+        h = self.reduce(self.matmul(F.dropout(x, linear.lora_dropout, linear.training), linear.lora_A.weight))
+        return self.matmul(h, self.replicated(linear.lora_B.weight)) * linear.lora_scaling
 
     def reduce(self, partial):
         """Sum partial results across the group: all-reduce, or reduce-scatter by token under sequence parallelism."""
@@ -196,6 +227,8 @@ class ReduceScatterTokens(torch.autograd.Function):
 
 
 class GatherTokens(torch.autograd.Function):
+    """All-gather by token forward; the gradient reduce-scattered back to each rank's tokens."""
+
     @staticmethod
     def forward(ctx, x, parallel):
         ctx.parallel = parallel
@@ -219,29 +252,34 @@ class GatheredLinears(torch.autograd.Function):
         full = parallel.gather_tokens(x, pooled=recompute)
         weights, biases = params[0::2], params[1::2]
         outputs = tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
-        ctx.parallel, ctx.has_bias, ctx.biases = parallel, [b is not None for b in biases], biases
-        ctx.save_for_backward(x if recompute else full, *weights)
+        ctx.parallel, ctx.biases, ctx.full_shape = parallel, biases, full.shape
+        # The input is kept for weight gradients only: a frozen group (LoRA's base) keeps none.
+        ctx.trains = any(takes_weight_grads(w, b) for w, b in zip(weights, biases))
+        ctx.save_for_backward(None if not ctx.trains else x if recompute else full, *weights)
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
         parallel = ctx.parallel
         saved, *weights = ctx.saved_tensors
-        full = parallel.gather_tokens(saved, pooled=True) if parallel.recompute_sequence_gather else saved
-        full_2d = full.reshape(-1, full.shape[-1])
+        shape = ctx.full_shape
         # The input gradient over all tokens lives only until it is reduce-scattered: a pool buffer.
-        grad_full = parallel.buffers.get("input_grad", full_2d.shape, full.dtype, full.device)
+        grad_full = parallel.buffers.get("input_grad", (math.prod(shape[:-1]), shape[-1]), grads[0].dtype,
+                                         grads[0].device)
         for index, (grad, weight) in enumerate(zip(grads, weights)):
             grad_full.addmm_(grad.reshape(-1, grad.shape[-1]), weight, beta=1 if index else 0)
-        grad_x = parallel.scatter_tokens(grad_full.view(full.shape))
+        grad_x = parallel.scatter_tokens(grad_full.view(shape))
+        if not ctx.trains:
+            return None, grad_x, *([None] * 2 * len(weights))
         if parallel.weight_grads is not None and parallel.weight_grads.deferring:
             # W may run after other layers reused the pool buffer: keep the input, or gather it again then.
             queue_gathered_weight_grads(parallel, saved, grads, weights, ctx.biases)
             return None, grad_x, *([None] * 2 * len(weights))
+        full = parallel.gather_tokens(saved, pooled=True) if parallel.recompute_sequence_gather else saved
         param_grads = []
-        for grad, weight, has_bias in zip(grads, weights, ctx.has_bias):
-            grad_2d = grad.reshape(-1, grad.shape[-1])
-            param_grads += [grad_2d.t() @ full_2d, grad_2d.sum(0) if has_bias else None]
+        for grad, weight, bias in zip(grads, weights, ctx.biases):
+            grad_of = {id(p): g for p, g in linear_weight_grads(full, grad, weight, bias)}
+            param_grads += [grad_of.get(id(weight)), None if bias is None else grad_of.get(id(bias))]
         return None, grad_x, *param_grads
 
 

@@ -60,28 +60,36 @@ def linear(x, weight, bias, queue):
 
 
 def linear_weight_grads(x, grad, weight, bias):
-    """[(weight, dW), (bias, db)] of y = x W^T + b from its input and output gradient (any leading dimensions)."""
+    """[(weight, dW), (bias, db)] of y = x W^T + b from its input and output gradient (any leading dimensions), for
+    those of weight and bias that take a gradient (a frozen base under LoRA takes none)."""
     grad_2d = grad.reshape(-1, grad.shape[-1])
-    pairs = [(weight, grad_2d.t() @ x.reshape(-1, x.shape[-1]))]
-    return pairs + ([(bias, grad_2d.sum(0))] if bias is not None else [])
+    pairs = [(weight, grad_2d.t() @ x.reshape(-1, x.shape[-1]))] if weight.requires_grad else []
+    return pairs + ([(bias, grad_2d.sum(0))] if bias is not None and bias.requires_grad else [])
+
+
+def takes_weight_grads(weight, bias):
+    return weight.requires_grad or (bias is not None and bias.requires_grad)
 
 
 class DeferrableLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, queue):
-        ctx.save_for_backward(x, weight, bias)
+        # A frozen weight's backward needs only the weight: the input is not kept.
+        ctx.save_for_backward(x if takes_weight_grads(weight, bias) else None, weight, bias)
         ctx.queue = queue
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, bias = ctx.saved_tensors
-        grad_x = grad @ weight
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        if not takes_weight_grads(weight, bias):
+            return grad_x, None, None, None
         if ctx.queue.deferring:
             ctx.queue.add(lambda: linear_weight_grads(x, grad, weight, bias))
             return grad_x, None, None, None
-        (_, grad_w), *bias_grad = linear_weight_grads(x, grad, weight, bias)
-        return grad_x, grad_w, bias_grad[0][1] if bias_grad else None, None
+        grad_of = {id(param): param_grad for param, param_grad in linear_weight_grads(x, grad, weight, bias)}
+        return grad_x, grad_of.get(id(weight)), None if bias is None else grad_of.get(id(bias)), None
 
 
 def embedding(input_ids, weight):

@@ -32,6 +32,7 @@ A stage's cost is the mean of its compute and its memory, each in units of one d
 that holds 2.4 decoder layers of memory and does no compute weighs 1.2 decoder layers.
 """
 from models.llama import head_dim_of
+from models.lora import adapter_parameter_count
 from models.partition import DECODER, EMBEDDING, HEAD, NORM, decoder_parameter_split, layer_kinds
 from planner import training_state
 from planner.training_state import FP32_BYTES
@@ -76,11 +77,24 @@ class LayerCosts:
                            HEAD: vocab * hidden}  # a tied head is a second copy of the embedding on its stage
         self.largest_tensor = {EMBEDDING: vocab * hidden, DECODER: hidden * max(inter, q_width), NORM: hidden,
                                HEAD: vocab * hidden}
+        # LoRA (models/lora.py): only the adapters train; they add their parameters to a decoder layer's.
+        lora = workload.lora
+        adapters = adapter_parameter_count(config, lora, t)
+        self.parameters[DECODER] += adapters
+        self.trained = ({EMBEDDING: 0, DECODER: adapters, NORM: 0, HEAD: 0} if lora.enabled
+                        else dict(self.parameters))
+        self.largest_trained = ({kind: (lora.rank * max(hidden, inter * t) if count else 0)
+                                 for kind, count in self.trained.items()} if lora.enabled
+                                else self.largest_tensor)
         # Matmuls: 2 FLOPs per weight per token; causal attention: QK^T and PV over half the seq x seq scores.
         # Norms and row-parallel biases (counted the same way) run on the residual stream's tokens.
         self.forward_flops = {EMBEDDING: 0, NORM: 0, HEAD: 2 * tokens * hidden * vocab,
                               DECODER: 2 * tokens * (sharded // t) + 2 * residual * replicated
-                              + 2 * tokens * workload.seq_length * q_width}
+                              + 2 * tokens * workload.seq_length * q_width + 2 * tokens * adapters}
+        # The weight gradients a frozen base skips (its backward computes input gradients only): its matmuls' FLOPs.
+        self.frozen_weight_grad_flops = ({EMBEDDING: 0, NORM: 0, HEAD: self.forward_flops[HEAD],
+                                          DECODER: 2 * tokens * (sharded // t) + 2 * residual * replicated}
+                                         if lora.enabled else dict.fromkeys(self.forward_flops, 0))
         self.saved_bytes = {
             # Vocabulary-parallel: this rank's local ids and the mask of ids outside its rows.
             EMBEDDING: tokens * (INT64_BYTES + 1) if t > 1 else 0,
@@ -102,9 +116,18 @@ class LayerCosts:
             # (models/tensor_parallel.py). Chunked: the gradients of the head's input (all tokens) and weight
             # computed in forward (fp32 weight gradient under fp16), or under zero_bubble the input's and what W
             # needs (below).
-            HEAD: (act * tokens * hidden + (head_w_bytes if zero_bubble else weight_grad_bytes * vocab * hidden)
+            HEAD: (act * tokens * hidden + (0 if lora.enabled  # a frozen head: no weight gradient, no W
+                                            else head_w_bytes if zero_bubble else weight_grad_bytes * vocab * hidden)
                    if chunked else tokens * (vocab * FP32_BYTES + INT64_BYTES + (2 if t > 1 else 0))),
         }
+        # LoRA keeps each adapter's rank-wide h (gathered for a column-parallel group) and, with dropout, its
+        # dropped input and mask; the frozen projections' own inputs stay kept, for the adapters' A gradients.
+        if lora.enabled:
+            widths = {"q_proj": hidden, "k_proj": hidden, "v_proj": hidden, "o_proj": q_width, "gate_proj": hidden,
+                      "up_proj": hidden, "down_proj": inter}
+            self.saved_bytes[DECODER] += sum(
+                act * tokens * lora.rank + (tokens * widths[name] * (act + 1) if lora.dropout else 0)
+                for name in lora.target_modules)
         # Gradients alive at once while a layer runs backward: a decoder's MLP and residual stream (two on this
         # rank's residual tokens, two on all tokens: a column group's input gradient, in the pool under sequence
         # parallelism, and a row-parallel output's gathered gradient); the loss's two fp32 logits-sized gradients.
@@ -148,8 +171,9 @@ class LayerCosts:
         flops = 0
         for run, checkpointed in self.chunks(kinds):
             forward = sum(self.forward_flops[kind] for kind in run)
-            flops += forward * (4 if checkpointed else 3)
-        if HEAD in kinds and self.workload.loss_chunk_tokens and self.workload.pipeline_schedule == "zero_bubble":
+            flops += forward * (4 if checkpointed else 3) - sum(self.frozen_weight_grad_flops[kind] for kind in run)
+        if (HEAD in kinds and self.workload.loss_chunk_tokens and self.workload.pipeline_schedule == "zero_bubble"
+                and not self.frozen_weight_grad_flops[HEAD]):
             flops += self.forward_flops[HEAD]  # W projects every chunk again (models/loss.py)
         return flops
 
@@ -186,21 +210,22 @@ class LayerCosts:
     def stage_parameters(self, kinds):
         return sum(self.parameters[kind] for kind in kinds)
 
-    def stage_largest_tensor(self, kinds):
-        return max(self.largest_tensor[kind] for kind in kinds)
+    def stage_trained(self, kinds):
+        return sum(self.trained[kind] for kind in kinds)
 
     def stage_state_bytes(self, kinds):
         """Weights, gradients and optimizer state of a stage, in bytes."""
-        return training_state.state_bytes(self.workload, self.stage_parameters(kinds))
+        return training_state.state_bytes(self.workload, self.stage_parameters(kinds), self.stage_trained(kinds))
 
     def stage_buffer_bytes(self):
-        return training_state.buffer_bytes(self.workload, max(self.largest_tensor.values()))
+        return training_state.buffer_bytes(self.workload, max(self.largest_trained.values()))
 
     def stage_host_bytes(self, kinds):
-        return training_state.host_bytes(self.workload, self.stage_parameters(kinds), max(self.largest_tensor.values()))
+        return training_state.host_bytes(self.workload, self.stage_trained(kinds), max(self.largest_trained.values()))
 
     def stage_step_bytes(self, kinds):
-        return training_state.step_bytes(self.workload, self.stage_parameters(kinds), self.stage_largest_tensor(kinds))
+        return training_state.step_bytes(self.workload, self.stage_trained(kinds),
+                                         max(self.largest_trained[kind] for kind in kinds))
 
 
 class StageCostModel:

@@ -51,9 +51,12 @@ def host_state_bytes_per_parameter(workload):
         workload)
 
 
-def state_bytes(workload, parameters):
-    """Weights, gradients and optimizer state of `parameters` on the device, in bytes."""
-    return {name: parameters * size for name, size in state_bytes_per_parameter(workload).items()}
+def state_bytes(workload, parameters, trained):
+    """Weights of `parameters`, and gradients and optimizer state of the `trained` ones among them (all of them, or
+    LoRA's adapters: the frozen base has neither), on the device, in bytes."""
+    per_parameter = state_bytes_per_parameter(workload)
+    return {"weights": parameters * per_parameter["weights"], "gradients": trained * per_parameter["gradients"],
+            "optimizer": trained * per_parameter["optimizer"]}
 
 
 def buffer_bytes(workload, largest_tensor):

@@ -1,6 +1,7 @@
 """What one training step runs, as far as compute and memory depend on it: the planner's view of a run."""
 from dataclasses import dataclass
 
+from models.lora import NO_LORA, LoraSettings
 from models.tensor_parallel import check_tensor_parallel_split
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -26,6 +27,7 @@ class Workload:
     pipeline_schedule: str = "1f1b"  # zero_bubble: micro-batches also wait for their weight gradients (W)
     zero_bubble_max_waiting: int | None = None  # zero_bubble: cap on those per stage (None: ZB-H1's s on stage s)
     loss_chunk_tokens: int = 1024  # the LM head and loss a chunk of tokens at a time (models/loss.py); 0: logits
+    lora: LoraSettings = NO_LORA  # LoRA adapters: only they train, the rest is frozen (models/lora.py)
 
     @property
     def tokens(self):
@@ -83,6 +85,7 @@ def describe_workload(workload):
             f"{workload.micro_batches} micro-batches, {workload.precision}, ZeRO-{workload.zero_stage}"
             f"{' with optimizer offloaded to CPU' if workload.offload_optimizer else ''}, "
             f"{tensor}data-parallel {workload.data_parallel}, {checkpointing}"
+            f"{f', LoRA rank {workload.lora.rank}' if workload.lora.enabled else ''}"
             f"{zero_bubble_description(workload) if workload.pipeline_schedule == 'zero_bubble' else ''}")
 
 

@@ -12,8 +12,10 @@ import deepspeed  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from models.layout import hf_name_of_layer_key  # noqa: E402
+from models.lora import NO_LORA, LoraSettings  # noqa: E402
 from checkpoints.layer_files import load_layer_slice  # noqa: E402
 from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
+from tests.lora_reference import adapter_values, hf_name_of_peft, peft_model, pipeline_slice  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
 from training.distributed import init_distributed, parallel_topology  # noqa: E402
 from training.pipeline_engine import use_zero_bubble  # noqa: E402
@@ -62,6 +64,8 @@ def gradient_errors(module, recorded, ref_grads, num_hidden_layers, engine):
     (recorded: {param: gradient}), against this rank's tensor-parallel slice of the HF gradient."""
     errors = {}
     for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
         hf_name = hf_name_of_pipeline_param(name, num_hidden_layers)
         ref = ref_grads[hf_name]
         if getattr(param, "tensor_parallel_dim", None) is not None:
@@ -81,18 +85,33 @@ def micro_batches(batch, micro_batch_size, gas, dp_size, dp_rank):
         yield (input_ids[rows], attention_mask[rows], position_ids[rows]), labels[rows]
 
 
-def hf_reference(hf_dir, batch, micro_batch_size):
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+def hf_reference(hf_dir, batch, micro_batch_size, lora=None, adapters=None):
+    """transformers' losses and gradients by HF name; with lora (LoraSettings) and adapters ({HF name: value}),
+    peft's model with those adapters and the adapters' gradients."""
+    if lora is None:
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+    else:
+        model = peft_model(hf_dir, lora, adapters)
     input_ids, attention_mask, labels = batch
     losses = []
     for start in range(0, input_ids.shape[0], micro_batch_size):
         rows = slice(start, start + micro_batch_size)
         losses.append(model(input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows]).loss)
     torch.stack(losses).mean().backward()
-    grads = {n: p.grad for n, p in model.named_parameters()}
+    grads = {hf_name_of_peft(n): p.grad for n, p in model.named_parameters() if p.requires_grad}
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)  # the same tensor as the embedding's
     return [loss.item() for loss in losses], grads
+
+
+def set_adapters(module, adapters, parallel):
+    """Each adapter factor of this rank's stage to its slice of adapters[HF name]."""
+    num_hidden_layers = module.model_config.num_hidden_layers
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if param.requires_grad:
+                value = adapters[hf_name_of_pipeline_param(name, num_hidden_layers)]
+                param.copy_(pipeline_slice(value, param, parallel.rank, parallel.size))
 
 
 def replicated_gradient_spread(module, optimizer, engine):
@@ -100,7 +119,7 @@ def replicated_gradient_spread(module, optimizer, engine):
     group = engine.grid.get_slice_parallel_group()
     spread = 0.0
     for _, param in module.named_parameters():
-        if getattr(param, "tensor_parallel_dim", None) is None:
+        if param.requires_grad and getattr(param, "tensor_parallel_dim", None) is None:
             grad = optimizer.recorded[param]
             gathered = [torch.empty_like(grad) for _ in range(engine.grid.get_slice_parallel_world_size())]
             torch.distributed.all_gather(gathered, grad, group=group)
@@ -117,7 +136,8 @@ def record_deferred_weights(engine):
     def recording_add(params_and_grads_fn):
         def recorded():
             pairs = params_and_grads_fn()
-            deferred.update(names[p] for p, _ in pairs)
+            # a weight every tensor-parallel rank holds whole enters as a view (its gradient summed over the group)
+            deferred.update(names[p if p.is_leaf else p._base] for p, _ in pairs)
             return pairs
         add(recorded)
     queue.add = recording_add
@@ -130,6 +150,8 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
     results = {}
     for case in cases:
         config = AutoConfig.from_pretrained(case["hf_dir"])
+        lora = LoraSettings(**case["lora"]) if "lora" in case else NO_LORA
+        adapters = adapter_values(config, lora, seed=7, nonzero_b=True) if lora.enabled else None
         dp_size = torch.distributed.get_world_size() // (num_stages * tensor_parallel)
         batch = make_batch(micro_batch_size * gas * dp_size, seq_len, config.vocab_size, seed=1)
         module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel),
@@ -140,10 +162,10 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
                                        activation_checkpoint_interval=case.get("checkpoint_interval", 0),
                                        sequence_parallel=case.get("sequence_parallel", True),
                                        recompute_sequence_gather=case.get("recompute_sequence_gather", False),
-                                       loss_chunk_tokens=case.get("loss_chunk_tokens", CHUNK_TOKENS))
+                                       loss_chunk_tokens=case.get("loss_chunk_tokens", CHUNK_TOKENS), lora=lora)
         if case.get("compile"):
             module.compile()
-        optimizer = GradientRecorder(module.parameters())
+        optimizer = GradientRecorder([p for p in module.parameters() if p.requires_grad])
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config={
             "train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": gas,
             "steps_per_print": 10**9, "gradient_clipping": 0.0,
@@ -151,6 +173,9 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
         opens.paths, opens.active = [], True
         engine.load_checkpoint(case["ds_dir"], load_module_only=True)
         opens.active = False
+        base = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
+        if lora.enabled:
+            set_adapters(module, adapters, module.parallel)
         deferred = set()
         if case.get("schedule") == "zero_bubble":
             use_zero_bubble(engine)
@@ -159,7 +184,8 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
         loss_fn = module.loss_fn
         module.loss_fn = lambda logits, labels: step_losses.append(loss_fn(logits, labels)) or step_losses[-1]
         mean_loss = engine.train_batch(micro_batches(batch, micro_batch_size, gas, dp_size, engine.grid.data_parallel_id))
-        ref_losses, ref_grads = hf_reference(case["hf_dir"], batch, micro_batch_size)
+        ref_losses, ref_grads = hf_reference(case["hf_dir"], batch, micro_batch_size, lora if lora.enabled else None,
+                                             adapters)
         grad_errors = gradient_errors(module, optimizer.recorded, ref_grads, config.num_hidden_layers, engine)
         results[case["name"]] = {
             "stage": engine.stage_id, "dp_rank": engine.grid.data_parallel_id, "parts": [int(p) for p in module.parts],
@@ -167,7 +193,9 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
             "losses": [loss.item() for loss in step_losses], "mean_loss": float(mean_loss),
             "ref_losses": ref_losses, "grad_errors": grad_errors, "ref_param_names": sorted(ref_grads),
             "replicated_grad_spread": replicated_gradient_spread(module, optimizer, engine),
-            "param_names": [name for name, _ in module.named_parameters()], "deferred_weights": sorted(deferred)}
+            "param_names": [name for name, _ in module.named_parameters()], "deferred_weights": sorted(deferred),
+            "frozen_unchanged_without_grad": all(p.grad is None and torch.equal(p, base[n])
+                                                 for n, p in module.named_parameters() if not p.requires_grad)}
         if case.get("save_grads"):  # for tests comparing two runs' gradients directly
             torch.save({name: optimizer.recorded[param] for name, param in module.named_parameters()},
                        os.path.join(out_dir, f"{case['name']}-rank{rank}.pt"))

@@ -232,7 +232,9 @@ def save_checkpoint(engine, cfg, model_files_dir, trainer_state, needed_bytes):
         os.remove(os.path.join(tag_dir, COMPLETE_MARKER))  # rewriting a tag: it is incomplete until done again
     dist.barrier()
     with disk_full_is_one_line(output_dir, tag, needed_bytes), hashing_saves(engine.checkpoint_engine) as written:
-        engine.save_checkpoint(output_dir, tag=tag, client_state=trainer_state, save_latest=False)
+        # Frozen parameters (LoRA's base) are not saved: the checkpoint points at the converted base instead.
+        engine.save_checkpoint(output_dir, tag=tag, client_state=trainer_state, save_latest=False,
+                               exclude_frozen_parameters=True)
         trainer_state = {**trainer_state, **save_training_state(engine, tag_dir)}
         save_rng_state(tag_dir, dist.get_rank())
     rng_path = rng_state_path(tag_dir, dist.get_rank())

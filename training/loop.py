@@ -88,7 +88,8 @@ def build_engine(spec, total_steps):
                                    dtype=PRECISION_DTYPES[cfg.precision], sequence_parallel=cfg.sequence_parallel,
                                    recompute_sequence_gather=cfg.recompute_sequence_gather,
                                    layer_loader=load_layer_slice, context_parallel_size=cfg.context_parallel_size,
-                                   loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0)
+                                   loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
+                                   lora=spec.lora, seed=cfg.seed)
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
@@ -152,8 +153,9 @@ def prepare_output_dir(spec):
 def load_start_state(engine, spec):
     """Load the resume checkpoint (all state, or weights only), or the converted model's weights."""
     cfg, resume_from = spec.cfg, spec.resume_from
-    if resume_from is None:
+    if resume_from is None or spec.lora.enabled:  # a LoRA checkpoint holds the adapters only: the base first
         engine.load_checkpoint(cfg.model_name_or_path, load_module_only=True)
+    if resume_from is None:
         return
     ckpt_dir, tag = resume_from
     tag_dir = os.path.join(ckpt_dir, tag)
@@ -213,6 +215,8 @@ def run(cfg):
     if cfg.verify_checksums:
         verify_checkpoint(start_checkpoint_dir(cfg.model_name_or_path, resume_from),
                           weights_only=resume_from is None or cfg.resume_weights_only)
+        if resume_from and spec.lora.enabled:  # the frozen base the adapters resume on
+            verify_checkpoint(start_checkpoint_dir(cfg.model_name_or_path, None), weights_only=True)
     tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir) if spec.tokenizer_dir else None
     pad_id = pad_token_id(tokenizer, spec.model_config)
     data = RunData(spec, tokenizer, reads_data)
@@ -258,7 +262,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
     last_checkpoint = resolve_resume("auto", cfg.output_dir)
     checkpoint_size = checkpoint_bytes(os.path.join(*last_checkpoint)) if last_checkpoint else spec.checkpoint_bytes
     preemption = PreemptionWatch(cfg.preemption_grace_seconds)
-    flops_per_token = training_flops_per_token(spec.model_config, cfg.seq_length)
+    flops_per_token = training_flops_per_token(spec.model_config, cfg.seq_length, spec.lora)
     peak_tflops = device_peak_tflops(cfg.peak_tflops, cfg.precision)
     profile = StepProfile(engine, cfg.output_dir, dist.get_rank()) if cfg.profile else NoProfile()
     start_time = window_start = time.time()
@@ -302,8 +306,8 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
         if preempted or step == total_steps or (cfg.save_steps and step % cfg.save_steps == 0):
             consumed = start_consumed + (step - start_step) * samples_per_step
             save_checkpoint(engine, cfg, spec.model_files_dir, {
-                "step": step, "consumed_samples": consumed, "topology": spec.layout, "settings": spec.settings},
-                checkpoint_size)
+                "step": step, "consumed_samples": consumed, "topology": spec.layout, "settings": spec.settings,
+                **spec.lora_record}, checkpoint_size)
             last_checkpoint = (cfg.output_dir, f"global_step{step}")
             checkpoint_size = checkpoint_bytes(os.path.join(*last_checkpoint))
         profile.lap("checkpoint")
@@ -318,6 +322,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
     if cfg.export_hf and dist.get_rank() == 0:
         convert_ds_to_hf(cfg.output_dir, os.path.join(cfg.output_dir, "hf"), overwrite=True,
                          verify_checksums=cfg.verify_checksums)
-        print(f"exported Hugging Face model to {os.path.join(cfg.output_dir, 'hf')}", flush=True)
+        print(f"exported {'a peft adapter' if spec.lora.enabled else 'Hugging Face model'} to "
+              f"{os.path.join(cfg.output_dir, 'hf')}", flush=True)
     dist.barrier()
     return result

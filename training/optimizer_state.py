@@ -35,20 +35,25 @@ def saved_optimizer_state_paths(tag_dir, index):
 
 
 def stage_layers(module):
-    """(pipeline layer index, layer, whether this stage saves it) for each layer with parameters on this stage. A
+    """(pipeline layer index, layer, whether this stage saves it) for each layer with trained parameters here. A
     tied weight (the embedding again as the LM head on the last stage) is saved with its first layer, by the stage
     holding it, and read from that layer's files by every stage that holds it."""
     layers, seen = [], set()
     for local, layer in enumerate(module.forward_funcs):
-        if isinstance(layer, torch.nn.Module) and next(layer.parameters(), None) is not None:
+        if isinstance(layer, torch.nn.Module) and trained_parameters(layer):
             layers.append((module._local_start + local, layer, True))
             seen.add(id(layer))
     for key, tied in module.tied_modules.items():
-        if id(tied) not in seen:
+        if id(tied) not in seen and trained_parameters(tied):
             first = next(i for i, spec in enumerate(module._layer_specs)
                          if isinstance(spec, TiedLayerSpec) and spec.key == key)
             layers.append((first, tied, False))
     return layers
+
+
+def trained_parameters(layer):
+    """{name: parameter} of the parameters the optimizer steps (under LoRA the adapters: the base is frozen)."""
+    return {name: param for name, param in layer.named_parameters() if param.requires_grad}
 
 
 class MasterState:
@@ -154,8 +159,8 @@ def save_training_state(engine, tag_dir):
     saved_here = [(index, layer) for index, layer, saves in stage_layers(module) if saves]
     for turn, (index, layer) in enumerate(saved_here):
         writer = turn % dp_size
-        tensors = {key: {name: state.gathered(param, key, group, writer) for name, param in layer.named_parameters()}
-                   for key in keys}
+        tensors = {key: {name: state.gathered(param, key, group, writer)
+                         for name, param in trained_parameters(layer).items()} for key in keys}
         if dp_rank == writer:
             path = optimizer_state_path(module.ckpt_layer_path(tag_dir, index - module._local_start))
             engine.checkpoint_engine.save(tensors, path)
@@ -180,7 +185,7 @@ def load_training_state(engine, tag_dir, trainer_state):
         if not paths:
             raise FileNotFoundError(missing_state_message(tag_dir, index))
         saved = [load_weights_only(path, advice=STATE_ADVICE) for path in paths]
-        targets = dict(layer.named_parameters())
+        targets = trained_parameters(layer)
         for key in keys:
             if key not in saved[0]:
                 raise ValueError(f"{paths[0]} holds no '{key}' (it has {sorted(saved[0])}): the checkpoint was "

@@ -14,12 +14,13 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
 from checkpoints.files import has_tokenizer_files, read_latest
-from checkpoints.integrity import verify_model_side_files
+from checkpoints.integrity import manifest_digest, verify_model_side_files
 from data.formats import DataSettings
 from models.layout import layer_file_name, layer_indices_with_files
 from models.context_parallel import context_parallel_error
 from models.llama import check_model_config
-from models.partition import layer_parameter_counts
+from models.lora import LoraSettings, adapter_layer_indices, adapter_parameter_count, check_rank_fits
+from models.partition import decoder_counts_of_bounds, layer_parameter_counts
 from models.pipeline import ATTENTION_IMPLS, LOSS_IMPLS, PRECISION_DTYPES, partition_stages
 from models.tensor_parallel import check_tensor_parallel_split
 from planner.stage_costs import balanced_stage_cost
@@ -87,9 +88,32 @@ class RunSpec:
                 "global_batch_size": self.data_parallel * cfg.micro_batch_size * cfg.gradient_accumulation_steps}
 
     @property
+    def lora(self):
+        return self.workload.lora
+
+    @property
+    def trained_parameters(self):
+        """Parameters a checkpoint saves: the whole model's, or under LoRA the adapters' (over all tensor-parallel
+        ranks)."""
+        if self.lora.enabled:
+            return self.model_config.num_hidden_layers * adapter_parameter_count(self.model_config, self.lora)
+        return sum(layer_parameter_counts(self.model_config))
+
+    @property
     def checkpoint_bytes(self):
-        """The planner's estimate of one training checkpoint on disk (weights and optimizer state)."""
-        return int(sum(layer_parameter_counts(self.model_config)) * checkpoint_bytes_per_parameter(self.workload))
+        """The planner's estimate of one training checkpoint on disk (trained weights and optimizer state)."""
+        return int(self.trained_parameters * checkpoint_bytes_per_parameter(self.workload))
+
+    @property
+    def lora_record(self):
+        """What a LoRA checkpoint records in trainer_state.json: its adapters' settings and the converted base it
+        trains on (path and manifest checksum), which a resume and an export read the base from; {} otherwise."""
+        if not self.lora.enabled:
+            return {}
+        base_dir = os.path.abspath(self.cfg.model_name_or_path)
+        tag_dir = os.path.join(base_dir, read_latest(base_dir))
+        return {"lora": self.lora.as_dict(), "base_model": {"path": base_dir, "tag": os.path.basename(tag_dir),
+                                                            "manifest_xxh3_128": manifest_digest(tag_dir)}}
 
     def replanned(self, **workload_changes):
         """The same run with another workload (and the stage bounds the partition gives it)."""
@@ -120,16 +144,50 @@ def check_resume(spec):
     over to this run's settings dropped only when asked (resume_drop_state)."""
     cfg, trainer_state, tag_dir = spec.cfg, spec.trainer_state, os.path.join(*spec.resume_from)
     check_same_model(tag_dir, spec.model_config)
+    check_same_adapters(spec, tag_dir)
     if cfg.eval_only or cfg.resume_weights_only:
         return
     if not has_layout_free_state(trainer_state):
         return check_resume_topology(trainer_state, spec.layout, False, tag_dir)
-    check_optimizer_state_files(tag_dir, trainer_state, layer_indices_with_files(
-        spec.model_config.num_hidden_layers, spec.model_config.tie_word_embeddings))
+    config = spec.model_config
+    check_optimizer_state_files(tag_dir, trainer_state, adapter_layer_indices(config.num_hidden_layers)
+                                if spec.lora.enabled else
+                                layer_indices_with_files(config.num_hidden_layers, config.tie_word_embeddings))
     dropped = dropped_state(trainer_state.get("settings", {}), spec.settings)
     if dropped and not cfg.resume_drop_state:
         raise ConfigError(f"resuming {tag_dir} cannot carry over {', '.join(dropped)}; set resume_drop_state=true "
                           f"to start it fresh, or resume with the checkpoint's settings.")
+
+
+def check_same_adapters(spec, tag_dir):
+    """A LoRA checkpoint resumes only as LoRA with the same adapters, onto the base it was trained on (its
+    manifest's checksum); a full fine-tuning checkpoint only as full fine-tuning."""
+    saved, base = spec.trainer_state.get("lora"), spec.trainer_state.get("base_model")
+    current = spec.lora.as_dict() if spec.lora.enabled else None
+    if saved is None and current is None:
+        return
+    if saved is None:
+        raise ConfigError(f"checkpoint {tag_dir} is a full fine-tuning checkpoint, this run trains LoRA adapters "
+                          f"(lora.rank={spec.lora.rank}): to put adapters on its weights, start a new run with "
+                          f"model_name_or_path={os.path.dirname(tag_dir)} and no resume; or resume it with lora.rank=0.")
+    settings = " ".join(f"lora.{key}={value if key != 'target_modules' else '[' + ','.join(value) + ']'}"
+                        for key, value in saved.items() if key != "dropout")
+    if current is None:
+        raise ConfigError(f"checkpoint {tag_dir} holds LoRA adapters, not a whole model: resume it as LoRA with "
+                          f"{settings} (the base is {base['path']}), or export the merged model (python "
+                          f"convert2ckpt.py --to_hf --merge_lora --ckpt_dir {os.path.dirname(tag_dir)} ...) and "
+                          f"convert it to fine-tune every weight.")
+    differ = [key for key in ("rank", "alpha", "target_modules") if saved[key] != current[key]]
+    if differ:
+        raise ConfigError(f"checkpoint {tag_dir} holds adapters with {settings}; this run has "
+                          f"{', '.join(f'lora.{key}={current[key]}' for key in differ)}: set the checkpoint's.")
+    base_dir = os.path.abspath(spec.cfg.model_name_or_path)
+    digest = manifest_digest(os.path.join(base_dir, read_latest(base_dir)))
+    if digest != base["manifest_xxh3_128"]:
+        raise ConfigError(f"checkpoint {tag_dir} holds adapters trained on the base {base['path']} (checksum "
+                          f"{base['manifest_xxh3_128']}), but model_name_or_path {base_dir} has checksum {digest}: "
+                          f"another base, whose outputs the adapters would not fit; set model_name_or_path to the "
+                          f"base the adapters were trained on.")
 
 
 def plan_spec(cfg, world_size=None, model_config=None):
@@ -212,6 +270,7 @@ def check_values(cfg):
         raise ConfigError(f"peak_tflops={cfg.peak_tflops} must be a device's positive peak TFLOP/s, or null.")
     try:
         DataSettings.from_cfg(cfg.data)  # data.format, data.overlong, data.bad_lines
+        LoraSettings.from_cfg(cfg.lora)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
@@ -261,6 +320,8 @@ def check_layout(cfg, model_config, world_size):
     workload = workload_of(cfg, data_axis // cfg.context_parallel_size)
     try:
         check_tensor_parallel_split(model_config, tp, workload.tokens if workload.splits_sequence else None)
+        if workload.lora.enabled:
+            check_rank_fits(model_config, workload.lora)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if model_config.num_hidden_layers < stages:
@@ -304,7 +365,7 @@ def workload_of(cfg, data_parallel):
                     recompute_sequence_gather=bool(cfg.recompute_sequence_gather),
                     offload_optimizer=cfg.offload_optimizer == "cpu", pipeline_schedule=cfg.pipeline_schedule,
                     loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
-                    zero_bubble_max_waiting=cfg.zero_bubble_max_waiting)
+                    zero_bubble_max_waiting=cfg.zero_bubble_max_waiting, lora=LoraSettings.from_cfg(cfg.lora))
 
 
 def configured_stage_bounds(cfg, model_config, workload):
@@ -312,9 +373,15 @@ def configured_stage_bounds(cfg, model_config, workload):
     partition = cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
     cost = balanced_stage_cost(model_config, workload, cfg.num_stages) if partition == "balanced" else None
     try:
-        return tuple(partition_stages(model_config, cfg.num_stages, partition, cost))
+        bounds = tuple(partition_stages(model_config, cfg.num_stages, partition, cost))
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    counts = decoder_counts_of_bounds(bounds)
+    if workload.lora.enabled and 0 in counts:
+        raise ConfigError(f"partition {counts} (decoder layers per stage) leaves stage {counts.index(0)} without a "
+                          f"decoder layer: under LoRA it would hold no adapter, nothing to train; give every stage "
+                          f"at least one decoder layer.")
+    return bounds
 
 
 # --- the files a run starts from ---------------------------------------------------------------------------------

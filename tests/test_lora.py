@@ -1,0 +1,256 @@
+"""LoRA: adapters' gradients against peft on transformers under stages, tensor parallelism, zero-bubble and
+checkpointing; training steps against a plain peft + torch AdamW loop; checkpoints without the base; export to a
+peft adapter and a merged model; the memory plan; bad input."""
+import glob
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from models.lora import LoraSettings, adapter_parameter_count
+from tests import parity_worker
+from tests.conftest import ROOT
+from tests.distributed import spawn
+from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics, run_in_process
+from tests.lora_reference import hf_eval_loss
+from tests.test_parity import GAS, MICRO_BATCH, SEQ
+
+LORA = {"rank": 4, "alpha": 8.0}
+
+
+def run_lora_parity(tiny_checkpoints, tmp_path, cases, num_stages, world_size, tensor_parallel=1):
+    cases = [dict(case, hf_dir=tiny_checkpoints[case["model"]][0], ds_dir=tiny_checkpoints[case["model"]][1])
+             for case in cases]
+    spawn(parity_worker.run, world_size, cases, num_stages, MICRO_BATCH, GAS, SEQ, str(tmp_path), tensor_parallel)
+    return [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "rank*.json")))]
+
+
+GRADIENT_CASES = {  # (stages, world size, tensor parallel): cases
+    (2, 2, 1): [dict(name="llama3", model="llama3", lora=LORA),
+                dict(name="tied+checkpointing", model="tied", lora=LORA, checkpoint_interval=1),
+                dict(name="qwen2+zero_bubble", model="qwen2", lora=LORA, schedule="zero_bubble"),
+                dict(name="attention_only", model="llama2", lora=dict(LORA, target_modules=("q_proj", "v_proj")))],
+    (2, 4, 2): [dict(name="llama3+sp", model="llama3", lora=LORA, sequence_parallel=True),
+                dict(name="qwen2", model="qwen2", lora=LORA, sequence_parallel=False),
+                dict(name="tied+sp+zero_bubble", model="tied", lora=LORA, schedule="zero_bubble")],
+}
+
+
+@pytest.mark.parametrize("layout", list(GRADIENT_CASES), ids=["2stages", "2stages_x_tp2"])
+def test_adapter_gradients_match_peft(tiny_checkpoints, tmp_path, layout):
+    """One step's loss and every adapter's gradient equal peft's on transformers (B nonzero, so A's gradients are
+    too); the base takes no gradient and does not change."""
+    num_stages, world_size, tensor_parallel = layout
+    ranks = run_lora_parity(tiny_checkpoints, tmp_path, GRADIENT_CASES[layout], num_stages, world_size,
+                            tensor_parallel)
+    for case in GRADIENT_CASES[layout]:
+        name = case["name"]
+        for rank in ranks:
+            result = rank[name]
+            ref = result["ref_losses"]
+            assert result["mean_loss"] == pytest.approx(sum(ref) / len(ref), abs=1e-5), name
+            bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
+            assert not bad, f"{name}: adapter gradients differ from peft's: {bad}"
+            assert result["frozen_unchanged_without_grad"], name
+            assert result["replicated_grad_spread"] == 0.0, name
+            assert all(".lora_" in n for n in result["grad_errors"]), name
+        # Every adapter of the peft model was compared on some rank.
+        assert set().union(*(r[name]["grad_errors"] for r in ranks)) == set(ranks[0][name]["ref_param_names"])
+        if case.get("schedule") == "zero_bubble":  # the adapters' weight gradients were deferred to W
+            deferred = set().union(*(r[name]["deferred_weights"] for r in ranks))
+            assert deferred and all(".lora_" in n for n in deferred), name
+
+
+# 6 fp32 steps of 8 sequences at a constant learning rate, clipped at 1.0; LoRA rank 4 on every projection.
+TRAINING = dict(num_stages=1, gradient_accumulation_steps=4, max_steps=6, logging_steps=1, learning_rate=1e-3,
+                lr_scheduler="constant", warmup_steps=0, zero_stage=0, **{"lora.rank": 4, "lora.alpha": 8})
+
+
+@pytest.fixture(scope="module")
+def peft_run(demo_model):
+    """The plain peft + transformers + torch AdamW loop the trainer's LoRA runs must equal: per-step losses and
+    the trained peft model."""
+    from tests.lora_reference import peft_training_losses
+    return peft_training_losses(demo_model["hf"], demo_model["train"], demo_model["ds"], LoraSettings(4, 8.0),
+                                steps=6, seed=42, seq_length=64, micro_batch_size=2, micro_batches=4,
+                                learning_rate=1e-3, betas=(0.9, 0.95), eps=1e-8, max_grad_norm=1.0,
+                                cache_dir=str(demo_model["root"] / "peft_cache"))
+
+
+@pytest.fixture(scope="module")
+def lora_run(demo_model, tmp_path_factory):
+    """1 process: 6 LoRA steps, checkpoints at 3 and 6, evaluated at the end and exported as a peft adapter."""
+    out = tmp_path_factory.mktemp("lora") / "run"
+    check_ok(launch_trainer(1, demo_overrides(demo_model, out, **TRAINING, save_steps=3, save_total_limit=2,
+                                              export_hf="true")))
+    return out
+
+
+def test_lora_training_equals_peft_and_its_export_loads_in_peft(demo_model, peft_run, lora_run, tmp_path):
+    ref_losses, ref_model = peft_run
+    assert per_step_losses(lora_run) == pytest.approx(ref_losses, abs=1e-4)
+    assert [r["lr"] for r in read_metrics(lora_run) if "loss" in r] == [1e-3] * 6
+    # The exported adapter, loaded by peft onto the original Hugging Face model, has the pipeline's eval loss.
+    from peft import PeftModel
+    exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(demo_model["hf"]), lora_run / "hf")
+    (pipeline_eval,) = [r["eval_loss"] for r in read_metrics(lora_run) if "eval_loss" in r]
+    eval_loss = hf_eval_loss(exported, demo_model["eval"], demo_model["ds"], 64, str(demo_model["root"] / "peft_cache"))
+    assert eval_loss == pytest.approx(pipeline_eval, abs=1e-5)
+    trained = {n: p for n, p in exported.named_parameters() if "lora_" in n}
+    assert len(trained) == 4 * 7 * 2
+    for name, param in ref_model.named_parameters():
+        if param.requires_grad:
+            assert torch.allclose(trained[name], param, atol=1e-5), name
+
+
+
+def test_data_and_tensor_parallel_runs_and_a_resume_on_another_layout_equal_peft(demo_model, peft_run, lora_run,
+                                                                                tmp_path):
+    """The same 6 steps on 2 stages x 2 data-parallel ranks (ZeRO-1) and on 1 stage x tensor parallel 2; the first's
+    step-3 checkpoint resumed on 1 process goes on as the peft loop; the tensor-parallel run's slices export as the
+    single process's adapter."""
+    ref_losses, _ = peft_run
+    runs = {"2x2": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1)),
+            "tp2": (2, dict(tensor_parallel_size=2))}
+    for name, (procs, layout) in runs.items():
+        check_ok(launch_trainer(procs, demo_overrides(demo_model, tmp_path / name, **{
+            **TRAINING, **layout, "save_steps": 3, "eval_file": "null"})))
+        assert per_step_losses(tmp_path / name) == pytest.approx(ref_losses, abs=1e-4), name
+    assert (tmp_path / "tp2" / "global_step6" / "layer_01-model_01-model_states.pt").is_file()
+    resumed = tmp_path / "resumed"
+    result = check_ok(launch_trainer(1, demo_overrides(demo_model, resumed, **{
+        **TRAINING, "eval_file": "null", "resume": str(tmp_path / "2x2" / "global_step3")})))
+    assert "resuming" in result.stdout and "num_stages 2 -> 1" in result.stdout
+    assert per_step_losses(resumed) == pytest.approx(ref_losses[3:], abs=1e-4)
+
+    from checkpoints.ds_to_hf import convert_ds_to_hf
+    convert_ds_to_hf(str(tmp_path / "tp2"), str(tmp_path / "tp2_adapter"))
+    single, sliced = (load_file(str(d / "adapter_model.safetensors")) for d in (lora_run / "hf", tmp_path / "tp2_adapter"))
+    assert sorted(sliced) == sorted(single)
+    for key, tensor in single.items():
+        assert torch.allclose(sliced[key], tensor, atol=1e-5), key
+
+
+def test_checkpoint_holds_the_adapters_and_points_at_its_base(demo_model, lora_run):
+    from checkpoints.integrity import manifest_digest
+    from models.lora import PROJECTIONS
+    tag = lora_run / "global_step6"
+    adapter_keys = {f"{'self_attn' if i < 4 else 'mlp'}.{name}.lora_{factor}.weight"
+                    for i, name in enumerate(PROJECTIONS) for factor in "AB"}
+    for index in range(1, 5):
+        assert set(torch.load(tag / f"layer_{index:02d}-model_states.pt")) == adapter_keys
+        optimizer_state = torch.load(tag / f"layer_{index:02d}-optim_states.pt")
+        assert {key: set(values) for key, values in optimizer_state.items()} == {
+            key: adapter_keys for key in ("fp32", "exp_avg", "exp_avg_sq")}
+    for index in (0, 5, 6):  # embedding, final norm, LM head: frozen, nothing saved
+        assert torch.load(tag / f"layer_{index:02d}-model_states.pt") == {}
+        assert not (tag / f"layer_{index:02d}-optim_states.pt").exists()
+    # The saved weights are the adapters' parameters and nothing else: a fifth of the base's bytes here.
+    config = AutoConfig.from_pretrained(demo_model["hf"])
+    saved = sum(t.numel() for i in range(1, 5) for t in torch.load(tag / f"layer_{i:02d}-model_states.pt").values())
+    assert saved == 4 * adapter_parameter_count(config, LoraSettings(4, 8.0))
+    base_tag = f"{demo_model['ds']}/global_step0"
+    weights = sum(f.stat().st_size for f in tag.glob("layer_*-model_states.pt"))
+    assert weights < sum(f.stat().st_size for f in Path(base_tag).glob("layer_*")) / 5
+    state = json.loads((tag / "trainer_state.json").read_text())
+    assert state["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": list(PROJECTIONS)}
+    assert state["base_model"] == {"path": demo_model["ds"], "tag": "global_step0",
+                                   "manifest_xxh3_128": manifest_digest(base_tag)}
+
+
+def test_merged_export_equals_peft_merge(demo_model, lora_run, tmp_path):
+    from peft import PeftModel
+    result = subprocess.run([sys.executable, "convert2ckpt.py", "--to_hf", "--merge_lora", "--ckpt_dir",
+                             str(lora_run), "--output_dir", str(tmp_path / "merged")], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    original = AutoModelForCausalLM.from_pretrained(demo_model["hf"]).state_dict()
+    peft_merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(demo_model["hf"]),
+                                            lora_run / "hf").merge_and_unload().state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    assert sorted(merged) == sorted(peft_merged)
+    changed = 0
+    for key, tensor in merged.items():
+        assert torch.allclose(tensor, peft_merged[key], atol=1e-6, rtol=0), key
+        if not any(f".{name}." in key for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                    "down_proj")):
+            assert torch.equal(tensor, original[key]), key  # embedding, norms, LM head: the base's bits
+        changed += not torch.equal(tensor, original[key])
+    assert changed == 4 * 7
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"lora.rank": 4, "lora.target_modules": "[q_proj,qkv_proj]"},
+     r"lora.target_modules \['q_proj', 'qkv_proj'\]: \['qkv_proj'\] matches no layer; the layers that take adapters "
+     r"are q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."),
+    ({"lora.rank": 48}, r"lora.rank=48 does not fit k_proj \(smallest side 32\), v_proj \(smallest side 32\): a rank "
+                        r"must be below a projection's smaller side; lower lora.rank."),
+    ({"lora.rank": -1}, r"lora.rank=-1 must be an integer >= 0 \(0: full fine-tuning\)."),
+    ({"++lora.ranks": 4}, r"unknown config key 'lora.ranks': did you mean lora.rank\?"),
+    ({"lora.rank": 4, "num_stages": 2, "partition": "[4,0]"},
+     r"partition \[4, 0\] \(decoder layers per stage\) leaves stage 1 without a decoder layer: under LoRA it would "
+     r"hold no adapter, nothing to train; give every stage at least one decoder layer."),
+], ids=["unknown_target", "rank_too_wide", "negative_rank", "unknown_key", "stage_without_adapters"])
+def test_bad_lora_config_is_refused_before_any_work(demo_model, tmp_path, overrides, message):
+    overrides = {"num_stages": 1, **overrides}
+    with pytest.raises(ValueError, match=message):
+        run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), overrides["num_stages"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_refuses_another_base_and_a_full_fine_tuning_run(demo_model, lora_run, tmp_path):
+    from checkpoints.hf_to_ds import convert_hf_to_ds
+    other_hf, other_ds = tmp_path / "other_hf", tmp_path / "other_ds"
+    model = AutoModelForCausalLM.from_pretrained(demo_model["hf"])
+    with torch.no_grad():
+        model.model.norm.weight.add_(1e-3)  # the same shapes, other weights
+    model.save_pretrained(other_hf)
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        (other_hf / name).write_bytes((Path(demo_model["hf"]) / name).read_bytes())
+    convert_hf_to_ds(str(other_hf), str(other_ds))
+    start = str(lora_run / "global_step3")
+    runs = {
+        "another base": (dict(TRAINING, model_name_or_path=str(other_ds), resume=start),
+                         f"checkpoint {start} holds adapters trained on the base {demo_model['ds']} .*, but "
+                         f"model_name_or_path {other_ds} has checksum .*: another base"),
+        "full fine-tuning": ({"resume": start, "num_stages": 1},
+                             rf"checkpoint {start} holds LoRA adapters, not a whole model: resume it as LoRA with "
+                             r"lora.rank=4 lora.alpha=8.0 lora.target_modules=\[q_proj,k_proj,v_proj,o_proj,"
+                             r"gate_proj,up_proj,down_proj\]"),
+        "another rank": (dict(TRAINING, resume=start, **{"lora.rank": 8}),
+                         rf"checkpoint {start} holds adapters with lora.rank=4 .*; this run has lora.rank=8"),
+    }
+    for name, (overrides, message) in runs.items():
+        with pytest.raises(ValueError, match=message):
+            run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), 1)
+        assert not (tmp_path / "run").exists(), name
+    result = subprocess.run([sys.executable, "convert2ckpt.py", "--to_hf", "--merge_lora", "--ckpt_dir",
+                             demo_model["ds"], "--output_dir", str(tmp_path / "merged")], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 1 and "holds no LoRA adapters (it is a whole model); export it without --merge_lora" \
+        in result.stderr
+
+
+def test_memory_plan_counts_the_frozen_base_and_the_adapters():
+    """llama3_70b_lora on one node of 8 x 80 GB: the bf16 base's weights, the adapters' bf16 gradients and their
+    fp32 master and Adam moments; full fine-tuning on the same devices does not fit even offloading nothing."""
+    from planner.memory_plan import memory_plan
+    from tests.test_memory_plan import run_config
+    from training.run_spec import plan_spec
+    spec = plan_spec(run_config("llama3_70b_lora"), 8)
+    rows = memory_plan(spec)
+    adapters = adapter_parameter_count(spec.model_config, spec.lora)  # per decoder layer
+    # rank x (in + out) per projection: q and o 8192 + 8192, k and v 8192 + 1024, gate, up and down 8192 + 28672
+    assert adapters == 16 * (2 * 16384 + 2 * 9216 + 3 * 36864)
+    for row in rows:
+        decoders = row["decoder_layers"]
+        assert row["gradients_bytes"] == decoders * adapters * 2
+        assert row["optimizer_bytes"] == decoders * adapters * 12
+        assert row["fits"] and row["memory_bytes"] < 30 * 2**30
+    full = memory_plan(plan_spec(run_config("llama3_70b_lora", "lora.rank=0", "offload_optimizer=none"), 8))
+    assert not any(row["fits"] for row in full)
