@@ -256,9 +256,9 @@ def test_memory_plan_counts_the_frozen_base_and_the_adapters():
     assert not any(row["fits"] for row in full)
 
 
-def test_lora_trains_on_packed_chat_on_two_stages_under_zero_bubble(demo_model, tmp_path):
-    """Chat data, packing, 2 stages, the zero-bubble schedule and checkpointing together: the loss falls and the run
-    exports a peft adapter (parity with peft is the tests above; this is the data side and the schedule)."""
+def test_lora_trains_on_packed_chat_on_two_stages_with_zero_bubble_and_offload(demo_model, tmp_path):
+    """Chat data, packing, 2 stages, the zero-bubble schedule, checkpointing and the offloaded optimizer together: the
+    loss falls and the run exports a peft adapter (parity with peft: the tests above)."""
     from tests.chat_tokenizers import CHATML_TEMPLATE
     words = "the cat dog sees a red ball near park".split()
     say = lambda i: " ".join(words[(i + j) % len(words)] for j in range(2 + i % 9))  # noqa: E731
@@ -272,8 +272,9 @@ def test_lora_trains_on_packed_chat_on_two_stages_under_zero_bubble(demo_model, 
     check_ok(launch_trainer(2, demo_overrides(
         demo_model, out, num_stages=2, train_file=data, eval_file=data, seq_length=256, max_steps=6,
         learning_rate=1e-2, logging_steps=1, pipeline_schedule="zero_bubble", activation_checkpoint_interval=1,
-        export_hf="true", **{"lora.rank": 4, "data.format": "chat", "data.chat_template": template,
-                             "data.packing": "true", "data.cache_dir": tmp_path / "cache"})))
+        export_hf="true", offload_optimizer="cpu", zero_stage=1,
+        **{"lora.rank": 4, "data.format": "chat", "data.chat_template": template, "data.packing": "true",
+           "data.cache_dir": tmp_path / "cache"})))
     losses = [record["loss"] for record in read_metrics(out) if "loss" in record]
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert json.loads((out / "hf" / "adapter_config.json").read_text())["r"] == 4
