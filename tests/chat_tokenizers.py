@@ -1,5 +1,8 @@
 """Small byte-level BPE tokenizers with the chat templates that instruct checkpoints ship (Jinja text as published
 in the checkpoints' tokenizer_config.json), built locally with the `tokenizers` library: nothing is downloaded."""
+import json
+import random
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -38,6 +41,21 @@ CORPUS = [
     "Tell me a short story about a cat and a dog who live near the river.",
     "Once upon a time the small cat found a red ball in the garden, and the dog carried it home.",
 ] * 4
+
+
+def write_chat_files(directory, count, seed=1):
+    """`count` random conversations of one or two exchanges as chat jsonl, and the ChatML template beside them:
+    (data path, template path)."""
+    rng = random.Random(seed)
+    words = "the cat dog sees a red ball near park".split()
+    say = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))  # noqa: E731
+    conversations = [[message for _ in range(rng.randint(1, 2)) for message in
+                      ({"role": "user", "content": say()}, {"role": "assistant", "content": say()})]
+                     for _ in range(count)]
+    data, template = directory / "chat.jsonl", directory / "chatml.jinja"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    template.write_text(CHATML_TEMPLATE)
+    return data, template
 
 
 def make_chat_tokenizer(style, vocab_size=400):

@@ -259,15 +259,8 @@ def test_memory_plan_counts_the_frozen_base_and_the_adapters():
 def test_lora_trains_on_packed_chat_on_two_stages_with_zero_bubble_and_offload(demo_model, tmp_path):
     """Chat data, packing, 2 stages, the zero-bubble schedule, checkpointing and the offloaded optimizer together: the
     loss falls and the run exports a peft adapter (parity with peft: the tests above)."""
-    from tests.chat_tokenizers import CHATML_TEMPLATE
-    words = "the cat dog sees a red ball near park".split()
-    say = lambda i: " ".join(words[(i + j) % len(words)] for j in range(2 + i % 9))  # noqa: E731
-    conversations = [[{"role": "user", "content": say(i)}, {"role": "assistant", "content": say(i + 3)}]
-                     for i in range(64)]
-    data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
-    template = tmp_path / "chatml.jinja"
-    template.write_text(CHATML_TEMPLATE)
+    from tests.chat_tokenizers import write_chat_files
+    data, template = write_chat_files(tmp_path, 64)
     out = tmp_path / "run"
     check_ok(launch_trainer(2, demo_overrides(
         demo_model, out, num_stages=2, train_file=data, eval_file=data, seq_length=256, max_steps=6,

@@ -140,19 +140,10 @@ def test_trainer_eval_only_on_packed_chat_equals_transformers_per_conversation(d
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.chat_tokenizers import CHATML_TEMPLATE
+    from tests.chat_tokenizers import write_chat_files
     from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics
 
-    rng = random.Random(1)
-    words = "the cat dog sees a red ball near park".split()
-    say = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))  # noqa: E731
-    conversations = [[message for _ in range(rng.randint(1, 2)) for message in
-                      ({"role": "user", "content": say()}, {"role": "assistant", "content": say()})]
-                     for _ in range(12)]
-    data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
-    template = tmp_path / "chatml.jinja"
-    template.write_text(CHATML_TEMPLATE)
+    data, template = write_chat_files(tmp_path, 12)
     out = tmp_path / "run"
     check_ok(launch_trainer(1, demo_overrides(
         demo_model, out, num_stages=1, eval_only="true", eval_file=data, micro_batch_size=2, seq_length=512,
