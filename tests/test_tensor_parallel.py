@@ -150,6 +150,8 @@ def different_batches_worker(rank, out_dir):
             message = str(error)
         with open(os.path.join(out_dir, f"{case}{rank}.txt"), "w") as f:
             f.write(message)
+    dist.barrier()  # no rank leaves while its peer is still in a collective (gloo aborts the process then)
+    dist.destroy_process_group()
 
 
 def test_tensor_parallel_ranks_must_see_the_same_batch(tmp_path):
