@@ -20,17 +20,23 @@ def main(cfg):
     from training.loop import run  # heavy imports after Hydra has parsed the command line
     from training.checkpointing import DiskFullError
     from training.preemption import PREEMPTED_EXIT_CODE, Preempted
+    import torch.distributed as dist
     exit_code = 0
     try:
         run(cfg)
-    except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError, DiskFullError) as error:  # what to fix
+    except DiskFullError as error:
+        if not error.every_rank:
+            sys.exit(f"trainer_pipe: error: {error}")
+        print(f"trainer_pipe: error: {error}", file=sys.stderr, flush=True)
+        dist.barrier()  # each rank has said it before any exits: the launcher ends the others at the first exit
+        sys.exit(1)
+    except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as error:  # what to fix
         sys.exit(f"trainer_pipe: error: {error}")
     except Preempted as stop:  # every rank saved together; the launcher passes the code on
         print(f"trainer_pipe: {stop}", flush=True)
         exit_code = PREEMPTED_EXIT_CODE
     # Only after success or a collective stop: tearing down a group whose peers are still mid-collective can block
     # a failing rank, while a plain exit lets the launcher end the others at once.
-    import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
     if exit_code:

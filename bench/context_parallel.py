@@ -3,7 +3,8 @@ processes holding whole sequences (1 stage x 2 data-parallel), the same global b
 
 Both layouts are built in one launch of 2 processes (gloo, 1 thread each) and their steps interleaved, so the noise
 of a shared machine falls on both alike. Activation memory: the bytes autograd keeps for backward over one
-micro-batch's forward on one rank (unique storages, saved-tensor hooks), which is what the split divides.
+micro-batch's forward on one rank (unique storages, saved-tensor hooks, the weights left out), which is what the
+split divides.
 
     python bench/context_parallel.py [--seq 4096] [--rounds 5] [--steps 2]
 """
@@ -37,12 +38,15 @@ def micro_batch(seq, vocab, seed):
 
 
 def saved_activation_bytes(module, batch):
-    """Bytes autograd keeps for backward over one micro-batch's forward (each storage once); runs its backward."""
+    """Bytes autograd keeps for backward over one micro-batch's forward (each storage once, the weights it keeps a
+    reference to left out: they are the model's, not activations); runs its backward."""
     storages = {}
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in weights:
+            storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     inputs, labels = batch

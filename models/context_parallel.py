@@ -17,6 +17,7 @@ With size 1 every call is the plain computation and no collective runs.
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 class ContextParallel:
@@ -63,10 +64,14 @@ class ContextParallel:
         return gathered.split(k.shape[-1], dim=-1)
 
     def attention_masks(self, document_ids):
-        """Per local half, the boolean (batch or 1, 1, chunk, keys up to the chunk's end) mask of the keys its
-        queries may attend: causal by global position and within the query's document; a padding query sees only
-        itself (no empty row). The document ids of the whole sequence are all-gathered once per micro-batch."""
+        """Per local half, the boolean (batch, 1, chunk, keys up to the chunk's end) mask of the keys its queries
+        may attend: causal by global position and within the query's document; a padding query sees only itself (no
+        empty row). None for both when every row is one unpadded document: causal attention whose queries end the
+        keys needs no mask (causal_lower_right_attention). The whole sequence's document ids are all-gathered once
+        per micro-batch."""
         whole = self.gather_sequence(document_ids, dim=1)
+        if bool((whole == 1).all()):
+            return [None, None]
         chunk = document_ids.shape[1] // 2
         masks = []
         for index in self.global_chunks():
@@ -74,9 +79,6 @@ class ContextParallel:
             queries = torch.arange(index * chunk, end, device=document_ids.device)
             keys = torch.arange(end, device=document_ids.device)
             causal = keys[None, :] <= queries[:, None]
-            if bool((whole == 1).all()):  # one unpadded document per row: the causal mask serves every row
-                masks.append(causal[None, None])
-                continue
             query_docs, key_docs = whole[:, index * chunk:end], whole[:, :end]
             allowed = causal & (query_docs[:, :, None] == key_docs[:, None, :]) & (key_docs != 0)[:, None, :]
             masks.append((allowed | (keys[None, :] == queries[:, None]))[:, None])
@@ -84,15 +86,17 @@ class ContextParallel:
 
     def attend(self, attention, q, k, v, masks):
         """attention(q, k, v, mask) of this rank's queries: each half over the keys up to its own chunk (the
-        causal saving that the zig-zag split makes even across ranks)."""
+        causal saving that the zig-zag split makes even across ranks). The halves are joined token-major, the
+        layout the output projection reads, so joining them is the only copy."""
         if self.size == 1:
             return attention(q, k, v, masks)
         chunk = q.shape[2] // 2
         outputs = []
         for half, (index, mask) in enumerate(zip(self.global_chunks(), masks)):
             end = (index + 1) * chunk
-            outputs.append(attention(q[:, :, half * chunk:(half + 1) * chunk], k[:, :, :end], v[:, :, :end], mask))
-        return torch.cat(outputs, dim=2)
+            out = attention(q[:, :, half * chunk:(half + 1) * chunk], k[:, :, :end], v[:, :, :end], mask)
+            outputs.append(out.transpose(1, 2))
+        return torch.cat(outputs, dim=1).transpose(1, 2)
 
     # --- the loss ---------------------------------------------------------------------------------------------
     def loss_divisor(self, next_labels, ignore_index):
@@ -149,6 +153,47 @@ class GatherSequence(torch.autograd.Function):
         _, to_gathered = context.orders(grad.shape[dim] // (2 * context.size), grad.device)
         in_gathered_order = grad.movedim(dim, 0).index_select(0, to_gathered)
         return context.reduce_scatter(in_gathered_order).movedim(0, dim), None, None
+
+
+def causal_lower_right_attention(q, k, v, grouped):
+    """Causal attention of queries that are the last q.shape[2] of the keys (each half's queries end its keys), with
+    no mask tensor: CUDA's flash kernels align a causal mask there (torch's causal_lower_right), but the CPU's aligns
+    it at the first key and SDPA would materialise the mask and keep it per layer for backward."""
+    if q.device.type == "cpu":
+        return LowerRightCausalOnCPU.apply(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+                                          enable_gqa=grouped)
+
+
+class LowerRightCausalOnCPU(torch.autograd.Function):
+    """The keys before the queries' own block (all visible) and that block (causal from its first key) through the
+    CPU flash kernel apart, merged by their log-sum-exps; backward runs each part's kernel with the merged output
+    and log-sum-exp, which gives exactly the gradient of the whole (ring attention's merge). No torch op exposes
+    the kernel's log-sum-exp but this private one."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        prefix = k.shape[2] - q.shape[2]
+        before, before_lse = flash(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False)
+        block, block_lse = flash(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True)
+        lse = torch.logaddexp(before_lse, block_lse)
+        out = (before.float() * (before_lse - lse).exp()[..., None]
+               + block.float() * (block_lse - lse).exp()[..., None]).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        prefix = k.shape[2] - q.shape[2]
+        grad = grad.contiguous()
+        dq_before, dk_before, dv_before = flash_backward(grad, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, 0.0,
+                                                         False)
+        dq_block, dk_block, dv_block = flash_backward(grad, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, 0.0,
+                                                      True)
+        return dq_before + dq_block, torch.cat([dk_before, dk_block], 2), torch.cat([dv_before, dv_block], 2)
 
 
 def build_context_parallel(topology, size):

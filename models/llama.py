@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
-from models.context_parallel import NO_CONTEXT_PARALLEL
+from models.context_parallel import NO_CONTEXT_PARALLEL, causal_lower_right_attention
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 
 # transformers' ACT2FN for the activations LLaMA-family models use (importing ACT2FN costs ~75 MB per process).
@@ -179,9 +179,12 @@ class Attention(nn.Module):
     def attend(self, q, k, v, mask):
         """Grouped-query attention: each key/value head serves q heads / kv heads query heads. SDPA reads them
         as they are (enable_gqa); a copy per query head would be kept for backward, over the whole sequence under
-        context parallelism."""
+        context parallelism. No mask: causal, the queries being the last of the keys (all of them, but under context
+        parallelism a half's queries follow the keys of the chunks before it)."""
         grouped = q.shape[1] != k.shape[1]
         if self.attention_impl == "sdpa":
+            if mask is None and q.shape[2] != k.shape[2]:
+                return causal_lower_right_attention(q, k, v, grouped)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped)
         if grouped:
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
@@ -190,8 +193,9 @@ class Attention(nn.Module):
 
 def eager_attention(q, k, v, mask):
     scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5
-    if mask is None:
-        mask = additive_mask(torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(), q.dtype)
+    if mask is None:  # causal, the queries ending the keys
+        queries, keys = q.shape[-2], k.shape[-2]
+        mask = additive_mask(torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(keys - queries), q.dtype)
     probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 

@@ -17,7 +17,8 @@ Context parallelism over c ranks (models/context_parallel.py): every rank comput
 (the workload's `tokens`), its queries attend over the whole sequence (attention FLOPs: local tokens x
 seq_length), attention keeps the whole sequence's keys and values for backward (all-gathered, this rank's key/value
 heads) and their gradients while it runs backward, and each stage holds one additive mask per local half (local
-chunk x the keys up to it, in the activation dtype, per row when documents are packed; counted packed).
+chunk x the keys up to it, in the activation dtype, per row) when rows hold padding or packed documents: counted
+so, though rows of one whole document need none (models/context_parallel.py).
 
 Tensor parallelism (Megatron's layout, models/tensor_parallel.py) over t ranks: every figure is one rank's. The
 projections, the embedding and the LM head hold 1/t of their weights (norms and row-parallel biases stay whole),

@@ -1,9 +1,12 @@
 """Context parallelism (models/context_parallel.py) against transformers, on real processes (gloo): packed rows of
-several documents with padding, the token-weighted eval loss (training/evaluation.py) and the training gradients for
-1 stage x context 2 (x 2 replicas), 2 stages x context 2 (tied embeddings), context 2 x tensor parallel 2 (sequence
-parallel), context 4, and 2 stages x context 2 under the zero-bubble schedule with activation checkpointing, in one
-launch of 4 processes; training parity through the launcher; config errors before any process group."""
+several documents with padding (attention masks) and full one-document rows (causal attention without a mask), the
+token-weighted eval loss (training/evaluation.py) and the training gradients for 1 stage x context 2 (x 2
+replicas), 2 stages x context 2 (tied embeddings), context 2 x tensor parallel 2 (sequence parallel), context 4, and
+2 stages x context 2 under the zero-bubble schedule with activation checkpointing, in one launch of 4 processes;
+training parity through the launcher; config errors before any process group."""
+import itertools
 import json
+import random
 
 import pytest
 
@@ -33,7 +36,7 @@ def micro_batches(rows, replicas, replica, context):
         yield context.split_micro_batch(collate_causal_lm(rows[start:start + MICRO_BATCH], SEQ, pad_id=0))
 
 
-def context_parity_worker(rank, checkpoints, rows, out_dir):
+def context_parity_worker(rank, checkpoints, datasets, out_dir):
     from types import SimpleNamespace
 
     import torch
@@ -48,7 +51,8 @@ def context_parity_worker(rank, checkpoints, rows, out_dir):
 
     init_distributed(timeout_minutes=2)
     results = {}
-    for name, (model, stages, tensor_parallel, context_parallel, options) in CASES.items():
+    for (data, rows), (name, (model, stages, tensor_parallel, context_parallel, options)) in itertools.product(
+            datasets.items(), CASES.items()):
         hf_dir, ds_dir = checkpoints[model]
         config = AutoConfig.from_pretrained(hf_dir)
         module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True,
@@ -68,7 +72,7 @@ def context_parity_worker(rank, checkpoints, rows, out_dir):
         train_loss = float(engine.train_batch(micro_batches(rows, replicas, replica, module.context)))
         ref_loss, train_ref, ref_grads = hf_reference(hf_dir, rows, GAS * replicas)
         grad_errors = gradient_errors(module, optimizer.recorded, ref_grads, config.num_hidden_layers, engine)
-        results[name] = {"eval_loss": eval_loss, "ref_loss": ref_loss, "train_loss": train_loss,
+        results[f"{data}/{name}"] = {"eval_loss": eval_loss, "ref_loss": ref_loss, "train_loss": train_loss,
                          "train_ref": train_ref, "grad_errors": grad_errors, "context_rank": module.context.rank}
         torch.distributed.barrier()
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
@@ -82,11 +86,19 @@ def packed_documents(tmp_path):
     return rows
 
 
-def test_context_parallel_matches_transformers_on_packed_documents(tiny_checkpoints, tmp_path):
-    spawn(context_parity_worker, 4, tiny_checkpoints, packed_documents(tmp_path), str(tmp_path))
+def full_rows():
+    """Rows of SEQ tokens, one document each: every rank's halves attend causally with no mask."""
+    rng = random.Random(1)
+    rows = [[rng.randrange(96) for _ in range(SEQ)] for _ in range(2 * GAS * MICRO_BATCH)]
+    return [{"input_ids": ids, "labels": ids, "lengths": [SEQ]} for ids in rows]
+
+
+def test_context_parallel_matches_transformers(tiny_checkpoints, tmp_path):
+    datasets = {"packed": packed_documents(tmp_path), "full": full_rows()}
+    spawn(context_parity_worker, 4, tiny_checkpoints, datasets, str(tmp_path))
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(4)]
-    for name in CASES:
-        assert {rank[name]["context_rank"] for rank in ranks} == set(range(CASES[name][3])), name
+    for name in (f"{data}/{case}" for data, case in itertools.product(datasets, CASES)):
+        assert {rank[name]["context_rank"] for rank in ranks} == set(range(CASES[name.split("/")[1]][3])), name
         for result in (rank[name] for rank in ranks):
             assert result["eval_loss"] == pytest.approx(result["ref_loss"], abs=1e-5), name
             assert result["train_loss"] == pytest.approx(result["train_ref"], abs=1e-5), name

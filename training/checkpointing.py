@@ -32,7 +32,12 @@ TRAINER_STATE_NAME = "trainer_state.json"
 
 
 class DiskFullError(OSError):
-    """A checkpoint that does not fit on its disk; the message names it, what it needs and where to resume."""
+    """A checkpoint that does not fit on its disk; the message names it, what it needs and where to resume.
+    every_rank: every rank refuses it together (before writing), so each can say so before any exits."""
+
+    def __init__(self, message, every_rank=False):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 def tag_of_step(step):
@@ -291,7 +296,7 @@ def check_space_for_checkpoint(output_dir, tag, needed_bytes):
     dist.broadcast_object_list(reading, src=0)
     free, needed = reading[0]
     if free < needed:
-        raise DiskFullError(disk_full_message(output_dir, tag, needed, free))
+        raise DiskFullError(disk_full_message(output_dir, tag, needed, free), every_rank=True)
 
 
 def disk_full_message(output_dir, tag, needed_bytes, free):
