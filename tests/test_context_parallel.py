@@ -106,11 +106,15 @@ def test_context_parallel_matches_transformers(tiny_checkpoints, tmp_path):
             assert not bad, f"{name}: gradients differ from transformers on each document alone: {bad}"
 
 
-def test_training_parity_with_context_parallel(demo_model, single_process_run, tmp_path):
-    """8 fp32 steps of 1 stage x context 2 through the launcher against 1 process on the same global batch (the
-    losses, the clipping norm, the samples counted for the data position) and the same eval loss after them."""
+@pytest.mark.parametrize("processes,layout", [(2, {}), (8, {"num_stages": 2, "tensor_parallel_size": 2})],
+                         ids=["1stage_x_cp2", "2stages_x_tp2_x_cp2"])
+def test_training_parity_with_context_parallel(demo_model, single_process_run, tmp_path, processes, layout):
+    """8 fp32 steps with context 2 through the launcher (1 stage; 2 stages x tensor parallel 2) against 1 process on
+    the same global batch (the losses, the clipping norm, the samples counted for the data position) and the same
+    eval loss after them."""
     out = tmp_path / "cp2"
-    check_ok(launch_trainer(2, demo_overrides(demo_model, out, **dict(SINGLE_PROCESS, context_parallel_size=2))))
+    check_ok(launch_trainer(processes, demo_overrides(demo_model, out, **dict(SINGLE_PROCESS, context_parallel_size=2,
+                                                                              **layout))))
     losses = per_step_losses(out)
     assert len(losses) == 8 and losses == pytest.approx(per_step_losses(single_process_run), abs=1e-4)
     records = {run: [r for r in read_metrics(run) if "loss" in r] for run in (single_process_run, out)}
