@@ -8,7 +8,8 @@ interleaved rounds (reversed every other round, so that the machine's drift fall
   pipeline schedule, its step time from the profile (the first step left out, as for the loop's warm-up step).
 Prints each round's ratios (1 stage ÷ one loop, 2 stages ÷ two loops at once) and their spread, then, from the last
 round's profiles (training/profiling.py), milliseconds per step on each stage: each engine instruction, the engine's
-own work between them, and the loop's work between steps.
+own work between them, and the loop's work between steps; and each stage's compute (F + B + W) against the start-up
+plan's FLOPs (planner/stage_costs.py), which `partition: balanced` (the default) evens out.
 
   python bench/trainer_profile.py [--workload small|smollm2] [--rounds 3] [--steps 6] [--partition balanced]
 """
@@ -125,6 +126,24 @@ def print_profile(name, profiles):
                                                                     if k not in ("train_batch", "checkpoint")))
 
 
+COMPUTE = ("ForwardPass", "BackwardPass", "BackwardInputPass", "BackwardWeightPass")
+
+
+def print_plan_check(name, profiles):
+    """Each stage's compute time (F + B + W) against the start-up plan's FLOPs: the time each stage would take if the
+    step's measured compute were shared out as the plan's FLOPs are."""
+    measured = {stage: sum(p["instructions"].get(i, 0.0) for i in COMPUTE) / len(p["step_seconds"])
+                for stage, p in profiles.items()}
+    planned = {stage: p["planned_tflops_per_micro_batch"] for stage, p in profiles.items()}
+    total_measured, total_planned = sum(measured.values()), sum(planned.values())
+    cells = []
+    for stage in sorted(profiles):
+        predicted = total_measured * planned[stage] / total_planned
+        cells.append(f"stage {stage} {1e3 * measured[stage]:.0f} ms vs plan {1e3 * predicted:.0f} ms "
+                     f"({measured[stage] / predicted - 1:+.1%})")
+    print(f"  {name}: compute per step against the plan's FLOPs: " + ", ".join(cells))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="small")
@@ -160,6 +179,9 @@ def main():
                   f"{max(ratios):.3f})")
         for name, stage_profiles in profiles.items():
             print_profile(name, stage_profiles)
+        for name, stage_profiles in profiles.items():
+            if len(stage_profiles) > 1:
+                print_plan_check(name, stage_profiles)
     print(machine_note())
 
 

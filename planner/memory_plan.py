@@ -11,11 +11,12 @@ The numbers come from planner/stage_costs.py, the cost model the balanced partit
 import dataclasses
 import os
 
-from planner.stage_costs import format_stage_plan, stage_plan
+from planner.stage_costs import UNMODELLED_DEVICE_SHARE, format_stage_plan, stage_plan
 from planner.workload import describe_workload
 
 GIB = 2 ** 30
-RUNTIME_NOTE = "not modelled: CUDA context, NCCL buffers, allocator fragmentation (keep ~10% headroom)"
+RUNTIME_NOTE = (f"not modelled: CUDA context, NCCL buffers, allocator fragmentation (keep ~{UNMODELLED_DEVICE_SHARE:.0%} "
+                f"headroom; partition=balanced does)")
 # Host memory of one training process apart from the offloaded optimizer: Python, torch with its CUDA and NCCL
 # libraries, DeepSpeed, the tokenizer and the data loader (resident set of a GPU training process, typically 3-5 GiB).
 HOST_PROCESS_BYTES = 4 * GIB
@@ -26,6 +27,11 @@ def describe_stages(spec):
     rows = stage_plan(spec.model_config, spec.stage_bounds, spec.workload)
     return (f"pipeline partition '{spec.cfg.partition}' for {describe_workload(spec.workload)}:\n"
             f"{format_stage_plan(rows)}")
+
+
+def planned_stage_tflops(spec, stage):
+    """The plan's training compute of one stage per micro-batch (TFLOP, this rank's share)."""
+    return stage_plan(spec.model_config, spec.stage_bounds, spec.workload)[stage]["tflops_per_micro_batch"]
 
 
 def memory_plan(spec):

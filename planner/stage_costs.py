@@ -29,8 +29,10 @@ in flight) unless recompute_sequence_gather gathers it again into one pooled buf
 tokens is summed into another before the reduce-scatter. Without sequence parallelism the residual stream is whole
 on every rank.
 
-A stage's cost is the mean of its compute and its memory, each in units of one decoder layer, so an embedding
-that holds 2.4 decoder layers of memory and does no compute weighs 1.2 decoder layers.
+A stage's cost, which the `balanced` partition minimises on the costliest stage, is its compute in units of one
+decoder layer (the slowest stage sets a pipeline's pace) as long as its memory fits the device; a stage over the
+device's memory costs more than any that fits, by how far over it is. Measured on the CPU, stage compute times
+follow these FLOPs within 4% (bench/trainer_profile.py).
 """
 from models.llama import head_dim_of
 from models.lora import adapter_parameter_count
@@ -41,6 +43,9 @@ from planner.workload import check_tensor_parallel
 from training.schedule import in_flight_micro_batches, waiting_micro_batches
 
 INT64_BYTES = 8
+# The share of a device's memory the plan does not model (CUDA context, NCCL buffers, allocator fragmentation):
+# `balanced` fills stages to the rest.
+UNMODELLED_DEVICE_SHARE = 0.1
 
 
 class LayerCosts:
@@ -230,18 +235,13 @@ class LayerCosts:
 
 
 class StageCostModel:
-    """Compute, memory and the combined cost of a stage given its layer kinds."""
+    """Compute, memory and the cost of a stage given its layer kinds. device_bytes: the memory each device has
+    (None: no limit)."""
 
-    def __init__(self, config, workload, num_stages, compute_weight=0.5):
+    def __init__(self, config, workload, num_stages, device_bytes=None):
         self.layers = LayerCosts(config, workload)
-        self.workload, self.num_stages, self.compute_weight = workload, num_stages, compute_weight
-        # Units: one decoder layer's compute, and its state plus what it keeps per micro-batch for the mean number
-        # of micro-batches in flight.
+        self.workload, self.num_stages, self.device_bytes = workload, num_stages, device_bytes
         self.compute_unit = self.layers.stage_flops([DECODER])
-        mean_in_flight = sum(self.in_flight(s) for s in range(num_stages)) / num_stages
-        kept = (self.layers.hidden_bytes if workload.activation_checkpoint_interval
-                else self.layers.saved_bytes[DECODER])
-        self.memory_unit = sum(self.layers.stage_state_bytes([DECODER]).values()) + mean_in_flight * kept
 
     def in_flight(self, stage):
         return in_flight_micro_batches(stage, self.num_stages, self.workload.micro_batches)
@@ -267,19 +267,25 @@ class StageCostModel:
         return (state["weights"] + state["optimizer"] + self.layers.stage_buffer_bytes()
                 + max(backward, self.layers.stage_step_bytes(kinds)))
 
+    def compute(self, kinds):
+        """A stage's training compute per micro-batch in decoder layers: its share of the step's time."""
+        return self.layers.stage_flops(kinds) / self.compute_unit
+
     def cost(self, stage, kinds):
-        compute = self.layers.stage_flops(kinds) / self.compute_unit
-        memory = self.memory_bytes(stage, kinds) / self.memory_unit
-        return self.compute_weight * compute + (1 - self.compute_weight) * memory
+        """(bytes over the device memory the plan models, compute): a stage that fits is as costly as its compute."""
+        if self.device_bytes is None:
+            return 0, self.compute(kinds)
+        usable = self.device_bytes * (1 - UNMODELLED_DEVICE_SHARE)
+        return max(0, self.memory_bytes(stage, kinds) - usable), self.compute(kinds)
 
 
-def balanced_stage_cost(config, workload, num_stages):
+def balanced_stage_cost(config, workload, num_stages, device_bytes=None):
     """The stage cost models/partition.py's `balanced` method minimises for this run."""
-    return StageCostModel(config, workload, num_stages).cost
+    return StageCostModel(config, workload, num_stages, device_bytes).cost
 
 
 def stage_plan(config, bounds, workload):
-    """Per stage: its layers, parameters, compute, memory by kind (bytes) and combined cost."""
+    """Per stage: its layers, parameters, compute (TFLOP and decoder layers' worth) and memory by kind (bytes)."""
     num_stages = len(bounds) - 1
     model = StageCostModel(config, workload, num_stages)
     kinds_of = layer_kinds(config.num_hidden_layers)
@@ -300,24 +306,24 @@ def stage_plan(config, bounds, workload):
             "in_flight": model.in_flight(stage),
             "waiting_for_weight_grads": model.waiting(stage),
             "memory_bytes": model.memory_bytes(stage, kinds),
-            "cost": model.cost(stage, kinds),
+            "compute": model.compute(kinds),
         })
     return rows
 
 
 def format_stage_plan(rows):
     """The plan as a table: layers, parameters, compute and estimated memory per stage."""
-    lines = [f"{'stage':>5} {'layers':>9} {'decoders':>8} {'params':>9} {'TFLOP/mb':>9} {'memory':>9} {'cost':>6}"]
+    lines = [f"{'stage':>5} {'layers':>9} {'decoders':>8} {'params':>9} {'TFLOP/mb':>9} {'memory':>9} {'compute':>7}"]
     for row in rows:
         start, stop = row["layers"]
         lines.append(f"{row['stage']:>5} {f'{start}-{stop - 1}':>9} {row['decoder_layers']:>8} "
                      f"{row['parameters'] / 1e9:>8.2f}B {row['tflops_per_micro_batch']:>9.2f} "
-                     f"{row['memory_bytes'] / 2**30:>6.1f}GiB {row['cost']:>6.2f}")
-    lines.append(f"largest / smallest stage cost: {cost_spread(rows):.3f}")
+                     f"{row['memory_bytes'] / 2**30:>6.1f}GiB {row['compute']:>7.2f}")
+    lines.append(f"compute in decoder layers; largest / smallest stage compute: {compute_spread(rows):.3f}")
     return "\n".join(lines)
 
 
-def cost_spread(rows):
-    """Largest stage cost over the smallest: 1.0 is a perfect balance."""
-    costs = [row["cost"] for row in rows]
-    return max(costs) / min(costs)
+def compute_spread(rows):
+    """Largest stage compute over the smallest: 1.0 is a perfect balance."""
+    computes = [row["compute"] for row in rows]
+    return max(computes) / min(computes)

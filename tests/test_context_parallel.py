@@ -154,7 +154,8 @@ def test_plan_counts_the_context_split():
 
     plans = {}
     for size in (1, 2):
-        spec = plan_spec(run_config("llama3_70b_32k", f"context_parallel_size={size}"))
+        # One partition for both (the split plan's), so that stages compare layer for layer.
+        spec = plan_spec(run_config("llama3_70b_32k", f"context_parallel_size={size}", "partition=[10,10,10,10,10,10,10,10]"))
         rows = memory_plan(spec)
         plans[size] = (spec, rows, plan_fits(spec, rows, host_memory_plan(spec, rows)))
     (one, rows1, fits1), (two, rows2, fits2) = plans[1], plans[2]

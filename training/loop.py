@@ -19,7 +19,7 @@ from data.loader import build_stage_loader, check_identical_across_group, infini
 from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.tensor_parallel import SHARDED_MARKER
-from planner.memory_plan import describe_stages, print_memory_plan
+from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan
 from training.checkpointing import (checkpoint_bytes, clear_previous_run, dropped_state, has_layout_free_state,
                                     layout_change, load_rng_state, remove_incomplete_checkpoints, resolve_resume,
                                     save_checkpoint, start_checkpoint_dir, storage_warning, verify_checkpoint)
@@ -264,7 +264,8 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
     preemption = PreemptionWatch(cfg.preemption_grace_seconds)
     flops_per_token = training_flops_per_token(spec.model_config, cfg.seq_length, spec.lora)
     peak_tflops = device_peak_tflops(cfg.peak_tflops, cfg.precision)
-    profile = StepProfile(engine, cfg.output_dir, dist.get_rank()) if cfg.profile else NoProfile()
+    profile = (StepProfile(engine, cfg.output_dir, dist.get_rank(), planned_stage_tflops(spec, engine.stage_id))
+               if cfg.profile else NoProfile())
     start_time = window_start = time.time()
     window_steps, losses, skipped = 0, [], 0
     result = {}

@@ -31,9 +31,11 @@ class StepProfile:
     """Seconds per instruction and per part of the loop, summed over the profiled steps. lap(name) adds the time
     since the previous lap to `name`: the loop calls it after each of its parts."""
 
-    def __init__(self, engine, output_dir, rank):
+    def __init__(self, engine, output_dir, rank, planned_tflops):
+        """planned_tflops: the start-up plan's compute of this stage per micro-batch (planner/stage_costs.py), which
+        bench/trainer_profile.py sets beside the measured compute time."""
         self.path = os.path.join(output_dir, "profile", f"rank{rank:05d}.json")
-        self.stage = engine.stage_id
+        self.stage, self.planned_tflops = engine.stage_id, planned_tflops
         self.instructions, self.loop, self.step_seconds = {}, {}, []
         self.training = True
         time_instructions(engine, self.record_instruction)
@@ -72,8 +74,9 @@ class StepProfile:
     def write(self):
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         with open(self.path, "w") as f:
-            json.dump({"stage": self.stage, "step_seconds": self.step_seconds, "instructions": self.instructions,
-                       "loop": self.loop}, f, indent=1)
+            json.dump({"stage": self.stage, "planned_tflops_per_micro_batch": self.planned_tflops,
+                       "step_seconds": self.step_seconds, "instructions": self.instructions, "loop": self.loop}, f,
+                      indent=1)
 
 
 class NoProfile:

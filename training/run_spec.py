@@ -371,7 +371,8 @@ def workload_of(cfg, data_parallel):
 def configured_stage_bounds(cfg, model_config, workload):
     """The stage bounds cfg.partition gives this workload (a method name or a list of decoder layers per stage)."""
     partition = cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
-    cost = balanced_stage_cost(model_config, workload, cfg.num_stages) if partition == "balanced" else None
+    cost = (balanced_stage_cost(model_config, workload, cfg.num_stages, cfg.device_memory_gb * 2**30)
+            if partition == "balanced" else None)
     try:
         bounds = tuple(partition_stages(model_config, cfg.num_stages, partition, cost))
     except ValueError as error:
