@@ -11,7 +11,8 @@ round's profiles (training/profiling.py), milliseconds per step on each stage: e
 own work between them, and the loop's work between steps; and each stage's compute (F + B + W) against the start-up
 plan's FLOPs (planner/stage_costs.py), which `partition: balanced` (the default) evens out.
 
-  python bench/trainer_profile.py [--workload small|smollm2] [--rounds 3] [--steps 6] [--partition balanced]
+  python bench/trainer_profile.py [--workload small|small-even|smollm2] [--rounds 3] [--steps 6] [--partition P]
+                                  [--contenders "one loop" "1 stage" ...]
 """
 import argparse
 import json
@@ -28,14 +29,19 @@ from common import ROOT, machine_note, random_micro_batches, spawn  # noqa: E402
 
 from tests.launch import trainer_command  # noqa: E402
 
+SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=4, max_position_embeddings=1024)
 WORKLOADS = {  # the shapes of issue 31's table; smollm2 is SmolLM2-135M's published config
-    "small": (dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=8,
-                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024), 256, 4),
+    "small": (SMALL, 256, 4),
+    # small with 7 decoder layers: its LM head and loss do one decoder layer's work, so 4 | 3 + head splits evenly,
+    # as bench/pipeline_efficiency.py's model does by construction
+    "small-even": (dict(SMALL, num_hidden_layers=7), 256, 4),
     "smollm2": (dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
                      tie_word_embeddings=True, rope_theta=100000.0), 256, 2),
 }
 MICRO_BATCHES = 8
+CONTENDERS = ["one loop", "1 stage", "two loops", "2 stages 1f1b", "2 stages zero_bubble"]
 TRAINER_RUNS = {"1 stage": (1, "1f1b"), "2 stages 1f1b": (2, "1f1b"), "2 stages zero_bubble": (2, "zero_bubble")}
 
 
@@ -150,6 +156,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per run (after one warm-up step)")
     parser.add_argument("--partition", help="the trainer's partition (default: conf/base.yaml's)")
+    parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=CONTENDERS,
+                        help="which runs (default: all; the ratios need each run's loop)")
     args = parser.parse_args()
     fields, seq_length, micro_batch = WORKLOADS[args.workload]
     tokens = MICRO_BATCHES * micro_batch * seq_length
@@ -157,7 +165,7 @@ def main():
         make_model(work, fields, seq_length, micro_batch, args.steps + 1)
         print(f"workload {args.workload}: {fields}, seq {seq_length}, micro-batch {micro_batch}, m = {MICRO_BATCHES}, "
               f"fp32, 1 thread per process, {args.steps} timed steps per run, {args.rounds} rounds", flush=True)
-        contenders = ["one loop", "1 stage", "two loops", "2 stages 1f1b", "2 stages zero_bubble"]
+        contenders = [name for name in CONTENDERS if name in args.contenders]
         rates = {name: [] for name in contenders}
         profiles = {}
         for round_index in range(args.rounds):
@@ -174,6 +182,8 @@ def main():
                   flush=True)
         for name, base in (("1 stage", "one loop"), ("2 stages 1f1b", "two loops"), ("2 stages zero_bubble",
                                                                                     "two loops")):
+            if name not in contenders or base not in contenders:
+                continue
             ratios = [a / b for a, b in zip(rates[name], rates[base])]
             print(f"{name} ÷ {base}: {sum(rates[name]) / sum(rates[base]):.3f} (rounds {min(ratios):.3f}-"
                   f"{max(ratios):.3f})")

@@ -5,15 +5,13 @@
 a time (Liger Kernel's fused linear cross-entropy, in plain torch). In training the gradients are computed in the
 forward pass, chunk by chunk, while each chunk's logits exist; backward only scales them by the loss's gradient, so
 the head costs the same three matmuls as the logits path and its backward is instant for the stage before it. Under
-the zero-bubble schedule the weight gradient stays W work: the forward pass keeps each token's logit max and
-log-sum-exp, and W projects each chunk again (one matmul more than the logits path, no logits-sized gradient
-waiting for W).
+the zero-bubble schedule too: the weight gradient arrives with B and leaves no W, which would have to project every
+chunk again (no chunk's logits outlive the forward pass): 10% more compute on a stage holding a 49k-word head
+(bench/README.md row 11).
 `loss_chunk_tokens` = 0: the head's full logits, then the cross-entropy (the reference the chunked path is tested
 against). Under tensor parallelism each rank projects onto its vocabulary rows, and the log-sum-exp and the target
 logit are combined across the group, never the logits.
 """
-import functools
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -79,10 +77,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, divisor, parallel, chunk_tokens):
         share = VocabularyShare(labels, weight.shape[0], parallel)
-        wants_hidden_grad, wants_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        defer_weight = wants_weight_grad and parallel.weight_grads is not None
-        grad_hidden = torch.empty_like(hidden) if wants_hidden_grad else None
-        grad_weight = weight_grad_buffer(weight) if wants_weight_grad and not defer_weight else None
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = weight_grad_buffer(weight) if ctx.needs_input_grad[1] else None
         log_sum_exp, row_max = (torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
                                 for _ in range(2))
         target_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -101,15 +97,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             del logits  # before the next chunk's: one chunk of logits alive at a time
         if parallel.size > 1:
             dist.all_reduce(target_sum, group=parallel.group)
-        ctx.parallel, ctx.chunk_tokens, ctx.divisor = parallel, chunk_tokens, divisor
-        ctx.dtypes = hidden.dtype, weight.dtype
-        ctx.grad_hidden, ctx.grad_weight, ctx.defer_weight = grad_hidden, grad_weight, defer_weight
-        if defer_weight:
-            ctx.save_for_backward(hidden)
-            # W adds into the parameter, not the view the head hands over (models/llama.py lm_head): DeepSpeed's
-            # hook on that view would scale a gradient that reaches it outside the engine's backward.
-            ctx.parameter = weight if weight._base is None else weight._base
-            ctx.row_max, ctx.log_sum_exp, ctx.share = row_max, log_sum_exp, share
+        ctx.divisor, ctx.dtypes = divisor, (hidden.dtype, weight.dtype)
+        ctx.grad_hidden, ctx.grad_weight = grad_hidden, grad_weight
         return (log_sum_exp[share.labelled].sum() - target_sum) / divisor
 
     @staticmethod
@@ -117,29 +106,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss.float() / ctx.divisor
         grad_hidden = None if ctx.grad_hidden is None else (ctx.grad_hidden * scale).to(ctx.dtypes[0])
         grad_weight = None if ctx.grad_weight is None else ctx.grad_weight.mul_(scale).to(ctx.dtypes[1])
-        if ctx.defer_weight:
-            (hidden,) = ctx.saved_tensors
-            weight_grads = functools.partial(recomputed_weight_grads, hidden, ctx.parameter, ctx.row_max,
-                                             ctx.log_sum_exp, ctx.share, scale, ctx.parallel, ctx.chunk_tokens)
-            queue = ctx.parallel.weight_grads
-            if queue.deferring:
-                queue.add(weight_grads)
-            else:
-                grad_weight = weight_grads()[0][1]
         return grad_hidden, grad_weight, None, None, None, None
-
-
-def recomputed_weight_grads(hidden, weight, row_max, log_sum_exp, share, scale, parallel, chunk_tokens):
-    """[(weight, its gradient)], projecting each chunk again (the zero-bubble schedule's W); bit for bit the
-    gradient the forward pass computes without the zero-bubble schedule."""
-    grad_weight = weight_grad_buffer(weight)
-    for rows in token_chunks(hidden.shape[0], chunk_tokens):
-        logits = F.linear(hidden[rows], weight).float()
-        exp_minus_row_max(logits, row_max[rows])
-        add_weight_grad(grad_weight, softmax_minus_target(logits, row_max, log_sum_exp, share, rows).to(hidden.dtype),
-                        hidden[rows])
-        del logits
-    return [(weight, grad_weight.mul_(scale).to(weight.dtype))]
 
 
 def weight_grad_buffer(weight):
@@ -161,9 +128,9 @@ def token_chunks(tokens, chunk_tokens):
     return [slice(start, min(start + chunk_tokens, tokens)) for start in range(0, tokens, chunk_tokens)]
 
 
-def exp_minus_row_max(logits, row_max=None):
+def exp_minus_row_max(logits):
     """logits -> e^(logits - each row's max), in place (no temporary copy); returns the max."""
-    row_max = logits.amax(dim=-1) if row_max is None else row_max
+    row_max = logits.amax(dim=-1)
     logits.sub_(row_max[:, None]).exp_()
     return row_max
 

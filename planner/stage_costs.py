@@ -68,10 +68,7 @@ class LayerCosts:
         kv_width = (config.num_key_value_heads or config.num_attention_heads) * head_dim_of(config) // t
         heads = config.num_attention_heads // t
         sharded, replicated = decoder_parameter_split(config)
-        chunked, zero_bubble = workload.loss_chunk_tokens > 0, workload.pipeline_schedule == "zero_bubble"
-        # What the chunked loss keeps for a zero-bubble W: the head's input (all tokens), each token's logits' max
-        # and log-sum-exp, and where its label falls in this rank's vocabulary (local id, two boolean masks).
-        head_w_bytes = tokens * (act * hidden + 2 * FP32_BYTES + INT64_BYTES + 2)
+        chunked = workload.loss_chunk_tokens > 0
         # The chunked loss's working set: one chunk of fp32 logits (and its activation-dtype copies below fp32),
         # and under fp16 one chunk's weight gradient before it is added to the fp32 sum (models/loss.py).
         weight_grad_bytes = FP32_BYTES if workload.precision == "fp16" else act
@@ -120,10 +117,8 @@ class LayerCosts:
             # Logits: the loss's fp32 log-softmax and its shifted labels (the logits themselves: see
             # last_output_bytes); vocabulary-parallel, the labels as local ids and two boolean token masks
             # (models/tensor_parallel.py). Chunked: the gradients of the head's input (all tokens) and weight
-            # computed in forward (fp32 weight gradient under fp16), or under zero_bubble the input's and what W
-            # needs (below).
-            HEAD: (act * tokens * hidden + (0 if lora.enabled  # a frozen head: no weight gradient, no W
-                                            else head_w_bytes if zero_bubble else weight_grad_bytes * vocab * hidden)
+            # computed in forward (fp32 weight gradient under fp16; none for a frozen head), under every schedule.
+            HEAD: (act * tokens * hidden + (0 if lora.enabled else weight_grad_bytes * vocab * hidden)
                    if chunked else tokens * (vocab * FP32_BYTES + INT64_BYTES + (2 if t > 1 else 0))),
         }
         # LoRA keeps each adapter's rank-wide h (gathered for a column-parallel group) and, with dropout, its
@@ -149,11 +144,12 @@ class LayerCosts:
         # A micro-batch waiting for its W (zero-bubble schedule) keeps each deferred linear layer's input and output
         # gradient (models/weight_grads.py), checkpointed or not: a decoder's q/k/v and gate/up inputs (gathered),
         # o_proj's and down_proj's inputs, q, k, v, gate and up's output gradients, and o_proj's and down_proj's
-        # (all tokens, before the row-parallel reduction); the LM head's input and its logits-sized gradient.
+        # (all tokens, before the row-parallel reduction); the logits head's input and its logits-sized gradient
+        # (the chunked loss's head leaves no W: models/loss.py).
         self.weight_grad_bytes = {
             EMBEDDING: 0, NORM: 0,
             DECODER: act * (2 * gathered * hidden + tokens * (2 * q_width + 2 * kv_width + 3 * inter + 2 * hidden)),
-            HEAD: head_w_bytes if chunked else act * (gathered * hidden + tokens * vocab)}
+            HEAD: 0 if chunked else act * (gathered * hidden + tokens * vocab)}
         # One hidden-states tensor: a stage boundary, a checkpoint input.
         self.hidden_bytes = residual * hidden * act
         # Sequence parallelism's pool, once per stage: the buffer every column group sums its input gradient into,
@@ -178,9 +174,6 @@ class LayerCosts:
         for run, checkpointed in self.chunks(kinds):
             forward = sum(self.forward_flops[kind] for kind in run)
             flops += forward * (4 if checkpointed else 3) - sum(self.frozen_weight_grad_flops[kind] for kind in run)
-        if (HEAD in kinds and self.workload.loss_chunk_tokens and self.workload.pipeline_schedule == "zero_bubble"
-                and not self.frozen_weight_grad_flops[HEAD]):
-            flops += self.forward_flops[HEAD]  # W projects every chunk again (models/loss.py)
         return flops
 
     def stage_activation_bytes(self, kinds, in_flight, waiting=0):

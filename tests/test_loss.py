@@ -1,5 +1,5 @@
 """The chunked LM head + loss (models/loss.py) against the full-logits head it replaces: the same losses and
-gradients through the engine (1 stage, 2 stages, tensor parallel 2, tied and untied), its zero-bubble W and its
+gradients through the engine (1 stage, 2 stages, tensor parallel 2, tied and untied), its zero-bubble B and its
 evaluation path. Against transformers, every parity test runs it already (tests/parity_worker.py CHUNK_TOKENS)."""
 import glob
 import json
@@ -51,9 +51,10 @@ def head_and_batch(dtype, chunk, parallel):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_zero_bubble_w_computes_the_chunked_head_weight_gradient(dtype):
-    """Under zero_bubble the head's weight gradient is queued for W, projects the chunks again there, and equals,
-    bit for bit, the gradient the forward pass computes otherwise; the input gradient is B's, at once."""
+def test_zero_bubble_leaves_no_w_for_the_chunked_head(dtype):
+    """Under zero_bubble the head's weight gradient, computed in the forward pass with its input's, arrives with B:
+    nothing waits for W (which would have to project every chunk again), and both equal, bit for bit, the gradients
+    without the schedule."""
     head, hidden, labels = head_and_batch(dtype, 4, TensorParallel())
     CausalLMLoss(head.parallel, 4)(head(hidden), labels).backward(torch.tensor(3.0))
     expected_weight, expected_input = head.weight.grad, hidden.grad
@@ -63,8 +64,8 @@ def test_zero_bubble_w_computes_the_chunked_head_weight_gradient(dtype):
     loss = CausalLMLoss(deferring, 4)(head(hidden), labels)
     with deferring.weight_grads.defer():
         loss.backward(torch.tensor(3.0))
-    assert head.weight.grad is None and torch.equal(hidden.grad, expected_input)
-    deferring.weight_grads.run_oldest()
+    assert torch.equal(head.weight.grad, expected_weight) and torch.equal(hidden.grad, expected_input)
+    deferring.weight_grads.run_oldest()  # the micro-batch's W: no work of the head's
     assert torch.equal(head.weight.grad, expected_weight)
 
 
