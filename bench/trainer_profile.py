@@ -12,7 +12,7 @@ own work between them, and the loop's work between steps; and each stage's compu
 plan's FLOPs (planner/stage_costs.py), which `partition: balanced` (the default) evens out.
 
   python bench/trainer_profile.py [--workload small|small-even|smollm2] [--rounds 3] [--steps 6] [--partition P]
-                                  [--contenders "one loop" "1 stage" ...]
+                                  [--contenders "one loop" "1 stage" ...] [--set KEY=VALUE ...]
 """
 import argparse
 import json
@@ -83,7 +83,7 @@ def transformers_loop(rank, fields, seq_length, micro_batch, steps, out_dir):
         json.dump(seconds[1:], f)
 
 
-def run_trainer(work, name, seq_length, micro_batch, steps, partition):
+def run_trainer(work, name, seq_length, micro_batch, steps, partition, extra_overrides):
     """One trainer_pipe.py run with profile=true; returns {stage: profile} (training/profiling.py's files)."""
     num_stages, schedule = TRAINER_RUNS[name]
     out = os.path.join(work, "run")
@@ -94,7 +94,8 @@ def run_trainer(work, name, seq_length, micro_batch, steps, partition):
                  f"num_stages={num_stages}", f"pipeline_schedule={schedule}", "precision=fp32", "zero_stage=0",
                  f"max_steps={steps + 1}", "logging_steps=1", "save_steps=0", "save_total_limit=1",
                  "lr_scheduler=constant", "warmup_steps=1", "profile=true", "export_hf=false",
-                 f"data.cache_dir={os.path.join(work, 'cache')}", *([f"partition={partition}"] if partition else [])]
+                 f"data.cache_dir={os.path.join(work, 'cache')}", *([f"partition={partition}"] if partition else []),
+                 *extra_overrides]
     command, env = trainer_command(num_stages, overrides, "base", None, "trainer_pipe.py", {"OMP_NUM_THREADS": "1"})
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode:
@@ -156,6 +157,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per run (after one warm-up step)")
     parser.add_argument("--partition", help="the trainer's partition (default: conf/base.yaml's)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="more Hydra overrides for every trainer run, e.g. compile=true")
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=CONTENDERS,
                         help="which runs (default: all; the ratios need each run's loop)")
     args = parser.parse_args()
@@ -172,7 +175,7 @@ def main():
             for name in contenders[::1 if round_index % 2 == 0 else -1]:
                 if name in TRAINER_RUNS:
                     profiles[name] = run_trainer(work, name, seq_length, micro_batch, args.steps + 1,
-                                                 args.partition)
+                                                 args.partition, args.set)
                     rates[name].append(tokens_per_second(tokens, step_seconds(profiles[name])))
                 else:
                     loops = transformers_seconds(work, fields, seq_length, micro_batch, args.steps,
