@@ -98,6 +98,7 @@ def save_and_export_worker(rank, hf_dir, ds_dir, out_dir):
     with open(os.path.join(out_dir, f"merged{rank}.json"), "w") as f:
         json.dump(merged, f)
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # both leave the group together: no rank exits mid-collective
 
 
 @pytest.mark.parametrize("name", TP_CONFIGS)
