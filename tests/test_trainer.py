@@ -93,7 +93,8 @@ def test_bad_config_fails_on_every_rank(demo_model, tmp_path):
     ({"precision": "bf16", "zero_stage": 0}, 2, "precision=bf16 with zero_stage=0: below fp32 a checkpoint takes"),
     ({"preemption_grace_seconds": 0}, 2, "preemption_grace_seconds=0 must be positive"),
     ({"peak_tflops": -1}, 2, "peak_tflops=-1 must be a device's positive peak TFLOP/s, or null"),
-], ids=["stages", "train_file", "no_train_file", "seq_length", "bf16_zero0", "grace", "peak"])
+    ({"device_memory_gb": 0}, 2, "device_memory_gb=0 must be the positive GiB each device has"),
+], ids=["stages", "train_file", "no_train_file", "seq_length", "bf16_zero0", "grace", "peak", "device_memory"])
 def test_bad_config_is_refused_before_any_work(demo_model, tmp_path, overrides, world_size, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), world_size)

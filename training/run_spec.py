@@ -268,6 +268,9 @@ def check_values(cfg):
                           f"SIGTERM leaves to finish the step and save.")
     if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
         raise ConfigError(f"peak_tflops={cfg.peak_tflops} must be a device's positive peak TFLOP/s, or null.")
+    if not cfg.device_memory_gb > 0:
+        raise ConfigError(f"device_memory_gb={cfg.device_memory_gb} must be the positive GiB each device has: the "
+                          f"memory plan checks against it and partition=balanced fills no stage past it.")
     try:
         DataSettings.from_cfg(cfg.data)  # data.format, data.overlong, data.bad_lines
         LoraSettings.from_cfg(cfg.lora)
