@@ -97,8 +97,9 @@ def test_context_parallel_matches_transformers(tiny_checkpoints, tmp_path):
     datasets = {"packed": packed_documents(tmp_path), "full": full_rows()}
     spawn(context_parity_worker, 4, tiny_checkpoints, datasets, str(tmp_path))
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(4)]
-    for name in (f"{data}/{case}" for data, case in itertools.product(datasets, CASES)):
-        assert {rank[name]["context_rank"] for rank in ranks} == set(range(CASES[name.split("/")[1]][3])), name
+    for data, case in itertools.product(datasets, CASES):
+        name = f"{data}/{case}"
+        assert {rank[name]["context_rank"] for rank in ranks} == set(range(CASES[case][3])), name
         for result in (rank[name] for rank in ranks):
             assert result["eval_loss"] == pytest.approx(result["ref_loss"], abs=1e-5), name
             assert result["train_loss"] == pytest.approx(result["train_ref"], abs=1e-5), name
