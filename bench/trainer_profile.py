@@ -13,6 +13,7 @@ plan's FLOPs (planner/stage_costs.py), which `partition: balanced` (the default)
 
   python bench/trainer_profile.py [--workload small|small-even|smollm2] [--rounds 3] [--steps 6] [--partition P]
                                   [--contenders "one loop" "1 stage" ...] [--set KEY=VALUE ...]
+  python bench/trainer_profile.py --workload smollm2 --matmul-share   # the 1-stage ceiling, from transformers' loop
 """
 import argparse
 import json
@@ -61,8 +62,8 @@ def make_model(work, fields, seq_length, micro_batch, steps):
             f.write(json.dumps({"input_ids": ids}) + "\n")
 
 
-def transformers_loop(rank, fields, seq_length, micro_batch, steps, out_dir):
-    """transformers' loop for 1 + steps steps; writes the seconds of each step after the first."""
+def transformers_step(rank, fields, seq_length, micro_batch):
+    """One training step of transformers' loop: forward and backward per micro-batch, then torch's AdamW."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -70,17 +71,55 @@ def transformers_loop(rank, fields, seq_length, micro_batch, steps, out_dir):
     model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batches = random_micro_batches(config.vocab_size, seq_length, micro_batch, seed=rank)
-    seconds = []
-    for _ in range(steps + 1):
-        start = time.perf_counter()
+
+    def step():
         for _ in range(MICRO_BATCHES):
             (input_ids, _, _), labels = next(batches)
             (model(input_ids=input_ids, labels=labels).loss / MICRO_BATCHES).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def transformers_loop(rank, fields, seq_length, micro_batch, steps, out_dir):
+    """transformers' loop for 1 + steps steps; writes the seconds of each step after the first."""
+    step = transformers_step(rank, fields, seq_length, micro_batch)
+    seconds = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        step()
         seconds.append(time.perf_counter() - start)
     with open(os.path.join(out_dir, f"transformers{rank}.json"), "w") as f:
         json.dump(seconds[1:], f)
+
+
+MATRIX_PRODUCTS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm")
+
+
+def matmul_share(rank, fields, seq_length, micro_batch):
+    """Where one step of transformers' loop spends its time (torch.profiler, after a warm-up step): matrix
+    products and attention kernels, which any exact implementation runs too, the optimizer, and the rest. Prints
+    the most an implementation running the same products and attention at the same speed, and nothing else, could
+    gain: 1 / their share (issue 31's 1-stage target is 1.10x)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = transformers_step(rank, fields, seq_length, micro_batch)
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        step()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    kinds = {"matrix products": sum(e.self_cpu_time_total for e in events if e.key in MATRIX_PRODUCTS),
+             "attention kernels": sum(e.self_cpu_time_total for e in events if "scaled_dot_product" in e.key),
+             "optimizer": sum(e.cpu_time_total for e in events if e.key.startswith("Optimizer.step#"))}
+    kinds["the rest"] = total - sum(kinds.values())
+    print(f"transformers' loop, one step ({wall:.1f} s, m = {MICRO_BATCHES}), time by kind: "
+          + ", ".join(f"{k} {v / 1e6:.2f} s ({v / total:.1%})" for k, v in kinds.items()))
+    unavoidable = (kinds["matrix products"] + kinds["attention kernels"]) / total
+    print(f"the same products and attention at the same speed, and nothing else: at most {1 / unavoidable:.3f}x "
+          "transformers' loop")
 
 
 def run_trainer(work, name, seq_length, micro_batch, steps, partition, extra_overrides):
@@ -161,8 +200,14 @@ def main():
                         help="more Hydra overrides for every trainer run, e.g. compile=true")
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=CONTENDERS,
                         help="which runs (default: all; the ratios need each run's loop)")
+    parser.add_argument("--matmul-share", action="store_true",
+                        help="only profile transformers' loop: the share of its step in matrix products and attention")
     args = parser.parse_args()
     fields, seq_length, micro_batch = WORKLOADS[args.workload]
+    if args.matmul_share:
+        spawn(matmul_share, 1, fields, seq_length, micro_batch)
+        print(machine_note())
+        return
     tokens = MICRO_BATCHES * micro_batch * seq_length
     with tempfile.TemporaryDirectory() as work:
         make_model(work, fields, seq_length, micro_batch, args.steps + 1)
