@@ -42,13 +42,28 @@ def pipeline_step(config, compile_layers, loss_impl="chunked", seq_length=SEQ_LE
     cfg = run_config(run_overrides(seq_length, micro_batch, micro_batches, loss_impl))
     module = build_pipeline_module(config, parallel_topology(1),
                                    loss_chunk_tokens=cfg.loss_chunk_tokens if loss_impl == "chunked" else 0)
+    init_like_transformers(module, config)
     if compile_layers:
         module.compile()
     ds_config, _ = deepspeed_config(cfg, total_steps=10**6)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
                                            config=ds_config)
+    engine.pipeline_enable_backward_allreduce = False  # as training/loop.py's build_engine without data parallelism
     batches = random_micro_batches(config.vocab_size, seq_length, micro_batch)
     return lambda: engine.train_batch(batches)
+
+
+def init_like_transformers(module, config):
+    """transformers' initialisation (normal, std initializer_range; norms at 1): torch's defaults would spread the
+    logits so wide that most of the softmax's e^(x - max) fall below fp32's normal range, and those are slow."""
+    import torch
+
+    with torch.no_grad():
+        for layer in module.modules():
+            if isinstance(layer, (torch.nn.Linear, torch.nn.Embedding)):
+                layer.weight.normal_(0.0, config.initializer_range)
+                if getattr(layer, "bias", None) is not None:
+                    layer.bias.zero_()
 
 
 def transformers_step(config, seq_length=SEQ_LENGTH, micro_batch=MICRO_BATCH, micro_batches=MICRO_BATCHES):
