@@ -66,7 +66,7 @@ def init_like_transformers(module, config):
                     layer.bias.zero_()
 
 
-def transformers_step(config, seq_length=SEQ_LENGTH, micro_batch=MICRO_BATCH, micro_batches=MICRO_BATCHES):
+def transformers_step(config, seq_length=SEQ_LENGTH, micro_batch=MICRO_BATCH, micro_batches=MICRO_BATCHES, seed=0):
     """One training step of a plain loop: forward and backward per micro-batch, then AdamW."""
     import torch
     from transformers import LlamaForCausalLM
@@ -75,7 +75,7 @@ def transformers_step(config, seq_length=SEQ_LENGTH, micro_batch=MICRO_BATCH, mi
     model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
-    batches = random_micro_batches(config.vocab_size, seq_length, micro_batch)
+    batches = random_micro_batches(config.vocab_size, seq_length, micro_batch, seed=seed)
 
     def step():
         for _ in range(micro_batches):

@@ -26,7 +26,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, machine_note, random_micro_batches, spawn  # noqa: E402
+from common import ROOT, machine_note, spawn  # noqa: E402
 
 from tests.launch import trainer_command  # noqa: E402
 
@@ -63,22 +63,11 @@ def make_model(work, fields, seq_length, micro_batch, steps):
 
 
 def transformers_step(rank, fields, seq_length, micro_batch):
-    """One training step of transformers' loop: forward and backward per micro-batch, then torch's AdamW."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """One training step of transformers' loop (bench/layer_overhead.py's), each process on its own batches."""
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(**fields)
-    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batches = random_micro_batches(config.vocab_size, seq_length, micro_batch, seed=rank)
-
-    def step():
-        for _ in range(MICRO_BATCHES):
-            (input_ids, _, _), labels = next(batches)
-            (model(input_ids=input_ids, labels=labels).loss / MICRO_BATCHES).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return step
+    from layer_overhead import transformers_step as loop_step
+    return loop_step(LlamaConfig(**fields), seq_length, micro_batch, MICRO_BATCHES, seed=rank)
 
 
 def transformers_loop(rank, fields, seq_length, micro_batch, steps, out_dir):
