@@ -73,8 +73,9 @@ def transformers_step(config, seq_length=SEQ_LENGTH, micro_batch=MICRO_BATCH, mi
 
     cfg = run_config(run_overrides(seq_length, micro_batch, micro_batches))
     model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).train()
+    # fused: transformers' Trainer default (adamw_torch_fused) with torch >= 2.8
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
+                                  eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay, fused=True)
     batches = random_micro_batches(config.vocab_size, seq_length, micro_batch, seed=seed)
 
     def step():

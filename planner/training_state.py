@@ -81,14 +81,14 @@ def step_bytes(workload, parameters, largest_tensor):
     then). ZeRO-1 copies its gradient partition flat and casts it to fp32, frees the gradients, then runs Adam on
     the flat partition; without ZeRO the gradients are first all-reduced over data-parallel ranks
     (allreduce_bucket_bytes), a 16-bit model's optimizer builds fp32 gradients, and Adam runs one parameter at a
-    time. torch's Adam allocates two fp32 temporaries (sqrt and division) per tensor."""
+    time. torch's unfused Adam allocates two fp32 temporaries (sqrt and division) per tensor; its fused kernel none."""
     grad = PRECISION_BYTES[workload.precision]
     if workload.offload_optimizer:
         # Gradients go to the host partition one tensor at a time (the updated weights come back in place);
         # DeepSpeed 0.19.8 takes each one's norm on an fp64 copy first (zero/utils.py get_norm_dtype).
         return parameters * grad + largest_tensor * FP64_BYTES
     cast = FP32_BYTES if workload.precision != "fp32" else 0
-    temporaries = 2 * FP32_BYTES if workload.torch_adam else 0
+    temporaries = 2 * FP32_BYTES if workload.torch_adam and not workload.fused_adam else 0
     if workload.zero_stage >= 1:
         shards = optimizer_shards(workload)
         flatten = parameters * (grad + (grad + cast) / shards)

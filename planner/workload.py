@@ -19,6 +19,7 @@ class Workload:
     activation_checkpoint_interval: int = 0
     reduce_bucket_size: int = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default
     torch_adam: bool = True  # torch's Adam (conf/base.yaml) rather than DeepSpeed's fused one
+    fused_adam: bool = True  # torch's Adam in one kernel (conf/base.yaml's `fused`): no per-tensor temporaries
     tensor_parallel: int = 1  # ranks splitting each layer (conf/base.yaml's tensor_parallel_size)
     sequence_parallel: bool = True  # with tensor_parallel > 1: residual stream on 1/t of the tokens
     recompute_sequence_gather: bool = False  # sequence parallel: gather again in backward rather than keep

@@ -62,6 +62,18 @@ def test_deepspeed_keys_added_to_the_precision_nodes_are_kept(precision):
     assert ds["fp16"] == {"initial_scale_power": 16, "enabled": False}
 
 
+@pytest.mark.parametrize("overrides,expected", [
+    ((), {"torch_adam": True, "fused": True}),
+    (("deepspeed.optimizer.params.torch_adam=false",), {"torch_adam": False}),
+    (("offload_optimizer=cpu", "zero_stage=1"), {}),
+])
+def test_torch_adamw_runs_fused_and_deepspeed_adams_get_no_torch_argument(overrides, expected):
+    """torch's AdamW takes `fused`; DeepSpeed's fused and CPU Adams would fail on it."""
+    ds, _ = deepspeed_config(composed("tiny", *overrides), total_steps=10)
+    params = ds["optimizer"]["params"]
+    assert {key: params[key] for key in ("torch_adam", "fused") if key in params} == expected
+
+
 def composed(name, *overrides):
     from hydra import compose, initialize_config_dir
     with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):

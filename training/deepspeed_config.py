@@ -20,6 +20,8 @@ def deepspeed_config(cfg, total_steps):
         # CPU Adam (ops/adam/cpu_adam, JIT-built on first use: scripts/setup.sh prebuilds it).
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         ds["optimizer"]["params"].pop("torch_adam", None)
+    if not ds["optimizer"]["params"].get("torch_adam", False):
+        ds["optimizer"]["params"].pop("fused", None)  # an argument of torch's AdamW, not of DeepSpeed's Adams
     return ds, monitors
 
 

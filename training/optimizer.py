@@ -26,4 +26,5 @@ def skipping_optimizer(cfg, params):
     """SkipNonFiniteAdamW with the hyper-parameters of the config's deepspeed.optimizer node."""
     optimizer_params = dict(cfg.deepspeed.optimizer.params)
     return SkipNonFiniteAdamW(params, lr=optimizer_params["lr"], betas=tuple(optimizer_params["betas"]),
-                              eps=optimizer_params["eps"], weight_decay=optimizer_params["weight_decay"])
+                              eps=optimizer_params["eps"], weight_decay=optimizer_params["weight_decay"],
+                              fused=optimizer_params.get("fused"))

@@ -363,6 +363,7 @@ def workload_of(cfg, data_parallel):
                     reduce_bucket_size=int(ds.get("zero_optimization", {}).get("reduce_bucket_size",
                                                                                 Workload.reduce_bucket_size)),
                     torch_adam=bool(optimizer_params.get("torch_adam", False)),
+                    fused_adam=bool(optimizer_params.get("fused", False)),
                     tensor_parallel=cfg.tensor_parallel_size, sequence_parallel=bool(cfg.sequence_parallel),
                     context_parallel=cfg.context_parallel_size,
                     recompute_sequence_gather=bool(cfg.recompute_sequence_gather),
