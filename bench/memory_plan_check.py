@@ -66,30 +66,20 @@ CASES = [
 
 def measure(rank, model_fields, overrides, out_dir):
     """One rank: train STEPS steps, write (stage, peak RSS over the steps minus the RSS before the model)."""
-    import deepspeed
     import torch.distributed as dist
     from transformers import LlamaConfig
 
-    from models.pipeline import build_pipeline_module
-    from training.deepspeed_config import deepspeed_config
-    from training.distributed import init_distributed, parallel_topology
-    from training.pipeline_engine import use_zero_bubble
+    from training.distributed import init_distributed
+    from training.loop import build_engine
     from training.run_spec import plan_spec
 
     cfg = run_config(overrides)
     init_distributed(timeout_minutes=10)
     config = LlamaConfig(**model_fields)
     baseline = rss_bytes()
-    spec = plan_spec(cfg, dist.get_world_size(), config)
-    module = build_pipeline_module(config, parallel_topology(cfg.num_stages), stage_bounds=spec.stage_bounds,
-                                   activation_checkpoint_interval=cfg.activation_checkpoint_interval)
-    ds_config, _ = deepspeed_config(cfg, total_steps=STEPS)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
-                                           config=ds_config)
-    if cfg.pipeline_schedule == "zero_bubble":
-        use_zero_bubble(engine, cfg.zero_bubble_max_waiting)
+    engine, _ = build_engine(plan_spec(cfg, dist.get_world_size(), config), STEPS, layer_loader=None)
     batches = random_micro_batches(config.vocab_size, cfg.seq_length, cfg.micro_batch_size)
-    reset_peak_rss()  # the window is training: the fp32 -> bf16 cast at initialisation is not the plan's
+    reset_peak_rss()  # the window is training, as the plan's
     for _ in range(STEPS):
         engine.train_batch(batches)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -70,30 +70,20 @@ def count_gathers(parallel):
 def measure(rank, overrides, steps, out_dir):
     """One rank: train `steps` steps; write its peak RSS over them minus the RSS before the model, its step times,
     the pool's buffers and the gather counts."""
-    import deepspeed
     import torch.distributed as dist
     from transformers import LlamaConfig
 
-    from models.pipeline import build_pipeline_module
-    from training.deepspeed_config import deepspeed_config
-    from training.distributed import init_distributed, parallel_topology
-    from training.loop import clip_fp32_gradients_across_stages
+    from training.distributed import init_distributed
+    from training.loop import build_engine
     from training.run_spec import plan_spec
 
     cfg = run_config(overrides)
     init_distributed(timeout_minutes=10)
     config = LlamaConfig(**MODEL)
     baseline = rss_bytes()
-    module = build_pipeline_module(config, parallel_topology(cfg.num_stages, cfg.tensor_parallel_size),
-                                   stage_bounds=plan_spec(cfg, dist.get_world_size(), config).stage_bounds,
-                                   activation_checkpoint_interval=cfg.activation_checkpoint_interval,
-                                   sequence_parallel=cfg.sequence_parallel,
-                                   recompute_sequence_gather=cfg.recompute_sequence_gather)
+    engine, _ = build_engine(plan_spec(cfg, dist.get_world_size(), config), steps, layer_loader=None)
+    module = engine.module
     gathers = count_gathers(module.parallel)
-    ds_config, _ = deepspeed_config(cfg, total_steps=steps)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
-                                           config=ds_config)
-    engine.clip_fp32_gradients = lambda: clip_fp32_gradients_across_stages(engine)  # as the trainer does
     # The same seed on every rank: a tensor-parallel group must see the same micro-batches.
     batches = random_micro_batches(config.vocab_size, cfg.seq_length, cfg.micro_batch_size)
     reset_peak_rss()

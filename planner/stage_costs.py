@@ -245,10 +245,11 @@ class StageCostModel:
 
     def activation_bytes(self, stage, kinds):
         """Under zero_bubble the larger of two moments: before a B, and just after it, when its micro-batch has
-        traded its activations for its weight-gradient tensors (more than a checkpointed micro-batch keeps)."""
+        traded its activations for its weight-gradient tensors (more than a checkpointed micro-batch keeps). The
+        first stage runs each B with its W, as 1F1B does (training/schedule.py): only the first moment."""
         in_flight, waiting = self.in_flight(stage), self.waiting(stage)
         peak = self.layers.stage_activation_bytes(kinds, in_flight, waiting)
-        if self.workload.pipeline_schedule == "zero_bubble":
+        if self.workload.pipeline_schedule == "zero_bubble" and stage > 0:
             peak = max(peak, self.layers.stage_activation_bytes(kinds, in_flight - 1, waiting + 1))
         return peak
 

@@ -80,14 +80,16 @@ def pad_token_id(tokenizer, model_config):
     return 0
 
 
-def build_engine(spec, total_steps):
+def build_engine(spec, total_steps, layer_loader=load_layer_slice):
+    """The DeepSpeed pipeline engine of this rank's stage, as every run trains it. layer_loader=None: random weights
+    (the benches measure the trainer's engine without a checkpoint)."""
     cfg = spec.cfg
     module = build_pipeline_module(spec.model_config, parallel_topology(spec.num_stages, spec.tensor_parallel),
                                    stage_bounds=spec.stage_bounds, attention_impl=cfg.attention_impl,
                                    activation_checkpoint_interval=cfg.activation_checkpoint_interval,
                                    dtype=PRECISION_DTYPES[cfg.precision], sequence_parallel=cfg.sequence_parallel,
                                    recompute_sequence_gather=cfg.recompute_sequence_gather,
-                                   layer_loader=load_layer_slice, context_parallel_size=cfg.context_parallel_size,
+                                   layer_loader=layer_loader, context_parallel_size=cfg.context_parallel_size,
                                    loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
                                    lora=spec.lora, seed=cfg.seed)
     if cfg.compile:
