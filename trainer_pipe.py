@@ -8,6 +8,12 @@ import sys
 import hydra
 
 
+def say_error(error):
+    """One line on stderr in one write: every rank's line lands whole on the launcher's shared stderr (print and
+    sys.exit write the newline separately, so two ranks' messages could share a line)."""
+    sys.stderr.write(f"trainer_pipe: error: {error}\n")
+    sys.stderr.flush()
+
 
 def strip_launcher_arguments():
     """The deepspeed launcher appends --local_rank=N (LOCAL_RANK carries the same); Hydra would reject it."""
@@ -25,13 +31,13 @@ def main(cfg):
     try:
         run(cfg)
     except DiskFullError as error:
-        if not error.every_rank:
-            sys.exit(f"trainer_pipe: error: {error}")
-        print(f"trainer_pipe: error: {error}", file=sys.stderr, flush=True)
-        dist.barrier()  # each rank has said it before any exits: the launcher ends the others at the first exit
+        say_error(error)
+        if error.every_rank:
+            dist.barrier()  # each rank has said it before any exits: the launcher ends the others at the first exit
         sys.exit(1)
     except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as error:  # what to fix
-        sys.exit(f"trainer_pipe: error: {error}")
+        say_error(error)
+        sys.exit(1)
     except Preempted as stop:  # every rank saved together; the launcher passes the code on
         print(f"trainer_pipe: {stop}", flush=True)
         exit_code = PREEMPTED_EXIT_CODE
