@@ -8,11 +8,12 @@ import sys
 import hydra
 
 
-def say_error(error):
-    """One line on stderr in one write: every rank's line lands whole on the launcher's shared stderr (print and
-    sys.exit write the newline separately, so two ranks' messages could share a line)."""
-    sys.stderr.write(f"trainer_pipe: error: {error}\n")
-    sys.stderr.flush()
+def say(line, stream=None):
+    """One line in one write (stderr by default): every rank's line lands whole on the launcher's shared streams
+    (print and sys.exit write the newline separately, so two ranks' messages could share a line)."""
+    stream = stream or sys.stderr
+    stream.write(f"{line}\n")
+    stream.flush()
 
 
 def strip_launcher_arguments():
@@ -31,15 +32,15 @@ def main(cfg):
     try:
         run(cfg)
     except DiskFullError as error:
-        say_error(error)
+        say(f"trainer_pipe: error: {error}")
         if error.every_rank:
             dist.barrier()  # each rank has said it before any exits: the launcher ends the others at the first exit
         sys.exit(1)
     except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as error:  # what to fix
-        say_error(error)
+        say(f"trainer_pipe: error: {error}")
         sys.exit(1)
     except Preempted as stop:  # every rank saved together; the launcher passes the code on
-        print(f"trainer_pipe: {stop}", flush=True)
+        say(f"trainer_pipe: {stop}", sys.stdout)
         exit_code = PREEMPTED_EXIT_CODE
     # Only after success or a collective stop: tearing down a group whose peers are still mid-collective can block
     # a failing rank, while a plain exit lets the launcher end the others at once.

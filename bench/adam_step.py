@@ -9,13 +9,12 @@ import argparse
 import statistics
 import time
 
-from common import machine_note, peak_rss_bytes, reset_peak_rss, spawn
+from common import MIB, machine_note, peak_rss_bytes, reset_peak_rss, spawn
 from trainer_profile import WORKLOADS
 
 import torch
 
 VARIANTS = {"per-tensor loop": False, "fused": True}
-MIB = 2**20
 
 
 def smollm2_parameters():

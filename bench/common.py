@@ -11,6 +11,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 from tests.distributed import free_port, spawn  # noqa: E402,F401  (worker processes, as the tests start them)
 
+MIB = 2**20
+
 
 def _status_kib(field):
     with open("/proc/self/status") as f:

@@ -23,10 +23,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_note, peak_rss_bytes, reset_peak_rss, rss_bytes, spawn  # noqa: E402
+from common import MIB, machine_note, peak_rss_bytes, reset_peak_rss, rss_bytes, spawn  # noqa: E402
 
 VOCAB = 128256  # LLaMA 3's
-MIB = 2 ** 20
 
 
 def loss_function(way, chunk_tokens):

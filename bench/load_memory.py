@@ -23,7 +23,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, machine_note, peak_rss_bytes, spawn  # noqa: E402
+from common import MIB, ROOT, machine_note, peak_rss_bytes, spawn  # noqa: E402
 
 MODEL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=18, num_attention_heads=16,
              num_key_value_heads=16, max_position_embeddings=2048, tie_word_embeddings=False)
@@ -31,7 +31,6 @@ SHARD_SIZE = "500MB"
 LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
                  tie_word_embeddings=False)
-MIB = 2 ** 20
 
 
 def parameter_count():

@@ -20,11 +20,10 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, machine_note  # noqa: E402
+from common import MIB, ROOT, machine_note  # noqa: E402
 
 from tests.distributed import free_port  # noqa: E402
 
-MIB = 2 ** 20
 
 
 def make_model(work, hidden, layers):

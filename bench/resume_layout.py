@@ -24,12 +24,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, machine_note, peak_rss_bytes, reset_peak_rss, rss_bytes, spawn  # noqa: E402
+from common import MIB, ROOT, machine_note, peak_rss_bytes, reset_peak_rss, rss_bytes, spawn  # noqa: E402
 from load_memory import COPY_SHARDS, MODEL, make_model, parameter_count, timed_subprocess  # noqa: E402
 
 from tests.launch import launch_trainer  # noqa: E402
 
-MIB = 2 ** 20
 WRITE_LAYOUT = dict(num_stages=2, zero_stage=0)
 RESUME_LAYOUTS = {"2 stages (as written)": WRITE_LAYOUT,
                   "1 stage x tensor parallel 2": dict(num_stages=1, tensor_parallel_size=2, zero_stage=0)}

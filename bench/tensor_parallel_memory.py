@@ -27,10 +27,9 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (machine_note, peak_rss_bytes, random_micro_batches, reset_peak_rss, rss_bytes,  # noqa: E402,I001
-                    run_config, spawn, train_step_seconds)
+from common import (MIB, machine_note, peak_rss_bytes, random_micro_batches, reset_peak_rss,  # noqa: E402,I001
+                    rss_bytes, run_config, spawn, train_step_seconds)
 
-MIB = 2 ** 20
 FIXED_MMAP_THRESHOLD = str(128 * 1024)
 MODEL = dict(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=8, max_position_embeddings=2048)
