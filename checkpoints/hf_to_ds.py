@@ -116,7 +116,7 @@ class WeightReader:
         if dtype not in SAFETENSORS_DTYPES:
             with safe_open(path, framework="pt") as handle:
                 return handle.get_tensor(name)
-        tensor = torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype])
+        tensor = torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype])  # host memory: conversion runs on the CPU
         if length:
             with open(path, "rb") as f:
                 read_exactly(f.fileno(), tensor.reshape(-1).view(torch.uint8).numpy(), offset)

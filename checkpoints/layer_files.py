@@ -2,9 +2,10 @@
 byte ranges of other files.
 
 torch.load(mmap=True) maps the file and locates every tensor without reading its bytes; each tensor is then read
-with pread directly into the parameter it belongs to. Nothing is staged: loading a stage costs the stage itself,
-not the stage plus a layer (load_state_dict from a loaded or mapped file keeps the whole layer resident until the
-next one).
+with pread directly into the parameter it belongs to. Nothing is staged on the CPU: loading a stage costs the stage
+itself, not the stage plus a layer (load_state_dict from a loaded or mapped file keeps the whole layer resident until
+the next one). A parameter on an accelerator gets its bytes through one host buffer, the size of the file's largest
+tensor, then a copy to the device.
 """
 import errno
 import os
@@ -136,15 +137,29 @@ def load_layer_file(layer, path, strict=True, rank=0, size=1):
     if offsets is None or set(state) != set(targets):
         layer.load_state_dict(sliced, strict=strict)  # copies through the mapping, or raises load_state_dict's error
         return
+    staging = None
     with open(path, "rb") as f:
         for key, source in sliced.items():
             target = targets[key].detach()
             if (target.dtype, target.shape) == (source.dtype, source.shape) and target.is_contiguous() \
                     and source.is_contiguous() and target.numel():
                 offset = offsets[key] + (source.storage_offset() - state[key].storage_offset()) * source.element_size()
-                read_exactly(f.fileno(), target.view(torch.uint8).reshape(-1).numpy(), offset)
+                if target.device.type == "cpu":
+                    read_exactly(f.fileno(), target.view(torch.uint8).reshape(-1).numpy(), offset)
+                else:
+                    staging = host_staging_buffer(staging, target.nbytes)
+                    read_exactly(f.fileno(), staging[:target.nbytes].numpy(), offset)
+                    target.view(torch.uint8).reshape(-1).copy_(staging[:target.nbytes])
             else:
                 target.copy_(source)
+
+
+def host_staging_buffer(buffer, nbytes):
+    """A host buffer of at least nbytes for reads bound for an accelerator (pread cannot write into device memory),
+    pinned where CUDA is, so the copy to the device is a straight DMA; grown, never shrunk, within one file."""
+    if buffer is not None and buffer.numel() >= nbytes:
+        return buffer
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
 
 def own_slice(tensor, dim, rank, size):

@@ -9,6 +9,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from torch.utils.data import DataLoader
 
 from data.collator import collate_causal_lm
@@ -64,7 +65,7 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
                     loss_sum += float(loss) * count / context.size
                     tokens += count / context.size
     # Only last-stage ranks hold losses; a world-wide sum gives every rank the total.
-    totals = torch.tensor([loss_sum, tokens], dtype=torch.float64)
+    totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=get_accelerator().current_device_name())
     dist.all_reduce(totals)
     mean = (totals[0] / totals[1]).item() if totals[1] else float("nan")
     return mean, math.exp(min(mean, 80.0))

@@ -128,7 +128,8 @@ def clip_fp32_gradients_across_stages(engine):
     first_of_group = engine.grid.get_slice_parallel_rank() == 0
     owned = [p.grad for p in params if not getattr(p, "ds_pipe_replicated", False)
              and (first_of_group or getattr(p, SHARDED_MARKER, False))]
-    squares = torch.stack([g.float().pow(2).sum() for g in owned]).sum() if owned else torch.zeros(())
+    squares = (torch.stack([g.float().pow(2).sum() for g in owned]).sum() if owned
+               else torch.zeros((), device=engine.device))
     dist.all_reduce(squares, group=engine.mpu.get_model_parallel_group())
     total_norm = squares.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, engine.gradient_clipping(), total_norm)

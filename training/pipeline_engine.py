@@ -2,18 +2,21 @@
 
 What changes against the 1F1B engine: the new BackwardInputPass computes only input gradients (the stage's linear
 layers queue their weight-gradient work, models/weight_grads.py) and the new BackwardWeightPass instruction runs the
-oldest queued work into the same gradient buffers (fp32 or bf16, ZeRO-0 or 1, offloaded or not); sends do not
-wait for the receiver (the schedule's orders interleave sends and receives differently on neighbouring stages,
-which blocking sends could deadlock). Loss, gradient reduction, clipping and the optimizer step are the engine's
-own, and run after every W of the batch.
+oldest queued work into the same gradient buffers (fp32 or bf16, ZeRO-0 or 1, offloaded or not). Each link's
+operations follow its upstream stage's order (training/schedule.py, for NCCL): activation receives are posted ahead
+and waited for at the forward, sends are posted and waited for at the step's end. Loss, gradient reduction,
+clipping and the optimizer step are the engine's own, and run after every W of the batch.
 """
+import collections
+
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from models.weight_grads import WeightGradQueue
-from training.schedule import BackwardInputPass, BackwardWeightPass, ZeroBubbleSchedule
+from training.schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
+                               ZeroBubbleSchedule)
 
 
 class ZeroBubblePipelineEngine(PipelineEngine):
@@ -42,6 +45,25 @@ class ZeroBubblePipelineEngine(PipelineEngine):
             self._send_tensor_meta(outputs, self.next_stage)
         self._send_async(outputs if isinstance(outputs, tuple) else (outputs,), self.next_stage)
 
+    def _exec_post_recv_activations(self, buffer_id):
+        """Into new tensors: the buffer may still hold an earlier micro-batch until its backward."""
+        if self.pipe_recv_buf is None:  # shapes once, blocking: the previous stage sends them first
+            self.pipe_recv_buf = self._recv_tensor_meta(self.prev_stage)
+        shapes = self.pipe_recv_buf if isinstance(self.pipe_recv_buf, tuple) else (self.pipe_recv_buf,)
+        tensors = tuple(torch.empty_like(t) for t in shapes)
+        peer = self.grid.stage_to_global(self.prev_stage)
+        self._posted_receives.append((buffer_id, tensors, [dist.irecv(t, peer) for t in tensors]))
+
+    def _exec_wait_recv_activations(self, buffer_id):
+        posted_buffer, tensors, works = self._posted_receives.popleft()
+        if posted_buffer != buffer_id:
+            raise RuntimeError(f"zero_bubble: activations posted for buffer {posted_buffer} waited for as {buffer_id}")
+        for work in works:
+            work.wait()
+        for tensor in tensors:
+            tensor.requires_grad = tensor.is_floating_point()
+        self.pipe_buffers["inputs"][buffer_id] = tensors if isinstance(self.pipe_recv_buf, tuple) else tensors[0]
+
     def _exec_send_grads(self, buffer_id):
         inputs = self.pipe_buffers["inputs"][buffer_id]
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -66,8 +88,8 @@ class ZeroBubblePipelineEngine(PipelineEngine):
 
     def _exec_reduce_tied_grads(self):
         """The step's first instruction after the last W: sends complete, no weight gradient left behind."""
-        if len(self.module.parallel.weight_grads):
-            raise RuntimeError("zero_bubble: a micro-batch's weight gradients were not computed before the step")
+        if len(self.module.parallel.weight_grads) or self._posted_receives:
+            raise RuntimeError("zero_bubble: a micro-batch's weight gradients or activations were left over at the step")
         for work in self._sends:
             work.wait()
         self._sends = []
@@ -77,6 +99,8 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         **PipelineEngine._INSTRUCTION_MAP,
         BackwardInputPass: _exec_backward_input_pass,
         BackwardWeightPass: _exec_backward_weight_pass,
+        PostRecvActivation: _exec_post_recv_activations,
+        WaitRecvActivation: _exec_wait_recv_activations,
         schedule.SendActivation: _exec_send_activations,
         schedule.SendGrad: _exec_send_grads,
         schedule.RecvGrad: _exec_recv_grads,
@@ -87,12 +111,13 @@ class ZeroBubblePipelineEngine(PipelineEngine):
 def use_zero_bubble(engine, max_waiting=None):
     """Turn the PipelineEngine that deepspeed.initialize built (it picks the class itself) into the zero-bubble
     one: the subclass adds methods and instructions, and its state: the module's weight-gradient queue, the sends
-    in flight and the cap on micro-batches waiting for W (None: ZB-H1's)."""
+    and activation receives in flight and the cap on micro-batches waiting for W (None: ZB-H1's)."""
     if engine.dynamic_shape or engine.has_bool_tensors or engine.is_pipe_partitioned:
         raise ValueError("pipeline_schedule=zero_bubble does not support dynamic shapes, bool tensors between "
                          "stages or pipe_partitioned; use pipeline_schedule=1f1b.")
     engine.module.parallel.weight_grads = WeightGradQueue()
     engine._sends = []
+    engine._posted_receives = collections.deque()
     engine.zero_bubble_max_waiting = max_waiting
     engine.__class__ = ZeroBubblePipelineEngine
     return engine

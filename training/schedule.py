@@ -14,12 +14,18 @@ With activation checkpointing a micro-batch waiting for W keeps far more than it
 (p-1)(F+B) - min(c, p-1) W. Even c = 0 (each W right after its B) beats 1F1B by (p-1) W: the previous stage gets
 its gradient after B, not after B + W.
 
-Executed with non-blocking sends (training/pipeline_engine.py), any order that respects the dependencies runs
-without deadlock; `simulate` times these orders for bench/schedule_simulator.py.
+Point-to-point order: NCCL runs both directions of a link on one stream, in the order each side issues them, and a
+send completes only when the peer's matching receive is posted; two neighbours that each send first wait on each
+other forever (gloo buffers, so the CPU cannot show it). ZB-H1's orders interleave a link's sends and receives
+differently on its two sides, so each link's order is its upstream stage's: the upstream stage sends and receives as
+its order computes, and the downstream stage posts each activation receive (non-blocking, training/pipeline_engine.py)
+as soon as the upstream order has it come, before the gradient sends that follow it there. tests/test_p2p_order.py
+checks every link against a model of NCCL's semantics. `simulate` times these orders for
+bench/schedule_simulator.py.
 """
-from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicroBatch, OptimizerStep, PipeInstruction,
-                                             RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation,
-                                             SendGrad, TrainSchedule)
+from deepspeed.runtime.pipe.schedule import (BackwardPass, BufferOpInstruction, ForwardPass, LoadMicroBatch,
+                                             OptimizerStep, PipeInstruction, RecvGrad, ReduceGrads, ReduceTiedGrads,
+                                             SendActivation, SendGrad, TrainSchedule)
 
 PIPELINE_SCHEDULES = ("1f1b", "zero_bubble")
 
@@ -52,6 +58,14 @@ class BackwardWeightPass(PipeInstruction):
     """Compute the weight gradients deferred by the oldest micro-batch's BackwardInputPass and accumulate them."""
 
 
+class PostRecvActivation(BufferOpInstruction):
+    """Post the receive of a micro-batch's activations without waiting for it (the link's order, above)."""
+
+
+class WaitRecvActivation(BufferOpInstruction):
+    """Wait for the oldest posted activation receive and make it the buffer's inputs."""
+
+
 def one_f_one_b_order(stages, micro_batches, stage):
     """DeepSpeed's TrainSchedule: min(p - s, m) forwards, then backward and forward alternate: [("F"|"B", j)]."""
     warmup = in_flight_micro_batches(stage, stages, micro_batches)
@@ -76,6 +90,19 @@ def zero_bubble_order(stages, micro_batches, stage, max_waiting=None):
             order.append(("W", weights_done))
             weights_done += 1
     return order + [("W", j) for j in range(weights_done, micro_batches)]
+
+
+def activations_between_gradients(upstream_order):
+    """The micro-batches whose activations a stage sends before it receives its first gradient, then between each
+    gradient and the next: [[j, ...] before gradient 0, [j, ...] after gradient 0, ...]. upstream_order: the order
+    of a stage that has a next stage (each F sends activations, each B receives a gradient)."""
+    groups = [[]]
+    for kind, micro_batch in upstream_order:
+        if kind == "F":
+            groups[-1].append(micro_batch)
+        elif kind == "B":
+            groups.append([])
+    return groups
 
 
 def stage_orders(stages, micro_batches, schedule="zero_bubble", max_waiting=None):
@@ -131,14 +158,22 @@ class ZeroBubbleSchedule(TrainSchedule):
     def __init__(self, micro_batches, stages, stage_id, max_waiting=None):
         super().__init__(micro_batches, stages, stage_id)
         self.order = zero_bubble_order(stages, micro_batches, stage_id, max_waiting)
+        # Activation receives in the previous stage's order of its link (module docstring).
+        self.receives = [] if self.is_first_stage else activations_between_gradients(
+            zero_bubble_order(stages, micro_batches, stage_id - 1, max_waiting))
+
+    def _post_receives(self, after_gradients):
+        return [PostRecvActivation(self._buffer_idx(j)) for j in self.receives[after_gradients]]
 
     def steps(self):
+        posted = self._post_receives(0) if self.receives else []
         for kind, micro_batch in self.order:
             if kind == "W" and self.is_first_stage:
                 continue
             buffer_id = self._buffer_idx(micro_batch)
             if kind == "F":
-                cmds = [] if self.is_first_stage else [RecvActivation(buffer_id)]
+                cmds = posted + ([] if self.is_first_stage else [WaitRecvActivation(buffer_id)])
+                posted = []
                 if self.is_first_stage or self.is_last_stage:
                     cmds.append(LoadMicroBatch(buffer_id))
                 cmds.append(ForwardPass(buffer_id))
@@ -150,6 +185,7 @@ class ZeroBubbleSchedule(TrainSchedule):
                     cmds.append(BackwardPass(buffer_id))
                 else:
                     cmds += [BackwardInputPass(buffer_id), SendGrad(buffer_id)]
+                    cmds += self._post_receives(micro_batch + 1)
             else:
                 cmds = [BackwardWeightPass()]
             yield cmds
