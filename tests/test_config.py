@@ -123,3 +123,18 @@ def test_each_choice_is_checked_before_anything_is_built(override, message):
     from training.run_spec import ConfigError, checked_config
     with pytest.raises(ConfigError, match=re.escape(message)):
         checked_config(composed("tiny", override))
+
+
+@pytest.mark.parametrize("args,message", [
+    (("fp32", 0, 8, 4, True, "NVIDIA H100"), "8 ranks on this node but 4 GPU(s) visible (CUDA_VISIBLE_DEVICES=0,1,2,3): "
+     "two ranks would share a GPU; launch at most 4 processes per node (deepspeed --num_gpus 4, or a hostfile's slots)."),
+    (("fp32", 1, 1, 1, True, "NVIDIA H100"), "local rank 1 has no GPU of its own: this process sees 1 GPU(s) "
+     "(CUDA_VISIBLE_DEVICES=0,1,2,3); let every rank of a node see all of its GPUs (the launcher picks LOCAL_RANK's)."),
+    (("bf16", 0, 2, 2, False, "Tesla V100-SXM2-32GB"), "precision=bf16 but Tesla V100-SXM2-32GB has no bf16 support "
+     "(compute capability below 8.0); set precision=fp16 or precision=fp32."),
+    (("fp16", 0, 2, 2, False, "Tesla V100-SXM2-32GB"), None),
+])
+def test_ranks_that_cannot_have_a_gpu_each_are_refused_at_start_up(monkeypatch, args, message):
+    from training.distributed import device_error
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert device_error(*args) == message

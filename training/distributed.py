@@ -14,8 +14,41 @@ def set_threads_per_process():
     CPU processes run an order of magnitude slower."""
     if "OMP_NUM_THREADS" in os.environ:
         return
-    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_processes))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size()))
+
+
+def local_world_size():
+    """Processes on this node: torchrun's LOCAL_WORLD_SIZE, or the DeepSpeed launcher's LOCAL_SIZE."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+
+
+def device_error(precision, local_rank, local_world_size, device_count, bf16_supported, device_name):
+    """Why this rank cannot run on this node's GPUs (a line naming the count or capability and what to change), or
+    None: caught at start-up instead of NCCL's "Duplicate GPU detected" or a kernel error mid-step."""
+    if local_world_size > device_count:
+        return (f"{local_world_size} ranks on this node but {device_count} GPU(s) visible (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): two ranks would share a GPU; launch at most "
+                f"{device_count} processes per node (deepspeed --num_gpus {device_count}, or a hostfile's slots).")
+    if local_rank >= device_count:
+        return (f"local rank {local_rank} has no GPU of its own: this process sees {device_count} GPU(s) "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); let every rank of a "
+                f"node see all of its GPUs (the launcher picks LOCAL_RANK's).")
+    if precision == "bf16" and not bf16_supported:
+        return (f"precision=bf16 but {device_name} has no bf16 support (compute capability below 8.0); set "
+                f"precision=fp16 or precision=fp32.")
+    return None
+
+
+def check_devices(precision):
+    """device_error for this rank, on CUDA (the CPU runs any number of ranks)."""
+    if get_accelerator().device_name() != "cuda":
+        return
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    error = device_error(precision, local_rank, local_world_size(),
+                         torch.cuda.device_count(), torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+                         torch.cuda.get_device_name(local_rank) if local_rank < torch.cuda.device_count() else "")
+    if error:
+        raise ValueError(error)
 
 
 def init_distributed(timeout_minutes):

@@ -24,7 +24,7 @@ from training.checkpointing import (checkpoint_bytes, clear_previous_run, droppe
                                     layout_change, load_rng_state, remove_incomplete_checkpoints, resolve_resume,
                                     save_checkpoint, start_checkpoint_dir, storage_warning, verify_checkpoint)
 from training.deepspeed_config import deepspeed_config
-from training.distributed import init_distributed, parallel_topology, set_threads_per_process
+from training.distributed import check_devices, init_distributed, parallel_topology, set_threads_per_process
 from training.evaluation import evaluate
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
 from training.optimizer import skipping_optimizer
@@ -206,6 +206,7 @@ def run(cfg):
         return print_memory_plan(plan_spec(cfg))
     spec = run_spec(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # every check, before anything is started
     cfg, resume_from = spec.cfg, spec.resume_from
+    check_devices(cfg.precision)
     init_distributed(cfg.dist_timeout_minutes)
     prepare_output_dir(spec)
     seed_everything(cfg.seed)
