@@ -33,6 +33,26 @@ def reset_peak_rss():
         f.write("5")
 
 
+def saved_activation_bytes(module, batch):
+    """Bytes autograd keeps for backward over one micro-batch's forward (each storage once, the weights it keeps a
+    reference to left out: they are the model's, not activations); runs its backward."""
+    storages = {}
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    inputs, labels = batch
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = module.loss_fn(module(inputs), labels)
+    loss.backward()
+    module.zero_grad(set_to_none=True)
+    return sum(storages.values())
+
+
 def run_config(overrides):
     """conf/base.yaml with overrides, as trainer_pipe.py would see it (one warm-up step: DeepSpeed's
     WarmupCosineLR rejects base.yaml's 0)."""

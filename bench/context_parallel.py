@@ -16,9 +16,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tests.distributed import spawn  # noqa: E402
+from common import saved_activation_bytes, spawn  # noqa: E402
 
 LAYOUTS = {"whole sequences (2 data-parallel)": 1, "context 2": 2}  # name: context_parallel_size
 GLOBAL_SEQUENCES = 4  # per step, both layouts
@@ -35,26 +33,6 @@ def micro_batch(seq, vocab, seed):
     input_ids = torch.randint(0, vocab, (1, seq), generator=generator)
     ones = torch.ones_like(input_ids)
     return (input_ids, ones, torch.arange(seq)[None]), input_ids.clone()
-
-
-def saved_activation_bytes(module, batch):
-    """Bytes autograd keeps for backward over one micro-batch's forward (each storage once, the weights it keeps a
-    reference to left out: they are the model's, not activations); runs its backward."""
-    storages = {}
-    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    inputs, labels = batch
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = module.loss_fn(module(inputs), labels)
-    loss.backward()
-    module.zero_grad(set_to_none=True)
-    return sum(storages.values())
 
 
 def worker(rank, seq, rounds, steps, out_path):

@@ -115,9 +115,14 @@ def document_causal_mask(document_ids):
     """Boolean (batch, 1, seq, seq) mask, True where a query may attend: causal and within the query's document.
 
     document_ids (batch, seq): 0 on padding, k >= 1 on the tokens of a row's k-th document (a row holding one
-    document is its padding mask). None when every row is one unpadded document (the fast ``is_causal`` path).
-    A padding query sees only itself, so no query row is empty (no NaN) and no real token sees padding."""
-    if bool((document_ids == 1).all()):
+    document is its padding mask). None when every row is one document followed by nothing but padding: plain
+    causal attention (``is_causal``: no mask tensor, and SDPA may pick a flash kernel on GPUs) computes every real
+    token exactly as the mask would, as none sees a later position; padding queries then see earlier tokens, but
+    their labels are -100 and no real token reads them, so losses and gradients are the same.
+    With a mask, a padding query sees only itself, so no query row is empty (no NaN) and no real token sees
+    padding."""
+    if bool(((document_ids[:, 0] == 1).all() & (document_ids[:, 1:] <= document_ids[:, :-1]).all()
+             & (document_ids <= 1).all())):
         return None
     seq = document_ids.shape[-1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()

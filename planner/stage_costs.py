@@ -159,6 +159,10 @@ class LayerCosts:
         c = workload.context_parallel
         chunk = workload.seq_length // (2 * c)
         self.context_mask_bytes = workload.micro_batch_size * chunk * chunk * (2 * c + 1) * act if c > 1 else 0
+        # Packed documents' additive mask (models/llama.py), which attention keeps for backward: one per micro-batch
+        # in flight. Rows of one document, padded or not, attend with is_causal and need none.
+        self.document_mask_bytes = (workload.micro_batch_size * workload.seq_length ** 2 * act
+                                    if workload.document_masks and c == 1 else 0)
 
     def chunks(self, kinds):
         """DeepSpeed's activation checkpointing: consecutive runs of `interval` layers from the stage's first layer,
@@ -203,6 +207,7 @@ class LayerCosts:
             persistent += self.pool_bytes
         if DECODER in kinds:
             persistent += self.context_mask_bytes
+            per_micro_batch += self.document_mask_bytes
         waiting_bytes = waiting * sum(self.weight_grad_bytes[kind] for kind in kinds)
         return in_flight * per_micro_batch + waiting_bytes + persistent + transient
 

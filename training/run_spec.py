@@ -366,6 +366,7 @@ def workload_of(cfg, data_parallel):
                     fused_adam=bool(optimizer_params.get("fused", False)),
                     tensor_parallel=cfg.tensor_parallel_size, sequence_parallel=bool(cfg.sequence_parallel),
                     context_parallel=cfg.context_parallel_size,
+                    document_masks=bool(cfg.data.document_isolation if cfg.data.format == "text" else cfg.data.packing),
                     recompute_sequence_gather=bool(cfg.recompute_sequence_gather),
                     offload_optimizer=cfg.offload_optimizer == "cpu", pipeline_schedule=cfg.pipeline_schedule,
                     loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
