@@ -69,9 +69,11 @@ def bf16_model(demo_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bf16_run(bf16_model, tmp_path_factory):
-    """BF16_RUN on 1 GPU, exported to Hugging Face at the end: the run the resume, offload and export checks use."""
+    """BF16_RUN on 1 GPU, evaluated and exported to Hugging Face at the end: the run the resume, offload and export
+    checks go on from."""
     out = tmp_path_factory.mktemp("bf16_run") / "run"
-    check_ok(launch_trainer(1, demo_overrides(bf16_model, out, **dict(BF16_RUN, export_hf="true")), accelerator="cuda"))
+    check_ok(launch_trainer(1, demo_overrides(bf16_model, out, **dict(BF16_RUN, eval_file=bf16_model["eval"],
+                                                                      export_hf="true")), accelerator="cuda"))
     return out
 
 
@@ -90,7 +92,9 @@ def test_bf16_training_with_fused_adamw(bf16_run, record_property):
     assert optimizer.torch_adam and optimizer.fused, "the default optimizer is no longer torch's fused AdamW"
     losses = per_step_losses(bf16_run)
     assert len(losses) == 8 and all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
-    record_property("figure", f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in 8 steps")
+    (eval_loss,) = [r["eval_loss"] for r in read_metrics(bf16_run) if "eval_loss" in r]
+    assert math.isfinite(eval_loss)
+    record_property("figure", f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in 8 steps, eval loss {eval_loss:.3f}")
 
 
 def sdpa_nodes(grad_fn):
