@@ -20,6 +20,7 @@ from typing import Sized
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from .collator import collate_causal_lm
@@ -148,7 +149,8 @@ def check_identical_across_group(batches, group):
     compute on the same tokens) got the same micro-batch: one all-reduce of two integers per micro-batch."""
     for index, batch in enumerate(batches):
         digest = batch_fingerprint(batch)
-        extremes = torch.tensor([digest, -digest], dtype=torch.int64)
+        # on the device: NCCL reduces no CPU tensors
+        extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=get_accelerator().current_device_name())
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
         if extremes[0] != -extremes[1]:
             raise ValueError(

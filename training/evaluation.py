@@ -9,6 +9,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from torch.utils.data import DataLoader
 
 from data.collator import collate_causal_lm
@@ -63,8 +64,8 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
                 if count:  # each context rank holds size x its share of the loss (ContextParallel.loss): 1/size each
                     loss_sum += float(loss) * count / context.size
                     tokens += count / context.size
-    # Only last-stage ranks hold losses; a world-wide sum gives every rank the total.
-    totals = torch.tensor([loss_sum, tokens], dtype=torch.float64)
+    # Only last-stage ranks hold losses; a world-wide sum gives every rank the total (on the device: NCCL has no CPU).
+    totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=get_accelerator().current_device_name())
     dist.all_reduce(totals)
     mean = (totals[0] / totals[1]).item() if totals[1] else float("nan")
     return mean, math.exp(min(mean, 80.0))

@@ -1,6 +1,7 @@
 """The optimizer used with nan_policy=skip (otherwise the DeepSpeed config's optimizer is used)."""
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
 
 class SkipNonFiniteAdamW(torch.optim.AdamW):
@@ -14,7 +15,8 @@ class SkipNonFiniteAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        bad = torch.tensor([0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0])
+        bad = torch.tensor([0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0],
+                           device=get_accelerator().current_device_name())  # NCCL reduces device tensors only
         dist.all_reduce(bad)
         if bad.item():
             self.skipped_steps += 1
