@@ -1,6 +1,6 @@
 """The GPU check's report (bash scripts/gpu_check.sh): after the checks in this directory, the versions, the GPUs and
 one line per check: its name, PASS / FAIL / SKIP and its key figure (what a check records with
-record_property("figure", ...), a failure's first line, a skip's reason)."""
+record_property("figure", ...), a failure's error line, a skip's reason)."""
 import re
 from importlib.metadata import version
 
