@@ -9,6 +9,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from tests.tiny_models import TINY_CONFIGS, make_tiny_model  # noqa: E402
 
+# tests/gpu runs only when named (bash scripts/gpu_check.sh): the CPU suite never collects it, from any directory.
+collect_ignore = ["gpu"]
+
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):

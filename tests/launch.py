@@ -10,10 +10,11 @@ from tests.distributed import free_port
 
 
 def launch_trainer(num_procs, overrides, config="tiny", timeout=240, hostfile=None, script="trainer_pipe.py",
-                   env=None):
+                   env=None, accelerator="cpu"):
     """Run `deepspeed --num_gpus N trainer_pipe.py -cp conf -cn CONFIG overrides...`; returns CompletedProcess.
-    With a hostfile, launch as on a cluster; on one machine without ssh (README, multi-node)."""
-    command, env = trainer_command(num_procs, overrides, config, hostfile, script, env)
+    With a hostfile, launch as on a cluster; on one machine without ssh (README, multi-node). accelerator is
+    DeepSpeed's (DS_ACCELERATOR): cpu, N gloo processes on this machine's cores; cuda, one process per GPU (NCCL)."""
+    command, env = trainer_command(num_procs, overrides, config, hostfile, script, env, accelerator)
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -24,14 +25,14 @@ def start_trainer(num_procs, overrides, config="tiny", script="trainer_pipe.py",
                             bufsize=1)
 
 
-def trainer_command(num_procs, overrides, config, hostfile, script, env):
+def trainer_command(num_procs, overrides, config, hostfile, script, env, accelerator="cpu"):
     placement = (["--hostfile", str(hostfile), "--no_ssh_check", "--master_addr", "127.0.0.1"] if hostfile
                  else ["--num_gpus", str(num_procs)])
     command = [sys.executable, "-m", "deepspeed.launcher.runner", *placement, "--master_port", str(free_port()),
                # Hydra resolves a relative -cp against the script that calls hydra.main; another script needs it absolute.
                script, "-cp", "conf" if script == "trainer_pipe.py" else os.path.join(ROOT, "conf"), "-cn", config,
                *overrides]
-    return command, dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **(env or {}))
+    return command, dict(os.environ, DS_ACCELERATOR=accelerator, PYTHONUNBUFFERED="1", **(env or {}))
 
 
 # 2 stages x 2 data-parallel ranks, ZeRO-1, fp32, 8 steps of 8 sequences; checkpoints every 2 steps, all kept.

@@ -23,8 +23,13 @@ TINY_CONFIGS = {
 
 def make_tiny_model(name, path, seed=0, **save_kwargs):
     """Save a randomly initialised tiny model to path and return it (fp32, eval mode)."""
+    return make_model(TINY_CONFIGS[name](), path, seed, **save_kwargs)
+
+
+def make_model(config, path, seed=0, dtype=torch.float32, **save_kwargs):
+    """Save a randomly initialised model of a config to path, its weights in dtype, and return it (eval mode)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[name](), attn_implementation="eager", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
     with torch.no_grad():  # HF zero-inits biases; random ones make the bias mapping testable
         for param_name, param in model.named_parameters():
             if param_name.endswith(".bias"):
