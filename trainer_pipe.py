@@ -25,7 +25,7 @@ def strip_launcher_arguments():
 @hydra.main(version_base=None, config_path="conf", config_name="tiny")
 def main(cfg):
     from training.loop import run  # heavy imports after Hydra has parsed the command line
-    from training.checkpointing import DiskFullError
+    from checkpoints.disk_space import DiskFullError
     from training.preemption import PREEMPTED_EXIT_CODE, Preempted
     import torch.distributed as dist
     exit_code = 0

@@ -25,7 +25,7 @@ import xxhash  # noqa: E402
 
 import checkpoints.hf_to_ds as hf_to_ds  # noqa: E402
 from checkpoints.integrity import file_checksum  # noqa: E402
-from training.checkpointing import hashing_saves  # noqa: E402
+from checkpoints.saving import hashing_saves  # noqa: E402
 
 REPEATS = 5
 GIB = 2 ** 30

@@ -53,9 +53,9 @@ def resume_rank(rank, overrides, out_dir, name):
     import torch.distributed as dist
     from hydra import compose, initialize_config_dir
 
+    from checkpoints.optimizer_state import MasterState
     from training.distributed import init_distributed
     from training.loop import build_engine, load_start_state
-    from training.optimizer_state import MasterState
     from training.run_spec import run_spec
 
     with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):

@@ -9,6 +9,7 @@ checkpoint is declared complete, so a complete checkpoint always has a complete 
 import json
 import os
 
+import torch.distributed as dist
 import xxhash
 
 from checkpoints.files import MANIFEST_NAME, write_text_atomic
@@ -126,3 +127,22 @@ def manifest_digest(directory):
     if recorded is None:
         return None
     return xxhash.xxh3_128(json.dumps(recorded, sort_keys=True).encode()).hexdigest()
+
+
+def verify_checkpoint(tag_dir, weights_only):
+    """Check the files of a checkpoint about to be loaded (weights_only: all but the optimizer states) against its
+    manifest, before the engine is built. File i (sorted) is checked by rank i mod world size: each byte is read
+    once, all ranks in parallel, whatever DeepSpeed's file layout (stages, ZeRO shards, tensor-parallel slices);
+    every rank then raises the same error, naming each file that fails, so none is left waiting at a collective."""
+    recorded = read_manifest(tag_dir)
+    if recorded is None:
+        if dist.get_rank() == 0:
+            print(no_manifest_note(tag_dir), flush=True)
+        return
+    needed = sorted(name for name in recorded if not weights_only or read_by_weights_only_load(name))
+    mine = needed[dist.get_rank()::dist.get_world_size()]
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, verify_files(tag_dir, mine))
+    failures = [message for messages in every_rank for message in messages]
+    if failures:
+        raise ChecksumError("\n".join(failures))

@@ -37,10 +37,10 @@ follow these FLOPs within 4% (bench/trainer_profile.py).
 from models.llama import head_dim_of
 from models.lora import adapter_parameter_count
 from models.partition import DECODER, EMBEDDING, HEAD, NORM, decoder_parameter_split, layer_kinds
+from models.pipeline_schedule_rules import in_flight_micro_batches, waiting_micro_batches
 from planner import training_state
 from planner.training_state import FP32_BYTES
 from planner.workload import check_tensor_parallel
-from training.schedule import in_flight_micro_batches, waiting_micro_batches
 
 INT64_BYTES = 8
 # The share of a device's memory the plan does not model (CUDA context, NCCL buffers, allocator fragmentation):

@@ -24,14 +24,14 @@ def rank():
 
 def inject(kind, fault_rank, fault_step):
     if kind == "kill_during_save":
-        from training import checkpointing
-        save_rng_state = checkpointing.save_rng_state
+        from checkpoints import saving  # save_checkpoint looks save_rng_state up here
+        save_rng_state = saving.save_rng_state
 
         def save_then_die(tag_dir, this_rank):
             save_rng_state(tag_dir, this_rank)
             if this_rank == fault_rank and tag_dir.endswith(f"global_step{fault_step}"):
                 os.kill(os.getpid(), signal.SIGKILL)
-        checkpointing.save_rng_state = save_then_die
+        saving.save_rng_state = save_then_die
     elif kind == "raise":
         from deepspeed.runtime.pipe.engine import PipelineEngine
         train_batch = PipelineEngine.train_batch

@@ -4,9 +4,9 @@ import os
 import pytest
 
 from checkpoints.files import staged_directory, write_text_atomic
-from training.checkpointing import (check_fresh_start, complete_tags, prune_checkpoints, remove_incomplete_checkpoints,
-                                    resolve_resume)
+from checkpoints.tag_dirs import complete_tags, prune_checkpoints, remove_incomplete_checkpoints
 from training.loop import data_position
+from training.resume import check_fresh_start, resolve_resume
 
 
 def make_tag(root, step, complete=True):

@@ -12,10 +12,10 @@ import psutil
 import pytest
 import torch
 
+from checkpoints.compatibility import check_resume_topology
 from tests.conftest import ROOT
 from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics,
                           run_in_process, start_trainer)
-from training.checkpointing import check_resume_topology
 from training.preemption import PREEMPTED_EXIT_CODE
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
@@ -220,7 +220,7 @@ def two_step_overrides(demo_model, out, **extra):
 def test_full_disk_is_one_line_before_anything_is_written_and_resume_continues(demo_model, two_step_run, small_disk):
     """The second save finds less free space than the first checkpoint took: every rank refuses it in one line
     naming the checkpoint, the sizes and where to resume; `latest` stays; the start-up warns of it."""
-    from training.checkpointing import checkpoint_bytes
+    from checkpoints.disk_space import checkpoint_bytes
     disk = small_disk(64 * 2**20)
     out = disk / "run"
     shutil.copytree(two_step_run, out)
@@ -245,7 +245,7 @@ def test_disk_filling_during_the_first_save_is_one_line(demo_model, two_step_run
     marked complete."""
     from hydra import compose, initialize_config_dir
 
-    from training.checkpointing import checkpoint_bytes
+    from checkpoints.disk_space import checkpoint_bytes
     from training.run_spec import run_spec
     with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
         estimate = run_spec(compose(config_name="tiny", overrides=two_step_overrides(

@@ -11,27 +11,31 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
+from checkpoints.compatibility import dropped_state, layout_change
+from checkpoints.disk_space import checkpoint_bytes, storage_warning
 from checkpoints.ds_to_hf import convert_ds_to_hf
+from checkpoints.integrity import verify_checkpoint
 from checkpoints.layer_files import load_layer_slice
+from checkpoints.optimizer_state import has_layout_free_state, load_training_state
+from checkpoints.rng_state import load_rng_state
+from checkpoints.saving import save_checkpoint
 from checkpoints.state_files import WeightsOnlyCheckpointEngine
+from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoints
 from data.datasets import build_dataset_distributed
 from data.loader import build_stage_loader, check_identical_across_group, infinite_micro_batches
 from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.tensor_parallel import SHARDED_MARKER
 from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan
-from training.checkpointing import (checkpoint_bytes, clear_previous_run, dropped_state, has_layout_free_state,
-                                    layout_change, load_rng_state, remove_incomplete_checkpoints, resolve_resume,
-                                    save_checkpoint, start_checkpoint_dir, storage_warning, verify_checkpoint)
 from training.deepspeed_config import deepspeed_config
 from training.distributed import check_devices, init_distributed, parallel_topology, set_threads_per_process
 from training.evaluation import evaluate
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
 from training.optimizer import skipping_optimizer
-from training.optimizer_state import load_training_state
 from training.pipeline_engine import use_zero_bubble
 from training.preemption import Preempted, PreemptionWatch
 from training.profiling import NoProfile, StepProfile
+from training.resume import resolve_resume, start_checkpoint_dir
 from training.run_spec import ConfigError, plan_spec, run_spec
 
 
@@ -105,7 +109,7 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
     engine.clip_fp32_gradients = lambda: clip_fp32_gradients_across_stages(engine)
     # Resuming runs no code from the checkpoint; DeepSpeed's config keeps deciding how files are written (zip).
     engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
-    # The optimizer's state is saved per layer (training/optimizer_state.py), which any layout loads; DeepSpeed's
+    # The optimizer's state is saved per layer (checkpoints/optimizer_state.py), which any layout loads; DeepSpeed's
     # per-rank copy of it (ZeRO's files, the optimizer in mp_rank_*) would double a checkpoint.
     engine.save_zero_checkpoint = False
     common_checkpoint_state = engine._common_checkpoint_state

@@ -13,8 +13,11 @@ import os
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
+from checkpoints.compatibility import check_resume_topology, check_same_model, dropped_state
 from checkpoints.files import has_tokenizer_files, read_latest
 from checkpoints.integrity import manifest_digest, verify_model_side_files
+from checkpoints.optimizer_state import check_optimizer_state_files, has_layout_free_state
+from checkpoints.trainer_state import read_trainer_state
 from data.formats import DataSettings
 from models.layout import layer_file_name, layer_indices_with_files
 from models.context_parallel import context_parallel_error
@@ -26,9 +29,7 @@ from models.tensor_parallel import check_tensor_parallel_split
 from planner.stage_costs import balanced_stage_cost
 from planner.training_state import checkpoint_bytes_per_parameter
 from planner.workload import Workload
-from training.checkpointing import (check_fresh_start, check_optimizer_state_files, check_resume_topology,
-                                    check_same_model, dropped_state, has_layout_free_state, read_trainer_state,
-                                    resolve_resume)
+from training.resume import check_fresh_start, resolve_resume
 from training.schedule import PIPELINE_SCHEDULES
 
 BASE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "base.yaml")
@@ -254,7 +255,8 @@ def check_values(cfg):
         raise ConfigError(f"zero_stage={cfg.zero_stage}: pipeline parallelism supports ZeRO stage 0 or 1 only.")
     if cfg.precision != "fp32" and cfg.zero_stage == 0:
         raise ConfigError(f"precision={cfg.precision} with zero_stage=0: below fp32 a checkpoint takes the fp32 master "
-                          f"weights and moments from ZeRO's partitions (training/optimizer_state.py); use zero_stage=1.")
+                          f"weights and moments from ZeRO's partitions (checkpoints/optimizer_state.py); use "
+                          f"zero_stage=1.")
     check_offload(cfg)
     chunk = cfg.loss_chunk_tokens
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:

@@ -173,6 +173,24 @@ def save_training_state(engine, tag_dir):
             if scaler is not None else None}
 
 
+def has_layout_free_state(trainer_state):
+    """Whether a checkpoint's optimizer state is saved per layer (this module), so that any layout resumes it;
+    older checkpoints hold DeepSpeed's per-rank files, which only their own layout loads."""
+    return "optimizer_step" in trainer_state
+
+
+def check_optimizer_state_files(tag_dir, trainer_state, layer_indices):
+    """Every layer's optimizer state is in the checkpoint (one file per tensor-parallel rank that wrote it)."""
+    slices = trainer_state.get("topology", {}).get("tensor_parallel", 1)
+    for index in layer_indices:
+        found = len(saved_optimizer_state_paths(tag_dir, index))
+        if found != slices:
+            raise FileNotFoundError(missing_state_message(tag_dir, index) if not found else
+                                    f"checkpoint {tag_dir} has {found} optimizer-state files for layer {index}, its "
+                                    f"{slices} tensor-parallel ranks wrote {slices}; copy the checkpoint again, or "
+                                    f"set resume_weights_only=true to continue from its weights.")
+
+
 def load_training_state(engine, tag_dir, trainer_state):
     """The optimizer state of this rank's parameters from the per-layer files (this rank's tensor-parallel slice
     and ZeRO fragment; the weights themselves came with the layer files), then the step count, lr, LR schedule,

@@ -1,0 +1,27 @@
+"""Each rank's RNG state (Python, numpy, torch) in a training checkpoint, so a resume draws what the run would have."""
+import os
+import random
+
+import numpy as np
+import torch
+
+from checkpoints.state_files import load_rng_file
+
+
+def rng_state_path(tag_dir, rank):
+    return os.path.join(tag_dir, f"rng_state_rank{rank:05d}.pt")
+
+
+def save_rng_state(tag_dir, rank):
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+               rng_state_path(tag_dir, rank))
+
+
+def load_rng_state(tag_dir, rank):
+    path = rng_state_path(tag_dir, rank)
+    if not os.path.isfile(path):
+        return
+    state = load_rng_file(path)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])

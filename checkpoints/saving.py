@@ -1,0 +1,86 @@
+"""Crash-safe training checkpoints on top of DeepSpeed's save.
+
+A save writes tag directory ``global_stepN`` through DeepSpeed (every rank its own files, each hashed right after
+it is written), then, only after every rank has finished, rank 0 writes the checksum manifest, drops a COMPLETE
+marker in it and atomically points ``latest`` at it. A process killed mid-save therefore leaves the previous
+checkpoint as ``latest``; tag directories without the marker are never resumed from and are removed by the next run.
+"""
+import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from checkpoints.disk_space import check_space_for_checkpoint, disk_full_is_one_line
+from checkpoints.files import COMPLETE_MARKER, LATEST, copy_model_side_files, copy_tokenizer_files, write_text_atomic
+from checkpoints.integrity import file_checksum, write_manifest
+from checkpoints.optimizer_state import save_training_state
+from checkpoints.rng_state import rng_state_path, save_rng_state
+from checkpoints.tag_dirs import prune_checkpoints, tag_of_step
+from checkpoints.trainer_state import write_trainer_state
+
+RUN_CONFIG_NAME = "run_config.yaml"
+
+
+@contextlib.contextmanager
+def hashing_saves(checkpoint_engine):
+    """Yields {path: checksum} of every file DeepSpeed's checkpoint engine writes on this rank, filled on exit. Each
+    file is hashed by a second thread while the next one is written, its pages still in the page cache."""
+    save, hasher, pending, checksums = checkpoint_engine.save, ThreadPoolExecutor(max_workers=1), {}, {}
+
+    def save_and_hash(state_dict, path):
+        save(state_dict, path)
+        pending[path] = hasher.submit(file_checksum, path)
+    checkpoint_engine.save = save_and_hash
+    try:
+        yield checksums
+        checksums.update({path: future.result() for path, future in pending.items()})
+    finally:
+        checkpoint_engine.save = save
+        hasher.shutdown()
+
+
+def save_checkpoint(engine, cfg, model_files_dir, trainer_state, needed_bytes):
+    """Save global_step<step> crash-safely; needed_bytes: what the checkpoint takes on disk (the last one's size,
+    or the planner's estimate before the first), checked against the free space before anything is written."""
+    output_dir, tag = cfg.output_dir, tag_of_step(trainer_state["step"])
+    tag_dir = os.path.join(output_dir, tag)
+    check_space_for_checkpoint(output_dir, tag, needed_bytes)
+    if dist.get_rank() == 0 and os.path.exists(os.path.join(tag_dir, COMPLETE_MARKER)):
+        os.remove(os.path.join(tag_dir, COMPLETE_MARKER))  # rewriting a tag: it is incomplete until done again
+    dist.barrier()
+    with disk_full_is_one_line(output_dir, tag, needed_bytes), hashing_saves(engine.checkpoint_engine) as written:
+        # Frozen parameters (LoRA's base) are not saved: the checkpoint points at the converted base instead.
+        engine.save_checkpoint(output_dir, tag=tag, client_state=trainer_state, save_latest=False,
+                               exclude_frozen_parameters=True)
+        trainer_state = {**trainer_state, **save_training_state(engine, tag_dir)}
+        save_rng_state(tag_dir, dist.get_rank())
+    rng_path = rng_state_path(tag_dir, dist.get_rank())
+    written[rng_path] = file_checksum(rng_path)
+    every_rank = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object({os.path.relpath(p, tag_dir): c for p, c in written.items()}, every_rank, dst=0)
+    # gather_object returned: every rank's files are written before the checkpoint is declared complete
+    if dist.get_rank() == 0:
+        with disk_full_is_one_line(output_dir, tag, needed_bytes):
+            write_side_files_and_complete(cfg, model_files_dir, tag_dir, trainer_state, every_rank)
+        prune_checkpoints(output_dir, cfg.save_total_limit)
+    dist.barrier()
+    return tag_dir
+
+
+def write_side_files_and_complete(cfg, model_files_dir, tag_dir, trainer_state, every_rank):
+    """Rank 0, once every rank's files are written: the side files, the checksum manifest, COMPLETE, `latest`."""
+    output_dir, tag = os.path.dirname(tag_dir), os.path.basename(tag_dir)
+    copy_model_side_files(model_files_dir, tag_dir)
+    if cfg.tokenizer_name_or_path:
+        copy_tokenizer_files(cfg.tokenizer_name_or_path, tag_dir)
+    OmegaConf.save(cfg, os.path.join(tag_dir, RUN_CONFIG_NAME), resolve=True)
+    write_trainer_state(tag_dir, trainer_state)
+    checksums = {name: checksum for files in every_rank for name, checksum in files.items()}
+    for name in os.listdir(tag_dir):  # the small side files rank 0 just wrote
+        if name not in checksums and os.path.isfile(os.path.join(tag_dir, name)):
+            checksums[name] = file_checksum(os.path.join(tag_dir, name))
+    write_manifest(tag_dir, checksums)
+    write_text_atomic(os.path.join(tag_dir, COMPLETE_MARKER), tag)
+    write_text_atomic(os.path.join(output_dir, LATEST), tag)
