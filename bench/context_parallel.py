@@ -11,7 +11,6 @@ split divides.
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch

@@ -53,7 +53,7 @@ def resume_on_meta(rank, overrides, result_path):
 
     from tests.conftest import ROOT
     from training import loop
-    from training.optimizer_state import MasterState
+    from checkpoints.optimizer_state import MasterState
 
     build_engine = loop.build_engine
 
