@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Sets up and runs the whole test suite on the CPU (gloo, several processes on one machine).
+# `bash scripts/test.sh quick`: every module's fast checks (nothing launched or trained; about a minute).
+# Further arguments go to pytest (e.g. `bash scripts/test.sh quick -k partition`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export DS_ACCELERATOR=cpu
+if [ "${1:-}" = quick ]; then
+    shift
+    set -- -m "not slow" "$@"
+fi
 python -m pytest -q --durations=10 tests "$@"

@@ -12,6 +12,15 @@ from tests.tiny_models import TINY_CONFIGS, make_tiny_model  # noqa: E402
 # tests/gpu runs only when named (bash scripts/gpu_check.sh): the CPU suite never collects it, from any directory.
 collect_ignore = ["gpu"]
 
+# Session fixtures that launch training runs: a test using one is slow however quick its own body.
+TRAINED_FIXTURES = {"reference_run", "single_process_run", "lora_run", "peft_run", "two_step_run"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if TRAINED_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):

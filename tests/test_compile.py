@@ -19,6 +19,7 @@ CASES = {  # name: (activation checkpoint interval, schedule); one launch compil
 }
 
 
+@pytest.mark.slow
 def test_compiled_layers_keep_parity(tiny_checkpoints, tmp_path):
     hf_dir, ds_dir = tiny_checkpoints["llama3"]
     cases = [dict(name=name, hf_dir=hf_dir, ds_dir=ds_dir, compile=True, checkpoint_interval=interval,

@@ -93,6 +93,7 @@ def full_rows():
     return [{"input_ids": ids, "labels": ids, "lengths": [SEQ]} for ids in rows]
 
 
+@pytest.mark.slow
 def test_context_parallel_matches_transformers(tiny_checkpoints, tmp_path):
     datasets = {"packed": packed_documents(tmp_path), "full": full_rows()}
     spawn(context_parity_worker, 4, tiny_checkpoints, datasets, str(tmp_path))
@@ -109,6 +110,7 @@ def test_context_parallel_matches_transformers(tiny_checkpoints, tmp_path):
 
 @pytest.mark.parametrize("processes,layout", [(2, {}), (8, {"num_stages": 2, "tensor_parallel_size": 2})],
                          ids=["1stage_x_cp2", "2stages_x_tp2_x_cp2"])
+@pytest.mark.slow
 def test_training_parity_with_context_parallel(demo_model, single_process_run, tmp_path, processes, layout):
     """8 fp32 steps with context 2 through the launcher (1 stage; 2 stages x tensor parallel 2) against 1 process on
     the same global batch (the losses, the clipping norm, the samples counted for the data position) and the same

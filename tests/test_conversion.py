@@ -102,6 +102,7 @@ def assert_nothing_written(parent, out):
     assert not [n for n in os.listdir(parent) if ".partial-" in n]
 
 
+@pytest.mark.slow
 def test_missing_directory_is_a_clear_error(tmp_path):
     result = convert_cli("--model_name_or_path", str(tmp_path / "nope"), "--output_dir", str(tmp_path / "out"))
     assert result.returncode != 0
@@ -109,6 +110,7 @@ def test_missing_directory_is_a_clear_error(tmp_path):
     assert_nothing_written(tmp_path, str(tmp_path / "out"))
 
 
+@pytest.mark.slow
 def test_unsupported_model_type_lists_supported(tmp_path):
     GPT2Config(n_layer=2, n_embd=32, n_head=4).save_pretrained(tmp_path / "gpt2")
     result = convert_cli("--model_name_or_path", str(tmp_path / "gpt2"), "--output_dir", str(tmp_path / "out"))
@@ -148,6 +150,7 @@ def test_shape_mismatch_names_the_key_and_file(tmp_path):
     assert_nothing_written(tmp_path, str(tmp_path / "out"))
 
 
+@pytest.mark.slow
 def test_existing_output_is_kept_unless_overwrite(tiny_checkpoints, tmp_path):
     hf_dir, _ = tiny_checkpoints["tied"]
     out = tmp_path / "out"
@@ -161,6 +164,7 @@ def test_existing_output_is_kept_unless_overwrite(tiny_checkpoints, tmp_path):
     assert not (out / "precious.txt").exists() and (out / "latest").read_text() == "global_step0"
 
 
+@pytest.mark.slow
 def test_to_hf_without_latest_lists_tags(tmp_path):
     (tmp_path / "ckpt" / "global_step5").mkdir(parents=True)
     result = convert_cli("--to_hf", "--ckpt_dir", str(tmp_path / "ckpt"), "--output_dir", str(tmp_path / "hf"))

@@ -202,6 +202,7 @@ def _build_on_rank(rank, port, corpus, tokenizer, cache, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_distributed_build_runs_once_and_other_ranks_load_the_cache(demo_dir, tokenizer, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

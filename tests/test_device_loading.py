@@ -6,6 +6,7 @@ the resume's state files. A host-only step anywhere on that path fails here."""
 import collections
 import json
 
+import pytest
 import torch
 
 from tests.distributed import spawn
@@ -75,6 +76,7 @@ def resume_on_meta(rank, overrides, result_path):
         loop.run(compose(config_name="tiny", overrides=overrides))
 
 
+@pytest.mark.slow
 def test_resume_loads_into_parameters_off_the_host(demo_model, reference_run, tmp_path):
     overrides = demo_overrides(demo_model, tmp_path / "run", **{
         **REFERENCE, "num_stages": 1, "gradient_accumulation_steps": 4, "zero_stage": 1,

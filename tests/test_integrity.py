@@ -43,6 +43,7 @@ def tag_dir(ckpt_dir):
     return pathlib.Path(ckpt_dir) / (pathlib.Path(ckpt_dir) / "latest").read_text().strip()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("legacy", [True, False], ids=["legacy_pickle", "zip_with_code"])
 def test_bin_whose_pickle_carries_code_is_refused_and_never_run(tmp_path, legacy):
     model = make_tiny_model("llama2", str(tmp_path / "safetensors"))
@@ -73,6 +74,7 @@ def test_bin_whose_pickle_carries_code_is_refused_and_never_run(tmp_path, legacy
     assert armed.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["safetensors", "bin"])
 def test_truncated_shard_is_the_converters_error(tiny_checkpoints, tmp_path, kind):
     hf_dir = tmp_path / "hf"
@@ -94,6 +96,7 @@ def test_truncated_shard_is_the_converters_error(tiny_checkpoints, tmp_path, kin
     assert_nothing_written(tmp_path, str(tmp_path / "out"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flipped", "truncated"])
 def test_damaged_layer_file_is_refused_by_export_naming_it(tiny_checkpoints, tmp_path, damage):
     ds_dir = tmp_path / "ds"
@@ -122,6 +125,7 @@ def test_damaged_layer_file_is_refused_by_export_naming_it(tiny_checkpoints, tmp
         assert [k for k in original if not torch.equal(original[k], exported[k])]
 
 
+@pytest.mark.slow
 def test_converted_directorys_config_and_tokenizer_are_checked_before_they_are_read(demo_model, tmp_path):
     """The top-level files of a converted directory (config, tokenizer with its chat template) have their own
     manifest: an edited chat template stops the trainer, an edited config.json stops export, each naming the file."""
@@ -150,6 +154,7 @@ def without_tokenizer(demo_model, target):
     return target
 
 
+@pytest.mark.slow
 def test_converter_takes_the_tokenizer_from_elsewhere(demo_model, tmp_path):
     hf_dir = tmp_path / "hf"
     shutil.copytree(demo_model["hf"], hf_dir, ignore=lambda _, names: [n for n in names if is_tokenizer_file(n)])
@@ -188,6 +193,7 @@ def test_pad_id_without_a_tokenizer_comes_from_the_model_config():
     assert pad_token_id(None, LlamaConfig(pad_token_id=None, eos_token_id=None)) == 0
 
 
+@pytest.mark.slow
 def test_pretokenized_run_without_tokenizer_then_corrupt_checkpoint_is_refused(demo_model, tmp_path):
     """A model directory without tokenizer files trains and evaluates on pre-tokenized data (2 stages); its
     checkpoint carries a manifest of every file; one layer file with 64 flipped bytes is then refused by resume
@@ -227,6 +233,7 @@ def test_pretokenized_run_without_tokenizer_then_corrupt_checkpoint_is_refused(d
     assert exported.returncode != 0 and f"checkpoint file '{layer}' is corrupt" in exported.stderr
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_conversion_is_one_line_and_leaves_nothing(demo_model, small_disk):
     """Both directions into a disk too small for the weights (another filesystem than the model's): one line naming
     the output, the free space and what the weights need; no traceback, no partial directory, an existing output

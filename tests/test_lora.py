@@ -41,6 +41,7 @@ GRADIENT_CASES = {  # (stages, world size, tensor parallel): cases
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(GRADIENT_CASES), ids=["2stages", "2stages_x_tp2"])
 def test_adapter_gradients_match_peft(tiny_checkpoints, tmp_path, layout):
     """One step's loss and every adapter's gradient equal peft's on transformers (B nonzero, so A's gradients are
@@ -91,6 +92,7 @@ def lora_run(demo_model, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_lora_training_equals_peft_and_its_export_loads_in_peft(demo_model, peft_run, lora_run, tmp_path):
     ref_losses, ref_model = peft_run
     assert per_step_losses(lora_run) == pytest.approx(ref_losses, abs=1e-4)
@@ -109,6 +111,7 @@ def test_lora_training_equals_peft_and_its_export_loads_in_peft(demo_model, peft
 
 
 
+@pytest.mark.slow
 def test_data_and_tensor_parallel_runs_and_a_resume_on_another_layout_equal_peft(demo_model, peft_run, lora_run,
                                                                                 tmp_path):
     """The same 6 steps on 2 stages x 2 data-parallel ranks (ZeRO-1) and on 1 stage x tensor parallel 2; the first's
@@ -163,6 +166,7 @@ def test_checkpoint_holds_the_adapters_and_points_at_its_base(demo_model, lora_r
                                    "manifest_xxh3_128": manifest_digest(base_tag)}
 
 
+@pytest.mark.slow
 def test_merged_export_equals_peft_merge(demo_model, lora_run, tmp_path):
     from peft import PeftModel
     result = subprocess.run([sys.executable, "convert2ckpt.py", "--to_hf", "--merge_lora", "--ckpt_dir",
@@ -203,6 +207,7 @@ def test_bad_lora_config_is_refused_before_any_work(demo_model, tmp_path, overri
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_base_and_a_full_fine_tuning_run(demo_model, lora_run, tmp_path):
     from checkpoints.hf_to_ds import convert_hf_to_ds
     other_hf, other_ds = tmp_path / "other_hf", tmp_path / "other_ds"
@@ -256,6 +261,7 @@ def test_memory_plan_counts_the_frozen_base_and_the_adapters():
     assert not any(row["fits"] for row in full)
 
 
+@pytest.mark.slow
 def test_lora_trains_on_packed_chat_on_two_stages_with_zero_bubble_and_offload(demo_model, tmp_path):
     """Chat data, packing, 2 stages, the zero-bubble schedule, checkpointing and the offloaded optimizer together: the
     loss falls and the run exports a peft adapter (parity with peft: the tests above)."""

@@ -20,6 +20,7 @@ MICRO_BATCH, GAS, SEQ = 2, 2, 16
 
 @pytest.mark.parametrize("num_stages,world_size,tensor_parallel", [(1, 1, 1), (2, 2, 1), (1, 2, 2)],
                          ids=["1stage", "2stages", "tp2"])
+@pytest.mark.slow
 def test_chunked_loss_equals_the_logits_head(tiny_checkpoints, tmp_path, num_stages, world_size, tensor_parallel):
     cases = [dict(name=f"{model}-{chunk}", hf_dir=tiny_checkpoints[model][0], ds_dir=tiny_checkpoints[model][1],
                   loss_chunk_tokens=chunk, save_grads=True)

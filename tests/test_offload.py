@@ -14,6 +14,7 @@ from tests.launch import (REFERENCE, SINGLE_PROCESS, check_ok, demo_overrides, l
 BF16_RESUME_TOLERANCE = 5e-4
 
 
+@pytest.mark.slow
 def test_fp32_offload_matches_the_device_optimizer(demo_model, reference_run, tmp_path):
     """2 stages x 2 data-parallel: offload against the reference run (ZeRO-1 on the device), 8 steps."""
     run = dict(REFERENCE, save_steps=0, eval_file="null", zero_stage=1, offload_optimizer="cpu")
@@ -21,6 +22,7 @@ def test_fp32_offload_matches_the_device_optimizer(demo_model, reference_run, tm
     assert per_step_losses(tmp_path / "cpu") == pytest.approx(per_step_losses(reference_run), abs=1e-4)
 
 
+@pytest.mark.slow
 def test_fp32_offload_matches_the_device_optimizer_under_tensor_parallelism(demo_model, single_process_run, tmp_path):
     """1 stage x tensor parallel 2, ZeRO-1 offloaded, against 1 process with the device optimizer, 8 steps."""
     run = dict(SINGLE_PROCESS, eval_file="null", zero_stage=1, offload_optimizer="cpu", tensor_parallel_size=2)
@@ -28,6 +30,7 @@ def test_fp32_offload_matches_the_device_optimizer_under_tensor_parallelism(demo
     assert per_step_losses(tmp_path / "cpu") == pytest.approx(per_step_losses(single_process_run), abs=1e-4)
 
 
+@pytest.mark.slow
 def test_bf16_offload_on_2_stages_resumes_on_another_layout_and_exports(demo_model, tmp_path):
     """bf16 with offload on 2 stages, resumed from step 3 on 1 stage x 2 data-parallel without offload (the same
     global batch): the fp32 master weights and moments carry over; the losses differ from the run that never stopped

@@ -121,6 +121,7 @@ def packed_rows(tmp_path):
     return packed.to_list()[::-1], stats
 
 
+@pytest.mark.slow
 def test_packed_rows_match_transformers_on_each_example(tiny_checkpoints, tmp_path):
     rows, stats = packed_rows(tmp_path)
     assert stats.packed_from == 40 and len(rows) < 40 and any(len(r["lengths"]) > 2 for r in rows[:GAS * 2 * 2])
@@ -134,6 +135,7 @@ def test_packed_rows_match_transformers_on_each_example(tiny_checkpoints, tmp_pa
             assert not bad, f"{name}: gradients differ from transformers on each example alone: {bad}"
 
 
+@pytest.mark.slow
 def test_trainer_eval_only_on_packed_chat_equals_transformers_per_conversation(demo_model, tmp_path):
     """trainer_pipe.py through the launcher, data.format=chat with a template file and packing: its eval_loss is
     transformers' token-weighted loss over the assistant tokens of each conversation run alone."""

@@ -21,6 +21,7 @@ def run_parity(tiny_checkpoints, tmp_path, num_stages, world_size, attention="sd
 
 @pytest.mark.parametrize("num_stages,world_size", [(1, 1), (2, 2), (4, 4), (2, 4)],
                          ids=["1stage", "2stages", "4stages", "2stages_x_2dp"])
+@pytest.mark.slow
 def test_loss_gradients_and_file_reads(tiny_checkpoints, tmp_path, num_stages, world_size):
     ranks = run_parity(tiny_checkpoints, tmp_path, num_stages, world_size)
     assert len(ranks) == world_size
@@ -47,6 +48,7 @@ def own_layer_files(ds_dir, result):
     return {layer_file_name(i) for i in range(start, stop) if os.path.exists(os.path.join(tag_dir, layer_file_name(i)))}
 
 
+@pytest.mark.slow
 def test_eager_attention_matches_transformers(tiny_checkpoints, tmp_path):
     (rank,) = run_parity(tiny_checkpoints, tmp_path, 1, 1, attention="eager")
     for name, result in rank.items():
@@ -61,6 +63,7 @@ PARTITION_CASES = {  # name: (partition, activation checkpoint interval, expecte
 }
 
 
+@pytest.mark.slow
 def test_partition_methods_and_activation_checkpointing_keep_parity(tiny_checkpoints, tmp_path):
     hf_dir, ds_dir = tiny_checkpoints["tied"]
     cases = [dict(name=name, hf_dir=hf_dir, ds_dir=ds_dir, partition=partition, checkpoint_interval=interval)

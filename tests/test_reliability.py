@@ -22,6 +22,7 @@ FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
 STOP_DEADLINE_S = 60  # seconds from SIGTERM to every process gone: a step and a save of the tiny model, with margin
 
 
+@pytest.mark.slow
 def test_killed_save_resumes_from_previous_checkpoint_with_identical_losses(demo_model, reference_run, tmp_path):
     """The run that gets killed trains under pipeline_schedule=zero_bubble and its resume under 1F1B: a checkpoint
     carries over between the schedules (the other way round: the SIGTERM test's resume)."""
@@ -48,6 +49,7 @@ def test_killed_save_resumes_from_previous_checkpoint_with_identical_losses(demo
     assert [r["step"] for r in read_metrics(out) if "loss" in r][-4:] == [5, 6, 7, 8]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["runner", "launcher", "rank"])
 def test_sigterm_mid_run_saves_that_step_and_resume_matches_uninterrupted_run(demo_model, reference_run, tmp_path,
                                                                              target):
@@ -91,6 +93,7 @@ def test_sigterm_mid_run_saves_that_step_and_resume_matches_uninterrupted_run(de
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_weights_only_resume_into_another_stage_count_keeps_eval_loss(demo_model, reference_run, tmp_path):
     """The 2-stage reference run's step-8 weights evaluated on 1 stage: the eval loss it logged at step 8."""
     out = tmp_path / "eval1"
@@ -112,6 +115,7 @@ def test_checkpoints_of_deepspeeds_own_optimizer_files_resume_on_their_layout_on
         check_resume_topology({"topology": {"num_stages": 2, "data_parallel": 1}}, current, False, "old")
 
 
+@pytest.mark.slow
 def test_exception_on_one_rank_ends_the_whole_job_promptly(demo_model, tmp_path):
     result = launch_trainer(2, demo_overrides(demo_model, tmp_path / "run", max_steps=20, eval_file="null"),
                             script=FAULT_SCRIPT, env={"FAULT": "raise:1:3"}, timeout=180)
@@ -122,6 +126,7 @@ def test_exception_on_one_rank_ends_the_whole_job_promptly(demo_model, tmp_path)
     assert ended - fault_at < 60, f"the job took {ended - fault_at:.0f}s to end after one rank failed"
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_step_and_last_good_checkpoint(demo_model, tmp_path):
     out = tmp_path / "run"
     result = launch_trainer(2, demo_overrides(demo_model, out, max_steps=6, save_steps=2, eval_file="null"),
@@ -132,6 +137,7 @@ def test_nan_loss_stops_with_step_and_last_good_checkpoint(demo_model, tmp_path)
     assert (out / "latest").read_text() == "global_step2"
 
 
+@pytest.mark.slow
 def test_nan_loss_step_is_skipped_when_configured(demo_model, tmp_path):
     out = tmp_path / "run"
     check_ok(launch_trainer(2, demo_overrides(demo_model, out, max_steps=5, logging_steps=1, eval_file="null",
@@ -145,6 +151,7 @@ def test_nan_loss_step_is_skipped_when_configured(demo_model, tmp_path):
         assert all(torch.isfinite(t).all() for t in weights.values())
 
 
+@pytest.mark.slow
 def test_malformed_jsonl_line_is_named(demo_model, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"text": "a fine line"}) + "\n" + '{"text": "broken\n')
@@ -154,6 +161,7 @@ def test_malformed_jsonl_line_is_named(demo_model, tmp_path):
     assert f"{data}: line 2: malformed JSON line" in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_bf16_zero1_resume_matches_uninterrupted_run(demo_model, tmp_path):
     """The production setting: bf16 with ZeRO-1 (DeepSpeed's bf16 optimizer, its tensor-parallel-aware norm and its
     checkpoint), here under tensor parallel 2 (2 processes: pipeline stages resume in the fp32 tests)."""
@@ -167,6 +175,7 @@ def test_bf16_zero1_resume_matches_uninterrupted_run(demo_model, tmp_path):
     assert [r["loss"] for r in resumed] == pytest.approx(per_step_losses(tmp_path / "full")[3:], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_preemption_grace_bounds_a_stop_that_cannot_finish():
     """A SIGTERM while the main thread never reaches a step boundary (a hung peer): the process still ends, with the
     preempted exit code, preemption_grace_seconds after the signal."""
@@ -217,6 +226,7 @@ def two_step_overrides(demo_model, out, **extra):
                                               "export_hf": "false", **extra})
 
 
+@pytest.mark.slow
 def test_full_disk_is_one_line_before_anything_is_written_and_resume_continues(demo_model, two_step_run, small_disk):
     """The second save finds less free space than the first checkpoint took: every rank refuses it in one line
     naming the checkpoint, the sizes and where to resume; `latest` stays; the start-up warns of it."""
@@ -238,6 +248,7 @@ def test_full_disk_is_one_line_before_anything_is_written_and_resume_continues(d
     assert (out / "latest").read_text() == "global_step2" and not (out / "global_step4").exists()
 
 
+@pytest.mark.slow
 def test_disk_filling_during_the_first_save_is_one_line(demo_model, two_step_run, small_disk):
     """Before the first save only the planner's estimate is known (weights and optimizer state, without the
     tokenizer and other side files): a disk with room for the estimate but not the checkpoint fills mid-save,
@@ -263,6 +274,7 @@ def test_disk_filling_during_the_first_save_is_one_line(demo_model, two_step_run
     assert not (out / "latest").exists() and not (out / "global_step2" / "COMPLETE").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("state_file", ["mp_rank_00_model_states.pt", "layer_01-optim_states.pt"])
 def test_a_state_file_carrying_code_is_refused_naming_it_and_never_run(demo_model, two_step_run, tmp_path, state_file):
     """A shared checkpoint whose state file (DeepSpeed's own, or a layer's optimizer state) carries a pickle payload,

@@ -28,6 +28,7 @@ def resumed_losses(demo_model, reference_run, out, procs, layout, start):
     (4, dict(num_stages=4, gradient_accumulation_steps=4, save_steps=0),
      "num_stages 2 -> 4; data_parallel 2 -> 1; stage_bounds [0, 3, 7] -> [0, 2, 3, 4, 7]"),
 ], ids=["1_process_zero0", "4_stages"])
+@pytest.mark.slow
 def test_resume_on_another_layout_equals_the_run_that_never_stopped(demo_model, reference_run, tmp_path, procs,
                                                                    layout, changes):
     result, losses = resumed_losses(demo_model, reference_run, tmp_path / "run", procs, layout,
@@ -57,6 +58,7 @@ def test_a_changed_global_batch_is_said_at_start_up(demo_model, reference_run):
         f"a whole micro-batch of each of the 2 data-parallel ranks)")
 
 
+@pytest.mark.slow
 def test_resume_into_tensor_parallel_and_back_out_with_offload(demo_model, reference_run, tmp_path):
     """2 stages x 2 data-parallel -> 1 stage x tensor parallel 2 (steps 5-8, saved at 6) -> 2 stages x 1
     data-parallel with offload_optimizer=cpu (steps 7-8): each leg's losses equal the uninterrupted run's. (max_steps

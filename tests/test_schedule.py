@@ -35,6 +35,7 @@ CASES = {  # name: (tiny config, case settings); all on 4 processes
 }
 
 
+@pytest.mark.slow
 def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
     cases = [dict(name=name, hf_dir=tiny_checkpoints[model][0], ds_dir=tiny_checkpoints[model][1], **settings)
              for name, (model, settings) in CASES.items()]

@@ -26,6 +26,7 @@ VARIANTS = {  # case suffix: tensor-parallel options
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_stages,world_size", [(1, 2), (2, 4)], ids=["tp2", "2stages_x_tp2"])
 def test_loss_and_gradients_match_transformers(tiny_checkpoints, tmp_path, num_stages, world_size):
     cases = [dict(name=name + suffix, hf_dir=tiny_checkpoints[name][0], ds_dir=tiny_checkpoints[name][1], **options)
@@ -101,6 +102,7 @@ def save_and_export_worker(rank, hf_dir, ds_dir, out_dir):
     torch.distributed.destroy_process_group()  # both leave the group together: no rank exits mid-collective
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TP_CONFIGS)
 def test_save_reload_and_export_are_bit_identical(tiny_checkpoints, tmp_path, name):
     from safetensors.torch import load_file
@@ -155,6 +157,7 @@ def different_batches_worker(rank, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_tensor_parallel_ranks_must_see_the_same_batch(tmp_path):
     spawn(different_batches_worker, 2, str(tmp_path))
     for rank in range(2):
@@ -180,6 +183,7 @@ def test_bad_tensor_parallel_config_is_refused_before_any_work(demo_model, tmp_p
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_training_parity_resume_and_export(demo_model, single_process_run, tmp_path):
     """8 fp32 steps of 2 stages x tensor parallel 2 against 1 process on the same global batch, and the same eval
     loss after them; the step-4 checkpoint resumes without tensor parallelism, optimizer included, as the run that

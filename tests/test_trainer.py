@@ -16,6 +16,7 @@ METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_
                "elapsed_s"}
 
 
+@pytest.mark.slow
 def test_end_to_end_two_stages_through_a_hostfile(demo_model, tmp_path):
     out = tmp_path / "run"
     hostfile = tmp_path / "hostfile"
@@ -63,6 +64,7 @@ def test_end_to_end_two_stages_through_a_hostfile(demo_model, tmp_path):
     assert not torch.equal(head, AutoModelForCausalLM.from_pretrained(demo_model["hf"]).lm_head.weight)
 
 
+@pytest.mark.slow
 def test_training_parity_across_topologies(demo_model, reference_run, single_process_run, tmp_path):
     """8 fp32 steps with the same global batch (8 sequences): 2 stages, and 2 stages x 2 data-parallel (the reference
     run), against 1 process."""
@@ -76,6 +78,7 @@ def test_training_parity_across_topologies(demo_model, reference_run, single_pro
         assert losses[name] == pytest.approx(losses["1x1"], abs=1e-4), name
 
 
+@pytest.mark.slow
 def test_bad_config_fails_on_every_rank(demo_model, tmp_path):
     message = "num_stages=3 does not divide the world size 2"
     results = launch_ranks_separately(2, demo_overrides(demo_model, tmp_path / "run", num_stages=3))
@@ -127,6 +130,7 @@ def test_fresh_run_refuses_to_mix_with_existing_checkpoints(demo_model, tmp_path
     assert sorted(os.listdir(out)) == ["global_step4"]
 
 
+@pytest.mark.slow
 def test_empty_dataset_fails_without_hanging(demo_model, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
