@@ -23,24 +23,36 @@ IGNORE_INDEX = -100
 
 
 class CausalLMLoss:
-    """The pipeline's loss_fn: (the last layer's output, a micro-batch's labels) -> the mean next-token loss. The
+    """The pipeline's loss_fn: (the last layer's output, a micro-batch's labels) -> the next-token loss summed over
+    the labelled tokens, divided by `step_divisor` when the training loop sets one for a step (the global batch's
+    token mean, training/token_mean.py), else by the micro-batch's own labelled tokens (its mean: evaluation). The
     last layer's output is the logits, or with chunk_tokens > 0 the head's input and weight (LMHeadPipe)."""
 
     def __init__(self, parallel=NO_TENSOR_PARALLEL, chunk_tokens=0, context=NO_CONTEXT_PARALLEL):
         self.parallel, self.chunk_tokens, self.context = parallel, chunk_tokens, context
+        self.step_divisor = None
 
     def __call__(self, outputs, labels):
-        if self.context.size > 1:  # shifted and split already (ContextParallel.split_micro_batch)
-            next_labels = labels.reshape(-1)
+        next_labels = next_token_labels(labels, self.context)
+        if self.step_divisor is not None:
+            divisor = self.step_divisor
+        elif self.context.size > 1:
             divisor = self.context.loss_divisor(next_labels, IGNORE_INDEX)
-        else:  # the labels shift left (the last position predicts nothing) rather than the logits
-            next_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+        else:
             divisor = (next_labels != IGNORE_INDEX).sum().clamp(min=1)
         if self.chunk_tokens:
             hidden, weight = outputs
             return chunked_loss_sum(hidden, weight, next_labels.to(hidden.device), divisor, self.parallel,
                                     self.chunk_tokens)
         return logits_loss_sum(outputs, next_labels.to(outputs.device), self.parallel) / divisor
+
+
+def next_token_labels(labels, context=NO_CONTEXT_PARALLEL):
+    """The label each position predicts, flattened: the labels shifted left (the last position predicts nothing)
+    rather than the logits; under context parallelism shifted and split already (ContextParallel.split_micro_batch)."""
+    if context.size > 1:
+        return labels.reshape(-1)
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
 
 
 def logits_loss_sum(logits, labels, parallel):

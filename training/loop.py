@@ -37,6 +37,7 @@ from training.preemption import Preempted, PreemptionWatch
 from training.profiling import NoProfile, StepProfile
 from training.resume import resolve_resume, start_checkpoint_dir
 from training.run_spec import ConfigError, plan_spec, run_spec
+from training.token_mean import global_labelled_tokens, step_micro_batches, token_mean_loss
 
 
 def log_rank0(message):
@@ -278,18 +279,25 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
     window_steps, losses, skipped = 0, [], 0
     result = {}
     while step < total_steps:
-        loss = float(engine.train_batch(stream))
-        profile.lap("train_batch")
+        micro_batches = step_micro_batches(engine, stream, cfg.gradient_accumulation_steps)
+        tokens = global_labelled_tokens(engine, micro_batches)
         step += 1
         window_steps += 1
-        if not math.isfinite(loss):
+        if tokens:
+            with token_mean_loss(engine, tokens):
+                loss = float(engine.train_batch(iter(micro_batches)))
+        else:
+            loss = None
+            log_rank0(f"step {step}: the global batch has no labelled token (every label is -100): no update")
+        profile.lap("train_batch")
+        if loss is not None and not math.isfinite(loss):
             if cfg.nan_policy == "stop":
                 raise FloatingPointError(
                     f"loss is {loss} at step {step}; stopping (nan_policy=stop). Last good checkpoint: "
                     f"{os.path.join(*last_checkpoint) if last_checkpoint else 'none saved yet'}.")
             skipped += 1
             log_rank0(f"loss is {loss} at step {step}: optimizer step skipped (nan_policy=skip, {skipped} so far)")
-        else:
+        elif loss is not None:
             losses.append(loss)
         logger.advance()
         if step % cfg.logging_steps == 0 or step == total_steps:

@@ -1,0 +1,47 @@
+"""The training loss as the global batch's token mean: every labelled token of a step (all micro-batches, all
+data- and context-parallel ranks) weighs the same, whatever the micro-batch size, padding and rank count, as in
+transformers' Trainer (`num_items_in_batch`, since 4.46), Megatron (`calculate_per_token_loss`) and torchtitan.
+
+DeepSpeed divides each micro-batch's loss by the accumulation steps and averages gradients and the reported loss
+over its data axis (data x context ranks); so a micro-batch's summed loss divided by the global batch's labelled
+tokens / (accumulation steps x data-axis ranks) makes both exactly the token mean. The count must be known before
+the step's first backward: the ranks that read data take the step's micro-batches first, and one all-reduce of an
+integer per step tells every rank the total (and so whether the step has anything to learn from).
+"""
+import contextlib
+
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+from models.loss import IGNORE_INDEX, next_token_labels
+
+
+def step_micro_batches(engine, stream, count):
+    """The step's micro-batches on the stages that read data; the stream itself on the others (no reads)."""
+    if engine.is_first_stage() or engine.is_last_stage():
+        return [next(stream) for _ in range(count)]
+    return stream
+
+
+def global_labelled_tokens(engine, micro_batches):
+    """Labelled tokens of the whole global batch, on every rank: the last stage's, once per tensor-parallel group."""
+    local = 0
+    if engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0:
+        context = engine.module.context
+        local = sum(int((next_token_labels(labels, context) != IGNORE_INDEX).sum()) for _, labels in micro_batches)
+    total = torch.tensor([local], dtype=torch.int64, device=get_accelerator().current_device_name())
+    dist.all_reduce(total)
+    return int(total)
+
+
+@contextlib.contextmanager
+def token_mean_loss(engine, global_tokens):
+    """For one train_batch: every micro-batch's loss sum divided so that the step is the global token mean."""
+    loss_fn = engine.module.loss_fn
+    loss_fn.step_divisor = global_tokens / (engine.gradient_accumulation_steps()
+                                            * engine.grid.get_data_parallel_world_size())
+    try:
+        yield
+    finally:
+        loss_fn.step_divisor = None
