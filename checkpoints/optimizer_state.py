@@ -16,13 +16,14 @@ import os
 import torch
 import torch.distributed as dist
 from deepspeed.pipe import TiedLayerSpec
-from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from checkpoints.layer_files import load_weights_only, tensors_for_rank
 from checkpoints.state_files import STATE_ADVICE
+from deepspeed_internals import (checkpoint_engine_of, engine_counters, is_zero_optimizer, layer_specs,
+                                 loss_scaler_state, restore_engine_counters, restore_loss_scaler_state,
+                                 stage_first_layer, zero_fp32_partitions, zero_fragment, zero_wrapped_optimizer)
 
 MASTER = "fp32"  # the key of the master weights in a layer's optimizer-state file
-LOSS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 def optimizer_state_path(layer_path):
@@ -41,11 +42,11 @@ def stage_layers(module):
     layers, seen = [], set()
     for local, layer in enumerate(module.forward_funcs):
         if isinstance(layer, torch.nn.Module) and trained_parameters(layer):
-            layers.append((module._local_start + local, layer, True))
+            layers.append((stage_first_layer(module) + local, layer, True))
             seen.add(id(layer))
     for key, tied in module.tied_modules.items():
         if id(tied) not in seen and trained_parameters(tied):
-            first = next(i for i, spec in enumerate(module._layer_specs)
+            first = next(i for i, spec in enumerate(layer_specs(module))
                          if isinstance(spec, TiedLayerSpec) and spec.key == key)
             layers.append((first, tied, False))
     return layers
@@ -62,9 +63,9 @@ class MasterState:
     and torch's per-parameter state."""
 
     def __init__(self, engine):
-        self.zero = isinstance(engine.optimizer, DeepSpeedZeroOptimizer)
-        self.optimizer = engine.optimizer.optimizer if self.zero else engine.optimizer
-        self.partitions = engine.optimizer.single_partition_of_fp32_groups if self.zero else None
+        self.zero = is_zero_optimizer(engine.optimizer)
+        self.optimizer = zero_wrapped_optimizer(engine.optimizer) if self.zero else engine.optimizer
+        self.partitions = zero_fp32_partitions(engine.optimizer) if self.zero else None
         if not self.zero and (engine.fp16_enabled() or engine.bfloat16_enabled()):
             raise ValueError("below fp32 the master weights are ZeRO's: set zero_stage=1.")
         self.create_state()
@@ -119,13 +120,12 @@ class MasterState:
         when ZeRO placed none of the parameter in this rank's partition."""
         if not self.zero:
             return 0, (param if key == MASTER else self.optimizer.state[param][key]).detach().view(-1)
-        mapping = param._hp_mapping
-        if mapping is None:
+        fragment = zero_fragment(param)
+        if fragment is None:
             return None
-        partition = self.partitions[mapping.param_group_index]
+        partition = self.partitions[fragment.partition]
         source = partition if key == MASTER else self.optimizer.state[partition][key]
-        address = mapping.hp_fragment_address
-        return mapping.lp_fragment_address.start, source.detach().narrow(0, address.start, address.numel)
+        return fragment.param_start, source.detach().narrow(0, fragment.partition_start, fragment.numel)
 
     def gathered(self, param, key, group, writer):
         """The whole parameter's `key` on the data-parallel rank `writer` (ZeRO's fragments summed into it)."""
@@ -162,15 +162,11 @@ def save_training_state(engine, tag_dir):
         tensors = {key: {name: state.gathered(param, key, group, writer)
                          for name, param in trained_parameters(layer).items()} for key in keys}
         if dp_rank == writer:
-            path = optimizer_state_path(module.ckpt_layer_path(tag_dir, index - module._local_start))
-            engine.checkpoint_engine.save(tensors, path)
-    scaler = getattr(engine.optimizer, "loss_scaler", None) if engine.fp16_enabled() else None
+            path = optimizer_state_path(module.ckpt_layer_path(tag_dir, index - stage_first_layer(module)))
+            checkpoint_engine_of(engine).save(tensors, path)
     return {"optimizer_step": state.step, "lr": engine.optimizer.param_groups[0]["lr"],
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "engine_counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                                "skipped_steps": engine.skipped_steps},
-            "loss_scaler": {field: getattr(scaler, field) for field in LOSS_SCALER_FIELDS if hasattr(scaler, field)}
-            if scaler is not None else None}
+            "engine_counters": engine_counters(engine), "loss_scaler": loss_scaler_state(engine)}
 
 
 def has_layout_free_state(trainer_state):
@@ -218,12 +214,8 @@ def load_training_state(engine, tag_dir, trainer_state):
         group["lr"] = trainer_state["lr"]
     if engine.lr_scheduler is not None and trainer_state.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(trainer_state["lr_scheduler"])
-    for counter, value in trainer_state["engine_counters"].items():
-        setattr(engine, counter, value)
-    scaler = getattr(engine.optimizer, "loss_scaler", None) if engine.fp16_enabled() else None
-    for field, value in (trainer_state.get("loss_scaler") or {}).items():
-        if scaler is not None:
-            setattr(scaler, field, value)
+    restore_engine_counters(engine, trainer_state["engine_counters"])
+    restore_loss_scaler_state(engine, trainer_state.get("loss_scaler"))
 
 
 def missing_state_message(tag_dir, index):
