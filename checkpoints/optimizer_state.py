@@ -8,7 +8,16 @@ partition it runs with; the step count, the LR schedule's position and the engin
 trainer_state.json. DeepSpeed's own per-rank copies (ZeRO's *_optim_states.pt, the optimizer inside mp_rank_*) are
 not written: they would double a checkpoint and load only on the layout that wrote them. Hand-written because
 DeepSpeed's universal checkpoint needs an offline conversion and does not handle a PipelineModule outside
-Megatron-DeepSpeed; the fragment bookkeeping is DeepSpeed's own (_hp_mapping, as its safe_get_full_* helpers use).
+Megatron-DeepSpeed.
+
+Where ZeRO keeps each parameter's piece is DeepSpeed's own fragment bookkeeping (param._hp_mapping, ZeRO's fp32
+partitions), reached through deepspeed_internals.py and kept there rather than DeepSpeed's public
+safe_get_full_* / safe_set_full_*, which cover the same fragments: safe_get_full_* all-reduces every parameter over
+the data-parallel group where a save reduces it to the one rank that writes it; the optimizer-state setters need
+the fragment links ZeRO makes only in its first step, which a resume comes before (they raise there); without ZeRO
+(fp32) they return None, so this module's own path stays anyway; safe_get_local_* are ZeRO-3's. Nor are they faster:
+on this project's CPU (2 gloo ranks, ZeRO-1, fp32, a 34M-parameter model, median of 7 rounds) a save took 1.59 s
+with either and a load 0.07 s with these fragments, 0.06 s with safe_set_full_* after a training step.
 """
 import glob
 import os
@@ -59,8 +68,8 @@ def trained_parameters(layer):
 
 class MasterState:
     """Where this rank keeps each parameter's fp32 master weight and optimizer moments: ZeRO's flat partitions, of
-    which a parameter may own a fragment (DeepSpeed's _hp_mapping), or, without ZeRO in fp32, the parameter itself
-    and torch's per-parameter state."""
+    which a parameter may own a fragment (deepspeed_internals.zero_fragment), or, without ZeRO in fp32, the parameter
+    itself and torch's per-parameter state."""
 
     def __init__(self, engine):
         self.zero = is_zero_optimizer(engine.optimizer)
