@@ -114,7 +114,7 @@ class Internal:
             if self.path not in sources:
                 try:
                     sources[self.path] = inspect.getsource(found)
-                except (OSError, TypeError):
+                except (OSError, TypeError):  # no source to read (a bytecode-only install): reported as missing
                     sources[self.path] = ""
             whole_name = r"(?!\w)" if self.mentions[-1].isidentifier() else ""  # self.grad_layer, not ..._layers
             if not re.search(re.escape(self.mentions) + whole_name, sources[self.path]):
@@ -199,7 +199,7 @@ INTERNALS = (
              ("self", "module_state_dict", "zero_optimizer_state", "save_frozen_param")),
     *(self_use(ENGINE, counter, "which a resume restores") for counter in ENGINE_COUNTERS),
     self_use(PIPELINE_ENGINE, "pipeline_enable_backward_allreduce",
-                 "which the trainer turns off without data parallelism"),
+             "which the trainer turns off for a data-parallel group of one"),
     self_use(PIPELINE_ENGINE, "is_data_parallel", "which bench/pipeline_efficiency.py turns off"),
     Internal("deepspeed.comm.torch:build_shm_op", "which the trainer turns off on CPUs",
              mentions="deepspeed.ops.__compatible_ops__"),

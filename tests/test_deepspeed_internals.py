@@ -51,8 +51,8 @@ def test_an_attribute_the_engine_no_longer_sets_is_named(monkeypatch):
     with pytest.raises(DeepSpeedMismatch) as error:
         check_deepspeed_internals()
     assert str(error.value) == (f"deepspeed {VERSION} lacks self.pipeline_enable_backward_allreduce in "
-                                f"deepspeed.runtime.pipe.engine.PipelineEngine, which the trainer turns off without "
-                                f"data parallelism; {FIX}")
+                                f"deepspeed.runtime.pipe.engine.PipelineEngine, which the trainer turns off for a "
+                                f"data-parallel group of one; {FIX}")
 
 
 @pytest.mark.parametrize("module, owner, name, line", [
