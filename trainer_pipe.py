@@ -24,19 +24,21 @@ def strip_launcher_arguments():
 
 @hydra.main(version_base=None, config_path="conf", config_name="tiny")
 def main(cfg):
-    from training.loop import run  # heavy imports after Hydra has parsed the command line
-    from checkpoints.disk_space import DiskFullError
+    from checkpoints.disk_space import DiskFullError  # heavy imports after Hydra has parsed the command line
+    from deepspeed_internals import DeepSpeedMismatch
     from training.preemption import PREEMPTED_EXIT_CODE, Preempted
     import torch.distributed as dist
     exit_code = 0
     try:
+        from training.loop import run  # in here: a DeepSpeed without a name it imports fails in one line too
         run(cfg)
     except DiskFullError as error:
         say(f"trainer_pipe: error: {error}")
         if error.every_rank:
             dist.barrier()  # each rank has said it before any exits: the launcher ends the others at the first exit
         sys.exit(1)
-    except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as error:  # what to fix
+    except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError,
+            DeepSpeedMismatch) as error:  # what to fix
         say(f"trainer_pipe: error: {error}")
         sys.exit(1)
     except Preempted as stop:  # every rank saved together; the launcher passes the code on

@@ -35,6 +35,7 @@ def pipeline_step(config, compile_layers, loss_impl="chunked", seq_length=SEQ_LE
     """One training step of the project's engine on one stage, as training/loop.py builds it."""
     import deepspeed
 
+    from deepspeed_internals import skip_gradient_allreduce
     from models.pipeline import build_pipeline_module
     from training.deepspeed_config import deepspeed_config
     from training.distributed import parallel_topology
@@ -48,7 +49,7 @@ def pipeline_step(config, compile_layers, loss_impl="chunked", seq_length=SEQ_LE
     ds_config, _ = deepspeed_config(cfg, total_steps=10**6)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
                                            config=ds_config)
-    engine.pipeline_enable_backward_allreduce = False  # as training/loop.py's build_engine without data parallelism
+    skip_gradient_allreduce(engine)  # as training/loop.py's build_engine without data parallelism
     batches = random_micro_batches(config.vocab_size, seq_length, micro_batch)
     return lambda: engine.train_batch(batches)
 

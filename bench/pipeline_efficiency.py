@@ -58,6 +58,8 @@ from common import (machine_note, peak_rss_bytes, random_micro_batches, reset_pe
 from memory_plan_check import FIXED_MMAP_THRESHOLD  # noqa: E402
 from schedule_simulator import predict  # noqa: E402
 
+from deepspeed_internals import (instruction_handlers, replace_instruction_handlers,  # noqa: E402
+                                 skip_data_parallel_reductions)
 from training.profiling import add_to, time_instructions  # noqa: E402
 from training.schedule import PIPELINE_SCHEDULES  # noqa: E402
 
@@ -123,15 +125,16 @@ def in_lockstep(engine):
             handler(self, *args, **kwargs)
             dist.barrier()
         return handled
-    handlers = {**engine._INSTRUCTION_MAP, **{instruction: then_barrier(engine._INSTRUCTION_MAP[instruction])
-                                               for instruction in (ForwardPass, BackwardPass)}}
+    now = instruction_handlers(engine)
+    handlers = {**now, **{instruction: then_barrier(now[instruction]) for instruction in (ForwardPass, BackwardPass)}}
 
     def step(batches):
-        own, engine._INSTRUCTION_MAP = engine._INSTRUCTION_MAP, handlers
+        own = instruction_handlers(engine)
+        replace_instruction_handlers(engine, handlers)
         try:
             engine.train_batch(batches)
         finally:
-            engine._INSTRUCTION_MAP = own
+            replace_instruction_handlers(engine, own)
     return step
 
 
@@ -174,7 +177,7 @@ def timing_worker(rank, num_stages, micro_batches, rounds, warm_up_rounds, sched
                for schedule in schedules}
     replica = build_engine(config, 1, micro_batches, "1f1b", checkpoint_interval)
     # Every process trains its own copy: no gradient and no loss all-reduce ties the copies' steps together.
-    replica.pipeline_enable_backward_allreduce = replica.is_data_parallel = False
+    skip_data_parallel_reductions(replica)
     batches = random_micro_batches(config.vocab_size, SEQ_LENGTH, MICRO_BATCH, seed=rank)
     lockstep = in_lockstep(replica)
     steps = {"cores": lambda: replica.train_batch(batches), "lockstep": lambda: lockstep(batches)}
@@ -225,12 +228,12 @@ def memory_worker(rank, num_stages, micro_batches, schedule, hidden_size, checkp
 
 def record_peak_before(engine, instruction):
     """[peak RSS so far] appended each time the engine is about to run `instruction`."""
-    peaks, handler = [], engine._INSTRUCTION_MAP[instruction]
+    peaks, handler = [], instruction_handlers(engine)[instruction]
 
     def recorded(self, *args, **kwargs):
         peaks.append(peak_rss_bytes())
         handler(self, *args, **kwargs)
-    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, instruction: recorded}
+    replace_instruction_handlers(engine, {**instruction_handlers(engine), instruction: recorded})
     return peaks
 
 

@@ -19,6 +19,7 @@ from checkpoints.optimizer_state import save_training_state
 from checkpoints.rng_state import rng_state_path, save_rng_state
 from checkpoints.tag_dirs import prune_checkpoints, tag_of_step
 from checkpoints.trainer_state import write_trainer_state
+from deepspeed_internals import checkpoint_engine_of
 
 RUN_CONFIG_NAME = "run_config.yaml"
 
@@ -50,7 +51,7 @@ def save_checkpoint(engine, cfg, model_files_dir, trainer_state, needed_bytes):
     if dist.get_rank() == 0 and os.path.exists(os.path.join(tag_dir, COMPLETE_MARKER)):
         os.remove(os.path.join(tag_dir, COMPLETE_MARKER))  # rewriting a tag: it is incomplete until done again
     dist.barrier()
-    with disk_full_is_one_line(output_dir, tag, needed_bytes), hashing_saves(engine.checkpoint_engine) as written:
+    with disk_full_is_one_line(output_dir, tag, needed_bytes), hashing_saves(checkpoint_engine_of(engine)) as written:
         # Frozen parameters (LoRA's base) are not saved: the checkpoint points at the converted base instead.
         engine.save_checkpoint(output_dir, tag=tag, client_state=trainer_state, save_latest=False,
                                exclude_frozen_parameters=True)

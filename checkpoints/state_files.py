@@ -2,12 +2,9 @@
 trainer's RNG state without running code from them: torch.load(weights_only=True), allowing exactly the
 non-tensor types those files hold. DeepSpeed 0.19's TorchCheckpointEngine loads them with weights_only=False."""
 import numpy as np
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils.tensor_fragment import fragment_address
 
 from checkpoints.layer_files import load_weights_only
+from deepspeed_internals import DynamicLossScaler, LossScaler, TorchCheckpointEngine, ZeroStageEnum, fragment_address
 
 # What DeepSpeed's state files hold besides tensors and containers (found with
 # torch.serialization.get_unsafe_globals_in_checkpoint on fp32, bf16 and ZeRO-1 checkpoints; fp16's scaler too).

@@ -7,8 +7,7 @@ takes that cost from the caller: planner/stage_costs.py's, the one the memory pl
 """
 import re
 
-from deepspeed.runtime import utils as ds_utils
-
+from deepspeed_internals import partition_balanced, partition_uniform
 from models.layout import num_pipeline_layers
 from models.llama import head_dim_of
 from models.lora import NO_LORA, adapter_parameter_count
@@ -140,14 +139,14 @@ def partition_bounds(config, num_stages, partition, layer_class_names, stage_cos
         counts = balanced_decoder_counts(config.num_hidden_layers, num_stages, stage_cost)
         return stage_bounds_from_decoder_counts(counts, config.num_hidden_layers)
     if method == "parameters":
-        return ds_utils.partition_balanced(layer_parameter_counts(config), num_stages)
+        return partition_balanced(layer_parameter_counts(config), num_stages)
     if method == "uniform":
-        return ds_utils.partition_uniform(num_pipeline_layers(config.num_hidden_layers), num_stages)
+        return partition_uniform(num_pipeline_layers(config.num_hidden_layers), num_stages)
     if method.startswith("type:"):
         pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
         matches = [1 if pattern.search(name) else 0 for name in layer_class_names]
         if not any(matches):
             raise ValueError(f"partition '{partition}' matches none of the layer classes {sorted(set(layer_class_names))}.")
-        return ds_utils.partition_balanced(matches, num_stages)
+        return partition_balanced(matches, num_stages)
     raise ValueError(f"partition '{partition}' is not one of balanced, parameters, uniform, type:<regex> or a "
                      f"list of decoder layers per stage.")

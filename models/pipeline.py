@@ -4,9 +4,11 @@ come from the caller (the trainer: training/run_spec.py's stage bounds, checkpoi
 import functools
 
 import torch
+from deepspeed import checkpointing
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint, non_reentrant_checkpoint
 
+from deepspeed_internals import (non_reentrant_checkpoint, pipeline_grid, set_partition, stage_first_layer,
+                                 synchronize_tied_weights)
 from models.context_parallel import NO_CONTEXT_PARALLEL, build_context_parallel
 from models.llama import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs,
                           check_model_config, lm_head)
@@ -48,7 +50,8 @@ def partition_stages(config, num_stages, partition="parameters", stage_cost=None
 class LlamaPipeline(PipelineModule):
     """DeepSpeed's PipelineModule over given stage bounds instead of partitioning by building every layer
     (DeepSpeed's 'parameters' method builds each layer on every rank to count it). layer_loader(layer, paths,
-    tensor-parallel rank, size, strict) reads one layer's files into it; None keeps DeepSpeed's own loader."""
+    tensor-parallel rank, size, strict) reads one layer's files into it; None keeps DeepSpeed's own loader.
+    _partition_layers and load_state_dir override DeepSpeed's (deepspeed_internals.py lists them)."""
 
     def __init__(self, config, stage_bounds, parallel, layer_loader, context=NO_CONTEXT_PARALLEL, **kwargs):
         self.model_config = config
@@ -60,12 +63,10 @@ class LlamaPipeline(PipelineModule):
 
     def _partition_layers(self, method="parameters"):
         # DeepSpeed's grid made the process groups just before this call, and the layers are built after it.
-        self.parallel.group = self._grid.get_slice_parallel_group()
+        self.parallel.group = pipeline_grid(self).get_slice_parallel_group()
         if len(self.stage_bounds) != self.num_stages + 1:
             raise ValueError(f"stage bounds {self.stage_bounds} are not {self.num_stages} stages.")
-        self.parts = self.stage_bounds
-        stage = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+        set_partition(self, self.stage_bounds, self.topology().get_coord(self.global_rank).pipe)
 
     def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
         """DeepSpeed's per-layer loading through layer_loader: each layer's files straight into its parameters
@@ -77,7 +78,7 @@ class LlamaPipeline(PipelineModule):
                 continue
             self.layer_loader(layer, self.ckpt_layer_path_list(load_dir, index), self.parallel.rank,
                               self.parallel.size, strict)
-        self._synchronize_tied_weights()
+        synchronize_tied_weights(self)
 
 
 def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,
@@ -112,11 +113,12 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                                checkpointable_layers=[DecoderLayerPipe.__name__],
                                # Under LoRA the frozen embedding's output takes no gradient: reentrant checkpointing
                                # of the first decoder layer would then give its adapters none either.
-                               activation_checkpoint_func=non_reentrant_checkpoint if lora.enabled else checkpoint)
+                               activation_checkpoint_func=(non_reentrant_checkpoint if lora.enabled
+                                                           else checkpointing.checkpoint))
         if lora.enabled:
             for local, layer in enumerate(module.forward_funcs):
                 if isinstance(layer, DecoderLayerPipe):
-                    add_adapters(layer, lora, parallel.size, parallel.rank, seed, module._local_start + local)
+                    add_adapters(layer, lora, parallel.size, parallel.rank, seed, stage_first_layer(module) + local)
             freeze_all_but_adapters(module)
         return module
     finally:

@@ -6,7 +6,8 @@ from datetime import timedelta
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
+
+from deepspeed_internals import PipeDataParallelTopology, PipeModelDataParallelTopology, skip_shm_comm_build
 
 
 def set_threads_per_process():
@@ -55,7 +56,7 @@ def init_distributed(timeout_minutes):
     """Start the process group. A bounded timeout turns a dead peer into an error instead of an hours-long hang."""
     if get_accelerator().device_name() == "cpu":
         # gloo does the CPU collectives; this skips JIT-building DeepSpeed's shared-memory op (~35 s per machine).
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        skip_shm_comm_build()
     deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes))
     # Object collectives before the engine exists (checksum verification) run on the current device: each rank's own.
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -23,6 +23,8 @@ from checkpoints.state_files import WeightsOnlyCheckpointEngine
 from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoints
 from data.datasets import build_dataset_distributed
 from data.loader import build_stage_loader, check_identical_across_group, infinite_micro_batches
+from deepspeed_internals import (check_deepspeed_internals, replace_checkpoint_engine, replace_fp32_gradient_clipping,
+                                 set_global_grad_norm, skip_gradient_allreduce, skip_optimizer_files)
 from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.tensor_parallel import SHARDED_MARKER
@@ -107,18 +109,16 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
         ds_config.pop("optimizer")
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, optimizer=optimizer,
                                            config=ds_config)
-    engine.clip_fp32_gradients = lambda: clip_fp32_gradients_across_stages(engine)
+    replace_fp32_gradient_clipping(engine, lambda: clip_fp32_gradients_across_stages(engine))
     # Resuming runs no code from the checkpoint; DeepSpeed's config keeps deciding how files are written (zip).
-    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
+    replace_checkpoint_engine(engine, WeightsOnlyCheckpointEngine)
     # The optimizer's state is saved per layer (checkpoints/optimizer_state.py), which any layout loads; DeepSpeed's
     # per-rank copy of it (ZeRO's files, the optimizer in mp_rank_*) would double a checkpoint.
-    engine.save_zero_checkpoint = False
-    common_checkpoint_state = engine._common_checkpoint_state
-    engine._common_checkpoint_state = lambda *args: {**common_checkpoint_state(*args), "optimizer": None}
+    skip_optimizer_files(engine)
     if not engine.is_data_parallel and engine.zero_optimization_stage() == 0:
         # DeepSpeed's pipeline all-reduces gradients over a data-parallel group of one too: a flattened copy of
         # every gradient and a copy back, for nothing (ZeRO-1's reduction also fills its partitions: kept).
-        engine.pipeline_enable_backward_allreduce = False
+        skip_gradient_allreduce(engine)
     if cfg.pipeline_schedule == "zero_bubble":
         use_zero_bubble(engine, cfg.zero_bubble_max_waiting)
     return engine, monitors
@@ -138,7 +138,7 @@ def clip_fp32_gradients_across_stages(engine):
     dist.all_reduce(squares, group=engine.mpu.get_model_parallel_group())
     total_norm = squares.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, engine.gradient_clipping(), total_norm)
-    engine._global_grad_norm = total_norm.item()
+    set_global_grad_norm(engine, total_norm.item())
 
 
 def prepare_output_dir(spec):
@@ -206,6 +206,7 @@ def data_position(trainer_state, micro_batches_per_epoch, dp_size, micro_batch_s
 
 
 def run(cfg):
+    check_deepspeed_internals()  # an untested DeepSpeed fails here, in one line, before anything is started
     set_threads_per_process()
     if cfg.plan_only:  # no processes, weights or devices needed: the world is the one the config describes
         return print_memory_plan(plan_spec(cfg))

@@ -5,9 +5,9 @@ import os
 
 import torch
 import torch.distributed as dist
-from deepspeed.monitor.config import get_monitor_config
-from deepspeed.monitor.monitor import MonitorMaster
 from tqdm import tqdm
+
+from deepspeed_internals import MonitorMaster, get_monitor_config
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"

@@ -14,12 +14,17 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from deepspeed_internals import (activation_buffer, add_grads_to_bf16_optimizer, add_instruction_handlers,
+                                 clear_bf16_optimizer_grads, pipe_buffer, receive_activation_shapes_once,
+                                 run_backward_pass, send_activation_shapes_once, sends_need_deepspeed_handlers,
+                                 set_pipe_buffer, set_received_gradients, uses_bf16_optimizer)
 from models.weight_grads import WeightGradQueue
 from training.schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
                                ZeroBubbleSchedule)
 
 
 class ZeroBubblePipelineEngine(PipelineEngine):
+    """Its _train_schedule and _exec_* methods override DeepSpeed's (deepspeed_internals.py lists them)."""
 
     def _train_schedule(self):
         return ZeroBubbleSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id,
@@ -27,30 +32,27 @@ class ZeroBubblePipelineEngine(PipelineEngine):
 
     def _exec_backward_input_pass(self, buffer_id):
         with self.module.parallel.weight_grads.defer():
-            self._exec_backward_pass(buffer_id)
+            run_backward_pass(self, buffer_id)
 
     def _exec_backward_weight_pass(self):
         """The bf16 optimizer copies .grad into its fp32 buffer after each backward (B did, for the rest of the
         stage's gradients): W does the same with a cleared .grad, so nothing is added twice."""
-        if self.using_bf16_optimizer:
-            self.optimizer.clear_lp_grads()
+        if uses_bf16_optimizer(self):
+            clear_bf16_optimizer_grads(self.optimizer)
         self.module.parallel.weight_grads.run_oldest()
-        if self.using_bf16_optimizer:
-            self.optimizer.update_hp_grads()
+        if uses_bf16_optimizer(self):
+            add_grads_to_bf16_optimizer(self.optimizer)
 
     def _exec_send_activations(self, buffer_id):
-        outputs = self.pipe_buffers["outputs"][buffer_id]
-        if self.first_output_send:  # shapes once, blocking: the next stage's first instruction receives them
-            self.first_output_send = False
-            self._send_tensor_meta(outputs, self.next_stage)
+        outputs = pipe_buffer(self, "outputs", buffer_id)
+        send_activation_shapes_once(self, outputs)  # blocking: the next stage's first instruction receives them
         self._send_async(outputs if isinstance(outputs, tuple) else (outputs,), self.next_stage)
 
     def _exec_post_recv_activations(self, buffer_id):
         """Into new tensors: the buffer may still hold an earlier micro-batch until its backward."""
-        if self.pipe_recv_buf is None:  # shapes once, blocking: the previous stage sends them first
-            self.pipe_recv_buf = self._recv_tensor_meta(self.prev_stage)
-        shapes = self.pipe_recv_buf if isinstance(self.pipe_recv_buf, tuple) else (self.pipe_recv_buf,)
-        tensors = tuple(torch.empty_like(t) for t in shapes)
+        receive_activation_shapes_once(self)  # blocking: the previous stage sends them first
+        shapes = activation_buffer(self)
+        tensors = tuple(torch.empty_like(t) for t in (shapes if isinstance(shapes, tuple) else (shapes,)))
         peer = self.grid.stage_to_global(self.prev_stage)
         self._posted_receives.append((buffer_id, tensors, [dist.irecv(t, peer) for t in tensors]))
 
@@ -62,23 +64,24 @@ class ZeroBubblePipelineEngine(PipelineEngine):
             work.wait()
         for tensor in tensors:
             tensor.requires_grad = tensor.is_floating_point()
-        self.pipe_buffers["inputs"][buffer_id] = tensors if isinstance(self.pipe_recv_buf, tuple) else tensors[0]
+        inputs = tensors if isinstance(activation_buffer(self), tuple) else tensors[0]
+        set_pipe_buffer(self, "inputs", buffer_id, inputs)
 
     def _exec_send_grads(self, buffer_id):
-        inputs = self.pipe_buffers["inputs"][buffer_id]
+        inputs = pipe_buffer(self, "inputs", buffer_id)
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         self._send_async([t.grad for t in inputs if t.is_floating_point()], self.prev_stage)
-        self.pipe_buffers["inputs"][buffer_id] = None
+        set_pipe_buffer(self, "inputs", buffer_id, None)
 
     def _exec_recv_grads(self, buffer_id):
         """Into new tensors, not the engine's one reused buffer: a deferred W may still hold the last one."""
-        outputs = self.pipe_buffers["outputs"][buffer_id]
+        outputs = pipe_buffer(self, "outputs", buffer_id)
         grads = [torch.empty_like(t) for t in (outputs if isinstance(outputs, tuple) else (outputs,))
                  if t.is_floating_point()]
         peer = self.grid.stage_to_global(self.next_stage)
         for grad in grads:
             dist.recv(grad, peer)
-        self.grad_layer = grads if isinstance(outputs, tuple) else grads[0]
+        set_received_gradients(self, grads if isinstance(outputs, tuple) else grads[0])
 
     def _send_async(self, tensors, stage):
         """isend each tensor; the request keeps it alive until the receiver has it (waited for at the step's end)."""
@@ -95,24 +98,24 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         self._sends = []
         super()._exec_reduce_tied_grads()
 
-    _INSTRUCTION_MAP = {
-        **PipelineEngine._INSTRUCTION_MAP,
-        BackwardInputPass: _exec_backward_input_pass,
-        BackwardWeightPass: _exec_backward_weight_pass,
-        PostRecvActivation: _exec_post_recv_activations,
-        WaitRecvActivation: _exec_wait_recv_activations,
-        schedule.SendActivation: _exec_send_activations,
-        schedule.SendGrad: _exec_send_grads,
-        schedule.RecvGrad: _exec_recv_grads,
-        schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
-    }
+
+add_instruction_handlers(ZeroBubblePipelineEngine, {
+    BackwardInputPass: ZeroBubblePipelineEngine._exec_backward_input_pass,
+    BackwardWeightPass: ZeroBubblePipelineEngine._exec_backward_weight_pass,
+    PostRecvActivation: ZeroBubblePipelineEngine._exec_post_recv_activations,
+    WaitRecvActivation: ZeroBubblePipelineEngine._exec_wait_recv_activations,
+    schedule.SendActivation: ZeroBubblePipelineEngine._exec_send_activations,
+    schedule.SendGrad: ZeroBubblePipelineEngine._exec_send_grads,
+    schedule.RecvGrad: ZeroBubblePipelineEngine._exec_recv_grads,
+    schedule.ReduceTiedGrads: ZeroBubblePipelineEngine._exec_reduce_tied_grads,
+})
 
 
 def use_zero_bubble(engine, max_waiting=None):
     """Turn the PipelineEngine that deepspeed.initialize built (it picks the class itself) into the zero-bubble
     one: the subclass adds methods and instructions, and its state: the module's weight-gradient queue, the sends
     and activation receives in flight and the cap on micro-batches waiting for W (None: ZB-H1's)."""
-    if engine.dynamic_shape or engine.has_bool_tensors or engine.is_pipe_partitioned:
+    if sends_need_deepspeed_handlers(engine):
         raise ValueError("pipeline_schedule=zero_bubble does not support dynamic shapes, bool tensors between "
                          "stages or pipe_partitioned; use pipeline_schedule=1f1b.")
     engine.module.parallel.weight_grads = WeightGradQueue()

@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from deepspeed_internals import LAUNCHER_MODULE
+
 PREEMPTED_EXIT_CODE = 75  # sysexits.h EX_TEMPFAIL: stopped early on request; rerun with resume=auto
-DEEPSPEED_LAUNCHER_MODULE = "deepspeed.launcher.launch"
 
 
 class Preempted(Exception):
@@ -116,7 +117,7 @@ def deepspeed_launcher_of_this_process():
     (None, None): under other launchers a vanished parent is not ours to interpret."""
     try:
         launcher = psutil.Process(os.getppid())
-        if DEEPSPEED_LAUNCHER_MODULE in " ".join(launcher.cmdline()):
+        if LAUNCHER_MODULE in " ".join(launcher.cmdline()):
             return launcher.pid, launcher.ppid()
     except psutil.Error:
         pass

@@ -8,17 +8,19 @@ import json
 import os
 import time
 
+from deepspeed_internals import instruction_handlers, replace_instruction_handlers
+
 
 def time_instructions(engine, record):
     """Wrap the engine's instruction handlers with timers calling record(instruction name, seconds)."""
     timed_map = {}
-    for instruction, handler in engine._INSTRUCTION_MAP.items():
+    for instruction, handler in instruction_handlers(engine).items():
         def timed(self, *args, _handler=handler, _name=instruction.__name__, **kwargs):
             start = time.perf_counter()
             _handler(self, *args, **kwargs)
             record(_name, time.perf_counter() - start)
         timed_map[instruction] = timed
-    engine._INSTRUCTION_MAP = timed_map  # an instance attribute: shadows the class's map for this engine only
+    replace_instruction_handlers(engine, timed_map)
 
 
 def add_to(totals):

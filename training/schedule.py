@@ -27,6 +27,7 @@ from deepspeed.runtime.pipe.schedule import (BackwardPass, BufferOpInstruction, 
                                              OptimizerStep, PipeInstruction, RecvGrad, ReduceGrads, ReduceTiedGrads,
                                              SendActivation, SendGrad, TrainSchedule)
 
+from deepspeed_internals import buffer_of_micro_batch
 from models.pipeline_schedule_rules import held_back_micro_batches, in_flight_micro_batches
 
 PIPELINE_SCHEDULES = ("1f1b", "zero_bubble")
@@ -145,14 +146,14 @@ class ZeroBubbleSchedule(TrainSchedule):
             zero_bubble_order(stages, micro_batches, stage_id - 1, max_waiting))
 
     def _post_receives(self, after_gradients):
-        return [PostRecvActivation(self._buffer_idx(j)) for j in self.receives[after_gradients]]
+        return [PostRecvActivation(buffer_of_micro_batch(self, j)) for j in self.receives[after_gradients]]
 
     def steps(self):
         posted = self._post_receives(0) if self.receives else []
         for kind, micro_batch in self.order:
             if kind == "W" and self.is_first_stage:
                 continue
-            buffer_id = self._buffer_idx(micro_batch)
+            buffer_id = buffer_of_micro_batch(self, micro_batch)
             if kind == "F":
                 cmds = posted + ([] if self.is_first_stage else [WaitRecvActivation(buffer_id)])
                 posted = []
