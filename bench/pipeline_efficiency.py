@@ -105,13 +105,17 @@ def checked_schedule(name):
 def build_engine(config, num_stages, micro_batches, name, checkpoint_interval=0):
     """The trainer's engine (training/loop.py) for this model, fp32, one step of m micro-batches."""
     from training.loop import build_engine as trainer_engine
+    import torch.distributed as dist
+
+    from training.run_spec import plan_spec
     schedule, cap = schedule_and_cap(name)
     cfg = run_config([f"num_stages={num_stages}", "precision=fp32", "zero_stage=0", f"seq_length={SEQ_LENGTH}",
                       f"micro_batch_size={MICRO_BATCH}", f"gradient_accumulation_steps={micro_batches}",
                       f"partition={PARTITIONS[num_stages]}", "lr_scheduler=constant",
                       f"pipeline_schedule={schedule}", f"zero_bubble_max_waiting={'null' if cap is None else cap}",
                       f"activation_checkpoint_interval={checkpoint_interval}"])
-    return trainer_engine(cfg, config, total_steps=10**6)[0]
+    spec = plan_spec(cfg, dist.get_world_size(), config)
+    return trainer_engine(spec, total_steps=10**6, layer_loader=None)[0]
 
 
 def in_lockstep(engine):
