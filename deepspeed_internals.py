@@ -39,7 +39,8 @@ Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with wh
 - PipelineModule internals: _grid (the tensor-parallel group), parts and _set_bounds (the partition), _local_start
   (a stage's first layer index), _layer_specs (where a tied layer first appears), _synchronize_tied_weights.
 - ZeRO's fragment bookkeeping, for the per-layer optimizer state: DeepSpeedZeroOptimizer.single_partition_of_fp32_groups
-  and .optimizer, param._hp_mapping (param_group_index, hp_fragment_address, lp_fragment_address); the fp16 loss
+  and .optimizer, BF16_Optimizer.fp32_groups_flat_partition and .optimizer (bf16 with fp32 gradient accumulation:
+  ZeRO-1's partitions in another class), param._hp_mapping (param_group_index, hp_fragment_address, lp_fragment_address); the fp16 loss
   scaler (optimizer.loss_scaler: cur_scale, cur_iter, last_overflow_iter, cur_hysteresis), restored on resume.
   Why not DeepSpeed's public safe_get_full_* / safe_set_full_*: checkpoints/optimizer_state.py's docstring.
 - The launcher's per-node module name (LAUNCHER_MODULE): preemption recognises the launcher as its parent process.
@@ -156,6 +157,8 @@ EXPORTED = {
     "MEMORY_OPT_ALLREDUCE_SIZE": Internal("deepspeed.runtime.engine:MEMORY_OPT_ALLREDUCE_SIZE",
                                           "the gradient all-reduce bucket the memory plan counts"),
     "DeepSpeedZeroOptimizer": Internal(ZERO_OPTIMIZER, "whose master weights the per-layer optimizer state reads"),
+    "BF16_Optimizer": Internal(BF16_OPTIMIZER, "whose master weights the per-layer optimizer state reads (bf16 with "
+                                               "fp32 gradient accumulation)"),
     "get_monitor_config": Internal("deepspeed.monitor.config:get_monitor_config",
                                    "which reads the config's monitors (tensorboard, wandb, csv, comet)",
                                    ("param_dict",)),
@@ -239,6 +242,8 @@ INTERNALS = (
       for name in ("_grid", "parts", "_local_start", "_layer_specs")),
     *(self_use(ZERO_OPTIMIZER, name, "which the per-layer optimizer state reads")
       for name in ("single_partition_of_fp32_groups", "optimizer", "loss_scaler")),
+    *(self_use(BF16_OPTIMIZER, name, "which the per-layer optimizer state reads")
+      for name in ("fp32_groups_flat_partition", "optimizer")),
     Internal("deepspeed.utils.mixed_precision_linkage:link_hp_params", "which the per-layer optimizer state reads",
              mentions="lp_param._hp_mapping"),
     *(Internal("deepspeed.utils.tensor_fragment:tensor_fragment", "which the per-layer optimizer state reads",
@@ -449,7 +454,9 @@ class ZeroFragment(NamedTuple):
 
 
 def is_zero_optimizer(optimizer):
-    return isinstance(optimizer, EXPORTED["DeepSpeedZeroOptimizer"].resolve())
+    """ZeRO's optimizer, or the bf16 optimizer DeepSpeed picks for fp32 gradient accumulation (ZeRO-1's partitions,
+    the same fragment bookkeeping)."""
+    return isinstance(optimizer, (EXPORTED["DeepSpeedZeroOptimizer"].resolve(), EXPORTED["BF16_Optimizer"].resolve()))
 
 
 def zero_wrapped_optimizer(optimizer):
@@ -459,6 +466,8 @@ def zero_wrapped_optimizer(optimizer):
 
 def zero_fp32_partitions(optimizer):
     """This rank's flat fp32 master-weight partitions, one per parameter group."""
+    if isinstance(optimizer, EXPORTED["BF16_Optimizer"].resolve()):
+        return optimizer.fp32_groups_flat_partition
     return optimizer.single_partition_of_fp32_groups
 
 

@@ -162,11 +162,14 @@ def test_malformed_jsonl_line_is_named(demo_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_zero1_resume_matches_uninterrupted_run(demo_model, tmp_path):
-    """The production setting: bf16 with ZeRO-1 (DeepSpeed's bf16 optimizer, its tensor-parallel-aware norm and its
-    checkpoint), here under tensor parallel 2 (2 processes: pipeline stages resume in the fp32 tests)."""
+@pytest.mark.parametrize("accumulation", [{}, {"+deepspeed.data_types.grad_accum_dtype": "fp32"}],
+                         ids=["bf16_accumulation", "fp32_accumulation"])
+def test_bf16_zero1_resume_matches_uninterrupted_run(demo_model, tmp_path, accumulation):
+    """The production setting: bf16 with ZeRO-1 (ZeRO's optimizer, or with fp32 gradient accumulation DeepSpeed's
+    bf16 optimizer over the same partitions; its tensor-parallel-aware norm and its checkpoint), here under tensor
+    parallel 2 (2 processes: pipeline stages resume in the fp32 tests)."""
     run = dict(max_steps=5, save_steps=3, save_total_limit=5, logging_steps=1, eval_file="null", precision="bf16",
-               zero_stage=1, learning_rate=1e-3, warmup_steps=2, num_stages=1, tensor_parallel_size=2)
+               zero_stage=1, learning_rate=1e-3, warmup_steps=2, num_stages=1, tensor_parallel_size=2, **accumulation)
     check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "full", **run)))
     check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "resumed",
                                               resume=str(tmp_path / "full" / "global_step3"), **run)))
