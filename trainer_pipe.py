@@ -25,7 +25,7 @@ def strip_launcher_arguments():
 @hydra.main(version_base=None, config_path="conf", config_name="tiny")
 def main(cfg):
     from checkpoints.disk_space import DiskFullError  # heavy imports after Hydra has parsed the command line
-    from deepspeed_internals import DeepSpeedMismatch
+    from deepspeed_internals.registry import DeepSpeedMismatch
     from training.preemption import PREEMPTED_EXIT_CODE, Preempted
     import torch.distributed as dist
     exit_code = 0

@@ -35,7 +35,7 @@ def pipeline_step(config, compile_layers, loss_impl="chunked", seq_length=SEQ_LE
     """One training step of the project's engine on one stage, as training/loop.py builds it."""
     import deepspeed
 
-    from deepspeed_internals import skip_gradient_allreduce
+    from deepspeed_internals.access import skip_gradient_allreduce
     from models.pipeline import build_pipeline_module
     from training.deepspeed_config import deepspeed_config
     from training.distributed import parallel_topology

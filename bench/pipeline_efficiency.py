@@ -58,8 +58,8 @@ from common import (machine_note, peak_rss_bytes, random_micro_batches, reset_pe
 from memory_plan_check import FIXED_MMAP_THRESHOLD  # noqa: E402
 from schedule_simulator import predict  # noqa: E402
 
-from deepspeed_internals import (instruction_handlers, replace_instruction_handlers,  # noqa: E402
-                                 skip_data_parallel_reductions)
+from deepspeed_internals.access import (instruction_handlers, replace_instruction_handlers,  # noqa: E402
+                                        skip_data_parallel_reductions)
 from training.profiling import add_to, time_instructions  # noqa: E402
 from training.schedule import PIPELINE_SCHEDULES  # noqa: E402
 

@@ -11,7 +11,7 @@ DeepSpeed's universal checkpoint needs an offline conversion and does not handle
 Megatron-DeepSpeed.
 
 Where ZeRO keeps each parameter's piece is DeepSpeed's own fragment bookkeeping (param._hp_mapping, ZeRO's fp32
-partitions), reached through deepspeed_internals.py and kept there rather than DeepSpeed's public
+partitions), reached through deepspeed_internals/ and kept there rather than DeepSpeed's public
 safe_get_full_* / safe_set_full_*, which cover the same fragments: safe_get_full_* all-reduces every parameter over
 the data-parallel group where a save reduces it to the one rank that writes it; the optimizer-state setters need
 the fragment links ZeRO makes only in its first step, which a resume comes before (they raise there); without ZeRO
@@ -28,9 +28,9 @@ from deepspeed.pipe import TiedLayerSpec
 
 from checkpoints.layer_files import load_weights_only, tensors_for_rank
 from checkpoints.state_files import STATE_ADVICE
-from deepspeed_internals import (checkpoint_engine_of, engine_counters, is_zero_optimizer, layer_specs,
-                                 loss_scaler_state, restore_engine_counters, restore_loss_scaler_state,
-                                 stage_first_layer, zero_fp32_partitions, zero_fragment, zero_wrapped_optimizer)
+from deepspeed_internals.access import (checkpoint_engine_of, engine_counters, is_zero_optimizer, layer_specs,
+                                        loss_scaler_state, restore_engine_counters, restore_loss_scaler_state,
+                                        stage_first_layer, zero_fp32_partitions, zero_fragment, zero_wrapped_optimizer)
 
 MASTER = "fp32"  # the key of the master weights in a layer's optimizer-state file
 
@@ -68,7 +68,7 @@ def trained_parameters(layer):
 
 class MasterState:
     """Where this rank keeps each parameter's fp32 master weight and optimizer moments: ZeRO's flat partitions, of
-    which a parameter may own a fragment (deepspeed_internals.zero_fragment), or, without ZeRO in fp32, the parameter
+    which a parameter may own a fragment (deepspeed_internals.access.zero_fragment), or, without ZeRO in fp32, the parameter
     itself and torch's per-parameter state."""
 
     def __init__(self, engine):

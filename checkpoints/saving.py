@@ -19,7 +19,7 @@ from checkpoints.optimizer_state import save_training_state
 from checkpoints.rng_state import rng_state_path, save_rng_state
 from checkpoints.tag_dirs import prune_checkpoints, tag_of_step
 from checkpoints.trainer_state import write_trainer_state
-from deepspeed_internals import checkpoint_engine_of
+from deepspeed_internals.access import checkpoint_engine_of
 
 RUN_CONFIG_NAME = "run_config.yaml"
 

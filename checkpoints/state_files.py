@@ -4,7 +4,8 @@ non-tensor types those files hold. DeepSpeed 0.19's TorchCheckpointEngine loads 
 import numpy as np
 
 from checkpoints.layer_files import load_weights_only
-from deepspeed_internals import DynamicLossScaler, LossScaler, TorchCheckpointEngine, ZeroStageEnum, fragment_address
+from deepspeed_internals.registry import (DynamicLossScaler, LossScaler, TorchCheckpointEngine, ZeroStageEnum,
+                                          fragment_address)
 
 # What DeepSpeed's state files hold besides tensors and containers (found with
 # torch.serialization.get_unsafe_globals_in_checkpoint on fp32, bf16 and ZeRO-1 checkpoints; fp16's scaler too).

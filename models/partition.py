@@ -7,7 +7,7 @@ takes that cost from the caller: planner/stage_costs.py's, the one the memory pl
 """
 import re
 
-from deepspeed_internals import partition_balanced, partition_uniform
+from deepspeed_internals.registry import partition_balanced, partition_uniform
 from models.layout import num_pipeline_layers
 from models.llama import head_dim_of
 from models.lora import NO_LORA, adapter_parameter_count

@@ -7,8 +7,8 @@ import torch
 from deepspeed import checkpointing
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-from deepspeed_internals import (non_reentrant_checkpoint, pipeline_grid, set_partition, stage_first_layer,
-                                 synchronize_tied_weights)
+from deepspeed_internals.access import pipeline_grid, set_partition, stage_first_layer, synchronize_tied_weights
+from deepspeed_internals.registry import non_reentrant_checkpoint
 from models.context_parallel import NO_CONTEXT_PARALLEL, build_context_parallel
 from models.llama import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs,
                           check_model_config, lm_head)
@@ -51,7 +51,7 @@ class LlamaPipeline(PipelineModule):
     """DeepSpeed's PipelineModule over given stage bounds instead of partitioning by building every layer
     (DeepSpeed's 'parameters' method builds each layer on every rank to count it). layer_loader(layer, paths,
     tensor-parallel rank, size, strict) reads one layer's files into it; None keeps DeepSpeed's own loader.
-    _partition_layers and load_state_dir override DeepSpeed's (deepspeed_internals.py lists them)."""
+    _partition_layers and load_state_dir override DeepSpeed's (deepspeed_internals/ lists them)."""
 
     def __init__(self, config, stage_bounds, parallel, layer_loader, context=NO_CONTEXT_PARALLEL, **kwargs):
         self.model_config = config

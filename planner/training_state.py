@@ -5,7 +5,7 @@ its largest tensor (elements), so it stays apart from the model's layers (planne
 Figures follow DeepSpeed 0.19.8's code paths named in each docstring."""
 import dataclasses
 
-from deepspeed_internals import MEMORY_OPT_ALLREDUCE_SIZE
+from deepspeed_internals.registry import MEMORY_OPT_ALLREDUCE_SIZE
 from planner.workload import PRECISION_BYTES
 
 FP32_BYTES = 4

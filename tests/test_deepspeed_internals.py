@@ -1,4 +1,4 @@
-"""The start-up check of DeepSpeed's internals (deepspeed_internals.py): it passes on the installed DeepSpeed, and an
+"""The start-up check of DeepSpeed's internals (deepspeed_internals/registry.py): it passes on the installed DeepSpeed, and an
 internal that is gone or has other parameters stops a run with one line naming the version, the piece and the fix."""
 import subprocess
 import sys
@@ -8,11 +8,11 @@ import deepspeed.runtime.engine
 import pytest
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from deepspeed_internals import DeepSpeedMismatch, check_deepspeed_internals
+from deepspeed_internals.registry import DeepSpeedMismatch, check_deepspeed_internals
 from tests.conftest import ROOT
 
 VERSION = deepspeed.__version__
-FIX = "install deepspeed==0.19.8 (requirements.txt) or see deepspeed_internals.py for what to check"
+FIX = "install deepspeed==0.19.8 (requirements.txt) or see deepspeed_internals/ for what to check"
 
 
 def test_the_installed_deepspeed_has_every_internal():

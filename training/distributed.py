@@ -7,7 +7,8 @@ import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from deepspeed_internals import PipeDataParallelTopology, PipeModelDataParallelTopology, skip_shm_comm_build
+from deepspeed_internals.access import skip_shm_comm_build
+from deepspeed_internals.registry import PipeDataParallelTopology, PipeModelDataParallelTopology
 
 
 def set_threads_per_process():

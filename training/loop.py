@@ -23,8 +23,9 @@ from checkpoints.state_files import WeightsOnlyCheckpointEngine
 from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoints
 from data.datasets import build_dataset_distributed
 from data.loader import build_stage_loader, check_identical_across_group, infinite_micro_batches
-from deepspeed_internals import (check_deepspeed_internals, replace_checkpoint_engine, replace_fp32_gradient_clipping,
-                                 set_global_grad_norm, skip_gradient_allreduce, skip_optimizer_files)
+from deepspeed_internals.access import (replace_checkpoint_engine, replace_fp32_gradient_clipping, set_global_grad_norm,
+                                        skip_gradient_allreduce, skip_optimizer_files)
+from deepspeed_internals.registry import check_deepspeed_internals
 from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.tensor_parallel import SHARDED_MARKER

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from deepspeed_internals import MonitorMaster, get_monitor_config
+from deepspeed_internals.registry import MonitorMaster, get_monitor_config
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"

@@ -14,17 +14,17 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from deepspeed_internals import (activation_buffer, add_grads_to_bf16_optimizer, add_instruction_handlers,
-                                 clear_bf16_optimizer_grads, pipe_buffer, receive_activation_shapes_once,
-                                 run_backward_pass, send_activation_shapes_once, sends_need_deepspeed_handlers,
-                                 set_pipe_buffer, set_received_gradients, uses_bf16_optimizer)
+from deepspeed_internals.access import (activation_buffer, add_grads_to_bf16_optimizer, add_instruction_handlers,
+                                        clear_bf16_optimizer_grads, pipe_buffer, receive_activation_shapes_once,
+                                        run_backward_pass, send_activation_shapes_once, sends_need_deepspeed_handlers,
+                                        set_pipe_buffer, set_received_gradients, uses_bf16_optimizer)
 from models.weight_grads import WeightGradQueue
 from training.schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
                                ZeroBubbleSchedule)
 
 
 class ZeroBubblePipelineEngine(PipelineEngine):
-    """Its _train_schedule and _exec_* methods override DeepSpeed's (deepspeed_internals.py lists them)."""
+    """Its _train_schedule and _exec_* methods override DeepSpeed's (deepspeed_internals/ lists them)."""
 
     def _train_schedule(self):
         return ZeroBubbleSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id,

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from deepspeed_internals import LAUNCHER_MODULE
+from deepspeed_internals.registry import LAUNCHER_MODULE
 
 PREEMPTED_EXIT_CODE = 75  # sysexits.h EX_TEMPFAIL: stopped early on request; rerun with resume=auto
 

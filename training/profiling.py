@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-from deepspeed_internals import instruction_handlers, replace_instruction_handlers
+from deepspeed_internals.access import instruction_handlers, replace_instruction_handlers
 
 
 def time_instructions(engine, record):

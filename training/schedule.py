@@ -27,7 +27,7 @@ from deepspeed.runtime.pipe.schedule import (BackwardPass, BufferOpInstruction, 
                                              OptimizerStep, PipeInstruction, RecvGrad, ReduceGrads, ReduceTiedGrads,
                                              SendActivation, SendGrad, TrainSchedule)
 
-from deepspeed_internals import buffer_of_micro_batch
+from deepspeed_internals.access import buffer_of_micro_batch
 from models.pipeline_schedule_rules import held_back_micro_batches, in_flight_micro_batches
 
 PIPELINE_SCHEDULES = ("1f1b", "zero_bubble")

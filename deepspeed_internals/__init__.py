@@ -1,0 +1,57 @@
+"""The one door to DeepSpeed's internals: every DeepSpeed name the project uses that DeepSpeed's API documentation
+does not cover goes through this package (registry.py: what is used and the start-up check; access.py: the
+accessors the rooms call), and `check_deepspeed_internals` verifies them all at a run's start.
+
+A leaf at the top level: it imports only DeepSpeed and the standard library, so models/, checkpoints/, planner/,
+training/ and bench/ all import it without an upward arrow (inside any one of them, the others would reach up).
+
+Used directly, as documented (deepspeed.readthedocs.io): deepspeed.initialize / init_distributed, deepspeed.pipe
+(PipelineModule and its documented methods: topology(), ckpt_layer_path(_list); LayerSpec, TiedLayerSpec),
+deepspeed.runtime.pipe.engine's PipelineEngine and its public methods, deepspeed.runtime.pipe.schedule (documented
+as the way to extend pipeline parallelism: TrainSchedule, the instructions), deepspeed.checkpointing.checkpoint,
+deepspeed.accelerator, deepspeed.ops.adam, deepspeed.utils.safe_*, the ds_to_universal converter. The public-named
+attributes that describe the run and that the project only reads (the engine's stage_id, num_stages, micro_batches,
+prev_stage / next_stage, grid and its rank and group getters, mpu, module, optimizer, lr_scheduler; the
+PipelineModule's forward_funcs, tied_modules, num_stages, global_rank) are read where used: a rename there fails at
+first use, naming the attribute.
+
+Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with why:
+- Names from modules the documentation does not cover (re-exported, resolved on first import: EXPORTED):
+  TorchCheckpointEngine (its save and load): the checkpoint engine the trainer subclasses to load state files
+  weights-only, and whose saves it hashes; LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address: the
+  non-tensor types DeepSpeed's state files pickle, allowed for weights-only loading; PipeDataParallelTopology,
+  PipeModelDataParallelTopology: the pipeline x data (x tensor) rank layout; partition_balanced, partition_uniform:
+  DeepSpeed's own 'parameters', 'type:' and 'uniform' partitions; non_reentrant_checkpoint: activation
+  checkpointing under LoRA; MEMORY_OPT_ALLREDUCE_SIZE: the flat-copy bucket of ZeRO-0's gradient all-reduce the
+  memory plan counts; DeepSpeedZeroOptimizer: telling ZeRO's master weights from the parameters themselves;
+  get_monitor_config, MonitorMaster (write_events): the run's metrics to TensorBoard, W&B, CSV, Comet.
+- Engine state the trainer writes or replaces (a rename would fail silently: DeepSpeed would just stop reading it):
+  DeepSpeedEngine.clip_fp32_gradients (one clipping norm over all stages), _global_grad_norm (the norm it reports),
+  checkpoint_engine built from _config (weights-only loads), save_zero_checkpoint and _common_checkpoint_state (no
+  per-rank optimizer copies: the state is saved per layer), global_steps / global_samples / skipped_steps (restored
+  on resume); PipelineEngine.pipeline_enable_backward_allreduce (no all-reduce over a data-parallel group of one),
+  is_data_parallel (bench/pipeline_efficiency.py's own-replica baseline), _INSTRUCTION_MAP (the zero-bubble
+  instructions; profiling's timers); deepspeed.ops.__compatible_ops__ (no shared-memory op built on CPUs).
+- The pipeline engine's instruction state the zero-bubble handlers share with DeepSpeed's: pipe_buffers,
+  pipe_recv_buf and _recv_tensor_meta, first_output_send and _send_tensor_meta, grad_layer, _exec_backward_pass,
+  dynamic_shape / has_bool_tensors / is_pipe_partitioned (paths it refuses), using_bf16_optimizer with
+  BF16_Optimizer.clear_lp_grads / update_hp_grads (the bf16 optimizer's per-backward gradient hand-off);
+  TrainSchedule._buffer_idx (a micro-batch's pipe buffer).
+- PipelineModule internals: _grid (the tensor-parallel group), parts and _set_bounds (the partition), _local_start
+  (a stage's first layer index), _layer_specs (where a tied layer first appears), _synchronize_tied_weights.
+- ZeRO's fragment bookkeeping, for the per-layer optimizer state: DeepSpeedZeroOptimizer.single_partition_of_fp32_groups
+  and .optimizer, BF16_Optimizer.fp32_groups_flat_partition and .optimizer (bf16 with fp32 gradient accumulation:
+  ZeRO-1's partitions in another class), param._hp_mapping (param_group_index, hp_fragment_address, lp_fragment_address); the fp16 loss
+  scaler (optimizer.loss_scaler: cur_scale, cur_iter, last_overflow_iter, cur_hysteresis), restored on resume.
+  Why not DeepSpeed's public safe_get_full_* / safe_set_full_*: checkpoints/optimizer_state.py's docstring.
+- The launcher's per-node module name (LAUNCHER_MODULE): preemption recognises the launcher as its parent process.
+- Subclass overrides, checked for their parameters: PipelineEngine._train_schedule, _exec_send_activations,
+  _exec_send_grads, _exec_recv_grads, _exec_reduce_tied_grads (training/pipeline_engine.py);
+  PipelineModule._partition_layers, load_state_dir (models/pipeline.py); TorchCheckpointEngine.load
+  (checkpoints/state_files.py). ZeroBubbleSchedule overrides PipeSchedule's documented steps(): no entry.
+
+The start-up check reads the source of the class that sets an instance attribute (`self.<name>` must appear in it)
+instead of building an engine: an engine exists only after the process groups, the model and the optimizer do, and a
+run must fail before any of that, on every rank alike. It checks that each name is there with its parameters, not
+what it does: the tests do (docs/architecture.md#the-door-to-deepspeed lists them).
+"""

@@ -1,0 +1,224 @@
+"""The accessors through which the rooms read and replace DeepSpeed's internals (listed, with why, in
+deepspeed_internals/__init__.py; checked by registry.py)."""
+from typing import NamedTuple
+
+import deepspeed
+
+from deepspeed_internals.registry import ENGINE_COUNTERS, EXPORTED, LOSS_SCALER_FIELDS
+
+# The training engine (DeepSpeedEngine and PipelineEngine).
+
+def replace_fp32_gradient_clipping(engine, clip):
+    """clip() runs where DeepSpeed clips fp32 gradients (without ZeRO, fp16 or bf16)."""
+    engine.clip_fp32_gradients = clip
+
+
+def set_global_grad_norm(engine, norm):
+    """The norm engine.get_global_grad_norm() reports."""
+    engine._global_grad_norm = norm
+
+
+def replace_checkpoint_engine(engine, checkpoint_engine_class):
+    engine.checkpoint_engine = checkpoint_engine_class(engine._config)
+
+
+def checkpoint_engine_of(engine):
+    """The engine's checkpoint engine: what writes and reads its files (save(state, path), load(path))."""
+    return engine.checkpoint_engine
+
+
+def skip_optimizer_files(engine):
+    """DeepSpeed's checkpoints hold no optimizer state of their own: no ZeRO *_optim_states.pt, and none in
+    mp_rank_*_model_states.pt."""
+    engine.save_zero_checkpoint = False
+    common_checkpoint_state = engine._common_checkpoint_state
+    engine._common_checkpoint_state = lambda *args: {**common_checkpoint_state(*args), "optimizer": None}
+
+
+def skip_gradient_allreduce(engine):
+    """The pipeline engine's gradient all-reduce over the data-parallel group is not run."""
+    engine.pipeline_enable_backward_allreduce = False
+
+
+def skip_data_parallel_reductions(engine):
+    """Neither gradients nor the loss are all-reduced over the data-parallel group: each process steps its own copy."""
+    skip_gradient_allreduce(engine)
+    engine.is_data_parallel = False
+
+
+def engine_counters(engine):
+    return {counter: getattr(engine, counter) for counter in ENGINE_COUNTERS}
+
+
+def restore_engine_counters(engine, counters):
+    for counter, value in counters.items():
+        setattr(engine, counter, value)
+
+
+def fp16_loss_scaler(engine):
+    return getattr(engine.optimizer, "loss_scaler", None) if engine.fp16_enabled() else None
+
+
+def loss_scaler_state(engine):
+    """fp16's loss scaler fields ({} for a static scaler's missing ones), or None without fp16."""
+    scaler = fp16_loss_scaler(engine)
+    if scaler is None:
+        return None
+    return {field: getattr(scaler, field) for field in LOSS_SCALER_FIELDS if hasattr(scaler, field)}
+
+
+def restore_loss_scaler_state(engine, state):
+    scaler = fp16_loss_scaler(engine)
+    for field, value in (state or {}).items():
+        if scaler is not None:
+            setattr(scaler, field, value)
+
+
+def skip_shm_comm_build():
+    """DeepSpeed's distributed init does not JIT-build its shared-memory op (gloo does the CPU collectives)."""
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+# The pipeline engine's instructions and their state.
+
+def instruction_handlers(engine):
+    """{instruction class: handler(engine, ...)} the engine runs its schedule with."""
+    return engine._INSTRUCTION_MAP
+
+
+def replace_instruction_handlers(engine, handlers):
+    """For this engine only: an instance attribute shadows the class's map."""
+    engine._INSTRUCTION_MAP = handlers
+
+
+def add_instruction_handlers(engine_class, handlers):
+    """A PipelineEngine subclass runs `handlers` ({instruction class: function}) besides its base's."""
+    engine_class._INSTRUCTION_MAP = {**engine_class._INSTRUCTION_MAP, **handlers}
+
+
+def run_backward_pass(engine, buffer_id):
+    """DeepSpeed's BackwardPass of a buffer's micro-batch."""
+    engine._exec_backward_pass(buffer_id)
+
+
+def send_activation_shapes_once(engine, outputs):
+    """Before the first activation send, the shapes, blocking: the next stage's first receive reads them."""
+    if engine.first_output_send:
+        engine.first_output_send = False
+        engine._send_tensor_meta(outputs, engine.next_stage)
+
+
+def receive_activation_shapes_once(engine):
+    """Before the first activation receive, the shapes, blocking (the previous stage sends them first): DeepSpeed
+    allocates its activation buffer from them."""
+    if engine.pipe_recv_buf is None:
+        engine.pipe_recv_buf = engine._recv_tensor_meta(engine.prev_stage)
+
+
+def activation_buffer(engine):
+    """The activation buffer DeepSpeed allocated from the received shapes: a tensor or a tuple of them."""
+    return engine.pipe_recv_buf
+
+
+def pipe_buffer(engine, kind, buffer_id):
+    """A micro-batch's 'inputs' or 'outputs' in the engine's pipe buffers."""
+    return engine.pipe_buffers[kind][buffer_id]
+
+
+def set_pipe_buffer(engine, kind, buffer_id, value):
+    engine.pipe_buffers[kind][buffer_id] = value
+
+
+def set_received_gradients(engine, grads):
+    """The output gradients DeepSpeed's BackwardPass starts from."""
+    engine.grad_layer = grads
+
+
+def sends_need_deepspeed_handlers(engine):
+    """Whether the engine's sends take its dynamic-shape, bool-tensor or partitioned paths."""
+    return engine.dynamic_shape or engine.has_bool_tensors or engine.is_pipe_partitioned
+
+
+def uses_bf16_optimizer(engine):
+    return engine.using_bf16_optimizer
+
+
+def clear_bf16_optimizer_grads(optimizer):
+    """The bf16 optimizer clears the parameters' .grad (already added into its fp32 gradients)."""
+    optimizer.clear_lp_grads()
+
+
+def add_grads_to_bf16_optimizer(optimizer):
+    """The bf16 optimizer adds the parameters' .grad into its fp32 gradients."""
+    optimizer.update_hp_grads()
+
+
+def buffer_of_micro_batch(schedule, micro_batch):
+    """The pipe buffer a TrainSchedule gives a micro-batch."""
+    return schedule._buffer_idx(micro_batch)
+
+
+# The pipeline module.
+
+def pipeline_grid(module):
+    """The PipelineModule's process grid (groups and ranks), made before its layers are built."""
+    return module._grid
+
+
+def set_partition(module, bounds, stage):
+    """The PipelineModule's partition, as its _partition_layers leaves it: every stage's first layer and the layer
+    count (parts), and this stage's layers."""
+    module.parts = bounds
+    module._set_bounds(start=bounds[stage], stop=bounds[stage + 1])
+
+
+def stage_first_layer(module):
+    """The pipeline index of the stage's first layer."""
+    return module._local_start
+
+
+def layer_specs(module):
+    """All pipeline layers' specs, in index order."""
+    return module._layer_specs
+
+
+def synchronize_tied_weights(module):
+    """Tied layers take the first stage's copy of their weights."""
+    module._synchronize_tied_weights()
+
+
+# ZeRO's master weights.
+
+class ZeroFragment(NamedTuple):
+    """The piece of a parameter that one rank's ZeRO partition holds."""
+    partition: int  # index of the flat fp32 partition (one per parameter group)
+    partition_start: int
+    numel: int
+    param_start: int  # offset in the flattened parameter
+
+
+def is_zero_optimizer(optimizer):
+    """ZeRO's optimizer, or the bf16 optimizer DeepSpeed picks for fp32 gradient accumulation (ZeRO-1's partitions,
+    the same fragment bookkeeping)."""
+    return isinstance(optimizer, (EXPORTED["DeepSpeedZeroOptimizer"].resolve(), EXPORTED["BF16_Optimizer"].resolve()))
+
+
+def zero_wrapped_optimizer(optimizer):
+    """The torch optimizer ZeRO steps its flat partitions with."""
+    return optimizer.optimizer
+
+
+def zero_fp32_partitions(optimizer):
+    """This rank's flat fp32 master-weight partitions, one per parameter group."""
+    if isinstance(optimizer, EXPORTED["BF16_Optimizer"].resolve()):
+        return optimizer.fp32_groups_flat_partition
+    return optimizer.single_partition_of_fp32_groups
+
+
+def zero_fragment(param):
+    """The ZeroFragment of `param` in this rank's partition, or None when the partition holds none of it."""
+    mapping = param._hp_mapping
+    if mapping is None:
+        return None
+    return ZeroFragment(mapping.param_group_index, mapping.hp_fragment_address.start,
+                        mapping.hp_fragment_address.numel, mapping.lp_fragment_address.start)

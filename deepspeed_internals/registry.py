@@ -1,0 +1,207 @@
+"""What of DeepSpeed's non-public surface the project uses (INTERNALS, EXPORTED), why, and the start-up check of
+it (check_deepspeed_internals). The list, with the reasons, is the package's docstring (__init__.py)."""
+import dataclasses
+import importlib
+import inspect
+import re
+
+import deepspeed
+
+CHECKED_VERSION = "0.19.8"
+ADVICE = (f"install deepspeed=={CHECKED_VERSION} (requirements.txt) or see deepspeed_internals/ for what to "
+          f"check")
+LAUNCHER_MODULE = "deepspeed.launcher.launch"
+ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+LOSS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
+PIPELINE_ENGINE = "deepspeed.runtime.pipe.engine:PipelineEngine"
+PIPELINE_MODULE = "deepspeed.runtime.pipe.module:PipelineModule"
+ZERO_OPTIMIZER = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
+BF16_OPTIMIZER = "deepspeed.runtime.bf16_optimizer:BF16_Optimizer"
+TORCH_CHECKPOINT_ENGINE = "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine"
+
+
+class DeepSpeedMismatch(ImportError):
+    """The installed DeepSpeed lacks an internal the project uses, or has it with other parameters."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Internal:
+    """One DeepSpeed internal: `path` is 'module:qualified.name' (or a module); `use` says why the project needs
+    it; `parameters`: the names its signature must have; `mentions`: a name its source must contain."""
+    path: str
+    use: str
+    parameters: tuple = None
+    mentions: str = None
+
+    @property
+    def dotted(self):
+        return self.path.replace(":", ".")
+
+    def resolve(self):
+        module_name, _, qualname = self.path.partition(":")
+        try:
+            found = importlib.import_module(module_name)
+            for name in qualname.split(".") if qualname else ():
+                found = getattr(found, name)
+        except (ImportError, AttributeError):
+            raise self.mismatch(f"lacks {self.dotted}{self.signature(self.parameters)}") from None
+        return found
+
+    def check(self, sources):
+        found = self.resolve()
+        if self.parameters is not None:
+            parameters = tuple(inspect.signature(found).parameters)
+            if parameters != self.parameters:
+                raise self.mismatch(f"has {self.dotted}{self.signature(parameters)}, not "
+                                    f"{self.signature(self.parameters)}")
+        if self.mentions is not None:
+            if self.path not in sources:
+                try:
+                    sources[self.path] = inspect.getsource(found)
+                except (OSError, TypeError):  # no source to read (a bytecode-only install): reported as missing
+                    sources[self.path] = ""
+            whole_name = r"(?!\w)" if self.mentions[-1].isidentifier() else ""  # self.grad_layer, not ..._layers
+            if not re.search(re.escape(self.mentions) + whole_name, sources[self.path]):
+                raise self.mismatch(f"lacks {self.mentions} in {self.dotted}")
+
+    def mismatch(self, what):
+        return DeepSpeedMismatch(f"deepspeed {deepspeed.__version__} {what}, {self.use}; {ADVICE}")
+
+    @staticmethod
+    def signature(parameters):
+        return "" if parameters is None else f"({', '.join(parameters)})"
+
+
+# Names other modules import from here, resolved on first import (module __getattr__ below): this module itself
+# always imports, so a DeepSpeed without one of them fails with the check's one line, not a traceback.
+EXPORTED = {
+    "TorchCheckpointEngine": Internal(TORCH_CHECKPOINT_ENGINE, "which checkpoints/state_files.py subclasses to "
+                                      "load state files weights-only", ("config_params",)),
+    "LossScaler": Internal("deepspeed.runtime.fp16.loss_scaler:LossScaler",
+                           "which fp16 state files pickle (allowed for weights-only loading)"),
+    "DynamicLossScaler": Internal("deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler",
+                                  "which fp16 state files pickle (allowed for weights-only loading)"),
+    "ZeroStageEnum": Internal("deepspeed.runtime.zero.config:ZeroStageEnum",
+                              "which state files pickle (allowed for weights-only loading)"),
+    "fragment_address": Internal("deepspeed.utils.tensor_fragment:fragment_address", "which ZeRO state files pickle "
+                                 "and the per-layer optimizer state reads", ("numel", "start")),
+    "PipeDataParallelTopology": Internal("deepspeed.runtime.pipe.topology:PipeDataParallelTopology",
+                                         "the pipeline x data rank layout", ("num_pp", "num_dp")),
+    "PipeModelDataParallelTopology": Internal("deepspeed.runtime.pipe.topology:PipeModelDataParallelTopology",
+                                              "the pipeline x tensor x data rank layout",
+                                              ("num_pp", "num_mp", "num_dp")),
+    "partition_balanced": Internal("deepspeed.runtime.utils:partition_balanced",
+                                   "the 'parameters' and 'type:' partitions", ("weights", "num_parts")),
+    "partition_uniform": Internal("deepspeed.runtime.utils:partition_uniform", "the 'uniform' partition",
+                                  ("num_items", "num_parts")),
+    "non_reentrant_checkpoint": Internal("deepspeed.runtime.activation_checkpointing.checkpointing:"
+                                         "non_reentrant_checkpoint", "activation checkpointing under LoRA",
+                                         ("function", "args")),
+    "MEMORY_OPT_ALLREDUCE_SIZE": Internal("deepspeed.runtime.engine:MEMORY_OPT_ALLREDUCE_SIZE",
+                                          "the gradient all-reduce bucket the memory plan counts"),
+    "DeepSpeedZeroOptimizer": Internal(ZERO_OPTIMIZER, "whose master weights the per-layer optimizer state reads"),
+    "BF16_Optimizer": Internal(BF16_OPTIMIZER, "whose master weights the per-layer optimizer state reads (bf16 with "
+                                               "fp32 gradient accumulation)"),
+    "get_monitor_config": Internal("deepspeed.monitor.config:get_monitor_config",
+                                   "which reads the config's monitors (tensorboard, wandb, csv, comet)",
+                                   ("param_dict",)),
+    "MonitorMaster": Internal("deepspeed.monitor.monitor:MonitorMaster", "which writes the run's metrics to them",
+                              ("monitor_config",)),
+}
+
+
+def __getattr__(name):
+    if name not in EXPORTED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = EXPORTED[name].resolve()
+    return value
+
+
+def zero_bubble(name, parameters):
+    return Internal(f"{PIPELINE_ENGINE}.{name}", "which the zero-bubble engine overrides", parameters)
+
+
+def self_use(owner, text, use):
+    """`owner`'s source must contain self.<text> (an attribute it sets or reads, a method it calls)."""
+    return Internal(owner, use, mentions=f"self.{text}")
+
+
+INTERNALS = (
+    *EXPORTED.values(),
+    Internal(f"{TORCH_CHECKPOINT_ENGINE}.save", "whose saves checkpoints/saving.py hashes as written",
+             ("self", "state_dict", "path")),
+    Internal(f"{TORCH_CHECKPOINT_ENGINE}.load", "which the weights-only checkpoint engine overrides",
+             ("self", "path", "map_location")),
+    Internal("deepspeed.monitor.monitor:MonitorMaster.write_events", "which writes the run's metrics to monitors",
+             ("self", "event_list")),
+    # The trainer's engine set-up (training/loop.py).
+    self_use(ENGINE, "clip_fp32_gradients()", "which the trainer replaces to clip by one norm over all stages"),
+    self_use(ENGINE, "_global_grad_norm", "which the trainer's clipping sets"),
+    self_use(ENGINE, "checkpoint_engine", "which the trainer replaces with a weights-only one"),
+    self_use(ENGINE, "_config", "which the trainer's checkpoint engine is built from"),
+    self_use(ENGINE, "save_zero_checkpoint", "which the trainer turns off (optimizer state saved per layer)"),
+    self_use(ENGINE, "_common_checkpoint_state(", "which the trainer wraps to leave the optimizer out"),
+    Internal(f"{ENGINE}._common_checkpoint_state", "which the trainer wraps to leave the optimizer out",
+             ("self", "module_state_dict", "zero_optimizer_state", "save_frozen_param")),
+    *(self_use(ENGINE, counter, "which a resume restores") for counter in ENGINE_COUNTERS),
+    self_use(PIPELINE_ENGINE, "pipeline_enable_backward_allreduce",
+             "which the trainer turns off for a data-parallel group of one"),
+    self_use(PIPELINE_ENGINE, "is_data_parallel", "which bench/pipeline_efficiency.py turns off"),
+    Internal("deepspeed.comm.torch:build_shm_op", "which the trainer turns off on CPUs",
+             mentions="deepspeed.ops.__compatible_ops__"),
+    Internal("deepspeed.ops.op_builder.cpu.comm:ShareMemCommBuilder", "which the trainer turns off on CPUs",
+             mentions='NAME = "deepspeed_shm_comm"'),
+    Internal("deepspeed.launcher.runner", "which preemption recognises as its parent process",
+             mentions=f'"{LAUNCHER_MODULE}"'),
+    # The zero-bubble engine (training/pipeline_engine.py) and profiling.
+    Internal(f"{PIPELINE_ENGINE}._INSTRUCTION_MAP", "which the zero-bubble engine extends and profiling wraps"),
+    self_use(PIPELINE_ENGINE, "_INSTRUCTION_MAP[", "which the zero-bubble engine extends and profiling wraps"),
+    zero_bubble("_train_schedule", ("self",)),
+    self_use(PIPELINE_ENGINE, "_train_schedule()", "which the zero-bubble engine overrides"),
+    zero_bubble("_exec_send_activations", ("self", "buffer_id")),
+    zero_bubble("_exec_send_grads", ("self", "buffer_id")),
+    zero_bubble("_exec_recv_grads", ("self", "buffer_id")),
+    zero_bubble("_exec_reduce_tied_grads", ("self",)),
+    Internal(f"{PIPELINE_ENGINE}._exec_backward_pass", "which the zero-bubble B runs", ("self", "buffer_id")),
+    Internal(f"{PIPELINE_ENGINE}._send_tensor_meta", "which the zero-bubble sends use",
+             ("self", "buffer", "recv_stage")),
+    Internal(f"{PIPELINE_ENGINE}._recv_tensor_meta", "which the zero-bubble receives use", ("self", "send_stage")),
+    *(self_use(PIPELINE_ENGINE, name, "which the zero-bubble handlers share with DeepSpeed's")
+      for name in ("pipe_buffers", "pipe_recv_buf", "first_output_send", "grad_layer", "using_bf16_optimizer",
+                   "dynamic_shape", "has_bool_tensors", "is_pipe_partitioned")),
+    Internal(f"{BF16_OPTIMIZER}.clear_lp_grads", "which the zero-bubble W calls", ("self", "set_to_none")),
+    Internal(f"{BF16_OPTIMIZER}.update_hp_grads", "which the zero-bubble W calls", ("self", "clear_lp_grads")),
+    Internal("deepspeed.runtime.pipe.schedule:TrainSchedule._buffer_idx", "which the zero-bubble schedule calls",
+             ("self", "micro_batch_id")),
+    # The pipeline module (models/pipeline.py) and the per-layer optimizer state (checkpoints/optimizer_state.py).
+    Internal(f"{PIPELINE_MODULE}._partition_layers", "which the project's pipeline overrides", ("self", "method")),
+    self_use(PIPELINE_MODULE, "_partition_layers(", "which the project's pipeline overrides"),
+    Internal(f"{PIPELINE_MODULE}.load_state_dir", "which the project's pipeline overrides",
+             ("self", "load_dir", "checkpoint_engine", "strict")),
+    Internal(PIPELINE_ENGINE, "which the project's pipeline overrides", mentions="self.module.load_state_dir("),
+    Internal(f"{PIPELINE_MODULE}._set_bounds", "which the project's pipeline calls", ("self", "start", "stop")),
+    Internal(f"{PIPELINE_MODULE}._synchronize_tied_weights", "which the project's pipeline calls", ("self",)),
+    *(self_use(PIPELINE_MODULE, name, "which the project's pipeline uses")
+      for name in ("_grid", "parts", "_local_start", "_layer_specs")),
+    *(self_use(ZERO_OPTIMIZER, name, "which the per-layer optimizer state reads")
+      for name in ("single_partition_of_fp32_groups", "optimizer", "loss_scaler")),
+    *(self_use(BF16_OPTIMIZER, name, "which the per-layer optimizer state reads")
+      for name in ("fp32_groups_flat_partition", "optimizer")),
+    Internal("deepspeed.utils.mixed_precision_linkage:link_hp_params", "which the per-layer optimizer state reads",
+             mentions="lp_param._hp_mapping"),
+    *(Internal("deepspeed.utils.tensor_fragment:tensor_fragment", "which the per-layer optimizer state reads",
+               mentions=field) for field in ("param_group_index", "hp_fragment_address", "lp_fragment_address")),
+    *(self_use("deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler", field, "which a resume restores")
+      for field in LOSS_SCALER_FIELDS),
+)
+
+
+def check_deepspeed_internals():
+    """Raise DeepSpeedMismatch (one line: the installed version, the missing piece, what to do) unless every
+    internal above is in the installed DeepSpeed with its parameters. Checks them all, whatever the config: one
+    DeepSpeed either runs every configuration the tests cover or is not the one they ran."""
+    sources = {}
+    for internal in INTERNALS:
+        internal.check(sources)
