@@ -55,6 +55,13 @@ def next_token_labels(labels, context=NO_CONTEXT_PARALLEL):
     return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
 
 
+def labelled_tokens(labels, context=NO_CONTEXT_PARALLEL):
+    """Tokens that count in the shifted loss. In packed rows the collator has already ignored each later document's
+    first token, so this is the loss's own count and a packed micro-batch weighs as many tokens as its examples would
+    alone."""
+    return int((next_token_labels(labels, context) != IGNORE_INDEX).sum())
+
+
 def logits_loss_sum(logits, labels, parallel):
     """Summed cross-entropy of the labelled tokens from (this rank's vocabulary share of) the logits, in fp32."""
     return parallel.cross_entropy_sum(logits.float().reshape(-1, logits.shape[-1]), labels, IGNORE_INDEX)

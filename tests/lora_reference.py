@@ -95,7 +95,7 @@ def hf_eval_loss(model, eval_file, tokenizer_dir, seq_length, cache_dir):
 
     from data.collator import collate_causal_lm
     from data.datasets import build_dataset
-    from training.evaluation import labelled_tokens
+    from models.loss import labelled_tokens
     from training.run_spec import BASE_CONFIG
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

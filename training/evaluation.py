@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from data.collator import collate_causal_lm
 from data.loader import check_identical_across_group
-from models.loss import IGNORE_INDEX
+from models.loss import labelled_tokens
 
 EMPTY_ROW = {"input_ids": [], "labels": []}
 
@@ -31,13 +31,6 @@ class PaddedShard(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return self.dataset[self.indices[i]] if i < len(self.indices) else EMPTY_ROW
-
-
-def labelled_tokens(labels):
-    """Tokens that count in the shifted loss: the labels after the first position that are not ignored. In packed
-    rows the collator has already ignored each later document's first token, so this is the loss's own count and
-    a packed micro-batch weighs as many tokens as its examples would alone."""
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
 def evaluate(engine, dataset, dataset_length, cfg, pad_id):

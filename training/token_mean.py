@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from models.loss import IGNORE_INDEX, next_token_labels
+from models.loss import labelled_tokens
 
 
 def step_micro_batches(engine, stream, count):
@@ -28,8 +28,7 @@ def global_labelled_tokens(engine, micro_batches):
     """Labelled tokens of the whole global batch, on every rank: the last stage's, once per tensor-parallel group."""
     local = 0
     if engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0:
-        context = engine.module.context
-        local = sum(int((next_token_labels(labels, context) != IGNORE_INDEX).sum()) for _, labels in micro_batches)
+        local = sum(labelled_tokens(labels, engine.module.context) for _, labels in micro_batches)
     total = torch.tensor([local], dtype=torch.int64, device=get_accelerator().current_device_name())
     dist.all_reduce(total)
     return int(total)
