@@ -162,15 +162,18 @@ def test_malformed_jsonl_line_is_named(demo_model, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("accumulation", [{}, {"+deepspeed.data_types.grad_accum_dtype": "fp32"}],
-                         ids=["bf16_accumulation", "fp32_accumulation"])
+@pytest.mark.parametrize("accumulation", ["bf16", "fp32"])
 def test_bf16_zero1_resume_matches_uninterrupted_run(demo_model, tmp_path, accumulation):
-    """The production setting: bf16 with ZeRO-1 (ZeRO's optimizer, or with fp32 gradient accumulation DeepSpeed's
-    bf16 optimizer over the same partitions; its tensor-parallel-aware norm and its checkpoint), here under tensor
-    parallel 2 (2 processes: pipeline stages resume in the fp32 tests)."""
+    """The production setting: bf16 with ZeRO-1 and fp32 gradient accumulation (the default: DeepSpeed's bf16
+    optimizer over ZeRO's partitions; its tensor-parallel-aware norm and its checkpoint), or bf16 accumulation
+    (ZeRO's optimizer, warned at start-up), here under tensor parallel 2 (2 processes: pipeline stages resume in the
+    fp32 tests)."""
     run = dict(max_steps=5, save_steps=3, save_total_limit=5, logging_steps=1, eval_file="null", precision="bf16",
-               zero_stage=1, learning_rate=1e-3, warmup_steps=2, num_stages=1, tensor_parallel_size=2, **accumulation)
-    check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "full", **run)))
+               zero_stage=1, learning_rate=1e-3, warmup_steps=2, num_stages=1, tensor_parallel_size=2,
+               grad_accum_dtype=accumulation)
+    full = check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "full", **run)))
+    warned = "warning: grad_accum_dtype=bf16: each step sums 4 micro-batches' gradients in bf16" in full.stdout
+    assert warned == (accumulation == "bf16"), full.stdout[-2000:]
     check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "resumed",
                                               resume=str(tmp_path / "full" / "global_step3"), **run)))
     resumed = read_metrics(tmp_path / "resumed")

@@ -30,7 +30,7 @@ from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.tensor_parallel import SHARDED_MARKER
 from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan
-from training.deepspeed_config import deepspeed_config
+from training.deepspeed_config import accumulation_warning, deepspeed_config
 from training.distributed import check_devices, init_distributed, parallel_topology, set_threads_per_process
 from training.evaluation import evaluate
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
@@ -218,6 +218,8 @@ def run(cfg):
     prepare_output_dir(spec)
     seed_everything(cfg.seed)
     log_rank0(describe_stages(spec))
+    if accumulation_warning(cfg):
+        log_rank0(accumulation_warning(cfg))
     if describe_resume(spec):
         log_rank0(describe_resume(spec))
     topology = parallel_topology(spec.num_stages, spec.tensor_parallel)
