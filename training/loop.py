@@ -24,7 +24,7 @@ from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoin
 from data.datasets import build_dataset_distributed
 from data.loader import build_stage_loader, check_identical_across_group, infinite_micro_batches
 from deepspeed_internals.access import (replace_checkpoint_engine, replace_fp32_gradient_clipping, set_global_grad_norm,
-                                        skip_gradient_allreduce, skip_optimizer_files)
+                                        skip_gradient_allreduce, skip_optimizer_files, uses_bf16_optimizer)
 from deepspeed_internals.registry import check_deepspeed_internals
 from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
@@ -99,7 +99,8 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
                                    recompute_sequence_gather=cfg.recompute_sequence_gather,
                                    layer_loader=layer_loader, context_parallel_size=cfg.context_parallel_size,
                                    loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
-                                   lora=spec.lora, seed=cfg.seed)
+                                   grad_accum_dtype=PRECISION_DTYPES[cfg.grad_accum_dtype], lora=spec.lora,
+                                   seed=cfg.seed)
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
@@ -116,9 +117,10 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
     # The optimizer's state is saved per layer (checkpoints/optimizer_state.py), which any layout loads; DeepSpeed's
     # per-rank copy of it (ZeRO's files, the optimizer in mp_rank_*) would double a checkpoint.
     skip_optimizer_files(engine)
-    if not engine.is_data_parallel and engine.zero_optimization_stage() == 0:
+    if not engine.is_data_parallel and (engine.zero_optimization_stage() == 0 or uses_bf16_optimizer(engine)):
         # DeepSpeed's pipeline all-reduces gradients over a data-parallel group of one too: a flattened copy of
-        # every gradient and a copy back, for nothing (ZeRO-1's reduction also fills its partitions: kept).
+        # every gradient (the bf16 optimizer's fp32 ones) and a copy back, for nothing (ZeRO-1's reduction also
+        # fills its partitions: kept).
         skip_gradient_allreduce(engine)
     if cfg.pipeline_schedule == "zero_bubble":
         use_zero_bubble(engine, cfg.zero_bubble_max_waiting)

@@ -372,6 +372,7 @@ def workload_of(cfg, data_parallel):
     optimizer_params = ds.get("optimizer", {}).get("params", {})
     return Workload(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
                     micro_batches=cfg.gradient_accumulation_steps, precision=cfg.precision,
+                    grad_accum_dtype=cfg.grad_accum_dtype,
                     zero_stage=cfg.zero_stage, data_parallel=data_parallel,
                     activation_checkpoint_interval=cfg.activation_checkpoint_interval,
                     reduce_bucket_size=int(ds.get("zero_optimization", {}).get("reduce_bucket_size",
