@@ -1,5 +1,6 @@
 """Resume, crash-safe saves, preemption, prompt failure and NaN handling, with real processes and real faults."""
 import json
+import math
 import os
 import re
 import shutil
@@ -135,6 +136,23 @@ def test_nan_loss_stops_with_step_and_last_good_checkpoint(demo_model, tmp_path)
     assert (f"loss is nan at step 3; stopping (nan_policy=stop). Last good checkpoint: {out}/global_step2"
             in result.stdout + result.stderr)
     assert (out / "latest").read_text() == "global_step2"
+
+
+@pytest.mark.slow
+def test_a_step_with_no_labelled_token_is_named_and_changes_nothing(demo_model, tmp_path):
+    """A global batch without a labelled token (all -100 on both data-reading stages at step 2): the step is named
+    and skipped rather than dividing by zero; no loss is logged for it, its checkpoint holds step 1's weights, and
+    training goes on."""
+    out = tmp_path / "run"
+    result = check_ok(launch_trainer(2, demo_overrides(demo_model, out, max_steps=3, save_steps=1, save_total_limit=3,
+                                                       logging_steps=1, eval_file="null"),
+                                     script=FAULT_SCRIPT, env={"FAULT": "unlabelled:0:2"}, timeout=120))
+    assert "step 2: the global batch has no labelled token (every label is -100): no update" in result.stdout
+    losses = per_step_losses(out)
+    assert losses[1] is None and all(math.isfinite(loss) for loss in (losses[0], losses[2])), losses
+    for name in ("layer_00-model_states.pt", "layer_03-model_states.pt"):
+        before, after = (torch.load(out / tag / name, weights_only=True) for tag in ("global_step1", "global_step2"))
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 @pytest.mark.slow

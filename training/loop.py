@@ -282,7 +282,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
     profile = (StepProfile(engine, cfg.output_dir, dist.get_rank(), planned_stage_tflops(spec, engine.stage_id))
                if cfg.profile else NoProfile())
     start_time = window_start = time.time()
-    window_steps, losses, skipped = 0, [], 0
+    window_steps, losses, skipped, unlabelled = 0, [], 0, 0
     result = {}
     while step < total_steps:
         micro_batches = step_micro_batches(engine, stream, cfg.gradient_accumulation_steps)
@@ -293,7 +293,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
             with token_mean_loss(engine, tokens):
                 loss = float(engine.train_batch(iter(micro_batches)))
         else:
-            loss = None
+            loss, unlabelled = None, unlabelled + 1
             log_rank0(f"step {step}: the global batch has no labelled token (every label is -100): no update")
         profile.lap("train_batch")
         if loss is not None and not math.isfinite(loss):
@@ -310,14 +310,16 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
             elapsed = time.time() - window_start
             grad_norm = engine.get_global_grad_norm()
             tokens_per_sec = window_steps * samples_per_step * cfg.seq_length / elapsed
-            logger.log({"step": step, "loss": sum(losses) / len(losses) if losses else float("nan"),
+            # No loss at all where every step of the window had nothing to learn; NaN where NaN steps were skipped.
+            no_loss = None if unlabelled == window_steps else float("nan")
+            logger.log({"step": step, "loss": sum(losses) / len(losses) if losses else no_loss,
                         "lr": engine.get_lr()[0],
                         "grad_norm": float(grad_norm) if grad_norm is not None else None,
                         "tokens_per_sec": tokens_per_sec,
                         **compute_throughput(tokens_per_sec, flops_per_token, dist.get_world_size(), peak_tflops),
                         "samples_per_sec": window_steps * samples_per_step / elapsed,
                         "elapsed_s": time.time() - start_time, **({"skipped_steps": skipped} if skipped else {})})
-            window_start, window_steps, losses = time.time(), 0, []
+            window_start, window_steps, losses, unlabelled = time.time(), 0, [], 0
         profile.lap("logging")
         if data.eval_length and (step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)):
             eval_loss, eval_ppl = evaluate(engine, data.eval, data.eval_length, cfg, pad_id)
