@@ -1,21 +1,74 @@
-"""Run trainer_pipe.py as a user would: through DeepSpeed's real launcher, or (for checks that happen before any
-process group exists) in this process with the same Hydra config."""
+"""Run trainer_pipe.py as a user would: its ranks as the processes DeepSpeed's launcher starts (through the launcher
+itself where that is what a test is about), or (for checks that happen before any process group exists) in this
+process with the same Hydra config."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 from tests.conftest import ROOT
 from tests.distributed import free_port
 
 
 def launch_trainer(num_procs, overrides, config="tiny", timeout=240, hostfile=None, script="trainer_pipe.py",
-                   env=None, accelerator="cpu"):
-    """Run `deepspeed --num_gpus N trainer_pipe.py -cp conf -cn CONFIG overrides...`; returns CompletedProcess.
-    With a hostfile, launch as on a cluster; on one machine without ssh (README, multi-node). accelerator is
-    DeepSpeed's (DS_ACCELERATOR): cpu, N gloo processes on this machine's cores; cuda, one process per GPU (NCCL)."""
-    command, env = trainer_command(num_procs, overrides, config, hostfile, script, env, accelerator)
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+                   env=None, accelerator="cpu", launcher=False):
+    """Run trainer_pipe.py (or `script`) -cp conf -cn CONFIG overrides... on num_procs ranks of this machine; returns
+    a CompletedProcess: the ranks' outputs in rank order, the first failing rank's exit code.
+
+    Each rank starts as its own process with the environment DeepSpeed's launcher gives it, and the others are
+    killed once one fails, as the launcher does: that skips the runner's and the launcher's own interpreters (~4.6 s
+    a launch, on ~60 launches). With launcher=True or a hostfile it goes through `deepspeed --num_gpus N` (or
+    `--hostfile`, as on a cluster: on one machine without ssh, README multi-node), as a user launches it.
+    accelerator is DeepSpeed's (DS_ACCELERATOR): cpu, N gloo processes on this machine's cores; cuda, one process
+    per GPU (NCCL)."""
+    if launcher or hostfile:
+        command, env = trainer_command(num_procs, overrides, config, hostfile, script, env, accelerator)
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    ranks = run_ranks(num_procs, script_command(script, config, overrides),
+                      dict(os.environ, DS_ACCELERATOR=accelerator, PYTHONUNBUFFERED="1", **(env or {})), timeout)
+    failed = [rank.returncode for rank in ranks if rank.returncode]
+    code = next((c for c in failed if c != -signal.SIGKILL), failed[0] if failed else 0)  # not a peer it killed
+    return subprocess.CompletedProcess(ranks[0].args, code, "".join(rank.stdout for rank in ranks),
+                                       "".join(rank.stderr for rank in ranks))
+
+
+def run_ranks(num_procs, command, env, timeout, kill_peers=True):
+    """command on num_procs local ranks (the launcher's RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, MASTER_*); with
+    kill_peers, the others are killed once one fails. One CompletedProcess per rank; outputs go through files, so
+    that no rank blocks on a full pipe."""
+    port = str(free_port())
+    with tempfile.TemporaryDirectory() as logs:
+        processes, files = [], []
+        for rank in range(num_procs):
+            out, err = (open(os.path.join(logs, f"{rank}.{kind}"), "w+") for kind in ("out", "err"))
+            files.append((out, err))
+            processes.append(subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err, text=True, env=dict(
+                env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(num_procs), LOCAL_SIZE=str(num_procs),
+                CROSS_RANK="0", CROSS_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in processes):
+            timed_out = time.monotonic() > deadline
+            if timed_out or (kill_peers and any(p.returncode for p in processes)):
+                for p in processes:
+                    p.kill()
+                if timed_out:
+                    raise subprocess.TimeoutExpired(command, timeout)
+            time.sleep(0.05)
+        results = []
+        for process, (out, err) in zip(processes, files):
+            out.seek(0), err.seek(0)
+            results.append(subprocess.CompletedProcess(command, process.returncode, out.read(), err.read()))
+            out.close(), err.close()
+    return results
+
+
+def script_command(script, config, overrides):
+    # Hydra resolves a relative -cp against the script that calls hydra.main; another script needs it absolute.
+    return [sys.executable, script, "-cp", "conf" if script == "trainer_pipe.py" else os.path.join(ROOT, "conf"),
+            "-cn", config, *overrides]
 
 
 def start_trainer(num_procs, overrides, config="tiny", script="trainer_pipe.py", env=None):
@@ -29,9 +82,7 @@ def trainer_command(num_procs, overrides, config, hostfile, script, env, acceler
     placement = (["--hostfile", str(hostfile), "--no_ssh_check", "--master_addr", "127.0.0.1"] if hostfile
                  else ["--num_gpus", str(num_procs)])
     command = [sys.executable, "-m", "deepspeed.launcher.runner", *placement, "--master_port", str(free_port()),
-               # Hydra resolves a relative -cp against the script that calls hydra.main; another script needs it absolute.
-               script, "-cp", "conf" if script == "trainer_pipe.py" else os.path.join(ROOT, "conf"), "-cn", config,
-               *overrides]
+               *script_command(script, config, overrides)[1:]]
     return command, dict(os.environ, DS_ACCELERATOR=accelerator, PYTHONUNBUFFERED="1", **(env or {}))
 
 
@@ -51,26 +102,10 @@ def demo_overrides(demo_model, output_dir, **extra):
 
 
 def launch_ranks_separately(num_procs, overrides, config="tiny", timeout=120):
-    """Start each rank as its own `python trainer_pipe.py` with the environment the deepspeed launcher sets, and wait
-    for all; returns one CompletedProcess per rank. Unlike the launcher, a failing rank does not get its peers killed,
-    so each rank's own exit and message can be checked."""
-    port = str(free_port())
-    processes = []
-    for rank in range(num_procs):
-        env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", RANK=str(rank), LOCAL_RANK=str(rank),
-                   WORLD_SIZE=str(num_procs), LOCAL_WORLD_SIZE=str(num_procs), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        processes.append(subprocess.Popen([sys.executable, "trainer_pipe.py", "-cp", "conf", "-cn", config, *overrides],
-                                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    for process in processes:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-            raise
-        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
-    return results
+    """launch_trainer's ranks, one CompletedProcess each; unlike the launcher, a failing rank does not get its peers
+    killed, so each rank's own exit and message can be checked."""
+    return run_ranks(num_procs, script_command("trainer_pipe.py", config, overrides),
+                     dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1"), timeout, kill_peers=False)
 
 
 def run_in_process(overrides, world_size, config="tiny"):

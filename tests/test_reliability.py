@@ -119,7 +119,7 @@ def test_checkpoints_of_deepspeeds_own_optimizer_files_resume_on_their_layout_on
 @pytest.mark.slow
 def test_exception_on_one_rank_ends_the_whole_job_promptly(demo_model, tmp_path):
     result = launch_trainer(2, demo_overrides(demo_model, tmp_path / "run", max_steps=20, eval_file="null"),
-                            script=FAULT_SCRIPT, env={"FAULT": "raise:1:3"}, timeout=180)
+                            script=FAULT_SCRIPT, env={"FAULT": "raise:1:3"}, timeout=180, launcher=True)
     ended = time.time()
     assert result.returncode != 0
     assert "RuntimeError: injected failure on rank 1 at step 3" in result.stdout + result.stderr

@@ -1,5 +1,6 @@
-"""trainer_pipe.py end to end through the deepspeed launcher: metrics, checkpoints, export, training parity
-across topologies, and clear failures on bad input."""
+"""trainer_pipe.py end to end (through the deepspeed launcher with a hostfile; elsewhere its ranks started as the
+launcher starts them): metrics, checkpoints, export, training parity across topologies, and clear failures on bad
+input."""
 import json
 import os
 
