@@ -83,8 +83,9 @@ def test_16_bit_runs_sum_gradients_in_fp32_unless_told_otherwise(overrides, data
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (("precision=fp32", "grad_accum_dtype=bf16"), "grad_accum_dtype=bf16 with precision=fp32: micro-batch gradients "
-                                                  "are summed in fp32 or in the model's dtype; set grad_accum_dtype=fp32."),
+    (("precision=fp32", "grad_accum_dtype=bf16"),
+     "grad_accum_dtype=bf16 with precision=fp32: micro-batch gradients are summed in fp32 or in the model's dtype; set "
+     "grad_accum_dtype=fp32."),
     (("precision=bf16", "grad_accum_dtype=fp16"), "grad_accum_dtype=fp16 with precision=bf16"),
     (("precision=bf16", "+deepspeed.data_types.grad_accum_dtype=bf16"),
      "deepspeed.data_types.grad_accum_dtype=bf16 contradicts grad_accum_dtype=fp32: set grad_accum_dtype only."),

@@ -181,7 +181,8 @@ def test_llama3_70b_as_shipped_does_not_fit_under_zero_bubble(capsys):
 def test_llama3_70b_fits_under_zero_bubble_with_max_waiting_1(capsys):
     """Holding at most one micro-batch back for W per stage brings every stage back under 80 GB (summing gradients
     in bf16: in fp32 only zero_bubble_max_waiting=0 fits, above)."""
-    cfg = run_config("llama3_70b", "pipeline_schedule=zero_bubble", "zero_bubble_max_waiting=1", "grad_accum_dtype=bf16")
+    cfg = run_config("llama3_70b", "pipeline_schedule=zero_bubble", "zero_bubble_max_waiting=1",
+                     "grad_accum_dtype=bf16")
     rows = print_memory_plan(plan_spec(cfg, plan_world_size(cfg)))
     out = capsys.readouterr().out
     assert "(at most 1 micro-batches waiting for W)" in out and "does NOT fit" not in out

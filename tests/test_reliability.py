@@ -16,7 +16,7 @@ import torch
 from checkpoints.compatibility import check_resume_topology
 from tests.conftest import ROOT
 from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics,
-                          run_in_process, start_trainer)
+                          start_trainer)
 from training.preemption import PREEMPTED_EXIT_CODE
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
