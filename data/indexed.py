@@ -210,10 +210,10 @@ class CorpusIndex:
         stats_file = self.directory.parent / f"stats-{self.header.identity}.json"
         if stats_file.exists():
             return
-        tokens = np.memmap(self.header.prefix + ".bin", dtype=self.header.dtype, mode="r")
-        chunk = 1 << 26
-        largest = max(int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk))
-        smallest = min(int(tokens[i:i + chunk].min()) for i in range(0, len(tokens), chunk))
+        largest, smallest = -1, np.iinfo(np.int64).max
+        with open(self.header.prefix + ".bin", "rb") as f:  # read, not memory-mapped: the scan's pages stay no RSS
+            while len(chunk := np.fromfile(f, dtype=self.header.dtype, count=1 << 24)):
+                largest, smallest = max(largest, int(chunk.max())), min(smallest, int(chunk.min()))
         partial_file = stats_file.with_suffix(f".{os.getpid()}.tmp")
         partial_file.write_text(json.dumps({"max_token_id": largest, "min_token_id": smallest,
                                             "documents": int(len(sizes))}))
