@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 def tokenizer_throughput(workdir, lines):
     from transformers import AutoTokenizer
 
-    import prepare_data
+    import data.tokenize_shards as tokenize_shards
     from data.corpus import train_demo_tokenizer, write_demo_corpus
     from data.datasets import build_dataset
     corpus = write_demo_corpus(os.path.join(workdir, "corpus.txt"), lines, seed=0)
@@ -39,7 +39,7 @@ def tokenizer_throughput(workdir, lines):
     results = {}
     for workers in (1, 2):
         start = time.perf_counter()
-        summary = prepare_data.prepare([str(corpus)], tokenizer_dir, os.path.join(workdir, f"w{workers}"),
+        summary = tokenize_shards.prepare_shards([str(corpus)], tokenizer_dir, os.path.join(workdir, f"w{workers}"),
                                        workers=workers)
         results[f"prepare_data --workers {workers}"] = (summary["tokens"], time.perf_counter() - start)
     for num_proc in (1, 2):

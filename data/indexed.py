@@ -19,6 +19,7 @@ import json
 import math
 import os
 import struct
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,15 @@ DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6
 TOKEN_DTYPES = (np.uint8, np.uint16, np.int32, np.int64)
 METADATA_SUFFIX = ".json"  # PREFIX.json: what prepare_data.py records beside the shards (tokenizer, counts)
 INDEX_VERSION = 1  # bump when the cached arrays' meaning changes
+
+
+def megatron_datasets():
+    """megatron-core's (indexed_dataset, helpers) modules. Imported on first use (its package import takes ~2-3 s)
+    and quietly: the package warns that Transformer Engine and Apex are missing, which its dataset code never uses."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets import helpers, indexed_dataset
+    return indexed_dataset, helpers
 
 
 class ShardError(ValueError):
@@ -184,7 +194,7 @@ class CorpusIndex:
 
     def build(self, epochs: int) -> None:
         """Write the arrays of epochs [0, epochs) not yet on disk (write-then-rename: readers never see half)."""
-        from megatron.core.datasets.helpers import build_sample_idx  # imported only where indices are built
+        build_sample_idx = megatron_datasets()[1].build_sample_idx
         sizes = None
         for epoch in range(epochs):
             files = self.files(epoch)
@@ -252,9 +262,8 @@ class IndexedCorpus:
     pieces in the row, as the text format's packed blocks list them)."""
 
     def __init__(self, index: CorpusIndex, isolate: bool):
-        from megatron.core.datasets.indexed_dataset import IndexedDataset  # megatron's reader, memory-mapped
         self.index, self.isolate = index, isolate
-        self.shards = IndexedDataset(index.header.prefix)
+        self.shards = megatron_datasets()[0].IndexedDataset(index.header.prefix)  # memory-mapped
         self.samples_per_epoch = index.samples_per_epoch
 
     def sample(self, k: int) -> dict:
@@ -265,12 +274,11 @@ class IndexedCorpus:
         documents, cut, _ = self.index.epoch(epoch)
         (first, start), (last, end) = cut[s], cut[s + 1]
         pieces = []
-        for position in range(int(first), int(last) + 1):
+        for position in range(int(first), int(last) + 1):  # the cut's end offset is exclusive
             offset = int(start) if position == first else 0
-            length = (int(end) if position == last else None)
-            length = None if length is None else length - offset
+            length = int(end) - offset if position == last else None  # None: to the document's end
             piece = self.shards.get(int(documents[position]), offset, length)
-            if len(piece):
+            if len(piece):  # a sample that starts exactly at a document's end holds nothing of it
                 pieces.append(piece)
         tokens = np.concatenate(pieces).astype(np.int64)
         row = {"input_ids": tokens, "labels": tokens}
@@ -283,7 +291,7 @@ class IndexedCorpus:
 
 def blend_counts(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
     """(corpus of each global sample, its number within that corpus) for samples [0, size): Megatron's rule."""
-    from megatron.core.datasets.helpers import build_blending_indices
+    build_blending_indices = megatron_datasets()[1].build_blending_indices
     corpus = np.zeros(size, dtype=np.int16)
     within = np.zeros(size, dtype=np.int64)
     build_blending_indices(corpus, within, np.asarray(weights, dtype=np.float64), len(weights), size, False)

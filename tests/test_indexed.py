@@ -5,10 +5,12 @@ import os
 import struct
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-import prepare_data
+import data.tokenize_shards as tokenize_shards
 from data.indexed import (Blend, CorpusIndex, IndexedCorpus, ShardError, blend_counts, check_sources, open_blend,
                           parse_sources, prepare_indices, read_shard_header, tokenizer_fingerprint)
 from data.loader import blend_micro_batches
@@ -23,15 +25,16 @@ def corpus(demo_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("shards")
     lines = open(demo_model["eval"]).read().splitlines()
     with open(root / "a.jsonl", "w") as f:
-        for line in lines[:60]:
-            f.write(json.dumps({"text": line}) + "\n")
-    (root / "b.txt").write_text("\n".join(lines[60:]) + "\n\n")  # a blank line: no document
-    summary = prepare_data.prepare([str(root / "a.jsonl"), str(root / "b.txt")], demo_model["hf"],
-                                   str(root / "out" / "web"))
+        for line in lines[:40]:
+            f.write(json.dumps({"text": line, "id": 7}) + "\n")
+    pq.write_table(pa.table({"text": lines[40:60]}), root / "b.parquet")
+    (root / "c.txt").write_text("\n".join(lines[60:]) + "\n\n")  # a blank line: no document
+    inputs = [str(root / name) for name in ("a.jsonl", "b.parquet", "c.txt")]
+    summary = tokenize_shards.prepare_shards(inputs, demo_model["hf"], str(root / "out" / "web"))
     tokenizer = AutoTokenizer.from_pretrained(demo_model["hf"])
     documents = [[tokenizer.bos_token_id, *tokenizer(line, add_special_tokens=False)["input_ids"],
                   tokenizer.eos_token_id] for line in lines]
-    return {"prefix": str(root / "out" / "web"), "summary": summary, "documents": documents, "root": root,
+    return {"prefix": str(root / "out" / "web"), "summary": summary, "inputs": inputs, "documents": documents, "root": root,
             "tokenizer": tokenizer, "hf": demo_model["hf"]}
 
 
@@ -176,28 +179,28 @@ def test_bad_shards_name_the_file_and_what_to_do(corpus, tmp_path):
 
 def test_empty_inputs_and_interrupted_runs(corpus, tmp_path, monkeypatch):
     (tmp_path / "blank.txt").write_text("\n\n")
-    with pytest.raises(SystemExit, match="hold no document with text"):
-        prepare_data.prepare([str(tmp_path / "blank.txt")], corpus["hf"], str(tmp_path / "empty"))
+    with pytest.raises(tokenize_shards.PrepareError, match="hold no document with text"):
+        tokenize_shards.prepare_shards([str(tmp_path / "blank.txt")], corpus["hf"], str(tmp_path / "empty"))
     assert not list(tmp_path.glob("empty.bin*"))
-    inputs = [str(corpus["root"] / "a.jsonl"), str(corpus["root"] / "b.txt")]
-    real_write_part, written = prepare_data.write_part, []
+    inputs = corpus["inputs"]
+    real_write_part, written = tokenize_shards.write_part, []
 
     def write_then_fail_on_the_second(path, *args):
         if len(written) == 1:
             raise KeyboardInterrupt
         written.append(path)
         real_write_part(path, *args)
-    monkeypatch.setattr(prepare_data, "write_part", write_then_fail_on_the_second)
+    monkeypatch.setattr(tokenize_shards, "write_part", write_then_fail_on_the_second)
     with pytest.raises(KeyboardInterrupt):
-        prepare_data.prepare(inputs, corpus["hf"], str(tmp_path / "web"))
+        tokenize_shards.prepare_shards(inputs, corpus["hf"], str(tmp_path / "web"))
     assert not list(tmp_path.glob("web.*[bx]"))  # no final shard, half-written or not
     written.append(None)  # from here on every part is written
-    prepare_data.prepare(inputs, corpus["hf"], str(tmp_path / "web"))
-    assert written == [inputs[0], None, inputs[1]]  # the first input's part was kept, not tokenized again
+    tokenize_shards.prepare_shards(inputs, corpus["hf"], str(tmp_path / "web"))
+    assert written == [inputs[0], None, inputs[1], inputs[2]]  # the first input's part was kept, not redone
     for suffix in (".bin", ".idx"):
         assert open(tmp_path / f"web{suffix}", "rb").read() == open(corpus["prefix"] + suffix, "rb").read()
-    monkeypatch.setattr(prepare_data, "write_part", None)  # done: a third run tokenizes nothing
-    prepare_data.prepare(inputs, corpus["hf"], str(tmp_path / "web"))
+    monkeypatch.setattr(tokenize_shards, "write_part", None)  # done: a third run tokenizes nothing
+    tokenize_shards.prepare_shards(inputs, corpus["hf"], str(tmp_path / "web"))
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +213,7 @@ def mixture_runs(demo_model, tmp_path_factory):
     (root / "small.txt").write_text("".join(open(demo_model["eval"]).readlines()[:20]))
     for name, source in (("web", demo_model["train"]), ("small", str(root / "small.txt")),
                          ("eval", demo_model["eval"])):
-        prepare_data.prepare([source], demo_model["hf"], str(root / name))
+        tokenize_shards.prepare_shards([source], demo_model["hf"], str(root / name))
     mixture = f"[{{path: {root / 'web'}, weight: 1}}, {{path: {root / 'small'}, weight: 1}}]"
     settings = dict(train_file=mixture, eval_file=str(root / "eval"), **{"data.format": "indexed"},
                     max_steps=6, logging_steps=1, save_steps=3, export_hf="false", eval_steps=0)
