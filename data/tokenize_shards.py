@@ -142,8 +142,10 @@ def document_tokenizer(tokenizer_name_or_path, text_field):
     return lambda texts: function({text_field: texts})["input_ids"]
 
 
-def _init_worker(tokenizer_name_or_path, text_field):
+def _init_worker(tokenizer_name_or_path, text_field, threads):
     global _worker_tokenize
+    # A fast tokenizer encodes a batch on every core; N workers on N cores each take one instead of contending.
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads else "false"
     _worker_tokenize = document_tokenizer(tokenizer_name_or_path, text_field)
 
 
@@ -161,9 +163,9 @@ class tokenizing_pool:
 
     def __enter__(self):
         if self.workers == 1:
-            _init_worker(*self.args)
+            _init_worker(*self.args, threads=True)
             return lambda batches: map(_tokenize_in_worker, batches)
-        self.pool = get_context("spawn").Pool(self.workers, initializer=_init_worker, initargs=self.args)
+        self.pool = get_context("spawn").Pool(self.workers, initializer=_init_worker, initargs=(*self.args, False))
         return self.ordered
 
     def ordered(self, batches):

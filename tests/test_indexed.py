@@ -177,7 +177,8 @@ def test_bad_shards_name_the_file_and_what_to_do(corpus, tmp_path):
         check_sources(sources, "train_file", 384, None, 100_000)
 
 
-def test_empty_inputs_and_interrupted_runs(corpus, tmp_path, monkeypatch):
+@pytest.mark.slow  # spawns 2 tokenizing processes
+def test_empty_inputs_interrupted_runs_and_two_workers(corpus, tmp_path, monkeypatch):
     (tmp_path / "blank.txt").write_text("\n\n")
     with pytest.raises(tokenize_shards.PrepareError, match="hold no document with text"):
         tokenize_shards.prepare_shards([str(tmp_path / "blank.txt")], corpus["hf"], str(tmp_path / "empty"))
@@ -194,8 +195,8 @@ def test_empty_inputs_and_interrupted_runs(corpus, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         tokenize_shards.prepare_shards(inputs, corpus["hf"], str(tmp_path / "web"))
     assert not list(tmp_path.glob("web.*[bx]"))  # no final shard, half-written or not
-    written.append(None)  # from here on every part is written
-    tokenize_shards.prepare_shards(inputs, corpus["hf"], str(tmp_path / "web"))
+    written.append(None)  # from here on every part is written, by 2 tokenizing processes
+    tokenize_shards.prepare_shards(inputs, corpus["hf"], str(tmp_path / "web"), workers=2, batch_size=7)
     assert written == [inputs[0], None, inputs[1], inputs[2]]  # the first input's part was kept, not redone
     for suffix in (".bin", ".idx"):
         assert open(tmp_path / f"web{suffix}", "rb").read() == open(corpus["prefix"] + suffix, "rb").read()
@@ -264,3 +265,31 @@ def test_first_step_loss_equals_transformers_on_the_samples_read_from_shards(dem
     with torch.no_grad():
         expected = model(input_ids=batch, labels=batch).loss.item()
     assert per_step_losses(mixture_runs["first"])[0] == pytest.approx(expected, abs=1e-5)
+
+
+def test_run_refuses_bad_shards_before_starting(demo_model, corpus, tmp_path):
+    """run_spec (every rank, before any process group): a missing prefix, a list given to a file format, shards
+    prepared with another tokenizer."""
+    from hydra import compose, initialize_config_dir
+
+    from data.corpus import train_demo_tokenizer
+    from tests.conftest import ROOT
+    from tests.launch import demo_overrides
+    from training.run_spec import ConfigError, run_spec
+    other = train_demo_tokenizer(demo_model["eval"], tmp_path / "other_tokenizer", 320)
+    tokenize_shards.prepare_shards([demo_model["eval"]], str(tmp_path / "other_tokenizer"), str(tmp_path / "other"))
+
+    def spec(**overrides):
+        with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
+            cfg = compose(config_name="tiny", overrides=demo_overrides(demo_model, tmp_path / "run", **overrides))
+        return run_spec(cfg, 2)
+    assert spec(train_file=corpus["prefix"], eval_file=corpus["prefix"], **{"data.format": "indexed"})
+    with pytest.raises(ConfigError, match=f"train_file: {tmp_path}/nope.idx does not exist: a corpus is a PREFIX"):
+        spec(train_file=f"[{{path: {corpus['prefix']}, weight: 2}}, {{path: {tmp_path / 'nope'}, weight: 1}}]",
+             **{"data.format": "indexed"})
+    with pytest.raises(ConfigError, match="train_file is a list; only data.format=indexed reads several corpora"):
+        spec(train_file=f"[{corpus['prefix']}]")
+    with pytest.raises(ConfigError, match=rf"eval_file: {tmp_path}/other: prepared with tokenizer "
+                                          rf"'{tmp_path}/other_tokenizer' \(fingerprint {tokenizer_fingerprint(other)}\)"
+                                          rf", which differs from this run's"):
+        spec(train_file=corpus["prefix"], eval_file=str(tmp_path / "other"), **{"data.format": "indexed"})
