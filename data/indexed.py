@@ -53,8 +53,7 @@ class ShardHeader:
     """What PREFIX.idx says about its PREFIX.bin, read without megatron-core (an independent check of its reader)."""
     prefix: str
     dtype: type
-    sequences: int
-    documents: int
+    sequences: int  # Megatron's sequences; each is one document here, as in its GPTDataset
     tokens: int
     identity: str  # changes whenever the shards are rewritten: keys the cached indices
 
@@ -87,13 +86,14 @@ def read_shard_header(prefix) -> ShardHeader:
     last_pointer = int(index[pointers_at + 8 * (sequences - 1):][:8].view(np.int64)[0])
     del index
     itemsize = np.dtype(dtype).itemsize
-    if bin_size != last_pointer + last_length * itemsize:
-        raise ShardError(f"{bin_path} holds {bin_size} bytes but {idx_path} indexes {last_pointer + last_length * itemsize}: "
-                         f"the .bin is truncated or the .idx belongs to another .bin; prepare the corpus again")
+    indexed_bytes = last_pointer + last_length * itemsize
+    if bin_size != indexed_bytes:
+        raise ShardError(f"{bin_path} holds {bin_size} bytes but {idx_path} indexes {indexed_bytes}: the .bin is "
+                         f"truncated or the .idx belongs to another .bin; prepare the corpus again")
     stat = os.stat(bin_path)
     identity = hashlib.sha256(f"{idx_size}:{os.stat(idx_path).st_mtime_ns}:{bin_size}:{stat.st_mtime_ns}:"
                               f"{INDEX_VERSION}".encode()).hexdigest()[:12]
-    return ShardHeader(prefix, dtype, sequences, documents - 1, bin_size // itemsize, identity)
+    return ShardHeader(prefix, dtype, sequences, bin_size // itemsize, identity)
 
 
 def read_metadata(prefix) -> dict:

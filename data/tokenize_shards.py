@@ -56,7 +56,7 @@ def prepare_shards(patterns, tokenizer_name_or_path, output_prefix, *, workers=1
     for leftover in parts_dir.glob("*.tmp*"):  # what an interrupted run was writing
         leftover.unlink()
     parts = []
-    with tokenizing_pool(workers, tokenizer_name_or_path, text_field) as tokenize_batches:
+    with TokenizingPool(workers, tokenizer_name_or_path, text_field) as tokenize_batches:
         for number, path in enumerate(inputs):
             part = parts_dir / f"{number:05d}-{part_key(identity, path)}"
             if not shards_exist(part):
@@ -144,8 +144,8 @@ def document_tokenizer(tokenizer_name_or_path, text_field):
 
 def _init_worker(tokenizer_name_or_path, text_field, threads):
     global _worker_tokenize
-    # A fast tokenizer encodes a batch on every core; N workers on N cores each take one instead of contending.
-    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads else "false"
+    if not threads:  # a fast tokenizer encodes a batch on every core; N workers on N cores take one each instead
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tokenize = document_tokenizer(tokenizer_name_or_path, text_field)
 
 
@@ -153,7 +153,7 @@ def _tokenize_in_worker(texts):
     return [np.asarray(ids, dtype=np.int32) for ids in _worker_tokenize(texts)]
 
 
-class tokenizing_pool:
+class TokenizingPool:
     """A function mapping an iterator of text batches to their token lists in order: in this process for one
     worker, else in a process pool with at most 2 × workers batches in flight (bounded memory)."""
 

@@ -34,8 +34,8 @@ def corpus(demo_model, tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(demo_model["hf"])
     documents = [[tokenizer.bos_token_id, *tokenizer(line, add_special_tokens=False)["input_ids"],
                   tokenizer.eos_token_id] for line in lines]
-    return {"prefix": str(root / "out" / "web"), "summary": summary, "inputs": inputs, "documents": documents, "root": root,
-            "tokenizer": tokenizer, "hf": demo_model["hf"]}
+    return {"prefix": str(root / "out" / "web"), "summary": summary, "inputs": inputs, "documents": documents,
+            "root": root, "tokenizer": tokenizer, "hf": demo_model["hf"]}
 
 
 def test_prepared_shards_read_back_with_megatron_and_independently(corpus):
@@ -290,6 +290,6 @@ def test_run_refuses_bad_shards_before_starting(demo_model, corpus, tmp_path):
     with pytest.raises(ConfigError, match="train_file is a list; only data.format=indexed reads several corpora"):
         spec(train_file=f"[{corpus['prefix']}]")
     with pytest.raises(ConfigError, match=rf"eval_file: {tmp_path}/other: prepared with tokenizer "
-                                          rf"'{tmp_path}/other_tokenizer' \(fingerprint {tokenizer_fingerprint(other)}\)"
-                                          rf", which differs from this run's"):
+                                          rf"'{tmp_path}/other_tokenizer' \(fingerprint "
+                                          rf"{tokenizer_fingerprint(other)}\), which differs from this run's"):
         spec(train_file=corpus["prefix"], eval_file=str(tmp_path / "other"), **{"data.format": "indexed"})
