@@ -206,15 +206,23 @@ def test_empty_inputs_interrupted_runs_and_two_workers(corpus, tmp_path, monkeyp
 
 @pytest.fixture(scope="module")
 def mixture_runs(demo_model, tmp_path_factory):
-    """6 steps on 2 stages of a 0.5/0.5 mixture of the demo corpus and a 20-document one (which runs out and
-    starts its second epoch), saving at step 3; then steps 4-6 resumed on 1 process with another micro-batch size
-    and the same global batch."""
+    """6 steps on 2 stages of a 0.5/0.5 mixture of the demo corpus (prepared here) and a 20-document one written
+    as Megatron's preprocess_data.py writes it (its builder, int32, no PREFIX.json; it runs out and starts its
+    second epoch), saving at step 3; then steps 4-6 resumed on 1 process with another micro-batch size and the
+    same global batch."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
     from tests.launch import check_ok, demo_overrides, launch_trainer
     root = tmp_path_factory.mktemp("mixture")
-    (root / "small.txt").write_text("".join(open(demo_model["eval"]).readlines()[:20]))
-    for name, source in (("web", demo_model["train"]), ("small", str(root / "small.txt")),
-                         ("eval", demo_model["eval"])):
+    for name, source in (("web", demo_model["train"]), ("eval", demo_model["eval"])):
         tokenize_shards.prepare_shards([source], demo_model["hf"], str(root / name))
+    tokenizer = AutoTokenizer.from_pretrained(demo_model["hf"])
+    builder = IndexedDatasetBuilder(str(root / "small.bin"), dtype=np.int32)
+    for line in open(demo_model["eval"]).readlines()[:20]:
+        ids = [tokenizer.bos_token_id, *tokenizer(line.strip(), add_special_tokens=False)["input_ids"],
+               tokenizer.eos_token_id]
+        builder.add_document(np.array(ids), [len(ids)])
+    builder.finalize(str(root / "small.idx"))
     mixture = f"[{{path: {root / 'web'}, weight: 1}}, {{path: {root / 'small'}, weight: 1}}]"
     settings = dict(train_file=mixture, eval_file=str(root / "eval"), **{"data.format": "indexed"},
                     max_steps=6, logging_steps=1, save_steps=3, export_hf="false", eval_steps=0)
