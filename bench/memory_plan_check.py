@@ -57,9 +57,19 @@ CASES = [
      ["num_stages=1", "plan_world_size=2", "precision=fp32", "zero_stage=0", "seq_length=32", "micro_batch_size=1",
       "gradient_accumulation_steps=2"]),
     # A small reduce bucket: torch.empty's untouched pages cost no RSS on the CPU but are allocated on a GPU.
+    # Gradients summed in fp32 (the default: DeepSpeed's bf16 optimizer) and in bf16 (ZeRO-1's optimizer).
     ("weights, 2 stages, bf16, ZeRO-1, checkpointing", WEIGHTS_HEAVY,
      ["num_stages=2", "precision=bf16", "zero_stage=1", "seq_length=512", "micro_batch_size=2",
       "gradient_accumulation_steps=4", "activation_checkpoint_interval=1",
+      "+deepspeed.zero_optimization.reduce_bucket_size=1000000"]),
+    ("weights, 2 stages, bf16 sums, ZeRO-1, checkpointing", WEIGHTS_HEAVY,
+     ["num_stages=2", "precision=bf16", "grad_accum_dtype=bf16", "zero_stage=1", "seq_length=512",
+      "micro_batch_size=2", "gradient_accumulation_steps=4", "activation_checkpoint_interval=1",
+      "+deepspeed.zero_optimization.reduce_bucket_size=1000000"]),
+    # Offloaded, fp32 sums: ZeRO-1's fp32 grad_accum on the device.
+    ("weights, 1 stage, bf16, ZeRO-1 offloaded, checkpointing", WEIGHTS_HEAVY,
+     ["num_stages=1", "precision=bf16", "zero_stage=1", "offload_optimizer=cpu", "seq_length=512",
+      "micro_batch_size=2", "gradient_accumulation_steps=4", "activation_checkpoint_interval=1",
       "+deepspeed.zero_optimization.reduce_bucket_size=1000000"]),
 ]
 

@@ -26,10 +26,12 @@ class CausalLMLoss:
     """The pipeline's loss_fn: (the last layer's output, a micro-batch's labels) -> the next-token loss summed over
     the labelled tokens, divided by `step_divisor` when the training loop sets one for a step (the global batch's
     token mean, training/token_mean.py), else by the micro-batch's own labelled tokens (its mean: evaluation). The
-    last layer's output is the logits, or with chunk_tokens > 0 the head's input and weight (LMHeadPipe)."""
+    last layer's output is the logits, or with chunk_tokens > 0 the head's input and weight (LMHeadPipe), whose
+    chunks' weight gradients are summed in grad_sum_dtype (the run's grad_accum_dtype; None: the weight's)."""
 
-    def __init__(self, parallel=NO_TENSOR_PARALLEL, chunk_tokens=0, context=NO_CONTEXT_PARALLEL):
+    def __init__(self, parallel=NO_TENSOR_PARALLEL, chunk_tokens=0, context=NO_CONTEXT_PARALLEL, grad_sum_dtype=None):
         self.parallel, self.chunk_tokens, self.context = parallel, chunk_tokens, context
+        self.grad_sum_dtype = grad_sum_dtype
         self.step_divisor = None
 
     def __call__(self, outputs, labels):
@@ -43,7 +45,7 @@ class CausalLMLoss:
         if self.chunk_tokens:
             hidden, weight = outputs
             return chunked_loss_sum(hidden, weight, next_labels.to(hidden.device), divisor, self.parallel,
-                                    self.chunk_tokens)
+                                    self.chunk_tokens, self.grad_sum_dtype)
         return logits_loss_sum(outputs, next_labels.to(outputs.device), self.parallel) / divisor
 
 
@@ -67,11 +69,11 @@ def logits_loss_sum(logits, labels, parallel):
     return parallel.cross_entropy_sum(logits.float().reshape(-1, logits.shape[-1]), labels, IGNORE_INDEX)
 
 
-def chunked_loss_sum(hidden, weight, labels, divisor, parallel, chunk_tokens):
+def chunked_loss_sum(hidden, weight, labels, divisor, parallel, chunk_tokens, grad_sum_dtype=None):
     """Summed cross-entropy of the labelled tokens / divisor, projecting `chunk_tokens` tokens at a time."""
     whole = parallel.whole_input(hidden)  # every token of the micro-batch; its gradient reduced over the group
     return ChunkedLinearCrossEntropy.apply(whole.reshape(-1, whole.shape[-1]), weight, labels, divisor, parallel,
-                                           chunk_tokens)
+                                           chunk_tokens, grad_sum_dtype)
 
 
 class VocabularyShare:
@@ -90,14 +92,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     hidden (tokens, hidden) in the activation dtype; weight (this rank's vocabulary rows, hidden). Each chunk's
     logits are the head's (activation dtype), upcast to fp32 as the logits path does; its gradient
     (softmax - one-hot, unscaled, in [-1, 1]: no fp16 underflow) goes through the matmuls in the activation dtype
-    and is summed in the weight's dtype (fp32 under fp16); backward scales the sums by the loss's gradient and
+    and is summed in grad_sum_dtype (fp32 under fp16); backward scales the sums by the loss's gradient and
     1 / divisor, in fp32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, divisor, parallel, chunk_tokens):
+    def forward(ctx, hidden, weight, labels, divisor, parallel, chunk_tokens, grad_sum_dtype):
         share = VocabularyShare(labels, weight.shape[0], parallel)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = weight_grad_buffer(weight) if ctx.needs_input_grad[1] else None
+        grad_weight = weight_grad_buffer(weight, grad_sum_dtype) if ctx.needs_input_grad[1] else None
         log_sum_exp, row_max = (torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
                                 for _ in range(2))
         target_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -125,22 +127,27 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss.float() / ctx.divisor
         grad_hidden = None if ctx.grad_hidden is None else (ctx.grad_hidden * scale).to(ctx.dtypes[0])
         grad_weight = None if ctx.grad_weight is None else ctx.grad_weight.mul_(scale).to(ctx.dtypes[1])
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def weight_grad_buffer(weight):
-    """Zeros to sum the chunks' weight gradients into: in the weight's dtype, as Liger does (an fp32 one would be
-    2x a bf16 70B head's 2 GiB), but fp32 under fp16, whose range an unscaled sum over many tokens can leave."""
-    return torch.zeros(weight.shape, dtype=torch.float32 if weight.dtype == torch.float16 else weight.dtype,
-                       device=weight.device)
+def weight_grad_buffer(weight, grad_sum_dtype=None):
+    """Zeros to sum the chunks' weight gradients into: in grad_sum_dtype (fp32 by default in 16-bit runs: a bf16 sum
+    over many chunks keeps 8 bits), else the weight's dtype as Liger does, but fp32 under fp16, whose range an
+    unscaled sum over many tokens can leave."""
+    dtype = torch.float32 if weight.dtype == torch.float16 else grad_sum_dtype or weight.dtype
+    return torch.zeros(weight.shape, dtype=dtype, device=weight.device)
 
 
 def add_weight_grad(grad_weight, grad_logits, hidden):
-    """grad_weight += grad_logits^T hidden, in place (no weight-sized temporary) where the dtypes allow."""
+    """grad_weight += grad_logits^T hidden, in place. A 16-bit product added to an fp32 sum goes through
+    temporaries of a block of the vocabulary's rows, each no larger than the chunk's fp32 logits, never the whole
+    weight's (a 70B head's is 2 GiB)."""
     if grad_weight.dtype == hidden.dtype:
         grad_weight.addmm_(grad_logits.t(), hidden)
-    else:
-        grad_weight += grad_logits.t() @ hidden
+        return
+    block = max(1, 2 * grad_logits.numel() // hidden.shape[1])  # rows x hidden x 2 bytes <= tokens x vocab x 4
+    for rows in token_chunks(grad_weight.shape[0], block):
+        grad_weight[rows] += grad_logits[:, rows].t() @ hidden
 
 
 def token_chunks(tokens, chunk_tokens):

@@ -83,7 +83,7 @@ class LlamaPipeline(PipelineModule):
 
 def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
-                          context_parallel_size=1, loss_chunk_tokens=0, lora=NO_LORA, seed=0):
+                          context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0):
     """The pipeline module of this rank's stage. topology: DeepSpeed's, with a 'model' axis for tensor
     parallelism (training/distributed.py). stage_bounds: the first pipeline layer of each stage and the layer
     count (default: the 'parameters' partition). dtype: the training dtype to build the stage in (default
@@ -91,6 +91,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     context_parallel_size: ranks of the topology's data axis splitting each sequence (models/context_parallel.py);
     under it the stage takes its tokens of each sequence (ContextParallel.split_micro_batch, labels shifted).
     loss_chunk_tokens: > 0, the LM head and the loss run that many tokens at a time; 0, through the full logits.
+    grad_accum_dtype: what the chunked head sums its chunks' weight gradients in (default the weight's dtype).
     lora: LoRA adapters on the decoder layers, initialised from `seed`, and everything else frozen
     (models/lora.py)."""
     check_model_config(config)
@@ -107,7 +108,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
         module = LlamaPipeline(config, stage_bounds, parallel, layer_loader, context,
                                layers=build_pipeline_layers(config, attention_impl, parallel, context,
                                                             chunked_loss=loss_chunk_tokens > 0),
-                               topology=topology, loss_fn=CausalLMLoss(parallel, loss_chunk_tokens, context),
+                               topology=topology,
+                               loss_fn=CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype),
                                activation_checkpoint_interval=activation_checkpoint_interval,
                                # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.
                                checkpointable_layers=[DecoderLayerPipe.__name__],

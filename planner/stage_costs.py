@@ -70,11 +70,13 @@ class LayerCosts:
         sharded, replicated = decoder_parameter_split(config)
         chunked = workload.loss_chunk_tokens > 0
         # The chunked loss's working set: one chunk of fp32 logits (and its activation-dtype copies below fp32),
-        # and under fp16 one chunk's weight gradient before it is added to the fp32 sum (models/loss.py).
-        weight_grad_bytes = FP32_BYTES if workload.precision == "fp16" else act
+        # and, where its weight gradient is summed in fp32 (fp16, or fp32 sums), a product to add to that sum no
+        # larger than the chunk's fp32 logits (models/loss.py add_weight_grad).
+        weight_grad_bytes = FP32_BYTES if workload.precision == "fp16" or workload.sums_gradients_in_fp32 else act
         chunk = min(workload.loss_chunk_tokens, tokens)
-        chunk_bytes = (chunk * vocab * (FP32_BYTES + (act if act != FP32_BYTES else 0))
-                       + (vocab * hidden * act if workload.precision == "fp16" else 0))
+        chunk_logits = chunk * vocab * FP32_BYTES
+        chunk_bytes = (chunk_logits + chunk * vocab * (act if act != FP32_BYTES else 0)
+                       + (chunk_logits if weight_grad_bytes != act else 0))
         # vocab, inter, q_width and heads are this rank's share; parameters are this rank's too.
         self.parameters = {EMBEDDING: vocab * hidden, DECODER: sharded // t + replicated, NORM: hidden,
                            HEAD: vocab * hidden}  # a tied head is a second copy of the embedding on its stage

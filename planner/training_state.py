@@ -20,16 +20,31 @@ def optimizer_shards(workload):
 def state_bytes_per_parameter(workload):
     """Bytes per parameter held through the whole run: weights, gradients, optimizer state.
 
-    DeepSpeed accumulates gradients in the model's dtype (data_types.grad_accum_dtype unset). The optimizer keeps
-    fp32 master weights (ZeRO-1 keeps its fp32 partition even for fp32 models) and Adam's two fp32 moments, sharded
-    over data-parallel ranks by ZeRO-1.
+    Gradients: gradient_bytes_per_parameter. The optimizer keeps fp32 master weights (ZeRO-1 keeps its fp32
+    partition even for fp32 models) and Adam's two fp32 moments, sharded over data-parallel ranks by ZeRO-1.
     """
-    weight = PRECISION_BYTES[workload.precision]
+    weight, gradients = PRECISION_BYTES[workload.precision], gradient_bytes_per_parameter(workload)
     if workload.offload_optimizer:  # on the host: host_state_bytes_per_parameter
-        return {"weights": weight, "gradients": weight, "optimizer": 0}
+        return {"weights": weight, "gradients": gradients, "optimizer": 0}
     keeps_master = workload.precision != "fp32" or workload.zero_stage >= 1
-    return {"weights": weight, "gradients": weight,
+    return {"weights": weight, "gradients": gradients,
             "optimizer": ((FP32_BYTES if keeps_master else 0) + ADAM_STATE_BYTES) / optimizer_shards(workload)}
+
+
+def gradient_bytes_per_parameter(workload):
+    """A trained parameter's gradient bytes through a step's backward passes: its .grad in the model's dtype, or
+    summed in fp32 by a 16-bit run: DeepSpeed's bf16 optimizer keeps the bf16 .grad (zeroed, not freed, between
+    micro-batches) beside its fp32 sum (bf16_optimizer.py), and ZeRO-1's optimizer moves each .grad into an fp32
+    grad_accum as it arrives (stage_1_and_2.py _fill_param_grad_accum_attribute)."""
+    weight = PRECISION_BYTES[workload.precision]
+    if not workload.sums_gradients_in_fp32:
+        return weight
+    return weight + FP32_BYTES if workload.bf16_optimizer else FP32_BYTES
+
+
+def reduced_gradient_bytes(workload):
+    """Bytes per element of the gradient that is reduced over data-parallel ranks: the sum's dtype."""
+    return FP32_BYTES if workload.sums_gradients_in_fp32 else PRECISION_BYTES[workload.precision]
 
 
 def checkpoint_bytes_per_parameter(workload):
@@ -59,12 +74,13 @@ def state_bytes(workload, parameters, trained):
 
 
 def buffer_bytes(workload, largest_tensor):
-    """ZeRO-1's two gradient reduce buckets in the pipeline path (allocated in full on GPUs); with offload, the
-    staging buffer of the largest tensor that gradients cross to the host through."""
-    if workload.zero_stage == 0:
+    """ZeRO-1's two gradient reduce buckets in the pipeline path (allocated in full on GPUs, in the summed
+    gradient's dtype); with offload, the staging buffer (model dtype) of the largest tensor that gradients cross to
+    the host through. The bf16 optimizer has none (step_bytes: its all-reduce)."""
+    if workload.zero_stage == 0 or workload.bf16_optimizer:
         return 0
     staging = largest_tensor * workload.activation_bytes if workload.offload_optimizer else 0
-    return 2 * workload.reduce_bucket_size * workload.activation_bytes + staging
+    return 2 * workload.reduce_bucket_size * reduced_gradient_bytes(workload) + staging
 
 
 def host_bytes(workload, parameters, largest_tensor):
@@ -80,14 +96,19 @@ def step_bytes(workload, parameters, largest_tensor):
     then). ZeRO-1 copies its gradient partition flat and casts it to fp32, frees the gradients, then runs Adam on
     the flat partition; without ZeRO the gradients are first all-reduced over data-parallel ranks
     (allreduce_bucket_bytes), a 16-bit model's optimizer builds fp32 gradients, and Adam runs one parameter at a
-    time. torch's unfused Adam allocates two fp32 temporaries (sqrt and division) per tensor; its fused kernel none."""
-    grad = PRECISION_BYTES[workload.precision]
+    time. torch's unfused Adam allocates two fp32 temporaries (sqrt and division) per tensor; its fused kernel none.
+    The bf16 optimizer (fp32 sums) all-reduces its fp32 gradients through flat copies (allreduce_bucket_bytes) and
+    steps on its partition of them in place."""
+    grad = gradient_bytes_per_parameter(workload)
     if workload.offload_optimizer:
         # Gradients go to the host partition one tensor at a time (the updated weights come back in place);
         # DeepSpeed 0.19.8 takes each one's norm on an fp64 copy first (zero/utils.py get_norm_dtype).
         return parameters * grad + largest_tensor * FP64_BYTES
-    cast = FP32_BYTES if workload.precision != "fp32" else 0
     temporaries = 2 * FP32_BYTES if workload.torch_adam and not workload.fused_adam else 0
+    if workload.bf16_optimizer:
+        return parameters * grad + max(allreduce_bucket_bytes(workload, parameters, largest_tensor),
+                                       parameters * temporaries / optimizer_shards(workload))
+    cast = FP32_BYTES if grad != FP32_BYTES else 0
     if workload.zero_stage >= 1:
         shards = optimizer_shards(workload)
         flatten = parameters * (grad + (grad + cast) / shards)
@@ -98,9 +119,10 @@ def step_bytes(workload, parameters, largest_tensor):
 
 
 def allreduce_bucket_bytes(workload, parameters, largest_tensor):
-    """ZeRO-0 with data parallelism: DeepSpeed's pipeline all-reduces the gradients (model dtype; bf16 needs ZeRO-1)
-    through flat copies of MEMORY_OPT_ALLREDUCE_SIZE elements, plus the tensor that fills the bucket. One
-    data-parallel rank skips the all-reduce (training/loop.py)."""
-    if workload.zero_stage >= 1 or workload.gradient_reduction_ranks == 1:
+    """ZeRO-0, and the bf16 optimizer, with data parallelism: DeepSpeed's pipeline all-reduces the gradients (the
+    model's dtype, the bf16 optimizer's fp32) through flat copies of MEMORY_OPT_ALLREDUCE_SIZE elements, plus the
+    tensor that fills the bucket (pipe/engine.py _exec_reduce_grads). One data-parallel rank skips the all-reduce
+    (training/loop.py)."""
+    if (workload.zero_stage >= 1 and not workload.bf16_optimizer) or workload.gradient_reduction_ranks == 1:
         return 0
-    return min(parameters, MEMORY_OPT_ALLREDUCE_SIZE + largest_tensor) * PRECISION_BYTES[workload.precision]
+    return min(parameters, MEMORY_OPT_ALLREDUCE_SIZE + largest_tensor) * reduced_gradient_bytes(workload)

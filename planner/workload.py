@@ -14,6 +14,7 @@ class Workload:
     micro_batch_size: int = 1
     micro_batches: int = 8  # gradient_accumulation_steps: the pipeline's m
     precision: str = "bf16"
+    grad_accum_dtype: str = "fp32"  # what a 16-bit run sums its micro-batch gradients in (conf/base.yaml)
     zero_stage: int = 1
     data_parallel: int = 1  # replicas of the model (each context group is one)
     activation_checkpoint_interval: int = 0
@@ -65,6 +66,17 @@ class Workload:
     @property
     def activation_bytes(self):
         return PRECISION_BYTES[self.precision]
+
+    @property
+    def sums_gradients_in_fp32(self):
+        """A 16-bit run whose micro-batch gradients are summed in fp32 (DeepSpeed's data_types.grad_accum_dtype)."""
+        return self.precision != "fp32" and self.grad_accum_dtype == "fp32"
+
+    @property
+    def bf16_optimizer(self):
+        """DeepSpeed 0.19.8 runs bf16 + ZeRO-1 + fp32 sums without offload through its bf16 optimizer (engine.py
+        _do_optimizer_sanity_check); fp16 and offload keep ZeRO-1's optimizer, which sums into an fp32 grad_accum."""
+        return self.sums_gradients_in_fp32 and self.precision == "bf16" and not self.offload_optimizer
 
 
 def check_tensor_parallel(config, workload):

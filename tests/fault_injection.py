@@ -4,6 +4,8 @@ FAULT=kind:rank:step, kind one of
   kill_during_save  SIGKILL this rank after it wrote its part of the step's checkpoint, before it is complete
   raise             raise RuntimeError in this rank's train_batch at that step
   nan               the loss (last stage) becomes NaN at that step, so gradients are NaN too
+  unlabelled        every label of that step's micro-batches becomes -100 on every rank that reads data (the rank
+                    field is not used): the step's global batch has nothing to learn
   pause             this rank prints PAUSED_AT <step> and waits at the start of that step until it is asked to stop
                     (SIGTERM, or its launcher gone): a preemption lands in a known step
 """
@@ -53,6 +55,19 @@ def inject(kind, fault_rank, fault_step):
             gas = int(os.environ["FAULT_GAS"])
             return loss * float("nan") if (len(calls) - 1) // gas + 1 == fault_step else loss
         CausalLMLoss.__call__ = nan_at_step
+    elif kind == "unlabelled":
+        import torch
+
+        from training import loop
+        step_micro_batches, steps = loop.step_micro_batches, []
+
+        def unlabelled_at_step(engine, stream, count):
+            steps.append(1)
+            batches = step_micro_batches(engine, stream, count)
+            if len(steps) == fault_step and isinstance(batches, list):  # a stage that reads data
+                return [(inputs, torch.full_like(labels, -100)) for inputs, labels in batches]
+            return batches
+        loop.step_micro_batches = unlabelled_at_step
     elif kind == "pause":
         from deepspeed.runtime.pipe.engine import PipelineEngine
         from training import preemption

@@ -44,7 +44,9 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
                                    activation_checkpoint_interval=case.get("checkpoint_interval", 0),
                                    sequence_parallel=case.get("sequence_parallel", True),
                                    recompute_sequence_gather=case.get("recompute_sequence_gather", False),
-                                   loss_chunk_tokens=case.get("loss_chunk_tokens", CHUNK_TOKENS))
+                                   loss_chunk_tokens=case.get("loss_chunk_tokens", CHUNK_TOKENS),
+                                   grad_accum_dtype=(torch.float32 if case.get("deepspeed", {}).get("data_types")
+                                                     else None))
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config={
         "train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": gas,
         "steps_per_print": 10**9, "gradient_clipping": 0.0,

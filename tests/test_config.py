@@ -62,6 +62,39 @@ def test_deepspeed_keys_added_to_the_precision_nodes_are_kept(precision):
     assert ds["fp16"] == {"initial_scale_power": 16, "enabled": False}
 
 
+@pytest.mark.parametrize("overrides,data_types,warned", [
+    (("precision=bf16",), {"grad_accum_dtype": "fp32"}, False),
+    (("precision=bf16", "grad_accum_dtype=bf16"), {"grad_accum_dtype": "bf16"}, True),
+    (("precision=fp16", "grad_accum_dtype=fp16", "gradient_accumulation_steps=64"), {"grad_accum_dtype": "fp16"},
+     True),
+    (("precision=fp32",), None, False),
+])
+def test_16_bit_runs_sum_gradients_in_fp32_unless_told_otherwise(overrides, data_types, warned):
+    """DeepSpeed sums a 16-bit model's micro-batch gradients in its own dtype unless data_types says otherwise."""
+    from training.deepspeed_config import accumulation_warning
+    cfg = composed("tiny", "zero_stage=1", *overrides)
+    ds, _ = deepspeed_config(cfg, total_steps=10)
+    assert ds.get("data_types") == data_types
+    warning = accumulation_warning(cfg)
+    assert (warning is not None) == warned
+    if warned:
+        assert warning.startswith(f"warning: grad_accum_dtype={cfg.precision}: each step sums "
+                                  f"{cfg.gradient_accumulation_steps} micro-batches' gradients in {cfg.precision}")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("precision=fp32", "grad_accum_dtype=bf16"), "grad_accum_dtype=bf16 with precision=fp32: micro-batch gradients "
+                                                  "are summed in fp32 or in the model's dtype; set grad_accum_dtype=fp32."),
+    (("precision=bf16", "grad_accum_dtype=fp16"), "grad_accum_dtype=fp16 with precision=bf16"),
+    (("precision=bf16", "+deepspeed.data_types.grad_accum_dtype=bf16"),
+     "deepspeed.data_types.grad_accum_dtype=bf16 contradicts grad_accum_dtype=fp32: set grad_accum_dtype only."),
+])
+def test_an_accumulation_dtype_that_cannot_work_is_refused(overrides, message):
+    from training.run_spec import ConfigError, checked_config
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        checked_config(composed("tiny", "zero_stage=1", *overrides))
+
+
 @pytest.mark.parametrize("overrides,expected", [
     ((), {"torch_adam": True, "fused": True}),
     (("deepspeed.optimizer.params.torch_adam=false",), {"torch_adam": False}),

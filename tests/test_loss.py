@@ -77,3 +77,25 @@ def test_evaluation_keeps_no_gradient_and_equals_the_logits_loss():
         loss = CausalLMLoss(chunk_tokens=4)(head(hidden), labels)
         reference = CausalLMLoss()(logits_head(hidden), labels)
     assert loss.grad_fn is None and abs(loss.item() - reference.item()) <= 1e-6
+
+
+def test_a_bf16_head_sums_its_chunks_weight_gradients_in_fp32():
+    """The chunked head's weight gradient over 64 chunks, against the fp64 logits head's: summed in fp32 (the run's
+    grad_accum_dtype=fp32) it keeps only each chunk's bf16 rounding; summed in bf16 every addition rounds again."""
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, vocab_size=512, num_attention_heads=4, num_hidden_layers=1,
+                         intermediate_size=128)
+    head = LMHeadPipe(config, TensorParallel(), chunked_loss=True).to(torch.bfloat16)
+    hidden = torch.randn(2, 256, 64, dtype=torch.bfloat16)
+    labels = torch.randint(0, 512, (2, 256))
+    reference = LMHeadPipe(config, TensorParallel()).to(torch.float64)
+    reference.weight.data.copy_(head.weight)
+    CausalLMLoss()(reference(hidden.double()), labels).backward()
+    errors = {}
+    for grad_sum_dtype in (torch.float32, torch.bfloat16):
+        head.weight.grad = None
+        CausalLMLoss(chunk_tokens=8, grad_sum_dtype=grad_sum_dtype)(head(hidden), labels).backward()
+        assert head.weight.grad.dtype == torch.bfloat16
+        errors[grad_sum_dtype] = float((head.weight.grad.double() - reference.weight.grad).norm()
+                                       / reference.weight.grad.norm())
+    assert errors[torch.float32] < 0.5 * errors[torch.bfloat16], errors

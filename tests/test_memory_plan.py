@@ -32,12 +32,14 @@ def test_llama_65b_without_offload_does_not_fit_two_nodes_of_eight_80gb_devices(
         assert row["memory_bytes"] == (row["weights_bytes"] + row["optimizer_bytes"] + row["buffer_bytes"]
                                        + max(backward, row["step_bytes"]))
         assert row["activation_full_bytes"] > row["activation_checkpointed_bytes"]
-        # bf16 weights and gradients; fp32 master and Adam moments sharded over the 2 data-parallel ranks.
-        assert row["weights_bytes"] == row["gradients_bytes"] == 2 * row["parameters"]
+        # bf16 weights; gradients summed in fp32 by DeepSpeed's bf16 optimizer beside the bf16 .grad (2 + 4
+        # bytes); fp32 master and Adam moments sharded over the 2 data-parallel ranks.
+        assert row["weights_bytes"] == 2 * row["parameters"] and row["gradients_bytes"] == 6 * row["parameters"]
         assert row["optimizer_bytes"] == 6 * row["parameters"]
+        assert row["buffer_bytes"] == 0  # the bf16 optimizer has no ZeRO reduce buckets
     # Checkpointing keeps one hidden state per layer instead of every intermediate.
     assert rows[0]["activation_full_bytes"] > 10 * rows[0]["activation_checkpointed_bytes"]
-    # 8 billion parameters a stage at 10 bytes each do not fit 80 GiB; the verdict says so.
+    # 8 billion parameters a stage at 14 bytes each do not fit 80 GiB; the verdict says so.
     assert not any(row["fits"] for row in rows) and "does NOT fit in 80 GiB" in printed
 
 
@@ -52,7 +54,9 @@ def test_llama_65b_as_shipped_offloads_the_optimizer_and_fits_gpu_and_host(capsy
         assert row["optimizer_bytes"] == 0 and row["fits"]
         # fp32 master, its fp32 gradient, Adam's two moments and a bf16 copy (18 bytes) over 2 data-parallel ranks.
         assert row["host_bytes"] == 9 * row["parameters"] + largest_tensor
-        assert row["buffer_bytes"] == 2 * 500_000_000 * 2 + largest_tensor
+        # ZeRO-1's two reduce buckets of the fp32 sums (grad_accum), the bf16 staging buffer
+        assert row["buffer_bytes"] == 2 * 500_000_000 * 4 + largest_tensor
+        assert row["gradients_bytes"] == 4 * row["parameters"]  # each .grad moved into its fp32 grad_accum
         assert row["step_bytes"] == row["gradients_bytes"] + 8 * (largest_tensor // 2 if row["stage"] in (0, 7)
                                                                    else 8192 * 22016)  # fp64 norm of one grad
     # Ranks 0-7 (stages 0-3 x 2 replicas) on node 0, 8-15 on node 1.
@@ -158,12 +162,16 @@ def test_llama3_70b_as_shipped_does_not_fit_under_zero_bubble(capsys):
     rows = print_memory_plan(plan_spec(cfg, plan_world_size(cfg)))
     out = capsys.readouterr().out
     assert "does NOT fit in 80 GiB per device" in out
-    assert not all(row["fits"] for row in rows) and max(row["memory_bytes"] for row in rows) < 86 * GIB
+    assert not all(row["fits"] for row in rows) and max(row["memory_bytes"] for row in rows) < 104 * GIB
     # ... and names the caps that would (largest first); at 40 GiB none does
+    assert ("zero_bubble holding fewer micro-batches back for W fits in 80 GiB per device: zero_bubble_max_waiting=0: "
+            "largest stage 72.3 GiB (") in out
+    cfg = run_config("llama3_70b", "pipeline_schedule=zero_bubble", "grad_accum_dtype=bf16")
+    print_memory_plan(plan_spec(cfg, plan_world_size(cfg)))
     assert ("zero_bubble holding fewer micro-batches back for W fits in 80 GiB per device: zero_bubble_max_waiting=4: "
             "largest stage 76.9 GiB; zero_bubble_max_waiting=3: largest stage 74.0 GiB; zero_bubble_max_waiting=2: "
             "largest stage 71.7 GiB; zero_bubble_max_waiting=1: largest stage 63.5 GiB; zero_bubble_max_waiting=0: "
-            "largest stage 53.1 GiB") in out
+            "largest stage 53.1 GiB") in capsys.readouterr().out
     cfg = run_config("llama3_70b", "pipeline_schedule=zero_bubble", "device_memory_gb=40")
     print_memory_plan(plan_spec(cfg, plan_world_size(cfg)))
     assert ("zero_bubble: no zero_bubble_max_waiting fits either (pipeline_schedule=1f1b holds the least)"
@@ -171,8 +179,9 @@ def test_llama3_70b_as_shipped_does_not_fit_under_zero_bubble(capsys):
 
 
 def test_llama3_70b_fits_under_zero_bubble_with_max_waiting_1(capsys):
-    """Holding at most one micro-batch back for W per stage brings every stage back under 80 GB."""
-    cfg = run_config("llama3_70b", "pipeline_schedule=zero_bubble", "zero_bubble_max_waiting=1")
+    """Holding at most one micro-batch back for W per stage brings every stage back under 80 GB (summing gradients
+    in bf16: in fp32 only zero_bubble_max_waiting=0 fits, above)."""
+    cfg = run_config("llama3_70b", "pipeline_schedule=zero_bubble", "zero_bubble_max_waiting=1", "grad_accum_dtype=bf16")
     rows = print_memory_plan(plan_spec(cfg, plan_world_size(cfg)))
     out = capsys.readouterr().out
     assert "(at most 1 micro-batches waiting for W)" in out and "does NOT fit" not in out
@@ -234,8 +243,9 @@ def test_tensor_parallel_splits_sharded_weights_and_keeps_norms_whole():
         assert one_row["parameters"] == sharded + replicated
         per_device = sharded // 2 + replicated
         assert two_row["parameters"] == per_device
-        # bf16 weights and gradients; fp32 master and Adam moments (12 bytes) over the 2 data-parallel ranks.
-        assert two_row["weights_bytes"] == two_row["gradients_bytes"] == 2 * per_device
+        # bf16 weights, gradients summed in fp32 beside the bf16 .grad; fp32 master and Adam moments (12 bytes)
+        # over the 2 data-parallel ranks.
+        assert two_row["weights_bytes"] == 2 * per_device and two_row["gradients_bytes"] == 6 * per_device
         assert two_row["optimizer_bytes"] == 6 * per_device
         # Half of everything, plus the other half of the norms' 2 bytes per replicated parameter.
         assert two_row["weights_bytes"] == one_row["weights_bytes"] // 2 + replicated

@@ -192,7 +192,8 @@ def test_activation_model_matches_what_autograd_saves(dtype, precision, kv_heads
         == costs.saved_bytes[DECODER]
     labels = torch.randint(0, config.vocab_size, (batch, seq))
     outputs, losses = [], []
-    measured = saved_activation_bytes(lambda: losses.append(CausalLMLoss(chunk_tokens=chunk)(
+    loss_fn = CausalLMLoss(chunk_tokens=chunk, grad_sum_dtype=torch.float32)  # the Workload's grad_accum_dtype
+    measured = saved_activation_bytes(lambda: losses.append(loss_fn(
         outputs.append(head(norm((hidden,)))) or outputs[0], labels)), params)
     if chunk:  # the chunked loss holds its gradients, computed in forward, on its backward node
         measured += sum(t.untyped_storage().nbytes() for t in (losses[0].grad_fn.grad_hidden,
@@ -278,11 +279,11 @@ def test_training_flops_per_token_by_hand_and_against_torch_flop_counter():
 
 
 def test_balanced_trades_compute_for_a_split_that_fits_the_device():
-    """llama3_8b's split by compute alone puts 29.3 GiB on stage 0; on 28 GiB devices `balanced` takes one that
+    """llama3_8b's split by compute alone puts 33.4 GiB on stage 0; on 32 GiB devices `balanced` takes one that
     fits."""
     cfg, config = run_config("llama3_8b"), PUBLISHED["llama3_8b"]
     workload = plan_spec(cfg, WORLD_SIZE["llama3_8b"]).workload
-    device_bytes = 28 * 2**30
+    device_bytes = 32 * 2**30
     plans = {device: stage_plan(config, partition_stages(config, 4, "balanced",
                                                          balanced_stage_cost(config, workload, 4, device)), workload)
              for device in (None, device_bytes)}

@@ -1,5 +1,6 @@
 """Resume, crash-safe saves, preemption, prompt failure and NaN handling, with real processes and real faults."""
 import json
+import math
 import os
 import re
 import shutil
@@ -138,6 +139,23 @@ def test_nan_loss_stops_with_step_and_last_good_checkpoint(demo_model, tmp_path)
 
 
 @pytest.mark.slow
+def test_a_step_with_no_labelled_token_is_named_and_changes_nothing(demo_model, tmp_path):
+    """A global batch without a labelled token (all -100 on both data-reading stages at step 2): the step is named
+    and skipped rather than dividing by zero; no loss is logged for it, its checkpoint holds step 1's weights, and
+    training goes on."""
+    out = tmp_path / "run"
+    result = check_ok(launch_trainer(2, demo_overrides(demo_model, out, max_steps=3, save_steps=1, save_total_limit=3,
+                                                       logging_steps=1, eval_file="null"),
+                                     script=FAULT_SCRIPT, env={"FAULT": "unlabelled:0:2"}, timeout=120))
+    assert "step 2: the global batch has no labelled token (every label is -100): no update" in result.stdout
+    losses = per_step_losses(out)
+    assert losses[1] is None and all(math.isfinite(loss) for loss in (losses[0], losses[2])), losses
+    for name in ("layer_00-model_states.pt", "layer_03-model_states.pt"):
+        before, after = (torch.load(out / tag / name, weights_only=True) for tag in ("global_step1", "global_step2"))
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.slow
 def test_nan_loss_step_is_skipped_when_configured(demo_model, tmp_path):
     out = tmp_path / "run"
     check_ok(launch_trainer(2, demo_overrides(demo_model, out, max_steps=5, logging_steps=1, eval_file="null",
@@ -162,15 +180,18 @@ def test_malformed_jsonl_line_is_named(demo_model, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("accumulation", [{}, {"+deepspeed.data_types.grad_accum_dtype": "fp32"}],
-                         ids=["bf16_accumulation", "fp32_accumulation"])
+@pytest.mark.parametrize("accumulation", ["bf16", "fp32"])
 def test_bf16_zero1_resume_matches_uninterrupted_run(demo_model, tmp_path, accumulation):
-    """The production setting: bf16 with ZeRO-1 (ZeRO's optimizer, or with fp32 gradient accumulation DeepSpeed's
-    bf16 optimizer over the same partitions; its tensor-parallel-aware norm and its checkpoint), here under tensor
-    parallel 2 (2 processes: pipeline stages resume in the fp32 tests)."""
+    """The production setting: bf16 with ZeRO-1 and fp32 gradient accumulation (the default: DeepSpeed's bf16
+    optimizer over ZeRO's partitions; its tensor-parallel-aware norm and its checkpoint), or bf16 accumulation
+    (ZeRO's optimizer, warned at start-up), here under tensor parallel 2 (2 processes: pipeline stages resume in the
+    fp32 tests)."""
     run = dict(max_steps=5, save_steps=3, save_total_limit=5, logging_steps=1, eval_file="null", precision="bf16",
-               zero_stage=1, learning_rate=1e-3, warmup_steps=2, num_stages=1, tensor_parallel_size=2, **accumulation)
-    check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "full", **run)))
+               zero_stage=1, learning_rate=1e-3, warmup_steps=2, num_stages=1, tensor_parallel_size=2,
+               grad_accum_dtype=accumulation)
+    full = check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "full", **run)))
+    warned = "warning: grad_accum_dtype=bf16: each step sums 4 micro-batches' gradients in bf16" in full.stdout
+    assert warned == (accumulation == "bf16"), full.stdout[-2000:]
     check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "resumed",
                                               resume=str(tmp_path / "full" / "global_step3"), **run)))
     resumed = read_metrics(tmp_path / "resumed")

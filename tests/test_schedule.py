@@ -32,6 +32,13 @@ CASES = {  # name: (tiny config, case settings); all on 4 processes
         data_types={"grad_accum_dtype": "fp32"}))),
     "2stages_x_2dp_bf16_offload": ("tied", dict(stages=2, tolerance=0.0, deepspeed=dict(
         zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}, bf16={"enabled": True}))),
+    # fp32 sums (the trainer's default) where the bf16 optimizer does not take them: offloaded ZeRO-1's grad_accum
+    # (filled by gradient hooks, W's included), and the bf16 optimizer under tensor parallelism.
+    "2stages_x_2dp_bf16_offload_fp32_accumulation": ("llama2", dict(stages=2, tolerance=0.0, deepspeed=dict(
+        zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}, bf16={"enabled": True},
+        data_types={"grad_accum_dtype": "fp32"}))),
+    "2stages_x_tp2_bf16_fp32_accumulation": ("qwen2", dict(stages=2, tensor_parallel=2, tolerance=0.0, deepspeed=dict(
+        zero_optimization={"stage": 1}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}))),
 }
 
 

@@ -95,3 +95,4 @@ def test_losses_and_gradient_norms_equal_transformers_on_the_whole_global_batch(
     assert min(norms) > MAX_GRAD_NORM  # clipping acts on every step
     assert [r["loss"] for r in records] == pytest.approx(losses, abs=1e-5, rel=0)
     assert [r["grad_norm"] for r in records] == pytest.approx(norms, rel=1e-4, abs=0)
+

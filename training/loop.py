@@ -25,13 +25,13 @@ from data.datasets import build_dataset_distributed
 from data.loader import (blend_micro_batches, build_stage_loader, check_identical_across_group,
                          infinite_micro_batches)
 from deepspeed_internals.access import (replace_checkpoint_engine, replace_fp32_gradient_clipping, set_global_grad_norm,
-                                        skip_gradient_allreduce, skip_optimizer_files)
+                                        skip_gradient_allreduce, skip_optimizer_files, uses_bf16_optimizer)
 from deepspeed_internals.registry import check_deepspeed_internals
 from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.tensor_parallel import SHARDED_MARKER
 from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan
-from training.deepspeed_config import deepspeed_config
+from training.deepspeed_config import accumulation_warning, deepspeed_config
 from training.distributed import check_devices, init_distributed, parallel_topology, set_threads_per_process
 from training.evaluation import evaluate
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
@@ -132,7 +132,8 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
                                    recompute_sequence_gather=cfg.recompute_sequence_gather,
                                    layer_loader=layer_loader, context_parallel_size=cfg.context_parallel_size,
                                    loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
-                                   lora=spec.lora, seed=cfg.seed)
+                                   grad_accum_dtype=PRECISION_DTYPES[cfg.grad_accum_dtype], lora=spec.lora,
+                                   seed=cfg.seed)
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
@@ -149,9 +150,10 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
     # The optimizer's state is saved per layer (checkpoints/optimizer_state.py), which any layout loads; DeepSpeed's
     # per-rank copy of it (ZeRO's files, the optimizer in mp_rank_*) would double a checkpoint.
     skip_optimizer_files(engine)
-    if not engine.is_data_parallel and engine.zero_optimization_stage() == 0:
+    if not engine.is_data_parallel and (engine.zero_optimization_stage() == 0 or uses_bf16_optimizer(engine)):
         # DeepSpeed's pipeline all-reduces gradients over a data-parallel group of one too: a flattened copy of
-        # every gradient and a copy back, for nothing (ZeRO-1's reduction also fills its partitions: kept).
+        # every gradient (the bf16 optimizer's fp32 ones) and a copy back, for nothing (ZeRO-1's reduction also
+        # fills its partitions: kept).
         skip_gradient_allreduce(engine)
     if cfg.pipeline_schedule == "zero_bubble":
         use_zero_bubble(engine, cfg.zero_bubble_max_waiting)
@@ -253,6 +255,8 @@ def run(cfg):
     prepare_output_dir(spec)
     seed_everything(cfg.seed)
     log_rank0(describe_stages(spec))
+    if accumulation_warning(cfg):
+        log_rank0(accumulation_warning(cfg))
     if describe_resume(spec):
         log_rank0(describe_resume(spec))
     topology = parallel_topology(spec.num_stages, spec.tensor_parallel)
@@ -327,7 +331,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
     profile = (StepProfile(engine, cfg.output_dir, dist.get_rank(), planned_stage_tflops(spec, engine.stage_id))
                if cfg.profile else NoProfile())
     start_time = window_start = time.time()
-    window_steps, losses, skipped = 0, [], 0
+    window_steps, losses, skipped, unlabelled = 0, [], 0, 0
     result = {}
     while step < total_steps:
         micro_batches = step_micro_batches(engine, stream, cfg.gradient_accumulation_steps)
@@ -338,7 +342,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
             with token_mean_loss(engine, tokens):
                 loss = float(engine.train_batch(iter(micro_batches)))
         else:
-            loss = None
+            loss, unlabelled = None, unlabelled + 1
             log_rank0(f"step {step}: the global batch has no labelled token (every label is -100): no update")
         profile.lap("train_batch")
         if loss is not None and not math.isfinite(loss):
@@ -355,7 +359,9 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
             elapsed = time.time() - window_start
             grad_norm = engine.get_global_grad_norm()
             tokens_per_sec = window_steps * samples_per_step * cfg.seq_length / elapsed
-            logger.log({"step": step, "loss": sum(losses) / len(losses) if losses else float("nan"),
+            # No loss at all where every step of the window had nothing to learn; NaN where NaN steps were skipped.
+            no_loss = None if unlabelled == window_steps else float("nan")
+            logger.log({"step": step, "loss": sum(losses) / len(losses) if losses else no_loss,
                         "lr": engine.get_lr()[0],
                         "grad_norm": float(grad_norm) if grad_norm is not None else None,
                         "tokens_per_sec": tokens_per_sec,
@@ -363,7 +369,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
                         "samples_per_sec": window_steps * samples_per_step / elapsed,
                         "elapsed_s": time.time() - start_time, **({"skipped_steps": skipped} if skipped else {}),
                         **data.epochs(start_consumed + (step - start_step) * samples_per_step)})
-            window_start, window_steps, losses = time.time(), 0, []
+            window_start, window_steps, losses, unlabelled = time.time(), 0, [], 0
         profile.lap("logging")
         if data.eval_length and (step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)):
             eval_loss, eval_ppl = evaluate(engine, data.eval, data.eval_length, cfg, pad_id)

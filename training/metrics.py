@@ -81,7 +81,7 @@ def plot_losses(metrics_path, png_path):
 
     with open(metrics_path) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:

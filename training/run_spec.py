@@ -260,6 +260,7 @@ def check_values(cfg):
         raise ConfigError(f"precision={cfg.precision} with zero_stage=0: below fp32 a checkpoint takes the fp32 master "
                           f"weights and moments from ZeRO's partitions (checkpoints/optimizer_state.py); use "
                           f"zero_stage=1.")
+    check_grad_accum_dtype(cfg)
     check_offload(cfg)
     chunk = cfg.loss_chunk_tokens
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
@@ -281,6 +282,17 @@ def check_values(cfg):
         LoraSettings.from_cfg(cfg.lora)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def check_grad_accum_dtype(cfg):
+    if cfg.grad_accum_dtype not in ("fp32", cfg.precision):
+        raise ConfigError(f"grad_accum_dtype={cfg.grad_accum_dtype} with precision={cfg.precision}: micro-batch "
+                          f"gradients are summed in fp32 or in the model's dtype; set grad_accum_dtype=fp32.")
+    # DeepSpeed's own key, which grad_accum_dtype fills in (training/deepspeed_config.py)
+    deepspeed_key = OmegaConf.select(cfg, "deepspeed.data_types.grad_accum_dtype")
+    if deepspeed_key is not None and deepspeed_key != cfg.grad_accum_dtype:
+        raise ConfigError(f"deepspeed.data_types.grad_accum_dtype={deepspeed_key} contradicts grad_accum_dtype="
+                          f"{cfg.grad_accum_dtype}: set grad_accum_dtype only.")
 
 
 def check_offload(cfg):
@@ -390,6 +402,7 @@ def workload_of(cfg, data_parallel):
     optimizer_params = ds.get("optimizer", {}).get("params", {})
     return Workload(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
                     micro_batches=cfg.gradient_accumulation_steps, precision=cfg.precision,
+                    grad_accum_dtype=cfg.grad_accum_dtype,
                     zero_stage=cfg.zero_stage, data_parallel=data_parallel,
                     activation_checkpoint_interval=cfg.activation_checkpoint_interval,
                     reduce_bucket_size=int(ds.get("zero_optimization", {}).get("reduce_bucket_size",
