@@ -168,6 +168,10 @@ def test_bad_shards_name_the_file_and_what_to_do(corpus, tmp_path):
     (tmp_path / "web.idx").write_bytes((tmp_path / "web.idx").read_bytes()[:-8])
     with pytest.raises(ShardError, match="web.idx is truncated or damaged"):
         read_shard_header(prefix)
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    IndexedDatasetBuilder(str(tmp_path / "empty.bin"), dtype=np.uint16).finalize(str(tmp_path / "empty.idx"))
+    with pytest.raises(ShardError, match=f"{tmp_path}/empty: the corpus is empty"):
+        read_shard_header(tmp_path / "empty")
     sources = parse_sources(corpus["prefix"], "train_file")
     with pytest.raises(ShardError, match=r"prepared with tokenizer .* which differs from this run's"):
         check_sources(sources, "train_file", 384, "0123456789abcdef", SEQ)
