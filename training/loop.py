@@ -22,6 +22,7 @@ from checkpoints.saving import save_checkpoint
 from checkpoints.state_files import WeightsOnlyCheckpointEngine
 from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoints
 from data.datasets import build_dataset_distributed
+from data.indexed import evaluation_samples, parse_sources, read_shard_header, training_blend
 from data.loader import (blend_micro_batches, build_stage_loader, check_identical_across_group,
                          infinite_micro_batches)
 from deepspeed_internals.access import (replace_checkpoint_engine, replace_fp32_gradient_clipping, set_global_grad_norm,
@@ -64,7 +65,7 @@ class RunData:
         cfg = spec.cfg
         cache_dir = cfg.data.cache_dir or os.path.join(cfg.output_dir, "data_cache")
         self.reads_data = reads_data
-        self.train = self.eval = self.blend = None
+        self.train = self.eval = self.blend = self.train_sources = None  # blend, sources: token shards
         self.train_length = self.eval_length = 0
         for split in ("train", "eval"):
             path = cfg[f"{split}_file"]
@@ -81,7 +82,6 @@ class RunData:
     def _indexed(self, spec, split, path):
         """Token shards: the evaluation corpora now; for training, one epoch's length (an epoch of a blend: each
         corpus's samples once) until `open_blend` knows how many samples the run takes."""
-        from data.indexed import evaluation_samples, parse_sources, read_shard_header  # megatron-core: 3 s to import
         cfg = spec.cfg
         sources = parse_sources(path, f"{split}_file")
         if split == "train":
@@ -94,7 +94,6 @@ class RunData:
 
     def open_blend(self, spec, total_samples):
         """Token shards: build (rank 0) and open (data-reading ranks) what the run's first `total_samples` need."""
-        from data.indexed import training_blend
         cfg = spec.cfg
         self.blend = training_blend(self.train_sources, reads_data=self.reads_data, seed=cfg.seed,
                                     seq_length=cfg.seq_length, isolate=cfg.data.document_isolation,
