@@ -11,7 +11,7 @@ from typing import Any
 import datasets
 
 IGNORE_INDEX = -100  # label value the causal-LM loss skips (torch CrossEntropyLoss ignore_index)
-FORMATS = ("pretokenized", "text", "instruction", "chat")
+FORMATS = ("pretokenized", "text", "instruction", "chat", "indexed")  # indexed: token shards, data/indexed.py
 FORMAT_FIELDS = {"pretokenized": ("input_ids",), "instruction": ("prompt", "response"), "chat": ("messages",)}
 TOKEN_FEATURE = datasets.List(datasets.Value("int32"))
 

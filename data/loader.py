@@ -15,7 +15,7 @@ Micro-batches are always full: the pipeline engine fixes tensor shapes on its fi
 
 import math
 from functools import partial
-from itertools import cycle, islice, repeat
+from itertools import count, cycle, islice, repeat
 from typing import Sized
 
 import torch
@@ -142,6 +142,20 @@ def infinite_micro_batches(loader: StageLoader, start_epoch: int = 0,
     """An endless iterator over `loader`'s micro-batches from (start_epoch, consumed_micro_batches); see
     `MicroBatchStream` for its `position`."""
     return MicroBatchStream(loader, start_epoch, consumed_micro_batches)
+
+
+def blend_micro_batches(samples, *, reads_data: bool, dp_rank: int, dp_size: int, micro_batch_size: int,
+                        seq_length: int, pad_id: int, start_sample: int):
+    """Endless micro-batches of one data-parallel rank from a sample sequence every layout reads alike
+    (data/indexed.py's Blend): the n-th micro-step from `start_sample` takes samples
+    [start + n·D·B, start + (n+1)·D·B), rank r the B of them from r·B. Each step thus takes the next global batch
+    of samples whatever the layout, and a resume from consumed samples goes on at exactly the next sample. Middle
+    stages (reads_data False) get None and read nothing."""
+    if not reads_data:
+        return repeat(None)
+    first = start_sample + dp_rank * micro_batch_size
+    return (collate_causal_lm([samples[g] for g in range(base, base + micro_batch_size)], seq_length, pad_id)
+            for base in count(first, dp_size * micro_batch_size))
 
 
 def check_identical_across_group(batches, group):

@@ -22,7 +22,9 @@ from checkpoints.saving import save_checkpoint
 from checkpoints.state_files import WeightsOnlyCheckpointEngine
 from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoints
 from data.datasets import build_dataset_distributed
-from data.loader import build_stage_loader, check_identical_across_group, infinite_micro_batches
+from data.indexed import evaluation_samples, parse_sources, read_shard_header, training_blend
+from data.loader import (blend_micro_batches, build_stage_loader, check_identical_across_group,
+                         infinite_micro_batches)
 from deepspeed_internals.access import (replace_checkpoint_engine, replace_fp32_gradient_clipping, set_global_grad_norm,
                                         skip_gradient_allreduce, skip_optimizer_files, uses_bf16_optimizer)
 from deepspeed_internals.registry import check_deepspeed_internals
@@ -56,21 +58,51 @@ def seed_everything(seed):
 
 class RunData:
     """Datasets of a run. Every rank takes part in building (local rank 0 tokenizes, the others reuse the
-    memory-mapped cache); only the first and last stage read rows, middle stages use the lengths."""
+    memory-mapped cache; for token shards rank 0 builds the indices); only the first and last stage read rows,
+    middle stages use the lengths."""
 
     def __init__(self, spec, tokenizer, reads_data):
         cfg = spec.cfg
         cache_dir = cfg.data.cache_dir or os.path.join(cfg.output_dir, "data_cache")
-        self.train = self.eval = None
+        self.reads_data = reads_data
+        self.train = self.eval = self.blend = self.train_sources = None  # blend, sources: token shards
         self.train_length = self.eval_length = 0
         for split in ("train", "eval"):
             path = cfg[f"{split}_file"]
             if not path or (split == "train" and cfg.eval_only):
                 continue
+            if cfg.data.format == "indexed":
+                self._indexed(spec, split, path)
+                continue
             dataset, _ = build_dataset_distributed(path, tokenizer, cfg.data, cfg.seq_length, cache_dir=cache_dir,
                                                    vocab_size=spec.model_config.vocab_size)
             setattr(self, f"{split}_length", len(dataset))
             setattr(self, split, dataset if reads_data else None)
+
+    def _indexed(self, spec, split, path):
+        """Token shards: the evaluation corpora now; for training, one epoch's length (an epoch of a blend: each
+        corpus's samples once) until `open_blend` knows how many samples the run takes."""
+        cfg = spec.cfg
+        sources = parse_sources(path, f"{split}_file")
+        if split == "train":
+            self.train_sources = sources
+            self.train_length = sum(read_shard_header(s.prefix).tokens // cfg.seq_length for s in sources)
+            return
+        self.eval, self.eval_length = evaluation_samples(
+            sources, reads_data=self.reads_data, seed=cfg.seed, seq_length=cfg.seq_length,
+            isolate=cfg.data.document_isolation, vocab_size=spec.model_config.vocab_size)
+
+    def open_blend(self, spec, total_samples):
+        """Token shards: build (rank 0) and open (data-reading ranks) what the run's first `total_samples` need."""
+        cfg = spec.cfg
+        self.blend = training_blend(self.train_sources, reads_data=self.reads_data, seed=cfg.seed,
+                                    seq_length=cfg.seq_length, isolate=cfg.data.document_isolation,
+                                    blend_dir=os.path.join(cfg.output_dir, "data_index"),
+                                    vocab_size=spec.model_config.vocab_size, total_samples=total_samples)
+
+    def epochs(self, consumed_samples):
+        """Token shards: how many epochs of each corpus the run has read (metrics), on a data-reading rank."""
+        return self.blend.epochs(consumed_samples) if self.blend is not None else {}
 
 
 def pad_token_id(tokenizer, model_config):
@@ -192,8 +224,10 @@ def describe_resume(spec):
         return None
     consumed = spec.trainer_state.get("consumed_samples", 0)
     per_micro_step = spec.data_parallel * spec.cfg.micro_batch_size
+    # token shards continue at the very next sample of the blend; the sampler rounds down to whole micro-batches
     again = (f", of which the last {consumed % per_micro_step} are read again: the position rounds down to a whole "
-             f"micro-batch of each of the {spec.data_parallel} data-parallel ranks" if consumed % per_micro_step else "")
+             f"micro-batch of each of the {spec.data_parallel} data-parallel ranks"
+             if consumed % per_micro_step and spec.cfg.data.format != "indexed" else "")
     return (f"resuming {os.path.join(*spec.resume_from)} with another layout ({'; '.join(changes)}): the optimizer "
             f"state is resharded from its per-layer files; the data position is kept in samples ({consumed} "
             f"consumed{again})"
@@ -246,22 +280,36 @@ def run(cfg):
         logger.close()
         return {"eval_loss": loss, "eval_ppl": ppl}
 
-    loader = build_stage_loader(data.train if reads_data else range(data.train_length), reads_data=reads_data,
-                                # the ranks of a context group (on DeepSpeed's data axis) read one replica's samples
-                                dp_rank=coord.data // cfg.context_parallel_size, dp_size=spec.data_parallel,
-                                micro_batch_size=cfg.micro_batch_size,
-                                seq_length=cfg.seq_length, pad_id=pad_id, seed=cfg.seed)
-    steps_per_epoch = len(loader) // cfg.gradient_accumulation_steps
+    samples_per_step = spec.data_parallel * cfg.micro_batch_size * cfg.gradient_accumulation_steps
+    indexed = cfg.data.format == "indexed"
+    if indexed:  # no sampler: the blend is one sequence of samples that every layout reads alike
+        steps_per_epoch = data.train_length // samples_per_step
+    else:
+        loader = build_stage_loader(data.train if reads_data else range(data.train_length), reads_data=reads_data,
+                                    # the ranks of a context group (on DeepSpeed's data axis) read one replica's samples
+                                    dp_rank=coord.data // cfg.context_parallel_size, dp_size=spec.data_parallel,
+                                    micro_batch_size=cfg.micro_batch_size,
+                                    seq_length=cfg.seq_length, pad_id=pad_id, seed=cfg.seed)
+        steps_per_epoch = len(loader) // cfg.gradient_accumulation_steps
     if steps_per_epoch == 0:
-        raise ConfigError(f"train_file gives {data.train_length} examples: {len(loader)} micro-batches per "
-                          f"data-parallel rank, fewer than gradient_accumulation_steps="
-                          f"{cfg.gradient_accumulation_steps}; add data or lower the batch size.")
+        raise ConfigError(f"train_file gives {data.train_length} examples, fewer than one step's "
+                          f"{samples_per_step} (data-parallel ranks x micro_batch_size x "
+                          f"gradient_accumulation_steps); add data or lower the batch size.")
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
+    step = spec.trainer_state.get("step", 0)
+    consumed_samples = spec.trainer_state.get("consumed_samples", 0)
+    if indexed:
+        data.open_blend(spec, consumed_samples + (total_steps - step) * samples_per_step)
     engine, monitors = build_engine(spec, total_steps)
     load_start_state(engine, spec)
-    step = spec.trainer_state.get("step", 0)
-    epoch, consumed = data_position(spec.trainer_state, len(loader), spec.data_parallel, cfg.micro_batch_size)
-    stream = infinite_micro_batches(loader, epoch, consumed)
+    if indexed:
+        stream = blend_micro_batches(data.blend, reads_data=reads_data,
+                                     dp_rank=coord.data // cfg.context_parallel_size, dp_size=spec.data_parallel,
+                                     micro_batch_size=cfg.micro_batch_size, seq_length=cfg.seq_length,
+                                     pad_id=pad_id, start_sample=consumed_samples)
+    else:
+        epoch, consumed = data_position(spec.trainer_state, len(loader), spec.data_parallel, cfg.micro_batch_size)
+        stream = infinite_micro_batches(loader, epoch, consumed)
     if cfg.context_parallel_size > 1:
         stream = map(engine.module.context.split_micro_batch, stream)
     if spec.tensor_parallel > 1 and reads_data:
@@ -318,7 +366,8 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
                         "tokens_per_sec": tokens_per_sec,
                         **compute_throughput(tokens_per_sec, flops_per_token, dist.get_world_size(), peak_tflops),
                         "samples_per_sec": window_steps * samples_per_step / elapsed,
-                        "elapsed_s": time.time() - start_time, **({"skipped_steps": skipped} if skipped else {})})
+                        "elapsed_s": time.time() - start_time, **({"skipped_steps": skipped} if skipped else {}),
+                        **data.epochs(start_consumed + (step - start_step) * samples_per_step)})
             window_start, window_steps, losses, unlabelled = time.time(), 0, [], 0
         profile.lap("logging")
         if data.eval_length and (step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)):

@@ -19,6 +19,7 @@ from checkpoints.integrity import manifest_digest, verify_model_side_files
 from checkpoints.optimizer_state import check_optimizer_state_files, has_layout_free_state
 from checkpoints.trainer_state import read_trainer_state
 from data.formats import DataSettings
+from data.indexed import ShardError, check_sources, parse_sources, read_shard_header, tokenizer_fingerprint
 from models.layout import layer_file_name, layer_indices_with_files
 from models.context_parallel import context_parallel_error
 from models.llama import check_model_config
@@ -135,6 +136,8 @@ def run_spec(cfg, world_size):
         check_fresh_start(cfg.output_dir, cfg.overwrite_output_dir)
     spec = RunSpec(cfg, model_config, world_size, workload, configured_stage_bounds(cfg, model_config, workload),
                    model_files_dir, tokenizer_dir(cfg, model_files_dir), resume_from, trainer_state)
+    if cfg.data.format == "indexed":
+        check_shards_fit_model(cfg, model_config.vocab_size, spec.tokenizer_dir)
     if resume_from:
         check_resume(spec)
     return spec
@@ -318,11 +321,38 @@ def check_data_files(cfg):
         if not cfg.eval_file:
             raise ConfigError("eval_only=true needs eval_file.")
     elif not cfg.train_file:
-        raise ConfigError("train_file is not set; pass train_file=PATH (jsonl, json, parquet or txt).")
+        raise ConfigError("train_file is not set; pass train_file=PATH (jsonl, json, parquet or txt; with "
+                          "data.format=indexed a shard PREFIX or a list of {path: PREFIX, weight: W}).")
     for key in ("train_file", "eval_file"):
         path = cfg[key]
-        if path and not os.path.isfile(path):
+        if not path or (key == "train_file" and cfg.eval_only):
+            continue
+        if cfg.data.format == "indexed":
+            try:
+                for source in parse_sources(path, key):
+                    read_shard_header(source.prefix)
+            except ShardError as error:
+                raise ConfigError(f"{key}: {error}") from None
+        elif not isinstance(path, str):
+            raise ConfigError(f"{key} is a list; only data.format=indexed reads several corpora (a list of "
+                              f"{{path: PREFIX, weight: W}}); name one file.")
+        elif not os.path.isfile(path):
             raise ConfigError(f"{key} '{path}' does not exist.")
+
+
+def check_shards_fit_model(cfg, vocab_size, tokenizer_path):
+    """data.format=indexed: every corpus written for this model's vocabulary and tokenizer (as its PREFIX.json
+    records) and holding at least one sample."""
+    fingerprint = None
+    if tokenizer_path:
+        from transformers import AutoTokenizer
+        fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer_path))
+    for key in ("train_file", "eval_file"):
+        if cfg[key] and not (key == "train_file" and cfg.eval_only):
+            try:
+                check_sources(parse_sources(cfg[key], key), key, vocab_size, fingerprint, cfg.seq_length)
+            except ShardError as error:
+                raise ConfigError(f"{key}: {error}") from None
 
 
 # --- the config against the model and the world ----------------------------------------------------------------------
@@ -381,7 +411,8 @@ def workload_of(cfg, data_parallel):
                     fused_adam=bool(optimizer_params.get("fused", False)),
                     tensor_parallel=cfg.tensor_parallel_size, sequence_parallel=bool(cfg.sequence_parallel),
                     context_parallel=cfg.context_parallel_size,
-                    document_masks=bool(cfg.data.document_isolation if cfg.data.format == "text" else cfg.data.packing),
+                    document_masks=bool(cfg.data.document_isolation if cfg.data.format in ("text", "indexed")
+                                        else cfg.data.packing),
                     recompute_sequence_gather=bool(cfg.recompute_sequence_gather),
                     offload_optimizer=cfg.offload_optimizer == "cpu", pipeline_schedule=cfg.pipeline_schedule,
                     loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
@@ -448,11 +479,13 @@ def load_plan_model_config(cfg):
 def tokenizer_dir(cfg, model_files_dir):
     """Where the run's tokenizer is (tokenizer_name_or_path, else the converted model's directory), or None when
     every data file is pre-tokenized and none is needed; an error naming the directory and the key when one is
-    needed and missing."""
+    needed and missing. Token shards need none, but are checked against it when there is one."""
     if cfg.data.format == "pretokenized":
         return None
     path = cfg.tokenizer_name_or_path or model_files_dir
     if not has_tokenizer_files(path):
+        if cfg.data.format == "indexed" and not cfg.tokenizer_name_or_path:
+            return None
         source = "tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model_name_or_path"
         raise ConfigError(f"data.format={cfg.data.format} needs a tokenizer, and '{path}' ({source}) holds no "
                           f"tokenizer files (tokenizer.json, tokenizer.model, tokenizer_config.json, ...); set "

@@ -1,0 +1,434 @@
+"""Megatron-format token shards (`PREFIX.bin` + `PREFIX.idx`) as training samples, one corpus or a weighted blend.
+
+A corpus's epoch e is its documents in an order shuffled by (seed, e), cut into samples of exactly seq_length tokens
+across document boundaries (the `text` format's blocks, data/packing.py `pack_blocks`; the last partial sample of
+the epoch is dropped), and those samples in an order shuffled by (seed, e). The three arrays (document order,
+sample cut, sample order) of each epoch are built once, by one rank, with megatron-core's `build_sample_idx`, and
+cached as .npy files beside the shards (PREFIX.index/); every reading rank memory-maps them, so neither start-up
+nor a step reads more than its own samples. The k-th sample a run draws from a corpus is sample k mod n of its
+epoch k // n (n samples an epoch): a corpus that runs out goes on with its next, reshuffled, epoch.
+
+A blend of corpora follows Megatron's rule (megatron-core `build_blending_indices`): global sample g comes from the
+corpus whose count lags its weight × g most, so every prefix of the run holds each corpus within one sample of its
+share. The blend is a function of the global sample number only: any layout that reads samples [a, b) of it reads
+the same tokens. Who builds what: `prepare_indices` (rank 0); who reads: `open_blend` (the data-reading ranks).
+"""
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import struct
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+INDEX_HEADER = b"MMIDIDX\x00\x00"  # Megatron's .idx magic, then version 1 (<Q), dtype code (<B), 2 counts (<Q)
+HEADER_BYTES = 34
+DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
+               8: np.uint16}
+TOKEN_DTYPES = (np.uint8, np.uint16, np.int32, np.int64)
+METADATA_SUFFIX = ".json"  # PREFIX.json: what prepare_data.py records beside the shards (tokenizer, counts)
+INDEX_VERSION = 1  # bump when the cached arrays' meaning changes
+
+
+def megatron_datasets():
+    """megatron-core's (indexed_dataset, helpers) modules. Imported on first use (its package import takes ~2-3 s)
+    and quietly: the package warns that Transformer Engine and Apex are missing, which its dataset code never uses."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets import helpers, indexed_dataset
+    return indexed_dataset, helpers
+
+
+class ShardError(ValueError):
+    """Shards that cannot train; the message names the file and what to do."""
+
+
+# --- the files -------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ShardHeader:
+    """What PREFIX.idx says about its PREFIX.bin, read without megatron-core (an independent check of its reader)."""
+    prefix: str
+    dtype: type
+    sequences: int  # Megatron's sequences; each is one document here, as in its GPTDataset
+    tokens: int
+    identity: str  # changes whenever the shards are rewritten: keys the cached indices
+
+
+def read_shard_header(prefix) -> ShardHeader:
+    """The header of PREFIX.idx, checked against PREFIX.bin: both present, the .idx whole, the .bin exactly as long
+    as the .idx's last sequence ends, at least one token. Reads 34 bytes and the last pointer and length."""
+    prefix = str(prefix)
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise ShardError(f"{path} does not exist: a corpus is a PREFIX naming PREFIX.bin and PREFIX.idx (write "
+                             f"them with python prepare_data.py --output_prefix PREFIX ...)")
+    idx_size, bin_size = os.path.getsize(idx_path), os.path.getsize(bin_path)
+    with open(idx_path, "rb") as f:
+        head = f.read(HEADER_BYTES)
+    if len(head) < HEADER_BYTES or head[:9] != INDEX_HEADER or struct.unpack("<Q", head[9:17])[0] != 1:
+        raise ShardError(f"{idx_path} is not a Megatron indexed-dataset index (version 1); prepare the corpus again")
+    code, sequences, documents = struct.unpack("<B", head[17:18])[0], *struct.unpack("<QQ", head[18:34])
+    expected = HEADER_BYTES + sequences * (4 + 8) + documents * 8
+    if code not in DTYPE_CODES or idx_size != expected:
+        raise ShardError(f"{idx_path} is truncated or damaged ({idx_size} bytes, its header promises {expected}); "
+                         f"prepare the corpus again")
+    dtype = DTYPE_CODES[code]
+    if sequences == 0:
+        raise ShardError(f"{prefix}: the corpus is empty (no documents); check the inputs it was prepared from")
+    index = np.memmap(idx_path, mode="r")
+    last_length = int(index[HEADER_BYTES + 4 * (sequences - 1):][:4].view(np.int32)[0])
+    pointers_at = HEADER_BYTES + 4 * sequences
+    last_pointer = int(index[pointers_at + 8 * (sequences - 1):][:8].view(np.int64)[0])
+    del index
+    itemsize = np.dtype(dtype).itemsize
+    indexed_bytes = last_pointer + last_length * itemsize
+    if bin_size != indexed_bytes:
+        raise ShardError(f"{bin_path} holds {bin_size} bytes but {idx_path} indexes {indexed_bytes}: the .bin is "
+                         f"truncated or the .idx belongs to another .bin; prepare the corpus again")
+    stat = os.stat(bin_path)
+    identity = hashlib.sha256(f"{idx_size}:{os.stat(idx_path).st_mtime_ns}:{bin_size}:{stat.st_mtime_ns}:"
+                              f"{INDEX_VERSION}".encode()).hexdigest()[:12]
+    return ShardHeader(prefix, dtype, sequences, bin_size // itemsize, identity)
+
+
+def read_metadata(prefix) -> dict:
+    """PREFIX.json written by prepare_data.py ({} for shards made elsewhere, e.g. Megatron's preprocess_data.py)."""
+    path = Path(str(prefix) + METADATA_SUFFIX)
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A digest of what turns text into ids (the vocabulary and bos/eos): equal for the same tokenizer however it
+    was loaded (slow or fast, from another directory)."""
+    content = json.dumps([sorted(tokenizer.get_vocab().items()), tokenizer.bos_token_id, tokenizer.eos_token_id])
+    return hashlib.sha256(content.encode()).hexdigest()[:16]
+
+
+# --- which corpora ---------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    prefix: str
+    weight: float
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.prefix)
+
+
+def parse_sources(value, key: str) -> list[Source]:
+    """`train_file` / `eval_file` of data.format=indexed: one PREFIX, or a list of {path, weight} entries (weights
+    positive numbers, normalised to sum 1), or a list of prefixes (equal weights: evaluation reads each whole)."""
+    if isinstance(value, str):
+        return [Source(value, 1.0)]
+    entries = list(value or [])
+    if not entries:
+        raise ShardError(f"{key} is empty: name a shard PREFIX or a list of {{path: PREFIX, weight: W}} entries")
+    sources = []
+    for entry in entries:
+        if isinstance(entry, str):
+            path, weight = entry, 1.0
+        else:
+            entry = dict(entry)
+            if set(entry) != {"path", "weight"}:
+                raise ShardError(f"{key}: entry {entry} must be {{path: PREFIX, weight: W}}")
+            path, weight = entry["path"], entry["weight"]
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+                or weight <= 0:
+            raise ShardError(f"{key}: the weight of {path} is {weight!r}; every weight must be a positive number "
+                             f"(drop a corpus from the list rather than give it weight 0)")
+        sources.append(Source(str(path), float(weight)))
+    prefixes = [s.prefix for s in sources]
+    if len(set(prefixes)) != len(prefixes):
+        raise ShardError(f"{key} names a corpus twice ({prefixes}); give each once with the sum of its weights")
+    total = sum(s.weight for s in sources)
+    return [dataclasses.replace(s, weight=s.weight / total) for s in sources]
+
+
+def check_sources(sources, key: str, vocab_size: int, fingerprint: str | None, seq_length: int) -> list[ShardHeader]:
+    """Each corpus's shards whole, written for this model's vocabulary and tokenizer (when its metadata says), and
+    holding at least one sample; before anything is started. Returns the headers."""
+    headers = []
+    for source in sources:
+        header = read_shard_header(source.prefix)
+        metadata = read_metadata(source.prefix)
+        recorded = metadata.get("tokenizer", {})
+        if recorded.get("vocab_size") and recorded["vocab_size"] > vocab_size:
+            raise ShardError(f"{source.prefix}: prepared with a vocabulary of {recorded['vocab_size']} tokens, more "
+                             f"than the model's {vocab_size}; prepare it with the model's tokenizer")
+        if fingerprint and recorded.get("fingerprint") and recorded["fingerprint"] != fingerprint:
+            raise ShardError(f"{source.prefix}: prepared with tokenizer {recorded.get('name_or_path')!r} "
+                             f"(fingerprint {recorded['fingerprint']}), which differs from this run's (fingerprint "
+                             f"{fingerprint}); prepare it again with the run's tokenizer (python prepare_data.py "
+                             f"--tokenizer_name_or_path ...), or set tokenizer_name_or_path to the one it was "
+                             f"prepared with")
+        if header.dtype not in TOKEN_DTYPES:
+            raise ShardError(f"{source.prefix}.idx: its dtype {np.dtype(header.dtype).name} holds no token ids "
+                             f"(expected one of {', '.join(np.dtype(t).name for t in TOKEN_DTYPES)})")
+        if header.tokens < seq_length:
+            raise ShardError(f"{source.prefix}: {header.tokens} tokens, fewer than one sample of seq_length="
+                             f"{seq_length}; add data or lower seq_length ({key})")
+        headers.append(header)
+    return headers
+
+
+# --- one corpus's epochs ---------------------------------------------------------------------------------------------
+
+class CorpusIndex:
+    """The cached arrays of one corpus for (seed, seq_length): per epoch its document order, sample cut and sample
+    order, in PREFIX.index/s{seed}-L{seq_length}-{shards' identity}/."""
+
+    def __init__(self, header: ShardHeader, seed: int, seq_length: int):
+        self.header, self.seed, self.seq_length = header, seed, seq_length
+        self.directory = Path(f"{header.prefix}.index") / f"s{seed}-L{seq_length}-{header.identity}"
+        self.samples_per_epoch = header.tokens // seq_length
+        self._epochs = {}
+
+    def files(self, epoch: int) -> dict[str, Path]:
+        return {name: self.directory / f"epoch{epoch}-{name}.npy" for name in ("documents", "cut", "order")}
+
+    def build(self, epochs: int) -> None:
+        """Write the arrays of epochs [0, epochs) not yet on disk (write-then-rename: readers never see half)."""
+        build_sample_idx = megatron_datasets()[1].build_sample_idx
+        sizes = None
+        for epoch in range(epochs):
+            files = self.files(epoch)
+            if all(path.exists() for path in files.values()):
+                continue
+            if sizes is None:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                sizes = sequence_lengths(self.header)
+                self._check_stats(sizes)
+            rng = np.random.default_rng([self.seed, epoch])
+            documents = rng.permutation(len(sizes)).astype(np.int32)
+            cut = build_sample_idx(sizes, documents, self.seq_length, 1, self.header.tokens,
+                                   drop_last_partial_sequence=True, add_extra_token_to_sequence=False)
+            order = rng.permutation(len(cut) - 1).astype(np.int32 if len(cut) < 2**31 else np.int64)
+            for name, array in (("documents", documents), ("cut", cut), ("order", order)):
+                partial_file = files[name].with_suffix(f".{os.getpid()}.tmp")
+                with open(partial_file, "wb") as f:
+                    np.save(f, array)
+                os.replace(partial_file, files[name])
+
+    def _check_stats(self, sizes) -> None:
+        """The largest token id, scanned once per shards and cached (shards from elsewhere record no vocabulary)."""
+        stats_file = self.directory.parent / f"stats-{self.header.identity}.json"
+        if stats_file.exists():
+            return
+        largest, smallest = -1, np.iinfo(np.int64).max
+        with open(self.header.prefix + ".bin", "rb") as f:  # read, not memory-mapped: the scan's pages stay no RSS
+            while len(chunk := np.fromfile(f, dtype=self.header.dtype, count=1 << 24)):
+                largest, smallest = max(largest, int(chunk.max())), min(smallest, int(chunk.min()))
+        partial_file = stats_file.with_suffix(f".{os.getpid()}.tmp")
+        partial_file.write_text(json.dumps({"max_token_id": largest, "min_token_id": smallest,
+                                            "documents": int(len(sizes))}))
+        os.replace(partial_file, stats_file)
+
+    def check_token_range(self, vocab_size: int) -> None:
+        stats_file = self.directory.parent / f"stats-{self.header.identity}.json"
+        if not stats_file.exists():
+            return  # built by an older run that checked it already
+        stats = json.loads(stats_file.read_text())
+        if stats["min_token_id"] < 0 or stats["max_token_id"] >= vocab_size:
+            raise ShardError(f"{self.header.prefix}.bin holds token ids in [{stats['min_token_id']}, "
+                             f"{stats['max_token_id']}], outside the model's vocabulary [0, {vocab_size}); prepare "
+                             f"it with the model's tokenizer")
+
+    def epoch(self, epoch: int):
+        """(document order, sample cut, sample order) of `epoch`, memory-mapped."""
+        if epoch not in self._epochs:
+            files = self.files(epoch)
+            missing = [str(p) for p in files.values() if not p.exists()]
+            if missing:
+                raise FileNotFoundError(f"{missing[0]}: the index of epoch {epoch} was not built (prepare_indices "
+                                        f"builds every epoch a run reaches before it starts)")
+            self._epochs[epoch] = tuple(np.load(files[name], mmap_mode="r") for name in ("documents", "cut", "order"))
+        return self._epochs[epoch]
+
+
+def sequence_lengths(header: ShardHeader) -> np.ndarray:
+    """Every document's length in tokens (int32, memory-mapped from the .idx)."""
+    return np.memmap(header.prefix + ".idx", dtype=np.int32, mode="r", offset=HEADER_BYTES, shape=(header.sequences,))
+
+
+class IndexedCorpus:
+    """The samples of one corpus: `sample(k)` is the k-th sample a run draws from it, `cut_sample(e, s)` sample s of
+    epoch e in cut order. Rows are {"input_ids", "labels"} and, with document isolation, "lengths" (the document
+    pieces in the row, as the text format's packed blocks list them)."""
+
+    def __init__(self, index: CorpusIndex, isolate: bool):
+        self.index, self.isolate = index, isolate
+        self.shards = megatron_datasets()[0].IndexedDataset(index.header.prefix)  # memory-mapped
+        self.samples_per_epoch = index.samples_per_epoch
+
+    def sample(self, k: int) -> dict:
+        epoch, position = divmod(int(k), self.samples_per_epoch)
+        return self.cut_sample(epoch, int(self.index.epoch(epoch)[2][position]))
+
+    def cut_sample(self, epoch: int, s: int) -> dict:
+        documents, cut, _ = self.index.epoch(epoch)
+        (first, start), (last, end) = cut[s], cut[s + 1]
+        pieces = []
+        for position in range(int(first), int(last) + 1):  # the cut's end offset is exclusive
+            offset = int(start) if position == first else 0
+            length = int(end) - offset if position == last else None  # None: to the document's end
+            piece = self.shards.get(int(documents[position]), offset, length)
+            if len(piece):  # a sample that starts exactly at a document's end holds nothing of it
+                pieces.append(piece)
+        tokens = np.concatenate(pieces).astype(np.int64)
+        row = {"input_ids": tokens, "labels": tokens}
+        if self.isolate:
+            row["lengths"] = [len(piece) for piece in pieces]
+        return row
+
+
+# --- the blend -------------------------------------------------------------------------------------------------------
+
+def blend_counts(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(corpus of each global sample, its number within that corpus) for samples [0, size): Megatron's rule."""
+    build_blending_indices = megatron_datasets()[1].build_blending_indices
+    corpus = np.zeros(size, dtype=np.int16)
+    within = np.zeros(size, dtype=np.int64)
+    build_blending_indices(corpus, within, np.asarray(weights, dtype=np.float64), len(weights), size, False)
+    return corpus, within
+
+
+class Blend:
+    """Global sample g of a run → a row, from one corpus or several by weight; `epochs(consumed)` says how far each
+    corpus is after `consumed` samples."""
+
+    def __init__(self, sources, corpora, corpus_of=None, number_in_corpus=None):
+        self.sources, self.corpora = sources, corpora
+        self.corpus_of, self.number_in_corpus = corpus_of, number_in_corpus  # None: a single corpus
+        self._counted, self._counts = 0, np.zeros(len(corpora), dtype=np.int64)
+
+    def __getitem__(self, g: int) -> dict:
+        if self.corpus_of is None:
+            return self.corpora[0].sample(g)
+        return self.corpora[int(self.corpus_of[g])].sample(int(self.number_in_corpus[g]))
+
+    def samples_drawn(self, consumed: int) -> np.ndarray:
+        """Samples each corpus gave to the first `consumed` of the run (counted on from the last call)."""
+        if self.corpus_of is None:
+            return np.array([consumed])
+        if consumed < self._counted:
+            self._counted, self._counts = 0, np.zeros_like(self._counts)
+        self._counts += np.bincount(self.corpus_of[self._counted:consumed], minlength=len(self.corpora))
+        self._counted = consumed
+        return self._counts.copy()
+
+    def epochs(self, consumed: int) -> dict[str, float]:
+        """{"epoch/NAME": epochs of corpus NAME read so far}: 1.25 is a quarter into its second epoch."""
+        drawn = self.samples_drawn(consumed)
+        return {f"epoch/{source.name}": round(float(count) / corpus.samples_per_epoch, 4)
+                for source, corpus, count in zip(self.sources, self.corpora, drawn)}
+
+
+def blend_files(directory, sources) -> dict[str, Path]:
+    key = hashlib.sha256(json.dumps([[os.path.abspath(s.prefix), s.weight] for s in sources]).encode()).hexdigest()
+    return {name: Path(directory) / f"blend-{key[:16]}-{name}.npy" for name in ("corpus", "within")}
+
+
+def prepare_indices(sources, headers, *, seed: int, seq_length: int, total_samples: int, blend_dir,
+                    vocab_size: int) -> None:
+    """Build what `total_samples` of the run need and is not cached yet: the blend (when several corpora) and each
+    corpus's epochs up to the last one it reaches. One rank calls this; the others wait, then `open_blend`."""
+    indices = [CorpusIndex(header, seed, seq_length) for header in headers]
+    if len(sources) == 1:
+        drawn = [total_samples]
+    else:
+        files = blend_files(blend_dir, sources)
+        cached = np.load(files["corpus"], mmap_mode="r") if files["corpus"].exists() else None
+        if cached is None or len(cached) < total_samples:  # the blend's prefix never changes: a longer one serves
+            Path(blend_dir).mkdir(parents=True, exist_ok=True)
+            for name, array in zip(("corpus", "within"), blend_counts([s.weight for s in sources], total_samples)):
+                partial_file = files[name].with_suffix(f".{os.getpid()}.tmp")
+                with open(partial_file, "wb") as f:
+                    np.save(f, array)
+                os.replace(partial_file, files[name])
+            cached = np.load(files["corpus"], mmap_mode="r")
+        drawn = np.bincount(cached[:total_samples], minlength=len(sources))
+    for index, count in zip(indices, drawn):
+        index.build(max(1, math.ceil(int(count) / index.samples_per_epoch)))
+        index.check_token_range(vocab_size)
+
+
+def open_blend(sources, headers, *, seed: int, seq_length: int, isolate: bool, blend_dir, vocab_size: int) -> Blend:
+    """The run's samples, memory-mapped from what `prepare_indices` built."""
+    corpora = []
+    for header in headers:
+        index = CorpusIndex(header, seed, seq_length)
+        index.check_token_range(vocab_size)
+        corpora.append(IndexedCorpus(index, isolate))
+    if len(sources) == 1:
+        return Blend(sources, corpora)
+    files = blend_files(blend_dir, sources)
+    return Blend(sources, corpora, *(np.load(files[name], mmap_mode="r") for name in ("corpus", "within")))
+
+
+class WholeCorpora:
+    """Every sample of epoch 0 of each corpus once, corpus after corpus (evaluation), as a sized dataset."""
+
+    def __init__(self, corpora):
+        self.corpora = corpora
+        self.starts = np.cumsum([0] + [c.samples_per_epoch for c in corpora])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, i: int) -> dict:
+        c = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.corpora[c].sample(i - int(self.starts[c]))
+
+
+# --- in a run --------------------------------------------------------------------------------------------------------
+
+def _built_by_rank_zero(build) -> None:
+    """Rank 0 runs `build`, the others wait for it; whatever happens, every rank passes the barrier together."""
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        try:
+            build()
+        finally:
+            dist.barrier()
+    else:
+        dist.barrier()
+
+
+def training_blend(sources, *, reads_data: bool, seed: int, seq_length: int, isolate: bool, blend_dir,
+                   vocab_size: int, total_samples: int) -> Blend | None:
+    """The run's training samples on a data-reading rank (None elsewhere: middle stages open no shard), after rank
+    0 has built the indices the run's `total_samples` reach."""
+    headers = [read_shard_header(source.prefix) for source in sources]
+    _built_by_rank_zero(lambda: prepare_indices(sources, headers, seed=seed, seq_length=seq_length,
+                                                total_samples=total_samples, blend_dir=blend_dir,
+                                                vocab_size=vocab_size))
+    for header in headers:  # every rank, so that all stop alike on token ids outside the vocabulary
+        CorpusIndex(header, seed, seq_length).check_token_range(vocab_size)
+    if not reads_data:
+        return None
+    return open_blend(sources, headers, seed=seed, seq_length=seq_length, isolate=isolate, blend_dir=blend_dir,
+                      vocab_size=vocab_size)
+
+
+def evaluation_samples(sources, *, reads_data: bool, seed: int, seq_length: int, isolate: bool,
+                       vocab_size: int) -> tuple[WholeCorpora | None, int]:
+    """(each evaluation corpus's epoch-0 samples once, on a data-reading rank; their count, on every rank)."""
+    headers = [read_shard_header(source.prefix) for source in sources]
+    indices = [CorpusIndex(header, seed, seq_length) for header in headers]
+
+    def build():
+        for index in indices:
+            index.build(1)
+    _built_by_rank_zero(build)
+    for index in indices:
+        index.check_token_range(vocab_size)
+    count = sum(index.samples_per_epoch for index in indices)
+    if not reads_data:
+        return None, count
+    return WholeCorpora([IndexedCorpus(index, isolate) for index in indices]), count

@@ -1,0 +1,307 @@
+"""Token shards (data/indexed.py, prepare_data.py): Megatron's format both ways, samples equal to the text format's
+blocks, epochs, the blend's proportions, exact positions across layouts, and bad shards refused before training."""
+import json
+import os
+import struct
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+import data.tokenize_shards as tokenize_shards
+from data.indexed import (Blend, CorpusIndex, IndexedCorpus, ShardError, blend_counts, check_sources, open_blend,
+                          parse_sources, prepare_indices, read_shard_header, tokenizer_fingerprint)
+from data.loader import blend_micro_batches
+from data.packing import pack_blocks
+
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def corpus(demo_model, tmp_path_factory):
+    """The demo model's eval text (100 documents) as jsonl + txt inputs, prepared into shards with its tokenizer."""
+    root = tmp_path_factory.mktemp("shards")
+    lines = open(demo_model["eval"]).read().splitlines()
+    with open(root / "a.jsonl", "w") as f:
+        for line in lines[:40]:
+            f.write(json.dumps({"text": line, "id": 7}) + "\n")
+    pq.write_table(pa.table({"text": lines[40:60]}), root / "b.parquet")
+    (root / "c.txt").write_text("\n".join(lines[60:]) + "\n\n")  # a blank line: no document
+    inputs = [str(root / name) for name in ("a.jsonl", "b.parquet", "c.txt")]
+    summary = tokenize_shards.prepare_shards(inputs, demo_model["hf"], str(root / "out" / "web"))
+    tokenizer = AutoTokenizer.from_pretrained(demo_model["hf"])
+    documents = [[tokenizer.bos_token_id, *tokenizer(line, add_special_tokens=False)["input_ids"],
+                  tokenizer.eos_token_id] for line in lines]
+    return {"prefix": str(root / "out" / "web"), "summary": summary, "inputs": inputs, "documents": documents,
+            "root": root, "tokenizer": tokenizer, "hf": demo_model["hf"]}
+
+
+def test_prepared_shards_read_back_with_megatron_and_independently(corpus):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    shards = IndexedDataset(corpus["prefix"])
+    assert [shards[i].tolist() for i in range(len(shards))] == corpus["documents"]
+    assert shards.index.dtype == np.uint16  # 384 tokens: the smallest dtype holding the vocabulary
+    # An independent reading of the bytes: header, lengths, pointers, tokens.
+    idx = open(corpus["prefix"] + ".idx", "rb").read()
+    count = struct.unpack("<Q", idx[18:26])[0]
+    lengths = np.frombuffer(idx, np.int32, count, 34)
+    pointers = np.frombuffer(idx, np.int64, count, 34 + 4 * count)
+    tokens = np.fromfile(corpus["prefix"] + ".bin", np.uint16)
+    assert [tokens[p // 2:p // 2 + n].tolist() for p, n in zip(pointers, lengths)] == corpus["documents"]
+    header = read_shard_header(corpus["prefix"])
+    assert (header.sequences, header.tokens) == (100, sum(map(len, corpus["documents"])))
+    assert corpus["summary"]["tokenizer"]["fingerprint"] == tokenizer_fingerprint(corpus["tokenizer"])
+    assert not os.path.exists(corpus["prefix"] + ".parts")
+
+
+def test_samples_are_the_text_formats_blocks_of_the_shuffled_documents(corpus):
+    index = CorpusIndex(read_shard_header(corpus["prefix"]), seed=3, seq_length=SEQ)
+    index.build(2)
+    samples = IndexedCorpus(index, isolate=True)
+    for epoch in range(2):
+        order = index.epoch(epoch)[0]
+        blocks = pack_blocks({"input_ids": [corpus["documents"][d] for d in order]}, seq_length=SEQ, isolate=True)
+        cut = [samples.cut_sample(epoch, s) for s in range(samples.samples_per_epoch)]
+        assert [row["input_ids"].tolist() for row in cut] == blocks["input_ids"]
+        assert [row["lengths"] for row in cut] == blocks["lengths"]
+    assert samples.samples_per_epoch == read_shard_header(corpus["prefix"]).tokens // SEQ
+    # The k-th sample drawn: epoch k // n, in an order of its own; the next epoch reshuffles documents and order.
+    n = samples.samples_per_epoch
+    drawn = [samples.sample(k)["input_ids"].tolist() for k in range(2 * n)]
+    for epoch in range(2):
+        assert sorted(drawn[epoch * n:(epoch + 1) * n]) == sorted(
+            samples.cut_sample(epoch, s)["input_ids"].tolist() for s in range(n))
+    assert drawn[:n] != [samples.cut_sample(0, s)["input_ids"].tolist() for s in range(n)]
+    assert index.epoch(0)[0].tolist() != index.epoch(1)[0].tolist()
+
+
+def test_a_corpus_written_by_megatrons_builder_trains_here(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    rng = np.random.default_rng(0)
+    documents = [rng.integers(0, 1000, rng.integers(1, 40)).astype(np.int32) for _ in range(50)]
+    builder = IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=np.int32)
+    for document in documents:
+        builder.add_document(document, [len(document)])
+    builder.finalize(str(tmp_path / "m.idx"))
+    sources = parse_sources(str(tmp_path / "m"), "train_file")
+    headers = check_sources(sources, "train_file", 1000, "any fingerprint: Megatron records none", SEQ)
+    prepare_indices(sources, headers, seed=0, seq_length=SEQ, total_samples=10, blend_dir=tmp_path, vocab_size=1000)
+    blend = open_blend(sources, headers, seed=0, seq_length=SEQ, isolate=False, blend_dir=tmp_path, vocab_size=1000)
+    n = blend.corpora[0].samples_per_epoch
+    assert n == sum(map(len, documents)) // SEQ
+    order = blend.corpora[0].index.epoch(0)[0]
+    expected = np.concatenate([documents[d] for d in order])[:n * SEQ].reshape(n, SEQ).tolist()
+    assert [blend.corpora[0].cut_sample(0, s)["input_ids"].tolist() for s in range(n)] == expected
+    assert sorted(blend[k]["input_ids"].tolist() for k in range(n)) == sorted(expected)
+    # Its token ids were never checked against a vocabulary: the index build scans them once.
+    low, high = int(min(d.min() for d in documents)), int(max(d.max() for d in documents))
+    with pytest.raises(ShardError, match=rf"m\.bin holds token ids in \[{low}, {high}\], outside the model's "
+                                         rf"vocabulary \[0, 500\); prepare it with the model's tokenizer"):
+        open_blend(sources, headers, seed=0, seq_length=SEQ, isolate=False, blend_dir=tmp_path, vocab_size=500)
+
+
+def test_blend_is_within_one_sample_of_the_weights_at_every_prefix():
+    weights = [0.5, 0.3, 0.2]
+    corpus, within = blend_counts(weights, 10_000)
+    counts = np.stack([np.cumsum(corpus == c) for c in range(3)], axis=1)
+    drawn = np.arange(1, 10_001)[:, None] * np.array(weights)
+    assert np.abs(counts - drawn).max() <= 1
+    for c in range(3):  # each corpus's samples in order, none skipped
+        assert within[corpus == c].tolist() == list(range(int((corpus == c).sum())))
+
+
+def test_resume_on_another_layout_reads_exactly_the_next_samples():
+    """2 data-parallel ranks x 2 per micro-batch x 2 micro-batches for 3 steps, then 3 ranks x 1 x 2 (the global
+    batch 8 -> 6) from the 24 consumed: each step takes the next global batch, nothing repeated or skipped."""
+    samples = type("Numbered", (), {"__getitem__": lambda self, g: {"input_ids": [g + 1], "labels": [g + 1]}})()
+
+    def steps(dp_size, micro, accumulation, start, count):
+        streams = [blend_micro_batches(samples, reads_data=True, dp_rank=r, dp_size=dp_size, micro_batch_size=micro,
+                                       seq_length=1, pad_id=0, start_sample=start) for r in range(dp_size)]
+        taken = []
+        for _ in range(count):
+            step = [next(s)[0][0][:, 0] - 1 for _ in range(accumulation) for s in streams]
+            taken.append(sorted(int(g) for batch in step for g in batch))
+        return taken
+    first = steps(2, 2, 2, 0, 3)
+    resumed = steps(3, 1, 2, 24, 2)
+    assert first + resumed == [list(range(0, 8)), list(range(8, 16)), list(range(16, 24)), list(range(24, 30)),
+                               list(range(30, 36))]
+    middle = blend_micro_batches(None, reads_data=False, dp_rank=0, dp_size=1, micro_batch_size=1, seq_length=1,
+                                 pad_id=0, start_sample=0)
+    assert next(middle) is None  # a middle stage reads nothing
+
+
+def test_epochs_metric_names_each_corpus_and_its_epoch(tmp_path):
+    corpora = [type("C", (), {"samples_per_epoch": n})() for n in (10, 4)]
+    sources = parse_sources([{"path": "a/web", "weight": 3}, {"path": "b/code", "weight": 1}], "train_file")
+    blend = Blend(sources, corpora, *blend_counts([s.weight for s in sources], 100))
+    assert blend.epochs(40) == {"epoch/web": 3.0, "epoch/code": 2.5}
+    assert blend.epochs(20) == {"epoch/web": 1.5, "epoch/code": 1.25}  # counting again from the start
+
+
+@pytest.mark.parametrize("entry,message", [
+    ({"path": "x", "weight": 0}, "the weight of x is 0; every weight must be a positive number"),
+    ({"path": "x", "weight": -1.5}, "the weight of x is -1.5"),
+    ({"path": "x", "weight": float("nan")}, "the weight of x is nan"),
+    ({"path": "x", "weight": "half"}, "the weight of x is 'half'"),
+    ({"path": "x"}, "must be {path: PREFIX, weight: W}"),
+])
+def test_bad_weights_are_refused(entry, message):
+    with pytest.raises(ShardError, match=f"train_file: .*{message.replace('{', '.').replace('}', '.')}"):
+        parse_sources([{"path": "y", "weight": 1}, entry], "train_file")
+
+
+def test_bad_shards_name_the_file_and_what_to_do(corpus, tmp_path):
+    prefix = str(tmp_path / "web")
+    with pytest.raises(ShardError, match=f"{prefix}.idx does not exist"):
+        read_shard_header(prefix)
+    for suffix in (".bin", ".idx", ".json"):
+        (tmp_path / f"web{suffix}").write_bytes(open(corpus["prefix"] + suffix, "rb").read())
+    bin_file = tmp_path / "web.bin"
+    bin_file.write_bytes(bin_file.read_bytes()[:-2])
+    with pytest.raises(ShardError, match=r"web\.bin holds \d+ bytes but .*web\.idx indexes \d+: the .bin is "
+                                         r"truncated or the .idx belongs to another .bin"):
+        read_shard_header(prefix)
+    (tmp_path / "web.idx").write_bytes((tmp_path / "web.idx").read_bytes()[:-8])
+    with pytest.raises(ShardError, match="web.idx is truncated or damaged"):
+        read_shard_header(prefix)
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    IndexedDatasetBuilder(str(tmp_path / "empty.bin"), dtype=np.uint16).finalize(str(tmp_path / "empty.idx"))
+    with pytest.raises(ShardError, match=f"{tmp_path}/empty: the corpus is empty"):
+        read_shard_header(tmp_path / "empty")
+    sources = parse_sources(corpus["prefix"], "train_file")
+    with pytest.raises(ShardError, match=r"prepared with tokenizer .* which differs from this run's"):
+        check_sources(sources, "train_file", 384, "0123456789abcdef", SEQ)
+    with pytest.raises(ShardError, match="prepared with a vocabulary of 384 tokens, more than the model's 256"):
+        check_sources(sources, "train_file", 256, None, SEQ)
+    with pytest.raises(ShardError, match=r"tokens, fewer than one sample of seq_length=100000"):
+        check_sources(sources, "train_file", 384, None, 100_000)
+
+
+@pytest.mark.slow  # spawns 2 tokenizing processes
+def test_empty_inputs_interrupted_runs_and_two_workers(corpus, tmp_path, monkeypatch):
+    (tmp_path / "blank.txt").write_text("\n\n")
+    with pytest.raises(tokenize_shards.PrepareError, match="hold no document with text"):
+        tokenize_shards.prepare_shards([str(tmp_path / "blank.txt")], corpus["hf"], str(tmp_path / "empty"))
+    assert not list(tmp_path.glob("empty.bin*"))
+    inputs = corpus["inputs"]
+    real_write_part, written = tokenize_shards.write_part, []
+
+    def write_then_fail_on_the_second(path, *args):
+        if len(written) == 1:
+            raise KeyboardInterrupt
+        written.append(path)
+        real_write_part(path, *args)
+    monkeypatch.setattr(tokenize_shards, "write_part", write_then_fail_on_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        tokenize_shards.prepare_shards(inputs, corpus["hf"], str(tmp_path / "web"))
+    assert not list(tmp_path.glob("web.*[bx]"))  # no final shard, half-written or not
+    written.append(None)  # from here on every part is written, by 2 tokenizing processes
+    tokenize_shards.prepare_shards(inputs, corpus["hf"], str(tmp_path / "web"), workers=2, batch_size=7)
+    assert written == [inputs[0], None, inputs[1], inputs[2]]  # the first input's part was kept, not redone
+    for suffix in (".bin", ".idx"):
+        assert open(tmp_path / f"web{suffix}", "rb").read() == open(corpus["prefix"] + suffix, "rb").read()
+    monkeypatch.setattr(tokenize_shards, "write_part", None)  # done: a third run tokenizes nothing
+    tokenize_shards.prepare_shards(inputs, corpus["hf"], str(tmp_path / "web"))
+
+
+@pytest.fixture(scope="module")
+def mixture_runs(demo_model, tmp_path_factory):
+    """6 steps on 2 stages of a 0.5/0.5 mixture of the demo corpus (prepared here) and a 20-document one written
+    as Megatron's preprocess_data.py writes it (its builder, int32, no PREFIX.json; it runs out and starts its
+    second epoch), saving at step 3; then steps 4-6 resumed on 1 process with another micro-batch size and the
+    same global batch."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from tests.launch import check_ok, demo_overrides, launch_trainer
+    root = tmp_path_factory.mktemp("mixture")
+    for name, source in (("web", demo_model["train"]), ("eval", demo_model["eval"])):
+        tokenize_shards.prepare_shards([source], demo_model["hf"], str(root / name))
+    tokenizer = AutoTokenizer.from_pretrained(demo_model["hf"])
+    builder = IndexedDatasetBuilder(str(root / "small.bin"), dtype=np.int32)
+    for line in open(demo_model["eval"]).readlines()[:20]:
+        ids = [tokenizer.bos_token_id, *tokenizer(line.strip(), add_special_tokens=False)["input_ids"],
+               tokenizer.eos_token_id]
+        builder.add_document(np.array(ids), [len(ids)])
+    builder.finalize(str(root / "small.idx"))
+    mixture = f"[{{path: {root / 'web'}, weight: 1}}, {{path: {root / 'small'}, weight: 1}}]"
+    settings = dict(train_file=mixture, eval_file=str(root / "eval"), **{"data.format": "indexed"},
+                    max_steps=6, logging_steps=1, save_steps=3, export_hf="false", eval_steps=0)
+    first = root / "first"
+    check_ok(launch_trainer(2, demo_overrides(demo_model, first, **settings)))
+    resumed = root / "resumed"
+    result = check_ok(launch_trainer(1, demo_overrides(demo_model, resumed, **settings, num_stages=1,
+                                                       micro_batch_size=1, gradient_accumulation_steps=8,
+                                                       resume=str(first / "global_step3"))))
+    return {"root": root, "first": first, "resumed": resumed, "resume_output": result.stdout}
+
+
+@pytest.mark.slow
+def test_mixture_trains_and_resumes_on_another_layout_exactly(demo_model, mixture_runs):
+    from tests.launch import per_step_losses, read_metrics
+    first, resumed = per_step_losses(mixture_runs["first"]), per_step_losses(mixture_runs["resumed"])
+    assert len(first) == 6 and resumed == pytest.approx(first[3:], abs=1e-5, rel=0)
+    assert "the data position is kept in samples (24 consumed)" in mixture_runs["resume_output"]
+    # Metrics: each corpus's epochs after the step's samples, the small one past its first epoch by step 6.
+    root = mixture_runs["root"]
+    sizes = [read_shard_header(root / name).tokens // 64 for name in ("web", "small")]
+    corpus_of, _ = blend_counts([0.5, 0.5], 48)
+    for step in (3, 6):
+        record = next(r for r in read_metrics(mixture_runs["resumed"] if step > 3 else mixture_runs["first"])
+                      if r.get("step") == step and "loss" in r)
+        drawn = [int((corpus_of[:8 * step] == c).sum()) for c in range(2)]
+        assert record["epoch/web"] == round(drawn[0] / sizes[0], 4)
+        assert record["epoch/small"] == round(drawn[1] / sizes[1], 4)
+    assert record["epoch/small"] > 1
+    assert "eval_loss" in read_metrics(mixture_runs["resumed"])[-1]
+
+
+@pytest.mark.slow
+def test_first_step_loss_equals_transformers_on_the_samples_read_from_shards(demo_model, mixture_runs):
+    """Step 1 (before any update) is the token mean over its 8 samples, which transformers computes alike."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.launch import per_step_losses
+    root = mixture_runs["root"]
+    sources = parse_sources([{"path": str(root / "web"), "weight": 1}, {"path": str(root / "small"), "weight": 1}],
+                            "train_file")
+    headers = [read_shard_header(s.prefix) for s in sources]
+    blend = open_blend(sources, headers, seed=42, seq_length=64, isolate=False,
+                       blend_dir=mixture_runs["first"] / "data_index", vocab_size=384)
+    batch = torch.as_tensor(np.stack([blend[g]["input_ids"] for g in range(8)]))
+    model = AutoModelForCausalLM.from_pretrained(demo_model["hf"], torch_dtype=torch.float32)
+    with torch.no_grad():
+        expected = model(input_ids=batch, labels=batch).loss.item()
+    assert per_step_losses(mixture_runs["first"])[0] == pytest.approx(expected, abs=1e-5)
+
+
+def test_run_refuses_bad_shards_before_starting(demo_model, corpus, tmp_path):
+    """run_spec (every rank, before any process group): a missing prefix, a list given to a file format, shards
+    prepared with another tokenizer."""
+    from hydra import compose, initialize_config_dir
+
+    from data.corpus import train_demo_tokenizer
+    from tests.conftest import ROOT
+    from tests.launch import demo_overrides
+    from training.run_spec import ConfigError, run_spec
+    other = train_demo_tokenizer(demo_model["eval"], tmp_path / "other_tokenizer", 320)
+    tokenize_shards.prepare_shards([demo_model["eval"]], str(tmp_path / "other_tokenizer"), str(tmp_path / "other"))
+
+    def spec(**overrides):
+        with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
+            cfg = compose(config_name="tiny", overrides=demo_overrides(demo_model, tmp_path / "run", **overrides))
+        return run_spec(cfg, 2)
+    assert spec(train_file=corpus["prefix"], eval_file=corpus["prefix"], **{"data.format": "indexed"})
+    with pytest.raises(ConfigError, match=f"train_file: {tmp_path}/nope.idx does not exist: a corpus is a PREFIX"):
+        spec(train_file=f"[{{path: {corpus['prefix']}, weight: 2}}, {{path: {tmp_path / 'nope'}, weight: 1}}]",
+             **{"data.format": "indexed"})
+    with pytest.raises(ConfigError, match="train_file is a list; only data.format=indexed reads several corpora"):
+        spec(train_file=f"[{corpus['prefix']}]")
+    with pytest.raises(ConfigError, match=rf"eval_file: {tmp_path}/other: prepared with tokenizer "
+                                          rf"'{tmp_path}/other_tokenizer' \(fingerprint "
+                                          rf"{tokenizer_fingerprint(other)}\), which differs from this run's"):
+        spec(train_file=corpus["prefix"], eval_file=str(tmp_path / "other"), **{"data.format": "indexed"})
