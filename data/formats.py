@@ -1,7 +1,8 @@
-"""The four data formats and how a record becomes tokens: `pretokenized` (input_ids), `text` (documents: bos +
-tokens + eos), `instruction` (prompt and response, the loss on the response) and `chat` (a conversation rendered
-with the tokenizer's chat template, the loss on what each assistant turn adds). Each format's settings and fields,
-and the per-batch functions that data/datasets.py runs in its cached passes."""
+"""The five data formats and how a record becomes tokens: `pretokenized` (input_ids), `text` (documents: bos +
+tokens + eos), `instruction` (prompt and response, the loss on the response), `chat` (a conversation rendered
+with the tokenizer's chat template, the loss on what each assistant turn adds) and `preference` (TRL's prompt /
+chosen / rejected records, tokenized as TRL's DPOTrainer does). Each format's settings and fields, and the per-batch
+functions that data/datasets.py runs in its cached passes."""
 import copy
 import dataclasses
 from functools import partial
@@ -11,8 +12,12 @@ from typing import Any
 import datasets
 
 IGNORE_INDEX = -100  # label value the causal-LM loss skips (torch CrossEntropyLoss ignore_index)
-FORMATS = ("pretokenized", "text", "instruction", "chat")
-FORMAT_FIELDS = {"pretokenized": ("input_ids",), "instruction": ("prompt", "response"), "chat": ("messages",)}
+FORMATS = ("pretokenized", "text", "instruction", "chat", "preference")
+FORMAT_FIELDS = {"pretokenized": ("input_ids",), "instruction": ("prompt", "response"), "chat": ("messages",),
+                 "preference": ("prompt", "chosen", "rejected")}
+PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")  # TRL's names
+# A preference record's tokens: the shared prompt, then each response (TRL's prompt_ids / chosen_ids / rejected_ids).
+PAIR_FEATURES = datasets.Features({f"{part}_ids": datasets.List(datasets.Value("int32")) for part in PREFERENCE_FIELDS})
 TOKEN_FEATURE = datasets.List(datasets.Value("int32"))
 
 
@@ -50,6 +55,10 @@ class DataSettings:
         for name, allowed in choices.items():
             if getattr(settings, name) not in allowed:
                 raise ValueError(f"data.{name}={getattr(settings, name)!r}: expected one of {', '.join(allowed)}")
+        if settings.format == "preference" and (settings.packing or settings.overlong == "split"):
+            raise ValueError(f"data.format=preference with {'data.packing=true' if settings.packing else 'data.overlong=split'}: "
+                             "a pair's two sequences travel whole, one per row (overlong pairs are truncated as TRL "
+                             "does); set data.packing=false and data.overlong=truncate")
         return settings
 
     def required_fields(self) -> dict[str, type]:
@@ -60,6 +69,8 @@ class DataSettings:
             return {self.prompt_field: str, self.response_field: str}
         if self.format == "chat":
             return {self.messages_field: list}
+        if self.format == "preference":  # strings, or conversations (lists of messages)
+            return dict.fromkeys(PREFERENCE_FIELDS, (str, list))
         return {self.text_field: str}
 
     def format_hint(self, fields) -> str:
@@ -80,6 +91,8 @@ def record_tokenizer(settings: DataSettings, tokenizer, columns: list[str], path
         features = datasets.Features({"input_ids": TOKEN_FEATURE, "labels": TOKEN_FEATURE,
                                       "turn_ends": TOKEN_FEATURE})
         return function, features, "rendering chats", True
+    if settings.format == "preference":
+        return partial(_tokenize_pairs, tokenizer=tokenizer, path=path), PAIR_FEATURES, "tokenizing pairs", True
     if settings.format == "text":
         text_field = settings.text_field if settings.text_field in columns else "text"
         function = partial(_tokenize_documents, tokenizer=tokenizer, text_field=text_field)
@@ -190,3 +203,66 @@ def _tokenize_chats(batch, indices, *, tokenizer, field: str, path: Path) -> dic
     return {"input_ids": input_ids, "labels": labels, "turn_ends": turn_ends}
 
 
+
+
+def preference_problem(record: dict) -> str | None:
+    """Why a preference record cannot train (or None): prompt, chosen and rejected must be three strings or three
+    conversations (lists of {'role', 'content'} messages), the responses not empty and not the same."""
+    values = [record[field] for field in PREFERENCE_FIELDS]
+    if all(isinstance(value, str) for value in values):
+        conversational = False
+    elif all(isinstance(value, list) for value in values):
+        conversational = True
+        for field, messages in zip(PREFERENCE_FIELDS, values):
+            for index, message in enumerate(messages):
+                if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                        and isinstance(message.get("content"), str)):
+                    return (f"bad preference example ({field!r} message {index} is not a {{'role': str, 'content': "
+                            f"str}} object)")
+    else:
+        return ("bad preference example ('prompt', 'chosen' and 'rejected' must be all strings or all conversations "
+                f"(lists of messages), got {', '.join(type(value).__name__ for value in values)})")
+    prompt, chosen, rejected = values
+    if not chosen or not rejected:
+        return f"bad preference example (empty {'chosen' if not chosen else 'rejected'} response)"
+    if chosen == rejected:
+        return "bad preference example ('chosen' and 'rejected' are the same: nothing to prefer)"
+    if conversational and not prompt:
+        return "bad preference example (empty 'prompt' conversation)"
+    return None
+
+
+def _tokenize_pairs(batch, indices, *, tokenizer, path: Path) -> dict:
+    """Each record as TRL's DPOTrainer tokenizes it: strings as tokenizer(prompt) and tokenizer(prompt + response
+    + eos) (eos appended to a response that lacks it); conversations with the chat template (the prompt with the
+    generation prompt). The response starts where the prompt's tokens and prompt + response's first differ, for
+    both responses (TRL's common_prefix_length)."""
+    output = {f"{part}_ids": [] for part in PREFERENCE_FIELDS}
+    for index, prompt, chosen, rejected in zip(indices, *(batch[field] for field in PREFERENCE_FIELDS)):
+        problem = preference_problem(dict(zip(PREFERENCE_FIELDS, (prompt, chosen, rejected))))
+        if problem:
+            raise ValueError(f"{path}: example {index}: {problem}; fix it (a JSON-lines file can also skip it with "
+                             "data.bad_lines=skip)")
+        if isinstance(prompt, str):
+            eos = tokenizer.eos_token or ""
+            prompt_ids = tokenizer(prompt)["input_ids"]
+            with_response = [tokenizer(prompt + (r if r.endswith(eos) else r + eos))["input_ids"]
+                             for r in (chosen, rejected)]
+        else:
+            render = partial(tokenizer.apply_chat_template, tokenize=True, return_dict=True)
+            prompt_ids = render(prompt, add_generation_prompt=True)["input_ids"]
+            with_response = [render(prompt + r)["input_ids"] for r in (chosen, rejected)]
+        shared = min(_common_prefix(prompt_ids, ids) for ids in with_response)
+        output["prompt_ids"].append(prompt_ids[:shared])
+        output["chosen_ids"].append(with_response[0][shared:])
+        output["rejected_ids"].append(with_response[1][shared:])
+    return output
+
+
+def _common_prefix(a, b) -> int:
+    length = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        length += 1
+    return length

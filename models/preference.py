@@ -1,0 +1,133 @@
+"""Preference objectives on the last stage, from each sequence's response log-probability (models/loss.py
+`sequence_log_probs`, chunked, never a tokens x vocabulary tensor):
+
+- `dpo`: TRL's DPOTrainer with loss_type="sigmoid": -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r))) per pair,
+  pi and ref the summed response log-probabilities of the policy and of the reference (the starting weights,
+  precomputed once: training/reference.py); rewards beta (pi - ref).
+- `simpo`: TRL's CPOTrainer with loss_type="simpo", cpo_alpha=0: -log sigmoid(beta (avg_c - avg_r) - gamma) per
+  pair, avg the response log-probability divided by its tokens; rewards beta avg. No reference.
+
+A micro-batch holds its pairs' chosen sequences in its first half of rows and their rejected ones in the second
+(data/collator.py `collate_preference`); a pair never spans micro-batches, so the step's loss, the mean over every
+pair of the global batch, is a sum of per-micro-batch sums divided by `step_divisor` (training/token_mean.py).
+"""
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
+
+from models.context_parallel import NO_CONTEXT_PARALLEL
+from models.loss import IGNORE_INDEX, next_token_labels, sequence_log_probs
+from models.tensor_parallel import NO_TENSOR_PARALLEL
+
+OBJECTIVES = ("sft", "dpo", "simpo")
+DPO_LOSS_TYPES = ("sigmoid",)
+# TRL's metric names, logged as means over the pairs of a step (or of the eval set).
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceSettings:
+    """The `objective` key and its `dpo:` / `simpo:` nodes."""
+    objective: str = "sft"
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    gamma: float = 0.5  # simpo: the target reward margin (TRL's simpo_gamma)
+
+    @classmethod
+    def from_cfg(cls, cfg):
+        objective = cfg.objective
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective={objective!r} is not one of {', '.join(OBJECTIVES)}.")
+        node = cfg.simpo if objective == "simpo" else cfg.dpo
+        beta = node.beta
+        if not (isinstance(beta, (int, float)) and not isinstance(beta, bool) and beta > 0):
+            raise ValueError(f"{'simpo' if objective == 'simpo' else 'dpo'}.beta={beta!r} must be a positive number "
+                             f"(TRL's default: 0.1 for DPO, 2.0 for SimPO).")
+        if cfg.dpo.loss_type not in DPO_LOSS_TYPES:
+            raise ValueError(f"dpo.loss_type={cfg.dpo.loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES)}.")
+        gamma = cfg.simpo.gamma
+        if not (isinstance(gamma, (int, float)) and not isinstance(gamma, bool)):
+            raise ValueError(f"simpo.gamma={gamma!r} must be a number (TRL's simpo_gamma, 0.5 by default).")
+        return cls(objective, float(beta), cfg.dpo.loss_type, float(gamma))
+
+    @property
+    def preference(self):
+        return self.objective != "sft"
+
+    @property
+    def needs_reference(self):
+        return self.objective == "dpo"
+
+
+class PreferenceLoss:
+    """The pipeline's loss_fn under a preference objective: (the head's input and weight, (labels, reference
+    log-probabilities)) -> the summed pair losses / step_divisor (the step's pairs per micro-batch and rank), or
+    without one (evaluation) the micro-batch's mean over its pairs. `reference_pass`: return each row's summed
+    response log-probability instead (training/reference.py). Each call adds its pairs' metric sums to `totals`."""
+
+    def __init__(self, settings, parallel=NO_TENSOR_PARALLEL, chunk_tokens=1024, context=NO_CONTEXT_PARALLEL):
+        if context.size > 1:
+            raise ValueError("preference objectives do not run under context parallelism yet; set "
+                             "context_parallel_size=1.")
+        self.settings, self.parallel, self.chunk_tokens, self.context = settings, parallel, chunk_tokens, context
+        self.step_divisor = None
+        self.reference_pass = False
+        self.totals = torch.zeros(len(METRICS) + 1, dtype=torch.float64)  # the metrics' sums, then the pair count
+
+    def units(self, labels, whole=False):
+        """What the loss averages over: the pairs with a response token (evaluation pads with empty rows)."""
+        return int(scored_pairs(labels[0]).sum())
+
+    def __call__(self, outputs, labels):
+        labels, reference = labels
+        hidden, weight = outputs
+        next_labels = next_token_labels(labels).to(hidden.device)
+        logps = sequence_log_probs(hidden, weight, next_labels, labels.shape[0], self.parallel, self.chunk_tokens)
+        if self.reference_pass:
+            return logps.detach()
+        scored = scored_pairs(labels).to(logps.device)
+        if self.settings.objective == "simpo":
+            tokens = (next_labels != IGNORE_INDEX).view(labels.shape[0], -1).sum(dim=1).clamp(min=1)
+            chosen, rejected = (logps / tokens).chunk(2)
+            chosen_rewards, rejected_rewards = self.settings.beta * chosen, self.settings.beta * rejected
+            margin = self.settings.beta * (chosen - rejected) - self.settings.gamma
+        else:
+            chosen, rejected = logps.chunk(2)
+            ref_chosen, ref_rejected = reference.to(logps.device).chunk(2)
+            chosen_rewards = self.settings.beta * (chosen - ref_chosen)
+            rejected_rewards = self.settings.beta * (rejected - ref_rejected)
+            margin = chosen_rewards - rejected_rewards
+        losses = -F.logsigmoid(margin) * scored
+        self.add_metrics(scored, chosen.detach(), rejected.detach(), chosen_rewards.detach(),
+                         rejected_rewards.detach())
+        divisor = self.step_divisor if self.step_divisor is not None else scored.sum().clamp(min=1)
+        return losses.sum() / divisor
+
+    def add_metrics(self, scored, chosen, rejected, chosen_rewards, rejected_rewards):
+        values = (chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),
+                  chosen_rewards - rejected_rewards, chosen, rejected)
+        sums = torch.stack([(value * scored).sum() for value in values] + [scored.sum()])
+        self.totals += sums.double().cpu()
+
+    def take_metrics(self, group=None):
+        """TRL's metrics as means over the pairs scored since the last call, summed over `group` (None: the whole
+        world, where only the ranks that computed a loss hold nonzero sums); {} when no pair was scored."""
+        totals = self.totals.to(get_accelerator().current_device_name())
+        self.totals = torch.zeros_like(self.totals)
+        if dist.is_initialized():
+            dist.all_reduce(totals, group=group)
+        totals = totals.cpu()
+        if totals[-1] == 0:
+            return {}
+        return {name: float(value / totals[-1]) for name, value in zip(METRICS, totals[:-1])}
+
+
+def scored_pairs(labels):
+    """(pairs,) 1.0 where the pair's chosen sequence has a response token to score, from a micro-batch's labels
+    (chosen rows, then rejected rows)."""
+    chosen = labels[: labels.shape[0] // 2]
+    return (chosen[:, 1:] != IGNORE_INDEX).any(dim=1).float()

@@ -1,0 +1,126 @@
+"""Preference tuning against TRL 1.16: the trainer (training/loop.py run, in spawned gloo processes) on preference
+pairs equals TRL's DPOTrainer (precomputed reference log-probabilities, AdamW, clipping) on the same weights, data
+and hyperparameters: the first step's loss and rewards within 1e-5, its gradient norm within 1e-5 relative, six
+steps' losses and TRL's metrics within 1e-4. TRL is imported inside the tests only (it is slow to import)."""
+import json
+import random
+
+import pytest
+import torch
+
+from tests.distributed import spawn
+
+SEQ, MICRO_BATCH, GAS, STEPS, SEED, BETA = 48, 2, 2, 6, 42, 0.1
+LEARNING_RATE, BETAS, MAX_GRAD_NORM = 2e-3, (0.9, 0.999), 0.5
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+WORDS = "the cat dog sees a red ball near park and river tree runs jumps over under big small".split()
+
+
+@pytest.fixture(scope="module")
+def preference_model(tmp_path_factory):
+    """A tiny LLaMA with a byte-level BPE tokenizer (tests/chat_tokenizers.py), converted; string pairs in jsonl."""
+    from transformers import LlamaConfig
+
+    from checkpoints.hf_to_ds import convert_hf_to_ds
+    from tests.chat_tokenizers import make_chat_tokenizer
+    from tests.tiny_models import COMMON, make_model
+    root = tmp_path_factory.mktemp("preference")
+    tokenizer = make_chat_tokenizer("llama3")
+    config = LlamaConfig(**dict(COMMON, vocab_size=len(tokenizer), max_position_embeddings=SEQ),
+                         num_key_value_heads=2, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    make_model(config, root / "hf", seed=3)
+    tokenizer.save_pretrained(root / "hf")
+    convert_hf_to_ds(str(root / "hf"), str(root / "ds"))
+    rng = random.Random(0)
+    say = lambda low, high: " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))  # noqa: E731
+    records = [{"prompt": say(2, 8) + ":", "chosen": " " + say(1, 10), "rejected": " " + say(1, 10)}
+               for _ in range(40)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return {"hf": str(root / "hf"), "ds": str(root / "ds"), "train": str(root / "train.jsonl"), "records": records,
+            "root": root}
+
+
+def trainer_overrides(model, output_dir, **extra):
+    values = dict(model_name_or_path=model["ds"], train_file=model["train"], eval_file="null", output_dir=str(output_dir),
+                  seq_length=SEQ, micro_batch_size=MICRO_BATCH, gradient_accumulation_steps=GAS, max_steps=STEPS,
+                  learning_rate=LEARNING_RATE, lr_scheduler="constant", warmup_steps=0, adam_beta1=BETAS[0],
+                  adam_beta2=BETAS[1], max_grad_norm=MAX_GRAD_NORM, precision="fp32", zero_stage=0, num_stages=1,
+                  logging_steps=1, eval_steps=0, save_steps=0, export_hf=False, seed=SEED, objective="dpo",
+                  loss_chunk_tokens=7, **{"data.format": "preference", "dpo.beta": BETA,
+                                          "deepspeed.tensorboard.enabled": False})
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def run_trainer(rank, overrides):
+    """One rank of the trainer, as trainer_pipe.py runs it (Hydra's compose of conf/tiny.yaml and overrides)."""
+    from hydra import compose, initialize_config_dir
+
+    from tests.conftest import ROOT
+    from training.loop import run
+    with initialize_config_dir(config_dir=f"{ROOT}/conf", version_base=None):
+        cfg = compose(config_name="tiny", overrides=overrides)
+    run(cfg)
+    torch.distributed.destroy_process_group()
+
+
+def read_metrics(output_dir):
+    return [json.loads(line) for line in open(output_dir / "metrics.jsonl") if line.strip()]
+
+
+def trainer_order(num_records, data_parallel):
+    """The pairs of each step as the trainer reads them: every data-parallel rank's share (its DistributedSampler,
+    data/loader.py), step after step, one list."""
+    from torch.utils.data import DistributedSampler
+    shards = [list(DistributedSampler(range(num_records), num_replicas=data_parallel, rank=rank, shuffle=True,
+                                      seed=SEED, drop_last=True)) for rank in range(data_parallel)]
+    per_step = MICRO_BATCH * GAS
+    return [index for step in range(STEPS) for shard in shards for index in shard[step * per_step:(step + 1) * per_step]]
+
+
+def trl_dpo_run(model, order, global_pairs, output_dir):
+    """TRL's DPOTrainer on the pairs in `order`, global_pairs per step (one micro-batch: its loss is the mean over
+    the step's pairs, as the trainer's), precomputed reference log-probabilities; its log history."""
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    class InOrder(DPOTrainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    policy = AutoModelForCausalLM.from_pretrained(model["hf"], dtype=torch.float32, attn_implementation="eager")
+    args = DPOConfig(output_dir=str(output_dir), per_device_train_batch_size=global_pairs,
+                     gradient_accumulation_steps=1, max_steps=STEPS, learning_rate=LEARNING_RATE,
+                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=BETAS[0],
+                     adam_beta2=BETAS[1], adam_epsilon=1e-8, max_grad_norm=MAX_GRAD_NORM, optim="adamw_torch",
+                     logging_steps=1, beta=BETA, loss_type=["sigmoid"], precompute_ref_log_probs=True,
+                     max_length=SEQ, use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=SEED,
+                     dataloader_drop_last=True, disable_tqdm=True)
+    trainer = InOrder(model=policy, args=args, processing_class=AutoTokenizer.from_pretrained(model["hf"]),
+                      train_dataset=Dataset.from_list([model["records"][i] for i in order]))
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
+
+
+@pytest.mark.slow
+def test_dpo_one_stage_matches_trl(preference_model, tmp_path):
+    out = tmp_path / "run"
+    spawn(run_trainer, 1, trainer_overrides(preference_model, out))
+    ours = [r for r in read_metrics(out) if "loss" in r]
+    order = trainer_order(len(preference_model["records"]), 1)
+    theirs = trl_dpo_run(preference_model, order, MICRO_BATCH * GAS, tmp_path / "trl")
+    assert len(ours) == len(theirs) == STEPS
+    first, trl_first = ours[0], theirs[0]
+    assert first["loss"] == pytest.approx(trl_first["loss"], abs=1e-5)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert first[name] == pytest.approx(trl_first[name], abs=1e-5), name
+    assert first["grad_norm"] == pytest.approx(trl_first["grad_norm"], rel=1e-5)
+    for step, (mine, trl) in enumerate(zip(ours, theirs), start=1):
+        assert mine["loss"] == pytest.approx(trl["loss"], abs=1e-4), step
+        assert mine["grad_norm"] == pytest.approx(trl["grad_norm"], rel=1e-4), step
+        for name in METRICS:
+            assert mine[name] == pytest.approx(trl[name], abs=1e-4, rel=1e-5), (step, name)
