@@ -36,7 +36,7 @@ def preference_model(tmp_path_factory):
     rng = random.Random(0)
     say = lambda low, high: " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))  # noqa: E731
     records = [{"prompt": say(2, 8) + ":", "chosen": " " + say(1, 10), "rejected": " " + say(1, 10)}
-               for _ in range(40)]
+               for _ in range(48)]
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return {"hf": str(root / "hf"), "ds": str(root / "ds"), "train": str(root / "train.jsonl"), "records": records,
             "root": root}
@@ -54,15 +54,17 @@ def trainer_overrides(model, output_dir, **extra):
     return [f"{k}={v}" for k, v in values.items()]
 
 
-def run_trainer(rank, overrides):
-    """One rank of the trainer, as trainer_pipe.py runs it (Hydra's compose of conf/tiny.yaml and overrides)."""
+def run_trainer(rank, *runs):
+    """One rank of the trainer, as trainer_pipe.py runs it (Hydra's compose of conf/tiny.yaml and overrides), for
+    each list of overrides in turn (one process start for several runs)."""
     from hydra import compose, initialize_config_dir
 
     from tests.conftest import ROOT
     from training.loop import run
-    with initialize_config_dir(config_dir=f"{ROOT}/conf", version_base=None):
-        cfg = compose(config_name="tiny", overrides=overrides)
-    run(cfg)
+    for overrides in runs:
+        with initialize_config_dir(config_dir=f"{ROOT}/conf", version_base=None):
+            cfg = compose(config_name="tiny", overrides=overrides)
+        run(cfg)  # the process group stays up for the next run (gloo cannot start a second one on the same port)
     torch.distributed.destroy_process_group()
 
 
@@ -80,19 +82,25 @@ def trainer_order(num_records, data_parallel):
     return [index for step in range(STEPS) for shard in shards for index in shard[step * per_step:(step + 1) * per_step]]
 
 
-def trl_dpo_run(model, order, global_pairs, output_dir):
+def trl_dpo_run(model, order, global_pairs, output_dir, lora=None):
     """TRL's DPOTrainer on the pairs in `order`, global_pairs per step (one micro-batch: its loss is the mean over
-    the step's pairs, as the trainer's), precomputed reference log-probabilities; its log history."""
+    the step's pairs, as the trainer's), precomputed reference log-probabilities; its log history. lora
+    (LoraSettings): peft adapters starting from the trainer's initial values, the reference the base."""
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
+
+    from tests.lora_reference import adapter_values, peft_model
 
     class InOrder(DPOTrainer):
         def _get_train_sampler(self, *args, **kwargs):
             return SequentialSampler(self.train_dataset)
 
-    policy = AutoModelForCausalLM.from_pretrained(model["hf"], dtype=torch.float32, attn_implementation="eager")
+    if lora is None:
+        policy = AutoModelForCausalLM.from_pretrained(model["hf"], dtype=torch.float32, attn_implementation="eager")
+    else:
+        policy = peft_model(model["hf"], lora, adapter_values(AutoConfig.from_pretrained(model["hf"]), lora, SEED))
     args = DPOConfig(output_dir=str(output_dir), per_device_train_batch_size=global_pairs,
                      gradient_accumulation_steps=1, max_steps=STEPS, learning_rate=LEARNING_RATE,
                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=BETAS[0],
@@ -106,13 +114,9 @@ def trl_dpo_run(model, order, global_pairs, output_dir):
     return [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
 
 
-@pytest.mark.slow
-def test_dpo_one_stage_matches_trl(preference_model, tmp_path):
-    out = tmp_path / "run"
-    spawn(run_trainer, 1, trainer_overrides(preference_model, out))
-    ours = [r for r in read_metrics(out) if "loss" in r]
-    order = trainer_order(len(preference_model["records"]), 1)
-    theirs = trl_dpo_run(preference_model, order, MICRO_BATCH * GAS, tmp_path / "trl")
+def assert_matches_trl(ours, theirs):
+    """The trainer's logged steps against TRL's: the first step's loss and rewards within 1e-5 and its gradient
+    norm within 1e-5 relative, every step's loss, gradient norm and metrics within 1e-4."""
     assert len(ours) == len(theirs) == STEPS
     first, trl_first = ours[0], theirs[0]
     assert first["loss"] == pytest.approx(trl_first["loss"], abs=1e-5)
@@ -124,3 +128,43 @@ def test_dpo_one_stage_matches_trl(preference_model, tmp_path):
         assert mine["grad_norm"] == pytest.approx(trl["grad_norm"], rel=1e-4), step
         for name in METRICS:
             assert mine[name] == pytest.approx(trl[name], abs=1e-4, rel=1e-5), (step, name)
+
+
+def logged_steps(output_dir):
+    return [r for r in read_metrics(output_dir) if "loss" in r]
+
+
+@pytest.mark.slow
+def test_dpo_one_stage_matches_trl(preference_model, tmp_path):
+    out = tmp_path / "run"
+    spawn(run_trainer, 1, trainer_overrides(preference_model, out))
+    order = trainer_order(len(preference_model["records"]), 1)
+    assert_matches_trl(logged_steps(out), trl_dpo_run(preference_model, order, MICRO_BATCH * GAS, tmp_path / "trl"))
+
+
+@pytest.mark.slow
+def test_dpo_two_stages_two_data_parallel_resumed_matches_trl(preference_model, tmp_path):
+    """2 stages x 2 data-parallel under ZeRO-1, stopped after 3 steps and resumed: the resumed run reads the
+    stored reference log-probabilities (the file is not written again) and the six steps equal TRL's."""
+    out = tmp_path / "run"
+    layout = dict(num_stages=2, zero_stage=1)
+    spawn(run_trainer, 4, trainer_overrides(preference_model, out, **layout, max_steps=3),
+          trainer_overrides(preference_model, out, **layout, resume="auto"))
+    (reference,) = (out / "data_cache").glob("*-reference-*.pt")
+    # written before the first run's checkpoint, never again: the resumed run read it
+    assert reference.stat().st_mtime_ns < (out / "global_step3").stat().st_mtime_ns
+    order = trainer_order(len(preference_model["records"]), 2)
+    assert_matches_trl(logged_steps(out), trl_dpo_run(preference_model, order, 2 * MICRO_BATCH * GAS,
+                                                      tmp_path / "trl"))
+
+
+@pytest.mark.slow
+def test_dpo_lora_matches_trl(preference_model, tmp_path):
+    """LoRA: the reference is the base with the adapters off (TRL: peft's disabled adapter)."""
+    from models.lora import LoraSettings
+    out = tmp_path / "run"
+    spawn(run_trainer, 1, trainer_overrides(preference_model, out, **{"lora.rank": 4}))
+    order = trainer_order(len(preference_model["records"]), 1)
+    lora = LoraSettings(rank=4)
+    assert_matches_trl(logged_steps(out), trl_dpo_run(preference_model, order, MICRO_BATCH * GAS, tmp_path / "trl",
+                                                      lora=lora))
