@@ -11,6 +11,7 @@ import torch
 from tests.distributed import spawn
 
 SEQ, MICRO_BATCH, GAS, STEPS, SEED, BETA = 48, 2, 2, 6, 42, 0.1
+LORA_RANK, SIMPO_BETA, SIMPO_GAMMA = 4, 2.0, 0.5
 LEARNING_RATE, BETAS, MAX_GRAD_NORM = 2e-3, (0.9, 0.999), 0.5
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -35,7 +36,9 @@ def preference_model(tmp_path_factory):
     convert_hf_to_ds(str(root / "hf"), str(root / "ds"))
     rng = random.Random(0)
     say = lambda low, high: " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))  # noqa: E731
-    records = [{"prompt": say(2, 8) + ":", "chosen": " " + say(1, 10), "rejected": " " + say(1, 10)}
+    # prompts start with bos (as TRL's CPOTrainer makes them; DPO's tokenizes it as it is)
+    records = [{"prompt": tokenizer.bos_token + say(2, 8) + ":", "chosen": " " + say(1, 10),
+                "rejected": " " + say(1, 10)}
                for _ in range(48)]
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return {"hf": str(root / "hf"), "ds": str(root / "ds"), "train": str(root / "train.jsonl"), "records": records,
@@ -135,21 +138,37 @@ def logged_steps(output_dir):
 
 
 @pytest.mark.slow
-def test_dpo_one_stage_matches_trl(preference_model, tmp_path):
-    out = tmp_path / "run"
-    spawn(run_trainer, 1, trainer_overrides(preference_model, out))
+def test_dpo_one_stage_and_tensor_parallel_match_trl(preference_model, tmp_path):
+    """1 stage, and 1 stage x tensor parallel 2 (vocabulary-parallel head, sequence parallelism): one data-parallel
+    replica reads the same pairs, so both equal the same TRL run."""
+    spawn(run_trainer, 1, trainer_overrides(preference_model, tmp_path / "one"))
+    spawn(run_trainer, 2, trainer_overrides(preference_model, tmp_path / "tp2", tensor_parallel_size=2))
     order = trainer_order(len(preference_model["records"]), 1)
-    assert_matches_trl(logged_steps(out), trl_dpo_run(preference_model, order, MICRO_BATCH * GAS, tmp_path / "trl"))
+    theirs = trl_dpo_run(preference_model, order, MICRO_BATCH * GAS, tmp_path / "trl")
+    assert_matches_trl(logged_steps(tmp_path / "one"), theirs)
+    assert_matches_trl(logged_steps(tmp_path / "tp2"), theirs)
+
+
+@pytest.fixture(scope="module")
+def two_stage_runs(preference_model, tmp_path_factory):
+    """One start of 4 processes, 2 stages x 2 data-parallel under ZeRO-1, for four runs in turn: DPO stopped after
+    3 steps, the same resumed to 6, DPO with LoRA, and SimPO; {name: output_dir}."""
+    root = tmp_path_factory.mktemp("two_stages")
+    layout = dict(num_stages=2, zero_stage=1)
+    runs = {"dpo": trainer_overrides(preference_model, root / "dpo", **layout, max_steps=3),
+            "resumed": trainer_overrides(preference_model, root / "dpo", **layout, resume="auto"),
+            "lora": trainer_overrides(preference_model, root / "lora", **layout, **{"lora.rank": LORA_RANK}),
+            "simpo": trainer_overrides(preference_model, root / "simpo", **layout, objective="simpo",
+                                       **{"simpo.beta": SIMPO_BETA, "simpo.gamma": SIMPO_GAMMA})}
+    spawn(run_trainer, 4, *runs.values())
+    return {name: root / name for name in ("dpo", "lora", "simpo")}
 
 
 @pytest.mark.slow
-def test_dpo_two_stages_two_data_parallel_resumed_matches_trl(preference_model, tmp_path):
-    """2 stages x 2 data-parallel under ZeRO-1, stopped after 3 steps and resumed: the resumed run reads the
-    stored reference log-probabilities (the file is not written again) and the six steps equal TRL's."""
-    out = tmp_path / "run"
-    layout = dict(num_stages=2, zero_stage=1)
-    spawn(run_trainer, 4, trainer_overrides(preference_model, out, **layout, max_steps=3),
-          trainer_overrides(preference_model, out, **layout, resume="auto"))
+def test_dpo_two_stages_two_data_parallel_resumed_matches_trl(preference_model, two_stage_runs, tmp_path):
+    """Stopped after 3 steps and resumed: the resumed run reads the stored reference log-probabilities (the file
+    is not written again) and the six steps equal TRL's."""
+    out = two_stage_runs["dpo"]
     (reference,) = (out / "data_cache").glob("*-reference-*.pt")
     # written before the first run's checkpoint, never again: the resumed run read it
     assert reference.stat().st_mtime_ns < (out / "global_step3").stat().st_mtime_ns
@@ -159,12 +178,41 @@ def test_dpo_two_stages_two_data_parallel_resumed_matches_trl(preference_model, 
 
 
 @pytest.mark.slow
-def test_dpo_lora_matches_trl(preference_model, tmp_path):
+def test_dpo_lora_matches_trl(preference_model, two_stage_runs, tmp_path):
     """LoRA: the reference is the base with the adapters off (TRL: peft's disabled adapter)."""
     from models.lora import LoraSettings
-    out = tmp_path / "run"
-    spawn(run_trainer, 1, trainer_overrides(preference_model, out, **{"lora.rank": 4}))
-    order = trainer_order(len(preference_model["records"]), 1)
-    lora = LoraSettings(rank=4)
-    assert_matches_trl(logged_steps(out), trl_dpo_run(preference_model, order, MICRO_BATCH * GAS, tmp_path / "trl",
-                                                      lora=lora))
+    order = trainer_order(len(preference_model["records"]), 2)
+    assert_matches_trl(logged_steps(two_stage_runs["lora"]),
+                       trl_dpo_run(preference_model, order, 2 * MICRO_BATCH * GAS, tmp_path / "trl",
+                                   lora=LoraSettings(rank=LORA_RANK)))
+
+
+@pytest.mark.slow
+def test_simpo_matches_trl_cpo(preference_model, two_stage_runs, tmp_path):
+    """objective=simpo equals TRL's CPOTrainer with loss_type="simpo", cpo_alpha=0 (no reference pass: no file)."""
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    class InOrder(CPOTrainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    out = two_stage_runs["simpo"]
+    assert not list((out / "data_cache").glob("*-reference-*.pt"))
+    order = trainer_order(len(preference_model["records"]), 2)
+    args = CPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=2 * MICRO_BATCH * GAS,
+                     gradient_accumulation_steps=1, max_steps=STEPS, learning_rate=LEARNING_RATE,
+                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=BETAS[0],
+                     adam_beta2=BETAS[1], adam_epsilon=1e-8, max_grad_norm=MAX_GRAD_NORM, optim="adamw_torch",
+                     logging_steps=1, loss_type="simpo", cpo_alpha=0.0, beta=SIMPO_BETA, simpo_gamma=SIMPO_GAMMA,
+                     max_length=SEQ, use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=SEED,
+                     dataloader_drop_last=True, disable_tqdm=True)
+    trainer = InOrder(model=AutoModelForCausalLM.from_pretrained(preference_model["hf"], dtype=torch.float32,
+                                                                 attn_implementation="eager"),
+                      args=args, processing_class=AutoTokenizer.from_pretrained(preference_model["hf"]),
+                      train_dataset=Dataset.from_list([preference_model["records"][i] for i in order]))
+    trainer.train()
+    theirs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
+    assert_matches_trl(logged_steps(out), theirs)
