@@ -216,3 +216,108 @@ def test_simpo_matches_trl_cpo(preference_model, two_stage_runs, tmp_path):
     trainer.train()
     theirs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
     assert_matches_trl(logged_steps(out), theirs)
+
+
+# --- data and config checks (in process, no training) ---------------------------------------------------------------
+
+CONVERSATION_PAIRS = [
+    {"prompt": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Capital of France?"}],
+     "chosen": [{"role": "assistant", "content": "Paris."}],
+     "rejected": [{"role": "assistant", "content": "The capital of France is Paris. " * 6}]},
+    {"prompt": [{"role": "user", "content": "Count to five, please."}],
+     "chosen": [{"role": "assistant", "content": "One, two, three, four, five."}],
+     "rejected": [{"role": "assistant", "content": "No."}]},
+]
+STRING_PAIRS = [{"prompt": "What is the capital of France?", "chosen": " Paris.", "rejected": " Rome."},
+                {"prompt": "Tell me a short story", "chosen": " about a cat.",
+                 "rejected": " Once upon a time the small cat found a red ball in the garden." * 3}]
+
+
+def write_pairs(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def build_pairs(path, tokenizer, tmp_path, seq_length=64, **data):
+    from data import build_dataset
+    return build_dataset(path, tokenizer, {"format": "preference", **data}, seq_length, cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("style,records", [("llama3", CONVERSATION_PAIRS), ("chatml", CONVERSATION_PAIRS),
+                                           ("llama3", STRING_PAIRS)], ids=["llama3_chat", "chatml_chat", "strings"])
+def test_pairs_are_tokenized_as_trl_prepares_them(style, records, tmp_path):
+    """Each pair's two sequences and labels are TRL's DPOTrainer's (its own dataset preparation: prompt_ids,
+    chosen_ids, rejected_ids, truncated to max_length), for conversations with two chat templates and strings."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from tests.chat_tokenizers import make_chat_tokenizer
+    tokenizer = make_chat_tokenizer(style)
+    seq_length = 48  # cuts the longer responses
+    dataset, stats = build_pairs(write_pairs(tmp_path / "pairs.jsonl", records), tokenizer, tmp_path, seq_length)
+    trainer = DPOTrainer.__new__(DPOTrainer)
+    trainer._tokenizer = tokenizer
+    prepared = trainer._prepare_dataset(Dataset.from_list(records), tokenizer,
+                                        DPOConfig(output_dir=str(tmp_path / "trl"), max_length=seq_length,
+                                                  report_to=[], use_cpu=True), "train")
+    assert len(dataset) == len(prepared) == len(records)
+    assert stats.truncated >= 1
+    for row, trl in zip(dataset, prepared):
+        for side in ("chosen", "rejected"):
+            sequence = (trl["prompt_ids"] + trl[f"{side}_ids"])[:seq_length]
+            assert row[f"{side}_input_ids"] == sequence
+            assert row[f"{side}_labels"] == [-100] * len(trl["prompt_ids"]) + sequence[len(trl["prompt_ids"]):]
+
+
+def test_bad_pairs_are_named_or_skipped(tmp_path):
+    from tests.chat_tokenizers import make_chat_tokenizer
+    tokenizer = make_chat_tokenizer("llama3")
+    good = STRING_PAIRS[0]
+    cases = {  # record: what the error says
+        "missing": ({"prompt": "Hi", "chosen": " Yes."}, "line 2: malformed JSON line \\(field 'rejected' missing"),
+        "same": ({"prompt": "Hi", "chosen": " Yes.", "rejected": " Yes."}, "line 2: bad preference example \\('chosen' and 'rejected' are the same"),
+        "mixed": ({"prompt": "Hi", "chosen": [{"role": "assistant", "content": "Yes."}], "rejected": " No."},
+                  "line 2: bad preference example \\('prompt', 'chosen' and 'rejected' must be all strings or all"),
+        "empty": ({"prompt": "Hi", "chosen": "", "rejected": " No."}, "line 2: bad preference example \\(empty chosen"),
+    }
+    for name, (record, message) in cases.items():
+        path = write_pairs(tmp_path / f"{name}.jsonl", [good, record, good])
+        with pytest.raises(ValueError, match=message):
+            build_pairs(path, tokenizer, tmp_path)
+        dataset, stats = build_pairs(path, tokenizer, tmp_path, bad_lines="skip")
+        assert (len(dataset), stats.bad_lines_skipped) == (2, 1), name
+    # after truncation: a prompt that fills seq_length, responses the same within it
+    long_prompt = {"prompt": " ".join(["the cat"] * 20), "chosen": " Yes.", "rejected": " No."}
+    shared_start = {"prompt": "Hi", "chosen": " the cat the cat the cat the cat the cat the cat the cat. Yes.",
+                    "rejected": " the cat the cat the cat the cat the cat the cat the cat. No."}
+    for record, message in ((long_prompt, "example 1: its prompt of \\d+ tokens leaves no response token within "
+                                          "seq_length=12"),
+                            (shared_start, "example 1: its chosen and rejected responses are the same within "
+                                           "seq_length=12")):
+        path = write_pairs(tmp_path / "cut.jsonl", [good, record])
+        with pytest.raises(ValueError, match=message):
+            build_pairs(path, tokenizer, tmp_path, seq_length=12)
+        dataset, stats = build_pairs(path, tokenizer, tmp_path, seq_length=12, bad_lines="skip")
+        assert (len(dataset), stats.dropped_pairs) == (1, 1)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["objective=dpo"], "objective=dpo trains on preference pairs: set data.format=preference"),
+    (["data.format=preference"], "data.format=preference holds pairs: set objective=dpo"),
+    (["objective=dpo", "data.format=preference", "data.packing=true"], "data.format=preference with data.packing=true"),
+    (["objective=dpo", "data.format=preference", "loss_impl=logits"], "preference losses run on the chunked head"),
+    (["objective=dpo", "data.format=preference", "context_parallel_size=2"], "context_parallel_size=2: not supported"),
+    (["objective=dpo", "data.format=preference", "dpo.beta=0"], "dpo.beta=0 must be a positive number"),
+    (["objective=dpo", "data.format=preference", "dpo.loss_type=ipo"], "dpo.loss_type='ipo' is not one of sigmoid"),
+    (["objective=kto"], "objective='kto' is not one of sft, dpo, simpo"),
+], ids=["dpo_on_text", "pairs_without_objective", "packing", "logits_head", "context_parallel", "beta", "loss_type",
+        "objective"])
+def test_preference_config_errors_name_the_key(overrides, message):
+    from hydra import compose, initialize_config_dir
+
+    from tests.conftest import ROOT
+    from training.run_spec import ConfigError, checked_config
+    with initialize_config_dir(config_dir=f"{ROOT}/conf", version_base=None):
+        cfg = compose(config_name="tiny", overrides=overrides)
+    with pytest.raises(ConfigError, match=message):
+        checked_config(cfg)
