@@ -218,6 +218,97 @@ def test_simpo_matches_trl_cpo(preference_model, two_stage_runs, tmp_path):
     assert_matches_trl(logged_steps(out), theirs)
 
 
+def first_step_gradients(rank, model, out_path):
+    """For full weights and LoRA: one training step of the pipeline (1 stage, GAS micro-batches) and TRL's
+    DPOTrainer loss on the same pairs and reference log-probabilities (varied, so that every pair weighs
+    differently), backward; under LoRA peft adapters with random B on both. Writes {"full" | "lora": {loss, TRL's,
+    metrics, TRL's, relative error of each gradient}} as JSON."""
+    import deepspeed
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from checkpoints.layer_files import load_layer_slice
+    from data import build_dataset
+    from data.collator import collate_preference
+    from models.lora import NO_LORA, LoraSettings
+    from models.pipeline import build_pipeline_module
+    from models.preference import PreferenceSettings
+    from tests.lora_reference import adapter_values, hf_name_of_peft, peft_model
+    from tests.parity_worker import GradientRecorder, hf_name_of_pipeline_param, set_adapters
+    from training.distributed import init_distributed, parallel_topology
+    from training.token_mean import token_mean_loss
+
+    init_distributed(timeout_minutes=2)
+    config = AutoConfig.from_pretrained(model["hf"])
+    tokenizer = AutoTokenizer.from_pretrained(model["ds"])
+    pairs = MICRO_BATCH * GAS
+    rows, _ = build_dataset(model["train"], tokenizer, {"format": "preference"}, SEQ,
+                            cache_dir=model["root"] / "first_step_cache")
+    references = [(-60.0 - 7 * i, -55.0 - 11 * i) for i in range(pairs)]  # not the policy's: margins differ
+    rows = [{**rows[i], "ref_chosen_logps": c, "ref_rejected_logps": r} for i, (c, r) in enumerate(references)]
+    micro_batches = [collate_preference(rows[k:k + MICRO_BATCH], SEQ, tokenizer.pad_token_id)
+                     for k in range(0, pairs, MICRO_BATCH)]
+    results = {}
+    for case, lora_rank in (("full", 0), ("lora", LORA_RANK)):
+        lora = LoraSettings(rank=lora_rank) if lora_rank else NO_LORA
+        module = build_pipeline_module(config, parallel_topology(1, 1), layer_loader=load_layer_slice,
+                                       loss_chunk_tokens=7, lora=lora, objective=PreferenceSettings("dpo", beta=BETA))
+        recorder = GradientRecorder([p for p in module.parameters() if p.requires_grad])
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=recorder, config={
+            "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GAS,
+            "steps_per_print": 10**9, "gradient_clipping": 0.0})
+        engine.load_checkpoint(model["ds"], load_module_only=True)
+        adapters = adapter_values(config, lora, seed=7, nonzero_b=True) if lora.enabled else None
+        if lora.enabled:
+            set_adapters(module, adapters, module.parallel)
+        with token_mean_loss(engine, pairs):
+            loss = float(engine.train_batch(iter(micro_batches)))
+        metrics = module.loss_fn.take_metrics()
+
+        policy = (peft_model(model["hf"], lora, adapters) if lora.enabled else
+                  AutoModelForCausalLM.from_pretrained(model["hf"], dtype=torch.float32, attn_implementation="eager"))
+        trainer = DPOTrainer(model=policy, processing_class=tokenizer,
+                             train_dataset=Dataset.from_list(model["records"][:pairs]),
+                             args=DPOConfig(output_dir=str(model["root"] / "first_step_trl"), beta=BETA,
+                                            max_length=SEQ, use_cpu=True, bf16=False, report_to=[],
+                                            precompute_ref_log_probs=True, disable_tqdm=True))
+        batch = trainer.data_collator([{**trainer.train_dataset[i], "ref_chosen_logps": c, "ref_rejected_logps": r}
+                                       for i, (c, r) in enumerate(references)])
+        trainer.model.train()
+        trl_loss = trainer._compute_loss(trainer.model, batch, return_outputs=False)
+        trl_loss.backward()
+        trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+        ref_grads = {hf_name_of_peft(n): p.grad for n, p in trainer.model.named_parameters() if p.requires_grad}
+        errors = {}
+        for name, param in module.named_parameters():
+            if param.requires_grad:
+                ref = ref_grads[hf_name_of_pipeline_param(name, config.num_hidden_layers)]
+                errors[name] = ((recorder.recorded[param] - ref).abs().max() / ref.abs().max()).item()
+        results[case] = {"loss": loss, "trl_loss": trl_loss.item(), "metrics": metrics, "trl_metrics": trl_metrics,
+                         "grad_errors": errors, "compared": len(errors) == len(ref_grads)}
+    out_path.write_text(json.dumps(results))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_first_step_gradients_equal_trl(preference_model, tmp_path):
+    """Every gradient of the first step within 1e-5 (relative to its largest element) of TRL's, with reference
+    log-probabilities that weigh each pair differently; the loss and rewards within 1e-5; full weights and LoRA."""
+    spawn(first_step_gradients, 1, preference_model, tmp_path / "result.json")
+    for case, result in json.loads((tmp_path / "result.json").read_text()).items():
+        check_first_step(case, result)
+
+
+def check_first_step(case, result):
+    assert result["compared"], case
+    assert result["loss"] == pytest.approx(result["trl_loss"], abs=1e-5), case
+    for name in METRICS:
+        assert result["metrics"][name] == pytest.approx(result["trl_metrics"][name], abs=1e-5, rel=1e-6), (case, name)
+    bad = {name: error for name, error in result["grad_errors"].items() if not error < 1e-5}
+    assert not bad, (case, bad)
+
+
 # --- data and config checks (in process, no training) ---------------------------------------------------------------
 
 CONVERSATION_PAIRS = [
