@@ -11,7 +11,7 @@ import torch
 from tests.distributed import spawn
 
 SEQ, MICRO_BATCH, GAS, STEPS, SEED, BETA = 48, 2, 2, 6, 42, 0.1
-LORA_RANK, SIMPO_BETA, SIMPO_GAMMA = 4, 2.0, 0.5
+LORA_RANK, SIMPO_BETA, SIMPO_GAMMA, EVAL_PAIRS = 4, 2.0, 0.5, 10
 LEARNING_RATE, BETAS, MAX_GRAD_NORM = 2e-3, (0.9, 0.999), 0.5
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -39,9 +39,12 @@ def preference_model(tmp_path_factory):
     # prompts start with bos (as TRL's CPOTrainer makes them; DPO's tokenizes it as it is)
     records = [{"prompt": tokenizer.bos_token + say(2, 8) + ":", "chosen": " " + say(1, 10),
                 "rejected": " " + say(1, 10)}
-               for _ in range(48)]
-    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return {"hf": str(root / "hf"), "ds": str(root / "ds"), "train": str(root / "train.jsonl"), "records": records,
+               for _ in range(48 + EVAL_PAIRS)]
+    train, evaluation = records[:-EVAL_PAIRS], records[-EVAL_PAIRS:]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    (root / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evaluation))
+    return {"hf": str(root / "hf"), "ds": str(root / "ds"), "train": str(root / "train.jsonl"),
+            "records": train, "eval": str(root / "eval.jsonl"), "eval_records": evaluation,
             "root": root}
 
 
@@ -152,16 +155,22 @@ def test_dpo_one_stage_and_tensor_parallel_match_trl(preference_model, tmp_path)
 @pytest.fixture(scope="module")
 def two_stage_runs(preference_model, tmp_path_factory):
     """One start of 4 processes, 2 stages x 2 data-parallel under ZeRO-1, for four runs in turn: DPO stopped after
-    3 steps, the same resumed to 6, DPO with LoRA, and SimPO; {name: output_dir}."""
+    3 steps, the same resumed to 6, DPO with LoRA (evaluated, exported, evaluated again from its checkpoint with
+    the reference computed again) and SimPO; {name: output_dir}."""
     root = tmp_path_factory.mktemp("two_stages")
     layout = dict(num_stages=2, zero_stage=1)
     runs = {"dpo": trainer_overrides(preference_model, root / "dpo", **layout, max_steps=3),
             "resumed": trainer_overrides(preference_model, root / "dpo", **layout, resume="auto"),
-            "lora": trainer_overrides(preference_model, root / "lora", **layout, **{"lora.rank": LORA_RANK}),
+            "lora": trainer_overrides(preference_model, root / "lora", **layout, eval_file=preference_model["eval"],
+                                      export_hf=True, **{"lora.rank": LORA_RANK}),
+            # the trained adapters evaluated again, the reference computed anew: the base with its adapters off
+            "lora_eval": trainer_overrides(preference_model, root / "lora", **layout, eval_only=True, resume="auto",
+                                           eval_file=preference_model["eval"], **{"lora.rank": LORA_RANK,
+                                           "data.cache_dir": root / "lora_eval_cache"}),
             "simpo": trainer_overrides(preference_model, root / "simpo", **layout, objective="simpo",
                                        **{"simpo.beta": SIMPO_BETA, "simpo.gamma": SIMPO_GAMMA})}
     spawn(run_trainer, 4, *runs.values())
-    return {name: root / name for name in ("dpo", "lora", "simpo")}
+    return {name: root / name for name in ("dpo", "lora", "simpo", "lora_eval_cache")}
 
 
 @pytest.mark.slow
@@ -185,6 +194,39 @@ def test_dpo_lora_matches_trl(preference_model, two_stage_runs, tmp_path):
     assert_matches_trl(logged_steps(two_stage_runs["lora"]),
                        trl_dpo_run(preference_model, order, 2 * MICRO_BATCH * GAS, tmp_path / "trl",
                                    lora=LoraSettings(rank=LORA_RANK)))
+
+
+@pytest.mark.slow
+def test_exported_lora_adapter_gives_the_eval_metrics_in_trl(preference_model, two_stage_runs, tmp_path):
+    """The exported peft adapter on the base, evaluated by TRL's DPOTrainer (reference: the adapter disabled) on
+    the eval pairs, gives the eval_loss and eval metrics the trainer logged (its eval shards padded with empty
+    pairs that count nowhere); so does the trained checkpoint evaluated again with the reference computed after
+    loading its adapters (switched off for it)."""
+    from datasets import Dataset
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    out = two_stage_runs["lora"]
+    logged, again = [r for r in read_metrics(out) if "eval_loss" in r]
+    assert list((two_stage_runs["lora_eval_cache"]).glob("*-reference-*.pt"))
+    for name in ("eval_loss", *(f"eval_{name}" for name in METRICS)):
+        assert again[name] == pytest.approx(logged[name], abs=1e-6), name
+    base = AutoModelForCausalLM.from_pretrained(preference_model["hf"], dtype=torch.float32,
+                                                attn_implementation="eager")
+    trainer = DPOTrainer(model=PeftModel.from_pretrained(base, str(out / "hf")),
+                         processing_class=AutoTokenizer.from_pretrained(preference_model["hf"]),
+                         train_dataset=Dataset.from_list(preference_model["records"][:1]),
+                         args=DPOConfig(output_dir=str(tmp_path / "trl"), beta=BETA, max_length=SEQ, use_cpu=True,
+                                        bf16=False, report_to=[], precompute_ref_log_probs=True, disable_tqdm=True,
+                                        per_device_eval_batch_size=EVAL_PAIRS))
+    # TRL takes a peft model passed in as an adapter to train further, its copy "ref" the reference; the trainer's
+    # reference is the base, TRL's for a new adapter
+    trainer.model.delete_adapter("ref")
+    theirs = trainer.evaluate(Dataset.from_list(preference_model["eval_records"]))
+    assert logged["eval_loss"] == pytest.approx(theirs["eval_loss"], abs=1e-5)
+    for name in METRICS:
+        assert logged[f"eval_{name}"] == pytest.approx(theirs[f"eval_{name}"], abs=1e-5, rel=1e-6), name
 
 
 @pytest.mark.slow
