@@ -67,7 +67,8 @@ class PreferenceLoss:
     """The pipeline's loss_fn under a preference objective: (the head's input and weight, (labels, reference
     log-probabilities)) -> the summed pair losses / step_divisor (the step's pairs per micro-batch and rank), or
     without one (evaluation) the micro-batch's mean over its pairs. `reference_pass`: return each row's summed
-    response log-probability instead (training/reference.py). Each call adds its pairs' metric sums to `totals`."""
+    response log-probability instead (training/reference.py). Each call adds its pairs' metric sums to `totals`
+    (kept on the device: no synchronisation per micro-batch)."""
 
     def __init__(self, settings, parallel=NO_TENSOR_PARALLEL, chunk_tokens=1024, context=NO_CONTEXT_PARALLEL):
         if context.size > 1:
@@ -76,7 +77,7 @@ class PreferenceLoss:
         self.settings, self.parallel, self.chunk_tokens, self.context = settings, parallel, chunk_tokens, context
         self.step_divisor = None
         self.reference_pass = False
-        self.totals = torch.zeros(len(METRICS) + 1, dtype=torch.float64)  # the metrics' sums, then the pair count
+        self.totals = None  # the metrics' sums, then the pair count, since take_metrics
 
     def units(self, labels, whole=False):
         """What the loss averages over: the pairs with a response token (evaluation pads with empty rows)."""
@@ -110,20 +111,20 @@ class PreferenceLoss:
     def add_metrics(self, scored, chosen, rejected, chosen_rewards, rejected_rewards):
         values = (chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),
                   chosen_rewards - rejected_rewards, chosen, rejected)
-        sums = torch.stack([(value * scored).sum() for value in values] + [scored.sum()])
-        self.totals += sums.double().cpu()
+        sums = torch.stack([(value * scored).sum() for value in values] + [scored.sum()]).double()
+        self.totals = sums if self.totals is None else self.totals + sums
 
-    def take_metrics(self, group=None):
-        """TRL's metrics as means over the pairs scored since the last call, summed over `group` (None: the whole
-        world, where only the ranks that computed a loss hold nonzero sums); {} when no pair was scored."""
-        totals = self.totals.to(get_accelerator().current_device_name())
-        self.totals = torch.zeros_like(self.totals)
+    def take_metrics(self):
+        """TRL's metrics as means over the pairs scored since the last call on any rank, on every rank (a
+        collective): sums over the world, where only last stages hold nonzero sums, and the tensor-parallel ranks of
+        one, which add the same, leave the means unchanged; {} when no pair was scored."""
+        totals = self.totals if self.totals is not None else torch.zeros(
+            len(METRICS) + 1, dtype=torch.float64, device=get_accelerator().current_device_name())
+        self.totals = None
         if dist.is_initialized():
-            dist.all_reduce(totals, group=group)
-        totals = totals.cpu()
-        if totals[-1] == 0:
-            return {}
-        return {name: float(value / totals[-1]) for name, value in zip(METRICS, totals[:-1])}
+            dist.all_reduce(totals)
+        *sums, pairs = totals.tolist()
+        return {name: value / pairs for name, value in zip(METRICS, sums)} if pairs else {}
 
 
 def scored_pairs(labels):

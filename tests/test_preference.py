@@ -1,7 +1,9 @@
 """Preference tuning against TRL 1.16: the trainer (training/loop.py run, in spawned gloo processes) on preference
-pairs equals TRL's DPOTrainer (precomputed reference log-probabilities, AdamW, clipping) on the same weights, data
-and hyperparameters: the first step's loss and rewards within 1e-5, its gradient norm within 1e-5 relative, six
-steps' losses and TRL's metrics within 1e-4. TRL is imported inside the tests only (it is slow to import)."""
+pairs equals TRL's DPOTrainer (precomputed reference log-probabilities, AdamW, clipping) and CPOTrainer (SimPO) on
+the same weights, data and hyperparameters: the first step's loss, rewards and every gradient within 1e-5, six
+steps' losses and TRL's metrics within 1e-4, on 1 stage, 2 stages x 2 data-parallel (resumed), 1 stage x tensor
+parallel 2 x 2 data-parallel and LoRA; the exported adapter's eval metrics in TRL. Two process starts serve every
+run (one_process_runs, two_stage_runs). TRL is imported inside the tests only (it is slow to import)."""
 import json
 import random
 
@@ -140,26 +142,40 @@ def logged_steps(output_dir):
     return [r for r in read_metrics(output_dir) if "loss" in r]
 
 
+@pytest.fixture(scope="module")
+def one_process_runs(preference_model, tmp_path_factory):
+    """One process for the first-step gradient check (first_step_gradients) and the trainer on 1 stage;
+    {"first_step": its JSON, "one_stage": the run's output_dir}."""
+    root = tmp_path_factory.mktemp("one_process")
+    spawn(one_process_worker, 1, preference_model, root)
+    return {"first_step": json.loads((root / "first_step.json").read_text()), "one_stage": root / "one_stage"}
+
+
+def one_process_worker(rank, model, root):
+    from training.distributed import init_distributed
+    init_distributed(timeout_minutes=2)
+    (root / "first_step.json").write_text(json.dumps(first_step_gradients(model, root)))
+    run_trainer(rank, trainer_overrides(model, root / "one_stage"))
+
+
 @pytest.mark.slow
-def test_dpo_one_stage_and_tensor_parallel_match_trl(preference_model, tmp_path):
-    """1 stage, and 1 stage x tensor parallel 2 (vocabulary-parallel head, sequence parallelism): one data-parallel
-    replica reads the same pairs, so both equal the same TRL run."""
-    spawn(run_trainer, 1, trainer_overrides(preference_model, tmp_path / "one"))
-    spawn(run_trainer, 2, trainer_overrides(preference_model, tmp_path / "tp2", tensor_parallel_size=2))
+def test_dpo_one_stage_matches_trl(preference_model, one_process_runs, tmp_path):
     order = trainer_order(len(preference_model["records"]), 1)
-    theirs = trl_dpo_run(preference_model, order, MICRO_BATCH * GAS, tmp_path / "trl")
-    assert_matches_trl(logged_steps(tmp_path / "one"), theirs)
-    assert_matches_trl(logged_steps(tmp_path / "tp2"), theirs)
+    assert_matches_trl(logged_steps(one_process_runs["one_stage"]),
+                       trl_dpo_run(preference_model, order, MICRO_BATCH * GAS, tmp_path / "trl"))
 
 
 @pytest.fixture(scope="module")
 def two_stage_runs(preference_model, tmp_path_factory):
-    """One start of 4 processes, 2 stages x 2 data-parallel under ZeRO-1, for four runs in turn: DPO stopped after
-    3 steps, the same resumed to 6, DPO with LoRA (evaluated, exported, evaluated again from its checkpoint with
-    the reference computed again) and SimPO; {name: output_dir}."""
+    """One start of 4 processes for the runs on two data-parallel replicas, in turn: on 2 stages under ZeRO-1, DPO
+    stopped after 3 steps, the same resumed to 6, DPO with LoRA (evaluated, exported, evaluated again from its
+    checkpoint with the reference computed again) and SimPO; on 1 stage x tensor parallel 2, DPO;
+    {name: output_dir}."""
     root = tmp_path_factory.mktemp("two_stages")
     layout = dict(num_stages=2, zero_stage=1)
     runs = {"dpo": trainer_overrides(preference_model, root / "dpo", **layout, max_steps=3),
+            "tp2": trainer_overrides(preference_model, root / "tp2", num_stages=1, tensor_parallel_size=2,
+                                     zero_stage=1),
             "resumed": trainer_overrides(preference_model, root / "dpo", **layout, resume="auto"),
             "lora": trainer_overrides(preference_model, root / "lora", **layout, eval_file=preference_model["eval"],
                                       export_hf=True, **{"lora.rank": LORA_RANK}),
@@ -170,20 +186,31 @@ def two_stage_runs(preference_model, tmp_path_factory):
             "simpo": trainer_overrides(preference_model, root / "simpo", **layout, objective="simpo",
                                        **{"simpo.beta": SIMPO_BETA, "simpo.gamma": SIMPO_GAMMA})}
     spawn(run_trainer, 4, *runs.values())
-    return {name: root / name for name in ("dpo", "lora", "simpo", "lora_eval_cache")}
+    return {name: root / name for name in ("dpo", "tp2", "lora", "simpo", "lora_eval_cache")}
+
+
+@pytest.fixture(scope="module")
+def trl_two_replicas(preference_model, tmp_path_factory):
+    """TRL's DPOTrainer on the steps two data-parallel replicas read."""
+    order = trainer_order(len(preference_model["records"]), 2)
+    return trl_dpo_run(preference_model, order, 2 * MICRO_BATCH * GAS, tmp_path_factory.mktemp("trl_two_replicas"))
 
 
 @pytest.mark.slow
-def test_dpo_two_stages_two_data_parallel_resumed_matches_trl(preference_model, two_stage_runs, tmp_path):
+def test_dpo_tensor_parallel_matches_trl(two_stage_runs, trl_two_replicas):
+    """1 stage x tensor parallel 2 (vocabulary-parallel head, sequence parallelism) x 2 data-parallel."""
+    assert_matches_trl(logged_steps(two_stage_runs["tp2"]), trl_two_replicas)
+
+
+@pytest.mark.slow
+def test_dpo_two_stages_two_data_parallel_resumed_matches_trl(two_stage_runs, trl_two_replicas):
     """Stopped after 3 steps and resumed: the resumed run reads the stored reference log-probabilities (the file
     is not written again) and the six steps equal TRL's."""
     out = two_stage_runs["dpo"]
     (reference,) = (out / "data_cache").glob("*-reference-*.pt")
     # written before the first run's checkpoint, never again: the resumed run read it
     assert reference.stat().st_mtime_ns < (out / "global_step3").stat().st_mtime_ns
-    order = trainer_order(len(preference_model["records"]), 2)
-    assert_matches_trl(logged_steps(out), trl_dpo_run(preference_model, order, 2 * MICRO_BATCH * GAS,
-                                                      tmp_path / "trl"))
+    assert_matches_trl(logged_steps(out), trl_two_replicas)
 
 
 @pytest.mark.slow
@@ -260,11 +287,11 @@ def test_simpo_matches_trl_cpo(preference_model, two_stage_runs, tmp_path):
     assert_matches_trl(logged_steps(out), theirs)
 
 
-def first_step_gradients(rank, model, out_path):
+def first_step_gradients(model, root):
     """For full weights and LoRA: one training step of the pipeline (1 stage, GAS micro-batches) and TRL's
     DPOTrainer loss on the same pairs and reference log-probabilities (varied, so that every pair weighs
     differently), backward; under LoRA peft adapters with random B on both. Writes {"full" | "lora": {loss, TRL's,
-    metrics, TRL's, relative error of each gradient}} as JSON."""
+    metrics, TRL's, relative error of each gradient}}."""
     import deepspeed
     from datasets import Dataset
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -278,15 +305,14 @@ def first_step_gradients(rank, model, out_path):
     from models.preference import PreferenceSettings
     from tests.lora_reference import adapter_values, hf_name_of_peft, peft_model
     from tests.parity_worker import GradientRecorder, hf_name_of_pipeline_param, set_adapters
-    from training.distributed import init_distributed, parallel_topology
+    from training.distributed import parallel_topology
     from training.token_mean import token_mean_loss
 
-    init_distributed(timeout_minutes=2)
     config = AutoConfig.from_pretrained(model["hf"])
     tokenizer = AutoTokenizer.from_pretrained(model["ds"])
     pairs = MICRO_BATCH * GAS
     rows, _ = build_dataset(model["train"], tokenizer, {"format": "preference"}, SEQ,
-                            cache_dir=model["root"] / "first_step_cache")
+                            cache_dir=root / "first_step_cache")
     references = [(-60.0 - 7 * i, -55.0 - 11 * i) for i in range(pairs)]  # not the policy's: margins differ
     rows = [{**rows[i], "ref_chosen_logps": c, "ref_rejected_logps": r} for i, (c, r) in enumerate(references)]
     micro_batches = [collate_preference(rows[k:k + MICRO_BATCH], SEQ, tokenizer.pad_token_id)
@@ -312,7 +338,7 @@ def first_step_gradients(rank, model, out_path):
                   AutoModelForCausalLM.from_pretrained(model["hf"], dtype=torch.float32, attn_implementation="eager"))
         trainer = DPOTrainer(model=policy, processing_class=tokenizer,
                              train_dataset=Dataset.from_list(model["records"][:pairs]),
-                             args=DPOConfig(output_dir=str(model["root"] / "first_step_trl"), beta=BETA,
+                             args=DPOConfig(output_dir=str(root / "first_step_trl"), beta=BETA,
                                             max_length=SEQ, use_cpu=True, bf16=False, report_to=[],
                                             precompute_ref_log_probs=True, disable_tqdm=True))
         batch = trainer.data_collator([{**trainer.train_dataset[i], "ref_chosen_logps": c, "ref_rejected_logps": r}
@@ -329,16 +355,14 @@ def first_step_gradients(rank, model, out_path):
                 errors[name] = ((recorder.recorded[param] - ref).abs().max() / ref.abs().max()).item()
         results[case] = {"loss": loss, "trl_loss": trl_loss.item(), "metrics": metrics, "trl_metrics": trl_metrics,
                          "grad_errors": errors, "compared": len(errors) == len(ref_grads)}
-    out_path.write_text(json.dumps(results))
-    torch.distributed.destroy_process_group()
+    return results
 
 
 @pytest.mark.slow
-def test_first_step_gradients_equal_trl(preference_model, tmp_path):
+def test_first_step_gradients_equal_trl(one_process_runs):
     """Every gradient of the first step within 1e-5 (relative to its largest element) of TRL's, with reference
     log-probabilities that weigh each pair differently; the loss and rewards within 1e-5; full weights and LoRA."""
-    spawn(first_step_gradients, 1, preference_model, tmp_path / "result.json")
-    for case, result in json.loads((tmp_path / "result.json").read_text()).items():
+    for case, result in one_process_runs["first_step"].items():
         check_first_step(case, result)
 
 

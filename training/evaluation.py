@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from data.collator import collate, empty_row
 from data.loader import check_identical_across_group
+from models.preference import PreferenceLoss
 
 
 class PaddedShard(torch.utils.data.Dataset):
@@ -49,9 +50,9 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
         if cfg.tensor_parallel_size > 1:
             batches = check_identical_across_group(batches, engine.grid.get_slice_parallel_group())
     loss_fn = engine.module.loss_fn
-    preference = hasattr(loss_fn, "take_metrics")
+    preference = isinstance(loss_fn, PreferenceLoss)
     if preference:  # the training window's metric sums, set aside
-        training_totals, loss_fn.totals = loss_fn.totals, torch.zeros_like(loss_fn.totals)
+        training_totals, loss_fn.totals = loss_fn.totals, None
     loss_sum, tokens = 0.0, 0
     for start in range(0, num_micro_batches, cfg.gradient_accumulation_steps):
         chunk = min(cfg.gradient_accumulation_steps, num_micro_batches - start)

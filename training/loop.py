@@ -39,7 +39,7 @@ from training.optimizer import skipping_optimizer
 from training.pipeline_engine import use_zero_bubble
 from training.preemption import Preempted, PreemptionWatch
 from training.profiling import NoProfile, StepProfile
-from training.reference import reference_path, with_reference
+from training.reference import reference_path, stored_everywhere, with_reference
 from training.resume import resolve_resume, start_checkpoint_dir
 from training.run_spec import ConfigError, plan_spec, run_spec
 from training.token_mean import global_loss_units, step_micro_batches, token_mean_loss
@@ -78,8 +78,8 @@ class RunData:
             setattr(self, split, dataset if reads_data else None)
 
     def missing_reference(self):
-        """Whether some split's reference log-probabilities are not stored yet (DPO)."""
-        return any(not os.path.isfile(path) for path in self.reference_files.values())
+        """Whether some split's reference log-probabilities are not stored yet (DPO), as every rank sees it."""
+        return not all(stored_everywhere(path) for path in self.reference_files.values())
 
     def add_reference(self, engine, spec, pad_id):
         """DPO: every split with its pairs' reference log-probabilities (training/reference.py), read or computed
@@ -305,6 +305,7 @@ def run(cfg):
 def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
     cfg = spec.cfg
     samples_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * spec.data_parallel
+    sequences_per_sample = 2 if spec.preference.preference else 1  # a pair: its chosen and rejected sequences
     logger = RunLogger(cfg.output_dir, monitors, total_steps, step)
     start_step, start_consumed = step, spec.trainer_state.get("consumed_samples", 0)  # the global batch may change
     last_checkpoint = resolve_resume("auto", cfg.output_dir)
@@ -343,7 +344,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
             preference_metrics = engine.module.loss_fn.take_metrics() if spec.preference.preference else {}
             elapsed = time.time() - window_start
             grad_norm = engine.get_global_grad_norm()
-            tokens_per_sec = window_steps * samples_per_step * cfg.seq_length / elapsed
+            tokens_per_sec = window_steps * samples_per_step * sequences_per_sample * cfg.seq_length / elapsed
             logger.log({"step": step, "loss": sum(losses) / len(losses) if losses else float("nan"),
                         "lr": engine.get_lr()[0],
                         "grad_norm": float(grad_norm) if grad_norm is not None else None,

@@ -27,7 +27,6 @@ class WithReference(torch.utils.data.Dataset):
 
     def __init__(self, dataset, chosen, rejected):
         self.dataset, self.chosen, self.rejected = dataset, chosen, rejected
-        self.column_names = dataset.column_names
 
     def __len__(self):
         return len(self.dataset)
