@@ -20,7 +20,7 @@ from deepspeed.accelerator import get_accelerator
 
 from models.context_parallel import NO_CONTEXT_PARALLEL
 from models.loss import IGNORE_INDEX, next_token_labels, sequence_log_probs
-from models.tensor_parallel import NO_TENSOR_PARALLEL
+from models.tensor_parallel import NO_TENSOR_PARALLEL, AllReduce
 
 OBJECTIVES = ("sft", "dpo", "simpo")
 DPO_LOSS_TYPES = ("sigmoid",)
@@ -71,29 +71,32 @@ class PreferenceLoss:
     (kept on the device: no synchronisation per micro-batch)."""
 
     def __init__(self, settings, parallel=NO_TENSOR_PARALLEL, chunk_tokens=1024, context=NO_CONTEXT_PARALLEL):
-        if context.size > 1:
-            raise ValueError("preference objectives do not run under context parallelism yet; set "
-                             "context_parallel_size=1.")
         self.settings, self.parallel, self.chunk_tokens, self.context = settings, parallel, chunk_tokens, context
         self.step_divisor = None
         self.reference_pass = False
         self.totals = None  # the metrics' sums, then the pair count, since take_metrics
 
     def units(self, labels, whole=False):
-        """What the loss averages over: the pairs with a response token (evaluation pads with empty rows)."""
-        return int(scored_pairs(labels[0]).sum())
+        """What the loss averages over: the pairs with a response token (evaluation pads with empty rows); of a
+        micro-batch split over the context group (not whole), every rank of the group counts them all."""
+        context = NO_CONTEXT_PARALLEL if whole else self.context
+        labels = labels[0]
+        return int(scored_pairs(response_tokens(next_token_labels(labels, context), labels.shape[0], context)).sum())
 
     def __call__(self, outputs, labels):
         labels, reference = labels
         hidden, weight = outputs
-        next_labels = next_token_labels(labels).to(hidden.device)
-        logps = sequence_log_probs(hidden, weight, next_labels, labels.shape[0], self.parallel, self.chunk_tokens)
+        rows = labels.shape[0]
+        next_labels = next_token_labels(labels, self.context).to(hidden.device)
+        logps = sequence_log_probs(hidden, weight, next_labels, rows, self.parallel, self.chunk_tokens)
+        tokens = response_tokens(next_labels, rows, self.context)
+        if self.context.size > 1:  # each rank summed its tokens of every sequence
+            logps = AllReduce.apply(logps, self.context.group)
         if self.reference_pass:
             return logps.detach()
-        scored = scored_pairs(labels).to(logps.device)
+        scored = scored_pairs(tokens).to(logps.device)
         if self.settings.objective == "simpo":
-            tokens = (next_labels != IGNORE_INDEX).view(labels.shape[0], -1).sum(dim=1).clamp(min=1)
-            chosen, rejected = (logps / tokens).chunk(2)
+            chosen, rejected = (logps / tokens.clamp(min=1)).chunk(2)
             chosen_rewards, rejected_rewards = self.settings.beta * chosen, self.settings.beta * rejected
             margin = self.settings.beta * (chosen - rejected) - self.settings.gamma
         else:
@@ -106,7 +109,7 @@ class PreferenceLoss:
         self.add_metrics(scored, chosen.detach(), rejected.detach(), chosen_rewards.detach(),
                          rejected_rewards.detach())
         divisor = self.step_divisor if self.step_divisor is not None else scored.sum().clamp(min=1)
-        return losses.sum() / divisor
+        return self.context.whole_sequence_loss(losses.sum() / divisor)
 
     def add_metrics(self, scored, chosen, rejected, chosen_rewards, rejected_rewards):
         values = (chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),
@@ -127,8 +130,16 @@ class PreferenceLoss:
         return {name: value / pairs for name, value in zip(METRICS, sums)} if pairs else {}
 
 
-def scored_pairs(labels):
-    """(pairs,) 1.0 where the pair's chosen sequence has a response token to score, from a micro-batch's labels
-    (chosen rows, then rejected rows)."""
-    chosen = labels[: labels.shape[0] // 2]
-    return (chosen[:, 1:] != IGNORE_INDEX).any(dim=1).float()
+def response_tokens(next_labels, rows, context):
+    """(rows,) labelled next tokens of each row (next_labels: flattened), summed over the context group, each of
+    whose ranks holds a share of every row."""
+    tokens = (next_labels != IGNORE_INDEX).view(rows, -1).sum(dim=1)
+    if context.size > 1:
+        dist.all_reduce(tokens, group=context.group)
+    return tokens
+
+
+def scored_pairs(tokens):
+    """(pairs,) 1.0 where the pair's chosen sequence has a response token to score, from each row's response
+    tokens (chosen rows, then rejected rows)."""
+    return (tokens[: tokens.shape[0] // 2] > 0).float()

@@ -155,14 +155,19 @@ def one_process_worker(rank, model, root):
     from training.distributed import init_distributed
     init_distributed(timeout_minutes=2)
     (root / "first_step.json").write_text(json.dumps(first_step_gradients(model, root)))
-    run_trainer(rank, trainer_overrides(model, root / "one_stage"))
+    run_trainer(rank, trainer_overrides(model, root / "one_stage", eval_file=model["eval"]))
+
+
+@pytest.fixture(scope="module")
+def trl_one_replica(preference_model, tmp_path_factory):
+    """TRL's DPOTrainer on the steps one data-parallel replica reads."""
+    order = trainer_order(len(preference_model["records"]), 1)
+    return trl_dpo_run(preference_model, order, MICRO_BATCH * GAS, tmp_path_factory.mktemp("trl_one_replica"))
 
 
 @pytest.mark.slow
-def test_dpo_one_stage_matches_trl(preference_model, one_process_runs, tmp_path):
-    order = trainer_order(len(preference_model["records"]), 1)
-    assert_matches_trl(logged_steps(one_process_runs["one_stage"]),
-                       trl_dpo_run(preference_model, order, MICRO_BATCH * GAS, tmp_path / "trl"))
+def test_dpo_one_stage_matches_trl(one_process_runs, trl_one_replica):
+    assert_matches_trl(logged_steps(one_process_runs["one_stage"]), trl_one_replica)
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +181,8 @@ def two_stage_runs(preference_model, tmp_path_factory):
     runs = {"dpo": trainer_overrides(preference_model, root / "dpo", **layout, max_steps=3),
             "tp2": trainer_overrides(preference_model, root / "tp2", num_stages=1, tensor_parallel_size=2,
                                      zero_stage=1),
+            "cp2": trainer_overrides(preference_model, root / "cp2", num_stages=2, context_parallel_size=2,
+                                     eval_file=preference_model["eval"]),
             "resumed": trainer_overrides(preference_model, root / "dpo", **layout, resume="auto"),
             "lora": trainer_overrides(preference_model, root / "lora", **layout, eval_file=preference_model["eval"],
                                       export_hf=True, **{"lora.rank": LORA_RANK}),
@@ -186,7 +193,7 @@ def two_stage_runs(preference_model, tmp_path_factory):
             "simpo": trainer_overrides(preference_model, root / "simpo", **layout, objective="simpo",
                                        **{"simpo.beta": SIMPO_BETA, "simpo.gamma": SIMPO_GAMMA})}
     spawn(run_trainer, 4, *runs.values())
-    return {name: root / name for name in ("dpo", "tp2", "lora", "simpo", "lora_eval_cache")}
+    return {name: root / name for name in ("dpo", "tp2", "cp2", "lora", "simpo", "lora_eval_cache")}
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +207,18 @@ def trl_two_replicas(preference_model, tmp_path_factory):
 def test_dpo_tensor_parallel_matches_trl(two_stage_runs, trl_two_replicas):
     """1 stage x tensor parallel 2 (vocabulary-parallel head, sequence parallelism) x 2 data-parallel."""
     assert_matches_trl(logged_steps(two_stage_runs["tp2"]), trl_two_replicas)
+
+
+@pytest.mark.slow
+def test_dpo_context_parallel_matches_trl(one_process_runs, two_stage_runs, trl_one_replica):
+    """2 stages x context parallel 2 (each sequence's tokens split zig-zag, its log-probabilities summed over the
+    group; the reference pass too), one replica: TRL's steps on the pairs one replica reads, and the 1-stage run's
+    eval metrics."""
+    assert_matches_trl(logged_steps(two_stage_runs["cp2"]), trl_one_replica)
+    (split,) = [r for r in read_metrics(two_stage_runs["cp2"]) if "eval_loss" in r]
+    (whole,) = [r for r in read_metrics(one_process_runs["one_stage"]) if "eval_loss" in r]
+    for name in ("eval_loss", *(f"eval_{name}" for name in METRICS)):
+        assert split[name] == pytest.approx(whole[name], abs=1e-4), name
 
 
 @pytest.mark.slow
@@ -463,11 +482,10 @@ def test_bad_pairs_are_named_or_skipped(tmp_path):
     (["data.format=preference"], "data.format=preference holds pairs: set objective=dpo"),
     (["objective=dpo", "data.format=preference", "data.packing=true"], "data.format=preference with data.packing=true"),
     (["objective=dpo", "data.format=preference", "loss_impl=logits"], "preference losses run on the chunked head"),
-    (["objective=dpo", "data.format=preference", "context_parallel_size=2"], "context_parallel_size=2: not supported"),
     (["objective=dpo", "data.format=preference", "dpo.beta=0"], "dpo.beta=0 must be a positive number"),
     (["objective=dpo", "data.format=preference", "dpo.loss_type=ipo"], "dpo.loss_type='ipo' is not one of sigmoid"),
     (["objective=kto"], "objective='kto' is not one of sft, dpo, simpo"),
-], ids=["dpo_on_text", "pairs_without_objective", "packing", "logits_head", "context_parallel", "beta", "loss_type",
+], ids=["dpo_on_text", "pairs_without_objective", "packing", "logits_head", "beta", "loss_type",
         "objective"])
 def test_preference_config_errors_name_the_key(overrides, message):
     from hydra import compose, initialize_config_dir

@@ -80,16 +80,18 @@ def has_adapters(module):
 def compute_reference(engine, dataset, dataset_length, cfg, pad_id):
     """{"chosen": (pairs,), "rejected": (pairs,)} float32 on every rank: each data-parallel replica scores its
     share of the pairs (evaluation's sharding), the last stage summing each response's log-probabilities; one
-    all-reduce, to which only the first tensor-parallel rank of each last stage adds, assembles them."""
-    loss_fn = engine.module.loss_fn
-    dp_rank, dp_size = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
+    all-reduce, to which only the first tensor- and context-parallel rank of each last stage adds, assembles them."""
+    loss_fn, context = engine.module.loss_fn, engine.module.context
+    # the ranks of a context group score the same pairs, each its tokens of them (evaluation's sharding)
+    dp_rank, dp_size = context.replica(engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size())
     micro_batch = cfg.micro_batch_size
     num_micro_batches = math.ceil(math.ceil(dataset_length / dp_size) / micro_batch)
     batches = None
     if dataset is not None:
         shard = PaddedShard(dataset, dp_rank, dp_size, micro_batch)
-        batches = iter(DataLoader(shard, batch_size=micro_batch,
-                                  collate_fn=lambda rows: collate(rows, cfg.seq_length, pad_id)))
+        batches = map(context.split_micro_batch, DataLoader(shard, batch_size=micro_batch,
+                                                            collate_fn=lambda rows: collate(rows, cfg.seq_length,
+                                                                                            pad_id)))
     scores = []
     loss_fn.reference_pass = True
     try:
@@ -101,7 +103,7 @@ def compute_reference(engine, dataset, dataset_length, cfg, pad_id):
     finally:
         loss_fn.reference_pass = False
     values = torch.zeros(dataset_length, 2, dtype=torch.float32, device=get_accelerator().current_device_name())
-    if scores and engine.grid.get_slice_parallel_rank() == 0:
+    if scores and engine.grid.get_slice_parallel_rank() == 0 and context.rank == 0:
         pairs = torch.cat([torch.stack(logps.float().chunk(2), dim=1) for logps in scores])  # shard order
         owned = len(range(dp_rank, dataset_length, dp_size))  # the rest pads the last micro-batch
         values[dp_rank::dp_size] = pairs[:owned].to(values.device)

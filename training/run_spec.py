@@ -325,9 +325,6 @@ def check_preference(cfg, preference):
     if cfg.loss_impl != "chunked":
         raise ConfigError(f"objective={cfg.objective} with loss_impl={cfg.loss_impl}: the preference losses run on "
                           f"the chunked head only; set loss_impl=chunked.")
-    if cfg.context_parallel_size > 1:
-        raise ConfigError(f"objective={cfg.objective} with context_parallel_size={cfg.context_parallel_size}: not "
-                          f"supported yet; set context_parallel_size=1.")
 
 
 def check_offload(cfg):
