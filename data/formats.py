@@ -14,7 +14,7 @@ import datasets
 IGNORE_INDEX = -100  # label value the causal-LM loss skips (torch CrossEntropyLoss ignore_index)
 FORMATS = ("pretokenized", "text", "instruction", "chat", "preference")
 FORMAT_FIELDS = {"pretokenized": ("input_ids",), "instruction": ("prompt", "response"), "chat": ("messages",),
-                 "preference": ("prompt", "chosen", "rejected")}
+                 "preference": ("chosen", "rejected")}
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")  # TRL's names
 # A preference record's tokens: the shared prompt, then each response (TRL's prompt_ids / chosen_ids / rejected_ids).
 PAIR_FEATURES = datasets.Features({f"{part}_ids": datasets.List(datasets.Value("int32")) for part in PREFERENCE_FIELDS})
@@ -69,8 +69,8 @@ class DataSettings:
             return {self.prompt_field: str, self.response_field: str}
         if self.format == "chat":
             return {self.messages_field: list}
-        if self.format == "preference":  # strings, or conversations (lists of messages)
-            return dict.fromkeys(PREFERENCE_FIELDS, (str, list))
+        if self.format == "preference":  # strings, or conversations (lists of messages); the prompt may be implicit
+            return dict.fromkeys(PREFERENCE_FIELDS[1:], (str, list))
         return {self.text_field: str}
 
     def format_hint(self, fields) -> str:
@@ -205,9 +205,31 @@ def _tokenize_chats(batch, indices, *, tokenizer, field: str, path: Path) -> dic
 
 
 
+def split_implicit_prompt(chosen: list, rejected: list) -> tuple[list, list, list] | None:
+    """(prompt, chosen, rejected) of two whole conversations that share every turn but their last assistant one
+    (TRL's extract_prompt: the longest common prefix of turns is the prompt), or None when they do not."""
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    responses = (chosen[shared:], rejected[shared:])
+    if shared == 0 or any(len(r) != 1 or not isinstance(r[0], dict) or r[0].get("role") != "assistant"
+                          for r in responses):
+        return None
+    return chosen[:shared], *responses
+
+
 def preference_problem(record: dict) -> str | None:
     """Why a preference record cannot train (or None): prompt, chosen and rejected must be three strings or three
-    conversations (lists of {'role', 'content'} messages), the responses not empty and not the same."""
+    conversations (lists of {'role', 'content'} messages), the responses not empty and not the same. Without a
+    prompt, chosen and rejected must be conversations that share every turn but their last, an assistant turn."""
+    if record.get("prompt") is None:
+        if not (isinstance(record["chosen"], list) and isinstance(record["rejected"], list)):
+            return "bad preference example (no 'prompt': only conversations can carry it inside 'chosen' and 'rejected')"
+        split = split_implicit_prompt(record["chosen"], record["rejected"])
+        if split is None:
+            return ("bad preference example (no 'prompt', and 'chosen' and 'rejected' do not share the prompt: they "
+                    "must hold the same turns but their last, one assistant turn each)")
+        record = dict(zip(PREFERENCE_FIELDS, split))
     values = [record[field] for field in PREFERENCE_FIELDS]
     if all(isinstance(value, str) for value in values):
         conversational = False
@@ -238,11 +260,14 @@ def _tokenize_pairs(batch, indices, *, tokenizer, path: Path) -> dict:
     generation prompt). The response starts where the prompt's tokens and prompt + response's first differ, for
     both responses (TRL's common_prefix_length)."""
     output = {f"{part}_ids": [] for part in PREFERENCE_FIELDS}
-    for index, prompt, chosen, rejected in zip(indices, *(batch[field] for field in PREFERENCE_FIELDS)):
+    prompts = batch["prompt"] if "prompt" in batch else [None] * len(indices)
+    for index, prompt, chosen, rejected in zip(indices, prompts, batch["chosen"], batch["rejected"]):
         problem = preference_problem(dict(zip(PREFERENCE_FIELDS, (prompt, chosen, rejected))))
         if problem:
             raise ValueError(f"{path}: example {index}: {problem}; fix it (a JSON-lines file can also skip it with "
                              "data.bad_lines=skip)")
+        if prompt is None:
+            prompt, chosen, rejected = split_implicit_prompt(chosen, rejected)
         if isinstance(prompt, str):
             eos = tokenizer.eos_token or ""
             prompt_ids = tokenizer(prompt)["input_ids"]

@@ -404,6 +404,8 @@ CONVERSATION_PAIRS = [
      "chosen": [{"role": "assistant", "content": "One, two, three, four, five."}],
      "rejected": [{"role": "assistant", "content": "No."}]},
 ]
+IMPLICIT_PAIRS = [{"chosen": pair["prompt"] + pair["chosen"], "rejected": pair["prompt"] + pair["rejected"]}
+                  for pair in CONVERSATION_PAIRS]  # the prompt inside both conversations (TRL's implicit prompt)
 STRING_PAIRS = [{"prompt": "What is the capital of France?", "chosen": " Paris.", "rejected": " Rome."},
                 {"prompt": "Tell me a short story", "chosen": " about a cat.",
                  "rejected": " Once upon a time the small cat found a red ball in the garden." * 3}]
@@ -420,10 +422,12 @@ def build_pairs(path, tokenizer, tmp_path, seq_length=64, **data):
 
 
 @pytest.mark.parametrize("style,records", [("llama3", CONVERSATION_PAIRS), ("chatml", CONVERSATION_PAIRS),
-                                           ("llama3", STRING_PAIRS)], ids=["llama3_chat", "chatml_chat", "strings"])
+                                           ("llama3", IMPLICIT_PAIRS), ("llama3", STRING_PAIRS)],
+                         ids=["llama3_chat", "chatml_chat", "implicit_prompt", "strings"])
 def test_pairs_are_tokenized_as_trl_prepares_them(style, records, tmp_path):
     """Each pair's two sequences and labels are TRL's DPOTrainer's (its own dataset preparation: prompt_ids,
-    chosen_ids, rejected_ids, truncated to max_length), for conversations with two chat templates and strings."""
+    chosen_ids, rejected_ids, truncated to max_length), for conversations with two chat templates, conversations
+    holding their prompt (TRL's extract_prompt) and strings."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -455,6 +459,9 @@ def test_bad_pairs_are_named_or_skipped(tmp_path):
         "mixed": ({"prompt": "Hi", "chosen": [{"role": "assistant", "content": "Yes."}], "rejected": " No."},
                   "line 2: bad preference example \\('prompt', 'chosen' and 'rejected' must be all strings or all"),
         "empty": ({"prompt": "Hi", "chosen": "", "rejected": " No."}, "line 2: bad preference example \\(empty chosen"),
+        "prompt_not_shared": ({"chosen": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes."}],
+                               "rejected": [{"role": "user", "content": "Ho"}, {"role": "assistant", "content": "No."}]},
+                              "line 2: bad preference example \\(no 'prompt', and 'chosen' and 'rejected' do not share"),
     }
     for name, (record, message) in cases.items():
         path = write_pairs(tmp_path / f"{name}.jsonl", [good, record, good])
