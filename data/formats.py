@@ -138,7 +138,7 @@ def with_chat_template(tokenizer, template_file: str | None):
         tokenizer = copy.copy(tokenizer)
         tokenizer.chat_template = Path(template_file).read_text()
     elif not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"data.format=chat: the tokenizer ({getattr(tokenizer, 'name_or_path', '') or 'given'}) has "
+        raise ValueError(f"data.format=chat (or preference with conversations): the tokenizer ({getattr(tokenizer, 'name_or_path', '') or 'given'}) has "
                          "no chat template (an instruct checkpoint ships one in tokenizer_config.json or "
                          "chat_template.jinja, which convert2ckpt.py copies); supply one from a Jinja file with "
                          "data.chat_template=PATH")
@@ -274,6 +274,8 @@ def _tokenize_pairs(batch, indices, *, tokenizer, path: Path) -> dict:
             with_response = [tokenizer(prompt + (r if r.endswith(eos) else r + eos))["input_ids"]
                              for r in (chosen, rejected)]
         else:
+            if not getattr(tokenizer, "chat_template", None):
+                with_chat_template(tokenizer, None)  # the error naming data.chat_template
             render = partial(tokenizer.apply_chat_template, tokenize=True, return_dict=True)
             prompt_ids = render(prompt, add_generation_prompt=True)["input_ids"]
             with_response = [render(prompt + r)["input_ids"] for r in (chosen, rejected)]

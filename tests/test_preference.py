@@ -484,6 +484,14 @@ def test_bad_pairs_are_named_or_skipped(tmp_path):
         assert (len(dataset), stats.dropped_pairs) == (1, 1)
 
 
+def test_conversations_without_a_chat_template_name_the_key(tmp_path):
+    from tests.chat_tokenizers import make_chat_tokenizer
+    tokenizer = make_chat_tokenizer("llama3")
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="has no chat template .* data.chat_template=PATH"):
+        build_pairs(write_pairs(tmp_path / "pairs.jsonl", CONVERSATION_PAIRS), tokenizer, tmp_path)
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["objective=dpo"], "objective=dpo trains on preference pairs: set data.format=preference"),
     (["data.format=preference"], "data.format=preference holds pairs: set objective=dpo"),
