@@ -144,18 +144,27 @@ def logged_steps(output_dir):
 
 @pytest.fixture(scope="module")
 def one_process_runs(preference_model, tmp_path_factory):
-    """One process for the first-step gradient check (first_step_gradients) and the trainer on 1 stage;
-    {"first_step": its JSON, "one_stage": the run's output_dir}."""
+    """One process for the first-step gradients (pipeline_first_step: full weights, LoRA) and the trainer on 1
+    stage; {"root": where the gradients are, "one_stage": the run's output_dir}."""
     root = tmp_path_factory.mktemp("one_process")
     spawn(one_process_worker, 1, preference_model, root)
-    return {"first_step": json.loads((root / "first_step.json").read_text()), "one_stage": root / "one_stage"}
+    return {"root": root, "one_stage": root / "one_stage"}
 
 
 def one_process_worker(rank, model, root):
     from training.distributed import init_distributed
     init_distributed(timeout_minutes=2)
-    (root / "first_step.json").write_text(json.dumps(first_step_gradients(model, root)))
+    pipeline_first_step(rank, model, root, "full")
+    pipeline_first_step(rank, model, root, "lora", lora_rank=LORA_RANK)
     run_trainer(rank, trainer_overrides(model, root / "one_stage", eval_file=model["eval"]))
+
+
+def four_process_worker(rank, model, root, runs):
+    from training.distributed import init_distributed
+    init_distributed(timeout_minutes=2)
+    pipeline_first_step(rank, model, root, "2stages_2dp", num_stages=2)
+    pipeline_first_step(rank, model, root, "tp2_2dp", tensor_parallel=2)
+    run_trainer(rank, *runs)
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +181,8 @@ def test_dpo_one_stage_matches_trl(one_process_runs, trl_one_replica):
 
 @pytest.fixture(scope="module")
 def two_stage_runs(preference_model, tmp_path_factory):
-    """One start of 4 processes for the runs on two data-parallel replicas, in turn: on 2 stages under ZeRO-1, DPO
+    """One start of 4 processes for the first-step gradients on 2 stages x 2 data-parallel and 1 stage x tensor
+    parallel 2 x 2 data-parallel (pipeline_first_step), then the runs, in turn: on 2 stages under ZeRO-1, DPO
     stopped after 3 steps, the same resumed to 6, DPO with LoRA (evaluated, exported, evaluated again from its
     checkpoint with the reference computed again) and SimPO; on 1 stage x tensor parallel 2, DPO;
     {name: output_dir}."""
@@ -192,8 +202,8 @@ def two_stage_runs(preference_model, tmp_path_factory):
                                            "data.cache_dir": root / "lora_eval_cache"}),
             "simpo": trainer_overrides(preference_model, root / "simpo", **layout, objective="simpo",
                                        **{"simpo.beta": SIMPO_BETA, "simpo.gamma": SIMPO_GAMMA})}
-    spawn(run_trainer, 4, *runs.values())
-    return {name: root / name for name in ("dpo", "tp2", "cp2", "lora", "simpo", "lora_eval_cache")}
+    spawn(four_process_worker, 4, preference_model, root, list(runs.values()))
+    return {"root": root, **{name: root / name for name in ("dpo", "tp2", "cp2", "lora", "simpo", "lora_eval_cache")}}
 
 
 @pytest.fixture(scope="module")
@@ -306,15 +316,16 @@ def test_simpo_matches_trl_cpo(preference_model, two_stage_runs, tmp_path):
     assert_matches_trl(logged_steps(out), theirs)
 
 
-def first_step_gradients(model, root):
-    """For full weights and LoRA: one training step of the pipeline (1 stage, GAS micro-batches) and TRL's
-    DPOTrainer loss on the same pairs and reference log-probabilities (varied, so that every pair weighs
-    differently), backward; under LoRA peft adapters with random B on both. Writes {"full" | "lora": {loss, TRL's,
-    metrics, TRL's, relative error of each gradient}}."""
+FIRST_STEP_REFERENCE = [(-60.0 - 7 * i, -55.0 - 11 * i) for i in range(4 * MICRO_BATCH * GAS)]  # margins differ
+
+
+def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tensor_parallel=1):
+    """One training step of the pipeline on this rank's share of the first pairs (data-parallel rank r takes the
+    r-th block of MICRO_BATCH x GAS), with FIRST_STEP_REFERENCE as their reference log-probabilities; under LoRA
+    adapters with random B. Saves this rank's gradients by Hugging Face name (with its tensor-parallel split), the
+    step's loss and metrics to root/<case>-rank<r>.pt."""
     import deepspeed
-    from datasets import Dataset
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
+    from transformers import AutoConfig, AutoTokenizer
 
     from checkpoints.layer_files import load_layer_slice
     from data import build_dataset
@@ -322,76 +333,105 @@ def first_step_gradients(model, root):
     from models.lora import NO_LORA, LoraSettings
     from models.pipeline import build_pipeline_module
     from models.preference import PreferenceSettings
-    from tests.lora_reference import adapter_values, hf_name_of_peft, peft_model
+    from tests.lora_reference import adapter_values
     from tests.parity_worker import GradientRecorder, hf_name_of_pipeline_param, set_adapters
     from training.distributed import parallel_topology
-    from training.token_mean import token_mean_loss
+    from training.token_mean import global_loss_units, token_mean_loss
 
     config = AutoConfig.from_pretrained(model["hf"])
+    lora = LoraSettings(rank=lora_rank) if lora_rank else NO_LORA
+    module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel),
+                                   layer_loader=load_layer_slice, loss_chunk_tokens=7, lora=lora,
+                                   objective=PreferenceSettings("dpo", beta=BETA))
+    recorder = GradientRecorder([p for p in module.parameters() if p.requires_grad])
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=recorder, config={
+        "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GAS,
+        "steps_per_print": 10**9, "gradient_clipping": 0.0,
+        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}})
+    engine.load_checkpoint(model["ds"], load_module_only=True)
+    if lora.enabled:
+        set_adapters(module, adapter_values(config, lora, seed=7, nonzero_b=True), module.parallel)
     tokenizer = AutoTokenizer.from_pretrained(model["ds"])
-    pairs = MICRO_BATCH * GAS
     rows, _ = build_dataset(model["train"], tokenizer, {"format": "preference"}, SEQ,
-                            cache_dir=root / "first_step_cache")
-    references = [(-60.0 - 7 * i, -55.0 - 11 * i) for i in range(pairs)]  # not the policy's: margins differ
-    rows = [{**rows[i], "ref_chosen_logps": c, "ref_rejected_logps": r} for i, (c, r) in enumerate(references)]
-    micro_batches = [collate_preference(rows[k:k + MICRO_BATCH], SEQ, tokenizer.pad_token_id)
-                     for k in range(0, pairs, MICRO_BATCH)]
-    results = {}
-    for case, lora_rank in (("full", 0), ("lora", LORA_RANK)):
-        lora = LoraSettings(rank=lora_rank) if lora_rank else NO_LORA
-        module = build_pipeline_module(config, parallel_topology(1, 1), layer_loader=load_layer_slice,
-                                       loss_chunk_tokens=7, lora=lora, objective=PreferenceSettings("dpo", beta=BETA))
-        recorder = GradientRecorder([p for p in module.parameters() if p.requires_grad])
-        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=recorder, config={
-            "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GAS,
-            "steps_per_print": 10**9, "gradient_clipping": 0.0})
-        engine.load_checkpoint(model["ds"], load_module_only=True)
-        adapters = adapter_values(config, lora, seed=7, nonzero_b=True) if lora.enabled else None
-        if lora.enabled:
-            set_adapters(module, adapters, module.parallel)
-        with token_mean_loss(engine, pairs):
-            loss = float(engine.train_batch(iter(micro_batches)))
-        metrics = module.loss_fn.take_metrics()
+                            cache_dir=root / f"{case}-cache-{rank}")
+    first = engine.grid.data_parallel_id * MICRO_BATCH * GAS
+    pairs = [{**rows[i], "ref_chosen_logps": FIRST_STEP_REFERENCE[i][0], "ref_rejected_logps": FIRST_STEP_REFERENCE[i][1]}
+             for i in range(first, first + MICRO_BATCH * GAS)]
+    micro_batches = [collate_preference(pairs[k:k + MICRO_BATCH], SEQ, tokenizer.pad_token_id)
+                     for k in range(0, len(pairs), MICRO_BATCH)]
+    with token_mean_loss(engine, global_loss_units(engine, micro_batches)):
+        loss = float(engine.train_batch(iter(micro_batches)))
+    grads = {hf_name_of_pipeline_param(name, config.num_hidden_layers):
+             (recorder.recorded[param], getattr(param, "tensor_parallel_dim", None))
+             for name, param in module.named_parameters() if param.requires_grad}
+    torch.save({"loss": loss, "metrics": module.loss_fn.take_metrics(), "grads": grads,
+                "tensor_parallel": (module.parallel.rank, module.parallel.size)}, root / f"{case}-rank{rank}.pt")
 
-        policy = (peft_model(model["hf"], lora, adapters) if lora.enabled else
-                  AutoModelForCausalLM.from_pretrained(model["hf"], dtype=torch.float32, attn_implementation="eager"))
-        trainer = DPOTrainer(model=policy, processing_class=tokenizer,
-                             train_dataset=Dataset.from_list(model["records"][:pairs]),
-                             args=DPOConfig(output_dir=str(root / "first_step_trl"), beta=BETA,
-                                            max_length=SEQ, use_cpu=True, bf16=False, report_to=[],
-                                            precompute_ref_log_probs=True, disable_tqdm=True))
-        batch = trainer.data_collator([{**trainer.train_dataset[i], "ref_chosen_logps": c, "ref_rejected_logps": r}
-                                       for i, (c, r) in enumerate(references)])
-        trainer.model.train()
-        trl_loss = trainer._compute_loss(trainer.model, batch, return_outputs=False)
-        trl_loss.backward()
-        trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
-        ref_grads = {hf_name_of_peft(n): p.grad for n, p in trainer.model.named_parameters() if p.requires_grad}
-        errors = {}
-        for name, param in module.named_parameters():
-            if param.requires_grad:
-                ref = ref_grads[hf_name_of_pipeline_param(name, config.num_hidden_layers)]
-                errors[name] = ((recorder.recorded[param] - ref).abs().max() / ref.abs().max()).item()
-        results[case] = {"loss": loss, "trl_loss": trl_loss.item(), "metrics": metrics, "trl_metrics": trl_metrics,
-                         "grad_errors": errors, "compared": len(errors) == len(ref_grads)}
-    return results
+
+def trl_first_step(model, lora_rank, pairs, output_dir):
+    """TRL's DPOTrainer loss on the first `pairs` pairs with FIRST_STEP_REFERENCE, one batch, and its backward:
+    (loss, metrics, {Hugging Face name: gradient})."""
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from models.lora import LoraSettings
+    from tests.lora_reference import adapter_values, hf_name_of_peft, peft_model
+
+    if lora_rank:
+        lora = LoraSettings(rank=lora_rank)
+        policy = peft_model(model["hf"], lora, adapter_values(AutoConfig.from_pretrained(model["hf"]), lora, seed=7,
+                                                              nonzero_b=True))
+    else:
+        policy = AutoModelForCausalLM.from_pretrained(model["hf"], dtype=torch.float32, attn_implementation="eager")
+    trainer = DPOTrainer(model=policy, processing_class=AutoTokenizer.from_pretrained(model["hf"]),
+                         train_dataset=Dataset.from_list(model["records"][:pairs]),
+                         args=DPOConfig(output_dir=str(output_dir), beta=BETA, max_length=SEQ, use_cpu=True,
+                                        bf16=False, report_to=[], precompute_ref_log_probs=True, disable_tqdm=True))
+    batch = trainer.data_collator([{**trainer.train_dataset[i], "ref_chosen_logps": c, "ref_rejected_logps": r}
+                                   for i, (c, r) in enumerate(FIRST_STEP_REFERENCE[:pairs])])
+    trainer.model.train()
+    loss = trainer._compute_loss(trainer.model, batch, return_outputs=False)
+    loss.backward()
+    metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    grads = {hf_name_of_peft(n): p.grad for n, p in trainer.model.named_parameters() if p.requires_grad}
+    if trainer.model.config.tie_word_embeddings:
+        grads.pop("lm_head.weight", None)
+    return loss.item(), metrics, grads
+
+
+def assert_first_step_matches_trl(model, root, case, world_size, data_parallel, lora_rank=0):
+    """Every rank's first-step gradients within 1e-5 of TRL's (relative to the largest element; under tensor
+    parallelism against the rank's slice), every gradient compared somewhere; the loss and metrics within 1e-5."""
+    loss, metrics, grads = trl_first_step(model, lora_rank, data_parallel * MICRO_BATCH * GAS, root / f"{case}-trl")
+    compared, bad = set(), {}
+    for rank in range(world_size):
+        result = torch.load(root / f"{case}-rank{rank}.pt", weights_only=False)
+        assert result["loss"] == pytest.approx(loss, abs=1e-5), (case, rank)
+        for name in METRICS:
+            assert result["metrics"][name] == pytest.approx(metrics[name], abs=1e-5, rel=1e-6), (case, name)
+        tp_rank, tp_size = result["tensor_parallel"]
+        for name, (grad, dim) in result["grads"].items():
+            ref = grads[name] if dim is None else grads[name].chunk(tp_size, dim)[tp_rank]
+            error = ((grad - ref).abs().max() / ref.abs().max()).item()
+            if not error < 1e-5:
+                bad[(rank, name)] = error
+            compared.add(name)
+    assert not bad, (case, bad)
+    assert compared == set(grads), (case, set(grads) - compared)
 
 
 @pytest.mark.slow
-def test_first_step_gradients_equal_trl(one_process_runs):
-    """Every gradient of the first step within 1e-5 (relative to its largest element) of TRL's, with reference
-    log-probabilities that weigh each pair differently; the loss and rewards within 1e-5; full weights and LoRA."""
-    for case, result in one_process_runs["first_step"].items():
-        check_first_step(case, result)
-
-
-def check_first_step(case, result):
-    assert result["compared"], case
-    assert result["loss"] == pytest.approx(result["trl_loss"], abs=1e-5), case
-    for name in METRICS:
-        assert result["metrics"][name] == pytest.approx(result["trl_metrics"][name], abs=1e-5, rel=1e-6), (case, name)
-    bad = {name: error for name, error in result["grad_errors"].items() if not error < 1e-5}
-    assert not bad, (case, bad)
+def test_first_step_gradients_equal_trl(preference_model, one_process_runs, two_stage_runs):
+    """Every gradient of the first step within 1e-5 of TRL's, with reference log-probabilities that weigh each
+    pair differently; the loss and rewards within 1e-5: 1 stage with full weights and LoRA, 2 stages x 2
+    data-parallel, 1 stage x tensor parallel 2 x 2 data-parallel."""
+    root = one_process_runs["root"]
+    assert_first_step_matches_trl(preference_model, root, "full", 1, 1)
+    assert_first_step_matches_trl(preference_model, root, "lora", 1, 1, lora_rank=LORA_RANK)
+    root = two_stage_runs["root"]
+    assert_first_step_matches_trl(preference_model, root, "2stages_2dp", 4, 2)
+    assert_first_step_matches_trl(preference_model, root, "tp2_2dp", 4, 2)
 
 
 # --- data and config checks (in process, no training) ---------------------------------------------------------------
