@@ -158,7 +158,8 @@ def main():
             out_path = os.path.join(tmp, objective)
             spawn(memory, 1, objective, out_path)
             with open(out_path) as f:
-                print(f"{objective}: a step's peak RSS rise {json.load(f):.1f} MiB (fresh process, after a warm-up step)")
+                print(f"{objective}: a step's peak RSS rise {json.load(f):.1f} MiB (fresh process, after a warm-up "
+                      "step)")
 
 
 if __name__ == "__main__":

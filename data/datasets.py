@@ -31,7 +31,8 @@ from datasets.fingerprint import Hasher
 
 from .formats import (PREFERENCE_FIELDS, TOKEN_FEATURE, DataSettings, chat_problem, preference_problem,
                       record_tokenizer, with_chat_template)
-from .packing import PACKED_FEATURES, PAIR_ROW_FEATURES, cut_pairs, cut_sequences, pack_blocks, pack_examples, turn_pieces
+from .packing import (PACKED_FEATURES, PAIR_ROW_FEATURES, cut_pairs, cut_sequences, pack_blocks, pack_examples,
+                      turn_pieces)
 
 logger = logging.getLogger(__name__)
 

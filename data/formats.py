@@ -56,7 +56,8 @@ class DataSettings:
             if getattr(settings, name) not in allowed:
                 raise ValueError(f"data.{name}={getattr(settings, name)!r}: expected one of {', '.join(allowed)}")
         if settings.format == "preference" and (settings.packing or settings.overlong == "split"):
-            raise ValueError(f"data.format=preference with {'data.packing=true' if settings.packing else 'data.overlong=split'}: "
+            refused = "data.packing=true" if settings.packing else "data.overlong=split"
+            raise ValueError(f"data.format=preference with {refused}: "
                              "a pair's two sequences travel whole, one per row (overlong pairs are truncated as TRL "
                              "does); set data.packing=false and data.overlong=truncate")
         return settings
@@ -138,7 +139,8 @@ def with_chat_template(tokenizer, template_file: str | None):
         tokenizer = copy.copy(tokenizer)
         tokenizer.chat_template = Path(template_file).read_text()
     elif not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"data.format=chat (or preference with conversations): the tokenizer ({getattr(tokenizer, 'name_or_path', '') or 'given'}) has "
+        raise ValueError(f"data.format=chat (or preference with conversations): the tokenizer "
+                         f"({getattr(tokenizer, 'name_or_path', '') or 'given'}) has "
                          "no chat template (an instruct checkpoint ships one in tokenizer_config.json or "
                          "chat_template.jinja, which convert2ckpt.py copies); supply one from a Jinja file with "
                          "data.chat_template=PATH")
@@ -224,7 +226,8 @@ def preference_problem(record: dict) -> str | None:
     prompt, chosen and rejected must be conversations that share every turn but their last, an assistant turn."""
     if record.get("prompt") is None:
         if not (isinstance(record["chosen"], list) and isinstance(record["rejected"], list)):
-            return "bad preference example (no 'prompt': only conversations can carry it inside 'chosen' and 'rejected')"
+            return ("bad preference example (no 'prompt': only conversations can carry it inside 'chosen' and "
+                    "'rejected')")
         split = split_implicit_prompt(record["chosen"], record["rejected"])
         if split is None:
             return ("bad preference example (no 'prompt', and 'chosen' and 'rejected' do not share the prompt: they "

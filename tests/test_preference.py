@@ -51,7 +51,8 @@ def preference_model(tmp_path_factory):
 
 
 def trainer_overrides(model, output_dir, **extra):
-    values = dict(model_name_or_path=model["ds"], train_file=model["train"], eval_file="null", output_dir=str(output_dir),
+    values = dict(model_name_or_path=model["ds"], train_file=model["train"], eval_file="null",
+                  output_dir=str(output_dir),
                   seq_length=SEQ, micro_batch_size=MICRO_BATCH, gradient_accumulation_steps=GAS, max_steps=STEPS,
                   learning_rate=LEARNING_RATE, lr_scheduler="constant", warmup_steps=0, adam_beta1=BETAS[0],
                   adam_beta2=BETAS[1], max_grad_norm=MAX_GRAD_NORM, precision="fp32", zero_stage=0, num_stages=1,
@@ -87,7 +88,8 @@ def trainer_order(num_records, data_parallel):
     shards = [list(DistributedSampler(range(num_records), num_replicas=data_parallel, rank=rank, shuffle=True,
                                       seed=SEED, drop_last=True)) for rank in range(data_parallel)]
     per_step = MICRO_BATCH * GAS
-    return [index for step in range(STEPS) for shard in shards for index in shard[step * per_step:(step + 1) * per_step]]
+    return [index for step in range(STEPS) for shard in shards
+            for index in shard[step * per_step:(step + 1) * per_step]]
 
 
 def trl_dpo_run(model, order, global_pairs, output_dir, lora=None):
@@ -355,8 +357,8 @@ def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tens
     rows, _ = build_dataset(model["train"], tokenizer, {"format": "preference"}, SEQ,
                             cache_dir=root / f"{case}-cache-{rank}")
     first = engine.grid.data_parallel_id * MICRO_BATCH * GAS
-    pairs = [{**rows[i], "ref_chosen_logps": FIRST_STEP_REFERENCE[i][0], "ref_rejected_logps": FIRST_STEP_REFERENCE[i][1]}
-             for i in range(first, first + MICRO_BATCH * GAS)]
+    pairs = [{**rows[i], "ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
+             for i, (chosen, rejected) in enumerate(FIRST_STEP_REFERENCE) if first <= i < first + MICRO_BATCH * GAS]
     micro_batches = [collate_preference(pairs[k:k + MICRO_BATCH], SEQ, tokenizer.pad_token_id)
                      for k in range(0, len(pairs), MICRO_BATCH)]
     with token_mean_loss(engine, global_loss_units(engine, micro_batches)):
@@ -495,13 +497,16 @@ def test_bad_pairs_are_named_or_skipped(tmp_path):
     good = STRING_PAIRS[0]
     cases = {  # record: what the error says
         "missing": ({"prompt": "Hi", "chosen": " Yes."}, "line 2: malformed JSON line \\(field 'rejected' missing"),
-        "same": ({"prompt": "Hi", "chosen": " Yes.", "rejected": " Yes."}, "line 2: bad preference example \\('chosen' and 'rejected' are the same"),
+        "same": ({"prompt": "Hi", "chosen": " Yes.", "rejected": " Yes."},
+                 "line 2: bad preference example \\('chosen' and 'rejected' are the same"),
         "mixed": ({"prompt": "Hi", "chosen": [{"role": "assistant", "content": "Yes."}], "rejected": " No."},
                   "line 2: bad preference example \\('prompt', 'chosen' and 'rejected' must be all strings or all"),
         "empty": ({"prompt": "Hi", "chosen": "", "rejected": " No."}, "line 2: bad preference example \\(empty chosen"),
-        "prompt_not_shared": ({"chosen": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes."}],
-                               "rejected": [{"role": "user", "content": "Ho"}, {"role": "assistant", "content": "No."}]},
-                              "line 2: bad preference example \\(no 'prompt', and 'chosen' and 'rejected' do not share"),
+        "prompt_not_shared": ({"chosen": [{"role": "user", "content": "Hi"},
+                                          {"role": "assistant", "content": "Yes."}],
+                               "rejected": [{"role": "user", "content": "Ho"},
+                                            {"role": "assistant", "content": "No."}]},
+                              "line 2: bad preference example \\(no 'prompt', and 'chosen' and 'rejected' do not"),
     }
     for name, (record, message) in cases.items():
         path = write_pairs(tmp_path / f"{name}.jsonl", [good, record, good])
