@@ -186,7 +186,8 @@ def two_stage_runs(preference_model, tmp_path_factory):
     """One start of 4 processes for the first-step gradients on 2 stages x 2 data-parallel and 1 stage x tensor
     parallel 2 x 2 data-parallel (pipeline_first_step), then the runs, in turn: on 2 stages under ZeRO-1, DPO
     stopped after 3 steps, the same resumed to 6, DPO with LoRA (evaluated, exported, evaluated again from its
-    checkpoint with the reference computed again) and SimPO; on 1 stage x tensor parallel 2, DPO;
+    checkpoint with the reference computed again), DPO under zero-bubble with activation checkpointing, and SimPO;
+    DPO on 2 stages x context parallel 2, and on 1 stage x tensor parallel 2 x 2 data-parallel;
     {name: output_dir}."""
     root = tmp_path_factory.mktemp("two_stages")
     layout = dict(num_stages=2, zero_stage=1)
@@ -195,6 +196,8 @@ def two_stage_runs(preference_model, tmp_path_factory):
                                      zero_stage=1),
             "cp2": trainer_overrides(preference_model, root / "cp2", num_stages=2, context_parallel_size=2,
                                      eval_file=preference_model["eval"]),
+            "zero_bubble": trainer_overrides(preference_model, root / "zero_bubble", **layout,
+                                             pipeline_schedule="zero_bubble", activation_checkpoint_interval=1),
             "resumed": trainer_overrides(preference_model, root / "dpo", **layout, resume="auto"),
             "lora": trainer_overrides(preference_model, root / "lora", **layout, eval_file=preference_model["eval"],
                                       export_hf=True, **{"lora.rank": LORA_RANK}),
@@ -205,7 +208,8 @@ def two_stage_runs(preference_model, tmp_path_factory):
             "simpo": trainer_overrides(preference_model, root / "simpo", **layout, objective="simpo",
                                        **{"simpo.beta": SIMPO_BETA, "simpo.gamma": SIMPO_GAMMA})}
     spawn(four_process_worker, 4, preference_model, root, list(runs.values()))
-    return {"root": root, **{name: root / name for name in ("dpo", "tp2", "cp2", "lora", "simpo", "lora_eval_cache")}}
+    names = ("dpo", "tp2", "cp2", "zero_bubble", "lora", "simpo", "lora_eval_cache")
+    return {"root": root, **{name: root / name for name in names}}
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +223,12 @@ def trl_two_replicas(preference_model, tmp_path_factory):
 def test_dpo_tensor_parallel_matches_trl(two_stage_runs, trl_two_replicas):
     """1 stage x tensor parallel 2 (vocabulary-parallel head, sequence parallelism) x 2 data-parallel."""
     assert_matches_trl(logged_steps(two_stage_runs["tp2"]), trl_two_replicas)
+
+
+@pytest.mark.slow
+def test_dpo_zero_bubble_with_activation_checkpointing_matches_trl(two_stage_runs, trl_two_replicas):
+    """2 stages x 2 data-parallel under the zero-bubble schedule, every decoder layer checkpointed."""
+    assert_matches_trl(logged_steps(two_stage_runs["zero_bubble"]), trl_two_replicas)
 
 
 @pytest.mark.slow
