@@ -36,3 +36,28 @@ def collate_causal_lm(examples, seq_length: int, pad_id: int):
                 labels[row, start] = IGNORE_INDEX
             start += document_length
     return (input_ids, document_ids, position_ids), labels
+
+
+def collate_preference(pairs, seq_length: int, pad_id: int):
+    """Preference pairs → `((input_ids, document_ids, position_ids), (labels, reference_logps))`: the chosen
+    sequences in the first half of the rows, the rejected in the second (TRL's order), so a pair never leaves its
+    micro-batch. reference_logps (float32, one per row) are the reference model's summed response log-probabilities
+    (training/reference.py), zeros before they are computed."""
+    rows = [{"input_ids": pair[f"{side}_input_ids"], "labels": pair[f"{side}_labels"]}
+            for side in ("chosen", "rejected") for pair in pairs]
+    inputs, labels = collate_causal_lm(rows, seq_length, pad_id)
+    reference = torch.tensor([pair.get(f"ref_{side}_logps", 0.0) for side in ("chosen", "rejected") for pair in pairs],
+                             dtype=torch.float32)
+    return inputs, (labels, reference)
+
+
+def collate(examples, seq_length: int, pad_id: int):
+    """The collator the rows' kind needs: preference pairs or single sequences."""
+    if examples and "chosen_input_ids" in examples[0]:
+        return collate_preference(examples, seq_length, pad_id)
+    return collate_causal_lm(examples, seq_length, pad_id)
+
+
+def empty_row(example):
+    """A row of `example`'s kind with no token: what evaluation pads a shard's last micro-batch with."""
+    return {key: [] for key in example if key.endswith(("input_ids", "labels"))}

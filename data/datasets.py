@@ -29,8 +29,10 @@ import pyarrow.compute as pc
 import torch.distributed as dist
 from datasets.fingerprint import Hasher
 
-from .formats import TOKEN_FEATURE, DataSettings, chat_problem, record_tokenizer, with_chat_template
-from .packing import PACKED_FEATURES, cut_sequences, pack_blocks, pack_examples, turn_pieces
+from .formats import (PREFERENCE_FIELDS, TOKEN_FEATURE, DataSettings, chat_problem, preference_problem,
+                      record_tokenizer, with_chat_template)
+from .packing import (PACKED_FEATURES, PAIR_ROW_FEATURES, cut_pairs, cut_sequences, pack_blocks, pack_examples,
+                      turn_pieces)
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class BuildStats:
     truncated: int = 0  # records longer than seq_length cut to their first seq_length tokens (overlong=truncate)
     split: int = 0  # records longer than seq_length cut into several rows (overlong=split)
     dropped_no_target: int = 0  # records or split pieces dropped because no token in them has a label to predict
+    dropped_pairs: int = 0  # preference: pairs whose responses are empty or the same after truncation (bad_lines=skip)
     dropped_tokens: int = 0  # text: tokens of each packing window's tail that fill no whole block
     packed_from: int = 0  # data.packing: examples packed into the `examples` rows (0: packing off)
     real_tokens: int = 0  # tokens in the rows, padding excluded
@@ -82,7 +85,7 @@ def build_dataset(
     """
     path = Path(path).resolve()
     settings = DataSettings.from_cfg(data_cfg)
-    if settings.format == "chat":
+    if settings.format == "chat" or (settings.format == "preference" and settings.chat_template):
         tokenizer = with_chat_template(tokenizer, settings.chat_template)
     vocab_size = len(tokenizer) if vocab_size is None else vocab_size
     cache_dir = Path(cache_dir or Path(datasets.config.HF_DATASETS_CACHE) / "pipeline_tokenized")
@@ -104,7 +107,8 @@ def build_dataset(
     raw = _load_raw(path, settings, cache_dir, stats, tokenizer)
     records = _tokenize_records(raw, tokenizer, settings, cache_dir / f"{stem}-records-{records_key}.arrow", path)
     _check_token_ids(records, vocab_size, path)
-    examples = _cut_records(records, settings, seq_length, cache_dir / f"{stem}-L{seq_length}-{examples_key}.arrow")
+    examples = _cut_records(records, settings, seq_length, cache_dir / f"{stem}-L{seq_length}-{examples_key}.arrow",
+                            path)
     _count(records, examples, settings, seq_length, stats)
     if stats.examples == 0:
         raise _no_examples(path, _why_empty(stats, settings))
@@ -114,7 +118,8 @@ def build_dataset(
                                settings.num_proc, cache_dir / f"{stem}-L{seq_length}-{examples_key}-packed.arrow",
                                f"packing into rows of {seq_length}")
         stats.examples = examples.num_rows
-    stats.real_tokens = _sum(pc.list_value_length(examples.data.column("input_ids")))
+    stats.real_tokens = sum(_sum(pc.list_value_length(examples.data.column(name)))
+                            for name in examples.column_names if name.endswith("input_ids"))
     _log_stats(stats)
     _write_manifest(manifest, examples, stats)
     return examples, stats
@@ -176,8 +181,8 @@ def _load_raw(path: Path, settings: DataSettings, cache_dir: Path, stats: BuildS
         raise _no_examples(path, "the file is empty")
     source = path
     if loader == "json" and not _is_json_array(path):
-        check = partial(chat_problem, tokenizer=tokenizer, field=settings.messages_field) \
-            if settings.format == "chat" else None
+        check = {"chat": partial(chat_problem, tokenizer=tokenizer, field=settings.messages_field),
+                 "preference": preference_problem}.get(settings.format)
         good, bad = _scan_json_lines(path, settings, check)
         if good == 0:
             raise _no_examples(path, f"no well-formed records ({len(bad)} malformed lines skipped)")
@@ -237,7 +242,8 @@ def _json_line_problem(line: bytes, settings: DataSettings, check) -> str | None
             hint = settings.format_hint(record)
             if hint and field not in record:
                 return f"{_WRONG_FORMAT} {field!r}, the field data.format={settings.format} reads{hint}"
-            return f"malformed JSON line (field {field!r} missing or not a {kind.__name__})"
+            kinds = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            return f"malformed JSON line (field {field!r} missing or not a {kinds})"
     return check(record) if check else None
 
 
@@ -263,7 +269,12 @@ def _tokenize_records(raw: datasets.Dataset, tokenizer, settings: DataSettings, 
 
 def _check_token_ids(records: datasets.Dataset, vocab_size: int, path: Path) -> None:
     """Every id in [0, vocab_size), checked column-wise in Arrow; on failure name the first offending example."""
-    column = records.data.column("input_ids")
+    names = [f"{part}_ids" for part in PREFERENCE_FIELDS] if "chosen_ids" in records.column_names else ["input_ids"]
+    for name in names:
+        _check_column_ids(records.data.column(name), vocab_size, path)
+
+
+def _check_column_ids(column, vocab_size: int, path: Path) -> None:
     if not (pa.types.is_list(column.type) and pa.types.is_integer(column.type.value_type)):
         raise ValueError(f"{path}: input_ids must be lists of integers, found {column.type}")
     ids = pc.list_flatten(column)
@@ -280,8 +291,13 @@ def _check_token_ids(records: datasets.Dataset, vocab_size: int, path: Path) -> 
 
 # --- pass 2: token sequences → training rows of at most seq_length -----------------------------------------------
 
-def _cut_records(records: datasets.Dataset, settings: DataSettings, seq_length: int, cache_file: Path) -> datasets.Dataset:
+def _cut_records(records: datasets.Dataset, settings: DataSettings, seq_length: int, cache_file: Path,
+                 path: Path) -> datasets.Dataset:
     features = datasets.Features({"input_ids": TOKEN_FEATURE, "labels": TOKEN_FEATURE})
+    if settings.format == "preference":
+        function = partial(cut_pairs, seq_length=seq_length, skip=settings.bad_lines == "skip", path=path)
+        return _cached_map(records, function, PAIR_ROW_FEATURES, settings.num_proc, cache_file,
+                           f"cutting pairs to {seq_length}", indices=True)
     if settings.format == "text":
         function = partial(pack_blocks, seq_length=seq_length, isolate=settings.document_isolation)
         features = PACKED_FEATURES if settings.document_isolation else features
@@ -306,8 +322,15 @@ def _cached_map(dataset, function, features, num_proc: int, cache_file: Path, de
 def _count(records: datasets.Dataset, examples: datasets.Dataset, settings: DataSettings, seq_length: int,
            stats: BuildStats) -> None:
     """Fill the cut/drop counts from the record lengths, column-wise in Arrow (no second pass over the tokens)."""
-    lengths = pc.list_value_length(records.data.column("input_ids"))
     stats.examples = examples.num_rows
+    if settings.format == "preference":
+        prompt = pc.list_value_length(records.data.column("prompt_ids"))
+        longest = pc.max_element_wise(*(pc.list_value_length(records.data.column(f"{side}_ids"))
+                                        for side in ("chosen", "rejected")))
+        stats.truncated = _sum(pc.greater(pc.add(prompt, longest), seq_length))
+        stats.dropped_pairs = records.num_rows - examples.num_rows
+        return
+    lengths = pc.list_value_length(records.data.column("input_ids"))
     if settings.format == "text":
         stats.dropped_tokens = _sum(lengths) - examples.num_rows * seq_length
         return
@@ -345,8 +368,15 @@ def _why_empty(stats: BuildStats, settings: DataSettings) -> str:
 
 
 def _log_stats(stats: BuildStats) -> None:
-    lost = stats.bad_lines_skipped or stats.truncated or stats.dropped_no_target
+    lost = stats.bad_lines_skipped or stats.truncated or stats.dropped_no_target or stats.dropped_pairs
     packed = f"packed from {stats.packed_from} examples, " if stats.packed_from else ""
+    if stats.format == "preference":
+        logger.log(logging.WARNING if lost else logging.INFO,
+                   "%s: %d records → %d pairs of ≤%d tokens per response (bad lines skipped %d, pairs truncated %d "
+                   "(TRL's keep_start: prompt + response cut to seq_length), pairs dropped with an empty or the same "
+                   "response after truncation %d)", stats.source, stats.records, stats.examples, stats.seq_length,
+                   stats.bad_lines_skipped, stats.truncated, stats.dropped_pairs)
+        return
     logger.log(logging.WARNING if lost else logging.INFO,
                "%s: %d records → %d rows of ≤%d tokens (%s%.1f%% of their tokens real; bad lines skipped %d, "
                "truncated %d, split %d, dropped without target %d, packing tail tokens dropped %d)",

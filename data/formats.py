@@ -1,7 +1,8 @@
-"""The four data formats and how a record becomes tokens: `pretokenized` (input_ids), `text` (documents: bos +
-tokens + eos), `instruction` (prompt and response, the loss on the response) and `chat` (a conversation rendered
-with the tokenizer's chat template, the loss on what each assistant turn adds). Each format's settings and fields,
-and the per-batch functions that data/datasets.py runs in its cached passes."""
+"""The five data formats and how a record becomes tokens: `pretokenized` (input_ids), `text` (documents: bos +
+tokens + eos), `instruction` (prompt and response, the loss on the response), `chat` (a conversation rendered
+with the tokenizer's chat template, the loss on what each assistant turn adds) and `preference` (TRL's prompt /
+chosen / rejected records, tokenized as TRL's DPOTrainer does). Each format's settings and fields, and the per-batch
+functions that data/datasets.py runs in its cached passes."""
 import copy
 import dataclasses
 from functools import partial
@@ -11,8 +12,12 @@ from typing import Any
 import datasets
 
 IGNORE_INDEX = -100  # label value the causal-LM loss skips (torch CrossEntropyLoss ignore_index)
-FORMATS = ("pretokenized", "text", "instruction", "chat", "indexed")  # indexed: token shards, data/indexed.py
-FORMAT_FIELDS = {"pretokenized": ("input_ids",), "instruction": ("prompt", "response"), "chat": ("messages",)}
+FORMATS = ("pretokenized", "text", "instruction", "chat", "preference", "indexed")  # indexed: data/indexed.py
+FORMAT_FIELDS = {"pretokenized": ("input_ids",), "instruction": ("prompt", "response"), "chat": ("messages",),
+                 "preference": ("chosen", "rejected")}
+PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")  # TRL's names
+# A preference record's tokens: the shared prompt, then each response (TRL's prompt_ids / chosen_ids / rejected_ids).
+PAIR_FEATURES = datasets.Features({f"{part}_ids": datasets.List(datasets.Value("int32")) for part in PREFERENCE_FIELDS})
 TOKEN_FEATURE = datasets.List(datasets.Value("int32"))
 
 
@@ -50,6 +55,11 @@ class DataSettings:
         for name, allowed in choices.items():
             if getattr(settings, name) not in allowed:
                 raise ValueError(f"data.{name}={getattr(settings, name)!r}: expected one of {', '.join(allowed)}")
+        if settings.format == "preference" and (settings.packing or settings.overlong == "split"):
+            refused = "data.packing=true" if settings.packing else "data.overlong=split"
+            raise ValueError(f"data.format=preference with {refused}: "
+                             "a pair's two sequences travel whole, one per row (overlong pairs are truncated as TRL "
+                             "does); set data.packing=false and data.overlong=truncate")
         return settings
 
     def required_fields(self) -> dict[str, type]:
@@ -60,6 +70,8 @@ class DataSettings:
             return {self.prompt_field: str, self.response_field: str}
         if self.format == "chat":
             return {self.messages_field: list}
+        if self.format == "preference":  # strings, or conversations (lists of messages); the prompt may be implicit
+            return dict.fromkeys(PREFERENCE_FIELDS[1:], (str, list))
         return {self.text_field: str}
 
     def format_hint(self, fields) -> str:
@@ -80,6 +92,8 @@ def record_tokenizer(settings: DataSettings, tokenizer, columns: list[str], path
         features = datasets.Features({"input_ids": TOKEN_FEATURE, "labels": TOKEN_FEATURE,
                                       "turn_ends": TOKEN_FEATURE})
         return function, features, "rendering chats", True
+    if settings.format == "preference":
+        return partial(_tokenize_pairs, tokenizer=tokenizer, path=path), PAIR_FEATURES, "tokenizing pairs", True
     if settings.format == "text":
         text_field = settings.text_field if settings.text_field in columns else "text"
         function = partial(_tokenize_documents, tokenizer=tokenizer, text_field=text_field)
@@ -125,7 +139,8 @@ def with_chat_template(tokenizer, template_file: str | None):
         tokenizer = copy.copy(tokenizer)
         tokenizer.chat_template = Path(template_file).read_text()
     elif not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"data.format=chat: the tokenizer ({getattr(tokenizer, 'name_or_path', '') or 'given'}) has "
+        raise ValueError(f"data.format=chat (or preference with conversations): the tokenizer "
+                         f"({getattr(tokenizer, 'name_or_path', '') or 'given'}) has "
                          "no chat template (an instruct checkpoint ships one in tokenizer_config.json or "
                          "chat_template.jinja, which convert2ckpt.py copies); supply one from a Jinja file with "
                          "data.chat_template=PATH")
@@ -190,3 +205,94 @@ def _tokenize_chats(batch, indices, *, tokenizer, field: str, path: Path) -> dic
     return {"input_ids": input_ids, "labels": labels, "turn_ends": turn_ends}
 
 
+
+
+def split_implicit_prompt(chosen: list, rejected: list) -> tuple[list, list, list] | None:
+    """(prompt, chosen, rejected) of two whole conversations that share every turn but their last assistant one
+    (TRL's extract_prompt: the longest common prefix of turns is the prompt), or None when they do not."""
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    responses = (chosen[shared:], rejected[shared:])
+    if shared == 0 or any(len(r) != 1 or not isinstance(r[0], dict) or r[0].get("role") != "assistant"
+                          for r in responses):
+        return None
+    return chosen[:shared], *responses
+
+
+def preference_problem(record: dict) -> str | None:
+    """Why a preference record cannot train (or None): prompt, chosen and rejected must be three strings or three
+    conversations (lists of {'role', 'content'} messages), the responses not empty and not the same. Without a
+    prompt, chosen and rejected must be conversations that share every turn but their last, an assistant turn."""
+    if record.get("prompt") is None:
+        if not (isinstance(record["chosen"], list) and isinstance(record["rejected"], list)):
+            return ("bad preference example (no 'prompt': only conversations can carry it inside 'chosen' and "
+                    "'rejected')")
+        split = split_implicit_prompt(record["chosen"], record["rejected"])
+        if split is None:
+            return ("bad preference example (no 'prompt', and 'chosen' and 'rejected' do not share the prompt: they "
+                    "must hold the same turns but their last, one assistant turn each)")
+        record = dict(zip(PREFERENCE_FIELDS, split))
+    values = [record[field] for field in PREFERENCE_FIELDS]
+    if all(isinstance(value, str) for value in values):
+        conversational = False
+    elif all(isinstance(value, list) for value in values):
+        conversational = True
+        for field, messages in zip(PREFERENCE_FIELDS, values):
+            for index, message in enumerate(messages):
+                if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                        and isinstance(message.get("content"), str)):
+                    return (f"bad preference example ({field!r} message {index} is not a {{'role': str, 'content': "
+                            f"str}} object)")
+    else:
+        return ("bad preference example ('prompt', 'chosen' and 'rejected' must be all strings or all conversations "
+                f"(lists of messages), got {', '.join(type(value).__name__ for value in values)})")
+    prompt, chosen, rejected = values
+    if not chosen or not rejected:
+        return f"bad preference example (empty {'chosen' if not chosen else 'rejected'} response)"
+    if chosen == rejected:
+        return "bad preference example ('chosen' and 'rejected' are the same: nothing to prefer)"
+    if conversational and not prompt:
+        return "bad preference example (empty 'prompt' conversation)"
+    return None
+
+
+def _tokenize_pairs(batch, indices, *, tokenizer, path: Path) -> dict:
+    """Each record as TRL's DPOTrainer tokenizes it: strings as tokenizer(prompt) and tokenizer(prompt + response
+    + eos) (eos appended to a response that lacks it); conversations with the chat template (the prompt with the
+    generation prompt). The response starts where the prompt's tokens and prompt + response's first differ, for
+    both responses (TRL's common_prefix_length)."""
+    output = {f"{part}_ids": [] for part in PREFERENCE_FIELDS}
+    prompts = batch["prompt"] if "prompt" in batch else [None] * len(indices)
+    for index, prompt, chosen, rejected in zip(indices, prompts, batch["chosen"], batch["rejected"]):
+        problem = preference_problem(dict(zip(PREFERENCE_FIELDS, (prompt, chosen, rejected))))
+        if problem:
+            raise ValueError(f"{path}: example {index}: {problem}; fix it (a JSON-lines file can also skip it with "
+                             "data.bad_lines=skip)")
+        if prompt is None:
+            prompt, chosen, rejected = split_implicit_prompt(chosen, rejected)
+        if isinstance(prompt, str):
+            eos = tokenizer.eos_token or ""
+            prompt_ids = tokenizer(prompt)["input_ids"]
+            with_response = [tokenizer(prompt + (r if r.endswith(eos) else r + eos))["input_ids"]
+                             for r in (chosen, rejected)]
+        else:
+            if not getattr(tokenizer, "chat_template", None):
+                with_chat_template(tokenizer, None)  # the error naming data.chat_template
+            render = partial(tokenizer.apply_chat_template, tokenize=True, return_dict=True)
+            prompt_ids = render(prompt, add_generation_prompt=True)["input_ids"]
+            with_response = [render(prompt + r)["input_ids"] for r in (chosen, rejected)]
+        shared = min(_common_prefix(prompt_ids, ids) for ids in with_response)
+        output["prompt_ids"].append(prompt_ids[:shared])
+        output["chosen_ids"].append(with_response[0][shared:])
+        output["rejected_ids"].append(with_response[1][shared:])
+    return output
+
+
+def _common_prefix(a, b) -> int:
+    length = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        length += 1
+    return length

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from .collator import collate_causal_lm
+from .collator import collate
 
 
 def micro_batches_per_epoch(num_examples: int, dp_size: int, micro_batch_size: int, drop_last: bool = True) -> int:
@@ -65,7 +65,7 @@ class StageLoader:
             self._indices = _EpochIndices(self._sampler, self.num_micro_batches * micro_batch_size)
             self._loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self._indices,
                                       num_workers=num_workers,
-                                      collate_fn=partial(collate_causal_lm, seq_length=seq_length, pad_id=pad_id))
+                                      collate_fn=partial(collate, seq_length=seq_length, pad_id=pad_id))
 
     def __len__(self) -> int:
         """Micro-batches in a whole epoch (an iteration after `set_position(e, k)` yields `len - k` of them)."""

@@ -9,6 +9,9 @@ import datasets
 from .formats import IGNORE_INDEX, TOKEN_FEATURE
 
 PACKED_FEATURES = datasets.Features({"input_ids": TOKEN_FEATURE, "labels": TOKEN_FEATURE, "lengths": TOKEN_FEATURE})
+# A preference pair's two sequences (prompt + response), labels -100 on the prompt.
+PAIR_ROW_FEATURES = datasets.Features({f"{side}_{column}": TOKEN_FEATURE for side in ("chosen", "rejected")
+                                       for column in ("input_ids", "labels")})
 
 
 def pack_blocks(batch, *, seq_length: int, isolate: bool) -> dict:
@@ -90,3 +93,27 @@ def turn_pieces(length: int, turn_ends: list[int], seq_length: int) -> tuple[lis
         pieces.append((start, end))
         start = turn_ends[next_end - 1]
     return pieces, truncated
+
+
+def cut_pairs(batch, indices, *, seq_length: int, skip: bool, path) -> dict:
+    """Each pair as its two sequences, prompt + response, each cut to its first seq_length tokens (TRL's
+    truncation_mode=keep_start with max_length=seq_length); labels only on the response. A pair whose response loses
+    every token to the cut, or whose two sequences become the same, has nothing to learn: an error naming the
+    example, or with `skip` (data.bad_lines=skip) dropped (and counted by the caller)."""
+    rows = {name: [] for name in PAIR_ROW_FEATURES}
+    for index, prompt, *responses in zip(indices, batch["prompt_ids"], batch["chosen_ids"], batch["rejected_ids"]):
+        sequences = [(prompt + response)[:seq_length] for response in responses]
+        problem = None
+        if len(prompt) >= seq_length:
+            problem = f"its prompt of {len(prompt)} tokens leaves no response token within seq_length={seq_length}"
+        elif sequences[0] == sequences[1]:
+            problem = f"its chosen and rejected responses are the same within seq_length={seq_length}"
+        if problem:
+            if skip:
+                continue
+            raise ValueError(f"{path}: example {index}: {problem}; raise seq_length, shorten it, or drop such pairs "
+                             "with data.bad_lines=skip")
+        for side, ids in zip(("chosen", "rejected"), sequences):
+            rows[f"{side}_input_ids"].append(ids)
+            rows[f"{side}_labels"].append([IGNORE_INDEX] * len(prompt) + ids[len(prompt):])
+    return rows

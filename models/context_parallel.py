@@ -47,12 +47,14 @@ class ContextParallel:
     def split_micro_batch(self, batch):
         """A collated micro-batch ((input_ids, document_ids, position_ids), labels) of whole sequences -> this
         rank's tokens of each. The labels are shifted here, while the sequence is whole (each token's label is the
-        next token's, which may sit on another rank): the context-parallel loss does not shift them again."""
+        next token's, which may sit on another rank): the context-parallel loss does not shift them again.
+        Preference pairs' labels, (labels, reference log-probabilities per row), keep their per-row values whole."""
         if self.size == 1 or batch is None:
             return batch
         inputs, labels = batch
-        next_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
-        return tuple(self.local_tokens(t) for t in inputs), self.local_tokens(next_labels)
+        labels, *per_row = labels if isinstance(labels, tuple) else (labels,)
+        next_labels = self.local_tokens(F.pad(labels[:, 1:], (0, 1), value=-100))
+        return tuple(self.local_tokens(t) for t in inputs), (next_labels, *per_row) if per_row else next_labels
 
     # --- attention --------------------------------------------------------------------------------------------
     def gather_keys_values(self, k, v):
@@ -109,6 +111,13 @@ class ContextParallel:
         dist.all_reduce(count, group=self.group)
         return count.clamp(min=1).squeeze(0) / self.size
 
+    def whole_sequence_loss(self, loss):
+        """A loss every rank of the group computes whole (from sums over the group, e.g. sequences'
+        log-probabilities): the same value, its gradient times the group's size. DeepSpeed averages the group's
+        gradients as data-parallel ones, and each rank's covers only its own tokens: the average of size x each is
+        their sum, the whole sequences' gradient."""
+        return loss if self.size == 1 else ScaleGradient.apply(loss, float(self.size))
+
     # --- collectives ------------------------------------------------------------------------------------------
     def gather_sequence(self, x, dim):
         """All-gather this rank's tokens along `dim` into the whole sequence in global order (no gradient)."""
@@ -136,6 +145,19 @@ class ContextParallel:
             self._orders[chunk] = (to_global, to_global.argsort())
         to_global, to_gathered = self._orders[chunk]
         return to_global.to(device), to_gathered.to(device)
+
+
+class ScaleGradient(torch.autograd.Function):
+    """Identity forward; the gradient times `scale` backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
 
 
 class GatherSequence(torch.autograd.Function):

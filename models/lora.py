@@ -11,6 +11,7 @@ rank's input columns and B is whole (models/tensor_parallel.py runs them). Initi
 Kaiming-uniform, B zero) are drawn for the whole tensor from a generator seeded by (seed, layer, projection), then
 sliced: every layout starts from the same adapters.
 """
+import contextlib
 import dataclasses
 import math
 
@@ -172,3 +173,18 @@ def freeze_all_but_adapters(module):
     """LoRA training: only the adapters take gradients."""
     for name, param in module.named_parameters():
         param.requires_grad_(is_adapter_key(name))
+
+
+@contextlib.contextmanager
+def adapters_off(module):
+    """The base model's outputs while inside (peft's disable_adapter): every adapter's scaling 0, so each adapted
+    projection adds exact zeros; the DPO reference under LoRA, with no second copy of the weights."""
+    adapted = [m for m in module.modules() if hasattr(m, "lora_scaling")]
+    scalings = [m.lora_scaling for m in adapted]
+    for m in adapted:
+        m.lora_scaling = 0.0
+    try:
+        yield
+    finally:
+        for m, scaling in zip(adapted, scalings):
+            m.lora_scaling = scaling

@@ -34,6 +34,11 @@ class CausalLMLoss:
         self.grad_sum_dtype = grad_sum_dtype
         self.step_divisor = None
 
+    def units(self, labels, whole=False):
+        """What the loss averages over: labelled tokens, of this rank's share of a micro-batch, or (whole) of a
+        micro-batch not yet split over the context group."""
+        return labelled_tokens(labels, NO_CONTEXT_PARALLEL if whole else self.context)
+
     def __call__(self, outputs, labels):
         next_labels = next_token_labels(labels, self.context)
         if self.step_divisor is not None:
@@ -74,6 +79,15 @@ def chunked_loss_sum(hidden, weight, labels, divisor, parallel, chunk_tokens, gr
     whole = parallel.whole_input(hidden)  # every token of the micro-batch; its gradient reduced over the group
     return ChunkedLinearCrossEntropy.apply(whole.reshape(-1, whole.shape[-1]), weight, labels, divisor, parallel,
                                            chunk_tokens, grad_sum_dtype)
+
+
+def sequence_log_probs(hidden, weight, labels, sequences, parallel, chunk_tokens):
+    """Each sequence's summed log-probability of its labelled next tokens, (sequences,) in fp32, differentiable:
+    the response log-probabilities preference losses are made of (models/preference.py), from the head's input and
+    weight, `chunk_tokens` tokens at a time. labels: next_token_labels of `sequences` rows of equal length."""
+    whole = parallel.whole_input(hidden)
+    return SequenceLogProbs.apply(whole.reshape(-1, whole.shape[-1]), weight, labels, sequences, parallel,
+                                  chunk_tokens)
 
 
 class VocabularyShare:
@@ -128,6 +142,54 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = None if ctx.grad_hidden is None else (ctx.grad_hidden * scale).to(ctx.dtypes[0])
         grad_weight = None if ctx.grad_weight is None else ctx.grad_weight.mul_(scale).to(ctx.dtypes[1])
         return grad_hidden, grad_weight, None, None, None, None, None
+
+
+class SequenceLogProbs(torch.autograd.Function):
+    """Per sequence, sum over its labelled tokens of (the label's logit - the token's log-sum-exp), in fp32.
+
+    Unlike the cross-entropy's, the gradient cannot be summed in forward: a preference loss weighs each sequence by
+    a factor known only once every chunk is done. So forward keeps each token's log-sum-exp (one number per token)
+    and backward projects each chunk again, scaling its softmax - one-hot by its sequence's gradient: four head
+    matmuls instead of three, still one chunk of logits alive at a time. Under tensor parallelism the log-sum-exp is
+    gathered per chunk in forward and the label logits summed over the group once; backward needs no collective."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, sequences, parallel, chunk_tokens):
+        share = VocabularyShare(labels, weight.shape[0], parallel)
+        log_sum_exp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        target = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for rows in token_chunks(hidden.shape[0], chunk_tokens):
+            logits = F.linear(hidden[rows], weight).float()
+            target[rows] = logits.gather(1, share.local[rows, None]).squeeze(1).masked_fill(~share.inside[rows], 0)
+            log_sum_exp[rows] = group_log_sum_exp(logits, exp_minus_row_max(logits), parallel)
+            del logits
+        if parallel.size > 1:
+            dist.all_reduce(target, group=parallel.group)
+        ctx.save_for_backward(hidden, weight)
+        ctx.share, ctx.log_sum_exp, ctx.parallel, ctx.chunk_tokens = share, log_sum_exp, parallel, chunk_tokens
+        per_token = (target - log_sum_exp).masked_fill(~share.labelled, 0)
+        return per_token.view(sequences, -1).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_logps):
+        hidden, weight = ctx.saved_tensors
+        share, log_sum_exp = ctx.share, ctx.log_sum_exp
+        # d(log-prob)/d(logits) = one-hot - softmax: minus the cross-entropy's, times its sequence's gradient
+        token_scale = -grad_logps.float().repeat_interleave(hidden.shape[0] // grad_logps.shape[0])
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = weight_grad_buffer(weight) if ctx.needs_input_grad[1] else None
+        row_max = torch.empty_like(log_sum_exp)
+        for rows in token_chunks(hidden.shape[0], ctx.chunk_tokens):
+            logits = F.linear(hidden[rows], weight).float()
+            row_max[rows] = exp_minus_row_max(logits)
+            grad_logits = softmax_minus_target(logits, row_max, log_sum_exp, share, rows)
+            grad_logits = grad_logits.mul_(token_scale[rows, None]).to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad_logits @ weight
+            if grad_weight is not None:
+                add_weight_grad(grad_weight, grad_logits, hidden[rows])
+            del logits, grad_logits
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None)
 
 
 def weight_grad_buffer(weight, grad_sum_dtype=None):

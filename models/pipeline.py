@@ -15,6 +15,7 @@ from models.llama import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHead
 from models.lora import NO_LORA, add_adapters, freeze_all_but_adapters
 from models.loss import CausalLMLoss
 from models.partition import stage_bounds
+from models.preference import PreferenceLoss, PreferenceSettings
 from models.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel
 
 ATTENTION_IMPLS = ("sdpa", "eager")
@@ -83,7 +84,8 @@ class LlamaPipeline(PipelineModule):
 
 def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
-                          context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0):
+                          context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
+                          objective=PreferenceSettings()):
     """The pipeline module of this rank's stage. topology: DeepSpeed's, with a 'model' axis for tensor
     parallelism (training/distributed.py). stage_bounds: the first pipeline layer of each stage and the layer
     count (default: the 'parameters' partition). dtype: the training dtype to build the stage in (default
@@ -93,7 +95,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     loss_chunk_tokens: > 0, the LM head and the loss run that many tokens at a time; 0, through the full logits.
     grad_accum_dtype: what the chunked head sums its chunks' weight gradients in (default the weight's dtype).
     lora: LoRA adapters on the decoder layers, initialised from `seed`, and everything else frozen
-    (models/lora.py)."""
+    (models/lora.py). objective: the next-token loss (sft), or a preference loss over pairs (models/preference.py;
+    chunked head only)."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
@@ -102,14 +105,15 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     context = build_context_parallel(topology, context_parallel_size)
     if stage_bounds is None:
         stage_bounds = partition_stages(config, topology.get_dim("pipe"))
+    loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context) if objective.preference
+               else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype))
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype or previous_dtype)
     try:
         module = LlamaPipeline(config, stage_bounds, parallel, layer_loader, context,
                                layers=build_pipeline_layers(config, attention_impl, parallel, context,
                                                             chunked_loss=loss_chunk_tokens > 0),
-                               topology=topology,
-                               loss_fn=CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype),
+                               topology=topology, loss_fn=loss_fn,
                                activation_checkpoint_interval=activation_checkpoint_interval,
                                # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.
                                checkpointable_layers=[DecoderLayerPipe.__name__],

@@ -12,11 +12,9 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch.utils.data import DataLoader
 
-from data.collator import collate_causal_lm
+from data.collator import collate, empty_row
 from data.loader import check_identical_across_group
-from models.loss import labelled_tokens
-
-EMPTY_ROW = {"input_ids": [], "labels": []}
+from models.preference import PreferenceLoss
 
 
 class PaddedShard(torch.utils.data.Dataset):
@@ -25,16 +23,18 @@ class PaddedShard(torch.utils.data.Dataset):
         self.indices = list(range(dp_rank, len(dataset), dp_size))
         per_rank = math.ceil(len(dataset) / dp_size)
         self.length = math.ceil(per_rank / micro_batch_size) * micro_batch_size
+        self.empty = empty_row(dataset[0]) if len(dataset) else None
 
     def __len__(self):
         return self.length
 
     def __getitem__(self, i):
-        return self.dataset[self.indices[i]] if i < len(self.indices) else EMPTY_ROW
+        return self.dataset[self.indices[i]] if i < len(self.indices) else self.empty
 
 
 def evaluate(engine, dataset, dataset_length, cfg, pad_id):
-    """(token-weighted mean loss, perplexity) over the whole dataset, the same value on every rank.
+    """(token-weighted mean loss, perplexity) over the whole dataset, the same value on every rank; under a
+    preference objective (pair-weighted mean loss, {TRL's metric: its mean over the pairs}) instead.
     Middle stages pass dataset=None and read nothing."""
     context = engine.module.context
     dp_rank, dp_size = context.replica(engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size())
@@ -44,10 +44,15 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
     batches = None
     if dataset is not None:
         loader = DataLoader(PaddedShard(dataset, dp_rank, dp_size, micro_batch), batch_size=micro_batch,
-                            collate_fn=lambda rows: collate_causal_lm(rows, cfg.seq_length, pad_id))
-        batches = (token_counts.append(labelled_tokens(b[1])) or context.split_micro_batch(b) for b in loader)
+                            collate_fn=lambda rows: collate(rows, cfg.seq_length, pad_id))
+        units = engine.module.loss_fn.units  # labelled tokens, or scored pairs
+        batches = (token_counts.append(units(b[1], whole=True)) or context.split_micro_batch(b) for b in loader)
         if cfg.tensor_parallel_size > 1:
             batches = check_identical_across_group(batches, engine.grid.get_slice_parallel_group())
+    loss_fn = engine.module.loss_fn
+    preference = isinstance(loss_fn, PreferenceLoss)
+    if preference:  # the training window's metric sums, set aside
+        training_totals, loss_fn.totals = loss_fn.totals, None
     loss_sum, tokens = 0.0, 0
     for start in range(0, num_micro_batches, cfg.gradient_accumulation_steps):
         chunk = min(cfg.gradient_accumulation_steps, num_micro_batches - start)
@@ -61,4 +66,8 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
     totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=get_accelerator().current_device_name())
     dist.all_reduce(totals)
     mean = (totals[0] / totals[1]).item() if totals[1] else float("nan")
+    if preference:
+        metrics = loss_fn.take_metrics()
+        loss_fn.totals = training_totals
+        return mean, metrics
     return mean, math.exp(min(mean, 80.0))

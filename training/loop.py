@@ -24,7 +24,7 @@ from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoin
 from data.datasets import build_dataset_distributed
 from data.indexed import evaluation_samples, parse_sources, read_shard_header, training_blend
 from data.loader import (blend_micro_batches, build_stage_loader, check_identical_across_group,
-                         infinite_micro_batches)
+                         infinite_micro_batches, micro_batches_per_epoch)
 from deepspeed_internals.access import (replace_checkpoint_engine, replace_fp32_gradient_clipping, set_global_grad_norm,
                                         skip_gradient_allreduce, skip_optimizer_files, uses_bf16_optimizer)
 from deepspeed_internals.registry import check_deepspeed_internals
@@ -40,9 +40,10 @@ from training.optimizer import skipping_optimizer
 from training.pipeline_engine import use_zero_bubble
 from training.preemption import Preempted, PreemptionWatch
 from training.profiling import NoProfile, StepProfile
+from training.reference import reference_path, stored_everywhere, with_reference
 from training.resume import resolve_resume, start_checkpoint_dir
 from training.run_spec import ConfigError, plan_spec, run_spec
-from training.token_mean import global_labelled_tokens, step_micro_batches, token_mean_loss
+from training.token_mean import global_loss_units, step_micro_batches, token_mean_loss
 
 
 def log_rank0(message):
@@ -63,10 +64,11 @@ class RunData:
 
     def __init__(self, spec, tokenizer, reads_data):
         cfg = spec.cfg
-        cache_dir = cfg.data.cache_dir or os.path.join(cfg.output_dir, "data_cache")
+        self.cache_dir = cfg.data.cache_dir or os.path.join(cfg.output_dir, "data_cache")
         self.reads_data = reads_data
         self.train = self.eval = self.blend = self.train_sources = None  # blend, sources: token shards
         self.train_length = self.eval_length = 0
+        self.reference_files = {}  # DPO: split -> where its reference log-probabilities are stored
         for split in ("train", "eval"):
             path = cfg[f"{split}_file"]
             if not path or (split == "train" and cfg.eval_only):
@@ -74,8 +76,10 @@ class RunData:
             if cfg.data.format == "indexed":
                 self._indexed(spec, split, path)
                 continue
-            dataset, _ = build_dataset_distributed(path, tokenizer, cfg.data, cfg.seq_length, cache_dir=cache_dir,
-                                                   vocab_size=spec.model_config.vocab_size)
+            dataset, _ = build_dataset_distributed(path, tokenizer, cfg.data, cfg.seq_length,
+                                                   cache_dir=self.cache_dir, vocab_size=spec.model_config.vocab_size)
+            if spec.preference.needs_reference:
+                self.reference_files[split] = reference_path(self.cache_dir, dataset, spec.reference_checkpoint)
             setattr(self, f"{split}_length", len(dataset))
             setattr(self, split, dataset if reads_data else None)
 
@@ -103,6 +107,18 @@ class RunData:
     def epochs(self, consumed_samples):
         """Token shards: how many epochs of each corpus the run has read (metrics), on a data-reading rank."""
         return self.blend.epochs(consumed_samples) if self.blend is not None else {}
+
+    def missing_reference(self):
+        """Whether some split's reference log-probabilities are not stored yet (DPO), as every rank sees it."""
+        return not all(stored_everywhere(path) for path in self.reference_files.values())
+
+    def add_reference(self, engine, spec, pad_id):
+        """DPO: every split with its pairs' reference log-probabilities (training/reference.py), read or computed
+        with the engine's current weights, which must be the starting ones. Every rank calls it."""
+        for split, path in self.reference_files.items():
+            dataset = with_reference(engine, getattr(self, split), getattr(self, f"{split}_length"), path,
+                                     spec.reference_checkpoint, spec.cfg, pad_id, log=log_rank0)
+            setattr(self, split, dataset)
 
 
 def pad_token_id(tokenizer, model_config):
@@ -132,7 +148,7 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
                                    layer_loader=layer_loader, context_parallel_size=cfg.context_parallel_size,
                                    loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
                                    grad_accum_dtype=PRECISION_DTYPES[cfg.grad_accum_dtype], lora=spec.lora,
-                                   seed=cfg.seed)
+                                   seed=cfg.seed, objective=spec.preference)
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
@@ -215,6 +231,25 @@ def load_start_state(engine, spec):
     log_rank0(f"resumed from {tag_dir}")
 
 
+def load_with_reference(engine, spec, data, pad_id):
+    """load_start_state, and under DPO the reference log-probabilities of the starting weights: computed after a
+    fresh start's load, or on a resume whose stored values are missing, from the converted model loaded first."""
+    resuming = spec.resume_from is not None
+    if resuming and data.missing_reference() and not spec.lora.enabled:
+        engine.load_checkpoint(spec.cfg.model_name_or_path, load_module_only=True)  # the starting weights
+        data.add_reference(engine, spec, pad_id)
+    load_start_state(engine, spec)
+    data.add_reference(engine, spec, pad_id)  # read back, or computed (a LoRA base with its adapters off)
+
+
+def evaluation_record(loss, extra):
+    """evaluate's result as logged: eval_loss and eval_ppl, or under a preference objective eval_loss and TRL's
+    metrics with eval_ in front."""
+    if isinstance(extra, dict):
+        return {"eval_loss": loss, **{f"eval_{name}": value for name, value in extra.items()}}
+    return {"eval_loss": loss, "eval_ppl": extra}
+
+
 def describe_resume(spec):
     """What a resume changes about the run that wrote its checkpoint (a line at start-up), or None."""
     if spec.resume_from is None or spec.cfg.resume_weights_only:
@@ -272,25 +307,20 @@ def run(cfg):
 
     if cfg.eval_only:
         engine, monitors = build_engine(spec, total_steps=1)
-        load_start_state(engine, spec)
-        loss, ppl = evaluate(engine, data.eval, data.eval_length, cfg, pad_id)
+        load_with_reference(engine, spec, data, pad_id)
+        record = evaluation_record(*evaluate(engine, data.eval, data.eval_length, cfg, pad_id))
         logger = RunLogger(cfg.output_dir, monitors, total_steps=0, start_step=0)
-        logger.log({"step": spec.trainer_state.get("step", 0), "eval_loss": loss, "eval_ppl": ppl,
-                    "eval_examples": data.eval_length})
+        logger.log({"step": spec.trainer_state.get("step", 0), **record, "eval_examples": data.eval_length})
         logger.close()
-        return {"eval_loss": loss, "eval_ppl": ppl}
+        return record
 
     samples_per_step = spec.data_parallel * cfg.micro_batch_size * cfg.gradient_accumulation_steps
     indexed = cfg.data.format == "indexed"
     if indexed:  # no sampler: the blend is one sequence of samples that every layout reads alike
         steps_per_epoch = data.train_length // samples_per_step
     else:
-        loader = build_stage_loader(data.train if reads_data else range(data.train_length), reads_data=reads_data,
-                                    # the ranks of a context group (on DeepSpeed's data axis) read one replica's samples
-                                    dp_rank=coord.data // cfg.context_parallel_size, dp_size=spec.data_parallel,
-                                    micro_batch_size=cfg.micro_batch_size,
-                                    seq_length=cfg.seq_length, pad_id=pad_id, seed=cfg.seed)
-        steps_per_epoch = len(loader) // cfg.gradient_accumulation_steps
+        steps_per_epoch = (micro_batches_per_epoch(data.train_length, spec.data_parallel, cfg.micro_batch_size)
+                           // cfg.gradient_accumulation_steps)
     if steps_per_epoch == 0:
         raise ConfigError(f"train_file gives {data.train_length} examples, fewer than one step's "
                           f"{samples_per_step} (data-parallel ranks x micro_batch_size x "
@@ -301,13 +331,19 @@ def run(cfg):
     if indexed:
         data.open_blend(spec, consumed_samples + (total_steps - step) * samples_per_step)
     engine, monitors = build_engine(spec, total_steps)
-    load_start_state(engine, spec)
+    load_with_reference(engine, spec, data, pad_id)
     if indexed:
         stream = blend_micro_batches(data.blend, reads_data=reads_data,
                                      dp_rank=coord.data // cfg.context_parallel_size, dp_size=spec.data_parallel,
                                      micro_batch_size=cfg.micro_batch_size, seq_length=cfg.seq_length,
                                      pad_id=pad_id, start_sample=consumed_samples)
     else:
+        # built after the reference pass: DPO's rows carry their reference log-probabilities
+        loader = build_stage_loader(data.train if reads_data else range(data.train_length), reads_data=reads_data,
+                                    # the ranks of a context group (on DeepSpeed's data axis) read one replica's samples
+                                    dp_rank=coord.data // cfg.context_parallel_size, dp_size=spec.data_parallel,
+                                    micro_batch_size=cfg.micro_batch_size,
+                                    seq_length=cfg.seq_length, pad_id=pad_id, seed=cfg.seed)
         epoch, consumed = data_position(spec.trainer_state, len(loader), spec.data_parallel, cfg.micro_batch_size)
         stream = infinite_micro_batches(loader, epoch, consumed)
     if cfg.context_parallel_size > 1:
@@ -320,6 +356,7 @@ def run(cfg):
 def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
     cfg = spec.cfg
     samples_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * spec.data_parallel
+    sequences_per_sample = 2 if spec.preference.preference else 1  # a pair: its chosen and rejected sequences
     logger = RunLogger(cfg.output_dir, monitors, total_steps, step)
     start_step, start_consumed = step, spec.trainer_state.get("consumed_samples", 0)  # the global batch may change
     last_checkpoint = resolve_resume("auto", cfg.output_dir)
@@ -334,7 +371,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
     result = {}
     while step < total_steps:
         micro_batches = step_micro_batches(engine, stream, cfg.gradient_accumulation_steps)
-        tokens = global_labelled_tokens(engine, micro_batches)
+        tokens = global_loss_units(engine, micro_batches)
         step += 1
         window_steps += 1
         if tokens:
@@ -355,9 +392,10 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
             losses.append(loss)
         logger.advance()
         if step % cfg.logging_steps == 0 or step == total_steps:
+            preference_metrics = engine.module.loss_fn.take_metrics() if spec.preference.preference else {}
             elapsed = time.time() - window_start
             grad_norm = engine.get_global_grad_norm()
-            tokens_per_sec = window_steps * samples_per_step * cfg.seq_length / elapsed
+            tokens_per_sec = window_steps * samples_per_step * sequences_per_sample * cfg.seq_length / elapsed
             # No loss at all where every step of the window had nothing to learn; NaN where NaN steps were skipped.
             no_loss = None if unlabelled == window_steps else float("nan")
             logger.log({"step": step, "loss": sum(losses) / len(losses) if losses else no_loss,
@@ -365,15 +403,15 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
                         "grad_norm": float(grad_norm) if grad_norm is not None else None,
                         "tokens_per_sec": tokens_per_sec,
                         **compute_throughput(tokens_per_sec, flops_per_token, dist.get_world_size(), peak_tflops),
-                        "samples_per_sec": window_steps * samples_per_step / elapsed,
+                        **preference_metrics, "samples_per_sec": window_steps * samples_per_step / elapsed,
                         "elapsed_s": time.time() - start_time, **({"skipped_steps": skipped} if skipped else {}),
                         **data.epochs(start_consumed + (step - start_step) * samples_per_step)})
             window_start, window_steps, losses, unlabelled = time.time(), 0, [], 0
         profile.lap("logging")
         if data.eval_length and (step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)):
-            eval_loss, eval_ppl = evaluate(engine, data.eval, data.eval_length, cfg, pad_id)
-            logger.log({"step": step, "eval_loss": eval_loss, "eval_ppl": eval_ppl})
-            result.update(eval_loss=eval_loss, eval_ppl=eval_ppl)
+            record = evaluation_record(*evaluate(engine, data.eval, data.eval_length, cfg, pad_id))
+            logger.log({"step": step, **record})
+            result.update(record)
         profile.lap("evaluation")
         preempted = preemption.should_stop() and step < total_steps
         profile.lap("preemption check")
@@ -381,7 +419,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
             consumed = start_consumed + (step - start_step) * samples_per_step
             save_checkpoint(engine, cfg, spec.model_files_dir, {
                 "step": step, "consumed_samples": consumed, "topology": spec.layout, "settings": spec.settings,
-                **spec.lora_record}, checkpoint_size)
+                **spec.lora_record, **spec.reference_record}, checkpoint_size)
             last_checkpoint = (cfg.output_dir, f"global_step{step}")
             checkpoint_size = checkpoint_bytes(os.path.join(*last_checkpoint))
         profile.lap("checkpoint")

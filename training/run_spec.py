@@ -26,6 +26,7 @@ from models.llama import check_model_config
 from models.lora import LoraSettings, adapter_layer_indices, adapter_parameter_count, check_rank_fits
 from models.partition import decoder_counts_of_bounds, layer_parameter_counts
 from models.pipeline import ATTENTION_IMPLS, LOSS_IMPLS, PRECISION_DTYPES, partition_stages
+from models.preference import PreferenceSettings
 from models.tensor_parallel import check_tensor_parallel_split
 from planner.stage_costs import balanced_stage_cost
 from planner.training_state import checkpoint_bytes_per_parameter
@@ -94,6 +95,23 @@ class RunSpec:
         return self.workload.lora
 
     @property
+    def preference(self):
+        return PreferenceSettings.from_cfg(self.cfg)
+
+    @property
+    def reference_checkpoint(self):
+        """DPO: the manifest checksum of the checkpoint whose weights are the reference (the converted model the
+        run starts from; under LoRA its base), which the stored reference log-probabilities are keyed by."""
+        base_dir = os.path.abspath(self.cfg.model_name_or_path)
+        return manifest_digest(os.path.join(base_dir, read_latest(base_dir)))
+
+    @property
+    def reference_record(self):
+        """What a DPO checkpoint records in trainer_state.json of its reference: the checkpoint it was computed
+        from, checked on resume; {} otherwise."""
+        return {"reference": {"checkpoint": self.reference_checkpoint}} if self.preference.needs_reference else {}
+
+    @property
     def trained_parameters(self):
         """Parameters a checkpoint saves: the whole model's, or under LoRA the adapters' (over all tensor-parallel
         ranks)."""
@@ -149,6 +167,7 @@ def check_resume(spec):
     cfg, trainer_state, tag_dir = spec.cfg, spec.trainer_state, os.path.join(*spec.resume_from)
     check_same_model(tag_dir, spec.model_config)
     check_same_adapters(spec, tag_dir)
+    check_same_reference(spec, tag_dir)
     if cfg.eval_only or cfg.resume_weights_only:
         return
     if not has_layout_free_state(trainer_state):
@@ -161,6 +180,18 @@ def check_resume(spec):
     if dropped and not cfg.resume_drop_state:
         raise ConfigError(f"resuming {tag_dir} cannot carry over {', '.join(dropped)}; set resume_drop_state=true "
                           f"to start it fresh, or resume with the checkpoint's settings.")
+
+
+def check_same_reference(spec, tag_dir):
+    """A DPO checkpoint resumes against the reference it was trained against: the same starting checkpoint."""
+    saved = spec.trainer_state.get("reference")
+    if not saved or not spec.preference.needs_reference:
+        return
+    if saved["checkpoint"] != spec.reference_checkpoint:
+        raise ConfigError(f"checkpoint {tag_dir} was trained with DPO against the reference log-probabilities of the "
+                          f"checkpoint with manifest checksum {saved['checkpoint']}, but model_name_or_path "
+                          f"{spec.cfg.model_name_or_path} has checksum {spec.reference_checkpoint}: set "
+                          f"model_name_or_path to the checkpoint that run started from.")
 
 
 def check_same_adapters(spec, tag_dir):
@@ -280,8 +311,24 @@ def check_values(cfg):
     try:
         DataSettings.from_cfg(cfg.data)  # data.format, data.overlong, data.bad_lines
         LoraSettings.from_cfg(cfg.lora)
+        preference = PreferenceSettings.from_cfg(cfg)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    check_preference(cfg, preference)
+
+
+def check_preference(cfg, preference):
+    """A preference objective reads pairs, through the chunked head, one sequence per row; pairs need one."""
+    if preference.preference and cfg.data.format != "preference":
+        raise ConfigError(f"objective={cfg.objective} trains on preference pairs: set data.format=preference "
+                          f"(records with TRL's prompt, chosen and rejected fields), not {cfg.data.format}.")
+    if not preference.preference and cfg.data.format == "preference":
+        raise ConfigError("data.format=preference holds pairs: set objective=dpo (or simpo) to train on them.")
+    if not preference.preference:
+        return
+    if cfg.loss_impl != "chunked":
+        raise ConfigError(f"objective={cfg.objective} with loss_impl={cfg.loss_impl}: the preference losses run on "
+                          f"the chunked head only; set loss_impl=chunked.")
 
 
 def check_grad_accum_dtype(cfg):
@@ -400,7 +447,8 @@ def workload_of(cfg, data_parallel):
     """The run's Workload for the cost model (planner/stage_costs.py)."""
     ds = OmegaConf.to_container(cfg.deepspeed, resolve=True)
     optimizer_params = ds.get("optimizer", {}).get("params", {})
-    return Workload(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
+    rows_per_example = 2 if cfg.objective in ("dpo", "simpo") else 1  # a pair's chosen and rejected sequences
+    return Workload(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size * rows_per_example,
                     micro_batches=cfg.gradient_accumulation_steps, precision=cfg.precision,
                     grad_accum_dtype=cfg.grad_accum_dtype,
                     zero_stage=cfg.zero_stage, data_parallel=data_parallel,

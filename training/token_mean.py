@@ -7,6 +7,8 @@ over its data axis (data x context ranks); so a micro-batch's summed loss divide
 tokens / (accumulation steps x data-axis ranks) makes both exactly the token mean. The count must be known before
 the step's first backward: the ranks that read data take the step's micro-batches first, and one all-reduce of an
 integer per step tells every rank the total (and so whether the step has anything to learn from).
+Under a preference objective (models/preference.py) the unit is the pair, not the token: the step's loss is the
+mean over its pairs, TRL's.
 """
 import contextlib
 
@@ -14,7 +16,6 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from models.loss import labelled_tokens
 
 
 def step_micro_batches(engine, stream, count):
@@ -24,11 +25,12 @@ def step_micro_batches(engine, stream, count):
     return stream
 
 
-def global_labelled_tokens(engine, micro_batches):
-    """Labelled tokens of the whole global batch, on every rank: the last stage's, once per tensor-parallel group."""
+def global_loss_units(engine, micro_batches):
+    """Labelled tokens (preference objectives: scored pairs) of the whole global batch, on every rank: the last
+    stage's, once per tensor-parallel group."""
     local = 0
     if engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0:
-        local = sum(labelled_tokens(labels, engine.module.context) for _, labels in micro_batches)
+        local = sum(engine.module.loss_fn.units(labels) for _, labels in micro_batches)
     total = torch.tensor([local], dtype=torch.int64, device=get_accelerator().current_device_name())
     dist.all_reduce(total)
     return int(total)

@@ -1,0 +1,568 @@
+"""Preference tuning against TRL 1.16: the trainer (training/loop.py run, in spawned gloo processes) on preference
+pairs equals TRL's DPOTrainer (precomputed reference log-probabilities, AdamW, clipping) and CPOTrainer (SimPO) on
+the same weights, data and hyperparameters: the first step's loss, rewards and every gradient within 1e-5, six
+steps' losses and TRL's metrics within 1e-4, on 1 stage, 2 stages x 2 data-parallel (resumed), 1 stage x tensor
+parallel 2 x 2 data-parallel and LoRA; the exported adapter's eval metrics in TRL. Two process starts serve every
+run (one_process_runs, two_stage_runs). TRL is imported inside the tests only (it is slow to import)."""
+import json
+import random
+
+import pytest
+import torch
+
+from tests.distributed import spawn
+
+SEQ, MICRO_BATCH, GAS, STEPS, SEED, BETA = 48, 2, 2, 6, 42, 0.1
+LORA_RANK, SIMPO_BETA, SIMPO_GAMMA, EVAL_PAIRS = 4, 2.0, 0.5, 10
+LEARNING_RATE, BETAS, MAX_GRAD_NORM = 2e-3, (0.9, 0.999), 0.5
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+WORDS = "the cat dog sees a red ball near park and river tree runs jumps over under big small".split()
+
+
+@pytest.fixture(scope="module")
+def preference_model(tmp_path_factory):
+    """A tiny LLaMA with a byte-level BPE tokenizer (tests/chat_tokenizers.py), converted; string pairs in jsonl."""
+    from transformers import LlamaConfig
+
+    from checkpoints.hf_to_ds import convert_hf_to_ds
+    from tests.chat_tokenizers import make_chat_tokenizer
+    from tests.tiny_models import COMMON, make_model
+    root = tmp_path_factory.mktemp("preference")
+    tokenizer = make_chat_tokenizer("llama3")
+    config = LlamaConfig(**dict(COMMON, vocab_size=len(tokenizer), max_position_embeddings=SEQ),
+                         num_key_value_heads=2, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    make_model(config, root / "hf", seed=3)
+    tokenizer.save_pretrained(root / "hf")
+    convert_hf_to_ds(str(root / "hf"), str(root / "ds"))
+    rng = random.Random(0)
+    say = lambda low, high: " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))  # noqa: E731
+    # prompts start with bos (as TRL's CPOTrainer makes them; DPO's tokenizes it as it is)
+    records = [{"prompt": tokenizer.bos_token + say(2, 8) + ":", "chosen": " " + say(1, 10),
+                "rejected": " " + say(1, 10)}
+               for _ in range(48 + EVAL_PAIRS)]
+    train, evaluation = records[:-EVAL_PAIRS], records[-EVAL_PAIRS:]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    (root / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evaluation))
+    return {"hf": str(root / "hf"), "ds": str(root / "ds"), "train": str(root / "train.jsonl"),
+            "records": train, "eval": str(root / "eval.jsonl"), "eval_records": evaluation,
+            "root": root}
+
+
+def trainer_overrides(model, output_dir, **extra):
+    values = dict(model_name_or_path=model["ds"], train_file=model["train"], eval_file="null",
+                  output_dir=str(output_dir),
+                  seq_length=SEQ, micro_batch_size=MICRO_BATCH, gradient_accumulation_steps=GAS, max_steps=STEPS,
+                  learning_rate=LEARNING_RATE, lr_scheduler="constant", warmup_steps=0, adam_beta1=BETAS[0],
+                  adam_beta2=BETAS[1], max_grad_norm=MAX_GRAD_NORM, precision="fp32", zero_stage=0, num_stages=1,
+                  logging_steps=1, eval_steps=0, save_steps=0, export_hf=False, seed=SEED, objective="dpo",
+                  loss_chunk_tokens=7, **{"data.format": "preference", "dpo.beta": BETA,
+                                          "deepspeed.tensorboard.enabled": False})
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def run_trainer(rank, *runs):
+    """One rank of the trainer, as trainer_pipe.py runs it (Hydra's compose of conf/tiny.yaml and overrides), for
+    each list of overrides in turn (one process start for several runs)."""
+    from hydra import compose, initialize_config_dir
+
+    from tests.conftest import ROOT
+    from training.loop import run
+    for overrides in runs:
+        with initialize_config_dir(config_dir=f"{ROOT}/conf", version_base=None):
+            cfg = compose(config_name="tiny", overrides=overrides)
+        run(cfg)  # the process group stays up for the next run (gloo cannot start a second one on the same port)
+    torch.distributed.destroy_process_group()
+
+
+def read_metrics(output_dir):
+    return [json.loads(line) for line in open(output_dir / "metrics.jsonl") if line.strip()]
+
+
+def trainer_order(num_records, data_parallel):
+    """The pairs of each step as the trainer reads them: every data-parallel rank's share (its DistributedSampler,
+    data/loader.py), step after step, one list."""
+    from torch.utils.data import DistributedSampler
+    shards = [list(DistributedSampler(range(num_records), num_replicas=data_parallel, rank=rank, shuffle=True,
+                                      seed=SEED, drop_last=True)) for rank in range(data_parallel)]
+    per_step = MICRO_BATCH * GAS
+    return [index for step in range(STEPS) for shard in shards
+            for index in shard[step * per_step:(step + 1) * per_step]]
+
+
+def trl_dpo_run(model, order, global_pairs, output_dir, lora=None):
+    """TRL's DPOTrainer on the pairs in `order`, global_pairs per step (one micro-batch: its loss is the mean over
+    the step's pairs, as the trainer's), precomputed reference log-probabilities; its log history. lora
+    (LoraSettings): peft adapters starting from the trainer's initial values, the reference the base."""
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from tests.lora_reference import adapter_values, peft_model
+
+    class InOrder(DPOTrainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    if lora is None:
+        policy = AutoModelForCausalLM.from_pretrained(model["hf"], dtype=torch.float32, attn_implementation="eager")
+    else:
+        policy = peft_model(model["hf"], lora, adapter_values(AutoConfig.from_pretrained(model["hf"]), lora, SEED))
+    args = DPOConfig(output_dir=str(output_dir), per_device_train_batch_size=global_pairs,
+                     gradient_accumulation_steps=1, max_steps=STEPS, learning_rate=LEARNING_RATE,
+                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=BETAS[0],
+                     adam_beta2=BETAS[1], adam_epsilon=1e-8, max_grad_norm=MAX_GRAD_NORM, optim="adamw_torch",
+                     logging_steps=1, beta=BETA, loss_type=["sigmoid"], precompute_ref_log_probs=True,
+                     max_length=SEQ, use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=SEED,
+                     dataloader_drop_last=True, disable_tqdm=True)
+    trainer = InOrder(model=policy, args=args, processing_class=AutoTokenizer.from_pretrained(model["hf"]),
+                      train_dataset=Dataset.from_list([model["records"][i] for i in order]))
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
+
+
+def assert_matches_trl(ours, theirs):
+    """The trainer's logged steps against TRL's: the first step's loss and rewards within 1e-5 and its gradient
+    norm within 1e-5 relative, every step's loss, gradient norm and metrics within 1e-4."""
+    assert len(ours) == len(theirs) == STEPS
+    first, trl_first = ours[0], theirs[0]
+    assert first["loss"] == pytest.approx(trl_first["loss"], abs=1e-5)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert first[name] == pytest.approx(trl_first[name], abs=1e-5), name
+    assert first["grad_norm"] == pytest.approx(trl_first["grad_norm"], rel=1e-5)
+    for step, (mine, trl) in enumerate(zip(ours, theirs), start=1):
+        assert mine["loss"] == pytest.approx(trl["loss"], abs=1e-4), step
+        assert mine["grad_norm"] == pytest.approx(trl["grad_norm"], rel=1e-4), step
+        for name in METRICS:
+            assert mine[name] == pytest.approx(trl[name], abs=1e-4, rel=1e-5), (step, name)
+
+
+def logged_steps(output_dir):
+    return [r for r in read_metrics(output_dir) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(preference_model, tmp_path_factory):
+    """One process for the first-step gradients (pipeline_first_step: full weights, LoRA) and the trainer on 1
+    stage; {"root": where the gradients are, "one_stage": the run's output_dir}."""
+    root = tmp_path_factory.mktemp("one_process")
+    spawn(one_process_worker, 1, preference_model, root)
+    return {"root": root, "one_stage": root / "one_stage"}
+
+
+def one_process_worker(rank, model, root):
+    from training.distributed import init_distributed
+    init_distributed(timeout_minutes=2)
+    pipeline_first_step(rank, model, root, "full")
+    pipeline_first_step(rank, model, root, "lora", lora_rank=LORA_RANK)
+    run_trainer(rank, trainer_overrides(model, root / "one_stage", eval_file=model["eval"]))
+
+
+def four_process_worker(rank, model, root, runs):
+    from training.distributed import init_distributed
+    init_distributed(timeout_minutes=2)
+    pipeline_first_step(rank, model, root, "2stages_2dp", num_stages=2)
+    pipeline_first_step(rank, model, root, "tp2_2dp", tensor_parallel=2)
+    run_trainer(rank, *runs)
+
+
+@pytest.fixture(scope="module")
+def trl_one_replica(preference_model, tmp_path_factory):
+    """TRL's DPOTrainer on the steps one data-parallel replica reads."""
+    order = trainer_order(len(preference_model["records"]), 1)
+    return trl_dpo_run(preference_model, order, MICRO_BATCH * GAS, tmp_path_factory.mktemp("trl_one_replica"))
+
+
+@pytest.mark.slow
+def test_dpo_one_stage_matches_trl(one_process_runs, trl_one_replica):
+    assert_matches_trl(logged_steps(one_process_runs["one_stage"]), trl_one_replica)
+
+
+@pytest.fixture(scope="module")
+def two_stage_runs(preference_model, tmp_path_factory):
+    """One start of 4 processes for the first-step gradients on 2 stages x 2 data-parallel and 1 stage x tensor
+    parallel 2 x 2 data-parallel (pipeline_first_step), then the runs, in turn: on 2 stages under ZeRO-1, DPO
+    stopped after 3 steps, the same resumed to 6, DPO with LoRA (evaluated, exported, evaluated again from its
+    checkpoint with the reference computed again), DPO under zero-bubble with activation checkpointing, and SimPO;
+    DPO on 2 stages x context parallel 2, and on 1 stage x tensor parallel 2 x 2 data-parallel;
+    {name: output_dir}."""
+    root = tmp_path_factory.mktemp("two_stages")
+    layout = dict(num_stages=2, zero_stage=1)
+    runs = {"dpo": trainer_overrides(preference_model, root / "dpo", **layout, max_steps=3),
+            "tp2": trainer_overrides(preference_model, root / "tp2", num_stages=1, tensor_parallel_size=2,
+                                     zero_stage=1),
+            "cp2": trainer_overrides(preference_model, root / "cp2", num_stages=2, context_parallel_size=2,
+                                     eval_file=preference_model["eval"]),
+            "zero_bubble": trainer_overrides(preference_model, root / "zero_bubble", **layout,
+                                             pipeline_schedule="zero_bubble", activation_checkpoint_interval=1),
+            "resumed": trainer_overrides(preference_model, root / "dpo", **layout, resume="auto"),
+            "lora": trainer_overrides(preference_model, root / "lora", **layout, eval_file=preference_model["eval"],
+                                      export_hf=True, **{"lora.rank": LORA_RANK}),
+            # the trained adapters evaluated again, the reference computed anew: the base with its adapters off
+            "lora_eval": trainer_overrides(preference_model, root / "lora", **layout, eval_only=True, resume="auto",
+                                           eval_file=preference_model["eval"], **{"lora.rank": LORA_RANK,
+                                           "data.cache_dir": root / "lora_eval_cache"}),
+            "simpo": trainer_overrides(preference_model, root / "simpo", **layout, objective="simpo",
+                                       **{"simpo.beta": SIMPO_BETA, "simpo.gamma": SIMPO_GAMMA})}
+    spawn(four_process_worker, 4, preference_model, root, list(runs.values()))
+    names = ("dpo", "tp2", "cp2", "zero_bubble", "lora", "simpo", "lora_eval_cache")
+    return {"root": root, **{name: root / name for name in names}}
+
+
+@pytest.fixture(scope="module")
+def trl_two_replicas(preference_model, tmp_path_factory):
+    """TRL's DPOTrainer on the steps two data-parallel replicas read."""
+    order = trainer_order(len(preference_model["records"]), 2)
+    return trl_dpo_run(preference_model, order, 2 * MICRO_BATCH * GAS, tmp_path_factory.mktemp("trl_two_replicas"))
+
+
+@pytest.mark.slow
+def test_dpo_tensor_parallel_matches_trl(two_stage_runs, trl_two_replicas):
+    """1 stage x tensor parallel 2 (vocabulary-parallel head, sequence parallelism) x 2 data-parallel."""
+    assert_matches_trl(logged_steps(two_stage_runs["tp2"]), trl_two_replicas)
+
+
+@pytest.mark.slow
+def test_dpo_zero_bubble_with_activation_checkpointing_matches_trl(two_stage_runs, trl_two_replicas):
+    """2 stages x 2 data-parallel under the zero-bubble schedule, every decoder layer checkpointed."""
+    assert_matches_trl(logged_steps(two_stage_runs["zero_bubble"]), trl_two_replicas)
+
+
+@pytest.mark.slow
+def test_dpo_context_parallel_matches_trl(one_process_runs, two_stage_runs, trl_one_replica):
+    """2 stages x context parallel 2 (each sequence's tokens split zig-zag, its log-probabilities summed over the
+    group; the reference pass too), one replica: TRL's steps on the pairs one replica reads, and the 1-stage run's
+    eval metrics."""
+    assert_matches_trl(logged_steps(two_stage_runs["cp2"]), trl_one_replica)
+    (split,) = [r for r in read_metrics(two_stage_runs["cp2"]) if "eval_loss" in r]
+    (whole,) = [r for r in read_metrics(one_process_runs["one_stage"]) if "eval_loss" in r]
+    for name in ("eval_loss", *(f"eval_{name}" for name in METRICS)):
+        assert split[name] == pytest.approx(whole[name], abs=1e-4), name
+
+
+@pytest.mark.slow
+def test_dpo_two_stages_two_data_parallel_resumed_matches_trl(two_stage_runs, trl_two_replicas):
+    """Stopped after 3 steps and resumed: the resumed run reads the stored reference log-probabilities (the file
+    is not written again) and the six steps equal TRL's."""
+    out = two_stage_runs["dpo"]
+    (reference,) = (out / "data_cache").glob("*-reference-*.pt")
+    # written before the first run's checkpoint, never again: the resumed run read it
+    assert reference.stat().st_mtime_ns < (out / "global_step3").stat().st_mtime_ns
+    assert_matches_trl(logged_steps(out), trl_two_replicas)
+
+
+@pytest.mark.slow
+def test_dpo_lora_matches_trl(preference_model, two_stage_runs, tmp_path):
+    """LoRA: the reference is the base with the adapters off (TRL: peft's disabled adapter)."""
+    from models.lora import LoraSettings
+    order = trainer_order(len(preference_model["records"]), 2)
+    assert_matches_trl(logged_steps(two_stage_runs["lora"]),
+                       trl_dpo_run(preference_model, order, 2 * MICRO_BATCH * GAS, tmp_path / "trl",
+                                   lora=LoraSettings(rank=LORA_RANK)))
+
+
+@pytest.mark.slow
+def test_exported_lora_adapter_gives_the_eval_metrics_in_trl(preference_model, two_stage_runs, tmp_path):
+    """The exported peft adapter on the base, evaluated by TRL's DPOTrainer (reference: the adapter disabled) on
+    the eval pairs, gives the eval_loss and eval metrics the trainer logged (its eval shards padded with empty
+    pairs that count nowhere); so does the trained checkpoint evaluated again with the reference computed after
+    loading its adapters (switched off for it)."""
+    from datasets import Dataset
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    out = two_stage_runs["lora"]
+    logged, again = [r for r in read_metrics(out) if "eval_loss" in r]
+    assert list((two_stage_runs["lora_eval_cache"]).glob("*-reference-*.pt"))
+    for name in ("eval_loss", *(f"eval_{name}" for name in METRICS)):
+        assert again[name] == pytest.approx(logged[name], abs=1e-6), name
+    base = AutoModelForCausalLM.from_pretrained(preference_model["hf"], dtype=torch.float32,
+                                                attn_implementation="eager")
+    trainer = DPOTrainer(model=PeftModel.from_pretrained(base, str(out / "hf")),
+                         processing_class=AutoTokenizer.from_pretrained(preference_model["hf"]),
+                         train_dataset=Dataset.from_list(preference_model["records"][:1]),
+                         args=DPOConfig(output_dir=str(tmp_path / "trl"), beta=BETA, max_length=SEQ, use_cpu=True,
+                                        bf16=False, report_to=[], precompute_ref_log_probs=True, disable_tqdm=True,
+                                        per_device_eval_batch_size=EVAL_PAIRS))
+    # TRL takes a peft model passed in as an adapter to train further, its copy "ref" the reference; the trainer's
+    # reference is the base, TRL's for a new adapter
+    trainer.model.delete_adapter("ref")
+    theirs = trainer.evaluate(Dataset.from_list(preference_model["eval_records"]))
+    assert logged["eval_loss"] == pytest.approx(theirs["eval_loss"], abs=1e-5)
+    for name in METRICS:
+        assert logged[f"eval_{name}"] == pytest.approx(theirs[f"eval_{name}"], abs=1e-5, rel=1e-6), name
+
+
+@pytest.mark.slow
+def test_simpo_matches_trl_cpo(preference_model, two_stage_runs, tmp_path):
+    """objective=simpo equals TRL's CPOTrainer with loss_type="simpo", cpo_alpha=0 (no reference pass: no file)."""
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    class InOrder(CPOTrainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    out = two_stage_runs["simpo"]
+    assert not list((out / "data_cache").glob("*-reference-*.pt"))
+    order = trainer_order(len(preference_model["records"]), 2)
+    args = CPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=2 * MICRO_BATCH * GAS,
+                     gradient_accumulation_steps=1, max_steps=STEPS, learning_rate=LEARNING_RATE,
+                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=BETAS[0],
+                     adam_beta2=BETAS[1], adam_epsilon=1e-8, max_grad_norm=MAX_GRAD_NORM, optim="adamw_torch",
+                     logging_steps=1, loss_type="simpo", cpo_alpha=0.0, beta=SIMPO_BETA, simpo_gamma=SIMPO_GAMMA,
+                     max_length=SEQ, use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=SEED,
+                     dataloader_drop_last=True, disable_tqdm=True)
+    trainer = InOrder(model=AutoModelForCausalLM.from_pretrained(preference_model["hf"], dtype=torch.float32,
+                                                                 attn_implementation="eager"),
+                      args=args, processing_class=AutoTokenizer.from_pretrained(preference_model["hf"]),
+                      train_dataset=Dataset.from_list([preference_model["records"][i] for i in order]))
+    trainer.train()
+    theirs = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
+    assert_matches_trl(logged_steps(out), theirs)
+
+
+FIRST_STEP_REFERENCE = [(-60.0 - 7 * i, -55.0 - 11 * i) for i in range(4 * MICRO_BATCH * GAS)]  # margins differ
+
+
+def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tensor_parallel=1):
+    """One training step of the pipeline on this rank's share of the first pairs (data-parallel rank r takes the
+    r-th block of MICRO_BATCH x GAS), with FIRST_STEP_REFERENCE as their reference log-probabilities; under LoRA
+    adapters with random B. Saves this rank's gradients by Hugging Face name (with its tensor-parallel split), the
+    step's loss and metrics to root/<case>-rank<r>.pt."""
+    import deepspeed
+    from transformers import AutoConfig, AutoTokenizer
+
+    from checkpoints.layer_files import load_layer_slice
+    from data import build_dataset
+    from data.collator import collate_preference
+    from models.lora import NO_LORA, LoraSettings
+    from models.pipeline import build_pipeline_module
+    from models.preference import PreferenceSettings
+    from tests.lora_reference import adapter_values
+    from tests.parity_worker import GradientRecorder, hf_name_of_pipeline_param, set_adapters
+    from training.distributed import parallel_topology
+    from training.token_mean import global_loss_units, token_mean_loss
+
+    config = AutoConfig.from_pretrained(model["hf"])
+    lora = LoraSettings(rank=lora_rank) if lora_rank else NO_LORA
+    module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel),
+                                   layer_loader=load_layer_slice, loss_chunk_tokens=7, lora=lora,
+                                   objective=PreferenceSettings("dpo", beta=BETA))
+    recorder = GradientRecorder([p for p in module.parameters() if p.requires_grad])
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=recorder, config={
+        "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GAS,
+        "steps_per_print": 10**9, "gradient_clipping": 0.0,
+        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}})
+    engine.load_checkpoint(model["ds"], load_module_only=True)
+    if lora.enabled:
+        set_adapters(module, adapter_values(config, lora, seed=7, nonzero_b=True), module.parallel)
+    tokenizer = AutoTokenizer.from_pretrained(model["ds"])
+    rows, _ = build_dataset(model["train"], tokenizer, {"format": "preference"}, SEQ,
+                            cache_dir=root / f"{case}-cache-{rank}")
+    first = engine.grid.data_parallel_id * MICRO_BATCH * GAS
+    pairs = [{**rows[i], "ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
+             for i, (chosen, rejected) in enumerate(FIRST_STEP_REFERENCE) if first <= i < first + MICRO_BATCH * GAS]
+    micro_batches = [collate_preference(pairs[k:k + MICRO_BATCH], SEQ, tokenizer.pad_token_id)
+                     for k in range(0, len(pairs), MICRO_BATCH)]
+    with token_mean_loss(engine, global_loss_units(engine, micro_batches)):
+        loss = float(engine.train_batch(iter(micro_batches)))
+    grads = {hf_name_of_pipeline_param(name, config.num_hidden_layers):
+             (recorder.recorded[param], getattr(param, "tensor_parallel_dim", None))
+             for name, param in module.named_parameters() if param.requires_grad}
+    torch.save({"loss": loss, "metrics": module.loss_fn.take_metrics(), "grads": grads,
+                "tensor_parallel": (module.parallel.rank, module.parallel.size)}, root / f"{case}-rank{rank}.pt")
+
+
+def trl_first_step(model, lora_rank, pairs, output_dir):
+    """TRL's DPOTrainer loss on the first `pairs` pairs with FIRST_STEP_REFERENCE, one batch, and its backward:
+    (loss, metrics, {Hugging Face name: gradient})."""
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from models.lora import LoraSettings
+    from tests.lora_reference import adapter_values, hf_name_of_peft, peft_model
+
+    if lora_rank:
+        lora = LoraSettings(rank=lora_rank)
+        policy = peft_model(model["hf"], lora, adapter_values(AutoConfig.from_pretrained(model["hf"]), lora, seed=7,
+                                                              nonzero_b=True))
+    else:
+        policy = AutoModelForCausalLM.from_pretrained(model["hf"], dtype=torch.float32, attn_implementation="eager")
+    trainer = DPOTrainer(model=policy, processing_class=AutoTokenizer.from_pretrained(model["hf"]),
+                         train_dataset=Dataset.from_list(model["records"][:pairs]),
+                         args=DPOConfig(output_dir=str(output_dir), beta=BETA, max_length=SEQ, use_cpu=True,
+                                        bf16=False, report_to=[], precompute_ref_log_probs=True, disable_tqdm=True))
+    batch = trainer.data_collator([{**trainer.train_dataset[i], "ref_chosen_logps": c, "ref_rejected_logps": r}
+                                   for i, (c, r) in enumerate(FIRST_STEP_REFERENCE[:pairs])])
+    trainer.model.train()
+    loss = trainer._compute_loss(trainer.model, batch, return_outputs=False)
+    loss.backward()
+    metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    grads = {hf_name_of_peft(n): p.grad for n, p in trainer.model.named_parameters() if p.requires_grad}
+    if trainer.model.config.tie_word_embeddings:
+        grads.pop("lm_head.weight", None)
+    return loss.item(), metrics, grads
+
+
+def assert_first_step_matches_trl(model, root, case, world_size, data_parallel, lora_rank=0):
+    """Every rank's first-step gradients within 1e-5 of TRL's (relative to the largest element; under tensor
+    parallelism against the rank's slice), every gradient compared somewhere; the loss and metrics within 1e-5."""
+    loss, metrics, grads = trl_first_step(model, lora_rank, data_parallel * MICRO_BATCH * GAS, root / f"{case}-trl")
+    compared, bad = set(), {}
+    for rank in range(world_size):
+        result = torch.load(root / f"{case}-rank{rank}.pt", weights_only=False)
+        assert result["loss"] == pytest.approx(loss, abs=1e-5), (case, rank)
+        for name in METRICS:
+            assert result["metrics"][name] == pytest.approx(metrics[name], abs=1e-5, rel=1e-6), (case, name)
+        tp_rank, tp_size = result["tensor_parallel"]
+        for name, (grad, dim) in result["grads"].items():
+            ref = grads[name] if dim is None else grads[name].chunk(tp_size, dim)[tp_rank]
+            error = ((grad - ref).abs().max() / ref.abs().max()).item()
+            if not error < 1e-5:
+                bad[(rank, name)] = error
+            compared.add(name)
+    assert not bad, (case, bad)
+    assert compared == set(grads), (case, set(grads) - compared)
+
+
+@pytest.mark.slow
+def test_first_step_gradients_equal_trl(preference_model, one_process_runs, two_stage_runs):
+    """Every gradient of the first step within 1e-5 of TRL's, with reference log-probabilities that weigh each
+    pair differently; the loss and rewards within 1e-5: 1 stage with full weights and LoRA, 2 stages x 2
+    data-parallel, 1 stage x tensor parallel 2 x 2 data-parallel."""
+    root = one_process_runs["root"]
+    assert_first_step_matches_trl(preference_model, root, "full", 1, 1)
+    assert_first_step_matches_trl(preference_model, root, "lora", 1, 1, lora_rank=LORA_RANK)
+    root = two_stage_runs["root"]
+    assert_first_step_matches_trl(preference_model, root, "2stages_2dp", 4, 2)
+    assert_first_step_matches_trl(preference_model, root, "tp2_2dp", 4, 2)
+
+
+# --- data and config checks (in process, no training) ---------------------------------------------------------------
+
+CONVERSATION_PAIRS = [
+    {"prompt": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Capital of France?"}],
+     "chosen": [{"role": "assistant", "content": "Paris."}],
+     "rejected": [{"role": "assistant", "content": "The capital of France is Paris. " * 6}]},
+    {"prompt": [{"role": "user", "content": "Count to five, please."}],
+     "chosen": [{"role": "assistant", "content": "One, two, three, four, five."}],
+     "rejected": [{"role": "assistant", "content": "No."}]},
+]
+IMPLICIT_PAIRS = [{"chosen": pair["prompt"] + pair["chosen"], "rejected": pair["prompt"] + pair["rejected"]}
+                  for pair in CONVERSATION_PAIRS]  # the prompt inside both conversations (TRL's implicit prompt)
+STRING_PAIRS = [{"prompt": "What is the capital of France?", "chosen": " Paris.", "rejected": " Rome."},
+                {"prompt": "Tell me a short story", "chosen": " about a cat.",
+                 "rejected": " Once upon a time the small cat found a red ball in the garden." * 3}]
+
+
+def write_pairs(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def build_pairs(path, tokenizer, tmp_path, seq_length=64, **data):
+    from data import build_dataset
+    return build_dataset(path, tokenizer, {"format": "preference", **data}, seq_length, cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("style,records", [("llama3", CONVERSATION_PAIRS), ("chatml", CONVERSATION_PAIRS),
+                                           ("llama3", IMPLICIT_PAIRS), ("llama3", STRING_PAIRS)],
+                         ids=["llama3_chat", "chatml_chat", "implicit_prompt", "strings"])
+def test_pairs_are_tokenized_as_trl_prepares_them(style, records, tmp_path):
+    """Each pair's two sequences and labels are TRL's DPOTrainer's (its own dataset preparation: prompt_ids,
+    chosen_ids, rejected_ids, truncated to max_length), for conversations with two chat templates, conversations
+    holding their prompt (TRL's extract_prompt) and strings."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from tests.chat_tokenizers import make_chat_tokenizer
+    tokenizer = make_chat_tokenizer(style)
+    seq_length = 48  # cuts the longer responses
+    dataset, stats = build_pairs(write_pairs(tmp_path / "pairs.jsonl", records), tokenizer, tmp_path, seq_length)
+    trainer = DPOTrainer.__new__(DPOTrainer)
+    trainer._tokenizer = tokenizer
+    prepared = trainer._prepare_dataset(Dataset.from_list(records), tokenizer,
+                                        DPOConfig(output_dir=str(tmp_path / "trl"), max_length=seq_length,
+                                                  report_to=[], use_cpu=True), "train")
+    assert len(dataset) == len(prepared) == len(records)
+    assert stats.truncated >= 1
+    for row, trl in zip(dataset, prepared):
+        for side in ("chosen", "rejected"):
+            sequence = (trl["prompt_ids"] + trl[f"{side}_ids"])[:seq_length]
+            assert row[f"{side}_input_ids"] == sequence
+            assert row[f"{side}_labels"] == [-100] * len(trl["prompt_ids"]) + sequence[len(trl["prompt_ids"]):]
+
+
+def test_bad_pairs_are_named_or_skipped(tmp_path):
+    from tests.chat_tokenizers import make_chat_tokenizer
+    tokenizer = make_chat_tokenizer("llama3")
+    good = STRING_PAIRS[0]
+    cases = {  # record: what the error says
+        "missing": ({"prompt": "Hi", "chosen": " Yes."}, "line 2: malformed JSON line \\(field 'rejected' missing"),
+        "same": ({"prompt": "Hi", "chosen": " Yes.", "rejected": " Yes."},
+                 "line 2: bad preference example \\('chosen' and 'rejected' are the same"),
+        "mixed": ({"prompt": "Hi", "chosen": [{"role": "assistant", "content": "Yes."}], "rejected": " No."},
+                  "line 2: bad preference example \\('prompt', 'chosen' and 'rejected' must be all strings or all"),
+        "empty": ({"prompt": "Hi", "chosen": "", "rejected": " No."}, "line 2: bad preference example \\(empty chosen"),
+        "prompt_not_shared": ({"chosen": [{"role": "user", "content": "Hi"},
+                                          {"role": "assistant", "content": "Yes."}],
+                               "rejected": [{"role": "user", "content": "Ho"},
+                                            {"role": "assistant", "content": "No."}]},
+                              "line 2: bad preference example \\(no 'prompt', and 'chosen' and 'rejected' do not"),
+    }
+    for name, (record, message) in cases.items():
+        path = write_pairs(tmp_path / f"{name}.jsonl", [good, record, good])
+        with pytest.raises(ValueError, match=message):
+            build_pairs(path, tokenizer, tmp_path)
+        dataset, stats = build_pairs(path, tokenizer, tmp_path, bad_lines="skip")
+        assert (len(dataset), stats.bad_lines_skipped) == (2, 1), name
+    # after truncation: a prompt that fills seq_length, responses the same within it
+    long_prompt = {"prompt": " ".join(["the cat"] * 20), "chosen": " Yes.", "rejected": " No."}
+    shared_start = {"prompt": "Hi", "chosen": " the cat the cat the cat the cat the cat the cat the cat. Yes.",
+                    "rejected": " the cat the cat the cat the cat the cat the cat the cat. No."}
+    for record, message in ((long_prompt, "example 1: its prompt of \\d+ tokens leaves no response token within "
+                                          "seq_length=12"),
+                            (shared_start, "example 1: its chosen and rejected responses are the same within "
+                                           "seq_length=12")):
+        path = write_pairs(tmp_path / "cut.jsonl", [good, record])
+        with pytest.raises(ValueError, match=message):
+            build_pairs(path, tokenizer, tmp_path, seq_length=12)
+        dataset, stats = build_pairs(path, tokenizer, tmp_path, seq_length=12, bad_lines="skip")
+        assert (len(dataset), stats.dropped_pairs) == (1, 1)
+
+
+def test_conversations_without_a_chat_template_name_the_key(tmp_path):
+    from tests.chat_tokenizers import make_chat_tokenizer
+    tokenizer = make_chat_tokenizer("llama3")
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="has no chat template .* data.chat_template=PATH"):
+        build_pairs(write_pairs(tmp_path / "pairs.jsonl", CONVERSATION_PAIRS), tokenizer, tmp_path)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["objective=dpo"], "objective=dpo trains on preference pairs: set data.format=preference"),
+    (["data.format=preference"], "data.format=preference holds pairs: set objective=dpo"),
+    (["objective=dpo", "data.format=preference", "data.packing=true"], "data.format=preference with data.packing=true"),
+    (["objective=dpo", "data.format=preference", "loss_impl=logits"], "preference losses run on the chunked head"),
+    (["objective=dpo", "data.format=preference", "dpo.beta=0"], "dpo.beta=0 must be a positive number"),
+    (["objective=dpo", "data.format=preference", "dpo.loss_type=ipo"], "dpo.loss_type='ipo' is not one of sigmoid"),
+    (["objective=kto"], "objective='kto' is not one of sft, dpo, simpo"),
+], ids=["dpo_on_text", "pairs_without_objective", "packing", "logits_head", "beta", "loss_type",
+        "objective"])
+def test_preference_config_errors_name_the_key(overrides, message):
+    from hydra import compose, initialize_config_dir
+
+    from tests.conftest import ROOT
+    from training.run_spec import ConfigError, checked_config
+    with initialize_config_dir(config_dir=f"{ROOT}/conf", version_base=None):
+        cfg = compose(config_name="tiny", overrides=overrides)
+    with pytest.raises(ConfigError, match=message):
+        checked_config(cfg)

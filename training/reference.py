@@ -1,0 +1,112 @@
+"""DPO's reference log-probabilities: each pair's summed chosen and rejected response log-probabilities under the
+starting weights, computed once before training in a forward-only pass through the pipeline (TRL's
+`precompute_ref_log_probs`), so that no second model exists at any time; under LoRA the base with its adapters off.
+
+They are stored beside the tokenized data (`<cache_dir>/<data file>-reference-<key>.pt`), keyed by the tokenized
+rows (their cache files name the source, tokenizer, settings and seq_length) and by the manifest checksum of the
+checkpoint the weights came from; a later run or a resume on the same data and checkpoint reads them instead of
+computing them again. The last stage reads them with its micro-batches (data/collator.py `collate_preference`).
+"""
+import hashlib
+import json
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from torch.utils.data import DataLoader
+
+from data.collator import collate
+from models.lora import adapters_off
+from training.evaluation import PaddedShard
+
+
+class WithReference(torch.utils.data.Dataset):
+    """A preference dataset whose rows carry their reference log-probabilities (float32 per pair)."""
+
+    def __init__(self, dataset, chosen, rejected):
+        self.dataset, self.chosen, self.rejected = dataset, chosen, rejected
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return {**self.dataset[index], "ref_chosen_logps": float(self.chosen[index]),
+                "ref_rejected_logps": float(self.rejected[index])}
+
+
+def reference_path(cache_dir, dataset, checkpoint):
+    """Where the reference log-probabilities of `dataset`'s rows under `checkpoint` (a manifest checksum) live."""
+    rows = [os.path.basename(f["filename"]) for f in dataset.cache_files]
+    key = hashlib.sha256(json.dumps([rows, checkpoint]).encode()).hexdigest()[:16]
+    stem = rows[0].split("-preference-")[0] if rows else "data"
+    return os.path.join(cache_dir, f"{stem}-reference-{key}.pt")
+
+
+def stored_everywhere(path):
+    """Whether every rank sees the stored file: all compute it, or none (a pass some ranks skip would hang)."""
+    found = torch.tensor([int(os.path.isfile(path))], device=get_accelerator().current_device_name())
+    dist.all_reduce(found, op=dist.ReduceOp.MIN)
+    return bool(found)
+
+
+def with_reference(engine, dataset, dataset_length, path, checkpoint, cfg, pad_id, log=print):
+    """`dataset` (None on middle stages, which only take part in the pass) with each pair's reference
+    log-probabilities: read from `path`, or computed with the engine's current weights (adapters off) and stored
+    there. Every rank calls it."""
+    if stored_everywhere(path):
+        stored = torch.load(path, weights_only=True)
+        log(f"reference log-probabilities of {dataset_length} pairs read from {path}")
+    else:
+        log(f"computing the reference log-probabilities of {dataset_length} pairs (forward only, starting weights"
+            f"{', adapters off' if has_adapters(engine.module) else ''})")
+        stored = {"checkpoint": checkpoint, **compute_reference(engine, dataset, dataset_length, cfg, pad_id)}
+        if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:  # one writer per node, as the data cache
+            partial_file = f"{path}.{os.getpid()}.tmp"
+            torch.save(stored, partial_file)
+            os.replace(partial_file, path)
+        log(f"stored them in {path}")
+    if stored["checkpoint"] != checkpoint:
+        raise ValueError(f"{path} holds reference log-probabilities of checkpoint {stored['checkpoint']}, not of "
+                         f"{checkpoint} this run starts from; delete it to compute them again.")
+    return None if dataset is None else WithReference(dataset, stored["chosen"], stored["rejected"])
+
+
+def has_adapters(module):
+    return any(hasattr(m, "lora_scaling") for m in module.modules())
+
+
+def compute_reference(engine, dataset, dataset_length, cfg, pad_id):
+    """{"chosen": (pairs,), "rejected": (pairs,)} float32 on every rank: each data-parallel replica scores its
+    share of the pairs (evaluation's sharding), the last stage summing each response's log-probabilities; one
+    all-reduce, to which only the first tensor- and context-parallel rank of each last stage adds, assembles them."""
+    loss_fn, context = engine.module.loss_fn, engine.module.context
+    # the ranks of a context group score the same pairs, each its tokens of them (evaluation's sharding)
+    dp_rank, dp_size = context.replica(engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size())
+    micro_batch = cfg.micro_batch_size
+    num_micro_batches = math.ceil(math.ceil(dataset_length / dp_size) / micro_batch)
+    batches = None
+    if dataset is not None:
+        shard = PaddedShard(dataset, dp_rank, dp_size, micro_batch)
+        batches = map(context.split_micro_batch, DataLoader(shard, batch_size=micro_batch,
+                                                            collate_fn=lambda rows: collate(rows, cfg.seq_length,
+                                                                                            pad_id)))
+    scores = []
+    loss_fn.reference_pass = True
+    try:
+        with adapters_off(engine.module):
+            for start in range(0, num_micro_batches, cfg.gradient_accumulation_steps):
+                chunk = min(cfg.gradient_accumulation_steps, num_micro_batches - start)
+                scores += engine.eval_batch(batches, reduce_output=None, bcast_loss=False, num_micro_batches=chunk) \
+                    or []
+    finally:
+        loss_fn.reference_pass = False
+    values = torch.zeros(dataset_length, 2, dtype=torch.float32, device=get_accelerator().current_device_name())
+    if scores and engine.grid.get_slice_parallel_rank() == 0 and context.rank == 0:
+        pairs = torch.cat([torch.stack(logps.float().chunk(2), dim=1) for logps in scores])  # shard order
+        owned = len(range(dp_rank, dataset_length, dp_size))  # the rest pads the last micro-batch
+        values[dp_rank::dp_size] = pairs[:owned].to(values.device)
+    dist.all_reduce(values)
+    values = values.cpu()
+    return {"chosen": values[:, 0].clone(), "rejected": values[:, 1].clone()}
