@@ -23,7 +23,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from .collator import collate
+from .collator import collate, collate_causal_lm
 
 
 def micro_batches_per_epoch(num_examples: int, dp_size: int, micro_batch_size: int, drop_last: bool = True) -> int:
