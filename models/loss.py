@@ -81,13 +81,14 @@ def chunked_loss_sum(hidden, weight, labels, divisor, parallel, chunk_tokens, gr
                                            chunk_tokens, grad_sum_dtype)
 
 
-def sequence_log_probs(hidden, weight, labels, sequences, parallel, chunk_tokens):
+def sequence_log_probs(hidden, weight, labels, sequences, parallel, chunk_tokens, grad_sum_dtype=None):
     """Each sequence's summed log-probability of its labelled next tokens, (sequences,) in fp32, differentiable:
     the response log-probabilities preference losses are made of (models/preference.py), from the head's input and
-    weight, `chunk_tokens` tokens at a time. labels: next_token_labels of `sequences` rows of equal length."""
+    weight, `chunk_tokens` tokens at a time, the chunks' weight gradients summed in grad_sum_dtype (as
+    CausalLMLoss's). labels: next_token_labels of `sequences` rows of equal length."""
     whole = parallel.whole_input(hidden)
     return SequenceLogProbs.apply(whole.reshape(-1, whole.shape[-1]), weight, labels, sequences, parallel,
-                                  chunk_tokens)
+                                  chunk_tokens, grad_sum_dtype)
 
 
 class VocabularyShare:
@@ -154,7 +155,7 @@ class SequenceLogProbs(torch.autograd.Function):
     gathered per chunk in forward and the label logits summed over the group once; backward needs no collective."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, sequences, parallel, chunk_tokens):
+    def forward(ctx, hidden, weight, labels, sequences, parallel, chunk_tokens, grad_sum_dtype):
         share = VocabularyShare(labels, weight.shape[0], parallel)
         log_sum_exp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         target = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
@@ -167,6 +168,7 @@ class SequenceLogProbs(torch.autograd.Function):
             dist.all_reduce(target, group=parallel.group)
         ctx.save_for_backward(hidden, weight)
         ctx.share, ctx.log_sum_exp, ctx.parallel, ctx.chunk_tokens = share, log_sum_exp, parallel, chunk_tokens
+        ctx.grad_sum_dtype = grad_sum_dtype
         per_token = (target - log_sum_exp).masked_fill(~share.labelled, 0)
         return per_token.view(sequences, -1).sum(dim=1)
 
@@ -177,7 +179,7 @@ class SequenceLogProbs(torch.autograd.Function):
         # d(log-prob)/d(logits) = one-hot - softmax: minus the cross-entropy's, times its sequence's gradient
         token_scale = -grad_logps.float().repeat_interleave(hidden.shape[0] // grad_logps.shape[0])
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = weight_grad_buffer(weight) if ctx.needs_input_grad[1] else None
+        grad_weight = weight_grad_buffer(weight, ctx.grad_sum_dtype) if ctx.needs_input_grad[1] else None
         row_max = torch.empty_like(log_sum_exp)
         for rows in token_chunks(hidden.shape[0], ctx.chunk_tokens):
             logits = F.linear(hidden[rows], weight).float()
@@ -189,7 +191,8 @@ class SequenceLogProbs(torch.autograd.Function):
             if grad_weight is not None:
                 add_weight_grad(grad_weight, grad_logits, hidden[rows])
             del logits, grad_logits
-        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None)
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None,
+                None)
 
 
 def weight_grad_buffer(weight, grad_sum_dtype=None):

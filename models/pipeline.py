@@ -105,8 +105,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     context = build_context_parallel(topology, context_parallel_size)
     if stage_bounds is None:
         stage_bounds = partition_stages(config, topology.get_dim("pipe"))
-    loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context) if objective.preference
-               else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype))
+    loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype)
+               if objective.preference else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype))
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype or previous_dtype)
     try:

@@ -70,8 +70,10 @@ class PreferenceLoss:
     response log-probability instead (training/reference.py). Each call adds its pairs' metric sums to `totals`
     (kept on the device: no synchronisation per micro-batch)."""
 
-    def __init__(self, settings, parallel=NO_TENSOR_PARALLEL, chunk_tokens=1024, context=NO_CONTEXT_PARALLEL):
+    def __init__(self, settings, parallel=NO_TENSOR_PARALLEL, chunk_tokens=1024, context=NO_CONTEXT_PARALLEL,
+                 grad_sum_dtype=None):
         self.settings, self.parallel, self.chunk_tokens, self.context = settings, parallel, chunk_tokens, context
+        self.grad_sum_dtype = grad_sum_dtype  # the run's grad_accum_dtype, for the head's chunks (models/loss.py)
         self.step_divisor = None
         self.reference_pass = False
         self.totals = None  # the metrics' sums, then the pair count, since take_metrics
@@ -88,7 +90,8 @@ class PreferenceLoss:
         hidden, weight = outputs
         rows = labels.shape[0]
         next_labels = next_token_labels(labels, self.context).to(hidden.device)
-        logps = sequence_log_probs(hidden, weight, next_labels, rows, self.parallel, self.chunk_tokens)
+        logps = sequence_log_probs(hidden, weight, next_labels, rows, self.parallel, self.chunk_tokens,
+                                   self.grad_sum_dtype)
         tokens = response_tokens(next_labels, rows, self.context)
         if self.context.size > 1:  # each rank summed its tokens of every sequence
             logps = AllReduce.apply(logps, self.context.group)
