@@ -59,7 +59,7 @@ def peft_training_losses(hf_dir, train_file, tokenizer_dir, settings, steps, see
     from data.datasets import build_dataset
     from data.loader import build_stage_loader, infinite_micro_batches
     from training.loop import pad_token_id
-    from training.run_spec import BASE_CONFIG
+    from training.config_checks import BASE_CONFIG
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     data_cfg = OmegaConf.load(BASE_CONFIG).data
@@ -96,7 +96,7 @@ def hf_eval_loss(model, eval_file, tokenizer_dir, seq_length, cache_dir):
     from data.collator import collate_causal_lm
     from data.datasets import build_dataset
     from models.loss import labelled_tokens
-    from training.run_spec import BASE_CONFIG
+    from training.config_checks import BASE_CONFIG
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     dataset, _ = build_dataset(eval_file, tokenizer, OmegaConf.load(BASE_CONFIG).data, seq_length,

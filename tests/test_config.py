@@ -91,7 +91,7 @@ def test_16_bit_runs_sum_gradients_in_fp32_unless_told_otherwise(overrides, data
      "deepspeed.data_types.grad_accum_dtype=bf16 contradicts grad_accum_dtype=fp32: set grad_accum_dtype only."),
 ])
 def test_an_accumulation_dtype_that_cannot_work_is_refused(overrides, message):
-    from training.run_spec import ConfigError, checked_config
+    from training.config_checks import ConfigError, checked_config
     with pytest.raises(ConfigError, match=re.escape(message)):
         checked_config(composed("tiny", "zero_stage=1", *overrides))
 
@@ -123,7 +123,7 @@ def composed(name, *overrides):
 ])
 def test_unknown_or_misspelt_keys_are_refused_naming_the_closest(override, message):
     """Hydra's ++ adds any key; an ignored misspelling would train with the default silently."""
-    from training.run_spec import ConfigError, checked_config
+    from training.config_checks import ConfigError, checked_config
     with pytest.raises(ConfigError, match=re.escape(message)):
         checked_config(composed("tiny", override))
 
@@ -133,7 +133,7 @@ def test_free_form_nodes_take_any_key_and_defaults_fill_older_configs():
     without a newer key gets conf/base.yaml's default, and YAML's null reads as the default for offload."""
     from omegaconf import open_dict
 
-    from training.run_spec import checked_config
+    from training.config_checks import checked_config
     cfg = composed("llama_65b", "+deepspeed.bf16.immediate_grad_update=true", "+model_config.rope_theta=10000.0",
                    "offload_optimizer=null")
     with open_dict(cfg):
@@ -154,7 +154,7 @@ def test_free_form_nodes_take_any_key_and_defaults_fill_older_configs():
     ("loss_chunk_tokens=-512", "loss_chunk_tokens=-512 must be a positive number of tokens"),
 ])
 def test_each_choice_is_checked_before_anything_is_built(override, message):
-    from training.run_spec import ConfigError, checked_config
+    from training.config_checks import ConfigError, checked_config
     with pytest.raises(ConfigError, match=re.escape(message)):
         checked_config(composed("tiny", override))
 

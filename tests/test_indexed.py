@@ -287,7 +287,8 @@ def test_run_refuses_bad_shards_before_starting(demo_model, corpus, tmp_path):
     from data.corpus import train_demo_tokenizer
     from tests.conftest import ROOT
     from tests.launch import demo_overrides
-    from training.run_spec import ConfigError, run_spec
+    from training.config_checks import ConfigError
+    from training.run_spec import run_spec
     other = train_demo_tokenizer(demo_model["eval"], tmp_path / "other_tokenizer", 320)
     tokenize_shards.prepare_shards([demo_model["eval"]], str(tmp_path / "other_tokenizer"), str(tmp_path / "other"))
 

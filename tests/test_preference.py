@@ -561,7 +561,7 @@ def test_preference_config_errors_name_the_key(overrides, message):
     from hydra import compose, initialize_config_dir
 
     from tests.conftest import ROOT
-    from training.run_spec import ConfigError, checked_config
+    from training.config_checks import ConfigError, checked_config
     with initialize_config_dir(config_dir=f"{ROOT}/conf", version_base=None):
         cfg = compose(config_name="tiny", overrides=overrides)
     with pytest.raises(ConfigError, match=message):

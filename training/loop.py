@@ -42,7 +42,8 @@ from training.preemption import Preempted, PreemptionWatch
 from training.profiling import NoProfile, StepProfile
 from training.reference import reference_path, stored_everywhere, with_reference
 from training.resume import resolve_resume, start_checkpoint_dir
-from training.run_spec import ConfigError, plan_spec, run_spec
+from training.config_checks import ConfigError
+from training.run_spec import plan_spec, run_spec
 from training.token_mean import global_loss_units, step_micro_batches, token_mean_loss
 
 

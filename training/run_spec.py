@@ -1,13 +1,12 @@
 """Check, then build: one pass turns a run's Hydra config into a RunSpec, the validated description that every
 builder (topology, stages, data, engine, memory plan) takes what it needs from.
 
-Every rule of a run lives here: unknown keys, each key's values, the rules across keys, the layout against the
-world size and the model, the data files, and the checkpoint a run starts from. All of it runs before any process
-group is started or any file is written, identically on every rank, so all ranks fail together with a message that
-names the bad value and what to do.
+Every rule of a run runs from here: what the config alone says (training/config_checks.py: unknown keys, each
+key's values, the rules across keys), then the layout against the world size and the model, the data files, and
+the checkpoint a run starts from. All of it runs before any process group is started or any file is written,
+identically on every rank, so all ranks fail together with a message that names the bad value and what to do.
 """
 import dataclasses
-import difflib
 import os
 
 from omegaconf import DictConfig, OmegaConf
@@ -18,33 +17,20 @@ from checkpoints.files import has_tokenizer_files, read_latest
 from checkpoints.integrity import manifest_digest, verify_model_side_files
 from checkpoints.optimizer_state import check_optimizer_state_files, has_layout_free_state
 from checkpoints.trainer_state import read_trainer_state
-from data.formats import DataSettings
 from data.indexed import ShardError, check_sources, parse_sources, read_shard_header, tokenizer_fingerprint
 from models.layout import layer_file_name, layer_indices_with_files
 from models.context_parallel import context_parallel_error
 from models.llama import check_model_config
 from models.lora import LoraSettings, adapter_layer_indices, adapter_parameter_count, check_rank_fits
 from models.partition import decoder_counts_of_bounds, layer_parameter_counts
-from models.pipeline import ATTENTION_IMPLS, LOSS_IMPLS, PRECISION_DTYPES, partition_stages
+from models.pipeline import partition_stages
 from models.preference import PreferenceSettings
 from models.tensor_parallel import check_tensor_parallel_split
 from planner.stage_costs import balanced_stage_cost
 from planner.training_state import checkpoint_bytes_per_parameter
 from planner.workload import Workload
+from training.config_checks import ConfigError, checked_config
 from training.resume import check_fresh_start, resolve_resume
-from training.schedule import PIPELINE_SCHEDULES
-
-BASE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "base.yaml")
-FREE_FORM_NODES = ("deepspeed", "model_config")  # DeepSpeed's own keys; a published config.json's fields
-PRECISIONS = tuple(PRECISION_DTYPES)
-SCHEDULERS = ("cosine", "linear", "constant")
-OFFLOAD_DEVICES = ("none", "cpu")
-NAN_POLICIES = ("stop", "skip")
-
-
-class ConfigError(ValueError):
-    """A config that cannot work; the message names the bad value and what to do."""
-
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
@@ -241,127 +227,6 @@ def plan_world_size(cfg):
 
 
 # --- the config alone ------------------------------------------------------------------------------------------------
-
-def checked_config(cfg):
-    """cfg with conf/base.yaml's defaults under it and its values normalised, after every check that needs
-    nothing but the config."""
-    base = OmegaConf.load(BASE_CONFIG)
-    for node in ("defaults", "hydra"):
-        base.pop(node)
-    check_known_keys(OmegaConf.to_container(cfg), OmegaConf.to_container(base))
-    cfg = OmegaConf.merge(base, cfg)
-    # YAML's null (and configs written before these keys) read as their defaults.
-    cfg.offload_optimizer = "none" if cfg.offload_optimizer is None else str(cfg.offload_optimizer).lower()
-    cfg.tensor_parallel_size = 1 if cfg.tensor_parallel_size is None else cfg.tensor_parallel_size
-    check_values(cfg)
-    OmegaConf.set_struct(cfg, True)
-    return cfg
-
-
-def check_known_keys(cfg, schema, prefix=""):
-    """Every key is one of conf/base.yaml's (any key under its free-form nodes): a misspelt key, or one added with
-    Hydra's `++`, would otherwise be ignored silently. cfg and schema: plain dicts (OmegaConf.to_container)."""
-    for key, value in cfg.items():
-        name = f"{prefix}{key}"
-        if key not in schema:
-            close = difflib.get_close_matches(str(key), [str(k) for k in schema], n=3)
-            hint = f"did you mean {' or '.join(prefix + k for k in close)}? " if close else ""
-            raise ConfigError(f"unknown config key '{name}': {hint}every key of a run is listed, with its meaning, "
-                              f"in conf/base.yaml (DeepSpeed's own keys go under deepspeed.).")
-        if name not in FREE_FORM_NODES and isinstance(value, dict) and isinstance(schema[key], dict):
-            check_known_keys(value, schema[key], f"{name}.")
-
-
-def check_values(cfg):
-    """Each key's allowed values, and the rules between keys that need no model or world size."""
-    choices = {"precision": PRECISIONS, "lr_scheduler": SCHEDULERS, "offload_optimizer": OFFLOAD_DEVICES,
-               "pipeline_schedule": PIPELINE_SCHEDULES, "nan_policy": NAN_POLICIES, "attention_impl": ATTENTION_IMPLS,
-               "loss_impl": LOSS_IMPLS}
-    for key, allowed in choices.items():
-        if cfg[key] not in allowed:
-            extra = (" (NVMe offload needs ZeRO-3, which pipeline parallelism does not support)"
-                     if key == "offload_optimizer" else "")
-            raise ConfigError(f"{key} '{cfg[key]}' is not one of {allowed}{extra}.")
-    if cfg.num_stages < 1 or cfg.tensor_parallel_size < 1:
-        raise ConfigError(f"num_stages={cfg.num_stages}, tensor_parallel_size={cfg.tensor_parallel_size}: both "
-                          f"must be at least 1.")
-    if cfg.zero_stage not in (0, 1):
-        raise ConfigError(f"zero_stage={cfg.zero_stage}: pipeline parallelism supports ZeRO stage 0 or 1 only.")
-    if cfg.precision != "fp32" and cfg.zero_stage == 0:
-        raise ConfigError(f"precision={cfg.precision} with zero_stage=0: below fp32 a checkpoint takes the fp32 master "
-                          f"weights and moments from ZeRO's partitions (checkpoints/optimizer_state.py); use "
-                          f"zero_stage=1.")
-    check_grad_accum_dtype(cfg)
-    check_offload(cfg)
-    chunk = cfg.loss_chunk_tokens
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-        raise ConfigError(f"loss_chunk_tokens={chunk!r} must be a positive number of tokens (the LM head and loss "
-                          f"run that many at a time; 1024 by default).")
-    if cfg.micro_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
-        raise ConfigError("micro_batch_size and gradient_accumulation_steps must be at least 1.")
-    check_zero_bubble(cfg)
-    if not cfg.preemption_grace_seconds > 0:
-        raise ConfigError(f"preemption_grace_seconds={cfg.preemption_grace_seconds} must be positive: the seconds a "
-                          f"SIGTERM leaves to finish the step and save.")
-    if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
-        raise ConfigError(f"peak_tflops={cfg.peak_tflops} must be a device's positive peak TFLOP/s, or null.")
-    if not cfg.device_memory_gb > 0:
-        raise ConfigError(f"device_memory_gb={cfg.device_memory_gb} must be the positive GiB each device has: the "
-                          f"memory plan checks against it and partition=balanced fills no stage past it.")
-    try:
-        DataSettings.from_cfg(cfg.data)  # data.format, data.overlong, data.bad_lines
-        LoraSettings.from_cfg(cfg.lora)
-        preference = PreferenceSettings.from_cfg(cfg)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    check_preference(cfg, preference)
-
-
-def check_preference(cfg, preference):
-    """A preference objective reads pairs, through the chunked head, one sequence per row; pairs need one."""
-    if preference.preference and cfg.data.format != "preference":
-        raise ConfigError(f"objective={cfg.objective} trains on preference pairs: set data.format=preference "
-                          f"(records with TRL's prompt, chosen and rejected fields), not {cfg.data.format}.")
-    if not preference.preference and cfg.data.format == "preference":
-        raise ConfigError("data.format=preference holds pairs: set objective=dpo (or simpo) to train on them.")
-    if not preference.preference:
-        return
-    if cfg.loss_impl != "chunked":
-        raise ConfigError(f"objective={cfg.objective} with loss_impl={cfg.loss_impl}: the preference losses run on "
-                          f"the chunked head only; set loss_impl=chunked.")
-
-
-def check_grad_accum_dtype(cfg):
-    if cfg.grad_accum_dtype not in ("fp32", cfg.precision):
-        raise ConfigError(f"grad_accum_dtype={cfg.grad_accum_dtype} with precision={cfg.precision}: micro-batch "
-                          f"gradients are summed in fp32 or in the model's dtype; set grad_accum_dtype=fp32.")
-    # DeepSpeed's own key, which grad_accum_dtype fills in (training/deepspeed_config.py)
-    deepspeed_key = OmegaConf.select(cfg, "deepspeed.data_types.grad_accum_dtype")
-    if deepspeed_key is not None and deepspeed_key != cfg.grad_accum_dtype:
-        raise ConfigError(f"deepspeed.data_types.grad_accum_dtype={deepspeed_key} contradicts grad_accum_dtype="
-                          f"{cfg.grad_accum_dtype}: set grad_accum_dtype only.")
-
-
-def check_offload(cfg):
-    if cfg.offload_optimizer == "cpu" and cfg.zero_stage != 1:
-        raise ConfigError(f"offload_optimizer=cpu needs ZeRO's partitioned optimizer: set zero_stage=1 (got "
-                          f"zero_stage={cfg.zero_stage}).")
-    if cfg.offload_optimizer == "cpu" and cfg.nan_policy == "skip":
-        raise ConfigError("nan_policy=skip replaces DeepSpeed's optimizer with a torch AdamW on the device, which "
-                          "cannot be offloaded; use nan_policy=stop with offload_optimizer=cpu, or "
-                          "offload_optimizer=none.")
-
-
-def check_zero_bubble(cfg):
-    cap = cfg.zero_bubble_max_waiting
-    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
-        raise ConfigError(f"zero_bubble_max_waiting={cap!r} is not a number of micro-batches: set an integer >= 0, "
-                          f"or null for ZB-H1's (stage s holds s).")
-    # fp16's loss scaler is untested with deferred weight gradients (DeepSpeed's CPU accelerator refuses fp16)
-    if cfg.pipeline_schedule == "zero_bubble" and cfg.precision == "fp16":
-        raise ConfigError("pipeline_schedule=zero_bubble does not support precision=fp16 yet (it runs with precision "
-                          "fp32 or bf16); use pipeline_schedule=1f1b.")
-
 
 def check_data_files(cfg):
     if cfg.eval_only:
