@@ -290,8 +290,8 @@ def run(cfg):
     prepare_output_dir(spec)
     seed_everything(cfg.seed)
     log_rank0(describe_stages(spec))
-    if accumulation_warning(cfg):
-        log_rank0(accumulation_warning(cfg))
+    if warning := accumulation_warning(cfg):
+        log_rank0(warning)
     if describe_resume(spec):
         log_rank0(describe_resume(spec))
     topology = parallel_topology(spec.num_stages, spec.tensor_parallel)
