@@ -9,8 +9,11 @@ def collate_causal_lm(examples, seq_length: int, pad_id: int):
     """Right-pad every row to exactly `seq_length`; returns `((input_ids, document_ids, position_ids), labels)`.
 
     All tensors are torch.long of shape (batch, seq_length): integer tensors cross stage boundaries without the
-    engine asking for their gradients, and stay linear in seq_length. A row is one document, or, when it has a
-    `lengths` field (packed rows, data/packing.py), the documents of those lengths one after another.
+    engine asking for their gradients, and stay linear in seq_length. Position t learns to predict labels[t + 1]:
+    rows whose labels run one token past their inputs (token shards' samples of seq_length + 1, Megatron's) make
+    labels seq_length + 1 wide, so that the last position learns the token after the row (models/loss.py). A row
+    is one document, or, when it has a `lengths` field (packed rows, data/packing.py), the documents of those
+    lengths one after another.
     document_ids is k on the tokens of the row's k-th document (1 for a one-document row) and 0 on padding: the
     model attends only within a document. position_ids restart at 0 with every document (padding continues the
     last one's count); labels are -100 on padding and on the first token of each later document, which the
@@ -19,7 +22,8 @@ def collate_causal_lm(examples, seq_length: int, pad_id: int):
     """
     batch_size = len(examples)
     input_ids = torch.full((batch_size, seq_length), pad_id, dtype=torch.long)
-    labels = torch.full((batch_size, seq_length), IGNORE_INDEX, dtype=torch.long)
+    carried = int(any(len(example["labels"]) > len(example["input_ids"]) for example in examples))
+    labels = torch.full((batch_size, seq_length + carried), IGNORE_INDEX, dtype=torch.long)
     document_ids = torch.zeros((batch_size, seq_length), dtype=torch.long)
     position_ids = torch.arange(seq_length, dtype=torch.long).repeat(batch_size, 1)
     for row, example in enumerate(examples):
@@ -27,7 +31,7 @@ def collate_causal_lm(examples, seq_length: int, pad_id: int):
         if length > seq_length:
             raise ValueError(f"example of {length} tokens does not fit seq_length={seq_length}")
         input_ids[row, :length] = torch.as_tensor(example["input_ids"], dtype=torch.long)
-        labels[row, :length] = torch.as_tensor(example["labels"], dtype=torch.long)
+        labels[row, :len(example["labels"])] = torch.as_tensor(example["labels"], dtype=torch.long)
         start = 0
         for document, document_length in enumerate(example.get("lengths") or [length], start=1):
             document_ids[row, start:start + document_length] = document

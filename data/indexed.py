@@ -1,10 +1,11 @@
 """Megatron-format token shards (`PREFIX.bin` + `PREFIX.idx`) as training samples, one corpus or a weighted blend.
 
-A corpus's epoch e is its documents in an order shuffled by (seed, e), cut into samples of exactly seq_length tokens
-across document boundaries (the `text` format's blocks, data/packing.py `pack_blocks`; the last partial sample of
-the epoch is dropped), and those samples in an order shuffled by (seed, e). The three arrays (document order,
-sample cut, sample order) of each epoch are built once, by one rank, with megatron-core's `build_sample_idx`, and
-cached as .npy files beside the shards (PREFIX.index/); every reading rank memory-maps them, so neither start-up
+A corpus's epoch e is its documents in an order shuffled by (seed, e), cut into samples of exactly seq_length + 1
+tokens across document boundaries, each starting at the previous one's last token (Megatron's GPTDataset: a sample's
+seq_length inputs and the token after them, so every token of the epoch but the first is predicted once; the last
+partial sample of the epoch is dropped), and those samples in an order shuffled by (seed, e). The three arrays
+(document order, sample cut, sample order) of each epoch are built once, by one rank, with megatron-core's
+`build_sample_idx`, and cached as .npy files beside the shards (PREFIX.index/); every reading rank memory-maps them, so neither start-up
 nor a step reads more than its own samples. The k-th sample a run draws from a corpus is sample k mod n of its
 epoch k // n (n samples an epoch): a corpus that runs out goes on with its next, reshuffled, epoch.
 
@@ -30,7 +31,7 @@ DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6
                8: np.uint16}
 TOKEN_DTYPES = (np.uint8, np.uint16, np.int32, np.int64)
 METADATA_SUFFIX = ".json"  # PREFIX.json: what prepare_data.py records beside the shards (tokenizer, counts)
-INDEX_VERSION = 1  # bump when the cached arrays' meaning changes
+INDEX_VERSION = 2  # bump when the cached arrays' meaning changes
 
 
 def megatron_datasets():
@@ -170,14 +171,19 @@ def check_sources(sources, key: str, vocab_size: int, fingerprint: str | None, s
         if header.dtype not in TOKEN_DTYPES:
             raise ShardError(f"{source.prefix}.idx: its dtype {np.dtype(header.dtype).name} holds no token ids "
                              f"(expected one of {', '.join(np.dtype(t).name for t in TOKEN_DTYPES)})")
-        if header.tokens < seq_length:
+        if header.tokens < seq_length + 1:
             raise ShardError(f"{source.prefix}: {header.tokens} tokens, fewer than one sample of seq_length="
-                             f"{seq_length}; add data or lower seq_length ({key})")
+                             f"{seq_length} (+ 1, the last input's label); add data or lower seq_length ({key})")
         headers.append(header)
     return headers
 
 
 # --- one corpus's epochs ---------------------------------------------------------------------------------------------
+
+def samples_per_epoch(header: ShardHeader, seq_length: int) -> int:
+    """Samples of seq_length + 1 tokens in one epoch of the corpus; each starts at the previous one's last token."""
+    return (header.tokens - 1) // seq_length
+
 
 class CorpusIndex:
     """The cached arrays of one corpus for (seed, seq_length): per epoch its document order, sample cut and sample
@@ -186,7 +192,7 @@ class CorpusIndex:
     def __init__(self, header: ShardHeader, seed: int, seq_length: int):
         self.header, self.seed, self.seq_length = header, seed, seq_length
         self.directory = Path(f"{header.prefix}.index") / f"s{seed}-L{seq_length}-{header.identity}"
-        self.samples_per_epoch = header.tokens // seq_length
+        self.samples_per_epoch = samples_per_epoch(header, seq_length)
         self._epochs = {}
 
     def files(self, epoch: int) -> dict[str, Path]:
@@ -207,7 +213,7 @@ class CorpusIndex:
             rng = np.random.default_rng([self.seed, epoch])
             documents = rng.permutation(len(sizes)).astype(np.int32)
             cut = build_sample_idx(sizes, documents, self.seq_length, 1, self.header.tokens,
-                                   drop_last_partial_sequence=True, add_extra_token_to_sequence=False)
+                                   drop_last_partial_sequence=True, add_extra_token_to_sequence=True)
             order = rng.permutation(len(cut) - 1).astype(np.int32 if len(cut) < 2**31 else np.int64)
             for name, array in (("documents", documents), ("cut", cut), ("order", order)):
                 partial_file = files[name].with_suffix(f".{os.getpid()}.tmp")
@@ -258,8 +264,9 @@ def sequence_lengths(header: ShardHeader) -> np.ndarray:
 
 class IndexedCorpus:
     """The samples of one corpus: `sample(k)` is the k-th sample a run draws from it, `cut_sample(e, s)` sample s of
-    epoch e in cut order. Rows are {"input_ids", "labels"} and, with document isolation, "lengths" (the document
-    pieces in the row, as the text format's packed blocks list them)."""
+    epoch e in cut order. Rows are {"input_ids": seq_length tokens, "labels": those and the next} and, with document
+    isolation, "lengths" (the document pieces of the seq_length + 1 tokens, as the text format's packed blocks list
+    them)."""
 
     def __init__(self, index: CorpusIndex, isolate: bool):
         self.index, self.isolate = index, isolate
@@ -274,14 +281,14 @@ class IndexedCorpus:
         documents, cut, _ = self.index.epoch(epoch)
         (first, start), (last, end) = cut[s], cut[s + 1]
         pieces = []
-        for position in range(int(first), int(last) + 1):  # the cut's end offset is exclusive
+        for position in range(int(first), int(last) + 1):  # the cut's end offset is the sample's last token
             offset = int(start) if position == first else 0
-            length = int(end) - offset if position == last else None  # None: to the document's end
+            length = int(end) + 1 - offset if position == last else None  # None: to the document's end
             piece = self.shards.get(int(documents[position]), offset, length)
-            if len(piece):  # a sample that starts exactly at a document's end holds nothing of it
+            if len(piece):  # an empty document (Megatron's builder writes them) is no piece of the row
                 pieces.append(piece)
         tokens = np.concatenate(pieces).astype(np.int64)
-        row = {"input_ids": tokens, "labels": tokens}
+        row = {"input_ids": tokens[:-1], "labels": tokens}
         if self.isolate:
             row["lengths"] = [len(piece) for piece in pieces]
         return row

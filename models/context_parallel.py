@@ -53,7 +53,8 @@ class ContextParallel:
             return batch
         inputs, labels = batch
         labels, *per_row = labels if isinstance(labels, tuple) else (labels,)
-        next_labels = self.local_tokens(F.pad(labels[:, 1:], (0, 1), value=-100))
+        from models.loss import shift_labels  # here: models/loss.py imports this module
+        next_labels = self.local_tokens(shift_labels(labels, inputs[0].shape[1]))
         return tuple(self.local_tokens(t) for t in inputs), (next_labels, *per_row) if per_row else next_labels
 
     # --- attention --------------------------------------------------------------------------------------------

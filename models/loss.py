@@ -27,11 +27,13 @@ class CausalLMLoss:
     the labelled tokens, divided by `step_divisor` when the training loop sets one for a step (the global batch's
     token mean, training/token_mean.py), else by the micro-batch's own labelled tokens (its mean: evaluation). The
     last layer's output is the logits, or with chunk_tokens > 0 the head's input and weight (LMHeadPipe), whose
-    chunks' weight gradients are summed in grad_sum_dtype (the run's grad_accum_dtype; None: the weight's)."""
+    chunks' weight gradients are summed in grad_sum_dtype (the run's grad_accum_dtype; None: the weight's).
+    seq_length: the positions of a row, when its labels may be one wider (data/collator.py); None: as wide."""
 
-    def __init__(self, parallel=NO_TENSOR_PARALLEL, chunk_tokens=0, context=NO_CONTEXT_PARALLEL, grad_sum_dtype=None):
+    def __init__(self, parallel=NO_TENSOR_PARALLEL, chunk_tokens=0, context=NO_CONTEXT_PARALLEL, grad_sum_dtype=None,
+                 seq_length=None):
         self.parallel, self.chunk_tokens, self.context = parallel, chunk_tokens, context
-        self.grad_sum_dtype = grad_sum_dtype
+        self.grad_sum_dtype, self.seq_length = grad_sum_dtype, seq_length
         self.step_divisor = None
 
     def units(self, labels, whole=False):
@@ -40,7 +42,7 @@ class CausalLMLoss:
         return labelled_tokens(labels, NO_CONTEXT_PARALLEL if whole else self.context)
 
     def __call__(self, outputs, labels):
-        next_labels = next_token_labels(labels, self.context)
+        next_labels = next_token_labels(labels, self.context, self.seq_length)
         if self.step_divisor is not None:
             divisor = self.step_divisor
         elif self.context.size > 1:
@@ -54,12 +56,20 @@ class CausalLMLoss:
         return logits_loss_sum(outputs, next_labels.to(outputs.device), self.parallel) / divisor
 
 
-def next_token_labels(labels, context=NO_CONTEXT_PARALLEL):
-    """The label each position predicts, flattened: the labels shifted left (the last position predicts nothing)
-    rather than the logits; under context parallelism shifted and split already (ContextParallel.split_micro_batch)."""
+def next_token_labels(labels, context=NO_CONTEXT_PARALLEL, positions=None):
+    """The label each position predicts, flattened (shift_labels); under context parallelism shifted and split
+    already (ContextParallel.split_micro_batch)."""
     if context.size > 1:
         return labels.reshape(-1)
-    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+    return shift_labels(labels, positions).reshape(-1)
+
+
+def shift_labels(labels, positions=None):
+    """(rows, positions): position t's label is labels[:, t + 1] (the labels shifted, rather than the logits).
+    Labels as wide as the rows (`positions` None or equal): the last position predicts nothing; one wider (token
+    shards' samples, data/collator.py): it predicts the token after the row."""
+    positions = labels.shape[1] if positions is None else positions
+    return F.pad(labels[:, 1:], (0, positions + 1 - labels.shape[1]), value=IGNORE_INDEX)
 
 
 def labelled_tokens(labels, context=NO_CONTEXT_PARALLEL):

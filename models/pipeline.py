@@ -85,7 +85,7 @@ class LlamaPipeline(PipelineModule):
 def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
-                          objective=PreferenceSettings()):
+                          objective=PreferenceSettings(), seq_length=None):
     """The pipeline module of this rank's stage. topology: DeepSpeed's, with a 'model' axis for tensor
     parallelism (training/distributed.py). stage_bounds: the first pipeline layer of each stage and the layer
     count (default: the 'parameters' partition). dtype: the training dtype to build the stage in (default
@@ -96,7 +96,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     grad_accum_dtype: what the chunked head sums its chunks' weight gradients in (default the weight's dtype).
     lora: LoRA adapters on the decoder layers, initialised from `seed`, and everything else frozen
     (models/lora.py). objective: the next-token loss (sft), or a preference loss over pairs (models/preference.py;
-    chunked head only)."""
+    chunked head only). seq_length: the rows' width, when their labels may be one wider (token shards)."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
@@ -106,7 +106,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     if stage_bounds is None:
         stage_bounds = partition_stages(config, topology.get_dim("pipe"))
     loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype)
-               if objective.preference else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype))
+               if objective.preference else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype,
+                                                     seq_length))
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype or previous_dtype)
     try:

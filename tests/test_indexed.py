@@ -1,5 +1,6 @@
-"""Token shards (data/indexed.py, prepare_data.py): Megatron's format both ways, samples equal to the text format's
-blocks, epochs, the blend's proportions, exact positions across layouts, and bad shards refused before training."""
+"""Token shards (data/indexed.py, prepare_data.py): Megatron's format both ways, samples of seq_length + 1 tokens cut
+from the shuffled documents, epochs, the blend's proportions, exact positions across layouts and global batches, and
+bad shards refused before training."""
 import json
 import os
 import struct
@@ -14,7 +15,6 @@ import data.tokenize_shards as tokenize_shards
 from data.indexed import (Blend, CorpusIndex, IndexedCorpus, ShardError, blend_counts, check_sources, open_blend,
                           parse_sources, prepare_indices, read_shard_header, tokenizer_fingerprint)
 from data.loader import blend_micro_batches
-from data.packing import pack_blocks
 
 SEQ = 16
 
@@ -56,17 +56,29 @@ def test_prepared_shards_read_back_with_megatron_and_independently(corpus):
     assert not os.path.exists(corpus["prefix"] + ".parts")
 
 
-def test_samples_are_the_text_formats_blocks_of_the_shuffled_documents(corpus):
+def cut_stream(documents, seq_length):
+    """Megatron's samples, read independently: sample s is tokens [s·L, s·L + L] of the documents' stream (each
+    starts at the previous one's last token), with the lengths of the document pieces it holds."""
+    stream = np.concatenate(documents)
+    ends = np.cumsum([len(d) for d in documents])
+    samples = []
+    for start in range(0, len(stream) - seq_length, seq_length):
+        edges = [start, *(int(e) for e in ends if start < e < start + seq_length + 1), start + seq_length + 1]
+        samples.append((stream[start:start + seq_length + 1].tolist(), [b - a for a, b in zip(edges, edges[1:])]))
+    return samples
+
+
+def test_samples_are_seq_length_plus_one_tokens_of_the_shuffled_documents(corpus):
     index = CorpusIndex(read_shard_header(corpus["prefix"]), seed=3, seq_length=SEQ)
     index.build(2)
     samples = IndexedCorpus(index, isolate=True)
     for epoch in range(2):
         order = index.epoch(epoch)[0]
-        blocks = pack_blocks({"input_ids": [corpus["documents"][d] for d in order]}, seq_length=SEQ, isolate=True)
+        expected = cut_stream([corpus["documents"][d] for d in order], SEQ)
         cut = [samples.cut_sample(epoch, s) for s in range(samples.samples_per_epoch)]
-        assert [row["input_ids"].tolist() for row in cut] == blocks["input_ids"]
-        assert [row["lengths"] for row in cut] == blocks["lengths"]
-    assert samples.samples_per_epoch == read_shard_header(corpus["prefix"]).tokens // SEQ
+        assert [(row["labels"].tolist(), row["lengths"]) for row in cut] == expected
+        assert all(row["input_ids"].tolist() == row["labels"].tolist()[:-1] for row in cut)
+    assert samples.samples_per_epoch == (read_shard_header(corpus["prefix"]).tokens - 1) // SEQ
     # The k-th sample drawn: epoch k // n, in an order of its own; the next epoch reshuffles documents and order.
     n = samples.samples_per_epoch
     drawn = [samples.sample(k)["input_ids"].tolist() for k in range(2 * n)]
@@ -75,6 +87,29 @@ def test_samples_are_the_text_formats_blocks_of_the_shuffled_documents(corpus):
             samples.cut_sample(epoch, s)["input_ids"].tolist() for s in range(n))
     assert drawn[:n] != [samples.cut_sample(0, s)["input_ids"].tolist() for s in range(n)]
     assert index.epoch(0)[0].tolist() != index.epoch(1)[0].tolist()
+
+
+def test_the_last_input_learns_the_token_after_it_unless_a_document_starts_there():
+    """A sample's seq_length + 1 labels: the loss, whole or split over a context group, scores every input
+    position against the next token, the last one too; with document isolation not where a document starts."""
+    import torch
+
+    from data.collator import collate_causal_lm
+    from models.context_parallel import ContextParallel
+    from models.loss import IGNORE_INDEX, CausalLMLoss, next_token_labels
+    rows = [{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8, 9], "lengths": [2, 3]},  # a document from 7 on
+            {"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4, 5], "lengths": [4, 1]}]  # one starting after it
+    inputs, labels = collate_causal_lm(rows, seq_length=4, pad_id=0)
+    assert labels.shape == (2, 5) and inputs[0].tolist() == [[5, 6, 7, 8], [1, 2, 3, 4]]
+    assert next_token_labels(labels, positions=4).reshape(2, 4).tolist() == [[6, IGNORE_INDEX, 8, 9],
+                                                                             [2, 3, 4, IGNORE_INDEX]]
+    assert inputs[1].tolist() == [[1, 1, 2, 2], [1, 1, 1, 1]]
+    logits = torch.randn(2, 4, 12)
+    scored = next_token_labels(labels, positions=4)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 12), scored, ignore_index=IGNORE_INDEX)
+    assert torch.equal(CausalLMLoss(seq_length=4)(logits, labels), expected)
+    (_, split_labels) = ContextParallel(size=2, rank=1).split_micro_batch((inputs, labels))
+    assert split_labels.tolist() == [[IGNORE_INDEX, 8], [3, 4]]  # chunks 1 and 2 of 4: positions 1 and 2
 
 
 def test_a_corpus_written_by_megatrons_builder_trains_here(tmp_path):
@@ -90,11 +125,11 @@ def test_a_corpus_written_by_megatrons_builder_trains_here(tmp_path):
     prepare_indices(sources, headers, seed=0, seq_length=SEQ, total_samples=10, blend_dir=tmp_path, vocab_size=1000)
     blend = open_blend(sources, headers, seed=0, seq_length=SEQ, isolate=False, blend_dir=tmp_path, vocab_size=1000)
     n = blend.corpora[0].samples_per_epoch
-    assert n == sum(map(len, documents)) // SEQ
+    assert n == (sum(map(len, documents)) - 1) // SEQ
     order = blend.corpora[0].index.epoch(0)[0]
-    expected = np.concatenate([documents[d] for d in order])[:n * SEQ].reshape(n, SEQ).tolist()
-    assert [blend.corpora[0].cut_sample(0, s)["input_ids"].tolist() for s in range(n)] == expected
-    assert sorted(blend[k]["input_ids"].tolist() for k in range(n)) == sorted(expected)
+    expected = [tokens for tokens, _ in cut_stream([documents[d] for d in order], SEQ)]
+    assert [blend.corpora[0].cut_sample(0, s)["labels"].tolist() for s in range(n)] == expected
+    assert sorted(blend[k]["labels"].tolist() for k in range(n)) == sorted(expected)
     # Its token ids were never checked against a vocabulary: the index build scans them once.
     low, high = int(min(d.min() for d in documents)), int(max(d.max() for d in documents))
     with pytest.raises(ShardError, match=rf"m\.bin holds token ids in \[{low}, {high}\], outside the model's "
@@ -212,8 +247,8 @@ def test_empty_inputs_interrupted_runs_and_two_workers(corpus, tmp_path, monkeyp
 def mixture_runs(demo_model, tmp_path_factory):
     """6 steps on 2 stages of a 0.5/0.5 mixture of the demo corpus (prepared here) and a 20-document one written
     as Megatron's preprocess_data.py writes it (its builder, int32, no PREFIX.json; it runs out and starts its
-    second epoch), saving at step 3; then steps 4-6 resumed on 1 process with another micro-batch size and the
-    same global batch."""
+    second epoch), saving at step 3; then steps 4-6 resumed from it on 1 process, once with another micro-batch
+    size and the same global batch (8), once with the global batch 8 -> 4."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     from tests.launch import check_ok, demo_overrides, launch_trainer
@@ -236,7 +271,12 @@ def mixture_runs(demo_model, tmp_path_factory):
     result = check_ok(launch_trainer(1, demo_overrides(demo_model, resumed, **settings, num_stages=1,
                                                        micro_batch_size=1, gradient_accumulation_steps=8,
                                                        resume=str(first / "global_step3"))))
-    return {"root": root, "first": first, "resumed": resumed, "resume_output": result.stdout}
+    smaller = root / "smaller_batch"
+    smaller_result = check_ok(launch_trainer(1, demo_overrides(demo_model, smaller, **settings, num_stages=1,
+                                                               micro_batch_size=2, gradient_accumulation_steps=2,
+                                                               resume=str(first / "global_step3"))))
+    return {"root": root, "first": first, "resumed": resumed, "resume_output": result.stdout,
+            "smaller": smaller, "smaller_output": smaller_result.stdout}
 
 
 @pytest.mark.slow
@@ -247,7 +287,7 @@ def test_mixture_trains_and_resumes_on_another_layout_exactly(demo_model, mixtur
     assert "the data position is kept in samples (24 consumed)" in mixture_runs["resume_output"]
     # Metrics: each corpus's epochs after the step's samples, the small one past its first epoch by step 6.
     root = mixture_runs["root"]
-    sizes = [read_shard_header(root / name).tokens // 64 for name in ("web", "small")]
+    sizes = [(read_shard_header(root / name).tokens - 1) // 64 for name in ("web", "small")]
     corpus_of, _ = blend_counts([0.5, 0.5], 48)
     for step in (3, 6):
         record = next(r for r in read_metrics(mixture_runs["resumed"] if step > 3 else mixture_runs["first"])
@@ -259,24 +299,49 @@ def test_mixture_trains_and_resumes_on_another_layout_exactly(demo_model, mixtur
     assert "eval_loss" in read_metrics(mixture_runs["resumed"])[-1]
 
 
-@pytest.mark.slow
-def test_first_step_loss_equals_transformers_on_the_samples_read_from_shards(demo_model, mixture_runs):
-    """Step 1 (before any update) is the token mean over its 8 samples, which transformers computes alike."""
+def transformers_token_mean(model_dir, mixture_runs, samples):
+    """transformers' next-token loss of `model_dir` over the blend's `samples` (64 inputs, 65 labels each), the mean
+    over their tokens."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from tests.launch import per_step_losses
     root = mixture_runs["root"]
     sources = parse_sources([{"path": str(root / "web"), "weight": 1}, {"path": str(root / "small"), "weight": 1}],
                             "train_file")
     headers = [read_shard_header(s.prefix) for s in sources]
     blend = open_blend(sources, headers, seed=42, seq_length=64, isolate=False,
                        blend_dir=mixture_runs["first"] / "data_index", vocab_size=384)
-    batch = torch.as_tensor(np.stack([blend[g]["input_ids"] for g in range(8)]))
-    model = AutoModelForCausalLM.from_pretrained(demo_model["hf"], torch_dtype=torch.float32)
+    labels = torch.as_tensor(np.stack([blend[g]["labels"] for g in samples]))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     with torch.no_grad():
-        expected = model(input_ids=batch, labels=batch).loss.item()
+        logits = model(input_ids=labels[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)).item()
+
+
+@pytest.mark.slow
+def test_first_step_loss_equals_transformers_on_the_samples_read_from_shards(demo_model, mixture_runs):
+    """Step 1 (before any update) is the token mean over its 8 samples, each 64 inputs scored against the 65
+    tokens' next ones, which transformers' logits give alike."""
+    from tests.launch import per_step_losses
+    expected = transformers_token_mean(demo_model["hf"], mixture_runs, range(8))
     assert per_step_losses(mixture_runs["first"])[0] == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_a_resume_with_a_smaller_global_batch_reads_the_next_samples(mixture_runs, tmp_path):
+    """Resumed from step 3 (24 samples consumed) with the global batch 8 -> 4: step 4 is samples 24-27, its loss
+    transformers' on them with the step-3 weights; the metrics count the corpora's epochs from there."""
+    from checkpoints.ds_to_hf import convert_ds_to_hf
+    from tests.launch import per_step_losses, read_metrics
+    assert "global_batch_size 8 -> 4" in mixture_runs["smaller_output"]
+    assert "the data position is kept in samples (24 consumed)" in mixture_runs["smaller_output"]
+    step3 = convert_ds_to_hf(mixture_runs["first"], tmp_path / "hf", tag="global_step3")
+    losses = per_step_losses(mixture_runs["smaller"])
+    assert len(losses) == 3
+    assert losses[0] == pytest.approx(transformers_token_mean(step3, mixture_runs, range(24, 28)), abs=1e-5)
+    corpus_of, _ = blend_counts([0.5, 0.5], 36)
+    sizes = [(read_shard_header(mixture_runs["root"] / name).tokens - 1) // 64 for name in ("web", "small")]
+    record = next(r for r in read_metrics(mixture_runs["smaller"]) if r.get("step") == 6 and "loss" in r)
+    assert record["epoch/small"] == round(int((corpus_of == 1).sum()) / sizes[1], 4)
 
 
 def test_run_refuses_bad_shards_before_starting(demo_model, corpus, tmp_path):

@@ -22,7 +22,7 @@ from checkpoints.saving import save_checkpoint
 from checkpoints.state_files import WeightsOnlyCheckpointEngine
 from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoints
 from data.datasets import build_dataset_distributed
-from data.indexed import evaluation_samples, parse_sources, read_shard_header, training_blend
+from data.indexed import evaluation_samples, parse_sources, read_shard_header, samples_per_epoch, training_blend
 from data.loader import (blend_micro_batches, build_stage_loader, check_identical_across_group,
                          infinite_micro_batches, micro_batches_per_epoch)
 from deepspeed_internals.access import (replace_checkpoint_engine, replace_fp32_gradient_clipping, set_global_grad_norm,
@@ -91,7 +91,7 @@ class RunData:
         sources = parse_sources(path, f"{split}_file")
         if split == "train":
             self.train_sources = sources
-            self.train_length = sum(read_shard_header(s.prefix).tokens // cfg.seq_length for s in sources)
+            self.train_length = sum(samples_per_epoch(read_shard_header(s.prefix), cfg.seq_length) for s in sources)
             return
         self.eval, self.eval_length = evaluation_samples(
             sources, reads_data=self.reads_data, seed=cfg.seed, seq_length=cfg.seq_length,
@@ -149,7 +149,7 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
                                    layer_loader=layer_loader, context_parallel_size=cfg.context_parallel_size,
                                    loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
                                    grad_accum_dtype=PRECISION_DTYPES[cfg.grad_accum_dtype], lora=spec.lora,
-                                   seed=cfg.seed, objective=spec.preference)
+                                   seed=cfg.seed, objective=spec.preference, seq_length=cfg.seq_length)
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
