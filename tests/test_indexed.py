@@ -299,17 +299,11 @@ def test_mixture_trains_and_resumes_on_another_layout_exactly(demo_model, mixtur
     assert "eval_loss" in read_metrics(mixture_runs["resumed"])[-1]
 
 
-def transformers_token_mean(model_dir, mixture_runs, samples):
-    """transformers' next-token loss of `model_dir` over the blend's `samples` (64 inputs, 65 labels each), the mean
-    over their tokens."""
+def transformers_token_mean(model_dir, blend, samples):
+    """transformers' next-token loss of `model_dir` over the blend's `samples` (seq_length inputs, seq_length + 1
+    labels each), the mean over their tokens."""
     import torch
     from transformers import AutoModelForCausalLM
-    root = mixture_runs["root"]
-    sources = parse_sources([{"path": str(root / "web"), "weight": 1}, {"path": str(root / "small"), "weight": 1}],
-                            "train_file")
-    headers = [read_shard_header(s.prefix) for s in sources]
-    blend = open_blend(sources, headers, seed=42, seq_length=64, isolate=False,
-                       blend_dir=mixture_runs["first"] / "data_index", vocab_size=384)
     labels = torch.as_tensor(np.stack([blend[g]["labels"] for g in samples]))
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     with torch.no_grad():
@@ -317,12 +311,22 @@ def transformers_token_mean(model_dir, mixture_runs, samples):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)).item()
 
 
+def mixture_blend(mixture_runs):
+    """The samples mixture_runs read, as the trainer opened them."""
+    root = mixture_runs["root"]
+    sources = parse_sources([{"path": str(root / "web"), "weight": 1}, {"path": str(root / "small"), "weight": 1}],
+                            "train_file")
+    headers = [read_shard_header(s.prefix) for s in sources]
+    return open_blend(sources, headers, seed=42, seq_length=64, isolate=False,
+                      blend_dir=mixture_runs["first"] / "data_index", vocab_size=384)
+
+
 @pytest.mark.slow
 def test_first_step_loss_equals_transformers_on_the_samples_read_from_shards(demo_model, mixture_runs):
     """Step 1 (before any update) is the token mean over its 8 samples, each 64 inputs scored against the 65
     tokens' next ones, which transformers' logits give alike."""
     from tests.launch import per_step_losses
-    expected = transformers_token_mean(demo_model["hf"], mixture_runs, range(8))
+    expected = transformers_token_mean(demo_model["hf"], mixture_blend(mixture_runs), range(8))
     assert per_step_losses(mixture_runs["first"])[0] == pytest.approx(expected, abs=1e-5)
 
 
@@ -337,7 +341,8 @@ def test_a_resume_with_a_smaller_global_batch_reads_the_next_samples(mixture_run
     step3 = convert_ds_to_hf(mixture_runs["first"], tmp_path / "hf", tag="global_step3")
     losses = per_step_losses(mixture_runs["smaller"])
     assert len(losses) == 3
-    assert losses[0] == pytest.approx(transformers_token_mean(step3, mixture_runs, range(24, 28)), abs=1e-5)
+    expected = transformers_token_mean(step3, mixture_blend(mixture_runs), range(24, 28))
+    assert losses[0] == pytest.approx(expected, abs=1e-5)
     corpus_of, _ = blend_counts([0.5, 0.5], 36)
     sizes = [(read_shard_header(mixture_runs["root"] / name).tokens - 1) // 64 for name in ("web", "small")]
     record = next(r for r in read_metrics(mixture_runs["smaller"]) if r.get("step") == 6 and "loss" in r)
