@@ -39,11 +39,10 @@ def tiny_checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory):
     """The tiny default made by the project's own script (smaller corpus), converted: {hf, ds, train, eval} paths."""
-    import subprocess
+    from tests.launch import check_ok, run_python
     root = tmp_path_factory.mktemp("demo")
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_llama.py"), "--output_dir", str(root),
-                    "--train_lines", "3000", "--eval_lines", "100", "--vocab_size", "384", "--hidden_size", "64"],
-                   check=True, capture_output=True)
+    check_ok(run_python([os.path.join(ROOT, "scripts", "make_tiny_llama.py"), "--output_dir", root, "--train_lines",
+                         3000, "--eval_lines", 100, "--vocab_size", 384, "--hidden_size", 64]))
     from checkpoints.hf_to_ds import convert_hf_to_ds
     convert_hf_to_ds(str(root / "hf"), str(root / "ds"))
     return {"hf": str(root / "hf"), "ds": str(root / "ds"), "train": str(root / "train.txt"),

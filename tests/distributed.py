@@ -21,6 +21,9 @@ def _bootstrap(rank, world_size, port, fn, args):
 
 
 def spawn(fn, world_size, *args):
-    """Run fn(rank, *args) in world_size fresh processes; raises if any of them fails."""
+    """Run fn(rank, *args) in world_size processes forked from the rank zygote (tests/rank_zygote.py: the libraries
+    imported once); raises if any of them fails."""
+    from tests.rank_zygote import context
+    context()  # its imports, before the forkserver starts
     mp.start_processes(_bootstrap, args=(world_size, free_port(), fn, args), nprocs=world_size,
-                       start_method="spawn", join=True)
+                       start_method="forkserver", join=True)

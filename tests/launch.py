@@ -11,6 +11,7 @@ import time
 
 from tests.conftest import ROOT
 from tests.distributed import free_port
+from tests.rank_zygote import ForkedProcess
 
 
 def launch_trainer(num_procs, overrides, config="tiny", timeout=240, hostfile=None, script="trainer_pipe.py",
@@ -20,7 +21,8 @@ def launch_trainer(num_procs, overrides, config="tiny", timeout=240, hostfile=No
 
     Each rank starts as its own process with the environment DeepSpeed's launcher gives it, and the others are
     killed once one fails, as the launcher does: that skips the runner's and the launcher's own interpreters (~4.6 s
-    a launch, on ~60 launches). With launcher=True or a hostfile it goes through `deepspeed --num_gpus N` (or
+    a launch, on ~60 launches); on the CPU it is forked from the rank zygote (tests/rank_zygote.py), which skips the
+    ranks' library imports too. With launcher=True or a hostfile it goes through `deepspeed --num_gpus N` (or
     `--hostfile`, as on a cluster: on one machine without ssh, README multi-node), as a user launches it.
     accelerator is DeepSpeed's (DS_ACCELERATOR): cpu, N gloo processes on this machine's cores; cuda, one process
     per GPU (NCCL)."""
@@ -37,17 +39,35 @@ def launch_trainer(num_procs, overrides, config="tiny", timeout=240, hostfile=No
 
 def run_ranks(num_procs, command, env, timeout, kill_peers=True):
     """command on num_procs local ranks (the launcher's RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, MASTER_*); with
-    kill_peers, the others are killed once one fails. One CompletedProcess per rank; outputs go through files, so
-    that no rank blocks on a full pipe."""
+    kill_peers, the others are killed once one fails. One CompletedProcess per rank."""
     port = str(free_port())
+    return run_processes(command, [dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(num_procs),
+                                        LOCAL_SIZE=str(num_procs), CROSS_RANK="0", CROSS_SIZE="1",
+                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for rank in range(num_procs)],
+                         timeout, kill_peers)
+
+
+def run_python(args, timeout=300, env=None):
+    """`python ARGS` from the repository root on the CPU (a project script and its arguments, or -c CODE), as a user
+    runs it: its CompletedProcess."""
+    environment = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **(env or {}))
+    return run_processes([sys.executable, *map(str, args)], [environment], timeout)[0]
+
+
+def run_processes(command, envs, timeout, kill_peers=True):
+    """command once per environment in `envs`, each its own process: on the CPU forked from the rank zygote
+    (tests/rank_zygote.py: the libraries imported once), else a fresh interpreter. With kill_peers, the others are
+    killed once one fails. One CompletedProcess each; outputs go through files, so that none blocks on a full
+    pipe."""
     with tempfile.TemporaryDirectory() as logs:
         processes, files = [], []
-        for rank in range(num_procs):
-            out, err = (open(os.path.join(logs, f"{rank}.{kind}"), "w+") for kind in ("out", "err"))
+        for index, env in enumerate(envs):
+            out, err = (open(os.path.join(logs, f"{index}.{kind}"), "w+") for kind in ("out", "err"))
             files.append((out, err))
-            processes.append(subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err, text=True, env=dict(
-                env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(num_procs), LOCAL_SIZE=str(num_procs),
-                CROSS_RANK="0", CROSS_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)))
+            if env.get("DS_ACCELERATOR") == "cpu" and command[0] == sys.executable:
+                processes.append(ForkedProcess(command[1:], env, out.name, err.name))
+            else:
+                processes.append(subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err, text=True, env=env))
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in processes):
             timed_out = time.monotonic() > deadline

@@ -1,8 +1,6 @@
 """HF -> DeepSpeed -> HF conversion: bit-identical round trips, loadable output, and clear refusals of bad input."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.hf_to_ds import convert_hf_to_ds
 from tests.conftest import ROOT
+from tests.launch import run_python
 from tests.tiny_models import TINY_CONFIGS, make_tiny_model
 
 
@@ -93,8 +92,7 @@ def test_layer_files_follow_the_index_map(tiny_checkpoints):
 
 
 def convert_cli(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "convert2ckpt.py"), *args], capture_output=True,
-                          text=True, cwd=ROOT)
+    return run_python([os.path.join(ROOT, "convert2ckpt.py"), *args])
 
 
 def assert_nothing_written(parent, out):

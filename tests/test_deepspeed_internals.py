@@ -1,7 +1,5 @@
 """The start-up check of DeepSpeed's internals (deepspeed_internals/registry.py): it passes on the installed DeepSpeed, and an
 internal that is gone or has other parameters stops a run with one line naming the version, the piece and the fix."""
-import subprocess
-import sys
 
 import deepspeed
 import deepspeed.runtime.engine
@@ -9,7 +7,7 @@ import pytest
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from deepspeed_internals.registry import DeepSpeedMismatch, check_deepspeed_internals
-from tests.conftest import ROOT
+from tests.launch import run_python
 
 VERSION = deepspeed.__version__
 FIX = "install deepspeed==0.19.8 (requirements.txt) or see deepspeed_internals/ for what to check"
@@ -68,7 +66,7 @@ def test_the_trainer_says_it_in_one_line(module, owner, name, line):
     script = (f"import runpy, sys, {module}; delattr({owner}, {name!r}); "
               f"sys.argv = ['trainer_pipe.py', '-cp', 'conf', '-cn', 'tiny', 'plan_only=true']; "
               f"runpy.run_path('trainer_pipe.py', run_name='__main__')")
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = run_python(["-c", script], timeout=120)
     assert result.returncode == 1, result.stderr[-3000:]
     assert result.stderr.splitlines()[-1] == f"trainer_pipe: error: deepspeed {VERSION} {line}; {FIX}"
     assert "Traceback" not in result.stderr

@@ -3,8 +3,6 @@ checkpointing; training steps against a plain peft + torch AdamW loop; checkpoin
 peft adapter and a merged model; the memory plan; bad input."""
 import glob
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +12,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from models.lora import LoraSettings, adapter_parameter_count
 from tests import parity_worker
-from tests.conftest import ROOT
 from tests.distributed import spawn
-from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics, run_in_process
+from tests.launch import (check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics, run_in_process,
+                          run_python)
 from tests.lora_reference import hf_eval_loss
 from tests.test_parity import GAS, MICRO_BATCH, SEQ
 
@@ -169,9 +167,8 @@ def test_checkpoint_holds_the_adapters_and_points_at_its_base(demo_model, lora_r
 @pytest.mark.slow
 def test_merged_export_equals_peft_merge(demo_model, lora_run, tmp_path):
     from peft import PeftModel
-    result = subprocess.run([sys.executable, "convert2ckpt.py", "--to_hf", "--merge_lora", "--ckpt_dir",
-                             str(lora_run), "--output_dir", str(tmp_path / "merged")], cwd=ROOT, capture_output=True,
-                            text=True)
+    result = run_python(["convert2ckpt.py", "--to_hf", "--merge_lora", "--ckpt_dir", lora_run, "--output_dir",
+                         tmp_path / "merged"])
     assert result.returncode == 0, result.stderr
     original = AutoModelForCausalLM.from_pretrained(demo_model["hf"]).state_dict()
     peft_merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(demo_model["hf"]),
@@ -234,9 +231,8 @@ def test_resume_refuses_another_base_and_a_full_fine_tuning_run(demo_model, lora
         with pytest.raises(ValueError, match=message):
             run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), 1)
         assert not (tmp_path / "run").exists(), name
-    result = subprocess.run([sys.executable, "convert2ckpt.py", "--to_hf", "--merge_lora", "--ckpt_dir",
-                             demo_model["ds"], "--output_dir", str(tmp_path / "merged")], cwd=ROOT,
-                            capture_output=True, text=True)
+    result = run_python(["convert2ckpt.py", "--to_hf", "--merge_lora", "--ckpt_dir", demo_model["ds"],
+                         "--output_dir", tmp_path / "merged"])
     assert result.returncode == 1 and "holds no LoRA adapters (it is a whole model); export it without --merge_lora" \
         in result.stderr
 

@@ -6,7 +6,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
@@ -16,7 +15,7 @@ import torch
 from checkpoints.compatibility import check_resume_topology
 from tests.conftest import ROOT
 from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics,
-                          start_trainer)
+                          run_python, start_trainer)
 from training.preemption import PREEMPTED_EXIT_CODE
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
@@ -209,7 +208,7 @@ def test_preemption_grace_bounds_a_stop_that_cannot_finish():
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(60)\n")
     started = time.time()
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = run_python(["-c", code], timeout=60)
     assert result.returncode == PREEMPTED_EXIT_CODE, result.stderr[-2000:]
     assert time.time() - started < 30
     assert ("preemption (SIGTERM): the step and the checkpoint did not finish within preemption_grace_seconds=1; "
