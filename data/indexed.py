@@ -187,16 +187,32 @@ def samples_per_epoch(header: ShardHeader, seq_length: int) -> int:
 
 class CorpusIndex:
     """The cached arrays of one corpus for (seed, seq_length): per epoch its document order, sample cut and sample
-    order, in PREFIX.index/s{seed}-L{seq_length}-{shards' identity}/."""
+    order, in PREFIX.index/s{seed}-L{seq_length}-{shards' identity}/, or with index_dir (shards on read-only
+    storage) in index_dir/NAME-{digest of the prefix's path}.index/... ."""
 
-    def __init__(self, header: ShardHeader, seed: int, seq_length: int):
+    def __init__(self, header: ShardHeader, seed: int, seq_length: int, index_dir=None):
         self.header, self.seed, self.seq_length = header, seed, seq_length
-        self.directory = Path(f"{header.prefix}.index") / f"s{seed}-L{seq_length}-{header.identity}"
+        root = Path(f"{header.prefix}.index")
+        if index_dir:
+            digest = hashlib.sha256(os.path.abspath(header.prefix).encode()).hexdigest()[:8]
+            root = Path(index_dir) / f"{os.path.basename(header.prefix)}-{digest}.index"
+        self.directory = root / f"s{seed}-L{seq_length}-{header.identity}"
         self.samples_per_epoch = samples_per_epoch(header, seq_length)
         self._epochs = {}
 
     def files(self, epoch: int) -> dict[str, Path]:
         return {name: self.directory / f"epoch{epoch}-{name}.npy" for name in ("documents", "cut", "order")}
+
+    def check_writable(self) -> None:
+        """Before anything starts: the index can be written where it goes, unless its first epoch is there already
+        (an earlier run built it; read-only storage serves)."""
+        if self.files(0)["order"].exists():
+            return
+        existing = next(path for path in (self.directory, *self.directory.parents) if path.exists())
+        if not os.access(existing, os.W_OK):
+            raise ShardError(f"{self.header.prefix}: its sample index goes to {self.directory}, but {existing} is "
+                             f"not writable (read-only storage?); set data.index_dir to a directory that every "
+                             f"node can write and read")
 
     def build(self, epochs: int) -> None:
         """Write the arrays of epochs [0, epochs) not yet on disk (write-then-rename: readers never see half)."""
@@ -342,10 +358,10 @@ def blend_files(directory, sources) -> dict[str, Path]:
 
 
 def prepare_indices(sources, headers, *, seed: int, seq_length: int, total_samples: int, blend_dir,
-                    vocab_size: int) -> None:
+                    vocab_size: int, index_dir=None) -> None:
     """Build what `total_samples` of the run need and is not cached yet: the blend (when several corpora) and each
     corpus's epochs up to the last one it reaches. One rank calls this; the others wait, then `open_blend`."""
-    indices = [CorpusIndex(header, seed, seq_length) for header in headers]
+    indices = [CorpusIndex(header, seed, seq_length, index_dir) for header in headers]
     if len(sources) == 1:
         drawn = [total_samples]
     else:
@@ -365,11 +381,12 @@ def prepare_indices(sources, headers, *, seed: int, seq_length: int, total_sampl
         index.check_token_range(vocab_size)
 
 
-def open_blend(sources, headers, *, seed: int, seq_length: int, isolate: bool, blend_dir, vocab_size: int) -> Blend:
+def open_blend(sources, headers, *, seed: int, seq_length: int, isolate: bool, blend_dir, vocab_size: int,
+               index_dir=None) -> Blend:
     """The run's samples, memory-mapped from what `prepare_indices` built."""
     corpora = []
     for header in headers:
-        index = CorpusIndex(header, seed, seq_length)
+        index = CorpusIndex(header, seed, seq_length, index_dir)
         index.check_token_range(vocab_size)
         corpora.append(IndexedCorpus(index, isolate))
     if len(sources) == 1:
@@ -408,26 +425,26 @@ def _built_by_rank_zero(build) -> None:
 
 
 def training_blend(sources, *, reads_data: bool, seed: int, seq_length: int, isolate: bool, blend_dir,
-                   vocab_size: int, total_samples: int) -> Blend | None:
+                   vocab_size: int, total_samples: int, index_dir=None) -> Blend | None:
     """The run's training samples on a data-reading rank (None elsewhere: middle stages open no shard), after rank
     0 has built the indices the run's `total_samples` reach."""
     headers = [read_shard_header(source.prefix) for source in sources]
     _built_by_rank_zero(lambda: prepare_indices(sources, headers, seed=seed, seq_length=seq_length,
                                                 total_samples=total_samples, blend_dir=blend_dir,
-                                                vocab_size=vocab_size))
+                                                vocab_size=vocab_size, index_dir=index_dir))
     for header in headers:  # every rank, so that all stop alike on token ids outside the vocabulary
-        CorpusIndex(header, seed, seq_length).check_token_range(vocab_size)
+        CorpusIndex(header, seed, seq_length, index_dir).check_token_range(vocab_size)
     if not reads_data:
         return None
     return open_blend(sources, headers, seed=seed, seq_length=seq_length, isolate=isolate, blend_dir=blend_dir,
-                      vocab_size=vocab_size)
+                      vocab_size=vocab_size, index_dir=index_dir)
 
 
 def evaluation_samples(sources, *, reads_data: bool, seed: int, seq_length: int, isolate: bool,
-                       vocab_size: int) -> tuple[WholeCorpora | None, int]:
+                       vocab_size: int, index_dir=None) -> tuple[WholeCorpora | None, int]:
     """(each evaluation corpus's epoch-0 samples once, on a data-reading rank; their count, on every rank)."""
     headers = [read_shard_header(source.prefix) for source in sources]
-    indices = [CorpusIndex(header, seed, seq_length) for header in headers]
+    indices = [CorpusIndex(header, seed, seq_length, index_dir) for header in headers]
 
     def build():
         for index in indices:

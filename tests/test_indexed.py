@@ -3,6 +3,7 @@ from the shuffled documents, epochs, the blend's proportions, exact positions ac
 bad shards refused before training."""
 import json
 import os
+import shutil
 import struct
 
 import numpy as np
@@ -12,11 +13,14 @@ import pytest
 from transformers import AutoTokenizer
 
 import data.tokenize_shards as tokenize_shards
-from data.indexed import (Blend, CorpusIndex, IndexedCorpus, ShardError, blend_counts, check_sources, open_blend,
-                          parse_sources, prepare_indices, read_shard_header, tokenizer_fingerprint)
+from data.indexed import (Blend, CorpusIndex, IndexedCorpus, ShardError, blend_counts, check_sources,
+                          megatron_datasets, open_blend, parse_sources, prepare_indices, read_shard_header,
+                          tokenizer_fingerprint)
 from data.loader import blend_micro_batches
+from tests import test_reliability
 
 SEQ = 16
+small_disk = test_reliability.small_disk  # a fixture
 
 
 @pytest.fixture(scope="module")
@@ -347,6 +351,42 @@ def test_a_resume_with_a_smaller_global_batch_reads_the_next_samples(mixture_run
     sizes = [(read_shard_header(mixture_runs["root"] / name).tokens - 1) // 64 for name in ("web", "small")]
     record = next(r for r in read_metrics(mixture_runs["smaller"]) if r.get("step") == 6 and "loss" in r)
     assert record["epoch/small"] == round(int((corpus_of == 1).sum()) / sizes[1], 4)
+
+
+def test_read_only_shards_build_their_index_in_index_dir(demo_model, corpus, small_disk, tmp_path):
+    """Shards on a read-only filesystem: the run is refused before it starts, naming where the index would go and
+    data.index_dir; with index_dir the index is built there, and the samples are those built beside the shards."""
+    from hydra import compose, initialize_config_dir
+
+    from tests.conftest import ROOT
+    from tests.launch import demo_overrides
+    from training.config_checks import ConfigError
+    from training.run_spec import run_spec
+    disk = small_disk(16 * 2**20)
+    for suffix in (".bin", ".idx", ".json"):
+        shutil.copy(corpus["prefix"] + suffix, disk / f"web{suffix}")
+    small_disk(16 * 2**20, read_only=True)
+
+    def spec(**overrides):
+        with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
+            cfg = compose(config_name="tiny", overrides=demo_overrides(demo_model, tmp_path / "run", **{
+                "train_file": disk / "web", "eval_file": "null", "data.format": "indexed", **overrides}))
+        return run_spec(cfg, 2)
+    with pytest.raises(ConfigError, match=rf"train_file: {disk}/web: its sample index goes to {disk}/web\.index/s42-"
+                                          rf"L64-\w+, but {disk} is not writable \(read-only storage\?\); set "
+                                          rf"data\.index_dir to a directory that every node can write and read"):
+        spec()
+    assert spec(**{"data.index_dir": tmp_path / "indices"})
+    index = CorpusIndex(read_shard_header(disk / "web"), seed=42, seq_length=SEQ, index_dir=tmp_path / "indices")
+    index.build(1)
+    assert index.directory.parent.parent == tmp_path / "indices" and not os.path.exists(f"{disk}/web.index")
+    beside = CorpusIndex(read_shard_header(corpus["prefix"]), seed=42, seq_length=SEQ)
+    beside.build(1)
+    read_only, writable = IndexedCorpus(index, isolate=True), IndexedCorpus(beside, isolate=True)
+    for s in range(index.samples_per_epoch):
+        assert read_only.cut_sample(0, s)["labels"].tolist() == writable.cut_sample(0, s)["labels"].tolist()
+    # megatron-core's reader keeps itself, and its .idx map, in an lru_cache on a method: release the disk
+    megatron_datasets()[0]._IndexReader.__getitem__.cache_clear()
 
 
 def test_run_refuses_bad_shards_before_starting(demo_model, corpus, tmp_path):

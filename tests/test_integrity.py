@@ -14,12 +14,14 @@ from transformers import LlamaConfig
 
 from checkpoints.files import is_tokenizer_file
 from checkpoints.hf_to_ds import convert_hf_to_ds
+from tests import test_reliability
 from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics, run_in_process
 from tests.test_conversion import assert_nothing_written, convert_cli, save_as_bin
-from tests.test_reliability import small_disk  # noqa: F401  (a fixture)
 from tests.tiny_models import make_tiny_model
 from training.run_spec import tokenizer_dir
 from training.loop import pad_token_id
+
+small_disk = test_reliability.small_disk  # a fixture
 
 
 class Payload:

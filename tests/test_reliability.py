@@ -1,4 +1,5 @@
 """Resume, crash-safe saves, preemption, prompt failure and NaN handling, with real processes and real faults."""
+import gc
 import json
 import math
 import os
@@ -217,18 +218,21 @@ def test_preemption_grace_bounds_a_stop_that_cannot_finish():
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A real filesystem of a chosen size (tmpfs, resized with remount): mount(size_bytes) -> its path."""
+    """A real filesystem of a chosen size (tmpfs, resized with remount): mount(size_bytes) -> its path; read_only
+    remounts it so."""
     disk = tmp_path / "disk"
     disk.mkdir()
 
-    def mount(size_bytes):
+    def mount(size_bytes, read_only=False):
         options = f"size={size_bytes}" if not os.path.ismount(disk) else f"remount,size={size_bytes}"
+        options += ",ro" if read_only else ""
         result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(disk)], capture_output=True)
         if result.returncode:
             pytest.skip(f"mounting a tmpfs needs root: {result.stderr.decode().strip()}")
         return disk
     yield mount
     if os.path.ismount(disk):
+        gc.collect()  # memory maps of its files that unreachable objects still hold keep it busy
         subprocess.run(["umount", str(disk)], check=True)
 
 

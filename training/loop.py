@@ -95,7 +95,8 @@ class RunData:
             return
         self.eval, self.eval_length = evaluation_samples(
             sources, reads_data=self.reads_data, seed=cfg.seed, seq_length=cfg.seq_length,
-            isolate=cfg.data.document_isolation, vocab_size=spec.model_config.vocab_size)
+            isolate=cfg.data.document_isolation, vocab_size=spec.model_config.vocab_size,
+            index_dir=cfg.data.index_dir)
 
     def open_blend(self, spec, total_samples):
         """Token shards: build (rank 0) and open (data-reading ranks) what the run's first `total_samples` need."""
@@ -103,7 +104,8 @@ class RunData:
         self.blend = training_blend(self.train_sources, reads_data=self.reads_data, seed=cfg.seed,
                                     seq_length=cfg.seq_length, isolate=cfg.data.document_isolation,
                                     blend_dir=os.path.join(cfg.output_dir, "data_index"),
-                                    vocab_size=spec.model_config.vocab_size, total_samples=total_samples)
+                                    vocab_size=spec.model_config.vocab_size, total_samples=total_samples,
+                                    index_dir=cfg.data.index_dir)
 
     def epochs(self, consumed_samples):
         """Token shards: how many epochs of each corpus the run has read (metrics), on a data-reading rank."""

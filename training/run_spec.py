@@ -17,7 +17,8 @@ from checkpoints.files import has_tokenizer_files, read_latest
 from checkpoints.integrity import manifest_digest, verify_model_side_files
 from checkpoints.optimizer_state import check_optimizer_state_files, has_layout_free_state
 from checkpoints.trainer_state import read_trainer_state
-from data.indexed import ShardError, check_sources, parse_sources, read_shard_header, tokenizer_fingerprint
+from data.indexed import (CorpusIndex, ShardError, check_sources, parse_sources, read_shard_header,
+                          tokenizer_fingerprint)
 from models.layout import layer_file_name, layer_indices_with_files
 from models.context_parallel import context_parallel_error
 from models.llama import check_model_config
@@ -254,7 +255,7 @@ def check_data_files(cfg):
 
 def check_shards_fit_model(cfg, vocab_size, tokenizer_path):
     """data.format=indexed: every corpus written for this model's vocabulary and tokenizer (as its PREFIX.json
-    records) and holding at least one sample."""
+    records), holding at least one sample, and its sample index writable where it goes (or built already)."""
     fingerprint = None
     if tokenizer_path:
         from transformers import AutoTokenizer
@@ -262,7 +263,9 @@ def check_shards_fit_model(cfg, vocab_size, tokenizer_path):
     for key in ("train_file", "eval_file"):
         if cfg[key] and not (key == "train_file" and cfg.eval_only):
             try:
-                check_sources(parse_sources(cfg[key], key), key, vocab_size, fingerprint, cfg.seq_length)
+                headers = check_sources(parse_sources(cfg[key], key), key, vocab_size, fingerprint, cfg.seq_length)
+                for header in headers:
+                    CorpusIndex(header, cfg.seed, cfg.seq_length, cfg.data.index_dir).check_writable()
             except ShardError as error:
                 raise ConfigError(f"{key}: {error}") from None
 
