@@ -49,6 +49,10 @@ Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with wh
   _exec_send_grads, _exec_recv_grads, _exec_reduce_tied_grads (training/pipeline_engine.py);
   PipelineModule._partition_layers, load_state_dir (models/pipeline.py); TorchCheckpointEngine.load
   (checkpoints/state_files.py). ZeroBubbleSchedule overrides PipeSchedule's documented steps(): no entry.
+- Names the zero-bubble engine adds to PipelineEngine (its handlers _exec_backward_input_pass,
+  _exec_backward_weight_pass, _exec_post_recv_activations, _exec_wait_recv_activations, _send_async; its state
+  _sends, _posted_receives, zero_bubble_max_waiting), checked absent from DeepSpeed's engine classes (an attribute
+  or self.<name> in their source): a DeepSpeed that came to use one would be overwritten, or overwrite it, silently.
 
 The start-up check reads the source of the class that sets an instance attribute (`self.<name>` must appear in it)
 instead of building an engine: an engine exists only after the process groups, the model and the optimizer do, and a

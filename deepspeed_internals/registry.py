@@ -123,6 +123,27 @@ def zero_bubble(name, parameters):
     return Internal(f"{PIPELINE_ENGINE}.{name}", "which the zero-bubble engine overrides", parameters)
 
 
+@dataclasses.dataclass(frozen=True)
+class Unused:
+    """A name the project adds to a DeepSpeed class or its instances: no class of its DeepSpeed lineage may have
+    it, as an attribute or as self.<name> in its source, or one of the two would silently overwrite the other."""
+    path: str
+    name: str
+    use: str
+
+    def check(self, sources):
+        owner = Internal(self.path, self.use).resolve()
+        for cls in (c for c in owner.__mro__ if c.__module__.startswith("deepspeed")):
+            if cls not in sources:  # keyed by the class: the path an Internal reads may name a replacement
+                try:
+                    sources[cls] = inspect.getsource(cls)
+                except (OSError, TypeError):
+                    sources[cls] = ""
+            if self.name in vars(cls) or re.search(rf"self\.{re.escape(self.name)}(?!\w)", sources[cls]):
+                raise DeepSpeedMismatch(f"deepspeed {deepspeed.__version__} has {self.name} in "
+                                        f"{cls.__module__}.{cls.__qualname__}, a name {self.use}; {ADVICE}")
+
+
 def self_use(owner, text, use):
     """`owner`'s source must contain self.<text> (an attribute it sets or reads, a method it calls)."""
     return Internal(owner, use, mentions=f"self.{text}")
@@ -146,6 +167,9 @@ INTERNALS = (
     Internal(f"{ENGINE}._common_checkpoint_state", "which the trainer wraps to leave the optimizer out",
              ("self", "module_state_dict", "zero_optimizer_state", "save_frozen_param")),
     *(self_use(ENGINE, counter, "which a resume restores") for counter in ENGINE_COUNTERS),
+    *(Unused(PIPELINE_ENGINE, name, "which the zero-bubble engine adds") for name in (
+        "_exec_backward_input_pass", "_exec_backward_weight_pass", "_exec_post_recv_activations",
+        "_exec_wait_recv_activations", "_send_async", "_sends", "_posted_receives", "zero_bubble_max_waiting")),
     self_use(PIPELINE_ENGINE, "pipeline_enable_backward_allreduce",
              "which the trainer turns off for a data-parallel group of one"),
     self_use(PIPELINE_ENGINE, "is_data_parallel", "which bench/pipeline_efficiency.py turns off"),

@@ -1,12 +1,15 @@
 """The start-up check of DeepSpeed's internals (deepspeed_internals/registry.py): it passes on the installed DeepSpeed, and an
 internal that is gone or has other parameters stops a run with one line naming the version, the piece and the fix."""
 
+import inspect
+
 import deepspeed
 import deepspeed.runtime.engine
 import pytest
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from deepspeed_internals.registry import DeepSpeedMismatch, check_deepspeed_internals
+from deepspeed_internals.registry import (PIPELINE_ENGINE, DeepSpeedMismatch, Unused,
+                                          check_deepspeed_internals)
 from tests.launch import run_python
 
 VERSION = deepspeed.__version__
@@ -40,6 +43,20 @@ def test_changed_parameters_are_named(monkeypatch):
     assert str(error.value) == (f"deepspeed {VERSION} has deepspeed.runtime.pipe.engine.PipelineEngine."
                                 f"_exec_send_grads(self, buffer_id, stream), not (self, buffer_id), which the "
                                 f"zero-bubble engine overrides; {FIX}")
+
+
+def test_a_name_deepspeed_now_uses_too_is_named(monkeypatch):
+    """A DeepSpeed that came to define a name the zero-bubble engine adds (a method, or state it sets on self)."""
+    monkeypatch.setattr(PipelineEngine, "_send_async", lambda self, tensors, stage: None, raising=False)
+    with pytest.raises(DeepSpeedMismatch) as error:
+        check_deepspeed_internals()
+    assert str(error.value) == (f"deepspeed {VERSION} has _send_async in deepspeed.runtime.pipe.engine."
+                                f"PipelineEngine, a name which the zero-bubble engine adds; {FIX}")
+    monkeypatch.undo()
+    source = inspect.getsource(PipelineEngine).replace("self.pipe_buffers = {", "self._sends = []\n self.pb = {")
+    with pytest.raises(DeepSpeedMismatch, match="has _sends in deepspeed.runtime.pipe.engine.PipelineEngine"):
+        Unused(PIPELINE_ENGINE, "_sends", "which the zero-bubble engine adds").check(
+            {PipelineEngine: source})
 
 
 def test_an_attribute_the_engine_no_longer_sets_is_named(monkeypatch):
