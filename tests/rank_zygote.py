@@ -1,6 +1,6 @@
 """Rank processes forked from one that has imported torch, DeepSpeed, transformers and Hydra already.
 
-Why: those imports are ~3 s of every rank's start, and the suite starts some 250 ranks on 2 cores. A rank is a
+Why: those imports are ~3 s of every rank's start, and the suite starts a few hundred ranks on 2 cores. A rank is a
 real process all the same (its own pid, signals, exit code, gloo connections): multiprocessing's forkserver, which
 imports `tests.zygote_imports` once, forks it, and the child runs the script as `python SCRIPT ARGS` would, with the
 rank's environment, working directory, stdout/stderr files and the interpreter's exit (atexit handlers, a SystemExit's
