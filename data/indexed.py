@@ -6,8 +6,9 @@ seq_length inputs and the token after them, so every token of the epoch but the 
 partial sample of the epoch is dropped), and those samples in an order shuffled by (seed, e). The three arrays
 (document order, sample cut, sample order) of each epoch are built once, by one rank, with megatron-core's
 `build_sample_idx`, and cached as .npy files beside the shards (PREFIX.index/, or under data.index_dir); every
-reading rank memory-maps them, so neither start-up nor a step reads more than its own samples. The k-th sample a run draws from a corpus is sample k mod n of its
-epoch k // n (n samples an epoch): a corpus that runs out goes on with its next, reshuffled, epoch.
+reading rank memory-maps them, so neither start-up nor a step reads more than its own samples. The k-th sample a
+run draws from a corpus is sample k mod n of its epoch k // n (n samples an epoch): a corpus that runs out goes on
+with its next, reshuffled, epoch.
 
 A blend of corpora follows Megatron's rule (megatron-core `build_blending_indices`): global sample g comes from the
 corpus whose count lags its weight × g most, so every prefix of the run holds each corpus within one sample of its
