@@ -20,7 +20,7 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from data.formats import DataSettings, record_tokenizer
-from data.indexed import megatron_datasets, read_shard_header, tokenizer_fingerprint
+from data.shard_files import megatron_datasets, read_shard_header, tokenizer_fingerprint
 
 READERS = (".jsonl", ".json", ".parquet", ".txt")
 

@@ -1,4 +1,4 @@
-"""Token shards (data/indexed.py, prepare_data.py): Megatron's format both ways, samples of seq_length + 1 tokens cut
+"""Token shards (data/shard_files.py, data/indexed.py, prepare_data.py): Megatron's format both ways, samples of seq_length + 1 tokens cut
 from the shuffled documents, epochs, the blend's proportions, exact positions across layouts and global batches, and
 bad shards refused before training."""
 import json
@@ -13,9 +13,9 @@ import pytest
 from transformers import AutoTokenizer
 
 import data.tokenize_shards as tokenize_shards
-from data.indexed import (Blend, CorpusIndex, IndexedCorpus, ShardError, blend_counts, check_sources,
-                          megatron_datasets, open_blend, parse_sources, prepare_indices, read_shard_header,
-                          tokenizer_fingerprint)
+from data.indexed import Blend, CorpusIndex, IndexedCorpus, blend_counts, open_blend, prepare_indices
+from data.shard_files import (ShardError, check_sources, megatron_datasets, parse_sources, read_shard_header,
+                              tokenizer_fingerprint)
 from data.loader import blend_micro_batches
 from tests import test_reliability
 

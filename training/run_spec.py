@@ -17,8 +17,8 @@ from checkpoints.files import has_tokenizer_files, read_latest
 from checkpoints.integrity import manifest_digest, verify_model_side_files
 from checkpoints.optimizer_state import check_optimizer_state_files, has_layout_free_state
 from checkpoints.trainer_state import read_trainer_state
-from data.indexed import (CorpusIndex, ShardError, check_sources, parse_sources, read_shard_header,
-                          tokenizer_fingerprint)
+from data.indexed import CorpusIndex
+from data.shard_files import ShardError, check_sources, parse_sources, read_shard_header, tokenizer_fingerprint
 from models.layout import layer_file_name, layer_indices_with_files
 from models.context_parallel import context_parallel_error
 from models.llama import check_model_config

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import tests.test_preference as test_preference
-from data.indexed import open_blend, parse_sources, read_shard_header
+from data.indexed import open_blend
+from data.shard_files import parse_sources, read_shard_header
 from tests.gpu.test_one_gpu import run_script
 from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses
 from tests.test_indexed import transformers_token_mean
