@@ -23,9 +23,9 @@ from checkpoints.state_files import WeightsOnlyCheckpointEngine
 from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoints
 from data.datasets import build_dataset_distributed
 from data.indexed import evaluation_samples, samples_per_epoch, training_blend
-from data.shard_files import parse_sources, read_shard_header
 from data.loader import (blend_micro_batches, build_stage_loader, check_identical_across_group,
                          infinite_micro_batches, micro_batches_per_epoch)
+from data.shard_files import parse_sources, read_shard_header
 from deepspeed_internals.access import (replace_checkpoint_engine, replace_fp32_gradient_clipping, set_global_grad_norm,
                                         skip_gradient_allreduce, skip_optimizer_files, uses_bf16_optimizer)
 from deepspeed_internals.registry import check_deepspeed_internals
