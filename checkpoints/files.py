@@ -4,10 +4,13 @@ import contextlib
 import errno
 import os
 import shutil
+import socket
 import tempfile
+import uuid
 
 LATEST = "latest"
 COMPLETE_MARKER = "COMPLETE"
+TMP_SUFFIX = ".tmp"  # of atomic_path's temporary files
 MANIFEST_NAME = "checksums.json"  # per-file checksums of a tag directory (checkpoints/integrity.py)
 # Everything in a Hugging Face model directory that is not a weight: configs, tokenizer, chat template.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -26,21 +29,46 @@ def has_tokenizer_files(directory):
     return os.path.isdir(directory) and any(is_tokenizer_file(name) for name in os.listdir(directory))
 
 
-def write_text_atomic(path, text):
-    """Write via a temporary file, fsync, rename: a reader sees the old content or the new, never a torn file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.")
+def temporary_name(path):
+    """A hidden sibling of `path` no other writer picks, on this host or another sharing the directory: containers
+    on different nodes routinely give their ranks the same pid (and hostname), so the name adds a random part."""
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
+
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """Yield a temporary path to write `path`'s content to; when the block ends, the file is fsynced, renamed to
+    `path` and the directory fsynced, so a reader (on any node) sees the old file or the whole new one. On an error
+    the temporary file is removed and `path` is left as it was."""
+    tmp = temporary_name(path)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
-    fsync_dir(directory)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def atomic_write(path, write):
+    """write(f) fills a new binary file that then replaces `path` atomically (atomic_path)."""
+    with atomic_path(path) as tmp, open(tmp, "xb") as f:
+        write(f)
+
+
+def write_bytes_atomic(path, content):
+    atomic_write(path, lambda f: f.write(content))
+
+
+def write_text_atomic(path, text):
+    write_bytes_atomic(path, text.encode())
 
 
 def fsync_dir(directory):

@@ -29,6 +29,8 @@ import pyarrow.compute as pc
 import torch.distributed as dist
 from datasets.fingerprint import Hasher
 
+from checkpoints.files import write_text_atomic
+
 from .formats import (PREFERENCE_FIELDS, TOKEN_FEATURE, DataSettings, chat_problem, preference_problem,
                       record_tokenizer, with_chat_template)
 from .packing import (PACKED_FEATURES, PAIR_ROW_FEATURES, cut_pairs, cut_sequences, pack_blocks, pack_examples,
@@ -163,10 +165,7 @@ def _load_cached(manifest: Path) -> tuple[datasets.Dataset, BuildStats]:
 
 def _write_manifest(manifest: Path, examples: datasets.Dataset, stats: BuildStats) -> None:
     content = {"cache_files": [f["filename"] for f in examples.cache_files], "stats": dataclasses.asdict(stats)}
-    # Write-then-rename: a rank that sees the manifest always sees a complete one, even if two nodes build at once.
-    partial_file = manifest.with_suffix(f".{os.getpid()}.tmp")
-    partial_file.write_text(json.dumps(content, indent=1))
-    os.replace(partial_file, manifest)
+    write_text_atomic(manifest, json.dumps(content, indent=1))  # a rank that sees the manifest sees all of it
 
 
 # --- reading the source ----------------------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from checkpoints.files import atomic_write, write_text_atomic
+
 from .shard_files import HEADER_BYTES, ShardError, ShardHeader, megatron_datasets, read_shard_header
 
 # --- one corpus's epochs ---------------------------------------------------------------------------------------------
@@ -62,7 +64,7 @@ class CorpusIndex:
                              f"node can write and read")
 
     def build(self, epochs: int) -> None:
-        """Write the arrays of epochs [0, epochs) not yet on disk (write-then-rename: readers never see half)."""
+        """Write the arrays of epochs [0, epochs) not yet on disk (atomically: readers never see half)."""
         build_sample_idx = megatron_datasets()[1].build_sample_idx
         sizes = None
         for epoch in range(epochs):
@@ -79,10 +81,7 @@ class CorpusIndex:
                                    drop_last_partial_sequence=True, add_extra_token_to_sequence=True)
             order = rng.permutation(len(cut) - 1).astype(np.int32 if len(cut) < 2**31 else np.int64)
             for name, array in (("documents", documents), ("cut", cut), ("order", order)):
-                partial_file = files[name].with_suffix(f".{os.getpid()}.tmp")
-                with open(partial_file, "wb") as f:
-                    np.save(f, array)
-                os.replace(partial_file, files[name])
+                save_array(files[name], array)
 
     def _check_stats(self, sizes) -> None:
         """The largest token id, scanned once per shards and cached (shards from elsewhere record no vocabulary)."""
@@ -93,10 +92,8 @@ class CorpusIndex:
         with open(self.header.prefix + ".bin", "rb") as f:  # read, not memory-mapped: the scan's pages stay no RSS
             while len(chunk := np.fromfile(f, dtype=self.header.dtype, count=1 << 24)):
                 largest, smallest = max(largest, int(chunk.max())), min(smallest, int(chunk.min()))
-        partial_file = stats_file.with_suffix(f".{os.getpid()}.tmp")
-        partial_file.write_text(json.dumps({"max_token_id": largest, "min_token_id": smallest,
-                                            "documents": int(len(sizes))}))
-        os.replace(partial_file, stats_file)
+        write_text_atomic(stats_file, json.dumps({"max_token_id": largest, "min_token_id": smallest,
+                                                  "documents": int(len(sizes))}))
 
     def check_token_range(self, vocab_size: int) -> None:
         stats_file = self.directory.parent / f"stats-{self.header.identity}.json"
@@ -118,6 +115,10 @@ class CorpusIndex:
                                         f"builds every epoch a run reaches before it starts)")
             self._epochs[epoch] = tuple(np.load(files[name], mmap_mode="r") for name in ("documents", "cut", "order"))
         return self._epochs[epoch]
+
+
+def save_array(path: Path, array: np.ndarray) -> None:
+    atomic_write(path, lambda f: np.save(f, array))
 
 
 def sequence_lengths(header: ShardHeader) -> np.ndarray:
@@ -217,10 +218,7 @@ def prepare_indices(sources, headers, *, seed: int, seq_length: int, total_sampl
         if cached is None or len(cached) < total_samples:  # the blend's prefix never changes: a longer one serves
             Path(blend_dir).mkdir(parents=True, exist_ok=True)
             for name, array in zip(("corpus", "within"), blend_counts([s.weight for s in sources], total_samples)):
-                partial_file = files[name].with_suffix(f".{os.getpid()}.tmp")
-                with open(partial_file, "wb") as f:
-                    np.save(f, array)
-                os.replace(partial_file, files[name])
+                save_array(files[name], array)
             cached = np.load(files["corpus"], mmap_mode="r")
         drawn = np.bincount(cached[:total_samples], minlength=len(sources))
     for index, count in zip(indices, drawn):

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoTokenizer
 
+from checkpoints.files import TMP_SUFFIX, atomic_path, write_text_atomic
 from data.formats import DataSettings, record_tokenizer
 from data.shard_files import megatron_datasets, read_shard_header, tokenizer_fingerprint
 
@@ -53,8 +54,8 @@ def prepare_shards(patterns, tokenizer_name_or_path, output_prefix, *, workers=1
     dtype = megatron_datasets()[0].DType.optimal_dtype(len(tokenizer))
     parts_dir = prefix.with_name(prefix.name + ".parts")
     parts_dir.mkdir(parents=True, exist_ok=True)
-    for leftover in parts_dir.glob("*.tmp*"):  # what an interrupted run was writing
-        leftover.unlink()
+    for leftover in [*parts_dir.glob(f".*{TMP_SUFFIX}"), *prefix.parent.glob(f".{prefix.name}.*{TMP_SUFFIX}")]:
+        leftover.unlink()  # what an interrupted run was writing
     parts = []
     with TokenizingPool(workers, tokenizer_name_or_path, text_field) as tokenize_batches:
         for number, path in enumerate(inputs):
@@ -187,37 +188,29 @@ class TokenizingPool:
 
 def write_part(path, part, dtype, text_field, batch_size, tokenize_batches):
     """One input's documents → part.bin/.idx, renamed into place only when both are whole."""
-    bin_tmp, idx_tmp = Path(f"{part}.bin.tmp"), Path(f"{part}.idx.tmp")
-    builder = megatron_datasets()[0].IndexedDatasetBuilder(str(bin_tmp), dtype=dtype)
-    for documents in tokenize_batches(read_batches(path, text_field, batch_size)):
-        for ids in documents:
-            if len(ids):  # an empty document (blank line) has no tokens, not even bos/eos
-                builder.add_document(ids, [len(ids)])
-    builder.finalize(str(idx_tmp))
-    os.replace(bin_tmp, f"{part}.bin")
-    os.replace(idx_tmp, f"{part}.idx")  # last: a part with its .idx is whole
+    with atomic_path(f"{part}.idx") as idx_tmp, atomic_path(f"{part}.bin") as bin_tmp:  # the .idx renamed last
+        builder = megatron_datasets()[0].IndexedDatasetBuilder(bin_tmp, dtype=dtype)
+        for documents in tokenize_batches(read_batches(path, text_field, batch_size)):
+            for ids in documents:
+                if len(ids):  # an empty document (blank line) has no tokens, not even bos/eos
+                    builder.add_document(ids, [len(ids)])
+        builder.finalize(idx_tmp)
 
 
 def merge_parts(parts, prefix, dtype, identity):
     """The parts, in input order, → PREFIX.bin/.idx (megatron-core's builder concatenates them), then PREFIX.json."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
     metadata_file = prefix.with_name(prefix.name + ".json")
-    bin_tmp, idx_tmp = Path(f"{prefix}.bin.tmp"), Path(f"{prefix}.idx.tmp")
-    builder = megatron_datasets()[0].IndexedDatasetBuilder(str(bin_tmp), dtype=dtype)
-    for part in parts:
-        builder.add_index(str(part))
-    builder.finalize(str(idx_tmp))
-    documents = len(builder.document_indices) - 1
-    if documents == 0:
-        bin_tmp.unlink()
-        idx_tmp.unlink()
-        raise PrepareError(f"the inputs {[i['path'] for i in identity['inputs']]} hold no document with text")
-    metadata_file.unlink(missing_ok=True)  # from here to its rewrite PREFIX.json does not vouch for the shards
-    os.replace(bin_tmp, f"{prefix}.bin")
-    os.replace(idx_tmp, f"{prefix}.idx")
+    with atomic_path(f"{prefix}.idx") as idx_tmp, atomic_path(f"{prefix}.bin") as bin_tmp:
+        builder = megatron_datasets()[0].IndexedDatasetBuilder(bin_tmp, dtype=dtype)
+        for part in parts:
+            builder.add_index(str(part))
+        builder.finalize(idx_tmp)
+        documents = len(builder.document_indices) - 1
+        if documents == 0:
+            raise PrepareError(f"the inputs {[i['path'] for i in identity['inputs']]} hold no document with text")
+        metadata_file.unlink(missing_ok=True)  # from here to its rewrite PREFIX.json does not vouch for the shards
     header = read_shard_header(prefix)
     summary = {**identity, "dtype": np.dtype(dtype).name, "documents": documents, "tokens": header.tokens}
-    partial_file = metadata_file.with_suffix(".json.tmp")
-    partial_file.write_text(json.dumps(summary, indent=1))
-    os.replace(partial_file, metadata_file)
+    write_text_atomic(metadata_file, json.dumps(summary, indent=1))
     return summary

@@ -1,9 +1,10 @@
 """Checkpoint bookkeeping on disk: what counts as complete, what is resumed, what is pruned."""
 import os
+import socket
 
 import pytest
 
-from checkpoints.files import staged_directory, write_text_atomic
+from checkpoints.files import atomic_path, atomic_write, staged_directory, temporary_name, write_text_atomic
 from checkpoints.tag_dirs import complete_tags, prune_checkpoints, remove_incomplete_checkpoints
 from training.loop import data_position
 from training.resume import check_fresh_start, resolve_resume
@@ -70,6 +71,23 @@ def test_staged_directory_leaves_the_old_output_on_failure(tmp_path):
     with staged_directory(str(out)) as staging:
         open(os.path.join(staging, "new.txt"), "w").close()
     assert os.listdir(out) == ["new.txt"] and os.listdir(tmp_path) == ["out"]
+
+
+def test_atomic_write_is_whole_or_absent_under_names_no_other_writer_takes(tmp_path):
+    """Two writers with the same host and pid (containers on two nodes) get different temporary names; a write
+    that fails leaves the old file and no temporary one; one that succeeds replaces it whole."""
+    path = tmp_path / "shared.json"
+    assert temporary_name(path) != temporary_name(path)
+    assert os.path.basename(temporary_name(path)).startswith(f".shared.json.{socket.gethostname()}.{os.getpid()}.")
+    path.write_text("old")
+    with pytest.raises(RuntimeError, match="died mid-write"):
+        with atomic_path(path) as tmp:
+            with open(tmp, "w") as f:
+                f.write("half")
+                raise RuntimeError("died mid-write")
+    assert os.listdir(tmp_path) == ["shared.json"] and path.read_text() == "old"
+    atomic_write(path, lambda f: f.write(b"new"))
+    assert os.listdir(tmp_path) == ["shared.json"] and path.read_text() == "new"
 
 
 @pytest.mark.parametrize("consumed,dp,micro,per_epoch,position", [

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch.utils.data import DataLoader
 
+from checkpoints.files import atomic_write
 from data.collator import collate
 from models.lora import adapters_off
 from training.evaluation import PaddedShard
@@ -62,10 +63,8 @@ def with_reference(engine, dataset, dataset_length, path, checkpoint, cfg, pad_i
         log(f"computing the reference log-probabilities of {dataset_length} pairs (forward only, starting weights"
             f"{', adapters off' if has_adapters(engine.module) else ''})")
         stored = {"checkpoint": checkpoint, **compute_reference(engine, dataset, dataset_length, cfg, pad_id)}
-        if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:  # one writer per node, as the data cache
-            partial_file = f"{path}.{os.getpid()}.tmp"
-            torch.save(stored, partial_file)
-            os.replace(partial_file, path)
+        if dist.get_rank() == 0:  # one writer for the whole job; the file object keeps the bytes free of its name
+            atomic_write(path, lambda f: torch.save(stored, f))
         log(f"stored them in {path}")
     if stored["checkpoint"] != checkpoint:
         raise ValueError(f"{path} holds reference log-probabilities of checkpoint {stored['checkpoint']}, not of "
