@@ -30,6 +30,7 @@ import torch.distributed as dist
 from datasets.fingerprint import Hasher
 
 from checkpoints.files import write_text_atomic
+from training.shared_files import VISIBLE_WITHIN_S, built_by_rank_zero, wait_for_files
 
 from .formats import (PREFERENCE_FIELDS, TOKEN_FEATURE, DataSettings, chat_problem, preference_problem,
                       record_tokenizer, with_chat_template)
@@ -69,6 +70,7 @@ def build_dataset(
     seq_length: int,
     cache_dir: str | os.PathLike | None = None,
     vocab_size: int | None = None,
+    cached_only: bool = False,
 ) -> tuple[datasets.Dataset, BuildStats]:
     """Tokenize a local file into rows of at most `seq_length` tokens; returns `(dataset, stats)`.
 
@@ -79,6 +81,7 @@ def build_dataset(
     `vocab_size`: the exclusive upper bound for token ids; defaults to `len(tokenizer)`. Pass the model's vocabulary
     size when it is larger than the tokenizer's (padded embeddings). Every id is checked before anything trains.
     `cache_dir`: where the tokenized Arrow files go; defaults to a folder in the Hugging Face datasets cache.
+    `cached_only`: read the cache another rank built (waiting, bounded, for it to show on this node), never build.
 
     The dataset has int columns `input_ids` and `labels` (-100 where no loss is taken), plus `lengths` (the
     documents of each row) with packing or text document isolation, and stays memory-mapped.
@@ -102,6 +105,8 @@ def build_dataset(
                               settings.document_isolation)
     stem = f"{path.stem}-{settings.format}"
     manifest = cache_dir / f"{stem}-L{seq_length}-{examples_key}.json"
+    if cached_only:
+        wait_for_files([manifest], VISIBLE_WITHIN_S)
     if manifest.exists():
         return _load_cached(manifest)
 
@@ -127,21 +132,20 @@ def build_dataset(
     return examples, stats
 
 
-def build_dataset_distributed(*args, **kwargs) -> tuple[datasets.Dataset, BuildStats]:
-    """`build_dataset`, run by local rank 0 of each node first while the node's other ranks wait, then load its cache.
-
-    Without an initialized torch.distributed process group this is plain `build_dataset`. If local rank 0 fails it
-    still releases the barrier, so the other ranks rebuild and fail with the same message instead of hanging.
-    """
+def build_dataset_distributed(*args, limit_minutes: float, **kwargs) -> tuple[datasets.Dataset, BuildStats]:
+    """`build_dataset` on global rank 0 while the others wait for it outside any collective, at most limit_minutes
+    (training/shared_files.py), then read its cache; rank 0's error is raised on every rank. Without an initialized
+    torch.distributed process group this is plain `build_dataset`."""
     if not (dist.is_available() and dist.is_initialized()):
         return build_dataset(*args, **kwargs)
-    if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
-        try:
-            return build_dataset(*args, **kwargs)
-        finally:
-            dist.barrier()
-    dist.barrier()
-    return build_dataset(*args, **kwargs)
+    built = []
+
+    def build():
+        built.append(build_dataset(*args, **kwargs))
+        return []  # the others' build_dataset(cached_only=True) waits for the manifest to show
+
+    built_by_rank_zero(build, f"the tokenized cache of {args[0]}", limit_minutes)
+    return built[0] if built else build_dataset(*args, **kwargs, cached_only=True)
 
 
 # --- cache ---------------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ A corpus's epoch e is its documents in an order shuffled by (seed, e), cut into 
 tokens across document boundaries, each starting at the previous one's last token (Megatron's GPTDataset: a sample's
 seq_length inputs and the token after them, so every token of the epoch but the first is predicted once; the last
 partial sample of the epoch is dropped), and those samples in an order shuffled by (seed, e). The three arrays
-(document order, sample cut, sample order) of each epoch are built once, by one rank, with megatron-core's
+(document order, sample cut, sample order) of each epoch are built once, by global rank 0 (the others wait on the
+store, not in a collective: training/shared_files.py), with megatron-core's
 `build_sample_idx`, and cached as .npy files beside the shards (PREFIX.index/, or under data.index_dir); every
 reading rank memory-maps them, so neither start-up nor a step reads more than its own samples. The k-th sample a
 run draws from a corpus is sample k mod n of its epoch k // n (n samples an epoch): a corpus that runs out goes on
@@ -24,8 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from checkpoints.files import atomic_write, write_text_atomic
+from training.shared_files import built_by_rank_zero
 
-from .shard_files import HEADER_BYTES, ShardError, ShardHeader, megatron_datasets, read_shard_header
+from .shard_files import (HEADER_BYTES, ShardError, ShardHeader, megatron_datasets, read_shard_header,
+                          vouched_by_metadata)
 
 # --- one corpus's epochs ---------------------------------------------------------------------------------------------
 
@@ -63,8 +66,9 @@ class CorpusIndex:
                              f"not writable (read-only storage?); set data.index_dir to a directory that every "
                              f"node can write and read")
 
-    def build(self, epochs: int) -> None:
-        """Write the arrays of epochs [0, epochs) not yet on disk (atomically: readers never see half)."""
+    def build(self, epochs: int) -> list[Path]:
+        """Write the arrays of epochs [0, epochs) not yet on disk (atomically: readers never see half); returns the
+        files a reader of those epochs opens."""
         build_sample_idx = megatron_datasets()[1].build_sample_idx
         sizes = None
         for epoch in range(epochs):
@@ -82,11 +86,19 @@ class CorpusIndex:
             order = rng.permutation(len(cut) - 1).astype(np.int32 if len(cut) < 2**31 else np.int64)
             for name, array in (("documents", documents), ("cut", cut), ("order", order)):
                 save_array(files[name], array)
+        stats = [self.stats_file] if self.stats_file.exists() else []
+        return [path for epoch in range(epochs) for path in self.files(epoch).values()] + stats
+
+    @property
+    def stats_file(self) -> Path:
+        return self.directory.parent / f"stats-{self.header.identity}.json"
 
     def _check_stats(self, sizes) -> None:
-        """The largest token id, scanned once per shards and cached (shards from elsewhere record no vocabulary)."""
-        stats_file = self.directory.parent / f"stats-{self.header.identity}.json"
-        if stats_file.exists():
+        """The largest token id, scanned once per shards and cached: shards from elsewhere record no vocabulary.
+        Skipped where prepare_data.py's PREFIX.json vouches for the shards (its tokenizer bounds their ids, and
+        check_sources compares its vocabulary with the model's): a first start then reads no .bin."""
+        stats_file = self.stats_file
+        if stats_file.exists() or vouched_by_metadata(self.header):
             return
         largest, smallest = -1, np.iinfo(np.int64).max
         with open(self.header.prefix + ".bin", "rb") as f:  # read, not memory-mapped: the scan's pages stay no RSS
@@ -96,9 +108,9 @@ class CorpusIndex:
                                                   "documents": int(len(sizes))}))
 
     def check_token_range(self, vocab_size: int) -> None:
-        stats_file = self.directory.parent / f"stats-{self.header.identity}.json"
+        stats_file = self.stats_file
         if not stats_file.exists():
-            return  # built by an older run that checked it already
+            return  # vouched for by PREFIX.json, or built by an older run that checked it already
         stats = json.loads(stats_file.read_text())
         if stats["min_token_id"] < 0 or stats["max_token_id"] >= vocab_size:
             raise ShardError(f"{self.header.prefix}.bin holds token ids in [{stats['min_token_id']}, "
@@ -206,10 +218,12 @@ def blend_files(directory, sources) -> dict[str, Path]:
 
 
 def prepare_indices(sources, headers, *, seed: int, seq_length: int, total_samples: int, blend_dir,
-                    vocab_size: int, index_dir=None) -> None:
+                    vocab_size: int, index_dir=None) -> list[Path]:
     """Build what `total_samples` of the run need and is not cached yet: the blend (when several corpora) and each
-    corpus's epochs up to the last one it reaches. One rank calls this; the others wait, then `open_blend`."""
+    corpus's epochs up to the last one it reaches. One rank calls this; the others wait, then `open_blend`. Returns
+    the files `open_blend` reads."""
     indices = [CorpusIndex(header, seed, seq_length, index_dir) for header in headers]
+    needed = []
     if len(sources) == 1:
         drawn = [total_samples]
     else:
@@ -221,9 +235,11 @@ def prepare_indices(sources, headers, *, seed: int, seq_length: int, total_sampl
                 save_array(files[name], array)
             cached = np.load(files["corpus"], mmap_mode="r")
         drawn = np.bincount(cached[:total_samples], minlength=len(sources))
+        needed += files.values()
     for index, count in zip(indices, drawn):
-        index.build(max(1, math.ceil(int(count) / index.samples_per_epoch)))
+        needed += index.build(max(1, math.ceil(int(count) / index.samples_per_epoch)))
         index.check_token_range(vocab_size)
+    return needed
 
 
 def open_blend(sources, headers, *, seed: int, seq_length: int, isolate: bool, blend_dir, vocab_size: int,
@@ -257,26 +273,16 @@ class WholeCorpora:
 
 # --- in a run --------------------------------------------------------------------------------------------------------
 
-def _built_by_rank_zero(build) -> None:
-    """Rank 0 runs `build`, the others wait for it; whatever happens, every rank passes the barrier together."""
-    import torch.distributed as dist
-    if dist.get_rank() == 0:
-        try:
-            build()
-        finally:
-            dist.barrier()
-    else:
-        dist.barrier()
-
-
 def training_blend(sources, *, reads_data: bool, seed: int, seq_length: int, isolate: bool, blend_dir,
-                   vocab_size: int, total_samples: int, index_dir=None) -> Blend | None:
+                   vocab_size: int, total_samples: int, build_limit_minutes: float, index_dir=None) -> Blend | None:
     """The run's training samples on a data-reading rank (None elsewhere: middle stages open no shard), after rank
-    0 has built the indices the run's `total_samples` reach."""
+    0 has built the indices the run's `total_samples` reach (the others wait at most build_limit_minutes for it,
+    outside any collective: training/shared_files.py)."""
     headers = [read_shard_header(source.prefix) for source in sources]
-    _built_by_rank_zero(lambda: prepare_indices(sources, headers, seed=seed, seq_length=seq_length,
-                                                total_samples=total_samples, blend_dir=blend_dir,
-                                                vocab_size=vocab_size, index_dir=index_dir))
+    built_by_rank_zero(lambda: prepare_indices(sources, headers, seed=seed, seq_length=seq_length,
+                                               total_samples=total_samples, blend_dir=blend_dir,
+                                               vocab_size=vocab_size, index_dir=index_dir),
+                       f"the sample index of {', '.join(s.prefix for s in sources)}", build_limit_minutes)
     for header in headers:  # every rank, so that all stop alike on token ids outside the vocabulary
         CorpusIndex(header, seed, seq_length, index_dir).check_token_range(vocab_size)
     if not reads_data:
@@ -286,15 +292,12 @@ def training_blend(sources, *, reads_data: bool, seed: int, seq_length: int, iso
 
 
 def evaluation_samples(sources, *, reads_data: bool, seed: int, seq_length: int, isolate: bool,
-                       vocab_size: int, index_dir=None) -> tuple[WholeCorpora | None, int]:
+                       vocab_size: int, build_limit_minutes: float, index_dir=None) -> tuple[WholeCorpora | None, int]:
     """(each evaluation corpus's epoch-0 samples once, on a data-reading rank; their count, on every rank)."""
     headers = [read_shard_header(source.prefix) for source in sources]
     indices = [CorpusIndex(header, seed, seq_length, index_dir) for header in headers]
-
-    def build():
-        for index in indices:
-            index.build(1)
-    _built_by_rank_zero(build)
+    built_by_rank_zero(lambda: [path for index in indices for path in index.build(1)],
+                       f"the sample index of {', '.join(s.prefix for s in sources)}", build_limit_minutes)
     for index in indices:
         index.check_token_range(vocab_size)
     count = sum(index.samples_per_epoch for index in indices)

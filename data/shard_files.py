@@ -90,6 +90,14 @@ def read_metadata(prefix) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def vouched_by_metadata(header: ShardHeader) -> bool:
+    """Whether prepare_data.py's PREFIX.json describes these very shards (their documents and tokens): then its
+    tokenizer's vocabulary bounds every id in them, and no scan of the .bin need find the largest."""
+    metadata = read_metadata(header.prefix)
+    return (bool(metadata.get("tokenizer", {}).get("vocab_size")) and metadata.get("documents") == header.sequences
+            and metadata.get("tokens") == header.tokens)
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """A digest of what turns text into ids (the vocabulary and bos/eos): equal for the same tokenizer however it
     was loaded (slow or fast, from another directory)."""

@@ -195,10 +195,17 @@ def test_second_build_memory_maps_the_cache_without_tokenizing(demo_dir, tokeniz
 
 def _build_on_rank(rank, port, corpus, tokenizer, cache, out):
     import os
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    # two nodes' local rank 0: one writer all the same, global rank 0
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    dataset, stats = build_dataset_distributed(corpus, tokenizer, {"format": "text"}, 32, cache_dir=cache)
+    dataset, stats = build_dataset_distributed(corpus, tokenizer, {"format": "text"}, 32, cache_dir=cache,
+                                               limit_minutes=5)
     (out / f"rank{rank}.json").write_text(json.dumps([stats.from_cache, len(dataset), dataset.cache_files]))
+    try:  # rank 0's error reaches the other rank through the store, which waits on no collective
+        build_dataset_distributed(corpus.with_suffix(".jsonl"), tokenizer, {"format": "text"}, 32, cache_dir=cache,
+                                  limit_minutes=5)
+    except (ValueError, FileNotFoundError) as error:
+        (out / f"rank{rank}.error").write_text(str(error))
     dist.destroy_process_group()
 
 
@@ -211,6 +218,9 @@ def test_distributed_build_runs_once_and_other_ranks_load_the_cache(demo_dir, to
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert (rank0[0], rank1[0]) == (False, True)
     assert rank0[1:] == rank1[1:]
+    error = f"[Errno 2] No such file or directory: '{demo_dir / 'corpus.jsonl'}'"
+    assert (tmp_path / "rank1.error").read_text() == f"rank 0 could not build the tokenized cache of " \
+                                                    f"{demo_dir / 'corpus.jsonl'}: FileNotFoundError: {error}"
 
 
 # --- collator ---------------------------------------------------------------------------------------------------------

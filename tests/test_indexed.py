@@ -141,6 +141,33 @@ def test_a_corpus_written_by_megatrons_builder_trains_here(tmp_path):
         open_blend(sources, headers, seed=0, seq_length=SEQ, isolate=False, blend_dir=tmp_path, vocab_size=500)
 
 
+def test_shards_their_prefix_json_vouches_for_are_not_scanned(corpus, tmp_path, monkeypatch):
+    """prepare_data.py's PREFIX.json, when it counts these very shards' documents and tokens, bounds their ids (its
+    tokenizer's vocabulary, checked against the model's at start): a first start reads no .bin. Shards whose counts
+    it does not match (rewritten by another tool) are scanned."""
+    for suffix in (".bin", ".idx", ".json"):
+        shutil.copy(corpus["prefix"] + suffix, tmp_path / f"web{suffix}")
+    sources = parse_sources(str(tmp_path / "web"), "train_file")
+    headers = check_sources(sources, "train_file", 384, None, SEQ)
+    real_fromfile = np.fromfile
+
+    def no_scan(*args, **kwargs):
+        raise AssertionError("the .bin was scanned")
+    monkeypatch.setattr(np, "fromfile", no_scan)
+    built = prepare_indices(sources, headers, seed=0, seq_length=SEQ, total_samples=10, blend_dir=tmp_path,
+                            vocab_size=384)
+    index = CorpusIndex(headers[0], seed=0, seq_length=SEQ)
+    assert built == list(index.files(0).values()) and not index.stats_file.exists()
+    metadata = json.loads((tmp_path / "web.json").read_text())
+    (tmp_path / "web.json").write_text(json.dumps({**metadata, "tokens": metadata["tokens"] - 1}))
+    shutil.rmtree(tmp_path / "web.index")
+    monkeypatch.setattr(np, "fromfile", real_fromfile)
+    built = prepare_indices(sources, headers, seed=0, seq_length=SEQ, total_samples=10, blend_dir=tmp_path,
+                            vocab_size=384)
+    assert built == [*index.files(0).values(), index.stats_file]
+    assert json.loads(index.stats_file.read_text())["max_token_id"] < 384
+
+
 def test_blend_is_within_one_sample_of_the_weights_at_every_prefix():
     weights = [0.5, 0.3, 0.2]
     corpus, within = blend_counts(weights, 10_000)

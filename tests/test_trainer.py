@@ -98,7 +98,9 @@ def test_bad_config_fails_on_every_rank(demo_model, tmp_path):
     ({"preemption_grace_seconds": 0}, 2, "preemption_grace_seconds=0 must be positive"),
     ({"peak_tflops": -1}, 2, "peak_tflops=-1 must be a device's positive peak TFLOP/s, or null"),
     ({"device_memory_gb": 0}, 2, "device_memory_gb=0 must be the positive GiB each device has"),
-], ids=["stages", "train_file", "no_train_file", "seq_length", "bf16_zero0", "grace", "peak", "device_memory"])
+    ({"data_build_timeout_minutes": 0}, 2, "data_build_timeout_minutes=0 must be positive: the minutes the other"),
+], ids=["stages", "train_file", "no_train_file", "seq_length", "bf16_zero0", "grace", "peak", "device_memory",
+        "data_build_timeout"])
 def test_bad_config_is_refused_before_any_work(demo_model, tmp_path, overrides, world_size, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), world_size)

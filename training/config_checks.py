@@ -85,6 +85,9 @@ def check_values(cfg):
     if not cfg.preemption_grace_seconds > 0:
         raise ConfigError(f"preemption_grace_seconds={cfg.preemption_grace_seconds} must be positive: the seconds a "
                           f"SIGTERM leaves to finish the step and save.")
+    if not cfg.data_build_timeout_minutes > 0:
+        raise ConfigError(f"data_build_timeout_minutes={cfg.data_build_timeout_minutes} must be positive: the "
+                          f"minutes the other ranks wait for rank 0 to tokenize or index the data on a first start.")
     if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
         raise ConfigError(f"peak_tflops={cfg.peak_tflops} must be a device's positive peak TFLOP/s, or null.")
     if not cfg.device_memory_gb > 0:

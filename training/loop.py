@@ -60,8 +60,8 @@ def seed_everything(seed):
 
 
 class RunData:
-    """Datasets of a run. Every rank takes part in building (local rank 0 tokenizes, the others reuse the
-    memory-mapped cache; for token shards rank 0 builds the indices); only the first and last stage read rows,
+    """Datasets of a run. Every rank takes part in building (rank 0 tokenizes, or for token shards builds the
+    indices, while the others wait for it, then memory-map what it wrote); only the first and last stage read rows,
     middle stages use the lengths."""
 
     def __init__(self, spec, tokenizer, reads_data):
@@ -79,7 +79,8 @@ class RunData:
                 self._indexed(spec, split, path)
                 continue
             dataset, _ = build_dataset_distributed(path, tokenizer, cfg.data, cfg.seq_length,
-                                                   cache_dir=self.cache_dir, vocab_size=spec.model_config.vocab_size)
+                                                   cache_dir=self.cache_dir, vocab_size=spec.model_config.vocab_size,
+                                                   limit_minutes=cfg.data_build_timeout_minutes)
             if spec.preference.needs_reference:
                 self.reference_files[split] = reference_path(self.cache_dir, dataset, spec.reference_checkpoint)
             setattr(self, f"{split}_length", len(dataset))
@@ -97,7 +98,7 @@ class RunData:
         self.eval, self.eval_length = evaluation_samples(
             sources, reads_data=self.reads_data, seed=cfg.seed, seq_length=cfg.seq_length,
             isolate=cfg.data.document_isolation, vocab_size=spec.model_config.vocab_size,
-            index_dir=cfg.data.index_dir)
+            build_limit_minutes=cfg.data_build_timeout_minutes, index_dir=cfg.data.index_dir)
 
     def open_blend(self, spec, total_samples):
         """Token shards: build (rank 0) and open (data-reading ranks) what the run's first `total_samples` need."""
@@ -106,7 +107,7 @@ class RunData:
                                     seq_length=cfg.seq_length, isolate=cfg.data.document_isolation,
                                     blend_dir=os.path.join(cfg.output_dir, "data_index"),
                                     vocab_size=spec.model_config.vocab_size, total_samples=total_samples,
-                                    index_dir=cfg.data.index_dir)
+                                    build_limit_minutes=cfg.data_build_timeout_minutes, index_dir=cfg.data.index_dir)
 
     def epochs(self, consumed_samples):
         """Token shards: how many epochs of each corpus the run has read (metrics), on a data-reading rank."""
