@@ -12,7 +12,8 @@ Memory stays bounded: inputs are read in batches of --batch_size documents, at m
 Each input is written to its own part (PREFIX.parts/), renamed into place only when whole; the parts are then
 merged into PREFIX.bin/.idx, written under temporary names and renamed, PREFIX.json (the tokenizer, the counts,
 the inputs) last. Interrupted, it leaves no half-written shard; run again, it skips the inputs whose parts are
-done, and does nothing when PREFIX.json already lists the same inputs and tokenizer.
+done, and does nothing when PREFIX.json already lists the same inputs and tokenizer. Shards at PREFIX that
+PREFIX.json does not vouch for that way (Megatron's, or other inputs') are refused unless --overwrite.
 """
 import argparse
 import json
@@ -32,10 +33,12 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     parser.add_argument("--text_field", default="text", help="the field holding each document (jsonl, parquet)")
     parser.add_argument("--batch_size", type=int, default=1000, help="documents per tokenizing task")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace PREFIX.bin/.idx that PREFIX.json does not record as these inputs' shards")
     args = parser.parse_args(argv)
     try:
         summary = prepare_shards(args.input, args.tokenizer_name_or_path, args.output_prefix, workers=args.workers,
-                                 text_field=args.text_field, batch_size=args.batch_size)
+                                 text_field=args.text_field, batch_size=args.batch_size, overwrite=args.overwrite)
     except PrepareError as error:
         raise SystemExit(f"prepare_data.py: {error}") from None
     print(json.dumps(summary), flush=True)

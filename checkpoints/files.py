@@ -10,6 +10,7 @@ import uuid
 
 LATEST = "latest"
 COMPLETE_MARKER = "COMPLETE"
+IN_PROGRESS_MARKER = "IN_PROGRESS"  # the trainer is saving into (or deleting) the tag directory (tag_dirs.py)
 TMP_SUFFIX = ".tmp"  # of atomic_path's temporary files
 MANIFEST_NAME = "checksums.json"  # per-file checksums of a tag directory (checkpoints/integrity.py)
 # Everything in a Hugging Face model directory that is not a weight: configs, tokenizer, chat template.
@@ -125,7 +126,8 @@ def copy_model_side_files(src_dir, dst_dir, tokenizer=True):
     for name in sorted(os.listdir(src_dir)):
         path = os.path.join(src_dir, name)
         if (os.path.isfile(path) and not name.endswith(WEIGHT_SUFFIXES) and name not in WEIGHT_INDEX_NAMES
-                and name not in (LATEST, COMPLETE_MARKER, MANIFEST_NAME) and not name.startswith(".")
+                and name not in (LATEST, COMPLETE_MARKER, IN_PROGRESS_MARKER, MANIFEST_NAME)
+                and not name.startswith(".")
                 and (tokenizer or not is_tokenizer_file(name))):
             shutil.copy2(path, os.path.join(dst_dir, name))
 

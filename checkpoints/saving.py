@@ -3,7 +3,8 @@
 A save writes tag directory ``global_stepN`` through DeepSpeed (every rank its own files, each hashed right after
 it is written), then, only after every rank has finished, rank 0 writes the checksum manifest, drops a COMPLETE
 marker in it and atomically points ``latest`` at it. A process killed mid-save therefore leaves the previous
-checkpoint as ``latest``; tag directories without the marker are never resumed from and are removed by the next run.
+checkpoint as ``latest``; tag directories without the marker are never resumed from, and the next run removes them
+(those that rank 0 marked IN_PROGRESS before the save wrote anything: checkpoints/tag_dirs.py).
 """
 import contextlib
 import os
@@ -13,11 +14,12 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from checkpoints.disk_space import check_space_for_checkpoint, disk_full_is_one_line
-from checkpoints.files import COMPLETE_MARKER, LATEST, copy_model_side_files, copy_tokenizer_files, write_text_atomic
+from checkpoints.files import (COMPLETE_MARKER, IN_PROGRESS_MARKER, LATEST, copy_model_side_files,
+                               copy_tokenizer_files, write_text_atomic)
 from checkpoints.integrity import file_checksum, write_manifest
 from checkpoints.optimizer_state import save_training_state
 from checkpoints.rng_state import rng_state_path, save_rng_state
-from checkpoints.tag_dirs import prune_checkpoints, tag_of_step
+from checkpoints.tag_dirs import begin_change, end_save, prune_checkpoints, tag_of_step
 from checkpoints.trainer_state import write_trainer_state
 from deepspeed_internals.access import checkpoint_engine_of
 
@@ -48,8 +50,8 @@ def save_checkpoint(engine, cfg, model_files_dir, trainer_state, needed_bytes):
     output_dir, tag = cfg.output_dir, tag_of_step(trainer_state["step"])
     tag_dir = os.path.join(output_dir, tag)
     check_space_for_checkpoint(output_dir, tag, needed_bytes)
-    if dist.get_rank() == 0 and os.path.exists(os.path.join(tag_dir, COMPLETE_MARKER)):
-        os.remove(os.path.join(tag_dir, COMPLETE_MARKER))  # rewriting a tag: it is incomplete until done again
+    if dist.get_rank() == 0:
+        begin_change(tag_dir, "save")  # before any file: a crash leaves a directory the next start may remove
     dist.barrier()
     with disk_full_is_one_line(output_dir, tag, needed_bytes), hashing_saves(checkpoint_engine_of(engine)) as written:
         # Frozen parameters (LoRA's base) are not saved: the checkpoint points at the converted base instead.
@@ -80,8 +82,9 @@ def write_side_files_and_complete(cfg, model_files_dir, tag_dir, trainer_state, 
     write_trainer_state(tag_dir, trainer_state)
     checksums = {name: checksum for files in every_rank for name, checksum in files.items()}
     for name in os.listdir(tag_dir):  # the small side files rank 0 just wrote
-        if name not in checksums and os.path.isfile(os.path.join(tag_dir, name)):
+        if name not in checksums and name != IN_PROGRESS_MARKER and os.path.isfile(os.path.join(tag_dir, name)):
             checksums[name] = file_checksum(os.path.join(tag_dir, name))
     write_manifest(tag_dir, checksums)
     write_text_atomic(os.path.join(tag_dir, COMPLETE_MARKER), tag)
+    end_save(tag_dir)
     write_text_atomic(os.path.join(output_dir, LATEST), tag)

@@ -5,7 +5,7 @@ Documents are streamed in batches through the tokenizer (this process, or a pool
 (data/formats.py). Each input is written to its own part under PREFIX.parts/, renamed into place only when whole;
 the parts are merged by megatron-core's IndexedDatasetBuilder under temporary names, renamed, and PREFIX.json
 (tokenizer, counts, inputs) is written last. A re-run keeps the finished parts and does nothing when PREFIX.json
-already lists the same inputs and tokenizer.
+already lists the same inputs and tokenizer; it replaces other shards at PREFIX only when told to (overwrite).
 """
 import glob
 import hashlib
@@ -33,8 +33,9 @@ _worker_tokenize = None
 
 
 def prepare_shards(patterns, tokenizer_name_or_path, output_prefix, *, workers=1, text_field="text",
-                   batch_size=1000):
-    """Tokenize the inputs `patterns` name into PREFIX.bin/.idx/.json; returns PREFIX.json's content."""
+                   batch_size=1000, overwrite=False):
+    """Tokenize the inputs `patterns` name into PREFIX.bin/.idx/.json; returns PREFIX.json's content. Shards already
+    at PREFIX that PREFIX.json does not record as these inputs' are replaced only with overwrite."""
     inputs = expand_inputs(patterns)
     if workers < 1 or batch_size < 1:
         raise PrepareError(f"--workers={workers} and --batch_size={batch_size} must be at least 1")
@@ -51,6 +52,13 @@ def prepare_shards(patterns, tokenizer_name_or_path, output_prefix, *, workers=1
         done = json.loads(metadata_file.read_text())
         if {k: done.get(k) for k in identity} == identity:
             return done
+    existing = [path for path in (f"{prefix}.bin", f"{prefix}.idx") if os.path.exists(path)]
+    if existing and not overwrite:
+        raise PrepareError(f"{' and '.join(existing)} already exist{'s' if len(existing) == 1 else ''}, and "
+                           f"{metadata_file} does not record {'it' if len(existing) == 1 else 'them'} as prepared "
+                           f"from these inputs with this tokenizer (another tool or other inputs wrote "
+                           f"{'it' if len(existing) == 1 else 'them'}); pass --overwrite to replace "
+                           f"{'it' if len(existing) == 1 else 'them'}, or choose another --output_prefix")
     dtype = megatron_datasets()[0].DType.optimal_dtype(len(tokenizer))
     parts_dir = prefix.with_name(prefix.name + ".parts")
     parts_dir.mkdir(parents=True, exist_ok=True)

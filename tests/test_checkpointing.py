@@ -1,5 +1,6 @@
 """Checkpoint bookkeeping on disk: what counts as complete, what is resumed, what is pruned."""
 import os
+import shutil
 import socket
 
 import pytest
@@ -7,16 +8,22 @@ import pytest
 from checkpoints.files import atomic_path, atomic_write, staged_directory, temporary_name, write_text_atomic
 from checkpoints.tag_dirs import complete_tags, prune_checkpoints, remove_incomplete_checkpoints
 from training.loop import data_position
-from training.resume import check_fresh_start, resolve_resume
+from training.resume import check_fresh_start, check_output_dir_is_ours, resolve_resume
 
 
 def make_tag(root, step, complete=True):
+    """A checkpoint as the trainer's save leaves it: complete, or killed mid-save (its IN_PROGRESS marker, written
+    before anything else, still there)."""
     tag = root / f"global_step{step}"
     tag.mkdir()
     (tag / "layer_00-model_states.pt").write_bytes(b"weights")
-    if complete:
-        (tag / "COMPLETE").write_text(tag.name)
+    (tag / ("COMPLETE" if complete else "IN_PROGRESS")).write_text(tag.name if complete else "save")
     return tag
+
+
+def disk_state(root):
+    """Every file under root with its bytes: what a refusal must leave unchanged."""
+    return {str(path.relative_to(root)): path.read_bytes() for path in sorted(root.rglob("*")) if path.is_file()}
 
 
 def test_only_complete_checkpoints_are_resumed_and_incomplete_ones_removed(tmp_path):
@@ -27,6 +34,54 @@ def test_only_complete_checkpoints_are_resumed_and_incomplete_ones_removed(tmp_p
     assert resolve_resume("auto", str(tmp_path)) == (str(tmp_path), "global_step10")
     assert remove_incomplete_checkpoints(str(tmp_path)) == ["global_step12"]
     assert sorted(os.listdir(tmp_path)) == ["global_step10", "global_step2"]
+
+
+def test_only_this_trainers_interrupted_saves_are_removed_and_a_start_refuses_others(tmp_path):
+    """A tag directory without COMPLETE that no save of this trainer marked (a converted model's global_step0,
+    another tool's checkpoint) is never removed: a start beside it is refused, naming it, and nothing changes."""
+    make_tag(tmp_path, 2)
+    make_tag(tmp_path, 12, complete=False)
+    foreign = tmp_path / "global_step0"
+    foreign.mkdir()
+    (foreign / "layer_00-model_states.pt").write_bytes(b"a converted model")
+    with pytest.raises(FileExistsError) as refusal:
+        check_output_dir_is_ours(str(tmp_path), str(tmp_path / "model"))
+    assert str(refusal.value) == (
+        f"output_dir '{tmp_path}' holds global_step0, which no save of this trainer wrote (neither COMPLETE nor "
+        f"IN_PROGRESS in it: a converted model, another tool's checkpoint?); move it out of output_dir or choose "
+        f"another output_dir.")
+    before = disk_state(tmp_path)
+    assert remove_incomplete_checkpoints(str(tmp_path)) == ["global_step12"]
+    assert disk_state(tmp_path) == {name: content for name, content in before.items()
+                                    if not name.startswith("global_step12")}
+
+
+def test_output_dir_that_is_the_starting_model_is_refused(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "latest").write_text("global_step0")
+    with pytest.raises(FileExistsError) as refusal:
+        check_output_dir_is_ours(str(tmp_path / "." / "model"), str(model))
+    assert str(refusal.value) == (
+        f"output_dir '{tmp_path / '.' / 'model'}' is model_name_or_path, the converted model this run starts from: "
+        f"its checkpoints would replace the model's 'latest' and mix with its global_step0; choose another "
+        f"output_dir.")
+
+
+def test_a_deletion_killed_midway_leaves_a_directory_the_next_start_removes(tmp_path, monkeypatch):
+    for step in (2, 4):
+        make_tag(tmp_path, step)
+
+    def killed_after_one_file(path, *args, **kwargs):
+        os.remove(os.path.join(path, "layer_00-model_states.pt"))
+        raise KeyboardInterrupt
+    monkeypatch.setattr(shutil, "rmtree", killed_after_one_file)
+    with pytest.raises(KeyboardInterrupt):
+        prune_checkpoints(str(tmp_path), keep=1)
+    monkeypatch.undo()
+    assert complete_tags(tmp_path) == ["global_step4"]
+    check_output_dir_is_ours(str(tmp_path), str(tmp_path / "model"))  # the half-deleted directory is the trainer's
+    assert remove_incomplete_checkpoints(str(tmp_path)) == ["global_step2"]
 
 
 def test_resume_paths(tmp_path):

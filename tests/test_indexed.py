@@ -247,6 +247,36 @@ def test_bad_shards_name_the_file_and_what_to_do(corpus, tmp_path):
         check_sources(sources, "train_file", 384, None, 100_000)
 
 
+def test_prepare_data_replaces_shards_it_did_not_write_only_when_told(corpus, tmp_path, monkeypatch):
+    """Shards at --output_prefix that PREFIX.json does not record as these inputs' (Megatron's, without one; or
+    prepared from other inputs) are refused, named, before any tokenizing, and left as they were; --overwrite
+    replaces them."""
+    import prepare_data
+    from tests.test_checkpointing import disk_state
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    builder = IndexedDatasetBuilder(str(tmp_path / "web.bin"), dtype=np.int32)
+    builder.add_document(np.arange(5, dtype=np.int32), [5])
+    builder.finalize(str(tmp_path / "web.idx"))
+    prefix = tmp_path / "web"
+    command = ["--input", corpus["inputs"][0], "--tokenizer_name_or_path", corpus["hf"], "--output_prefix", str(prefix)]
+    real_write_part = tokenize_shards.write_part
+    monkeypatch.setattr(tokenize_shards, "write_part", None)  # nothing is tokenized
+    for metadata in (None, {**corpus["summary"], "inputs": []}):  # Megatron's shards; shards of other inputs
+        if metadata:
+            (tmp_path / "web.json").write_text(json.dumps(metadata))
+        before = disk_state(tmp_path)
+        with pytest.raises(SystemExit) as refusal:
+            prepare_data.main(command)
+        assert str(refusal.value) == (
+            f"prepare_data.py: {prefix}.bin and {prefix}.idx already exist, and {prefix}.json does not record them "
+            f"as prepared from these inputs with this tokenizer (another tool or other inputs wrote them); pass "
+            f"--overwrite to replace them, or choose another --output_prefix")
+        assert disk_state(tmp_path) == before
+    monkeypatch.setattr(tokenize_shards, "write_part", real_write_part)
+    prepare_data.main(command + ["--overwrite"])
+    assert read_shard_header(prefix).sequences == 40 and json.loads((tmp_path / "web.json").read_text())["inputs"]
+
+
 @pytest.mark.slow  # spawns 2 tokenizing processes
 def test_empty_inputs_interrupted_runs_and_two_workers(corpus, tmp_path, monkeypatch):
     (tmp_path / "blank.txt").write_text("\n\n")

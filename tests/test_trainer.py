@@ -123,6 +123,23 @@ def test_more_stages_than_layers(demo_model, tmp_path):
         run_in_process(demo_overrides(demo_model, tmp_path / "run", model_name_or_path=tmp_path / "ds"), 2)
 
 
+def test_output_dir_equal_to_the_converted_model_is_refused_and_the_model_kept(demo_model, tmp_path):
+    """The converter writes global_step0 without COMPLETE: a start that cleaned incomplete checkpoints would delete
+    the model it starts from. It is refused before anything runs; not a byte of the model changes."""
+    import shutil
+
+    from tests.test_checkpointing import disk_state
+    model = tmp_path / "model"
+    shutil.copytree(demo_model["ds"], model)
+    before = disk_state(model)
+    with pytest.raises(FileExistsError) as refusal:
+        run_in_process(demo_overrides(demo_model, model, model_name_or_path=model), 2)
+    assert str(refusal.value) == (f"output_dir '{model}' is model_name_or_path, the converted model this run starts "
+                                  f"from: its checkpoints would replace the model's 'latest' and mix with its "
+                                  f"global_step0; choose another output_dir.")
+    assert disk_state(model) == before
+
+
 def test_fresh_run_refuses_to_mix_with_existing_checkpoints(demo_model, tmp_path):
     out = tmp_path / "run"
     (out / "global_step4").mkdir(parents=True)

@@ -21,6 +21,7 @@ from checkpoints.files import atomic_write
 from data.collator import collate
 from models.lora import adapters_off
 from training.evaluation import PaddedShard
+from training.shared_files import VISIBLE_WITHIN_S, wait_for_files
 
 
 class WithReference(torch.utils.data.Dataset):
@@ -46,9 +47,12 @@ def reference_path(cache_dir, dataset, checkpoint):
 
 
 def stored_everywhere(path):
-    """Whether every rank sees the stored file: all compute it, or none (a pass some ranks skip would hang)."""
+    """Whether the file is stored, as rank 0 finds it: all ranks compute it, or none (a pass some ranks skip would
+    hang); when it is, the others wait (bounded) for it to show on their node, as a shared filesystem may lag."""
     found = torch.tensor([int(os.path.isfile(path))], device=get_accelerator().current_device_name())
-    dist.all_reduce(found, op=dist.ReduceOp.MIN)
+    dist.broadcast(found, src=0)
+    if found:
+        wait_for_files([path], VISIBLE_WITHIN_S)
     return bool(found)
 
 

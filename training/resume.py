@@ -1,9 +1,10 @@
 """What a run starts from: the checkpoint `resume` names (auto: the newest complete one), else the converted
-model, and a fresh start's refusal to mix its checkpoints with an older run's."""
+model; a fresh start's refusal to mix its checkpoints with an older run's, and every start's refusal of an
+output_dir holding what the trainer did not write and would clean up."""
 import os
 
-from checkpoints.files import COMPLETE_MARKER, read_latest
-from checkpoints.tag_dirs import complete_tags, is_complete
+from checkpoints.files import COMPLETE_MARKER, IN_PROGRESS_MARKER, read_latest
+from checkpoints.tag_dirs import complete_tags, incomplete_tags, is_complete
 
 
 def resolve_resume(resume, output_dir):
@@ -38,3 +39,17 @@ def start_checkpoint_dir(model_name_or_path, resume_from):
     if resume_from:
         return os.path.join(*resume_from)
     return os.path.join(model_name_or_path, read_latest(model_name_or_path))
+
+
+def check_output_dir_is_ours(output_dir, model_name_or_path):
+    """Nothing in output_dir that a start's cleanup could delete was written by someone else: it is not the model
+    the run starts from, and each incomplete global_stepN in it is an interrupted save of this trainer."""
+    if os.path.realpath(output_dir) == os.path.realpath(model_name_or_path):
+        raise FileExistsError(f"output_dir '{output_dir}' is model_name_or_path, the converted model this run starts "
+                              f"from: its checkpoints would replace the model's 'latest' and mix with its "
+                              f"global_step0; choose another output_dir.")
+    others = incomplete_tags(output_dir)[1]
+    if others:
+        raise FileExistsError(f"output_dir '{output_dir}' holds {', '.join(others)}, which no save of this trainer "
+                              f"wrote (neither {COMPLETE_MARKER} nor {IN_PROGRESS_MARKER} in it: a converted model, "
+                              f"another tool's checkpoint?); move it out of output_dir or choose another output_dir.")

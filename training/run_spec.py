@@ -31,7 +31,7 @@ from planner.stage_costs import balanced_stage_cost
 from planner.training_state import checkpoint_bytes_per_parameter
 from planner.workload import Workload
 from training.config_checks import ConfigError, checked_config
-from training.resume import check_fresh_start, resolve_resume
+from training.resume import check_fresh_start, check_output_dir_is_ours, resolve_resume
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
@@ -133,6 +133,7 @@ def run_spec(cfg, world_size):
     """A training or evaluation run on world_size processes: config, converted model, data files and resume."""
     cfg = checked_config(cfg)
     check_data_files(cfg)
+    check_output_dir_is_ours(cfg.output_dir, cfg.model_name_or_path)
     model_config, model_files_dir = load_model_config(cfg.model_name_or_path, cfg.verify_checksums)
     workload = check_layout(cfg, model_config, world_size)
     resume_from = resolve_resume(cfg.resume, cfg.output_dir)
