@@ -11,8 +11,12 @@ how closely a blend follows its weights.
    from the cache, alternating between the corpora (other sessions share the machine: read the spread).
 3. The blend's proportions after 100, 10,000 and 1,000,000 samples for weights 0.5 / 0.3 / 0.2, and the largest
    distance over every prefix from weight × samples.
+4. (--parts first-start) A first start, no index yet and no page of the corpus cached, on one corpus of --big-tokens
+   (1.4e10: 26 GiB, more than this machine's memory): without PREFIX.json (the .bin scanned for the token range),
+   with the PREFIX.json prepare_data.py writes (no scan), then from the cached index.
 
   python bench/indexed_data.py [--big-tokens 1e9] [--workdir /tmp/indexed_bench]   # deletes the corpora after
+  python bench/indexed_data.py --parts first-start --big-tokens 1.4e10
 """
 import argparse
 import json
@@ -93,15 +97,21 @@ def first_step(workdir, model_dir, prefix, label):
     return seconds, int(result.stderr.strip().splitlines()[-1]) / 1024, record
 
 
-def start_up(workdir, big_tokens, repeats):
-    """Both corpora written first; each trained once building its index, then the cached runs alternate between
-    them (other sessions' load drifts alike over both)."""
+def tiny_model(workdir):
+    """The converted tiny model's directory (vocabulary 384)."""
     from checkpoints.hf_to_ds import convert_hf_to_ds
     model = os.path.join(workdir, "model")
     subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_llama.py"), "--output_dir", model,
                     "--train_lines", "2000", "--eval_lines", "10", "--vocab_size", "384", "--hidden_size", "64"],
                    check=True, capture_output=True)
     convert_hf_to_ds(os.path.join(model, "hf"), os.path.join(model, "ds"))
+    return model
+
+
+def start_up(workdir, big_tokens, repeats):
+    """Both corpora written first; each trained once building its index, then the cached runs alternate between
+    them (other sessions' load drifts alike over both)."""
+    model = tiny_model(workdir)
     corpora = {"small": (10**7, 10**4), "big": (big_tokens, big_tokens // 1000)}
     for label, (tokens, documents) in corpora.items():
         start = time.perf_counter()
@@ -123,6 +133,39 @@ def start_up(workdir, big_tokens, repeats):
               f"{runs[label][0][1]:.0f} MiB")
     for label in corpora:  # the disk: 2 GiB for 10^9 tokens
         os.remove(os.path.join(workdir, label + ".bin"))
+
+
+def uncached(path):
+    """Drop path's pages from the page cache (this file only: the machine is shared)."""
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
+def first_start(workdir, tokens):
+    """Launch to step 1 of a first start (no index yet) on one corpus of `tokens` tokens, none of it in the page
+    cache: written as Megatron's tools write it (no PREFIX.json: rank 0 scans the .bin for the token range), then,
+    the index removed, with the PREFIX.json prepare_data.py writes (it counts the shards: no scan), then cached."""
+    model = tiny_model(workdir)
+    prefix = os.path.join(workdir, "first")
+    start = time.perf_counter()
+    write_synthetic(prefix, tokens, tokens // 1000, 384)
+    size = os.path.getsize(prefix + ".bin") / 2**30
+    print(f"  {tokens:.1e} tokens in {tokens // 1000:.1e} documents ({size:.1f} GiB; this machine has "
+          f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB of memory) written in "
+          f"{time.perf_counter() - start:.0f} s")
+    for label in ("no PREFIX.json", "PREFIX.json", "index cached"):
+        if label == "PREFIX.json":
+            shutil.rmtree(prefix + ".index")
+            with open(prefix + ".json", "w") as f:
+                json.dump({"tokenizer": {"vocab_size": 384}, "documents": tokens // 1000, "tokens": tokens}, f)
+        for suffix in (".bin", ".idx"):
+            uncached(prefix + suffix)
+        seconds, rss, record = first_step(workdir, os.path.join(model, "ds"), prefix, "first")
+        print(f"  {label:14s}: launch to step 1 logged {seconds:6.1f} s, peak RSS {rss:6.0f} MiB "
+              f"(loss {record['loss']:.3f})")
+    os.remove(prefix + ".bin")
 
 
 def blend_proportions():
@@ -154,6 +197,9 @@ def main():
         if "start-up" in args.parts:
             print("2. time to first step and peak RSS, 1 process, tiny model, seq_length 128")
             start_up(args.workdir, int(args.big_tokens), args.repeats)
+        if "first-start" in args.parts:
+            print("4. a first start on a corpus larger than the page cache (--big-tokens), 1 process, tiny model")
+            first_start(args.workdir, int(args.big_tokens))
         if "blend" in args.parts:
             print("3. blend proportions")
             blend_proportions()

@@ -5,8 +5,11 @@ steps' losses and TRL's metrics within 1e-4, on 1 stage, 2 stages x 2 data-paral
 parallel 2 x 2 data-parallel and LoRA; the exported adapter's eval metrics in TRL. Two process starts serve every
 run (one_process_runs, two_stage_runs). TRL is imported inside the tests only (it is slow to import)."""
 import json
+import os
 import random
+import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -431,6 +434,86 @@ def assert_first_step_matches_trl(model, root, case, world_size, data_parallel, 
             compared.add(name)
     assert not bad, (case, bad)
     assert compared == set(grads), (case, set(grads) - compared)
+
+
+def launch_two_nodes(settings, logs, timeout=600):
+    """tests/two_node_worker.py as a job of 2 nodes x 2 ranks on this machine: each node a PID namespace (unshare;
+    its shell pid 1, its ranks 2 and 3, the same on both nodes, as containers on two hosts give them) on the host's
+    network, so that gloo's rendezvous on 127.0.0.1 connects. One CompletedProcess per node."""
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    from tests.distributed import free_port
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WORLD_SIZE="4",
+               LOCAL_SIZE="2", CROSS_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    worker = f"{shlex.quote(sys.executable)} -m tests.two_node_worker {shlex.quote(json.dumps(settings))}"
+    nodes = []
+    for node in range(2):
+        ranks = [f"env RANK={2 * node + local} LOCAL_RANK={local} CROSS_RANK={node} {worker} "
+                 f"> {logs / f'rank{2 * node + local}.log'} 2>&1 &" for local in range(2)]
+        nodes.append(subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "sh", "-c",
+                                       " ".join(ranks) + " wait"], cwd=ROOT, env=env))
+    deadline = time.monotonic() + timeout
+    try:
+        for node in nodes:
+            node.wait(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+@pytest.mark.slow
+def test_two_nodes_whose_ranks_share_pids_write_each_shared_file_once_and_whole(preference_model, two_stage_runs,
+                                                                                tmp_path):
+    """2 nodes x 2 ranks (two PID namespaces: rank 0 and rank 2 have one pid, as do ranks 1 and 3) on one shared
+    directory: the tokenized cache, the DPO reference log-probabilities and a token-shard index come out whole, with
+    no temporary file left, byte for byte those of a one-node run (two_stage_runs' DPO run: the same layout, 2
+    stages x 2 data-parallel; the index built in this process)."""
+    import subprocess
+
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from transformers import AutoTokenizer
+
+    from data.indexed import prepare_indices
+    from data.shard_files import check_sources, parse_sources
+    from tests.test_checkpointing import disk_state
+    if subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode:
+        pytest.skip("PID namespaces need unshare as root")
+    shared, logs = tmp_path / "shared", tmp_path / "logs"
+    logs.mkdir()
+    builder = IndexedDatasetBuilder(str(tmp_path / "shards.bin"), dtype=np.int32)
+    rng = np.random.default_rng(0)
+    for _ in range(60):  # Megatron's shards: no PREFIX.json, so rank 0 also scans the token range
+        document = rng.integers(0, 100, rng.integers(5, 40)).astype(np.int32)
+        builder.add_document(document, [len(document)])
+    builder.finalize(str(tmp_path / "shards.idx"))
+    vocab_size = len(AutoTokenizer.from_pretrained(preference_model["hf"]))
+    settings = {"out": str(logs), "shards": str(tmp_path / "shards"), "index_dir": str(shared / "index"),
+                "vocab_size": vocab_size, "overrides": trainer_overrides(preference_model, shared / "run", num_stages=2,
+                                                                        zero_stage=1, max_steps=1)}
+    launch_two_nodes(settings, logs)
+    ranks = [json.loads((logs / f"rank{r}.json").read_text()) if (logs / f"rank{r}.json").exists() else
+             pytest.fail((logs / f"rank{r}.log").read_text()[-3000:]) for r in range(4)]
+    assert ranks[0]["pid"] == ranks[2]["pid"] and ranks[1]["pid"] == ranks[3]["pid"]
+    assert all(rank["samples"] == ranks[0]["samples"] for rank in ranks)
+    assert not [path for path in shared.rglob("*") if path.name.endswith(".tmp")]
+    # the tokenized cache and the reference: the one-node run's bytes (the manifests name their own directory)
+    one_node, two_nodes = (disk_state(out / "data_cache") for out in (two_stage_runs["dpo"], shared / "run"))
+    names = sorted(name for name in one_node if not name.startswith("raw/"))
+    assert names == sorted(name for name in two_nodes if not name.startswith("raw/"))
+    assert any(name.endswith(".arrow") for name in names) and any("-reference-" in name for name in names)
+    for name in names:
+        mine = two_nodes[name].replace(str(shared / "run").encode(), str(two_stage_runs["dpo"]).encode())
+        assert mine == one_node[name], name
+    assert torch.load(shared / "run" / "data_cache" / next(n for n in names if "-reference-" in n))["chosen"].shape
+    # the shard index: as one process builds it
+    sources = parse_sources(str(tmp_path / "shards"), "train_file")
+    prepare_indices(sources, check_sources(sources, "train_file", vocab_size, None, 16), seed=0, seq_length=16,
+                    total_samples=200, blend_dir=tmp_path / "one_node", vocab_size=vocab_size,
+                    index_dir=tmp_path / "one_node")
+    assert disk_state(shared / "index") == disk_state(tmp_path / "one_node")
 
 
 @pytest.mark.slow
