@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.pipe import TiedLayerSpec
 
+import collectives
 from checkpoints.layer_files import load_weights_only, tensors_for_rank
 from checkpoints.state_files import STATE_ADVICE
 from deepspeed_internals.access import (checkpoint_engine_of, engine_counters, is_zero_optimizer, layer_specs,
@@ -143,7 +144,7 @@ class MasterState:
         if piece is not None:
             whole.narrow(0, piece[0], piece[1].numel()).copy_(piece[1])
         if self.zero:
-            dist.reduce(whole, dst=dist.get_global_rank(group, writer), group=group)
+            collectives.reduce(whole, dst=dist.get_global_rank(group, writer), group=group)
         return whole.view(param.shape).cpu()
 
     def assign(self, param, key, value, name, where):

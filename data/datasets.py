@@ -29,6 +29,8 @@ import pyarrow.compute as pc
 import torch.distributed as dist
 from datasets.fingerprint import Hasher
 
+import collectives
+
 from .formats import (PREFERENCE_FIELDS, TOKEN_FEATURE, DataSettings, chat_problem, preference_problem,
                       record_tokenizer, with_chat_template)
 from .packing import (PACKED_FEATURES, PAIR_ROW_FEATURES, cut_pairs, cut_sequences, pack_blocks, pack_examples,
@@ -137,8 +139,8 @@ def build_dataset_distributed(*args, **kwargs) -> tuple[datasets.Dataset, BuildS
         try:
             return build_dataset(*args, **kwargs)
         finally:
-            dist.barrier()
-    dist.barrier()
+            collectives.barrier()
+    collectives.barrier()
     return build_dataset(*args, **kwargs)
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+import collectives
+
 from .shard_files import HEADER_BYTES, ShardError, ShardHeader, megatron_datasets, read_shard_header
 
 # --- one corpus's epochs ---------------------------------------------------------------------------------------------
@@ -266,9 +268,9 @@ def _built_by_rank_zero(build) -> None:
         try:
             build()
         finally:
-            dist.barrier()
+            collectives.barrier()
     else:
-        dist.barrier()
+        collectives.barrier()
 
 
 def training_blend(sources, *, reads_data: bool, seed: int, seq_length: int, isolate: bool, blend_dir,

@@ -20,9 +20,9 @@ from typing import Sized
 
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
+import collectives
 from .collator import collate, collate_causal_lm
 
 
@@ -163,8 +163,8 @@ def check_identical_across_group(batches, group):
     compute on the same tokens) got the same micro-batch: one all-reduce of two integers per micro-batch."""
     for index, batch in enumerate(batches):
         digest = batch_fingerprint(batch)
-        extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=get_accelerator().current_device_name())
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+        extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=collectives.device())
+        collectives.all_reduce(extremes, op=collectives.ReduceOp.MAX, group=group)
         if extremes[0] != -extremes[1]:
             raise ValueError(
                 f"tensor-parallel ranks {dist.get_process_group_ranks(group)} received different micro-batches "

@@ -19,6 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+import collectives
+
 
 class ContextParallel:
     """One rank's place in its context group, the data split and the collectives attention calls."""
@@ -109,7 +111,7 @@ class ContextParallel:
         rank returns size x (its tokens' loss sum) / (the group's labelled tokens), whose mean over the group is
         exactly the whole sequences' mean loss, and the averaged gradient exactly its gradient."""
         count = (next_labels != ignore_index).sum().reshape(1)
-        dist.all_reduce(count, group=self.group)
+        collectives.all_reduce(count, group=self.group)
         return count.clamp(min=1).squeeze(0) / self.size
 
     def whole_sequence_loss(self, loss):
@@ -128,12 +130,12 @@ class ContextParallel:
 
     def all_gather(self, x):
         out = torch.empty((x.shape[0] * self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_single(out, x.contiguous(), group=self.group)
+        collectives.all_gather_single(out, x.contiguous(), group=self.group)
         return out
 
     def reduce_scatter(self, x):
         out = torch.empty((x.shape[0] // self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_single(out, x.contiguous(), group=self.group)
+        collectives.reduce_scatter_single(out, x.contiguous(), group=self.group)
         return out
 
     def orders(self, chunk, device):

@@ -14,9 +14,9 @@ DTensor parameters would bypass DeepSpeed's optimizer and gradient machinery.
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+import collectives
 from models.weight_grads import (embedding as row_grad_embedding, linear as deferrable_linear, linear_weight_grads,
                                  takes_weight_grads)
 
@@ -155,7 +155,7 @@ class TensorParallel:
         shape = (x.shape[0] * self.size, *x.shape[1:])
         out = (self.buffers.get("gather", shape, x.dtype, x.device) if pooled
                else torch.empty(shape, dtype=x.dtype, device=x.device))
-        dist.all_gather_single(out, x.contiguous(), group=self.group)
+        collectives.all_gather_single(out, x.contiguous(), group=self.group)
         return out
 
     def scatter_tokens(self, x):
@@ -164,7 +164,7 @@ class TensorParallel:
             raise ValueError(f"{x.shape[0]} tokens (micro_batch_size x seq_length) do not split over "
                              f"tensor_parallel_size={self.size} with sequence_parallel; make the product divisible.")
         out = torch.empty((x.shape[0] // self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_single(out, x.contiguous(), group=self.group)
+        collectives.reduce_scatter_single(out, x.contiguous(), group=self.group)
         return out
 
 
@@ -186,7 +186,7 @@ class BufferPool:
 
 def all_reduce_copy(tensor, group):
     tensor = tensor.clone()  # never sum in place into a tensor autograd may still hand to another consumer
-    dist.all_reduce(tensor, group=group)
+    collectives.all_reduce(tensor, group=group)
     return tensor
 
 
@@ -305,16 +305,16 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, labels, parallel, ignore_index):
         group, vocab_local = parallel.group, logits.shape[-1]
         logits_max = logits.max(dim=-1).values
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        collectives.all_reduce(logits_max, op=collectives.ReduceOp.MAX, group=group)
         shifted = logits - logits_max[:, None]
         local = labels - parallel.rank * vocab_local
         outside = (local < 0) | (local >= vocab_local)
         local = local.masked_fill(outside, 0)
         target = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(outside, 0.0)
-        dist.all_reduce(target, group=group)
+        collectives.all_reduce(target, group=group)
         exp = shifted.exp_()
         sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
+        collectives.all_reduce(sum_exp, group=group)
         valid = labels != ignore_index
         ctx.save_for_backward(exp.div_(sum_exp[:, None]), local, outside, valid)
         return (sum_exp.log() - target) * valid

@@ -166,7 +166,50 @@ def four_process_worker(rank, model, root, runs):
     init_distributed(timeout_minutes=2)
     pipeline_first_step(rank, model, root, "2stages_2dp", num_stages=2)
     pipeline_first_step(rank, model, root, "tp2_2dp", tensor_parallel=2)
+    host_tensor_units(rank, root)
     run_trainer(rank, *runs)
+
+
+def host_tensor_units(rank, root):
+    """The step's scored pairs under context parallel 2 (two groups of two ranks), counted as the training loop
+    counts them (training/token_mean.py), from micro-batches whose tensors are host memory as the loader gives
+    them (tests/test_collectives.py's HostTensor); and counted straight from those, which the collectives refuse, as
+    NCCL would. {"error": the refusal, "units": the loop's count} in root/host_units-rank{rank}.json."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from data.collator import collate_preference
+    from models.context_parallel import ContextParallel
+    from models.preference import PreferenceLoss, PreferenceSettings
+    from tests.test_collectives import on_host
+    from training.token_mean import global_loss_units, step_micro_batches
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    context = ContextParallel(2, rank % 2, groups[rank // 2])
+    loss_fn = PreferenceLoss(PreferenceSettings("dpo", beta=BETA), context=context)
+    engine = SimpleNamespace(is_first_stage=lambda: True, is_last_stage=lambda: True, module=SimpleNamespace(
+        loss_fn=loss_fn), grid=SimpleNamespace(get_slice_parallel_rank=lambda: 0))
+    micro_batches = [context.split_micro_batch(on_host(collate_preference(pairs, SEQ, pad_id=0)))
+                     for pairs in HOST_UNIT_PAIRS]
+    try:
+        global_loss_units(engine, micro_batches)
+        error = None
+    except RuntimeError as refused:
+        error = str(refused)
+    units = global_loss_units(engine, step_micro_batches(engine, iter(micro_batches), len(micro_batches)))
+    (root / f"host_units-rank{rank}.json").write_text(json.dumps({"error": error, "units": units}))
+
+
+def pair(prompt, chosen, rejected):
+    """A pair of token rows: the prompt's labels -100, the response's its tokens."""
+    return {f"{side}_{key}": prompt + response if key == "input_ids" else [-100] * len(prompt) + response
+            for side, response in (("chosen", chosen), ("rejected", rejected)) for key in ("input_ids", "labels")}
+
+
+# two micro-batches of two pairs; the second micro-batch's first pair has no chosen response (not scored)
+HOST_UNIT_PAIRS = [[pair([1, 2, 3], [4, 5], [6]), pair([1, 7], list(range(8, 40)), [9, 10, 11])],
+                   [pair([1, 2], [], [3, 4]), pair([5] * 20, [6] * 20, [7] * 8)]]
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +260,16 @@ def trl_two_replicas(preference_model, tmp_path_factory):
     """TRL's DPOTrainer on the steps two data-parallel replicas read."""
     order = trainer_order(len(preference_model["records"]), 2)
     return trl_dpo_run(preference_model, order, 2 * MICRO_BATCH * GAS, tmp_path_factory.mktemp("trl_two_replicas"))
+
+
+@pytest.mark.slow
+def test_dpo_context_parallel_counts_its_pairs_on_the_device(two_stage_runs):
+    """The training loop's count of a step's pairs under context parallelism (an all-reduce over the context group)
+    runs on the device, never on the loader's host tensors, which NCCL would refuse and gloo would take."""
+    for rank in range(4):
+        result = json.loads((two_stage_runs["root"] / f"host_units-rank{rank}.json").read_text())
+        assert "a collective was handed a tensor on meta, not on the accelerator's cpu" in result["error"]
+        assert result["units"] == 4 * 3  # each rank counts its group's 3 scored pairs: 4 ranks
 
 
 @pytest.mark.slow

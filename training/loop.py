@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
+import collectives
 from checkpoints.compatibility import dropped_state, layout_change
 from checkpoints.disk_space import checkpoint_bytes, storage_warning
 from checkpoints.ds_to_hf import convert_ds_to_hf
@@ -190,7 +191,7 @@ def clip_fp32_gradients_across_stages(engine):
              and (first_of_group or getattr(p, SHARDED_MARKER, False))]
     squares = (torch.stack([g.float().pow(2).sum() for g in owned]).sum() if owned
                else torch.zeros((), device=engine.device))
-    dist.all_reduce(squares, group=engine.mpu.get_model_parallel_group())
+    collectives.all_reduce(squares, group=engine.mpu.get_model_parallel_group())
     total_norm = squares.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, engine.gradient_clipping(), total_norm)
     set_global_grad_norm(engine, total_norm.item())
@@ -210,7 +211,7 @@ def prepare_output_dir(spec):
                                                              cfg.save_total_limit)
         if warning:
             print(warning, flush=True)
-    dist.barrier()
+    collectives.barrier()
 
 
 def load_start_state(engine, spec):
@@ -440,5 +441,5 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
                          verify_checksums=cfg.verify_checksums)
         print(f"exported {'a peft adapter' if spec.lora.enabled else 'Hugging Face model'} to "
               f"{os.path.join(cfg.output_dir, 'hf')}", flush=True)
-    dist.barrier()
+    collectives.barrier()
     return result

@@ -14,9 +14,9 @@ import os
 
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 from torch.utils.data import DataLoader
 
+import collectives
 from data.collator import collate
 from models.lora import adapters_off
 from training.evaluation import PaddedShard
@@ -46,8 +46,8 @@ def reference_path(cache_dir, dataset, checkpoint):
 
 def stored_everywhere(path):
     """Whether every rank sees the stored file: all compute it, or none (a pass some ranks skip would hang)."""
-    found = torch.tensor([int(os.path.isfile(path))], device=get_accelerator().current_device_name())
-    dist.all_reduce(found, op=dist.ReduceOp.MIN)
+    found = torch.tensor([int(os.path.isfile(path))], device=collectives.device())
+    collectives.all_reduce(found, op=collectives.ReduceOp.MIN)
     return bool(found)
 
 
@@ -102,11 +102,11 @@ def compute_reference(engine, dataset, dataset_length, cfg, pad_id):
                     or []
     finally:
         loss_fn.reference_pass = False
-    values = torch.zeros(dataset_length, 2, dtype=torch.float32, device=get_accelerator().current_device_name())
+    values = torch.zeros(dataset_length, 2, dtype=torch.float32, device=collectives.device())
     if scores and engine.grid.get_slice_parallel_rank() == 0 and context.rank == 0:
         pairs = torch.cat([torch.stack(logps.float().chunk(2), dim=1) for logps in scores])  # shard order
         owned = len(range(dp_rank, dataset_length, dp_size))  # the rest pads the last micro-batch
         values[dp_rank::dp_size] = pairs[:owned].to(values.device)
-    dist.all_reduce(values)
+    collectives.all_reduce(values)
     values = values.cpu()
     return {"chosen": values[:, 0].clone(), "rejected": values[:, 1].clone()}
