@@ -71,12 +71,10 @@ class ContextParallel:
     def attention_masks(self, document_ids):
         """Per local half, the boolean (batch, 1, chunk, keys up to the chunk's end) mask of the keys its queries
         may attend: causal by global position and within the query's document; a padding query sees only itself (no
-        empty row). None for both when every row is one unpadded document: causal attention whose queries end the
-        keys needs no mask (causal_lower_right_attention). The whole sequence's document ids are all-gathered once
-        per micro-batch."""
+        empty row). The whole sequence's document ids are all-gathered once per micro-batch. Rows of one document
+        need none (models/llama.py StageAttentionInputs): causal attention whose queries end the keys
+        (causal_lower_right_attention)."""
         whole = self.gather_sequence(document_ids, dim=1)
-        if bool((whole == 1).all()):
-            return [None, None]
         chunk = document_ids.shape[1] // 2
         masks = []
         for index in self.global_chunks():

@@ -130,7 +130,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         target_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for rows in token_chunks(hidden.shape[0], chunk_tokens):
             logits = F.linear(hidden[rows], weight).float()
-            target_sum += logits.gather(1, share.local[rows, None]).squeeze(1)[share.inside[rows]].sum()
+            target = logits.gather(1, share.local[rows, None]).squeeze(1)
+            target_sum += target.masked_fill(~share.inside[rows], 0).sum()
             row_max[rows] = exp_minus_row_max(logits)
             log_sum_exp[rows] = group_log_sum_exp(logits, row_max[rows], parallel)
             if grad_hidden is not None or grad_weight is not None:
@@ -145,7 +146,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             collectives.all_reduce(target_sum, group=parallel.group)
         ctx.divisor, ctx.dtypes = divisor, (hidden.dtype, weight.dtype)
         ctx.grad_hidden, ctx.grad_weight = grad_hidden, grad_weight
-        return (log_sum_exp[share.labelled].sum() - target_sum) / divisor
+        return (log_sum_exp.masked_fill(~share.labelled, 0).sum() - target_sum) / divisor
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -248,8 +249,7 @@ def group_log_sum_exp(exp, row_max, parallel):
 
 def softmax_minus_target(exp, row_max, log_sum_exp, share, rows):
     """d(token's loss)/d(logits) from e^(x - max), in place: the softmax e^(x - max) e^(max - lse) less the one-hot
-    of the label (this rank's rows of it), 0 on the tokens not labelled."""
+    of the label (this rank's rows of it), 0 on the tokens not labelled. Masks, not boolean indexing: that would read
+    the mask on the host, a sync per chunk."""
     exp.mul_(((row_max[rows] - log_sum_exp[rows]).exp_() * share.labelled[rows])[:, None])
-    inside = share.inside[rows]
-    exp[inside.nonzero().squeeze(1), share.local[rows][inside]] -= 1.0
-    return exp
+    return exp.scatter_add_(1, share.local[rows, None], -share.inside[rows, None].to(exp.dtype))

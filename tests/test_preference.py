@@ -4,6 +4,7 @@ the same weights, data and hyperparameters: the first step's loss, rewards and e
 steps' losses and TRL's metrics within 1e-4, on 1 stage, 2 stages x 2 data-parallel (resumed), 1 stage x tensor
 parallel 2 x 2 data-parallel and LoRA; the exported adapter's eval metrics in TRL. Two process starts serve every
 run (one_process_runs, two_stage_runs). TRL is imported inside the tests only (it is slow to import)."""
+import contextlib
 import json
 import random
 
@@ -167,7 +168,36 @@ def four_process_worker(rank, model, root, runs):
     pipeline_first_step(rank, model, root, "2stages_2dp", num_stages=2)
     pipeline_first_step(rank, model, root, "tp2_2dp", tensor_parallel=2)
     host_tensor_units(rank, root)
-    run_trainer(rank, *runs)
+    with host_copies_at_saves(rank, root):
+        run_trainer(rank, *runs)
+
+
+@contextlib.contextmanager
+def host_copies_at_saves(rank, root):
+    """Record, per save of the optimizer state (checkpoints/optimizer_state.py), the bytes this rank copies to host
+    memory (Tensor.cpu), in root/host_copies-rank{rank}.jsonl: {"tag_dir": ..., "bytes": ...} per save."""
+    import checkpoints.saving
+
+    save, cpu = checkpoints.saving.save_training_state, torch.Tensor.cpu
+
+    def counted_save(engine, tag_dir):
+        copied = []
+
+        def counted_cpu(tensor, *args, **kwargs):
+            copied.append(tensor.numel() * tensor.element_size())
+            return cpu(tensor, *args, **kwargs)
+        torch.Tensor.cpu = counted_cpu
+        try:
+            return save(engine, tag_dir)
+        finally:
+            torch.Tensor.cpu = cpu
+            with open(root / f"host_copies-rank{rank}.jsonl", "a") as f:
+                f.write(json.dumps({"tag_dir": str(tag_dir), "bytes": sum(copied)}) + "\n")
+    checkpoints.saving.save_training_state = counted_save
+    try:
+        yield
+    finally:
+        checkpoints.saving.save_training_state = save
 
 
 def host_tensor_units(rank, root):
@@ -270,6 +300,20 @@ def test_dpo_context_parallel_counts_its_pairs_on_the_device(two_stage_runs):
         result = json.loads((two_stage_runs["root"] / f"host_units-rank{rank}.json").read_text())
         assert "a collective was handed a tensor on meta, not on the accelerator's cpu" in result["error"]
         assert result["units"] == 4 * 3  # each rank counts its group's 3 scored pairs: 4 ranks
+
+
+@pytest.mark.slow
+def test_only_the_writing_rank_copies_optimizer_state_to_the_host(two_stage_runs):
+    """2 stages x 2 data-parallel ranks, ZeRO-1: at a save the ranks together copy the optimizer state they write to
+    host memory once (each layer's on the rank that writes it), not once per data-parallel rank."""
+    tag_dir = two_stage_runs["dpo"] / "global_step3"
+    copies = [json.loads(line) for rank in range(4)
+              for line in (two_stage_runs["root"] / f"host_copies-rank{rank}.jsonl").read_text().splitlines()]
+    copied = sum(c["bytes"] for c in copies if c["tag_dir"] == str(tag_dir))
+    files = [torch.load(path, weights_only=True) for path in tag_dir.glob("*optim_states.pt")]
+    written = sum(t.numel() * t.element_size() for state in files for tensors in state.values()
+                  for t in tensors.values())
+    assert len(files) == 7 and copied == written  # embedding, 4 decoder layers, final norm, head
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from checkpoints.rng_state import load_rng_state
 from checkpoints.saving import save_checkpoint
 from checkpoints.state_files import WeightsOnlyCheckpointEngine
 from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoints
+from data.collator import row_layout
 from data.datasets import build_dataset_distributed
 from data.indexed import evaluation_samples, samples_per_epoch, training_blend
 from data.loader import (blend_micro_batches, build_stage_loader, check_identical_across_group,
@@ -153,7 +154,8 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
                                    layer_loader=layer_loader, context_parallel_size=cfg.context_parallel_size,
                                    loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
                                    grad_accum_dtype=PRECISION_DTYPES[cfg.grad_accum_dtype], lora=spec.lora,
-                                   seed=cfg.seed, objective=spec.preference, seq_length=cfg.seq_length)
+                                   seed=cfg.seed, objective=spec.preference, seq_length=cfg.seq_length,
+                                   row_layout=row_layout(cfg.data))
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
