@@ -83,8 +83,9 @@ def test_the_run_decides_the_attention_masks_from_its_rows():
     def data(**keys):
         return SimpleNamespace(**{"packing": False, "document_isolation": False, "format": "chat", **keys})
     assert [row_layout(data(**keys)) for keys in (
-        {}, {"format": "preference"}, {"packing": True}, {"format": "text"}, {"format": "text", "document_isolation": True},
-        {"format": "indexed"}, {"format": "indexed", "document_isolation": True})] == [
+        {}, {"format": "preference"}, {"packing": True}, {"format": "text"},
+        {"format": "text", "document_isolation": True}, {"format": "indexed"},
+        {"format": "indexed", "document_isolation": True})] == [
         "padded", "padded", "packed", "full", "packed", "full", "packed"]
     config = LlamaConfig(**COMMON)
     (inputs, document_ids, positions), _ = collate_causal_lm(rows(2, packed=False), SEQ, pad_id=0)
