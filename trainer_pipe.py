@@ -36,7 +36,7 @@ def main(cfg):
     except DiskFullError as error:
         say(f"trainer_pipe: error: {error}")
         if error.every_rank:
-            collectives.barrier()  # each rank has said it before any exits: the launcher ends the rest at the first exit
+            collectives.barrier()  # every rank has said it before any exits: the launcher ends the rest at one exit
         sys.exit(1)
     except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError,
             DeepSpeedMismatch) as error:  # what to fix
