@@ -236,16 +236,24 @@ class MLP(nn.Module):
 
 
 class EmbeddingPipe(nn.Embedding):
-    """Layer 0: token ids to hidden states; document ids and positions pass through as integer tensors."""
+    """Layer 0: token ids to hidden states; document ids and positions pass through as integer tensors.
+
+    As transformers builds it (padding_idx=config.pad_token_id): the pad token's row takes no gradient from the
+    lookup, which matters where pad is a real token (pad = eos; ChatML's <|im_end|>). Under tensor parallelism the
+    row lives on the rank whose vocabulary share holds it (padding_idx there, None on the others)."""
 
     def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
-        super().__init__(parallel.local(config.vocab_size, "vocab_size"), config.hidden_size, padding_idx=None)
+        rows = parallel.local(config.vocab_size, "vocab_size")
+        pad = getattr(config, "pad_token_id", None)
+        local_pad = pad - parallel.rank * rows if pad is not None else None
+        super().__init__(rows, config.hidden_size,
+                         padding_idx=local_pad if local_pad is not None and 0 <= local_pad < rows else None)
         parallel.mark_sharded(self, dim=0)
         self.parallel = parallel
 
     def forward(self, inputs):
         input_ids, document_ids, position_ids = inputs
-        return self.parallel.embedding(input_ids, self.weight), document_ids, position_ids
+        return self.parallel.embedding(input_ids, self.weight, self.padding_idx), document_ids, position_ids
 
 
 class DecoderLayerPipe(nn.Module):

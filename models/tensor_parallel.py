@@ -133,13 +133,14 @@ class TensorParallel:
         sees only its tokens, so the gradient is summed over the group: identical on every rank, as without."""
         return CopyToGroup.apply(param, self.group) if self.sequence_parallel else param
 
-    def embedding(self, input_ids, weight):
-        """Vocabulary-parallel lookup: this rank's rows, zeros for ids outside them, summed over the group."""
+    def embedding(self, input_ids, weight, padding_idx=None):
+        """Vocabulary-parallel lookup: this rank's rows, zeros for ids outside them, summed over the group.
+        padding_idx: this rank's row that takes no gradient (the pad token's, where this rank holds it)."""
         if self.size == 1:
-            return row_grad_embedding(input_ids, weight)
+            return row_grad_embedding(input_ids, weight, padding_idx)
         local = input_ids - self.rank * weight.shape[0]
         outside = (local < 0) | (local >= weight.shape[0])
-        rows = row_grad_embedding(local.masked_fill(outside, 0), weight).masked_fill(outside[..., None], 0)
+        rows = row_grad_embedding(local.masked_fill(outside, 0), weight, padding_idx).masked_fill(outside[..., None], 0)
         return self.reduce(rows)
 
     def cross_entropy_sum(self, logits, labels, ignore_index):
