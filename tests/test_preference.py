@@ -23,7 +23,9 @@ WORDS = "the cat dog sees a red ball near park and river tree runs jumps over un
 
 @pytest.fixture(scope="module")
 def preference_model(tmp_path_factory):
-    """A tiny LLaMA with a byte-level BPE tokenizer (tests/chat_tokenizers.py), converted; string pairs in jsonl."""
+    """A tiny LLaMA with a byte-level BPE tokenizer (tests/chat_tokenizers.py), converted; string pairs in jsonl. Its
+    pad token is eos, as in many Llama-3 fine-tunes: a real token, ending every response, whose embedding row takes
+    no gradient (transformers' padding_idx)."""
     from transformers import LlamaConfig
 
     from checkpoints.hf_to_ds import convert_hf_to_ds
@@ -31,6 +33,7 @@ def preference_model(tmp_path_factory):
     from tests.tiny_models import COMMON, make_model
     root = tmp_path_factory.mktemp("preference")
     tokenizer = make_chat_tokenizer("llama3")
+    tokenizer.pad_token = tokenizer.eos_token
     config = LlamaConfig(**dict(COMMON, vocab_size=len(tokenizer), max_position_embeddings=SEQ),
                          num_key_value_heads=2, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)

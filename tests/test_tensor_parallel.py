@@ -167,11 +167,11 @@ def different_batches_worker(rank, out_dir):
 
     init_distributed(timeout_minutes=1)
     group = dist.new_group([0, 1])
-    for case, offset in (("same", 0), ("different", rank)):
+    for case, offset, per_check in (("same", 0, 1), ("different", rank, 1), ("different_in_a_step", rank, 3)):
         ids = torch.arange(8).reshape(2, 4) + offset
         batches = [((ids, torch.ones_like(ids), ids), ids)] * 3
         try:
-            message = f"passed {len(list(check_identical_across_group(iter(batches), group)))}"
+            message = f"passed {len(list(check_identical_across_group(iter(batches), group, per_check)))}"
         except ValueError as error:
             message = str(error)
         with open(os.path.join(out_dir, f"{case}{rank}.txt"), "w") as f:
@@ -188,6 +188,8 @@ def test_tensor_parallel_ranks_must_see_the_same_batch(tmp_path):
         message = (tmp_path / f"different{rank}.txt").read_text()
         assert message.startswith("tensor-parallel ranks [0, 1] received different micro-batches (micro-batch 0")
         assert "seed it by the data-parallel rank" in message
+        # checked once per step (the training loop's), the step's micro-batches named
+        assert "(micro-batch 0 to 2 of this run)" in (tmp_path / f"different_in_a_step{rank}.txt").read_text()
 
 
 @pytest.mark.parametrize("overrides,world_size,message", [

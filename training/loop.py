@@ -356,7 +356,8 @@ def run(cfg):
     if cfg.context_parallel_size > 1:
         stream = map(engine.module.context.split_micro_batch, stream)
     if spec.tensor_parallel > 1 and reads_data:
-        stream = check_identical_across_group(stream, engine.grid.get_slice_parallel_group())
+        stream = check_identical_across_group(stream, engine.grid.get_slice_parallel_group(),
+                                              batches_per_check=cfg.gradient_accumulation_steps)
     return train(engine, spec, stream, data, pad_id, monitors, step, total_steps)
 
 
