@@ -245,9 +245,8 @@ class EmbeddingPipe(nn.Embedding):
     def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
         rows = parallel.local(config.vocab_size, "vocab_size")
         pad = getattr(config, "pad_token_id", None)
-        local_pad = pad - parallel.rank * rows if pad is not None else None
-        super().__init__(rows, config.hidden_size,
-                         padding_idx=local_pad if local_pad is not None and 0 <= local_pad < rows else None)
+        mine = pad is not None and parallel.rank * rows <= pad < (parallel.rank + 1) * rows
+        super().__init__(rows, config.hidden_size, padding_idx=pad - parallel.rank * rows if mine else None)
         parallel.mark_sharded(self, dim=0)
         self.parallel = parallel
 
