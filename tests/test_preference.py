@@ -24,8 +24,8 @@ WORDS = "the cat dog sees a red ball near park and river tree runs jumps over un
 @pytest.fixture(scope="module")
 def preference_model(tmp_path_factory):
     """A tiny LLaMA with a byte-level BPE tokenizer (tests/chat_tokenizers.py), converted; string pairs in jsonl. Its
-    pad token is eos, as in many Llama-3 fine-tunes: a real token, ending every response, whose embedding row takes
-    no gradient (transformers' padding_idx)."""
+    pad token is eos, as in many Llama-3 fine-tunes: a real token, ending a turn inside every prompt, whose embedding
+    row takes no gradient (transformers' padding_idx)."""
     from transformers import LlamaConfig
 
     from checkpoints.hf_to_ds import convert_hf_to_ds
@@ -42,8 +42,10 @@ def preference_model(tmp_path_factory):
     convert_hf_to_ds(str(root / "hf"), str(root / "ds"))
     rng = random.Random(0)
     say = lambda low, high: " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))  # noqa: E731
-    # prompts start with bos (as TRL's CPOTrainer makes them; DPO's tokenizes it as it is)
-    records = [{"prompt": tokenizer.bos_token + say(2, 8) + ":", "chosen": " " + say(1, 10),
+    # prompts start with bos (as TRL's CPOTrainer makes them; DPO's tokenizes it as it is) and hold an earlier turn's
+    # end, eos: a real token whose embedding the response's log-probability depends on
+    records = [{"prompt": tokenizer.bos_token + say(1, 4) + tokenizer.eos_token + say(1, 5) + ":",
+                "chosen": " " + say(1, 10),
                 "rejected": " " + say(1, 10)}
                for _ in range(48 + EVAL_PAIRS)]
     train, evaluation = records[:-EVAL_PAIRS], records[-EVAL_PAIRS:]

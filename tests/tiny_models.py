@@ -35,6 +35,8 @@ def make_model(config, path, seed=0, dtype=torch.float32, **save_kwargs):
         for param_name, param in model.named_parameters():
             if param_name.endswith(".bias"):
                 param.normal_(std=0.02)
+        if config.pad_token_id is not None:  # a pad that is a real token (eos) has a trained row, not init's zeros
+            model.get_input_embeddings().weight[config.pad_token_id].normal_(std=0.02)
     model.save_pretrained(path, **save_kwargs)
     return model.eval()
 
