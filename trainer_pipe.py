@@ -24,7 +24,8 @@ def strip_launcher_arguments():
 
 @hydra.main(version_base=None, config_path="conf", config_name="tiny")
 def main(cfg):
-    from checkpoints.disk_space import DiskFullError  # heavy imports after Hydra has parsed the command line
+    import collectives  # heavy imports after Hydra has parsed the command line
+    from checkpoints.disk_space import DiskFullError
     from deepspeed_internals.registry import DeepSpeedMismatch
     from training.preemption import PREEMPTED_EXIT_CODE, Preempted
     import torch.distributed as dist
@@ -35,7 +36,7 @@ def main(cfg):
     except DiskFullError as error:
         say(f"trainer_pipe: error: {error}")
         if error.every_rank:
-            dist.barrier()  # each rank has said it before any exits: the launcher ends the others at the first exit
+            collectives.barrier()  # every rank has said it before any exits: the launcher ends the rest at one exit
         sys.exit(1)
     except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError,
             DeepSpeedMismatch) as error:  # what to fix

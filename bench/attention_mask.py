@@ -41,14 +41,17 @@ def worker(rank, seq, rounds, out_path):
 
     init_distributed(timeout_minutes=10)
     config = model_config(seq)
-    torch.manual_seed(0)
-    module = build_pipeline_module(config, parallel_topology(1), loss_chunk_tokens=1024)
-    cases = {"one document + padding (is_causal)": rows(seq, config.vocab_size, 1),
-             "two packed documents (mask)": rows(seq, config.vocab_size, 2)}
-    results = {name: {"saved_bytes": saved_activation_bytes(module, batch), "seconds": []}
-               for name, batch in cases.items()}
+    cases = {"one document + padding (is_causal)": ("padded", rows(seq, config.vocab_size, 1)),
+             "two packed documents (mask)": ("packed", rows(seq, config.vocab_size, 2))}
+    modules = {}
+    for name, (layout, _) in cases.items():  # the run's row layout decides the mask (data/collator.py row_layout)
+        torch.manual_seed(0)
+        modules[name] = build_pipeline_module(config, parallel_topology(1), loss_chunk_tokens=1024, row_layout=layout)
+    results = {name: {"saved_bytes": saved_activation_bytes(modules[name], batch), "seconds": []}
+               for name, (_, batch) in cases.items()}
     for _ in range(rounds):
-        for name, (inputs, labels) in cases.items():
+        for name, (_, (inputs, labels)) in cases.items():
+            module = modules[name]
             start = time.perf_counter()
             module.loss_fn(module(inputs), labels).backward()
             module.zero_grad(set_to_none=True)

@@ -47,7 +47,7 @@ def worker(rank, seq, rounds, steps, out_path):
     engines = {}
     for name, context in LAYOUTS.items():
         torch.manual_seed(0)
-        module = build_pipeline_module(config, parallel_topology(1), context_parallel_size=context)
+        module = build_pipeline_module(config, parallel_topology(1), context_parallel_size=context, row_layout="full")
         replicas = 2 // context
         engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config={
             "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": GLOBAL_SEQUENCES // replicas,

@@ -41,7 +41,7 @@ def pipeline_step(config, compile_layers, loss_impl="chunked", seq_length=SEQ_LE
     from training.distributed import parallel_topology
 
     cfg = run_config(run_overrides(seq_length, micro_batch, micro_batches, loss_impl))
-    module = build_pipeline_module(config, parallel_topology(1),
+    module = build_pipeline_module(config, parallel_topology(1), row_layout="full",  # random_micro_batches' rows
                                    loss_chunk_tokens=cfg.loss_chunk_tokens if loss_impl == "chunked" else 0)
     init_like_transformers(module, config)
     if compile_layers:

@@ -60,7 +60,7 @@ def build(objective, config):
                       f"micro_batch_size={micro_batch}", f"gradient_accumulation_steps={MICRO_BATCHES}",
                       "lr_scheduler=constant"])
     module = build_pipeline_module(config, parallel_topology(1), loss_chunk_tokens=cfg.loss_chunk_tokens,
-                                   objective=PreferenceSettings(objective))
+                                   objective=PreferenceSettings(objective), row_layout="padded")
     init_like_transformers(module, config)
     ds_config, _ = deepspeed_config(cfg, total_steps=10**6)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),

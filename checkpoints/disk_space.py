@@ -5,6 +5,7 @@ import os
 
 import torch.distributed as dist
 
+import collectives
 from checkpoints.files import free_bytes, is_disk_full, size_text
 from checkpoints.tag_dirs import complete_tags
 
@@ -38,7 +39,7 @@ def check_space_for_checkpoint(output_dir, tag, needed_bytes):
     """Every rank takes rank 0's reading of the free space, so all refuse together, before anything is written:
     `latest` stays on the last complete checkpoint."""
     reading = [(free_bytes(output_dir), needed_bytes) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(reading, src=0)
+    collectives.broadcast_object_list(reading, src=0)
     free, needed = reading[0]
     if free < needed:
         raise DiskFullError(disk_full_message(output_dir, tag, needed, free), every_rank=True)

@@ -12,6 +12,7 @@ import os
 import torch.distributed as dist
 import xxhash
 
+import collectives
 from checkpoints.files import MANIFEST_NAME, write_text_atomic
 
 ALGORITHM = "xxh3_128"
@@ -142,7 +143,7 @@ def verify_checkpoint(tag_dir, weights_only):
     needed = sorted(name for name in recorded if not weights_only or read_by_weights_only_load(name))
     mine = needed[dist.get_rank()::dist.get_world_size()]
     every_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(every_rank, verify_files(tag_dir, mine))
+    collectives.all_gather_object(every_rank, verify_files(tag_dir, mine))
     failures = [message for messages in every_rank for message in messages]
     if failures:
         raise ChecksumError("\n".join(failures))

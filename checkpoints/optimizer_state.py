@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.pipe import TiedLayerSpec
 
+import collectives
 from checkpoints.layer_files import load_weights_only, tensors_for_rank
 from checkpoints.state_files import STATE_ADVICE
 from deepspeed_internals.access import (checkpoint_engine_of, engine_counters, is_zero_optimizer, layer_specs,
@@ -136,15 +137,19 @@ class MasterState:
         source = partition if key == MASTER else self.optimizer.state[partition][key]
         return fragment.param_start, source.detach().narrow(0, fragment.partition_start, fragment.numel)
 
-    def gathered(self, param, key, group, writer):
-        """The whole parameter's `key` on the data-parallel rank `writer` (ZeRO's fragments summed into it)."""
+    def gathered(self, param, key, group, writer, writes):
+        """The whole parameter's `key` in host memory on the data-parallel rank `writer` (ZeRO's fragments summed
+        into it), where `writes`; None on the others, which only send their fragments (no host copy of a state that
+        one rank writes)."""
+        if not (self.zero or writes):
+            return None
         whole = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
         piece = self.fragment(param, key)
         if piece is not None:
             whole.narrow(0, piece[0], piece[1].numel()).copy_(piece[1])
         if self.zero:
-            dist.reduce(whole, dst=dist.get_global_rank(group, writer), group=group)
-        return whole.view(param.shape).cpu()
+            collectives.reduce(whole, dst=dist.get_global_rank(group, writer), group=group)
+        return whole.view(param.shape).cpu() if writes else None
 
     def assign(self, param, key, value, name, where):
         if value.shape != param.shape:
@@ -168,7 +173,7 @@ def save_training_state(engine, tag_dir):
     saved_here = [(index, layer) for index, layer, saves in stage_layers(module) if saves]
     for turn, (index, layer) in enumerate(saved_here):
         writer = turn % dp_size
-        tensors = {key: {name: state.gathered(param, key, group, writer)
+        tensors = {key: {name: state.gathered(param, key, group, writer, dp_rank == writer)
                          for name, param in trained_parameters(layer).items()} for key in keys}
         if dp_rank == writer:
             path = optimizer_state_path(module.ckpt_layer_path(tag_dir, index - stage_first_layer(module)))

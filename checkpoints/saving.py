@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+import collectives
 from checkpoints.disk_space import check_space_for_checkpoint, disk_full_is_one_line
 from checkpoints.files import (COMPLETE_MARKER, IN_PROGRESS_MARKER, LATEST, copy_model_side_files,
                                copy_tokenizer_files, write_text_atomic)
@@ -52,7 +53,7 @@ def save_checkpoint(engine, cfg, model_files_dir, trainer_state, needed_bytes):
     check_space_for_checkpoint(output_dir, tag, needed_bytes)
     if dist.get_rank() == 0:
         begin_change(tag_dir, "save")  # before any file: a crash leaves a directory the next start may remove
-    dist.barrier()
+    collectives.barrier()
     with disk_full_is_one_line(output_dir, tag, needed_bytes), hashing_saves(checkpoint_engine_of(engine)) as written:
         # Frozen parameters (LoRA's base) are not saved: the checkpoint points at the converted base instead.
         engine.save_checkpoint(output_dir, tag=tag, client_state=trainer_state, save_latest=False,
@@ -62,13 +63,13 @@ def save_checkpoint(engine, cfg, model_files_dir, trainer_state, needed_bytes):
     rng_path = rng_state_path(tag_dir, dist.get_rank())
     written[rng_path] = file_checksum(rng_path)
     every_rank = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object({os.path.relpath(p, tag_dir): c for p, c in written.items()}, every_rank, dst=0)
+    collectives.gather_object({os.path.relpath(p, tag_dir): c for p, c in written.items()}, every_rank, dst=0)
     # gather_object returned: every rank's files are written before the checkpoint is declared complete
     if dist.get_rank() == 0:
         with disk_full_is_one_line(output_dir, tag, needed_bytes):
             write_side_files_and_complete(cfg, model_files_dir, tag_dir, trainer_state, every_rank)
         prune_checkpoints(output_dir, cfg.save_total_limit)
-    dist.barrier()
+    collectives.barrier()
     return tag_dir
 
 

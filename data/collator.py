@@ -62,6 +62,16 @@ def collate(examples, seq_length: int, pad_id: int):
     return collate_causal_lm(examples, seq_length, pad_id)
 
 
+def row_layout(data):
+    """What every row of a run's data config (its `data` node) holds, known before any is read: 'packed', several
+    documents (data.packing, data.document_isolation); 'full', one document's tokens filling the row (text blocks,
+    token shards); 'padded', one document then padding. The model picks its attention masks from it
+    (models/llama.py StageAttentionInputs)."""
+    if data.packing or data.document_isolation:
+        return "packed"
+    return "full" if data.format in ("text", "indexed") else "padded"
+
+
 def empty_row(example):
     """A row of `example`'s kind with no token: what evaluation pads a shard's last micro-batch with."""
     return {key: [] for key in example if key.endswith(("input_ids", "labels"))}

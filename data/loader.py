@@ -20,9 +20,9 @@ from typing import Sized
 
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
+import collectives
 from .collator import collate, collate_causal_lm
 
 
@@ -158,20 +158,27 @@ def blend_micro_batches(samples, *, reads_data: bool, dp_rank: int, dp_size: int
             for base in count(first, dp_size * micro_batch_size))
 
 
-def check_identical_across_group(batches, group):
+def check_identical_across_group(batches, group, batches_per_check=1):
     """Yield `batches`, first checking that every rank of `group` (a tensor-parallel group, whose ranks must
-    compute on the same tokens) got the same micro-batch: one all-reduce of two integers per micro-batch."""
-    for index, batch in enumerate(batches):
-        digest = batch_fingerprint(batch)
-        extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=get_accelerator().current_device_name())
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    compute on the same tokens) got the same micro-batches, `batches_per_check` at a time (the training loop's: a
+    step's, so the answer is read on the host once per step, not per micro-batch): one all-reduce of two integers
+    per check."""
+    batches = iter(batches)
+    for first in count(0, batches_per_check):
+        held = list(islice(batches, batches_per_check))
+        if not held:
+            return
+        digest = batch_fingerprint(tuple(held))
+        extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=collectives.device())
+        collectives.all_reduce(extremes, op=collectives.ReduceOp.MAX, group=group)
         if extremes[0] != -extremes[1]:
+            which = f"{first}" if len(held) == 1 else f"{first} to {first + len(held) - 1}"
             raise ValueError(
                 f"tensor-parallel ranks {dist.get_process_group_ranks(group)} received different micro-batches "
-                f"(micro-batch {index} of this run): every rank of a tensor-parallel group must see the same data. "
+                f"(micro-batch {which} of this run): every rank of a tensor-parallel group must see the same data. "
                 f"Usual cause: random augmentation, shuffling or sampling seeded per global rank; seed it by the "
                 f"data-parallel rank instead.")
-        yield batch
+        yield from held
 
 
 def batch_fingerprint(batch) -> int:

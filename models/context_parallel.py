@@ -19,6 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+import collectives
+
 
 class ContextParallel:
     """One rank's place in its context group, the data split and the collectives attention calls."""
@@ -69,12 +71,10 @@ class ContextParallel:
     def attention_masks(self, document_ids):
         """Per local half, the boolean (batch, 1, chunk, keys up to the chunk's end) mask of the keys its queries
         may attend: causal by global position and within the query's document; a padding query sees only itself (no
-        empty row). None for both when every row is one unpadded document: causal attention whose queries end the
-        keys needs no mask (causal_lower_right_attention). The whole sequence's document ids are all-gathered once
-        per micro-batch."""
+        empty row). The whole sequence's document ids are all-gathered once per micro-batch. Rows of one document
+        need none (models/llama.py StageAttentionInputs): causal attention whose queries end the keys
+        (causal_lower_right_attention)."""
         whole = self.gather_sequence(document_ids, dim=1)
-        if bool((whole == 1).all()):
-            return [None, None]
         chunk = document_ids.shape[1] // 2
         masks = []
         for index in self.global_chunks():
@@ -109,7 +109,7 @@ class ContextParallel:
         rank returns size x (its tokens' loss sum) / (the group's labelled tokens), whose mean over the group is
         exactly the whole sequences' mean loss, and the averaged gradient exactly its gradient."""
         count = (next_labels != ignore_index).sum().reshape(1)
-        dist.all_reduce(count, group=self.group)
+        collectives.all_reduce(count, group=self.group)
         return count.clamp(min=1).squeeze(0) / self.size
 
     def whole_sequence_loss(self, loss):
@@ -128,12 +128,12 @@ class ContextParallel:
 
     def all_gather(self, x):
         out = torch.empty((x.shape[0] * self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_single(out, x.contiguous(), group=self.group)
+        collectives.all_gather_single(out, x.contiguous(), group=self.group)
         return out
 
     def reduce_scatter(self, x):
         out = torch.empty((x.shape[0] // self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_single(out, x.contiguous(), group=self.group)
+        collectives.reduce_scatter_single(out, x.contiguous(), group=self.group)
         return out
 
     def orders(self, chunk, device):

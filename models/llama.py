@@ -84,14 +84,28 @@ def default_rope_parameters(config):
     return inv_freq, 1.0
 
 
+ROW_LAYOUTS = ("packed", "padded", "full")  # what a run's rows hold: data/collator.py `row_layout`
+
+
 class StageAttentionInputs:
     """The attention mask and rotary tables of one micro-batch, built once and shared by every decoder layer of
     the stage (a plain object, not a module, so it adds no parameters or buffers to the layers holding it). Under
-    context parallelism the mask is one per local half of the tokens (models/context_parallel.py)."""
+    context parallelism the mask is one per local half of the tokens (models/context_parallel.py).
 
-    def __init__(self, config, context=NO_CONTEXT_PARALLEL):
+    Whether there is a mask is the run's, not the micro-batch's (reading the micro-batch's document ids to decide
+    would stall the host until the device caught up, once per micro-batch): row_layout 'packed', rows of several
+    documents, takes a mask per document; 'padded', one document then padding, none (causal attention, no mask
+    tensor: SDPA may pick a flash kernel on GPUs) but under context parallelism, whose halves take the mask;
+    'full', one document filling the row, none. Plain causal attention computes every real token of a one-document
+    row exactly as the mask would, as none sees a later position; padding queries then see earlier tokens, but their
+    labels are -100 and no real token reads them, so losses and gradients are the same."""
+
+    def __init__(self, config, context=NO_CONTEXT_PARALLEL, row_layout="packed"):
+        if row_layout not in ROW_LAYOUTS:
+            raise ValueError(f"row_layout={row_layout!r} is not one of {', '.join(ROW_LAYOUTS)}.")
         self.rotary = RotaryEmbedding(config)
         self.context = context
+        self.masked = row_layout == "packed" or (row_layout == "padded" and context.size > 1)
         self._key = None
         self._held = None  # the tensors the key's addresses belong to, kept alive so no other batch reuses them
         self._value = None
@@ -103,27 +117,24 @@ class StageAttentionInputs:
         if key != self._key:
             self.rotary.to(hidden.device)
             cos, sin = self.rotary(hidden, position_ids)
-            mask = (additive_mask(document_causal_mask(document_ids), hidden.dtype) if self.context.size == 1
-                    else [additive_mask(half, hidden.dtype) for half in self.context.attention_masks(document_ids)])
-            self._value = (cos, sin, mask)
+            self._value = (cos, sin, self.mask(document_ids, hidden.dtype))
             self._key = key
             self._held = (document_ids, position_ids)
         return self._value
+
+    def mask(self, document_ids, dtype):
+        """The additive mask of a micro-batch (under context parallelism one per local half), None for none."""
+        if self.context.size == 1:
+            return additive_mask(document_causal_mask(document_ids), dtype) if self.masked else None
+        halves = self.context.attention_masks(document_ids) if self.masked else [None, None]
+        return [additive_mask(half, dtype) for half in halves]
 
 
 def document_causal_mask(document_ids):
     """Boolean (batch, 1, seq, seq) mask, True where a query may attend: causal and within the query's document.
 
-    document_ids (batch, seq): 0 on padding, k >= 1 on the tokens of a row's k-th document (a row holding one
-    document is its padding mask). None when every row is one document followed by nothing but padding: plain
-    causal attention (``is_causal``: no mask tensor, and SDPA may pick a flash kernel on GPUs) computes every real
-    token exactly as the mask would, as none sees a later position; padding queries then see earlier tokens, but
-    their labels are -100 and no real token reads them, so losses and gradients are the same.
-    With a mask, a padding query sees only itself, so no query row is empty (no NaN) and no real token sees
-    padding."""
-    if bool(((document_ids[:, 0] == 1).all() & (document_ids[:, 1:] <= document_ids[:, :-1]).all()
-             & (document_ids <= 1).all())):
-        return None
+    document_ids (batch, seq): 0 on padding, k >= 1 on the tokens of a row's k-th document. A padding query sees
+    only itself, so no query row is empty (no NaN) and no real token sees padding."""
     seq = document_ids.shape[-1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
     same_document = document_ids[:, None, :, None] == document_ids[:, None, None, :]
@@ -225,16 +236,23 @@ class MLP(nn.Module):
 
 
 class EmbeddingPipe(nn.Embedding):
-    """Layer 0: token ids to hidden states; document ids and positions pass through as integer tensors."""
+    """Layer 0: token ids to hidden states; document ids and positions pass through as integer tensors.
+
+    As transformers builds it (padding_idx=config.pad_token_id): the pad token's row takes no gradient from the
+    lookup, which matters where pad is a real token (pad = eos; ChatML's <|im_end|>). Under tensor parallelism the
+    row lives on the rank whose vocabulary share holds it (padding_idx there, None on the others)."""
 
     def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
-        super().__init__(parallel.local(config.vocab_size, "vocab_size"), config.hidden_size, padding_idx=None)
+        rows = parallel.local(config.vocab_size, "vocab_size")
+        pad = getattr(config, "pad_token_id", None)
+        mine = pad is not None and parallel.rank * rows <= pad < (parallel.rank + 1) * rows
+        super().__init__(rows, config.hidden_size, padding_idx=pad - parallel.rank * rows if mine else None)
         parallel.mark_sharded(self, dim=0)
         self.parallel = parallel
 
     def forward(self, inputs):
         input_ids, document_ids, position_ids = inputs
-        return self.parallel.embedding(input_ids, self.weight), document_ids, position_ids
+        return self.parallel.embedding(input_ids, self.weight, self.padding_idx), document_ids, position_ids
 
 
 class DecoderLayerPipe(nn.Module):

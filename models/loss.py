@@ -13,9 +13,9 @@ against). Under tensor parallelism each rank projects onto its vocabulary rows, 
 logit are combined across the group, never the logits.
 """
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+import collectives
 from models.context_parallel import NO_CONTEXT_PARALLEL
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 
@@ -37,8 +37,8 @@ class CausalLMLoss:
         self.step_divisor = None
 
     def units(self, labels, whole=False):
-        """What the loss averages over: labelled tokens, of this rank's share of a micro-batch, or (whole) of a
-        micro-batch not yet split over the context group."""
+        """What the loss averages over, a 0-d int64 tensor beside the labels: labelled tokens, of this rank's share
+        of a micro-batch, or (whole) of a micro-batch not yet split over the context group."""
         return labelled_tokens(labels, NO_CONTEXT_PARALLEL if whole else self.context)
 
     def __call__(self, outputs, labels):
@@ -75,8 +75,8 @@ def shift_labels(labels, positions=None):
 def labelled_tokens(labels, context=NO_CONTEXT_PARALLEL):
     """Tokens that count in the shifted loss. In packed rows the collator has already ignored each later document's
     first token, so this is the loss's own count and a packed micro-batch weighs as many tokens as its examples would
-    alone."""
-    return int((next_token_labels(labels, context) != IGNORE_INDEX).sum())
+    alone. A 0-d tensor beside the labels (reading it on the host is a sync when they are on an accelerator)."""
+    return (next_token_labels(labels, context) != IGNORE_INDEX).sum()
 
 
 def logits_loss_sum(logits, labels, parallel):
@@ -130,7 +130,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         target_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for rows in token_chunks(hidden.shape[0], chunk_tokens):
             logits = F.linear(hidden[rows], weight).float()
-            target_sum += logits.gather(1, share.local[rows, None]).squeeze(1)[share.inside[rows]].sum()
+            target = logits.gather(1, share.local[rows, None]).squeeze(1)
+            target_sum += target.masked_fill(~share.inside[rows], 0).sum()
             row_max[rows] = exp_minus_row_max(logits)
             log_sum_exp[rows] = group_log_sum_exp(logits, row_max[rows], parallel)
             if grad_hidden is not None or grad_weight is not None:
@@ -142,10 +143,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 del grad_logits
             del logits  # before the next chunk's: one chunk of logits alive at a time
         if parallel.size > 1:
-            dist.all_reduce(target_sum, group=parallel.group)
+            collectives.all_reduce(target_sum, group=parallel.group)
         ctx.divisor, ctx.dtypes = divisor, (hidden.dtype, weight.dtype)
         ctx.grad_hidden, ctx.grad_weight = grad_hidden, grad_weight
-        return (log_sum_exp[share.labelled].sum() - target_sum) / divisor
+        return (log_sum_exp.masked_fill(~share.labelled, 0).sum() - target_sum) / divisor
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -175,7 +176,7 @@ class SequenceLogProbs(torch.autograd.Function):
             log_sum_exp[rows] = group_log_sum_exp(logits, exp_minus_row_max(logits), parallel)
             del logits
         if parallel.size > 1:
-            dist.all_reduce(target, group=parallel.group)
+            collectives.all_reduce(target, group=parallel.group)
         ctx.save_for_backward(hidden, weight)
         ctx.share, ctx.log_sum_exp, ctx.parallel, ctx.chunk_tokens = share, log_sum_exp, parallel, chunk_tokens
         ctx.grad_sum_dtype = grad_sum_dtype
@@ -242,14 +243,13 @@ def group_log_sum_exp(exp, row_max, parallel):
     if parallel.size == 1:
         return local
     gathered = torch.empty(parallel.size * local.shape[0], dtype=local.dtype, device=local.device)
-    dist.all_gather_single(gathered, local, group=parallel.group)
+    collectives.all_gather_single(gathered, local, group=parallel.group)
     return torch.logsumexp(gathered.view(parallel.size, -1), dim=0)
 
 
 def softmax_minus_target(exp, row_max, log_sum_exp, share, rows):
     """d(token's loss)/d(logits) from e^(x - max), in place: the softmax e^(x - max) e^(max - lse) less the one-hot
-    of the label (this rank's rows of it), 0 on the tokens not labelled."""
+    of the label (this rank's rows of it), 0 on the tokens not labelled. Masks, not boolean indexing: that would read
+    the mask on the host, a sync per chunk."""
     exp.mul_(((row_max[rows] - log_sum_exp[rows]).exp_() * share.labelled[rows])[:, None])
-    inside = share.inside[rows]
-    exp[inside.nonzero().squeeze(1), share.local[rows][inside]] -= 1.0
-    return exp
+    return exp.scatter_add_(1, share.local[rows, None], -share.inside[rows, None].to(exp.dtype))

@@ -24,12 +24,13 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 
 
 def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL, context=NO_CONTEXT_PARALLEL,
-                          chunked_loss=False):
+                          chunked_loss=False, row_layout="packed"):
     """Layer specs in pipeline index order (models/layout.py): embedding, decoder layers, final norm, LM head.
-    chunked_loss: the head hands the loss its input and weight instead of logits (models/loss.py)."""
+    chunked_loss: the head hands the loss its input and weight instead of logits (models/loss.py). row_layout:
+    what the rows hold, which decides the attention masks (models/llama.py StageAttentionInputs)."""
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl '{attention_impl}' is not one of {ATTENTION_IMPLS}.")
-    stage_inputs = StageAttentionInputs(config, context)
+    stage_inputs = StageAttentionInputs(config, context, row_layout)
     tied = config.tie_word_embeddings
     embedding = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel) if tied
                  else LayerSpec(EmbeddingPipe, config, parallel))
@@ -85,7 +86,7 @@ class LlamaPipeline(PipelineModule):
 def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
-                          objective=PreferenceSettings(), seq_length=None):
+                          objective=PreferenceSettings(), seq_length=None, row_layout="packed"):
     """The pipeline module of this rank's stage. topology: DeepSpeed's, with a 'model' axis for tensor
     parallelism (training/distributed.py). stage_bounds: the first pipeline layer of each stage and the layer
     count (default: the 'parameters' partition). dtype: the training dtype to build the stage in (default
@@ -96,7 +97,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     grad_accum_dtype: what the chunked head sums its chunks' weight gradients in (default the weight's dtype).
     lora: LoRA adapters on the decoder layers, initialised from `seed`, and everything else frozen
     (models/lora.py). objective: the next-token loss (sft), or a preference loss over pairs (models/preference.py;
-    chunked head only). seq_length: the rows' width, when their labels may be one wider (token shards)."""
+    chunked head only). seq_length: the rows' width, when their labels may be one wider (token shards). row_layout:
+    what the rows hold (data/collator.py `row_layout`; 'packed', a mask per document, is right for any rows)."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
@@ -113,7 +115,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     try:
         module = LlamaPipeline(config, stage_bounds, parallel, layer_loader, context,
                                layers=build_pipeline_layers(config, attention_impl, parallel, context,
-                                                            chunked_loss=loss_chunk_tokens > 0),
+                                                            chunked_loss=loss_chunk_tokens > 0,
+                                                            row_layout=row_layout),
                                topology=topology, loss_fn=loss_fn,
                                activation_checkpoint_interval=activation_checkpoint_interval,
                                # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.

@@ -16,8 +16,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from deepspeed.accelerator import get_accelerator
 
+import collectives
 from models.context_parallel import NO_CONTEXT_PARALLEL
 from models.loss import IGNORE_INDEX, next_token_labels, sequence_log_probs
 from models.tensor_parallel import NO_TENSOR_PARALLEL, AllReduce
@@ -80,10 +80,12 @@ class PreferenceLoss:
 
     def units(self, labels, whole=False):
         """What the loss averages over: the pairs with a response token (evaluation pads with empty rows); of a
-        micro-batch split over the context group (not whole), every rank of the group counts them all."""
+        micro-batch split over the context group (not whole), every rank of the group counts them all. A 0-d int64
+        tensor beside the labels."""
         context = NO_CONTEXT_PARALLEL if whole else self.context
         labels = labels[0]
-        return int(scored_pairs(response_tokens(next_token_labels(labels, context), labels.shape[0], context)).sum())
+        tokens = response_tokens(next_token_labels(labels, context), labels.shape[0], context)
+        return scored_pairs(tokens).sum().to(torch.int64)
 
     def __call__(self, outputs, labels):
         labels, reference = labels
@@ -125,10 +127,10 @@ class PreferenceLoss:
         collective): sums over the world, where only last stages hold nonzero sums, and the tensor-parallel ranks of
         one, which add the same, leave the means unchanged; {} when no pair was scored."""
         totals = self.totals if self.totals is not None else torch.zeros(
-            len(METRICS) + 1, dtype=torch.float64, device=get_accelerator().current_device_name())
+            len(METRICS) + 1, dtype=torch.float64, device=collectives.device())
         self.totals = None
         if dist.is_initialized():
-            dist.all_reduce(totals)
+            collectives.all_reduce(totals)
         *sums, pairs = totals.tolist()
         return {name: value / pairs for name, value in zip(METRICS, sums)} if pairs else {}
 
@@ -138,7 +140,7 @@ def response_tokens(next_labels, rows, context):
     whose ranks holds a share of every row."""
     tokens = (next_labels != IGNORE_INDEX).view(rows, -1).sum(dim=1)
     if context.size > 1:
-        dist.all_reduce(tokens, group=context.group)
+        collectives.all_reduce(tokens, group=context.group)
     return tokens
 
 

@@ -14,9 +14,9 @@ DTensor parameters would bypass DeepSpeed's optimizer and gradient machinery.
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+import collectives
 from models.weight_grads import (embedding as row_grad_embedding, linear as deferrable_linear, linear_weight_grads,
                                  takes_weight_grads)
 
@@ -133,13 +133,14 @@ class TensorParallel:
         sees only its tokens, so the gradient is summed over the group: identical on every rank, as without."""
         return CopyToGroup.apply(param, self.group) if self.sequence_parallel else param
 
-    def embedding(self, input_ids, weight):
-        """Vocabulary-parallel lookup: this rank's rows, zeros for ids outside them, summed over the group."""
+    def embedding(self, input_ids, weight, padding_idx=None):
+        """Vocabulary-parallel lookup: this rank's rows, zeros for ids outside them, summed over the group.
+        padding_idx: this rank's row that takes no gradient (the pad token's, where this rank holds it)."""
         if self.size == 1:
-            return row_grad_embedding(input_ids, weight)
+            return row_grad_embedding(input_ids, weight, padding_idx)
         local = input_ids - self.rank * weight.shape[0]
         outside = (local < 0) | (local >= weight.shape[0])
-        rows = row_grad_embedding(local.masked_fill(outside, 0), weight).masked_fill(outside[..., None], 0)
+        rows = row_grad_embedding(local.masked_fill(outside, 0), weight, padding_idx).masked_fill(outside[..., None], 0)
         return self.reduce(rows)
 
     def cross_entropy_sum(self, logits, labels, ignore_index):
@@ -155,7 +156,7 @@ class TensorParallel:
         shape = (x.shape[0] * self.size, *x.shape[1:])
         out = (self.buffers.get("gather", shape, x.dtype, x.device) if pooled
                else torch.empty(shape, dtype=x.dtype, device=x.device))
-        dist.all_gather_single(out, x.contiguous(), group=self.group)
+        collectives.all_gather_single(out, x.contiguous(), group=self.group)
         return out
 
     def scatter_tokens(self, x):
@@ -164,7 +165,7 @@ class TensorParallel:
             raise ValueError(f"{x.shape[0]} tokens (micro_batch_size x seq_length) do not split over "
                              f"tensor_parallel_size={self.size} with sequence_parallel; make the product divisible.")
         out = torch.empty((x.shape[0] // self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_single(out, x.contiguous(), group=self.group)
+        collectives.reduce_scatter_single(out, x.contiguous(), group=self.group)
         return out
 
 
@@ -186,7 +187,7 @@ class BufferPool:
 
 def all_reduce_copy(tensor, group):
     tensor = tensor.clone()  # never sum in place into a tensor autograd may still hand to another consumer
-    dist.all_reduce(tensor, group=group)
+    collectives.all_reduce(tensor, group=group)
     return tensor
 
 
@@ -305,16 +306,16 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, labels, parallel, ignore_index):
         group, vocab_local = parallel.group, logits.shape[-1]
         logits_max = logits.max(dim=-1).values
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        collectives.all_reduce(logits_max, op=collectives.ReduceOp.MAX, group=group)
         shifted = logits - logits_max[:, None]
         local = labels - parallel.rank * vocab_local
         outside = (local < 0) | (local >= vocab_local)
         local = local.masked_fill(outside, 0)
         target = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(outside, 0.0)
-        dist.all_reduce(target, group=group)
+        collectives.all_reduce(target, group=group)
         exp = shifted.exp_()
         sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
+        collectives.all_reduce(sum_exp, group=group)
         valid = labels != ignore_index
         ctx.save_for_backward(exp.div_(sum_exp[:, None]), local, outside, valid)
         return (sum_exp.log() - target) * valid

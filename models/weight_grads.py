@@ -92,25 +92,29 @@ class DeferrableLinear(torch.autograd.Function):
         return grad_x, grad_of.get(id(weight)), None if bias is None else grad_of.get(id(bias)), None
 
 
-def embedding(input_ids, weight):
-    """F.embedding whose weight gradient reaches autograd's accumulation as only the looked-up rows."""
-    return RowGradEmbedding.apply(input_ids, weight)
+def embedding(input_ids, weight, padding_idx=None):
+    """F.embedding whose weight gradient reaches autograd's accumulation as only the looked-up rows; row
+    padding_idx, as torch's, takes none."""
+    return RowGradEmbedding.apply(input_ids, weight, padding_idx)
 
 
 class RowGradEmbedding(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_ids, weight):
+    def forward(ctx, input_ids, weight, padding_idx):
         ctx.save_for_backward(input_ids)
-        ctx.weight = weight
+        ctx.weight, ctx.padding_idx = weight, padding_idx
         return F.embedding(input_ids, weight)
 
     @staticmethod
     def backward(ctx, grad):
         (input_ids,) = ctx.saved_tensors
-        weight = ctx.weight
+        weight, padding_idx = ctx.weight, ctx.padding_idx
         if not weight.is_leaf or weight.grad is None:
             # The first gradient of a step becomes .grad itself: dense, as torch's embedding backward makes it.
-            return None, torch.ops.aten.embedding_dense_backward(grad, input_ids, weight.shape[0], -1, False)
+            return None, torch.ops.aten.embedding_dense_backward(
+                grad, input_ids, weight.shape[0], -1 if padding_idx is None else padding_idx, False), None
+        if padding_idx is not None:
+            grad = grad.masked_fill((input_ids == padding_idx)[..., None], 0)
         # Accumulation into a dense .grad adds a sparse gradient in place, one row per token (hooks run as usual).
         return None, torch.sparse_coo_tensor(input_ids.reshape(1, -1), grad.reshape(-1, grad.shape[-1]),
-                                             weight.shape, check_invariants=False)
+                                             weight.shape, check_invariants=False), None

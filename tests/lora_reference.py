@@ -105,7 +105,7 @@ def hf_eval_loss(model, eval_file, tokenizer_dir, seq_length, cache_dir):
     with torch.no_grad():
         for example in dataset:
             (input_ids, document_ids, position_ids), labels = collate_causal_lm([example], seq_length, pad_id=0)
-            count = labelled_tokens(labels)
+            count = int(labelled_tokens(labels))
             loss = model(input_ids=input_ids, attention_mask=(document_ids != 0).long(), position_ids=position_ids,
                          labels=labels).loss
             total, tokens = total + loss.item() * count, tokens + count

@@ -154,6 +154,9 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
         adapters = adapter_values(config, lora, seed=7, nonzero_b=True) if lora.enabled else None
         dp_size = torch.distributed.get_world_size() // (num_stages * tensor_parallel)
         batch = make_batch(micro_batch_size * gas * dp_size, seq_len, config.vocab_size, seed=1)
+        if config.pad_token_id is not None:  # a real token in every row, as eos is where pad = eos
+            for ids in (batch[0], batch[2]):
+                ids[:, 3] = config.pad_token_id
         module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel),
                                        stage_bounds=partition_stages(config, num_stages,
                                                                      case.get("partition", "parameters")),

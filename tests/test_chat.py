@@ -188,7 +188,6 @@ def test_packing_keeps_every_example_whole_and_the_collator_isolates_them(tmp_pa
     assert mask == [[1, 0, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0, 0, 0],
                     [0, 0, 1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 1, 0, 0],
                     [0, 0, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0, 0, 1]]
-    assert document_causal_mask(torch.ones(2, 8, dtype=torch.long)) is None  # unpadded rows: the is_causal path
 
 
 def test_text_document_isolation_lists_each_blocks_document_pieces(tmp_path):

@@ -59,7 +59,8 @@ def context_parity_worker(rank, checkpoints, datasets, out_dir):
                                        layer_loader=load_layer_slice, context_parallel_size=context_parallel,
                                        attention_impl=options.get("attention_impl", "sdpa"),
                                        activation_checkpoint_interval=options.get("activation_checkpoint_interval", 0),
-                                       loss_chunk_tokens=options.get("loss_chunk_tokens", CHUNK_TOKENS))
+                                       loss_chunk_tokens=options.get("loss_chunk_tokens", CHUNK_TOKENS),
+                                       row_layout=data)  # "packed" rows, or "full" ones (no mask)
         engine, optimizer = recording_engine(module, ds_dir)
         if options.get("zero_bubble"):
             use_zero_bubble(engine)

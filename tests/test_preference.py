@@ -4,6 +4,7 @@ the same weights, data and hyperparameters: the first step's loss, rewards and e
 steps' losses and TRL's metrics within 1e-4, on 1 stage, 2 stages x 2 data-parallel (resumed), 1 stage x tensor
 parallel 2 x 2 data-parallel and LoRA; the exported adapter's eval metrics in TRL. Two process starts serve every
 run (one_process_runs, two_stage_runs). TRL is imported inside the tests only (it is slow to import)."""
+import contextlib
 import json
 import os
 import random
@@ -25,7 +26,9 @@ WORDS = "the cat dog sees a red ball near park and river tree runs jumps over un
 
 @pytest.fixture(scope="module")
 def preference_model(tmp_path_factory):
-    """A tiny LLaMA with a byte-level BPE tokenizer (tests/chat_tokenizers.py), converted; string pairs in jsonl."""
+    """A tiny LLaMA with a byte-level BPE tokenizer (tests/chat_tokenizers.py), converted; string pairs in jsonl. Its
+    pad token is eos, as in many Llama-3 fine-tunes: a real token, ending a turn inside every prompt, whose embedding
+    row takes no gradient (transformers' padding_idx)."""
     from transformers import LlamaConfig
 
     from checkpoints.hf_to_ds import convert_hf_to_ds
@@ -33,6 +36,7 @@ def preference_model(tmp_path_factory):
     from tests.tiny_models import COMMON, make_model
     root = tmp_path_factory.mktemp("preference")
     tokenizer = make_chat_tokenizer("llama3")
+    tokenizer.pad_token = tokenizer.eos_token
     config = LlamaConfig(**dict(COMMON, vocab_size=len(tokenizer), max_position_embeddings=SEQ),
                          num_key_value_heads=2, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -41,8 +45,10 @@ def preference_model(tmp_path_factory):
     convert_hf_to_ds(str(root / "hf"), str(root / "ds"))
     rng = random.Random(0)
     say = lambda low, high: " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))  # noqa: E731
-    # prompts start with bos (as TRL's CPOTrainer makes them; DPO's tokenizes it as it is)
-    records = [{"prompt": tokenizer.bos_token + say(2, 8) + ":", "chosen": " " + say(1, 10),
+    # prompts start with bos (as TRL's CPOTrainer makes them; DPO's tokenizes it as it is) and hold an earlier turn's
+    # end, eos: a real token whose embedding the response's log-probability depends on
+    records = [{"prompt": tokenizer.bos_token + say(1, 4) + tokenizer.eos_token + say(1, 5) + ":",
+                "chosen": " " + say(1, 10),
                 "rejected": " " + say(1, 10)}
                for _ in range(48 + EVAL_PAIRS)]
     train, evaluation = records[:-EVAL_PAIRS], records[-EVAL_PAIRS:]
@@ -169,7 +175,79 @@ def four_process_worker(rank, model, root, runs):
     init_distributed(timeout_minutes=2)
     pipeline_first_step(rank, model, root, "2stages_2dp", num_stages=2)
     pipeline_first_step(rank, model, root, "tp2_2dp", tensor_parallel=2)
-    run_trainer(rank, *runs)
+    host_tensor_units(rank, root)
+    with host_copies_at_saves(rank, root):
+        run_trainer(rank, *runs)
+
+
+@contextlib.contextmanager
+def host_copies_at_saves(rank, root):
+    """Record, per save of the optimizer state (checkpoints/optimizer_state.py), the bytes this rank copies to host
+    memory (Tensor.cpu), in root/host_copies-rank{rank}.jsonl: {"tag_dir": ..., "bytes": ...} per save."""
+    import checkpoints.saving
+
+    save, cpu = checkpoints.saving.save_training_state, torch.Tensor.cpu
+
+    def counted_save(engine, tag_dir):
+        copied = []
+
+        def counted_cpu(tensor, *args, **kwargs):
+            copied.append(tensor.numel() * tensor.element_size())
+            return cpu(tensor, *args, **kwargs)
+        torch.Tensor.cpu = counted_cpu
+        try:
+            return save(engine, tag_dir)
+        finally:
+            torch.Tensor.cpu = cpu
+            with open(root / f"host_copies-rank{rank}.jsonl", "a") as f:
+                f.write(json.dumps({"tag_dir": str(tag_dir), "bytes": sum(copied)}) + "\n")
+    checkpoints.saving.save_training_state = counted_save
+    try:
+        yield
+    finally:
+        checkpoints.saving.save_training_state = save
+
+
+def host_tensor_units(rank, root):
+    """The step's scored pairs under context parallel 2 (two groups of two ranks), counted as the training loop
+    counts them (training/token_mean.py), from micro-batches whose tensors are host memory as the loader gives
+    them (tests/test_collectives.py's HostTensor); and counted straight from those, which the collectives refuse, as
+    NCCL would. {"error": the refusal, "units": the loop's count} in root/host_units-rank{rank}.json."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from data.collator import collate_preference
+    from models.context_parallel import ContextParallel
+    from models.preference import PreferenceLoss, PreferenceSettings
+    from tests.test_collectives import on_host
+    from training.token_mean import global_loss_units, step_micro_batches
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    context = ContextParallel(2, rank % 2, groups[rank // 2])
+    loss_fn = PreferenceLoss(PreferenceSettings("dpo", beta=BETA), context=context)
+    engine = SimpleNamespace(is_first_stage=lambda: True, is_last_stage=lambda: True, module=SimpleNamespace(
+        loss_fn=loss_fn), grid=SimpleNamespace(get_slice_parallel_rank=lambda: 0))
+    micro_batches = [context.split_micro_batch(on_host(collate_preference(pairs, SEQ, pad_id=0)))
+                     for pairs in HOST_UNIT_PAIRS]
+    try:
+        global_loss_units(engine, micro_batches)
+        error = None
+    except RuntimeError as refused:
+        error = str(refused)
+    units = global_loss_units(engine, step_micro_batches(engine, iter(micro_batches), len(micro_batches)))
+    (root / f"host_units-rank{rank}.json").write_text(json.dumps({"error": error, "units": units}))
+
+
+def pair(prompt, chosen, rejected):
+    """A pair of token rows: the prompt's labels -100, the response's its tokens."""
+    return {f"{side}_{key}": prompt + response if key == "input_ids" else [-100] * len(prompt) + response
+            for side, response in (("chosen", chosen), ("rejected", rejected)) for key in ("input_ids", "labels")}
+
+
+# two micro-batches of two pairs; the second micro-batch's first pair has no chosen response (not scored)
+HOST_UNIT_PAIRS = [[pair([1, 2, 3], [4, 5], [6]), pair([1, 7], list(range(8, 40)), [9, 10, 11])],
+                   [pair([1, 2], [], [3, 4]), pair([5] * 20, [6] * 20, [7] * 8)]]
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +298,30 @@ def trl_two_replicas(preference_model, tmp_path_factory):
     """TRL's DPOTrainer on the steps two data-parallel replicas read."""
     order = trainer_order(len(preference_model["records"]), 2)
     return trl_dpo_run(preference_model, order, 2 * MICRO_BATCH * GAS, tmp_path_factory.mktemp("trl_two_replicas"))
+
+
+@pytest.mark.slow
+def test_dpo_context_parallel_counts_its_pairs_on_the_device(two_stage_runs):
+    """The training loop's count of a step's pairs under context parallelism (an all-reduce over the context group)
+    runs on the device, never on the loader's host tensors, which NCCL would refuse and gloo would take."""
+    for rank in range(4):
+        result = json.loads((two_stage_runs["root"] / f"host_units-rank{rank}.json").read_text())
+        assert "a collective was handed a tensor on meta, not on the accelerator's cpu" in result["error"]
+        assert result["units"] == 4 * 3  # each rank counts its group's 3 scored pairs: 4 ranks
+
+
+@pytest.mark.slow
+def test_only_the_writing_rank_copies_optimizer_state_to_the_host(two_stage_runs):
+    """2 stages x 2 data-parallel ranks, ZeRO-1: at a save the ranks together copy the optimizer state they write to
+    host memory once (each layer's on the rank that writes it), not once per data-parallel rank."""
+    tag_dir = two_stage_runs["dpo"] / "global_step3"
+    copies = [json.loads(line) for rank in range(4)
+              for line in (two_stage_runs["root"] / f"host_copies-rank{rank}.jsonl").read_text().splitlines()]
+    copied = sum(c["bytes"] for c in copies if c["tag_dir"] == str(tag_dir))
+    files = [torch.load(path, weights_only=True) for path in tag_dir.glob("*optim_states.pt")]
+    written = sum(t.numel() * t.element_size() for state in files for tensors in state.values()
+                  for t in tensors.values())
+    assert len(files) == 7 and copied == written  # embedding, 4 decoder layers, final norm, head
 
 
 @pytest.mark.slow

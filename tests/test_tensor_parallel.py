@@ -135,6 +135,29 @@ def test_slices_of_another_model_are_refused(tmp_path):
         load_layer_slice(torch.nn.Linear(2, 2, bias=False), paths, rank=0, size=4)
 
 
+def test_the_pad_tokens_embedding_row_takes_no_gradient():
+    """As transformers builds the embedding (nn.Embedding with padding_idx=config.pad_token_id), over two
+    micro-batches holding the pad token as a real token: the first's gradient dense, the second's added row by row
+    (models/weight_grads.py). Under tensor parallel 2 the row is the second rank's (50 - 48); the full layouts'
+    gradients against transformers are the parity tests', whose llama3 and tied models have a pad token in the data."""
+    from models.llama import EmbeddingPipe
+    from models.tensor_parallel import TensorParallel
+    from tests.tiny_models import TINY_CONFIGS
+
+    config = TINY_CONFIGS["llama3"]()
+    torch.manual_seed(0)
+    ours = EmbeddingPipe(config)
+    theirs = torch.nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+    theirs.weight.data.copy_(ours.weight.data.normal_())
+    ids = torch.tensor([[5, 50, 7, 50], [50, 1, 2, 5]])
+    for micro_batch in (ids, ids.flip(1)):
+        ours((micro_batch, None, None))[0].pow(2).sum().backward()
+        theirs(micro_batch).pow(2).sum().backward()
+    assert not ours.weight.grad[50].any() and ours.weight.grad[5].any()
+    torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, rtol=0, atol=1e-6)
+    assert [EmbeddingPipe(config, TensorParallel(2, rank)).padding_idx for rank in (0, 1)] == [None, 2]
+
+
 def different_batches_worker(rank, out_dir):
     """The same-batch check on identical micro-batches, then on micro-batches that differ by rank."""
     import torch.distributed as dist
@@ -144,11 +167,11 @@ def different_batches_worker(rank, out_dir):
 
     init_distributed(timeout_minutes=1)
     group = dist.new_group([0, 1])
-    for case, offset in (("same", 0), ("different", rank)):
+    for case, offset, per_check in (("same", 0, 1), ("different", rank, 1), ("different_in_a_step", rank, 3)):
         ids = torch.arange(8).reshape(2, 4) + offset
         batches = [((ids, torch.ones_like(ids), ids), ids)] * 3
         try:
-            message = f"passed {len(list(check_identical_across_group(iter(batches), group)))}"
+            message = f"passed {len(list(check_identical_across_group(iter(batches), group, per_check)))}"
         except ValueError as error:
             message = str(error)
         with open(os.path.join(out_dir, f"{case}{rank}.txt"), "w") as f:
@@ -165,6 +188,8 @@ def test_tensor_parallel_ranks_must_see_the_same_batch(tmp_path):
         message = (tmp_path / f"different{rank}.txt").read_text()
         assert message.startswith("tensor-parallel ranks [0, 1] received different micro-batches (micro-batch 0")
         assert "seed it by the data-parallel rank" in message
+        # checked once per step (the training loop's), the step's micro-batches named
+        assert "(micro-batch 0 to 2 of this run)" in (tmp_path / f"different_in_a_step{rank}.txt").read_text()
 
 
 @pytest.mark.parametrize("overrides,world_size,message", [

@@ -9,11 +9,12 @@ COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_la
 TINY_CONFIGS = {
     # LLaMA-2 style: multi-head attention.
     "llama2": lambda: LlamaConfig(**COMMON, num_key_value_heads=4),
-    # LLaMA-3 style: grouped-query attention, rope_theta 500000, llama3 rope scaling.
-    "llama3": lambda: LlamaConfig(**COMMON, num_key_value_heads=2, rope_parameters={
+    # LLaMA-3 style: grouped-query attention, rope_theta 500000, llama3 rope scaling; its pad token a real one (as
+    # pad = eos), in the second half of the vocabulary (tensor parallel 2: the second rank's row 2).
+    "llama3": lambda: LlamaConfig(**COMMON, num_key_value_heads=2, pad_token_id=50, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
-    "tied": lambda: LlamaConfig(**COMMON, num_key_value_heads=2, tie_word_embeddings=True),
+    "tied": lambda: LlamaConfig(**COMMON, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=3),
     # Mistral: grouped-query attention, a sliding window longer than any sequence here (not implemented).
     "mistral": lambda: MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=64),
     # Qwen2 style: bias on q, k, v.
@@ -34,6 +35,8 @@ def make_model(config, path, seed=0, dtype=torch.float32, **save_kwargs):
         for param_name, param in model.named_parameters():
             if param_name.endswith(".bias"):
                 param.normal_(std=0.02)
+        if config.pad_token_id is not None:  # a pad that is a real token (eos) has a trained row, not init's zeros
+            model.get_input_embeddings().weight[config.pad_token_id].normal_(std=0.02)
     model.save_pretrained(path, **save_kwargs)
     return model.eval()
 

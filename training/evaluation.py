@@ -8,10 +8,9 @@ the ranks of a context group read the same examples (sharded by replica) and eac
 import math
 
 import torch
-import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 from torch.utils.data import DataLoader
 
+import collectives
 from data.collator import collate, empty_row
 from data.loader import check_identical_across_group
 from models.preference import PreferenceLoss
@@ -46,7 +45,7 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
         loader = DataLoader(PaddedShard(dataset, dp_rank, dp_size, micro_batch), batch_size=micro_batch,
                             collate_fn=lambda rows: collate(rows, cfg.seq_length, pad_id))
         units = engine.module.loss_fn.units  # labelled tokens, or scored pairs
-        batches = (token_counts.append(units(b[1], whole=True)) or context.split_micro_batch(b) for b in loader)
+        batches = (token_counts.append(int(units(b[1], whole=True))) or context.split_micro_batch(b) for b in loader)
         if cfg.tensor_parallel_size > 1:
             batches = check_identical_across_group(batches, engine.grid.get_slice_parallel_group())
     loss_fn = engine.module.loss_fn
@@ -63,8 +62,8 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
                     loss_sum += float(loss) * count / context.size
                     tokens += count / context.size
     # Only last-stage ranks hold losses; a world-wide sum gives every rank the total.
-    totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=get_accelerator().current_device_name())
-    dist.all_reduce(totals)
+    totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=collectives.device())
+    collectives.all_reduce(totals)
     mean = (totals[0] / totals[1]).item() if totals[1] else float("nan")
     if preference:
         metrics = loss_fn.take_metrics()

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
+import collectives
 from checkpoints.compatibility import dropped_state, layout_change
 from checkpoints.disk_space import checkpoint_bytes, storage_warning
 from checkpoints.ds_to_hf import convert_ds_to_hf
@@ -21,6 +22,7 @@ from checkpoints.rng_state import load_rng_state
 from checkpoints.saving import save_checkpoint
 from checkpoints.state_files import WeightsOnlyCheckpointEngine
 from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoints
+from data.collator import row_layout
 from data.datasets import build_dataset_distributed
 from data.indexed import evaluation_samples, samples_per_epoch, training_blend
 from data.loader import (blend_micro_batches, build_stage_loader, check_identical_across_group,
@@ -153,7 +155,8 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
                                    layer_loader=layer_loader, context_parallel_size=cfg.context_parallel_size,
                                    loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
                                    grad_accum_dtype=PRECISION_DTYPES[cfg.grad_accum_dtype], lora=spec.lora,
-                                   seed=cfg.seed, objective=spec.preference, seq_length=cfg.seq_length)
+                                   seed=cfg.seed, objective=spec.preference, seq_length=cfg.seq_length,
+                                   row_layout=row_layout(cfg.data))
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
@@ -191,7 +194,7 @@ def clip_fp32_gradients_across_stages(engine):
              and (first_of_group or getattr(p, SHARDED_MARKER, False))]
     squares = (torch.stack([g.float().pow(2).sum() for g in owned]).sum() if owned
                else torch.zeros((), device=engine.device))
-    dist.all_reduce(squares, group=engine.mpu.get_model_parallel_group())
+    collectives.all_reduce(squares, group=engine.mpu.get_model_parallel_group())
     total_norm = squares.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, engine.gradient_clipping(), total_norm)
     set_global_grad_norm(engine, total_norm.item())
@@ -211,7 +214,7 @@ def prepare_output_dir(spec):
                                                              cfg.save_total_limit)
         if warning:
             print(warning, flush=True)
-    dist.barrier()
+    collectives.barrier()
 
 
 def load_start_state(engine, spec):
@@ -354,7 +357,8 @@ def run(cfg):
     if cfg.context_parallel_size > 1:
         stream = map(engine.module.context.split_micro_batch, stream)
     if spec.tensor_parallel > 1 and reads_data:
-        stream = check_identical_across_group(stream, engine.grid.get_slice_parallel_group())
+        stream = check_identical_across_group(stream, engine.grid.get_slice_parallel_group(),
+                                              batches_per_check=cfg.gradient_accumulation_steps)
     return train(engine, spec, stream, data, pad_id, monitors, step, total_steps)
 
 
@@ -441,5 +445,5 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
                          verify_checksums=cfg.verify_checksums)
         print(f"exported {'a peft adapter' if spec.lora.enabled else 'Hugging Face model'} to "
               f"{os.path.join(cfg.output_dir, 'hf')}", flush=True)
-    dist.barrier()
+    collectives.barrier()
     return result

@@ -1,7 +1,7 @@
 """The optimizer used with nan_policy=skip (otherwise the DeepSpeed config's optimizer is used)."""
 import torch
-import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
+
+import collectives
 
 
 class SkipNonFiniteAdamW(torch.optim.AdamW):
@@ -16,10 +16,10 @@ class SkipNonFiniteAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         # On the collective's device (NCCL takes no host tensor), one flag for all gradients: no sync per tensor.
-        bad = torch.zeros(1, device=get_accelerator().current_device_name())
+        bad = torch.zeros(1, device=collectives.device())
         for grad in grads:
             bad.logical_or_(~torch.isfinite(grad).all().to(bad.device))
-        dist.all_reduce(bad)
+        collectives.all_reduce(bad)
         if bad.item():
             self.skipped_steps += 1
             return None

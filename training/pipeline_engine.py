@@ -10,10 +10,10 @@ clipping and the optimizer step are the engine's own, and run after every W of t
 import collections
 
 import torch
-import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+import collectives
 from deepspeed_internals.access import (activation_buffer, add_grads_to_bf16_optimizer, add_instruction_handlers,
                                         clear_bf16_optimizer_grads, pipe_buffer, receive_activation_shapes_once,
                                         run_backward_pass, send_activation_shapes_once, sends_need_deepspeed_handlers,
@@ -54,7 +54,7 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         shapes = activation_buffer(self)
         tensors = tuple(torch.empty_like(t) for t in (shapes if isinstance(shapes, tuple) else (shapes,)))
         peer = self.grid.stage_to_global(self.prev_stage)
-        self._posted_receives.append((buffer_id, tensors, [dist.irecv(t, peer) for t in tensors]))
+        self._posted_receives.append((buffer_id, tensors, [collectives.irecv(t, peer) for t in tensors]))
 
     def _exec_wait_recv_activations(self, buffer_id):
         posted_buffer, tensors, works = self._posted_receives.popleft()
@@ -80,14 +80,14 @@ class ZeroBubblePipelineEngine(PipelineEngine):
                  if t.is_floating_point()]
         peer = self.grid.stage_to_global(self.next_stage)
         for grad in grads:
-            dist.recv(grad, peer)
+            collectives.recv(grad, peer)
         set_received_gradients(self, grads if isinstance(outputs, tuple) else grads[0])
 
     def _send_async(self, tensors, stage):
         """isend each tensor; the request keeps it alive until the receiver has it (waited for at the step's end)."""
         peer = self.grid.stage_to_global(stage)
         self._sends = [work for work in self._sends if not work.is_completed()]
-        self._sends += [dist.isend(t.contiguous(), peer) for t in tensors]
+        self._sends += [collectives.isend(t.contiguous(), peer) for t in tensors]
 
     def _exec_reduce_tied_grads(self):
         """The step's first instruction after the last W: sends complete, no weight gradient left behind."""

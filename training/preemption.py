@@ -22,9 +22,8 @@ import time
 
 import psutil
 import torch
-import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 
+import collectives
 from deepspeed_internals.registry import LAUNCHER_MODULE
 
 PREEMPTED_EXIT_CODE = 75  # sysexits.h EX_TEMPFAIL: stopped early on request; rerun with resume=auto
@@ -105,8 +104,8 @@ class PreemptionWatch:
         """Whether any rank has been asked to stop: collective, so every rank must call it at the same point."""
         self.check_launcher()
         flag = torch.tensor([1.0 if self.requested_at is not None else 0.0],
-                            device=get_accelerator().current_device_name())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                            device=collectives.device())
+        collectives.all_reduce(flag, op=collectives.ReduceOp.MAX)
         if flag.item() and self.requested_at is None:
             self.request("another rank was asked to stop")
         return bool(flag.item())

@@ -14,9 +14,9 @@ import os
 
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 from torch.utils.data import DataLoader
 
+import collectives
 from checkpoints.files import atomic_write
 from data.collator import collate
 from models.lora import adapters_off
@@ -49,8 +49,8 @@ def reference_path(cache_dir, dataset, checkpoint):
 def stored_everywhere(path):
     """Whether the file is stored, as rank 0 finds it: all ranks compute it, or none (a pass some ranks skip would
     hang); when it is, the others wait (bounded) for it to show on their node, as a shared filesystem may lag."""
-    found = torch.tensor([int(os.path.isfile(path))], device=get_accelerator().current_device_name())
-    dist.broadcast(found, src=0)
+    found = torch.tensor([int(os.path.isfile(path))], device=collectives.device())
+    collectives.broadcast(found, src=0)
     if found:
         wait_for_files([path], VISIBLE_WITHIN_S)
     return bool(found)
@@ -105,11 +105,11 @@ def compute_reference(engine, dataset, dataset_length, cfg, pad_id):
                     or []
     finally:
         loss_fn.reference_pass = False
-    values = torch.zeros(dataset_length, 2, dtype=torch.float32, device=get_accelerator().current_device_name())
+    values = torch.zeros(dataset_length, 2, dtype=torch.float32, device=collectives.device())
     if scores and engine.grid.get_slice_parallel_rank() == 0 and context.rank == 0:
         pairs = torch.cat([torch.stack(logps.float().chunk(2), dim=1) for logps in scores])  # shard order
         owned = len(range(dp_rank, dataset_length, dp_size))  # the rest pads the last micro-batch
         values[dp_rank::dp_size] = pairs[:owned].to(values.device)
-    dist.all_reduce(values)
+    collectives.all_reduce(values)
     values = values.cpu()
     return {"chosen": values[:, 0].clone(), "rejected": values[:, 1].clone()}

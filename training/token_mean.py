@@ -13,26 +13,35 @@ mean over its pairs, TRL's.
 import contextlib
 
 import torch
-import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 
+import collectives
 
 
 def step_micro_batches(engine, stream, count):
-    """The step's micro-batches on the stages that read data; the stream itself on the others (no reads)."""
+    """The step's micro-batches on the stages that read data, on the device: their loss units are counted there
+    (a count over the context group is a collective) and train_batch's own move then copies nothing; the stream
+    itself on the other stages (no reads)."""
     if engine.is_first_stage() or engine.is_last_stage():
-        return [next(stream) for _ in range(count)]
+        return [on_device(next(stream)) for _ in range(count)]
     return stream
+
+
+def on_device(batch):
+    """A micro-batch (nested tuples of tensors) on the accelerator's current device."""
+    if isinstance(batch, (tuple, list)):
+        return tuple(on_device(item) for item in batch)
+    return batch.to(collectives.device())
 
 
 def global_loss_units(engine, micro_batches):
     """Labelled tokens (preference objectives: scored pairs) of the whole global batch, on every rank: the last
-    stage's, once per tensor-parallel group."""
-    local = 0
+    stage's, once per tensor-parallel group. Counted on the device and read once per step: no host sync per
+    micro-batch."""
+    total = torch.zeros((), dtype=torch.int64, device=collectives.device())
     if engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0:
-        local = sum(engine.module.loss_fn.units(labels) for _, labels in micro_batches)
-    total = torch.tensor([local], dtype=torch.int64, device=get_accelerator().current_device_name())
-    dist.all_reduce(total)
+        for _, labels in micro_batches:
+            total += engine.module.loss_fn.units(labels)
+    collectives.all_reduce(total)
     return int(total)
 
 

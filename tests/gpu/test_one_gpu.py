@@ -162,6 +162,17 @@ def test_chunked_loss_equals_the_logits_head(record_property):
                               f"weight {errors[1]:.1e}")
 
 
+def test_host_syncs_per_step_do_not_grow_with_micro_batches_or_chunks(record_property):
+    """bench/host_syncs.py on the GPU: the times one training step makes the host wait for the device (CUDA's own
+    count, torch.cuda.set_sync_debug_mode) are the same for 1 and 4 micro-batches and 1 and 8 loss chunks each."""
+    result = check_ok(subprocess.run([sys.executable, "bench/host_syncs.py", "--steps", "2"], cwd=ROOT,
+                                     env=dict(os.environ, DS_ACCELERATOR="cuda"), capture_output=True, text=True,
+                                     timeout=600))
+    counts = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len({count for steps in counts.values() for count in steps}) == 1, counts
+    record_property("figure", f"{next(iter(counts.values()))[0]} host syncs per step in every case")
+
+
 def test_bf16_resume_on_another_micro_batch_layout(bf16_model, bf16_run, tmp_path, record_property):
     """bf16_run's step-4 checkpoint goes on in micro-batches of 4 sequences, 2 a step (it ran 2 x 4): the steps of
     the run that never stopped (tests/test_resume.py does this exactly in fp32 on CPU)."""

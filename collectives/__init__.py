@@ -1,0 +1,84 @@
+"""The one door to torch.distributed's collectives and point-to-point operations: every call the project makes goes
+through here (tests/test_collectives.py fails on any other call site), and each refuses a tensor that is not on the
+accelerator's current device. NCCL takes no host tensor; gloo takes both, so without this check a host tensor would
+pass every CPU test and stop the first NCCL run at its first step.
+
+A leaf at the top level like deepspeed_internals/: models/, training/, checkpoints/ and data/ all import it. Object
+collectives (pickled, placed by torch itself) and barriers hold no tensor of ours and pass straight through.
+"""
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+ReduceOp = dist.ReduceOp
+
+
+def device():
+    """The accelerator's current device: where every tensor handed to a collective must live (build them there)."""
+    return torch.device(get_accelerator().current_device_name())
+
+
+def check_on_device(*tensors):
+    """Raise, naming both devices, if a tensor is not on the accelerator's current device."""
+    expected = device()
+    for tensor in tensors:
+        if tensor.device != expected:
+            raise RuntimeError(f"a collective was handed a tensor on {tensor.device}, not on the accelerator's "
+                               f"{expected}: NCCL takes no host tensor; create or move it there (collectives.device()) "
+                               f"where it is made.")
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None):
+    check_on_device(tensor)
+    dist.all_reduce(tensor, op=op, group=group)
+
+
+def broadcast(tensor, src, group=None):
+    check_on_device(tensor)
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def reduce(tensor, dst, group=None):
+    check_on_device(tensor)
+    dist.reduce(tensor, dst=dst, group=group)
+
+
+def all_gather_single(out, tensor, group=None):
+    check_on_device(out, tensor)
+    dist.all_gather_single(out, tensor, group=group)
+
+
+def reduce_scatter_single(out, tensor, group=None):
+    check_on_device(out, tensor)
+    dist.reduce_scatter_single(out, tensor, group=group)
+
+
+def isend(tensor, peer):
+    check_on_device(tensor)
+    return dist.isend(tensor, peer)
+
+
+def irecv(tensor, peer):
+    check_on_device(tensor)
+    return dist.irecv(tensor, peer)
+
+
+def recv(tensor, peer):
+    check_on_device(tensor)
+    dist.recv(tensor, peer)
+
+
+def barrier(group=None):
+    dist.barrier(group=group)
+
+
+def broadcast_object_list(objects, src=0):
+    dist.broadcast_object_list(objects, src=src)
+
+
+def all_gather_object(out, obj):
+    dist.all_gather_object(out, obj)
+
+
+def gather_object(obj, out, dst=0):
+    dist.gather_object(obj, out, dst=dst)
