@@ -136,7 +136,7 @@ class ZeroBubbleSchedule(TrainSchedule):
 
     The first stage runs each B and its W as one undivided BackwardPass, 1F1B's: its order puts every W right
     after its own B, and no stage waits for the first stage's input gradient, so splitting would only cost (the
-    split backward computes 2-5% slower on this project's CPU, bench/README.md row 8)."""
+    split backward computes 2-5% slower on this project's CPU, bench/pipeline_efficiency.py)."""
 
     def __init__(self, micro_batches, stages, stage_id, max_waiting=None):
         super().__init__(micro_batches, stages, stage_id)
