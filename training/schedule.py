@@ -20,8 +20,8 @@ other forever (gloo buffers, so the CPU cannot show it). ZB-H1's orders interlea
 differently on its two sides, so each link's order is its upstream stage's: the upstream stage sends and receives as
 its order computes, and the downstream stage posts each activation receive (non-blocking, training/pipeline_engine.py)
 as soon as the upstream order has it come, before the gradient sends that follow it there. tests/test_p2p_order.py
-checks every link against a model of NCCL's semantics. `simulate` times these orders for
-bench/schedule_simulator.py.
+records each link's operations from the engines' own handlers and checks them against a model of NCCL's
+semantics. `simulate` times these orders for bench/schedule_simulator.py.
 """
 from deepspeed.runtime.pipe.schedule import (BackwardPass, BufferOpInstruction, ForwardPass, LoadMicroBatch,
                                              OptimizerStep, PipeInstruction, RecvGrad, ReduceGrads, ReduceTiedGrads,
