@@ -24,7 +24,8 @@ Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with wh
   DeepSpeed's own 'parameters', 'type:' and 'uniform' partitions; non_reentrant_checkpoint: activation
   checkpointing under LoRA; MEMORY_OPT_ALLREDUCE_SIZE: the flat-copy bucket of ZeRO-0's gradient all-reduce the
   memory plan counts; DeepSpeedZeroOptimizer: telling ZeRO's master weights from the parameters themselves;
-  get_monitor_config, MonitorMaster (write_events): the run's metrics to TensorBoard, W&B, CSV, Comet.
+  get_monitor_config, MonitorMaster (write_events): the run's metrics to TensorBoard, W&B, CSV, Comet;
+  deepspeed.runtime.pipe.p2p: the point-to-point layer the pipeline handlers call (below).
 - Engine state the trainer writes or replaces (a rename would fail silently: DeepSpeed would just stop reading it):
   DeepSpeedEngine.clip_fp32_gradients (one clipping norm over all stages), _global_grad_norm (the norm it reports),
   checkpoint_engine built from _config (weights-only loads), save_zero_checkpoint and _common_checkpoint_state (no
@@ -37,6 +38,10 @@ Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with wh
   dynamic_shape / has_bool_tensors / is_pipe_partitioned (paths it refuses), using_bf16_optimizer with
   BF16_Optimizer.clear_lp_grads / update_hp_grads (the bf16 optimizer's per-backward gradient hand-off);
   TrainSchedule._buffer_idx (a micro-batch's pipe buffer).
+- For tests/test_p2p_order.py, which records the point-to-point operations of the engines' own handlers:
+  PipelineEngine._exec_schedule (the instruction loop of train_batch and eval_batch), _inference_schedule, the p2p
+  module's send and recv (what DeepSpeed's handlers call; its source must call them), and the state __init__ sets
+  that the handlers read (num_pipe_buffers, has_attention_mask, is_grad_partitioned besides those above).
 - PipelineModule internals: _grid (the tensor-parallel group), parts and _set_bounds (the partition), _local_start
   (a stage's first layer index), _layer_specs (where a tied layer first appears), _synchronize_tied_weights.
 - ZeRO's fragment bookkeeping, for the per-layer optimizer state: DeepSpeedZeroOptimizer.single_partition_of_fp32_groups

@@ -1,8 +1,11 @@
 """The accessors through which the rooms read and replace DeepSpeed's internals (listed, with why, in
 deepspeed_internals/__init__.py; checked by registry.py)."""
+import types
 from typing import NamedTuple
 
 import deepspeed
+import torch
+from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from deepspeed_internals.registry import ENGINE_COUNTERS, EXPORTED, LOSS_SCALER_FIELDS
 
@@ -151,6 +154,45 @@ def clear_bf16_optimizer_grads(optimizer):
 def add_grads_to_bf16_optimizer(optimizer):
     """The bf16 optimizer adds the parameters' .grad into its fp32 gradients."""
     optimizer.update_hp_grads()
+
+
+def run_schedule(engine, pipe_schedule):
+    """DeepSpeed's loop of train_batch and eval_batch: each step's instructions to the engine's handlers."""
+    engine._exec_schedule(pipe_schedule)
+
+
+def train_schedule(engine):
+    """The schedule train_batch runs (the zero-bubble engine's own)."""
+    return engine._train_schedule()
+
+
+def inference_schedule(engine, micro_batches):
+    """The schedule eval_batch runs."""
+    return engine._inference_schedule(micro_batches)
+
+
+def pipe_p2p():
+    """The module whose send(tensor, dest_stage) and recv(tensor, src_stage) DeepSpeed's handlers call."""
+    return EXPORTED["pipe_p2p"].resolve()
+
+
+def handlers_only_pipeline_engine(grid, module, micro_batches, device):
+    """A PipelineEngine holding only what its instruction handlers read, as DeepSpeed's __init__ sets it for this
+    project's runs (no dynamic shapes, bool tensors, partitioned activations, timers or ZeRO-2 gradients), without
+    a model, optimizer or process group: tests/test_p2p_order.py drives its handlers. grid: stage_to_global,
+    get_stage_id and pipe_parallel_size; module: what the handlers reach through engine.module."""
+    engine = object.__new__(PipelineEngine)
+    torch.nn.Module.__init__(engine)
+    engine.grid, engine.module, engine.device, engine.micro_batches = grid, module, device, micro_batches
+    engine.num_stages, engine.stage_id = grid.pipe_parallel_size, grid.get_stage_id()
+    engine.prev_stage, engine.next_stage = engine.stage_id - 1, engine.stage_id + 1
+    engine.num_pipe_buffers = 0
+    engine.pipe_buffers = {"inputs": [], "labels": [], "outputs": [], "output_tensors": []}
+    engine.has_attention_mask = engine.has_bool_tensors = engine.dynamic_shape = False
+    engine.is_pipe_partitioned = engine.is_grad_partitioned = engine.using_bf16_optimizer = False
+    engine._config = types.SimpleNamespace(wall_clock_breakdown=False, zero_optimization_stage=0)
+    engine.reset_activation_shape()
+    return engine
 
 
 def buffer_of_micro_batch(schedule, micro_batch):

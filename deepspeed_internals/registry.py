@@ -109,6 +109,8 @@ EXPORTED = {
                                    ("param_dict",)),
     "MonitorMaster": Internal("deepspeed.monitor.monitor:MonitorMaster", "which writes the run's metrics to them",
                               ("monitor_config",)),
+    "pipe_p2p": Internal("deepspeed.runtime.pipe.p2p", "whose send and recv the pipeline engine's handlers call "
+                         "(tests/test_p2p_order.py records them)"),
 }
 
 
@@ -192,6 +194,19 @@ INTERNALS = (
     Internal(f"{PIPELINE_ENGINE}._send_tensor_meta", "which the zero-bubble sends use",
              ("self", "buffer", "recv_stage")),
     Internal(f"{PIPELINE_ENGINE}._recv_tensor_meta", "which the zero-bubble receives use", ("self", "send_stage")),
+    # The point-to-point test's engines (tests/test_p2p_order.py): DeepSpeed's handlers, driven by its own loop.
+    Internal(f"{PIPELINE_ENGINE}._exec_schedule", "which the point-to-point test runs schedules with",
+             ("self", "pipe_schedule")),
+    Internal(f"{PIPELINE_ENGINE}._inference_schedule", "which the point-to-point test evaluates with",
+             ("self", "micro_batches")),
+    Internal("deepspeed.runtime.pipe.p2p:send", "which the point-to-point test records",
+             ("tensor", "dest_stage", "async_op")),
+    Internal("deepspeed.runtime.pipe.p2p:recv", "which the point-to-point test records",
+             ("tensor", "src_stage", "async_op")),
+    *(Internal(PIPELINE_ENGINE, "through which the point-to-point test records the handlers' transfers",
+               mentions=call) for call in ("p2p.send(", "p2p.recv(")),
+    *(self_use(PIPELINE_ENGINE, name, "which the point-to-point test's engines set")
+      for name in ("num_pipe_buffers", "has_attention_mask", "is_grad_partitioned")),
     *(self_use(PIPELINE_ENGINE, name, "which the zero-bubble handlers share with DeepSpeed's")
       for name in ("pipe_buffers", "pipe_recv_buf", "first_output_send", "grad_layer", "using_bf16_optimizer",
                    "dynamic_shape", "has_bool_tensors", "is_pipe_partitioned")),

@@ -9,7 +9,7 @@ and norm weights keep their gradients in B. The LM head's (tied or not) waits fo
 B would otherwise cost the last stage twice its W, and the first stage waits for that B at the start of every step.
 Its price is the logits' output gradient (activation dtype, this rank's vocabulary share) held by each micro-batch
 waiting for W on the last stage, at most p - 1 of them, on the stage that holds the fewest activations under 1F1B
-(one micro-batch's, against the first stage's p); bench/README.md row 8 measures both stages' peaks.
+(one micro-batch's, against the first stage's p); bench/pipeline_efficiency.py measures both stages' peaks.
 
 The embedding's weight gradient, under every schedule, is added to .grad row by row once .grad exists: torch's own
 backward builds a dense vocabulary x hidden tensor per micro-batch (1-2 GB on a LLaMA-3 vocabulary) to add into it.

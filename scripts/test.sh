@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+python -m pip install -q -r requirements-dev.txt  # pytest, and TRL as the preference tests' reference
 export DS_ACCELERATOR=cpu
 if [ "${1:-}" = quick ]; then
     shift

@@ -115,8 +115,9 @@ SINGLE_PROCESS = dict(REFERENCE, num_stages=1, gradient_accumulation_steps=4, sa
 
 def demo_overrides(demo_model, output_dir, **extra):
     values = dict(model_name_or_path=demo_model["ds"], train_file=demo_model["train"], eval_file=demo_model["eval"],
-                  output_dir=str(output_dir), seq_length=64, micro_batch_size=2, gradient_accumulation_steps=4,
-                  **{"data.cache_dir": os.path.join(demo_model["root"], "data_cache")})  # tokenize once per session
+                  output_dir=str(output_dir), seq_length=64, micro_batch_size=2, gradient_accumulation_steps=4)
+    if extra.get("data.format") != "indexed":  # token shards are tokenized already (data.cache_dir refused)
+        values["data.cache_dir"] = os.path.join(demo_model["root"], "data_cache")  # tokenize once per session
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
 

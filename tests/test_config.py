@@ -159,6 +159,21 @@ def test_each_choice_is_checked_before_anything_is_built(override, message):
         checked_config(composed("tiny", override))
 
 
+@pytest.mark.parametrize("override,shown", [("data.packing=true", "true"), ("data.overlong=split", "split"),
+                                            ("data.cache_dir=/data/cache", "/data/cache")])
+def test_tokenizing_keys_are_refused_with_token_shards(override, shown):
+    """Token shards are tokenized already: a tokenizing key set away from its default would be ignored."""
+    from training.config_checks import ConfigError, checked_config
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as error:
+        checked_config(composed("tiny", "data.format=indexed", override))
+    assert str(error.value) == (f"{key}={shown} does nothing with data.format=indexed (token shards are cut into "
+                                f"samples of seq_length + 1 tokens as prepare_data.py wrote them, docs/data.md); "
+                                f"remove it.")
+    assert checked_config(composed("tiny", "data.format=indexed")).data.cache_dir is None
+    assert checked_config(composed("tiny", override)).data.format == "text"  # the other formats use them
+
+
 @pytest.mark.parametrize("args,message", [
     (("fp32", 0, 8, 4, True, "NVIDIA H100"), "8 ranks on this node but 4 GPU(s) visible (CUDA_VISIBLE_DEVICES=0,1,2,3): "
      "two ranks would share a GPU; launch at most 4 processes per node (deepspeed --num_gpus 4, or a hostfile's slots)."),

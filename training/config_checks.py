@@ -18,6 +18,7 @@ PRECISIONS = tuple(PRECISION_DTYPES)
 SCHEDULERS = ("cosine", "linear", "constant")
 OFFLOAD_DEVICES = ("none", "cpu")
 NAN_POLICIES = ("stop", "skip")
+INDEXED_IGNORES = ("packing", "overlong", "cache_dir")  # data keys of tokenizing, which data.format=indexed skips
 
 
 class ConfigError(ValueError):
@@ -100,6 +101,21 @@ def check_values(cfg):
     except ValueError as error:
         raise ConfigError(str(error)) from None
     check_preference(cfg, preference)
+    check_token_shard_keys(cfg)
+
+
+def check_token_shard_keys(cfg):
+    """Token shards are tokenized and cut already: the keys that shape tokenizing would be ignored, so one set away
+    from its default is refused by name."""
+    if cfg.data.format != "indexed":
+        return
+    defaults = OmegaConf.load(BASE_CONFIG).data
+    for key in INDEXED_IGNORES:
+        if cfg.data[key] != defaults[key]:
+            value = str(cfg.data[key]).lower() if isinstance(cfg.data[key], bool) else cfg.data[key]
+            raise ConfigError(f"data.{key}={value} does nothing with data.format=indexed (token shards are cut into "
+                              f"samples of seq_length + 1 tokens as prepare_data.py wrote them, docs/data.md); "
+                              f"remove it.")
 
 
 def check_preference(cfg, preference):

@@ -20,8 +20,8 @@ other forever (gloo buffers, so the CPU cannot show it). ZB-H1's orders interlea
 differently on its two sides, so each link's order is its upstream stage's: the upstream stage sends and receives as
 its order computes, and the downstream stage posts each activation receive (non-blocking, training/pipeline_engine.py)
 as soon as the upstream order has it come, before the gradient sends that follow it there. tests/test_p2p_order.py
-checks every link against a model of NCCL's semantics. `simulate` times these orders for
-bench/schedule_simulator.py.
+records each link's operations from the engines' own handlers and checks them against a model of NCCL's
+semantics. `simulate` times these orders for bench/schedule_simulator.py.
 """
 from deepspeed.runtime.pipe.schedule import (BackwardPass, BufferOpInstruction, ForwardPass, LoadMicroBatch,
                                              OptimizerStep, PipeInstruction, RecvGrad, ReduceGrads, ReduceTiedGrads,
@@ -136,7 +136,7 @@ class ZeroBubbleSchedule(TrainSchedule):
 
     The first stage runs each B and its W as one undivided BackwardPass, 1F1B's: its order puts every W right
     after its own B, and no stage waits for the first stage's input gradient, so splitting would only cost (the
-    split backward computes 2-5% slower on this project's CPU, bench/README.md row 8)."""
+    split backward computes 2-5% slower on this project's CPU, bench/pipeline_efficiency.py)."""
 
     def __init__(self, micro_batches, stages, stage_id, max_waiting=None):
         super().__init__(micro_batches, stages, stage_id)

@@ -17,7 +17,9 @@ from tests.test_preference import assert_matches_trl, logged_steps, trainer_over
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
-BF16_DPO_TOLERANCE = 5e-3  # bf16 against fp32 over 6 steps: 5.2e-4 on CPU
+# bf16 against fp32 over 6 steps, measured: 5.6e-4 on one H200, 5.2e-4 on CPU (bench/README.md, "GPU check");
+# allowed 5x the largest.
+BF16_DPO_TOLERANCE = 2.8e-3
 preference_model, trl_one_replica = test_preference.preference_model, test_preference.trl_one_replica  # fixtures
 
 

@@ -1,0 +1,44 @@
+"""scripts/gpu_check.sh on machines without a usable GPU: one whose GPU torch cannot use fails in one line before any
+check runs (a stand-in nvidia-smi on PATH lists a GPU to this CPU build of torch); one without a GPU skips every
+check and passes."""
+import glob
+import os
+import subprocess
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.skipif(torch.version.cuda is not None or bool(glob.glob("/dev/nvidia[0-9]*")),
+                                reason="needs a CPU build of torch on a machine without a GPU")
+
+
+def gpu_check(tmp_path, nvidia_smi):
+    """bash scripts/gpu_check.sh with `nvidia_smi` (a shell script's body) as the nvidia-smi on PATH."""
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\n{nvidia_smi}\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}", TMPDIR=str(tmp_path))
+    return subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_a_gpu_that_torch_cannot_use_fails_the_check(tmp_path):
+    result = gpu_check(tmp_path, 'echo "GPU 0: NVIDIA H200 (UUID: GPU-8a1f0c3e)"')
+    assert result.returncode == 1
+    assert result.stdout == ""  # no check ran
+    assert result.stderr.splitlines() == [
+        f"gpu_check: FAIL: nvidia-smi lists 1 GPU(s), but torch {torch.__version__} (a CPU build) cannot use it: "
+        f"Torch not compiled with CUDA enabled; install the CUDA build of torch for this driver (README, 'Install on "
+        f"a GPU cluster')"]
+
+
+@pytest.mark.slow
+def test_without_a_gpu_every_check_is_skipped(tmp_path):
+    result = gpu_check(tmp_path, 'echo "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA '
+                                 'driver."; exit 9')
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "no CUDA device found (torch.cuda.is_available() is false): every check skipped" in result.stdout
+    assert " passed" not in result.stdout and " failed" not in result.stdout and " error" not in result.stdout
