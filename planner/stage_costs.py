@@ -36,7 +36,7 @@ follow these FLOPs within 4% (bench/trainer_profile.py).
 """
 from models.llama import head_dim_of
 from models.lora import adapter_parameter_count
-from models.partition import DECODER, EMBEDDING, HEAD, NORM, decoder_parameter_split, layer_kinds
+from models.partition import DECODER, EMBEDDING, HEAD, NORM, decoder_parameter_split, layer_kinds, mean_attended_keys
 from models.pipeline_schedule_rules import in_flight_micro_batches, waiting_micro_batches
 from planner import training_state
 from planner.training_state import FP32_BYTES
@@ -91,11 +91,13 @@ class LayerCosts:
         self.largest_trained = ({kind: (lora.rank * max(hidden, inter * t) if count else 0)
                                  for kind, count in self.trained.items()} if lora.enabled
                                 else self.largest_tensor)
-        # Matmuls: 2 FLOPs per weight per token; causal attention: QK^T and PV over half the seq x seq scores.
-        # Norms and row-parallel biases (counted the same way) run on the residual stream's tokens.
+        # Matmuls: 2 FLOPs per weight per token; causal attention: QK^T and PV over half the seq x seq scores
+        # (fewer under sliding windows: the layers' mean). Norms and row-parallel biases (counted the same way) run
+        # on the residual stream's tokens; Granite's multipliers are elementwise scalings, not counted.
+        keys = mean_attended_keys(config, workload.seq_length)
         self.forward_flops = {EMBEDDING: 0, NORM: 0, HEAD: 2 * tokens * hidden * vocab,
                               DECODER: 2 * tokens * (sharded // t) + 2 * residual * replicated
-                              + 2 * tokens * workload.seq_length * q_width + 2 * tokens * adapters}
+                              + round(4 * tokens * keys * q_width) + 2 * tokens * adapters}
         # The weight gradients a frozen base skips (its backward computes input gradients only): its matmuls' FLOPs.
         self.frozen_weight_grad_flops = ({EMBEDDING: 0, NORM: 0, HEAD: self.forward_flops[HEAD],
                                           DECODER: 2 * tokens * (sharded // t) + 2 * residual * replicated}
