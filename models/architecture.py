@@ -100,9 +100,10 @@ def sliding_window(config, layer):
 def check_model_config(config):
     """Refuse configs whose math this pipeline does not implement, naming the field, before anything is built."""
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        nearest = difflib.get_close_matches(config.model_type, SUPPORTED_MODEL_TYPES, n=1, cutoff=0.0)[0]
+        nearest = difflib.get_close_matches(config.model_type, SUPPORTED_MODEL_TYPES, n=1, cutoff=0.6)
         raise ValueError(f"model_type '{config.model_type}' is not supported; supported: "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (the LLaMA layout); the nearest is '{nearest}'.")
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (the LLaMA layout)"
+                         + (f"; the nearest is '{nearest[0]}', whose layers differ from it." if nearest else "."))
     for field, what in NOT_IMPLEMENTED.items():
         if getattr(config, field, None) not in (None, False):
             raise ValueError(f"{field}={getattr(config, field)!r} in the {config.model_type} config asks for {what}, "
