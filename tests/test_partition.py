@@ -217,6 +217,27 @@ def test_activation_model_matches_what_autograd_saves(dtype, precision, kv_heads
 
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("family", ["qwen3", "olmo2", "granite", "mistral"])
+def test_activation_model_counts_each_familys_layer(dtype, precision, family):
+    """What a decoder layer of each family keeps for backward (q/k norms, OLMo 2's fp32-scaled norms; Granite's
+    multipliers and Mistral's window keep nothing more), and the stage's window mask."""
+    from tests.tiny_models import TINY_CONFIGS
+    batch, seq = 2, 24
+    config = TINY_CONFIGS[family]()
+    costs = LayerCosts(config, Workload(seq_length=seq, micro_batch_size=batch, precision=precision))
+    stage_inputs = StageAttentionInputs(config)
+    decoder = DecoderLayerPipe(config, stage_inputs).to(dtype)
+    hidden = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
+    mask, positions = torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq)
+    cos, sin, window_mask = stage_inputs(hidden, mask, positions, decoder.self_attn.window)
+    shared = {t.untyped_storage().data_ptr() for t in (cos, sin, window_mask) if t is not None}
+    params = {p.untyped_storage().data_ptr() for p in decoder.parameters()}
+    assert saved_activation_bytes(lambda: decoder((hidden, mask, positions)), shared | params) \
+        == costs.saved_bytes[DECODER]
+    assert costs.document_mask_bytes == (0 if window_mask is None else window_mask.untyped_storage().nbytes())
+
+
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
 @pytest.mark.parametrize("kv_heads,chunk", [(4, 0), (2, 0), (2, 7)], ids=["mha", "gqa", "gqa-chunked-loss"])
 def test_weight_grad_model_matches_what_the_zero_bubble_queue_keeps(dtype, precision, kv_heads, chunk):
     """What a micro-batch waiting for W holds (models/weight_grads.py), per decoder layer and for the LM head."""
