@@ -7,7 +7,8 @@ The final norm and the LM head pass plain tensors. Parameter names inside each l
 after the ``model.layers.{i}.`` prefix, so a layer's state dict is the Hugging Face one with the prefix stripped.
 
 Every layer takes a ``parallel`` (models/tensor_parallel.py): it sizes the projections to this rank's share and
-does the few collectives tensor parallelism needs; the default is the plain single-process computation.
+does the few collectives tensor parallelism needs; the default is the plain single-process computation. What each
+model family changes (norms, multipliers, windows, rotary layers) comes from models/architecture.py.
 """
 import functools
 
@@ -104,6 +105,7 @@ class StageAttentionInputs:
         self._key = None
         self._held = None  # the tensors the key's addresses belong to, kept alive so no other batch reuses them
         self._value = None
+        self._masks = {}  # {window: mask} of the keyed batch, built when a layer of the stage first asks
 
     def __call__(self, hidden, document_ids, position_ids, window=None):
         """(cos, sin, mask) for a layer attending within `window` positions (None: the whole sequence)."""
@@ -113,7 +115,7 @@ class StageAttentionInputs:
         if key != self._key:
             self.rotary.to(hidden.device)
             self._value = self.rotary(hidden, position_ids)
-            self._masks = {}  # {window: mask}, built when a layer of the stage first asks
+            self._masks = {}
             self._key = key
             self._held = (document_ids, position_ids)
         if window not in self._masks:
