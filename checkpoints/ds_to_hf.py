@@ -18,7 +18,7 @@ from checkpoints.files import (check_output_dir, copy_model_side_files, copy_tok
 from checkpoints.integrity import (manifest_digest, no_manifest_note, read_by_export, verify_directory,
                                    verify_model_side_files)
 from checkpoints.layer_files import load_weights_only
-from models.layout import hf_name_of_layer_key, layer_indices_with_files
+from models.layout import fused_names, hf_name_of_layer_key, layer_indices_with_files
 from models.llama import check_model_config, layers_on_meta
 from models.lora import NO_LORA, LoraSettings, add_adapters
 
@@ -87,7 +87,15 @@ def read_hf_tensors(tag_dir, config, lora=NO_LORA):
                 tensors[name] = functools.partial(torch.cat, [s[key] for s in slices], dim)
                 shape = first.shape[:dim] + (first.shape[dim] * len(slices),) + first.shape[dim + 1:]
             shapes[name] = torch.empty(shape, dtype=first.dtype, device="meta")
+    if not lora.enabled:  # LoRA on fused projections is refused at start-up (models/lora.py)
+        for name, parts in fused_names(config).items():  # Phi-3's, fused again
+            tensors[name] = functools.partial(concatenated, [tensors.pop(part) for part in parts])
+            shapes[name] = torch.cat([shapes.pop(part) for part in parts])
     return tensors, shapes
+
+
+def concatenated(tensor_functions):
+    return torch.cat([tensor() for tensor in tensor_functions])
 
 
 def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overwrite=False, verify_checksums=True,

@@ -22,7 +22,7 @@ from checkpoints.files import (LATEST, check_output_dir, copy_model_side_files, 
                                has_tokenizer_files, staged_directory)
 from checkpoints.integrity import file_checksum, write_manifest
 from checkpoints.layer_files import load_weights_only, read_exactly, write_layer_file_from_ranges
-from models.layout import layer_file_path, layer_indices_with_files, layer_of_hf_name
+from models.layout import fused_parts, layer_file_path, layer_indices_with_files, layer_of_hf_name
 from models.llama import check_model_config, layers_on_meta
 
 IMPORT_TAG = "global_step0"
@@ -98,15 +98,24 @@ class WeightReader:
             return self._entries[name][1]
         return tuple(self._bin_shards[self.file_of[name]][name].shape)
 
-    def byte_range(self, name):
-        """(dtype, shape, path, byte offset) of a safetensors tensor whose bytes can be copied as they are; else None."""
+    def byte_range(self, name, rows=None):
+        """(dtype, shape, path, byte offset) of a safetensors tensor (rows: (first, count), a block of its rows)
+        whose bytes can be copied as they are; else None."""
         entry = self._entries.get(name)
         if entry is None or entry[0] not in SAFETENSORS_DTYPES:
             return None
         dtype, shape, offset, _ = entry
-        return SAFETENSORS_DTYPES[dtype], shape, self.file_of[name], offset
+        dtype = SAFETENSORS_DTYPES[dtype]
+        if rows is not None:  # a row block of a row-major tensor is one byte range
+            first, count = rows
+            row_bytes = torch.Size(shape[1:]).numel() * dtype.itemsize
+            shape, offset = (count, *shape[1:]), offset + first * row_bytes
+        return dtype, shape, self.file_of[name], offset
 
-    def tensor(self, name):
+    def tensor(self, name, rows=None):
+        if rows is not None:
+            first, count = rows
+            return self.tensor(name)[first:first + count].clone()
         path = self.file_of[name]
         if name not in self._entries:
             tensor = self._bin_shards[path][name]
@@ -129,25 +138,31 @@ def expected_layer_shapes(config):
 
 
 def plan_layers(reader, config):
-    """{layer index: {key: HF name}}, after checking every name and shape against the config."""
+    """{layer index: {key: (HF name, rows)}}, after checking every name and shape against the config; rows: None,
+    or (first, count), the block of a fused weight (Phi-3's) that the key holds."""
     num_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
     expected = expected_layer_shapes(config)
     plan, unknown, mismatched = defaultdict(dict), [], []
     for name in sorted(reader.file_of):
         if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved; derived from the config
             continue
-        located = layer_of_hf_name(name, num_layers, tied)
+        parts = fused_parts(name, config)
+        located = layer_of_hf_name(name if parts is None else parts[0][0], num_layers, tied)
         if located is None or located[1] not in expected[located[0]]:
             unknown.append(f"{name} ({os.path.basename(reader.file_of[name])})")
             continue
         index, key = located
         if tied and name == "lm_head.weight":  # tied: the embedding already holds this weight
             continue
-        if reader.shape(name) != expected[index][key]:
+        blocks = {key: (name, None)} if parts is None else {
+            layer_of_hf_name(part, num_layers, tied)[1]: (name, (first, rows)) for part, first, rows in parts}
+        shape = expected[index][key] if parts is None else (sum(rows for _, _, rows in parts),
+                                                            *expected[index][key][1:])
+        if reader.shape(name) != shape:
             mismatched.append(f"{name}: {reader.shape(name)} in {os.path.basename(reader.file_of[name])}, "
-                              f"config expects {expected[index][key]}")
+                              f"config expects {shape}")
             continue
-        plan[index][key] = name
+        plan[index].update(blocks)
     if unknown:
         raise ValueError(f"weights not part of a {config.model_type} model with num_hidden_layers={num_layers}: "
                          f"{', '.join(unknown[:20])}{' ...' if len(unknown) > 20 else ''}; check config.json.")
@@ -189,13 +204,14 @@ def zip_checksums_off():
         torch.serialization.set_crc32_options(previous)
 
 
-def write_layer_file(reader, names, path):
-    """names: {key: HF name}. safetensors bytes are copied by the kernel; .bin tensors go through torch.save."""
-    ranges = {key: reader.byte_range(name) for key, name in names.items()}
+def write_layer_file(reader, sources, path):
+    """sources: {key: (HF name, rows)}. safetensors bytes are copied by the kernel; .bin tensors go through
+    torch.save."""
+    ranges = {key: reader.byte_range(name, rows) for key, (name, rows) in sources.items()}
     if all(ranges.values()):
         write_layer_file_from_ranges(path, ranges)
         return
-    layer = {key: reader.tensor(name) for key, name in names.items()}
+    layer = {key: reader.tensor(name, rows) for key, (name, rows) in sources.items()}
     torch.save(layer, path)
     del layer
     release_freed_memory()

@@ -68,13 +68,16 @@ class ContextParallel:
         gathered = GatherSequence.apply(torch.cat([k, v], dim=-1), self, 2)
         return gathered.split(k.shape[-1], dim=-1)
 
-    def attention_masks(self, document_ids):
+    def attention_masks(self, document_ids, window=None):
         """Per local half, the boolean (batch, 1, chunk, keys up to the chunk's end) mask of the keys its queries
-        may attend: causal by global position and within the query's document; a padding query sees only itself (no
-        empty row). The whole sequence's document ids are all-gathered once per micro-batch. Rows of one document
-        need none (models/llama.py StageAttentionInputs): causal attention whose queries end the keys
+        may attend: causal by global position, within the query's document and within `window` positions of it (a
+        sliding window; None: unlimited); a padding query sees only itself (no empty row). The whole sequence's
+        document ids are all-gathered once per micro-batch. Rows of one document and no window need none
+        (models/llama.py StageAttentionInputs): causal attention whose queries end the keys
         (causal_lower_right_attention)."""
         whole = self.gather_sequence(document_ids, dim=1)
+        if window is not None and window >= whole.shape[1]:
+            window = None
         chunk = document_ids.shape[1] // 2
         masks = []
         for index in self.global_chunks():
@@ -82,6 +85,8 @@ class ContextParallel:
             queries = torch.arange(index * chunk, end, device=document_ids.device)
             keys = torch.arange(end, device=document_ids.device)
             causal = keys[None, :] <= queries[:, None]
+            if window is not None:
+                causal &= keys[None, :] > queries[:, None] - window
             query_docs, key_docs = whole[:, index * chunk:end], whole[:, :end]
             allowed = causal & (query_docs[:, :, None] == key_docs[:, None, :]) & (key_docs != 0)[:, None, :]
             masks.append((allowed | (keys[None, :] == queries[:, None]))[:, None])
@@ -178,14 +183,14 @@ class GatherSequence(torch.autograd.Function):
         return context.reduce_scatter(in_gathered_order).movedim(0, dim), None, None
 
 
-def causal_lower_right_attention(q, k, v, grouped):
+def causal_lower_right_attention(q, k, v, grouped, scale=None):
     """Causal attention of queries that are the last q.shape[2] of the keys (each half's queries end its keys), with
     no mask tensor: CUDA's flash kernels align a causal mask there (torch's causal_lower_right), but the CPU's aligns
     it at the first key and SDPA would materialise the mask and keep it per layer for backward."""
     if q.device.type == "cpu":
-        return LowerRightCausalOnCPU.apply(q, k, v)
+        return LowerRightCausalOnCPU.apply(q, k, v, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
-                                          enable_gqa=grouped)
+                                          enable_gqa=grouped, scale=scale)
 
 
 class LowerRightCausalOnCPU(torch.autograd.Function):
@@ -195,15 +200,16 @@ class LowerRightCausalOnCPU(torch.autograd.Function):
     the kernel's log-sum-exp but this private one."""
 
     @staticmethod
-    def forward(ctx, q, k, v):
+    def forward(ctx, q, k, v, scale):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         prefix = k.shape[2] - q.shape[2]
-        before, before_lse = flash(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False)
-        block, block_lse = flash(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True)
+        before, before_lse = flash(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
+        block, block_lse = flash(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
         lse = torch.logaddexp(before_lse, block_lse)
         out = (before.float() * (before_lse - lse).exp()[..., None]
                + block.float() * (block_lse - lse).exp()[..., None]).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
         return out
 
     @staticmethod
@@ -213,10 +219,11 @@ class LowerRightCausalOnCPU(torch.autograd.Function):
         prefix = k.shape[2] - q.shape[2]
         grad = grad.contiguous()
         dq_before, dk_before, dv_before = flash_backward(grad, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, 0.0,
-                                                         False)
+                                                         False, scale=ctx.scale)
         dq_block, dk_block, dv_block = flash_backward(grad, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, 0.0,
-                                                      True)
-        return dq_before + dq_block, torch.cat([dk_before, dk_block], 2), torch.cat([dv_before, dv_block], 2)
+                                                      True, scale=ctx.scale)
+        return (dq_before + dq_block, torch.cat([dk_before, dk_block], 2), torch.cat([dv_before, dv_block], 2),
+                None)
 
 
 def build_context_parallel(topology, size):

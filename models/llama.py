@@ -7,7 +7,8 @@ The final norm and the LM head pass plain tensors. Parameter names inside each l
 after the ``model.layers.{i}.`` prefix, so a layer's state dict is the Hugging Face one with the prefix stripped.
 
 Every layer takes a ``parallel`` (models/tensor_parallel.py): it sizes the projections to this rank's share and
-does the few collectives tensor parallelism needs; the default is the plain single-process computation.
+does the few collectives tensor parallelism needs; the default is the plain single-process computation. What each
+model family changes (norms, multipliers, windows, rotary layers) comes from models/architecture.py.
 """
 import functools
 
@@ -16,44 +17,53 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
+from models.architecture import (ACTIVATIONS, architecture_of, check_model_config,  # noqa: F401 (re-exported)
+                                 head_dim_of)
 from models.context_parallel import NO_CONTEXT_PARALLEL, causal_lower_right_attention
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 
-# transformers' ACT2FN for the activations LLaMA-family models use (importing ACT2FN costs ~75 MB per process).
-ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
-               "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-def check_model_config(config):
-    """Refuse configs whose layout this pipeline does not implement, before anything is built."""
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type '{config.model_type}' is not supported; supported: "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (the LLaMA layout).")
-    kv_heads = config.num_key_value_heads or config.num_attention_heads
-    if config.num_attention_heads % kv_heads:
-        raise ValueError(f"num_attention_heads ({config.num_attention_heads}) is not a multiple of "
-                         f"num_key_value_heads ({kv_heads}).")
-    if config.hidden_act not in ACTIVATIONS:
-        raise ValueError(f"hidden_act '{config.hidden_act}' is not supported.")
-
-
-def head_dim_of(config):
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
 
 class RMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+    """transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale (scale_in_fp32, OLMo 2's: scale, then
+    cast back)."""
 
-    def __init__(self, hidden_size, eps, parallel=NO_TENSOR_PARALLEL):
+    def __init__(self, hidden_size, eps, parallel=NO_TENSOR_PARALLEL, scale_in_fp32=False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.parallel = parallel
+        self.scale_in_fp32 = scale_in_fp32
 
     def forward(self, x):
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.parallel.replicated(self.weight) * normed.to(x.dtype)
+        weight = self.parallel.replicated(self.weight)
+        return (weight * normed).to(x.dtype) if self.scale_in_fp32 else weight * normed.to(x.dtype)
+
+
+class HeadRMSNorm(RMSNorm):
+    """Qwen3's q_norm / k_norm: an RMSNorm over each head's features of a projection's output, one weight shared by
+    every head. Under tensor parallelism each rank normalises its own heads, so the weight's gradient is summed
+    over the group."""
+
+    def forward(self, x):
+        heads = x.unflatten(-1, (-1, self.weight.shape[0]))
+        normed = F.rms_norm(heads.float(), (heads.shape[-1],), eps=self.eps)
+        return (self.parallel.shared_by_heads(self.weight) * normed.to(x.dtype)).flatten(-2)
+
+
+class ProjectionRMSNorm(RMSNorm):
+    """OLMo 2's q_norm / k_norm: one RMSNorm over a whole projection's features (every head). Under tensor
+    parallelism the weight splits with the heads, and the mean of squares is summed over the group."""
+
+    def __init__(self, whole_width, eps, parallel=NO_TENSOR_PARALLEL):
+        super().__init__(whole_width // parallel.size, eps, parallel, scale_in_fp32=True)
+        self.whole_width = whole_width
+        parallel.mark_sharded(self, dim=0)
+
+    def forward(self, x):
+        x32 = x.float()
+        mean_square = self.parallel.sum_over_heads(x32.square().sum(-1, keepdim=True)) / self.whole_width
+        return (self.weight * (x32 * torch.rsqrt(mean_square + self.eps))).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -79,7 +89,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def default_rope_parameters(config):
-    dim = head_dim_of(config)
+    dim = int(head_dim_of(config) * architecture_of(config).rotary_fraction)
     inv_freq = 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
     return inv_freq, 1.0
 
@@ -109,24 +119,31 @@ class StageAttentionInputs:
         self._key = None
         self._held = None  # the tensors the key's addresses belong to, kept alive so no other batch reuses them
         self._value = None
+        self._masks = {}  # {window: mask} of the keyed batch, built when a layer of the stage first asks
 
-    def __call__(self, hidden, document_ids, position_ids):
+    def __call__(self, hidden, document_ids, position_ids, window=None):
+        """(cos, sin, mask) for a layer attending within `window` positions (None: the whole sequence)."""
         # Keyed on storage while the previous tensors are held, so a reused address cannot alias another batch.
         key = (document_ids.data_ptr(), document_ids._version, position_ids.data_ptr(), position_ids._version,
                tuple(document_ids.shape), hidden.dtype, hidden.device)
         if key != self._key:
             self.rotary.to(hidden.device)
-            cos, sin = self.rotary(hidden, position_ids)
-            self._value = (cos, sin, self.mask(document_ids, hidden.dtype))
+            self._value = self.rotary(hidden, position_ids)
+            self._masks = {}
             self._key = key
             self._held = (document_ids, position_ids)
-        return self._value
+        if window not in self._masks:
+            self._masks[window] = self.mask(document_ids, hidden.dtype, window)
+        return (*self._value, self._masks[window])
 
-    def mask(self, document_ids, dtype):
-        """The additive mask of a micro-batch (under context parallelism one per local half), None for none."""
+    def mask(self, document_ids, dtype, window):
+        """The additive mask of a micro-batch (under context parallelism one per local half), None for none; a
+        sliding window shorter than the row always takes one."""
         if self.context.size == 1:
-            return additive_mask(document_causal_mask(document_ids), dtype) if self.masked else None
-        halves = self.context.attention_masks(document_ids) if self.masked else [None, None]
+            allowed = document_causal_mask(document_ids) if self.masked else None
+            return additive_mask(within_window(allowed, window, document_ids), dtype)
+        needed = self.masked or (window is not None and window < document_ids.shape[1] * self.context.size)
+        halves = self.context.attention_masks(document_ids, window) if needed else [None, None]
         return [additive_mask(half, dtype) for half in halves]
 
 
@@ -140,6 +157,18 @@ def document_causal_mask(document_ids):
     same_document = document_ids[:, None, :, None] == document_ids[:, None, None, :]
     allowed = causal[None, None] & same_document & (document_ids != 0)[:, None, None, :]
     return allowed | torch.eye(seq, dtype=torch.bool, device=document_ids.device)
+
+
+def within_window(allowed, window, document_ids):
+    """allowed (None: plain causal) narrowed to the keys within `window` positions of each query, itself included
+    (transformers' sliding_window_overlay: key > query - window). A window as long as the sequence changes nothing."""
+    seq = document_ids.shape[-1]
+    if window is None or window >= seq:
+        return allowed
+    positions = torch.arange(seq, device=document_ids.device)
+    offset = positions[:, None] - positions[None, :]
+    near = (offset >= 0) & (offset < window)
+    return near[None, None] if allowed is None else allowed & near
 
 
 def additive_mask(allowed, dtype):
@@ -156,20 +185,26 @@ def rotate_half(x):
 
 
 def apply_rotary(x, cos, sin):
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:  # Phi's partial rotary embedding: the features past the rotary ones pass unrotated
+        return torch.cat([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
 class Attention(nn.Module):
-    def __init__(self, config, attention_impl, parallel=NO_TENSOR_PARALLEL, context=NO_CONTEXT_PARALLEL):
+    def __init__(self, config, attention_impl, parallel=NO_TENSOR_PARALLEL, context=NO_CONTEXT_PARALLEL,
+                 layer_index=0):
         super().__init__()
+        architecture = architecture_of(config)
         self.context = context
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
         self.head_dim = head_dim_of(config)
         self.attention_impl = attention_impl
-        # Qwen2 puts a bias on q, k, v only; LLaMA's attention_bias covers all four projections.
-        qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
-        o_bias = getattr(config, "attention_bias", False) and config.model_type != "qwen2"
+        self.scale = architecture.attention_scale  # None: head_dim ** -0.5
+        self.rotary = architecture.rotary_layers[layer_index]
+        self.window = architecture.sliding_windows[layer_index]
+        qkv_bias, o_bias = architecture.qkv_bias, architecture.o_bias
         hidden, self.parallel = config.hidden_size, parallel
         # Each rank computes whole heads: its query heads and the key/value heads they attend with.
         heads = parallel.local(self.num_heads, "num_attention_heads")
@@ -181,13 +216,23 @@ class Attention(nn.Module):
         for projection in (self.q_proj, self.k_proj, self.v_proj):
             parallel.mark_sharded(projection, dim=0)
         parallel.mark_sharded(self.o_proj, dim=1)
+        self.qk_norm = architecture.qk_norm
+        if self.qk_norm == "head":
+            self.q_norm = HeadRMSNorm(self.head_dim, config.rms_norm_eps, parallel)
+            self.k_norm = HeadRMSNorm(self.head_dim, config.rms_norm_eps, parallel)
+        elif self.qk_norm == "projection":
+            self.q_norm = ProjectionRMSNorm(self.num_heads * self.head_dim, config.rms_norm_eps, parallel)
+            self.k_norm = ProjectionRMSNorm(self.num_kv_heads * self.head_dim, config.rms_norm_eps, parallel)
 
     def forward(self, x, cos, sin, mask, batch, seq):
         q, k, v = self.parallel.column_linears(x, (self.q_proj, self.k_proj, self.v_proj))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.rotary:  # SmolLM3 leaves some layers without
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k, v = self.context.gather_keys_values(k, v)  # the whole sequence's, under context parallelism
         out = self.context.attend(self.attend, q, k, v, mask)
         return self.parallel.row_linear(out.transpose(1, 2).reshape(batch, seq, -1), self.o_proj)
@@ -200,15 +245,16 @@ class Attention(nn.Module):
         grouped = q.shape[1] != k.shape[1]
         if self.attention_impl == "sdpa":
             if mask is None and q.shape[2] != k.shape[2]:
-                return causal_lower_right_attention(q, k, v, grouped)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped)
+                return causal_lower_right_attention(q, k, v, grouped, self.scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped,
+                                                  scale=self.scale)
         if grouped:
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        return eager_attention(q, k, v, mask)
+        return eager_attention(q, k, v, mask, self.scale)
 
 
-def eager_attention(q, k, v, mask):
-    scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5
+def eager_attention(q, k, v, mask, scale=None):
+    scores = torch.matmul(q, k.transpose(2, 3)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     if mask is None:  # causal, the queries ending the keys
         queries, keys = q.shape[-2], k.shape[-2]
         mask = additive_mask(torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(keys - queries), q.dtype)
@@ -219,7 +265,7 @@ def eager_attention(q, k, v, mask):
 class MLP(nn.Module):
     def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
         super().__init__()
-        bias = getattr(config, "mlp_bias", False)
+        bias = architecture_of(config).mlp_bias
         inter = parallel.local(config.intermediate_size, "intermediate_size")
         self.gate_proj = nn.Linear(config.hidden_size, inter, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, inter, bias=bias)
@@ -249,10 +295,12 @@ class EmbeddingPipe(nn.Embedding):
         super().__init__(rows, config.hidden_size, padding_idx=pad - parallel.rank * rows if mine else None)
         parallel.mark_sharded(self, dim=0)
         self.parallel = parallel
+        self.multiplier = architecture_of(config).embedding_multiplier  # Granite's
 
     def forward(self, inputs):
         input_ids, document_ids, position_ids = inputs
-        return self.parallel.embedding(input_ids, self.weight, self.padding_idx), document_ids, position_ids
+        embedded = self.parallel.embedding(input_ids, self.weight, self.padding_idx)
+        return scaled(embedded, self.multiplier), document_ids, position_ids
 
 
 class DecoderLayerPipe(nn.Module):
@@ -260,23 +308,34 @@ class DecoderLayerPipe(nn.Module):
     flattened tokens (batch * seq / tp, hidden); the document ids give batch and seq either way."""
 
     def __init__(self, config, stage_inputs, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL,
-                 context=NO_CONTEXT_PARALLEL):
+                 context=NO_CONTEXT_PARALLEL, layer_index=0):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, parallel)
-        self.self_attn = Attention(config, attention_impl, parallel, context)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, parallel)
+        architecture = architecture_of(config)
+        self.post_norms, self.residual_multiplier = architecture.post_norms, architecture.residual_multiplier
+        norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps, parallel,
+                                 scale_in_fp32=architecture.post_norms)
+        if not self.post_norms:
+            self.input_layernorm = norm()
+        self.self_attn = Attention(config, attention_impl, parallel, context, layer_index)
+        self.post_attention_layernorm = norm()
         self.mlp = MLP(config, parallel)
+        if self.post_norms:
+            self.post_feedforward_layernorm = norm()
         self.stage_inputs = stage_inputs
 
     def forward(self, inputs):
         hidden, document_ids, position_ids = inputs
-        cos, sin, mask = self.stage_inputs(hidden, document_ids, position_ids)
+        cos, sin, mask = self.stage_inputs(hidden, document_ids, position_ids, self.self_attn.window)
         batch, seq = document_ids.shape
         return self.residual_blocks(hidden, cos, sin, mask, batch, seq), document_ids, position_ids
 
     def residual_blocks(self, hidden, cos, sin, mask, batch, seq):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask, batch, seq)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        if self.post_norms:  # OLMo 2: each sublayer's output normalised before the residual add
+            hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, cos, sin, mask, batch, seq))
+            return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
+        attention = self.self_attn(self.input_layernorm(hidden), cos, sin, mask, batch, seq)
+        hidden = hidden + scaled(attention, self.residual_multiplier)
+        return hidden + scaled(self.mlp(self.post_attention_layernorm(hidden)), self.residual_multiplier)
 
     def compile(self, *args, **kwargs):
         """torch.compile the layer's math only: the stage's shared attention inputs stay a Python-side cache."""
@@ -284,13 +343,21 @@ class DecoderLayerPipe(nn.Module):
 
 
 class FinalNormPipe(RMSNorm):
-    """Layer L+1: drops document ids and positions, which nothing after it needs."""
+    """Layer L+1: drops document ids and positions, which nothing after it needs. Granite divides its logits by
+    logits_scaling: done here, to the LM head's input (the head is linear), so every loss path sees it."""
 
     def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
-        super().__init__(config.hidden_size, config.rms_norm_eps, parallel)
+        architecture = architecture_of(config)
+        super().__init__(config.hidden_size, config.rms_norm_eps, parallel, scale_in_fp32=architecture.post_norms)
+        self.logits_multiplier = 1 / architecture.logits_scaling
 
     def forward(self, inputs):
-        return super().forward(inputs[0])
+        return scaled(super().forward(inputs[0]), self.logits_multiplier)
+
+
+def scaled(x, multiplier):
+    """x * multiplier (Granite's multipliers); the same x, with no kernel, at 1."""
+    return x if multiplier == 1 else x * multiplier
 
 
 class LMHeadPipe(nn.Linear):

@@ -18,7 +18,7 @@ import math
 import torch
 from torch import nn
 
-from models.llama import DecoderLayerPipe
+from models.llama import DecoderLayerPipe, architecture_of
 from models.tensor_parallel import SHARDED_MARKER, TensorParallel
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -92,6 +92,15 @@ def whole_features(projection, size):
     """(in, out) features of a projection before tensor parallelism split it over `size` ranks."""
     dim = getattr(projection.weight, "tensor_parallel_dim", None)
     return (projection.in_features * (size if dim == 1 else 1), projection.out_features * (size if dim == 0 else 1))
+
+
+def check_lora_applies(config):
+    """peft adapts Phi-3's fused qkv_proj and gate_up_proj as single projections (one A over q, k and v), which the
+    pipeline's split projections do not hold."""
+    if architecture_of(config).fused_projections:
+        raise ValueError(f"lora on a {config.model_type} model is not implemented: peft adapts its fused qkv_proj and "
+                         f"gate_up_proj as single projections, which this pipeline holds split; fine-tune it fully "
+                         f"(lora.rank=0).")
 
 
 def check_rank_fits(config, settings):

@@ -9,7 +9,7 @@ import re
 
 from deepspeed_internals.registry import partition_balanced, partition_uniform
 from models.layout import num_pipeline_layers
-from models.llama import head_dim_of
+from models.llama import architecture_of, head_dim_of
 from models.lora import NO_LORA, adapter_parameter_count
 
 EMBEDDING, DECODER, NORM, HEAD = "embedding", "decoder", "norm", "head"
@@ -33,22 +33,39 @@ def stage_kinds(stage, num_stages, num_decoders):
 
 def decoder_parameter_split(config):
     """A decoder layer's parameters as (sharded, replicated) under tensor parallelism: the projections' weights
-    and the column-parallel biases (q, k, v, gate, up) split over the ranks; the two norms and the row-parallel
-    biases (o, down) are whole on every rank."""
+    (Phi-3's fused ones as many), the column-parallel biases (q, k, v, gate, up) and OLMo 2's whole-projection q/k
+    norms split over the ranks; the two norms, Qwen3's per-head q/k norms and the row-parallel biases (o, down)
+    are whole on every rank."""
+    architecture = architecture_of(config)
     hidden, heads = config.hidden_size, config.num_attention_heads
     kv_heads = config.num_key_value_heads or heads
     head_dim = head_dim_of(config)
     inter = config.intermediate_size
     sharded = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter
     replicated = 2 * hidden
-    if getattr(config, "attention_bias", False) or config.model_type == "qwen2":
+    if architecture.qkv_bias:
         sharded += head_dim * (heads + 2 * kv_heads)
-    if getattr(config, "attention_bias", False) and config.model_type != "qwen2":
+    if architecture.o_bias:
         replicated += hidden
-    if getattr(config, "mlp_bias", False):
+    if architecture.mlp_bias:
         sharded += 2 * inter
         replicated += hidden
+    if architecture.qk_norm == "head":
+        replicated += 2 * head_dim
+    elif architecture.qk_norm == "projection":
+        sharded += head_dim * (heads + kv_heads)
     return sharded, replicated
+
+
+def mean_attended_keys(config, seq_length):
+    """Keys a query attends, averaged over a sequence's queries and the decoder layers: seq_length / 2 under the
+    causal mask (the cost model's convention), less the keys a layer's sliding window cuts off (the triangle of
+    (seq_length - window)^2 / 2 scores past it)."""
+    def keys(window):
+        beyond = max(0, seq_length - window) if window else 0
+        return seq_length / 2 - beyond ** 2 / (2 * seq_length)
+    windows = architecture_of(config).sliding_windows
+    return sum(keys(window) for window in windows) / len(windows)
 
 
 def decoder_parameter_count(config):
@@ -67,11 +84,13 @@ def training_flops_per_token(config, seq_length, lora=NO_LORA):
     MFU divides by the device's peak: 2 per weight per token for every decoder weight and the LM head (the
     embedding is a gather), plus attention's QK^T and PV, 2 x 2 x seq_length x heads x head_dim per token and
     layer over all seq_length x seq_length scores (PaLM's convention, as published MFU figures and
-    torch.utils.flop_counter count it; the planner's cost model instead counts only the causal half). Under LoRA
+    torch.utils.flop_counter count it; the planner's cost model instead counts only the causal half), over a
+    layer's sliding window where it is shorter. Under LoRA
     the frozen weights' backward computes input gradients only (2 x forward becomes 1 x), and the adapters count
     like any trained weight."""
     matmul_weights = config.num_hidden_layers * decoder_parameter_count(config) + config.vocab_size * config.hidden_size
-    attention = config.num_hidden_layers * 4 * seq_length * config.num_attention_heads * head_dim_of(config)
+    keys = sum(min(seq_length, window or seq_length) for window in architecture_of(config).sliding_windows)
+    attention = 4 * keys * config.num_attention_heads * head_dim_of(config)
     if not lora.enabled:
         return 3 * (2 * matmul_weights + attention)
     adapters = config.num_hidden_layers * adapter_parameter_count(config, lora)

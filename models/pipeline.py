@@ -37,8 +37,8 @@ def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARA
     head = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel,
                           forward_fn=functools.partial(lm_head, chunked_loss=chunked_loss))
             if tied else LayerSpec(LMHeadPipe, config, parallel, chunked_loss))
-    decoders = [LayerSpec(DecoderLayerPipe, config, stage_inputs, attention_impl, parallel, context)
-                for _ in range(config.num_hidden_layers)]
+    decoders = [LayerSpec(DecoderLayerPipe, config, stage_inputs, attention_impl, parallel, context, index)
+                for index in range(config.num_hidden_layers)]
     return [embedding, *decoders, LayerSpec(FinalNormPipe, config, parallel), head]
 
 

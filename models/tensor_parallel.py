@@ -133,6 +133,16 @@ class TensorParallel:
         sees only its tokens, so the gradient is summed over the group: identical on every rank, as without."""
         return CopyToGroup.apply(param, self.group) if self.sequence_parallel else param
 
+    def shared_by_heads(self, param):
+        """A parameter every rank applies to its own heads (Qwen3's per-head norms): each rank's gradient covers its
+        heads only, so it is summed over the group."""
+        return CopyToGroup.apply(param, self.group) if self.size > 1 else param
+
+    def sum_over_heads(self, partial):
+        """The group's sum of a per-rank partial over its heads (OLMo 2's mean of squares over a whole projection),
+        every rank's gradient reaching every partial."""
+        return AllReduce.apply(CopyToGroup.apply(partial, self.group), self.group) if self.size > 1 else partial
+
     def embedding(self, input_ids, weight, padding_idx=None):
         """Vocabulary-parallel lookup: this rank's rows, zeros for ids outside them, summed over the group.
         padding_idx: this rank's row that takes no gradient (the pad token's, where this rank holds it)."""

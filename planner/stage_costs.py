@@ -34,9 +34,9 @@ decoder layer (the slowest stage sets a pipeline's pace) as long as its memory f
 device's memory costs more than any that fits, by how far over it is. Measured on the CPU, stage compute times
 follow these FLOPs within 4% (bench/trainer_profile.py).
 """
-from models.llama import head_dim_of
+from models.llama import architecture_of, head_dim_of
 from models.lora import adapter_parameter_count
-from models.partition import DECODER, EMBEDDING, HEAD, NORM, decoder_parameter_split, layer_kinds
+from models.partition import DECODER, EMBEDDING, HEAD, NORM, decoder_parameter_split, layer_kinds, mean_attended_keys
 from models.pipeline_schedule_rules import in_flight_micro_batches, waiting_micro_batches
 from planner import training_state
 from planner.training_state import FP32_BYTES
@@ -91,11 +91,13 @@ class LayerCosts:
         self.largest_trained = ({kind: (lora.rank * max(hidden, inter * t) if count else 0)
                                  for kind, count in self.trained.items()} if lora.enabled
                                 else self.largest_tensor)
-        # Matmuls: 2 FLOPs per weight per token; causal attention: QK^T and PV over half the seq x seq scores.
-        # Norms and row-parallel biases (counted the same way) run on the residual stream's tokens.
+        # Matmuls: 2 FLOPs per weight per token; causal attention: QK^T and PV over half the seq x seq scores
+        # (fewer under sliding windows: the layers' mean). Norms and row-parallel biases (counted the same way) run
+        # on the residual stream's tokens; Granite's multipliers are elementwise scalings, not counted.
+        keys = mean_attended_keys(config, workload.seq_length)
         self.forward_flops = {EMBEDDING: 0, NORM: 0, HEAD: 2 * tokens * hidden * vocab,
                               DECODER: 2 * tokens * (sharded // t) + 2 * residual * replicated
-                              + 2 * tokens * workload.seq_length * q_width + 2 * tokens * adapters}
+                              + round(4 * tokens * keys * q_width) + 2 * tokens * adapters}
         # The weight gradients a frozen base skips (its backward computes input gradients only): its matmuls' FLOPs.
         self.frozen_weight_grad_flops = ({EMBEDDING: 0, NORM: 0, HEAD: self.forward_flops[HEAD],
                                           DECODER: 2 * tokens * (sharded // t) + 2 * residual * replicated}
@@ -106,10 +108,10 @@ class LayerCosts:
             # 8 hidden-sized and 4 intermediate-sized tensors in the activation dtype, the two norms' fp32 inputs
             # and inverse RMS, and attention's log-sum-exp per head. Of the hidden-sized ones, the norms' normalised
             # outputs are on the residual stream's tokens, the inputs of the column-parallel groups (q/k/v,
-            # gate/up) on the gathered tokens, q and attention's output on this rank's heads (counted hidden-sized:
-            # heads x head_dim = hidden in LLaMA-family configs), k and v on its key/value heads (SDPA's
+            # gate/up) on the gathered tokens, q and attention's output on this rank's heads (heads x head_dim: hidden
+            # in LLaMA's configs, not in Qwen3's), k and v on its key/value heads (SDPA's
             # enable_gqa: not copied per query head), over the whole sequence under context parallelism.
-            DECODER: act * (2 * residual * hidden + 2 * gathered * hidden + 2 * tokens * hidden // t
+            DECODER: act * (2 * residual * hidden + 2 * gathered * hidden + 2 * tokens * q_width
                             + 2 * workload.key_value_tokens * kv_width + 4 * tokens * inter)
                      + FP32_BYTES * (residual * (2 * hidden + 2) + tokens * heads),
             # The norm's fp32 input and inverse RMS, its normalised output, and its scaled output as the LM head's
@@ -123,6 +125,18 @@ class LayerCosts:
             HEAD: (act * tokens * hidden + (0 if lora.enabled else weight_grad_bytes * vocab * hidden)
                    if chunked else tokens * (vocab * FP32_BYTES + INT64_BYTES + (2 if t > 1 else 0))),
         }
+        # Qwen3's per-head and OLMo 2's whole-projection q/k norms (on all tokens, this rank's heads) keep their fp32
+        # input and inverse RMS (per head, per token), and Qwen3's its normalised output, OLMo 2's its fp32 scaled
+        # one; OLMo 2's norms scale in fp32, so its two layer norms keep an fp32 normalised output.
+        architecture = architecture_of(config)
+        qk_width = q_width + kv_width
+        if architecture.qk_norm == "head":
+            qk_heads = qk_width // head_dim_of(config)
+            self.saved_bytes[DECODER] += tokens * ((FP32_BYTES + act) * qk_width + FP32_BYTES * qk_heads)
+        elif architecture.qk_norm == "projection":
+            self.saved_bytes[DECODER] += tokens * FP32_BYTES * (2 * qk_width + 2)
+        if architecture.post_norms:
+            self.saved_bytes[DECODER] += 2 * residual * hidden * (FP32_BYTES - act)
         # LoRA keeps each adapter's rank-wide h (gathered for a column-parallel group) and, with dropout, its
         # dropped input and mask; the frozen projections' own inputs stay kept, for the adapters' A gradients.
         if lora.enabled:
@@ -160,11 +174,19 @@ class LayerCosts:
         # Context parallelism's attention masks, once per stage: local chunk x keys up to it, for both halves.
         c = workload.context_parallel
         chunk = workload.seq_length // (2 * c)
-        self.context_mask_bytes = workload.micro_batch_size * chunk * chunk * (2 * c + 1) * act if c > 1 else 0
-        # Packed documents' additive mask (models/llama.py), which attention keeps for backward: one per micro-batch
-        # in flight. Rows of one document, padded or not, attend with is_causal and need none.
-        self.document_mask_bytes = (workload.micro_batch_size * workload.seq_length ** 2 * act
-                                    if workload.document_masks and c == 1 else 0)
+        # One mask per sliding window shorter than the sequence, and one for the layers without when rows hold
+        # padding or packed documents (models/llama.py StageAttentionInputs).
+        # A window's mask over rows of one document each is one row's, shared by the micro-batch's rows.
+        windows = {w if w and w < workload.seq_length else None for w in architecture.sliding_windows}
+        rows = workload.micro_batch_size if workload.document_masks else 1
+        full_masks = workload.micro_batch_size if None in windows and workload.document_masks else 0
+        masks = len(windows - {None}) * rows + full_masks
+        self.context_mask_bytes = (workload.micro_batch_size * chunk * chunk * (2 * c + 1) * act
+                                   * len(windows) if c > 1 else 0)
+        # Packed documents' and sliding windows' additive masks (models/llama.py), which attention keeps for
+        # backward: each per micro-batch in flight. Rows of one document, padded or not, attend with is_causal and
+        # need none without a window.
+        self.document_mask_bytes = masks * workload.seq_length ** 2 * act if c == 1 else 0
 
     def chunks(self, kinds):
         """DeepSpeed's activation checkpointing: consecutive runs of `interval` layers from the stage's first layer,

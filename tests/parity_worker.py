@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deepspeed  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from models.layout import hf_name_of_layer_key  # noqa: E402
+from models.layout import hf_name_of_layer_key, split_fused  # noqa: E402
 from models.lora import NO_LORA, LoraSettings  # noqa: E402
 from checkpoints.layer_files import load_layer_slice  # noqa: E402
 from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
@@ -98,7 +98,8 @@ def hf_reference(hf_dir, batch, micro_batch_size, lora=None, adapters=None):
         rows = slice(start, start + micro_batch_size)
         losses.append(model(input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows]).loss)
     torch.stack(losses).mean().backward()
-    grads = {hf_name_of_peft(n): p.grad for n, p in model.named_parameters() if p.requires_grad}
+    grads = split_fused({hf_name_of_peft(n): p.grad for n, p in model.named_parameters() if p.requires_grad},
+                        model.config)  # Phi-3's fused weights as the pipeline's parts
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)  # the same tensor as the embedding's
     return [loss.item() for loss in losses], grads

@@ -25,6 +25,12 @@ CASES = {  # name: (tiny model, stages, tensor parallel, context parallel, optio
     "cp4_eager_logits": ("llama3", 1, 1, 4, {"attention_impl": "eager", "loss_chunk_tokens": 0}),
     "2stages_x_cp2_zero_bubble_checkpointing": ("llama3", 2, 1, 2, {"activation_checkpoint_interval": 1,
                                                                     "zero_bubble": True}),
+    # The other families where context parallelism meets what differs (qwen2 above has sliding windows): OLMo 2's
+    # norms under tensor parallelism, Granite's attention scale in the split causal kernel, SmolLM3's layers
+    # without rotary embedding.
+    "olmo2_cp2_x_tp2_sp": ("olmo2", 1, 2, 2, {}),
+    "granite_cp2_x_2replicas": ("granite", 1, 1, 2, {}),
+    "smollm3_2stages_x_cp2": ("smollm3", 2, 1, 2, {}),
 }
 
 

@@ -113,8 +113,48 @@ def test_unsupported_model_type_lists_supported(tmp_path):
     GPT2Config(n_layer=2, n_embd=32, n_head=4).save_pretrained(tmp_path / "gpt2")
     result = convert_cli("--model_name_or_path", str(tmp_path / "gpt2"), "--output_dir", str(tmp_path / "out"))
     assert result.returncode != 0
-    assert "model_type 'gpt2' is not supported; supported: llama, mistral, qwen2" in result.stderr
+    assert ("model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, olmo2, granite, smollm3, "
+            "phi3 (the LLaMA layout)." in result.stderr)
     assert_nothing_written(tmp_path, str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("model_type,field,value,message", [
+    ("qwen3_moe", None, None, r"model_type 'qwen3_moe' is not supported; supported: llama, .*, phi3 \(the LLaMA "
+                              r"layout\); the nearest is 'qwen3', whose layers differ from it\."),
+    ("qwen3", "attn_logit_softcapping", 50.0, r"attn_logit_softcapping=50\.0 in the qwen3 config asks for an attention "
+                                              r"logit soft-cap, which this pipeline does not implement\."),
+    ("llama", "layer_norm_eps", 1e-5, r"layer_norm_eps=1e-05 in the llama config asks for a LayerNorm \(only "
+                                      r"RMSNorm is implemented\)"),
+    ("llama", "rope_parameters", {"rope_type": "ntk-by-parts", "rope_theta": 1e4},
+     r"rope_parameters rope_type 'ntk-by-parts' is not implemented; implemented: default, linear, dynamic"),
+], ids=["unsupported_family", "soft_cap", "layer_norm", "rope_type"])
+def test_math_not_implemented_is_refused_naming_the_field_before_any_weight_is_read(tmp_path, model_type, field,
+                                                                                    value, message):
+    """The config of a checkpoint asks for math the pipeline does not do: one line naming it, before any weight is
+    read (the weights here are not even there) and nothing written."""
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    config = dict(TINY_CONFIGS["qwen3" if model_type.startswith("qwen3") else "llama2"]().to_dict(),
+                  model_type=model_type)
+    if field:
+        config[field] = value
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        convert_hf_to_ds(str(hf_dir), str(tmp_path / "out"))
+    assert_nothing_written(tmp_path, str(tmp_path / "out"))
+
+
+def test_phi3_fused_weights_are_split_in_the_layer_files(tiny_checkpoints):
+    """The pipeline holds Phi-3's qkv_proj and gate_up_proj as LLaMA's projections: their row blocks, in order."""
+    hf_dir, ds_dir = tiny_checkpoints["phi3"]
+    hf = load_hf_weights(hf_dir)
+    layer = torch.load(os.path.join(ds_dir, "global_step0", "layer_02-model_states.pt"))
+    assert "self_attn.qkv_proj.weight" not in layer and "mlp.gate_up_proj.weight" not in layer
+    q, k, v = hf["model.layers.1.self_attn.qkv_proj.weight"].split([32, 16, 16])
+    gate, up = hf["model.layers.1.mlp.gate_up_proj.weight"].chunk(2)
+    for key, block in {"self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v, "mlp.gate_proj": gate,
+                       "mlp.up_proj": up}.items():
+        assert torch.equal(layer[f"{key}.weight"], block), key
 
 
 @pytest.mark.parametrize("num_hidden_layers,message", [

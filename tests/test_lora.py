@@ -32,8 +32,10 @@ GRADIENT_CASES = {  # (stages, world size, tensor parallel): cases
     (2, 2, 1): [dict(name="llama3", model="llama3", lora=LORA),
                 dict(name="tied+checkpointing", model="tied", lora=LORA, checkpoint_interval=1),
                 dict(name="qwen2+zero_bubble", model="qwen2", lora=LORA, schedule="zero_bubble"),
-                dict(name="attention_only", model="llama2", lora=dict(LORA, target_modules=("q_proj", "v_proj")))],
+                dict(name="attention_only", model="llama2", lora=dict(LORA, target_modules=("q_proj", "v_proj"))),
+                dict(name="qwen3", model="qwen3", lora=LORA), dict(name="granite", model="granite", lora=LORA)],
     (2, 4, 2): [dict(name="llama3+sp", model="llama3", lora=LORA, sequence_parallel=True),
+                dict(name="olmo2+sp", model="olmo2", lora=LORA, sequence_parallel=True),
                 dict(name="qwen2", model="qwen2", lora=LORA, sequence_parallel=False),
                 dict(name="tied+sp+zero_bubble", model="tied", lora=LORA, schedule="zero_bubble")],
 }
@@ -201,6 +203,16 @@ def test_bad_lora_config_is_refused_before_any_work(demo_model, tmp_path, overri
     overrides = {"num_stages": 1, **overrides}
     with pytest.raises(ValueError, match=message):
         run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), overrides["num_stages"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_lora_on_phi3_fused_projections_is_refused_before_any_work(demo_model, tiny_checkpoints, tmp_path):
+    overrides = {"num_stages": 1, "lora.rank": 4, "model_name_or_path": tiny_checkpoints["phi3"][1],
+                 "tokenizer_name_or_path": demo_model["ds"]}
+    with pytest.raises(ValueError, match=r"lora on a phi3 model is not implemented: peft adapts its fused qkv_proj "
+                                         r"and gate_up_proj as single projections, which this pipeline holds split; "
+                                         r"fine-tune it fully \(lora.rank=0\)\."):
+        run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), 1)
     assert not (tmp_path / "run").exists()
 
 

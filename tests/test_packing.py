@@ -1,6 +1,7 @@
 """Packed rows with per-document isolation against transformers on each example alone (real processes, gloo):
 the token-weighted eval loss (training/evaluation.py) and the training gradients, for 1 stage x 2 data-parallel,
 2 stages, and 1 stage x tensor parallel 2 with sequence parallelism, in one launch of 2 processes."""
+import itertools
 import json
 import random
 from types import SimpleNamespace
@@ -13,6 +14,7 @@ from tests.parity_worker import CHUNK_TOKENS
 
 SEQ, MICRO_BATCH, GAS = 32, 2, 2
 TOPOLOGIES = {"1stage_x_2dp": (1, 1), "2stages": (2, 1), "1stage_x_tp2": (1, 2)}  # name: (stages, tensor parallel)
+PACKED_MODELS = ("llama3", "mistral")  # Mistral: a sliding window (8) inside the longer packed documents
 
 
 def micro_batches(rows, dp_size, dp_rank):
@@ -76,7 +78,7 @@ def recording_engine(module, ds_dir):
     return engine, optimizer
 
 
-def packed_parity_worker(rank, hf_dir, ds_dir, rows, out_dir):
+def packed_parity_worker(rank, checkpoints, rows, out_dir):
     import torch
     from transformers import AutoConfig
 
@@ -87,9 +89,10 @@ def packed_parity_worker(rank, hf_dir, ds_dir, rows, out_dir):
     from training.evaluation import evaluate
 
     init_distributed(timeout_minutes=2)
-    config = AutoConfig.from_pretrained(hf_dir)
     results = {}
-    for name, (stages, tensor_parallel) in TOPOLOGIES.items():
+    for (model, (hf_dir, ds_dir)), (topology, (stages, tensor_parallel)) in itertools.product(checkpoints.items(),
+                                                                                            TOPOLOGIES.items()):
+        config = AutoConfig.from_pretrained(hf_dir)
         module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True,
                                        layer_loader=load_layer_slice, loss_chunk_tokens=CHUNK_TOKENS)
         engine, optimizer = recording_engine(module, ds_dir)
@@ -101,7 +104,7 @@ def packed_parity_worker(rank, hf_dir, ds_dir, rows, out_dir):
         engine.train_batch(micro_batches(rows, dp_size, engine.grid.data_parallel_id))
         ref_loss, _, ref_grads = hf_reference(hf_dir, rows, GAS * dp_size)
         grad_errors = gradient_errors(module, optimizer.recorded, ref_grads, config.num_hidden_layers, engine)
-        results[name] = {"eval_loss": eval_loss, "ref_loss": ref_loss, "grad_errors": grad_errors}
+        results[f"{model}/{topology}"] = {"eval_loss": eval_loss, "ref_loss": ref_loss, "grad_errors": grad_errors}
         torch.distributed.barrier()
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(results, f)
@@ -125,10 +128,10 @@ def packed_rows(tmp_path):
 def test_packed_rows_match_transformers_on_each_example(tiny_checkpoints, tmp_path):
     rows, stats = packed_rows(tmp_path)
     assert stats.packed_from == 40 and len(rows) < 40 and any(len(r["lengths"]) > 2 for r in rows[:GAS * 2 * 2])
-    hf_dir, ds_dir = tiny_checkpoints["llama3"]
-    spawn(packed_parity_worker, 2, hf_dir, ds_dir, rows, str(tmp_path))
+    models = {name: tiny_checkpoints[name] for name in PACKED_MODELS}
+    spawn(packed_parity_worker, 2, models, rows, str(tmp_path))
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
-    for name in TOPOLOGIES:
+    for name in (f"{model}/{topology}" for model in PACKED_MODELS for topology in TOPOLOGIES):
         for result in (rank[name] for rank in ranks):
             assert result["eval_loss"] == pytest.approx(result["ref_loss"], abs=1e-5), name
             bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}

@@ -74,3 +74,23 @@ def test_partition_methods_and_activation_checkpointing_keep_parity(tiny_checkpo
             assert result["parts"] == PARTITION_CASES[name][2], name
             assert result["mean_loss"] == pytest.approx(sum(result["ref_losses"]) / GAS, abs=1e-5), name
             assert max(result["grad_errors"].values()) < 1e-4, name
+
+
+@pytest.mark.parametrize("seq", [16, 48], ids=["short_factors", "long_factors"])
+def test_phi3_longrope_partial_rotary_tables_equal_transformers(seq):
+    """Phi-3's longrope (short factors up to original_max_position_embeddings, long ones past it) over a partial
+    rotary dimension: the pipeline's cos/sin tables are transformers'."""
+    import torch
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from models.llama import RotaryEmbedding
+    from tests.tiny_models import COMMON
+    config = Phi3Config(**{**COMMON, "max_position_embeddings": 64}, original_max_position_embeddings=32,
+                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                         "short_factor": [1.0, 1.5], "long_factor": [2.0, 4.0]})
+    x, positions = torch.zeros(1, seq, 32), torch.arange(seq)[None]
+    ours, theirs = RotaryEmbedding(config)(x, positions), Phi3RotaryEmbedding(config)(x, positions)
+    assert ours[0].shape[-1] == 4  # half of head_dim 8
+    for mine, reference in zip(ours, theirs):
+        assert torch.equal(mine, reference)

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Olmo2Config, Phi3Config, Qwen3Config
 
 from models.layout import num_pipeline_layers
 from models.llama import DecoderLayerPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
@@ -31,9 +31,19 @@ PUBLISHED = {
     "llama_65b": LlamaConfig(vocab_size=32000, hidden_size=8192, intermediate_size=22016, num_hidden_layers=80,
                              num_attention_heads=64, num_key_value_heads=64, max_position_embeddings=2048,
                             rms_norm_eps=1e-6),
+    # Qwen/Qwen3-8B, microsoft/phi-4, allenai/OLMo-2-1124-7B.
+    "qwen3_8b": Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                            rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "phi4_14b": Phi3Config(vocab_size=100352, hidden_size=5120, intermediate_size=17920, num_hidden_layers=40,
+                           num_attention_heads=40, num_key_value_heads=10, max_position_embeddings=16384,
+                           original_max_position_embeddings=16384, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "olmo2_7b": Olmo2Config(vocab_size=100352, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                            rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
 # The world size each config's header comment launches.
-WORLD_SIZE = {"llama_7b": 8, "llama3_8b": 8, "llama_65b": 16}
+WORLD_SIZE = {"llama_7b": 8, "llama3_8b": 8, "llama_65b": 16, "qwen3_8b": 8, "phi4_14b": 8, "olmo2_7b": 8}
 
 
 def run_config(name):
@@ -82,7 +92,8 @@ def test_balanced_has_the_smallest_largest_stage_compute(name, other):
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_balanced_stays_balanced_under_tensor_parallelism(name, sequence_parallel):
     cfg, config = run_config(name), PUBLISHED[name]
-    workload = dataclasses.replace(plan_spec(cfg, WORLD_SIZE[name]).workload, tensor_parallel=4,
+    tensor_parallel = 2 if name == "phi4_14b" else 4  # Phi-4's 10 key/value heads split over 2, not 4
+    workload = dataclasses.replace(plan_spec(cfg, WORLD_SIZE[name]).workload, tensor_parallel=tensor_parallel,
                                    sequence_parallel=sequence_parallel)
     plans = {method: stage_plan(config, bounds_for(config, cfg.num_stages, method, workload), workload)
              for method in ("balanced", "parameters", "uniform")}
@@ -206,6 +217,27 @@ def test_activation_model_matches_what_autograd_saves(dtype, precision, kv_heads
 
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("family", ["qwen3", "olmo2", "granite", "mistral"])
+def test_activation_model_counts_each_familys_layer(dtype, precision, family):
+    """What a decoder layer of each family keeps for backward (q/k norms, OLMo 2's fp32-scaled norms; Granite's
+    multipliers and Mistral's window keep nothing more), and the stage's window mask."""
+    from tests.tiny_models import TINY_CONFIGS
+    batch, seq = 2, 24
+    config = TINY_CONFIGS[family]()
+    costs = LayerCosts(config, Workload(seq_length=seq, micro_batch_size=batch, precision=precision))
+    stage_inputs = StageAttentionInputs(config)
+    decoder = DecoderLayerPipe(config, stage_inputs).to(dtype)
+    hidden = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
+    mask, positions = torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq)
+    cos, sin, window_mask = stage_inputs(hidden, mask, positions, decoder.self_attn.window)
+    shared = {t.untyped_storage().data_ptr() for t in (cos, sin, window_mask) if t is not None}
+    params = {p.untyped_storage().data_ptr() for p in decoder.parameters()}
+    assert saved_activation_bytes(lambda: decoder((hidden, mask, positions)), shared | params) \
+        == costs.saved_bytes[DECODER]
+    assert costs.document_mask_bytes == (0 if window_mask is None else window_mask.untyped_storage().nbytes())
+
+
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
 @pytest.mark.parametrize("kv_heads,chunk", [(4, 0), (2, 0), (2, 7)], ids=["mha", "gqa", "gqa-chunked-loss"])
 def test_weight_grad_model_matches_what_the_zero_bubble_queue_keeps(dtype, precision, kv_heads, chunk):
     """What a micro-batch waiting for W holds (models/weight_grads.py), per decoder layer and for the LM head."""
@@ -290,3 +322,18 @@ def test_balanced_trades_compute_for_a_split_that_fits_the_device():
     assert max(row["memory_bytes"] for row in plans[None]) > device_bytes
     assert max(row["memory_bytes"] for row in plans[device_bytes]) <= device_bytes
     assert [row["decoder_layers"] for row in plans[device_bytes]] != [row["decoder_layers"] for row in plans[None]]
+
+
+def test_sliding_windows_cut_the_attention_cost():
+    """Per query, the causal half of the keys (seq / 2) less the triangle a window cuts off, averaged over layers:
+    a window of 8 in 16 positions cuts (16 - 8)^2 / 2 of the 16 x 16 / 2 scores; Qwen2's windows are on half the
+    layers. MFU's count (every score) takes the window's keys instead of the sequence's."""
+    from models.partition import mean_attended_keys, training_flops_per_token
+    from tests.tiny_models import TINY_CONFIGS
+    assert mean_attended_keys(TINY_CONFIGS["llama2"](), 16) == 8
+    assert mean_attended_keys(TINY_CONFIGS["mistral"](), 16) == 8 - 8 ** 2 / 32
+    assert mean_attended_keys(TINY_CONFIGS["qwen2"](), 16) == (8 + 8 - 8 ** 2 / 32) / 2
+    windowed, full = TINY_CONFIGS["mistral"](), TINY_CONFIGS["mistral"]()
+    full.sliding_window = None
+    attention_saved = 4 * 4 * (16 - 8) * 4 * 8  # layers x 4 x (seq - window) x heads x head_dim, 3 passes
+    assert training_flops_per_token(full, 16) - training_flops_per_token(windowed, 16) == 3 * attention_saved

@@ -1,10 +1,12 @@
 """Tiny LLaMA-family models built locally from a config (random weights, save_pretrained): the Hugging Face model
 is the oracle the pipeline must match."""
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config, Phi3Config,
+                          Qwen2Config, Qwen3Config, SmolLM3Config)
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
               max_position_embeddings=64, rms_norm_eps=1e-5)
+TOKENS = dict(pad_token_id=None, bos_token_id=1, eos_token_id=2)  # within the tiny vocabulary (no pad row: see llama2)
 
 TINY_CONFIGS = {
     # LLaMA-2 style: multi-head attention.
@@ -15,10 +17,23 @@ TINY_CONFIGS = {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
     "tied": lambda: LlamaConfig(**COMMON, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=3),
-    # Mistral: grouped-query attention, a sliding window longer than any sequence here (not implemented).
-    "mistral": lambda: MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=64),
-    # Qwen2 style: bias on q, k, v.
-    "qwen2": lambda: Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=False),
+    # Mistral v0.1: grouped-query attention, a sliding window (8) shorter than the tests' sequences.
+    "mistral": lambda: MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=8),
+    # Qwen2 style: bias on q, k, v; a sliding window on the layers from max_window_layers on.
+    "qwen2": lambda: Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=False, use_sliding_window=True,
+                                 sliding_window=8, max_window_layers=2),
+    # Qwen3 (tied, as its small sizes): per-head q/k norms, head_dim (16) not hidden / heads.
+    "qwen3": lambda: Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    # OLMo 2: norms after attention and MLP, q/k norms over the whole projections.
+    "olmo2": lambda: Olmo2Config(**COMMON, **TOKENS, num_key_value_heads=2),
+    # Granite 3: every multiplier away from 1 (logits_scaling a power of two is exact as the head's input scale).
+    "granite": lambda: GraniteConfig(**COMMON, num_key_value_heads=2, embedding_multiplier=12.0,
+                                     residual_multiplier=0.22, attention_multiplier=0.25, logits_scaling=8.0),
+    # SmolLM3 (tied): no rotary embedding on every 4th layer.
+    "smollm3": lambda: SmolLM3Config(**COMMON, **TOKENS, num_key_value_heads=2),
+    # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj; Phi-4-mini's partial rotary embedding.
+    "phi3": lambda: Phi3Config(**COMMON, **TOKENS, num_key_value_heads=2, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
 }
 
 

@@ -22,7 +22,8 @@ from data.shard_files import ShardError, check_sources, parse_sources, read_shar
 from models.layout import layer_file_name, layer_indices_with_files
 from models.context_parallel import context_parallel_error
 from models.llama import check_model_config
-from models.lora import LoraSettings, adapter_layer_indices, adapter_parameter_count, check_rank_fits
+from models.lora import (LoraSettings, adapter_layer_indices, adapter_parameter_count, check_lora_applies,
+                         check_rank_fits)
 from models.partition import decoder_counts_of_bounds, layer_parameter_counts
 from models.pipeline import partition_stages
 from models.preference import PreferenceSettings
@@ -284,6 +285,7 @@ def check_layout(cfg, model_config, world_size):
     try:
         check_tensor_parallel_split(model_config, tp, workload.tokens if workload.splits_sequence else None)
         if workload.lora.enabled:
+            check_lora_applies(model_config)
             check_rank_fits(model_config, workload.lora)
     except ValueError as error:
         raise ConfigError(str(error)) from None
@@ -293,10 +295,6 @@ def check_layout(cfg, model_config, world_size):
     if cfg.seq_length > model_config.max_position_embeddings:
         raise ConfigError(f"seq_length={cfg.seq_length} exceeds the model's max_position_embeddings="
                           f"{model_config.max_position_embeddings}; lower seq_length.")
-    window = getattr(model_config, "sliding_window", None)
-    if window and cfg.seq_length > window:
-        raise ConfigError(f"seq_length={cfg.seq_length} exceeds sliding_window={window}, which this pipeline does "
-                          f"not implement; use seq_length <= {window}.")
     return workload
 
 
