@@ -225,7 +225,7 @@ def test_activation_model_counts_each_familys_layer(dtype, precision, family):
     batch, seq = 2, 24
     config = TINY_CONFIGS[family]()
     costs = LayerCosts(config, Workload(seq_length=seq, micro_batch_size=batch, precision=precision))
-    stage_inputs = StageAttentionInputs(config)
+    stage_inputs = StageAttentionInputs(config, row_layout="full")  # the Workload's rows: one document each
     decoder = DecoderLayerPipe(config, stage_inputs).to(dtype)
     hidden = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
     mask, positions = torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq)
