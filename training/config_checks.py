@@ -1,6 +1,7 @@
 """What the config alone says, before any file, model or world size is looked at: every key is one of
 conf/base.yaml's, each value one its key allows, and the rules between keys hold. training/run_spec.py runs this
 first, then the checks that need files, the model and the world."""
+import dataclasses
 import difflib
 import os
 
@@ -97,6 +98,28 @@ def check_values(cfg):
     except ValueError as error:
         raise ConfigError(str(error)) from None
     check_preference(cfg, preference)
+    for entry in cfg.eval_tasks:
+        EvalTask.from_entry(entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalTask:
+    """One eval_tasks entry: an lm-eval task, group or tag name, or a task YAML file, and how many of its documents
+    to score (None: all)."""
+    spec: str
+    limit: int | None = None
+
+    @classmethod
+    def from_entry(cls, entry):
+        if isinstance(entry, str) and entry:
+            return cls(entry)
+        fields = OmegaConf.to_container(entry) if OmegaConf.is_config(entry) else entry
+        limit = fields.get("limit") if isinstance(fields, dict) else None
+        if (not isinstance(fields, dict) or set(fields) - {"task", "limit"} or not isinstance(fields.get("task"), str)
+                or not (limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0))):
+            raise ConfigError(f"eval_tasks entry {fields!r}: give a task name or task YAML file, or {{task: NAME, "
+                              f"limit: N}} with N a positive number of documents (or null for all).")
+        return cls(fields["task"], limit)
 
 
 def check_preference(cfg, preference):
