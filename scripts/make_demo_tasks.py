@@ -15,15 +15,21 @@ import json
 import os
 import random
 
+def metrics(*names):
+    """lm-eval's metric_list entries, with the aggregation and direction lm-eval would otherwise warn it assumes."""
+    aggregation = {"acc": "mean", "acc_norm": "mean", "perplexity": "perplexity", "word_perplexity":
+                   "weighted_perplexity", "byte_perplexity": "weighted_perplexity", "bits_per_byte": "bits_per_byte"}
+    return [{"metric": name, "aggregation": aggregation[name], "higher_is_better": name.startswith("acc")}
+            for name in names]
+
+
 TASKS = {
     "demo_cloze": {"output_type": "multiple_choice", "doc_to_text": "{{context}}", "doc_to_choice": "{{choices}}",
-                   "doc_to_target": "{{answer}}", "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}]},
+                   "doc_to_target": "{{answer}}", "metric_list": metrics("acc", "acc_norm")},
     "demo_next_words": {"output_type": "loglikelihood", "doc_to_text": "{{context}}",
-                        "doc_to_target": "{{continuation}}", "metric_list": [{"metric": "perplexity"},
-                                                                             {"metric": "acc"}]},
+                        "doc_to_target": "{{continuation}}", "metric_list": metrics("perplexity", "acc")},
     "demo_lines": {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}",
-                   "metric_list": [{"metric": "word_perplexity"}, {"metric": "byte_perplexity"},
-                                   {"metric": "bits_per_byte"}]},
+                   "metric_list": metrics("word_perplexity", "byte_perplexity", "bits_per_byte")},
 }
 
 

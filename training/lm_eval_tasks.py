@@ -106,10 +106,13 @@ class PipelineLM(HFLM):
                               for _, context, continuation in requests)
         if self.engine is None:
             return [(0.0, False)] * len(rows)
+        return [(log_likelihood, misses == 0) for log_likelihood, misses in self.score_rows(rows).tolist()]
+
+    def score_rows(self, rows):
+        """(rows, 2): each row's continuation log-likelihood and tokens off the top logit, through the engine."""
         with scoring_loss(self.engine.module, self.max_length):
-            scores = score_examples(self.engine, rows if self.reads_data else None, len(rows), self.cfg, self.pad_id,
-                                    width=2)
-        return [(log_likelihood, misses == 0) for log_likelihood, misses in scores.tolist()]
+            return score_examples(self.engine, rows if self.reads_data else None, len(rows), self.cfg, self.pad_id,
+                                  width=2)
 
 
 def continuation_row(context, continuation, max_length):
@@ -145,7 +148,10 @@ class LmEvalTasks:
         self.tasks = load_tasks([EvalTask.from_entry(entry) for entry in cfg.eval_tasks], cfg.output_dir)
         for task, task_dict in self.tasks:  # every request built and tokenized once: errors and truncation now
             counter = PipelineLM(tokenizer, cfg.seq_length)
-            run_task(counter, task, task_dict)
+            try:
+                run_task(counter, task, task_dict)
+            except ValueError as error:  # a continuation longer than seq_length (HFLM asserts)
+                raise ConfigError(f"eval_tasks: {task.spec}: {error}; raise seq_length, or drop the task.") from None
             if counter.truncated:
                 log(f"eval_tasks: {task.spec}: {counter.truncated} of {counter.requests} requests are longer than "
                     f"seq_length={cfg.seq_length} + 1 tokens; their contexts are cut from the left, as lm-eval's HFLM "
