@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from data.collator import collate, empty_row
 from data.loader import check_identical_across_group
+from deepspeed_internals.access import clear_total_loss
 from models.preference import PreferenceLoss
 
 
@@ -91,6 +92,7 @@ def score_examples(engine, dataset, dataset_length, cfg, pad_id, width, per_exam
                                                             collate_fn=lambda rows: collate(rows, cfg.seq_length,
                                                                                             pad_id)))
     outputs = []
+    clear_total_loss(engine)  # eval_batch would add these outputs to the last step's loss
     for start in range(0, num_micro_batches, cfg.gradient_accumulation_steps):
         chunk = min(cfg.gradient_accumulation_steps, num_micro_batches - start)
         outputs += engine.eval_batch(batches, reduce_output=None, bcast_loss=False, num_micro_batches=chunk) or []

@@ -27,8 +27,8 @@ from data.formats import IGNORE_INDEX
 from models.loss import ContinuationScores
 from training.config_checks import ConfigError, EvalTask
 from training.evaluation import score_examples
+from training.metrics import LM_EVAL_FILE, LM_EVAL_PLOT_FILE, plot_lm_eval
 
-RESULTS_FILE = "lm_eval.jsonl"  # beside metrics.jsonl: one line per step and source
 SAMPLES_DIR = "lm_eval_samples"  # per request: its arguments, log-likelihoods and metrics
 SCORED_TYPES = ("loglikelihood", "loglikelihood_rolling", "multiple_choice")
 EXPORT_COMMAND = "python evaluate_lm.py --ckpt_dir OUTPUT_DIR --tag global_stepN --tasks"
@@ -87,7 +87,7 @@ class PipelineLM(HFLM):
         self.backend = "causal"
         self.batch_size_per_gpu = sys.maxsize  # loglikelihood_rolling: every window in one call
         self.engine, self.cfg, self.pad_id, self.reads_data = engine, cfg, pad_id, reads_data
-        self.requests = self.truncated = 0
+        self.requests = self.tokens = self.truncated = 0  # rows scored, their tokens, rows cut to the length
 
     def loglikelihood(self, requests, disable_tqdm=False):
         return super().loglikelihood(requests, disable_tqdm=True)
@@ -102,6 +102,7 @@ class PipelineLM(HFLM):
         """[(log-likelihood, is_greedy)] of each (strings, context tokens, continuation tokens), in order."""
         rows = [continuation_row(context, continuation, self.max_length) for _, context, continuation in requests]
         self.requests += len(rows)
+        self.tokens += sum(len(row["input_ids"]) for row in rows)
         self.truncated += sum(len(context) + len(continuation) > self.max_length + 1
                               for _, context, continuation in requests)
         if self.engine is None:
@@ -206,8 +207,9 @@ def write_results(output_dir, step, source, metrics, samples):
             for sample in task_samples:
                 f.write(json.dumps(sample_record(sample), default=to_python) + "\n")
         os.replace(f"{path}.{os.getpid()}.tmp", path)
-    with open(os.path.join(output_dir, RESULTS_FILE), "a") as f:
+    with open(os.path.join(output_dir, LM_EVAL_FILE), "a") as f:
         f.write(json.dumps({"step": step, "source": source, **metrics}, default=to_python) + "\n")
+    plot_lm_eval(os.path.join(output_dir, LM_EVAL_FILE), os.path.join(output_dir, LM_EVAL_PLOT_FILE))
 
 
 def sample_record(sample):
