@@ -48,13 +48,15 @@ def load_tasks(eval_tasks, output_dir):
         try:
             task_dict = manager.load([task.spec])
         except Exception as error:  # lm-eval's: a KeyError for a name, anything from YAML, Jinja or datasets
-            if not is_task_file(task.spec):
+            reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            if is_task_file(task.spec):
+                raise ConfigError(f"eval_tasks: task file {task.spec} does not load ({reason}); fix it (lm-eval's "
+                                  f"task YAML format, docs/evaluation.md).") from None
+            if task.spec not in manager.all_tasks:
                 raise ConfigError(f"eval_tasks: {task.spec!r} is not a task, group or tag of lm-eval "
-                                  f"{lm_eval_version()} (`lm_eval ls tasks` lists them; offline, a built-in task needs "
-                                  f"its dataset in the Hugging Face cache), nor a task YAML file.") from None
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            raise ConfigError(f"eval_tasks: task file {task.spec} does not load ({type(error).__name__}: {reason}); "
-                              f"fix it (lm-eval's task YAML format, docs/evaluation.md).") from None
+                                  f"{lm_eval_version()} (`lm_eval ls tasks` lists them), nor a task YAML file.") from None
+            raise ConfigError(f"eval_tasks: {task.spec} does not load ({reason}); offline, its dataset must be in the "
+                              f"Hugging Face datasets cache first (docs/evaluation.md, Offline).") from None
         for name, lm_task in task_dict["tasks"].items():
             if lm_task.OUTPUT_TYPE not in SCORED_TYPES:
                 raise ConfigError(
