@@ -144,8 +144,8 @@ class LmEvalTasks:
 
     def __init__(self, cfg, tokenizer, log=print):
         if tokenizer is None:
-            raise ConfigError("eval_tasks needs the model's tokenizer (lm-eval's tasks are text): give a checkpoint "
-                              "with one, or tokenizer_name_or_path.")
+            raise ConfigError("eval_tasks needs the model's tokenizer (lm-eval's tasks are text): set "
+                              "tokenizer_name_or_path to its directory.")
         logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task INFO lines, on every rank
         self.tokenizer, self.seq_length = tokenizer, cfg.seq_length
         self.tasks = load_tasks([EvalTask.from_entry(entry) for entry in cfg.eval_tasks], cfg.output_dir)
@@ -169,7 +169,6 @@ class LmEvalTasks:
             metrics.update(task_metrics(results))
             samples.update(results["samples"])
         return metrics, samples
-
 
     def score(self, engine, cfg, pad_id, reads_data, step):
         """evaluate's metrics; rank 0 writes them and the samples beside metrics.jsonl (write_results)."""

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from checkpoints.compatibility import dropped_state, layout_change
 from checkpoints.disk_space import checkpoint_bytes, storage_warning
+from checkpoints.files import has_tokenizer_files
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.integrity import verify_checkpoint
 from checkpoints.layer_files import load_layer_slice
@@ -256,7 +257,8 @@ def load_lm_eval_tasks(spec):
     except ImportError as error:
         raise ConfigError(f"eval_tasks needs lm-evaluation-harness ({error}): pip install -r "
                           f"requirements-eval.txt") from None
-    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir) if spec.tokenizer_dir else None
+    path = spec.tokenizer_dir or spec.cfg.tokenizer_name_or_path or spec.model_files_dir  # pre-tokenized data too
+    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer_files(path) else None
     first_rank = int(os.environ.get("RANK", "0")) == 0
     return LmEvalTasks(spec.cfg, tokenizer, log=lambda line: first_rank and print(line, flush=True))
 
