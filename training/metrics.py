@@ -117,6 +117,8 @@ def plot_lm_eval(results_path, png_path):
             if points:
                 ax.plot(*zip(*points), style, label=source)
         ax.set_title(name, fontsize=9)
+        if "perplexity" in name:
+            ax.set_yscale("log")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
