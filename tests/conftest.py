@@ -51,8 +51,10 @@ def demo_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_tasks(demo_model):
-    """Small lm-eval tasks over the demo model's eval text (scripts/make_demo_tasks.py): {task: its YAML file}."""
+    """Small lm-eval tasks over the demo model's eval text (scripts/make_demo_tasks.py): {task: its YAML file}. The
+    runs and lm-eval read them offline, as a cluster node would."""
     from scripts.make_demo_tasks import write_tasks
+    os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     return write_tasks(demo_model["eval"], str(demo_model["root"] / "tasks"), docs=12)
 
 

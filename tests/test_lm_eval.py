@@ -16,8 +16,6 @@ from models.loss import IGNORE_INDEX, ContinuationScores, continuation_scores
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 from tests.launch import demo_overrides, run_in_process
 
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 STEP = 8  # the trained fixtures' last step, where they score the tasks
 
 
