@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from checkpoints.compatibility import dropped_state, layout_change
 from checkpoints.disk_space import checkpoint_bytes, storage_warning
-from checkpoints.files import has_tokenizer_files
 from checkpoints.ds_to_hf import convert_ds_to_hf
+from checkpoints.files import has_tokenizer_files
 from checkpoints.integrity import verify_checkpoint
 from checkpoints.layer_files import load_layer_slice
 from checkpoints.optimizer_state import has_layout_free_state, load_training_state
