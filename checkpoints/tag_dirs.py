@@ -72,12 +72,14 @@ def remove_incomplete_checkpoints(output_dir):
 
 
 def clear_previous_run(output_dir):
-    """overwrite_output_dir=true: remove an older run's checkpoints, 'latest' and metrics (rank 0)."""
+    """overwrite_output_dir=true: remove an older run's checkpoints, 'latest' and metrics, lm-eval's included
+    (rank 0)."""
     for tag in complete_tags(output_dir):
         delete_tag_dir(os.path.join(output_dir, tag))
-    for name in (LATEST, "metrics.jsonl"):
+    for name in (LATEST, "metrics.jsonl", "lm_eval.jsonl"):
         if os.path.exists(os.path.join(output_dir, name)):
             os.remove(os.path.join(output_dir, name))
+    shutil.rmtree(os.path.join(output_dir, "lm_eval_samples"), ignore_errors=True)
 
 
 def prune_checkpoints(output_dir, keep):

@@ -38,6 +38,12 @@ def skip_optimizer_files(engine):
     engine._common_checkpoint_state = lambda *args: {**common_checkpoint_state(*args), "optimizer": None}
 
 
+def clear_total_loss(engine):
+    """The pipeline engine's sum of its micro-batches' outputs, which eval_batch adds to and only train_batch clears:
+    an output of another shape than the last step's loss (one per row) cannot be added to it."""
+    engine.total_loss = None
+
+
 def skip_gradient_allreduce(engine):
     """The pipeline engine's gradient all-reduce over the data-parallel group is not run."""
     engine.pipeline_enable_backward_allreduce = False

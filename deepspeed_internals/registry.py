@@ -175,6 +175,8 @@ INTERNALS = (
     self_use(PIPELINE_ENGINE, "pipeline_enable_backward_allreduce",
              "which the trainer turns off for a data-parallel group of one"),
     self_use(PIPELINE_ENGINE, "is_data_parallel", "which bench/pipeline_efficiency.py turns off"),
+    self_use(PIPELINE_ENGINE, "total_loss", "which eval_batch adds each output to and only train_batch clears: "
+             "cleared before a pass whose outputs are per row (training/evaluation.py score_examples)"),
     Internal("deepspeed.comm.torch:build_shm_op", "which the trainer turns off on CPUs",
              mentions="deepspeed.ops.__compatible_ops__"),
     Internal("deepspeed.ops.op_builder.cpu.comm:ShareMemCommBuilder", "which the trainer turns off on CPUs",

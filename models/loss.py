@@ -56,6 +56,22 @@ class CausalLMLoss:
         return logits_loss_sum(outputs, next_labels.to(outputs.device), self.parallel) / divisor
 
 
+class ContinuationScores:
+    """The pipeline's loss_fn while lm-eval's requests are scored (training/lm_eval_tasks.py): (the last layer's
+    output, labels that are -100 but on each row's continuation) -> (rows, 2) continuation_scores, each row's sums
+    over all its tokens under context parallelism. seq_length: the rows' width (their labels are one wider)."""
+
+    def __init__(self, parallel, chunk_tokens, context, seq_length):
+        self.parallel, self.chunk_tokens, self.context, self.seq_length = parallel, chunk_tokens, context, seq_length
+
+    def __call__(self, outputs, labels):
+        next_labels = next_token_labels(labels, self.context, self.seq_length)
+        scores = continuation_scores(outputs, next_labels, labels.shape[0], self.parallel, self.chunk_tokens)
+        if self.context.size > 1:  # each rank scored its tokens of every row
+            collectives.all_reduce(scores, group=self.context.group)
+        return scores
+
+
 def next_token_labels(labels, context=NO_CONTEXT_PARALLEL, positions=None):
     """The label each position predicts, flattened (shift_labels); under context parallelism shifted and split
     already (ContextParallel.split_micro_batch)."""
@@ -168,15 +184,8 @@ class SequenceLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, sequences, parallel, chunk_tokens, grad_sum_dtype):
         share = VocabularyShare(labels, weight.shape[0], parallel)
-        log_sum_exp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        target = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        for rows in token_chunks(hidden.shape[0], chunk_tokens):
-            logits = F.linear(hidden[rows], weight).float()
-            target[rows] = logits.gather(1, share.local[rows, None]).squeeze(1).masked_fill(~share.inside[rows], 0)
-            log_sum_exp[rows] = group_log_sum_exp(logits, exp_minus_row_max(logits), parallel)
-            del logits
-        if parallel.size > 1:
-            collectives.all_reduce(target, group=parallel.group)
+        target, log_sum_exp, _ = label_logits(lambda rows: F.linear(hidden[rows], weight), hidden.shape[0], share,
+                                              parallel, chunk_tokens)
         ctx.save_for_backward(hidden, weight)
         ctx.share, ctx.log_sum_exp, ctx.parallel, ctx.chunk_tokens = share, log_sum_exp, parallel, chunk_tokens
         ctx.grad_sum_dtype = grad_sum_dtype
@@ -204,6 +213,53 @@ class SequenceLogProbs(torch.autograd.Function):
             del logits, grad_logits
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None,
                 None)
+
+
+def label_logits(logits_of, tokens, share, parallel, chunk_tokens, top=False):
+    """(each token's label logit, 0 where unlabelled; its log-sum-exp over the whole vocabulary; with top its
+    largest logit, else None), fp32, from `logits_of(rows)`: the logits of a chunk of tokens over this rank's share
+    of the vocabulary, one chunk alive at a time. Under tensor parallelism the log-sum-exp is gathered per chunk, the
+    label logits summed and the largest taken over the group once."""
+    device = share.labelled.device
+    log_sum_exp = torch.empty(tokens, dtype=torch.float32, device=device)
+    target = torch.zeros(tokens, dtype=torch.float32, device=device)
+    top_logit = torch.empty(tokens, dtype=torch.float32, device=device) if top else None
+    for rows in token_chunks(tokens, chunk_tokens):
+        logits = logits_of(rows).float()
+        target[rows] = logits.gather(1, share.local[rows, None]).squeeze(1).masked_fill(~share.inside[rows], 0)
+        row_max = exp_minus_row_max(logits)
+        if top:
+            top_logit[rows] = row_max
+        log_sum_exp[rows] = group_log_sum_exp(logits, row_max, parallel)
+        del logits
+    if parallel.size > 1:
+        collectives.all_reduce(target, group=parallel.group)
+        if top:
+            collectives.all_reduce(top_logit, op=collectives.ReduceOp.MAX, group=parallel.group)
+    return target, log_sum_exp, top_logit
+
+
+@torch.no_grad()
+def continuation_scores(outputs, labels, sequences, parallel, chunk_tokens):
+    """(sequences, 2) fp32, forward only: per sequence, the summed log-probability of its labelled next tokens and
+    how many of them are not the top logit (lm-eval's loglikelihood and, where 0, is_greedy; a tie counts as the
+    top). outputs: the head's input and weight (chunk_tokens > 0) or the logits (this rank's vocabulary share).
+    labels: next_token_labels of `sequences` rows of equal length."""
+    if chunk_tokens:
+        hidden, weight = outputs
+        hidden = parallel.whole_input(hidden)
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        tokens, vocabulary_rows = hidden.shape[0], weight.shape[0]
+        logits_of, device = (lambda chunk: F.linear(hidden[chunk], weight)), hidden.device
+    else:
+        logits = outputs.reshape(-1, outputs.shape[-1])
+        (tokens, vocabulary_rows), chunk_tokens = logits.shape, logits.shape[0]
+        logits_of, device = (lambda chunk: logits[chunk].clone()), logits.device  # label_logits works in place
+    share = VocabularyShare(labels.to(device), vocabulary_rows, parallel)
+    target, log_sum_exp, top_logit = label_logits(logits_of, tokens, share, parallel, chunk_tokens, top=True)
+    log_probs = (target - log_sum_exp).masked_fill(~share.labelled, 0)
+    misses = ((target < top_logit) & share.labelled).float()
+    return torch.stack([log_probs.view(sequences, -1).sum(dim=1), misses.view(sequences, -1).sum(dim=1)], dim=1)
 
 
 def weight_grad_buffer(weight, grad_sum_dtype=None):

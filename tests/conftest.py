@@ -50,18 +50,29 @@ def demo_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def reference_run(demo_model, tmp_path_factory):
-    """The 2 stages x 2 data-parallel fp32 run that parity and resume tests compare against."""
-    from tests.launch import REFERENCE, check_ok, demo_overrides, launch_trainer
+def demo_tasks(demo_model):
+    """Small lm-eval tasks over the demo model's eval text (scripts/make_demo_tasks.py): {task: its YAML file}. The
+    runs and lm-eval read them offline, as a cluster node would."""
+    from scripts.make_demo_tasks import write_tasks
+    os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    return write_tasks(demo_model["eval"], str(demo_model["root"] / "tasks"), docs=12)
+
+
+@pytest.fixture(scope="session")
+def reference_run(demo_model, demo_tasks, tmp_path_factory):
+    """The 2 stages x 2 data-parallel fp32 run that parity and resume tests compare against; it scores the demo
+    tasks at its last step (tests/test_lm_eval.py)."""
+    from tests.launch import REFERENCE, check_ok, demo_overrides, launch_trainer, lm_eval_overrides
     out = tmp_path_factory.mktemp("reference") / "run"
-    check_ok(launch_trainer(4, demo_overrides(demo_model, out, **REFERENCE)))
+    check_ok(launch_trainer(4, demo_overrides(demo_model, out, **REFERENCE, **lm_eval_overrides(demo_tasks))))
     return out
 
 
 @pytest.fixture(scope="session")
-def single_process_run(demo_model, tmp_path_factory):
-    """The reference run's steps on 1 process (tests/launch.py SINGLE_PROCESS), evaluated at the end."""
-    from tests.launch import SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer
+def single_process_run(demo_model, demo_tasks, tmp_path_factory):
+    """The reference run's steps on 1 process (tests/launch.py SINGLE_PROCESS), evaluated at the end, the demo
+    tasks too."""
+    from tests.launch import SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, lm_eval_overrides
     out = tmp_path_factory.mktemp("single_process") / "run"
-    check_ok(launch_trainer(1, demo_overrides(demo_model, out, **SINGLE_PROCESS)))
+    check_ok(launch_trainer(1, demo_overrides(demo_model, out, **SINGLE_PROCESS, **lm_eval_overrides(demo_tasks))))
     return out

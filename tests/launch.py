@@ -122,6 +122,12 @@ def demo_overrides(demo_model, output_dir, **extra):
     return [f"{k}={v}" for k, v in values.items()]
 
 
+def lm_eval_overrides(tasks, cloze_limit=10):
+    """eval_tasks scoring the demo tasks (scripts/make_demo_tasks.py), the cloze task's first cloze_limit documents."""
+    entries = [f"{{task:{path},limit:{cloze_limit}}}" if name == "demo_cloze" else path for name, path in tasks.items()]
+    return {"eval_tasks": f"[{','.join(entries)}]"}
+
+
 def launch_ranks_separately(num_procs, overrides, config="tiny", timeout=120):
     """launch_trainer's ranks, one CompletedProcess each; unlike the launcher, a failing rank does not get its peers
     killed, so each rank's own exit and message can be checked."""

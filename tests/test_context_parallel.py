@@ -13,7 +13,9 @@ import pytest
 from models.context_parallel import context_parallel_error
 from tests.distributed import spawn
 from tests.parity_worker import CHUNK_TOKENS
-from tests.launch import SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics
+from tests.launch import (SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, lm_eval_overrides, per_step_losses,
+                          read_metrics)
+from tests.test_lm_eval import assert_loop_equals_lm_eval
 from tests.launch import run_in_process
 from tests.test_packing import hf_reference, packed_rows, recording_engine
 
@@ -118,13 +120,17 @@ def test_context_parallel_matches_transformers(tiny_checkpoints, tmp_path):
 @pytest.mark.parametrize("processes,layout", [(2, {}), (8, {"num_stages": 2, "tensor_parallel_size": 2})],
                          ids=["1stage_x_cp2", "2stages_x_tp2_x_cp2"])
 @pytest.mark.slow
-def test_training_parity_with_context_parallel(demo_model, single_process_run, tmp_path, processes, layout):
+def test_training_parity_with_context_parallel(demo_model, demo_tasks, single_process_run, tmp_path, processes,
+                                               layout):
     """8 fp32 steps with context 2 through the launcher (1 stage; 2 stages x tensor parallel 2) against 1 process on
     the same global batch (the losses, the clipping norm, the samples counted for the data position) and the same
-    eval loss after them."""
+    eval loss after them; on 1 stage, the lm-eval tasks it scores at its last step equal lm-eval's on the export."""
     out = tmp_path / "cp2"
+    scored = lm_eval_overrides(demo_tasks) if not layout else {}
     check_ok(launch_trainer(processes, demo_overrides(demo_model, out, **dict(SINGLE_PROCESS, context_parallel_size=2,
-                                                                              **layout))))
+                                                                              **layout, **scored))))
+    if scored:
+        assert_loop_equals_lm_eval(out, demo_tasks, tmp_path / "lm_eval")
     losses = per_step_losses(out)
     assert len(losses) == 8 and losses == pytest.approx(per_step_losses(single_process_run), abs=1e-4)
     records = {run: [r for r in read_metrics(run) if "loss" in r] for run in (single_process_run, out)}

@@ -12,8 +12,9 @@ from checkpoints.layer_files import load_layer_slice
 from models.layout import layer_indices_with_files
 from tests import parity_worker
 from tests.distributed import spawn
-from tests.launch import (SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics,
-                          run_in_process)
+from tests.launch import (SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, lm_eval_overrides, per_step_losses,
+                          read_metrics, run_in_process)
+from tests.test_lm_eval import assert_loop_equals_lm_eval
 from tests.test_parity import GAS, MICRO_BATCH, SEQ, own_layer_files
 
 TP_CONFIGS = ("llama3", "tied", "qwen2")  # grouped-query attention; embedding tied to the LM head; q/k/v biases
@@ -216,13 +217,16 @@ def test_bad_tensor_parallel_config_is_refused_before_any_work(demo_model, tmp_p
 
 
 @pytest.mark.slow
-def test_training_parity_resume_and_export(demo_model, single_process_run, tmp_path):
+def test_training_parity_resume_and_export(demo_model, demo_tasks, single_process_run, tmp_path):
     """8 fp32 steps of 2 stages x tensor parallel 2 against 1 process on the same global batch, and the same eval
     loss after them; the step-4 checkpoint resumes without tensor parallelism, optimizer included, as the run that
-    never stopped; the exported model is the merged final checkpoint."""
+    never stopped; the exported model is the merged final checkpoint; the lm-eval tasks it scores at its last step
+    equal lm-eval's on that checkpoint's export."""
     parallel = tmp_path / "2x2tp"
     check_ok(launch_trainer(4, demo_overrides(demo_model, parallel, **dict(
-        SINGLE_PROCESS, num_stages=2, tensor_parallel_size=2, save_steps=4, export_hf="true"))))
+        SINGLE_PROCESS, num_stages=2, tensor_parallel_size=2, save_steps=4, export_hf="true",
+        **lm_eval_overrides(demo_tasks)))))
+    assert_loop_equals_lm_eval(parallel, demo_tasks, tmp_path / "lm_eval")
     losses = per_step_losses(parallel)
     assert len(losses) == 8 and losses == pytest.approx(per_step_losses(single_process_run), abs=1e-4)
     # The clipping norm (above max_grad_norm here, so clipping acts) counts the norms' replicated weights once.

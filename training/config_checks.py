@@ -1,6 +1,7 @@
 """What the config alone says, before any file, model or world size is looked at: every key is one of
 conf/base.yaml's, each value one its key allows, and the rules between keys hold. training/run_spec.py runs this
 first, then the checks that need files, the model and the world."""
+import dataclasses
 import difflib
 import os
 
@@ -102,6 +103,8 @@ def check_values(cfg):
         raise ConfigError(str(error)) from None
     check_preference(cfg, preference)
     check_token_shard_keys(cfg)
+    for entry in cfg.eval_tasks:
+        EvalTask.from_entry(entry)
 
 
 def check_token_shard_keys(cfg):
@@ -116,6 +119,26 @@ def check_token_shard_keys(cfg):
             raise ConfigError(f"data.{key}={value} does nothing with data.format=indexed (token shards are cut into "
                               f"samples of seq_length + 1 tokens as prepare_data.py wrote them, docs/data.md); "
                               f"remove it.")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalTask:
+    """One eval_tasks entry: an lm-eval task, group or tag name, or a task YAML file, and how many of its documents
+    to score (None: all)."""
+    spec: str
+    limit: int | None = None
+
+    @classmethod
+    def from_entry(cls, entry):
+        if isinstance(entry, str) and entry:
+            return cls(entry)
+        fields = OmegaConf.to_container(entry) if OmegaConf.is_config(entry) else entry
+        limit = fields.get("limit") if isinstance(fields, dict) else None
+        if (not isinstance(fields, dict) or set(fields) - {"task", "limit"} or not isinstance(fields.get("task"), str)
+                or not (limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0))):
+            raise ConfigError(f"eval_tasks entry {fields!r}: give a task name or task YAML file, or {{task: NAME, "
+                              f"limit: N}} with N a positive number of documents (or null for all).")
+        return cls(fields["task"], limit)
 
 
 def check_preference(cfg, preference):

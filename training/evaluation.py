@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 import collectives
 from data.collator import collate, empty_row
 from data.loader import check_identical_across_group
+from deepspeed_internals.access import clear_total_loss
 from models.preference import PreferenceLoss
 
 
@@ -70,3 +71,34 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
         loss_fn.totals = training_totals
         return mean, metrics
     return mean, math.exp(min(mean, 80.0))
+
+
+def score_examples(engine, dataset, dataset_length, cfg, pad_id, width, per_example=lambda output: output):
+    """(dataset_length, width) float32 on every rank: each data-parallel replica runs its share of the examples
+    (evaluation's sharding) forward through the pipeline, whose loss_fn returns values per row; per_example turns a
+    micro-batch's output into `width` values per example. One all-reduce, to which only the first tensor- and
+    context-parallel rank of each last stage adds, assembles them. Every rank calls it; middle stages pass
+    dataset=None and read nothing."""
+    context = engine.module.context
+    # the ranks of a context group score the same examples, each its tokens of them
+    dp_rank, dp_size = context.replica(engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size())
+    micro_batch = cfg.micro_batch_size
+    num_micro_batches = math.ceil(math.ceil(dataset_length / dp_size) / micro_batch)
+    batches = None
+    if dataset is not None:
+        shard = PaddedShard(dataset, dp_rank, dp_size, micro_batch)
+        batches = map(context.split_micro_batch, DataLoader(shard, batch_size=micro_batch,
+                                                            collate_fn=lambda rows: collate(rows, cfg.seq_length,
+                                                                                            pad_id)))
+    outputs = []
+    clear_total_loss(engine)  # eval_batch would add these outputs to the last step's loss
+    for start in range(0, num_micro_batches, cfg.gradient_accumulation_steps):
+        chunk = min(cfg.gradient_accumulation_steps, num_micro_batches - start)
+        outputs += engine.eval_batch(batches, reduce_output=None, bcast_loss=False, num_micro_batches=chunk) or []
+    values = torch.zeros(dataset_length, width, dtype=torch.float32, device=collectives.device())
+    if outputs and engine.grid.get_slice_parallel_rank() == 0 and context.rank == 0:
+        scores = torch.cat([per_example(output.float()) for output in outputs])  # shard order
+        owned = len(range(dp_rank, dataset_length, dp_size))  # the rest pads the last micro-batch
+        values[dp_rank::dp_size] = scores[:owned].to(values.device)
+    collectives.all_reduce(values)
+    return values.cpu()

@@ -15,6 +15,7 @@ import collectives
 from checkpoints.compatibility import dropped_state, layout_change
 from checkpoints.disk_space import checkpoint_bytes, storage_warning
 from checkpoints.ds_to_hf import convert_ds_to_hf
+from checkpoints.files import has_tokenizer_files
 from checkpoints.integrity import verify_checkpoint
 from checkpoints.layer_files import load_layer_slice
 from checkpoints.optimizer_state import has_layout_free_state, load_training_state
@@ -250,6 +251,22 @@ def load_with_reference(engine, spec, data, pad_id):
     data.add_reference(engine, spec, pad_id)  # read back, or computed (a LoRA base with its adapters off)
 
 
+def load_lm_eval_tasks(spec):
+    """The run's eval_tasks loaded and checked on every rank before anything starts (training/lm_eval_tasks.py;
+    lm-eval is an optional extra), or None."""
+    if not spec.cfg.eval_tasks:
+        return None
+    try:
+        from training.lm_eval_tasks import LmEvalTasks
+    except ImportError as error:
+        raise ConfigError(f"eval_tasks needs lm-evaluation-harness ({error}): pip install -r "
+                          f"requirements-eval.txt") from None
+    path = spec.tokenizer_dir or spec.cfg.tokenizer_name_or_path or spec.model_files_dir  # pre-tokenized data too
+    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer_files(path) else None
+    first_rank = int(os.environ.get("RANK", "0")) == 0
+    return LmEvalTasks(spec.cfg, tokenizer, log=lambda line: first_rank and print(line, flush=True))
+
+
 def evaluation_record(loss, extra):
     """evaluate's result as logged: eval_loss and eval_ppl, or under a preference objective eval_loss and TRL's
     metrics with eval_ in front."""
@@ -292,6 +309,7 @@ def run(cfg):
         return print_memory_plan(plan_spec(cfg))
     spec = run_spec(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # every check, before anything is started
     cfg, resume_from = spec.cfg, spec.resume_from
+    lm_eval_tasks = load_lm_eval_tasks(spec)
     check_devices(cfg.precision)
     init_distributed(cfg.dist_timeout_minutes)
     prepare_output_dir(spec)
@@ -316,9 +334,13 @@ def run(cfg):
     if cfg.eval_only:
         engine, monitors = build_engine(spec, total_steps=1)
         load_with_reference(engine, spec, data, pad_id)
-        record = evaluation_record(*evaluate(engine, data.eval, data.eval_length, cfg, pad_id))
+        step = spec.trainer_state.get("step", 0)
+        record = evaluation_record(*evaluate(engine, data.eval, data.eval_length, cfg, pad_id)) if data.eval_length \
+            else {}
+        if lm_eval_tasks:
+            record.update(lm_eval_tasks.score(engine, cfg, pad_id, reads_data, step))
         logger = RunLogger(cfg.output_dir, monitors, total_steps=0, start_step=0)
-        logger.log({"step": spec.trainer_state.get("step", 0), **record, "eval_examples": data.eval_length})
+        logger.log({"step": step, **record, "eval_examples": data.eval_length})
         logger.close()
         return record
 
@@ -359,10 +381,10 @@ def run(cfg):
     if spec.tensor_parallel > 1 and reads_data:
         stream = check_identical_across_group(stream, engine.grid.get_slice_parallel_group(),
                                               batches_per_check=cfg.gradient_accumulation_steps)
-    return train(engine, spec, stream, data, pad_id, monitors, step, total_steps)
+    return train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_eval_tasks)
 
 
-def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
+def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_eval_tasks=None):
     cfg = spec.cfg
     samples_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * spec.data_parallel
     sequences_per_sample = 2 if spec.preference.preference else 1  # a pair: its chosen and rejected sequences
@@ -417,8 +439,13 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
                         **data.epochs(start_consumed + (step - start_step) * samples_per_step)})
             window_start, window_steps, losses, unlabelled = time.time(), 0, [], 0
         profile.lap("logging")
-        if data.eval_length and (step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)):
+        evaluation_due = step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)
+        if data.eval_length and evaluation_due:
             record = evaluation_record(*evaluate(engine, data.eval, data.eval_length, cfg, pad_id))
+            logger.log({"step": step, **record})
+            result.update(record)
+        if lm_eval_tasks and evaluation_due:
+            record = lm_eval_tasks.score(engine, cfg, pad_id, data.reads_data, step)
             logger.log({"step": step, **record})
             result.update(record)
         profile.lap("evaluation")

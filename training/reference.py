@@ -9,18 +9,15 @@ computing them again. The last stage reads them with its micro-batches (data/col
 """
 import hashlib
 import json
-import math
 import os
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
 
 import collectives
 from checkpoints.files import atomic_write
-from data.collator import collate
 from models.lora import adapters_off
-from training.evaluation import PaddedShard
+from training.evaluation import score_examples
 from training.shared_files import VISIBLE_WITHIN_S, wait_for_files
 
 
@@ -82,34 +79,14 @@ def has_adapters(module):
 
 def compute_reference(engine, dataset, dataset_length, cfg, pad_id):
     """{"chosen": (pairs,), "rejected": (pairs,)} float32 on every rank: each data-parallel replica scores its
-    share of the pairs (evaluation's sharding), the last stage summing each response's log-probabilities; one
-    all-reduce, to which only the first tensor- and context-parallel rank of each last stage adds, assembles them."""
-    loss_fn, context = engine.module.loss_fn, engine.module.context
-    # the ranks of a context group score the same pairs, each its tokens of them (evaluation's sharding)
-    dp_rank, dp_size = context.replica(engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size())
-    micro_batch = cfg.micro_batch_size
-    num_micro_batches = math.ceil(math.ceil(dataset_length / dp_size) / micro_batch)
-    batches = None
-    if dataset is not None:
-        shard = PaddedShard(dataset, dp_rank, dp_size, micro_batch)
-        batches = map(context.split_micro_batch, DataLoader(shard, batch_size=micro_batch,
-                                                            collate_fn=lambda rows: collate(rows, cfg.seq_length,
-                                                                                            pad_id)))
-    scores = []
+    share of the pairs, the last stage summing each response's log-probabilities (training/evaluation.py
+    score_examples)."""
+    loss_fn = engine.module.loss_fn
     loss_fn.reference_pass = True
     try:
-        with adapters_off(engine.module):
-            for start in range(0, num_micro_batches, cfg.gradient_accumulation_steps):
-                chunk = min(cfg.gradient_accumulation_steps, num_micro_batches - start)
-                scores += engine.eval_batch(batches, reduce_output=None, bcast_loss=False, num_micro_batches=chunk) \
-                    or []
+        with adapters_off(engine.module):  # a micro-batch's chosen rows, then its rejected ones: one pair per row
+            values = score_examples(engine, dataset, dataset_length, cfg, pad_id, width=2,
+                                    per_example=lambda logps: torch.stack(logps.chunk(2), dim=1))
     finally:
         loss_fn.reference_pass = False
-    values = torch.zeros(dataset_length, 2, dtype=torch.float32, device=collectives.device())
-    if scores and engine.grid.get_slice_parallel_rank() == 0 and context.rank == 0:
-        pairs = torch.cat([torch.stack(logps.float().chunk(2), dim=1) for logps in scores])  # shard order
-        owned = len(range(dp_rank, dataset_length, dp_size))  # the rest pads the last micro-batch
-        values[dp_rank::dp_size] = pairs[:owned].to(values.device)
-    collectives.all_reduce(values)
-    values = values.cpu()
     return {"chosen": values[:, 0].clone(), "rejected": values[:, 1].clone()}

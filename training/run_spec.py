@@ -233,8 +233,8 @@ def plan_world_size(cfg):
 
 def check_data_files(cfg):
     if cfg.eval_only:
-        if not cfg.eval_file:
-            raise ConfigError("eval_only=true needs eval_file.")
+        if not cfg.eval_file and not cfg.eval_tasks:
+            raise ConfigError("eval_only=true needs eval_file or eval_tasks.")
     elif not cfg.train_file:
         raise ConfigError("train_file is not set; pass train_file=PATH (jsonl, json, parquet or txt; with "
                           "data.format=indexed a shard PREFIX or a list of {path: PREFIX, weight: W}).")
