@@ -11,6 +11,7 @@ the ones it received), and so is the point-to-point layer under the handlers (De
 torch.distributed's send, recv, isend, irecv), by a recorder. Stages run one after another, first to last; each
 receive from the previous stage gets what that stage sent, in order, as both gloo and NCCL match them."""
 import collections
+import itertools
 import pathlib
 import types
 
@@ -288,17 +289,23 @@ class ReceiveAtTheForward(ZeroBubbleSchedule):
                    for cmd in cmds if not isinstance(cmd, PostRecvActivation)]
 
 
+def old_order_step(engine):
+    return ReceiveAtTheForward(engine.micro_batches, engine.num_stages, engine.stage_id)
+
+
 def test_the_old_order_deadlocks_on_the_zero_bubble_engine():
     """2 stages, 2 micro-batches, the engine's own handlers: the link's second operation is a send on both sides
     (stage 0 sends micro-batch 1's activations while stage 1 sends micro-batch 0's gradient); gloo buffered it, so
     the recording (which delivers in order, as gloo) ran, and NCCL would hang."""
-    old_order = [lambda engine: ReceiveAtTheForward(engine.micro_batches, engine.num_stages, engine.stage_id)]
-    programs = record(2, 2, old_order, zero_bubble={"max_waiting": None})
+    programs = record(2, 2, [old_order_step], zero_bubble={"max_waiting": None})
     crossed_sends = (r"deadlock: .*stage 0's send #\d+ \(torch.bfloat16 \[2, 8, 16\], to stage 1\).*"
                      r"stage 1's send #\d+ \(torch.bfloat16 \[2, 8, 16\], to stage 0")
     with pytest.raises(AssertionError, match=crossed_sends):
         run_on_nccl(programs)
     run_on_nccl(record(2, 2, [train], zero_bubble={"max_waiting": None}))  # the same step in today's order
+    for stages, micro_batches in itertools.product(STAGES, (2, 8)):  # and so on every stage count
+        with pytest.raises(AssertionError, match="deadlock"):
+            run_on_nccl(record(stages, micro_batches, [old_order_step], zero_bubble={"max_waiting": None}))
 
 
 def test_a_receive_of_another_shape_is_the_wrong_tensor():
