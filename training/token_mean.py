@@ -19,7 +19,7 @@ import collectives
 
 def step_micro_batches(engine, stream, count):
     """The step's micro-batches on the stages that read data, on the device: their loss units are counted there
-    (a count over the context group is a collective) and train_batch's own move then copies nothing; the stream
+    (a count over the context group is a collective), and train_batch's own move finds them there; the stream
     itself on the other stages (no reads)."""
     if engine.is_first_stage() or engine.is_last_stage():
         return [on_device(next(stream)) for _ in range(count)]
