@@ -54,11 +54,9 @@ def prepare_shards(patterns, tokenizer_name_or_path, output_prefix, *, workers=1
             return done
     existing = [path for path in (f"{prefix}.bin", f"{prefix}.idx") if os.path.exists(path)]
     if existing and not overwrite:
-        raise PrepareError(f"{' and '.join(existing)} already exist{'s' if len(existing) == 1 else ''}, and "
-                           f"{metadata_file} does not record {'it' if len(existing) == 1 else 'them'} as prepared "
-                           f"from these inputs with this tokenizer (another tool or other inputs wrote "
-                           f"{'it' if len(existing) == 1 else 'them'}); pass --overwrite to replace "
-                           f"{'it' if len(existing) == 1 else 'them'}, or choose another --output_prefix")
+        raise PrepareError(f"{' and '.join(existing)} exist already, and {metadata_file} does not record them as "
+                           f"prepared from these inputs with this tokenizer (another tool or other inputs wrote "
+                           f"them); pass --overwrite to replace them, or choose another --output_prefix")
     dtype = megatron_datasets()[0].DType.optimal_dtype(len(tokenizer))
     parts_dir = prefix.with_name(prefix.name + ".parts")
     parts_dir.mkdir(parents=True, exist_ok=True)

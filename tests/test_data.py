@@ -195,11 +195,29 @@ def test_second_build_memory_maps_the_cache_without_tokenizing(demo_dir, tokeniz
 
 def _build_on_rank(rank, port, corpus, tokenizer, cache, out):
     import os
+    import sys
+    import time
+    from datetime import timedelta
+
+    import data.datasets
+    import training.shared_files
     # two nodes' local rank 0: one writer all the same, global rank 0
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.barrier()
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=2))  # a barrier waiting for the build would fail
+    build, training.shared_files.PROGRESS_EVERY_S = data.datasets.build_dataset, 1
+
+    def slow_build(*args, **kwargs):
+        time.sleep(5)
+        return build(*args, **kwargs)
+    if rank == 0:  # a first build longer than the collective timeout: the other rank is in no collective meanwhile
+        data.datasets.build_dataset = slow_build
+    sys.stdout = open(out / f"rank{rank}.out", "w", buffering=1)
     dataset, stats = build_dataset_distributed(corpus, tokenizer, {"format": "text"}, 32, cache_dir=cache,
                                                limit_minutes=5)
+    data.datasets.build_dataset = build
+    dist.barrier()  # the process group outlived the build
     (out / f"rank{rank}.json").write_text(json.dumps([stats.from_cache, len(dataset), dataset.cache_files]))
     try:  # rank 0's error reaches the other rank through the store, which waits on no collective
         build_dataset_distributed(corpus.with_suffix(".jsonl"), tokenizer, {"format": "text"}, 32, cache_dir=cache,
@@ -211,6 +229,9 @@ def _build_on_rank(rank, port, corpus, tokenizer, cache, out):
 
 @pytest.mark.slow
 def test_distributed_build_runs_once_and_other_ranks_load_the_cache(demo_dir, tokenizer, tmp_path):
+    """Global rank 0 builds (both ranks are their node's local rank 0) for longer than the process group's
+    timeout (2 s) while the other waits on the store, a progress line a second; then that rank reads the cache. A build
+    that fails on rank 0 fails on the other rank with rank 0's error."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -218,6 +239,9 @@ def test_distributed_build_runs_once_and_other_ranks_load_the_cache(demo_dir, to
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert (rank0[0], rank1[0]) == (False, True)
     assert rank0[1:] == rank1[1:]
+    progress = (tmp_path / "rank1.out").read_text().splitlines()
+    line = f"waiting for rank 0 to build the tokenized cache of {demo_dir / 'corpus.txt'}: 0 of at most 5 minutes"
+    assert progress and set(progress) == {line}
     error = f"[Errno 2] No such file or directory: '{demo_dir / 'corpus.jsonl'}'"
     assert (tmp_path / "rank1.error").read_text() == f"rank 0 could not build the tokenized cache of " \
                                                     f"{demo_dir / 'corpus.jsonl'}: FileNotFoundError: {error}"

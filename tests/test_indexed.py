@@ -268,7 +268,7 @@ def test_prepare_data_replaces_shards_it_did_not_write_only_when_told(corpus, tm
         with pytest.raises(SystemExit) as refusal:
             prepare_data.main(command)
         assert str(refusal.value) == (
-            f"prepare_data.py: {prefix}.bin and {prefix}.idx already exist, and {prefix}.json does not record them "
+            f"prepare_data.py: {prefix}.bin and {prefix}.idx exist already, and {prefix}.json does not record them "
             f"as prepared from these inputs with this tokenizer (another tool or other inputs wrote them); pass "
             f"--overwrite to replace them, or choose another --output_prefix")
         assert disk_state(tmp_path) == before
