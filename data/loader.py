@@ -64,7 +64,7 @@ class StageLoader:
                                                drop_last=drop_last)
             self._indices = _EpochIndices(self._sampler, self.num_micro_batches * micro_batch_size)
             self._loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self._indices,
-                                      num_workers=num_workers,
+                                      num_workers=num_workers, pin_memory=collectives.device().type != "cpu",
                                       collate_fn=partial(collate, seq_length=seq_length, pad_id=pad_id))
 
     def __len__(self) -> int:

@@ -134,7 +134,7 @@ def test_attention_runs_a_fused_sdpa_kernel(record_property):
 
     from models.llama import DecoderLayerPipe, StageAttentionInputs
     config = one_billion_config()
-    stage_inputs = StageAttentionInputs(config)
+    stage_inputs = StageAttentionInputs(config, row_layout="full")  # the run's rows: one document each
     layer = DecoderLayerPipe(config, stage_inputs).to("cuda", torch.bfloat16)
     batch, seq = 2, config.max_position_embeddings
     hidden = torch.randn(batch, seq, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
