@@ -18,7 +18,7 @@ from checkpoints.files import (check_output_dir, copy_model_side_files, copy_tok
 from checkpoints.integrity import (manifest_digest, no_manifest_note, read_by_export, verify_directory,
                                    verify_model_side_files)
 from checkpoints.layer_files import load_weights_only
-from models.layout import fused_names, hf_name_of_layer_key, layer_indices_with_files
+from models.layout import fuse, hf_name_of_layer_key, layer_indices_with_files
 from models.llama import check_model_config, layers_on_meta
 from models.lora import NO_LORA, LoraSettings, add_adapters
 
@@ -87,11 +87,9 @@ def read_hf_tensors(tag_dir, config, lora=NO_LORA):
                 tensors[name] = functools.partial(torch.cat, [s[key] for s in slices], dim)
                 shape = first.shape[:dim] + (first.shape[dim] * len(slices),) + first.shape[dim + 1:]
             shapes[name] = torch.empty(shape, dtype=first.dtype, device="meta")
-    if not lora.enabled:  # LoRA on fused projections is refused at start-up (models/lora.py)
-        for name, parts in fused_names(config).items():  # Phi-3's, fused again
-            tensors[name] = functools.partial(concatenated, [tensors.pop(part) for part in parts])
-            shapes[name] = torch.cat([shapes.pop(part) for part in parts])
-    return tensors, shapes
+    # Phi-3's weights and adapters, fused again
+    tensors = fuse(tensors, config, lambda parts, stacked: functools.partial(concatenated, parts) if stacked else parts[0])
+    return tensors, fuse(shapes, config)
 
 
 def concatenated(tensor_functions):
@@ -122,7 +120,7 @@ def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overw
         lora = LoraSettings(**{**record["lora"], "target_modules": tuple(record["lora"]["target_modules"])})
         adapters, adapter_shapes = read_hf_tensors(tag_dir, config, lora)
         if not merge_lora:
-            return write_peft_adapter(adapters, lora, record["base_model"]["path"], side_dir, output_dir)
+            return write_peft_adapter(adapters, lora, config, record["base_model"]["path"], side_dir, output_dir)
         tensors, shapes = read_hf_tensors(base_tag_dir(record, tag_dir, verify_checksums), config)
         tensors = merged(tensors, adapters, lora.scaling)
     split = split_torch_state_dict_into_shards(shapes, max_shard_size=max_shard_size)
@@ -180,12 +178,12 @@ def merged_weight(weight, a, b, scaling):
     return (base.float() + scaling * (b().float() @ a().float())).to(base.dtype)
 
 
-def write_peft_adapter(adapters, lora, base_path, side_dir, output_dir):
+def write_peft_adapter(adapters, lora, config, base_path, side_dir, output_dir):
     """A peft adapter directory (adapter_config.json, adapter_model.safetensors, the tokenizer) that
     peft.PeftModel.from_pretrained loads onto the Hugging Face base."""
     with staged_directory(output_dir) as staging:
         save_file({PEFT_PREFIX + name: tensor() for name, tensor in adapters.items()},
                   os.path.join(staging, "adapter_model.safetensors"), metadata={"format": "pt"})
-        lora.peft_config(base_model_name_or_path=base_path).save_pretrained(staging)
+        lora.peft_config(config, base_model_name_or_path=base_path).save_pretrained(staging)
         copy_tokenizer_files(side_dir, staging)
     return output_dir

@@ -51,17 +51,15 @@ def head_dim_of(config):
 
 
 def fused_projections(config):
-    """{fused weight of a decoder layer: ((its part, rows), ...)}: Phi-3's qkv_proj and gate_up_proj, which the
+    """{fused projection of a decoder layer: ((its part, rows), ...)}: Phi-3's qkv_proj and gate_up_proj, which the
     pipeline holds as LLaMA's separate projections (row blocks of the fused weight, in order), so tensor parallelism
     splits each by heads or columns in Megatron's layout."""
     if not architecture_of(config).fused_projections:
         return {}
     head_dim, kv_heads = head_dim_of(config), config.num_key_value_heads or config.num_attention_heads
-    return {"self_attn.qkv_proj.weight": (("self_attn.q_proj.weight", config.num_attention_heads * head_dim),
-                                          ("self_attn.k_proj.weight", kv_heads * head_dim),
-                                          ("self_attn.v_proj.weight", kv_heads * head_dim)),
-            "mlp.gate_up_proj.weight": (("mlp.gate_proj.weight", config.intermediate_size),
-                                        ("mlp.up_proj.weight", config.intermediate_size))}
+    return {"self_attn.qkv_proj": (("self_attn.q_proj", config.num_attention_heads * head_dim),
+                                   ("self_attn.k_proj", kv_heads * head_dim), ("self_attn.v_proj", kv_heads * head_dim)),
+            "mlp.gate_up_proj": (("mlp.gate_proj", config.intermediate_size), ("mlp.up_proj", config.intermediate_size))}
 
 
 def architecture_of(config):

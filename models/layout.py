@@ -13,6 +13,8 @@ models/architecture.py's fused_projections), split on conversion and fused again
 import os
 import re
 
+import torch
+
 from models.architecture import fused_projections
 
 _DECODER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -60,31 +62,54 @@ def layer_indices_with_files(num_hidden_layers, tie_word_embeddings):
     return range(0, last + 1)
 
 
+# A fused projection's tensors: the weight and a LoRA adapter's B stack their parts' rows; its adapter's A is one,
+# which the parts share (models/lora.py).
+ROW_STACKED, SHARED = ("lora_B.weight", "weight"), "lora_A.weight"  # longest suffix first
+
+
 def fused_parts(name, config):
-    """((the part's HF name, first row, rows), ...) of a fused Hugging Face weight; None for any other name."""
+    """((the part's HF name, first row, rows), ...) of a fused Hugging Face tensor (rows None: the whole tensor, a
+    shared adapter A, held by the first part); None for any other name."""
     match = _DECODER.match(name)
-    parts = fused_projections(config).get(match.group(2)) if match else None
+    suffix = next((s for s in (SHARED, *ROW_STACKED) if match and match.group(2).endswith(f".{s}")), None)
+    parts = fused_projections(config).get(match.group(2).removesuffix(f".{suffix}")) if suffix else None
     if parts is None:
         return None
+    prefix = f"model.layers.{match.group(1)}."
+    if suffix == SHARED:
+        return ((f"{prefix}{parts[0][0]}.{suffix}", 0, None),)
     starts = [sum(rows for _, rows in parts[:i]) for i in range(len(parts))]
-    return tuple((f"model.layers.{match.group(1)}.{key}", start, rows) for (key, rows), start in zip(parts, starts))
+    return tuple((f"{prefix}{part}.{suffix}", start, rows) for (part, rows), start in zip(parts, starts))
 
 
 def split_fused(state, config):
-    """{HF name: tensor} with each fused weight replaced by its parts (views), as the pipeline names them."""
+    """{HF name: tensor} with each fused tensor replaced by its parts (views), as the pipeline names them."""
     split = {}
     for name, tensor in state.items():
         parts = fused_parts(name, config)
         split.update({name: tensor} if parts is None else
-                     {part: tensor[start:start + rows] for part, start, rows in parts})
+                     {part: tensor if rows is None else tensor[start:start + rows] for part, start, rows in parts})
     return split
 
 
-def fused_names(config):
-    """{fused HF name: [its parts' HF names, in order]} of every decoder layer."""
-    fused = {}
-    for layer in range(config.num_hidden_layers):
-        for key, parts in fused_projections(config).items():
-            fused[f"model.layers.{layer}.{key}"] = [f"model.layers.{layer}.{part}" for part, _ in parts]
+def fuse(values, config, join=lambda parts, stacked: torch.cat(parts) if stacked else parts[0]):
+    """{HF name: value} with each fused weight's or adapter's parts joined back: join(the parts' values, whether
+    they stack), by default their tensors' rows stacked, or the shared A."""
+    fused = dict(values)
+    for name, (parts, stacked) in fused_groups(config, values).items():
+        fused[name] = join([fused.pop(part) for part in parts], stacked)
     return fused
 
+
+def fused_groups(config, names):
+    """{fused HF name: (its parts' HF names among `names`, whether they stack)} of the fused weights and adapters:
+    the parts' rows stacked in order, or (a shared A) the first part's tensor, the others being the same one."""
+    groups = {}
+    for layer in range(config.num_hidden_layers):
+        for module, parts in fused_projections(config).items():
+            for suffix in (*ROW_STACKED, SHARED):
+                part_names = [f"model.layers.{layer}.{part}.{suffix}" for part, _ in parts]
+                present = [name for name in part_names if name in names]
+                if present:
+                    groups[f"model.layers.{layer}.{module}.{suffix}"] = (present, suffix != SHARED)
+    return groups

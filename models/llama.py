@@ -18,7 +18,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from models.architecture import (ACTIVATIONS, architecture_of, check_model_config,  # noqa: F401 (re-exported)
-                                 head_dim_of)
+                                 fused_projections, head_dim_of)
 from models.context_parallel import NO_CONTEXT_PARALLEL, causal_lower_right_attention
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 
@@ -322,6 +322,9 @@ class DecoderLayerPipe(nn.Module):
         if self.post_norms:
             self.post_feedforward_layernorm = norm()
         self.stage_inputs = stage_inputs
+        # Phi-3's fused projections, by their parts' names here (LoRA gives each group one shared A, as peft does).
+        self.fused_groups = tuple(tuple(part.rsplit(".", 1)[-1] for part, _ in parts)
+                                  for parts in fused_projections(config).values())
 
     def forward(self, inputs):
         hidden, document_ids, position_ids = inputs

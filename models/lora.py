@@ -18,7 +18,7 @@ import math
 import torch
 from torch import nn
 
-from models.llama import DecoderLayerPipe, architecture_of
+from models.llama import DecoderLayerPipe, fused_projections
 from models.tensor_parallel import SHARDED_MARKER, TensorParallel
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -71,12 +71,13 @@ class LoraSettings:
         return {"rank": self.rank, "alpha": self.lora_alpha, "dropout": self.dropout,
                 "target_modules": list(self.target_modules)}
 
-    def peft_config(self, base_model_name_or_path=None):
-        """peft's LoraConfig of these adapters (the adapter_config.json an export writes)."""
+    def peft_config(self, config, base_model_name_or_path=None):
+        """peft's LoraConfig of these adapters on a model of `config` (the adapter_config.json an export writes):
+        Phi-3's fused projections targeted by their own names."""
         from peft import LoraConfig
         return LoraConfig(r=self.rank, lora_alpha=self.lora_alpha, lora_dropout=self.dropout,
-                          target_modules=list(self.target_modules), bias="none", task_type="CAUSAL_LM",
-                          base_model_name_or_path=base_model_name_or_path)
+                          target_modules=peft_target_modules(config, self.target_modules), bias="none",
+                          task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path)
 
 
 NO_LORA = LoraSettings()
@@ -94,13 +95,27 @@ def whole_features(projection, size):
     return (projection.in_features * (size if dim == 1 else 1), projection.out_features * (size if dim == 0 else 1))
 
 
-def check_lora_applies(config):
-    """peft adapts Phi-3's fused qkv_proj and gate_up_proj as single projections (one A over q, k and v), which the
-    pipeline's split projections do not hold."""
-    if architecture_of(config).fused_projections:
-        raise ValueError(f"lora on a {config.model_type} model is not implemented: peft adapts its fused qkv_proj and "
-                         f"gate_up_proj as single projections, which this pipeline holds split; fine-tune it fully "
-                         f"(lora.rank=0).")
+def fused_target_groups(config):
+    """{Phi-3's fused projection: its parts}, by their names in lora.target_modules."""
+    return {fused.rsplit(".", 1)[-1]: tuple(part.rsplit(".", 1)[-1] for part, _ in parts)
+            for fused, parts in fused_projections(config).items()}
+
+
+def peft_target_modules(config, target_modules):
+    """peft's target_modules of adapters on target_modules: a fused projection in place of its parts."""
+    groups = fused_target_groups(config)
+    fused = [name for name, parts in groups.items() if parts[0] in target_modules]
+    return fused + [name for name in target_modules if not any(name in parts for parts in groups.values())]
+
+
+def check_lora_applies(config, settings):
+    """peft adapts Phi-3's fused qkv_proj and gate_up_proj as single projections (one A over q, k and v): the
+    pipeline's parts of one take adapters together."""
+    for fused, parts in fused_target_groups(config).items():
+        targeted = [name for name in parts if name in settings.target_modules]
+        if targeted and len(targeted) != len(parts):
+            raise ValueError(f"lora.target_modules {list(settings.target_modules)}: a {config.model_type} model fuses "
+                             f"{', '.join(parts)} into {fused}, which takes one adapter; target all of them or none.")
 
 
 def check_rank_fits(config, settings):
@@ -153,6 +168,17 @@ def add_adapters(decoder_layer, settings, tensor_parallel_size=1, tensor_paralle
             with torch.no_grad():
                 projection.lora_A.weight.copy_(a.chunk(tensor_parallel_size, 1)[tensor_parallel_rank] if row else a)
                 projection.lora_B.weight.copy_(b if row else b.chunk(tensor_parallel_size, 0)[tensor_parallel_rank])
+    share_fused_adapters(decoder_layer)
+
+
+def share_fused_adapters(decoder_layer):
+    """The parts of one of Phi-3's fused projections share its first part's A (column-parallel: whole on every
+    rank), as peft's one adapter on the fused projection has; each keeps its rows of B."""
+    projections = projections_of(decoder_layer)
+    for first, *others in decoder_layer.fused_groups:
+        for name in others:
+            if hasattr(projections[name], "lora_A"):
+                projections[name].lora_A = projections[first].lora_A
 
 
 def initial_factors(seed, index, position, rank, in_features, out_features):

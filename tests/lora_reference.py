@@ -3,6 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from checkpoints.ds_to_hf import PEFT_PREFIX
+from models.layout import fuse
 from models.lora import MLP_PROJECTIONS, decoder_on_meta, initial_factors, projections_of
 
 
@@ -33,7 +34,8 @@ def peft_model(hf_dir, settings, values):
     """The Hugging Face model (fp32, eager attention) with peft adapters set to `values` (adapter_values)."""
     from peft import get_peft_model
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
-    model = get_peft_model(model, settings.peft_config())
+    model = get_peft_model(model, settings.peft_config(model.config))
+    values = fuse(values, model.config)  # Phi-3's adapters on its fused projections
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.requires_grad:

@@ -33,9 +33,11 @@ GRADIENT_CASES = {  # (stages, world size, tensor parallel): cases
                 dict(name="tied+checkpointing", model="tied", lora=LORA, checkpoint_interval=1),
                 dict(name="qwen2+zero_bubble", model="qwen2", lora=LORA, schedule="zero_bubble"),
                 dict(name="attention_only", model="llama2", lora=dict(LORA, target_modules=("q_proj", "v_proj"))),
-                dict(name="qwen3", model="qwen3", lora=LORA), dict(name="granite", model="granite", lora=LORA)],
+                dict(name="qwen3", model="qwen3", lora=LORA), dict(name="granite", model="granite", lora=LORA),
+                dict(name="phi3", model="phi3", lora=LORA)],  # one adapter on each fused projection, as peft
     (2, 4, 2): [dict(name="llama3+sp", model="llama3", lora=LORA, sequence_parallel=True),
                 dict(name="olmo2+sp", model="olmo2", lora=LORA, sequence_parallel=True),
+                dict(name="phi3+sp", model="phi3", lora=LORA, sequence_parallel=True),
                 dict(name="qwen2", model="qwen2", lora=LORA, sequence_parallel=False),
                 dict(name="tied+sp+zero_bubble", model="tied", lora=LORA, schedule="zero_bubble")],
 }
@@ -206,12 +208,12 @@ def test_bad_lora_config_is_refused_before_any_work(demo_model, tmp_path, overri
     assert not (tmp_path / "run").exists()
 
 
-def test_lora_on_phi3_fused_projections_is_refused_before_any_work(demo_model, tiny_checkpoints, tmp_path):
-    overrides = {"num_stages": 1, "lora.rank": 4, "model_name_or_path": tiny_checkpoints["phi3"][1],
-                 "tokenizer_name_or_path": demo_model["ds"]}
-    with pytest.raises(ValueError, match=r"lora on a phi3 model is not implemented: peft adapts its fused qkv_proj "
-                                         r"and gate_up_proj as single projections, which this pipeline holds split; "
-                                         r"fine-tune it fully \(lora.rank=0\)\."):
+def test_lora_on_part_of_a_phi3_fused_projection_is_refused_before_any_work(demo_model, tiny_checkpoints, tmp_path):
+    overrides = {"num_stages": 1, "lora.rank": 4, "lora.target_modules": "[q_proj,v_proj]",
+                 "model_name_or_path": tiny_checkpoints["phi3"][1], "tokenizer_name_or_path": demo_model["ds"]}
+    with pytest.raises(ValueError, match=r"lora.target_modules \['q_proj', 'v_proj'\]: a phi3 model fuses q_proj, "
+                                         r"k_proj, v_proj into qkv_proj, which takes one adapter; target all of them "
+                                         r"or none\."):
         run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), 1)
     assert not (tmp_path / "run").exists()
 
@@ -286,3 +288,53 @@ def test_lora_trains_on_packed_chat_on_two_stages_with_zero_bubble_and_offload(d
     losses = [record["loss"] for record in read_metrics(out) if "loss" in record]
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert json.loads((out / "hf" / "adapter_config.json").read_text())["r"] == 4
+
+
+def test_phi3_adapters_export_on_the_fused_projections_and_load_in_peft(tiny_checkpoints, tmp_path):
+    """A LoRA checkpoint of Phi-3 (its layer files as training saves them: the adapters of the split projections, the
+    parts of a fused one sharing A) exports as peft's adapter on qkv_proj and gate_up_proj: peft loads it onto the
+    Hugging Face model with every adapter's value, the stacked B of each fused projection and its one A."""
+    from peft import PeftModel
+    from transformers import AutoConfig
+
+    from checkpoints.ds_to_hf import convert_ds_to_hf
+    from models.layout import hf_name_of_layer_key
+    from models.llama import DecoderLayerPipe
+    from models.lora import add_adapters, is_adapter_key
+    from tests.lora_reference import hf_name_of_peft
+
+    hf_dir = tiny_checkpoints["phi3"][0]
+    config, settings = AutoConfig.from_pretrained(hf_dir), LoraSettings(rank=4, alpha=8.0)
+    tag_dir = tmp_path / "ckpt" / "global_step1"
+    tag_dir.mkdir(parents=True)
+    config.save_pretrained(tag_dir)
+    for index in (0, config.num_hidden_layers + 1, config.num_hidden_layers + 2):  # frozen: saved without weights
+        torch.save({}, tag_dir / f"layer_{index:02d}-model_states.pt")
+    pipeline = {}
+    for index in range(1, config.num_hidden_layers + 1):
+        layer = DecoderLayerPipe(config, stage_inputs=None)
+        add_adapters(layer, settings, seed=3, index=index)
+        with torch.no_grad():  # B nonzero, so that every part's rows show in the fused B
+            for name, param in layer.named_parameters():
+                if name.endswith("lora_B.weight"):
+                    param.normal_()
+        adapters = {k: v for k, v in layer.state_dict().items() if is_adapter_key(k)}
+        torch.save(adapters, tag_dir / f"layer_{index:02d}-model_states.pt")
+        pipeline.update({hf_name_of_layer_key(index, k, config.num_hidden_layers): v for k, v in adapters.items()})
+    (tag_dir / "trainer_state.json").write_text(json.dumps(
+        {"lora": settings.as_dict(), "base_model": {"path": hf_dir, "tag": "global_step0"}}))
+    convert_ds_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "adapter"), tag="global_step1", verify_checksums=False)
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir), tmp_path / "adapter")
+    loaded = {hf_name_of_peft(n): p for n, p in model.named_parameters() if "lora_" in n}
+    layer0 = "model.layers.0"
+    assert sorted(n.removeprefix(f"{layer0}.") for n in loaded if n.startswith(f"{layer0}.")) == sorted(
+        f"{module}.lora_{factor}.weight" for module in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                                       "mlp.down_proj") for factor in "AB")
+    assert torch.equal(loaded[f"{layer0}.self_attn.qkv_proj.lora_A.weight"],
+                       pipeline[f"{layer0}.self_attn.q_proj.lora_A.weight"])
+    assert torch.equal(loaded[f"{layer0}.self_attn.qkv_proj.lora_B.weight"], torch.cat(
+        [pipeline[f"{layer0}.self_attn.{p}_proj.lora_B.weight"] for p in "qkv"]))
+    assert torch.equal(loaded[f"{layer0}.mlp.gate_up_proj.lora_B.weight"], torch.cat(
+        [pipeline[f"{layer0}.mlp.{p}_proj.lora_B.weight"] for p in ("gate", "up")]))
+    assert torch.equal(loaded[f"{layer0}.mlp.down_proj.lora_A.weight"], pipeline[f"{layer0}.mlp.down_proj.lora_A.weight"])
