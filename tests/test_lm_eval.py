@@ -26,6 +26,11 @@ def read_samples(run_dir, step, source):
             for name in sorted(os.listdir(sample_dir))}
 
 
+def log_likelihoods(sample):
+    """A sample's log-likelihood per request (a rolling request's is a float, the others' (value, is_greedy))."""
+    return [response if isinstance(response, float) else response[0] for (response,) in sample["resps"]]
+
+
 def read_results(run_dir, step, source):
     (record,) = [r for r in map(json.loads, open(os.path.join(run_dir, "lm_eval.jsonl")))
                  if r["step"] == step and r["source"] == source]
