@@ -64,6 +64,10 @@ def main(argv=None):
     tasks = [task for task in args.tasks.split(",") if task]
     manager = TaskManager(include_path=args.include_path or None,
                           include_defaults=not all(is_task_file(task) for task in tasks))
+    for task in tasks:  # before the export, which takes minutes on a large model
+        if not (os.path.isfile(task) if is_task_file(task) else task in manager.all_tasks):
+            sys.exit(f"evaluate_lm: error: {task!r} is neither a task, group or tag of lm-eval (`lm_eval ls tasks`; "
+                     f"--include_path adds a directory of task files) nor an existing task YAML file.")
     scratch = None if args.hf_dir else tempfile.mkdtemp(prefix="lm_eval-export-")
     hf_dir = args.hf_dir or os.path.join(scratch, "hf")
     try:

@@ -26,6 +26,11 @@ def read_samples(run_dir, step, source):
             for name in sorted(os.listdir(sample_dir))}
 
 
+def log_likelihoods(sample):
+    """A sample's log-likelihood per request (a rolling request's is a float, the others' (value, is_greedy))."""
+    return [response if isinstance(response, float) else response[0] for (response,) in sample["resps"]]
+
+
 def read_results(run_dir, step, source):
     (record,) = [r for r in map(json.loads, open(os.path.join(run_dir, "lm_eval.jsonl")))
                  if r["step"] == step and r["source"] == source]
@@ -191,3 +196,12 @@ def test_requests_longer_than_seq_length_are_counted_before_training(demo_model,
     with pytest.raises(ConfigError, match=r"^eval_tasks: .*demo_cloze.yaml: a continuation of \d+ tokens is longer "
                                           r"than seq_length=6; raise seq_length, or drop the task\.$"):
         LmEvalTasks(cfg, tokenizer)
+
+
+def test_the_export_command_names_a_missing_task_before_exporting(demo_model, tmp_path):
+    from evaluate_lm import main
+    with pytest.raises(SystemExit, match=r"^evaluate_lm: error: '.*missing.yaml' is neither a task, group or tag of "
+                                         r"lm-eval .* nor an existing task YAML file\.$"):
+        main(["--ckpt_dir", demo_model["ds"], "--tasks", str(tmp_path / "missing.yaml"), "--output_dir",
+              str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

@@ -8,16 +8,17 @@ import shutil
 
 import pytest
 
-from tests.launch import REFERENCE, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics, \
-    run_in_process
+from tests.launch import REFERENCE, check_ok, demo_overrides, launch_trainer, lm_eval_overrides, per_step_losses, \
+    read_metrics, run_in_process
+from tests.test_lm_eval import assert_loop_equals_lm_eval, log_likelihoods, read_samples
 
 # fp32 reduction-order noise: the same sums over other ranks and stage boundaries.
 EXACT = dict(abs=1e-5, rel=0)
 
 
-def resumed_losses(demo_model, reference_run, out, procs, layout, start):
+def resumed_losses(demo_model, reference_run, out, procs, layout, start, **extra):
     result = check_ok(launch_trainer(procs, demo_overrides(demo_model, out, **{**REFERENCE, **layout,
-                                                                               "resume": str(start)})))
+                                                                               "resume": str(start), **extra})))
     assert [r["step"] for r in read_metrics(out) if "loss" in r][0] == int(start.name.removeprefix("global_step")) + 1
     return result, per_step_losses(out)
 
@@ -29,13 +30,23 @@ def resumed_losses(demo_model, reference_run, out, procs, layout, start):
      "num_stages 2 -> 4; data_parallel 2 -> 1; stage_bounds [0, 3, 7] -> [0, 2, 3, 4, 7]"),
 ], ids=["1_process_zero0", "4_stages"])
 @pytest.mark.slow
-def test_resume_on_another_layout_equals_the_run_that_never_stopped(demo_model, reference_run, tmp_path, procs,
-                                                                   layout, changes):
+def test_resume_on_another_layout_equals_the_run_that_never_stopped(demo_model, demo_tasks, reference_run, tmp_path,
+                                                                   procs, layout, changes):
+    """On 1 process the resumed run also scores the lm-eval tasks at step 8: the reference run's accuracies, each
+    log-likelihood within fp32 noise of its, and lm-eval's on its own export."""
+    scored = lm_eval_overrides(demo_tasks) if procs == 1 else {}
     result, losses = resumed_losses(demo_model, reference_run, tmp_path / "run", procs, layout,
-                                    reference_run / "global_step4")
+                                    reference_run / "global_step4", **scored)
     assert (f"resuming {reference_run}/global_step4 with another layout ({changes}): the optimizer state is "
             f"resharded from its per-layer files; the data position is kept in samples (32 consumed)") in result.stdout
     assert losses == pytest.approx(per_step_losses(reference_run)[4:], **EXACT)
+    if scored:
+        resumed, reference = (read_samples(run, 8, "pipeline") for run in (tmp_path / "run", reference_run))
+        for task, samples in reference.items():
+            for ours, theirs in zip(resumed[task], samples, strict=True):
+                assert all(ours[m] == theirs[m] for m in ours if m.startswith("acc")), task
+                assert log_likelihoods(ours) == pytest.approx(log_likelihoods(theirs), abs=1e-4), task
+        assert_loop_equals_lm_eval(tmp_path / "run", demo_tasks, tmp_path / "lm_eval")
 
 
 def test_a_changed_global_batch_is_said_at_start_up(demo_model, reference_run):
