@@ -12,6 +12,7 @@ from checkpoints.hf_to_ds import convert_hf_to_ds
 from models.partition import training_flops_per_token
 from tests.launch import (SINGLE_PROCESS, check_ok, demo_overrides, launch_ranks_separately, launch_trainer,
                           per_step_losses, read_metrics, run_in_process)
+from training import exit_codes
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device", "mfu", "samples_per_sec",
                "elapsed_s"}
@@ -84,7 +85,7 @@ def test_bad_config_fails_on_every_rank(demo_model, tmp_path):
     message = "num_stages=3 does not divide the world size 2"
     results = launch_ranks_separately(2, demo_overrides(demo_model, tmp_path / "run", num_stages=3))
     for rank, result in enumerate(results):  # each rank says why and exits, none waits at a collective
-        assert result.returncode == 1, (rank, result.stderr[-3000:])
+        assert result.returncode == exit_codes.CONFIG_ERROR, (rank, result.stderr[-3000:])
         assert f"trainer_pipe: error: {message}" in result.stderr, (rank, result.stderr[-3000:])
     assert not (tmp_path / "run").exists()
 

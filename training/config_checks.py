@@ -85,6 +85,7 @@ def check_values(cfg):
     if not cfg.preemption_grace_seconds > 0:
         raise ConfigError(f"preemption_grace_seconds={cfg.preemption_grace_seconds} must be positive: the seconds a "
                           f"SIGTERM leaves to finish the step and save.")
+    check_hang_watchdog(cfg.hang_watchdog, cfg.dist_timeout_minutes)
     if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
         raise ConfigError(f"peak_tflops={cfg.peak_tflops} must be a device's positive peak TFLOP/s, or null.")
     if not cfg.device_memory_gb > 0:
@@ -97,6 +98,20 @@ def check_values(cfg):
     except ValueError as error:
         raise ConfigError(str(error)) from None
     check_preference(cfg, preference)
+
+
+def check_hang_watchdog(watchdog, dist_timeout_minutes):
+    if watchdog.step_time_factor < 2:
+        raise ConfigError(f"hang_watchdog.step_time_factor={watchdog.step_time_factor} is too short for the measured "
+                          f"step time: steps vary, and a rank that is only slow must not be ended; use at least 2 "
+                          f"(10 by default).")
+    for key in ("min_step_seconds", "startup_seconds"):
+        if not watchdog[key] > 0:
+            raise ConfigError(f"hang_watchdog.{key}={watchdog[key]} must be a positive number of seconds.")
+    if watchdog.enabled and watchdog.min_step_seconds >= 60 * dist_timeout_minutes:
+        raise ConfigError(f"hang_watchdog.min_step_seconds={watchdog.min_step_seconds} is not below "
+                          f"dist_timeout_minutes={dist_timeout_minutes} (x 60 s): a collective's timeout would end a "
+                          f"hung step first, without naming where it stopped; lower the first or raise the second.")
 
 
 def check_preference(cfg, preference):

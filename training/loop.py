@@ -36,11 +36,13 @@ from planner.memory_plan import describe_stages, planned_stage_tflops, print_mem
 from training.deepspeed_config import accumulation_warning, deepspeed_config
 from training.distributed import check_devices, init_distributed, parallel_topology, set_threads_per_process
 from training.evaluation import evaluate
+from training.hang_watchdog import hang_watchdog
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
 from training.optimizer import skipping_optimizer
 from training.pipeline_engine import use_zero_bubble
 from training.preemption import Preempted, PreemptionWatch
 from training.profiling import NoProfile, StepProfile
+from training.rank_records import start_record
 from training.reference import reference_path, stored_everywhere, with_reference
 from training.resume import resolve_resume, start_checkpoint_dir
 from training.config_checks import ConfigError
@@ -288,6 +290,7 @@ def run(cfg):
         return print_memory_plan(plan_spec(cfg))
     spec = run_spec(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # every check, before anything is started
     cfg, resume_from = spec.cfg, spec.resume_from
+    record = start_record(cfg.output_dir, int(os.environ.get("RANK", "0")))  # names this rank if it dies
     check_devices(cfg.precision)
     init_distributed(cfg.dist_timeout_minutes)
     prepare_output_dir(spec)
@@ -354,7 +357,11 @@ def run(cfg):
         stream = map(engine.module.context.split_micro_batch, stream)
     if spec.tensor_parallel > 1 and reads_data:
         stream = check_identical_across_group(stream, engine.grid.get_slice_parallel_group())
-    return train(engine, spec, stream, data, pad_id, monitors, step, total_steps)
+    watchdog = hang_watchdog(cfg, engine, total_steps, record)
+    try:
+        return train(engine, spec, stream, data, pad_id, monitors, step, total_steps)
+    finally:
+        watchdog.stop()
 
 
 def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
