@@ -10,6 +10,7 @@ import torch
 
 from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, run_python, trainer_command
 from training import exit_codes
+from training.stragglers import find_stragglers
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
 # 2 stages, fp32, checkpoints every 2 steps; the watchdog's step limit well above a loaded machine's step time.
@@ -87,3 +88,35 @@ def test_a_spent_restart_budget_is_one_line(tmp_path):
         "the last ended with exit code 1: a rank crashed; fix the cause and rerun the same command (it resumes from "
         "the start: no complete checkpoint yet)."]
 
+
+@pytest.mark.slow
+def test_a_slow_rank_is_named_a_straggler_and_not_ended(demo_model, tmp_path):
+    """2 data-parallel ranks of one stage; from step 3 rank 1's forwards take 0.5 s longer: the logging interval
+    that holds slow steps names it (in a line and the metrics), and the run finishes: the hang watchdog leaves a
+    rank that is only slow alone."""
+    out = tmp_path / "run"
+    result = check_ok(launch_trainer(2, demo_overrides(
+        demo_model, out, num_stages=1, gradient_accumulation_steps=2, max_steps=6, logging_steps=2, save_steps=0,
+        eval_file="null", **{"hang_watchdog.min_step_seconds": 5}), script=FAULT_SCRIPT,
+        env={"FAULT": "slow:1:3", "FAULT_SLOW_SECONDS": "0.5"}))
+    lines = re.findall(r"straggler: rank (\d) \(stage 0\) computed ([\d.]+)s in this interval, [\d.]+x the median "
+                       r"of its stage's other ranks; it waited [\d.]+s on peers", result.stdout)
+    # steps 3-4 and 5-6, each 2 steps x 2 forwards x 0.5 s slower (steps 1-2 are left to the machine's noise)
+    assert [rank for rank, seconds in lines if float(seconds) >= 2.0] == ["1", "1"], result.stdout[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4, 6]
+    assert all(r["straggler_ranks"] == [1] and r["slowest_rank"] == 1 for r in records[1:]), records
+
+
+def test_stragglers_are_named_against_their_peers():
+    """A rank against its stage's other ranks; a stage against the other stages (its ranks' median)."""
+    ranks, stages = find_stragglers(compute=[1.0, 1.1, 1.0, 2.0, 1.0, 1.0], stages=[0, 0, 0, 1, 1, 1],
+                                    communication=[0.9, 0.8, 0.9, 0.1, 0.5, 0.5], margin=0.25)
+    assert ranks == {3: "straggler: rank 3 (stage 1) computed 2.00s in this interval, 2.00x the median of its stage's "
+                        "other ranks; it waited 0.10s on peers"}
+    assert stages == {}
+    ranks, stages = find_stragglers(compute=[1.0, 1.0, 1.5, 1.4], stages=[0, 0, 1, 1],
+                                    communication=[0.5, 0.5, 0.0, 0.1], margin=0.25)
+    assert ranks == {} and list(stages) == [1] and stages[1].startswith(
+        "straggler: stage 1 computed 1.45s in this interval, 1.45x the median of the other stages; its ranks waited "
+        "0.05s on peers")

@@ -15,7 +15,8 @@ from tests.launch import (SINGLE_PROCESS, check_ok, demo_overrides, launch_ranks
 from training import exit_codes
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device", "mfu", "samples_per_sec",
-               "elapsed_s"}
+               "elapsed_s", "slowest_rank", "slowest_rank_compute_s", "median_rank_compute_s"}
+STRAGGLER_KEYS = {"straggler_ranks", "straggler_stages"}  # present in an interval that had one
 
 
 @pytest.mark.slow
@@ -31,7 +32,7 @@ def test_end_to_end_two_stages_through_a_hostfile(demo_model, tmp_path):
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in train] == [2, 4, 6] and [r["step"] for r in evals] == [3, 6]
-    assert all(set(r) == METRIC_KEYS for r in train)
+    assert all(set(r) - STRAGGLER_KEYS == METRIC_KEYS for r in train)
     assert all(r["grad_norm"] > 0 and r["tokens_per_sec"] > 0 for r in train)
     # Model FLOPs per token x tokens/s over 2 devices, and utilisation of the configured 0.5 TFLOP/s peak.
     flops_per_token = training_flops_per_token(AutoConfig.from_pretrained(demo_model["hf"]), 64)

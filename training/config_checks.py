@@ -86,6 +86,9 @@ def check_values(cfg):
         raise ConfigError(f"preemption_grace_seconds={cfg.preemption_grace_seconds} must be positive: the seconds a "
                           f"SIGTERM leaves to finish the step and save.")
     check_hang_watchdog(cfg.hang_watchdog, cfg.dist_timeout_minutes)
+    if not cfg.straggler_margin > 0:
+        raise ConfigError(f"straggler_margin={cfg.straggler_margin} must be positive: how much slower than its peers "
+                          f"a rank or stage computes before it is named (0.25: 25%).")
     if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
         raise ConfigError(f"peak_tflops={cfg.peak_tflops} must be a device's positive peak TFLOP/s, or null.")
     if not cfg.device_memory_gb > 0:

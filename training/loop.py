@@ -47,6 +47,7 @@ from training.reference import reference_path, stored_everywhere, with_reference
 from training.resume import resolve_resume, start_checkpoint_dir
 from training.config_checks import ConfigError
 from training.run_spec import plan_spec, run_spec
+from training.stragglers import StragglerWatch
 from training.token_mean import global_loss_units, step_micro_batches, token_mean_loss
 
 
@@ -377,6 +378,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
     peak_tflops = device_peak_tflops(cfg.peak_tflops, cfg.precision)
     profile = (StepProfile(engine, cfg.output_dir, dist.get_rank(), planned_stage_tflops(spec, engine.stage_id))
                if cfg.profile else NoProfile())
+    stragglers = StragglerWatch(engine, cfg.straggler_margin)
     start_time = window_start = time.time()
     window_steps, losses, skipped, unlabelled = 0, [], 0, 0
     result = {}
@@ -416,6 +418,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
                         **compute_throughput(tokens_per_sec, flops_per_token, dist.get_world_size(), peak_tflops),
                         **preference_metrics, "samples_per_sec": window_steps * samples_per_step / elapsed,
                         "elapsed_s": time.time() - start_time, **({"skipped_steps": skipped} if skipped else {}),
+                        **stragglers.window_report(log_rank0),
                         **data.epochs(start_consumed + (step - start_step) * samples_per_step)})
             window_start, window_steps, losses, unlabelled = time.time(), 0, [], 0
         profile.lap("logging")
