@@ -10,6 +10,7 @@ remembers it), so a supervised run's restart goes past it. kind one of
   pause             this rank prints PAUSED_AT <step> and waits at the start of that step until it is asked to stop
                     (SIGTERM, or its launcher gone): a preemption lands in a known step
   sigkill, sigstop  this rank sends itself SIGKILL (a dead rank) or SIGSTOP (a hung one) at the start of that step
+  slow              from that step on, this rank's every forward pass takes FAULT_SLOW_SECONDS longer (a slow device)
 """
 import os
 import signal
@@ -49,13 +50,30 @@ def inject(kind, fault_rank, fault_step):
                 os.kill(os.getpid(), signal.SIGKILL if kind == "sigkill" else signal.SIGSTOP)
             return train_batch(self, *args, **kwargs)
         PipelineEngine.train_batch = signalled_train_batch
+    elif kind == "slow":
+        from deepspeed.runtime.pipe import schedule
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+        forward = PipelineEngine._INSTRUCTION_MAP[schedule.ForwardPass]  # before any engine class copies the map
+
+        slowed = []
+
+        def slow_forward(self, *args, **kwargs):
+            if rank() == fault_rank and self.global_steps + 1 >= fault_step and self.module.training:
+                if not slowed:
+                    print(f"FAULT {kind} AT {self.global_steps + 1}", flush=True)
+                    slowed.append(True)
+                time.sleep(float(os.environ["FAULT_SLOW_SECONDS"]))
+            return forward(self, *args, **kwargs)
+        PipelineEngine._INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.ForwardPass: slow_forward}
     elif kind == "kill_during_save":
         from checkpoints import saving  # save_checkpoint looks save_rng_state up here
         save_rng_state = saving.save_rng_state
 
         def save_then_die(tag_dir, this_rank):
             save_rng_state(tag_dir, this_rank)
-            if this_rank == fault_rank and tag_dir.endswith(f"global_step{fault_step}"):
+            if (this_rank == fault_rank and tag_dir.endswith(f"global_step{fault_step}")
+                    and fires_once(kind, fault_rank, fault_step)):
+                print(f"FAULT {kind} AT {fault_step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
         saving.save_rng_state = save_then_die
     elif kind == "raise":
