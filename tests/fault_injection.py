@@ -10,6 +10,7 @@ remembers it), so a supervised run's restart goes past it. kind one of
   pause             this rank prints PAUSED_AT <step> and waits at the start of that step until it is asked to stop
                     (SIGTERM, or its launcher gone): a preemption lands in a known step
   sigkill, sigstop  this rank sends itself SIGKILL (a dead rank) or SIGSTOP (a hung one) at the start of that step
+  kill_while_writing  async_save: SIGKILL this rank right after it handed the step's checkpoint to its writer process
   slow              from that step on, this rank's every forward pass takes FAULT_SLOW_SECONDS longer (a slow device)
 """
 import os
@@ -65,6 +66,16 @@ def inject(kind, fault_rank, fault_step):
                 time.sleep(float(os.environ["FAULT_SLOW_SECONDS"]))
             return forward(self, *args, **kwargs)
         PipelineEngine._INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.ForwardPass: slow_forward}
+    elif kind == "kill_while_writing":
+        from checkpoints.background_save import BackgroundSave
+        submit = BackgroundSave.submit
+
+        def submit_then_die(self, files, tag_dir, completion):
+            submit(self, files, tag_dir, completion)
+            if rank() == fault_rank and tag_dir.endswith(f"global_step{fault_step}"):
+                print(f"FAULT {kind} AT {fault_step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        BackgroundSave.submit = submit_then_die
     elif kind == "kill_during_save":
         from checkpoints import saving  # save_checkpoint looks save_rng_state up here
         save_rng_state = saving.save_rng_state

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from checkpoints.compatibility import dropped_state, layout_change
+from checkpoints.background_save import BackgroundSave
 from checkpoints.disk_space import checkpoint_bytes, storage_warning
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.integrity import verify_checkpoint
@@ -379,6 +380,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
     profile = (StepProfile(engine, cfg.output_dir, dist.get_rank(), planned_stage_tflops(spec, engine.stage_id))
                if cfg.profile else NoProfile())
     stragglers = StragglerWatch(engine, cfg.straggler_margin)
+    background = BackgroundSave() if cfg.async_save else None
     start_time = window_start = time.time()
     window_steps, losses, skipped, unlabelled = 0, [], 0, 0
     result = {}
@@ -429,13 +431,16 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps):
         profile.lap("evaluation")
         preempted = preemption.should_stop() and step < total_steps
         profile.lap("preemption check")
+        if background is not None and (saved := background.complete_if_written()):
+            last_checkpoint, checkpoint_size = os.path.split(saved), checkpoint_bytes(saved)
         if preempted or step == total_steps or (cfg.save_steps and step % cfg.save_steps == 0):
             consumed = start_consumed + (step - start_step) * samples_per_step
-            save_checkpoint(engine, cfg, spec.model_files_dir, {
+            saved = save_checkpoint(engine, cfg, spec.model_files_dir, {
                 "step": step, "consumed_samples": consumed, "topology": spec.layout, "settings": spec.settings,
-                **spec.lora_record, **spec.reference_record}, checkpoint_size)
-            last_checkpoint = (cfg.output_dir, f"global_step{step}")
-            checkpoint_size = checkpoint_bytes(os.path.join(*last_checkpoint))
+                **spec.lora_record, **spec.reference_record}, checkpoint_size, background,
+                wait=preempted or step == total_steps)
+            if saved:  # else written in the background, and complete after a later step
+                last_checkpoint, checkpoint_size = os.path.split(saved), checkpoint_bytes(saved)
         profile.lap("checkpoint")
         profile.step_done()
         if preempted:
