@@ -2,6 +2,7 @@
 
   python supervise.py [--max-restarts 3] [--backoff-seconds 30] -- deepspeed --hostfile H trainer_pipe.py -cp conf -cn C
   python supervise.py -- srun --kill-on-bad-exit=1 scripts/slurm_rank.sh trainer_pipe.py -cp conf -cn C
+  python supervise.py -- torchrun --max-restarts 0 --nproc_per_node 8 ... trainer_pipe.py -cp conf -cn C
 """
 import argparse
 import sys
