@@ -24,33 +24,52 @@ def strip_launcher_arguments():
 
 @hydra.main(version_base=None, config_path="conf", config_name="tiny")
 def main(cfg):
+    """Runs the config; the exit code says why a run ended (training/exit_codes.py: what a restart can fix)."""
     import collectives  # heavy imports after Hydra has parsed the command line
     from checkpoints.disk_space import DiskFullError
+    from checkpoints.integrity import ChecksumError
+    from checkpoints.layer_files import UnsafeFileError
     from deepspeed_internals.registry import DeepSpeedMismatch
-    from training.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from training import exit_codes
+    from training.preemption import Preempted
+    from training.rank_records import record_end
     import torch.distributed as dist
     exit_code = 0
     try:
         from training.loop import run  # in here: a DeepSpeed without a name it imports fails in one line too
         run(cfg)
     except DiskFullError as error:
-        say(f"trainer_pipe: error: {error}")
+        fail(exit_codes.DISK_FULL, error)
         if error.every_rank:
-            collectives.barrier()  # every rank has said it before any exits: the launcher ends the rest at one exit
-        sys.exit(1)
-    except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError,
-            DeepSpeedMismatch) as error:  # what to fix
-        say(f"trainer_pipe: error: {error}")
-        sys.exit(1)
+            collectives.barrier()  # each rank has said it before any exits: the launcher ends the others at the first exit
+        sys.exit(exit_codes.DISK_FULL)
+    except (ChecksumError, UnsafeFileError) as error:
+        sys.exit(fail(exit_codes.CHECKPOINT_REFUSED, error))
+    except FloatingPointError as error:
+        sys.exit(fail(exit_codes.LOSS_NOT_FINITE, error))
+    except (ValueError, FileNotFoundError, FileExistsError, DeepSpeedMismatch) as error:  # what to fix
+        sys.exit(fail(exit_codes.CONFIG_ERROR, error))
     except Preempted as stop:  # every rank saved together; the launcher passes the code on
         say(f"trainer_pipe: {stop}", sys.stdout)
-        exit_code = PREEMPTED_EXIT_CODE
+        exit_code = exit_codes.PREEMPTED
+    except Exception as error:  # a crash: its traceback follows, and a supervisor restarts the run
+        record_end(exit_codes.CRASHED, f"{type(error).__name__}: {error}")
+        raise
+    record_end(exit_code, "preempted" if exit_code else "finished")
     # Only after success or a collective stop: tearing down a group whose peers are still mid-collective can block
     # a failing rank, while a plain exit lets the launcher end the others at once.
     if dist.is_initialized():
         dist.destroy_process_group()
     if exit_code:
         sys.exit(exit_code)
+
+
+def fail(exit_code, error):
+    """Say what to fix in one line and record it; the exit code to end with."""
+    from training.rank_records import record_end
+    say(f"trainer_pipe: error: {error}")
+    record_end(exit_code, str(error))
+    return exit_code
 
 
 if __name__ == "__main__":

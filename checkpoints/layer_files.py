@@ -17,6 +17,10 @@ import torch
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6 is a zip archive
 
 
+class UnsafeFileError(ValueError):
+    """A torch.save file refused: it could run code on loading, or it cannot be read at all."""
+
+
 CONVERT_ADVICE = ("re-save it with a current torch (torch.save, zip format) from a source you trust, or convert it "
                   "to safetensors; the converter never unpickles files that could run code.")
 
@@ -27,21 +31,21 @@ def load_weights_only(path, allowed=(), advice=CONVERT_ADVICE, mmap=True, map_lo
     Anything else is refused with what to do; there is no fallback to an unsafe load."""
     with open(path, "rb") as f:
         if f.read(4) != ZIP_MAGIC:
-            raise ValueError(f"'{path}' is not in torch's zip format (a legacy pickle from torch < 1.6, or not a torch "
-                             f"file), which cannot be loaded safely (memory-mapped with torch.load(weights_only=True)); "
-                             f"{advice}")
+            raise UnsafeFileError(f"'{path}' is not in torch's zip format (a legacy pickle from torch < 1.6, or not "
+                                  f"a torch file), which cannot be loaded safely (memory-mapped with "
+                                  f"torch.load(weights_only=True)); {advice}")
     try:
         with torch.serialization.safe_globals(list(allowed)):
             return torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as error:
         called = re.search(r"GLOBAL (\S+)", str(error))
         reason = f"it names {called.group(1)}, which is not a tensor type" if called else "not only tensors"
-        raise ValueError(f"'{path}' cannot be loaded safely with torch.load(weights_only=True): its pickle refers to "
-                         f"code ({reason}); {advice}") from None
+        raise UnsafeFileError(f"'{path}' cannot be loaded safely with torch.load(weights_only=True): its pickle "
+                              f"refers to code ({reason}); {advice}") from None
     except RuntimeError as error:
         first_sentence = str(error).splitlines()[0].split(". ")[0]
-        raise ValueError(f"'{path}' is not a readable torch.save file ({first_sentence}): truncated or "
-                         f"corrupt; download or copy it again.") from None
+        raise UnsafeFileError(f"'{path}' is not a readable torch.save file ({first_sentence}): truncated or "
+                              f"corrupt; download or copy it again.") from None
 
 
 def load_layer_slice(layer, paths, rank, size, strict=True):

@@ -45,21 +45,51 @@ def hashing_saves(checkpoint_engine):
         hasher.shutdown()
 
 
-def save_checkpoint(engine, cfg, model_files_dir, trainer_state, needed_bytes):
+def save_checkpoint(engine, cfg, model_files_dir, trainer_state, needed_bytes, background=None, wait=True):
     """Save global_step<step> crash-safely; needed_bytes: what the checkpoint takes on disk (the last one's size,
-    or the planner's estimate before the first), checked against the free space before anything is written."""
+    or the planner's estimate before the first), checked against the free space before anything is written.
+    background (async_save, checkpoints/background_save.py): the files are snapshot and written by its writer
+    process, and the checkpoint is completed once every rank's are (now, with wait); a save still in flight is
+    completed first. Returns the tag directory once complete, else None."""
     output_dir, tag = cfg.output_dir, tag_of_step(trainer_state["step"])
     tag_dir = os.path.join(output_dir, tag)
+    if background is not None:
+        background.wait()
     check_space_for_checkpoint(output_dir, tag, needed_bytes)
     if dist.get_rank() == 0:
         begin_change(tag_dir, "save")  # before any file: a crash leaves a directory the next start may remove
     collectives.barrier()
-    with disk_full_is_one_line(output_dir, tag, needed_bytes), hashing_saves(checkpoint_engine_of(engine)) as written:
-        # Frozen parameters (LoRA's base) are not saved: the checkpoint points at the converted base instead.
-        engine.save_checkpoint(output_dir, tag=tag, client_state=trainer_state, save_latest=False,
-                               exclude_frozen_parameters=True)
-        trainer_state = {**trainer_state, **save_training_state(engine, tag_dir)}
-        save_rng_state(tag_dir, dist.get_rank())
+    checkpoint_engine = checkpoint_engine_of(engine)
+    if background is None:
+        with disk_full_is_one_line(output_dir, tag, needed_bytes), hashing_saves(checkpoint_engine) as written:
+            trainer_state = write_rank_files(engine, tag_dir, trainer_state)
+        complete_checkpoint(cfg, model_files_dir, tag_dir, trainer_state, written, needed_bytes)
+        return tag_dir
+    with disk_full_is_one_line(output_dir, tag, needed_bytes), background.snapshots(checkpoint_engine) as files:
+        trainer_state = write_rank_files(engine, tag_dir, trainer_state)
+    background.submit(files, tag_dir, lambda written: complete_checkpoint(cfg, model_files_dir, tag_dir,
+                                                                          trainer_state, written, needed_bytes))
+    if wait:
+        background.wait()
+        return tag_dir
+    return None
+
+
+def write_rank_files(engine, tag_dir, trainer_state):
+    """This rank's files of the checkpoint, through DeepSpeed's checkpoint engine (its weights, its layers'
+    optimizer state) and its RNG state; returns trainer_state with what the resume needs added."""
+    # Frozen parameters (LoRA's base) are not saved: the checkpoint points at the converted base instead.
+    engine.save_checkpoint(os.path.dirname(tag_dir), tag=os.path.basename(tag_dir), client_state=trainer_state,
+                           save_latest=False, exclude_frozen_parameters=True)
+    trainer_state = {**trainer_state, **save_training_state(engine, tag_dir)}
+    save_rng_state(tag_dir, dist.get_rank())
+    return trainer_state
+
+
+def complete_checkpoint(cfg, model_files_dir, tag_dir, trainer_state, written, needed_bytes):
+    """Collective, once every rank's files are written ({path: checksum} of this rank's): rank 0 writes the side
+    files, the manifest, COMPLETE and `latest`, and prunes the oldest checkpoints."""
+    output_dir, tag = os.path.dirname(tag_dir), os.path.basename(tag_dir)
     rng_path = rng_state_path(tag_dir, dist.get_rank())
     written[rng_path] = file_checksum(rng_path)
     every_rank = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -70,7 +100,6 @@ def save_checkpoint(engine, cfg, model_files_dir, trainer_state, needed_bytes):
             write_side_files_and_complete(cfg, model_files_dir, tag_dir, trainer_state, every_rank)
         prune_checkpoints(output_dir, cfg.save_total_limit)
     collectives.barrier()
-    return tag_dir
 
 
 def write_side_files_and_complete(cfg, model_files_dir, tag_dir, trainer_state, every_rank):

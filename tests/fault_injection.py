@@ -1,6 +1,7 @@
-"""trainer_pipe.py with one fault injected, for reliability tests launched through the real launcher.
+"""trainer_pipe.py with faults injected, for reliability tests launched through the real launcher.
 
-FAULT=kind:rank:step, kind one of
+FAULT=kind:rank:step[,kind:rank:step...]; with FAULT_ONCE_DIR set, each fault fires once (a marker file there
+remembers it), so a supervised run's restart goes past it. kind one of
   kill_during_save  SIGKILL this rank after it wrote its part of the step's checkpoint, before it is complete
   raise             raise RuntimeError in this rank's train_batch at that step
   nan               the loss (last stage) becomes NaN at that step, so gradients are NaN too
@@ -8,6 +9,9 @@ FAULT=kind:rank:step, kind one of
                     field is not used): the step's global batch has nothing to learn
   pause             this rank prints PAUSED_AT <step> and waits at the start of that step until it is asked to stop
                     (SIGTERM, or its launcher gone): a preemption lands in a known step
+  sigkill, sigstop  this rank sends itself SIGKILL (a dead rank) or SIGSTOP (a hung one) at the start of that step
+  kill_while_writing  async_save: SIGKILL this rank right after it handed the step's checkpoint to its writer process
+  slow              from that step on, this rank's every forward pass takes FAULT_SLOW_SECONDS longer (a slow device)
 """
 import os
 import signal
@@ -24,14 +28,63 @@ def rank():
     return int(os.environ["RANK"])
 
 
+def fires_once(kind, fault_rank, fault_step):
+    """Whether this fault fires now: always without FAULT_ONCE_DIR, else the first time only."""
+    if "FAULT_ONCE_DIR" not in os.environ:
+        return True
+    marker = os.path.join(os.environ["FAULT_ONCE_DIR"], f"{kind}-{fault_rank}-{fault_step}")
+    if os.path.exists(marker):
+        return False
+    open(marker, "w").close()
+    return True
+
+
 def inject(kind, fault_rank, fault_step):
-    if kind == "kill_during_save":
+    if kind in ("sigkill", "sigstop"):
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+        train_batch = PipelineEngine.train_batch
+
+        def signalled_train_batch(self, *args, **kwargs):
+            if rank() == fault_rank and self.global_steps + 1 == fault_step and fires_once(kind, fault_rank,
+                                                                                            fault_step):
+                print(f"FAULT {kind} AT {fault_step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL if kind == "sigkill" else signal.SIGSTOP)
+            return train_batch(self, *args, **kwargs)
+        PipelineEngine.train_batch = signalled_train_batch
+    elif kind == "slow":
+        from deepspeed.runtime.pipe import schedule
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+        forward = PipelineEngine._INSTRUCTION_MAP[schedule.ForwardPass]  # before any engine class copies the map
+
+        slowed = []
+
+        def slow_forward(self, *args, **kwargs):
+            if rank() == fault_rank and self.global_steps + 1 >= fault_step and self.module.training:
+                if not slowed:
+                    print(f"FAULT {kind} AT {self.global_steps + 1}", flush=True)
+                    slowed.append(True)
+                time.sleep(float(os.environ["FAULT_SLOW_SECONDS"]))
+            return forward(self, *args, **kwargs)
+        PipelineEngine._INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, schedule.ForwardPass: slow_forward}
+    elif kind == "kill_while_writing":
+        from checkpoints.background_save import BackgroundSave
+        submit = BackgroundSave.submit
+
+        def submit_then_die(self, files, tag_dir, completion):
+            submit(self, files, tag_dir, completion)
+            if rank() == fault_rank and tag_dir.endswith(f"global_step{fault_step}"):
+                print(f"FAULT {kind} AT {fault_step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        BackgroundSave.submit = submit_then_die
+    elif kind == "kill_during_save":
         from checkpoints import saving  # save_checkpoint looks save_rng_state up here
         save_rng_state = saving.save_rng_state
 
         def save_then_die(tag_dir, this_rank):
             save_rng_state(tag_dir, this_rank)
-            if this_rank == fault_rank and tag_dir.endswith(f"global_step{fault_step}"):
+            if (this_rank == fault_rank and tag_dir.endswith(f"global_step{fault_step}")
+                    and fires_once(kind, fault_rank, fault_step)):
+                print(f"FAULT {kind} AT {fault_step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
         saving.save_rng_state = save_then_die
     elif kind == "raise":
@@ -93,7 +146,8 @@ def inject(kind, fault_rank, fault_step):
 
 
 if __name__ == "__main__":
-    fault_kind, fault_rank_text, fault_step_text = os.environ["FAULT"].split(":")
-    inject(fault_kind, int(fault_rank_text), int(fault_step_text))
+    for fault in os.environ["FAULT"].split(","):
+        fault_kind, fault_rank_text, fault_step_text = fault.split(":")
+        inject(fault_kind, int(fault_rank_text), int(fault_step_text))
     trainer_pipe.strip_launcher_arguments()
     trainer_pipe.main()

@@ -11,6 +11,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed_internals.registry import (PIPELINE_ENGINE, DeepSpeedMismatch, Unused,
                                           check_deepspeed_internals)
 from tests.launch import run_python
+from training.exit_codes import CONFIG_ERROR
 
 VERSION = deepspeed.__version__
 FIX = "install deepspeed==0.19.8 (requirements.txt) or see deepspeed_internals/ for what to check"
@@ -84,6 +85,6 @@ def test_the_trainer_says_it_in_one_line(module, owner, name, line):
               f"sys.argv = ['trainer_pipe.py', '-cp', 'conf', '-cn', 'tiny', 'plan_only=true']; "
               f"runpy.run_path('trainer_pipe.py', run_name='__main__')")
     result = run_python(["-c", script], timeout=120)
-    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.returncode == CONFIG_ERROR, result.stderr[-3000:]
     assert result.stderr.splitlines()[-1] == f"trainer_pipe: error: deepspeed {VERSION} {line}; {FIX}"
     assert "Traceback" not in result.stderr

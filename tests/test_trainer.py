@@ -12,9 +12,11 @@ from checkpoints.hf_to_ds import convert_hf_to_ds
 from models.partition import training_flops_per_token
 from tests.launch import (SINGLE_PROCESS, check_ok, demo_overrides, launch_ranks_separately, launch_trainer,
                           per_step_losses, read_metrics, run_in_process)
+from training import exit_codes
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device", "mfu", "samples_per_sec",
-               "elapsed_s"}
+               "elapsed_s", "slowest_rank", "slowest_rank_compute_s", "median_rank_compute_s"}
+STRAGGLER_KEYS = {"straggler_ranks", "straggler_stages"}  # present in an interval that had one
 
 
 @pytest.mark.slow
@@ -30,7 +32,7 @@ def test_end_to_end_two_stages_through_a_hostfile(demo_model, tmp_path):
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in train] == [2, 4, 6] and [r["step"] for r in evals] == [3, 6]
-    assert all(set(r) == METRIC_KEYS for r in train)
+    assert all(set(r) - STRAGGLER_KEYS == METRIC_KEYS for r in train)
     assert all(r["grad_norm"] > 0 and r["tokens_per_sec"] > 0 for r in train)
     # Model FLOPs per token x tokens/s over 2 devices, and utilisation of the configured 0.5 TFLOP/s peak.
     flops_per_token = training_flops_per_token(AutoConfig.from_pretrained(demo_model["hf"]), 64)
@@ -84,7 +86,7 @@ def test_bad_config_fails_on_every_rank(demo_model, tmp_path):
     message = "num_stages=3 does not divide the world size 2"
     results = launch_ranks_separately(2, demo_overrides(demo_model, tmp_path / "run", num_stages=3))
     for rank, result in enumerate(results):  # each rank says why and exits, none waits at a collective
-        assert result.returncode == 1, (rank, result.stderr[-3000:])
+        assert result.returncode == exit_codes.CONFIG_ERROR, (rank, result.stderr[-3000:])
         assert f"trainer_pipe: error: {message}" in result.stderr, (rank, result.stderr[-3000:])
     assert not (tmp_path / "run").exists()
 

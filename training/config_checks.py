@@ -90,6 +90,10 @@ def check_values(cfg):
     if not cfg.data_build_timeout_minutes > 0:
         raise ConfigError(f"data_build_timeout_minutes={cfg.data_build_timeout_minutes} must be positive: the "
                           f"minutes the other ranks wait for rank 0 to tokenize or index the data on a first start.")
+    check_hang_watchdog(cfg.hang_watchdog, cfg.dist_timeout_minutes)
+    if not cfg.straggler_margin > 0:
+        raise ConfigError(f"straggler_margin={cfg.straggler_margin} must be positive: how much slower than its peers "
+                          f"a rank or stage computes before it is named (0.25: 25%).")
     if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
         raise ConfigError(f"peak_tflops={cfg.peak_tflops} must be a device's positive peak TFLOP/s, or null.")
     if not cfg.device_memory_gb > 0:
@@ -139,6 +143,20 @@ class EvalTask:
             raise ConfigError(f"eval_tasks entry {fields!r}: give a task name or task YAML file, or {{task: NAME, "
                               f"limit: N}} with N a positive number of documents (or null for all).")
         return cls(fields["task"], limit)
+
+
+def check_hang_watchdog(watchdog, dist_timeout_minutes):
+    if watchdog.step_time_factor < 2:
+        raise ConfigError(f"hang_watchdog.step_time_factor={watchdog.step_time_factor} is too short for the measured "
+                          f"step time: steps vary, and a rank that is only slow must not be ended; use at least 2 "
+                          f"(10 by default).")
+    for key in ("min_step_seconds", "startup_seconds"):
+        if not watchdog[key] > 0:
+            raise ConfigError(f"hang_watchdog.{key}={watchdog[key]} must be a positive number of seconds.")
+    if watchdog.enabled and watchdog.min_step_seconds >= 60 * dist_timeout_minutes:
+        raise ConfigError(f"hang_watchdog.min_step_seconds={watchdog.min_step_seconds} is not below "
+                          f"dist_timeout_minutes={dist_timeout_minutes} (x 60 s): a collective's timeout would end a "
+                          f"hung step first, without naming where it stopped; lower the first or raise the second.")
 
 
 def check_preference(cfg, preference):

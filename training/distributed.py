@@ -10,6 +10,8 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed_internals.access import skip_shm_comm_build
 from deepspeed_internals.registry import PipeDataParallelTopology, PipeModelDataParallelTopology
 
+NCCL_TRACE_ENTRIES = "2000"  # TORCH_NCCL_TRACE_BUFFER_SIZE unless set
+
 
 def set_threads_per_process():
     """One share of the cores per local process: DeepSpeed's launcher sets no OMP_NUM_THREADS, and oversubscribed
@@ -58,6 +60,9 @@ def init_distributed(timeout_minutes):
     if get_accelerator().device_name() == "cpu":
         # gloo does the CPU collectives; this skips JIT-building DeepSpeed's shared-memory op (~35 s per machine).
         skip_shm_comm_build()
+    # NCCL's flight recorder keeps the last collectives of every group for the hang watchdog's dump; read when a
+    # group starts.
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", NCCL_TRACE_ENTRIES)
     deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes))
     # Object collectives before the engine exists (checksum verification) run on the current device: each rank's own.
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))

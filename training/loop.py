@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 import collectives
 from checkpoints.compatibility import dropped_state, layout_change
+from checkpoints.background_save import BackgroundSave
 from checkpoints.disk_space import checkpoint_bytes, storage_warning
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.files import has_tokenizer_files
@@ -39,15 +40,18 @@ from planner.memory_plan import describe_stages, planned_stage_tflops, print_mem
 from training.deepspeed_config import accumulation_warning, deepspeed_config
 from training.distributed import check_devices, init_distributed, parallel_topology, set_threads_per_process
 from training.evaluation import evaluate
+from training.hang_watchdog import hang_watchdog
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
 from training.optimizer import skipping_optimizer
 from training.pipeline_engine import use_zero_bubble
 from training.preemption import Preempted, PreemptionWatch
 from training.profiling import NoProfile, StepProfile
+from training.rank_records import start_record
 from training.reference import reference_path, stored_everywhere, with_reference
 from training.resume import resolve_resume, start_checkpoint_dir
 from training.config_checks import ConfigError
 from training.run_spec import plan_spec, run_spec
+from training.stragglers import StragglerWatch
 from training.token_mean import global_loss_units, step_micro_batches, token_mean_loss
 
 
@@ -310,6 +314,7 @@ def run(cfg):
     spec = run_spec(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # every check, before anything is started
     cfg, resume_from = spec.cfg, spec.resume_from
     lm_eval_tasks = load_lm_eval_tasks(spec)
+    record = start_record(cfg.output_dir, int(os.environ.get("RANK", "0")))  # names this rank if it dies
     check_devices(cfg.precision)
     init_distributed(cfg.dist_timeout_minutes)
     prepare_output_dir(spec)
@@ -381,7 +386,11 @@ def run(cfg):
     if spec.tensor_parallel > 1 and reads_data:
         stream = check_identical_across_group(stream, engine.grid.get_slice_parallel_group(),
                                               batches_per_check=cfg.gradient_accumulation_steps)
-    return train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_eval_tasks)
+    watchdog = hang_watchdog(cfg, engine, total_steps, record)
+    try:
+        return train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_eval_tasks)
+    finally:
+        watchdog.stop()
 
 
 def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_eval_tasks=None):
@@ -397,6 +406,8 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
     peak_tflops = device_peak_tflops(cfg.peak_tflops, cfg.precision)
     profile = (StepProfile(engine, cfg.output_dir, dist.get_rank(), planned_stage_tflops(spec, engine.stage_id))
                if cfg.profile else NoProfile())
+    stragglers = StragglerWatch(engine, cfg.straggler_margin)
+    background = BackgroundSave() if cfg.async_save else None
     start_time = window_start = time.time()
     window_steps, losses, skipped, unlabelled = 0, [], 0, 0
     result = {}
@@ -436,6 +447,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
                         **compute_throughput(tokens_per_sec, flops_per_token, dist.get_world_size(), peak_tflops),
                         **preference_metrics, "samples_per_sec": window_steps * samples_per_step / elapsed,
                         "elapsed_s": time.time() - start_time, **({"skipped_steps": skipped} if skipped else {}),
+                        **stragglers.window_report(log_rank0),
                         **data.epochs(start_consumed + (step - start_step) * samples_per_step)})
             window_start, window_steps, losses, unlabelled = time.time(), 0, [], 0
         profile.lap("logging")
@@ -451,13 +463,16 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
         profile.lap("evaluation")
         preempted = preemption.should_stop() and step < total_steps
         profile.lap("preemption check")
+        if background is not None and (saved := background.complete_if_written()):
+            last_checkpoint, checkpoint_size = os.path.split(saved), checkpoint_bytes(saved)
         if preempted or step == total_steps or (cfg.save_steps and step % cfg.save_steps == 0):
             consumed = start_consumed + (step - start_step) * samples_per_step
-            save_checkpoint(engine, cfg, spec.model_files_dir, {
+            saved = save_checkpoint(engine, cfg, spec.model_files_dir, {
                 "step": step, "consumed_samples": consumed, "topology": spec.layout, "settings": spec.settings,
-                **spec.lora_record, **spec.reference_record}, checkpoint_size)
-            last_checkpoint = (cfg.output_dir, f"global_step{step}")
-            checkpoint_size = checkpoint_bytes(os.path.join(*last_checkpoint))
+                **spec.lora_record, **spec.reference_record}, checkpoint_size, background,
+                wait=preempted or step == total_steps)
+            if saved:  # else written in the background, and complete after a later step
+                last_checkpoint, checkpoint_size = os.path.split(saved), checkpoint_bytes(saved)
         profile.lap("checkpoint")
         profile.step_done()
         if preempted:

@@ -25,8 +25,8 @@ import torch
 
 import collectives
 from deepspeed_internals.registry import LAUNCHER_MODULE
-
-PREEMPTED_EXIT_CODE = 75  # sysexits.h EX_TEMPFAIL: stopped early on request; rerun with resume=auto
+from training.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
+from training.rank_records import record_end
 
 
 class Preempted(Exception):
@@ -58,6 +58,8 @@ class PreemptionWatch:
             if self.sibling_rank_has_exited():
                 # DeepSpeed's launcher is ending the job because a rank failed (or, after a preemption, because
                 # the first rank is done saving): no step can complete, so end as SIGTERM's default action would.
+                record_end(128 + signal.SIGTERM, "ended by its launcher after another rank exited",
+                           follows_another=True)
                 os._exit(128 + signal.SIGTERM)
             self.request("SIGTERM")
 
@@ -70,9 +72,11 @@ class PreemptionWatch:
 
     def _exit_after_grace(self):
         time.sleep(self.grace_seconds)
-        print(f"preemption ({self.reason}): the step and the checkpoint did not finish within "
-              f"preemption_grace_seconds={self.grace_seconds}; exiting without it (the last complete checkpoint "
-              f"stays 'latest'; rerun with resume=auto)", flush=True)
+        message = (f"preemption ({self.reason}): the step and the checkpoint did not finish within "
+                   f"preemption_grace_seconds={self.grace_seconds}; exiting without it (the last complete checkpoint "
+                   f"stays 'latest'; rerun with resume=auto)")
+        print(message, flush=True)
+        record_end(PREEMPTED_EXIT_CODE, message)
         os._exit(PREEMPTED_EXIT_CODE)
 
     def _live_siblings(self):

@@ -1,0 +1,146 @@
+"""Goodput under faults: a supervised run (supervise.py over DeepSpeed's runner, 2 pipeline stages, fp32, the tiny
+LLaMA) of N steps with faults injected at random steps, against the same run without faults.
+
+Faults, in step order (each fires once: its restart goes past it): SIGKILL of a rank, SIGKILL of a rank right after
+it wrote its part of a checkpoint (before it is complete), SIGSTOP of a rank (the hang watchdog of its peer ends the
+attempt), and one rank slowed (FAULT_SLOW_SECONDS more per forward) from a step to the end. Prints the wall-clock
+goodput (fault-free time / faulty time), and per failing fault the time to detect it (the fault to the supervisor's
+restart line: the launcher ending the attempt, or the watchdog's limit then the launcher's), to restart (that line to
+the first step after it) and to replay the steps since the last checkpoint; checks that the final weights equal the
+fault-free run's, bit for bit.
+
+  python bench/goodput.py [--steps 24] [--save-steps 4] [--seed 0] [--work-dir DIR]
+"""
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, machine_note  # noqa: E402
+
+import torch  # noqa: E402
+
+from checkpoints.files import read_latest  # noqa: E402
+from tests.launch import trainer_command  # noqa: E402
+
+SLOW_SECONDS = "0.2"  # the slowed rank's extra time per forward
+WATCHDOG = {"hang_watchdog.min_step_seconds": 10, "hang_watchdog.startup_seconds": 300}
+
+
+def make_model(work_dir):
+    """The tiny LLaMA the tests train (scripts/make_tiny_llama.py), converted: the trainer's overrides for it."""
+    from checkpoints.hf_to_ds import convert_hf_to_ds
+    root = os.path.join(work_dir, "model")
+    if not os.path.isdir(os.path.join(root, "ds")):
+        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_llama.py"), "--output_dir", root,
+                        "--train_lines", "3000", "--eval_lines", "100", "--vocab_size", "384", "--hidden_size", "64"],
+                       check=True, capture_output=True)
+        convert_hf_to_ds(os.path.join(root, "hf"), os.path.join(root, "ds"))
+    return {"model_name_or_path": os.path.join(root, "ds"), "train_file": os.path.join(root, "train.txt"),
+            "eval_file": "null", "data.cache_dir": os.path.join(root, "data_cache"), "seq_length": 64,
+            "micro_batch_size": 2}
+
+
+def fault_plan(steps, save_steps, seed):
+    """[(kind, rank, step)] in step order, each past the previous one's restart point."""
+    rng = random.Random(seed)
+    span = steps // 4
+    kill = rng.randrange(2, span)
+    save = save_steps * rng.randrange(span // save_steps + 1, 2 * span // save_steps + 1)
+    stop = rng.randrange(save + 2, 3 * span)
+    slow = rng.randrange(3 * span, steps)
+    return [("sigkill", 1, kill), ("kill_during_save", 1, save), ("sigstop", 1, stop), ("slow", 1, slow)]
+
+
+def timed_run(command, env):
+    """Run it, stamping each output line with the time it came: (exit code, [(seconds since start, line)])."""
+    started = time.time()
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               bufsize=1)
+    lines = [(time.time() - started, line.rstrip("\n")) for line in process.stdout]
+    return process.wait(), lines
+
+
+def step_times(lines):
+    """[(time, step)] of every step rank 0 logged, in order (a restart logs its replayed steps again)."""
+    found = []
+    for at, line in lines:
+        match = re.search(r'\{"step": (\d+), "loss"', line)
+        if match:
+            found.append((at, int(match.group(1))))
+    return found
+
+
+def fault_timings(lines, plan, save_steps):
+    """Per failing fault: seconds to detect, to restart (first step after), to replay up to the step it hit."""
+    steps, restarts = step_times(lines), [at for at, line in lines if line.startswith("supervise: restart")]
+    timings = []
+    for kind, _, step in plan:
+        fired = next((at for at, line in lines if f"FAULT {kind} AT" in line), None)
+        if fired is None or kind == "slow":
+            continue
+        restart = next(at for at in restarts if at > fired)
+        first = next((at, s) for at, s in steps if at > restart)
+        reached = step - 1 if kind != "kill_during_save" else step  # the last step done before the fault
+        replayed = next(at for at, s in steps if at > restart and s == reached) if reached >= first[1] else first[0]
+        timings.append({"fault": kind, "step": step, "detect_s": restart - fired, "restart_s": first[0] - restart,
+                        "replay_s": replayed - first[0], "replayed_steps": max(0, reached - (first[1] - 1))})
+    return timings
+
+
+def final_weights_equal(a, b):
+    """Whether the last checkpoints of runs a and b hold the same weights, bit for bit."""
+    tag_a, tag_b = (os.path.join(run, read_latest(run)) for run in (a, b))
+    for name in sorted(os.listdir(tag_a)):
+        if name.startswith("layer_") and name.endswith("-model_states.pt"):
+            x, y = (torch.load(os.path.join(tag, name), weights_only=True) for tag in (tag_a, tag_b))
+            if x.keys() != y.keys() or not all(torch.equal(x[k], y[k]) for k in x):
+                return False
+    return True
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--save-steps", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work-dir", default=None)
+    args = parser.parse_args()
+    work_dir = args.work_dir or tempfile.mkdtemp(prefix="goodput-")
+    run = {**make_model(work_dir), "num_stages": 2, "gradient_accumulation_steps": 2, "max_steps": args.steps,
+           "save_steps": args.save_steps, "save_total_limit": 3, "logging_steps": 1, **WATCHDOG}
+    plan = fault_plan(args.steps, args.save_steps, args.seed)
+    once = os.path.join(work_dir, "once")
+    os.makedirs(once, exist_ok=True)
+    env = {"FAULT": ",".join(f"{k}:{r}:{s}" for k, r, s in plan), "FAULT_ONCE_DIR": once,
+           "FAULT_SLOW_SECONDS": SLOW_SECONDS}
+    results = {}
+    for name, faults in (("fault-free", {"FAULT": "slow:1:1000000"}), ("faults", env)):
+        out = os.path.join(work_dir, name)
+        overrides = [f"{k}={v}" for k, v in {**run, "output_dir": out, "overwrite_output_dir": "true"}.items()]
+        command, environment = trainer_command(2, overrides, "tiny", None, os.path.join("tests", "fault_injection.py"),
+                                               faults)
+        started = time.time()
+        code, lines = timed_run([sys.executable, "supervise.py", "--backoff-seconds", "0", "--", *command],
+                                environment)
+        results[name] = {"seconds": time.time() - started, "code": code, "lines": lines, "out": out}
+        if code:
+            sys.exit(f"the {name} run failed ({code}):\n" + "\n".join(line for _, line in lines[-40:]))
+    free, faulty = results["fault-free"]["seconds"], results["faults"]["seconds"]
+    timings = fault_timings(results["faults"]["lines"], plan, args.save_steps)
+    print(json.dumps({"machine": machine_note(), "steps": args.steps, "save_steps": args.save_steps,
+                      "faults": plan, "fault_free_s": round(free, 1), "faulty_s": round(faulty, 1),
+                      "goodput": round(free / faulty, 3), "per_fault": timings,
+                      "restarts": [line for _, line in results["faults"]["lines"] if line.startswith("supervise:")],
+                      "final_weights_equal": final_weights_equal(results["fault-free"]["out"],
+                                                                 results["faults"]["out"])}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

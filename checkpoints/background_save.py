@@ -1,0 +1,150 @@
+"""Saves that do not stop training (async_save=true).
+
+At a save each rank copies the tensors of the files it writes (its layers' weights and optimizer state, DeepSpeed's
+model-states file) into host buffers kept from one save to the next (in shared memory, pinned under CUDA), and
+hands them to a writer process (spawned once per rank: a separate interpreter, so writing never holds the trainer's
+GIL), which writes and hashes them while training goes on. The checkpoint becomes COMPLETE and `latest` exactly as
+a synchronous save does (checkpoints/saving.py: complete_checkpoint), once every rank's writer is done: after each
+step, while a write is in flight, the ranks agree on it with one all-reduce of a flag. The next save, a preemption
+and the end of training wait for it. A rank killed mid-write takes its writer with it (the parent's death kills
+it), so the previous `latest` stays and the partial directory is removed at the next start.
+"""
+import contextlib
+import copy
+import ctypes
+import signal
+
+import torch
+import torch.multiprocessing
+from deepspeed.accelerator import get_accelerator
+
+import collectives
+from checkpoints.integrity import file_checksum
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal this process gets when its parent dies
+
+
+class HostSnapshot:
+    """Host copies of the tensors each file holds, reused while a file's storages keep their sizes."""
+
+    def __init__(self, pinned):
+        self.pinned, self.storages = pinned, {}
+
+    def copy(self, name, state):
+        """state with every tensor in its dicts, lists and tuples backed by this snapshot's host storage (a storage
+        shared by several tensors stays shared, views keep their offsets and strides), everything else deep-copied:
+        torch.save writes the same bytes from it as from state."""
+        copies, memo = {}, {}
+        for tensor in tensors_in(state):
+            storage = tensor.untyped_storage()
+            if storage._cdata not in copies:
+                copies[storage._cdata] = self._host_storage((name, len(copies)), storage)
+            host = torch.empty(0, dtype=tensor.dtype).set_(copies[storage._cdata], tensor.storage_offset(),
+                                                            tensor.size(), tensor.stride())
+            if isinstance(tensor, torch.nn.Parameter):
+                host = torch.nn.Parameter(host, requires_grad=tensor.requires_grad)
+            elif tensor.requires_grad:
+                host.requires_grad_()
+            memo[id(tensor)] = host
+        return copy.deepcopy(state, memo)
+
+    def _host_storage(self, key, storage):
+        host = self.storages.get(key)
+        if host is None or host.nbytes() != storage.nbytes():
+            host = torch.UntypedStorage(storage.nbytes()).share_memory_()
+            if self.pinned:  # device-to-host copies at full speed, without a staging copy
+                torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.nbytes(), 0)
+            self.storages[key] = host
+        host.copy_(storage, non_blocking=self.pinned)
+        return host
+
+
+def tensors_in(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors_in(item)
+
+
+def write_files(jobs, results):
+    """The writer process: each job, [(path, state, zip serialization)], written and hashed; {path: checksum} back,
+    or the error."""
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the rank (a restart rewrites the tag)
+    while True:
+        job = jobs.get()
+        try:
+            written = {}
+            for path, state, zip_serialization in job:
+                torch.save(state, path, _use_new_zipfile_serialization=zip_serialization)
+                written[path] = file_checksum(path)
+            results.put(("written", written))
+        except OSError as error:
+            results.put(("error", f"{path}: {error}"))
+
+
+class BackgroundSave:
+    def __init__(self):
+        self.snapshot = HostSnapshot(pinned=get_accelerator().device_name() == "cuda")
+        self.writer = self.completion = self.result = self.tag_dir = None
+
+    @contextlib.contextmanager
+    def snapshots(self, checkpoint_engine):
+        """Yields the [(path, host copy, zip serialization)] of every file the checkpoint engine is asked to write
+        inside the block, instead of writing it."""
+        save, files = checkpoint_engine.save, []
+
+        def snapshot(state_dict, path):
+            files.append((path, self.snapshot.copy(path, state_dict), checkpoint_engine.zipfile_serialization))
+        checkpoint_engine.save = snapshot
+        try:
+            yield files
+            if self.snapshot.pinned:
+                torch.cuda.synchronize()  # the non-blocking copies have landed before training changes the tensors
+        finally:
+            checkpoint_engine.save = save
+
+    def submit(self, files, tag_dir, completion):
+        """Write `files` of tag_dir in the background; completion({path: checksum}) (collective) once every rank's
+        are."""
+        if self.writer is None:
+            context = torch.multiprocessing.get_context("spawn")
+            self.jobs, self.results = context.SimpleQueue(), context.SimpleQueue()
+            self.writer = context.Process(target=write_files, args=(self.jobs, self.results), daemon=True,
+                                          name="checkpoint-writer")
+            self.writer.start()
+        self.jobs.put(files)
+        self.completion, self.result, self.tag_dir = completion, None, tag_dir
+
+    def complete_if_written(self):
+        """Collective, after each step: complete the checkpoint in flight if every rank's writer is done. Returns
+        its tag directory if it did, else None."""
+        if self.completion is None:
+            return None
+        done = torch.tensor([float(self._poll(block=False))], device=collectives.device())
+        collectives.all_reduce(done, op=collectives.ReduceOp.MIN)
+        if not done.item():
+            return None
+        return self._complete()
+
+    def wait(self):
+        """Collective: wait for the checkpoint in flight and complete it (the next save, a preemption, the end)."""
+        if self.completion is not None:
+            self._poll(block=True)
+            self._complete()
+
+    def _poll(self, block):
+        if self.result is None and (block or not self.results.empty()):
+            self.result = self.results.get()
+        return self.result is not None
+
+    def _complete(self):
+        (kind, value), completion, tag_dir = self.result, self.completion, self.tag_dir
+        self.completion = self.result = self.tag_dir = None
+        if kind == "error":
+            raise OSError(f"the background write of {tag_dir} failed: {value}")
+        completion(value)
+        return tag_dir

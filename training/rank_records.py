@@ -1,0 +1,66 @@
+"""Each rank's record of how its run ended, in output_dir/rank_records/rankNNNNN.json: written at start-up (host,
+pid) and again as the rank ends (exit code, cause, where it was: step, pipeline instruction, the peer it waited
+for). After a failed attempt the supervisor (training/supervisor.py) reads them to name the rank that failed
+first: a rank killed without a word (SIGKILL, the OOM killer, a lost node, a stopped process) keeps its start-up
+record only, which names it too."""
+import json
+import os
+import shutil
+import socket
+import time
+
+from checkpoints.files import write_text_atomic
+
+RECORDS_DIR = "rank_records"
+_current = None  # this process's record, once start_record has run
+
+
+class RankRecord:
+    def __init__(self, output_dir, rank):
+        self.path = os.path.join(output_dir, RECORDS_DIR, f"rank{rank:05d}.json")
+        self.fields = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        self.where = lambda: {}  # the hang watchdog's {where, waiting_for} of this rank, once it watches
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._write()
+
+    def end(self, exit_code, cause, follows_another=False):
+        """The first end recorded is the one kept: a rank ends once. follows_another: this rank ended because
+        another one did (its launcher ended it), so it is not the first failure."""
+        if "ended" in self.fields:
+            return
+        self.fields.update(ended=time.time(), exit_code=exit_code, cause=cause, follows_another=follows_another,
+                           **self.where())
+        self._write()
+
+    def _write(self):
+        write_text_atomic(self.path, json.dumps(self.fields))
+
+
+def start_record(output_dir, rank):
+    global _current
+    _current = RankRecord(output_dir, rank)
+    return _current
+
+
+def record_end(exit_code, cause, follows_another=False):
+    """Record how this rank ends (nothing before start_record: a config error, which its exit code names)."""
+    if _current is not None:
+        _current.end(exit_code, cause, follows_another)
+
+
+def read_records(output_dir):
+    """Every rank's record, by rank."""
+    directory = os.path.join(output_dir, RECORDS_DIR)
+    if not os.path.isdir(directory):
+        return []
+    records = []
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".json"):
+            with open(os.path.join(directory, name)) as f:
+                records.append(json.load(f))
+    return records
+
+
+def clear_records(output_dir):
+    """Before an attempt: the records then left are that attempt's."""
+    shutil.rmtree(os.path.join(output_dir, RECORDS_DIR), ignore_errors=True)

@@ -1,0 +1,139 @@
+"""Restart on failure, resume where it stopped: run a launch command (the `deepspeed` runner, `srun`, torchrun) again
+with resume=auto when it fails, until it succeeds. DeepSpeed's runner and Slurm's srun end the job at the first
+failed rank and have no restart; torchrun's own (--max-restarts) passes on no exit code and, here with gloo, its
+restarted ranks did not reconnect (docs/reliability.md); hence this loop, with fresh processes each time.
+
+Each failure gets one line naming its cause: the exit code (training/exit_codes.py), the rank that failed first and
+why, a rank that died without a word (its start-up record only: killed, stopped, its node lost) and who was waiting
+for whom (the ranks' records, training/rank_records.py). What a restart cannot fix (a config error, a refused
+checkpoint, a full disk, a non-finite loss) and a preemption (the scheduler's to requeue) end the supervisor with the
+run's exit code. The restart budget counts failures in a row without a new complete checkpoint: a run that keeps
+saving between failures (weeks of them, one every few hours) is never given up, one that cannot get past a step is.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from checkpoints.files import read_latest
+from training.exit_codes import NOT_RESTARTABLE, describe
+from training.rank_records import clear_records, read_records
+
+TRAINER_CONFIG = ("conf", "tiny")  # trainer_pipe.py's @hydra.main config_path and config_name
+RANKS_NAMED = 4  # most ranks one line names per kind (a thousand-rank job's line stays a line)
+
+
+class Supervisor:
+    def __init__(self, command, output_dir, max_restarts, backoff_seconds, max_backoff_seconds, log=None):
+        self.command, self.output_dir, self.max_restarts = list(command), output_dir, max_restarts
+        self.backoff_seconds, self.max_backoff_seconds = backoff_seconds, max_backoff_seconds
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.process, self.stop_requested = None, None
+
+    def run(self):
+        """The command's exit code once it succeeds, cannot be helped by a restart, or has failed max_restarts + 1
+        times in a row without saving a new checkpoint."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._forward)
+        failures_in_a_row, attempt = 0, 0
+        while True:
+            attempt += 1
+            clear_records(self.output_dir)
+            latest_before = read_latest(self.output_dir)
+            self.process = subprocess.Popen(with_resume_auto(self.command, restart=attempt > 1))
+            code = self.process.wait()
+            if code == 0:
+                return 0
+            records = read_records(self.output_dir)
+            cause = explain_failure(code, records)
+            if self.stop_requested is not None:
+                self.log(f"supervise: {signal.Signals(self.stop_requested).name} received: not restarting; attempt "
+                         f"{attempt} ended with {cause}")
+                return code
+            unfixable = [c for c in [code] + [r.get("exit_code") for r in records if not r.get("follows_another")]
+                         if c in NOT_RESTARTABLE]
+            if unfixable:
+                self.log(f"supervise: not restarting after {NOT_RESTARTABLE[unfixable[0]]}, which a restart cannot "
+                         f"fix: attempt {attempt} ended with {cause}")
+                return code
+            latest = read_latest(self.output_dir)
+            if latest != latest_before:
+                failures_in_a_row = 0  # it saved since the last failure: progress
+            if failures_in_a_row >= self.max_restarts:
+                self.log(f"supervise: error: {failures_in_a_row + 1} failures in a row without a new checkpoint "
+                         f"spent the restart budget (--max-restarts {self.max_restarts}); the last ended with {cause}; "
+                         f"fix the cause and rerun the same command (it resumes from "
+                         f"{latest or 'the start: no complete checkpoint yet'}).")
+                return code
+            failures_in_a_row += 1
+            wait = min(self.backoff_seconds * 2 ** (failures_in_a_row - 1), self.max_backoff_seconds)
+            self.log(f"supervise: restart {failures_in_a_row} of {self.max_restarts} in {wait:.0f}s with "
+                     f"resume=auto (from {latest or 'the start'}): attempt {attempt} ended with {cause}")
+            time.sleep(wait)
+
+    def _forward(self, signum, frame):
+        """A scheduler's SIGTERM (or ^C) goes to the run, which saves and stops (docs/reliability.md#preemption);
+        no restart follows."""
+        self.stop_requested = signum
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signum)
+
+
+def with_resume_auto(command, restart):
+    """command with resume=auto: added when it names no resume, in place of the one it names on a restart."""
+    named = [i for i, arg in enumerate(command) if arg.startswith("resume=")]
+    if not named:
+        return command + ["resume=auto"]
+    return [("resume=auto" if i in named and restart else arg) for i, arg in enumerate(command)]
+
+
+def explain_failure(code, records):
+    """One line: the exit code's cause, the first rank that failed and why, the ranks that left no word, and the
+    peers the others were waiting for."""
+    parts = [describe(code)]
+    silent = [r for r in records if "ended" not in r]
+    if silent:
+        parts.append(f"{name_ranks(silent)} ended without a word (killed by SIGKILL or the OOM killer, stopped, or "
+                     f"its node lost)")
+    failed = sorted((r for r in records if r.get("exit_code") and not r.get("follows_another")),
+                    key=lambda r: r["ended"])
+    if failed:
+        first = failed[0]
+        parts.append(f"first failed: rank {first['rank']} on {first['host']} ({describe(first['exit_code'])}): "
+                     f"{first['cause']}")
+    waited = {}
+    for record in records:
+        if record.get("waiting_for") is not None:
+            waited.setdefault(record["waiting_for"], []).append(record)
+    for peer, waiters in sorted(waited.items()):
+        shown = "; ".join(f"rank {r['rank']} in {r['where']}" for r in waiters[:RANKS_NAMED])
+        more = f" and {len(waiters) - RANKS_NAMED} more" if len(waiters) > RANKS_NAMED else ""
+        parts.append(f"waiting for rank {peer}: {shown}{more}")
+    return "; ".join(parts)
+
+
+def name_ranks(records):
+    shown = ", ".join(f"rank {r['rank']} on {r['host']} (pid {r['pid']})" for r in records[:RANKS_NAMED])
+    return shown + (f" and {len(records) - RANKS_NAMED} more ranks" if len(records) > RANKS_NAMED else "")
+
+
+def output_dir_of(command):
+    """The output_dir the trainer in `command` writes to: its config composed as trainer_pipe.py composes it (the
+    arguments after the first .py file: -cp, -cn and key=value overrides)."""
+    from hydra import compose, initialize_config_dir
+    script = next((i for i, arg in enumerate(command) if arg.endswith(".py") and os.path.isfile(arg)), None)
+    if script is None:
+        raise ValueError(f"no trainer script (a .py file that exists) in the command {' '.join(command)}; name the "
+                         f"run's directory with --output-dir.")
+    config_path, config_name, overrides, args = *TRAINER_CONFIG, [], iter(command[script + 1:])
+    for arg in args:
+        if arg in ("-cp", "--config-path"):
+            config_path = next(args)
+        elif arg in ("-cn", "--config-name"):
+            config_name = next(args)
+        elif "=" in arg and not arg.startswith("-"):
+            overrides.append(arg)
+    config_dir = os.path.join(os.path.dirname(os.path.abspath(command[script])), config_path)
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name=config_name, overrides=overrides).output_dir
