@@ -9,6 +9,8 @@ for name in ("torch", "deepspeed", "transformers", "transformers.models.llama.mo
              # what a run imports on the way (~1 s a rank): its loss plot, its TensorBoard monitor, DeepSpeed's config
              # and its op probe, which compiles a test program (below)
              "matplotlib.pyplot", "torch.utils.tensorboard", "deepspeed.module_inject.auto_ep_config",
-             "transformers.tokenization_utils_sentencepiece"):
+             "transformers.tokenization_utils_sentencepiece",
+             # imported by DeepSpeed's ZeRO optimizer check: its torch.compile decorators import inductor (~2 s)
+             "deepspeed.runtime.zero.muon.muon_optimizer"):
     importlib.import_module(name)
 importlib.import_module("deepspeed.ops").__compatible_ops__  # noqa: B018 (probed on first access, then kept)
