@@ -11,4 +11,4 @@ if [ "${1:-}" = quick ]; then
     shift
     set -- -m "not slow" "$@"
 fi
-python -m pytest -q --durations=10 tests "$@"
+python -m pytest -q --durations=10 --cpu-durations=10 tests "$@"

@@ -7,7 +7,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+import torch  # noqa: E402
+
+from tests.cpu_durations import pytest_addoption, pytest_runtest_protocol, pytest_terminal_summary  # noqa: E402,F401
 from tests.tiny_models import TINY_CONFIGS, make_tiny_model  # noqa: E402
+
+if not torch.cuda.is_available():  # the CPU suite's in-process references: see tests/launch.py process_environment
+    torch.set_num_threads(1)
 
 # tests/gpu runs only when named (bash scripts/gpu_check.sh): the CPU suite never collects it, from any directory.
 collect_ignore = ["gpu"]

@@ -29,8 +29,8 @@ def launch_trainer(num_procs, overrides, config="tiny", timeout=240, hostfile=No
     if launcher or hostfile:
         command, env = trainer_command(num_procs, overrides, config, hostfile, script, env, accelerator)
         return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    ranks = run_ranks(num_procs, script_command(script, config, overrides),
-                      dict(os.environ, DS_ACCELERATOR=accelerator, PYTHONUNBUFFERED="1", **(env or {})), timeout)
+    ranks = run_ranks(num_procs, script_command(script, config, overrides), process_environment(accelerator, env),
+                      timeout)
     failed = [rank.returncode for rank in ranks if rank.returncode]
     code = next((c for c in failed if c != -signal.SIGKILL), failed[0] if failed else 0)  # not a peer it killed
     return subprocess.CompletedProcess(ranks[0].args, code, "".join(rank.stdout for rank in ranks),
@@ -50,8 +50,15 @@ def run_ranks(num_procs, command, env, timeout, kill_peers=True):
 def run_python(args, timeout=300, env=None):
     """`python ARGS` from the repository root on the CPU (a project script and its arguments, or -c CODE), as a user
     runs it: its CompletedProcess."""
-    environment = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", **(env or {}))
-    return run_processes([sys.executable, *map(str, args)], [environment], timeout)[0]
+    return run_processes([sys.executable, *map(str, args)], [process_environment("cpu", env)], timeout)[0]
+
+
+def process_environment(accelerator, env=None):
+    """This environment with DeepSpeed's accelerator, unbuffered output and, on the CPU, one thread per process (as
+    torchrun sets): the tiny models' ops are too small to split, and a second thread's spin-waits cost tens of times
+    their work on a busy 2-core host."""
+    threads = {"OMP_NUM_THREADS": "1"} if accelerator == "cpu" else {}
+    return {**os.environ, "DS_ACCELERATOR": accelerator, "PYTHONUNBUFFERED": "1", **threads, **(env or {})}
 
 
 def run_processes(command, envs, timeout, kill_peers=True):
@@ -103,7 +110,7 @@ def trainer_command(num_procs, overrides, config, hostfile, script, env, acceler
                  else ["--num_gpus", str(num_procs)])
     command = [sys.executable, "-m", "deepspeed.launcher.runner", *placement, "--master_port", str(free_port()),
                *script_command(script, config, overrides)[1:]]
-    return command, dict(os.environ, DS_ACCELERATOR=accelerator, PYTHONUNBUFFERED="1", **(env or {}))
+    return command, process_environment(accelerator, env)
 
 
 # 2 stages x 2 data-parallel ranks, ZeRO-1, fp32, 8 steps of 8 sequences; checkpoints every 2 steps, all kept.
@@ -131,8 +138,8 @@ def lm_eval_overrides(tasks, cloze_limit=10):
 def launch_ranks_separately(num_procs, overrides, config="tiny", timeout=120):
     """launch_trainer's ranks, one CompletedProcess each; unlike the launcher, a failing rank does not get its peers
     killed, so each rank's own exit and message can be checked."""
-    return run_ranks(num_procs, script_command("trainer_pipe.py", config, overrides),
-                     dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1"), timeout, kill_peers=False)
+    return run_ranks(num_procs, script_command("trainer_pipe.py", config, overrides), process_environment("cpu"),
+                     timeout, kill_peers=False)
 
 
 def run_in_process(overrides, world_size, config="tiny"):

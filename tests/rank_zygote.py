@@ -50,6 +50,9 @@ def run_script(argv, env, out_path, err_path):
     os.chdir(ROOT)
     os.environ.clear()
     os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:  # a fresh interpreter's torch would take its thread count from it
+        import torch
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     for fd, path in ((1, out_path), (2, err_path)):
         file = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.dup2(file, fd)

@@ -5,5 +5,12 @@ import os
 
 os.environ["DS_ACCELERATOR"] = "cpu"  # DeepSpeed picks its accelerator on import
 for name in ("torch", "deepspeed", "transformers", "transformers.models.llama.modeling_llama", "datasets", "hydra",
-             "safetensors.torch", "torch.nn.attention.bias"):  # the last: torch._dynamo, ~0.9 s
+             "safetensors.torch", "torch.nn.attention.bias",  # torch._dynamo, ~0.9 s
+             # what a run imports on the way (~1 s a rank): its loss plot, its TensorBoard monitor, DeepSpeed's config
+             # and its op probe, which compiles a test program (below)
+             "matplotlib.pyplot", "torch.utils.tensorboard", "deepspeed.module_inject.auto_ep_config",
+             "transformers.tokenization_utils_sentencepiece",
+             # imported by DeepSpeed's ZeRO optimizer check: its torch.compile decorators import inductor (~2 s)
+             "deepspeed.runtime.zero.muon.muon_optimizer"):
     importlib.import_module(name)
+importlib.import_module("deepspeed.ops").__compatible_ops__  # noqa: B018 (probed on first access, then kept)
