@@ -60,7 +60,7 @@ def peft_training_losses(hf_dir, train_file, tokenizer_dir, settings, steps, see
 
     from data.datasets import build_dataset
     from data.loader import build_stage_loader, infinite_micro_batches
-    from training.loop import pad_token_id
+    from training.run_data import pad_token_id
     from training.config_checks import BASE_CONFIG
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

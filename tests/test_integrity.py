@@ -19,7 +19,7 @@ from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics,
 from tests.test_conversion import assert_nothing_written, convert_cli, save_as_bin
 from tests.tiny_models import make_tiny_model
 from training.run_spec import tokenizer_dir
-from training.loop import pad_token_id
+from training.run_data import pad_token_id
 
 small_disk = test_reliability.small_disk  # a fixture
 

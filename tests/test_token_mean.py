@@ -40,7 +40,7 @@ def global_batches(demo_model, train_file, data_parallel, micro_batches, cache_d
 
     from data.datasets import build_dataset
     from data.loader import build_stage_loader, infinite_micro_batches
-    from training.loop import pad_token_id
+    from training.run_data import pad_token_id
     from training.config_checks import BASE_CONFIG
 
     tokenizer = AutoTokenizer.from_pretrained(demo_model["ds"])

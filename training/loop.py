@@ -25,11 +25,8 @@ from checkpoints.saving import save_checkpoint
 from checkpoints.state_files import WeightsOnlyCheckpointEngine
 from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoints
 from data.collator import row_layout
-from data.datasets import build_dataset_distributed
-from data.indexed import evaluation_samples, samples_per_epoch, training_blend
 from data.loader import (blend_micro_batches, build_stage_loader, check_identical_across_group,
                          infinite_micro_batches, micro_batches_per_epoch)
-from data.shard_files import parse_sources, read_shard_header
 from deepspeed_internals.access import (replace_checkpoint_engine, replace_fp32_gradient_clipping, set_global_grad_norm,
                                         skip_gradient_allreduce, skip_optimizer_files, uses_bf16_optimizer)
 from deepspeed_internals.registry import check_deepspeed_internals
@@ -47,7 +44,7 @@ from training.pipeline_engine import use_zero_bubble
 from training.preemption import Preempted, PreemptionWatch
 from training.profiling import NoProfile, StepProfile
 from training.rank_records import start_record
-from training.reference import reference_path, stored_everywhere, with_reference
+from training.run_data import RunData, pad_token_id
 from training.resume import resolve_resume, start_checkpoint_dir
 from training.config_checks import ConfigError
 from training.run_spec import plan_spec, run_spec
@@ -64,88 +61,6 @@ def seed_everything(seed):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-class RunData:
-    """Datasets of a run. Every rank takes part in building (rank 0 tokenizes, or for token shards builds the
-    indices, while the others wait for it, then memory-map what it wrote); only the first and last stage read rows,
-    middle stages use the lengths."""
-
-    def __init__(self, spec, tokenizer, reads_data):
-        cfg = spec.cfg
-        self.cache_dir = cfg.data.cache_dir or os.path.join(cfg.output_dir, "data_cache")
-        self.reads_data = reads_data
-        self.train = self.eval = self.blend = self.train_sources = None  # blend, sources: token shards
-        self.train_length = self.eval_length = 0
-        self.reference_files = {}  # DPO: split -> where its reference log-probabilities are stored
-        for split in ("train", "eval"):
-            path = cfg[f"{split}_file"]
-            if not path or (split == "train" and cfg.eval_only):
-                continue
-            if cfg.data.format == "indexed":
-                self._indexed(spec, split, path)
-                continue
-            dataset, _ = build_dataset_distributed(path, tokenizer, cfg.data, cfg.seq_length,
-                                                   cache_dir=self.cache_dir, vocab_size=spec.model_config.vocab_size,
-                                                   limit_minutes=cfg.data_build_timeout_minutes)
-            if spec.preference.needs_reference:
-                self.reference_files[split] = reference_path(self.cache_dir, dataset, spec.reference_checkpoint)
-            setattr(self, f"{split}_length", len(dataset))
-            setattr(self, split, dataset if reads_data else None)
-
-    def _indexed(self, spec, split, path):
-        """Token shards: the evaluation corpora now; for training, one epoch's length (an epoch of a blend: each
-        corpus's samples once) until `open_blend` knows how many samples the run takes."""
-        cfg = spec.cfg
-        sources = parse_sources(path, f"{split}_file")
-        if split == "train":
-            self.train_sources = sources
-            self.train_length = sum(samples_per_epoch(read_shard_header(s.prefix), cfg.seq_length) for s in sources)
-            return
-        self.eval, self.eval_length = evaluation_samples(
-            sources, reads_data=self.reads_data, seed=cfg.seed, seq_length=cfg.seq_length,
-            isolate=cfg.data.document_isolation, vocab_size=spec.model_config.vocab_size,
-            build_limit_minutes=cfg.data_build_timeout_minutes, index_dir=cfg.data.index_dir)
-
-    def open_blend(self, spec, total_samples):
-        """Token shards: build (rank 0) and open (data-reading ranks) what the run's first `total_samples` need."""
-        cfg = spec.cfg
-        self.blend = training_blend(self.train_sources, reads_data=self.reads_data, seed=cfg.seed,
-                                    seq_length=cfg.seq_length, isolate=cfg.data.document_isolation,
-                                    blend_dir=os.path.join(cfg.output_dir, "data_index"),
-                                    vocab_size=spec.model_config.vocab_size, total_samples=total_samples,
-                                    build_limit_minutes=cfg.data_build_timeout_minutes, index_dir=cfg.data.index_dir)
-
-    def epochs(self, consumed_samples):
-        """Token shards: how many epochs of each corpus the run has read (metrics), on a data-reading rank."""
-        return self.blend.epochs(consumed_samples) if self.blend is not None else {}
-
-    def missing_reference(self):
-        """Whether some split's reference log-probabilities are not stored yet (DPO), as every rank sees it."""
-        return not all(stored_everywhere(path) for path in self.reference_files.values())
-
-    def add_reference(self, engine, spec, pad_id):
-        """DPO: every split with its pairs' reference log-probabilities (training/reference.py), read or computed
-        with the engine's current weights, which must be the starting ones. Every rank calls it."""
-        for split, path in self.reference_files.items():
-            dataset = with_reference(engine, getattr(self, split), getattr(self, f"{split}_length"), path,
-                                     spec.reference_checkpoint, spec.cfg, pad_id, log=log_rank0)
-            setattr(self, split, dataset)
-
-
-def pad_token_id(tokenizer, model_config):
-    """The id padding positions get (their labels are -100): the tokenizer's, or without one (pre-tokenized data)
-    the model config's pad, else eos (the first, when it lists several), else 0."""
-    if tokenizer is not None:
-        candidates = (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id)
-    else:
-        candidates = (model_config.pad_token_id, model_config.eos_token_id)
-    for candidate in candidates:
-        if isinstance(candidate, (list, tuple)):
-            candidate = candidate[0] if candidate else None
-        if candidate is not None:
-            return candidate
-    return 0
 
 
 def build_engine(spec, total_steps, layer_loader=load_layer_slice):
@@ -250,9 +165,9 @@ def load_with_reference(engine, spec, data, pad_id):
     resuming = spec.resume_from is not None
     if resuming and data.missing_reference() and not spec.lora.enabled:
         engine.load_checkpoint(spec.cfg.model_name_or_path, load_module_only=True)  # the starting weights
-        data.add_reference(engine, spec, pad_id)
+        data.add_reference(engine, spec, pad_id, log_rank0)
     load_start_state(engine, spec)
-    data.add_reference(engine, spec, pad_id)  # read back, or computed (a LoRA base with its adapters off)
+    data.add_reference(engine, spec, pad_id, log_rank0)  # read back, or computed (a LoRA base with its adapters off)
 
 
 def load_lm_eval_tasks(spec):
