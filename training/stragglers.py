@@ -70,9 +70,9 @@ class StragglerWatch:
             self.pending = []
         mine = torch.tensor([self.seconds["compute"], self.seconds["communication"], self.engine.stage_id],
                             dtype=torch.float64, device=collectives.device())
-        every_rank = torch.empty(dist.get_world_size(), *mine.shape, dtype=mine.dtype, device=mine.device)
+        every_rank = torch.empty(dist.get_world_size() * mine.numel(), dtype=mine.dtype, device=mine.device)
         collectives.all_gather_single(every_rank, mine)
-        every_rank = every_rank.tolist()
+        every_rank = every_rank.view(-1, mine.numel()).tolist()
         self.seconds = {"compute": 0.0, "communication": 0.0}
         compute, communication = [float(t[0]) for t in every_rank], [float(t[1]) for t in every_rank]
         ranks, stages = find_stragglers(compute, [int(t[2]) for t in every_rank], communication, self.margin)
