@@ -4,13 +4,11 @@ import dataclasses
 import json
 import logging
 import math
-import socket
 from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from datasets.table import MemoryMappedTable
 from transformers import AutoTokenizer
 
@@ -25,6 +23,7 @@ from data import (
     train_demo_tokenizer,
     write_demo_corpus,
 )
+from tests.distributed import spawn
 
 SENTENCE = "The small cat sees the red ball near the park. 3 plus 4 is 7."
 
@@ -193,9 +192,7 @@ def test_second_build_memory_maps_the_cache_without_tokenizing(demo_dir, tokeniz
     assert flatten(other[:]["input_ids"]) == flatten(first[:]["input_ids"])[:len(other) * 48]
 
 
-def _build_on_rank(rank, port, corpus, tokenizer, cache, out):
-    import os
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+def _build_on_rank(rank, corpus, tokenizer, cache, out):
     dist.init_process_group("gloo", rank=rank, world_size=2)
     dataset, stats = build_dataset_distributed(corpus, tokenizer, {"format": "text"}, 32, cache_dir=cache)
     (out / f"rank{rank}.json").write_text(json.dumps([stats.from_cache, len(dataset), dataset.cache_files]))
@@ -204,10 +201,7 @@ def _build_on_rank(rank, port, corpus, tokenizer, cache, out):
 
 @pytest.mark.slow
 def test_distributed_build_runs_once_and_other_ranks_load_the_cache(demo_dir, tokenizer, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_build_on_rank, args=(port, demo_dir / "corpus.txt", tokenizer, tmp_path / "cache", tmp_path), nprocs=2)
+    spawn(_build_on_rank, 2, demo_dir / "corpus.txt", tokenizer, tmp_path / "cache", tmp_path)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert (rank0[0], rank1[0]) == (False, True)
     assert rank0[1:] == rank1[1:]
