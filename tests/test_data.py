@@ -4,13 +4,11 @@ import dataclasses
 import json
 import logging
 import math
-import socket
 from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from datasets.table import MemoryMappedTable
 from transformers import AutoTokenizer
 
@@ -25,6 +23,7 @@ from data import (
     train_demo_tokenizer,
     write_demo_corpus,
 )
+from tests.distributed import spawn
 
 SENTENCE = "The small cat sees the red ball near the park. 3 plus 4 is 7."
 
@@ -193,7 +192,7 @@ def test_second_build_memory_maps_the_cache_without_tokenizing(demo_dir, tokeniz
     assert flatten(other[:]["input_ids"]) == flatten(first[:]["input_ids"])[:len(other) * 48]
 
 
-def _build_on_rank(rank, port, corpus, tokenizer, cache, out):
+def _build_on_rank(rank, corpus, tokenizer, cache, out):
     import os
     import sys
     import time
@@ -202,7 +201,7 @@ def _build_on_rank(rank, port, corpus, tokenizer, cache, out):
     import data.datasets
     import training.shared_files
     # two nodes' local rank 0: one writer all the same, global rank 0
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK="0")
+    os.environ["LOCAL_RANK"] = "0"
     dist.init_process_group("gloo", rank=rank, world_size=2)
     dist.barrier()
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=2))  # a barrier waiting for the build would fail
@@ -232,10 +231,7 @@ def test_distributed_build_runs_once_and_other_ranks_load_the_cache(demo_dir, to
     """Global rank 0 builds (both ranks are their node's local rank 0) for longer than the process group's
     timeout (2 s) while the other waits on the store, a progress line a second; then that rank reads the cache. A build
     that fails on rank 0 fails on the other rank with rank 0's error."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_build_on_rank, args=(port, demo_dir / "corpus.txt", tokenizer, tmp_path / "cache", tmp_path), nprocs=2)
+    spawn(_build_on_rank, 2, demo_dir / "corpus.txt", tokenizer, tmp_path / "cache", tmp_path)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert (rank0[0], rank1[0]) == (False, True)
     assert rank0[1:] == rank1[1:]
