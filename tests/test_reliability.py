@@ -295,7 +295,7 @@ def test_disk_filling_during_the_first_save_is_one_line(demo_model, two_step_run
     assert result.returncode != 0
     assert re.search(rf"trainer_pipe: error: checkpoint global_step2 does not fit on the disk of '{out}': .*; no "
                      rf"complete checkpoint was saved yet\.", output), output[-3000:]
-    assert "inline_container" not in output and "Errno 28" not in output
+    assert "inline_container" not in output and "Errno 28" not in output, output[-6000:]
     assert not (out / "latest").exists() and not (out / "global_step2" / "COMPLETE").exists()
 
 

@@ -25,12 +25,17 @@ class RankRecord:
 
     def end(self, exit_code, cause, follows_another=False):
         """The first end recorded is the one kept: a rank ends once. follows_another: this rank ended because
-        another one did (its launcher ended it), so it is not the first failure."""
+        another one did (its launcher ended it), so it is not the first failure. A disk too full for the record
+        leaves the start-up one: the exit code still says why, and the error already said it in one line."""
         if "ended" in self.fields:
             return
         self.fields.update(ended=time.time(), exit_code=exit_code, cause=cause, follows_another=follows_another,
                            **self.where())
-        self._write()
+        try:
+            self._write()
+        except OSError as error:
+            print(f"rank {self.fields['rank']}: its end record was not written ({error.strerror}): "
+                  f"{self.path}", flush=True)
 
     def _write(self):
         write_text_atomic(self.path, json.dumps(self.fields))
