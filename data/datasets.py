@@ -27,7 +27,6 @@ import datasets
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch.distributed as dist
-from datasets.fingerprint import Hasher
 
 from checkpoints.files import write_text_atomic
 from training.shared_files import VISIBLE_WITHIN_S, built_by_rank_zero, wait_for_files
@@ -99,7 +98,7 @@ def build_dataset(
     records_key = _cache_key(
         _source_identity(path),
         dataclasses.asdict(settings) | dict.fromkeys(("overlong", "num_proc", "packing", "document_isolation")),
-        vocab_size, None if settings.format == "pretokenized" else Hasher.hash(tokenizer),
+        vocab_size, None if settings.format == "pretokenized" else tokenization_digest(tokenizer),
     )
     examples_key = _cache_key(records_key, seq_length, settings.overlong, settings.num_proc, settings.packing,
                               settings.document_isolation)
@@ -153,6 +152,22 @@ def build_dataset_distributed(*args, limit_minutes: float, **kwargs) -> tuple[da
 def _source_identity(path: Path) -> dict:
     stat = path.stat()
     return {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def tokenization_digest(tokenizer) -> str:
+    """What turns text into ids, read as content, so that every process and node computes the same key: a fast
+    tokenizer's pipeline (less the truncation and padding a call leaves behind), or a slow one's vocabulary file,
+    and the special tokens, bos/eos flags and chat template. (A pickle of the object, datasets' Hasher, differed
+    between a forked and a fresh process.)"""
+    if tokenizer.is_fast:
+        pipeline = json.loads(tokenizer.backend_tokenizer.to_str())
+        pipeline.pop("truncation", None)
+        pipeline.pop("padding", None)
+    else:
+        pipeline = hashlib.sha256(Path(tokenizer.vocab_file).read_bytes()).hexdigest()
+    flags = {name: getattr(tokenizer, name, None) for name in ("add_bos_token", "add_eos_token")}
+    return _cache_key(type(tokenizer).__name__, pipeline, tokenizer.special_tokens_map, flags,
+                      tokenizer.chat_template)
 
 
 def _cache_key(*parts) -> str:

@@ -23,6 +23,7 @@ from data import (
     train_demo_tokenizer,
     write_demo_corpus,
 )
+from data.datasets import tokenization_digest
 from tests.distributed import spawn
 
 SENTENCE = "The small cat sees the red ball near the park. 3 plus 4 is 7."
@@ -190,6 +191,17 @@ def test_second_build_memory_maps_the_cache_without_tokenizing(demo_dir, tokeniz
     other, other_stats = build(demo_dir / "corpus.txt", tokenizer, 48, cache, format="text")
     assert not other_stats.from_cache and other_stats.examples > 0
     assert flatten(other[:]["input_ids"]) == flatten(first[:]["input_ids"])[:len(other) * 48]
+
+
+def test_cache_key_reads_the_tokenizer_as_content(demo_dir, tokenizer):
+    """Equal for the same files loaded again and after a truncating call (state a pickle would carry); different
+    for another chat template."""
+    before = tokenization_digest(tokenizer)
+    tokenizer(SENTENCE * 8, truncation=True, max_length=5)
+    reloaded = AutoTokenizer.from_pretrained(demo_dir / "tokenizer")
+    assert tokenization_digest(tokenizer) == before == tokenization_digest(reloaded)
+    reloaded.chat_template = "{{ messages[0]['content'] }}"
+    assert tokenization_digest(reloaded) != before
 
 
 def _build_on_rank(rank, corpus, tokenizer, cache, out):
