@@ -23,6 +23,7 @@ from lm_eval.evaluator import evaluate as lm_eval_evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
+from checkpoints.files import write_text_atomic
 from data.formats import IGNORE_INDEX
 from models.loss import ContinuationScores
 from training.config_checks import ConfigError, EvalTask
@@ -203,11 +204,8 @@ def write_results(output_dir, step, source, metrics, samples):
     sample_dir = os.path.join(output_dir, SAMPLES_DIR, f"global_step{step}-{source}")
     os.makedirs(sample_dir, exist_ok=True)
     for task, task_samples in samples.items():
-        path = os.path.join(sample_dir, f"{task}.jsonl")
-        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
-            for sample in task_samples:
-                f.write(json.dumps(sample_record(sample), default=to_python) + "\n")
-        os.replace(f"{path}.{os.getpid()}.tmp", path)
+        write_text_atomic(os.path.join(sample_dir, f"{task}.jsonl"), "".join(
+            json.dumps(sample_record(sample), default=to_python) + "\n" for sample in task_samples))
     with open(os.path.join(output_dir, LM_EVAL_FILE), "a") as f:
         f.write(json.dumps({"step": step, "source": source, **metrics}, default=to_python) + "\n")
     plot_lm_eval(os.path.join(output_dir, LM_EVAL_FILE), os.path.join(output_dir, LM_EVAL_PLOT_FILE))
