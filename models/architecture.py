@@ -98,8 +98,8 @@ def sliding_window(config, layer):
 
 
 def check_trains_as_configured(config):
-    """Refuse to train a config that asks for dropout (Granite 3.0/3.1's attention_dropout=0.1), which transformers
-    would apply while training: conversion, evaluation and export are exact whatever it says."""
+    """Refuse to train a config that asks for dropout (an attention_dropout of 0.1, as Granite configs may set),
+    which transformers would apply while training: conversion, evaluation and export are exact whatever it says."""
     for field, where in TRAINING_DROPOUT.items():
         if getattr(config, field, 0) or 0:
             raise ValueError(f"{field}={getattr(config, field)} in the {config.model_type} config asks for dropout "

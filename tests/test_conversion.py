@@ -119,9 +119,9 @@ def test_unsupported_model_type_lists_supported(tmp_path):
 
 
 def test_dropout_is_refused_for_training_only_naming_the_field(tmp_path):
-    """Granite 3.0/3.1 ship attention_dropout=0.1, which transformers applies while training and the pipeline does
-    not: conversion (exact) and evaluation go on, a training run is refused at start-up in one line; so is Phi-3's
-    resid_pdrop."""
+    """An attention_dropout of 0.1 (as Granite configs may set), which transformers applies while training and the
+    pipeline does not: conversion (exact) and evaluation go on, a training run is refused at start-up in one line;
+    so is Phi-3's resid_pdrop."""
     from hydra import compose, initialize_config_dir
 
     from training.config_checks import ConfigError
