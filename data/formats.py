@@ -181,7 +181,8 @@ def _tokenize_chats(batch, indices, *, tokenizer, field: str, path: Path) -> dic
     `turn_ends`: the token offset where each assistant turn ends, where overlong=split may cut.
     """
     input_ids, labels, turn_ends = [], [], []
-    marked = GENERATION_MARK.search(tokenizer.chat_template) is not None
+    template = tokenizer.chat_template  # named variants: apply_chat_template renders 'default' here
+    marked = GENERATION_MARK.search(template["default"] if isinstance(template, dict) else template) is not None
     for index, messages in zip(indices, batch[field]):
         problem = chat_problem({field: messages}, tokenizer=tokenizer, field=field)
         if problem:
