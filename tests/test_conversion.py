@@ -118,6 +118,21 @@ def test_unsupported_model_type_lists_supported(tmp_path):
     assert_nothing_written(tmp_path, str(tmp_path / "out"))
 
 
+@pytest.mark.parametrize("model_type,nearest", [("olmo3", "olmo2"), ("granitemoe", "granite"), ("phimoe", "phi3"),
+                                               ("qwen2_moe", "qwen2"), ("mixtral", "mistral"), ("gemma2", None)])
+def test_unsupported_family_names_the_nearest_supported_one(model_type, nearest):
+    """The families whose names say they are close (their MoE or next versions) are named; others only the list."""
+    from types import SimpleNamespace
+
+    from models.architecture import check_model_config
+    with pytest.raises(ValueError) as error:
+        check_model_config(SimpleNamespace(model_type=model_type))
+    assert str(error.value).startswith(f"model_type '{model_type}' is not supported; supported: llama, mistral, "
+                                       "qwen2, qwen3, olmo2, granite, smollm3, phi3 (the LLaMA layout)")
+    assert str(error.value).endswith(f"; the nearest is '{nearest}', whose layers differ from it." if nearest
+                                     else "(the LLaMA layout).")
+
+
 def test_dropout_is_refused_for_training_only_naming_the_field(tmp_path):
     """An attention_dropout of 0.1 (as Granite configs may set), which transformers applies while training and the
     pipeline does not: conversion (exact) and evaluation go on, a training run is refused at start-up in one line;
