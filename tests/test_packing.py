@@ -83,8 +83,8 @@ def recording_engine(module, ds_dir):
     return engine, optimizer
 
 
-def packed_parity_worker(rank, checkpoints, rows, out_dir):
-    """checkpoints: {model: (hf_dir, ds_dir, topology names)}."""
+def packed_parity_worker(rank, cases, rows, out_dir):
+    """cases: (model, hf_dir, ds_dir, topology name) each."""
     import torch
     from transformers import AutoConfig
 
@@ -96,9 +96,8 @@ def packed_parity_worker(rank, checkpoints, rows, out_dir):
 
     init_distributed(timeout_minutes=2)
     results = {}
-    for model, topology in ((model, topology) for model, (*_, topologies) in checkpoints.items()
-                            for topology in topologies):
-        (hf_dir, ds_dir, _), (stages, tensor_parallel) = checkpoints[model], TOPOLOGIES[topology]
+    for model, hf_dir, ds_dir, topology in cases:
+        stages, tensor_parallel = TOPOLOGIES[topology]
         config = AutoConfig.from_pretrained(hf_dir)
         module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True,
                                        layer_loader=load_layer_slice, loss_chunk_tokens=CHUNK_TOKENS)
@@ -135,10 +134,11 @@ def packed_rows(tmp_path):
 def test_packed_rows_match_transformers_on_each_example(tiny_checkpoints, tmp_path):
     rows, stats = packed_rows(tmp_path)
     assert stats.packed_from == 40 and len(rows) < 40 and any(len(r["lengths"]) > 2 for r in rows[:GAS * 2 * 2])
-    models = {name: (*tiny_checkpoints[name], topologies) for name, topologies in PACKED_MODELS.items()}
-    spawn(packed_parity_worker, 2, models, rows, str(tmp_path))
+    cases = [(model, *tiny_checkpoints[model], topology) for model, topologies in PACKED_MODELS.items()
+             for topology in topologies]
+    spawn(packed_parity_worker, 2, cases, rows, str(tmp_path))
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
-    names = [f"{model}/{topology}" for model, topologies in PACKED_MODELS.items() for topology in topologies]
+    names = [f"{model}/{topology}" for model, _, _, topology in cases]
     assert all(sorted(rank) == sorted(names) for rank in ranks)
     for name in names:
         for result in (rank[name] for rank in ranks):

@@ -49,7 +49,8 @@ FAMILIES = ("qwen3", "phi3", "olmo2", "granite", "smollm3")
 @pytest.fixture(scope="module")
 def family_preference_models(tmp_path_factory):
     """{family: a tiny model of it (tests/tiny_models.py, Granite's multipliers, Phi's fused weights, tied Qwen3 and
-    SmolLM3) over its chat tokenizer's vocabulary and ids, converted, with string pairs}: for the first step."""
+    SmolLM3) over its chat tokenizer's vocabulary and ids, converted, with string pairs}: for the first step (and
+    Granite's six steps)."""
     from tests.chat_tokenizers import make_chat_tokenizer
     from tests.tiny_models import TINY_CONFIGS
     models = {}
@@ -60,7 +61,7 @@ def family_preference_models(tmp_path_factory):
         config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
         config.pad_token_id = tokenizer.pad_token_id
         models[family] = preference_checkpoint(tmp_path_factory.mktemp(family), config, tokenizer,
-                                               len(FIRST_STEP_REFERENCE))
+                                               STEPS * MICRO_BATCH * GAS)
     return models
 
 
@@ -197,7 +198,8 @@ def one_process_worker(rank, model, families, root):
     for name, checkpoint in {"": model, **{f"{family}-": families[family] for family in families}}.items():
         pipeline_first_step(rank, checkpoint, root, f"{name}full")
         pipeline_first_step(rank, checkpoint, root, f"{name}lora", lora_rank=LORA_RANK)
-    run_trainer(rank, trainer_overrides(model, root / "one_stage", eval_file=model["eval"]))
+    run_trainer(rank, trainer_overrides(model, root / "one_stage", eval_file=model["eval"]),
+                trainer_overrides(families["granite"], root / "granite-one_stage"))
 
 
 def four_process_worker(rank, model, families, root, runs):
@@ -292,6 +294,16 @@ def trl_one_replica(preference_model, tmp_path_factory):
 @pytest.mark.slow
 def test_dpo_one_stage_matches_trl(one_process_runs, trl_one_replica):
     assert_matches_trl(logged_steps(one_process_runs["one_stage"]), trl_one_replica)
+
+
+@pytest.mark.slow
+def test_dpo_one_stage_matches_trl_on_granite(family_preference_models, one_process_runs, tmp_path):
+    """Six steps on Granite 3 (its multipliers; the logits divided by logits_scaling in the reference pass and the
+    policy's, both through the chunked head), its pad token eos: TRL's DPOTrainer."""
+    model = family_preference_models["granite"]
+    order = trainer_order(len(model["records"]), 1)
+    assert_matches_trl(logged_steps(one_process_runs["root"] / "granite-one_stage"),
+                       trl_dpo_run(model, order, MICRO_BATCH * GAS, tmp_path / "trl"))
 
 
 @pytest.fixture(scope="module")
