@@ -5,6 +5,7 @@ chosen / rejected records, tokenized as TRL's DPOTrainer does). Each format's se
 functions that data/datasets.py runs in its cached passes."""
 import copy
 import dataclasses
+import re
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -174,37 +175,61 @@ def _tokenize_chats(batch, indices, *, tokenizer, field: str, path: Path) -> dic
 
     Assistant turn i adds the tokens of render(messages[:i+1]) beyond render(messages[:i], add_generation_prompt):
     its content and the template's end-of-turn marker, not its header. Both renders must be token prefixes of the
-    whole conversation's tokens (checked: a template that rewrites earlier turns cannot be trained this way).
+    whole conversation's tokens (checked: a template that rewrites earlier turns cannot be trained this way). A
+    template that marks what the assistant generates with {% generation %} (TRL's training templates) is read by its
+    marks instead, as TRL's assistant_only_loss reads them.
     `turn_ends`: the token offset where each assistant turn ends, where overlong=split may cut.
     """
     input_ids, labels, turn_ends = [], [], []
+    template = tokenizer.chat_template  # named variants: apply_chat_template renders 'default' here
+    marked = GENERATION_MARK.search(template["default"] if isinstance(template, dict) else template) is not None
     for index, messages in zip(indices, batch[field]):
         problem = chat_problem({field: messages}, tokenizer=tokenizer, field=field)
         if problem:
             raise ValueError(f"{path}: example {index}: {problem}; fix it (a JSON-lines file can also skip it with "
                              "data.bad_lines=skip)")
-        turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
-        texts = [tokenizer.apply_chat_template(messages, tokenize=False)]
-        for i in turns:
-            texts += [tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True),
-                      tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)]
-        full, *prefixes = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        targets, ends = [IGNORE_INDEX] * len(full), []
-        for i, prompt, upto in zip(turns, prefixes[0::2], prefixes[1::2]):
-            if full[:len(upto)] != upto or upto[:len(prompt)] != prompt:
-                raise ValueError(
-                    f"{path}: example {index}: the chat template's render of the conversation up to message {i} "
-                    "is not a token prefix of the whole conversation's, so the assistant's tokens cannot be "
-                    "located (templates that rewrite earlier turns, e.g. drop past reasoning, do this); supply a "
-                    "template without it with data.chat_template=PATH")
-            targets[len(prompt):len(upto)] = full[len(prompt):len(upto)]
-            ends.append(len(upto))
+        full, targets, ends = (_marked_turns(tokenizer, messages) if marked
+                               else _prefix_turns(tokenizer, messages, where=f"{path}: example {index}"))
         input_ids.append(full)
         labels.append(targets)
         turn_ends.append(ends)
     return {"input_ids": input_ids, "labels": labels, "turn_ends": turn_ends}
 
 
+def _prefix_turns(tokenizer, messages, where: str) -> tuple[list, list, list]:
+    """(input_ids, labels, turn_ends) of a conversation, each assistant turn located by prefix renders."""
+    turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    texts = [tokenizer.apply_chat_template(messages, tokenize=False)]
+    for i in turns:
+        texts += [tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True),
+                  tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)]
+    full, *prefixes = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    targets, ends = [IGNORE_INDEX] * len(full), []
+    for i, prompt, upto in zip(turns, prefixes[0::2], prefixes[1::2]):
+        if full[:len(upto)] != upto or upto[:len(prompt)] != prompt:
+            raise ValueError(
+                f"{where}: the chat template's render of the conversation up to message {i} is not a token prefix "
+                "of the whole conversation's, so the assistant's tokens cannot be located (templates that rewrite "
+                "earlier turns, e.g. drop past reasoning, or end the conversation with a token, do this); supply "
+                "one without it, or one that marks the assistant's tokens with {% generation %} (TRL's "
+                "trl/chat_templates/*_training.jinja), with data.chat_template=PATH")
+        targets[len(prompt):len(upto)] = full[len(prompt):len(upto)]
+        ends.append(len(upto))
+    return full, targets, ends
+
+
+GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")  # as TRL's has_generation_markers finds them
+
+
+def _marked_turns(tokenizer, messages) -> tuple[list, list, list]:
+    """(input_ids, labels, turn_ends) of a conversation whose template marks the assistant's tokens with
+    {% generation %}: transformers' assistant mask, each marked run a turn."""
+    rendered = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                             return_assistant_tokens_mask=True)
+    ids, mask = rendered["input_ids"], rendered["assistant_masks"]
+    labels = [token if learned else IGNORE_INDEX for token, learned in zip(ids, mask)]
+    ends = [i + 1 for i, learned in enumerate(mask) if learned and (i + 1 == len(mask) or not mask[i + 1])]
+    return ids, labels, ends
 
 
 def split_implicit_prompt(chosen: list, rejected: list) -> tuple[list, list, list] | None:

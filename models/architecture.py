@@ -27,6 +27,8 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
 NOT_IMPLEMENTED = {"attn_logit_softcapping": "an attention logit soft-cap", "final_logit_softcapping":
                    "a final logit soft-cap", "layer_norm_eps": "a LayerNorm (only RMSNorm is implemented)",
                    "use_qk_norm": "a query/key norm this family's layer does not have"}
+# Dropout that transformers applies while training (never in evaluation) and this pipeline does not: {field: where}.
+TRAINING_DROPOUT = {"attention_dropout": "on the attention weights", "resid_pdrop": "on each sublayer's output"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +95,16 @@ def sliding_window(config, layer):
     if config.model_type not in ("qwen2", "qwen3", "smollm3") or not getattr(config, "use_sliding_window", False):
         return None
     return window if config.layer_types[layer] == "sliding_attention" else None
+
+
+def check_trains_as_configured(config):
+    """Refuse to train a config that asks for dropout (an attention_dropout of 0.1, as Granite configs may set),
+    which transformers would apply while training: conversion, evaluation and export are exact whatever it says."""
+    for field, where in TRAINING_DROPOUT.items():
+        if getattr(config, field, 0) or 0:
+            raise ValueError(f"{field}={getattr(config, field)} in the {config.model_type} config asks for dropout "
+                             f"{where} while training, which this pipeline does not implement; set it to 0 in the "
+                             f"Hugging Face config.json and convert again (eval_only runs as it is).")
 
 
 def check_model_config(config):

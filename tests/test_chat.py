@@ -20,10 +20,11 @@ CONVERSATION = [
     {"role": "user", "content": "Thanks!"},
 ]
 # What each template appends to an assistant turn's content (its end-of-turn marker).
-END_OF_TURN = {"chatml": "<|im_end|>\n", "llama3": "<|eot_id|>"}
+END_OF_TURN = {"chatml": "<|im_end|>\n", "llama3": "<|eot_id|>", "phi4": "<|im_end|>", "olmo2": "<|endoftext|>",
+               "granite": "<|end_of_text|>\n", "smollm3": "<|im_end|>\n"}
 
 
-@pytest.fixture(scope="module", params=["chatml", "llama3"])
+@pytest.fixture(scope="module", params=list(END_OF_TURN))
 def chat_tokenizer(request):
     return request.param, make_chat_tokenizer(request.param)
 
@@ -67,6 +68,54 @@ def test_labels_are_exactly_what_each_assistant_turn_adds(chat_tokenizer, tmp_pa
     if style == "llama3":  # the template's bos comes once, from the template; the header is never learned
         assert dataset[0]["input_ids"].count(tokenizer.bos_token_id) == 1
         assert tokenizer.convert_tokens_to_ids("<|start_header_id|>") not in dataset[0]["labels"]
+
+
+# The real templates that do not keep earlier turns as a later render shows them: Qwen3 drops the think block of
+# assistant turns before the last user turn, Phi-3 ends the whole conversation with eos. {style: (TRL's training
+# variant, what an assistant turn learns, what a conversation that ends with one learns after it)}.
+NOT_PREFIX_PRESERVING = {"qwen3": ("qwen3_training", "<think>\n\n</think>\n\n{}<|im_end|>\n", ""),
+                         "phi3": ("phi3_training", "{}<|end|>\n", "<|endoftext|>")}
+
+
+@pytest.mark.parametrize("style", NOT_PREFIX_PRESERVING)
+def test_qwen3_and_phi3_templates_train_one_exchange_refuse_more_and_train_trls_training_template(style, tmp_path):
+    """Qwen3's and Phi-3's own templates: a single exchange learns what the template adds after the generation
+    prompt (Qwen3's empty think block, Phi-3's closing eos); a longer conversation is refused in one line that names
+    the fix; with TRL's training variant of the template (data.chat_template) the labels are TRL SFTTrainer's with
+    assistant_only_loss (which swaps that variant in itself), every assistant turn learned whole."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+    from trl.chat_template_utils import get_training_chat_template
+
+    from tests.chat_tokenizers import trl_template
+    training, turn, conversation_end = NOT_PREFIX_PRESERVING[style]
+    tokenizer = make_chat_tokenizer(style)
+    exchange = CONVERSATION[1:3]
+    (row,), _ = build(write_jsonl(tmp_path / "one.jsonl", [{"messages": exchange}]), tokenizer, 256, tmp_path)
+    learned = tokenizer.decode([t for t in row["labels"] if t != IGNORE_INDEX])
+    assert learned == turn.format(exchange[1]["content"]) + conversation_end
+
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}, {"messages": CONVERSATION[1:5]}])
+    with pytest.raises(ValueError, match=rf"{path}: example 0: .* up to message 2 is not a token prefix .*"
+                                         r"\{% generation %\} \(TRL's trl/chat_templates/\*_training.jinja\)"):
+        build(path, tokenizer, 256, tmp_path)
+
+    template = tmp_path / f"{training}.jinja"
+    template.write_text(trl_template(training))
+    assert get_training_chat_template(tokenizer) == template.read_text()  # the variant TRL swaps in
+    dataset, _ = build(path, tokenizer, 256, tmp_path, chat_template=str(template))
+    trainer = SFTTrainer.__new__(SFTTrainer)
+    trainer._tokenizer, trainer.completion_only_loss = tokenizer, False
+    trainer.chat_template = get_training_chat_template(tokenizer)
+    prepared = trainer._prepare_dataset(
+        Dataset.from_list([{"messages": CONVERSATION}, {"messages": CONVERSATION[1:5]}]), tokenizer,
+        SFTConfig(output_dir=str(tmp_path / "trl"), assistant_only_loss=True, report_to=[], use_cpu=True),
+        packing=False, formatting_func=None, dataset_name="train")
+    for row, trl, messages in zip(dataset, prepared, [CONVERSATION, CONVERSATION[1:5]]):
+        assert row["input_ids"] == trl["input_ids"] and row["labels"] == trl["labels"]
+        learned = tokenizer.decode([t for t in row["labels"] if t != IGNORE_INDEX])
+        assert learned == "".join(turn.format(m["content"]) for m in messages if m["role"] == "assistant") + (
+            conversation_end if messages[-1]["role"] == "assistant" else "")
 
 
 def test_overlong_chat_splits_at_turn_ends_or_truncates_and_counts(tmp_path):

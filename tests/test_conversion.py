@@ -11,7 +11,7 @@ from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.hf_to_ds import convert_hf_to_ds
 from tests.conftest import ROOT
 from tests.launch import run_python
-from tests.tiny_models import TINY_CONFIGS, make_tiny_model
+from tests.tiny_models import TINY_CONFIGS, make_model, make_tiny_model
 
 
 def load_hf_weights(model_dir):
@@ -116,6 +116,53 @@ def test_unsupported_model_type_lists_supported(tmp_path):
     assert ("model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, olmo2, granite, smollm3, "
             "phi3 (the LLaMA layout)." in result.stderr)
     assert_nothing_written(tmp_path, str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("model_type,nearest", [("olmo3", "olmo2"), ("granitemoe", "granite"), ("phimoe", "phi3"),
+                                               ("qwen2_moe", "qwen2"), ("mixtral", "mistral"), ("gemma2", None)])
+def test_unsupported_family_names_the_nearest_supported_one(model_type, nearest):
+    """The families whose names say they are close (their MoE or next versions) are named; others only the list."""
+    from types import SimpleNamespace
+
+    from models.architecture import check_model_config
+    with pytest.raises(ValueError) as error:
+        check_model_config(SimpleNamespace(model_type=model_type))
+    assert str(error.value).startswith(f"model_type '{model_type}' is not supported; supported: llama, mistral, "
+                                       "qwen2, qwen3, olmo2, granite, smollm3, phi3 (the LLaMA layout)")
+    assert str(error.value).endswith(f"; the nearest is '{nearest}', whose layers differ from it." if nearest
+                                     else "(the LLaMA layout).")
+
+
+def test_dropout_is_refused_for_training_only_naming_the_field(tmp_path):
+    """An attention_dropout of 0.1 (as Granite configs may set), which transformers applies while training and the
+    pipeline does not: conversion (exact) and evaluation go on, a training run is refused at start-up in one line;
+    so is Phi-3's resid_pdrop."""
+    from hydra import compose, initialize_config_dir
+
+    from training.config_checks import ConfigError
+    from training.run_spec import run_spec
+    data = tmp_path / "ids.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": list(range(3, 40))}) + "\n" for _ in range(8)))
+    for family, field, value, where in (("granite", "attention_dropout", 0.1, "on the attention weights"),
+                                        ("phi3", "resid_pdrop", 0.05, "on each sublayer's output")):
+        config = TINY_CONFIGS[family]()
+        setattr(config, field, value)
+        make_model(config, tmp_path / family / "hf")
+        convert_hf_to_ds(str(tmp_path / family / "hf"), str(tmp_path / family / "ds"))
+
+        def spec(*overrides):
+            with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
+                cfg = compose(config_name="tiny", overrides=[
+                    f"model_name_or_path={tmp_path / family / 'ds'}", f"train_file={data}", f"eval_file={data}",
+                    f"output_dir={tmp_path / family / 'run'}", "data.format=pretokenized", "seq_length=32",
+                    f"data.cache_dir={tmp_path / 'cache'}", *overrides])
+            return run_spec(cfg, 2)
+        with pytest.raises(ConfigError, match=rf"^{field}={value} in the {family} config asks for dropout {where} "
+                                              r"while training, which this pipeline does not implement; set it to 0 "
+                                              r"in the Hugging Face config.json and convert again \(eval_only runs "
+                                              r"as it is\)\.$"):
+            spec()
+        assert spec("eval_only=true").model_config.to_dict()[field] == value
 
 
 @pytest.mark.parametrize("model_type,field,value,message", [

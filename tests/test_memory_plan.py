@@ -304,6 +304,13 @@ def test_tensor_parallel_must_divide_heads_and_vocabulary():
         memory_plan(plan_spec(cfg, 24))
 
 
+def test_granite_3_vocabulary_refuses_tensor_parallelism_before_any_weight():
+    """Granite 3.3's 49159 vocabulary rows split over no tensor-parallel size (the head is vocabulary-parallel)."""
+    cfg = run_config("granite3_8b", "tensor_parallel_size=2", "num_stages=2")
+    with pytest.raises(ConfigError, match=r"^tensor_parallel_size=2 does not divide vocab_size=49159; choose a "):
+        memory_plan(plan_spec(cfg, 8))
+
+
 def test_configs_without_tensor_parallel_keys_and_the_fallback_world(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert plan_world_size(run_config("llama_65b", "plan_world_size=null", "tensor_parallel_size=2")) == 16

@@ -1,7 +1,7 @@
 """Packed rows with per-document isolation against transformers on each example alone (real processes, gloo):
 the token-weighted eval loss (training/evaluation.py) and the training gradients, for 1 stage x 2 data-parallel,
-2 stages, and 1 stage x tensor parallel 2 with sequence parallelism, in one launch of 2 processes."""
-import itertools
+2 stages, and 1 stage x tensor parallel 2 with sequence parallelism, in one launch of 2 processes; every other
+family on the last (its norms split by tokens, Phi's fused weights split by heads)."""
 import json
 import random
 from types import SimpleNamespace
@@ -14,7 +14,10 @@ from tests.parity_worker import CHUNK_TOKENS
 
 SEQ, MICRO_BATCH, GAS = 32, 2, 2
 TOPOLOGIES = {"1stage_x_2dp": (1, 1), "2stages": (2, 1), "1stage_x_tp2": (1, 2)}  # name: (stages, tensor parallel)
-PACKED_MODELS = ("llama3", "mistral")  # Mistral: a sliding window (8) inside the longer packed documents
+# {model: its topologies}. Mistral: a sliding window (8) inside the longer packed documents; Qwen2 one on its last
+# layers; SmolLM3: layers without rotary embedding, for which positions restarting per document change nothing.
+PACKED_MODELS = {"llama3": tuple(TOPOLOGIES), "mistral": tuple(TOPOLOGIES),
+                 **dict.fromkeys(("qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3"), ("1stage_x_tp2",))}
 
 
 def micro_batches(rows, dp_size, dp_rank):
@@ -47,6 +50,8 @@ def hf_reference(hf_dir, rows, num_micro_batches):
     num_micro_batches micro-batches of their token-weighted mean) and its gradients, each document run alone."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from models.layout import split_fused  # Phi-3's fused weights as the pipeline's parts
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
         sums, counts = zip(*(hf_loss_sum_and_count(model, ids, labels)
@@ -60,7 +65,7 @@ def hf_reference(hf_dir, rows, num_micro_batches):
         objective = objective + sum(sums) / sum(counts)
     objective = objective / num_micro_batches
     objective.backward()
-    return eval_loss, objective.item(), {n: p.grad for n, p in model.named_parameters()}
+    return eval_loss, objective.item(), split_fused({n: p.grad for n, p in model.named_parameters()}, model.config)
 
 
 def recording_engine(module, ds_dir):
@@ -78,7 +83,8 @@ def recording_engine(module, ds_dir):
     return engine, optimizer
 
 
-def packed_parity_worker(rank, checkpoints, rows, out_dir):
+def packed_parity_worker(rank, cases, rows, out_dir):
+    """cases: (model, hf_dir, ds_dir, topology name) each."""
     import torch
     from transformers import AutoConfig
 
@@ -90,8 +96,8 @@ def packed_parity_worker(rank, checkpoints, rows, out_dir):
 
     init_distributed(timeout_minutes=2)
     results = {}
-    for (model, (hf_dir, ds_dir)), (topology, (stages, tensor_parallel)) in itertools.product(checkpoints.items(),
-                                                                                            TOPOLOGIES.items()):
+    for model, hf_dir, ds_dir, topology in cases:
+        stages, tensor_parallel = TOPOLOGIES[topology]
         config = AutoConfig.from_pretrained(hf_dir)
         module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True,
                                        layer_loader=load_layer_slice, loss_chunk_tokens=CHUNK_TOKENS)
@@ -128,10 +134,13 @@ def packed_rows(tmp_path):
 def test_packed_rows_match_transformers_on_each_example(tiny_checkpoints, tmp_path):
     rows, stats = packed_rows(tmp_path)
     assert stats.packed_from == 40 and len(rows) < 40 and any(len(r["lengths"]) > 2 for r in rows[:GAS * 2 * 2])
-    models = {name: tiny_checkpoints[name] for name in PACKED_MODELS}
-    spawn(packed_parity_worker, 2, models, rows, str(tmp_path))
+    cases = [(model, *tiny_checkpoints[model], topology) for model, topologies in PACKED_MODELS.items()
+             for topology in topologies]
+    spawn(packed_parity_worker, 2, cases, rows, str(tmp_path))
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
-    for name in (f"{model}/{topology}" for model in PACKED_MODELS for topology in TOPOLOGIES):
+    names = [f"{model}/{topology}" for model, _, _, topology in cases]
+    assert all(sorted(rank) == sorted(names) for rank in ranks)
+    for name in names:
         for result in (rank[name] for rank in ranks):
             assert result["eval_loss"] == pytest.approx(result["ref_loss"], abs=1e-5), name
             bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from transformers import LlamaConfig, Olmo2Config, Phi3Config, Qwen3Config
+from transformers import GraniteConfig, LlamaConfig, Olmo2Config, Phi3Config, Qwen3Config, SmolLM3Config
 
 from models.layout import num_pipeline_layers
 from models.llama import DecoderLayerPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
@@ -31,7 +31,17 @@ PUBLISHED = {
     "llama_65b": LlamaConfig(vocab_size=32000, hidden_size=8192, intermediate_size=22016, num_hidden_layers=80,
                              num_attention_heads=64, num_key_value_heads=64, max_position_embeddings=2048,
                             rms_norm_eps=1e-6),
-    # Qwen/Qwen3-8B, microsoft/phi-4, allenai/OLMo-2-1124-7B.
+    # Qwen/Qwen3-8B, microsoft/phi-4, allenai/OLMo-2-1124-7B, ibm-granite/granite-3.3-8b-instruct,
+    # HuggingFaceTB/SmolLM3-3B.
+    "granite3_8b": GraniteConfig(vocab_size=49159, hidden_size=4096, intermediate_size=12800, num_hidden_layers=40,
+                                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                                 rms_norm_eps=1e-5, embedding_multiplier=12.0,
+                                 residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=16.0,
+                                 tie_word_embeddings=True),
+    "smollm3_3b": SmolLM3Config(vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                                num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=65536,
+                                rms_norm_eps=1e-6, no_rope_layer_interval=4,
+                                tie_word_embeddings=True),
     "qwen3_8b": Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                             num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                             rms_norm_eps=1e-6, tie_word_embeddings=False),
@@ -43,7 +53,8 @@ PUBLISHED = {
                             rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
 # The world size each config's header comment launches.
-WORLD_SIZE = {"llama_7b": 8, "llama3_8b": 8, "llama_65b": 16, "qwen3_8b": 8, "phi4_14b": 8, "olmo2_7b": 8}
+WORLD_SIZE = {"llama_7b": 8, "llama3_8b": 8, "llama_65b": 16, "qwen3_8b": 8, "phi4_14b": 8, "olmo2_7b": 8,
+              "granite3_8b": 8, "smollm3_3b": 8}
 
 
 def run_config(name):
@@ -88,7 +99,8 @@ def test_balanced_has_the_smallest_largest_stage_compute(name, other):
     assert max(row["compute"] for row in balanced) <= max(row["compute"] for row in alternative)
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
+# Granite 3.3's vocabulary (49159 rows) splits over no tensor-parallel size: refused at start-up (below).
+@pytest.mark.parametrize("name", sorted(set(PUBLISHED) - {"granite3_8b"}))
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_balanced_stays_balanced_under_tensor_parallelism(name, sequence_parallel):
     cfg, config = run_config(name), PUBLISHED[name]
@@ -102,7 +114,7 @@ def test_balanced_stays_balanced_under_tensor_parallelism(name, sequence_paralle
                                                                 for method in ("parameters", "uniform"))
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
+@pytest.mark.parametrize("name", sorted(set(PUBLISHED) - {"smollm3_3b"}))  # SmolLM3's: 2 stages, no middle one
 def test_first_and_last_stage_get_no_extra_layer(name):
     _, _, rows = configured_plan(name)
     counts = [row["decoder_layers"] for row in rows]

@@ -31,15 +31,44 @@ def preference_model(tmp_path_factory):
     row takes no gradient (transformers' padding_idx)."""
     from transformers import LlamaConfig
 
-    from checkpoints.hf_to_ds import convert_hf_to_ds
     from tests.chat_tokenizers import make_chat_tokenizer
-    from tests.tiny_models import COMMON, make_model
-    root = tmp_path_factory.mktemp("preference")
+    from tests.tiny_models import COMMON
     tokenizer = make_chat_tokenizer("llama3")
     tokenizer.pad_token = tokenizer.eos_token
     config = LlamaConfig(**dict(COMMON, vocab_size=len(tokenizer), max_position_embeddings=SEQ),
                          num_key_value_heads=2, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return preference_checkpoint(tmp_path_factory.mktemp("preference"), config, tokenizer, 48)
+
+
+# The other families, each with its own chat tokenizer's special tokens (tests/chat_tokenizers.py).
+FAMILIES = ("qwen3", "phi3", "olmo2", "granite", "smollm3")
+
+
+@pytest.fixture(scope="module")
+def family_preference_models(tmp_path_factory):
+    """{family: a tiny model of it (tests/tiny_models.py, Granite's multipliers, Phi's fused weights, tied Qwen3 and
+    SmolLM3) over its chat tokenizer's vocabulary and ids, converted, with string pairs}: for the first step (and
+    Granite's six steps)."""
+    from tests.chat_tokenizers import make_chat_tokenizer
+    from tests.tiny_models import TINY_CONFIGS
+    models = {}
+    for family in FAMILIES:
+        tokenizer = make_chat_tokenizer(family)
+        config = TINY_CONFIGS[family]()
+        config.vocab_size, config.max_position_embeddings = len(tokenizer), SEQ
+        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
+        models[family] = preference_checkpoint(tmp_path_factory.mktemp(family), config, tokenizer,
+                                               STEPS * MICRO_BATCH * GAS)
+    return models
+
+
+def preference_checkpoint(root, config, tokenizer, num_records):
+    """A model of `config` with `tokenizer` saved and converted under root, and num_records string pairs to train
+    on (and EVAL_PAIRS to evaluate): {hf, ds, train, records, eval, eval_records, root}."""
+    from checkpoints.hf_to_ds import convert_hf_to_ds
+    from tests.tiny_models import make_model
     make_model(config, root / "hf", seed=3)
     tokenizer.save_pretrained(root / "hf")
     convert_hf_to_ds(str(root / "hf"), str(root / "ds"))
@@ -47,10 +76,10 @@ def preference_model(tmp_path_factory):
     say = lambda low, high: " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))  # noqa: E731
     # prompts start with bos (as TRL's CPOTrainer makes them; DPO's tokenizes it as it is) and hold an earlier turn's
     # end, eos: a real token whose embedding the response's log-probability depends on
-    records = [{"prompt": tokenizer.bos_token + say(1, 4) + tokenizer.eos_token + say(1, 5) + ":",
+    records = [{"prompt": (tokenizer.bos_token or "") + say(1, 4) + tokenizer.eos_token + say(1, 5) + ":",
                 "chosen": " " + say(1, 10),
                 "rejected": " " + say(1, 10)}
-               for _ in range(48 + EVAL_PAIRS)]
+               for _ in range(num_records + EVAL_PAIRS)]
     train, evaluation = records[:-EVAL_PAIRS], records[-EVAL_PAIRS:]
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
     (root / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evaluation))
@@ -154,27 +183,31 @@ def logged_steps(output_dir):
 
 
 @pytest.fixture(scope="module")
-def one_process_runs(preference_model, tmp_path_factory):
-    """One process for the first-step gradients (pipeline_first_step: full weights, LoRA) and the trainer on 1
-    stage; {"root": where the gradients are, "one_stage": the run's output_dir}."""
+def one_process_runs(preference_model, family_preference_models, tmp_path_factory):
+    """One process for the first-step gradients (pipeline_first_step: full weights, LoRA; LLaMA's and each other
+    family's) and the trainer on 1 stage; {"root": where the gradients are, "one_stage": the run's output_dir}."""
     root = tmp_path_factory.mktemp("one_process")
-    spawn(one_process_worker, 1, preference_model, root)
+    spawn(one_process_worker, 1, preference_model, family_preference_models, root)
     return {"root": root, "one_stage": root / "one_stage"}
 
 
-def one_process_worker(rank, model, root):
+def one_process_worker(rank, model, families, root):
     from training.distributed import init_distributed
     init_distributed(timeout_minutes=2)
-    pipeline_first_step(rank, model, root, "full")
-    pipeline_first_step(rank, model, root, "lora", lora_rank=LORA_RANK)
-    run_trainer(rank, trainer_overrides(model, root / "one_stage", eval_file=model["eval"]))
+    for name, checkpoint in {"": model, **{f"{family}-": families[family] for family in families}}.items():
+        pipeline_first_step(rank, checkpoint, root, f"{name}full")
+        pipeline_first_step(rank, checkpoint, root, f"{name}lora", lora_rank=LORA_RANK)
+    run_trainer(rank, trainer_overrides(model, root / "one_stage", eval_file=model["eval"]),
+                trainer_overrides(families["granite"], root / "granite-one_stage"))
 
 
-def four_process_worker(rank, model, root, runs):
+def four_process_worker(rank, model, families, root, runs):
     from training.distributed import init_distributed
     init_distributed(timeout_minutes=2)
     pipeline_first_step(rank, model, root, "2stages_2dp", num_stages=2)
     pipeline_first_step(rank, model, root, "tp2_2dp", tensor_parallel=2)
+    for family, checkpoint in families.items():
+        pipeline_first_step(rank, checkpoint, root, f"{family}-tp2_2dp", tensor_parallel=2)
     host_tensor_units(rank, root)
     with host_copies_at_saves(rank, root):
         run_trainer(rank, *runs)
@@ -262,8 +295,18 @@ def test_dpo_one_stage_matches_trl(one_process_runs, trl_one_replica):
     assert_matches_trl(logged_steps(one_process_runs["one_stage"]), trl_one_replica)
 
 
+@pytest.mark.slow
+def test_dpo_one_stage_matches_trl_on_granite(family_preference_models, one_process_runs, tmp_path):
+    """Six steps on Granite 3 (its multipliers; the logits divided by logits_scaling in the reference pass and the
+    policy's, both through the chunked head), its pad token eos: TRL's DPOTrainer."""
+    model = family_preference_models["granite"]
+    order = trainer_order(len(model["records"]), 1)
+    assert_matches_trl(logged_steps(one_process_runs["root"] / "granite-one_stage"),
+                       trl_dpo_run(model, order, MICRO_BATCH * GAS, tmp_path / "trl"))
+
+
 @pytest.fixture(scope="module")
-def two_stage_runs(preference_model, tmp_path_factory):
+def two_stage_runs(preference_model, family_preference_models, tmp_path_factory):
     """One start of 4 processes for the first-step gradients on 2 stages x 2 data-parallel and 1 stage x tensor
     parallel 2 x 2 data-parallel (pipeline_first_step), then the runs, in turn: on 2 stages under ZeRO-1, DPO
     stopped after 3 steps, the same resumed to 6, DPO with LoRA (evaluated, exported, evaluated again from its
@@ -288,7 +331,7 @@ def two_stage_runs(preference_model, tmp_path_factory):
                                            "data.cache_dir": root / "lora_eval_cache"}),
             "simpo": trainer_overrides(preference_model, root / "simpo", **layout, objective="simpo",
                                        **{"simpo.beta": SIMPO_BETA, "simpo.gamma": SIMPO_GAMMA})}
-    spawn(four_process_worker, 4, preference_model, root, list(runs.values()))
+    spawn(four_process_worker, 4, preference_model, family_preference_models, root, list(runs.values()))
     names = ("dpo", "tp2", "cp2", "zero_bubble", "lora", "simpo", "lora_eval_cache")
     return {"root": root, **{name: root / name for name in names}}
 
@@ -492,6 +535,7 @@ def trl_first_step(model, lora_rank, pairs, output_dir):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
+    from models.layout import split_fused
     from models.lora import LoraSettings
     from tests.lora_reference import adapter_values, hf_name_of_peft, peft_model
 
@@ -511,7 +555,8 @@ def trl_first_step(model, lora_rank, pairs, output_dir):
     loss = trainer._compute_loss(trainer.model, batch, return_outputs=False)
     loss.backward()
     metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
-    grads = {hf_name_of_peft(n): p.grad for n, p in trainer.model.named_parameters() if p.requires_grad}
+    grads = split_fused({hf_name_of_peft(n): p.grad for n, p in trainer.model.named_parameters() if p.requires_grad},
+                        trainer.model.config)  # Phi-3's fused weights (and adapters) as the pipeline's parts
     if trainer.model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)
     return loss.item(), metrics, grads
@@ -635,6 +680,20 @@ def test_first_step_gradients_equal_trl(preference_model, one_process_runs, two_
     assert_first_step_matches_trl(preference_model, root, "tp2_2dp", 4, 2)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_first_step_gradients_equal_trl_for_each_family(family, family_preference_models, one_process_runs,
+                                                        two_stage_runs):
+    """Each other family (Qwen3, Phi-3, OLMo 2, Granite 3, SmolLM3): DPO's first-step loss, rewards and every
+    gradient within 1e-5 of TRL's on 1 stage with full weights and with LoRA (Phi's on its fused projections, as
+    peft), and on 1 stage x tensor parallel 2 x 2 data-parallel (Granite's logit scaling in the vocabulary-parallel
+    head, OLMo 2's projection norms across the group)."""
+    model = family_preference_models[family]
+    assert_first_step_matches_trl(model, one_process_runs["root"], f"{family}-full", 1, 1)
+    assert_first_step_matches_trl(model, one_process_runs["root"], f"{family}-lora", 1, 1, lora_rank=LORA_RANK)
+    assert_first_step_matches_trl(model, two_stage_runs["root"], f"{family}-tp2_2dp", 4, 2)
+
+
 # --- data and config checks (in process, no training) ---------------------------------------------------------------
 
 CONVERSATION_PAIRS = [
@@ -662,19 +721,25 @@ def build_pairs(path, tokenizer, tmp_path, seq_length=64, **data):
     return build_dataset(path, tokenizer, {"format": "preference", **data}, seq_length, cache_dir=tmp_path / "cache")
 
 
+FAMILY_STYLES = ("qwen3", "phi3", "phi4", "olmo2", "granite", "smollm3")  # tests/chat_tokenizers.py
+
+
 @pytest.mark.parametrize("style,records", [("llama3", CONVERSATION_PAIRS), ("chatml", CONVERSATION_PAIRS),
-                                           ("llama3", IMPLICIT_PAIRS), ("llama3", STRING_PAIRS)],
-                         ids=["llama3_chat", "chatml_chat", "implicit_prompt", "strings"])
+                                           ("llama3", IMPLICIT_PAIRS), ("llama3", STRING_PAIRS),
+                                           *((style, CONVERSATION_PAIRS) for style in FAMILY_STYLES)],
+                         ids=["llama3_chat", "chatml_chat", "implicit_prompt", "strings",
+                              *(f"{style}_chat" for style in FAMILY_STYLES)])
 def test_pairs_are_tokenized_as_trl_prepares_them(style, records, tmp_path):
     """Each pair's two sequences and labels are TRL's DPOTrainer's (its own dataset preparation: prompt_ids,
-    chosen_ids, rejected_ids, truncated to max_length), for conversations with two chat templates, conversations
-    holding their prompt (TRL's extract_prompt) and strings."""
+    chosen_ids, rejected_ids, truncated to max_length), for conversations with the chat templates of LLaMA-3, Qwen2,
+    Qwen3 (a think block in the response), Phi-3 (eos closing it), Phi-4, OLMo 2, Granite 3 and SmolLM3,
+    conversations holding their prompt (TRL's extract_prompt) and strings."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
     from tests.chat_tokenizers import make_chat_tokenizer
     tokenizer = make_chat_tokenizer(style)
-    seq_length = 48  # cuts the longer responses
+    seq_length = 184 if style == "smollm3" else 48  # cuts the longer responses (SmolLM3: a prompt of 176)
     dataset, stats = build_pairs(write_pairs(tmp_path / "pairs.jsonl", records), tokenizer, tmp_path, seq_length)
     trainer = DPOTrainer.__new__(DPOTrainer)
     trainer._tokenizer = tokenizer

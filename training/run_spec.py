@@ -19,6 +19,7 @@ from checkpoints.optimizer_state import check_optimizer_state_files, has_layout_
 from checkpoints.trainer_state import read_trainer_state
 from data.indexed import CorpusIndex
 from data.shard_files import ShardError, check_sources, parse_sources, read_shard_header, tokenizer_fingerprint
+from models.architecture import check_trains_as_configured
 from models.layout import layer_file_name, layer_indices_with_files
 from models.context_parallel import context_parallel_error
 from models.llama import check_model_config
@@ -136,6 +137,11 @@ def run_spec(cfg, world_size):
     check_data_files(cfg)
     check_output_dir_is_ours(cfg.output_dir, cfg.model_name_or_path)
     model_config, model_files_dir = load_model_config(cfg.model_name_or_path, cfg.verify_checksums)
+    if not cfg.eval_only:
+        try:
+            check_trains_as_configured(model_config)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     workload = check_layout(cfg, model_config, world_size)
     resume_from = resolve_resume(cfg.resume, cfg.output_dir)
     trainer_state = read_trainer_state(os.path.join(*resume_from)) if resume_from else {}
