@@ -26,6 +26,12 @@ def local_world_size():
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
 
 
+def node_ranks():
+    """The global ranks of this node's processes: launchers number a node's ranks consecutively."""
+    first = int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
+    return range(first, first + local_world_size())
+
+
 def device_error(precision, local_rank, local_world_size, device_count, bf16_supported, device_name):
     """Why this rank cannot run on this node's GPUs (a line naming the count or capability and what to change), or
     None: caught at start-up instead of NCCL's "Duplicate GPU detected" or a kernel error mid-step."""

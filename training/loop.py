@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 import collectives
 from checkpoints.compatibility import dropped_state, layout_change
-from checkpoints.background_save import BackgroundSave
+from checkpoints.background_save import BackgroundSave, check_snapshot_room
 from checkpoints.disk_space import checkpoint_bytes, storage_warning
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.files import has_tokenizer_files
@@ -33,9 +33,10 @@ from deepspeed_internals.registry import check_deepspeed_internals
 from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.tensor_parallel import SHARDED_MARKER
-from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan
+from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan, snapshot_bytes_of_ranks
 from training.deepspeed_config import accumulation_warning, deepspeed_config
-from training.distributed import check_devices, init_distributed, parallel_topology, set_threads_per_process
+from training.distributed import (check_devices, init_distributed, node_ranks, parallel_topology,
+                                  set_threads_per_process)
 from training.evaluation import evaluate
 from training.hang_watchdog import hang_watchdog
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
@@ -229,6 +230,8 @@ def run(cfg):
     spec = run_spec(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # every check, before anything is started
     cfg, resume_from = spec.cfg, spec.resume_from
     lm_eval_tasks = load_lm_eval_tasks(spec)
+    if cfg.async_save and not cfg.eval_only:
+        check_snapshot_room(snapshot_bytes_of_ranks(spec, node_ranks()), len(node_ranks()))
     record = start_record(cfg.output_dir, int(os.environ.get("RANK", "0")))  # names this rank if it dies
     check_devices(cfg.precision)
     init_distributed(cfg.dist_timeout_minutes)
