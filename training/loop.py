@@ -315,7 +315,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
     cfg = spec.cfg
     samples_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * spec.data_parallel
     sequences_per_sample = 2 if spec.preference.preference else 1  # a pair: its chosen and rejected sequences
-    logger = RunLogger(cfg.output_dir, monitors, total_steps, step)
+    logger = RunLogger(cfg.output_dir, monitors, total_steps, step, replays_after=step)
     start_step, start_consumed = step, spec.trainer_state.get("consumed_samples", 0)  # the global batch may change
     last_checkpoint = resolve_resume("auto", cfg.output_dir)
     checkpoint_size = checkpoint_bytes(os.path.join(*last_checkpoint)) if last_checkpoint else spec.checkpoint_bytes
