@@ -3,14 +3,20 @@ watchdog names and ends a stuck rank, and what a restart cannot fix is not resta
 import json
 import os
 import re
+import socket
+import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from checkpoints.integrity import read_manifest
+from checkpoints.run_lease import LEASE_FILE, STALE_SECONDS, RunLease, boot_id, read_lease
 from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, run_python, trainer_command
 from training import exit_codes
+from training.hang_watchdog import startup_limit_warning
 from training.stragglers import find_stragglers
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
@@ -79,9 +85,13 @@ def test_a_config_error_is_not_restarted(demo_model, tmp_path):
 
 
 def test_a_spent_restart_budget_is_one_line(tmp_path):
-    result = supervise([sys.executable, "-c", "import sys; sys.exit(1)"], "--max-restarts", "2",
+    """Each attempt takes output_dir's lease under the supervisor's token and dies holding it: the supervisor
+    removes it after each attempt (its ranks are gone)."""
+    takes_lease_and_dies = ("import os, sys; from checkpoints.run_lease import RunLease; RunLease(sys.argv[1]); "
+                            "os._exit(1)")
+    result = supervise([sys.executable, "-c", takes_lease_and_dies, str(tmp_path)], "--max-restarts", "2",
                        "--backoff-seconds", "0", "--output-dir", str(tmp_path), timeout=120)
-    assert result.returncode == 1
+    assert result.returncode == 1 and not (tmp_path / LEASE_FILE).exists()
     lines = result.stderr.splitlines()
     assert lines[:2] == [f"supervise: restart {n} of 2 in 0s with resume=auto (from the start): attempt {n} ended "
                          f"with exit code 1: a rank crashed" for n in (1, 2)]
@@ -150,3 +160,43 @@ def test_async_saves_write_the_synchronous_files_and_a_kill_mid_write_keeps_late
                           if name not in differ} for run_dir in (sync, out))
         assert got == expected, tag
     assert per_step_losses(out)[-4:] == per_step_losses(sync)[2:]
+
+
+def test_a_startup_limit_below_the_measured_step_limit_is_a_warning():
+    settings = SimpleNamespace(step_time_factor=10, min_step_seconds=300, startup_seconds=1800)
+    assert startup_limit_warning(settings, median_step_seconds=120.0) is None
+    assert startup_limit_warning(settings, median_step_seconds=200.04) == (
+        "hang watchdog: warning: hang_watchdog.startup_seconds=1800 is shorter than 10 x the measured median step "
+        "time 200.0s (2000s): a restart's first steps, which run under it, and the saves and evaluations between "
+        "steps may be ended as hangs; raise it to at least 2001.")
+
+
+def test_an_output_dir_another_live_job_writes_is_refused_and_a_gone_jobs_lease_taken_over(tmp_path):
+    """Rank 0's lease (host, boot, pid, token, heartbeat): another live process's with a fresh heartbeat refuses,
+    on this host or another; a dead process's on this host, or anyone's not renewed for STALE_SECONDS, is taken."""
+    out, host = str(tmp_path), socket.gethostname()
+    path = tmp_path / LEASE_FILE
+    dead = subprocess.Popen(["true"])  # a process that has ended: its pid names no one (until reused)
+    dead.wait()
+    here = {"host": host, "boot_id": boot_id(), "pid": os.getppid(), "token": "another job"}  # a live process
+
+    def refusal(lease, age):
+        path.write_text(json.dumps({**lease, "heartbeat": time.time() - age}))
+        before = path.read_bytes()
+        with pytest.raises(ValueError) as refused:
+            RunLease(out)
+        assert path.read_bytes() == before  # left as it was
+        return str(refused.value)
+    assert re.fullmatch(
+        rf"output_dir '{out}' is being written by another live job: its rank 0, pid {os.getppid()} on {host}, "
+        rf"renewed {path} (5|6)s ago; choose another output_dir, or stop that job \(a lease not renewed for 300s is "
+        rf"taken over; delete the file only if that job is gone\).", refusal(here, age=5))
+    elsewhere = {**here, "host": "node7", "boot_id": "another machine", "pid": dead.pid}
+    assert "its rank 0, pid" in refusal(elsewhere, age=STALE_SECONDS - 30)  # its pid means nothing here
+    for gone, age in (({**here, "pid": dead.pid}, 0), (elsewhere, STALE_SECONDS + 1)):
+        path.write_text(json.dumps({**gone, "heartbeat": time.time() - age}))
+        held = RunLease(out)
+        assert {k: read_lease(out)[k] for k in ("host", "boot_id", "pid")} == {"host": host, "boot_id": boot_id(),
+                                                                                "pid": os.getpid()}
+        held.release()
+        assert not path.exists()

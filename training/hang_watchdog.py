@@ -13,6 +13,7 @@ ends it, so the supervisor's line names who waited for whom.
 """
 import collections
 import faulthandler
+import math
 import os
 import statistics
 import sys
@@ -30,6 +31,7 @@ from training.schedule import PostRecvActivation, WaitRecvActivation
 
 POLL_SECONDS = 1.0  # how often the thread looks: detection within a second of the limit
 STEP_TIMES_KEPT = 100  # the median follows the run's recent steps (a layout or sequence-length change moves it)
+STEPS_BEFORE_LIMIT_CHECK = 3  # measured steps whose median startup_seconds is checked against, once
 PER_STEP_INSTRUCTIONS = (schedule.ReduceGrads, schedule.ReduceTiedGrads, schedule.OptimizerStep)
 # The stage a point-to-point instruction waits on (-1 the previous one, +1 the next one), and which way.
 PEERS = {schedule.RecvActivation: (-1, "from"), PostRecvActivation: (-1, "from"), WaitRecvActivation: (-1, "from"),
@@ -38,7 +40,8 @@ PEERS = {schedule.RecvActivation: (-1, "from"), PostRecvActivation: (-1, "from")
 
 class HangWatchdog:
     def __init__(self, settings, output_dir, engine, total_steps, record):
-        self.factor, self.min_step_seconds = settings.step_time_factor, settings.min_step_seconds
+        self.settings, self.factor = settings, settings.step_time_factor
+        self.min_step_seconds = settings.min_step_seconds
         self.startup_seconds = settings.startup_seconds
         self.hang_dir, self.record = os.path.join(output_dir, "hang"), record
         self.rank, self.stage, self.data_index = dist.get_rank(), engine.stage_id, engine.grid.get_data_parallel_id()
@@ -71,6 +74,10 @@ class HangWatchdog:
             loss = train_batch(*args, **kwargs)
             if step > 1 + self.first_step:  # the first step allocates what later ones reuse
                 self.step_seconds.append(time.monotonic() - started)
+                if len(self.step_seconds) == STEPS_BEFORE_LIMIT_CHECK and self.rank == 0:
+                    warning = startup_limit_warning(self.settings, statistics.median(self.step_seconds))
+                    if warning:
+                        print(warning, flush=True)
             if step >= total_steps:
                 self.stop()
             else:
@@ -160,6 +167,18 @@ def dump_nccl_flight_recorder(path):
     with open(path, "wb") as f:
         f.write(trace)
     return path
+
+
+def startup_limit_warning(settings, median_step_seconds):
+    """A line when startup_seconds is shorter than the limit the run's measured step time gives a step: a restart's
+    first steps (before its own step time is measured) and the work between steps run under it. None when not."""
+    step_limit = settings.step_time_factor * median_step_seconds
+    if settings.startup_seconds >= step_limit:
+        return None
+    return (f"hang watchdog: warning: hang_watchdog.startup_seconds={settings.startup_seconds} is shorter than "
+            f"{settings.step_time_factor} x the measured median step time {median_step_seconds:.1f}s "
+            f"({step_limit:.0f}s): a restart's first steps, which run under it, and the saves and evaluations between "
+            f"steps may be ended as hangs; raise it to at least {math.ceil(step_limit)}.")
 
 
 class NoWatchdog:

@@ -20,6 +20,7 @@ from checkpoints.files import has_tokenizer_files
 from checkpoints.integrity import verify_checkpoint
 from checkpoints.layer_files import load_layer_slice
 from checkpoints.optimizer_state import has_layout_free_state, load_training_state
+from checkpoints.run_lease import output_dir_lease
 from checkpoints.rng_state import load_rng_state
 from checkpoints.saving import save_checkpoint
 from checkpoints.state_files import WeightsOnlyCheckpointEngine
@@ -228,13 +229,20 @@ def run(cfg):
     if cfg.plan_only:  # no processes, weights or devices needed: the world is the one the config describes
         return print_memory_plan(plan_spec(cfg))
     spec = run_spec(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # every check, before anything is started
-    cfg, resume_from = spec.cfg, spec.resume_from
+    cfg = spec.cfg
     lm_eval_tasks = load_lm_eval_tasks(spec)
     if cfg.async_save and not cfg.eval_only:
         check_snapshot_room(snapshot_bytes_of_ranks(spec, node_ranks()), len(node_ranks()))
     record = start_record(cfg.output_dir, int(os.environ.get("RANK", "0")))  # names this rank if it dies
     check_devices(cfg.precision)
     init_distributed(cfg.dist_timeout_minutes)
+    with output_dir_lease(cfg.output_dir):  # before anything in output_dir is touched
+        return run_started(spec, lm_eval_tasks, record)
+
+
+def run_started(spec, lm_eval_tasks, record):
+    """run() once the process group is up and this job holds output_dir."""
+    cfg, resume_from = spec.cfg, spec.resume_from
     prepare_output_dir(spec)
     seed_everything(cfg.seed)
     log_rank0(describe_stages(spec))
