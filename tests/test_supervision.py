@@ -11,12 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from deepspeed.runtime.pipe import schedule
 
 from checkpoints.integrity import read_manifest
 from checkpoints.run_lease import LEASE_FILE, STALE_SECONDS, RunLease, boot_id, read_lease
+from tests.conftest import ROOT
 from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, run_python, trainer_command
 from training import exit_codes
 from training.hang_watchdog import startup_limit_warning
+from training.instruction_listeners import add_instruction_listener
 from training.stragglers import find_stragglers
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
@@ -200,3 +203,53 @@ def test_an_output_dir_another_live_job_writes_is_refused_and_a_gone_jobs_lease_
                                                                                 "pid": os.getpid()}
         held.release()
         assert not path.exists()
+
+
+def test_the_watchers_share_one_wrapper_around_the_instruction_handlers():
+    """The hang watchdog, the straggler report and the profile each add a listener: the handlers are wrapped once,
+    each listener hears every instruction (its own start value back at the end, the last started ending first),
+    and the handler's result comes back."""
+    class Engine:
+        _INSTRUCTION_MAP = {schedule.ForwardPass: lambda engine, buffer_id: ("forward", buffer_id)}
+    heard = []
+
+    class Listener:
+        def __init__(self, name):
+            self.name = name
+
+        def instruction_started(self, instruction):
+            heard.append((self.name, "started", instruction.__name__))
+            return self.name
+
+        def instruction_ended(self, instruction, started):
+            heard.append((self.name, "ended", started))
+    engine = Engine()
+    add_instruction_listener(engine, Listener("watchdog"))
+    wrapped = engine._INSTRUCTION_MAP[schedule.ForwardPass]
+    add_instruction_listener(engine, Listener("stragglers"))
+    assert engine._INSTRUCTION_MAP[schedule.ForwardPass] is wrapped
+    assert wrapped(engine, buffer_id=1) == ("forward", 1)
+    assert heard == [("watchdog", "started", "ForwardPass"), ("stragglers", "started", "ForwardPass"),
+                     ("stragglers", "ended", "stragglers"), ("watchdog", "ended", "watchdog")]
+
+
+def test_slurm_rank_derives_the_launcher_environment_from_sruns(tmp_path):
+    """scripts/slurm_rank.sh under the environment srun gives task 5 of a 2-node, 8-task job step (Slurm's scontrol
+    expands the node list; here a stand-in that prints what it would for 'gpu[07-08]')."""
+    (tmp_path / "scontrol").write_text('#!/bin/sh\n[ "$*" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"\n')
+    (tmp_path / "scontrol").chmod(0o755)
+    srun = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "8", "SLURM_NNODES": "2",
+            "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456", "SLURM_TASKS_PER_NODE": "4(x2)"}
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "MASTER_"))}
+    env.update(srun, PATH=f"{tmp_path}:{env['PATH']}")
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    show = f"import json, os; print(json.dumps({{k: os.environ[k] for k in {names}}}))"
+    result = subprocess.run(["bash", "scripts/slurm_rank.sh", "-c", show], env=env, capture_output=True, text=True,
+                            cwd=ROOT, timeout=60)
+    assert json.loads(result.stdout) == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_SIZE": "4",
+                                         "MASTER_ADDR": "gpu07", "MASTER_PORT": str(10000 + 123456 % 20000)}, \
+        result.stderr
+    env.update(SLURM_NTASKS_PER_NODE="4", MASTER_PORT="29400")  # --ntasks-per-node, and a port the job chose
+    result = subprocess.run(["bash", "scripts/slurm_rank.sh", "-c", show], env=env, capture_output=True, text=True,
+                            cwd=ROOT, timeout=60)
+    assert json.loads(result.stdout)["MASTER_PORT"] == "29400" and json.loads(result.stdout)["LOCAL_SIZE"] == "4"

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe import schedule
 
-from deepspeed_internals.access import instruction_handlers, replace_instruction_handlers
 from training.exit_codes import HUNG
+from training.instruction_listeners import add_instruction_listener
 from training.schedule import PostRecvActivation, WaitRecvActivation
 
 POLL_SECONDS = 1.0  # how often the thread looks: detection within a second of the limit
@@ -58,13 +58,8 @@ class HangWatchdog:
     def _watch_engine(self, total_steps):
         """Follow the engine's steps and instructions; after its last step the end of training (the final save,
         the export) is left to the collectives' timeout."""
-        engine, handlers = self.engine, {}
-        for instruction, handler in instruction_handlers(engine).items():
-            def recorded(engine_, *args, _handler=handler, _instruction=instruction, **kwargs):
-                self._instruction_started(_instruction)
-                return _handler(engine_, *args, **kwargs)
-            handlers[instruction] = recorded
-        replace_instruction_handlers(engine, handlers)
+        engine = self.engine
+        add_instruction_listener(engine, self)
         train_batch, eval_batch = engine.train_batch, engine.eval_batch
 
         def watched_train_batch(*args, **kwargs):
@@ -112,13 +107,16 @@ class HangWatchdog:
         self.phase, self.limit, self.instruction = phase, limit, None
         self.micro_batches.clear()
 
-    def _instruction_started(self, instruction):
+    def instruction_started(self, instruction):
         """The n-th instruction of a kind in a step is micro-batch n's: each runs its micro-batches in order."""
         micro_batch = None
         if instruction not in PER_STEP_INSTRUCTIONS:
             self.micro_batches[instruction] += 1
             micro_batch = self.micro_batches[instruction]
         self.instruction = instruction, micro_batch
+
+    def instruction_ended(self, instruction, started):
+        pass  # the position stays until the next instruction: a hang after a handler is named by its last one
 
     def position(self):
         """{where: this rank's phase and instruction, waiting_for: the peer rank it waits on, or None}."""
