@@ -16,8 +16,10 @@ from deepspeed.runtime.pipe import schedule
 from checkpoints.integrity import read_manifest
 from checkpoints.run_lease import LEASE_FILE, STALE_SECONDS, RunLease, boot_id, read_lease
 from tests.conftest import ROOT
-from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, run_python, trainer_command
+from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_trainer, per_step_losses, process_environment,
+                          run_python, trainer_command)
 from training import exit_codes
+from training.distributed import elastic_restart_error
 from training.hang_watchdog import startup_limit_warning
 from training.instruction_listeners import add_instruction_listener
 from training.stragglers import find_stragglers
@@ -253,3 +255,38 @@ def test_slurm_rank_derives_the_launcher_environment_from_sruns(tmp_path):
     result = subprocess.run(["bash", "scripts/slurm_rank.sh", "-c", show], env=env, capture_output=True, text=True,
                             cwd=ROOT, timeout=60)
     assert json.loads(result.stdout)["MASTER_PORT"] == "29400" and json.loads(result.stdout)["LOCAL_SIZE"] == "4"
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_killed_rank_and_the_run_ends_equal_to_a_straight_one(demo_model, reference_run, tmp_path):
+    """torchrun's own restart (--max-restarts 1, resume=auto) of the reference run (2 stages x 2 data-parallel,
+    ZeRO-1, fp32) after rank 3 is SIGKILLed at step 5: resumed from step 4, it ends with the reference run's losses
+    and final weights, bit for bit. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torchrun's shared rendezvous store made
+    the restarted ranks hang (refused at start-up: test_torchrun_restarts_sharing_its_store_are_refused)."""
+    out = tmp_path / "run"
+    (tmp_path / "once").mkdir()
+    faults = {"FAULT": "sigkill:3:5", "FAULT_ONCE_DIR": str(tmp_path / "once")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+               "--max-restarts", "1", "--monitor-interval", "1", FAULT_SCRIPT, "-cp", os.path.join(ROOT, "conf"),
+               "-cn", "tiny", *demo_overrides(demo_model, out, **REFERENCE, eval_file="null", resume="auto")]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                            env=process_environment("cpu", {**faults, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}))
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "FAULT sigkill AT 5" in output, output[-5000:]
+    assert f"resumed from {out}/global_step4" in output
+    for name in sorted(os.listdir(reference_run / "global_step8")):
+        if name.startswith("layer_") and name.endswith("model_states.pt"):
+            expected, got = (torch.load(run / "global_step8" / name, weights_only=True) for run in (reference_run, out))
+            assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected), name
+    assert per_step_losses(out) == per_step_losses(reference_run)
+
+
+def test_torchrun_restarts_sharing_its_store_are_refused():
+    """torchrun --max-restarts 3 as it sets the ranks' environment, with its store shared (its default) and not."""
+    elastic = {"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert elastic_restart_error(elastic) == (
+        "torchrun --max-restarts 3 shares its rendezvous store with the ranks' process groups, where a restart's ranks "
+        "find the previous attempt's addresses and hang (pytorch#135712): start torchrun with "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, or with --max-restarts 0 under supervise.py.")
+    assert elastic_restart_error({**elastic, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+    assert elastic_restart_error({**elastic, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None

@@ -36,8 +36,8 @@ from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.tensor_parallel import SHARDED_MARKER
 from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan, snapshot_bytes_of_ranks
 from training.deepspeed_config import accumulation_warning, deepspeed_config
-from training.distributed import (check_devices, init_distributed, node_ranks, parallel_topology,
-                                  set_threads_per_process)
+from training.distributed import (check_devices, elastic_restart_error, init_distributed, node_ranks,
+                                  parallel_topology, set_threads_per_process)
 from training.evaluation import evaluate
 from training.hang_watchdog import hang_watchdog
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
@@ -235,6 +235,8 @@ def run(cfg):
         check_snapshot_room(snapshot_bytes_of_ranks(spec, node_ranks()), len(node_ranks()))
     record = start_record(cfg.output_dir, int(os.environ.get("RANK", "0")))  # names this rank if it dies
     check_devices(cfg.precision)
+    if error := elastic_restart_error(os.environ):
+        raise ValueError(error)
     init_distributed(cfg.dist_timeout_minutes)
     with output_dir_lease(cfg.output_dir):  # before anything in output_dir is touched
         return run_started(spec, lm_eval_tasks, record)

@@ -1,7 +1,8 @@
 """Restart on failure, resume where it stopped: run a launch command (the `deepspeed` runner, `srun`, torchrun) again
 with resume=auto when it fails, until it succeeds. DeepSpeed's runner and Slurm's srun end the job at the first
-failed rank and have no restart; torchrun's own (--max-restarts) passes on no exit code and, here with gloo, its
-restarted ranks did not reconnect (docs/reliability.md); hence this loop, with fresh processes each time.
+failed rank and have no restart; torchrun's own (--max-restarts, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
+docs/reliability.md) passes on no exit code, so it restarts what a restart cannot fix, and names no cause; hence this
+loop, with fresh processes each time.
 
 Each failure gets one line naming its cause: the exit code (training/exit_codes.py), the rank that failed first and
 why, a rank that died without a word (its start-up record only: killed, stopped, its node lost) and who was waiting
