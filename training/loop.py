@@ -232,7 +232,8 @@ def run(cfg):
     cfg = spec.cfg
     lm_eval_tasks = load_lm_eval_tasks(spec)
     if cfg.async_save and not cfg.eval_only:
-        check_snapshot_room(snapshot_bytes_of_ranks(spec, node_ranks()), len(node_ranks()))
+        this_node = node_ranks()
+        check_snapshot_room(snapshot_bytes_of_ranks(spec, this_node), len(this_node))
     record = start_record(cfg.output_dir, int(os.environ.get("RANK", "0")))  # names this rank if it dies
     check_devices(cfg.precision)
     if error := elastic_restart_error(os.environ):
