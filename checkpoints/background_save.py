@@ -12,6 +12,7 @@ it), so the previous `latest` stays and the partial directory is removed at the 
 import contextlib
 import copy
 import ctypes
+import os
 import shutil
 import signal
 
@@ -128,8 +129,9 @@ class BackgroundSave:
         inside the block, instead of writing it."""
         save, files = checkpoint_engine.save, []
 
-        def snapshot(state_dict, path):
-            files.append((path, self.snapshot.copy(path, state_dict), checkpoint_engine.zipfile_serialization))
+        def snapshot(state_dict, path):  # keyed by the file's name, which every save's tag directory repeats
+            host_copy = self.snapshot.copy(os.path.basename(path), state_dict)
+            files.append((path, host_copy, checkpoint_engine.zipfile_serialization))
         checkpoint_engine.save = snapshot
         try:
             yield files

@@ -13,6 +13,7 @@ import pytest
 import torch
 from deepspeed.runtime.pipe import schedule
 
+from checkpoints.background_save import BackgroundSave
 from checkpoints.integrity import read_manifest
 from checkpoints.run_lease import LEASE_FILE, STALE_SECONDS, RunLease, boot_id, read_lease
 from tests.conftest import ROOT
@@ -290,3 +291,20 @@ def test_torchrun_restarts_sharing_its_store_are_refused():
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, or with --max-restarts 0 under supervise.py.")
     assert elastic_restart_error({**elastic, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
     assert elastic_restart_error({**elastic, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None
+
+
+def test_async_save_snapshots_reuse_their_host_memory_from_one_save_to_the_next():
+    """Each save's files (the same names in another tag directory) are copied into the last save's host buffers: a
+    run holds one snapshot (what the planner counts), not one more per save."""
+    engine, background = SimpleNamespace(save=None, zipfile_serialization=True), BackgroundSave()
+    layer = {"weight": torch.randn(4, 4), "bias": torch.randn(4)}
+    buffers = []
+    for step in (2, 4):
+        with background.snapshots(engine) as files:
+            engine.save(layer, f"/out/global_step{step}/layer_01-model_states.pt")
+        [(path, snapshot, _)] = files
+        assert path == f"/out/global_step{step}/layer_01-model_states.pt"
+        assert snapshot.keys() == layer.keys() and all(torch.equal(snapshot[k], layer[k]) for k in layer)
+        buffers.append({k: t.untyped_storage().data_ptr() for k, t in snapshot.items()})
+        layer["weight"].add_(1)  # training goes on
+    assert buffers[0] == buffers[1] and len(background.snapshot.storages) == 2
