@@ -132,9 +132,10 @@ def main():
                     results["steps_during"].append(len(during))
                 shutil.rmtree(tag_dir)
             results["normal_step"].append(normal_step)
-            print(f"round {round_index + 1}: sync {results['sync'][-1]:.2f} s; async: snapshot {results['copy'][-1]:.2f}"
-                  f" s, lost {results['lost'][-1]:.2f} s, {results['steps_during'][-1]} steps during the write at "
-                  f"{results['pace'][-1]:.2f} of the normal pace ({normal_step:.3f} s a step)", flush=True)
+            print(f"round {round_index + 1}: sync {results['sync'][-1]:.2f} s; async: snapshot "
+                  f"{results['copy'][-1]:.2f} s, lost {results['lost'][-1]:.2f} s, {results['steps_during'][-1]} steps "
+                  f"during the write at {results['pace'][-1]:.2f} of the normal pace ({normal_step:.3f} s a step)",
+                  flush=True)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     print(f"checkpoint: {parameters / 1e9:.2f}B parameters, {size / 2**30:.2f} GiB bf16 in {len(files)} layer files; "

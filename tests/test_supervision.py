@@ -17,8 +17,8 @@ from checkpoints.background_save import BackgroundSave
 from checkpoints.integrity import read_manifest
 from checkpoints.run_lease import LEASE_FILE, STALE_SECONDS, RunLease, boot_id, read_lease
 from tests.conftest import ROOT
-from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_trainer, per_step_losses, process_environment,
-                          run_python, trainer_command)
+from tests.launch import (REFERENCE, SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, per_step_losses,
+                          process_environment, run_python, trainer_command)
 from training import exit_codes
 from training.distributed import elastic_restart_error
 from training.hang_watchdog import startup_limit_warning
@@ -239,7 +239,8 @@ def test_the_watchers_share_one_wrapper_around_the_instruction_handlers():
 def test_slurm_rank_derives_the_launcher_environment_from_sruns(tmp_path):
     """scripts/slurm_rank.sh under the environment srun gives task 5 of a 2-node, 8-task job step (Slurm's scontrol
     expands the node list; here a stand-in that prints what it would for 'gpu[07-08]')."""
-    (tmp_path / "scontrol").write_text('#!/bin/sh\n[ "$*" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"\n')
+    scontrol = '#!/bin/sh\n[ "$*" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"\n'
+    (tmp_path / "scontrol").write_text(scontrol)
     (tmp_path / "scontrol").chmod(0o755)
     srun = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "8", "SLURM_NNODES": "2",
             "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456", "SLURM_TASKS_PER_NODE": "4(x2)"}
@@ -308,3 +309,20 @@ def test_async_save_snapshots_reuse_their_host_memory_from_one_save_to_the_next(
         buffers.append({k: t.untyped_storage().data_ptr() for k, t in snapshot.items()})
         layer["weight"].add_(1)  # training goes on
     assert buffers[0] == buffers[1] and len(background.snapshot.storages) == 2
+
+
+@pytest.mark.slow
+def test_a_killed_single_process_run_resumes_to_the_straight_runs_weights(demo_model, single_process_run, tmp_path):
+    """The 1-process run of the parity tests (tests/launch.py SINGLE_PROCESS), saving every 2 steps, SIGKILLed at
+    step 5 and resumed: its losses and final weights are the uninterrupted run's, bit for bit."""
+    out = tmp_path / "run"
+    overrides = demo_overrides(demo_model, out, **{**SINGLE_PROCESS, "save_steps": 2, "eval_file": "null"})
+    killed = launch_trainer(1, overrides, script=FAULT_SCRIPT, env={"FAULT": "sigkill:0:5"})
+    assert killed.returncode != 0 and "FAULT sigkill AT 5" in killed.stdout, killed.stderr[-3000:]
+    check_ok(launch_trainer(1, overrides + ["resume=auto"]))
+    for name in sorted(os.listdir(single_process_run / "global_step8")):
+        if name.startswith("layer_") and name.endswith("model_states.pt"):
+            expected, got = (torch.load(run / "global_step8" / name, weights_only=True)
+                             for run in (single_process_run, out))
+            assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected), name
+    assert per_step_losses(out) == per_step_losses(single_process_run)
