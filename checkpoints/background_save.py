@@ -12,6 +12,8 @@ it), so the previous `latest` stays and the partial directory is removed at the 
 import contextlib
 import copy
 import ctypes
+import os
+import shutil
 import signal
 
 import torch
@@ -19,9 +21,39 @@ import torch.multiprocessing
 from deepspeed.accelerator import get_accelerator
 
 import collectives
+from checkpoints.files import size_text
 from checkpoints.integrity import file_checksum
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal this process gets when its parent dies
+SHARED_MEMORY_DIR = "/dev/shm"  # where share_memory_() places the snapshot's storages
+
+
+def available_host_bytes():
+    """The kernel's estimate of the memory new allocations can take without swapping (MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def snapshot_room_error(needed_bytes, ranks, shared_free_bytes, available_bytes):
+    """One line when this node cannot hold the async_save snapshots of its ranks (the planner's needed_bytes: they
+    live in shared memory from the first save on), else None."""
+    room = min(shared_free_bytes, available_bytes)
+    if needed_bytes <= room:
+        return None
+    return (f"async_save=true holds about {size_text(needed_bytes)} of host memory on this node from the first save "
+            f"on (a snapshot of the checkpoint files of its {ranks} rank(s), in {SHARED_MEMORY_DIR}), but "
+            f"{SHARED_MEMORY_DIR} has {size_text(shared_free_bytes)} free and the host {size_text(available_bytes)} "
+            f"available: set async_save=false (saves then stop training while they write), or give the job more "
+            f"memory or a larger {SHARED_MEMORY_DIR} (docker --shm-size, a memory-backed emptyDir), or spread the "
+            f"run over more nodes.")
+
+
+def check_snapshot_room(needed_bytes, ranks):
+    """snapshot_room_error of this host, raised as a ValueError (a config error: not restarted)."""
+    error = snapshot_room_error(needed_bytes, ranks, shutil.disk_usage(SHARED_MEMORY_DIR).free,
+                                available_host_bytes())
+    if error:
+        raise ValueError(error)
 
 
 class HostSnapshot:
@@ -97,8 +129,9 @@ class BackgroundSave:
         inside the block, instead of writing it."""
         save, files = checkpoint_engine.save, []
 
-        def snapshot(state_dict, path):
-            files.append((path, self.snapshot.copy(path, state_dict), checkpoint_engine.zipfile_serialization))
+        def snapshot(state_dict, path):  # keyed by the file's name, which every save's tag directory repeats
+            host_copy = self.snapshot.copy(os.path.basename(path), state_dict)
+            files.append((path, host_copy, checkpoint_engine.zipfile_serialization))
         checkpoint_engine.save = snapshot
         try:
             yield files

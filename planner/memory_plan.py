@@ -62,12 +62,23 @@ def devices_per_node(spec):
 def host_memory_plan(spec, rows):
     """Host bytes per node: gpus_per_node consecutive ranks (DeepSpeed's topology puts a replica's tensor-parallel
     ranks, then data-parallel replicas, then stages next to each other), each with its offloaded optimizer state
-    and HOST_PROCESS_BYTES, plus the dataset once."""
+    and HOST_PROCESS_BYTES, plus the dataset once; with async_save, each rank's snapshot too."""
     per_node, world_size = devices_per_node(spec), spec.world_size
-    ranks_per_stage = world_size // len(rows)
-    rank_bytes = [rows[rank // ranks_per_stage]["host_bytes"] + HOST_PROCESS_BYTES for rank in range(world_size)]
+    rank_bytes = [rows[stage_of_rank(spec, rank)]["host_bytes"] + rows[stage_of_rank(spec, rank)]["snapshot_bytes"]
+                  + HOST_PROCESS_BYTES for rank in range(world_size)]
     return [sum(rank_bytes[start:start + per_node]) + dataset_bytes(spec.cfg)
             for start in range(0, world_size, per_node)]
+
+
+def stage_of_rank(spec, rank):
+    """DeepSpeed's topology numbers a stage's ranks consecutively, stage 0's first."""
+    return rank // (spec.world_size // spec.num_stages)
+
+
+def snapshot_bytes_of_ranks(spec, ranks):
+    """Host bytes of the async_save snapshots of `ranks` (a node's): what they hold from the first save on."""
+    rows = stage_plan(spec.model_config, spec.stage_bounds, spec.workload)
+    return sum(rows[stage_of_rank(spec, rank)]["snapshot_bytes"] for rank in ranks)
 
 
 def plan_fits(spec, rows, host_nodes):
@@ -105,10 +116,14 @@ def format_memory_plan(spec, rows):
     host_gb = cfg.host_memory_gb
     largest_node = max(host_nodes)
     offloaded = sum(row["host_bytes"] for row in rows) * (world_size // len(rows))
+    snapshot = sum(row["snapshot_bytes"] for row in rows) * (world_size // len(rows))
+    snapshot = (f" + async_save snapshot {snapshot / len(host_nodes) / GIB:.1f} GiB (in /dev/shm: each rank's "
+                f"checkpoint files)" if cfg.async_save else "")
     lines.append(f"host memory per node ({devices_per_node(spec)} devices, "
                  f"{len(host_nodes)} node(s)): offloaded optimizer {offloaded / len(host_nodes) / GIB:.1f} GiB "
-                 f"(fp32 master, its gradient, Adam moments, pinned copies) + {HOST_PROCESS_BYTES / GIB:.0f} GiB per "
-                 f"process + dataset {dataset_bytes(cfg) / GIB:.1f} GiB; largest node {largest_node / GIB:.1f} GiB: "
+                 f"(fp32 master, its gradient, Adam moments, pinned copies){snapshot} + "
+                 f"{HOST_PROCESS_BYTES / GIB:.0f} GiB per process + dataset {dataset_bytes(cfg) / GIB:.1f} GiB; "
+                 f"largest node {largest_node / GIB:.1f} GiB: "
                  f"{'fits' if largest_node <= host_gb * GIB else 'does NOT fit'} in {host_gb} GiB per node")
     return "\n".join(lines)
 

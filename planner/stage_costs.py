@@ -251,6 +251,9 @@ class LayerCosts:
     def stage_host_bytes(self, kinds):
         return training_state.host_bytes(self.workload, self.stage_trained(kinds), max(self.largest_trained.values()))
 
+    def stage_snapshot_bytes(self, kinds):
+        return training_state.snapshot_bytes(self.workload, self.stage_trained(kinds))
+
     def stage_step_bytes(self, kinds):
         return training_state.step_bytes(self.workload, self.stage_trained(kinds),
                                          max(self.largest_trained[kind] for kind in kinds))
@@ -326,6 +329,7 @@ def stage_plan(config, bounds, workload):
             "step_bytes": model.layers.stage_step_bytes(kinds),
             "buffer_bytes": model.layers.stage_buffer_bytes(),
             "host_bytes": model.layers.stage_host_bytes(kinds),
+            "snapshot_bytes": model.layers.stage_snapshot_bytes(kinds),
             "in_flight": model.in_flight(stage),
             "waiting_for_weight_grads": model.waiting(stage),
             "memory_bytes": model.memory_bytes(stage, kinds),

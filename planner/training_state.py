@@ -55,6 +55,16 @@ def checkpoint_bytes_per_parameter(workload):
     return whole["weights"] + whole["optimizer"]
 
 
+def snapshot_bytes(workload, trained):
+    """Host bytes of one rank's async_save snapshot (checkpoints/background_save.py: the tensors of the checkpoint
+    files it writes, kept from one save to the next) in a stage with `trained` parameters: the stage's weights and
+    whole optimizer state, shared by its data-parallel ranks (rank 0 writes the weights, the ranks take turns with
+    the layers' optimizer state); 0 without async_save."""
+    if not workload.async_save:
+        return 0
+    return trained * checkpoint_bytes_per_parameter(workload) / workload.gradient_reduction_ranks
+
+
 def host_state_bytes_per_parameter(workload):
     """Host bytes per parameter of a stage with offload_optimizer=cpu (zero/stage_1_and_2.py), all pinned: the fp32
     master partition, its fp32 gradient, Adam's two moments, and a weight-dtype copy of the partition the updated

@@ -31,6 +31,7 @@ class Workload:
     zero_bubble_max_waiting: int | None = None  # zero_bubble: cap on those per stage (None: ZB-H1's s on stage s)
     loss_chunk_tokens: int = 1024  # the LM head and loss a chunk of tokens at a time (models/loss.py); 0: logits
     lora: LoraSettings = NO_LORA  # LoRA adapters: only they train, the rest is frozen (models/lora.py)
+    async_save: bool = False  # a save's snapshot of each rank's checkpoint files in host memory (async_save)
 
     @property
     def tokens(self):

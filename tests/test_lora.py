@@ -114,6 +114,34 @@ def test_lora_training_equals_peft_and_its_export_loads_in_peft(demo_model, peft
 
 
 @pytest.mark.slow
+def test_a_killed_lora_run_resumes_to_the_straight_runs_adapters(demo_model, lora_run, tmp_path):
+    """lora_run's 6 steps, SIGKILLed at step 5 (latest: step 3) and resumed: the losses and the final adapters and
+    their optimizer state are the uninterrupted run's, bit for bit."""
+    out = tmp_path / "run"
+    overrides = demo_overrides(demo_model, out, **TRAINING, save_steps=3, eval_file="null")
+    killed = launch_trainer(1, overrides, script="tests/fault_injection.py", env={"FAULT": "sigkill:0:5"})
+    assert killed.returncode != 0 and "FAULT sigkill AT 5" in killed.stdout, killed.stderr[-3000:]
+    check_ok(launch_trainer(1, overrides + ["resume=auto"]))
+    names = sorted(path.name for path in (lora_run / "global_step6").iterdir() if path.name.startswith("layer_"))
+    assert names
+    for name in names:
+        expected, got = (tensors_of(torch.load(run / "global_step6" / name, weights_only=True))
+                         for run in (lora_run, out))
+        assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected), name
+    assert per_step_losses(out) == per_step_losses(lora_run)
+
+
+def tensors_of(state, prefix=""):
+    """{key path: tensor} of a saved state, nested dicts included."""
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    if isinstance(state, dict):
+        return {path: tensor for key, value in state.items()
+                for path, tensor in tensors_of(value, f"{prefix}/{key}").items()}
+    return {}
+
+
+@pytest.mark.slow
 def test_data_and_tensor_parallel_runs_and_a_resume_on_another_layout_equal_peft(demo_model, peft_run, lora_run,
                                                                                 tmp_path):
     """The same 6 steps on 2 stages x 2 data-parallel ranks (ZeRO-1) and on 1 stage x tensor parallel 2; the first's

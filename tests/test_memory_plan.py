@@ -6,8 +6,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from models.partition import DECODER, EMBEDDING, HEAD, NORM
+from checkpoints.background_save import check_snapshot_room, snapshot_room_error
 from planner.memory_plan import HOST_PROCESS_BYTES, format_memory_plan, host_memory_plan, memory_plan, plan_fits, \
-    print_memory_plan
+    print_memory_plan, snapshot_bytes_of_ranks
 from planner.stage_costs import LayerCosts
 from tests.conftest import ROOT
 from tests.tiny_models import make_tiny_model
@@ -320,3 +321,29 @@ def test_configs_without_tensor_parallel_keys_and_the_fallback_world(monkeypatch
             del cfg[key]
     workload = plan_spec(cfg, 16).workload
     assert (workload.tensor_parallel, workload.data_parallel) == (1, 2)
+
+
+def test_async_save_snapshot_is_planned_and_a_node_without_room_for_it_is_one_line(capsys):
+    """The snapshot holds each stage's bf16 weights and its whole fp32 master and Adam moments (2 + 12 bytes a
+    parameter) over the stage's 2 data-parallel ranks; the node's sum is what the start-up check compares."""
+    spec = plan_spec(run_config("llama_65b", "async_save=true"), 16)
+    rows = print_memory_plan(spec)
+    printed = capsys.readouterr().out
+    assert all(row["snapshot_bytes"] == 7 * row["parameters"] for row in rows)
+    without = plan_spec(run_config("llama_65b"), 16)
+    node_snapshots = [snapshot_bytes_of_ranks(spec, range(start, start + 8)) for start in (0, 8)]
+    assert node_snapshots == [2 * sum(row["snapshot_bytes"] for row in rows[first:first + 4]) for first in (0, 4)]
+    assert host_memory_plan(spec, rows) == [plain + snapshot for plain, snapshot in zip(
+        host_memory_plan(without, memory_plan(without)), node_snapshots)]
+    per_node = sum(node_snapshots) / 2 / GIB
+    assert f"+ async_save snapshot {per_node:.1f} GiB (in /dev/shm: each rank's checkpoint files) +" in printed
+    assert f"largest node {max(host_memory_plan(spec, rows)) / GIB:.1f} GiB" in printed
+    assert snapshot_room_error(node_snapshots[0], 8, shared_free_bytes=64 * 2**20, available_bytes=900 * GIB) == (
+        f"async_save=true holds about {node_snapshots[0] / GIB:.2f} GiB of host memory on this node from the first "
+        f"save on (a snapshot of the checkpoint files of its 8 rank(s), in /dev/shm), but /dev/shm has 64.0 MiB free "
+        f"and the host 900.00 GiB available: set async_save=false (saves then stop training while they write), or "
+        f"give the job more memory or a larger /dev/shm (docker --shm-size, a memory-backed emptyDir), or spread the "
+        f"run over more nodes.")
+    assert snapshot_room_error(node_snapshots[0], 8, 1024 * GIB, 1024 * GIB) is None
+    with pytest.raises(ValueError, match=r"^async_save=true holds about .* this node .* but /dev/shm has "):
+        check_snapshot_room(node_snapshots[0], 8)  # this host: far less than a 65B node's snapshot

@@ -3,14 +3,26 @@ watchdog names and ends a stuck rank, and what a restart cannot fix is not resta
 import json
 import os
 import re
+import socket
+import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
+from deepspeed.runtime.pipe import schedule
 
+from checkpoints.background_save import BackgroundSave
 from checkpoints.integrity import read_manifest
-from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, run_python, trainer_command
+from checkpoints.run_lease import LEASE_FILE, STALE_SECONDS, RunLease, boot_id, read_lease
+from tests.conftest import ROOT
+from tests.launch import (REFERENCE, SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, per_step_losses,
+                          process_environment, run_python, trainer_command)
 from training import exit_codes
+from training.distributed import elastic_restart_error
+from training.hang_watchdog import startup_limit_warning
+from training.instruction_listeners import add_instruction_listener
 from training.stragglers import find_stragglers
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
@@ -58,11 +70,12 @@ def test_a_killed_and_a_hung_rank_are_restarted_and_the_run_ends_equal_to_a_stra
         if name.startswith("layer_") and name.endswith("-model_states.pt"):
             expected, got = (torch.load(run / "global_step8" / name, weights_only=True) for run in (straight, out))
             assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected), name
-    logged = {}  # a restart logs the steps it replays again: the last record of each step counts
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        logged[record["step"]] = record["loss"]
-    assert list(logged.values()) == per_step_losses(straight)
+    # each restart dropped the records of the steps it replayed: each step once, in order
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in logged] == list(range(1, 9))
+    assert [record["loss"] for record in logged] == per_step_losses(straight)
+    assert (f"{out}/metrics.jsonl: dropped the records of step(s) 5, which this run logs again (it starts after step "
+            f"4)") in result.stdout
 
 
 @pytest.mark.slow
@@ -78,9 +91,13 @@ def test_a_config_error_is_not_restarted(demo_model, tmp_path):
 
 
 def test_a_spent_restart_budget_is_one_line(tmp_path):
-    result = supervise([sys.executable, "-c", "import sys; sys.exit(1)"], "--max-restarts", "2",
+    """Each attempt takes output_dir's lease under the supervisor's token and dies holding it: the supervisor
+    removes it after each attempt (its ranks are gone)."""
+    takes_lease_and_dies = ("import os, sys; from checkpoints.run_lease import RunLease; RunLease(sys.argv[1]); "
+                            "os._exit(1)")
+    result = supervise([sys.executable, "-c", takes_lease_and_dies, str(tmp_path)], "--max-restarts", "2",
                        "--backoff-seconds", "0", "--output-dir", str(tmp_path), timeout=120)
-    assert result.returncode == 1
+    assert result.returncode == 1 and not (tmp_path / LEASE_FILE).exists()
     lines = result.stderr.splitlines()
     assert lines[:2] == [f"supervise: restart {n} of 2 in 0s with resume=auto (from the start): attempt {n} ended "
                          f"with exit code 1: a rank crashed" for n in (1, 2)]
@@ -149,3 +166,163 @@ def test_async_saves_write_the_synchronous_files_and_a_kill_mid_write_keeps_late
                           if name not in differ} for run_dir in (sync, out))
         assert got == expected, tag
     assert per_step_losses(out)[-4:] == per_step_losses(sync)[2:]
+
+
+def test_a_startup_limit_below_the_measured_step_limit_is_a_warning():
+    settings = SimpleNamespace(step_time_factor=10, min_step_seconds=300, startup_seconds=1800)
+    assert startup_limit_warning(settings, median_step_seconds=120.0) is None
+    assert startup_limit_warning(settings, median_step_seconds=200.04) == (
+        "hang watchdog: warning: hang_watchdog.startup_seconds=1800 is shorter than 10 x the measured median step "
+        "time 200.0s (2000s): a restart's first steps, which run under it, and the saves and evaluations between "
+        "steps may be ended as hangs; raise it to at least 2001.")
+
+
+def test_an_output_dir_another_live_job_writes_is_refused_and_a_gone_jobs_lease_taken_over(tmp_path):
+    """Rank 0's lease (host, boot, pid, token, heartbeat): another live process's with a fresh heartbeat refuses,
+    on this host or another; a dead process's on this host, or anyone's not renewed for STALE_SECONDS, is taken."""
+    out, host = str(tmp_path), socket.gethostname()
+    path = tmp_path / LEASE_FILE
+    dead = subprocess.Popen(["true"])  # a process that has ended: its pid names no one (until reused)
+    dead.wait()
+    here = {"host": host, "boot_id": boot_id(), "pid": os.getppid(), "token": "another job"}  # a live process
+
+    def refusal(lease, age):
+        path.write_text(json.dumps({**lease, "heartbeat": time.time() - age}))
+        before = path.read_bytes()
+        with pytest.raises(ValueError) as refused:
+            RunLease(out)
+        assert path.read_bytes() == before  # left as it was
+        return str(refused.value)
+    assert re.fullmatch(
+        rf"output_dir '{out}' is being written by another live job: its rank 0, pid {os.getppid()} on {host}, "
+        rf"renewed {path} (5|6)s ago; choose another output_dir, or stop that job \(a lease not renewed for 300s is "
+        rf"taken over; delete the file only if that job is gone\).", refusal(here, age=5))
+    elsewhere = {**here, "host": "node7", "boot_id": "another machine", "pid": dead.pid}
+    assert "its rank 0, pid" in refusal(elsewhere, age=STALE_SECONDS - 30)  # its pid means nothing here
+    for gone, age in (({**here, "pid": dead.pid}, 0), (elsewhere, STALE_SECONDS + 1)):
+        path.write_text(json.dumps({**gone, "heartbeat": time.time() - age}))
+        held = RunLease(out)
+        assert {k: read_lease(out)[k] for k in ("host", "boot_id", "pid")} == {"host": host, "boot_id": boot_id(),
+                                                                                "pid": os.getpid()}
+        held.release()
+        assert not path.exists()
+
+
+def test_the_watchers_share_one_wrapper_around_the_instruction_handlers():
+    """The hang watchdog, the straggler report and the profile each add a listener: the handlers are wrapped once,
+    each listener hears every instruction (its own start value back at the end, the last started ending first),
+    and the handler's result comes back."""
+    class Engine:
+        _INSTRUCTION_MAP = {schedule.ForwardPass: lambda engine, buffer_id: ("forward", buffer_id)}
+    heard = []
+
+    class Listener:
+        def __init__(self, name):
+            self.name = name
+
+        def instruction_started(self, instruction):
+            heard.append((self.name, "started", instruction.__name__))
+            return self.name
+
+        def instruction_ended(self, instruction, started):
+            heard.append((self.name, "ended", started))
+    engine = Engine()
+    add_instruction_listener(engine, Listener("watchdog"))
+    wrapped = engine._INSTRUCTION_MAP[schedule.ForwardPass]
+    add_instruction_listener(engine, Listener("stragglers"))
+    assert engine._INSTRUCTION_MAP[schedule.ForwardPass] is wrapped
+    assert wrapped(engine, buffer_id=1) == ("forward", 1)
+    assert heard == [("watchdog", "started", "ForwardPass"), ("stragglers", "started", "ForwardPass"),
+                     ("stragglers", "ended", "stragglers"), ("watchdog", "ended", "watchdog")]
+
+
+def test_slurm_rank_derives_the_launcher_environment_from_sruns(tmp_path):
+    """scripts/slurm_rank.sh under the environment srun gives task 5 of a 2-node, 8-task job step (Slurm's scontrol
+    expands the node list; here a stand-in that prints what it would for 'gpu[07-08]')."""
+    scontrol = '#!/bin/sh\n[ "$*" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"\n'
+    (tmp_path / "scontrol").write_text(scontrol)
+    (tmp_path / "scontrol").chmod(0o755)
+    srun = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "8", "SLURM_NNODES": "2",
+            "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456", "SLURM_TASKS_PER_NODE": "4(x2)"}
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "MASTER_"))}
+    env.update(srun, PATH=f"{tmp_path}:{env['PATH']}")
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    show = f"import json, os; print(json.dumps({{k: os.environ[k] for k in {names}}}))"
+    result = subprocess.run(["bash", "scripts/slurm_rank.sh", "-c", show], env=env, capture_output=True, text=True,
+                            cwd=ROOT, timeout=60)
+    assert json.loads(result.stdout) == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_SIZE": "4",
+                                         "MASTER_ADDR": "gpu07", "MASTER_PORT": str(10000 + 123456 % 20000)}, \
+        result.stderr
+    env.update(SLURM_NTASKS_PER_NODE="4", MASTER_PORT="29400")  # --ntasks-per-node, and a port the job chose
+    result = subprocess.run(["bash", "scripts/slurm_rank.sh", "-c", show], env=env, capture_output=True, text=True,
+                            cwd=ROOT, timeout=60)
+    assert json.loads(result.stdout)["MASTER_PORT"] == "29400" and json.loads(result.stdout)["LOCAL_SIZE"] == "4"
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_killed_rank_and_the_run_ends_equal_to_a_straight_one(demo_model, reference_run, tmp_path):
+    """torchrun's own restart (--max-restarts 1, resume=auto) of the reference run (2 stages x 2 data-parallel,
+    ZeRO-1, fp32) after rank 3 is SIGKILLed at step 5: resumed from step 4, it ends with the reference run's losses
+    and final weights, bit for bit. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torchrun's shared rendezvous store made
+    the restarted ranks hang (refused at start-up: test_torchrun_restarts_sharing_its_store_are_refused)."""
+    out = tmp_path / "run"
+    (tmp_path / "once").mkdir()
+    faults = {"FAULT": "sigkill:3:5", "FAULT_ONCE_DIR": str(tmp_path / "once")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+               "--max-restarts", "1", "--monitor-interval", "1", FAULT_SCRIPT, "-cp", os.path.join(ROOT, "conf"),
+               "-cn", "tiny", *demo_overrides(demo_model, out, **REFERENCE, eval_file="null", resume="auto")]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                            env=process_environment("cpu", {**faults, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}))
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "FAULT sigkill AT 5" in output, output[-5000:]
+    assert f"resumed from {out}/global_step4" in output
+    for name in sorted(os.listdir(reference_run / "global_step8")):
+        if name.startswith("layer_") and name.endswith("model_states.pt"):
+            expected, got = (torch.load(run / "global_step8" / name, weights_only=True) for run in (reference_run, out))
+            assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected), name
+    assert per_step_losses(out) == per_step_losses(reference_run)
+
+
+def test_torchrun_restarts_sharing_its_store_are_refused():
+    """torchrun --max-restarts 3 as it sets the ranks' environment, with its store shared (its default) and not."""
+    elastic = {"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert elastic_restart_error(elastic) == (
+        "torchrun --max-restarts 3 shares its rendezvous store with the ranks' process groups, where a restart's ranks "
+        "find the previous attempt's addresses and hang (pytorch#135712): start torchrun with "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, or with --max-restarts 0 under supervise.py.")
+    assert elastic_restart_error({**elastic, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+    assert elastic_restart_error({**elastic, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None
+
+
+def test_async_save_snapshots_reuse_their_host_memory_from_one_save_to_the_next():
+    """Each save's files (the same names in another tag directory) are copied into the last save's host buffers: a
+    run holds one snapshot (what the planner counts), not one more per save."""
+    engine, background = SimpleNamespace(save=None, zipfile_serialization=True), BackgroundSave()
+    layer = {"weight": torch.randn(4, 4), "bias": torch.randn(4)}
+    buffers = []
+    for step in (2, 4):
+        with background.snapshots(engine) as files:
+            engine.save(layer, f"/out/global_step{step}/layer_01-model_states.pt")
+        [(path, snapshot, _)] = files
+        assert path == f"/out/global_step{step}/layer_01-model_states.pt"
+        assert snapshot.keys() == layer.keys() and all(torch.equal(snapshot[k], layer[k]) for k in layer)
+        buffers.append({k: t.untyped_storage().data_ptr() for k, t in snapshot.items()})
+        layer["weight"].add_(1)  # training goes on
+    assert buffers[0] == buffers[1] and len(background.snapshot.storages) == 2
+
+
+@pytest.mark.slow
+def test_a_killed_single_process_run_resumes_to_the_straight_runs_weights(demo_model, single_process_run, tmp_path):
+    """The 1-process run of the parity tests (tests/launch.py SINGLE_PROCESS), saving every 2 steps, SIGKILLed at
+    step 5 and resumed: its losses and final weights are the uninterrupted run's, bit for bit."""
+    out = tmp_path / "run"
+    overrides = demo_overrides(demo_model, out, **{**SINGLE_PROCESS, "save_steps": 2, "eval_file": "null"})
+    killed = launch_trainer(1, overrides, script=FAULT_SCRIPT, env={"FAULT": "sigkill:0:5"})
+    assert killed.returncode != 0 and "FAULT sigkill AT 5" in killed.stdout, killed.stderr[-3000:]
+    check_ok(launch_trainer(1, overrides + ["resume=auto"]))
+    for name in sorted(os.listdir(single_process_run / "global_step8")):
+        if name.startswith("layer_") and name.endswith("model_states.pt"):
+            expected, got = (torch.load(run / "global_step8" / name, weights_only=True)
+                             for run in (single_process_run, out))
+            assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected), name
+    assert per_step_losses(out) == per_step_losses(single_process_run)

@@ -26,6 +26,24 @@ def local_world_size():
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
 
 
+def elastic_restart_error(env):
+    """A line when torchrun restarts ranks itself (--max-restarts) sharing its rendezvous store with theirs: the
+    restarted ranks' process groups then read the previous attempt's addresses from it (pytorch#135712) and hang or
+    fail in Gloo's connectFullMesh. None otherwise."""
+    if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return (f"torchrun --max-restarts {env['TORCHELASTIC_MAX_RESTARTS']} shares its rendezvous store with the "
+                f"ranks' process groups, where a restart's ranks find the previous attempt's addresses and hang "
+                f"(pytorch#135712): start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, or "
+                f"with --max-restarts 0 under supervise.py.")
+    return None
+
+
+def node_ranks():
+    """The global ranks of this node's processes: launchers number a node's ranks consecutively."""
+    first = int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
+    return range(first, first + local_world_size())
+
+
 def device_error(precision, local_rank, local_world_size, device_count, bf16_supported, device_name):
     """Why this rank cannot run on this node's GPUs (a line naming the count or capability and what to change), or
     None: caught at start-up instead of NCCL's "Duplicate GPU detected" or a kernel error mid-step."""

@@ -13,6 +13,7 @@ ends it, so the supervisor's line names who waited for whom.
 """
 import collections
 import faulthandler
+import math
 import os
 import statistics
 import sys
@@ -24,12 +25,13 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe import schedule
 
-from deepspeed_internals.access import instruction_handlers, replace_instruction_handlers
 from training.exit_codes import HUNG
+from training.instruction_listeners import add_instruction_listener
 from training.schedule import PostRecvActivation, WaitRecvActivation
 
 POLL_SECONDS = 1.0  # how often the thread looks: detection within a second of the limit
 STEP_TIMES_KEPT = 100  # the median follows the run's recent steps (a layout or sequence-length change moves it)
+STEPS_BEFORE_LIMIT_CHECK = 3  # measured steps whose median startup_seconds is checked against, once
 PER_STEP_INSTRUCTIONS = (schedule.ReduceGrads, schedule.ReduceTiedGrads, schedule.OptimizerStep)
 # The stage a point-to-point instruction waits on (-1 the previous one, +1 the next one), and which way.
 PEERS = {schedule.RecvActivation: (-1, "from"), PostRecvActivation: (-1, "from"), WaitRecvActivation: (-1, "from"),
@@ -38,7 +40,8 @@ PEERS = {schedule.RecvActivation: (-1, "from"), PostRecvActivation: (-1, "from")
 
 class HangWatchdog:
     def __init__(self, settings, output_dir, engine, total_steps, record):
-        self.factor, self.min_step_seconds = settings.step_time_factor, settings.min_step_seconds
+        self.settings, self.factor = settings, settings.step_time_factor
+        self.min_step_seconds = settings.min_step_seconds
         self.startup_seconds = settings.startup_seconds
         self.hang_dir, self.record = os.path.join(output_dir, "hang"), record
         self.rank, self.stage, self.data_index = dist.get_rank(), engine.stage_id, engine.grid.get_data_parallel_id()
@@ -55,13 +58,8 @@ class HangWatchdog:
     def _watch_engine(self, total_steps):
         """Follow the engine's steps and instructions; after its last step the end of training (the final save,
         the export) is left to the collectives' timeout."""
-        engine, handlers = self.engine, {}
-        for instruction, handler in instruction_handlers(engine).items():
-            def recorded(engine_, *args, _handler=handler, _instruction=instruction, **kwargs):
-                self._instruction_started(_instruction)
-                return _handler(engine_, *args, **kwargs)
-            handlers[instruction] = recorded
-        replace_instruction_handlers(engine, handlers)
+        engine = self.engine
+        add_instruction_listener(engine, self)
         train_batch, eval_batch = engine.train_batch, engine.eval_batch
 
         def watched_train_batch(*args, **kwargs):
@@ -71,6 +69,10 @@ class HangWatchdog:
             loss = train_batch(*args, **kwargs)
             if step > 1 + self.first_step:  # the first step allocates what later ones reuse
                 self.step_seconds.append(time.monotonic() - started)
+                if len(self.step_seconds) == STEPS_BEFORE_LIMIT_CHECK and self.rank == 0:
+                    warning = startup_limit_warning(self.settings, statistics.median(self.step_seconds))
+                    if warning:
+                        print(warning, flush=True)
             if step >= total_steps:
                 self.stop()
             else:
@@ -105,13 +107,16 @@ class HangWatchdog:
         self.phase, self.limit, self.instruction = phase, limit, None
         self.micro_batches.clear()
 
-    def _instruction_started(self, instruction):
+    def instruction_started(self, instruction):
         """The n-th instruction of a kind in a step is micro-batch n's: each runs its micro-batches in order."""
         micro_batch = None
         if instruction not in PER_STEP_INSTRUCTIONS:
             self.micro_batches[instruction] += 1
             micro_batch = self.micro_batches[instruction]
         self.instruction = instruction, micro_batch
+
+    def instruction_ended(self, instruction, started):
+        pass  # the position stays until the next instruction: a hang after a handler is named by its last one
 
     def position(self):
         """{where: this rank's phase and instruction, waiting_for: the peer rank it waits on, or None}."""
@@ -160,6 +165,18 @@ def dump_nccl_flight_recorder(path):
     with open(path, "wb") as f:
         f.write(trace)
     return path
+
+
+def startup_limit_warning(settings, median_step_seconds):
+    """A line when startup_seconds is shorter than the limit the run's measured step time gives a step: a restart's
+    first steps (before its own step time is measured) and the work between steps run under it. None when not."""
+    step_limit = settings.step_time_factor * median_step_seconds
+    if settings.startup_seconds >= step_limit:
+        return None
+    return (f"hang watchdog: warning: hang_watchdog.startup_seconds={settings.startup_seconds} is shorter than "
+            f"{settings.step_time_factor} x the measured median step time {median_step_seconds:.1f}s "
+            f"({step_limit:.0f}s): a restart's first steps, which run under it, and the saves and evaluations between "
+            f"steps may be ended as hangs; raise it to at least {math.ceil(step_limit)}.")
 
 
 class NoWatchdog:

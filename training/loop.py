@@ -13,13 +13,14 @@ from transformers import AutoTokenizer
 
 import collectives
 from checkpoints.compatibility import dropped_state, layout_change
-from checkpoints.background_save import BackgroundSave
+from checkpoints.background_save import BackgroundSave, check_snapshot_room
 from checkpoints.disk_space import checkpoint_bytes, storage_warning
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.files import has_tokenizer_files
 from checkpoints.integrity import verify_checkpoint
 from checkpoints.layer_files import load_layer_slice
 from checkpoints.optimizer_state import has_layout_free_state, load_training_state
+from checkpoints.run_lease import output_dir_lease
 from checkpoints.rng_state import load_rng_state
 from checkpoints.saving import save_checkpoint
 from checkpoints.state_files import WeightsOnlyCheckpointEngine
@@ -33,9 +34,10 @@ from deepspeed_internals.registry import check_deepspeed_internals
 from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.tensor_parallel import SHARDED_MARKER
-from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan
+from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan, snapshot_bytes_of_ranks
 from training.deepspeed_config import accumulation_warning, deepspeed_config
-from training.distributed import check_devices, init_distributed, parallel_topology, set_threads_per_process
+from training.distributed import (check_devices, elastic_restart_error, init_distributed, node_ranks,
+                                  parallel_topology, set_threads_per_process)
 from training.evaluation import evaluate
 from training.hang_watchdog import hang_watchdog
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
@@ -227,11 +229,23 @@ def run(cfg):
     if cfg.plan_only:  # no processes, weights or devices needed: the world is the one the config describes
         return print_memory_plan(plan_spec(cfg))
     spec = run_spec(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # every check, before anything is started
-    cfg, resume_from = spec.cfg, spec.resume_from
+    cfg = spec.cfg
     lm_eval_tasks = load_lm_eval_tasks(spec)
+    if cfg.async_save and not cfg.eval_only:
+        this_node = node_ranks()
+        check_snapshot_room(snapshot_bytes_of_ranks(spec, this_node), len(this_node))
     record = start_record(cfg.output_dir, int(os.environ.get("RANK", "0")))  # names this rank if it dies
     check_devices(cfg.precision)
+    if error := elastic_restart_error(os.environ):
+        raise ValueError(error)
     init_distributed(cfg.dist_timeout_minutes)
+    with output_dir_lease(cfg.output_dir):  # before anything in output_dir is touched
+        return run_started(spec, lm_eval_tasks, record)
+
+
+def run_started(spec, lm_eval_tasks, record):
+    """run() once the process group is up and this job holds output_dir."""
+    cfg, resume_from = spec.cfg, spec.resume_from
     prepare_output_dir(spec)
     seed_everything(cfg.seed)
     log_rank0(describe_stages(spec))
@@ -312,7 +326,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
     cfg = spec.cfg
     samples_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * spec.data_parallel
     sequences_per_sample = 2 if spec.preference.preference else 1  # a pair: its chosen and rejected sequences
-    logger = RunLogger(cfg.output_dir, monitors, total_steps, step)
+    logger = RunLogger(cfg.output_dir, monitors, total_steps, step, replays_after=step)
     start_step, start_consumed = step, spec.trainer_state.get("consumed_samples", 0)  # the global batch may change
     last_checkpoint = resolve_resume("auto", cfg.output_dir)
     checkpoint_size = checkpoint_bytes(os.path.join(*last_checkpoint)) if last_checkpoint else spec.checkpoint_bytes

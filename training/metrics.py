@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from checkpoints.files import write_text_atomic
 from deepspeed_internals.registry import MonitorMaster, get_monitor_config
 
 METRICS_FILE = "metrics.jsonl"
@@ -37,7 +38,9 @@ def compute_throughput(tokens_per_sec, flops_per_token, devices, peak_tflops):
 
 
 class RunLogger:
-    def __init__(self, output_dir, monitors, total_steps, start_step):
+    def __init__(self, output_dir, monitors, total_steps, start_step, replays_after=None):
+        """replays_after: the step training starts after; the records of later steps, which a restart from an
+        earlier checkpoint logs again, are dropped from metrics.jsonl first, so each step appears once."""
         self.enabled = dist.get_rank() == 0
         self.output_dir = output_dir
         if monitors.get("wandb", {}).get("enabled"):
@@ -47,6 +50,8 @@ class RunLogger:
         if not self.enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
+        if replays_after is not None:
+            drop_records_after(os.path.join(output_dir, METRICS_FILE), replays_after)
         self.file = open(os.path.join(output_dir, METRICS_FILE), "a")
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
 
@@ -73,6 +78,20 @@ class RunLogger:
         self.bar.close()
         self.file.close()
         plot_losses(os.path.join(self.output_dir, METRICS_FILE), os.path.join(self.output_dir, PLOT_FILE))
+
+
+def drop_records_after(path, step):
+    """Rewrite the JSON-lines file at path (atomically) without its records of steps after `step`."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    steps = [json.loads(line)["step"] for line in lines]
+    dropped = sorted({logged for logged in steps if logged > step})
+    if dropped:
+        write_text_atomic(path, "".join(line for line, logged in zip(lines, steps) if logged <= step))
+        print(f"{path}: dropped the records of step(s) {', '.join(map(str, dropped))}, which this run logs again "
+              f"(it starts after step {step})", flush=True)
 
 
 def plot_losses(metrics_path, png_path):

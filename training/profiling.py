@@ -8,19 +8,23 @@ import json
 import os
 import time
 
-from deepspeed_internals.access import instruction_handlers, replace_instruction_handlers
+from training.instruction_listeners import add_instruction_listener
 
 
 def time_instructions(engine, record):
-    """Wrap the engine's instruction handlers with timers calling record(instruction name, seconds)."""
-    timed_map = {}
-    for instruction, handler in instruction_handlers(engine).items():
-        def timed(self, *args, _handler=handler, _name=instruction.__name__, **kwargs):
-            start = time.perf_counter()
-            _handler(self, *args, **kwargs)
-            record(_name, time.perf_counter() - start)
-        timed_map[instruction] = timed
-    replace_instruction_handlers(engine, timed_map)
+    """record(instruction name, seconds) after each instruction the engine runs."""
+    add_instruction_listener(engine, InstructionTimer(record))
+
+
+class InstructionTimer:
+    def __init__(self, record):
+        self.record = record
+
+    def instruction_started(self, instruction):
+        return time.perf_counter()
+
+    def instruction_ended(self, instruction, started):
+        self.record(instruction.__name__, time.perf_counter() - started)
 
 
 def add_to(totals):

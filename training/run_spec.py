@@ -337,7 +337,8 @@ def workload_of(cfg, data_parallel):
                     recompute_sequence_gather=bool(cfg.recompute_sequence_gather),
                     offload_optimizer=cfg.offload_optimizer == "cpu", pipeline_schedule=cfg.pipeline_schedule,
                     loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
-                    zero_bubble_max_waiting=cfg.zero_bubble_max_waiting, lora=LoraSettings.from_cfg(cfg.lora))
+                    zero_bubble_max_waiting=cfg.zero_bubble_max_waiting, lora=LoraSettings.from_cfg(cfg.lora),
+                    async_save=bool(cfg.async_save))
 
 
 def configured_stage_bounds(cfg, model_config, workload):

@@ -14,7 +14,8 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe import schedule
 
 import collectives
-from deepspeed_internals.access import instruction_handlers, replace_instruction_handlers
+from deepspeed_internals.access import instruction_handlers
+from training.instruction_listeners import add_instruction_listener
 from training.schedule import BackwardWeightPass, PostRecvActivation, WaitRecvActivation
 
 COMPUTE = (schedule.ForwardPass, schedule.BackwardPass, BackwardWeightPass)  # BackwardInputPass is a BackwardPass
@@ -27,12 +28,10 @@ class StragglerWatch:
         self.engine, self.margin = engine, margin
         self.events = get_accelerator().device_name() == "cuda"
         self.seconds, self.pending, self.training = {"compute": 0.0, "communication": 0.0}, [], False
-        handlers = {}
-        for instruction, handler in instruction_handlers(engine).items():
-            kind = ("compute" if issubclass(instruction, COMPUTE) else
-                    "communication" if issubclass(instruction, COMMUNICATION) else None)
-            handlers[instruction] = self._timed(handler, kind) if kind else handler
-        replace_instruction_handlers(engine, handlers)
+        self.kinds = {instruction: "compute" if issubclass(instruction, COMPUTE) else "communication"
+                      for instruction in instruction_handlers(engine)
+                      if issubclass(instruction, COMPUTE + COMMUNICATION)}
+        add_instruction_listener(engine, self)
         train_batch = engine.train_batch
 
         def training_batch(*args, **kwargs):  # evaluation's instructions are not counted
@@ -43,22 +42,25 @@ class StragglerWatch:
                 self.training = False
         engine.train_batch = training_batch
 
-    def _timed(self, handler, kind):
-        def timed(engine, *args, **kwargs):
-            if not self.training:
-                return handler(engine, *args, **kwargs)
-            if self.events:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                result = handler(engine, *args, **kwargs)
-                end.record()
-                self.pending.append((kind, start, end))
-                return result
-            started = time.perf_counter()
-            result = handler(engine, *args, **kwargs)
+    def instruction_started(self, instruction):
+        if not self.training or instruction not in self.kinds:
+            return None
+        if self.events:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            return start
+        return time.perf_counter()
+
+    def instruction_ended(self, instruction, started):
+        if started is None:
+            return
+        kind = self.kinds[instruction]
+        if self.events:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pending.append((kind, started, end))
+        else:
             self.seconds[kind] += time.perf_counter() - started
-            return result
-        return timed
 
     def window_report(self, log):
         """Collective, once per logging interval: gather every rank's seconds since the last call, log a line per

@@ -1,7 +1,8 @@
 """Restart on failure, resume where it stopped: run a launch command (the `deepspeed` runner, `srun`, torchrun) again
 with resume=auto when it fails, until it succeeds. DeepSpeed's runner and Slurm's srun end the job at the first
-failed rank and have no restart; torchrun's own (--max-restarts) passes on no exit code and, here with gloo, its
-restarted ranks did not reconnect (docs/reliability.md); hence this loop, with fresh processes each time.
+failed rank and have no restart; torchrun's own (--max-restarts, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
+docs/reliability.md) passes on no exit code, so it restarts what a restart cannot fix, and names no cause; hence this
+loop, with fresh processes each time.
 
 Each failure gets one line naming its cause: the exit code (training/exit_codes.py), the rank that failed first and
 why, a rank that died without a word (its start-up record only: killed, stopped, its node lost) and who was waiting
@@ -15,8 +16,10 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 from checkpoints.files import read_latest
+from checkpoints.run_lease import LEASE_TOKEN_ENV, release_lease_of
 from training.exit_codes import NOT_RESTARTABLE, describe
 from training.rank_records import clear_records, read_records
 
@@ -30,6 +33,7 @@ class Supervisor:
         self.backoff_seconds, self.max_backoff_seconds = backoff_seconds, max_backoff_seconds
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.process, self.stop_requested = None, None
+        self.lease_token = uuid.uuid4().hex  # its attempts' rank 0 holds output_dir under it (checkpoints/run_lease.py)
 
     def run(self):
         """The command's exit code once it succeeds, cannot be helped by a restart, or has failed max_restarts + 1
@@ -41,8 +45,10 @@ class Supervisor:
             attempt += 1
             clear_records(self.output_dir)
             latest_before = read_latest(self.output_dir)
-            self.process = subprocess.Popen(with_resume_auto(self.command, restart=attempt > 1))
+            self.process = subprocess.Popen(with_resume_auto(self.command, restart=attempt > 1),
+                                            env={**os.environ, LEASE_TOKEN_ENV: self.lease_token})
             code = self.process.wait()
+            release_lease_of(self.output_dir, self.lease_token)  # the attempt's ranks are gone
             if code == 0:
                 return 0
             records = read_records(self.output_dir)

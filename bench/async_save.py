@@ -1,0 +1,155 @@
+"""async_save against a synchronous save at 1B parameters on this CPU (issue 49): the training time one save takes
+from the trainer, and the pace of training steps while the writer process writes.
+
+One rank (a 1-rank gloo group: complete_if_written's all-reduce runs as in training). Its checkpoint: the layer
+files of load_memory.py's ~1.1B LLaMA in bf16 (2.2 GB in 21 files, one per layer, as DeepSpeed's pipeline writes
+them), without optimizer state (with it, 8x the bytes: more than this shared host holds twice). A step: a fixed fp32
+matmul workload on one thread (the trainer's core; the writer process takes the other). Rounds alternate, after one
+asynchronous save that allocates the snapshot's shared memory (reported apart):
+  sync   save_checkpoint's path: each file torch.save'd through hashing_saves (hashed by a second thread);
+  async  BackgroundSave: the files' tensors copied into the reused snapshot (the trainer waits for that), a writer
+         process writes and hashes them while steps run, each step followed by complete_if_written, as the loop does;
+  steps  steps with no save in flight: the normal pace.
+Lost per asynchronous save: the snapshot's copy + what the steps during the write took beyond the normal pace.
+
+  python bench/async_save.py [--rounds 3] [--num-layers 18]
+"""
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import free_port, machine_note  # noqa: E402
+from load_memory import MODEL  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from checkpoints.background_save import BackgroundSave  # noqa: E402
+from checkpoints.saving import hashing_saves  # noqa: E402
+
+STEP_MATMULS = 12  # a step: this many 1024 x 1024 fp32 matmuls (about 0.3 s on one core)
+BASELINE_STEPS = 8
+
+
+class CheckpointEngine:
+    """What DeepSpeed's checkpoint engine is to the save paths: save(state, path), zip serialization."""
+    zipfile_serialization = True
+
+    def save(self, state, path):
+        torch.save(state, path, _use_new_zipfile_serialization=True)
+
+
+def layer_files(num_layers):
+    """{file name: state dict} of the model's layers, bf16, random."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**{**MODEL, "num_hidden_layers": num_layers}))
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    for parameter in model.parameters():
+        parameter.data.normal_()
+    files = {"layer_00-model_states.pt": model.model.embed_tokens.state_dict()}
+    for index, layer in enumerate(model.model.layers):
+        files[f"layer_{index + 1:02d}-model_states.pt"] = layer.state_dict()
+    files[f"layer_{len(model.model.layers) + 1:02d}-model_states.pt"] = {
+        **{f"norm.{k}": v for k, v in model.model.norm.state_dict().items()}, **model.lm_head.state_dict()}
+    return files
+
+
+def step(a, b):
+    start = time.perf_counter()
+    for _ in range(STEP_MATMULS):
+        torch.mm(a, b)
+    return time.perf_counter() - start
+
+
+def sync_save(files, tag_dir, engine):
+    os.makedirs(tag_dir)
+    start = time.perf_counter()
+    with hashing_saves(engine):
+        for name, state in files.items():
+            engine.save(state, os.path.join(tag_dir, name))
+    return time.perf_counter() - start
+
+
+def async_save(files, tag_dir, engine, background, a, b):
+    """(seconds the trainer waited for the snapshot, [step seconds while the write was in flight])."""
+    os.makedirs(tag_dir)
+    start = time.perf_counter()
+    with background.snapshots(engine) as snapshot:
+        for name, state in files.items():
+            engine.save(state, os.path.join(tag_dir, name))
+    background.submit(snapshot, tag_dir, completion=lambda written: None)
+    copy_seconds = time.perf_counter() - start
+    during = []
+    while True:
+        seconds = step(a, b)
+        done = background.complete_if_written()
+        during.append(seconds)
+        if done:
+            return copy_seconds, during
+
+
+def spread(values):
+    return f"median {statistics.median(values):.2f} (min {min(values):.2f}, max {max(values):.2f})"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-layers", type=int, default=MODEL["num_hidden_layers"],
+                        help="decoder layers (fewer: a quick check of the script, not the 1B figure)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    files = layer_files(args.num_layers)
+    size = sum(t.numel() * t.element_size() for state in files.values() for t in state.values())
+    parameters = sum(t.numel() for state in files.values() for t in state.values())
+    engine, background = CheckpointEngine(), BackgroundSave()
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    out = tempfile.mkdtemp(prefix="async_save_bench.")
+    try:
+        first_copy, _ = async_save(files, os.path.join(out, "first"), engine, background, a, b)
+        shutil.rmtree(os.path.join(out, "first"))
+        results = {"sync": [], "copy": [], "lost": [], "pace": [], "steps_during": [], "normal_step": []}
+        for round_index in range(args.rounds):
+            normal = [step(a, b) for _ in range(BASELINE_STEPS)]
+            normal_step = statistics.median(normal)
+            order = ("sync", "async") if round_index % 2 == 0 else ("async", "sync")
+            for kind in order:
+                tag_dir = os.path.join(out, f"{kind}{round_index}")
+                if kind == "sync":
+                    results["sync"].append(sync_save(files, tag_dir, engine))
+                else:
+                    copy_seconds, during = async_save(files, tag_dir, engine, background, a, b)
+                    results["copy"].append(copy_seconds)
+                    results["lost"].append(copy_seconds + sum(s - normal_step for s in during))
+                    results["pace"].append(normal_step / statistics.median(during))
+                    results["steps_during"].append(len(during))
+                shutil.rmtree(tag_dir)
+            results["normal_step"].append(normal_step)
+            print(f"round {round_index + 1}: sync {results['sync'][-1]:.2f} s; async: snapshot "
+                  f"{results['copy'][-1]:.2f} s, lost {results['lost'][-1]:.2f} s, {results['steps_during'][-1]} steps "
+                  f"during the write at {results['pace'][-1]:.2f} of the normal pace ({normal_step:.3f} s a step)",
+                  flush=True)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    print(f"checkpoint: {parameters / 1e9:.2f}B parameters, {size / 2**30:.2f} GiB bf16 in {len(files)} layer files; "
+          f"{args.rounds} interleaved rounds; {machine_note()}")
+    print(f"first asynchronous save (allocating the shared memory): {first_copy:.2f} s of snapshot")
+    print(f"synchronous save (the trainer waits): {spread(results['sync'])} s")
+    print(f"asynchronous save, snapshot (the trainer waits): {spread(results['copy'])} s")
+    print(f"asynchronous save, training time lost (snapshot + slower steps during the write): "
+          f"{spread(results['lost'])} s = {statistics.median(results['lost']) / statistics.median(results['sync']):.1%}"
+          f" of the synchronous save's")
+    print(f"steps during the background write: {spread(results['pace'])} of the normal pace, "
+          f"{spread(results['steps_during'])} steps of {spread(results['normal_step'])} s")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
