@@ -172,6 +172,15 @@ INTERNALS = (
     *(Unused(PIPELINE_ENGINE, name, "which the zero-bubble engine adds") for name in (
         "_exec_backward_input_pass", "_exec_backward_weight_pass", "_exec_post_recv_activations",
         "_exec_wait_recv_activations", "_send_async", "_sends", "_posted_receives", "zero_bubble_max_waiting")),
+    *(Unused(PIPELINE_ENGINE, name, "which the chunked engine adds") for name in (
+        "_exec_chunk_forward_pass", "_exec_chunk_backward_pass", "_runs_or_holds", "_buffer", "_run_chunk", "_give",
+        "_take", "pipeline_schedule", "local_chunks", "chunk_owner", "last_chunk", "chunk_order", "running_chunk",
+        "_handed_over", "_losses", "_shapes_sent", "_shapes_received")),
+    *(Internal(f"{PIPELINE_ENGINE}.{name}", "which the chunked engine overrides (a chunk's first and last stage)",
+               ("self",)) for name in ("is_first_stage", "is_last_stage", "_loss_stage_global_rank")),
+    self_use(PIPELINE_ENGINE, "_loss_stage_global_rank()", "which the chunked engine overrides"),
+    *(Internal(f"{PIPELINE_ENGINE}.{name}", "which the chunked engine runs for each chunk", ("self", "buffer_id"))
+      for name in ("_exec_forward_pass", "_exec_load_micro_batch")),
     self_use(PIPELINE_ENGINE, "pipeline_enable_backward_allreduce",
              "which the trainer turns off for a data-parallel group of one"),
     self_use(PIPELINE_ENGINE, "is_data_parallel", "which bench/pipeline_efficiency.py turns off"),
@@ -223,6 +232,13 @@ INTERNALS = (
              ("self", "load_dir", "checkpoint_engine", "strict")),
     Internal(PIPELINE_ENGINE, "which the project's pipeline overrides", mentions="self.module.load_state_dir("),
     Internal(f"{PIPELINE_MODULE}._set_bounds", "which the project's pipeline calls", ("self", "start", "stop")),
+    Internal(f"{PIPELINE_MODULE}._build", "which the project's pipeline runs once per chunk", ("self",)),
+    self_use(PIPELINE_MODULE, "_build()", "which the project's pipeline runs once per chunk"),
+    Internal(f"{PIPELINE_MODULE}.stage_owner", "which the project's pipeline overrides (chunks)", ("self", "layer_idx")),
+    self_use(PIPELINE_MODULE, "stage_owner(", "which the project's pipeline overrides (chunks)"),
+    self_use(PIPELINE_MODULE, "tied_comms", "which the project's pipeline narrows to tied weights on several ranks"),
+    *(Internal(f"{PIPELINE_MODULE}.{name}", "which the project's pipeline overrides (chunks)",
+               ("self", "ckpt_dir", "local_layer_idx")) for name in ("ckpt_layer_path", "ckpt_layer_path_list")),
     Internal(f"{PIPELINE_MODULE}._synchronize_tied_weights", "which the project's pipeline calls", ("self",)),
     *(self_use(PIPELINE_MODULE, name, "which the project's pipeline uses")
       for name in ("_grid", "parts", "_local_start", "_layer_specs")),

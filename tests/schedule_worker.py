@@ -1,5 +1,7 @@
-"""One rank of a schedule comparison: the same model trained for a few steps under 1F1B and under zero_bubble,
-every step's loss and every gradient the optimizer steps with written as JSON for the test to compare."""
+"""One rank of a schedule comparison: the same model trained for a few steps under 1F1B and under zero_bubble (or a
+case's chunked schedule, zbv or interleaved_1f1b), every step's loss and every gradient the optimizer steps with
+written as JSON for the test to compare. The chunked schedules place other layers on each rank: their gradients are
+compared with 1F1B's across all ranks by name."""
 import json
 import os
 import sys
@@ -12,11 +14,28 @@ import deepspeed  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from checkpoints.layer_files import load_layer_slice  # noqa: E402
-from models.pipeline import build_pipeline_module  # noqa: E402
+import collectives  # noqa: E402
+from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
 from tests.parity_worker import CHUNK_TOKENS, micro_batches  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
 from training.distributed import init_distributed, parallel_topology  # noqa: E402
+from training.chunked_engine import use_chunked_pipeline  # noqa: E402
 from training.pipeline_engine import use_zero_bubble  # noqa: E402
+
+
+def chunk_ids(schedule, stages, virtual_stages):
+    if schedule == "zbv":
+        return [[rank, 2 * stages - 1 - rank] for rank in range(stages)]
+    return [[rank + v * stages for v in range(virtual_stages)] for rank in range(stages)]
+
+
+def chunk_order(chunks, micro_batches, stage, split):
+    """All forwards in chunk order, then all backwards (each W after its B): a valid order of any chunk layout."""
+    mine = chunks[stage]
+    forwards = [("F", mine.index(g), j) for g in sorted(mine) for j in range(micro_batches)]
+    backwards = [[("B", mine.index(g), j)] + ([("W", mine.index(g), j)] if split else [])
+                 for g in sorted(mine, reverse=True) for j in range(micro_batches)]
+    return forwards + [step for pair in backwards for step in pair]
 
 
 def record_optimizer_gradients(engine):
@@ -40,7 +59,13 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     config = AutoConfig.from_pretrained(case["hf_dir"])
     num_stages, tensor_parallel = case["stages"], case.get("tensor_parallel", 1)
     dp_size = torch.distributed.get_world_size() // (num_stages * tensor_parallel)
+    chunks, bounds = None, None
+    if schedule in ("zbv", "interleaved_1f1b"):
+        chunks = chunk_ids(schedule, num_stages, case.get("virtual_stages", 2))
+        num_chunks = sum(map(len, chunks))
+        bounds = partition_stages(config, num_chunks, [config.num_hidden_layers // num_chunks] * num_chunks)
     module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel), layer_loader=load_layer_slice,
+                                   stage_bounds=bounds, chunk_ids=chunks,
                                    activation_checkpoint_interval=case.get("checkpoint_interval", 0),
                                    sequence_parallel=case.get("sequence_parallel", True),
                                    recompute_sequence_gather=case.get("recompute_sequence_gather", False),
@@ -57,13 +82,25 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     if schedule == "zero_bubble":
         use_zero_bubble(engine, case.get("max_waiting"))
         waiting = record_waiting_before_backward(engine.module.parallel.weight_grads)
+    elif chunks is not None:
+        use_chunked_pipeline(engine, schedule, chunks, chunk_order(chunks, gas, engine.stage_id, schedule == "zbv"))
     recorded = record_optimizer_gradients(engine)
     losses = []
     batch = make_batch(micro_batch_size * gas * dp_size, seq_len, config.vocab_size, seed=1)
     for _ in range(steps):  # the same batch every step: the loss must fall
         losses.append(float(engine.train_batch(micro_batches(batch, micro_batch_size, gas, dp_size,
                                                              engine.grid.data_parallel_id))))
+    if case.get("schedule", "zero_bubble") != "zero_bubble":  # 1F1B's too: the ranks hold other layers
+        recorded = all_ranks_gradients(recorded, engine.grid.data_parallel_id)
     return losses, recorded, {"stage": engine.stage_id, "waiting": max(waiting, default=0)}
+
+
+def all_ranks_gradients(recorded, data_parallel_id):
+    """Each step's gradients of every rank, keyed by data-parallel replica and name."""
+    gathered = [None] * torch.distributed.get_world_size()
+    collectives.all_gather_object(gathered, (data_parallel_id, recorded))
+    return [{f"dp{dp}.{name}": grad for dp, steps in gathered for name, grad in steps[step].items()}
+            for step in range(len(recorded))]
 
 
 def record_waiting_before_backward(queue):
@@ -82,8 +119,8 @@ def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
     results = {}
     for case in cases:
         runs = {schedule: train(case, schedule, steps, micro_batch_size, gas, seq_len)
-                for schedule in ("1f1b", "zero_bubble")}
-        (ref_losses, ref_grads, _), (losses, grads, held) = runs["1f1b"], runs["zero_bubble"]
+                for schedule in ("1f1b", case.get("schedule", "zero_bubble"))}
+        (ref_losses, ref_grads, _), (losses, grads, held) = runs.values()
         results[case["name"]] = {
             **held, "losses": losses, "ref_losses": ref_losses,
             "grad_steps": [len(ref_grads), len(grads)],
