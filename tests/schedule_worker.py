@@ -85,14 +85,21 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     elif chunks is not None:
         use_chunked_pipeline(engine, schedule, chunks, chunk_order(chunks, gas, engine.stage_id, schedule == "zbv"))
     recorded = record_optimizer_gradients(engine)
-    losses = []
+    losses, read = [], []
     batch = make_batch(micro_batch_size * gas * dp_size, seq_len, config.vocab_size, seed=1)
     for _ in range(steps):  # the same batch every step: the loss must fall
-        losses.append(float(engine.train_batch(micro_batches(batch, micro_batch_size, gas, dp_size,
-                                                             engine.grid.data_parallel_id))))
+        losses.append(float(engine.train_batch(counted(micro_batches(batch, micro_batch_size, gas, dp_size,
+                                                                     engine.grid.data_parallel_id), read))))
     if case.get("schedule", "zero_bubble") != "zero_bubble":  # 1F1B's too: the ranks hold other layers
         recorded = all_ranks_gradients(recorded, engine.grid.data_parallel_id)
-    return losses, recorded, {"stage": engine.stage_id, "waiting": max(waiting, default=0)}
+    return losses, recorded, {"stage": engine.stage_id, "waiting": max(waiting, default=0), "read": len(read),
+                              "chunks": chunks[engine.stage_id] if chunks else [engine.stage_id]}
+
+
+def counted(items, read):
+    for item in items:
+        read.append(1)
+        yield item
 
 
 def all_ranks_gradients(recorded, data_parallel_id):
