@@ -49,8 +49,8 @@ Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with wh
   that the handlers read (num_pipe_buffers, has_attention_mask, is_grad_partitioned besides those above).
 - PipelineModule internals: _grid (the tensor-parallel group), parts and _set_bounds (the partition), _local_start
   (the first layer index ckpt_layer_path counts from), _layer_specs (where a tied layer first appears), _synchronize_tied_weights; for
-  several chunks per rank, _build (run once per chunk), stage_owner (a layer's rank), tied_comms (narrowed to the
-  tied weights on several ranks) and ckpt_layer_path(_list) (overridden: global layer indices).
+  several chunks per rank, _build (run once per chunk), stage_owner (a layer's rank), _index_tied_modules (narrowed
+  to the tied weights on several ranks) and ckpt_layer_path(_list) (overridden: global layer indices).
 - ZeRO's fragment bookkeeping, for the per-layer optimizer state: DeepSpeedZeroOptimizer.single_partition_of_fp32_groups
   and .optimizer, BF16_Optimizer.fp32_groups_flat_partition and .optimizer (bf16 with fp32 gradient accumulation:
   ZeRO-1's partitions in another class), param._hp_mapping (param_group_index, hp_fragment_address, lp_fragment_address); the fp16 loss

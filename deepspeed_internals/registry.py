@@ -236,7 +236,9 @@ INTERNALS = (
     self_use(PIPELINE_MODULE, "_build()", "which the project's pipeline runs once per chunk"),
     Internal(f"{PIPELINE_MODULE}.stage_owner", "which the project's pipeline overrides (chunks)", ("self", "layer_idx")),
     self_use(PIPELINE_MODULE, "stage_owner(", "which the project's pipeline overrides (chunks)"),
-    self_use(PIPELINE_MODULE, "tied_comms", "which the project's pipeline narrows to tied weights on several ranks"),
+    Internal(f"{PIPELINE_MODULE}._index_tied_modules", "which the project's pipeline narrows to tied weights on "
+             "several ranks", ("self",)),
+    self_use(PIPELINE_MODULE, "tied_comms = self._index_tied_modules()", "which the project's pipeline narrows"),
     *(Internal(f"{PIPELINE_MODULE}.{name}", "which the project's pipeline overrides (chunks)",
                ("self", "ckpt_dir", "local_layer_idx")) for name in ("ckpt_layer_path", "ckpt_layer_path_list")),
     Internal(f"{PIPELINE_MODULE}._synchronize_tied_weights", "which the project's pipeline calls", ("self",)),

@@ -60,7 +60,7 @@ class LlamaPipeline(PipelineModule):
     global layer index (parameter names and layer files as under one chunk per rank, so checkpoints do not
     depend on the schedule); forward runs the chunk `active_chunk` (a local index) names. A tied weight whose
     layers all sit on one rank (the V's embedding and head on rank 0) is tied there and never all-reduced.
-    _partition_layers, _build, stage_owner and load_state_dir override DeepSpeed's (deepspeed_internals/ lists
+    _partition_layers, _build, stage_owner, _index_tied_modules and load_state_dir override DeepSpeed's (deepspeed_internals/ lists
     them)."""
 
     def __init__(self, config, stage_bounds, parallel, layer_loader, context=NO_CONTEXT_PARALLEL, chunk_ids=None,
@@ -73,8 +73,6 @@ class LlamaPipeline(PipelineModule):
         self.chunk_ids = chunk_ids
         self.active_chunk = 0
         super().__init__(partition_method="explicit", **kwargs)
-        # DeepSpeed makes a group for every tied weight; one on a single rank has nothing to reduce.
-        self.tied_comms = {key: comm for key, comm in self.tied_comms.items() if len(comm["ranks"]) > 1}
 
     def _partition_layers(self, method="parameters"):
         # DeepSpeed's grid made the process groups just before this call, and the layers are built after it.
@@ -104,6 +102,11 @@ class LlamaPipeline(PipelineModule):
         chunk = next(g for g in range(len(self.stage_bounds) - 1)
                      if self.stage_bounds[g] <= layer_idx < self.stage_bounds[g + 1])
         return next(stage for stage, chunks in enumerate(self.chunk_ids) if chunk in chunks)
+
+    def _index_tied_modules(self):
+        """DeepSpeed's groups of the ranks sharing each tied weight, but for a weight on a single rank: nothing to
+        synchronise or reduce."""
+        return {key: comm for key, comm in super()._index_tied_modules().items() if len(comm["ranks"]) > 1}
 
     def forward(self, forward_input):
         if len(self.chunk_layers) == 1:
