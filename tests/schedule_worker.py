@@ -20,22 +20,8 @@ from tests.parity_worker import CHUNK_TOKENS, micro_batches  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
 from training.distributed import init_distributed, parallel_topology  # noqa: E402
 from training.chunked_engine import use_chunked_pipeline  # noqa: E402
+from training.schedule import chunk_ids, p2p_program  # noqa: E402
 from training.pipeline_engine import use_zero_bubble  # noqa: E402
-
-
-def chunk_ids(schedule, stages, virtual_stages):
-    if schedule == "zbv":
-        return [[rank, 2 * stages - 1 - rank] for rank in range(stages)]
-    return [[rank + v * stages for v in range(virtual_stages)] for rank in range(stages)]
-
-
-def chunk_order(chunks, micro_batches, stage, split):
-    """All forwards in chunk order, then all backwards (each W after its B): a valid order of any chunk layout."""
-    mine = chunks[stage]
-    forwards = [("F", mine.index(g), j) for g in sorted(mine) for j in range(micro_batches)]
-    backwards = [[("B", mine.index(g), j)] + ([("W", mine.index(g), j)] if split else [])
-                 for g in sorted(mine, reverse=True) for j in range(micro_batches)]
-    return forwards + [step for pair in backwards for step in pair]
 
 
 def record_optimizer_gradients(engine):
@@ -61,7 +47,7 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     dp_size = torch.distributed.get_world_size() // (num_stages * tensor_parallel)
     chunks, bounds = None, None
     if schedule in ("zbv", "interleaved_1f1b"):
-        chunks = chunk_ids(schedule, num_stages, case.get("virtual_stages", 2))
+        chunks = [chunk_ids(schedule, num_stages, rank, case.get("virtual_stages", 2)) for rank in range(num_stages)]
         num_chunks = sum(map(len, chunks))
         bounds = partition_stages(config, num_chunks, [config.num_hidden_layers // num_chunks] * num_chunks)
     module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel), layer_loader=load_layer_slice,
@@ -83,7 +69,8 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
         use_zero_bubble(engine, case.get("max_waiting"))
         waiting = record_waiting_before_backward(engine.module.parallel.weight_grads)
     elif chunks is not None:
-        use_chunked_pipeline(engine, schedule, chunks, chunk_order(chunks, gas, engine.stage_id, schedule == "zbv"))
+        use_chunked_pipeline(engine, schedule, chunks, p2p_program(schedule, num_stages, gas, engine.stage_id,
+                                                                   case.get("virtual_stages", 2)))
     recorded = record_optimizer_gradients(engine)
     losses, read = [], []
     batch = make_batch(micro_batch_size * gas * dp_size, seq_len, config.vocab_size, seed=1)

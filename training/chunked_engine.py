@@ -1,29 +1,34 @@
 """DeepSpeed's PipelineEngine running several chunks of layers per rank: interleaved 1F1B (rank r holds chunks r,
-r + p, ...) and ZB-V (rank r holds chunks r and 2p - 1 - r), from orders of (kind, local chunk, micro-batch)
-(training/schedule.py computes them; the model's chunks: models/pipeline.py LlamaPipeline).
+r + p, ...) and ZB-V (rank r holds chunks r and 2p - 1 - r), from a rank's program of computations (kind, local
+chunk, micro-batch) and point-to-point operations (training/schedule.py computes both; the model's chunks:
+models/pipeline.py LlamaPipeline).
 
 Each instruction names its chunk; a (chunk, micro-batch) has its own pipe buffer. The activations of global chunk g
-go to the rank holding chunk g + 1 and its input gradients to the rank holding g - 1: sent point-to-point through
-collectives/, or handed over in place where that rank is this one (the V's turn on the last rank). DeepSpeed's
-own forward and backward handlers compute each chunk: while a chunk runs, the engine's first and last stage are
-the model's first and last chunk, so the loss is the last chunk's (the last rank's under interleaving, rank 0's
-under the V) and only that chunk scales by the accumulation steps. Outside a chunk they mean the rank holding
-them: the rank of the first chunk loads inputs, that of the last chunk labels (under the V rank 0 does both; a
-rank holding neither reads no data). An order with W splits each backward as the zero-bubble schedule does
-(models/weight_grads.py: B now, W in the order's place, oldest first).
+go to the rank holding chunk g + 1 and its input gradients to the rank holding g - 1: posted (isend / irecv through
+collectives/) and waited for where the program says, which is each link's one order on both of its sides (NCCL
+runs a link's operations in the order each side issues them), or handed over in place where that rank is this one
+(the V's turn on the last rank). DeepSpeed's own forward and backward handlers compute each chunk: while a chunk
+runs, the engine's first and last stage are the model's first and last chunk, so the loss is the last chunk's (the
+last rank's under interleaving, rank 0's under the V) and only that chunk scales by the accumulation steps. Outside
+a chunk they mean the rank holding them: the rank of the first chunk loads inputs, that of the last chunk labels
+(under the V rank 0 does both; a rank holding neither reads no data). An order with W splits each backward as the
+zero-bubble schedule does (models/weight_grads.py: B now, W in the order's place, oldest first).
 
-Sends are posted (isend) as each chunk produces them and waited for at the step's end; a receive blocks where the
-order needs its tensor. The first activation on each link is preceded by its shapes (DeepSpeed's meta message).
+Every chunk boundary carries the same shapes: the first step's first forward (chunk 0's, micro-batch 0, on the rank
+of chunk 0, which needs nothing before it) broadcasts them over the pipeline's ranks before any point-to-point
+operation, and every receive is allocated from them (gradients: like the chunk's outputs).
 """
 import torch
 from deepspeed.runtime.pipe.schedule import OptimizerStep, PipeInstruction, ReduceGrads, ReduceTiedGrads, TrainSchedule
 
 import collectives
-from deepspeed_internals.access import (add_instruction_handlers, load_micro_batch, pipe_buffer,
-                                        receive_tensor_shapes, run_backward_pass, run_forward_pass,
-                                        send_tensor_shapes, set_pipe_buffer, set_received_gradients)
+from deepspeed_internals.access import (add_instruction_handlers, load_micro_batch, pipe_buffer, run_backward_pass,
+                                        run_forward_pass, set_pipe_buffer, set_received_gradients)
 from training.pipeline_engine import ZeroBubblePipelineEngine, use_zero_bubble
 from training.schedule import BackwardWeightPass
+
+SHAPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
+SHAPES_SIZE = 64  # integers in the shapes message: a count, then dtype, ndim and dims per tensor
 
 
 class ChunkForwardPass(PipeInstruction):
@@ -36,23 +41,44 @@ class ChunkBackwardPass(PipeInstruction):
     previous chunk."""
 
 
-class ChunkedSchedule(TrainSchedule):
-    """One step per entry of the rank's order, then the gradient reductions and the optimizer step."""
+class ShareActivationShapes(PipeInstruction):
+    """The shapes every chunk boundary carries, broadcast from the rank of chunk 0 after its first forward (first
+    step only)."""
 
-    def __init__(self, micro_batches, stages, stage_id, order, num_chunks):
+
+class PostTransfer(PipeInstruction):
+    """Post a send or a receive (op: training/schedule.py's P2POp) without waiting for it."""
+
+
+class WaitTransfer(PipeInstruction):
+    """Wait for a posted send or receive; a received tensor goes to the chunk that takes it."""
+
+
+class ChunkedSchedule(TrainSchedule):
+    """One step per item of the rank's program, then the gradient reductions and the optimizer step."""
+
+    def __init__(self, micro_batches, stages, stage_id, program, num_chunks, holds_first_chunk):
         super().__init__(micro_batches, stages, stage_id)
-        self.order, self.num_chunks = order, num_chunks
-        self.split = any(kind == "W" for kind, _, _ in order)
+        self.program, self.num_chunks, self.holds_first_chunk = program, num_chunks, holds_first_chunk
+        self.split = any(item[0] == "W" for action, item in program if action == "compute")
 
     def num_pipe_buffers(self):
         return self.num_chunks * self.micro_batches
 
     def steps(self):
-        for kind, chunk, micro_batch in self.order:
-            if kind == "F":
-                yield [ChunkForwardPass(chunk=chunk, micro_batch=micro_batch)]
-            elif kind == "B":
-                yield [ChunkBackwardPass(chunk=chunk, micro_batch=micro_batch, split=self.split)]
+        if not self.holds_first_chunk:
+            yield [ShareActivationShapes()]
+        for action, item in self.program:
+            if action == "post":
+                yield [PostTransfer(op=item)]
+            elif action == "wait":
+                yield [WaitTransfer(op=item)]
+            elif item[0] == "F":
+                yield [ChunkForwardPass(chunk=item[1], micro_batch=item[2])]
+                if item[1:] == (0, 0) and self.holds_first_chunk:
+                    yield [ShareActivationShapes()]
+            elif item[0] == "B":
+                yield [ChunkBackwardPass(chunk=item[1], micro_batch=item[2], split=self.split)]
             else:
                 yield [BackwardWeightPass()]
         yield [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
@@ -62,13 +88,32 @@ def as_tuple(tensors):
     return tensors if isinstance(tensors, tuple) else (tensors,)
 
 
+def pack_shapes(tensors, device):
+    values = [len(tensors)]
+    for tensor in tensors:
+        values += [SHAPE_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+    if len(values) > SHAPES_SIZE:
+        raise ValueError(f"{len(tensors)} tensors between chunks need more than {SHAPES_SIZE} integers of shapes")
+    return torch.tensor(values + [0] * (SHAPES_SIZE - len(values)), dtype=torch.int64, device=device)
+
+
+def unpack_shapes(message, device):
+    """Empty tensors of the packed shapes (one host read, once per engine)."""
+    values, tensors, at = message.tolist(), [], 1
+    for _ in range(values[0]):
+        dtype, ndim = SHAPE_DTYPES[values[at]], values[at + 1]
+        tensors.append(torch.empty(values[at + 2:at + 2 + ndim], dtype=dtype, device=device))
+        at += 2 + ndim
+    return tuple(tensors)
+
+
 class ChunkedPipelineEngine(ZeroBubblePipelineEngine):
     """Its _train_schedule, is_first_stage, is_last_stage and _loss_stage_global_rank override DeepSpeed's
-    (deepspeed_internals/ lists them); W and the sends are the zero-bubble engine's."""
+    (deepspeed_internals/ lists them); W is the zero-bubble engine's."""
 
     def _train_schedule(self):
-        return ChunkedSchedule(self.micro_batches, self.num_stages, self.stage_id, self.chunk_order,
-                               len(self.local_chunks))
+        return ChunkedSchedule(self.micro_batches, self.num_stages, self.stage_id, self.chunk_program,
+                               len(self.local_chunks), 0 in self.local_chunks)
 
     def _runs_or_holds(self, chunk):
         return chunk == self.running_chunk if self.running_chunk is not None else chunk in self.local_chunks
@@ -93,29 +138,28 @@ class ChunkedPipelineEngine(ZeroBubblePipelineEngine):
             self.running_chunk = None
 
     def _exec_chunk_forward_pass(self, chunk, micro_batch):
-        first_chunk_here = 0 in self.local_chunks
         g, buffer_id = self.local_chunks[chunk], self._buffer(chunk, micro_batch)
-        if g == 0 or (g == self.last_chunk and not first_chunk_here):
+        if g == 0 or (g == self.last_chunk and 0 not in self.local_chunks):
             load_micro_batch(self, buffer_id)  # inputs where chunk 0 is, labels where the last chunk is
         if g == 0 and self.last_chunk in self.local_chunks:  # the V's rank 0: the labels to the last chunk's buffer
             labels_buffer = self._buffer(self.local_chunks.index(self.last_chunk), micro_batch)
             set_pipe_buffer(self, "labels", labels_buffer, pipe_buffer(self, "labels", buffer_id))
             set_pipe_buffer(self, "labels", buffer_id, None)
         if g > 0:
-            set_pipe_buffer(self, "inputs", buffer_id, self._take("activations", g, micro_batch))
+            set_pipe_buffer(self, "inputs", buffer_id, self._arrived.pop(("activation", chunk, micro_batch)))
         self._run_chunk(chunk, run_forward_pass, buffer_id)
         if g == self.last_chunk:
             self._losses[buffer_id] = self.loss
         else:
-            self._give("activations", g + 1, micro_batch, as_tuple(pipe_buffer(self, "outputs", buffer_id)))
+            self._give("activation", chunk, micro_batch, as_tuple(pipe_buffer(self, "outputs", buffer_id)))
 
     def _exec_chunk_backward_pass(self, chunk, micro_batch, split):
         g, buffer_id = self.local_chunks[chunk], self._buffer(chunk, micro_batch)
         if g == self.last_chunk:
             self.loss = self._losses.pop(buffer_id)
         else:
+            grads = self._arrived.pop(("gradient", chunk, micro_batch))
             outputs = pipe_buffer(self, "outputs", buffer_id)
-            grads = self._take("gradients", g, micro_batch, [t for t in as_tuple(outputs) if t.is_floating_point()])
             set_received_gradients(self, list(grads) if isinstance(outputs, tuple) else grads[0])
         if split:
             with self.module.parallel.weight_grads.defer():
@@ -124,69 +168,92 @@ class ChunkedPipelineEngine(ZeroBubblePipelineEngine):
             self._run_chunk(chunk, run_backward_pass, buffer_id)
         if g > 0:
             inputs = as_tuple(pipe_buffer(self, "inputs", buffer_id))
-            self._give("gradients", g - 1, micro_batch, tuple(t.grad for t in inputs if t.is_floating_point()))
+            self._give("gradient", chunk, micro_batch, tuple(t.grad for t in inputs if t.is_floating_point()))
         set_pipe_buffer(self, "inputs", buffer_id, None)
 
-    def _give(self, kind, chunk, micro_batch, tensors):
-        """A chunk's activations or input gradients to the rank of `chunk`, the chunk that takes them."""
-        owner = self.chunk_owner[chunk]
-        if owner == self.stage_id:
-            if kind == "activations":  # new leaves: the next chunk's backward leaves their gradients in .grad
-                tensors = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in tensors)
-            self._handed_over[(kind, chunk, micro_batch)] = tensors
+    def _give(self, tensor, chunk, micro_batch, tensors):
+        """A local chunk's output activations or input gradients: handed over in place to this rank's neighbour
+        chunk, or kept for the send the program posts next."""
+        neighbour = self.local_chunks[chunk] + (1 if tensor == "activation" else -1)
+        if self.chunk_owner[neighbour] != self.stage_id:
+            self._made[(tensor, chunk, micro_batch)] = tensors
             return
-        if kind == "activations" and owner not in self._shapes_sent:
-            self._shapes_sent.add(owner)
-            send_tensor_shapes(self, tensors, owner)  # blocking: the owner's first receive from here reads them
-        self._send_async(tensors, owner)
+        if tensor == "activation":  # new leaves: the next chunk's backward leaves their gradients in .grad
+            tensors = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in tensors)
+        self._arrived[(tensor, self.local_chunks.index(neighbour), micro_batch)] = tensors
 
-    def _take(self, kind, chunk, micro_batch, like=None):
-        """What `chunk` needs from its neighbour chunk: its input activations, or its output gradients (shaped
-        like `like`), handed over here or received, into new tensors (a deferred W may hold earlier ones)."""
-        handed_over = self._handed_over.pop((kind, chunk, micro_batch), None)
-        if handed_over is not None:
-            return handed_over
-        source = self.chunk_owner[chunk - 1 if kind == "activations" else chunk + 1]
-        if kind == "activations":
-            if source not in self._shapes_received:
-                self._shapes_received[source] = as_tuple(receive_tensor_shapes(self, source))
-            like = self._shapes_received[source]
+    def _exec_share_activation_shapes(self):
+        if self._activation_shapes is not None:
+            return
+        source = self.chunk_owner[0]
+        if source == self.stage_id:
+            message = pack_shapes(as_tuple(pipe_buffer(self, "outputs", self._buffer(0, 0))), self.device)
+        else:
+            message = torch.empty(SHAPES_SIZE, dtype=torch.int64, device=self.device)
+        collectives.broadcast(message, self.grid.stage_to_global(source), self.grid.get_pipe_parallel_group())
+        self._activation_shapes = unpack_shapes(message, self.device)
+
+    def _exec_post_transfer(self, op):
+        key = (op.tensor, op.local_chunk, op.micro_batch)
+        peer = self.grid.stage_to_global(op.peer)
+        if op.direction == "send":
+            tensors = self._made.pop(key)
+            self._posted[op] = (tensors, [collectives.isend(t.contiguous(), peer) for t in tensors])
+            return
+        if op.tensor == "activation":
+            like = self._activation_shapes
+        else:  # the gradients of the chunk's floating outputs
+            outputs = pipe_buffer(self, "outputs", self._buffer(op.local_chunk, op.micro_batch))
+            like = [t for t in as_tuple(outputs) if t.is_floating_point()]
         tensors = tuple(torch.empty_like(t) for t in like)
-        for tensor in tensors:
-            collectives.recv(tensor, self.grid.stage_to_global(source))
-            tensor.requires_grad = kind == "activations" and tensor.is_floating_point()
-        return tensors
+        self._posted[op] = (tensors, [collectives.irecv(t, peer) for t in tensors])
+
+    def _exec_wait_transfer(self, op):
+        tensors, works = self._posted.pop(op)
+        for work in works:
+            work.wait()
+        if op.direction == "recv":
+            for tensor in tensors:
+                tensor.requires_grad = op.tensor == "activation" and tensor.is_floating_point()
+            self._arrived[(op.tensor, op.local_chunk, op.micro_batch)] = tensors
 
     def _exec_reduce_tied_grads(self):
-        if self._handed_over or self._losses:
-            raise RuntimeError(f"{self.pipeline_schedule}: activations, gradients or losses were left over at the "
-                               f"step: {sorted(self._handed_over)} {sorted(self._losses)}")
+        if self._arrived or self._made or self._posted or self._losses:
+            raise RuntimeError(f"{self.pipeline_schedule}: transfers or losses were left over at the step: "
+                               f"{sorted(self._arrived)} {sorted(self._made)} {list(self._posted)} {sorted(self._losses)}")
         super()._exec_reduce_tied_grads()
 
 
 add_instruction_handlers(ChunkedPipelineEngine, {
     ChunkForwardPass: ChunkedPipelineEngine._exec_chunk_forward_pass,
     ChunkBackwardPass: ChunkedPipelineEngine._exec_chunk_backward_pass,
+    ShareActivationShapes: ChunkedPipelineEngine._exec_share_activation_shapes,
+    PostTransfer: ChunkedPipelineEngine._exec_post_transfer,
+    WaitTransfer: ChunkedPipelineEngine._exec_wait_transfer,
     ReduceTiedGrads: ChunkedPipelineEngine._exec_reduce_tied_grads,
 })
 
 
-def use_chunked_pipeline(engine, schedule, chunk_ids, order):
+def use_chunked_pipeline(engine, schedule, chunk_ids, program):
     """Turn the PipelineEngine that deepspeed.initialize built over a chunked LlamaPipeline into the chunked one.
-    chunk_ids: each rank's global chunks (the module's); order: this rank's [(kind "F"/"B"/"W", local chunk,
-    micro-batch)] for every step. Ws run oldest first, so they must follow the Bs' order."""
-    backwards = [(chunk, j) for kind, chunk, j in order if kind == "B"]
-    weights = [(chunk, j) for kind, chunk, j in order if kind == "W"]
+    chunk_ids: each rank's global chunks (the module's); program: this rank's [("compute", (kind "F"/"B"/"W",
+    local chunk, micro-batch)) | ("post" | "wait", P2POp)] for every step (training/schedule.py p2p_program). Ws
+    run oldest first, so they must follow the Bs' order; the rank of chunk 0 must start with its forward of
+    micro-batch 0 (the activation shapes come from it)."""
+    computed = [item for action, item in program if action == "compute"]
+    backwards = [(chunk, j) for kind, chunk, j in computed if kind == "B"]
+    weights = [(chunk, j) for kind, chunk, j in computed if kind == "W"]
     if weights and weights != backwards:
         raise ValueError(f"{schedule}: the order's Ws {weights} do not follow its Bs {backwards}.")
-    use_zero_bubble(engine)  # its W, its sends and their checks
+    if 0 in chunk_ids[engine.stage_id] and program[0] != ("compute", ("F", chunk_ids[engine.stage_id].index(0), 0)):
+        raise ValueError(f"{schedule}: the program of chunk 0's rank starts with {program[0]}, not its first forward.")
+    use_zero_bubble(engine)  # its W and its checks
     engine.__class__ = ChunkedPipelineEngine
     engine.pipeline_schedule = schedule
     engine.local_chunks = list(chunk_ids[engine.stage_id])
     engine.chunk_owner = {chunk: rank for rank, chunks in enumerate(chunk_ids) for chunk in chunks}
     engine.last_chunk = len(engine.chunk_owner) - 1
-    engine.chunk_order = list(order)
-    engine.running_chunk = None
-    engine._handed_over, engine._losses = {}, {}
-    engine._shapes_sent, engine._shapes_received = set(), {}
+    engine.chunk_program = list(program)
+    engine.running_chunk = engine._activation_shapes = None
+    engine._arrived, engine._made, engine._posted, engine._losses = {}, {}, {}, {}
     return engine
