@@ -120,16 +120,6 @@ def run_forward_pass(engine, buffer_id):
     engine._exec_forward_pass(buffer_id)
 
 
-def send_tensor_shapes(engine, tensors, stage):
-    """The shapes and dtypes of a tuple of tensors to a stage, blocking (DeepSpeed's meta message)."""
-    engine._send_tensor_meta(tuple(tensors), stage)
-
-
-def receive_tensor_shapes(engine, stage):
-    """Empty tensors shaped as the meta message a stage sends says (a tensor or a tuple of them)."""
-    return engine._recv_tensor_meta(stage)
-
-
 def send_activation_shapes_once(engine, outputs):
     """Before the first activation send, the shapes, blocking: the next stage's first receive reads them."""
     if engine.first_output_send:

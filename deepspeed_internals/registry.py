@@ -173,9 +173,10 @@ INTERNALS = (
         "_exec_backward_input_pass", "_exec_backward_weight_pass", "_exec_post_recv_activations",
         "_exec_wait_recv_activations", "_send_async", "_sends", "_posted_receives", "zero_bubble_max_waiting")),
     *(Unused(PIPELINE_ENGINE, name, "which the chunked engine adds") for name in (
-        "_exec_chunk_forward_pass", "_exec_chunk_backward_pass", "_runs_or_holds", "_buffer", "_run_chunk", "_give",
-        "_take", "pipeline_schedule", "local_chunks", "chunk_owner", "last_chunk", "chunk_order", "running_chunk",
-        "_handed_over", "_losses", "_shapes_sent", "_shapes_received")),
+        "_exec_chunk_forward_pass", "_exec_chunk_backward_pass", "_exec_share_activation_shapes", "_exec_post_transfer",
+        "_exec_wait_transfer", "_runs_or_holds", "_buffer", "_run_chunk", "_give", "pipeline_schedule", "local_chunks",
+        "chunk_owner", "last_chunk", "chunk_program", "running_chunk", "_activation_shapes", "_arrived", "_made",
+        "_posted", "_losses")),
     *(Internal(f"{PIPELINE_ENGINE}.{name}", "which the chunked engine overrides (a chunk's first and last stage)",
                ("self",)) for name in ("is_first_stage", "is_last_stage", "_loss_stage_global_rank")),
     self_use(PIPELINE_ENGINE, "_loss_stage_global_rank()", "which the chunked engine overrides"),
@@ -234,7 +235,8 @@ INTERNALS = (
     Internal(f"{PIPELINE_MODULE}._set_bounds", "which the project's pipeline calls", ("self", "start", "stop")),
     Internal(f"{PIPELINE_MODULE}._build", "which the project's pipeline runs once per chunk", ("self",)),
     self_use(PIPELINE_MODULE, "_build()", "which the project's pipeline runs once per chunk"),
-    Internal(f"{PIPELINE_MODULE}.stage_owner", "which the project's pipeline overrides (chunks)", ("self", "layer_idx")),
+    Internal(f"{PIPELINE_MODULE}.stage_owner", "which the project's pipeline overrides (chunks)",
+             ("self", "layer_idx")),
     self_use(PIPELINE_MODULE, "stage_owner(", "which the project's pipeline overrides (chunks)"),
     Internal(f"{PIPELINE_MODULE}._index_tied_modules", "which the project's pipeline narrows to tied weights on "
              "several ranks", ("self",)),

@@ -60,8 +60,8 @@ class LlamaPipeline(PipelineModule):
     global layer index (parameter names and layer files as under one chunk per rank, so checkpoints do not
     depend on the schedule); forward runs the chunk `active_chunk` (a local index) names. A tied weight whose
     layers all sit on one rank (the V's embedding and head on rank 0) is tied there and never all-reduced.
-    _partition_layers, _build, stage_owner, _index_tied_modules and load_state_dir override DeepSpeed's (deepspeed_internals/ lists
-    them)."""
+    _partition_layers, _build, stage_owner, _index_tied_modules and load_state_dir override DeepSpeed's
+    (deepspeed_internals/ lists them)."""
 
     def __init__(self, config, stage_bounds, parallel, layer_loader, context=NO_CONTEXT_PARALLEL, chunk_ids=None,
                  **kwargs):

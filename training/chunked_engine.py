@@ -219,8 +219,8 @@ class ChunkedPipelineEngine(ZeroBubblePipelineEngine):
 
     def _exec_reduce_tied_grads(self):
         if self._arrived or self._made or self._posted or self._losses:
-            raise RuntimeError(f"{self.pipeline_schedule}: transfers or losses were left over at the step: "
-                               f"{sorted(self._arrived)} {sorted(self._made)} {list(self._posted)} {sorted(self._losses)}")
+            left = [*self._arrived, *self._made, *self._posted, *self._losses]
+            raise RuntimeError(f"{self.pipeline_schedule}: transfers or losses were left over at the step: {left}")
         super()._exec_reduce_tied_grads()
 
 
