@@ -172,16 +172,6 @@ INTERNALS = (
     *(Unused(PIPELINE_ENGINE, name, "which the zero-bubble engine adds") for name in (
         "_exec_backward_input_pass", "_exec_backward_weight_pass", "_exec_post_recv_activations",
         "_exec_wait_recv_activations", "_send_async", "_sends", "_posted_receives", "zero_bubble_max_waiting")),
-    *(Unused(PIPELINE_ENGINE, name, "which the chunked engine adds") for name in (
-        "_exec_chunk_forward_pass", "_exec_chunk_backward_pass", "_exec_share_activation_shapes", "_exec_post_transfer",
-        "_exec_wait_transfer", "_runs_or_holds", "_buffer", "_run_chunk", "_give", "pipeline_schedule", "local_chunks",
-        "chunk_owner", "last_chunk", "chunk_program", "running_chunk", "_activation_shapes", "_arrived", "_made",
-        "_posted", "_losses")),
-    *(Internal(f"{PIPELINE_ENGINE}.{name}", "which the chunked engine overrides (a chunk's first and last stage)",
-               ("self",)) for name in ("is_first_stage", "is_last_stage", "_loss_stage_global_rank")),
-    self_use(PIPELINE_ENGINE, "_loss_stage_global_rank()", "which the chunked engine overrides"),
-    *(Internal(f"{PIPELINE_ENGINE}.{name}", "which the chunked engine runs for each chunk", ("self", "buffer_id"))
-      for name in ("_exec_forward_pass", "_exec_load_micro_batch")),
     self_use(PIPELINE_ENGINE, "pipeline_enable_backward_allreduce",
              "which the trainer turns off for a data-parallel group of one"),
     self_use(PIPELINE_ENGINE, "is_data_parallel", "which bench/pipeline_efficiency.py turns off"),
@@ -206,6 +196,17 @@ INTERNALS = (
     Internal(f"{PIPELINE_ENGINE}._send_tensor_meta", "which the zero-bubble sends use",
              ("self", "buffer", "recv_stage")),
     Internal(f"{PIPELINE_ENGINE}._recv_tensor_meta", "which the zero-bubble receives use", ("self", "send_stage")),
+    # The chunked engine (training/chunked_engine.py).
+    *(Unused(PIPELINE_ENGINE, name, "which the chunked engine adds") for name in (
+        "_exec_chunk_forward_pass", "_exec_chunk_backward_pass", "_exec_share_activation_shapes", "_exec_post_transfer",
+        "_exec_wait_transfer", "_runs_or_holds", "_buffer", "_run_chunk", "_give", "pipeline_schedule", "local_chunks",
+        "chunk_owner", "last_chunk", "chunk_program", "running_chunk", "_activation_shapes", "_arrived", "_made",
+        "_posted", "_losses")),
+    *(Internal(f"{PIPELINE_ENGINE}.{name}", "which the chunked engine overrides (a chunk's first and last stage)",
+               ("self",)) for name in ("is_first_stage", "is_last_stage", "_loss_stage_global_rank")),
+    self_use(PIPELINE_ENGINE, "_loss_stage_global_rank()", "which the chunked engine overrides"),
+    *(Internal(f"{PIPELINE_ENGINE}.{name}", "which the chunked engine runs for each chunk", ("self", "buffer_id"))
+      for name in ("_exec_forward_pass", "_exec_load_micro_batch")),
     # The point-to-point test's engines (tests/test_p2p_order.py): DeepSpeed's handlers, driven by its own loop.
     Internal(f"{PIPELINE_ENGINE}._exec_schedule", "which the point-to-point test runs schedules with",
              ("self", "pipe_schedule")),
