@@ -41,8 +41,8 @@ Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with wh
   TrainSchedule._buffer_idx (a micro-batch's pipe buffer).
 - The chunked engine (training/chunked_engine.py, several chunks per rank) runs DeepSpeed's _exec_forward_pass,
   _exec_load_micro_batch and _exec_backward_pass per chunk and overrides is_first_stage, is_last_stage and
-  _loss_stage_global_rank (the running chunk's, or the rank holding the first / last chunk); the names it adds are
-  checked absent as the zero-bubble engine's are.
+  _loss_stage_global_rank (the running chunk's, or the rank holding the first / last chunk) and
+  _inference_schedule (evaluation's forwards); the names it adds are checked absent as the zero-bubble engine's are.
 - For tests/test_p2p_order.py, which records the point-to-point operations of the engines' own handlers:
   PipelineEngine._exec_schedule (the instruction loop of train_batch and eval_batch), _inference_schedule, the p2p
   module's send and recv (what DeepSpeed's handlers call; its source must call them), and the state __init__ sets

@@ -201,10 +201,11 @@ INTERNALS = (
         "_exec_chunk_forward_pass", "_exec_chunk_backward_pass", "_exec_share_activation_shapes", "_exec_post_transfer",
         "_exec_wait_transfer", "_runs_or_holds", "_buffer", "_run_chunk", "_give", "pipeline_schedule", "local_chunks",
         "chunk_owner", "last_chunk", "chunk_program", "running_chunk", "_activation_shapes", "_arrived", "_made",
-        "_posted", "_losses")),
+        "_posted", "_losses", "chunk_ids", "_buffers_per_chunk")),
     *(Internal(f"{PIPELINE_ENGINE}.{name}", "which the chunked engine overrides (a chunk's first and last stage)",
                ("self",)) for name in ("is_first_stage", "is_last_stage", "_loss_stage_global_rank")),
     self_use(PIPELINE_ENGINE, "_loss_stage_global_rank()", "which the chunked engine overrides"),
+    self_use(PIPELINE_ENGINE, "_inference_schedule(", "which the chunked engine overrides (evaluation)"),
     *(Internal(f"{PIPELINE_ENGINE}.{name}", "which the chunked engine runs for each chunk", ("self", "buffer_id"))
       for name in ("_exec_forward_pass", "_exec_load_micro_batch")),
     # The point-to-point test's engines (tests/test_p2p_order.py): DeepSpeed's handlers, driven by its own loop.

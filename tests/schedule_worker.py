@@ -77,9 +77,13 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     for _ in range(steps):  # the same batch every step: the loss must fall
         losses.append(float(engine.train_batch(counted(micro_batches(batch, micro_batch_size, gas, dp_size,
                                                                      engine.grid.data_parallel_id), read))))
+    # evaluation: 3 micro-batches (no multiple of the stages), the loss broadcast from the last chunk's rank
+    evaluated = micro_batches(batch, micro_batch_size, 3, dp_size, engine.grid.data_parallel_id)
+    eval_loss = float(engine.eval_batch(evaluated, num_micro_batches=3))
     if case.get("schedule", "zero_bubble") != "zero_bubble":  # 1F1B's too: the ranks hold other layers
         recorded = all_ranks_gradients(recorded, engine.grid.data_parallel_id)
     return losses, recorded, {"stage": engine.stage_id, "waiting": max(waiting, default=0), "read": len(read),
+                              "eval_loss": eval_loss,
                               "chunks": chunks[engine.stage_id] if chunks else [engine.stage_id]}
 
 
@@ -116,9 +120,9 @@ def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
     for case in cases:
         runs = {schedule: train(case, schedule, steps, micro_batch_size, gas, seq_len)
                 for schedule in ("1f1b", case.get("schedule", "zero_bubble"))}
-        (ref_losses, ref_grads, _), (losses, grads, held) = runs.values()
+        (ref_losses, ref_grads, ref_held), (losses, grads, held) = runs.values()
         results[case["name"]] = {
-            **held, "losses": losses, "ref_losses": ref_losses,
+            **held, "losses": losses, "ref_losses": ref_losses, "ref_eval_loss": ref_held["eval_loss"],
             "grad_steps": [len(ref_grads), len(grads)],
             "grad_names": [sorted(g) for g in ref_grads] == [sorted(g) for g in grads],
             "max_grad_error": max((((g[n] - r[n]).abs().max() / r[n].abs().max().clamp(min=1e-30)).item()

@@ -88,6 +88,7 @@ def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
             assert result["grad_steps"] == [STEPS, STEPS] and result["grad_names"], name
             assert result["compared_grads"] or flat_buffers, name
             assert result["losses"] == pytest.approx(result["ref_losses"], abs=tolerance, rel=0), name
+            assert result["eval_loss"] == pytest.approx(result["ref_eval_loss"], abs=tolerance, rel=0), name
             assert result["max_grad_error"] <= tolerance, name
             assert result["losses"][-1] < result["losses"][0], name  # it trained
             if "schedule" in settings:  # only the ranks of the first and the last chunk read data

@@ -25,7 +25,7 @@ import collectives
 from deepspeed_internals.access import (add_instruction_handlers, load_micro_batch, pipe_buffer, run_backward_pass,
                                         run_forward_pass, set_pipe_buffer, set_received_gradients)
 from training.pipeline_engine import ZeroBubblePipelineEngine, use_zero_bubble
-from training.schedule import BackwardWeightPass
+from training.schedule import BackwardWeightPass, P2POp
 
 SHAPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
 SHAPES_SIZE = 64  # integers in the shapes message: a count, then dtype, ndim and dims per tensor
@@ -55,12 +55,13 @@ class WaitTransfer(PipeInstruction):
 
 
 class ChunkedSchedule(TrainSchedule):
-    """One step per item of the rank's program, then the gradient reductions and the optimizer step."""
+    """One step per item of the rank's program, then (training) the gradient reductions and the optimizer step."""
 
-    def __init__(self, micro_batches, stages, stage_id, program, num_chunks, holds_first_chunk):
+    def __init__(self, micro_batches, stages, stage_id, program, num_chunks, holds_first_chunk, training=True):
         super().__init__(micro_batches, stages, stage_id)
         self.program, self.num_chunks, self.holds_first_chunk = program, num_chunks, holds_first_chunk
         self.split = any(item[0] == "W" for action, item in program if action == "compute")
+        self.training = training
 
     def num_pipe_buffers(self):
         return self.num_chunks * self.micro_batches
@@ -81,7 +82,28 @@ class ChunkedSchedule(TrainSchedule):
                 yield [ChunkBackwardPass(chunk=item[1], micro_batch=item[2], split=self.split)]
             else:
                 yield [BackwardWeightPass()]
-        yield [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
+        if self.training:
+            yield [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
+
+
+def forward_program(chunk_ids, micro_batches, rank):
+    """Evaluation's program for any chunk layout and micro-batch count: every rank runs its forwards micro-batch by
+    micro-batch, chunk by chunk ((j, g) ascending), receiving right before and sending right after each. A transfer
+    sits between (j, g) and its successor (j, g + 1) on both of its sides, so every link's operations come in the
+    same order on its two sides."""
+    owner = {chunk: r for r, chunks in enumerate(chunk_ids) for chunk in chunks}
+    mine, program, sends = chunk_ids[rank], [], []
+    for j in range(micro_batches):
+        for g in sorted(mine):
+            local = mine.index(g)
+            if g > 0 and owner[g - 1] != rank:
+                receive = P2POp("recv", owner[g - 1], "activation", local, j)
+                program += [("post", receive), ("wait", receive)]
+            program.append(("compute", ("F", local, j)))
+            if g + 1 in owner and owner[g + 1] != rank:
+                sends.append(P2POp("send", owner[g + 1], "activation", local, j))
+                program.append(("post", sends[-1]))
+    return program + [("wait", send) for send in sends]
 
 
 def as_tuple(tensors):
@@ -108,12 +130,19 @@ def unpack_shapes(message, device):
 
 
 class ChunkedPipelineEngine(ZeroBubblePipelineEngine):
-    """Its _train_schedule, is_first_stage, is_last_stage and _loss_stage_global_rank override DeepSpeed's
-    (deepspeed_internals/ lists them); W is the zero-bubble engine's."""
+    """Its _train_schedule, _inference_schedule, is_first_stage, is_last_stage and _loss_stage_global_rank override
+    DeepSpeed's (deepspeed_internals/ lists them); W is the zero-bubble engine's."""
 
     def _train_schedule(self):
+        self._buffers_per_chunk = self.micro_batches
         return ChunkedSchedule(self.micro_batches, self.num_stages, self.stage_id, self.chunk_program,
                                len(self.local_chunks), 0 in self.local_chunks)
+
+    def _inference_schedule(self, micro_batches):
+        self._buffers_per_chunk = micro_batches
+        return ChunkedSchedule(micro_batches, self.num_stages, self.stage_id,
+                               forward_program(self.chunk_ids, micro_batches, self.stage_id), len(self.local_chunks),
+                               0 in self.local_chunks, training=False)
 
     def _runs_or_holds(self, chunk):
         return chunk == self.running_chunk if self.running_chunk is not None else chunk in self.local_chunks
@@ -128,7 +157,7 @@ class ChunkedPipelineEngine(ZeroBubblePipelineEngine):
         return self.grid.stage_to_global(self.chunk_owner[self.last_chunk])
 
     def _buffer(self, chunk, micro_batch):
-        return chunk * self.micro_batches + micro_batch
+        return chunk * self._buffers_per_chunk + micro_batch
 
     def _run_chunk(self, chunk, handler, buffer_id):
         self.running_chunk, self.module.active_chunk = self.local_chunks[chunk], chunk
@@ -149,7 +178,8 @@ class ChunkedPipelineEngine(ZeroBubblePipelineEngine):
             set_pipe_buffer(self, "inputs", buffer_id, self._arrived.pop(("activation", chunk, micro_batch)))
         self._run_chunk(chunk, run_forward_pass, buffer_id)
         if g == self.last_chunk:
-            self._losses[buffer_id] = self.loss
+            if torch.is_grad_enabled():  # for its backward (evaluation's losses are DeepSpeed's fwd_outputs)
+                self._losses[buffer_id] = self.loss
         else:
             self._give("activation", chunk, micro_batch, as_tuple(pipe_buffer(self, "outputs", buffer_id)))
 
@@ -250,7 +280,8 @@ def use_chunked_pipeline(engine, schedule, chunk_ids, program):
     use_zero_bubble(engine)  # its W and its checks
     engine.__class__ = ChunkedPipelineEngine
     engine.pipeline_schedule = schedule
-    engine.local_chunks = list(chunk_ids[engine.stage_id])
+    engine.chunk_ids = [list(chunks) for chunks in chunk_ids]
+    engine.local_chunks = engine.chunk_ids[engine.stage_id]
     engine.chunk_owner = {chunk: rank for rank, chunks in enumerate(chunk_ids) for chunk in chunks}
     engine.last_chunk = len(engine.chunk_owner) - 1
     engine.chunk_program = list(program)
