@@ -84,6 +84,7 @@ def check_values(cfg):
     if cfg.micro_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise ConfigError("micro_batch_size and gradient_accumulation_steps must be at least 1.")
     check_zero_bubble(cfg)
+    check_chunked_schedule(cfg)
     if not cfg.preemption_grace_seconds > 0:
         raise ConfigError(f"preemption_grace_seconds={cfg.preemption_grace_seconds} must be positive: the seconds a "
                           f"SIGTERM leaves to finish the step and save.")
@@ -203,3 +204,23 @@ def check_zero_bubble(cfg):
     if cfg.pipeline_schedule == "zero_bubble" and cfg.precision == "fp16":
         raise ConfigError("pipeline_schedule=zero_bubble does not support precision=fp16 yet (it runs with precision "
                           "fp32 or bf16); use pipeline_schedule=1f1b.")
+
+
+CHUNKED_SCHEDULES = ("interleaved_1f1b", "zbv")  # several chunks of layers per rank (training/chunked_engine.py)
+
+
+def check_chunked_schedule(cfg):
+    """The paths not yet run with several chunks per rank, each refused in one line rather than left to chance."""
+    if cfg.pipeline_schedule not in CHUNKED_SCHEDULES:
+        return
+    interval = cfg.activation_checkpoint_interval
+    untested = {"lora": cfg.lora.rank > 0, f"objective={cfg.objective}": cfg.objective != "sft",
+                f"activation_checkpoint_interval={interval}": interval > 0,
+                f"tensor_parallel_size={cfg.tensor_parallel_size}": cfg.tensor_parallel_size > 1,
+                f"context_parallel_size={cfg.context_parallel_size}": cfg.context_parallel_size > 1,
+                f"precision={cfg.precision}": cfg.precision == "fp16",
+                f"offload_optimizer={cfg.offload_optimizer}": cfg.offload_optimizer != "none"}
+    for combination, present in untested.items():
+        if present:
+            raise ConfigError(f"pipeline_schedule={cfg.pipeline_schedule} with {combination} is not supported yet; "
+                              f"use pipeline_schedule 1f1b or zero_bubble.")
