@@ -2,6 +2,7 @@
 orders it runs are valid and fill the bubble. Resuming across the two: tests/test_reliability.py (the killed save's
 and the SIGTERM's resumes)."""
 import glob
+import itertools
 import json
 
 import pytest
@@ -11,7 +12,7 @@ from tests import schedule_worker
 from tests.distributed import spawn
 from tests.launch import demo_overrides, run_in_process
 from tests.tiny_models import TINY_CONFIGS, make_model
-from training.schedule import simulate, stage_orders
+from training.schedule import chunk_ids, chunks_per_rank, rank_orders, simulate, stage_orders
 
 STEPS, MICRO_BATCH, GAS, SEQ = 6, 2, 4, 16
 CASES = {  # name: (tiny config, case settings); all on 4 processes
@@ -131,7 +132,7 @@ def test_simulated_step_is_the_zb_h1_bound(stages, micro_batches, forward, backw
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"pipeline_schedule": "gpipe"}, "pipeline_schedule 'gpipe' is not one of ('1f1b', 'zero_bubble')"),
+    ({"pipeline_schedule": "gpipe"}, "pipeline_schedule 'gpipe' is not one of ('1f1b', 'zero_bubble', 'interleaved_1f1b', 'zbv')"),
     ({"pipeline_schedule": "zero_bubble", "precision": "fp16", "zero_stage": 1},
      "pipeline_schedule=zero_bubble does not support precision=fp16 yet (it runs with precision fp32 or bf16); use "
      "pipeline_schedule=1f1b."),
@@ -149,3 +150,53 @@ def test_bad_schedule_config_is_refused_before_start(demo_model, tmp_path, overr
     with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
         run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), 2)
     assert not (tmp_path / "run").exists()
+
+
+def step_time(stages, micro_batches, times, schedule, **settings):
+    return max(end for _, end in simulate(stages, micro_batches, times, schedule, **settings).values())
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(1, 3), (2, 1), (2, 4), (3, 7), (4, 8), (8, 16), (8, 64)])
+@pytest.mark.parametrize("schedule,virtual_stages", [("zbv", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)])
+def test_multi_chunk_orders_are_complete_and_respect_memory(stages, micro_batches, schedule, virtual_stages):
+    if schedule == "interleaved_1f1b" and micro_batches % stages:
+        with pytest.raises(ValueError, match=f"needs a multiple of {stages} micro-batches, not {micro_batches}"):
+            rank_orders(schedule, stages, micro_batches, virtual_stages)
+        return
+    kinds = "FBW" if schedule == "zbv" else "FB"
+    chunks = chunks_per_rank(schedule, virtual_stages)
+    for rank, order in enumerate(rank_orders(schedule, stages, micro_batches, virtual_stages)):
+        assert sorted(order) == sorted((kind, chunk, j) for kind in kinds for chunk in range(chunks)
+                                       for j in range(micro_batches))
+        for kind, chunk in itertools.product(kinds, range(chunks)):  # each chunk's micro-batches in order
+            assert [j for k, c, j in order if (k, c) == (kind, chunk)] == list(range(micro_batches))
+        change = {"F": 1, "B": 0 if schedule == "zbv" else -1, "W": -1}  # micro-batch-chunks held from F to W
+        held = list(itertools.accumulate(change[kind] for kind, _, _ in order))
+        if schedule == "zbv":  # 1F1B's first stage's activations: p whole-stage micro-batches = 2p chunks
+            assert max(held) <= 2 * stages
+        else:  # Megatron's warm-up count plus the steady state's one
+            assert max(held) == min((stages - rank - 1) * 2 + (virtual_stages - 1) * stages + 1,
+                                    micro_batches * virtual_stages)
+    assert [chunk_ids(schedule, stages, rank, virtual_stages) for rank in range(stages)] == (
+        [[rank, 2 * stages - 1 - rank] for rank in range(stages)] if schedule == "zbv" else
+        [list(range(rank, stages * virtual_stages, stages)) for rank in range(stages)])
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8])
+@pytest.mark.parametrize("forward,backward,weight", [(1, 1, 1), (1, 2, 1), (1, 1.5, 0.5)])
+def test_simulated_steps_are_the_closed_forms(stages, forward, backward, weight):
+    """Each schedule's step against its closed form, m = p ... 64: 1F1B's (p-1)(F+B+W) bubble, interleaving's
+    divided by v (Megatron's (p-1)/(v m) of the work), ZB-H1's (p-1)(F+B-W), and ZB-V at F = B = W: no bubble but
+    the pipeline's fill, (p-1) chunk forwards (F/2), a third of ZB-H1's and below interleaving's for any v."""
+    times = [{"F": forward, "B": backward, "W": weight}] * stages
+    stage_time = forward + backward + weight
+    for micro_batches in range(stages, 65, stages):
+        work = micro_batches * stage_time
+        assert step_time(stages, micro_batches, times, "1f1b") == pytest.approx(work + (stages - 1) * stage_time)
+        for virtual_stages in (2, 4):
+            assert step_time(stages, micro_batches, times, "interleaved_1f1b", virtual_stages=virtual_stages) == (
+                pytest.approx(work + (stages - 1) * stage_time / virtual_stages))
+        zb_h1 = step_time(stages, micro_batches, times, "zero_bubble")
+        assert zb_h1 == pytest.approx(work + (stages - 1) * (forward + backward - weight))
+        if forward == backward == weight:
+            assert step_time(stages, micro_batches, times, "zbv") == pytest.approx(work + (stages - 1) * forward / 2)
