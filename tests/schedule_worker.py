@@ -19,8 +19,7 @@ from models.pipeline import build_pipeline_module, partition_stages  # noqa: E40
 from tests.parity_worker import CHUNK_TOKENS, micro_batches  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
 from training.distributed import init_distributed, parallel_topology  # noqa: E402
-from training.chunked_engine import use_chunked_pipeline  # noqa: E402
-from training.schedule import chunk_ids, p2p_program  # noqa: E402
+from training.chunked_engine import rank_chunk_ids, use_chunked_pipeline  # noqa: E402
 from training.pipeline_engine import use_zero_bubble  # noqa: E402
 
 
@@ -45,9 +44,8 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     config = AutoConfig.from_pretrained(case["hf_dir"])
     num_stages, tensor_parallel = case["stages"], case.get("tensor_parallel", 1)
     dp_size = torch.distributed.get_world_size() // (num_stages * tensor_parallel)
-    chunks, bounds = None, None
-    if schedule in ("zbv", "interleaved_1f1b"):
-        chunks = [chunk_ids(schedule, num_stages, rank, case.get("virtual_stages", 2)) for rank in range(num_stages)]
+    chunks, bounds = rank_chunk_ids(schedule, num_stages, case.get("virtual_stages")), None
+    if chunks is not None:
         num_chunks = sum(map(len, chunks))
         bounds = partition_stages(config, num_chunks, [config.num_hidden_layers // num_chunks] * num_chunks)
     module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel), layer_loader=load_layer_slice,
@@ -69,8 +67,7 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
         use_zero_bubble(engine, case.get("max_waiting"))
         waiting = record_waiting_before_backward(engine.module.parallel.weight_grads)
     elif chunks is not None:
-        use_chunked_pipeline(engine, schedule, chunks, p2p_program(schedule, num_stages, gas, engine.stage_id,
-                                                                   case.get("virtual_stages", 2)))
+        use_chunked_pipeline(engine, schedule, case.get("virtual_stages"))
     recorded = record_optimizer_gradients(engine)
     losses, read = [], []
     batch = make_batch(micro_batch_size * gas * dp_size, seq_len, config.vocab_size, seed=1)

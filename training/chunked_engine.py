@@ -25,7 +25,7 @@ import collectives
 from deepspeed_internals.access import (add_instruction_handlers, load_micro_batch, pipe_buffer, run_backward_pass,
                                         run_forward_pass, set_pipe_buffer, set_received_gradients)
 from training.pipeline_engine import ZeroBubblePipelineEngine, use_zero_bubble
-from training.schedule import BackwardWeightPass, P2POp
+from training.schedule import BackwardWeightPass, P2POp, chunk_ids, chunks_per_rank, p2p_program
 
 SHAPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
 SHAPES_SIZE = 64  # integers in the shapes message: a count, then dtype, ndim and dims per tensor
@@ -264,27 +264,44 @@ add_instruction_handlers(ChunkedPipelineEngine, {
 })
 
 
-def use_chunked_pipeline(engine, schedule, chunk_ids, program):
-    """Turn the PipelineEngine that deepspeed.initialize built over a chunked LlamaPipeline into the chunked one.
-    chunk_ids: each rank's global chunks (the module's); program: this rank's [("compute", (kind "F"/"B"/"W",
-    local chunk, micro-batch)) | ("post" | "wait", P2POp)] for every step (training/schedule.py p2p_program). Ws
-    run oldest first, so they must follow the Bs' order; the rank of chunk 0 must start with its forward of
+def rank_chunk_ids(schedule, stages, virtual_stages=None):
+    """Each rank's global chunks under a schedule with several per rank (the module's chunk_ids), else None."""
+    if chunks_per_rank(schedule, virtual_stages or 1) == 1:
+        return None
+    return [chunk_ids(schedule, stages, rank, virtual_stages or 1) for rank in range(stages)]
+
+
+def stage_reads_data(schedule, stages, rank, virtual_stages=None):
+    """Whether a rank reads micro-batches: it holds the model's first chunk (inputs) or its last (labels)."""
+    chunks = rank_chunk_ids(schedule, stages, virtual_stages)
+    if chunks is None:
+        return rank in (0, stages - 1)
+    return bool({0, stages * len(chunks[rank]) - 1} & set(chunks[rank]))
+
+
+def use_chunked_pipeline(engine, schedule, virtual_stages=None, max_waiting=None):
+    """Turn the PipelineEngine that deepspeed.initialize built over a chunked LlamaPipeline (rank_chunk_ids' chunks)
+    into the chunked one, running its rank's program of the schedule (training/schedule.py p2p_program). Ws run
+    oldest first, so they must follow the Bs' order; the rank of chunk 0 must start with its forward of
     micro-batch 0 (the activation shapes come from it)."""
+    chunks = rank_chunk_ids(schedule, engine.num_stages, virtual_stages)
+    program = p2p_program(schedule, engine.num_stages, engine.micro_batches, engine.stage_id, virtual_stages or 1,
+                          max_waiting)
     computed = [item for action, item in program if action == "compute"]
     backwards = [(chunk, j) for kind, chunk, j in computed if kind == "B"]
     weights = [(chunk, j) for kind, chunk, j in computed if kind == "W"]
     if weights and weights != backwards:
         raise ValueError(f"{schedule}: the order's Ws {weights} do not follow its Bs {backwards}.")
-    if 0 in chunk_ids[engine.stage_id] and program[0] != ("compute", ("F", chunk_ids[engine.stage_id].index(0), 0)):
+    if 0 in chunks[engine.stage_id] and program[0] != ("compute", ("F", chunks[engine.stage_id].index(0), 0)):
         raise ValueError(f"{schedule}: the program of chunk 0's rank starts with {program[0]}, not its first forward.")
     use_zero_bubble(engine)  # its W and its checks
     engine.__class__ = ChunkedPipelineEngine
     engine.pipeline_schedule = schedule
-    engine.chunk_ids = [list(chunks) for chunks in chunk_ids]
-    engine.local_chunks = engine.chunk_ids[engine.stage_id]
-    engine.chunk_owner = {chunk: rank for rank, chunks in enumerate(chunk_ids) for chunk in chunks}
+    engine.chunk_ids = chunks
+    engine.local_chunks = chunks[engine.stage_id]
+    engine.chunk_owner = {chunk: rank for rank, rank_chunks in enumerate(chunks) for chunk in rank_chunks}
     engine.last_chunk = len(engine.chunk_owner) - 1
-    engine.chunk_program = list(program)
+    engine.chunk_program = program
     engine.running_chunk = engine._activation_shapes = None
     engine._arrived, engine._made, engine._posted, engine._losses = {}, {}, {}, {}
     return engine
