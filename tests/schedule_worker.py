@@ -15,6 +15,7 @@ from transformers import AutoConfig  # noqa: E402
 
 from checkpoints.layer_files import load_layer_slice  # noqa: E402
 import collectives  # noqa: E402
+from models.lora import NO_LORA, LoraSettings  # noqa: E402
 from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
 from tests.parity_worker import CHUNK_TOKENS, micro_batches  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
@@ -55,7 +56,8 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
                                    recompute_sequence_gather=case.get("recompute_sequence_gather", False),
                                    loss_chunk_tokens=case.get("loss_chunk_tokens", CHUNK_TOKENS),
                                    grad_accum_dtype=(torch.float32 if case.get("deepspeed", {}).get("data_types")
-                                                     else None))
+                                                     else None),
+                                   lora=LoraSettings(**case["lora"]) if "lora" in case else NO_LORA)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config={
         "train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": gas,
         "steps_per_print": 10**9, "gradient_clipping": 0.0,
