@@ -109,12 +109,21 @@ class LlamaPipeline(PipelineModule):
         return {key: comm for key, comm in super()._index_tied_modules().items() if len(comm["ranks"]) > 1}
 
     def forward(self, forward_input):
+        """DeepSpeed's forward over a rank's one chunk; with several, the active chunk's layers, those of each
+        block of activation_checkpoint_interval decoder layers checkpointed as DeepSpeed does."""
         if len(self.chunk_layers) == 1:
             return super().forward(forward_input)
         first = sum(len(layers) for layers in self.chunk_layers[:self.active_chunk])
+        layers = self.forward_funcs[first:first + len(self.chunk_layers[self.active_chunk])]
+        interval = self.activation_checkpoint_interval or len(layers)
         x = forward_input
-        for layer in self.forward_funcs[first:first + len(self.chunk_layers[self.active_chunk])]:
-            x = layer(x)
+        for start in range(0, len(layers), interval):
+            block = functools.partial(run_layers, layers[start:start + interval])
+            if self.activation_checkpoint_interval and all(isinstance(layer, DecoderLayerPipe)
+                                                           for layer in layers[start:start + interval]):
+                x = self.activation_checkpoint_func(block, *(x if isinstance(x, tuple) else (x,)))
+            else:
+                x = block(x)
         return x
 
     def ckpt_layer_path(self, ckpt_dir, local_layer_idx):
@@ -137,6 +146,14 @@ class LlamaPipeline(PipelineModule):
         synchronize_tied_weights(self)
 
 
+def run_layers(layers, *inputs):
+    """Layers one after the other (a checkpointed block's function: it takes the tuple's tensors as arguments)."""
+    x = inputs[0] if len(inputs) == 1 else inputs
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
 def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
@@ -155,9 +172,6 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     what the rows hold (data/collator.py `row_layout`; 'packed', a mask per document, is right for any rows).
     chunk_ids: each rank's global chunks, several per rank (then stage_bounds bound the chunks; LlamaPipeline)."""
     check_model_config(config)
-    if chunk_ids is not None and max(map(len, chunk_ids)) > 1 and activation_checkpoint_interval:
-        raise ValueError("activation_checkpoint_interval > 0 with several chunks per rank is not supported yet; set "
-                         "activation_checkpoint_interval=0 or pipeline_schedule 1f1b or zero_bubble.")
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
     parallel = TensorParallel(tp_size, getattr(topology.get_coord(rank), "model", 0), sequence_parallel,

@@ -63,6 +63,7 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
         "steps_per_print": 10**9, "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}, **case.get("deepspeed", {})})
+    checkpointed = count_calls(module, "activation_checkpoint_func")
     engine.load_checkpoint(case["ds_dir"], load_module_only=True)
     waiting = []
     if schedule == "zero_bubble":
@@ -82,8 +83,27 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     if case.get("schedule", "zero_bubble") != "zero_bubble":  # 1F1B's too: the ranks hold other layers
         recorded = all_ranks_gradients(recorded, engine.grid.data_parallel_id)
     return losses, recorded, {"stage": engine.stage_id, "waiting": max(waiting, default=0), "read": len(read),
-                              "eval_loss": eval_loss,
+                              "eval_loss": eval_loss, "checkpointed": len(checkpointed),
                               "chunks": chunks[engine.stage_id] if chunks else [engine.stage_id]}
+
+
+def worst_gradient(ref_grads, grads):
+    """The largest error of a gradient relative to its largest element, over all steps, and where it is."""
+    errors = [(((g[n] - r[n]).abs().max() / r[n].abs().max().clamp(min=1e-30)).item(), step, n)
+              for step, (r, g) in enumerate(zip(ref_grads, grads)) for n in r]
+    error, step, name = max(errors, default=(0.0, None, None))
+    return {"max_grad_error": error, "worst_grad": f"step {step} {name}"}
+
+
+def count_calls(owner, name):
+    """[None per call] of owner.<name> from now on."""
+    calls, function = [], getattr(owner, name)
+
+    def counting(*args, **kwargs):
+        calls.append(None)
+        return function(*args, **kwargs)
+    setattr(owner, name, counting)
+    return calls
 
 
 def counted(items, read):
@@ -124,8 +144,7 @@ def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
             **held, "losses": losses, "ref_losses": ref_losses, "ref_eval_loss": ref_held["eval_loss"],
             "grad_steps": [len(ref_grads), len(grads)],
             "grad_names": [sorted(g) for g in ref_grads] == [sorted(g) for g in grads],
-            "max_grad_error": max((((g[n] - r[n]).abs().max() / r[n].abs().max().clamp(min=1e-30)).item()
-                                   for r, g in zip(ref_grads, grads) for n in r), default=0.0),
+            **worst_gradient(ref_grads, grads),
             "compared_grads": sum(len(r) for r in ref_grads)}
         torch.distributed.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

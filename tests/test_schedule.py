@@ -46,8 +46,13 @@ CASES = {  # name: (tiny config, case settings); all on 4 processes
     # have a decoder layer per chunk on 4 ranks. Their ranks hold other layers than 1F1B's: every gradient is
     # compared by name across all ranks (and data-parallel replicas).
     "4stages_zbv": ("llama2_8layers", dict(stages=4, schedule="zbv")),
-    "4stages_interleaved_tied": ("tied_8layers", dict(stages=4, schedule="interleaved_1f1b", virtual_stages=2)),
-    "2stages_x_2dp_zbv_tied": ("tied", dict(stages=2, schedule="zbv")),
+    "4stages_interleaved_tied_checkpointing": ("tied_8layers", dict(stages=4, schedule="interleaved_1f1b",
+                                                                    virtual_stages=2, checkpoint_interval=1)),
+    # ZB-V adds the tied weight's embedding and head gradients on one rank in the order its Bs run, 1F1B as two
+    # partial sums all-reduced: fp32 rounding of ~1e-7 that Adam carries into later steps' gradients (1.05e-6 of
+    # a layer norm's at step 5 of 6), hence 2e-6 (the untied and LoRA cases are exact).
+    "2stages_x_2dp_zbv_tied_checkpointing": ("tied", dict(stages=2, schedule="zbv", checkpoint_interval=1,
+                                                          tolerance=2e-6)),
     "2stages_x_2dp_interleaved": ("llama2", dict(stages=2, schedule="interleaved_1f1b", virtual_stages=2)),
     # LoRA: the adapters' gradients (the base frozen; ZB-V's W computes only theirs)
     "2stages_x_2dp_zbv_lora_tied": ("tied", dict(stages=2, schedule="zbv", lora=dict(rank=4))),
@@ -94,8 +99,9 @@ def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
             assert result["compared_grads"] or flat_buffers, name
             assert result["losses"] == pytest.approx(result["ref_losses"], abs=tolerance, rel=0), name
             assert result["eval_loss"] == pytest.approx(result["ref_eval_loss"], abs=tolerance, rel=0), name
-            assert result["max_grad_error"] <= tolerance, name
+            assert result["max_grad_error"] <= tolerance, (name, result["worst_grad"])
             assert result["losses"][-1] < result["losses"][0], name  # it trained
+            assert (result["checkpointed"] > 0) == ("checkpoint_interval" in settings), name
             if "schedule" in settings:  # only the ranks of the first and the last chunk read data
                 reads = {0, settings["stages"] * settings.get("virtual_stages", 2) - 1} & set(result["chunks"])
                 assert result["read"] == (STEPS * GAS if reads else 0), name
@@ -143,9 +149,9 @@ def test_simulated_step_is_the_zb_h1_bound(stages, micro_batches, forward, backw
     # the paths several chunks per rank do not run yet, refused before anything starts
     ({"pipeline_schedule": "zbv", "objective": "simpo"},
      "pipeline_schedule=zbv with objective=simpo is not supported yet; use pipeline_schedule 1f1b or zero_bubble."),
-    ({"pipeline_schedule": "zbv", "activation_checkpoint_interval": 1},
-     "pipeline_schedule=zbv with activation_checkpoint_interval=1 is not supported yet; use pipeline_schedule 1f1b "
-     "or zero_bubble."),
+    ({"pipeline_schedule": "zbv", "tensor_parallel_size": 2},
+     "pipeline_schedule=zbv with tensor_parallel_size=2 is not supported yet; use pipeline_schedule 1f1b or "
+     "zero_bubble."),
     ({"pipeline_schedule": "zero_bubble", "zero_bubble_max_waiting": -1},
      "zero_bubble_max_waiting=-1 is not a number of micro-batches: set an integer >= 0, or null for ZB-H1's "
      "(stage s holds s)."),
