@@ -6,10 +6,16 @@ import itertools
 import json
 
 import pytest
+from omegaconf import OmegaConf
+from transformers import LlamaConfig
 
+from models.partition import decoder_counts_of_bounds, rank_chunk_layers
+from planner.workload import Workload
 from tests import schedule_worker
 from tests.distributed import spawn
 from tests.launch import demo_overrides, run_in_process
+from training.config_checks import ConfigError, checked_config
+from training.run_spec import configured_stage_bounds
 from training.schedule import chunk_ids, chunks_per_rank, rank_orders, simulate, stage_orders
 
 STEPS, MICRO_BATCH, GAS, SEQ = 6, 2, 4, 16
@@ -156,3 +162,59 @@ def test_simulated_steps_are_the_closed_forms(stages, forward, backward, weight)
         assert zb_h1 == pytest.approx(work + (stages - 1) * (forward + backward - weight))
         if forward == backward == weight:
             assert step_time(stages, micro_batches, times, "zbv") == pytest.approx(work + (stages - 1) * forward / 2)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(pipeline_schedule="zbv", precision="fp16", zero_stage=1),
+     "pipeline_schedule=zbv does not support precision=fp16 yet (it runs with precision fp32 or bf16); use "
+     "pipeline_schedule=1f1b."),
+    (dict(virtual_stages=2), "virtual_stages=2 applies to pipeline_schedule=interleaved_1f1b only (not 1f1b); set "
+     "virtual_stages=null, or pipeline_schedule=interleaved_1f1b."),
+    (dict(pipeline_schedule="interleaved_1f1b"), "pipeline_schedule=interleaved_1f1b with virtual_stages=null: set "
+     "virtual_stages=2 or more (chunks of layers per rank)."),
+    (dict(pipeline_schedule="interleaved_1f1b", virtual_stages=2, num_stages=4, gradient_accumulation_steps=6),
+     "gradient_accumulation_steps=6 with pipeline_schedule=interleaved_1f1b on num_stages=4: Megatron's interleaved "
+     "order takes micro-batches in groups of 4; use gradient_accumulation_steps=8 (a multiple of 4)."),
+])
+def test_bad_chunk_schedule_config_is_refused(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        checked_config(OmegaConf.create(overrides))
+    assert str(error.value) == message
+
+
+def tiny_llama(layers):
+    return LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                       vocab_size=256)
+
+
+@pytest.mark.parametrize("overrides,layers,message", [
+    (dict(pipeline_schedule="zbv", num_stages=4), 6, "pipeline_schedule=zbv splits the model into 8 chunks (4 stages "
+     "x 2), more than its 6 decoder layers: use num_stages=3 or less."),
+    (dict(pipeline_schedule="interleaved_1f1b", virtual_stages=3, num_stages=2), 4, "pipeline_schedule="
+     "interleaved_1f1b splits the model into 6 chunks (2 stages x 3), more than its 4 decoder layers: use "
+     "virtual_stages=2 or less."),
+    (dict(pipeline_schedule="zbv", num_stages=2, partition=[2, 2]), 8, "partition [2, 2] has 2 entries: "
+     "pipeline_schedule=zbv splits the model into 4 chunks (2 stages x 2); give decoder layers per chunk, 4 entries."),
+])
+def test_chunks_the_model_cannot_fill_are_refused(overrides, layers, message):
+    cfg = checked_config(OmegaConf.create(overrides))
+    with pytest.raises(ConfigError) as error:
+        configured_stage_bounds(cfg, tiny_llama(layers), Workload(pipeline_schedule=cfg.pipeline_schedule))
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize("schedule,virtual_stages,partition,counts", [
+    ("zbv", None, "balanced", [2, 2, 2, 2]),  # embedding on chunk 0, head on chunk 3: both rank 0's
+    ("zbv", None, [1, 3, 3, 1], [1, 3, 3, 1]),
+    ("interleaved_1f1b", 2, "uniform", None),
+])
+def test_partition_splits_chunks(schedule, virtual_stages, partition, counts):
+    cfg = checked_config(OmegaConf.create(dict(pipeline_schedule=schedule, virtual_stages=virtual_stages,
+                                               num_stages=2, partition=partition)))
+    bounds = configured_stage_bounds(cfg, tiny_llama(8), Workload(pipeline_schedule=schedule))
+    assert len(bounds) == 5 and bounds[0] == 0 and bounds[-1] == 8 + 3  # [embedding, 8 decoders, norm, head]
+    if counts:
+        assert decoder_counts_of_bounds(bounds) == counts
+    layers = [rank_chunk_layers(bounds, schedule, 2, rank, virtual_stages) for rank in range(2)]
+    assert sorted(sum(layers, [])) == list(zip(bounds, bounds[1:]))
+    assert layers[0][0][0] == 0 and (bounds[3], 11) in layers[0 if schedule == "zbv" else 1]
