@@ -101,9 +101,12 @@ def describe_workload(workload):
             f"{' with optimizer offloaded to CPU' if workload.offload_optimizer else ''}, "
             f"{tensor}data-parallel {workload.data_parallel}, {checkpointing}"
             f"{f', LoRA rank {workload.lora.rank}' if workload.lora.enabled else ''}"
-            f"{zero_bubble_description(workload) if workload.pipeline_schedule == 'zero_bubble' else ''}")
+            f"{schedule_description(workload)}")
 
 
-def zero_bubble_description(workload):
+def schedule_description(workload):
     cap = workload.zero_bubble_max_waiting
-    return ", zero-bubble schedule" + ("" if cap is None else f" (at most {cap} micro-batches waiting for W)")
+    capped = "" if cap is None else f" (at most {cap} micro-batches waiting for W)"
+    return {"zero_bubble": f", zero-bubble schedule{capped}", "zbv": f", ZB-V schedule, 2 chunks per rank{capped}",
+            "interleaved_1f1b": f", interleaved 1F1B, {workload.virtual_stages} chunks per rank"}.get(
+                workload.pipeline_schedule, "")

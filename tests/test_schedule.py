@@ -9,7 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 from transformers import LlamaConfig
 
-from models.partition import decoder_counts_of_bounds, rank_chunk_layers
+from models.partition import decoder_counts_of_bounds, rank_chunk_layers, stage_bounds_from_decoder_counts
+from planner.stage_costs import format_stage_plan, stage_plan
 from planner.workload import Workload
 from tests import schedule_worker
 from tests.distributed import spawn
@@ -100,7 +101,8 @@ def test_simulated_step_is_the_zb_h1_bound(stages, micro_batches, forward, backw
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"pipeline_schedule": "gpipe"}, "pipeline_schedule 'gpipe' is not one of ('1f1b', 'zero_bubble', 'interleaved_1f1b', 'zbv')"),
+    ({"pipeline_schedule": "gpipe"},
+     "pipeline_schedule 'gpipe' is not one of ('1f1b', 'zero_bubble', 'interleaved_1f1b', 'zbv')"),
     ({"pipeline_schedule": "zero_bubble", "precision": "fp16", "zero_stage": 1},
      "pipeline_schedule=zero_bubble does not support precision=fp16 yet (it runs with precision fp32 or bf16); use "
      "pipeline_schedule=1f1b."),
@@ -218,3 +220,25 @@ def test_partition_splits_chunks(schedule, virtual_stages, partition, counts):
     layers = [rank_chunk_layers(bounds, schedule, 2, rank, virtual_stages) for rank in range(2)]
     assert sorted(sum(layers, [])) == list(zip(bounds, bounds[1:]))
     assert layers[0][0][0] == 0 and (bounds[3], 11) in layers[0 if schedule == "zbv" else 1]
+
+
+def test_memory_plan_counts_each_schedules_chunks_in_flight():
+    """The plan's micro-batch-chunks in flight per rank come from the orders: interleaving's warm-up raises the first
+    ranks' ((p - r - 1)·2 + (v - 1)·p + 1 chunks of 1/v of a stage against 1F1B's p - r whole stages), ZB-V holds
+    at most 2p half-stage chunks on every rank (1F1B's first stage's p); each row lists its rank's chunks."""
+    model, stages, micro_batches = tiny_llama(16), 4, 8
+    plans = {}
+    for schedule, virtual_stages in (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 1)):
+        workload = Workload(pipeline_schedule=schedule, virtual_stages=virtual_stages, micro_batches=micro_batches)
+        chunks = stages * chunks_per_rank(schedule, virtual_stages)
+        bounds = stage_bounds_from_decoder_counts([16 // chunks] * chunks, 16)
+        plans[schedule] = stage_plan(model, bounds, workload)
+        for rank, row in enumerate(plans[schedule]):
+            assert row["chunks"] == rank_chunk_layers(bounds, schedule, stages, rank, virtual_stages)
+    assert [row["in_flight"] for row in plans["1f1b"]] == [4, 3, 2, 1]
+    assert [row["in_flight"] for row in plans["interleaved_1f1b"]] == [11, 9, 7, 5]
+    assert all(row["in_flight"] + row["waiting_for_weight_grads"] <= 2 * stages for row in plans["zbv"])
+    first = {schedule: plan[0]["activation_bytes"] for schedule, plan in plans.items()}
+    assert first["interleaved_1f1b"] > 1.3 * first["1f1b"]
+    assert max(row["activation_bytes"] for row in plans["zbv"]) < 1.15 * first["1f1b"]
+    assert format_stage_plan(plans["zbv"]).splitlines()[1].split()[:2] == ["0", "0-2+15-18"]  # embedding and head
