@@ -6,12 +6,19 @@ import itertools
 import json
 
 import pytest
+from omegaconf import OmegaConf
+from transformers import LlamaConfig
 
 from checkpoints.hf_to_ds import convert_hf_to_ds
+from models.partition import decoder_counts_of_bounds, rank_chunk_layers, stage_bounds_from_decoder_counts
+from planner.stage_costs import format_stage_plan, stage_plan
+from planner.workload import Workload
 from tests import schedule_worker
 from tests.distributed import spawn
 from tests.launch import demo_overrides, run_in_process
 from tests.tiny_models import TINY_CONFIGS, make_model
+from training.config_checks import ConfigError, checked_config
+from training.run_spec import configured_stage_bounds
 from training.schedule import chunk_ids, chunks_per_rank, rank_orders, simulate, stage_orders
 
 STEPS, MICRO_BATCH, GAS, SEQ = 6, 2, 4, 16
@@ -142,7 +149,8 @@ def test_simulated_step_is_the_zb_h1_bound(stages, micro_batches, forward, backw
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"pipeline_schedule": "gpipe"}, "pipeline_schedule 'gpipe' is not one of ('1f1b', 'zero_bubble', 'interleaved_1f1b', 'zbv')"),
+    ({"pipeline_schedule": "gpipe"},
+     "pipeline_schedule 'gpipe' is not one of ('1f1b', 'zero_bubble', 'interleaved_1f1b', 'zbv')"),
     ({"pipeline_schedule": "zero_bubble", "precision": "fp16", "zero_stage": 1},
      "pipeline_schedule=zero_bubble does not support precision=fp16 yet (it runs with precision fp32 or bf16); use "
      "pipeline_schedule=1f1b."),
@@ -210,3 +218,81 @@ def test_simulated_steps_are_the_closed_forms(stages, forward, backward, weight)
         assert zb_h1 == pytest.approx(work + (stages - 1) * (forward + backward - weight))
         if forward == backward == weight:
             assert step_time(stages, micro_batches, times, "zbv") == pytest.approx(work + (stages - 1) * forward / 2)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(pipeline_schedule="zbv", precision="fp16", zero_stage=1),
+     "pipeline_schedule=zbv does not support precision=fp16 yet (it runs with precision fp32 or bf16); use "
+     "pipeline_schedule=1f1b."),
+    (dict(virtual_stages=2), "virtual_stages=2 applies to pipeline_schedule=interleaved_1f1b only (not 1f1b); set "
+     "virtual_stages=null, or pipeline_schedule=interleaved_1f1b."),
+    (dict(pipeline_schedule="interleaved_1f1b"), "pipeline_schedule=interleaved_1f1b with virtual_stages=null: set "
+     "virtual_stages=2 or more (chunks of layers per rank)."),
+    (dict(pipeline_schedule="interleaved_1f1b", virtual_stages=2, num_stages=4, gradient_accumulation_steps=6),
+     "gradient_accumulation_steps=6 with pipeline_schedule=interleaved_1f1b on num_stages=4: Megatron's interleaved "
+     "order takes micro-batches in groups of 4; use gradient_accumulation_steps=8 (a multiple of 4)."),
+])
+def test_bad_chunk_schedule_config_is_refused(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        checked_config(OmegaConf.create(overrides))
+    assert str(error.value) == message
+
+
+def tiny_llama(layers):
+    return LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                       vocab_size=256)
+
+
+@pytest.mark.parametrize("overrides,layers,message", [
+    (dict(pipeline_schedule="zbv", num_stages=4), 6, "pipeline_schedule=zbv splits the model into 8 chunks (4 stages "
+     "x 2), more than its 6 decoder layers: use num_stages=3 or less."),
+    (dict(pipeline_schedule="interleaved_1f1b", virtual_stages=3, num_stages=2), 4, "pipeline_schedule="
+     "interleaved_1f1b splits the model into 6 chunks (2 stages x 3), more than its 4 decoder layers: use "
+     "virtual_stages=2 or less."),
+    (dict(pipeline_schedule="zbv", num_stages=2, partition=[2, 2]), 8, "partition [2, 2] has 2 entries: "
+     "pipeline_schedule=zbv splits the model into 4 chunks (2 stages x 2); give decoder layers per chunk, 4 entries."),
+])
+def test_chunks_the_model_cannot_fill_are_refused(overrides, layers, message):
+    cfg = checked_config(OmegaConf.create(overrides))
+    with pytest.raises(ConfigError) as error:
+        configured_stage_bounds(cfg, tiny_llama(layers), Workload(pipeline_schedule=cfg.pipeline_schedule))
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize("schedule,virtual_stages,partition,counts", [
+    ("zbv", None, "balanced", [2, 2, 2, 2]),  # embedding on chunk 0, head on chunk 3: both rank 0's
+    ("zbv", None, [1, 3, 3, 1], [1, 3, 3, 1]),
+    ("interleaved_1f1b", 2, "uniform", None),
+])
+def test_partition_splits_chunks(schedule, virtual_stages, partition, counts):
+    cfg = checked_config(OmegaConf.create(dict(pipeline_schedule=schedule, virtual_stages=virtual_stages,
+                                               num_stages=2, partition=partition)))
+    bounds = configured_stage_bounds(cfg, tiny_llama(8), Workload(pipeline_schedule=schedule))
+    assert len(bounds) == 5 and bounds[0] == 0 and bounds[-1] == 8 + 3  # [embedding, 8 decoders, norm, head]
+    if counts:
+        assert decoder_counts_of_bounds(bounds) == counts
+    layers = [rank_chunk_layers(bounds, schedule, 2, rank, virtual_stages) for rank in range(2)]
+    assert sorted(sum(layers, [])) == list(zip(bounds, bounds[1:]))
+    assert layers[0][0][0] == 0 and (bounds[3], 11) in layers[0 if schedule == "zbv" else 1]
+
+
+def test_memory_plan_counts_each_schedules_chunks_in_flight():
+    """The plan's micro-batch-chunks in flight per rank come from the orders: interleaving's warm-up raises the first
+    ranks' ((p - r - 1)·2 + (v - 1)·p + 1 chunks of 1/v of a stage against 1F1B's p - r whole stages), ZB-V holds
+    at most 2p half-stage chunks on every rank (1F1B's first stage's p); each row lists its rank's chunks."""
+    model, stages, micro_batches = tiny_llama(16), 4, 8
+    plans = {}
+    for schedule, virtual_stages in (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 1)):
+        workload = Workload(pipeline_schedule=schedule, virtual_stages=virtual_stages, micro_batches=micro_batches)
+        chunks = stages * chunks_per_rank(schedule, virtual_stages)
+        bounds = stage_bounds_from_decoder_counts([16 // chunks] * chunks, 16)
+        plans[schedule] = stage_plan(model, bounds, workload)
+        for rank, row in enumerate(plans[schedule]):
+            assert row["chunks"] == rank_chunk_layers(bounds, schedule, stages, rank, virtual_stages)
+    assert [row["in_flight"] for row in plans["1f1b"]] == [4, 3, 2, 1]
+    assert [row["in_flight"] for row in plans["interleaved_1f1b"]] == [11, 9, 7, 5]
+    assert all(row["in_flight"] + row["waiting_for_weight_grads"] <= 2 * stages for row in plans["zbv"])
+    first = {schedule: plan[0]["activation_bytes"] for schedule, plan in plans.items()}
+    assert first["interleaved_1f1b"] > 1.3 * first["1f1b"]
+    assert max(row["activation_bytes"] for row in plans["zbv"]) < 1.15 * first["1f1b"]
+    assert format_stage_plan(plans["zbv"]).splitlines()[1].split()[:2] == ["0", "0-2+15-18"]  # embedding and head

@@ -40,7 +40,7 @@ from deepspeed.runtime.pipe.schedule import (BackwardPass, BufferOpInstruction, 
                                              SendActivation, SendGrad, TrainSchedule)
 
 from deepspeed_internals.access import buffer_of_micro_batch
-from models.pipeline_schedule_rules import held_back_micro_batches, in_flight_micro_batches
+from models.pipeline_schedule_rules import chunk_ids, chunks_per_rank, held_back_micro_batches, in_flight_micro_batches
 
 PIPELINE_SCHEDULES = ("1f1b", "zero_bubble", "interleaved_1f1b", "zbv")
 SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "zbv")  # B and W apart; the others run one backward, B + W
@@ -106,18 +106,6 @@ def stage_orders(stages, micro_batches, schedule="zero_bubble", max_waiting=None
     if schedule == "zero_bubble":
         return [zero_bubble_order(stages, micro_batches, stage, max_waiting) for stage in range(stages)]
     return [one_f_one_b_order(stages, micro_batches, stage) for stage in range(stages)]
-
-
-def chunks_per_rank(schedule, virtual_stages=1):
-    return {"interleaved_1f1b": virtual_stages, "zbv": 2}.get(schedule, 1)
-
-
-def chunk_ids(schedule, stages, rank, virtual_stages=1):
-    """The global chunk of each of this rank's local chunks, in local order: interleaved_1f1b [r, r + p, ...,
-    r + (v-1)p], zbv [r, 2p - 1 - r], the one-chunk schedules [r]."""
-    if schedule == "zbv":
-        return [rank, 2 * stages - 1 - rank]
-    return [rank + k * stages for k in range(chunks_per_rank(schedule, virtual_stages))]
 
 
 @functools.lru_cache(maxsize=64)
