@@ -24,8 +24,8 @@ from deepspeed.runtime.pipe.schedule import OptimizerStep, PipeInstruction, Redu
 import collectives
 from deepspeed_internals.access import (add_instruction_handlers, load_micro_batch, pipe_buffer, run_backward_pass,
                                         run_forward_pass, set_pipe_buffer, set_received_gradients)
-from training.pipeline_engine import ZeroBubblePipelineEngine, use_zero_bubble
 from models.pipeline_schedule_rules import chunk_ids, chunks_per_rank
+from training.pipeline_engine import ZeroBubblePipelineEngine, use_zero_bubble
 from training.schedule import BackwardWeightPass, P2POp, p2p_program
 
 SHAPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
