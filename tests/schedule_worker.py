@@ -81,7 +81,8 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     evaluated = micro_batches(batch, micro_batch_size, 3, dp_size, engine.grid.data_parallel_id)
     eval_loss = float(engine.eval_batch(evaluated, num_micro_batches=3))
     if case.get("schedule", "zero_bubble") != "zero_bubble":  # 1F1B's too: the ranks hold other layers
-        recorded = all_ranks_gradients(recorded, engine.grid.data_parallel_id)
+        replica = f"dp{engine.grid.data_parallel_id}.tp{engine.grid.get_slice_parallel_rank()}"
+        recorded = all_ranks_gradients(recorded, replica)
     return losses, recorded, {"stage": engine.stage_id, "waiting": max(waiting, default=0), "read": len(read),
                               "eval_loss": eval_loss, "checkpointed": len(checkpointed),
                               "chunks": chunks[engine.stage_id] if chunks else [engine.stage_id]}
@@ -112,13 +113,14 @@ def counted(items, read):
         yield item
 
 
-def all_ranks_gradients(recorded, data_parallel_id):
-    """Each step's gradients of every rank, keyed by data-parallel replica and name. The flat buffers of ZeRO and
+def all_ranks_gradients(recorded, replica):
+    """Each step's gradients of every rank, keyed by the rank's data-parallel replica and tensor-parallel rank, and
+    by name. The flat buffers of ZeRO and
     the bf16 optimizer (named group<i>.<j>) hold other parameters under another layout: there the losses, equal
     bit for bit, are the comparison."""
     gathered = [None] * torch.distributed.get_world_size()
-    collectives.all_gather_object(gathered, (data_parallel_id, recorded))
-    return [{f"dp{dp}.{name}": grad for dp, steps in gathered for name, grad in steps[step].items()
+    collectives.all_gather_object(gathered, (replica, recorded))
+    return [{f"{where}.{name}": grad for where, steps in gathered for name, grad in steps[step].items()
              if not name.startswith("group")} for step in range(len(recorded))]
 
 
