@@ -61,6 +61,10 @@ CASES = {  # name: (tiny config, case settings); all on 4 processes
     "2stages_x_2dp_zbv_tied_checkpointing": ("tied", dict(stages=2, schedule="zbv", checkpoint_interval=1,
                                                           tolerance=2e-6)),
     "2stages_x_2dp_interleaved": ("llama2", dict(stages=2, schedule="interleaved_1f1b", virtual_stages=2)),
+    # tensor parallelism 2 (sequence parallel): each rank's shards, by tensor-parallel rank
+    "2stages_x_tp2_zbv": ("llama3", dict(stages=2, schedule="zbv", tensor_parallel=2)),
+    "2stages_x_tp2_interleaved_tied": ("tied", dict(stages=2, schedule="interleaved_1f1b", virtual_stages=2,
+                                                    tensor_parallel=2)),
     # LoRA: the adapters' gradients (the base frozen; ZB-V's W computes only theirs)
     "2stages_x_2dp_zbv_lora_tied": ("tied", dict(stages=2, schedule="zbv", lora=dict(rank=4))),
     "2stages_x_2dp_interleaved_lora": ("llama2", dict(stages=2, schedule="interleaved_1f1b", virtual_stages=2,
@@ -157,8 +161,8 @@ def test_simulated_step_is_the_zb_h1_bound(stages, micro_batches, forward, backw
     # the paths several chunks per rank do not run yet, refused before anything starts
     ({"pipeline_schedule": "zbv", "objective": "simpo"},
      "pipeline_schedule=zbv with objective=simpo is not supported yet; use pipeline_schedule 1f1b or zero_bubble."),
-    ({"pipeline_schedule": "zbv", "tensor_parallel_size": 2},
-     "pipeline_schedule=zbv with tensor_parallel_size=2 is not supported yet; use pipeline_schedule 1f1b or "
+    ({"pipeline_schedule": "zbv", "context_parallel_size": 2},
+     "pipeline_schedule=zbv with context_parallel_size=2 is not supported yet; use pipeline_schedule 1f1b or "
      "zero_bubble."),
     ({"pipeline_schedule": "zero_bubble", "zero_bubble_max_waiting": -1},
      "zero_bubble_max_waiting=-1 is not a number of micro-batches: set an integer >= 0, or null for ZB-H1's "

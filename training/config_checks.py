@@ -236,7 +236,6 @@ def check_chunk_schedule_paths(cfg):
     if cfg.pipeline_schedule not in CHUNKED_SCHEDULES:
         return
     untested = {f"objective={cfg.objective}": cfg.objective != "sft",
-                f"tensor_parallel_size={cfg.tensor_parallel_size}": cfg.tensor_parallel_size > 1,
                 f"context_parallel_size={cfg.context_parallel_size}": cfg.context_parallel_size > 1,
                 f"precision={cfg.precision}": cfg.precision == "fp16",
                 f"offload_optimizer={cfg.offload_optimizer}": cfg.offload_optimizer != "none"}
