@@ -233,8 +233,8 @@ def zbv_order(stages, micro_batches, rank, max_waiting=None, durations=(1, 1, 1)
     local chunk 0 is global chunk r (down the V), 1 is 2p-1-r (back up). At most 2p micro-batch-chunks between their
     F and their W on any rank (1F1B's first stage: p micro-batches of whole-stage activations), at most max_waiting
     (if given) waiting only for W. For F = B = W the step is the work plus the pipeline's fill, (p - 1) chunk
-    forwards, on 2-8 ranks and m = p ... 64 but for a chunk forward more at p = 5 and 7, m = 64 (tests/test_schedule.py
-    checks p = 2, 4, 8). durations: a chunk's F, B, W in whole units (zbv_durations) to list-schedule for other
+    forwards, on 2, 3 and 4 ranks for every m = p ... 64 and on 8 for every multiple of 8 (tests/test_schedule.py
+    checks p = 2, 4, 8); elsewhere up to 4 chunk forwards more (p = 5-7, and p = 8 at m = 9, 10, 13). durations: a chunk's F, B, W in whole units (zbv_durations) to list-schedule for other
     times; the default's order is the one for F = B = W."""
     return list(zbv_orders(stages, micro_batches, max_waiting, durations)[rank])
 
