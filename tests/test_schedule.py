@@ -300,3 +300,19 @@ def test_memory_plan_counts_each_schedules_chunks_in_flight():
     assert first["interleaved_1f1b"] > 1.3 * first["1f1b"]
     assert max(row["activation_bytes"] for row in plans["zbv"]) < 1.15 * first["1f1b"]
     assert format_stage_plan(plans["zbv"]).splitlines()[1].split()[:2] == ["0", "0-2+15-18"]  # embedding and head
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(2, 8), (4, 16), (8, 32)])
+@pytest.mark.parametrize("max_waiting", [0, 1, 3])
+def test_zbv_holds_at_most_max_waiting_back_for_w(stages, micro_batches, max_waiting):
+    """zero_bubble_max_waiting under zbv: at most that many micro-batch-chunks wait only for W on a rank (but for the
+    B whose W may come next), and the cap costs step time only where it binds."""
+    for order in rank_orders("zbv", stages, micro_batches, max_waiting=max_waiting):
+        waiting = 0
+        for kind, _, _ in order:
+            waiting += {"F": 0, "B": 1, "W": -1}[kind]
+            assert waiting <= max_waiting + (kind == "B")
+    times = [{"F": 1, "B": 1, "W": 1}] * stages
+    uncapped = step_time(stages, micro_batches, times, "zbv")
+    capped = step_time(stages, micro_batches, times, "zbv", max_waiting=max_waiting)
+    assert uncapped <= capped < step_time(stages, micro_batches, times, "1f1b")

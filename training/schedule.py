@@ -34,6 +34,7 @@ while its peer sends; tests/test_p2p_order.py runs them under the model of NCCL'
 """
 import collections
 import functools
+import math
 
 from deepspeed.runtime.pipe.schedule import (BackwardPass, BufferOpInstruction, ForwardPass, LoadMicroBatch,
                                              OptimizerStep, PipeInstruction, RecvGrad, ReduceGrads, ReduceTiedGrads,
@@ -149,16 +150,21 @@ def producer(kind, chunk, micro_batch, chunks):
 
 
 # ZB-V's list-scheduling policies, each a (backward taken first when two are ready, W before starting a new
-# micro-batch); zbv_order takes the one whose unit-time step is shortest (sail-sg's V schedule also tries a few).
-ZBV_POLICIES = ((0, False), (1, False), (0, True))
+# micro-batch, room kept for the second-chunk forwards of started micro-batches); zbv_orders takes the one whose
+# step is shortest (sail-sg's V schedule also tries a few). Without the room a rank may fill its memory with first
+# chunks and stall: that policy is then left out.
+ZBV_POLICIES = tuple((first, w_first, room) for room in (False, True) for first, w_first in ((0, 0), (1, 0), (0, 1)))
 
 
-def zbv_unit_orders(stages, micro_batches, max_waiting, policy):
-    """ZB-V's orders for all ranks by list scheduling in unit time (F = B = W = 1 per chunk, transfers free): each
-    time unit, every rank runs, if its input is there, the first of: a W if more than max_waiting wait for theirs, a B,
-    an F (the second chunk's first: it finishes a micro-batch) while fewer than 2p micro-batch-chunks are between
-    their F and W (1F1B's activations: p micro-batches of a whole stage), a W. Returns (orders, step time)."""
-    first_backward, w_before_new = policy
+def zbv_list_orders(stages, micro_batches, max_waiting, policy, durations=(1, 1, 1)):
+    """ZB-V's orders for all ranks by list scheduling (transfers free; durations: F, B, W of a chunk in whole time
+    units): each time unit, every rank that is free runs, if its input is there, the first of: a W if more than
+    max_waiting wait for theirs, a B, an F (the second chunk's first: it finishes a micro-batch) while fewer than 2p
+    micro-batch-chunks are between their F and W (1F1B's activations: p micro-batches of a whole stage), a W.
+    Returns (orders, step time), or None where the policy stalls."""
+    first_backward, w_before_new, keep_room = policy
+    duration = dict(zip("FBW", durations))
+    busy_until = [0] * stages
     chunks, chunk_of = 2 * stages, [chunk_ids("zbv", stages, rank) for rank in range(stages)]
     ends, orders = {}, [[] for _ in range(stages)]
     forwards, backwards = [[0, 0] for _ in range(stages)], [[0, 0] for _ in range(stages)]
@@ -172,12 +178,18 @@ def zbv_unit_orders(stages, micro_batches, max_waiting, policy):
         return count < limit and (source is None or ends.get(source, time + 1) <= time)
 
     while left:
-        if time > 6 * stages * micro_batches * 2 + chunks:
-            raise RuntimeError(f"zbv list scheduling stalled at {stages} ranks, {micro_batches} micro-batches")
+        if time > 2 * (stages + micro_batches) * chunks * sum(durations):
+            return None
         picks = []
         for rank in range(stages):
+            if busy_until[rank] > time:
+                picks.append(None)
+                continue
             backward = [local for local in (first_backward, 1 - first_backward) if ready(rank, "B", local)]
-            forward = [local for local in (1, 0) if ready(rank, "F", local) and held[rank] < chunks]
+            # a new micro-batch only with room left for the second-chunk forwards of those already started
+            room = chunks - held[rank] - (forwards[rank][0] - forwards[rank][1] if keep_room else 0)
+            forward = [local for local in (1, 0)
+                       if ready(rank, "F", local) and (room > 0 if local == 0 else held[rank] < chunks)]
             if waiting[rank] and (max_waiting is not None and len(waiting[rank]) > max_waiting):
                 pick = ("W", *waiting[rank][0])
             elif backward:
@@ -193,7 +205,7 @@ def zbv_unit_orders(stages, micro_batches, max_waiting, policy):
             if pick is None:
                 continue
             kind, local, micro_batch = pick
-            ends[(kind, chunk_of[rank][local], micro_batch)] = time + 1
+            ends[(kind, chunk_of[rank][local], micro_batch)] = busy_until[rank] = time + duration[kind]
             orders[rank].append(pick)
             left -= 1
             if kind == "F":
@@ -206,32 +218,43 @@ def zbv_unit_orders(stages, micro_batches, max_waiting, policy):
                 waiting[rank].popleft()
                 held[rank] -= 1
         time += 1
-    return orders, time
+    return orders, max(busy_until)
 
 
 @functools.lru_cache(maxsize=64)
-def zbv_orders(stages, micro_batches, max_waiting=None):
-    """Every rank's ZB-V order: the shortest in unit time among ZBV_POLICIES (the first on ties)."""
-    return min((zbv_unit_orders(stages, micro_batches, max_waiting, policy) for policy in ZBV_POLICIES),
-               key=lambda orders_and_time: orders_and_time[1])[0]
+def zbv_orders(stages, micro_batches, max_waiting=None, durations=(1, 1, 1)):
+    """Every rank's ZB-V order: the shortest step among ZBV_POLICIES' list schedules (the first on ties)."""
+    schedules = [zbv_list_orders(stages, micro_batches, max_waiting, policy, durations) for policy in ZBV_POLICIES]
+    return min((schedule for schedule in schedules if schedule), key=lambda orders_and_time: orders_and_time[1])[0]
 
 
-def zbv_order(stages, micro_batches, rank, max_waiting=None):
+def zbv_order(stages, micro_batches, rank, max_waiting=None, durations=(1, 1, 1)):
     """ZB-V on one rank: [(kind, local_chunk, micro_batch)], kinds F, B (input gradient) and W (weight gradient);
     local chunk 0 is global chunk r (down the V), 1 is 2p-1-r (back up). At most 2p micro-batch-chunks between their
     F and their W on any rank (1F1B's first stage: p micro-batches of whole-stage activations), at most max_waiting
     (if given) waiting only for W. For F = B = W the step is the work plus the pipeline's fill, (p - 1) chunk
-    forwards, on 2, 3, 4 and 8 ranks (bench/README.md has the others; tests/test_schedule.py checks it)."""
-    return list(zbv_orders(stages, micro_batches, max_waiting)[rank])
+    forwards, on 2, 3 and 4 ranks for every m = p ... 64 and on 8 for every multiple of 8 (tests/test_schedule.py
+    checks p = 2, 4, 8); elsewhere up to 4 chunk forwards more (p = 5-7, and p = 8 at m = 9, 10, 13). durations: a chunk's F, B, W in whole units (zbv_durations) to list-schedule for other
+    times; the default's order is the one for F = B = W."""
+    return list(zbv_orders(stages, micro_batches, max_waiting, durations)[rank])
 
 
-def rank_orders(schedule, stages, micro_batches, virtual_stages=1, max_waiting=None, forward_only=False):
+def zbv_durations(times):
+    """A chunk's {"F", "B", "W"} times as the small whole numbers zbv_order schedules with (to half of the
+    shortest)."""
+    shortest = min(value for value in times.values() if value > 0)
+    units = [max(1, round(2 * times[kind] / shortest)) for kind in "FBW"]
+    return tuple(unit // math.gcd(*units) for unit in units)
+
+
+def rank_orders(schedule, stages, micro_batches, virtual_stages=1, max_waiting=None, forward_only=False,
+                zbv_times=(1, 1, 1)):
     """[[(kind, local_chunk, micro_batch), ...] per rank] of any schedule; forward_only: each rank's forwards in
-    the same order (evaluation: no backward)."""
+    the same order (evaluation: no backward); zbv_times: zbv_order's durations."""
     if schedule == "interleaved_1f1b":
         orders = [interleaved_order(stages, micro_batches, virtual_stages, rank) for rank in range(stages)]
     elif schedule == "zbv":
-        orders = [list(order) for order in zbv_orders(stages, micro_batches, max_waiting)]
+        orders = [list(order) for order in zbv_orders(stages, micro_batches, max_waiting, zbv_times)]
     else:
         orders = [[(kind, 0, j) for kind, j in order]
                   for order in stage_orders(stages, micro_batches, schedule, max_waiting)]
@@ -242,10 +265,12 @@ def simulate(stages, micro_batches, costs, schedule, max_waiting=None, virtual_s
     """Time every rank's order: each computation starts when its rank is free and its input is complete
     (transfers free). costs: per rank {"F": s, "B": s, "W": s} for all its layers (a rank's chunks split them
     evenly); where a schedule does not split the backward, it costs B + W. orders: rank_orders' (by default this
-    schedule's). Returns {(kind, global_chunk, micro_batch): (start, end)} (one chunk per rank: the chunk is the
-    stage)."""
-    orders = orders or rank_orders(schedule, stages, micro_batches, virtual_stages, max_waiting)
+    schedule's; zbv's list-scheduled for rank 0's times). Returns {(kind, global_chunk, micro_batch): (start, end)}
+    (one chunk per rank: the chunk is the stage)."""
     per_rank = chunks_per_rank(schedule, virtual_stages)
+    if orders is None:  # zbv: the list schedule for these times (rank 0's)
+        zbv_times = zbv_durations(costs[0]) if schedule == "zbv" else (1, 1, 1)
+        orders = rank_orders(schedule, stages, micro_batches, virtual_stages, max_waiting, zbv_times=zbv_times)
     split = schedule in SPLIT_BACKWARD_SCHEDULES
     cost_of = [{"F": c["F"] / per_rank, "B": (c["B"] + (0 if split else c["W"])) / per_rank, "W": c["W"] / per_rank}
                for c in costs]
@@ -279,11 +304,12 @@ local_chunk: this rank's chunk that made it (send) or takes it (recv), micro_bat
 
 
 @functools.lru_cache(maxsize=64)
-def link_transfers(schedule, stages, micro_batches, virtual_stages=1, max_waiting=None, forward_only=False):
+def link_transfers(schedule, stages, micro_batches, virtual_stages=1, max_waiting=None, forward_only=False,
+                   zbv_times=(1, 1, 1)):
     """{(rank, peer) with rank < peer: [(sender, P2POp of the sender, P2POp of the receiver), ...] in the link's
     order}: every transfer between two chunks on different ranks, ordered by when the unit-time run of the orders
     (F = B = W) makes it (ties: the upstream chunk's first). Both sides issue a link's operations in this order."""
-    orders = rank_orders(schedule, stages, micro_batches, virtual_stages, max_waiting, forward_only)
+    orders = rank_orders(schedule, stages, micro_batches, virtual_stages, max_waiting, forward_only, zbv_times)
     placement = chunk_placement(schedule, stages, virtual_stages)
     done = simulate(stages, micro_batches, [{"F": 1, "B": 1, "W": 1}] * stages, schedule, max_waiting,
                     virtual_stages, orders)
@@ -300,7 +326,8 @@ def link_transfers(schedule, stages, micro_batches, virtual_stages=1, max_waitin
     return {link: tuple(transfer[1:] for transfer in sorted(transfers)) for link, transfers in links.items()}
 
 
-def p2p_program(schedule, stages, micro_batches, rank, virtual_stages=1, max_waiting=None, forward_only=False):
+def p2p_program(schedule, stages, micro_batches, rank, virtual_stages=1, max_waiting=None, forward_only=False,
+                zbv_times=(1, 1, 1)):
     """What a rank issues, in order, to run its order over NCCL: [(action, item)] with
     ("compute", (kind, local_chunk, micro_batch)): run it;
     ("post", P2POp): issue the send or receive without waiting (isend / irecv);
@@ -310,11 +337,11 @@ def p2p_program(schedule, stages, micro_batches, rank, virtual_stages=1, max_wai
     same transfers in the same order and a send always faces its own receive. A send is posted right after the
     computation that made it, with any receives of the link ahead of it posted first; a receive is posted when it
     is waited for, or earlier when a send of the link comes after it. tests/test_p2p_order.py executes these
-    programs under its model of NCCL for 2-8 ranks."""
-    order = rank_orders(schedule, stages, micro_batches, virtual_stages, max_waiting, forward_only)[rank]
+    programs under its model of NCCL for 2-8 ranks. zbv_times: zbv_order's durations (the same on every rank)."""
+    order = rank_orders(schedule, stages, micro_batches, virtual_stages, max_waiting, forward_only, zbv_times)[rank]
     queues = {}  # peer: this rank's operations on the link, in the link's order
     for (low, high), transfers in link_transfers(schedule, stages, micro_batches, virtual_stages, max_waiting,
-                                                 forward_only).items():
+                                                 forward_only, zbv_times).items():
         if rank in (low, high):
             queues[high if rank == low else low] = collections.deque(
                 send if sender == rank else receive for sender, send, receive in transfers)
