@@ -31,7 +31,7 @@ from checkpoints.layer_files import load_weights_only, tensors_for_rank
 from checkpoints.state_files import STATE_ADVICE
 from deepspeed_internals.access import (checkpoint_engine_of, engine_counters, is_zero_optimizer, layer_specs,
                                         loss_scaler_state, restore_engine_counters, restore_loss_scaler_state,
-                                        stage_first_layer, zero_fp32_partitions, zero_fragment, zero_wrapped_optimizer)
+                                        zero_fp32_partitions, zero_fragment, zero_wrapped_optimizer)
 
 MASTER = "fp32"  # the key of the master weights in a layer's optimizer-state file
 
@@ -52,7 +52,7 @@ def stage_layers(module):
     layers, seen = [], set()
     for local, layer in enumerate(module.forward_funcs):
         if isinstance(layer, torch.nn.Module) and trained_parameters(layer):
-            layers.append((stage_first_layer(module) + local, layer, True))
+            layers.append((module.layer_indices[local], layer, True))
             seen.add(id(layer))
     for key, tied in module.tied_modules.items():
         if id(tied) not in seen and trained_parameters(tied):
@@ -176,7 +176,7 @@ def save_training_state(engine, tag_dir):
         tensors = {key: {name: state.gathered(param, key, group, writer, dp_rank == writer)
                          for name, param in trained_parameters(layer).items()} for key in keys}
         if dp_rank == writer:
-            path = optimizer_state_path(module.ckpt_layer_path(tag_dir, index - stage_first_layer(module)))
+            path = optimizer_state_path(module.ckpt_layer_path(tag_dir, module.layer_indices.index(index)))
             checkpoint_engine_of(engine).save(tensors, path)
     return {"optimizer_step": state.step, "lr": engine.optimizer.param_groups[0]["lr"],
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,

@@ -39,12 +39,19 @@ Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with wh
   dynamic_shape / has_bool_tensors / is_pipe_partitioned (paths it refuses), using_bf16_optimizer with
   BF16_Optimizer.clear_lp_grads / update_hp_grads (the bf16 optimizer's per-backward gradient hand-off);
   TrainSchedule._buffer_idx (a micro-batch's pipe buffer).
+- The chunked engine (training/chunked_engine.py, several chunks per rank) runs DeepSpeed's _exec_forward_pass,
+  _exec_load_micro_batch and _exec_backward_pass per chunk and overrides is_first_stage, is_last_stage and
+  _loss_stage_global_rank (the running chunk's, or the rank holding the first / last chunk) and
+  _inference_schedule (evaluation's forwards); the names it adds are checked absent as the zero-bubble engine's are.
 - For tests/test_p2p_order.py, which records the point-to-point operations of the engines' own handlers:
   PipelineEngine._exec_schedule (the instruction loop of train_batch and eval_batch), _inference_schedule, the p2p
   module's send and recv (what DeepSpeed's handlers call; its source must call them), and the state __init__ sets
   that the handlers read (num_pipe_buffers, has_attention_mask, is_grad_partitioned besides those above).
 - PipelineModule internals: _grid (the tensor-parallel group), parts and _set_bounds (the partition), _local_start
-  (a stage's first layer index), _layer_specs (where a tied layer first appears), _synchronize_tied_weights.
+  (the first layer index ckpt_layer_path counts from), _layer_specs (where a tied layer first appears),
+  _synchronize_tied_weights; for several chunks per rank, _build (run once per chunk), stage_owner (a layer's
+  rank), _index_tied_modules (narrowed to the tied weights on several ranks) and ckpt_layer_path(_list)
+  (overridden: global layer indices).
 - ZeRO's fragment bookkeeping, for the per-layer optimizer state: DeepSpeedZeroOptimizer.single_partition_of_fp32_groups
   and .optimizer, BF16_Optimizer.fp32_groups_flat_partition and .optimizer (bf16 with fp32 gradient accumulation:
   ZeRO-1's partitions in another class), param._hp_mapping (param_group_index, hp_fragment_address, lp_fragment_address); the fp16 loss

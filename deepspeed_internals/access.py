@@ -110,6 +110,16 @@ def run_backward_pass(engine, buffer_id):
     engine._exec_backward_pass(buffer_id)
 
 
+def load_micro_batch(engine, buffer_id):
+    """DeepSpeed's LoadMicroBatch: the next micro-batch's inputs (first stage) and labels (last stage)."""
+    engine._exec_load_micro_batch(buffer_id)
+
+
+def run_forward_pass(engine, buffer_id):
+    """DeepSpeed's ForwardPass of a buffer's micro-batch (the loss on the last stage)."""
+    engine._exec_forward_pass(buffer_id)
+
+
 def send_activation_shapes_once(engine, outputs):
     """Before the first activation send, the shapes, blocking: the next stage's first receive reads them."""
     if engine.first_output_send:
@@ -220,9 +230,9 @@ def set_partition(module, bounds, stage):
     module._set_bounds(start=bounds[stage], stop=bounds[stage + 1])
 
 
-def stage_first_layer(module):
-    """The pipeline index of the stage's first layer."""
-    return module._local_start
+def set_layer_range(module, layers):
+    """The range of pipeline layers DeepSpeed's _build builds next and its per-layer paths count from."""
+    module._set_bounds(start=layers.start, stop=layers.stop)
 
 
 def layer_specs(module):

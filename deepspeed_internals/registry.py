@@ -196,6 +196,18 @@ INTERNALS = (
     Internal(f"{PIPELINE_ENGINE}._send_tensor_meta", "which the zero-bubble sends use",
              ("self", "buffer", "recv_stage")),
     Internal(f"{PIPELINE_ENGINE}._recv_tensor_meta", "which the zero-bubble receives use", ("self", "send_stage")),
+    # The chunked engine (training/chunked_engine.py).
+    *(Unused(PIPELINE_ENGINE, name, "which the chunked engine adds") for name in (
+        "_exec_chunk_forward_pass", "_exec_chunk_backward_pass", "_exec_share_activation_shapes", "_exec_post_transfer",
+        "_exec_wait_transfer", "_runs_or_holds", "_buffer", "_run_chunk", "_give", "pipeline_schedule", "local_chunks",
+        "chunk_owner", "last_chunk", "chunk_program", "running_chunk", "_activation_shapes", "_arrived", "_made",
+        "_posted", "_losses", "chunk_ids", "_buffers_per_chunk")),
+    *(Internal(f"{PIPELINE_ENGINE}.{name}", "which the chunked engine overrides (a chunk's first and last stage)",
+               ("self",)) for name in ("is_first_stage", "is_last_stage", "_loss_stage_global_rank")),
+    self_use(PIPELINE_ENGINE, "_loss_stage_global_rank()", "which the chunked engine overrides"),
+    self_use(PIPELINE_ENGINE, "_inference_schedule(", "which the chunked engine overrides (evaluation)"),
+    *(Internal(f"{PIPELINE_ENGINE}.{name}", "which the chunked engine runs for each chunk", ("self", "buffer_id"))
+      for name in ("_exec_forward_pass", "_exec_load_micro_batch")),
     # The point-to-point test's engines (tests/test_p2p_order.py): DeepSpeed's handlers, driven by its own loop.
     Internal(f"{PIPELINE_ENGINE}._exec_schedule", "which the point-to-point test runs schedules with",
              ("self", "pipe_schedule")),
@@ -223,6 +235,16 @@ INTERNALS = (
              ("self", "load_dir", "checkpoint_engine", "strict")),
     Internal(PIPELINE_ENGINE, "which the project's pipeline overrides", mentions="self.module.load_state_dir("),
     Internal(f"{PIPELINE_MODULE}._set_bounds", "which the project's pipeline calls", ("self", "start", "stop")),
+    Internal(f"{PIPELINE_MODULE}._build", "which the project's pipeline runs once per chunk", ("self",)),
+    self_use(PIPELINE_MODULE, "_build()", "which the project's pipeline runs once per chunk"),
+    Internal(f"{PIPELINE_MODULE}.stage_owner", "which the project's pipeline overrides (chunks)",
+             ("self", "layer_idx")),
+    self_use(PIPELINE_MODULE, "stage_owner(", "which the project's pipeline overrides (chunks)"),
+    Internal(f"{PIPELINE_MODULE}._index_tied_modules", "which the project's pipeline narrows to tied weights on "
+             "several ranks", ("self",)),
+    self_use(PIPELINE_MODULE, "tied_comms = self._index_tied_modules()", "which the project's pipeline narrows"),
+    *(Internal(f"{PIPELINE_MODULE}.{name}", "which the project's pipeline overrides (chunks)",
+               ("self", "ckpt_dir", "local_layer_idx")) for name in ("ckpt_layer_path", "ckpt_layer_path_list")),
     Internal(f"{PIPELINE_MODULE}._synchronize_tied_weights", "which the project's pipeline calls", ("self",)),
     *(self_use(PIPELINE_MODULE, name, "which the project's pipeline uses")
       for name in ("_grid", "parts", "_local_start", "_layer_specs")),

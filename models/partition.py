@@ -11,6 +11,7 @@ from deepspeed_internals.registry import partition_balanced, partition_uniform
 from models.layout import num_pipeline_layers
 from models.llama import architecture_of, head_dim_of
 from models.lora import NO_LORA, adapter_parameter_count
+from models.pipeline_schedule_rules import chunk_ids, chunks_per_rank
 
 EMBEDDING, DECODER, NORM, HEAD = "embedding", "decoder", "norm", "head"
 
@@ -169,3 +170,18 @@ def partition_bounds(config, num_stages, partition, layer_class_names, stage_cos
         return partition_balanced(matches, num_stages)
     raise ValueError(f"partition '{partition}' is not one of balanced, parameters, uniform, type:<regex> or a "
                      f"list of decoder layers per stage.")
+
+
+def chunk_bounds(config, num_stages, partition, layer_class_names, chunk_cost=None, schedule="1f1b",
+                 virtual_stages=1):
+    """Layer bounds of every global chunk (pipeline layer indices; chunk g is layers bounds[g]..bounds[g+1]-1):
+    the model split into num_stages x chunks per rank (v under interleaved_1f1b, 2 under zbv) as stage_bounds splits
+    it into stages, the embedding on chunk 0 and the final norm and head on the last chunk (rank 0's under zbv,
+    models/pipeline_schedule_rules.py's chunk_ids). A list partition gives one entry per chunk."""
+    return stage_bounds(config, num_stages * chunks_per_rank(schedule, virtual_stages), partition, layer_class_names,
+                        chunk_cost)
+
+
+def rank_chunk_layers(bounds, schedule, num_stages, rank, virtual_stages=1):
+    """[(first pipeline layer, end) of each of a rank's local chunks, in local order] of chunk_bounds' bounds."""
+    return [(bounds[chunk], bounds[chunk + 1]) for chunk in chunk_ids(schedule, num_stages, rank, virtual_stages)]

@@ -7,7 +7,7 @@ import torch
 from deepspeed import checkpointing
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-from deepspeed_internals.access import pipeline_grid, set_partition, stage_first_layer, synchronize_tied_weights
+from deepspeed_internals.access import pipeline_grid, set_layer_range, set_partition, synchronize_tied_weights
 from deepspeed_internals.registry import non_reentrant_checkpoint
 from models.context_parallel import NO_CONTEXT_PARALLEL, build_context_parallel
 from models.llama import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs,
@@ -53,22 +53,85 @@ class LlamaPipeline(PipelineModule):
     """DeepSpeed's PipelineModule over given stage bounds instead of partitioning by building every layer
     (DeepSpeed's 'parameters' method builds each layer on every rank to count it). layer_loader(layer, paths,
     tensor-parallel rank, size, strict) reads one layer's files into it; None keeps DeepSpeed's own loader.
-    _partition_layers and load_state_dir override DeepSpeed's (deepspeed_internals/ lists them)."""
 
-    def __init__(self, config, stage_bounds, parallel, layer_loader, context=NO_CONTEXT_PARALLEL, **kwargs):
+    Several chunks per rank (interleaved and V schedules, training/chunked_engine.py): stage_bounds then bound
+    the model's chunks (global chunk g holds layers stage_bounds[g] to stage_bounds[g + 1]) and chunk_ids lists
+    each rank's chunks ([[0, 3], [1, 2]]: a V on 2 ranks). A rank builds only its chunks' layers, each under its
+    global layer index (parameter names and layer files as under one chunk per rank, so checkpoints do not
+    depend on the schedule); forward runs the chunk `active_chunk` (a local index) names. A tied weight whose
+    layers all sit on one rank (the V's embedding and head on rank 0) is tied there and never all-reduced.
+    _partition_layers, _build, stage_owner, _index_tied_modules and load_state_dir override DeepSpeed's
+    (deepspeed_internals/ lists them)."""
+
+    def __init__(self, config, stage_bounds, parallel, layer_loader, context=NO_CONTEXT_PARALLEL, chunk_ids=None,
+                 **kwargs):
         self.model_config = config
         self.stage_bounds = list(stage_bounds)
         self.parallel = parallel
         self.context = context  # its split_micro_batch gives this rank its tokens of a collated micro-batch
         self.layer_loader = layer_loader
+        self.chunk_ids = chunk_ids
+        self.active_chunk = 0
         super().__init__(partition_method="explicit", **kwargs)
 
     def _partition_layers(self, method="parameters"):
         # DeepSpeed's grid made the process groups just before this call, and the layers are built after it.
         self.parallel.group = pipeline_grid(self).get_slice_parallel_group()
-        if len(self.stage_bounds) != self.num_stages + 1:
-            raise ValueError(f"stage bounds {self.stage_bounds} are not {self.num_stages} stages.")
-        set_partition(self, self.stage_bounds, self.topology().get_coord(self.global_rank).pipe)
+        if self.chunk_ids is None:
+            self.chunk_ids = [[stage] for stage in range(self.num_stages)]
+        chunks = sorted(chunk for rank_chunks in self.chunk_ids for chunk in rank_chunks)
+        if len(self.chunk_ids) != self.num_stages or chunks != list(range(len(self.stage_bounds) - 1)):
+            raise ValueError(f"stage bounds {self.stage_bounds} are not the chunks {self.chunk_ids} of "
+                             f"{self.num_stages} stages.")
+        stage = self.topology().get_coord(self.global_rank).pipe
+        self.chunk_layers = [range(self.stage_bounds[g], self.stage_bounds[g + 1]) for g in self.chunk_ids[stage]]
+        self.layer_indices = [index for layers in self.chunk_layers for index in layers]
+        set_partition(self, self.stage_bounds, stage)  # DeepSpeed's `parts`: the chunks' bounds
+        set_layer_range(self, self.chunk_layers[0])
+
+    def _build(self):
+        """DeepSpeed's build of a contiguous range of layers, once per chunk: forward_funcs lists the chunks' layers
+        in the rank's chunk order."""
+        for layers in self.chunk_layers:
+            set_layer_range(self, layers)
+            super()._build()
+        set_layer_range(self, self.chunk_layers[0])
+
+    def stage_owner(self, layer_idx):
+        """The pipeline stage (rank) holding a layer: DeepSpeed's tied groups are made from it."""
+        chunk = next(g for g in range(len(self.stage_bounds) - 1)
+                     if self.stage_bounds[g] <= layer_idx < self.stage_bounds[g + 1])
+        return next(stage for stage, chunks in enumerate(self.chunk_ids) if chunk in chunks)
+
+    def _index_tied_modules(self):
+        """DeepSpeed's groups of the ranks sharing each tied weight, but for a weight on a single rank: nothing to
+        synchronise or reduce."""
+        return {key: comm for key, comm in super()._index_tied_modules().items() if len(comm["ranks"]) > 1}
+
+    def forward(self, forward_input):
+        """DeepSpeed's forward over a rank's one chunk; with several, the active chunk's layers, those of each
+        block of activation_checkpoint_interval decoder layers checkpointed as DeepSpeed does."""
+        if len(self.chunk_layers) == 1:
+            return super().forward(forward_input)
+        first = sum(len(layers) for layers in self.chunk_layers[:self.active_chunk])
+        layers = self.forward_funcs[first:first + len(self.chunk_layers[self.active_chunk])]
+        interval = self.activation_checkpoint_interval or len(layers)
+        x = forward_input
+        for start in range(0, len(layers), interval):
+            block = functools.partial(run_layers, layers[start:start + interval])
+            if self.activation_checkpoint_interval and all(isinstance(layer, DecoderLayerPipe)
+                                                           for layer in layers[start:start + interval]):
+                x = self.activation_checkpoint_func(block, *(x if isinstance(x, tuple) else (x,)))
+            else:
+                x = block(x)
+        return x
+
+    def ckpt_layer_path(self, ckpt_dir, local_layer_idx):
+        """DeepSpeed's file of a layer, named by its global index (local indices skip between chunks)."""
+        return super().ckpt_layer_path(ckpt_dir, self.layer_indices[local_layer_idx] - self.layer_indices[0])
+
+    def ckpt_layer_path_list(self, ckpt_dir, local_layer_idx):
+        return super().ckpt_layer_path_list(ckpt_dir, self.layer_indices[local_layer_idx] - self.layer_indices[0])
 
     def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
         """DeepSpeed's per-layer loading through layer_loader: each layer's files straight into its parameters
@@ -83,10 +146,18 @@ class LlamaPipeline(PipelineModule):
         synchronize_tied_weights(self)
 
 
+def run_layers(layers, *inputs):
+    """Layers one after the other (a checkpointed block's function: it takes the tuple's tensors as arguments)."""
+    x = inputs[0] if len(inputs) == 1 else inputs
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
 def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
-                          objective=PreferenceSettings(), seq_length=None, row_layout="packed"):
+                          objective=PreferenceSettings(), seq_length=None, row_layout="packed", chunk_ids=None):
     """The pipeline module of this rank's stage. topology: DeepSpeed's, with a 'model' axis for tensor
     parallelism (training/distributed.py). stage_bounds: the first pipeline layer of each stage and the layer
     count (default: the 'parameters' partition). dtype: the training dtype to build the stage in (default
@@ -98,7 +169,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     lora: LoRA adapters on the decoder layers, initialised from `seed`, and everything else frozen
     (models/lora.py). objective: the next-token loss (sft), or a preference loss over pairs (models/preference.py;
     chunked head only). seq_length: the rows' width, when their labels may be one wider (token shards). row_layout:
-    what the rows hold (data/collator.py `row_layout`; 'packed', a mask per document, is right for any rows)."""
+    what the rows hold (data/collator.py `row_layout`; 'packed', a mask per document, is right for any rows).
+    chunk_ids: each rank's global chunks, several per rank (then stage_bounds bound the chunks; LlamaPipeline)."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
@@ -113,7 +185,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype or previous_dtype)
     try:
-        module = LlamaPipeline(config, stage_bounds, parallel, layer_loader, context,
+        module = LlamaPipeline(config, stage_bounds, parallel, layer_loader, context, chunk_ids,
                                layers=build_pipeline_layers(config, attention_impl, parallel, context,
                                                             chunked_loss=loss_chunk_tokens > 0,
                                                             row_layout=row_layout),
@@ -128,7 +200,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
         if lora.enabled:
             for local, layer in enumerate(module.forward_funcs):
                 if isinstance(layer, DecoderLayerPipe):
-                    add_adapters(layer, lora, parallel.size, parallel.rank, seed, stage_first_layer(module) + local)
+                    add_adapters(layer, lora, parallel.size, parallel.rank, seed, module.layer_indices[local])
             freeze_all_but_adapters(module)
         return module
     finally:

@@ -1,5 +1,19 @@
-"""How many micro-batches a pipeline schedule keeps on each stage: the rules the schedules' orders follow
-(training/schedule.py) and the memory plan counts (planner/stage_costs.py), kept here, below both, once."""
+"""Which chunks of layers a rank holds and how many micro-batches a pipeline schedule keeps on each stage: the rules
+the schedules' orders follow (training/schedule.py) and the memory plan counts (planner/stage_costs.py), kept here, below both, once."""
+
+
+def chunks_per_rank(schedule, virtual_stages=1):
+    """Chunks of layers each rank holds: v under interleaved_1f1b, 2 under zbv, else 1."""
+    return {"interleaved_1f1b": virtual_stages or 1, "zbv": 2}.get(schedule, 1)
+
+
+def chunk_ids(schedule, stages, rank, virtual_stages=1):
+    """The global chunk of each of this rank's local chunks, in local order: interleaved_1f1b [r, r + p, ...,
+    r + (v-1)p], zbv [r, 2p - 1 - r] (the V: down the ranks, back up; rank 0 holds the first and the last), the
+    one-chunk schedules [r]."""
+    if schedule == "zbv":
+        return [rank, 2 * stages - 1 - rank]
+    return [rank + k * stages for k in range(chunks_per_rank(schedule, virtual_stages))]
 
 
 def in_flight_micro_batches(stage, num_stages, micro_batches):

@@ -11,7 +11,7 @@ The numbers come from planner/stage_costs.py, the cost model the balanced partit
 import dataclasses
 import os
 
-from planner.stage_costs import UNMODELLED_DEVICE_SHARE, format_stage_plan, stage_plan
+from planner.stage_costs import UNMODELLED_DEVICE_SHARE, format_stage_plan, layer_ranges, stage_plan
 from planner.workload import describe_workload
 
 GIB = 2 ** 30
@@ -89,7 +89,8 @@ def plan_fits(spec, rows, host_nodes):
 def format_memory_plan(spec, rows):
     cfg, workload, world_size = spec.cfg, spec.workload, spec.world_size
     interval = workload.activation_checkpoint_interval or 1
-    header = (f"{'stage':>5} {'layers':>7} {'params':>8} {'weights':>8} {'grads':>8} {'optim':>8} "
+    width = max(7, *(len(layer_ranges(row)) for row in rows))
+    header = (f"{'stage':>5} {'layers':>{width}} {'params':>8} {'weights':>8} {'grads':>8} {'optim':>8} "
               f"{f'act(ckpt {interval})':>12} {'act(full)':>10} {'step':>7} {'buffers':>8} {'total':>8}  fits")
     tensor = f"{workload.tensor_parallel} tensor-parallel x " if workload.tensor_parallel > 1 else ""
     if workload.context_parallel > 1:
@@ -98,9 +99,8 @@ def format_memory_plan(spec, rows):
     lines = [f"memory plan: {world_size} devices = {cfg.num_stages} stages x {tensor}{workload.data_parallel} "
              f"data-parallel; {describe_workload(workload)}; partition '{cfg.partition}'; {per_device}", header]
     for row in rows:
-        start, stop = row["layers"]
         lines.append(
-            f"{row['stage']:>5} {f'{start}-{stop - 1}':>7} {row['parameters'] / 1e9:>7.2f}B "
+            f"{row['stage']:>5} {layer_ranges(row):>{width}} {row['parameters'] / 1e9:>7.2f}B "
             f"{row['weights_bytes'] / GIB:>8.1f} {row['gradients_bytes'] / GIB:>8.1f} "
             f"{row['optimizer_bytes'] / GIB:>8.1f} {row['activation_checkpointed_bytes'] / GIB:>12.1f} "
             f"{row['activation_full_bytes'] / GIB:>10.1f} {row['step_bytes'] / GIB:>7.1f} "

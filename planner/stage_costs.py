@@ -37,7 +37,7 @@ follow these FLOPs within 4% (bench/trainer_profile.py).
 from models.llama import architecture_of, head_dim_of
 from models.lora import adapter_parameter_count
 from models.partition import DECODER, EMBEDDING, HEAD, NORM, decoder_parameter_split, layer_kinds, mean_attended_keys
-from models.pipeline_schedule_rules import in_flight_micro_batches, waiting_micro_batches
+from models.pipeline_schedule_rules import chunk_ids, chunks_per_rank, in_flight_micro_batches, waiting_micro_batches
 from planner import training_state
 from planner.training_state import FP32_BYTES
 from planner.workload import check_tensor_parallel
@@ -310,8 +310,29 @@ def balanced_stage_cost(config, workload, num_stages, device_bytes=None):
     return StageCostModel(config, workload, num_stages, device_bytes).cost
 
 
+def chunk_micro_batches_at_peak(workload, num_stages, rank):
+    """[(micro-batches between F and B, waiting only for W) per local chunk] at the moment this rank holds the most
+    micro-batch-chunks (its chunks are of a size): from its order (training/schedule.py). Interleaving holds more
+    on the first ranks than 1F1B, (p - r - 1)·2 + (v - 1)·p + 1 chunks on rank r; ZB-V at most 2p on every rank."""
+    from training.schedule import rank_orders  # the orders need DeepSpeed's instructions; the planner's rules not
+    order = rank_orders(workload.pipeline_schedule, num_stages, workload.micro_batches, workload.virtual_stages,
+                        workload.zero_bubble_max_waiting)[rank]
+    chunks = chunks_per_rank(workload.pipeline_schedule, workload.virtual_stages)
+    split = workload.pipeline_schedule == "zbv"
+    in_flight, waiting, peak = [0] * chunks, [0] * chunks, ((0, 0), [(0, 0)] * chunks)
+    for kind, chunk, _ in order:
+        in_flight[chunk] += {"F": 1, "B": -1, "W": 0}[kind]
+        waiting[chunk] += {"F": 0, "B": 1 if split else 0, "W": -1}[kind]
+        held = (sum(in_flight) + sum(waiting), sum(in_flight))
+        peak = max(peak, (held, list(zip(in_flight, waiting))))
+    return peak[1]
+
+
 def stage_plan(config, bounds, workload):
-    """Per stage: its layers, parameters, compute (TFLOP and decoder layers' worth) and memory by kind (bytes)."""
+    """Per stage: its layers, parameters, compute (TFLOP and decoder layers' worth) and memory by kind (bytes).
+    bounds: each global chunk's (models/partition.py's chunk_bounds); a rank with several chunks is one row."""
+    if chunks_per_rank(workload.pipeline_schedule, workload.virtual_stages) > 1:
+        return chunked_stage_plan(config, bounds, workload)
     num_stages = len(bounds) - 1
     model = StageCostModel(config, workload, num_stages)
     kinds_of = layer_kinds(config.num_hidden_layers)
@@ -321,7 +342,7 @@ def stage_plan(config, bounds, workload):
         kinds = kinds_of[start:stop]
         state = model.layers.stage_state_bytes(kinds)
         rows.append({
-            "stage": stage, "layers": (start, stop), "decoder_layers": kinds.count(DECODER),
+            "stage": stage, "layers": (start, stop), "chunks": [(start, stop)], "decoder_layers": kinds.count(DECODER),
             "parameters": model.layers.stage_parameters(kinds),
             "tflops_per_micro_batch": model.layers.stage_flops(kinds) / 1e12,
             **{f"{name}_bytes": value for name, value in state.items()},
@@ -338,12 +359,56 @@ def stage_plan(config, bounds, workload):
     return rows
 
 
+def chunked_stage_plan(config, bounds, workload):
+    """stage_plan's rows for a schedule with several chunks per rank: a rank's weights, state and compute are its
+    chunks' together; its activations each chunk's with the micro-batches that chunk holds at the rank's peak,
+    each chunk with its own receive buffers (a chunk that does not start the model receives its input, one that
+    does not end it its output's gradient) and its own largest backward workspace (an upper bound: one runs at a
+    time)."""
+    per_rank = chunks_per_rank(workload.pipeline_schedule, workload.virtual_stages)
+    num_stages = (len(bounds) - 1) // per_rank
+    model = StageCostModel(config, workload, num_stages)
+    kinds_of = layer_kinds(config.num_hidden_layers)
+    rows = []
+    for rank in range(num_stages):
+        chunks = [(bounds[chunk], bounds[chunk + 1]) for chunk in chunk_ids(workload.pipeline_schedule, num_stages,
+                                                                            rank, workload.virtual_stages)]
+        chunk_kinds = [kinds_of[start:stop] for start, stop in chunks]
+        kinds = sum(chunk_kinds, [])
+        held = chunk_micro_batches_at_peak(workload, num_stages, rank)
+        activations = sum(model.layers.stage_activation_bytes(chunk, in_flight, waiting)
+                          for chunk, (in_flight, waiting) in zip(chunk_kinds, held))
+        state = model.layers.stage_state_bytes(kinds)
+        step = model.layers.stage_step_bytes(kinds)
+        buffers = model.layers.stage_buffer_bytes()
+        rows.append({
+            "stage": rank, "layers": chunks[0], "chunks": chunks, "decoder_layers": kinds.count(DECODER),
+            "parameters": model.layers.stage_parameters(kinds),
+            "tflops_per_micro_batch": model.layers.stage_flops(kinds) / 1e12,
+            **{f"{name}_bytes": value for name, value in state.items()},
+            "activation_bytes": activations, "step_bytes": step, "buffer_bytes": buffers,
+            "host_bytes": model.layers.stage_host_bytes(kinds),
+            "in_flight": sum(in_flight for in_flight, _ in held),
+            "waiting_for_weight_grads": sum(waiting for _, waiting in held),
+            "memory_bytes": (state["weights"] + state["optimizer"] + buffers
+                             + max(state["gradients"] + activations, step)),
+            "compute": model.compute(kinds),
+        })
+    return rows
+
+
+def layer_ranges(row):
+    """A row's layers as first-last, its chunks' joined by '+' (rank 0 under zbv: '0-3+14-16')."""
+    return "+".join(f"{start}-{stop - 1}" for start, stop in row["chunks"])
+
+
 def format_stage_plan(rows):
     """The plan as a table: layers, parameters, compute and estimated memory per stage."""
-    lines = [f"{'stage':>5} {'layers':>9} {'decoders':>8} {'params':>9} {'TFLOP/mb':>9} {'memory':>9} {'compute':>7}"]
+    width = max(9, *(len(layer_ranges(row)) for row in rows))
+    lines = [f"{'stage':>5} {'layers':>{width}} {'decoders':>8} {'params':>9} {'TFLOP/mb':>9} {'memory':>9} "
+             f"{'compute':>7}"]
     for row in rows:
-        start, stop = row["layers"]
-        lines.append(f"{row['stage']:>5} {f'{start}-{stop - 1}':>9} {row['decoder_layers']:>8} "
+        lines.append(f"{row['stage']:>5} {layer_ranges(row):>{width}} {row['decoder_layers']:>8} "
                      f"{row['parameters'] / 1e9:>8.2f}B {row['tflops_per_micro_batch']:>9.2f} "
                      f"{row['memory_bytes'] / 2**30:>6.1f}GiB {row['compute']:>7.2f}")
     lines.append(f"compute in decoder layers; largest / smallest stage compute: {compute_spread(rows):.3f}")

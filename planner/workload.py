@@ -29,6 +29,7 @@ class Workload:
     offload_optimizer: bool = False  # ZeRO-1's fp32 partition, its gradient and Adam's moments in host memory
     pipeline_schedule: str = "1f1b"  # zero_bubble: micro-batches also wait for their weight gradients (W)
     zero_bubble_max_waiting: int | None = None  # zero_bubble: cap on those per stage (None: ZB-H1's s on stage s)
+    virtual_stages: int = 1  # interleaved_1f1b: chunks of layers per rank (zbv holds 2)
     loss_chunk_tokens: int = 1024  # the LM head and loss a chunk of tokens at a time (models/loss.py); 0: logits
     lora: LoraSettings = NO_LORA  # LoRA adapters: only they train, the rest is frozen (models/lora.py)
     async_save: bool = False  # a save's snapshot of each rank's checkpoint files in host memory (async_save)
@@ -101,9 +102,12 @@ def describe_workload(workload):
             f"{' with optimizer offloaded to CPU' if workload.offload_optimizer else ''}, "
             f"{tensor}data-parallel {workload.data_parallel}, {checkpointing}"
             f"{f', LoRA rank {workload.lora.rank}' if workload.lora.enabled else ''}"
-            f"{zero_bubble_description(workload) if workload.pipeline_schedule == 'zero_bubble' else ''}")
+            f"{schedule_description(workload)}")
 
 
-def zero_bubble_description(workload):
+def schedule_description(workload):
     cap = workload.zero_bubble_max_waiting
-    return ", zero-bubble schedule" + ("" if cap is None else f" (at most {cap} micro-batches waiting for W)")
+    capped = "" if cap is None else f" (at most {cap} micro-batches waiting for W)"
+    return {"zero_bubble": f", zero-bubble schedule{capped}", "zbv": f", ZB-V schedule, 2 chunks per rank{capped}",
+            "interleaved_1f1b": f", interleaved 1F1B, {workload.virtual_stages} chunks per rank"}.get(
+                workload.pipeline_schedule, "")

@@ -1,5 +1,7 @@
-"""One rank of a schedule comparison: the same model trained for a few steps under 1F1B and under zero_bubble,
-every step's loss and every gradient the optimizer steps with written as JSON for the test to compare."""
+"""One rank of a schedule comparison: the same model trained for a few steps under 1F1B and under zero_bubble (or a
+case's chunked schedule, zbv or interleaved_1f1b), every step's loss and every gradient the optimizer steps with
+written as JSON for the test to compare. The chunked schedules place other layers on each rank: their gradients are
+compared with 1F1B's across all ranks by name."""
 import json
 import os
 import sys
@@ -12,10 +14,13 @@ import deepspeed  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from checkpoints.layer_files import load_layer_slice  # noqa: E402
-from models.pipeline import build_pipeline_module  # noqa: E402
+import collectives  # noqa: E402
+from models.lora import NO_LORA, LoraSettings  # noqa: E402
+from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
 from tests.parity_worker import CHUNK_TOKENS, micro_batches  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
 from training.distributed import init_distributed, parallel_topology  # noqa: E402
+from training.chunked_engine import rank_chunk_ids, use_chunked_pipeline  # noqa: E402
 from training.pipeline_engine import use_zero_bubble  # noqa: E402
 
 
@@ -40,30 +45,83 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     config = AutoConfig.from_pretrained(case["hf_dir"])
     num_stages, tensor_parallel = case["stages"], case.get("tensor_parallel", 1)
     dp_size = torch.distributed.get_world_size() // (num_stages * tensor_parallel)
+    chunks, bounds = rank_chunk_ids(schedule, num_stages, case.get("virtual_stages")), None
+    if chunks is not None:
+        num_chunks = sum(map(len, chunks))
+        bounds = partition_stages(config, num_chunks, [config.num_hidden_layers // num_chunks] * num_chunks)
     module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel), layer_loader=load_layer_slice,
+                                   stage_bounds=bounds, chunk_ids=chunks,
                                    activation_checkpoint_interval=case.get("checkpoint_interval", 0),
                                    sequence_parallel=case.get("sequence_parallel", True),
                                    recompute_sequence_gather=case.get("recompute_sequence_gather", False),
                                    loss_chunk_tokens=case.get("loss_chunk_tokens", CHUNK_TOKENS),
                                    grad_accum_dtype=(torch.float32 if case.get("deepspeed", {}).get("data_types")
-                                                     else None))
+                                                     else None),
+                                   lora=LoraSettings(**case["lora"]) if "lora" in case else NO_LORA)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config={
         "train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": gas,
         "steps_per_print": 10**9, "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}, **case.get("deepspeed", {})})
+    checkpointed = count_calls(module, "activation_checkpoint_func")
     engine.load_checkpoint(case["ds_dir"], load_module_only=True)
     waiting = []
     if schedule == "zero_bubble":
         use_zero_bubble(engine, case.get("max_waiting"))
         waiting = record_waiting_before_backward(engine.module.parallel.weight_grads)
+    elif chunks is not None:
+        use_chunked_pipeline(engine, schedule, case.get("virtual_stages"))
     recorded = record_optimizer_gradients(engine)
-    losses = []
+    losses, read = [], []
     batch = make_batch(micro_batch_size * gas * dp_size, seq_len, config.vocab_size, seed=1)
     for _ in range(steps):  # the same batch every step: the loss must fall
-        losses.append(float(engine.train_batch(micro_batches(batch, micro_batch_size, gas, dp_size,
-                                                             engine.grid.data_parallel_id))))
-    return losses, recorded, {"stage": engine.stage_id, "waiting": max(waiting, default=0)}
+        losses.append(float(engine.train_batch(counted(micro_batches(batch, micro_batch_size, gas, dp_size,
+                                                                     engine.grid.data_parallel_id), read))))
+    # evaluation: 3 micro-batches (no multiple of the stages), the loss broadcast from the last chunk's rank
+    evaluated = micro_batches(batch, micro_batch_size, 3, dp_size, engine.grid.data_parallel_id)
+    eval_loss = float(engine.eval_batch(evaluated, num_micro_batches=3))
+    if case.get("schedule", "zero_bubble") != "zero_bubble":  # 1F1B's too: the ranks hold other layers
+        replica = f"dp{engine.grid.data_parallel_id}.tp{engine.grid.get_slice_parallel_rank()}"
+        recorded = all_ranks_gradients(recorded, replica)
+    return losses, recorded, {"stage": engine.stage_id, "waiting": max(waiting, default=0), "read": len(read),
+                              "eval_loss": eval_loss, "checkpointed": len(checkpointed),
+                              "chunks": chunks[engine.stage_id] if chunks else [engine.stage_id]}
+
+
+def worst_gradient(ref_grads, grads):
+    """The largest error of a gradient relative to its largest element, over all steps, and where it is."""
+    errors = [(((g[n] - r[n]).abs().max() / r[n].abs().max().clamp(min=1e-30)).item(), step, n)
+              for step, (r, g) in enumerate(zip(ref_grads, grads)) for n in r]
+    error, step, name = max(errors, default=(0.0, None, None))
+    return {"max_grad_error": error, "worst_grad": f"step {step} {name}"}
+
+
+def count_calls(owner, name):
+    """[None per call] of owner.<name> from now on."""
+    calls, function = [], getattr(owner, name)
+
+    def counting(*args, **kwargs):
+        calls.append(None)
+        return function(*args, **kwargs)
+    setattr(owner, name, counting)
+    return calls
+
+
+def counted(items, read):
+    for item in items:
+        read.append(1)
+        yield item
+
+
+def all_ranks_gradients(recorded, replica):
+    """Each step's gradients of every rank, keyed by the rank's data-parallel replica and tensor-parallel rank, and
+    by name. The flat buffers of ZeRO and
+    the bf16 optimizer (named group<i>.<j>) hold other parameters under another layout: there the losses, equal
+    bit for bit, are the comparison."""
+    gathered = [None] * torch.distributed.get_world_size()
+    collectives.all_gather_object(gathered, (replica, recorded))
+    return [{f"{where}.{name}": grad for where, steps in gathered for name, grad in steps[step].items()
+             if not name.startswith("group")} for step in range(len(recorded))]
 
 
 def record_waiting_before_backward(queue):
@@ -82,14 +140,13 @@ def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
     results = {}
     for case in cases:
         runs = {schedule: train(case, schedule, steps, micro_batch_size, gas, seq_len)
-                for schedule in ("1f1b", "zero_bubble")}
-        (ref_losses, ref_grads, _), (losses, grads, held) = runs["1f1b"], runs["zero_bubble"]
+                for schedule in ("1f1b", case.get("schedule", "zero_bubble"))}
+        (ref_losses, ref_grads, ref_held), (losses, grads, held) = runs.values()
         results[case["name"]] = {
-            **held, "losses": losses, "ref_losses": ref_losses,
+            **held, "losses": losses, "ref_losses": ref_losses, "ref_eval_loss": ref_held["eval_loss"],
             "grad_steps": [len(ref_grads), len(grads)],
             "grad_names": [sorted(g) for g in ref_grads] == [sorted(g) for g in grads],
-            "max_grad_error": max(((g[n] - r[n]).abs().max() / r[n].abs().max().clamp(min=1e-30)).item()
-                                  for r, g in zip(ref_grads, grads) for n in r),
+            **worst_gradient(ref_grads, grads),
             "compared_grads": sum(len(r) for r in ref_grads)}
         torch.distributed.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

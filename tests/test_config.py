@@ -147,7 +147,7 @@ def test_free_form_nodes_take_any_key_and_defaults_fill_older_configs():
     ("precision=fp8", "precision 'fp8' is not one of ('fp32', 'bf16', 'fp16')"),
     ("attention_impl=flash", "attention_impl 'flash' is not one of ('sdpa', 'eager')"),
     ("nan_policy=ignore", "nan_policy 'ignore' is not one of ('stop', 'skip')"),
-    ("pipeline_schedule=gpipe", "pipeline_schedule 'gpipe' is not one of ('1f1b', 'zero_bubble')"),
+    ("pipeline_schedule=gpipe", "pipeline_schedule 'gpipe' is not one of ('1f1b', 'zero_bubble', 'interleaved_1f1b', 'zbv')"),
     ("data.format=csv", "data.format='csv': expected one of pretokenized, text, instruction, chat"),
     ("loss_impl=fused", "loss_impl 'fused' is not one of ('chunked', 'logits')"),
     ("loss_chunk_tokens=0", "loss_chunk_tokens=0 must be a positive number of tokens"),

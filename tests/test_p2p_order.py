@@ -26,7 +26,7 @@ from deepspeed_internals.access import (handlers_only_pipeline_engine, inference
                                         set_pipe_buffer, train_schedule)
 from training.pipeline_engine import use_zero_bubble
 from training.schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
-                               ZeroBubbleSchedule)
+                               ZeroBubbleSchedule, chunk_ids, p2p_program)
 
 # Stage and micro-batch counts: those of the tests and around them (fewer micro-batches than stages, as many, more),
 # and every config's (config_counts).
@@ -199,7 +199,7 @@ def run_on_nccl(programs):
     """Execute the programs under the model; raise on a deadlock, a send matched with a receive of another shape or
     dtype, or an operation nobody matched."""
     stages = len(programs)
-    streams = {(s, peer): collections.deque() for s in range(stages) for peer in (s - 1, s + 1)}
+    streams = collections.defaultdict(collections.deque)
     done, position = set(), [0] * stages
     progressed = True
     while progressed:
@@ -213,7 +213,7 @@ def run_on_nccl(programs):
                     streams[(stage, op[0])].append(op)
                 position[stage] += 1
                 progressed = True
-        for (stage, peer), stream in streams.items():  # the heads of a link's two streams complete together
+        for (stage, peer), stream in list(streams.items()):  # the heads of a link's two streams complete together
             other = streams.get((peer, stage))
             if stage > peer or not stream or not other:
                 continue
@@ -322,3 +322,56 @@ def test_a_receive_of_another_shape_is_the_wrong_tensor():
 def test_every_config_is_checked():
     assert {(2, 4), (4, 32), (8, 32), (8, 64)} <= config_counts()
     assert all(stages in STAGES for stages, _ in config_counts())
+
+
+def chunk_programs(schedule, stages, micro_batches, virtual_stages=1, forward_only=False):
+    """p2p_program's operations of every rank as the model's programs: an operation's shape stands for its tensor
+    (activation or gradient, the chunk boundary it crosses, the micro-batch), so a send matched with another
+    transfer's receive is the wrong tensor."""
+    programs = []
+    for rank in range(stages):
+        chunks, program = chunk_ids(schedule, stages, rank, virtual_stages), []
+        for action, item in p2p_program(schedule, stages, micro_batches, rank, virtual_stages,
+                                        forward_only=forward_only):
+            if action == "compute":
+                continue
+            chunk = chunks[item.local_chunk]
+            upstream = chunk if (item.direction == "send") == (item.tensor == "activation") else chunk - 1
+            program.append((action, (item.peer, item.direction, item.tensor, (upstream, item.micro_batch), item)))
+        programs.append(program)
+    return programs
+
+
+@pytest.mark.parametrize("stages", STAGES)
+def test_multi_chunk_schedules_are_matched_on_every_link(stages):
+    """interleaved_1f1b (v = 2; v = 3 and evaluation up to 16 micro-batches; its micro-batch counts are multiples of
+    p) and zbv, training and evaluation: both sides of every link (the wrap link last rank -> rank 0 of interleaving
+    included; on 2 ranks it is the same pair as the link down) post their operations in one order, and no send
+    waits on a send."""
+    for micro_batches in sorted({*micro_batch_counts(stages), 64}):
+        few = micro_batches <= 16
+        for forward_only in (False, True) if few else (False,):
+            run_on_nccl(chunk_programs("zbv", stages, micro_batches, forward_only=forward_only))
+            if micro_batches % stages == 0:
+                for virtual_stages in (2, 3) if few else (2,):
+                    run_on_nccl(chunk_programs("interleaved_1f1b", stages, micro_batches, virtual_stages,
+                                               forward_only))
+
+
+def test_sends_posted_in_compute_order_deadlock_under_zbv():
+    """What p2p_program prevents: each side posting its link operations in its own compute order (receive right
+    before the computation that takes it, send right after the one that makes it) crosses two sends on ZB-V's 2-rank
+    link."""
+    programs = []
+    for program in chunk_programs("zbv", 2, 4):
+        posts = [entry for entry in program if entry[0] == "post"]
+        receives = {op: ("post", op) for action, op in posts if op[1] == "recv"}
+        naive = []
+        for action, op in program:
+            if action == "wait" and op[1] == "recv":
+                naive += [receives[op], ("wait", op)]
+            elif action == "post" and op[1] == "send":
+                naive.append((action, op))
+        programs.append(naive + [entry for entry in program if entry[0] == "wait" and entry[1][1] == "send"])
+    with pytest.raises(AssertionError, match="deadlock"):
+        run_on_nccl(programs)

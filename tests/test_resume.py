@@ -28,7 +28,9 @@ def resumed_losses(demo_model, reference_run, out, procs, layout, start, **extra
      "num_stages 2 -> 1; data_parallel 2 -> 1; stage_bounds [0, 3, 7] -> [0, 7]; zero_stage 1 -> 0"),
     (4, dict(num_stages=4, gradient_accumulation_steps=4, save_steps=0),
      "num_stages 2 -> 4; data_parallel 2 -> 1; stage_bounds [0, 3, 7] -> [0, 2, 3, 4, 7]"),
-], ids=["1_process_zero0", "4_stages"])
+    # across schedules: 1F1B's checkpoint (2 stages, ZeRO-1) on under ZB-V's 4 chunks, whole optimizer state
+    (4, dict(pipeline_schedule="zbv"), "stage_bounds [0, 3, 7] -> [0, 2, 3, 4, 7]; pipeline_schedule 1f1b -> zbv"),
+], ids=["1_process_zero0", "4_stages", "zbv"])
 @pytest.mark.slow
 def test_resume_on_another_layout_equals_the_run_that_never_stopped(demo_model, demo_tasks, reference_run, tmp_path,
                                                                    procs, layout, changes):

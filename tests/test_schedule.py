@@ -2,14 +2,24 @@
 orders it runs are valid and fill the bubble. Resuming across the two: tests/test_reliability.py (the killed save's
 and the SIGTERM's resumes)."""
 import glob
+import itertools
 import json
 
 import pytest
+from omegaconf import OmegaConf
+from transformers import LlamaConfig
 
+from checkpoints.hf_to_ds import convert_hf_to_ds
+from models.partition import decoder_counts_of_bounds, rank_chunk_layers, stage_bounds_from_decoder_counts
+from planner.stage_costs import format_stage_plan, stage_plan
+from planner.workload import Workload
 from tests import schedule_worker
 from tests.distributed import spawn
 from tests.launch import demo_overrides, run_in_process
-from training.schedule import simulate, stage_orders
+from tests.tiny_models import TINY_CONFIGS, make_model
+from training.config_checks import ConfigError, checked_config
+from training.run_spec import configured_stage_bounds
+from training.schedule import chunk_ids, chunks_per_rank, rank_orders, simulate, stage_orders
 
 STEPS, MICRO_BATCH, GAS, SEQ = 6, 2, 4, 16
 CASES = {  # name: (tiny config, case settings); all on 4 processes
@@ -39,24 +49,74 @@ CASES = {  # name: (tiny config, case settings); all on 4 processes
         data_types={"grad_accum_dtype": "fp32"}))),
     "2stages_x_tp2_bf16_fp32_accumulation": ("qwen2", dict(stages=2, tensor_parallel=2, tolerance=0.0, deepspeed=dict(
         zero_optimization={"stage": 1}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}))),
+    # Several chunks per rank (training/chunked_engine.py), on 2 and 4 ranks, tied and untied: "8layers" models
+    # have a decoder layer per chunk on 4 ranks. Their ranks hold other layers than 1F1B's: every gradient is
+    # compared by name across all ranks (and data-parallel replicas).
+    "4stages_zbv": ("llama2_8layers", dict(stages=4, schedule="zbv")),
+    "4stages_interleaved_tied_checkpointing": ("tied_8layers", dict(stages=4, schedule="interleaved_1f1b",
+                                                                    virtual_stages=2, checkpoint_interval=1)),
+    # ZB-V adds the tied weight's embedding and head gradients on one rank in the order its Bs run, 1F1B as two
+    # partial sums all-reduced: fp32 rounding of ~1e-7 that Adam carries into later steps' gradients (1.05e-6 of
+    # a layer norm's at step 5 of 6), hence 2e-6 (the untied and LoRA cases are exact).
+    "2stages_x_2dp_zbv_tied_checkpointing": ("tied", dict(stages=2, schedule="zbv", checkpoint_interval=1,
+                                                          tolerance=2e-6)),
+    "2stages_x_2dp_interleaved": ("llama2", dict(stages=2, schedule="interleaved_1f1b", virtual_stages=2)),
+    # tensor parallelism 2 (sequence parallel): each rank's shards, by tensor-parallel rank
+    "2stages_x_tp2_zbv": ("llama3", dict(stages=2, schedule="zbv", tensor_parallel=2)),
+    "2stages_x_tp2_interleaved_tied": ("tied", dict(stages=2, schedule="interleaved_1f1b", virtual_stages=2,
+                                                    tensor_parallel=2)),
+    # LoRA: the adapters' gradients (the base frozen; ZB-V's W computes only theirs)
+    "2stages_x_2dp_zbv_lora_tied": ("tied", dict(stages=2, schedule="zbv", lora=dict(rank=4))),
+    "2stages_x_2dp_interleaved_lora": ("llama2", dict(stages=2, schedule="interleaved_1f1b", virtual_stages=2,
+                                                      lora=dict(rank=4))),
+    # bf16 with fp32 sums (the trainer's default) and ZeRO-1: the flat gradient buffers hold other parameters under
+    # another layout, so the losses, bit-identical over the steps, are the comparison.
+    "2stages_x_2dp_zbv_bf16_fp32_accumulation": ("llama2", dict(stages=2, schedule="zbv", tolerance=0.0, deepspeed=dict(
+        zero_optimization={"stage": 1}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}))),
+    "2stages_x_2dp_interleaved_bf16_zero1_tied": ("tied", dict(
+        stages=2, schedule="interleaved_1f1b", virtual_stages=2, tolerance=0.0,
+        deepspeed=dict(zero_optimization={"stage": 1}, bf16={"enabled": True}))),
 }
+
+
+def eight_layer_checkpoints(root, names):
+    """{name_8layers: (hf_dir, ds_dir)}: tiny models with 8 decoder layers."""
+    dirs = {}
+    for name in names:
+        config = TINY_CONFIGS[name]()
+        config.num_hidden_layers = 8
+        hf_dir, ds_dir = str(root / name / "hf"), str(root / name / "ds")
+        make_model(config, hf_dir)
+        convert_hf_to_ds(hf_dir, ds_dir)
+        dirs[f"{name}_8layers"] = (hf_dir, ds_dir)
+    return dirs
 
 
 @pytest.mark.slow
 def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
-    cases = [dict(name=name, hf_dir=tiny_checkpoints[model][0], ds_dir=tiny_checkpoints[model][1], **settings)
+    checkpoints = {**tiny_checkpoints, **eight_layer_checkpoints(tmp_path / "models", ["llama2", "tied"])}
+    cases = [dict(name=name, hf_dir=checkpoints[model][0], ds_dir=checkpoints[model][1], **settings)
              for name, (model, settings) in CASES.items()]
-    spawn(schedule_worker.run, 4, cases, STEPS, MICRO_BATCH, GAS, SEQ, str(tmp_path))
-    ranks = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "rank*.json")))]
+    (tmp_path / "ranks").mkdir()
+    spawn(schedule_worker.run, 4, cases, STEPS, MICRO_BATCH, GAS, SEQ, str(tmp_path / "ranks"))
+    ranks = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "ranks" / "rank*.json")))]
     assert len(ranks) == 4
     for name, (_, settings) in CASES.items():
         tolerance = settings.get("tolerance", 1e-6)
         for rank in ranks:
             result = rank[name]
-            assert result["grad_steps"] == [STEPS, STEPS] and result["grad_names"] and result["compared_grads"], name
+            flat_buffers = "schedule" in settings and "deepspeed" in settings
+            assert result["grad_steps"] == [STEPS, STEPS] and result["grad_names"], name
+            assert result["compared_grads"] or flat_buffers, name
             assert result["losses"] == pytest.approx(result["ref_losses"], abs=tolerance, rel=0), name
-            assert result["max_grad_error"] <= tolerance, name
+            assert result["eval_loss"] == pytest.approx(result["ref_eval_loss"], abs=tolerance, rel=0), name
+            assert result["max_grad_error"] <= tolerance, (name, result["worst_grad"])
             assert result["losses"][-1] < result["losses"][0], name  # it trained
+            assert (result["checkpointed"] > 0) == ("checkpoint_interval" in settings), name
+            if "schedule" in settings:  # only the ranks of the first and the last chunk read data
+                reads = {0, settings["stages"] * settings.get("virtual_stages", 2) - 1} & set(result["chunks"])
+                assert result["read"] == (STEPS * GAS if reads else 0), name
+                continue
             order = stage_orders(settings["stages"], GAS, max_waiting=settings.get("max_waiting"))[result["stage"]]
             assert result["waiting"] == max(sum(k == "B" for k, _ in order[:i]) - sum(k == "W" for k, _ in order[:i])
                                             for i, (kind, _) in enumerate(order) if kind == "B"), name
@@ -93,10 +153,17 @@ def test_simulated_step_is_the_zb_h1_bound(stages, micro_batches, forward, backw
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"pipeline_schedule": "gpipe"}, "pipeline_schedule 'gpipe' is not one of ('1f1b', 'zero_bubble')"),
+    ({"pipeline_schedule": "gpipe"},
+     "pipeline_schedule 'gpipe' is not one of ('1f1b', 'zero_bubble', 'interleaved_1f1b', 'zbv')"),
     ({"pipeline_schedule": "zero_bubble", "precision": "fp16", "zero_stage": 1},
      "pipeline_schedule=zero_bubble does not support precision=fp16 yet (it runs with precision fp32 or bf16); use "
      "pipeline_schedule=1f1b."),
+    # the paths several chunks per rank do not run yet, refused before anything starts
+    ({"pipeline_schedule": "zbv", "objective": "simpo"},
+     "pipeline_schedule=zbv with objective=simpo is not supported yet; use pipeline_schedule 1f1b or zero_bubble."),
+    ({"pipeline_schedule": "zbv", "context_parallel_size": 2},
+     "pipeline_schedule=zbv with context_parallel_size=2 is not supported yet; use pipeline_schedule 1f1b or "
+     "zero_bubble."),
     ({"pipeline_schedule": "zero_bubble", "zero_bubble_max_waiting": -1},
      "zero_bubble_max_waiting=-1 is not a number of micro-batches: set an integer >= 0, or null for ZB-H1's "
      "(stage s holds s)."),
@@ -105,3 +172,147 @@ def test_bad_schedule_config_is_refused_before_start(demo_model, tmp_path, overr
     with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
         run_in_process(demo_overrides(demo_model, tmp_path / "run", **overrides), 2)
     assert not (tmp_path / "run").exists()
+
+
+def step_time(stages, micro_batches, times, schedule, **settings):
+    return max(end for _, end in simulate(stages, micro_batches, times, schedule, **settings).values())
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(1, 3), (2, 1), (2, 4), (3, 7), (4, 8), (8, 16), (8, 64)])
+@pytest.mark.parametrize("schedule,virtual_stages", [("zbv", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)])
+def test_multi_chunk_orders_are_complete_and_respect_memory(stages, micro_batches, schedule, virtual_stages):
+    if schedule == "interleaved_1f1b" and micro_batches % stages:
+        with pytest.raises(ValueError, match=f"needs a multiple of {stages} micro-batches, not {micro_batches}"):
+            rank_orders(schedule, stages, micro_batches, virtual_stages)
+        return
+    kinds = "FBW" if schedule == "zbv" else "FB"
+    chunks = chunks_per_rank(schedule, virtual_stages)
+    for rank, order in enumerate(rank_orders(schedule, stages, micro_batches, virtual_stages)):
+        assert sorted(order) == sorted((kind, chunk, j) for kind in kinds for chunk in range(chunks)
+                                       for j in range(micro_batches))
+        for kind, chunk in itertools.product(kinds, range(chunks)):  # each chunk's micro-batches in order
+            assert [j for k, c, j in order if (k, c) == (kind, chunk)] == list(range(micro_batches))
+        change = {"F": 1, "B": 0 if schedule == "zbv" else -1, "W": -1}  # micro-batch-chunks held from F to W
+        held = list(itertools.accumulate(change[kind] for kind, _, _ in order))
+        if schedule == "zbv":  # 1F1B's first stage's activations: p whole-stage micro-batches = 2p chunks
+            assert max(held) <= 2 * stages
+        else:  # Megatron's warm-up count plus the steady state's one
+            assert max(held) == min((stages - rank - 1) * 2 + (virtual_stages - 1) * stages + 1,
+                                    micro_batches * virtual_stages)
+    assert [chunk_ids(schedule, stages, rank, virtual_stages) for rank in range(stages)] == (
+        [[rank, 2 * stages - 1 - rank] for rank in range(stages)] if schedule == "zbv" else
+        [list(range(rank, stages * virtual_stages, stages)) for rank in range(stages)])
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8])
+@pytest.mark.parametrize("forward,backward,weight", [(1, 1, 1), (1, 2, 1), (1, 1.5, 0.5)])
+def test_simulated_steps_are_the_closed_forms(stages, forward, backward, weight):
+    """Each schedule's step against its closed form, m = p ... 64: 1F1B's (p-1)(F+B+W) bubble, interleaving's
+    divided by v (Megatron's (p-1)/(v m) of the work), ZB-H1's (p-1)(F+B-W), and ZB-V at F = B = W: no bubble but
+    the pipeline's fill, (p-1) chunk forwards (F/2), a third of ZB-H1's and below interleaving's for any v."""
+    times = [{"F": forward, "B": backward, "W": weight}] * stages
+    stage_time = forward + backward + weight
+    for micro_batches in range(stages, 65, stages):
+        work = micro_batches * stage_time
+        assert step_time(stages, micro_batches, times, "1f1b") == pytest.approx(work + (stages - 1) * stage_time)
+        for virtual_stages in (2, 4):
+            assert step_time(stages, micro_batches, times, "interleaved_1f1b", virtual_stages=virtual_stages) == (
+                pytest.approx(work + (stages - 1) * stage_time / virtual_stages))
+        zb_h1 = step_time(stages, micro_batches, times, "zero_bubble")
+        assert zb_h1 == pytest.approx(work + (stages - 1) * (forward + backward - weight))
+        if forward == backward == weight:
+            assert step_time(stages, micro_batches, times, "zbv") == pytest.approx(work + (stages - 1) * forward / 2)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(pipeline_schedule="zbv", precision="fp16", zero_stage=1),
+     "pipeline_schedule=zbv does not support precision=fp16 yet (it runs with precision fp32 or bf16); use "
+     "pipeline_schedule=1f1b."),
+    (dict(virtual_stages=2), "virtual_stages=2 applies to pipeline_schedule=interleaved_1f1b only (not 1f1b); set "
+     "virtual_stages=null, or pipeline_schedule=interleaved_1f1b."),
+    (dict(pipeline_schedule="interleaved_1f1b"), "pipeline_schedule=interleaved_1f1b with virtual_stages=null: set "
+     "virtual_stages=2 or more (chunks of layers per rank)."),
+    (dict(pipeline_schedule="interleaved_1f1b", virtual_stages=2, num_stages=4, gradient_accumulation_steps=6),
+     "gradient_accumulation_steps=6 with pipeline_schedule=interleaved_1f1b on num_stages=4: Megatron's interleaved "
+     "order takes micro-batches in groups of 4; use gradient_accumulation_steps=8 (a multiple of 4)."),
+])
+def test_bad_chunk_schedule_config_is_refused(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        checked_config(OmegaConf.create(overrides))
+    assert str(error.value) == message
+
+
+def tiny_llama(layers):
+    return LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                       vocab_size=256)
+
+
+@pytest.mark.parametrize("overrides,layers,message", [
+    (dict(pipeline_schedule="zbv", num_stages=4), 6, "pipeline_schedule=zbv splits the model into 8 chunks (4 stages "
+     "x 2), more than its 6 decoder layers: use num_stages=3 or less."),
+    (dict(pipeline_schedule="interleaved_1f1b", virtual_stages=3, num_stages=2), 4, "pipeline_schedule="
+     "interleaved_1f1b splits the model into 6 chunks (2 stages x 3), more than its 4 decoder layers: use "
+     "virtual_stages=2 or less."),
+    (dict(pipeline_schedule="zbv", num_stages=2, partition=[2, 2]), 8, "partition [2, 2] has 2 entries: "
+     "pipeline_schedule=zbv splits the model into 4 chunks (2 stages x 2); give decoder layers per chunk, 4 entries."),
+])
+def test_chunks_the_model_cannot_fill_are_refused(overrides, layers, message):
+    cfg = checked_config(OmegaConf.create(overrides))
+    with pytest.raises(ConfigError) as error:
+        configured_stage_bounds(cfg, tiny_llama(layers), Workload(pipeline_schedule=cfg.pipeline_schedule))
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize("schedule,virtual_stages,partition,counts", [
+    ("zbv", None, "balanced", [2, 2, 2, 2]),  # embedding on chunk 0, head on chunk 3: both rank 0's
+    ("zbv", None, [1, 3, 3, 1], [1, 3, 3, 1]),
+    ("interleaved_1f1b", 2, "uniform", None),
+])
+def test_partition_splits_chunks(schedule, virtual_stages, partition, counts):
+    cfg = checked_config(OmegaConf.create(dict(pipeline_schedule=schedule, virtual_stages=virtual_stages,
+                                               num_stages=2, partition=partition)))
+    bounds = configured_stage_bounds(cfg, tiny_llama(8), Workload(pipeline_schedule=schedule))
+    assert len(bounds) == 5 and bounds[0] == 0 and bounds[-1] == 8 + 3  # [embedding, 8 decoders, norm, head]
+    if counts:
+        assert decoder_counts_of_bounds(bounds) == counts
+    layers = [rank_chunk_layers(bounds, schedule, 2, rank, virtual_stages) for rank in range(2)]
+    assert sorted(sum(layers, [])) == list(zip(bounds, bounds[1:]))
+    assert layers[0][0][0] == 0 and (bounds[3], 11) in layers[0 if schedule == "zbv" else 1]
+
+
+def test_memory_plan_counts_each_schedules_chunks_in_flight():
+    """The plan's micro-batch-chunks in flight per rank come from the orders: interleaving's warm-up raises the first
+    ranks' ((p - r - 1)·2 + (v - 1)·p + 1 chunks of 1/v of a stage against 1F1B's p - r whole stages), ZB-V holds
+    at most 2p half-stage chunks on every rank (1F1B's first stage's p); each row lists its rank's chunks."""
+    model, stages, micro_batches = tiny_llama(16), 4, 8
+    plans = {}
+    for schedule, virtual_stages in (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 1)):
+        workload = Workload(pipeline_schedule=schedule, virtual_stages=virtual_stages, micro_batches=micro_batches)
+        chunks = stages * chunks_per_rank(schedule, virtual_stages)
+        bounds = stage_bounds_from_decoder_counts([16 // chunks] * chunks, 16)
+        plans[schedule] = stage_plan(model, bounds, workload)
+        for rank, row in enumerate(plans[schedule]):
+            assert row["chunks"] == rank_chunk_layers(bounds, schedule, stages, rank, virtual_stages)
+    assert [row["in_flight"] for row in plans["1f1b"]] == [4, 3, 2, 1]
+    assert [row["in_flight"] for row in plans["interleaved_1f1b"]] == [11, 9, 7, 5]
+    assert all(row["in_flight"] + row["waiting_for_weight_grads"] <= 2 * stages for row in plans["zbv"])
+    first = {schedule: plan[0]["activation_bytes"] for schedule, plan in plans.items()}
+    assert first["interleaved_1f1b"] > 1.3 * first["1f1b"]
+    assert max(row["activation_bytes"] for row in plans["zbv"]) < 1.15 * first["1f1b"]
+    assert format_stage_plan(plans["zbv"]).splitlines()[1].split()[:2] == ["0", "0-2+15-18"]  # embedding and head
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(2, 8), (4, 16), (8, 32)])
+@pytest.mark.parametrize("max_waiting", [0, 1, 3])
+def test_zbv_holds_at_most_max_waiting_back_for_w(stages, micro_batches, max_waiting):
+    """zero_bubble_max_waiting under zbv: at most that many micro-batch-chunks wait only for W on a rank (but for the
+    B whose W may come next), and the cap costs step time only where it binds."""
+    for order in rank_orders("zbv", stages, micro_batches, max_waiting=max_waiting):
+        waiting = 0
+        for kind, _, _ in order:
+            waiting += {"F": 0, "B": 1, "W": -1}[kind]
+            assert waiting <= max_waiting + (kind == "B")
+    times = [{"F": 1, "B": 1, "W": 1}] * stages
+    uncapped = step_time(stages, micro_batches, times, "zbv")
+    capped = step_time(stages, micro_batches, times, "zbv", max_waiting=max_waiting)
+    assert uncapped <= capped < step_time(stages, micro_batches, times, "1f1b")

@@ -84,6 +84,8 @@ def check_values(cfg):
     if cfg.micro_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise ConfigError("micro_batch_size and gradient_accumulation_steps must be at least 1.")
     check_zero_bubble(cfg)
+    check_chunk_schedule(cfg)
+    check_chunk_schedule_paths(cfg)
     if not cfg.preemption_grace_seconds > 0:
         raise ConfigError(f"preemption_grace_seconds={cfg.preemption_grace_seconds} must be positive: the seconds a "
                           f"SIGTERM leaves to finish the step and save.")
@@ -200,6 +202,44 @@ def check_zero_bubble(cfg):
         raise ConfigError(f"zero_bubble_max_waiting={cap!r} is not a number of micro-batches: set an integer >= 0, "
                           f"or null for ZB-H1's (stage s holds s).")
     # fp16's loss scaler is untested with deferred weight gradients (DeepSpeed's CPU accelerator refuses fp16)
-    if cfg.pipeline_schedule == "zero_bubble" and cfg.precision == "fp16":
-        raise ConfigError("pipeline_schedule=zero_bubble does not support precision=fp16 yet (it runs with precision "
-                          "fp32 or bf16); use pipeline_schedule=1f1b.")
+    if cfg.pipeline_schedule in ("zero_bubble", "zbv") and cfg.precision == "fp16":
+        raise ConfigError(f"pipeline_schedule={cfg.pipeline_schedule} does not support precision=fp16 yet (it runs "
+                          f"with precision fp32 or bf16); use pipeline_schedule=1f1b.")
+
+
+def check_chunk_schedule(cfg):
+    """interleaved_1f1b's chunks per rank, and the micro-batch counts Megatron's interleaved order serves."""
+    virtual = cfg.virtual_stages
+    if cfg.pipeline_schedule != "interleaved_1f1b":
+        if virtual is not None:
+            raise ConfigError(f"virtual_stages={virtual} applies to pipeline_schedule=interleaved_1f1b only (not "
+                              f"{cfg.pipeline_schedule}); set virtual_stages=null, or pipeline_schedule="
+                              f"interleaved_1f1b.")
+        return
+    if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 2:
+        raise ConfigError(f"pipeline_schedule=interleaved_1f1b with virtual_stages="
+                          f"{'null' if virtual is None else virtual}: set virtual_stages=2 "
+                          f"or more (chunks of layers per rank).")
+    stages, micro_batches = cfg.num_stages, cfg.gradient_accumulation_steps
+    if micro_batches % stages:
+        fit = -(-micro_batches // stages) * stages
+        raise ConfigError(f"gradient_accumulation_steps={micro_batches} with pipeline_schedule=interleaved_1f1b on "
+                          f"num_stages={stages}: Megatron's interleaved order takes micro-batches in groups of "
+                          f"{stages}; use gradient_accumulation_steps={fit} (a multiple of {stages}).")
+
+
+CHUNKED_SCHEDULES = ("interleaved_1f1b", "zbv")  # several chunks of layers per rank (training/chunked_engine.py)
+
+
+def check_chunk_schedule_paths(cfg):
+    """The paths not yet run with several chunks per rank, each refused in one line rather than left to chance."""
+    if cfg.pipeline_schedule not in CHUNKED_SCHEDULES:
+        return
+    untested = {f"objective={cfg.objective}": cfg.objective != "sft",
+                f"context_parallel_size={cfg.context_parallel_size}": cfg.context_parallel_size > 1,
+                f"precision={cfg.precision}": cfg.precision == "fp16",
+                f"offload_optimizer={cfg.offload_optimizer}": cfg.offload_optimizer != "none"}
+    for combination, present in untested.items():
+        if present:
+            raise ConfigError(f"pipeline_schedule={cfg.pipeline_schedule} with {combination} is not supported yet; "
+                              f"use pipeline_schedule 1f1b or zero_bubble.")

@@ -42,6 +42,7 @@ from training.evaluation import evaluate
 from training.hang_watchdog import hang_watchdog
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
 from training.optimizer import skipping_optimizer
+from training.chunked_engine import rank_chunk_ids, stage_reads_data, use_chunked_pipeline
 from training.pipeline_engine import use_zero_bubble
 from training.preemption import Preempted, PreemptionWatch
 from training.profiling import NoProfile, StepProfile
@@ -78,7 +79,8 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
                                    loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
                                    grad_accum_dtype=PRECISION_DTYPES[cfg.grad_accum_dtype], lora=spec.lora,
                                    seed=cfg.seed, objective=spec.preference, seq_length=cfg.seq_length,
-                                   row_layout=row_layout(cfg.data))
+                                   row_layout=row_layout(cfg.data),
+                                   chunk_ids=rank_chunk_ids(cfg.pipeline_schedule, spec.num_stages, cfg.virtual_stages))
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
@@ -102,6 +104,8 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
         skip_gradient_allreduce(engine)
     if cfg.pipeline_schedule == "zero_bubble":
         use_zero_bubble(engine, cfg.zero_bubble_max_waiting)
+    elif rank_chunk_ids(cfg.pipeline_schedule, spec.num_stages, cfg.virtual_stages):
+        use_chunked_pipeline(engine, cfg.pipeline_schedule, cfg.virtual_stages, cfg.zero_bubble_max_waiting)
     return engine, monitors
 
 
@@ -255,7 +259,7 @@ def run_started(spec, lm_eval_tasks, record):
         log_rank0(describe_resume(spec))
     topology = parallel_topology(spec.num_stages, spec.tensor_parallel)
     coord = topology.get_coord(dist.get_rank())
-    reads_data = coord.pipe in (0, spec.num_stages - 1)
+    reads_data = stage_reads_data(cfg.pipeline_schedule, spec.num_stages, coord.pipe, cfg.virtual_stages)
     if cfg.verify_checksums:
         verify_checkpoint(start_checkpoint_dir(cfg.model_name_or_path, resume_from),
                           weights_only=resume_from is None or cfg.resume_weights_only)

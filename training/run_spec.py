@@ -27,6 +27,7 @@ from models.lora import (LoraSettings, adapter_layer_indices, adapter_parameter_
                          check_rank_fits)
 from models.partition import decoder_counts_of_bounds, layer_parameter_counts
 from models.pipeline import partition_stages
+from models.pipeline_schedule_rules import chunks_per_rank
 from models.preference import PreferenceSettings
 from models.tensor_parallel import check_tensor_parallel_split
 from planner.stage_costs import balanced_stage_cost
@@ -337,17 +338,23 @@ def workload_of(cfg, data_parallel):
                     recompute_sequence_gather=bool(cfg.recompute_sequence_gather),
                     offload_optimizer=cfg.offload_optimizer == "cpu", pipeline_schedule=cfg.pipeline_schedule,
                     loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
-                    zero_bubble_max_waiting=cfg.zero_bubble_max_waiting, lora=LoraSettings.from_cfg(cfg.lora),
-                    async_save=bool(cfg.async_save))
+                    zero_bubble_max_waiting=cfg.zero_bubble_max_waiting, virtual_stages=cfg.virtual_stages or 1,
+                    lora=LoraSettings.from_cfg(cfg.lora), async_save=bool(cfg.async_save))
 
 
 def configured_stage_bounds(cfg, model_config, workload):
-    """The stage bounds cfg.partition gives this workload (a method name or a list of decoder layers per stage)."""
+    """The stage bounds cfg.partition gives this workload (a method name or a list of decoder layers per stage);
+    under a schedule with several chunks per rank, the bounds of every global chunk (models/partition.py's
+    chunk_bounds), `balanced` evening out the chunks' compute."""
     partition = cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
-    cost = (balanced_stage_cost(model_config, workload, cfg.num_stages, cfg.device_memory_gb * 2**30)
-            if partition == "balanced" else None)
+    chunks = cfg.num_stages * chunks_per_rank(cfg.pipeline_schedule, cfg.virtual_stages)
+    check_chunk_count(cfg, chunks, model_config.num_hidden_layers, partition)
+    cost = None
+    if partition == "balanced":
+        cost = (balanced_stage_cost(model_config, workload, cfg.num_stages, cfg.device_memory_gb * 2**30)
+                if chunks == cfg.num_stages else balanced_stage_cost(model_config, workload, chunks))
     try:
-        bounds = tuple(partition_stages(model_config, cfg.num_stages, partition, cost))
+        bounds = tuple(partition_stages(model_config, chunks, partition, cost))
     except ValueError as error:
         raise ConfigError(str(error)) from None
     counts = decoder_counts_of_bounds(bounds)
@@ -356,6 +363,24 @@ def configured_stage_bounds(cfg, model_config, workload):
                           f"decoder layer: under LoRA it would hold no adapter, nothing to train; give every stage "
                           f"at least one decoder layer.")
     return bounds
+
+
+def check_chunk_count(cfg, chunks, num_hidden_layers, partition):
+    """A schedule with several chunks per rank needs a decoder layer per chunk, and a list partition one entry each."""
+    if chunks == cfg.num_stages:
+        return
+    if chunks > num_hidden_layers:
+        fix = (f"use virtual_stages={num_hidden_layers // cfg.num_stages} or less" if num_hidden_layers >= 2 *
+               cfg.num_stages and cfg.pipeline_schedule == "interleaved_1f1b" else
+               f"use num_stages={num_hidden_layers // chunks_per_rank(cfg.pipeline_schedule, cfg.virtual_stages)} "
+               f"or less")
+        raise ConfigError(f"pipeline_schedule={cfg.pipeline_schedule} splits the model into {chunks} chunks "
+                          f"({cfg.num_stages} stages x {chunks // cfg.num_stages}), more than its {num_hidden_layers} "
+                          f"decoder layers: {fix}.")
+    if not isinstance(partition, str) and len(partition) != chunks:
+        raise ConfigError(f"partition {partition} has {len(partition)} entries: pipeline_schedule="
+                          f"{cfg.pipeline_schedule} splits the model into {chunks} chunks ({cfg.num_stages} stages x "
+                          f"{chunks // cfg.num_stages}); give decoder layers per chunk, {chunks} entries.")
 
 
 # --- the files a run starts from ---------------------------------------------------------------------------------

@@ -22,15 +22,29 @@ its order computes, and the downstream stage posts each activation receive (non-
 as soon as the upstream order has it come, before the gradient sends that follow it there. tests/test_p2p_order.py
 records each link's operations from the engines' own handlers and checks them against a model of NCCL's
 semantics. `simulate` times these orders for bench/schedule_simulator.py.
+
+Schedules with several chunks of layers per rank (global chunk g holds the g-th run of layers; `chunk_ids`):
+- interleaved_1f1b (Megatron's virtual pipeline stages): rank r holds chunks r, r + p, ..., r + (v-1)p and runs
+  Megatron's interleaved order (`interleaved_order`); its bubble is 1F1B's divided by v, (p-1)/(v m + p - 1).
+- zbv (Qi et al.'s ZB-V, "Pipeline Parallelism with Controllable Memory"): rank r holds chunks r and 2p-1-r, so a
+  micro-batch runs down the ranks and back up, turning on the last rank without a transfer; backwards split into B
+  and W as in ZB-H1 (`zbv_order`).
+Their point-to-point operations come in one order per link that both sides follow (`p2p_program`), so no rank sends
+while its peer sends; tests/test_p2p_order.py runs them under the model of NCCL's semantics.
 """
+import collections
+import functools
+import math
+
 from deepspeed.runtime.pipe.schedule import (BackwardPass, BufferOpInstruction, ForwardPass, LoadMicroBatch,
                                              OptimizerStep, PipeInstruction, RecvGrad, ReduceGrads, ReduceTiedGrads,
                                              SendActivation, SendGrad, TrainSchedule)
 
 from deepspeed_internals.access import buffer_of_micro_batch
-from models.pipeline_schedule_rules import held_back_micro_batches, in_flight_micro_batches
+from models.pipeline_schedule_rules import chunk_ids, chunks_per_rank, held_back_micro_batches, in_flight_micro_batches
 
-PIPELINE_SCHEDULES = ("1f1b", "zero_bubble")
+PIPELINE_SCHEDULES = ("1f1b", "zero_bubble", "interleaved_1f1b", "zbv")
+SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "zbv")  # B and W apart; the others run one backward, B + W
 
 
 class BackwardInputPass(BackwardPass):
@@ -89,45 +103,302 @@ def activations_between_gradients(upstream_order):
 
 
 def stage_orders(stages, micro_batches, schedule="zero_bubble", max_waiting=None):
-    """[[(kind, micro_batch), ...] per stage] of a schedule."""
+    """[[(kind, micro_batch), ...] per stage] of a one-chunk schedule (1f1b, zero_bubble)."""
     if schedule == "zero_bubble":
         return [zero_bubble_order(stages, micro_batches, stage, max_waiting) for stage in range(stages)]
     return [one_f_one_b_order(stages, micro_batches, stage) for stage in range(stages)]
 
 
-def simulate(stages, micro_batches, costs, schedule, max_waiting=None):
-    """Time every stage's order: each computation starts when its stage is free and its input is complete
-    (transfers free). costs: per stage {"F": s, "B": s, "W": s}; under 1F1B a backward costs B + W.
-    Returns {(kind, stage, micro_batch): (start, end)}."""
-    orders = stage_orders(stages, micro_batches, schedule, max_waiting)
-    cost_of = [dict(c, B=c["B"] + c["W"]) if schedule == "1f1b" else c for c in costs]
+@functools.lru_cache(maxsize=64)
+def chunk_placement(schedule, stages, virtual_stages=1):
+    """((rank, local chunk) of each global chunk, ...)."""
+    placement = {}
+    for rank in range(stages):
+        for local, chunk in enumerate(chunk_ids(schedule, stages, rank, virtual_stages)):
+            placement[chunk] = (rank, local)
+    return tuple(placement[chunk] for chunk in range(len(placement)))
+
+
+def interleaved_order(stages, micro_batches, virtual_stages, rank):
+    """Megatron's interleaved 1F1B (forward_backward_pipelining_with_interleaving) on one rank:
+    [(kind, local_chunk, micro_batch)]. The step's m·v chunk forwards go in groups of p micro-batches per chunk
+    (micro-batches 0..p-1 through chunk 0, then through chunk 1, ..., then micro-batches p..2p-1), the backwards
+    likewise from the last chunk; (p - r - 1)·2 + (v - 1)·p forwards warm up, then forward and backward alternate."""
+    if micro_batches % stages:
+        raise ValueError(f"interleaved_1f1b needs a multiple of {stages} micro-batches, not {micro_batches}")
+    total, group = micro_batches * virtual_stages, stages * virtual_stages
+
+    def step(kind, k):
+        chunk = k % group // stages
+        return kind, chunk if kind == "F" else virtual_stages - 1 - chunk, k // group * stages + k % stages
+
+    warmup = min((stages - rank - 1) * 2 + (virtual_stages - 1) * stages, total)
+    order = [step("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [step("F", k + warmup), step("B", k)]
+    return order + [step("B", k) for k in range(total - warmup, total)]
+
+
+def producer(kind, chunk, micro_batch, chunks):
+    """The computation whose output (kind, chunk, micro_batch) needs: the previous chunk's forward, the next chunk's
+    input gradient (the last chunk's own forward: its loss), its own B for a W; None for the first forward."""
+    if kind == "F":
+        return ("F", chunk - 1, micro_batch) if chunk > 0 else None
+    if kind == "B":
+        return ("B", chunk + 1, micro_batch) if chunk < chunks - 1 else ("F", chunk, micro_batch)
+    return ("B", chunk, micro_batch)
+
+
+# ZB-V's list-scheduling policies, each a (backward taken first when two are ready, W before starting a new
+# micro-batch, room kept for the second-chunk forwards of started micro-batches); zbv_orders takes the one whose
+# step is shortest (sail-sg's V schedule also tries a few). Without the room a rank may fill its memory with first
+# chunks and stall: that policy is then left out.
+ZBV_POLICIES = tuple((first, w_first, room) for room in (False, True) for first, w_first in ((0, 0), (1, 0), (0, 1)))
+
+
+def zbv_list_orders(stages, micro_batches, max_waiting, policy, durations=(1, 1, 1)):
+    """ZB-V's orders for all ranks by list scheduling (transfers free; durations: F, B, W of a chunk in whole time
+    units): each time unit, every rank that is free runs, if its input is there, the first of: a W if more than
+    max_waiting wait for theirs, a B, an F (the second chunk's first: it finishes a micro-batch) while fewer than 2p
+    micro-batch-chunks are between their F and W (1F1B's activations: p micro-batches of a whole stage), a W.
+    Returns (orders, step time), or None where the policy stalls."""
+    first_backward, w_before_new, keep_room = policy
+    duration = dict(zip("FBW", durations))
+    busy_until = [0] * stages
+    chunks, chunk_of = 2 * stages, [chunk_ids("zbv", stages, rank) for rank in range(stages)]
+    ends, orders = {}, [[] for _ in range(stages)]
+    forwards, backwards = [[0, 0] for _ in range(stages)], [[0, 0] for _ in range(stages)]
+    waiting = [collections.deque() for _ in range(stages)]
+    held, time, left = [0] * stages, 0, 6 * stages * micro_batches
+
+    def ready(rank, kind, local):
+        count = (forwards if kind == "F" else backwards)[rank][local]
+        limit = micro_batches if kind == "F" else forwards[rank][local]
+        source = producer(kind, chunk_of[rank][local], count, chunks)
+        return count < limit and (source is None or ends.get(source, time + 1) <= time)
+
+    while left:
+        if time > 2 * (stages + micro_batches) * chunks * sum(durations):
+            return None
+        picks = []
+        for rank in range(stages):
+            if busy_until[rank] > time:
+                picks.append(None)
+                continue
+            backward = [local for local in (first_backward, 1 - first_backward) if ready(rank, "B", local)]
+            # a new micro-batch only with room left for the second-chunk forwards of those already started
+            room = chunks - held[rank] - (forwards[rank][0] - forwards[rank][1] if keep_room else 0)
+            forward = [local for local in (1, 0)
+                       if ready(rank, "F", local) and (room > 0 if local == 0 else held[rank] < chunks)]
+            if waiting[rank] and (max_waiting is not None and len(waiting[rank]) > max_waiting):
+                pick = ("W", *waiting[rank][0])
+            elif backward:
+                pick = ("B", backward[0], backwards[rank][backward[0]])
+            elif waiting[rank] and w_before_new and forward and forward[0] == 0:
+                pick = ("W", *waiting[rank][0])
+            elif forward:
+                pick = ("F", forward[0], forwards[rank][forward[0]])
+            else:
+                pick = ("W", *waiting[rank][0]) if waiting[rank] else None
+            picks.append(pick)
+        for rank, pick in enumerate(picks):
+            if pick is None:
+                continue
+            kind, local, micro_batch = pick
+            ends[(kind, chunk_of[rank][local], micro_batch)] = busy_until[rank] = time + duration[kind]
+            orders[rank].append(pick)
+            left -= 1
+            if kind == "F":
+                forwards[rank][local] += 1
+                held[rank] += 1
+            elif kind == "B":
+                backwards[rank][local] += 1
+                waiting[rank].append((local, micro_batch))
+            else:
+                waiting[rank].popleft()
+                held[rank] -= 1
+        time += 1
+    return orders, max(busy_until)
+
+
+@functools.lru_cache(maxsize=64)
+def zbv_orders(stages, micro_batches, max_waiting=None, durations=(1, 1, 1)):
+    """Every rank's ZB-V order: the shortest step among ZBV_POLICIES' list schedules (the first on ties)."""
+    schedules = [zbv_list_orders(stages, micro_batches, max_waiting, policy, durations) for policy in ZBV_POLICIES]
+    return min((schedule for schedule in schedules if schedule), key=lambda orders_and_time: orders_and_time[1])[0]
+
+
+def zbv_order(stages, micro_batches, rank, max_waiting=None, durations=(1, 1, 1)):
+    """ZB-V on one rank: [(kind, local_chunk, micro_batch)], kinds F, B (input gradient) and W (weight gradient);
+    local chunk 0 is global chunk r (down the V), 1 is 2p-1-r (back up). At most 2p micro-batch-chunks between their
+    F and their W on any rank (1F1B's first stage: p micro-batches of whole-stage activations), at most max_waiting
+    (if given) waiting only for W. For F = B = W the step is the work plus the pipeline's fill, (p - 1) chunk
+    forwards, on 2, 3 and 4 ranks for every m = p ... 64 and on 8 for every multiple of 8 (tests/test_schedule.py
+    checks p = 2, 4, 8); elsewhere up to 4 chunk forwards more (p = 5-7, and p = 8 at m = 9, 10, 13). durations: a chunk's F, B, W in whole units (zbv_durations) to list-schedule for other
+    times; the default's order is the one for F = B = W."""
+    return list(zbv_orders(stages, micro_batches, max_waiting, durations)[rank])
+
+
+def zbv_durations(times):
+    """A chunk's {"F", "B", "W"} times as the small whole numbers zbv_order schedules with (to half of the
+    shortest)."""
+    shortest = min(value for value in times.values() if value > 0)
+    units = [max(1, round(2 * times[kind] / shortest)) for kind in "FBW"]
+    return tuple(unit // math.gcd(*units) for unit in units)
+
+
+def rank_orders(schedule, stages, micro_batches, virtual_stages=1, max_waiting=None, forward_only=False,
+                zbv_times=(1, 1, 1)):
+    """[[(kind, local_chunk, micro_batch), ...] per rank] of any schedule; forward_only: each rank's forwards in
+    the same order (evaluation: no backward); zbv_times: zbv_order's durations."""
+    if schedule == "interleaved_1f1b":
+        orders = [interleaved_order(stages, micro_batches, virtual_stages, rank) for rank in range(stages)]
+    elif schedule == "zbv":
+        orders = [list(order) for order in zbv_orders(stages, micro_batches, max_waiting, zbv_times)]
+    else:
+        orders = [[(kind, 0, j) for kind, j in order]
+                  for order in stage_orders(stages, micro_batches, schedule, max_waiting)]
+    return [[step for step in order if step[0] == "F"] if forward_only else order for order in orders]
+
+
+def simulate(stages, micro_batches, costs, schedule, max_waiting=None, virtual_stages=1, orders=None):
+    """Time every rank's order: each computation starts when its rank is free and its input is complete
+    (transfers free). costs: per rank {"F": s, "B": s, "W": s} for all its layers (a rank's chunks split them
+    evenly); where a schedule does not split the backward, it costs B + W. orders: rank_orders' (by default this
+    schedule's; zbv's list-scheduled for rank 0's times). Returns {(kind, global_chunk, micro_batch): (start, end)}
+    (one chunk per rank: the chunk is the stage)."""
+    per_rank = chunks_per_rank(schedule, virtual_stages)
+    if orders is None:  # zbv: the list schedule for these times (rank 0's)
+        zbv_times = zbv_durations(costs[0]) if schedule == "zbv" else (1, 1, 1)
+        orders = rank_orders(schedule, stages, micro_batches, virtual_stages, max_waiting, zbv_times=zbv_times)
+    split = schedule in SPLIT_BACKWARD_SCHEDULES
+    cost_of = [{"F": c["F"] / per_rank, "B": (c["B"] + (0 if split else c["W"])) / per_rank, "W": c["W"] / per_rank}
+               for c in costs]
+    chunk_of = [chunk_ids(schedule, stages, rank, virtual_stages) for rank in range(stages)]
+    chunks = stages * per_rank
     done, free_at, position = {}, [0.0] * stages, [0] * stages
-
-    def producer(kind, s, j):
-        if kind == "F":
-            return ("F", s - 1, j) if s > 0 else None
-        if kind == "B":
-            return ("B", s + 1, j) if s < stages - 1 else ("F", s, j)
-        return ("B", s, j)
-
     progressed = True
     while progressed:
         progressed = False
-        for s in range(stages):
-            while position[s] < len(orders[s]):
-                kind, j = orders[s][position[s]]
-                source = producer(kind, s, j)
+        for rank in range(stages):
+            while position[rank] < len(orders[rank]):
+                kind, local, j = orders[rank][position[rank]]
+                step = (kind, chunk_of[rank][local], j)
+                source = producer(*step, chunks)
                 if source is not None and source not in done:
                     break
-                start = max(free_at[s], done[source][1] if source else 0.0)
-                done[(kind, s, j)] = (start, start + cost_of[s][kind])
-                free_at[s] = start + cost_of[s][kind]
-                position[s] += 1
+                start = max(free_at[rank], done[source][1] if source else 0.0)
+                done[step] = (start, start + cost_of[rank][kind])
+                free_at[rank] = start + cost_of[rank][kind]
+                position[rank] += 1
                 progressed = True
-    if any(position[s] < len(orders[s]) for s in range(stages)):
+    if any(position[rank] < len(orders[rank]) for rank in range(stages)):
         raise RuntimeError(f"{schedule} orders deadlock for {stages} stages and {micro_batches} micro-batches")
     return done
 
+
+P2POp = collections.namedtuple("P2POp", "direction peer tensor local_chunk micro_batch")
+P2POp.__doc__ = """One point-to-point operation of a rank: direction "send" | "recv", peer rank, tensor "activation"
+(a chunk's output, to the next chunk's rank) | "gradient" (a chunk's input gradient, to the previous chunk's rank),
+local_chunk: this rank's chunk that made it (send) or takes it (recv), micro_batch."""
+
+
+@functools.lru_cache(maxsize=64)
+def link_transfers(schedule, stages, micro_batches, virtual_stages=1, max_waiting=None, forward_only=False,
+                   zbv_times=(1, 1, 1)):
+    """{(rank, peer) with rank < peer: [(sender, P2POp of the sender, P2POp of the receiver), ...] in the link's
+    order}: every transfer between two chunks on different ranks, ordered by when the unit-time run of the orders
+    (F = B = W) makes it (ties: the upstream chunk's first). Both sides issue a link's operations in this order."""
+    orders = rank_orders(schedule, stages, micro_batches, virtual_stages, max_waiting, forward_only, zbv_times)
+    placement = chunk_placement(schedule, stages, virtual_stages)
+    done = simulate(stages, micro_batches, [{"F": 1, "B": 1, "W": 1}] * stages, schedule, max_waiting,
+                    virtual_stages, orders)
+    links = collections.defaultdict(list)
+    for (kind, chunk, j), (_, end) in done.items():
+        target = chunk + 1 if kind == "F" else chunk - 1
+        if kind == "W" or not 0 <= target < len(placement) or placement[target][0] == placement[chunk][0]:
+            continue
+        (sender, sender_local), (receiver, receiver_local) = placement[chunk], placement[target]
+        tensor = "activation" if kind == "F" else "gradient"
+        links[(min(sender, receiver), max(sender, receiver))].append(
+            ((end, min(chunk, target), kind != "F"), sender,
+             P2POp("send", receiver, tensor, sender_local, j), P2POp("recv", sender, tensor, receiver_local, j)))
+    return {link: tuple(transfer[1:] for transfer in sorted(transfers)) for link, transfers in links.items()}
+
+
+def p2p_program(schedule, stages, micro_batches, rank, virtual_stages=1, max_waiting=None, forward_only=False,
+                zbv_times=(1, 1, 1)):
+    """What a rank issues, in order, to run its order over NCCL: [(action, item)] with
+    ("compute", (kind, local_chunk, micro_batch)): run it;
+    ("post", P2POp): issue the send or receive without waiting (isend / irecv);
+    ("wait", P2POp): wait until that posted operation completed (each receive right before the computation that takes
+    it; the sends at the end, where the step waits for all of them).
+    Every link's operations are posted in link_transfers' order on both sides, so each side's stream holds the
+    same transfers in the same order and a send always faces its own receive. A send is posted right after the
+    computation that made it, with any receives of the link ahead of it posted first; a receive is posted when it
+    is waited for, or earlier when a send of the link comes after it. tests/test_p2p_order.py executes these
+    programs under its model of NCCL for 2-8 ranks. zbv_times: zbv_order's durations (the same on every rank)."""
+    order = rank_orders(schedule, stages, micro_batches, virtual_stages, max_waiting, forward_only, zbv_times)[rank]
+    queues = {}  # peer: this rank's operations on the link, in the link's order
+    for (low, high), transfers in link_transfers(schedule, stages, micro_batches, virtual_stages, max_waiting,
+                                                 forward_only, zbv_times).items():
+        if rank in (low, high):
+            queues[high if rank == low else low] = collections.deque(
+                send if sender == rank else receive for sender, send, receive in transfers)
+    program, sends, posted = [], [], set()
+
+    def post_through(op):
+        """Post the link's operations up to op; only receives may be ahead of it (a send not yet made would be)."""
+        queue = queues[op.peer]
+        while True:
+            head = queue.popleft()
+            if head != op and head.direction == "send":
+                raise AssertionError(f"rank {rank}: {op} comes after {head} on its link, which is not made yet")
+            program.append(("post", head))
+            posted.add(head)
+            if head == op:
+                return
+
+    for kind, local, j in order:
+        for op in inputs_received(schedule, stages, rank, virtual_stages, (kind, local, j)):
+            if op not in posted:
+                post_through(op)
+            program.append(("wait", op))
+        program.append(("compute", (kind, local, j)))
+        for op in outputs_sent(schedule, stages, rank, virtual_stages, (kind, local, j)):
+            post_through(op)
+            sends.append(op)
+    leftover = {peer: list(queue) for peer, queue in queues.items() if queue}
+    assert not leftover, f"rank {rank}: operations never posted {leftover}"
+    return program + [("wait", op) for op in sends]
+
+
+def _neighbour(schedule, stages, rank, virtual_stages, local, step):
+    """(peer rank, peer's local chunk) of the chunk `step` (+1 or -1) from this rank's local chunk, if it is on
+    another rank; else None."""
+    placement = chunk_placement(schedule, stages, virtual_stages)
+    chunk = chunk_ids(schedule, stages, rank, virtual_stages)[local] + step
+    if not 0 <= chunk < len(placement) or placement[chunk][0] == rank:
+        return None
+    return placement[chunk]
+
+
+def inputs_received(schedule, stages, rank, virtual_stages, computation):
+    """The receives a computation takes: an F the previous chunk's activations, a B the next chunk's gradient."""
+    kind, local, j = computation
+    if kind == "W":
+        return []
+    peer = _neighbour(schedule, stages, rank, virtual_stages, local, -1 if kind == "F" else 1)
+    return [] if peer is None else [P2POp("recv", peer[0], "activation" if kind == "F" else "gradient", local, j)]
+
+
+def outputs_sent(schedule, stages, rank, virtual_stages, computation):
+    """The sends a computation makes: an F's activations to the next chunk, a B's input gradient to the previous."""
+    kind, local, j = computation
+    if kind == "W":
+        return []
+    peer = _neighbour(schedule, stages, rank, virtual_stages, local, 1 if kind == "F" else -1)
+    return [] if peer is None else [P2POp("send", peer[0], "activation" if kind == "F" else "gradient", local, j)]
 
 class ZeroBubbleSchedule(TrainSchedule):
     """One step per computation of this stage's zero-bubble order: receive what it needs, compute, send what it

@@ -1,0 +1,308 @@
+"""DeepSpeed's PipelineEngine running several chunks of layers per rank: interleaved 1F1B (rank r holds chunks r,
+r + p, ...) and ZB-V (rank r holds chunks r and 2p - 1 - r), from a rank's program of computations (kind, local
+chunk, micro-batch) and point-to-point operations (training/schedule.py computes both; the model's chunks:
+models/pipeline.py LlamaPipeline).
+
+Each instruction names its chunk; a (chunk, micro-batch) has its own pipe buffer. The activations of global chunk g
+go to the rank holding chunk g + 1 and its input gradients to the rank holding g - 1: posted (isend / irecv through
+collectives/) and waited for where the program says, which is each link's one order on both of its sides (NCCL
+runs a link's operations in the order each side issues them), or handed over in place where that rank is this one
+(the V's turn on the last rank). DeepSpeed's own forward and backward handlers compute each chunk: while a chunk
+runs, the engine's first and last stage are the model's first and last chunk, so the loss is the last chunk's (the
+last rank's under interleaving, rank 0's under the V) and only that chunk scales by the accumulation steps. Outside
+a chunk they mean the rank holding them: the rank of the first chunk loads inputs, that of the last chunk labels
+(under the V rank 0 does both; a rank holding neither reads no data). An order with W splits each backward as the
+zero-bubble schedule does (models/weight_grads.py: B now, W in the order's place, oldest first).
+
+Every chunk boundary carries the same shapes: the first step's first forward (chunk 0's, micro-batch 0, on the rank
+of chunk 0, which needs nothing before it) broadcasts them over the pipeline's ranks before any point-to-point
+operation, and every receive is allocated from them (gradients: like the chunk's outputs).
+"""
+import torch
+from deepspeed.runtime.pipe.schedule import OptimizerStep, PipeInstruction, ReduceGrads, ReduceTiedGrads, TrainSchedule
+
+import collectives
+from deepspeed_internals.access import (add_instruction_handlers, load_micro_batch, pipe_buffer, run_backward_pass,
+                                        run_forward_pass, set_pipe_buffer, set_received_gradients)
+from models.pipeline_schedule_rules import chunk_ids, chunks_per_rank
+from training.pipeline_engine import ZeroBubblePipelineEngine, use_zero_bubble
+from training.schedule import BackwardWeightPass, P2POp, p2p_program
+
+SHAPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
+SHAPES_SIZE = 64  # integers in the shapes message: a count, then dtype, ndim and dims per tensor
+
+
+class ChunkForwardPass(PipeInstruction):
+    """F of a local chunk on a micro-batch: its input loaded, received or handed over, the forward pass (the loss
+    on the last chunk), its output to the next chunk."""
+
+
+class ChunkBackwardPass(PipeInstruction):
+    """B of a local chunk on a micro-batch (split: input gradients only, its W later), the input gradient to the
+    previous chunk."""
+
+
+class ShareActivationShapes(PipeInstruction):
+    """The shapes every chunk boundary carries, broadcast from the rank of chunk 0 after its first forward (first
+    step only)."""
+
+
+class PostTransfer(PipeInstruction):
+    """Post a send or a receive (op: training/schedule.py's P2POp) without waiting for it."""
+
+
+class WaitTransfer(PipeInstruction):
+    """Wait for a posted send or receive; a received tensor goes to the chunk that takes it."""
+
+
+class ChunkedSchedule(TrainSchedule):
+    """One step per item of the rank's program, then (training) the gradient reductions and the optimizer step."""
+
+    def __init__(self, micro_batches, stages, stage_id, program, num_chunks, holds_first_chunk, training=True):
+        super().__init__(micro_batches, stages, stage_id)
+        self.program, self.num_chunks, self.holds_first_chunk = program, num_chunks, holds_first_chunk
+        self.split = any(item[0] == "W" for action, item in program if action == "compute")
+        self.training = training
+
+    def num_pipe_buffers(self):
+        return self.num_chunks * self.micro_batches
+
+    def steps(self):
+        if not self.holds_first_chunk:
+            yield [ShareActivationShapes()]
+        for action, item in self.program:
+            if action == "post":
+                yield [PostTransfer(op=item)]
+            elif action == "wait":
+                yield [WaitTransfer(op=item)]
+            elif item[0] == "F":
+                yield [ChunkForwardPass(chunk=item[1], micro_batch=item[2])]
+                if item[1:] == (0, 0) and self.holds_first_chunk:
+                    yield [ShareActivationShapes()]
+            elif item[0] == "B":
+                yield [ChunkBackwardPass(chunk=item[1], micro_batch=item[2], split=self.split)]
+            else:
+                yield [BackwardWeightPass()]
+        if self.training:
+            yield [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
+
+
+def forward_program(chunk_ids, micro_batches, rank):
+    """Evaluation's program for any chunk layout and micro-batch count: every rank runs its forwards micro-batch by
+    micro-batch, chunk by chunk ((j, g) ascending), receiving right before and sending right after each. A transfer
+    sits between (j, g) and its successor (j, g + 1) on both of its sides, so every link's operations come in the
+    same order on its two sides."""
+    owner = {chunk: r for r, chunks in enumerate(chunk_ids) for chunk in chunks}
+    mine, program, sends = chunk_ids[rank], [], []
+    for j in range(micro_batches):
+        for g in sorted(mine):
+            local = mine.index(g)
+            if g > 0 and owner[g - 1] != rank:
+                receive = P2POp("recv", owner[g - 1], "activation", local, j)
+                program += [("post", receive), ("wait", receive)]
+            program.append(("compute", ("F", local, j)))
+            if g + 1 in owner and owner[g + 1] != rank:
+                sends.append(P2POp("send", owner[g + 1], "activation", local, j))
+                program.append(("post", sends[-1]))
+    return program + [("wait", send) for send in sends]
+
+
+def as_tuple(tensors):
+    return tensors if isinstance(tensors, tuple) else (tensors,)
+
+
+def pack_shapes(tensors, device):
+    values = [len(tensors)]
+    for tensor in tensors:
+        values += [SHAPE_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+    if len(values) > SHAPES_SIZE:
+        raise ValueError(f"{len(tensors)} tensors between chunks need more than {SHAPES_SIZE} integers of shapes")
+    return torch.tensor(values + [0] * (SHAPES_SIZE - len(values)), dtype=torch.int64, device=device)
+
+
+def unpack_shapes(message, device):
+    """Empty tensors of the packed shapes (one host read, once per engine)."""
+    values, tensors, at = message.tolist(), [], 1
+    for _ in range(values[0]):
+        dtype, ndim = SHAPE_DTYPES[values[at]], values[at + 1]
+        tensors.append(torch.empty(values[at + 2:at + 2 + ndim], dtype=dtype, device=device))
+        at += 2 + ndim
+    return tuple(tensors)
+
+
+class ChunkedPipelineEngine(ZeroBubblePipelineEngine):
+    """Its _train_schedule, _inference_schedule, is_first_stage, is_last_stage and _loss_stage_global_rank override
+    DeepSpeed's (deepspeed_internals/ lists them); W is the zero-bubble engine's."""
+
+    def _train_schedule(self):
+        self._buffers_per_chunk = self.micro_batches
+        return ChunkedSchedule(self.micro_batches, self.num_stages, self.stage_id, self.chunk_program,
+                               len(self.local_chunks), 0 in self.local_chunks)
+
+    def _inference_schedule(self, micro_batches):
+        self._buffers_per_chunk = micro_batches
+        return ChunkedSchedule(micro_batches, self.num_stages, self.stage_id,
+                               forward_program(self.chunk_ids, micro_batches, self.stage_id), len(self.local_chunks),
+                               0 in self.local_chunks, training=False)
+
+    def _runs_or_holds(self, chunk):
+        return chunk == self.running_chunk if self.running_chunk is not None else chunk in self.local_chunks
+
+    def is_first_stage(self):
+        return self._runs_or_holds(0)
+
+    def is_last_stage(self):
+        return self._runs_or_holds(self.last_chunk)
+
+    def _loss_stage_global_rank(self):
+        return self.grid.stage_to_global(self.chunk_owner[self.last_chunk])
+
+    def _buffer(self, chunk, micro_batch):
+        return chunk * self._buffers_per_chunk + micro_batch
+
+    def _run_chunk(self, chunk, handler, buffer_id):
+        self.running_chunk, self.module.active_chunk = self.local_chunks[chunk], chunk
+        try:
+            handler(self, buffer_id)
+        finally:
+            self.running_chunk = None
+
+    def _exec_chunk_forward_pass(self, chunk, micro_batch):
+        g, buffer_id = self.local_chunks[chunk], self._buffer(chunk, micro_batch)
+        if g == 0 or (g == self.last_chunk and 0 not in self.local_chunks):
+            load_micro_batch(self, buffer_id)  # inputs where chunk 0 is, labels where the last chunk is
+        if g == 0 and self.last_chunk in self.local_chunks:  # the V's rank 0: the labels to the last chunk's buffer
+            labels_buffer = self._buffer(self.local_chunks.index(self.last_chunk), micro_batch)
+            set_pipe_buffer(self, "labels", labels_buffer, pipe_buffer(self, "labels", buffer_id))
+            set_pipe_buffer(self, "labels", buffer_id, None)
+        if g > 0:
+            set_pipe_buffer(self, "inputs", buffer_id, self._arrived.pop(("activation", chunk, micro_batch)))
+        self._run_chunk(chunk, run_forward_pass, buffer_id)
+        if g == self.last_chunk:
+            if torch.is_grad_enabled():  # for its backward (evaluation's losses are DeepSpeed's fwd_outputs)
+                self._losses[buffer_id] = self.loss
+        else:
+            self._give("activation", chunk, micro_batch, as_tuple(pipe_buffer(self, "outputs", buffer_id)))
+
+    def _exec_chunk_backward_pass(self, chunk, micro_batch, split):
+        g, buffer_id = self.local_chunks[chunk], self._buffer(chunk, micro_batch)
+        if g == self.last_chunk:
+            self.loss = self._losses.pop(buffer_id)
+        else:
+            grads = self._arrived.pop(("gradient", chunk, micro_batch))
+            outputs = pipe_buffer(self, "outputs", buffer_id)
+            set_received_gradients(self, list(grads) if isinstance(outputs, tuple) else grads[0])
+        if split:
+            with self.module.parallel.weight_grads.defer():
+                self._run_chunk(chunk, run_backward_pass, buffer_id)
+        else:
+            self._run_chunk(chunk, run_backward_pass, buffer_id)
+        if g > 0:
+            inputs = as_tuple(pipe_buffer(self, "inputs", buffer_id))
+            self._give("gradient", chunk, micro_batch, tuple(t.grad for t in inputs if t.is_floating_point()))
+        set_pipe_buffer(self, "inputs", buffer_id, None)
+
+    def _give(self, tensor, chunk, micro_batch, tensors):
+        """A local chunk's output activations or input gradients: handed over in place to this rank's neighbour
+        chunk, or kept for the send the program posts next."""
+        neighbour = self.local_chunks[chunk] + (1 if tensor == "activation" else -1)
+        if self.chunk_owner[neighbour] != self.stage_id:
+            self._made[(tensor, chunk, micro_batch)] = tensors
+            return
+        if tensor == "activation":  # new leaves: the next chunk's backward leaves their gradients in .grad
+            tensors = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in tensors)
+        self._arrived[(tensor, self.local_chunks.index(neighbour), micro_batch)] = tensors
+
+    def _exec_share_activation_shapes(self):
+        if self._activation_shapes is not None:
+            return
+        source = self.chunk_owner[0]
+        if source == self.stage_id:
+            message = pack_shapes(as_tuple(pipe_buffer(self, "outputs", self._buffer(0, 0))), self.device)
+        else:
+            message = torch.empty(SHAPES_SIZE, dtype=torch.int64, device=self.device)
+        collectives.broadcast(message, self.grid.stage_to_global(source), self.grid.get_pipe_parallel_group())
+        self._activation_shapes = unpack_shapes(message, self.device)
+
+    def _exec_post_transfer(self, op):
+        key = (op.tensor, op.local_chunk, op.micro_batch)
+        peer = self.grid.stage_to_global(op.peer)
+        if op.direction == "send":
+            tensors = self._made.pop(key)
+            self._posted[op] = (tensors, [collectives.isend(t.contiguous(), peer) for t in tensors])
+            return
+        if op.tensor == "activation":
+            like = self._activation_shapes
+        else:  # the gradients of the chunk's floating outputs
+            outputs = pipe_buffer(self, "outputs", self._buffer(op.local_chunk, op.micro_batch))
+            like = [t for t in as_tuple(outputs) if t.is_floating_point()]
+        tensors = tuple(torch.empty_like(t) for t in like)
+        self._posted[op] = (tensors, [collectives.irecv(t, peer) for t in tensors])
+
+    def _exec_wait_transfer(self, op):
+        tensors, works = self._posted.pop(op)
+        for work in works:
+            work.wait()
+        if op.direction == "recv":
+            for tensor in tensors:
+                tensor.requires_grad = op.tensor == "activation" and tensor.is_floating_point()
+            self._arrived[(op.tensor, op.local_chunk, op.micro_batch)] = tensors
+
+    def _exec_reduce_tied_grads(self):
+        if self._arrived or self._made or self._posted or self._losses:
+            left = [*self._arrived, *self._made, *self._posted, *self._losses]
+            raise RuntimeError(f"{self.pipeline_schedule}: transfers or losses were left over at the step: {left}")
+        super()._exec_reduce_tied_grads()
+
+
+add_instruction_handlers(ChunkedPipelineEngine, {
+    ChunkForwardPass: ChunkedPipelineEngine._exec_chunk_forward_pass,
+    ChunkBackwardPass: ChunkedPipelineEngine._exec_chunk_backward_pass,
+    ShareActivationShapes: ChunkedPipelineEngine._exec_share_activation_shapes,
+    PostTransfer: ChunkedPipelineEngine._exec_post_transfer,
+    WaitTransfer: ChunkedPipelineEngine._exec_wait_transfer,
+    ReduceTiedGrads: ChunkedPipelineEngine._exec_reduce_tied_grads,
+})
+
+
+def rank_chunk_ids(schedule, stages, virtual_stages=None):
+    """Each rank's global chunks under a schedule with several per rank (the module's chunk_ids), else None."""
+    if chunks_per_rank(schedule, virtual_stages or 1) == 1:
+        return None
+    return [chunk_ids(schedule, stages, rank, virtual_stages or 1) for rank in range(stages)]
+
+
+def stage_reads_data(schedule, stages, rank, virtual_stages=None):
+    """Whether a rank reads micro-batches: it holds the model's first chunk (inputs) or its last (labels)."""
+    chunks = rank_chunk_ids(schedule, stages, virtual_stages)
+    if chunks is None:
+        return rank in (0, stages - 1)
+    return bool({0, stages * len(chunks[rank]) - 1} & set(chunks[rank]))
+
+
+def use_chunked_pipeline(engine, schedule, virtual_stages=None, max_waiting=None):
+    """Turn the PipelineEngine that deepspeed.initialize built over a chunked LlamaPipeline (rank_chunk_ids' chunks)
+    into the chunked one, running its rank's program of the schedule (training/schedule.py p2p_program). Ws run
+    oldest first, so they must follow the Bs' order; the rank of chunk 0 must start with its forward of
+    micro-batch 0 (the activation shapes come from it)."""
+    chunks = rank_chunk_ids(schedule, engine.num_stages, virtual_stages)
+    program = p2p_program(schedule, engine.num_stages, engine.micro_batches, engine.stage_id, virtual_stages or 1,
+                          max_waiting)
+    computed = [item for action, item in program if action == "compute"]
+    backwards = [(chunk, j) for kind, chunk, j in computed if kind == "B"]
+    weights = [(chunk, j) for kind, chunk, j in computed if kind == "W"]
+    if weights and weights != backwards:
+        raise ValueError(f"{schedule}: the order's Ws {weights} do not follow its Bs {backwards}.")
+    if 0 in chunks[engine.stage_id] and program[0] != ("compute", ("F", chunks[engine.stage_id].index(0), 0)):
+        raise ValueError(f"{schedule}: the program of chunk 0's rank starts with {program[0]}, not its first forward.")
+    use_zero_bubble(engine)  # its W and its checks
+    engine.__class__ = ChunkedPipelineEngine
+    engine.pipeline_schedule = schedule
+    engine.chunk_ids = chunks
+    engine.local_chunks = chunks[engine.stage_id]
+    engine.chunk_owner = {chunk: rank for rank, rank_chunks in enumerate(chunks) for chunk in rank_chunks}
+    engine.last_chunk = len(engine.chunk_owner) - 1
+    engine.chunk_program = program
+    engine.running_chunk = engine._activation_shapes = None
+    engine._arrived, engine._made, engine._posted, engine._losses = {}, {}, {}, {}
+    return engine
