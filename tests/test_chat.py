@@ -5,7 +5,6 @@ import logging
 import re
 
 import pytest
-import torch
 
 from data import IGNORE_INDEX, build_dataset, collate_causal_lm
 from models.llama import document_causal_mask
