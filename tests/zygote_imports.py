@@ -1,5 +1,7 @@
 """What the rank zygote (tests/rank_zygote.py) imports once for every CPU rank it forks: the libraries only, so that
-the project's own modules start fresh in each rank."""
+the project's own modules start fresh in each rank; the one exception is deepspeed_internals.registry (a leaf: DeepSpeed
+and the standard library), whose start-up check reads DeepSpeed's source once here (~1 CPU s a rank), not its
+verdict: each rank still runs the check on its own DeepSpeed objects."""
 import importlib
 import os
 
@@ -14,3 +16,4 @@ for name in ("torch", "deepspeed", "transformers", "transformers.models.llama.mo
              "deepspeed.runtime.zero.muon.muon_optimizer"):
     importlib.import_module(name)
 importlib.import_module("deepspeed.ops").__compatible_ops__  # noqa: B018 (probed on first access, then kept)
+importlib.import_module("deepspeed_internals.registry").check_deepspeed_internals()  # its SOURCES, read once
