@@ -4,6 +4,8 @@ and the standard library), whose start-up check reads DeepSpeed's source once he
 verdict: each rank still runs the check on its own DeepSpeed objects."""
 import importlib
 import os
+import sys
+import tempfile
 
 os.environ["DS_ACCELERATOR"] = "cpu"  # DeepSpeed picks its accelerator on import
 for name in ("torch", "deepspeed", "transformers", "transformers.models.llama.modeling_llama", "datasets", "hydra",
@@ -17,3 +19,6 @@ for name in ("torch", "deepspeed", "transformers", "transformers.models.llama.mo
     importlib.import_module(name)
 importlib.import_module("deepspeed.ops").__compatible_ops__  # noqa: B018 (probed on first access, then kept)
 importlib.import_module("deepspeed_internals.registry").check_deepspeed_internals()  # its SOURCES, read once
+if sys.dont_write_bytecode:  # PYTHONDONTWRITEBYTECODE: each rank would compile the project's modules again (~0.3 s);
+    # their bytecode goes to a cache outside the repository (set after the imports above, which have theirs already)
+    sys.dont_write_bytecode, sys.pycache_prefix = False, os.path.join(tempfile.gettempdir(), "rank-zygote-pycache")
