@@ -11,7 +11,7 @@ from tests.distributed import spawn
 from tests.launch import demo_overrides, run_in_process
 from training.schedule import simulate, stage_orders
 
-STEPS, MICRO_BATCH, GAS, SEQ = 6, 2, 4, 16
+STEPS, MICRO_BATCH, GAS, SEQ = 3, 2, 4, 16  # 3 steps of one batch: every step's gradients compared, the loss falls
 CASES = {  # name: (tiny config, case settings); all on 4 processes
     # zero_bubble_max_waiting: 2 caps stage 3 of 4 (ZB-H1 holds 3 there), 0 runs each W right after its B
     "4stages_max_waiting_2": ("llama2", dict(stages=4, max_waiting=2)),
