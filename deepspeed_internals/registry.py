@@ -22,6 +22,12 @@ BF16_OPTIMIZER = "deepspeed.runtime.bf16_optimizer:BF16_Optimizer"
 TORCH_CHECKPOINT_ENGINE = "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine"
 
 
+# The source text the check has read, keyed by the object read (a class, module or function, not its path: a path may
+# name a replacement). Reading it is most of the check's cost (~1 s); kept for the process, so a rank forked from a
+# process that ran the check (tests/zygote_imports.py) reads nothing: a class's source is fixed once it is loaded.
+SOURCES = {}
+
+
 class DeepSpeedMismatch(ImportError):
     """The installed DeepSpeed lacks an internal the project uses, or has it with other parameters."""
 
@@ -57,13 +63,8 @@ class Internal:
                 raise self.mismatch(f"has {self.dotted}{self.signature(parameters)}, not "
                                     f"{self.signature(self.parameters)}")
         if self.mentions is not None:
-            if self.path not in sources:
-                try:
-                    sources[self.path] = inspect.getsource(found)
-                except (OSError, TypeError):  # no source to read (a bytecode-only install): reported as missing
-                    sources[self.path] = ""
             whole_name = r"(?!\w)" if self.mentions[-1].isidentifier() else ""  # self.grad_layer, not ..._layers
-            if not re.search(re.escape(self.mentions) + whole_name, sources[self.path]):
+            if not re.search(re.escape(self.mentions) + whole_name, source_of(found, sources)):
                 raise self.mismatch(f"lacks {self.mentions} in {self.dotted}")
 
     def mismatch(self, what):
@@ -136,14 +137,19 @@ class Unused:
     def check(self, sources):
         owner = Internal(self.path, self.use).resolve()
         for cls in (c for c in owner.__mro__ if c.__module__.startswith("deepspeed")):
-            if cls not in sources:  # keyed by the class: the path an Internal reads may name a replacement
-                try:
-                    sources[cls] = inspect.getsource(cls)
-                except (OSError, TypeError):
-                    sources[cls] = ""
-            if self.name in vars(cls) or re.search(rf"self\.{re.escape(self.name)}(?!\w)", sources[cls]):
+            uses = re.search(rf"self\.{re.escape(self.name)}(?!\w)", source_of(cls, sources))
+            if self.name in vars(cls) or uses:
                 raise DeepSpeedMismatch(f"deepspeed {deepspeed.__version__} has {self.name} in "
                                         f"{cls.__module__}.{cls.__qualname__}, a name {self.use}; {ADVICE}")
+
+
+def source_of(found, sources):
+    if found not in sources:
+        try:
+            sources[found] = inspect.getsource(found)
+        except (OSError, TypeError):  # no source to read (a bytecode-only install): reported as missing
+            sources[found] = ""
+    return sources[found]
 
 
 def self_use(owner, text, use):
@@ -265,6 +271,5 @@ def check_deepspeed_internals():
     """Raise DeepSpeedMismatch (one line: the installed version, the missing piece, what to do) unless every
     internal above is in the installed DeepSpeed with its parameters. Checks them all, whatever the config: one
     DeepSpeed either runs every configuration the tests cover or is not the one they ran."""
-    sources = {}
     for internal in INTERNALS:
-        internal.check(sources)
+        internal.check(SOURCES)

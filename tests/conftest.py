@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 
@@ -14,6 +15,8 @@ from tests.tiny_models import TINY_CONFIGS, make_tiny_model  # noqa: E402
 
 if not torch.cuda.is_available():  # the CPU suite's in-process references: see tests/launch.py process_environment
     torch.set_num_threads(1)
+
+gc.freeze()  # the libraries loaded by now stay: full collections skip them (as tests/zygote_imports.py does)
 
 # tests/gpu runs only when named (bash scripts/gpu_check.sh): the CPU suite never collects it, from any directory.
 collect_ignore = ["gpu"]

@@ -1,6 +1,6 @@
 """Preference tuning against TRL 1.16: the trainer (training/loop.py run, in spawned gloo processes) on preference
 pairs equals TRL's DPOTrainer (precomputed reference log-probabilities, AdamW, clipping) and CPOTrainer (SimPO) on
-the same weights, data and hyperparameters: the first step's loss, rewards and every gradient within 1e-5, six
+the same weights, data and hyperparameters: the first step's loss, rewards and every gradient within 1e-5, four
 steps' losses and TRL's metrics within 1e-4, on 1 stage, 2 stages x 2 data-parallel (resumed), 1 stage x tensor
 parallel 2 x 2 data-parallel and LoRA; the exported adapter's eval metrics in TRL. Two process starts serve every
 run (one_process_runs, two_stage_runs). TRL is imported inside the tests only (it is slow to import)."""
@@ -16,7 +16,7 @@ import torch
 
 from tests.distributed import spawn
 
-SEQ, MICRO_BATCH, GAS, STEPS, SEED, BETA = 48, 2, 2, 6, 42, 0.1
+SEQ, MICRO_BATCH, GAS, STEPS, SEED, BETA = 48, 2, 2, 4, 42, 0.1
 LORA_RANK, SIMPO_BETA, SIMPO_GAMMA, EVAL_PAIRS = 4, 2.0, 0.5, 10
 LEARNING_RATE, BETAS, MAX_GRAD_NORM = 2e-3, (0.9, 0.999), 0.5
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -309,13 +309,13 @@ def test_dpo_one_stage_matches_trl_on_granite(family_preference_models, one_proc
 def two_stage_runs(preference_model, family_preference_models, tmp_path_factory):
     """One start of 4 processes for the first-step gradients on 2 stages x 2 data-parallel and 1 stage x tensor
     parallel 2 x 2 data-parallel (pipeline_first_step), then the runs, in turn: on 2 stages under ZeRO-1, DPO
-    stopped after 3 steps, the same resumed to 6, DPO with LoRA (evaluated, exported, evaluated again from its
+    stopped after 2 steps, the same resumed to 4, DPO with LoRA (evaluated, exported, evaluated again from its
     checkpoint with the reference computed again), DPO under zero-bubble with activation checkpointing, and SimPO;
     DPO on 2 stages x context parallel 2, and on 1 stage x tensor parallel 2 x 2 data-parallel;
     {name: output_dir}."""
     root = tmp_path_factory.mktemp("two_stages")
     layout = dict(num_stages=2, zero_stage=1)
-    runs = {"dpo": trainer_overrides(preference_model, root / "dpo", **layout, max_steps=3),
+    runs = {"dpo": trainer_overrides(preference_model, root / "dpo", **layout, max_steps=STEPS // 2),
             "tp2": trainer_overrides(preference_model, root / "tp2", num_stages=1, tensor_parallel_size=2,
                                      zero_stage=1),
             "cp2": trainer_overrides(preference_model, root / "cp2", num_stages=2, context_parallel_size=2,
@@ -357,7 +357,7 @@ def test_dpo_context_parallel_counts_its_pairs_on_the_device(two_stage_runs):
 def test_only_the_writing_rank_copies_optimizer_state_to_the_host(two_stage_runs):
     """2 stages x 2 data-parallel ranks, ZeRO-1: at a save the ranks together copy the optimizer state they write to
     host memory once (each layer's on the rank that writes it), not once per data-parallel rank."""
-    tag_dir = two_stage_runs["dpo"] / "global_step3"
+    tag_dir = two_stage_runs["dpo"] / f"global_step{STEPS // 2}"
     copies = [json.loads(line) for rank in range(4)
               for line in (two_stage_runs["root"] / f"host_copies-rank{rank}.jsonl").read_text().splitlines()]
     copied = sum(c["bytes"] for c in copies if c["tag_dir"] == str(tag_dir))
@@ -393,12 +393,12 @@ def test_dpo_context_parallel_matches_trl(one_process_runs, two_stage_runs, trl_
 
 @pytest.mark.slow
 def test_dpo_two_stages_two_data_parallel_resumed_matches_trl(two_stage_runs, trl_two_replicas):
-    """Stopped after 3 steps and resumed: the resumed run reads the stored reference log-probabilities (the file
-    is not written again) and the six steps equal TRL's."""
+    """Stopped after 2 steps and resumed: the resumed run reads the stored reference log-probabilities (the file
+    is not written again) and the four steps equal TRL's."""
     out = two_stage_runs["dpo"]
     (reference,) = (out / "data_cache").glob("*-reference-*.pt")
     # written before the first run's checkpoint, never again: the resumed run read it
-    assert reference.stat().st_mtime_ns < (out / "global_step3").stat().st_mtime_ns
+    assert reference.stat().st_mtime_ns < (out / f"global_step{STEPS // 2}").stat().st_mtime_ns
     assert_matches_trl(logged_steps(out), trl_two_replicas)
 
 

@@ -21,7 +21,7 @@ from training.config_checks import ConfigError, checked_config
 from training.run_spec import configured_stage_bounds
 from training.schedule import chunk_ids, chunks_per_rank, rank_orders, simulate, stage_orders
 
-STEPS, MICRO_BATCH, GAS, SEQ = 6, 2, 4, 16
+STEPS, MICRO_BATCH, GAS, SEQ = 3, 2, 4, 16  # 3 steps of one batch: every step's gradients compared, the loss falls
 CASES = {  # name: (tiny config, case settings); all on 4 processes
     # zero_bubble_max_waiting: 2 caps stage 3 of 4 (ZB-H1 holds 3 there), 0 runs each W right after its B
     "4stages_max_waiting_2": ("llama2", dict(stages=4, max_waiting=2)),

@@ -1,7 +1,12 @@
 """What the rank zygote (tests/rank_zygote.py) imports once for every CPU rank it forks: the libraries only, so that
-the project's own modules start fresh in each rank."""
+the project's own modules start fresh in each rank; the one exception is deepspeed_internals.registry (a leaf: DeepSpeed
+and the standard library), whose start-up check reads DeepSpeed's source once here (~1 CPU s a rank), not its
+verdict: each rank still runs the check on its own DeepSpeed objects."""
+import gc
 import importlib
 import os
+import sys
+import tempfile
 
 os.environ["DS_ACCELERATOR"] = "cpu"  # DeepSpeed picks its accelerator on import
 for name in ("torch", "deepspeed", "transformers", "transformers.models.llama.modeling_llama", "datasets", "hydra",
@@ -14,3 +19,10 @@ for name in ("torch", "deepspeed", "transformers", "transformers.models.llama.mo
              "deepspeed.runtime.zero.muon.muon_optimizer"):
     importlib.import_module(name)
 importlib.import_module("deepspeed.ops").__compatible_ops__  # noqa: B018 (probed on first access, then kept)
+importlib.import_module("deepspeed_internals.registry").check_deepspeed_internals()  # its SOURCES, read once
+if sys.dont_write_bytecode:  # PYTHONDONTWRITEBYTECODE: each rank would compile the project's modules again (~0.3 s);
+    # their bytecode goes to a cache outside the repository (set after the imports above, which have theirs already)
+    sys.dont_write_bytecode, sys.pycache_prefix = False, os.path.join(tempfile.gettempdir(), "rank-zygote-pycache")
+# What is loaded by now lives as long as the process: out of the garbage collector's sight, or each full collection
+# walks its ~600k objects again in every rank (0.33 CPU s; DeepSpeed's engines call gc.collect() as they start)
+gc.freeze()
