@@ -10,6 +10,10 @@ Prints each round's ratios (1 stage ÷ one loop, 2 stages ÷ two loops at once) 
 round's profiles (training/profiling.py), milliseconds per step on each stage: each engine instruction, the engine's
 own work between them, and the loop's work between steps; and each stage's compute (F + B + W) against the start-up
 plan's FLOPs (planner/stage_costs.py), which `partition: balanced` (the default) evens out.
+Then the same ratios in CPU seconds of each process's training thread, which a shared host's load changes far less
+than wall-clock time: a loop's step, the 1-stage trainer's step, and for 2 stages the step the schedule takes
+(bench/schedule_simulator.py) from each stage's F, B and W CPU seconds, with everything else the stage's thread did
+in the step (optimizer, engine, loop, the CPU side of transfers) added as if nothing overlapped it.
 
   python bench/trainer_profile.py [--workload small|small-even|smollm2] [--rounds 3] [--steps 6] [--partition P]
                                   [--contenders "one loop" "1 stage" ...] [--set KEY=VALUE ...]
@@ -27,6 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, machine_note, spawn  # noqa: E402
+from schedule_simulator import predict  # noqa: E402
 
 from tests.launch import trainer_command  # noqa: E402
 
@@ -71,15 +76,16 @@ def transformers_step(rank, fields, seq_length, micro_batch):
 
 
 def transformers_loop(rank, fields, seq_length, micro_batch, steps, out_dir):
-    """transformers' loop for 1 + steps steps; writes the seconds of each step after the first."""
+    """transformers' loop for 1 + steps steps; writes the wall-clock and CPU seconds of each step after the first."""
     step = transformers_step(rank, fields, seq_length, micro_batch)
-    seconds = []
+    seconds, cpu_seconds = [], []
     for _ in range(steps + 1):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         step()
         seconds.append(time.perf_counter() - start)
+        cpu_seconds.append(time.thread_time() - start_cpu)
     with open(os.path.join(out_dir, f"transformers{rank}.json"), "w") as f:
-        json.dump(seconds[1:], f)
+        json.dump({"seconds": seconds[1:], "cpu_seconds": cpu_seconds[1:]}, f)
 
 
 MATRIX_PRODUCTS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm")
@@ -138,7 +144,26 @@ def step_seconds(profiles):
     return [max(step) for step in steps]
 
 
+def cpu_step_seconds(profiles, schedule):
+    """The CPU seconds of a step: one stage's training thread; for several stages the schedule simulated from each
+    stage's F, B and W CPU seconds per micro-batch (a BackwardPass is B + W) plus the most CPU any stage's thread
+    spent on anything else in the step (optimizer, engine, loop, transfers), serially. The final checkpoint's step
+    is left out."""
+    def per_step(profile, names):
+        return sum(profile["instructions_cpu"].get(n, 0.0) for n in names) / len(profile["step_seconds"])
+    if len(profiles) == 1:
+        (profile,) = profiles.values()
+        return statistics.mean(profile["step_cpu_seconds"][:-1])
+    times = [{"F": per_step(p, ["ForwardPass", "LoadMicroBatch"]) / MICRO_BATCHES,
+              "B": per_step(p, ["BackwardPass", "BackwardInputPass"]) / MICRO_BATCHES,
+              "W": per_step(p, ["BackwardWeightPass"]) / MICRO_BATCHES} for _, p in sorted(profiles.items())]
+    rest = max(statistics.mean(p["step_cpu_seconds"][:-1]) - MICRO_BATCHES * sum(t.values())
+               for t, p in zip(times, (p for _, p in sorted(profiles.items()))))
+    return predict(len(profiles), MICRO_BATCHES, times, overhead=rest)[schedule][0]
+
+
 def transformers_seconds(work, fields, seq_length, micro_batch, steps, processes):
+    """Per process, {"seconds": [...], "cpu_seconds": [...]} of its timed steps."""
     out_dir = tempfile.mkdtemp(dir=work)
     spawn(transformers_loop, processes, fields, seq_length, micro_batch, steps, out_dir)
     return [json.load(open(os.path.join(out_dir, f"transformers{r}.json"))) for r in range(processes)]
@@ -148,14 +173,31 @@ def tokens_per_second(tokens, seconds):
     return tokens * len(seconds) / sum(seconds)
 
 
-def print_profile(name, profiles):
-    print(f"{name}: ms per step (mean over the profiled steps; the final checkpoint left out)")
+def print_ratios(kind, rates, contenders):
+    """Each trainer run's tokens/s ÷ its transformers contender's, over the rounds and each round's, and for 2
+    stages ÷ the 1F1B bound m / (m + p - 1) too."""
+    bound = MICRO_BATCHES / (MICRO_BATCHES + 1)
+    for name, base in (("1 stage", "one loop"), ("2 stages 1f1b", "two loops"), ("2 stages zero_bubble",
+                                                                                "two loops")):
+        if name not in contenders or base not in contenders:
+            continue
+        ratios = [a / b for a, b in zip(rates[name], rates[base])]
+        ratio = sum(rates[name]) / sum(rates[base])
+        print(f"{kind}{name} ÷ {base}: {ratio:.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})"
+              + (f", {ratio / bound:.3f} of the 1F1B bound {bound:.3f}" if name.startswith("2") else ""))
+
+
+def print_profile(name, profiles, cpu=False):
+    """ms per step on each stage, wall-clock or (cpu) the training thread's CPU."""
+    suffix = "_cpu" if cpu else ""
+    print(f"{name}: {'CPU ' if cpu else ''}ms per step (mean over the profiled steps; the final checkpoint left out)")
     for stage, profile in sorted(profiles.items()):
         steps = len(profile["step_seconds"])
-        instructions = {k: 1e3 * v / steps for k, v in sorted(profile["instructions"].items(), key=lambda i: -i[1])}
-        loop = {k: 1e3 * v / steps for k, v in profile["loop"].items()}
+        instructions = {k: 1e3 * v / steps
+                        for k, v in sorted(profile["instructions" + suffix].items(), key=lambda i: -i[1])}
+        loop = {k: 1e3 * v / steps for k, v in profile["loop" + suffix].items()}
         engine_own = loop["train_batch"] - sum(instructions.values())
-        step = 1e3 * statistics.mean(profile["step_seconds"][:-1])
+        step = 1e3 * statistics.mean(profile["step_cpu_seconds" if cpu else "step_seconds"][:-1])
         print(f"  stage {stage}: step {step:.0f} ms = " + ", ".join(f"{k} {v:.0f}" for k, v in instructions.items())
               + f", engine's own {engine_own:.0f}, " + ", ".join(f"{k} {v:.1f}" for k, v in loop.items()
                                                                     if k not in ("train_batch", "checkpoint")))
@@ -204,6 +246,7 @@ def main():
               f"fp32, 1 thread per process, {args.steps} timed steps per run, {args.rounds} rounds", flush=True)
         contenders = [name for name in CONTENDERS if name in args.contenders]
         rates = {name: [] for name in contenders}
+        cpu_rates = {name: [] for name in contenders}  # tokens per CPU second of a step, as above
         profiles = {}
         for round_index in range(args.rounds):
             for name in contenders[::1 if round_index % 2 == 0 else -1]:
@@ -211,21 +254,19 @@ def main():
                     profiles[name] = run_trainer(work, name, seq_length, micro_batch, args.steps + 1,
                                                  args.partition, args.set)
                     rates[name].append(tokens_per_second(tokens, step_seconds(profiles[name])))
+                    cpu_rates[name].append(tokens / cpu_step_seconds(profiles[name], TRAINER_RUNS[name][1]))
                 else:
                     loops = transformers_seconds(work, fields, seq_length, micro_batch, args.steps,
                                                  1 if name == "one loop" else 2)
-                    rates[name].append(sum(tokens_per_second(tokens, s) for s in loops))
-            print(f"round {round_index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.0f} tok/s" for n in contenders),
-                  flush=True)
-        for name, base in (("1 stage", "one loop"), ("2 stages 1f1b", "two loops"), ("2 stages zero_bubble",
-                                                                                    "two loops")):
-            if name not in contenders or base not in contenders:
-                continue
-            ratios = [a / b for a, b in zip(rates[name], rates[base])]
-            print(f"{name} ÷ {base}: {sum(rates[name]) / sum(rates[base]):.3f} (rounds {min(ratios):.3f}-"
-                  f"{max(ratios):.3f})")
-        for name, stage_profiles in profiles.items():
-            print_profile(name, stage_profiles)
+                    rates[name].append(sum(tokens_per_second(tokens, s["seconds"]) for s in loops))
+                    cpu_rates[name].append(sum(tokens_per_second(tokens, s["cpu_seconds"]) for s in loops))
+            print(f"round {round_index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.0f} tok/s ({cpu_rates[n][-1]:.0f} per "
+                                                         f"CPU s)" for n in contenders), flush=True)
+        for kind, measured in (("", rates), ("in CPU seconds, ", cpu_rates)):
+            print_ratios(kind, measured, contenders)
+        for cpu in (False, True):
+            for name, stage_profiles in profiles.items():
+                print_profile(name, stage_profiles, cpu)
         for name, stage_profiles in profiles.items():
             if len(stage_profiles) > 1:
                 print_plan_check(name, stage_profiles)

@@ -56,9 +56,15 @@ def test_end_to_end_two_stages_through_a_hostfile(demo_model, tmp_path):
     assert {"ForwardPass", "BackwardPass", "SendActivation", "RecvGrad", "OptimizerStep"} <= set(profiles[0]["instructions"])
     assert {"RecvActivation", "SendGrad"} <= set(profiles[1]["instructions"])
     for p in profiles:
-        assert set(p["loop"]) == {"train_batch", "logging", "evaluation", "preemption check", "checkpoint"}
+        assert set(p["loop"]) == set(p["loop_cpu"]) == {"micro-batches and token count", "train_batch", "logging",
+                                                        "evaluation", "preemption check", "checkpoint"}
         assert sum(p["instructions"].values()) < p["loop"]["train_batch"]
         assert sum(p["loop"].values()) == pytest.approx(sum(p["step_seconds"]), rel=1e-6)
+        # CPU seconds of the training thread: the same instructions, never more than their wall-clock time
+        assert set(p["instructions_cpu"]) == set(p["instructions"]) and len(p["step_cpu_seconds"]) == 5
+        assert all(p["instructions_cpu"][k] <= p["instructions"][k] + 1e-3 for k in p["instructions"])
+        assert sum(p["loop_cpu"].values()) == pytest.approx(sum(p["step_cpu_seconds"]), rel=1e-6)
+        assert 0 < sum(p["step_cpu_seconds"]) <= sum(p["step_seconds"])
     assert any(name.startswith("events.out.tfevents") for _, _, files in os.walk(out / "tensorboard") for name in files)
     # The exported model is the trained one, loadable by transformers.
     exported = AutoModelForCausalLM.from_pretrained(out / "hf")

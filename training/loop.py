@@ -347,6 +347,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
     while step < total_steps:
         micro_batches = step_micro_batches(engine, stream, cfg.gradient_accumulation_steps)
         tokens = global_loss_units(engine, micro_batches)
+        profile.lap("micro-batches and token count")
         step += 1
         window_steps += 1
         if tokens:
