@@ -172,25 +172,40 @@ WEIGHT_BACKWARD = ("BackwardWeightPass",)
 
 
 def cpu_step_seconds(profiles, schedule, micro_batches):
-    """The CPU seconds of a step: one stage's training thread; for several stages the schedule's order (the one the
-    trainer runs: zbv's for F = B = W) simulated from each stage's F, B and W CPU seconds per micro-batch (a chunked
-    schedule's over all its rank's chunks, which simulate shares out evenly) plus the most CPU any stage's thread
-    spent on anything else in the step (optimizer, engine, loop, transfers), serially. The final checkpoint's step
-    is left out."""
-    def per_step(profile, names):
-        return sum(profile["instructions_cpu"].get(n, 0.0) for n in names) / len(profile["step_seconds"])
+    """The CPU seconds of a step: one stage's training thread; for several stages simulated_cpu_step's."""
     if len(profiles) == 1:
         (profile,) = profiles.values()
         return statistics.mean(profile["step_cpu_seconds"][:-1])
+    return sum(simulated_cpu_step(profiles, schedule, micro_batches)[1:])
+
+
+def simulated_cpu_step(profiles, schedule, micro_batches):
+    """(each stage's {"F", "B", "W"} CPU seconds per micro-batch (a chunked schedule's over all its rank's chunks,
+    which simulate shares out evenly), the schedule's order (the one the trainer runs: zbv's for F = B = W) simulated
+    from them, the most CPU any stage's thread spent on anything else in the step (optimizer, engine, loop,
+    transfers), counted as if nothing overlapped it). The final checkpoint's step is left out."""
+    def per_step(profile, names):
+        return sum(profile["instructions_cpu"].get(n, 0.0) for n in names) / len(profile["step_seconds"])
+    stage_profiles = [p for _, p in sorted(profiles.items())]
     times = [{"F": per_step(p, FORWARD) / micro_batches, "B": per_step(p, INPUT_BACKWARD) / micro_batches,
-              "W": per_step(p, WEIGHT_BACKWARD) / micro_batches} for _, p in sorted(profiles.items())]
+              "W": per_step(p, WEIGHT_BACKWARD) / micro_batches} for p in stage_profiles]
     rest = max(statistics.mean(p["step_cpu_seconds"][:-1]) - micro_batches * sum(t.values())
-               for t, p in zip(times, (p for _, p in sorted(profiles.items()))))
-    stages = len(profiles)
+               for t, p in zip(times, stage_profiles))
     virtual_stages = VIRTUAL_STAGES if schedule == "interleaved_1f1b" else 1
-    orders = rank_orders(schedule, stages, micro_batches, virtual_stages)
-    done = simulate(stages, micro_batches, times, schedule, virtual_stages=virtual_stages, orders=orders)
-    return max(end for _, end in done.values()) + rest
+    orders = rank_orders(schedule, len(profiles), micro_batches, virtual_stages)
+    done = simulate(len(profiles), micro_batches, times, schedule, virtual_stages=virtual_stages, orders=orders)
+    return times, max(end for _, end in done.values()), rest
+
+
+def print_simulation(name, profiles, schedule, micro_batches):
+    """The CPU-second simulation of a multi-stage run: F, B, W per micro-batch on each stage, the compute of all
+    stages, the simulated schedule and its idle share (bubble and imbalance: 1 - compute / (stages x schedule))."""
+    times, schedule_seconds, rest = simulated_cpu_step(profiles, schedule, micro_batches)
+    compute = micro_batches * sum(sum(t.values()) for t in times)
+    print(f"  {name}: CPU ms per micro-batch F/B/W " + ", ".join(
+        f"stage {stage} {1e3 * t['F']:.0f}/{1e3 * t['B']:.0f}/{1e3 * t['W']:.0f}" for stage, t in enumerate(times))
+        + f"; compute of all stages {1e3 * compute:.0f} ms, schedule {1e3 * schedule_seconds:.0f} ms (idle "
+        f"{1 - compute / (len(times) * schedule_seconds):.1%}), + rest {1e3 * rest:.0f} ms")
 
 
 def transformers_seconds(work, fields, seq_length, micro_batch, micro_batches, steps, processes):
@@ -315,6 +330,7 @@ def main():
         for name, stage_profiles in profiles.items():
             if len(stage_profiles) > 1:
                 print_plan_check(name, stage_profiles)
+                print_simulation(name, stage_profiles, TRAINER_RUNS[name][1], m)
     print(machine_note())
 
 
