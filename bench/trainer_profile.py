@@ -5,18 +5,23 @@ interleaved rounds (reversed every other round, so that the machine's drift fall
 - transformers: transformers' LlamaForCausalLM with torch's AdamW, forward and backward per micro-batch (bench/
   layer_overhead.py's loop), one process alone, and two processes at once (what two cores deliver);
 - the trainer: `deepspeed --num_gpus N trainer_pipe.py ... profile=true` on 1 stage, and on 2 stages under each
-  pipeline schedule, its step time from the profile (the first step left out, as for the loop's warm-up step).
+  pipeline schedule (1f1b, zero_bubble, interleaved_1f1b with virtual_stages=2, zbv), its step time from the
+  profile (the first step left out, as for the loop's warm-up step), its losses against 2-stage 1F1B's, and (for
+  the chunked schedules) the stage plan's layers per rank.
 Prints each round's ratios (1 stage ÷ one loop, 2 stages ÷ two loops at once) and their spread, then, from the last
 round's profiles (training/profiling.py), milliseconds per step on each stage: each engine instruction, the engine's
 own work between them, and the loop's work between steps; and each stage's compute (F + B + W) against the start-up
 plan's FLOPs (planner/stage_costs.py), which `partition: balanced` (the default) evens out.
 Then the same ratios in CPU seconds of each process's training thread, which a shared host's load changes far less
 than wall-clock time: a loop's step, the 1-stage trainer's step, and for 2 stages the step the schedule takes
-(bench/schedule_simulator.py) from each stage's F, B and W CPU seconds, with everything else the stage's thread did
-in the step (optimizer, engine, loop, the CPU side of transfers) added as if nothing overlapped it.
+(training/schedule.py simulate, on the order the trainer runs) from each stage's F, B and W CPU seconds (a chunked
+schedule's F, B and W summed over its rank's chunks, which the simulation shares out evenly), with everything else
+the stage's thread did in the step (optimizer, engine, loop, the CPU side of transfers) added as if nothing
+overlapped it.
 
   python bench/trainer_profile.py [--workload small|small-even|smollm2] [--rounds 3] [--steps 6] [--partition P]
                                   [--contenders "one loop" "1 stage" ...] [--set KEY=VALUE ...]
+                                  [--micro-batches 8]
   python bench/trainer_profile.py --workload smollm2 --matmul-share   # the 1-stage ceiling, from transformers' loop
 """
 import argparse
@@ -31,9 +36,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, machine_note, spawn  # noqa: E402
-from schedule_simulator import predict  # noqa: E402
 
 from tests.launch import trainer_command  # noqa: E402
+from training.schedule import rank_orders, simulate  # noqa: E402
 
 SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1024)
@@ -46,12 +51,18 @@ WORKLOADS = {  # the shapes of issue 31's table; smollm2 is SmolLM2-135M's publi
                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
                      tie_word_embeddings=True, rope_theta=100000.0), 256, 2),
 }
-MICRO_BATCHES = 8
-CONTENDERS = ["one loop", "1 stage", "two loops", "2 stages 1f1b", "2 stages zero_bubble"]
-TRAINER_RUNS = {"1 stage": (1, "1f1b"), "2 stages 1f1b": (2, "1f1b"), "2 stages zero_bubble": (2, "zero_bubble")}
+CONTENDERS = ["one loop", "1 stage", "two loops", "2 stages 1f1b", "2 stages zero_bubble",
+              "2 stages interleaved_1f1b", "2 stages zbv"]
+VIRTUAL_STAGES = 2  # interleaved_1f1b's chunks per rank
+TRAINER_RUNS = {"1 stage": (1, "1f1b"), "2 stages 1f1b": (2, "1f1b"), "2 stages zero_bubble": (2, "zero_bubble"),
+                "2 stages interleaved_1f1b": (2, "interleaved_1f1b"), "2 stages zbv": (2, "zbv")}
+# each 2-stage run's tokens/s ÷ another's: the loops', and the schedule it improves on
+RATIOS = [("1 stage", "one loop"), *((name, "two loops") for name in TRAINER_RUNS if name.startswith("2")),
+          ("2 stages zero_bubble", "2 stages 1f1b"), ("2 stages interleaved_1f1b", "2 stages 1f1b"),
+          ("2 stages zbv", "2 stages zero_bubble"), ("2 stages zbv", "2 stages 1f1b")]
 
 
-def make_model(work, fields, seq_length, micro_batch, steps):
+def make_model(work, fields, seq_length, micro_batch, micro_batches, steps):
     """The model converted for the trainer, and enough pre-tokenized rows of seq_length tokens for its steps."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -62,22 +73,22 @@ def make_model(work, fields, seq_length, micro_batch, steps):
     convert_hf_to_ds(os.path.join(work, "hf"), os.path.join(work, "ds"))
     generator = torch.Generator().manual_seed(0)
     with open(os.path.join(work, "train.jsonl"), "w") as f:
-        for _ in range((steps + 1) * MICRO_BATCHES * micro_batch):
+        for _ in range((steps + 1) * micro_batches * micro_batch):
             ids = torch.randint(3, fields["vocab_size"], (seq_length,), generator=generator).tolist()
             f.write(json.dumps({"input_ids": ids}) + "\n")
 
 
-def transformers_step(rank, fields, seq_length, micro_batch):
+def transformers_step(rank, fields, seq_length, micro_batch, micro_batches):
     """One training step of transformers' loop (bench/layer_overhead.py's), each process on its own batches."""
     from transformers import LlamaConfig
 
     from layer_overhead import transformers_step as loop_step
-    return loop_step(LlamaConfig(**fields), seq_length, micro_batch, MICRO_BATCHES, seed=rank)
+    return loop_step(LlamaConfig(**fields), seq_length, micro_batch, micro_batches, seed=rank)
 
 
-def transformers_loop(rank, fields, seq_length, micro_batch, steps, out_dir):
+def transformers_loop(rank, fields, seq_length, micro_batch, micro_batches, steps, out_dir):
     """transformers' loop for 1 + steps steps; writes the wall-clock and CPU seconds of each step after the first."""
-    step = transformers_step(rank, fields, seq_length, micro_batch)
+    step = transformers_step(rank, fields, seq_length, micro_batch, micro_batches)
     seconds, cpu_seconds = [], []
     for _ in range(steps + 1):
         start, start_cpu = time.perf_counter(), time.thread_time()
@@ -91,14 +102,14 @@ def transformers_loop(rank, fields, seq_length, micro_batch, steps, out_dir):
 MATRIX_PRODUCTS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm")
 
 
-def matmul_share(rank, fields, seq_length, micro_batch):
+def matmul_share(rank, fields, seq_length, micro_batch, micro_batches):
     """Where one step of transformers' loop spends its time (torch.profiler, after a warm-up step): matrix
     products and attention kernels, which any exact implementation runs too, the optimizer, and the rest. Prints
     the most an implementation running the same products and attention at the same speed, and nothing else, could
     gain: 1 / their share (issue 31's 1-stage target is 1.10x)."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = transformers_step(rank, fields, seq_length, micro_batch)
+    step = transformers_step(rank, fields, seq_length, micro_batch, micro_batches)
     step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
@@ -110,32 +121,43 @@ def matmul_share(rank, fields, seq_length, micro_batch):
              "attention kernels": sum(e.self_cpu_time_total for e in events if "scaled_dot_product" in e.key),
              "optimizer": sum(e.cpu_time_total for e in events if e.key.startswith("Optimizer.step#"))}
     kinds["the rest"] = total - sum(kinds.values())
-    print(f"transformers' loop, one step ({wall:.1f} s, m = {MICRO_BATCHES}), time by kind: "
+    print(f"transformers' loop, one step ({wall:.1f} s, m = {micro_batches}), time by kind: "
           + ", ".join(f"{k} {v / 1e6:.2f} s ({v / total:.1%})" for k, v in kinds.items()))
     unavoidable = (kinds["matrix products"] + kinds["attention kernels"]) / total
     print(f"the same products and attention at the same speed, and nothing else: at most {1 / unavoidable:.3f}x "
           "transformers' loop")
 
 
-def run_trainer(work, name, seq_length, micro_batch, steps, partition, extra_overrides):
-    """One trainer_pipe.py run with profile=true; returns {stage: profile} (training/profiling.py's files)."""
+def run_trainer(work, name, seq_length, micro_batch, micro_batches, steps, partition, extra_overrides):
+    """One trainer_pipe.py run with profile=true; returns {stage: profile} (training/profiling.py's files), its
+    losses per step (metrics.jsonl) and its stage plan's layers per stage (the plan's table from its output)."""
     num_stages, schedule = TRAINER_RUNS[name]
     out = os.path.join(work, "run")
     shutil.rmtree(out, ignore_errors=True)
     overrides = [f"model_name_or_path={os.path.join(work, 'ds')}", f"train_file={os.path.join(work, 'train.jsonl')}",
                  "eval_file=null", f"output_dir={out}", "data.format=pretokenized", f"seq_length={seq_length}",
-                 f"micro_batch_size={micro_batch}", f"gradient_accumulation_steps={MICRO_BATCHES}",
+                 f"micro_batch_size={micro_batch}", f"gradient_accumulation_steps={micro_batches}",
                  f"num_stages={num_stages}", f"pipeline_schedule={schedule}", "precision=fp32", "zero_stage=0",
                  f"max_steps={steps + 1}", "logging_steps=1", "save_steps=0", "save_total_limit=1",
                  "lr_scheduler=constant", "warmup_steps=1", "profile=true", "export_hf=false",
                  f"data.cache_dir={os.path.join(work, 'cache')}", *([f"partition={partition}"] if partition else []),
-                 *extra_overrides]
+                 *([f"virtual_stages={VIRTUAL_STAGES}"] if schedule == "interleaved_1f1b" else []), *extra_overrides]
     command, env = trainer_command(num_stages, overrides, "base", None, "trainer_pipe.py", {"OMP_NUM_THREADS": "1"})
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(result.stdout[-3000:] + result.stderr[-3000:])
     profiles = [json.load(open(os.path.join(out, "profile", n))) for n in sorted(os.listdir(os.path.join(out, "profile")))]
-    return {p["stage"]: p for p in profiles}
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        losses = [record["loss"] for record in map(json.loads, f) if record.get("loss") is not None]
+    return {p["stage"]: p for p in profiles}, losses, stage_plan(result.stdout + result.stderr)
+
+
+def stage_plan(output):
+    """The stage plan's rows (planner/stage_costs.py format_stage_plan: stage, layers, decoders, ..., memory in GiB)
+    from a run's output, as "stage 0: layers 0-2+8-10 (3 decoders)"."""
+    rows = [line.split() for line in output.splitlines() if "GiB" in line]
+    return "; ".join(dict.fromkeys(f"stage {fields[0]}: layers {fields[1]} ({fields[2]} decoders)" for fields in rows
+                                   if len(fields) == 7 and fields[0].isdigit() and fields[2].isdigit()))
 
 
 def step_seconds(profiles):
@@ -144,28 +166,52 @@ def step_seconds(profiles):
     return [max(step) for step in steps]
 
 
-def cpu_step_seconds(profiles, schedule):
-    """The CPU seconds of a step: one stage's training thread; for several stages the schedule simulated from each
-    stage's F, B and W CPU seconds per micro-batch (a BackwardPass is B + W) plus the most CPU any stage's thread
-    spent on anything else in the step (optimizer, engine, loop, transfers), serially. The final checkpoint's step
-    is left out."""
-    def per_step(profile, names):
-        return sum(profile["instructions_cpu"].get(n, 0.0) for n in names) / len(profile["step_seconds"])
+FORWARD = ("ForwardPass", "LoadMicroBatch", "ChunkForwardPass")  # a chunk's forward loads its micro-batch itself
+INPUT_BACKWARD = ("BackwardPass", "BackwardInputPass", "ChunkBackwardPass")  # unsplit (1f1b, interleaved): B + W
+WEIGHT_BACKWARD = ("BackwardWeightPass",)
+
+
+def cpu_step_seconds(profiles, schedule, micro_batches):
+    """The CPU seconds of a step: one stage's training thread; for several stages simulated_cpu_step's."""
     if len(profiles) == 1:
         (profile,) = profiles.values()
         return statistics.mean(profile["step_cpu_seconds"][:-1])
-    times = [{"F": per_step(p, ["ForwardPass", "LoadMicroBatch"]) / MICRO_BATCHES,
-              "B": per_step(p, ["BackwardPass", "BackwardInputPass"]) / MICRO_BATCHES,
-              "W": per_step(p, ["BackwardWeightPass"]) / MICRO_BATCHES} for _, p in sorted(profiles.items())]
-    rest = max(statistics.mean(p["step_cpu_seconds"][:-1]) - MICRO_BATCHES * sum(t.values())
-               for t, p in zip(times, (p for _, p in sorted(profiles.items()))))
-    return predict(len(profiles), MICRO_BATCHES, times, overhead=rest)[schedule][0]
+    return sum(simulated_cpu_step(profiles, schedule, micro_batches)[1:])
 
 
-def transformers_seconds(work, fields, seq_length, micro_batch, steps, processes):
+def simulated_cpu_step(profiles, schedule, micro_batches):
+    """(each stage's {"F", "B", "W"} CPU seconds per micro-batch (a chunked schedule's over all its rank's chunks,
+    which simulate shares out evenly), the schedule's order (the one the trainer runs: zbv's for F = B = W) simulated
+    from them, the most CPU any stage's thread spent on anything else in the step (optimizer, engine, loop,
+    transfers), counted as if nothing overlapped it). The final checkpoint's step is left out."""
+    def per_step(profile, names):
+        return sum(profile["instructions_cpu"].get(n, 0.0) for n in names) / len(profile["step_seconds"])
+    stage_profiles = [p for _, p in sorted(profiles.items())]
+    times = [{"F": per_step(p, FORWARD) / micro_batches, "B": per_step(p, INPUT_BACKWARD) / micro_batches,
+              "W": per_step(p, WEIGHT_BACKWARD) / micro_batches} for p in stage_profiles]
+    rest = max(statistics.mean(p["step_cpu_seconds"][:-1]) - micro_batches * sum(t.values())
+               for t, p in zip(times, stage_profiles))
+    virtual_stages = VIRTUAL_STAGES if schedule == "interleaved_1f1b" else 1
+    orders = rank_orders(schedule, len(profiles), micro_batches, virtual_stages)
+    done = simulate(len(profiles), micro_batches, times, schedule, virtual_stages=virtual_stages, orders=orders)
+    return times, max(end for _, end in done.values()), rest
+
+
+def print_simulation(name, profiles, schedule, micro_batches):
+    """The CPU-second simulation of a multi-stage run: F, B, W per micro-batch on each stage, the compute of all
+    stages, the simulated schedule and its idle share (bubble and imbalance: 1 - compute / (stages x schedule))."""
+    times, schedule_seconds, rest = simulated_cpu_step(profiles, schedule, micro_batches)
+    compute = micro_batches * sum(sum(t.values()) for t in times)
+    print(f"  {name}: CPU ms per micro-batch F/B/W " + ", ".join(
+        f"stage {stage} {1e3 * t['F']:.0f}/{1e3 * t['B']:.0f}/{1e3 * t['W']:.0f}" for stage, t in enumerate(times))
+        + f"; compute of all stages {1e3 * compute:.0f} ms, schedule {1e3 * schedule_seconds:.0f} ms (idle "
+        f"{1 - compute / (len(times) * schedule_seconds):.1%}), + rest {1e3 * rest:.0f} ms")
+
+
+def transformers_seconds(work, fields, seq_length, micro_batch, micro_batches, steps, processes):
     """Per process, {"seconds": [...], "cpu_seconds": [...]} of its timed steps."""
     out_dir = tempfile.mkdtemp(dir=work)
-    spawn(transformers_loop, processes, fields, seq_length, micro_batch, steps, out_dir)
+    spawn(transformers_loop, processes, fields, seq_length, micro_batch, micro_batches, steps, out_dir)
     return [json.load(open(os.path.join(out_dir, f"transformers{r}.json"))) for r in range(processes)]
 
 
@@ -173,18 +219,17 @@ def tokens_per_second(tokens, seconds):
     return tokens * len(seconds) / sum(seconds)
 
 
-def print_ratios(kind, rates, contenders):
-    """Each trainer run's tokens/s ÷ its transformers contender's, over the rounds and each round's, and for 2
-    stages ÷ the 1F1B bound m / (m + p - 1) too."""
-    bound = MICRO_BATCHES / (MICRO_BATCHES + 1)
-    for name, base in (("1 stage", "one loop"), ("2 stages 1f1b", "two loops"), ("2 stages zero_bubble",
-                                                                                "two loops")):
+def print_ratios(kind, rates, contenders, micro_batches):
+    """Each trainer run's tokens/s ÷ its transformers contender's (and a schedule's ÷ the one it improves on), over
+    the rounds and each round's, and for 2 stages ÷ the loops ÷ the 1F1B bound m / (m + p - 1) too."""
+    bound = micro_batches / (micro_batches + 1)
+    for name, base in RATIOS:
         if name not in contenders or base not in contenders:
             continue
         ratios = [a / b for a, b in zip(rates[name], rates[base])]
         ratio = sum(rates[name]) / sum(rates[base])
         print(f"{kind}{name} ÷ {base}: {ratio:.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})"
-              + (f", {ratio / bound:.3f} of the 1F1B bound {bound:.3f}" if name.startswith("2") else ""))
+              + (f", {ratio / bound:.3f} of the 1F1B bound {bound:.3f}" if base == "two loops" else ""))
 
 
 def print_profile(name, profiles, cpu=False):
@@ -203,7 +248,8 @@ def print_profile(name, profiles, cpu=False):
                                                                     if k not in ("train_batch", "checkpoint")))
 
 
-COMPUTE = ("ForwardPass", "BackwardPass", "BackwardInputPass", "BackwardWeightPass")
+COMPUTE = ("ForwardPass", "BackwardPass", "BackwardInputPass", "BackwardWeightPass", "ChunkForwardPass",
+           "ChunkBackwardPass")
 
 
 def print_plan_check(name, profiles):
@@ -221,11 +267,23 @@ def print_plan_check(name, profiles):
     print(f"  {name}: compute per step against the plan's FLOPs: " + ", ".join(cells))
 
 
+def print_losses_and_plans(losses, plans):
+    """Each 2-stage run's largest loss difference from 2-stage 1F1B's (the last round's runs, same data, same
+    seed), and its stage plan's layers per stage."""
+    reference = losses.get("2 stages 1f1b")
+    for name in losses:
+        if name.startswith("2"):
+            difference = (f"largest loss difference from 1F1B's over {len(reference)} steps "
+                          f"{max(abs(a - b) for a, b in zip(losses[name], reference)):.3g}" if reference else "")
+            print(f"{name}: {difference}; plan {plans[name]}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="small")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per run (after one warm-up step)")
+    parser.add_argument("--micro-batches", type=int, default=8, help="m: micro-batches per step (every contender)")
     parser.add_argument("--partition", help="the trainer's partition (default: conf/base.yaml's)")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="more Hydra overrides for every trainer run, e.g. compile=true")
@@ -236,40 +294,43 @@ def main():
     args = parser.parse_args()
     fields, seq_length, micro_batch = WORKLOADS[args.workload]
     if args.matmul_share:
-        spawn(matmul_share, 1, fields, seq_length, micro_batch)
+        spawn(matmul_share, 1, fields, seq_length, micro_batch, args.micro_batches)
         print(machine_note())
         return
-    tokens = MICRO_BATCHES * micro_batch * seq_length
+    m = args.micro_batches
+    tokens = m * micro_batch * seq_length
     with tempfile.TemporaryDirectory() as work:
-        make_model(work, fields, seq_length, micro_batch, args.steps + 1)
-        print(f"workload {args.workload}: {fields}, seq {seq_length}, micro-batch {micro_batch}, m = {MICRO_BATCHES}, "
+        make_model(work, fields, seq_length, micro_batch, m, args.steps + 1)
+        print(f"workload {args.workload}: {fields}, seq {seq_length}, micro-batch {micro_batch}, m = {m}, "
               f"fp32, 1 thread per process, {args.steps} timed steps per run, {args.rounds} rounds", flush=True)
         contenders = [name for name in CONTENDERS if name in args.contenders]
         rates = {name: [] for name in contenders}
         cpu_rates = {name: [] for name in contenders}  # tokens per CPU second of a step, as above
-        profiles = {}
+        profiles, losses, plans = {}, {}, {}
         for round_index in range(args.rounds):
             for name in contenders[::1 if round_index % 2 == 0 else -1]:
                 if name in TRAINER_RUNS:
-                    profiles[name] = run_trainer(work, name, seq_length, micro_batch, args.steps + 1,
-                                                 args.partition, args.set)
+                    profiles[name], losses[name], plans[name] = run_trainer(
+                        work, name, seq_length, micro_batch, m, args.steps + 1, args.partition, args.set)
                     rates[name].append(tokens_per_second(tokens, step_seconds(profiles[name])))
-                    cpu_rates[name].append(tokens / cpu_step_seconds(profiles[name], TRAINER_RUNS[name][1]))
+                    cpu_rates[name].append(tokens / cpu_step_seconds(profiles[name], TRAINER_RUNS[name][1], m))
                 else:
-                    loops = transformers_seconds(work, fields, seq_length, micro_batch, args.steps,
+                    loops = transformers_seconds(work, fields, seq_length, micro_batch, m, args.steps,
                                                  1 if name == "one loop" else 2)
                     rates[name].append(sum(tokens_per_second(tokens, s["seconds"]) for s in loops))
                     cpu_rates[name].append(sum(tokens_per_second(tokens, s["cpu_seconds"]) for s in loops))
             print(f"round {round_index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.0f} tok/s ({cpu_rates[n][-1]:.0f} per "
                                                          f"CPU s)" for n in contenders), flush=True)
         for kind, measured in (("", rates), ("in CPU seconds, ", cpu_rates)):
-            print_ratios(kind, measured, contenders)
+            print_ratios(kind, measured, contenders, m)
+        print_losses_and_plans(losses, plans)
         for cpu in (False, True):
             for name, stage_profiles in profiles.items():
                 print_profile(name, stage_profiles, cpu)
         for name, stage_profiles in profiles.items():
             if len(stage_profiles) > 1:
                 print_plan_check(name, stage_profiles)
+                print_simulation(name, stage_profiles, TRAINER_RUNS[name][1], m)
     print(machine_note())
 
 
