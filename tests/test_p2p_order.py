@@ -24,6 +24,7 @@ from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicr
 from deepspeed_internals.access import (handlers_only_pipeline_engine, inference_schedule, instruction_handlers,
                                         pipe_buffer, pipe_p2p, replace_instruction_handlers, run_schedule,
                                         set_pipe_buffer, train_schedule)
+from training.chunked_engine import forward_program
 from training.pipeline_engine import use_zero_bubble
 from training.schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
                                ZeroBubbleSchedule, chunk_ids, p2p_program)
@@ -324,15 +325,17 @@ def test_every_config_is_checked():
     assert all(stages in STAGES for stages, _ in config_counts())
 
 
-def chunk_programs(schedule, stages, micro_batches, virtual_stages=1, forward_only=False):
-    """p2p_program's operations of every rank as the model's programs: an operation's shape stands for its tensor
+def chunk_programs(schedule, stages, micro_batches, virtual_stages=1, evaluation=False):
+    """The operations of every rank's program as the engine runs it (training: p2p_program; evaluation:
+    training/chunked_engine.py forward_program) as the model's programs: an operation's shape stands for its tensor
     (activation or gradient, the chunk boundary it crosses, the micro-batch), so a send matched with another
     transfer's receive is the wrong tensor."""
     programs = []
+    every_rank_chunks = [chunk_ids(schedule, stages, rank, virtual_stages) for rank in range(stages)]
     for rank in range(stages):
-        chunks, program = chunk_ids(schedule, stages, rank, virtual_stages), []
-        for action, item in p2p_program(schedule, stages, micro_batches, rank, virtual_stages,
-                                        forward_only=forward_only):
+        chunks, program = every_rank_chunks[rank], []
+        for action, item in (forward_program(every_rank_chunks, micro_batches, rank) if evaluation else
+                             p2p_program(schedule, stages, micro_batches, rank, virtual_stages)):
             if action == "compute":
                 continue
             chunk = chunks[item.local_chunk]
@@ -344,18 +347,18 @@ def chunk_programs(schedule, stages, micro_batches, virtual_stages=1, forward_on
 
 @pytest.mark.parametrize("stages", STAGES)
 def test_multi_chunk_schedules_are_matched_on_every_link(stages):
-    """interleaved_1f1b (v = 2; v = 3 and evaluation up to 16 micro-batches; its micro-batch counts are multiples of
-    p) and zbv, training and evaluation: both sides of every link (the wrap link last rank -> rank 0 of interleaving
-    included; on 2 ranks it is the same pair as the link down) post their operations in one order, and no send
-    waits on a send."""
+    """interleaved_1f1b (v = 2; v = 3 and evaluation up to 16 micro-batches; its training micro-batch counts are
+    multiples of p, evaluation's any count: its last chunk may be short) and zbv, training and evaluation: both sides
+    of every link (the wrap link last rank -> rank 0 of interleaving included; on 2 ranks it is the same pair as the
+    link down) post their operations in one order, and no send waits on a send."""
     for micro_batches in sorted({*micro_batch_counts(stages), 64}):
         few = micro_batches <= 16
-        for forward_only in (False, True) if few else (False,):
-            run_on_nccl(chunk_programs("zbv", stages, micro_batches, forward_only=forward_only))
-            if micro_batches % stages == 0:
+        for evaluation in (False, True) if few else (False,):
+            run_on_nccl(chunk_programs("zbv", stages, micro_batches, evaluation=evaluation))
+            if micro_batches % stages == 0 or evaluation:
                 for virtual_stages in (2, 3) if few else (2,):
                     run_on_nccl(chunk_programs("interleaved_1f1b", stages, micro_batches, virtual_stages,
-                                               forward_only))
+                                               evaluation))
 
 
 def test_sends_posted_in_compute_order_deadlock_under_zbv():

@@ -228,8 +228,8 @@ class ChunkedPipelineEngine(ZeroBubblePipelineEngine):
         key = (op.tensor, op.local_chunk, op.micro_batch)
         peer = self.grid.stage_to_global(op.peer)
         if op.direction == "send":
-            tensors = self._made.pop(key)
-            self._posted[op] = (tensors, [collectives.isend(t.contiguous(), peer) for t in tensors])
+            tensors = tuple(t.contiguous() for t in self._made.pop(key))  # held until the wait: what is sent
+            self._posted[op] = (tensors, [collectives.isend(t, peer) for t in tensors])
             return
         if op.tensor == "activation":
             like = self._activation_shapes

@@ -247,10 +247,8 @@ def zbv_durations(times):
     return tuple(unit // math.gcd(*units) for unit in units)
 
 
-def rank_orders(schedule, stages, micro_batches, virtual_stages=1, max_waiting=None, forward_only=False,
-                zbv_times=(1, 1, 1)):
-    """[[(kind, local_chunk, micro_batch), ...] per rank] of any schedule; forward_only: each rank's forwards in
-    the same order (evaluation: no backward); zbv_times: zbv_order's durations."""
+def rank_orders(schedule, stages, micro_batches, virtual_stages=1, max_waiting=None, zbv_times=(1, 1, 1)):
+    """[[(kind, local_chunk, micro_batch), ...] per rank] of any schedule; zbv_times: zbv_order's durations."""
     if schedule == "interleaved_1f1b":
         orders = [interleaved_order(stages, micro_batches, virtual_stages, rank) for rank in range(stages)]
     elif schedule == "zbv":
@@ -258,7 +256,7 @@ def rank_orders(schedule, stages, micro_batches, virtual_stages=1, max_waiting=N
     else:
         orders = [[(kind, 0, j) for kind, j in order]
                   for order in stage_orders(stages, micro_batches, schedule, max_waiting)]
-    return [[step for step in order if step[0] == "F"] if forward_only else order for order in orders]
+    return orders
 
 
 def simulate(stages, micro_batches, costs, schedule, max_waiting=None, virtual_stages=1, orders=None):
@@ -304,12 +302,11 @@ local_chunk: this rank's chunk that made it (send) or takes it (recv), micro_bat
 
 
 @functools.lru_cache(maxsize=64)
-def link_transfers(schedule, stages, micro_batches, virtual_stages=1, max_waiting=None, forward_only=False,
-                   zbv_times=(1, 1, 1)):
+def link_transfers(schedule, stages, micro_batches, virtual_stages=1, max_waiting=None, zbv_times=(1, 1, 1)):
     """{(rank, peer) with rank < peer: [(sender, P2POp of the sender, P2POp of the receiver), ...] in the link's
     order}: every transfer between two chunks on different ranks, ordered by when the unit-time run of the orders
     (F = B = W) makes it (ties: the upstream chunk's first). Both sides issue a link's operations in this order."""
-    orders = rank_orders(schedule, stages, micro_batches, virtual_stages, max_waiting, forward_only, zbv_times)
+    orders = rank_orders(schedule, stages, micro_batches, virtual_stages, max_waiting, zbv_times)
     placement = chunk_placement(schedule, stages, virtual_stages)
     done = simulate(stages, micro_batches, [{"F": 1, "B": 1, "W": 1}] * stages, schedule, max_waiting,
                     virtual_stages, orders)
@@ -326,8 +323,7 @@ def link_transfers(schedule, stages, micro_batches, virtual_stages=1, max_waitin
     return {link: tuple(transfer[1:] for transfer in sorted(transfers)) for link, transfers in links.items()}
 
 
-def p2p_program(schedule, stages, micro_batches, rank, virtual_stages=1, max_waiting=None, forward_only=False,
-                zbv_times=(1, 1, 1)):
+def p2p_program(schedule, stages, micro_batches, rank, virtual_stages=1, max_waiting=None, zbv_times=(1, 1, 1)):
     """What a rank issues, in order, to run its order over NCCL: [(action, item)] with
     ("compute", (kind, local_chunk, micro_batch)): run it;
     ("post", P2POp): issue the send or receive without waiting (isend / irecv);
@@ -338,10 +334,10 @@ def p2p_program(schedule, stages, micro_batches, rank, virtual_stages=1, max_wai
     computation that made it, with any receives of the link ahead of it posted first; a receive is posted when it
     is waited for, or earlier when a send of the link comes after it. tests/test_p2p_order.py executes these
     programs under its model of NCCL for 2-8 ranks. zbv_times: zbv_order's durations (the same on every rank)."""
-    order = rank_orders(schedule, stages, micro_batches, virtual_stages, max_waiting, forward_only, zbv_times)[rank]
+    order = rank_orders(schedule, stages, micro_batches, virtual_stages, max_waiting, zbv_times)[rank]
     queues = {}  # peer: this rank's operations on the link, in the link's order
     for (low, high), transfers in link_transfers(schedule, stages, micro_batches, virtual_stages, max_waiting,
-                                                 forward_only, zbv_times).items():
+                                                 zbv_times).items():
         if rank in (low, high):
             queues[high if rank == low else low] = collections.deque(
                 send if sender == rank else receive for sender, send, receive in transfers)
