@@ -1,10 +1,15 @@
 """One rank of a schedule comparison: the same model trained for a few steps under 1F1B and under zero_bubble (or a
 case's chunked schedule, zbv or interleaved_1f1b), every step's loss and every gradient the optimizer steps with
 written as JSON for the test to compare. The chunked schedules place other layers on each rank: their gradients are
-compared with 1F1B's across all ranks by name."""
+compared with 1F1B's across all ranks by name. Each step runs as the trainer's does (training/token_mean.py: the
+micro-batches read first, the global batch's loss units counted); a preference case (DPO, SimPO) trains on pairs
+through the trainer's collator, DPO against reference log-probabilities computed by the schedule's own reference
+pass (training/reference.py), and records them and each step's rewards; under context parallelism every rank
+takes its tokens of its replica's micro-batches."""
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -15,13 +20,19 @@ from transformers import AutoConfig  # noqa: E402
 
 from checkpoints.layer_files import load_layer_slice  # noqa: E402
 import collectives  # noqa: E402
+from data.collator import collate_preference  # noqa: E402
 from models.lora import NO_LORA, LoraSettings  # noqa: E402
 from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
+from models.preference import PreferenceSettings  # noqa: E402
 from tests.parity_worker import CHUNK_TOKENS, micro_batches  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
 from training.distributed import init_distributed, parallel_topology  # noqa: E402
 from training.chunked_engine import rank_chunk_ids, use_chunked_pipeline  # noqa: E402
 from training.pipeline_engine import use_zero_bubble  # noqa: E402
+from training.reference import WithReference, compute_reference  # noqa: E402
+from training.token_mean import global_loss_units, step_micro_batches, token_mean_loss  # noqa: E402
+
+PROMPT_TOKENS = 3  # a pair's shared prompt, unlabelled: each response is scored on the rest of its row
 
 
 def record_optimizer_gradients(engine):
@@ -44,7 +55,7 @@ def record_optimizer_gradients(engine):
 def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     config = AutoConfig.from_pretrained(case["hf_dir"])
     num_stages, tensor_parallel = case["stages"], case.get("tensor_parallel", 1)
-    dp_size = torch.distributed.get_world_size() // (num_stages * tensor_parallel)
+    objective = PreferenceSettings(case.get("objective", "sft"))
     chunks, bounds = rank_chunk_ids(schedule, num_stages, case.get("virtual_stages")), None
     if chunks is not None:
         num_chunks = sum(map(len, chunks))
@@ -54,6 +65,7 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
                                    activation_checkpoint_interval=case.get("checkpoint_interval", 0),
                                    sequence_parallel=case.get("sequence_parallel", True),
                                    recompute_sequence_gather=case.get("recompute_sequence_gather", False),
+                                   context_parallel_size=case.get("context_parallel", 1), objective=objective,
                                    loss_chunk_tokens=case.get("loss_chunk_tokens", CHUNK_TOKENS),
                                    grad_accum_dtype=(torch.float32 if case.get("deepspeed", {}).get("data_types")
                                                      else None),
@@ -72,20 +84,65 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     elif chunks is not None:
         use_chunked_pipeline(engine, schedule, case.get("virtual_stages"))
     recorded = record_optimizer_gradients(engine)
-    losses, read = [], []
-    batch = make_batch(micro_batch_size * gas * dp_size, seq_len, config.vocab_size, seed=1)
+    replica, replicas = module.context.replica(engine.grid.data_parallel_id, engine.grid.get_data_parallel_world_size())
+    batch = make_batch(micro_batch_size * gas * replicas * (2 if objective.preference else 1), seq_len,
+                       config.vocab_size, seed=1)
+    held = {}
+    if objective.preference:
+        pairs = preference_pairs(batch)
+        if objective.needs_reference:
+            pairs, held["reference"] = reference_pass(engine, pairs, micro_batch_size, gas, seq_len, tensor_parallel)
+        rows = lambda count: pair_micro_batches(pairs, micro_batch_size, count, replicas, replica, seq_len)  # noqa
+    else:
+        rows = lambda count: micro_batches(batch, micro_batch_size, count, replicas, replica)  # noqa
+    losses, read, rewards = [], [], []
     for _ in range(steps):  # the same batch every step: the loss must fall
-        losses.append(float(engine.train_batch(counted(micro_batches(batch, micro_batch_size, gas, dp_size,
-                                                                     engine.grid.data_parallel_id), read))))
+        stream = counted(map(module.context.split_micro_batch, rows(gas)), read)
+        step_batches = step_micro_batches(engine, stream, gas)
+        with token_mean_loss(engine, global_loss_units(engine, step_batches)):
+            losses.append(float(engine.train_batch(iter(step_batches))))
+        if objective.preference:
+            rewards.append(module.loss_fn.take_metrics())
     # evaluation: 3 micro-batches (no multiple of the stages), the loss broadcast from the last chunk's rank
-    evaluated = micro_batches(batch, micro_batch_size, 3, dp_size, engine.grid.data_parallel_id)
-    eval_loss = float(engine.eval_batch(evaluated, num_micro_batches=3))
+    eval_loss = float(engine.eval_batch(map(module.context.split_micro_batch, rows(3)), num_micro_batches=3))
     if case.get("schedule", "zero_bubble") != "zero_bubble":  # 1F1B's too: the ranks hold other layers
-        replica = f"dp{engine.grid.data_parallel_id}.tp{engine.grid.get_slice_parallel_rank()}"
-        recorded = all_ranks_gradients(recorded, replica)
-    return losses, recorded, {"stage": engine.stage_id, "waiting": max(waiting, default=0), "read": len(read),
-                              "eval_loss": eval_loss, "checkpointed": len(checkpointed),
-                              "chunks": chunks[engine.stage_id] if chunks else [engine.stage_id]}
+        where = f"dp{engine.grid.data_parallel_id}.tp{engine.grid.get_slice_parallel_rank()}"
+        recorded = all_ranks_gradients(recorded, where)
+    return losses, recorded, {**held, "stage": engine.stage_id, "waiting": max(waiting, default=0),
+                              "read": len(read), "eval_loss": eval_loss, "checkpointed": len(checkpointed),
+                              "rewards": rewards, "chunks": chunks[engine.stage_id] if chunks else [engine.stage_id]}
+
+
+def preference_pairs(batch):
+    """Pairs from a batch's rows as the trainer tokenizes them (lists of ids, labels -100 on the prompt): rows 2i
+    and 2i + 1 are pair i's chosen and rejected responses to one prompt."""
+    input_ids, attention_mask, _ = batch
+    rows = [ids[:int(mask.sum())].tolist() for ids, mask in zip(input_ids, attention_mask)]
+    pairs = []
+    for chosen, rejected in zip(rows[0::2], rows[1::2]):
+        rejected = chosen[:PROMPT_TOKENS] + rejected[PROMPT_TOKENS:]
+        pairs.append({f"{side}_{key}": ids if key == "input_ids" else [-100] * PROMPT_TOKENS + ids[PROMPT_TOKENS:]
+                      for side, ids in (("chosen", chosen), ("rejected", rejected))
+                      for key in ("input_ids", "labels")})
+    return pairs
+
+
+def reference_pass(engine, pairs, micro_batch_size, gas, seq_len, tensor_parallel):
+    """The pairs with their reference log-probabilities, computed by the engine's schedule (forward only, the
+    starting weights, adapters off), and those values."""
+    cfg = SimpleNamespace(micro_batch_size=micro_batch_size, seq_length=seq_len, gradient_accumulation_steps=gas,
+                          tensor_parallel_size=tensor_parallel)
+    reads_data = engine.is_first_stage() or engine.is_last_stage()
+    reference = compute_reference(engine, pairs if reads_data else None, len(pairs), cfg, pad_id=0)
+    return WithReference(pairs, reference["chosen"], reference["rejected"]), [
+        reference[side].tolist() for side in ("chosen", "rejected")]
+
+
+def pair_micro_batches(pairs, micro_batch_size, count, replicas, replica, seq_len):
+    """The micro-batches of one replica: pair block (step * replicas + replica) for each step, collated."""
+    for step in range(count):
+        start = (step * replicas + replica) * micro_batch_size
+        yield collate_preference([pairs[i] for i in range(start, start + micro_batch_size)], seq_len, pad_id=0)
 
 
 def worst_gradient(ref_grads, grads):
@@ -144,6 +201,7 @@ def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
         (ref_losses, ref_grads, ref_held), (losses, grads, held) = runs.values()
         results[case["name"]] = {
             **held, "losses": losses, "ref_losses": ref_losses, "ref_eval_loss": ref_held["eval_loss"],
+            "ref_rewards": ref_held["rewards"], "ref_reference": ref_held.get("reference"),
             "grad_steps": [len(ref_grads), len(grads)],
             "grad_names": [sorted(g) for g in ref_grads] == [sorted(g) for g in grads],
             **worst_gradient(ref_grads, grads),

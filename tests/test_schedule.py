@@ -76,6 +76,14 @@ CASES = {  # name: (tiny config, case settings); all on 4 processes
     "2stages_x_2dp_interleaved_bf16_zero1_tied": ("tied", dict(
         stages=2, schedule="interleaved_1f1b", virtual_stages=2, tolerance=0.0,
         deepspeed=dict(zero_optimization={"stage": 1}, bf16={"enabled": True}))),
+    # preference pairs (training/reference.py's pass under each schedule for DPO; the rewards compared too) and
+    # context parallelism 2 (each rank of a stage's pair takes its tokens of every sequence)
+    "2stages_x_2dp_interleaved_dpo_lora": ("llama2", dict(stages=2, schedule="interleaved_1f1b", virtual_stages=2,
+                                                          objective="dpo", lora=dict(rank=4))),
+    "4stages_zbv_simpo": ("llama2_8layers", dict(stages=4, schedule="zbv", objective="simpo")),
+    "2stages_x_cp2_zbv_dpo_tied": ("tied", dict(stages=2, schedule="zbv", context_parallel=2, objective="dpo")),
+    "2stages_x_cp2_interleaved": ("llama3", dict(stages=2, schedule="interleaved_1f1b", virtual_stages=2,
+                                                 context_parallel=2)),
 }
 
 
@@ -113,6 +121,12 @@ def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
             assert result["max_grad_error"] <= tolerance, (name, result["worst_grad"])
             assert result["losses"][-1] < result["losses"][0], name  # it trained
             assert (result["checkpointed"] > 0) == ("checkpoint_interval" in settings), name
+            assert len(result["rewards"]) == (STEPS if "objective" in settings else 0), name
+            for ours, theirs in zip(result["rewards"], result["ref_rewards"]):
+                assert ours == pytest.approx(theirs, rel=1e-6, abs=tolerance), name
+            if settings.get("objective") == "dpo":
+                chosen_and_rejected = sum(result["ref_reference"], [])
+                assert sum(result["reference"], []) == pytest.approx(chosen_and_rejected, rel=1e-6, abs=0), name
             if "schedule" in settings:  # only the ranks of the first and the last chunk read data
                 reads = {0, settings["stages"] * settings.get("virtual_stages", 2) - 1} & set(result["chunks"])
                 assert result["read"] == (STEPS * GAS if reads else 0), name
@@ -158,12 +172,6 @@ def test_simulated_step_is_the_zb_h1_bound(stages, micro_batches, forward, backw
     ({"pipeline_schedule": "zero_bubble", "precision": "fp16", "zero_stage": 1},
      "pipeline_schedule=zero_bubble does not support precision=fp16 yet (it runs with precision fp32 or bf16); use "
      "pipeline_schedule=1f1b."),
-    # the paths several chunks per rank do not run yet, refused before anything starts
-    ({"pipeline_schedule": "zbv", "objective": "simpo"},
-     "pipeline_schedule=zbv with objective=simpo is not supported yet; use pipeline_schedule 1f1b or zero_bubble."),
-    ({"pipeline_schedule": "zbv", "context_parallel_size": 2},
-     "pipeline_schedule=zbv with context_parallel_size=2 is not supported yet; use pipeline_schedule 1f1b or "
-     "zero_bubble."),
     ({"pipeline_schedule": "zero_bubble", "zero_bubble_max_waiting": -1},
      "zero_bubble_max_waiting=-1 is not a number of micro-batches: set an integer >= 0, or null for ZB-H1's "
      "(stage s holds s)."),
