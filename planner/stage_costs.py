@@ -388,6 +388,7 @@ def chunked_stage_plan(config, bounds, workload):
             **{f"{name}_bytes": value for name, value in state.items()},
             "activation_bytes": activations, "step_bytes": step, "buffer_bytes": buffers,
             "host_bytes": model.layers.stage_host_bytes(kinds),
+            "snapshot_bytes": model.layers.stage_snapshot_bytes(kinds),
             "in_flight": sum(in_flight for in_flight, _ in held),
             "waiting_for_weight_grads": sum(waiting for _, waiting in held),
             "memory_bytes": (state["weights"] + state["optimizer"] + buffers

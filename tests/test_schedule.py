@@ -291,11 +291,13 @@ def test_partition_splits_chunks(schedule, virtual_stages, partition, counts):
 def test_memory_plan_counts_each_schedules_chunks_in_flight():
     """The plan's micro-batch-chunks in flight per rank come from the orders: interleaving's warm-up raises the first
     ranks' ((p - r - 1)·2 + (v - 1)·p + 1 chunks of 1/v of a stage against 1F1B's p - r whole stages), ZB-V holds
-    at most 2p half-stage chunks on every rank (1F1B's first stage's p); each row lists its rank's chunks."""
+    at most 2p half-stage chunks on every rank (1F1B's first stage's p); each row lists its rank's chunks; async_save's
+    snapshots hold the same state under every schedule."""
     model, stages, micro_batches = tiny_llama(16), 4, 8
     plans = {}
     for schedule, virtual_stages in (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 1)):
-        workload = Workload(pipeline_schedule=schedule, virtual_stages=virtual_stages, micro_batches=micro_batches)
+        workload = Workload(pipeline_schedule=schedule, virtual_stages=virtual_stages, micro_batches=micro_batches,
+                            async_save=True)
         chunks = stages * chunks_per_rank(schedule, virtual_stages)
         bounds = stage_bounds_from_decoder_counts([16 // chunks] * chunks, 16)
         plans[schedule] = stage_plan(model, bounds, workload)
@@ -308,6 +310,8 @@ def test_memory_plan_counts_each_schedules_chunks_in_flight():
     assert first["interleaved_1f1b"] > 1.3 * first["1f1b"]
     assert max(row["activation_bytes"] for row in plans["zbv"]) < 1.15 * first["1f1b"]
     assert format_stage_plan(plans["zbv"]).splitlines()[1].split()[:2] == ["0", "0-2+15-18"]  # embedding and head
+    snapshots = {schedule: sum(row["snapshot_bytes"] for row in plan) for schedule, plan in plans.items()}
+    assert snapshots["zbv"] == snapshots["interleaved_1f1b"] == snapshots["1f1b"] > 0  # async_save's: the same state
 
 
 @pytest.mark.parametrize("stages,micro_batches", [(2, 8), (4, 16), (8, 32)])
