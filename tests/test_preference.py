@@ -1,9 +1,10 @@
 """Preference tuning against TRL 1.16: the trainer (training/loop.py run, in spawned gloo processes) on preference
 pairs equals TRL's DPOTrainer (precomputed reference log-probabilities, AdamW, clipping) and CPOTrainer (SimPO) on
 the same weights, data and hyperparameters: the first step's loss, rewards and every gradient within 1e-5, four
-steps' losses and TRL's metrics within 1e-4, on 1 stage, 2 stages x 2 data-parallel (resumed), 1 stage x tensor
-parallel 2 x 2 data-parallel and LoRA; the exported adapter's eval metrics in TRL. Two process starts serve every
-run (one_process_runs, two_stage_runs). TRL is imported inside the tests only (it is slow to import)."""
+steps' losses and TRL's metrics within 1e-4, on 1 stage, 2 stages x 2 data-parallel (resumed), 2 stages x context
+parallel 2 (1F1B and ZB-V), 1 stage x tensor parallel 2 x 2 data-parallel and LoRA; the exported adapter's eval
+metrics in TRL. Two process starts serve every run (one_process_runs, two_stage_runs). TRL is imported inside the
+tests only (it is slow to import)."""
 import contextlib
 import json
 import os
@@ -311,7 +312,8 @@ def two_stage_runs(preference_model, family_preference_models, tmp_path_factory)
     parallel 2 x 2 data-parallel (pipeline_first_step), then the runs, in turn: on 2 stages under ZeRO-1, DPO
     stopped after 2 steps, the same resumed to 4, DPO with LoRA (evaluated, exported, evaluated again from its
     checkpoint with the reference computed again), DPO under zero-bubble with activation checkpointing, and SimPO;
-    DPO on 2 stages x context parallel 2, and on 1 stage x tensor parallel 2 x 2 data-parallel;
+    DPO on 2 stages x context parallel 2 (under 1F1B and under ZB-V), and on 1 stage x tensor parallel 2 x 2
+    data-parallel;
     {name: output_dir}."""
     root = tmp_path_factory.mktemp("two_stages")
     layout = dict(num_stages=2, zero_stage=1)
@@ -320,6 +322,8 @@ def two_stage_runs(preference_model, family_preference_models, tmp_path_factory)
                                      zero_stage=1),
             "cp2": trainer_overrides(preference_model, root / "cp2", num_stages=2, context_parallel_size=2,
                                      eval_file=preference_model["eval"]),
+            "zbv_cp2": trainer_overrides(preference_model, root / "zbv_cp2", num_stages=2, context_parallel_size=2,
+                                         eval_file=preference_model["eval"], pipeline_schedule="zbv"),
             "zero_bubble": trainer_overrides(preference_model, root / "zero_bubble", **layout,
                                              pipeline_schedule="zero_bubble", activation_checkpoint_interval=1),
             "resumed": trainer_overrides(preference_model, root / "dpo", **layout, resume="auto"),
@@ -332,7 +336,7 @@ def two_stage_runs(preference_model, family_preference_models, tmp_path_factory)
             "simpo": trainer_overrides(preference_model, root / "simpo", **layout, objective="simpo",
                                        **{"simpo.beta": SIMPO_BETA, "simpo.gamma": SIMPO_GAMMA})}
     spawn(four_process_worker, 4, preference_model, family_preference_models, root, list(runs.values()))
-    names = ("dpo", "tp2", "cp2", "zero_bubble", "lora", "simpo", "lora_eval_cache")
+    names = ("dpo", "tp2", "cp2", "zbv_cp2", "zero_bubble", "lora", "simpo", "lora_eval_cache")
     return {"root": root, **{name: root / name for name in names}}
 
 
@@ -379,13 +383,15 @@ def test_dpo_zero_bubble_with_activation_checkpointing_matches_trl(two_stage_run
     assert_matches_trl(logged_steps(two_stage_runs["zero_bubble"]), trl_two_replicas)
 
 
+@pytest.mark.parametrize("run", ["cp2", "zbv_cp2"])
 @pytest.mark.slow
-def test_dpo_context_parallel_matches_trl(one_process_runs, two_stage_runs, trl_one_replica):
+def test_dpo_context_parallel_matches_trl(one_process_runs, two_stage_runs, trl_one_replica, run):
     """2 stages x context parallel 2 (each sequence's tokens split zig-zag, its log-probabilities summed over the
-    group; the reference pass too), one replica: TRL's steps on the pairs one replica reads, and the 1-stage run's
-    eval metrics."""
-    assert_matches_trl(logged_steps(two_stage_runs["cp2"]), trl_one_replica)
-    (split,) = [r for r in read_metrics(two_stage_runs["cp2"]) if "eval_loss" in r]
+    group; the reference pass too), one replica, under 1F1B and under ZB-V (rank 0 holds the embedding and the head,
+    the reference pass and the loss on it): TRL's steps on the pairs one replica reads, and the 1-stage run's eval
+    metrics."""
+    assert_matches_trl(logged_steps(two_stage_runs[run]), trl_one_replica)
+    (split,) = [r for r in read_metrics(two_stage_runs[run]) if "eval_loss" in r]
     (whole,) = [r for r in read_metrics(one_process_runs["one_stage"]) if "eval_loss" in r]
     for name in ("eval_loss", *(f"eval_{name}" for name in METRICS)):
         assert split[name] == pytest.approx(whole[name], abs=1e-4), name
