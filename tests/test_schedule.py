@@ -121,7 +121,7 @@ def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
             assert result["max_grad_error"] <= tolerance, (name, result["worst_grad"])
             assert result["losses"][-1] < result["losses"][0], name  # it trained
             assert (result["checkpointed"] > 0) == ("checkpoint_interval" in settings), name
-            assert len(result["rewards"]) == (STEPS if "objective" in settings else 0), name
+            assert len(result["rewards"]) == (STEPS if "objective" in settings else 0) and all(result["rewards"]), name
             for ours, theirs in zip(result["rewards"], result["ref_rewards"]):
                 assert ours == pytest.approx(theirs, rel=1e-6, abs=tolerance), name
             if settings.get("objective") == "dpo":
