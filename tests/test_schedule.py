@@ -57,7 +57,7 @@ CASES = {  # name: (tiny config, case settings); all on 4 processes
                                                                     virtual_stages=2, checkpoint_interval=1)),
     # ZB-V adds the tied weight's embedding and head gradients on one rank in the order its Bs run, 1F1B as two
     # partial sums all-reduced: fp32 rounding of ~1e-7 that Adam carries into later steps' gradients (1.05e-6 of
-    # a layer norm's at step 5 of 6), hence 2e-6 (the untied and LoRA cases are exact).
+    # a layer norm's when the launch ran 6 steps), hence 2e-6 (the untied and LoRA cases are exact).
     "2stages_x_2dp_zbv_tied_checkpointing": ("tied", dict(stages=2, schedule="zbv", checkpoint_interval=1,
                                                           tolerance=2e-6)),
     "2stages_x_2dp_interleaved": ("llama2", dict(stages=2, schedule="interleaved_1f1b", virtual_stages=2)),
