@@ -216,6 +216,59 @@ def test_an_output_dir_another_live_job_writes_is_refused_and_a_gone_jobs_lease_
         assert not path.exists()
 
 
+# A job's rank 0 on stdin's commands: "take" output_dir's lease (prints "won" or the refusal), "drop" it ("dropped").
+LEASE_TAKER = """
+import sys
+from checkpoints.run_lease import RunLease
+lease = None
+for command in sys.stdin:
+    if command == "take\\n":
+        try:
+            lease = RunLease(sys.argv[1])
+            print("won", flush=True)
+        except ValueError as error:
+            print(error, flush=True)
+    else:
+        if lease is not None:
+            lease.release()
+        lease = None
+        print("dropped", flush=True)
+"""
+
+
+def test_two_jobs_taking_over_a_stale_lease_at_once_one_wins_and_the_other_is_refused(tmp_path):
+    """Two processes told to take over a gone job's lease in the same moment, 20 times: each time one holds it and
+    the other is refused, naming the winner (without the lock both won in 48 of 50 rounds)."""
+    out, host = str(tmp_path), socket.gethostname()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    takers = [subprocess.Popen([sys.executable, "-c", LEASE_TAKER, out], cwd=ROOT, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, bufsize=1) for _ in range(2)]
+    try:
+        for _ in range(20):
+            (tmp_path / LEASE_FILE).write_text(json.dumps({"host": host, "boot_id": boot_id(), "pid": dead.pid,
+                                                           "token": "a gone job", "heartbeat": time.time()}))
+            for taker in takers:
+                taker.stdin.write("take\n")
+            for taker in takers:
+                taker.stdin.flush()
+            answers = [taker.stdout.readline().strip() for taker in takers]
+            assert sorted(answers)[1] == "won", answers
+            winner = takers[answers.index("won")]
+            assert re.fullmatch(rf"output_dir '{out}' is being written by another live job: its rank 0, pid "
+                                rf"{winner.pid} on {host}, renewed {tmp_path / LEASE_FILE} 0s ago; .*",
+                                sorted(answers)[0]), answers
+            assert read_lease(out)["pid"] == winner.pid
+            for taker in takers:
+                taker.stdin.write("drop\n")
+                taker.stdin.flush()
+            assert [taker.stdout.readline() for taker in takers] == ["dropped\n"] * 2
+    finally:
+        for taker in takers:
+            taker.stdin.close()
+            taker.wait(timeout=30)
+
+
 def test_the_watchers_share_one_wrapper_around_the_instruction_handlers():
     """The hang watchdog, the straggler report and the profile each add a listener: the handlers are wrapped once,
     each listener hears every instruction (its own start value back at the end, the last started ending first),
