@@ -3,6 +3,7 @@ watchdog names and ends a stuck rank, and what a restart cannot fix is not resta
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -267,6 +268,33 @@ def test_two_jobs_taking_over_a_stale_lease_at_once_one_wins_and_the_other_is_re
         for taker in takers:
             taker.stdin.close()
             taker.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_a_job_refused_another_live_jobs_output_dir_changes_none_of_its_files(demo_model, straight_run, tmp_path):
+    """The straight run's directory while a live job (LEASE_TAKER) holds its lease: a second job's ranks stop with
+    the one-line refusal (exit 78) having written nothing there: every file byte for byte as it was (the rank
+    records too, which each rank writes once its job holds the lease)."""
+    out = tmp_path / "run"
+    shutil.copytree(straight_run, out)
+    holder = subprocess.Popen([sys.executable, "-c", LEASE_TAKER, str(out)], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, bufsize=1)
+    try:
+        holder.stdin.write("take\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline() == "won\n"
+        before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+        result = launch_trainer(2, demo_overrides(demo_model, out, **RUN, resume="auto"))
+        refusal = (f"trainer_pipe: error: output_dir '{out}' is being written by another live job: its rank 0, pid "
+                   f"{holder.pid} on {socket.gethostname()}, renewed {out / LEASE_FILE}")
+        assert result.returncode == exit_codes.CONFIG_ERROR and refusal in result.stderr, result.stderr[-3000:]
+        after = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+        lease = out / LEASE_FILE  # its holder renews it every HEARTBEAT_SECONDS
+        assert json.loads(after.pop(lease))["pid"] == json.loads(before.pop(lease))["pid"] == holder.pid
+        assert (out / "rank_records" / "rank00000.json") in after and after == before
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
 
 
 def test_the_watchers_share_one_wrapper_around_the_instruction_handlers():

@@ -1,11 +1,11 @@
-"""Each rank's record of how its run ended, in output_dir/rank_records/rankNNNNN.json: written at start-up (host,
-pid) and again as the rank ends (exit code, cause, where it was: step, pipeline instruction, the peer it waited
-for). After a failed attempt the supervisor (training/supervisor.py) reads them to name the rank that failed
-first: a rank killed without a word (SIGKILL, the OOM killer, a lost node, a stopped process) keeps its start-up
-record only, which names it too."""
+"""Each rank's record of how its run ended, in output_dir/rank_records/rankNNNNN.json: written once the job holds
+output_dir's lease (host, pid, start time) and again as the rank ends (exit code, cause, where it was: step, pipeline
+instruction, the peer it waited for). After a failed attempt the supervisor (training/supervisor.py) reads the
+records that attempt wrote to name the rank that failed first: a rank killed without a word (SIGKILL, the OOM
+killer, a lost node, a stopped process) keeps its start-up record only, which names it too. Nothing removes them:
+each attempt's ranks overwrite their own, and the supervisor reads those started after it launched the attempt."""
 import json
 import os
-import shutil
 import socket
 import time
 
@@ -53,8 +53,9 @@ def record_end(exit_code, cause, follows_another=False):
         _current.end(exit_code, cause, follows_another)
 
 
-def read_records(output_dir):
-    """Every rank's record, by rank."""
+def read_records(output_dir, since):
+    """Every rank's record started at or after `since` (time.time(): the hosts' clocks agree far closer than a
+    start-up takes), by rank."""
     directory = os.path.join(output_dir, RECORDS_DIR)
     if not os.path.isdir(directory):
         return []
@@ -63,9 +64,4 @@ def read_records(output_dir):
         if name.endswith(".json"):
             with open(os.path.join(directory, name)) as f:
                 records.append(json.load(f))
-    return records
-
-
-def clear_records(output_dir):
-    """Before an attempt: the records then left are that attempt's."""
-    shutil.rmtree(os.path.join(output_dir, RECORDS_DIR), ignore_errors=True)
+    return [record for record in records if record["started"] >= since]

@@ -21,7 +21,7 @@ import uuid
 from checkpoints.files import read_latest
 from checkpoints.run_lease import LEASE_TOKEN_ENV, release_lease_of
 from training.exit_codes import NOT_RESTARTABLE, describe
-from training.rank_records import clear_records, read_records
+from training.rank_records import read_records
 
 TRAINER_CONFIG = ("conf", "tiny")  # trainer_pipe.py's @hydra.main config_path and config_name
 RANKS_NAMED = 4  # most ranks one line names per kind (a thousand-rank job's line stays a line)
@@ -43,15 +43,14 @@ class Supervisor:
         failures_in_a_row, attempt = 0, 0
         while True:
             attempt += 1
-            clear_records(self.output_dir)
-            latest_before = read_latest(self.output_dir)
+            latest_before, started = read_latest(self.output_dir), time.time()
             self.process = subprocess.Popen(with_resume_auto(self.command, restart=attempt > 1),
                                             env={**os.environ, LEASE_TOKEN_ENV: self.lease_token})
             code = self.process.wait()
             release_lease_of(self.output_dir, self.lease_token)  # the attempt's ranks are gone
             if code == 0:
                 return 0
-            records = read_records(self.output_dir)
+            records = read_records(self.output_dir, since=started)
             cause = explain_failure(code, records)
             if self.stop_requested is not None:
                 self.log(f"supervise: {signal.Signals(self.stop_requested).name} received: not restarting; attempt "
