@@ -23,14 +23,15 @@ class RankRecord:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._write()
 
-    def end(self, exit_code, cause, follows_another=False):
-        """The first end recorded is the one kept: a rank ends once. follows_another: this rank ended because
-        another one did (its launcher ended it), so it is not the first failure. A disk too full for the record
-        leaves the start-up one: the exit code still says why, and the error already said it in one line."""
+    def end(self, exit_code, cause, in_communication=False, follows_another=False):
+        """The first end recorded is the one kept: a rank ends once. in_communication: the error came out of a
+        collective or point-to-point call (most often a peer that failed first). follows_another: this rank ended
+        because another one did (its launcher ended it), so it is not the first failure. A disk too full for the
+        record leaves the start-up one: the exit code still says why, and the error already said it in one line."""
         if "ended" in self.fields:
             return
-        self.fields.update(ended=time.time(), exit_code=exit_code, cause=cause, follows_another=follows_another,
-                           **self.where())
+        self.fields.update(ended=time.time(), exit_code=exit_code, cause=cause, in_communication=in_communication,
+                           follows_another=follows_another, **self.where())
         try:
             self._write()
         except OSError as error:
@@ -47,10 +48,10 @@ def start_record(output_dir, rank):
     return _current
 
 
-def record_end(exit_code, cause, follows_another=False):
+def record_end(exit_code, cause, in_communication=False, follows_another=False):
     """Record how this rank ends (nothing before start_record: a config error, which its exit code names)."""
     if _current is not None:
-        _current.end(exit_code, cause, follows_another)
+        _current.end(exit_code, cause, in_communication, follows_another)
 
 
 def read_records(output_dir, since):

@@ -103,8 +103,11 @@ def explain_failure(code, records):
                      f"its node lost)")
     failed = sorted((r for r in records if r.get("exit_code") and not r.get("follows_another")),
                     key=lambda r: r["ended"])
-    if failed:
-        first = failed[0]
+    # A rank's own failure (the watchdog's exit, its own exception) or a silent one (killed) is the cause that ranks
+    # failing in a collective saw: these are named first only where nothing else is to blame.
+    own = [r for r in failed if not r.get("in_communication")]
+    if own or (failed and not silent):
+        first = (own or failed)[0]
         parts.append(f"first failed: rank {first['rank']} on {first['host']} ({describe(first['exit_code'])}): "
                      f"{first['cause']}")
     waited = {}
