@@ -13,10 +13,13 @@ saving between failures (weeks of them, one every few hours) is never given up, 
 """
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import uuid
+
+import psutil
 
 from checkpoints.files import read_latest
 from checkpoints.run_lease import LEASE_TOKEN_ENV, release_lease_of
@@ -25,6 +28,7 @@ from training.rank_records import read_records
 
 TRAINER_CONFIG = ("conf", "tiny")  # trainer_pipe.py's @hydra.main config_path and config_name
 RANKS_NAMED = 4  # most ranks one line names per kind (a thousand-rank job's line stays a line)
+POLL_SECONDS = 1  # how often a running attempt's processes are looked at for a stopped one
 
 
 class Supervisor:
@@ -46,7 +50,7 @@ class Supervisor:
             latest_before, started = read_latest(self.output_dir), time.time()
             self.process = subprocess.Popen(with_resume_auto(self.command, restart=attempt > 1),
                                             env={**os.environ, LEASE_TOKEN_ENV: self.lease_token})
-            code = self.process.wait()
+            code = self.wait_for_attempt(started)
             release_lease_of(self.output_dir, self.lease_token)  # the attempt's ranks are gone
             if code == 0:
                 return 0
@@ -76,6 +80,31 @@ class Supervisor:
             self.log(f"supervise: restart {failures_in_a_row} of {self.max_restarts} in {wait:.0f}s with "
                      f"resume=auto (from {latest or 'the start'}): attempt {attempt} ended with {cause}")
             time.sleep(wait)
+
+    def wait_for_attempt(self, started):
+        """The attempt's exit code. Meanwhile, once one of its ranks has failed (its record says so), its processes
+        on this host that are stopped (SIGSTOP, a hung rank's peer) are SIGKILLed: a stopped process leaves the
+        SIGTERM of a launcher's teardown pending, and DeepSpeed's launcher waits 30 s (hard-coded) for it before its
+        own SIGKILL."""
+        while True:
+            try:
+                return self.process.wait(timeout=POLL_SECONDS)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                stopped = [p for p in psutil.Process(self.process.pid).children(recursive=True)
+                           if p.status() == psutil.STATUS_STOPPED]
+                records = read_records(self.output_dir, since=started) if stopped else []
+                if any(r.get("exit_code") for r in records):
+                    for process in stopped:
+                        process.kill()
+                    ranks = {r["pid"]: r["rank"] for r in records if r["host"] == socket.gethostname()}
+                    named = ", ".join(f"rank {ranks[p.pid]} (pid {p.pid})" if p.pid in ranks else f"pid {p.pid}"
+                                      for p in stopped)
+                    self.log(f"supervise: SIGKILLed {named}: stopped, it cannot take the SIGTERM that ends the "
+                             f"attempt after a rank failed")
+            except psutil.Error:  # a process ended meanwhile: the next poll sees the rest
+                pass
 
     def _forward(self, signum, frame):
         """A scheduler's SIGTERM (or ^C) goes to the run, which saves and stops (docs/reliability.md#preemption);
