@@ -53,7 +53,8 @@ def main(cfg):
         say(f"trainer_pipe: {stop}", sys.stdout)
         exit_code = exit_codes.PREEMPTED
     except Exception as error:  # a crash: its traceback follows, and a supervisor restarts the run
-        record_end(exit_codes.CRASHED, f"{type(error).__name__}: {error}")
+        from training.distributed import communication_failure
+        record_end(exit_codes.CRASHED, f"{type(error).__name__}: {error}", communication_failure(error))
         raise
     record_end(exit_code, "preempted" if exit_code else "finished")
     # Only after success or a collective stop: tearing down a group whose peers are still mid-collective can block

@@ -1,13 +1,13 @@
 """Goodput under faults: a supervised run (supervise.py over DeepSpeed's runner, 2 pipeline stages, fp32, the tiny
 LLaMA) of N steps with faults injected at random steps, against the same run without faults.
 
-Faults, in step order (each fires once: its restart goes past it): SIGKILL of a rank, SIGKILL of a rank right after
-it wrote its part of a checkpoint (before it is complete), SIGSTOP of a rank (the hang watchdog of its peer ends the
+Faults, in step order (each fires once: its restart goes past it): SIGKILL of a rank, SIGKILL of a rank right after it
+wrote its part of a checkpoint (before it is complete), SIGSTOP of a rank (the hang watchdog of its peer ends the
 attempt), and one rank slowed (FAULT_SLOW_SECONDS more per forward) from a step to the end. Prints the wall-clock
 goodput (fault-free time / faulty time), and per failing fault the time to detect it (the fault to the supervisor's
-restart line: the launcher ending the attempt, or the watchdog's limit then the launcher's), to restart (that line to
-the first step after it) and to replay the steps since the last checkpoint; checks that the final weights equal the
-fault-free run's, bit for bit.
+restart line: the launcher ending the attempt, or the watchdog's limit then the supervisor's SIGKILL of the stopped
+rank), to restart (that line to the first step after it) and to replay the steps since the last checkpoint; checks
+that the final weights equal the fault-free run's, bit for bit.
 
   python bench/goodput.py [--steps 24] [--save-steps 4] [--seed 0] [--work-dir DIR]
 """

@@ -30,8 +30,9 @@ import collectives
 from checkpoints.layer_files import load_weights_only, tensors_for_rank
 from checkpoints.state_files import STATE_ADVICE
 from deepspeed_internals.access import (checkpoint_engine_of, engine_counters, is_zero_optimizer, layer_specs,
-                                        loss_scaler_state, restore_engine_counters, restore_loss_scaler_state,
-                                        zero_fp32_partitions, zero_fragment, zero_wrapped_optimizer)
+                                        loss_scaler_state, replay_cpu_adam_steps, restore_engine_counters,
+                                        restore_loss_scaler_state, zero_fp32_partitions, zero_fragment,
+                                        zero_wrapped_optimizer)
 
 MASTER = "fp32"  # the key of the master weights in a layer's optimizer-state file
 
@@ -124,6 +125,7 @@ class MasterState:
         for group in self.optimizer.param_groups:
             if "step" in group:  # DeepSpeed's fused Adam keeps a group's step too
                 group["step"] = step
+        replay_cpu_adam_steps(self.optimizer, step)  # offload's CPU Adam keeps its own in C++
 
     def fragment(self, param, key):
         """(offset in the flattened parameter, this rank's piece of its master weight or moment `key`), or None

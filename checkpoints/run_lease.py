@@ -5,8 +5,12 @@ stale: its process is gone (same host and boot), or its heartbeat is older than 
 a job killed). Only rank 0 reads and writes it, so the ranks of one job on nodes sharing the filesystem never
 compete for it. A supervised job's ranks carry their supervisor's token (LEASE_TOKEN_ENV, training/supervisor.py): a
 restart takes over its own previous attempt's lease at once, and the supervisor removes it after an attempt ends.
+Reading the lease and writing one's own happen under an flock of output_dir/.lease.lock, so two jobs starting at once
+take turns: one takes a free or stale lease, the other then finds it live and is refused.
 """
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import socket
@@ -17,6 +21,7 @@ import uuid
 from checkpoints.files import write_text_atomic
 
 LEASE_FILE = ".lease.json"
+LOCK_FILE = ".lease.lock"  # empty; its flock orders the starts (released by the kernel if its holder dies)
 LEASE_TOKEN_ENV = "TRAINER_LEASE_TOKEN"
 HEARTBEAT_SECONDS = 30
 STALE_SECONDS = 10 * HEARTBEAT_SECONDS  # ten missed renewals: no live job is that late
@@ -49,6 +54,24 @@ def read_lease(output_dir):
         return None
 
 
+@contextlib.contextmanager
+def lease_lock(output_dir):
+    """flock of output_dir's lock file for a read-and-write of the lease. A filesystem without flock (Lustre mounted
+    without -o flock) gets a warning and no lock: a start then only races another start in the same moment."""
+    fd = os.open(os.path.join(output_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as error:
+            if error.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
+                raise
+            print(f"warning: {output_dir} does not support file locks ({error.strerror}): two jobs starting at the "
+                  f"same moment could both take its lease; mount it with locking to be safe.", flush=True)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 def holder_error(output_dir, lease, me, now):
     """One line if `lease` belongs to another live job, else None (no lease, ours, or stale)."""
     if lease is None or lease["token"] == me["token"]:
@@ -73,20 +96,27 @@ class RunLease:
         self.output_dir, self.path = output_dir, lease_path(output_dir)
         token = os.environ.get(LEASE_TOKEN_ENV) or uuid.uuid4().hex
         self.fields = {"host": socket.gethostname(), "boot_id": boot_id(), "pid": os.getpid(), "token": token}
-        error = holder_error(output_dir, read_lease(output_dir), self.fields, time.time())
-        if error:
-            raise ValueError(error)
         os.makedirs(output_dir, exist_ok=True)
-        self._renew()
+        with lease_lock(output_dir):
+            error = holder_error(output_dir, read_lease(output_dir), self.fields, time.time())
+            if error:
+                raise ValueError(error)
+            self._write()
         self._stopped = threading.Event()
         threading.Thread(target=self._heartbeat, daemon=True, name="output-dir-lease").start()
 
-    def _renew(self):
+    def _write(self):
         write_text_atomic(self.path, json.dumps({**self.fields, "heartbeat": time.time()}))
 
     def _heartbeat(self):
         while not self._stopped.wait(HEARTBEAT_SECONDS):
-            self._renew()
+            with lease_lock(self.output_dir):
+                lease = read_lease(self.output_dir)
+                if lease is not None and lease["token"] != self.fields["token"]:  # stalled past STALE_SECONDS
+                    print(f"warning: {self.path} was taken over by pid {lease['pid']} on {lease['host']} while this "
+                          f"job did not renew it; two jobs now write {self.output_dir}: stop one.", flush=True)
+                    return
+                self._write()
 
     def release(self):
         self._stopped.set()

@@ -57,6 +57,8 @@ Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with wh
   ZeRO-1's partitions in another class), param._hp_mapping (param_group_index, hp_fragment_address, lp_fragment_address); the fp16 loss
   scaler (optimizer.loss_scaler: cur_scale, cur_iter, last_overflow_iter, cur_hysteresis), restored on resume.
   Why not DeepSpeed's public safe_get_full_* / safe_set_full_*: checkpoints/optimizer_state.py's docstring.
+- DeepSpeedCPUAdam's ds_opt_adam.adam_update(opt_id, step, ...) (offload): a resume replays its C++ optimizer's
+  step count, whose powers of the betas are products taken a step at a time (replay_cpu_adam_steps).
 - The launcher's per-node module name (LAUNCHER_MODULE): preemption recognises the launcher as its parent process.
 - Subclass overrides, checked for their parameters: PipelineEngine._train_schedule, _exec_send_activations,
   _exec_send_grads, _exec_recv_grads, _exec_reduce_tied_grads (training/pipeline_engine.py);

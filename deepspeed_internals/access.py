@@ -1,10 +1,12 @@
 """The accessors through which the rooms read and replace DeepSpeed's internals (listed, with why, in
 deepspeed_internals/__init__.py; checked by registry.py)."""
+import math
 import types
 from typing import NamedTuple
 
 import deepspeed
 import torch
+from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from deepspeed_internals.registry import ENGINE_COUNTERS, EXPORTED, LOSS_SCALER_FIELDS
@@ -253,6 +255,24 @@ class ZeroFragment(NamedTuple):
     partition_start: int
     numel: int
     param_start: int  # offset in the flattened parameter
+
+
+def replay_cpu_adam_steps(optimizer, steps):
+    """DeepSpeed's CPU Adam (offload) keeps beta1^t and beta2^t in its C++ state as products, one multiplication a
+    step; a step count that jumps (a resume) recomputes them with pow, whose last bits differ, and the resumed run's
+    weights drift an ulp from the uninterrupted run's. Its update of one-element scratch tensors at each step (lr 0)
+    takes the products as training did, up to the step where both powers are below 2**-30: from there on 1 - beta^t
+    is 1.0 in float however beta^t was taken (about 400 steps for betas (0.9, 0.95)). Nothing for another
+    optimizer."""
+    if not isinstance(optimizer, DeepSpeedCPUAdam):
+        return
+    group = optimizer.param_groups[0]  # one C++ optimizer serves every group
+    beta1, beta2 = group["betas"]
+    settled = max(math.ceil(-30 * math.log(2) / math.log(beta)) if 0 < beta < 1 else steps for beta in (beta1, beta2))
+    scratch = [torch.zeros(1) for _ in range(4)]  # weight, gradient and the two moments
+    for step in [*range(1, min(steps, settled) + 1), *([steps] if steps > settled else [])]:
+        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, step, 0.0, beta1, beta2, group["eps"],
+                                          group["weight_decay"], group["bias_correction"], *scratch)
 
 
 def is_zero_optimizer(optimizer):

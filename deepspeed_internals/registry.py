@@ -18,6 +18,7 @@ ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
 PIPELINE_ENGINE = "deepspeed.runtime.pipe.engine:PipelineEngine"
 PIPELINE_MODULE = "deepspeed.runtime.pipe.module:PipelineModule"
 ZERO_OPTIMIZER = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
+CPU_ADAM = "deepspeed.ops.adam.cpu_adam:DeepSpeedCPUAdam"
 BF16_OPTIMIZER = "deepspeed.runtime.bf16_optimizer:BF16_Optimizer"
 TORCH_CHECKPOINT_ENGINE = "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine"
 
@@ -166,6 +167,8 @@ INTERNALS = (
     Internal("deepspeed.monitor.monitor:MonitorMaster.write_events", "which writes the run's metrics to monitors",
              ("self", "event_list")),
     # The trainer's engine set-up (training/loop.py).
+    self_use(CPU_ADAM, "ds_opt_adam.adam_update(self.opt_id, state['step'], group['lr'], beta1, beta2",
+             "whose C++ step bookkeeping a resume with offload replays"),
     self_use(ENGINE, "clip_fp32_gradients()", "which the trainer replaces to clip by one norm over all stages"),
     self_use(ENGINE, "_global_grad_norm", "which the trainer's clipping sets"),
     self_use(ENGINE, "checkpoint_engine", "which the trainer replaces with a weights-only one"),

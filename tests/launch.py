@@ -171,3 +171,14 @@ def per_step_losses(output_dir):
 def check_ok(result):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
+
+
+def tensors_of(state, prefix=""):
+    """{key path: tensor} of a saved state, nested dicts included."""
+    import torch
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    if isinstance(state, dict):
+        return {path: tensor for key, value in state.items()
+                for path, tensor in tensors_of(value, f"{prefix}/{key}").items()}
+    return {}

@@ -14,7 +14,7 @@ from models.lora import LoraSettings, adapter_parameter_count
 from tests import parity_worker
 from tests.distributed import spawn
 from tests.launch import (check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics, run_in_process,
-                          run_python)
+                          run_python, tensors_of)
 from tests.lora_reference import hf_eval_loss
 from tests.test_parity import GAS, MICRO_BATCH, SEQ
 
@@ -129,16 +129,6 @@ def test_a_killed_lora_run_resumes_to_the_straight_runs_adapters(demo_model, lor
                          for run in (lora_run, out))
         assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected), name
     assert per_step_losses(out) == per_step_losses(lora_run)
-
-
-def tensors_of(state, prefix=""):
-    """{key path: tensor} of a saved state, nested dicts included."""
-    if isinstance(state, torch.Tensor):
-        return {prefix: state}
-    if isinstance(state, dict):
-        return {path: tensor for key, value in state.items()
-                for path, tensor in tensors_of(value, f"{prefix}/{key}").items()}
-    return {}
 
 
 @pytest.mark.slow

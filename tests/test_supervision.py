@@ -3,6 +3,7 @@ watchdog names and ends a stuck rank, and what a restart cannot fix is not resta
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,13 +18,15 @@ from checkpoints.background_save import BackgroundSave
 from checkpoints.integrity import read_manifest
 from checkpoints.run_lease import LEASE_FILE, STALE_SECONDS, RunLease, boot_id, read_lease
 from tests.conftest import ROOT
+from tests.distributed import free_port
 from tests.launch import (REFERENCE, SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, per_step_losses,
-                          process_environment, run_python, trainer_command)
+                          process_environment, read_metrics, run_python, trainer_command)
 from training import exit_codes
 from training.distributed import elastic_restart_error
 from training.hang_watchdog import startup_limit_warning
 from training.instruction_listeners import add_instruction_listener
 from training.stragglers import find_stragglers
+from training.supervisor import explain_failure
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
 # 2 stages, fp32, checkpoints every 2 steps; the watchdog's step limit (at least 10 x the median step) well above a
@@ -60,11 +63,15 @@ def test_a_killed_and_a_hung_rank_are_restarted_and_the_run_ends_equal_to_a_stra
     result = supervise(command, "--max-restarts", "1", "--backoff-seconds", "0", env=faults)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
-    restarts = [line for line in result.stderr.splitlines() if line.startswith("supervise:")]
+    restarts = [line for line in result.stderr.splitlines() if line.startswith("supervise: restart")]
     assert len(restarts) == 2, restarts
+    # the stopped rank 1 is ended as soon as rank 0's watchdog has: no wait for the launcher's SIGTERM to time out
+    assert re.search(r"^supervise: SIGKILLed rank 1 \(pid \d+\): stopped, it cannot take the SIGTERM that ends "
+                     r"the attempt after a rank failed$", result.stderr, re.M), output[-5000:]
     assert re.fullmatch(r"supervise: restart 1 of 1 in 0s with resume=auto \(from global_step2\): attempt 1 ended "
                         r"with exit code 247: killed by SIGKILL; rank 1 on \S+ \(pid \d+\) ended without a word "
                         r"\(killed by SIGKILL or the OOM killer, stopped, or its node lost\); .*", restarts[0])
+    assert "first failed" not in restarts[0]  # rank 0's send failed after rank 1 died: the consequence, not named
     hang = (r"hang watchdog: rank 0 \(stage 0, data-parallel 0\) made no progress for \d+s \(limit \d+s: 10 x the "
             r"median step time [\d.]+s, at least hang_watchdog.min_step_seconds=5\) in step 6, in SendActivation "
             rf"of micro-batch 1 \(to rank 1\); every thread's stack: {out}/hang/rank00000-stacks.txt; exiting 70 for "
@@ -85,6 +92,57 @@ def test_a_killed_and_a_hung_rank_are_restarted_and_the_run_ends_equal_to_a_stra
     assert [record["loss"] for record in logged] == per_step_losses(straight)
     assert (f"{out}/metrics.jsonl: dropped the records of step(s) 5, which this run logs again (it starts after step "
             f"4)") in result.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(out / "tensorboard" / "train"))  # and hidden in TensorBoard
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("Train/loss")] == [
+        (step, pytest.approx(loss, rel=1e-6)) for step, loss in enumerate(per_step_losses(straight), 1)]
+
+
+# A restart's rank 0 (world size 1) after an attempt that logged steps 1-6 (and lm-eval scores at 4 and 6, the
+# pipeline's and an export's): its logger for a resume from step 4 logs steps 5-8.
+REPLAYING_LOGGER = """
+import sys
+from torch.utils.tensorboard import SummaryWriter
+from training.distributed import init_distributed
+from training.metrics import RunLogger
+out = sys.argv[1]
+init_distributed(timeout_minutes=1)
+with open(f"{out}/metrics.jsonl", "w") as f:
+    f.writelines(f'{{"step": {step}, "loss": {10 + step}}}\\n' for step in range(1, 7))
+with open(f"{out}/lm_eval.jsonl", "w") as f:
+    f.writelines(f'{{"step": {step}, "source": "{source}", "lm_eval/demo/acc": 0.5}}\\n'
+                 for step, source in ((4, "pipeline"), (6, "pipeline"), (6, "hf_export")))
+first_attempt = SummaryWriter(f"{out}/tensorboard/train")
+for step in range(1, 7):
+    first_attempt.add_scalar("Train/loss", 10 + step, step)
+first_attempt.close()
+monitors = {"tensorboard": {"enabled": True, "output_path": f"{out}/tensorboard", "job_name": "train"}}
+logger = RunLogger(out, monitors, total_steps=8, start_step=4, replays_after=4)
+for step in range(5, 9):
+    logger.log({"step": step, "loss": step})
+logger.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_replay_logs_each_step_once_in_metrics_lm_eval_and_tensorboard(tmp_path):
+    """The records of the steps a restart logs again are dropped from metrics.jsonl and from lm_eval.jsonl (the
+    pipeline's scores; an export's stay), and hidden in TensorBoard (SummaryWriter's purge_step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    port = str(free_port())
+    result = run_python(["-c", REPLAYING_LOGGER, tmp_path], env=dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                                                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 11), (2, 12), (3, 13), (4, 14), (5, 5),
+                                                                        (6, 6), (7, 7), (8, 8)]
+    scores = [json.loads(line) for line in (tmp_path / "lm_eval.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["source"]) for r in scores] == [(4, "pipeline"), (6, "hf_export")]
+    assert f"{tmp_path}/lm_eval.jsonl: dropped the records of step(s) 6, which this run logs again" in result.stdout
+    events = EventAccumulator(str(tmp_path / "tensorboard" / "train"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("Train/loss")] == [(1, 11), (2, 12), (3, 13), (4, 14), (5, 5),
+                                                                         (6, 6), (7, 7), (8, 8)]
 
 
 @pytest.mark.slow
@@ -97,6 +155,25 @@ def test_a_config_error_is_not_restarted(demo_model, tmp_path):
     assert result.stderr.splitlines()[-1] == (
         "supervise: not restarting after a config error, which a restart cannot fix: attempt 1 ended with exit code "
         "78: a config error")
+
+
+def test_a_rank_that_failed_in_a_collective_is_named_first_only_where_nothing_else_is_to_blame():
+    """Rank 0's receive failed first (its peer's connection reset) while rank 1 was killed without a word, or
+    before rank 2's watchdog ended it: the killed or hung rank is the cause, not rank 0; with no other failure,
+    rank 0's is named."""
+    def record(rank, ended=None, **end):
+        return {"rank": rank, "host": "node1", "pid": 100 + rank, "started": 0.0,
+                **({"ended": ended, "follows_another": False, **end} if ended else {})}
+    lost_peer = record(0, ended=1.0, exit_code=1, cause="RuntimeError: Connection reset by peer",
+                       in_communication=True)
+    hung = record(2, ended=2.0, exit_code=exit_codes.HUNG, cause="hang watchdog: rank 2 ...", in_communication=False)
+    assert explain_failure(247, [lost_peer, record(1)]) == (
+        "exit code 247: killed by SIGKILL; rank 1 on node1 (pid 101) ended without a word (killed by SIGKILL or the "
+        "OOM killer, stopped, or its node lost)")
+    assert "first failed: rank 2 on node1 (exit code 70: a rank hung): hang watchdog" in explain_failure(
+        70, [lost_peer, record(1), hung])
+    assert explain_failure(1, [lost_peer]) == ("exit code 1: a rank crashed; first failed: rank 0 on node1 (exit code "
+                                               "1: a rank crashed): RuntimeError: Connection reset by peer")
 
 
 def test_a_spent_restart_budget_is_one_line(tmp_path):
@@ -214,6 +291,86 @@ def test_an_output_dir_another_live_job_writes_is_refused_and_a_gone_jobs_lease_
                                                                                 "pid": os.getpid()}
         held.release()
         assert not path.exists()
+
+
+# A job's rank 0 on stdin's commands: "take" output_dir's lease (prints "won" or the refusal), "drop" it ("dropped").
+LEASE_TAKER = """
+import sys
+from checkpoints.run_lease import RunLease
+lease = None
+for command in sys.stdin:
+    if command == "take\\n":
+        try:
+            lease = RunLease(sys.argv[1])
+            print("won", flush=True)
+        except ValueError as error:
+            print(error, flush=True)
+    else:
+        if lease is not None:
+            lease.release()
+        lease = None
+        print("dropped", flush=True)
+"""
+
+
+def test_two_jobs_taking_over_a_stale_lease_at_once_one_wins_and_the_other_is_refused(tmp_path):
+    """Two processes told to take over a gone job's lease in the same moment, 20 times: each time one holds it and
+    the other is refused, naming the winner (without the lock both won in 48 of 50 rounds)."""
+    out, host = str(tmp_path), socket.gethostname()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    takers = [subprocess.Popen([sys.executable, "-c", LEASE_TAKER, out], cwd=ROOT, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, bufsize=1) for _ in range(2)]
+    try:
+        for _ in range(20):
+            (tmp_path / LEASE_FILE).write_text(json.dumps({"host": host, "boot_id": boot_id(), "pid": dead.pid,
+                                                           "token": "a gone job", "heartbeat": time.time()}))
+            for taker in takers:
+                taker.stdin.write("take\n")
+            for taker in takers:
+                taker.stdin.flush()
+            answers = [taker.stdout.readline().strip() for taker in takers]
+            assert sorted(answers)[1] == "won", answers
+            winner = takers[answers.index("won")]
+            assert re.fullmatch(rf"output_dir '{out}' is being written by another live job: its rank 0, pid "
+                                rf"{winner.pid} on {host}, renewed {tmp_path / LEASE_FILE} 0s ago; .*",
+                                sorted(answers)[0]), answers
+            assert read_lease(out)["pid"] == winner.pid
+            for taker in takers:
+                taker.stdin.write("drop\n")
+                taker.stdin.flush()
+            assert [taker.stdout.readline() for taker in takers] == ["dropped\n"] * 2
+    finally:
+        for taker in takers:
+            taker.stdin.close()
+            taker.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_a_job_refused_another_live_jobs_output_dir_changes_none_of_its_files(demo_model, straight_run, tmp_path):
+    """The straight run's directory while a live job (LEASE_TAKER) holds its lease: a second job's ranks stop with
+    the one-line refusal (exit 78) having written nothing there: every file byte for byte as it was (the rank
+    records too, which each rank writes once its job holds the lease)."""
+    out = tmp_path / "run"
+    shutil.copytree(straight_run, out)
+    holder = subprocess.Popen([sys.executable, "-c", LEASE_TAKER, str(out)], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, bufsize=1)
+    try:
+        holder.stdin.write("take\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline() == "won\n"
+        before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+        result = launch_trainer(2, demo_overrides(demo_model, out, **RUN, resume="auto"))
+        refusal = (f"trainer_pipe: error: output_dir '{out}' is being written by another live job: its rank 0, pid "
+                   f"{holder.pid} on {socket.gethostname()}, renewed {out / LEASE_FILE}")
+        assert result.returncode == exit_codes.CONFIG_ERROR and refusal in result.stderr, result.stderr[-3000:]
+        after = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+        lease = out / LEASE_FILE  # its holder renews it every HEARTBEAT_SECONDS
+        assert json.loads(after.pop(lease))["pid"] == json.loads(before.pop(lease))["pid"] == holder.pid
+        assert (out / "rank_records" / "rank00000.json") in after and after == before
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
 
 
 def test_the_watchers_share_one_wrapper_around_the_instruction_handlers():

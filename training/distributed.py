@@ -1,6 +1,7 @@
 """Process-group setup: threads per process, DeepSpeed's distributed init, and the pipeline × tensor × data
 topology."""
 import os
+import traceback
 from datetime import timedelta
 
 import deepspeed
@@ -84,6 +85,14 @@ def init_distributed(timeout_minutes):
     deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes))
     # Object collectives before the engine exists (checksum verification) run on the current device: each rank's own.
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def communication_failure(error):
+    """Whether `error` came out of torch.distributed (a collective or point-to-point call: a peer gone, a timeout),
+    which is more often another rank's failure seen from here than this rank's own."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return isinstance(error, torch.distributed.DistError) or bool(frames) and (
+        f"torch{os.sep}distributed{os.sep}" in frames[-1].filename)
 
 
 def parallel_topology(num_stages, tensor_parallel_size=1):

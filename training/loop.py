@@ -238,12 +238,12 @@ def run(cfg):
     if cfg.async_save and not cfg.eval_only:
         this_node = node_ranks()
         check_snapshot_room(snapshot_bytes_of_ranks(spec, this_node), len(this_node))
-    record = start_record(cfg.output_dir, int(os.environ.get("RANK", "0")))  # names this rank if it dies
     check_devices(cfg.precision)
     if error := elastic_restart_error(os.environ):
         raise ValueError(error)
     init_distributed(cfg.dist_timeout_minutes)
     with output_dir_lease(cfg.output_dir):  # before anything in output_dir is touched
+        record = start_record(cfg.output_dir, int(os.environ.get("RANK", "0")))  # names this rank if it dies
         return run_started(spec, lm_eval_tasks, record)
 
 

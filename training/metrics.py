@@ -40,18 +40,28 @@ def compute_throughput(tokens_per_sec, flops_per_token, devices, peak_tflops):
 class RunLogger:
     def __init__(self, output_dir, monitors, total_steps, start_step, replays_after=None):
         """replays_after: the step training starts after; the records of later steps, which a restart from an
-        earlier checkpoint logs again, are dropped from metrics.jsonl first, so each step appears once."""
+        earlier checkpoint logs again, are dropped from metrics.jsonl and lm_eval.jsonl (the run's own scores) and
+        hidden in TensorBoard first, so each step appears once."""
         self.enabled = dist.get_rank() == 0
         self.output_dir = output_dir
         if monitors.get("wandb", {}).get("enabled"):
             os.environ.setdefault("WANDB_MODE", "offline")  # no network on many clusters' compute nodes
-        # Every rank constructs it (it checks the rank itself); only rank 0 writes.
-        self.monitor = MonitorMaster(get_monitor_config(monitors))
+        # Every rank constructs it (it checks the rank itself); only rank 0 writes. TensorBoard is written here
+        # instead: DeepSpeed's monitor cannot pass SummaryWriter's purge_step.
+        tensorboard = get_monitor_config(monitors).tensorboard
+        self.monitor = MonitorMaster(get_monitor_config({k: v for k, v in monitors.items() if k != "tensorboard"}))
         if not self.enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
         if replays_after is not None:
             drop_records_after(os.path.join(output_dir, METRICS_FILE), replays_after)
+            drop_records_after(os.path.join(output_dir, LM_EVAL_FILE), replays_after, source="pipeline")
+        self.tensorboard = None
+        if tensorboard.enabled:
+            from torch.utils.tensorboard import SummaryWriter
+            # purge_step: TensorBoard hides the events from that step on in the earlier event files (a replay logs them)
+            self.tensorboard = SummaryWriter(os.path.join(tensorboard.output_path, tensorboard.job_name),
+                                             purge_step=None if replays_after is None else replays_after + 1)
         self.file = open(os.path.join(output_dir, METRICS_FILE), "a")
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
 
@@ -62,8 +72,12 @@ class RunLogger:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         step = record["step"]
-        self.monitor.write_events([(f"Train/{k}", v, step) for k, v in record.items()
-                                   if k != "step" and isinstance(v, (int, float))])
+        events = [(f"Train/{k}", v, step) for k, v in record.items() if k != "step" and isinstance(v, (int, float))]
+        self.monitor.write_events(events)
+        if self.tensorboard is not None:
+            for event in events:
+                self.tensorboard.add_scalar(*event)
+            self.tensorboard.flush()
         shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in record.items() if k != "step"}
         self.bar.set_postfix(shown, refresh=False)
         self.bar.write(json.dumps(record))
@@ -77,19 +91,22 @@ class RunLogger:
             return
         self.bar.close()
         self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         plot_losses(os.path.join(self.output_dir, METRICS_FILE), os.path.join(self.output_dir, PLOT_FILE))
 
 
-def drop_records_after(path, step):
-    """Rewrite the JSON-lines file at path (atomically) without its records of steps after `step`."""
+def drop_records_after(path, step, source=None):
+    """Rewrite the JSON-lines file at path (atomically) without its records of steps after `step` (of that
+    `source` only, when given: lm_eval.jsonl keeps the scores of exports, which a restart does not log again)."""
     if not os.path.isfile(path):
         return
     with open(path) as f:
-        lines = [line for line in f if line.strip()]
-    steps = [json.loads(line)["step"] for line in lines]
-    dropped = sorted({logged for logged in steps if logged > step})
+        records = [(line, json.loads(line)) for line in f if line.strip()]
+    logged_again = [record["step"] > step and record.get("source") == source for _, record in records]
+    dropped = sorted({record["step"] for (_, record), again in zip(records, logged_again) if again})
     if dropped:
-        write_text_atomic(path, "".join(line for line, logged in zip(lines, steps) if logged <= step))
+        write_text_atomic(path, "".join(line for (line, _), again in zip(records, logged_again) if not again))
         print(f"{path}: dropped the records of step(s) {', '.join(map(str, dropped))}, which this run logs again "
               f"(it starts after step {step})", flush=True)
 

@@ -1,11 +1,11 @@
-"""Each rank's record of how its run ended, in output_dir/rank_records/rankNNNNN.json: written at start-up (host,
-pid) and again as the rank ends (exit code, cause, where it was: step, pipeline instruction, the peer it waited
-for). After a failed attempt the supervisor (training/supervisor.py) reads them to name the rank that failed
-first: a rank killed without a word (SIGKILL, the OOM killer, a lost node, a stopped process) keeps its start-up
-record only, which names it too."""
+"""Each rank's record of how its run ended, in output_dir/rank_records/rankNNNNN.json: written once the job holds
+output_dir's lease (host, pid, start time) and again as the rank ends (exit code, cause, where it was: step, pipeline
+instruction, the peer it waited for). After a failed attempt the supervisor (training/supervisor.py) reads the
+records that attempt wrote to name the rank that failed first: a rank killed without a word (SIGKILL, the OOM
+killer, a lost node, a stopped process) keeps its start-up record only, which names it too. Nothing removes them:
+each attempt's ranks overwrite their own, and the supervisor reads those started after it launched the attempt."""
 import json
 import os
-import shutil
 import socket
 import time
 
@@ -23,14 +23,15 @@ class RankRecord:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._write()
 
-    def end(self, exit_code, cause, follows_another=False):
-        """The first end recorded is the one kept: a rank ends once. follows_another: this rank ended because
-        another one did (its launcher ended it), so it is not the first failure. A disk too full for the record
-        leaves the start-up one: the exit code still says why, and the error already said it in one line."""
+    def end(self, exit_code, cause, in_communication=False, follows_another=False):
+        """The first end recorded is the one kept: a rank ends once. in_communication: the error came out of a
+        collective or point-to-point call (most often a peer that failed first). follows_another: this rank ended
+        because another one did (its launcher ended it), so it is not the first failure. A disk too full for the
+        record leaves the start-up one: the exit code still says why, and the error already said it in one line."""
         if "ended" in self.fields:
             return
-        self.fields.update(ended=time.time(), exit_code=exit_code, cause=cause, follows_another=follows_another,
-                           **self.where())
+        self.fields.update(ended=time.time(), exit_code=exit_code, cause=cause, in_communication=in_communication,
+                           follows_another=follows_another, **self.where())
         try:
             self._write()
         except OSError as error:
@@ -47,14 +48,15 @@ def start_record(output_dir, rank):
     return _current
 
 
-def record_end(exit_code, cause, follows_another=False):
+def record_end(exit_code, cause, in_communication=False, follows_another=False):
     """Record how this rank ends (nothing before start_record: a config error, which its exit code names)."""
     if _current is not None:
-        _current.end(exit_code, cause, follows_another)
+        _current.end(exit_code, cause, in_communication, follows_another)
 
 
-def read_records(output_dir):
-    """Every rank's record, by rank."""
+def read_records(output_dir, since):
+    """Every rank's record started at or after `since` (time.time(): the hosts' clocks agree far closer than a
+    start-up takes), by rank."""
     directory = os.path.join(output_dir, RECORDS_DIR)
     if not os.path.isdir(directory):
         return []
@@ -63,9 +65,4 @@ def read_records(output_dir):
         if name.endswith(".json"):
             with open(os.path.join(directory, name)) as f:
                 records.append(json.load(f))
-    return records
-
-
-def clear_records(output_dir):
-    """Before an attempt: the records then left are that attempt's."""
-    shutil.rmtree(os.path.join(output_dir, RECORDS_DIR), ignore_errors=True)
+    return [record for record in records if record["started"] >= since]

@@ -13,18 +13,22 @@ saving between failures (weeks of them, one every few hours) is never given up, 
 """
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import uuid
 
+import psutil
+
 from checkpoints.files import read_latest
 from checkpoints.run_lease import LEASE_TOKEN_ENV, release_lease_of
 from training.exit_codes import NOT_RESTARTABLE, describe
-from training.rank_records import clear_records, read_records
+from training.rank_records import read_records
 
 TRAINER_CONFIG = ("conf", "tiny")  # trainer_pipe.py's @hydra.main config_path and config_name
 RANKS_NAMED = 4  # most ranks one line names per kind (a thousand-rank job's line stays a line)
+POLL_SECONDS = 1  # how often a running attempt's processes are looked at for a stopped one
 
 
 class Supervisor:
@@ -43,15 +47,14 @@ class Supervisor:
         failures_in_a_row, attempt = 0, 0
         while True:
             attempt += 1
-            clear_records(self.output_dir)
-            latest_before = read_latest(self.output_dir)
+            latest_before, started = read_latest(self.output_dir), time.time()
             self.process = subprocess.Popen(with_resume_auto(self.command, restart=attempt > 1),
                                             env={**os.environ, LEASE_TOKEN_ENV: self.lease_token})
-            code = self.process.wait()
+            code = self.wait_for_attempt(started)
             release_lease_of(self.output_dir, self.lease_token)  # the attempt's ranks are gone
             if code == 0:
                 return 0
-            records = read_records(self.output_dir)
+            records = read_records(self.output_dir, since=started)
             cause = explain_failure(code, records)
             if self.stop_requested is not None:
                 self.log(f"supervise: {signal.Signals(self.stop_requested).name} received: not restarting; attempt "
@@ -77,6 +80,31 @@ class Supervisor:
             self.log(f"supervise: restart {failures_in_a_row} of {self.max_restarts} in {wait:.0f}s with "
                      f"resume=auto (from {latest or 'the start'}): attempt {attempt} ended with {cause}")
             time.sleep(wait)
+
+    def wait_for_attempt(self, started):
+        """The attempt's exit code. Meanwhile, once one of its ranks has failed (its record says so), its processes
+        on this host that are stopped (SIGSTOP, a hung rank's peer) are SIGKILLed: a stopped process leaves the
+        SIGTERM of a launcher's teardown pending, and DeepSpeed's launcher waits 30 s (hard-coded) for it before its
+        own SIGKILL."""
+        while True:
+            try:
+                return self.process.wait(timeout=POLL_SECONDS)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                stopped = [p for p in psutil.Process(self.process.pid).children(recursive=True)
+                           if p.status() == psutil.STATUS_STOPPED]
+                records = read_records(self.output_dir, since=started) if stopped else []
+                if any(r.get("exit_code") for r in records):
+                    for process in stopped:
+                        process.kill()
+                    ranks = {r["pid"]: r["rank"] for r in records if r["host"] == socket.gethostname()}
+                    named = ", ".join(f"rank {ranks[p.pid]} (pid {p.pid})" if p.pid in ranks else f"pid {p.pid}"
+                                      for p in stopped)
+                    self.log(f"supervise: SIGKILLed {named}: stopped, it cannot take the SIGTERM that ends the "
+                             f"attempt after a rank failed")
+            except psutil.Error:  # a process ended meanwhile: the next poll sees the rest
+                pass
 
     def _forward(self, signum, frame):
         """A scheduler's SIGTERM (or ^C) goes to the run, which saves and stops (docs/reliability.md#preemption);
@@ -104,8 +132,11 @@ def explain_failure(code, records):
                      f"its node lost)")
     failed = sorted((r for r in records if r.get("exit_code") and not r.get("follows_another")),
                     key=lambda r: r["ended"])
-    if failed:
-        first = failed[0]
+    # A rank's own failure (the watchdog's exit, its own exception) or a silent one (killed) is the cause that ranks
+    # failing in a collective saw: these are named first only where nothing else is to blame.
+    own = [r for r in failed if not r.get("in_communication")]
+    if own or (failed and not silent):
+        first = (own or failed)[0]
         parts.append(f"first failed: rank {first['rank']} on {first['host']} ({describe(first['exit_code'])}): "
                      f"{first['cause']}")
     waited = {}
