@@ -191,8 +191,8 @@ def measured_zbv_times(profiles, micro_batches):
 def simulated_cpu_step(profiles, schedule, micro_batches, zbv_times=None):
     """(each stage's {"F", "B", "W"} CPU seconds per micro-batch (a chunked schedule's over all its rank's chunks,
     which simulate shares out evenly), the schedule's order (the one the trainer runs: zbv's for zbv_times, or for
-    F = B = W) simulated from them, the most CPU any stage's thread spent on anything else in the step (optimizer, engine, loop,
-    transfers), counted as if nothing overlapped it). The final checkpoint's step is left out."""
+    F = B = W) simulated from them, the most CPU any stage's thread spent on anything else in the step (optimizer,
+    engine, loop, transfers), counted as if nothing overlapped it). The final checkpoint's step is left out."""
     def per_step(profile, names):
         return sum(profile["instructions_cpu"].get(n, 0.0) for n in names) / len(profile["step_seconds"])
     stage_profiles = [p for _, p in sorted(profiles.items())]

@@ -159,9 +159,10 @@ ZBV_POLICIES = tuple((first, w_first, room) for room in (False, True) for first,
 
 def zbv_list_orders(stages, micro_batches, max_waiting, policy, durations=EQUAL_TIMES):
     """ZB-V's orders for all ranks by list scheduling (transfers free; durations: F, B, W of a chunk in whole time
-    units, one for all ranks or one per rank): each time unit, every rank that is free runs, if its input is there, the first of: a W if more than
-    max_waiting wait for theirs, a B, an F (the second chunk's first: it finishes a micro-batch) while fewer than 2p
-    micro-batch-chunks are between their F and W (1F1B's activations: p micro-batches of a whole stage), a W.
+    units, one for all ranks or one per rank): each time unit, every rank that is free runs, if its input is there,
+    the first of: a W if more than max_waiting wait for theirs, a B, an F (the second chunk's first: it finishes a
+    micro-batch) while fewer than 2p micro-batch-chunks are between their F and W (1F1B's activations: p
+    micro-batches of a whole stage), a W.
     Returns (orders, step time), or None where the policy stalls."""
     first_backward, w_before_new, keep_room = policy
     duration = [dict(zip("FBW", units)) for units in (durations * stages if len(durations) == 1 else durations)]
