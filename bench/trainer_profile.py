@@ -7,7 +7,8 @@ interleaved rounds (reversed every other round, so that the machine's drift fall
 - the trainer: `deepspeed --num_gpus N trainer_pipe.py ... profile=true` on 1 stage, and on 2 stages under each
   pipeline schedule (1f1b, zero_bubble, interleaved_1f1b with virtual_stages=2, zbv), its step time from the
   profile (the first step left out, as for the loop's warm-up step), its losses against 2-stage 1F1B's, and (for
-  the chunked schedules) the stage plan's layers per rank.
+  the chunked schedules) the stage plan's layers per rank; "2 stages zbv measured" runs zbv with its V order made
+  for the F, B and W CPU times per stage measured in the latest "2 stages zbv" run (zbv_times).
 Prints each round's ratios (1 stage ÷ one loop, 2 stages ÷ two loops at once) and their spread, then, from the last
 round's profiles (training/profiling.py), milliseconds per step on each stage: each engine instruction, the engine's
 own work between them, and the loop's work between steps; and each stage's compute (F + B + W) against the start-up
@@ -38,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, machine_note, spawn  # noqa: E402
 
 from tests.launch import trainer_command  # noqa: E402
-from training.schedule import rank_orders, simulate  # noqa: E402
+from training.schedule import configured_zbv_durations, rank_orders, simulate  # noqa: E402
 
 SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1024)
@@ -52,14 +53,16 @@ WORKLOADS = {  # the shapes of issue 31's table; smollm2 is SmolLM2-135M's publi
                      tie_word_embeddings=True, rope_theta=100000.0), 256, 2),
 }
 CONTENDERS = ["one loop", "1 stage", "two loops", "2 stages 1f1b", "2 stages zero_bubble",
-              "2 stages interleaved_1f1b", "2 stages zbv"]
+              "2 stages interleaved_1f1b", "2 stages zbv", "2 stages zbv measured"]
 VIRTUAL_STAGES = 2  # interleaved_1f1b's chunks per rank
 TRAINER_RUNS = {"1 stage": (1, "1f1b"), "2 stages 1f1b": (2, "1f1b"), "2 stages zero_bubble": (2, "zero_bubble"),
-                "2 stages interleaved_1f1b": (2, "interleaved_1f1b"), "2 stages zbv": (2, "zbv")}
+                "2 stages interleaved_1f1b": (2, "interleaved_1f1b"), "2 stages zbv": (2, "zbv"),
+                "2 stages zbv measured": (2, "zbv")}
 # each 2-stage run's tokens/s ÷ another's: the loops', and the schedule it improves on
 RATIOS = [("1 stage", "one loop"), *((name, "two loops") for name in TRAINER_RUNS if name.startswith("2")),
           ("2 stages zero_bubble", "2 stages 1f1b"), ("2 stages interleaved_1f1b", "2 stages 1f1b"),
-          ("2 stages zbv", "2 stages zero_bubble"), ("2 stages zbv", "2 stages 1f1b")]
+          ("2 stages zbv", "2 stages zero_bubble"), ("2 stages zbv", "2 stages 1f1b"),
+          ("2 stages zbv measured", "2 stages zero_bubble"), ("2 stages zbv measured", "2 stages zbv")]
 
 
 def make_model(work, fields, seq_length, micro_batch, micro_batches, steps):
@@ -171,19 +174,25 @@ INPUT_BACKWARD = ("BackwardPass", "BackwardInputPass", "ChunkBackwardPass")  # u
 WEIGHT_BACKWARD = ("BackwardWeightPass",)
 
 
-def cpu_step_seconds(profiles, schedule, micro_batches):
+def cpu_step_seconds(profiles, schedule, micro_batches, zbv_times=None):
     """The CPU seconds of a step: one stage's training thread; for several stages simulated_cpu_step's."""
     if len(profiles) == 1:
         (profile,) = profiles.values()
         return statistics.mean(profile["step_cpu_seconds"][:-1])
-    return sum(simulated_cpu_step(profiles, schedule, micro_batches)[1:])
+    return sum(simulated_cpu_step(profiles, schedule, micro_batches, zbv_times)[1:])
 
 
-def simulated_cpu_step(profiles, schedule, micro_batches):
+def measured_zbv_times(profiles, micro_batches):
+    """zbv_times from a run's profiles: each stage's [F, B, W] CPU ms per micro-batch."""
+    times, _, _ = simulated_cpu_step(profiles, "zbv", micro_batches)
+    return [[round(1e3 * stage_times[kind]) for kind in "FBW"] for stage_times in times]
+
+
+def simulated_cpu_step(profiles, schedule, micro_batches, zbv_times=None):
     """(each stage's {"F", "B", "W"} CPU seconds per micro-batch (a chunked schedule's over all its rank's chunks,
-    which simulate shares out evenly), the schedule's order (the one the trainer runs: zbv's for F = B = W) simulated
-    from them, the most CPU any stage's thread spent on anything else in the step (optimizer, engine, loop,
-    transfers), counted as if nothing overlapped it). The final checkpoint's step is left out."""
+    which simulate shares out evenly), the schedule's order (the one the trainer runs: zbv's for zbv_times, or for
+    F = B = W) simulated from them, the most CPU any stage's thread spent on anything else in the step (optimizer,
+    engine, loop, transfers), counted as if nothing overlapped it). The final checkpoint's step is left out."""
     def per_step(profile, names):
         return sum(profile["instructions_cpu"].get(n, 0.0) for n in names) / len(profile["step_seconds"])
     stage_profiles = [p for _, p in sorted(profiles.items())]
@@ -192,15 +201,16 @@ def simulated_cpu_step(profiles, schedule, micro_batches):
     rest = max(statistics.mean(p["step_cpu_seconds"][:-1]) - micro_batches * sum(t.values())
                for t, p in zip(times, stage_profiles))
     virtual_stages = VIRTUAL_STAGES if schedule == "interleaved_1f1b" else 1
-    orders = rank_orders(schedule, len(profiles), micro_batches, virtual_stages)
+    orders = rank_orders(schedule, len(profiles), micro_batches, virtual_stages,
+                         zbv_times=configured_zbv_durations(zbv_times))
     done = simulate(len(profiles), micro_batches, times, schedule, virtual_stages=virtual_stages, orders=orders)
     return times, max(end for _, end in done.values()), rest
 
 
-def print_simulation(name, profiles, schedule, micro_batches):
+def print_simulation(name, profiles, schedule, micro_batches, zbv_times=None):
     """The CPU-second simulation of a multi-stage run: F, B, W per micro-batch on each stage, the compute of all
     stages, the simulated schedule and its idle share (bubble and imbalance: 1 - compute / (stages x schedule))."""
-    times, schedule_seconds, rest = simulated_cpu_step(profiles, schedule, micro_batches)
+    times, schedule_seconds, rest = simulated_cpu_step(profiles, schedule, micro_batches, zbv_times)
     compute = micro_batches * sum(sum(t.values()) for t in times)
     print(f"  {name}: CPU ms per micro-batch F/B/W " + ", ".join(
         f"stage {stage} {1e3 * t['F']:.0f}/{1e3 * t['B']:.0f}/{1e3 * t['W']:.0f}" for stage, t in enumerate(times))
@@ -292,6 +302,8 @@ def main():
     parser.add_argument("--matmul-share", action="store_true",
                         help="only profile transformers' loop: the share of its step in matrix products and attention")
     args = parser.parse_args()
+    if "2 stages zbv measured" in args.contenders and "2 stages zbv" not in args.contenders:
+        parser.error('"2 stages zbv measured" takes its times from "2 stages zbv": name both')
     fields, seq_length, micro_batch = WORKLOADS[args.workload]
     if args.matmul_share:
         spawn(matmul_share, 1, fields, seq_length, micro_batch, args.micro_batches)
@@ -306,14 +318,19 @@ def main():
         contenders = [name for name in CONTENDERS if name in args.contenders]
         rates = {name: [] for name in contenders}
         cpu_rates = {name: [] for name in contenders}  # tokens per CPU second of a step, as above
-        profiles, losses, plans = {}, {}, {}
+        profiles, losses, plans, zbv_times = {}, {}, {}, {}
         for round_index in range(args.rounds):
             for name in contenders[::1 if round_index % 2 == 0 else -1]:
                 if name in TRAINER_RUNS:
+                    if name == "2 stages zbv measured":
+                        zbv_times[name] = measured_zbv_times(profiles["2 stages zbv"], m)
+                    extra = [*args.set, *([f"zbv_times={zbv_times[name]}".replace(" ", "")] if name in zbv_times
+                                          else [])]
                     profiles[name], losses[name], plans[name] = run_trainer(
-                        work, name, seq_length, micro_batch, m, args.steps + 1, args.partition, args.set)
+                        work, name, seq_length, micro_batch, m, args.steps + 1, args.partition, extra)
                     rates[name].append(tokens_per_second(tokens, step_seconds(profiles[name])))
-                    cpu_rates[name].append(tokens / cpu_step_seconds(profiles[name], TRAINER_RUNS[name][1], m))
+                    cpu_rates[name].append(tokens / cpu_step_seconds(profiles[name], TRAINER_RUNS[name][1], m,
+                                                                     zbv_times.get(name)))
                 else:
                     loops = transformers_seconds(work, fields, seq_length, micro_batch, m, args.steps,
                                                  1 if name == "one loop" else 2)
@@ -330,7 +347,9 @@ def main():
         for name, stage_profiles in profiles.items():
             if len(stage_profiles) > 1:
                 print_plan_check(name, stage_profiles)
-                print_simulation(name, stage_profiles, TRAINER_RUNS[name][1], m)
+                print_simulation(name, stage_profiles, TRAINER_RUNS[name][1], m, zbv_times.get(name))
+        if zbv_times:
+            print(f"2 stages zbv measured: zbv_times={zbv_times['2 stages zbv measured']} (the last round's)")
     print(machine_note())
 
 

@@ -30,6 +30,7 @@ class Workload:
     pipeline_schedule: str = "1f1b"  # zero_bubble: micro-batches also wait for their weight gradients (W)
     zero_bubble_max_waiting: int | None = None  # zero_bubble: cap on those per stage (None: ZB-H1's s on stage s)
     virtual_stages: int = 1  # interleaved_1f1b: chunks of layers per rank (zbv holds 2)
+    zbv_times: list | None = None  # zbv: a chunk's [F, B, W] times (or one per stage) its V order is made for
     loss_chunk_tokens: int = 1024  # the LM head and loss a chunk of tokens at a time (models/loss.py); 0: logits
     lora: LoraSettings = NO_LORA  # LoRA adapters: only they train, the rest is frozen (models/lora.py)
     async_save: bool = False  # a save's snapshot of each rank's checkpoint files in host memory (async_save)

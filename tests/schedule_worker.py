@@ -1,7 +1,7 @@
 """One rank of a schedule comparison: the same model trained for a few steps under 1F1B and under zero_bubble (or a
-case's chunked schedule, zbv or interleaved_1f1b), every step's loss and every gradient the optimizer steps with
-written as JSON for the test to compare. The chunked schedules place other layers on each rank: their gradients are
-compared with 1F1B's across all ranks by name. Each step runs as the trainer's does (training/token_mean.py: the
+case's chunked schedule, zbv or interleaved_1f1b), every step's loss, fp16's loss scaler, every gradient the optimizer
+steps with and the weights it leaves written as JSON for the test to compare. The chunked schedules place other
+layers on each rank: their gradients and weights are compared with 1F1B's across all ranks by name. Each step runs as the trainer's does (training/token_mean.py: the
 micro-batches read first, the global batch's loss units counted); a preference case (DPO, SimPO) trains on pairs
 through the trainer's collator, DPO against reference log-probabilities computed by the schedule's own reference
 pass (training/reference.py), and records them and each step's rewards; under context parallelism every rank
@@ -26,6 +26,7 @@ from models.pipeline import build_pipeline_module, partition_stages  # noqa: E40
 from models.preference import PreferenceSettings  # noqa: E402
 from tests.parity_worker import CHUNK_TOKENS, micro_batches  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
+from deepspeed_internals.access import loss_scaler_state  # noqa: E402
 from training.distributed import init_distributed, parallel_topology  # noqa: E402
 from training.chunked_engine import rank_chunk_ids, use_chunked_pipeline  # noqa: E402
 from training.pipeline_engine import use_zero_bubble  # noqa: E402
@@ -82,7 +83,7 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
         use_zero_bubble(engine, case.get("max_waiting"))
         waiting = record_waiting_before_backward(engine.module.parallel.weight_grads)
     elif chunks is not None:
-        use_chunked_pipeline(engine, schedule, case.get("virtual_stages"))
+        use_chunked_pipeline(engine, schedule, case.get("virtual_stages"), zbv_times=case.get("zbv_times"))
     recorded = record_optimizer_gradients(engine)
     replica, replicas = module.context.replica(engine.grid.data_parallel_id, engine.grid.get_data_parallel_world_size())
     batch = make_batch(micro_batch_size * gas * replicas * (2 if objective.preference else 1), seq_len,
@@ -95,22 +96,26 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
         rows = lambda count: pair_micro_batches(pairs, micro_batch_size, count, replicas, replica, seq_len)  # noqa
     else:
         rows = lambda count: micro_batches(batch, micro_batch_size, count, replicas, replica)  # noqa
-    losses, read, rewards = [], [], []
+    losses, read, rewards, scales = [], [], [], []
     for _ in range(steps):  # the same batch every step: the loss must fall
         stream = counted(map(module.context.split_micro_batch, rows(gas)), read)
         step_batches = step_micro_batches(engine, stream, gas)
         with token_mean_loss(engine, global_loss_units(engine, step_batches)):
             losses.append(float(engine.train_batch(iter(step_batches))))
+        scales.append(loss_scaler_state(engine))
         if objective.preference:
             rewards.append(module.loss_fn.take_metrics())
+    where = f"dp{engine.grid.data_parallel_id}.tp{engine.grid.get_slice_parallel_rank()}"
+    # the weights the steps leave (ZeRO's flat fp32 partitions, offloaded or not, copied back into the module's)
+    weights = all_ranks_gradients([{name: p.detach().clone() for name, p in engine.module.named_parameters()}], where)
     # evaluation: 3 micro-batches (no multiple of the stages), the loss broadcast from the last chunk's rank
     eval_loss = float(engine.eval_batch(map(module.context.split_micro_batch, rows(3)), num_micro_batches=3))
     if case.get("schedule", "zero_bubble") != "zero_bubble":  # 1F1B's too: the ranks hold other layers
-        where = f"dp{engine.grid.data_parallel_id}.tp{engine.grid.get_slice_parallel_rank()}"
         recorded = all_ranks_gradients(recorded, where)
-    return losses, recorded, {**held, "stage": engine.stage_id, "waiting": max(waiting, default=0),
-                              "read": len(read), "eval_loss": eval_loss, "checkpointed": len(checkpointed),
-                              "rewards": rewards, "chunks": chunks[engine.stage_id] if chunks else [engine.stage_id]}
+    return losses, recorded, weights, {**held, "stage": engine.stage_id, "waiting": max(waiting, default=0),
+                                       "read": len(read), "eval_loss": eval_loss, "checkpointed": len(checkpointed),
+                                       "rewards": rewards, "loss_scales": scales,
+                                       "chunks": chunks[engine.stage_id] if chunks else [engine.stage_id]}
 
 
 def preference_pairs(batch):
@@ -145,12 +150,13 @@ def pair_micro_batches(pairs, micro_batch_size, count, replicas, replica, seq_le
         yield collate_preference([pairs[i] for i in range(start, start + micro_batch_size)], seq_len, pad_id=0)
 
 
-def worst_gradient(ref_grads, grads):
-    """The largest error of a gradient relative to its largest element, over all steps, and where it is."""
-    errors = [(((g[n] - r[n]).abs().max() / r[n].abs().max().clamp(min=1e-30)).item(), step, n)
-              for step, (r, g) in enumerate(zip(ref_grads, grads)) for n in r]
+def worst_error(ref_steps, steps, what):
+    """The largest error of a tensor (a gradient, a weight) relative to its largest element, over all steps, and
+    where it is."""
+    errors = [(((g[n].float() - r[n].float()).abs().max() / r[n].float().abs().max().clamp(min=1e-30)).item(), step,
+               n) for step, (r, g) in enumerate(zip(ref_steps, steps)) for n in r]
     error, step, name = max(errors, default=(0.0, None, None))
-    return {"max_grad_error": error, "worst_grad": f"step {step} {name}"}
+    return {f"max_{what}_error": error, f"worst_{what}": f"step {step} {name}"}
 
 
 def count_calls(owner, name):
@@ -198,14 +204,15 @@ def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
     for case in cases:
         runs = {schedule: train(case, schedule, steps, micro_batch_size, gas, seq_len)
                 for schedule in ("1f1b", case.get("schedule", "zero_bubble"))}
-        (ref_losses, ref_grads, ref_held), (losses, grads, held) = runs.values()
+        (ref_losses, ref_grads, ref_weights, ref_held), (losses, grads, weights, held) = runs.values()
         results[case["name"]] = {
             **held, "losses": losses, "ref_losses": ref_losses, "ref_eval_loss": ref_held["eval_loss"],
             "ref_rewards": ref_held["rewards"], "ref_reference": ref_held.get("reference"),
-            "grad_steps": [len(ref_grads), len(grads)],
+            "ref_loss_scales": ref_held["loss_scales"], "grad_steps": [len(ref_grads), len(grads)],
             "grad_names": [sorted(g) for g in ref_grads] == [sorted(g) for g in grads],
-            **worst_gradient(ref_grads, grads),
-            "compared_grads": sum(len(r) for r in ref_grads)}
+            "weight_names": sorted(ref_weights[0]) == sorted(weights[0]),
+            **worst_error(ref_grads, grads, "grad"), **worst_error(ref_weights, weights, "weight"),
+            "compared_grads": sum(len(r) for r in ref_grads), "compared_weights": len(ref_weights[0])}
         torch.distributed.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

@@ -26,8 +26,8 @@ from deepspeed_internals.access import (handlers_only_pipeline_engine, inference
                                         set_pipe_buffer, train_schedule)
 from training.chunked_engine import forward_program
 from training.pipeline_engine import use_zero_bubble
-from training.schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
-                               ZeroBubbleSchedule, chunk_ids, p2p_program)
+from training.schedule import (EQUAL_TIMES, BackwardInputPass, BackwardWeightPass, PostRecvActivation,
+                               WaitRecvActivation, ZeroBubbleSchedule, chunk_ids, p2p_program, rank_orders)
 
 # Stage and micro-batch counts: those of the tests and around them (fewer micro-batches than stages, as many, more),
 # and every config's (config_counts).
@@ -325,7 +325,7 @@ def test_every_config_is_checked():
     assert all(stages in STAGES for stages, _ in config_counts())
 
 
-def chunk_programs(schedule, stages, micro_batches, virtual_stages=1, evaluation=False):
+def chunk_programs(schedule, stages, micro_batches, virtual_stages=1, evaluation=False, zbv_times=EQUAL_TIMES):
     """The operations of every rank's program as the engine runs it (training: p2p_program; evaluation:
     training/chunked_engine.py forward_program) as the model's programs: an operation's shape stands for its tensor
     (activation or gradient, the chunk boundary it crosses, the micro-batch), so a send matched with another
@@ -335,7 +335,7 @@ def chunk_programs(schedule, stages, micro_batches, virtual_stages=1, evaluation
     for rank in range(stages):
         chunks, program = every_rank_chunks[rank], []
         for action, item in (forward_program(every_rank_chunks, micro_batches, rank) if evaluation else
-                             p2p_program(schedule, stages, micro_batches, rank, virtual_stages)):
+                             p2p_program(schedule, stages, micro_batches, rank, virtual_stages, None, zbv_times)):
             if action == "compute":
                 continue
             chunk = chunks[item.local_chunk]
@@ -359,6 +359,22 @@ def test_multi_chunk_schedules_are_matched_on_every_link(stages):
                 for virtual_stages in (2, 3) if few else (2,):
                     run_on_nccl(chunk_programs("interleaved_1f1b", stages, micro_batches, virtual_stages,
                                                evaluation))
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8])
+def test_zbv_orders_made_for_other_times_are_matched_on_every_link(stages):
+    """zbv_times (conf): the V order list-scheduled for a chunk's F, B and W times, alike on every rank or one per
+    rank (the first heavier: embedding and head), up to conf's 8x spread: every link matched, every rank's order
+    complete and within 1F1B's activations (2p micro-batch-chunks between F and W)."""
+    heavy_first = [((6, 3, 2),) + ((4, 4, 3),) * (stages - 1), ((6, 4, 2),) + ((5, 7, 3),) * (stages - 1)]
+    for zbv_times in [((1, 2, 1),), ((2, 1, 1),), ((1, 1, 2),), ((3, 4, 2),), ((8, 1, 1),), ((1, 8, 8),), *heavy_first]:
+        for micro_batches in sorted({1, stages, stages + 1, 9}):
+            run_on_nccl(chunk_programs("zbv", stages, micro_batches, zbv_times=zbv_times))
+            for order in rank_orders("zbv", stages, micro_batches, zbv_times=zbv_times):
+                assert sorted(order) == sorted((kind, chunk, j) for kind in "FBW" for chunk in (0, 1)
+                                               for j in range(micro_batches))
+                held = itertools.accumulate({"F": 1, "B": 0, "W": -1}[kind] for kind, _, _ in order)
+                assert max(held) <= 2 * stages
 
 
 def test_sends_posted_in_compute_order_deadlock_under_zbv():

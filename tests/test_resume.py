@@ -30,7 +30,11 @@ def resumed_losses(demo_model, reference_run, out, procs, layout, start, **extra
      "num_stages 2 -> 4; data_parallel 2 -> 1; stage_bounds [0, 3, 7] -> [0, 2, 3, 4, 7]"),
     # across schedules: 1F1B's checkpoint (2 stages, ZeRO-1) on under ZB-V's 4 chunks, whole optimizer state
     (4, dict(pipeline_schedule="zbv"), "stage_bounds [0, 3, 7] -> [0, 2, 3, 4, 7]; pipeline_schedule 1f1b -> zbv"),
-], ids=["1_process_zero0", "4_stages", "zbv"])
+    # and under interleaving's (v = 2), its optimizer state moved to the host by offload_optimizer=cpu
+    (4, dict(pipeline_schedule="interleaved_1f1b", virtual_stages=2, offload_optimizer="cpu"),
+     "stage_bounds [0, 3, 7] -> [0, 2, 3, 4, 7]; offload_optimizer none -> cpu; pipeline_schedule 1f1b -> "
+     "interleaved_1f1b"),
+], ids=["1_process_zero0", "4_stages", "zbv", "interleaved_offload"])
 @pytest.mark.slow
 def test_resume_on_another_layout_equals_the_run_that_never_stopped(demo_model, demo_tasks, reference_run, tmp_path,
                                                                    procs, layout, changes):

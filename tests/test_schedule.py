@@ -84,6 +84,20 @@ CASES = {  # name: (tiny config, case settings); all on 4 processes
     "2stages_x_cp2_zbv_dpo_tied": ("tied", dict(stages=2, schedule="zbv", context_parallel=2, objective="dpo")),
     "2stages_x_cp2_interleaved": ("llama3", dict(stages=2, schedule="interleaved_1f1b", virtual_stages=2,
                                                  context_parallel=2)),
+    # offload_optimizer=cpu (ZeRO-1's fp32 partition and Adam's moments on the host) under both, ZB-V's V order made
+    # for measured times (zbv_times: F, B, W in ms; another order than F = B = W's), and fp16 (ZeRO-1, fp32 sums)
+    # under interleaving with its dynamic loss scaler at 2^20: the first step overflows, is skipped and halves it.
+    # Losses, loss scales and the weights the steps leave equal 1F1B's.
+    "2stages_x_2dp_zbv_offload_measured_times": ("llama2", dict(
+        stages=2, schedule="zbv", zbv_times=(102, 129, 63),
+        deepspeed=dict(zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}))),
+    "2stages_x_2dp_interleaved_offload_tied": ("tied", dict(
+        stages=2, schedule="interleaved_1f1b", virtual_stages=2,
+        deepspeed=dict(zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}))),
+    "2stages_x_2dp_interleaved_fp16": ("llama3", dict(
+        stages=2, schedule="interleaved_1f1b", virtual_stages=2, tolerance=0.0, deepspeed=dict(
+            zero_optimization={"stage": 1}, data_types={"grad_accum_dtype": "fp32"},
+            fp16={"enabled": True, "initial_scale_power": 20, "hysteresis": 1}))),
 }
 
 
@@ -114,11 +128,17 @@ def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
         for rank in ranks:
             result = rank[name]
             flat_buffers = "schedule" in settings and "deepspeed" in settings
-            assert result["grad_steps"] == [STEPS, STEPS] and result["grad_names"], name
+            skipped = "fp16" in settings.get("deepspeed", {})  # the loss scaler's first step overflows
+            assert result["grad_steps"] == [STEPS - skipped] * 2 and result["grad_names"], name
             assert result["compared_grads"] or flat_buffers, name
             assert result["losses"] == pytest.approx(result["ref_losses"], abs=tolerance, rel=0), name
             assert result["eval_loss"] == pytest.approx(result["ref_eval_loss"], abs=tolerance, rel=0), name
             assert result["max_grad_error"] <= tolerance, (name, result["worst_grad"])
+            assert result["weight_names"] and result["compared_weights"], name
+            assert result["max_weight_error"] <= tolerance, (name, result["worst_weight"])
+            assert result["loss_scales"] == result["ref_loss_scales"], name
+            if skipped:  # and no other: the scale halved once
+                assert [s["last_overflow_iter"] for s in result["loss_scales"]] == [0] * STEPS, name
             assert result["losses"][-1] < result["losses"][0], name  # it trained
             assert (result["checkpointed"] > 0) == ("checkpoint_interval" in settings), name
             assert len(result["rewards"]) == (STEPS if "objective" in settings else 0) and all(result["rewards"]), name
@@ -171,7 +191,7 @@ def test_simulated_step_is_the_zb_h1_bound(stages, micro_batches, forward, backw
      "pipeline_schedule 'gpipe' is not one of ('1f1b', 'zero_bubble', 'interleaved_1f1b', 'zbv')"),
     ({"pipeline_schedule": "zero_bubble", "precision": "fp16", "zero_stage": 1},
      "pipeline_schedule=zero_bubble does not support precision=fp16 yet (it runs with precision fp32 or bf16); use "
-     "pipeline_schedule=1f1b."),
+     "pipeline_schedule=1f1b or interleaved_1f1b."),
     ({"pipeline_schedule": "zero_bubble", "zero_bubble_max_waiting": -1},
      "zero_bubble_max_waiting=-1 is not a number of micro-batches: set an integer >= 0, or null for ZB-H1's "
      "(stage s holds s)."),
@@ -235,7 +255,7 @@ def test_simulated_steps_are_the_closed_forms(stages, forward, backward, weight)
 @pytest.mark.parametrize("overrides,message", [
     (dict(pipeline_schedule="zbv", precision="fp16", zero_stage=1),
      "pipeline_schedule=zbv does not support precision=fp16 yet (it runs with precision fp32 or bf16); use "
-     "pipeline_schedule=1f1b."),
+     "pipeline_schedule=1f1b or interleaved_1f1b."),
     (dict(virtual_stages=2), "virtual_stages=2 applies to pipeline_schedule=interleaved_1f1b only (not 1f1b); set "
      "virtual_stages=null, or pipeline_schedule=interleaved_1f1b."),
     (dict(pipeline_schedule="interleaved_1f1b"), "pipeline_schedule=interleaved_1f1b with virtual_stages=null: set "
@@ -243,6 +263,12 @@ def test_simulated_steps_are_the_closed_forms(stages, forward, backward, weight)
     (dict(pipeline_schedule="interleaved_1f1b", virtual_stages=2, num_stages=4, gradient_accumulation_steps=6),
      "gradient_accumulation_steps=6 with pipeline_schedule=interleaved_1f1b on num_stages=4: Megatron's interleaved "
      "order takes micro-batches in groups of 4; use gradient_accumulation_steps=8 (a multiple of 4)."),
+    (dict(zbv_times=[1, 2, 1]), "zbv_times=[1, 2, 1] applies to pipeline_schedule=zbv only (not 1f1b); set "
+     "zbv_times=null, or pipeline_schedule=zbv."),
+    *((dict(pipeline_schedule="zbv", num_stages=2, zbv_times=times), f"zbv_times={times} is not a chunk's [F, B, W] "
+       "times: set three positive numbers within 8x of each other (the forward, input-gradient and weight-gradient "
+       "times profile=true measures), or one such [F, B, W] per stage (2), or null for F = B = W.")
+      for times in ([1, 9, 2], [1, 2], [[1, 2, 1]] * 3, [0, 1, 1])),
 ])
 def test_bad_chunk_schedule_config_is_refused(overrides, message):
     with pytest.raises(ConfigError) as error:

@@ -26,7 +26,7 @@ from deepspeed_internals.access import (add_instruction_handlers, load_micro_bat
                                         run_forward_pass, set_pipe_buffer, set_received_gradients)
 from models.pipeline_schedule_rules import chunk_ids, chunks_per_rank
 from training.pipeline_engine import ZeroBubblePipelineEngine, use_zero_bubble
-from training.schedule import BackwardWeightPass, P2POp, p2p_program
+from training.schedule import BackwardWeightPass, P2POp, configured_zbv_durations, p2p_program
 
 SHAPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
 SHAPES_SIZE = 64  # integers in the shapes message: a count, then dtype, ndim and dims per tensor
@@ -280,14 +280,15 @@ def stage_reads_data(schedule, stages, rank, virtual_stages=None):
     return bool({0, stages * len(chunks[rank]) - 1} & set(chunks[rank]))
 
 
-def use_chunked_pipeline(engine, schedule, virtual_stages=None, max_waiting=None):
+def use_chunked_pipeline(engine, schedule, virtual_stages=None, max_waiting=None, zbv_times=None):
     """Turn the PipelineEngine that deepspeed.initialize built over a chunked LlamaPipeline (rank_chunk_ids' chunks)
-    into the chunked one, running its rank's program of the schedule (training/schedule.py p2p_program). Ws run
-    oldest first, so they must follow the Bs' order; the rank of chunk 0 must start with its forward of
-    micro-batch 0 (the activation shapes come from it)."""
+    into the chunked one, running its rank's program of the schedule (training/schedule.py p2p_program; zbv's V
+    order made for zbv_times, a chunk's [F, B, W] times, or for F = B = W). Ws run oldest first, so they must follow
+    the Bs' order; the rank of chunk 0 must start with its forward of micro-batch 0 (the activation shapes come
+    from it)."""
     chunks = rank_chunk_ids(schedule, engine.num_stages, virtual_stages)
     program = p2p_program(schedule, engine.num_stages, engine.micro_batches, engine.stage_id, virtual_stages or 1,
-                          max_waiting)
+                          max_waiting, configured_zbv_durations(zbv_times))
     computed = [item for action, item in program if action == "compute"]
     backwards = [(chunk, j) for kind, chunk, j in computed if kind == "B"]
     weights = [(chunk, j) for kind, chunk, j in computed if kind == "W"]

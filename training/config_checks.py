@@ -5,13 +5,13 @@ import dataclasses
 import difflib
 import os
 
-from omegaconf import OmegaConf
+from omegaconf import ListConfig, OmegaConf
 
 from data.formats import DataSettings
 from models.lora import LoraSettings
 from models.pipeline import ATTENTION_IMPLS, LOSS_IMPLS, PRECISION_DTYPES
 from models.preference import PreferenceSettings
-from training.schedule import PIPELINE_SCHEDULES
+from training.schedule import PIPELINE_SCHEDULES, ZBV_TIMES_SPREAD
 
 BASE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "base.yaml")
 FREE_FORM_NODES = ("deepspeed", "model_config")  # DeepSpeed's own keys; a published config.json's fields
@@ -85,7 +85,7 @@ def check_values(cfg):
         raise ConfigError("micro_batch_size and gradient_accumulation_steps must be at least 1.")
     check_zero_bubble(cfg)
     check_chunk_schedule(cfg)
-    check_chunk_schedule_paths(cfg)
+    check_zbv_times(cfg)
     if not cfg.preemption_grace_seconds > 0:
         raise ConfigError(f"preemption_grace_seconds={cfg.preemption_grace_seconds} must be positive: the seconds a "
                           f"SIGTERM leaves to finish the step and save.")
@@ -201,10 +201,31 @@ def check_zero_bubble(cfg):
     if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
         raise ConfigError(f"zero_bubble_max_waiting={cap!r} is not a number of micro-batches: set an integer >= 0, "
                           f"or null for ZB-H1's (stage s holds s).")
-    # fp16's loss scaler is untested with deferred weight gradients (DeepSpeed's CPU accelerator refuses fp16)
+    # fp16's loss scaler is untested with deferred weight gradients (W); interleaved_1f1b does not split backwards
     if cfg.pipeline_schedule in ("zero_bubble", "zbv") and cfg.precision == "fp16":
         raise ConfigError(f"pipeline_schedule={cfg.pipeline_schedule} does not support precision=fp16 yet (it runs "
-                          f"with precision fp32 or bf16); use pipeline_schedule=1f1b.")
+                          f"with precision fp32 or bf16); use pipeline_schedule=1f1b or interleaved_1f1b.")
+
+
+def check_zbv_times(cfg):
+    """zbv_times: a chunk's F, B and W times (all ranks alike, or one [F, B, W] per rank), positive numbers within
+    ZBV_TIMES_SPREAD of each other."""
+    times = cfg.zbv_times
+    if times is None:
+        return
+    shown = OmegaConf.to_container(times) if isinstance(times, ListConfig) else times
+    if cfg.pipeline_schedule != "zbv":
+        raise ConfigError(f"zbv_times={shown} applies to pipeline_schedule=zbv only (not {cfg.pipeline_schedule}); set "
+                          f"zbv_times=null, or pipeline_schedule=zbv.")
+    per_rank = shown if isinstance(shown, list) and shown and isinstance(shown[0], list) else [shown]
+    numbers = [t for rank_times in per_rank if isinstance(rank_times, list) and len(rank_times) == 3 for t in rank_times
+               if isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0]
+    if (len(per_rank) not in (1, cfg.num_stages) or len(numbers) != 3 * len(per_rank)
+            or max(numbers) > ZBV_TIMES_SPREAD * min(numbers)):
+        raise ConfigError(f"zbv_times={shown} is not a chunk's [F, B, W] times: set three positive numbers within "
+                          f"{ZBV_TIMES_SPREAD}x of each other (the forward, input-gradient and weight-gradient times "
+                          f"profile=true measures), or one such [F, B, W] per stage ({cfg.num_stages}), or null for "
+                          f"F = B = W.")
 
 
 def check_chunk_schedule(cfg):
@@ -227,17 +248,3 @@ def check_chunk_schedule(cfg):
                           f"num_stages={stages}: Megatron's interleaved order takes micro-batches in groups of "
                           f"{stages}; use gradient_accumulation_steps={fit} (a multiple of {stages}).")
 
-
-CHUNKED_SCHEDULES = ("interleaved_1f1b", "zbv")  # several chunks of layers per rank (training/chunked_engine.py)
-
-
-def check_chunk_schedule_paths(cfg):
-    """The paths not yet run with several chunks per rank, each refused in one line rather than left to chance."""
-    if cfg.pipeline_schedule not in CHUNKED_SCHEDULES:
-        return
-    untested = {f"precision={cfg.precision}": cfg.precision == "fp16",
-                f"offload_optimizer={cfg.offload_optimizer}": cfg.offload_optimizer != "none"}
-    for combination, present in untested.items():
-        if present:
-            raise ConfigError(f"pipeline_schedule={cfg.pipeline_schedule} with {combination} is not supported yet; "
-                              f"use pipeline_schedule 1f1b or zero_bubble.")

@@ -339,6 +339,7 @@ def workload_of(cfg, data_parallel):
                     offload_optimizer=cfg.offload_optimizer == "cpu", pipeline_schedule=cfg.pipeline_schedule,
                     loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
                     zero_bubble_max_waiting=cfg.zero_bubble_max_waiting, virtual_stages=cfg.virtual_stages or 1,
+                    zbv_times=OmegaConf.to_container(cfg.zbv_times) if cfg.zbv_times else None,
                     lora=LoraSettings.from_cfg(cfg.lora), async_save=bool(cfg.async_save))
 
 

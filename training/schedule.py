@@ -45,6 +45,7 @@ from models.pipeline_schedule_rules import chunk_ids, chunks_per_rank, held_back
 
 PIPELINE_SCHEDULES = ("1f1b", "zero_bubble", "interleaved_1f1b", "zbv")
 SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", "zbv")  # B and W apart; the others run one backward, B + W
+EQUAL_TIMES = ((1, 1, 1),)  # zbv_order's durations for F = B = W on every rank
 
 
 class BackwardInputPass(BackwardPass):
@@ -156,14 +157,15 @@ def producer(kind, chunk, micro_batch, chunks):
 ZBV_POLICIES = tuple((first, w_first, room) for room in (False, True) for first, w_first in ((0, 0), (1, 0), (0, 1)))
 
 
-def zbv_list_orders(stages, micro_batches, max_waiting, policy, durations=(1, 1, 1)):
+def zbv_list_orders(stages, micro_batches, max_waiting, policy, durations=EQUAL_TIMES):
     """ZB-V's orders for all ranks by list scheduling (transfers free; durations: F, B, W of a chunk in whole time
-    units): each time unit, every rank that is free runs, if its input is there, the first of: a W if more than
-    max_waiting wait for theirs, a B, an F (the second chunk's first: it finishes a micro-batch) while fewer than 2p
-    micro-batch-chunks are between their F and W (1F1B's activations: p micro-batches of a whole stage), a W.
+    units, one for all ranks or one per rank): each time unit, every rank that is free runs, if its input is there,
+    the first of: a W if more than max_waiting wait for theirs, a B, an F (the second chunk's first: it finishes a
+    micro-batch) while fewer than 2p micro-batch-chunks are between their F and W (1F1B's activations: p
+    micro-batches of a whole stage), a W.
     Returns (orders, step time), or None where the policy stalls."""
     first_backward, w_before_new, keep_room = policy
-    duration = dict(zip("FBW", durations))
+    duration = [dict(zip("FBW", units)) for units in (durations * stages if len(durations) == 1 else durations)]
     busy_until = [0] * stages
     chunks, chunk_of = 2 * stages, [chunk_ids("zbv", stages, rank) for rank in range(stages)]
     ends, orders = {}, [[] for _ in range(stages)]
@@ -178,7 +180,7 @@ def zbv_list_orders(stages, micro_batches, max_waiting, policy, durations=(1, 1,
         return count < limit and (source is None or ends.get(source, time + 1) <= time)
 
     while left:
-        if time > 2 * (stages + micro_batches) * chunks * sum(durations):
+        if time > 2 * (stages + micro_batches) * chunks * max(map(sum, durations)):
             return None
         picks = []
         for rank in range(stages):
@@ -205,7 +207,7 @@ def zbv_list_orders(stages, micro_batches, max_waiting, policy, durations=(1, 1,
             if pick is None:
                 continue
             kind, local, micro_batch = pick
-            ends[(kind, chunk_of[rank][local], micro_batch)] = busy_until[rank] = time + duration[kind]
+            ends[(kind, chunk_of[rank][local], micro_batch)] = busy_until[rank] = time + duration[rank][kind]
             orders[rank].append(pick)
             left -= 1
             if kind == "F":
@@ -222,32 +224,47 @@ def zbv_list_orders(stages, micro_batches, max_waiting, policy, durations=(1, 1,
 
 
 @functools.lru_cache(maxsize=64)
-def zbv_orders(stages, micro_batches, max_waiting=None, durations=(1, 1, 1)):
+def zbv_orders(stages, micro_batches, max_waiting=None, durations=EQUAL_TIMES):
     """Every rank's ZB-V order: the shortest step among ZBV_POLICIES' list schedules (the first on ties)."""
     schedules = [zbv_list_orders(stages, micro_batches, max_waiting, policy, durations) for policy in ZBV_POLICIES]
     return min((schedule for schedule in schedules if schedule), key=lambda orders_and_time: orders_and_time[1])[0]
 
 
-def zbv_order(stages, micro_batches, rank, max_waiting=None, durations=(1, 1, 1)):
+def zbv_order(stages, micro_batches, rank, max_waiting=None, durations=EQUAL_TIMES):
     """ZB-V on one rank: [(kind, local_chunk, micro_batch)], kinds F, B (input gradient) and W (weight gradient);
     local chunk 0 is global chunk r (down the V), 1 is 2p-1-r (back up). At most 2p micro-batch-chunks between their
     F and their W on any rank (1F1B's first stage: p micro-batches of whole-stage activations), at most max_waiting
     (if given) waiting only for W. For F = B = W the step is the work plus the pipeline's fill, (p - 1) chunk
     forwards, on 2, 3 and 4 ranks for every m = p ... 64 and on 8 for every multiple of 8 (tests/test_schedule.py
-    checks p = 2, 4, 8); elsewhere up to 4 chunk forwards more (p = 5-7, and p = 8 at m = 9, 10, 13). durations: a chunk's F, B, W in whole units (zbv_durations) to list-schedule for other
+    checks p = 2, 4, 8); elsewhere up to 4 chunk forwards more (p = 5-7, and p = 8 at m = 9, 10, 13). durations:
+    a chunk's F, B, W in whole units (zbv_durations), one for all ranks or one per rank, to list-schedule for other
     times; the default's order is the one for F = B = W."""
     return list(zbv_orders(stages, micro_batches, max_waiting, durations)[rank])
 
 
 def zbv_durations(times):
-    """A chunk's {"F", "B", "W"} times as the small whole numbers zbv_order schedules with (to half of the
-    shortest)."""
-    shortest = min(value for value in times.values() if value > 0)
-    units = [max(1, round(2 * times[kind] / shortest)) for kind in "FBW"]
-    return tuple(unit // math.gcd(*units) for unit in units)
+    """Each rank's {"F", "B", "W"} times of a chunk ([one per rank]) as the small whole numbers zbv_order schedules
+    with (to half of the shortest): ((F, B, W) per rank), or one (F, B, W) where all ranks' are alike."""
+    shortest = min(value for rank_times in times for value in rank_times.values() if value > 0)
+    units = [[max(1, round(2 * rank_times[kind] / shortest)) for kind in "FBW"] for rank_times in times]
+    divisor = math.gcd(*sum(units, []))
+    durations = tuple(tuple(unit // divisor for unit in rank_units) for rank_units in units)
+    return durations[:1] if len(set(durations)) == 1 else durations
 
 
-def rank_orders(schedule, stages, micro_batches, virtual_stages=1, max_waiting=None, zbv_times=(1, 1, 1)):
+ZBV_TIMES_SPREAD = 8  # conf's zbv_times within 8x of each other: at most 16 units each (zbv_durations)
+
+
+def configured_zbv_durations(zbv_times):
+    """zbv_order's durations for conf's zbv_times: a chunk's [F, B, W] times, the same on every rank or one per
+    rank ([[F, B, W], ...]), or None for F = B = W."""
+    if not zbv_times:
+        return EQUAL_TIMES
+    per_rank = [zbv_times] if isinstance(zbv_times[0], (int, float)) else zbv_times
+    return zbv_durations([dict(zip("FBW", times)) for times in per_rank])
+
+
+def rank_orders(schedule, stages, micro_batches, virtual_stages=1, max_waiting=None, zbv_times=EQUAL_TIMES):
     """[[(kind, local_chunk, micro_batch), ...] per rank] of any schedule; zbv_times: zbv_order's durations."""
     if schedule == "interleaved_1f1b":
         orders = [interleaved_order(stages, micro_batches, virtual_stages, rank) for rank in range(stages)]
@@ -263,11 +280,11 @@ def simulate(stages, micro_batches, costs, schedule, max_waiting=None, virtual_s
     """Time every rank's order: each computation starts when its rank is free and its input is complete
     (transfers free). costs: per rank {"F": s, "B": s, "W": s} for all its layers (a rank's chunks split them
     evenly); where a schedule does not split the backward, it costs B + W. orders: rank_orders' (by default this
-    schedule's; zbv's list-scheduled for rank 0's times). Returns {(kind, global_chunk, micro_batch): (start, end)}
+    schedule's; zbv's list-scheduled for these times). Returns {(kind, global_chunk, micro_batch): (start, end)}
     (one chunk per rank: the chunk is the stage)."""
     per_rank = chunks_per_rank(schedule, virtual_stages)
-    if orders is None:  # zbv: the list schedule for these times (rank 0's)
-        zbv_times = zbv_durations(costs[0]) if schedule == "zbv" else (1, 1, 1)
+    if orders is None:  # zbv: the list schedule for these times
+        zbv_times = zbv_durations(costs) if schedule == "zbv" else EQUAL_TIMES
         orders = rank_orders(schedule, stages, micro_batches, virtual_stages, max_waiting, zbv_times=zbv_times)
     split = schedule in SPLIT_BACKWARD_SCHEDULES
     cost_of = [{"F": c["F"] / per_rank, "B": (c["B"] + (0 if split else c["W"])) / per_rank, "W": c["W"] / per_rank}
@@ -302,7 +319,7 @@ local_chunk: this rank's chunk that made it (send) or takes it (recv), micro_bat
 
 
 @functools.lru_cache(maxsize=64)
-def link_transfers(schedule, stages, micro_batches, virtual_stages=1, max_waiting=None, zbv_times=(1, 1, 1)):
+def link_transfers(schedule, stages, micro_batches, virtual_stages=1, max_waiting=None, zbv_times=EQUAL_TIMES):
     """{(rank, peer) with rank < peer: [(sender, P2POp of the sender, P2POp of the receiver), ...] in the link's
     order}: every transfer between two chunks on different ranks, ordered by when the unit-time run of the orders
     (F = B = W) makes it (ties: the upstream chunk's first). Both sides issue a link's operations in this order."""
@@ -323,7 +340,7 @@ def link_transfers(schedule, stages, micro_batches, virtual_stages=1, max_waitin
     return {link: tuple(transfer[1:] for transfer in sorted(transfers)) for link, transfers in links.items()}
 
 
-def p2p_program(schedule, stages, micro_batches, rank, virtual_stages=1, max_waiting=None, zbv_times=(1, 1, 1)):
+def p2p_program(schedule, stages, micro_batches, rank, virtual_stages=1, max_waiting=None, zbv_times=EQUAL_TIMES):
     """What a rank issues, in order, to run its order over NCCL: [(action, item)] with
     ("compute", (kind, local_chunk, micro_batch)): run it;
     ("post", P2POp): issue the send or receive without waiting (isend / irecv);
@@ -333,7 +350,7 @@ def p2p_program(schedule, stages, micro_batches, rank, virtual_stages=1, max_wai
     same transfers in the same order and a send always faces its own receive. A send is posted right after the
     computation that made it, with any receives of the link ahead of it posted first; a receive is posted when it
     is waited for, or earlier when a send of the link comes after it. tests/test_p2p_order.py executes these
-    programs under its model of NCCL for 2-8 ranks. zbv_times: zbv_order's durations (the same on every rank)."""
+    programs under its model of NCCL for 2-8 ranks. zbv_times: zbv_order's durations."""
     order = rank_orders(schedule, stages, micro_batches, virtual_stages, max_waiting, zbv_times)[rank]
     queues = {}  # peer: this rank's operations on the link, in the link's order
     for (low, high), transfers in link_transfers(schedule, stages, micro_batches, virtual_stages, max_waiting,
