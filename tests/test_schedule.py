@@ -86,7 +86,7 @@ CASES = {  # name: (tiny config, case settings); all on 4 processes
                                                  context_parallel=2)),
     # offload_optimizer=cpu (ZeRO-1's fp32 partition and Adam's moments on the host) under both, ZB-V's V order made
     # for measured times (zbv_times: F, B, W in ms; another order than F = B = W's), and fp16 (ZeRO-1, fp32 sums)
-    # under interleaving with its dynamic loss scaler at 2^20: the first step overflows, is skipped and halves it.
+    # under interleaving with its dynamic loss scaler at 2^20: one step overflows, is skipped and halves it.
     # Losses, loss scales and the weights the steps leave equal 1F1B's.
     "2stages_x_2dp_zbv_offload_measured_times": ("llama2", dict(
         stages=2, schedule="zbv", zbv_times=(102, 129, 63),
@@ -128,7 +128,7 @@ def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
         for rank in ranks:
             result = rank[name]
             flat_buffers = "schedule" in settings and "deepspeed" in settings
-            skipped = "fp16" in settings.get("deepspeed", {})  # the loss scaler's first step overflows
+            skipped = "fp16" in settings.get("deepspeed", {})  # one step overflows at the loss scaler's 2^20
             assert result["grad_steps"] == [STEPS - skipped] * 2 and result["grad_names"], name
             assert result["compared_grads"] or flat_buffers, name
             assert result["losses"] == pytest.approx(result["ref_losses"], abs=tolerance, rel=0), name
@@ -138,7 +138,7 @@ def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
             assert result["max_weight_error"] <= tolerance, (name, result["worst_weight"])
             assert result["loss_scales"] == result["ref_loss_scales"], name
             if skipped:  # and no other: the scale halved once
-                assert [s["last_overflow_iter"] for s in result["loss_scales"]] == [0] * STEPS, name
+                assert len({s["last_overflow_iter"] for s in result["loss_scales"]} - {-1}) == 1, name
             assert result["losses"][-1] < result["losses"][0], name  # it trained
             assert (result["checkpointed"] > 0) == ("checkpoint_interval" in settings), name
             assert len(result["rewards"]) == (STEPS if "objective" in settings else 0) and all(result["rewards"]), name
