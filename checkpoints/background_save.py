@@ -22,7 +22,7 @@ from deepspeed.accelerator import get_accelerator
 
 import collectives
 from checkpoints.files import size_text
-from checkpoints.integrity import file_checksum
+from checkpoints.integrity import durable_checksum
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal this process gets when its parent dies
 SHARED_MEMORY_DIR = "/dev/shm"  # where share_memory_() places the snapshot's storages
@@ -102,20 +102,27 @@ def tensors_in(value):
             yield from tensors_in(item)
 
 
+def write_job(job):
+    """[(path, state, zip serialization)] written, fsynced and hashed: {path: checksum}."""
+    written = {}
+    for path, state, zip_serialization in job:
+        try:
+            torch.save(state, path, _use_new_zipfile_serialization=zip_serialization)
+            written[path] = durable_checksum(path)
+        except OSError as error:
+            raise OSError(f"{path}: {error}") from None
+    return written
+
+
 def write_files(jobs, results):
-    """The writer process: each job, [(path, state, zip serialization)], written and hashed; {path: checksum} back,
-    or the error."""
+    """The writer process: each job's {path: checksum} back (write_job), or the error."""
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the rank (a restart rewrites the tag)
     while True:
         job = jobs.get()
         try:
-            written = {}
-            for path, state, zip_serialization in job:
-                torch.save(state, path, _use_new_zipfile_serialization=zip_serialization)
-                written[path] = file_checksum(path)
-            results.put(("written", written))
+            results.put(("written", write_job(job)))
         except OSError as error:
-            results.put(("error", f"{path}: {error}"))
+            results.put(("error", str(error)))
 
 
 class BackgroundSave:
