@@ -6,9 +6,11 @@ files of load_memory.py's ~1.1B LLaMA in bf16 (2.2 GB in 21 files, one per layer
 them), without optimizer state (with it, 8x the bytes: more than this shared host holds twice). A step: a fixed fp32
 matmul workload on one thread (the trainer's core; the writer process takes the other). Rounds alternate, after one
 asynchronous save that allocates the snapshot's shared memory (reported apart):
-  sync   save_checkpoint's path: each file torch.save'd through hashing_saves (hashed by a second thread);
-  async  BackgroundSave: the files' tensors copied into the reused snapshot (the trainer waits for that), a writer
-         process writes and hashes them while steps run, each step followed by complete_if_written, as the loop does;
+  sync   save_checkpoint's path: each layer's tensors cloned (DeepSpeed's save_state_dict does), the file
+         torch.save'd through hashing_saves (fsynced and hashed by a second thread);
+  async  BackgroundSave: the files' tensors copied into the reused snapshot in place of DeepSpeed's clone (the
+         trainer waits for that), a writer process writes, fsyncs and hashes them while steps run, each step
+         followed by complete_if_written, as the loop does;
   steps  steps with no save in flight: the normal pace.
 Lost per asynchronous save: the snapshot's copy + what the steps during the write took beyond the normal pace.
 
@@ -28,20 +30,14 @@ from load_memory import MODEL  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from deepspeed.checkpoint.utils import clone_tensors_for_torch_save  # noqa: E402
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine  # noqa: E402
 
 from checkpoints.background_save import BackgroundSave  # noqa: E402
 from checkpoints.saving import hashing_saves  # noqa: E402
 
 STEP_MATMULS = 12  # a step: this many 1024 x 1024 fp32 matmuls (about 0.3 s on one core)
 BASELINE_STEPS = 8
-
-
-class CheckpointEngine:
-    """What DeepSpeed's checkpoint engine is to the save paths: save(state, path), zip serialization."""
-    zipfile_serialization = True
-
-    def save(self, state, path):
-        torch.save(state, path, _use_new_zipfile_serialization=True)
 
 
 def layer_files(num_layers):
@@ -67,12 +63,19 @@ def step(a, b):
     return time.perf_counter() - start
 
 
+def save_layers(files, tag_dir, engine):
+    """The layer files as DeepSpeed's PipelineModule.save_state_dict hands them to the checkpoint engine: each state
+    dict cloned first (clone_tensors_for_torch_save) where the engine preserves storage sharing."""
+    for name, state in files.items():
+        engine.save(clone_tensors_for_torch_save(state) if engine.preserves_storage_sharing() else state,
+                    os.path.join(tag_dir, name))
+
+
 def sync_save(files, tag_dir, engine):
     os.makedirs(tag_dir)
     start = time.perf_counter()
     with hashing_saves(engine):
-        for name, state in files.items():
-            engine.save(state, os.path.join(tag_dir, name))
+        save_layers(files, tag_dir, engine)
     return time.perf_counter() - start
 
 
@@ -81,8 +84,7 @@ def async_save(files, tag_dir, engine, background, a, b):
     os.makedirs(tag_dir)
     start = time.perf_counter()
     with background.snapshots(engine) as snapshot:
-        for name, state in files.items():
-            engine.save(state, os.path.join(tag_dir, name))
+        save_layers(files, tag_dir, engine)
     background.submit(snapshot, tag_dir, completion=lambda written: None)
     copy_seconds = time.perf_counter() - start
     during = []
@@ -109,7 +111,8 @@ def main():
     files = layer_files(args.num_layers)
     size = sum(t.numel() * t.element_size() for state in files.values() for t in state.values())
     parameters = sum(t.numel() for state in files.values() for t in state.values())
-    engine, background = CheckpointEngine(), BackgroundSave()
+    engine, background = TorchCheckpointEngine(), BackgroundSave()
+    engine.zipfile_serialization = True  # DeepSpeed's default (checkpoint_serialization), which the trainer keeps
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     out = tempfile.mkdtemp(prefix="async_save_bench.")
     try:

@@ -10,7 +10,7 @@ and the end of training wait for it. A rank killed mid-write takes its writer wi
 it), so the previous `latest` stays and the partial directory is removed at the next start.
 """
 import contextlib
-import copy
+import itertools
 import ctypes
 import os
 import shutil
@@ -57,49 +57,40 @@ def check_snapshot_room(needed_bytes, ranks):
 
 
 class HostSnapshot:
-    """Host copies of the tensors each file holds, reused while a file's storages keep their sizes."""
+    """Host copies of the tensors each file holds, reused while a file's tensors keep their sizes."""
 
     def __init__(self, pinned):
         self.pinned, self.storages = pinned, {}
 
     def copy(self, name, state):
-        """state with every tensor in its dicts, lists and tuples backed by this snapshot's host storage (a storage
-        shared by several tensors stays shared, views keep their offsets and strides), everything else deep-copied:
-        torch.save writes the same bytes from it as from state."""
-        copies, memo = {}, {}
-        for tensor in tensors_in(state):
-            storage = tensor.untyped_storage()
-            if storage._cdata not in copies:
-                copies[storage._cdata] = self._host_storage((name, len(copies)), storage)
-            host = torch.empty(0, dtype=tensor.dtype).set_(copies[storage._cdata], tensor.storage_offset(),
-                                                            tensor.size(), tensor.stride())
-            if isinstance(tensor, torch.nn.Parameter):
-                host = torch.nn.Parameter(host, requires_grad=tensor.requires_grad)
-            elif tensor.requires_grad:
-                host.requires_grad_()
-            memo[id(tensor)] = host
-        return copy.deepcopy(state, memo)
+        """What DeepSpeed's clone_tensors_for_torch_save(state) returns before a synchronous torch.save (each tensor
+        in its dicts, lists and tuples cloned into a storage of its own), with the clones in this snapshot's host
+        storages: torch.save writes the same bytes from it. DeepSpeed skips its own clone while snapshots are
+        taken (BackgroundSave.snapshots), so the trainer copies each tensor once."""
+        tensors = itertools.count()  # the key of each tensor's buffer in the file's: its place in state
 
-    def _host_storage(self, key, storage):
+        def cloned(item):
+            if torch.is_tensor(item):
+                return self._host_clone((name, next(tensors)), item)
+            if isinstance(item, list):
+                return [cloned(value) for value in item]
+            if isinstance(item, tuple):
+                return tuple(cloned(value) for value in item)
+            if isinstance(item, dict):
+                return type(item)({key: cloned(value) for key, value in item.items()})
+            return item
+        return cloned(state)
+
+    def _host_clone(self, key, tensor):
+        like = torch.empty_like(tensor, device="meta")  # clone's layout: the strides empty_like keeps
         host = self.storages.get(key)
-        if host is None or host.nbytes() != storage.nbytes():
-            host = torch.UntypedStorage(storage.nbytes()).share_memory_()
+        if host is None or host.nbytes() != like.untyped_storage().nbytes():
+            host = torch.UntypedStorage(like.untyped_storage().nbytes()).share_memory_()
             if self.pinned:  # device-to-host copies at full speed, without a staging copy
                 torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.nbytes(), 0)
             self.storages[key] = host
-        host.copy_(storage, non_blocking=self.pinned)
-        return host
-
-
-def tensors_in(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensors_in(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from tensors_in(item)
+        clone = torch.empty(0, dtype=tensor.dtype).set_(host, 0, like.size(), like.stride())
+        return clone.copy_(tensor.detach(), non_blocking=self.pinned)
 
 
 def write_job(job):
@@ -134,18 +125,19 @@ class BackgroundSave:
     def snapshots(self, checkpoint_engine):
         """Yields the [(path, host copy, zip serialization)] of every file the checkpoint engine is asked to write
         inside the block, instead of writing it."""
-        save, files = checkpoint_engine.save, []
+        save, preserves_storage_sharing, files = checkpoint_engine.save, checkpoint_engine.preserves_storage_sharing, []
 
         def snapshot(state_dict, path):  # keyed by the file's name, which every save's tag directory repeats
             host_copy = self.snapshot.copy(os.path.basename(path), state_dict)
             files.append((path, host_copy, checkpoint_engine.zipfile_serialization))
         checkpoint_engine.save = snapshot
+        checkpoint_engine.preserves_storage_sharing = lambda: False  # DeepSpeed's clone: the snapshot is one
         try:
             yield files
             if self.snapshot.pinned:
                 torch.cuda.synchronize()  # the non-blocking copies have landed before training changes the tensors
         finally:
-            checkpoint_engine.save = save
+            checkpoint_engine.save, checkpoint_engine.preserves_storage_sharing = save, preserves_storage_sharing
 
     def submit(self, files, tag_dir, completion):
         """Write `files` of tag_dir in the background; completion({path: checksum}) (collective) once every rank's

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 from deepspeed.runtime.pipe import schedule
 
 from checkpoints.background_save import BackgroundSave
@@ -302,20 +303,28 @@ def test_torchrun_restarts_sharing_its_store_are_refused():
     assert elastic_restart_error({**elastic, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None
 
 
-def test_async_save_snapshots_reuse_their_host_memory_from_one_save_to_the_next():
+def test_async_save_snapshots_are_deepspeeds_clones_in_host_memory_reused_from_one_save_to_the_next(tmp_path):
     """Each save's files (the same names in another tag directory) are copied into the last save's host buffers: a
-    run holds one snapshot (what the planner counts), not one more per save."""
-    engine, background = SimpleNamespace(save=None, zipfile_serialization=True), BackgroundSave()
-    layer = {"weight": torch.randn(4, 4), "bias": torch.randn(4)}
+    run holds one snapshot (what the planner counts), not one more per save. A snapshot takes the place of the clone
+    DeepSpeed makes before a synchronous torch.save (it is told the engine does not preserve storage sharing): a
+    weight that is a view into a larger flat buffer (ZeRO's) is written as the clone's bytes, not the buffer's."""
+    engine = SimpleNamespace(save=None, zipfile_serialization=True, preserves_storage_sharing=lambda: True)
+    background, flat = BackgroundSave(), torch.randn(40)
+    layer = {"weight": flat[4:20].view(4, 4), "bias": flat[20:24], "step": 3}
     buffers = []
     for step in (2, 4):
         with background.snapshots(engine) as files:
+            assert engine.preserves_storage_sharing() is False
             engine.save(layer, f"/out/global_step{step}/layer_01-model_states.pt")
+        assert engine.preserves_storage_sharing() is True
         [(path, snapshot, _)] = files
         assert path == f"/out/global_step{step}/layer_01-model_states.pt"
-        assert snapshot.keys() == layer.keys() and all(torch.equal(snapshot[k], layer[k]) for k in layer)
-        buffers.append({k: t.untyped_storage().data_ptr() for k, t in snapshot.items()})
-        layer["weight"].add_(1)  # training goes on
+        torch.save(snapshot, tmp_path / "layer.pt")
+        written = (tmp_path / "layer.pt").read_bytes()
+        torch.save(clone_tensors_for_torch_save(layer), tmp_path / "layer.pt")
+        assert written == (tmp_path / "layer.pt").read_bytes()
+        buffers.append({k: t.untyped_storage().data_ptr() for k, t in snapshot.items() if torch.is_tensor(t)})
+        flat.add_(1)  # training goes on
     assert buffers[0] == buffers[1] and len(background.snapshot.storages) == 2
 
 
