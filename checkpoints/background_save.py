@@ -1,31 +1,37 @@
 """Saves that do not stop training (async_save=true).
 
-At a save each rank copies the tensors of the files it writes (its layers' weights and optimizer state, DeepSpeed's
-model-states file) into host buffers kept from one save to the next (in shared memory, pinned under CUDA), and
-hands them to a writer process (spawned once per rank: a separate interpreter, so writing never holds the trainer's
-GIL), which writes and hashes them while training goes on. The checkpoint becomes COMPLETE and `latest` exactly as
-a synchronous save does (checkpoints/saving.py: complete_checkpoint), once every rank's writer is done: after each
-step, while a write is in flight, the ranks agree on it with one all-reduce of a flag. The next save, a preemption
-and the end of training wait for it. A rank killed mid-write takes its writer with it (the parent's death kills
-it), so the previous `latest` stays and the partial directory is removed at the next start.
+At a save each rank takes a snapshot of the files it writes (its layers' weights and optimizer state, DeepSpeed's
+model-states file): host buffers kept from one save to the next (in shared memory, pinned under CUDA) that a thread
+of its own fills while the next step's forward and backward run (its optimizer step waits for the copy), then
+hands to a writer process (spawned once per rank: a separate interpreter, so writing never holds the trainer's
+GIL), which writes, fsyncs and hashes them while training goes on. The checkpoint becomes COMPLETE and `latest`
+exactly as a synchronous save does (checkpoints/saving.py: complete_checkpoint), once every rank's writer is done:
+after each step, while a write is in flight, the ranks agree on it with one all-reduce of a flag. The next save, a
+preemption and the end of training wait for it. A rank killed mid-write takes its writer with it (the parent's
+death kills it), so the previous `latest` stays and the partial directory is removed at the next start.
 """
 import contextlib
-import itertools
 import ctypes
+import itertools
 import os
 import shutil
 import signal
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import torch.multiprocessing
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.pipe.schedule import OptimizerStep
 
 import collectives
 from checkpoints.files import size_text
 from checkpoints.integrity import durable_checksum
+from training.instruction_listeners import add_instruction_listener
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal this process gets when its parent dies
 SHARED_MEMORY_DIR = "/dev/shm"  # where share_memory_() places the snapshot's storages
+WRITER_NICENESS = 19  # the lowest CPU priority: on a busy host the writer takes the time training leaves idle
 
 
 def available_host_bytes():
@@ -61,12 +67,13 @@ class HostSnapshot:
 
     def __init__(self, pinned):
         self.pinned, self.storages = pinned, {}
+        self.pending = []  # [(host clone, tensor)] that copy() returned and BackgroundSave's copier has yet to fill
 
     def copy(self, name, state):
         """What DeepSpeed's clone_tensors_for_torch_save(state) returns before a synchronous torch.save (each tensor
         in its dicts, lists and tuples cloned into a storage of its own), with the clones in this snapshot's host
-        storages: torch.save writes the same bytes from it. DeepSpeed skips its own clone while snapshots are
-        taken (BackgroundSave.snapshots), so the trainer copies each tensor once."""
+        storages: torch.save writes the same bytes from it once `pending` is copied. DeepSpeed skips its own clone
+        while snapshots are taken (BackgroundSave.snapshots), so each tensor is copied once."""
         tensors = itertools.count()  # the key of each tensor's buffer in the file's: its place in state
 
         def cloned(item):
@@ -90,7 +97,8 @@ class HostSnapshot:
                 torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.nbytes(), 0)
             self.storages[key] = host
         clone = torch.empty(0, dtype=tensor.dtype).set_(host, 0, like.size(), like.stride())
-        return clone.copy_(tensor.detach(), non_blocking=self.pinned)
+        self.pending.append((clone, tensor.detach()))
+        return clone
 
 
 def write_job(job):
@@ -108,6 +116,7 @@ def write_job(job):
 def write_files(jobs, results):
     """The writer process: each job's {path: checksum} back (write_job), or the error."""
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the rank (a restart rewrites the tag)
+    os.setpriority(os.PRIO_PROCESS, 0, WRITER_NICENESS)
     while True:
         job = jobs.get()
         try:
@@ -117,9 +126,24 @@ def write_files(jobs, results):
 
 
 class BackgroundSave:
-    def __init__(self):
-        self.snapshot = HostSnapshot(pinned=get_accelerator().device_name() == "cuda")
-        self.writer = self.completion = self.result = self.tag_dir = None
+    """A save's snapshot is copied by a thread of its own (torch's copies release the GIL; under CUDA on a side
+    stream into pinned memory) while the next step's forward and backward run, which only read the tensors: the
+    optimizer step is what changes them, so it waits for the copy (instruction_started), as do the next save, a
+    preemption and the end; the copier then hands the files to the writer process."""
+
+    def __init__(self, engine):
+        pinned = get_accelerator().device_name() == "cuda"
+        self.snapshot, self.copy_stream = HostSnapshot(pinned), torch.cuda.Stream() if pinned else None
+        self.copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-copier")
+        self.writer = self.copying = self.completion = self.result = self.tag_dir = None
+        add_instruction_listener(engine, self)
+
+    def instruction_started(self, instruction):
+        if instruction is OptimizerStep:  # the handlers are keyed by instruction class
+            self.copied()
+
+    def instruction_ended(self, instruction, started):
+        pass
 
     @contextlib.contextmanager
     def snapshots(self, checkpoint_engine):
@@ -134,8 +158,6 @@ class BackgroundSave:
         checkpoint_engine.preserves_storage_sharing = lambda: False  # DeepSpeed's clone: the snapshot is one
         try:
             yield files
-            if self.snapshot.pinned:
-                torch.cuda.synchronize()  # the non-blocking copies have landed before training changes the tensors
         finally:
             checkpoint_engine.save, checkpoint_engine.preserves_storage_sharing = save, preserves_storage_sharing
 
@@ -148,8 +170,25 @@ class BackgroundSave:
             self.writer = context.Process(target=write_files, args=(self.jobs, self.results), daemon=True,
                                           name="checkpoint-writer")
             self.writer.start()
-        self.jobs.put(files)
+        copies, self.snapshot.pending = self.snapshot.pending, []
+        if self.copy_stream is not None:
+            self.copy_stream.wait_stream(torch.cuda.current_stream())  # after the kernels that wrote the weights
+        self.copying = self.copier.submit(self._copy_and_hand_over, copies, files)
         self.completion, self.result, self.tag_dir = completion, None, tag_dir
+
+    def _copy_and_hand_over(self, copies, files):
+        with torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else contextlib.nullcontext():
+            for clone, tensor in copies:
+                clone.copy_(tensor, non_blocking=self.copy_stream is not None)
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()  # landed, before `copies` lets the device tensors go
+        self.jobs.put(files)
+
+    def copied(self):
+        """Block until the snapshot in flight is whole: before anything changes the tensors it copies."""
+        if self.copying is not None:
+            copying, self.copying = self.copying, None
+            copying.result()
 
     def complete_if_written(self):
         """Collective, after each step: complete the checkpoint in flight if every rank's writer is done. Returns
@@ -164,6 +203,7 @@ class BackgroundSave:
 
     def wait(self):
         """Collective: wait for the checkpoint in flight and complete it (the next save, a preemption, the end)."""
+        self.copied()
         if self.completion is not None:
             self._poll(block=True)
             self._complete()
