@@ -13,7 +13,8 @@ asynchronous save that allocates the snapshot's shared memory (reported apart):
          clone; the trainer waits for that) and hands its copy to a thread; the steps after it run while that
          thread copies (their optimizer step waits for it) and the writer process writes, fsyncs and hashes, each
          step followed by complete_if_written, as the loop does;
-  steps  steps with no save in flight: the normal pace.
+  steps  steps with no save in flight, right before the asynchronous save and right after its write: the normal
+         pace.
 Lost per asynchronous save: the save call + what the steps during the copy and the write took beyond the normal
 pace.
 
@@ -67,12 +68,17 @@ class Trainer:
 
 
 def step(a, b, trainer):
-    """Forward and backward (the matmuls), then the optimizer step."""
+    """Forward and backward (the matmuls), then the optimizer step: (seconds of the step, of its optimizer step)."""
     start = time.perf_counter()
     for _ in range(STEP_MATMULS):
         torch.mm(a, b)
+    optimizer_start = time.perf_counter()
     trainer._INSTRUCTION_MAP[OptimizerStep](trainer)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.perf_counter() - optimizer_start
+
+
+def normal_steps(a, b, trainer):
+    return [step(a, b, trainer)[0] for _ in range(BASELINE_STEPS)]
 
 
 def save_layers(files, tag_dir, engine):
@@ -92,7 +98,8 @@ def sync_save(files, tag_dir, engine):
 
 
 def async_save(files, tag_dir, engine, background, a, b, trainer):
-    """(seconds the save call took, [step seconds while the copy or the write was in flight])."""
+    """(seconds the save call took, [(step seconds, optimizer step seconds) while the copy or the write was in
+    flight])."""
     os.makedirs(tag_dir)
     start = time.perf_counter()
     with background.snapshots(engine) as snapshot:
@@ -131,27 +138,29 @@ def main():
     try:
         first_call, _ = async_save(files, os.path.join(out, "first"), engine, background, a, b, trainer)
         shutil.rmtree(os.path.join(out, "first"))
-        results = {"sync": [], "call": [], "lost": [], "pace": [], "steps_during": [], "normal_step": []}
+        results = {"sync": [], "call": [], "wait": [], "lost": [], "pace": [], "steps_during": [], "normal_step": []}
         for round_index in range(args.rounds):
-            normal = [step(a, b, trainer) for _ in range(BASELINE_STEPS)]
-            normal_step = statistics.median(normal)
             order = ("sync", "async") if round_index % 2 == 0 else ("async", "sync")
             for kind in order:
                 tag_dir = os.path.join(out, f"{kind}{round_index}")
                 if kind == "sync":
                     results["sync"].append(sync_save(files, tag_dir, engine))
-                else:
+                else:  # the normal pace: the steps right before the save and right after its write
+                    before = normal_steps(a, b, trainer)
                     call_seconds, during = async_save(files, tag_dir, engine, background, a, b, trainer)
+                    normal_step = statistics.median(before + normal_steps(a, b, trainer))
                     results["call"].append(call_seconds)
-                    results["lost"].append(call_seconds + sum(s - normal_step for s in during))
-                    results["pace"].append(normal_step / statistics.median(during))
+                    results["wait"].append(sum(optimizer for _, optimizer in during))
+                    results["lost"].append(call_seconds + sum(seconds - normal_step for seconds, _ in during))
+                    results["pace"].append(normal_step / statistics.median(seconds for seconds, _ in during))
                     results["steps_during"].append(len(during))
+                    results["normal_step"].append(normal_step)
                 shutil.rmtree(tag_dir)
-            results["normal_step"].append(normal_step)
             print(f"round {round_index + 1}: sync {results['sync'][-1]:.2f} s; async: save call "
-                  f"{results['call'][-1]:.2f} s, lost {results['lost'][-1]:.2f} s, {results['steps_during'][-1]} steps "
-                  f"during the write at {results['pace'][-1]:.2f} of the normal pace ({normal_step:.3f} s a step)",
-                  flush=True)
+                  f"{results['call'][-1]:.2f} s, optimizer steps waiting for the copy {results['wait'][-1]:.2f} s, "
+                  f"lost {results['lost'][-1]:.2f} s, {results['steps_during'][-1]} steps during the copy and the "
+                  f"write at {results['pace'][-1]:.2f} of the normal pace ({results['normal_step'][-1]:.3f} s a "
+                  f"step)", flush=True)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     print(f"checkpoint: {parameters / 1e9:.2f}B parameters, {size / 2**30:.2f} GiB bf16 in {len(files)} layer files; "
@@ -159,6 +168,7 @@ def main():
     print(f"first asynchronous save (allocating the shared memory): {first_call:.2f} s of save call")
     print(f"synchronous save (the trainer waits): {spread(results['sync'])} s")
     print(f"asynchronous save, the save call (the trainer waits): {spread(results['call'])} s")
+    print(f"asynchronous save, the optimizer steps' wait for the copy: {spread(results['wait'])} s")
     print(f"asynchronous save, training time lost (save call + slower steps during the copy and the write): "
           f"{spread(results['lost'])} s = {statistics.median(results['lost']) / statistics.median(results['sync']):.1%}"
           f" of the synchronous save's")
