@@ -18,9 +18,10 @@ asynchronous save that allocates the snapshot's shared memory (reported apart):
 Lost per asynchronous save: the save call + what the steps during the copy and the write took beyond the normal
 pace.
 
-  python bench/async_save.py [--rounds 3] [--num-layers 18]
+  python bench/async_save.py [--rounds 3] [--num-layers 18] [--step-matmuls 12]
 """
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -41,7 +42,7 @@ from deepspeed.runtime.pipe.schedule import OptimizerStep  # noqa: E402
 from checkpoints.background_save import BackgroundSave  # noqa: E402
 from checkpoints.saving import hashing_saves  # noqa: E402
 
-STEP_MATMULS = 12  # a step: this many 1024 x 1024 fp32 matmuls (about 0.3 s on one core)
+STEP_MATMULS = 12  # a step: this many 1024 x 1024 fp32 matmuls (about 0.3 s on one core), unless --step-matmuls
 BASELINE_STEPS = 8
 
 
@@ -67,18 +68,20 @@ class Trainer:
     _INSTRUCTION_MAP = {OptimizerStep: lambda engine: None}
 
 
-def step(a, b, trainer):
-    """Forward and backward (the matmuls), then the optimizer step: (seconds of the step, of its optimizer step)."""
-    start = time.perf_counter()
-    for _ in range(STEP_MATMULS):
+def step(a, b, trainer, matmuls):
+    """Forward and backward (the matmuls), then the optimizer step: (seconds of the step, of its optimizer step, the
+    trainer thread's CPU seconds in the step's matmuls: what the writer's and the copier's memory traffic slows,
+    whatever else the host runs)."""
+    start, cpu_start = time.perf_counter(), time.thread_time()
+    for _ in range(matmuls):
         torch.mm(a, b)
-    optimizer_start = time.perf_counter()
+    optimizer_start, cpu = time.perf_counter(), time.thread_time() - cpu_start
     trainer._INSTRUCTION_MAP[OptimizerStep](trainer)
-    return time.perf_counter() - start, time.perf_counter() - optimizer_start
+    return time.perf_counter() - start, time.perf_counter() - optimizer_start, cpu
 
 
-def normal_steps(a, b, trainer):
-    return [step(a, b, trainer)[0] for _ in range(BASELINE_STEPS)]
+def normal_steps(run_step):
+    return [run_step() for _ in range(BASELINE_STEPS)]
 
 
 def save_layers(files, tag_dir, engine):
@@ -97,9 +100,8 @@ def sync_save(files, tag_dir, engine):
     return time.perf_counter() - start
 
 
-def async_save(files, tag_dir, engine, background, a, b, trainer):
-    """(seconds the save call took, [(step seconds, optimizer step seconds) while the copy or the write was in
-    flight])."""
+def async_save(files, tag_dir, engine, background, run_step):
+    """(seconds the save call took, [step(...) while the copy or the write was in flight])."""
     os.makedirs(tag_dir)
     start = time.perf_counter()
     with background.snapshots(engine) as snapshot:
@@ -108,7 +110,7 @@ def async_save(files, tag_dir, engine, background, a, b, trainer):
     call_seconds = time.perf_counter() - start
     during = []
     while True:
-        seconds = step(a, b, trainer)
+        seconds = run_step()
         done = background.complete_if_written()
         during.append(seconds)
         if done:
@@ -122,6 +124,8 @@ def spread(values):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--step-matmuls", type=int, default=STEP_MATMULS,
+                        help="a step's forward and backward: this many matmuls (more: a longer step)")
     parser.add_argument("--num-layers", type=int, default=MODEL["num_hidden_layers"],
                         help="decoder layers (fewer: a quick check of the script, not the 1B figure)")
     args = parser.parse_args()
@@ -134,11 +138,13 @@ def main():
     background = BackgroundSave(trainer)
     engine.zipfile_serialization = True  # DeepSpeed's default (checkpoint_serialization), which the trainer keeps
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    run_step = functools.partial(step, a, b, trainer, args.step_matmuls)
     out = tempfile.mkdtemp(prefix="async_save_bench.")
     try:
-        first_call, _ = async_save(files, os.path.join(out, "first"), engine, background, a, b, trainer)
+        first_call, _ = async_save(files, os.path.join(out, "first"), engine, background, run_step)
         shutil.rmtree(os.path.join(out, "first"))
-        results = {"sync": [], "call": [], "wait": [], "lost": [], "pace": [], "steps_during": [], "normal_step": []}
+        results = {"sync": [], "call": [], "wait": [], "lost": [], "pace": [], "steps_during": [], "normal_step": [],
+                   "cpu_pace": [], "cpu_lost": []}
         for round_index in range(args.rounds):
             order = ("sync", "async") if round_index % 2 == 0 else ("async", "sync")
             for kind in order:
@@ -146,13 +152,17 @@ def main():
                 if kind == "sync":
                     results["sync"].append(sync_save(files, tag_dir, engine))
                 else:  # the normal pace: the steps right before the save and right after its write
-                    before = normal_steps(a, b, trainer)
-                    call_seconds, during = async_save(files, tag_dir, engine, background, a, b, trainer)
-                    normal_step = statistics.median(before + normal_steps(a, b, trainer))
+                    before = normal_steps(run_step)
+                    call_seconds, during = async_save(files, tag_dir, engine, background, run_step)
+                    normal = before + normal_steps(run_step)
+                    normal_step, normal_cpu = (statistics.median(s[i] for s in normal) for i in (0, 2))
+                    wait = sum(optimizer for _, optimizer, _ in during)
                     results["call"].append(call_seconds)
-                    results["wait"].append(sum(optimizer for _, optimizer in during))
-                    results["lost"].append(call_seconds + sum(seconds - normal_step for seconds, _ in during))
-                    results["pace"].append(normal_step / statistics.median(seconds for seconds, _ in during))
+                    results["wait"].append(wait)
+                    results["lost"].append(call_seconds + sum(seconds - normal_step for seconds, _, _ in during))
+                    results["pace"].append(normal_step / statistics.median(seconds for seconds, _, _ in during))
+                    results["cpu_lost"].append(call_seconds + wait + sum(cpu - normal_cpu for _, _, cpu in during))
+                    results["cpu_pace"].append(normal_cpu / statistics.median(cpu for _, _, cpu in during))
                     results["steps_during"].append(len(during))
                     results["normal_step"].append(normal_step)
                 shutil.rmtree(tag_dir)
@@ -160,7 +170,8 @@ def main():
                   f"{results['call'][-1]:.2f} s, optimizer steps waiting for the copy {results['wait'][-1]:.2f} s, "
                   f"lost {results['lost'][-1]:.2f} s, {results['steps_during'][-1]} steps during the copy and the "
                   f"write at {results['pace'][-1]:.2f} of the normal pace ({results['normal_step'][-1]:.3f} s a "
-                  f"step)", flush=True)
+                  f"step); by the trainer's CPU time: lost {results['cpu_lost'][-1]:.2f} s, pace "
+                  f"{results['cpu_pace'][-1]:.2f}", flush=True)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     print(f"checkpoint: {parameters / 1e9:.2f}B parameters, {size / 2**30:.2f} GiB bf16 in {len(files)} layer files; "
@@ -174,6 +185,10 @@ def main():
           f" of the synchronous save's")
     print(f"steps during the background write: {spread(results['pace'])} of the normal pace, "
           f"{spread(results['steps_during'])} steps of {spread(results['normal_step'])} s")
+    print(f"by the trainer thread's CPU time (save call + optimizer steps' wait + the steps' extra CPU time during the "
+          f"copy and the write): lost {spread(results['cpu_lost'])} s = "
+          f"{statistics.median(results['cpu_lost']) / statistics.median(results['sync']):.1%} of the synchronous "
+          f"save's; steps at {spread(results['cpu_pace'])} of the normal pace")
     dist.destroy_process_group()
 
 
