@@ -1,31 +1,37 @@
 """Saves that do not stop training (async_save=true).
 
-At a save each rank copies the tensors of the files it writes (its layers' weights and optimizer state, DeepSpeed's
-model-states file) into host buffers kept from one save to the next (in shared memory, pinned under CUDA), and
-hands them to a writer process (spawned once per rank: a separate interpreter, so writing never holds the trainer's
-GIL), which writes and hashes them while training goes on. The checkpoint becomes COMPLETE and `latest` exactly as
-a synchronous save does (checkpoints/saving.py: complete_checkpoint), once every rank's writer is done: after each
-step, while a write is in flight, the ranks agree on it with one all-reduce of a flag. The next save, a preemption
-and the end of training wait for it. A rank killed mid-write takes its writer with it (the parent's death kills
-it), so the previous `latest` stays and the partial directory is removed at the next start.
+At a save each rank takes a snapshot of the files it writes (its layers' weights and optimizer state, DeepSpeed's
+model-states file): host buffers kept from one save to the next (in shared memory, pinned under CUDA) that a thread
+of its own fills while the next step's forward and backward run (its optimizer step waits for the copy), then
+hands to a writer process (spawned once per rank: a separate interpreter, so writing never holds the trainer's
+GIL), which writes, fsyncs and hashes them while training goes on. The checkpoint becomes COMPLETE and `latest`
+exactly as a synchronous save does (checkpoints/saving.py: complete_checkpoint), once every rank's writer is done:
+after each step, while a write is in flight, the ranks agree on it with one all-reduce of a flag. The next save, a
+preemption and the end of training wait for it. A rank killed mid-write takes its writer with it (the parent's
+death kills it), so the previous `latest` stays and the partial directory is removed at the next start.
 """
 import contextlib
-import copy
 import ctypes
+import itertools
 import os
 import shutil
 import signal
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import torch.multiprocessing
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.pipe.schedule import OptimizerStep
 
 import collectives
 from checkpoints.files import size_text
-from checkpoints.integrity import file_checksum
+from checkpoints.integrity import durable_checksum
+from training.instruction_listeners import add_instruction_listener
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal this process gets when its parent dies
 SHARED_MEMORY_DIR = "/dev/shm"  # where share_memory_() places the snapshot's storages
+WRITER_NICENESS = 19  # the lowest CPU priority: on a busy host the writer takes the time training leaves idle
 
 
 def available_host_bytes():
@@ -57,88 +63,103 @@ def check_snapshot_room(needed_bytes, ranks):
 
 
 class HostSnapshot:
-    """Host copies of the tensors each file holds, reused while a file's storages keep their sizes."""
+    """Host copies of the tensors each file holds, reused while a file's tensors keep their sizes."""
 
     def __init__(self, pinned):
         self.pinned, self.storages = pinned, {}
+        self.pending = []  # [(host clone, tensor)] that copy() returned and BackgroundSave's copier has yet to fill
 
     def copy(self, name, state):
-        """state with every tensor in its dicts, lists and tuples backed by this snapshot's host storage (a storage
-        shared by several tensors stays shared, views keep their offsets and strides), everything else deep-copied:
-        torch.save writes the same bytes from it as from state."""
-        copies, memo = {}, {}
-        for tensor in tensors_in(state):
-            storage = tensor.untyped_storage()
-            if storage._cdata not in copies:
-                copies[storage._cdata] = self._host_storage((name, len(copies)), storage)
-            host = torch.empty(0, dtype=tensor.dtype).set_(copies[storage._cdata], tensor.storage_offset(),
-                                                            tensor.size(), tensor.stride())
-            if isinstance(tensor, torch.nn.Parameter):
-                host = torch.nn.Parameter(host, requires_grad=tensor.requires_grad)
-            elif tensor.requires_grad:
-                host.requires_grad_()
-            memo[id(tensor)] = host
-        return copy.deepcopy(state, memo)
+        """What DeepSpeed's clone_tensors_for_torch_save(state) returns before a synchronous torch.save (each tensor
+        in its dicts, lists and tuples cloned into a storage of its own), with the clones in this snapshot's host
+        storages: torch.save writes the same bytes from it once `pending` is copied. DeepSpeed skips its own clone
+        while snapshots are taken (BackgroundSave.snapshots), so each tensor is copied once."""
+        tensors = itertools.count()  # the key of each tensor's buffer in the file's: its place in state
 
-    def _host_storage(self, key, storage):
+        def cloned(item):
+            if torch.is_tensor(item):
+                return self._host_clone((name, next(tensors)), item)
+            if isinstance(item, list):
+                return [cloned(value) for value in item]
+            if isinstance(item, tuple):
+                return tuple(cloned(value) for value in item)
+            if isinstance(item, dict):
+                return type(item)({key: cloned(value) for key, value in item.items()})
+            return item
+        return cloned(state)
+
+    def _host_clone(self, key, tensor):
+        like = torch.empty_like(tensor, device="meta")  # clone's layout: the strides empty_like keeps
         host = self.storages.get(key)
-        if host is None or host.nbytes() != storage.nbytes():
-            host = torch.UntypedStorage(storage.nbytes()).share_memory_()
+        if host is None or host.nbytes() != like.untyped_storage().nbytes():
+            host = torch.UntypedStorage(like.untyped_storage().nbytes()).share_memory_()
             if self.pinned:  # device-to-host copies at full speed, without a staging copy
                 torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.nbytes(), 0)
             self.storages[key] = host
-        host.copy_(storage, non_blocking=self.pinned)
-        return host
+        clone = torch.empty(0, dtype=tensor.dtype).set_(host, 0, like.size(), like.stride())
+        self.pending.append((clone, tensor.detach()))
+        return clone
 
 
-def tensors_in(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensors_in(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from tensors_in(item)
+def write_job(job):
+    """[(path, state, zip serialization)] written, fsynced and hashed: {path: checksum}."""
+    written = {}
+    for path, state, zip_serialization in job:
+        try:
+            torch.save(state, path, _use_new_zipfile_serialization=zip_serialization)
+            written[path] = durable_checksum(path)
+        except OSError as error:
+            raise OSError(f"{path}: {error}") from None
+    return written
 
 
 def write_files(jobs, results):
-    """The writer process: each job, [(path, state, zip serialization)], written and hashed; {path: checksum} back,
-    or the error."""
+    """The writer process: each job's {path: checksum} back (write_job), or the error."""
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the rank (a restart rewrites the tag)
+    os.setpriority(os.PRIO_PROCESS, 0, WRITER_NICENESS)
     while True:
         job = jobs.get()
         try:
-            written = {}
-            for path, state, zip_serialization in job:
-                torch.save(state, path, _use_new_zipfile_serialization=zip_serialization)
-                written[path] = file_checksum(path)
-            results.put(("written", written))
+            results.put(("written", write_job(job)))
         except OSError as error:
-            results.put(("error", f"{path}: {error}"))
+            results.put(("error", str(error)))
 
 
 class BackgroundSave:
-    def __init__(self):
-        self.snapshot = HostSnapshot(pinned=get_accelerator().device_name() == "cuda")
-        self.writer = self.completion = self.result = self.tag_dir = None
+    """A save's snapshot is copied by a thread of its own (torch's copies release the GIL; under CUDA on a side
+    stream into pinned memory) while the next step's forward and backward run, which only read the tensors: the
+    optimizer step is what changes them, so it waits for the copy (instruction_started), as do the next save, a
+    preemption and the end; the copier then hands the files to the writer process."""
+
+    def __init__(self, engine):
+        pinned = get_accelerator().device_name() == "cuda"
+        self.snapshot, self.copy_stream = HostSnapshot(pinned), torch.cuda.Stream() if pinned else None
+        self.copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-copier")
+        self.writer = self.copying = self.completion = self.result = self.tag_dir = None
+        add_instruction_listener(engine, self)
+
+    def instruction_started(self, instruction):
+        if instruction is OptimizerStep:  # the handlers are keyed by instruction class
+            self.copied()
+
+    def instruction_ended(self, instruction, started):
+        pass
 
     @contextlib.contextmanager
     def snapshots(self, checkpoint_engine):
         """Yields the [(path, host copy, zip serialization)] of every file the checkpoint engine is asked to write
         inside the block, instead of writing it."""
-        save, files = checkpoint_engine.save, []
+        save, preserves_storage_sharing, files = checkpoint_engine.save, checkpoint_engine.preserves_storage_sharing, []
 
         def snapshot(state_dict, path):  # keyed by the file's name, which every save's tag directory repeats
             host_copy = self.snapshot.copy(os.path.basename(path), state_dict)
             files.append((path, host_copy, checkpoint_engine.zipfile_serialization))
         checkpoint_engine.save = snapshot
+        checkpoint_engine.preserves_storage_sharing = lambda: False  # DeepSpeed's clone: the snapshot is one
         try:
             yield files
-            if self.snapshot.pinned:
-                torch.cuda.synchronize()  # the non-blocking copies have landed before training changes the tensors
         finally:
-            checkpoint_engine.save = save
+            checkpoint_engine.save, checkpoint_engine.preserves_storage_sharing = save, preserves_storage_sharing
 
     def submit(self, files, tag_dir, completion):
         """Write `files` of tag_dir in the background; completion({path: checksum}) (collective) once every rank's
@@ -149,8 +170,25 @@ class BackgroundSave:
             self.writer = context.Process(target=write_files, args=(self.jobs, self.results), daemon=True,
                                           name="checkpoint-writer")
             self.writer.start()
-        self.jobs.put(files)
+        copies, self.snapshot.pending = self.snapshot.pending, []
+        if self.copy_stream is not None:
+            self.copy_stream.wait_stream(torch.cuda.current_stream())  # after the kernels that wrote the weights
+        self.copying = self.copier.submit(self._copy_and_hand_over, copies, files)
         self.completion, self.result, self.tag_dir = completion, None, tag_dir
+
+    def _copy_and_hand_over(self, copies, files):
+        with torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else contextlib.nullcontext():
+            for clone, tensor in copies:
+                clone.copy_(tensor, non_blocking=self.copy_stream is not None)
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()  # landed, before `copies` lets the device tensors go
+        self.jobs.put(files)
+
+    def copied(self):
+        """Block until the snapshot in flight is whole: before anything changes the tensors it copies."""
+        if self.copying is not None:
+            copying, self.copying = self.copying, None
+            copying.result()
 
     def complete_if_written(self):
         """Collective, after each step: complete the checkpoint in flight if every rank's writer is done. Returns
@@ -165,6 +203,7 @@ class BackgroundSave:
 
     def wait(self):
         """Collective: wait for the checkpoint in flight and complete it (the next save, a preemption, the end)."""
+        self.copied()
         if self.completion is not None:
             self._poll(block=True)
             self._complete()

@@ -45,17 +45,13 @@ def atomic_path(path):
     tmp = temporary_name(path)
     try:
         yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def atomic_write(path, write):
@@ -72,8 +68,10 @@ def write_text_atomic(path, text):
     write_bytes_atomic(path, text.encode())
 
 
-def fsync_dir(directory):
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path):
+    """Block until the file's (or directory's entries') bytes are on stable storage: what a rename or a marker that
+    names them may only come after (delayed allocation on ext4/xfs leaves an unsynced file empty after a crash)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -115,7 +113,7 @@ def staged_directory(output_dir):
         os.rmdir(previous)
         os.replace(output_dir, previous)
     os.replace(staging, output_dir)
-    fsync_dir(parent)
+    fsync_path(parent)
     if previous:
         shutil.rmtree(previous, ignore_errors=True)
 

@@ -2,9 +2,10 @@
 
 Layer files are written without zip CRCs (and torch.load checks none), so a flipped byte would otherwise load and
 export silently. Every converted directory and every training checkpoint holds ``checksums.json``: for each file of
-its tag directory (and, in a converted directory, one more for the config and tokenizer files at its top level), the size and an xxh3-128 hash (xxhash, ~25 GB/s: bench/README.md). A file is hashed right after it
-is written, while its pages are still in the page cache; the manifest is written atomically and before the
-checkpoint is declared complete, so a complete checkpoint always has a complete manifest.
+its tag directory (and, in a converted directory, one more for the config and tokenizer files at its top level), the
+size and an xxh3-128 hash (xxhash, ~25 GB/s: bench/README.md). A file is hashed (a training checkpoint's also
+fsynced) right after it is written, while its pages are still in the page cache; the manifest is written atomically
+and before the checkpoint is declared complete, so a complete checkpoint always has a complete manifest.
 """
 import json
 import os
@@ -13,7 +14,7 @@ import torch.distributed as dist
 import xxhash
 
 import collectives
-from checkpoints.files import MANIFEST_NAME, write_text_atomic
+from checkpoints.files import MANIFEST_NAME, fsync_path, write_text_atomic
 
 ALGORITHM = "xxh3_128"
 CHUNK_BYTES = 16 << 20
@@ -34,6 +35,13 @@ def file_checksum(path):
             digest.update(view[:count])
             size += count
     return {"bytes": size, ALGORITHM: digest.hexdigest()}
+
+
+def durable_checksum(path):
+    """file_checksum of a file just written, once fsync has put it on stable storage: a checkpoint declared complete
+    names no file that a power loss or a node's crash could leave empty or short."""
+    fsync_path(path)
+    return file_checksum(path)
 
 
 def write_manifest(directory, checksums):

@@ -1,10 +1,11 @@
 """Crash-safe training checkpoints on top of DeepSpeed's save.
 
-A save writes tag directory ``global_stepN`` through DeepSpeed (every rank its own files, each hashed right after
-it is written), then, only after every rank has finished, rank 0 writes the checksum manifest, drops a COMPLETE
-marker in it and atomically points ``latest`` at it. A process killed mid-save therefore leaves the previous
-checkpoint as ``latest``; tag directories without the marker are never resumed from, and the next run removes them
-(those that rank 0 marked IN_PROGRESS before the save wrote anything: checkpoints/tag_dirs.py).
+A save writes tag directory ``global_stepN`` through DeepSpeed (every rank its own files, each fsynced and hashed
+right after it is written), then, only after every rank has finished, rank 0 writes the checksum manifest, drops a
+COMPLETE marker in it and atomically points ``latest`` at it: what COMPLETE names is on stable storage first. A
+process killed mid-save therefore leaves the previous checkpoint as ``latest``; tag directories without the marker
+are never resumed from, and the next run removes them (those that rank 0 marked IN_PROGRESS before the save wrote
+anything: checkpoints/tag_dirs.py).
 """
 import contextlib
 import os
@@ -17,7 +18,7 @@ import collectives
 from checkpoints.disk_space import check_space_for_checkpoint, disk_full_is_one_line
 from checkpoints.files import (COMPLETE_MARKER, IN_PROGRESS_MARKER, LATEST, copy_model_side_files,
                                copy_tokenizer_files, write_text_atomic)
-from checkpoints.integrity import file_checksum, write_manifest
+from checkpoints.integrity import durable_checksum, write_manifest
 from checkpoints.optimizer_state import save_training_state
 from checkpoints.rng_state import rng_state_path, save_rng_state
 from checkpoints.tag_dirs import begin_change, end_save, prune_checkpoints, tag_of_step
@@ -30,12 +31,13 @@ RUN_CONFIG_NAME = "run_config.yaml"
 @contextlib.contextmanager
 def hashing_saves(checkpoint_engine):
     """Yields {path: checksum} of every file DeepSpeed's checkpoint engine writes on this rank, filled on exit. Each
-    file is hashed by a second thread while the next one is written, its pages still in the page cache."""
+    file is fsynced and hashed by a second thread while the next one is written (its pages still in the page
+    cache)."""
     save, hasher, pending, checksums = checkpoint_engine.save, ThreadPoolExecutor(max_workers=1), {}, {}
 
     def save_and_hash(state_dict, path):
         save(state_dict, path)
-        pending[path] = hasher.submit(file_checksum, path)
+        pending[path] = hasher.submit(durable_checksum, path)
     checkpoint_engine.save = save_and_hash
     try:
         yield checksums
@@ -91,7 +93,7 @@ def complete_checkpoint(cfg, model_files_dir, tag_dir, trainer_state, written, n
     files, the manifest, COMPLETE and `latest`, and prunes the oldest checkpoints."""
     output_dir, tag = os.path.dirname(tag_dir), os.path.basename(tag_dir)
     rng_path = rng_state_path(tag_dir, dist.get_rank())
-    written[rng_path] = file_checksum(rng_path)
+    written[rng_path] = durable_checksum(rng_path)
     every_rank = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     collectives.gather_object({os.path.relpath(p, tag_dir): c for p, c in written.items()}, every_rank, dst=0)
     # gather_object returned: every rank's files are written before the checkpoint is declared complete
@@ -113,8 +115,8 @@ def write_side_files_and_complete(cfg, model_files_dir, tag_dir, trainer_state, 
     checksums = {name: checksum for files in every_rank for name, checksum in files.items()}
     for name in os.listdir(tag_dir):  # the small side files rank 0 just wrote
         if name not in checksums and name != IN_PROGRESS_MARKER and os.path.isfile(os.path.join(tag_dir, name)):
-            checksums[name] = file_checksum(os.path.join(tag_dir, name))
-    write_manifest(tag_dir, checksums)
+            checksums[name] = durable_checksum(os.path.join(tag_dir, name))
+    write_manifest(tag_dir, checksums)  # atomically: which fsyncs the directory, every file's name in it
     write_text_atomic(os.path.join(tag_dir, COMPLETE_MARKER), tag)
     end_save(tag_dir)
     write_text_atomic(os.path.join(output_dir, LATEST), tag)

@@ -73,6 +73,7 @@ def inject(kind, fault_rank, fault_step):
         def submit_then_die(self, files, tag_dir, completion):
             submit(self, files, tag_dir, completion)
             if rank() == fault_rank and tag_dir.endswith(f"global_step{fault_step}"):
+                self.copied()  # the copier has handed the files to the writer
                 print(f"FAULT {kind} AT {fault_step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
         BackgroundSave.submit = submit_then_die

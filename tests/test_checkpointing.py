@@ -2,10 +2,17 @@
 import os
 import shutil
 import socket
+from types import SimpleNamespace
 
 import pytest
+import torch
+from omegaconf import OmegaConf
 
+from checkpoints.background_save import write_job
 from checkpoints.files import atomic_path, atomic_write, staged_directory, temporary_name, write_text_atomic
+from checkpoints.integrity import durable_checksum
+from checkpoints.rng_state import rng_state_path
+from checkpoints.saving import hashing_saves, write_side_files_and_complete
 from checkpoints.tag_dirs import complete_tags, prune_checkpoints, remove_incomplete_checkpoints
 from training.loop import data_position
 from training.resume import check_fresh_start, check_output_dir_is_ours, resolve_resume
@@ -153,3 +160,35 @@ def test_atomic_write_is_whole_or_absent_under_names_no_other_writer_takes(tmp_p
 ])
 def test_data_position_from_consumed_samples(consumed, dp, micro, per_epoch, position):
     assert data_position({"consumed_samples": consumed}, per_epoch, dp, micro) == position
+
+
+def test_every_file_complete_names_is_fsynced_before_complete_is_written(tmp_path, monkeypatch):
+    """A rank's files (synchronous: hashing_saves; asynchronous: the writer's job), its RNG file, rank 0's side files
+    and the tag directory's entries are on stable storage before COMPLETE is renamed into place: a power loss or a
+    node's crash cannot leave a complete checkpoint with an empty or short file (ext4/xfs delayed allocation)."""
+    tag_dir, model_dir = tmp_path / "global_step2", tmp_path / "model"
+    tag_dir.mkdir()
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    (tag_dir / "IN_PROGRESS").write_text("save")
+    events, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd)))
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", str(dst))), replace(src, dst)))
+    engine = SimpleNamespace(save=lambda state, path: torch.save(state, path))
+    with hashing_saves(engine) as written:
+        engine.save({"weight": torch.ones(3)}, str(tag_dir / "layer_01-model_states.pt"))
+    written.update(write_job([(str(tag_dir / "layer_02-model_states.pt"), {"weight": torch.zeros(2)}, True)]))
+    torch.save({}, rng_state_path(str(tag_dir), 0))
+    written[rng_state_path(str(tag_dir), 0)] = durable_checksum(rng_state_path(str(tag_dir), 0))
+    cfg = OmegaConf.create({"tokenizer_name_or_path": None})
+    write_side_files_and_complete(cfg, str(model_dir), str(tag_dir), {"step": 2},
+                                  [{os.path.relpath(p, tag_dir): c for p, c in written.items()}])
+    complete_at = events.index(("replace", str(tag_dir / "COMPLETE")))
+    synced_before = {path for kind, path in events[:complete_at] if kind == "fsync"}
+    files = {str(path) for path in tag_dir.iterdir()} - {str(tag_dir / "COMPLETE")}
+    assert {"config.json", "run_config.yaml", "trainer_state.json", "checksums.json", "rng_state_rank00000.pt",
+            "layer_01-model_states.pt", "layer_02-model_states.pt"} == {os.path.basename(f) for f in files}
+    assert files | {str(tag_dir)} <= synced_before | {str(tag_dir / "checksums.json")}
+    assert (tag_dir / "COMPLETE").read_text() == "global_step2" and (tmp_path / "latest").read_text() == "global_step2"

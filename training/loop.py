@@ -341,7 +341,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
     profile = (StepProfile(engine, cfg.output_dir, dist.get_rank(), planned_stage_tflops(spec, engine.stage_id))
                if cfg.profile else NoProfile())
     stragglers = StragglerWatch(engine, cfg.straggler_margin)
-    background = BackgroundSave() if cfg.async_save else None
+    background = BackgroundSave(engine) if cfg.async_save else None
     start_time = window_start = time.time()
     window_steps, losses, skipped, unlabelled = 0, [], 0, 0
     result = {}
