@@ -57,10 +57,12 @@ def test_sigterm_mid_run_saves_that_step_and_resume_matches_uninterrupted_run(de
     launcher (which forwards it to rank 0 first) or to rank 0: every rank finishes step 5, saves it (not a
     save_steps multiple) and exits; resume=auto, under pipeline_schedule=zero_bubble, then gives the uninterrupted
     1F1B run's losses (resumed once: the checkpoint is the same whichever process got the signal, so the launcher
-    and rank cases run on 2 processes, 2 stages)."""
+    and rank cases run on 2 processes, 2 stages; the rank case under ZB-V, whose ranks each hold two chunks)."""
     out = tmp_path / "run"
     overrides = demo_overrides(demo_model, out, **REFERENCE)
-    runner = start_trainer(4 if target == "runner" else 2, overrides, script=FAULT_SCRIPT, env={"FAULT": "pause:0:5"})
+    schedule = ["pipeline_schedule=zbv"] if target == "rank" else []
+    runner = start_trainer(4 if target == "runner" else 2, overrides + schedule, script=FAULT_SCRIPT,
+                           env={"FAULT": "pause:0:5"})
     output = []
     for line in runner.stdout:
         output.append(line)
@@ -85,6 +87,7 @@ def test_sigterm_mid_run_saves_that_step_and_resume_matches_uninterrupted_run(de
     assert f"trainer_pipe: preempted ({reason}) after step 5: saved {out}/global_step5" in output, output[-3000:]
     assert (out / "latest").read_text() == "global_step5" and (out / "global_step5" / "COMPLETE").is_file()
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == [1, 2, 3, 4, 5]
+    assert ("ZB-V schedule, 2 chunks per rank" in output) == (target == "rank"), output[-3000:]
     if target != "runner":
         return
     resumed = check_ok(launch_trainer(4, overrides + ["resume=auto", "pipeline_schedule=zero_bubble"]))
