@@ -7,7 +7,7 @@ remembers it), so a supervised run's restart goes past it. kind one of
   nan               the loss (last stage) becomes NaN at that step, so gradients are NaN too
   unlabelled        every label of that step's micro-batches becomes -100 on every rank that reads data (the rank
                     field is not used): the step's global batch has nothing to learn
-  pause             this rank prints PAUSED_AT <step> and waits at the start of that step until it is asked to stop
+  pause             this rank prints PAUSED_AT <step> PID <its pid> and waits at the start of that step until it is asked to stop
                     (SIGTERM, or its launcher gone): a preemption lands in a known step
   sigkill, sigstop  this rank sends itself SIGKILL (a dead rank) or SIGSTOP (a hung one) at the start of that step
   freeze            a hung rank that a SIGTERM ends: at the start of that step, with SIGTERM's default action back,
@@ -142,7 +142,7 @@ def inject(kind, fault_rank, fault_step):
 
         def paused_train_batch(self, *args, **kwargs):
             if rank() == fault_rank and self.global_steps + 1 == fault_step:
-                print(f"PAUSED_AT {fault_step}", flush=True)
+                print(f"PAUSED_AT {fault_step} PID {os.getpid()}", flush=True)
                 while watches[0].requested_at is None:
                     watches[0].check_launcher()
                     time.sleep(0.1)

@@ -45,15 +45,16 @@ class ForkedProcess:
             self.process.kill()
 
 
-def run_script(argv, env, out_path, err_path):
-    """`python ARGV` in this forked process: argv a script and its arguments, or ["-c", code, arguments...]."""
+def run_script(argv, env, out_path=None, err_path=None):
+    """`python ARGV` in this forked process: argv a script and its arguments, or ["-c", code, arguments...]; its
+    stdout and stderr appended to out_path and err_path, or where they are (tests/launcher_site/sitecustomize.py)."""
     os.chdir(ROOT)
     os.environ.clear()
     os.environ.update(env)
     if "OMP_NUM_THREADS" in env:  # a fresh interpreter's torch would take its thread count from it
         import torch
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    for fd, path in ((1, out_path), (2, err_path)):
+    for fd, path in ((1, out_path), (2, err_path)) if out_path else ():
         file = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.dup2(file, fd)
         os.close(file)

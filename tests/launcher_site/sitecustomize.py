@@ -1,0 +1,57 @@
+"""Imported at start-up by every interpreter the CPU tests start (tests/launch.py puts this directory on PYTHONPATH);
+it acts only in DeepSpeed's per-node launcher (python -u -m deepspeed.launcher.launch): there the launcher imports the
+libraries once (tests/zygote_imports.py) and forks each `python -u SCRIPT ARGS` rank from itself, rather than starting
+it as a fresh interpreter that imports them again (~7 CPU s a rank, 18 ranks a suite).
+
+Each rank is still the launcher's own child, started where and when DeepSpeed starts it: its pid, parent, signals,
+stdout/stderr and exit code are a fresh rank's, and DeepSpeed polls, signals and reaps it as it would. It runs the
+script as `python -u` would (tests/rank_zygote.py run_script); only its /proc/PID/cmdline and environ show the
+launcher's, as the environment is set in the forked process."""
+import os
+import subprocess
+import sys
+import threading
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ARGV = sys.orig_argv
+
+
+class ForkedRank(subprocess.Popen):
+    """subprocess.Popen that forks `python -u SCRIPT ARGS` (a command without pipes, cwd or preexec_fn: the
+    launcher's) from this process; any other command starts as usual."""
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *rest):
+        pipes = rest[3:9]  # p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite
+        if not (isinstance(args, list) and args[:2] == [sys.executable, "-u"] and not args[2].startswith("-")
+                and preexec_fn is None and cwd is None and env is not None and set(pipes) == {-1}):
+            return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *rest)
+        self.pid = os.fork()
+        self._child_created = True
+        if self.pid == 0:
+            os._exit(run_as_interpreter(args[2:], env))
+
+
+def run_as_interpreter(argv, env):
+    """`python -u ARGV`'s exit code: a SystemExit's, or 1 after an uncaught exception's traceback; as a forked rank
+    of the zygote ends (multiprocessing's), after its threads that are not daemons."""
+    from tests.rank_zygote import run_script
+    try:
+        run_script(argv, env)
+        return 0
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        threading._shutdown()
+
+
+if "-m" in ARGV and ARGV[ARGV.index("-m") + 1:ARGV.index("-m") + 2] == ["deepspeed.launcher.launch"]:
+    sys.path.insert(0, ROOT)
+    import tests.zygote_imports  # noqa: E402,F401
+    subprocess.Popen = ForkedRank
