@@ -7,8 +7,8 @@ remembers it), so a supervised run's restart goes past it. kind one of
   nan               the loss (last stage) becomes NaN at that step, so gradients are NaN too
   unlabelled        every label of that step's micro-batches becomes -100 on every rank that reads data (the rank
                     field is not used): the step's global batch has nothing to learn
-  pause             this rank prints PAUSED_AT <step> PID <its pid> and waits at the start of that step until it is asked to stop
-                    (SIGTERM, or its launcher gone): a preemption lands in a known step
+  pause             this rank prints PAUSED_AT <step> PID <its pid> and waits at the start of that step until it is
+                    asked to stop (SIGTERM, or its launcher gone): a preemption lands in a known step
   sigkill, sigstop  this rank sends itself SIGKILL (a dead rank) or SIGSTOP (a hung one) at the start of that step
   freeze            a hung rank that a SIGTERM ends: at the start of that step, with SIGTERM's default action back,
                     this rank waits in pause() holding the GIL, so none of its Python threads runs; its launcher's
