@@ -13,6 +13,8 @@ import multiprocessing
 import os
 import runpy
 import sys
+import threading
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONTEXT = None
@@ -70,3 +72,21 @@ def run_script(argv, env, out_path=None, err_path=None):
             runpy.run_path(argv[0], run_name="__main__")
     finally:
         atexit._run_exitfuncs()
+
+
+def run_as_interpreter(argv, env, out_path=None, err_path=None):
+    """run_script as a forked process's whole life: `python ARGV`'s exit code, a SystemExit's or 1 after an uncaught
+    exception's traceback, once its threads that are not daemons have ended (as multiprocessing ends the zygote's)."""
+    try:
+        run_script(argv, env, out_path, err_path)
+        return 0
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        threading._shutdown()

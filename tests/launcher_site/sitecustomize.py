@@ -6,13 +6,12 @@ interpreter that imports them again (~7 CPU s a rank, 26 ranks a suite).
 
 Each rank is still the launcher's own child, started where and when the launcher starts it (in a new session where
 torchrun asks for one): its pid, parent, signals, stdout/stderr and exit code are a fresh rank's, and the launcher
-polls, signals and reaps it as it would. It runs the script as `python -u` would (tests/rank_zygote.py run_script);
-only its /proc/PID/cmdline and environ show the launcher's, as the environment is set in the forked process."""
+polls, signals and reaps it as it would. It runs the script as `python -u` would (tests/rank_zygote.py
+run_as_interpreter); only its /proc/PID/cmdline and environ show the launcher's, as the environment is set in the
+forked process."""
 import os
 import subprocess
 import sys
-import threading
-import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGV = sys.orig_argv
@@ -33,26 +32,8 @@ class ForkedRank(subprocess.Popen):
         if self.pid == 0:
             if new_session:
                 os.setsid()
+            from tests.rank_zygote import run_as_interpreter
             os._exit(run_as_interpreter(list(args[2:]), env))
-
-
-def run_as_interpreter(argv, env):
-    """`python -u ARGV`'s exit code: a SystemExit's, or 1 after an uncaught exception's traceback; as a forked rank
-    of the zygote ends (multiprocessing's), after its threads that are not daemons."""
-    from tests.rank_zygote import run_script
-    try:
-        run_script(argv, env)
-        return 0
-    except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            return stop.code or 0
-        print(stop.code, file=sys.stderr)
-        return 1
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    finally:
-        threading._shutdown()
 
 
 MODULE = ARGV[ARGV.index("-m") + 1] if "-m" in ARGV[:-1] else None
