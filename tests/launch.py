@@ -13,6 +13,8 @@ from tests.conftest import ROOT
 from tests.distributed import free_port
 from tests.rank_zygote import ForkedProcess
 
+LAUNCHER_SITE = os.path.join(ROOT, "tests", "launcher_site")  # its sitecustomize.py: see process_environment
+
 
 def launch_trainer(num_procs, overrides, config="tiny", timeout=240, hostfile=None, script="trainer_pipe.py",
                    env=None, accelerator="cpu", launcher=False):
@@ -56,9 +58,10 @@ def run_python(args, timeout=300, env=None):
 def process_environment(accelerator, env=None):
     """This environment with DeepSpeed's accelerator, unbuffered output and, on the CPU, one thread per process (as
     torchrun sets): the tiny models' ops are too small to split, and a second thread's spin-waits cost tens of times
-    their work on a busy 2-core host."""
-    threads = {"OMP_NUM_THREADS": "1"} if accelerator == "cpu" else {}
-    return {**os.environ, "DS_ACCELERATOR": accelerator, "PYTHONUNBUFFERED": "1", **threads, **(env or {})}
+    their work on a busy 2-core host; and DeepSpeed's launcher forking its ranks (tests/launcher_site)."""
+    cpu = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [LAUNCHER_SITE, os.environ.get(
+        "PYTHONPATH")]))} if accelerator == "cpu" else {}
+    return {**os.environ, "DS_ACCELERATOR": accelerator, "PYTHONUNBUFFERED": "1", **cpu, **(env or {})}
 
 
 def run_processes(command, envs, timeout, kill_peers=True):

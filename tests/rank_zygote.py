@@ -13,6 +13,8 @@ import multiprocessing
 import os
 import runpy
 import sys
+import threading
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONTEXT = None
@@ -45,15 +47,16 @@ class ForkedProcess:
             self.process.kill()
 
 
-def run_script(argv, env, out_path, err_path):
-    """`python ARGV` in this forked process: argv a script and its arguments, or ["-c", code, arguments...]."""
+def run_script(argv, env, out_path=None, err_path=None):
+    """`python ARGV` in this forked process: argv a script and its arguments, or ["-c", code, arguments...]; its
+    stdout and stderr appended to out_path and err_path, or where they are (tests/launcher_site/sitecustomize.py)."""
     os.chdir(ROOT)
     os.environ.clear()
     os.environ.update(env)
     if "OMP_NUM_THREADS" in env:  # a fresh interpreter's torch would take its thread count from it
         import torch
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    for fd, path in ((1, out_path), (2, err_path)):
+    for fd, path in ((1, out_path), (2, err_path)) if out_path else ():
         file = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.dup2(file, fd)
         os.close(file)
@@ -69,3 +72,21 @@ def run_script(argv, env, out_path, err_path):
             runpy.run_path(argv[0], run_name="__main__")
     finally:
         atexit._run_exitfuncs()
+
+
+def run_as_interpreter(argv, env, out_path=None, err_path=None):
+    """run_script as a forked process's whole life: `python ARGV`'s exit code, a SystemExit's or 1 after an uncaught
+    exception's traceback, once its threads that are not daemons have ended (as multiprocessing ends the zygote's)."""
+    try:
+        run_script(argv, env, out_path, err_path)
+        return 0
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        threading._shutdown()

@@ -589,11 +589,10 @@ def assert_first_step_matches_trl(model, root, case, world_size, data_parallel, 
     assert compared == set(grads), (case, set(grads) - compared)
 
 
-def launch_two_nodes(settings, logs, timeout=600):
+def launch_two_nodes(settings, timeout=600):
     """tests/two_node_worker.py as a job of 2 nodes x 2 ranks on this machine: each node a PID namespace (unshare;
-    its shell pid 1, its ranks 2 and 3, the same on both nodes, as containers on two hosts give them) on the host's
-    network, so that gloo's rendezvous on 127.0.0.1 connects. One CompletedProcess per node."""
-    import shlex
+    the node's process pid 1, its ranks 2 and 3, the same on both nodes, as containers on two hosts give them) on the
+    host's network, so that gloo's rendezvous on 127.0.0.1 connects."""
     import subprocess
     import sys
 
@@ -601,13 +600,9 @@ def launch_two_nodes(settings, logs, timeout=600):
     from tests.distributed import free_port
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WORLD_SIZE="4",
                LOCAL_SIZE="2", CROSS_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    worker = f"{shlex.quote(sys.executable)} -m tests.two_node_worker {shlex.quote(json.dumps(settings))}"
-    nodes = []
-    for node in range(2):
-        ranks = [f"env RANK={2 * node + local} LOCAL_RANK={local} CROSS_RANK={node} {worker} "
-                 f"> {logs / f'rank{2 * node + local}.log'} 2>&1 &" for local in range(2)]
-        nodes.append(subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "sh", "-c",
-                                       " ".join(ranks) + " wait"], cwd=ROOT, env=env))
+    nodes = [subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, "-m",
+                               "tests.two_node_worker", str(node), json.dumps(settings)], cwd=ROOT, env=env)
+             for node in range(2)]
     deadline = time.monotonic() + timeout
     try:
         for node in nodes:
@@ -650,7 +645,7 @@ def test_two_nodes_whose_ranks_share_pids_write_each_shared_file_once_and_whole(
     settings = {"out": str(logs), "shards": str(tmp_path / "shards"), "index_dir": str(shared / "index"),
                 "vocab_size": vocab_size, "overrides": trainer_overrides(preference_model, shared / "run", num_stages=2,
                                                                         zero_stage=1, max_steps=1)}
-    launch_two_nodes(settings, logs)
+    launch_two_nodes(settings)
     ranks = [json.loads((logs / f"rank{r}.json").read_text()) if (logs / f"rank{r}.json").exists() else
              pytest.fail((logs / f"rank{r}.log").read_text()[-3000:]) for r in range(4)]
     assert ranks[0]["pid"] == ranks[2]["pid"] and ranks[1]["pid"] == ranks[3]["pid"]

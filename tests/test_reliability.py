@@ -72,8 +72,8 @@ def test_sigterm_mid_run_saves_that_step_and_resume_matches_uninterrupted_run(de
     launcher = psutil.Process(runner.pid).children()[0]
     ranks = launcher.children()
     signalled = time.time()
-    target_process = {"runner": runner, "launcher": launcher,
-                      "rank": next(p for p in ranks if p.environ()["RANK"] == "0")}[target]
+    paused = int(re.search(r"PAUSED_AT 5 PID (\d+)", output[-1]).group(1))  # rank 0
+    target_process = {"runner": runner, "launcher": launcher, "rank": next(p for p in ranks if p.pid == paused)}[target]
     target_process.send_signal(signal.SIGTERM)
     output.append(runner.stdout.read())  # until the ranks and the launcher, orphaned or not, have all exited
     _, alive = psutil.wait_procs([launcher, *ranks], timeout=30)

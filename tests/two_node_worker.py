@@ -1,14 +1,18 @@
-"""One rank of a job on two simulated nodes (tests/test_preference.py, two PID namespaces: the ranks of both nodes have
-the same pids): the DPO trainer, which writes its tokenized data cache and reference log-probabilities into the shared
-output_dir, then the sample index of a token-shard corpus in a shared index_dir, read back on every rank.
+"""One node of a job on two simulated nodes (tests/test_preference.py, two PID namespaces: the ranks of both nodes have
+the same pids), as pid 1 of its namespace: it imports the libraries once (tests/zygote_imports.py) and forks its 2
+ranks as pids 2 and 3, as a container's ranks would be numbered. Each rank runs the DPO trainer, which writes its
+tokenized data cache and reference log-probabilities into the shared output_dir, then builds the sample index of a
+token-shard corpus in a shared index_dir, read back on every rank; its output goes to OUT/rank<RANK>.log (OUT: settings["out"]).
 
-  python -m tests.two_node_worker '{"out": DIR, "overrides": [...], "shards": PREFIX, "index_dir": DIR,
-                                    "vocab_size": N}'
+  python -m tests.two_node_worker NODE '{"out": DIR, "overrides": [...], "shards": PREFIX, "index_dir": DIR,
+                                         "vocab_size": N}'
 """
 import json
 import os
 import socket
 import sys
+
+RANKS_PER_NODE = 2
 
 
 def main(settings):
@@ -34,5 +38,33 @@ def main(settings):
     dist.destroy_process_group()
 
 
+def node(node_rank, settings_text):
+    """This node's ranks, forked once both have their pids (2 and 3: the next after ns_last_pid); its exit code is
+    the first failing rank's."""
+    import tests.zygote_imports  # noqa: F401
+    from tests.rank_zygote import run_as_interpreter
+    gate_read, gate_write = os.pipe()
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write("1")
+    pids = []
+    for local in range(RANKS_PER_NODE):
+        rank = RANKS_PER_NODE * node_rank + local
+        log = os.path.join(json.loads(settings_text)["out"], f"rank{rank}.log")
+        open(log, "w").close()
+        pid = os.fork()
+        if pid == 0:
+            os.close(gate_write)
+            os.read(gate_read, 1)  # until the other rank is forked: its pid is not taken by this one's children
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(local), CROSS_RANK=str(node_rank))
+            os._exit(run_as_interpreter([__file__, settings_text], env, log, log))
+        pids.append(pid)
+    os.close(gate_write)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    sys.exit(next((code for code in codes if code), 0))
+
+
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    if len(sys.argv) == 3:
+        node(int(sys.argv[1]), sys.argv[2])
+    else:
+        main(json.loads(sys.argv[1]))
