@@ -10,13 +10,9 @@ remembers it), so a supervised run's restart goes past it. kind one of
   pause             this rank prints PAUSED_AT <step> PID <its pid> and waits at the start of that step until it is
                     asked to stop (SIGTERM, or its launcher gone): a preemption lands in a known step
   sigkill, sigstop  this rank sends itself SIGKILL (a dead rank) or SIGSTOP (a hung one) at the start of that step
-  freeze            a hung rank that a SIGTERM ends: at the start of that step, with SIGTERM's default action back,
-                    this rank waits in pause() holding the GIL, so none of its Python threads runs; its launcher's
-                    SIGTERM ends it at once, where a SIGSTOPped rank waits out the launcher's 30 s for its SIGKILL
   kill_while_writing  async_save: SIGKILL this rank right after it handed the step's checkpoint to its writer process
   slow              from that step on, this rank's every forward pass takes FAULT_SLOW_SECONDS longer (a slow device)
 """
-import ctypes
 import os
 import signal
 import sys
@@ -44,7 +40,7 @@ def fires_once(kind, fault_rank, fault_step):
 
 
 def inject(kind, fault_rank, fault_step):
-    if kind in ("sigkill", "sigstop", "freeze"):
+    if kind in ("sigkill", "sigstop"):
         from deepspeed.runtime.pipe.engine import PipelineEngine
         train_batch = PipelineEngine.train_batch
 
@@ -52,9 +48,6 @@ def inject(kind, fault_rank, fault_step):
             if rank() == fault_rank and self.global_steps + 1 == fault_step and fires_once(kind, fault_rank,
                                                                                             fault_step):
                 print(f"FAULT {kind} AT {fault_step}", flush=True)
-                if kind == "freeze":
-                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                    ctypes.PyDLL(None).pause()  # a PyDLL call keeps the GIL
                 os.kill(os.getpid(), signal.SIGKILL if kind == "sigkill" else signal.SIGSTOP)
             return train_batch(self, *args, **kwargs)
         PipelineEngine.train_batch = signalled_train_batch

@@ -54,12 +54,12 @@ def straight_run(demo_model, tmp_path_factory):
 def test_a_killed_and_a_hung_rank_are_restarted_and_the_run_ends_equal_to_a_straight_one(demo_model, straight_run,
                                                                                          tmp_path):
     """One supervised launch through DeepSpeed's runner: rank 1 is SIGKILLed at step 3 (latest: step 2), restarted;
-    frozen at step 6 (latest: step 4; tests/fault_injection.py), which rank 0's watchdog finds stuck sending it step
+    SIGSTOPped at step 6 (latest: step 4), which rank 0's watchdog finds stuck sending it step
     6's first activation and ends; restarted again, the run finishes with the straight run's weights, bit for bit,
     and losses. A new checkpoint between the failures renews the budget: --max-restarts 1 suffices."""
     straight, out = straight_run, tmp_path / "supervised"
     (tmp_path / "once").mkdir()
-    faults = {"FAULT": "sigkill:1:3,freeze:1:6", "FAULT_ONCE_DIR": str(tmp_path / "once")}
+    faults = {"FAULT": "sigkill:1:3,sigstop:1:6", "FAULT_ONCE_DIR": str(tmp_path / "once")}
     command, _ = trainer_command(2, demo_overrides(demo_model, out, **RUN, **WATCHDOG), "tiny", None, FAULT_SCRIPT,
                                  faults)
     result = supervise(command, "--max-restarts", "1", "--backoff-seconds", "0", env=faults)
