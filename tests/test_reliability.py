@@ -96,6 +96,35 @@ def test_sigterm_mid_run_saves_that_step_and_resume_matches_uninterrupted_run(de
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, 9))
 
 
+SIGTERM_AFTER_A_SIBLING_EXITED = """
+import os, signal, sys, threading
+from training.preemption import PreemptionWatch
+watch = PreemptionWatch(grace_seconds=60)
+watch.sibling_rank_has_exited = lambda: True  # the launcher has reaped another of its ranks and ends the job
+handled, request = threading.Event(), watch.request
+watch.request = lambda reason: (request(reason), handled.set())
+if sys.argv[1] == "stopping":
+    watch.request("SIGTERM")  # this rank's own stop, under way when the sibling that saved with it exits
+    handled.clear()
+os.kill(os.getpid(), signal.SIGTERM)
+handled.wait(timeout=60)
+print("finished its own exit", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state", ["training", "stopping"])
+def test_a_launchers_sigterm_after_a_sibling_exited_ends_a_training_rank_but_not_a_stopping_one(state):
+    """A rank's SIGTERM from DeepSpeed's launcher once another rank has exited: a training rank ends at once (a
+    failed job: no step can complete); a rank already stopping for a preemption finishes its exit (its sibling
+    exited after their common save, and this rank still has its line and its exit code to give)."""
+    result = run_python(["-c", SIGTERM_AFTER_A_SIBLING_EXITED, state], timeout=120)
+    if state == "training":
+        assert result.returncode == 128 + signal.SIGTERM and "finished" not in result.stdout, result
+    else:
+        assert result.returncode == 0 and "finished its own exit" in result.stdout, result
+
+
 @pytest.mark.slow
 def test_weights_only_resume_into_another_stage_count_keeps_eval_loss(demo_model, reference_run, tmp_path):
     """The 2-stage reference run's step-8 weights evaluated on 1 stage: the eval loss it logged at step 8."""

@@ -12,7 +12,9 @@ and after every optimizer step all ranks agree (the flag's maximum over the worl
 and save together (DeepSpeed's save is collective). A watchdog ends the process preemption_grace_seconds after
 the request if the step and the save have not finished by then (a hung peer): the last complete checkpoint stays
 `latest` either way, so `resume=auto` continues the run. A SIGTERM that comes after a sibling rank of the same
-launcher has exited is the launcher ending a failed job: the rank exits at once, as it did before.
+launcher has exited is the launcher ending a failed job: the rank exits at once, as it did before, unless it is
+already stopping (the sibling then exited after their common save, and the launcher's SIGTERM must not cut this
+rank's own exit short).
 """
 import os
 import signal
@@ -55,9 +57,10 @@ class PreemptionWatch:
         while True:
             if signal.SIGTERM not in wakeup_read.recv(64):
                 continue
-            if self.sibling_rank_has_exited():
-                # DeepSpeed's launcher is ending the job because a rank failed (or, after a preemption, because
-                # the first rank is done saving): no step can complete, so end as SIGTERM's default action would.
+            if self.requested_at is None and self.sibling_rank_has_exited():
+                # DeepSpeed's launcher is ending the job because a rank failed: no step can complete, so end as
+                # SIGTERM's default action would. Once a stop is under way, a sibling that saved and exited first
+                # is no failure: this rank finishes its exit (the grace watchdog still bounds it).
                 record_end(128 + signal.SIGTERM, "ended by its launcher after another rank exited",
                            follows_another=True)
                 os._exit(128 + signal.SIGTERM)
