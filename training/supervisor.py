@@ -82,23 +82,25 @@ class Supervisor:
             time.sleep(wait)
 
     def wait_for_attempt(self, started):
-        """The attempt's exit code. Meanwhile, once one of its ranks has failed (its record says so), its processes
-        on this host that are stopped (SIGSTOP, a hung rank's peer) are SIGKILLed: a stopped process leaves the
-        SIGTERM of a launcher's teardown pending, and DeepSpeed's launcher waits 30 s (hard-coded) for it before its
-        own SIGKILL."""
+        """The attempt's exit code. Meanwhile, once one of its ranks has failed (its record says so) and its launcher
+        has reaped it (taking its exit code as the attempt's), its processes on this host that are stopped (SIGSTOP,
+        a hung rank's peer) are SIGKILLed: a stopped process leaves the SIGTERM of a launcher's teardown pending, and
+        DeepSpeed's launcher waits 30 s (hard-coded) for it before its own SIGKILL."""
+        host = socket.gethostname()
         while True:
             try:
                 return self.process.wait(timeout=POLL_SECONDS)
             except subprocess.TimeoutExpired:
                 pass
             try:
-                stopped = [p for p in psutil.Process(self.process.pid).children(recursive=True)
-                           if p.status() == psutil.STATUS_STOPPED]
+                processes = psutil.Process(self.process.pid).children(recursive=True)
+                stopped = [p for p in processes if p.status() == psutil.STATUS_STOPPED]
                 records = read_records(self.output_dir, since=started) if stopped else []
-                if any(r.get("exit_code") for r in records):
+                unreaped = {p.pid for p in processes}  # a zombie too: its launcher has not seen its exit yet
+                if any(r.get("exit_code") and (r["host"] != host or r["pid"] not in unreaped) for r in records):
                     for process in stopped:
                         process.kill()
-                    ranks = {r["pid"]: r["rank"] for r in records if r["host"] == socket.gethostname()}
+                    ranks = {r["pid"]: r["rank"] for r in records if r["host"] == host}
                     named = ", ".join(f"rank {ranks[p.pid]} (pid {p.pid})" if p.pid in ranks else f"pid {p.pid}"
                                       for p in stopped)
                     self.log(f"supervise: SIGKILLed {named}: stopped, it cannot take the SIGTERM that ends the "
