@@ -29,7 +29,7 @@ from training.exit_codes import HUNG
 from training.instruction_listeners import add_instruction_listener
 from training.schedule import PostRecvActivation, WaitRecvActivation
 
-POLL_SECONDS = 1.0  # how often the thread looks: detection within a second of the limit
+POLL_SECONDS = 1.0  # the longest the thread sleeps: a phase's new, shorter limit is seen within it
 STEP_TIMES_KEPT = 100  # the median follows the run's recent steps (a layout or sequence-length change moves it)
 STEPS_BEFORE_LIMIT_CHECK = 3  # measured steps whose median startup_seconds is checked against, once
 PER_STEP_INSTRUCTIONS = (schedule.ReduceGrads, schedule.ReduceTiedGrads, schedule.OptimizerStep)
@@ -131,7 +131,12 @@ class HangWatchdog:
         return {"where": where, "waiting_for": waiting_for}
 
     def _watch(self):
-        while not self._stopped.wait(POLL_SECONDS):
+        """Wakes at the limit (or within POLL_SECONDS, to see progress and a new limit): a hang is named as the
+        limit passes, not up to a poll later."""
+        while True:
+            remaining = self.limit[0] - (time.monotonic() - self.armed_at)
+            if self._stopped.wait(min(POLL_SECONDS, max(remaining, 0.0) + 0.01)):
+                return
             waited = time.monotonic() - self.armed_at
             if waited > self.limit[0]:
                 self._report_and_exit(waited)
