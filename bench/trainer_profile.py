@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, machine_note, spawn  # noqa: E402
 
 from tests.launch import trainer_command  # noqa: E402
-from training.schedule import configured_zbv_durations, rank_orders, simulate  # noqa: E402
+from training.schedule import rank_orders, simulate  # noqa: E402
+from training.zbv_order import configured_zbv_durations  # noqa: E402
 
 SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1024)

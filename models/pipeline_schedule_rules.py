@@ -33,3 +33,13 @@ def waiting_micro_batches(stage, num_stages, micro_batches, schedule, max_waitin
 def held_back_micro_batches(stage, max_waiting=None):
     """zero_bubble's steady state: stage s runs W s micro-batches after their B (ZB-H1), at most max_waiting."""
     return stage if max_waiting is None else min(stage, max_waiting)
+
+
+def producer(kind, chunk, micro_batch, chunks):
+    """The computation whose output (kind, chunk, micro_batch) needs: the previous chunk's forward, the next chunk's
+    input gradient (the last chunk's own forward: its loss), its own B for a W; None for the first forward."""
+    if kind == "F":
+        return ("F", chunk - 1, micro_batch) if chunk > 0 else None
+    if kind == "B":
+        return ("B", chunk + 1, micro_batch) if chunk < chunks - 1 else ("F", chunk, micro_batch)
+    return ("B", chunk, micro_batch)

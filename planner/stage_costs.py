@@ -315,7 +315,8 @@ def chunk_micro_batches_at_peak(workload, num_stages, rank):
     micro-batch-chunks (its chunks are of a size): from its order (training/schedule.py). Interleaving holds more
     on the first ranks than 1F1B, (p - r - 1)·2 + (v - 1)·p + 1 chunks on rank r; ZB-V at most 2p on every rank."""
     # the orders need DeepSpeed's instructions; the planner's rules not
-    from training.schedule import configured_zbv_durations, rank_orders
+    from training.schedule import rank_orders
+    from training.zbv_order import configured_zbv_durations
     order = rank_orders(workload.pipeline_schedule, num_stages, workload.micro_batches, workload.virtual_stages,
                         workload.zero_bubble_max_waiting, configured_zbv_durations(workload.zbv_times))[rank]
     chunks = chunks_per_rank(workload.pipeline_schedule, workload.virtual_stages)

@@ -26,8 +26,9 @@ from deepspeed_internals.access import (handlers_only_pipeline_engine, inference
                                         set_pipe_buffer, train_schedule)
 from training.chunked_engine import forward_program
 from training.pipeline_engine import use_zero_bubble
-from training.schedule import (EQUAL_TIMES, BackwardInputPass, BackwardWeightPass, PostRecvActivation,
-                               WaitRecvActivation, ZeroBubbleSchedule, chunk_ids, p2p_program, rank_orders)
+from training.schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
+                               ZeroBubbleSchedule, chunk_ids, p2p_program, rank_orders)
+from training.zbv_order import EQUAL_TIMES
 
 # Stage and micro-batch counts: those of the tests and around them (fewer micro-batches than stages, as many, more),
 # and every config's (config_counts).

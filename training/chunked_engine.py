@@ -26,7 +26,8 @@ from deepspeed_internals.access import (add_instruction_handlers, load_micro_bat
                                         run_forward_pass, set_pipe_buffer, set_received_gradients)
 from models.pipeline_schedule_rules import chunk_ids, chunks_per_rank
 from training.pipeline_engine import ZeroBubblePipelineEngine, use_zero_bubble
-from training.schedule import BackwardWeightPass, P2POp, configured_zbv_durations, p2p_program
+from training.schedule import BackwardWeightPass, P2POp, p2p_program
+from training.zbv_order import configured_zbv_durations
 
 SHAPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
 SHAPES_SIZE = 64  # integers in the shapes message: a count, then dtype, ndim and dims per tensor

@@ -11,7 +11,8 @@ from data.formats import DataSettings
 from models.lora import LoraSettings
 from models.pipeline import ATTENTION_IMPLS, LOSS_IMPLS, PRECISION_DTYPES
 from models.preference import PreferenceSettings
-from training.schedule import PIPELINE_SCHEDULES, ZBV_TIMES_SPREAD
+from training.schedule import PIPELINE_SCHEDULES
+from training.zbv_order import ZBV_TIMES_SPREAD
 
 BASE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "base.yaml")
 FREE_FORM_NODES = ("deepspeed", "model_config")  # DeepSpeed's own keys; a published config.json's fields
