@@ -1,4 +1,4 @@
-"""Saves that do not stop training (async_save=true).
+"""Saves that do not stop training (async_save=true, or auto where every node has room for the snapshots).
 
 At a save each rank takes a snapshot of the files it writes (its layers' weights and optimizer state, DeepSpeed's
 model-states file): host buffers kept from one save to the next (in shared memory, pinned under CUDA) that a thread
@@ -31,6 +31,7 @@ from training.instruction_listeners import add_instruction_listener
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal this process gets when its parent dies
 SHARED_MEMORY_DIR = "/dev/shm"  # where share_memory_() places the snapshot's storages
+ASYNC_SAVE_SETTINGS = (False, True, "auto")
 WRITER_NICENESS = 19  # the lowest CPU priority: on a busy host the writer takes the time training leaves idle
 
 
@@ -40,26 +41,40 @@ def available_host_bytes():
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
 
 
-def snapshot_room_error(needed_bytes, ranks, shared_free_bytes, available_bytes):
+def snapshot_room_error(needed_bytes, ranks, shared_free_bytes, available_bytes, setting=True):
     """One line when this node cannot hold the async_save snapshots of its ranks (the planner's needed_bytes: they
-    live in shared memory from the first save on), else None."""
+    live in shared memory from the first save on), else None. setting: async_save's value (True or "auto")."""
     room = min(shared_free_bytes, available_bytes)
     if needed_bytes <= room:
         return None
-    return (f"async_save=true holds about {size_text(needed_bytes)} of host memory on this node from the first save "
-            f"on (a snapshot of the checkpoint files of its {ranks} rank(s), in {SHARED_MEMORY_DIR}), but "
-            f"{SHARED_MEMORY_DIR} has {size_text(shared_free_bytes)} free and the host {size_text(available_bytes)} "
-            f"available: set async_save=false (saves then stop training while they write), or give the job more "
-            f"memory or a larger {SHARED_MEMORY_DIR} (docker --shm-size, a memory-backed emptyDir), or spread the "
-            f"run over more nodes.")
+    fix = ("set async_save=false (saves then stop training while they write), or " if setting is True else
+           "so every rank saves synchronously (saves stop training while they write); to save in the background, ")
+    return (f"async_save={str(setting).lower()} holds about {size_text(needed_bytes)} of host memory on this node "
+            f"from the first save on (a snapshot of the checkpoint files of its {ranks} rank(s), in "
+            f"{SHARED_MEMORY_DIR}), but {SHARED_MEMORY_DIR} has {size_text(shared_free_bytes)} free and the host "
+            f"{size_text(available_bytes)} available: {fix}give the job more memory or a larger {SHARED_MEMORY_DIR} "
+            f"(docker --shm-size, a memory-backed emptyDir), or spread the run over more nodes.")
 
 
-def check_snapshot_room(needed_bytes, ranks):
-    """snapshot_room_error of this host, raised as a ValueError (a config error: not restarted)."""
+def snapshot_shortfall(setting, needed_bytes, ranks):
+    """snapshot_room_error of this host, before any process group: for async_save=true raised as a ValueError (a
+    config error: not restarted); for auto returned (None: room), for agreed_async_save."""
     error = snapshot_room_error(needed_bytes, ranks, shutil.disk_usage(SHARED_MEMORY_DIR).free,
-                                available_host_bytes())
-    if error:
+                                available_host_bytes(), setting)
+    if error and setting is True:
         raise ValueError(error)
+    return error
+
+
+def agreed_async_save(shortfall):
+    """async_save=auto's verdict, the same on every rank (one all-reduce: a checkpoint's ranks must save one way,
+    complete_if_written is a collective): in the background where every node has room for its snapshots. Each
+    rank without room says why, once per node."""
+    room = torch.tensor([int(shortfall is None)], device=collectives.device())
+    collectives.all_reduce(room, op=torch.distributed.ReduceOp.MIN)
+    if shortfall and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        print(f"trainer_pipe: warning: {shortfall}", flush=True)
+    return bool(room.item())
 
 
 class HostSnapshot:

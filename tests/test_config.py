@@ -150,6 +150,7 @@ def test_free_form_nodes_take_any_key_and_defaults_fill_older_configs():
     ("pipeline_schedule=gpipe", "pipeline_schedule 'gpipe' is not one of ('1f1b', 'zero_bubble', 'interleaved_1f1b', 'zbv')"),
     ("data.format=csv", "data.format='csv': expected one of pretokenized, text, instruction, chat"),
     ("loss_impl=fused", "loss_impl 'fused' is not one of ('chunked', 'logits')"),
+    ("async_save=yes", "async_save 'yes' is not one of (False, True, 'auto')"),
     ("loss_chunk_tokens=0", "loss_chunk_tokens=0 must be a positive number of tokens"),
     ("loss_chunk_tokens=-512", "loss_chunk_tokens=-512 must be a positive number of tokens"),
 ])

@@ -6,7 +6,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from models.partition import DECODER, EMBEDDING, HEAD, NORM
-from checkpoints.background_save import check_snapshot_room, snapshot_room_error
+from checkpoints.background_save import agreed_async_save, snapshot_room_error, snapshot_shortfall
 from planner.memory_plan import HOST_PROCESS_BYTES, format_memory_plan, host_memory_plan, memory_plan, plan_fits, \
     print_memory_plan, snapshot_bytes_of_ranks
 from planner.stage_costs import LayerCosts
@@ -346,4 +346,33 @@ def test_async_save_snapshot_is_planned_and_a_node_without_room_for_it_is_one_li
         f"run over more nodes.")
     assert snapshot_room_error(node_snapshots[0], 8, 1024 * GIB, 1024 * GIB) is None
     with pytest.raises(ValueError, match=r"^async_save=true holds about .* this node .* but /dev/shm has "):
-        check_snapshot_room(node_snapshots[0], 8)  # this host: far less than a 65B node's snapshot
+        snapshot_shortfall(True, node_snapshots[0], 8)  # this host: far less than a 65B node's snapshot
+    assert snapshot_shortfall("auto", node_snapshots[0], 8).startswith("async_save=auto holds about ")
+    assert snapshot_room_error(node_snapshots[0], 8, 64 * 2**20, 900 * GIB, "auto").endswith(
+        "available: so every rank saves synchronously (saves stop training while they write); to save in the "
+        "background, give the job more memory or a larger /dev/shm (docker --shm-size, a memory-backed emptyDir), or "
+        "spread the run over more nodes.")
+
+
+def _agree_on_async_save(rank, shortfalls, out):
+    os.environ["LOCAL_RANK"] = "0"  # each rank its node's first: each says why its node saves synchronously
+    import contextlib
+    import io
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    for case, shortfall in enumerate(shortfalls[rank]):
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            verdict = agreed_async_save(shortfall)
+        (out / f"{case}.{rank}").write_text(f"{verdict}|{printed.getvalue()}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_async_save_auto_saves_synchronously_on_every_rank_when_one_node_has_no_room(tmp_path):
+    """async_save=auto: one all-reduce makes the verdict every rank's (a checkpoint's ranks save one way); the node
+    without room names why."""
+    from tests.distributed import spawn
+    lacking = "async_save=auto holds about 9.00 GiB of host memory on this node ..."
+    spawn(_agree_on_async_save, 2, [[None, None], [None, lacking]], tmp_path)
+    assert [(tmp_path / f"{case}.{rank}").read_text() for case in (0, 1) for rank in (0, 1)] == [
+        "True|", "True|", "False|", f"False|trainer_pipe: warning: {lacking}\n"]

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 import collectives
 from checkpoints.compatibility import dropped_state, layout_change
-from checkpoints.background_save import BackgroundSave, check_snapshot_room
+from checkpoints.background_save import BackgroundSave, agreed_async_save, snapshot_shortfall
 from checkpoints.disk_space import checkpoint_bytes, storage_warning
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.files import has_tokenizer_files
@@ -236,13 +236,16 @@ def run(cfg):
     spec = run_spec(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # every check, before anything is started
     cfg = spec.cfg
     lm_eval_tasks = load_lm_eval_tasks(spec)
+    shortfall = None
     if cfg.async_save and not cfg.eval_only:
         this_node = node_ranks()
-        check_snapshot_room(snapshot_bytes_of_ranks(spec, this_node), len(this_node))
+        shortfall = snapshot_shortfall(cfg.async_save, snapshot_bytes_of_ranks(spec, this_node), len(this_node))
     check_devices(cfg.precision)
     if error := elastic_restart_error(os.environ):
         raise ValueError(error)
     init_distributed(cfg.dist_timeout_minutes)
+    if cfg.async_save == "auto":  # from here on, true or false alike on every rank
+        cfg.async_save = not cfg.eval_only and agreed_async_save(shortfall)
     with output_dir_lease(cfg.output_dir):  # before anything in output_dir is touched
         record = start_record(cfg.output_dir, int(os.environ.get("RANK", "0")))  # names this rank if it dies
         return run_started(spec, lm_eval_tasks, record)
