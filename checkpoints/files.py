@@ -97,8 +97,9 @@ def check_output_dir(output_dir, overwrite):
 
 @contextlib.contextmanager
 def staged_directory(output_dir):
-    """Yield a temporary sibling directory; on success it replaces output_dir, on failure it is removed and
-    output_dir is left exactly as it was."""
+    """Yield a temporary sibling directory; on success its files and directories are fsynced and it replaces
+    output_dir (a crash after the rename leaves no empty or short file under the new name), on failure it is removed
+    and output_dir is left exactly as it was."""
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(output_dir)}.partial-")
@@ -107,6 +108,10 @@ def staged_directory(output_dir):
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    for directory, _, names in os.walk(staging):
+        for name in names:
+            fsync_path(os.path.join(directory, name))
+        fsync_path(directory)
     previous = None
     if os.path.exists(output_dir):
         previous = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(output_dir)}.old-")

@@ -121,7 +121,10 @@ def test_fresh_start_refuses_existing_checkpoints(tmp_path):
     check_fresh_start(str(tmp_path), overwrite=True)
 
 
-def test_staged_directory_leaves_the_old_output_on_failure(tmp_path):
+def test_staged_directory_leaves_the_old_output_on_failure_and_syncs_the_new_before_it_replaces_it(tmp_path,
+                                                                                                    monkeypatch):
+    """A conversion's output (both ways) is on stable storage before its name is: a crash right after cannot leave
+    an empty or short weight file under the output's name."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("old")
@@ -130,9 +133,17 @@ def test_staged_directory_leaves_the_old_output_on_failure(tmp_path):
             open(os.path.join(staging, "new.txt"), "w").close()
             raise RuntimeError("crash mid-write")
     assert os.listdir(out) == ["old.txt"] and os.listdir(tmp_path) == ["out"]
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", str(dst))), replace(src, dst)))
     with staged_directory(str(out)) as staging:
-        open(os.path.join(staging, "new.txt"), "w").close()
-    assert os.listdir(out) == ["new.txt"] and os.listdir(tmp_path) == ["out"]
+        os.mkdir(os.path.join(staging, "tokenizer"))
+        for name in ("new.txt", "tokenizer/vocab.json"):
+            open(os.path.join(staging, name), "w").close()
+    assert sorted(os.listdir(out)) == ["new.txt", "tokenizer"] and os.listdir(tmp_path) == ["out"]
+    synced = set(events[:events.index(("replace", str(out)))])
+    staging = os.path.realpath(staging)
+    assert {staging, f"{staging}/new.txt", f"{staging}/tokenizer", f"{staging}/tokenizer/vocab.json"} <= synced
 
 
 def test_atomic_write_is_whole_or_absent_under_names_no_other_writer_takes(tmp_path):
