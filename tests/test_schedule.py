@@ -206,6 +206,8 @@ def test_simulated_step_is_the_zb_h1_bound(stages, micro_batches, forward, backw
     # the schedules with several chunks per rank (the demo model: 4 decoder layers, 2 stages)
     ({"virtual_stages": 2}, "virtual_stages=2 applies to pipeline_schedule=interleaved_1f1b only (not 1f1b); set "
      "virtual_stages=null, or pipeline_schedule=interleaved_1f1b."),
+    ({"pipeline_schedule": "interleaved_1f1b"}, "pipeline_schedule=interleaved_1f1b with virtual_stages=null: set "
+     "virtual_stages=2 or more (chunks of layers per rank)."),
     ({"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 3}, "pipeline_schedule=interleaved_1f1b splits the "
      "model into 6 chunks (2 stages x 3), more than its 4 decoder layers: use virtual_stages=2 or less."),
     ({"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2, "gradient_accumulation_steps": 3},
@@ -276,8 +278,8 @@ def test_simulated_steps_are_the_closed_forms(stages, forward, backward, weight)
 @pytest.mark.parametrize("overrides,message", [
     (dict(pipeline_schedule="zbv", virtual_stages=2), "virtual_stages=2 applies to pipeline_schedule=interleaved_1f1b "
      "only (not zbv); set virtual_stages=null, or pipeline_schedule=interleaved_1f1b."),
-    (dict(pipeline_schedule="interleaved_1f1b"), "pipeline_schedule=interleaved_1f1b with virtual_stages=null: set "
-     "virtual_stages=2 or more (chunks of layers per rank)."),
+    (dict(pipeline_schedule="interleaved_1f1b", virtual_stages=1), "pipeline_schedule=interleaved_1f1b with "
+     "virtual_stages=1: set virtual_stages=2 or more (chunks of layers per rank)."),
     (dict(pipeline_schedule="interleaved_1f1b", virtual_stages=2, num_stages=4, gradient_accumulation_steps=6),
      "gradient_accumulation_steps=6 with pipeline_schedule=interleaved_1f1b on num_stages=4: Megatron's interleaved "
      "order takes micro-batches in groups of 4; use gradient_accumulation_steps=8 (a multiple of 4)."),
