@@ -24,7 +24,7 @@ from training.run_spec import configured_stage_bounds
 from training.schedule import chunk_ids, chunks_per_rank, rank_orders, simulate, stage_orders
 
 # 2 steps of one batch: the second step's gradients are taken at the weights and Adam state the first step left, the
-# weights after both compared, and the loss falls; fp16's case takes 3 (its first step overflows and is skipped).
+# weights after both compared, and the loss falls; fp16's case takes 3 (its second step overflows and is skipped).
 STEPS, MICRO_BATCH, GAS, SEQ = 2, 2, 4, 16
 CHUNKED = ("zbv", "interleaved_1f1b")  # interleaved_1f1b with virtual_stages=2 (the cases' virtual_stages)
 # name: (tiny config, case settings); all on 4 processes, each case's schedules against its one 1F1B run. The matrix
@@ -93,8 +93,9 @@ CASES = {
     "2stages_x_2dp_offload_tied": ("tied", dict(
         stages=2, schedules=CHUNKED, virtual_stages=2, zbv_times=(102, 129, 63), zbv_tolerance=2e-6,
         deepspeed=dict(zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}))),
-    # fp16 (ZeRO-1, fp32 sums) under interleaving with its dynamic loss scaler at 2^20: the first step overflows, is
-    # skipped and halves it. Losses, loss scales and the weights the steps leave equal 1F1B's.
+    # fp16 (ZeRO-1, fp32 sums) under interleaving with its dynamic loss scaler at 2^20: the second step overflows, is
+    # skipped and halves it, the third trains at the halved scale. Losses, loss scales and the weights the steps leave
+    # equal 1F1B's.
     "2stages_x_2dp_fp16": ("llama3", dict(
         stages=2, schedules=("interleaved_1f1b",), virtual_stages=2, steps=3, tolerance=0.0, deepspeed=dict(
             zero_optimization={"stage": 1}, data_types={"grad_accum_dtype": "fp32"},
