@@ -1,11 +1,12 @@
-"""One rank of a schedule comparison: the same model trained for a few steps under 1F1B and under zero_bubble (or a
-case's chunked schedule, zbv or interleaved_1f1b), every step's loss, fp16's loss scaler, every gradient the optimizer
-steps with and the weights it leaves written as JSON for the test to compare. The chunked schedules place other
-layers on each rank: their gradients and weights are compared with 1F1B's across all ranks by name. Each step runs as the trainer's does (training/token_mean.py: the
-micro-batches read first, the global batch's loss units counted); a preference case (DPO, SimPO) trains on pairs
-through the trainer's collator, DPO against reference log-probabilities computed by the schedule's own reference
-pass (training/reference.py), and records them and each step's rewards; under context parallelism every rank
-takes its tokens of its replica's micro-batches."""
+"""One rank of a schedule comparison: the same model trained for a few steps under 1F1B and under each of a case's
+other schedules (zero_bubble, zbv, interleaved_1f1b), every step's loss, fp16's loss scaler, every gradient the
+optimizer steps with and the weights it leaves written as JSON for the test to compare, 1F1B's run the reference of
+them all. The chunked schedules place other layers on each rank: their gradients and weights are compared with 1F1B's
+across all ranks by name. Each step runs as the trainer's does (training/token_mean.py: the micro-batches read first,
+the global batch's loss units counted); a preference case (DPO, SimPO) trains on pairs through the trainer's
+collator, DPO against reference log-probabilities computed by the schedule's own reference pass
+(training/reference.py), and records them and each step's rewards; under context parallelism every rank takes its
+tokens of its replica's micro-batches."""
 import json
 import os
 import sys
@@ -57,7 +58,8 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     config = AutoConfig.from_pretrained(case["hf_dir"])
     num_stages, tensor_parallel = case["stages"], case.get("tensor_parallel", 1)
     objective = PreferenceSettings(case.get("objective", "sft"))
-    chunks, bounds = rank_chunk_ids(schedule, num_stages, case.get("virtual_stages")), None
+    virtual_stages = case.get("virtual_stages") if schedule == "interleaved_1f1b" else None
+    chunks, bounds = rank_chunk_ids(schedule, num_stages, virtual_stages), None
     if chunks is not None:
         num_chunks = sum(map(len, chunks))
         bounds = partition_stages(config, num_chunks, [config.num_hidden_layers // num_chunks] * num_chunks)
@@ -83,7 +85,8 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
         use_zero_bubble(engine, case.get("max_waiting"))
         waiting = record_waiting_before_backward(engine.module.parallel.weight_grads)
     elif chunks is not None:
-        use_chunked_pipeline(engine, schedule, case.get("virtual_stages"), zbv_times=case.get("zbv_times"))
+        use_chunked_pipeline(engine, schedule, virtual_stages,
+                             zbv_times=case.get("zbv_times") if schedule == "zbv" else None)
     recorded = record_optimizer_gradients(engine)
     replica, replicas = module.context.replica(engine.grid.data_parallel_id, engine.grid.get_data_parallel_world_size())
     batch = make_batch(micro_batch_size * gas * replicas * (2 if objective.preference else 1), seq_len,
@@ -110,12 +113,9 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     weights = all_ranks_gradients([{name: p.detach().clone() for name, p in engine.module.named_parameters()}], where)
     # evaluation: 3 micro-batches (no multiple of the stages), the loss broadcast from the last chunk's rank
     eval_loss = float(engine.eval_batch(map(module.context.split_micro_batch, rows(3)), num_micro_batches=3))
-    if case.get("schedule", "zero_bubble") != "zero_bubble":  # 1F1B's too: the ranks hold other layers
-        recorded = all_ranks_gradients(recorded, where)
-    return losses, recorded, weights, {**held, "stage": engine.stage_id, "waiting": max(waiting, default=0),
-                                       "read": len(read), "eval_loss": eval_loss, "checkpointed": len(checkpointed),
-                                       "rewards": rewards, "loss_scales": scales,
-                                       "chunks": chunks[engine.stage_id] if chunks else [engine.stage_id]}
+    return losses, recorded, weights, {**held, "where": where, "stage": engine.stage_id,
+                                       "waiting": max(waiting, default=0), "read": len(read), "eval_loss": eval_loss,
+                                       "checkpointed": len(checkpointed), "rewards": rewards, "loss_scales": scales}
 
 
 def preference_pairs(batch):
@@ -198,21 +198,35 @@ def record_waiting_before_backward(queue):
     return waiting
 
 
-def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
-    init_distributed(timeout_minutes=2)
-    results = {}
-    for case in cases:
-        runs = {schedule: train(case, schedule, steps, micro_batch_size, gas, seq_len)
-                for schedule in ("1f1b", case.get("schedule", "zero_bubble"))}
-        (ref_losses, ref_grads, ref_weights, ref_held), (losses, grads, weights, held) = runs.values()
-        results[case["name"]] = {
-            **held, "losses": losses, "ref_losses": ref_losses, "ref_eval_loss": ref_held["eval_loss"],
+def compared(reference, run):
+    """One schedule's run against 1F1B's: what the test asserts."""
+    (ref_losses, ref_grads, ref_weights, ref_held), (losses, grads, weights, held) = reference, run
+    return {**held, "losses": losses, "ref_losses": ref_losses, "ref_eval_loss": ref_held["eval_loss"],
             "ref_rewards": ref_held["rewards"], "ref_reference": ref_held.get("reference"),
             "ref_loss_scales": ref_held["loss_scales"], "grad_steps": [len(ref_grads), len(grads)],
             "grad_names": [sorted(g) for g in ref_grads] == [sorted(g) for g in grads],
             "weight_names": sorted(ref_weights[0]) == sorted(weights[0]),
             **worst_error(ref_grads, grads, "grad"), **worst_error(ref_weights, weights, "weight"),
             "compared_grads": sum(len(r) for r in ref_grads), "compared_weights": len(ref_weights[0])}
+
+
+def by_name(run):
+    """A run with every rank's gradients, by name: the chunked schedules' ranks hold other layers than 1F1B's."""
+    losses, recorded, weights, held = run
+    return losses, all_ranks_gradients(recorded, held["where"]), weights, held
+
+
+def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
+    init_distributed(timeout_minutes=2)
+    results = {}
+    for case in cases:
+        case_steps = case.get("steps", steps)
+        reference = train(case, "1f1b", case_steps, micro_batch_size, gas, seq_len)
+        named_reference, results[case["name"]] = by_name(reference), {}
+        for schedule in case["schedules"]:  # ZB-H1 runs 1F1B's layers per rank: each rank's own gradients compared
+            ours = train(case, schedule, case_steps, micro_batch_size, gas, seq_len)
+            results[case["name"]][schedule] = (compared(reference, ours) if schedule == "zero_bubble" else
+                                               compared(named_reference, by_name(ours)))
         torch.distributed.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
