@@ -115,7 +115,8 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     return losses, recorded, weights, {**held, "stage": engine.stage_id, "waiting": max(waiting, default=0),
                                        "read": len(read), "eval_loss": eval_loss, "checkpointed": len(checkpointed),
                                        "rewards": rewards, "loss_scales": scales,
-                                       "chunks": chunks[engine.stage_id] if chunks else [engine.stage_id]}
+                                       "chunks": chunks[engine.stage_id] if chunks else [engine.stage_id],
+                                       "measured_times": getattr(engine, "zbv_measured_times", None)}
 
 
 def preference_pairs(batch):

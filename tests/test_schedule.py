@@ -52,7 +52,8 @@ CASES = {  # name: (tiny config, case settings); all on 4 processes
     # Several chunks per rank (training/chunked_engine.py), on 2 and 4 ranks, tied and untied: "8layers" models
     # have a decoder layer per chunk on 4 ranks. Their ranks hold other layers than 1F1B's: every gradient is
     # compared by name across all ranks (and data-parallel replicas).
-    "4stages_zbv": ("llama2_8layers", dict(stages=4, schedule="zbv")),
+    # zbv_times=auto (the trainer's default): step 2's F, B, W measured, step 3 in the V order made for them
+    "4stages_zbv_auto": ("llama2_8layers", dict(stages=4, schedule="zbv", zbv_times="auto")),
     "4stages_interleaved_tied_checkpointing": ("tied_8layers", dict(stages=4, schedule="interleaved_1f1b",
                                                                     virtual_stages=2, checkpoint_interval=1)),
     # ZB-V adds the tied weight's embedding and head gradients on one rank in the order its Bs run, 1F1B as two
@@ -147,6 +148,10 @@ def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
             if settings.get("objective") == "dpo":
                 chosen_and_rejected = sum(result["ref_reference"], [])
                 assert sum(result["reference"], []) == pytest.approx(chosen_and_rejected, rel=1e-6, abs=0), name
+            # zbv_times=auto: every rank agreed on each stage's measured [F, B, W] and remade its order
+            auto = settings.get("zbv_times") == "auto"
+            assert result["measured_times"] == (ranks[0][name]["measured_times"] if auto else None), name
+            assert not auto or len(result["measured_times"]) == settings["stages"], name
             if "schedule" in settings:  # only the ranks of the first and the last chunk read data
                 reads = {0, settings["stages"] * settings.get("virtual_stages", 2) - 1} & set(result["chunks"])
                 assert result["read"] == (STEPS * GAS if reads else 0), name
@@ -267,8 +272,8 @@ def test_simulated_steps_are_the_closed_forms(stages, forward, backward, weight)
      "zbv_times=null, or pipeline_schedule=zbv."),
     *((dict(pipeline_schedule="zbv", num_stages=2, zbv_times=times), f"zbv_times={times} is not a chunk's [F, B, W] "
        "times: set three positive numbers within 8x of each other (the forward, input-gradient and weight-gradient "
-       "times profile=true measures), or one such [F, B, W] per stage (2), or null for F = B = W.")
-      for times in ([1, 9, 2], [1, 2], [[1, 2, 1]] * 3, [0, 1, 1])),
+       "times profile=true measures), or one such [F, B, W] per stage (2), auto to have the trainer measure them, or "
+       "null for F = B = W.") for times in ([1, 9, 2], [1, 2], [[1, 2, 1]] * 3, [0, 1, 1], "measured")),
 ])
 def test_bad_chunk_schedule_config_is_refused(overrides, message):
     with pytest.raises(ConfigError) as error:
