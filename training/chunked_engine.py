@@ -12,7 +12,9 @@ runs, the engine's first and last stage are the model's first and last chunk, so
 last rank's under interleaving, rank 0's under the V) and only that chunk scales by the accumulation steps. Outside
 a chunk they mean the rank holding them: the rank of the first chunk loads inputs, that of the last chunk labels
 (under the V rank 0 does both; a rank holding neither reads no data). An order with W splits each backward as the
-zero-bubble schedule does (models/weight_grads.py: B now, W in the order's place, oldest first).
+zero-bubble schedule does (models/weight_grads.py: B now, W in the order's place, oldest first), but the first
+chunk's: no rank waits for its input gradient, so its B runs whole and its W is left out (ZB-H1's first stage does
+the same; a split backward computes slower on the CPU, bench/README.md).
 
 Every chunk boundary carries the same shapes: the first step's first forward (chunk 0's, micro-batch 0, on the rank
 of chunk 0, which needs nothing before it) broadcasts them over the pipeline's ranks before any point-to-point
@@ -73,6 +75,7 @@ class ChunkedSchedule(TrainSchedule):
     def steps(self):
         if not self.holds_first_chunk:
             yield [ShareActivationShapes()]
+        first_chunk = 0 if self.holds_first_chunk else None  # the model's first chunk is local chunk 0 of its rank
         for action, item in self.program:
             if action == "post":
                 yield [PostTransfer(op=item)]
@@ -83,8 +86,9 @@ class ChunkedSchedule(TrainSchedule):
                 if item[1:] == (0, 0) and self.holds_first_chunk:
                     yield [ShareActivationShapes()]
             elif item[0] == "B":
-                yield [ChunkBackwardPass(chunk=item[1], micro_batch=item[2], split=self.split)]
-            else:
+                split = self.split and item[1] != first_chunk
+                yield [ChunkBackwardPass(chunk=item[1], micro_batch=item[2], split=split)]
+            elif item[1] != first_chunk:
                 yield [BackwardWeightPass()]
         if self.training:
             yield [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]

@@ -225,8 +225,8 @@ def check_zbv_times(cfg):
             or max(numbers) > ZBV_TIMES_SPREAD * min(numbers)):
         raise ConfigError(f"zbv_times={shown} is not a chunk's [F, B, W] times: set three positive numbers within "
                           f"{ZBV_TIMES_SPREAD}x of each other (the forward, input-gradient and weight-gradient times "
-                          f"profile=true measures), or one such [F, B, W] per stage ({cfg.num_stages}), auto to have the "
-                          f"trainer measure them, or null for F = B = W.")
+                          f"profile=true measures), or one such [F, B, W] per stage ({cfg.num_stages}), auto to have "
+                          f"the trainer measure them, or null for F = B = W.")
 
 
 def check_chunk_schedule(cfg):
