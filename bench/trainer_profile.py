@@ -7,8 +7,10 @@ interleaved rounds (reversed every other round, so that the machine's drift fall
 - the trainer: `deepspeed --num_gpus N trainer_pipe.py ... profile=true` on 1 stage, and on 2 stages under each
   pipeline schedule (1f1b, zero_bubble, interleaved_1f1b with virtual_stages=2, zbv), its step time from the
   profile (the first step left out, as for the loop's warm-up step), its losses against 2-stage 1F1B's, and (for
-  the chunked schedules) the stage plan's layers per rank; "2 stages zbv measured" runs zbv with its V order made
-  for the F, B and W CPU times per stage measured in the latest "2 stages zbv" run (zbv_times).
+  the chunked schedules) the stage plan's layers per rank; "2 stages zbv" runs the trainer's default zbv_times=auto
+  (the V order made for the times the trainer measures in step 2), "2 stages zbv equal" the order made for
+  F = B = W (zbv_times=null), "2 stages zbv measured" the order made for the F, B and W CPU times per stage
+  measured in the latest "2 stages zbv" run (zbv_times set by hand, as profile=true's user would).
 Prints each round's ratios (1 stage ÷ one loop, 2 stages ÷ two loops at once) and their spread, then, from the last
 round's profiles (training/profiling.py), milliseconds per step on each stage: each engine instruction, the engine's
 own work between them, and the loop's work between steps; and each stage's compute (F + B + W) against the start-up
@@ -54,16 +56,17 @@ WORKLOADS = {  # the shapes of issue 31's table; smollm2 is SmolLM2-135M's publi
                      tie_word_embeddings=True, rope_theta=100000.0), 256, 2),
 }
 CONTENDERS = ["one loop", "1 stage", "two loops", "2 stages 1f1b", "2 stages zero_bubble",
-              "2 stages interleaved_1f1b", "2 stages zbv", "2 stages zbv measured"]
+              "2 stages interleaved_1f1b", "2 stages zbv", "2 stages zbv equal", "2 stages zbv measured"]
 VIRTUAL_STAGES = 2  # interleaved_1f1b's chunks per rank
 TRAINER_RUNS = {"1 stage": (1, "1f1b"), "2 stages 1f1b": (2, "1f1b"), "2 stages zero_bubble": (2, "zero_bubble"),
                 "2 stages interleaved_1f1b": (2, "interleaved_1f1b"), "2 stages zbv": (2, "zbv"),
-                "2 stages zbv measured": (2, "zbv")}
+                "2 stages zbv equal": (2, "zbv"), "2 stages zbv measured": (2, "zbv")}
 # each 2-stage run's tokens/s ÷ another's: the loops', and the schedule it improves on
 RATIOS = [("1 stage", "one loop"), *((name, "two loops") for name in TRAINER_RUNS if name.startswith("2")),
           ("2 stages zero_bubble", "2 stages 1f1b"), ("2 stages interleaved_1f1b", "2 stages 1f1b"),
           ("2 stages zbv", "2 stages zero_bubble"), ("2 stages zbv", "2 stages 1f1b"),
-          ("2 stages zbv measured", "2 stages zero_bubble"), ("2 stages zbv measured", "2 stages zbv")]
+          ("2 stages zbv", "2 stages zbv equal"), ("2 stages zbv measured", "2 stages zero_bubble"),
+          ("2 stages zbv measured", "2 stages zbv")]
 
 
 def make_model(work, fields, seq_length, micro_batch, micro_batches, steps):
@@ -134,7 +137,8 @@ def matmul_share(rank, fields, seq_length, micro_batch, micro_batches):
 
 def run_trainer(work, name, seq_length, micro_batch, micro_batches, steps, partition, extra_overrides):
     """One trainer_pipe.py run with profile=true; returns {stage: profile} (training/profiling.py's files), its
-    losses per step (metrics.jsonl) and its stage plan's layers per stage (the plan's table from its output)."""
+    losses per step (metrics.jsonl), its stage plan's layers per stage (the plan's table from its output) and,
+    under zbv_times=auto, the times the trainer made its V order for (its log line), else None."""
     num_stages, schedule = TRAINER_RUNS[name]
     out = os.path.join(work, "run")
     shutil.rmtree(out, ignore_errors=True)
@@ -145,7 +149,8 @@ def run_trainer(work, name, seq_length, micro_batch, micro_batches, steps, parti
                  f"max_steps={steps + 1}", "logging_steps=1", "save_steps=0", "save_total_limit=1",
                  "lr_scheduler=constant", "warmup_steps=1", "profile=true", "export_hf=false",
                  f"data.cache_dir={os.path.join(work, 'cache')}", *([f"partition={partition}"] if partition else []),
-                 *([f"virtual_stages={VIRTUAL_STAGES}"] if schedule == "interleaved_1f1b" else []), *extra_overrides]
+                 *([f"virtual_stages={VIRTUAL_STAGES}"] if schedule == "interleaved_1f1b" else []),
+                 *(["zbv_times=null"] if name == "2 stages zbv equal" else []), *extra_overrides]
     command, env = trainer_command(num_stages, overrides, "base", None, "trainer_pipe.py", {"OMP_NUM_THREADS": "1"})
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode:
@@ -153,7 +158,17 @@ def run_trainer(work, name, seq_length, micro_batch, micro_batches, steps, parti
     profiles = [json.load(open(os.path.join(out, "profile", n))) for n in sorted(os.listdir(os.path.join(out, "profile")))]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         losses = [record["loss"] for record in map(json.loads, f) if record.get("loss") is not None]
-    return {p["stage"]: p for p in profiles}, losses, stage_plan(result.stdout + result.stderr)
+    output = result.stdout + result.stderr
+    return {p["stage"]: p for p in profiles}, losses, stage_plan(output), auto_zbv_times(output)
+
+
+def auto_zbv_times(output):
+    """zbv_times=auto's measured times per stage from the trainer's log line (training/chunked_engine.py), or None."""
+    line = next((line for line in output.splitlines() if line.startswith("zbv_times=auto:")), None)
+    if line is None:
+        return None
+    cells = line.split(" step ", 1)[1].split(";")[0].split(", ")
+    return [[int(t) for t in cell.split()[-1].split("/")] for cell in cells]
 
 
 def stage_plan(output):
@@ -325,10 +340,12 @@ def main():
                 if name in TRAINER_RUNS:
                     if name == "2 stages zbv measured":
                         zbv_times[name] = measured_zbv_times(profiles["2 stages zbv"], m)
-                    extra = [*args.set, *([f"zbv_times={zbv_times[name]}".replace(" ", "")] if name in zbv_times
-                                          else [])]
-                    profiles[name], losses[name], plans[name] = run_trainer(
+                    extra = [*args.set, *([f"zbv_times={zbv_times[name]}".replace(" ", "")]
+                                          if name == "2 stages zbv measured" else [])]
+                    profiles[name], losses[name], plans[name], auto_times = run_trainer(
                         work, name, seq_length, micro_batch, m, args.steps + 1, args.partition, extra)
+                    if auto_times:  # the order the trainer ran from step 3 on
+                        zbv_times[name] = auto_times
                     rates[name].append(tokens_per_second(tokens, step_seconds(profiles[name])))
                     cpu_rates[name].append(tokens / cpu_step_seconds(profiles[name], TRAINER_RUNS[name][1], m,
                                                                      zbv_times.get(name)))
@@ -349,8 +366,8 @@ def main():
             if len(stage_profiles) > 1:
                 print_plan_check(name, stage_profiles)
                 print_simulation(name, stage_profiles, TRAINER_RUNS[name][1], m, zbv_times.get(name))
-        if zbv_times:
-            print(f"2 stages zbv measured: zbv_times={zbv_times['2 stages zbv measured']} (the last round's)")
+        for name, times in zbv_times.items():
+            print(f"{name}: zbv_times={times} (the last round's)")
     print(machine_note())
 
 
