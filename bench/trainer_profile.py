@@ -232,6 +232,18 @@ def print_simulation(name, profiles, schedule, micro_batches, zbv_times=None):
         f"stage {stage} {1e3 * t['F']:.0f}/{1e3 * t['B']:.0f}/{1e3 * t['W']:.0f}" for stage, t in enumerate(times))
         + f"; compute of all stages {1e3 * compute:.0f} ms, schedule {1e3 * schedule_seconds:.0f} ms (idle "
         f"{1 - compute / (len(times) * schedule_seconds):.1%}), + rest {1e3 * rest:.0f} ms")
+    # What keeps the step from its bound: the partition's granularity (the same compute spread evenly over the
+    # stages) and the rest, which no schedule overlaps (the optimizer step waits for every stage's gradients: the
+    # clipping norm, the tied weights' sum)
+    even = [{kind: statistics.mean(t[kind] for t in times) for kind in "FBW"}] * len(times)
+    virtual_stages = VIRTUAL_STAGES if schedule == "interleaved_1f1b" else 1
+    even_seconds = max(end for _, end in simulate(len(times), micro_batches, even, schedule,
+                                                  virtual_stages=virtual_stages).values())
+    share = [compute / (len(times) * seconds) for seconds in (schedule_seconds, schedule_seconds + rest)]
+    bound = micro_batches / (micro_batches + len(times) - 1)
+    print(f"  {name}: step on stages of even compute ÷ this step {even_seconds / schedule_seconds:.3f}, with the rest "
+          f"{even_seconds / (schedule_seconds + rest):.3f}; compute ÷ (stages x step) ÷ the 1F1B bound {bound:.3f}: "
+          f"{share[0] / bound:.3f}, with the rest {share[1] / bound:.3f}")
 
 
 def transformers_seconds(work, fields, seq_length, micro_batch, micro_batches, steps, processes):
