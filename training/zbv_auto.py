@@ -3,13 +3,17 @@
 The V order made for F = B = W lets ranks wait where their F, B and W differ (the rank holding the LM head and the
 loss computes a heavy F, the other rank a heavy B; bench/README.md), and those times depend on the device, the model
 and the partition. Under auto every rank times its chunks' F, B and W instructions through one step (MEASURED_STEP:
-the first is left out, it allocates what later steps reuse), the ranks all-gather their sums (collectives/), and
-every rank makes the V order for each stage's mean over its ranks (its data, tensor and context parallel replicas)
-from the same gathered numbers: every rank runs the same order from the next step on, so each link's operations
+the first is left out, it allocates what later steps reuse), the ranks all-gather them (each kind's median times its
+count, which a rank slowed now and then by another process does not move; collectives/), and every rank makes the
+V order for each stage's mean over its ranks (its data, tensor and context parallel replicas) from the same
+gathered numbers: every rank runs the same order from the next step on, so each link's operations
 stay matched on both of its sides (training/schedule.py p2p_program; tests/test_p2p_order.py runs orders made for
 other times under its model of NCCL). On CUDA the instructions are timed by events on the device's stream, read once,
 after the measured step. A new order changes when each computation runs, not what it computes.
 """
+import itertools
+import statistics
+
 import torch
 import torch.distributed as dist
 
@@ -31,13 +35,21 @@ def stage_times(rows, stages):
     return [[max(t, floor) for t in stage_row] for stage_row in times]
 
 
+def robust_sums(seconds):
+    """[F, B, W] seconds of a step from each instruction's ({(kind, serial): seconds}): each kind's median times its
+    count, which a few instructions slowed by another process (a shared host) do not move. A rank's two chunks run
+    m of each kind apiece, so the median falls between the two chunks' times."""
+    by_kind = {kind: sorted(t for (k, _), t in seconds.items() if k == kind) for kind in "FBW"}
+    return [statistics.median(times) * len(times) if times else 0.0 for times in by_kind.values()]
+
+
 class MeasuredTimes:
     """Times F, B and W (kinds: {instruction class: "F" | "B" | "W"}) through the MEASURED_STEP-th train_batch,
     then agrees on each stage's times with every rank and calls remake([[F, B, W] seconds per stage])."""
 
     def __init__(self, engine, kinds, remake):
         self.engine, self.kinds, self.remake = engine, kinds, remake
-        self.clock, self.steps, self.timing = InstructionClock(), 0, False
+        self.clock, self.serial, self.steps, self.timing = InstructionClock(), itertools.count(), 0, False
         add_instruction_listener(engine, self)
         train_batch = engine.train_batch
 
@@ -57,13 +69,12 @@ class MeasuredTimes:
         return self.clock.start() if self.timing and instruction in self.kinds else None
 
     def instruction_ended(self, instruction, started):
-        if started is not None:
-            self.clock.stop(self.kinds[instruction], started)
+        if started is not None:  # each instruction apart, for the medians
+            self.clock.stop((self.kinds[instruction], next(self.serial)), started)
 
     def agreed_times(self):
         """Collective: every rank's F, B, W seconds all-gathered; each stage's (stage_times), alike on every rank."""
-        seconds = self.clock.take()
-        mine = torch.tensor([self.engine.stage_id, *(seconds.get(kind, 0.0) for kind in "FBW")], dtype=torch.float64,
+        mine = torch.tensor([self.engine.stage_id, *robust_sums(self.clock.take())], dtype=torch.float64,
                             device=collectives.device())
         every_rank = torch.empty(dist.get_world_size() * mine.numel(), dtype=mine.dtype, device=mine.device)
         collectives.all_gather_single(every_rank, mine)
