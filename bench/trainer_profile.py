@@ -23,6 +23,7 @@ the stage's thread did in the step (optimizer, engine, loop, the CPU side of tra
 overlapped it.
 
   python bench/trainer_profile.py [--workload small|small-even|smollm2] [--rounds 3] [--steps 6] [--partition P]
+                                  [--zbv-partition P]
                                   [--contenders "one loop" "1 stage" ...] [--set KEY=VALUE ...]
                                   [--micro-batches 8]
   python bench/trainer_profile.py --workload smollm2 --matmul-share   # the 1-stage ceiling, from transformers' loop
@@ -323,6 +324,7 @@ def main():
     parser.add_argument("--steps", type=int, default=6, help="timed steps per run (after one warm-up step)")
     parser.add_argument("--micro-batches", type=int, default=8, help="m: micro-batches per step (every contender)")
     parser.add_argument("--partition", help="the trainer's partition (default: conf/base.yaml's)")
+    parser.add_argument("--zbv-partition", help="the zbv runs' partition, e.g. [2,2,2,2] (decoder layers per chunk)")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="more Hydra overrides for every trainer run, e.g. compile=true")
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=CONTENDERS,
@@ -355,7 +357,8 @@ def main():
                     extra = [*args.set, *([f"zbv_times={zbv_times[name]}".replace(" ", "")]
                                           if name == "2 stages zbv measured" else [])]
                     profiles[name], losses[name], plans[name], auto_times = run_trainer(
-                        work, name, seq_length, micro_batch, m, args.steps + 1, args.partition, extra)
+                        work, name, seq_length, micro_batch, m, args.steps + 1,
+                        args.zbv_partition if "zbv" in name and args.zbv_partition else args.partition, extra)
                     if auto_times:  # the order the trainer ran from step 3 on
                         zbv_times[name] = auto_times
                     rates[name].append(tokens_per_second(tokens, step_seconds(profiles[name])))
