@@ -11,9 +11,11 @@ interleaved rounds (reversed every other round, so that the machine's drift fall
   (the V order made for the times the trainer measures in step 2), "2 stages zbv equal" the order made for
   F = B = W (zbv_times=null), "2 stages zbv measured" the order made for the F, B and W CPU times per stage
   measured in the latest "2 stages zbv" run (zbv_times set by hand, as profile=true's user would).
-Prints each round's ratios (1 stage ÷ one loop, 2 stages ÷ two loops at once) and their spread, then, from the last
-round's profiles (training/profiling.py), milliseconds per step on each stage: each engine instruction, the engine's
-own work between them, and the loop's work between steps; and each stage's compute (F + B + W) against the start-up
+With --at-once a round's trainer runs run at the same time, each in its own copy of the model and data, so that
+a shared host's load falls on all alike (their CPU seconds are then the comparison). Prints each round's ratios
+(1 stage ÷ one loop, 2 stages ÷ two loops at once) and their spread, then, from the last round's profiles
+(training/profiling.py), milliseconds per step on each stage: each engine instruction, the engine's own work between
+them, and the loop's work between steps; and each stage's compute (F + B + W) against the start-up
 plan's FLOPs (planner/stage_costs.py), which `partition: balanced` (the default) evens out.
 Then the same ratios in CPU seconds of each process's training thread, which a shared host's load changes far less
 than wall-clock time: a loop's step, the 1-stage trainer's step, and for 2 stages the step the schedule takes
@@ -23,12 +25,13 @@ the stage's thread did in the step (optimizer, engine, loop, the CPU side of tra
 overlapped it.
 
   python bench/trainer_profile.py [--workload small|small-even|smollm2] [--rounds 3] [--steps 6] [--partition P]
-                                  [--zbv-partition P]
+                                  [--zbv-partition P] [--at-once]
                                   [--contenders "one loop" "1 stage" ...] [--set KEY=VALUE ...]
                                   [--micro-batches 8]
   python bench/trainer_profile.py --workload smollm2 --matmul-share   # the 1-stage ceiling, from transformers' loop
 """
 import argparse
+import concurrent.futures
 import json
 import os
 import shutil
@@ -329,11 +332,15 @@ def main():
                         help="more Hydra overrides for every trainer run, e.g. compile=true")
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=CONTENDERS,
                         help="which runs (default: all; the ratios need each run's loop)")
+    parser.add_argument("--at-once", action="store_true",
+                        help="run a round's trainer runs at the same time (the same load on a shared host)")
     parser.add_argument("--matmul-share", action="store_true",
                         help="only profile transformers' loop: the share of its step in matrix products and attention")
     args = parser.parse_args()
     if "2 stages zbv measured" in args.contenders and "2 stages zbv" not in args.contenders:
         parser.error('"2 stages zbv measured" takes its times from "2 stages zbv": name both')
+    if args.at_once and "2 stages zbv measured" in args.contenders:
+        parser.error('"2 stages zbv measured" takes its times from an earlier "2 stages zbv" run: not with --at-once')
     fields, seq_length, micro_batch = WORKLOADS[args.workload]
     if args.matmul_share:
         spawn(matmul_share, 1, fields, seq_length, micro_batch, args.micro_batches)
@@ -349,16 +356,29 @@ def main():
         rates = {name: [] for name in contenders}
         cpu_rates = {name: [] for name in contenders}  # tokens per CPU second of a step, as above
         profiles, losses, plans, zbv_times = {}, {}, {}, {}
+        # --at-once: each trainer run in its own copy of the model and data, all of a round's at the same time
+        works = {name: os.path.join(work, name.replace(" ", "_")) for name in contenders if name in TRAINER_RUNS}
+        for name, run_work in works.items() if args.at_once else ():
+            os.makedirs(run_work)
+            make_model(run_work, fields, seq_length, micro_batch, m, args.steps + 1)
+
+        def trainer(name):
+            if name == "2 stages zbv measured":
+                zbv_times[name] = measured_zbv_times(profiles["2 stages zbv"], m)
+            extra = [*args.set, *([f"zbv_times={zbv_times[name]}".replace(" ", "")]
+                                  if name == "2 stages zbv measured" else [])]
+            return run_trainer(works[name] if args.at_once else work, name, seq_length, micro_batch, m, args.steps + 1,
+                               args.zbv_partition if "zbv" in name and args.zbv_partition else args.partition, extra)
+
         for round_index in range(args.rounds):
-            for name in contenders[::1 if round_index % 2 == 0 else -1]:
+            order = contenders[::1 if round_index % 2 == 0 else -1]
+            if args.at_once:
+                with concurrent.futures.ThreadPoolExecutor(len(works)) as pool:
+                    at_once = dict(zip(works, pool.map(trainer, works)))
+            for name in order:
                 if name in TRAINER_RUNS:
-                    if name == "2 stages zbv measured":
-                        zbv_times[name] = measured_zbv_times(profiles["2 stages zbv"], m)
-                    extra = [*args.set, *([f"zbv_times={zbv_times[name]}".replace(" ", "")]
-                                          if name == "2 stages zbv measured" else [])]
-                    profiles[name], losses[name], plans[name], auto_times = run_trainer(
-                        work, name, seq_length, micro_batch, m, args.steps + 1,
-                        args.zbv_partition if "zbv" in name and args.zbv_partition else args.partition, extra)
+                    profiles[name], losses[name], plans[name], auto_times = (
+                        at_once[name] if args.at_once else trainer(name))
                     if auto_times:  # the order the trainer ran from step 3 on
                         zbv_times[name] = auto_times
                     rates[name].append(tokens_per_second(tokens, step_seconds(profiles[name])))
