@@ -39,18 +39,18 @@ def add_instruction_listener(engine, listener):
 
 class InstructionClock:
     """Seconds per kind of instruction for a listener: by events on the device's stream under CUDA (read once, by
-    take: no host sync per instruction), by the clock on the CPU."""
+    take: no host sync per instruction), by `clock` on the CPU."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
         self.events = get_accelerator().device_name() == "cuda"
-        self.seconds, self.pending = {}, []
+        self.clock, self.seconds, self.pending = clock, {}, []
 
     def start(self):
         if self.events:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             return start
-        return time.perf_counter()
+        return self.clock()
 
     def stop(self, kind, started):
         if self.events:
@@ -58,7 +58,7 @@ class InstructionClock:
             end.record()
             self.pending.append((kind, started, end))
         else:
-            self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - started
+            self.seconds[kind] = self.seconds.get(kind, 0.0) + self.clock() - started
 
     def take(self):
         """{kind: seconds} since the last take (waits for the device's last timed instruction)."""

@@ -9,10 +9,12 @@ V order for each stage's mean over its ranks (its data, tensor and context paral
 gathered numbers: every rank runs the same order from the next step on, so each link's operations
 stay matched on both of its sides (training/schedule.py p2p_program; tests/test_p2p_order.py runs orders made for
 other times under its model of NCCL). On CUDA the instructions are timed by events on the device's stream, read once,
-after the measured step. A new order changes when each computation runs, not what it computes.
+after the measured step; on the CPU by the process's CPU time. A new order changes when each computation runs, not
+what it computes.
 """
 import itertools
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -49,7 +51,9 @@ class MeasuredTimes:
 
     def __init__(self, engine, kinds, remake):
         self.engine, self.kinds, self.remake = engine, kinds, remake
-        self.clock, self.serial, self.steps, self.timing = InstructionClock(), itertools.count(), 0, False
+        # on the CPU the process's CPU time: what another process on a shared host takes does not count
+        self.clock = InstructionClock(time.process_time)
+        self.serial, self.steps, self.timing = itertools.count(), 0, False
         add_instruction_listener(engine, self)
         train_batch = engine.train_batch
 
