@@ -7,11 +7,15 @@ interleaved rounds (reversed every other round, so that the machine's drift fall
 - the trainer: `deepspeed --num_gpus N trainer_pipe.py ... profile=true` on 1 stage, and on 2 stages under each
   pipeline schedule (1f1b, zero_bubble, interleaved_1f1b with virtual_stages=2, zbv), its step time from the
   profile (the first step left out, as for the loop's warm-up step), its losses against 2-stage 1F1B's, and (for
-  the chunked schedules) the stage plan's layers per rank; "2 stages zbv measured" runs zbv with its V order made
-  for the F, B and W CPU times per stage measured in the latest "2 stages zbv" run (zbv_times).
-Prints each round's ratios (1 stage ÷ one loop, 2 stages ÷ two loops at once) and their spread, then, from the last
-round's profiles (training/profiling.py), milliseconds per step on each stage: each engine instruction, the engine's
-own work between them, and the loop's work between steps; and each stage's compute (F + B + W) against the start-up
+  the chunked schedules) the stage plan's layers per rank; "2 stages zbv" runs the trainer's default zbv_times=auto
+  (the V order made for the times the trainer measures in step 2), "2 stages zbv equal" the order made for
+  F = B = W (zbv_times=null), "2 stages zbv measured" the order made for the F, B and W CPU times per stage
+  measured in the latest "2 stages zbv" run (zbv_times set by hand, as profile=true's user would).
+With --at-once a round's trainer runs run at the same time, each in its own copy of the model and data, so that
+a shared host's load falls on all alike (their CPU seconds are then the comparison). Prints each round's ratios
+(1 stage ÷ one loop, 2 stages ÷ two loops at once) and their spread, then, from the last round's profiles
+(training/profiling.py), milliseconds per step on each stage: each engine instruction, the engine's own work between
+them, and the loop's work between steps; and each stage's compute (F + B + W) against the start-up
 plan's FLOPs (planner/stage_costs.py), which `partition: balanced` (the default) evens out.
 Then the same ratios in CPU seconds of each process's training thread, which a shared host's load changes far less
 than wall-clock time: a loop's step, the 1-stage trainer's step, and for 2 stages the step the schedule takes
@@ -21,11 +25,13 @@ the stage's thread did in the step (optimizer, engine, loop, the CPU side of tra
 overlapped it.
 
   python bench/trainer_profile.py [--workload small|small-even|smollm2] [--rounds 3] [--steps 6] [--partition P]
+                                  [--zbv-partition P] [--at-once]
                                   [--contenders "one loop" "1 stage" ...] [--set KEY=VALUE ...]
                                   [--micro-batches 8]
   python bench/trainer_profile.py --workload smollm2 --matmul-share   # the 1-stage ceiling, from transformers' loop
 """
 import argparse
+import concurrent.futures
 import json
 import os
 import shutil
@@ -54,16 +60,17 @@ WORKLOADS = {  # the shapes of issue 31's table; smollm2 is SmolLM2-135M's publi
                      tie_word_embeddings=True, rope_theta=100000.0), 256, 2),
 }
 CONTENDERS = ["one loop", "1 stage", "two loops", "2 stages 1f1b", "2 stages zero_bubble",
-              "2 stages interleaved_1f1b", "2 stages zbv", "2 stages zbv measured"]
+              "2 stages interleaved_1f1b", "2 stages zbv", "2 stages zbv equal", "2 stages zbv measured"]
 VIRTUAL_STAGES = 2  # interleaved_1f1b's chunks per rank
 TRAINER_RUNS = {"1 stage": (1, "1f1b"), "2 stages 1f1b": (2, "1f1b"), "2 stages zero_bubble": (2, "zero_bubble"),
                 "2 stages interleaved_1f1b": (2, "interleaved_1f1b"), "2 stages zbv": (2, "zbv"),
-                "2 stages zbv measured": (2, "zbv")}
+                "2 stages zbv equal": (2, "zbv"), "2 stages zbv measured": (2, "zbv")}
 # each 2-stage run's tokens/s ÷ another's: the loops', and the schedule it improves on
 RATIOS = [("1 stage", "one loop"), *((name, "two loops") for name in TRAINER_RUNS if name.startswith("2")),
           ("2 stages zero_bubble", "2 stages 1f1b"), ("2 stages interleaved_1f1b", "2 stages 1f1b"),
           ("2 stages zbv", "2 stages zero_bubble"), ("2 stages zbv", "2 stages 1f1b"),
-          ("2 stages zbv measured", "2 stages zero_bubble"), ("2 stages zbv measured", "2 stages zbv")]
+          ("2 stages zbv", "2 stages zbv equal"), ("2 stages zbv measured", "2 stages zero_bubble"),
+          ("2 stages zbv measured", "2 stages zbv")]
 
 
 def make_model(work, fields, seq_length, micro_batch, micro_batches, steps):
@@ -134,7 +141,8 @@ def matmul_share(rank, fields, seq_length, micro_batch, micro_batches):
 
 def run_trainer(work, name, seq_length, micro_batch, micro_batches, steps, partition, extra_overrides):
     """One trainer_pipe.py run with profile=true; returns {stage: profile} (training/profiling.py's files), its
-    losses per step (metrics.jsonl) and its stage plan's layers per stage (the plan's table from its output)."""
+    losses per step (metrics.jsonl), its stage plan's layers per stage (the plan's table from its output) and,
+    under zbv_times=auto, the times the trainer made its V order for (its log line), else None."""
     num_stages, schedule = TRAINER_RUNS[name]
     out = os.path.join(work, "run")
     shutil.rmtree(out, ignore_errors=True)
@@ -145,7 +153,8 @@ def run_trainer(work, name, seq_length, micro_batch, micro_batches, steps, parti
                  f"max_steps={steps + 1}", "logging_steps=1", "save_steps=0", "save_total_limit=1",
                  "lr_scheduler=constant", "warmup_steps=1", "profile=true", "export_hf=false",
                  f"data.cache_dir={os.path.join(work, 'cache')}", *([f"partition={partition}"] if partition else []),
-                 *([f"virtual_stages={VIRTUAL_STAGES}"] if schedule == "interleaved_1f1b" else []), *extra_overrides]
+                 *([f"virtual_stages={VIRTUAL_STAGES}"] if schedule == "interleaved_1f1b" else []),
+                 *(["zbv_times=null"] if name == "2 stages zbv equal" else []), *extra_overrides]
     command, env = trainer_command(num_stages, overrides, "base", None, "trainer_pipe.py", {"OMP_NUM_THREADS": "1"})
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode:
@@ -153,7 +162,17 @@ def run_trainer(work, name, seq_length, micro_batch, micro_batches, steps, parti
     profiles = [json.load(open(os.path.join(out, "profile", n))) for n in sorted(os.listdir(os.path.join(out, "profile")))]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         losses = [record["loss"] for record in map(json.loads, f) if record.get("loss") is not None]
-    return {p["stage"]: p for p in profiles}, losses, stage_plan(result.stdout + result.stderr)
+    output = result.stdout + result.stderr
+    return {p["stage"]: p for p in profiles}, losses, stage_plan(output), auto_zbv_times(output)
+
+
+def auto_zbv_times(output):
+    """zbv_times=auto's measured times per stage from the trainer's log line (training/chunked_engine.py), or None."""
+    line = next((line for line in output.splitlines() if line.startswith("zbv_times=auto:")), None)
+    if line is None:
+        return None
+    cells = line.split(" step ", 1)[1].split(";")[0].split(", ")
+    return [[int(t) for t in cell.split()[-1].split("/")] for cell in cells]
 
 
 def stage_plan(output):
@@ -217,6 +236,18 @@ def print_simulation(name, profiles, schedule, micro_batches, zbv_times=None):
         f"stage {stage} {1e3 * t['F']:.0f}/{1e3 * t['B']:.0f}/{1e3 * t['W']:.0f}" for stage, t in enumerate(times))
         + f"; compute of all stages {1e3 * compute:.0f} ms, schedule {1e3 * schedule_seconds:.0f} ms (idle "
         f"{1 - compute / (len(times) * schedule_seconds):.1%}), + rest {1e3 * rest:.0f} ms")
+    # What keeps the step from its bound: the partition's granularity (the same compute spread evenly over the
+    # stages) and the rest, which no schedule overlaps (the optimizer step waits for every stage's gradients: the
+    # clipping norm, the tied weights' sum)
+    even = [{kind: statistics.mean(t[kind] for t in times) for kind in "FBW"}] * len(times)
+    virtual_stages = VIRTUAL_STAGES if schedule == "interleaved_1f1b" else 1
+    even_seconds = max(end for _, end in simulate(len(times), micro_batches, even, schedule,
+                                                  virtual_stages=virtual_stages).values())
+    share = [compute / (len(times) * seconds) for seconds in (schedule_seconds, schedule_seconds + rest)]
+    bound = micro_batches / (micro_batches + len(times) - 1)
+    print(f"  {name}: step on stages of even compute ÷ this step {even_seconds / schedule_seconds:.3f}, with the rest "
+          f"{even_seconds / (schedule_seconds + rest):.3f}; compute ÷ (stages x step) ÷ the 1F1B bound {bound:.3f}: "
+          f"{share[0] / bound:.3f}, with the rest {share[1] / bound:.3f}")
 
 
 def transformers_seconds(work, fields, seq_length, micro_batch, micro_batches, steps, processes):
@@ -296,15 +327,20 @@ def main():
     parser.add_argument("--steps", type=int, default=6, help="timed steps per run (after one warm-up step)")
     parser.add_argument("--micro-batches", type=int, default=8, help="m: micro-batches per step (every contender)")
     parser.add_argument("--partition", help="the trainer's partition (default: conf/base.yaml's)")
+    parser.add_argument("--zbv-partition", help="the zbv runs' partition, e.g. [2,2,2,2] (decoder layers per chunk)")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="more Hydra overrides for every trainer run, e.g. compile=true")
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=CONTENDERS,
                         help="which runs (default: all; the ratios need each run's loop)")
+    parser.add_argument("--at-once", action="store_true",
+                        help="run a round's trainer runs at the same time (the same load on a shared host)")
     parser.add_argument("--matmul-share", action="store_true",
                         help="only profile transformers' loop: the share of its step in matrix products and attention")
     args = parser.parse_args()
     if "2 stages zbv measured" in args.contenders and "2 stages zbv" not in args.contenders:
         parser.error('"2 stages zbv measured" takes its times from "2 stages zbv": name both')
+    if args.at_once and "2 stages zbv measured" in args.contenders:
+        parser.error('"2 stages zbv measured" takes its times from an earlier "2 stages zbv" run: not with --at-once')
     fields, seq_length, micro_batch = WORKLOADS[args.workload]
     if args.matmul_share:
         spawn(matmul_share, 1, fields, seq_length, micro_batch, args.micro_batches)
@@ -320,15 +356,31 @@ def main():
         rates = {name: [] for name in contenders}
         cpu_rates = {name: [] for name in contenders}  # tokens per CPU second of a step, as above
         profiles, losses, plans, zbv_times = {}, {}, {}, {}
+        # --at-once: each trainer run in its own copy of the model and data, all of a round's at the same time
+        works = {name: os.path.join(work, name.replace(" ", "_")) for name in contenders if name in TRAINER_RUNS}
+        for name, run_work in works.items() if args.at_once else ():
+            os.makedirs(run_work)
+            make_model(run_work, fields, seq_length, micro_batch, m, args.steps + 1)
+
+        def trainer(name):
+            if name == "2 stages zbv measured":
+                zbv_times[name] = measured_zbv_times(profiles["2 stages zbv"], m)
+            extra = [*args.set, *([f"zbv_times={zbv_times[name]}".replace(" ", "")]
+                                  if name == "2 stages zbv measured" else [])]
+            return run_trainer(works[name] if args.at_once else work, name, seq_length, micro_batch, m, args.steps + 1,
+                               args.zbv_partition if "zbv" in name and args.zbv_partition else args.partition, extra)
+
         for round_index in range(args.rounds):
-            for name in contenders[::1 if round_index % 2 == 0 else -1]:
+            order = contenders[::1 if round_index % 2 == 0 else -1]
+            if args.at_once:
+                with concurrent.futures.ThreadPoolExecutor(len(works)) as pool:
+                    at_once = dict(zip(works, pool.map(trainer, works)))
+            for name in order:
                 if name in TRAINER_RUNS:
-                    if name == "2 stages zbv measured":
-                        zbv_times[name] = measured_zbv_times(profiles["2 stages zbv"], m)
-                    extra = [*args.set, *([f"zbv_times={zbv_times[name]}".replace(" ", "")] if name in zbv_times
-                                          else [])]
-                    profiles[name], losses[name], plans[name] = run_trainer(
-                        work, name, seq_length, micro_batch, m, args.steps + 1, args.partition, extra)
+                    profiles[name], losses[name], plans[name], auto_times = (
+                        at_once[name] if args.at_once else trainer(name))
+                    if auto_times:  # the order the trainer ran from step 3 on
+                        zbv_times[name] = auto_times
                     rates[name].append(tokens_per_second(tokens, step_seconds(profiles[name])))
                     cpu_rates[name].append(tokens / cpu_step_seconds(profiles[name], TRAINER_RUNS[name][1], m,
                                                                      zbv_times.get(name)))
@@ -349,8 +401,8 @@ def main():
             if len(stage_profiles) > 1:
                 print_plan_check(name, stage_profiles)
                 print_simulation(name, stage_profiles, TRAINER_RUNS[name][1], m, zbv_times.get(name))
-        if zbv_times:
-            print(f"2 stages zbv measured: zbv_times={zbv_times['2 stages zbv measured']} (the last round's)")
+        for name, times in zbv_times.items():
+            print(f"{name}: zbv_times={times} (the last round's)")
     print(machine_note())
 
 

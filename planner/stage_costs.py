@@ -320,11 +320,12 @@ def chunk_micro_batches_at_peak(workload, num_stages, rank):
     order = rank_orders(workload.pipeline_schedule, num_stages, workload.micro_batches, workload.virtual_stages,
                         workload.zero_bubble_max_waiting, configured_zbv_durations(workload.zbv_times))[rank]
     chunks = chunks_per_rank(workload.pipeline_schedule, workload.virtual_stages)
-    split = workload.pipeline_schedule == "zbv"
+    # zbv splits every backward but the first chunk's (rank 0's local chunk 0: its B runs whole, its W is left out)
+    split = [workload.pipeline_schedule == "zbv" and (rank, chunk) != (0, 0) for chunk in range(chunks)]
     in_flight, waiting, peak = [0] * chunks, [0] * chunks, ((0, 0), [(0, 0)] * chunks)
     for kind, chunk, _ in order:
         in_flight[chunk] += {"F": 1, "B": -1, "W": 0}[kind]
-        waiting[chunk] += {"F": 0, "B": 1 if split else 0, "W": -1}[kind]
+        waiting[chunk] += {"F": 0, "B": 1, "W": -1}[kind] if split[chunk] else 0
         held = (sum(in_flight) + sum(waiting), sum(in_flight))
         peak = max(peak, (held, list(zip(in_flight, waiting))))
     return peak[1]

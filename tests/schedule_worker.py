@@ -115,7 +115,8 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     eval_loss = float(engine.eval_batch(map(module.context.split_micro_batch, rows(3)), num_micro_batches=3))
     return losses, recorded, weights, {**held, "where": where, "stage": engine.stage_id,
                                        "waiting": max(waiting, default=0), "read": len(read), "eval_loss": eval_loss,
-                                       "checkpointed": len(checkpointed), "rewards": rewards, "loss_scales": scales}
+                                       "checkpointed": len(checkpointed), "rewards": rewards, "loss_scales": scales,
+                                       "measured_times": getattr(engine, "zbv_measured_times", None)}
 
 
 def preference_pairs(batch):

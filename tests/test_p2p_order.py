@@ -28,7 +28,8 @@ from training.chunked_engine import forward_program
 from training.pipeline_engine import use_zero_bubble
 from training.schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
                                ZeroBubbleSchedule, chunk_ids, p2p_program, rank_orders)
-from training.zbv_order import EQUAL_TIMES
+from training.zbv_auto import robust_sums, stage_times
+from training.zbv_order import EQUAL_TIMES, configured_zbv_durations
 
 # Stage and micro-batch counts: those of the tests and around them (fewer micro-batches than stages, as many, more),
 # and every config's (config_counts).
@@ -395,3 +396,21 @@ def test_sends_posted_in_compute_order_deadlock_under_zbv():
         programs.append(naive + [entry for entry in program if entry[0] == "wait" and entry[1][1] == "send"])
     with pytest.raises(AssertionError, match="deadlock"):
         run_on_nccl(programs)
+
+
+def test_zbv_auto_times_agreed_by_every_rank_make_one_matched_order():
+    """zbv_times=auto (training/zbv_auto.py): a rank's F, B, W are robust to a slowed instruction; each stage's times
+    are the mean of its ranks' all-gathered rows (2 data-parallel replicas per stage, in rank order), each raised to
+    1/8 of the longest (a LoRA run's W is tiny); the order made for them is another than F = B = W's, and matched on
+    every link."""
+    # a rank's sums: each kind's median x its count (two chunks of 1 s and 3 s, one F slowed to 50 s by a neighbour)
+    forwards = {("F", serial): seconds for serial, seconds in enumerate([1.0, 3.0, 1.1, 2.9, 50.0, 1.0])}
+    assert robust_sums({**forwards, ("B", 6): 2.0, ("W", 7): 0.5}) == [12.0, 2.0, 0.5]
+    rows = [[0, 1.2, 0.5, 0.002], [1, 0.7, 0.9, 0.6], [0, 1.4, 0.7, 0.004], [1, 0.9, 0.7, 0.6]]
+    times = stage_times(rows, 2)
+    assert sum(times, []) == pytest.approx([1.3, 0.6, 1.3 / 8, 0.8, 0.8, 0.6])
+    durations = configured_zbv_durations(times)
+    assert durations == ((16, 7, 2), (10, 10, 7))
+    assert rank_orders("zbv", 2, 4, zbv_times=durations) != rank_orders("zbv", 2, 4)
+    for micro_batches in (1, 2, 4, 9):
+        run_on_nccl(chunk_programs("zbv", 2, micro_batches, zbv_times=durations))

@@ -37,9 +37,10 @@ CASES = {
     # that Adam carries into later steps' gradients (up to 9.5e-7 here, 1.05e-6 of a layer norm's when the launch ran
     # 6 steps), hence zbv_tolerance 2e-6 for tied models. zero_bubble_max_waiting (max_waiting, ZB-H1's only): 2 caps
     # stage 3 of 4 (ZB-H1 holds 3 there), 0 runs each W right after its B.
+    # zbv_times=auto (the trainer's default): step 2's F, B, W measured, step 3 in the V order made for them.
     "4stages_tied_checkpointing": ("tied_8layers", dict(
         stages=4, schedules=("zero_bubble", *CHUNKED), virtual_stages=2, checkpoint_interval=1, max_waiting=2,
-        zbv_tolerance=2e-6)),
+        zbv_tolerance=2e-6, zbv_times="auto", steps=3)),
     # preference pairs (training/reference.py's pass under each schedule for DPO; the rewards compared too), LoRA
     # (the adapters' gradients, the base frozen; ZB-V's W computes only theirs)
     "4stages_dpo_lora": ("llama2_8layers", dict(stages=4, schedules=CHUNKED, virtual_stages=2, objective="dpo",
@@ -129,6 +130,8 @@ def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
         assert sorted(rank[name]) == sorted(settings["schedules"]), name
         for schedule, result in rank[name].items():
             assert_equals_1f1b(result, settings, schedule, (name, schedule))
+        if settings.get("zbv_times") == "auto":  # every rank agreed on each stage's measured [F, B, W]
+            assert rank[name]["zbv"]["measured_times"] == ranks[0][name]["zbv"]["measured_times"], name
 
 
 def assert_equals_1f1b(result, settings, schedule, case):
@@ -145,6 +148,8 @@ def assert_equals_1f1b(result, settings, schedule, case):
     assert result["weight_names"] and result["compared_weights"], case
     assert result["max_weight_error"] <= tolerance, (case, result["worst_weight"])
     assert result["loss_scales"] == result["ref_loss_scales"], case
+    auto = schedule == "zbv" and settings.get("zbv_times") == "auto"
+    assert len(result["measured_times"] or []) == (settings["stages"] if auto else 0), case
     if skipped:  # and no other: the scale halved once
         assert len({s["last_overflow_iter"] for s in result["loss_scales"]} - {-1}) == 1, case
     assert result["losses"][-1] < result["losses"][0], case  # it trained
@@ -288,8 +293,8 @@ def test_simulated_steps_are_the_closed_forms(stages, forward, backward, weight)
      "zbv_times=null, or pipeline_schedule=zbv."),
     *((dict(pipeline_schedule="zbv", num_stages=2, zbv_times=times), f"zbv_times={times} is not a chunk's [F, B, W] "
        "times: set three positive numbers within 8x of each other (the forward, input-gradient and weight-gradient "
-       "times profile=true measures), or one such [F, B, W] per stage (2), or null for F = B = W.")
-      for times in ([1, 9, 2], [1, 2], [[1, 2, 1]] * 3, [0, 1, 1])),
+       "times profile=true measures), or one such [F, B, W] per stage (2), auto to have the trainer measure them, or "
+       "null for F = B = W.") for times in ([1, 9, 2], [1, 2], [[1, 2, 1]] * 3, [0, 1, 1], "measured")),
 ])
 def test_bad_chunk_schedule_config_is_refused(overrides, message):
     with pytest.raises(ConfigError) as error:

@@ -12,13 +12,16 @@ runs, the engine's first and last stage are the model's first and last chunk, so
 last rank's under interleaving, rank 0's under the V) and only that chunk scales by the accumulation steps. Outside
 a chunk they mean the rank holding them: the rank of the first chunk loads inputs, that of the last chunk labels
 (under the V rank 0 does both; a rank holding neither reads no data). An order with W splits each backward as the
-zero-bubble schedule does (models/weight_grads.py: B now, W in the order's place, oldest first).
+zero-bubble schedule does (models/weight_grads.py: B now, W in the order's place, oldest first), but the first
+chunk's: no rank waits for its input gradient, so its B runs whole and its W is left out (ZB-H1's first stage does
+the same; a split backward computes slower on the CPU, bench/README.md).
 
 Every chunk boundary carries the same shapes: the first step's first forward (chunk 0's, micro-batch 0, on the rank
 of chunk 0, which needs nothing before it) broadcasts them over the pipeline's ranks before any point-to-point
 operation, and every receive is allocated from them (gradients: like the chunk's outputs).
 """
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.pipe.schedule import OptimizerStep, PipeInstruction, ReduceGrads, ReduceTiedGrads, TrainSchedule
 
 import collectives
@@ -27,6 +30,7 @@ from deepspeed_internals.access import (add_instruction_handlers, load_micro_bat
 from models.pipeline_schedule_rules import chunk_ids, chunks_per_rank
 from training.pipeline_engine import ZeroBubblePipelineEngine, use_zero_bubble
 from training.schedule import BackwardWeightPass, P2POp, p2p_program
+from training.zbv_auto import MeasuredTimes
 from training.zbv_order import configured_zbv_durations
 
 SHAPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
@@ -71,6 +75,7 @@ class ChunkedSchedule(TrainSchedule):
     def steps(self):
         if not self.holds_first_chunk:
             yield [ShareActivationShapes()]
+        first_chunk = 0 if self.holds_first_chunk else None  # the model's first chunk is local chunk 0 of its rank
         for action, item in self.program:
             if action == "post":
                 yield [PostTransfer(op=item)]
@@ -81,8 +86,9 @@ class ChunkedSchedule(TrainSchedule):
                 if item[1:] == (0, 0) and self.holds_first_chunk:
                     yield [ShareActivationShapes()]
             elif item[0] == "B":
-                yield [ChunkBackwardPass(chunk=item[1], micro_batch=item[2], split=self.split)]
-            else:
+                split = self.split and item[1] != first_chunk
+                yield [ChunkBackwardPass(chunk=item[1], micro_batch=item[2], split=split)]
+            elif item[1] != first_chunk:
                 yield [BackwardWeightPass()]
         if self.training:
             yield [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
@@ -284,19 +290,9 @@ def stage_reads_data(schedule, stages, rank, virtual_stages=None):
 def use_chunked_pipeline(engine, schedule, virtual_stages=None, max_waiting=None, zbv_times=None):
     """Turn the PipelineEngine that deepspeed.initialize built over a chunked LlamaPipeline (rank_chunk_ids' chunks)
     into the chunked one, running its rank's program of the schedule (training/schedule.py p2p_program; zbv's V
-    order made for zbv_times, a chunk's [F, B, W] times, or for F = B = W). Ws run oldest first, so they must follow
-    the Bs' order; the rank of chunk 0 must start with its forward of micro-batch 0 (the activation shapes come
-    from it)."""
+    order made for zbv_times, a chunk's [F, B, W] times, or for F = B = W; "auto": for F = B = W, then from the
+    second step's end for the times measured in it, training/zbv_auto.py)."""
     chunks = rank_chunk_ids(schedule, engine.num_stages, virtual_stages)
-    program = p2p_program(schedule, engine.num_stages, engine.micro_batches, engine.stage_id, virtual_stages or 1,
-                          max_waiting, configured_zbv_durations(zbv_times))
-    computed = [item for action, item in program if action == "compute"]
-    backwards = [(chunk, j) for kind, chunk, j in computed if kind == "B"]
-    weights = [(chunk, j) for kind, chunk, j in computed if kind == "W"]
-    if weights and weights != backwards:
-        raise ValueError(f"{schedule}: the order's Ws {weights} do not follow its Bs {backwards}.")
-    if 0 in chunks[engine.stage_id] and program[0] != ("compute", ("F", chunks[engine.stage_id].index(0), 0)):
-        raise ValueError(f"{schedule}: the program of chunk 0's rank starts with {program[0]}, not its first forward.")
     use_zero_bubble(engine)  # its W and its checks
     engine.__class__ = ChunkedPipelineEngine
     engine.pipeline_schedule = schedule
@@ -304,7 +300,38 @@ def use_chunked_pipeline(engine, schedule, virtual_stages=None, max_waiting=None
     engine.local_chunks = chunks[engine.stage_id]
     engine.chunk_owner = {chunk: rank for rank, rank_chunks in enumerate(chunks) for chunk in rank_chunks}
     engine.last_chunk = len(engine.chunk_owner) - 1
-    engine.chunk_program = program
     engine.running_chunk = engine._activation_shapes = None
     engine._arrived, engine._made, engine._posted, engine._losses = {}, {}, {}, {}
+
+    def make_program(times):
+        set_chunk_program(engine, p2p_program(schedule, engine.num_stages, engine.micro_batches, engine.stage_id,
+                                              virtual_stages or 1, max_waiting, configured_zbv_durations(times)))
+    make_program(zbv_times)
+    if zbv_times == "auto":
+        MeasuredTimes(engine, {ChunkForwardPass: "F", ChunkBackwardPass: "B", BackwardWeightPass: "W"},
+                      lambda times: remake_for_measured_times(engine, times, make_program))
     return engine
+
+
+def remake_for_measured_times(engine, times, make_program):
+    """zbv_times=auto: the V order made for each stage's measured [F, B, W] seconds (alike on every rank), said once."""
+    make_program(times)
+    engine.zbv_measured_times = times
+    if dist.get_rank() == 0:
+        print("zbv_times=auto: each stage's F/B/W ms in the measured step " + ", ".join(
+            f"stage {stage} " + "/".join(f"{1e3 * t:.0f}" for t in stage_times) for stage, stage_times in
+            enumerate(times)) + "; the V order is made for them from the next step on", flush=True)
+
+
+def set_chunk_program(engine, program):
+    """The rank's program from the next step on. Ws run oldest first, so they must follow the Bs' order; the rank of
+    chunk 0 must start with its forward of micro-batch 0 (the activation shapes come from it)."""
+    computed = [item for action, item in program if action == "compute"]
+    backwards = [(chunk, j) for kind, chunk, j in computed if kind == "B"]
+    weights = [(chunk, j) for kind, chunk, j in computed if kind == "W"]
+    if weights and weights != backwards:
+        raise ValueError(f"{engine.pipeline_schedule}: the order's Ws {weights} do not follow its Bs {backwards}.")
+    if 0 in engine.local_chunks and program[0] != ("compute", ("F", engine.local_chunks.index(0), 0)):
+        raise ValueError(f"{engine.pipeline_schedule}: the program of chunk 0's rank starts with {program[0]}, not its "
+                         f"first forward.")
+    engine.chunk_program = program

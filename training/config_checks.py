@@ -211,9 +211,9 @@ def check_zero_bubble(cfg):
 
 def check_zbv_times(cfg):
     """zbv_times: a chunk's F, B and W times (all ranks alike, or one [F, B, W] per rank), positive numbers within
-    ZBV_TIMES_SPREAD of each other."""
+    ZBV_TIMES_SPREAD of each other, or auto (measured by the trainer; the default, which other schedules ignore)."""
     times = cfg.zbv_times
-    if times is None:
+    if times is None or times == "auto":
         return
     shown = OmegaConf.to_container(times) if isinstance(times, ListConfig) else times
     if cfg.pipeline_schedule != "zbv":
@@ -226,8 +226,8 @@ def check_zbv_times(cfg):
             or max(numbers) > ZBV_TIMES_SPREAD * min(numbers)):
         raise ConfigError(f"zbv_times={shown} is not a chunk's [F, B, W] times: set three positive numbers within "
                           f"{ZBV_TIMES_SPREAD}x of each other (the forward, input-gradient and weight-gradient times "
-                          f"profile=true measures), or one such [F, B, W] per stage ({cfg.num_stages}), or null for "
-                          f"F = B = W.")
+                          f"profile=true measures), or one such [F, B, W] per stage ({cfg.num_stages}), auto to have "
+                          f"the trainer measure them, or null for F = B = W.")
 
 
 def check_chunk_schedule(cfg):

@@ -3,7 +3,11 @@
 training/stragglers.py; the profile's time per instruction, training/profiling.py) adds a listener instead of
 wrapping the handlers once more. A listener has instruction_started(instruction), whose result is handed to its
 instruction_ended(instruction, started) once the handler returns (not after an exception: the step is lost)."""
+import time
 import weakref
+
+import torch
+from deepspeed.accelerator import get_accelerator
 
 from deepspeed_internals.access import instruction_handlers, replace_instruction_handlers
 
@@ -31,3 +35,37 @@ def add_instruction_listener(engine, listener):
     if engine not in _wrappers:
         _wrappers[engine] = InstructionListeners(engine)
     _wrappers[engine].listeners.append(listener)
+
+
+class InstructionClock:
+    """Seconds per kind of instruction for a listener: by events on the device's stream under CUDA (read once, by
+    take: no host sync per instruction), by `clock` on the CPU."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.events = get_accelerator().device_name() == "cuda"
+        self.clock, self.seconds, self.pending = clock, {}, []
+
+    def start(self):
+        if self.events:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            return start
+        return self.clock()
+
+    def stop(self, kind, started):
+        if self.events:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pending.append((kind, started, end))
+        else:
+            self.seconds[kind] = self.seconds.get(kind, 0.0) + self.clock() - started
+
+    def take(self):
+        """{kind: seconds} since the last take (waits for the device's last timed instruction)."""
+        if self.pending:
+            self.pending[-1][2].synchronize()
+            for kind, start, end in self.pending:
+                self.seconds[kind] = self.seconds.get(kind, 0.0) + start.elapsed_time(end) / 1000
+            self.pending = []
+        seconds, self.seconds = self.seconds, {}
+        return seconds

@@ -339,7 +339,8 @@ def workload_of(cfg, data_parallel):
                     offload_optimizer=cfg.offload_optimizer == "cpu", pipeline_schedule=cfg.pipeline_schedule,
                     loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
                     zero_bubble_max_waiting=cfg.zero_bubble_max_waiting, virtual_stages=cfg.virtual_stages or 1,
-                    zbv_times=OmegaConf.to_container(cfg.zbv_times) if cfg.zbv_times else None,
+                    zbv_times=(OmegaConf.to_container(cfg.zbv_times) if OmegaConf.is_list(cfg.zbv_times)
+                               else cfg.zbv_times),
                     lora=LoraSettings.from_cfg(cfg.lora), async_save=bool(cfg.async_save))
 
 

@@ -6,28 +6,28 @@ median of the other stages, is named in the log and the metrics. Timed on the de
 read once per interval: no host sync per micro-batch), by the clock on the CPU.
 """
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe import schedule
 
 import collectives
 from deepspeed_internals.access import instruction_handlers
-from training.instruction_listeners import add_instruction_listener
+from training.chunked_engine import ChunkBackwardPass, ChunkForwardPass, PostTransfer, WaitTransfer
+from training.instruction_listeners import InstructionClock, add_instruction_listener
 from training.schedule import BackwardWeightPass, PostRecvActivation, WaitRecvActivation
 
-COMPUTE = (schedule.ForwardPass, schedule.BackwardPass, BackwardWeightPass)  # BackwardInputPass is a BackwardPass
+# BackwardInputPass is a BackwardPass; the chunked schedules' (training/chunked_engine.py) count too
+COMPUTE = (schedule.ForwardPass, schedule.BackwardPass, BackwardWeightPass, ChunkForwardPass, ChunkBackwardPass)
 COMMUNICATION = (schedule.SendActivation, schedule.RecvActivation, schedule.SendGrad, schedule.RecvGrad,
-                 PostRecvActivation, WaitRecvActivation, schedule.ReduceGrads, schedule.ReduceTiedGrads)
+                 PostRecvActivation, WaitRecvActivation, PostTransfer, WaitTransfer, schedule.ReduceGrads,
+                 schedule.ReduceTiedGrads)
 
 
 class StragglerWatch:
     def __init__(self, engine, margin):
         self.engine, self.margin = engine, margin
-        self.events = get_accelerator().device_name() == "cuda"
-        self.seconds, self.pending, self.training = {"compute": 0.0, "communication": 0.0}, [], False
+        self.clock, self.training = InstructionClock(), False
         self.kinds = {instruction: "compute" if issubclass(instruction, COMPUTE) else "communication"
                       for instruction in instruction_handlers(engine)
                       if issubclass(instruction, COMPUTE + COMMUNICATION)}
@@ -45,37 +45,21 @@ class StragglerWatch:
     def instruction_started(self, instruction):
         if not self.training or instruction not in self.kinds:
             return None
-        if self.events:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            return start
-        return time.perf_counter()
+        return self.clock.start()
 
     def instruction_ended(self, instruction, started):
-        if started is None:
-            return
-        kind = self.kinds[instruction]
-        if self.events:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.pending.append((kind, started, end))
-        else:
-            self.seconds[kind] += time.perf_counter() - started
+        if started is not None:
+            self.clock.stop(self.kinds[instruction], started)
 
     def window_report(self, log):
         """Collective, once per logging interval: gather every rank's seconds since the last call, log a line per
         straggler (log: rank 0's print) and return the metrics."""
-        if self.pending:
-            self.pending[-1][2].synchronize()
-            for kind, start, end in self.pending:
-                self.seconds[kind] += start.elapsed_time(end) / 1000
-            self.pending = []
-        mine = torch.tensor([self.seconds["compute"], self.seconds["communication"], self.engine.stage_id],
+        seconds = self.clock.take()
+        mine = torch.tensor([seconds.get("compute", 0.0), seconds.get("communication", 0.0), self.engine.stage_id],
                             dtype=torch.float64, device=collectives.device())
         every_rank = torch.empty(dist.get_world_size() * mine.numel(), dtype=mine.dtype, device=mine.device)
         collectives.all_gather_single(every_rank, mine)
         every_rank = every_rank.view(-1, mine.numel()).tolist()
-        self.seconds = {"compute": 0.0, "communication": 0.0}
         compute, communication = [float(t[0]) for t in every_rank], [float(t[1]) for t in every_rank]
         ranks, stages = find_stragglers(compute, [int(t[2]) for t in every_rank], communication, self.margin)
         for line in [*ranks.values(), *stages.values()]:

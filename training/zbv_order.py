@@ -118,8 +118,9 @@ ZBV_TIMES_SPREAD = 8  # conf's zbv_times within 8x of each other: at most 16 uni
 
 def configured_zbv_durations(zbv_times):
     """zbv_order's durations for conf's zbv_times: a chunk's [F, B, W] times, the same on every rank or one per
-    rank ([[F, B, W], ...]), or None for F = B = W."""
-    if not zbv_times:
+    rank ([[F, B, W], ...]), or None for F = B = W ("auto" too: its first steps run that order,
+    training/zbv_auto.py)."""
+    if not zbv_times or zbv_times == "auto":
         return EQUAL_TIMES
     per_rank = [zbv_times] if isinstance(zbv_times[0], (int, float)) else zbv_times
     return zbv_durations([dict(zip("FBW", times)) for times in per_rank])
