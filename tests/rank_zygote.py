@@ -23,7 +23,8 @@ _CONTEXT = None
 # Besides ranks (`python -u SCRIPT ARGS`), what a starter forks from itself: DeepSpeed's runner. Not its per-node
 # launcher, which its ranks recognise by its command line (training/preemption.py): that starts fresh.
 FORKED_MODULES = ("deepspeed.launcher.runner",)
-# What starts them: a starter forked here or started with tests/launcher_site forks these children.
+# The processes that fork these and `python [-u] SCRIPT` children (ranks, the supervisor's commands) from themselves,
+# started fresh (tests/launcher_site) or forked here.
 STARTERS = ("deepspeed.launcher.launch", "torch.distributed.run", "supervise.py")
 
 
@@ -56,8 +57,8 @@ class ForkedProcess:
 
 def run_script(argv, env, out_path=None, err_path=None):
     """`python ARGV` in this forked process: argv a script and its arguments, ["-c", code, arguments...] or ["-m",
-    module, arguments...]; its
-    stdout and stderr appended to out_path and err_path, or where they are (tests/launcher_site/sitecustomize.py)."""
+    module, arguments...]; its stdout and stderr appended to out_path and err_path, or where they are
+    (tests/launcher_site/sitecustomize.py). A starter (STARTERS) forks its launchers and ranks in turn."""
     os.chdir(ROOT)
     os.environ.clear()
     os.environ.update(env)
