@@ -1,14 +1,32 @@
 """Start real worker processes on this machine: one process per rank, gloo through DeepSpeed's CPU accelerator."""
+import itertools
 import os
+import random
 import socket
 
 import torch.multiprocessing as mp
 
 
+# Launches' MASTER_PORTs: below the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range, 32768 up by
+# default), where no connection's own port can take one before its master listens; under pytest-xdist, a block of
+# its own for each worker (PYTEST_XDIST_WORKER gwN), so that two workers' launches never pick the same one.
+PORT_BLOCK = 2000
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+_FIRST_PORT = 12000 + _WORKER % 10 * PORT_BLOCK
+_next_ports = itertools.count(random.Random().randrange(PORT_BLOCK))  # another session's sequence starts elsewhere
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """The next port of this worker's block that nothing listens on."""
+    for _ in range(PORT_BLOCK):
+        port = _FIRST_PORT + next(_next_ports) % PORT_BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {_FIRST_PORT}-{_FIRST_PORT + PORT_BLOCK - 1}")
 
 
 def _bootstrap(rank, world_size, port, fn, args):

@@ -25,12 +25,13 @@ def launch_trainer(num_procs, overrides, config="tiny", timeout=240, hostfile=No
     killed once one fails, as the launcher does: that skips the runner's and the launcher's own interpreters (~4.6 s
     a launch, on ~60 launches); on the CPU it is forked from the rank zygote (tests/rank_zygote.py), which skips the
     ranks' library imports too. With launcher=True or a hostfile it goes through `deepspeed --num_gpus N` (or
-    `--hostfile`, as on a cluster: on one machine without ssh, README multi-node), as a user launches it.
+    `--hostfile`, as on a cluster: on one machine without ssh, README multi-node), as a user launches it (on the CPU
+    the runner forked from the zygote; the launcher forks its ranks: tests/launcher_site).
     accelerator is DeepSpeed's (DS_ACCELERATOR): cpu, N gloo processes on this machine's cores; cuda, one process
     per GPU (NCCL)."""
     if launcher or hostfile:
         command, env = trainer_command(num_procs, overrides, config, hostfile, script, env, accelerator)
-        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        return run_processes(command, [env], timeout)[0]  # on the CPU the runner too is forked from the zygote
     ranks = run_ranks(num_procs, script_command(script, config, overrides), process_environment(accelerator, env),
                       timeout)
     failed = [rank.returncode for rank in ranks if rank.returncode]

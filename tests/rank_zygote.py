@@ -12,12 +12,20 @@ import io
 import multiprocessing
 import os
 import runpy
+import signal
+import subprocess
 import sys
 import threading
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONTEXT = None
+# Besides ranks (`python -u SCRIPT ARGS`), what a starter forks from itself: DeepSpeed's runner. Not its per-node
+# launcher, which its ranks recognise by its command line (training/preemption.py): that starts fresh.
+FORKED_MODULES = ("deepspeed.launcher.runner",)
+# The processes that fork these and `python [-u] SCRIPT` children (ranks, the supervisor's commands) from themselves,
+# started fresh (tests/launcher_site) or forked here.
+STARTERS = ("deepspeed.launcher.launch", "torch.distributed.run", "supervise.py")
 
 
 def context():
@@ -48,8 +56,9 @@ class ForkedProcess:
 
 
 def run_script(argv, env, out_path=None, err_path=None):
-    """`python ARGV` in this forked process: argv a script and its arguments, or ["-c", code, arguments...]; its
-    stdout and stderr appended to out_path and err_path, or where they are (tests/launcher_site/sitecustomize.py)."""
+    """`python ARGV` in this forked process: argv a script and its arguments, ["-c", code, arguments...] or ["-m",
+    module, arguments...]; its stdout and stderr appended to out_path and err_path, or where they are
+    (tests/launcher_site/sitecustomize.py). A starter (STARTERS) forks its launchers and ranks in turn."""
     os.chdir(ROOT)
     os.environ.clear()
     os.environ.update(env)
@@ -63,10 +72,16 @@ def run_script(argv, env, out_path=None, err_path=None):
     # Unbuffered, as PYTHONUNBUFFERED=1 makes a fresh interpreter: a killed rank's lines are on disk already.
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    if (argv[1] if argv[0] == "-m" else os.path.basename(argv[0])) in STARTERS:
+        fork_python_children()
     try:
         if argv[0] == "-c":
             sys.argv, sys.path[:0] = ["-c", *argv[2:]], [ROOT]
             exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+        elif argv[0] == "-m":
+            sys.argv, sys.path[:0] = list(argv[1:]), [ROOT]
+            sys.modules.pop(argv[1], None)  # imported already (the runner): run as __main__ only, as `python -m` does
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv, sys.path[:0] = list(argv), [os.path.dirname(os.path.abspath(argv[0]))]
             runpy.run_path(argv[0], run_name="__main__")
@@ -90,3 +105,45 @@ def run_as_interpreter(argv, env, out_path=None, err_path=None):
         return 1
     finally:
         threading._shutdown()
+
+
+class ForkedChild(subprocess.Popen):
+    """subprocess.Popen that forks `python [-u] SCRIPT ARGS` or `python [-u] -m MODULE ARGS` (a FORKED_MODULES one),
+    a command without pipes, cwd, preexec_fn or process group (the launchers' and the supervisor's), from this process,
+    which has imported the libraries; any other command starts as usual. The child is still this process's own
+    (pid, signals, exit code, reaping), in a new session where asked, with a fresh interpreter's signal handlers, and
+    runs the command as `python` would (run_as_interpreter)."""
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *rest):
+        pipes, new_session, process_group = rest[3:9], rest[14], rest[15]
+        argv = forkable_argv(args)
+        if not (argv and preexec_fn is None and cwd is None and env is not None and set(pipes) == {-1}
+                and process_group == -1):
+            return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *rest)
+        self.pid = os.fork()
+        self._child_created = True
+        if self.pid == 0:
+            if new_session:
+                os.setsid()
+            for signum in signal.valid_signals():  # not the parent's Python handlers (a launcher's SIGTERM's)
+                if callable(signal.getsignal(signum)):
+                    signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+            os._exit(run_as_interpreter(argv, env))
+
+
+def forkable_argv(args):
+    """A command's arguments after `python [-u]` where ForkedChild forks it, else None."""
+    if not isinstance(args, (list, tuple)) or list(args[:1]) != [sys.executable]:
+        return None
+    argv = list(args[2:] if list(args[1:2]) == ["-u"] else args[1:])
+    if argv and (not argv[0].startswith("-") or (argv[0] == "-m" and argv[1:2] and argv[1] in FORKED_MODULES)):
+        return argv
+    return None
+
+
+def fork_python_children():
+    """From now on, this process forks its launchers and ranks (ForkedChild): DeepSpeed's runner, launcher and the
+    supervisor call subprocess.Popen; torchrun's handler imported it."""
+    subprocess.Popen = ForkedChild
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+    subprocess_handler.Popen = ForkedChild
