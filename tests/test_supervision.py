@@ -1,5 +1,6 @@
 """A run that finishes without a person: the supervisor restarts failed launches with resume=auto, the hang
 watchdog names and ends a stuck rank, and what a restart cannot fix is not restarted. Real launches, real signals."""
+import csv
 import json
 import os
 import re
@@ -101,50 +102,76 @@ def test_a_killed_and_a_hung_rank_are_restarted_and_the_run_ends_equal_to_a_stra
         (step, pytest.approx(loss, rel=1e-6)) for step, loss in enumerate(per_step_losses(straight), 1)]
 
 
-# A restart's rank 0 (world size 1) after an attempt that logged steps 1-6 (and lm-eval scores at 4 and 6, the
-# pipeline's and an export's): its logger for a resume from step 4 logs steps 5-8.
+# A restart's rank 0 (world size 1): a first attempt's logger logs steps 1-6 (and lm-eval scores at 4 and 6, the
+# pipeline's and an export's); its restart's logger, for a resume from step 4, logs steps 5-8.
 REPLAYING_LOGGER = """
+import os
 import sys
-from torch.utils.tensorboard import SummaryWriter
 from training.distributed import init_distributed
 from training.metrics import RunLogger
 out = sys.argv[1]
+sys.path.insert(0, f"{out}/wandb_package")  # a recording wandb (RECORDING_WANDB)
 init_distributed(timeout_minutes=1)
-with open(f"{out}/metrics.jsonl", "w") as f:
-    f.writelines(f'{{"step": {step}, "loss": {10 + step}}}\\n' for step in range(1, 7))
+monitors = {"tensorboard": {"enabled": True, "output_path": f"{out}/tensorboard", "job_name": "train"},
+            "csv_monitor": {"enabled": True, "output_path": f"{out}/csv", "job_name": "train"},
+            "wandb": {"enabled": True, "project": "replay"}}
+first_attempt = RunLogger(out, monitors, total_steps=8, start_step=0, replays_after=0)
+for step in range(1, 7):
+    first_attempt.log({"step": step, "loss": 10 + step})
+first_attempt.close()
+for name in ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_MODE"):  # set for the first attempt's process only
+    os.environ.pop(name)
 with open(f"{out}/lm_eval.jsonl", "w") as f:
     f.writelines(f'{{"step": {step}, "source": "{source}", "lm_eval/demo/acc": 0.5}}\\n'
                  for step, source in ((4, "pipeline"), (6, "pipeline"), (6, "hf_export")))
-first_attempt = SummaryWriter(f"{out}/tensorboard/train")
-for step in range(1, 7):
-    first_attempt.add_scalar("Train/loss", 10 + step, step)
-first_attempt.close()
-monitors = {"tensorboard": {"enabled": True, "output_path": f"{out}/tensorboard", "job_name": "train"}}
 logger = RunLogger(out, monitors, total_steps=8, start_step=4, replays_after=4)
 for step in range(5, 9):
     logger.log({"step": step, "loss": step})
 logger.close()
 """
+# wandb's calls, each a JSON line in WANDB_CALLS (the package is not a requirement): which run, which steps.
+RECORDING_WANDB = """
+import json, os
+def _record(call):
+    with open(os.environ["WANDB_CALLS"], "a") as f:
+        f.write(json.dumps(call) + "\\n")
+def init(**kwargs):
+    _record({"init": {k: os.environ.get(k) for k in ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_MODE")}})
+def log(data, step=None, commit=None):
+    _record({"step": step, **data})
+"""
 
 
 @pytest.mark.slow
-def test_a_replay_logs_each_step_once_in_metrics_lm_eval_and_tensorboard(tmp_path):
-    """The records of the steps a restart logs again are dropped from metrics.jsonl and from lm_eval.jsonl (the
-    pipeline's scores; an export's stay), and hidden in TensorBoard (SummaryWriter's purge_step)."""
+def test_a_replay_logs_each_step_once_in_metrics_lm_eval_tensorboard_csv_and_wandb(tmp_path):
+    """The records of the steps a restart logs again are dropped from metrics.jsonl, from lm_eval.jsonl (the
+    pipeline's scores; an export's stay) and from the CSV monitor's files (rewritten, one header), hidden in
+    TensorBoard (SummaryWriter's purge_step), and the restart goes on in the first attempt's W&B run from the step
+    after the last one logged there."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    port = str(free_port())
-    result = run_python(["-c", REPLAYING_LOGGER, tmp_path], env=dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                                                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+    (tmp_path / "wandb_package").mkdir()
+    (tmp_path / "wandb_package" / "wandb.py").write_text(RECORDING_WANDB)
+    port, calls = str(free_port()), tmp_path / "wandb_calls.jsonl"
+    result = run_python(["-c", REPLAYING_LOGGER, tmp_path], env=dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WANDB_CALLS=str(calls)))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 11), (2, 12), (3, 13), (4, 14), (5, 5),
-                                                                        (6, 6), (7, 7), (8, 8)]
+    logged = [(1, 11), (2, 12), (3, 13), (4, 14), (5, 5), (6, 6), (7, 7), (8, 8)]
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == logged
+    assert f"{tmp_path}/metrics.jsonl: dropped the records of step(s) 5, 6, which this run logs again" in result.stdout
     scores = [json.loads(line) for line in (tmp_path / "lm_eval.jsonl").read_text().splitlines()]
     assert [(r["step"], r["source"]) for r in scores] == [(4, "pipeline"), (6, "hf_export")]
     assert f"{tmp_path}/lm_eval.jsonl: dropped the records of step(s) 6, which this run logs again" in result.stdout
     events = EventAccumulator(str(tmp_path / "tensorboard" / "train"))
     events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("Train/loss")] == [(1, 11), (2, 12), (3, 13), (4, 14), (5, 5),
-                                                                         (6, 6), (7, 7), (8, 8)]
+    assert [(e.step, e.value) for e in events.Scalars("Train/loss")] == logged
+    with open(tmp_path / "csv" / "train" / "Train_loss.csv", newline="") as f:
+        assert list(csv.reader(f)) == [["step", "loss"]] + [[str(step), str(loss)] for step, loss in logged]
+    run_id = (tmp_path / "wandb_run_id").read_text()
+    wandb_calls = [json.loads(line) for line in calls.read_text().splitlines()]
+    resumed = {"WANDB_RUN_ID": run_id, "WANDB_RESUME": "allow", "WANDB_MODE": "offline"}
+    first_attempt = [(step, 10 + step) for step in range(1, 7)]  # W&B keeps a step's first values
+    assert wandb_calls == ([{"init": resumed}] + [{"step": s, "Train/loss": v} for s, v in first_attempt]
+                           + [{"init": resumed}] + [{"step": s, "Train/loss": v} for s, v in logged[6:]])
 
 
 @pytest.mark.slow
