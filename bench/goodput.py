@@ -5,8 +5,8 @@ Faults, in step order (each fires once: its restart goes past it): SIGKILL of a 
 wrote its part of a checkpoint (before it is complete), SIGSTOP of a rank (the hang watchdog of its peer ends the
 attempt), and one rank slowed (FAULT_SLOW_SECONDS more per forward) from a step to the end. Prints the wall-clock
 goodput (fault-free time / faulty time), and per failing fault the time to detect it (the fault to the supervisor's
-restart line: the launcher ending the attempt, or the watchdog's limit then the supervisor's SIGKILL of the stopped
-rank), to restart (that line to the first step after it) and to replay the steps since the last checkpoint; checks
+restart line: the supervisor seeing the failed rank and ending the attempt, after the watchdog's limit for the
+SIGSTOP), to restart (that line to the first step after it) and to replay the steps since the last checkpoint; checks
 that the final weights equal the fault-free run's, bit for bit. And the target's goodput: the fault-free time over
 (the fault-free time + per failing fault: its detection bound, 2 x the fault-free median step time after its limit
 (the watchdog's for the SIGSTOP, none for a kill), its restart and its replay as measured (at most save_steps steps);

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from training.distributed import elastic_restart_error
 from training.hang_watchdog import startup_limit_warning
 from training.instruction_listeners import add_instruction_listener
 from training.stragglers import find_stragglers
-from training.supervisor import explain_failure
+from training.supervisor import children_of, explain_failure, failed_ranks, first_failure_code
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
 # 2 stages, fp32, checkpoints every 2 steps; the watchdog's step limit (at least 10 x the median step) well above a
@@ -203,6 +204,35 @@ def test_a_rank_that_failed_in_a_collective_is_named_first_only_where_nothing_el
         70, [lost_peer, record(1), hung])
     assert explain_failure(1, [lost_peer]) == ("exit code 1: a rank crashed; first failed: rank 0 on node1 (exit code "
                                                "1: a rank crashed): RuntimeError: Connection reset by peer")
+    # the exit code of an attempt the supervisor ends (DeepSpeed's launcher not having looked yet) is the cause's
+    ended_by_launcher = record(3, ended=3.0, exit_code=143, cause="ended by its launcher", follows_another=True)
+    records = [lost_peer, record(1), hung, ended_by_launcher]
+    assert first_failure_code({100: 1, 101: 247, 103: 143}, records, "node1") == 247
+    assert first_failure_code({100: 1, 102: exit_codes.HUNG}, records, "node1") == exit_codes.HUNG
+    assert first_failure_code({100: 1, 103: 143}, records, "node1") == 1
+    assert first_failure_code({103: 143}, records, "node1") is None  # its launcher reaped the cause: its code
+
+
+def test_ranks_that_exited_non_zero_are_seen_with_their_exit_code_before_their_launcher_reaps_them():
+    """A launcher that has not reaped its ranks yet: one exited 70, one SIGKILLed (as DeepSpeed's launcher passes it
+    on: 247), one exited 0 (no failure), one running."""
+    launcher = subprocess.Popen([sys.executable, "-c", "import subprocess, time\n"
+                                 "ranks = [subprocess.Popen(c) for c in (['sh', '-c', 'exit 70'], ['sleep', '60'], "
+                                 "['true'], ['sleep', '60'])]\n"
+                                 "print(*[r.pid for r in ranks], flush=True)\ntime.sleep(60)"],
+                                stdout=subprocess.PIPE, text=True)
+    hung, killed, finished, running = map(int, launcher.stdout.readline().split())
+    try:
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while len(failed_ranks([launcher.pid])) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert failed_ranks([launcher.pid]) == {hung: exit_codes.HUNG, killed: 247}
+        assert sorted(children_of(launcher.pid)) == sorted([hung, killed, finished, running])
+    finally:
+        os.kill(running, signal.SIGKILL)
+        launcher.kill()
+        launcher.wait()
 
 
 def test_a_spent_restart_budget_is_one_line(tmp_path):

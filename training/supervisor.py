@@ -89,9 +89,11 @@ class Supervisor:
         """The attempt's exit code. DeepSpeed's launcher looks at its ranks once a second (hard-coded) and, once one
         has failed, SIGTERMs the others, waiting 30 s (hard-coded) for a stopped one before its SIGKILL; then it and
         the runner exit, their interpreters' shutdown taking up to seconds. So every POLL_SECONDS the supervisor looks
-        at the ranks of the launchers it started on this host and ends the attempt at the first that exited non-zero
-        (end_attempt), its exit code the attempt's, as the launcher passes it on. A failure elsewhere (a rank on
-        another node, under another launcher) has its stopped processes here SIGKILLed once its record says so."""
+        at the ranks of the launchers it started on this host; once one has exited non-zero it SIGKILLs the stopped
+        processes and, unless that rank was ended by its launcher (whose teardown, then under way, passes on the exit
+        code of a rank reaped already), ends the attempt (end_attempt), whose exit code is that rank's, as the
+        launcher passes it on. A failure elsewhere (a rank on another node, under another launcher) has its stopped
+        processes here SIGKILLed once its record says so."""
         host, launchers, scanned = socket.gethostname(), [], time.monotonic()
         while True:
             try:
@@ -100,25 +102,26 @@ class Supervisor:
                 pass
             try:
                 launchers = launchers or deepspeed_launchers(self.process.pid)
-                failed_code = first_failed_rank_code(launchers)
-                if failed_code is not None:
-                    self.end_attempt(launchers, started, host)
-                    return failed_code
-                if time.monotonic() - scanned >= SCAN_SECONDS:
+                failed = failed_ranks(launchers)
+                if failed:
+                    self.kill_stopped(started, host, force=True)
+                    code = first_failure_code(failed, read_records(self.output_dir, since=started), host)
+                    if code is not None:
+                        self.end_attempt(launchers)
+                        return code
+                elif time.monotonic() - scanned >= SCAN_SECONDS:
                     scanned = time.monotonic()
                     self.kill_stopped(started, host, force=False)
             except (OSError, psutil.Error):  # a process ended meanwhile: the next poll sees the rest
                 pass
 
-    def end_attempt(self, launchers, started, host):
-        """DeepSpeed's launcher's teardown, now: the attempt's stopped processes SIGKILLed (a stopped process leaves
-        a SIGTERM pending), the launchers SIGTERMed (their handler ends their ranks at once); back once the ranks are
-        gone, leaving the launchers and the runner to exit while the next attempt starts."""
+    def end_attempt(self, launchers):
+        """DeepSpeed's launcher's teardown, now: the launchers SIGTERMed (their handler ends their ranks at once);
+        back once the ranks are gone, leaving the launchers and the runner to exit while the next attempt starts."""
         ranks = []
         for pid in [rank for launcher in launchers for rank in children_of(launcher)]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 ranks.append(psutil.Process(pid))
-        self.kill_stopped(started, host, force=True)
         for launcher in launchers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(launcher, signal.SIGTERM)
@@ -174,16 +177,27 @@ def children_of(pid):
     return children
 
 
-def first_failed_rank_code(launchers):
-    """The exit code a DeepSpeed launcher passes on (a signal's as 256 - signal) for a rank of theirs that has
-    exited non-zero and is not yet reaped (/proc/PID/stat: a zombie's wait status), else None."""
+def failed_ranks(launchers):
+    """{pid: exit code, as a DeepSpeed launcher passes it on (a signal's as 256 - signal)} of the ranks of
+    `launchers` that have exited non-zero and are not yet reaped (/proc/PID/stat: a zombie's wait status)."""
+    failed = {}
     for launcher in launchers:
         for rank in children_of(launcher):
             with open(f"/proc/{rank}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()  # from the state (field 3) on; the exit status is 52nd
             if fields[0] == "Z" and int(fields[49]):
-                return os.waitstatus_to_exitcode(int(fields[49])) & 0xFF
-    return None
+                failed[rank] = os.waitstatus_to_exitcode(int(fields[49])) & 0xFF
+    return failed
+
+
+def first_failure_code(failed, records, host):
+    """The exit code of the failed rank (failed_ranks) that is the cause: one that failed on its own or without a
+    word (killed) before one whose collective failed; None when each was ended by its launcher (which has reaped
+    the cause)."""
+    follows = {r["pid"] for r in records if r["host"] == host and r.get("follows_another")}
+    in_communication = {r["pid"] for r in records if r["host"] == host and r.get("in_communication")}
+    causes = sorted((pid in in_communication, pid) for pid in failed if pid not in follows)
+    return failed[causes[0][1]] if causes else None
 
 
 def with_resume_auto(command, restart):
