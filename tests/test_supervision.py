@@ -58,13 +58,19 @@ def test_a_killed_and_a_hung_rank_are_restarted_and_the_run_ends_equal_to_a_stra
     """One supervised launch through DeepSpeed's runner: rank 1 is SIGKILLed at step 3 (latest: step 2), restarted;
     SIGSTOPped at step 6 (latest: step 4), which rank 0's watchdog finds stuck sending it step
     6's first activation and ends; restarted again, the run finishes with the straight run's weights, bit for bit,
-    and losses. A new checkpoint between the failures renews the budget: --max-restarts 1 suffices."""
+    and losses. A new checkpoint between the failures renews the budget: --max-restarts 1 suffices. Each step is
+    logged once in metrics.jsonl, TensorBoard, the CSV monitor and W&B (one run, resumed)."""
     straight, out = straight_run, tmp_path / "supervised"
     (tmp_path / "once").mkdir()
+    (tmp_path / "wandb_package").mkdir()
+    (tmp_path / "wandb_package" / "wandb.py").write_text(RECORDING_WANDB)
     faults = {"FAULT": "sigkill:1:3,sigstop:1:6", "FAULT_ONCE_DIR": str(tmp_path / "once")}
-    command, _ = trainer_command(2, demo_overrides(demo_model, out, **RUN, **WATCHDOG), "tiny", None, FAULT_SCRIPT,
-                                 faults)
-    result = supervise(command, "--max-restarts", "1", "--backoff-seconds", "0", env=faults)
+    monitors = {"deepspeed.csv_monitor.enabled": "true", "deepspeed.wandb.enabled": "true"}
+    command, _ = trainer_command(2, demo_overrides(demo_model, out, **RUN, **WATCHDOG, **monitors), "tiny", None,
+                                 FAULT_SCRIPT, faults)
+    wandb = {"WANDB_CALLS": str(tmp_path / "wandb_calls.jsonl"), "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path / "wandb_package"), process_environment("cpu")["PYTHONPATH"]])}
+    result = supervise(command, "--max-restarts", "1", "--backoff-seconds", "0", env={**faults, **wandb})
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
     restarts = [line for line in result.stderr.splitlines() if line.startswith("supervise: restart")]
@@ -101,6 +107,15 @@ def test_a_killed_and_a_hung_rank_are_restarted_and_the_run_ends_equal_to_a_stra
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("Train/loss")] == [
         (step, pytest.approx(loss, rel=1e-6)) for step, loss in enumerate(per_step_losses(straight), 1)]
+    with open(out / "csv" / "train" / "Train_loss.csv", newline="") as f:
+        assert list(csv.reader(f)) == [["step", "loss"]] + [[str(step), str(loss)] for step, loss in enumerate(
+            per_step_losses(straight), 1)]
+    wandb_calls = [json.loads(line) for line in (tmp_path / "wandb_calls.jsonl").read_text().splitlines()]
+    run_id = (out / "wandb_run_id").read_text()
+    assert [call["init"] for call in wandb_calls if "init" in call] == 3 * [
+        {"WANDB_RUN_ID": run_id, "WANDB_RESUME": "allow", "WANDB_MODE": "offline"}]
+    assert [(call["step"], call["Train/loss"]) for call in wandb_calls if "Train/loss" in call] == list(
+        enumerate(per_step_losses(straight), 1))
 
 
 # A restart's rank 0 (world size 1): a first attempt's logger logs steps 1-6 (and lm-eval scores at 4 and 6, the
