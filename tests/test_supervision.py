@@ -30,7 +30,7 @@ from training.distributed import elastic_restart_error
 from training.hang_watchdog import startup_limit_warning
 from training.instruction_listeners import add_instruction_listener
 from training.stragglers import find_stragglers
-from training.supervisor import children_of, explain_failure, failed_ranks, first_failure_code
+from training.supervisor import children_of, explain_failure, failed_children, first_failure_code
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
 # 2 stages, fp32, checkpoints every 2 steps; the watchdog's step limit (at least 10 x the median step) well above a
@@ -226,6 +226,7 @@ def test_a_rank_that_failed_in_a_collective_is_named_first_only_where_nothing_el
     assert first_failure_code({100: 1, 102: exit_codes.HUNG}, records, "node1") == exit_codes.HUNG
     assert first_failure_code({100: 1, 103: 143}, records, "node1") == 1
     assert first_failure_code({103: 143}, records, "node1") is None  # its launcher reaped the cause: its code
+    assert first_failure_code({104: 1}, records, "node1") is None  # no rank: the launcher's
 
 
 def test_ranks_that_exited_non_zero_are_seen_with_their_exit_code_before_their_launcher_reaps_them():
@@ -240,9 +241,9 @@ def test_ranks_that_exited_non_zero_are_seen_with_their_exit_code_before_their_l
     try:
         os.kill(killed, signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while len(failed_ranks([launcher.pid])) < 2 and time.monotonic() < deadline:
+        while len(failed_children([launcher.pid])) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert failed_ranks([launcher.pid]) == {hung: exit_codes.HUNG, killed: 247}
+        assert failed_children([launcher.pid]) == {hung: exit_codes.HUNG, killed: 247}
         assert sorted(children_of(launcher.pid)) == sorted([hung, killed, finished, running])
     finally:
         os.kill(running, signal.SIGKILL)

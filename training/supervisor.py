@@ -89,11 +89,12 @@ class Supervisor:
         """The attempt's exit code. DeepSpeed's launcher looks at its ranks once a second (hard-coded) and, once one
         has failed, SIGTERMs the others, waiting 30 s (hard-coded) for a stopped one before its SIGKILL; then it and
         the runner exit, their interpreters' shutdown taking up to seconds. So every POLL_SECONDS the supervisor looks
-        at the ranks of the launchers it started on this host; once one has exited non-zero it SIGKILLs the stopped
-        processes and, unless that rank was ended by its launcher (whose teardown, then under way, passes on the exit
-        code of a rank reaped already), ends the attempt (end_attempt), whose exit code is that rank's, as the
-        launcher passes it on. A failure elsewhere (a rank on another node, under another launcher) has its stopped
-        processes here SIGKILLed once its record says so."""
+        at the children of the launchers it started on this host; once a rank (one that recorded its start) has
+        exited non-zero, unless its launcher ended it (its teardown, then under way, passes on the exit code of a rank
+        it reaped already), the supervisor SIGKILLs the stopped processes and ends the attempt (end_attempt), whose
+        exit code is that rank's, as the launcher passes it on. Any other failure (a rank on another node, under
+        another launcher, one that failed before its record) is the launcher's to act on; its stopped processes here
+        are SIGKILLed once a record says a rank failed."""
         host, launchers, scanned = socket.gethostname(), [], time.monotonic()
         while True:
             try:
@@ -102,14 +103,14 @@ class Supervisor:
                 pass
             try:
                 launchers = launchers or deepspeed_launchers(self.process.pid)
-                failed = failed_ranks(launchers)
-                if failed:
+                failed = failed_children(launchers)
+                code = first_failure_code(failed, read_records(self.output_dir, since=started), host) if failed \
+                    else None
+                if code is not None:
                     self.kill_stopped(started, host, force=True)
-                    code = first_failure_code(failed, read_records(self.output_dir, since=started), host)
-                    if code is not None:
-                        self.end_attempt(launchers)
-                        return code
-                elif time.monotonic() - scanned >= SCAN_SECONDS:
+                    self.end_attempt(launchers)
+                    return code
+                if time.monotonic() - scanned >= SCAN_SECONDS:
                     scanned = time.monotonic()
                     self.kill_stopped(started, host, force=False)
             except (OSError, psutil.Error):  # a process ended meanwhile: the next poll sees the rest
@@ -177,9 +178,10 @@ def children_of(pid):
     return children
 
 
-def failed_ranks(launchers):
-    """{pid: exit code, as a DeepSpeed launcher passes it on (a signal's as 256 - signal)} of the ranks of
-    `launchers` that have exited non-zero and are not yet reaped (/proc/PID/stat: a zombie's wait status)."""
+def failed_children(launchers):
+    """{pid: exit code, as a DeepSpeed launcher passes it on (a signal's as 256 - signal)} of the children of
+    `launchers` (their ranks, or a command run at their start) that have exited non-zero and are not yet reaped
+    (/proc/PID/stat: a zombie's wait status)."""
     failed = {}
     for launcher in launchers:
         for rank in children_of(launcher):
@@ -191,12 +193,12 @@ def failed_ranks(launchers):
 
 
 def first_failure_code(failed, records, host):
-    """The exit code of the failed rank (failed_ranks) that is the cause: one that failed on its own or without a
-    word (killed) before one whose collective failed; None when each was ended by its launcher (which has reaped
-    the cause)."""
-    follows = {r["pid"] for r in records if r["host"] == host and r.get("follows_another")}
-    in_communication = {r["pid"] for r in records if r["host"] == host and r.get("in_communication")}
-    causes = sorted((pid in in_communication, pid) for pid in failed if pid not in follows)
+    """The exit code of the failed child (failed_children) that is the cause: a rank (its record names its pid)
+    that failed on its own or without a word (killed) before one whose collective failed; None where none is a rank
+    or each was ended by its launcher (which has reaped the cause)."""
+    ranks = {r["pid"]: r for r in records if r["host"] == host}
+    causes = sorted((bool(ranks[pid].get("in_communication")), pid) for pid in failed
+                    if pid in ranks and not ranks[pid].get("follows_another"))
     return failed[causes[0][1]] if causes else None
 
 
