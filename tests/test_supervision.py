@@ -221,12 +221,14 @@ def test_a_rank_that_failed_in_a_collective_is_named_first_only_where_nothing_el
                                                "1: a rank crashed): RuntimeError: Connection reset by peer")
     # the exit code of an attempt the supervisor ends (DeepSpeed's launcher not having looked yet) is the cause's
     ended_by_launcher = record(3, ended=3.0, exit_code=143, cause="ended by its launcher", follows_another=True)
-    records = [lost_peer, record(1), hung, ended_by_launcher]
-    assert first_failure_code({100: 1, 101: 247, 103: 143}, records, "node1") == 247
-    assert first_failure_code({100: 1, 102: exit_codes.HUNG}, records, "node1") == exit_codes.HUNG
-    assert first_failure_code({100: 1, 103: 143}, records, "node1") == 1
-    assert first_failure_code({103: 143}, records, "node1") is None  # its launcher reaped the cause: its code
-    assert first_failure_code({104: 1}, records, "node1") is None  # no rank: the launcher's
+    records, children = [lost_peer, record(1), hung, ended_by_launcher], [100, 101, 102, 103, 104]
+    assert first_failure_code({100: 1, 101: 247, 103: 143}, children, records, "node1") == 247
+    assert first_failure_code({100: 1, 102: exit_codes.HUNG}, children, records, "node1") == exit_codes.HUNG
+    assert first_failure_code({100: 1, 103: 143}, children, records, "node1") == 1
+    assert first_failure_code({103: 143}, children, records, "node1") is None  # each ended by its launcher
+    assert first_failure_code({104: 1}, children, records, "node1") is None  # no rank: the launcher's
+    # the launcher has reaped rank 1 (killed): its teardown, which passes on 247, is under way
+    assert first_failure_code({100: 1, 103: 143}, [100, 102, 103], records, "node1") is None
 
 
 def test_ranks_that_exited_non_zero_are_seen_with_their_exit_code_before_their_launcher_reaps_them():
@@ -241,9 +243,9 @@ def test_ranks_that_exited_non_zero_are_seen_with_their_exit_code_before_their_l
     try:
         os.kill(killed, signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while len(failed_children([launcher.pid])) < 2 and time.monotonic() < deadline:
+        while len(failed_children(children_of(launcher.pid))) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert failed_children([launcher.pid]) == {hung: exit_codes.HUNG, killed: 247}
+        assert failed_children(children_of(launcher.pid)) == {hung: exit_codes.HUNG, killed: 247}
         assert sorted(children_of(launcher.pid)) == sorted([hung, killed, finished, running])
     finally:
         os.kill(running, signal.SIGKILL)

@@ -103,9 +103,10 @@ class Supervisor:
                 pass
             try:
                 launchers = launchers or deepspeed_launchers(self.process.pid)
-                failed = failed_children(launchers)
-                code = first_failure_code(failed, read_records(self.output_dir, since=started), host) if failed \
-                    else None
+                children = [child for launcher in launchers for child in children_of(launcher)]
+                failed = failed_children(children)
+                code = first_failure_code(failed, children, read_records(self.output_dir, since=started), host) \
+                    if failed else None
                 if code is not None:
                     self.kill_stopped(started, host, force=True)
                     self.end_attempt(launchers)
@@ -178,25 +179,26 @@ def children_of(pid):
     return children
 
 
-def failed_children(launchers):
-    """{pid: exit code, as a DeepSpeed launcher passes it on (a signal's as 256 - signal)} of the children of
-    `launchers` (their ranks, or a command run at their start) that have exited non-zero and are not yet reaped
+def failed_children(children):
+    """{pid: exit code, as a DeepSpeed launcher passes it on (a signal's as 256 - signal)} of the launchers'
+    `children` (their ranks, or a command run at their start) that have exited non-zero and are not yet reaped
     (/proc/PID/stat: a zombie's wait status)."""
     failed = {}
-    for launcher in launchers:
-        for rank in children_of(launcher):
-            with open(f"/proc/{rank}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # from the state (field 3) on; the exit status is 52nd
-            if fields[0] == "Z" and int(fields[49]):
-                failed[rank] = os.waitstatus_to_exitcode(int(fields[49])) & 0xFF
+    for child in children:
+        with open(f"/proc/{child}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # from the state (field 3) on; the exit status is 52nd
+        if fields[0] == "Z" and int(fields[49]):
+            failed[child] = os.waitstatus_to_exitcode(int(fields[49])) & 0xFF
     return failed
 
 
-def first_failure_code(failed, records, host):
+def first_failure_code(failed, children, records, host):
     """The exit code of the failed child (failed_children) that is the cause: a rank (its record names its pid)
-    that failed on its own or without a word (killed) before one whose collective failed; None where none is a rank
-    or each was ended by its launcher (which has reaped the cause)."""
+    that failed on its own or without a word (killed) before one whose collective failed; None where none is a rank,
+    or the launcher has reaped a rank already (its teardown is under way, with that rank's exit code)."""
     ranks = {r["pid"]: r for r in records if r["host"] == host}
+    if any(pid not in children for pid in ranks):
+        return None
     causes = sorted((bool(ranks[pid].get("in_communication")), pid) for pid in failed
                     if pid in ranks and not ranks[pid].get("follows_another"))
     return failed[causes[0][1]] if causes else None
