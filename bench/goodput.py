@@ -5,9 +5,12 @@ Faults, in step order (each fires once: its restart goes past it): SIGKILL of a 
 wrote its part of a checkpoint (before it is complete), SIGSTOP of a rank (the hang watchdog of its peer ends the
 attempt), and one rank slowed (FAULT_SLOW_SECONDS more per forward) from a step to the end. Prints the wall-clock
 goodput (fault-free time / faulty time), and per failing fault the time to detect it (the fault to the supervisor's
-restart line: the launcher ending the attempt, or the watchdog's limit then the supervisor's SIGKILL of the stopped
-rank), to restart (that line to the first step after it) and to replay the steps since the last checkpoint; checks
-that the final weights equal the fault-free run's, bit for bit.
+restart line: the supervisor seeing the failed rank and ending the attempt, after the watchdog's limit for the
+SIGSTOP), to restart (that line to the first step after it) and to replay the steps since the last checkpoint; checks
+that the final weights equal the fault-free run's, bit for bit. And the target's goodput: the fault-free time over
+(the fault-free time + per failing fault: its detection bound, 2 x the fault-free median step time after its limit
+(the watchdog's for the SIGSTOP, none for a kill), its restart and its replay as measured (at most save_steps steps);
+the slowed rank's own injected delay, which no recovery removes: it is not ended).
 
   python bench/goodput.py [--steps 24] [--save-steps 4] [--seed 0] [--work-dir DIR]
 """
@@ -16,6 +19,7 @@ import json
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,6 +81,12 @@ def step_times(lines):
     return found
 
 
+def median_step_seconds(lines):
+    """The median time between rank 0's consecutive step lines (the first step's start-up left out)."""
+    times = [at for at, _ in step_times(lines)]
+    return statistics.median(b - a for a, b in zip(times[1:], times[2:]))
+
+
 def fault_timings(lines, plan, save_steps):
     """Per failing fault: seconds to detect, to restart (first step after), to replay up to the step it hit."""
     steps, restarts = step_times(lines), [at for at, line in lines if line.startswith("supervise: restart")]
@@ -130,13 +140,25 @@ def main():
         code, lines = timed_run([sys.executable, "supervise.py", "--backoff-seconds", "0", "--", *command],
                                 environment)
         results[name] = {"seconds": time.time() - started, "code": code, "lines": lines, "out": out}
+        with open(f"{out}.log", "w") as f:  # each line with the second it came: the faults' timelines
+            f.writelines(f"{at:9.3f} {line}\n" for at, line in lines)
         if code:
             sys.exit(f"the {name} run failed ({code}):\n" + "\n".join(line for _, line in lines[-40:]))
     free, faulty = results["fault-free"]["seconds"], results["faults"]["seconds"]
     timings = fault_timings(results["faults"]["lines"], plan, args.save_steps)
+    step = median_step_seconds(results["fault-free"]["lines"])
+    limits = {"sigstop": WATCHDOG["hang_watchdog.min_step_seconds"]}  # 10 x the step time is below it
+    for timing in timings:
+        timing["detect_bound_s"] = limits.get(timing["fault"], 0) + 2 * step
+    slowed = sum(args.steps + 1 - s for kind, _, s in plan if kind == "slow") * run["gradient_accumulation_steps"]
+    slow_s = slowed * float(SLOW_SECONDS)
+    allowed = sum(t["detect_bound_s"] + t["restart_s"] + t["replay_s"] for t in timings) + slow_s
+    target = free / (free + allowed)
     print(json.dumps({"machine": machine_note(), "steps": args.steps, "save_steps": args.save_steps,
                       "faults": plan, "fault_free_s": round(free, 1), "faulty_s": round(faulty, 1),
-                      "goodput": round(free / faulty, 3), "per_fault": timings,
+                      "goodput": round(free / faulty, 3), "target_goodput": round(target, 3),
+                      "target_met": free / faulty >= target, "step_s": round(step, 4),
+                      "slowed_forwards_s": slow_s, "per_fault": timings,
                       "restarts": [line for _, line in results["faults"]["lines"] if line.startswith("supervise:")],
                       "final_weights_equal": final_weights_equal(results["fault-free"]["out"],
                                                                  results["faults"]["out"])}, indent=1))

@@ -24,7 +24,8 @@ Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with wh
   DeepSpeed's own 'parameters', 'type:' and 'uniform' partitions; non_reentrant_checkpoint: activation
   checkpointing under LoRA; MEMORY_OPT_ALLREDUCE_SIZE: the flat-copy bucket of ZeRO-0's gradient all-reduce the
   memory plan counts; DeepSpeedZeroOptimizer: telling ZeRO's master weights from the parameters themselves;
-  get_monitor_config, MonitorMaster (write_events): the run's metrics to TensorBoard, W&B, CSV, Comet;
+  get_monitor_config, MonitorMaster (write_events), WandbMonitor: the run's metrics to W&B, CSV, Comet (a resume's
+  replay rewrites the CSV monitor's files: csvMonitor's log_dir, and filenames, which keeps a second header out);
   deepspeed.runtime.pipe.p2p: the point-to-point layer the pipeline handlers call (below).
 - Engine state the trainer writes or replaces (a rename would fail silently: DeepSpeed would just stop reading it):
   DeepSpeedEngine.clip_fp32_gradients (one clipping norm over all stages), _global_grad_norm (the norm it reports),
@@ -59,7 +60,8 @@ Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with wh
   Why not DeepSpeed's public safe_get_full_* / safe_set_full_*: checkpoints/optimizer_state.py's docstring.
 - DeepSpeedCPUAdam's ds_opt_adam.adam_update(opt_id, step, ...) (offload): a resume replays its C++ optimizer's
   step count, whose powers of the betas are products taken a step at a time (replay_cpu_adam_steps).
-- The launcher's per-node module name (LAUNCHER_MODULE): preemption recognises the launcher as its parent process.
+- The launcher's per-node module name (LAUNCHER_MODULE): preemption recognises the launcher as its parent process,
+  the supervisor the launchers it started (whose ranks it watches).
 - Subclass overrides, checked for their parameters: PipelineEngine._train_schedule, _exec_send_activations,
   _exec_send_grads, _exec_recv_grads, _exec_reduce_tied_grads (training/pipeline_engine.py);
   PipelineModule._partition_layers, load_state_dir (models/pipeline.py); TorchCheckpointEngine.load
@@ -74,3 +76,4 @@ instead of building an engine: an engine exists only after the process groups, t
 run must fail before any of that, on every rank alike. It checks that each name is there with its parameters, not
 what it does: the tests do (docs/architecture.md#the-door-to-deepspeed lists them).
 """
+LAUNCHER_MODULE = "deepspeed.launcher.launch"  # here, not in registry.py: the supervisor does not import DeepSpeed

@@ -7,10 +7,11 @@ import re
 
 import deepspeed
 
+from deepspeed_internals import LAUNCHER_MODULE
+
 CHECKED_VERSION = "0.19.8"
 ADVICE = (f"install deepspeed=={CHECKED_VERSION} (requirements.txt) or see deepspeed_internals/ for what to "
           f"check")
-LAUNCHER_MODULE = "deepspeed.launcher.launch"
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 LOSS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
@@ -111,6 +112,8 @@ EXPORTED = {
                                    ("param_dict",)),
     "MonitorMaster": Internal("deepspeed.monitor.monitor:MonitorMaster", "which writes the run's metrics to them",
                               ("monitor_config",)),
+    "WandbMonitor": Internal("deepspeed.monitor.wandb:WandbMonitor", "which writes them to W&B (a resumed run's "
+                             "steps past those it logged)", ("wandb_config",)),
     "pipe_p2p": Internal("deepspeed.runtime.pipe.p2p", "whose send and recv the pipeline engine's handlers call "
                          "(tests/test_p2p_order.py records them)"),
 }
@@ -166,6 +169,10 @@ INTERNALS = (
              ("self", "path", "map_location")),
     Internal("deepspeed.monitor.monitor:MonitorMaster.write_events", "which writes the run's metrics to monitors",
              ("self", "event_list")),
+    Internal("deepspeed.monitor.monitor:MonitorMaster", "whose CSV monitor a resume's replay rewrites",
+             mentions="self.csv_monitor = csvMonitor("),
+    Internal("deepspeed.monitor.csv_monitor:csvMonitor", "whose files a replay rewrites, named in filenames (it "
+             "writes a header into a file not named there)", mentions="if filename not in self.filenames:"),
     # The trainer's engine set-up (training/loop.py).
     self_use(CPU_ADAM, "ds_opt_adam.adam_update(self.opt_id, state['step'], group['lr'], beta1, beta2",
              "whose C++ step bookkeeping a resume with offload replays"),
@@ -192,6 +199,8 @@ INTERNALS = (
              mentions='NAME = "deepspeed_shm_comm"'),
     Internal("deepspeed.launcher.runner", "which preemption recognises as its parent process",
              mentions=f'"{LAUNCHER_MODULE}"'),
+    Internal(f"{LAUNCHER_MODULE}:main", "whose SIGTERM handler (ending the ranks) the supervisor runs at a failure",
+             mentions="signal.signal(signal.SIGTERM, sigkill_handler)"),
     # The zero-bubble engine (training/pipeline_engine.py) and profiling.
     Internal(f"{PIPELINE_ENGINE}._INSTRUCTION_MAP", "which the zero-bubble engine extends and profiling wraps"),
     self_use(PIPELINE_ENGINE, "_INSTRUCTION_MAP[", "which the zero-bubble engine extends and profiling wraps"),

@@ -153,6 +153,12 @@ def test_free_form_nodes_take_any_key_and_defaults_fill_older_configs():
     ("async_save=yes", "async_save 'yes' is not one of (False, True, 'auto')"),
     ("loss_chunk_tokens=0", "loss_chunk_tokens=0 must be a positive number of tokens"),
     ("loss_chunk_tokens=-512", "loss_chunk_tokens=-512 must be a positive number of tokens"),
+    ("hang_watchdog.step_time_factor=1.5", "hang_watchdog.step_time_factor=1.5 is too short for the measured step "
+     "time: steps vary, and a rank that is only slow must not be ended; use at least 2 (10 by default)."),
+    ("hang_watchdog.startup_seconds=0", "hang_watchdog.startup_seconds=0 must be a positive number of seconds."),
+    ("hang_watchdog.min_step_seconds=600", "hang_watchdog.min_step_seconds=600 is not below dist_timeout_minutes=10 "
+     "(x 60 s): a collective's timeout would end a hung step first, without naming where it stopped; lower the first "
+     "or raise the second."),
 ])
 def test_each_choice_is_checked_before_anything_is_built(override, message):
     from training.config_checks import ConfigError, checked_config

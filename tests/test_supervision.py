@@ -1,9 +1,11 @@
 """A run that finishes without a person: the supervisor restarts failed launches with resume=auto, the hang
 watchdog names and ends a stuck rank, and what a restart cannot fix is not restarted. Real launches, real signals."""
+import csv
 import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +30,7 @@ from training.distributed import elastic_restart_error
 from training.hang_watchdog import startup_limit_warning
 from training.instruction_listeners import add_instruction_listener
 from training.stragglers import find_stragglers
-from training.supervisor import explain_failure
+from training.supervisor import children_of, explain_failure, failed_children, first_failure_code
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
 # 2 stages, fp32, checkpoints every 2 steps; the watchdog's step limit (at least 10 x the median step) well above a
@@ -56,13 +58,19 @@ def test_a_killed_and_a_hung_rank_are_restarted_and_the_run_ends_equal_to_a_stra
     """One supervised launch through DeepSpeed's runner: rank 1 is SIGKILLed at step 3 (latest: step 2), restarted;
     SIGSTOPped at step 6 (latest: step 4), which rank 0's watchdog finds stuck sending it step
     6's first activation and ends; restarted again, the run finishes with the straight run's weights, bit for bit,
-    and losses. A new checkpoint between the failures renews the budget: --max-restarts 1 suffices."""
+    and losses. A new checkpoint between the failures renews the budget: --max-restarts 1 suffices. Each step is
+    logged once in metrics.jsonl, TensorBoard, the CSV monitor and W&B (one run, resumed)."""
     straight, out = straight_run, tmp_path / "supervised"
     (tmp_path / "once").mkdir()
+    (tmp_path / "wandb_package").mkdir()
+    (tmp_path / "wandb_package" / "wandb.py").write_text(RECORDING_WANDB)
     faults = {"FAULT": "sigkill:1:3,sigstop:1:6", "FAULT_ONCE_DIR": str(tmp_path / "once")}
-    command, _ = trainer_command(2, demo_overrides(demo_model, out, **RUN, **WATCHDOG), "tiny", None, FAULT_SCRIPT,
-                                 faults)
-    result = supervise(command, "--max-restarts", "1", "--backoff-seconds", "0", env=faults)
+    monitors = {"deepspeed.csv_monitor.enabled": "true", "deepspeed.wandb.enabled": "true"}
+    command, _ = trainer_command(2, demo_overrides(demo_model, out, **RUN, **WATCHDOG, **monitors), "tiny", None,
+                                 FAULT_SCRIPT, faults)
+    wandb = {"WANDB_CALLS": str(tmp_path / "wandb_calls.jsonl"), "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path / "wandb_package"), process_environment("cpu")["PYTHONPATH"]])}
+    result = supervise(command, "--max-restarts", "1", "--backoff-seconds", "0", env={**faults, **wandb})
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
     restarts = [line for line in result.stderr.splitlines() if line.startswith("supervise: restart")]
@@ -99,52 +107,87 @@ def test_a_killed_and_a_hung_rank_are_restarted_and_the_run_ends_equal_to_a_stra
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("Train/loss")] == [
         (step, pytest.approx(loss, rel=1e-6)) for step, loss in enumerate(per_step_losses(straight), 1)]
+    with open(out / "csv" / "train" / "Train_loss.csv", newline="") as f:
+        assert list(csv.reader(f)) == [["step", "loss"]] + [[str(step), str(loss)] for step, loss in enumerate(
+            per_step_losses(straight), 1)]
+    wandb_calls = [json.loads(line) for line in (tmp_path / "wandb_calls.jsonl").read_text().splitlines()]
+    run_id = (out / "wandb_run_id").read_text()
+    assert [call["init"] for call in wandb_calls if "init" in call] == 3 * [
+        {"WANDB_RUN_ID": run_id, "WANDB_RESUME": "allow", "WANDB_MODE": "offline"}]
+    assert [(call["step"], call["Train/loss"]) for call in wandb_calls if "Train/loss" in call] == list(
+        enumerate(per_step_losses(straight), 1))
 
 
-# A restart's rank 0 (world size 1) after an attempt that logged steps 1-6 (and lm-eval scores at 4 and 6, the
-# pipeline's and an export's): its logger for a resume from step 4 logs steps 5-8.
+# A restart's rank 0 (world size 1): a first attempt's logger logs steps 1-6 (and lm-eval scores at 4 and 6, the
+# pipeline's and an export's); its restart's logger, for a resume from step 4, logs steps 5-8.
 REPLAYING_LOGGER = """
+import os
 import sys
-from torch.utils.tensorboard import SummaryWriter
 from training.distributed import init_distributed
 from training.metrics import RunLogger
 out = sys.argv[1]
+sys.path.insert(0, f"{out}/wandb_package")  # a recording wandb (RECORDING_WANDB)
 init_distributed(timeout_minutes=1)
-with open(f"{out}/metrics.jsonl", "w") as f:
-    f.writelines(f'{{"step": {step}, "loss": {10 + step}}}\\n' for step in range(1, 7))
+monitors = {"tensorboard": {"enabled": True, "output_path": f"{out}/tensorboard", "job_name": "train"},
+            "csv_monitor": {"enabled": True, "output_path": f"{out}/csv", "job_name": "train"},
+            "wandb": {"enabled": True, "project": "replay"}}
+first_attempt = RunLogger(out, monitors, total_steps=8, start_step=0, replays_after=0)
+for step in range(1, 7):
+    first_attempt.log({"step": step, "loss": 10 + step})
+first_attempt.close()
+for name in ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_MODE"):  # set for the first attempt's process only
+    os.environ.pop(name)
 with open(f"{out}/lm_eval.jsonl", "w") as f:
     f.writelines(f'{{"step": {step}, "source": "{source}", "lm_eval/demo/acc": 0.5}}\\n'
                  for step, source in ((4, "pipeline"), (6, "pipeline"), (6, "hf_export")))
-first_attempt = SummaryWriter(f"{out}/tensorboard/train")
-for step in range(1, 7):
-    first_attempt.add_scalar("Train/loss", 10 + step, step)
-first_attempt.close()
-monitors = {"tensorboard": {"enabled": True, "output_path": f"{out}/tensorboard", "job_name": "train"}}
 logger = RunLogger(out, monitors, total_steps=8, start_step=4, replays_after=4)
 for step in range(5, 9):
     logger.log({"step": step, "loss": step})
 logger.close()
 """
+# wandb's calls, each a JSON line in WANDB_CALLS (the package is not a requirement): which run, which steps.
+RECORDING_WANDB = """
+import json, os
+def _record(call):
+    with open(os.environ["WANDB_CALLS"], "a") as f:
+        f.write(json.dumps(call) + "\\n")
+def init(**kwargs):
+    _record({"init": {k: os.environ.get(k) for k in ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_MODE")}})
+def log(data, step=None, commit=None):
+    _record({"step": step, **data})
+"""
 
 
 @pytest.mark.slow
-def test_a_replay_logs_each_step_once_in_metrics_lm_eval_and_tensorboard(tmp_path):
-    """The records of the steps a restart logs again are dropped from metrics.jsonl and from lm_eval.jsonl (the
-    pipeline's scores; an export's stay), and hidden in TensorBoard (SummaryWriter's purge_step)."""
+def test_a_replay_logs_each_step_once_in_metrics_lm_eval_tensorboard_csv_and_wandb(tmp_path):
+    """The records of the steps a restart logs again are dropped from metrics.jsonl, from lm_eval.jsonl (the
+    pipeline's scores; an export's stay) and from the CSV monitor's files (rewritten, one header), hidden in
+    TensorBoard (SummaryWriter's purge_step), and the restart goes on in the first attempt's W&B run from the step
+    after the last one logged there."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    port = str(free_port())
-    result = run_python(["-c", REPLAYING_LOGGER, tmp_path], env=dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                                                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+    (tmp_path / "wandb_package").mkdir()
+    (tmp_path / "wandb_package" / "wandb.py").write_text(RECORDING_WANDB)
+    port, calls = str(free_port()), tmp_path / "wandb_calls.jsonl"
+    result = run_python(["-c", REPLAYING_LOGGER, tmp_path], env=dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WANDB_CALLS=str(calls)))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 11), (2, 12), (3, 13), (4, 14), (5, 5),
-                                                                        (6, 6), (7, 7), (8, 8)]
+    logged = [(1, 11), (2, 12), (3, 13), (4, 14), (5, 5), (6, 6), (7, 7), (8, 8)]
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == logged
+    assert f"{tmp_path}/metrics.jsonl: dropped the records of step(s) 5, 6, which this run logs again" in result.stdout
     scores = [json.loads(line) for line in (tmp_path / "lm_eval.jsonl").read_text().splitlines()]
     assert [(r["step"], r["source"]) for r in scores] == [(4, "pipeline"), (6, "hf_export")]
     assert f"{tmp_path}/lm_eval.jsonl: dropped the records of step(s) 6, which this run logs again" in result.stdout
     events = EventAccumulator(str(tmp_path / "tensorboard" / "train"))
     events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("Train/loss")] == [(1, 11), (2, 12), (3, 13), (4, 14), (5, 5),
-                                                                         (6, 6), (7, 7), (8, 8)]
+    assert [(e.step, e.value) for e in events.Scalars("Train/loss")] == logged
+    with open(tmp_path / "csv" / "train" / "Train_loss.csv", newline="") as f:
+        assert list(csv.reader(f)) == [["step", "loss"]] + [[str(step), str(loss)] for step, loss in logged]
+    run_id = (tmp_path / "wandb_run_id").read_text()
+    wandb_calls = [json.loads(line) for line in calls.read_text().splitlines()]
+    resumed = {"WANDB_RUN_ID": run_id, "WANDB_RESUME": "allow", "WANDB_MODE": "offline"}
+    first_attempt = [(step, 10 + step) for step in range(1, 7)]  # W&B keeps a step's first values
+    assert wandb_calls == ([{"init": resumed}] + [{"step": s, "Train/loss": v} for s, v in first_attempt]
+                           + [{"init": resumed}] + [{"step": s, "Train/loss": v} for s, v in logged[6:]])
 
 
 @pytest.mark.slow
@@ -176,6 +219,38 @@ def test_a_rank_that_failed_in_a_collective_is_named_first_only_where_nothing_el
         70, [lost_peer, record(1), hung])
     assert explain_failure(1, [lost_peer]) == ("exit code 1: a rank crashed; first failed: rank 0 on node1 (exit code "
                                                "1: a rank crashed): RuntimeError: Connection reset by peer")
+    # the exit code of an attempt the supervisor ends (DeepSpeed's launcher not having looked yet) is the cause's
+    ended_by_launcher = record(3, ended=3.0, exit_code=143, cause="ended by its launcher", follows_another=True)
+    records, children = [lost_peer, record(1), hung, ended_by_launcher], [100, 101, 102, 103, 104]
+    assert first_failure_code({100: 1, 101: 247, 103: 143}, children, records, "node1") == 247
+    assert first_failure_code({100: 1, 102: exit_codes.HUNG}, children, records, "node1") == exit_codes.HUNG
+    assert first_failure_code({100: 1, 103: 143}, children, records, "node1") == 1
+    assert first_failure_code({103: 143}, children, records, "node1") is None  # each ended by its launcher
+    assert first_failure_code({104: 1}, children, records, "node1") is None  # no rank: the launcher's
+    # the launcher has reaped rank 1 (killed): its teardown, which passes on 247, is under way
+    assert first_failure_code({100: 1, 103: 143}, [100, 102, 103], records, "node1") is None
+
+
+def test_ranks_that_exited_non_zero_are_seen_with_their_exit_code_before_their_launcher_reaps_them():
+    """A launcher that has not reaped its ranks yet: one exited 70, one SIGKILLed (as DeepSpeed's launcher passes it
+    on: 247), one exited 0 (no failure), one running."""
+    launcher = subprocess.Popen([sys.executable, "-c", "import subprocess, time\n"
+                                 "ranks = [subprocess.Popen(c) for c in (['sh', '-c', 'exit 70'], ['sleep', '60'], "
+                                 "['true'], ['sleep', '60'])]\n"
+                                 "print(*[r.pid for r in ranks], flush=True)\ntime.sleep(60)"],
+                                stdout=subprocess.PIPE, text=True)
+    hung, killed, finished, running = map(int, launcher.stdout.readline().split())
+    try:
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while len(failed_children(children_of(launcher.pid))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert failed_children(children_of(launcher.pid)) == {hung: exit_codes.HUNG, killed: 247}
+        assert sorted(children_of(launcher.pid)) == sorted([hung, killed, finished, running])
+    finally:
+        os.kill(running, signal.SIGKILL)
+        launcher.kill()
+        launcher.wait()
 
 
 def test_a_spent_restart_budget_is_one_line(tmp_path):

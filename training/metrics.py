@@ -1,18 +1,22 @@
 """Run logging on rank 0: a progress bar, one JSON line per logged step in metrics.jsonl, DeepSpeed's monitors
 (TensorBoard, W&B, CSV) and, at the end, a PNG of the training and evaluation loss."""
+import csv
+import io
 import json
 import os
+import uuid
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from checkpoints.files import write_text_atomic
-from deepspeed_internals.registry import MonitorMaster, get_monitor_config
+from deepspeed_internals.registry import MonitorMaster, WandbMonitor, get_monitor_config
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 LM_EVAL_FILE, LM_EVAL_PLOT_FILE = "lm_eval.jsonl", "lm_eval.png"  # eval_tasks' and evaluate_lm.py's scores
+WANDB_RUN_ID_FILE = "wandb_run_id"  # the W&B run a resumed run goes on in
 # Dense bf16/fp16 tensor-core peak TFLOP/s (no sparsity) from the vendors' data sheets, by a substring of
 # torch.cuda.get_device_name(); the first match wins, so longer names come first.
 PEAK_TFLOPS_16BIT = (("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200", 989), ("B200", 2250),
@@ -40,22 +44,35 @@ def compute_throughput(tokens_per_sec, flops_per_token, devices, peak_tflops):
 class RunLogger:
     def __init__(self, output_dir, monitors, total_steps, start_step, replays_after=None):
         """replays_after: the step training starts after; the records of later steps, which a restart from an
-        earlier checkpoint logs again, are dropped from metrics.jsonl and lm_eval.jsonl (the run's own scores) and
-        hidden in TensorBoard first, so each step appears once."""
+        earlier checkpoint logs again, are dropped from metrics.jsonl, lm_eval.jsonl (the run's own scores) and the
+        CSV monitor's files and hidden in TensorBoard first, so each step appears once; a resumed run (replays_after
+        past 0) goes on in the same W&B run, from the step after the last one it logged there."""
         self.enabled = dist.get_rank() == 0
         self.output_dir = output_dir
-        if monitors.get("wandb", {}).get("enabled"):
+        config = get_monitor_config(monitors)
+        self.wandb, self.wandb_logged_through = None, replays_after or 0
+        if config.wandb.enabled and self.enabled:
             os.environ.setdefault("WANDB_MODE", "offline")  # no network on many clusters' compute nodes
-        # Every rank constructs it (it checks the rank itself); only rank 0 writes. TensorBoard is written here
-        # instead: DeepSpeed's monitor cannot pass SummaryWriter's purge_step.
-        tensorboard = get_monitor_config(monitors).tensorboard
-        self.monitor = MonitorMaster(get_monitor_config({k: v for k, v in monitors.items() if k != "tensorboard"}))
+            os.environ.setdefault("WANDB_RUN_ID", wandb_run_id(output_dir, resumed=bool(replays_after)))
+            os.environ.setdefault("WANDB_RESUME", "allow")  # wandb's own: the run with that id goes on
+        # Every rank constructs it (it checks the rank itself); only rank 0 writes. TensorBoard and W&B are written
+        # here instead: DeepSpeed's monitor cannot pass SummaryWriter's purge_step, nor leave out a W&B run's steps.
+        self.monitor = MonitorMaster(get_monitor_config({k: v for k, v in monitors.items()
+                                                         if k not in ("tensorboard", "wandb")}))
         if not self.enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
         if replays_after is not None:
-            drop_records_after(os.path.join(output_dir, METRICS_FILE), replays_after)
+            dropped = drop_records_after(os.path.join(output_dir, METRICS_FILE), replays_after)
+            self.wandb_logged_through = max(dropped, default=replays_after)  # every monitor got each record
             drop_records_after(os.path.join(output_dir, LM_EVAL_FILE), replays_after, source="pipeline")
+            if self.monitor.csv_monitor is not None:
+                # its files keep their header: the monitor writes one into a file it has not written this run
+                self.monitor.csv_monitor.filenames = drop_csv_rows_after(self.monitor.csv_monitor.log_dir,
+                                                                         replays_after)
+        if config.wandb.enabled:
+            self.wandb = WandbMonitor(config.wandb)
+        tensorboard = config.tensorboard
         self.tensorboard = None
         if tensorboard.enabled:
             from torch.utils.tensorboard import SummaryWriter
@@ -74,6 +91,8 @@ class RunLogger:
         step = record["step"]
         events = [(f"Train/{k}", v, step) for k, v in record.items() if k != "step" and isinstance(v, (int, float))]
         self.monitor.write_events(events)
+        if self.wandb is not None and step > self.wandb_logged_through:  # W&B keeps a step's first values
+            self.wandb.write_events(events)
         if self.tensorboard is not None:
             for event in events:
                 self.tensorboard.add_scalar(*event)
@@ -98,9 +117,10 @@ class RunLogger:
 
 def drop_records_after(path, step, source=None):
     """Rewrite the JSON-lines file at path (atomically) without its records of steps after `step` (of that
-    `source` only, when given: lm_eval.jsonl keeps the scores of exports, which a restart does not log again)."""
+    `source` only, when given: lm_eval.jsonl keeps the scores of exports, which a restart does not log again); the
+    steps dropped."""
     if not os.path.isfile(path):
-        return
+        return []
     with open(path) as f:
         records = [(line, json.loads(line)) for line in f if line.strip()]
     logged_again = [record["step"] > step and record.get("source") == source for _, record in records]
@@ -109,6 +129,36 @@ def drop_records_after(path, step, source=None):
         write_text_atomic(path, "".join(line for (line, _), again in zip(records, logged_again) if not again))
         print(f"{path}: dropped the records of step(s) {', '.join(map(str, dropped))}, which this run logs again "
               f"(it starts after step {step})", flush=True)
+    return dropped
+
+
+def drop_csv_rows_after(directory, step):
+    """Rewrite each of DeepSpeed's CSV monitor files in directory (step, value rows under a header) atomically
+    without its rows of steps after `step`; their names without .csv."""
+    names = sorted(name[:-len(".csv")] for name in os.listdir(directory) if name.endswith(".csv"))
+    for name in names:
+        path = os.path.join(directory, f"{name}.csv")
+        with open(path, newline="") as f:
+            header, *rows = list(csv.reader(f))
+        kept = [row for row in rows if int(row[0]) <= step]
+        if len(kept) < len(rows):
+            text = io.StringIO()
+            csv.writer(text).writerows([header, *kept])
+            write_text_atomic(path, text.getvalue())
+    return names
+
+
+def wandb_run_id(output_dir, resumed):
+    """The W&B run id of the run in output_dir (output_dir/wandb_run_id): a resumed run's is the one its start
+    wrote, a new run's is new."""
+    path = os.path.join(output_dir, WANDB_RUN_ID_FILE)
+    if resumed and os.path.isfile(path):
+        with open(path) as f:
+            return f.read().strip()
+    run_id = uuid.uuid4().hex[:16]
+    os.makedirs(output_dir, exist_ok=True)
+    write_text_atomic(path, run_id)
+    return run_id
 
 
 def plot_losses(metrics_path, png_path):

@@ -11,11 +11,13 @@ checkpoint, a full disk, a non-finite loss) and a preemption (the scheduler's to
 run's exit code. The restart budget counts failures in a row without a new complete checkpoint: a run that keeps
 saving between failures (weeks of them, one every few hours) is never given up, one that cannot get past a step is.
 """
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -23,12 +25,14 @@ import psutil
 
 from checkpoints.files import read_latest
 from checkpoints.run_lease import LEASE_TOKEN_ENV, release_lease_of
+from deepspeed_internals import LAUNCHER_MODULE
 from training.exit_codes import NOT_RESTARTABLE, describe
 from training.rank_records import read_records
 
 TRAINER_CONFIG = ("conf", "tiny")  # trainer_pipe.py's @hydra.main config_path and config_name
 RANKS_NAMED = 4  # most ranks one line names per kind (a thousand-rank job's line stays a line)
-POLL_SECONDS = 1  # how often a running attempt's processes are looked at for a stopped one
+POLL_SECONDS = 0.1  # how often an attempt's ranks are looked at (torchrun's --monitor-interval default)
+SCAN_SECONDS = 1  # how often its whole process tree (every process of the host read) is, for a stopped one
 
 
 class Supervisor:
@@ -82,31 +86,69 @@ class Supervisor:
             time.sleep(wait)
 
     def wait_for_attempt(self, started):
-        """The attempt's exit code. Meanwhile, once one of its ranks has failed (its record says so) and its launcher
-        has reaped it (taking its exit code as the attempt's), its processes on this host that are stopped (SIGSTOP,
-        a hung rank's peer) are SIGKILLed: a stopped process leaves the SIGTERM of a launcher's teardown pending, and
-        DeepSpeed's launcher waits 30 s (hard-coded) for it before its own SIGKILL."""
-        host = socket.gethostname()
+        """The attempt's exit code. DeepSpeed's launcher looks at its ranks once a second (hard-coded) and, once one
+        has failed, SIGTERMs the others, waiting 30 s (hard-coded) for a stopped one before its SIGKILL; then it and
+        the runner exit, their interpreters' shutdown taking up to seconds. So every POLL_SECONDS the supervisor looks
+        at the children of the launchers it started on this host; once a rank (one that recorded its start) has
+        exited non-zero, unless its launcher ended it (its teardown, then under way, passes on the exit code of a rank
+        it reaped already), the supervisor SIGKILLs the stopped processes and ends the attempt (end_attempt), whose
+        exit code is that rank's, as the launcher passes it on. Any other failure (a rank on another node, under
+        another launcher, one that failed before its record) is the launcher's to act on; its stopped processes here
+        are SIGKILLed once a record says a rank failed."""
+        host, launchers, scanned = socket.gethostname(), [], time.monotonic()
         while True:
             try:
                 return self.process.wait(timeout=POLL_SECONDS)
             except subprocess.TimeoutExpired:
                 pass
             try:
-                processes = psutil.Process(self.process.pid).children(recursive=True)
-                stopped = [p for p in processes if p.status() == psutil.STATUS_STOPPED]
-                records = read_records(self.output_dir, since=started) if stopped else []
-                unreaped = {p.pid for p in processes}  # a zombie too: its launcher has not seen its exit yet
-                if any(r.get("exit_code") and (r["host"] != host or r["pid"] not in unreaped) for r in records):
-                    for process in stopped:
-                        process.kill()
-                    ranks = {r["pid"]: r["rank"] for r in records if r["host"] == host}
-                    named = ", ".join(f"rank {ranks[p.pid]} (pid {p.pid})" if p.pid in ranks else f"pid {p.pid}"
-                                      for p in stopped)
-                    self.log(f"supervise: SIGKILLed {named}: stopped, it cannot take the SIGTERM that ends the "
-                             f"attempt after a rank failed")
-            except psutil.Error:  # a process ended meanwhile: the next poll sees the rest
+                launchers = launchers or deepspeed_launchers(self.process.pid)
+                children = [child for launcher in launchers for child in children_of(launcher)]
+                failed = failed_children(children)
+                code = first_failure_code(failed, children, read_records(self.output_dir, since=started), host) \
+                    if failed else None
+                if code is not None:
+                    self.kill_stopped(started, host, force=True)
+                    self.end_attempt(launchers)
+                    return code
+                if time.monotonic() - scanned >= SCAN_SECONDS:
+                    scanned = time.monotonic()
+                    self.kill_stopped(started, host, force=False)
+            except (OSError, psutil.Error):  # a process ended meanwhile: the next poll sees the rest
                 pass
+
+    def end_attempt(self, launchers):
+        """DeepSpeed's launcher's teardown, now: the launchers SIGTERMed (their handler ends their ranks at once);
+        back once the ranks are gone, leaving the launchers and the runner to exit while the next attempt starts."""
+        ranks = []
+        for pid in [rank for launcher in launchers for rank in children_of(launcher)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                ranks.append(psutil.Process(pid))
+        for launcher in launchers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(launcher, signal.SIGTERM)
+        psutil.wait_procs(ranks)  # gone once their launcher has reaped them
+        threading.Thread(target=self.process.wait, daemon=True).start()  # reaps the runner when it has exited
+
+    def kill_stopped(self, started, host, force):
+        """SIGKILL the attempt's stopped processes on this host once a rank has failed: force (a failed rank seen
+        here), or a record saying so, of a rank elsewhere or one its launcher has reaped (taking its exit code)."""
+        processes = psutil.Process(self.process.pid).children(recursive=True)
+        stopped = [p for p in processes if is_stopped(p)]
+        if not stopped:
+            return
+        records = read_records(self.output_dir, since=started)
+        unreaped = {p.pid for p in processes}  # a zombie too: its launcher has not seen its exit yet
+        if not force and not any(r.get("exit_code") and (r["host"] != host or r["pid"] not in unreaped)
+                                 for r in records):
+            return
+        for process in stopped:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        ranks = {r["pid"]: r["rank"] for r in records if r["host"] == host}
+        named = ", ".join(f"rank {ranks[p.pid]} (pid {p.pid})" if p.pid in ranks else f"pid {p.pid}" for p in stopped)
+        self.log(f"supervise: SIGKILLed {named}: stopped, it cannot take the SIGTERM that ends the attempt after a "
+                 f"rank failed")
 
     def _forward(self, signum, frame):
         """A scheduler's SIGTERM (or ^C) goes to the run, which saves and stops (docs/reliability.md#preemption);
@@ -114,6 +156,52 @@ class Supervisor:
         self.stop_requested = signum
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signum)
+
+
+def is_stopped(process):
+    try:
+        return process.status() == psutil.STATUS_STOPPED
+    except psutil.NoSuchProcess:  # ended since it was listed
+        return False
+
+
+def deepspeed_launchers(pid):
+    """The pids of the DeepSpeed launchers among pid's children: a runner's local launch."""
+    return [child for child in children_of(pid) if LAUNCHER_MODULE in " ".join(psutil.Process(child).cmdline())]
+
+
+def children_of(pid):
+    """pid's child processes, from /proc/PID/task/*/children (psutil's children() reads every process of the host)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(child) for child in f.read().split()]
+    return children
+
+
+def failed_children(children):
+    """{pid: exit code, as a DeepSpeed launcher passes it on (a signal's as 256 - signal)} of the launchers'
+    `children` (their ranks, or a command run at their start) that have exited non-zero and are not yet reaped
+    (/proc/PID/stat: a zombie's wait status)."""
+    failed = {}
+    for child in children:
+        with open(f"/proc/{child}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # from the state (field 3) on; the exit status is 52nd
+        if fields[0] == "Z" and int(fields[49]):
+            failed[child] = os.waitstatus_to_exitcode(int(fields[49])) & 0xFF
+    return failed
+
+
+def first_failure_code(failed, children, records, host):
+    """The exit code of the failed child (failed_children) that is the cause: a rank (its record names its pid)
+    that failed on its own or without a word (killed) before one whose collective failed; None where none is a rank,
+    or the launcher has reaped a rank already (its teardown is under way, with that rank's exit code)."""
+    ranks = {r["pid"]: r for r in records if r["host"] == host}
+    if any(pid not in children for pid in ranks):
+        return None
+    causes = sorted((bool(ranks[pid].get("in_communication")), pid) for pid in failed
+                    if pid in ranks and not ranks[pid].get("follows_another"))
+    return failed[causes[0][1]] if causes else None
 
 
 def with_resume_auto(command, restart):
