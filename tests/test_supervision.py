@@ -9,22 +9,20 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 from deepspeed.runtime.pipe import schedule
 
-from checkpoints.background_save import BackgroundSave
-from checkpoints.integrity import file_checksum, read_manifest
-from checkpoints.run_lease import LEASE_FILE, STALE_SECONDS, RunLease, boot_id, read_lease
+from checkpoints.integrity import read_manifest
+from checkpoints.run_lease import LEASE_FILE
 from tests.conftest import ROOT
 from tests.distributed import free_port
 from tests.launch import (REFERENCE, SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, per_step_losses,
                           process_environment, read_metrics, run_python, trainer_command)
+from tests.test_run_lease import LEASE_TAKER
 from training import exit_codes
 from training.distributed import elastic_restart_error
 from training.hang_watchdog import startup_limit_warning
@@ -340,88 +338,7 @@ def test_a_startup_limit_below_the_measured_step_limit_is_a_warning():
         "steps may be ended as hangs; raise it to at least 2001.")
 
 
-def test_an_output_dir_another_live_job_writes_is_refused_and_a_gone_jobs_lease_taken_over(tmp_path):
-    """Rank 0's lease (host, boot, pid, token, heartbeat): another live process's with a fresh heartbeat refuses,
-    on this host or another; a dead process's on this host, or anyone's not renewed for STALE_SECONDS, is taken."""
-    out, host = str(tmp_path), socket.gethostname()
-    path = tmp_path / LEASE_FILE
-    dead = subprocess.Popen(["true"])  # a process that has ended: its pid names no one (until reused)
-    dead.wait()
-    here = {"host": host, "boot_id": boot_id(), "pid": os.getppid(), "token": "another job"}  # a live process
-
-    def refusal(lease, age):
-        path.write_text(json.dumps({**lease, "heartbeat": time.time() - age}))
-        before = path.read_bytes()
-        with pytest.raises(ValueError) as refused:
-            RunLease(out)
-        assert path.read_bytes() == before  # left as it was
-        return str(refused.value)
-    assert re.fullmatch(
-        rf"output_dir '{out}' is being written by another live job: its rank 0, pid {os.getppid()} on {host}, "
-        rf"renewed {path} (5|6)s ago; choose another output_dir, or stop that job \(a lease not renewed for 300s is "
-        rf"taken over; delete the file only if that job is gone\).", refusal(here, age=5))
-    elsewhere = {**here, "host": "node7", "boot_id": "another machine", "pid": dead.pid}
-    assert "its rank 0, pid" in refusal(elsewhere, age=STALE_SECONDS - 30)  # its pid means nothing here
-    for gone, age in (({**here, "pid": dead.pid}, 0), (elsewhere, STALE_SECONDS + 1)):
-        path.write_text(json.dumps({**gone, "heartbeat": time.time() - age}))
-        held = RunLease(out)
-        assert {k: read_lease(out)[k] for k in ("host", "boot_id", "pid")} == {"host": host, "boot_id": boot_id(),
-                                                                                "pid": os.getpid()}
-        held.release()
-        assert not path.exists()
-
-
 # A job's rank 0 on stdin's commands: "take" output_dir's lease (prints "won" or the refusal), "drop" it ("dropped").
-LEASE_TAKER = """
-import sys
-from checkpoints.run_lease import RunLease
-lease = None
-for command in sys.stdin:
-    if command == "take\\n":
-        try:
-            lease = RunLease(sys.argv[1])
-            print("won", flush=True)
-        except ValueError as error:
-            print(error, flush=True)
-    else:
-        if lease is not None:
-            lease.release()
-        lease = None
-        print("dropped", flush=True)
-"""
-
-
-def test_two_jobs_taking_over_a_stale_lease_at_once_one_wins_and_the_other_is_refused(tmp_path):
-    """Two processes told to take over a gone job's lease in the same moment, 20 times: each time one holds it and
-    the other is refused, naming the winner (without the lock both won in 48 of 50 rounds)."""
-    out, host = str(tmp_path), socket.gethostname()
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    takers = [subprocess.Popen([sys.executable, "-c", LEASE_TAKER, out], cwd=ROOT, stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True, bufsize=1) for _ in range(2)]
-    try:
-        for _ in range(20):
-            (tmp_path / LEASE_FILE).write_text(json.dumps({"host": host, "boot_id": boot_id(), "pid": dead.pid,
-                                                           "token": "a gone job", "heartbeat": time.time()}))
-            for taker in takers:
-                taker.stdin.write("take\n")
-            for taker in takers:
-                taker.stdin.flush()
-            answers = [taker.stdout.readline().strip() for taker in takers]
-            assert sorted(answers)[1] == "won", answers
-            winner = takers[answers.index("won")]
-            assert re.fullmatch(rf"output_dir '{out}' is being written by another live job: its rank 0, pid "
-                                rf"{winner.pid} on {host}, renewed {tmp_path / LEASE_FILE} \d+s ago; .*",
-                                sorted(answers)[0]), answers
-            assert read_lease(out)["pid"] == winner.pid
-            for taker in takers:
-                taker.stdin.write("drop\n")
-                taker.stdin.flush()
-            assert [taker.stdout.readline() for taker in takers] == ["dropped\n"] * 2
-    finally:
-        for taker in takers:
-            taker.stdin.close()
-            taker.wait(timeout=30)
 
 
 @pytest.mark.slow
@@ -535,53 +452,6 @@ def test_torchrun_restarts_sharing_its_store_are_refused():
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, or with --max-restarts 0 under supervise.py.")
     assert elastic_restart_error({**elastic, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
     assert elastic_restart_error({**elastic, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None
-
-
-def test_async_saves_write_deepspeeds_clones_from_reused_host_memory_copied_before_the_next_optimizer_step(tmp_path):
-    """A snapshot takes the place of the clone DeepSpeed makes before a synchronous torch.save (it is told the engine
-    does not preserve storage sharing): the writer process writes the synchronous save's bytes, also for a weight
-    that is a view into a larger flat buffer (ZeRO's). Its copy runs on a thread while the next step's forward and
-    backward run; the optimizer step, which changes the weights, waits for it (here the copier is held until that
-    step starts). Each save's files (the same names in another tag directory) are copied into the last save's host
-    buffers: a run holds one snapshot (what the planner counts), not one more per save. The writer process runs at
-    the lowest CPU priority."""
-    flat, start_copy = torch.randn(40), threading.Event()
-
-    class Engine:  # what BackgroundSave listens to: the handlers a pipeline engine runs its instructions with
-        _INSTRUCTION_MAP = {schedule.OptimizerStep: lambda engine: flat.add_(1)}
-
-    class CopyStarter:  # heard first at each instruction: only then may the held copier start
-        def instruction_started(self, instruction):
-            start_copy.set()
-
-        def instruction_ended(self, instruction, started):
-            pass
-    engine, checkpoint_engine = Engine(), SimpleNamespace(save=None, zipfile_serialization=True,
-                                                          preserves_storage_sharing=lambda: True)
-    add_instruction_listener(engine, CopyStarter())
-    background = BackgroundSave(engine)
-    copy = background._copy_and_hand_over
-    background._copy_and_hand_over = lambda *args: (start_copy.wait(), copy(*args))
-    layer, buffers = {"weight": flat[4:20].view(4, 4), "bias": flat[20:24], "step": 3}, []
-    for step in (2, 4):
-        tag_dir, written = tmp_path / f"global_step{step}", {}
-        tag_dir.mkdir()
-        sync = tmp_path / "sync" / f"global_step{step}" / "layer_01-model_states.pt"  # torch.save names the archive
-        sync.parent.mkdir(parents=True)  # after the file: the same name as the asynchronous one
-        torch.save(clone_tensors_for_torch_save(layer), sync)
-        with background.snapshots(checkpoint_engine) as files:
-            assert checkpoint_engine.preserves_storage_sharing() is False
-            checkpoint_engine.save(layer, str(tag_dir / "layer_01-model_states.pt"))
-        assert checkpoint_engine.preserves_storage_sharing() is True
-        background.submit(files, str(tag_dir), completion=written.update)
-        engine._INSTRUCTION_MAP[schedule.OptimizerStep](engine)  # the next step's: training goes on
-        background.wait()
-        start_copy.clear()
-        assert (tag_dir / "layer_01-model_states.pt").read_bytes() == sync.read_bytes(), step
-        assert written == {str(tag_dir / "layer_01-model_states.pt"): file_checksum(str(sync))}
-        buffers.append({k: t.untyped_storage().data_ptr() for k, t in files[0][1].items() if torch.is_tensor(t)})
-    assert buffers[0] == buffers[1] and len(background.snapshot.storages) == 2
-    assert os.getpriority(os.PRIO_PROCESS, background.writer.pid) == 19  # yields the CPU to training
 
 
 @pytest.mark.slow
