@@ -206,6 +206,9 @@ def test_simulated_step_is_the_zb_h1_bound(stages, micro_batches, forward, backw
     ({"pipeline_schedule": "zero_bubble", "precision": "fp16", "zero_stage": 1},
      "pipeline_schedule=zero_bubble does not support precision=fp16 yet (it runs with precision fp32 or bf16); use "
      "pipeline_schedule=1f1b or interleaved_1f1b."),
+    ({"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2, "zero_bubble_max_waiting": 1},
+     "zero_bubble_max_waiting=1 applies to pipeline_schedule=zero_bubble or zbv only (not interleaved_1f1b, whose "
+     "backward is never split); set zero_bubble_max_waiting=null, or one of those schedules."),
     ({"pipeline_schedule": "zero_bubble", "zero_bubble_max_waiting": -1},
      "zero_bubble_max_waiting=-1 is not a number of micro-batches: set an integer >= 0, or null for ZB-H1's "
      "(stage s holds s)."),

@@ -203,6 +203,10 @@ def check_zero_bubble(cfg):
     if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
         raise ConfigError(f"zero_bubble_max_waiting={cap!r} is not a number of micro-batches: set an integer >= 0, "
                           f"or null for ZB-H1's (stage s holds s).")
+    if cap is not None and cfg.pipeline_schedule not in ("zero_bubble", "zbv"):
+        raise ConfigError(f"zero_bubble_max_waiting={cap} applies to pipeline_schedule=zero_bubble or zbv only (not "
+                          f"{cfg.pipeline_schedule}, whose backward is never split); set zero_bubble_max_waiting=null, "
+                          f"or one of those schedules.")
     # fp16's loss scaler is untested with deferred weight gradients (W); interleaved_1f1b does not split backwards
     if cfg.pipeline_schedule in ("zero_bubble", "zbv") and cfg.precision == "fp16":
         raise ConfigError(f"pipeline_schedule={cfg.pipeline_schedule} does not support precision=fp16 yet (it runs "
