@@ -31,7 +31,7 @@ from training.rank_records import read_records
 
 TRAINER_CONFIG = ("conf", "tiny")  # trainer_pipe.py's @hydra.main config_path and config_name
 RANKS_NAMED = 4  # most ranks one line names per kind (a thousand-rank job's line stays a line)
-POLL_SECONDS = 0.02  # how often an attempt's ranks are looked at: a few /proc reads (~50 us), within 2 steps of a fast run
+POLL_SECONDS = 0.02  # how often an attempt's ranks are looked at: a few /proc reads (~50 us) within 2 fast steps
 SCAN_SECONDS = 1  # how often its whole process tree (every process of the host read) is, for a stopped one
 
 
