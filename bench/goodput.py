@@ -89,7 +89,8 @@ def median_step_seconds(lines):
 
 def fault_timings(lines, plan, save_steps):
     """Per failing fault: seconds to detect, to restart (first step after), to replay up to the step it hit."""
-    steps, restarts = step_times(lines), [at for at, line in lines if line.startswith("supervise: restart")]
+    # a rank's progress bar may precede the supervisor's line on the stderr they share
+    steps, restarts = step_times(lines), [at for at, line in lines if "supervise: restart" in line]
     timings = []
     for kind, _, step in plan:
         fired = next((at for at, line in lines if f"FAULT {kind} AT" in line), None)
@@ -159,7 +160,8 @@ def main():
                       "goodput": round(free / faulty, 3), "target_goodput": round(target, 3),
                       "target_met": free / faulty >= target, "step_s": round(step, 4),
                       "slowed_forwards_s": slow_s, "per_fault": timings,
-                      "restarts": [line for _, line in results["faults"]["lines"] if line.startswith("supervise:")],
+                      "restarts": [line[line.index("supervise:"):] for _, line in results["faults"]["lines"]
+                                   if "supervise:" in line],
                       "final_weights_equal": final_weights_equal(results["fault-free"]["out"],
                                                                  results["faults"]["out"])}, indent=1))
 
