@@ -48,6 +48,15 @@ def all_gather_single(out, tensor, group=None):
     dist.all_gather_single(out, tensor, group=group)
 
 
+def all_gather_numbers(numbers):
+    """Every rank's list of numbers (each rank the same count), gathered as float64 on the device: [[...] per rank].
+    One host read, of the gathered rows."""
+    mine = torch.tensor(numbers, dtype=torch.float64, device=device())
+    every_rank = torch.empty(dist.get_world_size() * mine.numel(), dtype=mine.dtype, device=mine.device)
+    all_gather_single(every_rank, mine)
+    return every_rank.view(-1, mine.numel()).tolist()
+
+
 def reduce_scatter_single(out, tensor, group=None):
     check_on_device(out, tensor)
     dist.reduce_scatter_single(out, tensor, group=group)

@@ -7,8 +7,6 @@ read once per interval: no host sync per micro-batch), by the clock on the CPU.
 """
 import statistics
 
-import torch
-import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule
 
 import collectives
@@ -55,11 +53,8 @@ class StragglerWatch:
         """Collective, once per logging interval: gather every rank's seconds since the last call, log a line per
         straggler (log: rank 0's print) and return the metrics."""
         seconds = self.clock.take()
-        mine = torch.tensor([seconds.get("compute", 0.0), seconds.get("communication", 0.0), self.engine.stage_id],
-                            dtype=torch.float64, device=collectives.device())
-        every_rank = torch.empty(dist.get_world_size() * mine.numel(), dtype=mine.dtype, device=mine.device)
-        collectives.all_gather_single(every_rank, mine)
-        every_rank = every_rank.view(-1, mine.numel()).tolist()
+        every_rank = collectives.all_gather_numbers(
+            [seconds.get("compute", 0.0), seconds.get("communication", 0.0), self.engine.stage_id])
         compute, communication = [float(t[0]) for t in every_rank], [float(t[1]) for t in every_rank]
         ranks, stages = find_stragglers(compute, [int(t[2]) for t in every_rank], communication, self.margin)
         for line in [*ranks.values(), *stages.values()]:

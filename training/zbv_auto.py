@@ -16,8 +16,6 @@ import itertools
 import statistics
 import time
 
-import torch
-import torch.distributed as dist
 
 import collectives
 from training.instruction_listeners import InstructionClock, add_instruction_listener
@@ -78,8 +76,5 @@ class MeasuredTimes:
 
     def agreed_times(self):
         """Collective: every rank's F, B, W seconds all-gathered; each stage's (stage_times), alike on every rank."""
-        mine = torch.tensor([self.engine.stage_id, *robust_sums(self.clock.take())], dtype=torch.float64,
-                            device=collectives.device())
-        every_rank = torch.empty(dist.get_world_size() * mine.numel(), dtype=mine.dtype, device=mine.device)
-        collectives.all_gather_single(every_rank, mine)
-        return stage_times(every_rank.view(-1, mine.numel()).tolist(), self.engine.num_stages)
+        every_rank = collectives.all_gather_numbers([self.engine.stage_id, *robust_sums(self.clock.take())])
+        return stage_times(every_rank, self.engine.num_stages)
