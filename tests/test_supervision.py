@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -228,6 +229,30 @@ def test_a_rank_that_failed_in_a_collective_is_named_first_only_where_nothing_el
     assert first_failure_code({104: 1}, children, records, "node1") is None  # no rank: the launcher's
     # the launcher has reaped rank 1 (killed): its teardown, which passes on 247, is under way
     assert first_failure_code({100: 1, 103: 143}, [100, 102, 103], records, "node1") is None
+
+
+def test_a_second_end_waits_until_the_first_is_on_disk(tmp_path, monkeypatch):
+    """The main thread records its crash while the SIGTERM thread, about to os._exit, records being ended by the
+    launcher: the second end returns only once the first is written, so the exit cannot cut that write short (a CI
+    run's rank 0 was once left with its start-up record only)."""
+    from training import rank_records
+    record = rank_records.RankRecord(str(tmp_path), 0)
+    writing, release, write = threading.Event(), threading.Event(), rank_records.write_text_atomic
+
+    def slow_write(path, text):
+        if "ended" in text:
+            writing.set()
+            release.wait(10)
+        write(path, text)
+    monkeypatch.setattr(rank_records, "write_text_atomic", slow_write)
+    crash = threading.Thread(target=record.end, args=(1, "RuntimeError: Connection reset by peer", True))
+    crash.start()
+    assert writing.wait(10)
+    threading.Timer(0.2, release.set).start()
+    record.end(143, "ended by its launcher after another rank exited", follows_another=True)
+    on_disk = json.loads((tmp_path / "rank_records" / "rank00000.json").read_text())
+    assert (on_disk["exit_code"], on_disk["in_communication"]) == (1, True)
+    crash.join()
 
 
 def test_ranks_that_exited_non_zero_are_seen_with_their_exit_code_before_their_launcher_reaps_them():

@@ -7,6 +7,7 @@ each attempt's ranks overwrite their own, and the supervisor reads those started
 import json
 import os
 import socket
+import threading
 import time
 
 from checkpoints.files import write_text_atomic
@@ -20,6 +21,9 @@ class RankRecord:
         self.path = os.path.join(output_dir, RECORDS_DIR, f"rank{rank:05d}.json")
         self.fields = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
         self.where = lambda: {}  # the hang watchdog's {where, waiting_for} of this rank, once it watches
+        # held until the first end is on disk: a second end (the SIGTERM thread's, before its os._exit) must not
+        # return while the first (the main thread's crash) is still being written
+        self._ending = threading.Lock()
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._write()
 
@@ -28,15 +32,16 @@ class RankRecord:
         collective or point-to-point call (most often a peer that failed first). follows_another: this rank ended
         because another one did (its launcher ended it), so it is not the first failure. A disk too full for the
         record leaves the start-up one: the exit code still says why, and the error already said it in one line."""
-        if "ended" in self.fields:
-            return
-        self.fields.update(ended=time.time(), exit_code=exit_code, cause=cause, in_communication=in_communication,
-                           follows_another=follows_another, **self.where())
-        try:
-            self._write()
-        except OSError as error:
-            print(f"rank {self.fields['rank']}: its end record was not written ({error.strerror}): "
-                  f"{self.path}", flush=True)
+        with self._ending:
+            if "ended" in self.fields:
+                return
+            self.fields.update(ended=time.time(), exit_code=exit_code, cause=cause, in_communication=in_communication,
+                               follows_another=follows_another, **self.where())
+            try:
+                self._write()
+            except OSError as error:
+                print(f"rank {self.fields['rank']}: its end record was not written ({error.strerror}): "
+                      f"{self.path}", flush=True)
 
     def _write(self):
         write_text_atomic(self.path, json.dumps(self.fields))
