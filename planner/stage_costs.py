@@ -98,10 +98,14 @@ class LayerCosts:
         self.forward_flops = {EMBEDDING: 0, NORM: 0, HEAD: 2 * tokens * hidden * vocab,
                               DECODER: 2 * tokens * (sharded // t) + 2 * residual * replicated
                               + round(4 * tokens * keys * q_width) + 2 * tokens * adapters}
-        # The weight gradients a frozen base skips (its backward computes input gradients only): its matmuls' FLOPs.
-        self.frozen_weight_grad_flops = ({EMBEDDING: 0, NORM: 0, HEAD: self.forward_flops[HEAD],
-                                          DECODER: 2 * tokens * (sharded // t) + 2 * residual * replicated}
-                                         if lora.enabled else dict.fromkeys(self.forward_flops, 0))
+        # W, the weight gradients a split backward defers (models/weight_grads.py): a trained matmul's forward FLOPs
+        # (the chunked loss computes its head's in F, models/loss.py); B is the rest of the backward. A frozen base
+        # skips them (its backward computes input gradients only).
+        matmuls = {EMBEDDING: 0, NORM: 0, HEAD: self.forward_flops[HEAD],
+                   DECODER: 2 * tokens * (sharded // t) + 2 * residual * replicated}
+        self.frozen_weight_grad_flops = matmuls if lora.enabled else dict.fromkeys(matmuls, 0)
+        self.weight_grad_flops = {kind: (2 * tokens * adapters if kind == DECODER else 0) if lora.enabled
+                                  else (0 if kind == HEAD and chunked else flops) for kind, flops in matmuls.items()}
         self.saved_bytes = {
             # Vocabulary-parallel: this rank's local ids and the mask of ids outside its rows.
             EMBEDDING: tokens * (INT64_BYTES + 1) if t > 1 else 0,
@@ -203,6 +207,15 @@ class LayerCosts:
             forward = sum(self.forward_flops[kind] for kind in run)
             flops += forward * (4 if checkpointed else 3) - sum(self.frozen_weight_grad_flops[kind] for kind in run)
         return flops
+
+    def stage_pass_flops(self, kinds):
+        """stage_flops by pass: F (the forward; the chunked loss's head all of its own), W (weight_grad_flops), and
+        B, the rest (input gradients, the forward again where checkpointed)."""
+        forward = sum(self.forward_flops[kind] for kind in kinds)
+        if HEAD in kinds and self.workload.loss_chunk_tokens > 0:
+            forward += 2 * self.forward_flops[HEAD] - self.frozen_weight_grad_flops[HEAD]
+        weight = sum(self.weight_grad_flops[kind] for kind in kinds)
+        return {"F": forward, "B": self.stage_flops(kinds) - forward - weight, "W": weight}
 
     def stage_activation_bytes(self, kinds, in_flight, waiting=0):
         """Peak activation memory: what in_flight micro-batches keep for their backward and `waiting` ones for

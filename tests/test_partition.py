@@ -349,3 +349,50 @@ def test_sliding_windows_cut_the_attention_cost():
     full.sliding_window = None
     attention_saved = 4 * 4 * (16 - 8) * 4 * 8  # layers x 4 x (seq - window) x heads x head_dim, 3 passes
     assert training_flops_per_token(full, 16) - training_flops_per_token(windowed, 16) == 3 * attention_saved
+
+
+# bench/trainer_profile.py's small (decoder-heavy) shape: its LM head and loss are 1.33 decoder layers of FLOPs
+SMALL = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=8,
+                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
+
+
+@pytest.mark.parametrize("schedule,virtual_stages,zbv_times,micro_batches,counts,chunk_even", [
+    # interleaved: ranks hold chunks 0+2 and 1+3 (the head's); evening out chunks gave rank 1 5.33 decoders' work
+    ("interleaved_1f1b", 2, None, 4, [2, 2, 3, 1], [2, 3, 2, 1]),
+    ("interleaved_1f1b", 2, None, 8, [3, 2, 2, 1], [2, 3, 2, 1]),
+    # the V order made for the plan's times (zbv_times=auto): at m = 4 evening out chunks was already the best
+    ("zbv", None, "auto", 4, [2, 3, 2, 1], [2, 3, 2, 1]),
+    ("zbv", None, "auto", 8, [2, 1, 4, 1], [2, 3, 2, 1]),
+])
+def test_balanced_chunks_take_the_shortest_simulated_step(schedule, virtual_stages, zbv_times, micro_batches, counts,
+                                                          chunk_even):
+    """Under a schedule with several chunks per rank `balanced` splits the chunks for the shortest step the
+    schedule's order takes on the plan's F, B and W of each chunk (planner/chunk_balance.py): here the least over
+    every split of the 8 decoder layers into 4 chunks, which evening out the chunks' compute missed but at m = 4
+    under ZB-V. The trainer's path gives those bounds; F + B + W of every chunk is its compute, the chunked loss's
+    head all in F."""
+    from itertools import combinations
+
+    from omegaconf import OmegaConf
+
+    from models.partition import stage_bounds_from_decoder_counts, stage_kinds
+    from planner.chunk_balance import balanced_chunk_counts, chunk_pass_costs, simulated_step
+    from planner.stage_costs import StageCostModel
+    from training.config_checks import checked_config
+    from training.run_spec import configured_stage_bounds
+    workload = Workload(seq_length=256, micro_batch_size=4, micro_batches=micro_batches, precision="fp32",
+                        pipeline_schedule=schedule, virtual_stages=virtual_stages or 1, zbv_times=zbv_times)
+    model = StageCostModel(SMALL, workload, 4)
+    splits = [[b - a for a, b in zip((0, *cut), (*cut, 8))] for cut in combinations(range(1, 8), 3)]
+    steps = {tuple(split): simulated_step(model, split, 2) for split in splits}
+    assert balanced_chunk_counts(SMALL, workload, 2) == counts
+    assert steps[tuple(counts)] == pytest.approx(min(steps.values()))
+    assert balanced_decoder_counts(8, 4, model.cost) == chunk_even
+    assert (steps[tuple(chunk_even)] > 1.01 * steps[tuple(counts)]) == (counts != chunk_even)
+    cfg = checked_config(OmegaConf.create(dict(pipeline_schedule=schedule, virtual_stages=virtual_stages,
+                                               num_stages=2, gradient_accumulation_steps=micro_batches)))
+    assert list(configured_stage_bounds(cfg, SMALL, workload)) == stage_bounds_from_decoder_counts(counts, 8)
+    for chunk, costs in enumerate(chunk_pass_costs(model, counts, schedule)):
+        kinds = stage_kinds(chunk, 4, counts[chunk])
+        assert sum(costs.values()) == pytest.approx(model.compute(kinds))
+        assert (costs["B"] < 0.4 * costs["F"]) == (HEAD in kinds)  # the head's gradients computed in F

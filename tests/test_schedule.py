@@ -334,7 +334,8 @@ def test_chunks_the_model_cannot_fill_are_refused(overrides, layers, message):
 def test_partition_splits_chunks(schedule, virtual_stages, partition, counts):
     cfg = checked_config(OmegaConf.create(dict(pipeline_schedule=schedule, virtual_stages=virtual_stages,
                                                num_stages=2, partition=partition)))
-    bounds = configured_stage_bounds(cfg, tiny_llama(8), Workload(pipeline_schedule=schedule))
+    bounds = configured_stage_bounds(cfg, tiny_llama(8), Workload(pipeline_schedule=schedule,
+                                                                  zbv_times=cfg.zbv_times))
     assert len(bounds) == 5 and bounds[0] == 0 and bounds[-1] == 8 + 3  # [embedding, 8 decoders, norm, head]
     if counts:
         assert decoder_counts_of_bounds(bounds) == counts

@@ -30,6 +30,7 @@ from models.pipeline import partition_stages
 from models.pipeline_schedule_rules import chunks_per_rank
 from models.preference import PreferenceSettings
 from models.tensor_parallel import check_tensor_parallel_split
+from planner.chunk_balance import balanced_chunk_counts
 from planner.stage_costs import balanced_stage_cost
 from planner.training_state import checkpoint_bytes_per_parameter
 from planner.workload import Workload
@@ -347,15 +348,16 @@ def workload_of(cfg, data_parallel):
 def configured_stage_bounds(cfg, model_config, workload):
     """The stage bounds cfg.partition gives this workload (a method name or a list of decoder layers per stage);
     under a schedule with several chunks per rank, the bounds of every global chunk (models/partition.py's
-    chunk_bounds), `balanced` evening out the chunks' compute."""
+    chunk_bounds), `balanced` minimising the schedule's simulated step (planner/chunk_balance.py)."""
     partition = cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
     chunks = cfg.num_stages * chunks_per_rank(cfg.pipeline_schedule, cfg.virtual_stages)
     check_chunk_count(cfg, chunks, model_config.num_hidden_layers, partition)
     cost = None
-    if partition == "balanced":
-        cost = (balanced_stage_cost(model_config, workload, cfg.num_stages, cfg.device_memory_gb * 2**30)
-                if chunks == cfg.num_stages else balanced_stage_cost(model_config, workload, chunks))
+    if partition == "balanced" and chunks == cfg.num_stages:
+        cost = balanced_stage_cost(model_config, workload, cfg.num_stages, cfg.device_memory_gb * 2**30)
     try:
+        if partition == "balanced" and chunks > cfg.num_stages:
+            partition = balanced_chunk_counts(model_config, workload, cfg.num_stages)
         bounds = tuple(partition_stages(model_config, chunks, partition, cost))
     except ValueError as error:
         raise ConfigError(str(error)) from None

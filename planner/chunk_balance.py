@@ -1,0 +1,71 @@
+"""`partition: balanced` under a schedule with several chunks per rank (interleaved_1f1b, zbv).
+
+A rank runs its chunks one after another, so the step is set by each rank's chunks together and by the idle time
+its order leaves, not by the costliest chunk. Evening out the chunks' compute, as `balanced` evens out stages, gave
+the small bench shape's ZB-V rank 1 five decoder layers against rank 0's three and the LM head; and rank 0, which
+starts the step's first forward and ends its last backward, is the one rank that never waits for the fill (rank r
+waits for micro-batch 0's forward through the chunks before its own). So here `balanced` minimises the step the
+schedule's order takes (training/schedule.py simulate, transfers free) on the plan's F, B and W of every chunk
+(planner/stage_costs.py: FLOPs, the chunked loss's head all in F), ZB-V's V order made for those times as
+zbv_times=auto makes it for the measured ones: from the chunks evened out, it moves one decoder layer across a
+chunk boundary at a time while the simulated step shrinks.
+"""
+from models.partition import balanced_decoder_counts, stage_kinds
+from models.pipeline_schedule_rules import chunk_ids, chunks_per_rank
+from planner.stage_costs import StageCostModel
+
+
+def chunk_pass_costs(model, counts, schedule):
+    """[{"F", "B", "W"} of each global chunk] in decoder layers' compute; ZB-V's first chunk runs its backward whole
+    (training/chunked_engine.py), its W in its B."""
+    costs = []
+    for chunk, count in enumerate(counts):
+        flops = model.layers.stage_pass_flops(stage_kinds(chunk, len(counts), count))
+        if schedule == "zbv" and chunk == 0:
+            flops = {"F": flops["F"], "B": flops["B"] + flops["W"], "W": 0}
+        costs.append({kind: value / model.compute_unit for kind, value in flops.items()})
+    return costs
+
+
+def simulated_step(model, counts, num_stages):
+    """The step the workload's schedule takes on chunks of counts[g] decoder layers, in decoder layers' compute."""
+    # the orders need DeepSpeed's instructions; the planner's rules not
+    from training.schedule import rank_orders, simulate
+    from training.zbv_auto import stage_times
+    from training.zbv_order import configured_zbv_durations
+    workload = model.workload
+    chunks = chunk_pass_costs(model, counts, workload.pipeline_schedule)
+    ranks = [[chunks[chunk] for chunk in chunk_ids(workload.pipeline_schedule, num_stages, rank,
+                                                   workload.virtual_stages)] for rank in range(num_stages)]
+    times = workload.zbv_times
+    if times == "auto":  # the V order zbv_auto makes for these times, measured
+        times = stage_times([(rank, *(sum(chunk[kind] for chunk in rank_chunks) for kind in "FBW"))
+                             for rank, rank_chunks in enumerate(ranks)], num_stages)
+    orders = rank_orders(workload.pipeline_schedule, num_stages, workload.micro_batches, workload.virtual_stages,
+                         workload.zero_bubble_max_waiting, configured_zbv_durations(times))
+    done = simulate(num_stages, workload.micro_batches, ranks, workload.pipeline_schedule,
+                    workload.zero_bubble_max_waiting, workload.virtual_stages, orders)
+    return max(end for _, end in done.values())
+
+
+def balanced_chunk_counts(config, workload, num_stages):
+    """Decoder layers per global chunk (at least one each) that `balanced` gives a schedule with several chunks per
+    rank: the chunks' compute evened out (models/partition.py), then single layers moved across a chunk boundary,
+    the largest gain first, while the simulated step shrinks."""
+    chunks = num_stages * chunks_per_rank(workload.pipeline_schedule, workload.virtual_stages)
+    model = StageCostModel(config, workload, chunks)
+    counts = balanced_decoder_counts(config.num_hidden_layers, chunks, model.cost)
+    step = simulated_step(model, counts, num_stages)
+    while True:
+        moves = []
+        for source in range(chunks):
+            for target in (source - 1, source + 1):
+                if counts[source] > 1 and 0 <= target < chunks:
+                    moved = list(counts)
+                    moved[source] -= 1
+                    moved[target] += 1
+                    moves.append((simulated_step(model, moved, num_stages), moved))
+        best = min(moves, key=lambda move: move[0], default=None)  # the first on ties
+        if best is None or best[0] >= step * (1 - 1e-9):
+            return counts
+        step, counts = best
