@@ -102,11 +102,13 @@ def test_resume_across_schedules_equals_the_run_that_never_stopped(demo_model, r
     assert "with another layout (stage_bounds [0, 3, 7] -> [0, 2, 3, 4, 7]; pipeline_schedule 1f1b -> zbv)" in (
         result.stdout)
     assert losses == pytest.approx(reference[4:], **EXACT)
+    assert "zbv_times=auto: each stage's F/B/W ms in the measured step" in result.stdout
     result, losses = resumed_losses(demo_model, reference_run, tmp_path / "interleaved", 4, dict(
         pipeline_schedule="interleaved_1f1b", virtual_stages=2, offload_optimizer="cpu"), zbv_run / "global_step6")
     assert (f"resuming {zbv_run}/global_step6 with another layout (offload_optimizer none -> cpu; pipeline_schedule "
             f"zbv -> interleaved_1f1b): the optimizer state is resharded from its per-layer files; the data position "
             f"is kept in samples (48 consumed)") in result.stdout
+    assert "zbv_times" not in result.stdout  # zbv's default: interleaving measures nothing, rebuilds nothing
     assert losses == pytest.approx(reference[6:8], **EXACT)
 
 

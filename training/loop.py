@@ -106,7 +106,7 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
         use_zero_bubble(engine, cfg.zero_bubble_max_waiting)
     elif rank_chunk_ids(cfg.pipeline_schedule, spec.num_stages, cfg.virtual_stages):
         use_chunked_pipeline(engine, cfg.pipeline_schedule, cfg.virtual_stages, cfg.zero_bubble_max_waiting,
-                             cfg.zbv_times)
+                             cfg.zbv_times if cfg.pipeline_schedule == "zbv" else None)  # auto: zbv's default
     return engine, monitors
 
 
