@@ -26,7 +26,7 @@ def launch_trainer(num_procs, overrides, config="tiny", timeout=240, hostfile=No
     a launch, on ~60 launches); on the CPU it is forked from the rank zygote (tests/rank_zygote.py), which skips the
     ranks' library imports too. With launcher=True or a hostfile it goes through `deepspeed --num_gpus N` (or
     `--hostfile`, as on a cluster: on one machine without ssh, README multi-node), as a user launches it (on the CPU
-    the runner forked from the zygote; the launcher forks its ranks: tests/launcher_site).
+    the runner forked from the zygote, its launcher from it, which forks its ranks: tests/rank_zygote.py STARTERS).
     accelerator is DeepSpeed's (DS_ACCELERATOR): cpu, N gloo processes on this machine's cores; cuda, one process
     per GPU (NCCL)."""
     if launcher or hostfile:

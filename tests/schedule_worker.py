@@ -187,8 +187,8 @@ def all_ranks_gradients(recorded, replica):
              for step in recorded]
     gathered = [None] * torch.distributed.get_world_size()
     collectives.all_gather_object(gathered, (replica, local))
-    return [{f"{where}.{name}": torch.from_numpy(grad) for where, steps in gathered for name, grad in steps[step].items()}
-            for step in range(len(recorded))]
+    return [{f"{where}.{name}": torch.from_numpy(grad) for where, steps in gathered
+             for name, grad in steps[step].items()} for step in range(len(recorded))]
 
 
 def record_waiting_before_backward(queue):
