@@ -3,6 +3,7 @@ itself where that is what a test is about), or (for checks that happen before an
 process with the same Hydra config."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ def launch_trainer(num_procs, overrides, config="tiny", timeout=240, hostfile=No
     a launch, on ~60 launches); on the CPU it is forked from the rank zygote (tests/rank_zygote.py), which skips the
     ranks' library imports too. With launcher=True or a hostfile it goes through `deepspeed --num_gpus N` (or
     `--hostfile`, as on a cluster: on one machine without ssh, README multi-node), as a user launches it (on the CPU
-    the runner forked from the zygote; the launcher forks its ranks: tests/launcher_site).
+    the runner forked from the zygote, its launcher from it, which forks its ranks: tests/rank_zygote.py STARTERS).
     accelerator is DeepSpeed's (DS_ACCELERATOR): cpu, N gloo processes on this machine's cores; cuda, one process
     per GPU (NCCL)."""
     if launcher or hostfile:
@@ -103,10 +104,34 @@ def script_command(script, config, overrides):
 
 
 def start_trainer(num_procs, overrides, config="tiny", script="trainer_pipe.py", env=None):
-    """launch_trainer without waiting: the runner's Popen (stdout and stderr merged, line by line)."""
+    """launch_trainer(launcher=True) without waiting: the runner (StartedRunner), its output read line by line."""
     command, env = trainer_command(num_procs, overrides, config, None, script, env)
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1)
+    return StartedRunner(command, env)
+
+
+class StartedRunner:
+    """DeepSpeed's runner forked from the rank zygote (its launcher from it, which forks its ranks), with the Popen
+    attributes a test uses: pid, stdout (the runner's, its launcher's and its ranks' stdout and stderr, through one
+    pipe, until they have all exited), send_signal and wait."""
+
+    def __init__(self, command, env):
+        self.fifo_dir = tempfile.mkdtemp()
+        fifo = os.path.join(self.fifo_dir, "output")
+        os.mkfifo(fifo)
+        self.process = ForkedProcess(command[1:], env, fifo, fifo)
+        self.pid = self.process.process.pid
+        self.stdout = open(fifo)  # as soon as the runner has opened it to write
+
+    def send_signal(self, signum):
+        os.kill(self.pid, signum)
+
+    def wait(self, timeout=None):
+        self.process.process.join(timeout)
+        if self.process.returncode is None:
+            raise subprocess.TimeoutExpired(self.process.process.name, timeout)
+        self.stdout.close()
+        shutil.rmtree(self.fifo_dir)
+        return self.process.returncode
 
 
 def trainer_command(num_procs, overrides, config, hostfile, script, env, accelerator="cpu"):

@@ -145,10 +145,20 @@ def record_deferred_weights(engine):
     return deferred
 
 
+def shared_reference(references, rank, path, key, compute):
+    """compute() (transformers' run, the same on every rank) on rank 0 only, once per key (the model and adapters:
+    the launch's cases share its batch), handed to every rank through the file at path."""
+    if rank == 0:
+        references[key] = references.get(key) or compute()
+        torch.save(references[key], path)
+    torch.distributed.barrier()
+    return torch.load(path, weights_only=True)
+
+
 def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor_parallel=1):
     init_distributed(timeout_minutes=2)
     opens = LayerFileOpens()
-    results = {}
+    results, references = {}, {}
     for case in cases:
         config = AutoConfig.from_pretrained(case["hf_dir"])
         lora = LoraSettings(**case["lora"]) if "lora" in case else NO_LORA
@@ -188,8 +198,9 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
         loss_fn = module.loss_fn
         module.loss_fn = lambda logits, labels: step_losses.append(loss_fn(logits, labels)) or step_losses[-1]
         mean_loss = engine.train_batch(micro_batches(batch, micro_batch_size, gas, dp_size, engine.grid.data_parallel_id))
-        ref_losses, ref_grads = hf_reference(case["hf_dir"], batch, micro_batch_size, lora if lora.enabled else None,
-                                             adapters)
+        ref_losses, ref_grads = shared_reference(
+            references, rank, os.path.join(out_dir, f"{case['name']}-hf.pt"), (case["hf_dir"], lora),  # the batch's
+            lambda: hf_reference(case["hf_dir"], batch, micro_batch_size, lora if lora.enabled else None, adapters))
         grad_errors = gradient_errors(module, optimizer.recorded, ref_grads, config.num_hidden_layers, engine)
         results[case["name"]] = {
             "stage": engine.stage_id, "dp_rank": engine.grid.data_parallel_id, "parts": [int(p) for p in module.parts],

@@ -8,6 +8,7 @@ code, an uncaught exception's traceback and exit code 1). Only CPU ranks come fr
 with DS_ACCELERATOR=cpu.
 """
 import atexit
+import ctypes
 import io
 import multiprocessing
 import os
@@ -20,12 +21,12 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONTEXT = None
-# Besides ranks (`python -u SCRIPT ARGS`), what a starter forks from itself: DeepSpeed's runner. Not its per-node
-# launcher, which its ranks recognise by its command line (training/preemption.py): that starts fresh.
-FORKED_MODULES = ("deepspeed.launcher.runner",)
+# Besides ranks (`python -u SCRIPT ARGS`), what a starter forks from itself: DeepSpeed's runner and its per-node
+# launcher (which its ranks and the supervisor recognise by its command line: show_command_line).
+FORKED_MODULES = ("deepspeed.launcher.runner", "deepspeed.launcher.launch")
 # The processes that fork these and `python [-u] SCRIPT` children (ranks, the supervisor's commands) from themselves,
 # started fresh (tests/launcher_site) or forked here.
-STARTERS = ("deepspeed.launcher.launch", "torch.distributed.run", "supervise.py")
+STARTERS = ("deepspeed.launcher.runner", "deepspeed.launcher.launch", "torch.distributed.run", "supervise.py")
 
 
 def context():
@@ -74,16 +75,19 @@ def run_script(argv, env, out_path=None, err_path=None):
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
     if (argv[1] if argv[0] == "-m" else os.path.basename(argv[0])) in STARTERS:
         fork_python_children()
+    # a fresh interpreter's path: the script's directory (the working directory's for -c and -m), then PYTHONPATH's
+    first = ROOT if argv[0] in ("-c", "-m") else os.path.dirname(os.path.abspath(argv[0]))
+    sys.path[:0] = [first, *(path for path in env.get("PYTHONPATH", "").split(os.pathsep) if path)]
     try:
         if argv[0] == "-c":
-            sys.argv, sys.path[:0] = ["-c", *argv[2:]], [ROOT]
+            sys.argv = ["-c", *argv[2:]]
             exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
         elif argv[0] == "-m":
-            sys.argv, sys.path[:0] = list(argv[1:]), [ROOT]
+            sys.argv = list(argv[1:])
             sys.modules.pop(argv[1], None)  # imported already (the runner): run as __main__ only, as `python -m` does
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
-            sys.argv, sys.path[:0] = list(argv), [os.path.dirname(os.path.abspath(argv[0]))]
+            sys.argv = list(argv)
             runpy.run_path(argv[0], run_name="__main__")
     finally:
         atexit._run_exitfuncs()
@@ -128,7 +132,19 @@ class ForkedChild(subprocess.Popen):
             for signum in signal.valid_signals():  # not the parent's Python handlers (a launcher's SIGTERM's)
                 if callable(signal.getsignal(signum)):
                     signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+            show_command_line(args)
             os._exit(run_as_interpreter(argv, env))
+
+
+def show_command_line(args):
+    """args written over this forked process's command line (the zygote's, as long: args as far as they fit), as
+    setproctitle does: what /proc/PID/cmdline shows, where DeepSpeed's ranks (training/preemption.py) and the
+    supervisor (training/supervisor.py) recognise DeepSpeed's launcher."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5): the 48th and 49th fields)
+    ctypes.memmove(start, "\0".join(map(str, args)).encode()[:end - start - 1].ljust(end - start, b"\0"),
+                   end - start)
 
 
 def forkable_argv(args):

@@ -179,13 +179,16 @@ def counted(items, read):
 
 def all_ranks_gradients(recorded, replica):
     """Each step's gradients of every rank, keyed by the rank's data-parallel replica and tensor-parallel rank, and
-    by name. The flat buffers of ZeRO and
-    the bf16 optimizer (named group<i>.<j>) hold other parameters under another layout: there the losses, equal
-    bit for bit, are the comparison."""
+    by name. The flat buffers of ZeRO and the bf16 optimizer (named group<i>.<j>) hold other parameters under another
+    layout: there the losses, equal bit for bit, are the comparison. Gathered as fp32 numpy arrays, which pickle as
+    their bytes (a tensor pickles through a torch.save of its own: most of a gather's CPU); bf16 values are exact in
+    fp32, where worst_error compares them anyway."""
+    local = [{name: grad.float().numpy() for name, grad in step.items() if not name.startswith("group")}
+             for step in recorded]
     gathered = [None] * torch.distributed.get_world_size()
-    collectives.all_gather_object(gathered, (replica, recorded))
-    return [{f"{where}.{name}": grad for where, steps in gathered for name, grad in steps[step].items()
-             if not name.startswith("group")} for step in range(len(recorded))]
+    collectives.all_gather_object(gathered, (replica, local))
+    return [{f"{where}.{name}": torch.from_numpy(grad) for where, steps in gathered
+             for name, grad in steps[step].items()} for step in range(len(recorded))]
 
 
 def record_waiting_before_backward(queue):

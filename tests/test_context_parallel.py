@@ -45,6 +45,7 @@ def micro_batches(rows, replicas, replica, context):
 
 
 def context_parity_worker(rank, checkpoints, datasets, out_dir):
+    """Each case's eval loss, training loss and gradients on this rank, next to transformers' (hf_references)."""
     from types import SimpleNamespace
 
     import torch
@@ -58,6 +59,7 @@ def context_parity_worker(rank, checkpoints, datasets, out_dir):
     from training.pipeline_engine import use_zero_bubble
 
     init_distributed(timeout_minutes=2)
+    references = torch.load(f"{out_dir}/references.pt", weights_only=True)
     results = {}
     for (data, rows), (name, (model, stages, tensor_parallel, context_parallel, options)) in itertools.product(
             datasets.items(), CASES.items()):
@@ -79,7 +81,7 @@ def context_parity_worker(rank, checkpoints, datasets, out_dir):
         replica, replicas = module.context.replica(engine.grid.data_parallel_id,
                                                    engine.grid.get_data_parallel_world_size())
         train_loss = float(engine.train_batch(micro_batches(rows, replicas, replica, module.context)))
-        ref_loss, train_ref, ref_grads = hf_reference(hf_dir, rows, GAS * replicas)
+        ref_loss, train_ref, ref_grads = references[f"{data}/{name}"]
         grad_errors = gradient_errors(module, optimizer.recorded, ref_grads, config.num_hidden_layers, engine)
         results[f"{data}/{name}"] = {"eval_loss": eval_loss, "ref_loss": ref_loss, "train_loss": train_loss,
                          "train_ref": train_ref, "grad_errors": grad_errors, "context_rank": module.context.rank}
@@ -87,6 +89,20 @@ def context_parity_worker(rank, checkpoints, datasets, out_dir):
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(results, f)
     torch.distributed.destroy_process_group()
+
+
+def hf_references(checkpoints, datasets, world_size):
+    """{data/case: transformers' eval loss, training objective and gradients (tests/test_packing.py hf_reference)}
+    over the case's replicas' micro-batches, computed once here for all the ranks (and cases that share them)."""
+    by_inputs, references = {}, {}
+    for (data, rows), (name, (model, stages, tensor_parallel, context_parallel, _)) in itertools.product(
+            datasets.items(), CASES.items()):
+        replicas = world_size // (stages * tensor_parallel * context_parallel)
+        key = (data, model, replicas)
+        if key not in by_inputs:
+            by_inputs[key] = hf_reference(checkpoints[model][0], rows, GAS * replicas)
+        references[f"{data}/{name}"] = by_inputs[key]
+    return references
 
 
 def packed_documents(tmp_path):
@@ -104,7 +120,9 @@ def full_rows():
 
 @pytest.mark.slow
 def test_context_parallel_matches_transformers(tiny_checkpoints, tmp_path):
+    import torch
     datasets = {"packed": packed_documents(tmp_path), "full": full_rows()}
+    torch.save(hf_references(tiny_checkpoints, datasets, 4), tmp_path / "references.pt")
     spawn(context_parity_worker, 4, tiny_checkpoints, datasets, str(tmp_path))
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(4)]
     for data, case in itertools.product(datasets, CASES):

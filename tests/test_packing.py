@@ -3,6 +3,7 @@ the token-weighted eval loss (training/evaluation.py) and the training gradients
 2 stages, and 1 stage x tensor parallel 2 with sequence parallelism, in one launch of 2 processes; every other
 family on the last (its norms split by tokens, Phi's fused weights split by heads)."""
 import json
+import math
 import random
 from types import SimpleNamespace
 
@@ -95,6 +96,7 @@ def packed_parity_worker(rank, cases, rows, out_dir):
     from training.evaluation import evaluate
 
     init_distributed(timeout_minutes=2)
+    references = torch.load(f"{out_dir}/references.pt", weights_only=True)
     results = {}
     for model, hf_dir, ds_dir, topology in cases:
         stages, tensor_parallel = TOPOLOGIES[topology]
@@ -108,13 +110,25 @@ def packed_parity_worker(rank, cases, rows, out_dir):
         eval_loss, _ = evaluate(engine, rows if reads_data else None, len(rows), cfg, pad_id=0)
         dp_size = engine.grid.get_data_parallel_world_size()
         engine.train_batch(micro_batches(rows, dp_size, engine.grid.data_parallel_id))
-        ref_loss, _, ref_grads = hf_reference(hf_dir, rows, GAS * dp_size)
+        ref_loss, _, ref_grads = references[f"{model}/{topology}"]
         grad_errors = gradient_errors(module, optimizer.recorded, ref_grads, config.num_hidden_layers, engine)
         results[f"{model}/{topology}"] = {"eval_loss": eval_loss, "ref_loss": ref_loss, "grad_errors": grad_errors}
         torch.distributed.barrier()
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(results, f)
     torch.distributed.destroy_process_group()
+
+
+def hf_references(cases, rows, world_size):
+    """{model/topology: hf_reference over the topology's replicas' micro-batches}, computed once here for all the
+    ranks (and the topologies with as many replicas)."""
+    by_inputs, references = {}, {}
+    for model, hf_dir, _, topology in cases:
+        replicas = world_size // math.prod(TOPOLOGIES[topology])
+        if (model, replicas) not in by_inputs:
+            by_inputs[model, replicas] = hf_reference(hf_dir, rows, GAS * replicas)
+        references[f"{model}/{topology}"] = by_inputs[model, replicas]
+    return references
 
 
 def packed_rows(tmp_path):
@@ -132,10 +146,12 @@ def packed_rows(tmp_path):
 
 @pytest.mark.slow
 def test_packed_rows_match_transformers_on_each_example(tiny_checkpoints, tmp_path):
+    import torch
     rows, stats = packed_rows(tmp_path)
     assert stats.packed_from == 40 and len(rows) < 40 and any(len(r["lengths"]) > 2 for r in rows[:GAS * 2 * 2])
     cases = [(model, *tiny_checkpoints[model], topology) for model, topologies in PACKED_MODELS.items()
              for topology in topologies]
+    torch.save(hf_references(cases, rows, 2), tmp_path / "references.pt")
     spawn(packed_parity_worker, 2, cases, rows, str(tmp_path))
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     names = [f"{model}/{topology}" for model, _, _, topology in cases]

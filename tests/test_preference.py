@@ -7,9 +7,7 @@ metrics in TRL. Two process starts serve every run (one_process_runs, two_stage_
 tests only (it is slow to import)."""
 import contextlib
 import json
-import os
 import random
-import time
 
 import numpy as np
 import pytest
@@ -590,26 +588,17 @@ def assert_first_step_matches_trl(model, root, case, world_size, data_parallel, 
 
 
 def launch_two_nodes(settings, timeout=600):
-    """tests/two_node_worker.py as a job of 2 nodes x 2 ranks on this machine: each node a PID namespace (unshare;
-    the node's process pid 1, its ranks 2 and 3, the same on both nodes, as containers on two hosts give them) on the
-    host's network, so that gloo's rendezvous on 127.0.0.1 connects."""
-    import subprocess
+    """tests/two_node_worker.py as a job of 2 nodes x 2 ranks on this machine: each node a PID namespace (the node's
+    process pid 1, its ranks 2 and 3, the same on both nodes, as containers on two hosts give them) on the host's
+    network, so that gloo's rendezvous on 127.0.0.1 connects; the nodes forked from the rank zygote."""
     import sys
 
-    from tests.conftest import ROOT
     from tests.distributed import free_port
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WORLD_SIZE="4",
-               LOCAL_SIZE="2", CROSS_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    nodes = [subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable, "-m",
-                               "tests.two_node_worker", str(node), json.dumps(settings)], cwd=ROOT, env=env)
-             for node in range(2)]
-    deadline = time.monotonic() + timeout
-    try:
-        for node in nodes:
-            node.wait(timeout=max(1, deadline - time.monotonic()))
-    finally:
-        for node in nodes:
-            node.kill()
+    from tests.launch import process_environment, run_processes
+    env = process_environment("cpu", dict(WORLD_SIZE="4", LOCAL_SIZE="2", CROSS_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                          MASTER_PORT=str(free_port())))
+    run_processes([sys.executable, "-m", "tests.two_node_worker", "node", json.dumps(settings)],
+                  [dict(env, CROSS_RANK=str(node)) for node in range(2)], timeout, kill_peers=False)
 
 
 def disk_paths(root):

@@ -454,11 +454,10 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_ends_equal_to_a_straight_on
     out = tmp_path / "run"
     (tmp_path / "once").mkdir()
     faults = {"FAULT": "sigkill:3:5", "FAULT_ONCE_DIR": str(tmp_path / "once")}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+    command = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                "--max-restarts", "1", "--monitor-interval", "1", FAULT_SCRIPT, "-cp", os.path.join(ROOT, "conf"),
                "-cn", "tiny", *demo_overrides(demo_model, out, **REFERENCE, eval_file="null", resume="auto")]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                            env=process_environment("cpu", {**faults, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}))
+    result = run_python(command, timeout=900, env={**faults, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     output = result.stdout + result.stderr
     assert result.returncode == 0 and "FAULT sigkill AT 5" in output, output[-5000:]
     assert f"resumed from {out}/global_step4" in output

@@ -1,18 +1,25 @@
 """One node of a job on two simulated nodes (tests/test_preference.py, two PID namespaces: the ranks of both nodes have
-the same pids), as pid 1 of its namespace: it imports the libraries once (tests/zygote_imports.py) and forks its 2
-ranks as pids 2 and 3, as a container's ranks would be numbered. Each rank runs the DPO trainer, which writes its
-tokenized data cache and reference log-probabilities into the shared output_dir, then builds the sample index of a
-token-shard corpus in a shared index_dir, read back on every rank; its output goes to OUT/rank<RANK>.log (OUT: settings["out"]).
+the same pids): it enters a PID namespace of its own as its pid 1 (as `unshare --pid --fork --mount-proc
+--kill-child` does), with the libraries imported once (tests/zygote_imports.py; forked from the rank zygote, they are
+already), and forks its 2 ranks as pids 2 and 3, as a container's ranks would be numbered. Each rank runs the DPO
+trainer, which writes its tokenized data cache and reference log-probabilities into the shared output_dir, then builds
+the sample index of a token-shard corpus in a shared index_dir, read back on every rank; its output goes to
+OUT/rank<RANK>.log (OUT: settings["out"]).
 
-  python -m tests.two_node_worker NODE '{"out": DIR, "overrides": [...], "shards": PREFIX, "index_dir": DIR,
-                                         "vocab_size": N}'
+  CROSS_RANK=NODE python -m tests.two_node_worker node '{"out": DIR, "overrides": [...], "shards": PREFIX,
+                                                         "index_dir": DIR, "vocab_size": N}'
 """
+import ctypes
 import json
 import os
+import signal
 import socket
 import sys
 
 RANKS_PER_NODE = 2
+CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000  # <linux/sched.h>
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18  # <linux/mount.h>
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def main(settings):
@@ -38,11 +45,29 @@ def main(settings):
     dist.destroy_process_group()
 
 
+def enter_pid_namespace():
+    """Goes on as pid 1 of a new PID namespace with its own /proc, in a child killed when this process dies; this
+    process waits for it and exits with its exit code."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result, call):
+        if result:
+            raise OSError(ctypes.get_errno(), f"{call}: {os.strerror(ctypes.get_errno())}")
+    check(libc.unshare(CLONE_NEWPID | CLONE_NEWNS), "unshare")
+    child = os.fork()
+    if child:
+        sys.exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL), "prctl")
+    check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")  # the host's stay
+    check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount proc")
+
+
 def node(node_rank, settings_text):
-    """This node's ranks, forked once both have their pids (2 and 3: the next after ns_last_pid); its exit code is
-    the first failing rank's."""
+    """This node's ranks, forked once both have their pids (2 and 3: the next after ns_last_pid); the node's exit
+    code is the first failing rank's."""
     import tests.zygote_imports  # noqa: F401
     from tests.rank_zygote import run_as_interpreter
+    enter_pid_namespace()
     gate_read, gate_write = os.pipe()
     with open("/proc/sys/kernel/ns_last_pid", "w") as f:
         f.write("1")
@@ -60,11 +85,11 @@ def node(node_rank, settings_text):
         pids.append(pid)
     os.close(gate_write)
     codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-    sys.exit(next((code for code in codes if code), 0))
+    os._exit(next((code for code in codes if code), 0) % 256)  # pid 1 ends: the namespace's last processes with it
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3:
-        node(int(sys.argv[1]), sys.argv[2])
+    if sys.argv[1] == "node":
+        node(int(os.environ["CROSS_RANK"]), sys.argv[2])
     else:
         main(json.loads(sys.argv[1]))
