@@ -116,7 +116,7 @@ def unaccounted(free, faulty, timings, slow_s):
     forwards, in three parts: its first start-up's difference from the fault-free run's, its end's, and the steps
     between (redone saves, the first steps after a restart). Goodput meets its target when these and each fault's
     detection beyond its bound add up to at most 0."""
-    (free_start, free_end), (faulty_start, faulty_end) = (phases(run["lines"], run["seconds"]) for run in (free, faulty))
+    (free_start, free_end), (faulty_start, faulty_end) = (phases(r["lines"], r["seconds"]) for r in (free, faulty))
     accounted = sum(t["detect_s"] + t["restart_s"] + t["replay_s"] for t in timings) + slow_s
     steps = faulty["seconds"] - free["seconds"] - accounted - (faulty_start - free_start) - (faulty_end - free_end)
     return {"start_up_s": round(faulty_start - free_start, 3), "end_s": round(faulty_end - free_end, 3),

@@ -13,6 +13,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 from deepspeed.runtime.pipe import schedule
@@ -29,7 +30,8 @@ from training.distributed import elastic_restart_error
 from training.hang_watchdog import startup_limit_warning
 from training.instruction_listeners import add_instruction_listener
 from training.stragglers import find_stragglers
-from training.supervisor import children_of, explain_failure, failed_children, first_failure_code
+from training.supervisor import (children_of, explain_failure, failed_children, first_failure_code,
+                                 reaped_failures)
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
 # 2 stages, fp32, checkpoints every 2 steps; the watchdog's step limit (at least 10 x the median step) well above a
@@ -221,14 +223,19 @@ def test_a_rank_that_failed_in_a_collective_is_named_first_only_where_nothing_el
                                                "1: a rank crashed): RuntimeError: Connection reset by peer")
     # the exit code of an attempt the supervisor ends (DeepSpeed's launcher not having looked yet) is the cause's
     ended_by_launcher = record(3, ended=3.0, exit_code=143, cause="ended by its launcher", follows_another=True)
-    records, children = [lost_peer, record(1), hung, ended_by_launcher], [100, 101, 102, 103, 104]
-    assert first_failure_code({100: 1, 101: 247, 103: 143}, children, records, "node1") == 247
-    assert first_failure_code({100: 1, 102: exit_codes.HUNG}, children, records, "node1") == exit_codes.HUNG
-    assert first_failure_code({100: 1, 103: 143}, children, records, "node1") == 1
-    assert first_failure_code({103: 143}, children, records, "node1") is None  # each ended by its launcher
-    assert first_failure_code({104: 1}, children, records, "node1") is None  # no rank: the launcher's
-    # the launcher has reaped rank 1 (killed): its teardown, which passes on 247, is under way
-    assert first_failure_code({100: 1, 103: 143}, [100, 102, 103], records, "node1") is None
+    records = [lost_peer, record(1), hung, ended_by_launcher, record(5, ended=5.0, exit_code=0, cause="finished")]
+    assert first_failure_code({100: 1, 101: 247, 103: 143}, records, "node1") == 247
+    assert first_failure_code({100: 1, 102: exit_codes.HUNG}, records, "node1") == exit_codes.HUNG
+    assert first_failure_code({100: 1, 103: 143}, records, "node1") == 1
+    assert first_failure_code({103: 143}, records, "node1") is None  # each ended by its launcher
+    assert first_failure_code({104: 1}, records, "node1") is None  # no rank: the launcher's
+    # the launcher has reaped rank 2 (hung: it recorded its 70) or rank 1 (killed: its 247 is the launcher's to pass
+    # on), not rank 5 (finished); its teardown is under way
+    assert reaped_failures({101, 102, 105}, records, "node1") == {101: None, 102: exit_codes.HUNG}
+    assert first_failure_code({100: 1, 103: 143, **reaped_failures({102}, records, "node1")}, records,
+                              "node1") == exit_codes.HUNG
+    assert first_failure_code({100: 1, 103: 143, **reaped_failures({101}, records, "node1")}, records,
+                              "node1") is None
 
 
 def test_a_second_end_waits_until_the_first_is_on_disk(tmp_path, monkeypatch):
@@ -275,6 +282,45 @@ def test_ranks_that_exited_non_zero_are_seen_with_their_exit_code_before_their_l
         os.kill(running, signal.SIGKILL)
         launcher.kill()
         launcher.wait()
+
+
+# A rank that records its start, waits for the file argv[2], then records being hung and exits 70; a launcher (its
+# command line names DeepSpeed's) that reaps it at once, as DeepSpeed's does at its poll, and exits a minute later;
+# and a runner that exits with the launcher's exit code.
+HUNG_RANK = ("import os, sys, time\nfrom training.rank_records import RankRecord\nrecord = RankRecord(sys.argv[1], 0)\n"
+             "while not os.path.exists(sys.argv[2]):\n    time.sleep(0.01)\nrecord.end(70, 'hang watchdog: ...')\n"
+             "os._exit(70)")
+REAPING_LAUNCHER = ("import subprocess, sys, time\n"
+                    "rank = subprocess.Popen([sys.executable, '-c', sys.argv[2], *sys.argv[3:]])\n"
+                    "rank.wait()\ntime.sleep(60)\nsys.exit(rank.returncode)")
+
+
+def test_a_rank_its_launcher_reaped_first_ends_the_attempt_with_the_exit_code_it_recorded(tmp_path, monkeypatch):
+    """DeepSpeed's launcher saw the hung rank exit before the supervisor did and reaped it: the attempt ends with the
+    exit code the rank recorded, once its ranks are gone, not after the launcher's and the runner's exit."""
+    from training import supervisor
+    go, looks, look = tmp_path / "go", [], supervisor.children_of
+
+    def children_of(pid):  # the rank goes on once the supervisor has seen it as its launcher's child twice
+        children = look(pid)
+        if pid != attempt.process.pid and children:
+            looks.append(children)
+            if len(looks) == 2:
+                go.touch()
+        return children
+    monkeypatch.setattr(supervisor, "children_of", children_of)
+    attempt, started = supervisor.Supervisor([], str(tmp_path), 0, 0, 0), time.time()
+    attempt.process = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                                        "sys.exit(subprocess.call(sys.argv[1:]))", sys.executable, "-c",
+                                        REAPING_LAUNCHER, "deepspeed.launcher.launch", HUNG_RANK, str(tmp_path),
+                                        str(go)], cwd=ROOT)
+    try:
+        assert attempt.wait_for_attempt(started) == exit_codes.HUNG
+        assert time.time() - started < 30 and len(psutil.Process(attempt.process.pid).children()) == 1
+    finally:
+        for process in psutil.Process(attempt.process.pid).children(recursive=True):
+            process.kill()
+        attempt.process.wait()
 
 
 def test_a_spent_restart_budget_is_one_line(tmp_path):
