@@ -285,19 +285,24 @@ def test_ranks_that_exited_non_zero_are_seen_with_their_exit_code_before_their_l
 
 
 # A rank that records its start, waits for the file argv[2], then records being hung and exits 70; a launcher (its
-# command line names DeepSpeed's) that reaps it at once, as DeepSpeed's does at its poll, and exits a minute later;
-# and a runner that exits with the launcher's exit code.
+# command line names DeepSpeed's) that ignores SIGTERM and either reaps the rank at once, as DeepSpeed's does at its
+# poll, or leaves it a zombie, as DeepSpeed's teardown does while it ends the ranks before it, and exits a minute
+# later; a runner that exits with the launcher's exit code.
 HUNG_RANK = ("import os, sys, time\nfrom training.rank_records import RankRecord\nrecord = RankRecord(sys.argv[1], 0)\n"
              "while not os.path.exists(sys.argv[2]):\n    time.sleep(0.01)\nrecord.end(70, 'hang watchdog: ...')\n"
              "os._exit(70)")
-REAPING_LAUNCHER = ("import subprocess, sys, time\n"
-                    "rank = subprocess.Popen([sys.executable, '-c', sys.argv[2], *sys.argv[3:]])\n"
-                    "rank.wait()\ntime.sleep(60)\nsys.exit(rank.returncode)")
+LAUNCHER = ("import signal, subprocess, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "rank = subprocess.Popen([sys.executable, '-c', *sys.argv[3:]])\n"
+            "if sys.argv[2] == 'reaps':\n    rank.wait()\ntime.sleep(60)\nsys.exit(rank.wait())")
 
 
-def test_a_rank_its_launcher_reaped_first_ends_the_attempt_with_the_exit_code_it_recorded(tmp_path, monkeypatch):
-    """DeepSpeed's launcher saw the hung rank exit before the supervisor did and reaped it: the attempt ends with the
-    exit code the rank recorded, once its ranks are gone, not after the launcher's and the runner's exit."""
+@pytest.mark.parametrize("launcher", ["reaps", "leaves a zombie"])
+def test_a_hung_rank_ends_the_attempt_with_its_exit_code_once_exited_whenever_its_launcher_reaps_it(tmp_path,
+                                                                                                   monkeypatch,
+                                                                                                   launcher):
+    """The hung rank exits 70: whether DeepSpeed's launcher reaped it before the supervisor looked (the exit code is
+    then the one the rank recorded) or has not yet, the attempt ends with 70 once its ranks have exited, not after the
+    launcher has reaped them or has exited (here a minute later), nor the runner."""
     from training import supervisor
     go, looks, look = tmp_path / "go", [], supervisor.children_of
 
@@ -311,9 +316,9 @@ def test_a_rank_its_launcher_reaped_first_ends_the_attempt_with_the_exit_code_it
     monkeypatch.setattr(supervisor, "children_of", children_of)
     attempt, started = supervisor.Supervisor([], str(tmp_path), 0, 0, 0), time.time()
     attempt.process = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
-                                        "sys.exit(subprocess.call(sys.argv[1:]))", sys.executable, "-c",
-                                        REAPING_LAUNCHER, "deepspeed.launcher.launch", HUNG_RANK, str(tmp_path),
-                                        str(go)], cwd=ROOT)
+                                        "sys.exit(subprocess.call(sys.argv[1:]))", sys.executable, "-c", LAUNCHER,
+                                        "deepspeed.launcher.launch", launcher, HUNG_RANK, str(tmp_path), str(go)],
+                                       cwd=ROOT)
     try:
         assert attempt.wait_for_attempt(started) == exit_codes.HUNG
         assert time.time() - started < 30 and len(psutil.Process(attempt.process.pid).children()) == 1

@@ -33,6 +33,7 @@ TRAINER_CONFIG = ("conf", "tiny")  # trainer_pipe.py's @hydra.main config_path a
 RANKS_NAMED = 4  # most ranks one line names per kind (a thousand-rank job's line stays a line)
 POLL_SECONDS = 0.02  # how often an attempt's ranks are looked at: a few /proc reads (~50 us) within 2 fast steps
 SCAN_SECONDS = 1  # how often its whole process tree (every process of the host read) is, for a stopped one
+EXIT_POLL_SECONDS = 0.001  # how often an ended attempt's ranks are, until each has exited (a few of them, ~50 ms)
 
 
 class Supervisor:
@@ -124,8 +125,9 @@ class Supervisor:
 
     def end_attempt(self, launchers, tearing_down):
         """DeepSpeed's launcher's teardown, now: the launchers SIGTERMed (their handler ends their ranks at once)
-        unless tearing_down already; back once the ranks are gone, leaving the launchers and the runner to exit
-        while the next attempt starts."""
+        unless tearing_down already; back once the ranks have exited, leaving the launchers to reap them (a zombie
+        holds nothing: no memory, device or port; a launcher reaps an exited rank only once its teardown has ended the
+        ranks before it) and to exit, and the runner too, while the next attempt starts."""
         ranks = []
         for pid in [rank for launcher in launchers for rank in children_of(launcher)]:
             with contextlib.suppress(psutil.NoSuchProcess):
@@ -133,7 +135,8 @@ class Supervisor:
         for launcher in launchers if not tearing_down else []:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(launcher, signal.SIGTERM)
-        psutil.wait_procs(ranks)  # gone once their launcher has reaped them
+        while not all(map(has_exited, ranks)):
+            time.sleep(EXIT_POLL_SECONDS)
         threading.Thread(target=self.process.wait, daemon=True).start()  # reaps the runner when it has exited
 
     def kill_stopped(self, started, host, force):
@@ -169,6 +172,14 @@ def is_stopped(process):
         return process.status() == psutil.STATUS_STOPPED
     except psutil.NoSuchProcess:  # ended since it was listed
         return False
+
+
+def has_exited(process):
+    """Whether a psutil.Process has exited: gone, or a zombie its parent has not reaped yet."""
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def deepspeed_launchers(pid):
