@@ -124,14 +124,17 @@ class Supervisor:
                 pass
 
     def end_attempt(self, launchers, tearing_down):
-        """DeepSpeed's launcher's teardown, now: the launchers SIGTERMed (their handler ends their ranks at once)
-        unless tearing_down already; back once the ranks have exited, leaving the launchers to reap them (a zombie
-        holds nothing: no memory, device or port; a launcher reaps an exited rank only once its teardown has ended the
-        ranks before it) and to exit, and the runner too, while the next attempt starts."""
-        ranks = []
-        for pid in [rank for launcher in launchers for rank in children_of(launcher)]:
+        """DeepSpeed's launcher's teardown, at once: it SIGTERMs each rank's process tree and waits for it to exit
+        before the next rank's, so here every rank's tree is SIGTERMed together (a rank takes it after a sibling's
+        exit as its launcher's end of the job), and the launchers are SIGTERMed unless tearing_down already. Back once
+        the ranks have exited, leaving the launchers to reap them (a zombie holds nothing: no memory, device or port)
+        and to exit, and the runner too, while the next attempt starts."""
+        ranks = [rank for launcher in launchers for rank in children_of(launcher)]
+        trees = [tree_of(rank) for rank in ranks]  # all listed before any exits: an orphan has no parent to list it
+        ranks = [tree[0] for tree in trees if tree]
+        for process in [process for tree in trees for process in tree]:
             with contextlib.suppress(psutil.NoSuchProcess):
-                ranks.append(psutil.Process(pid))
+                process.terminate()
         for launcher in launchers if not tearing_down else []:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(launcher, signal.SIGTERM)
@@ -180,6 +183,16 @@ def has_exited(process):
         return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def tree_of(pid):
+    """[psutil.Process] of pid and its descendants (each listed through children_of), [] once it has ended."""
+    tree, pids = [], [pid]
+    for each in pids:
+        with contextlib.suppress(OSError, psutil.NoSuchProcess):
+            tree.append(psutil.Process(each))
+            pids += children_of(each)
+    return tree
 
 
 def deepspeed_launchers(pid):
