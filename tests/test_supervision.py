@@ -1,5 +1,6 @@
 """A run that finishes without a person: the supervisor restarts failed launches with resume=auto, the hang
 watchdog names and ends a stuck rank, and what a restart cannot fix is not restarted. Real launches, real signals."""
+import contextlib
 import csv
 import json
 import os
@@ -324,7 +325,8 @@ def test_a_hung_rank_ends_the_attempt_with_its_exit_code_once_exited_whenever_it
         assert time.time() - started < 30 and len(psutil.Process(attempt.process.pid).children()) == 1
     finally:
         for process in psutil.Process(attempt.process.pid).children(recursive=True):
-            process.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
         attempt.process.wait()
 
 
