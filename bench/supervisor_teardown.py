@@ -28,7 +28,8 @@ SETTLE_SECONDS = 1  # between every rank's start record and the kill: the superv
 def stand_in_rank(output_dir, exit_seconds):
     record = RankRecord(output_dir, int(os.environ["RANK"]))
 
-    def ended(signum, frame):
+    def ended(signum, frame):  # once, as the trainer's thread reads its first SIGTERM (the launcher's may follow)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         time.sleep(exit_seconds)
         record.end(128 + signum, "ended by its launcher after another rank exited", follows_another=True)
         os._exit(128 + signum)
