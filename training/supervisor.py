@@ -32,7 +32,7 @@ from training.rank_records import read_records
 TRAINER_CONFIG = ("conf", "tiny")  # trainer_pipe.py's @hydra.main config_path and config_name
 RANKS_NAMED = 4  # most ranks one line names per kind (a thousand-rank job's line stays a line)
 POLL_SECONDS = 0.02  # how often an attempt's ranks are looked at: a few /proc reads (~50 us) within 2 fast steps
-SCAN_SECONDS = 1  # how often its whole process tree (every process of the host read) is, for a stopped one
+SCAN_SECONDS = 1  # how often its whole process tree is, for a stopped one
 EXIT_POLL_SECONDS = 0.001  # how often an ended attempt's ranks are, until each has exited (a few of them, ~50 ms)
 
 
@@ -145,7 +145,7 @@ class Supervisor:
     def kill_stopped(self, started, host, force):
         """SIGKILL the attempt's stopped processes on this host once a rank has failed: force (a failed rank seen
         here), or a record saying so, of a rank elsewhere or one its launcher has reaped (taking its exit code)."""
-        processes = psutil.Process(self.process.pid).children(recursive=True)
+        processes = tree_of(self.process.pid)[1:]  # its own processes' /proc files, not every process of the host
         stopped = [p for p in processes if is_stopped(p)]
         if not stopped:
             return
