@@ -10,7 +10,8 @@ SIGSTOP), to restart (that line to the first step after it) and to replay the st
 that the final weights equal the fault-free run's, bit for bit. And the target's goodput: the fault-free time over
 (the fault-free time + per failing fault: its detection bound, 2 x the fault-free median step time after its limit
 (the watchdog's for the SIGSTOP, none for a kill), its restart and its replay as measured (at most save_steps steps);
-the slowed rank's own injected delay, which no recovery removes: it is not ended).
+the slowed rank's own injected delay, which no recovery removes: it is not ended). And what the faulty run took beyond
+the fault-free run and those figures (unaccounted): whether a run meets the target is decided there.
 
   python bench/goodput.py [--steps 24] [--save-steps 4] [--seed 0] [--work-dir DIR]
 """
