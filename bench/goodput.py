@@ -10,7 +10,8 @@ SIGSTOP), to restart (that line to the first step after it) and to replay the st
 that the final weights equal the fault-free run's, bit for bit. And the target's goodput: the fault-free time over
 (the fault-free time + per failing fault: its detection bound, 2 x the fault-free median step time after its limit
 (the watchdog's for the SIGSTOP, none for a kill), its restart and its replay as measured (at most save_steps steps);
-the slowed rank's own injected delay, which no recovery removes: it is not ended).
+the slowed rank's own injected delay, which no recovery removes: it is not ended). And what the faulty run took beyond
+the fault-free run and those figures (unaccounted): whether a run meets the target is decided there.
 
   python bench/goodput.py [--steps 24] [--save-steps 4] [--seed 0] [--work-dir DIR]
 """
@@ -105,6 +106,25 @@ def fault_timings(lines, plan, save_steps):
     return timings
 
 
+def phases(lines, total):
+    """(seconds to the first step's line, seconds after the last step's line): a run's start-up and its end."""
+    times = [at for at, _ in step_times(lines)]
+    return times[0], total - times[-1]
+
+
+def unaccounted(free, faulty, timings, slow_s):
+    """What the faulty run took beyond the fault-free run and its faults' detection, restart, replay and slowed
+    forwards, in three parts: its first start-up's difference from the fault-free run's, its end's, and the steps
+    between (redone saves, the first steps after a restart). Goodput meets its target when these and each fault's
+    detection beyond its bound add up to at most 0."""
+    (free_start, free_end), (faulty_start, faulty_end) = (phases(r["lines"], r["seconds"]) for r in (free, faulty))
+    accounted = sum(t["detect_s"] + t["restart_s"] + t["replay_s"] for t in timings) + slow_s
+    steps = faulty["seconds"] - free["seconds"] - accounted - (faulty_start - free_start) - (faulty_end - free_end)
+    return {"start_up_s": round(faulty_start - free_start, 3), "end_s": round(faulty_end - free_end, 3),
+            "steps_s": round(steps, 3),
+            "detection_past_bound_s": round(sum(t["detect_s"] - t["detect_bound_s"] for t in timings), 3)}
+
+
 def final_weights_equal(a, b):
     """Whether the last checkpoints of runs a and b hold the same weights, bit for bit."""
     tag_a, tag_b = (os.path.join(run, read_latest(run)) for run in (a, b))
@@ -160,6 +180,7 @@ def main():
                       "goodput": round(free / faulty, 3), "target_goodput": round(target, 3),
                       "target_met": free / faulty >= target, "step_s": round(step, 4),
                       "slowed_forwards_s": slow_s, "per_fault": timings,
+                      "unaccounted": unaccounted(results["fault-free"], results["faults"], timings, slow_s),
                       "restarts": [line[line.index("supervise:"):] for _, line in results["faults"]["lines"]
                                    if "supervise:" in line],
                       "final_weights_equal": final_weights_equal(results["fault-free"]["out"],

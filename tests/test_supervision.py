@@ -29,7 +29,8 @@ from training.distributed import elastic_restart_error
 from training.hang_watchdog import startup_limit_warning
 from training.instruction_listeners import add_instruction_listener
 from training.stragglers import find_stragglers
-from training.supervisor import children_of, explain_failure, failed_children, first_failure_code
+from training.supervisor import (children_of, explain_failure, failed_children, first_failure_code,
+                                 reaped_failures)
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
 # 2 stages, fp32, checkpoints every 2 steps; the watchdog's step limit (at least 10 x the median step) well above a
@@ -221,14 +222,19 @@ def test_a_rank_that_failed_in_a_collective_is_named_first_only_where_nothing_el
                                                "1: a rank crashed): RuntimeError: Connection reset by peer")
     # the exit code of an attempt the supervisor ends (DeepSpeed's launcher not having looked yet) is the cause's
     ended_by_launcher = record(3, ended=3.0, exit_code=143, cause="ended by its launcher", follows_another=True)
-    records, children = [lost_peer, record(1), hung, ended_by_launcher], [100, 101, 102, 103, 104]
-    assert first_failure_code({100: 1, 101: 247, 103: 143}, children, records, "node1") == 247
-    assert first_failure_code({100: 1, 102: exit_codes.HUNG}, children, records, "node1") == exit_codes.HUNG
-    assert first_failure_code({100: 1, 103: 143}, children, records, "node1") == 1
-    assert first_failure_code({103: 143}, children, records, "node1") is None  # each ended by its launcher
-    assert first_failure_code({104: 1}, children, records, "node1") is None  # no rank: the launcher's
-    # the launcher has reaped rank 1 (killed): its teardown, which passes on 247, is under way
-    assert first_failure_code({100: 1, 103: 143}, [100, 102, 103], records, "node1") is None
+    records = [lost_peer, record(1), hung, ended_by_launcher, record(5, ended=5.0, exit_code=0, cause="finished")]
+    assert first_failure_code({100: 1, 101: 247, 103: 143}, records, "node1") == 247
+    assert first_failure_code({100: 1, 102: exit_codes.HUNG}, records, "node1") == exit_codes.HUNG
+    assert first_failure_code({100: 1, 103: 143}, records, "node1") == 1
+    assert first_failure_code({103: 143}, records, "node1") is None  # each ended by its launcher
+    assert first_failure_code({104: 1}, records, "node1") is None  # no rank: the launcher's
+    # the launcher has reaped rank 2 (hung: it recorded its 70) or rank 1 (killed: its 247 is the launcher's to pass
+    # on), not rank 5 (finished); its teardown is under way
+    assert reaped_failures({101, 102, 105}, records, "node1") == {101: None, 102: exit_codes.HUNG}
+    assert first_failure_code({100: 1, 103: 143, **reaped_failures({102}, records, "node1")}, records,
+                              "node1") == exit_codes.HUNG
+    assert first_failure_code({100: 1, 103: 143, **reaped_failures({101}, records, "node1")}, records,
+                              "node1") is None
 
 
 def test_a_second_end_waits_until_the_first_is_on_disk(tmp_path, monkeypatch):

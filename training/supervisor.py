@@ -32,7 +32,8 @@ from training.rank_records import read_records
 TRAINER_CONFIG = ("conf", "tiny")  # trainer_pipe.py's @hydra.main config_path and config_name
 RANKS_NAMED = 4  # most ranks one line names per kind (a thousand-rank job's line stays a line)
 POLL_SECONDS = 0.02  # how often an attempt's ranks are looked at: a few /proc reads (~50 us) within 2 fast steps
-SCAN_SECONDS = 1  # how often its whole process tree (every process of the host read) is, for a stopped one
+SCAN_SECONDS = 1  # how often its whole process tree is, for a stopped one
+EXIT_POLL_SECONDS = 0.001  # how often an ended attempt's ranks are, until each has exited (a few of them, ~50 ms)
 
 
 class Supervisor:
@@ -90,12 +91,14 @@ class Supervisor:
         has failed, SIGTERMs the others, waiting 30 s (hard-coded) for a stopped one before its SIGKILL; then it and
         the runner exit, their interpreters' shutdown taking up to seconds. So every POLL_SECONDS the supervisor looks
         at the children of the launchers it started on this host; once a rank (one that recorded its start) has
-        exited non-zero, unless its launcher ended it (its teardown, then under way, passes on the exit code of a rank
-        it reaped already), the supervisor SIGKILLs the stopped processes and ends the attempt (end_attempt), whose
-        exit code is that rank's, as the launcher passes it on. Any other failure (a rank on another node, under
-        another launcher, one that failed before its record) is the launcher's to act on; its stopped processes here
-        are SIGKILLed once a record says a rank failed."""
+        exited non-zero, it SIGKILLs the stopped processes and ends the attempt (end_attempt), whose exit code is that
+        rank's, as the launcher passes it on: its zombie's, or, where its launcher has reaped it already (its
+        teardown, then under way, passes on that rank's), the one its record names. Any other failure (a rank on
+        another node, under another launcher, one that failed before its record, one its launcher reaped with no
+        exit code recorded: killed) is the launcher's to act on; its stopped processes here are SIGKILLed once a
+        record says a rank failed."""
         host, launchers, scanned = socket.gethostname(), [], time.monotonic()
+        live, reaped = set(), {}  # the launchers' children at the last look; the failed ranks they reaped since
         while True:
             try:
                 return self.process.wait(timeout=POLL_SECONDS)
@@ -104,36 +107,45 @@ class Supervisor:
             try:
                 launchers = launchers or deepspeed_launchers(self.process.pid)
                 children = [child for launcher in launchers for child in children_of(launcher)]
-                failed = failed_children(children)
-                code = first_failure_code(failed, children, read_records(self.output_dir, since=started), host) \
-                    if failed else None
-                if code is not None:
-                    self.kill_stopped(started, host, force=True)
-                    self.end_attempt(launchers)
-                    return code
+                failed, gone = failed_children(children), live.difference(children)
+                if failed or gone:
+                    records = read_records(self.output_dir, since=started)
+                    reaped.update(reaped_failures(gone, records, host))
+                    code = first_failure_code({**reaped, **failed}, records, host)
+                    if code is not None:
+                        self.kill_stopped(started, host, force=True)
+                        self.end_attempt(launchers, tearing_down=bool(reaped))
+                        return code
+                live = set(children)
                 if time.monotonic() - scanned >= SCAN_SECONDS:
                     scanned = time.monotonic()
                     self.kill_stopped(started, host, force=False)
             except (OSError, psutil.Error):  # a process ended meanwhile: the next poll sees the rest
                 pass
 
-    def end_attempt(self, launchers):
-        """DeepSpeed's launcher's teardown, now: the launchers SIGTERMed (their handler ends their ranks at once);
-        back once the ranks are gone, leaving the launchers and the runner to exit while the next attempt starts."""
-        ranks = []
-        for pid in [rank for launcher in launchers for rank in children_of(launcher)]:
+    def end_attempt(self, launchers, tearing_down):
+        """DeepSpeed's launcher's teardown, at once: it SIGTERMs each rank's process tree and waits for it to exit
+        before the next rank's, so here every rank's tree is SIGTERMed together (a rank takes it after a sibling's
+        exit as its launcher's end of the job), and the launchers are SIGTERMed unless tearing_down already. Back once
+        the ranks have exited, leaving the launchers to reap them (a zombie holds nothing: no memory, device or port)
+        and to exit, and the runner too, while the next attempt starts."""
+        ranks = [rank for launcher in launchers for rank in children_of(launcher)]
+        trees = [tree_of(rank) for rank in ranks]  # all listed before any exits: an orphan has no parent to list it
+        ranks = [tree[0] for tree in trees if tree]
+        for process in [process for tree in trees for process in tree]:
             with contextlib.suppress(psutil.NoSuchProcess):
-                ranks.append(psutil.Process(pid))
-        for launcher in launchers:
+                process.terminate()
+        for launcher in launchers if not tearing_down else []:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(launcher, signal.SIGTERM)
-        psutil.wait_procs(ranks)  # gone once their launcher has reaped them
+        while not all(map(has_exited, ranks)):
+            time.sleep(EXIT_POLL_SECONDS)
         threading.Thread(target=self.process.wait, daemon=True).start()  # reaps the runner when it has exited
 
     def kill_stopped(self, started, host, force):
         """SIGKILL the attempt's stopped processes on this host once a rank has failed: force (a failed rank seen
         here), or a record saying so, of a rank elsewhere or one its launcher has reaped (taking its exit code)."""
-        processes = psutil.Process(self.process.pid).children(recursive=True)
+        processes = tree_of(self.process.pid)[1:]  # its own processes' /proc files, not every process of the host
         stopped = [p for p in processes if is_stopped(p)]
         if not stopped:
             return
@@ -165,6 +177,24 @@ def is_stopped(process):
         return False
 
 
+def has_exited(process):
+    """Whether a psutil.Process has exited: gone, or a zombie its parent has not reaped yet."""
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def tree_of(pid):
+    """[psutil.Process] of pid and its descendants (each listed through children_of), [] once it has ended."""
+    tree, pids = [], [pid]
+    for each in pids:
+        with contextlib.suppress(OSError, psutil.NoSuchProcess):
+            tree.append(psutil.Process(each))
+            pids += children_of(each)
+    return tree
+
+
 def deepspeed_launchers(pid):
     """The pids of the DeepSpeed launchers among pid's children: a runner's local launch."""
     return [child for child in children_of(pid) if LAUNCHER_MODULE in " ".join(psutil.Process(child).cmdline())]
@@ -192,13 +222,18 @@ def failed_children(children):
     return failed
 
 
-def first_failure_code(failed, children, records, host):
-    """The exit code of the failed child (failed_children) that is the cause: a rank (its record names its pid)
-    that failed on its own or without a word (killed) before one whose collective failed; None where none is a rank,
-    or the launcher has reaped a rank already (its teardown is under way, with that rank's exit code)."""
+def reaped_failures(gone, records, host):
+    """{pid: the exit code its record names, None where it names none (killed)} of the failed ranks among `gone`
+    (children of this host's launchers at a look, reaped by the next): their launcher's teardown is under way."""
+    return {r["pid"]: r.get("exit_code") for r in records
+            if r["host"] == host and r["pid"] in gone and r.get("exit_code") != 0}
+
+
+def first_failure_code(failed, records, host):
+    """The exit code of the failed child (failed: {pid: exit code, None where unknown}) that is the cause: a rank
+    (its record names its pid) that failed on its own or without a word (killed) before one whose collective failed;
+    None where none is a rank, or the cause's exit code is unknown (its launcher passes it on)."""
     ranks = {r["pid"]: r for r in records if r["host"] == host}
-    if any(pid not in children for pid in ranks):
-        return None
     causes = sorted((bool(ranks[pid].get("in_communication")), pid) for pid in failed
                     if pid in ranks and not ranks[pid].get("follows_another"))
     return failed[causes[0][1]] if causes else None
