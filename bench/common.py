@@ -1,7 +1,11 @@
-"""Shared by the bench scripts: worker processes on this machine, memory readings, run configs and batches."""
+"""Shared by the bench scripts: worker processes on this machine, memory readings, run configs and batches, a module
+as an older commit had it."""
+import importlib.util
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -12,6 +16,20 @@ import torch  # noqa: E402
 from tests.distributed import free_port, spawn  # noqa: E402,F401  (worker processes, as the tests start them)
 
 MIB = 2**20
+
+
+def module_at(commit, path):
+    """The module at `path` (from the repository's root) as `commit` had it, imported under another name: the old
+    side of an A/B run in one process."""
+    name = f"{os.path.splitext(os.path.basename(path))[0]}_{commit}"
+    copy = os.path.join(tempfile.mkdtemp(), f"{name}.py")
+    with open(copy, "w") as f:
+        f.write(subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, check=True, capture_output=True,
+                               text=True).stdout)
+    spec = importlib.util.spec_from_file_location(name, copy)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _status_kib(field):

@@ -5,7 +5,6 @@ its built layer, rounds interleaved, and whether both give bit-identical paramet
     python bench/layer_file_load.py [--before 0fd4eb8] [--rounds 5] [--work-dir DIR]
 """
 import argparse
-import importlib.util
 import os
 import statistics
 import subprocess
@@ -14,22 +13,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, machine_note  # noqa: E402
+from common import ROOT, machine_note, module_at  # noqa: E402
 from load_memory import MODEL, make_model  # noqa: E402
 
 import torch  # noqa: E402
 
-
-def layer_files_at(revision, work):
-    """checkpoints/layer_files.py as it was at `revision`, imported under another name."""
-    path = os.path.join(work, f"layer_files_{revision}.py")
-    with open(path, "w") as f:
-        f.write(subprocess.run(["git", "show", f"{revision}:checkpoints/layer_files.py"], cwd=ROOT, check=True,
-                               capture_output=True, text=True).stdout)
-    spec = importlib.util.spec_from_file_location(f"layer_files_{revision}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def built_layers(ds_dir):
@@ -70,7 +58,7 @@ def main():
         subprocess.run([sys.executable, "convert2ckpt.py", "--model_name_or_path", hf_dir, "--output_dir", ds_dir],
                        cwd=ROOT, check=True, capture_output=True)
     from checkpoints import layer_files
-    contenders = {"before": layer_files_at(args.before, work).load_layer_slice, "now": layer_files.load_layer_slice}
+    contenders = {"before": module_at(args.before, "checkpoints/layer_files.py").load_layer_slice, "now": layer_files.load_layer_slice}
     layers = {name: built_layers(ds_dir) for name in contenders}
     seconds = {name: [] for name in contenders}
     for _ in range(args.rounds):

@@ -7,7 +7,6 @@ wait_for_attempt returning, alternating this tree's training/supervisor.py with 
 """
 import argparse
 import base64
-import importlib.util
 import json
 import os
 import signal
@@ -20,6 +19,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from common import module_at  # noqa: E402
+from training import supervisor  # noqa: E402
 from training.rank_records import RankRecord, read_records  # noqa: E402
 
 SETTLE_SECONDS = 1  # between every rank's start record and the kill: the supervisor is looking by then
@@ -37,20 +38,6 @@ def stand_in_rank(output_dir, exit_seconds):
     while True:
         time.sleep(1)
 
-
-def supervisor_module(commit):
-    """training/supervisor.py of this tree (commit None) or of a commit."""
-    if commit is None:
-        from training import supervisor
-        return supervisor
-    path = os.path.join(tempfile.mkdtemp(), "supervisor.py")
-    with open(path, "w") as f:
-        f.write(subprocess.run(["git", "show", f"{commit}:training/supervisor.py"], cwd=ROOT, check=True,
-                               capture_output=True, text=True).stdout)
-    spec = importlib.util.spec_from_file_location(f"supervisor_{commit}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def seconds_to_end(supervisor, ranks, exit_seconds):
@@ -90,9 +77,9 @@ def main():
     parser.add_argument("--rank-exit-seconds", type=float, default=0.02)
     parser.add_argument("--against", default=None, help="a commit whose training/supervisor.py to alternate with")
     args = parser.parse_args()
-    variants = {"this tree": supervisor_module(None)}
+    variants = {"this tree": supervisor}
     if args.against:
-        variants[args.against] = supervisor_module(args.against)
+        variants[args.against] = module_at(args.against, "training/supervisor.py")
     seconds = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, module in variants.items():
