@@ -22,8 +22,9 @@ class RankRecord:
         self.fields = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
         self.where = lambda: {}  # the hang watchdog's {where, waiting_for} of this rank, once it watches
         # held until the first end is on disk: a second end (the SIGTERM thread's, before its os._exit) must not
-        # return while the first (the main thread's crash) is still being written
-        self._ending = threading.Lock()
+        # return while the first (the main thread's crash) is still being written; reentrant, so that a signal
+        # handler's end in the writing thread returns at once rather than deadlocks
+        self._ending = threading.RLock()
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._write()
 
