@@ -7,6 +7,8 @@ the global batch's loss units counted); a preference case (DPO, SimPO) trains on
 collator, DPO against reference log-probabilities computed by the schedule's own reference pass
 (training/reference.py), and records them and each step's rewards; under context parallelism every rank takes its
 tokens of its replica's micro-batches."""
+import copy
+import functools
 import json
 import os
 import sys
@@ -54,8 +56,15 @@ def record_optimizer_gradients(engine):
     return recorded
 
 
+@functools.cache
+def read_config(hf_dir):
+    """A checkpoint's config, read once per rank (transformers takes ~10 ms of CPU a read; the cases' 49 runs read
+    6 checkpoints); each run gets its own copy."""
+    return AutoConfig.from_pretrained(hf_dir)
+
+
 def train(case, schedule, steps, micro_batch_size, gas, seq_len):
-    config = AutoConfig.from_pretrained(case["hf_dir"])
+    config = copy.deepcopy(read_config(case["hf_dir"]))
     num_stages, tensor_parallel = case["stages"], case.get("tensor_parallel", 1)
     objective = PreferenceSettings(case.get("objective", "sft"))
     virtual_stages = case.get("virtual_stages") if schedule == "interleaved_1f1b" else None

@@ -54,15 +54,17 @@ def hf_reference(hf_dir, rows, num_micro_batches):
 
     from models.layout import split_fused  # Phi-3's fused weights as the pipeline's parts
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+    trained = num_micro_batches * MICRO_BATCH  # the rows the objective takes, each document run once for both
+    scored = [[hf_loss_sum_and_count(model, ids, labels) for ids, labels in documents(row)] for row in rows[:trained]]
     with torch.no_grad():
-        sums, counts = zip(*(hf_loss_sum_and_count(model, ids, labels)
-                             for row in rows for ids, labels in documents(row)))
-    eval_loss = (sum(sums) / sum(counts)).item()
+        scored += [[hf_loss_sum_and_count(model, ids, labels) for ids, labels in documents(row)]
+                   for row in rows[trained:]]
+    sums, counts = zip(*(document for row in scored for document in row))
+    eval_loss = (sum(s.detach() for s in sums) / sum(counts)).item()
     objective = 0
     for index in range(num_micro_batches):
-        sums, counts = zip(*(hf_loss_sum_and_count(model, ids, labels)
-                             for row in rows[index * MICRO_BATCH:(index + 1) * MICRO_BATCH]
-                             for ids, labels in documents(row)))
+        sums, counts = zip(*(document for row in scored[index * MICRO_BATCH:(index + 1) * MICRO_BATCH]
+                             for document in row))
         objective = objective + sum(sums) / sum(counts)
     objective = objective / num_micro_batches
     objective.backward()
