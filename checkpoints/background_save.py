@@ -71,7 +71,7 @@ def agreed_async_save(shortfall):
     complete_if_written is a collective): in the background where every node has room for its snapshots. Each
     rank without room says why, once per node."""
     room = torch.tensor([int(shortfall is None)], device=collectives.device())
-    collectives.all_reduce(room, op=torch.distributed.ReduceOp.MIN)
+    collectives.all_reduce(room, op=collectives.ReduceOp.MIN)
     if shortfall and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         print(f"trainer_pipe: warning: {shortfall}", flush=True)
     return bool(room.item())

@@ -16,7 +16,6 @@ import itertools
 import statistics
 import time
 
-
 import collectives
 from training.instruction_listeners import InstructionClock, add_instruction_listener
 from training.zbv_order import ZBV_TIMES_SPREAD
