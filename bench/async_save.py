@@ -18,7 +18,7 @@ asynchronous save that allocates the snapshot's shared memory (reported apart):
 Lost per asynchronous save: the save call + what the steps during the copy and the write took beyond the normal
 pace.
 
-  python bench/async_save.py [--rounds 3] [--num-layers 18] [--step-matmuls 12]
+  python bench/async_save.py [--rounds 3] [--num-layers 18] [--step-matmuls 12] [--model-step-seq 0]
 """
 import argparse
 import functools
@@ -80,6 +80,20 @@ def step(a, b, trainer, matmuls):
     return time.perf_counter() - start, time.perf_counter() - optimizer_start, cpu
 
 
+def model_step_seconds(num_layers, seq_len):
+    """CPU seconds of one forward and backward of the model itself, fp32, micro-batch 1 x seq_len, on this thread:
+    how long a real step of it is against the bench's matmul step (the step length the copy hides behind)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(**{**MODEL, "num_hidden_layers": num_layers}))
+    tokens = torch.randint(0, MODEL["vocab_size"], (1, seq_len))
+    seconds = []
+    for _ in range(2):  # the first allocates what the second reuses
+        start = time.thread_time()
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        seconds.append(time.thread_time() - start)
+    return seconds[-1]
+
+
 def normal_steps(run_step):
     return [run_step() for _ in range(BASELINE_STEPS)]
 
@@ -128,8 +142,13 @@ def main():
                         help="a step's forward and backward: this many matmuls (more: a longer step)")
     parser.add_argument("--num-layers", type=int, default=MODEL["num_hidden_layers"],
                         help="decoder layers (fewer: a quick check of the script, not the 1B figure)")
+    parser.add_argument("--model-step-seq", type=int, default=0,
+                        help="first time one forward and backward of the model itself at this sequence length")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.model_step_seq:
+        print(f"the model's own step (fp32, forward + backward, micro-batch 1 x {args.model_step_seq} tokens, one "
+              f"thread): {model_step_seconds(args.num_layers, args.model_step_seq):.2f} CPU s", flush=True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     files = layer_files(args.num_layers)
     size = sum(t.numel() * t.element_size() for state in files.values() for t in state.values())
