@@ -43,10 +43,15 @@ def measured_partition(spec):
     evaluation, whose speed the split hardly moves) spec."""
     if not uses_measured_costs(spec.cfg) or spec.cfg.eval_only:
         return spec
-    mine = timed_unit_costs(spec.cfg, spec.model_config)
+    return spec.with_unit_costs(agreed_unit_costs(spec.cfg, spec.model_config))
+
+
+def agreed_unit_costs(cfg, config):
+    """Collective: every rank's timed_unit_costs all-gathered, and their mean, the same numbers on every rank."""
+    mine = timed_unit_costs(cfg, config)
     every_rank = collectives.all_gather_numbers(mine.numbers())
     mean = [sum(column) / len(every_rank) for column in zip(*every_rank)]
-    return spec.with_unit_costs(UnitCosts.from_numbers(mean, f"{mine.device}, mean of {len(every_rank)} ranks"))
+    return UnitCosts.from_numbers(mean, f"{mine.device}, mean of {len(every_rank)} ranks")
 
 
 @contextlib.contextmanager
