@@ -21,6 +21,7 @@ import statistics
 import time
 
 import torch
+from deepspeed.accelerator import get_accelerator
 
 import collectives
 from data.collator import row_layout
@@ -49,6 +50,7 @@ def measured_partition(spec):
 def agreed_unit_costs(cfg, config):
     """Collective: every rank's timed_unit_costs all-gathered, and their mean, the same numbers on every rank."""
     mine = timed_unit_costs(cfg, config)
+    get_accelerator().empty_cache()  # the units' blocks back to the device before the stage is built
     every_rank = collectives.all_gather_numbers(mine.numbers())
     mean = [sum(column) / len(every_rank) for column in zip(*every_rank)]
     return UnitCosts.from_numbers(mean, f"{mine.device}, mean of {len(every_rank)} ranks")
