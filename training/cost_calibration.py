@@ -12,9 +12,10 @@ all-gather their times and every rank takes the same mean (collectives/), so all
 
 What it costs: the three units' weights and gradients and one micro-batch's activations at a time, freed before the
 pipeline is built: for llama_65b in bf16 at seq 2048, micro-batch 1, a decoder layer holds 0.81 B parameters and
-the embedding and the head 0.26 B each (2.7 GB of weights and as much of gradients), with ~0.7 GB of activations;
-2 x (CALIBRATION_REPETITIONS + 1) training passes of each, about a second on an H100 (the stage's own step runs
-m x its layers' passes).
+the embedding and the head 0.26 B each (2.7 GB of weights and as much of gradients, 1 GB for the head's fp32
+gradient sum), with 0.7 GiB of the layer's activations and 0.3 GiB of backward workspace (planner/stage_costs.py);
+2 x (CALIBRATION_REPETITIONS + 1) training passes of each, ~160 TFLOP: well under a second at an H100's bf16 rate
+(estimated from the FLOPs, not measured here; tests/gpu/test_one_gpu.py measures the 1B shape's).
 """
 import contextlib
 import statistics
