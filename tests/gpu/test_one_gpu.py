@@ -186,7 +186,8 @@ def calibration_memory_bound(config, seq_length):
     from planner.workload import Workload
     layers = LayerCosts(config, Workload(seq_length=seq_length, micro_batch_size=1, precision="bf16"))
     weights = sum(layers.parameters[kind] for kind in ("embedding", "decoder", "head"))
-    workspace = max(layers.backward_bytes["decoder"] + layers.weight_grad_bytes["decoder"], layers.backward_bytes["head"])
+    decoder_workspace = layers.backward_bytes["decoder"] + layers.weight_grad_bytes["decoder"]
+    workspace = max(decoder_workspace, layers.backward_bytes["head"])
     return 4 * weights + 4 * layers.parameters["head"] + layers.saved_bytes["decoder"] + workspace
 
 
