@@ -8,16 +8,23 @@ waits for micro-batch 0's forward through the chunks before its own). So here `b
 schedule's order takes (training/schedule.py simulate, transfers free) on the plan's F, B and W of every chunk
 (planner/stage_costs.py: FLOPs, the chunked loss's head all in F), ZB-V's V order made for those times as
 zbv_times=auto makes it for the measured ones: from the chunks evened out, it moves one decoder layer across a
-chunk boundary at a time while the simulated step shrinks.
+chunk boundary at a time while the simulated step shrinks. With units (partition_costs=measured, the default here:
+planner/measured_costs.py) the chunks' F, B and W are the device's measured times instead of FLOPs.
 """
 from models.partition import balanced_decoder_counts, stage_kinds
 from models.pipeline_schedule_rules import chunk_ids, chunks_per_rank
+from planner.measured_costs import measured_stage_cost
 from planner.stage_costs import StageCostModel
 
 
-def chunk_pass_costs(model, counts, schedule):
-    """[{"F", "B", "W"} of each global chunk] in decoder layers' compute; ZB-V's first chunk runs its backward whole
-    (training/chunked_engine.py), its W in its B."""
+def chunk_pass_costs(model, counts, schedule, units=None):
+    """[{"F", "B", "W"} of each global chunk] in decoder layers' compute (of FLOPs, or of units' measured times);
+    ZB-V's first chunk runs its backward whole (training/chunked_engine.py), its W in its B, and interleaved_1f1b
+    every chunk's."""
+    if units is not None:
+        return [{kind: seconds / units.decoder_seconds for kind, seconds in units.pass_seconds(
+                    model.layers.chunks(stage_kinds(chunk, len(counts), count)),
+                    split=schedule == "zbv" and chunk > 0).items()} for chunk, count in enumerate(counts)]
     costs = []
     for chunk, count in enumerate(counts):
         flops = model.layers.stage_pass_flops(stage_kinds(chunk, len(counts), count))
@@ -27,14 +34,14 @@ def chunk_pass_costs(model, counts, schedule):
     return costs
 
 
-def simulated_step(model, counts, num_stages):
+def simulated_step(model, counts, num_stages, units=None):
     """The step the workload's schedule takes on chunks of counts[g] decoder layers, in decoder layers' compute."""
     # the orders need DeepSpeed's instructions; the planner's rules not
     from training.schedule import rank_orders, simulate
     from training.zbv_auto import stage_times
     from training.zbv_order import configured_zbv_durations
     workload = model.workload
-    chunks = chunk_pass_costs(model, counts, workload.pipeline_schedule)
+    chunks = chunk_pass_costs(model, counts, workload.pipeline_schedule, units)
     ranks = [[chunks[chunk] for chunk in chunk_ids(workload.pipeline_schedule, num_stages, rank,
                                                    workload.virtual_stages)] for rank in range(num_stages)]
     times = workload.zbv_times
@@ -48,14 +55,15 @@ def simulated_step(model, counts, num_stages):
     return max(end for _, end in done.values())
 
 
-def balanced_chunk_counts(config, workload, num_stages):
+def balanced_chunk_counts(config, workload, num_stages, units=None):
     """Decoder layers per global chunk (at least one each) that `balanced` gives a schedule with several chunks per
     rank: the chunks' compute evened out (models/partition.py), then single layers moved across a chunk boundary,
-    the largest gain first, while the simulated step shrinks."""
+    the largest gain first, while the simulated step shrinks. units: measured UnitCosts (None: the plan's FLOPs)."""
     chunks = num_stages * chunks_per_rank(workload.pipeline_schedule, workload.virtual_stages)
     model = StageCostModel(config, workload, chunks)
-    counts = balanced_decoder_counts(config.num_hidden_layers, chunks, model.cost)
-    step = simulated_step(model, counts, num_stages)
+    cost = model.cost if units is None else measured_stage_cost(model, units)
+    counts = balanced_decoder_counts(config.num_hidden_layers, chunks, cost)
+    step = simulated_step(model, counts, num_stages, units)
     while True:
         moves = []
         for source in range(chunks):
@@ -64,7 +72,7 @@ def balanced_chunk_counts(config, workload, num_stages):
                     moved = list(counts)
                     moved[source] -= 1
                     moved[target] += 1
-                    moves.append((simulated_step(model, moved, num_stages), moved))
+                    moves.append((simulated_step(model, moved, num_stages, units), moved))
         best = min(moves, key=lambda move: move[0], default=None)  # the first on ties
         if best is None or best[0] >= step * (1 - 1e-9):
             return counts

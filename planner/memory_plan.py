@@ -11,6 +11,7 @@ The numbers come from planner/stage_costs.py, the cost model the balanced partit
 import dataclasses
 import os
 
+from planner.measured_costs import partition_costs_note
 from planner.stage_costs import UNMODELLED_DEVICE_SHARE, format_stage_plan, layer_ranges, stage_plan
 from planner.workload import describe_workload
 
@@ -25,7 +26,8 @@ HOST_PROCESS_BYTES = 4 * GIB
 def describe_stages(spec):
     """The stage plan printed at start-up: layers, parameters, compute and memory per stage."""
     rows = stage_plan(spec.model_config, spec.stage_bounds, spec.workload)
-    return (f"pipeline partition '{spec.cfg.partition}' for {describe_workload(spec.workload)}:\n"
+    return (f"pipeline partition '{spec.cfg.partition}'{partition_costs_note(spec.cfg, spec.unit_costs)} for "
+            f"{describe_workload(spec.workload)}:\n"
             f"{format_stage_plan(rows)}")
 
 
@@ -97,7 +99,8 @@ def format_memory_plan(spec, rows):
         tensor += f"{workload.context_parallel} context-parallel x "
     per_device = "params and GiB per device" if workload.tensor_parallel > 1 else "GiB per device"
     lines = [f"memory plan: {world_size} devices = {cfg.num_stages} stages x {tensor}{workload.data_parallel} "
-             f"data-parallel; {describe_workload(workload)}; partition '{cfg.partition}'; {per_device}", header]
+             f"data-parallel; {describe_workload(workload)}; partition '{cfg.partition}'"
+             f"{partition_costs_note(cfg, spec.unit_costs)}; {per_device}", header]
     for row in rows:
         lines.append(
             f"{row['stage']:>5} {layer_ranges(row):>{width}} {row['parameters'] / 1e9:>7.2f}B "

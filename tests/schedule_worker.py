@@ -15,6 +15,7 @@ import sys
 from types import SimpleNamespace
 
 import torch
+from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,7 +31,11 @@ from models.preference import PreferenceSettings  # noqa: E402
 from tests.parity_worker import CHUNK_TOKENS, micro_batches  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
 from deepspeed_internals.access import loss_scaler_state  # noqa: E402
+from planner.workload import Workload  # noqa: E402
+from training.config_checks import checked_config  # noqa: E402
+from training.cost_calibration import agreed_unit_costs  # noqa: E402
 from training.distributed import init_distributed, parallel_topology  # noqa: E402
+from training.run_spec import configured_stage_bounds  # noqa: E402
 from training.chunked_engine import rank_chunk_ids, use_chunked_pipeline  # noqa: E402
 from training.pipeline_engine import use_zero_bubble  # noqa: E402
 from training.reference import WithReference, compute_reference  # noqa: E402
@@ -69,7 +74,10 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     objective = PreferenceSettings(case.get("objective", "sft"))
     virtual_stages = case.get("virtual_stages") if schedule == "interleaved_1f1b" else None
     chunks, bounds = rank_chunk_ids(schedule, num_stages, virtual_stages), None
-    if chunks is not None:
+    units = None
+    if chunks is not None and case.get("partition_costs") == "measured":
+        units, bounds = measured_bounds(case, schedule, config, micro_batch_size, gas, seq_len)
+    elif chunks is not None:
         num_chunks = sum(map(len, chunks))
         bounds = partition_stages(config, num_chunks, [config.num_hidden_layers // num_chunks] * num_chunks)
     module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel), layer_loader=load_layer_slice,
@@ -125,7 +133,26 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     return losses, recorded, weights, {**held, "where": where, "stage": engine.stage_id,
                                        "waiting": max(waiting, default=0), "read": len(read), "eval_loss": eval_loss,
                                        "checkpointed": len(checkpointed), "rewards": rewards, "loss_scales": scales,
-                                       "measured_times": getattr(engine, "zbv_measured_times", None)}
+                                       "measured_times": getattr(engine, "zbv_measured_times", None),
+                                       "bounds": bounds, "unit_costs": units and units.numbers()}
+
+
+def measured_bounds(case, schedule, config, micro_batch_size, gas, seq_len):
+    """The trainer's partition=balanced on the device's measured costs (training/cost_calibration.py: every rank
+    times the units, all of them take the mean) for this case: (the agreed UnitCosts, the chunks' bounds)."""
+    virtual_stages = case.get("virtual_stages") if schedule == "interleaved_1f1b" else None
+    zbv_times = case.get("zbv_times") if schedule == "zbv" else None
+    cfg = checked_config(OmegaConf.create(dict(
+        pipeline_schedule=schedule, num_stages=case["stages"], virtual_stages=virtual_stages,
+        partition_costs="measured", precision="fp32", zero_stage=1, micro_batch_size=micro_batch_size,
+        gradient_accumulation_steps=gas, seq_length=seq_len, loss_chunk_tokens=case.get("loss_chunk_tokens",
+                                                                                        CHUNK_TOKENS),
+        zbv_times=list(zbv_times) if zbv_times else None)))
+    units = agreed_unit_costs(cfg, config)
+    workload = Workload(seq_length=seq_len, micro_batch_size=micro_batch_size, micro_batches=gas, precision="fp32",
+                        pipeline_schedule=schedule, virtual_stages=virtual_stages or 1, zbv_times=cfg.zbv_times and
+                        OmegaConf.to_container(cfg.zbv_times), loss_chunk_tokens=cfg.loss_chunk_tokens)
+    return units, list(configured_stage_bounds(cfg, config, workload, units))
 
 
 def preference_pairs(batch):

@@ -152,6 +152,9 @@ def test_free_form_nodes_take_any_key_and_defaults_fill_older_configs():
     ("loss_impl=fused", "loss_impl 'fused' is not one of ('chunked', 'logits')"),
     ("async_save=yes", "async_save 'yes' is not one of (False, True, 'auto')"),
     ("loss_chunk_tokens=0", "loss_chunk_tokens=0 must be a positive number of tokens"),
+    ("partition_costs=timed", "partition_costs='timed' is not one of auto, flops, measured."),
+    ("lora.rank=8 partition_costs=measured", "partition_costs=measured cannot time this run's layers under "
+     "lora.rank=8 (it times one unsplit layer); set partition_costs=flops or auto."),
     ("loss_chunk_tokens=-512", "loss_chunk_tokens=-512 must be a positive number of tokens"),
     ("hang_watchdog.step_time_factor=1.5", "hang_watchdog.step_time_factor=1.5 is too short for the measured step "
      "time: steps vary, and a rank that is only slow must not be ended; use at least 2 (10 by default)."),
@@ -163,7 +166,7 @@ def test_free_form_nodes_take_any_key_and_defaults_fill_older_configs():
 def test_each_choice_is_checked_before_anything_is_built(override, message):
     from training.config_checks import ConfigError, checked_config
     with pytest.raises(ConfigError, match=re.escape(message)):
-        checked_config(composed("tiny", override))
+        checked_config(composed("tiny", *override.split()))
 
 
 @pytest.mark.parametrize("override,shown", [("data.packing=true", "true"), ("data.overlong=split", "split"),

@@ -396,3 +396,69 @@ def test_balanced_chunks_take_the_shortest_simulated_step(schedule, virtual_stag
         kinds = stage_kinds(chunk, 4, counts[chunk])
         assert sum(costs.values()) == pytest.approx(model.compute(kinds))
         assert (costs["B"] < 0.4 * costs["F"]) == (HEAD in kinds)  # the head's gradients computed in F
+
+
+# Times shaped as this CPU measured the small shape (bench/README.md): the head and loss one decoder layer's
+# training time (all in F: the chunked loss), a split backward 4% over a whole one.
+CPU_LIKE_UNITS = {"embedding": {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0},
+                  "decoder": {"F": 1.0, "B": 1.04, "W": 1.04, "BW": 2.0},
+                  "head": {"F": 3.0, "B": 0.0, "W": 0.0, "BW": 0.0}}
+
+
+@pytest.mark.parametrize("schedule,virtual_stages,micro_batches,flops_counts,flops_slower", [
+    ("zbv", None, 4, [2, 3, 2, 1], True), ("zbv", None, 8, [2, 1, 4, 1], True),
+    ("interleaved_1f1b", 2, 4, [2, 2, 3, 1], False), ("interleaved_1f1b", 2, 8, [3, 2, 2, 1], False)])
+def test_balanced_chunks_on_measured_costs_take_their_shortest_step(schedule, virtual_stages, micro_batches,
+                                                                    flops_counts, flops_slower):
+    """partition_costs=measured (planner/measured_costs.py): `balanced` simulates each split on the measured F, B, W
+    instead of FLOPs. With the head and loss as costly as a decoder layer, each rank gets 4 decoder layers (under
+    ZB-V the FLOPs' 1.33-layer head gave rank 1 five), the first chunk the larger (its backward runs whole, 4%
+    cheaper under ZB-V): the least simulated step over every split, which the FLOPs' split misses under ZB-V (3%
+    longer and more); the trainer's path (configured_stage_bounds with the units) gives those bounds."""
+    from itertools import combinations
+
+    from omegaconf import OmegaConf
+
+    from models.partition import stage_bounds_from_decoder_counts
+    from planner.chunk_balance import balanced_chunk_counts, simulated_step
+    from planner.measured_costs import UnitCosts
+    from planner.stage_costs import StageCostModel
+    from training.config_checks import checked_config
+    from training.run_spec import configured_stage_bounds
+    units = UnitCosts(CPU_LIKE_UNITS, "test")
+    workload = Workload(seq_length=256, micro_batch_size=4, micro_batches=micro_batches, precision="fp32",
+                        pipeline_schedule=schedule, virtual_stages=virtual_stages or 1,
+                        zbv_times="auto" if schedule == "zbv" else None)
+    model = StageCostModel(SMALL, workload, 4)
+    splits = [[b - a for a, b in zip((0, *cut), (*cut, 8))] for cut in combinations(range(1, 8), 3)]
+    steps = {tuple(split): simulated_step(model, split, 2, units) for split in splits}
+    counts = balanced_chunk_counts(SMALL, workload, 2, units)
+    assert counts == [3, 2, 2, 1] and steps[tuple(counts)] == pytest.approx(min(steps.values()))
+    assert balanced_chunk_counts(SMALL, workload, 2) == flops_counts
+    assert (steps[tuple(flops_counts)] > 1.03 * steps[tuple(counts)]) == flops_slower  # else as short: 4 | 4
+    cfg = checked_config(OmegaConf.create(dict(pipeline_schedule=schedule, virtual_stages=virtual_stages,
+                                               num_stages=2, gradient_accumulation_steps=micro_batches)))
+    bounds = configured_stage_bounds(cfg, SMALL, workload, units)
+    assert list(bounds) == stage_bounds_from_decoder_counts(counts, 8)
+
+
+def test_measured_stage_costs_count_recompute_the_split_and_the_head():
+    """A stage's measured time: F, and a whole backward (1F1B, a zero_bubble first stage) or B + W (later
+    zero_bubble stages), plus the forward again for checkpointed decoder runs; `balanced` on one chunk per rank
+    weighs the head by its measured time: as costly as four decoder layers, the last stage gets one fewer than on
+    the plan's FLOPs (1.33 layers)."""
+    from models.partition import stage_kinds
+    from planner.measured_costs import UnitCosts, measured_stage_cost
+    from planner.stage_costs import StageCostModel
+    units = UnitCosts({**CPU_LIKE_UNITS, "head": {"F": 12.0, "B": 0.0, "W": 0.0, "BW": 0.0}}, "test")
+    kinds = stage_kinds(1, 2, 3)  # three decoders, the norm and the head
+    runs = StageCostModel(SMALL, Workload(activation_checkpoint_interval=2), 2).layers.chunks(kinds)
+    assert units.pass_seconds(runs, split=False) == pytest.approx({"F": 15.0, "B": 6.0 + 2.0, "W": 0.0})
+    assert units.pass_seconds(runs, split=True) == pytest.approx({"F": 15.0, "B": 3.12 + 2.0, "W": 3.12})
+    for schedule, last_stage in (("1f1b", 3 + 12 + 6), ("zero_bubble", 3 + 12 + 6.24)):
+        model = StageCostModel(SMALL, Workload(pipeline_schedule=schedule), 2)
+        cost = measured_stage_cost(model, units)
+        assert cost(1, kinds) == (0, pytest.approx(last_stage / 3))
+        assert cost(0, stage_kinds(0, 2, 3)) == (0, pytest.approx(3.0))  # the first stage's backward runs whole
+        assert balanced_decoder_counts(8, 2, cost) == [6, 2]
+        assert balanced_decoder_counts(8, 2, model.cost) == [5, 3]

@@ -103,6 +103,9 @@ def test_resume_across_schedules_equals_the_run_that_never_stopped(demo_model, r
         result.stdout)
     assert losses == pytest.approx(reference[4:], **EXACT)
     assert "zbv_times=auto: each stage's F/B/W ms in the measured step" in result.stdout
+    # partition_costs=auto: balanced on the units timed before the pipeline was built (one decoder a chunk here)
+    assert "pipeline partition 'balanced' on costs measured on cpu, mean of 4 ranks, ms per micro-batch" in (
+        result.stdout)
     result, losses = resumed_losses(demo_model, reference_run, tmp_path / "interleaved", 4, dict(
         pipeline_schedule="interleaved_1f1b", virtual_stages=2, offload_optimizer="cpu"), zbv_run / "global_step6")
     assert (f"resuming {zbv_run}/global_step6 with another layout (offload_optimizer none -> cpu; pipeline_schedule "

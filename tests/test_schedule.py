@@ -90,9 +90,11 @@ CASES = {
         stages=2, schedules=("zero_bubble",), tensor_parallel=2, tolerance=0.0, deepspeed=dict(
             zero_optimization={"stage": 1}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}))),
     # offload_optimizer=cpu (ZeRO-1's fp32 partition and Adam's moments on the host), fp32, under both, ZB-V's V order
-    # made for measured times (zbv_times: F, B, W in ms; another order than F = B = W's)
-    "2stages_x_2dp_offload_tied": ("tied", dict(
+    # made for measured times (zbv_times: F, B, W in ms; another order than F = B = W's), 8 layers in 4 chunks split
+    # by partition_costs=measured (the units timed on every rank, their mean agreed: training/cost_calibration.py)
+    "2stages_x_2dp_offload_tied": ("tied_8layers", dict(
         stages=2, schedules=CHUNKED, virtual_stages=2, zbv_times=(102, 129, 63), zbv_tolerance=2e-6,
+        partition_costs="measured",
         deepspeed=dict(zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}))),
     # fp16 (ZeRO-1, fp32 sums) under interleaving with its dynamic loss scaler at 2^20: the second step overflows, is
     # skipped and halves it, the third trains at the halved scale. Losses, loss scales and the weights the steps leave
@@ -132,6 +134,11 @@ def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
             assert_equals_1f1b(result, settings, schedule, (name, schedule))
         if settings.get("zbv_times") == "auto":  # every rank agreed on each stage's measured [F, B, W]
             assert rank[name]["zbv"]["measured_times"] == ranks[0][name]["zbv"]["measured_times"], name
+        for schedule in CHUNKED if settings.get("partition_costs") == "measured" else ():
+            # every rank the same measured costs and partition, from times of its own (losses as 1F1B's: above)
+            assert rank[name][schedule]["unit_costs"] == ranks[0][name][schedule]["unit_costs"], name
+            assert rank[name][schedule]["bounds"] == ranks[0][name][schedule]["bounds"], name
+            assert rank[name][schedule]["bounds"][-1] == 11 and min(rank[name][schedule]["unit_costs"][4:8]) > 0, name
 
 
 def assert_equals_1f1b(result, settings, schedule, case):

@@ -12,6 +12,7 @@ from data.formats import DataSettings
 from models.lora import LoraSettings
 from models.pipeline import ATTENTION_IMPLS, LOSS_IMPLS, PRECISION_DTYPES
 from models.preference import PreferenceSettings
+from planner.measured_costs import PARTITION_COSTS, measured_costs_unsupported
 from training.schedule import PIPELINE_SCHEDULES
 from training.zbv_order import ZBV_TIMES_SPREAD
 
@@ -88,6 +89,7 @@ def check_values(cfg):
     check_zero_bubble(cfg)
     check_chunk_schedule(cfg)
     check_zbv_times(cfg)
+    check_partition_costs(cfg)
     if not cfg.preemption_grace_seconds > 0:
         raise ConfigError(f"preemption_grace_seconds={cfg.preemption_grace_seconds} must be positive: the seconds a "
                           f"SIGTERM leaves to finish the step and save.")
@@ -232,6 +234,15 @@ def check_zbv_times(cfg):
                           f"{ZBV_TIMES_SPREAD}x of each other (the forward, input-gradient and weight-gradient times "
                           f"profile=true measures), or one such [F, B, W] per stage ({cfg.num_stages}), auto to have "
                           f"the trainer measure them, or null for F = B = W.")
+
+
+def check_partition_costs(cfg):
+    """partition_costs: flops, measured or auto; measured times unsplit layers (planner/measured_costs.py)."""
+    if cfg.partition_costs not in PARTITION_COSTS:
+        raise ConfigError(f"partition_costs={cfg.partition_costs!r} is not one of {', '.join(PARTITION_COSTS)}.")
+    if cfg.partition_costs == "measured" and (unsupported := measured_costs_unsupported(cfg)):
+        raise ConfigError(f"partition_costs=measured cannot time this run's layers under {unsupported} (it times one "
+                          f"unsplit layer); set partition_costs=flops or auto.")
 
 
 def check_chunk_schedule(cfg):

@@ -50,6 +50,7 @@ from training.rank_records import start_record
 from training.run_data import RunData, pad_token_id
 from training.resume import resolve_resume, start_checkpoint_dir
 from training.config_checks import ConfigError
+from training.cost_calibration import measured_partition
 from training.run_spec import plan_spec, run_spec
 from training.stragglers import StragglerWatch
 from training.token_mean import global_loss_units, step_micro_batches, token_mean_loss
@@ -253,6 +254,7 @@ def run(cfg):
 
 def run_started(spec, lm_eval_tasks, record):
     """run() once the process group is up and this job holds output_dir."""
+    spec = measured_partition(spec)  # collective: every rank partitions alike, on the device's measured costs
     cfg, resume_from = spec.cfg, spec.resume_from
     prepare_output_dir(spec)
     seed_everything(cfg.seed)

@@ -31,7 +31,8 @@ from models.pipeline_schedule_rules import chunks_per_rank
 from models.preference import PreferenceSettings
 from models.tensor_parallel import check_tensor_parallel_split
 from planner.chunk_balance import balanced_chunk_counts
-from planner.stage_costs import balanced_stage_cost
+from planner.measured_costs import measured_stage_cost
+from planner.stage_costs import StageCostModel
 from planner.training_state import checkpoint_bytes_per_parameter
 from planner.workload import Workload
 from training.config_checks import ConfigError, checked_config
@@ -49,6 +50,7 @@ class RunSpec:
     tokenizer_dir: str | None = None  # None: pre-tokenized data needs none
     resume_from: tuple | None = None  # (checkpoint dir, tag)
     trainer_state: dict = dataclasses.field(default_factory=dict)
+    unit_costs: object = None  # planner/measured_costs.py UnitCosts `balanced` weighed stages by (None: FLOPs)
 
     @property
     def num_stages(self):
@@ -129,8 +131,17 @@ class RunSpec:
     def replanned(self, **workload_changes):
         """The same run with another workload (and the stage bounds the partition gives it)."""
         workload = dataclasses.replace(self.workload, **workload_changes)
-        bounds = configured_stage_bounds(self.cfg, self.model_config, workload)
+        bounds = configured_stage_bounds(self.cfg, self.model_config, workload, self.unit_costs)
         return dataclasses.replace(self, workload=workload, stage_bounds=bounds)
+
+    def with_unit_costs(self, units):
+        """The same run partitioned on the device's measured costs (training/cost_calibration.py); a checkpoint
+        whose optimizer state follows its stages' layers is checked against the new ones."""
+        bounds = configured_stage_bounds(self.cfg, self.model_config, self.workload, units)
+        spec = dataclasses.replace(self, unit_costs=units, stage_bounds=bounds)
+        if spec.resume_from:
+            check_resume(spec)
+        return spec
 
 
 def run_spec(cfg, world_size):
@@ -345,19 +356,21 @@ def workload_of(cfg, data_parallel):
                     lora=LoraSettings.from_cfg(cfg.lora), async_save=bool(cfg.async_save))
 
 
-def configured_stage_bounds(cfg, model_config, workload):
+def configured_stage_bounds(cfg, model_config, workload, units=None):
     """The stage bounds cfg.partition gives this workload (a method name or a list of decoder layers per stage);
     under a schedule with several chunks per rank, the bounds of every global chunk (models/partition.py's
-    chunk_bounds), `balanced` minimising the schedule's simulated step (planner/chunk_balance.py)."""
+    chunk_bounds), `balanced` minimising the schedule's simulated step (planner/chunk_balance.py). units: the
+    measured costs `balanced` weighs compute by (planner/measured_costs.py; None: the plan's FLOPs)."""
     partition = cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
     chunks = cfg.num_stages * chunks_per_rank(cfg.pipeline_schedule, cfg.virtual_stages)
     check_chunk_count(cfg, chunks, model_config.num_hidden_layers, partition)
     cost = None
     if partition == "balanced" and chunks == cfg.num_stages:
-        cost = balanced_stage_cost(model_config, workload, cfg.num_stages, cfg.device_memory_gb * 2**30)
+        model = StageCostModel(model_config, workload, cfg.num_stages, cfg.device_memory_gb * 2**30)
+        cost = model.cost if units is None else measured_stage_cost(model, units)
     try:
         if partition == "balanced" and chunks > cfg.num_stages:
-            partition = balanced_chunk_counts(model_config, workload, cfg.num_stages)
+            partition = balanced_chunk_counts(model_config, workload, cfg.num_stages, units)
         bounds = tuple(partition_stages(model_config, chunks, partition, cost))
     except ValueError as error:
         raise ConfigError(str(error)) from None

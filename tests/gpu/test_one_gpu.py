@@ -8,6 +8,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -175,6 +176,44 @@ def test_chunked_loss_equals_the_logits_head(record_property):
     assert abs(chunked_loss - logits_loss) <= 1e-3 and max(errors) <= 2e-2, (chunked_loss, logits_loss, errors)
     record_property("figure", f"loss {chunked_loss:.5f} vs {logits_loss:.5f}; gradient error input {errors[0]:.1e}, "
                               f"weight {errors[1]:.1e}")
+
+
+def calibration_memory_bound(config, seq_length):
+    """What partition_costs=measured's calibration holds at most by the plan (planner/stage_costs.py), in bf16: the
+    three units' weights and gradients, the chunked head's fp32 weight-gradient sum, and a decoder layer's
+    activations, backward workspace and the tensors waiting for its W, or the head's chunk of logits."""
+    from planner.stage_costs import LayerCosts
+    from planner.workload import Workload
+    layers = LayerCosts(config, Workload(seq_length=seq_length, micro_batch_size=1, precision="bf16"))
+    weights = sum(layers.parameters[kind] for kind in ("embedding", "decoder", "head"))
+    decoder_workspace = layers.backward_bytes["decoder"] + layers.weight_grad_bytes["decoder"]
+    workspace = max(decoder_workspace, layers.backward_bytes["head"])
+    return 4 * weights + 4 * layers.parameters["head"] + layers.saved_bytes["decoder"] + workspace
+
+
+def test_partition_cost_calibration_in_its_memory(record_property):
+    """partition_costs=measured's start-up calibration (training/cost_calibration.py) on the 1B shape in bf16 at seq
+    2048: CUDA events time every decoder pass (each > 0, B + W within 1.5x a whole backward), and its peak memory
+    stays within 1.5x of what its units take by the plan (a regression that kept more alive, or ran it in fp32,
+    would not)."""
+    from omegaconf import OmegaConf
+
+    from training.config_checks import checked_config
+    from training.cost_calibration import timed_unit_costs
+    config = one_billion_config()
+    cfg = checked_config(OmegaConf.create(dict(precision="bf16", zero_stage=1, seq_length=2048, micro_batch_size=1,
+                                               pipeline_schedule="zbv", num_stages=2)))
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before, started = torch.cuda.memory_allocated(), time.perf_counter()
+    units = timed_unit_costs(cfg, config)
+    seconds, peak = time.perf_counter() - started, torch.cuda.max_memory_allocated() - before
+    bound = calibration_memory_bound(config, cfg.seq_length)
+    decoder = units.seconds["decoder"]
+    assert min(decoder.values()) > 0 and decoder["B"] + decoder["W"] <= 1.5 * decoder["BW"], units.describe()
+    assert peak <= 1.5 * bound, (peak, bound)
+    record_property("figure", f"{units.describe()}; peak {peak / 2**30:.2f} GiB (plan {bound / 2**30:.2f}); "
+                              f"{seconds:.1f} s")
 
 
 def test_host_syncs_per_step_do_not_grow_with_micro_batches_or_chunks(record_property):
