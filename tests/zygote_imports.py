@@ -7,6 +7,7 @@ import importlib
 import os
 import sys
 import tempfile
+import weakref
 
 os.environ["DS_ACCELERATOR"] = "cpu"  # DeepSpeed picks its accelerator on import
 for name in ("torch", "deepspeed", "transformers", "transformers.models.llama.modeling_llama", "datasets", "hydra",
@@ -23,6 +24,12 @@ importlib.import_module("deepspeed_internals.registry").check_deepspeed_internal
 if sys.dont_write_bytecode:  # PYTHONDONTWRITEBYTECODE: each rank would compile the project's modules again (~0.3 s);
     # their bytecode goes to a cache outside the repository (set after the imports above, which have theirs already)
     sys.dont_write_bytecode, sys.pycache_prefix = False, os.path.join(tempfile.gettempdir(), "rank-zygote-pycache")
+# At its exit, each forked process would unregister, one by one, the ~190 torch.library ops these imports registered
+# (their finalizers, ~0.05 CPU s a rank, writing to memory shared with the zygote): its end drops them anyway.
+unregister = importlib.import_module("torch.library")._del_library
+for finalizer in list(weakref.finalize._registry):
+    if finalizer.alive and finalizer.peek()[1] is unregister:
+        finalizer.atexit = False
 # What is loaded by now lives as long as the process: out of the garbage collector's sight, or each full collection
 # walks its ~600k objects again in every rank (0.33 CPU s; DeepSpeed's engines call gc.collect() as they start)
 gc.freeze()
