@@ -4,6 +4,7 @@ and the standard library), whose start-up check reads DeepSpeed's source once he
 verdict: each rank still runs the check on its own DeepSpeed objects."""
 import gc
 import importlib
+import importlib.util
 import os
 import sys
 import tempfile
@@ -19,6 +20,9 @@ for name in ("torch", "deepspeed", "transformers", "transformers.models.llama.mo
              # imported by DeepSpeed's ZeRO optimizer check: its torch.compile decorators import inductor (~2 s)
              "deepspeed.runtime.zero.muon.muon_optimizer"):
     importlib.import_module(name)
+if importlib.util.find_spec("lm_eval"):  # an optional extra: what a run with eval_tasks imports (~0.2 s a rank)
+    for name in ("lm_eval.evaluator", "lm_eval.models.huggingface", "lm_eval.tasks"):
+        importlib.import_module(name)
 importlib.import_module("deepspeed.ops").__compatible_ops__  # noqa: B018 (probed on first access, then kept)
 importlib.import_module("deepspeed_internals.registry").check_deepspeed_internals()  # its SOURCES, read once
 if sys.dont_write_bytecode:  # PYTHONDONTWRITEBYTECODE: each rank would compile the project's modules again (~0.3 s);
