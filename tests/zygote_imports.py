@@ -4,9 +4,11 @@ and the standard library), whose start-up check reads DeepSpeed's source once he
 verdict: each rank still runs the check on its own DeepSpeed objects."""
 import gc
 import importlib
+import importlib.util
 import os
 import sys
 import tempfile
+import weakref
 
 os.environ["DS_ACCELERATOR"] = "cpu"  # DeepSpeed picks its accelerator on import
 for name in ("torch", "deepspeed", "transformers", "transformers.models.llama.modeling_llama", "datasets", "hydra",
@@ -18,11 +20,20 @@ for name in ("torch", "deepspeed", "transformers", "transformers.models.llama.mo
              # imported by DeepSpeed's ZeRO optimizer check: its torch.compile decorators import inductor (~2 s)
              "deepspeed.runtime.zero.muon.muon_optimizer"):
     importlib.import_module(name)
+if importlib.util.find_spec("lm_eval"):  # an optional extra: what a run with eval_tasks imports (~0.2 s a rank)
+    for name in ("lm_eval.evaluator", "lm_eval.models.huggingface", "lm_eval.tasks"):
+        importlib.import_module(name)
 importlib.import_module("deepspeed.ops").__compatible_ops__  # noqa: B018 (probed on first access, then kept)
 importlib.import_module("deepspeed_internals.registry").check_deepspeed_internals()  # its SOURCES, read once
 if sys.dont_write_bytecode:  # PYTHONDONTWRITEBYTECODE: each rank would compile the project's modules again (~0.3 s);
     # their bytecode goes to a cache outside the repository (set after the imports above, which have theirs already)
     sys.dont_write_bytecode, sys.pycache_prefix = False, os.path.join(tempfile.gettempdir(), "rank-zygote-pycache")
+# At its exit, each forked process would unregister, one by one, the ~190 torch.library ops these imports registered
+# (their finalizers, ~0.05 CPU s a rank, writing to memory shared with the zygote): its end drops them anyway.
+unregister = importlib.import_module("torch.library")._del_library
+for finalizer in list(weakref.finalize._registry):
+    if finalizer.alive and finalizer.peek()[1] is unregister:
+        finalizer.atexit = False
 # What is loaded by now lives as long as the process: out of the garbage collector's sight, or each full collection
 # walks its ~600k objects again in every rank (0.33 CPU s; DeepSpeed's engines call gc.collect() as they start)
 gc.freeze()
