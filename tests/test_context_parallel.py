@@ -17,7 +17,7 @@ from tests.launch import (SINGLE_PROCESS, check_ok, demo_overrides, launch_train
                           read_metrics)
 from tests.test_lm_eval import assert_loop_equals_lm_eval
 from tests.launch import run_in_process
-from tests.test_packing import hf_reference, packed_rows, recording_engine
+from tests.test_packing import EVAL_ROWS, hf_reference, packed_rows, recording_engine
 
 SEQ, MICRO_BATCH, GAS = 32, 2, 2
 CASES = {  # name: (tiny model, stages, tensor parallel, context parallel, options)
@@ -108,7 +108,7 @@ def hf_references(checkpoints, datasets, world_size):
 def packed_documents(tmp_path):
     rows, _ = packed_rows(tmp_path)  # rows of several documents first, padding in most
     assert any(len(r["lengths"]) > 2 for r in rows[:GAS * 2 * MICRO_BATCH])
-    return rows
+    return rows[:EVAL_ROWS]
 
 
 def full_rows():

@@ -65,8 +65,12 @@ def family_preference_models(tmp_path_factory):
 
 def preference_checkpoint(root, config, tokenizer, num_records):
     """A model of `config` with `tokenizer` saved and converted under root, and num_records string pairs to train
-    on (and EVAL_PAIRS to evaluate): {hf, ds, train, records, eval, eval_records, root}."""
+    on (and EVAL_PAIRS to evaluate): {hf, ds, train, records, eval, eval_records, root, first_pairs: the first
+    step's pairs tokenized as the trainer reads them, once for every pipeline_first_step}."""
+    from transformers import AutoTokenizer
+
     from checkpoints.hf_to_ds import convert_hf_to_ds
+    from data import build_dataset
     from tests.tiny_models import make_model
     make_model(config, root / "hf", seed=3)
     tokenizer.save_pretrained(root / "hf")
@@ -82,9 +86,11 @@ def preference_checkpoint(root, config, tokenizer, num_records):
     train, evaluation = records[:-EVAL_PAIRS], records[-EVAL_PAIRS:]
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
     (root / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evaluation))
+    rows, _ = build_dataset(str(root / "train.jsonl"), AutoTokenizer.from_pretrained(root / "ds"),
+                            {"format": "preference"}, SEQ, cache_dir=root / "first_step_cache")
     return {"hf": str(root / "hf"), "ds": str(root / "ds"), "train": str(root / "train.jsonl"),
             "records": train, "eval": str(root / "eval.jsonl"), "eval_records": evaluation,
-            "root": root}
+            "root": root, "first_pairs": [rows[i] for i in range(len(FIRST_STEP_REFERENCE))]}
 
 
 def trainer_overrides(model, output_dir, **extra):
@@ -100,16 +106,20 @@ def trainer_overrides(model, output_dir, **extra):
     return [f"{k}={v}" for k, v in values.items()]
 
 
-def run_trainer(rank, *runs):
-    """One rank of the trainer, as trainer_pipe.py runs it (Hydra's compose of conf/tiny.yaml and overrides), for
-    each list of overrides in turn (one process start for several runs)."""
+def composed(*runs):
+    """Each list of overrides composed as trainer_pipe.py composes it (Hydra, conf/tiny.yaml), here once for all the
+    ranks that run it (~0.1 CPU s a run and rank)."""
     from hydra import compose, initialize_config_dir
 
     from tests.conftest import ROOT
+    with initialize_config_dir(config_dir=f"{ROOT}/conf", version_base=None):
+        return [compose(config_name="tiny", overrides=overrides) for overrides in runs]
+
+
+def run_trainer(rank, *configs):
+    """One rank of the trainer on each composed config in turn (one process start for several runs)."""
     from training.loop import run
-    for overrides in runs:
-        with initialize_config_dir(config_dir=f"{ROOT}/conf", version_base=None):
-            cfg = compose(config_name="tiny", overrides=overrides)
+    for cfg in configs:
         run(cfg)  # the process group stays up for the next run (gloo cannot start a second one on the same port)
     torch.distributed.destroy_process_group()
 
@@ -186,18 +196,19 @@ def one_process_runs(preference_model, family_preference_models, tmp_path_factor
     """One process for the first-step gradients (pipeline_first_step: full weights, LoRA; LLaMA's and each other
     family's) and the trainer on 1 stage; {"root": where the gradients are, "one_stage": the run's output_dir}."""
     root = tmp_path_factory.mktemp("one_process")
-    spawn(one_process_worker, 1, preference_model, family_preference_models, root)
+    runs = composed(trainer_overrides(preference_model, root / "one_stage", eval_file=preference_model["eval"]),
+                    trainer_overrides(family_preference_models["granite"], root / "granite-one_stage"))
+    spawn(one_process_worker, 1, preference_model, family_preference_models, root, runs)
     return {"root": root, "one_stage": root / "one_stage"}
 
 
-def one_process_worker(rank, model, families, root):
+def one_process_worker(rank, model, families, root, runs):
     from training.distributed import init_distributed
     init_distributed(timeout_minutes=2)
     for name, checkpoint in {"": model, **{f"{family}-": families[family] for family in families}}.items():
         pipeline_first_step(rank, checkpoint, root, f"{name}full")
         pipeline_first_step(rank, checkpoint, root, f"{name}lora", lora_rank=LORA_RANK)
-    run_trainer(rank, trainer_overrides(model, root / "one_stage", eval_file=model["eval"]),
-                trainer_overrides(families["granite"], root / "granite-one_stage"))
+    run_trainer(rank, *runs)
 
 
 def four_process_worker(rank, model, families, root, runs):
@@ -333,7 +344,7 @@ def two_stage_runs(preference_model, family_preference_models, tmp_path_factory)
                                            "data.cache_dir": root / "lora_eval_cache"}),
             "simpo": trainer_overrides(preference_model, root / "simpo", **layout, objective="simpo",
                                        **{"simpo.beta": SIMPO_BETA, "simpo.gamma": SIMPO_GAMMA})}
-    spawn(four_process_worker, 4, preference_model, family_preference_models, root, list(runs.values()))
+    spawn(four_process_worker, 4, preference_model, family_preference_models, root, composed(*runs.values()))
     names = ("dpo", "tp2", "cp2", "zbv_cp2", "zero_bubble", "lora", "simpo", "lora_eval_cache")
     return {"root": root, **{name: root / name for name in names}}
 
@@ -492,7 +503,6 @@ def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tens
     from transformers import AutoConfig, AutoTokenizer
 
     from checkpoints.layer_files import load_layer_slice
-    from data import build_dataset
     from data.collator import collate_preference
     from models.lora import NO_LORA, LoraSettings
     from models.pipeline import build_pipeline_module
@@ -516,10 +526,8 @@ def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tens
     if lora.enabled:
         set_adapters(module, adapter_values(config, lora, seed=7, nonzero_b=True), module.parallel)
     tokenizer = AutoTokenizer.from_pretrained(model["ds"])
-    rows, _ = build_dataset(model["train"], tokenizer, {"format": "preference"}, SEQ,
-                            cache_dir=root / f"{case}-cache-{rank}")
     first = engine.grid.data_parallel_id * MICRO_BATCH * GAS
-    pairs = [{**rows[i], "ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
+    pairs = [{**model["first_pairs"][i], "ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
              for i, (chosen, rejected) in enumerate(FIRST_STEP_REFERENCE) if first <= i < first + MICRO_BATCH * GAS]
     micro_batches = [collate_preference(pairs[k:k + MICRO_BATCH], SEQ, tokenizer.pad_token_id)
                      for k in range(0, len(pairs), MICRO_BATCH)]
