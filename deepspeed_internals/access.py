@@ -1,5 +1,6 @@
 """The accessors through which the rooms read and replace DeepSpeed's internals (listed, with why, in
 deepspeed_internals/__init__.py; checked by registry.py)."""
+import functools
 import math
 import types
 from typing import NamedTuple
@@ -88,6 +89,14 @@ def restore_loss_scaler_state(engine, state):
 def skip_shm_comm_build():
     """DeepSpeed's distributed init does not JIT-build its shared-memory op (gloo does the CPU collectives)."""
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def ask_cpuinfo_once():
+    """py-cpuinfo's answer, asked once per process: DeepSpeed's CPU Adam asks it three times as it starts (its op
+    builder's -march and SIMD width, the optimizer's CPU vendor), each in a new Python interpreter (~0.7 CPU s)."""
+    import cpuinfo  # its import runs subprocesses too: only where CPU Adam will
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
 # The pipeline engine's instructions and their state.

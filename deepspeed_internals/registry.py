@@ -197,6 +197,11 @@ INTERNALS = (
              mentions="deepspeed.ops.__compatible_ops__"),
     Internal("deepspeed.ops.op_builder.cpu.comm:ShareMemCommBuilder", "which the trainer turns off on CPUs",
              mentions='NAME = "deepspeed_shm_comm"'),
+    *(Internal(path, "which asks py-cpuinfo at each call, a Python interpreter each: asked once per process "
+                     "(access.ask_cpuinfo_once)", mentions="from cpuinfo import get_cpu_info")
+      for path in ("deepspeed.ops.adam.cpu_adam:DeepSpeedCPUAdam.__init__",
+                   "deepspeed.ops.op_builder.builder:OpBuilder.cpu_arch",
+                   "deepspeed.ops.op_builder.builder:OpBuilder.simd_width")),
     Internal("deepspeed.launcher.runner", "which preemption recognises as its parent process",
              mentions=f'"{LAUNCHER_MODULE}"'),
     Internal(f"{LAUNCHER_MODULE}:main", "whose SIGTERM handler (ending the ranks) the supervisor runs at a failure",

@@ -296,6 +296,10 @@ def test_empty_inputs_interrupted_runs_and_two_workers(corpus, tmp_path, monkeyp
         tokenize_shards.prepare_shards(inputs, corpus["hf"], str(tmp_path / "web"))
     assert not list(tmp_path.glob("web.*[bx]"))  # no final shard, half-written or not
     written.append(None)  # from here on every part is written, by 2 tokenizing processes
+    # forked from the rank zygote, whose libraries are imported (a spawned one imports torch and transformers again,
+    # ~5 CPU s); each still imports data.tokenize_shards afresh and gets its work pickled, as a spawned one does
+    from tests.rank_zygote import context
+    monkeypatch.setattr(tokenize_shards, "get_context", lambda method: context())
     tokenize_shards.prepare_shards(inputs, corpus["hf"], str(tmp_path / "web"), workers=2, batch_size=7)
     assert written == [inputs[0], None, inputs[1], inputs[2]]  # the first input's part was kept, not redone
     for suffix in (".bin", ".idx"):

@@ -293,12 +293,13 @@ def test_memory_plan_counts_the_frozen_base_and_the_adapters():
 @pytest.mark.slow
 def test_lora_trains_on_packed_chat_on_two_stages_with_zero_bubble_and_offload(demo_model, tmp_path):
     """Chat data, packing, 2 stages, the zero-bubble schedule, checkpointing and the offloaded optimizer together: the
-    loss falls and the run exports a peft adapter (parity with peft: the tests above)."""
+    loss falls and the run exports a peft adapter (parity with peft: the tests above; evaluation of packed chat:
+    tests/test_packing.py)."""
     from tests.chat_tokenizers import write_chat_files
     data, template = write_chat_files(tmp_path, 64)
     out = tmp_path / "run"
     check_ok(launch_trainer(2, demo_overrides(
-        demo_model, out, num_stages=2, train_file=data, eval_file=data, seq_length=256, max_steps=6,
+        demo_model, out, num_stages=2, train_file=data, eval_file="null", seq_length=256, max_steps=6,
         learning_rate=1e-2, logging_steps=1, pipeline_schedule="zero_bubble", activation_checkpoint_interval=1,
         export_hf="true", offload_optimizer="cpu", zero_stage=1,
         **{"lora.rank": 4, "data.format": "chat", "data.chat_template": template, "data.packing": "true",

@@ -16,7 +16,9 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
+import lm_eval.tasks
 import torch
 from lm_eval.api.model import LM
 from lm_eval.evaluator import evaluate as lm_eval_evaluate
@@ -43,6 +45,9 @@ def load_tasks(eval_tasks, output_dir):
         if not os.path.isfile(path):
             raise ConfigError(f"eval_tasks: task file {path} does not exist; give an existing task YAML or the name "
                               f"of an lm-eval task.")
+    for task in eval_tasks:
+        if not is_task_file(task.spec) and not written_in_lm_eval_tasks(task.spec):
+            raise unknown_task(task.spec)
     manager = TaskManager(include_defaults=len(files) < len(eval_tasks))
     loaded = []
     for task in eval_tasks:
@@ -54,8 +59,7 @@ def load_tasks(eval_tasks, output_dir):
                 raise ConfigError(f"eval_tasks: task file {task.spec} does not load ({reason}); fix it (lm-eval's "
                                   f"task YAML format, docs/evaluation.md).") from None
             if task.spec not in manager.all_tasks:
-                raise ConfigError(f"eval_tasks: {task.spec!r} is not a task, group or tag of lm-eval "
-                                  f"{lm_eval_version()} (`lm_eval ls tasks` lists them), nor a task YAML file.") from None
+                raise unknown_task(task.spec) from None
             raise ConfigError(f"eval_tasks: {task.spec} does not load ({reason}); offline, its dataset must be in the "
                               f"Hugging Face datasets cache first (docs/evaluation.md, Offline).") from None
         for name, lm_task in task_dict["tasks"].items():
@@ -70,6 +74,18 @@ def load_tasks(eval_tasks, output_dir):
 
 def is_task_file(spec):
     return spec.endswith((".yaml", ".yml"))
+
+
+def written_in_lm_eval_tasks(name):
+    """Whether a task YAML of lm-eval's contains `name`: every task, group and tag name of its index is written in
+    one (its task, group or tag key), so a name in none is not one, known in a second without the index."""
+    needle = name.encode()
+    return any(needle in path.read_bytes() for path in Path(lm_eval.tasks.__file__).parent.glob("**/*.yaml"))
+
+
+def unknown_task(name):
+    return ConfigError(f"eval_tasks: {name!r} is not a task, group or tag of lm-eval {lm_eval_version()} "
+                       f"(`lm_eval ls tasks` lists them), nor a task YAML file.")
 
 
 def lm_eval_version():

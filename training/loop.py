@@ -28,8 +28,9 @@ from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoin
 from data.collator import row_layout
 from data.loader import (blend_micro_batches, build_stage_loader, check_identical_across_group,
                          infinite_micro_batches, micro_batches_per_epoch)
-from deepspeed_internals.access import (replace_checkpoint_engine, replace_fp32_gradient_clipping, set_global_grad_norm,
-                                        skip_gradient_allreduce, skip_optimizer_files, uses_bf16_optimizer)
+from deepspeed_internals.access import (ask_cpuinfo_once, replace_checkpoint_engine, replace_fp32_gradient_clipping,
+                                        set_global_grad_norm, skip_gradient_allreduce, skip_optimizer_files,
+                                        uses_bf16_optimizer)
 from deepspeed_internals.registry import check_deepspeed_internals
 from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
@@ -85,6 +86,8 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
+    if cfg.offload_optimizer == "cpu":
+        ask_cpuinfo_once()
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = None
     if cfg.nan_policy == "skip":
