@@ -24,6 +24,9 @@ if importlib.util.find_spec("lm_eval"):  # an optional extra: what a run with ev
     for name in ("lm_eval.evaluator", "lm_eval.models.huggingface", "lm_eval.tasks"):
         importlib.import_module(name)
 importlib.import_module("deepspeed.ops").__compatible_ops__  # noqa: B018 (probed on first access, then kept)
+# DeepSpeed's CPU Adam (offload_optimizer=cpu): loading its JIT-built op probes the CPU in subprocesses (py-cpuinfo,
+# ninja), ~2.2 CPU s a rank; loaded here once, every rank finds it loaded
+importlib.import_module("deepspeed.ops.op_builder").CPUAdamBuilder().load()
 importlib.import_module("deepspeed_internals.registry").check_deepspeed_internals()  # its SOURCES, read once
 if sys.dont_write_bytecode:  # PYTHONDONTWRITEBYTECODE: each rank would compile the project's modules again (~0.3 s);
     # their bytecode goes to a cache outside the repository (set after the imports above, which have theirs already)
