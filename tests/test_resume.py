@@ -14,11 +14,16 @@ from tests.test_lm_eval import assert_loop_equals_lm_eval, log_likelihoods, read
 
 # fp32 reduction-order noise: the same sums over other ranks and stage boundaries.
 EXACT = dict(abs=1e-5, rel=0)
+# What the resumed runs skip, these tests asserting neither: their end-of-run evaluation (its loss after a resume on
+# another layout: tests/test_reliability.py; under the schedules: tests/test_schedule.py) and their export
+# (tests/test_conversion.py, tests/test_trainer.py).
+NO_EVAL_OR_EXPORT = dict(eval_file="null", export_hf="false")
 
 
 def resumed_losses(demo_model, reference_run, out, procs, layout, start, **extra):
-    result = check_ok(launch_trainer(procs, demo_overrides(demo_model, out, **{**REFERENCE, **layout,
-                                                                               "resume": str(start), **extra})))
+    result = check_ok(launch_trainer(procs, demo_overrides(demo_model, out, **{**REFERENCE, **NO_EVAL_OR_EXPORT,
+                                                                               **layout, "resume": str(start),
+                                                                               **extra})))
     assert [r["step"] for r in read_metrics(out) if "loss" in r][0] == int(start.name.removeprefix("global_step")) + 1
     return result, per_step_losses(out)
 
@@ -77,14 +82,14 @@ def test_resume_into_tensor_parallel_and_back_out_with_offload(demo_model, refer
     reference = per_step_losses(reference_run)
     tp_run = tmp_path / "tp2"
     _, losses = resumed_losses(demo_model, reference_run, tp_run, 2, dict(
-        num_stages=1, tensor_parallel_size=2, gradient_accumulation_steps=4, eval_file="null", export_hf="false"),
+        num_stages=1, tensor_parallel_size=2, gradient_accumulation_steps=4),
         reference_run / "global_step4")
     assert losses == pytest.approx(reference[4:], **EXACT)
     assert sorted(name for name in os.listdir(tp_run / "global_step6") if name.startswith("layer_01")) == [
         "layer_01-model_00-model_states.pt", "layer_01-model_00-optim_states.pt",
         "layer_01-model_01-model_states.pt", "layer_01-model_01-optim_states.pt"]
     result, losses = resumed_losses(demo_model, reference_run, tmp_path / "offload", 2, dict(
-        gradient_accumulation_steps=4, offload_optimizer="cpu", eval_file="null", export_hf="false"),
+        gradient_accumulation_steps=4, offload_optimizer="cpu"),
         tp_run / "global_step6")
     assert "tensor_parallel 2 -> 1" in result.stdout and "offload_optimizer none -> cpu" in result.stdout
     assert losses == pytest.approx(reference[6:8], **EXACT)
