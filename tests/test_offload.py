@@ -85,7 +85,8 @@ def test_cpu_adam_resumes_bit_for_bit_once_its_step_bookkeeping_is_replayed():
 @pytest.mark.slow
 def test_fp32_offload_matches_the_device_optimizer_under_tensor_parallelism(demo_model, single_process_run, tmp_path):
     """1 stage x tensor parallel 2, ZeRO-1 offloaded, against 1 process with the device optimizer, 8 steps."""
-    run = dict(SINGLE_PROCESS, eval_file="null", zero_stage=1, offload_optimizer="cpu", tensor_parallel_size=2)
+    run = dict(SINGLE_PROCESS, eval_file="null", export_hf="false", zero_stage=1, offload_optimizer="cpu",
+               tensor_parallel_size=2)
     check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "cpu", **run)))
     assert per_step_losses(tmp_path / "cpu") == pytest.approx(per_step_losses(single_process_run), abs=1e-4)
 
@@ -99,7 +100,7 @@ def test_bf16_offload_on_2_stages_resumes_on_another_layout_and_exports(demo_mod
                zero_stage=1, learning_rate=1e-3, warmup_steps=2, num_stages=2, offload_optimizer="cpu")
     check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "full", export_hf="true", **run)))
     check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "resumed", **{
-        **run, "num_stages": 1, "offload_optimizer": "none", "gradient_accumulation_steps": 2,
+        **run, "num_stages": 1, "offload_optimizer": "none", "gradient_accumulation_steps": 2, "export_hf": "false",
         "resume": str(tmp_path / "full" / "global_step3")})))
     resumed = read_metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed if "loss" in r] == [4, 5]
