@@ -2,6 +2,7 @@
 the project's own modules start fresh in each rank; the one exception is deepspeed_internals.registry (a leaf: DeepSpeed
 and the standard library), whose start-up check reads DeepSpeed's source once here (~1 CPU s a rank), not its
 verdict: each rank still runs the check on its own DeepSpeed objects."""
+import functools
 import gc
 import importlib
 import importlib.util
@@ -24,8 +25,12 @@ if importlib.util.find_spec("lm_eval"):  # an optional extra: what a run with ev
     for name in ("lm_eval.evaluator", "lm_eval.models.huggingface", "lm_eval.tasks"):
         importlib.import_module(name)
 importlib.import_module("deepspeed.ops").__compatible_ops__  # noqa: B018 (probed on first access, then kept)
-# DeepSpeed's CPU Adam (offload_optimizer=cpu): loading its JIT-built op probes the CPU in subprocesses (py-cpuinfo,
-# ninja), ~2.2 CPU s a rank; loaded here once, every rank finds it loaded
+# DeepSpeed's CPU Adam (offload_optimizer=cpu): py-cpuinfo's answer, which it asks in a new Python interpreter
+# (deepspeed_internals/access.py ask_cpuinfo_once), and its op's load (a JIT build's checks), once here for every
+# rank (~0.8 CPU s of each offload rank's start)
+cpuinfo = importlib.import_module("cpuinfo")
+cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
+cpuinfo.get_cpu_info()
 importlib.import_module("deepspeed.ops.op_builder").CPUAdamBuilder().load()
 importlib.import_module("deepspeed_internals.registry").check_deepspeed_internals()  # its SOURCES, read once
 if sys.dont_write_bytecode:  # PYTHONDONTWRITEBYTECODE: each rank would compile the project's modules again (~0.3 s);
