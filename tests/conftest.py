@@ -79,7 +79,7 @@ def demo_model(tmp_path_factory):
     def build(root):
         from tests.launch import check_ok, run_python
         check_ok(run_python([os.path.join(ROOT, "scripts", "make_tiny_llama.py"), "--output_dir", root,
-                             "--train_lines", 3000, "--eval_lines", 100, "--vocab_size", 384, "--hidden_size", 64]))
+                             "--train_lines", 3000, "--eval_lines", 40, "--vocab_size", 384, "--hidden_size", 64]))
         from checkpoints.hf_to_ds import convert_hf_to_ds
         convert_hf_to_ds(str(root / "hf"), str(root / "ds"))
         return {"hf": str(root / "hf"), "ds": str(root / "ds"), "train": str(root / "train.txt"),

@@ -25,14 +25,15 @@ small_disk = test_reliability.small_disk  # a fixture
 
 @pytest.fixture(scope="module")
 def corpus(demo_model, tmp_path_factory):
-    """The demo model's eval text (100 documents) as jsonl + txt inputs, prepared into shards with its tokenizer."""
+    """The demo model's eval text (40 documents) as jsonl, parquet and txt inputs, prepared into shards with its
+    tokenizer."""
     root = tmp_path_factory.mktemp("shards")
     lines = open(demo_model["eval"]).read().splitlines()
     with open(root / "a.jsonl", "w") as f:
-        for line in lines[:40]:
+        for line in lines[:16]:
             f.write(json.dumps({"text": line, "id": 7}) + "\n")
-    pq.write_table(pa.table({"text": lines[40:60]}), root / "b.parquet")
-    (root / "c.txt").write_text("\n".join(lines[60:]) + "\n\n")  # a blank line: no document
+    pq.write_table(pa.table({"text": lines[16:24]}), root / "b.parquet")
+    (root / "c.txt").write_text("\n".join(lines[24:]) + "\n\n")  # a blank line: no document
     inputs = [str(root / name) for name in ("a.jsonl", "b.parquet", "c.txt")]
     summary = tokenize_shards.prepare_shards(inputs, demo_model["hf"], str(root / "out" / "web"))
     tokenizer = AutoTokenizer.from_pretrained(demo_model["hf"])
@@ -55,7 +56,7 @@ def test_prepared_shards_read_back_with_megatron_and_independently(corpus):
     tokens = np.fromfile(corpus["prefix"] + ".bin", np.uint16)
     assert [tokens[p // 2:p // 2 + n].tolist() for p, n in zip(pointers, lengths)] == corpus["documents"]
     header = read_shard_header(corpus["prefix"])
-    assert (header.sequences, header.tokens) == (100, sum(map(len, corpus["documents"])))
+    assert (header.sequences, header.tokens) == (len(corpus["documents"]), sum(map(len, corpus["documents"])))
     assert corpus["summary"]["tokenizer"]["fingerprint"] == tokenizer_fingerprint(corpus["tokenizer"])
     assert not os.path.exists(corpus["prefix"] + ".parts")
 
@@ -274,7 +275,7 @@ def test_prepare_data_replaces_shards_it_did_not_write_only_when_told(corpus, tm
         assert disk_state(tmp_path) == before
     monkeypatch.setattr(tokenize_shards, "write_part", real_write_part)
     prepare_data.main(command + ["--overwrite"])
-    assert read_shard_header(prefix).sequences == 40 and json.loads((tmp_path / "web.json").read_text())["inputs"]
+    assert read_shard_header(prefix).sequences == 16 and json.loads((tmp_path / "web.json").read_text())["inputs"]
 
 
 @pytest.mark.slow  # spawns 2 tokenizing processes
