@@ -35,7 +35,7 @@ from planner.workload import Workload  # noqa: E402
 from training.config_checks import checked_config  # noqa: E402
 from training.cost_calibration import agreed_unit_costs  # noqa: E402
 from training.distributed import init_distributed, parallel_topology  # noqa: E402
-from training.run_spec import configured_stage_bounds  # noqa: E402
+from training.stage_bounds import configured_stage_bounds  # noqa: E402
 from training.chunked_engine import rank_chunk_ids, use_chunked_pipeline  # noqa: E402
 from training.pipeline_engine import use_zero_bubble  # noqa: E402
 from training.reference import WithReference, compute_reference  # noqa: E402

@@ -20,7 +20,7 @@ from tests.launch import demo_overrides, run_in_process
 from tests.tiny_models import TINY_CONFIGS, make_model
 from training.chunked_engine import stage_reads_data
 from training.config_checks import ConfigError, checked_config
-from training.run_spec import configured_stage_bounds
+from training.stage_bounds import configured_stage_bounds
 from training.schedule import chunk_ids, chunks_per_rank, rank_orders, simulate, stage_orders
 
 # 2 steps of one batch: the second step's gradients are taken at the weights and Adam state the first step left, the

@@ -25,18 +25,14 @@ from models.context_parallel import context_parallel_error
 from models.llama import check_model_config
 from models.lora import (LoraSettings, adapter_layer_indices, adapter_parameter_count, check_lora_applies,
                          check_rank_fits)
-from models.partition import decoder_counts_of_bounds, layer_parameter_counts
-from models.pipeline import partition_stages
-from models.pipeline_schedule_rules import chunks_per_rank
+from models.partition import layer_parameter_counts
 from models.preference import PreferenceSettings
 from models.tensor_parallel import check_tensor_parallel_split
-from planner.chunk_balance import balanced_chunk_counts
-from planner.measured_costs import measured_stage_cost
-from planner.stage_costs import StageCostModel
 from planner.training_state import checkpoint_bytes_per_parameter
 from planner.workload import Workload
 from training.config_checks import ConfigError, checked_config
 from training.resume import check_fresh_start, check_output_dir_is_ours, resolve_resume
+from training.stage_bounds import configured_stage_bounds
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
@@ -354,50 +350,6 @@ def workload_of(cfg, data_parallel):
                     zbv_times=(OmegaConf.to_container(cfg.zbv_times) if OmegaConf.is_list(cfg.zbv_times)
                                else cfg.zbv_times),
                     lora=LoraSettings.from_cfg(cfg.lora), async_save=bool(cfg.async_save))
-
-
-def configured_stage_bounds(cfg, model_config, workload, units=None):
-    """The stage bounds cfg.partition gives this workload (a method name or a list of decoder layers per stage);
-    under a schedule with several chunks per rank, the bounds of every global chunk (models/partition.py's
-    chunk_bounds), `balanced` minimising the schedule's simulated step (planner/chunk_balance.py). units: the
-    measured costs `balanced` weighs compute by (planner/measured_costs.py; None: the plan's FLOPs)."""
-    partition = cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
-    chunks = cfg.num_stages * chunks_per_rank(cfg.pipeline_schedule, cfg.virtual_stages)
-    check_chunk_count(cfg, chunks, model_config.num_hidden_layers, partition)
-    cost = None
-    if partition == "balanced" and chunks == cfg.num_stages:
-        model = StageCostModel(model_config, workload, cfg.num_stages, cfg.device_memory_gb * 2**30)
-        cost = model.cost if units is None else measured_stage_cost(model, units)
-    try:
-        if partition == "balanced" and chunks > cfg.num_stages:
-            partition = balanced_chunk_counts(model_config, workload, cfg.num_stages, units)
-        bounds = tuple(partition_stages(model_config, chunks, partition, cost))
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    counts = decoder_counts_of_bounds(bounds)
-    if workload.lora.enabled and 0 in counts:
-        raise ConfigError(f"partition {counts} (decoder layers per stage) leaves stage {counts.index(0)} without a "
-                          f"decoder layer: under LoRA it would hold no adapter, nothing to train; give every stage "
-                          f"at least one decoder layer.")
-    return bounds
-
-
-def check_chunk_count(cfg, chunks, num_hidden_layers, partition):
-    """A schedule with several chunks per rank needs a decoder layer per chunk, and a list partition one entry each."""
-    if chunks == cfg.num_stages:
-        return
-    if chunks > num_hidden_layers:
-        fix = (f"use virtual_stages={num_hidden_layers // cfg.num_stages} or less" if num_hidden_layers >= 2 *
-               cfg.num_stages and cfg.pipeline_schedule == "interleaved_1f1b" else
-               f"use num_stages={num_hidden_layers // chunks_per_rank(cfg.pipeline_schedule, cfg.virtual_stages)} "
-               f"or less")
-        raise ConfigError(f"pipeline_schedule={cfg.pipeline_schedule} splits the model into {chunks} chunks "
-                          f"({cfg.num_stages} stages x {chunks // cfg.num_stages}), more than its {num_hidden_layers} "
-                          f"decoder layers: {fix}.")
-    if not isinstance(partition, str) and len(partition) != chunks:
-        raise ConfigError(f"partition {partition} has {len(partition)} entries: pipeline_schedule="
-                          f"{cfg.pipeline_schedule} splits the model into {chunks} chunks ({cfg.num_stages} stages x "
-                          f"{chunks // cfg.num_stages}); give decoder layers per chunk, {chunks} entries.")
 
 
 # --- the files a run starts from ---------------------------------------------------------------------------------
