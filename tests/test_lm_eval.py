@@ -174,8 +174,8 @@ def test_a_task_file_that_does_not_load_or_generates_is_one_line(demo_tasks, tmp
 def test_an_unknown_task_name_is_one_line(demo_model, tmp_path):
     """Refused without lm-eval's task index: no task YAML of lm-eval's holds the name."""
     from training.config_checks import ConfigError
-    from training.lm_eval_tasks import written_in_lm_eval_tasks
-    assert written_in_lm_eval_tasks("hellaswag") and not written_in_lm_eval_tasks("hellaswagg")
+    from training.lm_eval_tasks import names_written_in_no_lm_eval_task
+    assert names_written_in_no_lm_eval_task(["hellaswagg", "hellaswag"]) == ["hellaswagg"]
     with pytest.raises(ConfigError, match=r"eval_tasks: 'hellaswagg' is not a task, group or tag of lm-eval 0\.4\.13"):
         run_in_process(demo_overrides(demo_model, tmp_path / "run", eval_tasks="[hellaswagg]"), 2)
 

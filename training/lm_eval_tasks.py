@@ -45,9 +45,9 @@ def load_tasks(eval_tasks, output_dir):
         if not os.path.isfile(path):
             raise ConfigError(f"eval_tasks: task file {path} does not exist; give an existing task YAML or the name "
                               f"of an lm-eval task.")
-    for task in eval_tasks:
-        if not is_task_file(task.spec) and not written_in_lm_eval_tasks(task.spec):
-            raise unknown_task(task.spec)
+    unwritten = names_written_in_no_lm_eval_task([task.spec for task in eval_tasks if not is_task_file(task.spec)])
+    if unwritten:
+        raise unknown_task(unwritten[0])
     manager = TaskManager(include_defaults=len(files) < len(eval_tasks))
     loaded = []
     for task in eval_tasks:
@@ -76,11 +76,17 @@ def is_task_file(spec):
     return spec.endswith((".yaml", ".yml"))
 
 
-def written_in_lm_eval_tasks(name):
-    """Whether a task YAML of lm-eval's contains `name`: every task, group and tag name of its index is written in
-    one (its task, group or tag key), so a name in none is not one, known in a second without the index."""
-    needle = name.encode()
-    return any(needle in path.read_bytes() for path in Path(lm_eval.tasks.__file__).parent.glob("**/*.yaml"))
+def names_written_in_no_lm_eval_task(names):
+    """The names (in order) that no task YAML of lm-eval's contains, its files read once for all of them: every task,
+    group and tag name of its index is written in one (its task, group or tag key), so a name in none is not one,
+    known in a second without the index."""
+    unseen = set(names)
+    for path in Path(lm_eval.tasks.__file__).parent.glob("**/*.yaml"):
+        if not unseen:
+            break
+        text = path.read_bytes()
+        unseen -= {name for name in unseen if name.encode() in text}
+    return [name for name in names if name in unseen]
 
 
 def unknown_task(name):
