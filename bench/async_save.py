@@ -41,6 +41,7 @@ from deepspeed.runtime.pipe.schedule import OptimizerStep  # noqa: E402
 
 from checkpoints.background_save import BackgroundSave  # noqa: E402
 from checkpoints.saving import hashing_saves  # noqa: E402
+from engines.instruction_listeners import add_instruction_listener  # noqa: E402
 
 STEP_MATMULS = 12  # a step: this many 1024 x 1024 fp32 matmuls (about 0.3 s on one core), unless --step-matmuls
 BASELINE_STEPS = 8
@@ -154,7 +155,8 @@ def main():
     size = sum(t.numel() * t.element_size() for state in files.values() for t in state.values())
     parameters = sum(t.numel() for state in files.values() for t in state.values())
     engine, trainer = TorchCheckpointEngine(), Trainer()
-    background = BackgroundSave(trainer)
+    background = BackgroundSave()
+    add_instruction_listener(trainer, background)
     engine.zipfile_serialization = True  # DeepSpeed's default (checkpoint_serialization), which the trainer keeps
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     run_step = functools.partial(step, a, b, trainer, args.step_matmuls)

@@ -40,7 +40,7 @@ def worker(rank, seq, rounds, steps, out_path):
     import deepspeed
 
     from models.pipeline import build_pipeline_module
-    from training.distributed import init_distributed, parallel_topology
+    from cluster.distributed import init_distributed, parallel_topology
 
     init_distributed(timeout_minutes=10)
     config = model_config()

@@ -39,7 +39,7 @@ def measure(shape, sums, micro_batches, warm_up, steps):
     from deepspeed.accelerator import get_accelerator
     from transformers import LlamaConfig
 
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
     from training.loop import build_engine
     from training.run_spec import plan_spec
     model, seq_length, micro_batch = SHAPES[shape]

@@ -79,7 +79,7 @@ def main():
     args = parser.parse_args()
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
     init_distributed(timeout_minutes=10)
     results = {f"{micro_batches} micro-batches x {chunks} chunks": syncs_per_step(micro_batches, chunks, args.steps)
                for micro_batches, chunks in CASES}

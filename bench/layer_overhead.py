@@ -38,7 +38,7 @@ def pipeline_step(config, compile_layers, loss_impl="chunked", seq_length=SEQ_LE
     from deepspeed_internals.access import skip_gradient_allreduce
     from models.pipeline import build_pipeline_module
     from training.deepspeed_config import deepspeed_config
-    from training.distributed import parallel_topology
+    from cluster.distributed import parallel_topology
 
     cfg = run_config(run_overrides(seq_length, micro_batch, micro_batches, loss_impl))
     module = build_pipeline_module(config, parallel_topology(1), row_layout="full",  # random_micro_batches' rows
@@ -97,7 +97,7 @@ def seconds(step):
 def compare(rank, steps, compile_layers):
     from transformers import LlamaConfig
 
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
 
     init_distributed(timeout_minutes=30)
     config = LlamaConfig(**MODEL)

@@ -1,4 +1,4 @@
-"""In-loop lm-eval scoring (eval_tasks, training/lm_eval_tasks.py) against the training forward pass on the same
+"""In-loop lm-eval scoring (eval_tasks, evaluation/lm_eval_tasks.py) against the training forward pass on the same
 engine, and against lm-eval's HFLM with transformers on the same model's Hugging Face directory (what evaluate_lm.py
 runs on an export): requests/s and tokens/s, on the CPU, 1 process, 1 stage, fp32, 1 thread.
 
@@ -42,8 +42,8 @@ def main():
 
     from data.corpus import train_demo_tokenizer, write_demo_corpus
     from scripts.make_demo_tasks import write_tasks
-    from training.distributed import init_distributed
-    from training.lm_eval_tasks import LmEvalTasks, PipelineLM, run_task
+    from cluster.distributed import init_distributed
+    from evaluation.lm_eval_tasks import LmEvalTasks, PipelineLM, run_task
     from training.loop import build_engine
     from training.run_spec import plan_spec
     torch.set_num_threads(1)

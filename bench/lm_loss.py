@@ -107,7 +107,7 @@ def whole_step_memory(rank, contender, out_path):
     from transformers import LlamaConfig
 
     from layer_overhead import pipeline_step, transformers_step
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
 
     torch.set_num_threads(1)
     init_distributed(timeout_minutes=30)

@@ -78,7 +78,7 @@ def pipeline_load(rank, ds_dir, out_dir):
 
     from checkpoints.layer_files import load_layer_slice
     from models.pipeline import build_pipeline_module
-    from training.distributed import init_distributed, parallel_topology
+    from cluster.distributed import init_distributed, parallel_topology
 
     init_distributed(timeout_minutes=30)
     module = build_pipeline_module(AutoConfig.from_pretrained(ds_dir), parallel_topology(2), dtype=torch.bfloat16,

@@ -79,7 +79,7 @@ def measure(rank, model_fields, overrides, out_dir):
     import torch.distributed as dist
     from transformers import LlamaConfig
 
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
     from training.loop import build_engine
     from training.run_spec import plan_spec
 

@@ -53,7 +53,7 @@ def worker(rank, data_file, cache_dir, steps, out):
     from models.pipeline import build_pipeline_module
     from tests.chat_tokenizers import make_chat_tokenizer
     from training.deepspeed_config import deepspeed_config
-    from training.distributed import init_distributed, parallel_topology
+    from cluster.distributed import init_distributed, parallel_topology
 
     init_distributed(timeout_minutes=5)
     tokenizer = make_chat_tokenizer("chatml")

@@ -60,8 +60,8 @@ from schedule_simulator import predict  # noqa: E402
 
 from deepspeed_internals.access import (instruction_handlers, replace_instruction_handlers,  # noqa: E402
                                         skip_data_parallel_reductions)
-from training.profiling import add_to, time_instructions  # noqa: E402
-from training.schedule import PIPELINE_SCHEDULES  # noqa: E402
+from engines.profiling import add_to, time_instructions  # noqa: E402
+from schedules.orders import PIPELINE_SCHEDULES  # noqa: E402
 
 # Wide enough that matmuls dominate, as in real LLaMA shapes: B and W then cost about the same (at hidden 512
 # element-wise work in B made it 1.2-1.8x W, at hidden 256 up to 2.5x); the vocabulary sized so that the LM head
@@ -172,7 +172,7 @@ def timing_worker(rank, num_stages, micro_batches, rounds, warm_up_rounds, sched
     lockstep, then a step of the pipeline under each schedule; every step starts at a barrier."""
     import torch.distributed as dist
 
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
 
     pin_to_core(rank)
     init_distributed(timeout_minutes=30)
@@ -211,7 +211,7 @@ def memory_worker(rank, num_stages, micro_batches, schedule, hidden_size, checkp
     import torch.distributed as dist
     from deepspeed.runtime.pipe.schedule import ReduceTiedGrads
 
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
 
     init_distributed(timeout_minutes=30)
     config = model_config(hidden_size)

@@ -4,7 +4,7 @@ The same model (bench/layer_overhead.py's shape: 4 layers of hidden 256, 8k voca
 (prompt 64 tokens, responses of 96 and 64, seq_length 256), one stage, fp32, one thread:
   - sft: chosen and rejected as two SFT rows each (the loss on the responses), micro-batch of 4 rows;
   - dpo: objective=dpo, micro-batch of 2 pairs (the same 4 rows), reference log-probabilities given;
-  - reference pass: training/reference.py's forward-only pass over the step's pairs (on an engine of its own,
+  - reference pass: evaluation/reference.py's forward-only pass over the step's pairs (on an engine of its own,
     as in the trainer, where it runs before any training step).
 Speed: tokens/s of each step (rows x seq_length per second), median of interleaved rounds in one process. Memory: the
 peak RSS rise of one step after a warm-up step, each in a fresh process (freed memory stays with the allocator).
@@ -52,7 +52,7 @@ def build(objective, config):
     from models.pipeline import build_pipeline_module
     from models.preference import PreferenceSettings
     from training.deepspeed_config import deepspeed_config
-    from training.distributed import parallel_topology
+    from cluster.distributed import parallel_topology
 
     rows_per_micro_batch = 2 * PAIRS_PER_MICRO_BATCH
     micro_batch = PAIRS_PER_MICRO_BATCH if objective == "dpo" else rows_per_micro_batch
@@ -87,10 +87,10 @@ def step(engine, micro_batch_of, pairs):
 
 
 def reference_pass(engine, pairs):
-    """training/reference.py's pass over `pairs` (the DPO engine's weights)."""
+    """evaluation/reference.py's pass over `pairs` (the DPO engine's weights)."""
     from types import SimpleNamespace
 
-    from training.reference import compute_reference
+    from evaluation.reference import compute_reference
     cfg = SimpleNamespace(micro_batch_size=PAIRS_PER_MICRO_BATCH, gradient_accumulation_steps=MICRO_BATCHES,
                           seq_length=SEQ_LENGTH)
     compute_reference(engine, pairs, len(pairs), cfg, pad_id=0)
@@ -105,7 +105,7 @@ def timed(function):
 def speed(rank, rounds):
     from transformers import LlamaConfig
 
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
     init_distributed(timeout_minutes=30)
     config = LlamaConfig(**MODEL)
     pairs = random_pairs(config.vocab_size, PAIRS)
@@ -135,7 +135,7 @@ def speed(rank, rounds):
 def memory(rank, objective, out_path):
     from transformers import LlamaConfig
 
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
     init_distributed(timeout_minutes=30)
     config = LlamaConfig(**MODEL)
     pairs = random_pairs(config.vocab_size, PAIRS)

@@ -54,7 +54,7 @@ def resume_rank(rank, overrides, out_dir, name):
     from hydra import compose, initialize_config_dir
 
     from checkpoints.optimizer_state import MasterState
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
     from training.loop import build_engine, load_start_state
     from training.run_spec import run_spec
 

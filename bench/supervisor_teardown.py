@@ -1,7 +1,7 @@
 """How soon the supervisor ends an attempt after a rank is killed, with many ranks on a node: N stand-in ranks under
 DeepSpeed's own launcher (each records its start, and on SIGTERM records its end, as a rank does, and exits after
 --rank-exit-seconds, a rank's own way out), one SIGKILLed; prints the seconds from the kill to the supervisor's
-wait_for_attempt returning, alternating this tree's training/supervisor.py with the one of --against (a commit).
+wait_for_attempt returning, alternating this tree's resilience/supervisor.py with the one of --against (a commit).
 
   python bench/supervisor_teardown.py [--ranks 8] [--rounds 3] [--against COMMIT]
 """
@@ -20,8 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from common import module_at  # noqa: E402
-from training import supervisor  # noqa: E402
-from training.rank_records import RankRecord, read_records  # noqa: E402
+from resilience import supervisor  # noqa: E402
+from resilience.rank_records import RankRecord, read_records  # noqa: E402
 
 SETTLE_SECONDS = 1  # between every rank's start record and the kill: the supervisor is looking by then
 
@@ -75,11 +75,11 @@ def main():
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rank-exit-seconds", type=float, default=0.02)
-    parser.add_argument("--against", default=None, help="a commit whose training/supervisor.py to alternate with")
+    parser.add_argument("--against", default=None, help="a commit whose resilience/supervisor.py to alternate with")
     args = parser.parse_args()
     variants = {"this tree": supervisor}
     if args.against:
-        variants[args.against] = module_at(args.against, "training/supervisor.py")
+        variants[args.against] = module_at(args.against, "resilience/supervisor.py")
     seconds = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, module in variants.items():

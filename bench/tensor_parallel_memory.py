@@ -72,7 +72,7 @@ def measure(rank, overrides, steps, out_dir):
     import torch.distributed as dist
     from transformers import LlamaConfig
 
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
     from training.loop import build_engine
     from training.run_spec import plan_spec
 

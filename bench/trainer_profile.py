@@ -14,12 +14,12 @@ interleaved rounds (reversed every other round, so that the machine's drift fall
 With --at-once a round's trainer runs run at the same time, each in its own copy of the model and data, so that
 a shared host's load falls on all alike (their CPU seconds are then the comparison). Prints each round's ratios
 (1 stage ÷ one loop, 2 stages ÷ two loops at once) and their spread, then, from the last round's profiles
-(training/profiling.py), milliseconds per step on each stage: each engine instruction, the engine's own work between
+(engines/profiling.py), milliseconds per step on each stage: each engine instruction, the engine's own work between
 them, and the loop's work between steps; and each stage's compute (F + B + W) against the start-up
 plan's FLOPs (planner/stage_costs.py), which `partition: balanced` (the default) evens out.
 Then the same ratios in CPU seconds of each process's training thread, which a shared host's load changes far less
 than wall-clock time: a loop's step, the 1-stage trainer's step, and for 2 stages the step the schedule takes
-(training/schedule.py simulate, on the order the trainer runs) from each stage's F, B and W CPU seconds (a chunked
+(schedules/orders.py simulate, on the order the trainer runs) from each stage's F, B and W CPU seconds (a chunked
 schedule's F, B and W summed over its rank's chunks, which the simulation shares out evenly), with everything else
 the stage's thread did in the step (optimizer, engine, loop, the CPU side of transfers) added as if nothing
 overlapped it.
@@ -45,8 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, machine_note, spawn  # noqa: E402
 
 from tests.launch import trainer_command  # noqa: E402
-from training.schedule import rank_orders, simulate  # noqa: E402
-from training.zbv_order import configured_zbv_durations  # noqa: E402
+from schedules.orders import rank_orders  # noqa: E402
+from schedules.simulator import simulate  # noqa: E402
+from schedules.zbv_order import configured_zbv_durations  # noqa: E402
 
 SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1024)
@@ -140,7 +141,7 @@ def matmul_share(rank, fields, seq_length, micro_batch, micro_batches):
 
 
 def run_trainer(work, name, seq_length, micro_batch, micro_batches, steps, partition, extra_overrides):
-    """One trainer_pipe.py run with profile=true; returns {stage: profile} (training/profiling.py's files), its
+    """One trainer_pipe.py run with profile=true; returns {stage: profile} (engines/profiling.py's files), its
     losses per step (metrics.jsonl), its stage plan's layers per stage (the plan's table from its output) and,
     under zbv_times=auto, the times the trainer made its V order for (its log line), else None."""
     num_stages, schedule = TRAINER_RUNS[name]
@@ -167,7 +168,7 @@ def run_trainer(work, name, seq_length, micro_batch, micro_batches, steps, parti
 
 
 def auto_zbv_times(output):
-    """zbv_times=auto's measured times per stage from the trainer's log line (training/chunked_engine.py), or None."""
+    """zbv_times=auto's measured times per stage from the trainer's log line (engines/chunked_engine.py), or None."""
     line = next((line for line in output.splitlines() if line.startswith("zbv_times=auto:")), None)
     if line is None:
         return None

@@ -46,7 +46,7 @@ def collate_preference(pairs, seq_length: int, pad_id: int):
     """Preference pairs → `((input_ids, document_ids, position_ids), (labels, reference_logps))`: the chosen
     sequences in the first half of the rows, the rejected in the second (TRL's order), so a pair never leaves its
     micro-batch. reference_logps (float32, one per row) are the reference model's summed response log-probabilities
-    (training/reference.py), zeros before they are computed."""
+    (evaluation/reference.py), zeros before they are computed."""
     rows = [{"input_ids": pair[f"{side}_input_ids"], "labels": pair[f"{side}_labels"]}
             for side in ("chosen", "rejected") for pair in pairs]
     inputs, labels = collate_causal_lm(rows, seq_length, pad_id)

@@ -1,6 +1,6 @@
 """DeepSpeed's PipelineEngine running several chunks of layers per rank: interleaved 1F1B (rank r holds chunks r,
 r + p, ...) and ZB-V (rank r holds chunks r and 2p - 1 - r), from a rank's program of computations (kind, local
-chunk, micro-batch) and point-to-point operations (training/schedule.py computes both; the model's chunks:
+chunk, micro-batch) and point-to-point operations (schedules/orders.py computes both; the model's chunks:
 models/pipeline.py LlamaPipeline).
 
 Each instruction names its chunk; a (chunk, micro-batch) has its own pipe buffer. The activations of global chunk g
@@ -27,11 +27,12 @@ from deepspeed.runtime.pipe.schedule import OptimizerStep, PipeInstruction, Redu
 import collectives
 from deepspeed_internals.access import (add_instruction_handlers, load_micro_batch, pipe_buffer, run_backward_pass,
                                         run_forward_pass, set_pipe_buffer, set_received_gradients)
-from models.pipeline_schedule_rules import chunk_ids, chunks_per_rank
-from training.pipeline_engine import ZeroBubblePipelineEngine, use_zero_bubble
-from training.schedule import BackwardWeightPass, P2POp, p2p_program
-from training.zbv_auto import MeasuredTimes
-from training.zbv_order import configured_zbv_durations
+from schedules.rules import chunk_ids, chunks_per_rank
+from engines.pipeline_engine import ZeroBubblePipelineEngine, use_zero_bubble
+from engines.zero_bubble_schedule import BackwardWeightPass
+from schedules.p2p import P2POp, p2p_program
+from engines.zbv_auto import MeasuredTimes
+from schedules.zbv_order import configured_zbv_durations
 
 SHAPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
 SHAPES_SIZE = 64  # integers in the shapes message: a count, then dtype, ndim and dims per tensor
@@ -53,7 +54,7 @@ class ShareActivationShapes(PipeInstruction):
 
 
 class PostTransfer(PipeInstruction):
-    """Post a send or a receive (op: training/schedule.py's P2POp) without waiting for it."""
+    """Post a send or a receive (op: schedules/orders.py's P2POp) without waiting for it."""
 
 
 class WaitTransfer(PipeInstruction):
@@ -289,9 +290,9 @@ def stage_reads_data(schedule, stages, rank, virtual_stages=None):
 
 def use_chunked_pipeline(engine, schedule, virtual_stages=None, max_waiting=None, zbv_times=None):
     """Turn the PipelineEngine that deepspeed.initialize built over a chunked LlamaPipeline (rank_chunk_ids' chunks)
-    into the chunked one, running its rank's program of the schedule (training/schedule.py p2p_program; zbv's V
+    into the chunked one, running its rank's program of the schedule (schedules/orders.py p2p_program; zbv's V
     order made for zbv_times, a chunk's [F, B, W] times, or for F = B = W; "auto": for F = B = W, then from the
-    second step's end for the times measured in it, training/zbv_auto.py)."""
+    second step's end for the times measured in it, engines/zbv_auto.py)."""
     chunks = rank_chunk_ids(schedule, engine.num_stages, virtual_stages)
     use_zero_bubble(engine)  # its W and its checks
     engine.__class__ = ChunkedPipelineEngine

@@ -138,8 +138,8 @@ class ForkedChild(subprocess.Popen):
 
 def show_command_line(args):
     """args written over this forked process's command line (the zygote's, as long: args as far as they fit), as
-    setproctitle does: what /proc/PID/cmdline shows, where DeepSpeed's ranks (training/preemption.py) and the
-    supervisor (training/supervisor.py) recognise DeepSpeed's launcher."""
+    setproctitle does: what /proc/PID/cmdline shows, where DeepSpeed's ranks (resilience/preemption.py) and the
+    supervisor (resilience/supervisor.py) recognise DeepSpeed's launcher."""
     with open("/proc/self/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5): the 48th and 49th fields)

@@ -5,7 +5,7 @@ them all. The chunked schedules place other layers on each rank: their gradients
 across all ranks by name. Each step runs as the trainer's does (training/token_mean.py: the micro-batches read first,
 the global batch's loss units counted); a preference case (DPO, SimPO) trains on pairs through the trainer's
 collator, DPO against reference log-probabilities computed by the schedule's own reference pass
-(training/reference.py), and records them and each step's rewards; under context parallelism every rank takes its
+(evaluation/reference.py), and records them and each step's rewards; under context parallelism every rank takes its
 tokens of its replica's micro-batches."""
 import copy
 import functools
@@ -33,12 +33,12 @@ from tests.tiny_models import make_batch  # noqa: E402
 from deepspeed_internals.access import loss_scaler_state  # noqa: E402
 from planner.workload import Workload  # noqa: E402
 from training.config_checks import checked_config  # noqa: E402
-from training.cost_calibration import agreed_unit_costs  # noqa: E402
-from training.distributed import init_distributed, parallel_topology  # noqa: E402
+from engines.cost_calibration import agreed_unit_costs  # noqa: E402
+from cluster.distributed import init_distributed, parallel_topology  # noqa: E402
 from training.stage_bounds import configured_stage_bounds  # noqa: E402
-from training.chunked_engine import rank_chunk_ids, use_chunked_pipeline  # noqa: E402
-from training.pipeline_engine import use_zero_bubble  # noqa: E402
-from training.reference import WithReference, compute_reference  # noqa: E402
+from engines.chunked_engine import rank_chunk_ids, use_chunked_pipeline  # noqa: E402
+from engines.pipeline_engine import use_zero_bubble  # noqa: E402
+from evaluation.reference import WithReference, compute_reference  # noqa: E402
 from training.token_mean import global_loss_units, step_micro_batches, token_mean_loss  # noqa: E402
 
 PROMPT_TOKENS = 3  # a pair's shared prompt, unlabelled: each response is scored on the rest of its row
@@ -138,7 +138,7 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
 
 
 def measured_bounds(case, schedule, config, micro_batch_size, gas, seq_len):
-    """The trainer's partition=balanced on the device's measured costs (training/cost_calibration.py: every rank
+    """The trainer's partition=balanced on the device's measured costs (engines/cost_calibration.py: every rank
     times the units, all of them take the mean) for this case: (the agreed UnitCosts, the chunks' bounds)."""
     virtual_stages = case.get("virtual_stages") if schedule == "interleaved_1f1b" else None
     zbv_times = case.get("zbv_times") if schedule == "zbv" else None

@@ -101,7 +101,8 @@ def test_the_last_input_learns_the_token_after_it_unless_a_document_starts_there
 
     from data.collator import collate_causal_lm
     from models.context_parallel import ContextParallel
-    from models.loss import IGNORE_INDEX, CausalLMLoss, next_token_labels
+    from models.labels import IGNORE_INDEX
+    from models.loss import CausalLMLoss, next_token_labels
     rows = [{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8, 9], "lengths": [2, 3]},  # a document from 7 on
             {"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4, 5], "lengths": [4, 1]}]  # one starting after it
     inputs, labels = collate_causal_lm(rows, seq_length=4, pad_id=0)
@@ -422,7 +423,7 @@ def test_read_only_shards_build_their_index_in_index_dir(demo_model, corpus, sma
 
     from tests.conftest import ROOT
     from tests.launch import demo_overrides
-    from training.config_checks import ConfigError
+    from errors import ConfigError
     from training.run_spec import run_spec
     disk = small_disk(16 * 2**20)
     for suffix in (".bin", ".idx", ".json"):
@@ -459,7 +460,7 @@ def test_run_refuses_bad_shards_before_starting(demo_model, corpus, tmp_path):
     from data.corpus import train_demo_tokenizer
     from tests.conftest import ROOT
     from tests.launch import demo_overrides
-    from training.config_checks import ConfigError
+    from errors import ConfigError
     from training.run_spec import run_spec
     other = train_demo_tokenizer(demo_model["eval"], tmp_path / "other_tokenizer", 320)
     tokenize_shards.prepare_shards([demo_model["eval"]], str(tmp_path / "other_tokenizer"), str(tmp_path / "other"))

@@ -1,4 +1,4 @@
-"""lm-evaluation-harness tasks (training/lm_eval_tasks.py, evaluate_lm.py) against lm-eval's own HFLM: the in-loop
+"""lm-evaluation-harness tasks (evaluation/lm_eval_tasks.py, evaluate_lm.py) against lm-eval's own HFLM: the in-loop
 scores of a checkpoint equal lm_eval's on its export (the same accuracy, each request's log-likelihood within 1e-5
 in fp32) on 1 process, 2 stages x 2 data-parallel and (tests/test_tensor_parallel.py) 2 stages x tensor parallel
 2; the rows and the chunked scores equal HFLM's where requests are cut to the length; bad tasks are one line before
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from models.context_parallel import NO_CONTEXT_PARALLEL
-from models.loss import IGNORE_INDEX, ContinuationScores, continuation_scores
+from models.labels import IGNORE_INDEX
+from models.loss import ContinuationScores, continuation_scores
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 from tests.launch import demo_overrides, run_in_process
 
@@ -113,7 +114,7 @@ def test_rows_cut_to_the_length_score_as_hflm(demo_model, demo_tasks):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data.collator import collate_causal_lm
-    from training.lm_eval_tasks import PipelineLM
+    from evaluation.lm_eval_tasks import PipelineLM
 
     max_length = 12  # the longest continuation's tokens: HFLM refuses longer ones
     model = AutoModelForCausalLM.from_pretrained(demo_model["hf"], dtype=torch.float32).eval()
@@ -145,7 +146,7 @@ def test_rows_cut_to_the_length_score_as_hflm(demo_model, demo_tasks):
     ("{task: x.yaml, limit: 0}", r"eval_tasks entry \{'task': 'x.yaml', 'limit': 0\}: give a task name"),
 ])
 def test_bad_tasks_are_one_line_before_anything_starts(demo_model, tmp_path, entry, message):
-    from training.config_checks import ConfigError
+    from errors import ConfigError
     with pytest.raises(ConfigError, match=message):
         run_in_process(demo_overrides(demo_model, tmp_path / "run", eval_tasks=f"[{entry}]"), 2)
     assert not (tmp_path / "run").exists()  # nothing started
@@ -159,8 +160,9 @@ def test_bad_tasks_are_one_line_before_anything_starts(demo_model, tmp_path, ent
                  r"--ckpt_dir out --tag global_stepN --tasks .*generate.yaml$"),
 ])
 def test_a_task_file_that_does_not_load_or_generates_is_one_line(demo_tasks, tmp_path, kind, message):
-    from training.config_checks import ConfigError, EvalTask
-    from training.lm_eval_tasks import load_tasks
+    from errors import ConfigError
+    from evaluation.eval_task import EvalTask
+    from evaluation.lm_eval_tasks import load_tasks
     with open(demo_tasks["demo_next_words"]) as f:
         config = json.load(f)
     (tmp_path / "broken.yaml").write_text("task: demo_broken\n  output_type: [multiple_choice\n")
@@ -173,8 +175,8 @@ def test_a_task_file_that_does_not_load_or_generates_is_one_line(demo_tasks, tmp
 @pytest.mark.slow  # lm-eval's index of its built-in tasks takes ~15 s to build
 def test_an_unknown_task_name_is_one_line(demo_model, tmp_path):
     """Refused without lm-eval's task index: no task YAML of lm-eval's holds the name."""
-    from training.config_checks import ConfigError
-    from training.lm_eval_tasks import names_written_in_no_lm_eval_task
+    from errors import ConfigError
+    from evaluation.lm_eval_tasks import names_written_in_no_lm_eval_task
     assert names_written_in_no_lm_eval_task(["hellaswagg", "hellaswag"]) == ["hellaswagg"]
     with pytest.raises(ConfigError, match=r"eval_tasks: 'hellaswagg' is not a task, group or tag of lm-eval 0\.4\.13"):
         run_in_process(demo_overrides(demo_model, tmp_path / "run", eval_tasks="[hellaswagg]"), 2)
@@ -186,8 +188,8 @@ def test_requests_longer_than_seq_length_are_counted_before_training(demo_model,
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from training.config_checks import ConfigError
-    from training.lm_eval_tasks import LmEvalTasks
+    from errors import ConfigError
+    from evaluation.lm_eval_tasks import LmEvalTasks
     tokenizer = AutoTokenizer.from_pretrained(demo_model["hf"])
     cfg = OmegaConf.create({"seq_length": 12, "output_dir": "out", "eval_tasks": [demo_tasks["demo_cloze"]]})
     LmEvalTasks(cfg, tokenizer)

@@ -4,7 +4,7 @@ when the peer's matching receive runs (no buffering, unlike gloo, so the CPU run
 that is not a send facing a receive of the same shape and dtype waits forever or delivers the wrong tensor.
 
 The operations are recorded from the engines themselves: each stage's engine (DeepSpeed's PipelineEngine for 1F1B,
-the zero-bubble engine of training/pipeline_engine.py) runs its schedules through DeepSpeed's own instruction loop and
+the zero-bubble engine of engines/pipeline_engine.py) runs its schedules through DeepSpeed's own instruction loop and
 its own send and receive handlers. Only what computes is replaced (forward, backward, W, loading, the reductions and
 the optimizer step: stand-ins that make the tensors a stage passes on, as the project's layers shape them, and check
 the ones it received), and so is the point-to-point layer under the handlers (DeepSpeed's p2p.send / p2p.recv and
@@ -24,12 +24,16 @@ from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicr
 from deepspeed_internals.access import (handlers_only_pipeline_engine, inference_schedule, instruction_handlers,
                                         pipe_buffer, pipe_p2p, replace_instruction_handlers, run_schedule,
                                         set_pipe_buffer, train_schedule)
-from training.chunked_engine import forward_program
-from training.pipeline_engine import use_zero_bubble
-from training.schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
-                               ZeroBubbleSchedule, chunk_ids, p2p_program, rank_orders)
-from training.zbv_auto import robust_sums, stage_times
-from training.zbv_order import EQUAL_TIMES, configured_zbv_durations
+from engines.chunked_engine import forward_program
+from engines.pipeline_engine import use_zero_bubble
+from engines.zero_bubble_schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
+                                          ZeroBubbleSchedule)
+from schedules.orders import rank_orders
+from schedules.rules import chunk_ids
+from schedules.p2p import p2p_program
+from engines.zbv_auto import robust_sums
+from schedules.zbv_order import stage_times
+from schedules.zbv_order import EQUAL_TIMES, configured_zbv_durations
 
 # Stage and micro-batch counts: those of the tests and around them (fewer micro-batches than stages, as many, more),
 # and every config's (config_counts).
@@ -171,7 +175,7 @@ def evaluate(micro_batches):
 
 def record(stages, micro_batches, batches, zero_bubble=None):
     """Each stage's program over `batches` (each: engine -> the schedule that batch runs); zero_bubble: None for
-    DeepSpeed's engine, else {"max_waiting": ...} for training/pipeline_engine.py's."""
+    DeepSpeed's engine, else {"max_waiting": ...} for engines/pipeline_engine.py's."""
     sent = collections.defaultdict(collections.deque)
     programs = []
     for stage in range(stages):
@@ -239,12 +243,12 @@ def run_on_nccl(programs):
 
 def train_first(micro_batches):
     """A run from its start: the shapes go with the first training activations; an evaluation between steps ends
-    on a short chunk (training/evaluation.py evaluates in chunks of at most gradient_accumulation_steps)."""
+    on a short chunk (evaluation/eval_set.py evaluates in chunks of at most gradient_accumulation_steps)."""
     return [train, evaluate(micro_batches), evaluate(max(1, micro_batches - 1)), train]
 
 
 def evaluation_first(micro_batches):
-    """A DPO run: the reference pass (eval_batch, training/reference.py) goes first and sends the shapes."""
+    """A DPO run: the reference pass (eval_batch, evaluation/reference.py) goes first and sends the shapes."""
     return [evaluate(micro_batches), evaluate(1), train, train]
 
 
@@ -283,7 +287,7 @@ def test_zero_bubble_is_matched_on_every_link(stages):
 
 
 class ReceiveAtTheForward(ZeroBubbleSchedule):
-    """The zero-bubble order before the link order (`git show ac713eb^:training/schedule.py`): each activation
+    """The zero-bubble order before the link order (`git show ac713eb^:schedules/orders.py`): each activation
     received, blocking, at its forward; sends posted and waited for at the step's end, as now."""
 
     def steps(self):
@@ -329,7 +333,7 @@ def test_every_config_is_checked():
 
 def chunk_programs(schedule, stages, micro_batches, virtual_stages=1, evaluation=False, zbv_times=EQUAL_TIMES):
     """The operations of every rank's program as the engine runs it (training: p2p_program; evaluation:
-    training/chunked_engine.py forward_program) as the model's programs: an operation's shape stands for its tensor
+    engines/chunked_engine.py forward_program) as the model's programs: an operation's shape stands for its tensor
     (activation or gradient, the chunk boundary it crosses, the micro-batch), so a send matched with another
     transfer's receive is the wrong tensor."""
     programs = []
@@ -399,7 +403,7 @@ def test_sends_posted_in_compute_order_deadlock_under_zbv():
 
 
 def test_zbv_auto_times_agreed_by_every_rank_make_one_matched_order():
-    """zbv_times=auto (training/zbv_auto.py): a rank's F, B, W are robust to a slowed instruction; each stage's times
+    """zbv_times=auto (engines/zbv_auto.py): a rank's F, B, W are robust to a slowed instruction; each stage's times
     are the mean of its ranks' all-gathered rows (2 data-parallel replicas per stage, in rank order), each raised to
     1/8 of the longest (a LoRA run's W is tiny); the order made for them is another than F = B = W's, and matched on
     every link."""

@@ -16,7 +16,7 @@ from checkpoints.compatibility import check_resume_topology
 from tests.conftest import ROOT
 from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics,
                           run_python, start_trainer)
-from training.preemption import PREEMPTED_EXIT_CODE
+from resilience.preemption import PREEMPTED_EXIT_CODE
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
 STOP_DEADLINE_S = 60  # seconds from SIGTERM to every process gone: a step and a save of the tiny model, with margin
@@ -98,7 +98,7 @@ def test_sigterm_mid_run_saves_that_step_and_resume_matches_uninterrupted_run(de
 
 SIGTERM_AFTER_A_SIBLING_EXITED = """
 import os, signal, sys, threading
-from training.preemption import PreemptionWatch
+from resilience.preemption import PreemptionWatch
 watch = PreemptionWatch(grace_seconds=60)
 watch.sibling_rank_has_exited = lambda: True  # the launcher has reaped another of its ranks and ends the job
 handled, request = threading.Event(), watch.request
@@ -235,7 +235,7 @@ def test_preemption_grace_bounds_a_stop_that_cannot_finish():
     """A SIGTERM while the main thread never reaches a step boundary (a hung peer): the process still ends, with the
     preempted exit code, preemption_grace_seconds after the signal."""
     code = ("import os, signal, time\n"
-            "from training.preemption import PreemptionWatch\n"
+            "from resilience.preemption import PreemptionWatch\n"
             "PreemptionWatch(grace_seconds=1)\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(60)\n")

@@ -1,5 +1,5 @@
-"""The schedules against DeepSpeed's 1F1B: zero_bubble (ZB-H1, training/schedule.py), zbv and interleaved_1f1b
-(training/chunked_engine.py) give the same losses and gradients, and the orders they run are valid and fill the
+"""The schedules against DeepSpeed's 1F1B: zero_bubble (ZB-H1, schedules/orders.py), zbv and interleaved_1f1b
+(engines/chunked_engine.py) give the same losses and gradients, and the orders they run are valid and fill the
 bubble; their bad configs are refused at start-up. Resuming across schedules: tests/test_resume.py and
 tests/test_reliability.py."""
 import glob
@@ -18,10 +18,13 @@ from tests import schedule_worker
 from tests.distributed import spawn
 from tests.launch import demo_overrides, run_in_process
 from tests.tiny_models import TINY_CONFIGS, make_model
-from training.chunked_engine import stage_reads_data
-from training.config_checks import ConfigError, checked_config
+from engines.chunked_engine import stage_reads_data
+from errors import ConfigError
+from training.config_checks import checked_config
 from training.stage_bounds import configured_stage_bounds
-from training.schedule import chunk_ids, chunks_per_rank, rank_orders, simulate, stage_orders
+from schedules.orders import rank_orders, stage_orders
+from schedules.rules import chunk_ids, chunks_per_rank
+from schedules.simulator import simulate
 
 # 2 steps of one batch: the second step's gradients are taken at the weights and Adam state the first step left, the
 # weights after both compared, and the loss falls; fp16's case takes 3 (its second step overflows and is skipped).
@@ -30,7 +33,7 @@ CHUNKED = ("zbv", "interleaved_1f1b")  # interleaved_1f1b with virtual_stages=2 
 # name: (tiny config, case settings); all on 4 processes, each case's schedules against its one 1F1B run. The matrix
 # the cases make (what each covers: docs/pipeline-schedules.md#tested).
 CASES = {
-    # Several chunks per rank (training/chunked_engine.py), on 4 and 2 ranks, tied and untied: "8layers" models
+    # Several chunks per rank (engines/chunked_engine.py), on 4 and 2 ranks, tied and untied: "8layers" models
     # have a decoder layer per chunk on 4 ranks. Their ranks hold other layers than 1F1B's: every gradient is
     # compared by name across all ranks (and data-parallel replicas). ZB-V adds the tied weight's embedding and head
     # gradients on one rank in the order its Bs run, 1F1B as two partial sums all-reduced: fp32 rounding of ~1e-7
@@ -41,7 +44,7 @@ CASES = {
     "4stages_tied_checkpointing": ("tied_8layers", dict(
         stages=4, schedules=("zero_bubble", *CHUNKED), virtual_stages=2, checkpoint_interval=1, max_waiting=2,
         zbv_tolerance=2e-6, zbv_times="auto", steps=3)),
-    # preference pairs (training/reference.py's pass under each schedule for DPO; the rewards compared too), LoRA
+    # preference pairs (evaluation/reference.py's pass under each schedule for DPO; the rewards compared too), LoRA
     # (the adapters' gradients, the base frozen; ZB-V's W computes only theirs)
     "4stages_dpo_lora": ("llama2_8layers", dict(stages=4, schedules=CHUNKED, virtual_stages=2, objective="dpo",
                                                 lora=dict(rank=4))),
@@ -91,7 +94,7 @@ CASES = {
             zero_optimization={"stage": 1}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}))),
     # offload_optimizer=cpu (ZeRO-1's fp32 partition and Adam's moments on the host), fp32, under both, ZB-V's V order
     # made for measured times (zbv_times: F, B, W in ms; another order than F = B = W's), 8 layers in 4 chunks split
-    # by partition_costs=measured (the units timed on every rank, their mean agreed: training/cost_calibration.py)
+    # by partition_costs=measured (the units timed on every rank, their mean agreed: engines/cost_calibration.py)
     "2stages_x_2dp_offload_tied": ("tied_8layers", dict(
         stages=2, schedules=CHUNKED, virtual_stages=2, zbv_times=(102, 129, 63), zbv_tolerance=2e-6,
         partition_costs="measured",

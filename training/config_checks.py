@@ -1,20 +1,21 @@
 """What the config alone says, before any file, model or world size is looked at: every key is one of
 conf/base.yaml's, each value one its key allows, and the rules between keys hold. training/run_spec.py runs this
 first, then the checks that need files, the model and the world."""
-import dataclasses
 import difflib
 import os
 
 from omegaconf import ListConfig, OmegaConf
 
 from checkpoints.background_save import ASYNC_SAVE_SETTINGS
+from errors import ConfigError
+from evaluation.eval_task import EvalTask
 from data.formats import DataSettings
 from models.lora import LoraSettings
 from models.pipeline import ATTENTION_IMPLS, LOSS_IMPLS, PRECISION_DTYPES
 from models.preference import PreferenceSettings
 from planner.measured_costs import PARTITION_COSTS, measured_costs_unsupported
-from training.schedule import PIPELINE_SCHEDULES
-from training.zbv_order import ZBV_TIMES_SPREAD
+from schedules.orders import PIPELINE_SCHEDULES
+from schedules.zbv_order import ZBV_TIMES_SPREAD
 
 BASE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "base.yaml")
 FREE_FORM_NODES = ("deepspeed", "model_config")  # DeepSpeed's own keys; a published config.json's fields
@@ -23,10 +24,6 @@ SCHEDULERS = ("cosine", "linear", "constant")
 OFFLOAD_DEVICES = ("none", "cpu")
 NAN_POLICIES = ("stop", "skip")
 INDEXED_IGNORES = ("packing", "overlong", "cache_dir")  # data keys of tokenizing, which data.format=indexed skips
-
-
-class ConfigError(ValueError):
-    """A config that cannot work; the message names the bad value and what to do."""
 
 
 def checked_config(cfg):
@@ -130,25 +127,6 @@ def check_token_shard_keys(cfg):
                               f"samples of seq_length + 1 tokens as prepare_data.py wrote them, docs/data.md); "
                               f"remove it.")
 
-
-@dataclasses.dataclass(frozen=True)
-class EvalTask:
-    """One eval_tasks entry: an lm-eval task, group or tag name, or a task YAML file, and how many of its documents
-    to score (None: all)."""
-    spec: str
-    limit: int | None = None
-
-    @classmethod
-    def from_entry(cls, entry):
-        if isinstance(entry, str) and entry:
-            return cls(entry)
-        fields = OmegaConf.to_container(entry) if OmegaConf.is_config(entry) else entry
-        limit = fields.get("limit") if isinstance(fields, dict) else None
-        if (not isinstance(fields, dict) or set(fields) - {"task", "limit"} or not isinstance(fields.get("task"), str)
-                or not (limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0))):
-            raise ConfigError(f"eval_tasks entry {fields!r}: give a task name or task YAML file, or {{task: NAME, "
-                              f"limit: N}} with N a positive number of documents (or null for all).")
-        return cls(fields["task"], limit)
 
 
 def check_hang_watchdog(watchdog, dist_timeout_minutes):

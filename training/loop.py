@@ -20,7 +20,7 @@ from checkpoints.files import has_tokenizer_files
 from checkpoints.integrity import verify_checkpoint
 from checkpoints.layer_files import load_layer_slice
 from checkpoints.optimizer_state import has_layout_free_state, load_training_state
-from checkpoints.run_lease import output_dir_lease
+from resilience.run_lease import output_dir_lease
 from checkpoints.rng_state import load_rng_state
 from checkpoints.saving import save_checkpoint
 from checkpoints.state_files import WeightsOnlyCheckpointEngine
@@ -37,23 +37,24 @@ from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.tensor_parallel import SHARDED_MARKER
 from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan, snapshot_bytes_of_ranks
 from training.deepspeed_config import accumulation_warning, deepspeed_config
-from training.distributed import (check_devices, elastic_restart_error, init_distributed, node_ranks,
+from cluster.distributed import (check_devices, elastic_restart_error, init_distributed, node_ranks,
                                   parallel_topology, set_threads_per_process)
-from training.evaluation import evaluate
-from training.hang_watchdog import hang_watchdog
+from evaluation.eval_set import evaluate
+from resilience.hang_watchdog import hang_watchdog
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
 from training.optimizer import skipping_optimizer
-from training.chunked_engine import rank_chunk_ids, stage_reads_data, use_chunked_pipeline
-from training.pipeline_engine import use_zero_bubble
-from training.preemption import Preempted, PreemptionWatch
-from training.profiling import NoProfile, StepProfile
-from training.rank_records import start_record
+from engines.chunked_engine import rank_chunk_ids, stage_reads_data, use_chunked_pipeline
+from engines.pipeline_engine import use_zero_bubble
+from resilience.preemption import Preempted, PreemptionWatch
+from engines.instruction_listeners import add_instruction_listener
+from engines.profiling import NoProfile, StepProfile
+from resilience.rank_records import start_record
 from training.run_data import RunData, pad_token_id
 from training.resume import resolve_resume, start_checkpoint_dir
-from training.config_checks import ConfigError
-from training.cost_calibration import measured_partition
+from errors import ConfigError
+from engines.cost_calibration import measured_partition
 from training.run_spec import plan_spec, run_spec
-from training.stragglers import StragglerWatch
+from resilience.stragglers import StragglerWatch
 from training.token_mean import global_loss_units, step_micro_batches, token_mean_loss
 
 
@@ -182,12 +183,12 @@ def load_with_reference(engine, spec, data, pad_id):
 
 
 def load_lm_eval_tasks(spec):
-    """The run's eval_tasks loaded and checked on every rank before anything starts (training/lm_eval_tasks.py;
+    """The run's eval_tasks loaded and checked on every rank before anything starts (evaluation/lm_eval_tasks.py;
     lm-eval is an optional extra), or None."""
     if not spec.cfg.eval_tasks:
         return None
     try:
-        from training.lm_eval_tasks import LmEvalTasks
+        from evaluation.lm_eval_tasks import LmEvalTasks
     except ImportError as error:
         raise ConfigError(f"eval_tasks needs lm-evaluation-harness ({error}): pip install -r "
                           f"requirements-eval.txt") from None
@@ -349,7 +350,9 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
     profile = (StepProfile(engine, cfg.output_dir, dist.get_rank(), planned_stage_tflops(spec, engine.stage_id))
                if cfg.profile else NoProfile())
     stragglers = StragglerWatch(engine, cfg.straggler_margin)
-    background = BackgroundSave(engine) if cfg.async_save else None
+    background = BackgroundSave() if cfg.async_save else None
+    if background:
+        add_instruction_listener(engine, background)  # the optimizer step waits for the snapshot's copy
     start_time = window_start = time.time()
     window_steps, losses, skipped, unlabelled = 0, [], 0, 0
     result = {}

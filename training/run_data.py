@@ -5,7 +5,7 @@ import os
 from data.datasets import build_dataset_distributed
 from data.indexed import evaluation_samples, samples_per_epoch, training_blend
 from data.shard_files import parse_sources, read_shard_header
-from training.reference import reference_path, stored_everywhere, with_reference
+from evaluation.reference import reference_path, stored_everywhere, with_reference
 
 
 class RunData:
@@ -67,7 +67,7 @@ class RunData:
         return not all(stored_everywhere(path) for path in self.reference_files.values())
 
     def add_reference(self, engine, spec, pad_id, log):
-        """DPO: every split with its pairs' reference log-probabilities (training/reference.py), read or computed
+        """DPO: every split with its pairs' reference log-probabilities (evaluation/reference.py), read or computed
         with the engine's current weights, which must be the starting ones. Every rank calls it."""
         for split, path in self.reference_files.items():
             dataset = with_reference(engine, getattr(self, split), getattr(self, f"{split}_length"), path,

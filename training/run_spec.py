@@ -30,7 +30,8 @@ from models.preference import PreferenceSettings
 from models.tensor_parallel import check_tensor_parallel_split
 from planner.training_state import checkpoint_bytes_per_parameter
 from planner.workload import Workload
-from training.config_checks import ConfigError, checked_config
+from errors import ConfigError
+from training.config_checks import checked_config
 from training.resume import check_fresh_start, check_output_dir_is_ours, resolve_resume
 from training.stage_bounds import configured_stage_bounds
 
@@ -131,7 +132,7 @@ class RunSpec:
         return dataclasses.replace(self, workload=workload, stage_bounds=bounds)
 
     def with_unit_costs(self, units):
-        """The same run partitioned on the device's measured costs (training/cost_calibration.py); a checkpoint
+        """The same run partitioned on the device's measured costs (engines/cost_calibration.py); a checkpoint
         whose optimizer state follows its stages' layers is checked against the new ones."""
         bounds = configured_stage_bounds(self.cfg, self.model_config, self.workload, units)
         spec = dataclasses.replace(self, unit_costs=units, stage_bounds=bounds)
