@@ -10,7 +10,6 @@ on the CPU it is tests/host_syncs.py's record of the ops that read a tensor's va
     python bench/host_syncs.py [--steps 2]
     DS_ACCELERATOR=cuda python bench/host_syncs.py       # on one GPU (the GPU check runs it: tests/gpu/)
 """
-import argparse
 import contextlib
 import json
 import os
@@ -18,7 +17,8 @@ import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import free_port, machine_note, random_micro_batches, run_config  # noqa: E402
+from common import (bench_parser, machine_note, parse_args, random_micro_batches, run_config,  # noqa: E402
+                    single_rank_env)
 
 MODEL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
@@ -74,11 +74,10 @@ def syncs_per_step(micro_batches, chunks, steps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--steps", type=int, default=2)
-    args = parser.parse_args()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
+    args = parse_args(parser, steps=1)
+    os.environ.update(single_rank_env())
     from cluster.distributed import init_distributed
     init_distributed(timeout_minutes=10)
     results = {f"{micro_batches} micro-batches x {chunks} chunks": syncs_per_step(micro_batches, chunks, args.steps)

@@ -28,6 +28,10 @@ from common import MIB, ROOT, machine_note, peak_rss_bytes, spawn  # noqa: E402
 MODEL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=18, num_attention_heads=16,
              num_key_value_heads=16, max_position_embeddings=2048, tie_word_embeddings=False)
 SHARD_SIZE = "500MB"
+# MODEL's stand-in at the smoke size (--smoke), in several shards of SMOKE_SHARD_SIZE
+SMOKE_MODEL = dict(MODEL, vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+SMOKE_SHARD_SIZE = "20KB"
 LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
                  tie_word_embeddings=False)

@@ -59,6 +59,9 @@ WORKLOADS = {  # the shapes of issue 31's table; smollm2 is SmolLM2-135M's publi
     "smollm2": (dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
                      tie_word_embeddings=True, rope_theta=100000.0), 256, 2),
+    # the smoke size of the scripts that take a workload (--smoke)
+    "tiny": (dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64), 32, 2),
 }
 CONTENDERS = ["one loop", "1 stage", "two loops", "2 stages 1f1b", "2 stages zero_bubble",
               "2 stages interleaved_1f1b", "2 stages zbv", "2 stages zbv equal", "2 stages zbv measured"]

@@ -29,6 +29,13 @@ FORKED_MODULES = ("deepspeed.launcher.runner", "deepspeed.launcher.launch")
 STARTERS = ("deepspeed.launcher.runner", "deepspeed.launcher.launch", "torch.distributed.run", "supervise.py")
 
 
+def in_zygote_child():
+    """Whether this process was forked from the zygote, or from a process that was: the libraries are imported here
+    already, so its own workers and child interpreters fork from it too (tests/distributed.py spawn, bench/common.py
+    PythonProcess), not from a second zygote."""
+    return "tests.zygote_imports" in sys.modules
+
+
 def context():
     global _CONTEXT
     if _CONTEXT is None:
