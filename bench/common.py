@@ -2,6 +2,7 @@
 training run as a user launches it), contenders timed in interleaved rounds and their spread, memory readings, run
 configs and batches, a module as an older commit had it."""
 import argparse
+import contextlib
 import functools
 import importlib.util
 import json
@@ -22,6 +23,7 @@ import torch  # noqa: E402
 
 from tests import distributed  # noqa: E402  (worker processes, as the tests start them)
 from tests.distributed import free_port  # noqa: E402,F401
+from tests.launch import trainer_command  # noqa: E402
 from tests.rank_zygote import in_zygote_child, run_as_interpreter  # noqa: E402
 
 MIB = 2**20
@@ -63,6 +65,22 @@ def _returning(rank, fn, out_dir, args):
     result = fn(rank, *args)
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+@contextlib.contextmanager
+def environment(values):
+    """This process's environment with `values` set inside the block: what the workers spawned there read as they
+    start (glibc's malloc settings)."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
 
 
 def single_rank_env(**extra):
@@ -127,6 +145,13 @@ def timed_lines(args, env=None):
     with os.fdopen(read_end) as output:
         lines = [(time.time() - started, line.rstrip("\n")) for line in output]
     return process.wait()[0], lines
+
+
+def launch_training(num_procs, overrides, config="base", env=None):
+    """`deepspeed --num_gpus N trainer_pipe.py -cp conf -cn CONFIG overrides...` on this machine's CPU, as a user
+    launches it (tests/launch.py trainer_command: a rank a process, one thread each): run_python's result."""
+    command, environment = trainer_command(num_procs, overrides, config, None, "trainer_pipe.py", env)
+    return run_python(command[1:], environment)
 
 
 def demo_model(directory, train_lines=3000, vocab_size=384, hidden_size=64, num_hidden_layers=None):

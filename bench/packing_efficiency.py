@@ -8,7 +8,6 @@ the loss learns: an assistant token, not padding, not the prompt or the template
 
   python bench/packing_efficiency.py [--steps 8] [--examples 2000]
 """
-import argparse
 import json
 import os
 import random
@@ -17,7 +16,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_note, run_config, spawn, train_step_seconds  # noqa: E402
+from common import bench_parser, machine_note, parse_args, run_config, spawn, timed_rounds  # noqa: E402
 
 SEQ_LENGTH, MICRO_BATCH, GAS = 256, 4, 4
 MODEL = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -45,7 +44,7 @@ def counting_learned_tokens(batches):
         learned
 
 
-def worker(rank, data_file, cache_dir, steps, out):
+def worker(rank, data_file, cache_dir, steps):
     import deepspeed
     from transformers import LlamaConfig
 
@@ -70,12 +69,11 @@ def worker(rank, data_file, cache_dir, steps, out):
                                     seq_length=SEQ_LENGTH, pad_id=tokenizer.pad_token_id, seed=0)
         contenders[packing] = counting_learned_tokens(infinite_micro_batches(loader))
         stats[packing] = {"rows": built.examples, "real_token_share": built.real_tokens / built.examples / SEQ_LENGTH}
-    train_step_seconds(engine, contenders[False][0], 1)  # warm-up
-    train_step_seconds(engine, contenders[True][0], 1)
-    seconds = {False: [], True: []}
-    for _ in range(steps):  # alternate, so that both see the same machine load
-        for packing in (False, True):
-            seconds[packing] += train_step_seconds(engine, contenders[packing][0], 1)
+    steps_of = {packing: lambda batches=batches: engine.train_batch(batches)
+                for packing, (batches, _) in contenders.items()}
+    for step in steps_of.values():  # warm-up
+        step()
+    seconds = timed_rounds(steps_of, steps)  # alternating, so that both see the same machine load
     result = {}
     for packing in (False, True):
         learned = contenders[packing][1][GAS:]  # after the warm-up step
@@ -83,20 +81,18 @@ def worker(rank, data_file, cache_dir, steps, out):
             **stats[packing], "learned_tokens_per_step": sum(learned) / steps,
             "median_step_s": statistics.median(seconds[packing]),
             "real_tokens_per_s": sum(learned) / sum(seconds[packing])}
-    with open(out, "w") as f:
-        json.dump(result, f)
+    return result
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--examples", type=int, default=2000)
-    args = parser.parse_args()
+    args = parse_args(parser, steps=1, examples=50)
     with tempfile.TemporaryDirectory() as tmp:
-        data_file, out = os.path.join(tmp, "chat.jsonl"), os.path.join(tmp, "result.json")
+        data_file = os.path.join(tmp, "chat.jsonl")
         chat_set(data_file, args.examples)
-        spawn(worker, 1, data_file, os.path.join(tmp, "cache"), args.steps, out)
-        result = json.load(open(out))
+        result = spawn(worker, 1, data_file, os.path.join(tmp, "cache"), args.steps)[0]
     for name, row in result.items():
         print(f"packing={name}: {row['rows']} rows of {SEQ_LENGTH}, {100 * row['real_token_share']:.1f}% of row tokens "
               f"real, {row['learned_tokens_per_step']:.0f} learned tokens/step, {row['median_step_s']:.3f} s/step, "

@@ -5,7 +5,6 @@ wait_for_attempt returning, alternating this tree's resilience/supervisor.py wit
 
   python bench/supervisor_teardown.py [--ranks 8] [--rounds 3] [--against COMMIT]
 """
-import argparse
 import base64
 import json
 import os
@@ -19,7 +18,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common import module_at  # noqa: E402
 from resilience import supervisor  # noqa: E402
 from resilience.rank_records import RankRecord, read_records  # noqa: E402
 
@@ -70,20 +68,18 @@ def main():
     if "--stand-in-rank" in sys.argv:  # as DeepSpeed's launcher starts it: after --local_rank=N
         at = sys.argv.index("--stand-in-rank")
         return stand_in_rank(sys.argv[at + 1], float(sys.argv[at + 2]))
-    from common import machine_note  # torch: not in the stand-in ranks
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from common import bench_parser, in_rounds, machine_note, module_at, parse_args  # torch: not in the stand-ins
+    parser = bench_parser(__doc__)
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rank-exit-seconds", type=float, default=0.02)
     parser.add_argument("--against", default=None, help="a commit whose resilience/supervisor.py to alternate with")
-    args = parser.parse_args()
+    args = parse_args(parser, ranks=2, rounds=1)
     variants = {"this tree": supervisor}
     if args.against:
         variants[args.against] = module_at(args.against, "resilience/supervisor.py")
-    seconds = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, module in variants.items():
-            seconds[name].append(round(seconds_to_end(module, args.ranks, args.rank_exit_seconds), 3))
+    seconds = in_rounds({name: lambda m=module: round(seconds_to_end(m, args.ranks, args.rank_exit_seconds), 3)
+                         for name, module in variants.items()}, args.rounds)
     print(json.dumps({"machine": machine_note(), "ranks": args.ranks, "rank_exit_seconds": args.rank_exit_seconds,
                       "kill_to_attempt_end_s": seconds}, indent=1))
 
