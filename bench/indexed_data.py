@@ -178,8 +178,7 @@ def main():
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
                         help="part 1's worker processes (prepare_data --workers, data.num_proc)")
     parser.add_argument("--parts", nargs="+", default=["tokenizer", "start-up", "blend"])
-    args = parse_args(parser, big_tokens=4e5, small_tokens=2e5, lines=200, repeats=1, workers=[1],
-                      parts=["tokenizer", "start-up", "first-start", "blend"])
+    args = parse_args(parser, big_tokens=4e5, small_tokens=2e5, lines=200, repeats=1, workers=[1])
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="indexed_bench.") as workdir:
         if "tokenizer" in args.parts:
             print("1. tokenizer throughput (wall time from start, tokenizer load included)")

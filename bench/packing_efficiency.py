@@ -21,6 +21,7 @@ from common import bench_parser, machine_note, parse_args, run_config, spawn, ti
 SEQ_LENGTH, MICRO_BATCH, GAS = 256, 4, 4
 MODEL = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=SEQ_LENGTH)
+SMOKE_MODEL = dict(MODEL, hidden_size=32, intermediate_size=64, num_hidden_layers=1)  # --smoke's
 WORDS = "the a cat dog river garden ball red small found carried home near story count one two three".split()
 
 
@@ -44,7 +45,7 @@ def counting_learned_tokens(batches):
         learned
 
 
-def worker(rank, data_file, cache_dir, steps):
+def worker(rank, model, data_file, cache_dir, steps):
     import deepspeed
     from transformers import LlamaConfig
 
@@ -58,7 +59,7 @@ def worker(rank, data_file, cache_dir, steps):
     tokenizer = make_chat_tokenizer("chatml")
     cfg = run_config(["precision=fp32", "zero_stage=0", f"seq_length={SEQ_LENGTH}", f"micro_batch_size={MICRO_BATCH}",
                       f"gradient_accumulation_steps={GAS}", "lr_scheduler=constant"])
-    module = build_pipeline_module(LlamaConfig(vocab_size=len(tokenizer), **MODEL), parallel_topology(1))
+    module = build_pipeline_module(LlamaConfig(vocab_size=len(tokenizer), **model), parallel_topology(1))
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
                                            config=deepspeed_config(cfg, total_steps=10**6)[0])
     contenders, stats = {}, {}
@@ -92,14 +93,15 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         data_file = os.path.join(tmp, "chat.jsonl")
         chat_set(data_file, args.examples)
-        result = spawn(worker, 1, data_file, os.path.join(tmp, "cache"), args.steps)[0]
+        model = SMOKE_MODEL if args.smoke else MODEL
+        result = spawn(worker, 1, model, data_file, os.path.join(tmp, "cache"), args.steps)[0]
     for name, row in result.items():
         print(f"packing={name}: {row['rows']} rows of {SEQ_LENGTH}, {100 * row['real_token_share']:.1f}% of row tokens "
               f"real, {row['learned_tokens_per_step']:.0f} learned tokens/step, {row['median_step_s']:.3f} s/step, "
               f"{row['real_tokens_per_s']:.0f} learned tokens/s")
     speedup = result["true"]["real_tokens_per_s"] / result["false"]["real_tokens_per_s"]
-    print(f"learned tokens/s, packing true / false: {speedup:.2f}x (model hidden {MODEL['hidden_size']}, "
-          f"{MODEL['num_hidden_layers']} layers, seq {SEQ_LENGTH}, {GAS}x{MICRO_BATCH} micro-batches, fp32, "
+    print(f"learned tokens/s, packing true / false: {speedup:.2f}x (model hidden {model['hidden_size']}, "
+          f"{model['num_hidden_layers']} layers, seq {SEQ_LENGTH}, {GAS}x{MICRO_BATCH} micro-batches, fp32, "
           f"1 process); {machine_note()}")
 
 

@@ -1,7 +1,8 @@
 """How soon the supervisor ends an attempt after a rank is killed, with many ranks on a node: N stand-in ranks under
-DeepSpeed's own launcher (each records its start, and on SIGTERM records its end, as a rank does, and exits after
---rank-exit-seconds, a rank's own way out), one SIGKILLed; prints the seconds from the kill to the supervisor's
-wait_for_attempt returning, alternating this tree's resilience/supervisor.py with the one of --against (a commit).
+DeepSpeed's own launcher, under a stand-in of its runner (each rank records its start, and on SIGTERM records its end,
+as a rank does, and exits after --rank-exit-seconds, a rank's own way out), one SIGKILLed; prints the seconds from the
+kill to the supervisor's wait_for_attempt returning, alternating this tree's resilience/supervisor.py with the one of
+--against (a commit).
 
   python bench/supervisor_teardown.py [--ranks 8] [--rounds 3] [--against COMMIT]
 """
@@ -42,11 +43,10 @@ def seconds_to_end(supervisor, ranks, exit_seconds):
     output_dir = tempfile.mkdtemp(prefix="teardown-")
     world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(ranks))}).encode()).decode()
     attempt, started = supervisor.Supervisor([], output_dir, 0, 0, 0), time.time()
-    attempt.process = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))", sys.executable, "-u",
-         "-m", "deepspeed.launcher.launch", f"--world_info={world}", "--master_addr=127.0.0.1", "--master_port=29500",
-         os.path.abspath(__file__), "--stand-in-rank", output_dir, str(exit_seconds)],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    attempt.process = subprocess.Popen(  # the runner's stand-in, which starts the launcher
+        [sys.executable, os.path.abspath(__file__), "--runner", sys.executable, "-u", "-m", "deepspeed.launcher.launch",
+         f"--world_info={world}", "--master_addr=127.0.0.1", "--master_port=29500", os.path.abspath(__file__),
+         "--stand-in-rank", output_dir, str(exit_seconds)], env=dict(os.environ))
     while len(read_records(output_dir, since=started)) < ranks:
         time.sleep(0.05)
     victim = read_records(output_dir, since=started)[ranks // 2]["pid"]
@@ -65,10 +65,15 @@ def seconds_to_end(supervisor, ranks, exit_seconds):
 
 
 def main():
+    if sys.argv[1:2] == ["--runner"]:  # DeepSpeed's runner, which the supervisor starts: its launcher's exit code
+        sys.exit(subprocess.call(sys.argv[2:], env=dict(os.environ)))
     if "--stand-in-rank" in sys.argv:  # as DeepSpeed's launcher starts it: after --local_rank=N
         at = sys.argv.index("--stand-in-rank")
         return stand_in_rank(sys.argv[at + 1], float(sys.argv[at + 2]))
     from common import bench_parser, in_rounds, machine_note, module_at, parse_args  # torch: not in the stand-ins
+    from tests.rank_zygote import fork_python_children, in_zygote_child
+    if in_zygote_child():  # the smoke run: the launcher and its stand-in ranks fork from here (tests/launcher_site)
+        fork_python_children()
     parser = bench_parser(__doc__)
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)

@@ -124,7 +124,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3, help="training steps per variant (default 3)")
     parser.add_argument("--no-reference", action="store_true", help="skip the 1-process reference")
     parser.add_argument("--default-malloc", action="store_true", help="measure with glibc's default mmap threshold")
-    args = parse_args(parser, steps=1)
+    args = parse_args(parser, steps=1, no_reference=True)
     if not args.default_malloc:
         os.environ.update(FIXED_MMAP_THRESHOLD)  # read by each worker's malloc at start-up
     model = SMOKE_MODEL if args.smoke else MODEL
