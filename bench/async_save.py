@@ -200,9 +200,9 @@ def main():
     print(f"synchronous save (the trainer waits): {spread(results['sync'], 2)} s")
     print(f"asynchronous save, the save call (the trainer waits): {spread(results['call'], 2)} s")
     print(f"asynchronous save, the optimizer steps' wait for the copy: {spread(results['wait'], 2)} s")
+    lost_share = statistics.median(results['lost']) / statistics.median(results['sync'])
     print(f"asynchronous save, training time lost (save call + slower steps during the copy and the write): "
-          f"{spread(results['lost'], 2)} s = {statistics.median(results['lost']) / statistics.median(results['sync']):.1%}"
-          f" of the synchronous save's")
+          f"{spread(results['lost'], 2)} s = {lost_share:.1%} of the synchronous save's")
     print(f"steps during the background write: {spread(results['pace'], 2)} of the normal pace, "
           f"{spread(results['steps_during'], 2)} steps of {spread(results['normal_step'], 2)} s")
     print(f"by the trainer thread's CPU time (save call + optimizer steps' wait + the steps' extra CPU time during the "

@@ -17,8 +17,8 @@ import os
 import statistics
 
 from common import (FIXED_MMAP_THRESHOLD, MIB, bench_parser, in_rounds, machine_note, parse_args,  # noqa: E402
-                    peak_rss_bytes, random_micro_batches, reset_peak_rss, round_ratios, rss_bytes, run_config,
-                    run_python, single_rank_env, spread, train_step_seconds)
+                    peak_rss_bytes, round_ratios, run_python, single_rank_env, spread, train_step_seconds,
+                    trainer_engine)
 
 SHAPES = {  # (model, seq_length, micro_batch_size)
     "small": (dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
@@ -36,25 +36,16 @@ def measure(shape, sums, micro_batches, warm_up, steps):
     """One process: {peak_bytes, step_seconds} of `steps` steps after `warm_up`, gradients summed in `sums`."""
     import torch
     from deepspeed.accelerator import get_accelerator
-    from transformers import LlamaConfig
 
-    from cluster.distributed import init_distributed
-    from training.loop import build_engine
-    from training.run_spec import plan_spec
     model, seq_length, micro_batch = SHAPES[shape]
-    cfg = run_config(["precision=bf16", "zero_stage=1", f"grad_accum_dtype={sums}", f"seq_length={seq_length}",
-                      f"micro_batch_size={micro_batch}", f"gradient_accumulation_steps={micro_batches}",
-                      "lr_scheduler=constant"])
-    init_distributed(timeout_minutes=10)
-    on_gpu = get_accelerator().device_name() == "cuda"
-    baseline = 0 if on_gpu else rss_bytes()
-    if not on_gpu:
-        reset_peak_rss()
-    engine, _ = build_engine(plan_spec(cfg, 1, LlamaConfig(**model)), warm_up + steps, layer_loader=None)
-    batches = random_micro_batches(model["vocab_size"], seq_length, micro_batch)
+    engine, batches, before_model = trainer_engine(model, [
+        "precision=bf16", "zero_stage=1", f"grad_accum_dtype={sums}", f"seq_length={seq_length}",
+        f"micro_batch_size={micro_batch}", f"gradient_accumulation_steps={micro_batches}", "lr_scheduler=constant"],
+        warm_up + steps)
     train_step_seconds(engine, batches, warm_up)
     seconds = statistics.median(train_step_seconds(engine, batches, steps))
-    peak = torch.cuda.max_memory_allocated() if on_gpu else peak_rss_bytes() - baseline
+    on_gpu = get_accelerator().device_name() == "cuda"
+    peak = torch.cuda.max_memory_allocated() if on_gpu else peak_rss_bytes() - before_model
     return {"peak_bytes": peak, "step_seconds": seconds}
 
 

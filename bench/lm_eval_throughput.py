@@ -81,7 +81,8 @@ def main():
                             "training forward (eval_batch)": forward,
                             "lm_eval HFLM": lambda: lm_eval_evaluate(hflm, task_dict, bootstrap_iters=0)},
                            args.rounds)
-    timings["training forward (eval_batch)"] = [s / forward_rows * rows for s in timings["training forward (eval_batch)"]]
+    timings["training forward (eval_batch)"] = [seconds / forward_rows * rows  # the rows the loop scores
+                                                for seconds in timings["training forward (eval_batch)"]]
 
     print(f"{len(tasks)} tasks x {args.docs} documents: {requests} requests (rolling windows included), "
           f"{request_tokens} request tokens; seq_length {args.seq}, micro-batch {args.micro_batch}; model "

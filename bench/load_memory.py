@@ -54,14 +54,26 @@ def make_model(rank, hf_dir, fields=MODEL, shard_size=SHARD_SIZE, initialise=Tru
 
 
 # The I/O floor of a conversion, in a plain interpreter: read every shard, write the same bytes.
-COPY_SHARDS = """
+COPY_FILES = """
 import os, shutil, sys
-source, target = sys.argv[1:]
+source, target, suffix = sys.argv[1:]
 for name in sorted(os.listdir(source)):
-    if name.endswith(".safetensors"):
+    if name.endswith(suffix):
         with open(os.path.join(source, name), "rb") as src, open(os.path.join(target, name), "wb") as dst:
             shutil.copyfileobj(src, dst, 16 * 2**20)
 """
+
+
+def copy_seconds(source, suffix, work):
+    """(wall seconds, peak RSS) of reading every `suffix` file of source and writing the same bytes (COPY_FILES), the
+    second of two runs: the first brings the files into the page cache, as they are for what it is set against."""
+    target = os.path.join(work, "copy")
+    for _ in range(2):
+        shutil.rmtree(target, ignore_errors=True)
+        os.makedirs(target)
+        seconds, peak = timed_python(["-c", COPY_FILES, source, target, suffix])
+    shutil.rmtree(target)
+    return seconds, peak
 
 
 # The converter's fixed cost: interpreter, imports, and transformers parsing config.json (which imports its model
@@ -116,12 +128,7 @@ def largest_layer_bytes(ds_dir):
 
 def bench_conversion(hf_dir, ds_dir, work):
     shards = [os.path.join(hf_dir, n) for n in os.listdir(hf_dir) if n.endswith(".safetensors")]
-    copy_dir = os.path.join(work, "copy")
-    for _ in range(2):  # the first run also brings the shards into the page cache, as they are for the conversion
-        shutil.rmtree(copy_dir, ignore_errors=True)
-        os.makedirs(copy_dir)
-        copy_seconds, _ = timed_python(["-c", COPY_SHARDS, hf_dir, copy_dir])
-    shutil.rmtree(copy_dir)
+    copied_seconds, _ = copy_seconds(hf_dir, ".safetensors", work)
     startup_seconds, _ = timed_python(["-c", STARTUP, hf_dir])
     convert_seconds, convert_peak = timed_python(["convert2ckpt.py", "--model_name_or_path", hf_dir, "--output_dir",
                                                   ds_dir])
@@ -131,10 +138,10 @@ def bench_conversion(hf_dir, ds_dir, work):
           f"peak RSS {convert_peak / MIB:.0f} MiB = {convert_peak / bound:.2f}x (largest shard "
           f"{largest_shard / MIB:.0f} MiB + largest layer {(bound - largest_shard) / MIB:.0f} MiB; target <= 1.10x)")
     work_seconds = convert_seconds - startup_seconds
-    print(f"conversion wall time {convert_seconds:.1f} s = {convert_seconds / copy_seconds:.2f}x reading every shard "
-          f"and writing the same bytes ({copy_seconds:.1f} s; target <= 1.5x); of which start-up (Python, torch, "
-          f"transformers imports, config parsing) {startup_seconds:.1f} s, the conversion itself {work_seconds:.1f} s = "
-          f"{work_seconds / copy_seconds:.2f}x", flush=True)
+    print(f"conversion wall time {convert_seconds:.1f} s = {convert_seconds / copied_seconds:.2f}x reading every "
+          f"shard and writing the same bytes ({copied_seconds:.1f} s; target <= 1.5x); of which start-up (Python, "
+          f"torch, transformers imports, config parsing) {startup_seconds:.1f} s, the conversion itself "
+          f"{work_seconds:.1f} s = {work_seconds / copied_seconds:.2f}x", flush=True)
 
 
 def bench_loading(hf_dir, ds_dir):

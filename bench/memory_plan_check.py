@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (FIXED_MMAP_THRESHOLD, bench_parser, machine_note, parse_args, peak_rss_bytes,  # noqa: E402,I001
-                    random_micro_batches, reset_peak_rss, rss_bytes, run_config, spawn)
+                    reset_peak_rss, run_config, spawn, trainer_engine)
 
 STEPS = 2
 TOLERANCE = 0.15
@@ -77,23 +77,13 @@ CASES = [
 def measure(rank, model_fields, overrides):
     """One rank: train STEPS steps; (its stage, its peak RSS over the steps minus the RSS before the model)."""
     import torch.distributed as dist
-    from transformers import LlamaConfig
 
-    from cluster.distributed import init_distributed
-    from training.loop import build_engine
-    from training.run_spec import plan_spec
-
-    cfg = run_config(overrides)
-    init_distributed(timeout_minutes=10)
-    config = LlamaConfig(**model_fields)
-    baseline = rss_bytes()
-    engine, _ = build_engine(plan_spec(cfg, dist.get_world_size(), config), STEPS, layer_loader=None)
-    batches = random_micro_batches(config.vocab_size, cfg.seq_length, cfg.micro_batch_size)
+    engine, batches, before_model = trainer_engine(model_fields, overrides, STEPS)
     reset_peak_rss()  # the window is training, as the plan's
     for _ in range(STEPS):
         engine.train_batch(batches)
     dist.destroy_process_group()
-    return engine.stage_id, peak_rss_bytes() - baseline
+    return engine.stage_id, peak_rss_bytes() - before_model
 
 
 def measured_stages(model_fields, overrides, world_size):

@@ -48,11 +48,11 @@ import os
 import statistics
 import struct
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (FIXED_MMAP_THRESHOLD, bench_parser, environment, machine_note, parse_args,  # noqa: E402
-                    peak_rss_bytes, random_micro_batches, reset_peak_rss, rss_bytes, run_config, spawn)
+from common import (FIXED_MMAP_THRESHOLD, bench_parser, environment, in_rounds, machine_note,  # noqa: E402
+                    parse_args, peak_rss_bytes, random_micro_batches, reset_peak_rss, rss_bytes, run_config, spawn,
+                    timed)
 from schedule_simulator import predict  # noqa: E402
 
 from deepspeed_internals.access import (instruction_handlers, replace_instruction_handlers,  # noqa: E402
@@ -189,14 +189,11 @@ def timing_worker(rank, num_stages, micro_batches, rounds, warm_up_rounds, sched
     spent = {schedule: {} for schedule in {**engines, "cores": replica}}
     for schedule, engine in {**engines, "cores": replica}.items():
         time_instructions(engine, add_to(spent[schedule]))
-    seconds = {name: [] for name in steps}
-    for round_index in range(rounds):
-        # Every other round runs its steps in reverse, so that no step always follows the same one.
-        for name, step in list(steps.items())[::1 if round_index % 2 == 0 else -1]:
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            seconds[name].append(time.perf_counter() - start)
+
+    def started_together(step):
+        dist.barrier()
+        return timed(step)
+    seconds = in_rounds({name: lambda step=step: started_together(step) for name, step in steps.items()}, rounds)
     dist.destroy_process_group()
     return {"stage": engines[schedules[0]].stage_id, "seconds": seconds,
             "spent": {s: {k: v / rounds for k, v in spent[s].items()} for s in spent}}

@@ -22,8 +22,8 @@ import time
 
 from common import (MIB, ROOT, bench_parser, launch_training, machine_note, parse_args, peak_rss_bytes,  # noqa: E402
                     reset_peak_rss, rss_bytes, run_python, spawn)
-from load_memory import (COPY_SHARDS, MODEL, SMOKE_MODEL, SMOKE_SHARD_SIZE, SHARD_SIZE, make_model,  # noqa: E402
-                         parameter_count, timed_python)
+from load_memory import (MODEL, SMOKE_MODEL, SMOKE_SHARD_SIZE, SHARD_SIZE, copy_seconds, make_model,  # noqa: E402
+                         parameter_count)
 
 WRITE_LAYOUT = dict(num_stages=2, zero_stage=0)
 RESUME_LAYOUTS = {"2 stages (as written)": WRITE_LAYOUT,
@@ -78,18 +78,6 @@ def checkpoint_files(tag_dir):
     return {name: os.path.getsize(os.path.join(tag_dir, name)) for name in os.listdir(tag_dir)}
 
 
-def bench_copy(tag_dir, work):
-    """Read every file of the checkpoint and write the same bytes (the page cache as warm as for the resumes)."""
-    copy_dir = os.path.join(work, "copy")
-    script = COPY_SHARDS.replace('name.endswith(".safetensors")', 'name.endswith(".pt")')
-    for _ in range(2):
-        shutil.rmtree(copy_dir, ignore_errors=True)
-        os.makedirs(copy_dir)
-        seconds, peak = timed_python(["-c", script, tag_dir, copy_dir])
-    shutil.rmtree(copy_dir)
-    return seconds, peak
-
-
 def bench_universal(tag_dir, work):
     """DeepSpeed's offline conversion of the same checkpoint; (seconds, peak RSS) or the error it stops with."""
     result, peak, seconds = run_python(["-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag_dir,
@@ -127,8 +115,8 @@ def main():
                   f"+{[round(a / MIB) for a in added]} MiB above the built engine and its optimizer state "
                   f"({[round(r['before'] / MIB) for r in ranks]} MiB) = {max(added) / largest_state:.2f}x the largest "
                   f"layer's optimizer-state file", flush=True)
-        copy_seconds, copy_peak = bench_copy(tag_dir, work)
-        print(f"copying the same {total / MIB:.0f} MiB (read, write): {copy_seconds:.1f} s, peak RSS "
+        copied_seconds, copy_peak = copy_seconds(tag_dir, ".pt", work)  # the page cache as warm as for the resumes
+        print(f"copying the same {total / MIB:.0f} MiB (read, write): {copied_seconds:.1f} s, peak RSS "
               f"{copy_peak / MIB:.0f} MiB", flush=True)
         universal = bench_universal(tag_dir, work)
         if isinstance(universal, tuple):

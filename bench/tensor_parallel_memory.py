@@ -24,8 +24,8 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (FIXED_MMAP_THRESHOLD, MIB, bench_parser, machine_note, parse_args, peak_rss_bytes,  # noqa: E402,I001
-                    random_micro_batches, reset_peak_rss, rss_bytes, run_config, spawn, train_step_seconds)
+from common import (FIXED_MMAP_THRESHOLD, MIB, bench_parser, machine_note, parse_args,  # noqa: E402,I001
+                    peak_rss_bytes, reset_peak_rss, run_config, spawn, train_step_seconds, trainer_engine)
 
 MODEL = dict(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=8, max_position_embeddings=2048)
@@ -68,24 +68,14 @@ def measure(rank, fields, overrides, steps):
     """One rank: train `steps` steps; its peak RSS over them minus the RSS before the model, its step times, the
     pool's buffers and the gather counts."""
     import torch.distributed as dist
-    from transformers import LlamaConfig
 
-    from cluster.distributed import init_distributed
-    from training.loop import build_engine
-    from training.run_spec import plan_spec
-
-    cfg = run_config(overrides)
-    init_distributed(timeout_minutes=10)
-    config = LlamaConfig(**fields)
-    baseline = rss_bytes()
-    engine, _ = build_engine(plan_spec(cfg, dist.get_world_size(), config), steps, layer_loader=None)
+    # The same seed on every rank: a tensor-parallel group must see the same micro-batches.
+    engine, batches, before_model = trainer_engine(fields, overrides, steps)
     module = engine.module
     gathers = count_gathers(module.parallel)
-    # The same seed on every rank: a tensor-parallel group must see the same micro-batches.
-    batches = random_micro_batches(config.vocab_size, cfg.seq_length, cfg.micro_batch_size)
     reset_peak_rss()
     step_seconds = train_step_seconds(engine, batches, steps)
-    peak = peak_rss_bytes() - baseline
+    peak = peak_rss_bytes() - before_model
     pool = [{"name": name, "dtype": str(dtype).replace("torch.", ""), "elements": buffer.numel(),
              "bytes": buffer.numel() * buffer.element_size()}
             for (name, dtype, _), buffer in module.parallel.buffers._buffers.items()]

@@ -64,8 +64,8 @@ FIGURES = {
                        "load, per-rank peak RSS: pipeline (2 stages) [#, #] MiB, from_pretrained [#, #] MiB: #x"],
     "lora.py": ["full: # tokens/s, peak RSS # MiB, checkpoint # MiB, export # MiB",
                 "lora r2: # tokens/s, peak RSS # MiB, checkpoint # MiB, export # MiB",
-                "LoRA / full: tokens/s #x (per round #), peak RSS #x (# vs # MiB), checkpoint # vs # MiB, peft adapter # "
-                "MiB vs exported model # MiB"],
+                "LoRA / full: tokens/s #x (per round #), peak RSS #x (# vs # MiB), checkpoint # vs # MiB, peft "
+                "adapter # MiB vs exported model # MiB"],
     "memory_plan_check.py": [f"{case} {stage} # # #" for case, stage in (
         ("weights, 2 stages, bf16, ZeRO-1, checkpointing", 0),
         ("weights, 2 stages, bf16, ZeRO-1, checkpointing", 1))] + ["largest deviation: #%"],
@@ -98,7 +98,8 @@ FIGURES = {
     "pipeline_efficiency.py": [
         "p=2 m= 2 lockstep cores # tok/s in lockstep # tok/s ratio #",
         *(f"p=2 m= 2 {schedule} cores # tok/s pipeline # tok/s ratio # (rounds #-#; to the cores in lockstep #) "
-          f"simulated # (step # s, simulated # s, #%; at the copies' compute speed #) 1F1B bound # efficiency vs bound #"
+          "simulated # (step # s, simulated # s, #%; at the copies' compute speed #) 1F1B bound # efficiency vs "
+          "bound #"
           for schedule in ("1f1b", "zero_bubble")),
         "zero_bubble, m=2, per micro-batch: stage 0: F # B # W # ms; stage 1: F # B # W # ms; optimizer # ms/step",
         "stage 1 time: compute #%", "the 1F1B bubble alone idles each stage #% of a step",
