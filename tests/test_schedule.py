@@ -112,6 +112,14 @@ CASES = {
             fp16={"enabled": True, "initial_scale_power": 20, "hysteresis": 1}))),
 }
 
+# 4 stages x tensor or context parallel 2: 8 processes, their own launch (tests/test_schedule.py
+# test_four_stages_x_tp2_or_cp2_equal_1f1b), 8 chunks of one decoder layer each under both chunked schedules.
+EIGHT_PROCESS_CASES = {
+    "4stages_x_tp2_tied": ("tied_8layers", dict(stages=4, schedules=CHUNKED, virtual_stages=2, tensor_parallel=2,
+                                                zbv_tolerance=2e-6)),
+    "4stages_x_cp2": ("llama3_8layers", dict(stages=4, schedules=CHUNKED, virtual_stages=2, context_parallel=2)),
+}
+
 
 def eight_layer_checkpoints(root, names):
     """{name_8layers: (hf_dir, ds_dir)}: tiny models with 8 decoder layers."""
@@ -146,6 +154,21 @@ def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
             assert rank[name][schedule]["unit_costs"] == ranks[0][name][schedule]["unit_costs"], name
             assert rank[name][schedule]["bounds"] == ranks[0][name][schedule]["bounds"], name
             assert rank[name][schedule]["bounds"][-1] == 11 and min(rank[name][schedule]["unit_costs"][4:8]) > 0, name
+
+
+@pytest.mark.slow
+def test_four_stages_x_tp2_or_cp2_equal_1f1b(tmp_path):
+    checkpoints = eight_layer_checkpoints(tmp_path / "models", ["tied", "llama3"])
+    cases = [dict(name=name, hf_dir=checkpoints[model][0], ds_dir=checkpoints[model][1], **settings)
+             for name, (model, settings) in EIGHT_PROCESS_CASES.items()]
+    (tmp_path / "ranks").mkdir()
+    spawn(schedule_worker.run, 8, cases, STEPS, MICRO_BATCH, GAS, SEQ, str(tmp_path / "ranks"))
+    ranks = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "ranks" / "rank*.json")))]
+    assert len(ranks) == 8
+    for (name, (_, settings)), rank in itertools.product(EIGHT_PROCESS_CASES.items(), ranks):
+        assert sorted(rank[name]) == sorted(settings["schedules"]), name
+        for schedule, result in rank[name].items():
+            assert_equals_1f1b(result, settings, schedule, (name, schedule))
 
 
 def assert_equals_1f1b(result, settings, schedule, case):
