@@ -380,11 +380,11 @@ def ids(value):
 
 class ChunkComputation:
     """The chunked engine's computing, replaced: DeepSpeed's forward, backward and loading, which the engine runs for
-    each chunk. Every schedule takes each chunk's micro-batches in order, forward and backward: in each batch, a chunk's forward k
-    checks that its inputs are the previous chunk's forward k's outputs (received, or handed over in place on its
-    rank) and makes outputs that say (chunk, k); its backward k checks that its outputs' gradient is the next
-    chunk's backward k's (the last chunk's: its own forward k's loss) and gives its inputs a gradient that says
-    (chunk, k). checking=False: nothing checked (a first pass, whose receives may find nothing sent yet)."""
+    each chunk. Every schedule takes each chunk's micro-batches in order, forward and backward: in each batch, a
+    chunk's forward k checks that its inputs are the previous chunk's forward k's outputs (received, or handed over
+    in place on its rank) and makes outputs that say (chunk, k); its backward k checks that its outputs' gradient is
+    the next chunk's backward k's (the last chunk's: its own forward k's loss) and gives its inputs a gradient that
+    says (chunk, k). checking=False: nothing checked (a first pass, whose receives may find nothing sent yet)."""
 
     def __init__(self, engine, checking):
         self.engine, self.checking = engine, checking
@@ -424,7 +424,7 @@ class ChunkComputation:
 
 
 def record_chunked(schedule, stages, micro_batches, batches, virtual_stages=1, max_waiting=None,
-                   zbv_times=EQUAL_TIMES, programs=None, checking=True):
+                   zbv_times=EQUAL_TIMES, programs=None, checked=True):
     """Each rank's operations over `batches` (as record's), recorded from engines/chunked_engine.py: each rank's
     ChunkedPipelineEngine runs its schedule (its program, p2p_program's items as instructions) through DeepSpeed's
     instruction loop and its own handlers: the activation-shape broadcast, each tensor's send and receive posted and
@@ -432,9 +432,10 @@ def record_chunked(schedule, stages, micro_batches, batches, virtual_stages=1, m
     computing is replaced (ChunkComputation, and no reduction or optimizer step). Two passes: ranks receive from ranks
     recorded after them (ZB-V's way back up, interleaving's wrap link), so the first collects every link's sends and
     the second delivers them in order and checks what each chunk took. zbv_times: the durations the V order is made
-    for (set on the engine as zbv_times=auto does); programs: a program per rank to run instead; checking=False: the first pass alone."""
+    for (set on the engine as zbv_times=auto does); programs: a program per rank to run instead; checked=False: the
+    first pass alone."""
     sent = {}
-    for checking in (False, True)[:1 + checking]:
+    for checking in (False, True)[:1 + checked]:
         inbox = collections.defaultdict(collections.deque, {link: collections.deque(tensors)
                                                             for link, tensors in sent.items()})
         sent, broadcasts, recorded = collections.defaultdict(collections.deque), [], []
@@ -477,10 +478,10 @@ def chunk_runs(schedule, stages, micro_batches):
 def test_multi_chunk_schedules_are_matched_on_every_link(stages):
     """zbv and interleaved_1f1b (v = 2; v = 3 at p and p + 1 micro-batches; its training micro-batch counts are
     multiples of p, evaluation's any count: its last chunk may be short) on their engine, from a run's start (and, at
-    1, p and p + 1 micro-batches, from a DPO reference pass; the configs' 32 and 64: a training step): both sides of every link (the wrap link last rank ->
-    rank 0 of interleaving included; on 2 ranks it is the same pair as the link down) post their operations in one
-    order, no send waits on a send, the shapes' broadcast meets on every rank before any of them waits for a
-    transfer, and each chunk takes its own micro-batch's activations and gradients."""
+    1, p and p + 1 micro-batches, from a DPO reference pass; the configs' 32 and 64: a training step): both sides of
+    every link (the wrap link last rank -> rank 0 of interleaving included; on 2 ranks it is the same pair as the link
+    down) post their operations in one order, no send waits on a send, the shapes' broadcast completes on every rank,
+    and each chunk takes its own micro-batch's activations and gradients."""
     for micro_batches in micro_batch_counts(stages):
         edge = micro_batches in (1, stages, stages + 1)
         for schedule, virtual_stages in [("zbv", 1), ("interleaved_1f1b", 2), *([("interleaved_1f1b", 3)] * edge)]:
@@ -525,7 +526,7 @@ def test_sends_posted_in_compute_order_deadlock_under_zbv():
     by the engine, crosses two sends on ZB-V's 2-rank link."""
     programs = [receives_posted_at_their_wait(p2p_program("zbv", 2, 4, rank)) for rank in range(2)]
     with pytest.raises(AssertionError, match="deadlock: .*'s send #.*'s send #"):  # (gloo: the wrong tensors)
-        run_on_nccl(record_chunked("zbv", 2, 4, [train], programs=programs, checking=False))
+        run_on_nccl(record_chunked("zbv", 2, 4, [train], programs=programs, checked=False))
     run_on_nccl(record_chunked("zbv", 2, 4, [train]))  # the same step in p2p_program's order
 
 

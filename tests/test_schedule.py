@@ -134,19 +134,27 @@ def eight_layer_checkpoints(root, names):
     return dirs
 
 
-@pytest.mark.slow
-def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
-    checkpoints = {**tiny_checkpoints, **eight_layer_checkpoints(tmp_path / "models", ["llama2", "tied"])}
-    cases = [dict(name=name, hf_dir=checkpoints[model][0], ds_dir=checkpoints[model][1], **settings)
-             for name, (model, settings) in CASES.items()]
+def launch_cases(cases, checkpoints, processes, tmp_path):
+    """Every case's runs in one launch of `processes` ranks (tests/schedule_worker.py), each rank's run under each
+    schedule checked against the case's 1F1B run; returns every rank's results."""
+    launched = [dict(name=name, hf_dir=checkpoints[model][0], ds_dir=checkpoints[model][1], **settings)
+                for name, (model, settings) in cases.items()]
     (tmp_path / "ranks").mkdir()
-    spawn(schedule_worker.run, 4, cases, STEPS, MICRO_BATCH, GAS, SEQ, str(tmp_path / "ranks"))
+    spawn(schedule_worker.run, processes, launched, STEPS, MICRO_BATCH, GAS, SEQ, str(tmp_path / "ranks"))
     ranks = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "ranks" / "rank*.json")))]
-    assert len(ranks) == 4
-    for (name, (_, settings)), rank in itertools.product(CASES.items(), ranks):
+    assert len(ranks) == processes
+    for (name, (_, settings)), rank in itertools.product(cases.items(), ranks):
         assert sorted(rank[name]) == sorted(settings["schedules"]), name
         for schedule, result in rank[name].items():
             assert_equals_1f1b(result, settings, schedule, (name, schedule))
+    return ranks
+
+
+@pytest.mark.slow
+def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
+    checkpoints = {**tiny_checkpoints, **eight_layer_checkpoints(tmp_path / "models", ["llama2", "tied"])}
+    ranks = launch_cases(CASES, checkpoints, 4, tmp_path)
+    for (name, (_, settings)), rank in itertools.product(CASES.items(), ranks):
         if settings.get("zbv_times") == "auto":  # every rank agreed on each stage's measured [F, B, W]
             assert rank[name]["zbv"]["measured_times"] == ranks[0][name]["zbv"]["measured_times"], name
         for schedule in CHUNKED if settings.get("partition_costs") == "measured" else ():
@@ -158,17 +166,7 @@ def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
 
 @pytest.mark.slow
 def test_four_stages_x_tp2_or_cp2_equal_1f1b(tmp_path):
-    checkpoints = eight_layer_checkpoints(tmp_path / "models", ["tied", "llama3"])
-    cases = [dict(name=name, hf_dir=checkpoints[model][0], ds_dir=checkpoints[model][1], **settings)
-             for name, (model, settings) in EIGHT_PROCESS_CASES.items()]
-    (tmp_path / "ranks").mkdir()
-    spawn(schedule_worker.run, 8, cases, STEPS, MICRO_BATCH, GAS, SEQ, str(tmp_path / "ranks"))
-    ranks = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "ranks" / "rank*.json")))]
-    assert len(ranks) == 8
-    for (name, (_, settings)), rank in itertools.product(EIGHT_PROCESS_CASES.items(), ranks):
-        assert sorted(rank[name]) == sorted(settings["schedules"]), name
-        for schedule, result in rank[name].items():
-            assert_equals_1f1b(result, settings, schedule, (name, schedule))
+    launch_cases(EIGHT_PROCESS_CASES, eight_layer_checkpoints(tmp_path / "models", ["tied", "llama3"]), 8, tmp_path)
 
 
 def assert_equals_1f1b(result, settings, schedule, case):
