@@ -187,10 +187,6 @@ def check_zero_bubble(cfg):
         raise ConfigError(f"zero_bubble_max_waiting={cap} applies to pipeline_schedule=zero_bubble or zbv only (not "
                           f"{cfg.pipeline_schedule}, whose backward is never split); set zero_bubble_max_waiting=null, "
                           f"or one of those schedules.")
-    # fp16's loss scaler is untested with deferred weight gradients (W); interleaved_1f1b does not split backwards
-    if cfg.pipeline_schedule in ("zero_bubble", "zbv") and cfg.precision == "fp16":
-        raise ConfigError(f"pipeline_schedule={cfg.pipeline_schedule} does not support precision=fp16 yet (it runs "
-                          f"with precision fp32 or bf16); use pipeline_schedule=1f1b or interleaved_1f1b.")
 
 
 def check_zbv_times(cfg):
