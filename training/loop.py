@@ -295,6 +295,9 @@ def run_started(spec, lm_eval_tasks, record):
 
     indexed = cfg.data.format == "indexed"
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * data.steps_per_epoch(spec))
+    if data.train_buckets:
+        log_rank0(f"data.length_buckets: train_file's rows, {data.train_buckets.describe()}: "
+                  f"{data.steps_per_epoch(spec)} steps of one bucket each per epoch")
     step = spec.trainer_state.get("step", 0)
     consumed_samples = spec.trainer_state.get("consumed_samples", 0)
     if indexed:

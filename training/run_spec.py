@@ -332,8 +332,8 @@ def check_length_buckets_split(cfg, workload):
     bad = [length for length in cfg.data.length_buckets or [] if length % multiple]
     if bad:
         splits = ([f"context_parallel_size={context} (2 x {context} equal chunks of each sequence)"] * (context > 1)
-                  + [f"tensor_parallel_size={tensor} with sequence_parallel (a micro-batch's {workload.micro_batch_size}"
-                     f" rows' tokens)"] * workload.splits_sequence)
+                  + [f"tensor_parallel_size={tensor} with sequence_parallel (a micro-batch's tokens, "
+                     f"{workload.micro_batch_size} x the length)"] * workload.splits_sequence)
         raise ConfigError(f"data.length_buckets={list(cfg.data.length_buckets)}: {', '.join(map(str, bad))} "
                           f"{'does' if len(bad) == 1 else 'do'} not split over {' and '.join(splits)}; use lengths "
                           f"that are multiples of {multiple}.")
