@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from data.collator import collate_causal_lm, collate_preference, row_layout
+from data.collator import collate, collate_causal_lm, collate_preference, row_layout
 from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
 from models.loss import CausalLMLoss
 from models.preference import PreferenceLoss, PreferenceSettings
@@ -54,6 +54,19 @@ def test_next_token_loss_takes_no_host_sync(layout):
     examples = rows(6, layout == "packed")
     batches = [collate_causal_lm(examples[k:k + 2], SEQ, pad_id=0) for k in range(0, 6, 2)]
     assert syncs_of_micro_batches(stage(layout), CausalLMLoss(chunk_tokens=CHUNK_TOKENS), batches) == []
+
+
+def test_steps_of_changing_length_take_no_host_sync():
+    """data.length_buckets: micro-batches padded to 8, then 16, then 12 positions (the collator picks the width
+    from the rows' lengths on the host, data/length_buckets.py)."""
+    bounds = (8, 12, SEQ)
+    batches = [collate(rows_of_lengths(lengths), SEQ, pad_id=0, bounds=bounds) for lengths in ((3, 8), (9, 16), (5, 11))]
+    assert [inputs.shape[1] for (inputs, _, _), _ in batches] == [8, 16, 12]
+    assert syncs_of_micro_batches(stage("padded"), CausalLMLoss(chunk_tokens=CHUNK_TOKENS), batches) == []
+
+
+def rows_of_lengths(lengths):
+    return [{"input_ids": list(range(1, n + 1)), "labels": list(range(1, n + 1))} for n in lengths]
 
 
 def test_dpo_loss_takes_no_host_sync():

@@ -208,12 +208,12 @@ def pretokenized_file(path, count, seed):
 def test_a_bucketed_run_resumed_on_another_layout_equals_the_run_that_never_stopped(demo_model, tmp_path):
     """2 stages (evaluating at seq_length every 2 steps) stopped at step 2, resumed on 1 stage with the same global
     batch: steps 3 and 4 take the same rows, their losses the uninterrupted run's."""
-    files = dict(train_file=pretokenized_file(tmp_path / "train.jsonl", 120, seed=0),
-                 eval_file=pretokenized_file(tmp_path / "eval.jsonl", 6, seed=1))
-    common = {**files, "data.format": "pretokenized", "data.length_buckets": "[16,32]", "max_steps": 4,
-              "logging_steps": 1, "export_hf": "false", "warmup_steps": 1}
+    common = {"train_file": pretokenized_file(tmp_path / "train.jsonl", 120, seed=0), "data.format": "pretokenized",
+              "data.length_buckets": "[16,32]", "max_steps": 4, "logging_steps": 1, "export_hf": "false",
+              "warmup_steps": 1}
     result = check_ok(launch_trainer(2, demo_overrides(demo_model, tmp_path / "run", **common, save_steps=2,
-                                                       eval_steps=2)))
+                                                       eval_steps=2, eval_file=pretokenized_file(
+                                                           tmp_path / "eval.jsonl", 6, seed=1))))
     assert "data.length_buckets: train_file's rows, " in result.stdout
     whole = per_step_losses(tmp_path / "run")
     assert len(whole) == 4 and len([r for r in read_metrics(tmp_path / "run") if "eval_loss" in r]) == 2
