@@ -64,9 +64,9 @@ def build_engine(case, schedule, config, micro_batch_size, gas):
     if chunks is not None:
         num_chunks = sum(map(len, chunks))
         bounds = partition_stages(config, num_chunks, [config.num_hidden_layers // num_chunks] * num_chunks)
-    module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel), layer_loader=load_layer_slice,
-                                   stage_bounds=bounds, chunk_ids=chunks, loss_chunk_tokens=7,
-                                   context_parallel_size=case.get("context_parallel", 1),
+    module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel),
+                                   layer_loader=load_layer_slice, stage_bounds=bounds, chunk_ids=chunks,
+                                   loss_chunk_tokens=7, context_parallel_size=case.get("context_parallel", 1),
                                    objective=PreferenceSettings(case.get("objective", "sft")))
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config={
         "train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": gas,

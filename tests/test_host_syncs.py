@@ -60,7 +60,8 @@ def test_steps_of_changing_length_take_no_host_sync():
     """data.length_buckets: micro-batches padded to 8, then 16, then 12 positions (the collator picks the width
     from the rows' lengths on the host, data/length_buckets.py)."""
     bounds = (8, 12, SEQ)
-    batches = [collate(rows_of_lengths(lengths), SEQ, pad_id=0, bounds=bounds) for lengths in ((3, 8), (9, 16), (5, 11))]
+    batches = [collate(rows_of_lengths(lengths), SEQ, pad_id=0, bounds=bounds)
+               for lengths in ((3, 8), (9, 16), (5, 11))]
     assert [inputs.shape[1] for (inputs, _, _), _ in batches] == [8, 16, 12]
     assert syncs_of_micro_batches(stage("padded"), CausalLMLoss(chunk_tokens=CHUNK_TOKENS), batches) == []
 

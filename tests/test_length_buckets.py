@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from data.collator import collate
-from data.length_buckets import LengthBuckets, bucket_bounds, padded_length
+from data.length_buckets import LengthBuckets, bucket_bounds, padded_length, row_lengths
 from data.loader import build_stage_loader, infinite_micro_batches
 from errors import ConfigError
 from planner.workload import Workload
@@ -85,6 +85,15 @@ def test_the_loader_pads_each_step_to_its_bucket_and_every_layout_reads_the_same
     assert {width for _, (width,) in whole} == {16, 32, 64}
     assert whole[per_epoch + 2:] == loader_steps(rows, buckets, dp_size=2, gas=2, start=(1, 2 * 2),
                                                  steps=per_epoch)
+
+
+def test_row_lengths_read_the_arrow_columns_a_pair_its_longer_sequence():
+    import datasets
+    rows = datasets.Dataset.from_dict({"input_ids": [[1] * 3, [2] * 7], "labels": [[1] * 3, [2] * 7]})
+    chosen, rejected = [[1] * 5, [1] * 9], [[2] * 8, [2] * 4]
+    pairs = datasets.Dataset.from_dict({"chosen_input_ids": chosen, "chosen_labels": chosen,
+                                        "rejected_input_ids": rejected, "rejected_labels": rejected})
+    assert row_lengths(rows).tolist() == [3, 7] and row_lengths(pairs).tolist() == [8, 9]
 
 
 def test_a_micro_batch_pads_to_the_smallest_bucket_holding_its_longest_row():
