@@ -157,30 +157,29 @@ def test_buckets_none_of_which_holds_a_step_are_refused():
         "holds one step's 4 rows (a step's rows share a bucket); use fewer buckets, add data or lower the batch size.")
 
 
-# name: (tiny config, case settings), all on 4 processes; buckets of SEQ = 16, rows of 4 ... 16 tokens. Under tensor
-# parallelism with sequence parallelism and context parallelism shorter rows put the real tokens on other ranks: the
-# first step's weight gradients are sums in another order (within 5e-7 of the largest here), and Adam carries that
-# into the later steps' gradients and the weights (as tests/test_schedule.py's zbv_tolerance explains).
-NOISE = dict(grad_tolerance=5e-6, weight_tolerance=5e-5)
+# name: (tiny config, case settings), all on 4 processes; buckets of SEQ = 16, rows of 4 ... 16 tokens.
+# order_seed: the bucket order's, which gives each case's steps widths 8, 8, 16 (128 rows; DPO's 12, 12, 16) or
+# 12, 8, 16 (64 rows): the evaluation at 16 after step 1, and step 2, change the length.
 CASES = {
-    "2stages_x_2dp_1f1b": ("llama3", dict(stages=2, schedule="1f1b", length_buckets=[8, 12], rows=128)),
+    "2stages_x_2dp_1f1b": ("llama3", dict(stages=2, schedule="1f1b", length_buckets=[8, 12], rows=128, order_seed=10)),
     # ZB-V's rank 1 holds neither the first nor the last chunk: it reads no data and learns each step's width
-    "2stages_x_2dp_zbv": ("llama3", dict(stages=2, schedule="zbv", length_buckets=[8, 12], rows=128)),
+    "2stages_x_2dp_zbv": ("llama3", dict(stages=2, schedule="zbv", length_buckets=[8, 12], rows=128, order_seed=10)),
     "2stages_x_2dp_dpo_zero_bubble": ("llama3", dict(stages=2, schedule="zero_bubble", objective="dpo",
-                                                     length_buckets=[8, 12], rows=128)),
+                                                     length_buckets=[8, 12], rows=128, order_seed=10)),
     "2stages_x_tp2_interleaved": ("llama3", dict(stages=2, schedule="interleaved_1f1b", virtual_stages=2,
-                                                 tensor_parallel=2, length_buckets=[8, 12], rows=64, **NOISE)),
+                                                 tensor_parallel=2, length_buckets=[8, 12], rows=64, order_seed=14)),
     "2stages_x_cp2_1f1b": ("llama3", dict(stages=2, schedule="1f1b", context_parallel=2, length_buckets=[8, 12],
-                                          rows=64, **NOISE)),
+                                          rows=64, order_seed=14)),
 }
 
 
 @pytest.mark.slow
 def test_bucketed_losses_equal_padded_ones_under_every_schedule(tiny_checkpoints, tmp_path):
     """Each case trains on the same rows in the same steps with each step padded to its bucket and to seq_length:
-    the same loss units (the token mean's denominators) and losses, an evaluation at seq_length after step 1 alike,
-    the first step's gradients within 1e-6 of the largest (fp32), the later steps' and the weights they leave within
-    the case's tolerance; DPO's reference pass the same."""
+    the same loss units (the token mean's denominators), losses within 1e-6, an evaluation at seq_length after step
+    1 alike, every step's gradients within 2e-6 of the largest and the weights the steps leave within 1e-6 (fp32
+    sums over other shapes; under tensor and context parallelism the real tokens sit on other ranks when the rows
+    are shorter, and are summed in another order); DPO's reference pass the same."""
     cases = [dict(name=name, hf_dir=tiny_checkpoints[model][0], ds_dir=tiny_checkpoints[model][1], **settings)
              for name, (model, settings) in CASES.items()]
     spawn(length_bucket_worker.run, 4, cases, STEPS, MICRO_BATCH, GAS, SEQ, str(tmp_path))
@@ -192,14 +191,14 @@ def test_bucketed_losses_equal_padded_ones_under_every_schedule(tiny_checkpoints
         losses, units, widths = zip(*result["steps"])
         padded_losses, padded_units, padded_widths = zip(*result["padded_steps"])
         assert padded_widths == (local,) * STEPS and units == padded_units and min(units) > 0, name
-        # the length changes between steps, and after the evaluation at seq_length
-        assert len(set(widths)) > 1 and widths[1] != local, name
+        # the length changes at the evaluation at seq_length after step 1, after it, and between steps
+        assert widths[0] != local and widths[1] != local and len(set(widths)) > 1, name
         assert set(widths) <= {length // context for length in (8, 12, 16)}, name
         assert losses == pytest.approx(padded_losses, abs=1e-6, rel=0), name
         assert result["eval_loss"] == pytest.approx(result["padded_eval_loss"], abs=1e-6, rel=0), name
-        assert result["grad_steps"] == [STEPS, STEPS] and result["first_grad_error"] <= 1e-6, name
-        assert result["max_grad_error"] <= settings.get("grad_tolerance", 1e-6), (name, result["worst_grad"])
-        assert result["max_weight_error"] <= settings.get("weight_tolerance", 2e-6), (name, result["worst_weight"])
+        assert result["grad_steps"] == [STEPS, STEPS], name
+        assert result["max_grad_error"] <= 2e-6, (name, result["worst_grad"])
+        assert result["max_weight_error"] <= 1e-6, (name, result["worst_weight"])
         if settings.get("objective") == "dpo":
             assert result["reference"] == result["padded_reference"] and result["reference"][0], name
 
