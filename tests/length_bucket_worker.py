@@ -29,7 +29,8 @@ from evaluation.eval_set import evaluate  # noqa: E402
 from evaluation.reference import WithReference, compute_reference  # noqa: E402
 from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
 from models.preference import PreferenceSettings  # noqa: E402
-from tests.schedule_worker import all_ranks_gradients, record_optimizer_gradients, worst_error  # noqa: E402
+from tests.schedule_worker import (all_ranks_gradients, count_calls, record_optimizer_gradients,  # noqa: E402
+                                   worst_error)
 from training.token_mean import step_micro_batches, step_totals, token_mean_loss  # noqa: E402
 
 PROMPT = 3  # a pair's shared prompt (unlabelled), and an SFT row's unlabelled head
@@ -85,11 +86,11 @@ def build_engine(case, schedule, config, micro_batch_size, gas):
 
 def train(case, bounds, steps, micro_batch_size, gas, seq_len):
     """One run: (per step [loss, units, width], eval loss, each step's gradients (all ranks'), the weights the steps
-    leave, DPO's reference values)."""
+    leave, DPO's reference values, the engine's shape resets)."""
     config = AutoConfig.from_pretrained(case["hf_dir"])
     schedule = case["schedule"]
     engine = build_engine(case, schedule, config, micro_batch_size, gas)
-    recorded = record_optimizer_gradients(engine)
+    recorded, resets = record_optimizer_gradients(engine), count_calls(engine, "reset_activation_shape")
     context = engine.module.context
     replica, replicas = context.replica(engine.grid.data_parallel_id, engine.grid.get_data_parallel_world_size())
     objective = case.get("objective", "sft")
@@ -121,7 +122,7 @@ def train(case, bounds, steps, micro_batch_size, gas, seq_len):
     where = f"dp{engine.grid.data_parallel_id}.tp{engine.grid.get_slice_parallel_rank()}"
     weights = all_ranks_gradients([{name: p.detach().clone() for name, p in engine.module.named_parameters()}], where)
     return (records, eval_loss, all_ranks_gradients(recorded, where), weights,
-            reference and [reference[side].tolist() for side in ("chosen", "rejected")])
+            reference and [reference[side].tolist() for side in ("chosen", "rejected")], len(resets))
 
 
 def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
@@ -133,7 +134,8 @@ def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
         results[case["name"]] = {
             "steps": bucketed[0], "padded_steps": padded[0], "eval_loss": bucketed[1], "padded_eval_loss": padded[1],
             **worst_error(padded[2], bucketed[2], "grad"), **worst_error(padded[3], bucketed[3], "weight"),
-            "grad_steps": [len(padded[2]), len(bucketed[2])], "reference": bucketed[4], "padded_reference": padded[4]}
+            "grad_steps": [len(padded[2]), len(bucketed[2])], "resets": bucketed[5], "padded_resets": padded[5],
+            "reference": bucketed[4], "padded_reference": padded[4]}
         torch.distributed.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

@@ -194,6 +194,10 @@ def test_bucketed_losses_equal_padded_ones_under_every_schedule(tiny_checkpoints
         # the length changes at the evaluation at seq_length after step 1, after it, and between steps
         assert widths[0] != local and widths[1] != local and len(set(widths)) > 1, name
         assert set(widths) <= {length // context for length in (8, 12, 16)}, name
+        # the engine's shapes made again at each change of length (DPO's reference pass at seq_length comes first),
+        # never while it stays
+        lengths = [local] * (settings.get("objective") == "dpo") + [widths[0], local, *widths[1:]]
+        assert result["resets"] == sum(a != b for a, b in zip(lengths, lengths[1:])) and not result["padded_resets"]
         assert losses == pytest.approx(padded_losses, abs=1e-6, rel=0), name
         assert result["eval_loss"] == pytest.approx(result["padded_eval_loss"], abs=1e-6, rel=0), name
         assert result["grad_steps"] == [STEPS, STEPS], name
