@@ -81,14 +81,18 @@ def test_dpo_loss_takes_no_host_sync():
 
 
 def test_the_recorder_sees_the_syncs_the_old_path_took():
-    """What the check above would have caught: a boolean of a device tensor, boolean-mask indexing, nonzero."""
+    """What the check above would have caught: a boolean of a device tensor, boolean-mask indexing, nonzero; and
+    tolist (training/token_mean.py reads a step's totals with it, once per step)."""
     x = torch.arange(6.0)
     with HostSyncs() as syncs:
         bool((x > 1).all())
         x[x > 2].sum()
         (x > 3).nonzero()
         x.masked_fill(x > 2, 0).sum()  # none
-    assert syncs.ops == ["aten._local_scalar_dense.default", "aten.index.Tensor", "aten.nonzero.default"]
+        x[:2].tolist()
+    assert syncs.ops == ["aten._local_scalar_dense.default", "aten.index.Tensor", "aten.nonzero.default",
+                         "Tensor.tolist"]
+    assert x.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] and syncs.ops[-1] == "Tensor.tolist"  # unwrapped after
 
 
 def test_the_run_decides_the_attention_masks_from_its_rows():
