@@ -12,8 +12,8 @@ its rows'. Nothing happens while the length stays, so a run of one length sends 
 
 
 def use_sequence_length(engine, length):
-    """Rows of `length` tokens (whole sequences, before any context-parallel split) from the next step on: the
-    engine's shapes and buffers are made again when it differs from the last step's."""
+    """Rows of `length` positions as the stages hold them (under context parallelism each rank's share) from the
+    next step on: the engine's shapes and buffers are made again when it differs from the last step's."""
     if getattr(engine, "sequence_length", length) != length:
         engine.reset_activation_shape()
     engine.sequence_length = length
