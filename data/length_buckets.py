@@ -70,9 +70,6 @@ class BucketedSampler(Sampler):
     set_epoch as torch's DistributedSampler."""
 
     def __init__(self, buckets: LengthBuckets, dp_rank, dp_size, micro_batch_size):
-        if buckets.global_batch % (dp_size * micro_batch_size):
-            raise ValueError(f"a global batch of {buckets.global_batch} rows does not split into micro-batches of "
-                             f"{micro_batch_size} over {dp_size} data-parallel ranks")
         self.buckets, self.dp_rank, self.dp_size, self.micro_batch_size = buckets, dp_rank, dp_size, micro_batch_size
         self.epoch = 0
 
