@@ -44,6 +44,10 @@ Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with wh
   _exec_load_micro_batch and _exec_backward_pass per chunk and overrides is_first_stage, is_last_stage and
   _loss_stage_global_rank (the running chunk's, or the rank holding the first / last chunk) and
   _inference_schedule (evaluation's forwards); the names it adds are checked absent as the zero-bubble engine's are.
+- A sequence length that changes between steps (engines/sequence_length.py): PipelineEngine.reset_activation_shape
+  (public, DeepSpeed's hook for curriculum learning; checked because the chunked engine extends it and the project
+  relies on it clearing first_output_send, pipe_recv_buf and grad_layer); the attribute sequence_length the project
+  adds to the engine, checked absent as the zero-bubble engine's names are.
 - For tests/test_p2p_order.py, which records the point-to-point operations of the engines' own handlers:
   PipelineEngine._exec_schedule (the instruction loop of train_batch and eval_batch), _inference_schedule, the p2p
   module's send and recv (what DeepSpeed's handlers call; its source must call them), and the state __init__ sets
