@@ -21,7 +21,7 @@ from common import bench_parser, machine_note, parse_args, run_config, spawn, ti
 SEQ_LENGTH, MICRO_BATCH, GAS = 256, 4, 4
 MODEL = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=SEQ_LENGTH)
-SMOKE_MODEL = dict(MODEL, hidden_size=32, intermediate_size=64, num_hidden_layers=1)  # --smoke's
+SMOKE_MODEL = dict(MODEL, hidden_size=32, intermediate_size=64, num_hidden_layers=2)  # --smoke's
 WORDS = "the a cat dog river garden ball red small found carried home near story count one two three".split()
 
 

@@ -228,6 +228,11 @@ INTERNALS = (
     *(Internal(f"{PIPELINE_ENGINE}.{name}", "which the chunked engine overrides (a chunk's first and last stage)",
                ("self",)) for name in ("is_first_stage", "is_last_stage", "_loss_stage_global_rank")),
     self_use(PIPELINE_ENGINE, "_loss_stage_global_rank()", "which the chunked engine overrides"),
+    # A sequence length that changes between steps (engines/sequence_length.py).
+    *(Internal(f"{PIPELINE_ENGINE}.reset_activation_shape", "which a change of sequence length calls (the chunked "
+               "engine extends it) to send the shapes between stages again", ("self",), mentions=name)
+      for name in ("self.first_output_send = True", "self.pipe_recv_buf = None", "self.grad_layer = None")),
+    Unused(PIPELINE_ENGINE, "sequence_length", "which engines/sequence_length.py adds"),
     self_use(PIPELINE_ENGINE, "_inference_schedule(", "which the chunked engine overrides (evaluation)"),
     *(Internal(f"{PIPELINE_ENGINE}.{name}", "which the chunked engine runs for each chunk", ("self", "buffer_id"))
       for name in ("_exec_forward_pass", "_exec_load_micro_batch")),

@@ -18,7 +18,8 @@ the same; a split backward computes slower on the CPU, bench/README.md).
 
 Every chunk boundary carries the same shapes: the first step's first forward (chunk 0's, micro-batch 0, on the rank
 of chunk 0, which needs nothing before it) broadcasts them over the pipeline's ranks before any point-to-point
-operation, and every receive is allocated from them (gradients: like the chunk's outputs).
+operation, and every receive is allocated from them (gradients: like the chunk's outputs). A step of another
+sequence length broadcasts them again (reset_activation_shape, engines/sequence_length.py).
 """
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ class ChunkBackwardPass(PipeInstruction):
 
 class ShareActivationShapes(PipeInstruction):
     """The shapes every chunk boundary carries, broadcast from the rank of chunk 0 after its first forward (first
-    step only)."""
+    step, and the first after a change of sequence length)."""
 
 
 class PostTransfer(PipeInstruction):
@@ -129,7 +130,7 @@ def pack_shapes(tensors, device):
 
 
 def unpack_shapes(message, device):
-    """Empty tensors of the packed shapes (one host read, once per engine)."""
+    """Empty tensors of the packed shapes (one host read, once per engine and sequence length)."""
     values, tensors, at = message.tolist(), [], 1
     for _ in range(values[0]):
         dtype, ndim = SHAPE_DTYPES[values[at]], values[at + 1]
@@ -139,8 +140,8 @@ def unpack_shapes(message, device):
 
 
 class ChunkedPipelineEngine(ZeroBubblePipelineEngine):
-    """Its _train_schedule, _inference_schedule, is_first_stage, is_last_stage and _loss_stage_global_rank override
-    DeepSpeed's (deepspeed_internals/ lists them); W is the zero-bubble engine's."""
+    """Its _train_schedule, _inference_schedule, is_first_stage, is_last_stage, _loss_stage_global_rank and
+    reset_activation_shape override DeepSpeed's (deepspeed_internals/ lists them); W is the zero-bubble engine's."""
 
     def _train_schedule(self):
         self._buffers_per_chunk = self.micro_batches
@@ -220,6 +221,11 @@ class ChunkedPipelineEngine(ZeroBubblePipelineEngine):
         if tensor == "activation":  # new leaves: the next chunk's backward leaves their gradients in .grad
             tensors = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in tensors)
         self._arrived[(tensor, self.local_chunks.index(neighbour), micro_batch)] = tensors
+
+    def reset_activation_shape(self):
+        """DeepSpeed's, and the shapes between chunks broadcast again by the next step's first forward."""
+        super().reset_activation_shape()
+        self._activation_shapes = None
 
     def _exec_share_activation_shapes(self):
         if self._activation_shapes is not None:

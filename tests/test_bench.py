@@ -89,6 +89,9 @@ FIGURES = {
                            "2 stages zbv: CPU ms per micro-batch F/B/W stage 0 #/#/#, stage 1 #/#/#",
                            "2 stages zbv: compute per step against the plan's FLOPs: stage 0 # ms vs plan # ms (#%)",
                            "2 stages zbv measured: zbv_times=[[#, #, #], [#, #, #]]"],
+    "length_buckets.py": [*(f"{name}: # rows, steps # positions wide on average (widths [#" for name in (
+        "padded", "buckets", "packing")), "#% of the positions real, # s/step, # real tokens/s, # learned tokens/s",
+        "real tokens/s against padding to seq_length: buckets [64, 96, 128, 192] #x, packing #x"],
     "lm_eval_throughput.py": ["in-loop eval_tasks # s # requests/s # request tokens/s # padded tokens/s",
                               "training forward (eval_batch) # s # requests/s # tokens/s",
                               "lm_eval HFLM # s # requests/s # request tokens/s"],

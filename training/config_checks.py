@@ -110,6 +110,7 @@ def check_values(cfg):
         raise ConfigError(str(error)) from None
     check_preference(cfg, preference)
     check_token_shard_keys(cfg)
+    check_length_buckets(cfg)
     for entry in cfg.eval_tasks:
         EvalTask.from_entry(entry)
 
@@ -127,6 +128,22 @@ def check_token_shard_keys(cfg):
                               f"samples of seq_length + 1 tokens as prepare_data.py wrote them, docs/data.md); "
                               f"remove it.")
 
+
+def check_length_buckets(cfg):
+    """data.length_buckets: ascending row lengths up to seq_length, for the formats whose rows are padded."""
+    buckets = cfg.data.length_buckets
+    if not buckets:
+        return
+    shown = OmegaConf.to_container(buckets) if isinstance(buckets, ListConfig) else buckets
+    if not (isinstance(shown, list) and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shown)
+            and shown == sorted(set(shown)) and shown[-1] <= cfg.seq_length):
+        raise ConfigError(f"data.length_buckets={shown} is not a list of row lengths: set ascending positive token "
+                          f"counts up to seq_length={cfg.seq_length}, e.g. [256, 512, 1024] (rows longer than the "
+                          f"last pad to seq_length), or [] to pad every row to seq_length.")
+    if cfg.data.format in ("text", "indexed"):
+        raise ConfigError(f"data.length_buckets={shown} with data.format={cfg.data.format}: its rows fill seq_length "
+                          f"(documents are cut into blocks of it), so there is nothing to bucket; remove "
+                          f"data.length_buckets.")
 
 
 def check_hang_watchdog(watchdog, dist_timeout_minutes):
@@ -187,10 +204,6 @@ def check_zero_bubble(cfg):
         raise ConfigError(f"zero_bubble_max_waiting={cap} applies to pipeline_schedule=zero_bubble or zbv only (not "
                           f"{cfg.pipeline_schedule}, whose backward is never split); set zero_bubble_max_waiting=null, "
                           f"or one of those schedules.")
-    # fp16's loss scaler is untested with deferred weight gradients (W); interleaved_1f1b does not split backwards
-    if cfg.pipeline_schedule in ("zero_bubble", "zbv") and cfg.precision == "fp16":
-        raise ConfigError(f"pipeline_schedule={cfg.pipeline_schedule} does not support precision=fp16 yet (it runs "
-                          f"with precision fp32 or bf16); use pipeline_schedule=1f1b or interleaved_1f1b.")
 
 
 def check_zbv_times(cfg):
