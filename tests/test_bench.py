@@ -6,6 +6,7 @@ rank zygote (tests/launch.py run_python), and its workers, child interpreters an
 but for the few in SLOW, whose smoke size still costs several CPU seconds."""
 import glob
 import os
+import pathlib
 import re
 
 import pytest
@@ -14,7 +15,7 @@ from tests.conftest import ROOT
 from tests.launch import check_ok, run_python
 
 SCRIPTS = sorted(os.path.basename(path) for path in glob.glob(os.path.join(ROOT, "bench", "*.py"))
-                 if "if __name__ == \"__main__\":" in open(path).read())
+                 if "if __name__ == \"__main__\":" in pathlib.Path(path).read_text())
 NUMBER = r"[-+]?[\d,]*\d(\.\d+)?(e[-+]?\d+)?"
 SLOW = {  # script: why its smoke size is not cheap (CPU seconds measured with --cpu-durations)
     "async_save.py": "its writer is a fresh interpreter (checkpoints/background_save.py starts it with spawn, which "
@@ -129,6 +130,12 @@ def pattern(figure):
 
 def test_every_bench_script_names_its_figures():
     assert sorted(FIGURES) == SCRIPTS and set(SLOW) <= set(SCRIPTS)
+
+
+def test_a_figure_is_found_only_with_its_number():
+    assert re.search(pattern("fused speed-up: #x"), "  fused speed-up: 4.59x\n")
+    assert re.search(pattern("bf16 sum #, fp32"), "bf16 sum 1.18e-03, fp32")
+    assert not re.search(pattern("fused speed-up: #x"), "  fused speed-up: nanx\n")
 
 
 @pytest.mark.xdist_group("bench")
