@@ -16,6 +16,7 @@ from checkpoints.compatibility import check_resume_topology
 from tests.conftest import ROOT
 from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics,
                           run_python, start_trainer)
+from resilience.exit_codes import DISK_FULL
 from resilience.preemption import PREEMPTED_EXIT_CODE
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
@@ -329,6 +330,34 @@ def test_disk_filling_during_the_first_save_is_one_line(demo_model, two_step_run
                      rf"complete checkpoint was saved yet\.", output), output[-3000:]
     assert "inline_container" not in output and "Errno 28" not in output, output[-6000:]
     assert not (out / "latest").exists() and not (out / "global_step2" / "COMPLETE").exists()
+
+
+@pytest.mark.slow
+def test_a_disk_filling_under_a_background_write_stops_every_rank_with_one_line(demo_model, two_step_run,
+                                                                                 small_disk):
+    """async_save=true: another writer fills the disk right after the step-4 save found room for it, so the writer
+    processes meet the full disk (torch.save's zip writer: a RuntimeError, not an OSError). The old writer died
+    without a word and the run hung; now both ranks stop together with the full disk's line and exit 74 (not
+    restarted), and `latest` and step 2's checkpoint are as they were."""
+    from checkpoints.disk_space import checkpoint_bytes
+    disk = small_disk(64 * 2**20)
+    out = disk / "run"
+    shutil.copytree(two_step_run, out)
+    checkpoint = checkpoint_bytes(out / "global_step2")
+    started = time.monotonic()
+    result = launch_trainer(2, two_step_overrides(demo_model, out, resume="auto", max_steps=6, async_save="true"),
+                            script=FAULT_SCRIPT, env={"FAULT": "fill_disk:0:4"}, timeout=180)
+    output = result.stdout + result.stderr
+    assert result.returncode == DISK_FULL and time.monotonic() - started < 180, output[-3000:]
+    assert "FAULT fill_disk AT 4" in result.stdout
+    refusal = re.findall(rf"trainer_pipe: error: checkpoint global_step4 does not fit on the disk of '{out}': "
+                         rf"[\d.]+ MiB free, a checkpoint needs about {checkpoint / 2**20:.1f} MiB; .*; resume=auto "
+                         rf"continues from the last complete checkpoint, {out}/global_step2\.", output)
+    assert len(refusal) == 2, output[-3000:]  # one line from each rank
+    assert (out / "latest").read_text() == "global_step2" and not (out / "global_step4" / "COMPLETE").exists()
+    kept = {path.relative_to(out): path.read_bytes() for path in (out / "global_step2").rglob("*") if path.is_file()}
+    assert kept == {path.relative_to(two_step_run): path.read_bytes()
+                    for path in (two_step_run / "global_step2").rglob("*") if path.is_file()}
 
 
 @pytest.mark.slow
