@@ -33,6 +33,7 @@ from checkpoints.disk_space import DiskFullError, disk_full_is_one_line, disk_fu
 from checkpoints.files import free_bytes, is_disk_full, size_text
 from checkpoints.integrity import durable_checksum
 from checkpoints.tag_dirs import begin_change
+from errors import ConfigError
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal this process gets when its parent dies
 SHARED_MEMORY_DIR = "/dev/shm"  # where share_memory_() places the snapshot's storages
@@ -67,7 +68,7 @@ def snapshot_shortfall(setting, needed_bytes, ranks):
     error = snapshot_room_error(needed_bytes, ranks, shutil.disk_usage(SHARED_MEMORY_DIR).free,
                                 available_host_bytes(), setting)
     if error and setting is True:
-        raise ValueError(error)
+        raise ConfigError(error)
     return error
 
 

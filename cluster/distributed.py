@@ -10,6 +10,7 @@ from deepspeed.accelerator import get_accelerator
 
 from deepspeed_internals.access import skip_shm_comm_build
 from deepspeed_internals.registry import PipeDataParallelTopology, PipeModelDataParallelTopology
+from errors import ConfigError
 
 NCCL_TRACE_ENTRIES = "2000"  # TORCH_NCCL_TRACE_BUFFER_SIZE unless set
 
@@ -73,7 +74,7 @@ def check_devices(precision):
                          torch.cuda.device_count(), torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
                          torch.cuda.get_device_name(local_rank) if local_rank < torch.cuda.device_count() else "")
     if error:
-        raise ValueError(error)
+        raise ConfigError(error)
 
 
 def init_distributed(timeout_minutes):

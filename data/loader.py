@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 import collectives
+from errors import ConfigError
 from .collator import collate, collate_causal_lm
 
 
@@ -55,8 +56,8 @@ class StageLoader:
         self.micro_batch_size = micro_batch_size
         self.num_micro_batches = micro_batches_per_epoch(len(dataset), dp_size, micro_batch_size, drop_last)
         if self.num_micro_batches == 0:
-            raise ValueError(f"{len(dataset)} examples give no micro-batch of {micro_batch_size} to each of "
-                             f"{dp_size} data-parallel ranks")
+            raise ConfigError(f"{len(dataset)} examples give no micro-batch of {micro_batch_size} to each of "
+                              f"{dp_size} data-parallel ranks")
         self.epoch, self.start = 0, 0
         self._loader = None
         if reads_data:
@@ -173,7 +174,7 @@ def check_identical_across_group(batches, group, batches_per_check=1):
         collectives.all_reduce(extremes, op=collectives.ReduceOp.MAX, group=group)
         if extremes[0] != -extremes[1]:
             which = f"{first}" if len(held) == 1 else f"{first} to {first + len(held) - 1}"
-            raise ValueError(
+            raise ConfigError(
                 f"tensor-parallel ranks {dist.get_process_group_ranks(group)} received different micro-batches "
                 f"(micro-batch {which} of this run): every rank of a tensor-parallel group must see the same data. "
                 f"Usual cause: random augmentation, shuffling or sampling seeded per global rank; seed it by the "

@@ -19,6 +19,7 @@ import time
 import uuid
 
 from checkpoints.files import write_text_atomic
+from errors import ConfigError
 
 LEASE_FILE = ".lease.json"
 LOCK_FILE = ".lease.lock"  # empty; its flock orders the starts (released by the kernel if its holder dies)
@@ -89,7 +90,7 @@ def holder_error(output_dir, lease, me, now):
 
 
 class RunLease:
-    """Rank 0's lease on output_dir: taken at start-up (ValueError, one line, when another live job holds it),
+    """Rank 0's lease on output_dir: taken at start-up (ConfigError, one line, when another live job holds it),
     renewed by a thread, released at the end."""
 
     def __init__(self, output_dir):
@@ -100,7 +101,7 @@ class RunLease:
         with lease_lock(output_dir):
             error = holder_error(output_dir, read_lease(output_dir), self.fields, time.time())
             if error:
-                raise ValueError(error)
+                raise ConfigError(error)
             self._write()
         self._stopped = threading.Event()
         threading.Thread(target=self._heartbeat, daemon=True, name="output-dir-lease").start()
@@ -141,11 +142,11 @@ def output_dir_lease(output_dir):
     if dist.get_rank() == 0:
         try:
             lease = RunLease(output_dir)
-        except ValueError as error:
+        except ConfigError as error:
             refusal = [str(error)]
     collectives.broadcast_object_list(refusal, src=0)
     if refusal[0]:
-        raise ValueError(refusal[0])
+        raise ConfigError(refusal[0])
     try:
         yield
     finally:

@@ -13,6 +13,8 @@ remembers it), so a supervised run's restart goes past it. kind one of
   kill_while_writing  async_save: SIGKILL this rank right after it handed the step's checkpoint to its writer process
   kill_writer       async_save: SIGKILL this rank's writer process with the step's checkpoint handed to it unwritten
                     (stopped first, so that it cannot write it before it dies: the OOM killer mid-write)
+  kill_building     this rank SIGKILLs itself as it starts building the tokenized data (step unused): the others
+                    wait for it on the store (cluster/shared_files.py)
   fill_disk         this rank fills output_dir's disk (a file beside output_dir) right after the step's save found
                     room for the checkpoint, leaving FILL_LEAVES_BYTES: another writer filled it meanwhile
   slow              from that step on, this rank's every forward pass takes FAULT_SLOW_SECONDS longer (a slow device)
@@ -95,6 +97,16 @@ def inject(kind, fault_rank, fault_step):
                 print(f"FAULT {kind} AT {fault_step} PID {self.writer.pid}", flush=True)
                 os.kill(self.writer.pid, signal.SIGKILL)
         BackgroundSave.submit = submit_to_a_killed_writer
+    elif kind == "kill_building":
+        from data import datasets  # build_dataset_distributed looks built_by_rank_zero up here
+        built_by_rank_zero = datasets.built_by_rank_zero
+
+        def killed_while_building(build, what, *args, **kwargs):
+            if rank() == fault_rank:
+                print(f"FAULT {kind} {what}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return built_by_rank_zero(build, what, *args, **kwargs)
+        datasets.built_by_rank_zero = killed_while_building
     elif kind == "fill_disk":
         import shutil
 
