@@ -48,7 +48,7 @@ class RunLogger:
         earlier checkpoint logs again, are dropped from metrics.jsonl, lm_eval.jsonl (the run's own scores) and the
         CSV monitor's files and hidden in TensorBoard first, so each step appears once; a resumed run (replays_after
         past 0) goes on in the same W&B run, from the step after the last one it logged there. Either way a last line
-        of metrics.jsonl or lm_eval.jsonl cut short by a stop mid-append is dropped (read_records)."""
+        of metrics.jsonl or lm_eval.jsonl cut short by a stop mid-append is dropped (whole_records)."""
         self.enabled = dist.get_rank() == 0
         self.output_dir = output_dir
         config = get_monitor_config(monitors)
@@ -120,10 +120,10 @@ class RunLogger:
 def drop_records_after(path, step, source=None):
     """Rewrite the JSON-lines file at path (atomically) without its records of steps after `step` (of that
     `source` only, when given: lm_eval.jsonl keeps the scores of exports, which a restart does not log again; None:
-    none), and without a last line cut short (read_records); the steps dropped."""
+    none), and without a last line cut short (whole_records); the steps dropped."""
     if not os.path.isfile(path):
         return []
-    records, repaired = read_records(path)
+    records, repaired = whole_records(path)
     logged_again = [step is not None and record["step"] > step and record.get("source") == source
                     for _, record in records]
     dropped = sorted({record["step"] for (_, record), again in zip(records, logged_again) if again})
@@ -135,7 +135,7 @@ def drop_records_after(path, step, source=None):
     return dropped
 
 
-def read_records(path):
+def whole_records(path):
     """([(line, record)] of a JSON-lines log this run appends to, whether it needs rewriting). A last line that is
     not a whole record was cut short by a run that stopped mid-append (a node lost): it is dropped, in one line; a
     last record without its newline gets one, so that the next append starts a line of its own. A bad line before
