@@ -77,8 +77,8 @@ def inject(kind, fault_rank, fault_step):
         from checkpoints.background_save import BackgroundSave
         submit = BackgroundSave.submit
 
-        def submit_then_die(self, files, tag_dir, completion):
-            submit(self, files, tag_dir, completion)
+        def submit_then_die(self, files, tag_dir, completion, needed_bytes):
+            submit(self, files, tag_dir, completion, needed_bytes)
             if rank() == fault_rank and tag_dir.endswith(f"global_step{fault_step}"):
                 self.copied()  # the copier has handed the files to the writer
                 print(f"FAULT {kind} AT {fault_step}", flush=True)
