@@ -9,11 +9,11 @@ it after an attempt ends. A requeue of the same job after an unclean end is no o
 of the same job id (Slurm's SLURM_JOB_ID, a later SLURM_RESTART_COUNT: Slurm ends a job before requeueing it) takes
 the lease at once; the same job id or the same command otherwise takes it once it missed MISSED_RENEWALS renewals,
 and is refused if it is renewed meanwhile (the same command launched twice; a lease taken after this process started
-is a twin's, refused at once). Reading the lease and writing one's own
-happen under an flock of output_dir/.lease.lock, so two jobs starting at once take turns: one takes a free or stale
-lease, the other then finds it live and is refused. A heartbeat that cannot renew the lease for half of
-STALE_SECONDS (the filesystem failing: ESTALE, EIO), or finds it taken over, ends the run (exit LEASE_LOST, which a
-supervisor restarts) before two jobs could write output_dir.
+is a twin's, refused at once). Reading the lease and writing one's own happen under an flock of
+output_dir/.lease.lock, so two jobs starting at once take turns: one takes a free or stale lease, the other then
+finds it live and is refused. A heartbeat that cannot renew the lease for half of STALE_SECONDS (the filesystem
+failing: ESTALE, EIO), or finds it taken over, ends the run (exit LEASE_LOST, which a supervisor restarts) before two
+jobs could write output_dir.
 """
 import contextlib
 import errno
@@ -124,7 +124,7 @@ def holder_of(lease, me, now, started):
     return ANOTHER_JOB
 
 
-def refusal(output_dir, lease, now):
+def refusal_line(output_dir, lease, now):
     return (f"output_dir '{output_dir}' is being written by another live job: its rank 0, pid {lease['pid']} on "
             f"{lease['host']}, renewed {lease_path(output_dir)} {now - lease['heartbeat']:.0f}s ago; choose another "
             f"output_dir, or stop that job (a lease not renewed for {STALE_SECONDS}s is taken over; delete the file "
@@ -152,7 +152,7 @@ class RunLease:
                     self._write()
                     break
             if holder == ANOTHER_JOB or seen is not None and lease["heartbeat"] != seen["heartbeat"]:
-                raise ConfigError(refusal(output_dir, lease, now))  # renewed while this start waited: it runs
+                raise ConfigError(refusal_line(output_dir, lease, now))  # renewed while this start waited: it runs
             if seen is None:
                 print(f"output_dir '{output_dir}' holds the lease of an earlier run of this job (pid {lease['pid']} on "
                       f"{lease['host']}, renewed {now - lease['heartbeat']:.0f}s ago): taking it over unless it is "
