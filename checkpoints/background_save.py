@@ -63,7 +63,7 @@ def snapshot_room_error(needed_bytes, ranks, shared_free_bytes, available_bytes,
 
 
 def snapshot_shortfall(setting, needed_bytes, ranks):
-    """snapshot_room_error of this host, before any process group: for async_save=true raised as a ValueError (a
+    """snapshot_room_error of this host, before any process group: for async_save=true raised as a ConfigError (a
     config error: not restarted); for auto returned (None: room), for agreed_async_save."""
     error = snapshot_room_error(needed_bytes, ranks, shutil.disk_usage(SHARED_MEMORY_DIR).free,
                                 available_host_bytes(), setting)

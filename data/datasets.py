@@ -85,7 +85,7 @@ def build_dataset(
 
     The dataset has int columns `input_ids` and `labels` (-100 where no loss is taken), plus `lengths` (the
     documents of each row) with packing or text document isolation, and stays memory-mapped.
-    Raises ValueError for malformed JSON lines or chat examples (bad_lines=error: file and 1-based line number),
+    Raises ConfigError for malformed JSON lines or chat examples (bad_lines=error: file and 1-based line number),
     token ids outside the vocabulary (file, example index, id) and an empty result (file and why).
     """
     path = Path(path).resolve()
@@ -372,8 +372,8 @@ def _sum(values) -> int:
     return pc.sum(values).as_py() or 0  # Arrow's sum of nothing is null
 
 
-def _no_examples(path: Path, why: str) -> ValueError:
-    return ValueError(f"{path}: no training examples after tokenization: {why}")
+def _no_examples(path: Path, why: str) -> ConfigError:
+    return ConfigError(f"{path}: no training examples after tokenization: {why}")
 
 
 def _why_empty(stats: BuildStats, settings: DataSettings) -> str:
