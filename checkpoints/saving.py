@@ -52,11 +52,14 @@ def save_checkpoint(engine, cfg, model_files_dir, trainer_state, needed_bytes, b
     or the planner's estimate before the first), checked against the free space before anything is written.
     background (async_save, checkpoints/background_save.py): the files are snapshot and written by its writer
     process, and the checkpoint is completed once every rank's are (now, with wait); a save still in flight is
-    completed first. Returns the tag directory once complete, else None."""
+    completed first (written by the trainer if its writer failed, and then this save too). Returns the tag directory
+    once complete, else None."""
     output_dir, tag = cfg.output_dir, tag_of_step(trainer_state["step"])
     tag_dir = os.path.join(output_dir, tag)
     if background is not None:
         background.wait()
+        if background.synchronous:  # a background write failed: the trainer writes every save from now on
+            background = None
     check_space_for_checkpoint(output_dir, tag, needed_bytes)
     if dist.get_rank() == 0:
         begin_change(tag_dir, "save")  # before any file: a crash leaves a directory the next start may remove
@@ -70,7 +73,8 @@ def save_checkpoint(engine, cfg, model_files_dir, trainer_state, needed_bytes, b
     with disk_full_is_one_line(output_dir, tag, needed_bytes), background.snapshots(checkpoint_engine) as files:
         trainer_state = write_rank_files(engine, tag_dir, trainer_state)
     background.submit(files, tag_dir, lambda written: complete_checkpoint(cfg, model_files_dir, tag_dir,
-                                                                          trainer_state, written, needed_bytes))
+                                                                          trainer_state, written, needed_bytes),
+                      needed_bytes)
     if wait:
         background.wait()
         return tag_dir

@@ -10,16 +10,19 @@ from deepspeed.accelerator import get_accelerator
 
 from deepspeed_internals.access import skip_shm_comm_build
 from deepspeed_internals.registry import PipeDataParallelTopology, PipeModelDataParallelTopology
+from errors import ConfigError
 
 NCCL_TRACE_ENTRIES = "2000"  # TORCH_NCCL_TRACE_BUFFER_SIZE unless set
 
 
 def set_threads_per_process():
     """One share of the cores per local process: DeepSpeed's launcher sets no OMP_NUM_THREADS, and oversubscribed
-    CPU processes run an order of magnitude slower."""
+    CPU processes run an order of magnitude slower. The cores are those this process may run on (its affinity: what
+    Slurm's cpuset cgroup, taskset or numactl leave it), not the machine's: a job given 16 of 128 cores would
+    otherwise run 128 / ranks threads each on its 16."""
     if "OMP_NUM_THREADS" in os.environ:
         return
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size()))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size()))
 
 
 def local_world_size():
@@ -71,7 +74,7 @@ def check_devices(precision):
                          torch.cuda.device_count(), torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
                          torch.cuda.get_device_name(local_rank) if local_rank < torch.cuda.device_count() else "")
     if error:
-        raise ValueError(error)
+        raise ConfigError(error)
 
 
 def init_distributed(timeout_minutes):

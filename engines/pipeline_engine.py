@@ -18,6 +18,7 @@ from deepspeed_internals.access import (activation_buffer, add_grads_to_bf16_opt
                                         clear_bf16_optimizer_grads, pipe_buffer, receive_activation_shapes_once,
                                         run_backward_pass, send_activation_shapes_once, sends_need_deepspeed_handlers,
                                         set_pipe_buffer, set_received_gradients, uses_bf16_optimizer)
+from errors import ConfigError
 from models.weight_grads import WeightGradQueue
 from engines.zero_bubble_schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
                                           ZeroBubbleSchedule)
@@ -116,8 +117,8 @@ def use_zero_bubble(engine, max_waiting=None):
     one: the subclass adds methods and instructions, and its state: the module's weight-gradient queue, the sends
     and activation receives in flight and the cap on micro-batches waiting for W (None: ZB-H1's)."""
     if sends_need_deepspeed_handlers(engine):
-        raise ValueError("pipeline_schedule=zero_bubble does not support dynamic shapes, bool tensors between "
-                         "stages or pipe_partitioned; use pipeline_schedule=1f1b.")
+        raise ConfigError("pipeline_schedule=zero_bubble does not support dynamic shapes, bool tensors between "
+                          "stages or pipe_partitioned; use pipeline_schedule=1f1b.")
     engine.module.parallel.weight_grads = WeightGradQueue()
     engine._sends = []
     engine._posted_receives = collections.deque()

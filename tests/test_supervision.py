@@ -364,6 +364,30 @@ def test_async_saves_write_the_synchronous_files_and_a_kill_mid_write_keeps_late
     assert per_step_losses(out) == per_step_losses(sync)  # each step once: the resume dropped the replayed ones
 
 
+@pytest.mark.slow
+def test_a_writer_killed_with_a_checkpoint_in_hand_costs_no_step_and_no_checkpoint(demo_model, straight_run,
+                                                                                   tmp_path):
+    """async_save=true: rank 1's writer process is SIGKILLed holding step 4's checkpoint (the OOM killer). The old
+    writer posted nothing and the next save waited for it forever; now the ranks find it after the next step, rank
+    0 says so in one line, every rank writes step 4 again from its snapshot and the run goes on with synchronous
+    saves: no restart, and every checkpoint holds the synchronous run's files byte for byte (all but
+    run_config.yaml, which names the setting, and its checksum), with its losses."""
+    out = tmp_path / "run"
+    result = check_ok(launch_trainer(2, demo_overrides(demo_model, out, async_save="true", **RUN),
+                                     script=FAULT_SCRIPT, env={"FAULT": "kill_writer:1:4"}, timeout=300))
+    writer = re.search(r"FAULT kill_writer AT 4 PID (\d+)", result.stdout).group(1)
+    assert (f"trainer_pipe: warning: async_save: the background write of {out}/global_step4 failed on rank 1: its "
+            f"writer process (pid {writer}) was killed by SIGKILL (the kernel's OOM killer, or a person); every rank "
+            f"writes it again from its snapshot, and saves synchronously from now on\n") in result.stdout, result.stdout
+    assert (out / "latest").read_text() == "global_step8"
+    for tag in ("global_step2", "global_step4", "global_step6", "global_step8"):
+        names = sorted(os.listdir(straight_run / tag))
+        assert sorted(os.listdir(out / tag)) == names, tag
+        for name in set(names) - {"run_config.yaml", "checksums.json"}:
+            assert (out / tag / name).read_bytes() == (straight_run / tag / name).read_bytes(), (tag, name)
+    assert per_step_losses(out) == per_step_losses(straight_run)
+
+
 def test_a_startup_limit_below_the_measured_step_limit_is_a_warning():
     settings = SimpleNamespace(step_time_factor=10, min_step_seconds=300, startup_seconds=1800)
     assert startup_limit_warning(settings, median_step_seconds=120.0) is None

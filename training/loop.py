@@ -248,7 +248,7 @@ def run(cfg):
         shortfall = snapshot_shortfall(cfg.async_save, snapshot_bytes_of_ranks(spec, this_node), len(this_node))
     check_devices(cfg.precision)
     if error := elastic_restart_error(os.environ):
-        raise ValueError(error)
+        raise ConfigError(error)
     init_distributed(cfg.dist_timeout_minutes)
     if cfg.async_save == "auto":  # from here on, true or false alike on every rank
         cfg.async_save = not cfg.eval_only and agreed_async_save(shortfall)
