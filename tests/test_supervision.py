@@ -295,8 +295,8 @@ def test_a_spent_restart_budget_is_one_line(tmp_path):
                        "--backoff-seconds", "0", "--output-dir", str(tmp_path), timeout=120)
     assert result.returncode == 1 and not (tmp_path / LEASE_FILE).exists()
     lines = result.stderr.splitlines()
-    assert lines[:2] == [f"supervise: restart {n} of 2 in 0s with resume=auto (from the start): attempt {n} ended "
-                         f"with exit code 1: a rank crashed" for n in (1, 2)]
+    assert lines[:2] == [f"supervise: restart {n} of 2 in 0s with the same command (this run has saved no checkpoint "
+                         f"yet): attempt {n} ended with exit code 1: a rank crashed" for n in (1, 2)]
     assert lines[2:] == [
         "supervise: error: 3 failures in a row without a new checkpoint spent the restart budget (--max-restarts 2); "
         "the last ended with exit code 1: a rank crashed; fix the cause and rerun the same command (it resumes from "
