@@ -8,10 +8,12 @@ import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
+import collectives
 from deepspeed_internals.access import skip_shm_comm_build
 from deepspeed_internals.registry import PipeDataParallelTopology, PipeModelDataParallelTopology
 
 NCCL_TRACE_ENTRIES = "2000"  # TORCH_NCCL_TRACE_BUFFER_SIZE unless set
+COMMUNICATION_CODE = (f"torch{os.sep}distributed{os.sep}", os.path.dirname(collectives.__file__) + os.sep)
 
 
 def set_threads_per_process():
@@ -88,11 +90,12 @@ def init_distributed(timeout_minutes):
 
 
 def communication_failure(error):
-    """Whether `error` came out of torch.distributed (a collective or point-to-point call: a peer gone, a timeout),
-    which is more often another rank's failure seen from here than this rank's own."""
+    """Whether `error` came out of a collective or point-to-point call (torch.distributed, or collectives/, where a
+    posted request's wait raises: a peer gone, a timeout), which is more often another rank's failure seen from here
+    than this rank's own."""
     frames = traceback.extract_tb(error.__traceback__)
-    return isinstance(error, torch.distributed.DistError) or bool(frames) and (
-        f"torch{os.sep}distributed{os.sep}" in frames[-1].filename)
+    return isinstance(error, torch.distributed.DistError) or bool(frames) and any(
+        place in frames[-1].filename for place in COMMUNICATION_CODE)
 
 
 def parallel_topology(num_stages, tensor_parallel_size=1):
