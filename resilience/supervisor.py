@@ -331,7 +331,7 @@ def explain_failure(code, records):
         if record.get("waiting_for") is not None:
             waited.setdefault(record["waiting_for"], []).append(record)
     for peer, waiters in sorted(waited.items()):
-        shown = "; ".join(f"rank {r['rank']} in {r['where']}" for r in waiters[:RANKS_NAMED])
+        shown = "; ".join(f"rank {r['rank']} {r['where']}" for r in waiters[:RANKS_NAMED])
         more = f" and {len(waiters) - RANKS_NAMED} more" if len(waiters) > RANKS_NAMED else ""
         parts.append(f"waiting for rank {peer}: {shown}{more}")
     return "; ".join(parts)

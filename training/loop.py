@@ -38,9 +38,9 @@ from models.tensor_parallel import SHARDED_MARKER
 from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan, snapshot_bytes_of_ranks
 from training.deepspeed_config import accumulation_warning, deepspeed_config
 from cluster.distributed import (check_devices, elastic_restart_error, init_distributed, node_ranks,
-                                  parallel_topology, set_threads_per_process)
+                                  parallel_topology, set_threads_per_process, set_up_flight_recorder)
 from evaluation.eval_set import evaluate
-from resilience.hang_watchdog import hang_watchdog
+from resilience.hang_watchdog import HANG_DIR, hang_watchdog
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
 from training.optimizer import skipping_optimizer
 from engines.chunked_engine import rank_chunk_ids, stage_reads_data, use_chunked_pipeline
@@ -248,11 +248,14 @@ def run(cfg):
     check_devices(cfg.precision)
     if error := elastic_restart_error(os.environ):
         raise ValueError(error)
+    trace_dir = set_up_flight_recorder(os.path.join(cfg.output_dir, HANG_DIR))  # read as the process group starts
     init_distributed(cfg.dist_timeout_minutes)
     if cfg.async_save == "auto":  # from here on, true or false alike on every rank
         cfg.async_save = not cfg.eval_only and agreed_async_save(shortfall)
     with output_dir_lease(cfg.output_dir):  # before anything in output_dir is touched
         record = start_record(cfg.output_dir, int(os.environ.get("RANK", "0")))  # names this rank if it dies
+        if trace_dir:
+            os.makedirs(trace_dir, exist_ok=True)  # where NCCL writes its trace when a collective times out
         return run_started(spec, lm_eval_tasks, record)
 
 
