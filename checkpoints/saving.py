@@ -59,6 +59,10 @@ def save_checkpoint(engine, cfg, model_files_dir, trainer_state, needed_bytes, b
         background.wait()
     check_space_for_checkpoint(output_dir, tag, needed_bytes)
     if dist.get_rank() == 0:
+        if os.path.exists(tag_dir):  # its files would mix with another save's, and its manifest hash them
+            raise FileExistsError(f"{tag_dir} exists already, and a save never writes into an existing checkpoint "
+                                  f"(a resume from an older one moves the newer ones aside first, "
+                                  f"checkpoints/branches.py): is another job writing {output_dir}?")
         begin_change(tag_dir, "save")  # before any file: a crash leaves a directory the next start may remove
     collectives.barrier()
     checkpoint_engine = checkpoint_engine_of(engine)

@@ -124,6 +124,12 @@ def communication_failure(error):
         place in frames[-1].filename for place in COMMUNICATION_CODE)
 
 
+def log_rank0(message):
+    """print on global rank 0 (every rank before the process group exists)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(message, flush=True)
+
+
 def parallel_topology(num_stages, tensor_parallel_size=1):
     """DeepSpeed's topology, tensor-parallel ranks innermost (consecutive ranks: one node's fast links). Without
     tensor parallelism there is no 'model' axis, so layer files keep their plain names (layer_XX-model_states.pt)."""
