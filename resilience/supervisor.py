@@ -26,7 +26,8 @@ import psutil
 
 from checkpoints.files import read_latest
 from checkpoints.tag_dirs import checkpoint_identities, newest_tag
-from resilience.run_lease import LEASE_TOKEN_ENV, release_lease_of
+from resilience.run_lease import (HEARTBEAT_SECONDS, LEASE_TOKEN_ENV, boot_id, process_alive, read_lease,
+                                  release_lease_of)
 from deepspeed_internals import LAUNCHER_MODULE
 from resilience.exit_codes import NOT_RESTARTABLE, PREEMPTED, describe
 from resilience.rank_records import read_records
@@ -121,10 +122,11 @@ class Supervisor:
     def wait_for_ranks(self):
         """Until every process of the stopped attempt has exited, its ranks' saves done: those listed when the stop
         was passed on (an orphan of a runner that died at once on it has no parent to list it by) and any still
-        under the launch. A stopped one, which can neither save nor exit, is SIGKILLed."""
+        under the launch, and the attempt's rank 0 wherever it runs (the lease's holder). A stopped one, which can
+        neither save nor exit, is SIGKILLed."""
         while True:
             processes = self.stopping + tree_of(self.process.pid)[1:]
-            if all(map(has_exited, processes)):
+            if all(map(has_exited, processes)) and not lease_holder_live(self.output_dir, self.lease_token):
                 return
             for process in processes:
                 if is_stopped(process):
@@ -225,6 +227,18 @@ class Supervisor:
             self.stopping += tree_of(self.process.pid)[1:]
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(signal.SIGTERM)
+
+
+def lease_holder_live(output_dir, token):
+    """Whether output_dir's lease is the supervisor's (token) and its holder, the attempt's rank 0, still runs: its
+    process, on this host; its heartbeat, renewed within the last two periods, on another (a launcher that reaches
+    its nodes through ssh starts rank 0 outside the supervisor's processes)."""
+    lease = read_lease(output_dir)
+    if lease is None or lease["token"] != token:
+        return False
+    if lease["host"] == socket.gethostname() and lease["boot_id"] == boot_id():
+        return process_alive(lease["pid"])
+    return time.time() - lease["heartbeat"] < 3 * HEARTBEAT_SECONDS
 
 
 def is_stopped(process):
