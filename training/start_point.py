@@ -20,20 +20,20 @@ from training.run_spec import with_resume
 
 
 def agreed_start(spec):
-    """spec resuming the checkpoint rank 0 chose (collective; rank 0 holds output_dir's lease)."""
-    cfg, choice = spec.cfg, [None]
+    """spec resuming the checkpoint rank 0 chose (collective; rank 0 holds output_dir's lease). Rank 0's failure to
+    decide (a move that cannot finish) stops every rank, not rank 0 alone."""
+    decision, failure = [None, None], None  # (checkpoint, rank 0's error)
     if dist.get_rank() == 0:
-        for branch in finish_moves(cfg.output_dir):
-            log_rank0(f"finished moving an abandoned branch's checkpoints into {branch} (a crash had interrupted it)")
-        choice = [resolve_resume(cfg.resume, cfg.output_dir)]
-        if choice[0] and not cfg.eval_only:
-            moved = start_branch(cfg.output_dir, os.path.join(*choice[0]))
-            if moved:
-                log_rank0(f"resuming {os.path.join(*choice[0])}, older than {cfg.output_dir}'s newest checkpoint "
-                          f"({moved[1][-1]}): the run's history branches here; the abandoned branch's checkpoints "
-                          f"({', '.join(moved[1])}) and logs were moved, not deleted, to {moved[0]}")
-    collectives.broadcast_object_list(choice, src=0)
-    resume_from = tuple(choice[0]) if choice[0] else None
+        try:
+            decision[0] = rank0_choice(spec.cfg)
+        except Exception as error:
+            decision[1], failure = f"{type(error).__name__}: {error}", error
+    collectives.broadcast_object_list(decision, src=0)
+    if failure is not None:
+        raise failure
+    if decision[1]:
+        raise RuntimeError(f"rank 0 could not decide which checkpoint to resume: {decision[1]}")
+    resume_from = tuple(decision[0]) if decision[0] else None
     if resume_from == spec.resume_from:
         return spec
     if dist.get_rank():
@@ -43,6 +43,21 @@ def agreed_start(spec):
     if resume_from:
         wait_for_files([os.path.join(*resume_from, COMPLETE_MARKER)], VISIBLE_WITHIN_S)
     return with_resume(spec, resume_from)
+
+
+def rank0_choice(cfg):
+    """Rank 0: the checkpoint to resume, (checkpoint dir, tag) or None, once a move of an abandoned branch that a
+    crash interrupted is finished and, where the resume goes back in the run's history, a new branch started."""
+    for branch in finish_moves(cfg.output_dir):
+        log_rank0(f"finished moving an abandoned branch's checkpoints into {branch} (a crash had interrupted it)")
+    resume_from = resolve_resume(cfg.resume, cfg.output_dir)
+    if resume_from and not cfg.eval_only:
+        moved = start_branch(cfg.output_dir, os.path.join(*resume_from))
+        if moved:
+            log_rank0(f"resuming {os.path.join(*resume_from)}, older than {cfg.output_dir}'s newest checkpoint "
+                      f"({moved[1][-1]}): the run's history branches here; the abandoned branch's checkpoints "
+                      f"({', '.join(moved[1])}) and logs were moved, not deleted, to {moved[0]}")
+    return resume_from
 
 
 def check_same_start(spec, loaded_dir, step):
