@@ -11,7 +11,7 @@ import pytest
 from checkpoints.branches import ABANDONED_DIR, DONE, PLAN, finish_moves, start_branch
 from checkpoints.integrity import read_manifest
 from checkpoints.tag_dirs import complete_tags
-from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics
+from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics, run_python
 from training.resume import resolve_resume
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
@@ -124,3 +124,31 @@ def test_a_rank_that_loaded_another_checkpoint_stops_the_run_in_one_line(demo_mo
             f"chose {out}/global_step6): a node saw another checkpoint; a restart resumes it on every rank once every "
             f"node sees it") in result.stderr, result.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, 7))
+
+
+# save_checkpoint on a world of one (gloo) into output_dir/global_step4, which holds a file already.
+SAVE_INTO_EXISTING = """
+import sys
+from types import SimpleNamespace
+import torch.distributed as dist
+from checkpoints.saving import save_checkpoint
+out = sys.argv[1]
+dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{out}/../store")
+try:
+    save_checkpoint(None, SimpleNamespace(output_dir=out), None, {"step": 4}, needed_bytes=1)
+except FileExistsError as error:
+    print(error)
+"""
+
+
+def test_a_save_never_writes_into_an_existing_tag_directory(tmp_path):
+    """Its files would mix with the ones there, and the manifest hash those: refused before anything is written."""
+    out = tmp_path / "run"
+    (out / "global_step4").mkdir(parents=True)
+    (out / "global_step4" / "layer_01-model_states.pt").write_bytes(b"another save's")
+    result = run_python(["-c", SAVE_INTO_EXISTING, out], timeout=120)
+    assert result.stdout.splitlines()[-1] == (
+        f"{out}/global_step4 exists already, and a save never writes into an existing checkpoint (a resume from an "
+        f"older one moves the newer ones aside first, checkpoints/branches.py): is another job writing {out}?")
+    assert {str(path): data for path, data in files_of(out).items()} == {
+        "global_step4/layer_01-model_states.pt": b"another save's"}
