@@ -97,6 +97,7 @@ engine.train_batch()
 """
 
 
+@pytest.mark.slow
 def test_the_watchdog_names_what_the_device_waits_on_before_the_collectives_timeout(tmp_path):
     """On the stand-in for NCCL the watchdog ends the rank within the collectives' 3 s (one instruction's limit, 0.9 x
     that), well before the step's 100 s, and names the receive the device waits on and its peer, not the optimizer
@@ -114,6 +115,7 @@ def test_the_watchdog_names_what_the_device_waits_on_before_the_collectives_time
                                "OptimizerStep)")
 
 
+@pytest.mark.slow
 def test_a_rank_start_sets_no_deprecated_flight_recorder_name(tmp_path):
     """torch 2.13 warns at every process group's start when TORCH_NCCL_TRACE_BUFFER_SIZE is set (TORCH_FR_BUFFER_SIZE
     from torch 2.8 on): a rank's start through the trainer's init does not set it."""

@@ -141,6 +141,7 @@ except FileExistsError as error:
 """
 
 
+@pytest.mark.slow
 def test_a_save_never_writes_into_an_existing_tag_directory(tmp_path):
     """Its files would mix with the ones there, and the manifest hash those: refused before anything is written."""
     out = tmp_path / "run"

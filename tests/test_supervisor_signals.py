@@ -40,6 +40,7 @@ def attempt_args(log):
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_the_command_runs_as_given_until_the_run_has_saved_then_with_resume_auto(tmp_path):
     """Attempt 1 (a fresh start with overwrite_output_dir=true) fails before it has deleted the older run's
     checkpoint or saved one: attempt 2 runs the same command (a resume=auto there would resume the older run,
@@ -77,6 +78,7 @@ def test_a_supervised_fresh_start_into_a_used_output_dir_is_refused(demo_model, 
     assert result.stderr.splitlines()[-1].startswith("supervise: not restarting after a config error")
 
 
+@pytest.mark.slow
 def test_a_sigterm_during_the_backoff_launches_nothing_more(tmp_path):
     """The first attempt fails; during the 60 s backoff the supervisor gets SIGTERM: it exits 75 at once, having
     launched no second attempt."""
