@@ -24,6 +24,7 @@ from checkpoints.rng_state import rng_state_path, save_rng_state
 from checkpoints.tag_dirs import begin_change, end_save, prune_checkpoints, tag_of_step
 from checkpoints.trainer_state import write_trainer_state
 from deepspeed_internals.access import checkpoint_engine_of
+from errors import ConfigError
 
 RUN_CONFIG_NAME = "run_config.yaml"
 
@@ -61,6 +62,14 @@ def save_checkpoint(engine, cfg, model_files_dir, trainer_state, needed_bytes, b
         if background.synchronous:  # a background write failed: the trainer writes every save from now on
             background = None
     check_space_for_checkpoint(output_dir, tag, needed_bytes)
+    # rank 0 looks, every rank acts on its answer: an existing tag directory's files would mix with this save's,
+    # and its manifest hash them
+    exists = [os.path.exists(tag_dir) if dist.get_rank() == 0 else None]
+    collectives.broadcast_object_list(exists, src=0)
+    if exists[0]:
+        raise ConfigError(f"{tag_dir} exists already, and a save never writes into an existing checkpoint (a resume "
+                          f"from an older one moves the newer ones aside first, checkpoints/branches.py): is another "
+                          f"job writing {output_dir}? Move {tag_dir} away, or give the run another output_dir.")
     if dist.get_rank() == 0:
         begin_change(tag_dir, "save")  # before any file: a crash leaves a directory the next start may remove
     collectives.barrier()

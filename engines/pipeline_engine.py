@@ -61,8 +61,7 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         posted_buffer, tensors, works = self._posted_receives.popleft()
         if posted_buffer != buffer_id:
             raise RuntimeError(f"zero_bubble: activations posted for buffer {posted_buffer} waited for as {buffer_id}")
-        for work in works:
-            work.wait()
+        collectives.wait(works)
         for tensor in tensors:
             tensor.requires_grad = tensor.is_floating_point()
         inputs = tensors if isinstance(activation_buffer(self), tuple) else tensors[0]
@@ -94,8 +93,7 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         """The step's first instruction after the last W: sends complete, no weight gradient left behind."""
         if len(self.module.parallel.weight_grads) or self._posted_receives:
             raise RuntimeError("zero_bubble: a micro-batch's weight gradients or activations were left over at the step")
-        for work in self._sends:
-            work.wait()
+        collectives.wait(self._sends)
         self._sends = []
         super()._exec_reduce_tied_grads()
 

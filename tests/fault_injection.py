@@ -18,6 +18,10 @@ remembers it), so a supervised run's restart goes past it. kind one of
   fill_disk         this rank fills output_dir's disk (a file beside output_dir) right after the step's save found
                     room for the checkpoint, leaving FILL_LEAVES_BYTES: another writer filled it meanwhile
   slow              from that step on, this rank's every forward pass takes FAULT_SLOW_SECONDS longer (a slow device)
+  stale_listing     this rank's listing of output_dir misses the checkpoints of that step and later (a shared
+                    filesystem's directory cache lagging behind another node's saves)
+  load_tag          this rank's DeepSpeed loads global_step<step> whatever resume tag it is asked for (a node that
+                    read another checkpoint)
 """
 import os
 import signal
@@ -185,6 +189,26 @@ def inject(kind, fault_rank, fault_step):
                     time.sleep(0.1)
             return train_batch(self, *args, **kwargs)
         PipelineEngine.train_batch = paused_train_batch
+    elif kind == "stale_listing":
+        from checkpoints.tag_dirs import TAG_PATTERN
+        from training import resume
+        complete_tags = resume.complete_tags
+
+        def lagging_complete_tags(output_dir):
+            tags = complete_tags(output_dir)
+            if rank() != fault_rank:
+                return tags
+            return [tag for tag in tags if int(TAG_PATTERN.match(tag).group(1)) < fault_step]
+        resume.complete_tags = lagging_complete_tags
+    elif kind == "load_tag":
+        from deepspeed.runtime.engine import DeepSpeedEngine
+        load_checkpoint = DeepSpeedEngine.load_checkpoint
+
+        def load_another_tag(self, load_dir, tag=None, *args, **kwargs):
+            if rank() == fault_rank and tag is not None:
+                tag = f"global_step{fault_step}"
+            return load_checkpoint(self, load_dir, tag, *args, **kwargs)
+        DeepSpeedEngine.load_checkpoint = load_another_tag
     else:
         raise ValueError(f"unknown fault {kind}")
 

@@ -166,12 +166,24 @@ def test_free_form_nodes_take_any_key_and_defaults_fill_older_configs():
     ("hang_watchdog.min_step_seconds=600", "hang_watchdog.min_step_seconds=600 is not below dist_timeout_minutes=10 "
      "(x 60 s): a collective's timeout would end a hung step first, without naming where it stopped; lower the first "
      "or raise the second."),
+    ("hang_watchdog.startup_seconds=1800", "hang_watchdog.startup_seconds=1800 is not below dist_timeout_minutes=10 "
+     "(x 60 s): a collective's timeout would end a hung start or save first, without naming where it stopped; lower "
+     "the first or raise the second."),
 ])
 def test_each_choice_is_checked_before_anything_is_built(override, message):
     from errors import ConfigError
     from training.config_checks import checked_config
     with pytest.raises(ConfigError, match=re.escape(message)):
         checked_config(composed("tiny", *override.split()))
+
+
+def test_the_watchdogs_default_start_up_limit_is_below_the_collectives_timeout():
+    """startup_seconds' default follows dist_timeout_minutes (its old 1800 s outlasted the default 10-minute
+    collectives, whose timeout then ended a hung start first, on NCCL an abort without a word); a value set stands."""
+    from training.config_checks import checked_config
+    assert checked_config(composed("tiny")).hang_watchdog.startup_seconds == 540
+    assert checked_config(composed("tiny", "dist_timeout_minutes=30")).hang_watchdog.startup_seconds == 1620
+    assert checked_config(composed("tiny", "hang_watchdog.startup_seconds=120")).hang_watchdog.startup_seconds == 120
 
 
 @pytest.mark.parametrize("override,shown", [("data.packing=true", "true"), ("data.overlong=split", "split"),
