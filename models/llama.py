@@ -21,7 +21,7 @@ from models.architecture import (ACTIVATIONS, architecture_of, check_model_confi
                                  fused_projections, head_dim_of)
 from models.context_parallel import NO_CONTEXT_PARALLEL, causal_lower_right_attention
 from models.moe import MoEBlock
-from models.router_loss import carry_routing
+from models.router_loss import carry_routing, initial_routing, pack_stage, unpack_stage
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 
 
@@ -301,7 +301,8 @@ class MLP(nn.Module):
 
 
 class EmbeddingPipe(nn.Embedding):
-    """Layer 0: token ids to hidden states; document ids and positions pass through as integer tensors.
+    """Layer 0: token ids to hidden states; document ids and positions pass through as integer tensors (and an MoE
+    model's routing statistics start: models/router_loss.py).
 
     As transformers builds it (padding_idx=config.pad_token_id): the pad token's row takes no gradient from the
     lookup, which matters where pad is a real token (pad = eos; ChatML's <|im_end|>). Under tensor parallelism the
@@ -315,11 +316,12 @@ class EmbeddingPipe(nn.Embedding):
         parallel.mark_sharded(self, dim=0)
         self.parallel = parallel
         self.multiplier = architecture_of(config).embedding_multiplier  # Granite's
+        self.routing = functools.partial(initial_routing, config)  # an MoE model's statistics start here
 
     def forward(self, inputs):
         input_ids, document_ids, position_ids = inputs
         embedded = self.parallel.embedding(input_ids, self.weight, self.padding_idx)
-        return scaled(embedded, self.multiplier), document_ids, position_ids
+        return pack_stage(scaled(embedded, self.multiplier), document_ids, position_ids, self.routing(embedded.device))
 
 
 class DecoderLayerPipe(nn.Module):
@@ -327,9 +329,8 @@ class DecoderLayerPipe(nn.Module):
     flattened tokens (batch * seq / tp, hidden); the document ids give batch and seq either way.
 
     A sparse layer's MLP is the MoE block (models/moe.py), its experts run by `dispatcher` (None: all on this
-    rank). From the first sparse layer on, the tuple carries the routing statistics after the positions
-    (models/router_loss.py): integers, and with the load-balancing loss a float sum that every router's gradient
-    comes back through."""
+    rank). An MoE model's tuple carries routing statistics too (models/router_loss.py): integers, and with the
+    load-balancing loss a float sum that every router's gradient comes back through."""
 
     def __init__(self, config, stage_inputs, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL,
                  context=NO_CONTEXT_PARALLEL, layer_index=0, dispatcher=None):
@@ -343,6 +344,7 @@ class DecoderLayerPipe(nn.Module):
         self.self_attn = Attention(config, attention_impl, parallel, context, layer_index)
         self.post_attention_layernorm = norm()
         self.sparse = architecture.sparse_layers[layer_index]
+        self.sparse_row = sum(architecture.sparse_layers[:layer_index])  # its row of the routing counts
         if self.sparse:
             shared = MLP(config, parallel, "shared_expert_intermediate_size") if architecture.moe.shared_expert_size \
                 else None
@@ -357,14 +359,16 @@ class DecoderLayerPipe(nn.Module):
                                   for parts in fused_projections(config).values())
 
     def forward(self, inputs):
-        hidden, document_ids, position_ids, *routing = inputs
+        hidden, document_ids, position_ids, routing = unpack_stage(inputs)
         cos, sin, mask = self.stage_inputs(hidden, document_ids, position_ids, self.self_attn.window)
         batch, seq = document_ids.shape
         if not self.sparse:
-            return self.residual_blocks(hidden, cos, sin, mask, batch, seq), document_ids, position_ids, *routing
-        hidden, statistics = self.residual_blocks(hidden, cos, sin, mask, batch, seq,
-                                                  self.mlp.real_tokens(document_ids))
-        return hidden, document_ids, position_ids, *carry_routing(routing, statistics)
+            hidden = self.residual_blocks(hidden, cos, sin, mask, batch, seq)
+        else:
+            hidden, statistics = self.residual_blocks(hidden, cos, sin, mask, batch, seq,
+                                                      self.mlp.real_tokens(document_ids))
+            routing = carry_routing(routing, statistics, self.sparse_row)
+        return pack_stage(hidden, document_ids, position_ids, routing)
 
     def residual_blocks(self, hidden, cos, sin, mask, batch, seq, real_tokens=None):
         """The layer's math: the new hidden states, and for a sparse layer (real_tokens: which of its tokens are
@@ -396,7 +400,7 @@ class FinalNormPipe(RMSNorm):
         self.logits_multiplier = 1 / architecture.logits_scaling
 
     def forward(self, inputs):
-        hidden, routing = inputs[0], inputs[3:]
+        hidden, _, _, routing = unpack_stage(inputs if len(inputs) > 1 else (*inputs, None, None))
         normed = scaled(super().forward(hidden), self.logits_multiplier)
         return (normed, *routing) if routing else normed
 

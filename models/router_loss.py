@@ -4,12 +4,17 @@ transformers (`load_balancing_loss_func` in each MoE family's modeling file) com
 routers of all the MoE layers: the real tokens' top-k choices per expert and their router probabilities, each summed
 over the layers and divided by (layers x real tokens), multiplied, summed over the experts and times their number.
 It is not a sum of per-layer terms, and the layers live on different stages, so the tuple between layers carries
-what the last stage needs (models/llama.py DecoderLayerPipe), from the first sparse layer on:
+what the last stage needs (models/llama.py), from the embedding on, the same shapes across every boundary:
 
-- every sparse layer's top-k counts so far, [layers, E] int64: no gradient; the loss takes their sum over the layers,
-  the expert-load metrics each layer's;
+- every sparse layer's top-k counts, [sparse layers, E] int64, zeros until the layer has run: no gradient; the loss
+  takes their sum over the layers, the expert-load metrics each layer's;
 - with the loss on (transformers' output_router_logits), the running sum of the router probabilities, [E] fp32,
-  whose gradient goes back through every stage boundary to every router.
+  whose gradient goes back through every stage boundary to every router. It starts as zeros that take a gradient
+  (a stage without a sparse layer passes on a tensor DeepSpeed can run backward from), and as transformers adds
+  each layer's to zeros.
+
+The floating tensors come first in the tuple (unpack_stage): DeepSpeed's pipeline engine receives the k-th floating
+gradient into its receive buffer for the tuple's k-th activation, whatever that one's dtype.
 
 Under tensor parallelism with sequence parallelism each rank's statistics are of its share of the tokens: summed over
 the group at the loss. A micro-batch's loss is transformers' `outputs.loss`, the cross-entropy plus
@@ -24,12 +29,42 @@ from models.architecture import architecture_of
 from models.tensor_parallel import NO_TENSOR_PARALLEL, AllReduce
 
 
-def carry_routing(carried, statistics):
-    """The tuple's routing statistics with one more sparse layer's (counts [E], probability sums [E] or None)."""
+def initial_routing(config, device):
+    """The routing statistics the embedding starts the tuple with: () for a dense model."""
+    moe = architecture_of(config).moe
+    if moe is None:
+        return ()
+    counts = torch.zeros(sum(architecture_of(config).sparse_layers), moe.num_experts, dtype=torch.int64, device=device)
+    if not moe.aux_loss:
+        return (counts,)
+    return counts, torch.zeros(moe.num_experts, dtype=torch.float32, device=device, requires_grad=True)
+
+
+def unpack_stage(inputs):
+    """(hidden states, document ids, positions, routing statistics: () or (counts[, probability sums])) of the tuple
+    between layers, its floating tensors first."""
+    if len(inputs) == 3:
+        return (*inputs, ())
+    if len(inputs) == 4:
+        hidden, document_ids, position_ids, counts = inputs
+        return hidden, document_ids, position_ids, (counts,)
+    hidden, probabilities, document_ids, position_ids, counts = inputs
+    return hidden, document_ids, position_ids, (counts, probabilities)
+
+
+def pack_stage(hidden, document_ids, position_ids, routing):
+    """unpack_stage's inverse."""
+    if len(routing) < 2:
+        return (hidden, document_ids, position_ids, *routing)
+    counts, probabilities = routing
+    return hidden, probabilities, document_ids, position_ids, counts
+
+
+def carry_routing(carried, statistics, row):
+    """The tuple's routing statistics with the sparse layer number `row`'s (counts [E], probability sums [E] or
+    None) added."""
     counts, probabilities = statistics
-    if not carried:
-        return (counts[None],) if probabilities is None else (counts[None], probabilities)
-    stacked = torch.cat([carried[0], counts[None]])
+    stacked = torch.cat([carried[0][:row], counts[None], carried[0][row + 1:]])
     return (stacked,) if probabilities is None else (stacked, carried[1] + probabilities)
 
 
