@@ -120,6 +120,51 @@ def test_experts_equal_each_token_through_its_own_experts(family, expert_size):
         assert torch.allclose(a, b, atol=1e-6)
 
 
+# --- the planner ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_activation_model_counts_what_an_moe_layer_saves(dtype, precision, family):
+    """The planner's bytes of a sparse layer (planner/stage_costs.py moe_saved_bytes; GPT-OSS's eager attention
+    with sinks) are what autograd keeps for backward, and its parameters transformers' (every expert)."""
+    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from models.partition import DECODER, layer_parameter_counts
+    from models.router_loss import initial_routing, pack_stage
+    from planner.stage_costs import LayerCosts
+    from planner.workload import Workload
+    from tests.test_partition import saved_activation_bytes
+    batch, seq = 2, 24
+    config = MOE_CONFIGS[family]()
+    costs = LayerCosts(config, Workload(seq_length=seq, micro_batch_size=batch, precision=precision))
+    stage_inputs = StageAttentionInputs(config, row_layout="full")
+    decoder = DecoderLayerPipe(config, stage_inputs, layer_index=architecture_of(config).sparse_layers.index(True))
+    decoder = decoder.to(dtype)
+    hidden = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
+    mask, positions = torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq)
+    shared = {t.untyped_storage().data_ptr() for t in stage_inputs(hidden, mask, positions, decoder.self_attn.window)
+              if t is not None}
+    params = {p.untyped_storage().data_ptr() for p in decoder.parameters()}
+    inputs = pack_stage(hidden, mask, positions, initial_routing(config, "cpu"))
+    assert saved_activation_bytes(lambda: decoder(inputs), shared | params) == costs.saved_bytes[DECODER]
+    model = AutoModelForCausalLM.from_config(config)
+    assert sum(layer_parameter_counts(config)) == sum(p.numel() for p in model.parameters())
+
+
+def test_moe_flops_count_the_router_and_the_top_k_experts():
+    """MFU's FLOPs per token (models/partition.py training_flops_per_token) count a token's experts, not all."""
+    from models.partition import training_flops_per_token
+    config = MOE_CONFIGS["mixtral"]()
+    one_expert = MOE_CONFIGS["mixtral"]()
+    one_expert.num_experts_per_tok = 1
+    expert = 3 * config.hidden_size * config.intermediate_size
+    assert training_flops_per_token(config, 16) - training_flops_per_token(one_expert, 16) == \
+        3 * 2 * config.num_hidden_layers * expert
+    more_experts = MOE_CONFIGS["mixtral"]()
+    more_experts.num_local_experts = 8  # 4 more experts: only the router's 4 more rows compute
+    assert training_flops_per_token(more_experts, 16) - training_flops_per_token(config, 16) == \
+        3 * 2 * config.num_hidden_layers * 4 * config.hidden_size
+
+
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 
 def fused_checkpoint(model, path):
