@@ -275,13 +275,13 @@ def run_spec_of(demo_model, model_dir, tmp_path, *overrides, world_size=2):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["precision=bf16", "zero_stage=1"], r"^precision=bf16 with the mixture-of-experts model qwen3_moe: its MoE block "
-                                         r"is tested in fp32 only so far; set precision to its default \(docs/moe\.md\)\.$"),
+    (["precision=fp16", "zero_stage=1"], r"^precision=fp16 with the mixture-of-experts model qwen3_moe: it is not "
+                                         r"tested under fp16's loss scaling; use precision=bf16 \(docs/moe\.md\)\.$"),
     (["pipeline_schedule=zero_bubble"], r"^pipeline_schedule=zero_bubble with the mixture-of-experts "
                                                         r"model qwen3_moe: .*"),
     (["lora.rank=4"], r"^lora\.rank=4 with the mixture-of-experts model qwen3_moe: .*"),
     (["output_router_logits=maybe"], r"^output_router_logits='maybe' must be true, false or null"),
-], ids=["bf16", "zero_bubble", "lora", "bad_value"])
+], ids=["fp16", "zero_bubble", "lora", "bad_value"])
 def test_settings_an_moe_model_is_not_tested_under_are_refused_in_one_line(demo_model, tiny_moe_checkpoints, tmp_path,
                                                                         overrides, message):
     from training.config_checks import ConfigError
@@ -348,7 +348,9 @@ def test_loss_and_gradients_equal_transformers_across_processes(tiny_moe_checkpo
 TRAIN_STEPS, LEARNING_RATE, MAX_GRAD_NORM = 6, 1e-3, 0.05
 TRAIN_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps=4, zero_stage=0)),
                  "2stages": (2, dict(num_stages=2, gradient_accumulation_steps=4, zero_stage=0)),
-                 "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1))}
+                 "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1)),
+                 "bf16_2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1,
+                                                precision="bf16"))}
 
 
 @pytest.fixture(scope="module")
@@ -401,8 +403,8 @@ def transformers_steps(hf_dir, batches, micro_batch_size):
 @pytest.mark.parametrize("layout", TRAIN_LAYOUTS)
 def test_training_steps_equal_transformers_with_the_load_balancing_loss(demo_model, demo_moe, tmp_path, layout):
     """Six steps on instruction data (padded rows of 2 to ~60 labelled tokens), clipping active: the logged loss
-    (the total) and the step-1 gradient norm are transformers'; aux_loss and each sparse layer's expert load are
-    logged beside."""
+    (the total) and the step-1 gradient norm are transformers' (fp32; bf16 within its rounding, every step's norm);
+    aux_loss and each sparse layer's expert load are logged beside."""
     from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics
     from tests.test_token_mean import MICRO_BATCH as ROWS, SEED, SEQ as TRAIN_SEQ, global_batches
     from tests.test_token_mean import write_skewed_instructions
@@ -421,8 +423,11 @@ def test_training_steps_equal_transformers_with_the_load_balancing_loss(demo_mod
         demo_model, train_file, data_parallel, settings["gradient_accumulation_steps"], tmp_path / "ref",
         steps=TRAIN_STEPS), ROWS)
     assert min(norms) > MAX_GRAD_NORM  # clipping acts on every step
-    assert [r["loss"] for r in records] == pytest.approx(losses, abs=1e-5, rel=0)
-    assert records[0]["grad_norm"] == pytest.approx(norms[0], rel=1e-4)
+    # bf16 (ZeRO-1's fp32 master weights and gradient sums) within its rounding of the fp32 steps: seen 9e-4 and 0.3%
+    bf16 = settings.get("precision") == "bf16"
+    assert [r["loss"] for r in records] == pytest.approx(losses, abs=2e-3 if bf16 else 1e-5, rel=0)
+    assert [r["grad_norm"] for r in records][:1 if not bf16 else None] == \
+        pytest.approx(norms[:1 if not bf16 else None], rel=1e-2 if bf16 else 1e-4)
     assert all(r["aux_loss"] > 1.0 for r in records)
     sparse = [i for i in range(4) if i != 1]  # mlp_only_layers=[1]
     assert all(set(r) >= {f"expert_load/layer_{i}" for i in sparse} and f"expert_load/layer_1" not in r
