@@ -150,6 +150,22 @@ def test_activation_model_counts_what_an_moe_layer_saves(dtype, precision, famil
     assert sum(layer_parameter_counts(config)) == sum(p.numel() for p in model.parameters())
 
 
+SHIPPED = {"mixtral_8x7b": 46.7e9, "qwen3_30b_a3b": 30.5e9, "gpt_oss_120b": 116.8e9}  # their model cards' sizes
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_moe_configs_plan_every_expert_and_fit_their_hardware(capsys, name):
+    """plan_only on the hardware each config names: every expert's weights, gradients and optimizer state counted
+    (the model card's parameters), each device and node within its memory."""
+    from planner.memory_plan import print_memory_plan
+    from tests.test_memory_plan import run_config
+    from training.run_spec import plan_spec
+    rows = print_memory_plan(plan_spec(run_config(name)))
+    assert sum(row["parameters"] for row in rows) == pytest.approx(SHIPPED[name], rel=0.01)
+    assert all(row["fits"] for row in rows)
+    assert "does NOT fit" not in capsys.readouterr().out
+
+
 def test_moe_flops_count_the_router_and_the_top_k_experts():
     """MFU's FLOPs per token (models/partition.py training_flops_per_token) count a token's experts, not all."""
     from models.partition import training_flops_per_token
