@@ -181,6 +181,24 @@ def test_moe_flops_count_the_router_and_the_top_k_experts():
         3 * 2 * config.num_hidden_layers * 4 * config.hidden_size
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_an_moe_stage_takes_no_host_sync(family):
+    """Routing, the grouped GEMM (no expert's row count read on the host), the shared expert, the biases and the
+    load-balancing loss: no op reads a device value on the host, over three padded micro-batches."""
+    from data.collator import collate_causal_lm
+    from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
+    from tests.test_host_syncs import SEQ, rows, syncs_of_micro_batches
+    config = MOE_CONFIGS[family]()
+    inputs = StageAttentionInputs(config, row_layout="padded")
+    layers = [EmbeddingPipe(config), *[DecoderLayerPipe(config, inputs, layer_index=i) for i in range(2)],
+              FinalNormPipe(config), LMHeadPipe(config, chunked_loss=True)]
+    examples = rows(6, packed=False)
+    batches = [collate_causal_lm(examples[k:k + 2], SEQ, pad_id=0) for k in range(0, 6, 2)]
+    loss_fn = CausalLMLoss(chunk_tokens=5, router=LoadBalancingLoss(config))
+    assert syncs_of_micro_batches(layers, loss_fn, batches) == []
+    assert loss_fn.router.take_metrics()["aux_loss"] > 1.0  # read once, at logging
+
+
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 
 def fused_checkpoint(model, path):
