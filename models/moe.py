@@ -80,7 +80,8 @@ class MoEBlock(nn.Module):
         out = self.dispatcher(hidden, expert_ids, weights, self.experts)
         if hasattr(self, "shared_expert"):
             shared = self.shared_expert(hidden)
-            out = out + torch.sigmoid(F.linear(hidden, self.parallel.replicated(self.shared_expert_gate.weight))) * shared
+            gate = F.linear(hidden, self.parallel.replicated(self.shared_expert_gate.weight))
+            out = out + torch.sigmoid(gate) * shared
         return out.view_as(x), routing_statistics(logits, expert_ids, real_tokens, self.moe)
 
     def real_tokens(self, document_ids):
@@ -127,8 +128,9 @@ class Experts(nn.Module):
         if hasattr(self, "gate_up_proj_bias"):  # each row's expert, for its bias
             rows_expert = torch.repeat_interleave(torch.arange(self.num_local_experts, device=counts.device), counts,
                                                   output_size=tokens.shape[0])
-        project = lambda x, name: self.project(x, name, counts, None if grouped else split_sizes, rows_expert)  # noqa: E731
-        return project(self.gate(project(tokens, "gate_up_proj")), "down_proj")
+        sizes = None if grouped else split_sizes
+        inner = self.gate(self.project(tokens, "gate_up_proj", counts, sizes, rows_expert))
+        return self.project(inner, "down_proj", counts, sizes, rows_expert)
 
     def project(self, x, name, counts, split_sizes, rows_expert):
         """x's row block of each expert through that expert's projection (and bias)."""
