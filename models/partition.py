@@ -44,7 +44,7 @@ def decoder_parameter_split(config, layer=None, active=False):
     hidden, heads = config.hidden_size, config.num_attention_heads
     kv_heads = config.num_key_value_heads or heads
     head_dim = head_dim_of(config)
-    sparse = architecture.sparse_layers[layer] if layer is not None else any(architecture.sparse_layers)
+    sparse = architecture.sparse_layers[planned_decoder(config) if layer is None else layer]
     inter = 0 if sparse else config.intermediate_size
     sharded = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter
     replicated = 2 * hidden
@@ -69,6 +69,12 @@ def decoder_parameter_split(config, layer=None, active=False):
             sharded += 3 * hidden * moe.shared_expert_size
             replicated += hidden  # its gate
     return sharded, replicated
+
+
+def planned_decoder(config):
+    """The decoder layer the cost model takes for every one: the first sparse layer of an MoE model, else the first."""
+    sparse = architecture_of(config).sparse_layers
+    return sparse.index(True) if any(sparse) else 0
 
 
 def mean_attended_keys(config, seq_length):
