@@ -29,8 +29,9 @@ from data.collator import row_layout
 from models.context_parallel import NO_CONTEXT_PARALLEL
 from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
 from models.loss import CausalLMLoss
-from models.partition import DECODER, EMBEDDING, HEAD
+from models.partition import DECODER, EMBEDDING, HEAD, planned_decoder
 from models.pipeline import PRECISION_DTYPES
+from models.router_loss import initial_routing, pack_stage
 from models.tensor_parallel import TensorParallel
 from models.weight_grads import WeightGradQueue
 from planner.measured_costs import TIMES, UnitCosts, uses_measured_costs
@@ -83,11 +84,12 @@ def timed_unit_costs(cfg, config):
         grad = torch.randn(batch, seq, config.hidden_size)
         embedding = EmbeddingPipe(config, parallel)
         decoder = DecoderLayerPipe(config, StageAttentionInputs(config, NO_CONTEXT_PARALLEL, row_layout(cfg.data)),
-                                   cfg.attention_impl, parallel)
+                                   cfg.attention_impl, parallel, layer_index=planned_decoder(config))
+        routing = initial_routing(config, device)  # an MoE model's statistics, which its decoder layers carry on
         norm, head = FinalNormPipe(config, parallel), LMHeadPipe(config, parallel, chunk_tokens > 0)
     loss = CausalLMLoss(parallel, chunk_tokens, NO_CONTEXT_PARALLEL, PRECISION_DTYPES[cfg.grad_accum_dtype])
     units = {EMBEDDING: (lambda: embedding((ids, documents, positions))[0], grad),
-             DECODER: (lambda: decoder((hidden, documents, positions))[0], grad),
+             DECODER: (lambda: decoder(pack_stage(hidden, documents, positions, routing))[0], grad),
              HEAD: (lambda: loss(head(norm((hidden, documents, positions))), ids), None)}
     clock = InstructionClock(time.process_time)
     rounds = []

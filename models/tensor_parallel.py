@@ -348,6 +348,8 @@ def check_tensor_parallel_split(config, size, sequence_tokens=None):
     counts = {"num_attention_heads": config.num_attention_heads,
               "num_key_value_heads": config.num_key_value_heads or config.num_attention_heads,
               "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+    if getattr(config, "shared_expert_intermediate_size", None):  # Qwen2-MoE's shared expert splits as the MLP
+        counts["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
     if sequence_tokens is not None:
         counts["micro_batch_size x seq_length"] = sequence_tokens
     bad = [f"{name}={count}" for name, count in counts.items() if count % size]

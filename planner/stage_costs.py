@@ -41,10 +41,10 @@ from schedules.orders import rank_orders
 from schedules.rules import chunk_ids, chunks_per_rank, in_flight_micro_batches, waiting_micro_batches
 from schedules.zbv_order import configured_zbv_durations
 from planner import training_state
+from planner.moe_costs import INT64_BYTES, eager_attention_extra_bytes, moe_saved_bytes
 from planner.training_state import FP32_BYTES
 from planner.workload import check_tensor_parallel
 
-INT64_BYTES = 8
 # The share of a device's memory the plan does not model (CUDA context, NCCL buffers, allocator fragmentation):
 # `balanced` fills stages to the rest.
 UNMODELLED_DEVICE_SHARE = 0.1
@@ -70,6 +70,10 @@ class LayerCosts:
         kv_width = (config.num_key_value_heads or config.num_attention_heads) * head_dim_of(config) // t
         heads = config.num_attention_heads // t
         sharded, replicated = decoder_parameter_split(config)
+        active_sharded, active_replicated = decoder_parameter_split(config, active=True)  # FLOPs: a token's weights
+        moe = architecture_of(config).moe
+        if moe:  # every layer planned as a sparse one (models/partition.py decoder_parameter_split)
+            inter = moe.shared_expert_size // t
         chunked = workload.loss_chunk_tokens > 0
         # The chunked loss's working set: one chunk of fp32 logits (and its activation-dtype copies below fp32),
         # and, where its weight gradient is summed in fp32 (fp16, or fp32 sums), a product to add to that sum no
@@ -82,8 +86,9 @@ class LayerCosts:
         # vocab, inter, q_width and heads are this rank's share; parameters are this rank's too.
         self.parameters = {EMBEDDING: vocab * hidden, DECODER: sharded // t + replicated, NORM: hidden,
                            HEAD: vocab * hidden}  # a tied head is a second copy of the embedding on its stage
-        self.largest_tensor = {EMBEDDING: vocab * hidden, DECODER: hidden * max(inter, q_width), NORM: hidden,
-                               HEAD: vocab * hidden}
+        self.largest_tensor = {EMBEDDING: vocab * hidden, NORM: hidden, HEAD: vocab * hidden,
+                               DECODER: max(hidden * max(inter, q_width),
+                                            2 * moe.num_experts * moe.expert_size * hidden if moe else 0)}
         # LoRA (models/lora.py): only the adapters train; they add their parameters to a decoder layer's.
         lora = workload.lora
         adapters = adapter_parameter_count(config, lora, t)
@@ -98,13 +103,13 @@ class LayerCosts:
         # on the residual stream's tokens; Granite's multipliers are elementwise scalings, not counted.
         keys = mean_attended_keys(config, workload.seq_length)
         self.forward_flops = {EMBEDDING: 0, NORM: 0, HEAD: 2 * tokens * hidden * vocab,
-                              DECODER: 2 * tokens * (sharded // t) + 2 * residual * replicated
+                              DECODER: 2 * tokens * (active_sharded // t) + 2 * residual * active_replicated
                               + round(4 * tokens * keys * q_width) + 2 * tokens * adapters}
         # W, the weight gradients a split backward defers (models/weight_grads.py): a trained matmul's forward FLOPs
         # (the chunked loss computes its head's in F, models/loss.py); B is the rest of the backward. A frozen base
         # skips them (its backward computes input gradients only).
         matmuls = {EMBEDDING: 0, NORM: 0, HEAD: self.forward_flops[HEAD],
-                   DECODER: 2 * tokens * (sharded // t) + 2 * residual * replicated}
+                   DECODER: 2 * tokens * (active_sharded // t) + 2 * residual * active_replicated}
         self.frozen_weight_grad_flops = matmuls if lora.enabled else dict.fromkeys(matmuls, 0)
         self.weight_grad_flops = {kind: (2 * tokens * adapters if kind == DECODER else 0) if lora.enabled
                                   else (0 if kind == HEAD and chunked else flops) for kind, flops in matmuls.items()}
@@ -133,16 +138,22 @@ class LayerCosts:
         }
         # Qwen3's per-head and OLMo 2's whole-projection q/k norms (on all tokens, this rank's heads) keep their fp32
         # input and inverse RMS (per head, per token), and Qwen3's its normalised output, OLMo 2's its fp32 scaled
-        # one; OLMo 2's norms scale in fp32, so its two layer norms keep an fp32 normalised output.
+        # one (OLMoE's scales after the cast: in the activation dtype); OLMo 2's and GPT-OSS's norms scale in fp32, so
+        # their two layer norms keep an fp32 normalised output.
         architecture = architecture_of(config)
         qk_width = q_width + kv_width
         if architecture.qk_norm == "head":
             qk_heads = qk_width // head_dim_of(config)
             self.saved_bytes[DECODER] += tokens * ((FP32_BYTES + act) * qk_width + FP32_BYTES * qk_heads)
-        elif architecture.qk_norm == "projection":
-            self.saved_bytes[DECODER] += tokens * FP32_BYTES * (2 * qk_width + 2)
-        if architecture.post_norms:
+        elif architecture.qk_norm == "projection":  # OLMoE's scale after the cast: its normalised output in act
+            scaled_bytes = FP32_BYTES if architecture.norm_scale_in_fp32 else act
+            self.saved_bytes[DECODER] += tokens * ((FP32_BYTES + scaled_bytes) * qk_width + 2 * FP32_BYTES)
+        if architecture.norm_scale_in_fp32:
             self.saved_bytes[DECODER] += 2 * residual * hidden * (FP32_BYTES - act)
+        if moe:
+            self.saved_bytes[DECODER] += moe_saved_bytes(moe, residual, hidden, act)
+        if architecture.attention_sinks:
+            self.saved_bytes[DECODER] += eager_attention_extra_bytes(workload, heads, q_width, kv_width, act)
         # LoRA keeps each adapter's rank-wide h (gathered for a column-parallel group) and, with dropout, its
         # dropped input and mask; the frozen projections' own inputs stay kept, for the adapters' A gradients.
         if lora.enabled:
@@ -157,8 +168,9 @@ class LayerCosts:
         pooled = 1 if workload.splits_sequence else 0
         # Context parallelism adds the whole sequence's key and value gradients (this rank's heads).
         gathered_kv_grads = 2 * workload.key_value_tokens * kv_width if workload.context_parallel > 1 else 0
+        routed_inter = moe.top_k * residual * 2 * moe.expert_size if moe else 0  # a token's k experts' gate_up
         self.backward_bytes = {EMBEDDING: 0, NORM: 0,
-                               DECODER: act * (2 * tokens * inter + 2 * residual * hidden
+                               DECODER: act * (2 * tokens * inter + routed_inter + 2 * residual * hidden
                                                + (2 - pooled) * tokens * hidden + gathered_kv_grads),
                                HEAD: chunk_bytes if chunked else 2 * tokens * vocab * FP32_BYTES}
         # The last stage's output, which the engine holds (below): the logits, or the chunked loss's input.
