@@ -1,0 +1,91 @@
+"""Multi-head latent attention (models/latent_attention.py) against transformers' DeepseekV3Attention on the same
+weights, one module in one process: outputs, the input's gradient and every weight's gradient in fp32, with and
+without the query latent (q_lora_rank), DeepSeek's interleaved rotary layout or the halves one, YaRN with mscale and
+mscale_all_dim (the softmax scale and the rotary tables), biases, SDPA and eager, causal and a packed-documents mask."""
+import pytest
+import torch
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+from models.attention_kernels import additive_mask
+from models.latent_attention import LatentAttention, softmax_scale
+from models.llama import StageAttentionInputs
+
+BATCH, SEQ = 2, 12
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.9, "mscale_all_dim": 1.1,
+        "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1}
+
+
+def mla_config(**overrides):
+    """A tiny DeepSeek-V3 attention: 4 heads of 12 + 8 query/key features and 10 value features."""
+    fields = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+                  kv_lora_rank=12, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, max_position_embeddings=64,
+                  num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return DeepseekV3Config(**{**fields, **overrides})
+
+
+def random_attention(config, impl):
+    """transformers' attention with random weights (norms and biases too), and ours holding the same."""
+    torch.manual_seed(0)
+    config._attn_implementation = impl
+    reference = DeepseekV3Attention(config, layer_idx=0)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.normal_(std=0.3)
+    ours = LatentAttention(config, impl)
+    ours.load_state_dict(reference.state_dict())
+    return reference, ours
+
+
+def document_ids():
+    """Two rows: one of two documents and padding, one full document."""
+    ids = torch.ones(BATCH, SEQ, dtype=torch.long)
+    ids[0, 5:10], ids[0, 10:] = 2, 0
+    return ids
+
+
+CASES = {
+    "q_lora_interleaved_yarn": dict(rope_parameters=YARN),
+    "q_proj_interleaved": dict(q_lora_rank=None),
+    "q_lora_halves_bias": dict(rope_interleave=False, attention_bias=True),
+    "q_proj_halves_yarn": dict(q_lora_rank=None, rope_interleave=False, rope_parameters=YARN),
+}
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("case", CASES)
+def test_latent_attention_matches_transformers(case, impl, masked):
+    config = mla_config(**CASES[case])
+    reference, ours = random_attention(config, impl)
+    document = document_ids() if masked else torch.ones(BATCH, SEQ, dtype=torch.long)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    x = torch.randn(BATCH, SEQ, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    stage_inputs = StageAttentionInputs(config, row_layout="packed" if masked else "full")
+    cos, sin, mask = stage_inputs(x, document, positions)
+    theirs_cos, theirs_sin = DeepseekV3RotaryEmbedding(config)(x, positions)
+    assert torch.equal(cos, theirs_cos) and torch.equal(sin, theirs_sin)
+
+    x_ours, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = ours(x_ours, cos, sin, mask, BATCH, SEQ)
+    mask_ref = mask
+    if mask is None and impl == "eager":  # transformers' eager attention is causal only through its mask
+        mask_ref = additive_mask(torch.ones(SEQ, SEQ, dtype=torch.bool).tril()[None, None], x.dtype)
+    expected, _ = reference(x_ref, (theirs_cos, theirs_sin), mask_ref)
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    upstream = torch.randn_like(out)
+    (out * upstream).sum().backward()
+    (expected * upstream).sum().backward()
+    torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=1e-5, rtol=0)
+    theirs = dict(reference.named_parameters())
+    for name, param in ours.named_parameters():
+        torch.testing.assert_close(param.grad, theirs[name].grad, atol=1e-5, rtol=1e-5, msg=name)
+    assert {n for n, _ in ours.named_parameters()} == set(theirs)
+
+
+def test_softmax_scale_is_transformers():
+    for rope in (YARN, {**YARN, "mscale_all_dim": 0}, {"rope_type": "default", "rope_theta": 10000.0}):
+        config = mla_config(rope_parameters=rope)
+        assert softmax_scale(config) == DeepseekV3Attention(config, 0).scaling
+    assert softmax_scale(mla_config(rope_parameters=YARN)) != 20 ** -0.5  # the YaRN case moves it
