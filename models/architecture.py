@@ -11,6 +11,10 @@ exactly as transformers' modeling file for the family computes it:
 | granite    | embedding, residual and attention multipliers; logits divided by logits_scaling                    |
 | smollm3    | no rotary embedding on the layers no_rope_layers marks 0                                           |
 | phi3       | fused qkv_proj and gate_up_proj (split in the pipeline: models/layout.py); partial rotary; no bias |
+| deepseek_v3| multi-head latent attention (models/latent_attention.py); the first first_k_dense_replace layers'   |
+|            | MLPs dense                                                                                         |
+| glm4_moe   | bias on q, k, v only (attention_bias); a per-head q/k norm with use_qk_norm; partial rotary; the   |
+|            | first first_k_dense_replace layers' MLPs dense                                                     |
 """
 import dataclasses
 import difflib
@@ -19,7 +23,8 @@ import functools
 import torch.nn.functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", "deepseek_v3",
+                         "glm4_moe")
 # transformers' ACT2FN for the activations LLaMA-family models use (importing ACT2FN costs ~75 MB per process).
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
                "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
@@ -27,6 +32,7 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
 NOT_IMPLEMENTED = {"attn_logit_softcapping": "an attention logit soft-cap", "final_logit_softcapping":
                    "a final logit soft-cap", "layer_norm_eps": "a LayerNorm (only RMSNorm is implemented)",
                    "use_qk_norm": "a query/key norm this family's layer does not have"}
+IMPLEMENTED_BY = {"use_qk_norm": ("glm4_moe",)}  # {field of NOT_IMPLEMENTED: the families that implement it}
 # Dropout that transformers applies while training (never in evaluation) and this pipeline does not: {field: where}.
 TRAINING_DROPOUT = {"attention_dropout": "on the attention weights", "resid_pdrop": "on each sublayer's output"}
 
@@ -46,6 +52,7 @@ class Architecture:
     rotary_layers: tuple = ()  # per decoder layer: whether it applies the rotary embedding
     sliding_windows: tuple = ()  # per decoder layer: its attention window (keys > query - window), or None
     fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj fused in the Hugging Face checkpoint
+    latent_attention: bool = False  # DeepSeek-V3: multi-head latent attention (models/latent_attention.py)
 
 
 def head_dim_of(config):
@@ -70,19 +77,23 @@ def architecture_of(config):
     attention_bias, mlp_bias = getattr(config, "attention_bias", False), getattr(config, "mlp_bias", False)
     layers = range(config.num_hidden_layers)
     return Architecture(
-        qkv_bias=family == "qwen2" or (attention_bias and family in ("llama", "qwen3", "olmo2", "granite", "smollm3")),
+        qkv_bias=family == "qwen2" or (attention_bias and family in ("llama", "qwen3", "olmo2", "granite", "smollm3",
+                                                                     "glm4_moe")),
         o_bias=attention_bias and family in ("llama", "qwen3", "olmo2", "granite", "smollm3"),
         mlp_bias=mlp_bias and family in ("llama", "granite", "smollm3"),
-        qk_norm={"qwen3": "head", "olmo2": "projection"}.get(family),
+        qk_norm="head" if family == "glm4_moe" and config.use_qk_norm else {"qwen3": "head", "olmo2": "projection"}.get(
+            family),
         post_norms=family == "olmo2",
         embedding_multiplier=getattr(config, "embedding_multiplier", 1.0) if family == "granite" else 1.0,
         residual_multiplier=getattr(config, "residual_multiplier", 1.0) if family == "granite" else 1.0,
         attention_scale=config.attention_multiplier if family == "granite" else None,
         logits_scaling=config.logits_scaling if family == "granite" else 1.0,
-        rotary_fraction=config.rope_parameters.get("partial_rotary_factor", 1.0) if family == "phi3" else 1.0,
+        rotary_fraction=config.rope_parameters.get("partial_rotary_factor", 1.0) if family in ("phi3", "glm4_moe")
+        else 1.0,
         rotary_layers=tuple(bool(config.no_rope_layers[i]) if family == "smollm3" else True for i in layers),
         sliding_windows=tuple(sliding_window(config, i) for i in layers),
-        fused_projections=family == "phi3")
+        fused_projections=family == "phi3",
+        latent_attention=family == "deepseek_v3")
 
 
 def sliding_window(config, layer):
@@ -115,7 +126,7 @@ def check_model_config(config):
                          f"{', '.join(SUPPORTED_MODEL_TYPES)} (the LLaMA layout)"
                          + (f"; the nearest is '{nearest[0]}', whose layers differ from it." if nearest else "."))
     for field, what in NOT_IMPLEMENTED.items():
-        if getattr(config, field, None) not in (None, False):
+        if getattr(config, field, None) not in (None, False) and config.model_type not in IMPLEMENTED_BY.get(field, ()):
             raise ValueError(f"{field}={getattr(config, field)!r} in the {config.model_type} config asks for {what}, "
                              f"which this pipeline does not implement.")
     kv_heads = config.num_key_value_heads or config.num_attention_heads
@@ -124,7 +135,21 @@ def check_model_config(config):
                          f"num_key_value_heads ({kv_heads}).")
     if config.hidden_act not in ACTIVATIONS:
         raise ValueError(f"hidden_act '{config.hidden_act}' is not supported.")
+    check_deepseek_line(config)
     rope_type = config.rope_parameters.get("rope_type", "default")
     if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope_parameters rope_type '{rope_type}' is not implemented; implemented: default, "
                          f"{', '.join(ROPE_INIT_FUNCTIONS)}.")
+
+
+def check_deepseek_line(config):
+    """What the DeepSeek-V3 line's configs may ask that this pipeline does not compute as transformers does."""
+    if config.model_type == "deepseek_v3" and config.num_key_value_heads != config.num_attention_heads:
+        raise ValueError(f"num_key_value_heads={config.num_key_value_heads} in the deepseek_v3 config differs from "
+                         f"num_attention_heads={config.num_attention_heads}: multi-head latent attention expands one "
+                         f"key and value per query head (transformers' DeepseekV3Attention cannot run it either); set "
+                         f"num_key_value_heads to {config.num_attention_heads}.")
+    if config.model_type in ("deepseek_v3", "glm4_moe") and config.first_k_dense_replace < config.num_hidden_layers:
+        raise ValueError(f"first_k_dense_replace={config.first_k_dense_replace} < num_hidden_layers="
+                         f"{config.num_hidden_layers} in the {config.model_type} config asks for mixture-of-experts "
+                         f"layers, which this branch does not implement yet.")

@@ -20,6 +20,7 @@ from models.architecture import (ACTIVATIONS, architecture_of, check_model_confi
                                  fused_projections, head_dim_of)
 from models.attention_kernels import additive_mask, apply_rotary, attend
 from models.context_parallel import NO_CONTEXT_PARALLEL
+from models.latent_attention import LatentAttention
 from models.norms import HeadRMSNorm, ProjectionRMSNorm, RMSNorm
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 
@@ -233,7 +234,8 @@ class DecoderLayerPipe(nn.Module):
                                  scale_in_fp32=architecture.post_norms)
         if not self.post_norms:
             self.input_layernorm = norm()
-        self.self_attn = Attention(config, attention_impl, parallel, context, layer_index)
+        attention = LatentAttention if architecture.latent_attention else Attention
+        self.self_attn = attention(config, attention_impl, parallel, context, layer_index)
         self.post_attention_layernorm = norm()
         self.mlp = MLP(config, parallel)
         if self.post_norms:

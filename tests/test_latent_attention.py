@@ -1,15 +1,18 @@
-"""Multi-head latent attention (models/latent_attention.py) against transformers' DeepseekV3Attention on the same
-weights, one module in one process: outputs, the input's gradient and every weight's gradient in fp32, with and
-without the query latent (q_lora_rank), DeepSeek's interleaved rotary layout or the halves one, YaRN with mscale and
-mscale_all_dim (the softmax scale and the rotary tables), biases, SDPA and eager, causal and a packed-documents mask."""
+"""The attentions of the DeepSeek-V3 line against transformers' on the same weights, one module in one process:
+outputs, the input's gradient and every weight's gradient in fp32, SDPA and eager, causal and a packed-documents
+mask. Multi-head latent attention (models/latent_attention.py) against DeepseekV3Attention, with and without the
+query latent (q_lora_rank), DeepSeek's interleaved rotary layout or the halves one, YaRN with mscale and
+mscale_all_dim (the softmax scale and the rotary tables), biases; GLM-4.5's (models/llama.py's Attention with its
+options) against Glm4MoeAttention: partial rotary, q/k/v biases without o's, with and without use_qk_norm."""
 import pytest
 import torch
-from transformers import DeepseekV3Config
+from transformers import DeepseekV3Config, Glm4MoeConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeAttention, Glm4MoeRotaryEmbedding
 
 from models.attention_kernels import additive_mask
 from models.latent_attention import LatentAttention, softmax_scale
-from models.llama import StageAttentionInputs
+from models.llama import Attention, StageAttentionInputs
 
 BATCH, SEQ = 2, 12
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.9, "mscale_all_dim": 1.1,
@@ -24,15 +27,29 @@ def mla_config(**overrides):
     return DeepseekV3Config(**{**fields, **overrides})
 
 
+def glm_config(**overrides):
+    """A tiny GLM-4.5 attention: 4 query heads, 2 key/value heads of 16 features, half of them rotary."""
+    fields = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=64, num_hidden_layers=2, attention_bias=True, rms_norm_eps=1e-5)
+    return Glm4MoeConfig(**{**fields, **overrides})
+
+
+FAMILIES = {  # (transformers' attention, its rotary embedding, ours)
+    "deepseek_v3": (DeepseekV3Attention, DeepseekV3RotaryEmbedding, LatentAttention),
+    "glm4_moe": (Glm4MoeAttention, Glm4MoeRotaryEmbedding, Attention),
+}
+
+
 def random_attention(config, impl):
     """transformers' attention with random weights (norms and biases too), and ours holding the same."""
     torch.manual_seed(0)
     config._attn_implementation = impl
-    reference = DeepseekV3Attention(config, layer_idx=0)
+    theirs, _, ours = FAMILIES[config.model_type]
+    reference = theirs(config, layer_idx=0)
     with torch.no_grad():
         for param in reference.parameters():
             param.normal_(std=0.3)
-    ours = LatentAttention(config, impl)
+    ours = ours(config, impl)
     ours.load_state_dict(reference.state_dict())
     return reference, ours
 
@@ -45,10 +62,12 @@ def document_ids():
 
 
 CASES = {
-    "q_lora_interleaved_yarn": dict(rope_parameters=YARN),
-    "q_proj_interleaved": dict(q_lora_rank=None),
-    "q_lora_halves_bias": dict(rope_interleave=False, attention_bias=True),
-    "q_proj_halves_yarn": dict(q_lora_rank=None, rope_interleave=False, rope_parameters=YARN),
+    "q_lora_interleaved_yarn": lambda: mla_config(rope_parameters=YARN),
+    "q_proj_interleaved": lambda: mla_config(q_lora_rank=None),
+    "q_lora_halves_bias": lambda: mla_config(rope_interleave=False, attention_bias=True),
+    "q_proj_halves_yarn": lambda: mla_config(q_lora_rank=None, rope_interleave=False, rope_parameters=YARN),
+    "glm4_moe_qk_norm": lambda: glm_config(use_qk_norm=True),
+    "glm4_moe": lambda: glm_config(),
 }
 
 
@@ -56,14 +75,14 @@ CASES = {
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("case", CASES)
 def test_latent_attention_matches_transformers(case, impl, masked):
-    config = mla_config(**CASES[case])
+    config = CASES[case]()
     reference, ours = random_attention(config, impl)
     document = document_ids() if masked else torch.ones(BATCH, SEQ, dtype=torch.long)
     positions = torch.arange(SEQ).expand(BATCH, SEQ)
     x = torch.randn(BATCH, SEQ, config.hidden_size, generator=torch.Generator().manual_seed(1))
     stage_inputs = StageAttentionInputs(config, row_layout="packed" if masked else "full")
     cos, sin, mask = stage_inputs(x, document, positions)
-    theirs_cos, theirs_sin = DeepseekV3RotaryEmbedding(config)(x, positions)
+    theirs_cos, theirs_sin = FAMILIES[config.model_type][1](config)(x, positions)
     assert torch.equal(cos, theirs_cos) and torch.equal(sin, theirs_sin)
 
     x_ours, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
