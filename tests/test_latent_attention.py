@@ -108,3 +108,84 @@ def test_softmax_scale_is_transformers():
         config = mla_config(rope_parameters=rope)
         assert softmax_scale(config) == DeepseekV3Attention(config, 0).scaling
     assert softmax_scale(mla_config(rope_parameters=YARN)) != 20 ** -0.5  # the YaRN case moves it
+
+
+SPLITS = {  # name: (tensor parallel, sequence parallel, context parallel, documents masked, q_lora_rank)
+    "tp2": (2, False, 1, True, 16),
+    "tp2_sp_q_proj": (2, True, 1, True, None),
+    "cp2_documents": (1, False, 2, True, 16),
+    "cp2_causal_q_proj": (1, False, 2, False, None),  # no mask: the CPU's lower-right kernel, values padded
+}
+
+
+def split_worker(rank, out_dir):
+    """MLA split over 2 ranks (heads under tensor parallelism, tokens under context parallelism) against the
+    whole module on the same weights: this rank's outputs, its tokens' input gradient, and every weight's gradient
+    (context parallelism: each rank's covers its own queries, so their sum over the group), as max differences."""
+    import json
+
+    import torch.distributed as dist
+
+    from cluster.distributed import init_distributed
+    from models.context_parallel import ContextParallel
+    from models.tensor_parallel import TensorParallel
+    init_distributed(timeout_minutes=2)
+    errors = {}
+    for name, (tensor, sequence, context_size, masked, q_rank) in SPLITS.items():
+        config = mla_config(rope_parameters=YARN, q_lora_rank=q_rank, attention_bias=True)
+        reference, whole = random_attention(config, "sdpa")
+        parallel = TensorParallel(tensor, rank, sequence, group=dist.group.WORLD) if tensor > 1 else None
+        context = ContextParallel(context_size, rank, dist.group.WORLD) if context_size > 1 else None
+        ours = LatentAttention(config, "sdpa", **({"parallel": parallel} if parallel else {}),
+                               **({"context": context} if context else {}))
+        ours.load_state_dict({n: t.chunk(tensor, getattr(p, "tensor_parallel_dim", 0))[rank]
+                              if hasattr(p, "tensor_parallel_dim") else t
+                              for (n, t), p in zip(whole.state_dict().items(), ours.parameters())})
+        document = document_ids() if masked else torch.ones(BATCH, SEQ, dtype=torch.long)
+        positions = torch.arange(SEQ).expand(BATCH, SEQ)
+        x = torch.randn(BATCH, SEQ, config.hidden_size, generator=torch.Generator().manual_seed(1))
+        upstream = torch.randn(BATCH, SEQ, config.hidden_size, generator=torch.Generator().manual_seed(2))
+        x_whole = x.clone().requires_grad_()
+        cos, sin, mask = StageAttentionInputs(config, row_layout="packed" if masked else "full")(
+            x, document, positions)
+        (whole(x_whole, cos, sin, mask, BATCH, SEQ) * upstream).sum().backward()
+        out_whole = whole(x, cos, sin, mask, BATCH, SEQ).detach()
+
+        mine = (lambda t: t.reshape(BATCH * SEQ, -1).chunk(tensor)[rank]) if sequence else \
+            (lambda t: context.local_tokens(t)) if context else (lambda t: t)
+        x_mine = mine(x).clone().requires_grad_()
+        stage_inputs = StageAttentionInputs(config, **({"context": context} if context else {}),
+                                            row_layout="packed" if masked else "full")
+        seq = SEQ // context_size
+        cos, sin, mask = stage_inputs(x_mine, *(context.local_tokens(t) if context else t
+                                                for t in (document, positions)))
+        out = ours(x_mine, cos, sin, mask, BATCH, seq)
+        (out * mine(upstream)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in ours.named_parameters()}
+        if context:
+            for grad in grads.values():
+                dist.all_reduce(grad)
+        whole_grads = dict(whole.named_parameters())
+        errors[name] = {
+            "out": (out - mine(out_whole)).abs().max().item(),
+            "input_grad": (x_mine.grad - mine(x_whole.grad)).abs().max().item(),
+            **{n: (g - (whole_grads[n].grad.chunk(tensor, p.tensor_parallel_dim)[rank]
+                        if hasattr(p, "tensor_parallel_dim") else whole_grads[n].grad)).abs().max().item()
+               for (n, g), p in zip(grads.items(), ours.parameters())}}
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(errors, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_latent_attention_split_over_heads_and_tokens(tmp_path):
+    import json
+
+    from tests.distributed import spawn
+    spawn(split_worker, 2, str(tmp_path))
+    for rank in range(2):
+        errors = json.load(open(tmp_path / f"rank{rank}.json"))
+        assert set(errors) == set(SPLITS)
+        for name, by_tensor in errors.items():
+            bad = {t: e for t, e in by_tensor.items() if not e < 1e-5}
+            assert not bad, f"rank {rank}, {name}: {bad}"
