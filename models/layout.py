@@ -113,3 +113,17 @@ def fused_groups(config, names):
                 if present:
                     groups[f"model.layers.{layer}.{module}.{suffix}"] = (present, suffix != SHARED)
     return groups
+
+
+# The multi-token-prediction layers a DeepSeek-V3 or GLM-4.5 checkpoint ships after its decoder layers
+# (num_nextn_predict_layers of them, model.layers.{L}.* on): transformers' CausalLM forward never runs them (they
+# serve speculative decoding), nor does the pipeline; conversion keeps their tensors as they are, in this file of
+# the converted tag, and export writes them back.
+MTP_FILE_NAME = "mtp_layers.safetensors"
+
+
+def is_multi_token_prediction(name, config):
+    """Whether a Hugging Face weight belongs to a multi-token-prediction layer."""
+    match = _DECODER.match(name)
+    extra = getattr(config, "num_nextn_predict_layers", 0) or 0
+    return bool(match) and config.num_hidden_layers <= int(match.group(1)) < config.num_hidden_layers + extra

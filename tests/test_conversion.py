@@ -114,7 +114,7 @@ def test_unsupported_model_type_lists_supported(tmp_path):
     result = convert_cli("--model_name_or_path", str(tmp_path / "gpt2"), "--output_dir", str(tmp_path / "out"))
     assert result.returncode != 0
     assert ("model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, olmo2, granite, smollm3, "
-            "phi3 (the LLaMA layout)." in result.stderr)
+            "phi3, deepseek_v3, glm4_moe (the LLaMA layout)." in result.stderr)
     assert_nothing_written(tmp_path, str(tmp_path / "out"))
 
 
@@ -128,7 +128,8 @@ def test_unsupported_family_names_the_nearest_supported_one(model_type, nearest)
     with pytest.raises(ValueError) as error:
         check_model_config(SimpleNamespace(model_type=model_type))
     assert str(error.value).startswith(f"model_type '{model_type}' is not supported; supported: llama, mistral, "
-                                       "qwen2, qwen3, olmo2, granite, smollm3, phi3 (the LLaMA layout)")
+                                       "qwen2, qwen3, olmo2, granite, smollm3, phi3, deepseek_v3, glm4_moe (the "
+                                       "LLaMA layout)")
     assert str(error.value).endswith(f"; the nearest is '{nearest}', whose layers differ from it." if nearest
                                      else "(the LLaMA layout).")
 
@@ -166,7 +167,7 @@ def test_dropout_is_refused_for_training_only_naming_the_field(tmp_path):
 
 
 @pytest.mark.parametrize("model_type,field,value,message", [
-    ("qwen3_moe", None, None, r"model_type 'qwen3_moe' is not supported; supported: llama, .*, phi3 \(the LLaMA "
+    ("qwen3_moe", None, None, r"model_type 'qwen3_moe' is not supported; supported: llama, .*, glm4_moe \(the LLaMA "
                               r"layout\); the nearest is 'qwen3', whose layers differ from it\."),
     ("qwen3", "attn_logit_softcapping", 50.0, r"attn_logit_softcapping=50\.0 in the qwen3 config asks for an attention "
                                               r"logit soft-cap, which this pipeline does not implement\."),
