@@ -20,7 +20,8 @@ from checkpoints.integrity import (manifest_digest, no_manifest_note, read_by_ex
                                    verify_model_side_files)
 from checkpoints.hf_to_ds import SAFETENSORS_DTYPES, safetensors_entries
 from checkpoints.layer_files import load_weights_only
-from models.layout import MTP_FILE_NAME, fuse, hf_name_of_layer_key, layer_indices_with_files
+from models.layout import (MTP_FILE_NAME, fuse, hf_name_of_layer_key, hub_piece, hub_pieces,
+                           layer_indices_with_files)
 from models.llama import check_model_config, layers_on_meta
 from models.lora import NO_LORA, LoraSettings, add_adapters
 
@@ -91,11 +92,26 @@ def read_hf_tensors(tag_dir, config, lora=NO_LORA):
             shapes[name] = torch.empty(shape, dtype=first.dtype, device="meta")
     # Phi-3's weights and adapters, fused again
     tensors = fuse(tensors, config, lambda parts, stacked: functools.partial(concatenated, parts) if stacked else parts[0])
-    return tensors, fuse(shapes, config)
+    return hub_layout(tensors, fuse(shapes, config), config)
 
 
 def concatenated(tensor_functions):
     return torch.cat([tensor() for tensor in tensor_functions])
+
+
+def hub_layout(tensors, shapes, config):
+    """tensors and shapes under the names transformers' save_pretrained writes: an MoE layer's experts one tensor
+    per expert and projection (models/layout.py hub_pieces), each read from its fused tensor as it is written."""
+    hub_tensors, hub_shapes = {}, {}
+    for name, shape in shapes.items():
+        for hub_name, piece in hub_pieces(name, config):
+            hub_tensors[hub_name] = tensors[name] if piece is None else functools.partial(piece_of, tensors[name], piece)
+            hub_shapes[hub_name] = hub_piece(shape, piece)
+    return hub_tensors, hub_shapes
+
+
+def piece_of(tensor_function, piece):
+    return hub_piece(tensor_function(), piece).contiguous()
 
 
 def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overwrite=False, verify_checksums=True,

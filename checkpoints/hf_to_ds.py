@@ -25,9 +25,9 @@ from checkpoints.integrity import file_checksum, write_manifest
 from checkpoints.layer_files import load_weights_only, read_exactly, write_layer_file_from_ranges
 from checkpoints.quantized_weights import (check_scales, dequantized, drop_quantization_config, fp8_block_size,
                                           scaled_weights, unscaled_error)
-from models.layout import (MTP_FILE_NAME, fused_parts, is_multi_token_prediction, layer_file_path,
-                           layer_indices_with_files, layer_of_hf_name)
-from models.llama import check_model_config, layers_on_meta
+from models.layout import (MTP_FILE_NAME, expert_piece, fused_parts, hub_pieces, is_multi_token_prediction,
+                           layer_file_path, layer_indices_with_files, layer_of_hf_name, pipeline_name)
+from models.llama import architecture_of, check_model_config, layers_on_meta
 
 IMPORT_TAG = "global_step0"
 
@@ -159,24 +159,39 @@ def expected_layer_shapes(config):
 
 
 def plan_layers(reader, config):
-    """{layer index: {key: (HF name, rows)}}, after checking every name and shape against the config; rows: None,
-    or (first, count), the block of a fused weight (Phi-3's) that the key holds."""
+    """{layer index: {key: [(HF name, rows), ...]}}, after checking every name and shape against the config: the
+    pieces whose rows the key's tensor stacks, in order (one, but an MoE layer's experts from the hub's per-expert
+    tensors); rows: None, or (first, count), the block of a fused weight (Phi-3's) that the key holds."""
     num_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
     expected = expected_layer_shapes(config)
     plan, unknown, mismatched = defaultdict(dict), [], []
+    stacks = defaultdict(dict)  # {fused HF name: {place in its stack: hub name}}: the hub's per-expert tensors
     for name in sorted(reader.file_of):
         if name.endswith("rotary_emb.inv_freq") or is_multi_token_prediction(name, config):
             continue  # a buffer some old checkpoints saved, derived from the config; layers kept apart (MTP_FILE_NAME)
+        piece = expert_piece(name, config)
+        if piece is not None:
+            fused, place, per_expert = piece
+            located = layer_of_hf_name(fused, num_layers, tied)
+            shape = expected.get(located[0], {}).get(located[1]) if located else None
+            if shape is None or place >= shape[0] * per_expert:  # a dense layer's, or an expert past num_experts
+                unknown.append(f"{name} ({os.path.basename(reader.file_of[name])})")
+            elif reader.shape(name) != (shape[1] // per_expert, *shape[2:]):
+                mismatched.append(f"{name}: {reader.shape(name)} in {os.path.basename(reader.file_of[name])}, "
+                                  f"config expects {(shape[1] // per_expert, *shape[2:])}")
+            else:
+                stacks[fused][place] = name
+            continue
         parts = fused_parts(name, config)
-        located = layer_of_hf_name(name if parts is None else parts[0][0], num_layers, tied)
+        located = layer_of_hf_name(pipeline_name(name, config) if parts is None else parts[0][0], num_layers, tied)
         if located is None or located[1] not in expected[located[0]]:
             unknown.append(f"{name} ({os.path.basename(reader.file_of[name])})")
             continue
         index, key = located
         if tied and name == "lm_head.weight":  # tied: the embedding already holds this weight
             continue
-        blocks = {key: (name, None)} if parts is None else {
-            layer_of_hf_name(part, num_layers, tied)[1]: (name, (first, rows)) for part, first, rows in parts}
+        blocks = {key: [(name, None)]} if parts is None else {
+            layer_of_hf_name(part, num_layers, tied)[1]: [(name, (first, rows))] for part, first, rows in parts}
         shape = expected[index][key] if parts is None else (sum(rows for _, _, rows in parts),
                                                             *expected[index][key][1:])
         if reader.shape(name) != shape:
@@ -184,11 +199,22 @@ def plan_layers(reader, config):
                               f"config expects {shape}")
             continue
         plan[index].update(blocks)
+    absent = []
+    for fused, pieces in stacks.items():
+        index, key = layer_of_hf_name(fused, num_layers, tied)
+        names = [hub_name for hub_name, _ in hub_pieces(fused, config)]
+        absent += [name for place, name in enumerate(names) if place not in pieces]
+        if len(pieces) == len(names):
+            plan[index][key] = [(pieces[place], None) for place in range(len(names))]
     if unknown:
         raise ValueError(f"weights not part of a {config.model_type} model with num_hidden_layers={num_layers}: "
                          f"{', '.join(unknown[:20])}{' ...' if len(unknown) > 20 else ''}; check config.json.")
     if mismatched:
         raise ValueError("weight shapes do not match config.json: " + "; ".join(mismatched[:20]))
+    if absent:
+        raise ValueError(f"expert weights missing: {', '.join(absent[:20])}{' ...' if len(absent) > 20 else ''} (an "
+                         f"incomplete checkpoint, or num_experts={architecture_of(config).moe.num_experts} in "
+                         f"config.json is wrong).")
     missing = [f"layer {i}: {sorted(set(expected[i]) - set(plan[i]))}"
                for i in layer_indices_with_files(num_layers, tied) if set(plan[i]) != set(expected[i])]
     if missing:
@@ -225,14 +251,16 @@ def zip_checksums_off():
         torch.serialization.set_crc32_options(previous)
 
 
-def write_layer_file(reader, sources, path):
-    """sources: {key: (HF name, rows)}. safetensors bytes are copied by the kernel; .bin tensors go through
-    torch.save."""
-    ranges = {key: reader.byte_range(name, rows) for key, (name, rows) in sources.items()}
-    if all(ranges.values()):
-        write_layer_file_from_ranges(path, ranges)
+def write_layer_file(reader, sources, path, shapes):
+    """sources: {key: [(HF name, rows), ...]}, the pieces each key stacks; shapes: {key: its shape}. safetensors
+    bytes are copied by the kernel; .bin tensors go through torch.save."""
+    ranges = {key: [reader.byte_range(name, rows) for name, rows in pieces] for key, pieces in sources.items()}
+    if all(all(pieces) and len({piece[0] for piece in pieces}) == 1 for pieces in ranges.values()):
+        write_layer_file_from_ranges(path, {key: (pieces[0][0], shapes[key], [(p[2], p[3]) for p in pieces])
+                                            for key, pieces in ranges.items()})
         return
-    layer = {key: reader.tensor(name, rows) for key, (name, rows) in sources.items()}
+    layer = {key: torch.cat([reader.tensor(name, rows) for name, rows in pieces]).view(shapes[key])
+             if len(pieces) > 1 else reader.tensor(*pieces[0]) for key, pieces in sources.items()}
     torch.save(layer, path)
     del layer
     release_freed_memory()
@@ -258,6 +286,7 @@ def convert_hf_to_ds(model_dir, output_dir, overwrite=False, tokenizer_name_or_p
     reader = WeightReader(find_weight_files(model_dir), (block, config.dtype or torch.bfloat16) if block else None)
     plan = plan_layers(reader, config)
     extra_layers = sorted(name for name in reader.file_of if is_multi_token_prediction(name, config))
+    expected = expected_layer_shapes(config)
 
     with staged_directory(output_dir) as staging:
         tag_dir = os.path.join(staging, IMPORT_TAG)
@@ -268,7 +297,7 @@ def convert_hf_to_ds(model_dir, output_dir, overwrite=False, tokenizer_name_or_p
             checksums = {}
             for index in sorted(plan):
                 path = layer_file_path(tag_dir, index)
-                write_layer_file(reader, plan[index], path)
+                write_layer_file(reader, plan[index], path, expected[index])
                 checksums[os.path.basename(path)] = hasher.submit(file_checksum, path)
             if extra_layers:
                 path = os.path.join(tag_dir, MTP_FILE_NAME)

@@ -205,19 +205,23 @@ def read_exactly(fd, buffer, offset):
 def write_layer_file_from_ranges(path, sources):
     """A torch.save file of {key: tensor} whose bytes are copied by the kernel from other files.
 
-    sources: {key: (dtype, shape, source path, byte offset)}. torch.save under skip_data writes the file's skeleton
-    (pickle, zip records, holes where the data goes); copy_file_range then fills each hole straight from the source
-    file, so the bytes never pass through this process: faster than reading and writing them, and no memory."""
+    sources: {key: (dtype, shape, [(source path, byte offset), ...])}: the tensor's bytes are those of the pieces,
+    equal parts of it, one after the other (one piece; an MoE layer's experts, one per expert's projection). torch.save
+    under skip_data writes the file's skeleton (pickle, zip records, holes where the data goes); copy_file_range then
+    fills each hole straight from the source files, so the bytes never pass through this process: faster than
+    reading and writing them, and no memory."""
     with torch.serialization.skip_data():
-        torch.save({key: torch.empty(shape, dtype=dtype) for key, (dtype, shape, _, _) in sources.items()}, path)
+        torch.save({key: torch.empty(shape, dtype=dtype) for key, (dtype, shape, _) in sources.items()}, path)
     offsets = file_offsets(path, torch.load(path, map_location="cpu", mmap=True, weights_only=True))
     if offsets is None:
         raise RuntimeError(f"unexpected layout of the torch.save file '{path}'.")
     with open(path, "r+b") as target:
-        for key, (dtype, shape, source_path, source_offset) in sources.items():
-            length = torch.Size(shape).numel() * dtype.itemsize
-            with open(source_path, "rb") as source:
-                copy_range(source.fileno(), source_offset, target.fileno(), offsets[key], length)
+        for key, (dtype, shape, pieces) in sources.items():
+            length = torch.Size(shape).numel() * dtype.itemsize // len(pieces)
+            for number, (source_path, source_offset) in enumerate(pieces):
+                with open(source_path, "rb") as source:
+                    copy_range(source.fileno(), source_offset, target.fileno(), offsets[key] + number * length,
+                               length)
 
 
 def copy_range(source_fd, source_offset, target_fd, target_offset, length):

@@ -35,27 +35,36 @@ def deinterleave(x):
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
-def attend(q, k, v, mask, attention_impl="sdpa", scale=None):
+def attend(q, k, v, mask, attention_impl="sdpa", scale=None, sinks=None):
     """softmax(q k^T * scale + mask) v over heads (batch, heads, tokens, features); scale None: q's features ** -0.5.
     Grouped-query attention: each key/value head serves q heads / kv heads query heads. SDPA reads them as they are
     (enable_gqa); a copy per query head would be kept for backward, over the whole sequence under context
     parallelism. No mask: causal, the queries being the last of the keys (all of them, but under context parallelism
-    a half's queries follow the keys of the chunks before it)."""
+    a half's queries follow the keys of the chunks before it). sinks (GPT-OSS's) take the eager formula: SDPA has
+    no logit outside the keys."""
     grouped = q.shape[1] != k.shape[1]
-    if attention_impl == "sdpa":
+    if attention_impl == "sdpa" and sinks is None:
         if mask is None and q.shape[2] != k.shape[2]:
             return causal_lower_right_attention(q, k, v, grouped, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped,
                                               scale=scale)
     if grouped:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    return eager_attention(q, k, v, mask, scale)
+    return eager_attention(q, k, v, mask, scale, sinks)
 
 
-def eager_attention(q, k, v, mask, scale=None):
+def eager_attention(q, k, v, mask, scale=None, sinks=None):
+    """sinks (GPT-OSS's, one logit per head): each query's softmax also over its head's sink, dropped after it
+    (transformers' formula: the row's maximum subtracted first)."""
     scores = torch.matmul(q, k.transpose(2, 3)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     if mask is None:  # causal, the queries ending the keys
         queries, keys = q.shape[-2], k.shape[-2]
         mask = additive_mask(torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(keys - queries), q.dtype)
-    probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        scores = scores + mask
+        combined = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+        combined = combined - combined.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(v.dtype)
     return torch.matmul(probs, v)

@@ -9,13 +9,17 @@ post-init loading go through here, so the map exists once.
 
 Phi-3's fused qkv_proj and gate_up_proj are held as their parts, q/k/v_proj and gate/up_proj (row blocks:
 models/architecture.py's fused_projections), split on conversion and fused again on export.
+
+A mixture-of-experts layer holds its experts fused, as transformers 5 does (models/moe.py); the hub's checkpoints,
+and transformers' save_pretrained, hold one tensor per expert and projection (Mixtral's under its old module name,
+block_sparse_moe): stacked on conversion (either layout is read), split again on export (GPT-OSS's stay fused).
 """
 import os
 import re
 
 import torch
 
-from models.architecture import fused_projections
+from models.architecture import architecture_of, fused_projections
 
 _DECODER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -113,6 +117,61 @@ def fused_groups(config, names):
                 if present:
                     groups[f"model.layers.{layer}.{module}.{suffix}"] = (present, suffix != SHARED)
     return groups
+
+
+# The hub's per-expert layout of each MoE family: (the layer's MoE module, {fused key: its per-expert tensors, in
+# the order each expert's block stacks them}).
+HUB_EXPERTS = {"mixtral": ("block_sparse_moe.", {"experts.gate_up_proj": ("w1.weight", "w3.weight"),
+                                                  "experts.down_proj": ("w2.weight",)})}
+HUB_EXPERTS.update(dict.fromkeys(("qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe"), ("mlp.", {
+    "experts.gate_up_proj": ("gate_proj.weight", "up_proj.weight"), "experts.down_proj": ("down_proj.weight",)})))
+_HUB_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(.+)$")
+
+
+def expert_piece(name, config):
+    """(the pipeline's HF name of the fused tensor, the piece's place in its stack, pieces per expert) of a hub
+    per-expert tensor (model.layers.1.mlp.experts.3.up_proj.weight: layer 1's mlp.experts.gate_up_proj, piece 7,
+    2); None for any other name."""
+    match = _HUB_EXPERT.match(name)
+    module, fused = HUB_EXPERTS.get(config.model_type, (None, {}))
+    if match is None or f"{match.group(2)}." != module:
+        return None
+    layer, expert, part = int(match.group(1)), int(match.group(3)), match.group(4)
+    for key, parts in fused.items():
+        if part in parts:
+            return f"model.layers.{layer}.mlp.{key}", expert * len(parts) + parts.index(part), len(parts)
+    return None
+
+
+def pipeline_name(name, config):
+    """The pipeline's HF name of a hub name: Mixtral's old block_sparse_moe module is transformers 5's mlp."""
+    module = HUB_EXPERTS.get(config.model_type, ("mlp.",))[0]
+    return name.replace(f".{module}", ".mlp.", 1) if module != "mlp." and _DECODER.match(name) else name
+
+
+def hub_pieces(name, config):
+    """[(hub name, (expert, part, parts) or None)] of a pipeline HF name, as transformers' save_pretrained writes a
+    model: a sparse layer's fused experts as each expert's projections (expert e's part p of `parts` row blocks of
+    tensor[e]), Mixtral's module renamed; None: the whole tensor."""
+    module, fused = HUB_EXPERTS.get(config.model_type, ("mlp.", {}))
+    match = _DECODER.match(name)
+    if match is None or not match.group(2).startswith("mlp."):
+        return [(name, None)]
+    layer, key = int(match.group(1)), match.group(2).removeprefix("mlp.")
+    prefix = f"model.layers.{layer}.{module}"
+    if key not in fused or not architecture_of(config).sparse_layers[layer]:
+        return [(f"{prefix}{key}", None)]
+    parts = fused[key]
+    return [(f"{prefix}experts.{expert}.{part}", (expert, index, len(parts)))
+            for expert in range(architecture_of(config).moe.num_experts) for index, part in enumerate(parts)]
+
+
+def hub_piece(tensor, piece):
+    """The view of a fused tensor that a hub_pieces entry names."""
+    if piece is None:
+        return tensor
+    expert, index, parts = piece
+    return tensor[expert].chunk(parts)[index]
 
 
 # The multi-token-prediction layers a DeepSeek-V3 or GLM-4.5 checkpoint ships after its decoder layers

@@ -21,7 +21,9 @@ from models.architecture import (ACTIVATIONS, architecture_of, check_model_confi
 from models.attention_kernels import additive_mask, apply_rotary, attend
 from models.context_parallel import NO_CONTEXT_PARALLEL
 from models.latent_attention import LatentAttention
+from models.moe import MoEBlock
 from models.norms import HeadRMSNorm, ProjectionRMSNorm, RMSNorm
+from models.router_loss import carry_routing, initial_routing, pack_stage, unpack_stage
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 
 
@@ -160,8 +162,12 @@ class Attention(nn.Module):
             self.q_norm = HeadRMSNorm(self.head_dim, config.rms_norm_eps, parallel)
             self.k_norm = HeadRMSNorm(self.head_dim, config.rms_norm_eps, parallel)
         elif self.qk_norm == "projection":
-            self.q_norm = ProjectionRMSNorm(self.num_heads * self.head_dim, config.rms_norm_eps, parallel)
-            self.k_norm = ProjectionRMSNorm(self.num_kv_heads * self.head_dim, config.rms_norm_eps, parallel)
+            norm = functools.partial(ProjectionRMSNorm, eps=config.rms_norm_eps, parallel=parallel,
+                                     scale_in_fp32=architecture.norm_scale_in_fp32)
+            self.q_norm, self.k_norm = norm(self.num_heads * self.head_dim), norm(self.num_kv_heads * self.head_dim)
+        if architecture.attention_sinks:  # GPT-OSS: one learned logit per head, split with the heads
+            self.sinks = nn.Parameter(torch.zeros(heads))
+            parallel.mark_sharded(self, dim=0)
 
     def forward(self, x, cos, sin, mask, batch, seq):
         q, k, v = self.parallel.column_linears(x, (self.q_proj, self.k_proj, self.v_proj))
@@ -177,14 +183,19 @@ class Attention(nn.Module):
         return self.parallel.row_linear(out.transpose(1, 2).reshape(batch, seq, -1), self.o_proj)
 
     def attend(self, q, k, v, mask):
-        return attend(q, k, v, mask, self.attention_impl, self.scale)
+        """Attention sinks (GPT-OSS) take the eager formula whatever attention_impl says: SDPA has no logit outside
+        the keys."""
+        return attend(q, k, v, mask, self.attention_impl, self.scale, getattr(self, "sinks", None))
 
 
 class MLP(nn.Module):
-    def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
+    """width: another dense MLP's intermediate features (an MoE layer's shared expert); None: intermediate_size."""
+
+    def __init__(self, config, parallel=NO_TENSOR_PARALLEL, width=None):
         super().__init__()
         bias = architecture_of(config).mlp_bias
-        inter = parallel.local(config.intermediate_size, "intermediate_size")
+        inter = parallel.local(width or config.intermediate_size,
+                               "intermediate_size" if width is None else "the shared expert's width")
         self.gate_proj = nn.Linear(config.hidden_size, inter, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, inter, bias=bias)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
@@ -200,7 +211,8 @@ class MLP(nn.Module):
 
 
 class EmbeddingPipe(nn.Embedding):
-    """Layer 0: token ids to hidden states; document ids and positions pass through as integer tensors.
+    """Layer 0: token ids to hidden states; document ids and positions pass through as integer tensors (and an MoE
+    model's routing statistics start: models/router_loss.py).
 
     As transformers builds it (padding_idx=config.pad_token_id): the pad token's row takes no gradient from the
     lookup, which matters where pad is a real token (pad = eos; ChatML's <|im_end|>). Under tensor parallelism the
@@ -214,30 +226,42 @@ class EmbeddingPipe(nn.Embedding):
         parallel.mark_sharded(self, dim=0)
         self.parallel = parallel
         self.multiplier = architecture_of(config).embedding_multiplier  # Granite's
+        self.routing = functools.partial(initial_routing, config)  # an MoE model's statistics start here
 
     def forward(self, inputs):
         input_ids, document_ids, position_ids = inputs
         embedded = self.parallel.embedding(input_ids, self.weight, self.padding_idx)
-        return scaled(embedded, self.multiplier), document_ids, position_ids
+        return pack_stage(scaled(embedded, self.multiplier), document_ids, position_ids, self.routing(embedded.device))
 
 
 class DecoderLayerPipe(nn.Module):
     """hidden_states are (batch, seq, hidden), or under sequence parallelism this rank's share of the
-    flattened tokens (batch * seq / tp, hidden); the document ids give batch and seq either way."""
+    flattened tokens (batch * seq / tp, hidden); the document ids give batch and seq either way.
+
+    A sparse layer's MLP is the MoE block (models/moe.py), its experts run by `dispatcher` (None: all on this
+    rank). An MoE model's tuple carries routing statistics too (models/router_loss.py): integers, and with the
+    load-balancing loss a float sum that every router's gradient comes back through."""
 
     def __init__(self, config, stage_inputs, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL,
-                 context=NO_CONTEXT_PARALLEL, layer_index=0):
+                 context=NO_CONTEXT_PARALLEL, layer_index=0, dispatcher=None):
         super().__init__()
         architecture = architecture_of(config)
         self.post_norms, self.residual_multiplier = architecture.post_norms, architecture.residual_multiplier
         norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps, parallel,
-                                 scale_in_fp32=architecture.post_norms)
+                                 scale_in_fp32=architecture.norm_scale_in_fp32)
         if not self.post_norms:
             self.input_layernorm = norm()
         attention = LatentAttention if architecture.latent_attention else Attention
         self.self_attn = attention(config, attention_impl, parallel, context, layer_index)
         self.post_attention_layernorm = norm()
-        self.mlp = MLP(config, parallel)
+        self.sparse = architecture.sparse_layers[layer_index]
+        self.sparse_row = sum(architecture.sparse_layers[:layer_index])  # its row of the routing counts
+        if self.sparse:
+            shared = MLP(config, parallel, architecture.moe.shared_expert_size) if architecture.moe.shared_expert_size \
+                else None
+            self.mlp = MoEBlock(config, parallel, dispatcher, shared)
+        else:
+            self.mlp = MLP(config, parallel)
         if self.post_norms:
             self.post_feedforward_layernorm = norm()
         self.stage_inputs = stage_inputs
@@ -246,17 +270,28 @@ class DecoderLayerPipe(nn.Module):
                                   for parts in fused_projections(config).values())
 
     def forward(self, inputs):
-        hidden, document_ids, position_ids = inputs
+        hidden, document_ids, position_ids, routing = unpack_stage(inputs)
         cos, sin, mask = self.stage_inputs(hidden, document_ids, position_ids, self.self_attn.window)
         batch, seq = document_ids.shape
-        return self.residual_blocks(hidden, cos, sin, mask, batch, seq), document_ids, position_ids
+        if not self.sparse:
+            hidden = self.residual_blocks(hidden, cos, sin, mask, batch, seq)
+        else:
+            hidden, statistics = self.residual_blocks(hidden, cos, sin, mask, batch, seq,
+                                                      self.mlp.real_tokens(document_ids))
+            routing = carry_routing(routing, statistics, self.sparse_row)
+        return pack_stage(hidden, document_ids, position_ids, routing)
 
-    def residual_blocks(self, hidden, cos, sin, mask, batch, seq):
+    def residual_blocks(self, hidden, cos, sin, mask, batch, seq, real_tokens=None):
+        """The layer's math: the new hidden states, and for a sparse layer (real_tokens: which of its tokens are
+        not padding) its routing statistics."""
         if self.post_norms:  # OLMo 2: each sublayer's output normalised before the residual add
             hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, cos, sin, mask, batch, seq))
             return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
         attention = self.self_attn(self.input_layernorm(hidden), cos, sin, mask, batch, seq)
         hidden = hidden + scaled(attention, self.residual_multiplier)
+        if self.sparse:
+            out, statistics = self.mlp(self.post_attention_layernorm(hidden), real_tokens)
+            return hidden + scaled(out, self.residual_multiplier), statistics
         return hidden + scaled(self.mlp(self.post_attention_layernorm(hidden)), self.residual_multiplier)
 
     def compile(self, *args, **kwargs):
@@ -265,16 +300,20 @@ class DecoderLayerPipe(nn.Module):
 
 
 class FinalNormPipe(RMSNorm):
-    """Layer L+1: drops document ids and positions, which nothing after it needs. Granite divides its logits by
-    logits_scaling: done here, to the LM head's input (the head is linear), so every loss path sees it."""
+    """Layer L+1: drops document ids and positions, which nothing after it needs (an MoE model's routing statistics
+    go on to the loss). Granite divides its logits by logits_scaling: done here, to the LM head's input (the head is
+    linear), so every loss path sees it."""
 
     def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
         architecture = architecture_of(config)
-        super().__init__(config.hidden_size, config.rms_norm_eps, parallel, scale_in_fp32=architecture.post_norms)
+        super().__init__(config.hidden_size, config.rms_norm_eps, parallel,
+                         scale_in_fp32=architecture.norm_scale_in_fp32)
         self.logits_multiplier = 1 / architecture.logits_scaling
 
     def forward(self, inputs):
-        return scaled(super().forward(inputs[0]), self.logits_multiplier)
+        hidden, _, _, routing = unpack_stage(inputs if len(inputs) > 1 else (*inputs, None, None))
+        normed = scaled(super().forward(hidden), self.logits_multiplier)
+        return (normed, *routing) if routing else normed
 
 
 def scaled(x, multiplier):
@@ -296,23 +335,28 @@ class LMHeadPipe(nn.Linear):
         return lm_head(self, hidden, self.chunked_loss)
 
 
-def lm_head(module, hidden, chunked_loss=False):
+def lm_head(module, inputs, chunked_loss=False):
     """The LM head of `module`'s weight: its own, or the embedding's when tied (DeepSpeed's TiedLayerSpec calls
-    forward_fn(embedding, hidden))."""
+    forward_fn(embedding, inputs)). inputs: the hidden states, or those and an MoE model's routing statistics,
+    which follow the head's outputs to the loss (models/loss.py head_outputs)."""
+    hidden, *routing = inputs if isinstance(inputs, tuple) else (inputs,)
     if chunked_loss:
         # A view, not the leaf: DeepSpeed hooks the outputs that have a grad_fn to start each backward (the bf16
         # optimizer clears its gradients there), and so runs that before the weight's gradient accumulates.
-        return hidden, module.weight.view_as(module.weight)
-    return module.parallel.column_linears(hidden, [module])[0]
+        return hidden, module.weight.view_as(module.weight), *routing
+    logits = module.parallel.column_linears(hidden, [module])[0]
+    return (logits, *routing) if routing else logits
 
 
 def layers_on_meta(config, parallel=NO_TENSOR_PARALLEL):
-    """{pipeline index: module} with one decoder layer standing for all, built on the meta device (no memory):
-    the shapes and split dimensions of every layer file."""
+    """{pipeline index: module} with one decoder layer standing for all of its kind (dense or sparse), built on the
+    meta device (no memory): the shapes and split dimensions of every layer file."""
+    sparse = architecture_of(config).sparse_layers
     with torch.device("meta"):
-        decoder = DecoderLayerPipe(config, stage_inputs=None, parallel=parallel)
+        decoders = {kind: DecoderLayerPipe(config, stage_inputs=None, parallel=parallel, layer_index=sparse.index(kind))
+                    for kind in set(sparse)}
         modules = {0: EmbeddingPipe(config, parallel), config.num_hidden_layers + 1: FinalNormPipe(config, parallel)}
         if not config.tie_word_embeddings:
             modules[config.num_hidden_layers + 2] = LMHeadPipe(config, parallel)
-    modules.update({i: decoder for i in range(1, config.num_hidden_layers + 1)})
+    modules.update({i + 1: decoders[kind] for i, kind in enumerate(sparse)})
     return modules

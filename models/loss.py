@@ -27,12 +27,15 @@ class CausalLMLoss:
     token mean, training/token_mean.py), else by the micro-batch's own labelled tokens (its mean: evaluation). The
     last layer's output is the logits, or with chunk_tokens > 0 the head's input and weight (LMHeadPipe), whose
     chunks' weight gradients are summed in grad_sum_dtype (the run's grad_accum_dtype; None: the weight's).
-    seq_length: the positions of a row, when its labels may be one wider (data/collator.py); None: as wide."""
+    seq_length: the positions of a row, when its labels may be one wider (data/collator.py); None: as wide.
+    router: an MoE model's LoadBalancingLoss (models/router_loss.py), whose loss times its coefficient is added,
+    as transformers adds it to outputs.loss; None for a dense model."""
 
     def __init__(self, parallel=NO_TENSOR_PARALLEL, chunk_tokens=0, context=NO_CONTEXT_PARALLEL, grad_sum_dtype=None,
-                 seq_length=None):
+                 seq_length=None, router=None):
         self.parallel, self.chunk_tokens, self.context = parallel, chunk_tokens, context
         self.grad_sum_dtype, self.seq_length = grad_sum_dtype, seq_length
+        self.router = router
         self.step_divisor = None
 
     def units(self, labels, whole=False):
@@ -41,6 +44,12 @@ class CausalLMLoss:
         return labelled_tokens(labels, NO_CONTEXT_PARALLEL if whole else self.context)
 
     def __call__(self, outputs, labels):
+        outputs, routing = head_outputs(outputs, self.chunk_tokens)
+        loss = self.next_token_loss(outputs, labels)
+        aux = self.router(routing) if self.router is not None else None
+        return loss if aux is None else loss + self.router.coef * aux
+
+    def next_token_loss(self, outputs, labels):
         next_labels = next_token_labels(labels, self.context, self.seq_length)
         if self.step_divisor is not None:
             divisor = self.step_divisor
@@ -65,10 +74,18 @@ class ContinuationScores:
 
     def __call__(self, outputs, labels):
         next_labels = next_token_labels(labels, self.context, self.seq_length)
-        scores = continuation_scores(outputs, next_labels, labels.shape[0], self.parallel, self.chunk_tokens)
+        scores = continuation_scores(head_outputs(outputs, self.chunk_tokens)[0], next_labels, labels.shape[0], self.parallel, self.chunk_tokens)
         if self.context.size > 1:  # each rank scored its tokens of every row
             collectives.all_reduce(scores, group=self.context.group)
         return scores
+
+
+def head_outputs(outputs, chunk_tokens):
+    """(the LM head's outputs: the logits, or with chunk_tokens its input and weight; the routing statistics an MoE
+    model carries after them to the loss, models/router_loss.py, or ())."""
+    if chunk_tokens:
+        return outputs[:2], outputs[2:]
+    return (outputs[0], outputs[1:]) if isinstance(outputs, tuple) else (outputs, ())
 
 
 def next_token_labels(labels, context=NO_CONTEXT_PARALLEL, positions=None):

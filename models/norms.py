@@ -36,15 +36,16 @@ class HeadRMSNorm(RMSNorm):
 
 
 class ProjectionRMSNorm(RMSNorm):
-    """OLMo 2's q_norm / k_norm: one RMSNorm over a whole projection's features (every head). Under tensor
-    parallelism the weight splits with the heads, and the mean of squares is summed over the group."""
+    """OLMo 2's and OLMoE's q_norm / k_norm: one RMSNorm over a whole projection's features (every head). Under
+    tensor parallelism the weight splits with the heads, and the mean of squares is summed over the group."""
 
-    def __init__(self, whole_width, eps, parallel=NO_TENSOR_PARALLEL):
-        super().__init__(whole_width // parallel.size, eps, parallel, scale_in_fp32=True)
+    def __init__(self, whole_width, eps, parallel=NO_TENSOR_PARALLEL, scale_in_fp32=True):
+        super().__init__(whole_width // parallel.size, eps, parallel, scale_in_fp32)
         self.whole_width = whole_width
         parallel.mark_sharded(self, dim=0)
 
     def forward(self, x):
         x32 = x.float()
         mean_square = self.parallel.sum_over_heads(x32.square().sum(-1, keepdim=True)) / self.whole_width
-        return (self.weight * (x32 * torch.rsqrt(mean_square + self.eps))).to(x.dtype)
+        normed = x32 * torch.rsqrt(mean_square + self.eps)
+        return (self.weight * normed).to(x.dtype) if self.scale_in_fp32 else self.weight * normed.to(x.dtype)

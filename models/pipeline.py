@@ -11,9 +11,10 @@ from deepspeed_internals.access import pipeline_grid, set_layer_range, set_parti
 from deepspeed_internals.registry import non_reentrant_checkpoint
 from models.context_parallel import NO_CONTEXT_PARALLEL, build_context_parallel
 from models.llama import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs,
-                          check_model_config, lm_head)
+                          architecture_of, check_model_config, lm_head)
 from models.lora import NO_LORA, add_adapters, freeze_all_but_adapters
 from models.loss import CausalLMLoss
+from models.router_loss import LoadBalancingLoss
 from models.partition import stage_bounds
 from models.preference import PreferenceLoss, PreferenceSettings
 from models.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel
@@ -179,9 +180,11 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     context = build_context_parallel(topology, context_parallel_size)
     if stage_bounds is None:
         stage_bounds = partition_stages(config, topology.get_dim("pipe"))
+    moe = architecture_of(config).moe
+    router, moe_aux_loss = (LoadBalancingLoss(config, parallel), moe.aux_loss) if moe else (None, False)
     loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype)
                if objective.preference else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype,
-                                                     seq_length))
+                                                     seq_length, router))
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype or previous_dtype)
     try:
@@ -194,8 +197,10 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                                # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.
                                checkpointable_layers=[DecoderLayerPipe.__name__],
                                # Under LoRA the frozen embedding's output takes no gradient: reentrant checkpointing
-                               # of the first decoder layer would then give its adapters none either.
-                               activation_checkpoint_func=(non_reentrant_checkpoint if lora.enabled
+                               # of the first decoder layer would then give its adapters none either. With the
+                               # load-balancing loss a stage has two floating outputs, which DeepSpeed runs backward
+                               # from one at a time: reentrant checkpointing frees its recomputation after the first.
+                               activation_checkpoint_func=(non_reentrant_checkpoint if lora.enabled or moe_aux_loss
                                                            else checkpointing.checkpoint))
         if lora.enabled:
             for local, layer in enumerate(module.forward_funcs):

@@ -114,12 +114,13 @@ def test_unsupported_model_type_lists_supported(tmp_path):
     result = convert_cli("--model_name_or_path", str(tmp_path / "gpt2"), "--output_dir", str(tmp_path / "out"))
     assert result.returncode != 0
     assert ("model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, olmo2, granite, smollm3, "
-            "phi3, deepseek_v3, glm4_moe (the LLaMA layout)." in result.stderr)
+            "phi3, mixtral, qwen3_moe, qwen2_moe, olmoe, gpt_oss, deepseek_v3, glm4_moe (the LLaMA layout and its "
+            "mixtures of experts)." in result.stderr)
     assert_nothing_written(tmp_path, str(tmp_path / "out"))
 
 
-@pytest.mark.parametrize("model_type,nearest", [("olmo3", "olmo2"), ("granitemoe", "granite"), ("phimoe", "phi3"),
-                                               ("qwen2_moe", "qwen2"), ("mixtral", "mistral"), ("gemma2", None)])
+@pytest.mark.parametrize("model_type,nearest", [("olmo3", "olmoe"), ("granitemoe", "granite"), ("phimoe", "phi3"),
+                                               ("qwen3_next", "qwen3_moe"), ("gemma2", None)])
 def test_unsupported_family_names_the_nearest_supported_one(model_type, nearest):
     """The families whose names say they are close (their MoE or next versions) are named; others only the list."""
     from types import SimpleNamespace
@@ -128,10 +129,11 @@ def test_unsupported_family_names_the_nearest_supported_one(model_type, nearest)
     with pytest.raises(ValueError) as error:
         check_model_config(SimpleNamespace(model_type=model_type))
     assert str(error.value).startswith(f"model_type '{model_type}' is not supported; supported: llama, mistral, "
-                                       "qwen2, qwen3, olmo2, granite, smollm3, phi3, deepseek_v3, glm4_moe (the "
-                                       "LLaMA layout)")
+                                       "qwen2, qwen3, olmo2, granite, smollm3, phi3, mixtral, qwen3_moe, qwen2_moe, "
+                                       "olmoe, gpt_oss, deepseek_v3, glm4_moe (the LLaMA layout and its mixtures of "
+                                       "experts)")
     assert str(error.value).endswith(f"; the nearest is '{nearest}', whose layers differ from it." if nearest
-                                     else "(the LLaMA layout).")
+                                     else "(the LLaMA layout and its mixtures of experts).")
 
 
 def test_dropout_is_refused_for_training_only_naming_the_field(tmp_path):
@@ -167,8 +169,9 @@ def test_dropout_is_refused_for_training_only_naming_the_field(tmp_path):
 
 
 @pytest.mark.parametrize("model_type,field,value,message", [
-    ("qwen3_moe", None, None, r"model_type 'qwen3_moe' is not supported; supported: llama, .*, glm4_moe \(the LLaMA "
-                              r"layout\); the nearest is 'qwen3', whose layers differ from it\."),
+    ("qwen3_next", None, None, r"model_type 'qwen3_next' is not supported; supported: llama, .*, glm4_moe \(the "
+                               r"LLaMA layout and its mixtures of experts\); the nearest is 'qwen3_moe', whose layers "
+                               r"differ from it\."),
     ("qwen3", "attn_logit_softcapping", 50.0, r"attn_logit_softcapping=50\.0 in the qwen3 config asks for an attention "
                                               r"logit soft-cap, which this pipeline does not implement\."),
     ("llama", "layer_norm_eps", 1e-5, r"layer_norm_eps=1e-05 in the llama config asks for a LayerNorm \(only "

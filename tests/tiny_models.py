@@ -1,8 +1,9 @@
 """Tiny LLaMA-family models built locally from a config (random weights, save_pretrained): the Hugging Face model
 is the oracle the pipeline must match."""
 import torch
-from transformers import (AutoModelForCausalLM, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config, Phi3Config,
-                          Qwen2Config, Qwen3Config, SmolLM3Config)
+from transformers import (AutoModelForCausalLM, GptOssConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                          Olmo2Config, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+                          SmolLM3Config)
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
               max_position_embeddings=64, rms_norm_eps=1e-5)
@@ -36,10 +37,37 @@ TINY_CONFIGS = {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
 }
 
+# Mixtures of experts, each with transformers' load-balancing loss on (a coefficient large enough to move the routers'
+# gradients well past the tests' tolerances) and experts 16 wide (torch's grouped GEMM wants 16-byte strides).
+MOE = dict(output_router_logits=True, router_aux_loss_coef=0.1, num_experts_per_tok=2)
+MOE_CONFIGS = {
+    # Mixtral: every layer sparse, top-2 of 4 renormalised, a sliding window on every layer.
+    "mixtral": lambda: MixtralConfig(**{**COMMON, "intermediate_size": 16}, **MOE, num_key_value_heads=2,
+                                     num_local_experts=4, sliding_window=8),
+    # Qwen3-MoE: per-head q/k norms; layer 1 dense (mlp_only_layers), the others top-2 of 8 renormalised; tied.
+    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, **MOE, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                        moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=[1],
+                                        tie_word_embeddings=True),
+    # Qwen2-MoE: q/k/v biases, every second layer sparse with a shared expert behind its sigmoid gate, not
+    # renormalised; windows on the layers below max_window_layers that layer_types marks.
+    "qwen2_moe": lambda: Qwen2MoeConfig(**COMMON, **MOE, num_key_value_heads=2, num_experts=4, moe_intermediate_size=16,
+                                        shared_expert_intermediate_size=32, decoder_sparse_step=2,
+                                        use_sliding_window=True, sliding_window=8, max_window_layers=2),
+    # OLMoE: q/k norms over the whole projections, top-2 of 8, not renormalised.
+    "olmoe": lambda: OlmoeConfig(**{**COMMON, "intermediate_size": 16}, **MOE, **TOKENS, num_key_value_heads=2,
+                                 num_experts=8),
+    # GPT-OSS: attention sinks, biases everywhere, a window on alternate layers, YaRN; a router with a bias (top-2 of
+    # 4, then a softmax), experts with biases and the clamped SwiGLU (a limit the tiny activations reach).
+    "gpt_oss": lambda: GptOssConfig(**{**COMMON, "intermediate_size": 16}, **MOE, num_key_value_heads=2, head_dim=8,
+                                    num_local_experts=4, sliding_window=8, swiglu_limit=0.05, rope_parameters={
+                                        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}),
+}
+
 
 def make_tiny_model(name, path, seed=0, **save_kwargs):
     """Save a randomly initialised tiny model to path and return it (fp32, eval mode)."""
-    return make_model(TINY_CONFIGS[name](), path, seed, **save_kwargs)
+    return make_model({**TINY_CONFIGS, **MOE_CONFIGS}[name](), path, seed, **save_kwargs)
 
 
 def make_model(config, path, seed=0, dtype=torch.float32, **save_kwargs):
@@ -48,7 +76,7 @@ def make_model(config, path, seed=0, dtype=torch.float32, **save_kwargs):
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
     with torch.no_grad():  # HF zero-inits biases; random ones make the bias mapping testable
         for param_name, param in model.named_parameters():
-            if param_name.endswith(".bias"):
+            if param_name.endswith((".bias", "_bias")):
                 param.normal_(std=0.02)
         if config.pad_token_id is not None:  # a pad that is a real token (eos) has a trained row, not init's zeros
             model.get_input_embeddings().weight[config.pad_token_id].normal_(std=0.02)

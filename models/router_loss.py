@@ -1,0 +1,128 @@
+"""transformers' auxiliary load-balancing loss of a mixture-of-experts model, over the pipeline's stages.
+
+transformers (`load_balancing_loss_func` in each MoE family's modeling file) computes one loss per forward over the
+routers of all the MoE layers: the real tokens' top-k choices per expert and their router probabilities, each summed
+over the layers and divided by (layers x real tokens), multiplied, summed over the experts and times their number.
+It is not a sum of per-layer terms, and the layers live on different stages, so the tuple between layers carries
+what the last stage needs (models/llama.py), from the embedding on, the same shapes across every boundary:
+
+- every sparse layer's top-k counts, [sparse layers, E] int64, zeros until the layer has run: no gradient; the loss
+  takes their sum over the layers, the expert-load metrics each layer's;
+- with the loss on (transformers' output_router_logits), the running sum of the router probabilities, [E] fp32,
+  whose gradient goes back through every stage boundary to every router. It starts as zeros that take a gradient
+  (a stage without a sparse layer passes on a tensor DeepSpeed can run backward from), and as transformers adds
+  each layer's to zeros.
+
+The floating tensors come first in the tuple (unpack_stage): DeepSpeed's pipeline engine receives the k-th floating
+gradient into its receive buffer for the tuple's k-th activation, whatever that one's dtype.
+
+Under tensor parallelism with sequence parallelism each rank's statistics are of its share of the tokens: summed over
+the group at the loss. A micro-batch's loss is transformers' `outputs.loss`, the cross-entropy plus
+router_aux_loss_coef x this loss (models/loss.py CausalLMLoss); DeepSpeed's mean over the global batch's micro-batches
+makes the step's the token-mean cross-entropy plus the coefficient times the mean of the micro-batches' losses.
+"""
+import torch
+import torch.distributed as dist
+
+import collectives
+from models.architecture import architecture_of
+from models.tensor_parallel import NO_TENSOR_PARALLEL, AllReduce
+
+
+def initial_routing(config, device):
+    """The routing statistics the embedding starts the tuple with: () for a dense model."""
+    moe = architecture_of(config).moe
+    if moe is None:
+        return ()
+    counts = torch.zeros(sum(architecture_of(config).sparse_layers), moe.num_experts, dtype=torch.int64, device=device)
+    if not moe.aux_loss:
+        return (counts,)
+    return counts, torch.zeros(moe.num_experts, dtype=torch.float32, device=device, requires_grad=True)
+
+
+def unpack_stage(inputs):
+    """(hidden states, document ids, positions, routing statistics: () or (counts[, probability sums])) of the tuple
+    between layers, its floating tensors first."""
+    if len(inputs) == 3:
+        return (*inputs, ())
+    if len(inputs) == 4:
+        hidden, document_ids, position_ids, counts = inputs
+        return hidden, document_ids, position_ids, (counts,)
+    hidden, probabilities, document_ids, position_ids, counts = inputs
+    return hidden, document_ids, position_ids, (counts, probabilities)
+
+
+def pack_stage(hidden, document_ids, position_ids, routing):
+    """unpack_stage's inverse."""
+    if len(routing) < 2:
+        return (hidden, document_ids, position_ids, *routing)
+    counts, probabilities = routing
+    return hidden, probabilities, document_ids, position_ids, counts
+
+
+def carry_routing(carried, statistics, row):
+    """The tuple's routing statistics with the sparse layer number `row`'s (counts [E], probability sums [E] or
+    None) added."""
+    counts, probabilities = statistics
+    stacked = torch.cat([carried[0][:row], counts[None], carried[0][row + 1:]])
+    return (stacked,) if probabilities is None else (stacked, carried[1] + probabilities)
+
+
+class LoadBalancingLoss:
+    """The last stage's side of it: the loss of a micro-batch from the routing statistics it receives, and the
+    metrics of the micro-batches trained since the last take_metrics (sums kept on the device)."""
+
+    def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
+        architecture = architecture_of(config)
+        moe = architecture.moe
+        self.enabled, self.coef = moe.aux_loss, moe.aux_loss_coef
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.sparse_layers = [i for i, sparse in enumerate(architecture.sparse_layers) if sparse]
+        self.parallel = parallel
+        self.totals = None  # per layer and expert: top-k counts; then the loss's sum and the micro-batches
+
+    @property
+    def carried(self):
+        """How many routing tensors follow the LM head's outputs."""
+        return 2 if self.enabled else 1
+
+    def __call__(self, routing):
+        """transformers' load-balancing loss of a micro-batch (0-d fp32, None when it is off)."""
+        counts, *probabilities = routing
+        if self.parallel.sequence_parallel:  # each rank routed its share of the tokens
+            counts = counts.clone()
+            collectives.all_reduce(counts, group=self.parallel.group)
+            probabilities = [AllReduce.apply(p, self.parallel.group) for p in probabilities]
+        loss = None
+        if self.enabled:
+            chosen = counts.sum(dim=0).float()
+            rows = (counts.sum() / self.top_k).float().clamp(min=1)  # layers x real tokens (1: an empty batch's 0)
+            loss = torch.sum(chosen / rows * (probabilities[0] / rows).unsqueeze(0)) * self.num_experts
+        if torch.is_grad_enabled():  # a training forward: evaluation's leave the training window's sums alone
+            self.add_metrics(counts, loss)
+        return loss
+
+    def add_metrics(self, counts, loss):
+        step = torch.zeros(2, dtype=torch.float64, device=counts.device) if loss is None else \
+            torch.stack([loss.detach().double(), torch.ones((), dtype=torch.float64, device=counts.device)])
+        sums = torch.cat([counts.reshape(-1).double(), step])
+        self.totals = sums if self.totals is None else self.totals + sums
+
+    def take_metrics(self):
+        """{aux_loss: the mean over the micro-batches trained since the last call, expert_load/layer_{i}: each sparse
+        layer's largest over its mean tokens per expert}, on every rank (a collective: only last stages hold nonzero
+        sums; the tensor-parallel ranks of one add the same, which leaves the ratios unchanged); {} when none."""
+        size = len(self.sparse_layers) * self.num_experts + 2
+        totals = self.totals if self.totals is not None else torch.zeros(size, dtype=torch.float64,
+                                                                         device=collectives.device())
+        self.totals = None
+        if dist.is_initialized():
+            collectives.all_reduce(totals)
+        counts = totals[:-2].view(len(self.sparse_layers), self.num_experts)
+        loss_sum, micro_batches = totals[-2:].tolist()
+        metrics = {"aux_loss": loss_sum / micro_batches} if micro_batches else {}
+        means = counts.mean(dim=1)
+        loads = (counts.amax(dim=1) / means.clamp(min=1e-30)).tolist()
+        metrics.update({f"expert_load/layer_{layer}": load for layer, load, mean in
+                        zip(self.sparse_layers, loads, means.tolist()) if mean})
+        return metrics
