@@ -133,7 +133,8 @@ class Experts(nn.Module):
             self.down_proj_bias = nn.Parameter(torch.zeros(count, hidden))
 
     def forward(self, tokens, counts, split_sizes=None):
-        grouped = grouped_mm_fits(tokens, self.gate_up_proj)
+        inter = self.down_proj.shape[-2 if self.transposed else -1]
+        grouped = grouped_mm_fits((tokens, self.gate_up_proj, self.down_proj), inter)
         if not grouped and split_sizes is None:
             split_sizes = counts.tolist()  # one read per layer: the row block of each expert
         rows_expert = None
@@ -164,16 +165,19 @@ class Experts(nn.Module):
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
-def grouped_mm_fits(x, weight):
-    """Whether torch's grouped GEMM takes these operands: fp32 or bf16 on the CPU, bf16 on CUDA from sm80, every
-    operand's addresses and strides on 16 bytes (one expert's row block and weights at a time otherwise)."""
+def grouped_mm_fits(operands, inner_width):
+    """Whether torch's grouped GEMM takes the experts' operands (the tokens, then the weights; inner_width: the
+    features between the projections): fp32 or bf16 on the CPU, bf16 on CUDA from sm80, every address and stride on
+    16 bytes. Else each expert's row block runs alone."""
+    x = operands[0]
     if x.device.type == "cpu":
         supported = x.dtype in (torch.float32, torch.bfloat16)
     else:
         supported = x.device.type == "cuda" and x.dtype == torch.bfloat16 and \
             torch.cuda.get_device_capability(x.device) >= (8, 0)
-    return supported and all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
-                             for t in (x, weight))
+    aligned = all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
+                  for t in operands)
+    return supported and aligned and inner_width * x.element_size() % 16 == 0
 
 
 class LocalExperts:

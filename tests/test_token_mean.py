@@ -18,11 +18,14 @@ LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps=4, ze
 
 @pytest.fixture(scope="module")
 def skewed_instructions(demo_model, tmp_path_factory):
+    return write_skewed_instructions(demo_model, tmp_path_factory.mktemp("token_mean") / "train.jsonl")
+
+
+def write_skewed_instructions(demo_model, path):
     """Prompts and responses cut from the demo corpus: responses of 1 to 60 words, so that labelled tokens per
     sequence range from a few to most of the row."""
     words = open(demo_model["train"]).read().split()
     rng = random.Random(0)
-    path = tmp_path_factory.mktemp("token_mean") / "train.jsonl"
     with open(path, "w") as f:
         for _ in range(64):
             start = rng.randrange(len(words) - 100)
@@ -32,7 +35,7 @@ def skewed_instructions(demo_model, tmp_path_factory):
     return path
 
 
-def global_batches(demo_model, train_file, data_parallel, micro_batches, cache_dir):
+def global_batches(demo_model, train_file, data_parallel, micro_batches, cache_dir, steps=STEPS):
     """Each step's global batch as the trainer reads it: every data-parallel rank's micro-batches (its own loader,
     the run's seed), joined into one batch."""
     from omegaconf import OmegaConf
@@ -50,7 +53,7 @@ def global_batches(demo_model, train_file, data_parallel, micro_batches, cache_d
     streams = [infinite_micro_batches(build_stage_loader(dataset, reads_data=True, dp_rank=rank, dp_size=data_parallel,
                                                          micro_batch_size=MICRO_BATCH, seq_length=SEQ, pad_id=pad_id,
                                                          seed=SEED)) for rank in range(data_parallel)]
-    for _ in range(STEPS):
+    for _ in range(steps):
         parts = [next(stream) for stream in streams for _ in range(micro_batches)]
         yield tuple(torch.cat([p[0][i] for p in parts]) for i in range(3)), torch.cat([p[1] for p in parts])
 

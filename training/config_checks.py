@@ -10,6 +10,7 @@ from checkpoints.background_save import ASYNC_SAVE_SETTINGS
 from errors import ConfigError
 from evaluation.eval_task import EvalTask
 from data.formats import DataSettings
+from models.architecture import architecture_of
 from models.lora import LoraSettings
 from models.pipeline import ATTENTION_IMPLS, LOSS_IMPLS, PRECISION_DTYPES
 from models.preference import PreferenceSettings
@@ -109,6 +110,9 @@ def check_values(cfg):
     except ValueError as error:
         raise ConfigError(str(error)) from None
     check_preference(cfg, preference)
+    if cfg.output_router_logits not in (None, True, False):
+        raise ConfigError(f"output_router_logits={cfg.output_router_logits!r} must be true, false or null (null: as "
+                          f"the checkpoint's config.json says).")
     check_token_shard_keys(cfg)
     for entry in cfg.eval_tasks:
         EvalTask.from_entry(entry)
@@ -243,3 +247,33 @@ def check_chunk_schedule(cfg):
                           f"num_stages={stages}: Megatron's interleaved order takes micro-batches in groups of "
                           f"{stages}; use gradient_accumulation_steps={fit} (a multiple of {stages}).")
 
+
+
+# What a mixture-of-experts model's layers are not yet tested under, or cannot do: {(key, value test): why}.
+MOE_REFUSED = {
+    "precision": (lambda value: value != "fp32", "is tested in fp32 only so far"),
+    "context_parallel_size": (lambda value: value > 1, "would need the load-balancing sums over the context group"),
+    "lora.rank": (lambda value: value > 0, "has no adapters on its experts or routers yet"),
+    "objective": (lambda value: value != "sft", "adds no load-balancing loss to a preference loss yet"),
+    "pipeline_schedule": (lambda value: value != "1f1b", "runs its experts' weight gradients in B: not split yet"),
+    "compile": (lambda value: bool(value), "is not compiled yet (its routing is data-dependent)"),
+}
+
+
+def moe_model_config(cfg, model_config):
+    """The model config a run builds: an MoE model's with output_router_logits set as the run says (null: as its
+    config.json does), after refusing in one line each setting an MoE model is not tested under; a dense model's as
+    it is, where output_router_logits must be null."""
+    if architecture_of(model_config).moe is None:
+        if cfg.output_router_logits is not None:
+            raise ConfigError(f"output_router_logits={cfg.output_router_logits} asks for the load-balancing loss of a "
+                              f"mixture of experts, and {model_config.model_type} has no router; leave it null.")
+        return model_config
+    for key, (refused, why) in MOE_REFUSED.items():
+        value = OmegaConf.select(cfg, key)
+        if refused(value):
+            raise ConfigError(f"{key}={value} with the mixture-of-experts model {model_config.model_type}: its MoE "
+                              f"block {why}; set {key} to its default (docs/moe.md).")
+    if cfg.output_router_logits is not None:
+        model_config.output_router_logits = cfg.output_router_logits
+    return model_config

@@ -381,6 +381,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
         logger.advance()
         if step % cfg.logging_steps == 0 or step == total_steps:
             preference_metrics = engine.module.loss_fn.take_metrics() if spec.preference.preference else {}
+            router = getattr(engine.module.loss_fn, "router", None)  # an MoE model's: aux_loss, expert_load/*
             elapsed = time.time() - window_start
             grad_norm = engine.get_global_grad_norm()
             tokens_per_sec = window_steps * samples_per_step * sequences_per_sample * cfg.seq_length / elapsed
@@ -391,7 +392,8 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
                         "grad_norm": float(grad_norm) if grad_norm is not None else None,
                         "tokens_per_sec": tokens_per_sec,
                         **compute_throughput(tokens_per_sec, flops_per_token, dist.get_world_size(), peak_tflops),
-                        **preference_metrics, "samples_per_sec": window_steps * samples_per_step / elapsed,
+                        **preference_metrics, **(router.take_metrics() if router else {}),
+                        "samples_per_sec": window_steps * samples_per_step / elapsed,
                         "elapsed_s": time.time() - start_time, **({"skipped_steps": skipped} if skipped else {}),
                         **stragglers.window_report(log_rank0),
                         **data.epochs(start_consumed + (step - start_step) * samples_per_step)})

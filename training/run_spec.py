@@ -31,7 +31,7 @@ from models.tensor_parallel import check_tensor_parallel_split
 from planner.training_state import checkpoint_bytes_per_parameter
 from planner.workload import Workload
 from errors import ConfigError
-from training.config_checks import checked_config
+from training.config_checks import checked_config, moe_model_config
 from training.resume import check_fresh_start, check_output_dir_is_ours, resolve_resume
 from training.stage_bounds import configured_stage_bounds
 
@@ -147,6 +147,7 @@ def run_spec(cfg, world_size):
     check_data_files(cfg)
     check_output_dir_is_ours(cfg.output_dir, cfg.model_name_or_path)
     model_config, model_files_dir = load_model_config(cfg.model_name_or_path, cfg.verify_checksums)
+    model_config = moe_model_config(cfg, model_config)
     if not cfg.eval_only:
         try:
             check_trains_as_configured(model_config)
@@ -234,7 +235,7 @@ def plan_spec(cfg, world_size=None, model_config=None):
     """A run to plan (plan_only): no processes, weights or data needed. world_size defaults to plan_world_size,
     model_config to load_plan_model_config's."""
     cfg = checked_config(cfg)
-    model_config = model_config or load_plan_model_config(cfg)
+    model_config = moe_model_config(cfg, model_config or load_plan_model_config(cfg))
     world_size = world_size or plan_world_size(cfg)
     workload = check_layout(cfg, model_config, world_size)
     return RunSpec(cfg, model_config, world_size, workload, configured_stage_bounds(cfg, model_config, workload))

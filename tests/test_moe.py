@@ -1,0 +1,385 @@
+"""Mixtures of experts (models/moe.py, models/router_loss.py): Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE and GPT-OSS equal
+transformers, loss (its outputs.loss: cross-entropy plus the load-balancing loss) and every gradient, in one process,
+over 2 and 4 stages, data and tensor parallelism, with padded rows; their checkpoints convert both ways bit for bit;
+six training steps equal a transformers + torch AdamW loop; what is not implemented is refused in one line."""
+import dataclasses
+import glob
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from checkpoints.ds_to_hf import convert_ds_to_hf
+from checkpoints.hf_to_ds import convert_hf_to_ds
+from models.architecture import architecture_of
+from models.layout import layer_of_hf_name
+from models.llama import lm_head
+from models.loss import CausalLMLoss
+from models.moe import Experts, LocalExperts
+from models.pipeline import build_pipeline_layers
+from models.router_loss import LoadBalancingLoss
+from tests import parity_worker
+from tests.distributed import spawn
+from tests.test_conversion import assert_bit_identical, load_hf_weights, save_as_bin
+from tests.test_parity import GAS, MICRO_BATCH, SEQ, own_layer_files
+from tests.tiny_models import MOE_CONFIGS, make_batch, make_model, make_tiny_model
+
+FAMILIES = list(MOE_CONFIGS)
+
+
+def pipeline_in_one_process(config, hf_model, chunk_tokens):
+    """The pipeline's layers built from config, holding hf_model's weights, run one after the other on a padded
+    batch: (their loss, {HF name: gradient}) and transformers' (outputs, {HF name: gradient})."""
+    layers = [spec.build() for spec in build_pipeline_layers(config, chunked_loss=chunk_tokens > 0)]
+    state = {}
+    for name, tensor in hf_model.state_dict().items():
+        index, key = layer_of_hf_name(name, config.num_hidden_layers, config.tie_word_embeddings)
+        state.setdefault(index, {})[key] = tensor
+    for index, layer in enumerate(layers):
+        if index in state:
+            layer.load_state_dict(state[index])
+    input_ids, attention_mask, labels = make_batch(2, 16, config.vocab_size, seed=1)
+    x = (input_ids, attention_mask, torch.arange(16).expand_as(input_ids))
+    for layer in layers[:-1]:
+        x = layer(x)
+    x = lm_head(layers[0], x, chunk_tokens > 0) if config.tie_word_embeddings else layers[-1](x)
+    loss = CausalLMLoss(chunk_tokens=chunk_tokens, router=LoadBalancingLoss(config))(x, labels)
+    loss.backward()
+    grads = {}
+    for index, layer in enumerate(layers):
+        for key, param in layer.named_parameters():
+            grads[(index, key)] = param.grad
+    outputs = hf_model(input_ids, attention_mask=attention_mask, labels=labels)
+    outputs.loss.backward()
+    located = {name: layer_of_hf_name(name, config.num_hidden_layers, config.tie_word_embeddings)
+               for name, _ in hf_model.named_parameters()}
+    return loss, {name: grads[where] for name, where in located.items()}, outputs, \
+        {name: param.grad for name, param in hf_model.named_parameters()}
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 7], ids=["logits", "chunked"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layers_equal_transformers_in_one_process(tmp_path, family, chunk_tokens):
+    """Every layer kind of the family (sparse, dense, shared expert, sinks, windows) with the load-balancing loss
+    on: the loss is transformers' outputs.loss and every gradient its gradient (the routers' through the loss's
+    probability sums)."""
+    config = MOE_CONFIGS[family]()
+    model = make_model(config, tmp_path)
+    loss, grads, outputs, ref_grads = pipeline_in_one_process(config, model, chunk_tokens)
+    assert outputs.aux_loss > 1.0  # on, and weighted enough to matter: router_aux_loss_coef 0.1
+    assert loss.item() == pytest.approx(outputs.loss.item(), abs=1e-6)
+    errors = {name: ((grads[name] - ref).abs().max() / ref.abs().max()).item() for name, ref in ref_grads.items()}
+    assert max(errors.values()) < 1e-5, errors
+
+
+def test_without_the_load_balancing_loss_the_loss_is_the_cross_entropy(tmp_path):
+    config = MOE_CONFIGS["qwen3_moe"]()
+    config.output_router_logits = False
+    loss, _, outputs, _ = pipeline_in_one_process(config, make_model(config, tmp_path), 7)
+    assert outputs.aux_loss is None
+    assert loss.item() == pytest.approx(outputs.loss.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("expert_size", [16, 6], ids=["grouped_gemm", "loop"])  # 6 x 4 bytes: no 16-byte strides
+def test_experts_equal_each_token_through_its_own_experts(family, expert_size):
+    """LocalExperts and Experts against the plain definition: each token through each of its k experts (GPT-OSS's
+    transposed, interleaved, biased, clamped), weighted and summed, with torch's grouped GEMM and with the loop over
+    the experts' row blocks; outputs and gradients."""
+    config = MOE_CONFIGS[family]()
+    moe = dataclasses.replace(architecture_of(config).moe, expert_size=expert_size)
+    torch.manual_seed(0)
+    experts = Experts(moe, config.hidden_size, torch.nn.functional.silu, 0, moe.num_experts)
+    if moe.expert_bias:
+        with torch.no_grad():
+            experts.gate_up_proj_bias.normal_(std=0.1), experts.down_proj_bias.normal_(std=0.1)
+    hidden = torch.randn(10, config.hidden_size, requires_grad=True)
+    expert_ids = torch.stack([torch.randperm(moe.num_experts)[:moe.top_k] for _ in range(10)])
+    expert_ids[:, 0] = 1  # one expert takes every token, another (0 or 3) none
+    weights = torch.rand(10, moe.top_k, requires_grad=True)
+    out = LocalExperts()(hidden, expert_ids, weights, experts)
+
+    def one_token(x, expert):
+        gate_up = x @ experts.gate_up_proj[expert] if moe.transposed else experts.gate_up_proj[expert] @ x
+        if moe.expert_bias:
+            gate_up = gate_up + experts.gate_up_proj_bias[expert]
+        inner = experts.gate(gate_up[None])[0]
+        down = inner @ experts.down_proj[expert] if moe.transposed else experts.down_proj[expert] @ inner
+        return down + experts.down_proj_bias[expert] if moe.expert_bias else down
+    reference = torch.stack([sum(weights[t, j] * one_token(hidden[t], expert_ids[t, j]) for j in range(moe.top_k))
+                             for t in range(10)])
+    assert torch.allclose(out, reference, atol=1e-6)
+    grad = torch.randn_like(out)
+    mine = torch.autograd.grad(out, [hidden, weights, *experts.parameters()], grad)
+    theirs = torch.autograd.grad(reference, [hidden, weights, *experts.parameters()], grad)
+    for a, b in zip(mine, theirs):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+# --- checkpoints ---------------------------------------------------------------------------------------------------
+
+def fused_checkpoint(model, path):
+    """The model saved with transformers 5's fused expert tensors (as it holds them), not save_pretrained's layout."""
+    os.makedirs(path)
+    model.config.save_pretrained(path)
+    tied = model.config.tie_word_embeddings
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")},
+              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trips_are_bit_identical_and_load_in_transformers(tiny_moe_checkpoints, tmp_path, family):
+    """save_pretrained's layout (one tensor per expert; GPT-OSS fused), sharded: back bit for bit under the same
+    names; transformers 5's fused tensors: back as save_pretrained's, the same bits; both load with no missing or
+    unexpected key."""
+    hf_dir, ds_dir = tiny_moe_checkpoints[family]
+    convert_ds_to_hf(ds_dir, str(tmp_path / "out"), max_shard_size="20KB")
+    original = load_hf_weights(hf_dir)
+    assert_bit_identical(original, load_hf_weights(str(tmp_path / "out")))
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    fused_checkpoint(model, str(tmp_path / "fused"))
+    convert_hf_to_ds(str(tmp_path / "fused"), str(tmp_path / "fused_ds"))
+    convert_ds_to_hf(str(tmp_path / "fused_ds"), str(tmp_path / "fused_out"))
+    assert_bit_identical(original, load_hf_weights(str(tmp_path / "fused_out")))
+    exported, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fused_out"), output_loading_info=True)
+    assert not any(info.values()), info
+    ids = torch.arange(12).view(1, 12)
+    assert torch.equal(model(ids).logits, exported(ids).logits)
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_bin_checkpoints_round_trip(tmp_path, layout):
+    """An old-style pytorch_model*.bin Mixtral (bf16) in either layout: its tensors are read through torch, the
+    experts stacked, and come back bit for bit in save_pretrained's layout."""
+    model = make_tiny_model("mixtral", str(tmp_path / "saved")).to(torch.bfloat16)
+    hub = {name: tensor.to(torch.bfloat16) for name, tensor in load_hf_weights(str(tmp_path / "saved")).items()}
+    if layout == "fused":
+        save_as_bin(model, str(tmp_path / "hf_bin"), 2)
+    else:
+        os.makedirs(tmp_path / "hf_bin")
+        model.config.save_pretrained(tmp_path / "hf_bin")
+        torch.save(hub, tmp_path / "hf_bin" / "pytorch_model.bin")
+    convert_hf_to_ds(str(tmp_path / "hf_bin"), str(tmp_path / "ds"))
+    convert_ds_to_hf(str(tmp_path / "ds"), str(tmp_path / "hf"))
+    assert_bit_identical(hub, load_hf_weights(str(tmp_path / "hf")))
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("missing", r"^expert weights missing: model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight \(an incomplete "
+                r"checkpoint, or num_experts=8 in config\.json is wrong\)\.$"),
+    ("misshaped", r"^weight shapes do not match config\.json: model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight: "
+                  r"\(8, 32\) in model\.safetensors, config expects \(16, 32\)$"),
+    ("extra_expert", r"^weights not part of a qwen3_moe model with num_hidden_layers=4: "
+                     r"model\.layers\.2\.mlp\.experts\.8\.up_proj\.weight \(model\.safetensors\); check config\.json\.$"),
+], ids=["missing", "misshaped", "extra_expert"])
+def test_bad_expert_tensors_are_refused_in_one_line_before_anything_is_written(tmp_path, damage, message):
+    model = make_tiny_model("qwen3_moe", str(tmp_path / "hf"))
+    weights = load_hf_weights(str(tmp_path / "hf"))
+    name = "model.layers.2.mlp.experts.3.up_proj.weight"
+    if damage == "missing":
+        del weights[name]
+    elif damage == "misshaped":
+        weights[name] = weights[name][:8]
+    else:
+        weights[name.replace(".3.", ".8.")] = weights[name].clone()
+    for path in glob.glob(str(tmp_path / "hf" / "model*.safetensors*")):
+        os.remove(path)
+    save_file(weights, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    assert model.config.num_experts == 8
+    with pytest.raises(ValueError, match=message):
+        convert_hf_to_ds(str(tmp_path / "hf"), str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("family,field,value,message", [
+    ("olmoe", "clip_qkv", 8.0, r"^clip_qkv=8\.0 in the olmoe config asks for query, key and value clipping, which "
+                               r"this pipeline does not implement\.$"),
+    ("gpt_oss", "quantization_config", {"quant_method": "mxfp4"},
+     r"^quantization_config=\{'quant_method': 'mxfp4'\} in the gpt_oss config asks for quantized weights \(dequantize "
+     r"the checkpoint to bf16 or fp32 first\), which this pipeline does not implement\.$"),
+], ids=["clip_qkv", "mxfp4"])
+def test_moe_math_not_implemented_is_refused_before_any_weight_is_read(tmp_path, family, field, value, message):
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({**MOE_CONFIGS[family]().to_dict(), field: value}))
+    with pytest.raises(ValueError, match=message):
+        convert_hf_to_ds(str(hf_dir), str(tmp_path / "out"))
+
+
+# --- the run's settings ------------------------------------------------------------------------------------------------
+
+def run_spec_of(demo_model, model_dir, tmp_path, *overrides, world_size=2):
+    """The RunSpec of a run on the converted model_dir with the demo tokenizer (the checks before any process)."""
+    from hydra import compose, initialize_config_dir
+
+    from tests.conftest import ROOT
+    from tests.launch import demo_overrides
+    from training.run_spec import run_spec
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
+        cfg = compose(config_name="tiny", overrides=demo_overrides(demo_model, tmp_path / "run", **{
+            "model_name_or_path": model_dir, "tokenizer_name_or_path": demo_model["ds"],
+            "data.format": "pretokenized", "train_file": tmp_path / "ids.jsonl", "eval_file": "null",
+            "seq_length": 32}) + list(overrides))
+    (tmp_path / "ids.jsonl").write_text("".join(json.dumps({"input_ids": list(range(3, 40))}) + "\n"
+                                                for _ in range(8)))
+    return run_spec(cfg, world_size)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["precision=bf16", "zero_stage=1"], r"^precision=bf16 with the mixture-of-experts model qwen3_moe: its MoE block "
+                                         r"is tested in fp32 only so far; set precision to its default \(docs/moe\.md\)\.$"),
+    (["pipeline_schedule=zero_bubble"], r"^pipeline_schedule=zero_bubble with the mixture-of-experts "
+                                                        r"model qwen3_moe: .*"),
+    (["lora.rank=4"], r"^lora\.rank=4 with the mixture-of-experts model qwen3_moe: .*"),
+    (["output_router_logits=maybe"], r"^output_router_logits='maybe' must be true, false or null"),
+], ids=["bf16", "zero_bubble", "lora", "bad_value"])
+def test_settings_an_moe_model_is_not_tested_under_are_refused_in_one_line(demo_model, tiny_moe_checkpoints, tmp_path,
+                                                                        overrides, message):
+    from training.config_checks import ConfigError
+    with pytest.raises(ConfigError, match=message):
+        run_spec_of(demo_model, tiny_moe_checkpoints["qwen3_moe"][1], tmp_path, *overrides)
+
+
+def test_output_router_logits_overrides_the_checkpoint_and_is_refused_for_a_dense_model(demo_model,
+                                                                                       tiny_moe_checkpoints, tmp_path):
+    from training.config_checks import ConfigError
+    olmoe = tiny_moe_checkpoints["olmoe"][1]
+    assert run_spec_of(demo_model, olmoe, tmp_path).model_config.output_router_logits is True
+    assert run_spec_of(demo_model, olmoe, tmp_path, "output_router_logits=false").model_config.output_router_logits \
+        is False
+    with pytest.raises(ConfigError, match=r"^output_router_logits=True asks for the load-balancing loss of a mixture "
+                                          r"of experts, and llama has no router; leave it null\.$"):
+        run_spec_of(demo_model, demo_model["ds"], tmp_path, "output_router_logits=true")
+
+
+# --- many processes ------------------------------------------------------------------------------------------------------
+
+LAYOUTS = {  # name: (stages, world size, tensor parallel, {case suffix: options})
+    "4stages": (4, 4, 1, {"": {}}),
+    "2stages_x_2dp": (2, 4, 1, {"": {}, "+checkpointing": {"checkpoint_interval": 1}}),
+    "2stages_x_tp2": (2, 4, 2, {"+sp": {}, "": {"sequence_parallel": False},
+                                "+sp+checkpointing": {"checkpoint_interval": 1}}),
+}
+VARIANT_FAMILIES = ("qwen2_moe", "gpt_oss")  # the variants past the first: a shared expert; sinks and biases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_loss_and_gradients_equal_transformers_across_processes(tiny_moe_checkpoints, tmp_path, layout):
+    """One launch per layout runs every family: the per-micro-batch losses (padded rows) and every gradient after
+    the data-parallel and tensor-parallel reductions, against transformers; the routers' and experts' gradients the
+    same on every rank of a tensor-parallel group; each rank reads only its stage's layer files."""
+    num_stages, world_size, tensor_parallel, variants = LAYOUTS[layout]
+    first, *others = variants.items()
+    cases = [dict(name=family + first[0], hf_dir=hf, ds_dir=ds, **first[1])
+             for family, (hf, ds) in tiny_moe_checkpoints.items()]
+    cases += [dict(name=family + suffix, hf_dir=tiny_moe_checkpoints[family][0], ds_dir=tiny_moe_checkpoints[family][1],
+                   **options) for suffix, options in others for family in VARIANT_FAMILIES]
+    spawn(parity_worker.run, world_size, cases, num_stages, MICRO_BATCH, GAS, SEQ, str(tmp_path), tensor_parallel)
+    ranks = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "rank*.json")))]
+    dp_size = world_size // (num_stages * tensor_parallel)
+    for case in cases:
+        for rank in ranks:
+            result = rank[case["name"]]
+            ref = result["ref_losses"]
+            assert result["mean_loss"] == pytest.approx(sum(ref) / len(ref), abs=1e-5), case["name"]
+            if result["stage"] == num_stages - 1:
+                mine = [ref[step * dp_size + result["dp_rank"]] for step in range(GAS)]
+                assert result["losses"] == pytest.approx(mine, abs=1e-5), case["name"]
+            bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
+            assert not bad, f"{case['name']}: gradients differ from transformers: {bad}"
+            assert result["replicated_grad_spread"] == 0.0, case["name"]
+            assert set(result["layer_files_opened"]) == own_layer_files(case["ds_dir"], result), case["name"]
+        assert set().union(*(r[case["name"]]["grad_errors"] for r in ranks)) == \
+            set(ranks[0][case["name"]]["ref_param_names"])
+
+
+# --- training ----------------------------------------------------------------------------------------------------------
+
+TRAIN_STEPS, LEARNING_RATE, MAX_GRAD_NORM = 6, 1e-3, 0.05
+TRAIN_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps=4, zero_stage=0)),
+                 "2stages": (2, dict(num_stages=2, gradient_accumulation_steps=4, zero_stage=0)),
+                 "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1))}
+
+
+@pytest.fixture(scope="module")
+def demo_moe(demo_model, tmp_path_factory):
+    """A tiny Qwen3-MoE (dense and sparse layers, the load-balancing loss on) over the demo model's tokenizer:
+    {hf, ds}."""
+    root = tmp_path_factory.mktemp("demo_moe")
+    tokenizer_config = AutoConfig.from_pretrained(demo_model["hf"])
+    config = MOE_CONFIGS["qwen3_moe"]()
+    for field in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(config, field, getattr(tokenizer_config, field))
+    config.tie_word_embeddings = False
+    config.max_position_embeddings = 128
+    make_model(config, root / "hf")
+    for name in os.listdir(demo_model["hf"]):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(demo_model["hf"], name), root / "hf")
+    convert_hf_to_ds(str(root / "hf"), str(root / "ds"))
+    return {"hf": str(root / "hf"), "ds": str(root / "ds")}
+
+
+def transformers_steps(hf_dir, batches, micro_batch_size):
+    """(losses, gradient norms before clipping) of transformers' model trained on each step's global batch, each
+    micro-batch's outputs.loss accumulated as the step's loss defines it: the global batch's token-mean
+    cross-entropy (each micro-batch's mean weighted by its labelled tokens) plus router_aux_loss_coef times the
+    mean of the micro-batches' load-balancing losses."""
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+    coef = model.config.router_aux_loss_coef
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    losses, norms = [], []
+    for (input_ids, document_ids, position_ids), labels in batches:
+        total_tokens = (labels[:, 1:] != -100).sum()
+        count = input_ids.shape[0] // micro_batch_size
+        step_loss = 0.0
+        for rows in torch.arange(input_ids.shape[0]).split(micro_batch_size):
+            outputs = model(input_ids=input_ids[rows], attention_mask=(document_ids[rows] != 0).long(),
+                            position_ids=position_ids[rows], labels=labels[rows])
+            cross_entropy = outputs.loss - coef * outputs.aux_loss
+            loss = cross_entropy * (labels[rows, 1:] != -100).sum() / total_tokens + coef * outputs.aux_loss / count
+            loss.backward()
+            step_loss += loss.item()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(step_loss)
+    return losses, norms
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", TRAIN_LAYOUTS)
+def test_training_steps_equal_transformers_with_the_load_balancing_loss(demo_model, demo_moe, tmp_path, layout):
+    """Six steps on instruction data (padded rows of 2 to ~60 labelled tokens), clipping active: the logged loss
+    (the total) and the step-1 gradient norm are transformers'; aux_loss and each sparse layer's expert load are
+    logged beside."""
+    from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics
+    from tests.test_token_mean import MICRO_BATCH as ROWS, SEED, SEQ as TRAIN_SEQ, global_batches
+    from tests.test_token_mean import write_skewed_instructions
+    procs, settings = TRAIN_LAYOUTS[layout]
+    train_file = write_skewed_instructions(demo_model, tmp_path / "train.jsonl")
+    out = tmp_path / "run"
+    check_ok(launch_trainer(procs, demo_overrides(demo_model, out, **{
+        **settings, "model_name_or_path": demo_moe["ds"], "train_file": str(train_file), "eval_file": "null",
+        "data.format": "instruction", "data.cache_dir": str(tmp_path / "cache"), "seq_length": TRAIN_SEQ,
+        "micro_batch_size": ROWS, "max_steps": TRAIN_STEPS, "logging_steps": 1, "learning_rate": LEARNING_RATE,
+        "lr_scheduler": "constant", "warmup_steps": 0, "max_grad_norm": MAX_GRAD_NORM, "seed": SEED,
+        "save_steps": 0})))
+    records = [r for r in read_metrics(out) if "loss" in r]
+    data_parallel = procs // settings["num_stages"]
+    losses, norms = transformers_steps(demo_moe["hf"], global_batches(
+        demo_model, train_file, data_parallel, settings["gradient_accumulation_steps"], tmp_path / "ref",
+        steps=TRAIN_STEPS), ROWS)
+    assert min(norms) > MAX_GRAD_NORM  # clipping acts on every step
+    assert [r["loss"] for r in records] == pytest.approx(losses, abs=1e-4, rel=0)
+    assert records[0]["grad_norm"] == pytest.approx(norms[0], rel=1e-4)
+    assert all(r["aux_loss"] > 1.0 for r in records)
+    sparse = [i for i in range(4) if i != 1]  # mlp_only_layers=[1]
+    assert all(set(r) >= {f"expert_load/layer_{i}" for i in sparse} and f"expert_load/layer_1" not in r
+               for r in records)
+    assert all(r[f"expert_load/layer_{i}"] >= 1.0 for r in records for i in sparse)
