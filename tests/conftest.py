@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from tests.cpu_durations import (pytest_addoption, pytest_runtest_logreport, pytest_runtest_makereport,  # noqa: E402,F401
                                  pytest_runtest_protocol, pytest_sessionfinish, pytest_terminal_summary,
                                  pytest_testnodedown)
-from tests.tiny_models import MOE_CONFIGS, TINY_CONFIGS, make_tiny_model  # noqa: E402
+from tests.tiny_models import DEEPSEEK_CONFIGS, MOE_CONFIGS, TINY_CONFIGS, make_tiny_model  # noqa: E402
 
 if not torch.cuda.is_available():  # the CPU suite's in-process references: see tests/launch.py process_environment
     torch.set_num_threads(1)
@@ -80,6 +80,21 @@ def tiny_moe_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_moe")
     dirs = {}
     for name in MOE_CONFIGS:
+        hf_dir, ds_dir = str(root / name / "hf"), str(root / name / "ds")
+        make_tiny_model(name, hf_dir, max_shard_size="20KB")
+        convert_hf_to_ds(hf_dir, ds_dir)
+        dirs[name] = (hf_dir, ds_dir)
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_checkpoints(tmp_path_factory):
+    """{name: (hf_dir, ds_dir)} for every tiny model of the DeepSeek-V3 line (tests/tiny_models.py
+    DEEPSEEK_CONFIGS): saved by transformers (one tensor per expert, sharded safetensors), then converted."""
+    from checkpoints.hf_to_ds import convert_hf_to_ds
+    root = tmp_path_factory.mktemp("tiny_deepseek")
+    dirs = {}
+    for name in DEEPSEEK_CONFIGS:
         hf_dir, ds_dir = str(root / name / "hf"), str(root / name / "ds")
         make_tiny_model(name, hf_dir, max_shard_size="20KB")
         convert_hf_to_ds(hf_dir, ds_dir)
