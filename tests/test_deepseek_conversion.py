@@ -8,28 +8,22 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig
+from transformers import AutoModelForCausalLM
 
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.hf_to_ds import convert_hf_to_ds
 from checkpoints.layer_files import load_weights_only
 from checkpoints.quantized_weights import dequantized
 from models.layout import MTP_FILE_NAME, layer_file_name
-from tests.tiny_models import COMMON, make_model
+from tests.tiny_models import DEEPSEEK_CONFIGS, make_model
 
 BLOCK = 8  # the tiny models' fp8 blocks (DeepSeek's are 128 x 128)
-DENSE = dict(first_k_dense_replace=COMMON["num_hidden_layers"], n_routed_experts=4, num_experts_per_tok=2,
-             moe_intermediate_size=16, n_group=1, topk_group=1)
-CONFIGS = {
-    "deepseek_v3": lambda: DeepseekV3Config(**COMMON, **DENSE, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=8,
-                                            qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=8,
-                                            num_nextn_predict_layers=1),
-    "deepseek_v3_q_proj": lambda: DeepseekV3Config(**COMMON, **DENSE, num_key_value_heads=4, q_lora_rank=None,
-                                                   kv_lora_rank=8, qk_nope_head_dim=12, qk_rope_head_dim=8,
-                                                   v_head_dim=8, num_nextn_predict_layers=0),
-    "glm4_moe": lambda: Glm4MoeConfig(**COMMON, **DENSE, num_key_value_heads=2, head_dim=16, attention_bias=True,
-                                      use_qk_norm=True, num_nextn_predict_layers=1),
-}
+
+
+def tiny_config(name, mtp_layers):
+    config = DEEPSEEK_CONFIGS[name]()
+    config.num_nextn_predict_layers = mtp_layers
+    return config
 
 
 def mtp_tensors(config):
@@ -56,9 +50,10 @@ def hf_weights(model_dir):
             for name, tensor in load_file(os.path.join(model_dir, file)).items()}
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_round_trip_is_bit_identical_with_the_mtp_layers(tmp_path, name):
-    config = CONFIGS[name]()
+@pytest.mark.parametrize("mtp_layers", [1, 0])
+@pytest.mark.parametrize("name", DEEPSEEK_CONFIGS)
+def test_round_trip_is_bit_identical_with_the_mtp_layers(tmp_path, name, mtp_layers):
+    config = tiny_config(name, mtp_layers)
     model = make_model(config, tmp_path / "hf")
     extra = mtp_tensors(config) if config.num_nextn_predict_layers else {}
     original = with_mtp_shard(str(tmp_path / "hf"), extra)
@@ -106,7 +101,7 @@ def quantize_checkpoint(hf_dir, extra):
 
 
 def test_fp8_blocks_are_dequantised_as_transformers_does(tmp_path):
-    config = CONFIGS["deepseek_v3"]()
+    config = tiny_config("deepseek_v3", 1)
     make_model(config, tmp_path / "hf")
     stored = quantize_checkpoint(str(tmp_path / "hf"), mtp_tensors(config))
     assert sum(t.dtype == torch.float8_e4m3fn for t in stored.values()) > 10
@@ -140,7 +135,7 @@ def test_edge_blocks_take_their_own_scale():
 
 
 def copy_quantized(tmp_path):
-    config = CONFIGS["deepseek_v3_q_proj"]()
+    config = tiny_config("deepseek_v3_q_proj", 0)
     make_model(config, tmp_path / "hf")
     quantize_checkpoint(str(tmp_path / "hf"), {})
     return tmp_path / "hf"
