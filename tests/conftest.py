@@ -58,48 +58,36 @@ def built_once(tmp_path_factory, name, build):
     return json.loads(result.read_text())
 
 
-@pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory):
-    """{name: (hf_dir, ds_dir)} for every tiny config: saved as sharded safetensors, then converted."""
+def converted_tiny_models(root, names):
+    """{name: (hf_dir, ds_dir)} of each tiny model saved as sharded safetensors under root, then converted."""
     from checkpoints.hf_to_ds import convert_hf_to_ds
-    root = tmp_path_factory.mktemp("tiny")
     dirs = {}
-    for name in TINY_CONFIGS:
+    for name in names:
         hf_dir, ds_dir = str(root / name / "hf"), str(root / name / "ds")
         make_tiny_model(name, hf_dir, max_shard_size="20KB")
         convert_hf_to_ds(hf_dir, ds_dir)
         dirs[name] = (hf_dir, ds_dir)
     return dirs
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """{name: (hf_dir, ds_dir)} for every tiny config: saved as sharded safetensors, then converted."""
+    return converted_tiny_models(tmp_path_factory.mktemp("tiny"), TINY_CONFIGS)
 
 
 @pytest.fixture(scope="session")
 def tiny_moe_checkpoints(tmp_path_factory):
     """{name: (hf_dir, ds_dir)} for every tiny mixture of experts (tests/tiny_models.py MOE_CONFIGS): saved by
     transformers (one tensor per expert, sharded safetensors), then converted."""
-    from checkpoints.hf_to_ds import convert_hf_to_ds
-    root = tmp_path_factory.mktemp("tiny_moe")
-    dirs = {}
-    for name in MOE_CONFIGS:
-        hf_dir, ds_dir = str(root / name / "hf"), str(root / name / "ds")
-        make_tiny_model(name, hf_dir, max_shard_size="20KB")
-        convert_hf_to_ds(hf_dir, ds_dir)
-        dirs[name] = (hf_dir, ds_dir)
-    return dirs
+    return converted_tiny_models(tmp_path_factory.mktemp("tiny_moe"), MOE_CONFIGS)
 
 
 @pytest.fixture(scope="session")
 def tiny_deepseek_checkpoints(tmp_path_factory):
     """{name: (hf_dir, ds_dir)} for every tiny model of the DeepSeek-V3 line (tests/tiny_models.py
-    DEEPSEEK_CONFIGS): saved by transformers (one tensor per expert, sharded safetensors), then converted."""
-    from checkpoints.hf_to_ds import convert_hf_to_ds
-    root = tmp_path_factory.mktemp("tiny_deepseek")
-    dirs = {}
-    for name in DEEPSEEK_CONFIGS:
-        hf_dir, ds_dir = str(root / name / "hf"), str(root / name / "ds")
-        make_tiny_model(name, hf_dir, max_shard_size="20KB")
-        convert_hf_to_ds(hf_dir, ds_dir)
-        dirs[name] = (hf_dir, ds_dir)
-    return dirs
+    DEEPSEEK_CONFIGS), saved and converted as the mixtures of experts."""
+    return converted_tiny_models(tmp_path_factory.mktemp("tiny_deepseek"), DEEPSEEK_CONFIGS)
 
 
 @pytest.fixture(scope="session")

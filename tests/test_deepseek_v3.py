@@ -2,19 +2,13 @@
 attention or GLM-4.5's attention, DeepSeek-V3's router with its correction bias, shared experts and dense first
 layers equal transformers, the loss and every gradient, in one process and across processes (2 and 4 stages, data
 and tensor parallelism, padded rows); the hub's checkpoints convert both ways bit for bit."""
-import glob
-import json
-
 import pytest
 from transformers import AutoModelForCausalLM
 
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from models.architecture import architecture_of
-from tests import parity_worker
-from tests.distributed import spawn
 from tests.test_conversion import assert_bit_identical, load_hf_weights
-from tests.test_moe import pipeline_in_one_process
-from tests.test_parity import GAS, MICRO_BATCH, SEQ, own_layer_files
+from tests.test_moe import assert_parity_across_processes, pipeline_in_one_process
 from tests.tiny_models import DEEPSEEK_CONFIGS, make_model
 
 FAMILIES = list(DEEPSEEK_CONFIGS)
@@ -67,20 +61,4 @@ def test_loss_and_gradients_equal_transformers_across_processes(tiny_deepseek_ch
     num_stages, world_size, tensor_parallel, variants = LAYOUTS[layout]
     cases = [dict(name=family + suffix, hf_dir=hf, ds_dir=ds, **options)
              for suffix, options in variants.items() for family, (hf, ds) in tiny_deepseek_checkpoints.items()]
-    spawn(parity_worker.run, world_size, cases, num_stages, MICRO_BATCH, GAS, SEQ, str(tmp_path), tensor_parallel)
-    ranks = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "rank*.json")))]
-    dp_size = world_size // (num_stages * tensor_parallel)
-    for case in cases:
-        for rank in ranks:
-            result = rank[case["name"]]
-            ref = result["ref_losses"]
-            assert result["mean_loss"] == pytest.approx(sum(ref) / len(ref), abs=1e-5), case["name"]
-            if result["stage"] == num_stages - 1:
-                mine = [ref[step * dp_size + result["dp_rank"]] for step in range(GAS)]
-                assert result["losses"] == pytest.approx(mine, abs=1e-5), case["name"]
-            bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
-            assert not bad, f"{case['name']}: gradients differ from transformers: {bad}"
-            assert result["replicated_grad_spread"] == 0.0, case["name"]
-            assert set(result["layer_files_opened"]) == own_layer_files(case["ds_dir"], result), case["name"]
-        assert set().union(*(r[case["name"]]["grad_errors"] for r in ranks)) == \
-            set(ranks[0][case["name"]]["ref_param_names"])
+    assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel)

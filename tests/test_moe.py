@@ -279,6 +279,12 @@ def test_loss_and_gradients_equal_transformers_across_processes(tiny_moe_checkpo
              for family, (hf, ds) in tiny_moe_checkpoints.items()]
     cases += [dict(name=family + suffix, hf_dir=tiny_moe_checkpoints[family][0], ds_dir=tiny_moe_checkpoints[family][1],
                    **options) for suffix, options in others for family in VARIANT_FAMILIES]
+    assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel)
+
+
+def assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel):
+    """The cases run in one launch (tests/parity_worker.py): each rank's losses and gradients those of transformers,
+    replicated gradients equal over the tensor-parallel group, only the stage's layer files read."""
     spawn(parity_worker.run, world_size, cases, num_stages, MICRO_BATCH, GAS, SEQ, str(tmp_path), tensor_parallel)
     ranks = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "rank*.json")))]
     dp_size = world_size // (num_stages * tensor_parallel)
