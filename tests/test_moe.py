@@ -382,7 +382,7 @@ def test_training_steps_equal_transformers_with_the_load_balancing_loss(demo_mod
         demo_model, train_file, data_parallel, settings["gradient_accumulation_steps"], tmp_path / "ref",
         steps=TRAIN_STEPS), ROWS)
     assert min(norms) > MAX_GRAD_NORM  # clipping acts on every step
-    assert [r["loss"] for r in records] == pytest.approx(losses, abs=1e-4, rel=0)
+    assert [r["loss"] for r in records] == pytest.approx(losses, abs=1e-5, rel=0)
     assert records[0]["grad_norm"] == pytest.approx(norms[0], rel=1e-4)
     assert all(r["aux_loss"] > 1.0 for r in records)
     sparse = [i for i in range(4) if i != 1]  # mlp_only_layers=[1]
