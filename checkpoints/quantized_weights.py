@@ -3,7 +3,7 @@ float8 (e4m3) beside a `<name>_scale_inv` fp32 tensor of one scale per block of 
 and columns, the edge blocks cut short. Conversion dequantises them (weight x its block's scale, in fp32, cast to
 the config's dtype: bf16 for DeepSeek-V3, as DeepSeek's own fp8_cast_bf16.py), because training updates the weights
 in that dtype; the converted config.json then drops its quantization_config. Any other quantisation is refused in
-one line before a weight is read.
+one line before a weight is read (check_model_config).
 """
 import json
 import os
@@ -15,17 +15,15 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def fp8_block_size(config):
-    """(rows, columns) of a block-quantised fp8 checkpoint's scale blocks; None for an unquantised config; a
-    ValueError naming the method for any other quantisation."""
+    """(rows, columns) of a block-quantised fp8 checkpoint's scale blocks; None for any other config (an other
+    quantisation is then refused by models/architecture.py's check_model_config)."""
     quantization = getattr(config, "quantization_config", None)
     if not quantization:
         return None
     quantization = quantization if isinstance(quantization, dict) else quantization.to_dict()
-    method, block = quantization.get("quant_method"), quantization.get("weight_block_size")
-    if method != "fp8" or not block or len(block) != 2:
-        raise ValueError(f"quantization_config {quantization} in config.json: the converter dequantises block-"
-                         f"quantised fp8 weights (quant_method 'fp8' with weight_block_size, as DeepSeek publishes) "
-                         f"and no other quantisation; dequantise the checkpoint to bf16 first.")
+    block = quantization.get("weight_block_size")
+    if quantization.get("quant_method") != "fp8" or not block or len(block) != 2:
+        return None
     return tuple(block)
 
 
