@@ -316,9 +316,12 @@ TRAIN_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps
 def demo_moe(demo_model, tmp_path_factory):
     """A tiny Qwen3-MoE (dense and sparse layers, the load-balancing loss on) over the demo model's tokenizer:
     {hf, ds}."""
-    root = tmp_path_factory.mktemp("demo_moe")
+    return demo_model_of(MOE_CONFIGS["qwen3_moe"](), demo_model, tmp_path_factory.mktemp("demo_moe"))
+
+
+def demo_model_of(config, demo_model, root):
+    """A tiny model of config over the demo model's tokenizer, saved and converted under root: {hf, ds}."""
     tokenizer_config = AutoConfig.from_pretrained(demo_model["hf"])
-    config = MOE_CONFIGS["qwen3_moe"]()
     for field in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(config, field, getattr(tokenizer_config, field))
     config.tie_word_embeddings = False
@@ -337,7 +340,7 @@ def transformers_steps(hf_dir, batches, micro_batch_size):
     cross-entropy (each micro-batch's mean weighted by its labelled tokens) plus router_aux_loss_coef times the
     mean of the micro-batches' load-balancing losses."""
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
-    coef = model.config.router_aux_loss_coef
+    coef = getattr(model.config, "router_aux_loss_coef", 0.0)  # the DeepSeek-V3 line has no load-balancing loss
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     losses, norms = [], []
     for (input_ids, document_ids, position_ids), labels in batches:
@@ -347,8 +350,9 @@ def transformers_steps(hf_dir, batches, micro_batch_size):
         for rows in torch.arange(input_ids.shape[0]).split(micro_batch_size):
             outputs = model(input_ids=input_ids[rows], attention_mask=(document_ids[rows] != 0).long(),
                             position_ids=position_ids[rows], labels=labels[rows])
-            cross_entropy = outputs.loss - coef * outputs.aux_loss
-            loss = cross_entropy * (labels[rows, 1:] != -100).sum() / total_tokens + coef * outputs.aux_loss / count
+            aux_loss = 0.0 if outputs.aux_loss is None else outputs.aux_loss
+            cross_entropy = outputs.loss - coef * aux_loss
+            loss = cross_entropy * (labels[rows, 1:] != -100).sum() / total_tokens + coef * aux_loss / count
             loss.backward()
             step_loss += loss.item()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)))
