@@ -32,16 +32,20 @@ def stage_kinds(stage, num_stages, num_decoders):
     return kinds
 
 
-def decoder_parameter_split(config):
+def decoder_parameter_split(config, layer=None, active=False):
     """A decoder layer's parameters as (sharded, replicated) under tensor parallelism: the projections' weights
-    (Phi-3's fused ones as many), the column-parallel biases (q, k, v, gate, up) and OLMo 2's whole-projection q/k
-    norms split over the ranks; the two norms, Qwen3's per-head q/k norms and the row-parallel biases (o, down)
-    are whole on every rank."""
+    (Phi-3's fused ones as many), the column-parallel biases (q, k, v, gate, up), OLMo 2's whole-projection q/k
+    norms and GPT-OSS's sinks split over the ranks; the two norms, Qwen3's per-head q/k norms and the row-parallel
+    biases (o, down) are whole on every rank, as are an MoE layer's router and experts (models/moe.py), a
+    Qwen2-MoE shared expert splitting like the dense MLP. layer: the decoder layer (None: the first sparse one of an
+    MoE model, which the planner takes for every layer; a dense one among them is smaller). active: the weights a
+    token runs through (its top_k experts of num_experts), which its FLOPs count; else all."""
     architecture = architecture_of(config)
     hidden, heads = config.hidden_size, config.num_attention_heads
     kv_heads = config.num_key_value_heads or heads
     head_dim = head_dim_of(config)
-    inter = config.intermediate_size
+    sparse = architecture.sparse_layers[layer] if layer is not None else any(architecture.sparse_layers)
+    inter = 0 if sparse else config.intermediate_size
     sharded = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter
     replicated = 2 * hidden
     if architecture.qkv_bias:
@@ -55,6 +59,15 @@ def decoder_parameter_split(config):
         replicated += 2 * head_dim
     elif architecture.qk_norm == "projection":
         sharded += head_dim * (heads + kv_heads)
+    if architecture.attention_sinks:
+        sharded += heads
+    if sparse:
+        moe = architecture.moe
+        expert = 3 * hidden * moe.expert_size + (2 * moe.expert_size + hidden if moe.expert_bias else 0)
+        replicated += moe.num_experts * (hidden + moe.router_bias) + (moe.top_k if active else moe.num_experts) * expert
+        if moe.shared_expert_size:
+            sharded += 3 * hidden * moe.shared_expert_size
+            replicated += hidden  # its gate
     return sharded, replicated
 
 
@@ -69,15 +82,12 @@ def mean_attended_keys(config, seq_length):
     return sum(keys(window) for window in windows) / len(windows)
 
 
-def decoder_parameter_count(config):
-    return sum(decoder_parameter_split(config))
-
-
 def layer_parameter_counts(config):
     """Parameters of each pipeline layer, from the config alone (a tied LM head counts 0: the embedding owns it)."""
     embedding = config.vocab_size * config.hidden_size
     head = 0 if config.tie_word_embeddings else embedding
-    return [embedding] + [decoder_parameter_count(config)] * config.num_hidden_layers + [config.hidden_size, head]
+    decoders = [sum(decoder_parameter_split(config, layer)) for layer in range(config.num_hidden_layers)]
+    return [embedding] + decoders + [config.hidden_size, head]
 
 
 def training_flops_per_token(config, seq_length, lora=NO_LORA):
@@ -86,10 +96,12 @@ def training_flops_per_token(config, seq_length, lora=NO_LORA):
     embedding is a gather), plus attention's QK^T and PV, 2 x 2 x seq_length x heads x head_dim per token and
     layer over all seq_length x seq_length scores (PaLM's convention, as published MFU figures and
     torch.utils.flop_counter count it; the planner's cost model instead counts only the causal half), over a
-    layer's sliding window where it is shorter. Under LoRA
+    layer's sliding window where it is shorter. An MoE layer's weights count as a token runs through them: the
+    router and its top_k experts. Under LoRA
     the frozen weights' backward computes input gradients only (2 x forward becomes 1 x), and the adapters count
     like any trained weight."""
-    matmul_weights = config.num_hidden_layers * decoder_parameter_count(config) + config.vocab_size * config.hidden_size
+    matmul_weights = sum(sum(decoder_parameter_split(config, layer, active=True))
+                         for layer in range(config.num_hidden_layers)) + config.vocab_size * config.hidden_size
     keys = sum(min(seq_length, window or seq_length) for window in architecture_of(config).sliding_windows)
     attention = 4 * keys * config.num_attention_heads * head_dim_of(config)
     if not lora.enabled:

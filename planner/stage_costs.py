@@ -70,6 +70,10 @@ class LayerCosts:
         kv_width = (config.num_key_value_heads or config.num_attention_heads) * head_dim_of(config) // t
         heads = config.num_attention_heads // t
         sharded, replicated = decoder_parameter_split(config)
+        active_sharded, active_replicated = decoder_parameter_split(config, active=True)  # FLOPs: a token's weights
+        moe = architecture_of(config).moe
+        if moe:  # every layer planned as a sparse one (models/partition.py decoder_parameter_split)
+            inter = moe.shared_expert_size // t
         chunked = workload.loss_chunk_tokens > 0
         # The chunked loss's working set: one chunk of fp32 logits (and its activation-dtype copies below fp32),
         # and, where its weight gradient is summed in fp32 (fp16, or fp32 sums), a product to add to that sum no
@@ -82,8 +86,9 @@ class LayerCosts:
         # vocab, inter, q_width and heads are this rank's share; parameters are this rank's too.
         self.parameters = {EMBEDDING: vocab * hidden, DECODER: sharded // t + replicated, NORM: hidden,
                            HEAD: vocab * hidden}  # a tied head is a second copy of the embedding on its stage
-        self.largest_tensor = {EMBEDDING: vocab * hidden, DECODER: hidden * max(inter, q_width), NORM: hidden,
-                               HEAD: vocab * hidden}
+        self.largest_tensor = {EMBEDDING: vocab * hidden, NORM: hidden, HEAD: vocab * hidden,
+                               DECODER: max(hidden * max(inter, q_width),
+                                            2 * moe.num_experts * moe.expert_size * hidden if moe else 0)}
         # LoRA (models/lora.py): only the adapters train; they add their parameters to a decoder layer's.
         lora = workload.lora
         adapters = adapter_parameter_count(config, lora, t)
@@ -98,13 +103,13 @@ class LayerCosts:
         # on the residual stream's tokens; Granite's multipliers are elementwise scalings, not counted.
         keys = mean_attended_keys(config, workload.seq_length)
         self.forward_flops = {EMBEDDING: 0, NORM: 0, HEAD: 2 * tokens * hidden * vocab,
-                              DECODER: 2 * tokens * (sharded // t) + 2 * residual * replicated
+                              DECODER: 2 * tokens * (active_sharded // t) + 2 * residual * active_replicated
                               + round(4 * tokens * keys * q_width) + 2 * tokens * adapters}
         # W, the weight gradients a split backward defers (models/weight_grads.py): a trained matmul's forward FLOPs
         # (the chunked loss computes its head's in F, models/loss.py); B is the rest of the backward. A frozen base
         # skips them (its backward computes input gradients only).
         matmuls = {EMBEDDING: 0, NORM: 0, HEAD: self.forward_flops[HEAD],
-                   DECODER: 2 * tokens * (sharded // t) + 2 * residual * replicated}
+                   DECODER: 2 * tokens * (active_sharded // t) + 2 * residual * active_replicated}
         self.frozen_weight_grad_flops = matmuls if lora.enabled else dict.fromkeys(matmuls, 0)
         self.weight_grad_flops = {kind: (2 * tokens * adapters if kind == DECODER else 0) if lora.enabled
                                   else (0 if kind == HEAD and chunked else flops) for kind, flops in matmuls.items()}
@@ -133,16 +138,22 @@ class LayerCosts:
         }
         # Qwen3's per-head and OLMo 2's whole-projection q/k norms (on all tokens, this rank's heads) keep their fp32
         # input and inverse RMS (per head, per token), and Qwen3's its normalised output, OLMo 2's its fp32 scaled
-        # one; OLMo 2's norms scale in fp32, so its two layer norms keep an fp32 normalised output.
+        # one (OLMoE's scales after the cast: in the activation dtype); OLMo 2's and GPT-OSS's norms scale in fp32, so
+        # their two layer norms keep an fp32 normalised output.
         architecture = architecture_of(config)
         qk_width = q_width + kv_width
         if architecture.qk_norm == "head":
             qk_heads = qk_width // head_dim_of(config)
             self.saved_bytes[DECODER] += tokens * ((FP32_BYTES + act) * qk_width + FP32_BYTES * qk_heads)
-        elif architecture.qk_norm == "projection":
-            self.saved_bytes[DECODER] += tokens * FP32_BYTES * (2 * qk_width + 2)
-        if architecture.post_norms:
+        elif architecture.qk_norm == "projection":  # OLMoE's scale after the cast: its normalised output in act
+            scaled_bytes = FP32_BYTES if architecture.norm_scale_in_fp32 else act
+            self.saved_bytes[DECODER] += tokens * ((FP32_BYTES + scaled_bytes) * qk_width + 2 * FP32_BYTES)
+        if architecture.norm_scale_in_fp32:
             self.saved_bytes[DECODER] += 2 * residual * hidden * (FP32_BYTES - act)
+        if moe:
+            self.saved_bytes[DECODER] += moe_saved_bytes(moe, residual, hidden, act)
+        if architecture.attention_sinks:
+            self.saved_bytes[DECODER] += eager_attention_extra_bytes(workload, heads, q_width, kv_width, act)
         # LoRA keeps each adapter's rank-wide h (gathered for a column-parallel group) and, with dropout, its
         # dropped input and mask; the frozen projections' own inputs stay kept, for the adapters' A gradients.
         if lora.enabled:
@@ -157,8 +168,9 @@ class LayerCosts:
         pooled = 1 if workload.splits_sequence else 0
         # Context parallelism adds the whole sequence's key and value gradients (this rank's heads).
         gathered_kv_grads = 2 * workload.key_value_tokens * kv_width if workload.context_parallel > 1 else 0
+        routed_inter = moe.top_k * residual * 2 * moe.expert_size if moe else 0  # a token's k experts' gate_up
         self.backward_bytes = {EMBEDDING: 0, NORM: 0,
-                               DECODER: act * (2 * tokens * inter + 2 * residual * hidden
+                               DECODER: act * (2 * tokens * inter + routed_inter + 2 * residual * hidden
                                                + (2 - pooled) * tokens * hidden + gathered_kv_grads),
                                HEAD: chunk_bytes if chunked else 2 * tokens * vocab * FP32_BYTES}
         # The last stage's output, which the engine holds (below): the logits, or the chunked loss's input.
@@ -435,3 +447,38 @@ def compute_spread(rows):
     """Largest stage compute over the smallest: 1.0 is a perfect balance."""
     computes = [row["compute"] for row in rows]
     return max(computes) / min(computes)
+
+
+def moe_saved_bytes(moe, tokens, hidden, act):
+    """What an MoE block (models/moe.py) keeps for backward on the `tokens` it routes (its residual share), besides
+    the dense layer's attention and norms (its shared expert counts as the dense MLP): per routed choice
+    (tokens x top_k), the token's copy, its gate/up and down outputs and the SwiGLU's intermediates (GPT-OSS's
+    clamped one keeps three more and each row's expert), the sort's three int64 indices and the routing weight
+    (fp32 in Mixtral); per token, the router's softmax (fp32) and top-k indices, with norm_topk_prob the top-k
+    and their sum, GPT-OSS's softmax of the top-k instead, and with the load-balancing loss the softmax in the
+    activation dtype and the fp32 mask; the grouped GEMM's two int32 offsets. Checked against autograd's saved
+    tensors (tests/test_moe.py)."""
+    routed = tokens * moe.top_k
+    swiglu = 7 if moe.swiglu_limit is not None else 4  # intermediate-sized tensors per choice, gate/up's two included
+    weight_bytes = act if moe.weights_in_logits_dtype else FP32_BYTES
+    per_choice = act * (2 * hidden + swiglu * moe.expert_size) + 3 * INT64_BYTES + weight_bytes \
+        + (INT64_BYTES if moe.expert_bias else 0)
+    if moe.softmax_after_topk:
+        router = moe.top_k * (INT64_BYTES + act)
+    else:
+        router = FP32_BYTES * moe.num_experts + INT64_BYTES * moe.top_k + \
+            (FP32_BYTES * (moe.top_k + 1) if moe.norm_topk_prob else 0)
+    aux = act * moe.num_experts + FP32_BYTES if moe.aux_loss else 0
+    shared_gate = act * (hidden + 1) if moe.shared_expert_size else 0  # the gate's sigmoid and the shared output
+    return routed * per_choice + tokens * (router + aux + shared_gate) + 2 * 4 * moe.num_experts
+
+
+def eager_attention_extra_bytes(workload, heads, q_width, kv_width, act):
+    """What attention with sinks (GPT-OSS, always the eager formula: models/llama.py) keeps beyond SDPA's: the keys
+    and values repeated for every query head, and the scores with the sink column, their maximum and their
+    softmax, instead of SDPA's log-sum-exp."""
+    scores = workload.micro_batch_size * heads * workload.seq_length * (workload.seq_length + 1)
+    return (act * (2 * workload.tokens * (q_width - kv_width) + 2 * scores
+                   + workload.micro_batch_size * heads * workload.seq_length)
+            - FP32_BYTES * workload.tokens * heads)
+

@@ -120,6 +120,51 @@ def test_experts_equal_each_token_through_its_own_experts(family, expert_size):
         assert torch.allclose(a, b, atol=1e-6)
 
 
+# --- the planner ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_activation_model_counts_what_an_moe_layer_saves(dtype, precision, family):
+    """The planner's bytes of a sparse layer (planner/stage_costs.py moe_saved_bytes; GPT-OSS's eager attention
+    with sinks) are what autograd keeps for backward, and its parameters transformers' (every expert)."""
+    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from models.partition import DECODER, layer_parameter_counts
+    from models.router_loss import initial_routing, pack_stage
+    from planner.stage_costs import LayerCosts
+    from planner.workload import Workload
+    from tests.test_partition import saved_activation_bytes
+    batch, seq = 2, 24
+    config = MOE_CONFIGS[family]()
+    costs = LayerCosts(config, Workload(seq_length=seq, micro_batch_size=batch, precision=precision))
+    stage_inputs = StageAttentionInputs(config, row_layout="full")
+    decoder = DecoderLayerPipe(config, stage_inputs, layer_index=architecture_of(config).sparse_layers.index(True))
+    decoder = decoder.to(dtype)
+    hidden = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
+    mask, positions = torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq)
+    shared = {t.untyped_storage().data_ptr() for t in stage_inputs(hidden, mask, positions, decoder.self_attn.window)
+              if t is not None}
+    params = {p.untyped_storage().data_ptr() for p in decoder.parameters()}
+    inputs = pack_stage(hidden, mask, positions, initial_routing(config, "cpu"))
+    assert saved_activation_bytes(lambda: decoder(inputs), shared | params) == costs.saved_bytes[DECODER]
+    model = AutoModelForCausalLM.from_config(config)
+    assert sum(layer_parameter_counts(config)) == sum(p.numel() for p in model.parameters())
+
+
+def test_moe_flops_count_the_router_and_the_top_k_experts():
+    """MFU's FLOPs per token (models/partition.py training_flops_per_token) count a token's experts, not all."""
+    from models.partition import training_flops_per_token
+    config = MOE_CONFIGS["mixtral"]()
+    one_expert = MOE_CONFIGS["mixtral"]()
+    one_expert.num_experts_per_tok = 1
+    expert = 3 * config.hidden_size * config.intermediate_size
+    assert training_flops_per_token(config, 16) - training_flops_per_token(one_expert, 16) == \
+        3 * 2 * config.num_hidden_layers * expert
+    more_experts = MOE_CONFIGS["mixtral"]()
+    more_experts.num_local_experts = 8  # 4 more experts: only the router's 4 more rows compute
+    assert training_flops_per_token(more_experts, 16) - training_flops_per_token(config, 16) == \
+        3 * 2 * config.num_hidden_layers * 4 * config.hidden_size
+
+
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 
 def fused_checkpoint(model, path):
@@ -230,13 +275,13 @@ def run_spec_of(demo_model, model_dir, tmp_path, *overrides, world_size=2):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["precision=bf16", "zero_stage=1"], r"^precision=bf16 with the mixture-of-experts model qwen3_moe: its MoE block "
-                                         r"is tested in fp32 only so far; set precision to its default \(docs/moe\.md\)\.$"),
+    (["precision=fp16", "zero_stage=1"], r"^precision=fp16 with the mixture-of-experts model qwen3_moe: it is not "
+                                         r"tested under fp16's loss scaling; use precision=bf16 \(docs/moe\.md\)\.$"),
     (["pipeline_schedule=zero_bubble"], r"^pipeline_schedule=zero_bubble with the mixture-of-experts "
                                                         r"model qwen3_moe: .*"),
     (["lora.rank=4"], r"^lora\.rank=4 with the mixture-of-experts model qwen3_moe: .*"),
     (["output_router_logits=maybe"], r"^output_router_logits='maybe' must be true, false or null"),
-], ids=["bf16", "zero_bubble", "lora", "bad_value"])
+], ids=["fp16", "zero_bubble", "lora", "bad_value"])
 def test_settings_an_moe_model_is_not_tested_under_are_refused_in_one_line(demo_model, tiny_moe_checkpoints, tmp_path,
                                                                         overrides, message):
     from training.config_checks import ConfigError
@@ -309,7 +354,9 @@ def assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tens
 TRAIN_STEPS, LEARNING_RATE, MAX_GRAD_NORM = 6, 1e-3, 0.05
 TRAIN_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps=4, zero_stage=0)),
                  "2stages": (2, dict(num_stages=2, gradient_accumulation_steps=4, zero_stage=0)),
-                 "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1))}
+                 "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1)),
+                 "bf16_2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1,
+                                                precision="bf16"))}
 
 
 @pytest.fixture(scope="module")
@@ -366,8 +413,8 @@ def transformers_steps(hf_dir, batches, micro_batch_size):
 @pytest.mark.parametrize("layout", TRAIN_LAYOUTS)
 def test_training_steps_equal_transformers_with_the_load_balancing_loss(demo_model, demo_moe, tmp_path, layout):
     """Six steps on instruction data (padded rows of 2 to ~60 labelled tokens), clipping active: the logged loss
-    (the total) and the step-1 gradient norm are transformers'; aux_loss and each sparse layer's expert load are
-    logged beside."""
+    (the total) and the step-1 gradient norm are transformers' (fp32; bf16 within its rounding, every step's norm);
+    aux_loss and each sparse layer's expert load are logged beside."""
     from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics
     from tests.test_token_mean import MICRO_BATCH as ROWS, SEED, SEQ as TRAIN_SEQ, global_batches
     from tests.test_token_mean import write_skewed_instructions
@@ -386,8 +433,11 @@ def test_training_steps_equal_transformers_with_the_load_balancing_loss(demo_mod
         demo_model, train_file, data_parallel, settings["gradient_accumulation_steps"], tmp_path / "ref",
         steps=TRAIN_STEPS), ROWS)
     assert min(norms) > MAX_GRAD_NORM  # clipping acts on every step
-    assert [r["loss"] for r in records] == pytest.approx(losses, abs=1e-5, rel=0)
-    assert records[0]["grad_norm"] == pytest.approx(norms[0], rel=1e-4)
+    # bf16 (ZeRO-1's fp32 master weights and gradient sums) within its rounding of the fp32 steps: seen 9e-4 and 0.3%
+    bf16 = settings.get("precision") == "bf16"
+    assert [r["loss"] for r in records] == pytest.approx(losses, abs=2e-3 if bf16 else 1e-5, rel=0)
+    assert [r["grad_norm"] for r in records][:1 if not bf16 else None] == \
+        pytest.approx(norms[:1 if not bf16 else None], rel=1e-2 if bf16 else 1e-4)
     assert all(r["aux_loss"] > 1.0 for r in records)
     sparse = [i for i in range(4) if i != 1]  # mlp_only_layers=[1]
     assert all(set(r) >= {f"expert_load/layer_{i}" for i in sparse} and f"expert_load/layer_1" not in r

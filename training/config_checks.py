@@ -249,14 +249,18 @@ def check_chunk_schedule(cfg):
 
 
 
-# What a mixture-of-experts model's layers are not yet tested under, or cannot do: {(key, value test): why}.
+# What a mixture-of-experts model is not tested under, or cannot do yet: {key: (whether a value is refused, why and
+# what to set instead)}.
 MOE_REFUSED = {
-    "precision": (lambda value: value != "fp32", "is tested in fp32 only so far"),
-    "context_parallel_size": (lambda value: value > 1, "would need the load-balancing sums over the context group"),
-    "lora.rank": (lambda value: value > 0, "has no adapters on its experts or routers yet"),
-    "objective": (lambda value: value != "sft", "adds no load-balancing loss to a preference loss yet"),
-    "pipeline_schedule": (lambda value: value != "1f1b", "runs its experts' weight gradients in B: not split yet"),
-    "compile": (lambda value: bool(value), "is not compiled yet (its routing is data-dependent)"),
+    "precision": (lambda value: value == "fp16", "it is not tested under fp16's loss scaling; use precision=bf16"),
+    "context_parallel_size": (lambda value: value > 1, "its load-balancing sums would need the whole context "
+                                                       "group's; use context_parallel_size=1"),
+    "lora.rank": (lambda value: value > 0, "it has no adapters on its experts or routers yet; use lora.rank=0"),
+    "objective": (lambda value: value != "sft", "it adds no load-balancing loss to a preference loss yet; use "
+                                                "objective=sft"),
+    "pipeline_schedule": (lambda value: value != "1f1b", "its experts' weight gradients are not split from B yet; use "
+                                                         "pipeline_schedule=1f1b"),
+    "compile": (lambda value: bool(value), "its data-dependent routing is not compiled yet; use compile=false"),
 }
 
 
@@ -272,8 +276,8 @@ def moe_model_config(cfg, model_config):
     for key, (refused, why) in MOE_REFUSED.items():
         value = OmegaConf.select(cfg, key)
         if refused(value):
-            raise ConfigError(f"{key}={value} with the mixture-of-experts model {model_config.model_type}: its MoE "
-                              f"block {why}; set {key} to its default (docs/moe.md).")
+            raise ConfigError(f"{key}={value} with the mixture-of-experts model {model_config.model_type}: {why} "
+                              f"(docs/moe.md).")
     if cfg.output_router_logits is not None:
         model_config.output_router_logits = cfg.output_router_logits
     return model_config
