@@ -409,12 +409,10 @@ def transformers_steps(hf_dir, batches, micro_batch_size):
     return losses, norms
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", TRAIN_LAYOUTS)
-def test_training_steps_equal_transformers_with_the_load_balancing_loss(demo_model, demo_moe, tmp_path, layout):
-    """Six steps on instruction data (padded rows of 2 to ~60 labelled tokens), clipping active: the logged loss
-    (the total) and the step-1 gradient norm are transformers' (fp32; bf16 within its rounding, every step's norm);
-    aux_loss and each sparse layer's expert load are logged beside."""
+def trained_and_transformers(demo_model, model_dirs, tmp_path, layout):
+    """Six steps of the trainer on model_dirs["ds"] (a TRAIN_LAYOUTS layout) on instruction data, and of
+    transformers_steps on model_dirs["hf"] over the same global batches: (the trainer's metrics records,
+    transformers' losses, its gradient norms, the layout's settings)."""
     from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics
     from tests.test_token_mean import MICRO_BATCH as ROWS, SEED, SEQ as TRAIN_SEQ, global_batches
     from tests.test_token_mean import write_skewed_instructions
@@ -422,16 +420,26 @@ def test_training_steps_equal_transformers_with_the_load_balancing_loss(demo_mod
     train_file = write_skewed_instructions(demo_model, tmp_path / "train.jsonl")
     out = tmp_path / "run"
     check_ok(launch_trainer(procs, demo_overrides(demo_model, out, **{
-        **settings, "model_name_or_path": demo_moe["ds"], "train_file": str(train_file), "eval_file": "null",
+        **settings, "model_name_or_path": model_dirs["ds"], "train_file": str(train_file), "eval_file": "null",
         "data.format": "instruction", "data.cache_dir": str(tmp_path / "cache"), "seq_length": TRAIN_SEQ,
         "micro_batch_size": ROWS, "max_steps": TRAIN_STEPS, "logging_steps": 1, "learning_rate": LEARNING_RATE,
         "lr_scheduler": "constant", "warmup_steps": 0, "max_grad_norm": MAX_GRAD_NORM, "seed": SEED,
         "save_steps": 0})))
     records = [r for r in read_metrics(out) if "loss" in r]
     data_parallel = procs // settings["num_stages"]
-    losses, norms = transformers_steps(demo_moe["hf"], global_batches(
+    losses, norms = transformers_steps(model_dirs["hf"], global_batches(
         demo_model, train_file, data_parallel, settings["gradient_accumulation_steps"], tmp_path / "ref",
         steps=TRAIN_STEPS), ROWS)
+    return records, losses, norms, settings
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", TRAIN_LAYOUTS)
+def test_training_steps_equal_transformers_with_the_load_balancing_loss(demo_model, demo_moe, tmp_path, layout):
+    """Six steps on instruction data (padded rows of 2 to ~60 labelled tokens), clipping active: the logged loss
+    (the total) and the step-1 gradient norm are transformers' (fp32; bf16 within its rounding, every step's norm);
+    aux_loss and each sparse layer's expert load are logged beside."""
+    records, losses, norms, settings = trained_and_transformers(demo_model, demo_moe, tmp_path, layout)
     assert min(norms) > MAX_GRAD_NORM  # clipping acts on every step
     # bf16 (ZeRO-1's fp32 master weights and gradient sums) within its rounding of the fp32 steps: seen 9e-4 and 0.3%
     bf16 = settings.get("precision") == "bf16"
