@@ -69,7 +69,8 @@ Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with wh
 - The launcher's per-node module name (LAUNCHER_MODULE): preemption recognises the launcher as its parent process,
   the supervisor the launchers it started (whose ranks it watches).
 - Subclass overrides, checked for their parameters: PipelineEngine._train_schedule, _exec_send_activations,
-  _exec_send_grads, _exec_recv_grads, _exec_reduce_tied_grads (engines/pipeline_engine.py);
+  _exec_send_grads, _exec_recv_grads, _exec_reduce_tied_grads, _exec_backward_pass (engines/pipeline_engine.py: the
+  last one is DeepSpeed's, from one node over a stage's floating outputs, with grad_layer put back after it);
   PipelineModule._partition_layers, load_state_dir (models/pipeline.py); TorchCheckpointEngine.load
   (checkpoints/state_files.py). ZeroBubbleSchedule overrides PipeSchedule's documented steps(): no entry.
 - Names the zero-bubble engine adds to PipelineEngine (its handlers _exec_backward_input_pass,

@@ -215,7 +215,8 @@ INTERNALS = (
     zero_bubble("_exec_send_grads", ("self", "buffer_id")),
     zero_bubble("_exec_recv_grads", ("self", "buffer_id")),
     zero_bubble("_exec_reduce_tied_grads", ("self",)),
-    Internal(f"{PIPELINE_ENGINE}._exec_backward_pass", "which the zero-bubble B runs", ("self", "buffer_id")),
+    Internal(f"{PIPELINE_ENGINE}._exec_backward_pass", "which the zero-bubble B runs and every schedule's engine "
+             "overrides (one pass from all of a stage's outputs)", ("self", "buffer_id")),
     Internal(f"{PIPELINE_ENGINE}._send_tensor_meta", "which the zero-bubble sends use",
              ("self", "buffer", "recv_stage")),
     Internal(f"{PIPELINE_ENGINE}._recv_tensor_meta", "which the zero-bubble receives use", ("self", "send_stage")),

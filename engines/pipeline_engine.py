@@ -6,6 +6,12 @@ oldest queued work into the same gradient buffers (fp32 or bf16, ZeRO-0 or 1, of
 operations follow its upstream stage's order (schedules/orders.py, for NCCL): activation receives are posted ahead
 and waited for at the forward, sends are posted and waited for at the step's end. Loss, gradient reduction,
 clipping and the optimizer step are the engine's own, and run after every W of the batch.
+
+Every schedule's engine (1F1B's too: use_one_backward) runs a stage's backward as one autograd pass from all of its
+floating outputs. DeepSpeed's handler runs one pass per output (a mixture of experts sends its hidden states and its
+router-probability sums, models/router_loss.py), so each parameter's gradient would be summed in parts that depend
+on where the stages cut the model: 1F1B and the chunked schedules then differ by rounding (4e-7 of a gradient, which
+Adam's first step carries to 5e-5 of a weight), where one pass gives the same bits on any partition.
 """
 import collections
 
@@ -16,15 +22,59 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 import collectives
 from deepspeed_internals.access import (activation_buffer, add_grads_to_bf16_optimizer, add_instruction_handlers,
                                         clear_bf16_optimizer_grads, pipe_buffer, receive_activation_shapes_once,
-                                        run_backward_pass, send_activation_shapes_once, sends_need_deepspeed_handlers,
-                                        set_pipe_buffer, set_received_gradients, uses_bf16_optimizer)
+                                        received_gradients, run_backward_pass, send_activation_shapes_once,
+                                        sends_need_deepspeed_handlers, set_pipe_buffer, set_received_gradients,
+                                        uses_bf16_optimizer)
 from errors import ConfigError
 from models.weight_grads import WeightGradQueue
 from engines.zero_bubble_schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
                                           ZeroBubbleSchedule)
 
 
-class ZeroBubblePipelineEngine(PipelineEngine):
+class HandGradients(torch.autograd.Function):
+    """One node over a stage's floating outputs: a backward from its output (0-d) hands each of them its received
+    gradient, so that autograd runs a single pass from all of them."""
+
+    @staticmethod
+    def forward(ctx, grads, *outputs):
+        ctx.grads = grads
+        return outputs[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        grads, ctx.grads = ctx.grads, None
+        return None, *grads
+
+
+class OneBackwardPipelineEngine(PipelineEngine):
+    """DeepSpeed's 1F1B engine, a stage's backward one autograd pass from all of its floating outputs (the module's
+    docstring says why). Its _exec_backward_pass overrides DeepSpeed's (deepspeed_internals/ lists it)."""
+
+    def _exec_backward_pass(self, buffer_id):
+        outputs = pipe_buffer(self, "outputs", buffer_id)
+        floating = [t for t in outputs if t.is_floating_point()] if isinstance(outputs, tuple) else []
+        if len(floating) < 2 or self.is_last_stage():
+            return super()._exec_backward_pass(buffer_id)
+        grads = received_gradients(self)  # DeepSpeed's 1F1B receives into them again: put back after
+        joined = HandGradients.apply(grads, *floating)
+        set_pipe_buffer(self, "outputs", buffer_id, joined)
+        set_received_gradients(self, torch.ones_like(joined))
+        super()._exec_backward_pass(buffer_id)
+        set_received_gradients(self, grads)
+
+
+add_instruction_handlers(OneBackwardPipelineEngine, {
+    schedule.BackwardPass: OneBackwardPipelineEngine._exec_backward_pass,
+})
+
+
+def use_one_backward(engine):
+    """Turn the PipelineEngine that deepspeed.initialize built into the one whose stage backward is one pass."""
+    engine.__class__ = OneBackwardPipelineEngine
+    return engine
+
+
+class ZeroBubblePipelineEngine(OneBackwardPipelineEngine):
     """Its _train_schedule and _exec_* methods override DeepSpeed's (deepspeed_internals/ lists them)."""
 
     def _train_schedule(self):

@@ -35,6 +35,7 @@ from torch import nn
 from models.architecture import ACTIVATIONS, architecture_of
 from models.sigmoid_router import SigmoidRouter
 from models.tensor_parallel import NO_TENSOR_PARALLEL
+from models.weight_grads import RowGroups
 
 
 def route(logits, moe):
@@ -84,7 +85,7 @@ class MoEBlock(nn.Module):
         if shared_expert is not None:
             shared = shared_expert(hidden)
             if self.moe.shared_expert_gated:
-                shared = torch.sigmoid(F.linear(hidden, self.parallel.replicated(self.shared_expert_gate.weight))) * shared
+                shared = torch.sigmoid(self.parallel.replicated_linear(hidden, self.shared_expert_gate)) * shared
             out = out + shared
         return out.view_as(x), routing_statistics(logits, expert_ids, real_tokens, self.moe)
 
@@ -93,8 +94,7 @@ class MoEBlock(nn.Module):
         router = getattr(self, self.moe.router_name)
         if self.moe.sigmoid_routing:
             return router(hidden)
-        logits = F.linear(hidden, self.parallel.replicated(router.weight),
-                          None if router.bias is None else self.parallel.replicated(router.bias))
+        logits = self.parallel.replicated_linear(hidden, router)
         return logits, *route(logits, self.moe)
 
     def real_tokens(self, document_ids):
@@ -146,16 +146,13 @@ class Experts(nn.Module):
         return self.project(inner, "down_proj", counts, sizes, rows_expert)
 
     def project(self, x, name, counts, split_sizes, rows_expert):
-        """x's row block of each expert through that expert's projection (and bias)."""
+        """x's row block of each expert through that expert's projection (and bias); under a zero-bubble schedule
+        their gradients wait for W as a linear layer's do."""
         weight = self.parallel.replicated(getattr(self, name))
         weight = weight if self.transposed else weight.transpose(-2, -1)  # [experts, in, out]
-        if split_sizes is None:
-            out = F.grouped_mm(x, weight, offs=counts.cumsum(0, dtype=torch.int32))
-        else:
-            out = torch.cat([block @ weight[e] for e, block in enumerate(x.split(split_sizes))])
-        if rows_expert is not None:
-            out = out + self.parallel.replicated(getattr(self, f"{name}_bias"))[rows_expert]
-        return out
+        bias = None if rows_expert is None else self.parallel.replicated(getattr(self, f"{name}_bias"))
+        offsets = counts.cumsum(0, dtype=torch.int32) if split_sizes is None else None
+        return self.parallel.grouped_linear(x, weight, bias, RowGroups(offsets, split_sizes, rows_expert))
 
     def gate(self, gate_up):
         """SwiGLU of the gate and up features; GPT-OSS's clamped one of its interleaved features."""

@@ -7,7 +7,6 @@ balance (balanced_correction_bias); transformers implements the forward only, so
 checkpoint's, frozen.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.tensor_parallel import NO_TENSOR_PARALLEL
@@ -31,7 +30,7 @@ class SigmoidRouter(nn.Module):
     def forward(self, hidden):
         """(router logits [tokens, experts] fp32, routing weights [tokens, top_k] fp32, expert ids [tokens, top_k])
         of hidden [tokens, hidden_size]."""
-        logits = F.linear(hidden.float(), self.parallel.replicated(self.weight).float())
+        logits = self.parallel.matmul(hidden.float(), self.parallel.replicated(self.weight).float())
         weights, expert_ids = self.route(logits)
         return logits, weights, expert_ids
 

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import collectives
-from models.weight_grads import (embedding as row_grad_embedding, linear as deferrable_linear, linear_weight_grads,
-                                 takes_weight_grads)
+from models.weight_grads import (deferrable_grouped_linear, embedding as row_grad_embedding, grouped_linear,
+                                 keep_params, linear as deferrable_linear, linear_weight_grads, takes_weight_grads)
 
 # DeepSpeed's marker of a parameter split across the tensor-parallel group: its gradient-norm code counts such a
 # parameter on every rank and a replicated one on tensor-parallel rank 0 only.
@@ -102,6 +102,13 @@ class TensorParallel:
         if self.weight_grads is None:
             return F.linear(x, weight, bias)
         return deferrable_linear(x, weight, bias, self.weight_grads)
+
+    def grouped_linear(self, x, weight, bias, groups):
+        """Each row block of x through its group's weight and bias (a mixture's experts: models/weight_grads.py
+        grouped_linear), the weight gradients deferred when the schedule splits the backward."""
+        if self.weight_grads is None:
+            return grouped_linear(x, weight, bias, groups)
+        return deferrable_grouped_linear(x, weight, bias, groups, self.weight_grads)
 
     # --- LoRA adapters (models/lora.py): split like their projection, so only rank-wide activations travel ----------
     def column_adapters(self, x, linears):
@@ -272,13 +279,14 @@ class GatheredLinears(torch.autograd.Function):
         ctx.parallel, ctx.biases, ctx.full_shape = parallel, biases, full.shape
         # The input is kept for weight gradients only: a frozen group (LoRA's base) keeps none.
         ctx.trains = any(takes_weight_grads(w, b) for w, b in zip(weights, biases))
-        ctx.save_for_backward(None if not ctx.trains else x if recompute else full, *weights)
+        ctx.save_for_backward(None if not ctx.trains else x if recompute else full)
+        keep_params(ctx, *weights)
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
         parallel = ctx.parallel
-        saved, *weights = ctx.saved_tensors
+        (saved,), weights = ctx.saved_tensors, ctx.params
         shape = ctx.full_shape
         # The input gradient over all tokens lives only until it is reduce-scattered: a pool buffer.
         grad_full = parallel.buffers.get("input_grad", (math.prod(shape[:-1]), shape[-1]), grads[0].dtype,

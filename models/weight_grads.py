@@ -1,8 +1,9 @@
 """A linear layer's backward split in two for zero-bubble pipeline schedules (schedules/orders.py): the input
 gradient, which the previous stage waits for, now; the weight gradient, which nobody waits for, later.
 
-While a `WeightGradQueue` is deferring (one micro-batch's backward pass B), the linear layers built with it return
-no weight gradient and queue (input, output gradient) instead; `run_oldest` (the schedule's W) computes that
+While a `WeightGradQueue` is deferring (one micro-batch's backward pass B), the linear layers built with it (and the
+grouped projections of a mixture's experts, each expert's row block through its own weight) return no weight
+gradient and queue (input, output gradient) instead; `run_oldest` (the schedule's W) computes that
 micro-batch's weight gradients and hands them to autograd's accumulation, so .grad and the gradient hooks that
 DeepSpeed's optimizers register (bf16 and ZeRO gradient buffers) see them as in an undivided backward. Embedding
 and norm weights keep their gradients in B. The LM head's (tied or not) waits for W like any linear layer's: its
@@ -16,6 +17,7 @@ backward builds a dense vocabulary x hidden tensor per micro-batch (1-2 GB on a 
 """
 import collections
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +61,14 @@ def linear(x, weight, bias, queue):
     return DeferrableLinear.apply(x, weight, bias, queue)
 
 
+def keep_params(ctx, *params):
+    """Keep a layer's weight and bias on ctx as the tensors the forward took, for W to hand their gradients to.
+    Saved tensors would come back, under non-reentrant activation checkpointing (its saved-tensor hooks), as new
+    tensors that reach the parameter's gradient only while a graph still holds its accumulator: a W after the step's
+    last graph was freed added its gradient to a copy and lost it."""
+    ctx.params = params
+
+
 def linear_weight_grads(x, grad, weight, bias):
     """[(weight, dW), (bias, db)] of y = x W^T + b from its input and output gradient (any leading dimensions), for
     those of weight and bias that take a gradient (a frozen base under LoRA takes none)."""
@@ -74,14 +84,16 @@ def takes_weight_grads(weight, bias):
 class DeferrableLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, queue):
-        # A frozen weight's backward needs only the weight: the input is not kept.
-        ctx.save_for_backward(x if takes_weight_grads(weight, bias) else None, weight, bias)
+        # A frozen weight's backward needs only the weight: the input is not kept. The weight and bias are kept as
+        # themselves (keep_params), not as saved tensors.
+        ctx.save_for_backward(x if takes_weight_grads(weight, bias) else None)
+        keep_params(ctx, weight, bias)
         ctx.queue = queue
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, bias = ctx.saved_tensors
+        (x,), (weight, bias) = ctx.saved_tensors, ctx.params
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
         if not takes_weight_grads(weight, bias):
             return grad_x, None, None, None
@@ -90,6 +102,77 @@ class DeferrableLinear(torch.autograd.Function):
             return grad_x, None, None, None
         grad_of = {id(param): param_grad for param, param_grad in linear_weight_grads(x, grad, weight, bias)}
         return grad_x, grad_of.get(id(weight)), None if bias is None else grad_of.get(id(bias)), None
+
+
+class RowGroups(NamedTuple):
+    """The row blocks of a grouped projection (a mixture of experts: each expert's tokens): `offsets`, the int32
+    cumulative row counts, for torch's grouped GEMM, or `split_sizes`, the counts as a list, for one matmul per block;
+    and each row's group (int64, for the bias), or None without a bias."""
+    offsets: torch.Tensor | None
+    split_sizes: list | None
+    group_of_row: torch.Tensor | None
+
+
+def grouped_matmul(x, weight, groups):
+    """Each row block of x [rows, in] times its group's weight [groups, in, out]."""
+    if groups.split_sizes is None:
+        return F.grouped_mm(x, weight, offs=groups.offsets)
+    return torch.cat([block @ weight[g] for g, block in enumerate(x.split(groups.split_sizes))])
+
+
+def grouped_linear(x, weight, bias, groups):
+    """grouped_matmul, and each row's group's bias [groups, out] added (bias None: none)."""
+    out = grouped_matmul(x, weight, groups)
+    return out if bias is None else out + bias[groups.group_of_row]
+
+
+def grouped_linear_weight_grads(x, grad, weight, bias, groups):
+    """[(weight, dW), (bias, db)] of grouped_linear from its input and output gradient, for those of weight and bias
+    that take a gradient; the same operations as autograd's, so the same bits: torch's grouped GEMM of x^T and the
+    gradient, or per block the matmul autograd picks for the weight's layout (a transposed one's gradient computed
+    transposed), and the bias rows accumulated by index."""
+    pairs = []
+    if weight.requires_grad:
+        if groups.split_sizes is None:
+            weight_grad = F.grouped_mm(x.t(), grad, offs=groups.offsets)
+        else:
+            transposed = weight.stride(-2) == 1  # each group's [in, out] column-major
+            weight_grad = torch.stack([(block_grad.t() @ block).t() if transposed else block.t() @ block_grad
+                                       for block, block_grad in zip(x.split(groups.split_sizes),
+                                                                    grad.split(groups.split_sizes))])
+        pairs.append((weight, weight_grad))
+    if bias is not None and bias.requires_grad:
+        pairs.append((bias, grad.new_zeros(bias.shape).index_put_((groups.group_of_row,), grad, accumulate=True)))
+    return pairs
+
+
+@torch.compiler.disable  # as linear's
+def deferrable_grouped_linear(x, weight, bias, groups, queue):
+    """grouped_linear whose weight and bias gradients go to `queue` while it is deferring."""
+    return DeferrableGroupedLinear.apply(x, weight, bias, groups, queue)
+
+
+class DeferrableGroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, groups, queue):
+        ctx.save_for_backward(x if takes_weight_grads(weight, bias) else None, groups.offsets, groups.group_of_row)
+        keep_params(ctx, weight, bias)
+        ctx.split_sizes, ctx.queue = groups.split_sizes, queue
+        return grouped_linear(x, weight, bias, groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x, offsets, group_of_row), (weight, bias) = ctx.saved_tensors, ctx.params
+        groups = RowGroups(offsets, ctx.split_sizes, group_of_row)
+        grad_x = grouped_matmul(grad, weight.transpose(-2, -1), groups) if ctx.needs_input_grad[0] else None
+        if not takes_weight_grads(weight, bias):
+            return grad_x, None, None, None, None
+        if ctx.queue.deferring:
+            ctx.queue.add(lambda: grouped_linear_weight_grads(x, grad, weight, bias, groups))
+            return grad_x, None, None, None, None
+        grad_of = {id(param): param_grad for param, param_grad in grouped_linear_weight_grads(x, grad, weight, bias,
+                                                                                              groups)}
+        return grad_x, grad_of.get(id(weight)), None if bias is None else grad_of.get(id(bias)), None, None
 
 
 def embedding(input_ids, weight, padding_idx=None):

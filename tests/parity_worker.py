@@ -18,7 +18,7 @@ from models.pipeline import build_pipeline_module, partition_stages  # noqa: E40
 from tests.lora_reference import adapter_values, hf_name_of_peft, peft_model, pipeline_slice  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
 from cluster.distributed import init_distributed, parallel_topology  # noqa: E402
-from engines.pipeline_engine import use_zero_bubble  # noqa: E402
+from engines.pipeline_engine import use_one_backward, use_zero_bubble  # noqa: E402
 
 
 # The trainer's chunked LM loss, in chunks that split each micro-batch unevenly (0: the full logits).
@@ -194,6 +194,8 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
         if case.get("schedule") == "zero_bubble":
             use_zero_bubble(engine)
             deferred = record_deferred_weights(engine)
+        else:
+            use_one_backward(engine)
         step_losses = []
         loss_fn = module.loss_fn
         module.loss_fn = lambda logits, labels: step_losses.append(loss_fn(logits, labels)) or step_losses[-1]

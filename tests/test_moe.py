@@ -2,6 +2,7 @@
 transformers, loss (its outputs.loss: cross-entropy plus the load-balancing loss) and every gradient, in one process,
 over 2 and 4 stages, data and tensor parallelism, with padded rows; their checkpoints convert both ways bit for bit;
 six training steps equal a transformers + torch AdamW loop; what is not implemented is refused in one line."""
+import contextlib
 import dataclasses
 import glob
 import json
@@ -26,7 +27,7 @@ from tests import parity_worker
 from tests.distributed import spawn
 from tests.test_conversion import assert_bit_identical, load_hf_weights, save_as_bin
 from tests.test_parity import GAS, MICRO_BATCH, SEQ, own_layer_files
-from tests.tiny_models import MOE_CONFIGS, make_batch, make_model, make_tiny_model
+from tests.tiny_models import DEEPSEEK_CONFIGS, MOE_CONFIGS, make_batch, make_model, make_tiny_model
 
 FAMILIES = list(MOE_CONFIGS)
 
@@ -118,6 +119,66 @@ def test_experts_equal_each_token_through_its_own_experts(family, expert_size):
     theirs = torch.autograd.grad(reference, [hidden, weights, *experts.parameters()], grad)
     for a, b in zip(mine, theirs):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["", "checkpointed"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("expert_size", [16, 6], ids=["grouped_gemm", "loop"])
+def test_a_split_backward_leaves_the_experts_and_routers_weight_gradients_to_w(family, expert_size, checkpointed):
+    """Under a zero-bubble schedule's split backward (models/weight_grads.py) a sparse layer's B gives its input
+    gradients and no gradient of its router, experts (biases included), shared expert or its gate; W gives them,
+    each bit for bit an undivided backward's, with torch's grouped GEMM and with the loop over the experts. Under
+    non-reentrant activation checkpointing (the load-balancing loss's) W runs after the micro-batch's graph is freed,
+    as a step's last W does: the gradients still reach the parameters."""
+    from deepspeed_internals.registry import non_reentrant_checkpoint
+    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from models.router_loss import initial_routing, pack_stage, unpack_stage
+    from models.tensor_parallel import TensorParallel
+    from models.weight_grads import WeightGradQueue
+    config = {**MOE_CONFIGS, **DEEPSEEK_CONFIGS}[family]()
+    config.update({"moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size":
+                   expert_size})
+    layer_index = architecture_of(config).sparse_layers.index(True)
+    split = TensorParallel()
+    split.weight_grads = WeightGradQueue()
+    document_ids = torch.ones(2, 12, dtype=torch.long)
+    document_ids[1, 9:] = 0  # padding
+    hidden = torch.randn(2, 12, config.hidden_size)
+    targets = []  # what W hands its gradients to
+    queue_add = split.weight_grads.add
+    split.weight_grads.add = lambda work: queue_add(lambda: [targets.append(p) or (p, g) for p, g in work()])
+    runs = []
+    for parallel in (split, TensorParallel()):
+        torch.manual_seed(0)
+        layer = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="padded"), parallel=parallel,
+                                 layer_index=layer_index)
+        with torch.no_grad():
+            for name, param in layer.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(std=0.1)
+        x = hidden.clone().requires_grad_()
+        inputs = pack_stage(x, document_ids, torch.arange(12).expand(2, 12), initial_routing(config, "cpu"))
+        run = (lambda *tensors: layer(tensors))
+        out = unpack_stage(non_reentrant_checkpoint(run, *inputs) if checkpointed else run(*inputs))
+        floating = [out[0], *[t for t in out[3] if t.is_floating_point()]]
+        torch.manual_seed(1)
+        deferring = parallel.weight_grads is not None
+        with parallel.weight_grads.defer() if deferring else contextlib.nullcontext():
+            torch.autograd.backward(floating, [torch.randn_like(t) for t in floating])
+        outputs = [t.detach() for t in floating]
+        del out, floating  # the graph
+        if deferring:
+            waiting = {name for name, p in layer.mlp.named_parameters() if p.grad is None}
+            assert waiting == {name for name, _ in layer.mlp.named_parameters()}, waiting
+            parallel.weight_grads.run_oldest()
+            # the parameters themselves, or views of them (never a copy that saved-tensor hooks gave back)
+            assert all(any(target is p or (not target.is_leaf and target._base is p) for p in layer.parameters())
+                       for target in targets)
+        runs.append((outputs, x.grad, {name: p.grad for name, p in layer.named_parameters()}))
+    (outputs, input_grad, grads), (ref_outputs, ref_input_grad, ref_grads) = runs
+    assert all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs)) and torch.equal(input_grad, ref_input_grad)
+    assert grads.keys() == ref_grads.keys()
+    assert [name for name in grads if grads[name] is None or not torch.equal(grads[name], ref_grads[name])] == []
 
 
 # --- the planner ---------------------------------------------------------------------------------------------------
@@ -311,12 +372,9 @@ def run_spec_of(demo_model, model_dir, tmp_path, *overrides, world_size=2):
 @pytest.mark.parametrize("overrides,message", [
     (["precision=fp16", "zero_stage=1"], r"^precision=fp16 with the mixture-of-experts model qwen3_moe: it is not "
                                          r"tested under fp16's loss scaling; use precision=bf16 \(docs/moe\.md\)\.$"),
-    (["pipeline_schedule=zbv"], r"^pipeline_schedule=zbv with the mixture-of-experts model qwen3_moe: it is not "
-                                r"tested with several chunks of layers per rank yet; use pipeline_schedule=1f1b or "
-                                r"zero_bubble \(docs/moe\.md\)\.$"),
     (["lora.rank=4"], r"^lora\.rank=4 with the mixture-of-experts model qwen3_moe: .*"),
     (["output_router_logits=maybe"], r"^output_router_logits='maybe' must be true, false or null"),
-], ids=["fp16", "zbv", "lora", "bad_value"])
+], ids=["fp16", "lora", "bad_value"])
 def test_settings_an_moe_model_is_not_tested_under_are_refused_in_one_line(demo_model, tiny_moe_checkpoints, tmp_path,
                                                                         overrides, message):
     from training.config_checks import ConfigError

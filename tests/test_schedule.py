@@ -416,3 +416,30 @@ def test_zbv_holds_at_most_max_waiting_back_for_w(stages, micro_batches, max_wai
     uncapped = step_time(stages, micro_batches, times, "zbv")
     capped = step_time(stages, micro_batches, times, "zbv", max_waiting=max_waiting)
     assert uncapped <= capped < step_time(stages, micro_batches, times, "1f1b")
+
+
+# Mixtures of experts (docs/moe.md): every family of tests/tiny_models.py, 4 chunks of one decoder layer under the
+# chunked schedules, the routing statistics (counts; with the load-balancing loss the probability sums, whose
+# gradient reaches every router) carried between chunks as between stages, handed over in place on the last rank
+# under ZB-V; the experts' and routers' weight gradients computed in W under zero_bubble and zbv. Every stage's
+# backward is one pass from all its floating outputs (engines/pipeline_engine.py), so the gradients are 1F1B's bit
+# for bit; under ZB-V the tied models (Qwen3-MoE, deepseek_v3_q_proj) sum the embedding's and the head's on one
+# rank, as the dense tied cases. Tensor parallel 2 (sequence parallel): each rank routes its tokens through whole
+# experts, their gradients summed over the group in W. bf16: the trainer's default (ZeRO-1, fp32 sums).
+MOE = dict(stages=2, schedules=("zero_bubble", *CHUNKED), virtual_stages=2, tolerance=0.0)
+MOE_CASES = {
+    "moe_mixtral_2dp": ("mixtral", MOE),
+    "moe_qwen3_moe_2dp_checkpointing": ("qwen3_moe", dict(MOE, checkpoint_interval=1, zbv_tolerance=2e-6)),
+    "moe_qwen2_moe_tp2": ("qwen2_moe", dict(MOE, tensor_parallel=2)),
+    "moe_olmoe_2dp_bf16_fp32_accumulation": ("olmoe", dict(MOE, deepspeed=dict(
+        zero_optimization={"stage": 1}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}))),
+    "moe_gpt_oss_tp2": ("gpt_oss", dict(MOE, tensor_parallel=2)),
+    "moe_deepseek_v3_2dp": ("deepseek_v3", MOE),
+    "moe_deepseek_v3_q_proj_2dp": ("deepseek_v3_q_proj", dict(MOE, zbv_tolerance=2e-6)),
+    "moe_glm4_moe_2dp": ("glm4_moe", MOE),
+}
+
+
+@pytest.mark.slow
+def test_moe_losses_and_gradients_equal_1f1b(tiny_moe_checkpoints, tiny_deepseek_checkpoints, tmp_path):
+    launch_cases(MOE_CASES, {**tiny_moe_checkpoints, **tiny_deepseek_checkpoints}, 4, tmp_path)

@@ -278,9 +278,6 @@ MOE_REFUSED = {
     "lora.rank": (lambda value: value > 0, "it has no adapters on its experts or routers yet; use lora.rank=0"),
     "objective": (lambda value: value != "sft", "it adds no load-balancing loss to a preference loss yet; use "
                                                 "objective=sft"),
-    "pipeline_schedule": (lambda value: value in ("interleaved_1f1b", "zbv"), "it is not tested with several chunks "
-                                                                             "of layers per rank yet; use "
-                                                                             "pipeline_schedule=1f1b or zero_bubble"),
     "compile": (lambda value: bool(value), "its data-dependent routing is not compiled yet; use compile=false"),
 }
 

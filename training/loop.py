@@ -41,7 +41,7 @@ from resilience.hang_watchdog import HANG_DIR, hang_watchdog
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
 from training.optimizer import skipping_optimizer
 from engines.chunked_engine import rank_chunk_ids, stage_reads_data, use_chunked_pipeline
-from engines.pipeline_engine import use_zero_bubble
+from engines.pipeline_engine import use_one_backward, use_zero_bubble
 from resilience.preemption import Preempted, PreemptionWatch
 from engines.instruction_listeners import add_instruction_listener
 from engines.profiling import NoProfile, StepProfile
@@ -107,6 +107,8 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
     elif rank_chunk_ids(cfg.pipeline_schedule, spec.num_stages, cfg.virtual_stages):
         use_chunked_pipeline(engine, cfg.pipeline_schedule, cfg.virtual_stages, cfg.zero_bubble_max_waiting,
                              cfg.zbv_times if cfg.pipeline_schedule == "zbv" else None)  # auto: zbv's default
+    else:
+        use_one_backward(engine)
     return engine, monitors
 
 
