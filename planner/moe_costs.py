@@ -30,6 +30,23 @@ def moe_saved_bytes(moe, tokens, hidden, act):
     return routed * per_choice + tokens * (router + aux + shared_gate) + 2 * 4 * moe.num_experts
 
 
+def moe_weight_grad_bytes(moe, tokens, hidden, act, input_kept):
+    """What a micro-batch waiting for its W (zero-bubble schedules, models/weight_grads.py) keeps of an MoE block on
+    the `tokens` it routes: per routed choice the experts' inputs (the token's copy and the SwiGLU's output) and
+    output gradients (gate/up's and down's), and with expert biases each row's expert; per token the router's
+    logit gradient (fp32 in DeepSeek's sigmoid router) and its input, the block's (input_kept: already counted, as
+    the shared expert's input) or DeepSeek's fp32 copy of it below fp32, Qwen2-MoE's shared gate's gradient; the
+    grouped GEMM's two offsets."""
+    routed = tokens * moe.top_k
+    experts = routed * (act * (2 * hidden + 3 * moe.expert_size) + (INT64_BYTES if moe.expert_bias else 0)) \
+        + 2 * 4 * moe.num_experts
+    copied = moe.sigmoid_routing and act != FP32_BYTES
+    router_input = FP32_BYTES * hidden if copied else 0 if input_kept else act * hidden
+    logits = (FP32_BYTES if moe.sigmoid_routing else act) * moe.num_experts
+    shared_gate = act if moe.shared_expert_size and moe.shared_expert_gated else 0
+    return experts + tokens * (router_input + logits + shared_gate)
+
+
 def eager_attention_extra_bytes(workload, heads, q_width, kv_width, act):
     """What attention with sinks (GPT-OSS, always the eager formula: models/llama.py) keeps beyond SDPA's: the keys
     and values repeated for every query head, and the scores with the sink column, their maximum and their

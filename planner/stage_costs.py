@@ -41,7 +41,7 @@ from schedules.orders import rank_orders
 from schedules.rules import chunk_ids, chunks_per_rank, in_flight_micro_batches, waiting_micro_batches
 from schedules.zbv_order import configured_zbv_durations
 from planner import training_state
-from planner.moe_costs import INT64_BYTES, eager_attention_extra_bytes, moe_saved_bytes
+from planner.moe_costs import INT64_BYTES, eager_attention_extra_bytes, moe_saved_bytes, moe_weight_grad_bytes
 from planner.training_state import FP32_BYTES
 from planner.workload import check_tensor_parallel
 
@@ -178,11 +178,15 @@ class LayerCosts:
         # A micro-batch waiting for its W (zero-bubble schedule) keeps each deferred linear layer's input and output
         # gradient (models/weight_grads.py), checkpointed or not: a decoder's q/k/v and gate/up inputs (gathered),
         # o_proj's and down_proj's inputs, q, k, v, gate and up's output gradients, and o_proj's and down_proj's
-        # (all tokens, before the row-parallel reduction); the logits head's input and its logits-sized gradient
-        # (the chunked loss's head leaves no W: models/loss.py).
+        # (all tokens, before the row-parallel reduction); an MoE layer's router and experts instead of gate, up
+        # and down, and its shared expert's as those; the logits head's input and its logits-sized gradient (the
+        # chunked loss's head leaves no W: models/loss.py).
+        attention_w = act * (gathered * hidden + tokens * (2 * q_width + 2 * kv_width + hidden))
+        mlp_w = act * (gathered * hidden + tokens * (3 * inter + hidden)) if inter else 0
+        if moe:  # the shared expert keeps the router's input, unless it keeps the gathered tokens instead
+            mlp_w += moe_weight_grad_bytes(moe, residual, hidden, act, bool(inter) and gathered == residual)
         self.weight_grad_bytes = {
-            EMBEDDING: 0, NORM: 0,
-            DECODER: act * (2 * gathered * hidden + tokens * (2 * q_width + 2 * kv_width + 3 * inter + 2 * hidden)),
+            EMBEDDING: 0, NORM: 0, DECODER: attention_w + mlp_w,
             HEAD: 0 if chunked else act * (gathered * hidden + tokens * vocab)}
         # One hidden-states tensor: a stage boundary, a checkpoint input.
         self.hidden_bytes = residual * hidden * act

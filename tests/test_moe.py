@@ -211,6 +211,36 @@ def test_activation_model_counts_what_an_moe_layer_saves(dtype, precision, famil
     assert sum(layer_parameter_counts(config)) == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weight_grad_model_counts_what_an_moe_layer_leaves_to_w(dtype, precision, family):
+    """The planner's bytes a micro-batch waiting for W keeps of a sparse layer (planner/moe_costs.py
+    moe_weight_grad_bytes, with the attention's and a shared expert's) are what the zero-bubble queue holds.
+    (DeepSeek-V3's latent attention is planned as a dense layer's.)"""
+    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from models.router_loss import initial_routing, pack_stage
+    from models.partition import DECODER
+    from models.tensor_parallel import TensorParallel
+    from models.weight_grads import WeightGradQueue
+    from planner.stage_costs import LayerCosts
+    from planner.workload import Workload
+    from tests.test_partition import queued_tensor_bytes
+    batch, seq = 2, 24
+    config = MOE_CONFIGS[family]()
+    costs = LayerCosts(config, Workload(seq_length=seq, micro_batch_size=batch, precision=precision))
+    parallel = TensorParallel()
+    parallel.weight_grads = WeightGradQueue()
+    decoder = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="full"), parallel=parallel,
+                               layer_index=architecture_of(config).sparse_layers.index(True)).to(dtype)
+    hidden = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
+    mask, positions = torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq)
+    output = decoder(pack_stage(hidden, mask, positions, initial_routing(config, "cpu")))[0]
+    with parallel.weight_grads.defer():
+        output.backward(torch.randn_like(output))
+    params = {p.untyped_storage().data_ptr() for p in decoder.parameters()}
+    assert queued_tensor_bytes(parallel.weight_grads, params) == costs.weight_grad_bytes[DECODER]
+
+
 SHIPPED = {"mixtral_8x7b": 46.7e9, "qwen3_30b_a3b": 30.5e9, "gpt_oss_120b": 116.8e9}  # their model cards' sizes
 
 

@@ -181,11 +181,12 @@ def saved_activation_bytes(run, exclude):
 
 def queued_tensor_bytes(queue, exclude):
     """Bytes of the distinct storages the queued weight-gradient work of a WeightGradQueue keeps alive (a closure's
-    cells or a partial's arguments, and the tensors of objects among them)."""
+    cells or a partial's arguments, and the tensors of objects and tuples among them)."""
     values = [value for work in queue._pending for params_and_grads in work
               for value in (params_and_grads.args if isinstance(params_and_grads, functools.partial)
                             else [cell.cell_contents for cell in params_and_grads.__closure__ or ()])]
-    values += [member for value in values for member in getattr(value, "__dict__", {}).values()]
+    values += [member for value in values for member in (value if isinstance(value, tuple) else
+                                                         getattr(value, "__dict__", {}).values())]
     return distinct_storage_bytes([value for value in values if isinstance(value, torch.Tensor)], exclude)
 
 
