@@ -41,6 +41,7 @@ The model (MODEL, SEQ_LENGTH, MICRO_BATCH) is split so that stages do equal work
 
   python bench/pipeline_efficiency.py [--rounds 8] [--micro-batches 4 8 16] [--schedules 1f1b zero_bubble]
   python bench/pipeline_efficiency.py --schedules 1f1b zero_bubble zero_bubble:0   # :c = zero_bubble_max_waiting
+  python bench/pipeline_efficiency.py --moe   # mixture-of-experts layers (the experts' weight gradients in W)
 """
 import argparse
 import contextlib
@@ -66,6 +67,7 @@ from schedules.orders import PIPELINE_SCHEDULES  # noqa: E402
 MODEL = dict(vocab_size=12288, hidden_size=1024, intermediate_size=2752, num_hidden_layers=7, num_attention_heads=16,
              num_key_value_heads=16, max_position_embeddings=1024)
 SEQ_LENGTH, MICRO_BATCH = 128, 2
+MOE = dict(num_local_experts=16, num_experts_per_tok=4, output_router_logits=True, router_aux_loss_coef=0.01)
 # Decoder layers per stage: the LM head (with norm and loss) on the last stage counts as one decoder layer.
 PARTITIONS = {1: [7], 2: [4, 3], 4: [2, 2, 2, 1]}
 CACHING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**31), "MALLOC_TRIM_THRESHOLD_": str(2**31)}
@@ -76,13 +78,19 @@ CATEGORIES = {"ForwardPass": "compute", "BackwardPass": "compute", "BackwardInpu
               "LoadMicroBatch": "load"}
 
 
-def model_config(hidden_size):
-    from transformers import LlamaConfig
+def model_config(hidden_size, moe=False):
+    """MODEL scaled to hidden_size; moe: Mixtral's layers instead (MOE: each token through top_k of the experts,
+    each 1 / top_k of the dense MLP's width: the dense model's FLOPs per token, the load-balancing loss on)."""
+    from transformers import LlamaConfig, MixtralConfig
     scale = hidden_size / MODEL["hidden_size"]
-    return LlamaConfig(**dict(MODEL, hidden_size=hidden_size, vocab_size=round(MODEL["vocab_size"] * scale),
-                              intermediate_size=round(MODEL["intermediate_size"] * scale),
-                              num_attention_heads=round(MODEL["num_attention_heads"] * scale),
-                              num_key_value_heads=round(MODEL["num_key_value_heads"] * scale)))
+    fields = dict(MODEL, hidden_size=hidden_size, vocab_size=round(MODEL["vocab_size"] * scale),
+                  intermediate_size=round(MODEL["intermediate_size"] * scale),
+                  num_attention_heads=round(MODEL["num_attention_heads"] * scale),
+                  num_key_value_heads=round(MODEL["num_key_value_heads"] * scale))
+    if not moe:
+        return LlamaConfig(**fields)
+    return MixtralConfig(**dict(fields, intermediate_size=fields["intermediate_size"] // MOE["num_experts_per_tok"]),
+                         **MOE)
 
 
 def schedule_and_cap(name):
@@ -163,8 +171,7 @@ def pin_to_core(rank):
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
 
-def timing_worker(rank, num_stages, micro_batches, rounds, warm_up_rounds, schedules, hidden_size,
-                  checkpoint_interval):
+def timing_worker(rank, num_stages, micro_batches, rounds, warm_up_rounds, schedules, model, checkpoint_interval):
     """Alternate, after warm-up rounds: a step of every process's own one-stage copy (all at once), the same in
     lockstep, then a step of the pipeline under each schedule; every step starts at a barrier."""
     import torch.distributed as dist
@@ -173,7 +180,7 @@ def timing_worker(rank, num_stages, micro_batches, rounds, warm_up_rounds, sched
 
     pin_to_core(rank)
     init_distributed(timeout_minutes=30)
-    config = model_config(hidden_size)
+    config = model_config(*model)
     engines = {schedule: build_engine(config, num_stages, micro_batches, schedule, checkpoint_interval)
                for schedule in schedules}
     replica = build_engine(config, 1, micro_batches, "1f1b", checkpoint_interval)
@@ -199,7 +206,7 @@ def timing_worker(rank, num_stages, micro_batches, rounds, warm_up_rounds, sched
             "spent": {s: {k: v / rounds for k, v in spent[s].items()} for s in spent}}
 
 
-def memory_worker(rank, num_stages, micro_batches, schedule, hidden_size, checkpoint_interval):
+def memory_worker(rank, num_stages, micro_batches, schedule, model, checkpoint_interval):
     """Peak RSS until the last W and over one step after a warm-up, and the RSS before it."""
     import torch.distributed as dist
     from deepspeed.runtime.pipe.schedule import ReduceTiedGrads
@@ -207,7 +214,7 @@ def memory_worker(rank, num_stages, micro_batches, schedule, hidden_size, checkp
     from cluster.distributed import init_distributed
 
     init_distributed(timeout_minutes=30)
-    config = model_config(hidden_size)
+    config = model_config(*model)
     engine = build_engine(config, num_stages, micro_batches, schedule, checkpoint_interval)
     batches = random_micro_batches(config.vocab_size, SEQ_LENGTH, MICRO_BATCH, seed=rank)
     engine.train_batch(batches)
@@ -354,16 +361,19 @@ def main():
                         help="untimed rounds first: a round after one still spent up to 1.3 s per step in page faults "
                              "as the engines' memory settled")
     parser.add_argument("--activation-checkpoint-interval", type=int, default=0)
+    parser.add_argument("--moe", action="store_true", help="Mixtral's layers (MOE) at the same FLOPs per token")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
     parser.add_argument("--no-timing", action="store_true", help="only the peak-RSS runs")
     parser.add_argument("--idle-halt", action="store_true",
                         help="let idle cores halt, the machine's default (by default they poll while this runs)")
     args = parse_args(parser, rounds=1, micro_batches=[2], hidden_size=64, warm_up_rounds=0, idle_halt=True)
-    config = model_config(args.hidden_size)
+    model = (args.hidden_size, args.moe)
+    config = model_config(*model)
     with contextlib.nullcontext(False) if args.idle_halt else idle_cores_polling() as polling:
         idle = ("poll (/dev/cpu_dma_latency held at 0)" if polling else
                 "halt" + ("" if args.idle_halt else " (/dev/cpu_dma_latency cannot be opened)"))
-        print(f"model: hidden {config.hidden_size}, intermediate {config.intermediate_size}, "
+        experts = f" x {config.num_local_experts} experts, top-{config.num_experts_per_tok}" if args.moe else ""
+        print(f"model: hidden {config.hidden_size}, intermediate {config.intermediate_size}{experts}, "
               f"{config.num_hidden_layers} layers, vocabulary {config.vocab_size}; seq_length {SEQ_LENGTH}, "
               f"micro-batch {MICRO_BATCH}, fp32, one thread per process; {args.rounds} interleaved rounds after "
               f"{args.warm_up_rounds} warm-up rounds; activation checkpointing every "
@@ -371,14 +381,13 @@ def main():
         for m in args.micro_batches:
             if not args.no_timing:
                 ranks = run_workers(timing_worker, args.stages, CACHING_MALLOC, args.stages, m, args.rounds,
-                                    args.warm_up_rounds, args.schedules, args.hidden_size,
-                                    args.activation_checkpoint_interval)
+                                    args.warm_up_rounds, args.schedules, model, args.activation_checkpoint_interval)
                 report(args.stages, m, ranks, args.schedules)
                 print_details(args.stages, m, ranks, args.schedules)
             if not args.no_memory:
                 memory = {schedule: run_workers(memory_worker, args.stages,
                                                 FIXED_MMAP_THRESHOLD, args.stages, m,
-                                                schedule, args.hidden_size, args.activation_checkpoint_interval)
+                                                schedule, model, args.activation_checkpoint_interval)
                           for schedule in args.schedules}
                 print_memory(args.stages, m, memory)
     print(machine_note())
