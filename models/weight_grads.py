@@ -128,15 +128,17 @@ def grouped_linear(x, weight, bias, groups):
 
 def grouped_linear_weight_grads(x, grad, weight, bias, groups):
     """[(weight, dW), (bias, db)] of grouped_linear from its input and output gradient, for those of weight and bias
-    that take a gradient; the same operations as autograd's, so the same bits: torch's grouped GEMM of x^T and the
-    gradient, or per block the matmul autograd picks for the weight's layout (a transposed one's gradient computed
-    transposed), and the bias rows accumulated by index."""
+    that take a gradient: the bits autograd gives (tests/test_moe.py), the bias rows accumulated by index. A weight
+    held transposed (each group's [in, out] column-major: the experts' [E, out, in] parameters) gets its gradient
+    computed in the parameter's own layout, gradient^T x, as autograd's matmul does (mm_mat2_backward): then it
+    adds into .grad contiguously (on the CPU a quarter of the experts' W was a strided add otherwise)."""
     pairs = []
     if weight.requires_grad:
+        transposed = weight.stride(-2) == 1
         if groups.split_sizes is None:
-            weight_grad = F.grouped_mm(x.t(), grad, offs=groups.offsets)
+            weight_grad = (F.grouped_mm(grad.t(), x, offs=groups.offsets).transpose(-2, -1) if transposed
+                           else F.grouped_mm(x.t(), grad, offs=groups.offsets))
         else:
-            transposed = weight.stride(-2) == 1  # each group's [in, out] column-major
             weight_grad = torch.stack([(block_grad.t() @ block).t() if transposed else block.t() @ block_grad
                                        for block, block_grad in zip(x.split(groups.split_sizes),
                                                                     grad.split(groups.split_sizes))])

@@ -97,6 +97,9 @@ FIGURES = {
                               "training forward (eval_batch) # s # requests/s # tokens/s",
                               "lm_eval HFLM # s # requests/s # request tokens/s"],
     "grad_accumulation.py": ["# micro-batches: relative error against fp64, worst of #: bf16 sum #, fp32 sum # (#x"],
+    "moe_weight_grads.py": [*(f"{split}: F # B # W # ms; zero_bubble bubble #% step #x 1F1B's, zbv bubble #% step #x "
+                              "1F1B's" for split in ("experts in W", "experts in B")),
+                            "undivided: F # B # W # ms; 1f1b bubble #% step #x 1F1B's"],
     "packing_efficiency.py": [f"packing={p}: # rows of #, #% of row tokens real, # learned tokens/step, # s/step, # "
                               "learned tokens/s" for p in ("false", "true")] + ["packing true / false: #x"],
     "pipeline_efficiency.py": [
