@@ -400,11 +400,9 @@ def run_spec_of(demo_model, model_dir, tmp_path, *overrides, world_size=2):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["precision=fp16", "zero_stage=1"], r"^precision=fp16 with the mixture-of-experts model qwen3_moe: it is not "
-                                         r"tested under fp16's loss scaling; use precision=bf16 \(docs/moe\.md\)\.$"),
     (["lora.rank=4"], r"^lora\.rank=4 with the mixture-of-experts model qwen3_moe: .*"),
     (["output_router_logits=maybe"], r"^output_router_logits='maybe' must be true, false or null"),
-], ids=["fp16", "lora", "bad_value"])
+], ids=["lora", "bad_value"])
 def test_settings_an_moe_model_is_not_tested_under_are_refused_in_one_line(demo_model, tiny_moe_checkpoints, tmp_path,
                                                                         overrides, message):
     from training.config_checks import ConfigError

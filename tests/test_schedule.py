@@ -437,6 +437,13 @@ MOE_CASES = {
     "moe_deepseek_v3_2dp": ("deepseek_v3", MOE),
     "moe_deepseek_v3_q_proj_2dp": ("deepseek_v3_q_proj", dict(MOE, zbv_tolerance=2e-6)),
     "moe_glm4_moe_2dp": ("glm4_moe", MOE),
+    # fp16 as 2stages_x_2dp_fp16: the scaler overflows at 2^20 in the second step, and in the fourth the last sparse
+    # layer's router weight gradient is made inf, which ZB-H1 and ZB-V compute in W
+    "moe_qwen2_moe_2dp_fp16": ("qwen2_moe", dict(MOE, steps=4, overflow_in_gradient=("4.mlp.gate.weight", 3),
+                                                  deepspeed=dict(zero_optimization={"stage": 1},
+                                                                 data_types={"grad_accum_dtype": "fp32"},
+                                                                 fp16={"enabled": True, "initial_scale_power": 20,
+                                                                       "hysteresis": 1}))),
 }
 
 

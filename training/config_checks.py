@@ -272,7 +272,6 @@ def check_chunk_schedule(cfg):
 # What a mixture-of-experts model is not tested under, or cannot do yet: {key: (whether a value is refused, why and
 # what to set instead)}.
 MOE_REFUSED = {
-    "precision": (lambda value: value == "fp16", "it is not tested under fp16's loss scaling; use precision=bf16"),
     "context_parallel_size": (lambda value: value > 1, "its load-balancing sums would need the whole context "
                                                        "group's; use context_parallel_size=1"),
     "lora.rank": (lambda value: value > 0, "it has no adapters on its experts or routers yet; use lora.rank=0"),
