@@ -54,7 +54,7 @@ def main(argv=None):
     from lm_eval.utils import make_table
 
     from checkpoints.ds_to_hf import convert_ds_to_hf, lora_record, resolve_tag_dir
-    from training.lm_eval_tasks import is_task_file, task_metrics, write_results
+    from evaluation.lm_eval_tasks import is_task_file, task_metrics, write_results
 
     try:
         tag_dir = resolve_tag_dir(args.ckpt_dir, args.tag)

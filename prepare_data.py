@@ -12,8 +12,10 @@ Memory stays bounded: inputs are read in batches of --batch_size documents, at m
 Each input is written to its own part (PREFIX.parts/), renamed into place only when whole; the parts are then
 merged into PREFIX.bin/.idx, written under temporary names and renamed, PREFIX.json (the tokenizer, the counts,
 the inputs) last. Interrupted, it leaves no half-written shard; run again, it skips the inputs whose parts are
-done, and does nothing when PREFIX.json already lists the same inputs and tokenizer. Shards at PREFIX that
-PREFIX.json does not vouch for that way (Megatron's, or other inputs') are refused unless --overwrite.
+done, and does nothing when PREFIX.json already lists the same inputs and tokenizer. Run with inputs added, it
+extends PREFIX (tokenizing only the added ones when they come after the prepared ones). Shards at PREFIX that
+PREFIX.json does not describe (Megatron's, another tokenizer's) or that hold documents of an input no longer given
+(or changed since) are refused unless --overwrite.
 """
 import argparse
 import json
@@ -34,7 +36,8 @@ def main(argv=None):
     parser.add_argument("--text_field", default="text", help="the field holding each document (jsonl, parquet)")
     parser.add_argument("--batch_size", type=int, default=1000, help="documents per tokenizing task")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace PREFIX.bin/.idx that PREFIX.json does not record as these inputs' shards")
+                        help="replace PREFIX.bin/.idx that PREFIX.json does not describe, or whose "
+                             "documents these inputs would not all hold again")
     args = parser.parse_args(argv)
     try:
         summary = prepare_shards(args.input, args.tokenizer_name_or_path, args.output_prefix, workers=args.workers,

@@ -7,7 +7,7 @@
 import argparse
 import sys
 
-from training.supervisor import Supervisor, output_dir_of
+from resilience.supervisor import Supervisor, output_dir_of
 
 
 def main():

@@ -24,15 +24,15 @@ def strip_launcher_arguments():
 
 @hydra.main(version_base=None, config_path="conf", config_name="tiny")
 def main(cfg):
-    """Runs the config; the exit code says why a run ended (training/exit_codes.py: what a restart can fix)."""
+    """Runs the config; the exit code says why a run ended (resilience/exit_codes.py: what a restart can fix)."""
     import collectives  # heavy imports after Hydra has parsed the command line
     from checkpoints.disk_space import DiskFullError
     from checkpoints.integrity import ChecksumError
     from checkpoints.layer_files import UnsafeFileError
     from deepspeed_internals.registry import DeepSpeedMismatch
-    from training import exit_codes
-    from training.preemption import Preempted
-    from training.rank_records import record_end
+    from resilience import exit_codes
+    from resilience.preemption import Preempted
+    from resilience.rank_records import record_end
     import torch.distributed as dist
     exit_code = 0
     try:
@@ -53,7 +53,7 @@ def main(cfg):
         say(f"trainer_pipe: {stop}", sys.stdout)
         exit_code = exit_codes.PREEMPTED
     except Exception as error:  # a crash: its traceback follows, and a supervisor restarts the run
-        from training.distributed import communication_failure
+        from cluster.distributed import communication_failure
         record_end(exit_codes.CRASHED, f"{type(error).__name__}: {error}", communication_failure(error))
         raise
     record_end(exit_code, "preempted" if exit_code else "finished")
@@ -67,7 +67,7 @@ def main(cfg):
 
 def fail(exit_code, error):
     """Say what to fix in one line and record it; the exit code to end with."""
-    from training.rank_records import record_end
+    from resilience.rank_records import record_end
     say(f"trainer_pipe: error: {error}")
     record_end(exit_code, str(error))
     return exit_code

@@ -3,71 +3,59 @@ default): wall time of one step over SmolLM2-135M's parameters (bench/trainer_pr
 gradients, one thread, steps interleaved) and the peak RSS one step adds on a single 50M-element fp32 tensor (a fresh
 process per variant): the two fp32 temporaries the planner counts for the unfused step (planner/training_state.py).
 
-  python bench/adam_step.py [--rounds 10]
+  python bench/adam_step.py [--rounds 10] [--workload smollm2] [--elements 50000000]
 """
-import argparse
 import statistics
-import time
-
-from common import MIB, machine_note, peak_rss_bytes, reset_peak_rss, spawn
-from trainer_profile import WORKLOADS
 
 import torch
+
+from common import MIB, bench_parser, machine_note, parse_args, peak_rss_rise, spawn, timed_rounds, spread
+from trainer_profile import WORKLOADS
 
 VARIANTS = {"per-tensor loop": False, "fused": True}
 
 
-def smollm2_parameters():
+def parameters_of(workload):
     from transformers import LlamaConfig, LlamaForCausalLM
-    fields, _, _ = WORKLOADS["smollm2"]
+    fields, _, _ = WORKLOADS[workload]
     parameters = list(LlamaForCausalLM(LlamaConfig(**fields)).parameters())
     for parameter in parameters:
         parameter.grad = torch.randn_like(parameter) * 1e-3
     return parameters
 
 
-def step_rise_mib(rank, fused, elements, out):
+def step_rise_mib(rank, fused, elements):
     """Peak RSS one AdamW step adds over a tensor whose moments already exist (the second step onwards)."""
-    torch.set_num_threads(1)
     parameter = torch.nn.Parameter(torch.zeros(elements))
     parameter.grad = torch.ones(elements)
     optimizer = torch.optim.AdamW([parameter], fused=fused)
     optimizer.step()
-    reset_peak_rss()
-    before = peak_rss_bytes()
-    optimizer.step()
-    out[fused] = (peak_rss_bytes() - before) / MIB
+    return peak_rss_rise(optimizer.step) / MIB
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=10)
-    args = parser.parse_args()
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="smollm2", help="the parameters' shape")
+    parser.add_argument("--elements", type=int, default=50_000_000, help="the peak RSS step's tensor")
+    args = parse_args(parser, rounds=1, workload="tiny", elements=100_000)
     torch.set_num_threads(1)
-    parameters = smollm2_parameters()
+    parameters = parameters_of(args.workload)
     optimizers = {name: torch.optim.AdamW(parameters, lr=1e-6, fused=fused) for name, fused in VARIANTS.items()}
-    seconds = {name: [] for name in VARIANTS}
-    for round_ in range(args.rounds + 1):  # round 0 allocates the moments: left out
-        for name, optimizer in (optimizers.items() if round_ % 2 else reversed(optimizers.items())):
-            start = time.perf_counter()
-            optimizer.step()
-            if round_:
-                seconds[name].append(time.perf_counter() - start)
+    for optimizer in optimizers.values():  # allocates the moments
+        optimizer.step()
+    seconds = timed_rounds({name: optimizer.step for name, optimizer in optimizers.items()}, args.rounds)
     count = sum(p.numel() for p in parameters)
-    print(f"AdamW step over {count / 1e6:.1f}M parameters, 1 thread, {args.rounds} interleaved rounds (ms, median "
-          f"and range):")
+    print(f"AdamW step over {count / 1e6:.1f}M parameters ({args.workload}), 1 thread, {args.rounds} interleaved "
+          f"rounds (ms):")
     for name, values in seconds.items():
-        print(f"  {name:16} {statistics.median(values) * 1e3:7.1f}  ({min(values) * 1e3:.1f}-{max(values) * 1e3:.1f})")
+        print(f"  {name:16} {spread([1e3 * v for v in values], 1)}")
     loop, fused = (statistics.median(seconds[name]) for name in VARIANTS)
     print(f"  fused speed-up: {loop / fused:.2f}x")
-    import multiprocessing
-    rises = multiprocessing.Manager().dict()
-    for fused in VARIANTS.values():
-        spawn(step_rise_mib, 1, fused, 50_000_000, rises)
-    print(f"peak RSS added by one step on a 50M-element fp32 tensor ({50e6 * 4 / MIB:.0f} MiB): per-tensor loop "
-          f"{rises[False]:.0f} MiB, fused {rises[True]:.0f} MiB")
+    rises = {fused: spawn(step_rise_mib, 1, fused, args.elements)[0] for fused in VARIANTS.values()}
+    print(f"peak RSS added by one step on a {args.elements / 1e6:g}M-element fp32 tensor "
+          f"({args.elements * 4 / MIB:.0f} MiB): per-tensor loop {rises[False]:.0f} MiB, fused {rises[True]:.0f} MiB")
     print(machine_note())
-
 
 if __name__ == "__main__":
     main()

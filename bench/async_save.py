@@ -20,7 +20,6 @@ pace.
 
   python bench/async_save.py [--rounds 3] [--num-layers 18] [--step-matmuls 12] [--model-step-seq 0]
 """
-import argparse
 import functools
 import os
 import shutil
@@ -30,8 +29,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import free_port, machine_note  # noqa: E402
-from load_memory import MODEL  # noqa: E402
+from common import bench_parser, free_port, machine_note, parse_args, spread  # noqa: E402
+from load_memory import MODEL, SMOKE_MODEL  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -41,16 +40,17 @@ from deepspeed.runtime.pipe.schedule import OptimizerStep  # noqa: E402
 
 from checkpoints.background_save import BackgroundSave  # noqa: E402
 from checkpoints.saving import hashing_saves  # noqa: E402
+from engines.instruction_listeners import add_instruction_listener  # noqa: E402
 
 STEP_MATMULS = 12  # a step: this many 1024 x 1024 fp32 matmuls (about 0.3 s on one core), unless --step-matmuls
-BASELINE_STEPS = 8
+BASELINE_STEPS = 8  # unless --baseline-steps
 
 
-def layer_files(num_layers):
+def layer_files(num_layers, fields=MODEL):
     """{file name: state dict} of the model's layers, bf16, random."""
     from transformers import LlamaConfig, LlamaForCausalLM
     with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**{**MODEL, "num_hidden_layers": num_layers}))
+        model = LlamaForCausalLM(LlamaConfig(**{**fields, "num_hidden_layers": num_layers}))
     model = model.to_empty(device="cpu").to(torch.bfloat16)
     for parameter in model.parameters():
         parameter.data.normal_()
@@ -80,12 +80,12 @@ def step(a, b, trainer, matmuls):
     return time.perf_counter() - start, time.perf_counter() - optimizer_start, cpu
 
 
-def model_step_seconds(num_layers, seq_len):
+def model_step_seconds(num_layers, seq_len, fields=MODEL):
     """CPU seconds of one forward and backward of the model itself, fp32, micro-batch 1 x seq_len, on this thread:
     how long a real step of it is against the bench's matmul step (the step length the copy hides behind)."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    model = LlamaForCausalLM(LlamaConfig(**{**MODEL, "num_hidden_layers": num_layers}))
-    tokens = torch.randint(0, MODEL["vocab_size"], (1, seq_len))
+    model = LlamaForCausalLM(LlamaConfig(**{**fields, "num_hidden_layers": num_layers}))
+    tokens = torch.randint(0, fields["vocab_size"], (1, seq_len))
     seconds = []
     for _ in range(2):  # the first allocates what the second reuses
         start = time.thread_time()
@@ -94,8 +94,8 @@ def model_step_seconds(num_layers, seq_len):
     return seconds[-1]
 
 
-def normal_steps(run_step):
-    return [run_step() for _ in range(BASELINE_STEPS)]
+def normal_steps(run_step, count):
+    return [run_step() for _ in range(count)]
 
 
 def save_layers(files, tag_dir, engine):
@@ -131,12 +131,8 @@ def async_save(files, tag_dir, engine, background, run_step):
             return call_seconds, during
 
 
-def spread(values):
-    return f"median {statistics.median(values):.2f} (min {min(values):.2f}, max {max(values):.2f})"
-
-
 def main():
-    parser = argparse.ArgumentParser()
+    parser = bench_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-matmuls", type=int, default=STEP_MATMULS,
                         help="a step's forward and backward: this many matmuls (more: a longer step)")
@@ -144,17 +140,22 @@ def main():
                         help="decoder layers (fewer: a quick check of the script, not the 1B figure)")
     parser.add_argument("--model-step-seq", type=int, default=0,
                         help="first time one forward and backward of the model itself at this sequence length")
-    args = parser.parse_args()
+    parser.add_argument("--baseline-steps", type=int, default=BASELINE_STEPS,
+                        help="steps at the normal pace before and after each asynchronous save")
+    args = parse_args(parser, rounds=1, step_matmuls=1, num_layers=SMOKE_MODEL["num_hidden_layers"], model_step_seq=16,
+                      baseline_steps=2)
+    fields = SMOKE_MODEL if args.smoke else MODEL
     torch.set_num_threads(1)
     if args.model_step_seq:
         print(f"the model's own step (fp32, forward + backward, micro-batch 1 x {args.model_step_seq} tokens, one "
-              f"thread): {model_step_seconds(args.num_layers, args.model_step_seq):.2f} CPU s", flush=True)
+              f"thread): {model_step_seconds(args.num_layers, args.model_step_seq, fields):.2f} CPU s", flush=True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    files = layer_files(args.num_layers)
+    files = layer_files(args.num_layers, fields)
     size = sum(t.numel() * t.element_size() for state in files.values() for t in state.values())
     parameters = sum(t.numel() for state in files.values() for t in state.values())
     engine, trainer = TorchCheckpointEngine(), Trainer()
-    background = BackgroundSave(trainer)
+    background = BackgroundSave()
+    add_instruction_listener(trainer, background)
     engine.zipfile_serialization = True  # DeepSpeed's default (checkpoint_serialization), which the trainer keeps
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     run_step = functools.partial(step, a, b, trainer, args.step_matmuls)
@@ -171,9 +172,9 @@ def main():
                 if kind == "sync":
                     results["sync"].append(sync_save(files, tag_dir, engine))
                 else:  # the normal pace: the steps right before the save and right after its write
-                    before = normal_steps(run_step)
+                    before = normal_steps(run_step, args.baseline_steps)
                     call_seconds, during = async_save(files, tag_dir, engine, background, run_step)
-                    normal = before + normal_steps(run_step)
+                    normal = before + normal_steps(run_step, args.baseline_steps)
                     normal_step, normal_cpu = (statistics.median(s[i] for s in normal) for i in (0, 2))
                     wait = sum(optimizer for _, optimizer, _ in during)
                     results["call"].append(call_seconds)
@@ -196,18 +197,18 @@ def main():
     print(f"checkpoint: {parameters / 1e9:.2f}B parameters, {size / 2**30:.2f} GiB bf16 in {len(files)} layer files; "
           f"{args.rounds} interleaved rounds; {machine_note()}")
     print(f"first asynchronous save (allocating the shared memory): {first_call:.2f} s of save call")
-    print(f"synchronous save (the trainer waits): {spread(results['sync'])} s")
-    print(f"asynchronous save, the save call (the trainer waits): {spread(results['call'])} s")
-    print(f"asynchronous save, the optimizer steps' wait for the copy: {spread(results['wait'])} s")
+    print(f"synchronous save (the trainer waits): {spread(results['sync'], 2)} s")
+    print(f"asynchronous save, the save call (the trainer waits): {spread(results['call'], 2)} s")
+    print(f"asynchronous save, the optimizer steps' wait for the copy: {spread(results['wait'], 2)} s")
+    lost_share = statistics.median(results['lost']) / statistics.median(results['sync'])
     print(f"asynchronous save, training time lost (save call + slower steps during the copy and the write): "
-          f"{spread(results['lost'])} s = {statistics.median(results['lost']) / statistics.median(results['sync']):.1%}"
-          f" of the synchronous save's")
-    print(f"steps during the background write: {spread(results['pace'])} of the normal pace, "
-          f"{spread(results['steps_during'])} steps of {spread(results['normal_step'])} s")
+          f"{spread(results['lost'], 2)} s = {lost_share:.1%} of the synchronous save's")
+    print(f"steps during the background write: {spread(results['pace'], 2)} of the normal pace, "
+          f"{spread(results['steps_during'], 2)} steps of {spread(results['normal_step'], 2)} s")
     print(f"by the trainer thread's CPU time (save call + optimizer steps' wait + the steps' extra CPU time during the "
-          f"copy and the write): lost {spread(results['cpu_lost'])} s = "
+          f"copy and the write): lost {spread(results['cpu_lost'], 2)} s = "
           f"{statistics.median(results['cpu_lost']) / statistics.median(results['sync']):.1%} of the synchronous "
-          f"save's; steps at {spread(results['cpu_pace'])} of the normal pace")
+          f"save's; steps at {spread(results['cpu_pace'], 2)} of the normal pace")
     dist.destroy_process_group()
 
 

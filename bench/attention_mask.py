@@ -5,13 +5,9 @@ planner's mask figure at longer sequences.
 
     python bench/attention_mask.py [--seq 4096] [--rounds 5] [--planned 4096 32768]
 """
-import argparse
-import statistics
-import time
-
 import torch
 
-from common import MIB, machine_note, saved_activation_bytes, spawn
+from common import MIB, bench_parser, machine_note, parse_args, saved_activation_bytes, spawn, spread, timed_rounds
 
 PADDING = 0.25  # of each row
 
@@ -33,11 +29,9 @@ def rows(seq, vocab, documents):
     return (input_ids, document_ids[None].long(), positions[None]), labels
 
 
-def worker(rank, seq, rounds, out_path):
-    import json
-
+def worker(rank, seq, rounds):
     from models.pipeline import build_pipeline_module
-    from training.distributed import init_distributed, parallel_topology
+    from cluster.distributed import init_distributed, parallel_topology
 
     init_distributed(timeout_minutes=10)
     config = model_config(seq)
@@ -47,18 +41,15 @@ def worker(rank, seq, rounds, out_path):
     for name, (layout, _) in cases.items():  # the run's row layout decides the mask (data/collator.py row_layout)
         torch.manual_seed(0)
         modules[name] = build_pipeline_module(config, parallel_topology(1), loss_chunk_tokens=1024, row_layout=layout)
-    results = {name: {"saved_bytes": saved_activation_bytes(modules[name], batch), "seconds": []}
-               for name, (_, batch) in cases.items()}
-    for _ in range(rounds):
-        for name, (_, (inputs, labels)) in cases.items():
-            module = modules[name]
-            start = time.perf_counter()
-            module.loss_fn(module(inputs), labels).backward()
-            module.zero_grad(set_to_none=True)
-            results[name]["seconds"].append(time.perf_counter() - start)
-    with open(out_path, "w") as f:
-        json.dump(results, f)
+    saved = {name: saved_activation_bytes(modules[name], batch) for name, (_, batch) in cases.items()}
+
+    def forward_backward(module, inputs, labels):
+        module.loss_fn(module(inputs), labels).backward()
+        module.zero_grad(set_to_none=True)
+    seconds = timed_rounds({name: lambda m=modules[name], b=batch: forward_backward(m, *b)
+                            for name, (_, batch) in cases.items()}, rounds)
     torch.distributed.destroy_process_group()
+    return {name: {"saved_bytes": saved[name], "seconds": seconds[name]} for name in cases}
 
 
 def planned_mask_bytes(seq, precision):
@@ -71,29 +62,23 @@ def planned_mask_bytes(seq, precision):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--planned", type=int, nargs="*", default=[4096, 32768])
-    args = parser.parse_args()
-    import json
-    import tempfile
-    out_path = f"{tempfile.mkdtemp()}/results.json"
-    spawn(worker, 1, args.seq, args.rounds, out_path)
-    results = json.load(open(out_path))
+    args = parse_args(parser, seq=64, rounds=1, planned=[128])
+    results = spawn(worker, 1, args.seq, args.rounds)[0]
     print(f"{machine_note()}\n1 stage of 2 decoder layers (hidden 256), 1 row of {args.seq} tokens "
           f"({PADDING:.0%} padding), fp32, 1 thread, {args.rounds} interleaved rounds")
     for name, result in results.items():
-        print(f"  {name:<36} saved activations {result['saved_bytes'] / MIB:8.1f} MiB   forward+backward median "
-              f"{statistics.median(result['seconds']):.3f} s (min {min(result['seconds']):.3f}, "
-              f"max {max(result['seconds']):.3f})")
+        print(f"  {name:<36} saved activations {result['saved_bytes'] / MIB:8.1f} MiB   forward+backward "
+              f"{spread(result['seconds'])} s")
     causal, masked = results.values()
     print(f"  the mask's saved bytes: {(masked['saved_bytes'] - causal['saved_bytes']) / MIB:.1f} MiB "
           f"(seq^2 x 4 bytes = {args.seq ** 2 * 4 / MIB:.1f} MiB)")
     for seq in args.planned:
         print(f"planned, bf16, micro-batch 1, seq {seq}: the mask of packed documents "
               f"{planned_mask_bytes(seq, 'bf16') / MIB:,.0f} MiB per micro-batch in flight; rows of one document: 0")
-
 
 if __name__ == "__main__":
     main()

@@ -8,14 +8,11 @@ split divides.
 
     python bench/context_parallel.py [--seq 4096] [--rounds 5] [--steps 2]
 """
-import argparse
-import os
-import statistics
 import time
 
 import torch
 
-from common import saved_activation_bytes, spawn  # noqa: E402
+from common import bench_parser, in_rounds, parse_args, round_ratios, saved_activation_bytes, spawn, spread
 
 LAYOUTS = {"whole sequences (2 data-parallel)": 1, "context 2": 2}  # name: context_parallel_size
 GLOBAL_SEQUENCES = 4  # per step, both layouts
@@ -34,13 +31,11 @@ def micro_batch(seq, vocab, seed):
     return (input_ids, ones, torch.arange(seq)[None]), input_ids.clone()
 
 
-def worker(rank, seq, rounds, steps, out_path):
-    import json
-
+def worker(rank, seq, rounds, steps):
     import deepspeed
 
     from models.pipeline import build_pipeline_module
-    from training.distributed import init_distributed, parallel_topology
+    from cluster.distributed import init_distributed, parallel_topology
 
     init_distributed(timeout_minutes=10)
     config = model_config()
@@ -57,45 +52,40 @@ def worker(rank, seq, rounds, steps, out_path):
         batches = [module.context.split_micro_batch(micro_batch(seq, config.vocab_size, seed=replica * 100 + i))
                    for i in range(GLOBAL_SEQUENCES // replicas)]
         engines[name] = (engine, module, batches)
-    results = {name: {"activation_bytes": saved_activation_bytes(module, batches[0]), "step_s": []}
-               for name, (engine, module, batches) in engines.items()}
-    for name, (engine, _, batches) in engines.items():  # warm-up
+    activations = {name: saved_activation_bytes(module, batches[0]) for name, (_, module, batches) in engines.items()}
+    for engine, _, batches in engines.values():  # warm-up
         engine.train_batch(iter(batches))
-    for _ in range(rounds):
-        for name, (engine, _, batches) in engines.items():
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.train_batch(iter(batches))
-            results[name]["step_s"].append((time.perf_counter() - start) / steps)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+
+    def step_seconds(engine, batches):
+        """Seconds per step of `steps` steps, started together on both ranks."""
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.train_batch(iter(batches))
+        return (time.perf_counter() - start) / steps
+    seconds = in_rounds({name: lambda e=engine, b=batches: step_seconds(e, b)
+                         for name, (engine, _, batches) in engines.items()}, rounds)
     torch.distributed.destroy_process_group()
+    return {name: {"activation_bytes": activations[name], "step_s": seconds[name]} for name in engines}
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
-    args = parser.parse_args()
-    import json
-    import tempfile
-    out_path = os.path.join(tempfile.mkdtemp(), "results.json")
-    spawn(worker, 2, args.seq, args.rounds, args.steps, out_path)
-    results = json.load(open(out_path))
+    args = parse_args(parser, seq=64, rounds=1, steps=1)
+    results = spawn(worker, 2, args.seq, args.rounds, args.steps)[0]
     tokens = GLOBAL_SEQUENCES * args.seq
     whole, split = (results[name] for name in LAYOUTS)
     print(f"1 stage, 2 processes x 1 thread, seq {args.seq}, {GLOBAL_SEQUENCES} sequences per step, fp32, "
           f"{args.rounds} interleaved rounds of {args.steps} steps")
     for name, result in results.items():
         rates = [tokens / s for s in result["step_s"]]
-        print(f"  {name:<36} activations per rank {result['activation_bytes'] / 2**20:8.1f} MiB   tokens/s median "
-              f"{statistics.median(rates):8.0f} (min {min(rates):.0f}, max {max(rates):.0f})")
-    ratios = [w / s for w, s in zip(whole["step_s"], split["step_s"])]
+        print(f"  {name:<36} activations per rank {result['activation_bytes'] / 2**20:8.1f} MiB   tokens/s "
+              f"{spread(rates, 0)}")
     print(f"context 2 / whole: activations {split['activation_bytes'] / whole['activation_bytes']:.3f}x, "
-          f"tokens/s median {statistics.median(ratios):.3f}x (per round {min(ratios):.3f}-{max(ratios):.3f})")
+          f"tokens/s {round_ratios(whole['step_s'], split['step_s'])}")
 
 
 if __name__ == "__main__":

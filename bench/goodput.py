@@ -16,21 +16,19 @@ the fault-free run and those figures (unaccounted): whether a run meets the targ
 With --rounds N, N fault-free and faulty runs alternate, and each faulty run is also set against the median
 fault-free run (their first start-ups differ by seconds, more than the faults' own figures from their allowance).
 
-  python bench/goodput.py [--steps 24] [--save-steps 4] [--seed 0] [--rounds 1] [--work-dir DIR]
+  python bench/goodput.py [--steps 24] [--save-steps 4] [--seed 0] [--rounds 1] [--faults sigkill ...] [--work-dir DIR]
 """
-import argparse
 import json
 import os
 import random
 import re
+import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, machine_note  # noqa: E402
+from common import bench_parser, demo_model, machine_note, parse_args, timed_lines  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -39,17 +37,12 @@ from tests.launch import trainer_command  # noqa: E402
 
 SLOW_SECONDS = "0.2"  # the slowed rank's extra time per forward
 WATCHDOG = {"hang_watchdog.min_step_seconds": 10, "hang_watchdog.startup_seconds": 300}
+FAULTS = ("sigkill", "kill_during_save", "sigstop", "slow")
 
 
-def make_model(work_dir):
-    """The tiny LLaMA the tests train (scripts/make_tiny_llama.py), converted: the trainer's overrides for it."""
-    from checkpoints.hf_to_ds import convert_hf_to_ds
-    root = os.path.join(work_dir, "model")
-    if not os.path.isdir(os.path.join(root, "ds")):
-        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_llama.py"), "--output_dir", root,
-                        "--train_lines", "3000", "--eval_lines", "100", "--vocab_size", "384", "--hidden_size", "64"],
-                       check=True, capture_output=True)
-        convert_hf_to_ds(os.path.join(root, "hf"), os.path.join(root, "ds"))
+def run_overrides(work_dir, smoke):
+    """The tiny LLaMA the tests train, converted: the trainer's overrides for it."""
+    root = demo_model(os.path.join(work_dir, "model"), train_lines=300 if smoke else 3000)
     return {"model_name_or_path": os.path.join(root, "ds"), "train_file": os.path.join(root, "train.txt"),
             "eval_file": "null", "data.cache_dir": os.path.join(root, "data_cache"), "seq_length": 64,
             "micro_batch_size": 2}
@@ -64,15 +57,6 @@ def fault_plan(steps, save_steps, seed):
     stop = rng.randrange(save + 2, 3 * span)
     slow = rng.randrange(3 * span, steps)
     return [("sigkill", 1, kill), ("kill_during_save", 1, save), ("sigstop", 1, stop), ("slow", 1, slow)]
-
-
-def timed_run(command, env):
-    """Run it, stamping each output line with the time it came: (exit code, [(seconds since start, line)])."""
-    started = time.time()
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               bufsize=1)
-    lines = [(time.time() - started, line.rstrip("\n")) for line in process.stdout]
-    return process.wait(), lines
 
 
 def step_times(lines):
@@ -145,7 +129,7 @@ def supervised_run(name, run, env, work_dir):
     overrides = [f"{k}={v}" for k, v in {**run, "output_dir": out, "overwrite_output_dir": "true"}.items()]
     command, environment = trainer_command(2, overrides, "tiny", None, os.path.join("tests", "fault_injection.py"), env)
     started = time.time()
-    code, lines = timed_run([sys.executable, "supervise.py", "--backoff-seconds", "0", "--", *command], environment)
+    code, lines = timed_lines(["supervise.py", "--backoff-seconds", "0", "--", *command], environment)
     seconds = time.time() - started
     with open(f"{out}.log", "w") as f:
         f.writelines(f"{at:9.3f} {line}\n" for at, line in lines)
@@ -175,17 +159,19 @@ def faulty_round(free, faulty, plan, run, args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--save-steps", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1, help="fault-free and faulty runs alternated this many times")
+    parser.add_argument("--faults", nargs="+", choices=FAULTS, default=FAULTS, help="the faults to inject")
     parser.add_argument("--work-dir", default=None)
-    args = parser.parse_args()
+    args = parse_args(parser, steps=12, faults=["sigkill"])
     work_dir = args.work_dir or tempfile.mkdtemp(prefix="goodput-")
-    run = {**make_model(work_dir), "num_stages": 2, "gradient_accumulation_steps": 2, "max_steps": args.steps,
-           "save_steps": args.save_steps, "save_total_limit": 3, "logging_steps": 1, **WATCHDOG}
-    plan = fault_plan(args.steps, args.save_steps, args.seed)
+    run = {**run_overrides(work_dir, args.smoke), "num_stages": 2, "gradient_accumulation_steps": 2,
+           "max_steps": args.steps, "save_steps": args.save_steps, "save_total_limit": 3, "logging_steps": 1,
+           **WATCHDOG}
+    plan = [fault for fault in fault_plan(args.steps, args.save_steps, args.seed) if fault[0] in args.faults]
     pairs = []
     for round_ in range(args.rounds):
         once = os.path.join(work_dir, f"once{round_}")  # each fault fires once per round
@@ -204,6 +190,8 @@ def main():
             {k: v for k, v in faulty_round(free, faulty, plan, run, args).items()
              if k in ("fault_free_s", "faulty_s", "goodput", "target_goodput", "target_met")} for _, faulty in pairs]
     print(json.dumps(summary, indent=1))
+    if args.smoke and not args.work_dir:
+        shutil.rmtree(work_dir)
 
 
 if __name__ == "__main__":

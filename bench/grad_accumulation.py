@@ -5,11 +5,9 @@ and its backward are bf16 throughout; only the sum differs, so the figure is the
 
     python bench/grad_accumulation.py [--micro-batches 8 64] [--hidden 256] [--layers 4]
 """
-import argparse
-
 import torch
 
-from common import machine_note
+from common import bench_parser, machine_note, parse_args
 
 
 def relative_error(accumulated, reference):
@@ -36,13 +34,13 @@ def accumulation_errors(model, micro_batches, seq, vocab, seed):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--seeds", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_args(parser, micro_batches=[2], hidden=32, layers=1, seq=16, seeds=1)
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     vocab = 2048

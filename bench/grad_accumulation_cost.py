@@ -8,20 +8,17 @@ drift falls on both. Peak memory: on a GPU torch's peak allocated bytes over the
 CPU the peak RSS over the run minus the RSS before the model, with glibc's mmap threshold fixed so that RSS follows
 the live tensors (bench/memory_plan_check.py). Step time: the median of the timed steps, and of the rounds.
 
-    python bench/grad_accumulation_cost.py [--rounds 3] [--micro-batches 8] [--shape small|1b]
+    python bench/grad_accumulation_cost.py [--rounds 3] [--micro-batches 8] [--shape small|1b|tiny]
     DS_ACCELERATOR=cuda python bench/grad_accumulation_cost.py --shape 1b       # on one GPU
 """
 import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (MIB, free_port, machine_note, peak_rss_bytes, random_micro_batches, reset_peak_rss,  # noqa: E402
-                    rss_bytes, run_config, train_step_seconds)
-from memory_plan_check import FIXED_MMAP_THRESHOLD  # noqa: E402
+from common import (FIXED_MMAP_THRESHOLD, MIB, bench_parser, in_rounds, machine_note, parse_args,  # noqa: E402
+                    peak_rss_bytes, round_ratios, run_python, single_rank_env, spread, train_step_seconds,
+                    trainer_engine)
 
 SHAPES = {  # (model, seq_length, micro_batch_size)
     "small": (dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
@@ -29,6 +26,8 @@ SHAPES = {  # (model, seq_length, micro_batch_size)
     # TinyLlama-1.1B's shape, as the GPU check's throughput check (tests/gpu/test_one_gpu.py)
     "1b": (dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                 num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048), 2048, 4),
+    "tiny": (dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32), 32, 2),  # --smoke
 }
 SUMS = ("bf16", "fp32")
 
@@ -37,56 +36,39 @@ def measure(shape, sums, micro_batches, warm_up, steps):
     """One process: {peak_bytes, step_seconds} of `steps` steps after `warm_up`, gradients summed in `sums`."""
     import torch
     from deepspeed.accelerator import get_accelerator
-    from transformers import LlamaConfig
 
-    from training.distributed import init_distributed
-    from training.loop import build_engine
-    from training.run_spec import plan_spec
     model, seq_length, micro_batch = SHAPES[shape]
-    cfg = run_config(["precision=bf16", "zero_stage=1", f"grad_accum_dtype={sums}", f"seq_length={seq_length}",
-                      f"micro_batch_size={micro_batch}", f"gradient_accumulation_steps={micro_batches}",
-                      "lr_scheduler=constant"])
-    init_distributed(timeout_minutes=10)
-    on_gpu = get_accelerator().device_name() == "cuda"
-    baseline = 0 if on_gpu else rss_bytes()
-    if not on_gpu:
-        reset_peak_rss()
-    engine, _ = build_engine(plan_spec(cfg, 1, LlamaConfig(**model)), warm_up + steps, layer_loader=None)
-    batches = random_micro_batches(model["vocab_size"], seq_length, micro_batch)
+    engine, batches, before_model = trainer_engine(model, [
+        "precision=bf16", "zero_stage=1", f"grad_accum_dtype={sums}", f"seq_length={seq_length}",
+        f"micro_batch_size={micro_batch}", f"gradient_accumulation_steps={micro_batches}", "lr_scheduler=constant"],
+        warm_up + steps)
     train_step_seconds(engine, batches, warm_up)
     seconds = statistics.median(train_step_seconds(engine, batches, steps))
-    peak = torch.cuda.max_memory_allocated() if on_gpu else peak_rss_bytes() - baseline
+    on_gpu = get_accelerator().device_name() == "cuda"
+    peak = torch.cuda.max_memory_allocated() if on_gpu else peak_rss_bytes() - before_model
     return {"peak_bytes": peak, "step_seconds": seconds}
 
 
 def measured_in_a_fresh_process(args, sums):
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), MALLOC_MMAP_THRESHOLD_=FIXED_MMAP_THRESHOLD)
-    env.setdefault("DS_ACCELERATOR", "cpu")
-    result = subprocess.run([sys.executable, __file__, "--measure", sums, "--shape", args.shape,
-                             "--micro-batches", str(args.micro_batches), "--warm-up", str(args.warm_up),
-                             "--steps", str(args.steps)], env=env, capture_output=True, text=True)
-    if result.returncode:
-        sys.exit(result.stdout[-3000:] + result.stderr[-3000:])
+    result, _, _ = run_python([__file__, "--measure", sums, "--shape", args.shape, "--micro-batches",
+                               args.micro_batches, "--warm-up", args.warm_up, "--steps", args.steps],
+                              single_rank_env(**FIXED_MMAP_THRESHOLD))
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--shape", choices=SHAPES, default="small")
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warm-up", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--measure", choices=SUMS, help=argparse.SUPPRESS)  # one measurement, in this process
-    args = parser.parse_args()
+    args = parse_args(parser, shape="tiny", micro_batches=2, rounds=1, warm_up=1, steps=1)
     if args.measure:
         print(json.dumps(measure(args.shape, args.measure, args.micro_batches, args.warm_up, args.steps)))
         return
-    results = {sums: [] for sums in SUMS}
-    for round_index in range(args.rounds):
-        for sums in (SUMS if round_index % 2 == 0 else SUMS[::-1]):
-            results[sums].append(measured_in_a_fresh_process(args, sums))
+    results = in_rounds({sums: lambda s=sums: measured_in_a_fresh_process(args, s) for sums in SUMS}, args.rounds)
     model, seq_length, micro_batch = SHAPES[args.shape]
     print(f"{machine_note()}; DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR', 'cpu')}\n{args.shape} LLaMA "
           f"(hidden {model['hidden_size']}, {model['num_hidden_layers']} layers), bf16, ZeRO-1, 1 stage, "
@@ -95,13 +77,11 @@ def main():
     for sums in SUMS:
         seconds = [r["step_seconds"] for r in results[sums]]
         peaks = [r["peak_bytes"] / MIB for r in results[sums]]
-        print(f"  sums in {sums}: step {statistics.median(seconds):.3f} s (rounds {min(seconds):.3f}-"
-              f"{max(seconds):.3f}), peak {statistics.median(peaks):,.0f} MiB (rounds {min(peaks):,.0f}-"
-              f"{max(peaks):,.0f})")
-    ratios = [f["step_seconds"] / b["step_seconds"] for f, b in zip(results["fp32"], results["bf16"])]
+        print(f"  sums in {sums}: step {spread(seconds)} s, peak {spread(peaks, 0)} MiB")
     extra = [(f["peak_bytes"] - b["peak_bytes"]) / MIB for f, b in zip(results["fp32"], results["bf16"])]
-    print(f"  fp32 / bf16 step time per round: {', '.join(f'{r:.3f}' for r in ratios)}; fp32 - bf16 peak per "
-          f"round: {', '.join(f'{e:+,.0f}' for e in extra)} MiB")
+    fp32, bf16 = ([r["step_seconds"] for r in results[sums]] for sums in ("fp32", "bf16"))
+    print(f"  fp32 / bf16 step time: {round_ratios(fp32, bf16)}; fp32 - bf16 peak per round: "
+          f"{', '.join(f'{e:+,.0f}' for e in extra)} MiB")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ on the CPU it is tests/host_syncs.py's record of the ops that read a tensor's va
     python bench/host_syncs.py [--steps 2]
     DS_ACCELERATOR=cuda python bench/host_syncs.py       # on one GPU (the GPU check runs it: tests/gpu/)
 """
-import argparse
 import contextlib
 import json
 import os
@@ -18,7 +17,7 @@ import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import free_port, machine_note, random_micro_batches, run_config  # noqa: E402
+from common import bench_parser, machine_note, parse_args, single_rank_env, trainer_engine  # noqa: E402
 
 MODEL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
@@ -52,16 +51,12 @@ def counting_syncs(on_gpu):
 def syncs_per_step(micro_batches, chunks, steps):
     """Host syncs of each of `steps` steps (after one warm-up step), as the training loop takes them."""
     from deepspeed.accelerator import get_accelerator
-    from transformers import LlamaConfig
 
-    from training.loop import build_engine
-    from training.run_spec import plan_spec
     from training.token_mean import global_loss_units, step_micro_batches, token_mean_loss
-    cfg = run_config([f"seq_length={SEQ_LENGTH}", f"micro_batch_size={MICRO_BATCH}", "lr_scheduler=constant",
-                      f"gradient_accumulation_steps={micro_batches}", "zero_stage=0", "precision=fp32",
-                      f"loss_chunk_tokens={MICRO_BATCH * SEQ_LENGTH // chunks}"])
-    engine, _ = build_engine(plan_spec(cfg, 1, LlamaConfig(**MODEL)), steps + 1, layer_loader=None)
-    stream = random_micro_batches(MODEL["vocab_size"], SEQ_LENGTH, MICRO_BATCH)
+    engine, stream, _ = trainer_engine(MODEL, [
+        f"seq_length={SEQ_LENGTH}", f"micro_batch_size={MICRO_BATCH}", "lr_scheduler=constant",
+        f"gradient_accumulation_steps={micro_batches}", "zero_stage=0", "precision=fp32",
+        f"loss_chunk_tokens={MICRO_BATCH * SEQ_LENGTH // chunks}"], steps + 1)
     counts = []
     for step in range(steps + 1):
         with counting_syncs(get_accelerator().device_name() == "cuda") as syncs:
@@ -74,13 +69,10 @@ def syncs_per_step(micro_batches, chunks, steps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--steps", type=int, default=2)
-    args = parser.parse_args()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
-    from training.distributed import init_distributed
-    init_distributed(timeout_minutes=10)
+    args = parse_args(parser, steps=1)
+    os.environ.update(single_rank_env())
     results = {f"{micro_batches} micro-batches x {chunks} chunks": syncs_per_step(micro_batches, chunks, args.steps)
                for micro_batches, chunks in CASES}
     print(f"{machine_note()}; DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR', 'cpu')}\n1 stage, fp32, "

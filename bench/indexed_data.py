@@ -2,7 +2,7 @@
 how closely a blend follows its weights.
 
 1. Tokenizer throughput (tokens/s, wall time including start-up) on the same generated text: prepare_data.py
-   with 1 and 2 workers against today's path, build_dataset's cached `datasets.map` passes (data.format=text,
+   with 1 and 2 workers (--workers) against today's path, build_dataset's cached `datasets.map` passes (data.format=text,
    data.num_proc 1 and 2; they also pack blocks, a small share of their time).
 2. Time to first step (launch to step 1's metrics line) and peak RSS: `trainer_pipe.py` (1 process, the tiny model, max_steps=1) on a synthetic corpus
    of 10^9 tokens in 10^6 documents against one of 10^7 tokens in 10^4 documents, both written straight with
@@ -15,24 +15,21 @@ how closely a blend follows its weights.
    (1.4e10: 26 GiB, more than this machine's memory): without PREFIX.json (the .bin scanned for the token range),
    with the PREFIX.json prepare_data.py writes (no scan), then from the cached index.
 
-  python bench/indexed_data.py [--big-tokens 1e9] [--workdir /tmp/indexed_bench]   # deletes the corpora after
+  python bench/indexed_data.py [--big-tokens 1e9] [--workdir DIR]   # in a temporary folder under DIR, deleted after
   python bench/indexed_data.py --parts first-start --big-tokens 1.4e10
 """
-import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
+import tempfile
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from common import MIB, bench_parser, demo_model, parse_args, run_python, single_rank_env
 
 
-def tokenizer_throughput(workdir, lines):
+def tokenizer_throughput(workdir, lines, workers):
     from transformers import AutoTokenizer
 
     import data.tokenize_shards as tokenize_shards
@@ -42,12 +39,12 @@ def tokenizer_throughput(workdir, lines):
     tokenizer_dir = os.path.join(workdir, "tokenizer")
     train_demo_tokenizer(corpus, tokenizer_dir, 384)
     results = {}
-    for workers in (1, 2):
+    for count in workers:
         start = time.perf_counter()
-        summary = tokenize_shards.prepare_shards([str(corpus)], tokenizer_dir, os.path.join(workdir, f"w{workers}"),
-                                       workers=workers)
-        results[f"prepare_data --workers {workers}"] = (summary["tokens"], time.perf_counter() - start)
-    for num_proc in (1, 2):
+        summary = tokenize_shards.prepare_shards([str(corpus)], tokenizer_dir, os.path.join(workdir, f"w{count}"),
+                                                 workers=count)
+        results[f"prepare_data --workers {count}"] = (summary["tokens"], time.perf_counter() - start)
+    for num_proc in workers:
         start = time.perf_counter()
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         _, stats = build_dataset(corpus, tokenizer, {"format": "text", "num_proc": num_proc}, 512,
@@ -78,41 +75,31 @@ def write_synthetic(prefix, tokens, documents, vocab_size, seed=0):
 def first_step(workdir, model_dir, prefix, label):
     """(seconds from launch until step 1's metrics line is written, peak RSS MiB, that line) of a 1-process run."""
     output = os.path.join(workdir, "run-" + label)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29600 + len(label)), PYTHONUNBUFFERED="1")
-    command = ["/usr/bin/time", "-f", "%M", sys.executable, "trainer_pipe.py", "-cp", "conf", "-cn", "tiny",
-               f"model_name_or_path={model_dir}", f"train_file={prefix}", "eval_file=null", "data.format=indexed",
-               f"output_dir={output}", "num_stages=1", "max_steps=1", "save_steps=0", "export_hf=false",
-               "overwrite_output_dir=true", "micro_batch_size=2", "gradient_accumulation_steps=2", "logging_steps=1",
-               "save_total_limit=1"]
     start = time.time()
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    if result.returncode:
-        raise SystemExit(result.stdout[-2000:] + result.stderr[-2000:])
+    _, peak, _ = run_python(["trainer_pipe.py", "-cp", "conf", "-cn", "tiny", f"model_name_or_path={model_dir}",
+                             f"train_file={prefix}", "eval_file=null", "data.format=indexed", f"output_dir={output}",
+                             "num_stages=1", "max_steps=1", "save_steps=0", "export_hf=false",
+                             "overwrite_output_dir=true", "micro_batch_size=2", "gradient_accumulation_steps=2",
+                             "logging_steps=1", "save_total_limit=1"],
+                            single_rank_env(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1"))
     metrics = os.path.join(output, "metrics.jsonl")
     seconds = os.path.getmtime(metrics) - start
     with open(metrics) as f:
         record = json.loads(f.readline())
     shutil.rmtree(output)
-    return seconds, int(result.stderr.strip().splitlines()[-1]) / 1024, record
+    return seconds, peak / MIB, record
 
 
-def tiny_model(workdir):
+def tiny_model(workdir, smoke):
     """The converted tiny model's directory (vocabulary 384)."""
-    from checkpoints.hf_to_ds import convert_hf_to_ds
-    model = os.path.join(workdir, "model")
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_llama.py"), "--output_dir", model,
-                    "--train_lines", "2000", "--eval_lines", "10", "--vocab_size", "384", "--hidden_size", "64"],
-                   check=True, capture_output=True)
-    convert_hf_to_ds(os.path.join(model, "hf"), os.path.join(model, "ds"))
-    return model
+    return demo_model(os.path.join(workdir, "model"), train_lines=300 if smoke else 2000)
 
 
-def start_up(workdir, big_tokens, repeats):
+def start_up(workdir, small_tokens, big_tokens, repeats, smoke):
     """Both corpora written first; each trained once building its index, then the cached runs alternate between
     them (other sessions' load drifts alike over both)."""
-    model = tiny_model(workdir)
-    corpora = {"small": (10**7, 10**4), "big": (big_tokens, big_tokens // 1000)}
+    model = tiny_model(workdir, smoke)
+    corpora = {"small": (small_tokens, small_tokens // 1000), "big": (big_tokens, big_tokens // 1000)}
     for label, (tokens, documents) in corpora.items():
         start = time.perf_counter()
         write_synthetic(os.path.join(workdir, label), tokens, documents, 384)
@@ -143,11 +130,11 @@ def uncached(path):
     os.close(fd)
 
 
-def first_start(workdir, tokens):
+def first_start(workdir, tokens, smoke):
     """Launch to step 1 of a first start (no index yet) on one corpus of `tokens` tokens, none of it in the page
     cache: written as Megatron's tools write it (no PREFIX.json: rank 0 scans the .bin for the token range), then,
     the index removed, with the PREFIX.json prepare_data.py writes (it counts the shards: no scan), then cached."""
-    model = tiny_model(workdir)
+    model = tiny_model(workdir, smoke)
     prefix = os.path.join(workdir, "first")
     start = time.perf_counter()
     write_synthetic(prefix, tokens, tokens // 1000, 384)
@@ -182,31 +169,30 @@ def blend_proportions():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--big-tokens", type=float, default=1e9)
+    parser.add_argument("--small-tokens", type=float, default=1e7, help="part 2's small corpus")
     parser.add_argument("--lines", type=int, default=60_000, help="generated documents to tokenize (part 1)")
-    parser.add_argument("--workdir", default="/tmp/indexed_bench")
+    parser.add_argument("--workdir", default=None, help="where the temporary folder goes (default: the system's)")
     parser.add_argument("--repeats", type=int, default=5, help="runs from the cached index (part 2)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
+                        help="part 1's worker processes (prepare_data --workers, data.num_proc)")
     parser.add_argument("--parts", nargs="+", default=["tokenizer", "start-up", "blend"])
-    args = parser.parse_args()
-    os.makedirs(args.workdir, exist_ok=True)
-    try:
+    args = parse_args(parser, big_tokens=4e5, small_tokens=2e5, lines=200, repeats=1, workers=[1])
+    with tempfile.TemporaryDirectory(dir=args.workdir, prefix="indexed_bench.") as workdir:
         if "tokenizer" in args.parts:
             print("1. tokenizer throughput (wall time from start, tokenizer load included)")
-            tokenizer_throughput(args.workdir, args.lines)
+            tokenizer_throughput(workdir, args.lines, args.workers)
         if "start-up" in args.parts:
             print("2. time to first step and peak RSS, 1 process, tiny model, seq_length 128")
-            start_up(args.workdir, int(args.big_tokens), args.repeats)
+            start_up(workdir, int(args.small_tokens), int(args.big_tokens), args.repeats, args.smoke)
         if "first-start" in args.parts:
             print("4. a first start on a corpus larger than the page cache (--big-tokens), 1 process, tiny model")
-            first_start(args.workdir, int(args.big_tokens))
+            first_start(workdir, int(args.big_tokens), args.smoke)
         if "blend" in args.parts:
             print("3. blend proportions")
             blend_proportions()
-    finally:
-        shutil.rmtree(args.workdir)
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
-
 
 if __name__ == "__main__":
     main()

@@ -9,19 +9,21 @@ chunked LM loss and with the full-logits head (loss_impl=logits); with --compile
 
   python bench/layer_overhead.py [--steps 6] [--compile]
 """
-import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_note, random_micro_batches, run_config, spawn  # noqa: E402
+from common import (bench_parser, machine_note, parse_args, random_micro_batches, run_config, spawn,  # noqa: E402
+                    timed_rounds)
 
 # A few million parameters: 4 layers of hidden 256 with an 8k vocabulary.
 MODEL = dict(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=1024)
 SEQ_LENGTH, MICRO_BATCH, MICRO_BATCHES = 256, 4, 4
+# MODEL's stand-in at the smoke size (--smoke), with its seq_length, micro-batch size and micro-batches per step
+SMOKE_MODEL = dict(MODEL, vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+SMOKE_SHAPE = (32, 2, 2)
 
 
 def run_overrides(seq_length, micro_batch, micro_batches, loss_impl="chunked"):
@@ -38,7 +40,7 @@ def pipeline_step(config, compile_layers, loss_impl="chunked", seq_length=SEQ_LE
     from deepspeed_internals.access import skip_gradient_allreduce
     from models.pipeline import build_pipeline_module
     from training.deepspeed_config import deepspeed_config
-    from training.distributed import parallel_topology
+    from cluster.distributed import parallel_topology
 
     cfg = run_config(run_overrides(seq_length, micro_batch, micro_batches, loss_impl))
     module = build_pipeline_module(config, parallel_topology(1), row_layout="full",  # random_micro_batches' rows
@@ -88,46 +90,42 @@ def transformers_step(config, seq_length=SEQ_LENGTH, micro_batch=MICRO_BATCH, mi
     return step
 
 
-def seconds(step):
-    start = time.perf_counter()
-    step()
-    return time.perf_counter() - start
-
-
-def compare(rank, steps, compile_layers):
+def compare(rank, fields, shape, steps, compile_layers):
+    """{contender: [seconds of each step]}, steps alternating after two warm-up steps each."""
     from transformers import LlamaConfig
 
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
 
     init_distributed(timeout_minutes=30)
-    config = LlamaConfig(**MODEL)
-    contenders = {"transformers": transformers_step(config), "pipeline": pipeline_step(config, False),
-                  "pipeline, logits head": pipeline_step(config, False, loss_impl="logits")}
+    config = LlamaConfig(**fields)
+    contenders = {"transformers": transformers_step(config, *shape),
+                  "pipeline": pipeline_step(config, False, "chunked", *shape),
+                  "pipeline, logits head": pipeline_step(config, False, "logits", *shape)}
     if compile_layers:
-        contenders["pipeline, compiled layers"] = pipeline_step(config, True)
+        contenders["pipeline, compiled layers"] = pipeline_step(config, True, "chunked", *shape)
     for step in contenders.values():  # warm-up: first-use allocations, compilation
         step()
         step()
-    times = {name: [] for name in contenders}
-    for _ in range(steps):
-        for name, step in contenders.items():
-            times[name].append(seconds(step))
-    tokens_per_step = MICRO_BATCHES * MICRO_BATCH * SEQ_LENGTH
-    rates = {name: tokens_per_step / statistics.median(values) for name, values in times.items()}
-    parameters = sum(p.numel() for p in __import__("transformers").LlamaForCausalLM(config).parameters())
-    print(f"{parameters / 1e6:.1f}M parameters, seq_length {SEQ_LENGTH}, micro-batch {MICRO_BATCH}, "
-          f"{MICRO_BATCHES} micro-batches per step, fp32, 1 thread, median of {steps} alternating steps each")
-    for name, rate in rates.items():
-        print(f"{name:<28} {rate:>9.0f} tokens/s   {rate / rates['transformers']:.3f}x transformers")
-    print(machine_note())
+    return timed_rounds(contenders, steps)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--compile", action="store_true", help="also time the pipeline with compiled layers")
-    args = parser.parse_args()
-    spawn(compare, 1, args.steps, args.compile)
+    args = parse_args(parser, steps=1)
+    fields, shape = (SMOKE_MODEL, SMOKE_SHAPE) if args.smoke else (MODEL, (SEQ_LENGTH, MICRO_BATCH, MICRO_BATCHES))
+    times = spawn(compare, 1, fields, shape, args.steps, args.compile)[0]
+    seq_length, micro_batch, micro_batches = shape
+    rates = {name: micro_batches * micro_batch * seq_length / statistics.median(values)
+             for name, values in times.items()}
+    from transformers import LlamaConfig, LlamaForCausalLM
+    parameters = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**fields)).parameters())
+    print(f"{parameters / 1e6:.1f}M parameters, seq_length {seq_length}, micro-batch {micro_batch}, "
+          f"{micro_batches} micro-batches per step, fp32, 1 thread, median of {args.steps} alternating steps each")
+    for name, rate in rates.items():
+        print(f"{name:<28} {rate:>9.0f} tokens/s   {rate / rates['transformers']:.3f}x transformers")
+    print(machine_note())
 
 
 if __name__ == "__main__":

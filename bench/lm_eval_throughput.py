@@ -1,4 +1,4 @@
-"""In-loop lm-eval scoring (eval_tasks, training/lm_eval_tasks.py) against the training forward pass on the same
+"""In-loop lm-eval scoring (eval_tasks, evaluation/lm_eval_tasks.py) against the training forward pass on the same
 engine, and against lm-eval's HFLM with transformers on the same model's Hugging Face directory (what evaluate_lm.py
 runs on an export): requests/s and tokens/s, on the CPU, 1 process, 1 stage, fp32, 1 thread.
 
@@ -10,30 +10,27 @@ padded to seq_length, so its padded tokens/s is printed too, beside the forward 
 
     python bench/lm_eval_throughput.py [--rounds 3] [--docs 100] [--seq 128]
 """
-import argparse
 import os
 import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_note, random_micro_batches, run_config  # noqa: E402
+from common import (bench_parser, machine_note, parse_args, random_micro_batches, run_config,  # noqa: E402
+                    single_rank_env, timed_rounds)
 
 MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--docs", type=int, default=100, help="documents per task")
     parser.add_argument("--seq", type=int, default=128, help="seq_length (and HFLM's max_length)")
     parser.add_argument("--micro-batch", type=int, default=8, help="micro_batch_size, and HFLM's batch_size")
-    args = parser.parse_args()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
-    from tests.distributed import free_port
-    os.environ["MASTER_PORT"] = str(free_port())
+    parser.add_argument("--corpus-lines", type=int, default=2000, help="the generated corpus the tasks come from")
+    args = parse_args(parser, rounds=1, docs=4, seq=32, micro_batch=2, corpus_lines=300)
+    os.environ.update(single_rank_env(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1"))
     import torch
     from lm_eval.evaluator import evaluate as lm_eval_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -42,14 +39,14 @@ def main():
 
     from data.corpus import train_demo_tokenizer, write_demo_corpus
     from scripts.make_demo_tasks import write_tasks
-    from training.distributed import init_distributed
-    from training.lm_eval_tasks import LmEvalTasks, PipelineLM, run_task
+    from cluster.distributed import init_distributed
+    from evaluation.lm_eval_tasks import LmEvalTasks, PipelineLM, run_task
     from training.loop import build_engine
     from training.run_spec import plan_spec
     torch.set_num_threads(1)
 
     work = tempfile.mkdtemp(prefix="lm_eval_bench-")
-    corpus = write_demo_corpus(os.path.join(work, "text.txt"), 2000, seed=0)
+    corpus = write_demo_corpus(os.path.join(work, "text.txt"), args.corpus_lines, seed=0)
     tokenizer = train_demo_tokenizer(corpus, os.path.join(work, "hf"), 384)
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(work, "hf"))
     config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=args.seq, **MODEL,
@@ -74,20 +71,18 @@ def main():
                 max_length=args.seq, dtype="float32")
     task_dict = TaskManager(include_defaults=False).load(tasks)  # loaded once, as the in-loop tasks are
 
-    timings = {"in-loop eval_tasks": [], "training forward (eval_batch)": [], "lm_eval HFLM": []}
-    for _ in range(args.rounds):
-        start = time.perf_counter()
-        in_loop.evaluate(engine, cfg, pad_id=0, reads_data=True)
-        timings["in-loop eval_tasks"].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        for _ in range(rows // args.micro_batch // cfg.gradient_accumulation_steps + 1):
+    forward_steps = rows // args.micro_batch // cfg.gradient_accumulation_steps + 1
+    forward_rows = forward_steps * cfg.gradient_accumulation_steps * args.micro_batch
+
+    def forward():
+        for _ in range(forward_steps):
             engine.eval_batch(batches, reduce_output=None, bcast_loss=False)
-        forward_rows = (rows // args.micro_batch // cfg.gradient_accumulation_steps + 1) \
-            * cfg.gradient_accumulation_steps * args.micro_batch
-        timings["training forward (eval_batch)"].append((time.perf_counter() - start) / forward_rows * rows)
-        start = time.perf_counter()
-        lm_eval_evaluate(hflm, task_dict, bootstrap_iters=0)
-        timings["lm_eval HFLM"].append(time.perf_counter() - start)
+    timings = timed_rounds({"in-loop eval_tasks": lambda: in_loop.evaluate(engine, cfg, pad_id=0, reads_data=True),
+                            "training forward (eval_batch)": forward,
+                            "lm_eval HFLM": lambda: lm_eval_evaluate(hflm, task_dict, bootstrap_iters=0)},
+                           args.rounds)
+    timings["training forward (eval_batch)"] = [seconds / forward_rows * rows  # the rows the loop scores
+                                                for seconds in timings["training forward (eval_batch)"]]
 
     print(f"{len(tasks)} tasks x {args.docs} documents: {requests} requests (rolling windows included), "
           f"{request_tokens} request tokens; seq_length {args.seq}, micro-batch {args.micro_batch}; model "

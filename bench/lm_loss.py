@@ -11,19 +11,16 @@ fresh process (freed memory stays with the allocator). Speed: tokens/s, median o
 model with that vocabulary, the trainer's engine with each head against transformers' own loop (bench/layer_overhead.py
 builds both), each in a fresh process after one warm-up step.
 
-  python bench/lm_loss.py [--tokens 4096] [--hidden 256] [--chunks 1024 4096] [--rounds 5]
+  python bench/lm_loss.py [--tokens 4096] [--hidden 256] [--vocab 128256] [--chunks 1024 4096] [--rounds 5]
   python bench/lm_loss.py --whole-step
 """
-import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import MIB, machine_note, peak_rss_bytes, reset_peak_rss, rss_bytes, spawn  # noqa: E402
+from common import (MIB, bench_parser, machine_note, parse_args, peak_rss_bytes, peak_rss_rise,  # noqa: E402
+                    reset_peak_rss, rss_bytes, spawn, timed_rounds)
 
 VOCAB = 128256  # LLaMA 3's
 
@@ -48,13 +45,13 @@ def loss_function(way, chunk_tokens):
     return lambda hidden, weight, labels: compute((hidden, weight), shifted(labels))
 
 
-def inputs(tokens, hidden_size, dtype_name):
+def inputs(tokens, hidden_size, vocab, dtype_name):
     import torch
     generator = torch.Generator().manual_seed(0)
     dtype = getattr(torch, dtype_name)
     hidden = torch.randn(tokens, hidden_size, generator=generator).to(dtype).requires_grad_()
-    weight = (torch.randn(VOCAB, hidden_size, generator=generator) * hidden_size ** -0.5).to(dtype).requires_grad_()
-    labels = torch.randint(0, VOCAB, (tokens,), generator=generator)
+    weight = (torch.randn(vocab, hidden_size, generator=generator) * hidden_size ** -0.5).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
     labels[::7] = -100
     return hidden, weight, labels
 
@@ -64,92 +61,78 @@ def step(function, hidden, weight, labels):
     function(hidden, weight, labels).backward()
 
 
-def measure_memory(rank, way, chunk_tokens, tokens, hidden_size, dtype_name, out_path):
-    import torch
-    torch.set_num_threads(1)
+def measure_memory(rank, way, chunk_tokens, tokens, hidden_size, vocab, dtype_name):
     function = loss_function(way, chunk_tokens)
-    hidden, weight, labels = inputs(tokens, hidden_size, dtype_name)
+    hidden, weight, labels = inputs(tokens, hidden_size, vocab, dtype_name)
     step(function, hidden, weight, labels)  # warm-up (compilation), then gradients freed
     hidden.grad = weight.grad = None
-    before = rss_bytes()
-    reset_peak_rss()
-    step(function, hidden, weight, labels)
-    with open(out_path, "w") as f:
-        json.dump({"peak_rise": peak_rss_bytes() - before}, f)
+    return peak_rss_rise(lambda: step(function, hidden, weight, labels))
 
 
-def measure_speed(rank, ways, tokens, hidden_size, dtype_name, rounds, out_path):
-    import torch
-    torch.set_num_threads(1)
-    hidden, weight, labels = inputs(tokens, hidden_size, dtype_name)
+def measure_speed(rank, ways, tokens, hidden_size, vocab, dtype_name, rounds):
+    hidden, weight, labels = inputs(tokens, hidden_size, vocab, dtype_name)
     functions = {label: loss_function(way, chunk) for label, (way, chunk) in ways.items()}
     losses = {}
     for label, function in functions.items():  # warm-up, and every way's loss for the record
         step(function, hidden, weight, labels)
         losses[label] = float(function(hidden, weight, labels))
-    times = {label: [] for label in functions}
-    for _ in range(rounds):
-        for label, function in functions.items():
-            start = time.perf_counter()
-            step(function, hidden, weight, labels)
-            times[label].append(time.perf_counter() - start)
-    with open(out_path, "w") as f:
-        json.dump({"times": times, "losses": losses}, f)
+    times = timed_rounds({label: lambda f=function: step(f, hidden, weight, labels)
+                          for label, function in functions.items()}, rounds)
+    return {"times": times, "losses": losses}
 
 
 WHOLE_STEP_MODEL = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024)
 WHOLE_STEP_SHAPE = dict(seq_length=1024, micro_batch=4, micro_batches=2)  # 4096 tokens per micro-batch
+SMOKE_WHOLE_STEP = (dict(WHOLE_STEP_MODEL, hidden_size=32, intermediate_size=64),
+                    dict(seq_length=32, micro_batch=2, micro_batches=2))  # with --smoke's vocabulary
 
 
-def whole_step_memory(rank, contender, out_path):
-    import torch
+def whole_step_memory(rank, contender, fields, shape):
     from transformers import LlamaConfig
 
     from layer_overhead import pipeline_step, transformers_step
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
 
-    torch.set_num_threads(1)
     init_distributed(timeout_minutes=30)
     before_model = rss_bytes()
-    config = LlamaConfig(**WHOLE_STEP_MODEL)
-    step = (transformers_step(config, **WHOLE_STEP_SHAPE) if contender == "transformers"
-            else pipeline_step(config, False, loss_impl=contender, **WHOLE_STEP_SHAPE))
+    config = LlamaConfig(**fields)
+    step = (transformers_step(config, **shape) if contender == "transformers"
+            else pipeline_step(config, False, loss_impl=contender, **shape))
     step()  # optimizer state allocated
     reset_peak_rss()
     step()
-    with open(out_path, "w") as f:
-        json.dump({"peak": peak_rss_bytes() - before_model}, f)
+    return peak_rss_bytes() - before_model
 
 
-def compare_whole_steps(out):
-    peaks = {}
-    for contender in ("transformers", "logits", "chunked"):
-        spawn(whole_step_memory, 1, contender, out)
-        with open(out) as f:
-            peaks[contender] = json.load(f)["peak"]
-    print(f"whole 1-stage training step, vocab {VOCAB}, hidden 256, 2 layers, {WHOLE_STEP_SHAPE}, fp32, 1 thread: "
-          f"peak RSS above the pre-model RSS")
+def compare_whole_steps(fields, shape):
+    peaks = {contender: spawn(whole_step_memory, 1, contender, fields, shape)[0]
+             for contender in ("transformers", "logits", "chunked")}
+    print(f"whole 1-stage training step, vocab {fields['vocab_size']}, hidden {fields['hidden_size']}, "
+          f"{fields['num_hidden_layers']} layers, {shape}, fp32, 1 thread: peak RSS above the pre-model RSS")
     for contender, peak in peaks.items():
         name = contender if contender == "transformers" else f"trainer, loss_impl={contender}"
         print(f"  {name:<28} {peak / MIB:>7.0f} MiB  {peak / peaks['transformers']:.3f}x transformers")
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--chunks", type=int, nargs="+", default=[1024])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile ways")
     parser.add_argument("--whole-step", action="store_true", help="whole training steps against transformers")
-    args = parser.parse_args()
-    out = os.path.join(tempfile.mkdtemp(), "result.json")
-    if args.whole_step:
-        compare_whole_steps(out)
-        print(machine_note())
-        return
+    # the smoke size: the ways without torch.compile (its compilation alone takes minutes of CPU), then whole steps
+    args = parse_args(parser, tokens=64, hidden=16, vocab=1024, chunks=[16], rounds=1, no_compile=True)
+    if args.whole_step or args.smoke:
+        fields, shape = SMOKE_WHOLE_STEP if args.smoke else (WHOLE_STEP_MODEL, WHOLE_STEP_SHAPE)
+        compare_whole_steps(dict(fields, vocab_size=args.vocab), shape)
+        if args.whole_step:
+            print(machine_note())
+            return
     ways = {"logits": ("logits", 0)}
     ways.update({f"chunked {c}": ("chunked", c) for c in args.chunks})
     if not args.no_compile:
@@ -159,16 +142,12 @@ def main():
             ways["cce (torch_compile)"] = ("cce", 0)
         except ImportError:
             print("cut-cross-entropy is not installed: pip install cut-cross-entropy to compare it")
-    print(f"LM head + loss, forward + backward: vocab {VOCAB}, {args.tokens} tokens, hidden {args.hidden}, 1 thread")
+    print(f"LM head + loss, forward + backward: vocab {args.vocab}, {args.tokens} tokens, hidden {args.hidden}, "
+          f"1 thread")
     for dtype in args.dtypes:
-        peaks = {}
-        for label, (way, chunk) in ways.items():
-            spawn(measure_memory, 1, way, chunk, args.tokens, args.hidden, dtype, out)
-            with open(out) as f:
-                peaks[label] = json.load(f)["peak_rise"]
-        spawn(measure_speed, 1, ways, args.tokens, args.hidden, dtype, args.rounds, out)
-        with open(out) as f:
-            result = json.load(f)
+        peaks = {label: spawn(measure_memory, 1, way, chunk, args.tokens, args.hidden, args.vocab, dtype)[0]
+                 for label, (way, chunk) in ways.items()}
+        result = spawn(measure_speed, 1, ways, args.tokens, args.hidden, args.vocab, dtype, args.rounds)[0]
         rates = {label: args.tokens / statistics.median(values) for label, values in result["times"].items()}
         print(f"\n{dtype}: {'way':<26} {'peak rise':>10} {'÷ logits':>9} {'tokens/s':>10} {'÷ logits':>9}  "
               f"{'per round':>13}  loss")

@@ -10,29 +10,16 @@ or the whole model).
 
   python bench/lora.py [--hidden 256] [--layers 4] [--rank 16] [--rounds 3] [--steps 8]
 """
-import argparse
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import MIB, ROOT, machine_note  # noqa: E402
-
-from tests.distributed import free_port  # noqa: E402
-
-
-
-def make_model(work, hidden, layers):
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_llama.py"), "--output_dir", work,
-                    "--train_lines", "4000", "--eval_lines", "10", "--vocab_size", "512", "--hidden_size",
-                    str(hidden), "--num_hidden_layers", str(layers)], check=True, capture_output=True)
-    subprocess.run([sys.executable, os.path.join(ROOT, "convert2ckpt.py"), "--model_name_or_path",
-                    os.path.join(work, "hf"), "--output_dir", os.path.join(work, "ds")], check=True,
-                   capture_output=True)
+from common import (MIB, bench_parser, demo_model, in_rounds, machine_note, parse_args, run_python,  # noqa: E402
+                    single_rank_env)
 
 
 def run_trainer(work, name, rank, steps, seq_length):
@@ -45,20 +32,14 @@ def run_trainer(work, name, rank, steps, seq_length):
                  "precision=fp32", "zero_stage=0", f"max_steps={steps}", "logging_steps=1", "save_total_limit=1",
                  "lr_scheduler=constant", "warmup_steps=1", "export_hf=false", f"lora.rank={rank}",
                  f"data.cache_dir={os.path.join(work, 'cache')}"]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    process = subprocess.Popen([sys.executable, "trainer_pipe.py", "-cp", "conf", "-cn", "base", *overrides],
-                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(process.pid, 0)
-    if status:
-        raise RuntimeError(f"{name}: exit status {status}\n{process.stderr.read()[-3000:]}")
+    _, peak, _ = run_python(["trainer_pipe.py", "-cp", "conf", "-cn", "base", *overrides],
+                            single_rank_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rates = [r["tokens_per_sec"] for r in map(json.loads, f) if "tokens_per_sec" in r]
     # Exported apart, so that the peak is training's (a LoRA export imports peft).
-    subprocess.run([sys.executable, "convert2ckpt.py", "--to_hf", "--ckpt_dir", out, "--output_dir",
-                    os.path.join(out, "hf")], cwd=ROOT, check=True, capture_output=True)
-    return (statistics.median(rates[1:]), usage.ru_maxrss * 1024,
-            directory_bytes(os.path.join(out, f"global_step{steps}")), directory_bytes(os.path.join(out, "hf")))
+    run_python(["convert2ckpt.py", "--to_hf", "--ckpt_dir", out, "--output_dir", os.path.join(out, "hf")])
+    return (statistics.median(rates[1:]), peak, directory_bytes(os.path.join(out, f"global_step{steps}")),
+            directory_bytes(os.path.join(out, "hf")))
 
 
 def directory_bytes(path):
@@ -66,27 +47,27 @@ def directory_bytes(path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
-    args = parser.parse_args()
+    args = parse_args(parser, hidden=32, layers=1, rank=2, seq=32, rounds=1, steps=2)
     work = tempfile.mkdtemp(prefix="bench_lora_")
     try:
-        make_model(work, args.hidden, args.layers)
+        demo_model(work, train_lines=300 if args.smoke else 4000, vocab_size=512, hidden_size=args.hidden,
+                   num_hidden_layers=args.layers)
         contenders = {"full": 0, f"lora r{args.rank}": args.rank}
-        results = {name: [] for name in contenders}
-        for round_index in range(args.rounds):
-            order = list(contenders) if round_index % 2 == 0 else list(reversed(contenders))
-            for name in order:
-                results[name].append(run_trainer(work, name.replace(" ", "_"), contenders[name], args.steps, args.seq))
-                rate, peak, checkpoint, export = results[name][-1]
-                print(f"round {round_index} {name:>9}: {rate:8.0f} tokens/s, peak RSS {peak / MIB:7.0f} MiB, "
-                      f"checkpoint {checkpoint / MIB:7.2f} MiB, export {export / MIB:7.2f} MiB", flush=True)
-        full, lora = (results[name] for name in contenders)
+
+        def trained(name):
+            result = run_trainer(work, name.replace(" ", "_"), contenders[name], args.steps, args.seq)
+            rate, peak, checkpoint, export = result
+            print(f"{name:>9}: {rate:8.0f} tokens/s, peak RSS {peak / MIB:7.0f} MiB, checkpoint "
+                  f"{checkpoint / MIB:7.2f} MiB, export {export / MIB:7.2f} MiB", flush=True)
+            return result
+        full, lora = in_rounds({name: lambda n=name: trained(n) for name in contenders}, args.rounds).values()
         rate_ratio = statistics.median(l[0] / f[0] for f, l in zip(full, lora))
         peak_ratio = statistics.median(l[1] / f[1] for f, l in zip(full, lora))
         print(f"hidden {args.hidden}, {args.layers} layers, vocab 512, seq {args.seq}, 4x4 micro-batches, fp32, "
@@ -99,7 +80,6 @@ def main():
         print(machine_note())
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
 
 if __name__ == "__main__":
     main()

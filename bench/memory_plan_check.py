@@ -9,25 +9,25 @@ fragments and RSS overstates live memory by up to a third; the workers therefore
 (MALLOC_MMAP_THRESHOLD_), so that RSS follows the tensors alive, as a GPU's allocated-memory figure does.
 --default-malloc measures with glibc's defaults instead.
 
-  python bench/memory_plan_check.py [--default-malloc] [--only zero_bubble]
+  python bench/memory_plan_check.py [--default-malloc] [--only zero_bubble ...]
 """
-import argparse
-import json
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_note, peak_rss_bytes, random_micro_batches, reset_peak_rss, rss_bytes, run_config, spawn  # noqa: E402,I001
+from common import (FIXED_MMAP_THRESHOLD, bench_parser, machine_note, parse_args, peak_rss_bytes,  # noqa: E402,I001
+                    reset_peak_rss, run_config, spawn, trainer_engine)
 
 STEPS = 2
 TOLERANCE = 0.15
-FIXED_MMAP_THRESHOLD = str(128 * 1024)
 # Weights-heavy: a 32k vocabulary on a small trunk. Activations-heavy: long sequences on a small model.
 WEIGHTS_HEAVY = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048)
 ACTIVATIONS_HEAVY = dict(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+SMOKE_MODEL = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=2048)  # every case's model at the smoke size
+SMOKE_CASES = ["2 stages, bf16, ZeRO-1"]  # the smoke size's case
 CASES = [
     ("weights, 1 stage, fp32, ZeRO-0", WEIGHTS_HEAVY,
      ["num_stages=1", "precision=fp32", "zero_stage=0", "seq_length=256", "micro_batch_size=2",
@@ -74,27 +74,24 @@ CASES = [
 ]
 
 
-def measure(rank, model_fields, overrides, out_dir):
-    """One rank: train STEPS steps, write (stage, peak RSS over the steps minus the RSS before the model)."""
+def measure(rank, model_fields, overrides):
+    """One rank: train STEPS steps; (its stage, its peak RSS over the steps minus the RSS before the model)."""
     import torch.distributed as dist
-    from transformers import LlamaConfig
 
-    from training.distributed import init_distributed
-    from training.loop import build_engine
-    from training.run_spec import plan_spec
-
-    cfg = run_config(overrides)
-    init_distributed(timeout_minutes=10)
-    config = LlamaConfig(**model_fields)
-    baseline = rss_bytes()
-    engine, _ = build_engine(plan_spec(cfg, dist.get_world_size(), config), STEPS, layer_loader=None)
-    batches = random_micro_batches(config.vocab_size, cfg.seq_length, cfg.micro_batch_size)
+    engine, batches, before_model = trainer_engine(model_fields, overrides, STEPS)
     reset_peak_rss()  # the window is training, as the plan's
     for _ in range(STEPS):
         engine.train_batch(batches)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"stage": engine.stage_id, "measured": peak_rss_bytes() - baseline}, f)
     dist.destroy_process_group()
+    return engine.stage_id, peak_rss_bytes() - before_model
+
+
+def measured_stages(model_fields, overrides, world_size):
+    """{stage: its peak RSS over STEPS steps minus the RSS before the model, the largest of its ranks'}."""
+    measured = {}
+    for stage, peak in spawn(measure, world_size, model_fields, overrides):
+        measured[stage] = max(peak, measured.get(stage, 0))
+    return measured
 
 
 def check_case(name, model_fields, overrides):
@@ -105,13 +102,7 @@ def check_case(name, model_fields, overrides):
 
     cfg = run_config(overrides)
     world_size = cfg.plan_world_size or cfg.num_stages
-    with tempfile.TemporaryDirectory() as out_dir:
-        spawn(measure, world_size, model_fields, overrides, out_dir)
-        measured = {}
-        for rank in range(world_size):  # a stage's peak: the largest over its data-parallel ranks
-            with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
-                result = json.load(f)
-            measured[result["stage"]] = max(result["measured"], measured.get(result["stage"], 0))
+    measured = measured_stages(model_fields, overrides, world_size)
     rows = memory_plan(plan_spec(cfg, world_size, LlamaConfig(**model_fields)))
     results = []
     for row in rows:
@@ -122,16 +113,17 @@ def check_case(name, model_fields, overrides):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--default-malloc", action="store_true", help="measure with glibc's default mmap threshold")
-    parser.add_argument("--only", default="", help="only the cases whose name contains this text")
-    args = parser.parse_args()
+    parser.add_argument("--only", nargs="+", default=[""], help="only the cases whose name contains one of these")
+    args = parse_args(parser, only=SMOKE_CASES)
     if not args.default_malloc:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = FIXED_MMAP_THRESHOLD  # read by each worker's malloc at start-up
+        os.environ.update(FIXED_MMAP_THRESHOLD)  # read by each worker's malloc at start-up
     print(f"{'case':<64} {'stage':>5} {'planned MiB':>12} {'measured MiB':>13} {'measured/planned':>17}")
     worst = 0.0
-    for name, model_fields, overrides in (case for case in CASES if args.only in case[0]):
-        for case, stage, planned, measured, ratio in check_case(name, model_fields, overrides):
+    for name, model_fields, overrides in (case for case in CASES if any(only in case[0] for only in args.only)):
+        for case, stage, planned, measured, ratio in check_case(name, SMOKE_MODEL if args.smoke else model_fields,
+                                                                overrides):
             worst = max(worst, abs(ratio - 1))
             print(f"{case:<64} {stage:>5} {planned / 2**20:>12.0f} {measured / 2**20:>13.0f} {ratio:>17.3f}",
                   flush=True)

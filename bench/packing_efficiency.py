@@ -8,7 +8,6 @@ the loss learns: an assistant token, not padding, not the prompt or the template
 
   python bench/packing_efficiency.py [--steps 8] [--examples 2000]
 """
-import argparse
 import json
 import os
 import random
@@ -17,11 +16,12 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_note, run_config, spawn, train_step_seconds  # noqa: E402
+from common import bench_parser, machine_note, parse_args, run_config, spawn, timed_rounds  # noqa: E402
 
 SEQ_LENGTH, MICRO_BATCH, GAS = 256, 4, 4
 MODEL = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=SEQ_LENGTH)
+SMOKE_MODEL = dict(MODEL, hidden_size=32, intermediate_size=64, num_hidden_layers=2)  # --smoke's
 WORDS = "the a cat dog river garden ball red small found carried home near story count one two three".split()
 
 
@@ -45,7 +45,7 @@ def counting_learned_tokens(batches):
         learned
 
 
-def worker(rank, data_file, cache_dir, steps, out):
+def worker(rank, model, data_file, cache_dir, steps):
     import deepspeed
     from transformers import LlamaConfig
 
@@ -53,13 +53,13 @@ def worker(rank, data_file, cache_dir, steps, out):
     from models.pipeline import build_pipeline_module
     from tests.chat_tokenizers import make_chat_tokenizer
     from training.deepspeed_config import deepspeed_config
-    from training.distributed import init_distributed, parallel_topology
+    from cluster.distributed import init_distributed, parallel_topology
 
     init_distributed(timeout_minutes=5)
     tokenizer = make_chat_tokenizer("chatml")
     cfg = run_config(["precision=fp32", "zero_stage=0", f"seq_length={SEQ_LENGTH}", f"micro_batch_size={MICRO_BATCH}",
                       f"gradient_accumulation_steps={GAS}", "lr_scheduler=constant"])
-    module = build_pipeline_module(LlamaConfig(vocab_size=len(tokenizer), **MODEL), parallel_topology(1))
+    module = build_pipeline_module(LlamaConfig(vocab_size=len(tokenizer), **model), parallel_topology(1))
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
                                            config=deepspeed_config(cfg, total_steps=10**6)[0])
     contenders, stats = {}, {}
@@ -70,12 +70,11 @@ def worker(rank, data_file, cache_dir, steps, out):
                                     seq_length=SEQ_LENGTH, pad_id=tokenizer.pad_token_id, seed=0)
         contenders[packing] = counting_learned_tokens(infinite_micro_batches(loader))
         stats[packing] = {"rows": built.examples, "real_token_share": built.real_tokens / built.examples / SEQ_LENGTH}
-    train_step_seconds(engine, contenders[False][0], 1)  # warm-up
-    train_step_seconds(engine, contenders[True][0], 1)
-    seconds = {False: [], True: []}
-    for _ in range(steps):  # alternate, so that both see the same machine load
-        for packing in (False, True):
-            seconds[packing] += train_step_seconds(engine, contenders[packing][0], 1)
+    steps_of = {packing: lambda batches=batches: engine.train_batch(batches)
+                for packing, (batches, _) in contenders.items()}
+    for step in steps_of.values():  # warm-up
+        step()
+    seconds = timed_rounds(steps_of, steps)  # alternating, so that both see the same machine load
     result = {}
     for packing in (False, True):
         learned = contenders[packing][1][GAS:]  # after the warm-up step
@@ -83,27 +82,26 @@ def worker(rank, data_file, cache_dir, steps, out):
             **stats[packing], "learned_tokens_per_step": sum(learned) / steps,
             "median_step_s": statistics.median(seconds[packing]),
             "real_tokens_per_s": sum(learned) / sum(seconds[packing])}
-    with open(out, "w") as f:
-        json.dump(result, f)
+    return result
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--examples", type=int, default=2000)
-    args = parser.parse_args()
+    args = parse_args(parser, steps=1, examples=50)
     with tempfile.TemporaryDirectory() as tmp:
-        data_file, out = os.path.join(tmp, "chat.jsonl"), os.path.join(tmp, "result.json")
+        data_file = os.path.join(tmp, "chat.jsonl")
         chat_set(data_file, args.examples)
-        spawn(worker, 1, data_file, os.path.join(tmp, "cache"), args.steps, out)
-        result = json.load(open(out))
+        model = SMOKE_MODEL if args.smoke else MODEL
+        result = spawn(worker, 1, model, data_file, os.path.join(tmp, "cache"), args.steps)[0]
     for name, row in result.items():
         print(f"packing={name}: {row['rows']} rows of {SEQ_LENGTH}, {100 * row['real_token_share']:.1f}% of row tokens "
               f"real, {row['learned_tokens_per_step']:.0f} learned tokens/step, {row['median_step_s']:.3f} s/step, "
               f"{row['real_tokens_per_s']:.0f} learned tokens/s")
     speedup = result["true"]["real_tokens_per_s"] / result["false"]["real_tokens_per_s"]
-    print(f"learned tokens/s, packing true / false: {speedup:.2f}x (model hidden {MODEL['hidden_size']}, "
-          f"{MODEL['num_hidden_layers']} layers, seq {SEQ_LENGTH}, {GAS}x{MICRO_BATCH} micro-batches, fp32, "
+    print(f"learned tokens/s, packing true / false: {speedup:.2f}x (model hidden {model['hidden_size']}, "
+          f"{model['num_hidden_layers']} layers, seq {SEQ_LENGTH}, {GAS}x{MICRO_BATCH} micro-batches, fp32, "
           f"1 process); {machine_note()}")
 
 

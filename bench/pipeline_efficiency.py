@@ -44,24 +44,21 @@ The model (MODEL, SEQ_LENGTH, MICRO_BATCH) is split so that stages do equal work
 """
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import struct
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (machine_note, peak_rss_bytes, random_micro_batches, reset_peak_rss, rss_bytes,  # noqa: E402
-                    run_config, spawn)
-from memory_plan_check import FIXED_MMAP_THRESHOLD  # noqa: E402
+from common import (FIXED_MMAP_THRESHOLD, bench_parser, environment, in_rounds, machine_note,  # noqa: E402
+                    parse_args, peak_rss_bytes, random_micro_batches, reset_peak_rss, rss_bytes, run_config, spawn,
+                    timed)
 from schedule_simulator import predict  # noqa: E402
 
 from deepspeed_internals.access import (instruction_handlers, replace_instruction_handlers,  # noqa: E402
                                         skip_data_parallel_reductions)
-from training.profiling import add_to, time_instructions  # noqa: E402
-from training.schedule import PIPELINE_SCHEDULES  # noqa: E402
+from engines.profiling import add_to, time_instructions  # noqa: E402
+from schedules.orders import PIPELINE_SCHEDULES  # noqa: E402
 
 # Wide enough that matmuls dominate, as in real LLaMA shapes: B and W then cost about the same (at hidden 512
 # element-wise work in B made it 1.2-1.8x W, at hidden 256 up to 2.5x); the vocabulary sized so that the LM head
@@ -167,12 +164,12 @@ def pin_to_core(rank):
 
 
 def timing_worker(rank, num_stages, micro_batches, rounds, warm_up_rounds, schedules, hidden_size,
-                  checkpoint_interval, out_dir):
+                  checkpoint_interval):
     """Alternate, after warm-up rounds: a step of every process's own one-stage copy (all at once), the same in
     lockstep, then a step of the pipeline under each schedule; every step starts at a barrier."""
     import torch.distributed as dist
 
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
 
     pin_to_core(rank)
     init_distributed(timeout_minutes=30)
@@ -192,26 +189,22 @@ def timing_worker(rank, num_stages, micro_batches, rounds, warm_up_rounds, sched
     spent = {schedule: {} for schedule in {**engines, "cores": replica}}
     for schedule, engine in {**engines, "cores": replica}.items():
         time_instructions(engine, add_to(spent[schedule]))
-    seconds = {name: [] for name in steps}
-    for round_index in range(rounds):
-        # Every other round runs its steps in reverse, so that no step always follows the same one.
-        for name, step in list(steps.items())[::1 if round_index % 2 == 0 else -1]:
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            seconds[name].append(time.perf_counter() - start)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"stage": engines[schedules[0]].stage_id, "seconds": seconds,
-                   "spent": {s: {k: v / rounds for k, v in spent[s].items()} for s in spent}}, f)
+
+    def started_together(step):
+        dist.barrier()
+        return timed(step)
+    seconds = in_rounds({name: lambda step=step: started_together(step) for name, step in steps.items()}, rounds)
     dist.destroy_process_group()
+    return {"stage": engines[schedules[0]].stage_id, "seconds": seconds,
+            "spent": {s: {k: v / rounds for k, v in spent[s].items()} for s in spent}}
 
 
-def memory_worker(rank, num_stages, micro_batches, schedule, hidden_size, checkpoint_interval, out_dir):
+def memory_worker(rank, num_stages, micro_batches, schedule, hidden_size, checkpoint_interval):
     """Peak RSS until the last W and over one step after a warm-up, and the RSS before it."""
     import torch.distributed as dist
     from deepspeed.runtime.pipe.schedule import ReduceTiedGrads
 
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
 
     init_distributed(timeout_minutes=30)
     config = model_config(hidden_size)
@@ -223,11 +216,10 @@ def memory_worker(rank, num_stages, micro_batches, schedule, hidden_size, checkp
     reset_peak_rss()
     start = rss_bytes()
     engine.train_batch(batches)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"stage": engine.stage_id, "peak": peak_rss_bytes(), "schedule_peak": schedule_peaks[-1],
-                   "start": start}, f)
+    peak = peak_rss_bytes()
     dist.barrier()  # a stage that tears down gloo while its peer still steps aborts it (seen with 1F1B)
     dist.destroy_process_group()
+    return {"stage": engine.stage_id, "peak": peak, "schedule_peak": schedule_peaks[-1], "start": start}
 
 
 def record_peak_before(engine, instruction):
@@ -243,15 +235,8 @@ def record_peak_before(engine, instruction):
 
 def run_workers(worker, num_stages, env, *args):
     """worker in num_stages fresh processes with env set; [result per stage]."""
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)  # read by each spawned interpreter's malloc at start-up
-    try:
-        with tempfile.TemporaryDirectory() as out_dir:
-            spawn(worker, num_stages, *args, out_dir)
-            ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(num_stages)]
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    with environment(env):  # read by each spawned interpreter's malloc at start-up
+        ranks = spawn(worker, num_stages, *args)
     return sorted(ranks, key=lambda r: r["stage"])
 
 
@@ -358,7 +343,7 @@ def print_memory(num_stages, m, memory):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--stages", type=int, default=2, choices=sorted(PARTITIONS))
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
@@ -373,7 +358,7 @@ def main():
     parser.add_argument("--no-timing", action="store_true", help="only the peak-RSS runs")
     parser.add_argument("--idle-halt", action="store_true",
                         help="let idle cores halt, the machine's default (by default they poll while this runs)")
-    args = parser.parse_args()
+    args = parse_args(parser, rounds=1, micro_batches=[2], hidden_size=64, warm_up_rounds=0, idle_halt=True)
     config = model_config(args.hidden_size)
     with contextlib.nullcontext(False) if args.idle_halt else idle_cores_polling() as polling:
         idle = ("poll (/dev/cpu_dma_latency held at 0)" if polling else
@@ -392,7 +377,7 @@ def main():
                 print_details(args.stages, m, ranks, args.schedules)
             if not args.no_memory:
                 memory = {schedule: run_workers(memory_worker, args.stages,
-                                                {"MALLOC_MMAP_THRESHOLD_": FIXED_MMAP_THRESHOLD}, args.stages, m,
+                                                FIXED_MMAP_THRESHOLD, args.stages, m,
                                                 schedule, args.hidden_size, args.activation_checkpoint_interval)
                           for schedule in args.schedules}
                 print_memory(args.stages, m, memory)

@@ -4,24 +4,20 @@ The same model (bench/layer_overhead.py's shape: 4 layers of hidden 256, 8k voca
 (prompt 64 tokens, responses of 96 and 64, seq_length 256), one stage, fp32, one thread:
   - sft: chosen and rejected as two SFT rows each (the loss on the responses), micro-batch of 4 rows;
   - dpo: objective=dpo, micro-batch of 2 pairs (the same 4 rows), reference log-probabilities given;
-  - reference pass: training/reference.py's forward-only pass over the step's pairs (on an engine of its own,
+  - reference pass: evaluation/reference.py's forward-only pass over the step's pairs (on an engine of its own,
     as in the trainer, where it runs before any training step).
 Speed: tokens/s of each step (rows x seq_length per second), median of interleaved rounds in one process. Memory: the
 peak RSS rise of one step after a warm-up step, each in a fresh process (freed memory stays with the allocator).
 
   python bench/preference.py [--rounds 8]
 """
-import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import MIB, machine_note, peak_rss_bytes, reset_peak_rss, rss_bytes, spawn  # noqa: E402
-from layer_overhead import MODEL, init_like_transformers  # noqa: E402
+from common import MIB, bench_parser, machine_note, parse_args, peak_rss_rise, spawn, timed_rounds  # noqa: E402
+from layer_overhead import MODEL, SMOKE_MODEL, init_like_transformers  # noqa: E402
 
 SEQ_LENGTH, PROMPT, RESPONSES, PAIRS_PER_MICRO_BATCH, MICRO_BATCHES, PAIRS = 256, 64, (96, 64), 2, 4, 64
 
@@ -52,7 +48,7 @@ def build(objective, config):
     from models.pipeline import build_pipeline_module
     from models.preference import PreferenceSettings
     from training.deepspeed_config import deepspeed_config
-    from training.distributed import parallel_topology
+    from cluster.distributed import parallel_topology
 
     rows_per_micro_batch = 2 * PAIRS_PER_MICRO_BATCH
     micro_batch = PAIRS_PER_MICRO_BATCH if objective == "dpo" else rows_per_micro_batch
@@ -87,80 +83,65 @@ def step(engine, micro_batch_of, pairs):
 
 
 def reference_pass(engine, pairs):
-    """training/reference.py's pass over `pairs` (the DPO engine's weights)."""
+    """evaluation/reference.py's pass over `pairs` (the DPO engine's weights)."""
     from types import SimpleNamespace
 
-    from training.reference import compute_reference
+    from evaluation.reference import compute_reference
     cfg = SimpleNamespace(micro_batch_size=PAIRS_PER_MICRO_BATCH, gradient_accumulation_steps=MICRO_BATCHES,
                           seq_length=SEQ_LENGTH)
     compute_reference(engine, pairs, len(pairs), cfg, pad_id=0)
 
 
-def timed(function):
-    start = time.perf_counter()
-    function()
-    return time.perf_counter() - start
-
-
-def speed(rank, rounds):
+def speed(rank, fields, rounds):
+    """{contender: [seconds of each round]}: the SFT and DPO steps and the reference pass, after a warm-up."""
     from transformers import LlamaConfig
 
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
     init_distributed(timeout_minutes=30)
-    config = LlamaConfig(**MODEL)
+    config = LlamaConfig(**fields)
     pairs = random_pairs(config.vocab_size, PAIRS)
-    step_pairs = PAIRS_PER_MICRO_BATCH * MICRO_BATCHES
     contenders = {objective: build(objective, config) for objective in ("sft", "dpo")}
     work = {objective: (lambda e=engine, m=make: step(e, m, pairs)) for objective, (engine, make) in
             contenders.items()}
     # its own engine: DeepSpeed's eval_batch adds to the loss total of a train_batch before it, unreset
     reference_engine, _ = build("dpo", config)
-    work["reference pass"] = lambda: reference_pass(reference_engine, pairs[:step_pairs])
+    work["reference pass"] = lambda: reference_pass(reference_engine, pairs[:PAIRS_PER_MICRO_BATCH * MICRO_BATCHES])
     for function in work.values():  # warm-up
         function()
-    times = {name: [] for name in work}
-    for _ in range(rounds):
-        for name, function in work.items():
-            times[name].append(timed(function))
+    return timed_rounds(work, rounds)
+
+
+def memory(rank, fields, objective):
+    """The peak RSS rise of a step, after a warm-up step, in MiB."""
+    from transformers import LlamaConfig
+
+    from cluster.distributed import init_distributed
+    init_distributed(timeout_minutes=30)
+    config = LlamaConfig(**fields)
+    pairs = random_pairs(config.vocab_size, PAIRS)
+    engine, make = build(objective, config)
+    step(engine, make, pairs)  # warm-up: optimizer state, first-use allocations
+    return peak_rss_rise(lambda: step(engine, make, pairs)) / MIB
+
+
+def main():
+    parser = bench_parser(__doc__)
+    parser.add_argument("--rounds", type=int, default=8)
+    args = parse_args(parser, rounds=1)
+    fields = SMOKE_MODEL if args.smoke else MODEL
+    times = spawn(speed, 1, fields, args.rounds)[0]
+    step_pairs = PAIRS_PER_MICRO_BATCH * MICRO_BATCHES
     tokens = step_pairs * 2 * SEQ_LENGTH
     rates = {name: tokens / statistics.median(values) for name, values in times.items()}
     print(f"{step_pairs} pairs per step ({step_pairs * 2} rows of {SEQ_LENGTH}), one stage, fp32, 1 thread, "
-          f"median of {rounds} interleaved rounds")
+          f"median of {args.rounds} interleaved rounds")
     for name, rate in rates.items():
         spread = f"{min(times[name]):.3f}-{max(times[name]):.3f} s"
         print(f"{name:<16} {rate:>8.0f} tokens/s   {rate / rates['sft']:.3f}x the SFT step   ({spread})")
     print(machine_note())
-
-
-def memory(rank, objective, out_path):
-    from transformers import LlamaConfig
-
-    from training.distributed import init_distributed
-    init_distributed(timeout_minutes=30)
-    config = LlamaConfig(**MODEL)
-    pairs = random_pairs(config.vocab_size, PAIRS)
-    engine, make = build(objective, config)
-    step(engine, make, pairs)  # warm-up: optimizer state, first-use allocations
-    before = rss_bytes()
-    reset_peak_rss()
-    step(engine, make, pairs)
-    with open(out_path, "w") as f:
-        json.dump((peak_rss_bytes() - before) / MIB, f)
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=8)
-    args = parser.parse_args()
-    spawn(speed, 1, args.rounds)
-    with tempfile.TemporaryDirectory() as tmp:
-        for objective in ("sft", "dpo"):
-            out_path = os.path.join(tmp, objective)
-            spawn(memory, 1, objective, out_path)
-            with open(out_path) as f:
-                print(f"{objective}: a step's peak RSS rise {json.load(f):.1f} MiB (fresh process, after a warm-up "
-                      "step)")
-
+    for objective in ("sft", "dpo"):
+        print(f"{objective}: a step's peak RSS rise {spawn(memory, 1, fields, objective)[0]:.1f} MiB (fresh process, "
+              "after a warm-up step)")
 
 if __name__ == "__main__":
     main()

@@ -14,20 +14,16 @@
 
   python bench/resume_layout.py [--work-dir DIR]
 """
-import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import MIB, ROOT, machine_note, peak_rss_bytes, reset_peak_rss, rss_bytes, spawn  # noqa: E402
-from load_memory import COPY_SHARDS, MODEL, make_model, parameter_count, timed_subprocess  # noqa: E402
-
-from tests.launch import launch_trainer  # noqa: E402
+from common import (MIB, ROOT, bench_parser, launch_training, machine_note, parse_args, peak_rss_bytes,  # noqa: E402
+                    reset_peak_rss, rss_bytes, run_python, spawn)
+from load_memory import (MODEL, SMOKE_MODEL, SMOKE_SHARD_SIZE, SHARD_SIZE, copy_seconds, make_model,  # noqa: E402
+                         parameter_count)
 
 WRITE_LAYOUT = dict(num_stages=2, zero_stage=0)
 RESUME_LAYOUTS = {"2 stages (as written)": WRITE_LAYOUT,
@@ -42,19 +38,19 @@ def run_overrides(work, **layout):
     return [f"{key}={value}" for key, value in values.items()]
 
 
-def write_data(work):
+def write_data(work, vocab_size):
     with open(os.path.join(work, "train.jsonl"), "w") as f:
         for row in range(8):
-            f.write(json.dumps({"input_ids": [(row * 31 + i) % MODEL["vocab_size"] for i in range(32)]}) + "\n")
+            f.write(json.dumps({"input_ids": [(row * 31 + i) % vocab_size for i in range(32)]}) + "\n")
 
 
-def resume_rank(rank, overrides, out_dir, name):
+def resume_rank(rank, overrides):
     """Build this rank's engine for the layout, then time and measure loading the whole training state."""
     import torch.distributed as dist
     from hydra import compose, initialize_config_dir
 
     from checkpoints.optimizer_state import MasterState
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
     from training.loop import build_engine, load_start_state
     from training.run_spec import run_spec
 
@@ -72,75 +68,55 @@ def resume_rank(rank, overrides, out_dir, name):
     before, start = rss_bytes(), time.perf_counter()
     load_start_state(engine, spec)
     seconds = time.perf_counter() - start
-    with open(os.path.join(out_dir, f"{name}{rank}.json"), "w") as f:
-        json.dump({"create_seconds": create_seconds, "seconds": seconds, "before": before, "peak": peak_rss_bytes()},
-                  f)
+    peak = peak_rss_bytes()
     dist.barrier()
     dist.destroy_process_group()
+    return {"create_seconds": create_seconds, "seconds": seconds, "before": before, "peak": peak}
 
 
 def checkpoint_files(tag_dir):
     return {name: os.path.getsize(os.path.join(tag_dir, name)) for name in os.listdir(tag_dir)}
 
 
-def bench_copy(tag_dir, work):
-    """Read every file of the checkpoint and write the same bytes (the page cache as warm as for the resumes)."""
-    copy_dir = os.path.join(work, "copy")
-    script = COPY_SHARDS.replace('name.endswith(".safetensors")', 'name.endswith(".pt")')
-    for _ in range(2):
-        shutil.rmtree(copy_dir, ignore_errors=True)
-        os.makedirs(copy_dir)
-        seconds, peak = timed_subprocess([sys.executable, "-c", script, tag_dir, copy_dir])
-    shutil.rmtree(copy_dir)
+def bench_universal(tag_dir, work):
+    """DeepSpeed's offline conversion of the same checkpoint; (seconds, peak RSS) or the error it stops with."""
+    result, peak, seconds = run_python(["-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag_dir,
+                                        "--output_folder", os.path.join(work, "universal"), "--num_extract_workers",
+                                        "1", "--num_merge_workers", "1"], check=False)
+    if result.returncode:
+        return [line for line in result.stderr.splitlines() if line.strip()][-1]
     return seconds, peak
 
 
-def bench_universal(tag_dir, work):
-    """DeepSpeed's offline conversion of the same checkpoint; (seconds, peak RSS) or the error it stops with."""
-    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag_dir,
-               "--output_folder", os.path.join(work, "universal"), "--num_extract_workers", "1",
-               "--num_merge_workers", "1"]
-    try:
-        return timed_subprocess(command)
-    except RuntimeError as error:
-        lines = [line for line in str(error).splitlines() if line.strip()]
-        return lines[-1]
-
-
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--work-dir", help="where the model and its checkpoint go (default: a temporary directory)")
-    args = parser.parse_args()
+    args = parse_args(parser)
+    fields, shard_size = (SMOKE_MODEL, SMOKE_SHARD_SIZE) if args.smoke else (MODEL, SHARD_SIZE)
     with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
-        spawn(make_model, 1, os.path.join(work, "hf"))
-        subprocess.run([sys.executable, "convert2ckpt.py", "--model_name_or_path", os.path.join(work, "hf"),
-                        "--output_dir", os.path.join(work, "ds")], cwd=ROOT, check=True, capture_output=True)
+        spawn(make_model, 1, os.path.join(work, "hf"), fields, shard_size)
+        run_python(["convert2ckpt.py", "--model_name_or_path", os.path.join(work, "hf"), "--output_dir",
+                    os.path.join(work, "ds")])
         shutil.rmtree(os.path.join(work, "hf"))
-        write_data(work)
-        trained = launch_trainer(2, run_overrides(work, **WRITE_LAYOUT), config="base", timeout=3600)
-        if trained.returncode:
-            raise RuntimeError(trained.stdout[-3000:] + trained.stderr[-3000:])
+        write_data(work, fields["vocab_size"])
+        launch_training(2, run_overrides(work, **WRITE_LAYOUT))
         tag_dir = os.path.join(work, "run", "global_step1")
         files = checkpoint_files(tag_dir)
         total = sum(files.values())
         largest_state = max(size for name, size in files.items() if name.endswith("optim_states.pt"))
-        print(f"model: {parameter_count() / 1e9:.2f}B parameters, trained 1 step on 2 stages, fp32; "
+        print(f"model: {parameter_count(fields) / 1e9:.2f}B parameters, trained 1 step on 2 stages, fp32; "
               f"checkpoint {total / MIB:.0f} MiB in {len(files)} files, largest layer optimizer state "
               f"{largest_state / MIB:.0f} MiB", flush=True)
-
-        out_dir = os.path.join(work, "figures")
-        os.makedirs(out_dir)
-        for index, (label, layout) in enumerate(RESUME_LAYOUTS.items()):
-            spawn(resume_rank, 2, run_overrides(work, resume=tag_dir, **layout), out_dir, f"layout{index}-")
-            ranks = [json.load(open(os.path.join(out_dir, f"layout{index}-{rank}.json"))) for rank in range(2)]
+        for label, layout in RESUME_LAYOUTS.items():
+            ranks = spawn(resume_rank, 2, run_overrides(work, resume=tag_dir, **layout))
             added = [(r["peak"] - r["before"]) for r in ranks]
             print(f"resume on {label}: load {max(r['seconds'] for r in ranks):.1f} s (after allocating the optimizer "
                   f"state, {max(r['create_seconds'] for r in ranks):.1f} s); per-rank peak RSS while loading "
                   f"+{[round(a / MIB) for a in added]} MiB above the built engine and its optimizer state "
                   f"({[round(r['before'] / MIB) for r in ranks]} MiB) = {max(added) / largest_state:.2f}x the largest "
                   f"layer's optimizer-state file", flush=True)
-        copy_seconds, copy_peak = bench_copy(tag_dir, work)
-        print(f"copying the same {total / MIB:.0f} MiB (read, write): {copy_seconds:.1f} s, peak RSS "
+        copied_seconds, copy_peak = copy_seconds(tag_dir, ".pt", work)  # the page cache as warm as for the resumes
+        print(f"copying the same {total / MIB:.0f} MiB (read, write): {copied_seconds:.1f} s, peak RSS "
               f"{copy_peak / MIB:.0f} MiB", flush=True)
         universal = bench_universal(tag_dir, work)
         if isinstance(universal, tuple):
@@ -149,7 +125,6 @@ def main():
         else:
             print(f"DeepSpeed ds_to_universal.py on it does not run: {universal}")
     print(machine_note())
-
 
 if __name__ == "__main__":
     main()

@@ -3,7 +3,7 @@
 F: a micro-batch's forward; B: its input-gradient backward (what the previous stage waits for); W: its
 weight-gradient backward (under 1F1B and interleaved 1F1B a backward is B + W). Times are a stage's (all layers of
 a rank); the chunk schedules split them evenly over a rank's chunks (interleaved_1f1b: --virtual-stages, zbv: 2).
-The schedules are the ones the trainer runs (training/schedule.py simulates their orders in time, transfers free),
+The schedules are the ones the trainer runs (schedules/orders.py simulates their orders in time, transfers free),
 so a measured F, B, W predicts a measured step; bench/pipeline_efficiency.py prints the prediction beside its
 measurements.
 
@@ -22,7 +22,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.schedule import PIPELINE_SCHEDULES, simulate  # noqa: E402
+from schedules.orders import PIPELINE_SCHEDULES  # noqa: E402
+from schedules.simulator import simulate  # noqa: E402
+
+SMOKE_HELP = "the shipped config on paper with zero_bubble_max_waiting 0 too (tests/test_bench.py)"
 
 
 def predict(stages, micro_batches, times, overhead=0.0, max_waiting=None, virtual_stages=2):
@@ -121,7 +124,10 @@ def main():
     parser.add_argument("--virtual-stages", type=int, default=2, help="interleaved_1f1b's chunks per rank")
     parser.add_argument("--table", action="store_true", help="every schedule's bubble, p = 2, 4, 8, m = p ... 64")
     parser.add_argument("--config", default="llama_65b", help="without --times: the shipped config on paper")
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
+    if args.smoke:
+        args.max_waiting = [None, 0]
     if args.times is None and not args.table:
         stages, micro_batches, times, counts = paper_times(args.config)
         print(f"{args.config} on paper (conf/{args.config}.yaml: {stages} stages, {micro_batches} micro-batches, "

@@ -1,11 +1,11 @@
 """How soon the supervisor ends an attempt after a rank is killed, with many ranks on a node: N stand-in ranks under
-DeepSpeed's own launcher (each records its start, and on SIGTERM records its end, as a rank does, and exits after
---rank-exit-seconds, a rank's own way out), one SIGKILLed; prints the seconds from the kill to the supervisor's
-wait_for_attempt returning, alternating this tree's training/supervisor.py with the one of --against (a commit).
+DeepSpeed's own launcher, under a stand-in of its runner (each rank records its start, and on SIGTERM records its end,
+as a rank does, and exits after --rank-exit-seconds, a rank's own way out), one SIGKILLed; prints the seconds from the
+kill to the supervisor's wait_for_attempt returning, alternating this tree's resilience/supervisor.py with the one of
+--against (a commit).
 
   python bench/supervisor_teardown.py [--ranks 8] [--rounds 3] [--against COMMIT]
 """
-import argparse
 import base64
 import json
 import os
@@ -19,9 +19,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common import module_at  # noqa: E402
-from training import supervisor  # noqa: E402
-from training.rank_records import RankRecord, read_records  # noqa: E402
+from resilience import supervisor  # noqa: E402
+from resilience.rank_records import RankRecord, read_records  # noqa: E402
 
 SETTLE_SECONDS = 1  # between every rank's start record and the kill: the supervisor is looking by then
 
@@ -44,11 +43,10 @@ def seconds_to_end(supervisor, ranks, exit_seconds):
     output_dir = tempfile.mkdtemp(prefix="teardown-")
     world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(ranks))}).encode()).decode()
     attempt, started = supervisor.Supervisor([], output_dir, 0, 0, 0), time.time()
-    attempt.process = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))", sys.executable, "-u",
-         "-m", "deepspeed.launcher.launch", f"--world_info={world}", "--master_addr=127.0.0.1", "--master_port=29500",
-         os.path.abspath(__file__), "--stand-in-rank", output_dir, str(exit_seconds)],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    attempt.process = subprocess.Popen(  # the runner's stand-in, which starts the launcher
+        [sys.executable, os.path.abspath(__file__), "--runner", sys.executable, "-u", "-m", "deepspeed.launcher.launch",
+         f"--world_info={world}", "--master_addr=127.0.0.1", "--master_port=29500", os.path.abspath(__file__),
+         "--stand-in-rank", output_dir, str(exit_seconds)], env=dict(os.environ))
     while len(read_records(output_dir, since=started)) < ranks:
         time.sleep(0.05)
     victim = read_records(output_dir, since=started)[ranks // 2]["pid"]
@@ -67,23 +65,26 @@ def seconds_to_end(supervisor, ranks, exit_seconds):
 
 
 def main():
+    if sys.argv[1:2] == ["--runner"]:  # DeepSpeed's runner, which the supervisor starts: its launcher's exit code
+        sys.exit(subprocess.call(sys.argv[2:], env=dict(os.environ)))
     if "--stand-in-rank" in sys.argv:  # as DeepSpeed's launcher starts it: after --local_rank=N
         at = sys.argv.index("--stand-in-rank")
         return stand_in_rank(sys.argv[at + 1], float(sys.argv[at + 2]))
-    from common import machine_note  # torch: not in the stand-in ranks
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from common import bench_parser, in_rounds, machine_note, module_at, parse_args  # torch: not in the stand-ins
+    from tests.rank_zygote import fork_python_children, in_zygote_child
+    if in_zygote_child():  # the smoke run: the launcher and its stand-in ranks fork from here (tests/launcher_site)
+        fork_python_children()
+    parser = bench_parser(__doc__)
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rank-exit-seconds", type=float, default=0.02)
-    parser.add_argument("--against", default=None, help="a commit whose training/supervisor.py to alternate with")
-    args = parser.parse_args()
+    parser.add_argument("--against", default=None, help="a commit whose resilience/supervisor.py to alternate with")
+    args = parse_args(parser, ranks=2, rounds=1)
     variants = {"this tree": supervisor}
     if args.against:
-        variants[args.against] = module_at(args.against, "training/supervisor.py")
-    seconds = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, module in variants.items():
-            seconds[name].append(round(seconds_to_end(module, args.ranks, args.rank_exit_seconds), 3))
+        variants[args.against] = module_at(args.against, "resilience/supervisor.py")
+    seconds = in_rounds({name: lambda m=module: round(seconds_to_end(m, args.ranks, args.rank_exit_seconds), 3)
+                         for name, module in variants.items()}, args.rounds)
     print(json.dumps({"machine": machine_note(), "ranks": args.ranks, "rank_exit_seconds": args.rank_exit_seconds,
                       "kill_to_attempt_end_s": seconds}, indent=1))
 

@@ -19,20 +19,18 @@ RSS follows the tensors alive; --default-malloc measures with glibc's defaults i
 
   python bench/tensor_parallel_memory.py [--steps N] [--no-reference] [--default-malloc]
 """
-import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (MIB, machine_note, peak_rss_bytes, random_micro_batches, reset_peak_rss,  # noqa: E402,I001
-                    rss_bytes, run_config, spawn, train_step_seconds)
+from common import (FIXED_MMAP_THRESHOLD, MIB, bench_parser, machine_note, parse_args,  # noqa: E402,I001
+                    peak_rss_bytes, reset_peak_rss, run_config, spawn, train_step_seconds, trainer_engine)
 
-FIXED_MMAP_THRESHOLD = str(128 * 1024)
 MODEL = dict(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=8, max_position_embeddings=2048)
+SMOKE_MODEL = dict(MODEL, vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2)  # --smoke's
 RUN = ["num_stages=1", "precision=fp32", "zero_stage=0", "seq_length=1024", "micro_batch_size=2",
        "gradient_accumulation_steps=2"]
 BASELINE = "tp2, sequence_parallel=false"
@@ -66,51 +64,35 @@ def count_gathers(parallel):
     return stats
 
 
-def measure(rank, overrides, steps, out_dir):
-    """One rank: train `steps` steps; write its peak RSS over them minus the RSS before the model, its step times,
-    the pool's buffers and the gather counts."""
+def measure(rank, fields, overrides, steps):
+    """One rank: train `steps` steps; its peak RSS over them minus the RSS before the model, its step times, the
+    pool's buffers and the gather counts."""
     import torch.distributed as dist
-    from transformers import LlamaConfig
 
-    from training.distributed import init_distributed
-    from training.loop import build_engine
-    from training.run_spec import plan_spec
-
-    cfg = run_config(overrides)
-    init_distributed(timeout_minutes=10)
-    config = LlamaConfig(**MODEL)
-    baseline = rss_bytes()
-    engine, _ = build_engine(plan_spec(cfg, dist.get_world_size(), config), steps, layer_loader=None)
+    # The same seed on every rank: a tensor-parallel group must see the same micro-batches.
+    engine, batches, before_model = trainer_engine(fields, overrides, steps)
     module = engine.module
     gathers = count_gathers(module.parallel)
-    # The same seed on every rank: a tensor-parallel group must see the same micro-batches.
-    batches = random_micro_batches(config.vocab_size, cfg.seq_length, cfg.micro_batch_size)
     reset_peak_rss()
     step_seconds = train_step_seconds(engine, batches, steps)
-    peak = peak_rss_bytes() - baseline
+    peak = peak_rss_bytes() - before_model
     pool = [{"name": name, "dtype": str(dtype).replace("torch.", ""), "elements": buffer.numel(),
              "bytes": buffer.numel() * buffer.element_size()}
             for (name, dtype, _), buffer in module.parallel.buffers._buffers.items()]
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"measured": peak, "step_seconds": step_seconds, "pool": pool,
-                   "gathers": {**gathers, "pooled_storages": len(gathers["pooled_storages"])}}, f)
     dist.destroy_process_group()
+    return {"measured": peak, "step_seconds": step_seconds, "pool": pool,
+            "gathers": {**gathers, "pooled_storages": len(gathers["pooled_storages"])}}
 
 
-def run_variant(overrides, processes, steps):
+def run_variant(fields, overrides, processes, steps):
     from transformers import LlamaConfig
 
     from planner.memory_plan import memory_plan
     from training.run_spec import plan_spec
 
     cfg = run_config(RUN + overrides)
-    with tempfile.TemporaryDirectory() as out_dir:
-        spawn(measure, processes, RUN + overrides, steps, out_dir)
-        ranks = []
-        for rank in range(processes):
-            with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
-                ranks.append(json.load(f))
-    rows = memory_plan(plan_spec(cfg, processes, LlamaConfig(**MODEL)))
+    ranks = spawn(measure, processes, fields, RUN + overrides, steps)
+    rows = memory_plan(plan_spec(cfg, processes, LlamaConfig(**fields)))
     tokens_per_step = cfg.micro_batch_size * cfg.seq_length * cfg.gradient_accumulation_steps
     timed = ranks[0]["step_seconds"][1:] or ranks[0]["step_seconds"]  # the first step warms up
     return {"ranks": ranks, "planned": rows[0]["memory_bytes"], "planned_activations": rows[0]["activation_bytes"],
@@ -128,20 +110,21 @@ def describe_pool(result):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--steps", type=int, default=3, help="training steps per variant (default 3)")
     parser.add_argument("--no-reference", action="store_true", help="skip the 1-process reference")
     parser.add_argument("--default-malloc", action="store_true", help="measure with glibc's default mmap threshold")
-    args = parser.parse_args()
+    args = parse_args(parser, steps=1, no_reference=True)
     if not args.default_malloc:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = FIXED_MMAP_THRESHOLD  # read by each worker's malloc at start-up
-    fields = ", ".join(f"{k}={v}" for k, v in MODEL.items() if k != "max_position_embeddings")
+        os.environ.update(FIXED_MMAP_THRESHOLD)  # read by each worker's malloc at start-up
+    model = SMOKE_MODEL if args.smoke else MODEL
+    fields = ", ".join(f"{k}={v}" for k, v in model.items() if k != "max_position_embeddings")
     print(f"model: {fields}; {' '.join(RUN)}; {args.steps} steps; per-rank peak RSS over the steps minus the RSS "
           f"before the model was built", flush=True)
     results = {}
     for name, processes, overrides in VARIANTS:
         if not (args.no_reference and processes == 1):
-            results[name] = run_variant(overrides, processes, args.steps)
+            results[name] = run_variant(model, overrides, processes, args.steps)
     baseline = max(rank["measured"] for rank in results[BASELINE]["ranks"])
     print(f"{'variant':<42} {'per-rank MiB':>13} {'vs sp=false':>11} {'planned MiB':>11} {'meas/plan':>9} "
           f"{'tokens/s':>8}")

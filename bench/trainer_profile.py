@@ -14,12 +14,12 @@ interleaved rounds (reversed every other round, so that the machine's drift fall
 With --at-once a round's trainer runs run at the same time, each in its own copy of the model and data, so that
 a shared host's load falls on all alike (their CPU seconds are then the comparison). Prints each round's ratios
 (1 stage ÷ one loop, 2 stages ÷ two loops at once) and their spread, then, from the last round's profiles
-(training/profiling.py), milliseconds per step on each stage: each engine instruction, the engine's own work between
+(engines/profiling.py), milliseconds per step on each stage: each engine instruction, the engine's own work between
 them, and the loop's work between steps; and each stage's compute (F + B + W) against the start-up
 plan's FLOPs (planner/stage_costs.py), which `partition: balanced` (the default) evens out.
 Then the same ratios in CPU seconds of each process's training thread, which a shared host's load changes far less
 than wall-clock time: a loop's step, the 1-stage trainer's step, and for 2 stages the step the schedule takes
-(training/schedule.py simulate, on the order the trainer runs) from each stage's F, B and W CPU seconds (a chunked
+(schedules/orders.py simulate, on the order the trainer runs) from each stage's F, B and W CPU seconds (a chunked
 schedule's F, B and W summed over its rank's chunks, which the simulation shares out evenly), with everything else
 the stage's thread did in the step (optimizer, engine, loop, the CPU side of transfers) added as if nothing
 overlapped it.
@@ -30,23 +30,21 @@ overlapped it.
                                   [--micro-batches 8]
   python bench/trainer_profile.py --workload smollm2 --matmul-share   # the 1-stage ceiling, from transformers' loop
 """
-import argparse
 import concurrent.futures
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, machine_note, spawn  # noqa: E402
+from common import bench_parser, launch_training, machine_note, parse_args, spawn  # noqa: E402
 
-from tests.launch import trainer_command  # noqa: E402
-from training.schedule import rank_orders, simulate  # noqa: E402
-from training.zbv_order import configured_zbv_durations  # noqa: E402
+from schedules.orders import rank_orders  # noqa: E402
+from schedules.simulator import simulate  # noqa: E402
+from schedules.zbv_order import configured_zbv_durations  # noqa: E402
 
 SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1024)
@@ -58,9 +56,13 @@ WORKLOADS = {  # the shapes of issue 31's table; smollm2 is SmolLM2-135M's publi
     "smollm2": (dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
                      tie_word_embeddings=True, rope_theta=100000.0), 256, 2),
+    # the smoke size of the scripts that take a workload (--smoke)
+    "tiny": (dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64), 32, 2),
 }
 CONTENDERS = ["one loop", "1 stage", "two loops", "2 stages 1f1b", "2 stages zero_bubble",
               "2 stages interleaved_1f1b", "2 stages zbv", "2 stages zbv equal", "2 stages zbv measured"]
+SMOKE_CONTENDERS = ["two loops", "2 stages zbv", "2 stages zbv measured"]
 VIRTUAL_STAGES = 2  # interleaved_1f1b's chunks per rank
 TRAINER_RUNS = {"1 stage": (1, "1f1b"), "2 stages 1f1b": (2, "1f1b"), "2 stages zero_bubble": (2, "zero_bubble"),
                 "2 stages interleaved_1f1b": (2, "interleaved_1f1b"), "2 stages zbv": (2, "zbv"),
@@ -97,8 +99,8 @@ def transformers_step(rank, fields, seq_length, micro_batch, micro_batches):
     return loop_step(LlamaConfig(**fields), seq_length, micro_batch, micro_batches, seed=rank)
 
 
-def transformers_loop(rank, fields, seq_length, micro_batch, micro_batches, steps, out_dir):
-    """transformers' loop for 1 + steps steps; writes the wall-clock and CPU seconds of each step after the first."""
+def transformers_loop(rank, fields, seq_length, micro_batch, micro_batches, steps):
+    """transformers' loop for 1 + steps steps: the wall-clock and CPU seconds of each step after the first."""
     step = transformers_step(rank, fields, seq_length, micro_batch, micro_batches)
     seconds, cpu_seconds = [], []
     for _ in range(steps + 1):
@@ -106,8 +108,7 @@ def transformers_loop(rank, fields, seq_length, micro_batch, micro_batches, step
         step()
         seconds.append(time.perf_counter() - start)
         cpu_seconds.append(time.thread_time() - start_cpu)
-    with open(os.path.join(out_dir, f"transformers{rank}.json"), "w") as f:
-        json.dump({"seconds": seconds[1:], "cpu_seconds": cpu_seconds[1:]}, f)
+    return {"seconds": seconds[1:], "cpu_seconds": cpu_seconds[1:]}
 
 
 MATRIX_PRODUCTS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm")
@@ -140,7 +141,7 @@ def matmul_share(rank, fields, seq_length, micro_batch, micro_batches):
 
 
 def run_trainer(work, name, seq_length, micro_batch, micro_batches, steps, partition, extra_overrides):
-    """One trainer_pipe.py run with profile=true; returns {stage: profile} (training/profiling.py's files), its
+    """One trainer_pipe.py run with profile=true; returns {stage: profile} (engines/profiling.py's files), its
     losses per step (metrics.jsonl), its stage plan's layers per stage (the plan's table from its output) and,
     under zbv_times=auto, the times the trainer made its V order for (its log line), else None."""
     num_stages, schedule = TRAINER_RUNS[name]
@@ -155,10 +156,7 @@ def run_trainer(work, name, seq_length, micro_batch, micro_batches, steps, parti
                  f"data.cache_dir={os.path.join(work, 'cache')}", *([f"partition={partition}"] if partition else []),
                  *([f"virtual_stages={VIRTUAL_STAGES}"] if schedule == "interleaved_1f1b" else []),
                  *(["zbv_times=null"] if name == "2 stages zbv equal" else []), *extra_overrides]
-    command, env = trainer_command(num_stages, overrides, "base", None, "trainer_pipe.py", {"OMP_NUM_THREADS": "1"})
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    if result.returncode:
-        raise RuntimeError(result.stdout[-3000:] + result.stderr[-3000:])
+    result, _, _ = launch_training(num_stages, overrides, env={"OMP_NUM_THREADS": "1"})
     profiles = [json.load(open(os.path.join(out, "profile", n))) for n in sorted(os.listdir(os.path.join(out, "profile")))]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         losses = [record["loss"] for record in map(json.loads, f) if record.get("loss") is not None]
@@ -167,7 +165,7 @@ def run_trainer(work, name, seq_length, micro_batch, micro_batches, steps, parti
 
 
 def auto_zbv_times(output):
-    """zbv_times=auto's measured times per stage from the trainer's log line (training/chunked_engine.py), or None."""
+    """zbv_times=auto's measured times per stage from the trainer's log line (engines/chunked_engine.py), or None."""
     line = next((line for line in output.splitlines() if line.startswith("zbv_times=auto:")), None)
     if line is None:
         return None
@@ -203,9 +201,10 @@ def cpu_step_seconds(profiles, schedule, micro_batches, zbv_times=None):
 
 
 def measured_zbv_times(profiles, micro_batches):
-    """zbv_times from a run's profiles: each stage's [F, B, W] CPU ms per micro-batch."""
+    """zbv_times from a run's profiles: each stage's [F, B, W] CPU ms per micro-batch (at least 1: zbv_times takes
+    positive numbers, and a small chunk's W can take less than half a millisecond)."""
     times, _, _ = simulated_cpu_step(profiles, "zbv", micro_batches)
-    return [[round(1e3 * stage_times[kind]) for kind in "FBW"] for stage_times in times]
+    return [[max(1, round(1e3 * stage_times[kind])) for kind in "FBW"] for stage_times in times]
 
 
 def simulated_cpu_step(profiles, schedule, micro_batches, zbv_times=None):
@@ -250,11 +249,9 @@ def print_simulation(name, profiles, schedule, micro_batches, zbv_times=None):
           f"{share[0] / bound:.3f}, with the rest {share[1] / bound:.3f}")
 
 
-def transformers_seconds(work, fields, seq_length, micro_batch, micro_batches, steps, processes):
+def transformers_seconds(fields, seq_length, micro_batch, micro_batches, steps, processes):
     """Per process, {"seconds": [...], "cpu_seconds": [...]} of its timed steps."""
-    out_dir = tempfile.mkdtemp(dir=work)
-    spawn(transformers_loop, processes, fields, seq_length, micro_batch, micro_batches, steps, out_dir)
-    return [json.load(open(os.path.join(out_dir, f"transformers{r}.json"))) for r in range(processes)]
+    return spawn(transformers_loop, processes, fields, seq_length, micro_batch, micro_batches, steps)
 
 
 def tokens_per_second(tokens, seconds):
@@ -321,7 +318,7 @@ def print_losses_and_plans(losses, plans):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="small")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per run (after one warm-up step)")
@@ -336,7 +333,8 @@ def main():
                         help="run a round's trainer runs at the same time (the same load on a shared host)")
     parser.add_argument("--matmul-share", action="store_true",
                         help="only profile transformers' loop: the share of its step in matrix products and attention")
-    args = parser.parse_args()
+    args = parse_args(parser, workload="tiny", rounds=1, steps=1, micro_batches=4, matmul_share=True,
+                      contenders=SMOKE_CONTENDERS)
     if "2 stages zbv measured" in args.contenders and "2 stages zbv" not in args.contenders:
         parser.error('"2 stages zbv measured" takes its times from "2 stages zbv": name both')
     if args.at_once and "2 stages zbv measured" in args.contenders:
@@ -345,7 +343,8 @@ def main():
     if args.matmul_share:
         spawn(matmul_share, 1, fields, seq_length, micro_batch, args.micro_batches)
         print(machine_note())
-        return
+        if not args.smoke:  # which runs it before the others
+            return
     m = args.micro_batches
     tokens = m * micro_batch * seq_length
     with tempfile.TemporaryDirectory() as work:
@@ -385,7 +384,7 @@ def main():
                     cpu_rates[name].append(tokens / cpu_step_seconds(profiles[name], TRAINER_RUNS[name][1], m,
                                                                      zbv_times.get(name)))
                 else:
-                    loops = transformers_seconds(work, fields, seq_length, micro_batch, m, args.steps,
+                    loops = transformers_seconds(fields, seq_length, micro_batch, m, args.steps,
                                                  1 if name == "one loop" else 2)
                     rates[name].append(sum(tokens_per_second(tokens, s["seconds"]) for s in loops))
                     cpu_rates[name].append(sum(tokens_per_second(tokens, s["cpu_seconds"]) for s in loops))

@@ -27,7 +27,6 @@ from deepspeed.runtime.pipe.schedule import OptimizerStep
 import collectives
 from checkpoints.files import size_text
 from checkpoints.integrity import durable_checksum
-from training.instruction_listeners import add_instruction_listener
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal this process gets when its parent dies
 SHARED_MEMORY_DIR = "/dev/shm"  # where share_memory_() places the snapshot's storages
@@ -144,14 +143,14 @@ class BackgroundSave:
     """A save's snapshot is copied by a thread of its own (torch's copies release the GIL; under CUDA on a side
     stream into pinned memory) while the next step's forward and backward run, which only read the tensors: the
     optimizer step is what changes them, so it waits for the copy (instruction_started), as do the next save, a
-    preemption and the end; the copier then hands the files to the writer process."""
+    preemption and the end; the copier then hands the files to the writer process. It listens to the engine's
+    instructions (engines/instruction_listeners.py), which its owner attaches it to."""
 
-    def __init__(self, engine):
+    def __init__(self):
         pinned = get_accelerator().device_name() == "cuda"
         self.snapshot, self.copy_stream = HostSnapshot(pinned), torch.cuda.Stream() if pinned else None
         self.copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-copier")
         self.writer = self.copying = self.completion = self.result = self.tag_dir = None
-        add_instruction_listener(engine, self)
 
     def instruction_started(self, instruction):
         if instruction is OptimizerStep:  # the handlers are keyed by instruction class

@@ -3,6 +3,7 @@
 import torch
 
 from .formats import IGNORE_INDEX
+from .length_buckets import padded_length
 
 
 def collate_causal_lm(examples, seq_length: int, pad_id: int):
@@ -17,8 +18,8 @@ def collate_causal_lm(examples, seq_length: int, pad_id: int):
     document_ids is k on the tokens of the row's k-th document (1 for a one-document row) and 0 on padding: the
     model attends only within a document. position_ids restart at 0 with every document (padding continues the
     last one's count); labels are -100 on padding and on the first token of each later document, which the
-    previous document's last token must not learn to predict. A fixed width keeps the shapes the engine saw on its
-    first micro-batch.
+    previous document's last token must not learn to predict. Every micro-batch of a step has one width, the
+    shapes the engine takes from its first (`collate` picks it: seq_length, or a length bucket's).
     """
     batch_size = len(examples)
     input_ids = torch.full((batch_size, seq_length), pad_id, dtype=torch.long)
@@ -46,7 +47,7 @@ def collate_preference(pairs, seq_length: int, pad_id: int):
     """Preference pairs → `((input_ids, document_ids, position_ids), (labels, reference_logps))`: the chosen
     sequences in the first half of the rows, the rejected in the second (TRL's order), so a pair never leaves its
     micro-batch. reference_logps (float32, one per row) are the reference model's summed response log-probabilities
-    (training/reference.py), zeros before they are computed."""
+    (evaluation/reference.py), zeros before they are computed."""
     rows = [{"input_ids": pair[f"{side}_input_ids"], "labels": pair[f"{side}_labels"]}
             for side in ("chosen", "rejected") for pair in pairs]
     inputs, labels = collate_causal_lm(rows, seq_length, pad_id)
@@ -55,11 +56,13 @@ def collate_preference(pairs, seq_length: int, pad_id: int):
     return inputs, (labels, reference)
 
 
-def collate(examples, seq_length: int, pad_id: int):
-    """The collator the rows' kind needs: preference pairs or single sequences."""
+def collate(examples, seq_length: int, pad_id: int, bounds=None):
+    """The collator the rows' kind needs: preference pairs or single sequences, padded to seq_length, or with
+    bounds (data.length_buckets: data/length_buckets.py) to the smallest of them that holds the longest row."""
+    length = padded_length(examples, bounds) if bounds else seq_length
     if examples and "chosen_input_ids" in examples[0]:
-        return collate_preference(examples, seq_length, pad_id)
-    return collate_causal_lm(examples, seq_length, pad_id)
+        return collate_preference(examples, length, pad_id)
+    return collate_causal_lm(examples, length, pad_id)
 
 
 def row_layout(data):

@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 import torch.distributed as dist
 
 from checkpoints.files import write_text_atomic
-from training.shared_files import VISIBLE_WITHIN_S, built_by_rank_zero, wait_for_files
+from cluster.shared_files import VISIBLE_WITHIN_S, built_by_rank_zero, wait_for_files
 
 from .formats import (PREFERENCE_FIELDS, TOKEN_FEATURE, DataSettings, chat_problem, preference_problem,
                       record_tokenizer, with_chat_template)
@@ -133,7 +133,7 @@ def build_dataset(
 
 def build_dataset_distributed(*args, limit_minutes: float, **kwargs) -> tuple[datasets.Dataset, BuildStats]:
     """`build_dataset` on global rank 0 while the others wait for it outside any collective, at most limit_minutes
-    (training/shared_files.py), then read its cache; rank 0's error is raised on every rank. Without an initialized
+    (cluster/shared_files.py), then read its cache; rank 0's error is raised on every rank. Without an initialized
     torch.distributed process group this is plain `build_dataset`."""
     if not (dist.is_available() and dist.is_initialized()):
         return build_dataset(*args, **kwargs)

@@ -12,7 +12,7 @@ from typing import Any
 
 import datasets
 
-IGNORE_INDEX = -100  # label value the causal-LM loss skips (torch CrossEntropyLoss ignore_index)
+from models.labels import IGNORE_INDEX
 FORMATS = ("pretokenized", "text", "instruction", "chat", "preference", "indexed")  # indexed: data/indexed.py
 FORMAT_FIELDS = {"pretokenized": ("input_ids",), "instruction": ("prompt", "response"), "chat": ("messages",),
                  "preference": ("chosen", "rejected")}

@@ -5,7 +5,7 @@ tokens across document boundaries, each starting at the previous one's last toke
 seq_length inputs and the token after them, so every token of the epoch but the first is predicted once; the last
 partial sample of the epoch is dropped), and those samples in an order shuffled by (seed, e). The three arrays
 (document order, sample cut, sample order) of each epoch are built once, by global rank 0 (the others wait on the
-store, not in a collective: training/shared_files.py), with megatron-core's
+store, not in a collective: cluster/shared_files.py), with megatron-core's
 `build_sample_idx`, and cached as .npy files beside the shards (PREFIX.index/, or under data.index_dir); every
 reading rank memory-maps them, so neither start-up nor a step reads more than its own samples. The k-th sample a
 run draws from a corpus is sample k mod n of its epoch k // n (n samples an epoch): a corpus that runs out goes on
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from checkpoints.files import atomic_write, write_text_atomic
-from training.shared_files import built_by_rank_zero
+from cluster.shared_files import built_by_rank_zero
 
 from .shard_files import (HEADER_BYTES, ShardError, ShardHeader, megatron_datasets, read_shard_header,
                           vouched_by_metadata)
@@ -277,7 +277,7 @@ def training_blend(sources, *, reads_data: bool, seed: int, seq_length: int, iso
                    vocab_size: int, total_samples: int, build_limit_minutes: float, index_dir=None) -> Blend | None:
     """The run's training samples on a data-reading rank (None elsewhere: middle stages open no shard), after rank
     0 has built the indices the run's `total_samples` reach (the others wait at most build_limit_minutes for it,
-    outside any collective: training/shared_files.py)."""
+    outside any collective: cluster/shared_files.py)."""
     headers = [read_shard_header(source.prefix) for source in sources]
     built_by_rank_zero(lambda: prepare_indices(sources, headers, seed=seed, seq_length=seq_length,
                                                total_samples=total_samples, blend_dir=blend_dir,

@@ -10,7 +10,8 @@ Epoch semantics (per epoch, over all data-parallel ranks; N examples, D ranks, B
   drop_last=False: each rank takes ceil(ceil(N/D)/B) micro-batches; every example is used at least once and the
                   D·B·len - N (< D·B) extra slots repeat examples: DistributedSampler's padding to a multiple of D,
                   then each rank's wrap-around to a whole last micro-batch.
-Micro-batches are always full: the pipeline engine fixes tensor shapes on its first micro-batch.
+Micro-batches are always full: the pipeline engine fixes tensor shapes on its first micro-batch. With length
+buckets (data/length_buckets.py) a step's global batch is rows of one bucket instead, padded to its length.
 """
 
 import math
@@ -24,6 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 import collectives
 from .collator import collate, collate_causal_lm
+from .length_buckets import BucketedSampler, LengthBuckets
 
 
 def micro_batches_per_epoch(num_examples: int, dp_size: int, micro_batch_size: int, drop_last: bool = True) -> int:
@@ -34,10 +36,11 @@ def micro_batches_per_epoch(num_examples: int, dp_size: int, micro_batch_size: i
 
 
 class _EpochIndices(Sampler):
-    """One rank's example indices for the current epoch: the DistributedSampler order, wrapped or cut to `count`,
-    minus the first `skip` that a resumed run has already trained on (skipped as indices, never read)."""
+    """One rank's example indices for the current epoch: the sampler's order (DistributedSampler's, or the length
+    buckets'), wrapped or cut to `count`, minus the first `skip` that a resumed run has already trained on (skipped as
+    indices, never read)."""
 
-    def __init__(self, sampler: DistributedSampler, count: int):
+    def __init__(self, sampler: DistributedSampler | BucketedSampler, count: int):
         self.sampler, self.count, self.skip = sampler, count, 0
 
     def __len__(self) -> int:
@@ -51,21 +54,27 @@ class StageLoader:
     """Micro-batches of one data-parallel rank for one pipeline stage; see `build_stage_loader`."""
 
     def __init__(self, dataset: Sized, *, reads_data: bool, dp_rank: int, dp_size: int, micro_batch_size: int,
-                 seq_length: int, pad_id: int, seed: int, drop_last: bool = True, num_workers: int = 0):
+                 seq_length: int, pad_id: int, seed: int, drop_last: bool = True, num_workers: int = 0,
+                 buckets: LengthBuckets | None = None):
         self.micro_batch_size = micro_batch_size
-        self.num_micro_batches = micro_batches_per_epoch(len(dataset), dp_size, micro_batch_size, drop_last)
+        if buckets is None:
+            self.num_micro_batches = micro_batches_per_epoch(len(dataset), dp_size, micro_batch_size, drop_last)
+        else:
+            self.num_micro_batches = buckets.steps_per_epoch * buckets.global_batch // (dp_size * micro_batch_size)
         if self.num_micro_batches == 0:
             raise ValueError(f"{len(dataset)} examples give no micro-batch of {micro_batch_size} to each of "
                              f"{dp_size} data-parallel ranks")
         self.epoch, self.start = 0, 0
         self._loader = None
         if reads_data:
-            self._sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=seed,
-                                               drop_last=drop_last)
+            self._sampler = (DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=seed,
+                                                drop_last=drop_last) if buckets is None else
+                             BucketedSampler(buckets, dp_rank, dp_size, micro_batch_size))
             self._indices = _EpochIndices(self._sampler, self.num_micro_batches * micro_batch_size)
+            bounds = buckets.bounds if buckets else None
             self._loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self._indices,
                                       num_workers=num_workers, pin_memory=collectives.device().type != "cpu",
-                                      collate_fn=partial(collate, seq_length=seq_length, pad_id=pad_id))
+                                      collate_fn=partial(collate, seq_length=seq_length, pad_id=pad_id, bounds=bounds))
 
     def __len__(self) -> int:
         """Micro-batches in a whole epoch (an iteration after `set_position(e, k)` yields `len - k` of them)."""
@@ -93,13 +102,15 @@ class StageLoader:
 
 def build_stage_loader(dataset: Sized, *, reads_data: bool, dp_rank: int, dp_size: int, micro_batch_size: int,
                        seq_length: int, pad_id: int, seed: int, drop_last: bool = True,
-                       num_workers: int = 0) -> StageLoader:
+                       num_workers: int = 0, buckets: LengthBuckets | None = None) -> StageLoader:
     """Loader for one stage of data-parallel rank `dp_rank`: real micro-batches when `reads_data` (first and last
     pipeline stage), otherwise placeholders (None) of the same count. A middle stage only needs `len(dataset)`, so
-    any sized object, e.g. `range(n)`, will do there."""
+    any sized object, e.g. `range(n)`, will do there. buckets: the rows grouped by length, each step's padded to its
+    bucket (the epoch's order theirs: data/length_buckets.py); None: DistributedSampler's order, padded to
+    seq_length."""
     return StageLoader(dataset, reads_data=reads_data, dp_rank=dp_rank, dp_size=dp_size,
                        micro_batch_size=micro_batch_size, seq_length=seq_length, pad_id=pad_id, seed=seed,
-                       drop_last=drop_last, num_workers=num_workers)
+                       drop_last=drop_last, num_workers=num_workers, buckets=buckets)
 
 
 class MicroBatchStream:

@@ -5,7 +5,9 @@ Documents are streamed in batches through the tokenizer (this process, or a pool
 (data/formats.py). Each input is written to its own part under PREFIX.parts/, renamed into place only when whole;
 the parts are merged by megatron-core's IndexedDatasetBuilder under temporary names, renamed, and PREFIX.json
 (tokenizer, counts, inputs) is written last. A re-run keeps the finished parts and does nothing when PREFIX.json
-already lists the same inputs and tokenizer; it replaces other shards at PREFIX only when told to (overwrite).
+already lists the same inputs and tokenizer; given inputs added to those, it tokenizes only the added ones when they
+come after the prepared ones (all of them otherwise). Shards at PREFIX that it would lose documents of (another
+tool's, or prepared from an input now missing or changed) it replaces only when told to (overwrite).
 """
 import glob
 import hashlib
@@ -21,7 +23,8 @@ from transformers import AutoTokenizer
 
 from checkpoints.files import TMP_SUFFIX, atomic_path, write_text_atomic
 from data.formats import DataSettings, record_tokenizer
-from data.shard_files import megatron_datasets, read_shard_header, tokenizer_fingerprint
+from data.shard_files import (METADATA_SUFFIX, ShardError, megatron_datasets, read_metadata, read_shard_header,
+                              tokenizer_fingerprint, vouched_by_metadata)
 
 READERS = (".jsonl", ".json", ".parquet", ".txt")
 
@@ -35,7 +38,8 @@ _worker_tokenize = None
 def prepare_shards(patterns, tokenizer_name_or_path, output_prefix, *, workers=1, text_field="text",
                    batch_size=1000, overwrite=False):
     """Tokenize the inputs `patterns` name into PREFIX.bin/.idx/.json; returns PREFIX.json's content. Shards already
-    at PREFIX that PREFIX.json does not record as these inputs' are replaced only with overwrite."""
+    at PREFIX are extended when these inputs add to those PREFIX.json records, replaced otherwise only with
+    overwrite."""
     inputs = expand_inputs(patterns)
     if workers < 1 or batch_size < 1:
         raise PrepareError(f"--workers={workers} and --batch_size={batch_size} must be at least 1")
@@ -47,24 +51,21 @@ def prepare_shards(patterns, tokenizer_name_or_path, output_prefix, *, workers=1
                               "eos_token_id": tokenizer.eos_token_id},
                 "text_field": text_field, "inputs": [file_identity(path) for path in inputs]}
     prefix = Path(output_prefix)
-    metadata_file = prefix.with_name(prefix.name + ".json")
-    if metadata_file.exists() and shards_exist(prefix):
-        done = json.loads(metadata_file.read_text())
-        if {k: done.get(k) for k in identity} == identity:
-            return done
-    existing = [path for path in (f"{prefix}.bin", f"{prefix}.idx") if os.path.exists(path)]
-    if existing and not overwrite:
-        raise PrepareError(f"{' and '.join(existing)} exist already, and {metadata_file} does not record them as "
-                           f"prepared from these inputs with this tokenizer (another tool or other inputs wrote "
-                           f"them); pass --overwrite to replace them, or choose another --output_prefix")
-    dtype = megatron_datasets()[0].DType.optimal_dtype(len(tokenizer))
     parts_dir = prefix.with_name(prefix.name + ".parts")
+    prepared = prepared_inputs(prefix, identity)
+    if prepared == identity["inputs"]:
+        return read_metadata(prefix)
+    if not overwrite:
+        refuse_to_lose_documents(prefix, parts_dir, prepared, identity["inputs"])
+    # inputs added after those prepared: the shards at PREFIX are the first part, only the added ones are tokenized
+    reused = prepared if prepared and identity["inputs"][:len(prepared)] == prepared else []
+    dtype = megatron_datasets()[0].DType.optimal_dtype(len(tokenizer))
     parts_dir.mkdir(parents=True, exist_ok=True)
     for leftover in [*parts_dir.glob(f".*{TMP_SUFFIX}"), *prefix.parent.glob(f".{prefix.name}.*{TMP_SUFFIX}")]:
         leftover.unlink()  # what an interrupted run was writing
-    parts = []
+    parts = [prefix] if reused else []
     with TokenizingPool(workers, tokenizer_name_or_path, text_field) as tokenize_batches:
-        for number, path in enumerate(inputs):
+        for number, path in enumerate(inputs[len(reused):], start=len(reused)):
             part = parts_dir / f"{number:05d}-{part_key(identity, path)}"
             if not shards_exist(part):
                 write_part(path, part, dtype, text_field, batch_size, tokenize_batches)
@@ -95,6 +96,38 @@ def file_identity(path):
 def part_key(identity, path):
     content = json.dumps([identity["tokenizer"], identity["text_field"], file_identity(path)], sort_keys=True)
     return hashlib.sha256(content.encode()).hexdigest()[:16]
+
+
+def prepared_inputs(prefix, identity):
+    """The inputs whose documents PREFIX.bin/.idx hold, in order, when PREFIX.json vouches for them (it counts their
+    documents and tokens) and records this tokenizer and text field; None for shards it does not describe that way
+    (Megatron's, another tokenizer's, damaged) or no shards."""
+    try:
+        vouched = vouched_by_metadata(read_shard_header(prefix))
+    except ShardError:
+        return None
+    metadata = read_metadata(prefix)
+    if not vouched or any(metadata.get(key) != identity[key] for key in ("tokenizer", "text_field")):
+        return None
+    return metadata["inputs"]
+
+
+def refuse_to_lose_documents(prefix, parts_dir, prepared, inputs):
+    """Shards at PREFIX are replaced without --overwrite only when these inputs hold all their documents again
+    (inputs added), or when this tool's own merge was interrupted (PREFIX.parts/ left, PREFIX.json removed)."""
+    existing = [path for path in (f"{prefix}.bin", f"{prefix}.idx") if os.path.exists(path)]
+    metadata_file = f"{prefix}{METADATA_SUFFIX}"
+    if not existing or (parts_dir.is_dir() and not os.path.exists(metadata_file)):
+        return
+    if prepared is None:
+        raise PrepareError(f"{' and '.join(existing)} exist already, and {metadata_file} does not describe them as "
+                           f"prepared here with this tokenizer and --text_field (another tool wrote them, or another "
+                           f"tokenizer); pass --overwrite to replace them, or choose another --output_prefix")
+    lost = [entry["path"] for entry in prepared if entry not in inputs]
+    if lost:
+        raise PrepareError(f"{prefix}.bin/.idx hold the documents of {lost[0]}, which is not among these inputs or "
+                           f"has changed since it was prepared (size or mtime); pass --overwrite to prepare "
+                           f"{prefix} from these inputs alone, or choose another --output_prefix")
 
 
 def shards_exist(prefix):

@@ -40,14 +40,20 @@ Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with wh
   dynamic_shape / has_bool_tensors / is_pipe_partitioned (paths it refuses), using_bf16_optimizer with
   BF16_Optimizer.clear_lp_grads / update_hp_grads (the bf16 optimizer's per-backward gradient hand-off);
   TrainSchedule._buffer_idx (a micro-batch's pipe buffer).
-- The chunked engine (training/chunked_engine.py, several chunks per rank) runs DeepSpeed's _exec_forward_pass,
+- The chunked engine (engines/chunked_engine.py, several chunks per rank) runs DeepSpeed's _exec_forward_pass,
   _exec_load_micro_batch and _exec_backward_pass per chunk and overrides is_first_stage, is_last_stage and
   _loss_stage_global_rank (the running chunk's, or the rank holding the first / last chunk) and
   _inference_schedule (evaluation's forwards); the names it adds are checked absent as the zero-bubble engine's are.
+- A sequence length that changes between steps (engines/sequence_length.py): PipelineEngine.reset_activation_shape
+  (public, DeepSpeed's hook for curriculum learning; checked because the chunked engine extends it and the project
+  relies on it clearing first_output_send, pipe_recv_buf and grad_layer); the attribute sequence_length the project
+  adds to the engine, checked absent as the zero-bubble engine's names are.
 - For tests/test_p2p_order.py, which records the point-to-point operations of the engines' own handlers:
   PipelineEngine._exec_schedule (the instruction loop of train_batch and eval_batch), _inference_schedule, the p2p
   module's send and recv (what DeepSpeed's handlers call; its source must call them), and the state __init__ sets
-  that the handlers read (num_pipe_buffers, has_attention_mask, is_grad_partitioned besides those above).
+  that the handlers read (num_pipe_buffers, has_attention_mask, is_grad_partitioned besides those above); under the
+  chunked engine it replaces _exec_forward_pass, _exec_backward_pass and _exec_load_micro_batch on the engine
+  (stand-ins that check what each chunk received: grad_layer, the inputs).
 - PipelineModule internals: _grid (the tensor-parallel group), parts and _set_bounds (the partition), _local_start
   (the first layer index ckpt_layer_path counts from), _layer_specs (where a tied layer first appears),
   _synchronize_tied_weights; for several chunks per rank, _build (run once per chunk), stage_owner (a layer's
@@ -63,7 +69,7 @@ Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with wh
 - The launcher's per-node module name (LAUNCHER_MODULE): preemption recognises the launcher as its parent process,
   the supervisor the launchers it started (whose ranks it watches).
 - Subclass overrides, checked for their parameters: PipelineEngine._train_schedule, _exec_send_activations,
-  _exec_send_grads, _exec_recv_grads, _exec_reduce_tied_grads (training/pipeline_engine.py);
+  _exec_send_grads, _exec_recv_grads, _exec_reduce_tied_grads (engines/pipeline_engine.py);
   PipelineModule._partition_layers, load_state_dir (models/pipeline.py); TorchCheckpointEngine.load
   (checkpoints/state_files.py). ZeroBubbleSchedule overrides PipeSchedule's documented steps(): no entry.
 - Names the zero-bubble engine adds to PipelineEngine (its handlers _exec_backward_input_pass,

@@ -164,6 +164,10 @@ def set_received_gradients(engine, grads):
     engine.grad_layer = grads
 
 
+def received_gradients(engine):
+    return engine.grad_layer
+
+
 def sends_need_deepspeed_handlers(engine):
     """Whether the engine's sends take its dynamic-shape, bool-tensor or partitioned paths."""
     return engine.dynamic_shape or engine.has_bool_tensors or engine.is_pipe_partitioned
@@ -220,6 +224,12 @@ def handlers_only_pipeline_engine(grid, module, micro_batches, device):
     engine._config = types.SimpleNamespace(wall_clock_breakdown=False, zero_optimization_stage=0)
     engine.reset_activation_shape()
     return engine
+
+
+def replace_passes(engine, forward, backward, load):
+    """For this engine only: what run_forward_pass, run_backward_pass and load_micro_batch run, each f(buffer_id)
+    (tests/test_p2p_order.py's stand-ins under the chunked engine, which runs them per chunk)."""
+    engine._exec_forward_pass, engine._exec_backward_pass, engine._exec_load_micro_batch = forward, backward, load
 
 
 def buffer_of_micro_batch(schedule, micro_batch):

@@ -192,7 +192,7 @@ INTERNALS = (
              "which the trainer turns off for a data-parallel group of one"),
     self_use(PIPELINE_ENGINE, "is_data_parallel", "which bench/pipeline_efficiency.py turns off"),
     self_use(PIPELINE_ENGINE, "total_loss", "which eval_batch adds each output to and only train_batch clears: "
-             "cleared before a pass whose outputs are per row (training/evaluation.py score_examples)"),
+             "cleared before a pass whose outputs are per row (evaluation/eval_set.py score_examples)"),
     Internal("deepspeed.comm.torch:build_shm_op", "which the trainer turns off on CPUs",
              mentions="deepspeed.ops.__compatible_ops__"),
     Internal("deepspeed.ops.op_builder.cpu.comm:ShareMemCommBuilder", "which the trainer turns off on CPUs",
@@ -206,7 +206,7 @@ INTERNALS = (
              mentions=f'"{LAUNCHER_MODULE}"'),
     Internal(f"{LAUNCHER_MODULE}:main", "whose SIGTERM handler (ending the ranks) the supervisor runs at a failure",
              mentions="signal.signal(signal.SIGTERM, sigkill_handler)"),
-    # The zero-bubble engine (training/pipeline_engine.py) and profiling.
+    # The zero-bubble engine (engines/pipeline_engine.py) and profiling.
     Internal(f"{PIPELINE_ENGINE}._INSTRUCTION_MAP", "which the zero-bubble engine extends and profiling wraps"),
     self_use(PIPELINE_ENGINE, "_INSTRUCTION_MAP[", "which the zero-bubble engine extends and profiling wraps"),
     zero_bubble("_train_schedule", ("self",)),
@@ -219,7 +219,7 @@ INTERNALS = (
     Internal(f"{PIPELINE_ENGINE}._send_tensor_meta", "which the zero-bubble sends use",
              ("self", "buffer", "recv_stage")),
     Internal(f"{PIPELINE_ENGINE}._recv_tensor_meta", "which the zero-bubble receives use", ("self", "send_stage")),
-    # The chunked engine (training/chunked_engine.py).
+    # The chunked engine (engines/chunked_engine.py).
     *(Unused(PIPELINE_ENGINE, name, "which the chunked engine adds") for name in (
         "_exec_chunk_forward_pass", "_exec_chunk_backward_pass", "_exec_share_activation_shapes", "_exec_post_transfer",
         "_exec_wait_transfer", "_runs_or_holds", "_buffer", "_run_chunk", "_give", "pipeline_schedule", "local_chunks",
@@ -228,6 +228,11 @@ INTERNALS = (
     *(Internal(f"{PIPELINE_ENGINE}.{name}", "which the chunked engine overrides (a chunk's first and last stage)",
                ("self",)) for name in ("is_first_stage", "is_last_stage", "_loss_stage_global_rank")),
     self_use(PIPELINE_ENGINE, "_loss_stage_global_rank()", "which the chunked engine overrides"),
+    # A sequence length that changes between steps (engines/sequence_length.py).
+    *(Internal(f"{PIPELINE_ENGINE}.reset_activation_shape", "which a change of sequence length calls (the chunked "
+               "engine extends it) to send the shapes between stages again", ("self",), mentions=name)
+      for name in ("self.first_output_send = True", "self.pipe_recv_buf = None", "self.grad_layer = None")),
+    Unused(PIPELINE_ENGINE, "sequence_length", "which engines/sequence_length.py adds"),
     self_use(PIPELINE_ENGINE, "_inference_schedule(", "which the chunked engine overrides (evaluation)"),
     *(Internal(f"{PIPELINE_ENGINE}.{name}", "which the chunked engine runs for each chunk", ("self", "buffer_id"))
       for name in ("_exec_forward_pass", "_exec_load_micro_batch")),

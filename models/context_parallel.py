@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 import collectives
+from models.labels import shift_labels
 
 
 class ContextParallel:
@@ -55,7 +56,6 @@ class ContextParallel:
             return batch
         inputs, labels = batch
         labels, *per_row = labels if isinstance(labels, tuple) else (labels,)
-        from models.loss import shift_labels  # here: models/loss.py imports this module
         next_labels = self.local_tokens(shift_labels(labels, inputs[0].shape[1]))
         return tuple(self.local_tokens(t) for t in inputs), (next_labels, *per_row) if per_row else next_labels
 

@@ -17,9 +17,8 @@ import torch.nn.functional as F
 
 import collectives
 from models.context_parallel import NO_CONTEXT_PARALLEL
+from models.labels import IGNORE_INDEX, shift_labels
 from models.tensor_parallel import NO_TENSOR_PARALLEL
-
-IGNORE_INDEX = -100
 
 
 class CausalLMLoss:
@@ -66,7 +65,7 @@ class CausalLMLoss:
 
 
 class ContinuationScores:
-    """The pipeline's loss_fn while lm-eval's requests are scored (training/lm_eval_tasks.py): (the last layer's
+    """The pipeline's loss_fn while lm-eval's requests are scored (evaluation/lm_eval_tasks.py): (the last layer's
     output, labels that are -100 but on each row's continuation) -> (rows, 2) continuation_scores, each row's sums
     over all its tokens under context parallelism. seq_length: the rows' width (their labels are one wider)."""
 
@@ -95,14 +94,6 @@ def next_token_labels(labels, context=NO_CONTEXT_PARALLEL, positions=None):
     if context.size > 1:
         return labels.reshape(-1)
     return shift_labels(labels, positions).reshape(-1)
-
-
-def shift_labels(labels, positions=None):
-    """(rows, positions): position t's label is labels[:, t + 1] (the labels shifted, rather than the logits).
-    Labels as wide as the rows (`positions` None or equal): the last position predicts nothing; one wider (token
-    shards' samples, data/collator.py): it predicts the token after the row."""
-    positions = labels.shape[1] if positions is None else positions
-    return F.pad(labels[:, 1:], (0, positions + 1 - labels.shape[1]), value=IGNORE_INDEX)
 
 
 def labelled_tokens(labels, context=NO_CONTEXT_PARALLEL):

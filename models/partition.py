@@ -11,7 +11,7 @@ from deepspeed_internals.registry import partition_balanced, partition_uniform
 from models.layout import num_pipeline_layers
 from models.llama import architecture_of, head_dim_of
 from models.lora import NO_LORA, adapter_parameter_count
-from models.pipeline_schedule_rules import chunk_ids, chunks_per_rank
+from schedules.rules import chunk_ids, chunks_per_rank
 
 EMBEDDING, DECODER, NORM, HEAD = "embedding", "decoder", "norm", "head"
 
@@ -195,7 +195,7 @@ def chunk_bounds(config, num_stages, partition, layer_class_names, chunk_cost=No
     """Layer bounds of every global chunk (pipeline layer indices; chunk g is layers bounds[g]..bounds[g+1]-1):
     the model split into num_stages x chunks per rank (v under interleaved_1f1b, 2 under zbv) as stage_bounds splits
     it into stages, the embedding on chunk 0 and the final norm and head on the last chunk (rank 0's under zbv,
-    models/pipeline_schedule_rules.py's chunk_ids). A list partition gives one entry per chunk."""
+    schedules/rules.py's chunk_ids). A list partition gives one entry per chunk."""
     return stage_bounds(config, num_stages * chunks_per_rank(schedule, virtual_stages), partition, layer_class_names,
                         chunk_cost)
 

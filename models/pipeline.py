@@ -55,7 +55,7 @@ class LlamaPipeline(PipelineModule):
     (DeepSpeed's 'parameters' method builds each layer on every rank to count it). layer_loader(layer, paths,
     tensor-parallel rank, size, strict) reads one layer's files into it; None keeps DeepSpeed's own loader.
 
-    Several chunks per rank (interleaved and V schedules, training/chunked_engine.py): stage_bounds then bound
+    Several chunks per rank (interleaved and V schedules, engines/chunked_engine.py): stage_bounds then bound
     the model's chunks (global chunk g holds layers stage_bounds[g] to stage_bounds[g + 1]) and chunk_ids lists
     each rank's chunks ([[0, 3], [1, 2]]: a V on 2 ranks). A rank builds only its chunks' layers, each under its
     global layer index (parameter names and layer files as under one chunk per rank, so checkpoints do not
@@ -160,7 +160,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
                           objective=PreferenceSettings(), seq_length=None, row_layout="packed", chunk_ids=None):
     """The pipeline module of this rank's stage. topology: DeepSpeed's, with a 'model' axis for tensor
-    parallelism (training/distributed.py). stage_bounds: the first pipeline layer of each stage and the layer
+    parallelism (cluster/distributed.py). stage_bounds: the first pipeline layer of each stage and the layer
     count (default: the 'parameters' partition). dtype: the training dtype to build the stage in (default
     torch's, fp32), so that a bf16 stage never exists in fp32 first. layer_loader: see LlamaPipeline.
     context_parallel_size: ranks of the topology's data axis splitting each sequence (models/context_parallel.py);

@@ -3,7 +3,7 @@
 
 - `dpo`: TRL's DPOTrainer with loss_type="sigmoid": -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r))) per pair,
   pi and ref the summed response log-probabilities of the policy and of the reference (the starting weights,
-  precomputed once: training/reference.py); rewards beta (pi - ref).
+  precomputed once: evaluation/reference.py); rewards beta (pi - ref).
 - `simpo`: TRL's CPOTrainer with loss_type="simpo", cpo_alpha=0: -log sigmoid(beta (avg_c - avg_r) - gamma) per
   pair, avg the response log-probability divided by its tokens; rewards beta avg. No reference.
 
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 import collectives
 from models.context_parallel import NO_CONTEXT_PARALLEL
-from models.loss import IGNORE_INDEX, next_token_labels, sequence_log_probs
+from models.labels import IGNORE_INDEX
+from models.loss import next_token_labels, sequence_log_probs
 from models.tensor_parallel import NO_TENSOR_PARALLEL, AllReduce
 
 OBJECTIVES = ("sft", "dpo", "simpo")
@@ -67,7 +68,7 @@ class PreferenceLoss:
     """The pipeline's loss_fn under a preference objective: (the head's input and weight, (labels, reference
     log-probabilities)) -> the summed pair losses / step_divisor (the step's pairs per micro-batch and rank), or
     without one (evaluation) the micro-batch's mean over its pairs. `reference_pass`: return each row's summed
-    response log-probability instead (training/reference.py). Each call adds its pairs' metric sums to `totals`
+    response log-probability instead (evaluation/reference.py). Each call adds its pairs' metric sums to `totals`
     (kept on the device: no synchronisation per micro-batch)."""
 
     def __init__(self, settings, parallel=NO_TENSOR_PARALLEL, chunk_tokens=1024, context=NO_CONTEXT_PARALLEL,

@@ -1,4 +1,4 @@
-"""A linear layer's backward split in two for zero-bubble pipeline schedules (training/schedule.py): the input
+"""A linear layer's backward split in two for zero-bubble pipeline schedules (schedules/orders.py): the input
 gradient, which the previous stage waits for, now; the weight gradient, which nobody waits for, later.
 
 While a `WeightGradQueue` is deferring (one micro-batch's backward pass B), the linear layers built with it return

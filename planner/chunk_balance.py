@@ -5,21 +5,24 @@ its order leaves, not by the costliest chunk. Evening out the chunks' compute, a
 the small bench shape's ZB-V rank 1 five decoder layers against rank 0's three and the LM head; and rank 0, which
 starts the step's first forward and ends its last backward, is the one rank that never waits for the fill (rank r
 waits for micro-batch 0's forward through the chunks before its own). So here `balanced` minimises the step the
-schedule's order takes (training/schedule.py simulate, transfers free) on the plan's F, B and W of every chunk
+schedule's order takes (schedules/orders.py simulate, transfers free) on the plan's F, B and W of every chunk
 (planner/stage_costs.py: FLOPs, the chunked loss's head all in F), ZB-V's V order made for those times as
 zbv_times=auto makes it for the measured ones: from the chunks evened out, it moves one decoder layer across a
 chunk boundary at a time while the simulated step shrinks. With units (partition_costs=measured, the default here:
 planner/measured_costs.py) the chunks' F, B and W are the device's measured times instead of FLOPs.
 """
 from models.partition import balanced_decoder_counts, stage_kinds
-from models.pipeline_schedule_rules import chunk_ids, chunks_per_rank
+from schedules.orders import rank_orders
+from schedules.rules import chunk_ids, chunks_per_rank
+from schedules.simulator import simulate
+from schedules.zbv_order import configured_zbv_durations, stage_times
 from planner.measured_costs import measured_stage_cost
 from planner.stage_costs import StageCostModel
 
 
 def chunk_pass_costs(model, counts, schedule, units=None):
     """[{"F", "B", "W"} of each global chunk] in decoder layers' compute (of FLOPs, or of units' measured times);
-    ZB-V's first chunk runs its backward whole (training/chunked_engine.py), its W in its B, and interleaved_1f1b
+    ZB-V's first chunk runs its backward whole (engines/chunked_engine.py), its W in its B, and interleaved_1f1b
     every chunk's."""
     if units is not None:
         return [{kind: seconds / units.decoder_seconds for kind, seconds in units.pass_seconds(
@@ -36,10 +39,6 @@ def chunk_pass_costs(model, counts, schedule, units=None):
 
 def simulated_step(model, counts, num_stages, units=None):
     """The step the workload's schedule takes on chunks of counts[g] decoder layers, in decoder layers' compute."""
-    # the orders need DeepSpeed's instructions; the planner's rules not
-    from training.schedule import rank_orders, simulate
-    from training.zbv_auto import stage_times
-    from training.zbv_order import configured_zbv_durations
     workload = model.workload
     chunks = chunk_pass_costs(model, counts, workload.pipeline_schedule, units)
     ranks = [[chunks[chunk] for chunk in chunk_ids(workload.pipeline_schedule, num_stages, rank,

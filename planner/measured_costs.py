@@ -1,5 +1,5 @@
 """`partition_costs: measured`: what `balanced` weighs a stage or a chunk by when the device's own times replace the
-plan's FLOPs (training/cost_calibration.py times them at start-up, before the pipeline is built).
+plan's FLOPs (engines/cost_calibration.py times them at start-up, before the pipeline is built).
 
 The plan's FLOPs weigh the LM head and its loss, and a split backward (B, then W), as the matmuls count them; a
 device does not follow them exactly: on the project's CPU the small bench shape's head and loss take 1.0-1.1
@@ -67,7 +67,7 @@ class UnitCosts:
 
 def measured_stage_cost(model, units):
     """StageCostModel.cost with the measured compute: (bytes over the device's memory, decoder layers' time). Under
-    zero_bubble and zbv every stage (chunk) but the first splits its backward (training/schedule.py)."""
+    zero_bubble and zbv every stage (chunk) but the first splits its backward (schedules/orders.py)."""
     def cost(stage, kinds):
         over, _ = model.cost(stage, kinds)
         split = model.workload.pipeline_schedule in ("zero_bubble", "zbv") and stage > 0

@@ -37,7 +37,9 @@ follow these FLOPs within 4% (bench/trainer_profile.py).
 from models.llama import architecture_of, head_dim_of
 from models.lora import adapter_parameter_count
 from models.partition import DECODER, EMBEDDING, HEAD, NORM, decoder_parameter_split, layer_kinds, mean_attended_keys
-from models.pipeline_schedule_rules import chunk_ids, chunks_per_rank, in_flight_micro_batches, waiting_micro_batches
+from schedules.orders import rank_orders
+from schedules.rules import chunk_ids, chunks_per_rank, in_flight_micro_batches, waiting_micro_batches
+from schedules.zbv_order import configured_zbv_durations
 from planner import training_state
 from planner.training_state import FP32_BYTES
 from planner.workload import check_tensor_parallel
@@ -303,7 +305,7 @@ class StageCostModel:
     def activation_bytes(self, stage, kinds):
         """Under zero_bubble the larger of two moments: before a B, and just after it, when its micro-batch has
         traded its activations for its weight-gradient tensors (more than a checkpointed micro-batch keeps). The
-        first stage runs each B with its W, as 1F1B does (training/schedule.py): only the first moment."""
+        first stage runs each B with its W, as 1F1B does (schedules/orders.py): only the first moment."""
         in_flight, waiting = self.in_flight(stage), self.waiting(stage)
         peak = self.layers.stage_activation_bytes(kinds, in_flight, waiting)
         if self.workload.pipeline_schedule == "zero_bubble" and stage > 0:
@@ -337,11 +339,8 @@ def balanced_stage_cost(config, workload, num_stages, device_bytes=None):
 
 def chunk_micro_batches_at_peak(workload, num_stages, rank):
     """[(micro-batches between F and B, waiting only for W) per local chunk] at the moment this rank holds the most
-    micro-batch-chunks (its chunks are of a size): from its order (training/schedule.py). Interleaving holds more
+    micro-batch-chunks (its chunks are of a size): from its order (schedules/orders.py). Interleaving holds more
     on the first ranks than 1F1B, (p - r - 1)·2 + (v - 1)·p + 1 chunks on rank r; ZB-V at most 2p on every rank."""
-    # the orders need DeepSpeed's instructions; the planner's rules not
-    from training.schedule import rank_orders
-    from training.zbv_order import configured_zbv_durations
     order = rank_orders(workload.pipeline_schedule, num_stages, workload.micro_batches, workload.virtual_stages,
                         workload.zero_bubble_max_waiting, configured_zbv_durations(workload.zbv_times))[rank]
     chunks = chunks_per_rank(workload.pipeline_schedule, workload.virtual_stages)

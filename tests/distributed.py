@@ -40,8 +40,11 @@ def _bootstrap(rank, world_size, port, fn, args):
 
 def spawn(fn, world_size, *args):
     """Run fn(rank, *args) in world_size processes forked from the rank zygote (tests/rank_zygote.py: the libraries
-    imported once); raises if any of them fails."""
-    from tests.rank_zygote import context
-    context()  # its imports, before the forkserver starts
+    imported once), or from this process where it is one of the zygote's (a bench script's smoke run); raises if any
+    of them fails."""
+    from tests.rank_zygote import context, in_zygote_child
+    start_method = "fork" if in_zygote_child() else "forkserver"
+    if start_method == "forkserver":
+        context()  # its imports, before the forkserver starts
     mp.start_processes(_bootstrap, args=(world_size, free_port(), fn, args), nprocs=world_size,
-                       start_method="forkserver", join=True)
+                       start_method=start_method, join=True)

@@ -124,7 +124,7 @@ def inject(kind, fault_rank, fault_step):
         loop.step_micro_batches = unlabelled_at_step
     elif kind == "pause":
         from deepspeed.runtime.pipe.engine import PipelineEngine
-        from training import preemption
+        from resilience import preemption
         watches = []
         watch_init = preemption.PreemptionWatch.__init__
 

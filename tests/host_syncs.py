@@ -12,13 +12,26 @@ BOOLEAN_INDEXED_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put
 
 
 class HostSyncs(TorchDispatchMode):
-    """Within the block, `ops` lists the name of every op that syncs the host with the device: those above and
-    indexing by a boolean mask (its nonzero runs inside the op). Tensor.tolist() on a CPU tensor dispatches no op
-    and is not seen."""
+    """Within the block, `ops` lists the name of every op that syncs the host with the device: those above,
+    indexing by a boolean mask (its nonzero runs inside the op), and Tensor.tolist() (which dispatches no op on a
+    CPU tensor: seen by wrapping it while the block runs)."""
 
     def __init__(self):
         super().__init__()
         self.ops = []
+
+    def __enter__(self):
+        tolist = self._tolist = torch.Tensor.tolist
+
+        def recorded_tolist(tensor):
+            self.ops.append("Tensor.tolist")
+            return tolist(tensor)
+        torch.Tensor.tolist = recorded_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in SYNCING_OPS or (func in BOOLEAN_INDEXED_OPS and any(

@@ -90,7 +90,7 @@ def peft_training_losses(hf_dir, train_file, tokenizer_dir, settings, steps, see
 
 
 def hf_eval_loss(model, eval_file, tokenizer_dir, seq_length, cache_dir):
-    """The trainer's eval_loss (training/evaluation.py) computed by a Hugging Face (or peft) model: every example's
+    """The trainer's eval_loss (evaluation/eval_set.py) computed by a Hugging Face (or peft) model: every example's
     mean loss weighted by its labelled tokens."""
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer

@@ -17,8 +17,8 @@ from checkpoints.layer_files import load_layer_slice  # noqa: E402
 from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
 from tests.lora_reference import adapter_values, hf_name_of_peft, peft_model, pipeline_slice  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
-from training.distributed import init_distributed, parallel_topology  # noqa: E402
-from training.pipeline_engine import use_zero_bubble  # noqa: E402
+from cluster.distributed import init_distributed, parallel_topology  # noqa: E402
+from engines.pipeline_engine import use_zero_bubble  # noqa: E402
 
 
 # The trainer's chunked LM loss, in chunks that split each micro-batch unevenly (0: the full logits).

@@ -29,6 +29,13 @@ FORKED_MODULES = ("deepspeed.launcher.runner", "deepspeed.launcher.launch")
 STARTERS = ("deepspeed.launcher.runner", "deepspeed.launcher.launch", "torch.distributed.run", "supervise.py")
 
 
+def in_zygote_child():
+    """Whether this process was forked from the zygote, or from a process that was: the libraries are imported here
+    already, so its own workers and child interpreters fork from it too (tests/distributed.py spawn, bench/common.py
+    PythonProcess), not from a second zygote."""
+    return "tests.zygote_imports" in sys.modules
+
+
 def context():
     global _CONTEXT
     if _CONTEXT is None:
@@ -138,8 +145,8 @@ class ForkedChild(subprocess.Popen):
 
 def show_command_line(args):
     """args written over this forked process's command line (the zygote's, as long: args as far as they fit), as
-    setproctitle does: what /proc/PID/cmdline shows, where DeepSpeed's ranks (training/preemption.py) and the
-    supervisor (training/supervisor.py) recognise DeepSpeed's launcher."""
+    setproctitle does: what /proc/PID/cmdline shows, where DeepSpeed's ranks (resilience/preemption.py) and the
+    supervisor (resilience/supervisor.py) recognise DeepSpeed's launcher."""
     with open("/proc/self/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5): the 48th and 49th fields)

@@ -5,7 +5,7 @@ them all. The chunked schedules place other layers on each rank: their gradients
 across all ranks by name. Each step runs as the trainer's does (training/token_mean.py: the micro-batches read first,
 the global batch's loss units counted); a preference case (DPO, SimPO) trains on pairs through the trainer's
 collator, DPO against reference log-probabilities computed by the schedule's own reference pass
-(training/reference.py), and records them and each step's rewards; under context parallelism every rank takes its
+(evaluation/reference.py), and records them and each step's rewards; under context parallelism every rank takes its
 tokens of its replica's micro-batches."""
 import copy
 import functools
@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deepspeed  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from checkpoints.layer_files import load_layer_slice  # noqa: E402
@@ -33,12 +34,12 @@ from tests.tiny_models import make_batch  # noqa: E402
 from deepspeed_internals.access import loss_scaler_state  # noqa: E402
 from planner.workload import Workload  # noqa: E402
 from training.config_checks import checked_config  # noqa: E402
-from training.cost_calibration import agreed_unit_costs  # noqa: E402
-from training.distributed import init_distributed, parallel_topology  # noqa: E402
+from engines.cost_calibration import agreed_unit_costs  # noqa: E402
+from cluster.distributed import init_distributed, parallel_topology  # noqa: E402
 from training.stage_bounds import configured_stage_bounds  # noqa: E402
-from training.chunked_engine import rank_chunk_ids, use_chunked_pipeline  # noqa: E402
-from training.pipeline_engine import use_zero_bubble  # noqa: E402
-from training.reference import WithReference, compute_reference  # noqa: E402
+from engines.chunked_engine import rank_chunk_ids, use_chunked_pipeline  # noqa: E402
+from engines.pipeline_engine import use_zero_bubble  # noqa: E402
+from evaluation.reference import WithReference, compute_reference  # noqa: E402
 from training.token_mean import global_loss_units, step_micro_batches, token_mean_loss  # noqa: E402
 
 PROMPT_TOKENS = 3  # a pair's shared prompt, unlabelled: each response is scored on the rest of its row
@@ -105,6 +106,9 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
         use_chunked_pipeline(engine, schedule, virtual_stages,
                              zbv_times=case.get("zbv_times") if schedule == "zbv" else None)
     recorded = record_optimizer_gradients(engine)
+    at_step = [None]  # the step running, for overflow_in_gradient
+    overflowed = overflow_in_gradient(engine, *case["overflow_in_gradient"], at_step) if (
+        "overflow_in_gradient" in case) else []
     replica, replicas = module.context.replica(engine.grid.data_parallel_id, engine.grid.get_data_parallel_world_size())
     batch = make_batch(micro_batch_size * gas * replicas * (2 if objective.preference else 1), seq_len,
                        config.vocab_size, seed=1)
@@ -117,7 +121,7 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     else:
         rows = lambda count: micro_batches(batch, micro_batch_size, count, replicas, replica)  # noqa
     losses, read, rewards, scales = [], [], [], []
-    for _ in range(steps):  # the same batch every step: the loss must fall
+    for at_step[0] in range(steps):  # the same batch every step: the loss must fall
         stream = counted(map(module.context.split_micro_batch, rows(gas)), read)
         step_batches = step_micro_batches(engine, stream, gas)
         with token_mean_loss(engine, global_loss_units(engine, step_batches)):
@@ -133,12 +137,13 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     return losses, recorded, weights, {**held, "where": where, "stage": engine.stage_id,
                                        "waiting": max(waiting, default=0), "read": len(read), "eval_loss": eval_loss,
                                        "checkpointed": len(checkpointed), "rewards": rewards, "loss_scales": scales,
+                                       "overflowed": overflowed,
                                        "measured_times": getattr(engine, "zbv_measured_times", None),
                                        "bounds": bounds, "unit_costs": units and units.numbers()}
 
 
 def measured_bounds(case, schedule, config, micro_batch_size, gas, seq_len):
-    """The trainer's partition=balanced on the device's measured costs (training/cost_calibration.py: every rank
+    """The trainer's partition=balanced on the device's measured costs (engines/cost_calibration.py: every rank
     times the units, all of them take the mean) for this case: (the agreed UnitCosts, the chunks' bounds)."""
     virtual_stages = case.get("virtual_stages") if schedule == "interleaved_1f1b" else None
     zbv_times = case.get("zbv_times") if schedule == "zbv" else None
@@ -227,6 +232,32 @@ def all_ranks_gradients(recorded, replica):
              for name, grad in steps[step].items()} for step in range(len(recorded))]
 
 
+def overflow_in_gradient(engine, name, step, at_step):
+    """One element of parameter `name`'s gradient made inf as it is computed in step `step` (its first micro-batch),
+    on the rank that holds it: by the backward (a gradient hook), or by W where the schedule defers it (ZB-H1 and
+    ZB-V: the W work the queue computes, before autograd's accumulation and DeepSpeed's hooks take it), after the B
+    that sent the input gradients on finite. fp16's loss scaler must see it and skip the step. Returns [where it was
+    computed: "W" or "backward"] on that rank."""
+    param = dict(engine.module.named_parameters()).get(name)
+    if param is None:
+        return []
+    computed = []
+
+    def with_inf(grad, where):
+        if at_step[0] != step or computed:
+            return grad
+        computed.append(where)
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+    queue = engine.module.parallel.weight_grads
+    if queue is not None:
+        add = queue.add
+        queue.add = lambda work: add(lambda: [(p, with_inf(g, "W") if p is param else g) for p, g in work()])
+    param.register_hook(lambda grad: grad if grad is None else with_inf(grad, "backward"))  # None: B deferred it
+    return computed
+
+
 def record_waiting_before_backward(queue):
     """[micro-batches waiting for their W as each B starts]: what the schedule's cap bounds."""
     waiting, defer = [], queue.defer
@@ -256,8 +287,17 @@ def by_name(run):
     return losses, all_ranks_gradients(recorded, held["where"]), weights, held
 
 
+def allow_fp16_on_cpu():
+    """DeepSpeed's CPU accelerator refuses fp16 where oneDNN has no fp16 kernels (CPUs without AVX512-FP16 or AMX);
+    torch computes fp16 on any CPU all the same (slower), and the schedules' arithmetic is what the cases check."""
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu" and not accelerator.is_fp16_supported():
+        accelerator.is_fp16_supported = lambda: True
+
+
 def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
     init_distributed(timeout_minutes=2)
+    allow_fp16_on_cpu()
     results = {}
     for case in cases:
         case_steps = case.get("steps", steps)

@@ -10,7 +10,7 @@ from deepspeed.runtime.pipe import schedule
 
 from checkpoints.background_save import BackgroundSave
 from checkpoints.integrity import file_checksum
-from training.instruction_listeners import add_instruction_listener
+from engines.instruction_listeners import add_instruction_listener
 
 
 def test_async_saves_write_deepspeeds_clones_from_reused_host_memory_copied_before_the_next_optimizer_step(tmp_path):
@@ -35,7 +35,8 @@ def test_async_saves_write_deepspeeds_clones_from_reused_host_memory_copied_befo
     engine, checkpoint_engine = Engine(), SimpleNamespace(save=None, zipfile_serialization=True,
                                                           preserves_storage_sharing=lambda: True)
     add_instruction_listener(engine, CopyStarter())
-    background = BackgroundSave(engine)
+    background = BackgroundSave()
+    add_instruction_listener(engine, background)
     copy = background._copy_and_hand_over
     background._copy_and_hand_over = lambda *args: (start_copy.wait(), copy(*args))
     layer, buffers = {"weight": flat[4:20].view(4, 4), "bias": flat[20:24], "step": 3}, []

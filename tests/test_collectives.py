@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import collectives
+from tests.test_rooms import FLOOR
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PROJECT_DIRS = ("models", "training", "checkpoints", "data", "planner", "deepspeed_internals")  # bench/ measures them
+PROJECT_DIRS = tuple(room for room in FLOOR if room != "collectives")  # every room; bench/ measures them
 COLLECTIVES = {"all_reduce", "all_reduce_coalesced", "reduce", "all_gather", "all_gather_single",
                "all_gather_into_tensor", "all_gather_coalesced", "all_gather_object", "reduce_scatter",
                "reduce_scatter_single", "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "gather",

@@ -91,7 +91,8 @@ def test_16_bit_runs_sum_gradients_in_fp32_unless_told_otherwise(overrides, data
      "deepspeed.data_types.grad_accum_dtype=bf16 contradicts grad_accum_dtype=fp32: set grad_accum_dtype only."),
 ])
 def test_an_accumulation_dtype_that_cannot_work_is_refused(overrides, message):
-    from training.config_checks import ConfigError, checked_config
+    from errors import ConfigError
+    from training.config_checks import checked_config
     with pytest.raises(ConfigError, match=re.escape(message)):
         checked_config(composed("tiny", "zero_stage=1", *overrides))
 
@@ -123,7 +124,8 @@ def composed(name, *overrides):
 ])
 def test_unknown_or_misspelt_keys_are_refused_naming_the_closest(override, message):
     """Hydra's ++ adds any key; an ignored misspelling would train with the default silently."""
-    from training.config_checks import ConfigError, checked_config
+    from errors import ConfigError
+    from training.config_checks import checked_config
     with pytest.raises(ConfigError, match=re.escape(message)):
         checked_config(composed("tiny", override))
 
@@ -164,7 +166,8 @@ def test_free_form_nodes_take_any_key_and_defaults_fill_older_configs():
      "or raise the second."),
 ])
 def test_each_choice_is_checked_before_anything_is_built(override, message):
-    from training.config_checks import ConfigError, checked_config
+    from errors import ConfigError
+    from training.config_checks import checked_config
     with pytest.raises(ConfigError, match=re.escape(message)):
         checked_config(composed("tiny", *override.split()))
 
@@ -173,7 +176,8 @@ def test_each_choice_is_checked_before_anything_is_built(override, message):
                                             ("data.cache_dir=/data/cache", "/data/cache")])
 def test_tokenizing_keys_are_refused_with_token_shards(override, shown):
     """Token shards are tokenized already: a tokenizing key set away from its default would be ignored."""
-    from training.config_checks import ConfigError, checked_config
+    from errors import ConfigError
+    from training.config_checks import checked_config
     key = override.split("=")[0]
     with pytest.raises(ConfigError) as error:
         checked_config(composed("tiny", "data.format=indexed", override))
@@ -194,6 +198,6 @@ def test_tokenizing_keys_are_refused_with_token_shards(override, shown):
     (("fp16", 0, 2, 2, False, "Tesla V100-SXM2-32GB"), None),
 ])
 def test_ranks_that_cannot_have_a_gpu_each_are_refused_at_start_up(monkeypatch, args, message):
-    from training.distributed import device_error
+    from cluster.distributed import device_error
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     assert device_error(*args) == message

@@ -1,6 +1,6 @@
 """Context parallelism (models/context_parallel.py) against transformers, on real processes (gloo): packed rows of
 several documents with padding (attention masks) and full one-document rows (causal attention without a mask), the
-token-weighted eval loss (training/evaluation.py) and the training gradients for 1 stage x context 2 (x 2
+token-weighted eval loss (evaluation/eval_set.py) and the training gradients for 1 stage x context 2 (x 2
 replicas), 2 stages x context 2 (tied embeddings), context 2 x tensor parallel 2 (sequence parallel), context 4, and
 2 stages x context 2 under the zero-bubble schedule with activation checkpointing, in one launch of 4 processes;
 training parity through the launcher; config errors before any process group."""
@@ -54,9 +54,9 @@ def context_parity_worker(rank, checkpoints, datasets, out_dir):
     from checkpoints.layer_files import load_layer_slice
     from models.pipeline import build_pipeline_module
     from tests.parity_worker import gradient_errors
-    from training.distributed import init_distributed, parallel_topology
-    from training.evaluation import evaluate
-    from training.pipeline_engine import use_zero_bubble
+    from cluster.distributed import init_distributed, parallel_topology
+    from evaluation.eval_set import evaluate
+    from engines.pipeline_engine import use_zero_bubble
 
     init_distributed(timeout_minutes=2)
     references = torch.load(f"{out_dir}/references.pt", weights_only=True)

@@ -141,7 +141,7 @@ def test_dropout_is_refused_for_training_only_naming_the_field(tmp_path):
     so is Phi-3's resid_pdrop."""
     from hydra import compose, initialize_config_dir
 
-    from training.config_checks import ConfigError
+    from errors import ConfigError
     from training.run_spec import run_spec
     data = tmp_path / "ids.jsonl"
     data.write_text("".join(json.dumps({"input_ids": list(range(3, 40))}) + "\n" for _ in range(8)))

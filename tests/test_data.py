@@ -211,13 +211,13 @@ def _build_on_rank(rank, corpus, tokenizer, cache, out):
     from datetime import timedelta
 
     import data.datasets
-    import training.shared_files
+    import cluster.shared_files
     # two nodes' local rank 0: one writer all the same, global rank 0
     os.environ["LOCAL_RANK"] = "0"
     dist.init_process_group("gloo", rank=rank, world_size=2)
     dist.barrier()
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=2))  # a barrier waiting for the build would fail
-    build, training.shared_files.PROGRESS_EVERY_S = data.datasets.build_dataset, 1
+    build, cluster.shared_files.PROGRESS_EVERY_S = data.datasets.build_dataset, 1
 
     def slow_build(*args, **kwargs):
         time.sleep(5)

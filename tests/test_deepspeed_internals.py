@@ -11,7 +11,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed_internals.registry import (PIPELINE_ENGINE, DeepSpeedMismatch, Unused,
                                           check_deepspeed_internals)
 from tests.launch import run_python
-from training.exit_codes import CONFIG_ERROR
+from resilience.exit_codes import CONFIG_ERROR
 
 VERSION = deepspeed.__version__
 FIX = "install deepspeed==0.19.8 (requirements.txt) or see deepspeed_internals/ for what to check"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from data.collator import collate_causal_lm, collate_preference, row_layout
+from data.collator import collate, collate_causal_lm, collate_preference, row_layout
 from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
 from models.loss import CausalLMLoss
 from models.preference import PreferenceLoss, PreferenceSettings
@@ -56,6 +56,20 @@ def test_next_token_loss_takes_no_host_sync(layout):
     assert syncs_of_micro_batches(stage(layout), CausalLMLoss(chunk_tokens=CHUNK_TOKENS), batches) == []
 
 
+def test_steps_of_changing_length_take_no_host_sync():
+    """data.length_buckets: micro-batches padded to 8, then 16, then 12 positions (the collator picks the width
+    from the rows' lengths on the host, data/length_buckets.py)."""
+    bounds = (8, 12, SEQ)
+    batches = [collate(rows_of_lengths(lengths), SEQ, pad_id=0, bounds=bounds)
+               for lengths in ((3, 8), (9, 16), (5, 11))]
+    assert [inputs.shape[1] for (inputs, _, _), _ in batches] == [8, 16, 12]
+    assert syncs_of_micro_batches(stage("padded"), CausalLMLoss(chunk_tokens=CHUNK_TOKENS), batches) == []
+
+
+def rows_of_lengths(lengths):
+    return [{"input_ids": list(range(1, n + 1)), "labels": list(range(1, n + 1))} for n in lengths]
+
+
 def test_dpo_loss_takes_no_host_sync():
     pairs = [{"chosen_input_ids": r["input_ids"], "chosen_labels": [-100] * 3 + r["labels"][3:],
               "rejected_input_ids": r["input_ids"][::-1], "rejected_labels": [-100] * 3 + r["labels"][3:],
@@ -67,14 +81,18 @@ def test_dpo_loss_takes_no_host_sync():
 
 
 def test_the_recorder_sees_the_syncs_the_old_path_took():
-    """What the check above would have caught: a boolean of a device tensor, boolean-mask indexing, nonzero."""
+    """What the check above would have caught: a boolean of a device tensor, boolean-mask indexing, nonzero; and
+    tolist (training/token_mean.py reads a step's totals with it, once per step)."""
     x = torch.arange(6.0)
     with HostSyncs() as syncs:
         bool((x > 1).all())
         x[x > 2].sum()
         (x > 3).nonzero()
         x.masked_fill(x > 2, 0).sum()  # none
-    assert syncs.ops == ["aten._local_scalar_dense.default", "aten.index.Tensor", "aten.nonzero.default"]
+        x[:2].tolist()
+    assert syncs.ops == ["aten._local_scalar_dense.default", "aten.index.Tensor", "aten.nonzero.default",
+                         "Tensor.tolist"]
+    assert x.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] and len(syncs.ops) == 4  # unwrapped after the block
 
 
 def test_the_run_decides_the_attention_masks_from_its_rows():

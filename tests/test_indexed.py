@@ -101,7 +101,8 @@ def test_the_last_input_learns_the_token_after_it_unless_a_document_starts_there
 
     from data.collator import collate_causal_lm
     from models.context_parallel import ContextParallel
-    from models.loss import IGNORE_INDEX, CausalLMLoss, next_token_labels
+    from models.labels import IGNORE_INDEX
+    from models.loss import CausalLMLoss, next_token_labels
     rows = [{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8, 9], "lengths": [2, 3]},  # a document from 7 on
             {"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4, 5], "lengths": [4, 1]}]  # one starting after it
     inputs, labels = collate_causal_lm(rows, seq_length=4, pad_id=0)
@@ -249,8 +250,8 @@ def test_bad_shards_name_the_file_and_what_to_do(corpus, tmp_path):
 
 
 def test_prepare_data_replaces_shards_it_did_not_write_only_when_told(corpus, tmp_path, monkeypatch):
-    """Shards at --output_prefix that PREFIX.json does not record as these inputs' (Megatron's, without one; or
-    prepared from other inputs) are refused, named, before any tokenizing, and left as they were; --overwrite
+    """Shards at --output_prefix that PREFIX.json does not describe (Megatron's, without one; or beside the
+    PREFIX.json of other shards) are refused, named, before any tokenizing, and left as they were; --overwrite
     replaces them."""
     import prepare_data
     from tests.test_checkpointing import disk_state
@@ -269,13 +270,74 @@ def test_prepare_data_replaces_shards_it_did_not_write_only_when_told(corpus, tm
         with pytest.raises(SystemExit) as refusal:
             prepare_data.main(command)
         assert str(refusal.value) == (
-            f"prepare_data.py: {prefix}.bin and {prefix}.idx exist already, and {prefix}.json does not record them "
-            f"as prepared from these inputs with this tokenizer (another tool or other inputs wrote them); pass "
-            f"--overwrite to replace them, or choose another --output_prefix")
+            f"prepare_data.py: {prefix}.bin and {prefix}.idx exist already, and {prefix}.json does not describe them "
+            f"as prepared here with this tokenizer and --text_field (another tool wrote them, or another tokenizer); "
+            f"pass --overwrite to replace them, or choose another --output_prefix")
         assert disk_state(tmp_path) == before
     monkeypatch.setattr(tokenize_shards, "write_part", real_write_part)
     prepare_data.main(command + ["--overwrite"])
     assert read_shard_header(prefix).sequences == 16 and json.loads((tmp_path / "web.json").read_text())["inputs"]
+
+
+def test_prepare_data_adds_inputs_to_a_prepared_prefix(corpus, tmp_path, monkeypatch):
+    """Inputs added to those a prefix was prepared from extend it without --overwrite, into the very shards one run
+    over all of them writes: after the prepared ones, only the added ones are tokenized; between them, all are.
+    Interrupted while tokenizing, the shards stay as they were; interrupted between the two renames, a re-run
+    finishes. An input dropped is refused, named, before any tokenizing, leaving the shards as they were."""
+    import prepare_data
+    from tests.test_checkpointing import disk_state
+    a, b, c = corpus["inputs"]
+    real_write_part, real_replace = tokenize_shards.write_part, os.replace
+    tokenized, interrupt = [], {"part": None, "rename": None}
+
+    def write_part(path, *args):
+        if path == interrupt["part"]:
+            raise KeyboardInterrupt
+        tokenized.append(path)
+        real_write_part(path, *args)
+
+    def replace(source, target):
+        if str(target) == interrupt["rename"]:
+            raise KeyboardInterrupt
+        real_replace(source, target)
+    monkeypatch.setattr(tokenize_shards, "write_part", write_part)
+    monkeypatch.setattr(os, "replace", replace)
+
+    def prepare(name, *inputs):
+        tokenized.clear()
+        tokenize_shards.prepare_shards(list(inputs), corpus["hf"], str(tmp_path / name))
+        return list(tokenized)
+
+    def same_as_one_run(name):
+        return all(open(tmp_path / f"{name}{suffix}", "rb").read() == open(corpus["prefix"] + suffix, "rb").read()
+                   for suffix in (".bin", ".idx"))
+
+    assert prepare("web", a) == [a]
+    shards = {suffix: open(tmp_path / f"web{suffix}", "rb").read() for suffix in (".bin", ".idx", ".json")}
+    interrupt["part"] = c
+    with pytest.raises(KeyboardInterrupt):
+        prepare("web", a, b, c)
+    assert {suffix: open(tmp_path / f"web{suffix}", "rb").read() for suffix in shards} == shards
+    interrupt["part"] = None
+    assert prepare("web", a, b, c) == [c] and same_as_one_run("web")  # b's part was kept, a's documents reused
+    before = disk_state(tmp_path)
+    with pytest.raises(SystemExit) as refusal:
+        prepare_data.main(["--input", a, b, "--tokenizer_name_or_path", corpus["hf"],
+                           "--output_prefix", str(tmp_path / "web")])
+    assert str(refusal.value) == (
+        f"prepare_data.py: {tmp_path}/web.bin/.idx hold the documents of {c}, which is not among these inputs or has "
+        f"changed since it was prepared (size or mtime); pass --overwrite to prepare {tmp_path}/web from these inputs "
+        f"alone, or choose another --output_prefix")
+    assert disk_state(tmp_path) == before and tokenized == [c]
+    assert prepare("between", a, c) == [a, c]
+    assert prepare("between", a, b, c) == [a, b, c] and same_as_one_run("between")
+    assert prepare("renamed", a) == [a]
+    interrupt["rename"] = str(tmp_path / "renamed.idx")  # the .bin is renamed first: a new .bin beside the old .idx
+    with pytest.raises(KeyboardInterrupt):
+        prepare("renamed", a, b, c)
+    assert not (tmp_path / "renamed.json").exists()
+    interrupt["rename"] = None
+    assert prepare("renamed", a, b, c) == [a] and same_as_one_run("renamed")  # b's and c's parts were kept
 
 
 @pytest.mark.slow  # spawns 2 tokenizing processes
@@ -422,7 +484,7 @@ def test_read_only_shards_build_their_index_in_index_dir(demo_model, corpus, sma
 
     from tests.conftest import ROOT
     from tests.launch import demo_overrides
-    from training.config_checks import ConfigError
+    from errors import ConfigError
     from training.run_spec import run_spec
     disk = small_disk(16 * 2**20)
     for suffix in (".bin", ".idx", ".json"):
@@ -459,7 +521,7 @@ def test_run_refuses_bad_shards_before_starting(demo_model, corpus, tmp_path):
     from data.corpus import train_demo_tokenizer
     from tests.conftest import ROOT
     from tests.launch import demo_overrides
-    from training.config_checks import ConfigError
+    from errors import ConfigError
     from training.run_spec import run_spec
     other = train_demo_tokenizer(demo_model["eval"], tmp_path / "other_tokenizer", 320)
     tokenize_shards.prepare_shards([demo_model["eval"]], str(tmp_path / "other_tokenizer"), str(tmp_path / "other"))

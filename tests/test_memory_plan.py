@@ -12,7 +12,7 @@ from planner.memory_plan import HOST_PROCESS_BYTES, format_memory_plan, host_mem
 from planner.stage_costs import LayerCosts
 from tests.conftest import ROOT
 from tests.tiny_models import make_tiny_model
-from training.config_checks import ConfigError
+from errors import ConfigError
 from training.run_spec import load_plan_model_config, plan_spec, plan_world_size
 
 GIB = 2 ** 30

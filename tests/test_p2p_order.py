@@ -1,16 +1,24 @@
 """Every pipeline schedule's point-to-point operations, checked against a model of NCCL's semantics: both directions
-of a link share one stream per side, operations run in the order each side issued them, and a send completes only
-when the peer's matching receive runs (no buffering, unlike gloo, so the CPU runs cannot show a deadlock). A pair
-that is not a send facing a receive of the same shape and dtype waits forever or delivers the wrong tensor.
+of a link share one stream per side, operations run in the order each side issued them, a send completes only when
+the peer's matching receive runs (no buffering, unlike gloo, so the CPU runs cannot show a deadlock), and a
+collective (the chunked engine's broadcast of the activation shapes) completes once every rank has reached it. A
+pair that is not a send facing a receive of the same shape and dtype waits forever or delivers the wrong tensor.
 
 The operations are recorded from the engines themselves: each stage's engine (DeepSpeed's PipelineEngine for 1F1B,
-the zero-bubble engine of training/pipeline_engine.py) runs its schedules through DeepSpeed's own instruction loop and
-its own send and receive handlers. Only what computes is replaced (forward, backward, W, loading, the reductions and
-the optimizer step: stand-ins that make the tensors a stage passes on, as the project's layers shape them, and check
-the ones it received), and so is the point-to-point layer under the handlers (DeepSpeed's p2p.send / p2p.recv and
-torch.distributed's send, recv, isend, irecv), by a recorder. Stages run one after another, first to last; each
-receive from the previous stage gets what that stage sent, in order, as both gloo and NCCL match them."""
+the zero-bubble engine of engines/pipeline_engine.py, the chunked engine of engines/chunked_engine.py for
+interleaved_1f1b and zbv) runs its schedules through DeepSpeed's own instruction loop and its own handlers: sends
+and receives (the chunked engine's per tensor, posted and waited for where its program says), the shapes' exchange
+(DeepSpeed's blocking metadata, the zero-bubble engine's; the chunked engine's broadcast), the chunked engine's
+in-place hand-over between two chunks of one rank, and W. Only what computes is replaced (forward, backward, loading,
+the reductions and the optimizer step: stand-ins that make the tensors a stage or chunk passes on, as the project's
+layers shape them, and check the ones it took), and so is the communication under the handlers (DeepSpeed's
+p2p.send / p2p.recv and torch.distributed's send, recv, isend, irecv and broadcast), by a recorder. Stages run one
+after another, first to last; each receive gets what its peer sent over that link before, in order, as both gloo
+and NCCL match them: under one chunk per rank from the stages recorded before (so the activations are checked, the
+gradients not), under several in a second pass, from the first pass's sends, since ranks also receive from ranks
+after them (every activation and gradient checked)."""
 import collections
+import functools
 import itertools
 import pathlib
 import types
@@ -22,14 +30,17 @@ from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicr
                                              ReduceGrads)
 
 from deepspeed_internals.access import (handlers_only_pipeline_engine, inference_schedule, instruction_handlers,
-                                        pipe_buffer, pipe_p2p, replace_instruction_handlers, run_schedule,
-                                        set_pipe_buffer, train_schedule)
-from training.chunked_engine import forward_program
-from training.pipeline_engine import use_zero_bubble
-from training.schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
-                               ZeroBubbleSchedule, chunk_ids, p2p_program, rank_orders)
-from training.zbv_auto import robust_sums, stage_times
-from training.zbv_order import EQUAL_TIMES, configured_zbv_durations
+                                        pipe_buffer, pipe_p2p, received_gradients, replace_instruction_handlers,
+                                        replace_passes, run_schedule, set_pipe_buffer, train_schedule)
+from engines.chunked_engine import set_chunk_program, use_chunked_pipeline
+from engines.pipeline_engine import use_zero_bubble
+from engines.zero_bubble_schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
+                                          ZeroBubbleSchedule)
+from schedules.orders import rank_orders
+from schedules.p2p import p2p_program
+from engines.zbv_auto import robust_sums
+from schedules.zbv_order import stage_times
+from schedules.zbv_order import EQUAL_TIMES, configured_zbv_durations
 
 # Stage and micro-batch counts: those of the tests and around them (fewer micro-batches than stages, as many, more),
 # and every config's (config_counts).
@@ -44,12 +55,16 @@ CONF = pathlib.Path(__file__).parents[1] / "conf"
 class Grid:
     """The process grid as the handlers read it. Stage s is global rank 2s + 1, as for data-parallel replica 1 of 2,
     so a stage passed where a rank belongs shows."""
+    PIPE_GROUP = "the pipeline's ranks"
 
     def __init__(self, stage, stages):
         self.stage, self.pipe_parallel_size = stage, stages
 
     def get_stage_id(self):
         return self.stage
+
+    def get_pipe_parallel_group(self):
+        return self.PIPE_GROUP
 
     @staticmethod
     def stage_to_global(stage_id, **coordinates):
@@ -71,24 +86,40 @@ class Work:
 
 
 class Recorder:
-    """One stage's point-to-point layer. Its program: ("post", op) where an operation is issued, ("wait", op) where
-    the stage blocks until it completed; op = (peer stage, "send" | "recv", dtype, shape, number on this stage)."""
+    """One stage's point-to-point layer and broadcast. Its program: ("post", op) where an operation is issued, ("wait",
+    op) where the stage blocks until it completed, ("collective", op) for a broadcast over the pipeline's ranks; op =
+    (peer stage, "send" | "recv", dtype, shape, number on this stage), a broadcast's (its source stage, "broadcast",
+    ...). neighbours: the stages it may send to and receive from (default: the next and the previous); sent:
+    {(from, to): tensors sent}, which it adds to; inbox: the same for what its receives take, in order (default:
+    sent, which the stages recorded before it filled); broadcasts: the messages broadcast so far, by the stages."""
 
-    def __init__(self, stage, sent):
-        self.stage, self.sent, self.program = stage, sent, []  # sent: {(from, to): tensors not yet received}
+    def __init__(self, stage, sent, neighbours=None, inbox=None, broadcasts=None):
+        self.stage, self.sent, self.program = stage, sent, []
+        self.neighbours = {stage - 1, stage + 1} if neighbours is None else neighbours
+        self.inbox = sent if inbox is None else inbox
+        self.broadcasts = broadcasts
 
     def post(self, tensor, peer, direction):
-        if abs(peer - self.stage) != 1:
+        if peer not in self.neighbours:
             raise AssertionError(f"stage {self.stage} {direction}s to stage {peer}, not a neighbour")
         op = (peer, direction, tensor.dtype, tuple(tensor.shape), len(self.program))
         self.program.append(("post", op))
         if direction == "send":
             self.sent[(self.stage, peer)].append(tensor.detach().clone())
-        elif self.sent[(peer, self.stage)]:  # the previous stage ran first; later stages' gradients carry no check
-            delivered = self.sent[(peer, self.stage)].popleft()
+        elif self.inbox[(peer, self.stage)]:  # the stages recorded before it sent it; later stages' carry no check
+            delivered = self.inbox[(peer, self.stage)].popleft()
             if delivered.shape == tensor.shape and delivered.dtype == tensor.dtype:
                 tensor.copy_(delivered)
         return op
+
+    def broadcast(self, tensor, src, group=None, async_op=False):
+        assert group == Grid.PIPE_GROUP and not async_op
+        source, number = self.stage_of(src), sum(action == "collective" for action, _ in self.program)
+        self.program.append(("collective", (source, "broadcast", tensor.dtype, tuple(tensor.shape), len(self.program))))
+        if source == self.stage:
+            self.broadcasts.append(tensor.clone())
+        else:  # the source stage is recorded first (the rank of chunk 0)
+            tensor.copy_(self.broadcasts[number])
 
     def blocking(self, tensor, peer, direction):
         self.program.append(("wait", self.post(tensor, peer, direction)))
@@ -171,7 +202,7 @@ def evaluate(micro_batches):
 
 def record(stages, micro_batches, batches, zero_bubble=None):
     """Each stage's program over `batches` (each: engine -> the schedule that batch runs); zero_bubble: None for
-    DeepSpeed's engine, else {"max_waiting": ...} for training/pipeline_engine.py's."""
+    DeepSpeed's engine, else {"max_waiting": ...} for engines/pipeline_engine.py's."""
     sent = collections.defaultdict(collections.deque)
     programs = []
     for stage in range(stages):
@@ -210,12 +241,18 @@ def run_on_nccl(programs):
         for stage, program in enumerate(programs):  # run each stage up to its next wait on an unfinished operation
             while position[stage] < len(program):
                 action, op = program[position[stage]]
-                if action == "wait" and (stage, op) not in done:
+                if action in ("wait", "collective") and (stage, op) not in done:
                     break
                 if action == "post":
                     streams[(stage, op[0])].append(op)
                 position[stage] += 1
                 progressed = True
+        heads = [program[at] for program, at in zip(programs, position) if at < len(program)]
+        if len(heads) == stages and all(action == "collective" for action, _ in heads):  # every stage has reached it
+            if len({op[:4] for _, op in heads}) > 1:
+                raise AssertionError(f"the stages meet at different collectives: {[op for _, op in heads]}")
+            done.update((stage, op) for stage, (_, op) in enumerate(heads))
+            progressed = True
         for (stage, peer), stream in list(streams.items()):  # the heads of a link's two streams complete together
             other = streams.get((peer, stage))
             if stage > peer or not stream or not other:
@@ -239,12 +276,12 @@ def run_on_nccl(programs):
 
 def train_first(micro_batches):
     """A run from its start: the shapes go with the first training activations; an evaluation between steps ends
-    on a short chunk (training/evaluation.py evaluates in chunks of at most gradient_accumulation_steps)."""
+    on a short chunk (evaluation/eval_set.py evaluates in chunks of at most gradient_accumulation_steps)."""
     return [train, evaluate(micro_batches), evaluate(max(1, micro_batches - 1)), train]
 
 
 def evaluation_first(micro_batches):
-    """A DPO run: the reference pass (eval_batch, training/reference.py) goes first and sends the shapes."""
+    """A DPO run: the reference pass (eval_batch, evaluation/reference.py) goes first and sends the shapes."""
     return [evaluate(micro_batches), evaluate(1), train, train]
 
 
@@ -283,7 +320,7 @@ def test_zero_bubble_is_matched_on_every_link(stages):
 
 
 class ReceiveAtTheForward(ZeroBubbleSchedule):
-    """The zero-bubble order before the link order (`git show ac713eb^:training/schedule.py`): each activation
+    """The zero-bubble order before the link order (`git show ac713eb^:schedules/orders.py`): each activation
     received, blocking, at its forward; sends posted and waited for at the step's end, as now."""
 
     def steps(self):
@@ -327,51 +364,141 @@ def test_every_config_is_checked():
     assert all(stages in STAGES for stages, _ in config_counts())
 
 
-def chunk_programs(schedule, stages, micro_batches, virtual_stages=1, evaluation=False, zbv_times=EQUAL_TIMES):
-    """The operations of every rank's program as the engine runs it (training: p2p_program; evaluation:
-    training/chunked_engine.py forward_program) as the model's programs: an operation's shape stands for its tensor
-    (activation or gradient, the chunk boundary it crosses, the micro-batch), so a send matched with another
-    transfer's receive is the wrong tensor."""
-    programs = []
-    every_rank_chunks = [chunk_ids(schedule, stages, rank, virtual_stages) for rank in range(stages)]
-    for rank in range(stages):
-        chunks, program = every_rank_chunks[rank], []
-        for action, item in (forward_program(every_rank_chunks, micro_batches, rank) if evaluation else
-                             p2p_program(schedule, stages, micro_batches, rank, virtual_stages, None, zbv_times)):
-            if action == "compute":
-                continue
-            chunk = chunks[item.local_chunk]
-            upstream = chunk if (item.direction == "send") == (item.tensor == "activation") else chunk - 1
-            program.append((action, (item.peer, item.direction, item.tensor, (upstream, item.micro_batch), item)))
-        programs.append(program)
-    return programs
+@functools.cache  # one per (tensor, chunk, micro-batch): nobody writes into it (a receive writes into its own)
+def saying(tensor, chunk, micro_batch):
+    """A hidden-states-shaped bf16 tensor that says what it is: an activation (+1) or a gradient (-1) of a chunk's
+    micro-batch (small integers: exact in bf16)."""
+    told = torch.zeros(ROWS, SEQUENCE, HIDDEN, dtype=torch.bfloat16)
+    told[..., 0], told[..., 1], told[..., 2] = chunk, micro_batch, {"activation": 1, "gradient": -1}[tensor]
+    return told
+
+
+@functools.cache
+def ids(value):
+    return torch.full((ROWS, SEQUENCE), value, dtype=torch.long)
+
+
+class ChunkComputation:
+    """The chunked engine's computing, replaced: DeepSpeed's forward, backward and loading, which the engine runs for
+    each chunk. Every schedule takes each chunk's micro-batches in order, forward and backward: in each batch, a
+    chunk's forward k checks that its inputs are the previous chunk's forward k's outputs (received, or handed over
+    in place on its rank) and makes outputs that say (chunk, k); its backward k checks that its outputs' gradient is
+    the next chunk's backward k's (the last chunk's: its own forward k's loss) and gives its inputs a gradient that
+    says (chunk, k). checking=False: nothing checked (a first pass, whose receives may find nothing sent yet)."""
+
+    def __init__(self, engine, checking):
+        self.engine, self.checking = engine, checking
+        self.forwards, self.backwards = collections.Counter(), collections.Counter()
+
+    def forward(self, buffer_id):
+        engine, chunk = self.engine, self.engine.running_chunk
+        j, self.forwards[chunk] = self.forwards[chunk], self.forwards[chunk] + 1
+        if chunk > 0 and self.checking:
+            hidden, document_ids, position_ids = pipe_buffer(engine, "inputs", buffer_id)
+            assert hidden.requires_grad and not document_ids.requires_grad and not position_ids.requires_grad
+            assert (hidden.equal(saying("activation", chunk - 1, j)) and document_ids.eq(chunk - 1).all()
+                    and position_ids.eq(j).all()), (f"rank {engine.stage_id}'s chunk {chunk}, forward {j}, received "
+                                                    f"another chunk's or micro-batch's activations")
+        if chunk == engine.last_chunk:
+            engine.loss = torch.tensor(float(j))
+        else:
+            set_pipe_buffer(engine, "outputs", buffer_id, (saying("activation", chunk, j), ids(chunk), ids(j)))
+
+    def backward(self, buffer_id):
+        engine, chunk = self.engine, self.engine.running_chunk
+        j, self.backwards[chunk] = self.backwards[chunk], self.backwards[chunk] + 1
+        if self.checking and chunk == engine.last_chunk:
+            assert engine.loss.item() == j, f"the last chunk's backward {j} took forward {engine.loss.item()}'s loss"
+        elif self.checking:
+            (grad,) = received_gradients(engine)
+            assert grad.equal(saying("gradient", chunk + 1, j)), (
+                f"rank {engine.stage_id}'s chunk {chunk}, backward {j}, received another gradient")
+        if chunk > 0:
+            for tensor in pipe_buffer(engine, "inputs", buffer_id):
+                if tensor.is_floating_point():
+                    tensor.grad = saying("gradient", chunk, j)
+
+    @staticmethod
+    def load(buffer_id):
+        pass
+
+
+def record_chunked(schedule, stages, micro_batches, batches, virtual_stages=1, max_waiting=None,
+                   zbv_times=EQUAL_TIMES, programs=None, checked=True):
+    """Each rank's operations over `batches` (as record's), recorded from engines/chunked_engine.py: each rank's
+    ChunkedPipelineEngine runs its schedule (its program, p2p_program's items as instructions) through DeepSpeed's
+    instruction loop and its own handlers: the activation-shape broadcast, each tensor's send and receive posted and
+    waited for where the program says, the in-place hand-over between chunks of one rank, W. Only DeepSpeed's
+    computing is replaced (ChunkComputation, and no reduction or optimizer step). Two passes: ranks receive from ranks
+    recorded after them (ZB-V's way back up, interleaving's wrap link), so the first collects every link's sends and
+    the second delivers them in order and checks what each chunk took. zbv_times: the durations the V order is made
+    for (set on the engine as zbv_times=auto does); programs: a program per rank to run instead; checked=False: the
+    first pass alone."""
+    sent = {}
+    for checking in (False, True)[:1 + checked]:
+        inbox = collections.defaultdict(collections.deque, {link: collections.deque(tensors)
+                                                            for link, tensors in sent.items()})
+        sent, broadcasts, recorded = collections.defaultdict(collections.deque), [], []
+        for rank in range(stages):
+            module = types.SimpleNamespace(parallel=types.SimpleNamespace(), get_tied_weights_and_groups=list)
+            engine = handlers_only_pipeline_engine(Grid(rank, stages), module, micro_batches, torch.device("cpu"))
+            use_chunked_pipeline(engine, schedule, virtual_stages if schedule == "interleaved_1f1b" else None,
+                                 max_waiting)
+            if zbv_times != EQUAL_TIMES or programs:
+                set_chunk_program(engine, programs[rank] if programs else p2p_program(
+                    schedule, stages, micro_batches, rank, virtual_stages, max_waiting, zbv_times))
+            computation = ChunkComputation(engine, checking)
+            replace_passes(engine, computation.forward, computation.backward, computation.load)
+            replace_instruction_handlers(engine, {**instruction_handlers(engine), ReduceGrads: Computation.nothing,
+                                                  OptimizerStep: Computation.nothing})
+            neighbours = {engine.chunk_owner[chunk + step] for chunk in engine.local_chunks for step in (-1, 1)
+                          if chunk + step in engine.chunk_owner} - {rank}
+            recorder = Recorder(rank, sent, neighbours, inbox, broadcasts)
+            with pytest.MonkeyPatch.context() as patch:
+                for name in ("send", "recv", "isend", "irecv", "broadcast"):
+                    patch.setattr(torch.distributed, name, getattr(recorder, name))
+                for batch in batches:
+                    computation.forwards.clear(), computation.backwards.clear()  # each batch's micro-batches from 0
+                    with torch.set_grad_enabled(batch is train):  # eval_batch's forwards run without autograd
+                        run_schedule(engine, batch(engine))
+            recorded.append(recorder.program)
+    return recorded
+
+
+def chunk_runs(schedule, stages, micro_batches):
+    """[(the engine's micro-batches per step, a run's batches)] a chunked schedule is recorded over: from a run's
+    start, and from a DPO reference pass; interleaving trains on multiples of p only, its evaluation takes any count
+    (here with p micro-batches a step)."""
+    if schedule == "interleaved_1f1b" and micro_batches % stages:
+        return [(stages, [evaluate(micro_batches), evaluate(max(1, micro_batches - 1)), train])]
+    return [(micro_batches, train_first(micro_batches)), (micro_batches, evaluation_first(micro_batches))]
 
 
 @pytest.mark.parametrize("stages", STAGES)
 def test_multi_chunk_schedules_are_matched_on_every_link(stages):
-    """interleaved_1f1b (v = 2; v = 3 and evaluation up to 16 micro-batches; its training micro-batch counts are
-    multiples of p, evaluation's any count: its last chunk may be short) and zbv, training and evaluation: both sides
-    of every link (the wrap link last rank -> rank 0 of interleaving included; on 2 ranks it is the same pair as the
-    link down) post their operations in one order, and no send waits on a send."""
-    for micro_batches in sorted({*micro_batch_counts(stages), 64}):
-        few = micro_batches <= 16
-        for evaluation in (False, True) if few else (False,):
-            run_on_nccl(chunk_programs("zbv", stages, micro_batches, evaluation=evaluation))
-            if micro_batches % stages == 0 or evaluation:
-                for virtual_stages in (2, 3) if few else (2,):
-                    run_on_nccl(chunk_programs("interleaved_1f1b", stages, micro_batches, virtual_stages,
-                                               evaluation))
+    """zbv and interleaved_1f1b (v = 2; v = 3 at p and p + 1 micro-batches; its training micro-batch counts are
+    multiples of p, evaluation's any count: its last chunk may be short) on their engine, from a run's start (and, at
+    1, p and p + 1 micro-batches, from a DPO reference pass; the configs' 32 and 64: a training step): both sides of
+    every link (the wrap link last rank -> rank 0 of interleaving included; on 2 ranks it is the same pair as the link
+    down) post their operations in one order, no send waits on a send, the shapes' broadcast completes on every rank,
+    and each chunk takes its own micro-batch's activations and gradients."""
+    for micro_batches in micro_batch_counts(stages):
+        edge = micro_batches in (1, stages, stages + 1)
+        for schedule, virtual_stages in [("zbv", 1), ("interleaved_1f1b", 2), *([("interleaved_1f1b", 3)] * edge)]:
+            for step_micro_batches, run in chunk_runs(schedule, stages, micro_batches)[:1 + edge]:
+                run = run if micro_batches <= 16 else run[:1]  # the configs' 32 and 64: their training step
+                run_on_nccl(record_chunked(schedule, stages, step_micro_batches, run, virtual_stages))
 
 
 @pytest.mark.parametrize("stages", [2, 4, 8])
 def test_zbv_orders_made_for_other_times_are_matched_on_every_link(stages):
     """zbv_times (conf): the V order list-scheduled for a chunk's F, B and W times, alike on every rank or one per
-    rank (the first heavier: embedding and head), up to conf's 8x spread: every link matched, every rank's order
-    complete and within 1F1B's activations (2p micro-batch-chunks between F and W)."""
+    rank (the first heavier: embedding and head), up to conf's 8x spread: every link matched on the engine, every
+    rank's order complete and within 1F1B's activations (2p micro-batch-chunks between F and W)."""
     heavy_first = [((6, 3, 2),) + ((4, 4, 3),) * (stages - 1), ((6, 4, 2),) + ((5, 7, 3),) * (stages - 1)]
     for zbv_times in [((1, 2, 1),), ((2, 1, 1),), ((1, 1, 2),), ((3, 4, 2),), ((8, 1, 1),), ((1, 8, 8),), *heavy_first]:
         for micro_batches in sorted({1, stages, stages + 1, 9}):
-            run_on_nccl(chunk_programs("zbv", stages, micro_batches, zbv_times=zbv_times))
+            run_on_nccl(record_chunked("zbv", stages, micro_batches, [train], zbv_times=zbv_times))
             for order in rank_orders("zbv", stages, micro_batches, zbv_times=zbv_times):
                 assert sorted(order) == sorted((kind, chunk, j) for kind in "FBW" for chunk in (0, 1)
                                                for j in range(micro_batches))
@@ -379,27 +506,45 @@ def test_zbv_orders_made_for_other_times_are_matched_on_every_link(stages):
                 assert max(held) <= 2 * stages
 
 
+@pytest.mark.parametrize("stages", [2, 4])
+def test_zbv_with_max_waiting_is_matched_on_every_link(stages):
+    """zero_bubble_max_waiting under zbv (each distinct cap), on the engine."""
+    for micro_batches, max_waiting in itertools.product(micro_batch_counts(stages)[:10], caps(stages)[1:] or [0]):
+        run_on_nccl(record_chunked("zbv", stages, micro_batches, [train], max_waiting=max_waiting))
+
+
+def receives_posted_at_their_wait(program):
+    """A rank's program with each receive posted right before the computation that takes it, as a rank following
+    only its own compute order would (sends stay right after the computation that makes them)."""
+    posts = {op: ("post", op) for action, op in program if action == "post" and op.direction == "recv"}
+    return [entry for action, op in program if not (action == "post" and op.direction == "recv")
+            for entry in ([posts[op]] if action == "wait" and op.direction == "recv" else []) + [(action, op)]]
+
+
 def test_sends_posted_in_compute_order_deadlock_under_zbv():
-    """What p2p_program prevents: each side posting its link operations in its own compute order (receive right
-    before the computation that takes it, send right after the one that makes it) crosses two sends on ZB-V's 2-rank
-    link."""
-    programs = []
-    for program in chunk_programs("zbv", 2, 4):
-        posts = [entry for entry in program if entry[0] == "post"]
-        receives = {op: ("post", op) for action, op in posts if op[1] == "recv"}
-        naive = []
-        for action, op in program:
-            if action == "wait" and op[1] == "recv":
-                naive += [receives[op], ("wait", op)]
-            elif action == "post" and op[1] == "send":
-                naive.append((action, op))
-        programs.append(naive + [entry for entry in program if entry[0] == "wait" and entry[1][1] == "send"])
-    with pytest.raises(AssertionError, match="deadlock"):
-        run_on_nccl(programs)
+    """What p2p_program prevents: each side posting its link's receives where its own compute order takes them, run
+    by the engine, crosses two sends on ZB-V's 2-rank link."""
+    programs = [receives_posted_at_their_wait(p2p_program("zbv", 2, 4, rank)) for rank in range(2)]
+    with pytest.raises(AssertionError, match="deadlock: .*'s send #.*'s send #"):  # (gloo: the wrong tensors)
+        run_on_nccl(record_chunked("zbv", 2, 4, [train], programs=programs, checked=False))
+    run_on_nccl(record_chunked("zbv", 2, 4, [train]))  # the same step in p2p_program's order
+
+
+def test_a_chunk_given_another_micro_batch_is_caught():
+    """What the model cannot see (every activation has one shape), the stand-ins do: rank 1 posting two activation
+    receives in another order than rank 0 sends them (micro-batches 1 and 2, posted one after the other) hands its
+    chunk another micro-batch's activations."""
+    programs = [p2p_program("zbv", 2, 4, rank) for rank in range(2)]
+    first, second = [i for i, (action, op) in enumerate(programs[1])
+                     if action == "post" and op.direction == "recv" and op.tensor == "activation"][1:3]
+    assert second == first + 1
+    programs[1][first], programs[1][second] = programs[1][second], programs[1][first]
+    with pytest.raises(AssertionError, match="received another chunk's or micro-batch's activations"):
+        record_chunked("zbv", 2, 4, [train], programs=programs)
 
 
 def test_zbv_auto_times_agreed_by_every_rank_make_one_matched_order():
-    """zbv_times=auto (training/zbv_auto.py): a rank's F, B, W are robust to a slowed instruction; each stage's times
+    """zbv_times=auto (engines/zbv_auto.py): a rank's F, B, W are robust to a slowed instruction; each stage's times
     are the mean of its ranks' all-gathered rows (2 data-parallel replicas per stage, in rank order), each raised to
     1/8 of the longest (a LoRA run's W is tiny); the order made for them is another than F = B = W's, and matched on
     every link."""
@@ -413,4 +558,4 @@ def test_zbv_auto_times_agreed_by_every_rank_make_one_matched_order():
     assert durations == ((16, 7, 2), (10, 10, 7))
     assert rank_orders("zbv", 2, 4, zbv_times=durations) != rank_orders("zbv", 2, 4)
     for micro_batches in (1, 2, 4, 9):
-        run_on_nccl(chunk_programs("zbv", 2, micro_batches, zbv_times=durations))
+        run_on_nccl(record_chunked("zbv", 2, micro_batches, [train, train], zbv_times=durations))

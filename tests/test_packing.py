@@ -1,5 +1,5 @@
 """Packed rows with per-document isolation against transformers on each example alone (real processes, gloo):
-the token-weighted eval loss (training/evaluation.py) and the training gradients, for 1 stage x 2 data-parallel,
+the token-weighted eval loss (evaluation/eval_set.py) and the training gradients, for 1 stage x 2 data-parallel,
 2 stages, and 1 stage x tensor parallel 2 with sequence parallelism, in one launch of 2 processes; every other
 family on the last (its norms split by tokens, Phi's fused weights split by heads)."""
 import json
@@ -99,8 +99,8 @@ def packed_parity_worker(rank, cases, rows, out_dir):
     from checkpoints.layer_files import load_layer_slice
     from models.pipeline import build_pipeline_module
     from tests.parity_worker import gradient_errors
-    from training.distributed import init_distributed, parallel_topology
-    from training.evaluation import evaluate
+    from cluster.distributed import init_distributed, parallel_topology
+    from evaluation.eval_set import evaluate
 
     init_distributed(timeout_minutes=2)
     references = torch.load(f"{out_dir}/references.pt", weights_only=True)

@@ -203,7 +203,7 @@ def one_process_runs(preference_model, family_preference_models, tmp_path_factor
 
 
 def one_process_worker(rank, model, families, root, runs):
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
     init_distributed(timeout_minutes=2)
     for name, checkpoint in {"": model, **{f"{family}-": families[family] for family in families}}.items():
         pipeline_first_step(rank, checkpoint, root, f"{name}full")
@@ -212,7 +212,7 @@ def one_process_worker(rank, model, families, root, runs):
 
 
 def four_process_worker(rank, model, families, root, runs):
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
     init_distributed(timeout_minutes=2)
     pipeline_first_step(rank, model, root, "2stages_2dp", num_stages=2)
     pipeline_first_step(rank, model, root, "tp2_2dp", tensor_parallel=2)
@@ -509,7 +509,7 @@ def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tens
     from models.preference import PreferenceSettings
     from tests.lora_reference import adapter_values
     from tests.parity_worker import GradientRecorder, hf_name_of_pipeline_param, set_adapters
-    from training.distributed import parallel_topology
+    from cluster.distributed import parallel_topology
     from training.token_mean import global_loss_units, token_mean_loss
 
     config = AutoConfig.from_pretrained(model["hf"])
@@ -813,7 +813,8 @@ def test_preference_config_errors_name_the_key(overrides, message):
     from hydra import compose, initialize_config_dir
 
     from tests.conftest import ROOT
-    from training.config_checks import ConfigError, checked_config
+    from errors import ConfigError
+    from training.config_checks import checked_config
     with initialize_config_dir(config_dir=f"{ROOT}/conf", version_base=None):
         cfg = compose(config_name="tiny", overrides=overrides)
     with pytest.raises(ConfigError, match=message):

@@ -16,7 +16,7 @@ from checkpoints.compatibility import check_resume_topology
 from tests.conftest import ROOT
 from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics,
                           run_python, start_trainer)
-from training.preemption import PREEMPTED_EXIT_CODE
+from resilience.preemption import PREEMPTED_EXIT_CODE
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
 STOP_DEADLINE_S = 60  # seconds from SIGTERM to every process gone: a step and a save of the tiny model, with margin
@@ -57,10 +57,12 @@ def test_sigterm_mid_run_saves_that_step_and_resume_matches_uninterrupted_run(de
     launcher (which forwards it to rank 0 first) or to rank 0: every rank finishes step 5, saves it (not a
     save_steps multiple) and exits; resume=auto, under pipeline_schedule=zero_bubble, then gives the uninterrupted
     1F1B run's losses (resumed once: the checkpoint is the same whichever process got the signal, so the launcher
-    and rank cases run on 2 processes, 2 stages; the rank case under ZB-V, whose ranks each hold two chunks)."""
+    and rank cases run on 2 processes, 2 stages, under the schedules whose ranks each hold two chunks: the launcher
+    case under interleaved 1F1B, the rank case under ZB-V)."""
     out = tmp_path / "run"
     overrides = demo_overrides(demo_model, out, **REFERENCE)
-    schedule = ["pipeline_schedule=zbv"] if target == "rank" else []
+    schedule = {"runner": [], "launcher": ["pipeline_schedule=interleaved_1f1b", "virtual_stages=2"],
+                "rank": ["pipeline_schedule=zbv"]}[target]
     runner = start_trainer(4 if target == "runner" else 2, overrides + schedule, script=FAULT_SCRIPT,
                            env={"FAULT": "pause:0:5"})
     output = []
@@ -88,6 +90,7 @@ def test_sigterm_mid_run_saves_that_step_and_resume_matches_uninterrupted_run(de
     assert (out / "latest").read_text() == "global_step5" and (out / "global_step5" / "COMPLETE").is_file()
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == [1, 2, 3, 4, 5]
     assert ("ZB-V schedule, 2 chunks per rank" in output) == (target == "rank"), output[-3000:]
+    assert ("interleaved 1F1B, 2 chunks per rank" in output) == (target == "launcher"), output[-3000:]
     if target != "runner":
         return
     resumed = check_ok(launch_trainer(4, overrides + ["resume=auto", "pipeline_schedule=zero_bubble"]))
@@ -98,7 +101,7 @@ def test_sigterm_mid_run_saves_that_step_and_resume_matches_uninterrupted_run(de
 
 SIGTERM_AFTER_A_SIBLING_EXITED = """
 import os, signal, sys, threading
-from training.preemption import PreemptionWatch
+from resilience.preemption import PreemptionWatch
 watch = PreemptionWatch(grace_seconds=60)
 watch.sibling_rank_has_exited = lambda: True  # the launcher has reaped another of its ranks and ends the job
 handled, request = threading.Event(), watch.request
@@ -235,7 +238,7 @@ def test_preemption_grace_bounds_a_stop_that_cannot_finish():
     """A SIGTERM while the main thread never reaches a step boundary (a hung peer): the process still ends, with the
     preempted exit code, preemption_grace_seconds after the signal."""
     code = ("import os, signal, time\n"
-            "from training.preemption import PreemptionWatch\n"
+            "from resilience.preemption import PreemptionWatch\n"
             "PreemptionWatch(grace_seconds=1)\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(60)\n")

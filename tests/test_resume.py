@@ -99,7 +99,8 @@ def test_resume_into_tensor_parallel_and_back_out_with_offload(demo_model, refer
 def test_resume_across_schedules_equals_the_run_that_never_stopped(demo_model, reference_run, tmp_path):
     """1F1B's checkpoint (2 stages x 2 data-parallel, ZeRO-1) goes on under ZB-V's 4 chunks (steps 5-8, saved at 6),
     and ZB-V's under interleaving's (v = 2, steps 7-8) with its optimizer state moved to the host by
-    offload_optimizer=cpu: each with the whole optimizer state, its losses the uninterrupted run's."""
+    offload_optimizer=cpu, and under 1F1B on 4 stages (steps 7-8): each with the whole optimizer state, its losses
+    the uninterrupted run's."""
     reference = per_step_losses(reference_run)
     zbv_run = tmp_path / "zbv"
     result, losses = resumed_losses(demo_model, reference_run, zbv_run, 4, dict(pipeline_schedule="zbv"),
@@ -117,6 +118,13 @@ def test_resume_across_schedules_equals_the_run_that_never_stopped(demo_model, r
             f"zbv -> interleaved_1f1b): the optimizer state is resharded from its per-layer files; the data position "
             f"is kept in samples (48 consumed)") in result.stdout
     assert "zbv_times" not in result.stdout  # zbv's default: interleaving measures nothing, rebuilds nothing
+    assert losses == pytest.approx(reference[6:8], **EXACT)
+    # ZB-V's rank 0 held chunks 0 and 3 (the embedding and the head), rank 1 chunks 1 and 2: 1F1B's 4 stages take them
+    # in order, each from the rank that saved it
+    result, losses = resumed_losses(demo_model, reference_run, tmp_path / "four_stages", 4, dict(
+        num_stages=4, gradient_accumulation_steps=4, save_steps=0), zbv_run / "global_step6")
+    assert (f"resuming {zbv_run}/global_step6 with another layout (num_stages 2 -> 4; data_parallel 2 -> 1; "
+            f"pipeline_schedule zbv -> 1f1b)") in result.stdout
     assert losses == pytest.approx(reference[6:8], **EXACT)
 
 

@@ -1,4 +1,4 @@
-"""The output directory's lease (checkpoints/run_lease.py): one live job writes an output_dir; a gone job's lease is
+"""The output directory's lease (resilience/run_lease.py): one live job writes an output_dir; a gone job's lease is
 taken over, by one of two takers at once. tests/test_supervision.py runs a refused job against a real run."""
 import json
 import os
@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from checkpoints.run_lease import LEASE_FILE, STALE_SECONDS, RunLease, boot_id, read_lease
+from resilience.run_lease import LEASE_FILE, STALE_SECONDS, RunLease, boot_id, read_lease
 from tests.conftest import ROOT
 
 # A job's rank 0 on stdin's commands: "take" the lease (prints "won" or the refusal), anything else drops it.
 LEASE_TAKER = """
 import sys
-from checkpoints.run_lease import RunLease
+from resilience.run_lease import RunLease
 lease = None
 for command in sys.stdin:
     if command == "take\\n":

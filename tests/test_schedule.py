@@ -1,5 +1,5 @@
-"""The schedules against DeepSpeed's 1F1B: zero_bubble (ZB-H1, training/schedule.py), zbv and interleaved_1f1b
-(training/chunked_engine.py) give the same losses and gradients, and the orders they run are valid and fill the
+"""The schedules against DeepSpeed's 1F1B: zero_bubble (ZB-H1, schedules/orders.py), zbv and interleaved_1f1b
+(engines/chunked_engine.py) give the same losses and gradients, and the orders they run are valid and fill the
 bubble; their bad configs are refused at start-up. Resuming across schedules: tests/test_resume.py and
 tests/test_reliability.py."""
 import glob
@@ -18,19 +18,23 @@ from tests import schedule_worker
 from tests.distributed import spawn
 from tests.launch import demo_overrides, run_in_process
 from tests.tiny_models import TINY_CONFIGS, make_model
-from training.chunked_engine import stage_reads_data
-from training.config_checks import ConfigError, checked_config
+from engines.chunked_engine import stage_reads_data
+from errors import ConfigError
+from training.config_checks import checked_config
 from training.stage_bounds import configured_stage_bounds
-from training.schedule import chunk_ids, chunks_per_rank, rank_orders, simulate, stage_orders
+from schedules.orders import rank_orders, stage_orders
+from schedules.rules import chunk_ids, chunks_per_rank
+from schedules.simulator import simulate
 
 # 2 steps of one batch: the second step's gradients are taken at the weights and Adam state the first step left, the
-# weights after both compared, and the loss falls; fp16's case takes 3 (its second step overflows and is skipped).
+# weights after both compared, and the loss falls; fp16's case takes 4 (its second and fourth overflow and are
+# skipped).
 STEPS, MICRO_BATCH, GAS, SEQ = 2, 2, 4, 16
 CHUNKED = ("zbv", "interleaved_1f1b")  # interleaved_1f1b with virtual_stages=2 (the cases' virtual_stages)
 # name: (tiny config, case settings); all on 4 processes, each case's schedules against its one 1F1B run. The matrix
 # the cases make (what each covers: docs/pipeline-schedules.md#tested).
 CASES = {
-    # Several chunks per rank (training/chunked_engine.py), on 4 and 2 ranks, tied and untied: "8layers" models
+    # Several chunks per rank (engines/chunked_engine.py), on 4 and 2 ranks, tied and untied: "8layers" models
     # have a decoder layer per chunk on 4 ranks. Their ranks hold other layers than 1F1B's: every gradient is
     # compared by name across all ranks (and data-parallel replicas). ZB-V adds the tied weight's embedding and head
     # gradients on one rank in the order its Bs run, 1F1B as two partial sums all-reduced: fp32 rounding of ~1e-7
@@ -41,7 +45,7 @@ CASES = {
     "4stages_tied_checkpointing": ("tied_8layers", dict(
         stages=4, schedules=("zero_bubble", *CHUNKED), virtual_stages=2, checkpoint_interval=1, max_waiting=2,
         zbv_tolerance=2e-6, zbv_times="auto", steps=3)),
-    # preference pairs (training/reference.py's pass under each schedule for DPO; the rewards compared too), LoRA
+    # preference pairs (evaluation/reference.py's pass under each schedule for DPO; the rewards compared too), LoRA
     # (the adapters' gradients, the base frozen; ZB-V's W computes only theirs)
     "4stages_dpo_lora": ("llama2_8layers", dict(stages=4, schedules=CHUNKED, virtual_stages=2, objective="dpo",
                                                 lora=dict(rank=4))),
@@ -91,18 +95,29 @@ CASES = {
             zero_optimization={"stage": 1}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}))),
     # offload_optimizer=cpu (ZeRO-1's fp32 partition and Adam's moments on the host), fp32, under both, ZB-V's V order
     # made for measured times (zbv_times: F, B, W in ms; another order than F = B = W's), 8 layers in 4 chunks split
-    # by partition_costs=measured (the units timed on every rank, their mean agreed: training/cost_calibration.py)
+    # by partition_costs=measured (the units timed on every rank, their mean agreed: engines/cost_calibration.py)
     "2stages_x_2dp_offload_tied": ("tied_8layers", dict(
         stages=2, schedules=CHUNKED, virtual_stages=2, zbv_times=(102, 129, 63), zbv_tolerance=2e-6,
         partition_costs="measured",
         deepspeed=dict(zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}))),
-    # fp16 (ZeRO-1, fp32 sums) under interleaving with its dynamic loss scaler at 2^20: the second step overflows, is
-    # skipped and halves it, the third trains at the halved scale. Losses, loss scales and the weights the steps leave
-    # equal 1F1B's.
+    # fp16 (ZeRO-1, fp32 sums) with its dynamic loss scaler at 2^20: the second step overflows, is skipped and halves
+    # it, the third trains at the halved scale; in the fourth one element of the last decoder's down_proj weight
+    # gradient is made inf (overflow_in_gradient: the parameter, the step), which ZB-H1 and ZB-V compute in W, after
+    # every input gradient has gone on finite: the step is skipped and the scale halved again. Losses, loss scales,
+    # ZB-H1's gradients and the weights the steps leave equal 1F1B's bit for bit.
     "2stages_x_2dp_fp16": ("llama3", dict(
-        stages=2, schedules=("interleaved_1f1b",), virtual_stages=2, steps=3, tolerance=0.0, deepspeed=dict(
+        stages=2, schedules=("zero_bubble", *CHUNKED), virtual_stages=2, steps=4, tolerance=0.0,
+        overflow_in_gradient=("4.mlp.down_proj.weight", 3), deepspeed=dict(
             zero_optimization={"stage": 1}, data_types={"grad_accum_dtype": "fp32"},
             fp16={"enabled": True, "initial_scale_power": 20, "hysteresis": 1}))),
+}
+
+# 4 stages x tensor or context parallel 2: 8 processes, their own launch (tests/test_schedule.py
+# test_four_stages_x_tp2_or_cp2_equal_1f1b), 8 chunks of one decoder layer each under both chunked schedules.
+EIGHT_PROCESS_CASES = {
+    "4stages_x_tp2_tied": ("tied_8layers", dict(stages=4, schedules=CHUNKED, virtual_stages=2, tensor_parallel=2,
+                                                zbv_tolerance=2e-6)),
+    "4stages_x_cp2": ("llama3_8layers", dict(stages=4, schedules=CHUNKED, virtual_stages=2, context_parallel=2)),
 }
 
 
@@ -119,19 +134,27 @@ def eight_layer_checkpoints(root, names):
     return dirs
 
 
-@pytest.mark.slow
-def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
-    checkpoints = {**tiny_checkpoints, **eight_layer_checkpoints(tmp_path / "models", ["llama2", "tied"])}
-    cases = [dict(name=name, hf_dir=checkpoints[model][0], ds_dir=checkpoints[model][1], **settings)
-             for name, (model, settings) in CASES.items()]
+def launch_cases(cases, checkpoints, processes, tmp_path):
+    """Every case's runs in one launch of `processes` ranks (tests/schedule_worker.py), each rank's run under each
+    schedule checked against the case's 1F1B run; returns every rank's results."""
+    launched = [dict(name=name, hf_dir=checkpoints[model][0], ds_dir=checkpoints[model][1], **settings)
+                for name, (model, settings) in cases.items()]
     (tmp_path / "ranks").mkdir()
-    spawn(schedule_worker.run, 4, cases, STEPS, MICRO_BATCH, GAS, SEQ, str(tmp_path / "ranks"))
+    spawn(schedule_worker.run, processes, launched, STEPS, MICRO_BATCH, GAS, SEQ, str(tmp_path / "ranks"))
     ranks = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "ranks" / "rank*.json")))]
-    assert len(ranks) == 4
-    for (name, (_, settings)), rank in itertools.product(CASES.items(), ranks):
+    assert len(ranks) == processes
+    for (name, (_, settings)), rank in itertools.product(cases.items(), ranks):
         assert sorted(rank[name]) == sorted(settings["schedules"]), name
         for schedule, result in rank[name].items():
             assert_equals_1f1b(result, settings, schedule, (name, schedule))
+    return ranks
+
+
+@pytest.mark.slow
+def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
+    checkpoints = {**tiny_checkpoints, **eight_layer_checkpoints(tmp_path / "models", ["llama2", "tied"])}
+    ranks = launch_cases(CASES, checkpoints, 4, tmp_path)
+    for (name, (_, settings)), rank in itertools.product(CASES.items(), ranks):
         if settings.get("zbv_times") == "auto":  # every rank agreed on each stage's measured [F, B, W]
             assert rank[name]["zbv"]["measured_times"] == ranks[0][name]["zbv"]["measured_times"], name
         for schedule in CHUNKED if settings.get("partition_costs") == "measured" else ():
@@ -141,12 +164,18 @@ def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
             assert rank[name][schedule]["bounds"][-1] == 11 and min(rank[name][schedule]["unit_costs"][4:8]) > 0, name
 
 
+@pytest.mark.slow
+def test_four_stages_x_tp2_or_cp2_equal_1f1b(tmp_path):
+    launch_cases(EIGHT_PROCESS_CASES, eight_layer_checkpoints(tmp_path / "models", ["tied", "llama3"]), 8, tmp_path)
+
+
 def assert_equals_1f1b(result, settings, schedule, case):
     """One rank's run of a case under a schedule against the case's 1F1B run."""
     tolerance = settings.get(f"{schedule}_tolerance", settings.get("tolerance", 1e-6))
     steps = settings.get("steps", STEPS)
     flat_buffers = schedule in CHUNKED and "deepspeed" in settings
-    skipped = "fp16" in settings.get("deepspeed", {})  # one step overflows at the loss scaler's 2^20
+    # one step overflows at the loss scaler's 2^20, another where overflow_in_gradient makes an inf
+    skipped = ("fp16" in settings.get("deepspeed", {})) + ("overflow_in_gradient" in settings)
     assert result["grad_steps"] == [steps - skipped] * 2 and result["grad_names"], case
     assert result["compared_grads"] or flat_buffers, case
     assert result["losses"] == pytest.approx(result["ref_losses"], abs=tolerance, rel=0), case
@@ -157,8 +186,10 @@ def assert_equals_1f1b(result, settings, schedule, case):
     assert result["loss_scales"] == result["ref_loss_scales"], case
     auto = schedule == "zbv" and settings.get("zbv_times") == "auto"
     assert len(result["measured_times"] or []) == (settings["stages"] if auto else 0), case
-    if skipped:  # and no other: the scale halved once
-        assert len({s["last_overflow_iter"] for s in result["loss_scales"]} - {-1}) == 1, case
+    if skipped:  # and no other: the scale halved once for each
+        assert len({s["last_overflow_iter"] for s in result["loss_scales"]} - {-1}) == skipped, case
+    if "overflow_in_gradient" in settings and result["overflowed"]:  # the rank holding it: where its schedule took it
+        assert result["overflowed"] == ["backward" if schedule in ("1f1b", "interleaved_1f1b") else "W"], case
     assert result["losses"][-1] < result["losses"][0], case  # it trained
     assert (result["checkpointed"] > 0) == ("checkpoint_interval" in settings), case
     assert len(result["rewards"]) == (steps if "objective" in settings else 0) and all(result["rewards"]), case
@@ -210,9 +241,6 @@ def test_simulated_step_is_the_zb_h1_bound(stages, micro_batches, forward, backw
 @pytest.mark.parametrize("overrides,message", [
     ({"pipeline_schedule": "gpipe"},
      "pipeline_schedule 'gpipe' is not one of ('1f1b', 'zero_bubble', 'interleaved_1f1b', 'zbv')."),
-    ({"pipeline_schedule": "zero_bubble", "precision": "fp16", "zero_stage": 1},
-     "pipeline_schedule=zero_bubble does not support precision=fp16 yet (it runs with precision fp32 or bf16); use "
-     "pipeline_schedule=1f1b or interleaved_1f1b."),
     ({"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2, "zero_bubble_max_waiting": 1},
      "zero_bubble_max_waiting=1 applies to pipeline_schedule=zero_bubble or zbv only (not interleaved_1f1b, whose "
      "backward is never split); set zero_bubble_max_waiting=null, or one of those schedules."),
@@ -229,9 +257,6 @@ def test_simulated_step_is_the_zb_h1_bound(stages, micro_batches, forward, backw
     ({"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2, "gradient_accumulation_steps": 3},
      "gradient_accumulation_steps=3 with pipeline_schedule=interleaved_1f1b on num_stages=2: Megatron's interleaved "
      "order takes micro-batches in groups of 2; use gradient_accumulation_steps=4 (a multiple of 2)."),
-    ({"pipeline_schedule": "zbv", "precision": "fp16", "zero_stage": 1},
-     "pipeline_schedule=zbv does not support precision=fp16 yet (it runs with precision fp32 or bf16); use "
-     "pipeline_schedule=1f1b or interleaved_1f1b."),
 ])
 def test_bad_schedule_config_is_refused_before_start(demo_model, tmp_path, overrides, message):
     """The trainer's own start-up refuses each in one line, before any process group or file exists."""

@@ -18,18 +18,18 @@ import torch
 from deepspeed.runtime.pipe import schedule
 
 from checkpoints.integrity import read_manifest
-from checkpoints.run_lease import LEASE_FILE
+from resilience.run_lease import LEASE_FILE
 from tests.conftest import ROOT
 from tests.distributed import free_port
 from tests.launch import (REFERENCE, SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, per_step_losses,
                           process_environment, read_metrics, run_python, trainer_command)
 from tests.test_run_lease import LEASE_TAKER
-from training import exit_codes
-from training.distributed import elastic_restart_error
-from training.hang_watchdog import startup_limit_warning
-from training.instruction_listeners import add_instruction_listener
-from training.stragglers import find_stragglers
-from training.supervisor import (children_of, explain_failure, failed_children, first_failure_code,
+from resilience import exit_codes
+from cluster.distributed import elastic_restart_error
+from resilience.hang_watchdog import startup_limit_warning
+from engines.instruction_listeners import add_instruction_listener
+from resilience.stragglers import find_stragglers
+from resilience.supervisor import (children_of, explain_failure, failed_children, first_failure_code,
                                  reaped_failures)
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
@@ -127,7 +127,7 @@ def test_a_killed_and_a_hung_rank_are_restarted_and_the_run_ends_equal_to_a_stra
 REPLAYING_LOGGER = """
 import os
 import sys
-from training.distributed import init_distributed
+from cluster.distributed import init_distributed
 from training.metrics import RunLogger
 out = sys.argv[1]
 sys.path.insert(0, f"{out}/wandb_package")  # a recording wandb (RECORDING_WANDB)
@@ -244,7 +244,7 @@ def test_a_second_end_waits_until_the_first_is_on_disk(tmp_path, monkeypatch):
     """The main thread records its crash while the SIGTERM thread, about to os._exit, records being ended by the
     launcher: the second end returns only once the first is written, so the exit cannot cut that write short (a CI
     run's rank 0 was once left with its start-up record only)."""
-    from training import rank_records
+    from resilience import rank_records
     record = rank_records.RankRecord(str(tmp_path), 0)
     writing, release, write = threading.Event(), threading.Event(), rank_records.write_text_atomic
 
@@ -289,7 +289,7 @@ def test_ranks_that_exited_non_zero_are_seen_with_their_exit_code_before_their_l
 def test_a_spent_restart_budget_is_one_line(tmp_path):
     """Each attempt takes output_dir's lease under the supervisor's token and dies holding it: the supervisor
     removes it after each attempt (its ranks are gone)."""
-    takes_lease_and_dies = ("import os, sys; from checkpoints.run_lease import RunLease; RunLease(sys.argv[1]); "
+    takes_lease_and_dies = ("import os, sys; from resilience.run_lease import RunLease; RunLease(sys.argv[1]); "
                             "os._exit(1)")
     result = supervise([sys.executable, "-c", takes_lease_and_dies, str(tmp_path)], "--max-restarts", "2",
                        "--backoff-seconds", "0", "--output-dir", str(tmp_path), timeout=120)

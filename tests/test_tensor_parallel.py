@@ -71,7 +71,7 @@ def save_and_export_worker(rank, hf_dir, ds_dir, out_dir):
     from checkpoints.ds_to_hf import convert_ds_to_hf
     from checkpoints.files import copy_model_side_files, read_latest
     from models.pipeline import build_pipeline_module
-    from training.distributed import init_distributed, parallel_topology
+    from cluster.distributed import init_distributed, parallel_topology
 
     init_distributed(timeout_minutes=2)
     module = build_pipeline_module(AutoConfig.from_pretrained(hf_dir), parallel_topology(1, 2),
@@ -174,7 +174,7 @@ def different_batches_worker(rank, out_dir):
     import torch.distributed as dist
 
     from data.loader import check_identical_across_group
-    from training.distributed import init_distributed
+    from cluster.distributed import init_distributed
 
     init_distributed(timeout_minutes=1)
     group = dist.new_group([0, 1])

@@ -12,7 +12,7 @@ from checkpoints.hf_to_ds import convert_hf_to_ds
 from models.partition import training_flops_per_token
 from tests.launch import (SINGLE_PROCESS, check_ok, demo_overrides, launch_ranks_separately, launch_trainer,
                           per_step_losses, read_metrics, run_in_process)
-from training import exit_codes
+from resilience import exit_codes
 
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device", "mfu", "samples_per_sec",
                "elapsed_s", "slowest_rank", "slowest_rank_compute_s", "median_rank_compute_s"}

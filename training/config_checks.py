@@ -1,21 +1,22 @@
 """What the config alone says, before any file, model or world size is looked at: every key is one of
 conf/base.yaml's, each value one its key allows, and the rules between keys hold. training/run_spec.py runs this
 first, then the checks that need files, the model and the world."""
-import dataclasses
 import difflib
 import os
 
 from omegaconf import ListConfig, OmegaConf
 
 from checkpoints.background_save import ASYNC_SAVE_SETTINGS
+from errors import ConfigError
+from evaluation.eval_task import EvalTask
 from data.formats import DataSettings
 from models.architecture import architecture_of
 from models.lora import LoraSettings
 from models.pipeline import ATTENTION_IMPLS, LOSS_IMPLS, PRECISION_DTYPES
 from models.preference import PreferenceSettings
 from planner.measured_costs import PARTITION_COSTS, measured_costs_unsupported
-from training.schedule import PIPELINE_SCHEDULES
-from training.zbv_order import ZBV_TIMES_SPREAD
+from schedules.orders import PIPELINE_SCHEDULES
+from schedules.zbv_order import ZBV_TIMES_SPREAD
 
 BASE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "base.yaml")
 FREE_FORM_NODES = ("deepspeed", "model_config")  # DeepSpeed's own keys; a published config.json's fields
@@ -24,10 +25,6 @@ SCHEDULERS = ("cosine", "linear", "constant")
 OFFLOAD_DEVICES = ("none", "cpu")
 NAN_POLICIES = ("stop", "skip")
 INDEXED_IGNORES = ("packing", "overlong", "cache_dir")  # data keys of tokenizing, which data.format=indexed skips
-
-
-class ConfigError(ValueError):
-    """A config that cannot work; the message names the bad value and what to do."""
 
 
 def checked_config(cfg):
@@ -117,6 +114,7 @@ def check_values(cfg):
         raise ConfigError(f"output_router_logits={cfg.output_router_logits!r} must be true, false or null (null: as "
                           f"the checkpoint's config.json says).")
     check_token_shard_keys(cfg)
+    check_length_buckets(cfg)
     for entry in cfg.eval_tasks:
         EvalTask.from_entry(entry)
 
@@ -135,24 +133,21 @@ def check_token_shard_keys(cfg):
                               f"remove it.")
 
 
-@dataclasses.dataclass(frozen=True)
-class EvalTask:
-    """One eval_tasks entry: an lm-eval task, group or tag name, or a task YAML file, and how many of its documents
-    to score (None: all)."""
-    spec: str
-    limit: int | None = None
-
-    @classmethod
-    def from_entry(cls, entry):
-        if isinstance(entry, str) and entry:
-            return cls(entry)
-        fields = OmegaConf.to_container(entry) if OmegaConf.is_config(entry) else entry
-        limit = fields.get("limit") if isinstance(fields, dict) else None
-        if (not isinstance(fields, dict) or set(fields) - {"task", "limit"} or not isinstance(fields.get("task"), str)
-                or not (limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0))):
-            raise ConfigError(f"eval_tasks entry {fields!r}: give a task name or task YAML file, or {{task: NAME, "
-                              f"limit: N}} with N a positive number of documents (or null for all).")
-        return cls(fields["task"], limit)
+def check_length_buckets(cfg):
+    """data.length_buckets: ascending row lengths up to seq_length, for the formats whose rows are padded."""
+    buckets = cfg.data.length_buckets
+    if not buckets:
+        return
+    shown = OmegaConf.to_container(buckets) if isinstance(buckets, ListConfig) else buckets
+    if not (isinstance(shown, list) and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shown)
+            and shown == sorted(set(shown)) and shown[-1] <= cfg.seq_length):
+        raise ConfigError(f"data.length_buckets={shown} is not a list of row lengths: set ascending positive token "
+                          f"counts up to seq_length={cfg.seq_length}, e.g. [256, 512, 1024] (rows longer than the "
+                          f"last pad to seq_length), or [] to pad every row to seq_length.")
+    if cfg.data.format in ("text", "indexed"):
+        raise ConfigError(f"data.length_buckets={shown} with data.format={cfg.data.format}: its rows fill seq_length "
+                          f"(documents are cut into blocks of it), so there is nothing to bucket; remove "
+                          f"data.length_buckets.")
 
 
 def check_hang_watchdog(watchdog, dist_timeout_minutes):
@@ -213,10 +208,6 @@ def check_zero_bubble(cfg):
         raise ConfigError(f"zero_bubble_max_waiting={cap} applies to pipeline_schedule=zero_bubble or zbv only (not "
                           f"{cfg.pipeline_schedule}, whose backward is never split); set zero_bubble_max_waiting=null, "
                           f"or one of those schedules.")
-    # fp16's loss scaler is untested with deferred weight gradients (W); interleaved_1f1b does not split backwards
-    if cfg.pipeline_schedule in ("zero_bubble", "zbv") and cfg.precision == "fp16":
-        raise ConfigError(f"pipeline_schedule={cfg.pipeline_schedule} does not support precision=fp16 yet (it runs "
-                          f"with precision fp32 or bf16); use pipeline_schedule=1f1b or interleaved_1f1b.")
 
 
 def check_zbv_times(cfg):

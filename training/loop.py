@@ -20,14 +20,13 @@ from checkpoints.files import has_tokenizer_files
 from checkpoints.integrity import verify_checkpoint
 from checkpoints.layer_files import load_layer_slice
 from checkpoints.optimizer_state import has_layout_free_state, load_training_state
-from checkpoints.run_lease import output_dir_lease
+from resilience.run_lease import output_dir_lease
 from checkpoints.rng_state import load_rng_state
 from checkpoints.saving import save_checkpoint
 from checkpoints.state_files import WeightsOnlyCheckpointEngine
 from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoints
 from data.collator import row_layout
-from data.loader import (blend_micro_batches, build_stage_loader, check_identical_across_group,
-                         infinite_micro_batches, micro_batches_per_epoch)
+from data.loader import blend_micro_batches, build_stage_loader, check_identical_across_group, infinite_micro_batches
 from deepspeed_internals.access import (ask_cpuinfo_once, replace_checkpoint_engine, replace_fp32_gradient_clipping,
                                         set_global_grad_norm, skip_gradient_allreduce, skip_optimizer_files,
                                         uses_bf16_optimizer)
@@ -37,24 +36,26 @@ from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.tensor_parallel import SHARDED_MARKER
 from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan, snapshot_bytes_of_ranks
 from training.deepspeed_config import accumulation_warning, deepspeed_config
-from training.distributed import (check_devices, elastic_restart_error, init_distributed, node_ranks,
+from cluster.distributed import (check_devices, elastic_restart_error, init_distributed, node_ranks,
                                   parallel_topology, set_threads_per_process)
-from training.evaluation import evaluate
-from training.hang_watchdog import hang_watchdog
+from evaluation.eval_set import evaluate
+from resilience.hang_watchdog import hang_watchdog
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
 from training.optimizer import skipping_optimizer
-from training.chunked_engine import rank_chunk_ids, stage_reads_data, use_chunked_pipeline
-from training.pipeline_engine import use_zero_bubble
-from training.preemption import Preempted, PreemptionWatch
-from training.profiling import NoProfile, StepProfile
-from training.rank_records import start_record
+from engines.chunked_engine import rank_chunk_ids, stage_reads_data, use_chunked_pipeline
+from engines.pipeline_engine import use_zero_bubble
+from resilience.preemption import Preempted, PreemptionWatch
+from engines.instruction_listeners import add_instruction_listener
+from engines.profiling import NoProfile, StepProfile
+from engines.sequence_length import use_sequence_length
+from resilience.rank_records import start_record
 from training.run_data import RunData, pad_token_id
 from training.resume import resolve_resume, start_checkpoint_dir
-from training.config_checks import ConfigError
-from training.cost_calibration import measured_partition
+from errors import ConfigError
+from engines.cost_calibration import measured_partition
 from training.run_spec import plan_spec, run_spec
-from training.stragglers import StragglerWatch
-from training.token_mean import global_loss_units, step_micro_batches, token_mean_loss
+from resilience.stragglers import StragglerWatch
+from training.token_mean import step_micro_batches, step_totals, token_mean_loss
 
 
 def log_rank0(message):
@@ -80,7 +81,8 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
                                    layer_loader=layer_loader, context_parallel_size=cfg.context_parallel_size,
                                    loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
                                    grad_accum_dtype=PRECISION_DTYPES[cfg.grad_accum_dtype], lora=spec.lora,
-                                   seed=cfg.seed, objective=spec.preference, seq_length=cfg.seq_length,
+                                   seed=cfg.seed, objective=spec.preference,
+                                   seq_length=cfg.seq_length if cfg.data.format == "indexed" else None,
                                    row_layout=row_layout(cfg.data),
                                    chunk_ids=rank_chunk_ids(cfg.pipeline_schedule, spec.num_stages, cfg.virtual_stages))
     if cfg.compile:
@@ -182,12 +184,12 @@ def load_with_reference(engine, spec, data, pad_id):
 
 
 def load_lm_eval_tasks(spec):
-    """The run's eval_tasks loaded and checked on every rank before anything starts (training/lm_eval_tasks.py;
+    """The run's eval_tasks loaded and checked on every rank before anything starts (evaluation/lm_eval_tasks.py;
     lm-eval is an optional extra), or None."""
     if not spec.cfg.eval_tasks:
         return None
     try:
-        from training.lm_eval_tasks import LmEvalTasks
+        from evaluation.lm_eval_tasks import LmEvalTasks
     except ImportError as error:
         raise ConfigError(f"eval_tasks needs lm-evaluation-harness ({error}): pip install -r "
                           f"requirements-eval.txt") from None
@@ -291,22 +293,15 @@ def run_started(spec, lm_eval_tasks, record):
         logger.close()
         return record
 
-    samples_per_step = spec.data_parallel * cfg.micro_batch_size * cfg.gradient_accumulation_steps
     indexed = cfg.data.format == "indexed"
-    if indexed:  # no sampler: the blend is one sequence of samples that every layout reads alike
-        steps_per_epoch = data.train_length // samples_per_step
-    else:
-        steps_per_epoch = (micro_batches_per_epoch(data.train_length, spec.data_parallel, cfg.micro_batch_size)
-                           // cfg.gradient_accumulation_steps)
-    if steps_per_epoch == 0:
-        raise ConfigError(f"train_file gives {data.train_length} examples, fewer than one step's "
-                          f"{samples_per_step} (data-parallel ranks x micro_batch_size x "
-                          f"gradient_accumulation_steps); add data or lower the batch size.")
-    total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
+    total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * data.steps_per_epoch(spec))
+    if data.train_buckets:
+        log_rank0(f"data.length_buckets: train_file's rows, {data.train_buckets.describe()}: "
+                  f"{data.steps_per_epoch(spec)} steps of one bucket each per epoch")
     step = spec.trainer_state.get("step", 0)
     consumed_samples = spec.trainer_state.get("consumed_samples", 0)
     if indexed:
-        data.open_blend(spec, consumed_samples + (total_steps - step) * samples_per_step)
+        data.open_blend(spec, consumed_samples + (total_steps - step) * spec.samples_per_step)
     engine, monitors = build_engine(spec, total_steps)
     load_with_reference(engine, spec, data, pad_id)
     if indexed:
@@ -319,8 +314,8 @@ def run_started(spec, lm_eval_tasks, record):
         loader = build_stage_loader(data.train if reads_data else range(data.train_length), reads_data=reads_data,
                                     # the ranks of a context group (on DeepSpeed's data axis) read one replica's samples
                                     dp_rank=coord.data // cfg.context_parallel_size, dp_size=spec.data_parallel,
-                                    micro_batch_size=cfg.micro_batch_size,
-                                    seq_length=cfg.seq_length, pad_id=pad_id, seed=cfg.seed)
+                                    micro_batch_size=cfg.micro_batch_size, seq_length=cfg.seq_length,
+                                    pad_id=pad_id, seed=cfg.seed, buckets=data.train_buckets)
         epoch, consumed = data_position(spec.trainer_state, len(loader), spec.data_parallel, cfg.micro_batch_size)
         stream = infinite_micro_batches(loader, epoch, consumed)
     if cfg.context_parallel_size > 1:
@@ -337,30 +332,36 @@ def run_started(spec, lm_eval_tasks, record):
 
 def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_eval_tasks=None):
     cfg = spec.cfg
-    samples_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * spec.data_parallel
+    samples_per_step = spec.samples_per_step
     sequences_per_sample = 2 if spec.preference.preference else 1  # a pair: its chosen and rejected sequences
     logger = RunLogger(cfg.output_dir, monitors, total_steps, step, replays_after=step)
     start_step, start_consumed = step, spec.trainer_state.get("consumed_samples", 0)  # the global batch may change
     last_checkpoint = resolve_resume("auto", cfg.output_dir)
     checkpoint_size = checkpoint_bytes(os.path.join(*last_checkpoint)) if last_checkpoint else spec.checkpoint_bytes
     preemption = PreemptionWatch(cfg.preemption_grace_seconds)
-    flops_per_token = training_flops_per_token(spec.model_config, cfg.seq_length, spec.lora)
     peak_tflops = device_peak_tflops(cfg.peak_tflops, cfg.precision)
     profile = (StepProfile(engine, cfg.output_dir, dist.get_rank(), planned_stage_tflops(spec, engine.stage_id))
                if cfg.profile else NoProfile())
     stragglers = StragglerWatch(engine, cfg.straggler_margin)
-    background = BackgroundSave(engine) if cfg.async_save else None
+    background = BackgroundSave() if cfg.async_save else None
+    if background:
+        add_instruction_listener(engine, background)  # the optimizer step waits for the snapshot's copy
     start_time = window_start = time.time()
-    window_steps, losses, skipped, unlabelled = 0, [], 0, 0
+    window_steps, window_tokens, window_flops, losses, skipped, unlabelled = 0, 0, 0, [], 0, 0
     result = {}
     while step < total_steps:
         micro_batches = step_micro_batches(engine, stream, cfg.gradient_accumulation_steps)
-        tokens = global_loss_units(engine, micro_batches)
+        totals = step_totals(engine, micro_batches)
         profile.lap("micro-batches and token count")
         step += 1
         window_steps += 1
-        if tokens:
-            with token_mean_loss(engine, tokens):
+        length = totals.width * cfg.context_parallel_size  # the step's sequence length: seq_length, or its bucket's
+        tokens = samples_per_step * sequences_per_sample * length
+        window_tokens += tokens
+        window_flops += tokens * training_flops_per_token(spec.model_config, length, spec.lora)
+        if totals.units:
+            use_sequence_length(engine, totals.width)
+            with token_mean_loss(engine, totals.units):
                 loss = float(engine.train_batch(iter(micro_batches)))
         else:
             loss, unlabelled = None, unlabelled + 1
@@ -381,20 +382,21 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
             router = getattr(engine.module.loss_fn, "router", None)  # an MoE model's: aux_loss, expert_load/*
             elapsed = time.time() - window_start
             grad_norm = engine.get_global_grad_norm()
-            tokens_per_sec = window_steps * samples_per_step * sequences_per_sample * cfg.seq_length / elapsed
+            tokens_per_sec = window_tokens / elapsed
             # No loss at all where every step of the window had nothing to learn; NaN where NaN steps were skipped.
             no_loss = None if unlabelled == window_steps else float("nan")
             logger.log({"step": step, "loss": sum(losses) / len(losses) if losses else no_loss,
                         "lr": engine.get_lr()[0],
                         "grad_norm": float(grad_norm) if grad_norm is not None else None,
                         "tokens_per_sec": tokens_per_sec,
-                        **compute_throughput(tokens_per_sec, flops_per_token, dist.get_world_size(), peak_tflops),
+                        **compute_throughput(tokens_per_sec, window_flops / window_tokens, dist.get_world_size(),
+                                             peak_tflops),
                         **preference_metrics, **(router.take_metrics() if router else {}),
                         "samples_per_sec": window_steps * samples_per_step / elapsed,
                         "elapsed_s": time.time() - start_time, **({"skipped_steps": skipped} if skipped else {}),
                         **stragglers.window_report(log_rank0),
                         **data.epochs(start_consumed + (step - start_step) * samples_per_step)})
-            window_start, window_steps, losses, unlabelled = time.time(), 0, [], 0
+            window_start, window_steps, window_tokens, window_flops, losses, unlabelled = time.time(), 0, 0, 0, [], 0
         profile.lap("logging")
         evaluation_due = step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)
         if data.eval_length and evaluation_due:

@@ -4,8 +4,11 @@ import os
 
 from data.datasets import build_dataset_distributed
 from data.indexed import evaluation_samples, samples_per_epoch, training_blend
+from data.length_buckets import LengthBuckets, bucket_bounds, row_lengths
+from data.loader import micro_batches_per_epoch
 from data.shard_files import parse_sources, read_shard_header
-from training.reference import reference_path, stored_everywhere, with_reference
+from errors import ConfigError
+from evaluation.reference import reference_path, stored_everywhere, with_reference
 
 
 class RunData:
@@ -18,6 +21,7 @@ class RunData:
         self.cache_dir = cfg.data.cache_dir or os.path.join(cfg.output_dir, "data_cache")
         self.reads_data = reads_data
         self.train = self.eval = self.blend = self.train_sources = None  # blend, sources: token shards
+        self.train_buckets = None  # data.length_buckets: the training rows grouped by length (every rank)
         self.train_length = self.eval_length = 0
         self.reference_files = {}  # DPO: split -> where its reference log-probabilities are stored
         for split in ("train", "eval"):
@@ -32,6 +36,9 @@ class RunData:
                                                    limit_minutes=cfg.data_build_timeout_minutes)
             if spec.preference.needs_reference:
                 self.reference_files[split] = reference_path(self.cache_dir, dataset, spec.reference_checkpoint)
+            if split == "train" and cfg.data.length_buckets:
+                self.train_buckets = LengthBuckets(bucket_bounds(cfg.data.length_buckets, cfg.seq_length),
+                                                   row_lengths(dataset), spec.samples_per_step, cfg.seed)
             setattr(self, f"{split}_length", len(dataset))
             setattr(self, split, dataset if reads_data else None)
 
@@ -48,6 +55,26 @@ class RunData:
             sources, reads_data=self.reads_data, seed=cfg.seed, seq_length=cfg.seq_length,
             isolate=cfg.data.document_isolation, vocab_size=spec.model_config.vocab_size,
             build_limit_minutes=cfg.data_build_timeout_minutes, index_dir=cfg.data.index_dir)
+
+    def steps_per_epoch(self, spec):
+        """Optimizer steps in an epoch of the training data, the same on every rank; a ConfigError if not one."""
+        cfg, samples_per_step = spec.cfg, spec.samples_per_step
+        if self.train_buckets is not None:
+            steps = self.train_buckets.steps_per_epoch
+        elif cfg.data.format == "indexed":  # no sampler: the blend is one sequence of samples every layout reads alike
+            steps = self.train_length // samples_per_step
+        else:
+            steps = (micro_batches_per_epoch(self.train_length, spec.data_parallel, cfg.micro_batch_size)
+                     // cfg.gradient_accumulation_steps)
+        if steps == 0 and self.train_buckets is not None:
+            raise ConfigError(f"data.length_buckets={list(cfg.data.length_buckets)} group train_file's rows as "
+                              f"{self.train_buckets.describe()}: no bucket holds one step's {samples_per_step} rows "
+                              f"(a step's rows share a bucket); use fewer buckets, add data or lower the batch size.")
+        if steps == 0:
+            raise ConfigError(f"train_file gives {self.train_length} examples, fewer than one step's "
+                              f"{samples_per_step} (data-parallel ranks x micro_batch_size x "
+                              f"gradient_accumulation_steps); add data or lower the batch size.")
+        return steps
 
     def open_blend(self, spec, total_samples):
         """Token shards: build (rank 0) and open (data-reading ranks) what the run's first `total_samples` need."""
@@ -67,7 +94,7 @@ class RunData:
         return not all(stored_everywhere(path) for path in self.reference_files.values())
 
     def add_reference(self, engine, spec, pad_id, log):
-        """DPO: every split with its pairs' reference log-probabilities (training/reference.py), read or computed
+        """DPO: every split with its pairs' reference log-probabilities (evaluation/reference.py), read or computed
         with the engine's current weights, which must be the starting ones. Every rank calls it."""
         for split, path in self.reference_files.items():
             dataset = with_reference(engine, getattr(self, split), getattr(self, f"{split}_length"), path,

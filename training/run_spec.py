@@ -7,6 +7,7 @@ the checkpoint a run starts from. All of it runs before any process group is sta
 identically on every rank, so all ranks fail together with a message that names the bad value and what to do.
 """
 import dataclasses
+import math
 import os
 
 from omegaconf import DictConfig, OmegaConf
@@ -30,7 +31,8 @@ from models.preference import PreferenceSettings
 from models.tensor_parallel import check_tensor_parallel_split
 from planner.training_state import checkpoint_bytes_per_parameter
 from planner.workload import Workload
-from training.config_checks import ConfigError, checked_config, moe_model_config
+from errors import ConfigError
+from training.config_checks import checked_config, moe_model_config
 from training.resume import check_fresh_start, check_output_dir_is_ours, resolve_resume
 from training.stage_bounds import configured_stage_bounds
 
@@ -72,12 +74,19 @@ class RunSpec:
         return {**layout, "stage_bounds": list(self.stage_bounds)}
 
     @property
+    def samples_per_step(self):
+        """Sequences (preference: pairs) of a step's global batch."""
+        return self.data_parallel * self.cfg.micro_batch_size * self.cfg.gradient_accumulation_steps
+
+    @property
     def settings(self):
         """What else a checkpoint's training state is written under; a resume may change any of it."""
         cfg = self.cfg
         return {"precision": cfg.precision, "zero_stage": cfg.zero_stage, "offload_optimizer": cfg.offload_optimizer,
                 "pipeline_schedule": cfg.pipeline_schedule,
-                "global_batch_size": self.data_parallel * cfg.micro_batch_size * cfg.gradient_accumulation_steps}
+                "global_batch_size": self.samples_per_step,
+                # the epoch's order: a resume under other buckets goes on in theirs (docs/data.md#length-buckets)
+                "length_buckets": list(cfg.data.length_buckets or [])}
 
     @property
     def lora(self):
@@ -131,7 +140,7 @@ class RunSpec:
         return dataclasses.replace(self, workload=workload, stage_bounds=bounds)
 
     def with_unit_costs(self, units):
-        """The same run partitioned on the device's measured costs (training/cost_calibration.py); a checkpoint
+        """The same run partitioned on the device's measured costs (engines/cost_calibration.py); a checkpoint
         whose optimizer state follows its stages' layers is checked against the new ones."""
         bounds = configured_stage_bounds(self.cfg, self.model_config, self.workload, units)
         spec = dataclasses.replace(self, unit_costs=units, stage_bounds=bounds)
@@ -298,6 +307,7 @@ def check_layout(cfg, model_config, world_size):
     if error:
         raise ConfigError(error)
     workload = workload_of(cfg, data_axis // cfg.context_parallel_size)
+    check_length_buckets_split(cfg, workload)
     try:
         check_tensor_parallel_split(model_config, tp, workload.tokens if workload.splits_sequence else None)
         if workload.lora.enabled:
@@ -312,6 +322,22 @@ def check_layout(cfg, model_config, world_size):
         raise ConfigError(f"seq_length={cfg.seq_length} exceeds the model's max_position_embeddings="
                           f"{model_config.max_position_embeddings}; lower seq_length.")
     return workload
+
+
+def check_length_buckets_split(cfg, workload):
+    """Every length bucket splits as seq_length must: into 2 x context_parallel_size equal chunks, and a micro-batch's
+    rows' tokens (of a rank's share of each sequence) over the tensor-parallel group under sequence parallelism."""
+    context, tensor = workload.context_parallel, workload.tensor_parallel
+    multiple = math.lcm(2 * context if context > 1 else 1, tensor * context // math.gcd(
+        tensor * context, workload.micro_batch_size) if workload.splits_sequence else 1)
+    bad = [length for length in cfg.data.length_buckets or [] if length % multiple]
+    if bad:
+        splits = ([f"context_parallel_size={context} (2 x {context} equal chunks of each sequence)"] * (context > 1)
+                  + [f"tensor_parallel_size={tensor} with sequence_parallel (a micro-batch's tokens, "
+                     f"{workload.micro_batch_size} x the length)"] * workload.splits_sequence)
+        raise ConfigError(f"data.length_buckets={list(cfg.data.length_buckets)}: {', '.join(map(str, bad))} "
+                          f"{'does' if len(bad) == 1 else 'do'} not split over {' and '.join(splits)}; use lengths "
+                          f"that are multiples of {multiple}.")
 
 
 def data_parallel_size(world_size, num_stages, tensor_parallel_size=1):

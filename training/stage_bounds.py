@@ -2,11 +2,11 @@
 per chunk, under a schedule with several chunks per rank), checked against the model's decoder layers."""
 from models.partition import decoder_counts_of_bounds
 from models.pipeline import partition_stages
-from models.pipeline_schedule_rules import chunks_per_rank
+from schedules.rules import chunks_per_rank
 from planner.chunk_balance import balanced_chunk_counts
 from planner.measured_costs import measured_stage_cost
 from planner.stage_costs import StageCostModel
-from training.config_checks import ConfigError
+from errors import ConfigError
 
 
 def configured_stage_bounds(cfg, model_config, workload, units=None):

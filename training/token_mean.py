@@ -11,8 +11,10 @@ Under a preference objective (models/preference.py) the unit is the pair, not th
 mean over its pairs, TRL's.
 """
 import contextlib
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 import collectives
 
@@ -34,16 +36,41 @@ def on_device(batch):
     return batch.to(collectives.device(), non_blocking=True)
 
 
-def global_loss_units(engine, micro_batches):
-    """Labelled tokens (preference objectives: scored pairs) of the whole global batch, on every rank: the last
-    stage's, once per tensor-parallel group. Counted on the device and read once per step: no host sync per
-    micro-batch."""
-    total = torch.zeros((), dtype=torch.int64, device=collectives.device())
+class StepTotals(NamedTuple):
+    units: int  # labelled tokens (preference objectives: scored pairs) of the whole global batch
+    width: int  # positions of the step's rows as the stages hold them (data.length_buckets: its bucket's length)
+
+
+def step_totals(engine, micro_batches):
+    """The step's StepTotals, on every rank: its loss units, the last stage's, once per tensor-parallel group,
+    counted on the device; and the width of its rows, which global rank 0 adds (it reads data under every schedule:
+    it holds the model's first chunk) and which the stages that read nothing learn here. One all-reduce of two
+    integers, read once per step: no host sync per micro-batch. Every rank that reads data checks its own
+    micro-batches' width against it (host shapes), so a replica of another width stops here rather than hang."""
+    totals = torch.zeros(2, dtype=torch.int64, device=collectives.device())
     if engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0:
         for _, labels in micro_batches:
-            total += engine.module.loss_fn.units(labels)
-    collectives.all_reduce(total)
-    return int(total)
+            totals[0] += engine.module.loss_fn.units(labels)
+    if dist.get_rank() == 0:
+        totals[1] = row_width(micro_batches[0])
+    collectives.all_reduce(totals)
+    totals = StepTotals(*totals.tolist())
+    widths = {row_width(batch) for batch in micro_batches} if isinstance(micro_batches, list) else set()
+    if widths - {totals.width}:
+        raise RuntimeError(f"this rank's micro-batches of the step are {sorted(widths)} positions wide, rank 0's "
+                           f"{totals.width}: every micro-batch of a step must have one width (data/length_buckets.py)")
+    return totals
+
+
+def global_loss_units(engine, micro_batches):
+    """The global batch's loss units, on every rank (step_totals)."""
+    return step_totals(engine, micro_batches).units
+
+
+def row_width(micro_batch):
+    """Positions of a collated micro-batch's rows (its input ids' last dimension)."""
+    inputs, _ = micro_batch
+    return inputs[0].shape[-1]
 
 
 @contextlib.contextmanager

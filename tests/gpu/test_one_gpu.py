@@ -192,14 +192,14 @@ def calibration_memory_bound(config, seq_length):
 
 
 def test_partition_cost_calibration_in_its_memory(record_property):
-    """partition_costs=measured's start-up calibration (training/cost_calibration.py) on the 1B shape in bf16 at seq
+    """partition_costs=measured's start-up calibration (engines/cost_calibration.py) on the 1B shape in bf16 at seq
     2048: CUDA events time every decoder pass (each > 0, B + W within 1.5x a whole backward), and its peak memory
     stays within 1.5x of what its units take by the plan (a regression that kept more alive, or ran it in fp32,
     would not)."""
     from omegaconf import OmegaConf
 
     from training.config_checks import checked_config
-    from training.cost_calibration import timed_unit_costs
+    from engines.cost_calibration import timed_unit_costs
     config = one_billion_config()
     cfg = checked_config(OmegaConf.create(dict(precision="bf16", zero_stage=1, seq_length=2048, micro_batch_size=1,
                                                pipeline_schedule="zbv", num_stages=2)))

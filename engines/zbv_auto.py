@@ -7,7 +7,7 @@ the first is left out, it allocates what later steps reuse), the ranks all-gathe
 count, which a rank slowed now and then by another process does not move; collectives/), and every rank makes the
 V order for each stage's mean over its ranks (its data, tensor and context parallel replicas) from the same
 gathered numbers: every rank runs the same order from the next step on, so each link's operations
-stay matched on both of its sides (training/schedule.py p2p_program; tests/test_p2p_order.py runs orders made for
+stay matched on both of its sides (schedules/orders.py p2p_program; tests/test_p2p_order.py runs orders made for
 other times under its model of NCCL). On CUDA the instructions are timed by events on the device's stream, read once,
 after the measured step; on the CPU by the process's CPU time. A new order changes when each computation runs, not
 what it computes.
@@ -17,21 +17,12 @@ import statistics
 import time
 
 import collectives
-from training.instruction_listeners import InstructionClock, add_instruction_listener
-from training.zbv_order import ZBV_TIMES_SPREAD
+from engines.instruction_listeners import InstructionClock, add_instruction_listener
+from schedules.zbv_order import stage_times
 
 MEASURED_STEP = 2  # the train_batch whose F, B and W are timed (the first allocates the buffers later steps reuse)
 
 
-def stage_times(rows, stages):
-    """[[F, B, W] per stage] from every rank's (stage, F, B, W) seconds: the mean over each stage's ranks, each time
-    raised to 1 / ZBV_TIMES_SPREAD of the longest (the V order's list schedule takes times within that spread)."""
-    times = []
-    for stage in range(stages):
-        mine = [row[1:] for row in rows if int(row[0]) == stage]
-        times.append([sum(column) / len(mine) for column in zip(*mine)])
-    floor = max(map(max, times)) / ZBV_TIMES_SPREAD
-    return [[max(t, floor) for t in stage_row] for stage_row in times]
 
 
 def robust_sums(seconds):

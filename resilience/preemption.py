@@ -27,8 +27,8 @@ import torch
 
 import collectives
 from deepspeed_internals.registry import LAUNCHER_MODULE
-from training.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
-from training.rank_records import record_end
+from resilience.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
+from resilience.rank_records import record_end
 
 
 class Preempted(Exception):

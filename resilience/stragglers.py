@@ -11,11 +11,11 @@ from deepspeed.runtime.pipe import schedule
 
 import collectives
 from deepspeed_internals.access import instruction_handlers
-from training.chunked_engine import ChunkBackwardPass, ChunkForwardPass, PostTransfer, WaitTransfer
-from training.instruction_listeners import InstructionClock, add_instruction_listener
-from training.schedule import BackwardWeightPass, PostRecvActivation, WaitRecvActivation
+from engines.chunked_engine import ChunkBackwardPass, ChunkForwardPass, PostTransfer, WaitTransfer
+from engines.instruction_listeners import InstructionClock, add_instruction_listener
+from engines.zero_bubble_schedule import BackwardWeightPass, PostRecvActivation, WaitRecvActivation
 
-# BackwardInputPass is a BackwardPass; the chunked schedules' (training/chunked_engine.py) count too
+# BackwardInputPass is a BackwardPass; the chunked schedules' (engines/chunked_engine.py) count too
 COMPUTE = (schedule.ForwardPass, schedule.BackwardPass, BackwardWeightPass, ChunkForwardPass, ChunkBackwardPass)
 COMMUNICATION = (schedule.SendActivation, schedule.RecvActivation, schedule.SendGrad, schedule.RecvGrad,
                  PostRecvActivation, WaitRecvActivation, PostTransfer, WaitTransfer, schedule.ReduceGrads,

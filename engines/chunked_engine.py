@@ -1,6 +1,6 @@
 """DeepSpeed's PipelineEngine running several chunks of layers per rank: interleaved 1F1B (rank r holds chunks r,
 r + p, ...) and ZB-V (rank r holds chunks r and 2p - 1 - r), from a rank's program of computations (kind, local
-chunk, micro-batch) and point-to-point operations (training/schedule.py computes both; the model's chunks:
+chunk, micro-batch) and point-to-point operations (schedules/orders.py computes both; the model's chunks:
 models/pipeline.py LlamaPipeline).
 
 Each instruction names its chunk; a (chunk, micro-batch) has its own pipe buffer. The activations of global chunk g
@@ -18,7 +18,8 @@ the same; a split backward computes slower on the CPU, bench/README.md).
 
 Every chunk boundary carries the same shapes: the first step's first forward (chunk 0's, micro-batch 0, on the rank
 of chunk 0, which needs nothing before it) broadcasts them over the pipeline's ranks before any point-to-point
-operation, and every receive is allocated from them (gradients: like the chunk's outputs).
+operation, and every receive is allocated from them (gradients: like the chunk's outputs). A step of another
+sequence length broadcasts them again (reset_activation_shape, engines/sequence_length.py).
 """
 import torch
 import torch.distributed as dist
@@ -27,11 +28,12 @@ from deepspeed.runtime.pipe.schedule import OptimizerStep, PipeInstruction, Redu
 import collectives
 from deepspeed_internals.access import (add_instruction_handlers, load_micro_batch, pipe_buffer, run_backward_pass,
                                         run_forward_pass, set_pipe_buffer, set_received_gradients)
-from models.pipeline_schedule_rules import chunk_ids, chunks_per_rank
-from training.pipeline_engine import ZeroBubblePipelineEngine, use_zero_bubble
-from training.schedule import BackwardWeightPass, P2POp, p2p_program
-from training.zbv_auto import MeasuredTimes
-from training.zbv_order import configured_zbv_durations
+from schedules.rules import chunk_ids, chunks_per_rank
+from engines.pipeline_engine import ZeroBubblePipelineEngine, use_zero_bubble
+from engines.zero_bubble_schedule import BackwardWeightPass
+from schedules.p2p import P2POp, p2p_program
+from engines.zbv_auto import MeasuredTimes
+from schedules.zbv_order import configured_zbv_durations
 
 SHAPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
 SHAPES_SIZE = 64  # integers in the shapes message: a count, then dtype, ndim and dims per tensor
@@ -49,11 +51,11 @@ class ChunkBackwardPass(PipeInstruction):
 
 class ShareActivationShapes(PipeInstruction):
     """The shapes every chunk boundary carries, broadcast from the rank of chunk 0 after its first forward (first
-    step only)."""
+    step, and the first after a change of sequence length)."""
 
 
 class PostTransfer(PipeInstruction):
-    """Post a send or a receive (op: training/schedule.py's P2POp) without waiting for it."""
+    """Post a send or a receive (op: schedules/orders.py's P2POp) without waiting for it."""
 
 
 class WaitTransfer(PipeInstruction):
@@ -128,7 +130,7 @@ def pack_shapes(tensors, device):
 
 
 def unpack_shapes(message, device):
-    """Empty tensors of the packed shapes (one host read, once per engine)."""
+    """Empty tensors of the packed shapes (one host read, once per engine and sequence length)."""
     values, tensors, at = message.tolist(), [], 1
     for _ in range(values[0]):
         dtype, ndim = SHAPE_DTYPES[values[at]], values[at + 1]
@@ -138,8 +140,8 @@ def unpack_shapes(message, device):
 
 
 class ChunkedPipelineEngine(ZeroBubblePipelineEngine):
-    """Its _train_schedule, _inference_schedule, is_first_stage, is_last_stage and _loss_stage_global_rank override
-    DeepSpeed's (deepspeed_internals/ lists them); W is the zero-bubble engine's."""
+    """Its _train_schedule, _inference_schedule, is_first_stage, is_last_stage, _loss_stage_global_rank and
+    reset_activation_shape override DeepSpeed's (deepspeed_internals/ lists them); W is the zero-bubble engine's."""
 
     def _train_schedule(self):
         self._buffers_per_chunk = self.micro_batches
@@ -220,6 +222,11 @@ class ChunkedPipelineEngine(ZeroBubblePipelineEngine):
             tensors = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in tensors)
         self._arrived[(tensor, self.local_chunks.index(neighbour), micro_batch)] = tensors
 
+    def reset_activation_shape(self):
+        """DeepSpeed's, and the shapes between chunks broadcast again by the next step's first forward."""
+        super().reset_activation_shape()
+        self._activation_shapes = None
+
     def _exec_share_activation_shapes(self):
         if self._activation_shapes is not None:
             return
@@ -289,9 +296,9 @@ def stage_reads_data(schedule, stages, rank, virtual_stages=None):
 
 def use_chunked_pipeline(engine, schedule, virtual_stages=None, max_waiting=None, zbv_times=None):
     """Turn the PipelineEngine that deepspeed.initialize built over a chunked LlamaPipeline (rank_chunk_ids' chunks)
-    into the chunked one, running its rank's program of the schedule (training/schedule.py p2p_program; zbv's V
+    into the chunked one, running its rank's program of the schedule (schedules/orders.py p2p_program; zbv's V
     order made for zbv_times, a chunk's [F, B, W] times, or for F = B = W; "auto": for F = B = W, then from the
-    second step's end for the times measured in it, training/zbv_auto.py)."""
+    second step's end for the times measured in it, engines/zbv_auto.py)."""
     chunks = rank_chunk_ids(schedule, engine.num_stages, virtual_stages)
     use_zero_bubble(engine)  # its W and its checks
     engine.__class__ = ChunkedPipelineEngine

@@ -3,7 +3,7 @@ pid, the job's token and a heartbeat it renews every HEARTBEAT_SECONDS) and remo
 that finds another job's lease refuses in one line while that job is live, and takes the lease over once it is
 stale: its process is gone (same host and boot), or its heartbeat is older than STALE_SECONDS (any host: a node lost,
 a job killed). Only rank 0 reads and writes it, so the ranks of one job on nodes sharing the filesystem never
-compete for it. A supervised job's ranks carry their supervisor's token (LEASE_TOKEN_ENV, training/supervisor.py): a
+compete for it. A supervised job's ranks carry their supervisor's token (LEASE_TOKEN_ENV, resilience/supervisor.py): a
 restart takes over its own previous attempt's lease at once, and the supervisor removes it after an attempt ends.
 Reading the lease and writing one's own happen under an flock of output_dir/.lease.lock, so two jobs starting at once
 take turns: one takes a free or stale lease, the other then finds it live and is refused.

@@ -1,9 +1,9 @@
-"""DeepSpeed's PipelineEngine running the zero-bubble schedule (training/schedule.py).
+"""DeepSpeed's PipelineEngine running the zero-bubble schedule (schedules/orders.py).
 
 What changes against the 1F1B engine: the new BackwardInputPass computes only input gradients (the stage's linear
 layers queue their weight-gradient work, models/weight_grads.py) and the new BackwardWeightPass instruction runs the
 oldest queued work into the same gradient buffers (fp32 or bf16, ZeRO-0 or 1, offloaded or not). Each link's
-operations follow its upstream stage's order (training/schedule.py, for NCCL): activation receives are posted ahead
+operations follow its upstream stage's order (schedules/orders.py, for NCCL): activation receives are posted ahead
 and waited for at the forward, sends are posted and waited for at the step's end. Loss, gradient reduction,
 clipping and the optimizer step are the engine's own, and run after every W of the batch.
 """
@@ -19,8 +19,8 @@ from deepspeed_internals.access import (activation_buffer, add_grads_to_bf16_opt
                                         run_backward_pass, send_activation_shapes_once, sends_need_deepspeed_handlers,
                                         set_pipe_buffer, set_received_gradients, uses_bf16_optimizer)
 from models.weight_grads import WeightGradQueue
-from training.schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
-                               ZeroBubbleSchedule)
+from engines.zero_bubble_schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
+                                          ZeroBubbleSchedule)
 
 
 class ZeroBubblePipelineEngine(PipelineEngine):

@@ -3,12 +3,12 @@ max(step_time_factor x the median of the measured step times, min_step_seconds);
 time is measured) and the work between steps (logging, evaluation, saves, the next batch) get startup_seconds. On
 expiry the rank writes every thread's Python stack (and, on CUDA, NCCL's flight-recorder trace) to
 output_dir/hang/, prints one line naming its rank, stage, data-parallel index, step, and the pipeline instruction,
-micro-batch and peer it is stuck on, and exits HUNG, which a supervisor restarts (training/supervisor.py). A slow
+micro-batch and peer it is stuck on, and exits HUNG, which a supervisor restarts (resilience/supervisor.py). A slow
 rank only raises the median: the factor is the room it gets. The collectives' own timeout (dist_timeout_minutes)
 stays as the last resort.
 
 The stopped rank itself cannot report; its peers can: one stuck in RecvActivation of micro-batch 3 from rank 5
-names rank 5. Every rank's position also goes into its rank record (training/rank_records.py) when its launcher
+names rank 5. Every rank's position also goes into its rank record (resilience/rank_records.py) when its launcher
 ends it, so the supervisor's line names who waited for whom.
 """
 import collections
@@ -25,9 +25,9 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe import schedule
 
-from training.exit_codes import HUNG
-from training.instruction_listeners import add_instruction_listener
-from training.schedule import PostRecvActivation, WaitRecvActivation
+from resilience.exit_codes import HUNG
+from engines.instruction_listeners import add_instruction_listener
+from engines.zero_bubble_schedule import PostRecvActivation, WaitRecvActivation
 
 POLL_SECONDS = 1.0  # the longest the thread sleeps: a phase's new, shorter limit is seen within it
 STEP_TIMES_KEPT = 100  # the median follows the run's recent steps (a layout or sequence-length change moves it)

@@ -1,6 +1,6 @@
 """One wrapper around a pipeline engine's instruction handlers, with listeners: what watches the schedule as it runs
-(the hang watchdog's position, training/hang_watchdog.py; the straggler report's compute and communication times,
-training/stragglers.py; the profile's time per instruction, training/profiling.py) adds a listener instead of
+(the hang watchdog's position, resilience/hang_watchdog.py; the straggler report's compute and communication times,
+resilience/stragglers.py; the profile's time per instruction, engines/profiling.py) adds a listener instead of
 wrapping the handlers once more. A listener has instruction_started(instruction), whose result is handed to its
 instruction_ended(instruction, started) once the handler returns (not after an exception: the step is lost)."""
 import time

@@ -1,4 +1,4 @@
-"""How trainer_pipe.py ends, as its exit code: what the supervisor (training/supervisor.py), a batch script or a
+"""How trainer_pipe.py ends, as its exit code: what the supervisor (resilience/supervisor.py), a batch script or a
 person reads to decide whether a restart can help. sysexits.h's codes where one fits; no torch import, so the
 supervisor stays a small process."""
 import signal

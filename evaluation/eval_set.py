@@ -14,6 +14,7 @@ import collectives
 from data.collator import collate, empty_row
 from data.loader import check_identical_across_group
 from deepspeed_internals.access import clear_total_loss
+from engines.sequence_length import use_sequence_length
 from models.preference import PreferenceLoss
 
 
@@ -54,6 +55,7 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
     if preference:  # the training window's metric sums, set aside
         training_totals, loss_fn.totals = loss_fn.totals, None
     loss_sum, tokens = 0.0, 0
+    use_sequence_length(engine, cfg.seq_length // context.size)  # rows of seq_length, whatever training's last were
     for start in range(0, num_micro_batches, cfg.gradient_accumulation_steps):
         chunk = min(cfg.gradient_accumulation_steps, num_micro_batches - start)
         losses = engine.eval_batch(batches, reduce_output=None, bcast_loss=False, num_micro_batches=chunk)
@@ -92,6 +94,7 @@ def score_examples(engine, dataset, dataset_length, cfg, pad_id, width, per_exam
                                                                                             pad_id)))
     outputs = []
     clear_total_loss(engine)  # eval_batch would add these outputs to the last step's loss
+    use_sequence_length(engine, cfg.seq_length // context.size)
     for start in range(0, num_micro_batches, cfg.gradient_accumulation_steps):
         chunk = min(cfg.gradient_accumulation_steps, num_micro_batches - start)
         outputs += engine.eval_batch(batches, reduce_output=None, bcast_loss=False, num_micro_batches=chunk) or []

@@ -17,8 +17,8 @@ import torch.distributed as dist
 import collectives
 from checkpoints.files import atomic_write
 from models.lora import adapters_off
-from training.evaluation import score_examples
-from training.shared_files import VISIBLE_WITHIN_S, wait_for_files
+from evaluation.eval_set import score_examples
+from cluster.shared_files import VISIBLE_WITHIN_S, wait_for_files
 
 
 class WithReference(torch.utils.data.Dataset):
@@ -79,7 +79,7 @@ def has_adapters(module):
 
 def compute_reference(engine, dataset, dataset_length, cfg, pad_id):
     """{"chosen": (pairs,), "rejected": (pairs,)} float32 on every rank: each data-parallel replica scores its
-    share of the pairs, the last stage summing each response's log-probabilities (training/evaluation.py
+    share of the pairs, the last stage summing each response's log-probabilities (evaluation/eval_set.py
     score_examples)."""
     loss_fn = engine.module.loss_fn
     loss_fn.reference_pass = True

@@ -1,12 +1,12 @@
 """ZB-V's order (Qi et al., "Pipeline Parallelism with Controllable Memory"): rank r holds chunks r and 2p-1-r, and
 each rank's forwards, input gradients (B) and weight gradients (W) are list-scheduled in simulated time, for given
 F, B, W durations per chunk (equal by default, or conf's zbv_times), under a few policies; the shortest step wins.
-training/schedule.py turns the orders into instructions and point-to-point programs."""
+schedules/orders.py turns the orders into instructions and point-to-point programs."""
 import collections
 import functools
 import math
 
-from models.pipeline_schedule_rules import chunk_ids, producer
+from schedules.rules import chunk_ids, producer
 
 EQUAL_TIMES = ((1, 1, 1),)  # zbv_order's durations for F = B = W on every rank
 
@@ -119,8 +119,19 @@ ZBV_TIMES_SPREAD = 8  # conf's zbv_times within 8x of each other: at most 16 uni
 def configured_zbv_durations(zbv_times):
     """zbv_order's durations for conf's zbv_times: a chunk's [F, B, W] times, the same on every rank or one per
     rank ([[F, B, W], ...]), or None for F = B = W ("auto" too: its first steps run that order,
-    training/zbv_auto.py)."""
+    engines/zbv_auto.py)."""
     if not zbv_times or zbv_times == "auto":
         return EQUAL_TIMES
     per_rank = [zbv_times] if isinstance(zbv_times[0], (int, float)) else zbv_times
     return zbv_durations([dict(zip("FBW", times)) for times in per_rank])
+
+
+def stage_times(rows, stages):
+    """[[F, B, W] per stage] from every rank's (stage, F, B, W) seconds: the mean over each stage's ranks, each time
+    raised to 1 / ZBV_TIMES_SPREAD of the longest (the V order's list schedule takes times within that spread)."""
+    times = []
+    for stage in range(stages):
+        mine = [row[1:] for row in rows if int(row[0]) == stage]
+        times.append([sum(column) / len(mine) for column in zip(*mine)])
+    floor = max(map(max, times)) / ZBV_TIMES_SPREAD
+    return [[max(t, floor) for t in stage_row] for stage_row in times]

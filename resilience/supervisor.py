@@ -4,9 +4,9 @@ failed rank and have no restart; torchrun's own (--max-restarts, with TORCH_DISA
 docs/reliability.md) passes on no exit code, so it restarts what a restart cannot fix, and names no cause; hence this
 loop, with fresh processes each time.
 
-Each failure gets one line naming its cause: the exit code (training/exit_codes.py), the rank that failed first and
+Each failure gets one line naming its cause: the exit code (resilience/exit_codes.py), the rank that failed first and
 why, a rank that died without a word (its start-up record only: killed, stopped, its node lost) and who was waiting
-for whom (the ranks' records, training/rank_records.py). What a restart cannot fix (a config error, a refused
+for whom (the ranks' records, resilience/rank_records.py). What a restart cannot fix (a config error, a refused
 checkpoint, a full disk, a non-finite loss) and a preemption (the scheduler's to requeue) end the supervisor with the
 run's exit code. The restart budget counts failures in a row without a new complete checkpoint: a run that keeps
 saving between failures (weeks of them, one every few hours) is never given up, one that cannot get past a step is.
@@ -24,10 +24,10 @@ import uuid
 import psutil
 
 from checkpoints.files import read_latest
-from checkpoints.run_lease import LEASE_TOKEN_ENV, release_lease_of
+from resilience.run_lease import LEASE_TOKEN_ENV, release_lease_of
 from deepspeed_internals import LAUNCHER_MODULE
-from training.exit_codes import NOT_RESTARTABLE, describe
-from training.rank_records import read_records
+from resilience.exit_codes import NOT_RESTARTABLE, describe
+from resilience.rank_records import read_records
 
 TRAINER_CONFIG = ("conf", "tiny")  # trainer_pipe.py's @hydra.main config_path and config_name
 RANKS_NAMED = 4  # most ranks one line names per kind (a thousand-rank job's line stays a line)
@@ -42,7 +42,7 @@ class Supervisor:
         self.backoff_seconds, self.max_backoff_seconds = backoff_seconds, max_backoff_seconds
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.process, self.stop_requested = None, None
-        self.lease_token = uuid.uuid4().hex  # its attempts' rank 0 holds output_dir under it (checkpoints/run_lease.py)
+        self.lease_token = uuid.uuid4().hex  # its attempts' rank 0 holds output_dir under it (resilience/run_lease.py)
 
     def run(self):
         """The command's exit code once it succeeds, cannot be helped by a restart, or has failed max_restarts + 1

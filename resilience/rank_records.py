@@ -1,6 +1,6 @@
 """Each rank's record of how its run ended, in output_dir/rank_records/rankNNNNN.json: written once the job holds
 output_dir's lease (host, pid, start time) and again as the rank ends (exit code, cause, where it was: step, pipeline
-instruction, the peer it waited for). After a failed attempt the supervisor (training/supervisor.py) reads the
+instruction, the peer it waited for). After a failed attempt the supervisor (resilience/supervisor.py) reads the
 records that attempt wrote to name the rank that failed first: a rank killed without a word (SIGKILL, the OOM
 killer, a lost node, a stopped process) keeps its start-up record only, which names it too. Nothing removes them:
 each attempt's ranks overwrite their own, and the supervisor reads those started after it launched the attempt."""

@@ -10,7 +10,7 @@ import json
 import os
 import time
 
-from training.instruction_listeners import add_instruction_listener
+from engines.instruction_listeners import add_instruction_listener
 
 
 def time_instructions(engine, record):

@@ -28,13 +28,15 @@ from lm_eval.tasks import TaskManager
 from checkpoints.files import write_text_atomic
 from data.formats import IGNORE_INDEX
 from models.loss import ContinuationScores
-from training.config_checks import ConfigError, EvalTask
-from training.evaluation import score_examples
-from training.metrics import LM_EVAL_FILE, LM_EVAL_PLOT_FILE, plot_lm_eval
+from errors import ConfigError
+from evaluation.eval_set import score_examples
+from evaluation.eval_task import EvalTask
+from evaluation.lm_eval_log import LM_EVAL_FILE, LM_EVAL_PLOT_FILE, plot_lm_eval
 
 SAMPLES_DIR = "lm_eval_samples"  # per request: its arguments, log-likelihoods and metrics
 SCORED_TYPES = ("loglikelihood", "loglikelihood_rolling", "multiple_choice")
 EXPORT_COMMAND = "python evaluate_lm.py --ckpt_dir OUTPUT_DIR --tag global_stepN --tasks"
+
 
 
 def load_tasks(eval_tasks, output_dir):

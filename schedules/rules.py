@@ -1,5 +1,5 @@
 """Which chunks of layers a rank holds and how many micro-batches a pipeline schedule keeps on each stage: the rules
-the schedules' orders follow (training/schedule.py) and the memory plan counts (planner/stage_costs.py), kept here, below both, once."""
+the schedules' orders follow (schedules/orders.py) and the memory plan counts (planner/stage_costs.py), kept here, below both, once."""
 
 
 def chunks_per_rank(schedule, virtual_stages=1):

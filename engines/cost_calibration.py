@@ -35,7 +35,7 @@ from models.router_loss import initial_routing, pack_stage
 from models.tensor_parallel import TensorParallel
 from models.weight_grads import WeightGradQueue
 from planner.measured_costs import TIMES, UnitCosts, uses_measured_costs
-from training.instruction_listeners import InstructionClock
+from engines.instruction_listeners import InstructionClock
 
 CALIBRATION_REPETITIONS = 5  # timed rounds per unit (medians), after one untimed
 
