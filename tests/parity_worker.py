@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from models.layout import hf_name_of_layer_key, split_fused  # noqa: E402
 from models.lora import NO_LORA, LoraSettings  # noqa: E402
 from checkpoints.layer_files import load_layer_slice  # noqa: E402
+from deepspeed_internals.access import checkpoints_without_expert_files  # noqa: E402
 from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
 from tests.lora_reference import adapter_values, hf_name_of_peft, peft_model, pipeline_slice  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
@@ -71,6 +72,8 @@ def gradient_errors(module, recorded, ref_grads, num_hidden_layers, engine):
         if getattr(param, "tensor_parallel_dim", None) is not None:
             ref = ref.chunk(engine.grid.get_slice_parallel_world_size(),
                             param.tensor_parallel_dim)[engine.grid.get_slice_parallel_rank()]
+        if hasattr(param, "expert_slice"):  # this rank's experts under expert parallelism
+            ref = param.expert_slice.of(ref)
         errors[hf_name] = ((recorded[param] - ref).abs().max() / ref.abs().max()).item()
     return errors
 
@@ -176,7 +179,8 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
                                        activation_checkpoint_interval=case.get("checkpoint_interval", 0),
                                        sequence_parallel=case.get("sequence_parallel", True),
                                        recompute_sequence_gather=case.get("recompute_sequence_gather", False),
-                                       loss_chunk_tokens=case.get("loss_chunk_tokens", CHUNK_TOKENS), lora=lora)
+                                       loss_chunk_tokens=case.get("loss_chunk_tokens", CHUNK_TOKENS), lora=lora,
+                                       expert_parallel_size=case.get("expert_parallel", 1))
         if case.get("compile"):
             module.compile()
         optimizer = GradientRecorder([p for p in module.parameters() if p.requires_grad])
@@ -184,6 +188,7 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
             "train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": gas,
             "steps_per_print": 10**9, "gradient_clipping": 0.0,
             "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}})
+        checkpoints_without_expert_files(engine)
         opens.paths, opens.active = [], True
         engine.load_checkpoint(case["ds_dir"], load_module_only=True)
         opens.active = False
@@ -209,6 +214,8 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
             "ref_losses": ref_losses, "grad_errors": grad_errors, "ref_param_names": sorted(ref_grads),
             "replicated_grad_spread": replicated_gradient_spread(module, optimizer, engine),
             "param_names": [name for name, _ in module.named_parameters()], "deferred_weights": sorted(deferred),
+            "expert_slices": {name: list(param.expert_slice) for name, param in module.named_parameters()
+                              if hasattr(param, "expert_slice")},
             "frozen_unchanged_without_grad": all(p.grad is None and torch.equal(p, base[n])
                                                  for n, p in module.named_parameters() if not p.requires_grad)}
         if case.get("save_grads"):  # for tests comparing two runs' gradients directly

@@ -344,6 +344,9 @@ LAYOUTS = {  # name: (stages, world size, tensor parallel, {case suffix: options
                                 "+zero_bubble": {"schedule": "zero_bubble"}}),
     "2stages_x_tp2": (2, 4, 2, {"+sp": {}, "": {"sequence_parallel": False},
                                 "+sp+checkpointing": {"checkpoint_interval": 1}}),
+    "2stages_x_ep2": (2, 4, 1, {"+ep2": {"expert_parallel": 2},  # the experts split over the 2 data-parallel ranks
+                                "+ep2+checkpointing": {"expert_parallel": 2, "checkpoint_interval": 1},
+                                "+ep2+zero_bubble": {"expert_parallel": 2, "schedule": "zero_bubble"}}),
 }
 VARIANT_FAMILIES = ("qwen2_moe", "gpt_oss")  # the variants past the first: a shared expert; sinks and biases
 
@@ -375,6 +378,9 @@ def test_loss_and_gradients_equal_transformers_across_processes(tiny_moe_checkpo
             assert not bad, f"{case['name']}: gradients differ from transformers: {bad}"
             assert result["replicated_grad_spread"] == 0.0, case["name"]
             assert set(result["layer_files_opened"]) == own_layer_files(case["ds_dir"], result), case["name"]
+            split = case.get("expert_parallel", 1)  # each data-parallel rank holds its slice of every layer's experts
+            assert all([first, count] == [result["dp_rank"] % split * total // split, total // split]
+                       for first, count, total in result["expert_slices"].values()), case["name"]
         assert set().union(*(r[case["name"]]["grad_errors"] for r in ranks)) == \
             set(ranks[0][case["name"]]["ref_param_names"])
 
