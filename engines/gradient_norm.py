@@ -58,11 +58,16 @@ def summed_squares(grads):
     return torch.stack([grad.float().pow(2).sum() for grad in grads]).sum()
 
 
+def model_norm(params_and_grads, engine, expert_parallel):
+    """The norm of whole gradients [(param, grad)] over the model (every stage and tensor-parallel rank)."""
+    squares = squares_of(params_and_grads, engine, expert_parallel)
+    collectives.all_reduce(squares, group=engine.mpu.get_model_parallel_group())
+    return squares.sqrt()
+
+
 def clip_fp32_gradients(engine, expert_parallel):
     params = [p for p in engine.module.parameters() if p.grad is not None]
-    squares = squares_of([(p, p.grad) for p in params], engine, expert_parallel)
-    collectives.all_reduce(squares, group=engine.mpu.get_model_parallel_group())
-    total_norm = squares.sqrt()
+    total_norm = model_norm([(p, p.grad) for p in params], engine, expert_parallel)
     torch.nn.utils.clip_grads_with_norm_(params, engine.gradient_clipping(), total_norm)
     set_global_grad_norm(engine, total_norm.item())
 

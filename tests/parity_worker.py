@@ -19,6 +19,7 @@ from models.pipeline import build_pipeline_module, partition_stages  # noqa: E40
 from tests.lora_reference import adapter_values, hf_name_of_peft, peft_model, pipeline_slice  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
 from cluster.distributed import init_distributed, parallel_topology  # noqa: E402
+from engines.gradient_norm import model_norm  # noqa: E402
 from engines.pipeline_engine import use_zero_bubble  # noqa: E402
 
 
@@ -76,6 +77,17 @@ def gradient_errors(module, recorded, ref_grads, num_hidden_layers, engine):
             ref = param.expert_slice.of(ref)
         errors[hf_name] = ((recorded[param] - ref).abs().max() / ref.abs().max()).item()
     return errors
+
+
+def gradient_norms(module, recorded, ref_grads, engine):
+    """{'all' | 'experts': (the clipping norm's value over the pipeline's gradients, transformers')}: every
+    weight, and an MoE model's experts alone (under expert parallelism each rank holds some)."""
+    params = [(p, recorded[p]) for p in module.parameters() if p.requires_grad]
+    experts = [(p, g) for p, g in params if hasattr(p, "expert_slice")]
+    ref_experts = [g for name, g in ref_grads.items() if ".experts." in name]
+    return {kind: (model_norm(pairs, engine, module.experts).item(),
+                   torch.stack([g.float().pow(2).sum() for g in ref] or [torch.zeros(())]).sum().sqrt().item())
+            for kind, pairs, ref in (("all", params, list(ref_grads.values())), ("experts", experts, ref_experts))}
 
 
 def micro_batches(batch, micro_batch_size, gas, dp_size, dp_rank):
@@ -207,12 +219,13 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
             references, rank, os.path.join(out_dir, f"{case['name']}-hf.pt"), (case["hf_dir"], lora),  # the batch's
             lambda: hf_reference(case["hf_dir"], batch, micro_batch_size, lora if lora.enabled else None, adapters))
         grad_errors = gradient_errors(module, optimizer.recorded, ref_grads, config.num_hidden_layers, engine)
+        norms = gradient_norms(module, optimizer.recorded, ref_grads, engine)
         results[case["name"]] = {
             "stage": engine.stage_id, "dp_rank": engine.grid.data_parallel_id, "parts": [int(p) for p in module.parts],
             "layer_files_opened": sorted(set(opens.paths)),
             "losses": [loss.item() for loss in step_losses], "mean_loss": float(mean_loss),
             "ref_losses": ref_losses, "grad_errors": grad_errors, "ref_param_names": sorted(ref_grads),
-            "replicated_grad_spread": replicated_gradient_spread(module, optimizer, engine),
+            "replicated_grad_spread": replicated_gradient_spread(module, optimizer, engine), "norms": norms,
             "param_names": [name for name, _ in module.named_parameters()], "deferred_weights": sorted(deferred),
             "expert_slices": {name: list(param.expert_slice) for name, param in module.named_parameters()
                               if hasattr(param, "expert_slice")},

@@ -378,6 +378,9 @@ def test_loss_and_gradients_equal_transformers_across_processes(tiny_moe_checkpo
             assert not bad, f"{case['name']}: gradients differ from transformers: {bad}"
             assert result["replicated_grad_spread"] == 0.0, case["name"]
             assert set(result["layer_files_opened"]) == own_layer_files(case["ds_dir"], result), case["name"]
+            for kind, (norm, reference) in result["norms"].items():  # the clipping norm counts every expert once
+                assert norm == pytest.approx(reference, rel=1e-5), (case["name"], kind)
+            assert result["norms"]["experts"][1] > 0
             split = case.get("expert_parallel", 1)  # each data-parallel rank holds its slice of every layer's experts
             assert all([first, count] == [result["dp_rank"] % split * total // split, total // split]
                        for first, count, total in result["expert_slices"].values()), case["name"]
@@ -392,7 +395,11 @@ TRAIN_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps
                  "2stages": (2, dict(num_stages=2, gradient_accumulation_steps=4, zero_stage=0)),
                  "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1)),
                  "bf16_2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1,
-                                                precision="bf16"))}
+                                                precision="bf16")),
+                 "2stages_x_ep2": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1,
+                                           expert_parallel_size=2)),
+                 "bf16_2stages_x_ep2": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1,
+                                                precision="bf16", expert_parallel_size=2))}
 
 
 @pytest.fixture(scope="module")
