@@ -1,0 +1,64 @@
+"""Expert parallelism (models/expert_parallel.py): the experts of each sparse layer split over the data-parallel ranks
+of a stage. Its parity with transformers (loss, every gradient, the clipping norm, training steps with ZeRO-1 in fp32
+and bf16) runs with the other layouts in tests/test_moe.py; here: a checkpoint resumes on another expert-parallel
+size with its whole state, each rank reads only its own experts' bytes, the dispatch takes one host sync per layer
+and micro-batch, and what cannot split is refused in one line."""
+import glob
+import os
+
+import pytest
+import torch
+
+from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, tensors_of
+from tests.test_moe import demo_moe, run_spec_of  # noqa: F401 (a fixture)
+
+EXACT = dict(abs=1e-6, rel=1e-5)  # fp32: the same sums over other ranks
+
+
+def train(demo_model, demo_moe, tmp_path, out, expert_parallel, **extra):  # noqa: F811
+    """The demo mixture of experts (tests/test_moe.py demo_moe: 4 layers, one dense) on 2 stages x 2 data-parallel
+    ranks, ZeRO-1, a checkpoint after every step: the trainer's output."""
+    from tests.test_token_mean import MICRO_BATCH, SEED, SEQ, write_skewed_instructions
+    train_file = tmp_path / "train.jsonl"
+    if not train_file.exists():
+        write_skewed_instructions(demo_model, train_file)
+    return check_ok(launch_trainer(4, demo_overrides(demo_model, out, **{
+        "model_name_or_path": demo_moe["ds"], "train_file": str(train_file), "eval_file": "null",
+        "data.format": "instruction", "data.cache_dir": str(tmp_path / "cache"), "seq_length": SEQ,
+        "micro_batch_size": MICRO_BATCH, "num_stages": 2, "gradient_accumulation_steps": 2, "zero_stage": 1,
+        "max_steps": 4, "logging_steps": 1, "learning_rate": 1e-3, "lr_scheduler": "constant", "warmup_steps": 0,
+        "max_grad_norm": 0.05, "seed": SEED, "save_steps": 1, "save_total_limit": 10, "export_hf": "false",
+        "expert_parallel_size": expert_parallel, **extra})))
+
+
+def saved_state(tag_dir):
+    """{file: {key: tensor}} of a checkpoint's layer files: the weights and the optimizer's master weights and
+    moments, every expert whole."""
+    return {os.path.basename(path): tensors_of(torch.load(path, map_location="cpu", weights_only=True))
+            for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*.pt")))}
+
+
+@pytest.mark.slow
+def test_resume_on_another_expert_parallel_size_holds_the_whole_state(demo_model, demo_moe, tmp_path):  # noqa: F811
+    """Experts split over 2 ranks, then whole on each (from step 2), then split again (from step 3): the losses are
+    the run's that never changed, and so is every checkpoint's every weight, master weight and Adam moment."""
+    split = tmp_path / "ep2"
+    train(demo_model, demo_moe, tmp_path, split, 2)
+    whole = tmp_path / "ep1"
+    result = train(demo_model, demo_moe, tmp_path, whole, 1, resume=str(split / "global_step2"))
+    assert "with another layout (expert_parallel 2 -> 1)" in result.stdout
+    again = tmp_path / "ep2_again"
+    result = train(demo_model, demo_moe, tmp_path, again, 2, resume=str(whole / "global_step3"))
+    assert "with another layout (expert_parallel 1 -> 2)" in result.stdout
+    losses = per_step_losses(split)
+    assert per_step_losses(whole) == pytest.approx(losses[2:], **EXACT)
+    assert per_step_losses(again) == pytest.approx(losses[3:], **EXACT)
+    for resumed, step in ((whole, 3), (whole, 4), (again, 4)):
+        theirs, ours = saved_state(split / f"global_step{step}"), saved_state(resumed / f"global_step{step}")
+        assert ours.keys() == theirs.keys() and any("optim_states" in name for name in ours)
+        for name, tensors in theirs.items():
+            assert ours[name].keys() == tensors.keys(), name
+            for key, tensor in tensors.items():
+                assert torch.allclose(ours[name][key], tensor, **dict(atol=1e-6, rtol=1e-5)), (resumed, name, key)
+    experts = saved_state(split / "global_step4")["layer_01-model_states.pt"]["/mlp.experts.gate_up_proj"]
+    assert experts.shape[0] == 8  # every expert in the file, though each rank held 4
