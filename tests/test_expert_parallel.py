@@ -62,3 +62,58 @@ def test_resume_on_another_expert_parallel_size_holds_the_whole_state(demo_model
                 assert torch.allclose(ours[name][key], tensor, **dict(atol=1e-6, rtol=1e-5)), (resumed, name, key)
     experts = saved_state(split / "global_step4")["layer_01-model_states.pt"]["/mlp.experts.gate_up_proj"]
     assert experts.shape[0] == 8  # every expert in the file, though each rank held 4
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_a_rank_reads_only_its_own_experts_bytes(tmp_path, monkeypatch, family):
+    """A sparse layer's file holds every expert; loaded on rank 1 of expert parallelism 2, it reads the layer's
+    other tensors whole and half of each expert tensor (its experts' rows, by pread straight into the parameter):
+    exactly those bytes, no more."""
+    from checkpoints import layer_files
+    from models.architecture import architecture_of
+    from models.expert_parallel import ExpertParallel
+    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from tests.tiny_models import MOE_CONFIGS
+    config = MOE_CONFIGS[family]()
+    inputs, layer_index = StageAttentionInputs(config), architecture_of(config).sparse_layers.index(True)
+    torch.manual_seed(0)
+    whole = DecoderLayerPipe(config, inputs, layer_index=layer_index).state_dict()
+    torch.save(whole, tmp_path / "layer_01-model_states.pt")
+    mine = DecoderLayerPipe(config, inputs, layer_index=layer_index, dispatcher=ExpertParallel(size=2, rank=1))
+    reads = []
+    read_exactly = layer_files.read_exactly
+    monkeypatch.setattr(layer_files, "read_exactly", lambda fd, buffer, offset: reads.append(buffer.nbytes) or
+                        read_exactly(fd, buffer, offset))
+    layer_files.load_layer_slice(mine, [str(tmp_path / "layer_01-model_states.pt")], 0, 1)
+    experts = {key for key in whole if ".experts." in key}
+    assert experts and all(mine.state_dict()[key].shape[0] * 2 == whole[key].shape[0] for key in experts)
+    for key, tensor in mine.state_dict().items():
+        expected = whole[key][tensor.shape[0]:] if key in experts else whole[key]
+        assert torch.equal(tensor, expected), key
+    expert_bytes = sum(whole[key].nbytes for key in experts)
+    assert sum(reads) == sum(tensor.nbytes for tensor in whole.values()) - expert_bytes // 2
+
+
+@pytest.mark.parametrize("model,overrides,world_size,message", [
+    ("qwen3_moe", ["expert_parallel_size=3"], 4,
+     r"^expert_parallel_size=3 does not divide the 2 data-parallel ranks of a stage: launch a multiple of 3 "
+     r"data-parallel replicas or set expert_parallel_size to a divisor of 2\.$"),
+    ("qwen2_moe", ["expert_parallel_size=8", "num_stages=1"], 8,
+     r"^expert_parallel_size=8 does not divide the model's 4 experts per layer: set expert_parallel_size to a "
+     r"divisor of 4 \(and of the 8 data-parallel ranks\)\.$"),
+    ("llama", ["expert_parallel_size=2"], 4,
+     r"^expert_parallel_size=2 splits the experts of a mixture of experts, and this model has none; set "
+     r"expert_parallel_size=1\.$"),
+    ("qwen3_moe", ["expert_parallel_size=2", "zero_stage=1", "offload_optimizer=cpu"], 4,
+     r"^offload_optimizer=cpu with expert_parallel_size=2: not tested with experts split across ranks yet; use "
+     r"offload_optimizer=none or expert_parallel_size=1 \(docs/moe\.md\)\.$"),
+    ("qwen3_moe", ["expert_parallel_size=2", "nan_policy=skip"], 4, r"^nan_policy=skip with expert_parallel_size=2: "),
+    ("qwen3_moe", ["expert_parallel_size=0"], 4, r"^expert_parallel_size=0 must be at least 1"),
+], ids=["data_parallel", "experts", "dense_model", "offload", "nan_skip", "zero"])
+def test_an_expert_parallel_size_that_cannot_split_is_refused_in_one_line(demo_model, tiny_moe_checkpoints, tmp_path,
+                                                                          model, overrides, world_size, message):
+    """Before any process group exists or any weight is read."""
+    from errors import ConfigError
+    model_dir = demo_model["ds"] if model == "llama" else tiny_moe_checkpoints[model][1]
+    with pytest.raises(ConfigError, match=message):
+        run_spec_of(demo_model, model_dir, tmp_path, "num_stages=2", *overrides, world_size=world_size)
