@@ -1,0 +1,40 @@
+"""What a mixture-of-experts layer costs beyond a dense one, for the cost model (planner/stage_costs.py): the
+activations its MoE block keeps for backward, and those of attention with sinks (GPT-OSS), which always runs the
+eager formula. Each figure was checked against autograd's saved tensors (tests/test_moe.py)."""
+from planner.training_state import FP32_BYTES
+
+INT64_BYTES = 8
+
+
+def moe_saved_bytes(moe, tokens, hidden, act):
+    """What an MoE block (models/moe.py) keeps for backward on the `tokens` it routes (its residual share), besides
+    the dense layer's attention and norms (its shared expert counts as the dense MLP): per routed choice
+    (tokens x top_k), the token's copy, its gate/up and down outputs and the SwiGLU's intermediates (GPT-OSS's
+    clamped one keeps three more and each row's expert), the sort's three int64 indices and the routing weight
+    (fp32 in Mixtral); per token, the router's softmax (fp32) and top-k indices, with norm_topk_prob the top-k
+    and their sum, GPT-OSS's softmax of the top-k instead, and with the load-balancing loss the softmax in the
+    activation dtype and the fp32 mask; the grouped GEMM's two int32 offsets. Checked against autograd's saved
+    tensors (tests/test_moe.py)."""
+    routed = tokens * moe.top_k
+    swiglu = 7 if moe.swiglu_limit is not None else 4  # intermediate-sized tensors per choice, gate/up's two included
+    weight_bytes = act if moe.weights_in_logits_dtype else FP32_BYTES
+    per_choice = act * (2 * hidden + swiglu * moe.expert_size) + 3 * INT64_BYTES + weight_bytes \
+        + (INT64_BYTES if moe.expert_bias else 0)
+    if moe.softmax_after_topk:
+        router = moe.top_k * (INT64_BYTES + act)
+    else:
+        router = FP32_BYTES * moe.num_experts + INT64_BYTES * moe.top_k + \
+            (FP32_BYTES * (moe.top_k + 1) if moe.norm_topk_prob else 0)
+    aux = act * moe.num_experts + FP32_BYTES if moe.aux_loss else 0
+    shared_gate = act * (hidden + 1) if moe.shared_expert_size else 0  # the gate's sigmoid and the shared output
+    return routed * per_choice + tokens * (router + aux + shared_gate) + 2 * 4 * moe.num_experts
+
+
+def eager_attention_extra_bytes(workload, heads, q_width, kv_width, act):
+    """What attention with sinks (GPT-OSS, always the eager formula: models/llama.py) keeps beyond SDPA's: the keys
+    and values repeated for every query head, and the scores with the sink column, their maximum and their
+    softmax, instead of SDPA's log-sum-exp."""
+    scores = workload.micro_batch_size * heads * workload.seq_length * (workload.seq_length + 1)
+    return (act * (2 * workload.tokens * (q_width - kv_width) + 2 * scores
+                   + workload.micro_batch_size * heads * workload.seq_length)
+            - FP32_BYTES * workload.tokens * heads)
