@@ -347,6 +347,7 @@ LAYOUTS = {  # name: (stages, world size, tensor parallel, {case suffix: options
     "2stages_x_ep2": (2, 4, 1, {"+ep2": {"expert_parallel": 2},  # the experts split over the 2 data-parallel ranks
                                 "+ep2+checkpointing": {"expert_parallel": 2, "checkpoint_interval": 1},
                                 "+ep2+zero_bubble": {"expert_parallel": 2, "schedule": "zero_bubble"}}),
+    "tp2_x_ep2": (1, 4, 2, {"+ep2": {"expert_parallel": 2}}),  # each tensor-parallel rank's tokens to its peers'
 }
 VARIANT_FAMILIES = ("qwen2_moe", "gpt_oss")  # the variants past the first: a shared expert; sinks and biases
 
