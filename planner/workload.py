@@ -99,10 +99,11 @@ def describe_workload(workload):
         tensor = f"tensor-parallel {workload.tensor_parallel} ({sequence}), "
     if workload.context_parallel > 1:
         tensor += f"context-parallel {workload.context_parallel}, "
+    experts = f" (experts split over {workload.expert_parallel})" if workload.expert_parallel > 1 else ""
     return (f"seq_length={workload.seq_length}, micro_batch_size={workload.micro_batch_size}, "
             f"{workload.micro_batches} micro-batches, {workload.precision}, ZeRO-{workload.zero_stage}"
             f"{' with optimizer offloaded to CPU' if workload.offload_optimizer else ''}, "
-            f"{tensor}data-parallel {workload.data_parallel}, {checkpointing}"
+            f"{tensor}data-parallel {workload.data_parallel}{experts}, {checkpointing}"
             f"{f', LoRA rank {workload.lora.rank}' if workload.lora.enabled else ''}"
             f"{schedule_description(workload)}")
 

@@ -117,3 +117,26 @@ def test_an_expert_parallel_size_that_cannot_split_is_refused_in_one_line(demo_m
     model_dir = demo_model["ds"] if model == "llama" else tiny_moe_checkpoints[model][1]
     with pytest.raises(ConfigError, match=message):
         run_spec_of(demo_model, model_dir, tmp_path, "num_stages=2", *overrides, world_size=world_size)
+
+
+def test_the_plan_counts_each_ranks_slice_of_the_experts(capsys):
+    """Qwen3-30B-A3B's shipped plan (8 stages x 2 data-parallel, ZeRO-1) with its experts split over the 2: each
+    decoder stage holds half its experts' weights and gradients, and the same optimizer state (ZeRO-1 shards a
+    slice over the ranks holding it: 1 of them, where every expert was sharded over 2)."""
+    from models.architecture import architecture_of
+    from models.partition import expert_parameters
+    from planner.memory_plan import print_memory_plan
+    from tests.test_memory_plan import run_config
+    from training.run_spec import plan_spec
+    whole = print_memory_plan(plan_spec(run_config("qwen3_30b_a3b")))
+    spec = plan_spec(run_config("qwen3_30b_a3b", "expert_parallel_size=2"))
+    split = print_memory_plan(spec)
+    assert "data-parallel 2 (experts split over 2)" in capsys.readouterr().out
+    config = spec.model_config
+    experts = architecture_of(config).moe.num_experts * expert_parameters(architecture_of(config).moe,
+                                                                          config.hidden_size)
+    for before, after in zip(whole, split):
+        halved = before["decoder_layers"] * experts // 2  # its decoder layers' experts, half of each
+        assert halved and before["parameters"] - after["parameters"] == pytest.approx(halved, rel=0.01)
+        assert before["weights_bytes"] - after["weights_bytes"] == pytest.approx(2 * halved, rel=0.01)  # bf16
+        assert before["optimizer_bytes"] == after["optimizer_bytes"]
