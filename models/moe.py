@@ -202,7 +202,8 @@ def sort_by_expert(expert_ids, num_experts, first_expert=0):
     """(order: the T x k choices sorted by expert, stably; counts [num_experts] int64: each expert's choices)."""
     flat = expert_ids.reshape(-1) - first_expert
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     return order, counts
 
 
