@@ -293,6 +293,16 @@ def trainer_engine(fields, overrides, total_steps):
     return engine, random_micro_batches(config.vocab_size, cfg.seq_length, cfg.micro_batch_size), before_model
 
 
+def steps_together(engine, batches, steps, clock=time.perf_counter):
+    """Seconds per step by `clock` of `steps` calls of engine.train_batch(batches()), started together on every rank
+    (a barrier first)."""
+    torch.distributed.barrier()
+    start = clock()
+    for _ in range(steps):
+        engine.train_batch(batches())
+    return (clock() - start) / steps
+
+
 def train_step_seconds(engine, batches, steps):
     """Wall seconds of each of `steps` calls of engine.train_batch."""
     return [timed(lambda: engine.train_batch(batches)) for _ in range(steps)]

@@ -9,7 +9,8 @@ their steps interleaved in rounds, so the noise of a shared machine falls on bot
 """
 import time
 
-from common import bench_parser, in_rounds, machine_note, parse_args, round_ratios, spawn, spread, trainer_engine
+from common import (bench_parser, in_rounds, machine_note, parse_args, round_ratios, spawn, spread, steps_together,
+                    trainer_engine)
 
 LAYOUTS = {"experts replicated": 1, "expert parallel 2": 2}  # name: expert_parallel_size
 SIZES = {"full": dict(hidden_size=256, num_experts=64, moe_intermediate_size=128, seq_length=256),
@@ -40,15 +41,7 @@ def worker(rank, size, rounds, steps):
                     for name, (engine, _) in engines.items()}
     for engine, batches in engines.values():  # warm-up
         engine.train_batch(batches)
-
-    def step_cpu_seconds(engine, batches):
-        """This rank's CPU seconds per step of `steps` steps, started together on every rank."""
-        torch.distributed.barrier()
-        start = time.process_time()
-        for _ in range(steps):
-            engine.train_batch(batches)
-        return (time.process_time() - start) / steps
-    seconds = in_rounds({name: lambda e=engine, b=batches: step_cpu_seconds(e, b)
+    seconds = in_rounds({name: lambda e=engine, b=batches: steps_together(e, lambda: b, steps, time.process_time)
                          for name, (engine, batches) in engines.items()}, rounds)
     torch.distributed.destroy_process_group()
     return {name: {"cpu_s": seconds[name], "expert_bytes": expert_bytes[name]} for name in engines}
