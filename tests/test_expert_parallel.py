@@ -10,24 +10,32 @@ import pytest
 import torch
 
 from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, tensors_of
-from tests.test_moe import demo_moe, run_spec_of  # noqa: F401 (a fixture)
+from tests.test_moe import make_demo_moe, run_spec_of
 
 EXACT = dict(abs=1e-6, rel=1e-5)  # fp32: the same sums over other ranks
 
 
-def train(demo_model, demo_moe, tmp_path, out, expert_parallel, **extra):  # noqa: F811
-    """The demo mixture of experts (tests/test_moe.py demo_moe: 4 layers, one dense) on 2 stages x 2 data-parallel
-    ranks, ZeRO-1, a checkpoint after every step: the trainer's output."""
+@pytest.fixture(scope="module")
+def dense_first_moe(demo_model, tmp_path_factory):
+    """tests/test_moe.py's demo mixture of experts with its first two layers dense: on 2 stages, the first holds no
+    expert (its ranks run none of the experts' collectives or groups)."""
+    return make_demo_moe(demo_model, tmp_path_factory.mktemp("dense_first_moe"), mlp_only_layers=[0, 1])
+
+
+def train(demo_model, model, tmp_path, out, expert_parallel, **extra):
+    """model on 2 stages (2 decoder layers each) x 2 data-parallel ranks, ZeRO-1, clipping on, a checkpoint after
+    every step: the trainer's output."""
     from tests.test_token_mean import MICRO_BATCH, SEED, SEQ, write_skewed_instructions
     train_file = tmp_path / "train.jsonl"
     if not train_file.exists():
         write_skewed_instructions(demo_model, train_file)
     return check_ok(launch_trainer(4, demo_overrides(demo_model, out, **{
-        "model_name_or_path": demo_moe["ds"], "train_file": str(train_file), "eval_file": "null",
+        "model_name_or_path": model["ds"], "train_file": str(train_file), "eval_file": "null",
         "data.format": "instruction", "data.cache_dir": str(tmp_path / "cache"), "seq_length": SEQ,
         "micro_batch_size": MICRO_BATCH, "num_stages": 2, "gradient_accumulation_steps": 2, "zero_stage": 1,
         "max_steps": 4, "logging_steps": 1, "learning_rate": 1e-3, "lr_scheduler": "constant", "warmup_steps": 0,
         "max_grad_norm": 0.05, "seed": SEED, "save_steps": 1, "save_total_limit": 10, "export_hf": "false",
+        "partition": "[2,2]",
         "expert_parallel_size": expert_parallel, **extra})))
 
 
@@ -39,16 +47,17 @@ def saved_state(tag_dir):
 
 
 @pytest.mark.slow
-def test_resume_on_another_expert_parallel_size_holds_the_whole_state(demo_model, demo_moe, tmp_path):  # noqa: F811
-    """Experts split over 2 ranks, then whole on each (from step 2), then split again (from step 3): the losses are
-    the run's that never changed, and so is every checkpoint's every weight, master weight and Adam moment."""
+def test_resume_on_another_expert_parallel_size_holds_the_whole_state(demo_model, dense_first_moe, tmp_path):
+    """Experts split over 2 ranks, then whole on each (from step 2), then split again (from step 3), a stage without
+    experts beside one with: the losses are the run's that never changed, clipped alike, and so is every
+    checkpoint's every weight, master weight and Adam moment."""
     split = tmp_path / "ep2"
-    train(demo_model, demo_moe, tmp_path, split, 2)
+    train(demo_model, dense_first_moe, tmp_path, split, 2)
     whole = tmp_path / "ep1"
-    result = train(demo_model, demo_moe, tmp_path, whole, 1, resume=str(split / "global_step2"))
+    result = train(demo_model, dense_first_moe, tmp_path, whole, 1, resume=str(split / "global_step2"))
     assert "with another layout (expert_parallel 2 -> 1)" in result.stdout
     again = tmp_path / "ep2_again"
-    result = train(demo_model, demo_moe, tmp_path, again, 2, resume=str(whole / "global_step3"))
+    result = train(demo_model, dense_first_moe, tmp_path, again, 2, resume=str(whole / "global_step3"))
     assert "with another layout (expert_parallel 1 -> 2)" in result.stdout
     losses = per_step_losses(split)
     assert per_step_losses(whole) == pytest.approx(losses[2:], **EXACT)
@@ -60,7 +69,7 @@ def test_resume_on_another_expert_parallel_size_holds_the_whole_state(demo_model
             assert ours[name].keys() == tensors.keys(), name
             for key, tensor in tensors.items():
                 assert torch.allclose(ours[name][key], tensor, **dict(atol=1e-6, rtol=1e-5)), (resumed, name, key)
-    experts = saved_state(split / "global_step4")["layer_01-model_states.pt"]["/mlp.experts.gate_up_proj"]
+    experts = saved_state(split / "global_step4")["layer_03-model_states.pt"]["/mlp.experts.gate_up_proj"]
     assert experts.shape[0] == 8  # every expert in the file, though each rank held 4
 
 

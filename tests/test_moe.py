@@ -407,13 +407,19 @@ TRAIN_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps
 def demo_moe(demo_model, tmp_path_factory):
     """A tiny Qwen3-MoE (dense and sparse layers, the load-balancing loss on) over the demo model's tokenizer:
     {hf, ds}."""
-    root = tmp_path_factory.mktemp("demo_moe")
+    return make_demo_moe(demo_model, tmp_path_factory.mktemp("demo_moe"))
+
+
+def make_demo_moe(demo_model, root, **fields):
+    """The tiny Qwen3-MoE of demo_moe (with `fields` of its config changed) saved and converted under root."""
     tokenizer_config = AutoConfig.from_pretrained(demo_model["hf"])
     config = MOE_CONFIGS["qwen3_moe"]()
     for field in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(config, field, getattr(tokenizer_config, field))
     config.tie_word_embeddings = False
     config.max_position_embeddings = 128
+    for field, value in fields.items():
+        setattr(config, field, value)
     make_model(config, root / "hf")
     for name in os.listdir(demo_model["hf"]):
         if name.startswith(("tokenizer", "special_tokens")):
