@@ -24,9 +24,10 @@ dispatcher chooses when the block is built (`dispatcher.expert_range(num_experts
 
 (the counts as ints when the caller has them on the host already, as an all-to-all does; None, and the experts
 read them only if they must loop). LocalExperts, the default, holds every expert: it sorts the T x k choices by
-expert, runs them, unsorts and sums each token's k weighted outputs. An all-to-all dispatcher sorts the same way,
-sends each expert's rows to the rank holding it (through collectives/), runs its own, sends them back and combines
-alike; the experts' parameters are then the rank's slice, their gradients reduced over the ranks holding the same.
+expert, runs them, unsorts and sums each token's k weighted outputs. The all-to-all dispatcher of expert parallelism
+(models/expert_parallel.py) sorts the same way, sends each expert's rows to the rank holding it, runs its own, sends
+them back and combines alike (sort_by_expert, combine); the experts' parameters are then the rank's slice
+(ExpertSlice), their gradients reduced over the ranks holding the same.
 """
 from typing import NamedTuple
 
