@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, tensors_of
+from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics, tensors_of
 from tests.test_moe import make_demo_moe, run_spec_of
 
 EXACT = dict(abs=1e-6, rel=1e-5)  # fp32: the same sums over other ranks
@@ -24,13 +24,14 @@ def dense_first_moe(demo_model, tmp_path_factory):
 
 def train(demo_model, model, tmp_path, out, expert_parallel, **extra):
     """model on 2 stages (2 decoder layers each) x 2 data-parallel ranks, ZeRO-1, clipping on, a checkpoint after
-    every step: the trainer's output."""
+    every step, evaluated at the end (step 4): the trainer's output."""
     from tests.test_token_mean import MICRO_BATCH, SEED, SEQ, write_skewed_instructions
     train_file = tmp_path / "train.jsonl"
     if not train_file.exists():
         write_skewed_instructions(demo_model, train_file)
     return check_ok(launch_trainer(4, demo_overrides(demo_model, out, **{
-        "model_name_or_path": model["ds"], "train_file": str(train_file), "eval_file": "null",
+        "model_name_or_path": model["ds"], "train_file": str(train_file), "eval_file": str(train_file),
+        "eval_steps": 0,
         "data.format": "instruction", "data.cache_dir": str(tmp_path / "cache"), "seq_length": SEQ,
         "micro_batch_size": MICRO_BATCH, "num_stages": 2, "gradient_accumulation_steps": 2, "zero_stage": 1,
         "max_steps": 4, "logging_steps": 1, "learning_rate": 1e-3, "lr_scheduler": "constant", "warmup_steps": 0,
@@ -49,8 +50,8 @@ def saved_state(tag_dir):
 @pytest.mark.slow
 def test_resume_on_another_expert_parallel_size_holds_the_whole_state(demo_model, dense_first_moe, tmp_path):
     """Experts split over 2 ranks, then whole on each (from step 2), then split again (from step 3), a stage without
-    experts beside one with: the losses are the run's that never changed, clipped alike, and so is every
-    checkpoint's every weight, master weight and Adam moment."""
+    experts beside one with: the losses and the final evaluation are the run's that never changed, clipped alike,
+    and so is every checkpoint's every weight, master weight and Adam moment."""
     split = tmp_path / "ep2"
     train(demo_model, dense_first_moe, tmp_path, split, 2)
     whole = tmp_path / "ep1"
@@ -62,6 +63,9 @@ def test_resume_on_another_expert_parallel_size_holds_the_whole_state(demo_model
     losses = per_step_losses(split)
     assert per_step_losses(whole) == pytest.approx(losses[2:], **EXACT)
     assert per_step_losses(again) == pytest.approx(losses[3:], **EXACT)
+    evaluated = [[r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r] for out in (split, whole, again)]
+    assert evaluated[1] == pytest.approx(evaluated[0], **EXACT) and evaluated[2] == pytest.approx(evaluated[0], **EXACT)
+    assert len(evaluated[0]) == 1
     for resumed, step in ((whole, 3), (whole, 4), (again, 4)):
         theirs, ours = saved_state(split / f"global_step{step}"), saved_state(resumed / f"global_step{step}")
         assert ours.keys() == theirs.keys() and any("optim_states" in name for name in ours)
