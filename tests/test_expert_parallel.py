@@ -153,3 +153,19 @@ def test_the_plan_counts_each_ranks_slice_of_the_experts(capsys):
         assert halved and before["parameters"] - after["parameters"] == pytest.approx(halved, rel=0.01)
         assert before["weights_bytes"] - after["weights_bytes"] == pytest.approx(2 * halved, rel=0.01)  # bf16
         assert before["optimizer_bytes"] == after["optimizer_bytes"]
+
+
+@pytest.mark.slow
+def test_the_all_to_all_dispatch_equals_every_expert_on_every_rank(tmp_path):
+    """Outputs and every gradient of the all-to-all dispatch equal LocalExperts' with the whole layer (the experts'
+    gradients summed over the ranks: each rank's tokens reach both halves), a rank that receives no row included."""
+    import json
+
+    from tests.distributed import spawn
+    from tests.expert_parallel_worker import dispatch_against_local_experts
+    spawn(dispatch_against_local_experts, 2, str(tmp_path))
+    for rank in range(2):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(results) == 4
+        for case, differences in results.items():
+            assert max(differences) < 1e-6, (rank, case, differences)
