@@ -30,6 +30,7 @@ def main(cfg):
     from checkpoints.integrity import ChecksumError
     from checkpoints.layer_files import UnsafeFileError
     from deepspeed_internals.registry import DeepSpeedMismatch
+    from errors import ConfigError
     from resilience import exit_codes
     from resilience.preemption import Preempted
     from resilience.rank_records import record_end
@@ -47,7 +48,7 @@ def main(cfg):
         sys.exit(fail(exit_codes.CHECKPOINT_REFUSED, error))
     except FloatingPointError as error:
         sys.exit(fail(exit_codes.LOSS_NOT_FINITE, error))
-    except (ValueError, FileNotFoundError, FileExistsError, DeepSpeedMismatch) as error:  # what to fix
+    except (ConfigError, DeepSpeedMismatch) as error:  # what a person must change: a restart repeats it
         sys.exit(fail(exit_codes.CONFIG_ERROR, error))
     except Preempted as stop:  # every rank saved together; the launcher passes the code on
         say(f"trainer_pipe: {stop}", sys.stdout)

@@ -106,6 +106,10 @@ def save_layers(files, tag_dir, engine):
                     os.path.join(tag_dir, name))
 
 
+def files_bytes(files):
+    return sum(t.numel() * t.element_size() for state in files.values() for t in state.values())
+
+
 def sync_save(files, tag_dir, engine):
     os.makedirs(tag_dir)
     start = time.perf_counter()
@@ -120,7 +124,7 @@ def async_save(files, tag_dir, engine, background, run_step):
     start = time.perf_counter()
     with background.snapshots(engine) as snapshot:
         save_layers(files, tag_dir, engine)
-    background.submit(snapshot, tag_dir, completion=lambda written: None)
+    background.submit(snapshot, tag_dir, completion=lambda written: None, needed_bytes=files_bytes(files))
     call_seconds = time.perf_counter() - start
     during = []
     while True:
@@ -151,7 +155,7 @@ def main():
               f"thread): {model_step_seconds(args.num_layers, args.model_step_seq, fields):.2f} CPU s", flush=True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     files = layer_files(args.num_layers, fields)
-    size = sum(t.numel() * t.element_size() for state in files.values() for t in state.values())
+    size = files_bytes(files)
     parameters = sum(t.numel() for state in files.values() for t in state.values())
     engine, trainer = TorchCheckpointEngine(), Trainer()
     background = BackgroundSave()

@@ -3,6 +3,7 @@ follow, and what a change of layout or settings alters or drops."""
 import json
 import os
 
+from errors import ConfigError
 from models.partition import decoder_counts_of_bounds
 
 
@@ -16,10 +17,10 @@ def check_resume_topology(trainer_state, topology, weights_only, tag_dir):
         only_layers_differ = "stage_bounds" in saved and degrees_of(saved) == degrees_of(topology)
         partition = (f", or partition={decoder_counts_of_bounds(saved['stage_bounds'])} to build the checkpoint's "
                      f"stages" if only_layers_differ else "")
-        raise ValueError(f"checkpoint {tag_dir} was trained with {saved}, this run has {topology}; its optimizer "
-                         f"state (written before checkpoints saved it per layer) cannot follow a topology change. Set "
-                         f"resume_weights_only=true to continue from its weights with a fresh optimizer (the data "
-                         f"position is kept by consumed samples){partition}.")
+        raise ConfigError(f"checkpoint {tag_dir} was trained with {saved}, this run has {topology}; its optimizer "
+                          f"state (written before checkpoints saved it per layer) cannot follow a topology change. Set "
+                          f"resume_weights_only=true to continue from its weights with a fresh optimizer (the data "
+                          f"position is kept by consumed samples){partition}.")
 
 
 def degrees_of(topology):
@@ -42,9 +43,9 @@ def check_same_model(tag_dir, model_config):
     differ = [f"{key} {saved.get(key)} there, {current.get(key)} here" for key in MODEL_SHAPE_KEYS
               if saved.get(key) != current.get(key)]
     if differ:
-        raise ValueError(f"checkpoint {tag_dir} is of another model than model_name_or_path ({'; '.join(differ)}): "
-                         f"resume a checkpoint of this model, or set model_name_or_path to the converted model the "
-                         f"checkpoint was trained from.")
+        raise ConfigError(f"checkpoint {tag_dir} is of another model than model_name_or_path ({'; '.join(differ)}): "
+                          f"resume a checkpoint of this model, or set model_name_or_path to the converted model the "
+                          f"checkpoint was trained from.")
 
 
 def dropped_state(saved_settings, settings):

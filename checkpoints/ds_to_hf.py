@@ -10,6 +10,7 @@ import sys
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
@@ -17,8 +18,10 @@ from checkpoints.files import (check_output_dir, copy_model_side_files, copy_tok
                                staged_directory)
 from checkpoints.integrity import (manifest_digest, no_manifest_note, read_by_export, verify_directory,
                                    verify_model_side_files)
+from checkpoints.hf_to_ds import SAFETENSORS_DTYPES, safetensors_entries
 from checkpoints.layer_files import load_weights_only
-from models.layout import fuse, hf_name_of_layer_key, hub_piece, hub_pieces, layer_indices_with_files
+from models.layout import (MTP_FILE_NAME, fuse, hf_name_of_layer_key, hub_piece, hub_pieces,
+                           layer_indices_with_files)
 from models.llama import check_model_config, layers_on_meta
 from models.lora import NO_LORA, LoraSettings, add_adapters
 
@@ -136,8 +139,11 @@ def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overw
         adapters, adapter_shapes = read_hf_tensors(tag_dir, config, lora)
         if not merge_lora:
             return write_peft_adapter(adapters, lora, config, record["base_model"]["path"], side_dir, output_dir)
-        tensors, shapes = read_hf_tensors(base_tag_dir(record, tag_dir, verify_checksums), config)
+        tag_dir = base_tag_dir(record, tag_dir, verify_checksums)
+        tensors, shapes = read_hf_tensors(tag_dir, config)
         tensors = merged(tensors, adapters, lora.scaling)
+    extra_tensors, extra_shapes = multi_token_prediction_tensors(tag_dir, config)
+    tensors, shapes = {**tensors, **extra_tensors}, {**shapes, **extra_shapes}
     split = split_torch_state_dict_into_shards(shapes, max_shard_size=max_shard_size)
 
     with staged_directory(output_dir) as staging:
@@ -149,6 +155,28 @@ def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overw
             with open(os.path.join(staging, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
     return output_dir
+
+
+def multi_token_prediction_tensors(tag_dir, config):
+    """{HF name: a function returning the tensor} and {HF name: a meta tensor} of the multi-token-prediction layers
+    conversion kept beside the layer files (models/layout.py MTP_FILE_NAME), as they were. A training checkpoint
+    holds none: its export says so when the config names some."""
+    path = os.path.join(tag_dir, MTP_FILE_NAME)
+    if not os.path.isfile(path):
+        trained = os.path.isfile(os.path.join(tag_dir, "trainer_state.json"))
+        if trained and getattr(config, "num_nextn_predict_layers", 0):
+            print(f"note: {tag_dir} is a training checkpoint, which does not carry the model's "
+                  f"{config.num_nextn_predict_layers} multi-token-prediction layer(s) (num_nextn_predict_layers); the "
+                  f"export has none (export the converted base for them).", file=sys.stderr, flush=True)
+        return {}, {}
+    shapes = {name: torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype], device="meta")
+              for name, (dtype, shape, _, _) in safetensors_entries(path).items()}
+    return {name: functools.partial(stored_tensor, path, name) for name in shapes}, shapes
+
+
+def stored_tensor(path, name):
+    with safe_open(path, framework="pt") as handle:
+        return handle.get_tensor(name)
 
 
 def lora_record(tag_dir):

@@ -142,10 +142,13 @@ def copy_tokenizer_files(src_dir, dst_dir):
 
 
 def is_disk_full(error):
-    """ENOSPC as an OSError, as safetensors' error text ("os error 28"), or as torch.save's zip writer sees a write
-    the full disk cut short ("unexpected pos")."""
-    return (getattr(error, "errno", None) == errno.ENOSPC or "unexpected pos" in str(error)
-            or f"os error {errno.ENOSPC}" in str(error))
+    """ENOSPC as an OSError, or as the text of another error that carries it: safetensors' ("os error 28"), torch's
+    file writer's ("write(): fd 3 failed with No space left on device"), an OSError's text inside a RuntimeError
+    ("[Errno 28] ..."), or torch.save's zip writer seeing a write the full disk cut short ("unexpected pos")."""
+    text = str(error)
+    return (getattr(error, "errno", None) == errno.ENOSPC or "unexpected pos" in text
+            or f"os error {errno.ENOSPC}" in text or f"[Errno {errno.ENOSPC}]" in text
+            or os.strerror(errno.ENOSPC) in text)
 
 
 def free_bytes(path):

@@ -16,14 +16,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from checkpoints.files import (LATEST, check_output_dir, copy_model_side_files, copy_tokenizer_files,
                                has_tokenizer_files, staged_directory)
 from checkpoints.integrity import file_checksum, write_manifest
 from checkpoints.layer_files import load_weights_only, read_exactly, write_layer_file_from_ranges
-from models.layout import (expert_piece, fused_parts, hub_pieces, layer_file_path, layer_indices_with_files,
-                           layer_of_hf_name, pipeline_name)
+from checkpoints.quantized_weights import (check_scales, dequantized, drop_quantization_config, fp8_block_size,
+                                          scaled_weights, unscaled_error)
+from models.layout import (MTP_FILE_NAME, expert_piece, fused_parts, hub_pieces, is_multi_token_prediction,
+                           layer_file_path, layer_indices_with_files, layer_of_hf_name, pipeline_name)
 from models.llama import architecture_of, check_model_config, layers_on_meta
 
 IMPORT_TAG = "global_step0"
@@ -79,9 +82,11 @@ def safetensors_entries(path):
 class WeightReader:
     """Name -> tensor across shards; a tensor's bytes are read only when it is asked for. safetensors tensors are
     read straight from the file into a new tensor, without mapping the shard, so memory holds what is asked for
-    and not the pages of every shard touched so far; .bin shards are memory-mapped."""
+    and not the pages of every shard touched so far; .bin shards are memory-mapped. quantization: (block, dtype) of
+    a block-quantised fp8 checkpoint, whose weights are read dequantised to dtype (checkpoints/quantized_weights.py)
+    and whose scales are no weights of their own."""
 
-    def __init__(self, files):
+    def __init__(self, files, quantization=None):
         self.file_of = {}
         self._entries = {}
         self._bin_shards = {}
@@ -93,6 +98,15 @@ class WeightReader:
                 entries = self._bin_shards[path] = load_weights_only(path)
             for name in entries:
                 self.file_of[name] = path
+        self.scale_of = scaled_weights(self.file_of) if quantization else {}
+        self._scale_file_of = {scale: self.file_of.pop(scale) for scale in self.scale_of.values()}
+        self.block, self.dtype = quantization or (None, None)
+        unscaled = next((name for name, (dtype, *_) in self._entries.items()
+                         if dtype.startswith("F8") and name not in self.scale_of), None)
+        if unscaled:
+            raise ValueError(unscaled_error(unscaled, self._entries[unscaled][0], self.file_of[unscaled], quantization))
+        for name, scale in self.scale_of.items():
+            check_scales(name, self.shape(name), self._entries[scale][1], self.block)
 
     def shape(self, name):
         if name in self._entries:
@@ -103,7 +117,7 @@ class WeightReader:
         """(dtype, shape, path, byte offset) of a safetensors tensor (rows: (first, count), a block of its rows)
         whose bytes can be copied as they are; else None."""
         entry = self._entries.get(name)
-        if entry is None or entry[0] not in SAFETENSORS_DTYPES:
+        if entry is None or entry[0] not in SAFETENSORS_DTYPES or name in self.scale_of:
             return None
         dtype, shape, offset, _ = entry
         dtype = SAFETENSORS_DTYPES[dtype]
@@ -117,7 +131,13 @@ class WeightReader:
         if rows is not None:
             first, count = rows
             return self.tensor(name)[first:first + count].clone()
-        path = self.file_of[name]
+        if name in self.scale_of:
+            return dequantized(self.stored(name), self.stored(self.scale_of[name]), self.block, self.dtype)
+        return self.stored(name)
+
+    def stored(self, name):
+        """A tensor as its file stores it."""
+        path = self.file_of.get(name) or self._scale_file_of[name]
         if name not in self._entries:
             tensor = self._bin_shards[path][name]
             # A .bin tensor may be a view into a larger shared storage; torch.save would write all of it.
@@ -147,8 +167,8 @@ def plan_layers(reader, config):
     plan, unknown, mismatched = defaultdict(dict), [], []
     stacks = defaultdict(dict)  # {fused HF name: {place in its stack: hub name}}: the hub's per-expert tensors
     for name in sorted(reader.file_of):
-        if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved; derived from the config
-            continue
+        if name.endswith("rotary_emb.inv_freq") or is_multi_token_prediction(name, config):
+            continue  # a buffer some old checkpoints saved, derived from the config; layers kept apart (MTP_FILE_NAME)
         piece = expert_piece(name, config)
         if piece is not None:
             fused, place, per_expert = piece
@@ -258,10 +278,14 @@ def convert_hf_to_ds(model_dir, output_dir, overwrite=False, tokenizer_name_or_p
                                 f"(tokenizer.json, tokenizer.model, tokenizer_config.json, ...); point it at the "
                                 f"directory of the model's tokenizer, or leave it out to copy '{model_dir}''s.")
     config = AutoConfig.from_pretrained(model_dir)
+    block = fp8_block_size(config)
+    if block:  # read dequantised: the converted model is not quantised
+        config.quantization_config = None
     check_model_config(config)
     check_output_dir(output_dir, overwrite)
-    reader = WeightReader(find_weight_files(model_dir))
+    reader = WeightReader(find_weight_files(model_dir), (block, config.dtype or torch.bfloat16) if block else None)
     plan = plan_layers(reader, config)
+    extra_layers = sorted(name for name in reader.file_of if is_multi_token_prediction(name, config))
     expected = expected_layer_shapes(config)
 
     with staged_directory(output_dir) as staging:
@@ -275,10 +299,16 @@ def convert_hf_to_ds(model_dir, output_dir, overwrite=False, tokenizer_name_or_p
                 path = layer_file_path(tag_dir, index)
                 write_layer_file(reader, plan[index], path, expected[index])
                 checksums[os.path.basename(path)] = hasher.submit(file_checksum, path)
+            if extra_layers:
+                path = os.path.join(tag_dir, MTP_FILE_NAME)
+                save_file({name: reader.tensor(name) for name in extra_layers}, path, metadata={"format": "pt"})
+                checksums[os.path.basename(path)] = hasher.submit(file_checksum, path)
             path = write_module_only_states(tag_dir)
             checksums[os.path.basename(path)] = hasher.submit(file_checksum, path)
             write_manifest(tag_dir, {name: future.result() for name, future in checksums.items()})
         copy_model_side_files(model_dir, staging, tokenizer=not tokenizer_name_or_path)
+        if block:
+            drop_quantization_config(os.path.join(staging, "config.json"))
         if tokenizer_name_or_path:
             copy_tokenizer_files(tokenizer_name_or_path, staging)
         write_manifest(staging, {name: file_checksum(os.path.join(staging, name)) for name in os.listdir(staging)

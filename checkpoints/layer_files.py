@@ -14,6 +14,8 @@ import re
 
 import torch
 
+from errors import ConfigError
+
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6 is a zip archive
 
 
@@ -124,8 +126,8 @@ def tensors_for_rank(saved, targets, rank, size, where):
         differing = [d for d, (a, b) in enumerate(zip(first.shape, target.shape)) if a != b]
         if first.dim() != target.dim() or len(differing) != 1 or \
                 first.shape[differing[0]] * len(saved) != target.shape[differing[0]] * size:
-            raise ValueError(f"{key} in {where}: {len(saved)} saved slices of shape {tuple(first.shape)} do not "
-                             f"make {size} slices of shape {tuple(target.shape)}; the checkpoint is of another model.")
+            raise ConfigError(f"{key} in {where}: {len(saved)} saved slices of shape {tuple(first.shape)} do not "
+                              f"make {size} slices of shape {tuple(target.shape)}; the checkpoint is of another model.")
         dim = differing[0]
         piece, want = first.shape[dim], target.shape[dim]
         low, high = rank * want, (rank + 1) * want

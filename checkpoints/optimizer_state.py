@@ -33,6 +33,7 @@ from deepspeed_internals.access import (checkpoint_engine_of, engine_counters, i
                                         loss_scaler_state, replay_cpu_adam_steps, restore_engine_counters,
                                         restore_loss_scaler_state, zero_fp32_partitions, zero_fragment,
                                         zero_wrapped_optimizer)
+from errors import ConfigError
 
 MASTER = "fp32"  # the key of the master weights in a layer's optimizer-state file
 
@@ -78,7 +79,7 @@ class MasterState:
         self.optimizer = zero_wrapped_optimizer(engine.optimizer) if self.zero else engine.optimizer
         self.partitions = zero_fp32_partitions(engine.optimizer) if self.zero else None
         if not self.zero and (engine.fp16_enabled() or engine.bfloat16_enabled()):
-            raise ValueError("below fp32 the master weights are ZeRO's: set zero_stage=1.")
+            raise ConfigError("below fp32 the master weights are ZeRO's: set zero_stage=1.")
         self.create_state()
 
     def holders(self):
@@ -163,8 +164,8 @@ class MasterState:
 
     def assign(self, param, key, value, name, where):
         if value.shape != param.shape:
-            raise ValueError(f"{key} of {name} in {where} has shape {tuple(value.shape)}, this run's parameter "
-                             f"{tuple(param.shape)}; the checkpoint is of another model.")
+            raise ConfigError(f"{key} of {name} in {where} has shape {tuple(value.shape)}, this run's parameter "
+                              f"{tuple(param.shape)}; the checkpoint is of another model.")
         piece = self.fragment(param, key)
         if piece is not None:
             piece[1].copy_(value.reshape(-1).narrow(0, piece[0], piece[1].numel()))
@@ -227,12 +228,12 @@ def load_training_state(engine, tag_dir, trainer_state):
         targets = trained_parameters(layer)
         for key in keys:
             if key not in saved[0]:
-                raise ValueError(f"{paths[0]} holds no '{key}' (it has {sorted(saved[0])}): the checkpoint was "
-                                 f"trained with another optimizer; set resume_weights_only=true to start a fresh one.")
+                raise ConfigError(f"{paths[0]} holds no '{key}' (it has {sorted(saved[0])}): the checkpoint was "
+                                  f"trained with another optimizer; set resume_weights_only=true to start a fresh one.")
             values = tensors_for_rank([own_experts(s[key], targets) for s in saved], targets, rank, size, paths[0])
             for name, param in targets.items():
                 if name not in values:
-                    raise ValueError(f"{paths[0]} has no {key} of {name}; the checkpoint is of another model.")
+                    raise ConfigError(f"{paths[0]} has no {key} of {name}; the checkpoint is of another model.")
                 state.assign(param, key, values[name], name, paths[0])
     state.step = trainer_state["optimizer_step"]
     for group in engine.optimizer.param_groups:  # the schedule sets the lr after a step: this step's is saved

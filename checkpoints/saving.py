@@ -24,6 +24,7 @@ from checkpoints.rng_state import rng_state_path, save_rng_state
 from checkpoints.tag_dirs import begin_change, end_save, prune_checkpoints, tag_of_step
 from checkpoints.trainer_state import write_trainer_state
 from deepspeed_internals.access import checkpoint_engine_of
+from errors import ConfigError
 
 RUN_CONFIG_NAME = "run_config.yaml"
 
@@ -52,12 +53,23 @@ def save_checkpoint(engine, cfg, model_files_dir, trainer_state, needed_bytes, b
     or the planner's estimate before the first), checked against the free space before anything is written.
     background (async_save, checkpoints/background_save.py): the files are snapshot and written by its writer
     process, and the checkpoint is completed once every rank's are (now, with wait); a save still in flight is
-    completed first. Returns the tag directory once complete, else None."""
+    completed first (written by the trainer if its writer failed, and then this save too). Returns the tag directory
+    once complete, else None."""
     output_dir, tag = cfg.output_dir, tag_of_step(trainer_state["step"])
     tag_dir = os.path.join(output_dir, tag)
     if background is not None:
         background.wait()
+        if background.synchronous:  # a background write failed: the trainer writes every save from now on
+            background = None
     check_space_for_checkpoint(output_dir, tag, needed_bytes)
+    # rank 0 looks, every rank acts on its answer: an existing tag directory's files would mix with this save's,
+    # and its manifest hash them
+    exists = [os.path.exists(tag_dir) if dist.get_rank() == 0 else None]
+    collectives.broadcast_object_list(exists, src=0)
+    if exists[0]:
+        raise ConfigError(f"{tag_dir} exists already, and a save never writes into an existing checkpoint (a resume "
+                          f"from an older one moves the newer ones aside first, checkpoints/branches.py): is another "
+                          f"job writing {output_dir}? Move {tag_dir} away, or give the run another output_dir.")
     if dist.get_rank() == 0:
         begin_change(tag_dir, "save")  # before any file: a crash leaves a directory the next start may remove
     collectives.barrier()
@@ -70,7 +82,8 @@ def save_checkpoint(engine, cfg, model_files_dir, trainer_state, needed_bytes, b
     with disk_full_is_one_line(output_dir, tag, needed_bytes), background.snapshots(checkpoint_engine) as files:
         trainer_state = write_rank_files(engine, tag_dir, trainer_state)
     background.submit(files, tag_dir, lambda written: complete_checkpoint(cfg, model_files_dir, tag_dir,
-                                                                          trainer_state, written, needed_bytes))
+                                                                          trainer_state, written, needed_bytes),
+                      needed_bytes)
     if wait:
         background.wait()
         return tag_dir

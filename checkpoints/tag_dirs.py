@@ -5,6 +5,7 @@ never leaves a partial directory that counts as complete.
 Before a save writes anything into a tag directory, or a deletion removes anything from it, an IN_PROGRESS marker
 says that this trainer is changing it: a start removes only incomplete directories that hold it, and refuses an
 output_dir holding any other incomplete one (a converted model's global_step0, another tool's checkpoint)."""
+import contextlib
 import os
 import re
 import shutil
@@ -29,6 +30,22 @@ def complete_tags(output_dir):
     tags = [(int(m.group(1)), name) for name in os.listdir(output_dir)
             if (m := TAG_PATTERN.match(name)) and is_complete(os.path.join(output_dir, name))]
     return [name for _, name in sorted(tags)]
+
+
+def checkpoint_identities(output_dir):
+    """{tag: (inode, mtime) of its COMPLETE marker} of the complete checkpoints in output_dir: a checkpoint saved
+    again under an old tag (a fresh start over an older run) is a new one."""
+    identities = {}
+    for tag in complete_tags(output_dir):
+        with contextlib.suppress(FileNotFoundError):  # deleted since it was listed (pruned)
+            marker = os.stat(os.path.join(output_dir, tag, COMPLETE_MARKER))
+            identities[tag] = (marker.st_ino, marker.st_mtime_ns)
+    return identities
+
+
+def newest_tag(tags):
+    """The newest of checkpoint tags (by step), or None."""
+    return max(tags, key=lambda tag: int(TAG_PATTERN.match(tag).group(1)), default=None)
 
 
 def begin_change(tag_dir, what):

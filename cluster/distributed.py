@@ -7,19 +7,31 @@ from datetime import timedelta
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
+from torch.torch_version import TorchVersion
 
+import collectives
 from deepspeed_internals.access import skip_shm_comm_build
 from deepspeed_internals.registry import PipeDataParallelTopology, PipeModelDataParallelTopology
+from errors import ConfigError
 
-NCCL_TRACE_ENTRIES = "2000"  # TORCH_NCCL_TRACE_BUFFER_SIZE unless set
+NCCL_TRACE_ENTRIES = "2000"  # collectives NCCL's flight recorder keeps, unless its buffer size is set
+NCCL_TIMEOUT_TRACE = "nccl_timeout_trace_rank_"  # NCCL's own dump when a collective times out (torch adds the rank)
+# From torch 2.8 the flight recorder reads TORCH_FR_*, and warns at every process group's start that the older
+# TORCH_NCCL_* names it still reads are deprecated.
+FLIGHT_RECORDER_RENAMED = "2.8"
+FLIGHT_RECORDER_NAMES = {"buffer": ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"),
+                         "dump_file": ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")}
+COMMUNICATION_CODE = (f"torch{os.sep}distributed{os.sep}", os.path.dirname(collectives.__file__) + os.sep)
 
 
 def set_threads_per_process():
     """One share of the cores per local process: DeepSpeed's launcher sets no OMP_NUM_THREADS, and oversubscribed
-    CPU processes run an order of magnitude slower."""
+    CPU processes run an order of magnitude slower. The cores are those this process may run on (its affinity: what
+    Slurm's cpuset cgroup, taskset or numactl leave it), not the machine's: a job given 16 of 128 cores would
+    otherwise run 128 / ranks threads each on its 16."""
     if "OMP_NUM_THREADS" in os.environ:
         return
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size()))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world_size()))
 
 
 def local_world_size():
@@ -71,7 +83,29 @@ def check_devices(precision):
                          torch.cuda.device_count(), torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
                          torch.cuda.get_device_name(local_rank) if local_rank < torch.cuda.device_count() else "")
     if error:
-        raise ValueError(error)
+        raise ConfigError(error)
+
+
+def flight_recorder_environment(dump_dir, environ, torch_version=torch.__version__):
+    """What NCCL's flight recorder needs set before a process group starts (what `environ` does not set already, by
+    either name): it keeps the last NCCL_TRACE_ENTRIES collectives of every group (the hang watchdog's dump) and, when
+    a collective times out, NCCL dumps them into dump_dir; under the names this torch reads without a warning."""
+    renamed = TorchVersion(torch_version) >= FLIGHT_RECORDER_RENAMED
+    wanted = {"buffer": NCCL_TRACE_ENTRIES, "dump_file": os.path.join(dump_dir, NCCL_TIMEOUT_TRACE)}
+    env = {FLIGHT_RECORDER_NAMES[key][0 if renamed else 1]: value for key, value in wanted.items()
+           if not any(name in environ for name in FLIGHT_RECORDER_NAMES[key])}
+    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in environ:
+        env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+    return env
+
+
+def set_up_flight_recorder(dump_dir):
+    """flight_recorder_environment into this process's environment, on CUDA (NCCL); the directory to create once
+    the run may write there, or None."""
+    if get_accelerator().device_name() != "cuda":
+        return None
+    os.environ.update(flight_recorder_environment(dump_dir, os.environ))
+    return dump_dir
 
 
 def init_distributed(timeout_minutes):
@@ -79,20 +113,24 @@ def init_distributed(timeout_minutes):
     if get_accelerator().device_name() == "cpu":
         # gloo does the CPU collectives; this skips JIT-building DeepSpeed's shared-memory op (~35 s per machine).
         skip_shm_comm_build()
-    # NCCL's flight recorder keeps the last collectives of every group for the hang watchdog's dump; read when a
-    # group starts.
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", NCCL_TRACE_ENTRIES)
     deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes))
     # Object collectives before the engine exists (checksum verification) run on the current device: each rank's own.
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def communication_failure(error):
-    """Whether `error` came out of torch.distributed (a collective or point-to-point call: a peer gone, a timeout),
-    which is more often another rank's failure seen from here than this rank's own."""
+    """Whether `error` came out of a collective or point-to-point call (torch.distributed, or collectives/, where a
+    posted request's wait raises: a peer gone, a timeout), which is more often another rank's failure seen from here
+    than this rank's own."""
     frames = traceback.extract_tb(error.__traceback__)
-    return isinstance(error, torch.distributed.DistError) or bool(frames) and (
-        f"torch{os.sep}distributed{os.sep}" in frames[-1].filename)
+    return isinstance(error, torch.distributed.DistError) or bool(frames) and any(
+        place in frames[-1].filename for place in COMMUNICATION_CODE)
+
+
+def log_rank0(message):
+    """print on global rank 0 (every rank before the process group exists)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(message, flush=True)
 
 
 def parallel_topology(num_stages, tensor_parallel_size=1):

@@ -15,14 +15,18 @@ import time
 
 import torch.distributed as dist
 
+from errors import ConfigError
+
 VISIBLE_WITHIN_S = 300  # NFS keeps a negative lookup for at most acdirmax (60 s by default); room to spare
 PROGRESS_EVERY_S = 60
 ERROR_DELIVERY_S = 30  # how long a failed rank 0 keeps its store up for the others to read its error
 _builds = itertools.count()  # every rank builds the same things in the same order: the n-th build's store key
 
 
-class SharedFileError(ValueError):
-    """Rank 0 failed, or took longer than allowed, or its files never showed on this node; the message says which."""
+class SharedFileError(RuntimeError):
+    """Rank 0 failed, or took longer than allowed, or its files never showed on this node; the message says which.
+    Not the user's to fix (rank 0 killed while building, a filesystem slower than allowed): a restart may well help.
+    Where rank 0 failed on the user's input (a ConfigError), the other ranks raise a ConfigError too."""
 
 
 def built_by_rank_zero(build, what, limit_minutes, log=print, poll_s=1.0):
@@ -37,7 +41,8 @@ def built_by_rank_zero(build, what, limit_minutes, log=print, poll_s=1.0):
         try:
             paths = [str(path) for path in build()]
         except BaseException as error:
-            store.set(key, json.dumps({"error": f"{type(error).__name__}: {error}"}))
+            store.set(key, json.dumps({"error": f"{type(error).__name__}: {error}",
+                                       "config": isinstance(error, ConfigError)}))
             wait_for_readers(store, key, dist.get_world_size() - 1)  # the store dies with rank 0
             raise
         store.set(key, json.dumps({"paths": paths}))
@@ -45,7 +50,7 @@ def built_by_rank_zero(build, what, limit_minutes, log=print, poll_s=1.0):
     word = json.loads(wait_on_store(store, key, what, limit_minutes, log, poll_s))
     if "error" in word:
         store.add(f"{key}/read", 1)
-        raise SharedFileError(f"rank 0 could not build {what}: {word['error']}")
+        raise (ConfigError if word["config"] else SharedFileError)(f"rank 0 could not build {what}: {word['error']}")
     wait_for_files(word["paths"], VISIBLE_WITHIN_S, poll_s)
     return word["paths"]
 

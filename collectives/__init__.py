@@ -112,6 +112,13 @@ def recv(tensor, peer):
     dist.recv(tensor, peer)
 
 
+def wait(works):
+    """Wait for posted point-to-point requests (isend, irecv): a peer's failure is raised here, in this package,
+    where cluster/distributed.py's communication_failure recognises it as one."""
+    for work in works:
+        work.wait()
+
+
 def barrier(group=None):
     dist.barrier(group=group)
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from checkpoints.files import write_text_atomic
 from cluster.shared_files import VISIBLE_WITHIN_S, built_by_rank_zero, wait_for_files
+from errors import ConfigError
 
 from .formats import (PREFERENCE_FIELDS, TOKEN_FEATURE, DataSettings, chat_problem, preference_problem,
                       record_tokenizer, with_chat_template)
@@ -84,7 +85,7 @@ def build_dataset(
 
     The dataset has int columns `input_ids` and `labels` (-100 where no loss is taken), plus `lengths` (the
     documents of each row) with packing or text document isolation, and stays memory-mapped.
-    Raises ValueError for malformed JSON lines or chat examples (bad_lines=error: file and 1-based line number),
+    Raises ConfigError for malformed JSON lines or chat examples (bad_lines=error: file and 1-based line number),
     token ids outside the vocabulary (file, example index, id) and an empty result (file and why).
     """
     path = Path(path).resolve()
@@ -192,9 +193,9 @@ def _write_manifest(manifest: Path, examples: datasets.Dataset, stats: BuildStat
 def _load_raw(path: Path, settings: DataSettings, cache_dir: Path, stats: BuildStats, tokenizer) -> datasets.Dataset:
     loader = _LOADERS.get(path.suffix.lower())
     if loader is None:
-        raise ValueError(f"{path}: unsupported file type {path.suffix!r}; expected one of {', '.join(_LOADERS)}")
+        raise ConfigError(f"{path}: unsupported file type {path.suffix!r}; expected one of {', '.join(_LOADERS)}")
     if loader == "text" and settings.format != "text":
-        raise ValueError(f"{path}: a .txt file holds plain text; it needs data.format=text, not {settings.format}")
+        raise ConfigError(f"{path}: a .txt file holds plain text; it needs data.format=text, not {settings.format}")
     if path.stat().st_size == 0:
         raise _no_examples(path, "the file is empty")
     source = path
@@ -216,8 +217,8 @@ def _load_raw(path: Path, settings: DataSettings, cache_dir: Path, stats: BuildS
             source.unlink()
     missing = [] if loader == "text" else [f for f in settings.required_fields() if f not in raw.column_names]
     if missing:
-        raise ValueError(f"{path}: records lack field(s) {missing} of data.format={settings.format}"
-                         f"{settings.format_hint(raw.column_names) or f'; they have {raw.column_names}'}")
+        raise ConfigError(f"{path}: records lack field(s) {missing} of data.format={settings.format}"
+                          f"{settings.format_hint(raw.column_names) or f'; they have {raw.column_names}'}")
     stats.records = raw.num_rows
     return raw
 
@@ -238,12 +239,12 @@ def _scan_json_lines(path: Path, settings: DataSettings, check=None) -> tuple[in
                 continue  # blank lines are layout, not records
             problem = _json_line_problem(line, settings, check)
             if problem and problem.startswith(_WRONG_FORMAT):  # the whole file is another format: skipping is no fix
-                raise ValueError(f"{path}: line {line_number} {problem}")
+                raise ConfigError(f"{path}: line {line_number} {problem}")
             if problem is None:
                 good += 1
                 continue
             if settings.bad_lines == "error":
-                raise ValueError(f"{path}: line {line_number}: {problem}; fix it or set data.bad_lines=skip")
+                raise ConfigError(f"{path}: line {line_number}: {problem}; fix it or set data.bad_lines=skip")
             bad.append(line_number)
     return good, bad
 
@@ -294,7 +295,7 @@ def _check_token_ids(records: datasets.Dataset, vocab_size: int, path: Path) -> 
 
 def _check_column_ids(column, vocab_size: int, path: Path) -> None:
     if not (pa.types.is_list(column.type) and pa.types.is_integer(column.type.value_type)):
-        raise ValueError(f"{path}: input_ids must be lists of integers, found {column.type}")
+        raise ConfigError(f"{path}: input_ids must be lists of integers, found {column.type}")
     ids = pc.list_flatten(column)
     if len(ids) == 0:
         return
@@ -303,8 +304,8 @@ def _check_column_ids(column, vocab_size: int, path: Path) -> None:
         return
     first_bad = pc.index(pc.or_(pc.less(ids, 0), pc.greater_equal(ids, vocab_size)), True).as_py()
     example = pc.list_parent_indices(column)[first_bad].as_py()
-    raise ValueError(f"{path}: example {example} holds token id {ids[first_bad].as_py()}, "
-                     f"outside the vocabulary [0, {vocab_size})")
+    raise ConfigError(f"{path}: example {example} holds token id {ids[first_bad].as_py()}, "
+                      f"outside the vocabulary [0, {vocab_size})")
 
 
 # --- pass 2: token sequences → training rows of at most seq_length -----------------------------------------------
@@ -371,8 +372,8 @@ def _sum(values) -> int:
     return pc.sum(values).as_py() or 0  # Arrow's sum of nothing is null
 
 
-def _no_examples(path: Path, why: str) -> ValueError:
-    return ValueError(f"{path}: no training examples after tokenization: {why}")
+def _no_examples(path: Path, why: str) -> ConfigError:
+    return ConfigError(f"{path}: no training examples after tokenization: {why}")
 
 
 def _why_empty(stats: BuildStats, settings: DataSettings) -> str:

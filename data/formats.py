@@ -12,6 +12,7 @@ from typing import Any
 
 import datasets
 
+from errors import ConfigError
 from models.labels import IGNORE_INDEX
 FORMATS = ("pretokenized", "text", "instruction", "chat", "preference", "indexed")  # indexed: data/indexed.py
 FORMAT_FIELDS = {"pretokenized": ("input_ids",), "instruction": ("prompt", "response"), "chat": ("messages",),
@@ -55,12 +56,12 @@ class DataSettings:
         choices = {"format": FORMATS, "overlong": ("truncate", "split"), "bad_lines": ("error", "skip")}
         for name, allowed in choices.items():
             if getattr(settings, name) not in allowed:
-                raise ValueError(f"data.{name}={getattr(settings, name)!r}: expected one of {', '.join(allowed)}")
+                raise ConfigError(f"data.{name}={getattr(settings, name)!r}: expected one of {', '.join(allowed)}")
         if settings.format == "preference" and (settings.packing or settings.overlong == "split"):
             refused = "data.packing=true" if settings.packing else "data.overlong=split"
-            raise ValueError(f"data.format=preference with {refused}: "
-                             "a pair's two sequences travel whole, one per row (overlong pairs are truncated as TRL "
-                             "does); set data.packing=false and data.overlong=truncate")
+            raise ConfigError(f"data.format=preference with {refused}: "
+                              "a pair's two sequences travel whole, one per row (overlong pairs are truncated as TRL "
+                              "does); set data.packing=false and data.overlong=truncate")
         return settings
 
     def required_fields(self) -> dict[str, type]:
@@ -136,15 +137,15 @@ def with_chat_template(tokenizer, template_file: str | None):
     itself when it ships a template; an error naming data.chat_template when neither has one."""
     if template_file:
         if not Path(template_file).is_file():
-            raise ValueError(f"data.chat_template '{template_file}' does not exist; give the path of a Jinja file")
+            raise ConfigError(f"data.chat_template '{template_file}' does not exist; give the path of a Jinja file")
         tokenizer = copy.copy(tokenizer)
         tokenizer.chat_template = Path(template_file).read_text()
     elif not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"data.format=chat (or preference with conversations): the tokenizer "
-                         f"({getattr(tokenizer, 'name_or_path', '') or 'given'}) has "
-                         "no chat template (an instruct checkpoint ships one in tokenizer_config.json or "
-                         "chat_template.jinja, which convert2ckpt.py copies); supply one from a Jinja file with "
-                         "data.chat_template=PATH")
+        raise ConfigError(f"data.format=chat (or preference with conversations): the tokenizer "
+                          f"({getattr(tokenizer, 'name_or_path', '') or 'given'}) has "
+                          "no chat template (an instruct checkpoint ships one in tokenizer_config.json or "
+                          "chat_template.jinja, which convert2ckpt.py copies); supply one from a Jinja file with "
+                          "data.chat_template=PATH")
     return tokenizer
 
 
@@ -186,8 +187,8 @@ def _tokenize_chats(batch, indices, *, tokenizer, field: str, path: Path) -> dic
     for index, messages in zip(indices, batch[field]):
         problem = chat_problem({field: messages}, tokenizer=tokenizer, field=field)
         if problem:
-            raise ValueError(f"{path}: example {index}: {problem}; fix it (a JSON-lines file can also skip it with "
-                             "data.bad_lines=skip)")
+            raise ConfigError(f"{path}: example {index}: {problem}; fix it (a JSON-lines file can also skip it with "
+                              "data.bad_lines=skip)")
         full, targets, ends = (_marked_turns(tokenizer, messages) if marked
                                else _prefix_turns(tokenizer, messages, where=f"{path}: example {index}"))
         input_ids.append(full)
@@ -207,7 +208,7 @@ def _prefix_turns(tokenizer, messages, where: str) -> tuple[list, list, list]:
     targets, ends = [IGNORE_INDEX] * len(full), []
     for i, prompt, upto in zip(turns, prefixes[0::2], prefixes[1::2]):
         if full[:len(upto)] != upto or upto[:len(prompt)] != prompt:
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: the chat template's render of the conversation up to message {i} is not a token prefix "
                 "of the whole conversation's, so the assistant's tokens cannot be located (templates that rewrite "
                 "earlier turns, e.g. drop past reasoning, or end the conversation with a token, do this); supply "
@@ -292,8 +293,8 @@ def _tokenize_pairs(batch, indices, *, tokenizer, path: Path) -> dict:
     for index, prompt, chosen, rejected in zip(indices, prompts, batch["chosen"], batch["rejected"]):
         problem = preference_problem(dict(zip(PREFERENCE_FIELDS, (prompt, chosen, rejected))))
         if problem:
-            raise ValueError(f"{path}: example {index}: {problem}; fix it (a JSON-lines file can also skip it with "
-                             "data.bad_lines=skip)")
+            raise ConfigError(f"{path}: example {index}: {problem}; fix it (a JSON-lines file can also skip it with "
+                              "data.bad_lines=skip)")
         if prompt is None:
             prompt, chosen, rejected = split_implicit_prompt(chosen, rejected)
         if isinstance(prompt, str):

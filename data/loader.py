@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 import collectives
+from errors import ConfigError
 from .collator import collate, collate_causal_lm
 from .length_buckets import BucketedSampler, LengthBuckets
 
@@ -62,8 +63,8 @@ class StageLoader:
         else:
             self.num_micro_batches = buckets.steps_per_epoch * buckets.global_batch // (dp_size * micro_batch_size)
         if self.num_micro_batches == 0:
-            raise ValueError(f"{len(dataset)} examples give no micro-batch of {micro_batch_size} to each of "
-                             f"{dp_size} data-parallel ranks")
+            raise ConfigError(f"{len(dataset)} examples give no micro-batch of {micro_batch_size} to each of "
+                              f"{dp_size} data-parallel ranks")
         self.epoch, self.start = 0, 0
         self._loader = None
         if reads_data:
@@ -184,7 +185,7 @@ def check_identical_across_group(batches, group, batches_per_check=1):
         collectives.all_reduce(extremes, op=collectives.ReduceOp.MAX, group=group)
         if extremes[0] != -extremes[1]:
             which = f"{first}" if len(held) == 1 else f"{first} to {first + len(held) - 1}"
-            raise ValueError(
+            raise ConfigError(
                 f"tensor-parallel ranks {dist.get_process_group_ranks(group)} received different micro-batches "
                 f"(micro-batch {which} of this run): every rank of a tensor-parallel group must see the same data. "
                 f"Usual cause: random augmentation, shuffling or sampling seeded per global rank; seed it by the "

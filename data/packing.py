@@ -6,6 +6,8 @@ from itertools import accumulate, chain
 
 import datasets
 
+from errors import ConfigError
+
 from .formats import IGNORE_INDEX, TOKEN_FEATURE
 
 PACKED_FEATURES = datasets.Features({"input_ids": TOKEN_FEATURE, "labels": TOKEN_FEATURE, "lengths": TOKEN_FEATURE})
@@ -111,8 +113,8 @@ def cut_pairs(batch, indices, *, seq_length: int, skip: bool, path) -> dict:
         if problem:
             if skip:
                 continue
-            raise ValueError(f"{path}: example {index}: {problem}; raise seq_length, shorten it, or drop such pairs "
-                             "with data.bad_lines=skip")
+            raise ConfigError(f"{path}: example {index}: {problem}; raise seq_length, shorten it, or drop such pairs "
+                              "with data.bad_lines=skip")
         for side, ids in zip(("chosen", "rejected"), sequences):
             rows[f"{side}_input_ids"].append(ids)
             rows[f"{side}_labels"].append([IGNORE_INDEX] * len(prompt) + ids[len(prompt):])

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from errors import ConfigError
+
 INDEX_HEADER = b"MMIDIDX\x00\x00"  # Megatron's .idx magic, then version 1 (<Q), dtype code (<B), 2 counts (<Q)
 HEADER_BYTES = 34
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
@@ -30,7 +32,7 @@ def megatron_datasets():
     return indexed_dataset, helpers
 
 
-class ShardError(ValueError):
+class ShardError(ConfigError):
     """Shards that cannot train; the message names the file and what to do."""
 
 

@@ -255,8 +255,7 @@ class ChunkedPipelineEngine(ZeroBubblePipelineEngine):
 
     def _exec_wait_transfer(self, op):
         tensors, works = self._posted.pop(op)
-        for work in works:
-            work.wait()
+        collectives.wait(works)
         if op.direction == "recv":
             for tensor in tensors:
                 tensor.requires_grad = op.tensor == "activation" and tensor.is_floating_point()

@@ -18,6 +18,7 @@ from deepspeed_internals.access import (activation_buffer, add_grads_to_bf16_opt
                                         clear_bf16_optimizer_grads, pipe_buffer, receive_activation_shapes_once,
                                         run_backward_pass, send_activation_shapes_once, sends_need_deepspeed_handlers,
                                         set_pipe_buffer, set_received_gradients, uses_bf16_optimizer)
+from errors import ConfigError
 from models.weight_grads import WeightGradQueue
 from engines.zero_bubble_schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
                                           ZeroBubbleSchedule)
@@ -60,8 +61,7 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         posted_buffer, tensors, works = self._posted_receives.popleft()
         if posted_buffer != buffer_id:
             raise RuntimeError(f"zero_bubble: activations posted for buffer {posted_buffer} waited for as {buffer_id}")
-        for work in works:
-            work.wait()
+        collectives.wait(works)
         for tensor in tensors:
             tensor.requires_grad = tensor.is_floating_point()
         inputs = tensors if isinstance(activation_buffer(self), tuple) else tensors[0]
@@ -93,8 +93,7 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         """The step's first instruction after the last W: sends complete, no weight gradient left behind."""
         if len(self.module.parallel.weight_grads) or self._posted_receives:
             raise RuntimeError("zero_bubble: a micro-batch's weight gradients or activations were left over at the step")
-        for work in self._sends:
-            work.wait()
+        collectives.wait(self._sends)
         self._sends = []
         super()._exec_reduce_tied_grads()
 
@@ -116,8 +115,8 @@ def use_zero_bubble(engine, max_waiting=None):
     one: the subclass adds methods and instructions, and its state: the module's weight-gradient queue, the sends
     and activation receives in flight and the cap on micro-batches waiting for W (None: ZB-H1's)."""
     if sends_need_deepspeed_handlers(engine):
-        raise ValueError("pipeline_schedule=zero_bubble does not support dynamic shapes, bool tensors between "
-                         "stages or pipe_partitioned; use pipeline_schedule=1f1b.")
+        raise ConfigError("pipeline_schedule=zero_bubble does not support dynamic shapes, bool tensors between "
+                          "stages or pipe_partitioned; use pipeline_schedule=1f1b.")
     engine.module.parallel.weight_grads = WeightGradQueue()
     engine._sends = []
     engine._posted_receives = collections.deque()

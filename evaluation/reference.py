@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import collectives
 from checkpoints.files import atomic_write
+from errors import ConfigError
 from models.lora import adapters_off
 from evaluation.eval_set import score_examples
 from cluster.shared_files import VISIBLE_WITHIN_S, wait_for_files
@@ -68,8 +69,8 @@ def with_reference(engine, dataset, dataset_length, path, checkpoint, cfg, pad_i
             atomic_write(path, lambda f: torch.save(stored, f))
         log(f"stored them in {path}")
     if stored["checkpoint"] != checkpoint:
-        raise ValueError(f"{path} holds reference log-probabilities of checkpoint {stored['checkpoint']}, not of "
-                         f"{checkpoint} this run starts from; delete it to compute them again.")
+        raise ConfigError(f"{path} holds reference log-probabilities of checkpoint {stored['checkpoint']}, not of "
+                          f"{checkpoint} this run starts from; delete it to compute them again.")
     return None if dataset is None else WithReference(dataset, stored["chosen"], stored["rejected"])
 
 

@@ -11,6 +11,8 @@ exactly as transformers' modeling file for the family computes it:
 | granite    | embedding, residual and attention multipliers; logits divided by logits_scaling                    |
 | smollm3    | no rotary embedding on the layers no_rope_layers marks 0                                           |
 | phi3       | fused qkv_proj and gate_up_proj (split in the pipeline: models/layout.py); partial rotary; no bias |
+| deepseek_v3| multi-head latent attention (models/latent_attention.py)                                          |
+| glm4_moe   | bias on q, k, v only (attention_bias); a per-head q/k norm with use_qk_norm; partial rotary        |
 
 The mixture-of-experts families replace the MLP of some or all layers by the MoE block (models/moe.py), whose
 options (MixtureOfExperts below) come from the config too:
@@ -23,6 +25,8 @@ options (MixtureOfExperts below) come from the config too:
 | olmoe      | q_norm, k_norm over the whole q and k projections (scaled after the cast, unlike olmo2's)          |
 | gpt_oss    | attention sinks; biases everywhere; a sliding window on the layers layer_types marks; YaRN; a     |
 |            | router with a bias, top-k of the logits then a softmax; experts with biases and a clamped SwiGLU  |
+| deepseek_v3| the first first_k_dense_replace layers dense; DeepSeek-V3's sigmoid, group-limited router with its |
+| glm4_moe   | score-correction bias (models/sigmoid_router.py); shared experts (ungated) beside the routed ones  |
 """
 import dataclasses
 import difflib
@@ -31,7 +35,8 @@ import functools
 import torch.nn.functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "deepseek_v3", "glm4_moe")
+SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe")  # DeepSeek-V3's router (models/sigmoid_router.py)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", *MOE_MODEL_TYPES)
 # transformers' ACT2FN for the activations LLaMA-family models use (importing ACT2FN costs ~75 MB per process).
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
@@ -42,6 +47,7 @@ NOT_IMPLEMENTED = {"attn_logit_softcapping": "an attention logit soft-cap", "fin
                    "use_qk_norm": "a query/key norm this family's layer does not have",
                    "clip_qkv": "query, key and value clipping", "quantization_config":
                    "quantized weights (dequantize the checkpoint to bf16 or fp32 first)"}
+IMPLEMENTED_BY = {"use_qk_norm": ("glm4_moe",)}  # {field of NOT_IMPLEMENTED: the families that implement it}
 # Randomness that transformers applies while training (never in evaluation) and this pipeline does not: {field: what}.
 TRAINING_DROPOUT = {"attention_dropout": "dropout on the attention weights",
                     "resid_pdrop": "dropout on each sublayer's output",
@@ -63,7 +69,10 @@ class MixtureOfExperts:
     transposed: bool = False  # GPT-OSS's experts: gate_up_proj [E, H, 2I], gate and up interleaved; else [E, 2I, H]
     swiglu_limit: float | None = None  # GPT-OSS's clamped SwiGLU: (clamp(up) + 1) * gate * sigmoid(alpha * gate)
     swiglu_alpha: float = 1.0
-    shared_expert_size: int = 0  # Qwen2-MoE: a shared expert (a dense MLP) behind a sigmoid gate
+    shared_expert_size: int = 0  # a shared expert's width (a dense MLP beside the routed ones), 0: none
+    shared_expert_name: str = "shared_expert"  # DeepSeek-V3's: shared_experts
+    shared_expert_gated: bool = True  # Qwen2-MoE's behind a sigmoid gate (shared_expert_gate); DeepSeek-V3's not
+    sigmoid_routing: bool = False  # DeepSeek-V3's router (models/sigmoid_router.py), a module of its own
     aux_loss: bool = False  # transformers' output_router_logits: the load-balancing loss (models/router_loss.py)
     aux_loss_coef: float = 0.0
 
@@ -87,6 +96,7 @@ class Architecture:
     attention_sinks: bool = False  # GPT-OSS: a learned logit per head in each softmax's denominator
     moe: MixtureOfExperts | None = None
     sparse_layers: tuple = ()  # per decoder layer: whether its MLP is the MoE block
+    latent_attention: bool = False  # DeepSeek-V3: multi-head latent attention (models/latent_attention.py)
 
 
 def head_dim_of(config):
@@ -112,23 +122,26 @@ def architecture_of(config):
     layers = range(config.num_hidden_layers)
     return Architecture(
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and config.qkv_bias) or (
-            attention_bias and family in BIASED_ATTENTION),
+            attention_bias and family in (*BIASED_ATTENTION, "glm4_moe")),
         o_bias=attention_bias and family in BIASED_ATTENTION,
         mlp_bias=mlp_bias and family in ("llama", "granite", "smollm3"),
-        qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "projection", "olmoe": "projection"}.get(family),
+        qk_norm="head" if family == "glm4_moe" and config.use_qk_norm else {
+            "qwen3": "head", "qwen3_moe": "head", "olmo2": "projection", "olmoe": "projection"}.get(family),
         post_norms=family == "olmo2",
         embedding_multiplier=getattr(config, "embedding_multiplier", 1.0) if family == "granite" else 1.0,
         residual_multiplier=getattr(config, "residual_multiplier", 1.0) if family == "granite" else 1.0,
         attention_scale=config.attention_multiplier if family == "granite" else None,
         logits_scaling=config.logits_scaling if family == "granite" else 1.0,
-        rotary_fraction=config.rope_parameters.get("partial_rotary_factor", 1.0) if family == "phi3" else 1.0,
+        rotary_fraction=config.rope_parameters.get("partial_rotary_factor", 1.0) if family in ("phi3", "glm4_moe")
+        else 1.0,
         rotary_layers=tuple(bool(config.no_rope_layers[i]) if family == "smollm3" else True for i in layers),
         sliding_windows=tuple(sliding_window(config, i) for i in layers),
         fused_projections=family == "phi3",
         norm_scale_in_fp32=family in ("olmo2", "gpt_oss"),
         attention_sinks=family == "gpt_oss",
         moe=mixture_of_experts(config),
-        sparse_layers=tuple(sparse_layer(config, i) for i in layers))
+        sparse_layers=tuple(sparse_layer(config, i) for i in layers),
+        latent_attention=family == "deepseek_v3")
 
 
 BIASED_ATTENTION = ("llama", "qwen3", "olmo2", "granite", "smollm3", "qwen3_moe", "olmoe", "gpt_oss")  # attention_bias
@@ -140,6 +153,12 @@ def mixture_of_experts(config):
     if family not in MOE_MODEL_TYPES:
         return None
     gpt_oss = family == "gpt_oss"
+    if family in SIGMOID_ROUTED:  # no load-balancing loss: transformers' forward computes none for them
+        return MixtureOfExperts(
+            num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
+            expert_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+            shared_expert_size=config.moe_intermediate_size * config.n_shared_experts,
+            shared_expert_name="shared_experts", shared_expert_gated=False, sigmoid_routing=True)
     return MixtureOfExperts(
         num_experts=config.num_experts, top_k=config.num_experts_per_tok,
         expert_size=config.moe_intermediate_size if family in ("qwen3_moe", "qwen2_moe") else config.intermediate_size,
@@ -154,6 +173,8 @@ def mixture_of_experts(config):
 def sparse_layer(config, layer):
     """Whether decoder layer `layer`'s MLP is the MoE block: every layer of an MoE family but, in Qwen's, those
     mlp_only_layers lists and those decoder_sparse_step skips."""
+    if config.model_type in SIGMOID_ROUTED:
+        return layer >= config.first_k_dense_replace
     if config.model_type not in MOE_MODEL_TYPES or config.num_experts == 0:
         return False
     if config.model_type in ("qwen3_moe", "qwen2_moe"):
@@ -195,7 +216,7 @@ def check_model_config(config):
                          f"{', '.join(SUPPORTED_MODEL_TYPES)} (the LLaMA layout and its mixtures of experts)"
                          + (f"; the nearest is '{nearest[0]}', whose layers differ from it." if nearest else "."))
     for field, what in NOT_IMPLEMENTED.items():
-        if getattr(config, field, None) not in (None, False):
+        if getattr(config, field, None) not in (None, False) and config.model_type not in IMPLEMENTED_BY.get(field, ()):
             raise ValueError(f"{field}={getattr(config, field)!r} in the {config.model_type} config asks for {what}, "
                              f"which this pipeline does not implement.")
     kv_heads = config.num_key_value_heads or config.num_attention_heads
@@ -204,7 +225,20 @@ def check_model_config(config):
                          f"num_key_value_heads ({kv_heads}).")
     if config.hidden_act not in ACTIVATIONS:
         raise ValueError(f"hidden_act '{config.hidden_act}' is not supported.")
+    check_deepseek_line(config)
     rope_type = config.rope_parameters.get("rope_type", "default")
     if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope_parameters rope_type '{rope_type}' is not implemented; implemented: default, "
                          f"{', '.join(ROPE_INIT_FUNCTIONS)}.")
+
+
+def check_deepseek_line(config):
+    """What the DeepSeek-V3 line's configs may ask that this pipeline does not compute as transformers does."""
+    if config.model_type == "deepseek_v3" and config.num_key_value_heads != config.num_attention_heads:
+        raise ValueError(f"num_key_value_heads={config.num_key_value_heads} in the deepseek_v3 config differs from "
+                         f"num_attention_heads={config.num_attention_heads}: multi-head latent attention expands one "
+                         f"key and value per query head (transformers' DeepseekV3Attention cannot run it either); set "
+                         f"num_key_value_heads to {config.num_attention_heads}.")
+    if config.model_type in SIGMOID_ROUTED and config.n_routed_experts % config.n_group:
+        raise ValueError(f"n_group={config.n_group} in the {config.model_type} config does not divide "
+                         f"n_routed_experts={config.n_routed_experts}: the router ranks groups of equal size.")

@@ -188,6 +188,10 @@ def causal_lower_right_attention(q, k, v, grouped, scale=None):
     no mask tensor: CUDA's flash kernels align a causal mask there (torch's causal_lower_right), but the CPU's aligns
     it at the first key and SDPA would materialise the mask and keep it per layer for backward."""
     if q.device.type == "cpu":
+        if v.shape[-1] != q.shape[-1]:  # MLA's values: the CPU kernel takes one width, so zeros pad the narrower
+            width, scale = max(q.shape[-1], v.shape[-1]), q.shape[-1] ** -0.5 if scale is None else scale
+            q, k, padded = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+            return LowerRightCausalOnCPU.apply(q, k, padded, scale)[..., :v.shape[-1]]
         return LowerRightCausalOnCPU.apply(q, k, v, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
                                           enable_gqa=grouped, scale=scale)

@@ -123,7 +123,7 @@ def fused_groups(config, names):
 # the order each expert's block stacks them}).
 HUB_EXPERTS = {"mixtral": ("block_sparse_moe.", {"experts.gate_up_proj": ("w1.weight", "w3.weight"),
                                                   "experts.down_proj": ("w2.weight",)})}
-HUB_EXPERTS.update(dict.fromkeys(("qwen3_moe", "qwen2_moe", "olmoe"), ("mlp.", {
+HUB_EXPERTS.update(dict.fromkeys(("qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe"), ("mlp.", {
     "experts.gate_up_proj": ("gate_proj.weight", "up_proj.weight"), "experts.down_proj": ("down_proj.weight",)})))
 _HUB_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(.+)$")
 
@@ -172,3 +172,17 @@ def hub_piece(tensor, piece):
         return tensor
     expert, index, parts = piece
     return tensor[expert].chunk(parts)[index]
+
+
+# The multi-token-prediction layers a DeepSeek-V3 or GLM-4.5 checkpoint ships after its decoder layers
+# (num_nextn_predict_layers of them, model.layers.{L}.* on): transformers' CausalLM forward never runs them (they
+# serve speculative decoding), nor does the pipeline; conversion keeps their tensors as they are, in this file of
+# the converted tag, and export writes them back.
+MTP_FILE_NAME = "mtp_layers.safetensors"
+
+
+def is_multi_token_prediction(name, config):
+    """Whether a Hugging Face weight belongs to a multi-token-prediction layer."""
+    match = _DECODER.match(name)
+    extra = getattr(config, "num_nextn_predict_layers", 0) or 0
+    return bool(match) and config.num_hidden_layers <= int(match.group(1)) < config.num_hidden_layers + extra

@@ -13,60 +13,18 @@ model family changes (norms, multipliers, windows, rotary layers) comes from mod
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from models.architecture import (ACTIVATIONS, architecture_of, check_model_config,  # noqa: F401 (re-exported)
                                  fused_projections, head_dim_of)
-from models.context_parallel import NO_CONTEXT_PARALLEL, causal_lower_right_attention
+from models.attention_kernels import additive_mask, apply_rotary, attend
+from models.context_parallel import NO_CONTEXT_PARALLEL
+from models.latent_attention import LatentAttention
 from models.moe import MoEBlock
+from models.norms import HeadRMSNorm, ProjectionRMSNorm, RMSNorm
 from models.router_loss import carry_routing, initial_routing, pack_stage, unpack_stage
 from models.tensor_parallel import NO_TENSOR_PARALLEL
-
-
-class RMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale (scale_in_fp32, OLMo 2's: scale, then
-    cast back)."""
-
-    def __init__(self, hidden_size, eps, parallel=NO_TENSOR_PARALLEL, scale_in_fp32=False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-        self.parallel = parallel
-        self.scale_in_fp32 = scale_in_fp32
-
-    def forward(self, x):
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        weight = self.parallel.replicated(self.weight)
-        return (weight * normed).to(x.dtype) if self.scale_in_fp32 else weight * normed.to(x.dtype)
-
-
-class HeadRMSNorm(RMSNorm):
-    """Qwen3's q_norm / k_norm: an RMSNorm over each head's features of a projection's output, one weight shared by
-    every head. Under tensor parallelism each rank normalises its own heads, so the weight's gradient is summed
-    over the group."""
-
-    def forward(self, x):
-        heads = x.unflatten(-1, (-1, self.weight.shape[0]))
-        normed = F.rms_norm(heads.float(), (heads.shape[-1],), eps=self.eps)
-        return (self.parallel.shared_by_heads(self.weight) * normed.to(x.dtype)).flatten(-2)
-
-
-class ProjectionRMSNorm(RMSNorm):
-    """OLMo 2's and OLMoE's q_norm / k_norm: one RMSNorm over a whole projection's features (every head). Under
-    tensor parallelism the weight splits with the heads, and the mean of squares is summed over the group."""
-
-    def __init__(self, whole_width, eps, parallel=NO_TENSOR_PARALLEL, scale_in_fp32=True):
-        super().__init__(whole_width // parallel.size, eps, parallel, scale_in_fp32)
-        self.whole_width = whole_width
-        parallel.mark_sharded(self, dim=0)
-
-    def forward(self, x):
-        x32 = x.float()
-        mean_square = self.parallel.sum_over_heads(x32.square().sum(-1, keepdim=True)) / self.whole_width
-        normed = x32 * torch.rsqrt(mean_square + self.eps)
-        return (self.weight * normed).to(x.dtype) if self.scale_in_fp32 else self.weight * normed.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -174,26 +132,6 @@ def within_window(allowed, window, document_ids):
     return near[None, None] if allowed is None else allowed & near
 
 
-def additive_mask(allowed, dtype):
-    """A boolean mask as the scores' additive one (0 where allowed, the dtype's minimum elsewhere), built once per
-    stage: SDPA would otherwise convert a boolean mask per call and keep each layer's copy for backward."""
-    if allowed is None:
-        return None
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x, cos, sin):
-    rotary = cos.shape[-1]
-    if rotary < x.shape[-1]:  # Phi's partial rotary embedding: the features past the rotary ones pass unrotated
-        return torch.cat([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
-
-
 class Attention(nn.Module):
     def __init__(self, config, attention_impl, parallel=NO_TENSOR_PARALLEL, context=NO_CONTEXT_PARALLEL,
                  layer_index=0):
@@ -245,47 +183,19 @@ class Attention(nn.Module):
         return self.parallel.row_linear(out.transpose(1, 2).reshape(batch, seq, -1), self.o_proj)
 
     def attend(self, q, k, v, mask):
-        """Grouped-query attention: each key/value head serves q heads / kv heads query heads. SDPA reads them
-        as they are (enable_gqa); a copy per query head would be kept for backward, over the whole sequence under
-        context parallelism. No mask: causal, the queries being the last of the keys (all of them, but under context
-        parallelism a half's queries follow the keys of the chunks before it). Attention sinks (GPT-OSS) take the
-        eager formula whatever attention_impl says: SDPA has no logit outside the keys."""
-        grouped = q.shape[1] != k.shape[1]
-        sinks = getattr(self, "sinks", None)
-        if self.attention_impl == "sdpa" and sinks is None:
-            if mask is None and q.shape[2] != k.shape[2]:
-                return causal_lower_right_attention(q, k, v, grouped, self.scale)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped,
-                                                  scale=self.scale)
-        if grouped:
-            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        return eager_attention(q, k, v, mask, self.scale, sinks)
-
-
-def eager_attention(q, k, v, mask, scale=None, sinks=None):
-    """sinks (GPT-OSS's, one logit per head): each query's softmax also over its head's sink, dropped after it
-    (transformers' formula: the row's maximum subtracted first)."""
-    scores = torch.matmul(q, k.transpose(2, 3)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    if mask is None:  # causal, the queries ending the keys
-        queries, keys = q.shape[-2], k.shape[-2]
-        mask = additive_mask(torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(keys - queries), q.dtype)
-    if sinks is None:
-        probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
-    else:
-        scores = scores + mask
-        combined = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
-        combined = combined - combined.amax(dim=-1, keepdim=True)
-        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(v.dtype)
-    return torch.matmul(probs, v)
+        """Attention sinks (GPT-OSS) take the eager formula whatever attention_impl says: SDPA has no logit outside
+        the keys."""
+        return attend(q, k, v, mask, self.attention_impl, self.scale, getattr(self, "sinks", None))
 
 
 class MLP(nn.Module):
-    """intermediate_size: the width of another dense MLP of the model (Qwen2-MoE's shared expert), by its field."""
+    """width: another dense MLP's intermediate features (an MoE layer's shared expert); None: intermediate_size."""
 
-    def __init__(self, config, parallel=NO_TENSOR_PARALLEL, intermediate_size="intermediate_size"):
+    def __init__(self, config, parallel=NO_TENSOR_PARALLEL, width=None):
         super().__init__()
         bias = architecture_of(config).mlp_bias
-        inter = parallel.local(getattr(config, intermediate_size), intermediate_size)
+        inter = parallel.local(width or config.intermediate_size,
+                               "intermediate_size" if width is None else "the shared expert's width")
         self.gate_proj = nn.Linear(config.hidden_size, inter, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, inter, bias=bias)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
@@ -341,12 +251,13 @@ class DecoderLayerPipe(nn.Module):
                                  scale_in_fp32=architecture.norm_scale_in_fp32)
         if not self.post_norms:
             self.input_layernorm = norm()
-        self.self_attn = Attention(config, attention_impl, parallel, context, layer_index)
+        attention = LatentAttention if architecture.latent_attention else Attention
+        self.self_attn = attention(config, attention_impl, parallel, context, layer_index)
         self.post_attention_layernorm = norm()
         self.sparse = architecture.sparse_layers[layer_index]
         self.sparse_row = sum(architecture.sparse_layers[:layer_index])  # its row of the routing counts
         if self.sparse:
-            shared = MLP(config, parallel, "shared_expert_intermediate_size") if architecture.moe.shared_expert_size \
+            shared = MLP(config, parallel, architecture.moe.shared_expert_size) if architecture.moe.shared_expert_size \
                 else None
             self.mlp = MoEBlock(config, parallel, dispatcher, shared)
         else:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.architecture import ACTIVATIONS, architecture_of
+from models.sigmoid_router import SigmoidRouter
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 
 
@@ -52,7 +53,9 @@ def route(logits, moe):
 
 class MoEBlock(nn.Module):
     """The MLP of a sparse decoder layer. Its router is named as the family's (`gate`, GPT-OSS's `router`), so the
-    layer's state dict is the Hugging Face one. shared_expert: Qwen2-MoE's dense MLP, added behind a sigmoid gate.
+    layer's state dict is the Hugging Face one; DeepSeek-V3's is a module of its own (models/sigmoid_router.py).
+    shared_expert: a dense MLP beside the routed experts, Qwen2-MoE's behind a sigmoid gate (`shared_expert`,
+    `shared_expert_gate`), DeepSeek-V3's added as it is (`shared_experts`).
 
     Under tensor parallelism each rank holds every expert whole and routes its own tokens: the sequence-parallel
     share of the tokens (each rank computes 1/t of the block, no collective), or without sequence parallelism all
@@ -64,11 +67,13 @@ class MoEBlock(nn.Module):
         self.moe = moe = architecture_of(config).moe
         self.parallel = parallel
         self.dispatcher = dispatcher or LOCAL_EXPERTS
-        self.add_module(moe.router_name, nn.Linear(config.hidden_size, moe.num_experts, bias=moe.router_bias))
+        self.add_module(moe.router_name, SigmoidRouter(config, parallel) if moe.sigmoid_routing else
+                        nn.Linear(config.hidden_size, moe.num_experts, bias=moe.router_bias))
         first, count = self.dispatcher.expert_range(moe.num_experts)
         self.experts = Experts(moe, config.hidden_size, ACTIVATIONS[config.hidden_act], first, count, parallel)
-        if shared_expert is not None:
-            self.shared_expert = shared_expert
+        if shared_expert is not None:  # under the family's name
+            self.add_module(moe.shared_expert_name, shared_expert)
+        if shared_expert is not None and moe.shared_expert_gated:
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x, real_tokens):
@@ -76,16 +81,24 @@ class MoEBlock(nn.Module):
         tokens [E] int64, and with the load-balancing loss their router probabilities' sums [E] fp32, else None).
         real_tokens: [tokens of x] bool, False on padding (transformers' attention mask)."""
         hidden = x.reshape(-1, x.shape[-1])
+        logits, weights, expert_ids = self.route(hidden)
+        out = self.dispatcher(hidden, expert_ids, weights, self.experts)
+        shared_expert = getattr(self, self.moe.shared_expert_name, None)
+        if shared_expert is not None:
+            shared = shared_expert(hidden)
+            if self.moe.shared_expert_gated:
+                shared = torch.sigmoid(F.linear(hidden, self.parallel.replicated(self.shared_expert_gate.weight))) * shared
+            out = out + shared
+        return out.view_as(x), routing_statistics(logits, expert_ids, real_tokens, self.moe)
+
+    def route(self, hidden):
+        """(router logits [T, E], routing weights [T, k], expert ids [T, k]) of hidden [T, H]."""
         router = getattr(self, self.moe.router_name)
+        if self.moe.sigmoid_routing:
+            return router(hidden)
         logits = F.linear(hidden, self.parallel.replicated(router.weight),
                           None if router.bias is None else self.parallel.replicated(router.bias))
-        weights, expert_ids = route(logits, self.moe)
-        out = self.dispatcher(hidden, expert_ids, weights, self.experts)
-        if hasattr(self, "shared_expert"):
-            shared = self.shared_expert(hidden)
-            gate = F.linear(hidden, self.parallel.replicated(self.shared_expert_gate.weight))
-            out = out + torch.sigmoid(gate) * shared
-        return out.view_as(x), routing_statistics(logits, expert_ids, real_tokens, self.moe)
+        return logits, *route(logits, self.moe)
 
     def real_tokens(self, document_ids):
         """The real (not padding) tokens among those this rank's block sees: its sequence-parallel share."""

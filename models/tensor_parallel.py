@@ -87,6 +87,12 @@ class TensorParallel:
             out = out if linear.bias is None else out + self.replicated(linear.bias)
         return out + self.row_adapter(x, linear) if hasattr(linear, "lora_A") else out
 
+    def replicated_linear(self, x, module):
+        """A projection every rank holds whole, on this rank's tokens (MLA's latent projections): its weight and
+        bias are replicated like a norm's."""
+        bias = None if module.bias is None else self.replicated(module.bias)
+        return self.matmul(x, self.replicated(module.weight), bias)
+
     def linear(self, x, module, bias=True):
         """x through a linear module (without its bias if bias=False)."""
         return self.matmul(x, module.weight, getattr(module, "bias", None) if bias else None)

@@ -5,11 +5,12 @@ import signal
 
 CRASHED = 1              # an uncaught exception (a lost peer, a device fault): a restart may well help
 CHECKPOINT_REFUSED = 65  # EX_DATAERR: a checkpoint failed its checksums or carries code
+LEASE_LOST = 69          # EX_UNAVAILABLE: output_dir's lease could not be renewed (its filesystem failing) or was taken
 HUNG = 70                # EX_SOFTWARE: the hang watchdog ended a rank that stopped making progress
 DISK_FULL = 74           # EX_IOERR: a checkpoint does not fit on output_dir's disk
 PREEMPTED = 75           # EX_TEMPFAIL: stopped on SIGTERM after saving; rerun (or requeue) with resume=auto
 LOSS_NOT_FINITE = 76     # nan_policy=stop met a NaN/inf loss: the same data and weights give it again
-CONFIG_ERROR = 78        # EX_CONFIG: a config value, path or input to fix
+CONFIG_ERROR = 78        # EX_CONFIG: a config value, path or input a person must change (errors.ConfigError)
 
 # What a restart of the same command cannot fix; a preemption is the scheduler's to requeue.
 NOT_RESTARTABLE = {
@@ -19,7 +20,7 @@ NOT_RESTARTABLE = {
     LOSS_NOT_FINITE: "a non-finite loss (nan_policy=stop)",
     PREEMPTED: "a preemption (the scheduler requeues the job; the checkpoint is saved)",
 }
-RESTARTABLE = {CRASHED: "a rank crashed", HUNG: "a rank hung"}
+RESTARTABLE = {CRASHED: "a rank crashed", HUNG: "a rank hung", LEASE_LOST: "output_dir's lease was lost"}
 
 
 def describe(code):

@@ -1,5 +1,5 @@
 """Restart on failure, resume where it stopped: run a launch command (the `deepspeed` runner, `srun`, torchrun) again
-with resume=auto when it fails, until it succeeds. DeepSpeed's runner and Slurm's srun end the job at the first
+when it fails, until it succeeds: as given until the run has saved a checkpoint of its own, then with resume=auto. DeepSpeed's runner and Slurm's srun end the job at the first
 failed rank and have no restart; torchrun's own (--max-restarts, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
 docs/reliability.md) passes on no exit code, so it restarts what a restart cannot fix, and names no cause; hence this
 loop, with fresh processes each time.
@@ -8,7 +8,8 @@ Each failure gets one line naming its cause: the exit code (resilience/exit_code
 why, a rank that died without a word (its start-up record only: killed, stopped, its node lost) and who was waiting
 for whom (the ranks' records, resilience/rank_records.py). What a restart cannot fix (a config error, a refused
 checkpoint, a full disk, a non-finite loss) and a preemption (the scheduler's to requeue) end the supervisor with the
-run's exit code. The restart budget counts failures in a row without a new complete checkpoint: a run that keeps
+run's exit code. A SIGTERM or SIGINT launches nothing more: the attempt running is asked to stop (its ranks save) and
+the supervisor exits PREEMPTED once its ranks have. The restart budget counts failures in a row without a new complete checkpoint: a run that keeps
 saving between failures (weeks of them, one every few hours) is never given up, one that cannot get past a step is.
 """
 import contextlib
@@ -24,9 +25,11 @@ import uuid
 import psutil
 
 from checkpoints.files import read_latest
-from resilience.run_lease import LEASE_TOKEN_ENV, release_lease_of
+from checkpoints.tag_dirs import checkpoint_identities, newest_tag
+from resilience.run_lease import (HEARTBEAT_SECONDS, LEASE_TOKEN_ENV, boot_id, process_alive, read_lease,
+                                  release_lease_of)
 from deepspeed_internals import LAUNCHER_MODULE
-from resilience.exit_codes import NOT_RESTARTABLE, describe
+from resilience.exit_codes import NOT_RESTARTABLE, PREEMPTED, describe
 from resilience.rank_records import read_records
 
 TRAINER_CONFIG = ("conf", "tiny")  # trainer_pipe.py's @hydra.main config_path and config_name
@@ -34,6 +37,7 @@ RANKS_NAMED = 4  # most ranks one line names per kind (a thousand-rank job's lin
 POLL_SECONDS = 0.02  # how often an attempt's ranks are looked at: a few /proc reads (~50 us) within 2 fast steps
 SCAN_SECONDS = 1  # how often its whole process tree is, for a stopped one
 EXIT_POLL_SECONDS = 0.001  # how often an ended attempt's ranks are, until each has exited (a few of them, ~50 ms)
+STOP_POLL_SECONDS = 0.1  # how often a stopped attempt's processes are, while its ranks save (seconds to minutes)
 
 
 class Supervisor:
@@ -42,38 +46,45 @@ class Supervisor:
         self.backoff_seconds, self.max_backoff_seconds = backoff_seconds, max_backoff_seconds
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.process, self.stop_requested = None, None
+        self.stop_wanted, self.stopping = threading.Event(), []  # set on SIGTERM/SIGINT; the processes then running
         self.lease_token = uuid.uuid4().hex  # its attempts' rank 0 holds output_dir under it (resilience/run_lease.py)
 
     def run(self):
         """The command's exit code once it succeeds, cannot be helped by a restart, or has failed max_restarts + 1
-        times in a row without saving a new checkpoint."""
+        times in a row without saving a new checkpoint; PREEMPTED once a SIGTERM or SIGINT has stopped it."""
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._forward)
+            signal.signal(signum, self._request_stop)
+        at_start = checkpoint_identities(self.output_dir)
         failures_in_a_row, attempt = 0, 0
         while True:
             attempt += 1
-            latest_before, started = read_latest(self.output_dir), time.time()
-            self.process = subprocess.Popen(with_resume_auto(self.command, restart=attempt > 1),
+            before, started = checkpoint_identities(self.output_dir), time.time()
+            # The command as given until this run has saved a checkpoint of its own: a fresh start's refusal of a
+            # used output_dir and overwrite_output_dir still act, and a resume from an older checkpoint is redone
+            # (its abandoned branch moved aside) rather than resume=auto picking that branch up again.
+            resumes = saved_since(at_start, before)
+            self.process = subprocess.Popen(with_resume_auto(self.command) if resumes else self.command,
                                             env={**os.environ, LEASE_TOKEN_ENV: self.lease_token})
+            if self.stop_requested is not None:  # asked between the last look and the launch
+                self._forward_stop()
             code = self.wait_for_attempt(started)
+            if self.stop_requested is not None:
+                return self.stopped(attempt, code, started)
             release_lease_of(self.output_dir, self.lease_token)  # the attempt's ranks are gone
             if code == 0:
                 return 0
             records = read_records(self.output_dir, since=started)
             cause = explain_failure(code, records)
-            if self.stop_requested is not None:
-                self.log(f"supervise: {signal.Signals(self.stop_requested).name} received: not restarting; attempt "
-                         f"{attempt} ended with {cause}")
-                return code
             unfixable = [c for c in [code] + [r.get("exit_code") for r in records if not r.get("follows_another")]
                          if c in NOT_RESTARTABLE]
             if unfixable:
                 self.log(f"supervise: not restarting after {NOT_RESTARTABLE[unfixable[0]]}, which a restart cannot "
                          f"fix: attempt {attempt} ended with {cause}")
                 return code
-            latest = read_latest(self.output_dir)
-            if latest != latest_before:
+            now = checkpoint_identities(self.output_dir)
+            if saved_since(before, now):
                 failures_in_a_row = 0  # it saved since the last failure: progress
+            latest = newest_tag(now)
             if failures_in_a_row >= self.max_restarts:
                 self.log(f"supervise: error: {failures_in_a_row + 1} failures in a row without a new checkpoint "
                          f"spent the restart budget (--max-restarts {self.max_restarts}); the last ended with {cause}; "
@@ -82,9 +93,46 @@ class Supervisor:
                 return code
             failures_in_a_row += 1
             wait = min(self.backoff_seconds * 2 ** (failures_in_a_row - 1), self.max_backoff_seconds)
-            self.log(f"supervise: restart {failures_in_a_row} of {self.max_restarts} in {wait:.0f}s with "
-                     f"resume=auto (from {latest or 'the start'}): attempt {attempt} ended with {cause}")
-            time.sleep(wait)
+            how = (f"resume=auto (from {latest})" if saved_since(at_start, now)
+                   else "the same command (this run has saved no checkpoint yet)")
+            self.log(f"supervise: restart {failures_in_a_row} of {self.max_restarts} in {wait:.0f}s with {how}: "
+                     f"attempt {attempt} ended with {cause}")
+            if self.stop_wanted.wait(wait):
+                self.log(f"supervise: {signal.Signals(self.stop_requested).name} received during the backoff: "
+                         f"nothing more is launched; rerun the same command to continue "
+                         f"({f'from {latest}' if latest else 'no complete checkpoint yet'}).")
+                return PREEMPTED
+
+    def stopped(self, attempt, code, started):
+        """After a SIGTERM or SIGINT passed on to the attempt: once its ranks have exited (their preemption save
+        done: a `deepspeed` runner dies at once on the signal, its ranks save after it), the lease is dropped, and
+        the exit code is PREEMPTED where a rank saved and stopped, else the attempt's own."""
+        self.wait_for_ranks()
+        release_lease_of(self.output_dir, self.lease_token)
+        records = read_records(self.output_dir, since=started)
+        name, latest = signal.Signals(self.stop_requested).name, read_latest(self.output_dir)
+        if code != 0 and any(r.get("exit_code") == PREEMPTED for r in records):
+            self.log(f"supervise: {name} received: attempt {attempt} stopped, its ranks saved ({latest}) and exited "
+                     f"{PREEMPTED}; nothing is restarted: rerun the same command (or requeue the job) to continue")
+            return PREEMPTED
+        self.log(f"supervise: {name} received: not restarting; attempt {attempt} ended with "
+                 f"{explain_failure(code, records) if code else 'exit code 0: finished'}")
+        return code
+
+    def wait_for_ranks(self):
+        """Until every process of the stopped attempt has exited, its ranks' saves done: those listed when the stop
+        was passed on (an orphan of a runner that died at once on it has no parent to list it by) and any still
+        under the launch, and the attempt's rank 0 wherever it runs (the lease's holder). A stopped one, which can
+        neither save nor exit, is SIGKILLed."""
+        while True:
+            processes = self.stopping + tree_of(self.process.pid)[1:]
+            if all(map(has_exited, processes)) and not lease_holder_live(self.output_dir, self.lease_token):
+                return
+            for process in processes:
+                if is_stopped(process):
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        process.kill()
+            time.sleep(STOP_POLL_SECONDS)
 
     def wait_for_attempt(self, started):
         """The attempt's exit code. DeepSpeed's launcher looks at its ranks once a second (hard-coded) and, once one
@@ -104,6 +152,8 @@ class Supervisor:
                 return self.process.wait(timeout=POLL_SECONDS)
             except subprocess.TimeoutExpired:
                 pass
+            if self.stop_requested is not None:  # its ranks are saving: their exits are no failure to act on
+                continue
             try:
                 launchers = launchers or deepspeed_launchers(self.process.pid)
                 children = [child for launcher in launchers for child in children_of(launcher)]
@@ -162,12 +212,33 @@ class Supervisor:
         self.log(f"supervise: SIGKILLed {named}: stopped, it cannot take the SIGTERM that ends the attempt after a "
                  f"rank failed")
 
-    def _forward(self, signum, frame):
-        """A scheduler's SIGTERM (or ^C) goes to the run, which saves and stops (docs/reliability.md#preemption);
-        no restart follows."""
-        self.stop_requested = signum
+    def _request_stop(self, signum, frame):
+        """A scheduler's SIGTERM (or ^C): nothing is launched after it, and the attempt running is asked to stop,
+        which its ranks do with a checkpoint (docs/reliability.md#preemption)."""
+        if self.stop_requested is None:
+            self.stop_requested = signum
+            self.stop_wanted.set()
+        self._forward_stop()
+
+    def _forward_stop(self):
+        """SIGTERM, the ranks' preemption request, to the launch (SIGINT too becomes it: srun takes a single ^C as a
+        request for its status), its processes listed first."""
         if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signum)
+            self.stopping += tree_of(self.process.pid)[1:]
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+
+
+def lease_holder_live(output_dir, token):
+    """Whether output_dir's lease is the supervisor's (token) and its holder, the attempt's rank 0, still runs: its
+    process, on this host; its heartbeat, renewed within the last two periods, on another (a launcher that reaches
+    its nodes through ssh starts rank 0 outside the supervisor's processes)."""
+    lease = read_lease(output_dir)
+    if lease is None or lease["token"] != token:
+        return False
+    if lease["host"] == socket.gethostname() and lease["boot_id"] == boot_id():
+        return process_alive(lease["pid"])
+    return time.time() - lease["heartbeat"] < 3 * HEARTBEAT_SECONDS
 
 
 def is_stopped(process):
@@ -239,12 +310,17 @@ def first_failure_code(failed, records, host):
     return failed[causes[0][1]] if causes else None
 
 
-def with_resume_auto(command, restart):
-    """command with resume=auto: added when it names no resume, in place of the one it names on a restart."""
+def saved_since(before, now):
+    """Whether checkpoint_identities `now` holds a checkpoint saved since `before` was read."""
+    return bool(set(now.items()) - set(before.items()))
+
+
+def with_resume_auto(command):
+    """command with resume=auto: added when it names no resume, in place of the one it names."""
     named = [i for i, arg in enumerate(command) if arg.startswith("resume=")]
     if not named:
         return command + ["resume=auto"]
-    return [("resume=auto" if i in named and restart else arg) for i, arg in enumerate(command)]
+    return [("resume=auto" if i in named else arg) for i, arg in enumerate(command)]
 
 
 def explain_failure(code, records):
@@ -269,7 +345,7 @@ def explain_failure(code, records):
         if record.get("waiting_for") is not None:
             waited.setdefault(record["waiting_for"], []).append(record)
     for peer, waiters in sorted(waited.items()):
-        shown = "; ".join(f"rank {r['rank']} in {r['where']}" for r in waiters[:RANKS_NAMED])
+        shown = "; ".join(f"rank {r['rank']} {r['where']}" for r in waiters[:RANKS_NAMED])
         more = f" and {len(waiters) - RANKS_NAMED} more" if len(waiters) > RANKS_NAMED else ""
         parts.append(f"waiting for rank {peer}: {shown}{more}")
     return "; ".join(parts)

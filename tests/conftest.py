@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from tests.cpu_durations import (pytest_addoption, pytest_runtest_logreport, pytest_runtest_makereport,  # noqa: E402,F401
                                  pytest_runtest_protocol, pytest_sessionfinish, pytest_terminal_summary,
                                  pytest_testnodedown)
-from tests.tiny_models import MOE_CONFIGS, TINY_CONFIGS, make_tiny_model  # noqa: E402
+from tests.tiny_models import DEEPSEEK_CONFIGS, MOE_CONFIGS, TINY_CONFIGS, make_tiny_model  # noqa: E402
 
 if not torch.cuda.is_available():  # the CPU suite's in-process references: see tests/launch.py process_environment
     torch.set_num_threads(1)
@@ -58,21 +58,8 @@ def built_once(tmp_path_factory, name, build):
     return json.loads(result.read_text())
 
 
-@pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory):
-    """{name: (hf_dir, ds_dir)} for every tiny config: saved as sharded safetensors, then converted."""
-    return converted_tiny_models(tmp_path_factory.mktemp("tiny"), TINY_CONFIGS)
-
-
-@pytest.fixture(scope="session")
-def tiny_moe_checkpoints(tmp_path_factory):
-    """{name: (hf_dir, ds_dir)} for every tiny mixture of experts (tests/tiny_models.py MOE_CONFIGS), saved as
-    transformers saves them (one tensor per expert), then converted."""
-    return converted_tiny_models(tmp_path_factory.mktemp("tiny_moe"), MOE_CONFIGS)
-
-
 def converted_tiny_models(root, names):
-    """{name: (hf_dir, ds_dir)}: each tiny model saved under root as sharded safetensors, then converted."""
+    """{name: (hf_dir, ds_dir)} of each tiny model saved as sharded safetensors under root, then converted."""
     from checkpoints.hf_to_ds import convert_hf_to_ds
     dirs = {}
     for name in names:
@@ -81,6 +68,26 @@ def converted_tiny_models(root, names):
         convert_hf_to_ds(hf_dir, ds_dir)
         dirs[name] = (hf_dir, ds_dir)
     return dirs
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """{name: (hf_dir, ds_dir)} for every tiny config: saved as sharded safetensors, then converted."""
+    return converted_tiny_models(tmp_path_factory.mktemp("tiny"), TINY_CONFIGS)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_checkpoints(tmp_path_factory):
+    """{name: (hf_dir, ds_dir)} for every tiny mixture of experts (tests/tiny_models.py MOE_CONFIGS): saved by
+    transformers (one tensor per expert, sharded safetensors), then converted."""
+    return converted_tiny_models(tmp_path_factory.mktemp("tiny_moe"), MOE_CONFIGS)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_checkpoints(tmp_path_factory):
+    """{name: (hf_dir, ds_dir)} for every tiny model of the DeepSeek-V3 line (tests/tiny_models.py
+    DEEPSEEK_CONFIGS), saved and converted as the mixtures of experts."""
+    return converted_tiny_models(tmp_path_factory.mktemp("tiny_deepseek"), DEEPSEEK_CONFIGS)
 
 
 @pytest.fixture(scope="session")

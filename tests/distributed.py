@@ -3,6 +3,7 @@ import itertools
 import os
 import random
 import socket
+import time
 
 import torch.multiprocessing as mp
 
@@ -38,13 +39,19 @@ def _bootstrap(rank, world_size, port, fn, args):
     fn(rank, *args)
 
 
-def spawn(fn, world_size, *args):
+def spawn(fn, world_size, *args, timeout=None):
     """Run fn(rank, *args) in world_size processes forked from the rank zygote (tests/rank_zygote.py: the libraries
     imported once), or from this process where it is one of the zygote's (a bench script's smoke run); raises if any
-    of them fails."""
+    of them fails, or (TimeoutError, the processes killed) if they have not all ended within timeout seconds."""
     from tests.rank_zygote import context, in_zygote_child
     start_method = "fork" if in_zygote_child() else "forkserver"
     if start_method == "forkserver":
         context()  # its imports, before the forkserver starts
-    mp.start_processes(_bootstrap, args=(world_size, free_port(), fn, args), nprocs=world_size,
-                       start_method=start_method, join=True)
+    started = mp.start_processes(_bootstrap, args=(world_size, free_port(), fn, args), nprocs=world_size,
+                                 start_method=start_method, join=False)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not started.join(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())):
+        if deadline is not None and time.monotonic() >= deadline:
+            for process in started.processes:
+                process.kill()
+            raise TimeoutError(f"{fn.__name__} on {world_size} ranks had not ended after {timeout}s")

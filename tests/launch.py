@@ -164,10 +164,10 @@ def lm_eval_overrides(tasks, cloze_limit=10):
     return {"eval_tasks": f"[{','.join(entries)}]"}
 
 
-def launch_ranks_separately(num_procs, overrides, config="tiny", timeout=120):
+def launch_ranks_separately(num_procs, overrides, config="tiny", timeout=120, script="trainer_pipe.py", env=None):
     """launch_trainer's ranks, one CompletedProcess each; unlike the launcher, a failing rank does not get its peers
     killed, so each rank's own exit and message can be checked."""
-    return run_ranks(num_procs, script_command("trainer_pipe.py", config, overrides), process_environment("cpu"),
+    return run_ranks(num_procs, script_command(script, config, overrides), process_environment("cpu", env),
                      timeout, kill_peers=False)
 
 

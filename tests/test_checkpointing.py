@@ -14,6 +14,7 @@ from checkpoints.integrity import durable_checksum
 from checkpoints.rng_state import rng_state_path
 from checkpoints.saving import hashing_saves, write_side_files_and_complete
 from checkpoints.tag_dirs import complete_tags, prune_checkpoints, remove_incomplete_checkpoints
+from errors import ConfigError
 from training.loop import data_position
 from training.resume import check_fresh_start, check_output_dir_is_ours, resolve_resume
 
@@ -51,7 +52,7 @@ def test_only_this_trainers_interrupted_saves_are_removed_and_a_start_refuses_ot
     foreign = tmp_path / "global_step0"
     foreign.mkdir()
     (foreign / "layer_00-model_states.pt").write_bytes(b"a converted model")
-    with pytest.raises(FileExistsError) as refusal:
+    with pytest.raises(ConfigError) as refusal:
         check_output_dir_is_ours(str(tmp_path), str(tmp_path / "model"))
     assert str(refusal.value) == (
         f"output_dir '{tmp_path}' holds global_step0, which no save of this trainer wrote (neither COMPLETE nor "
@@ -67,7 +68,7 @@ def test_output_dir_that_is_the_starting_model_is_refused(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "latest").write_text("global_step0")
-    with pytest.raises(FileExistsError) as refusal:
+    with pytest.raises(ConfigError) as refusal:
         check_output_dir_is_ours(str(tmp_path / "." / "model"), str(model))
     assert str(refusal.value) == (
         f"output_dir '{tmp_path / '.' / 'model'}' is model_name_or_path, the converted model this run starts from: "
@@ -99,7 +100,7 @@ def test_resume_paths(tmp_path):
     assert resolve_resume(str(tag), "unused") == (str(tmp_path), "global_step4")
     assert resolve_resume(str(tmp_path), "unused") == (str(tmp_path), "global_step4")
     incomplete = make_tag(tmp_path, 6, complete=False)
-    with pytest.raises(FileNotFoundError, match="neither a complete checkpoint tag directory"):
+    with pytest.raises(ConfigError, match="neither a complete checkpoint tag directory"):
         resolve_resume(str(incomplete), "unused")
 
 
@@ -116,7 +117,7 @@ def test_pruning_keeps_the_newest_and_never_the_last_one(tmp_path, keep, left):
 def test_fresh_start_refuses_existing_checkpoints(tmp_path):
     check_fresh_start(str(tmp_path), overwrite=False)
     make_tag(tmp_path, 3)
-    with pytest.raises(FileExistsError, match="already holds checkpoints \\(global_step3\\)"):
+    with pytest.raises(ConfigError, match="already holds checkpoints \\(global_step3\\)"):
         check_fresh_start(str(tmp_path), overwrite=False)
     check_fresh_start(str(tmp_path), overwrite=True)
 

@@ -2,6 +2,8 @@
 DeepSpeed (the learning rate each optimizer step actually uses), shipped defaults."""
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -164,12 +166,24 @@ def test_free_form_nodes_take_any_key_and_defaults_fill_older_configs():
     ("hang_watchdog.min_step_seconds=600", "hang_watchdog.min_step_seconds=600 is not below dist_timeout_minutes=10 "
      "(x 60 s): a collective's timeout would end a hung step first, without naming where it stopped; lower the first "
      "or raise the second."),
+    ("hang_watchdog.startup_seconds=1800", "hang_watchdog.startup_seconds=1800 is not below dist_timeout_minutes=10 "
+     "(x 60 s): a collective's timeout would end a hung start or save first, without naming where it stopped; lower "
+     "the first or raise the second."),
 ])
 def test_each_choice_is_checked_before_anything_is_built(override, message):
     from errors import ConfigError
     from training.config_checks import checked_config
     with pytest.raises(ConfigError, match=re.escape(message)):
         checked_config(composed("tiny", *override.split()))
+
+
+def test_the_watchdogs_default_start_up_limit_is_below_the_collectives_timeout():
+    """startup_seconds' default follows dist_timeout_minutes (its old 1800 s outlasted the default 10-minute
+    collectives, whose timeout then ended a hung start first, on NCCL an abort without a word); a value set stands."""
+    from training.config_checks import checked_config
+    assert checked_config(composed("tiny")).hang_watchdog.startup_seconds == 540
+    assert checked_config(composed("tiny", "dist_timeout_minutes=30")).hang_watchdog.startup_seconds == 1620
+    assert checked_config(composed("tiny", "hang_watchdog.startup_seconds=120")).hang_watchdog.startup_seconds == 120
 
 
 @pytest.mark.parametrize("override,shown", [("data.packing=true", "true"), ("data.overlong=split", "split"),
@@ -201,3 +215,25 @@ def test_ranks_that_cannot_have_a_gpu_each_are_refused_at_start_up(monkeypatch, 
     from cluster.distributed import device_error
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     assert device_error(*args) == message
+
+
+THREADS_OF_A_RANK = """
+from cluster.distributed import set_threads_per_process
+import torch
+set_threads_per_process()
+print(torch.get_num_threads())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to give a rank fewer than the machine's")
+@pytest.mark.parametrize("cores,local_ranks,threads", [("0", 1, 1), ("0,1", 2, 1), ("0,1", 1, 2)])
+def test_threads_per_rank_share_the_cores_the_process_may_use_not_the_machines(cores, local_ranks, threads):
+    """Under taskset (as under Slurm's cpuset cgroup or numactl) a rank's threads share the cores it may run on,
+    not os.cpu_count()'s: one core for one rank is one thread, not the machine's count."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    result = subprocess.run(["taskset", "-c", cores, sys.executable, "-c", THREADS_OF_A_RANK], cwd=ROOT,
+                            env={**env, "LOCAL_SIZE": str(local_ranks), "DS_ACCELERATOR": "cpu"},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert int(result.stdout.split()[-1]) == threads

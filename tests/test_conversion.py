@@ -114,8 +114,8 @@ def test_unsupported_model_type_lists_supported(tmp_path):
     result = convert_cli("--model_name_or_path", str(tmp_path / "gpt2"), "--output_dir", str(tmp_path / "out"))
     assert result.returncode != 0
     assert ("model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, olmo2, granite, smollm3, "
-            "phi3, mixtral, qwen3_moe, qwen2_moe, olmoe, gpt_oss (the LLaMA layout and its mixtures of experts)."
-            in result.stderr)
+            "phi3, mixtral, qwen3_moe, qwen2_moe, olmoe, gpt_oss, deepseek_v3, glm4_moe (the LLaMA layout and its "
+            "mixtures of experts)." in result.stderr)
     assert_nothing_written(tmp_path, str(tmp_path / "out"))
 
 
@@ -130,7 +130,8 @@ def test_unsupported_family_names_the_nearest_supported_one(model_type, nearest)
         check_model_config(SimpleNamespace(model_type=model_type))
     assert str(error.value).startswith(f"model_type '{model_type}' is not supported; supported: llama, mistral, "
                                        "qwen2, qwen3, olmo2, granite, smollm3, phi3, mixtral, qwen3_moe, qwen2_moe, "
-                                       "olmoe, gpt_oss (the LLaMA layout and its mixtures of experts)")
+                                       "olmoe, gpt_oss, deepseek_v3, glm4_moe (the LLaMA layout and its mixtures of "
+                                       "experts)")
     assert str(error.value).endswith(f"; the nearest is '{nearest}', whose layers differ from it." if nearest
                                      else "(the LLaMA layout and its mixtures of experts).")
 
@@ -168,7 +169,7 @@ def test_dropout_is_refused_for_training_only_naming_the_field(tmp_path):
 
 
 @pytest.mark.parametrize("model_type,field,value,message", [
-    ("qwen3_next", None, None, r"model_type 'qwen3_next' is not supported; supported: llama, .*, gpt_oss \(the "
+    ("qwen3_next", None, None, r"model_type 'qwen3_next' is not supported; supported: llama, .*, glm4_moe \(the "
                                r"LLaMA layout and its mixtures of experts\); the nearest is 'qwen3_moe', whose layers "
                                r"differ from it\."),
     ("qwen3", "attn_logit_softcapping", 50.0, r"attn_logit_softcapping=50\.0 in the qwen3 config asks for an attention "

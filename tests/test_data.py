@@ -24,6 +24,7 @@ from data import (
     write_demo_corpus,
 )
 from data.datasets import tokenization_digest
+from errors import ConfigError
 from tests.distributed import spawn
 
 SENTENCE = "The small cat sees the red ball near the park. 3 plus 4 is 7."
@@ -233,8 +234,13 @@ def _build_on_rank(rank, corpus, tokenizer, cache, out):
     try:  # rank 0's error reaches the other rank through the store, which waits on no collective
         build_dataset_distributed(corpus.with_suffix(".jsonl"), tokenizer, {"format": "text"}, 32, cache_dir=cache,
                                   limit_minutes=5)
-    except (ValueError, FileNotFoundError) as error:
+    except (FileNotFoundError, cluster.shared_files.SharedFileError) as error:  # rank 0's own; the other rank's
         (out / f"rank{rank}.error").write_text(str(error))
+    try:  # an input the user must fix on rank 0 is one on every rank: not restarted
+        build_dataset_distributed(out / "bad.jsonl", tokenizer, {"format": "text"}, 32, cache_dir=cache,
+                                  limit_minutes=5)
+    except ConfigError as error:
+        (out / f"rank{rank}.config_error").write_text(f"{type(error).__name__}: {error}")
     dist.destroy_process_group()
 
 
@@ -242,7 +248,8 @@ def _build_on_rank(rank, corpus, tokenizer, cache, out):
 def test_distributed_build_runs_once_and_other_ranks_load_the_cache(demo_dir, tokenizer, tmp_path):
     """Global rank 0 builds (both ranks are their node's local rank 0) for longer than the process group's
     timeout (2 s) while the other waits on the store, a progress line a second; then that rank reads the cache. A build
-    that fails on rank 0 fails on the other rank with rank 0's error."""
+    that fails on rank 0 fails on the other rank with rank 0's error, a ConfigError on both where rank 0's is one."""
+    (tmp_path / "bad.jsonl").write_text('{"text": "a fine line"}\n{"text": "broken\n')
     spawn(_build_on_rank, 2, demo_dir / "corpus.txt", tokenizer, tmp_path / "cache", tmp_path)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert (rank0[0], rank1[0]) == (False, True)
@@ -253,6 +260,10 @@ def test_distributed_build_runs_once_and_other_ranks_load_the_cache(demo_dir, to
     error = f"[Errno 2] No such file or directory: '{demo_dir / 'corpus.jsonl'}'"
     assert (tmp_path / "rank1.error").read_text() == f"rank 0 could not build the tokenized cache of " \
                                                     f"{demo_dir / 'corpus.jsonl'}: FileNotFoundError: {error}"
+    refusal = (tmp_path / "rank0.config_error").read_text()
+    assert refusal.startswith(f"ConfigError: {tmp_path / 'bad.jsonl'}: line 2"), refusal
+    assert (tmp_path / "rank1.config_error").read_text() == (
+        f"ConfigError: rank 0 could not build the tokenized cache of {tmp_path / 'bad.jsonl'}: {refusal}")
 
 
 # --- collator ---------------------------------------------------------------------------------------------------------

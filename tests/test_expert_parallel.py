@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.launch import check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics, tensors_of
-from tests.test_moe import make_demo_moe, run_spec_of
+from tests.test_moe import demo_model_of, run_spec_of
 
 EXACT = dict(abs=1e-6, rel=1e-5)  # fp32: the same sums over other ranks
 
@@ -19,7 +19,10 @@ EXACT = dict(abs=1e-6, rel=1e-5)  # fp32: the same sums over other ranks
 def dense_first_moe(demo_model, tmp_path_factory):
     """tests/test_moe.py's demo mixture of experts with its first two layers dense: on 2 stages, the first holds no
     expert (its ranks run none of the experts' collectives or groups)."""
-    return make_demo_moe(demo_model, tmp_path_factory.mktemp("dense_first_moe"), mlp_only_layers=[0, 1])
+    from tests.tiny_models import MOE_CONFIGS
+    config = MOE_CONFIGS["qwen3_moe"]()
+    config.mlp_only_layers = [0, 1]
+    return demo_model_of(config, demo_model, tmp_path_factory.mktemp("dense_first_moe"))
 
 
 def train(demo_model, model, tmp_path, out, expert_parallel, **extra):

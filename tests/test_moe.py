@@ -364,6 +364,12 @@ def test_loss_and_gradients_equal_transformers_across_processes(tiny_moe_checkpo
              for family, (hf, ds) in tiny_moe_checkpoints.items()]
     cases += [dict(name=family + suffix, hf_dir=tiny_moe_checkpoints[family][0], ds_dir=tiny_moe_checkpoints[family][1],
                    **options) for suffix, options in others for family in VARIANT_FAMILIES]
+    assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel)
+
+
+def assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel):
+    """The cases run in one launch (tests/parity_worker.py): each rank's losses and gradients those of transformers,
+    replicated gradients equal over the tensor-parallel group, only the stage's layer files read."""
     spawn(parity_worker.run, world_size, cases, num_stages, MICRO_BATCH, GAS, SEQ, str(tmp_path), tensor_parallel)
     ranks = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "rank*.json")))]
     dp_size = world_size // (num_stages * tensor_parallel)
@@ -407,19 +413,16 @@ TRAIN_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps
 def demo_moe(demo_model, tmp_path_factory):
     """A tiny Qwen3-MoE (dense and sparse layers, the load-balancing loss on) over the demo model's tokenizer:
     {hf, ds}."""
-    return make_demo_moe(demo_model, tmp_path_factory.mktemp("demo_moe"))
+    return demo_model_of(MOE_CONFIGS["qwen3_moe"](), demo_model, tmp_path_factory.mktemp("demo_moe"))
 
 
-def make_demo_moe(demo_model, root, **fields):
-    """The tiny Qwen3-MoE of demo_moe (with `fields` of its config changed) saved and converted under root."""
+def demo_model_of(config, demo_model, root):
+    """A tiny model of config over the demo model's tokenizer, saved and converted under root: {hf, ds}."""
     tokenizer_config = AutoConfig.from_pretrained(demo_model["hf"])
-    config = MOE_CONFIGS["qwen3_moe"]()
     for field in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(config, field, getattr(tokenizer_config, field))
     config.tie_word_embeddings = False
     config.max_position_embeddings = 128
-    for field, value in fields.items():
-        setattr(config, field, value)
     make_model(config, root / "hf")
     for name in os.listdir(demo_model["hf"]):
         if name.startswith(("tokenizer", "special_tokens")):
@@ -434,7 +437,7 @@ def transformers_steps(hf_dir, batches, micro_batch_size):
     cross-entropy (each micro-batch's mean weighted by its labelled tokens) plus router_aux_loss_coef times the
     mean of the micro-batches' load-balancing losses."""
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
-    coef = model.config.router_aux_loss_coef
+    coef = getattr(model.config, "router_aux_loss_coef", 0.0)  # the DeepSeek-V3 line has no load-balancing loss
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     losses, norms = [], []
     for (input_ids, document_ids, position_ids), labels in batches:
@@ -444,8 +447,9 @@ def transformers_steps(hf_dir, batches, micro_batch_size):
         for rows in torch.arange(input_ids.shape[0]).split(micro_batch_size):
             outputs = model(input_ids=input_ids[rows], attention_mask=(document_ids[rows] != 0).long(),
                             position_ids=position_ids[rows], labels=labels[rows])
-            cross_entropy = outputs.loss - coef * outputs.aux_loss
-            loss = cross_entropy * (labels[rows, 1:] != -100).sum() / total_tokens + coef * outputs.aux_loss / count
+            aux_loss = 0.0 if outputs.aux_loss is None else outputs.aux_loss
+            cross_entropy = outputs.loss - coef * aux_loss
+            loss = cross_entropy * (labels[rows, 1:] != -100).sum() / total_tokens + coef * aux_loss / count
             loss.backward()
             step_loss += loss.item()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)))
@@ -455,12 +459,10 @@ def transformers_steps(hf_dir, batches, micro_batch_size):
     return losses, norms
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", TRAIN_LAYOUTS)
-def test_training_steps_equal_transformers_with_the_load_balancing_loss(demo_model, demo_moe, tmp_path, layout):
-    """Six steps on instruction data (padded rows of 2 to ~60 labelled tokens), clipping active: the logged loss
-    (the total) and the step-1 gradient norm are transformers' (fp32; bf16 within its rounding, every step's norm);
-    aux_loss and each sparse layer's expert load are logged beside."""
+def trained_and_transformers(demo_model, model_dirs, tmp_path, layout):
+    """Six steps of the trainer on model_dirs["ds"] (a TRAIN_LAYOUTS layout) on instruction data, and of
+    transformers_steps on model_dirs["hf"] over the same global batches: (the trainer's metrics records,
+    transformers' losses, its gradient norms, the layout's settings)."""
     from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics
     from tests.test_token_mean import MICRO_BATCH as ROWS, SEED, SEQ as TRAIN_SEQ, global_batches
     from tests.test_token_mean import write_skewed_instructions
@@ -468,16 +470,26 @@ def test_training_steps_equal_transformers_with_the_load_balancing_loss(demo_mod
     train_file = write_skewed_instructions(demo_model, tmp_path / "train.jsonl")
     out = tmp_path / "run"
     check_ok(launch_trainer(procs, demo_overrides(demo_model, out, **{
-        **settings, "model_name_or_path": demo_moe["ds"], "train_file": str(train_file), "eval_file": "null",
+        **settings, "model_name_or_path": model_dirs["ds"], "train_file": str(train_file), "eval_file": "null",
         "data.format": "instruction", "data.cache_dir": str(tmp_path / "cache"), "seq_length": TRAIN_SEQ,
         "micro_batch_size": ROWS, "max_steps": TRAIN_STEPS, "logging_steps": 1, "learning_rate": LEARNING_RATE,
         "lr_scheduler": "constant", "warmup_steps": 0, "max_grad_norm": MAX_GRAD_NORM, "seed": SEED,
         "save_steps": 0})))
     records = [r for r in read_metrics(out) if "loss" in r]
     data_parallel = procs // settings["num_stages"]
-    losses, norms = transformers_steps(demo_moe["hf"], global_batches(
+    losses, norms = transformers_steps(model_dirs["hf"], global_batches(
         demo_model, train_file, data_parallel, settings["gradient_accumulation_steps"], tmp_path / "ref",
         steps=TRAIN_STEPS), ROWS)
+    return records, losses, norms, settings
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", TRAIN_LAYOUTS)
+def test_training_steps_equal_transformers_with_the_load_balancing_loss(demo_model, demo_moe, tmp_path, layout):
+    """Six steps on instruction data (padded rows of 2 to ~60 labelled tokens), clipping active: the logged loss
+    (the total) and the step-1 gradient norm are transformers' (fp32; bf16 within its rounding, every step's norm);
+    aux_loss and each sparse layer's expert load are logged beside."""
+    records, losses, norms, settings = trained_and_transformers(demo_model, demo_moe, tmp_path, layout)
     assert min(norms) > MAX_GRAD_NORM  # clipping acts on every step
     # bf16 (ZeRO-1's fp32 master weights and gradient sums) within its rounding of the fp32 steps: seen 9e-4 and 0.3%
     bf16 = settings.get("precision") == "bf16"

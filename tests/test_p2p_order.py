@@ -361,7 +361,20 @@ def test_a_receive_of_another_shape_is_the_wrong_tensor():
 
 def test_every_config_is_checked():
     assert {(2, 4), (4, 32), (8, 32), (8, 64)} <= config_counts()
-    assert all(stages in STAGES for stages, _ in config_counts())
+    assert all(stages in STAGES or (stages, m) in WIDE_CONFIGS for stages, m in config_counts())
+
+
+WIDE_CONFIGS = sorted((stages, m) for stages, m in config_counts() if stages not in STAGES)  # gpt_oss_120b's 24
+
+
+@pytest.mark.parametrize("stages, micro_batches", WIDE_CONFIGS)
+def test_configs_beyond_eight_stages_are_matched_on_every_link(stages, micro_batches):
+    """A config's own layout past STAGES: its training step under every schedule, on the engines."""
+    run_on_nccl(record(stages, micro_batches, train_first(micro_batches)))
+    run_on_nccl(record(stages, micro_batches, train_first(micro_batches), zero_bubble={"max_waiting": None}))
+    for schedule, virtual_stages in [("zbv", 1), ("interleaved_1f1b", 2)]:
+        step_micro_batches, run = chunk_runs(schedule, stages, micro_batches)[0]
+        run_on_nccl(record_chunked(schedule, stages, step_micro_batches, run[:1], virtual_stages))
 
 
 @functools.cache  # one per (tensor, chunk, micro-batch): nobody writes into it (a receive writes into its own)

@@ -14,8 +14,9 @@ import torch
 
 from checkpoints.compatibility import check_resume_topology
 from tests.conftest import ROOT
-from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics,
-                          run_python, start_trainer)
+from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_ranks_separately, launch_trainer,
+                          per_step_losses, read_metrics, run_python, start_trainer)
+from resilience.exit_codes import CRASHED, DISK_FULL
 from resilience.preemption import PREEMPTED_EXIT_CODE
 
 FAULT_SCRIPT = os.path.join("tests", "fault_injection.py")
@@ -203,6 +204,40 @@ def test_nan_loss_step_is_skipped_when_configured(demo_model, tmp_path):
         assert all(torch.isfinite(t).all() for t in weights.values())
 
 
+def test_a_log_line_cut_short_mid_append_is_dropped_at_the_next_start_not_fatal(tmp_path, capsys):
+    """A node lost mid-append leaves metrics.jsonl or lm_eval.jsonl ending in part of a record (it raised
+    JSONDecodeError at the resume before, exit 78, never restarted): the next start drops it in one line, and the
+    run's next record starts a line of its own; a last record missing only its newline is kept. A bad line before
+    the last is no interrupted append: a ConfigError naming it."""
+    from errors import ConfigError
+    from training.metrics import drop_records_after
+    metrics, scores = tmp_path / "metrics.jsonl", tmp_path / "lm_eval.jsonl"
+    metrics.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.25}\n{"step": 3, "lo')
+    scores.write_text('{"step": 2, "source": "pipeline", "acc": 0.5}\n{"step": 2, "source": "hf_export", "acc": 0.5}')
+    assert drop_records_after(str(metrics), 2) == []
+    assert drop_records_after(str(scores), 2, source="pipeline") == []
+    assert capsys.readouterr().out == (f"{metrics}: dropped its last line, a record cut short when the run writing it "
+                                       f"stopped mid-append: '{{\"step\": 3, \"lo'\n")
+    assert metrics.read_text() == '{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.25}\n'
+    assert scores.read_text().endswith('"acc": 0.5}\n') and len(scores.read_text().splitlines()) == 2
+    metrics.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "lo\n{"step": 2, "loss": 2.25}\n')
+    with pytest.raises(ConfigError, match=rf"^{metrics}: line 2 is not a JSON record \(.*\); fix or remove it$"):
+        drop_records_after(str(metrics), 1)
+
+
+@pytest.mark.slow
+def test_rank_0_killed_while_building_the_data_is_a_restartable_failure_on_the_others(demo_model, tmp_path):
+    """Rank 0 dies as it starts tokenizing (a node lost, the OOM killer): the rank waiting for it on the store says
+    so and exits 1, which a supervisor restarts; it exited 78 (a config error, never restarted) before."""
+    rank0, rank1 = launch_ranks_separately(2, demo_overrides(demo_model, tmp_path / "run", eval_file="null",
+                                                             **{"data.cache_dir": str(tmp_path / "cache")}),
+                                           script=FAULT_SCRIPT, env={"FAULT": "kill_building:0:0"})
+    assert rank0.returncode == -signal.SIGKILL and "FAULT kill_building" in rank0.stdout, rank0.stderr[-3000:]
+    assert rank1.returncode == CRASHED, rank1.stderr[-3000:]
+    assert (f"SharedFileError: rank 0 stopped while building the tokenized cache of {demo_model['train']}; its log "
+            f"says why") in rank1.stderr, rank1.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_malformed_jsonl_line_is_named(demo_model, tmp_path):
     data = tmp_path / "train.jsonl"
@@ -332,6 +367,34 @@ def test_disk_filling_during_the_first_save_is_one_line(demo_model, two_step_run
                      rf"complete checkpoint was saved yet\.", output), output[-3000:]
     assert "inline_container" not in output and "Errno 28" not in output, output[-6000:]
     assert not (out / "latest").exists() and not (out / "global_step2" / "COMPLETE").exists()
+
+
+@pytest.mark.slow
+def test_a_disk_filling_under_a_background_write_stops_every_rank_with_one_line(demo_model, two_step_run,
+                                                                                 small_disk):
+    """async_save=true: another writer fills the disk right after the step-4 save found room for it, so the writer
+    processes meet the full disk (torch.save's zip writer: a RuntimeError, not an OSError). The old writer died
+    without a word and the run hung; now both ranks stop together with the full disk's line and exit 74 (not
+    restarted), and `latest` and step 2's checkpoint are as they were."""
+    from checkpoints.disk_space import checkpoint_bytes
+    disk = small_disk(64 * 2**20)
+    out = disk / "run"
+    shutil.copytree(two_step_run, out)
+    checkpoint = checkpoint_bytes(out / "global_step2")
+    started = time.monotonic()
+    result = launch_trainer(2, two_step_overrides(demo_model, out, resume="auto", max_steps=6, async_save="true"),
+                            script=FAULT_SCRIPT, env={"FAULT": "fill_disk:0:4"}, timeout=180)
+    output = result.stdout + result.stderr
+    assert result.returncode == DISK_FULL and time.monotonic() - started < 180, output[-3000:]
+    assert "FAULT fill_disk AT 4" in result.stdout
+    refusal = re.findall(rf"trainer_pipe: error: checkpoint global_step4 does not fit on the disk of '{out}': "
+                         rf"[\d.]+ MiB free, a checkpoint needs about {checkpoint / 2**20:.1f} MiB; .*; resume=auto "
+                         rf"continues from the last complete checkpoint, {out}/global_step2\.", output)
+    assert len(refusal) == 2, output[-3000:]  # one line from each rank
+    assert (out / "latest").read_text() == "global_step2" and not (out / "global_step4" / "COMPLETE").exists()
+    kept = {path.relative_to(out): path.read_bytes() for path in (out / "global_step2").rglob("*") if path.is_file()}
+    assert kept == {path.relative_to(two_step_run): path.read_bytes()
+                    for path in (two_step_run / "global_step2").rglob("*") if path.is_file()}
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from checkpoints.hf_to_ds import convert_hf_to_ds
+from errors import ConfigError
 from models.partition import training_flops_per_token
 from tests.launch import (SINGLE_PROCESS, check_ok, demo_overrides, launch_ranks_separately, launch_trainer,
                           per_step_losses, read_metrics, run_in_process)
@@ -140,7 +141,7 @@ def test_output_dir_equal_to_the_converted_model_is_refused_and_the_model_kept(d
     model = tmp_path / "model"
     shutil.copytree(demo_model["ds"], model)
     before = disk_state(model)
-    with pytest.raises(FileExistsError) as refusal:
+    with pytest.raises(ConfigError) as refusal:
         run_in_process(demo_overrides(demo_model, model, model_name_or_path=model), 2)
     assert str(refusal.value) == (f"output_dir '{model}' is model_name_or_path, the converted model this run starts "
                                   f"from: its checkpoints would replace the model's 'latest' and mix with its "
@@ -152,7 +153,7 @@ def test_fresh_run_refuses_to_mix_with_existing_checkpoints(demo_model, tmp_path
     out = tmp_path / "run"
     (out / "global_step4").mkdir(parents=True)
     (out / "global_step4" / "COMPLETE").write_text("global_step4")
-    with pytest.raises(FileExistsError, match=f"output_dir '{out}' already holds checkpoints \\(global_step4\\); "
+    with pytest.raises(ConfigError, match=f"output_dir '{out}' already holds checkpoints \\(global_step4\\); "
                                               f"set resume=auto to continue from global_step4"):
         run_in_process(demo_overrides(demo_model, out), 2)
     assert sorted(os.listdir(out)) == ["global_step4"]

@@ -1,7 +1,7 @@
 """Tiny LLaMA-family models built locally from a config (random weights, save_pretrained): the Hugging Face model
 is the oracle the pipeline must match."""
 import torch
-from transformers import (AutoModelForCausalLM, GptOssConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, GptOssConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
                           Olmo2Config, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
                           SmolLM3Config)
 
@@ -64,10 +64,34 @@ MOE_CONFIGS = {
                                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}),
 }
 
+# The DeepSeek-V3 line: DeepSeek-V3's sigmoid router with its correction bias (random, so that it changes the
+# choice), shared experts, the first layer dense; no load-balancing loss (transformers computes none for them).
+LATENT = dict(num_key_value_heads=4, kv_lora_rank=8, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=8)
+ROUTED = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+              first_k_dense_replace=1)
+DEEPSEEK_CONFIGS = {
+    # DeepSeek-V3 / Kimi K2: the query latent, interleaved rotary part, YaRN with mscale (softmax scale and tables);
+    # the top-2 of 8 experts within the best 2 of 4 groups, normalised, scaled.
+    "deepseek_v3": lambda: DeepseekV3Config(**COMMON, **LATENT, **ROUTED, q_lora_rank=16, n_group=4, topk_group=2,
+                                            norm_topk_prob=True, routed_scaling_factor=2.5, rope_parameters={
+                                                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                "mscale": 0.9, "mscale_all_dim": 1.1, "beta_fast": 32.0,
+                                                "beta_slow": 1.0, "original_max_position_embeddings": 16}),
+    # Moonlight / DeepSeek-V2-Lite style: no query latent (q_proj), the rotary part as halves; one group, weights
+    # not normalised; tied.
+    "deepseek_v3_q_proj": lambda: DeepseekV3Config(**COMMON, **LATENT, **ROUTED, q_lora_rank=None, n_group=1,
+                                                   topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.5,
+                                                   rope_interleave=False, tie_word_embeddings=True),
+    # GLM-4.5: grouped-query attention with q/k/v biases, per-head q/k norms, half the head rotary; DeepSeek's router
+    # over 2 groups.
+    "glm4_moe": lambda: Glm4MoeConfig(**COMMON, **ROUTED, num_key_value_heads=2, head_dim=16, attention_bias=True,
+                                      use_qk_norm=True, n_group=2, topk_group=1, routed_scaling_factor=1.5),
+}
+
 
 def make_tiny_model(name, path, seed=0, **save_kwargs):
     """Save a randomly initialised tiny model to path and return it (fp32, eval mode)."""
-    return make_model({**TINY_CONFIGS, **MOE_CONFIGS}[name](), path, seed, **save_kwargs)
+    return make_model({**TINY_CONFIGS, **MOE_CONFIGS, **DEEPSEEK_CONFIGS}[name](), path, seed, **save_kwargs)
 
 
 def make_model(config, path, seed=0, dtype=torch.float32, **save_kwargs):
@@ -78,6 +102,9 @@ def make_model(config, path, seed=0, dtype=torch.float32, **save_kwargs):
         for param_name, param in model.named_parameters():
             if param_name.endswith((".bias", "_bias")):
                 param.normal_(std=0.02)
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):  # DeepSeek's: moves the choice, not the weights
+                buffer.normal_(std=0.1)
         if config.pad_token_id is not None:  # a pad that is a real token (eos) has a trained row, not init's zeros
             model.get_input_embeddings().weight[config.pad_token_id].normal_(std=0.02)
     model.save_pretrained(path, **save_kwargs)

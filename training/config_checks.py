@@ -15,6 +15,7 @@ from models.lora import LoraSettings
 from models.pipeline import ATTENTION_IMPLS, LOSS_IMPLS, PRECISION_DTYPES
 from models.preference import PreferenceSettings
 from planner.measured_costs import PARTITION_COSTS, measured_costs_unsupported
+from resilience.hang_watchdog import longest_limit
 from schedules.orders import PIPELINE_SCHEDULES
 from schedules.zbv_order import ZBV_TIMES_SPREAD
 
@@ -154,17 +155,23 @@ def check_length_buckets(cfg):
 
 
 def check_hang_watchdog(watchdog, dist_timeout_minutes):
+    """The watchdog's limits, each below the collectives' timeout: a hang the watchdog would name later is ended by a
+    collective's timeout first, without a stack or a record (on NCCL, an abort). startup_seconds' default (null) is
+    below it by construction (resilience/hang_watchdog.py longest_limit)."""
     if watchdog.step_time_factor < 2:
         raise ConfigError(f"hang_watchdog.step_time_factor={watchdog.step_time_factor} is too short for the measured "
                           f"step time: steps vary, and a rank that is only slow must not be ended; use at least 2 "
                           f"(10 by default).")
+    if watchdog.startup_seconds is None:
+        watchdog.startup_seconds = longest_limit(dist_timeout_minutes)
     for key in ("min_step_seconds", "startup_seconds"):
         if not watchdog[key] > 0:
             raise ConfigError(f"hang_watchdog.{key}={watchdog[key]} must be a positive number of seconds.")
-    if watchdog.enabled and watchdog.min_step_seconds >= 60 * dist_timeout_minutes:
-        raise ConfigError(f"hang_watchdog.min_step_seconds={watchdog.min_step_seconds} is not below "
-                          f"dist_timeout_minutes={dist_timeout_minutes} (x 60 s): a collective's timeout would end a "
-                          f"hung step first, without naming where it stopped; lower the first or raise the second.")
+        if watchdog.enabled and watchdog[key] >= 60 * dist_timeout_minutes:
+            raise ConfigError(f"hang_watchdog.{key}={watchdog[key]} is not below dist_timeout_minutes="
+                              f"{dist_timeout_minutes} (x 60 s): a collective's timeout would end a hung "
+                              f"{'step' if key == 'min_step_seconds' else 'start or save'} first, without naming "
+                              f"where it stopped; lower the first or raise the second.")
 
 
 def check_preference(cfg, preference):

@@ -19,9 +19,7 @@ from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.files import has_tokenizer_files
 from checkpoints.integrity import verify_checkpoint
 from checkpoints.layer_files import load_layer_slice
-from checkpoints.optimizer_state import has_layout_free_state, load_training_state
 from resilience.run_lease import output_dir_lease
-from checkpoints.rng_state import load_rng_state
 from checkpoints.saving import save_checkpoint
 from checkpoints.state_files import WeightsOnlyCheckpointEngine
 from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoints
@@ -35,10 +33,10 @@ from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan, snapshot_bytes_of_ranks
 from training.deepspeed_config import accumulation_warning, deepspeed_config
-from cluster.distributed import (check_devices, elastic_restart_error, init_distributed, node_ranks,
-                                  parallel_topology, set_threads_per_process)
+from cluster.distributed import (check_devices, elastic_restart_error, init_distributed, log_rank0, node_ranks,
+                                  parallel_topology, set_threads_per_process, set_up_flight_recorder)
 from evaluation.eval_set import evaluate
-from resilience.hang_watchdog import hang_watchdog
+from resilience.hang_watchdog import HANG_DIR, hang_watchdog
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
 from training.optimizer import skipping_optimizer
 from engines.gradient_norm import use_expert_parallel_norm, use_fp32_clipping
@@ -50,17 +48,13 @@ from engines.profiling import NoProfile, StepProfile
 from engines.sequence_length import use_sequence_length
 from resilience.rank_records import start_record
 from training.run_data import RunData, pad_token_id
-from training.resume import resolve_resume, start_checkpoint_dir
+from training.resume import start_checkpoint_dir
 from errors import ConfigError
 from engines.cost_calibration import measured_partition
 from training.run_spec import plan_spec, run_spec
+from training.start_point import agreed_start, load_with_reference
 from resilience.stragglers import StragglerWatch
 from training.token_mean import step_micro_batches, step_totals, token_mean_loss
-
-
-def log_rank0(message):
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
 
 
 def seed_everything(seed):
@@ -136,39 +130,6 @@ def prepare_output_dir(spec):
     collectives.barrier()
 
 
-def load_start_state(engine, spec):
-    """Load the resume checkpoint (all state, or weights only), or the converted model's weights."""
-    cfg, resume_from = spec.cfg, spec.resume_from
-    if resume_from is None or spec.lora.enabled:  # a LoRA checkpoint holds the adapters only: the base first
-        engine.load_checkpoint(cfg.model_name_or_path, load_module_only=True)
-    if resume_from is None:
-        return
-    ckpt_dir, tag = resume_from
-    tag_dir = os.path.join(ckpt_dir, tag)
-    if cfg.resume_weights_only:
-        engine.load_checkpoint(ckpt_dir, tag, load_module_only=True)
-        log_rank0(f"resumed from {tag_dir} (weights only, fresh optimizer)")
-        return
-    if has_layout_free_state(spec.trainer_state):
-        engine.load_checkpoint(ckpt_dir, tag, load_module_only=True)
-        load_training_state(engine, tag_dir, spec.trainer_state)
-    else:  # written before the optimizer state was saved per layer: DeepSpeed's own files, on their own layout
-        engine.load_checkpoint(ckpt_dir, tag)
-    load_rng_state(tag_dir, dist.get_rank())
-    log_rank0(f"resumed from {tag_dir}")
-
-
-def load_with_reference(engine, spec, data, pad_id):
-    """load_start_state, and under DPO the reference log-probabilities of the starting weights: computed after a
-    fresh start's load, or on a resume whose stored values are missing, from the converted model loaded first."""
-    resuming = spec.resume_from is not None
-    if resuming and data.missing_reference() and not spec.lora.enabled:
-        engine.load_checkpoint(spec.cfg.model_name_or_path, load_module_only=True)  # the starting weights
-        data.add_reference(engine, spec, pad_id, log_rank0)
-    load_start_state(engine, spec)
-    data.add_reference(engine, spec, pad_id, log_rank0)  # read back, or computed (a LoRA base with its adapters off)
-
-
 def load_lm_eval_tasks(spec):
     """The run's eval_tasks loaded and checked on every rank before anything starts (evaluation/lm_eval_tasks.py;
     lm-eval is an optional extra), or None."""
@@ -234,17 +195,21 @@ def run(cfg):
         shortfall = snapshot_shortfall(cfg.async_save, snapshot_bytes_of_ranks(spec, this_node), len(this_node))
     check_devices(cfg.precision)
     if error := elastic_restart_error(os.environ):
-        raise ValueError(error)
+        raise ConfigError(error)
+    trace_dir = set_up_flight_recorder(os.path.join(cfg.output_dir, HANG_DIR))  # read as the process group starts
     init_distributed(cfg.dist_timeout_minutes)
     if cfg.async_save == "auto":  # from here on, true or false alike on every rank
         cfg.async_save = not cfg.eval_only and agreed_async_save(shortfall)
     with output_dir_lease(cfg.output_dir):  # before anything in output_dir is touched
         record = start_record(cfg.output_dir, int(os.environ.get("RANK", "0")))  # names this rank if it dies
+        if trace_dir:
+            os.makedirs(trace_dir, exist_ok=True)  # where NCCL writes its trace when a collective times out
         return run_started(spec, lm_eval_tasks, record)
 
 
 def run_started(spec, lm_eval_tasks, record):
     """run() once the process group is up and this job holds output_dir."""
+    spec = agreed_start(spec)  # collective: the checkpoint rank 0 chose, a rollback's abandoned branch moved aside
     spec = measured_partition(spec)  # collective: every rank partitions alike, on the device's measured costs
     cfg, resume_from = spec.cfg, spec.resume_from
     prepare_output_dir(spec)
@@ -322,7 +287,9 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
     sequences_per_sample = 2 if spec.preference.preference else 1  # a pair: its chosen and rejected sequences
     logger = RunLogger(cfg.output_dir, monitors, total_steps, step, replays_after=step)
     start_step, start_consumed = step, spec.trainer_state.get("consumed_samples", 0)  # the global batch may change
-    last_checkpoint = resolve_resume("auto", cfg.output_dir)
+    # the newest checkpoint of this output_dir's history: the one resumed (rank 0's choice, every rank's alike)
+    last_checkpoint = (spec.resume_from if spec.resume_from and os.path.realpath(spec.resume_from[0]) ==
+                       os.path.realpath(cfg.output_dir) else None)
     checkpoint_size = checkpoint_bytes(os.path.join(*last_checkpoint)) if last_checkpoint else spec.checkpoint_bytes
     preemption = PreemptionWatch(cfg.preemption_grace_seconds)
     peak_tflops = device_peak_tflops(cfg.peak_tflops, cfg.precision)

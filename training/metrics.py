@@ -11,6 +11,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from checkpoints.files import write_text_atomic
+from errors import ConfigError
 from evaluation.lm_eval_log import LM_EVAL_FILE
 from deepspeed_internals.registry import MonitorMaster, WandbMonitor, get_monitor_config
 
@@ -46,7 +47,8 @@ class RunLogger:
         """replays_after: the step training starts after; the records of later steps, which a restart from an
         earlier checkpoint logs again, are dropped from metrics.jsonl, lm_eval.jsonl (the run's own scores) and the
         CSV monitor's files and hidden in TensorBoard first, so each step appears once; a resumed run (replays_after
-        past 0) goes on in the same W&B run, from the step after the last one it logged there."""
+        past 0) goes on in the same W&B run, from the step after the last one it logged there. Either way a last line
+        of metrics.jsonl or lm_eval.jsonl cut short by a stop mid-append is dropped (whole_records)."""
         self.enabled = dist.get_rank() == 0
         self.output_dir = output_dir
         config = get_monitor_config(monitors)
@@ -62,10 +64,10 @@ class RunLogger:
         if not self.enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
+        dropped = drop_records_after(os.path.join(output_dir, METRICS_FILE), replays_after)
+        drop_records_after(os.path.join(output_dir, LM_EVAL_FILE), replays_after, source="pipeline")
         if replays_after is not None:
-            dropped = drop_records_after(os.path.join(output_dir, METRICS_FILE), replays_after)
             self.wandb_logged_through = max(dropped, default=replays_after)  # every monitor got each record
-            drop_records_after(os.path.join(output_dir, LM_EVAL_FILE), replays_after, source="pipeline")
             if self.monitor.csv_monitor is not None:
                 # its files keep their header: the monitor writes one into a file it has not written this run
                 self.monitor.csv_monitor.filenames = drop_csv_rows_after(self.monitor.csv_monitor.log_dir,
@@ -117,19 +119,41 @@ class RunLogger:
 
 def drop_records_after(path, step, source=None):
     """Rewrite the JSON-lines file at path (atomically) without its records of steps after `step` (of that
-    `source` only, when given: lm_eval.jsonl keeps the scores of exports, which a restart does not log again); the
-    steps dropped."""
+    `source` only, when given: lm_eval.jsonl keeps the scores of exports, which a restart does not log again; None:
+    none), and without a last line cut short (whole_records); the steps dropped."""
     if not os.path.isfile(path):
         return []
-    with open(path) as f:
-        records = [(line, json.loads(line)) for line in f if line.strip()]
-    logged_again = [record["step"] > step and record.get("source") == source for _, record in records]
+    records, repaired = whole_records(path)
+    logged_again = [step is not None and record["step"] > step and record.get("source") == source
+                    for _, record in records]
     dropped = sorted({record["step"] for (_, record), again in zip(records, logged_again) if again})
-    if dropped:
+    if dropped or repaired:
         write_text_atomic(path, "".join(line for (line, _), again in zip(records, logged_again) if not again))
+    if dropped:
         print(f"{path}: dropped the records of step(s) {', '.join(map(str, dropped))}, which this run logs again "
               f"(it starts after step {step})", flush=True)
     return dropped
+
+
+def whole_records(path):
+    """([(line, record)] of a JSON-lines log this run appends to, whether it needs rewriting). A last line that is
+    not a whole record was cut short by a run that stopped mid-append (a node lost): it is dropped, in one line; a
+    last record without its newline gets one, so that the next append starts a line of its own. A bad line before
+    the last is no interrupted append: a ConfigError naming it."""
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    records, repaired = [], False
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append((line if line.endswith("\n") else line + "\n", json.loads(line)))
+            repaired = repaired or not line.endswith("\n")
+        except json.JSONDecodeError as error:
+            if number < len(lines):
+                raise ConfigError(f"{path}: line {number} is not a JSON record ({error}); fix or remove it") from None
+            print(f"{path}: dropped its last line, a record cut short when the run writing it stopped mid-append: "
+                  f"{line.strip()[:60]!r}", flush=True)
+            repaired = True
+    return records, repaired
 
 
 def drop_csv_rows_after(directory, step):

@@ -5,6 +5,7 @@ import os
 
 from checkpoints.files import COMPLETE_MARKER, IN_PROGRESS_MARKER, read_latest
 from checkpoints.tag_dirs import complete_tags, incomplete_tags, is_complete
+from errors import ConfigError
 
 
 def resolve_resume(resume, output_dir):
@@ -20,18 +21,17 @@ def resolve_resume(resume, output_dir):
     tag = read_latest(path)
     if tag and is_complete(os.path.join(path, tag)):
         return path, tag
-    raise FileNotFoundError(f"resume='{resume}' is neither a complete checkpoint tag directory (with a "
-                            f"{COMPLETE_MARKER} file) nor a directory whose 'latest' names one; use resume=auto or a "
-                            f"valid path.")
+    raise ConfigError(f"resume='{resume}' is neither a complete checkpoint tag directory (with a {COMPLETE_MARKER} "
+                      f"file) nor a directory whose 'latest' names one; use resume=auto or a valid path.")
 
 
 def check_fresh_start(output_dir, overwrite):
     """A run that does not resume must not mix its checkpoints with an older run's."""
     tags = complete_tags(output_dir)
     if tags and not overwrite:
-        raise FileExistsError(f"output_dir '{output_dir}' already holds checkpoints ({', '.join(tags)}); set "
-                              f"resume=auto to continue from {tags[-1]}, choose another output_dir, or set "
-                              f"overwrite_output_dir=true to delete them.")
+        raise ConfigError(f"output_dir '{output_dir}' already holds checkpoints ({', '.join(tags)}); set "
+                          f"resume=auto to continue from {tags[-1]}, choose another output_dir, or set "
+                          f"overwrite_output_dir=true to delete them.")
 
 
 def start_checkpoint_dir(model_name_or_path, resume_from):
@@ -45,11 +45,11 @@ def check_output_dir_is_ours(output_dir, model_name_or_path):
     """Nothing in output_dir that a start's cleanup could delete was written by someone else: it is not the model
     the run starts from, and each incomplete global_stepN in it is an interrupted save of this trainer."""
     if os.path.realpath(output_dir) == os.path.realpath(model_name_or_path):
-        raise FileExistsError(f"output_dir '{output_dir}' is model_name_or_path, the converted model this run starts "
-                              f"from: its checkpoints would replace the model's 'latest' and mix with its "
-                              f"global_step0; choose another output_dir.")
+        raise ConfigError(f"output_dir '{output_dir}' is model_name_or_path, the converted model this run starts "
+                          f"from: its checkpoints would replace the model's 'latest' and mix with its global_step0; "
+                          f"choose another output_dir.")
     others = incomplete_tags(output_dir)[1]
     if others:
-        raise FileExistsError(f"output_dir '{output_dir}' holds {', '.join(others)}, which no save of this trainer "
-                              f"wrote (neither {COMPLETE_MARKER} nor {IN_PROGRESS_MARKER} in it: a converted model, "
-                              f"another tool's checkpoint?); move it out of output_dir or choose another output_dir.")
+        raise ConfigError(f"output_dir '{output_dir}' holds {', '.join(others)}, which no save of this trainer "
+                          f"wrote (neither {COMPLETE_MARKER} nor {IN_PROGRESS_MARKER} in it: a converted model, "
+                          f"another tool's checkpoint?); move it out of output_dir or choose another output_dir.")

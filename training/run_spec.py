@@ -165,14 +165,22 @@ def run_spec(cfg, world_size):
         except ValueError as error:
             raise ConfigError(str(error)) from None
     workload = check_layout(cfg, model_config, world_size)
-    resume_from = resolve_resume(cfg.resume, cfg.output_dir)
+    spec = RunSpec(cfg, model_config, world_size, workload, configured_stage_bounds(cfg, model_config, workload),
+                   model_files_dir, tokenizer_dir(cfg, model_files_dir))
+    if cfg.data.format == "indexed":
+        check_shards_fit_model(cfg, model_config.vocab_size, spec.tokenizer_dir)
+    # this rank's own look at output_dir, for the checks: rank 0's, once a collective can carry it, decides
+    # (training/start_point.py)
+    return with_resume(spec, resolve_resume(cfg.resume, cfg.output_dir))
+
+
+def with_resume(spec, resume_from):
+    """spec resuming resume_from ((checkpoint dir, tag), or None for a fresh start), once it fits the run."""
+    cfg = spec.cfg
     trainer_state = read_trainer_state(os.path.join(*resume_from)) if resume_from else {}
     if resume_from is None and not cfg.eval_only:
         check_fresh_start(cfg.output_dir, cfg.overwrite_output_dir)
-    spec = RunSpec(cfg, model_config, world_size, workload, configured_stage_bounds(cfg, model_config, workload),
-                   model_files_dir, tokenizer_dir(cfg, model_files_dir), resume_from, trainer_state)
-    if cfg.data.format == "indexed":
-        check_shards_fit_model(cfg, model_config.vocab_size, spec.tokenizer_dir)
+    spec = dataclasses.replace(spec, resume_from=resume_from, trainer_state=trainer_state)
     if resume_from:
         check_resume(spec)
     return spec
