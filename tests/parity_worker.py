@@ -62,7 +62,8 @@ class LayerFileOpens:
 
 
 def gradient_errors(module, recorded, ref_grads, num_hidden_layers, engine):
-    """{HF name: max |pipeline - transformers| / max |transformers|} for each of this rank's parameters' gradients
+    """{HF name: max |pipeline - transformers| / max |transformers| (where that is 0, as for experts no token chose:
+    max |pipeline|)} for each of this rank's parameters' gradients
     (recorded: {param: gradient}), against this rank's tensor-parallel slice of the HF gradient."""
     errors = {}
     for name, param in module.named_parameters():
@@ -75,7 +76,8 @@ def gradient_errors(module, recorded, ref_grads, num_hidden_layers, engine):
                             param.tensor_parallel_dim)[engine.grid.get_slice_parallel_rank()]
         if hasattr(param, "expert_slice"):  # this rank's experts under expert parallelism
             ref = param.expert_slice.of(ref)
-        errors[hf_name] = ((recorded[param] - ref).abs().max() / ref.abs().max()).item()
+        difference, scale = (recorded[param] - ref).abs().max().item(), ref.abs().max().item()
+        errors[hf_name] = difference / scale if scale else difference  # a slice of experts no token chose: zeros
     return errors
 
 
