@@ -1,7 +1,9 @@
 """Mixtures of experts (models/moe.py, models/router_loss.py): Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE and GPT-OSS equal
 transformers, loss (its outputs.loss: cross-entropy plus the load-balancing loss) and every gradient, in one process,
-over 2 and 4 stages, data and tensor parallelism, with padded rows; their checkpoints convert both ways bit for bit;
-six training steps equal a transformers + torch AdamW loop; what is not implemented is refused in one line."""
+over 2 and 4 stages, data, tensor and expert parallelism (the experts split over the data-parallel ranks: more in
+tests/test_expert_parallel.py), with padded rows; the clipping norm counts every expert once; their checkpoints
+convert both ways bit for bit; six training steps equal a transformers + torch AdamW loop; what is not implemented is
+refused in one line."""
 import dataclasses
 import glob
 import json
