@@ -63,12 +63,17 @@ def decoder_parameter_split(config, layer=None, active=False):
         sharded += heads
     if sparse:
         moe = architecture.moe
-        expert = 3 * hidden * moe.expert_size + (2 * moe.expert_size + hidden if moe.expert_bias else 0)
-        replicated += moe.num_experts * (hidden + moe.router_bias) + (moe.top_k if active else moe.num_experts) * expert
+        replicated += moe.num_experts * (hidden + moe.router_bias) + \
+            (moe.top_k if active else moe.num_experts) * expert_parameters(moe, hidden)
         if moe.shared_expert_size:
             sharded += 3 * hidden * moe.shared_expert_size
             replicated += hidden  # its gate
     return sharded, replicated
+
+
+def expert_parameters(moe, hidden):
+    """One expert's parameters: its gate, up and down projections (and GPT-OSS's biases)."""
+    return 3 * hidden * moe.expert_size + (2 * moe.expert_size + hidden if moe.expert_bias else 0)
 
 
 def planned_decoder(config):

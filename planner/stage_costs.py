@@ -36,7 +36,8 @@ follow these FLOPs within 4% (bench/trainer_profile.py).
 """
 from models.llama import architecture_of, head_dim_of
 from models.lora import adapter_parameter_count
-from models.partition import DECODER, EMBEDDING, HEAD, NORM, decoder_parameter_split, layer_kinds, mean_attended_keys
+from models.partition import (DECODER, EMBEDDING, HEAD, NORM, decoder_parameter_split, expert_parameters, layer_kinds,
+                              mean_attended_keys)
 from schedules.orders import rank_orders
 from schedules.rules import chunk_ids, chunks_per_rank, in_flight_micro_batches, waiting_micro_batches
 from schedules.zbv_order import configured_zbv_durations
@@ -83,12 +84,16 @@ class LayerCosts:
         chunk_logits = chunk * vocab * FP32_BYTES
         chunk_bytes = (chunk_logits + chunk * vocab * (act if act != FP32_BYTES else 0)
                        + (chunk_logits if weight_grad_bytes != act else 0))
-        # vocab, inter, q_width and heads are this rank's share; parameters are this rank's too.
-        self.parameters = {EMBEDDING: vocab * hidden, DECODER: sharded // t + replicated, NORM: hidden,
+        # vocab, inter, q_width and heads are this rank's share; parameters are this rank's too: under expert
+        # parallelism its slice of the experts, whose optimizer state ZeRO-1 shards over the dp / ep ranks holding
+        # them (models/expert_parallel.py), as much per rank as every expert's over all dp ranks.
+        experts = moe.num_experts * expert_parameters(moe, hidden) if moe else 0
+        not_held = experts - experts // workload.expert_parallel
+        self.parameters = {EMBEDDING: vocab * hidden, DECODER: sharded // t + replicated - not_held, NORM: hidden,
                            HEAD: vocab * hidden}  # a tied head is a second copy of the embedding on its stage
         self.largest_tensor = {EMBEDDING: vocab * hidden, NORM: hidden, HEAD: vocab * hidden,
-                               DECODER: max(hidden * max(inter, q_width),
-                                            2 * moe.num_experts * moe.expert_size * hidden if moe else 0)}
+                               DECODER: max(hidden * max(inter, q_width), 2 * moe.num_experts * moe.expert_size
+                                            * hidden // workload.expert_parallel if moe else 0)}
         # LoRA (models/lora.py): only the adapters train; they add their parameters to a decoder layer's.
         lora = workload.lora
         adapters = adapter_parameter_count(config, lora, t)
@@ -98,6 +103,8 @@ class LayerCosts:
         self.largest_trained = ({kind: (lora.rank * max(hidden, inter * t) if count else 0)
                                  for kind, count in self.trained.items()} if lora.enabled
                                 else self.largest_tensor)
+        self.optimized = {**self.trained, DECODER: self.trained[DECODER] + (
+            not_held if workload.zero_stage >= 1 else 0)}  # what ZeRO-1 shards over every data-parallel rank
         # Matmuls: 2 FLOPs per weight per token; causal attention: QK^T and PV over half the seq x seq scores
         # (fewer under sliding windows: the layers' mean). Norms and row-parallel biases (counted the same way) run
         # on the residual stream's tokens; Granite's multipliers are elementwise scalings, not counted.
@@ -274,7 +281,8 @@ class LayerCosts:
 
     def stage_state_bytes(self, kinds):
         """Weights, gradients and optimizer state of a stage, in bytes."""
-        return training_state.state_bytes(self.workload, self.stage_parameters(kinds), self.stage_trained(kinds))
+        return training_state.state_bytes(self.workload, self.stage_parameters(kinds), self.stage_trained(kinds),
+                                          sum(self.optimized[kind] for kind in kinds))
 
     def stage_buffer_bytes(self):
         return training_state.buffer_bytes(self.workload, max(self.largest_trained.values()))
