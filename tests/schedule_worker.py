@@ -31,7 +31,7 @@ from models.pipeline import build_pipeline_module, partition_stages  # noqa: E40
 from models.preference import PreferenceSettings  # noqa: E402
 from tests.parity_worker import CHUNK_TOKENS, micro_batches  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
-from deepspeed_internals.access import loss_scaler_state  # noqa: E402
+from deepspeed_internals.access import checkpoints_without_expert_files, loss_scaler_state  # noqa: E402
 from planner.workload import Workload  # noqa: E402
 from training.config_checks import checked_config  # noqa: E402
 from engines.cost_calibration import agreed_unit_costs  # noqa: E402
@@ -90,13 +90,15 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
                                    loss_chunk_tokens=case.get("loss_chunk_tokens", CHUNK_TOKENS),
                                    grad_accum_dtype=(torch.float32 if case.get("deepspeed", {}).get("data_types")
                                                      else None),
-                                   lora=LoraSettings(**case["lora"]) if "lora" in case else NO_LORA)
+                                   lora=LoraSettings(**case["lora"]) if "lora" in case else NO_LORA,
+                                   expert_parallel_size=case.get("expert_parallel", 1))
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config={
         "train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": gas,
         "steps_per_print": 10**9, "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}, **case.get("deepspeed", {})})
     checkpointed = count_calls(module, "activation_checkpoint_func")
+    checkpoints_without_expert_files(engine)
     engine.load_checkpoint(case["ds_dir"], load_module_only=True)
     waiting = []
     if schedule == "zero_bubble":
@@ -137,10 +139,13 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     # evaluation: 3 micro-batches (no multiple of the stages), the loss broadcast from the last chunk's rank
     eval_loss = float(engine.eval_batch(map(module.context.split_micro_batch, rows(3)), num_micro_batches=3))
     return losses, recorded, weights, {**held, "where": where, "stage": engine.stage_id,
+                                       "data_parallel_rank": engine.grid.data_parallel_id,
                                        "waiting": max(waiting, default=0), "read": len(read), "eval_loss": eval_loss,
                                        "checkpointed": len(checkpointed), "rewards": rewards, "loss_scales": scales,
                                        "overflowed": overflowed,
                                        "measured_times": getattr(engine, "zbv_measured_times", None),
+                                       "expert_slices": sorted({tuple(p.expert_slice) for p in module.parameters()
+                                                                if hasattr(p, "expert_slice")}),
                                        "bounds": bounds, "unit_costs": units and units.numbers()}
 
 

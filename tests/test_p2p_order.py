@@ -1,8 +1,12 @@
 """Every pipeline schedule's point-to-point operations, checked against a model of NCCL's semantics: both directions
 of a link share one stream per side, operations run in the order each side issued them, a send completes only when
 the peer's matching receive runs (no buffering, unlike gloo, so the CPU runs cannot show a deadlock), and a
-collective (the chunked engine's broadcast of the activation shapes) completes once every rank has reached it. A
-pair that is not a send facing a receive of the same shape and dtype waits forever or delivers the wrong tensor.
+collective completes once every rank of its group has reached it: the chunked engine's broadcast of the activation
+shapes (the pipeline's ranks), and under expert parallelism the all-to-alls each forward and backward of a stage
+holding experts runs (models/expert_parallel.py; its expert-parallel group: the stage's ranks in the data-parallel
+replicas, each running its stage's program, so each group's ranks must meet at the same all-to-alls in the same
+order). A pair that is not a send facing a receive of the same shape and dtype waits forever or delivers the wrong
+tensor.
 
 The operations are recorded from the engines themselves: each stage's engine (DeepSpeed's PipelineEngine for 1F1B,
 the zero-bubble engine of engines/pipeline_engine.py, the chunked engine of engines/chunked_engine.py for
@@ -121,6 +125,12 @@ class Recorder:
         else:  # the source stage is recorded first (the rank of chunk 0)
             tensor.copy_(self.broadcasts[number])
 
+    def all_to_all(self, identity):
+        """An expert-parallel all-to-all (models/expert_parallel.py): a collective over the ranks of this stage's
+        expert-parallel group, which runs one in each forward and backward of a chunk holding experts (and none
+        in W); identity: which computation's, (kind, chunk, micro-batch), that its group's ranks must share."""
+        self.program.append(("collective", (self.stage, "all_to_all", None, identity, len(self.program))))
+
     def blocking(self, tensor, peer, direction):
         self.program.append(("wait", self.post(tensor, peer, direction)))
 
@@ -155,12 +165,16 @@ class Recorder:
 class Computation:
     """A stage's computing instructions, replaced. Forward number k (micro-batches go forward in order, in every
     schedule) checks that its inputs are the previous stage's forward k, received into the buffer it runs, and
-    makes outputs holding k; a backward gives the inputs' floating-point tensors a gradient."""
+    makes outputs holding k; a backward gives the inputs' floating-point tensors a gradient. all_to_all: the
+    recorder's, called by each forward and backward (B) as a stage holding experts under expert parallelism does,
+    or None."""
 
-    def __init__(self):
-        self.forwards = 0
+    def __init__(self, all_to_all=None):
+        self.forwards = self.backwards = 0
+        self.all_to_all = all_to_all or (lambda identity: None)
 
     def forward(self, engine, buffer_id):
+        self.all_to_all(("F", 0, self.forwards))
         if engine.stage_id > 0:
             hidden, document_ids, position_ids = pipe_buffer(engine, "inputs", buffer_id)
             assert hidden.requires_grad and not document_ids.requires_grad
@@ -172,8 +186,9 @@ class Computation:
         set_pipe_buffer(engine, "outputs", buffer_id, outputs)
         self.forwards += 1
 
-    @staticmethod
-    def backward(engine, buffer_id):
+    def backward(self, engine, buffer_id):
+        self.all_to_all(("B", 0, self.backwards))
+        self.backwards += 1
         if engine.stage_id > 0:
             for tensor in pipe_buffer(engine, "inputs", buffer_id):
                 if tensor.is_floating_point():
@@ -200,9 +215,10 @@ def evaluate(micro_batches):
     return lambda engine: inference_schedule(engine, micro_batches)
 
 
-def record(stages, micro_batches, batches, zero_bubble=None):
+def record(stages, micro_batches, batches, zero_bubble=None, experts=False):
     """Each stage's program over `batches` (each: engine -> the schedule that batch runs); zero_bubble: None for
-    DeepSpeed's engine, else {"max_waiting": ...} for engines/pipeline_engine.py's."""
+    DeepSpeed's engine, else {"max_waiting": ...} for engines/pipeline_engine.py's; experts: every stage runs an
+    expert-parallel all-to-all in each forward and backward."""
     sent = collections.defaultdict(collections.deque)
     programs = []
     for stage in range(stages):
@@ -210,8 +226,8 @@ def record(stages, micro_batches, batches, zero_bubble=None):
         engine = handlers_only_pipeline_engine(Grid(stage, stages), module, micro_batches, torch.device("cpu"))
         if zero_bubble is not None:
             use_zero_bubble(engine, **zero_bubble)
-        Computation().install(engine)
         recorder = Recorder(stage, sent)
+        Computation(recorder.all_to_all if experts else None).install(engine)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(pipe_p2p(), "send", recorder.p2p_send)
             patch.setattr(pipe_p2p(), "recv", recorder.p2p_recv)
@@ -223,53 +239,73 @@ def record(stages, micro_batches, batches, zero_bubble=None):
     return programs
 
 
-def describe(stage, op):
-    peer, direction, dtype, shape, number = op
-    return f"stage {stage}'s {direction} #{number} ({dtype} {list(shape)}, {'to' if direction == 'send' else 'from'} " \
+def describe(rank, op):
+    (stage, replica), (peer, direction, dtype, shape, number) = rank, op
+    where = f"stage {stage}" + (f" (replica {replica})" if replica else "")
+    return f"{where}'s {direction} #{number} ({dtype} {list(shape)}, {'to' if direction == 'send' else 'from'} " \
            f"stage {peer})"
 
 
-def run_on_nccl(programs):
+def collective_members(rank, op, replicas, stages):
+    """The ranks a collective of `rank` waits for: a broadcast, its replica's stages; an all-to-all, its stage's
+    ranks in every replica (the widest expert-parallel group: expert_parallel_size = the data-parallel size)."""
+    stage, replica = rank
+    if op[1] == "all_to_all":
+        return [(stage, other) for other in range(replicas)]
+    return [(other, replica) for other in range(stages)]
+
+
+def run_on_nccl(*replicas):
     """Execute the programs under the model; raise on a deadlock, a send matched with a receive of another shape or
-    dtype, or an operation nobody matched."""
-    stages = len(programs)
+    dtype, a collective whose ranks meet at different ones, or an operation nobody matched. replicas: each
+    data-parallel replica's programs, one per stage: rank (stage, replica) runs its own, its point-to-point
+    operations go to its replica's stages (the pipeline's ranks of a replica), its broadcasts are over them, and its
+    all-to-alls over its stage's ranks of every replica (an expert-parallel group)."""
+    stages = len(replicas[0])
+    programs = {(stage, replica): program for replica, stage_programs in enumerate(replicas)
+                for stage, program in enumerate(stage_programs)}
     streams = collections.defaultdict(collections.deque)
-    done, position = set(), [0] * stages
+    done, position = set(), dict.fromkeys(programs, 0)
     progressed = True
     while progressed:
         progressed = False
-        for stage, program in enumerate(programs):  # run each stage up to its next wait on an unfinished operation
-            while position[stage] < len(program):
-                action, op = program[position[stage]]
-                if action in ("wait", "collective") and (stage, op) not in done:
+        for rank, program in programs.items():  # run each rank up to its next wait on an unfinished operation
+            while position[rank] < len(program):
+                action, op = program[position[rank]]
+                if action in ("wait", "collective") and (rank, op) not in done:
                     break
                 if action == "post":
-                    streams[(stage, op[0])].append(op)
-                position[stage] += 1
+                    streams[(rank, (op[0], rank[1]))].append(op)
+                position[rank] += 1
                 progressed = True
-        heads = [program[at] for program, at in zip(programs, position) if at < len(program)]
-        if len(heads) == stages and all(action == "collective" for action, _ in heads):  # every stage has reached it
-            if len({op[:4] for _, op in heads}) > 1:
-                raise AssertionError(f"the stages meet at different collectives: {[op for _, op in heads]}")
-            done.update((stage, op) for stage, (_, op) in enumerate(heads))
+        at_collective = {rank: program[position[rank]][1] for rank, program in programs.items()
+                         if position[rank] < len(program) and program[position[rank]][0] == "collective"}
+        for rank, op in at_collective.items():  # a collective completes once all its ranks have reached it
+            members = collective_members(rank, op, len(replicas), stages)
+            if (rank, op) in done or not all(at_collective.get(member, (None, None))[1] == op[1] for member in members):
+                continue
+            if len({at_collective[member][:4] for member in members}) > 1:
+                raise AssertionError(f"the ranks of a collective ({op[1]}) meet at different ones: "
+                                     f"{[at_collective[member] for member in members]}")
+            done.update((member, at_collective[member]) for member in members)
             progressed = True
-        for (stage, peer), stream in list(streams.items()):  # the heads of a link's two streams complete together
-            other = streams.get((peer, stage))
-            if stage > peer or not stream or not other:
+        for (rank, peer), stream in list(streams.items()):  # the heads of a link's two streams complete together
+            other = streams.get((peer, rank))
+            if rank > peer or not stream or not other:
                 continue
             mine, theirs = stream[0], other[0]
             if mine[1] == theirs[1]:
                 continue  # two sends (or two receives) facing each other: neither completes
             if mine[2:4] != theirs[2:4]:
-                raise AssertionError(f"{describe(stage, mine)} is matched with {describe(peer, theirs)}: the wrong "
+                raise AssertionError(f"{describe(rank, mine)} is matched with {describe(peer, theirs)}: the wrong "
                                      f"tensor")
-            done.update({(stage, stream.popleft()), (peer, other.popleft())})
+            done.update({(rank, stream.popleft()), (peer, other.popleft())})
             progressed = True
-    stuck = {stage: describe(stage, program[position[stage]][1]) for stage, program in enumerate(programs)
-             if position[stage] < len(program)}
+    stuck = {rank: describe(rank, program[position[rank]][1]) for rank, program in programs.items()
+             if position[rank] < len(program)}
     heads = {link: describe(link[0], stream[0]) for link, stream in streams.items() if stream}
     if stuck:
-        raise AssertionError(f"deadlock: stages wait at {stuck}; heads of the link streams {heads}")
+        raise AssertionError(f"deadlock: ranks wait at {stuck}; heads of the link streams {heads}")
     if heads:
         raise AssertionError(f"never matched: {heads}")
 
@@ -397,15 +433,18 @@ class ChunkComputation:
     chunk's forward k checks that its inputs are the previous chunk's forward k's outputs (received, or handed over
     in place on its rank) and makes outputs that say (chunk, k); its backward k checks that its outputs' gradient is
     the next chunk's backward k's (the last chunk's: its own forward k's loss) and gives its inputs a gradient that
-    says (chunk, k). checking=False: nothing checked (a first pass, whose receives may find nothing sent yet)."""
+    says (chunk, k). checking=False: nothing checked (a first pass, whose receives may find nothing sent yet).
+    all_to_all: as Computation's, each chunk's forward and backward calling it."""
 
-    def __init__(self, engine, checking):
+    def __init__(self, engine, checking, all_to_all=None):
         self.engine, self.checking = engine, checking
         self.forwards, self.backwards = collections.Counter(), collections.Counter()
+        self.all_to_all = all_to_all or (lambda identity: None)
 
     def forward(self, buffer_id):
         engine, chunk = self.engine, self.engine.running_chunk
         j, self.forwards[chunk] = self.forwards[chunk], self.forwards[chunk] + 1
+        self.all_to_all(("F", chunk, j))
         if chunk > 0 and self.checking:
             hidden, document_ids, position_ids = pipe_buffer(engine, "inputs", buffer_id)
             assert hidden.requires_grad and not document_ids.requires_grad and not position_ids.requires_grad
@@ -420,6 +459,7 @@ class ChunkComputation:
     def backward(self, buffer_id):
         engine, chunk = self.engine, self.engine.running_chunk
         j, self.backwards[chunk] = self.backwards[chunk], self.backwards[chunk] + 1
+        self.all_to_all(("B", chunk, j))
         if self.checking and chunk == engine.last_chunk:
             assert engine.loss.item() == j, f"the last chunk's backward {j} took forward {engine.loss.item()}'s loss"
         elif self.checking:
@@ -437,7 +477,7 @@ class ChunkComputation:
 
 
 def record_chunked(schedule, stages, micro_batches, batches, virtual_stages=1, max_waiting=None,
-                   zbv_times=EQUAL_TIMES, programs=None, checked=True):
+                   zbv_times=EQUAL_TIMES, programs=None, checked=True, experts=False):
     """Each rank's operations over `batches` (as record's), recorded from engines/chunked_engine.py: each rank's
     ChunkedPipelineEngine runs its schedule (its program, p2p_program's items as instructions) through DeepSpeed's
     instruction loop and its own handlers: the activation-shape broadcast, each tensor's send and receive posted and
@@ -446,7 +486,7 @@ def record_chunked(schedule, stages, micro_batches, batches, virtual_stages=1, m
     recorded after them (ZB-V's way back up, interleaving's wrap link), so the first collects every link's sends and
     the second delivers them in order and checks what each chunk took. zbv_times: the durations the V order is made
     for (set on the engine as zbv_times=auto does); programs: a program per rank to run instead; checked=False: the
-    first pass alone."""
+    first pass alone; experts: every chunk runs an expert-parallel all-to-all in each forward and backward."""
     sent = {}
     for checking in (False, True)[:1 + checked]:
         inbox = collections.defaultdict(collections.deque, {link: collections.deque(tensors)
@@ -460,13 +500,13 @@ def record_chunked(schedule, stages, micro_batches, batches, virtual_stages=1, m
             if zbv_times != EQUAL_TIMES or programs:
                 set_chunk_program(engine, programs[rank] if programs else p2p_program(
                     schedule, stages, micro_batches, rank, virtual_stages, max_waiting, zbv_times))
-            computation = ChunkComputation(engine, checking)
-            replace_passes(engine, computation.forward, computation.backward, computation.load)
-            replace_instruction_handlers(engine, {**instruction_handlers(engine), ReduceGrads: Computation.nothing,
-                                                  OptimizerStep: Computation.nothing})
             neighbours = {engine.chunk_owner[chunk + step] for chunk in engine.local_chunks for step in (-1, 1)
                           if chunk + step in engine.chunk_owner} - {rank}
             recorder = Recorder(rank, sent, neighbours, inbox, broadcasts)
+            computation = ChunkComputation(engine, checking, recorder.all_to_all if experts else None)
+            replace_passes(engine, computation.forward, computation.backward, computation.load)
+            replace_instruction_handlers(engine, {**instruction_handlers(engine), ReduceGrads: Computation.nothing,
+                                                  OptimizerStep: Computation.nothing})
             with pytest.MonkeyPatch.context() as patch:
                 for name in ("send", "recv", "isend", "irecv", "broadcast"):
                     patch.setattr(torch.distributed, name, getattr(recorder, name))
@@ -572,3 +612,35 @@ def test_zbv_auto_times_agreed_by_every_rank_make_one_matched_order():
     assert rank_orders("zbv", 2, 4, zbv_times=durations) != rank_orders("zbv", 2, 4)
     for micro_batches in (1, 2, 4, 9):
         run_on_nccl(record_chunked("zbv", 2, micro_batches, [train, train], zbv_times=durations))
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 8])
+def test_expert_parallel_all_to_alls_keep_every_link_matched(stages):
+    """Expert parallelism: each forward and backward (B) of a stage or chunk holding experts runs all-to-alls over
+    its expert-parallel group, the stage's ranks in the other data-parallel replicas, and W runs none. Every rank of
+    a stage runs its stage's program, so the group's ranks reach the same all-to-alls in the same order, between the
+    same point-to-point operations; with them as collectives over those groups (2 replicas, one group each stage),
+    every link stays matched and nothing waits forever, under every schedule, from a run's start and from a DPO
+    reference pass."""
+    for micro_batches in sorted({1, stages, stages + 1, 2 * stages}):
+        for run in (train_first, evaluation_first):
+            for zero_bubble in (None, {"max_waiting": None}):
+                programs = record(stages, micro_batches, run(micro_batches), zero_bubble, experts=True)
+                run_on_nccl(programs, programs)
+        for schedule, virtual_stages in [("zbv", 1), ("interleaved_1f1b", 2)]:
+            for step_micro_batches, run in chunk_runs(schedule, stages, micro_batches):
+                programs = record_chunked(schedule, stages, step_micro_batches, run, virtual_stages, experts=True)
+                run_on_nccl(programs, programs)
+
+
+def test_expert_parallel_ranks_running_other_orders_are_caught():
+    """Why a stage's ranks must run one program (zbv_times=auto agrees the measured times over all ranks,
+    engines/zbv_auto.py): a replica running the V order made for other times reaches its all-to-alls in another
+    order, which the model refuses; alone, each replica's order is matched."""
+    equal = record_chunked("zbv", 2, 4, [train], experts=True)
+    other = record_chunked("zbv", 2, 4, [train], zbv_times=((1, 2, 1),), experts=True)
+    assert equal != other
+    run_on_nccl(other, other)
+    with pytest.raises(AssertionError, match=r"the ranks of a collective \(all_to_all\) meet at different ones"):
+        run_on_nccl(equal, other)
+

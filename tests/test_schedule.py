@@ -192,6 +192,10 @@ def assert_equals_1f1b(result, settings, schedule, case):
         assert result["overflowed"] == ["backward" if schedule in ("1f1b", "interleaved_1f1b") else "W"], case
     assert result["losses"][-1] < result["losses"][0], case  # it trained
     assert (result["checkpointed"] > 0) == ("checkpoint_interval" in settings), case
+    if "expert_parallel" in settings:  # each data-parallel rank of a stage holds its own share of the experts
+        first, count, total = result["expert_slices"][0]
+        assert len(result["expert_slices"]) == 1 and count * settings["expert_parallel"] == total, case
+        assert first == result["data_parallel_rank"] * count, case
     assert len(result["rewards"]) == (steps if "objective" in settings else 0) and all(result["rewards"]), case
     for ours, theirs in zip(result["rewards"], result["ref_rewards"]):
         assert ours == pytest.approx(theirs, rel=1e-6, abs=tolerance), case
@@ -437,6 +441,13 @@ MOE_CASES = {
     "moe_deepseek_v3_2dp": ("deepseek_v3", MOE),
     "moe_deepseek_v3_q_proj_2dp": ("deepseek_v3_q_proj", dict(MOE, zbv_tolerance=2e-6)),
     "moe_glm4_moe_2dp": ("glm4_moe", MOE),
+    # expert parallelism 2: each data-parallel rank of a stage holds half of every sparse layer's experts, the
+    # tokens exchanged by all-to-all in every chunk's forward and backward (and recomputation), none in W
+    "moe_mixtral_2dp_ep2": ("mixtral", dict(MOE, expert_parallel=2)),
+    "moe_qwen3_moe_2dp_ep2_checkpointing": ("qwen3_moe", dict(MOE, expert_parallel=2, checkpoint_interval=1,
+                                                              zbv_tolerance=2e-6)),
+    "moe_gpt_oss_2dp_ep2_bf16_fp32_accumulation": ("gpt_oss", dict(MOE, expert_parallel=2, deepspeed=dict(
+        zero_optimization={"stage": 1}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}))),
     # fp16 as 2stages_x_2dp_fp16: the scaler overflows at 2^20 in the second step, and in the fourth the last sparse
     # layer's router weight gradient is made inf, which ZB-H1 and ZB-V compute in W
     "moe_qwen2_moe_2dp_fp16": ("qwen2_moe", dict(MOE, steps=4, overflow_in_gradient=("4.mlp.gate.weight", 3),
