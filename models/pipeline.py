@@ -182,7 +182,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
         stage_bounds = partition_stages(config, topology.get_dim("pipe"))
     moe = architecture_of(config).moe
     router, moe_aux_loss = (LoadBalancingLoss(config, parallel), moe.aux_loss) if moe else (None, False)
-    loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype)
+    loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype, router)
                if objective.preference else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype,
                                                      seq_length, router))
     previous_dtype = torch.get_default_dtype()

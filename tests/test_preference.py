@@ -63,6 +63,22 @@ def family_preference_models(tmp_path_factory):
     return models
 
 
+@pytest.fixture(scope="module")
+def moe_preference_model(tmp_path_factory):
+    """A tiny Qwen3-MoE (a dense layer among sparse ones, router_aux_loss_coef 0.1) over Qwen's chat tokenizer,
+    converted, with string pairs; its config's output_router_logits false, as the published checkpoints say: TRL's
+    DPOTrainer adds the load-balancing loss all the same."""
+    from tests.chat_tokenizers import make_chat_tokenizer
+    from tests.tiny_models import MOE_CONFIGS
+    tokenizer = make_chat_tokenizer("qwen3")
+    config = MOE_CONFIGS["qwen3_moe"]()
+    config.output_router_logits = False
+    config.vocab_size, config.max_position_embeddings = len(tokenizer), SEQ
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    return preference_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), config, tokenizer, STEPS * MICRO_BATCH * GAS)
+
+
 def preference_checkpoint(root, config, tokenizer, num_records):
     """A model of `config` with `tokenizer` saved and converted under root, and num_records string pairs to train
     on (and EVAL_PAIRS to evaluate): {hf, ds, train, records, eval, eval_records, root, first_pairs: the first
@@ -139,9 +155,10 @@ def trainer_order(num_records, data_parallel):
             for index in shard[step * per_step:(step + 1) * per_step]]
 
 
-def trl_dpo_run(model, order, global_pairs, output_dir, lora=None):
+def trl_dpo_run(model, order, global_pairs, output_dir, lora=None, micro_batch=None):
     """TRL's DPOTrainer on the pairs in `order`, global_pairs per step (one micro-batch: its loss is the mean over
-    the step's pairs, as the trainer's), precomputed reference log-probabilities; its log history. lora
+    the step's pairs, as the trainer's; micro_batch: that many pairs a forward, accumulated, as a mixture of
+    experts' load-balancing loss is per forward), precomputed reference log-probabilities; its log history. lora
     (LoraSettings): peft adapters starting from the trainer's initial values, the reference the base."""
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
@@ -158,8 +175,8 @@ def trl_dpo_run(model, order, global_pairs, output_dir, lora=None):
         policy = AutoModelForCausalLM.from_pretrained(model["hf"], dtype=torch.float32, attn_implementation="eager")
     else:
         policy = peft_model(model["hf"], lora, adapter_values(AutoConfig.from_pretrained(model["hf"]), lora, SEED))
-    args = DPOConfig(output_dir=str(output_dir), per_device_train_batch_size=global_pairs,
-                     gradient_accumulation_steps=1, max_steps=STEPS, learning_rate=LEARNING_RATE,
+    args = DPOConfig(output_dir=str(output_dir), per_device_train_batch_size=micro_batch or global_pairs,
+                     gradient_accumulation_steps=global_pairs // (micro_batch or global_pairs), max_steps=STEPS, learning_rate=LEARNING_RATE,
                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=BETAS[0],
                      adam_beta2=BETAS[1], adam_epsilon=1e-8, max_grad_norm=MAX_GRAD_NORM, optim="adamw_torch",
                      logging_steps=1, beta=BETA, loss_type=["sigmoid"], precompute_ref_log_probs=True,
@@ -192,12 +209,17 @@ def logged_steps(output_dir):
 
 
 @pytest.fixture(scope="module")
-def one_process_runs(preference_model, family_preference_models, tmp_path_factory):
+def one_process_runs(preference_model, family_preference_models, moe_preference_model, tmp_path_factory):
     """One process for the first-step gradients (pipeline_first_step: full weights, LoRA; LLaMA's and each other
-    family's) and the trainer on 1 stage; {"root": where the gradients are, "one_stage": the run's output_dir}."""
+    family's) and the trainer on 1 stage (LLaMA, Granite; Qwen3-MoE under DPO, and one step under SimPO with the
+    load-balancing loss switched on); {"root": where the gradients are, "one_stage": the run's output_dir}."""
     root = tmp_path_factory.mktemp("one_process")
     runs = composed(trainer_overrides(preference_model, root / "one_stage", eval_file=preference_model["eval"]),
-                    trainer_overrides(family_preference_models["granite"], root / "granite-one_stage"))
+                    trainer_overrides(family_preference_models["granite"], root / "granite-one_stage"),
+                    trainer_overrides(moe_preference_model, root / "moe-one_stage"),
+                    trainer_overrides(moe_preference_model, root / "moe-simpo", objective="simpo", max_steps=1,
+                                      output_router_logits=True, **{"simpo.beta": SIMPO_BETA,
+                                                                    "simpo.gamma": SIMPO_GAMMA}))
     spawn(one_process_worker, 1, preference_model, family_preference_models, root, runs)
     return {"root": root, "one_stage": root / "one_stage"}
 
@@ -313,6 +335,57 @@ def test_dpo_one_stage_matches_trl_on_granite(family_preference_models, one_proc
     order = trainer_order(len(model["records"]), 1)
     assert_matches_trl(logged_steps(one_process_runs["root"] / "granite-one_stage"),
                        trl_dpo_run(model, order, MICRO_BATCH * GAS, tmp_path / "trl"))
+
+
+@pytest.mark.slow
+def test_dpo_on_a_mixture_of_experts_adds_the_load_balancing_loss_as_trl(moe_preference_model, one_process_runs,
+                                                                        tmp_path):
+    """Qwen3-MoE whose config says output_router_logits false: TRL's DPOTrainer adds router_aux_loss_coef times each
+    forward's load-balancing loss (over its chosen and rejected rows) all the same, and so does the trainer; TRL with
+    the trainer's micro-batches, accumulated: four steps' losses, gradient norms, metrics and aux_loss."""
+    order = trainer_order(len(moe_preference_model["records"]), 1)
+    theirs = trl_dpo_run(moe_preference_model, order, MICRO_BATCH * GAS, tmp_path / "trl", micro_batch=MICRO_BATCH)
+    ours = logged_steps(one_process_runs["root"] / "moe-one_stage")
+    assert_matches_trl(ours, theirs)
+    assert all(trl["aux_loss"] > 1.0 for trl in theirs)
+    assert [mine["aux_loss"] for mine in ours] == pytest.approx([trl["aux_loss"] for trl in theirs], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_simpo_on_a_mixture_of_experts_adds_the_load_balancing_loss_as_trl_cpo(moe_preference_model, one_process_runs,
+                                                                              tmp_path):
+    """SimPO with output_router_logits=true (TRL's CPOTrainer adds the loss when the config sets it): the first
+    step's loss, rewards and gradient norm equal CPOTrainer's on the same micro-batches, accumulated."""
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    class InOrder(CPOTrainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    model = moe_preference_model
+    order = trainer_order(len(model["records"]), 1)[:MICRO_BATCH * GAS]
+    policy = AutoModelForCausalLM.from_pretrained(model["hf"], dtype=torch.float32, attn_implementation="eager")
+    policy.config.output_router_logits = True  # the run's output_router_logits=true
+    args = CPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=MICRO_BATCH,
+                     gradient_accumulation_steps=GAS, max_steps=1, learning_rate=LEARNING_RATE,
+                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=BETAS[0],
+                     adam_beta2=BETAS[1], adam_epsilon=1e-8, max_grad_norm=MAX_GRAD_NORM, optim="adamw_torch",
+                     logging_steps=1, loss_type="simpo", cpo_alpha=0.0, beta=SIMPO_BETA, simpo_gamma=SIMPO_GAMMA,
+                     max_length=SEQ, use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=SEED,
+                     dataloader_drop_last=True, disable_tqdm=True)
+    trainer = InOrder(model=policy, args=args, processing_class=AutoTokenizer.from_pretrained(model["hf"]),
+                      train_dataset=Dataset.from_list([model["records"][i] for i in order]))
+    trainer.train()
+    (theirs,) = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
+    (ours,) = logged_steps(one_process_runs["root"] / "moe-simpo")
+    assert ours["aux_loss"] > 1.0
+    assert ours["loss"] == pytest.approx(theirs["loss"], abs=1e-5)
+    assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert ours[name] == pytest.approx(theirs[name], abs=1e-5), name
 
 
 @pytest.fixture(scope="module")
