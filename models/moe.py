@@ -196,8 +196,26 @@ class LocalExperts:
         counts = torch.zeros(experts.num_local_experts, dtype=torch.int64, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
         out = experts(hidden[order // top_k], counts) * weights.reshape(-1)[order, None]
-        unsorted = out[torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))]
-        return unsorted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+        return UnsortAndSum.apply(out, order, top_k).to(hidden.dtype)
+
+
+class UnsortAndSum(torch.autograd.Function):
+    """Each token's k rows (sorted by expert, `order` the sort's permutation), back in their routing order and
+    summed, as transformers' grouped_mm path sums them. Its backward gathers each row's token's gradient in one
+    pass: autograd's would broadcast the sum's gradient over a tokens x k x hidden copy, then scatter it through
+    the unsort into zeros (bench/moe_block.py)."""
+
+    @staticmethod
+    def forward(ctx, rows, order, top_k):
+        ctx.save_for_backward(order)
+        ctx.top_k = top_k
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+        return rows[inverse].view(-1, top_k, rows.shape[-1]).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        order, = ctx.saved_tensors
+        return grad.index_select(0, order // ctx.top_k), None, None
 
 
 LOCAL_EXPERTS = LocalExperts()
