@@ -147,7 +147,7 @@ class Experts(nn.Module):
 
     def project(self, x, name, counts, split_sizes, rows_expert):
         """x's row block of each expert through that expert's projection (and bias)."""
-        weight = self.parallel.replicated(getattr(self, name))
+        weight = self.weight(name)
         weight = weight if self.transposed else weight.transpose(-2, -1)  # [experts, in, out]
         if split_sizes is None:
             out = F.grouped_mm(x, weight, offs=counts.cumsum(0, dtype=torch.int32))
@@ -156,6 +156,19 @@ class Experts(nn.Module):
         if rows_expert is not None:
             out = out + self.parallel.replicated(getattr(self, f"{name}_bias"))[rows_expert]
         return out
+
+    def weight(self, name):
+        """A fused projection's weight, with its LoRA update where it has adapters (models/lora.py): W_e + scaling
+        * B_e A_e for each expert, one baddbmm, as peft's ParamWrapper folds it (A [E, rank, in], B [E, out,
+        rank])."""
+        weight = self.parallel.replicated(getattr(self, name))
+        adapters = getattr(self, "lora_A", {})
+        if name not in adapters or not self.lora_scaling:
+            return weight
+        a, b = (self.parallel.replicated(factors[name]) for factors in (self.lora_A, self.lora_B))
+        if self.transposed:  # [E, in, out]
+            return torch.baddbmm(weight, a.transpose(-2, -1), b.transpose(-2, -1), alpha=self.lora_scaling)
+        return torch.baddbmm(weight, b, a, alpha=self.lora_scaling)
 
     def gate(self, gate_up):
         """SwiGLU of the gate and up features; GPT-OSS's clamped one of its interleaved features."""

@@ -10,7 +10,7 @@ import re
 from deepspeed_internals.registry import partition_balanced, partition_uniform
 from models.layout import num_pipeline_layers
 from models.llama import architecture_of, head_dim_of
-from models.lora import NO_LORA, adapter_parameter_count
+from models.lora import NO_LORA, adapter_parameter_total
 from schedules.rules import chunk_ids, chunks_per_rank
 
 EMBEDDING, DECODER, NORM, HEAD = "embedding", "decoder", "norm", "head"
@@ -112,7 +112,7 @@ def training_flops_per_token(config, seq_length, lora=NO_LORA):
     attention = 4 * keys * config.num_attention_heads * head_dim_of(config)
     if not lora.enabled:
         return 3 * (2 * matmul_weights + attention)
-    adapters = config.num_hidden_layers * adapter_parameter_count(config, lora)
+    adapters = adapter_parameter_total(config, lora)
     return 2 * 2 * matmul_weights + 3 * (attention + 2 * adapters)
 
 

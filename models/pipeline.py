@@ -205,7 +205,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
         if lora.enabled:
             for local, layer in enumerate(module.forward_funcs):
                 if isinstance(layer, DecoderLayerPipe):
-                    add_adapters(layer, lora, parallel.size, parallel.rank, seed, module.layer_indices[local])
+                    add_adapters(layer, lora, config, parallel.size, parallel.rank, seed,
+                                 module.layer_indices[local])
             freeze_all_but_adapters(module)
         return module
     finally:

@@ -332,7 +332,7 @@ def test_phi3_adapters_export_on_the_fused_projections_and_load_in_peft(tiny_che
     pipeline = {}
     for index in range(1, config.num_hidden_layers + 1):
         layer = DecoderLayerPipe(config, stage_inputs=None)
-        add_adapters(layer, settings, seed=3, index=index)
+        add_adapters(layer, settings, config, seed=3, index=index)
         with torch.no_grad():  # B nonzero, so that every part's rows show in the fused B
             for name, param in layer.named_parameters():
                 if name.endswith("lora_B.weight"):

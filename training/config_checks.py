@@ -275,7 +275,6 @@ MOE_REFUSED = {
     "precision": (lambda value: value == "fp16", "it is not tested under fp16's loss scaling; use precision=bf16"),
     "context_parallel_size": (lambda value: value > 1, "its load-balancing sums would need the whole context "
                                                        "group's; use context_parallel_size=1"),
-    "lora.rank": (lambda value: value > 0, "it has no adapters on its experts or routers yet; use lora.rank=0"),
     "pipeline_schedule": (lambda value: value in ("interleaved_1f1b", "zbv"), "it is not tested with several chunks "
                                                                              "of layers per rank yet; use "
                                                                              "pipeline_schedule=1f1b or zero_bubble"),
