@@ -231,7 +231,11 @@ def test_merged_export_equals_peft_merge(demo_model, lora_run, tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     ({"lora.rank": 4, "lora.target_modules": "[q_proj,qkv_proj]"},
      r"lora.target_modules \['q_proj', 'qkv_proj'\]: \['qkv_proj'\] matches no layer; the layers that take adapters "
-     r"are q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."),
+     r"are q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa, "
+     r"kv_b_proj, experts\.gate_up_proj, experts\.down_proj\."),
+    ({"lora.rank": 4, "lora.target_modules": "[q_a_proj,experts.down_proj]"},
+     r"lora.target_modules \['q_a_proj', 'experts\.down_proj'\] matches nothing of this llama model; it takes adapters "
+     r"on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj\."),
     ({"lora.rank": 48}, r"lora.rank=48 does not fit k_proj \(smallest side 32\), v_proj \(smallest side 32\): a rank "
                         r"must be below a projection's smaller side; lower lora.rank."),
     ({"lora.rank": -1}, r"lora.rank=-1 must be an integer >= 0 \(0: full fine-tuning\)."),
@@ -239,7 +243,8 @@ def test_merged_export_equals_peft_merge(demo_model, lora_run, tmp_path):
     ({"lora.rank": 4, "num_stages": 2, "partition": "[4,0]"},
      r"partition \[4, 0\] \(decoder layers per stage\) leaves stage 1 without a decoder layer: under LoRA it would "
      r"hold no adapter, nothing to train; give every stage at least one decoder layer."),
-], ids=["unknown_target", "rank_too_wide", "negative_rank", "unknown_key", "stage_without_adapters"])
+], ids=["unknown_target", "target_the_model_lacks", "rank_too_wide", "negative_rank", "unknown_key",
+        "stage_without_adapters"])
 def test_bad_lora_config_is_refused_before_any_work(demo_model, tmp_path, overrides, message):
     overrides = {"num_stages": 1, **overrides}
     with pytest.raises(ValueError, match=message):
