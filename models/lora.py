@@ -227,20 +227,25 @@ def decoder_on_meta(config, tensor_parallel=1, layer_index=None):
                                 layer_index=layer_index)
 
 
-def adapter_parameter_count(config, settings, tensor_parallel=1, layer_index=None):
-    """Adapter parameters of one decoder layer (decoder_on_meta's) on one tensor-parallel rank, from the config."""
+def adapter_parameter_count(config, settings, tensor_parallel=1, layer_index=None, active=False):
+    """Adapter parameters of one decoder layer (decoder_on_meta's) on one tensor-parallel rank, from the config;
+    active: the experts' as a token runs through them (top_k of the experts), as MFU counts the experts."""
     if not settings.enabled:
         return 0
     layer = decoder_on_meta(config, tensor_parallel, layer_index)
     add_adapters(layer, settings, config, tensor_parallel)
-    return sum(p.numel() for p in adapter_parameters(layer))
+    moe = architecture_of(config).moe
+    share = moe.top_k / moe.num_experts if active and moe else 1
+    return round(sum(p.numel() * (share if ".experts." in f".{name}" else 1)
+                     for name, p in layer.named_parameters() if is_adapter_key(name)))
 
 
-def adapter_parameter_total(config, settings):
-    """Adapter parameters of every decoder layer (dense and sparse ones may differ)."""
+def adapter_parameter_total(config, settings, active=False):
+    """Adapter parameters of every decoder layer (dense and sparse ones may differ); active: as MFU counts them
+    (adapter_parameter_count)."""
     sparse = architecture_of(config).sparse_layers
-    return sum(sparse.count(kind) * adapter_parameter_count(config, settings, layer_index=sparse.index(kind))
-               for kind in set(sparse))
+    return sum(sparse.count(kind) * adapter_parameter_count(config, settings, layer_index=sparse.index(kind),
+                                                            active=active) for kind in set(sparse))
 
 
 def add_adapters(decoder_layer, settings, config, tensor_parallel_size=1, tensor_parallel_rank=0, seed=None,

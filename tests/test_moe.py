@@ -181,6 +181,22 @@ def test_moe_flops_count_the_router_and_the_top_k_experts():
         3 * 2 * config.num_hidden_layers * 4 * config.hidden_size
 
 
+def test_expert_adapters_are_saved_whole_and_count_in_mfu_as_a_token_runs_through_them():
+    """LoRA on Mixtral's experts' down_proj (rank 2): a checkpoint holds every expert's adapters, A [E, 2, 16] and
+    B [E, 32, 2] a layer; MFU's FLOPs per token count a token's top_k experts' (models/partition.py)."""
+    from models.lora import LoraSettings, adapter_parameter_total
+    from models.partition import training_flops_per_token
+    config = MOE_CONFIGS["mixtral"]()
+    attention = LoraSettings(rank=2, alpha=4.0, target_modules=("q_proj",))
+    experts = LoraSettings(rank=2, alpha=4.0, target_modules=("q_proj", "experts.down_proj"))
+    per_expert = 2 * (16 + 32)
+    layers, num_experts, top_k = config.num_hidden_layers, config.num_local_experts, config.num_experts_per_tok
+    assert adapter_parameter_total(config, experts) - adapter_parameter_total(config, attention) == \
+        layers * num_experts * per_expert
+    assert training_flops_per_token(config, 16, experts) - training_flops_per_token(config, 16, attention) == \
+        3 * 2 * layers * top_k * per_expert
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
 def test_an_moe_stage_takes_no_host_sync(family):
     """Routing, the grouped GEMM (no expert's row count read on the host), the shared expert, the biases and the
