@@ -25,10 +25,11 @@ def blocks(args):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from models.moe import MoEBlock
-    config = Qwen3MoeConfig(hidden_size=args.hidden, intermediate_size=args.hidden, moe_intermediate_size=args.expert_size,
-                            num_experts=args.experts, num_experts_per_tok=args.top_k, norm_topk_prob=True,
-                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-                            vocab_size=64, output_router_logits=False)
+    config = Qwen3MoeConfig(hidden_size=args.hidden, intermediate_size=args.hidden,
+                            moe_intermediate_size=args.expert_size, num_experts=args.experts,
+                            num_experts_per_tok=args.top_k, norm_topk_prob=True, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=4, head_dim=16, vocab_size=64,
+                            output_router_logits=False)
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).model.layers[0].mlp
     eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32,  # its own config: the

@@ -177,7 +177,8 @@ def check_lora_applies(config, settings):
         if explicit:
             raise ValueError(f"lora.target_modules {list(targets)}: peft 0.21 reads {', '.join(mlp_names)} of a "
                              f"{config.model_type} model as its experts already (gate_up_proj at twice the rank); "
-                             f"name the experts either way, not both ({', '.join(explicit)} or {', '.join(mlp_names)}).")
+                             f"name the experts either way, not both ({', '.join(explicit)} or "
+                             f"{', '.join(mlp_names)}).")
     if experts and settings.dropout:
         raise ValueError(f"lora.dropout={settings.dropout} with adapters on the experts of a {config.model_type} model "
                          f"({', '.join(f'experts.{name}' for name in experts)}): peft's adapters on a parameter take "

@@ -446,12 +446,13 @@ def pipeline_logits(config, hf_model, settings, adapters, input_ids):
         return (lm_head(layers[0], x) if config.tie_word_embeddings else layers[-1](x))[0]
 
 
-SETTINGS_OF = {family: LoraSettings(rank=2, alpha=6.0, target_modules=targets) for family, targets in MOE_EXPORTS.items()}
+SETTINGS_OF = {family: LoraSettings(rank=2, alpha=6.0, target_modules=targets)
+               for family, targets in MOE_EXPORTS.items()}
 
 
 @pytest.mark.parametrize("family", MOE_EXPORTS)
-def test_moe_adapters_export_as_peft_loads_them_and_merge_as_peft_merges(tiny_moe_checkpoints, tiny_deepseek_checkpoints,
-                                                                       tmp_path, family):
+def test_moe_adapters_export_as_peft_loads_them_and_merge_as_peft_merges(tiny_moe_checkpoints,
+                                                                       tiny_deepseek_checkpoints, tmp_path, family):
     """A LoRA checkpoint of a mixture of experts (random adapters, B nonzero; the experts' in the pipeline's [E, rank,
     in] / [E, out, rank]) exports as a peft adapter that peft 0.21 loads onto transformers' model with no missing or
     unexpected key, whose logits are the pipeline's with those adapters; its merged export equals peft's
