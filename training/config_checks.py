@@ -278,9 +278,6 @@ MOE_REFUSED = {
     "precision": (lambda value: value == "fp16", "it is not tested under fp16's loss scaling; use precision=bf16"),
     "context_parallel_size": (lambda value: value > 1, "its load-balancing sums would need the whole context "
                                                        "group's; use context_parallel_size=1"),
-    "lora.rank": (lambda value: value > 0, "it has no adapters on its experts or routers yet; use lora.rank=0"),
-    "objective": (lambda value: value != "sft", "it adds no load-balancing loss to a preference loss yet; use "
-                                                "objective=sft"),
     "pipeline_schedule": (lambda value: value in ("interleaved_1f1b", "zbv"), "it is not tested with several chunks "
                                                                              "of layers per rank yet; use "
                                                                              "pipeline_schedule=1f1b or zero_bubble"),
@@ -297,8 +294,9 @@ EXPERT_PARALLEL_REFUSED = {
 
 def moe_model_config(cfg, model_config):
     """The model config a run builds: an MoE model's with output_router_logits set as the run says (null: as its
-    config.json does), after refusing in one line each setting an MoE model is not tested under; a dense model's as
-    it is, where output_router_logits must be null."""
+    config.json does, but under objective=dpo on whenever router_aux_loss_coef is nonzero, as TRL's DPOTrainer
+    asks for the router logits then), after refusing in one line each setting an MoE model is not tested under; a
+    dense model's as it is, where output_router_logits must be null."""
     if architecture_of(model_config).moe is None:
         if cfg.output_router_logits is not None:
             raise ConfigError(f"output_router_logits={cfg.output_router_logits} asks for the load-balancing loss of a "
@@ -316,4 +314,6 @@ def moe_model_config(cfg, model_config):
                               f"(docs/moe.md).")
     if cfg.output_router_logits is not None:
         model_config.output_router_logits = cfg.output_router_logits
+    elif cfg.objective == "dpo":
+        model_config.output_router_logits = bool(getattr(model_config, "router_aux_loss_coef", 0.0))
     return model_config
