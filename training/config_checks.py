@@ -289,6 +289,7 @@ MOE_REFUSED = {
 EXPERT_PARALLEL_REFUSED = {
     "offload_optimizer": (lambda value: value != "none", "use offload_optimizer=none"),
     "nan_policy": (lambda value: value == "skip", "use nan_policy=stop"),
+    "lora.rank": (lambda value: value > 0, "train without LoRA (lora.rank=0)"),  # its expert slices unreduced
 }
 
 
@@ -308,8 +309,9 @@ def moe_model_config(cfg, model_config):
             raise ConfigError(f"{key}={value} with the mixture-of-experts model {model_config.model_type}: {why} "
                               f"(docs/moe.md).")
     for key, (refused, instead) in EXPERT_PARALLEL_REFUSED.items():
-        if cfg.expert_parallel_size > 1 and refused(cfg[key]):
-            raise ConfigError(f"{key}={cfg[key]} with expert_parallel_size={cfg.expert_parallel_size}: not tested "
+        value = OmegaConf.select(cfg, key)
+        if cfg.expert_parallel_size > 1 and refused(value):
+            raise ConfigError(f"{key}={value} with expert_parallel_size={cfg.expert_parallel_size}: not tested "
                               f"with experts split across ranks yet; {instead} or expert_parallel_size=1 "
                               f"(docs/moe.md).")
     if cfg.output_router_logits is not None:
