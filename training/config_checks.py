@@ -277,9 +277,6 @@ def check_chunk_schedule(cfg):
 MOE_REFUSED = {
     "context_parallel_size": (lambda value: value > 1, "its load-balancing sums would need the whole context "
                                                        "group's; use context_parallel_size=1"),
-    "lora.rank": (lambda value: value > 0, "it has no adapters on its experts or routers yet; use lora.rank=0"),
-    "objective": (lambda value: value != "sft", "it adds no load-balancing loss to a preference loss yet; use "
-                                                "objective=sft"),
     "compile": (lambda value: bool(value), "its data-dependent routing is not compiled yet; use compile=false"),
 }
 
@@ -288,13 +285,15 @@ MOE_REFUSED = {
 EXPERT_PARALLEL_REFUSED = {
     "offload_optimizer": (lambda value: value != "none", "use offload_optimizer=none"),
     "nan_policy": (lambda value: value == "skip", "use nan_policy=stop"),
+    "lora.rank": (lambda value: value > 0, "train without LoRA (lora.rank=0)"),  # its expert slices unreduced
 }
 
 
 def moe_model_config(cfg, model_config):
     """The model config a run builds: an MoE model's with output_router_logits set as the run says (null: as its
-    config.json does), after refusing in one line each setting an MoE model is not tested under; a dense model's as
-    it is, where output_router_logits must be null."""
+    config.json does, but under objective=dpo on whenever router_aux_loss_coef is nonzero, as TRL's DPOTrainer
+    asks for the router logits then), after refusing in one line each setting an MoE model is not tested under; a
+    dense model's as it is, where output_router_logits must be null."""
     if architecture_of(model_config).moe is None:
         if cfg.output_router_logits is not None:
             raise ConfigError(f"output_router_logits={cfg.output_router_logits} asks for the load-balancing loss of a "
@@ -306,10 +305,13 @@ def moe_model_config(cfg, model_config):
             raise ConfigError(f"{key}={value} with the mixture-of-experts model {model_config.model_type}: {why} "
                               f"(docs/moe.md).")
     for key, (refused, instead) in EXPERT_PARALLEL_REFUSED.items():
-        if cfg.expert_parallel_size > 1 and refused(cfg[key]):
-            raise ConfigError(f"{key}={cfg[key]} with expert_parallel_size={cfg.expert_parallel_size}: not tested "
+        value = OmegaConf.select(cfg, key)
+        if cfg.expert_parallel_size > 1 and refused(value):
+            raise ConfigError(f"{key}={value} with expert_parallel_size={cfg.expert_parallel_size}: not tested "
                               f"with experts split across ranks yet; {instead} or expert_parallel_size=1 "
                               f"(docs/moe.md).")
     if cfg.output_router_logits is not None:
         model_config.output_router_logits = cfg.output_router_logits
+    elif cfg.objective == "dpo":
+        model_config.output_router_logits = bool(getattr(model_config, "router_aux_loss_coef", 0.0))
     return model_config
