@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 import collectives
 from models.weight_grads import (deferrable_grouped_linear, embedding as row_grad_embedding, grouped_linear,
-                                 keep_params, linear as deferrable_linear, linear_weight_grads, takes_weight_grads)
+                                 keep_params, linear as deferrable_linear, linear_weight_grads, parameter_or_view,
+                                 takes_weight_grads)
 
 # DeepSpeed's marker of a parameter split across the tensor-parallel group: its gradient-norm code counts such a
 # parameter on every rank and a replicated one on tensor-parallel rank 0 only.
@@ -121,8 +122,9 @@ class TensorParallel:
 
     def grouped_linear(self, x, weight, bias, groups):
         """Each row block of x through its group's weight and bias (a mixture's experts: models/weight_grads.py
-        grouped_linear), the weight gradients deferred when the schedule splits the backward."""
-        if self.weight_grads is None:
+        grouped_linear), the weight gradients deferred when the schedule splits the backward (but a LoRA-folded
+        weight's, parameter_or_view)."""
+        if self.weight_grads is None or not parameter_or_view(weight):
             return grouped_linear(x, weight, bias, groups)
         return deferrable_grouped_linear(x, weight, bias, groups, self.weight_grads)
 

@@ -148,6 +148,13 @@ def grouped_linear_weight_grads(x, grad, weight, bias, groups):
     return pairs
 
 
+def parameter_or_view(weight):
+    """Whether W can hand a gradient to `weight`: a parameter, or a view of one. A weight computed by operations that
+    keep tensors for their backward (LoRA's folded expert weights, W + scaling B A) is not: B runs through that
+    computation and frees them before W, so such a weight's gradients come in B."""
+    return (weight._base if weight._is_view() else weight).is_leaf
+
+
 @torch.compiler.disable  # as linear's
 def deferrable_grouped_linear(x, weight, bias, groups, queue):
     """grouped_linear whose weight and bias gradients go to `queue` while it is deferring."""

@@ -123,15 +123,20 @@ def test_experts_equal_each_token_through_its_own_experts(family, expert_size):
         assert torch.allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.parametrize("adapted", [False, True], ids=["", "lora"])
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["", "checkpointed"])
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3"])
 @pytest.mark.parametrize("expert_size", [16, 6], ids=["grouped_gemm", "loop"])
-def test_a_split_backward_leaves_the_experts_and_routers_weight_gradients_to_w(family, expert_size, checkpointed):
+def test_a_split_backward_leaves_the_experts_and_routers_weight_gradients_to_w(family, expert_size, checkpointed,
+                                                                              adapted):
     """Under a zero-bubble schedule's split backward (models/weight_grads.py) a sparse layer's B gives its input
     gradients and no gradient of its router, experts (biases included), shared expert or its gate; W gives them,
     each bit for bit an undivided backward's, with torch's grouped GEMM and with the loop over the experts. Under
+    LoRA the attention's adapters wait for W and the experts' come in B (their folded weights' computation, which B
+    runs, is freed by W's time: models/weight_grads.py parameter_or_view), all bit for bit. Under
     non-reentrant activation checkpointing (the load-balancing loss's) W runs after the micro-batch's graph is freed,
     as a step's last W does: the gradients still reach the parameters."""
+    from models.lora import TARGETS, LoraSettings, add_adapters, freeze_all_but_adapters
     from deepspeed_internals.registry import non_reentrant_checkpoint
     from models.llama import DecoderLayerPipe, StageAttentionInputs
     from models.router_loss import initial_routing, pack_stage, unpack_stage
@@ -154,9 +159,14 @@ def test_a_split_backward_leaves_the_experts_and_routers_weight_gradients_to_w(f
         torch.manual_seed(0)
         layer = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="padded"), parallel=parallel,
                                  layer_index=layer_index)
+        if adapted:  # no dropout on the experts' adapters (peft's); B random, so that A takes a gradient too
+            adapted_names = ("q_proj", "experts.gate_up_proj", "experts.down_proj")
+            add_adapters(layer, LoraSettings(rank=2, target_modules=tuple(n for n in TARGETS if n in adapted_names)),
+                         config, seed=0)
+            freeze_all_but_adapters(layer)
         with torch.no_grad():
             for name, param in layer.named_parameters():
-                if name.endswith("bias"):
+                if name.endswith("bias") or "lora_B" in name:
                     param.normal_(std=0.1)
         x = hidden.clone().requires_grad_()
         inputs = pack_stage(x, document_ids, torch.arange(12).expand(2, 12), initial_routing(config, "cpu"))
@@ -170,8 +180,10 @@ def test_a_split_backward_leaves_the_experts_and_routers_weight_gradients_to_w(f
         outputs = [t.detach() for t in floating]
         del out, floating  # the graph
         if deferring:
-            waiting = {name for name, p in layer.mlp.named_parameters() if p.grad is None}
-            assert waiting == {name for name, _ in layer.mlp.named_parameters()}, waiting
+            trained = {name for name, p in layer.named_parameters() if p.requires_grad}
+            waiting = {name for name in trained if layer.get_parameter(name).grad is None}
+            expected = {name for name in trained if ("q_proj" in name if adapted else name.startswith("mlp."))}
+            assert expected <= waiting and (not adapted or waiting == expected), (waiting, expected)
             parallel.weight_grads.run_oldest()
             # the parameters themselves, or views of them (never a copy that saved-tensor hooks gave back)
             assert all(any(target is p or (not target.is_leaf and target._base is p) for p in layer.parameters())
@@ -180,7 +192,9 @@ def test_a_split_backward_leaves_the_experts_and_routers_weight_gradients_to_w(f
     (outputs, input_grad, grads), (ref_outputs, ref_input_grad, ref_grads) = runs
     assert all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs)) and torch.equal(input_grad, ref_input_grad)
     assert grads.keys() == ref_grads.keys()
-    assert [name for name in grads if grads[name] is None or not torch.equal(grads[name], ref_grads[name])] == []
+    assert [name for name in grads if (grads[name] is None) != (ref_grads[name] is None)
+            or grads[name] is not None and not torch.equal(grads[name], ref_grads[name])] == []
+    assert not adapted or all(grads[name] is not None for name in grads if "lora_" in name)
 
 
 # --- the planner ---------------------------------------------------------------------------------------------------
