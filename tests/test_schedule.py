@@ -441,6 +441,9 @@ MOE_CASES = {
     "moe_deepseek_v3_2dp": ("deepseek_v3", MOE),
     "moe_deepseek_v3_q_proj_2dp": ("deepseek_v3_q_proj", dict(MOE, zbv_tolerance=2e-6)),
     "moe_glm4_moe_2dp": ("glm4_moe", MOE),
+    # DPO (the load-balancing loss added as TRL adds it) with LoRA on the attention and, as peft reads Qwen3-MoE's
+    # gate/up/down, on the experts (their adapters' gradients in B: models/weight_grads.py parameter_or_view)
+    "moe_qwen3_moe_2dp_dpo_lora": ("qwen3_moe", dict(MOE, objective="dpo", lora=dict(rank=4), zbv_tolerance=2e-6)),
     # expert parallelism 2: each data-parallel rank of a stage holds half of every sparse layer's experts, the
     # tokens exchanged by all-to-all in every chunk's forward and backward (and recomputation), none in W
     "moe_mixtral_2dp_ep2": ("mixtral", dict(MOE, expert_parallel=2)),
