@@ -427,30 +427,25 @@ def test_zbv_holds_at_most_max_waiting_back_for_w(stages, micro_batches, max_wai
 # gradient reaches every router) carried between chunks as between stages, handed over in place on the last rank
 # under ZB-V; the experts' and routers' weight gradients computed in W under zero_bubble and zbv. Every stage's
 # backward is one pass from all its floating outputs (engines/pipeline_engine.py), so the gradients are 1F1B's bit
-# for bit; under ZB-V the tied models (Qwen3-MoE, deepseek_v3_q_proj) sum the embedding's and the head's on one
-# rank, as the dense tied cases. Tensor parallel 2 (sequence parallel): each rank routes its tokens through whole
-# experts, their gradients summed over the group in W. bf16: the trainer's default (ZeRO-1, fp32 sums).
+# for bit; under ZB-V the tied Qwen3-MoE sums the embedding's and the head's on one rank, as the dense tied
+# cases. ep2, expert parallelism 2: each data-parallel rank of a stage holds half of every
+# sparse layer's experts, the tokens exchanged by all-to-all in every chunk's forward and backward (and
+# recomputation), none in W. tp2 (sequence parallel): each rank routes its tokens through whole experts, their
+# gradients summed over the group in W. bf16: the trainer's default (ZeRO-1, fp32 sums).
 MOE = dict(stages=2, schedules=("zero_bubble", *CHUNKED), virtual_stages=2, tolerance=0.0)
+BF16_ZERO1 = dict(zero_optimization={"stage": 1}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
 MOE_CASES = {
-    "moe_mixtral_2dp": ("mixtral", MOE),
-    "moe_qwen3_moe_2dp_checkpointing": ("qwen3_moe", dict(MOE, checkpoint_interval=1, zbv_tolerance=2e-6)),
+    "moe_mixtral_2dp_ep2": ("mixtral", dict(MOE, expert_parallel=2)),
+    "moe_qwen3_moe_2dp_ep2_checkpointing": ("qwen3_moe", dict(MOE, expert_parallel=2, checkpoint_interval=1,
+                                                              zbv_tolerance=2e-6)),
     "moe_qwen2_moe_tp2": ("qwen2_moe", dict(MOE, tensor_parallel=2)),
-    "moe_olmoe_2dp_bf16_fp32_accumulation": ("olmoe", dict(MOE, deepspeed=dict(
-        zero_optimization={"stage": 1}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}))),
+    "moe_olmoe_2dp_ep2_bf16_fp32_accumulation": ("olmoe", dict(MOE, expert_parallel=2, deepspeed=BF16_ZERO1)),
     "moe_gpt_oss_tp2": ("gpt_oss", dict(MOE, tensor_parallel=2)),
     "moe_deepseek_v3_2dp": ("deepseek_v3", MOE),
-    "moe_deepseek_v3_q_proj_2dp": ("deepseek_v3_q_proj", dict(MOE, zbv_tolerance=2e-6)),
     "moe_glm4_moe_2dp": ("glm4_moe", MOE),
     # DPO (the load-balancing loss added as TRL adds it) with LoRA on the attention and, as peft reads Qwen3-MoE's
     # gate/up/down, on the experts (their adapters' gradients in B: models/weight_grads.py parameter_or_view)
     "moe_qwen3_moe_2dp_dpo_lora": ("qwen3_moe", dict(MOE, objective="dpo", lora=dict(rank=4), zbv_tolerance=2e-6)),
-    # expert parallelism 2: each data-parallel rank of a stage holds half of every sparse layer's experts, the
-    # tokens exchanged by all-to-all in every chunk's forward and backward (and recomputation), none in W
-    "moe_mixtral_2dp_ep2": ("mixtral", dict(MOE, expert_parallel=2)),
-    "moe_qwen3_moe_2dp_ep2_checkpointing": ("qwen3_moe", dict(MOE, expert_parallel=2, checkpoint_interval=1,
-                                                              zbv_tolerance=2e-6)),
-    "moe_gpt_oss_2dp_ep2_bf16_fp32_accumulation": ("gpt_oss", dict(MOE, expert_parallel=2, deepspeed=dict(
-        zero_optimization={"stage": 1}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}))),
     # fp16 as 2stages_x_2dp_fp16: the scaler overflows at 2^20 in the second step, and in the fourth the last sparse
     # layer's router weight gradient is made inf, which ZB-H1 and ZB-V compute in W
     "moe_qwen2_moe_2dp_fp16": ("qwen2_moe", dict(MOE, steps=4, overflow_in_gradient=("4.mlp.gate.weight", 3),
