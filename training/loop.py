@@ -34,6 +34,7 @@ from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.tensor_parallel import SHARDED_MARKER
 from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan, snapshot_bytes_of_ranks
 from training.deepspeed_config import accumulation_warning, deepspeed_config
+from training.expert_balance import CorrectionBiasBalancing
 from cluster.distributed import (check_devices, elastic_restart_error, init_distributed, log_rank0, node_ranks,
                                   parallel_topology, set_threads_per_process, set_up_flight_recorder)
 from evaluation.eval_set import evaluate
@@ -310,6 +311,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
     profile = (StepProfile(engine, cfg.output_dir, dist.get_rank(), planned_stage_tflops(spec, engine.stage_id))
                if cfg.profile else NoProfile())
     stragglers = StragglerWatch(engine, cfg.straggler_margin)
+    balancing = CorrectionBiasBalancing(engine, cfg.moe.bias_update_rate) if cfg.moe.bias_update_rate else None
     background = BackgroundSave() if cfg.async_save else None
     if background:
         add_instruction_listener(engine, background)  # the optimizer step waits for the snapshot's copy
@@ -330,6 +332,8 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
             use_sequence_length(engine, totals.width)
             with token_mean_loss(engine, totals.units):
                 loss = float(engine.train_batch(iter(micro_batches)))
+            if balancing:  # DeepSeek-V3's correction biases, after the optimizer step
+                balancing.step(updated=math.isfinite(loss))
         else:
             loss, unlabelled = None, unlabelled + 1
             log_rank0(f"step {step}: the global batch has no labelled token (every label is -100): no update")
