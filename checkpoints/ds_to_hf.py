@@ -159,15 +159,14 @@ def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overw
 
 def multi_token_prediction_tensors(tag_dir, config):
     """{HF name: a function returning the tensor} and {HF name: a meta tensor} of the multi-token-prediction layers
-    conversion kept beside the layer files (models/layout.py MTP_FILE_NAME), as they were. A training checkpoint
-    holds none: its export says so when the config names some."""
+    conversion kept beside the layer files (models/layout.py MTP_FILE_NAME), as they were; a training checkpoint
+    carries its base's (checkpoints/saving.py). One without them while the config names some (its base had none,
+    or it was saved before checkpoints carried them): its export says so."""
     path = os.path.join(tag_dir, MTP_FILE_NAME)
     if not os.path.isfile(path):
-        trained = os.path.isfile(os.path.join(tag_dir, "trainer_state.json"))
-        if trained and getattr(config, "num_nextn_predict_layers", 0):
-            print(f"note: {tag_dir} is a training checkpoint, which does not carry the model's "
-                  f"{config.num_nextn_predict_layers} multi-token-prediction layer(s) (num_nextn_predict_layers); the "
-                  f"export has none (export the converted base for them).", file=sys.stderr, flush=True)
+        if getattr(config, "num_nextn_predict_layers", 0):
+            print(f"note: {tag_dir} holds none of the model's {config.num_nextn_predict_layers} multi-token-prediction "
+                  f"layer(s) (num_nextn_predict_layers): the export has none.", file=sys.stderr, flush=True)
         return {}, {}
     shapes = {name: torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype], device="meta")
               for name, (dtype, shape, _, _) in safetensors_entries(path).items()}

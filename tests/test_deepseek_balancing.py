@@ -111,3 +111,172 @@ def test_without_the_coefficient_the_loss_is_transformers(tmp_path):
     assert loss.item() == pytest.approx(hf_model(batch[0], attention_mask=batch[1], labels=batch[2]).loss.item(),
                                         abs=1e-6)
     assert "aux_loss" not in router.take_metrics()
+
+
+# --- the bias update in training -------------------------------------------------------------------------------------
+
+RATE = 0.01  # the correction biases are ~0.1 (tests/tiny_models.py make_model): a step moves the choice
+
+
+@pytest.fixture(scope="module")
+def demo_deepseek_mtp(demo_model, tmp_path_factory):
+    """The tiny DeepSeek-V3 (query latent, groups, shared expert, dense first layer) over the demo model's tokenizer,
+    its checkpoint shipping a multi-token-prediction layer: {hf, ds, mtp: {name: tensor}}."""
+    from checkpoints.hf_to_ds import convert_hf_to_ds
+    from tests.test_deepseek_conversion import mtp_tensors, with_mtp_shard
+    from tests.test_moe import demo_model_of
+    config = DEEPSEEK_CONFIGS["deepseek_v3"]()
+    config.num_nextn_predict_layers = 1
+    root = tmp_path_factory.mktemp("demo_deepseek_mtp")
+    dirs = demo_model_of(config, demo_model, root)
+    mtp = mtp_tensors(config)
+    with_mtp_shard(dirs["hf"], mtp)
+    convert_hf_to_ds(dirs["hf"], dirs["ds"], overwrite=True)
+    return {**dirs, "mtp": mtp}
+
+
+def transformers_balanced_steps(hf_dir, batches, micro_batch_size, rate):
+    """(losses, gradient norms before clipping, each sparse layer's final correction bias) of transformers' model
+    and torch's AdamW on each step's global batch (its micro-batches' token-mean cross-entropy, as
+    tests/test_moe.py transformers_steps), moving each router's e_score_correction_bias after every optimizer step
+    by rate * sign(mean load - load), a load being the step's real tokens that chose the expert."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_moe import LEARNING_RATE, MAX_GRAD_NORM
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    loads = {gate: torch.zeros(gate.num_experts) for gate in gates}
+    real = {}
+
+    def count(gate, _, outputs):
+        chosen = outputs[2][real["tokens"]]
+        loads[gate] += torch.bincount(chosen.reshape(-1), minlength=gate.num_experts)
+    for gate in gates:
+        gate.register_forward_hook(count)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    losses, norms = [], []
+    for (input_ids, document_ids, position_ids), labels in batches:
+        total_tokens = (labels[:, 1:] != -100).sum()
+        step_loss = 0.0
+        for rows in torch.arange(input_ids.shape[0]).split(micro_batch_size):
+            real["tokens"] = (document_ids[rows] != 0).reshape(-1)
+            loss = model(input_ids=input_ids[rows], attention_mask=(document_ids[rows] != 0).long(),
+                         position_ids=position_ids[rows], labels=labels[rows]).loss
+            loss = loss * (labels[rows, 1:] != -100).sum() / total_tokens
+            loss.backward()
+            step_loss += loss.item()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for gate in gates:
+                gate.e_score_correction_bias += rate * torch.sign(loads[gate].mean() - loads[gate])
+                loads[gate].zero_()
+        losses.append(step_loss)
+    return losses, norms, [gate.e_score_correction_bias.clone() for gate in gates]
+
+
+def exported_biases(hf_dir):
+    """Each sparse layer's e_score_correction_bias in an exported model, in layer order."""
+    from tests.test_conversion import load_hf_weights
+    weights = load_hf_weights(str(hf_dir))
+    names = sorted((name for name in weights if name.endswith("mlp.gate.e_score_correction_bias")),
+                   key=lambda name: int(name.split(".")[2]))
+    return [weights[name] for name in names]
+
+
+BALANCING_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps=4, zero_stage=0)),
+                     "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1))}
+
+
+def train_balanced(demo_model, model_dirs, train_file, out, procs, settings, **extra):
+    from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics
+    from tests.test_moe import LEARNING_RATE, MAX_GRAD_NORM, TRAIN_STEPS
+    from tests.test_token_mean import MICRO_BATCH as ROWS, SEED, SEQ as TRAIN_SEQ
+    check_ok(launch_trainer(procs, demo_overrides(demo_model, out, **{
+        **settings, "model_name_or_path": model_dirs["ds"], "train_file": str(train_file), "eval_file": "null",
+        "data.format": "instruction", "data.cache_dir": str(out.parent / "cache"), "seq_length": TRAIN_SEQ,
+        "micro_batch_size": ROWS, "max_steps": TRAIN_STEPS, "logging_steps": 1, "learning_rate": LEARNING_RATE,
+        "lr_scheduler": "constant", "warmup_steps": 0, "max_grad_norm": MAX_GRAD_NORM, "seed": SEED,
+        "moe.bias_update_rate": RATE, "save_steps": 3, "export_hf": "true", **extra})))
+    return [r for r in read_metrics(out) if "loss" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", BALANCING_LAYOUTS)
+def test_bias_update_equals_transformers_and_resumes_on_another_layout(demo_model, demo_deepseek_mtp, tmp_path,
+                                                                       layout):
+    """Six steps (padded instruction rows, clipping active) with moe.bias_update_rate: the logged losses and the
+    step-1 gradient norm are those of transformers + AdamW applying the same rule after each step (which differ
+    from the frozen bias's), and the exported model holds the biases that loop ends with. The checkpoint of step 3
+    holds the biases of step 3: 2 stages x 2 data-parallel resumed on 1 stage x 2 data-parallel (the optimizer
+    state resharded) trains steps 4 to 6 as the straight run did, to the same biases. Every export carries the
+    checkpoint's multi-token-prediction layer bit for bit."""
+    from tests.test_conversion import load_hf_weights
+    from tests.test_moe import MAX_GRAD_NORM, TRAIN_STEPS
+    from tests.test_token_mean import MICRO_BATCH as ROWS, global_batches, write_skewed_instructions
+    procs, settings = BALANCING_LAYOUTS[layout]
+    train_file = write_skewed_instructions(demo_model, tmp_path / "train.jsonl")
+    records = train_balanced(demo_model, demo_deepseek_mtp, train_file, tmp_path / "run", procs, settings)
+
+    def batches():
+        return global_batches(demo_model, train_file, procs // settings["num_stages"],
+                              settings["gradient_accumulation_steps"], tmp_path / "ref", steps=TRAIN_STEPS)
+    losses, norms, biases = transformers_balanced_steps(demo_deepseek_mtp["hf"], batches(), ROWS, RATE)
+    frozen, _, _ = transformers_balanced_steps(demo_deepseek_mtp["hf"], batches(), ROWS, 0.0)
+    assert min(norms) > MAX_GRAD_NORM  # clipping acts on every step
+    assert max(abs(a - b) for a, b in zip(losses, frozen)) > 1e-4  # the update changes the routing: 10x the tolerance
+    assert [r["loss"] for r in records] == pytest.approx(losses, abs=1e-5, rel=0)
+    assert records[0]["grad_norm"] == pytest.approx(norms[0], rel=1e-4)
+    assert all(r[f"expert_load/layer_{i}"] >= 1.0 for r in records for i in (1, 2, 3))
+    assert all("expert_load/layer_0" not in r for r in records)  # first_k_dense_replace=1
+    exported = exported_biases(tmp_path / "run" / "hf")
+    assert len(exported) == 3 and all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(exported, biases))
+    weights = load_hf_weights(str(tmp_path / "run" / "hf"))
+    assert all(torch.equal(weights[name], tensor) for name, tensor in demo_deepseek_mtp["mtp"].items())
+    if layout == "1_process":
+        return
+    resumed = train_balanced(demo_model, demo_deepseek_mtp, train_file, tmp_path / "resumed", 2,
+                             dict(settings, num_stages=1), resume=str(tmp_path / "run" / "global_step3"))
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in records[3:]], abs=1e-5, rel=0)
+    assert [r["grad_norm"] for r in resumed] == pytest.approx([r["grad_norm"] for r in records[3:]], rel=1e-4)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-7)
+               for a, b in zip(exported_biases(tmp_path / "resumed" / "hf"), exported))
+    resumed_weights = load_hf_weights(str(tmp_path / "resumed" / "hf"))
+    assert all(torch.allclose(resumed_weights[name], tensor, rtol=0, atol=1e-5) for name, tensor in weights.items())
+    assert all(torch.equal(resumed_weights[name], tensor) for name, tensor in demo_deepseek_mtp["mtp"].items())
+
+
+@pytest.mark.parametrize("model,overrides,message", [
+    ("qwen3_moe", ["moe.bias_update_rate=0.001"], r"^moe\.bias_update_rate=0\.001 applies to DeepSeek-V3's router "
+                                                  r"\(deepseek_v3, glm4_moe\), and qwen3_moe has another router; set "
+                                                  r"moe\.bias_update_rate=0\.$"),
+    ("llama", ["moe.sequence_aux_loss_coef=0.0001"], r"^moe\.sequence_aux_loss_coef=0\.0001 applies to DeepSeek-V3's "
+                                                     r"router \(deepseek_v3, glm4_moe\), and llama has no router; set "
+                                                     r"moe\.sequence_aux_loss_coef=0\.$"),
+    ("deepseek_v3", ["moe.bias_update_rate=-0.001"], r"^moe\.bias_update_rate=-0\.001 must be a number >= 0 \(0: off; "
+                                                     r"DeepSeek-V3's paper used 0\.001\)\.$"),
+    ("deepseek_v3", ["moe.sequence_aux_loss_coef=true"], r"^moe\.sequence_aux_loss_coef=True must be a number >= 0"),
+    ("deepseek_v3", ["moe.bias_update_rate=0.001", "lora.rank=4"],
+     r"^moe\.bias_update_rate=0\.001 with lora\.rank=4: the correction biases belong to the frozen base, which a LoRA "
+     r"checkpoint does not save; set moe\.bias_update_rate=0\.$"),
+    ("deepseek_v3", ["+moe.bias_rate=0.001"], r"^unknown config key 'moe\.bias_rate': did you mean moe\.bias_update_rate"),
+], ids=["other_router", "dense", "negative", "not_a_number", "lora", "misspelt"])
+def test_balancing_settings_are_refused_where_they_do_not_apply(demo_model, tiny_moe_checkpoints,
+                                                                tiny_deepseek_checkpoints, tmp_path, model, overrides,
+                                                                message):
+    from tests.test_moe import run_spec_of
+    from training.config_checks import ConfigError
+    model_dir = {"llama": demo_model["ds"], "qwen3_moe": tiny_moe_checkpoints["qwen3_moe"][1],
+                 "deepseek_v3": tiny_deepseek_checkpoints["deepseek_v3"][1]}[model]
+    with pytest.raises(ConfigError, match=message):
+        run_spec_of(demo_model, model_dir, tmp_path, *overrides)
+
+
+def test_the_coefficient_reaches_the_model_config(demo_model, tiny_deepseek_checkpoints, tmp_path):
+    from models.architecture import architecture_of
+    from tests.test_moe import run_spec_of
+    spec = run_spec_of(demo_model, tiny_deepseek_checkpoints["glm4_moe"][1], tmp_path,
+                       "moe.sequence_aux_loss_coef=0.01", "moe.bias_update_rate=0.001")
+    assert architecture_of(spec.model_config).moe.sequence_aux_loss_coef == 0.01

@@ -298,29 +298,29 @@ MOE_REFUSED = {
 
 def moe_model_config(cfg, model_config):
     """The model config a run builds: an MoE model's with output_router_logits set as the run says (null: as its
-    config.json does), after refusing in one line each setting an MoE model is not tested under; a dense model's as
-    it is, where output_router_logits must be null."""
+    config.json does) and DeepSeek's sequence-wise loss coefficient (moe.sequence_aux_loss_coef), after refusing in
+    one line each setting an MoE model is not tested under; a dense model's as it is, where output_router_logits
+    must be null. The moe.* keys apply to DeepSeek-V3's router only."""
     moe = architecture_of(model_config).moe
-    if moe is None:
-        if cfg.output_router_logits is not None:
-            raise ConfigError(f"output_router_logits={cfg.output_router_logits} asks for the load-balancing loss of a "
-                              f"mixture of experts, and {model_config.model_type} has no router; leave it null.")
     for key, value in cfg.moe.items():
         if value and not (moe and moe.sigmoid_routing):
             raise ConfigError(f"moe.{key}={value} applies to DeepSeek-V3's router (deepseek_v3, glm4_moe), and "
                               f"{model_config.model_type} has {'another router' if moe else 'no router'}; set "
                               f"moe.{key}=0.")
     if moe is None:
+        if cfg.output_router_logits is not None:
+            raise ConfigError(f"output_router_logits={cfg.output_router_logits} asks for the load-balancing loss of a "
+                              f"mixture of experts, and {model_config.model_type} has no router; leave it null.")
         return model_config
+    if cfg.moe.bias_update_rate and cfg.lora.rank:
+        raise ConfigError(f"moe.bias_update_rate={cfg.moe.bias_update_rate} with lora.rank={cfg.lora.rank}: the "
+                          f"correction biases belong to the frozen base, which a LoRA checkpoint does not save; set "
+                          f"moe.bias_update_rate=0.")
     for key, (refused, why) in MOE_REFUSED.items():
         value = OmegaConf.select(cfg, key)
         if refused(value):
             raise ConfigError(f"{key}={value} with the mixture-of-experts model {model_config.model_type}: {why} "
                               f"(docs/moe.md).")
-    if cfg.moe.bias_update_rate and cfg.lora.rank:
-        raise ConfigError(f"moe.bias_update_rate={cfg.moe.bias_update_rate} with lora.rank={cfg.lora.rank}: the "
-                          f"correction biases belong to the frozen base, which a LoRA checkpoint does not save; set "
-                          f"moe.bias_update_rate=0.")
     if cfg.output_router_logits is not None:
         model_config.output_router_logits = cfg.output_router_logits
     model_config.sequence_aux_loss_coef = float(cfg.moe.sequence_aux_loss_coef)  # the MoE block's (models/moe.py)
