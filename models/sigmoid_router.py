@@ -13,11 +13,16 @@ from torch import nn
 
 from models.tensor_parallel import NO_TENSOR_PARALLEL, AllReduce
 
+# The marker of a parameter kept in fp32 whatever the training dtype, as transformers keeps it
+# (_keep_in_fp32_modules_strict): its own parameter group, its fp32 master weight equal to it (training/loop.py).
+FP32_MARKER = "keep_in_fp32"
+
 
 class SigmoidRouter(nn.Module):
     """The `gate` of a DeepSeek-V3 MoE layer: `weight` [experts, hidden] and the buffer `e_score_correction_bias`
     [experts] (saved with the layer, as the checkpoint holds it), both fp32 in transformers
-    (_keep_in_fp32_modules_strict), the logits computed in fp32 whatever the hidden states' dtype."""
+    (_keep_in_fp32_modules_strict) and kept so under bf16 (FP32_MARKER), the logits computed in fp32 whatever the
+    hidden states' dtype."""
 
     def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
         super().__init__()
@@ -27,6 +32,7 @@ class SigmoidRouter(nn.Module):
         self.parallel = parallel
         weight = torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32)
         self.weight = nn.Parameter(weight.normal_(std=0.02))
+        setattr(self.weight, FP32_MARKER, True)
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
 
     def forward(self, hidden):

@@ -25,12 +25,13 @@ from checkpoints.state_files import WeightsOnlyCheckpointEngine
 from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoints
 from data.collator import row_layout
 from data.loader import blend_micro_batches, build_stage_loader, check_identical_across_group, infinite_micro_batches
-from deepspeed_internals.access import (ask_cpuinfo_once, replace_checkpoint_engine, replace_fp32_gradient_clipping,
-                                        set_global_grad_norm, skip_gradient_allreduce, skip_optimizer_files,
-                                        uses_bf16_optimizer)
+from deepspeed_internals.access import (ask_cpuinfo_once, parameters_kept_in_fp32, replace_checkpoint_engine,
+                                        replace_fp32_gradient_clipping, set_global_grad_norm, skip_gradient_allreduce,
+                                        skip_optimizer_files, uses_bf16_optimizer)
 from deepspeed_internals.registry import check_deepspeed_internals
 from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
+from models.sigmoid_router import FP32_MARKER
 from models.tensor_parallel import SHARDED_MARKER
 from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan, snapshot_bytes_of_ranks
 from training.deepspeed_config import accumulation_warning, deepspeed_config
@@ -85,13 +86,14 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
     ds_config, monitors = deepspeed_config(cfg, total_steps)
     if cfg.offload_optimizer == "cpu":
         ask_cpuinfo_once()
-    params = [p for p in module.parameters() if p.requires_grad]
+    params, kept_in_fp32 = trained_parameter_groups(module)
     optimizer = None
     if cfg.nan_policy == "skip":
         optimizer = skipping_optimizer(cfg, params)
         ds_config.pop("optimizer")
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, optimizer=optimizer,
-                                           config=ds_config)
+    with parameters_kept_in_fp32(kept_in_fp32):
+        engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, optimizer=optimizer,
+                                               config=ds_config)
     replace_fp32_gradient_clipping(engine, lambda: clip_fp32_gradients_across_stages(engine))
     # Resuming runs no code from the checkpoint; DeepSpeed's config keeps deciding how files are written (zip).
     replace_checkpoint_engine(engine, WeightsOnlyCheckpointEngine)
@@ -109,6 +111,17 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
         use_chunked_pipeline(engine, cfg.pipeline_schedule, cfg.virtual_stages, cfg.zero_bubble_max_waiting,
                              cfg.zbv_times if cfg.pipeline_schedule == "zbv" else None)  # auto: zbv's default
     return engine, monitors
+
+
+def trained_parameter_groups(module):
+    """(the optimizer's parameter groups, the trained parameters kept in fp32 whatever the precision): those
+    transformers keeps in fp32 (models/sigmoid_router.py FP32_MARKER: DeepSeek-V3's router) form a group of their
+    own, whose flat partitions, master weights and gradients stay fp32 beside the others' in the training dtype."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    kept = [p for p in params if getattr(p, FP32_MARKER, False)]
+    if not kept:
+        return params, kept
+    return [{"params": [p for p in params if not getattr(p, FP32_MARKER, False)]}, {"params": kept}], kept
 
 
 def clip_fp32_gradients_across_stages(engine):
