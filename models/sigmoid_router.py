@@ -44,7 +44,8 @@ class SigmoidRouter(nn.Module):
 
     def route(self, logits):
         scores = logits.sigmoid()
-        expert_ids = group_limited_top_k(scores + self.e_score_correction_bias, self.top_k, self.num_groups,
+        # the choice takes no gradient: chosen off the graph, nothing of it is kept for backward
+        expert_ids = group_limited_top_k(scores.detach() + self.e_score_correction_bias, self.top_k, self.num_groups,
                                          self.top_groups)
         weights = scores.gather(1, expert_ids)  # the scores without the bias weight the experts
         if self.normalize:
