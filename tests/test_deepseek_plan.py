@@ -145,3 +145,44 @@ def test_balanced_partition_of_mixed_layers_is_the_best_contiguous_split():
     assert largest(counts) == min(largest(split) for split in splits)
     assert largest(counts) < largest(balanced_decoder_counts(7, 3, model.cost))  # as if every layer were sparse
     assert counts[0] < counts[2]
+
+
+@pytest.mark.parametrize("name", ["moonlight_16b_a3b", "deepseek_v3_671b"])
+def test_shipped_configs_plan_every_parameter_and_fit_their_hardware(capsys, name):
+    """plan_only on the hardware each names: transformers' parameter count of the published config (its dense and
+    sparse layers apart), every device and node within its memory."""
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig
+
+    from planner.memory_plan import print_memory_plan
+    from tests.test_memory_plan import run_config
+    from training.run_spec import plan_spec
+    cfg = run_config(name)
+    rows = print_memory_plan(plan_spec(cfg))
+    fields = OmegaConf.to_container(cfg.model_config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    assert sum(row["parameters"] for row in rows) == sum(p.numel() for p in model.parameters())
+    assert all(row["fits"] for row in rows)
+    assert "does NOT fit" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overrides,fits", [
+    ([], True),  # as shipped: the optimizer offloaded, 61 GPUs on 8 nodes
+    (["grad_accum_dtype=fp32"], False),  # offloaded with fp32 sums: over 141 GB at any data-parallel degree
+    (["grad_accum_dtype=fp32", "plan_world_size=488"], False),
+    (["offload_optimizer=none", "plan_world_size=122"], False),  # without offload, 2 data-parallel: no
+    (["offload_optimizer=none", "plan_world_size=244"], True),  # 4 data-parallel: 31 nodes
+    (["offload_optimizer=none", "grad_accum_dtype=fp32", "plan_world_size=488"], True),  # fp32 sums: 61 nodes
+    (["device_memory_gb=80", "offload_optimizer=none", "plan_world_size=244"], False),  # 80 GB: 4 data-parallel, no
+    (["device_memory_gb=80", "offload_optimizer=none", "plan_world_size=488"], True),  # 8: 61 nodes
+    (["device_memory_gb=80"], False),  # 80 GB, offloaded
+], ids=["shipped", "fp32_sums", "fp32_sums_8dp", "no_offload_2dp", "no_offload_4dp", "no_offload_fp32_8dp",
+        "80gb_4dp", "80gb_8dp", "80gb_offload"])
+def test_deepseek_v3_node_counts_the_config_states(overrides, fits):
+    from planner.memory_plan import host_memory_plan, memory_plan, plan_fits
+    from tests.test_memory_plan import run_config
+    from training.run_spec import plan_spec
+    spec = plan_spec(run_config("deepseek_v3_671b", *overrides))
+    rows = memory_plan(spec)
+    assert plan_fits(spec, rows, host_memory_plan(spec, rows)) == fits
