@@ -186,3 +186,12 @@ def test_deepseek_v3_node_counts_the_config_states(overrides, fits):
     spec = plan_spec(run_config("deepseek_v3_671b", *overrides))
     rows = memory_plan(spec)
     assert plan_fits(spec, rows, host_memory_plan(spec, rows)) == fits
+
+
+def test_measured_costs_are_refused_for_a_model_of_two_decoder_kinds(demo_model, tiny_deepseek_checkpoints, tmp_path):
+    from errors import ConfigError
+    from tests.test_moe import run_spec_of
+    with pytest.raises(ConfigError, match=r"^partition_costs=measured times one decoder layer, and deepseek_v3's are "
+                                          r"of two kinds \(dense and sparse\); set partition_costs=flops\.$"):
+        run_spec_of(demo_model, tiny_deepseek_checkpoints["deepseek_v3"][1], tmp_path, "partition=balanced",
+                    "partition_costs=measured")
