@@ -280,3 +280,25 @@ def test_the_coefficient_reaches_the_model_config(demo_model, tiny_deepseek_chec
     spec = run_spec_of(demo_model, tiny_deepseek_checkpoints["glm4_moe"][1], tmp_path,
                        "moe.sequence_aux_loss_coef=0.01", "moe.bias_update_rate=0.001")
     assert architecture_of(spec.model_config).moe.sequence_aux_loss_coef == 0.01
+
+
+def test_balancing_takes_no_host_sync():
+    """DeepSeek-V3's router, the sequence-wise loss and the step's loads kept for the bias update: no op reads a
+    device value on the host over three padded micro-batches; the loads are read once, after the step."""
+    from data.collator import collate_causal_lm
+    from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
+    from tests.test_host_syncs import SEQ, rows, syncs_of_micro_batches
+    config = DEEPSEEK_CONFIGS["deepseek_v3"]()
+    config.vocab_size = 512  # the host-sync rows' token ids
+    config.sequence_aux_loss_coef = ALPHA
+    inputs = StageAttentionInputs(config, row_layout="padded")
+    layers = [EmbeddingPipe(config), *[DecoderLayerPipe(config, inputs, layer_index=i) for i in range(2)],
+              FinalNormPipe(config), LMHeadPipe(config, chunked_loss=True)]
+    examples = rows(6, packed=False)
+    batches = [collate_causal_lm(examples[k:k + 2], SEQ, pad_id=0) for k in range(0, 6, 2)]
+    loss_fn = CausalLMLoss(chunk_tokens=5, router=LoadBalancingLoss(config))
+    loss_fn.router.counts_step_loads = True
+    assert syncs_of_micro_batches(layers, loss_fn, batches) == []
+    real_tokens = sum(int((batch[0][1] != 0).sum()) for batch in batches)
+    # the stage's one sparse layer (layer 1) counted every real token's top-k; layers 2 and 3 ran on no stage here
+    assert loss_fn.router.take_step_loads().sum(dim=1).tolist() == [config.num_experts_per_tok * real_tokens, 0, 0]
