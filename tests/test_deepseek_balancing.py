@@ -8,11 +8,9 @@ import copy
 import pytest
 import torch
 
-from models.layout import layer_of_hf_name
-from models.llama import lm_head
 from models.loss import CausalLMLoss
-from models.pipeline import build_pipeline_layers
 from models.router_loss import LoadBalancingLoss
+from tests.test_moe import pipeline_loss_and_grads
 from tests.tiny_models import DEEPSEEK_CONFIGS, make_batch, make_model
 
 ALPHA = 0.5  # large enough that the loss moves every router's gradient well past the tolerances
@@ -47,30 +45,6 @@ def direct_sequence_loss(captured, attention_mask, num_experts, top_k):
             per_row.append((fractions * normalised.mean(dim=0)).sum())
         total = total + torch.stack(per_row).mean()
     return total
-
-
-def pipeline_loss_and_grads(config, hf_model, batch, chunk_tokens):
-    """The pipeline's layers holding hf_model's weights, run one after the other on batch: (their loss, {HF name:
-    gradient})."""
-    layers = [spec.build() for spec in build_pipeline_layers(config, chunked_loss=chunk_tokens > 0)]
-    state = {}
-    for name, tensor in hf_model.state_dict().items():
-        index, key = layer_of_hf_name(name, config.num_hidden_layers, config.tie_word_embeddings)
-        state.setdefault(index, {})[key] = tensor
-    for index, layer in enumerate(layers):
-        if index in state:
-            layer.load_state_dict(state[index])
-    input_ids, attention_mask, labels = batch
-    x = (input_ids, attention_mask, torch.arange(input_ids.shape[1]).expand_as(input_ids))
-    for layer in layers[:-1]:
-        x = layer(x)
-    x = lm_head(layers[0], x, chunk_tokens > 0) if config.tie_word_embeddings else layers[-1](x)
-    loss_fn = CausalLMLoss(chunk_tokens=chunk_tokens, router=LoadBalancingLoss(config))
-    loss = loss_fn(x, labels)
-    loss.backward()
-    grads = {(index, key): param.grad for index, layer in enumerate(layers) for key, param in layer.named_parameters()}
-    return loss, {name: grads[layer_of_hf_name(name, config.num_hidden_layers, config.tie_word_embeddings)]
-                  for name, _ in hf_model.named_parameters()}, loss_fn.router
 
 
 @pytest.mark.parametrize("chunk_tokens", [0, 7], ids=["logits", "chunked"])
@@ -285,20 +259,14 @@ def test_the_coefficient_reaches_the_model_config(demo_model, tiny_deepseek_chec
 def test_balancing_takes_no_host_sync():
     """DeepSeek-V3's router, the sequence-wise loss and the step's loads kept for the bias update: no op reads a
     device value on the host over three padded micro-batches; the loads are read once, after the step."""
-    from data.collator import collate_causal_lm
-    from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
-    from tests.test_host_syncs import SEQ, rows, syncs_of_micro_batches
+    from tests.test_moe import stage_syncs
     config = DEEPSEEK_CONFIGS["deepseek_v3"]()
     config.vocab_size = 512  # the host-sync rows' token ids
     config.sequence_aux_loss_coef = ALPHA
-    inputs = StageAttentionInputs(config, row_layout="padded")
-    layers = [EmbeddingPipe(config), *[DecoderLayerPipe(config, inputs, layer_index=i) for i in range(2)],
-              FinalNormPipe(config), LMHeadPipe(config, chunked_loss=True)]
-    examples = rows(6, packed=False)
-    batches = [collate_causal_lm(examples[k:k + 2], SEQ, pad_id=0) for k in range(0, 6, 2)]
     loss_fn = CausalLMLoss(chunk_tokens=5, router=LoadBalancingLoss(config))
     loss_fn.router.counts_step_loads = True
-    assert syncs_of_micro_batches(layers, loss_fn, batches) == []
+    syncs, batches = stage_syncs(config, loss_fn)
+    assert syncs == []
     real_tokens = sum(int((batch[0][1] != 0).sum()) for batch in batches)
     # the stage's one sparse layer (layer 1) counted every real token's top-k; layers 2 and 3 ran on no stage here
     assert loss_fn.router.take_step_loads().sum(dim=1).tolist() == [config.num_experts_per_tok * real_tokens, 0, 0]
