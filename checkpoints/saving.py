@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 import collectives
 from checkpoints.disk_space import check_space_for_checkpoint, disk_full_is_one_line
 from checkpoints.files import (COMPLETE_MARKER, IN_PROGRESS_MARKER, LATEST, copy_model_side_files,
-                               copy_tokenizer_files, link_or_copy, read_latest, write_text_atomic)
-from checkpoints.integrity import durable_checksum, read_manifest, write_manifest
+                               copy_tokenizer_files, fsync_path, link_or_copy, read_latest, write_text_atomic)
+from checkpoints.integrity import durable_checksum, file_checksum, read_manifest, write_manifest
 from checkpoints.optimizer_state import save_training_state
 from checkpoints.rng_state import rng_state_path, save_rng_state
 from checkpoints.tag_dirs import begin_change, end_save, prune_checkpoints, tag_of_step
@@ -146,6 +146,7 @@ def carry_multi_token_prediction(model_dir, tag_dir, checksums):
     source = os.path.join(source_dir, MTP_FILE_NAME)
     if not os.path.isfile(source):
         return
-    link_or_copy(source, os.path.join(tag_dir, MTP_FILE_NAME))
-    recorded = (read_manifest(source_dir) or {}).get(MTP_FILE_NAME)
-    checksums[MTP_FILE_NAME] = recorded or durable_checksum(os.path.join(tag_dir, MTP_FILE_NAME))
+    target = os.path.join(tag_dir, MTP_FILE_NAME)
+    link_or_copy(source, target)
+    fsync_path(target)  # on stable storage before COMPLETE names it (a link's data is the base's, already there)
+    checksums[MTP_FILE_NAME] = (read_manifest(source_dir) or {}).get(MTP_FILE_NAME) or file_checksum(target)
