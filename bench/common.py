@@ -274,21 +274,33 @@ def random_micro_batches(vocab_size, seq_length, micro_batch_size, seed=0):
 
 def trainer_engine(fields, overrides, total_steps):
     """The trainer's engine (training/loop.py build_engine, random weights) for conf/base.yaml with overrides and a
-    LlamaConfig of fields, in the launcher's ranks' process group (started here unless it is): (the engine, endless
-    random micro-batches for it, this process's RSS before the model was built, where its peak-RSS window starts)."""
+    LlamaConfig of fields (or a model config), in the launcher's ranks' process group (started here unless it is):
+    (the engine, endless random micro-batches for it, this process's RSS before the model was built, where its
+    peak-RSS window starts)."""
     import torch.distributed as dist
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, PretrainedConfig
 
     from cluster.distributed import init_distributed
     from training.loop import build_engine
     from training.run_spec import plan_spec
     cfg = run_config(overrides)
-    init_distributed(timeout_minutes=10)
-    config = LlamaConfig(**fields)
+    if not dist.is_initialized():
+        init_distributed(timeout_minutes=10)
+    config = fields if isinstance(fields, PretrainedConfig) else LlamaConfig(**fields)
     before_model = rss_bytes()
     reset_peak_rss()
     engine, _ = build_engine(plan_spec(cfg, dist.get_world_size(), config), total_steps, layer_loader=None)
     return engine, random_micro_batches(config.vocab_size, cfg.seq_length, cfg.micro_batch_size), before_model
+
+
+def steps_together(engine, batches, steps, clock=time.perf_counter):
+    """Seconds per step by `clock` of `steps` calls of engine.train_batch(batches()), started together on every rank
+    (a barrier first)."""
+    torch.distributed.barrier()
+    start = clock()
+    for _ in range(steps):
+        engine.train_batch(batches())
+    return (clock() - start) / steps
 
 
 def train_step_seconds(engine, batches, steps):

@@ -8,11 +8,11 @@ split divides.
 
     python bench/context_parallel.py [--seq 4096] [--rounds 5] [--steps 2]
 """
-import time
 
 import torch
 
-from common import bench_parser, in_rounds, parse_args, round_ratios, saved_activation_bytes, spawn, spread
+from common import (bench_parser, in_rounds, parse_args, round_ratios, saved_activation_bytes, spawn, spread,
+                    steps_together)
 
 LAYOUTS = {"whole sequences (2 data-parallel)": 1, "context 2": 2}  # name: context_parallel_size
 GLOBAL_SEQUENCES = 4  # per step, both layouts
@@ -55,15 +55,7 @@ def worker(rank, seq, rounds, steps):
     activations = {name: saved_activation_bytes(module, batches[0]) for name, (_, module, batches) in engines.items()}
     for engine, _, batches in engines.values():  # warm-up
         engine.train_batch(iter(batches))
-
-    def step_seconds(engine, batches):
-        """Seconds per step of `steps` steps, started together on both ranks."""
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.train_batch(iter(batches))
-        return (time.perf_counter() - start) / steps
-    seconds = in_rounds({name: lambda e=engine, b=batches: step_seconds(e, b)
+    seconds = in_rounds({name: lambda e=engine, b=batches: steps_together(e, lambda: iter(b), steps)
                          for name, (engine, _, batches) in engines.items()}, rounds)
     torch.distributed.destroy_process_group()
     return {name: {"activation_bytes": activations[name], "step_s": seconds[name]} for name in engines}

@@ -57,7 +57,7 @@ def dropped_state(saved_settings, settings):
 
 def layout_change(trainer_state, layout, settings):
     """'key: old -> new' for each thing a resume changes about the run that wrote the checkpoint."""
-    unsplit = {"tensor_parallel": 1, "context_parallel": 1}  # recorded only when > 1
+    unsplit = {"tensor_parallel": 1, "context_parallel": 1, "expert_parallel": 1}  # recorded only when > 1
     saved = {**unsplit, **trainer_state.get("topology", {}), **trainer_state.get("settings", {})}
     current = {**unsplit, **layout, **settings}
     return [f"{key} {saved[key]} -> {current[key]}" for key in current if key in saved and saved[key] != current[key]]

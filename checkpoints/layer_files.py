@@ -64,9 +64,10 @@ def load_layer_slice(layer, paths, rank, size, strict=True):
     elif len(paths) == size:
         load_layer_file(layer, sorted(paths)[rank], strict)
     else:
-        saved = [torch.load(p, map_location="cpu", mmap=True, weights_only=True) for p in sorted(paths)]
-        layer.load_state_dict(tensors_for_rank(saved, layer.state_dict(keep_vars=True), rank, size, paths[0]),
-                              strict=strict)
+        targets = layer.state_dict(keep_vars=True)
+        saved = [own_experts(torch.load(p, map_location="cpu", mmap=True, weights_only=True), targets)
+                 for p in sorted(paths)]
+        layer.load_state_dict(tensors_for_rank(saved, targets, rank, size, paths[0]), strict=strict)
 
 
 class LayerPart:
@@ -96,6 +97,13 @@ def part_held(layer, saved_keys):
         if set(saved_keys) == keys:
             return LayerPart(layer, keys)
     return layer
+
+
+def own_experts(state, targets):
+    """state ({key: tensor}) with each expert tensor cut to the experts its target holds (models/moe.py
+    ExpertSlice, under expert parallelism): views, so a memory-mapped file reads only this rank's experts."""
+    return {key: targets[key].expert_slice.of(tensor) if hasattr(targets.get(key), "expert_slice") else tensor
+            for key, tensor in state.items()}
 
 
 def tensors_for_rank(saved, targets, rank, size, where):
@@ -134,11 +142,12 @@ def tensors_for_rank(saved, targets, rank, size, where):
 
 def load_layer_file(layer, path, strict=True, rank=0, size=1):
     """Read a layer file into the layer's parameters; a parameter split across `size` tensor-parallel ranks
-    (tensor_parallel_dim set by models/tensor_parallel.py) gets this rank's slice of the whole tensor."""
+    (tensor_parallel_dim set by models/tensor_parallel.py) gets this rank's slice of the whole tensor, an expert
+    tensor under expert parallelism its rank's experts."""
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     targets = layer.state_dict(keep_vars=True)
     sliced = {key: own_slice(tensor, getattr(targets.get(key), "tensor_parallel_dim", None), rank, size)
-              for key, tensor in state.items()}
+              for key, tensor in own_experts(state, targets).items()}
     offsets = file_offsets(path, state)
     if offsets is None or set(state) != set(targets):
         layer.load_state_dict(sliced, strict=strict)  # copies through the mapping, or raises load_state_dict's error

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from deepspeed.pipe import TiedLayerSpec
 
 import collectives
-from checkpoints.layer_files import load_weights_only, tensors_for_rank
+from checkpoints.layer_files import load_weights_only, own_experts, tensors_for_rank
 from checkpoints.state_files import STATE_ADVICE
 from deepspeed_internals.access import (checkpoint_engine_of, engine_counters, is_zero_optimizer, layer_specs,
                                         loss_scaler_state, replay_cpu_adam_steps, restore_engine_counters,
@@ -140,19 +140,27 @@ class MasterState:
         source = partition if key == MASTER else self.optimizer.state[partition][key]
         return fragment.param_start, source.detach().narrow(0, fragment.partition_start, fragment.numel)
 
-    def gathered(self, param, key, group, writer, writes):
+    def gathered(self, param, key, group, writer, writes, expert_replica_rank=0):
         """The whole parameter's `key` in host memory on the data-parallel rank `writer` (ZeRO's fragments summed
         into it), where `writes`; None on the others, which only send their fragments (no host copy of a state that
-        one rank writes)."""
-        if not (self.zero or writes):
+        one rank writes). An expert parameter under expert parallelism holds a slice of the layer's experts: the
+        whole is every expert, each slice added at its rows by the first of the ranks holding it
+        (expert_replica_rank 0) or, under ZeRO, by the ranks its fragments are on."""
+        experts = getattr(param, "expert_slice", None)
+        split = experts is not None and experts.count < experts.total
+        if not (self.zero or writes or split):
             return None
-        whole = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        per_expert = param.numel() // experts.count if split else 0
+        whole = torch.zeros(param.numel() * experts.total // experts.count if split else param.numel(),
+                            dtype=torch.float32, device=param.device)
         piece = self.fragment(param, key)
-        if piece is not None:
-            whole.narrow(0, piece[0], piece[1].numel()).copy_(piece[1])
-        if self.zero:
+        if piece is not None and (self.zero or (expert_replica_rank == 0 if split else writes)):
+            start = experts.first * per_expert if split else 0
+            whole.narrow(0, start + piece[0], piece[1].numel()).copy_(piece[1])
+        if self.zero or split:
             collectives.reduce(whole, dst=dist.get_global_rank(group, writer), group=group)
-        return whole.view(param.shape).cpu() if writes else None
+        shape = (experts.total, *param.shape[1:]) if split else param.shape
+        return whole.view(shape).cpu() if writes else None
 
     def assign(self, param, key, value, name, where):
         if value.shape != param.shape:
@@ -176,7 +184,8 @@ def save_training_state(engine, tag_dir):
     saved_here = [(index, layer) for index, layer, saves in stage_layers(module) if saves]
     for turn, (index, layer) in enumerate(saved_here):
         writer = turn % dp_size
-        tensors = {key: {name: state.gathered(param, key, group, writer, dp_rank == writer)
+        tensors = {key: {name: state.gathered(param, key, group, writer, dp_rank == writer,
+                                              module.experts.replica_rank)
                          for name, param in trained_parameters(layer).items()} for key in keys}
         if dp_rank == writer:
             path = optimizer_state_path(module.ckpt_layer_path(tag_dir, module.layer_indices.index(index)))
@@ -221,7 +230,7 @@ def load_training_state(engine, tag_dir, trainer_state):
             if key not in saved[0]:
                 raise ConfigError(f"{paths[0]} holds no '{key}' (it has {sorted(saved[0])}): the checkpoint was "
                                   f"trained with another optimizer; set resume_weights_only=true to start a fresh one.")
-            values = tensors_for_rank([s[key] for s in saved], targets, rank, size, paths[0])
+            values = tensors_for_rank([own_experts(s[key], targets) for s in saved], targets, rank, size, paths[0])
             for name, param in targets.items():
                 if name not in values:
                     raise ConfigError(f"{paths[0]} has no {key} of {name}; the checkpoint is of another model.")

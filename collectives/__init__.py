@@ -57,9 +57,44 @@ def all_gather_numbers(numbers):
     return every_rank.view(-1, mine.numel()).tolist()
 
 
+def gather(tensor, gather_list, dst, group=None):
+    """tensor of every rank of the group into gather_list (on the global rank dst; None elsewhere)."""
+    check_on_device(tensor, *(gather_list or ()))
+    dist.gather(tensor, gather_list, dst=dst, group=group)
+
+
 def reduce_scatter_single(out, tensor, group=None):
     check_on_device(out, tensor)
     dist.reduce_scatter_single(out, tensor, group=group)
+
+
+def all_to_all_single(out, tensor, output_split_sizes=None, input_split_sizes=None, group=None):
+    """Rows input_split_sizes[r] of tensor to rank r of the group, rows from each rank into out (uneven splits as
+    Python ints: their sum is each tensor's first dimension)."""
+    check_on_device(out, tensor)
+    dist.all_to_all_single(out, tensor, output_split_sizes, input_split_sizes, group=group)
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """all_to_all_single as an autograd op: the gradient goes back by the reverse exchange (splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, tensor, output_split_sizes, input_split_sizes, group):
+        ctx.splits, ctx.group = (input_split_sizes, output_split_sizes), group
+        out = tensor.new_empty((sum(output_split_sizes), *tensor.shape[1:]))
+        all_to_all_single(out, tensor.contiguous(), output_split_sizes, input_split_sizes, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAllRows.apply(grad, *ctx.splits, ctx.group), None, None, None
+
+
+def exchange_rows(tensor, output_split_sizes, input_split_sizes, group):
+    """tensor's rows sent to the group's ranks (input_split_sizes[r] rows to rank r, in order) and theirs received
+    (output_split_sizes[r] from rank r), differentiably: backward sends each row's gradient back where it came
+    from."""
+    return _AllToAllRows.apply(tensor, list(output_split_sizes), list(input_split_sizes), group)
 
 
 def isend(tensor, peer):

@@ -69,9 +69,21 @@ Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with wh
   step count, whose powers of the betas are products taken a step at a time (replay_cpu_adam_steps).
 - The launcher's per-node module name (LAUNCHER_MODULE): preemption recognises the launcher as its parent process,
   the supervisor the launchers it started (whose ranks it watches).
+- Expert parallelism (models/expert_parallel.py) uses DeepSpeed's own expert support, which its engine switches on
+  for a model holding a deepspeed.moe MoE layer: a stand-in subclass of MoE (no parameters; its
+  set_deepspeed_parallelism makes nothing) added to a stage holding experts, the expert parameters marked as
+  deepspeed.moe.utils.is_moe_param reads them (allreduce=False, group_name), and the project's groups registered in
+  deepspeed.utils.groups (_EXPERT_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_GROUP and their _RANKS): the engine's
+  gradient reduction, ZeRO-1's and the bf16 optimizer's partitions and the start-up broadcast then treat each slice
+  over the ranks holding it. The engine's has_moe_layers is turned off around save_checkpoint and load_checkpoint
+  (its MoE checkpoint layout: the project's layer files hold the experts). The clipping norm under it replaces
+  DeepSpeedZeroOptimizer.scaled_global_norm (reading averaged_gradients, params_in_partition,
+  model_parallel_rank) and BF16_Optimizer.get_grads_for_norm (reading fp32_groups_gradients,
+  fp32_groups_has_gradients, bf16_groups); deepspeed.runtime.utils.is_model_parallel_parameter tells a split weight
+  (engines/gradient_norm.py says why).
 - Subclass overrides, checked for their parameters: PipelineEngine._train_schedule, _exec_send_activations,
   _exec_send_grads, _exec_recv_grads, _exec_reduce_tied_grads (engines/pipeline_engine.py);
-  PipelineModule._partition_layers, load_state_dir (models/pipeline.py); TorchCheckpointEngine.load
+  PipelineModule._partition_layers, load_state_dir, save_state_dict (models/pipeline.py); TorchCheckpointEngine.load
   (checkpoints/state_files.py). ZeroBubbleSchedule overrides PipeSchedule's documented steps(): no entry.
 - Names the zero-bubble engine adds to PipelineEngine (its handlers _exec_backward_input_pass,
   _exec_backward_weight_pass, _exec_post_recv_activations, _exec_wait_recv_activations, _send_async; its state

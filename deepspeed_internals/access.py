@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import deepspeed
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -339,3 +340,97 @@ def zero_fragment(param):
         return None
     return ZeroFragment(mapping.param_group_index, mapping.hp_fragment_address.start,
                         mapping.hp_fragment_address.numel, mapping.lp_fragment_address.start)
+
+
+# Expert parallelism (models/expert_parallel.py): DeepSpeed's own support for expert parameters.
+
+def use_deepspeed_expert_groups(module, params, name, num_experts, group, ranks, replica_group, replica_ranks):
+    """DeepSpeed's engine, built next on `module`, treats `params` as expert parameters of the groups `name`: this
+    rank's expert-parallel group (group, ranks) and the ranks holding the same experts (replica_group,
+    replica_ranks). Its gradient reduction then sums their gradients over the replica group only (divided by the
+    whole data-parallel group's size, as every gradient is), its ZeRO-1 and bf16 optimizers partition them over it,
+    and its start-up broadcast keeps each slice's own values. The engine switches this on for a model holding a
+    deepspeed.moe MoE layer: `module` gets a stand-in (no parameters, no state) that only counts the experts."""
+    groups = EXPORTED["deepspeed_groups"].resolve()
+    groups._EXPERT_PARALLEL_GROUP[name], groups._EXPERT_PARALLEL_GROUP_RANKS[name] = group, list(ranks)
+    groups._EXPERT_DATA_PARALLEL_GROUP[name] = replica_group
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = list(replica_ranks)
+    for param in params:
+        param.allreduce, param.group_name = False, name
+    module.add_module("deepspeed_expert_layers", expert_layers_stand_in(num_experts))
+
+
+def expert_layers_stand_in(num_experts):
+    class ExpertLayers(EXPORTED["MoE"].resolve()):
+        """What DeepSpeed's engine looks for to switch its expert support on (deepspeed.moe's MoE layer); the
+        experts are the project's, their groups registered already."""
+
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            self.num_experts = num_experts
+
+        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_=False):
+            """DeepSpeed's engine asks a MoE layer to make its groups: made already."""
+
+    return ExpertLayers()
+
+
+def checkpoints_without_expert_files(engine):
+    """The engine's save_checkpoint and load_checkpoint as for a model without experts: with experts DeepSpeed
+    writes and expects its MoE layout (a file per expert, 'num_experts' in the model states), where the project's
+    layer files hold the experts whole (models/pipeline.py LlamaPipeline.save_state_dict). Nothing without."""
+    if not engine.has_moe_layers:
+        return
+    for name in ("save_checkpoint", "load_checkpoint"):
+        method = getattr(engine, name)
+
+        def without_expert_files(*args, _method=method, **kwargs):
+            engine.has_moe_layers = False
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                engine.has_moe_layers = True
+        setattr(engine, name, without_expert_files)
+
+
+def replace_zero_grad_norm(optimizer, norm):
+    """ZeRO-1's clipping norm (also the one it reports): norm(squares), squares this rank's share of the squared
+    gradients (zero_partition_squares), norm summing them over the ranks."""
+    optimizer.scaled_global_norm = lambda norm_type=2: norm(zero_partition_squares(optimizer))
+
+
+def zero_partition_squares(optimizer):
+    """The squared gradients of this rank's ZeRO partitions (fp32, on the device), counted as DeepSpeed's own norm
+    counts them: a weight the pipeline holds twice (a tied copy) once, one every tensor-parallel rank holds whole on
+    rank 0 only."""
+    total = torch.zeros((), dtype=torch.float32, device=get_accelerator().current_device_name())
+    for group, params in enumerate(optimizer.params_in_partition):
+        grads = [g for g in optimizer.averaged_gradients[group] if not getattr(g, "_zero_padding", False)]
+        for grad, param in zip(grads, params):
+            if counted_once(param, optimizer.model_parallel_rank):
+                total += grad.float().pow(2).sum()
+    return total
+
+
+def replace_bf16_grad_norm(optimizer, squares_of):
+    """The bf16 optimizer's clipping norm (also the one it reports) from squares_of([(param, fp32 gradient)]), this
+    rank's share of the squared gradients with what other ranks must add already added, summed by DeepSpeed over
+    the model-parallel group (pipeline x tensor-parallel ranks), as it sums its own."""
+    own = optimizer.get_grads_for_norm
+
+    def grads_for_norm(for_clipping=False):
+        if for_clipping:
+            return own(for_clipping=True)
+        pairs = [(param, optimizer.fp32_groups_gradients[i][j])
+                 for i, group in enumerate(optimizer.bf16_groups) for j, param in enumerate(group)
+                 if optimizer.fp32_groups_has_gradients[i][j]]
+        return [squares_of(pairs).sqrt().reshape(1)], {}
+    optimizer.get_grads_for_norm = grads_for_norm
+
+
+def counted_once(param, tensor_parallel_rank):
+    """Whether a norm over the model counts this rank's gradient of param: not a tied weight's pipeline copy
+    (DeepSpeed's ds_pipe_replicated), and a weight every tensor-parallel rank holds whole on rank 0 only."""
+    if getattr(param, "ds_pipe_replicated", False):
+        return False
+    return tensor_parallel_rank == 0 or EXPORTED["is_model_parallel_parameter"].resolve()(param)

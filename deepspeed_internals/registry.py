@@ -114,6 +114,12 @@ EXPORTED = {
                               ("monitor_config",)),
     "WandbMonitor": Internal("deepspeed.monitor.wandb:WandbMonitor", "which writes them to W&B (a resumed run's "
                              "steps past those it logged)", ("wandb_config",)),
+    "deepspeed_groups": Internal("deepspeed.utils.groups", "whose expert groups expert parallelism registers"),
+    "MoE": Internal("deepspeed.moe.layer:MoE", "whose presence switches the engine's expert support on (expert "
+                    "parallelism adds a stand-in)"),
+    "is_model_parallel_parameter": Internal("deepspeed.runtime.utils:is_model_parallel_parameter",
+                                            "which tells a tensor-parallel split weight in the clipping norm",
+                                            ("p",)),
     "pipe_p2p": Internal("deepspeed.runtime.pipe.p2p", "whose send and recv the pipeline engine's handlers call "
                          "(tests/test_p2p_order.py records them)"),
 }
@@ -266,6 +272,9 @@ INTERNALS = (
     Internal(f"{PIPELINE_MODULE}.load_state_dir", "which the project's pipeline overrides",
              ("self", "load_dir", "checkpoint_engine", "strict")),
     Internal(PIPELINE_ENGINE, "which the project's pipeline overrides", mentions="self.module.load_state_dir("),
+    Internal(f"{PIPELINE_MODULE}.save_state_dict", "which the project's pipeline overrides (experts gathered whole)",
+             ("self", "save_dir", "checkpoint_engine", "exclude_frozen_params")),
+    Internal(PIPELINE_ENGINE, "which the project's pipeline overrides", mentions="self.module.save_state_dict("),
     Internal(f"{PIPELINE_MODULE}._set_bounds", "which the project's pipeline calls", ("self", "start", "stop")),
     Internal(f"{PIPELINE_MODULE}._build", "which the project's pipeline runs once per chunk", ("self",)),
     self_use(PIPELINE_MODULE, "_build()", "which the project's pipeline runs once per chunk"),
@@ -290,6 +299,26 @@ INTERNALS = (
                mentions=field) for field in ("param_group_index", "hp_fragment_address", "lp_fragment_address")),
     *(self_use("deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler", field, "which a resume restores")
       for field in LOSS_SCALER_FIELDS),
+    # Expert parallelism (models/expert_parallel.py, deepspeed_internals.access.use_deepspeed_expert_groups).
+    *(Internal("deepspeed.utils.groups", "which expert parallelism fills with its groups", mentions=f"{name} = {{}}")
+      for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                   "_EXPERT_DATA_PARALLEL_GROUP_RANKS")),
+    Internal(f"{ENGINE}._configure_distributed_model", "which switches the engine's expert support on for a MoE "
+             "layer and asks it to make its groups", mentions="module.set_deepspeed_parallelism("),
+    Internal(ENGINE, "whose expert support expert parallelism uses", mentions="isinstance(module, MoE)"),
+    self_use(ENGINE, "has_moe_layers", "which expert parallelism's checkpoint I/O turns off (the experts are in the "
+             "layer files)"),
+    Internal("deepspeed.moe.utils:is_moe_param", "which tells expert parameters by their allreduce attribute",
+             mentions="param.allreduce"),
+    Internal(f"{ENGINE}._get_gradients_for_reduction", "which groups expert gradients by their group_name",
+             mentions="param.group_name"),
+    self_use(ZERO_OPTIMIZER, "scaled_global_norm()", "which expert parallelism replaces with its clipping norm"),
+    *(self_use(ZERO_OPTIMIZER, name, "which expert parallelism's clipping norm reads")
+      for name in ("averaged_gradients", "params_in_partition", "model_parallel_rank")),
+    self_use(BF16_OPTIMIZER, "get_grads_for_norm()", "which expert parallelism replaces with its clipping norm's"),
+    Internal(f"{BF16_OPTIMIZER}.get_grads_for_norm", "which expert parallelism wraps", ("self", "for_clipping")),
+    *(self_use(BF16_OPTIMIZER, name, "which expert parallelism's clipping norm reads")
+      for name in ("fp32_groups_gradients", "fp32_groups_has_gradients", "bf16_groups")),
 )
 
 

@@ -24,9 +24,10 @@ dispatcher chooses when the block is built (`dispatcher.expert_range(num_experts
 
 (the counts as ints when the caller has them on the host already, as an all-to-all does; None, and the experts
 read them only if they must loop). LocalExperts, the default, holds every expert: it sorts the T x k choices by
-expert, runs them, unsorts and sums each token's k weighted outputs. An all-to-all dispatcher sorts the same way,
-sends each expert's rows to the rank holding it (through collectives/), runs its own, sends them back and combines
-alike; the experts' parameters are then the rank's slice, their gradients reduced over the ranks holding the same.
+expert, runs them, unsorts and sums each token's k weighted outputs. The all-to-all dispatcher of expert parallelism
+(models/expert_parallel.py) sorts the same way, sends each expert's rows to the rank holding it, runs its own, sends
+them back and combines alike (sort_by_expert, combine); the experts' parameters are then the rank's slice
+(ExpertSlice), their gradients reduced over the ranks holding the same.
 """
 from typing import NamedTuple
 
@@ -133,6 +134,18 @@ def routing_statistics(logits, expert_ids, tokens, moe, parallel=NO_TENSOR_PARAL
     return counts, (probabilities * mask.to(torch.float32)[:, None]).sum(dim=0)
 
 
+class ExpertSlice(NamedTuple):
+    """The experts an expert parameter holds (its rows along dim 0) out of the layer's `total`."""
+    first: int
+    count: int
+    total: int
+
+    def of(self, tensor):
+        """This slice of a tensor holding the layer's every expert along dim 0 (a view: a memory-mapped file's
+        tensor reads only these rows), or the tensor itself when it holds this slice already."""
+        return tensor.narrow(0, self.first, self.count) if tensor.shape[0] == self.total != self.count else tensor
+
+
 class Experts(nn.Module):
     """Experts first_expert .. first_expert + num_local_experts - 1 of a layer, fused: see the module's docstring."""
 
@@ -149,6 +162,8 @@ class Experts(nn.Module):
         if moe.expert_bias:
             self.gate_up_proj_bias = nn.Parameter(torch.zeros(count, 2 * inter))
             self.down_proj_bias = nn.Parameter(torch.zeros(count, hidden))
+        for param in self.parameters():  # the layer's experts it holds along dim 0: what loading reads, saving gathers
+            param.expert_slice = ExpertSlice(first_expert, num_local_experts, moe.num_experts)
 
     def forward(self, tokens, counts, split_sizes=None):
         inter = self.down_proj.shape[-2 if self.transposed else -1]
@@ -194,6 +209,8 @@ def grouped_mm_fits(operands, inner_width):
     else:
         supported = x.device.type == "cuda" and x.dtype == torch.bfloat16 and \
             torch.cuda.get_device_capability(x.device) >= (8, 0)
+    if x.shape[0] == 0:  # torch's CPU kernel takes no empty input in backward (an expert-parallel rank no token chose)
+        return False
     aligned = all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
                   for t in operands)
     return supported and aligned and inner_width * x.element_size() % 16 == 0
@@ -206,16 +223,29 @@ class LocalExperts:
         return 0, num_experts
 
     def __call__(self, hidden, expert_ids, weights, experts):
-        """Sort the T x k choices by expert (stable), run each expert on its rows, weight each row, unsort, and sum
-        each token's k rows in their routing order."""
-        tokens, top_k = expert_ids.shape
-        flat = expert_ids.reshape(-1) - experts.first_expert
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(experts.num_local_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
-        out = experts(hidden[order // top_k], counts) * weights.reshape(-1)[order, None]
-        unsorted = out[torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))]
-        return unsorted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+        top_k = expert_ids.shape[1]
+        order, counts = sort_by_expert(expert_ids, experts.num_local_experts, experts.first_expert)
+        return combine(experts(hidden[order // top_k], counts), order, weights, hidden.dtype)
+
+
+def sort_by_expert(expert_ids, num_experts, first_expert=0):
+    """(order: the T x k choices sorted by expert, stably; counts [num_experts] int64: each expert's choices)."""
+    flat = expert_ids.reshape(-1) - first_expert
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return order, counts
+
+
+def combine(rows, order, weights, dtype):
+    """Each sorted choice's output (rows, in `order`) weighted by its routing weight, unsorted, and each token's k
+    rows summed in their routing order."""
+    out = rows * weights.reshape(-1)[order, None]
+    return out[inverse_permutation(order)].view(*weights.shape, -1).sum(dim=1).to(dtype)
+
+
+def inverse_permutation(order):
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
 
 
 LOCAL_EXPERTS = LocalExperts()

@@ -77,8 +77,8 @@ def decoder_parameter_split(config, layer=None, active=False):
         replicated += hidden
     if sparse:
         moe = architecture.moe
-        expert = 3 * hidden * moe.expert_size + (2 * moe.expert_size + hidden if moe.expert_bias else 0)
-        replicated += moe.num_experts * (hidden + moe.router_bias) + (moe.top_k if active else moe.num_experts) * expert
+        replicated += moe.num_experts * (hidden + moe.router_bias) + \
+            (moe.top_k if active else moe.num_experts) * expert_parameters(moe, hidden)
         if moe.shared_expert_size:
             sharded += 3 * hidden * moe.shared_expert_size
             replicated += hidden if moe.shared_expert_gated else 0  # Qwen2-MoE's gate
@@ -121,6 +121,11 @@ def attention_head_widths(config):
     if architecture_of(config).latent_attention:
         return config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
     return head_dim_of(config), head_dim_of(config)
+
+
+def expert_parameters(moe, hidden):
+    """One expert's parameters: its gate, up and down projections (and GPT-OSS's biases)."""
+    return 3 * hidden * moe.expert_size + (2 * moe.expert_size + hidden if moe.expert_bias else 0)
 
 
 def planned_decoder(config):

@@ -7,9 +7,11 @@ import torch
 from deepspeed import checkpointing
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-from deepspeed_internals.access import pipeline_grid, set_layer_range, set_partition, synchronize_tied_weights
+from deepspeed_internals.access import (pipeline_grid, set_layer_range, set_partition, synchronize_tied_weights,
+                                        use_deepspeed_expert_groups)
 from deepspeed_internals.registry import non_reentrant_checkpoint
 from models.context_parallel import NO_CONTEXT_PARALLEL, build_context_parallel
+from models.expert_parallel import NO_EXPERT_PARALLEL, build_expert_parallel
 from models.llama import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs,
                           architecture_of, check_model_config, lm_head)
 from models.lora import NO_LORA, add_adapters, freeze_all_but_adapters
@@ -25,10 +27,11 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 
 
 def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL, context=NO_CONTEXT_PARALLEL,
-                          chunked_loss=False, row_layout="packed"):
+                          chunked_loss=False, row_layout="packed", experts=NO_EXPERT_PARALLEL):
     """Layer specs in pipeline index order (models/layout.py): embedding, decoder layers, final norm, LM head.
     chunked_loss: the head hands the loss its input and weight instead of logits (models/loss.py). row_layout:
-    what the rows hold, which decides the attention masks (models/llama.py StageAttentionInputs)."""
+    what the rows hold, which decides the attention masks (models/llama.py StageAttentionInputs). experts: where
+    a sparse layer's experts are (models/expert_parallel.py)."""
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl '{attention_impl}' is not one of {ATTENTION_IMPLS}.")
     stage_inputs = StageAttentionInputs(config, context, row_layout)
@@ -38,7 +41,8 @@ def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARA
     head = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel,
                           forward_fn=functools.partial(lm_head, chunked_loss=chunked_loss))
             if tied else LayerSpec(LMHeadPipe, config, parallel, chunked_loss))
-    decoders = [LayerSpec(DecoderLayerPipe, config, stage_inputs, attention_impl, parallel, context, index)
+    dispatcher = experts if experts.size > 1 else None
+    decoders = [LayerSpec(DecoderLayerPipe, config, stage_inputs, attention_impl, parallel, context, index, dispatcher)
                 for index in range(config.num_hidden_layers)]
     return [embedding, *decoders, LayerSpec(FinalNormPipe, config, parallel), head]
 
@@ -65,11 +69,12 @@ class LlamaPipeline(PipelineModule):
     (deepspeed_internals/ lists them)."""
 
     def __init__(self, config, stage_bounds, parallel, layer_loader, context=NO_CONTEXT_PARALLEL, chunk_ids=None,
-                 **kwargs):
+                 experts=NO_EXPERT_PARALLEL, **kwargs):
         self.model_config = config
         self.stage_bounds = list(stage_bounds)
         self.parallel = parallel
         self.context = context  # its split_micro_batch gives this rank its tokens of a collated micro-batch
+        self.experts = experts
         self.layer_loader = layer_loader
         self.chunk_ids = chunk_ids
         self.active_chunk = 0
@@ -134,6 +139,28 @@ class LlamaPipeline(PipelineModule):
     def ckpt_layer_path_list(self, ckpt_dir, local_layer_idx):
         return super().ckpt_layer_path_list(ckpt_dir, self.layer_indices[local_layer_idx] - self.layer_indices[0])
 
+    def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
+        """DeepSpeed's save of the stage's layer files by data-parallel rank 0, with the experts gathered whole
+        there first under expert parallelism (its expert-parallel group takes part, one tensor at a time): a layer
+        file holds every expert, whatever the layout that writes or reads it."""
+        experts, data_rank = self.experts, pipeline_grid(self).data_parallel_id
+        if experts.size == 1:
+            return super().save_state_dict(save_dir, checkpoint_engine, exclude_frozen_params)
+        if data_rank >= experts.size:  # another expert-parallel group: the same weights as data-parallel rank 0's
+            return
+        if data_rank == 0:
+            checkpoint_engine.makedirs(save_dir, exist_ok=True)
+        for index, layer in enumerate(self.forward_funcs):
+            if not hasattr(layer, "state_dict"):
+                continue
+            frozen = {name for name, param in layer.named_parameters() if not param.requires_grad}
+            state = {key: experts.gather_whole(tensor.detach()) if hasattr(tensor, "expert_slice") else tensor.detach()
+                     for key, tensor in layer.state_dict(keep_vars=True).items()
+                     if not (exclude_frozen_params and key in frozen)}
+            if data_rank == 0:  # host copies, as DeepSpeed saves them: a view's own bytes, not its flat buffer's
+                checkpoint_engine.save({key: tensor.to("cpu", copy=True) for key, tensor in state.items()},
+                                       self.ckpt_layer_path(save_dir, index))
+
     def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
         """DeepSpeed's per-layer loading through layer_loader: each layer's files straight into its parameters
         (under tensor parallelism, this rank's slice)."""
@@ -158,7 +185,8 @@ def run_layers(layers, *inputs):
 def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
-                          objective=PreferenceSettings(), seq_length=None, row_layout="packed", chunk_ids=None):
+                          objective=PreferenceSettings(), seq_length=None, row_layout="packed", chunk_ids=None,
+                          expert_parallel_size=1):
     """The pipeline module of this rank's stage. topology: DeepSpeed's, with a 'model' axis for tensor
     parallelism (cluster/distributed.py). stage_bounds: the first pipeline layer of each stage and the layer
     count (default: the 'parameters' partition). dtype: the training dtype to build the stage in (default
@@ -171,13 +199,16 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     (models/lora.py). objective: the next-token loss (sft), or a preference loss over pairs (models/preference.py;
     chunked head only). seq_length: the rows' width, when their labels may be one wider (token shards). row_layout:
     what the rows hold (data/collator.py `row_layout`; 'packed', a mask per document, is right for any rows).
-    chunk_ids: each rank's global chunks, several per rank (then stage_bounds bound the chunks; LlamaPipeline)."""
+    chunk_ids: each rank's global chunks, several per rank (then stage_bounds bound the chunks; LlamaPipeline).
+    expert_parallel_size: data-parallel ranks of a stage splitting each sparse layer's experts
+    (models/expert_parallel.py)."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
     parallel = TensorParallel(tp_size, getattr(topology.get_coord(rank), "model", 0), sequence_parallel,
                               recompute_sequence_gather)
     context = build_context_parallel(topology, context_parallel_size)
+    experts = build_expert_parallel(topology, expert_parallel_size)
     if stage_bounds is None:
         stage_bounds = partition_stages(config, topology.get_dim("pipe"))
     moe = architecture_of(config).moe
@@ -188,10 +219,10 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype or previous_dtype)
     try:
-        module = LlamaPipeline(config, stage_bounds, parallel, layer_loader, context, chunk_ids,
+        module = LlamaPipeline(config, stage_bounds, parallel, layer_loader, context, chunk_ids, experts,
                                layers=build_pipeline_layers(config, attention_impl, parallel, context,
                                                             chunked_loss=loss_chunk_tokens > 0,
-                                                            row_layout=row_layout),
+                                                            row_layout=row_layout, experts=experts),
                                topology=topology, loss_fn=loss_fn,
                                activation_checkpoint_interval=activation_checkpoint_interval,
                                # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.
@@ -207,6 +238,10 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                 if isinstance(layer, DecoderLayerPipe):
                     add_adapters(layer, lora, parallel.size, parallel.rank, seed, module.layer_indices[local])
             freeze_all_but_adapters(module)
+        expert_params = [p for p in module.parameters() if hasattr(p, "expert_slice")]
+        if experts.size > 1 and expert_params:
+            use_deepspeed_expert_groups(module, expert_params, experts.name, moe.num_experts, experts.group,
+                                        experts.ranks, experts.replica_group, experts.replica_ranks)
         return module
     finally:
         torch.set_default_dtype(previous_dtype)

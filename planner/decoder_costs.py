@@ -17,7 +17,7 @@ instead, which keeps the scores.
 """
 from models.llama import architecture_of, head_dim_of
 from models.lora import adapter_parameter_count
-from models.partition import decoder_parameter_split, mean_attended_keys
+from models.partition import decoder_parameter_split, expert_parameters, mean_attended_keys
 from planner.moe_costs import eager_attention_extra_bytes, moe_saved_bytes
 from planner.training_state import FP32_BYTES
 
@@ -50,9 +50,14 @@ class DecoderCosts:
         active_sharded, active_replicated = decoder_parameter_split(config, layer, active=True)
         lora = workload.lora
         self.adapters = adapter_parameter_count(config, lora, t)
-        self.parameters = sharded // t + replicated + self.adapters
+        # Under expert parallelism this rank's slice of the experts, whose optimizer state ZeRO-1 shards over the
+        # dp / ep ranks holding them (models/expert_parallel.py), as much per rank as every expert's over all dp ranks.
+        experts = moe.num_experts * expert_parameters(moe, hidden) if moe else 0
+        self.experts_not_held = experts - experts // workload.expert_parallel
+        self.parameters = sharded // t + replicated - self.experts_not_held + self.adapters
         self.largest_tensor = max(hidden * max(inter, self.q_width), self.latent_largest_tensor(),
-                                  2 * moe.num_experts * moe.expert_size * hidden if moe else 0)
+                                  2 * moe.num_experts * moe.expert_size * hidden // workload.expert_parallel
+                                  if moe else 0)
         # Matmuls: 2 FLOPs per weight per token; causal attention: QK^T and PV over half the seq x seq scores
         # (fewer under sliding windows: the layers' mean). Norms and row-parallel biases (counted the same way), and
         # MLA's latent projections, run on the residual stream's tokens.

@@ -90,6 +90,10 @@ class LayerCosts:
                                  **{kind: lora.rank * max(hidden, decoder.inter * t) if decoder.adapters else 0
                                     for kind, decoder in decoders.items()}} if lora.enabled
                                 else self.largest_tensor)
+        self.optimized = {**self.trained, **{kind: self.trained[kind] + (decoder.experts_not_held if
+                                                                        workload.zero_stage >= 1 else 0)
+                                             for kind, decoder in decoders.items()}}  # what ZeRO-1 shards over every
+        # data-parallel rank: under expert parallelism every expert (planner/decoder_costs.py)
         self.forward_flops = {EMBEDDING: 0, NORM: 0, HEAD: 2 * tokens * hidden * vocab,
                               **{kind: decoder.forward_flops for kind, decoder in decoders.items()}}
         # W, the weight gradients a split backward defers (models/weight_grads.py): a trained matmul's forward FLOPs
@@ -215,7 +219,8 @@ class LayerCosts:
 
     def stage_state_bytes(self, kinds):
         """Weights, gradients and optimizer state of a stage, in bytes."""
-        return training_state.state_bytes(self.workload, self.stage_parameters(kinds), self.stage_trained(kinds))
+        return training_state.state_bytes(self.workload, self.stage_parameters(kinds), self.stage_trained(kinds),
+                                          sum(self.optimized[kind] for kind in kinds))
 
     def stage_buffer_bytes(self):
         return training_state.buffer_bytes(self.workload, max(self.largest_trained.values()))

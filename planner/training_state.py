@@ -75,12 +75,14 @@ def host_state_bytes_per_parameter(workload):
         workload)
 
 
-def state_bytes(workload, parameters, trained):
+def state_bytes(workload, parameters, trained, optimized=None):
     """Weights of `parameters`, and gradients and optimizer state of the `trained` ones among them (all of them, or
-    LoRA's adapters: the frozen base has neither), on the device, in bytes."""
+    LoRA's adapters: the frozen base has neither), on the device, in bytes. optimized: the parameters whose
+    optimizer state is sharded over the data-parallel ranks (default `trained`; under expert parallelism every
+    expert, planner/stage_costs.py)."""
     per_parameter = state_bytes_per_parameter(workload)
     return {"weights": parameters * per_parameter["weights"], "gradients": trained * per_parameter["gradients"],
-            "optimizer": trained * per_parameter["optimizer"]}
+            "optimizer": (trained if optimized is None else optimized) * per_parameter["optimizer"]}
 
 
 def buffer_bytes(workload, largest_tensor):

@@ -25,6 +25,7 @@ class Workload:
     sequence_parallel: bool = True  # with tensor_parallel > 1: residual stream on 1/t of the tokens
     recompute_sequence_gather: bool = False  # sequence parallel: gather again in backward rather than keep
     context_parallel: int = 1  # ranks splitting each sequence (models/context_parallel.py)
+    expert_parallel: int = 1  # data-parallel ranks splitting each sparse layer's experts (models/expert_parallel.py)
     document_masks: bool = False  # rows hold packed documents that attend only to themselves: a seq x seq mask
     offload_optimizer: bool = False  # ZeRO-1's fp32 partition, its gradient and Adam's moments in host memory
     pipeline_schedule: str = "1f1b"  # zero_bubble: micro-batches also wait for their weight gradients (W)
@@ -98,10 +99,11 @@ def describe_workload(workload):
         tensor = f"tensor-parallel {workload.tensor_parallel} ({sequence}), "
     if workload.context_parallel > 1:
         tensor += f"context-parallel {workload.context_parallel}, "
+    experts = f" (experts split over {workload.expert_parallel})" if workload.expert_parallel > 1 else ""
     return (f"seq_length={workload.seq_length}, micro_batch_size={workload.micro_batch_size}, "
             f"{workload.micro_batches} micro-batches, {workload.precision}, ZeRO-{workload.zero_stage}"
             f"{' with optimizer offloaded to CPU' if workload.offload_optimizer else ''}, "
-            f"{tensor}data-parallel {workload.data_parallel}, {checkpointing}"
+            f"{tensor}data-parallel {workload.data_parallel}{experts}, {checkpointing}"
             f"{f', LoRA rank {workload.lora.rank}' if workload.lora.enabled else ''}"
             f"{schedule_description(workload)}")
 

@@ -14,10 +14,12 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from models.layout import hf_name_of_layer_key, split_fused  # noqa: E402
 from models.lora import NO_LORA, LoraSettings  # noqa: E402
 from checkpoints.layer_files import load_layer_slice  # noqa: E402
+from deepspeed_internals.access import checkpoints_without_expert_files  # noqa: E402
 from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
 from tests.lora_reference import adapter_values, hf_name_of_peft, peft_model, pipeline_slice  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
 from cluster.distributed import init_distributed, parallel_topology  # noqa: E402
+from engines.gradient_norm import model_norm  # noqa: E402
 from engines.pipeline_engine import use_zero_bubble  # noqa: E402
 
 
@@ -60,7 +62,8 @@ class LayerFileOpens:
 
 
 def gradient_errors(module, recorded, ref_grads, num_hidden_layers, engine):
-    """{HF name: max |pipeline - transformers| / max |transformers|} for each of this rank's parameters' gradients
+    """{HF name: max |pipeline - transformers| / max |transformers| (where that is 0, as for experts no token chose:
+    max |pipeline|)} for each of this rank's parameters' gradients
     (recorded: {param: gradient}), against this rank's tensor-parallel slice of the HF gradient."""
     errors = {}
     for name, param in module.named_parameters():
@@ -71,8 +74,22 @@ def gradient_errors(module, recorded, ref_grads, num_hidden_layers, engine):
         if getattr(param, "tensor_parallel_dim", None) is not None:
             ref = ref.chunk(engine.grid.get_slice_parallel_world_size(),
                             param.tensor_parallel_dim)[engine.grid.get_slice_parallel_rank()]
-        errors[hf_name] = ((recorded[param] - ref).abs().max() / ref.abs().max()).item()
+        if hasattr(param, "expert_slice"):  # this rank's experts under expert parallelism
+            ref = param.expert_slice.of(ref)
+        difference, scale = (recorded[param] - ref).abs().max().item(), ref.abs().max().item()
+        errors[hf_name] = difference / scale if scale else difference  # a slice of experts no token chose: zeros
     return errors
+
+
+def gradient_norms(module, recorded, ref_grads, engine):
+    """{'all' | 'experts': (the clipping norm's value over the pipeline's gradients, transformers')}: every
+    weight, and an MoE model's experts alone (under expert parallelism each rank holds some)."""
+    params = [(p, recorded[p]) for p in module.parameters() if p.requires_grad]
+    experts = [(p, g) for p, g in params if hasattr(p, "expert_slice")]
+    ref_experts = [g for name, g in ref_grads.items() if ".experts." in name]
+    return {kind: (model_norm(pairs, engine, module.experts).item(),
+                   torch.stack([g.float().pow(2).sum() for g in ref] or [torch.zeros(())]).sum().sqrt().item())
+            for kind, pairs, ref in (("all", params, list(ref_grads.values())), ("experts", experts, ref_experts))}
 
 
 def micro_batches(batch, micro_batch_size, gas, dp_size, dp_rank):
@@ -176,7 +193,8 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
                                        activation_checkpoint_interval=case.get("checkpoint_interval", 0),
                                        sequence_parallel=case.get("sequence_parallel", True),
                                        recompute_sequence_gather=case.get("recompute_sequence_gather", False),
-                                       loss_chunk_tokens=case.get("loss_chunk_tokens", CHUNK_TOKENS), lora=lora)
+                                       loss_chunk_tokens=case.get("loss_chunk_tokens", CHUNK_TOKENS), lora=lora,
+                                       expert_parallel_size=case.get("expert_parallel", 1))
         if case.get("compile"):
             module.compile()
         optimizer = GradientRecorder([p for p in module.parameters() if p.requires_grad])
@@ -184,6 +202,7 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
             "train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": gas,
             "steps_per_print": 10**9, "gradient_clipping": 0.0,
             "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}})
+        checkpoints_without_expert_files(engine)
         opens.paths, opens.active = [], True
         engine.load_checkpoint(case["ds_dir"], load_module_only=True)
         opens.active = False
@@ -202,13 +221,16 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
             references, rank, os.path.join(out_dir, f"{case['name']}-hf.pt"), (case["hf_dir"], lora),  # the batch's
             lambda: hf_reference(case["hf_dir"], batch, micro_batch_size, lora if lora.enabled else None, adapters))
         grad_errors = gradient_errors(module, optimizer.recorded, ref_grads, config.num_hidden_layers, engine)
+        norms = gradient_norms(module, optimizer.recorded, ref_grads, engine)
         results[case["name"]] = {
             "stage": engine.stage_id, "dp_rank": engine.grid.data_parallel_id, "parts": [int(p) for p in module.parts],
             "layer_files_opened": sorted(set(opens.paths)),
             "losses": [loss.item() for loss in step_losses], "mean_loss": float(mean_loss),
             "ref_losses": ref_losses, "grad_errors": grad_errors, "ref_param_names": sorted(ref_grads),
-            "replicated_grad_spread": replicated_gradient_spread(module, optimizer, engine),
+            "replicated_grad_spread": replicated_gradient_spread(module, optimizer, engine), "norms": norms,
             "param_names": [name for name, _ in module.named_parameters()], "deferred_weights": sorted(deferred),
+            "expert_slices": {name: list(param.expert_slice) for name, param in module.named_parameters()
+                              if hasattr(param, "expert_slice")},
             "frozen_unchanged_without_grad": all(p.grad is None and torch.equal(p, base[n])
                                                  for n, p in module.named_parameters() if not p.requires_grad)}
         if case.get("save_grads"):  # for tests comparing two runs' gradients directly

@@ -41,6 +41,17 @@ FIGURES = {
     "context_parallel.py": ["2 data-parallel) activations per rank # MiB tokens/s median #",
                             "context 2 activations per rank # MiB tokens/s median #",
                             "context 2 / whole: activations #x, tokens/s #x"],
+    "expert_loading.py": ["one sparse layer, bf16: experts # MiB, the rest # MiB",
+                          "expert parallel 2, rank 1: read # MiB; minus the rest: # of the layer's expert bytes "
+                          "(1/2 = #)"],
+    "expert_parallel.py": ["experts replicated CPU s per step (4 ranks) median # (min #, max #) expert weights per "
+                           "rank # MiB", "expert parallel 2 CPU s per step (4 ranks) median # (min #, max #) expert "
+                           "weights per rank # MiB", "expert parallel 2 / replicated: CPU s per step #x (rounds #-#), "
+                           "expert weights per rank #x"],
+    "moe_block.py": ["pipeline CPU s median # (min #, max #)", "transformers grouped_mm CPU s median # (min #, max #)",
+                     "transformers eager CPU s median # (min #, max #)",
+                     "pipeline speed-up over transformers eager: #x (rounds #-#)",
+                     "pipeline speed-up over transformers grouped_mm: #x (rounds #-#)"],
     "goodput.py": ['"goodput": #', '"target_goodput": #', '"detect_s": #', '"restart_s": #',
                    '"final_weights_equal": true'],
     "grad_accumulation_cost.py": ["sums in bf16: step median # (min #, max #) s, peak median #",

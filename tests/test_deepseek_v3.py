@@ -52,7 +52,7 @@ def test_round_trips_are_bit_identical_and_load_in_transformers(tiny_deepseek_ch
 LAYOUTS = {  # name: (stages, world size, tensor parallel, {case suffix: options})
     "2stages": (2, 2, 1, {"": {}}),
     "4stages": (4, 4, 1, {"": {}}),
-    "2stages_x_2dp": (2, 4, 1, {"": {}}),
+    "2stages_x_2dp": (2, 4, 1, {"": {}, "+ep2": {"expert_parallel": 2}}),  # and the experts split over the 2
     "2stages_x_tp2": (2, 4, 2, {"+sp": {}, "": {"sequence_parallel": False}}),
 }
 

@@ -1,8 +1,11 @@
 """No host sync per micro-batch or per chunk on the training path: a stage's layers and the chunked losses (next
 token, DPO) run forward and backward over several micro-batches of several chunks without one op that reads a
 device value on the host (tests/host_syncs.py), whatever the rows hold; the attention masks are the run's choice
-(data/collator.py row_layout), not read from each micro-batch. bench/host_syncs.py counts a whole train_batch (on
-CUDA with torch.cuda.set_sync_debug_mode)."""
+(data/collator.py row_layout), not read from each micro-batch. Under expert parallelism a sparse layer reads its
+all-to-all's split sizes once per micro-batch, and nothing else syncs. bench/host_syncs.py counts a whole train_batch
+(on CUDA with torch.cuda.set_sync_debug_mode)."""
+import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -114,3 +117,47 @@ def test_the_run_decides_the_attention_masks_from_its_rows():
     assert masks["packed"].shape == (2, 1, SEQ, SEQ)
     with pytest.raises(ValueError, match="row_layout='mixed' is not one of packed, padded, full"):
         StageAttentionInputs(config, row_layout="mixed")
+
+
+EXPERT_PARALLEL_FAMILIES = ("qwen2_moe", "gpt_oss")  # a shared expert beside the routed ones; experts' biases
+
+
+def expert_parallel_syncs(rank, out_dir):
+    """One rank of expert parallelism 2 (tests/test_moe.py's stage, its experts split over the two): for each family,
+    the host syncs of three padded micro-batches, forward and backward."""
+    from cluster.distributed import init_distributed
+    from deepspeed_internals.registry import PipeDataParallelTopology
+    from models.expert_parallel import build_expert_parallel
+    from models.router_loss import LoadBalancingLoss
+    from tests.tiny_models import MOE_CONFIGS
+    init_distributed(timeout_minutes=2)
+    experts = build_expert_parallel(PipeDataParallelTopology(num_pp=1, num_dp=2), 2)
+    examples = rows(6 + rank, packed=False)  # other tokens on each rank
+    batches = [collate_causal_lm(examples[k:k + 2], SEQ, pad_id=0) for k in range(0, 6, 2)]
+    syncs = {}
+    for family in EXPERT_PARALLEL_FAMILIES:
+        config = MOE_CONFIGS[family]()
+        inputs = StageAttentionInputs(config, row_layout="padded")
+        layers = [EmbeddingPipe(config), *[DecoderLayerPipe(config, inputs, layer_index=i, dispatcher=experts)
+                                           for i in range(config.num_hidden_layers)],
+                  FinalNormPipe(config), LMHeadPipe(config, chunked_loss=True)]
+        loss_fn = CausalLMLoss(chunk_tokens=5, router=LoadBalancingLoss(config))
+        syncs[family] = syncs_of_micro_batches(layers, loss_fn, batches)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(syncs, f)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_stage_takes_one_host_sync_per_sparse_layer_and_micro_batch(tmp_path):
+    """The dispatch reads the all-to-all's split sizes on the host once per sparse layer and micro-batch (forward;
+    backward reuses them), and nothing else does: the grouped GEMM takes them as they are."""
+    from models.architecture import architecture_of
+    from tests.distributed import spawn
+    from tests.tiny_models import MOE_CONFIGS
+    spawn(expert_parallel_syncs, 2, str(tmp_path))
+    for rank in range(2):
+        syncs = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for family in EXPERT_PARALLEL_FAMILIES:
+            sparse = sum(architecture_of(MOE_CONFIGS[family]()).sparse_layers)
+            assert syncs[family] == ["Tensor.tolist"] * sparse * 3, family

@@ -1,7 +1,9 @@
 """Mixtures of experts (models/moe.py, models/router_loss.py): Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE and GPT-OSS equal
 transformers, loss (its outputs.loss: cross-entropy plus the load-balancing loss) and every gradient, in one process,
-over 2 and 4 stages, data and tensor parallelism, with padded rows; their checkpoints convert both ways bit for bit;
-six training steps equal a transformers + torch AdamW loop; what is not implemented is refused in one line."""
+over 2 and 4 stages, data, tensor and expert parallelism (the experts split over the data-parallel ranks: more in
+tests/test_expert_parallel.py), with padded rows; the clipping norm counts every expert once; their checkpoints
+convert both ways bit for bit; six training steps equal a transformers + torch AdamW loop; what is not implemented is
+refused in one line."""
 import dataclasses
 import glob
 import json
@@ -354,6 +356,10 @@ LAYOUTS = {  # name: (stages, world size, tensor parallel, {case suffix: options
                                 "+zero_bubble": {"schedule": "zero_bubble"}}),
     "2stages_x_tp2": (2, 4, 2, {"+sp": {}, "": {"sequence_parallel": False},
                                 "+sp+checkpointing": {"checkpoint_interval": 1}}),
+    "2stages_x_ep2": (2, 4, 1, {"+ep2": {"expert_parallel": 2},  # the experts split over the 2 data-parallel ranks
+                                "+ep2+checkpointing": {"expert_parallel": 2, "checkpoint_interval": 1},
+                                "+ep2+zero_bubble": {"expert_parallel": 2, "schedule": "zero_bubble"}}),
+    "tp2_x_ep2": (1, 4, 2, {"+ep2": {"expert_parallel": 2}}),  # each tensor-parallel rank's tokens to its peers'
 }
 VARIANT_FAMILIES = ("qwen2_moe", "gpt_oss")  # the variants past the first: a shared expert; sinks and biases
 
@@ -391,6 +397,12 @@ def assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tens
             assert not bad, f"{case['name']}: gradients differ from transformers: {bad}"
             assert result["replicated_grad_spread"] == 0.0, case["name"]
             assert set(result["layer_files_opened"]) == own_layer_files(case["ds_dir"], result), case["name"]
+            for kind, (norm, reference) in result["norms"].items():  # the clipping norm counts every expert once
+                assert norm == pytest.approx(reference, rel=1e-5), (case["name"], kind)
+            assert result["norms"]["experts"][1] > 0
+            split = case.get("expert_parallel", 1)  # each data-parallel rank holds its slice of every layer's experts
+            assert all([first, count] == [result["dp_rank"] % split * total // split, total // split]
+                       for first, count, total in result["expert_slices"].values()), case["name"]
         assert set().union(*(r[case["name"]]["grad_errors"] for r in ranks)) == \
             set(ranks[0][case["name"]]["ref_param_names"])
 
@@ -402,7 +414,11 @@ TRAIN_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps
                  "2stages": (2, dict(num_stages=2, gradient_accumulation_steps=4, zero_stage=0)),
                  "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1)),
                  "bf16_2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1,
-                                                precision="bf16"))}
+                                                precision="bf16")),
+                 "2stages_x_ep2": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1,
+                                           expert_parallel_size=2)),
+                 "bf16_2stages_x_ep2": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1,
+                                                precision="bf16", expert_parallel_size=2))}
 
 
 @pytest.fixture(scope="module")

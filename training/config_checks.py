@@ -72,6 +72,9 @@ def check_values(cfg):
     if cfg.num_stages < 1 or cfg.tensor_parallel_size < 1:
         raise ConfigError(f"num_stages={cfg.num_stages}, tensor_parallel_size={cfg.tensor_parallel_size}: both "
                           f"must be at least 1.")
+    if cfg.expert_parallel_size < 1:
+        raise ConfigError(f"expert_parallel_size={cfg.expert_parallel_size} must be at least 1 (1: every rank holds "
+                          f"every expert).")
     if cfg.zero_stage not in (0, 1):
         raise ConfigError(f"zero_stage={cfg.zero_stage}: pipeline parallelism supports ZeRO stage 0 or 1 only.")
     if cfg.precision != "fp32" and cfg.zero_stage == 0:
@@ -296,6 +299,13 @@ MOE_REFUSED = {
 }
 
 
+# What expert parallelism is not tested under yet: {key: (whether a value is refused, what to set instead)}.
+EXPERT_PARALLEL_REFUSED = {
+    "offload_optimizer": (lambda value: value != "none", "use offload_optimizer=none"),
+    "nan_policy": (lambda value: value == "skip", "use nan_policy=stop"),
+}
+
+
 def moe_model_config(cfg, model_config):
     """The model config a run builds: an MoE model's with output_router_logits set as the run says (null: as its
     config.json does) and DeepSeek's sequence-wise loss coefficient (moe.sequence_aux_loss_coef), after refusing in
@@ -320,6 +330,11 @@ def moe_model_config(cfg, model_config):
         value = OmegaConf.select(cfg, key)
         if refused(value):
             raise ConfigError(f"{key}={value} with the mixture-of-experts model {model_config.model_type}: {why} "
+                              f"(docs/moe.md).")
+    for key, (refused, instead) in EXPERT_PARALLEL_REFUSED.items():
+        if cfg.expert_parallel_size > 1 and refused(cfg[key]):
+            raise ConfigError(f"{key}={cfg[key]} with expert_parallel_size={cfg.expert_parallel_size}: not tested "
+                              f"with experts split across ranks yet; {instead} or expert_parallel_size=1 "
                               f"(docs/moe.md).")
     if cfg.output_router_logits is not None:
         model_config.output_router_logits = cfg.output_router_logits

@@ -25,14 +25,13 @@ from checkpoints.state_files import WeightsOnlyCheckpointEngine
 from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoints
 from data.collator import row_layout
 from data.loader import blend_micro_batches, build_stage_loader, check_identical_across_group, infinite_micro_batches
-from deepspeed_internals.access import (ask_cpuinfo_once, parameters_kept_in_fp32, replace_checkpoint_engine,
-                                        replace_fp32_gradient_clipping, set_global_grad_norm, skip_gradient_allreduce,
-                                        skip_optimizer_files, uses_bf16_optimizer)
+from deepspeed_internals.access import (ask_cpuinfo_once, checkpoints_without_expert_files, parameters_kept_in_fp32,
+                                        replace_checkpoint_engine, skip_gradient_allreduce, skip_optimizer_files,
+                                        uses_bf16_optimizer)
 from deepspeed_internals.registry import check_deepspeed_internals
 from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.sigmoid_router import FP32_MARKER
-from models.tensor_parallel import SHARDED_MARKER
 from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan, snapshot_bytes_of_ranks
 from training.deepspeed_config import accumulation_warning, deepspeed_config
 from training.expert_balance import CorrectionBiasBalancing
@@ -42,6 +41,7 @@ from evaluation.eval_set import evaluate
 from resilience.hang_watchdog import HANG_DIR, hang_watchdog
 from training.metrics import RunLogger, compute_throughput, device_peak_tflops
 from training.optimizer import skipping_optimizer
+from engines.gradient_norm import use_expert_parallel_norm, use_fp32_clipping
 from engines.chunked_engine import rank_chunk_ids, stage_reads_data, use_chunked_pipeline
 from engines.pipeline_engine import use_zero_bubble
 from resilience.preemption import Preempted, PreemptionWatch
@@ -80,7 +80,8 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
                                    seed=cfg.seed, objective=spec.preference,
                                    seq_length=cfg.seq_length if cfg.data.format == "indexed" else None,
                                    row_layout=row_layout(cfg.data),
-                                   chunk_ids=rank_chunk_ids(cfg.pipeline_schedule, spec.num_stages, cfg.virtual_stages))
+                                   chunk_ids=rank_chunk_ids(cfg.pipeline_schedule, spec.num_stages, cfg.virtual_stages),
+                                   expert_parallel_size=cfg.expert_parallel_size)
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
@@ -94,7 +95,9 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
     with parameters_kept_in_fp32(kept_in_fp32):
         engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, optimizer=optimizer,
                                                config=ds_config)
-    replace_fp32_gradient_clipping(engine, lambda: clip_fp32_gradients_across_stages(engine))
+    use_fp32_clipping(engine, module.experts)
+    use_expert_parallel_norm(engine, module.experts)
+    checkpoints_without_expert_files(engine)  # the layer files hold the experts (models/pipeline.py)
     # Resuming runs no code from the checkpoint; DeepSpeed's config keeps deciding how files are written (zip).
     replace_checkpoint_engine(engine, WeightsOnlyCheckpointEngine)
     # The optimizer's state is saved per layer (checkpoints/optimizer_state.py), which any layout loads; DeepSpeed's
@@ -122,23 +125,6 @@ def trained_parameter_groups(module):
     if not kept:
         return params, kept
     return [{"params": [p for p in params if not getattr(p, FP32_MARKER, False)]}, {"params": kept}], kept
-
-
-def clip_fp32_gradients_across_stages(engine):
-    """Replaces DeepSpeed's fp32 clipping, whose norm counts only the first stage's gradients (it treats the other
-    stages as model-parallel replicas), so every stage clipped by a different factor. This norm sums each stage once
-    (a tied weight once, a weight every tensor-parallel rank holds whole once) over all stages and tensor-parallel
-    ranks of the replica, as DeepSpeed's bf16/ZeRO paths do, and is kept for logging."""
-    params = [p for p in engine.module.parameters() if p.grad is not None]
-    first_of_group = engine.grid.get_slice_parallel_rank() == 0
-    owned = [p.grad for p in params if not getattr(p, "ds_pipe_replicated", False)
-             and (first_of_group or getattr(p, SHARDED_MARKER, False))]
-    squares = (torch.stack([g.float().pow(2).sum() for g in owned]).sum() if owned
-               else torch.zeros((), device=engine.device))
-    collectives.all_reduce(squares, group=engine.mpu.get_model_parallel_group())
-    total_norm = squares.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, engine.gradient_clipping(), total_norm)
-    set_global_grad_norm(engine, total_norm.item())
 
 
 def prepare_output_dir(spec):

@@ -20,9 +20,10 @@ from checkpoints.optimizer_state import check_optimizer_state_files, has_layout_
 from checkpoints.trainer_state import read_trainer_state
 from data.indexed import CorpusIndex
 from data.shard_files import ShardError, check_sources, parse_sources, read_shard_header, tokenizer_fingerprint
-from models.architecture import check_trains_as_configured
+from models.architecture import architecture_of, check_trains_as_configured
 from models.layout import layer_file_name, layer_indices_with_files
 from models.context_parallel import context_parallel_error
+from models.expert_parallel import expert_parallel_error
 from models.llama import check_model_config
 from models.lora import (LoraSettings, adapter_layer_indices, adapter_parameter_count, check_lora_applies,
                          check_rank_fits)
@@ -71,6 +72,8 @@ class RunSpec:
             layout["tensor_parallel"] = self.tensor_parallel
         if self.workload.context_parallel > 1:
             layout["context_parallel"] = self.workload.context_parallel
+        if self.workload.expert_parallel > 1:
+            layout["expert_parallel"] = self.workload.expert_parallel
         return {**layout, "stage_bounds": list(self.stage_bounds)}
 
     @property
@@ -315,6 +318,10 @@ def check_layout(cfg, model_config, world_size):
     if error:
         raise ConfigError(error)
     workload = workload_of(cfg, data_axis // cfg.context_parallel_size)
+    moe = architecture_of(model_config).moe
+    error = expert_parallel_error(cfg.expert_parallel_size, workload.data_parallel, moe and moe.num_experts)
+    if error:
+        raise ConfigError(error)
     check_length_buckets_split(cfg, workload)
     try:
         check_tensor_parallel_split(model_config, tp, workload.tokens if workload.splits_sequence else None)
@@ -375,7 +382,7 @@ def workload_of(cfg, data_parallel):
                     torch_adam=bool(optimizer_params.get("torch_adam", False)),
                     fused_adam=bool(optimizer_params.get("fused", False)),
                     tensor_parallel=cfg.tensor_parallel_size, sequence_parallel=bool(cfg.sequence_parallel),
-                    context_parallel=cfg.context_parallel_size,
+                    context_parallel=cfg.context_parallel_size, expert_parallel=cfg.expert_parallel_size,
                     document_masks=bool(cfg.data.document_isolation if cfg.data.format in ("text", "indexed")
                                         else cfg.data.packing),
                     recompute_sequence_gather=bool(cfg.recompute_sequence_gather),

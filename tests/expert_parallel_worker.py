@@ -1,0 +1,57 @@
+"""One rank of a check of expert parallelism's dispatch (tests/test_expert_parallel.py), in a module of its own: the
+ranks import it, and not the test module's imports."""
+import json
+import os
+
+import torch
+
+
+def dispatch_against_local_experts(rank, out_dir):
+    """One rank of expert parallelism 2: its tokens through ExpertParallel (its half of the experts) and through
+    LocalExperts (every expert, the same weights), for random routing and for routing where no token chooses rank
+    0's experts (it receives no row): {case: [largest output difference, input-gradient, weights-gradient, each
+    expert parameter's against the whole one's summed over both ranks, sliced]}."""
+    from cluster.distributed import init_distributed
+    from deepspeed_internals.registry import PipeDataParallelTopology
+    from models.architecture import architecture_of
+    from models.expert_parallel import build_expert_parallel
+    from models.moe import Experts, LocalExperts
+    from tests.tiny_models import MOE_CONFIGS
+    init_distributed(timeout_minutes=2)
+    experts = build_expert_parallel(PipeDataParallelTopology(num_pp=1, num_dp=2), 2)
+    results = {}
+    for family in ("qwen2_moe", "gpt_oss"):  # SwiGLU; GPT-OSS's transposed, biased, clamped experts
+        config = MOE_CONFIGS[family]()
+        moe = architecture_of(config).moe
+        torch.manual_seed(0)
+        whole = Experts(moe, config.hidden_size, torch.nn.functional.silu, 0, moe.num_experts)
+        with torch.no_grad():
+            for param in whole.parameters():
+                param.normal_(std=0.1)
+        first, count = experts.expert_range(moe.num_experts)
+        mine = Experts(moe, config.hidden_size, torch.nn.functional.silu, first, count)
+        with torch.no_grad():
+            for param, source in zip(mine.parameters(), whole.parameters()):
+                param.copy_(source[first:first + count])
+        generator = torch.Generator().manual_seed(rank)
+        tokens = 7 + 3 * rank
+        hidden = torch.randn(tokens, config.hidden_size, generator=generator, requires_grad=True)
+        weights = torch.rand(tokens, moe.top_k, generator=generator, requires_grad=True)
+        random_ids = torch.stack([torch.randperm(moe.num_experts, generator=generator)[:moe.top_k]
+                                  for _ in range(tokens)])
+        second_half = moe.num_experts // 2 + random_ids % (moe.num_experts // 2)
+        for case, expert_ids in (("random", random_ids), ("rank 0 chosen by none", second_half)):
+            out = experts(hidden, expert_ids, weights, mine)
+            reference = LocalExperts()(hidden, expert_ids, weights, whole)
+            grad = torch.randn(out.shape, generator=generator)
+            ours = torch.autograd.grad(out, [hidden, weights, *mine.parameters()], grad)
+            theirs = torch.autograd.grad(reference, [hidden, weights, *whole.parameters()], grad)
+            summed = [g.clone() for g in theirs[2:]]
+            for g in summed:
+                torch.distributed.all_reduce(g)
+            results[f"{family} {case}"] = [(out - reference).abs().max().item()] + [
+                (a - b).abs().max().item() for a, b in zip(ours, [*theirs[:2], *(s[first:first + count]
+                                                                                  for s in summed)])]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    torch.distributed.destroy_process_group()
