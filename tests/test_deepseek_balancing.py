@@ -160,7 +160,9 @@ def exported_biases(hf_dir):
 
 
 BALANCING_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps=4, zero_stage=0)),
-                     "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1))}
+                     "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1)),
+                     "2stages_x_ep2": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1,
+                                               expert_parallel_size=2))}  # the experts split over the 2
 
 
 def train_balanced(demo_model, model_dirs, train_file, out, procs, settings, **extra):
@@ -180,7 +182,8 @@ def train_balanced(demo_model, model_dirs, train_file, out, procs, settings, **e
 @pytest.mark.parametrize("layout", BALANCING_LAYOUTS)
 def test_bias_update_equals_transformers_and_resumes_on_another_layout(demo_model, demo_deepseek_mtp, tmp_path,
                                                                        layout):
-    """Six steps (padded instruction rows, clipping active) with moe.bias_update_rate: the logged losses and the
+    """Six steps (padded instruction rows, clipping active) with moe.bias_update_rate, on 1 process and 2 stages x 2
+    data-parallel, with the experts replicated and split over the 2 (expert parallelism): the logged losses and the
     step-1 gradient norm are those of transformers + AdamW applying the same rule after each step (which differ
     from the frozen bias's), and the exported model holds the biases that loop ends with. The checkpoint of step 3
     holds the biases of step 3: 2 stages x 2 data-parallel resumed on 1 stage x 2 data-parallel (the optimizer
@@ -208,7 +211,7 @@ def test_bias_update_equals_transformers_and_resumes_on_another_layout(demo_mode
     assert len(exported) == 3 and all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(exported, biases))
     weights = load_hf_weights(str(tmp_path / "run" / "hf"))
     assert all(torch.equal(weights[name], tensor) for name, tensor in demo_deepseek_mtp["mtp"].items())
-    if layout == "1_process":
+    if layout != "2stages_x_2dp":
         return
     resumed = train_balanced(demo_model, demo_deepseek_mtp, train_file, tmp_path / "resumed", 2,
                              dict(settings, num_stages=1), resume=str(tmp_path / "run" / "global_step3"))

@@ -124,7 +124,9 @@ def trained_parameter_groups(module):
     kept = [p for p in params if getattr(p, FP32_MARKER, False)]
     if not kept:
         return params, kept
-    return [{"params": [p for p in params if not getattr(p, FP32_MARKER, False)]}, {"params": kept}], kept
+    # named, as DeepSpeed's expert parameter groups (expert parallelism) need
+    return [{"params": [p for p in params if not getattr(p, FP32_MARKER, False)], "name": "params"},
+            {"params": kept, "name": "kept_in_fp32"}], kept
 
 
 def prepare_output_dir(spec):
