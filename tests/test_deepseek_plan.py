@@ -149,8 +149,8 @@ def test_balanced_partition_of_mixed_layers_is_the_best_contiguous_split():
 
 @pytest.mark.parametrize("name", ["moonlight_16b_a3b", "deepseek_v3_671b"])
 def test_shipped_configs_plan_every_parameter_and_fit_their_hardware(capsys, name):
-    """plan_only on the hardware each names: transformers' parameter count of the published config (its dense and
-    sparse layers apart), every device and node within its memory."""
+    """plan_only on the hardware each names: every device and node within its memory; with every expert whole on
+    its stage, transformers' parameter count of the published config (its dense and sparse layers apart)."""
     from omegaconf import OmegaConf
     from transformers import AutoConfig
 
@@ -159,26 +159,26 @@ def test_shipped_configs_plan_every_parameter_and_fit_their_hardware(capsys, nam
     from training.run_spec import plan_spec
     cfg = run_config(name)
     rows = print_memory_plan(plan_spec(cfg))
+    assert all(row["fits"] for row in rows)
+    assert "does NOT fit" not in capsys.readouterr().out
+    whole = print_memory_plan(plan_spec(run_config(name, "expert_parallel_size=1")))
     fields = OmegaConf.to_container(cfg.model_config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
-    assert sum(row["parameters"] for row in rows) == sum(p.numel() for p in model.parameters())
-    assert all(row["fits"] for row in rows)
-    assert "does NOT fit" not in capsys.readouterr().out
+    assert sum(row["parameters"] for row in whole) == sum(p.numel() for p in model.parameters())
+
+
+OFFLOADED = ["offload_optimizer=cpu", "expert_parallel_size=1", "num_stages=61", "plan_world_size=61"]
+H200 = ["device_memory_gb=141", "host_memory_gb=2048"]
 
 
 @pytest.mark.parametrize("overrides,fits", [
-    ([], True),  # as shipped: the optimizer offloaded, 61 GPUs on 8 nodes
-    (["grad_accum_dtype=fp32"], False),  # offloaded with fp32 sums: over 141 GB at any data-parallel degree
-    (["grad_accum_dtype=fp32", "plan_world_size=488"], False),
-    (["offload_optimizer=none", "plan_world_size=122"], False),  # without offload, 2 data-parallel: no
-    (["offload_optimizer=none", "plan_world_size=244"], True),  # 4 data-parallel: 31 nodes
-    (["offload_optimizer=none", "grad_accum_dtype=fp32", "plan_world_size=488"], True),  # fp32 sums: 61 nodes
-    (["device_memory_gb=80", "offload_optimizer=none", "plan_world_size=244"], False),  # 80 GB: 4 data-parallel, no
-    (["device_memory_gb=80", "offload_optimizer=none", "plan_world_size=488"], True),  # 8: 61 nodes
-    (["device_memory_gb=80"], False),  # 80 GB, offloaded
-], ids=["shipped", "fp32_sums", "fp32_sums_8dp", "no_offload_2dp", "no_offload_4dp", "no_offload_fp32_8dp",
-        "80gb_4dp", "80gb_8dp", "80gb_offload"])
+    ([], True),  # as shipped: 30 stages x 8 data-parallel, experts split over 8, 80 GB GPUs: 30 nodes
+    (["num_stages=29", "plan_world_size=232"], False),  # one stage fewer: a stage of 3 sparse layers
+    ([*OFFLOADED, "grad_accum_dtype=bf16"], False),  # offloaded, experts whole: over 80 GB
+    ([*OFFLOADED, "grad_accum_dtype=bf16", *H200], True),  # on H200s: 61 GPUs, 8 nodes
+    ([*OFFLOADED, *H200], False),  # with fp32 sums: over 141 GB
+], ids=["shipped", "29_stages", "offloaded_80gb", "offloaded_h200", "offloaded_h200_fp32_sums"])
 def test_deepseek_v3_node_counts_the_config_states(overrides, fits):
     from planner.memory_plan import host_memory_plan, memory_plan, plan_fits
     from tests.test_memory_plan import run_config
