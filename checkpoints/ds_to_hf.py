@@ -20,10 +20,11 @@ from checkpoints.integrity import (manifest_digest, no_manifest_note, read_by_ex
                                    verify_model_side_files)
 from checkpoints.hf_to_ds import SAFETENSORS_DTYPES, safetensors_entries
 from checkpoints.layer_files import load_weights_only
+from models.architecture import architecture_of
 from models.layout import (MTP_FILE_NAME, fuse, hf_name_of_layer_key, hub_piece, hub_pieces,
                            layer_indices_with_files)
 from models.llama import check_model_config, layers_on_meta
-from models.lora import NO_LORA, LoraSettings, add_adapters
+from models.lora import EXPERT_ADAPTER, NO_LORA, LoraSettings, add_adapters, peft_adapters
 
 PEFT_PREFIX = "base_model.model."  # peft's name of the wrapped model in an adapter's weights
 from models.tensor_parallel import TensorParallel
@@ -63,8 +64,9 @@ def layer_files(tag_dir, index, config):
 def split_dims_of(config, size, lora):
     """{pipeline index: {key: the dimension tensor parallelism over `size` ranks splits it along, or None}}."""
     layers = layers_on_meta(config, TensorParallel(size))
-    if lora.enabled:
-        add_adapters(layers[1], lora, size)  # one decoder layer stands for all
+    if lora.enabled:  # one decoder layer of each kind stands for all of that kind
+        for decoder in {id(m): m for i, m in layers.items() if 1 <= i <= config.num_hidden_layers}.values():
+            add_adapters(decoder, lora, config, size)
     return {i: {k: getattr(p, "tensor_parallel_dim", None) for k, p in m.named_parameters()}
             for i, m in layers.items()}
 
@@ -73,7 +75,7 @@ def read_hf_tensors(tag_dir, config, lora=NO_LORA):
     """{HF name: a function returning the tensor} and {HF name: a meta tensor of its shape} (to plan the output
     shards without reading anything). Layer files are memory-mapped; the slices of a tensor-parallel checkpoint
     are concatenated along each weight's split dimension only when its output shard is written. lora: the
-    adapters a LoRA checkpoint's layer files hold (and nothing else)."""
+    adapters a LoRA checkpoint's layer files hold (and nothing else), under the pipeline's names."""
     tensors, shapes = {}, {}
     split_dims = {}
     for index in layer_indices_with_files(config.num_hidden_layers, config.tie_word_embeddings):
@@ -92,6 +94,8 @@ def read_hf_tensors(tag_dir, config, lora=NO_LORA):
             shapes[name] = torch.empty(shape, dtype=first.dtype, device="meta")
     # Phi-3's weights and adapters, fused again
     tensors = fuse(tensors, config, lambda parts, stacked: functools.partial(concatenated, parts) if stacked else parts[0])
+    if lora.enabled:
+        return tensors, fuse(shapes, config)
     return hub_layout(tensors, fuse(shapes, config), config)
 
 
@@ -141,7 +145,7 @@ def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overw
             return write_peft_adapter(adapters, lora, config, record["base_model"]["path"], side_dir, output_dir)
         tag_dir = base_tag_dir(record, tag_dir, verify_checksums)
         tensors, shapes = read_hf_tensors(tag_dir, config)
-        tensors = merged(tensors, adapters, lora.scaling)
+        tensors = merged(tensors, adapters, lora.scaling, config)
     extra_tensors, extra_shapes = multi_token_prediction_tensors(tag_dir, config)
     tensors, shapes = {**tensors, **extra_tensors}, {**shapes, **extra_shapes}
     split = split_torch_state_dict_into_shards(shapes, max_shard_size=max_shard_size)
@@ -203,15 +207,23 @@ def base_tag_dir(record, tag_dir, verify_checksums):
     return base_tag
 
 
-def merged(base_tensors, adapters, scaling):
+def merged(base_tensors, adapters, scaling, config):
     """{HF name: a function returning the tensor} of the base with W + scaling * B @ A for every adapted weight
-    (computed in fp32, stored in the base's dtype)."""
+    (computed in fp32, stored in the base's dtype); an expert adapter's update per expert, on each of the tensors
+    save_pretrained writes its fused tensor as (models/layout.py hub_pieces)."""
     tensors = dict(base_tensors)
     for name in adapters:
         if name.endswith(".lora_A.weight"):
             module = name.removesuffix(".lora_A.weight")
             a, b, weight = adapters[name], adapters[f"{module}.lora_B.weight"], base_tensors[f"{module}.weight"]
             tensors[f"{module}.weight"] = functools.partial(merged_weight, weight, a, b, scaling)
+        elif EXPERT_ADAPTER.match(name) and ".lora_A." in name:
+            fused = name.replace(".lora_A.", ".")
+            a, b = adapters[name], adapters[name.replace(".lora_A.", ".lora_B.")]
+            transposed = architecture_of(config).moe.transposed
+            for hub_name, piece in hub_pieces(fused, config):
+                tensors[hub_name] = functools.partial(merged_piece, base_tensors[hub_name], a, b, scaling, piece,
+                                                      transposed)
     return tensors
 
 
@@ -220,11 +232,25 @@ def merged_weight(weight, a, b, scaling):
     return (base.float() + scaling * (b().float() @ a().float())).to(base.dtype)
 
 
+def merged_piece(weight, a, b, scaling, piece, transposed):
+    """A hub tensor of fused experts (piece None: all of them, GPT-OSS's stored [E, in, out]; else one expert's
+    part) with their adapters' update B_e A_e."""
+    base = weight()
+    if piece is None:
+        update = torch.bmm(b().float(), a().float())
+        update = update.transpose(-2, -1) if transposed else update
+    else:
+        expert, index, parts = piece
+        update = (b()[expert].float() @ a()[expert].float()).chunk(parts)[index]
+    return (base.float() + scaling * update).to(base.dtype)
+
+
 def write_peft_adapter(adapters, lora, config, base_path, side_dir, output_dir):
     """A peft adapter directory (adapter_config.json, adapter_model.safetensors, the tokenizer) that
     peft.PeftModel.from_pretrained loads onto the Hugging Face base."""
     with staged_directory(output_dir) as staging:
-        save_file({PEFT_PREFIX + name: tensor() for name, tensor in adapters.items()},
+        save_file({PEFT_PREFIX + name: tensor.contiguous() for name, tensor in
+                   peft_adapters({name: tensor() for name, tensor in adapters.items()}).items()},
                   os.path.join(staging, "adapter_model.safetensors"), metadata={"format": "pt"})
         lora.peft_config(config, base_model_name_or_path=base_path).save_pretrained(staging)
         copy_tokenizer_files(side_dir, staging)

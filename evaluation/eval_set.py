@@ -36,7 +36,8 @@ class PaddedShard(torch.utils.data.Dataset):
 def evaluate(engine, dataset, dataset_length, cfg, pad_id):
     """(token-weighted mean loss, perplexity) over the whole dataset, the same value on every rank; under a
     preference objective (pair-weighted mean loss, {TRL's metric: its mean over the pairs}) instead.
-    Middle stages pass dataset=None and read nothing."""
+    Middle stages pass dataset=None and read nothing. A mixture of experts' loss holds its load-balancing term, as
+    transformers' outputs.loss and training's `loss` do; the perplexity is of the cross-entropy alone."""
     context = engine.module.context
     dp_rank, dp_size = context.replica(engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size())
     micro_batch = cfg.micro_batch_size
@@ -54,25 +55,34 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
     preference = isinstance(loss_fn, PreferenceLoss)
     if preference:  # the training window's metric sums, set aside
         training_totals, loss_fn.totals = loss_fn.totals, None
-    loss_sum, tokens = 0.0, 0
+    aux_terms = []  # each micro-batch's load-balancing term (an MoE model's), appended by the loss
+    if not preference:
+        loss_fn.aux_terms = aux_terms
+    loss_sum, cross_entropy_sum, tokens = 0.0, 0.0, 0
     use_sequence_length(engine, cfg.seq_length // context.size)  # rows of seq_length, whatever training's last were
     for start in range(0, num_micro_batches, cfg.gradient_accumulation_steps):
         chunk = min(cfg.gradient_accumulation_steps, num_micro_batches - start)
         losses = engine.eval_batch(batches, reduce_output=None, bcast_loss=False, num_micro_batches=chunk)
+        terms = [float(term) for term in aux_terms] or [0.0] * chunk
+        aux_terms.clear()
         if engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0:  # once per tensor-parallel group
-            for loss, count in zip(losses, token_counts[start:start + chunk]):
+            for loss, count, term in zip(losses, token_counts[start:start + chunk], terms):
                 if count:  # each context rank holds size x its share of the loss (ContextParallel.loss): 1/size each
                     loss_sum += float(loss) * count / context.size
+                    cross_entropy_sum += (float(loss) - term) * count / context.size
                     tokens += count / context.size
+    if not preference:
+        loss_fn.aux_terms = None
     # Only last-stage ranks hold losses; a world-wide sum gives every rank the total.
-    totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=collectives.device())
+    totals = torch.tensor([loss_sum, cross_entropy_sum, tokens], dtype=torch.float64, device=collectives.device())
     collectives.all_reduce(totals)
-    mean = (totals[0] / totals[1]).item() if totals[1] else float("nan")
+    mean = (totals[0] / totals[2]).item() if totals[2] else float("nan")
     if preference:
         metrics = loss_fn.take_metrics()
         loss_fn.totals = training_totals
         return mean, metrics
-    return mean, math.exp(min(mean, 80.0))
+    cross_entropy = (totals[1] / totals[2]).item() if totals[2] else float("nan")
+    return mean, math.exp(min(cross_entropy, 80.0))
 
 
 def score_examples(engine, dataset, dataset_length, cfg, pad_id, width, per_example=lambda output: output):

@@ -78,7 +78,7 @@ class LatentAttention(nn.Module):
 
     def forward(self, x, cos, sin, mask, batch, seq):
         q_latent, kv_latent, k_rot = self.latents(x)
-        q = self.parallel.linear(q_latent, self.q_b_proj) if self.q_rank is not None else \
+        q = self.parallel.whole_input_linear(q_latent, self.q_b_proj) if self.q_rank is not None else \
             self.parallel.column_linears(x, [self.q_proj])[0]
         q_nope, q_rot = q.view(batch, seq, -1, self.nope + self.rope).transpose(1, 2).split([self.nope, self.rope], -1)
         k_rot = k_rot.reshape(batch, 1, seq, self.rope)
@@ -111,6 +111,6 @@ class LatentAttention(nn.Module):
         """Keys and values (batch, heads, tokens, features) from the latent (batch, 1, tokens, kv_lora_rank) and the
         rotated key part (batch, 1, tokens, qk_rope_head_dim) every head shares."""
         batch, _, tokens, _ = kv_latent.shape
-        kv = self.parallel.linear(kv_latent, self.kv_b_proj).view(batch, tokens, -1, self.nope + self.v_dim)
+        kv = self.parallel.whole_input_linear(kv_latent, self.kv_b_proj).view(batch, tokens, -1, self.nope + self.v_dim)
         k_nope, v = kv.transpose(1, 2).split([self.nope, self.v_dim], dim=-1)
         return torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1), v

@@ -29,7 +29,8 @@ class CausalLMLoss:
     chunks' weight gradients are summed in grad_sum_dtype (the run's grad_accum_dtype; None: the weight's).
     seq_length: the positions of a row, when its labels may be one wider (data/collator.py); None: as wide.
     router: an MoE model's LoadBalancingLoss (models/router_loss.py), whose loss times its coefficient is added,
-    as transformers adds it to outputs.loss; None for a dense model."""
+    as transformers adds it to outputs.loss; None for a dense model. While evaluation sets `aux_terms` to a list,
+    each call appends that added term (a 0-d tensor) to it: perplexity is of the cross-entropy alone."""
 
     def __init__(self, parallel=NO_TENSOR_PARALLEL, chunk_tokens=0, context=NO_CONTEXT_PARALLEL, grad_sum_dtype=None,
                  seq_length=None, router=None):
@@ -37,6 +38,7 @@ class CausalLMLoss:
         self.grad_sum_dtype, self.seq_length = grad_sum_dtype, seq_length
         self.router = router
         self.step_divisor = None
+        self.aux_terms = None
 
     def units(self, labels, whole=False):
         """What the loss averages over, a 0-d int64 tensor beside the labels: labelled tokens, of this rank's share
@@ -47,7 +49,12 @@ class CausalLMLoss:
         outputs, routing = head_outputs(outputs, self.chunk_tokens)
         loss = self.next_token_loss(outputs, labels)
         aux = self.router(routing) if self.router is not None else None
-        return loss if aux is None else loss + self.router.coef * aux
+        if aux is None:
+            return loss
+        term = self.router.coef * aux
+        if self.aux_terms is not None:
+            self.aux_terms.append(term.detach())
+        return loss + term
 
     def next_token_loss(self, outputs, labels):
         next_labels = next_token_labels(labels, self.context, self.seq_length)

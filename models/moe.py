@@ -180,7 +180,7 @@ class Experts(nn.Module):
 
     def project(self, x, name, counts, split_sizes, rows_expert):
         """x's row block of each expert through that expert's projection (and bias)."""
-        weight = self.parallel.replicated(getattr(self, name))
+        weight = self.weight(name)
         weight = weight if self.transposed else weight.transpose(-2, -1)  # [experts, in, out]
         if split_sizes is None:
             out = F.grouped_mm(x, weight, offs=counts.cumsum(0, dtype=torch.int32))
@@ -189,6 +189,19 @@ class Experts(nn.Module):
         if rows_expert is not None:
             out = out + self.parallel.replicated(getattr(self, f"{name}_bias"))[rows_expert]
         return out
+
+    def weight(self, name):
+        """A fused projection's weight, with its LoRA update where it has adapters (models/lora.py): W_e + scaling
+        * B_e A_e for each expert, one baddbmm, as peft's ParamWrapper folds it (A [E, rank, in], B [E, out,
+        rank])."""
+        weight = self.parallel.replicated(getattr(self, name))
+        adapters = getattr(self, "lora_A", {})
+        if name not in adapters or not self.lora_scaling:
+            return weight
+        a, b = (self.parallel.replicated(factors[name]) for factors in (self.lora_A, self.lora_B))
+        if self.transposed:  # [E, in, out]
+            return torch.baddbmm(weight, a.transpose(-2, -1), b.transpose(-2, -1), alpha=self.lora_scaling)
+        return torch.baddbmm(weight, b, a, alpha=self.lora_scaling)
 
     def gate(self, gate_up):
         """SwiGLU of the gate and up features; GPT-OSS's clamped one of its interleaved features."""
@@ -241,11 +254,29 @@ def combine(rows, order, weights, dtype):
     """Each sorted choice's output (rows, in `order`) weighted by its routing weight, unsorted, and each token's k
     rows summed in their routing order."""
     out = rows * weights.reshape(-1)[order, None]
-    return out[inverse_permutation(order)].view(*weights.shape, -1).sum(dim=1).to(dtype)
+    return UnsortAndSum.apply(out, order, weights.shape[1]).to(dtype)
 
 
 def inverse_permutation(order):
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+
+
+class UnsortAndSum(torch.autograd.Function):
+    """Each token's k rows (sorted by expert, `order` the sort's permutation), back in their routing order and
+    summed, as transformers' grouped_mm path sums them. Its backward gathers each row's token's gradient in one
+    pass: autograd's would broadcast the sum's gradient over a tokens x k x hidden copy, then scatter it through
+    the unsort into zeros (bench/moe_block.py)."""
+
+    @staticmethod
+    def forward(ctx, rows, order, top_k):
+        ctx.save_for_backward(order)
+        ctx.top_k = top_k
+        return rows[inverse_permutation(order)].view(-1, top_k, rows.shape[-1]).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        order, = ctx.saved_tensors
+        return grad.index_select(0, order // ctx.top_k), None, None
 
 
 LOCAL_EXPERTS = LocalExperts()

@@ -10,7 +10,7 @@ import re
 from deepspeed_internals.registry import partition_balanced, partition_uniform
 from models.layout import num_pipeline_layers
 from models.llama import architecture_of, head_dim_of
-from models.lora import NO_LORA, adapter_parameter_count
+from models.lora import NO_LORA, adapter_parameter_total
 from schedules.rules import chunk_ids, chunks_per_rank
 
 EMBEDDING, DECODER, NORM, HEAD = "embedding", "decoder", "norm", "head"
@@ -162,14 +162,14 @@ def training_flops_per_token(config, seq_length, lora=NO_LORA):
     layer's sliding window where it is shorter. An MoE layer's weights count as a token runs through them: the
     router and its top_k experts. Under LoRA
     the frozen weights' backward computes input gradients only (2 x forward becomes 1 x), and the adapters count
-    like any trained weight."""
+    like any trained weight (the experts' as a token runs through them)."""
     matmul_weights = sum(sum(decoder_parameter_split(config, layer, active=True))
                          for layer in range(config.num_hidden_layers)) + config.vocab_size * config.hidden_size
     keys = sum(min(seq_length, window or seq_length) for window in architecture_of(config).sliding_windows)
     attention = 2 * keys * config.num_attention_heads * sum(attention_head_widths(config))
     if not lora.enabled:
         return 3 * (2 * matmul_weights + attention)
-    adapters = config.num_hidden_layers * adapter_parameter_count(config, lora)
+    adapters = adapter_parameter_total(config, lora, active=True)
     return 2 * 2 * matmul_weights + 3 * (attention + 2 * adapters)
 
 

@@ -213,7 +213,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
         stage_bounds = partition_stages(config, topology.get_dim("pipe"))
     moe = architecture_of(config).moe
     router, moe_loss_sum = (LoadBalancingLoss(config, parallel), moe.loss_sum) if moe else (None, False)
-    loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype)
+    loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype, router)
                if objective.preference else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype,
                                                      seq_length, router))
     previous_dtype = torch.get_default_dtype()
@@ -236,7 +236,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
         if lora.enabled:
             for local, layer in enumerate(module.forward_funcs):
                 if isinstance(layer, DecoderLayerPipe):
-                    add_adapters(layer, lora, parallel.size, parallel.rank, seed, module.layer_indices[local])
+                    add_adapters(layer, lora, config, parallel.size, parallel.rank, seed,
+                                 module.layer_indices[local])
             freeze_all_but_adapters(module)
         expert_params = [p for p in module.parameters() if hasattr(p, "expert_slice")]
         if experts.size > 1 and expert_params:

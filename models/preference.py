@@ -10,6 +10,12 @@
 A micro-batch holds its pairs' chosen sequences in its first half of rows and their rejected ones in the second
 (data/collator.py `collate_preference`); a pair never spans micro-batches, so the step's loss, the mean over every
 pair of the global batch, is a sum of per-micro-batch sums divided by `step_divisor` (training/token_mean.py).
+
+A mixture of experts adds router_aux_loss_coef times the micro-batch's load-balancing loss over its chosen and
+rejected rows together (models/router_loss.py), as TRL adds `outputs.aux_loss` of that one forward to the loss:
+DeepSpeed's mean over the micro-batches makes the step's the mean of theirs, as TRL's gradient accumulation does.
+TRL's DPOTrainer asks for it whenever the config has a nonzero router_aux_loss_coef, whatever its
+output_router_logits says; its CPOTrainer (SimPO) when output_router_logits is set (training/config_checks.py).
 """
 import dataclasses
 
@@ -69,12 +75,14 @@ class PreferenceLoss:
     log-probabilities)) -> the summed pair losses / step_divisor (the step's pairs per micro-batch and rank), or
     without one (evaluation) the micro-batch's mean over its pairs. `reference_pass`: return each row's summed
     response log-probability instead (evaluation/reference.py). Each call adds its pairs' metric sums to `totals`
-    (kept on the device: no synchronisation per micro-batch)."""
+    (kept on the device: no synchronisation per micro-batch). router: an MoE model's LoadBalancingLoss
+    (models/router_loss.py), None for a dense model."""
 
     def __init__(self, settings, parallel=NO_TENSOR_PARALLEL, chunk_tokens=1024, context=NO_CONTEXT_PARALLEL,
-                 grad_sum_dtype=None):
+                 grad_sum_dtype=None, router=None):
         self.settings, self.parallel, self.chunk_tokens, self.context = settings, parallel, chunk_tokens, context
         self.grad_sum_dtype = grad_sum_dtype  # the run's grad_accum_dtype, for the head's chunks (models/loss.py)
+        self.router = router
         self.step_divisor = None
         self.reference_pass = False
         self.totals = None  # the metrics' sums, then the pair count, since take_metrics
@@ -90,7 +98,7 @@ class PreferenceLoss:
 
     def __call__(self, outputs, labels):
         labels, reference = labels
-        hidden, weight = outputs
+        hidden, weight, *routing = outputs
         rows = labels.shape[0]
         next_labels = next_token_labels(labels, self.context).to(hidden.device)
         logps = sequence_log_probs(hidden, weight, next_labels, rows, self.parallel, self.chunk_tokens,
@@ -115,7 +123,9 @@ class PreferenceLoss:
         self.add_metrics(scored, chosen.detach(), rejected.detach(), chosen_rewards.detach(),
                          rejected_rewards.detach())
         divisor = self.step_divisor if self.step_divisor is not None else scored.sum().clamp(min=1)
-        return self.context.whole_sequence_loss(losses.sum() / divisor)
+        loss = self.context.whole_sequence_loss(losses.sum() / divisor)
+        aux = self.router(routing) if self.router is not None else None
+        return loss if aux is None else loss + self.router.coef * aux
 
     def add_metrics(self, scored, chosen, rejected, chosen_rewards, rejected_rewards):
         values = (chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),

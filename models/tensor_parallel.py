@@ -89,9 +89,25 @@ class TensorParallel:
 
     def replicated_linear(self, x, module):
         """A projection every rank holds whole, on this rank's tokens (MLA's latent projections): its weight and
-        bias are replicated like a norm's."""
+        bias are replicated like a norm's, and so are both factors of its LoRA adapter."""
         bias = None if module.bias is None else self.replicated(module.bias)
-        return self.matmul(x, self.replicated(module.weight), bias)
+        out = self.matmul(x, self.replicated(module.weight), bias)
+        if not hasattr(module, "lora_A"):
+            return out
+        h = self.matmul(F.dropout(x, module.lora_dropout, module.training), self.replicated(module.lora_A.weight))
+        return out + self.matmul(h, self.replicated(module.lora_B.weight)) * module.lora_scaling
+
+    def whole_input_linear(self, x, module):
+        """A column-parallel projection of an input every rank holds whole already (MLA's q_b_proj and kv_b_proj
+        on the gathered latents), whose gradient the gather sums over the group: this rank's output features. Its
+        LoRA adapter's A is whole and its gradient, from this rank's rows of B only, is summed over the group; B
+        holds this rank's rows."""
+        out = self.linear(x, module)
+        if not hasattr(module, "lora_A"):
+            return out
+        a = module.lora_A.weight if self.size == 1 else CopyToGroup.apply(module.lora_A.weight, self.group)
+        h = self.matmul(F.dropout(x, module.lora_dropout, module.training), a)
+        return out + self.matmul(h, module.lora_B.weight) * module.lora_scaling
 
     def linear(self, x, module, bias=True):
         """x through a linear module (without its bias if bias=False)."""

@@ -49,7 +49,7 @@ class DecoderCosts:
         sharded, replicated = decoder_parameter_split(config, layer)
         active_sharded, active_replicated = decoder_parameter_split(config, layer, active=True)
         lora = workload.lora
-        self.adapters = adapter_parameter_count(config, lora, t)
+        self.adapters = adapter_parameter_count(config, lora, t, layer_index=layer)
         # Under expert parallelism this rank's slice of the experts, whose optimizer state ZeRO-1 shards over the
         # dp / ep ranks holding them (models/expert_parallel.py), as much per rank as every expert's over all dp ranks.
         experts = moe.num_experts * expert_parameters(moe, hidden) if moe else 0
@@ -80,8 +80,10 @@ class DecoderCosts:
         # LoRA keeps each adapter's rank-wide h (gathered for a column-parallel group) and, with dropout, its
         # dropped input and mask; the frozen projections' own inputs stay kept, for the adapters' A gradients.
         if lora.enabled:
-            widths = {"q_proj": hidden, "k_proj": hidden, "v_proj": hidden, "o_proj": self.q_width,
-                      "gate_proj": hidden, "up_proj": hidden, "down_proj": inter}
+            widths = {"q_proj": hidden, "k_proj": hidden, "v_proj": hidden, "o_proj": self.value_width,
+                      "gate_proj": hidden, "up_proj": hidden, "down_proj": inter, "q_a_proj": hidden,
+                      "kv_a_proj_with_mqa": hidden, "q_b_proj": getattr(config, "q_lora_rank", None) or 0,
+                      "kv_b_proj": getattr(config, "kv_lora_rank", 0)}  # MLA's projections: their inputs
             self.saved_bytes += sum(act * tokens * lora.rank + (tokens * widths[name] * (act + 1) if lora.dropout
                                                                  else 0) for name in lora.target_modules)
         # Gradients alive at once while the layer runs backward: its MLP and residual stream (two on this rank's

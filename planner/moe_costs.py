@@ -10,15 +10,15 @@ def moe_saved_bytes(moe, tokens, hidden, act):
     """What an MoE block (models/moe.py) keeps for backward on the `tokens` it routes (its residual share), besides
     the dense layer's attention and norms (its shared expert counts as the dense MLP): per routed choice
     (tokens x top_k), the token's copy, its gate/up and down outputs and the SwiGLU's intermediates (GPT-OSS's
-    clamped one keeps three more and each row's expert), the sort's three int64 indices and the routing weight
-    (fp32 in Mixtral); per token, the router's softmax (fp32) and top-k indices, with norm_topk_prob the top-k
-    and their sum, GPT-OSS's softmax of the top-k instead, and with the load-balancing loss the softmax in the
-    activation dtype and the fp32 mask; the grouped GEMM's two int32 offsets. Checked against autograd's saved
-    tensors (tests/test_moe.py)."""
+    clamped one keeps three more and each row's expert), the sort's two int64 indices (its order, each row's token)
+    and the routing weight (fp32 in Mixtral); per token, the router's softmax (fp32) and top-k indices, with
+    norm_topk_prob the top-k and their sum, GPT-OSS's softmax of the top-k instead, and with the load-balancing
+    loss the softmax in the activation dtype and the fp32 mask; the grouped GEMM's two int32 offsets. Checked
+    against autograd's saved tensors (tests/test_moe.py)."""
     routed = tokens * moe.top_k
     swiglu = 7 if moe.swiglu_limit is not None else 4  # intermediate-sized tensors per choice, gate/up's two included
     weight_bytes = act if moe.weights_in_logits_dtype and not moe.sigmoid_routing else FP32_BYTES
-    per_choice = act * (2 * hidden + swiglu * moe.expert_size) + 3 * INT64_BYTES + weight_bytes \
+    per_choice = act * (2 * hidden + swiglu * moe.expert_size) + 2 * INT64_BYTES + weight_bytes \
         + (INT64_BYTES if moe.expert_bias else 0)
     if moe.softmax_after_topk:
         router = moe.top_k * (INT64_BYTES + act)

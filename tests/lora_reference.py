@@ -3,8 +3,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from checkpoints.ds_to_hf import PEFT_PREFIX
-from models.layout import fuse
-from models.lora import MLP_PROJECTIONS, decoder_on_meta, initial_factors, projections_of
+from models.architecture import architecture_of
+from models.layout import fuse, hf_name_of_layer_key
+from models.llama import DecoderLayerPipe
+from models.lora import EXPERT_PARAMETERS, add_adapters, expert_ranks, is_adapter_key, peft_adapters
 
 
 def hf_name_of_peft(name):
@@ -13,21 +15,45 @@ def hf_name_of_peft(name):
 
 
 def adapter_values(config, settings, seed, nonzero_b=False):
-    """{HF name of each adapter factor: its whole initial value}: the trainer's (models/lora.py), or with B drawn
-    at random too (nonzero_b), so that a single step's gradients reach A."""
+    """{the pipeline's HF name of each adapter factor: its whole initial value}: the trainer's (models/lora.py: each
+    decoder layer built with its adapters), or with B drawn at random too (nonzero_b), so that a single step's
+    gradients reach A."""
     values = {}
-    projections = projections_of(decoder_on_meta(config))
     for layer in range(config.num_hidden_layers):
-        for position, (name, projection) in enumerate(projections.items()):
-            if name not in settings.target_modules:
-                continue
-            module = f"model.layers.{layer}.{'mlp' if name in MLP_PROJECTIONS else 'self_attn'}.{name}"
-            a, b = initial_factors(seed, layer + 1, position, settings.rank, projection.in_features,
-                                   projection.out_features)
-            if nonzero_b:
-                b = torch.randn(b.shape, generator=torch.Generator().manual_seed(seed + layer * 10 + position)) * 0.1
-            values[f"{module}.lora_A.weight"], values[f"{module}.lora_B.weight"] = a, b
+        decoder = DecoderLayerPipe(config, stage_inputs=None, layer_index=layer)
+        add_adapters(decoder, settings, config, seed=seed, index=layer + 1)
+        values.update({hf_name_of_layer_key(layer + 1, key, config.num_hidden_layers): value.detach()
+                       for key, value in decoder.state_dict().items() if is_adapter_key(key)})
+    if nonzero_b:
+        for position, name in enumerate(sorted(values)):
+            if ".lora_B" in name:
+                generator = torch.Generator().manual_seed(seed * 1009 + position)
+                values[name] = torch.randn(values[name].shape, generator=generator) * 0.1
     return values
+
+
+def pipeline_layout(adapters, config, settings):
+    """peft_adapters' inverse: {the pipeline's HF name: tensor} of {peft's name: tensor} (gradients), an expert
+    adapter's A [E x rank, in] as [E, rank, in] and B [out, rank x E] as [E, out, rank]."""
+    ranks = expert_ranks(config, settings.target_modules, settings.rank)
+    targeted = [name for name in EXPERT_PARAMETERS if name in ranks]
+    renames = {}
+    for layer in range(config.num_hidden_layers):
+        module = f"model.layers.{layer}.mlp.experts"
+        for position, name in enumerate(targeted):
+            for factor in ("lora_A", "lora_B"):
+                nested = "base_layer." * (len(targeted) - 1 - position)
+                renames[f"{module}.{nested}{factor}.weight"] = (f"{module}.{factor}.{name}", factor, ranks[name])
+    experts = architecture_of(config).moe.num_experts if targeted else 0
+    layout = {}
+    for name, tensor in adapters.items():
+        if name not in renames:
+            layout[name] = tensor
+            continue
+        pipeline_name, factor, rank = renames[name]
+        layout[pipeline_name] = tensor.view(experts, rank, -1) if factor == "lora_A" else \
+            tensor.view(tensor.shape[0], rank, experts).permute(2, 0, 1)
+    return layout
 
 
 def peft_model(hf_dir, settings, values):
@@ -35,7 +61,7 @@ def peft_model(hf_dir, settings, values):
     from peft import get_peft_model
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
     model = get_peft_model(model, settings.peft_config(model.config))
-    values = fuse(values, model.config)  # Phi-3's adapters on its fused projections
+    values = fuse(peft_adapters(values), model.config)  # Phi-3's adapters on its fused projections; the experts' too
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.requires_grad:

@@ -16,7 +16,8 @@ from models.lora import NO_LORA, LoraSettings  # noqa: E402
 from checkpoints.layer_files import load_layer_slice  # noqa: E402
 from deepspeed_internals.access import checkpoints_without_expert_files  # noqa: E402
 from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
-from tests.lora_reference import adapter_values, hf_name_of_peft, peft_model, pipeline_slice  # noqa: E402
+from tests.lora_reference import (adapter_values, hf_name_of_peft, peft_model, pipeline_layout,  # noqa: E402
+                                  pipeline_slice)
 from tests.tiny_models import make_batch  # noqa: E402
 from cluster.distributed import init_distributed, parallel_topology  # noqa: E402
 from engines.gradient_norm import model_norm  # noqa: E402
@@ -117,6 +118,8 @@ def hf_reference(hf_dir, batch, micro_batch_size, lora=None, adapters=None):
     torch.stack(losses).mean().backward()
     grads = split_fused({hf_name_of_peft(n): p.grad for n, p in model.named_parameters() if p.requires_grad},
                         model.config)  # Phi-3's fused weights as the pipeline's parts
+    if lora is not None:
+        grads = pipeline_layout(grads, model.config, lora)  # the experts' adapters as the pipeline holds them
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)  # the same tensor as the embedding's
     return [loss.item() for loss in losses], grads

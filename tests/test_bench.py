@@ -130,6 +130,10 @@ FIGURES = {
                            "= #x" for layout in ("2 stages (as written)", "1 stage x tensor parallel 2")),
                          "copying the same # MiB (read, write): # s, peak RSS # MiB",
                          "DeepSpeed ds_to_universal.py on it"],
+    "moe_block.py": ["transformers (grouped_mm) median #", "transformers (eager loop) median #", "pipeline median #",
+                     "speed-up over transformers (grouped_mm): #x (rounds #-#)",
+                     "speed-up over transformers (eager loop): #x (rounds #-#)",
+                     "max |pipeline - transformers|: output #, input gradient #, weight gradients #"],
     "schedule_simulator.py": ["llama_65b on paper", *(f"p=8 m= 64 {name} step # F bubble #%" for name in (
         "1f1b", "zero_bubble", "zero_bubble max_waiting=0", "interleaved_1f1b v=2", "zbv"))],
 }

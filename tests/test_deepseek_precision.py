@@ -33,6 +33,8 @@ def masters_equal_weights(engine):
     from deepspeed_internals.access import zero_fp32_partitions, zero_fragment
     partitions, equal = zero_fp32_partitions(engine.optimizer), {}
     for name, param in engine.module.named_parameters():
+        if not param.requires_grad:  # LoRA's frozen base: no master weight
+            continue
         fragment = zero_fragment(param)
         master = partitions[fragment.partition].narrow(0, fragment.partition_start, fragment.numel)
         mine = param.detach().reshape(-1).narrow(0, fragment.param_start, fragment.numel)
@@ -59,7 +61,7 @@ def bf16_run(rank, overrides, out_dir):
         tensors = [*engine.module.named_parameters(), *engine.module.named_buffers()]
         with open(f"{out_dir}/result.json", "w") as f:
             json.dump({"dtypes": {hf_name_of_pipeline_param(name, config.num_hidden_layers): str(tensor.dtype)
-                                  for name, tensor in tensors if "rotary" not in name},
+                                  for name, tensor in tensors if "rotary" not in name and "lora_" not in name},
                        "masters_loaded": loaded, "masters_trained": masters_equal_weights(engine),
                        "optimizer": type(engine.optimizer).__name__}, f)
         return result
@@ -69,8 +71,13 @@ def bf16_run(rank, overrides, out_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
-def test_bf16_keeps_the_router_in_fp32_as_transformers(demo_model, tiny_deepseek_checkpoints, tmp_path, family):
+@pytest.mark.parametrize("family,training", [("deepseek_v3", {"moe.bias_update_rate": 0.01}),
+                                             ("glm4_moe", {"moe.bias_update_rate": 0.01}),
+                                             ("deepseek_v3", {"lora.rank": 4})], ids=["deepseek_v3", "glm4_moe",
+                                                                                    "deepseek_v3_lora"])
+def test_bf16_keeps_the_router_in_fp32_as_transformers(demo_model, tiny_deepseek_checkpoints, tmp_path, family,
+                                                       training):
+    """With the router trained (and its bias updated), and frozen under LoRA."""
     from transformers import AutoModelForCausalLM
     from tests.launch import demo_overrides
     hf_dir, ds_dir = tiny_deepseek_checkpoints[family]
@@ -79,8 +86,7 @@ def test_bf16_keeps_the_router_in_fp32_as_transformers(demo_model, tiny_deepseek
     overrides = demo_overrides(demo_model, tmp_path / "run", **{
         "model_name_or_path": ds_dir, "tokenizer_name_or_path": demo_model["ds"], "data.format": "pretokenized",
         "train_file": tmp_path / "ids.jsonl", "eval_file": "null", "seq_length": 32, "num_stages": 1,
-        "precision": "bf16", "zero_stage": 1, "max_steps": 2, "gradient_accumulation_steps": 2,
-        "moe.bias_update_rate": 0.01})
+        "precision": "bf16", "zero_stage": 1, "max_steps": 2, "gradient_accumulation_steps": 2, **training})
     spawn(bf16_run, 1, overrides, str(tmp_path))
     result = json.load(open(tmp_path / "result.json"))
     reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from models.lora import LoraSettings, adapter_parameter_count
+from models.lora import PROJECTIONS, LoraSettings, adapter_parameter_count
 from tests import parity_worker
 from tests.distributed import spawn
 from tests.launch import (check_ok, demo_overrides, launch_trainer, per_step_losses, read_metrics, run_in_process,
@@ -21,21 +21,42 @@ from tests.test_parity import GAS, MICRO_BATCH, SEQ
 LORA = {"rank": 4, "alpha": 8.0}
 
 
-def run_lora_parity(tiny_checkpoints, tmp_path, cases, num_stages, world_size, tensor_parallel=1):
-    cases = [dict(case, hf_dir=tiny_checkpoints[case["model"]][0], ds_dir=tiny_checkpoints[case["model"]][1])
-             for case in cases]
+def run_lora_parity(checkpoints, tmp_path, cases, num_stages, world_size, tensor_parallel=1):
+    cases = [dict(case, hf_dir=checkpoints[case["model"]][0], ds_dir=checkpoints[case["model"]][1]) for case in cases]
     spawn(parity_worker.run, world_size, cases, num_stages, MICRO_BATCH, GAS, SEQ, str(tmp_path), tensor_parallel)
     return [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "rank*.json")))]
 
 
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+LATENT = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")  # DeepSeek-V3's attention
+EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # peft's target_parameters
 GRADIENT_CASES = {  # (stages, world size, tensor parallel): cases
-    (2, 2, 1): [dict(name="llama3", model="llama3", lora=LORA),
+    # Mixtures of experts, each family: the defaults (Qwen3-MoE, OLMoE, GLM-4.5: peft reads the MLP names as the
+    # experts', gate_up_proj at twice the rank), the experts as peft's target_parameters (Mixtral, GPT-OSS beside
+    # its sinks), DeepSeek-V3's latent attention with its experts under zero-bubble, Qwen2-MoE's dense layers,
+    # shared expert and experts; with checkpointing.
+    (2, 2, 1): [dict(name="qwen3_moe", model="qwen3_moe", lora=LORA), dict(name="olmoe", model="olmoe", lora=LORA),
+                dict(name="glm4_moe+checkpointing", model="glm4_moe", lora=LORA, checkpoint_interval=1),
+                dict(name="mixtral", model="mixtral", lora=dict(LORA, target_modules=("q_proj", "v_proj") + EXPERTS)),
+                dict(name="gpt_oss", model="gpt_oss", lora=dict(LORA, target_modules=ATTENTION + EXPERTS)),
+                dict(name="deepseek_v3+zero_bubble", model="deepseek_v3", schedule="zero_bubble",
+                     lora=dict(LORA, target_modules=LATENT + ("gate_proj", "up_proj", "down_proj"))),
+                dict(name="qwen2_moe", model="qwen2_moe", lora=dict(LORA, target_modules=PROJECTIONS + EXPERTS)),
+                dict(name="llama3", model="llama3", lora=LORA),
                 dict(name="tied+checkpointing", model="tied", lora=LORA, checkpoint_interval=1),
                 dict(name="qwen2+zero_bubble", model="qwen2", lora=LORA, schedule="zero_bubble"),
                 dict(name="attention_only", model="llama2", lora=dict(LORA, target_modules=("q_proj", "v_proj"))),
                 dict(name="qwen3", model="qwen3", lora=LORA), dict(name="granite", model="granite", lora=LORA),
                 dict(name="phi3", model="phi3", lora=LORA)],  # one adapter on each fused projection, as peft
-    (2, 4, 2): [dict(name="llama3+sp", model="llama3", lora=LORA, sequence_parallel=True),
+    # MLA split by heads: the latent projections' adapters whole on every rank, q_b_proj's and kv_b_proj's A whole
+    # (its gradient summed over the group), B split; the experts' whole, each rank routing its tokens.
+    (2, 4, 2): [dict(name="deepseek_v3+sp", model="deepseek_v3", lora=dict(LORA, target_modules=LATENT + EXPERTS),
+                     sequence_parallel=True),
+                dict(name="deepseek_v3_q_proj", model="deepseek_v3_q_proj", sequence_parallel=False,
+                     lora=dict(LORA, target_modules=("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                                                     "experts.gate_up_proj"))),
+                dict(name="qwen3_moe+sp", model="qwen3_moe", lora=LORA, sequence_parallel=True),
+                dict(name="llama3+sp", model="llama3", lora=LORA, sequence_parallel=True),
                 dict(name="olmo2+sp", model="olmo2", lora=LORA, sequence_parallel=True),
                 dict(name="phi3+sp", model="phi3", lora=LORA, sequence_parallel=True),
                 dict(name="qwen2", model="qwen2", lora=LORA, sequence_parallel=False),
@@ -45,12 +66,13 @@ GRADIENT_CASES = {  # (stages, world size, tensor parallel): cases
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(GRADIENT_CASES), ids=["2stages", "2stages_x_tp2"])
-def test_adapter_gradients_match_peft(tiny_checkpoints, tmp_path, layout):
+def test_adapter_gradients_match_peft(tiny_checkpoints, tiny_moe_checkpoints, tiny_deepseek_checkpoints, tmp_path,
+                                      layout):
     """One step's loss and every adapter's gradient equal peft's on transformers (B nonzero, so A's gradients are
     too); the base takes no gradient and does not change."""
     num_stages, world_size, tensor_parallel = layout
-    ranks = run_lora_parity(tiny_checkpoints, tmp_path, GRADIENT_CASES[layout], num_stages, world_size,
-                            tensor_parallel)
+    checkpoints = {**tiny_checkpoints, **tiny_moe_checkpoints, **tiny_deepseek_checkpoints}
+    ranks = run_lora_parity(checkpoints, tmp_path, GRADIENT_CASES[layout], num_stages, world_size, tensor_parallel)
     for case in GRADIENT_CASES[layout]:
         name = case["name"]
         for rank in ranks:
@@ -161,7 +183,6 @@ def test_data_and_tensor_parallel_runs_and_a_resume_on_another_layout_equal_peft
 
 def test_checkpoint_holds_the_adapters_and_points_at_its_base(demo_model, lora_run):
     from checkpoints.integrity import manifest_digest
-    from models.lora import PROJECTIONS
     tag = lora_run / "global_step6"
     adapter_keys = {f"{'self_attn' if i < 4 else 'mlp'}.{name}.lora_{factor}.weight"
                     for i, name in enumerate(PROJECTIONS) for factor in "AB"}
@@ -210,7 +231,11 @@ def test_merged_export_equals_peft_merge(demo_model, lora_run, tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     ({"lora.rank": 4, "lora.target_modules": "[q_proj,qkv_proj]"},
      r"lora.target_modules \['q_proj', 'qkv_proj'\]: \['qkv_proj'\] matches no layer; the layers that take adapters "
-     r"are q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."),
+     r"are q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa, "
+     r"kv_b_proj, experts\.gate_up_proj, experts\.down_proj\."),
+    ({"lora.rank": 4, "lora.target_modules": "[q_a_proj,experts.down_proj]"},
+     r"lora.target_modules \['q_a_proj', 'experts\.down_proj'\] matches nothing of this llama model; it takes adapters "
+     r"on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj\."),
     ({"lora.rank": 48}, r"lora.rank=48 does not fit k_proj \(smallest side 32\), v_proj \(smallest side 32\): a rank "
                         r"must be below a projection's smaller side; lower lora.rank."),
     ({"lora.rank": -1}, r"lora.rank=-1 must be an integer >= 0 \(0: full fine-tuning\)."),
@@ -218,7 +243,8 @@ def test_merged_export_equals_peft_merge(demo_model, lora_run, tmp_path):
     ({"lora.rank": 4, "num_stages": 2, "partition": "[4,0]"},
      r"partition \[4, 0\] \(decoder layers per stage\) leaves stage 1 without a decoder layer: under LoRA it would "
      r"hold no adapter, nothing to train; give every stage at least one decoder layer."),
-], ids=["unknown_target", "rank_too_wide", "negative_rank", "unknown_key", "stage_without_adapters"])
+], ids=["unknown_target", "target_the_model_lacks", "rank_too_wide", "negative_rank", "unknown_key",
+        "stage_without_adapters"])
 def test_bad_lora_config_is_refused_before_any_work(demo_model, tmp_path, overrides, message):
     overrides = {"num_stages": 1, **overrides}
     with pytest.raises(ValueError, match=message):
@@ -332,7 +358,7 @@ def test_phi3_adapters_export_on_the_fused_projections_and_load_in_peft(tiny_che
     pipeline = {}
     for index in range(1, config.num_hidden_layers + 1):
         layer = DecoderLayerPipe(config, stage_inputs=None)
-        add_adapters(layer, settings, seed=3, index=index)
+        add_adapters(layer, settings, config, seed=3, index=index)
         with torch.no_grad():  # B nonzero, so that every part's rows show in the fused B
             for name, param in layer.named_parameters():
                 if name.endswith("lora_B.weight"):
@@ -357,3 +383,106 @@ def test_phi3_adapters_export_on_the_fused_projections_and_load_in_peft(tiny_che
     assert torch.equal(loaded[f"{layer0}.mlp.gate_up_proj.lora_B.weight"], torch.cat(
         [pipeline[f"{layer0}.mlp.{p}_proj.lora_B.weight"] for p in ("gate", "up")]))
     assert torch.equal(loaded[f"{layer0}.mlp.down_proj.lora_A.weight"], pipeline[f"{layer0}.mlp.down_proj.lora_A.weight"])
+
+
+# Mixtures of experts: {family: targets}, every way peft 0.21 reaches a family's weights. Qwen3-MoE's defaults (the
+# MLP names read as its experts: gate_up_proj at twice the rank); Mixtral's experts by peft's target_parameters
+# (both, so nested) beside its attention; GPT-OSS's transposed experts, gate_up_proj alone; DeepSeek-V3's latent
+# attention beside its experts' down_proj; Qwen2-MoE's shared expert and dense MLPs beside its experts.
+MOE_EXPORTS = {"qwen3_moe": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+               "mixtral": ("q_proj", "v_proj", "experts.gate_up_proj", "experts.down_proj"),
+               "gpt_oss": ("q_proj", "experts.gate_up_proj"),
+               "deepseek_v3": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                               "experts.down_proj"),
+               "qwen2_moe": ("o_proj", "gate_proj", "up_proj", "down_proj", "experts.gate_up_proj",
+                             "experts.down_proj")}
+
+
+def lora_checkpoint(config, settings, adapters, base_dir, root):
+    """A LoRA training checkpoint of `adapters` ({the pipeline's HF name: value}), its layer files as training saves
+    them, on the converted base `base_dir`: the checkpoint directory."""
+    from checkpoints.integrity import manifest_digest
+    from models.layout import layer_of_hf_name
+    tag_dir = root / "ckpt" / "global_step1"
+    tag_dir.mkdir(parents=True)
+    config.save_pretrained(tag_dir)
+    files = {index: {} for index in range(config.num_hidden_layers + 3)}
+    for name, value in adapters.items():
+        index, key = layer_of_hf_name(name, config.num_hidden_layers, config.tie_word_embeddings)
+        files[index][key] = value
+    for index, state in files.items():
+        if index < config.num_hidden_layers + 2 or not config.tie_word_embeddings:
+            torch.save(state, tag_dir / f"layer_{index:02d}-model_states.pt")
+    base_tag = f"{base_dir}/global_step0"
+    (tag_dir / "trainer_state.json").write_text(json.dumps({"lora": settings.as_dict(), "base_model": {
+        "path": base_dir, "tag": "global_step0", "manifest_xxh3_128": manifest_digest(base_tag)}}))
+    (root / "ckpt" / "latest").write_text("global_step1")
+    return root / "ckpt"
+
+
+def pipeline_logits(config, hf_model, settings, adapters, input_ids):
+    """The pipeline's layers holding hf_model's weights and `adapters` (of `settings`), run in one process on
+    input_ids."""
+    from models.layout import hf_name_of_layer_key, layer_of_hf_name
+    from models.llama import DecoderLayerPipe, lm_head
+    from models.lora import add_adapters
+    from models.pipeline import build_pipeline_layers
+    layers = [spec.build() for spec in build_pipeline_layers(config)]
+    state = {}
+    for name, tensor in hf_model.state_dict().items():
+        index, key = layer_of_hf_name(name, config.num_hidden_layers, config.tie_word_embeddings)
+        state.setdefault(index, {})[key] = tensor
+    for index, layer in enumerate(layers):
+        if isinstance(layer, DecoderLayerPipe):
+            add_adapters(layer, settings, config, index=index)
+            state[index].update({key: adapters[hf_name_of_layer_key(index, key, config.num_hidden_layers)]
+                                 for key, _ in layer.named_parameters() if ".lora_" in key})
+        if index in state:
+            layer.load_state_dict(state[index])
+    x = (input_ids, torch.ones_like(input_ids), torch.arange(input_ids.shape[1]).expand_as(input_ids))
+    with torch.no_grad():
+        for layer in layers[:-1]:
+            x = layer(x)
+        return (lm_head(layers[0], x) if config.tie_word_embeddings else layers[-1](x))[0]
+
+
+SETTINGS_OF = {family: LoraSettings(rank=2, alpha=6.0, target_modules=targets)
+               for family, targets in MOE_EXPORTS.items()}
+
+
+@pytest.mark.parametrize("family", MOE_EXPORTS)
+def test_moe_adapters_export_as_peft_loads_them_and_merge_as_peft_merges(tiny_moe_checkpoints,
+                                                                       tiny_deepseek_checkpoints, tmp_path, family):
+    """A LoRA checkpoint of a mixture of experts (random adapters, B nonzero; the experts' in the pipeline's [E, rank,
+    in] / [E, out, rank]) exports as a peft adapter that peft 0.21 loads onto transformers' model with no missing or
+    unexpected key, whose logits are the pipeline's with those adapters; its merged export equals peft's
+    merge_and_unload and loads in transformers with no missing or unexpected key."""
+    from peft import PeftModel
+
+    from checkpoints.ds_to_hf import convert_ds_to_hf
+    from tests.lora_reference import adapter_values
+    hf_dir, ds_dir = {**tiny_moe_checkpoints, **tiny_deepseek_checkpoints}[family]
+    config, settings = AutoConfig.from_pretrained(hf_dir), SETTINGS_OF[family]
+    adapters = adapter_values(config, settings, seed=3, nonzero_b=True)
+    checkpoint = lora_checkpoint(config, settings, adapters, ds_dir, tmp_path)
+    convert_ds_to_hf(str(checkpoint), str(tmp_path / "adapter"), verify_checksums=False)
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    input_ids = torch.arange(3, 19).view(1, 16) % config.vocab_size
+    expected = pipeline_logits(config, base, settings, adapters, input_ids)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+                                      tmp_path / "adapter")
+    loaded = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert len(loaded) == len(adapters)
+    assert sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) == \
+        sum(t.numel() for t in adapters.values())
+    with torch.no_grad():
+        logits = model(input_ids).logits[0]
+    assert torch.allclose(logits, expected, atol=1e-5), (logits - expected).abs().max()
+    assert not torch.allclose(logits, base(input_ids).logits[0], atol=1e-3)  # the adapters move the logits
+
+    convert_ds_to_hf(str(checkpoint), str(tmp_path / "merged"), merge_lora=True, verify_checksums=False)
+    merged, info = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
+    assert not any(info.values()), info
+    peft_merged = model.merge_and_unload().state_dict()
+    for key, tensor in merged.state_dict().items():
+        assert torch.allclose(tensor, peft_merged[key], atol=1e-6, rtol=0), key

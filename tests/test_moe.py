@@ -187,6 +187,22 @@ def test_moe_flops_count_the_router_and_the_top_k_experts():
         3 * 2 * config.num_hidden_layers * 4 * config.hidden_size
 
 
+def test_expert_adapters_are_saved_whole_and_count_in_mfu_as_a_token_runs_through_them():
+    """LoRA on Mixtral's experts' down_proj (rank 2): a checkpoint holds every expert's adapters, A [E, 2, 16] and
+    B [E, 32, 2] a layer; MFU's FLOPs per token count a token's top_k experts' (models/partition.py)."""
+    from models.lora import LoraSettings, adapter_parameter_total
+    from models.partition import training_flops_per_token
+    config = MOE_CONFIGS["mixtral"]()
+    attention = LoraSettings(rank=2, alpha=4.0, target_modules=("q_proj",))
+    experts = LoraSettings(rank=2, alpha=4.0, target_modules=("q_proj", "experts.down_proj"))
+    per_expert = 2 * (16 + 32)
+    layers, num_experts, top_k = config.num_hidden_layers, config.num_local_experts, config.num_experts_per_tok
+    assert adapter_parameter_total(config, experts) - adapter_parameter_total(config, attention) == \
+        layers * num_experts * per_expert
+    assert training_flops_per_token(config, 16, experts) - training_flops_per_token(config, 16, attention) == \
+        3 * 2 * layers * top_k * per_expert
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
 def test_an_moe_stage_takes_no_host_sync(family):
     """Routing, the grouped GEMM (no expert's row count read on the host), the shared expert, the biases and the
@@ -326,9 +342,26 @@ def run_spec_of(demo_model, model_dir, tmp_path, *overrides, world_size=2):
     (["pipeline_schedule=zbv"], r"^pipeline_schedule=zbv with the mixture-of-experts model qwen3_moe: it is not "
                                 r"tested with several chunks of layers per rank yet; use pipeline_schedule=1f1b or "
                                 r"zero_bubble \(docs/moe\.md\)\.$"),
-    (["lora.rank=4"], r"^lora\.rank=4 with the mixture-of-experts model qwen3_moe: .*"),
+    (["lora.rank=4", "lora.target_modules=[q_proj,gate_proj]"],
+     r"^lora\.target_modules \['q_proj', 'gate_proj'\]: peft 0\.21 reads gate_proj and up_proj of a qwen3_moe model "
+     r"as its experts' fused gate_up_proj, which takes one adapter; target both or neither\.$"),
+    (["lora.rank=4", "lora.target_modules=[gate_proj,up_proj,experts.down_proj]"],
+     r"^lora\.target_modules \['gate_proj', 'up_proj', 'experts\.down_proj'\]: peft 0\.21 reads gate_proj, up_proj "
+     r"of a qwen3_moe model as its experts already \(gate_up_proj at twice the rank\); name the experts either way, "
+     r"not both \(experts\.down_proj or gate_proj, up_proj\)\.$"),
+    (["lora.rank=4", "lora.dropout=0.1"],
+     r"^lora\.dropout=0\.1 with adapters on the experts of a qwen3_moe model \(experts\.gate_up_proj, "
+     r"experts\.down_proj\): peft's adapters on a parameter take no dropout \(its ParamWrapper refuses it\); set "
+     r"lora\.dropout=0\.0\.$"),
+    (["lora.rank=4", "lora.target_modules=[q_a_proj,kv_b_proj]"],
+     r"^lora\.target_modules \['q_a_proj', 'kv_b_proj'\] matches nothing of this qwen3_moe model; it takes adapters "
+     r"on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, experts\.gate_up_proj, experts\.down_proj\.$"),
+    (["lora.rank=16", "lora.target_modules=[q_proj,experts.down_proj]"],
+     r"^lora\.rank=16 does not fit experts\.down_proj \(smallest side 16\): a rank must be below a projection's "
+     r"smaller side; lower lora\.rank\.$"),
     (["output_router_logits=maybe"], r"^output_router_logits='maybe' must be true, false or null"),
-], ids=["fp16", "zbv", "lora", "bad_value"])
+], ids=["fp16", "zbv", "lora_gate_without_up", "lora_experts_named_twice", "lora_dropout_on_experts",
+        "lora_matches_nothing", "lora_rank_too_wide_for_the_experts", "bad_value"])
 def test_settings_an_moe_model_is_not_tested_under_are_refused_in_one_line(demo_model, tiny_moe_checkpoints, tmp_path,
                                                                         overrides, message):
     from training.config_checks import ConfigError

@@ -1,7 +1,9 @@
 """Packed rows with per-document isolation against transformers on each example alone (real processes, gloo):
 the token-weighted eval loss (evaluation/eval_set.py) and the training gradients, for 1 stage x 2 data-parallel,
 2 stages, and 1 stage x tensor parallel 2 with sequence parallelism, in one launch of 2 processes; every other
-family on the last (its norms split by tokens, Phi's fused weights split by heads)."""
+family on the last (its norms split by tokens, Phi's fused weights split by heads). Mixtures of experts in the same
+launch against transformers on each micro-batch's documents flattened into one row (DataCollatorWithFlattening),
+whose load-balancing loss counts every token of the micro-batch."""
 import json
 import math
 import random
@@ -24,6 +26,9 @@ PACKED_MODELS = {"llama3": tuple(TOPOLOGIES), "mistral": tuple(TOPOLOGIES),
 # replicas, its last accumulation window short (the rest, more documents of the same kinds, cost 2 more eval_batch calls
 # a case and changed no check).
 EVAL_ROWS = 11
+# Mixtures of experts, on 2 stages (one replica: every eval micro-batch is MICRO_BATCH rows in order). Mixtral: a
+# window (8) on every layer; Qwen3-MoE a dense layer among sparse ones. Their load-balancing loss is on.
+PACKED_MOE = {"mixtral": ("2stages",), "qwen3_moe": ("2stages",)}
 
 
 def micro_batches(rows, dp_size, dp_rank):
@@ -52,8 +57,9 @@ def hf_loss_sum_and_count(model, ids, labels):
 
 
 def hf_reference(hf_dir, rows, num_micro_batches):
-    """Token-weighted loss over every document of `rows`, the training objective (the mean over the first
-    num_micro_batches micro-batches of their token-weighted mean) and its gradients, each document run alone."""
+    """Token-weighted loss over every document of `rows` (twice: the loss, and the cross-entropy perplexity is of)
+    and the gradients of the training objective (the mean over the first num_micro_batches micro-batches of their
+    token-weighted mean), each document run alone."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -73,7 +79,40 @@ def hf_reference(hf_dir, rows, num_micro_batches):
         objective = objective + sum(sums) / sum(counts)
     objective = objective / num_micro_batches
     objective.backward()
-    return eval_loss, objective.item(), split_fused({n: p.grad for n, p in model.named_parameters()}, model.config)
+    return eval_loss, eval_loss, split_fused({n: p.grad for n, p in model.named_parameters()}, model.config)
+
+
+def flattened(rows):
+    """transformers' padding-free batch of packed rows (DataCollatorWithFlattening): their documents one after
+    another in one row, positions restarting with each, -100 as each document's first label, no attention mask."""
+    from transformers import DataCollatorWithFlattening
+    features = [{"input_ids": ids, "labels": labels} for row in rows for ids, labels in documents(row)]
+    return DataCollatorWithFlattening(return_tensors="pt")(features)
+
+
+def hf_moe_reference(hf_dir, rows, num_micro_batches):
+    """A mixture of experts on 2 stages (one replica): the token-weighted outputs.loss (cross-entropy plus the
+    load-balancing term) over the eval micro-batches of `rows`, their token-weighted cross-entropy, and the
+    gradients of the training objective (the mean of the first num_micro_batches micro-batches' outputs.loss), each
+    micro-batch's documents flattened into one row."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+    coef, objective, totals = model.config.router_aux_loss_coef, 0, torch.zeros(3, dtype=torch.float64)
+    for index, start in enumerate(range(0, len(rows), MICRO_BATCH)):
+        batch = flattened(rows[start:start + MICRO_BATCH])
+        with torch.set_grad_enabled(index < num_micro_batches):
+            outputs = model(**batch, use_cache=False)  # no cache, as in training: else no packing is seen
+        assert outputs.aux_loss is not None
+        count = int((batch["labels"][:, 1:] != -100).sum())
+        loss = outputs.loss.detach().double()
+        totals += torch.stack([loss * count, (loss - coef * outputs.aux_loss.detach()) * count,
+                               torch.tensor(count, dtype=torch.float64)])
+        if index < num_micro_batches:
+            objective = objective + outputs.loss / num_micro_batches
+    objective.backward()
+    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item(), \
+        {n: p.grad for n, p in model.named_parameters()}
 
 
 def recording_engine(module, ds_dir):
@@ -114,12 +153,13 @@ def packed_parity_worker(rank, cases, rows, out_dir):
         reads_data = engine.is_first_stage() or engine.is_last_stage()
         cfg = SimpleNamespace(micro_batch_size=MICRO_BATCH, seq_length=SEQ, gradient_accumulation_steps=GAS,
                               tensor_parallel_size=tensor_parallel)
-        eval_loss, _ = evaluate(engine, rows if reads_data else None, len(rows), cfg, pad_id=0)
+        eval_loss, eval_ppl = evaluate(engine, rows if reads_data else None, len(rows), cfg, pad_id=0)
         dp_size = engine.grid.get_data_parallel_world_size()
         engine.train_batch(micro_batches(rows, dp_size, engine.grid.data_parallel_id))
-        ref_loss, _, ref_grads = references[f"{model}/{topology}"]
+        ref_loss, ref_cross_entropy, ref_grads = references[f"{model}/{topology}"]
         grad_errors = gradient_errors(module, optimizer.recorded, ref_grads, config.num_hidden_layers, engine)
-        results[f"{model}/{topology}"] = {"eval_loss": eval_loss, "ref_loss": ref_loss, "grad_errors": grad_errors}
+        results[f"{model}/{topology}"] = {"eval_loss": eval_loss, "ref_loss": ref_loss, "grad_errors": grad_errors,
+                                          "eval_ppl": eval_ppl, "ref_ppl": math.exp(ref_cross_entropy)}
         torch.distributed.barrier()
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(results, f)
@@ -132,8 +172,9 @@ def hf_references(cases, rows, world_size):
     by_inputs, references = {}, {}
     for model, hf_dir, _, topology in cases:
         replicas = world_size // math.prod(TOPOLOGIES[topology])
+        reference = hf_moe_reference if model in PACKED_MOE else hf_reference
         if (model, replicas) not in by_inputs:
-            by_inputs[model, replicas] = hf_reference(hf_dir, rows, GAS * replicas)
+            by_inputs[model, replicas] = reference(hf_dir, rows, GAS * replicas)
         references[f"{model}/{topology}"] = by_inputs[model, replicas]
     return references
 
@@ -152,12 +193,15 @@ def packed_rows(tmp_path):
 
 
 @pytest.mark.slow
-def test_packed_rows_match_transformers_on_each_example(tiny_checkpoints, tmp_path):
+def test_packed_rows_match_transformers_on_each_example(tiny_checkpoints, tiny_moe_checkpoints, tmp_path):
+    """The eval loss, its perplexity (of the cross-entropy: a mixture of experts' loss holds its load-balancing
+    term, its perplexity does not) and the gradients."""
     import torch
     rows, stats = packed_rows(tmp_path)
     assert stats.packed_from == 40 and len(rows) < 40 and any(len(r["lengths"]) > 2 for r in rows[:GAS * 2 * 2])
     rows = rows[:EVAL_ROWS]
-    cases = [(model, *tiny_checkpoints[model], topology) for model, topologies in PACKED_MODELS.items()
+    checkpoints = {**tiny_checkpoints, **tiny_moe_checkpoints}
+    cases = [(model, *checkpoints[model], topology) for model, topologies in {**PACKED_MODELS, **PACKED_MOE}.items()
              for topology in topologies]
     torch.save(hf_references(cases, rows, 2), tmp_path / "references.pt")
     spawn(packed_parity_worker, 2, cases, rows, str(tmp_path))
@@ -167,6 +211,7 @@ def test_packed_rows_match_transformers_on_each_example(tiny_checkpoints, tmp_pa
     for name in names:
         for result in (rank[name] for rank in ranks):
             assert result["eval_loss"] == pytest.approx(result["ref_loss"], abs=1e-5), name
+            assert result["eval_ppl"] == pytest.approx(result["ref_ppl"], rel=1e-5), name
             bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
             assert not bad, f"{name}: gradients differ from transformers on each example alone: {bad}"
 

@@ -63,6 +63,22 @@ def family_preference_models(tmp_path_factory):
     return models
 
 
+@pytest.fixture(scope="module")
+def moe_preference_model(tmp_path_factory):
+    """A tiny Qwen3-MoE (a dense layer among sparse ones, router_aux_loss_coef 0.1) over Qwen's chat tokenizer,
+    converted, with string pairs; its config's output_router_logits false, as the published checkpoints say: TRL's
+    DPOTrainer adds the load-balancing loss all the same."""
+    from tests.chat_tokenizers import make_chat_tokenizer
+    from tests.tiny_models import MOE_CONFIGS
+    tokenizer = make_chat_tokenizer("qwen3")
+    config = MOE_CONFIGS["qwen3_moe"]()
+    config.output_router_logits = False
+    config.vocab_size, config.max_position_embeddings = len(tokenizer), SEQ
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    return preference_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), config, tokenizer, STEPS * MICRO_BATCH * GAS)
+
+
 def preference_checkpoint(root, config, tokenizer, num_records):
     """A model of `config` with `tokenizer` saved and converted under root, and num_records string pairs to train
     on (and EVAL_PAIRS to evaluate): {hf, ds, train, records, eval, eval_records, root, first_pairs: the first
@@ -139,9 +155,10 @@ def trainer_order(num_records, data_parallel):
             for index in shard[step * per_step:(step + 1) * per_step]]
 
 
-def trl_dpo_run(model, order, global_pairs, output_dir, lora=None):
+def trl_dpo_run(model, order, global_pairs, output_dir, lora=None, micro_batch=None):
     """TRL's DPOTrainer on the pairs in `order`, global_pairs per step (one micro-batch: its loss is the mean over
-    the step's pairs, as the trainer's), precomputed reference log-probabilities; its log history. lora
+    the step's pairs, as the trainer's; micro_batch: that many pairs a forward, accumulated, as a mixture of
+    experts' load-balancing loss is per forward), precomputed reference log-probabilities; its log history. lora
     (LoraSettings): peft adapters starting from the trainer's initial values, the reference the base."""
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
@@ -158,8 +175,9 @@ def trl_dpo_run(model, order, global_pairs, output_dir, lora=None):
         policy = AutoModelForCausalLM.from_pretrained(model["hf"], dtype=torch.float32, attn_implementation="eager")
     else:
         policy = peft_model(model["hf"], lora, adapter_values(AutoConfig.from_pretrained(model["hf"]), lora, SEED))
-    args = DPOConfig(output_dir=str(output_dir), per_device_train_batch_size=global_pairs,
-                     gradient_accumulation_steps=1, max_steps=STEPS, learning_rate=LEARNING_RATE,
+    per_device = micro_batch or global_pairs
+    args = DPOConfig(output_dir=str(output_dir), per_device_train_batch_size=per_device,
+                     gradient_accumulation_steps=global_pairs // per_device, max_steps=STEPS, learning_rate=LEARNING_RATE,
                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=BETAS[0],
                      adam_beta2=BETAS[1], adam_epsilon=1e-8, max_grad_norm=MAX_GRAD_NORM, optim="adamw_torch",
                      logging_steps=1, beta=BETA, loss_type=["sigmoid"], precompute_ref_log_probs=True,
@@ -192,22 +210,28 @@ def logged_steps(output_dir):
 
 
 @pytest.fixture(scope="module")
-def one_process_runs(preference_model, family_preference_models, tmp_path_factory):
+def one_process_runs(preference_model, family_preference_models, moe_preference_model, tmp_path_factory):
     """One process for the first-step gradients (pipeline_first_step: full weights, LoRA; LLaMA's and each other
-    family's) and the trainer on 1 stage; {"root": where the gradients are, "one_stage": the run's output_dir}."""
+    family's) and the trainer on 1 stage (LLaMA, Granite; Qwen3-MoE under DPO, and one step under SimPO with the
+    load-balancing loss switched on); {"root": where the gradients are, "one_stage": the run's output_dir}."""
     root = tmp_path_factory.mktemp("one_process")
     runs = composed(trainer_overrides(preference_model, root / "one_stage", eval_file=preference_model["eval"]),
-                    trainer_overrides(family_preference_models["granite"], root / "granite-one_stage"))
-    spawn(one_process_worker, 1, preference_model, family_preference_models, root, runs)
+                    trainer_overrides(family_preference_models["granite"], root / "granite-one_stage"),
+                    trainer_overrides(moe_preference_model, root / "moe-one_stage"),
+                    trainer_overrides(moe_preference_model, root / "moe-simpo", objective="simpo", max_steps=1,
+                                      output_router_logits=True, **{"simpo.beta": SIMPO_BETA,
+                                                                    "simpo.gamma": SIMPO_GAMMA}))
+    spawn(one_process_worker, 1, preference_model, family_preference_models, moe_preference_model, root, runs)
     return {"root": root, "one_stage": root / "one_stage"}
 
 
-def one_process_worker(rank, model, families, root, runs):
+def one_process_worker(rank, model, families, moe, root, runs):
     from cluster.distributed import init_distributed
     init_distributed(timeout_minutes=2)
     for name, checkpoint in {"": model, **{f"{family}-": families[family] for family in families}}.items():
         pipeline_first_step(rank, checkpoint, root, f"{name}full")
         pipeline_first_step(rank, checkpoint, root, f"{name}lora", lora_rank=LORA_RANK)
+    pipeline_first_step(rank, moe, root, "moe-lora", lora_rank=LORA_RANK)
     run_trainer(rank, *runs)
 
 
@@ -313,6 +337,66 @@ def test_dpo_one_stage_matches_trl_on_granite(family_preference_models, one_proc
     order = trainer_order(len(model["records"]), 1)
     assert_matches_trl(logged_steps(one_process_runs["root"] / "granite-one_stage"),
                        trl_dpo_run(model, order, MICRO_BATCH * GAS, tmp_path / "trl"))
+
+
+@pytest.mark.slow
+def test_dpo_on_a_mixture_of_experts_adds_the_load_balancing_loss_as_trl(moe_preference_model, one_process_runs,
+                                                                        tmp_path):
+    """Qwen3-MoE whose config says output_router_logits false: TRL's DPOTrainer adds router_aux_loss_coef times each
+    forward's load-balancing loss (over its chosen and rejected rows) all the same, and so does the trainer; TRL with
+    the trainer's micro-batches, accumulated: four steps' losses, gradient norms, metrics and aux_loss."""
+    order = trainer_order(len(moe_preference_model["records"]), 1)
+    theirs = trl_dpo_run(moe_preference_model, order, MICRO_BATCH * GAS, tmp_path / "trl", micro_batch=MICRO_BATCH)
+    ours = logged_steps(one_process_runs["root"] / "moe-one_stage")
+    assert_matches_trl(ours, theirs)
+    assert all(trl["aux_loss"] > 1.0 for trl in theirs)
+    assert [mine["aux_loss"] for mine in ours] == pytest.approx([trl["aux_loss"] for trl in theirs], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_dpo_with_lora_on_a_mixture_of_experts_first_step_equals_trl(moe_preference_model, one_process_runs):
+    """LoRA on Qwen3-MoE by the default names (attention, and its experts as peft reads gate/up/down there: gate_up_proj
+    at twice the rank), B nonzero, DPO with the load-balancing loss TRL adds: the first step's loss, rewards and every
+    adapter's gradient (the experts' included) within 1e-5 of DPOTrainer's on peft."""
+    assert_first_step_matches_trl(moe_preference_model, one_process_runs["root"], "moe-lora", 1, 1,
+                                  lora_rank=LORA_RANK)
+
+
+@pytest.mark.slow
+def test_simpo_on_a_mixture_of_experts_adds_the_load_balancing_loss_as_trl_cpo(moe_preference_model, one_process_runs,
+                                                                              tmp_path):
+    """SimPO with output_router_logits=true (TRL's CPOTrainer adds the loss when the config sets it): the first
+    step's loss, rewards and gradient norm equal CPOTrainer's on the same micro-batches, accumulated."""
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    class InOrder(CPOTrainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    model = moe_preference_model
+    order = trainer_order(len(model["records"]), 1)[:MICRO_BATCH * GAS]
+    policy = AutoModelForCausalLM.from_pretrained(model["hf"], dtype=torch.float32, attn_implementation="eager")
+    policy.config.output_router_logits = True  # the run's output_router_logits=true
+    args = CPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=MICRO_BATCH,
+                     gradient_accumulation_steps=GAS, max_steps=1, learning_rate=LEARNING_RATE,
+                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=BETAS[0],
+                     adam_beta2=BETAS[1], adam_epsilon=1e-8, max_grad_norm=MAX_GRAD_NORM, optim="adamw_torch",
+                     logging_steps=1, loss_type="simpo", cpo_alpha=0.0, beta=SIMPO_BETA, simpo_gamma=SIMPO_GAMMA,
+                     max_length=SEQ, use_cpu=True, bf16=False, report_to=[], save_strategy="no", seed=SEED,
+                     dataloader_drop_last=True, disable_tqdm=True)
+    trainer = InOrder(model=policy, args=args, processing_class=AutoTokenizer.from_pretrained(model["hf"]),
+                      train_dataset=Dataset.from_list([model["records"][i] for i in order]))
+    trainer.train()
+    (theirs,) = [entry for entry in trainer.state.log_history if "loss" in entry and "train_runtime" not in entry]
+    (ours,) = logged_steps(one_process_runs["root"] / "moe-simpo")
+    assert ours["aux_loss"] > 1.0
+    assert ours["loss"] == pytest.approx(theirs["loss"], abs=1e-5)
+    assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert ours[name] == pytest.approx(theirs[name], abs=1e-5), name
 
 
 @pytest.fixture(scope="module")
@@ -513,6 +597,8 @@ def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tens
     from training.token_mean import global_loss_units, token_mean_loss
 
     config = AutoConfig.from_pretrained(model["hf"])
+    if getattr(config, "router_aux_loss_coef", 0.0):  # as the trainer sets it under DPO (moe_model_config)
+        config.output_router_logits = True
     lora = LoraSettings(rank=lora_rank) if lora_rank else NO_LORA
     module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel),
                                    layer_loader=load_layer_slice, loss_chunk_tokens=7, lora=lora,
@@ -541,15 +627,16 @@ def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tens
 
 
 def trl_first_step(model, lora_rank, pairs, output_dir):
-    """TRL's DPOTrainer loss on the first `pairs` pairs with FIRST_STEP_REFERENCE, one batch, and its backward:
-    (loss, metrics, {Hugging Face name: gradient})."""
+    """TRL's DPOTrainer loss on the first `pairs` pairs with FIRST_STEP_REFERENCE, in the pipeline's micro-batches
+    of MICRO_BATCH pairs accumulated (a mixture of experts' load-balancing loss is per forward; a dense model's loss
+    the same as in one batch), and its backward: (loss, metrics, {Hugging Face name: gradient})."""
     from datasets import Dataset
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     from models.layout import split_fused
     from models.lora import LoraSettings
-    from tests.lora_reference import adapter_values, hf_name_of_peft, peft_model
+    from tests.lora_reference import adapter_values, hf_name_of_peft, peft_model, pipeline_layout
 
     if lora_rank:
         lora = LoraSettings(rank=lora_rank)
@@ -561,17 +648,23 @@ def trl_first_step(model, lora_rank, pairs, output_dir):
                          train_dataset=Dataset.from_list(model["records"][:pairs]),
                          args=DPOConfig(output_dir=str(output_dir), beta=BETA, max_length=SEQ, use_cpu=True,
                                         bf16=False, report_to=[], precompute_ref_log_probs=True, disable_tqdm=True))
-    batch = trainer.data_collator([{**trainer.train_dataset[i], "ref_chosen_logps": c, "ref_rejected_logps": r}
-                                   for i, (c, r) in enumerate(FIRST_STEP_REFERENCE[:pairs])])
+    examples = [{**trainer.train_dataset[i], "ref_chosen_logps": c, "ref_rejected_logps": r}
+                for i, (c, r) in enumerate(FIRST_STEP_REFERENCE[:pairs])]
     trainer.model.train()
-    loss = trainer._compute_loss(trainer.model, batch, return_outputs=False)
-    loss.backward()
-    metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    count, loss = pairs // MICRO_BATCH, 0.0
+    for start in range(0, pairs, MICRO_BATCH):
+        batch = trainer.data_collator(examples[start:start + MICRO_BATCH])
+        micro_batch_loss = trainer._compute_loss(trainer.model, batch, return_outputs=False) / count
+        micro_batch_loss.backward()
+        loss += micro_batch_loss.item()
+    metrics = {name: sum(values[-count:]) / count for name, values in trainer._metrics["train"].items()}
     grads = split_fused({hf_name_of_peft(n): p.grad for n, p in trainer.model.named_parameters() if p.requires_grad},
                         trainer.model.config)  # Phi-3's fused weights (and adapters) as the pipeline's parts
+    if lora_rank:  # a mixture of experts' adapters on its experts as the pipeline holds them
+        grads = pipeline_layout(grads, trainer.model.config, lora)
     if trainer.model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)
-    return loss.item(), metrics, grads
+    return loss, metrics, grads
 
 
 def assert_first_step_matches_trl(model, root, case, world_size, data_parallel, lora_rank=0):

@@ -289,9 +289,6 @@ MOE_REFUSED = {
     "precision": (lambda value: value == "fp16", "it is not tested under fp16's loss scaling; use precision=bf16"),
     "context_parallel_size": (lambda value: value > 1, "its load-balancing sums would need the whole context "
                                                        "group's; use context_parallel_size=1"),
-    "lora.rank": (lambda value: value > 0, "it has no adapters on its experts or routers yet; use lora.rank=0"),
-    "objective": (lambda value: value != "sft", "it adds no load-balancing loss to a preference loss yet; use "
-                                                "objective=sft"),
     "pipeline_schedule": (lambda value: value in ("interleaved_1f1b", "zbv"), "it is not tested with several chunks "
                                                                              "of layers per rank yet; use "
                                                                              "pipeline_schedule=1f1b or zero_bubble"),
@@ -303,14 +300,16 @@ MOE_REFUSED = {
 EXPERT_PARALLEL_REFUSED = {
     "offload_optimizer": (lambda value: value != "none", "use offload_optimizer=none"),
     "nan_policy": (lambda value: value == "skip", "use nan_policy=stop"),
+    "lora.rank": (lambda value: value > 0, "train without LoRA (lora.rank=0)"),  # its expert slices unreduced
 }
 
 
 def moe_model_config(cfg, model_config):
     """The model config a run builds: an MoE model's with output_router_logits set as the run says (null: as its
-    config.json does) and DeepSeek's sequence-wise loss coefficient (moe.sequence_aux_loss_coef), after refusing in
-    one line each setting an MoE model is not tested under; a dense model's as it is, where output_router_logits
-    must be null. The moe.* keys apply to DeepSeek-V3's router only."""
+    config.json does, but under objective=dpo on whenever router_aux_loss_coef is nonzero, as TRL's DPOTrainer
+    asks for the router logits then) and DeepSeek's sequence-wise loss coefficient (moe.sequence_aux_loss_coef),
+    after refusing in one line each setting an MoE model is not tested under; a dense model's as it is, where
+    output_router_logits must be null. The moe.* keys apply to DeepSeek-V3's router only."""
     moe = architecture_of(model_config).moe
     for key, value in cfg.moe.items():
         if value and not (moe and moe.sigmoid_routing):
@@ -326,17 +325,24 @@ def moe_model_config(cfg, model_config):
         raise ConfigError(f"moe.bias_update_rate={cfg.moe.bias_update_rate} with lora.rank={cfg.lora.rank}: the "
                           f"correction biases belong to the frozen base, which a LoRA checkpoint does not save; set "
                           f"moe.bias_update_rate=0.")
+    if cfg.moe.sequence_aux_loss_coef and cfg.objective != "sft":
+        raise ConfigError(f"moe.sequence_aux_loss_coef={cfg.moe.sequence_aux_loss_coef} with objective="
+                          f"{cfg.objective}: TRL's preference trainers add transformers' auxiliary loss only, which "
+                          f"these families have none of; set moe.sequence_aux_loss_coef=0.")
     for key, (refused, why) in MOE_REFUSED.items():
         value = OmegaConf.select(cfg, key)
         if refused(value):
             raise ConfigError(f"{key}={value} with the mixture-of-experts model {model_config.model_type}: {why} "
                               f"(docs/moe.md).")
     for key, (refused, instead) in EXPERT_PARALLEL_REFUSED.items():
-        if cfg.expert_parallel_size > 1 and refused(cfg[key]):
-            raise ConfigError(f"{key}={cfg[key]} with expert_parallel_size={cfg.expert_parallel_size}: not tested "
+        value = OmegaConf.select(cfg, key)
+        if cfg.expert_parallel_size > 1 and refused(value):
+            raise ConfigError(f"{key}={value} with expert_parallel_size={cfg.expert_parallel_size}: not tested "
                               f"with experts split across ranks yet; {instead} or expert_parallel_size=1 "
                               f"(docs/moe.md).")
     if cfg.output_router_logits is not None:
         model_config.output_router_logits = cfg.output_router_logits
+    elif cfg.objective == "dpo":
+        model_config.output_router_logits = bool(getattr(model_config, "router_aux_loss_coef", 0.0))
     model_config.sequence_aux_loss_coef = float(cfg.moe.sequence_aux_loss_coef)  # the MoE block's (models/moe.py)
     return model_config

@@ -117,16 +117,17 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
 
 
 def trained_parameter_groups(module):
-    """(the optimizer's parameter groups, the trained parameters kept in fp32 whatever the precision): those
-    transformers keeps in fp32 (models/sigmoid_router.py FP32_MARKER: DeepSeek-V3's router) form a group of their
-    own, whose flat partitions, master weights and gradients stay fp32 beside the others' in the training dtype."""
+    """(the optimizer's parameter groups, the parameters kept in fp32 whatever the precision: those transformers
+    keeps in fp32, models/sigmoid_router.py FP32_MARKER, DeepSeek-V3's router, frozen under LoRA or not). The trained
+    ones form a group of their own, whose flat partitions, master weights and gradients stay fp32 beside the others'
+    in the training dtype."""
+    kept = [p for p in module.parameters() if getattr(p, FP32_MARKER, False)]
     params = [p for p in module.parameters() if p.requires_grad]
-    kept = [p for p in params if getattr(p, FP32_MARKER, False)]
-    if not kept:
+    if not any(p.requires_grad for p in kept):
         return params, kept
     # named, as DeepSpeed's expert parameter groups (expert parallelism) need
     return [{"params": [p for p in params if not getattr(p, FP32_MARKER, False)], "name": "params"},
-            {"params": kept, "name": "kept_in_fp32"}], kept
+            {"params": [p for p in kept if p.requires_grad], "name": "kept_in_fp32"}], kept
 
 
 def prepare_output_dir(spec):

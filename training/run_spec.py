@@ -25,7 +25,7 @@ from models.layout import layer_file_name, layer_indices_with_files
 from models.context_parallel import context_parallel_error
 from models.expert_parallel import expert_parallel_error
 from models.llama import check_model_config
-from models.lora import (LoraSettings, adapter_layer_indices, adapter_parameter_count, check_lora_applies,
+from models.lora import (LoraSettings, adapter_layer_indices, adapter_parameter_total, check_lora_applies,
                          check_rank_fits)
 from models.partition import layer_parameter_counts
 from models.preference import PreferenceSettings
@@ -117,7 +117,7 @@ class RunSpec:
         """Parameters a checkpoint saves: the whole model's, or under LoRA the adapters' (over all tensor-parallel
         ranks)."""
         if self.lora.enabled:
-            return self.model_config.num_hidden_layers * adapter_parameter_count(self.model_config, self.lora)
+            return adapter_parameter_total(self.model_config, self.lora)
         return sum(layer_parameter_counts(self.model_config))
 
     @property
