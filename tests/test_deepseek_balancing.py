@@ -239,7 +239,10 @@ def test_bias_update_equals_transformers_and_resumes_on_another_layout(demo_mode
      r"^moe\.bias_update_rate=0\.001 with lora\.rank=4: the correction biases belong to the frozen base, which a LoRA "
      r"checkpoint does not save; set moe\.bias_update_rate=0\.$"),
     ("deepseek_v3", ["+moe.bias_rate=0.001"], r"^unknown config key 'moe\.bias_rate': did you mean moe\.bias_update_rate"),
-], ids=["other_router", "dense", "negative", "not_a_number", "lora", "misspelt"])
+    ("deepseek_v3", ["moe.sequence_aux_loss_coef=0.01", "objective=dpo", "data.format=preference"],
+     r"^moe\.sequence_aux_loss_coef=0\.01 with objective=dpo: TRL's preference trainers add transformers' auxiliary "
+     r"loss only, which these families have none of; set moe\.sequence_aux_loss_coef=0\.$"),
+], ids=["other_router", "dense", "negative", "not_a_number", "lora", "misspelt", "dpo"])
 def test_balancing_settings_are_refused_where_they_do_not_apply(demo_model, tiny_moe_checkpoints,
                                                                 tiny_deepseek_checkpoints, tmp_path, model, overrides,
                                                                 message):
