@@ -62,12 +62,13 @@ def layer_files(tag_dir, index, config):
 
 
 def split_dims_of(config, size, lora):
-    """{pipeline index: {key: the dimension tensor parallelism over `size` ranks splits it along, or None}}."""
+    """{pipeline index: {key: the dimension tensor parallelism over `size` ranks splits it along, or None}}: a
+    buffer (DeepSeek-V3's correction bias) is whole on every rank."""
     layers = layers_on_meta(config, TensorParallel(size))
     if lora.enabled:  # one decoder layer of each kind stands for all of that kind
         for decoder in {id(m): m for i, m in layers.items() if 1 <= i <= config.num_hidden_layers}.values():
             add_adapters(decoder, lora, config, size)
-    return {i: {k: getattr(p, "tensor_parallel_dim", None) for k, p in m.named_parameters()}
+    return {i: {k: getattr(p, "tensor_parallel_dim", None) for k, p in [*m.named_parameters(), *m.named_buffers()]}
             for i, m in layers.items()}
 
 

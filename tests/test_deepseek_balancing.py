@@ -162,7 +162,11 @@ def exported_biases(hf_dir):
 BALANCING_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps=4, zero_stage=0)),
                      "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1)),
                      "2stages_x_ep2": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1,
-                                               expert_parallel_size=2))}  # the experts split over the 2
+                                               expert_parallel_size=2)),  # the experts split over the 2
+                     # each rank routing its half of the tokens, every layer's forward run again in backward
+                     "2stages_x_tp2_checkpointed": (4, dict(num_stages=2, tensor_parallel_size=2,
+                                                            gradient_accumulation_steps=4, zero_stage=0,
+                                                            activation_checkpoint_interval=1))}
 
 
 def train_balanced(demo_model, model_dirs, train_file, out, procs, settings, **extra):
@@ -182,8 +186,9 @@ def train_balanced(demo_model, model_dirs, train_file, out, procs, settings, **e
 @pytest.mark.parametrize("layout", BALANCING_LAYOUTS)
 def test_bias_update_equals_transformers_and_resumes_on_another_layout(demo_model, demo_deepseek_mtp, tmp_path,
                                                                        layout):
-    """Six steps (padded instruction rows, clipping active) with moe.bias_update_rate, on 1 process and 2 stages x 2
-    data-parallel, with the experts replicated and split over the 2 (expert parallelism): the logged losses and the
+    """Six steps (padded instruction rows, clipping active) with moe.bias_update_rate, on 1 process, 2 stages x 2
+    data-parallel with the experts replicated and split over the 2 (expert parallelism), and 2 stages x tensor
+    parallel 2 (sequence parallel) with activation checkpointing (the loads counted once): the logged losses and the
     step-1 gradient norm are those of transformers + AdamW applying the same rule after each step (which differ
     from the frozen bias's), and the exported model holds the biases that loop ends with. The checkpoint of step 3
     holds the biases of step 3: 2 stages x 2 data-parallel resumed on 1 stage x 2 data-parallel (the optimizer
@@ -197,7 +202,8 @@ def test_bias_update_equals_transformers_and_resumes_on_another_layout(demo_mode
     records = train_balanced(demo_model, demo_deepseek_mtp, train_file, tmp_path / "run", procs, settings)
 
     def batches():
-        return global_batches(demo_model, train_file, procs // settings["num_stages"],
+        return global_batches(demo_model, train_file,
+                              procs // settings["num_stages"] // settings.get("tensor_parallel_size", 1),
                               settings["gradient_accumulation_steps"], tmp_path / "ref", steps=TRAIN_STEPS)
     losses, norms, biases = transformers_balanced_steps(demo_deepseek_mtp["hf"], batches(), ROWS, RATE)
     frozen, _, _ = transformers_balanced_steps(demo_deepseek_mtp["hf"], batches(), ROWS, 0.0)
