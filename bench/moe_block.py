@@ -43,7 +43,7 @@ def blocks(args):
 def step(block, x, grad, pipeline=False):
     """Forward and backward of one block; its input's gradient."""
     x = x.detach().requires_grad_()
-    out = block(x, torch.ones(x.shape[0] * x.shape[1], dtype=torch.bool))[0] if pipeline else block(x)
+    out = block(x, torch.ones(x.shape[:2], dtype=torch.long))[0] if pipeline else block(x)  # every token real
     out.backward(grad)
     return out.detach(), x.grad
 

@@ -62,12 +62,13 @@ def layer_files(tag_dir, index, config):
 
 
 def split_dims_of(config, size, lora):
-    """{pipeline index: {key: the dimension tensor parallelism over `size` ranks splits it along, or None}}."""
+    """{pipeline index: {key: the dimension tensor parallelism over `size` ranks splits it along, or None}}: a
+    buffer (DeepSeek-V3's correction bias) is whole on every rank."""
     layers = layers_on_meta(config, TensorParallel(size))
     if lora.enabled:  # one decoder layer of each kind stands for all of that kind
         for decoder in {id(m): m for i, m in layers.items() if 1 <= i <= config.num_hidden_layers}.values():
             add_adapters(decoder, lora, config, size)
-    return {i: {k: getattr(p, "tensor_parallel_dim", None) for k, p in m.named_parameters()}
+    return {i: {k: getattr(p, "tensor_parallel_dim", None) for k, p in [*m.named_parameters(), *m.named_buffers()]}
             for i, m in layers.items()}
 
 
@@ -163,15 +164,14 @@ def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overw
 
 def multi_token_prediction_tensors(tag_dir, config):
     """{HF name: a function returning the tensor} and {HF name: a meta tensor} of the multi-token-prediction layers
-    conversion kept beside the layer files (models/layout.py MTP_FILE_NAME), as they were. A training checkpoint
-    holds none: its export says so when the config names some."""
+    conversion kept beside the layer files (models/layout.py MTP_FILE_NAME), as they were; a training checkpoint
+    carries its base's (checkpoints/saving.py). One without them while the config names some (its base had none,
+    or it was saved before checkpoints carried them): its export says so."""
     path = os.path.join(tag_dir, MTP_FILE_NAME)
     if not os.path.isfile(path):
-        trained = os.path.isfile(os.path.join(tag_dir, "trainer_state.json"))
-        if trained and getattr(config, "num_nextn_predict_layers", 0):
-            print(f"note: {tag_dir} is a training checkpoint, which does not carry the model's "
-                  f"{config.num_nextn_predict_layers} multi-token-prediction layer(s) (num_nextn_predict_layers); the "
-                  f"export has none (export the converted base for them).", file=sys.stderr, flush=True)
+        if getattr(config, "num_nextn_predict_layers", 0):
+            print(f"note: {tag_dir} holds none of the model's {config.num_nextn_predict_layers} multi-token-prediction "
+                  f"layer(s) (num_nextn_predict_layers): the export has none.", file=sys.stderr, flush=True)
         return {}, {}
     shapes = {name: torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype], device="meta")
               for name, (dtype, shape, _, _) in safetensors_entries(path).items()}

@@ -54,6 +54,16 @@ def atomic_path(path):
     fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
+def link_or_copy(src, dst):
+    """dst holding src's bytes: a hard link (no copy; written files are never changed in place), or where the
+    filesystem takes none (another device, no links) a copy, written atomically."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        with atomic_path(dst) as tmp:
+            shutil.copyfile(src, tmp)
+
+
 def atomic_write(path, write):
     """write(f) fills a new binary file that then replaces `path` atomically (atomic_path)."""
     with atomic_path(path) as tmp, open(tmp, "xb") as f:

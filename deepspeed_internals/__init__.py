@@ -31,7 +31,8 @@ Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with wh
   DeepSpeedEngine.clip_fp32_gradients (one clipping norm over all stages), _global_grad_norm (the norm it reports),
   checkpoint_engine built from _config (weights-only loads), save_zero_checkpoint and _common_checkpoint_state (no
   per-rank optimizer copies: the state is saved per layer), global_steps / global_samples / skipped_steps (restored
-  on resume); PipelineEngine.pipeline_enable_backward_allreduce (no all-reduce over a data-parallel group of one), total_loss
+  on resume), _cast_module_mixed_precision (wrapped while the engine is built, so that the parameters transformers
+  keeps in fp32, DeepSeek-V3's router, stay fp32); PipelineEngine.pipeline_enable_backward_allreduce (no all-reduce over a data-parallel group of one), total_loss
   (cleared before a forward pass whose outputs are per row),
   is_data_parallel (bench/pipeline_efficiency.py's own-replica baseline), _INSTRUCTION_MAP (the zero-bubble
   instructions; profiling's timers); deepspeed.ops.__compatible_ops__ (no shared-memory op built on CPUs).

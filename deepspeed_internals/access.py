@@ -1,5 +1,6 @@
 """The accessors through which the rooms read and replace DeepSpeed's internals (listed, with why, in
 deepspeed_internals/__init__.py; checked by registry.py)."""
+import contextlib
 import functools
 import math
 import types
@@ -18,6 +19,25 @@ from deepspeed_internals.registry import ENGINE_COUNTERS, EXPORTED, LOSS_SCALER_
 def replace_fp32_gradient_clipping(engine, clip):
     """clip() runs where DeepSpeed clips fp32 gradients (without ZeRO, fp16 or bf16)."""
     engine.clip_fp32_gradients = clip
+
+
+@contextlib.contextmanager
+def parameters_kept_in_fp32(params):
+    """Inside, the engines deepspeed.initialize builds leave `params` in fp32 where they cast the model to the
+    training dtype (bf16, fp16): DeepSpeed casts every parameter, and its keep_in_fp32_modules keeps buffers only."""
+    engine_class = deepspeed.runtime.engine.DeepSpeedEngine
+    cast = engine_class._cast_module_mixed_precision
+
+    def cast_keeping(self, *args, **kwargs):
+        kept = [(param, param.data) for param in params]
+        cast(self, *args, **kwargs)
+        for param, data in kept:
+            param.data = data
+    engine_class._cast_module_mixed_precision = cast_keeping
+    try:
+        yield
+    finally:
+        engine_class._cast_module_mixed_precision = cast
 
 
 def set_global_grad_norm(engine, norm):

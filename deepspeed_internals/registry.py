@@ -184,6 +184,10 @@ INTERNALS = (
              "whose C++ step bookkeeping a resume with offload replays"),
     self_use(ENGINE, "clip_fp32_gradients()", "which the trainer replaces to clip by one norm over all stages"),
     self_use(ENGINE, "_global_grad_norm", "which the trainer's clipping sets"),
+    Internal(f"{ENGINE}._cast_module_mixed_precision", "which casts every parameter to the training dtype: the "
+             "trainer keeps the ones transformers keeps in fp32 (DeepSeek-V3's router) out of it",
+             ("self", "param_dtype", "buffer_dtype", "is_zero_init_model", "keep_pattern")),
+    self_use(ENGINE, "_cast_module_mixed_precision(", "which the trainer keeps DeepSeek-V3's router out of"),
     self_use(ENGINE, "checkpoint_engine", "which the trainer replaces with a weights-only one"),
     self_use(ENGINE, "_config", "which the trainer's checkpoint engine is built from"),
     self_use(ENGINE, "save_zero_checkpoint", "which the trainer turns off (optimizer state saved per layer)"),

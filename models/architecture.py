@@ -75,6 +75,14 @@ class MixtureOfExperts:
     sigmoid_routing: bool = False  # DeepSeek-V3's router (models/sigmoid_router.py), a module of its own
     aux_loss: bool = False  # transformers' output_router_logits: the load-balancing loss (models/router_loss.py)
     aux_loss_coef: float = 0.0
+    # DeepSeek-V3's sequence-wise balance loss (models/sigmoid_router.py), its coefficient (the run's
+    # moe.sequence_aux_loss_coef; 0: off, as transformers)
+    sequence_aux_loss_coef: float = 0.0
+
+    @property
+    def loss_sum(self):
+        """Whether an auxiliary loss takes its gradient through a floating sum carried between the stages."""
+        return self.aux_loss or self.sequence_aux_loss_coef > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +166,8 @@ def mixture_of_experts(config):
             num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
             expert_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
             shared_expert_size=config.moe_intermediate_size * config.n_shared_experts,
-            shared_expert_name="shared_experts", shared_expert_gated=False, sigmoid_routing=True)
+            shared_expert_name="shared_experts", shared_expert_gated=False, sigmoid_routing=True,
+            sequence_aux_loss_coef=getattr(config, "sequence_aux_loss_coef", 0.0))
     return MixtureOfExperts(
         num_experts=config.num_experts, top_k=config.num_experts_per_tok,
         expert_size=config.moe_intermediate_size if family in ("qwen3_moe", "qwen2_moe") else config.intermediate_size,

@@ -276,21 +276,20 @@ class DecoderLayerPipe(nn.Module):
         if not self.sparse:
             hidden = self.residual_blocks(hidden, cos, sin, mask, batch, seq)
         else:
-            hidden, statistics = self.residual_blocks(hidden, cos, sin, mask, batch, seq,
-                                                      self.mlp.real_tokens(document_ids))
+            hidden, statistics = self.residual_blocks(hidden, cos, sin, mask, batch, seq, document_ids)
             routing = carry_routing(routing, statistics, self.sparse_row)
         return pack_stage(hidden, document_ids, position_ids, routing)
 
-    def residual_blocks(self, hidden, cos, sin, mask, batch, seq, real_tokens=None):
-        """The layer's math: the new hidden states, and for a sparse layer (real_tokens: which of its tokens are
-        not padding) its routing statistics."""
+    def residual_blocks(self, hidden, cos, sin, mask, batch, seq, document_ids=None):
+        """The layer's math: the new hidden states, and for a sparse layer (document_ids: the micro-batch's, 0 on
+        padding) its routing statistics."""
         if self.post_norms:  # OLMo 2: each sublayer's output normalised before the residual add
             hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, cos, sin, mask, batch, seq))
             return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
         attention = self.self_attn(self.input_layernorm(hidden), cos, sin, mask, batch, seq)
         hidden = hidden + scaled(attention, self.residual_multiplier)
         if self.sparse:
-            out, statistics = self.mlp(self.post_attention_layernorm(hidden), real_tokens)
+            out, statistics = self.mlp(self.post_attention_layernorm(hidden), document_ids)
             return hidden + scaled(out, self.residual_multiplier), statistics
         return hidden + scaled(self.mlp(self.post_attention_layernorm(hidden)), self.residual_multiplier)
 

@@ -36,9 +36,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.architecture import ACTIVATIONS, architecture_of
-from models.sigmoid_router import SigmoidRouter
+from models.sigmoid_router import SigmoidRouter, sequence_balance
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 from models.weight_grads import RowGroups
+
+
+class RoutedTokens(NamedTuple):
+    """The tokens a rank's block routes (its sequence-parallel share of the micro-batch's): which are real (not
+    padding: transformers' attention mask), the row (sequence) each belongs to, and the micro-batch's rows."""
+    real: torch.Tensor  # [T] bool
+    rows: torch.Tensor  # [T] int64
+    num_rows: int
 
 
 def route(logits, moe):
@@ -77,10 +85,9 @@ class MoEBlock(nn.Module):
         if shared_expert is not None and moe.shared_expert_gated:
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
-    def forward(self, x, real_tokens):
-        """(the block's output, shaped as x; this layer's routing statistics: per-expert top-k counts of the real
-        tokens [E] int64, and with the load-balancing loss their router probabilities' sums [E] fp32, else None).
-        real_tokens: [tokens of x] bool, False on padding (transformers' attention mask)."""
+    def forward(self, x, document_ids):
+        """(the block's output, shaped as x; this layer's routing statistics: routing_statistics'). document_ids:
+        the micro-batch's [batch, seq], 0 on padding."""
         hidden = x.reshape(-1, x.shape[-1])
         logits, weights, expert_ids = self.route(hidden)
         out = self.dispatcher(hidden, expert_ids, weights, self.experts)
@@ -90,7 +97,8 @@ class MoEBlock(nn.Module):
             if self.moe.shared_expert_gated:
                 shared = torch.sigmoid(self.parallel.replicated_linear(hidden, self.shared_expert_gate)) * shared
             out = out + shared
-        return out.view_as(x), routing_statistics(logits, expert_ids, real_tokens, self.moe)
+        statistics = routing_statistics(logits, expert_ids, self.routed_tokens(document_ids), self.moe, self.parallel)
+        return out.view_as(x), statistics
 
     def route(self, hidden):
         """(router logits [T, E], routing weights [T, k], expert ids [T, k]) of hidden [T, H]."""
@@ -100,18 +108,26 @@ class MoEBlock(nn.Module):
         logits = self.parallel.replicated_linear(hidden, router)
         return logits, *route(logits, self.moe)
 
-    def real_tokens(self, document_ids):
-        """The real (not padding) tokens among those this rank's block sees: its sequence-parallel share."""
+    def routed_tokens(self, document_ids):
+        """The RoutedTokens this rank's block sees: its sequence-parallel share of the micro-batch's."""
+        batch, seq = document_ids.shape
         real = (document_ids != 0).reshape(-1)
-        return real.chunk(self.parallel.size)[self.parallel.rank] if self.parallel.sequence_parallel else real
+        rows = torch.arange(batch * seq, device=document_ids.device) // seq
+        if self.parallel.sequence_parallel:
+            real, rows = (t.chunk(self.parallel.size)[self.parallel.rank] for t in (real, rows))
+        return RoutedTokens(real, rows, batch)
 
 
-def routing_statistics(logits, expert_ids, real_tokens, moe):
-    """What transformers' load_balancing_loss_func takes from one layer: the real tokens' top-k choices per expert,
-    and (with the loss) the sums of their router probabilities, a softmax of the logits in their own dtype."""
-    mask = real_tokens.to(expert_ids.device)
+def routing_statistics(logits, expert_ids, tokens, moe, parallel=NO_TENSOR_PARALLEL):
+    """One layer's routing statistics: the real tokens' top-k choices per expert [E] int64, and the floating sum
+    an auxiliary loss takes from the layer [E] fp32, else None: with transformers' load-balancing loss the sums of
+    the real tokens' router probabilities (a softmax of the logits in their own dtype: load_balancing_loss_func's),
+    with DeepSeek-V3's sequence-wise loss the layer's per-expert terms (models/sigmoid_router.py)."""
+    mask = tokens.real.to(expert_ids.device)
     counts = torch.zeros(moe.num_experts, dtype=torch.int64, device=expert_ids.device).scatter_add_(
         0, expert_ids.reshape(-1), mask.to(torch.int64).repeat_interleave(moe.top_k))
+    if moe.sequence_aux_loss_coef:
+        return counts, sequence_balance(logits, expert_ids, tokens, moe.top_k, parallel)
     if not moe.aux_loss:
         return counts, None
     probabilities = F.softmax(logits, dim=-1).float()

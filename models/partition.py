@@ -14,22 +14,47 @@ from models.lora import NO_LORA, adapter_parameter_total
 from schedules.rules import chunk_ids, chunks_per_rank
 
 EMBEDDING, DECODER, NORM, HEAD = "embedding", "decoder", "norm", "head"
+DENSE_DECODER = "dense_decoder"  # a dense layer of a model that mixes them with sparse ones
+DECODERS = (DECODER, DENSE_DECODER)
 
 
-def layer_kinds(num_hidden_layers):
+def decoder_kinds(config):
+    """The kind of each decoder layer: DECODER, but DENSE_DECODER for the dense layers of a mixture of experts that
+    mixes them with sparse ones (DeepSeek-V3's first_k_dense_replace, Qwen-MoE's mlp_only_layers), which cost less."""
+    sparse = architecture_of(config).sparse_layers
+    mixed = any(sparse) and not all(sparse)
+    return [DENSE_DECODER if mixed and not layer_sparse else DECODER for layer_sparse in sparse]
+
+
+def layer_kinds(config):
     """Layer kind of every pipeline index (models/layout.py's map)."""
-    return [EMBEDDING] + [DECODER] * num_hidden_layers + [NORM, HEAD]
+    return [EMBEDDING] + decoder_kinds(config) + [NORM, HEAD]
 
 
-def stage_kinds(stage, num_stages, num_decoders):
-    """The layer kinds of a stage holding num_decoders decoder layers: the embedding joins the first stage, the
-    final norm and the head the last."""
-    kinds = [DECODER] * num_decoders
+def kind_layer(config, kind):
+    """The decoder layer whose costs a decoder kind takes: the first of its kind (the first sparse one of an MoE
+    model's DECODER)."""
+    return decoder_kinds(config).index(kind) if kind == DENSE_DECODER else planned_decoder(config)
+
+
+def stage_kinds(stage, num_stages, num_decoders, decoders=None):
+    """The layer kinds of a stage holding num_decoders decoder layers: decoders (the kinds of the model's decoder
+    layers from the stage's first, default all DECODER), the embedding joining the first stage, the final norm and
+    the head the last."""
+    kinds = list(decoders[:num_decoders]) if decoders is not None else [DECODER] * num_decoders
     if stage == 0:
         kinds = [EMBEDDING] + kinds
     if stage == num_stages - 1:
         kinds = kinds + [NORM, HEAD]
     return kinds
+
+
+def counts_kinds(counts, decoders):
+    """The layer kinds of every stage (or chunk) holding counts[s] decoder layers of the model's `decoders` kinds,
+    in order."""
+    starts = [sum(counts[:stage]) for stage in range(len(counts))]
+    return [stage_kinds(stage, len(counts), count, decoders[start:]) for stage, (start, count) in
+            enumerate(zip(starts, counts))]
 
 
 def decoder_parameter_split(config, layer=None, active=False):
@@ -41,19 +66,45 @@ def decoder_parameter_split(config, layer=None, active=False):
     MoE model, which the planner takes for every layer; a dense one among them is smaller). active: the weights a
     token runs through (its top_k experts of num_experts), which its FLOPs count; else all."""
     architecture = architecture_of(config)
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    kv_heads = config.num_key_value_heads or heads
-    head_dim = head_dim_of(config)
+    hidden = config.hidden_size
     sparse = architecture.sparse_layers[planned_decoder(config) if layer is None else layer]
     inter = 0 if sparse else config.intermediate_size
-    sharded = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter
-    replicated = 2 * hidden
+    sharded, replicated = attention_parameter_split(config)
+    sharded += 3 * hidden * inter
+    replicated += 2 * hidden
+    if architecture.mlp_bias:
+        sharded += 2 * inter
+        replicated += hidden
+    if sparse:
+        moe = architecture.moe
+        replicated += moe.num_experts * (hidden + moe.router_bias) + \
+            (moe.top_k if active else moe.num_experts) * expert_parameters(moe, hidden)
+        if moe.shared_expert_size:
+            sharded += 3 * hidden * moe.shared_expert_size
+            replicated += hidden if moe.shared_expert_gated else 0  # Qwen2-MoE's gate
+    return sharded, replicated
+
+
+def attention_parameter_split(config):
+    """A decoder layer's attention parameters as (sharded, replicated) under tensor parallelism (see
+    decoder_parameter_split). Multi-head latent attention (models/latent_attention.py): the head projections
+    (q_b_proj or q_proj, kv_b_proj, o_proj) split, the latent projections and their norms whole."""
+    architecture = architecture_of(config)
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    if architecture.latent_attention:
+        qk_width, bias = config.qk_nope_head_dim + config.qk_rope_head_dim, bool(config.attention_bias)
+        kv_rank, q_rank = config.kv_lora_rank, config.q_lora_rank
+        sharded = heads * (kv_rank * (config.qk_nope_head_dim + config.v_head_dim) + config.v_head_dim * hidden)
+        replicated = (hidden + bias) * (kv_rank + config.qk_rope_head_dim) + kv_rank + bias * hidden
+        if q_rank is None:
+            return sharded + hidden * heads * qk_width, replicated
+        return sharded + q_rank * heads * qk_width, replicated + (hidden + bias) * q_rank + q_rank
+    kv_heads = config.num_key_value_heads or heads
+    head_dim = head_dim_of(config)
+    sharded, replicated = hidden * head_dim * (2 * heads + 2 * kv_heads), 0
     if architecture.qkv_bias:
         sharded += head_dim * (heads + 2 * kv_heads)
     if architecture.o_bias:
-        replicated += hidden
-    if architecture.mlp_bias:
-        sharded += 2 * inter
         replicated += hidden
     if architecture.qk_norm == "head":
         replicated += 2 * head_dim
@@ -61,14 +112,15 @@ def decoder_parameter_split(config, layer=None, active=False):
         sharded += head_dim * (heads + kv_heads)
     if architecture.attention_sinks:
         sharded += heads
-    if sparse:
-        moe = architecture.moe
-        replicated += moe.num_experts * (hidden + moe.router_bias) + \
-            (moe.top_k if active else moe.num_experts) * expert_parameters(moe, hidden)
-        if moe.shared_expert_size:
-            sharded += 3 * hidden * moe.shared_expert_size
-            replicated += hidden  # its gate
     return sharded, replicated
+
+
+def attention_head_widths(config):
+    """(a query or key head's features, a value head's): head_dim both, or multi-head latent attention's
+    qk_nope_head_dim + qk_rope_head_dim and v_head_dim."""
+    if architecture_of(config).latent_attention:
+        return config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    return head_dim_of(config), head_dim_of(config)
 
 
 def expert_parameters(moe, hidden):
@@ -104,8 +156,8 @@ def layer_parameter_counts(config):
 def training_flops_per_token(config, seq_length, lora=NO_LORA):
     """Model FLOPs of one training token (forward + backward = 3 x forward, recomputation not counted), the figure
     MFU divides by the device's peak: 2 per weight per token for every decoder weight and the LM head (the
-    embedding is a gather), plus attention's QK^T and PV, 2 x 2 x seq_length x heads x head_dim per token and
-    layer over all seq_length x seq_length scores (PaLM's convention, as published MFU figures and
+    embedding is a gather), plus attention's QK^T and PV, 2 x seq_length x heads x (query/key + value head widths:
+    2 x head_dim, or MLA's) per token and layer over all seq_length x seq_length scores (PaLM's convention, as published MFU figures and
     torch.utils.flop_counter count it; the planner's cost model instead counts only the causal half), over a
     layer's sliding window where it is shorter. An MoE layer's weights count as a token runs through them: the
     router and its top_k experts. Under LoRA
@@ -114,24 +166,28 @@ def training_flops_per_token(config, seq_length, lora=NO_LORA):
     matmul_weights = sum(sum(decoder_parameter_split(config, layer, active=True))
                          for layer in range(config.num_hidden_layers)) + config.vocab_size * config.hidden_size
     keys = sum(min(seq_length, window or seq_length) for window in architecture_of(config).sliding_windows)
-    attention = 4 * keys * config.num_attention_heads * head_dim_of(config)
+    attention = 2 * keys * config.num_attention_heads * sum(attention_head_widths(config))
     if not lora.enabled:
         return 3 * (2 * matmul_weights + attention)
     adapters = adapter_parameter_total(config, lora, active=True)
     return 2 * 2 * matmul_weights + 3 * (attention + 2 * adapters)
 
 
-def balanced_decoder_counts(num_hidden_layers, num_stages, stage_cost):
-    """Decoder layers per stage minimising the largest stage_cost(stage, kinds).
+def balanced_decoder_counts(num_hidden_layers, num_stages, stage_cost, decoders=None):
+    """Decoder layers per stage minimising the largest stage_cost(stage, kinds). decoders: the kind of each decoder
+    layer (decoder_kinds; None: all alike).
 
-    Decoder layers are identical, so the partition is a count per stage, and adding layers one at a time to the
+    Where decoder layers are identical the partition is a count per stage, and adding layers one at a time to the
     stage whose cost after the addition is smallest minimises the maximum (every stage's cost rises with its
     count). Ties go to the stage nearest the middle: first and last stages carry the embedding, the head and the
-    most micro-batches in flight, so a spare layer belongs in between. Every stage gets at least one layer.
+    most micro-batches in flight, so a spare layer belongs in between. Every stage gets at least one layer. Where
+    they differ (dense layers among sparse ones), balanced_mixed_counts.
     """
     if not 1 <= num_stages <= num_hidden_layers:
         raise ValueError(f"{num_stages} stages for {num_hidden_layers} decoder layers: need 1 to "
                          f"{num_hidden_layers} stages.")
+    if decoders is not None and len(set(decoders)) > 1:
+        return balanced_mixed_counts(decoders, num_stages, stage_cost)
     counts = [1] * num_stages
     middle = (num_stages - 1) / 2
     for _ in range(num_hidden_layers - num_stages):
@@ -139,6 +195,33 @@ def balanced_decoder_counts(num_hidden_layers, num_stages, stage_cost):
                     key=lambda s: (stage_cost(s, stage_kinds(s, num_stages, counts[s] + 1)), abs(s - middle)))
         counts[stage] += 1
     return counts
+
+
+def balanced_mixed_counts(decoders, num_stages, stage_cost):
+    """balanced_decoder_counts for decoder layers of different kinds: adding a layer to a stage moves the layers of
+    every later one, so each stage's run of layers is chosen together, by dynamic programming over (stages, layers):
+    exactly the smallest largest cost, and among those, the one with the smallest sum of squared stage compute
+    (an even spread). A stage's cost rises with its layers, which bounds the search."""
+    layers = len(decoders)
+
+    def cost(stage, first, end):  # stage holding decoder layers first .. end - 1
+        return stage_cost(stage, stage_kinds(stage, num_stages, end - first, decoders[first:]))
+    best = {0: ((0, 0), 0.0, [])}  # layers held by the stages so far: (largest cost, sum of squares, counts)
+    for stage in range(num_stages):
+        reached = {}
+        for end in range(stage + 1, layers - (num_stages - stage - 1) + 1):
+            options = []
+            for first in range(end - 1, stage - 1, -1):
+                if first not in best:
+                    continue
+                largest, squares, counts = best[first]
+                own = cost(stage, first, end)
+                if options and own > min(options)[0]:
+                    break  # more layers on this stage only cost more
+                options.append((max(largest, own), squares + own[1] ** 2, counts + [end - first]))
+            reached[end] = min(options, key=lambda option: option[:2])
+        best = reached
+    return best[layers][2]
 
 
 def stage_bounds_from_decoder_counts(decoder_counts, num_hidden_layers):
@@ -179,7 +262,7 @@ def partition_bounds(config, num_stages, partition, layer_class_names, stage_cos
     if method == "balanced":
         if stage_cost is None:
             raise ValueError("partition 'balanced' needs a stage cost (planner/stage_costs.py: balanced_stage_cost).")
-        counts = balanced_decoder_counts(config.num_hidden_layers, num_stages, stage_cost)
+        counts = balanced_decoder_counts(config.num_hidden_layers, num_stages, stage_cost, decoder_kinds(config))
         return stage_bounds_from_decoder_counts(counts, config.num_hidden_layers)
     if method == "parameters":
         return partition_balanced(layer_parameter_counts(config), num_stages)

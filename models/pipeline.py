@@ -212,7 +212,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     if stage_bounds is None:
         stage_bounds = partition_stages(config, topology.get_dim("pipe"))
     moe = architecture_of(config).moe
-    router, moe_aux_loss = (LoadBalancingLoss(config, parallel), moe.aux_loss) if moe else (None, False)
+    router, moe_loss_sum = (LoadBalancingLoss(config, parallel), moe.loss_sum) if moe else (None, False)
     loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype, router)
                if objective.preference else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype,
                                                      seq_length, router))
@@ -228,10 +228,10 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                                # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.
                                checkpointable_layers=[DecoderLayerPipe.__name__],
                                # Under LoRA the frozen embedding's output takes no gradient: reentrant checkpointing
-                               # of the first decoder layer would then give its adapters none either. With the
-                               # load-balancing loss a stage has two floating outputs, which DeepSpeed runs backward
+                               # of the first decoder layer would then give its adapters none either. With an
+                               # auxiliary loss's sum a stage has two floating outputs, which DeepSpeed runs backward
                                # from one at a time: reentrant checkpointing frees its recomputation after the first.
-                               activation_checkpoint_func=(non_reentrant_checkpoint if lora.enabled or moe_aux_loss
+                               activation_checkpoint_func=(non_reentrant_checkpoint if lora.enabled or moe_loss_sum
                                                            else checkpointing.checkpoint))
         if lora.enabled:
             for local, layer in enumerate(module.forward_funcs):

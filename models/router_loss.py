@@ -13,6 +13,9 @@ what the last stage needs (models/llama.py), from the embedding on, the same sha
   (a stage without a sparse layer passes on a tensor DeepSpeed can run backward from), and as transformers adds
   each layer's to zeros.
 
+DeepSeek-V3's sequence-wise balance loss (models/sigmoid_router.py sequence_balance, the run's
+moe.sequence_aux_loss_coef) is a sum of per-layer terms: the same floating [E] slot carries their running sum instead.
+
 The floating tensors come first in the tuple (unpack_stage): DeepSpeed's pipeline engine receives the k-th floating
 gradient into its receive buffer for the tuple's k-th activation, whatever that one's dtype.
 
@@ -35,7 +38,7 @@ def initial_routing(config, device):
     if moe is None:
         return ()
     counts = torch.zeros(sum(architecture_of(config).sparse_layers), moe.num_experts, dtype=torch.int64, device=device)
-    if not moe.aux_loss:
+    if not moe.loss_sum:
         return (counts,)
     return counts, torch.zeros(moe.num_experts, dtype=torch.float32, device=device, requires_grad=True)
 
@@ -76,30 +79,42 @@ class LoadBalancingLoss:
         architecture = architecture_of(config)
         moe = architecture.moe
         self.enabled, self.coef = moe.aux_loss, moe.aux_loss_coef
+        self.sequence_wise = moe.sequence_aux_loss_coef > 0  # DeepSeek-V3's, instead (models/sigmoid_router.py)
+        if self.sequence_wise:
+            self.coef = moe.sequence_aux_loss_coef
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.sparse_layers = [i for i, sparse in enumerate(architecture.sparse_layers) if sparse]
         self.parallel = parallel
         self.totals = None  # per layer and expert: top-k counts; then the loss's sum and the micro-batches
+        self.step_loads = None  # with bias balancing (training/expert_balance.py): the step's counts so far
+        self.counts_step_loads = False
 
     @property
     def carried(self):
         """How many routing tensors follow the LM head's outputs."""
-        return 2 if self.enabled else 1
+        return 2 if self.enabled or self.sequence_wise else 1
 
     def __call__(self, routing):
-        """transformers' load-balancing loss of a micro-batch (0-d fp32, None when it is off)."""
+        """The auxiliary loss of a micro-batch before its coefficient (0-d fp32, None when it is off):
+        transformers' load-balancing loss, or DeepSeek-V3's sequence-wise one (the sum of the carried terms, which
+        each layer made whole over the tensor-parallel group already)."""
         counts, *probabilities = routing
         if self.parallel.sequence_parallel:  # each rank routed its share of the tokens
             counts = counts.clone()
             collectives.all_reduce(counts, group=self.parallel.group)
-            probabilities = [AllReduce.apply(p, self.parallel.group) for p in probabilities]
+            if self.enabled:
+                probabilities = [AllReduce.apply(p, self.parallel.group) for p in probabilities]
         loss = None
-        if self.enabled:
+        if self.sequence_wise:
+            loss = probabilities[0].sum()
+        elif self.enabled:
             chosen = counts.sum(dim=0).float()
             rows = (counts.sum() / self.top_k).float().clamp(min=1)  # layers x real tokens (1: an empty batch's 0)
             loss = torch.sum(chosen / rows * (probabilities[0] / rows).unsqueeze(0)) * self.num_experts
         if torch.is_grad_enabled():  # a training forward: evaluation's leave the training window's sums alone
             self.add_metrics(counts, loss)
+            if self.counts_step_loads:
+                self.step_loads = counts if self.step_loads is None else self.step_loads + counts
         return loss
 
     def add_metrics(self, counts, loss):
@@ -107,6 +122,14 @@ class LoadBalancingLoss:
             torch.stack([loss.detach().double(), torch.ones((), dtype=torch.float64, device=counts.device)])
         sums = torch.cat([counts.reshape(-1).double(), step])
         self.totals = sums if self.totals is None else self.totals + sums
+
+    def take_step_loads(self):
+        """[sparse layers, E] int64: each sparse layer's top-k counts of the real tokens of the micro-batches trained
+        since the last call (zeros when none; of the whole micro-batches under tensor parallelism), on the device."""
+        loads, self.step_loads = self.step_loads, None
+        if loads is None:
+            return torch.zeros(len(self.sparse_layers), self.num_experts, dtype=torch.int64, device=collectives.device())
+        return loads
 
     def take_metrics(self):
         """{aux_loss: the mean over the micro-batches trained since the last call, expert_load/layer_{i}: each sparse

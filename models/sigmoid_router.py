@@ -4,18 +4,24 @@ experts, and weights normalised and scaled, exactly as transformers' DeepseekV3T
 
 Routing without an auxiliary loss: in training DeepSeek-V3 moves each expert's bias after every step towards
 balance (balanced_correction_bias); transformers implements the forward only, so with a rate of 0 the bias is the
-checkpoint's, frozen.
+checkpoint's, frozen. Beside it DeepSeek-V3 adds a small sequence-wise balance loss against extreme imbalance
+within one sequence (sequence_balance); transformers has none, so it is off unless a run asks for it.
 """
 import torch
 from torch import nn
 
-from models.tensor_parallel import NO_TENSOR_PARALLEL
+from models.tensor_parallel import NO_TENSOR_PARALLEL, AllReduce
+
+# The marker of a parameter kept in fp32 whatever the training dtype, as transformers keeps it
+# (_keep_in_fp32_modules_strict): its own parameter group, its fp32 master weight equal to it (training/loop.py).
+FP32_MARKER = "keep_in_fp32"
 
 
 class SigmoidRouter(nn.Module):
     """The `gate` of a DeepSeek-V3 MoE layer: `weight` [experts, hidden] and the buffer `e_score_correction_bias`
     [experts] (saved with the layer, as the checkpoint holds it), both fp32 in transformers
-    (_keep_in_fp32_modules_strict), the logits computed in fp32 whatever the hidden states' dtype."""
+    (_keep_in_fp32_modules_strict) and kept so under bf16 (FP32_MARKER), the logits computed in fp32 whatever the
+    hidden states' dtype."""
 
     def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
         super().__init__()
@@ -25,6 +31,7 @@ class SigmoidRouter(nn.Module):
         self.parallel = parallel
         weight = torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32)
         self.weight = nn.Parameter(weight.normal_(std=0.02))
+        setattr(self.weight, FP32_MARKER, True)
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
 
     def forward(self, hidden):
@@ -36,7 +43,8 @@ class SigmoidRouter(nn.Module):
 
     def route(self, logits):
         scores = logits.sigmoid()
-        expert_ids = group_limited_top_k(scores + self.e_score_correction_bias, self.top_k, self.num_groups,
+        # the choice takes no gradient: chosen off the graph, nothing of it is kept for backward
+        expert_ids = group_limited_top_k(scores.detach() + self.e_score_correction_bias, self.top_k, self.num_groups,
                                          self.top_groups)
         weights = scores.gather(1, expert_ids)  # the scores without the bias weight the experts
         if self.normalize:
@@ -63,3 +71,30 @@ def balanced_correction_bias(bias, loads, rate):
     loads: [experts] tokens routed to each over the global batch (every data-parallel rank, every micro-batch)."""
     loads = loads.to(bias.dtype)
     return bias + rate * torch.sign(loads.mean() - loads)
+
+
+def sequence_balance(logits, expert_ids, tokens, top_k, parallel=NO_TENSOR_PARALLEL):
+    """DeepSeek-V3's sequence-wise balance loss of one layer over a micro-batch, per expert, before its coefficient
+    alpha ([E] fp32; the loss is alpha times its sum). For each sequence (a row: tokens.rows) of T real tokens,
+    as the DeepSeek-V3 paper's eq. 17-20 define it:
+
+        f_i = E / (top_k * T) * (the tokens that chose expert i: the router's top-k, bias and groups included)
+        P_i = 1 / T * sum over the tokens of s'_i,   s' = the sigmoid scores divided by their sum over the experts
+
+    and the layer's term is f_i * P_i averaged over the micro-batch's sequences (rows with a real token; padding
+    counts nowhere). f takes no gradient; P's reaches the router's weight through the scores. Under sequence
+    parallelism each rank routes a share of the tokens: their per-sequence sums are added over the group first.
+    logits: [T, E] fp32; expert_ids: [T, top_k]; tokens: models/moe.py RoutedTokens."""
+    scores = logits.sigmoid()
+    num_experts = scores.shape[-1]
+    real = tokens.real.to(scores.dtype)[:, None]
+    chosen = torch.zeros_like(scores).scatter_(1, expert_ids, 1.0)
+    per_token = torch.cat([chosen * real, scores / scores.sum(dim=-1, keepdim=True) * real, real], dim=1)
+    sums = per_token.new_zeros(tokens.num_rows, per_token.shape[1]).index_add(0, tokens.rows, per_token)
+    if parallel.sequence_parallel:
+        sums = AllReduce.apply(sums, parallel.group)
+    choices, score_sums, lengths = sums.split([num_experts, num_experts, 1], dim=1)
+    length = lengths.clamp(min=1)
+    fractions, probabilities = choices * (num_experts / top_k) / length, score_sums / length
+    sequences = (lengths > 0).to(scores.dtype)
+    return (fractions * probabilities * sequences).sum(dim=0) / sequences.sum().clamp(min=1)

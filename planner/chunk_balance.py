@@ -11,7 +11,7 @@ zbv_times=auto makes it for the measured ones: from the chunks evened out, it mo
 chunk boundary at a time while the simulated step shrinks. With units (partition_costs=measured, the default here:
 planner/measured_costs.py) the chunks' F, B and W are the device's measured times instead of FLOPs.
 """
-from models.partition import balanced_decoder_counts, stage_kinds
+from models.partition import balanced_decoder_counts, counts_kinds, decoder_kinds
 from schedules.orders import rank_orders
 from schedules.rules import chunk_ids, chunks_per_rank
 from schedules.simulator import simulate
@@ -24,13 +24,14 @@ def chunk_pass_costs(model, counts, schedule, units=None):
     """[{"F", "B", "W"} of each global chunk] in decoder layers' compute (of FLOPs, or of units' measured times);
     ZB-V's first chunk runs its backward whole (engines/chunked_engine.py), its W in its B, and interleaved_1f1b
     every chunk's."""
+    chunk_kinds = counts_kinds(counts, decoder_kinds(model.layers.config))
     if units is not None:
         return [{kind: seconds / units.decoder_seconds for kind, seconds in units.pass_seconds(
-                    model.layers.chunks(stage_kinds(chunk, len(counts), count)),
-                    split=schedule == "zbv" and chunk > 0).items()} for chunk, count in enumerate(counts)]
+                    model.layers.chunks(kinds), split=schedule == "zbv" and chunk > 0).items()}
+                for chunk, kinds in enumerate(chunk_kinds)]
     costs = []
-    for chunk, count in enumerate(counts):
-        flops = model.layers.stage_pass_flops(stage_kinds(chunk, len(counts), count))
+    for chunk, kinds in enumerate(chunk_kinds):
+        flops = model.layers.stage_pass_flops(kinds)
         if schedule == "zbv" and chunk == 0:
             flops = {"F": flops["F"], "B": flops["B"] + flops["W"], "W": 0}
         costs.append({kind: value / model.compute_unit for kind, value in flops.items()})
@@ -61,7 +62,7 @@ def balanced_chunk_counts(config, workload, num_stages, units=None):
     chunks = num_stages * chunks_per_rank(workload.pipeline_schedule, workload.virtual_stages)
     model = StageCostModel(config, workload, chunks)
     cost = model.cost if units is None else measured_stage_cost(model, units)
-    counts = balanced_decoder_counts(config.num_hidden_layers, chunks, cost)
+    counts = balanced_decoder_counts(config.num_hidden_layers, chunks, cost, decoder_kinds(config))
     step = simulated_step(model, counts, num_stages, units)
     while True:
         moves = []

@@ -17,16 +17,18 @@ def moe_saved_bytes(moe, tokens, hidden, act):
     against autograd's saved tensors (tests/test_moe.py)."""
     routed = tokens * moe.top_k
     swiglu = 7 if moe.swiglu_limit is not None else 4  # intermediate-sized tensors per choice, gate/up's two included
-    weight_bytes = act if moe.weights_in_logits_dtype else FP32_BYTES
+    weight_bytes = act if moe.weights_in_logits_dtype and not moe.sigmoid_routing else FP32_BYTES
     per_choice = act * (2 * hidden + swiglu * moe.expert_size) + 2 * INT64_BYTES + weight_bytes \
         + (INT64_BYTES if moe.expert_bias else 0)
     if moe.softmax_after_topk:
         router = moe.top_k * (INT64_BYTES + act)
-    else:
+    else:  # DeepSeek-V3's: its sigmoid scores, and below fp32 the fp32 copy of its input
         router = FP32_BYTES * moe.num_experts + INT64_BYTES * moe.top_k + \
-            (FP32_BYTES * (moe.top_k + 1) if moe.norm_topk_prob else 0)
+            (FP32_BYTES * (moe.top_k + 1) if moe.norm_topk_prob else 0) + \
+            (FP32_BYTES * hidden if moe.sigmoid_routing and act != FP32_BYTES else 0)
     aux = act * moe.num_experts + FP32_BYTES if moe.aux_loss else 0
-    shared_gate = act * (hidden + 1) if moe.shared_expert_size else 0  # the gate's sigmoid and the shared output
+    # Qwen2-MoE's shared expert gate's sigmoid and the shared output
+    shared_gate = act * (hidden + 1) if moe.shared_expert_size and moe.shared_expert_gated else 0
     return routed * per_choice + tokens * (router + aux + shared_gate) + 2 * 4 * moe.num_experts
 
 

@@ -34,15 +34,14 @@ decoder layer (the slowest stage sets a pipeline's pace) as long as its memory f
 device's memory costs more than any that fits, by how far over it is. Measured on the CPU, stage compute times
 follow these FLOPs within 4% (bench/trainer_profile.py).
 """
-from models.llama import architecture_of, head_dim_of
-from models.lora import adapter_parameter_count
-from models.partition import (DECODER, EMBEDDING, HEAD, NORM, decoder_parameter_split, expert_parameters, layer_kinds,
-                              mean_attended_keys)
+from models.llama import architecture_of
+from models.partition import (DECODER, DECODERS, EMBEDDING, HEAD, NORM, decoder_kinds, kind_layer, layer_kinds)
 from schedules.orders import rank_orders
 from schedules.rules import chunk_ids, chunks_per_rank, in_flight_micro_batches, waiting_micro_batches
 from schedules.zbv_order import configured_zbv_durations
 from planner import training_state
-from planner.moe_costs import INT64_BYTES, eager_attention_extra_bytes, moe_saved_bytes, moe_weight_grad_bytes
+from planner.decoder_costs import DecoderCosts
+from planner.moe_costs import INT64_BYTES
 from planner.training_state import FP32_BYTES
 from planner.workload import check_tensor_parallel
 
@@ -65,16 +64,9 @@ class LayerCosts:
         t = workload.tensor_parallel  # every split count below divides by t (check_tensor_parallel)
         tokens, hidden, vocab = workload.tokens, config.hidden_size, config.vocab_size // t
         residual, gathered = workload.residual_tokens, workload.gathered_input_tokens
-        inter = config.intermediate_size // t
         act = workload.activation_bytes
-        q_width = config.num_attention_heads * head_dim_of(config) // t
-        kv_width = (config.num_key_value_heads or config.num_attention_heads) * head_dim_of(config) // t
-        heads = config.num_attention_heads // t
-        sharded, replicated = decoder_parameter_split(config)
-        active_sharded, active_replicated = decoder_parameter_split(config, active=True)  # FLOPs: a token's weights
-        moe = architecture_of(config).moe
-        if moe:  # every layer planned as a sparse one (models/partition.py decoder_parameter_split)
-            inter = moe.shared_expert_size // t
+        decoders = {kind: DecoderCosts(config, workload, kind_layer(config, kind))
+                    for kind in set(decoder_kinds(config))}  # planner/decoder_costs.py
         chunked = workload.loss_chunk_tokens > 0
         # The chunked loss's working set: one chunk of fp32 logits (and its activation-dtype copies below fp32),
         # and, where its weight gradient is summed in fp32 (fp16, or fp32 sums), a product to add to that sum no
@@ -84,54 +76,38 @@ class LayerCosts:
         chunk_logits = chunk * vocab * FP32_BYTES
         chunk_bytes = (chunk_logits + chunk * vocab * (act if act != FP32_BYTES else 0)
                        + (chunk_logits if weight_grad_bytes != act else 0))
-        # vocab, inter, q_width and heads are this rank's share; parameters are this rank's too: under expert
-        # parallelism its slice of the experts, whose optimizer state ZeRO-1 shards over the dp / ep ranks holding
-        # them (models/expert_parallel.py), as much per rank as every expert's over all dp ranks.
-        experts = moe.num_experts * expert_parameters(moe, hidden) if moe else 0
-        not_held = experts - experts // workload.expert_parallel
-        self.parameters = {EMBEDDING: vocab * hidden, DECODER: sharded // t + replicated - not_held, NORM: hidden,
-                           HEAD: vocab * hidden}  # a tied head is a second copy of the embedding on its stage
+        # vocab is this rank's share; parameters are this rank's too.
+        self.parameters = {EMBEDDING: vocab * hidden, NORM: hidden, HEAD: vocab * hidden,  # a tied head: a second copy
+                           **{kind: decoder.parameters for kind, decoder in decoders.items()}}
         self.largest_tensor = {EMBEDDING: vocab * hidden, NORM: hidden, HEAD: vocab * hidden,
-                               DECODER: max(hidden * max(inter, q_width), 2 * moe.num_experts * moe.expert_size
-                                            * hidden // workload.expert_parallel if moe else 0)}
+                               **{kind: decoder.largest_tensor for kind, decoder in decoders.items()}}
         # LoRA (models/lora.py): only the adapters train; they add their parameters to a decoder layer's.
         lora = workload.lora
-        adapters = adapter_parameter_count(config, lora, t)
-        self.parameters[DECODER] += adapters
-        self.trained = ({EMBEDDING: 0, DECODER: adapters, NORM: 0, HEAD: 0} if lora.enabled
+        self.trained = ({EMBEDDING: 0, NORM: 0, HEAD: 0, **{kind: decoder.adapters for kind, decoder in
+                                                          decoders.items()}} if lora.enabled
                         else dict(self.parameters))
-        self.largest_trained = ({kind: (lora.rank * max(hidden, inter * t) if count else 0)
-                                 for kind, count in self.trained.items()} if lora.enabled
+        self.largest_trained = ({EMBEDDING: 0, NORM: 0, HEAD: 0,
+                                 **{kind: lora.rank * max(hidden, decoder.inter * t) if decoder.adapters else 0
+                                    for kind, decoder in decoders.items()}} if lora.enabled
                                 else self.largest_tensor)
-        self.optimized = {**self.trained, DECODER: self.trained[DECODER] + (
-            not_held if workload.zero_stage >= 1 else 0)}  # what ZeRO-1 shards over every data-parallel rank
-        # Matmuls: 2 FLOPs per weight per token; causal attention: QK^T and PV over half the seq x seq scores
-        # (fewer under sliding windows: the layers' mean). Norms and row-parallel biases (counted the same way) run
-        # on the residual stream's tokens; Granite's multipliers are elementwise scalings, not counted.
-        keys = mean_attended_keys(config, workload.seq_length)
+        self.optimized = {**self.trained, **{kind: self.trained[kind] + (decoder.experts_not_held if
+                                                                        workload.zero_stage >= 1 else 0)
+                                             for kind, decoder in decoders.items()}}  # what ZeRO-1 shards over every
+        # data-parallel rank: under expert parallelism every expert (planner/decoder_costs.py)
         self.forward_flops = {EMBEDDING: 0, NORM: 0, HEAD: 2 * tokens * hidden * vocab,
-                              DECODER: 2 * tokens * (active_sharded // t) + 2 * residual * active_replicated
-                              + round(4 * tokens * keys * q_width) + 2 * tokens * adapters}
+                              **{kind: decoder.forward_flops for kind, decoder in decoders.items()}}
         # W, the weight gradients a split backward defers (models/weight_grads.py): a trained matmul's forward FLOPs
         # (the chunked loss computes its head's in F, models/loss.py); B is the rest of the backward. A frozen base
         # skips them (its backward computes input gradients only).
         matmuls = {EMBEDDING: 0, NORM: 0, HEAD: self.forward_flops[HEAD],
-                   DECODER: 2 * tokens * (active_sharded // t) + 2 * residual * active_replicated}
+                   **{kind: decoder.matmul_flops for kind, decoder in decoders.items()}}
         self.frozen_weight_grad_flops = matmuls if lora.enabled else dict.fromkeys(matmuls, 0)
-        self.weight_grad_flops = {kind: (2 * tokens * adapters if kind == DECODER else 0) if lora.enabled
-                                  else (0 if kind == HEAD and chunked else flops) for kind, flops in matmuls.items()}
+        self.weight_grad_flops = {kind: (2 * tokens * decoders[kind].adapters if kind in DECODERS else 0)
+                                  if lora.enabled else (0 if kind == HEAD and chunked else flops)
+                                  for kind, flops in matmuls.items()}
         self.saved_bytes = {
             # Vocabulary-parallel: this rank's local ids and the mask of ids outside its rows.
             EMBEDDING: tokens * (INT64_BYTES + 1) if t > 1 else 0,
-            # 8 hidden-sized and 4 intermediate-sized tensors in the activation dtype, the two norms' fp32 inputs
-            # and inverse RMS, and attention's log-sum-exp per head. Of the hidden-sized ones, the norms' normalised
-            # outputs are on the residual stream's tokens, the inputs of the column-parallel groups (q/k/v,
-            # gate/up) on the gathered tokens, q and attention's output on this rank's heads (heads x head_dim: hidden
-            # in LLaMA's configs, not in Qwen3's), k and v on its key/value heads (SDPA's
-            # enable_gqa: not copied per query head), over the whole sequence under context parallelism.
-            DECODER: act * (2 * residual * hidden + 2 * gathered * hidden + 2 * tokens * q_width
-                            + 2 * workload.key_value_tokens * kv_width + 4 * tokens * inter)
-                     + FP32_BYTES * (residual * (2 * hidden + 2) + tokens * heads),
             # The norm's fp32 input and inverse RMS, its normalised output, and its scaled output as the LM head's
             # input (gathered under sequence parallelism).
             # The chunked loss keeps no input of the head: it has its gradients already (models/loss.py).
@@ -142,59 +118,20 @@ class LayerCosts:
             # computed in forward (fp32 weight gradient under fp16; none for a frozen head), under every schedule.
             HEAD: (act * tokens * hidden + (0 if lora.enabled else weight_grad_bytes * vocab * hidden)
                    if chunked else tokens * (vocab * FP32_BYTES + INT64_BYTES + (2 if t > 1 else 0))),
-        }
-        # Qwen3's per-head and OLMo 2's whole-projection q/k norms (on all tokens, this rank's heads) keep their fp32
-        # input and inverse RMS (per head, per token), and Qwen3's its normalised output, OLMo 2's its fp32 scaled
-        # one (OLMoE's scales after the cast: in the activation dtype); OLMo 2's and GPT-OSS's norms scale in fp32, so
-        # their two layer norms keep an fp32 normalised output.
-        architecture = architecture_of(config)
-        qk_width = q_width + kv_width
-        if architecture.qk_norm == "head":
-            qk_heads = qk_width // head_dim_of(config)
-            self.saved_bytes[DECODER] += tokens * ((FP32_BYTES + act) * qk_width + FP32_BYTES * qk_heads)
-        elif architecture.qk_norm == "projection":  # OLMoE's scale after the cast: its normalised output in act
-            scaled_bytes = FP32_BYTES if architecture.norm_scale_in_fp32 else act
-            self.saved_bytes[DECODER] += tokens * ((FP32_BYTES + scaled_bytes) * qk_width + 2 * FP32_BYTES)
-        if architecture.norm_scale_in_fp32:
-            self.saved_bytes[DECODER] += 2 * residual * hidden * (FP32_BYTES - act)
-        if moe:
-            self.saved_bytes[DECODER] += moe_saved_bytes(moe, residual, hidden, act)
-        if architecture.attention_sinks:
-            self.saved_bytes[DECODER] += eager_attention_extra_bytes(workload, heads, q_width, kv_width, act)
-        # LoRA keeps each adapter's rank-wide h (gathered for a column-parallel group) and, with dropout, its
-        # dropped input and mask; the frozen projections' own inputs stay kept, for the adapters' A gradients.
-        if lora.enabled:
-            widths = {"q_proj": hidden, "k_proj": hidden, "v_proj": hidden, "o_proj": q_width, "gate_proj": hidden,
-                      "up_proj": hidden, "down_proj": inter}
-            self.saved_bytes[DECODER] += sum(
-                act * tokens * lora.rank + (tokens * widths[name] * (act + 1) if lora.dropout else 0)
-                for name in lora.target_modules)
-        # Gradients alive at once while a layer runs backward: a decoder's MLP and residual stream (two on this
-        # rank's residual tokens, two on all tokens: a column group's input gradient, in the pool under sequence
-        # parallelism, and a row-parallel output's gathered gradient); the loss's two fp32 logits-sized gradients.
+            **{kind: decoder.saved_bytes for kind, decoder in decoders.items()}}
+        # Gradients alive at once while a layer runs backward (a decoder's: planner/decoder_costs.py); the loss's two
+        # fp32 logits-sized gradients.
         pooled = 1 if workload.splits_sequence else 0
-        # Context parallelism adds the whole sequence's key and value gradients (this rank's heads).
-        gathered_kv_grads = 2 * workload.key_value_tokens * kv_width if workload.context_parallel > 1 else 0
-        routed_inter = moe.top_k * residual * 2 * moe.expert_size if moe else 0  # a token's k experts' gate_up
-        self.backward_bytes = {EMBEDDING: 0, NORM: 0,
-                               DECODER: act * (2 * tokens * inter + routed_inter + 2 * residual * hidden
-                                               + (2 - pooled) * tokens * hidden + gathered_kv_grads),
-                               HEAD: chunk_bytes if chunked else 2 * tokens * vocab * FP32_BYTES}
+        self.backward_bytes = {EMBEDDING: 0, NORM: 0, HEAD: chunk_bytes if chunked else 2 * tokens * vocab * FP32_BYTES,
+                               **{kind: decoder.backward_bytes for kind, decoder in decoders.items()}}
         # The last stage's output, which the engine holds (below): the logits, or the chunked loss's input.
         self.last_output_bytes = residual * hidden * act if chunked else tokens * vocab * act
         # A micro-batch waiting for its W (zero-bubble schedule) keeps each deferred linear layer's input and output
-        # gradient (models/weight_grads.py), checkpointed or not: a decoder's q/k/v and gate/up inputs (gathered),
-        # o_proj's and down_proj's inputs, q, k, v, gate and up's output gradients, and o_proj's and down_proj's
-        # (all tokens, before the row-parallel reduction); an MoE layer's router and experts instead of gate, up
-        # and down, and its shared expert's as those; the logits head's input and its logits-sized gradient (the
+        # gradient (a decoder's: planner/decoder_costs.py); the logits head's input and its logits-sized gradient (the
         # chunked loss's head leaves no W: models/loss.py).
-        attention_w = act * (gathered * hidden + tokens * (2 * q_width + 2 * kv_width + hidden))
-        mlp_w = act * (gathered * hidden + tokens * (3 * inter + hidden)) if inter else 0
-        if moe:  # the shared expert keeps the router's input, unless it keeps the gathered tokens instead
-            mlp_w += moe_weight_grad_bytes(moe, residual, hidden, act, bool(inter) and gathered == residual)
         self.weight_grad_bytes = {
-            EMBEDDING: 0, NORM: 0, DECODER: attention_w + mlp_w,
-            HEAD: 0 if chunked else act * (gathered * hidden + tokens * vocab)}
+            EMBEDDING: 0, NORM: 0, HEAD: 0 if chunked else act * (gathered * hidden + tokens * vocab),
+            **{kind: decoder.weight_grad_bytes for kind, decoder in decoders.items()}}
         # One hidden-states tensor: a stage boundary, a checkpoint input.
         self.hidden_bytes = residual * hidden * act
         # Sequence parallelism's pool, once per stage: the buffer every column group sums its input gradient into,
@@ -206,7 +143,7 @@ class LayerCosts:
         # One mask per sliding window shorter than the sequence, and one for the layers without when rows hold
         # padding or packed documents (models/llama.py StageAttentionInputs).
         # A window's mask over rows of one document each is one row's, shared by the micro-batch's rows.
-        windows = {w if w and w < workload.seq_length else None for w in architecture.sliding_windows}
+        windows = {w if w and w < workload.seq_length else None for w in architecture_of(config).sliding_windows}
         rows = workload.micro_batch_size if workload.document_masks else 1
         full_masks = workload.micro_batch_size if None in windows and workload.document_masks else 0
         masks = len(windows - {None}) * rows + full_masks
@@ -224,7 +161,7 @@ class LayerCosts:
         if interval == 0:
             return [(kinds, False)]
         runs = [kinds[i:i + interval] for i in range(0, len(kinds), interval)]
-        return [(run, all(kind == DECODER for kind in run)) for run in runs]
+        return [(run, all(kind in DECODERS for kind in run)) for run in runs]
 
     def stage_flops(self, kinds):
         flops = 0
@@ -265,9 +202,10 @@ class LayerCosts:
             persistent += self.hidden_bytes
         else:  # DeepSpeed never frees the last stage's outputs: each of its two buffers keeps one until reused
             persistent += min(2, self.workload.micro_batches) * self.last_output_bytes
-        if DECODER in kinds or HEAD in kinds:  # column-parallel groups use the stage's pool
+        decoders = any(kind in DECODERS for kind in kinds)
+        if decoders or HEAD in kinds:  # column-parallel groups use the stage's pool
             persistent += self.pool_bytes
-        if DECODER in kinds:
+        if decoders:
             persistent += self.context_mask_bytes
             per_micro_batch += self.document_mask_bytes
         waiting_bytes = waiting * sum(self.weight_grad_bytes[kind] for kind in kinds)
@@ -374,14 +312,14 @@ def stage_plan(config, bounds, workload):
         return chunked_stage_plan(config, bounds, workload)
     num_stages = len(bounds) - 1
     model = StageCostModel(config, workload, num_stages)
-    kinds_of = layer_kinds(config.num_hidden_layers)
+    kinds_of = layer_kinds(config)
     rows = []
     for stage in range(num_stages):
         start, stop = bounds[stage], bounds[stage + 1]
         kinds = kinds_of[start:stop]
         state = model.layers.stage_state_bytes(kinds)
         rows.append({
-            "stage": stage, "layers": (start, stop), "chunks": [(start, stop)], "decoder_layers": kinds.count(DECODER),
+            "stage": stage, "layers": (start, stop), "chunks": [(start, stop)], "decoder_layers": decoder_count(kinds),
             "parameters": model.layers.stage_parameters(kinds),
             "tflops_per_micro_batch": model.layers.stage_flops(kinds) / 1e12,
             **{f"{name}_bytes": value for name, value in state.items()},
@@ -407,7 +345,7 @@ def chunked_stage_plan(config, bounds, workload):
     per_rank = chunks_per_rank(workload.pipeline_schedule, workload.virtual_stages)
     num_stages = (len(bounds) - 1) // per_rank
     model = StageCostModel(config, workload, num_stages)
-    kinds_of = layer_kinds(config.num_hidden_layers)
+    kinds_of = layer_kinds(config)
     rows = []
     for rank in range(num_stages):
         chunks = [(bounds[chunk], bounds[chunk + 1]) for chunk in chunk_ids(workload.pipeline_schedule, num_stages,
@@ -421,7 +359,7 @@ def chunked_stage_plan(config, bounds, workload):
         step = model.layers.stage_step_bytes(kinds)
         buffers = model.layers.stage_buffer_bytes()
         rows.append({
-            "stage": rank, "layers": chunks[0], "chunks": chunks, "decoder_layers": kinds.count(DECODER),
+            "stage": rank, "layers": chunks[0], "chunks": chunks, "decoder_layers": decoder_count(kinds),
             "parameters": model.layers.stage_parameters(kinds),
             "tflops_per_micro_batch": model.layers.stage_flops(kinds) / 1e12,
             **{f"{name}_bytes": value for name, value in state.items()},
@@ -435,6 +373,10 @@ def chunked_stage_plan(config, bounds, workload):
             "compute": model.compute(kinds),
         })
     return rows
+
+
+def decoder_count(kinds):
+    return sum(kind in DECODERS for kind in kinds)
 
 
 def layer_ranges(row):

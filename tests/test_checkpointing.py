@@ -194,7 +194,7 @@ def test_every_file_complete_names_is_fsynced_before_complete_is_written(tmp_pat
     written.update(write_job([(str(tag_dir / "layer_02-model_states.pt"), {"weight": torch.zeros(2)}, True)]))
     torch.save({}, rng_state_path(str(tag_dir), 0))
     written[rng_state_path(str(tag_dir), 0)] = durable_checksum(rng_state_path(str(tag_dir), 0))
-    cfg = OmegaConf.create({"tokenizer_name_or_path": None})
+    cfg = OmegaConf.create({"tokenizer_name_or_path": None, "model_name_or_path": str(model_dir)})
     write_side_files_and_complete(cfg, str(model_dir), str(tag_dir), {"step": 2},
                                   [{os.path.relpath(p, tag_dir): c for p, c in written.items()}])
     complete_at = events.index(("replace", str(tag_dir / "COMPLETE")))

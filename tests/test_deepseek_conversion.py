@@ -178,3 +178,34 @@ def test_scales_of_the_wrong_grid_are_refused_naming_them(tmp_path):
     edit_json(hf_dir / "config.json", lambda c: c["quantization_config"].update(weight_block_size=[16, 16]))
     with pytest.raises(ValueError, match=r"_scale_inv has shape \(\d+, \d+\), but .* in blocks of \[16, 16\]"):
         convert_hf_to_ds(str(hf_dir), str(tmp_path / "ds"))
+
+
+@pytest.mark.parametrize("linked", [True, False], ids=["hard_link", "copy"])
+def test_a_training_checkpoint_carries_the_mtp_layers_of_its_base(tmp_path, monkeypatch, linked):
+    """checkpoints/saving.py: the converted base's mtp_layers.safetensors into a training checkpoint's tag directory,
+    a hard link, or a copy where the filesystem takes none; the checksum in its manifest is the base's (the same
+    bytes), which verification then checks against the file."""
+    import errno
+    from omegaconf import OmegaConf
+
+    from checkpoints.integrity import read_manifest, verify_files
+    from checkpoints.saving import write_side_files_and_complete
+    config = tiny_config("deepseek_v3", 1)
+    make_model(config, tmp_path / "hf")
+    with_mtp_shard(str(tmp_path / "hf"), mtp_tensors(config))
+    convert_hf_to_ds(str(tmp_path / "hf"), str(tmp_path / "ds"))
+    base = tmp_path / "ds" / "global_step0" / MTP_FILE_NAME
+    if not linked:
+        def no_link(src, dst):
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        monkeypatch.setattr(os, "link", no_link)
+    tag_dir = tmp_path / "run" / "global_step2"
+    tag_dir.mkdir(parents=True)
+    (tag_dir / "IN_PROGRESS").write_text("save")
+    cfg = OmegaConf.create({"tokenizer_name_or_path": None, "model_name_or_path": str(tmp_path / "ds")})
+    write_side_files_and_complete(cfg, str(tmp_path / "ds"), str(tag_dir), {"step": 2}, [{}])
+    carried = tag_dir / MTP_FILE_NAME
+    assert carried.read_bytes() == base.read_bytes()
+    assert os.path.samefile(carried, base) == linked
+    assert read_manifest(str(tag_dir))[MTP_FILE_NAME] == read_manifest(str(base.parent))[MTP_FILE_NAME]
+    assert verify_files(str(tag_dir), [MTP_FILE_NAME]) == []  # the base's checksum is the carried file's

@@ -37,6 +37,16 @@ FAMILIES = list(MOE_CONFIGS)
 def pipeline_in_one_process(config, hf_model, chunk_tokens):
     """The pipeline's layers built from config, holding hf_model's weights, run one after the other on a padded
     batch: (their loss, {HF name: gradient}) and transformers' (outputs, {HF name: gradient})."""
+    input_ids, attention_mask, labels = batch = make_batch(2, 16, config.vocab_size, seed=1)
+    loss, grads, _ = pipeline_loss_and_grads(config, hf_model, batch, chunk_tokens)
+    outputs = hf_model(input_ids, attention_mask=attention_mask, labels=labels)
+    outputs.loss.backward()
+    return loss, grads, outputs, {name: param.grad for name, param in hf_model.named_parameters()}
+
+
+def pipeline_loss_and_grads(config, hf_model, batch, chunk_tokens):
+    """The pipeline's layers built from config, holding hf_model's weights, run one after the other on batch
+    ((input_ids, attention_mask, labels)): (their loss, {HF name: gradient}, the loss's LoadBalancingLoss)."""
     layers = [spec.build() for spec in build_pipeline_layers(config, chunked_loss=chunk_tokens > 0)]
     state = {}
     for name, tensor in hf_model.state_dict().items():
@@ -45,23 +55,17 @@ def pipeline_in_one_process(config, hf_model, chunk_tokens):
     for index, layer in enumerate(layers):
         if index in state:
             layer.load_state_dict(state[index])
-    input_ids, attention_mask, labels = make_batch(2, 16, config.vocab_size, seed=1)
-    x = (input_ids, attention_mask, torch.arange(16).expand_as(input_ids))
+    input_ids, attention_mask, labels = batch
+    x = (input_ids, attention_mask, torch.arange(input_ids.shape[1]).expand_as(input_ids))
     for layer in layers[:-1]:
         x = layer(x)
     x = lm_head(layers[0], x, chunk_tokens > 0) if config.tie_word_embeddings else layers[-1](x)
-    loss = CausalLMLoss(chunk_tokens=chunk_tokens, router=LoadBalancingLoss(config))(x, labels)
+    loss_fn = CausalLMLoss(chunk_tokens=chunk_tokens, router=LoadBalancingLoss(config))
+    loss = loss_fn(x, labels)
     loss.backward()
-    grads = {}
-    for index, layer in enumerate(layers):
-        for key, param in layer.named_parameters():
-            grads[(index, key)] = param.grad
-    outputs = hf_model(input_ids, attention_mask=attention_mask, labels=labels)
-    outputs.loss.backward()
-    located = {name: layer_of_hf_name(name, config.num_hidden_layers, config.tie_word_embeddings)
-               for name, _ in hf_model.named_parameters()}
-    return loss, {name: grads[where] for name, where in located.items()}, outputs, \
-        {name: param.grad for name, param in hf_model.named_parameters()}
+    grads = {(index, key): param.grad for index, layer in enumerate(layers) for key, param in layer.named_parameters()}
+    return loss, {name: grads[layer_of_hf_name(name, config.num_hidden_layers, config.tie_word_embeddings)]
+                  for name, _ in hf_model.named_parameters()}, loss_fn.router
 
 
 @pytest.mark.parametrize("chunk_tokens", [0, 7], ids=["logits", "chunked"])
@@ -228,11 +232,10 @@ def test_activation_model_counts_what_an_moe_layer_saves(dtype, precision, famil
 
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "deepseek_v3", "glm4_moe"])
 def test_weight_grad_model_counts_what_an_moe_layer_leaves_to_w(dtype, precision, family):
     """The planner's bytes a micro-batch waiting for W keeps of a sparse layer (planner/moe_costs.py
-    moe_weight_grad_bytes, with the attention's and a shared expert's) are what the zero-bubble queue holds.
-    (DeepSeek-V3's latent attention is planned as a dense layer's.)"""
+    moe_weight_grad_bytes, with the attention's and a shared expert's) are what the zero-bubble queue holds."""
     from models.llama import DecoderLayerPipe, StageAttentionInputs
     from models.router_loss import initial_routing, pack_stage
     from models.partition import DECODER
@@ -242,12 +245,16 @@ def test_weight_grad_model_counts_what_an_moe_layer_leaves_to_w(dtype, precision
     from planner.workload import Workload
     from tests.test_partition import queued_tensor_bytes
     batch, seq = 2, 24
-    config = MOE_CONFIGS[family]()
+    config = {**MOE_CONFIGS, **DEEPSEEK_CONFIGS}[family]()
     costs = LayerCosts(config, Workload(seq_length=seq, micro_batch_size=batch, precision=precision))
     parallel = TensorParallel()
     parallel.weight_grads = WeightGradQueue()
-    decoder = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="full"), parallel=parallel,
-                               layer_index=architecture_of(config).sparse_layers.index(True)).to(dtype)
+    torch.set_default_dtype(dtype)  # built in the training dtype as the trainer builds it (DeepSeek's router: fp32)
+    try:
+        decoder = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="full"), parallel=parallel,
+                                   layer_index=architecture_of(config).sparse_layers.index(True))
+    finally:
+        torch.set_default_dtype(torch.float32)
     hidden = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
     mask, positions = torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq)
     output = decoder(pack_stage(hidden, mask, positions, initial_routing(config, "cpu")))[0]
@@ -308,18 +315,24 @@ def test_expert_adapters_are_saved_whole_and_count_in_mfu_as_a_token_runs_throug
 def test_an_moe_stage_takes_no_host_sync(family):
     """Routing, the grouped GEMM (no expert's row count read on the host), the shared expert, the biases and the
     load-balancing loss: no op reads a device value on the host, over three padded micro-batches."""
+    config = MOE_CONFIGS[family]()
+    loss_fn = CausalLMLoss(chunk_tokens=5, router=LoadBalancingLoss(config))
+    assert stage_syncs(config, loss_fn)[0] == []
+    assert loss_fn.router.take_metrics()["aux_loss"] > 1.0  # read once, at logging
+
+
+def stage_syncs(config, loss_fn):
+    """(the host syncs of a stage of the embedding, decoder layers 0 and 1, the final norm and the chunked head with
+    loss_fn over three padded micro-batches (tests/test_host_syncs.py), the micro-batches)."""
     from data.collator import collate_causal_lm
     from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
     from tests.test_host_syncs import SEQ, rows, syncs_of_micro_batches
-    config = MOE_CONFIGS[family]()
     inputs = StageAttentionInputs(config, row_layout="padded")
     layers = [EmbeddingPipe(config), *[DecoderLayerPipe(config, inputs, layer_index=i) for i in range(2)],
               FinalNormPipe(config), LMHeadPipe(config, chunked_loss=True)]
     examples = rows(6, packed=False)
     batches = [collate_causal_lm(examples[k:k + 2], SEQ, pad_id=0) for k in range(0, 6, 2)]
-    loss_fn = CausalLMLoss(chunk_tokens=5, router=LoadBalancingLoss(config))
-    assert syncs_of_micro_batches(layers, loss_fn, batches) == []
-    assert loss_fn.router.take_metrics()["aux_loss"] > 1.0  # read once, at logging
+    return syncs_of_micro_batches(layers, loss_fn, batches), batches
 
 
 # --- checkpoints ---------------------------------------------------------------------------------------------------

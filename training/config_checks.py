@@ -25,6 +25,7 @@ PRECISIONS = tuple(PRECISION_DTYPES)
 SCHEDULERS = ("cosine", "linear", "constant")
 OFFLOAD_DEVICES = ("none", "cpu")
 NAN_POLICIES = ("stop", "skip")
+BALANCING_PAPER_VALUES = {"bias_update_rate": 0.001, "sequence_aux_loss_coef": 0.0001}
 INDEXED_IGNORES = ("packing", "overlong", "cache_dir")  # data keys of tokenizing, which data.format=indexed skips
 
 
@@ -117,10 +118,20 @@ def check_values(cfg):
     if cfg.output_router_logits not in (None, True, False):
         raise ConfigError(f"output_router_logits={cfg.output_router_logits!r} must be true, false or null (null: as "
                           f"the checkpoint's config.json says).")
+    check_balancing(cfg.moe)
     check_token_shard_keys(cfg)
     check_length_buckets(cfg)
     for entry in cfg.eval_tasks:
         EvalTask.from_entry(entry)
+
+
+def check_balancing(moe):
+    """moe.bias_update_rate and moe.sequence_aux_loss_coef: numbers >= 0 (0: off)."""
+    for key in ("bias_update_rate", "sequence_aux_loss_coef"):
+        value = moe[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ConfigError(f"moe.{key}={value!r} must be a number >= 0 (0: off; DeepSeek-V3's paper used "
+                              f"{BALANCING_PAPER_VALUES[key]}).")
 
 
 def check_token_shard_keys(cfg):
@@ -292,13 +303,28 @@ EXPERT_PARALLEL_REFUSED = {
 def moe_model_config(cfg, model_config):
     """The model config a run builds: an MoE model's with output_router_logits set as the run says (null: as its
     config.json does, but under objective=dpo on whenever router_aux_loss_coef is nonzero, as TRL's DPOTrainer
-    asks for the router logits then), after refusing in one line each setting an MoE model is not tested under; a
-    dense model's as it is, where output_router_logits must be null."""
-    if architecture_of(model_config).moe is None:
+    asks for the router logits then) and DeepSeek's sequence-wise loss coefficient (moe.sequence_aux_loss_coef),
+    after refusing in one line each setting an MoE model is not tested under; a dense model's as it is, where
+    output_router_logits must be null. The moe.* keys apply to DeepSeek-V3's router only."""
+    moe = architecture_of(model_config).moe
+    for key, value in cfg.moe.items():
+        if value and not (moe and moe.sigmoid_routing):
+            raise ConfigError(f"moe.{key}={value} applies to DeepSeek-V3's router (deepseek_v3, glm4_moe), and "
+                              f"{model_config.model_type} has {'another router' if moe else 'no router'}; set "
+                              f"moe.{key}=0.")
+    if moe is None:
         if cfg.output_router_logits is not None:
             raise ConfigError(f"output_router_logits={cfg.output_router_logits} asks for the load-balancing loss of a "
                               f"mixture of experts, and {model_config.model_type} has no router; leave it null.")
         return model_config
+    if cfg.moe.bias_update_rate and cfg.lora.rank:
+        raise ConfigError(f"moe.bias_update_rate={cfg.moe.bias_update_rate} with lora.rank={cfg.lora.rank}: the "
+                          f"correction biases belong to the frozen base, which a LoRA checkpoint does not save; set "
+                          f"moe.bias_update_rate=0.")
+    if cfg.moe.sequence_aux_loss_coef and cfg.objective != "sft":
+        raise ConfigError(f"moe.sequence_aux_loss_coef={cfg.moe.sequence_aux_loss_coef} with objective="
+                          f"{cfg.objective}: TRL's preference trainers add transformers' auxiliary loss only, which "
+                          f"these families have none of; set moe.sequence_aux_loss_coef=0.")
     for key, (refused, why) in MOE_REFUSED.items():
         value = OmegaConf.select(cfg, key)
         if refused(value):
@@ -314,4 +340,5 @@ def moe_model_config(cfg, model_config):
         model_config.output_router_logits = cfg.output_router_logits
     elif cfg.objective == "dpo":
         model_config.output_router_logits = bool(getattr(model_config, "router_aux_loss_coef", 0.0))
+    model_config.sequence_aux_loss_coef = float(cfg.moe.sequence_aux_loss_coef)  # the MoE block's (models/moe.py)
     return model_config

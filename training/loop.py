@@ -25,14 +25,16 @@ from checkpoints.state_files import WeightsOnlyCheckpointEngine
 from checkpoints.tag_dirs import clear_previous_run, remove_incomplete_checkpoints
 from data.collator import row_layout
 from data.loader import blend_micro_batches, build_stage_loader, check_identical_across_group, infinite_micro_batches
-from deepspeed_internals.access import (ask_cpuinfo_once, checkpoints_without_expert_files,
+from deepspeed_internals.access import (ask_cpuinfo_once, checkpoints_without_expert_files, parameters_kept_in_fp32,
                                         replace_checkpoint_engine, skip_gradient_allreduce, skip_optimizer_files,
                                         uses_bf16_optimizer)
 from deepspeed_internals.registry import check_deepspeed_internals
 from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
+from models.sigmoid_router import FP32_MARKER
 from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan, snapshot_bytes_of_ranks
 from training.deepspeed_config import accumulation_warning, deepspeed_config
+from training.expert_balance import CorrectionBiasBalancing
 from cluster.distributed import (check_devices, elastic_restart_error, init_distributed, log_rank0, node_ranks,
                                   parallel_topology, set_threads_per_process, set_up_flight_recorder)
 from evaluation.eval_set import evaluate
@@ -85,13 +87,14 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
     ds_config, monitors = deepspeed_config(cfg, total_steps)
     if cfg.offload_optimizer == "cpu":
         ask_cpuinfo_once()
-    params = [p for p in module.parameters() if p.requires_grad]
+    params, kept_in_fp32 = trained_parameter_groups(module)
     optimizer = None
     if cfg.nan_policy == "skip":
         optimizer = skipping_optimizer(cfg, params)
         ds_config.pop("optimizer")
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, optimizer=optimizer,
-                                           config=ds_config)
+    with parameters_kept_in_fp32(kept_in_fp32):
+        engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, optimizer=optimizer,
+                                               config=ds_config)
     use_fp32_clipping(engine, module.experts)
     use_expert_parallel_norm(engine, module.experts)
     checkpoints_without_expert_files(engine)  # the layer files hold the experts (models/pipeline.py)
@@ -113,6 +116,20 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
     else:
         use_one_backward(engine)
     return engine, monitors
+
+
+def trained_parameter_groups(module):
+    """(the optimizer's parameter groups, the parameters kept in fp32 whatever the precision: those transformers
+    keeps in fp32, models/sigmoid_router.py FP32_MARKER, DeepSeek-V3's router, frozen under LoRA or not). The trained
+    ones form a group of their own, whose flat partitions, master weights and gradients stay fp32 beside the others'
+    in the training dtype."""
+    kept = [p for p in module.parameters() if getattr(p, FP32_MARKER, False)]
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not any(p.requires_grad for p in kept):
+        return params, kept
+    # named, as DeepSpeed's expert parameter groups (expert parallelism) need
+    return [{"params": [p for p in params if not getattr(p, FP32_MARKER, False)], "name": "params"},
+            {"params": [p for p in kept if p.requires_grad], "name": "kept_in_fp32"}], kept
 
 
 def prepare_output_dir(spec):
@@ -298,6 +315,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
     profile = (StepProfile(engine, cfg.output_dir, dist.get_rank(), planned_stage_tflops(spec, engine.stage_id))
                if cfg.profile else NoProfile())
     stragglers = StragglerWatch(engine, cfg.straggler_margin)
+    balancing = CorrectionBiasBalancing(engine, cfg.moe.bias_update_rate) if cfg.moe.bias_update_rate else None
     background = BackgroundSave() if cfg.async_save else None
     if background:
         add_instruction_listener(engine, background)  # the optimizer step waits for the snapshot's copy
@@ -318,6 +336,8 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
             use_sequence_length(engine, totals.width)
             with token_mean_loss(engine, totals.units):
                 loss = float(engine.train_batch(iter(micro_batches)))
+            if balancing:  # DeepSeek-V3's correction biases, after the optimizer step
+                balancing.step(updated=math.isfinite(loss))
         else:
             loss, unlabelled = None, unlabelled + 1
             log_rank0(f"step {step}: the global batch has no labelled token (every label is -100): no update")

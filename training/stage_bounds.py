@@ -1,10 +1,10 @@
 """The stage bounds a config's `partition` gives a workload: a method name or a list of decoder layers per stage (or
 per chunk, under a schedule with several chunks per rank), checked against the model's decoder layers."""
-from models.partition import decoder_counts_of_bounds
+from models.partition import decoder_counts_of_bounds, decoder_kinds
 from models.pipeline import partition_stages
 from schedules.rules import chunks_per_rank
 from planner.chunk_balance import balanced_chunk_counts
-from planner.measured_costs import measured_stage_cost
+from planner.measured_costs import measured_stage_cost, uses_measured_costs
 from planner.stage_costs import StageCostModel
 from errors import ConfigError
 
@@ -17,6 +17,10 @@ def configured_stage_bounds(cfg, model_config, workload, units=None):
     partition = cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
     chunks = cfg.num_stages * chunks_per_rank(cfg.pipeline_schedule, cfg.virtual_stages)
     check_chunk_count(cfg, chunks, model_config.num_hidden_layers, partition)
+    if uses_measured_costs(cfg) and len(set(decoder_kinds(model_config))) > 1:
+        raise ConfigError(f"partition_costs={cfg.partition_costs} times one decoder layer, and "
+                          f"{model_config.model_type}'s are of two kinds (dense and sparse); set "
+                          f"partition_costs=flops.")
     cost = None
     if partition == "balanced" and chunks == cfg.num_stages:
         model = StageCostModel(model_config, workload, cfg.num_stages, cfg.device_memory_gb * 2**30)

@@ -1,0 +1,170 @@
+"""What one decoder layer costs on one rank per micro-batch, for each kind of decoder layer a model has
+(models/partition.py decoder_kinds: all alike, or a mixture of experts' dense layers apart from its sparse ones):
+its parameters, its training FLOPs, what it keeps for backward, its backward's workspace, and what a micro-batch
+waiting for its weight gradients keeps. planner/stage_costs.py builds stages from them, as its docstring describes
+(tensor, sequence and context parallelism, checkpointing, schedules).
+
+Attention is grouped-query (models/llama.py) or multi-head latent (models/latent_attention.py, MLA). What MLA keeps
+for backward: the layer's normed input (its share of the tokens: the latent projections run on this rank's
+tokens), each latent norm's fp32 input, inverse RMS and normed output, the latents as the head projections take
+them (gathered under sequence parallelism), the queries and keys of this rank's heads, the keys' and values'
+expansion (the values are a view of it), the attention output and the kernel's log-sum-exp: what the CUDA kernels
+SDPA picks keep (memory-efficient or cuDNN attention, which take a value width other than the query's; flash's
+layout of the output, which o_proj reads as a view). The latent (kv_lora_rank + qk_rope_head_dim a token) is what
+crosses the tensor- and context-parallel groups, not what backward keeps: the expanded keys and values are kept, as
+SDPA's backward needs them. On the CPU, whose flash kernel takes one width, SDPA falls back to its math path
+instead, which keeps the scores.
+"""
+from models.llama import architecture_of, head_dim_of
+from models.lora import adapter_parameter_count
+from models.partition import decoder_parameter_split, expert_parameters, mean_attended_keys
+from planner.moe_costs import eager_attention_extra_bytes, moe_saved_bytes, moe_weight_grad_bytes
+from planner.training_state import FP32_BYTES
+
+
+class DecoderCosts:
+    """The costs of decoder layer `layer` (and of every layer of its kind) for one micro-batch of a workload; every
+    figure is one rank's."""
+
+    def __init__(self, config, workload, layer):
+        self.config, self.workload = config, workload
+        architecture = architecture_of(config)
+        self.latent = architecture.latent_attention
+        t = workload.tensor_parallel
+        tokens, residual, gathered = workload.tokens, workload.residual_tokens, workload.gathered_input_tokens
+        hidden, act = config.hidden_size, workload.activation_bytes
+        # this rank's query features, the keys' and values' it holds per token (MLA: its heads' keys), and the
+        # values' its queries attend over (QK^T and PV: the FLOPs)
+        self.heads = config.num_attention_heads // t
+        if self.latent:
+            self.q_width = self.kv_width = self.heads * (config.qk_nope_head_dim + config.qk_rope_head_dim)
+            self.value_width = self.heads * config.v_head_dim
+        else:
+            self.q_width = self.value_width = config.num_attention_heads * head_dim_of(config) // t
+            self.kv_width = (config.num_key_value_heads or config.num_attention_heads) * head_dim_of(config) // t
+        sparse = architecture.sparse_layers[layer]
+        moe = architecture.moe if sparse else None
+        inter = moe.shared_expert_size // t if moe else config.intermediate_size // t
+        self.inter = inter
+        sharded, replicated = decoder_parameter_split(config, layer)
+        active_sharded, active_replicated = decoder_parameter_split(config, layer, active=True)
+        lora = workload.lora
+        self.adapters = adapter_parameter_count(config, lora, t, layer_index=layer)
+        # Under expert parallelism this rank's slice of the experts, whose optimizer state ZeRO-1 shards over the
+        # dp / ep ranks holding them (models/expert_parallel.py), as much per rank as every expert's over all dp ranks.
+        experts = moe.num_experts * expert_parameters(moe, hidden) if moe else 0
+        self.experts_not_held = experts - experts // workload.expert_parallel
+        self.parameters = sharded // t + replicated - self.experts_not_held + self.adapters
+        self.largest_tensor = max(hidden * max(inter, self.q_width), self.latent_largest_tensor(),
+                                  2 * moe.num_experts * moe.expert_size * hidden // workload.expert_parallel
+                                  if moe else 0)
+        # Matmuls: 2 FLOPs per weight per token; causal attention: QK^T and PV over half the seq x seq scores
+        # (fewer under sliding windows: the layers' mean). Norms and row-parallel biases (counted the same way), and
+        # MLA's latent projections, run on the residual stream's tokens.
+        keys = mean_attended_keys(config, workload.seq_length)
+        self.matmul_flops = 2 * tokens * (active_sharded // t) + 2 * residual * active_replicated
+        self.forward_flops = (self.matmul_flops + round(2 * tokens * keys * (self.q_width + self.value_width))
+                              + 2 * tokens * self.adapters)
+        # 8 hidden-sized and 4 intermediate-sized tensors in the activation dtype, the two norms' fp32 inputs and
+        # inverse RMS, and attention's (attention_saved_bytes). Of the hidden-sized ones, the norms' normalised
+        # outputs are on the residual stream's tokens, the inputs of the column-parallel groups (q/k/v, gate/up) on
+        # the gathered tokens.
+        self.saved_bytes = (act * (2 * residual * hidden + gathered * hidden + 4 * tokens * inter)
+                            + FP32_BYTES * residual * (2 * hidden + 2) + self.attention_saved_bytes())
+        if architecture.norm_scale_in_fp32:  # OLMo 2's and GPT-OSS's layer norms keep an fp32 normalised output
+            self.saved_bytes += 2 * residual * hidden * (FP32_BYTES - act)
+        if moe:
+            self.saved_bytes += moe_saved_bytes(moe, residual, hidden, act)
+        if architecture.attention_sinks:
+            self.saved_bytes += eager_attention_extra_bytes(workload, self.heads, self.q_width, self.kv_width, act)
+        # LoRA keeps each adapter's rank-wide h (gathered for a column-parallel group) and, with dropout, its
+        # dropped input and mask; the frozen projections' own inputs stay kept, for the adapters' A gradients.
+        if lora.enabled:
+            widths = {"q_proj": hidden, "k_proj": hidden, "v_proj": hidden, "o_proj": self.value_width,
+                      "gate_proj": hidden, "up_proj": hidden, "down_proj": inter, "q_a_proj": hidden,
+                      "kv_a_proj_with_mqa": hidden, "q_b_proj": getattr(config, "q_lora_rank", None) or 0,
+                      "kv_b_proj": getattr(config, "kv_lora_rank", 0)}  # MLA's projections: their inputs
+            self.saved_bytes += sum(act * tokens * lora.rank + (tokens * widths[name] * (act + 1) if lora.dropout
+                                                                 else 0) for name in lora.target_modules)
+        # Gradients alive at once while the layer runs backward: its MLP and residual stream (two on this rank's
+        # residual tokens, two on all tokens: a column group's input gradient, in the pool under sequence
+        # parallelism, and a row-parallel output's gathered gradient); context parallelism adds the whole
+        # sequence's key and value gradients (this rank's heads).
+        pooled = 1 if workload.splits_sequence else 0
+        gathered_kv_grads = 2 * workload.key_value_tokens * self.kv_width if workload.context_parallel > 1 else 0
+        routed_inter = moe.top_k * residual * 2 * moe.expert_size if moe else 0  # a token's k experts' gate_up
+        self.backward_bytes = act * (2 * tokens * inter + routed_inter + 2 * residual * hidden
+                                     + (2 - pooled) * tokens * hidden + gathered_kv_grads)
+        # A micro-batch waiting for its W (zero-bubble schedule) keeps each deferred linear layer's input and output
+        # gradient (models/weight_grads.py), checkpointed or not: gate/up's input (gathered), down_proj's input,
+        # gate, up and down's output gradients (all tokens, before the row-parallel reduction), and attention's; a
+        # sparse layer's MLP is its shared expert (if any), its router and its experts (the shared expert keeps the
+        # router's input, unless it keeps the gathered tokens instead).
+        self.weight_grad_bytes = ((act * (gathered * hidden + tokens * (3 * inter + hidden)) if inter else 0)
+                                  + self.attention_weight_grad_bytes())
+        if moe:
+            self.weight_grad_bytes += moe_weight_grad_bytes(moe, residual, hidden, act,
+                                                            bool(inter) and gathered == residual)
+
+    def latent_largest_tensor(self):
+        """MLA's largest projection weight on this rank (0 for grouped-query attention)."""
+        if not self.latent:
+            return 0
+        config, hidden = self.config, self.config.hidden_size
+        return max(self.value_width * hidden,  # o_proj
+                   config.kv_lora_rank * self.heads * (config.qk_nope_head_dim + config.v_head_dim),  # kv_b_proj
+                   (config.q_lora_rank or hidden) * self.q_width,  # q_b_proj, or q_proj
+                   hidden * (config.kv_lora_rank + config.qk_rope_head_dim),  # kv_a_proj_with_mqa
+                   hidden * (config.q_lora_rank or 0))  # q_a_proj
+
+    def attention_saved_bytes(self):
+        """What attention keeps for backward beyond its input. Grouped-query: q (this rank's heads) and its output
+        (o_proj's input, a view of it), k and v (this rank's key/value heads; SDPA's enable_gqa: not copied per
+        query head; over the whole sequence under context parallelism), the kernel's log-sum-exp per head, and the
+        q/k/v group's gathered input. MLA: the module docstring's list."""
+        workload, config, act = self.workload, self.config, self.workload.activation_bytes
+        tokens, residual, gathered = workload.tokens, workload.residual_tokens, workload.gathered_input_tokens
+        architecture = architecture_of(config)
+        if not self.latent:
+            saved = (act * (gathered * config.hidden_size + 2 * tokens * self.q_width
+                            + 2 * workload.key_value_tokens * self.kv_width) + FP32_BYTES * tokens * self.heads)
+            # Qwen3's per-head and OLMo 2's whole-projection q/k norms (on all tokens, this rank's heads) keep their
+            # fp32 input and inverse RMS (per head, per token), and Qwen3's its normalised output, OLMo 2's its fp32
+            # scaled one (OLMoE's scales after the cast: in the activation dtype).
+            qk_width = self.q_width + self.kv_width
+            if architecture.qk_norm == "head":
+                saved += tokens * ((FP32_BYTES + act) * qk_width + FP32_BYTES * (qk_width // head_dim_of(config)))
+            elif architecture.qk_norm == "projection":
+                scaled_bytes = FP32_BYTES if architecture.norm_scale_in_fp32 else act
+                saved += tokens * ((FP32_BYTES + scaled_bytes) * qk_width + 2 * FP32_BYTES)
+            return saved
+        kv_rank, rope, q_rank = config.kv_lora_rank, config.qk_rope_head_dim, config.q_lora_rank or 0
+        # each latent norm's fp32 input (in fp32 the projection's output itself: the key latent's with the rotary
+        # part), inverse RMS and normed output
+        norms = residual * (FP32_BYTES * (kv_rank + (rope if act == FP32_BYTES else 0) + 1) + act * kv_rank)
+        if q_rank:
+            norms += residual * (FP32_BYTES * (q_rank + 1) + act * q_rank)
+        # q_proj's own gathered input, where sequence parallelism gathers one (the latent projections' is the share)
+        q_input = gathered * config.hidden_size if not q_rank and workload.splits_sequence else 0
+        heads = self.heads
+        core = tokens * heads * (2 * (config.qk_nope_head_dim + rope) + config.qk_nope_head_dim
+                                 + 2 * config.v_head_dim)  # q, k, the expansion (v's storage), the output
+        return (act * (residual * config.hidden_size + q_input + gathered * (q_rank + kv_rank + rope) + core)
+                + norms + FP32_BYTES * tokens * heads)
+
+    def attention_weight_grad_bytes(self):
+        """What attention's deferred weight gradients keep (models/weight_grads.py): grouped-query, q/k/v's gathered
+        input and output gradients, o_proj's input and output gradient; MLA, the latent projections' input (this
+        rank's share) and output gradients, the head projections' latent input (gathered) and output gradients,
+        o_proj's."""
+        workload, config, act = self.workload, self.config, self.workload.activation_bytes
+        tokens, residual, gathered, hidden = (workload.tokens, workload.residual_tokens,
+                                              workload.gathered_input_tokens, config.hidden_size)
+        if not self.latent:
+            return act * (gathered * hidden + tokens * (2 * self.q_width + 2 * self.kv_width + hidden))
+        kv_rank, rope, q_rank = config.kv_lora_rank, config.qk_rope_head_dim, config.q_lora_rank or 0
+        q_input = gathered * hidden if not q_rank and workload.splits_sequence else 0
+        latents = (residual * hidden + q_input + residual * (q_rank + kv_rank + rope)
+                   + gathered * (q_rank + kv_rank + rope))
+        heads = self.heads * (config.qk_nope_head_dim + rope + config.qk_nope_head_dim + 2 * config.v_head_dim)
+        return act * (latents + tokens * (heads + hidden))

@@ -1,0 +1,44 @@
+"""DeepSeek-V3's auxiliary-loss-free balancing in training (moe.bias_update_rate): after each optimizer step, every
+MoE layer's expert loads over the global batch move its router's e_score_correction_bias towards balance
+(models/sigmoid_router.py balanced_correction_bias). transformers implements the forward only; a rate of 0 keeps the
+checkpoint's bias, frozen, as it does.
+
+The loads are what the loss already receives (models/router_loss.py): every sparse layer's top-k counts of the real
+tokens travel in the tuple between stages to the last stage, which adds each training micro-batch's on the device
+(its tensor-parallel group's whole tokens; counted once per micro-batch, whatever activation checkpointing recomputes,
+because the loss runs once). After the step one all-reduce over every rank, to which one rank of each last stage's
+tensor-parallel group gives its sums, hands every rank the global batch's loads of every layer (every data-parallel
+rank, every micro-batch); each rank then moves the biases of its own sparse layers, the same on every replica. No
+host sync: the counts stay on the device, and the update is a device op. The bias is a buffer of its layer, saved,
+resumed and exported with it.
+"""
+import torch
+
+import collectives
+from models.llama import DecoderLayerPipe
+from models.sigmoid_router import balanced_correction_bias
+
+
+class CorrectionBiasBalancing:
+    def __init__(self, engine, rate):
+        self.rate = rate
+        self.loss = engine.module.loss_fn.router
+        self.loss.counts_step_loads = True
+        self.routers = [(layer.sparse_row, layer.mlp.gate) for layer in engine.module.forward_funcs
+                        if isinstance(layer, DecoderLayerPipe) and layer.sparse]
+        # the loads of a last stage's tensor-parallel group are the whole micro-batches' on each of its ranks
+        self.gives_loads = engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0
+
+    @torch.no_grad()
+    def step(self, updated=True):
+        """After a step's optimizer step: every sparse layer's bias moved by the step's loads (a collective); with
+        updated=False (a step skipped as not finite, alike on every rank) the loads are dropped and the biases stay."""
+        loads = self.loss.take_step_loads()
+        if not updated:
+            return
+        if not self.gives_loads:
+            loads.zero_()
+        collectives.all_reduce(loads)
+        for row, router in self.routers:
+            bias = router.e_score_correction_bias
+            bias.copy_(balanced_correction_bias(bias, loads[row], self.rate))
