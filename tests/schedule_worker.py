@@ -71,6 +71,7 @@ def read_config(hf_dir):
 
 def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     config = copy.deepcopy(read_config(case["hf_dir"]))
+    config.update(case.get("model_config", {}))  # a run's settings the model reads from its config
     num_stages, tensor_parallel = case["stages"], case.get("tensor_parallel", 1)
     objective = PreferenceSettings(case.get("objective", "sft"))
     virtual_stages = case.get("virtual_stages") if schedule == "interleaved_1f1b" else None

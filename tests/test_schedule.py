@@ -441,7 +441,9 @@ MOE_CASES = {
     "moe_qwen2_moe_tp2": ("qwen2_moe", dict(MOE, tensor_parallel=2)),
     "moe_olmoe_2dp_ep2_bf16_fp32_accumulation": ("olmoe", dict(MOE, expert_parallel=2, deepspeed=BF16_ZERO1)),
     "moe_gpt_oss_tp2": ("gpt_oss", dict(MOE, tensor_parallel=2)),
-    "moe_deepseek_v3_2dp": ("deepseek_v3", MOE),
+    # DeepSeek-V3's sequence-wise balance loss (moe.sequence_aux_loss_coef): its per-layer sums in the tuple's
+    # floating slot, as the load-balancing loss's probability sums
+    "moe_deepseek_v3_2dp_sequence_loss": ("deepseek_v3", dict(MOE, model_config={"sequence_aux_loss_coef": 0.1})),
     "moe_glm4_moe_2dp": ("glm4_moe", MOE),
     # DPO (the load-balancing loss added as TRL adds it) with LoRA on the attention and, as peft reads Qwen3-MoE's
     # gate/up/down, on the experts (their adapters' gradients in B: models/weight_grads.py parameter_or_view)
