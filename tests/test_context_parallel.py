@@ -81,7 +81,7 @@ def context_parity_worker(rank, checkpoints, datasets, out_dir):
         replica, replicas = module.context.replica(engine.grid.data_parallel_id,
                                                    engine.grid.get_data_parallel_world_size())
         train_loss = float(engine.train_batch(micro_batches(rows, replicas, replica, module.context)))
-        ref_loss, train_ref, ref_grads = references[f"{data}/{name}"]
+        ref_loss, _, ref_grads, train_ref = references[f"{data}/{name}"]
         grad_errors = gradient_errors(module, optimizer.recorded, ref_grads, config.num_hidden_layers, engine)
         results[f"{data}/{name}"] = {"eval_loss": eval_loss, "ref_loss": ref_loss, "train_loss": train_loss,
                          "train_ref": train_ref, "grad_errors": grad_errors, "context_rank": module.context.rank}

@@ -57,9 +57,9 @@ def hf_loss_sum_and_count(model, ids, labels):
 
 
 def hf_reference(hf_dir, rows, num_micro_batches):
-    """Token-weighted loss over every document of `rows` (twice: the loss, and the cross-entropy perplexity is of)
-    and the gradients of the training objective (the mean over the first num_micro_batches micro-batches of their
-    token-weighted mean), each document run alone."""
+    """(token-weighted loss over every document of `rows`, the cross-entropy its perplexity is of (the same for a
+    dense model), the gradients of the training objective (the mean over the first num_micro_batches micro-batches of
+    their token-weighted mean), that objective), each document run alone."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -79,7 +79,8 @@ def hf_reference(hf_dir, rows, num_micro_batches):
         objective = objective + sum(sums) / sum(counts)
     objective = objective / num_micro_batches
     objective.backward()
-    return eval_loss, eval_loss, split_fused({n: p.grad for n, p in model.named_parameters()}, model.config)
+    grads = split_fused({n: p.grad for n, p in model.named_parameters()}, model.config)
+    return eval_loss, eval_loss, grads, objective.item()
 
 
 def flattened(rows):
@@ -92,9 +93,9 @@ def flattened(rows):
 
 def hf_moe_reference(hf_dir, rows, num_micro_batches):
     """A mixture of experts on 2 stages (one replica): the token-weighted outputs.loss (cross-entropy plus the
-    load-balancing term) over the eval micro-batches of `rows`, their token-weighted cross-entropy, and the
-    gradients of the training objective (the mean of the first num_micro_batches micro-batches' outputs.loss), each
-    micro-batch's documents flattened into one row."""
+    load-balancing term) over the eval micro-batches of `rows`, their token-weighted cross-entropy, the gradients of
+    the training objective (the mean of the first num_micro_batches micro-batches' outputs.loss) and that objective,
+    each micro-batch's documents flattened into one row."""
     import torch
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
@@ -111,8 +112,8 @@ def hf_moe_reference(hf_dir, rows, num_micro_batches):
         if index < num_micro_batches:
             objective = objective + outputs.loss / num_micro_batches
     objective.backward()
-    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item(), \
-        {n: p.grad for n, p in model.named_parameters()}
+    return ((totals[0] / totals[2]).item(), (totals[1] / totals[2]).item(),
+            {n: p.grad for n, p in model.named_parameters()}, objective.item())
 
 
 def recording_engine(module, ds_dir):
@@ -156,7 +157,7 @@ def packed_parity_worker(rank, cases, rows, out_dir):
         eval_loss, eval_ppl = evaluate(engine, rows if reads_data else None, len(rows), cfg, pad_id=0)
         dp_size = engine.grid.get_data_parallel_world_size()
         engine.train_batch(micro_batches(rows, dp_size, engine.grid.data_parallel_id))
-        ref_loss, ref_cross_entropy, ref_grads = references[f"{model}/{topology}"]
+        ref_loss, ref_cross_entropy, ref_grads, _ = references[f"{model}/{topology}"]
         grad_errors = gradient_errors(module, optimizer.recorded, ref_grads, config.num_hidden_layers, engine)
         results[f"{model}/{topology}"] = {"eval_loss": eval_loss, "ref_loss": ref_loss, "grad_errors": grad_errors,
                                           "eval_ppl": eval_ppl, "ref_ppl": math.exp(ref_cross_entropy)}
