@@ -1,11 +1,8 @@
 """Check, then build: one pass turns a run's Hydra config into a RunSpec, the validated description that every
-builder (topology, stages, data, engine, memory plan) takes what it needs from.
-
-Every rule of a run runs from here: what the config alone says (training/config_checks.py: unknown keys, each
-key's values, the rules across keys), then the layout against the world size and the model, the data files, and
-the checkpoint a run starts from. All of it runs before any process group is started or any file is written,
-identically on every rank, so all ranks fail together with a message that names the bad value and what to do.
-"""
+builder (topology, stages, data, engine, memory plan) takes what it needs from. Every rule of a run runs from here:
+what the config alone says (training/config_checks.py), then the layout against the world size and the model, the
+data files, and the checkpoint a run starts from; all before any process group or file write, identically on every
+rank, so all ranks fail together with a message that names the bad value and what to do."""
 import dataclasses
 import math
 import os
