@@ -25,9 +25,10 @@ from checkpoints.integrity import file_checksum, write_manifest
 from checkpoints.layer_files import load_weights_only, read_exactly, write_layer_file_from_ranges
 from checkpoints.quantized_weights import (check_scales, dequantized, drop_quantization_config, fp8_block_size,
                                           scaled_weights, unscaled_error)
-from models.layout import (MTP_FILE_NAME, expert_piece, fused_parts, hub_pieces, is_multi_token_prediction,
-                           layer_file_path, layer_indices_with_files, layer_of_hf_name, pipeline_name)
-from models.llama import architecture_of, check_model_config, layers_on_meta
+from models.layout import (CARRIED_FILE_NAME, HUB_LAYOUT_KEY, HUB_LAYOUTS, check_convertible,
+                           expert_piece, fused_parts, hub_layout_of, hub_pieces, is_carried, layer_file_path,
+                           layer_indices_with_files, layer_of_hf_name, num_experts, pipeline_name, text_config_of)
+from models.llama import layers_on_meta
 
 IMPORT_TAG = "global_step0"
 
@@ -154,22 +155,43 @@ class WeightReader:
 
 
 def expected_layer_shapes(config):
-    """{layer index: {key: shape}}."""
-    return {i: {k: tuple(v.shape) for k, v in m.state_dict().items()} for i, m in layers_on_meta(config).items()}
+    """({layer index: {key: shape}}, the patterns of the hub names the model ignores on load): of the pipeline's
+    layers, or for a family converted by its hub layout (models/layout.py HUB_LAYOUTS) of transformers' own text
+    model, built on the meta device, whose names are the pipeline's HF names."""
+    if config.model_type not in HUB_LAYOUTS:
+        return {i: {k: tuple(v.shape) for k, v in m.state_dict().items()} for i, m in layers_on_meta(config).items()}, ()
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    expected = defaultdict(dict)
+    for name, tensor in model.state_dict().items():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue  # the embedding's
+        located = layer_of_hf_name(name, config.num_hidden_layers, config.tie_word_embeddings)
+        if located is None:
+            raise ValueError(f"transformers' {type(model).__name__} holds {name}, which the layer index map "
+                             f"(models/layout.py) places in no layer; it needs a place there before conversion.")
+        expected[located[0]][located[1]] = tuple(tensor.shape)
+    return dict(expected), tuple(model._keys_to_ignore_on_load_unexpected or ())
 
 
-def plan_layers(reader, config):
-    """{layer index: {key: [(HF name, rows), ...]}}, after checking every name and shape against the config: the
-    pieces whose rows the key's tensor stacks, in order (one, but an MoE layer's experts from the hub's per-expert
-    tensors); rows: None, or (first, count), the block of a fused weight (Phi-3's) that the key holds."""
+def plan_layers(reader, config, layout, expected, unused_patterns=()):
+    """({layer index: {key: [(hub name, rows), ...]}}, [hub names of the tensors carried as they are]), after
+    checking every name and shape against the config (config: the text model's; expected and unused_patterns:
+    expected_layer_shapes'): the pieces whose rows the key's tensor stacks, in order (one, but an MoE layer's experts
+    from the hub's per-expert tensors); rows: None, or (first, count), the block of a fused weight (Phi-3's) that
+    the key holds."""
     num_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
-    expected = expected_layer_shapes(config)
-    plan, unknown, mismatched = defaultdict(dict), [], []
+    plan, carried, unknown, mismatched = defaultdict(dict), [], [], []
     stacks = defaultdict(dict)  # {fused HF name: {place in its stack: hub name}}: the hub's per-expert tensors
     for name in sorted(reader.file_of):
-        if name.endswith("rotary_emb.inv_freq") or is_multi_token_prediction(name, config):
-            continue  # a buffer some old checkpoints saved, derived from the config; layers kept apart (MTP_FILE_NAME)
-        piece = expert_piece(name, config)
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer some old checkpoints saved, derived from the config
+        if is_carried(name, config, layout, unused_patterns):
+            carried.append(name)
+            continue
+        hf_name = layout.from_hub(name)  # the pipeline's name of the hub's
+        piece = expert_piece(hf_name, config) if hf_name else None
         if piece is not None:
             fused, place, per_expert = piece
             located = layer_of_hf_name(fused, num_layers, tied)
@@ -182,13 +204,14 @@ def plan_layers(reader, config):
             else:
                 stacks[fused][place] = name
             continue
-        parts = fused_parts(name, config)
-        located = layer_of_hf_name(pipeline_name(name, config) if parts is None else parts[0][0], num_layers, tied)
-        if located is None or located[1] not in expected[located[0]]:
+        parts = fused_parts(hf_name, config) if hf_name else None
+        located = hf_name and layer_of_hf_name(pipeline_name(hf_name, config) if parts is None else parts[0][0],
+                                               num_layers, tied)
+        if not located or located[1] not in expected[located[0]]:
             unknown.append(f"{name} ({os.path.basename(reader.file_of[name])})")
             continue
         index, key = located
-        if tied and name == "lm_head.weight":  # tied: the embedding already holds this weight
+        if tied and hf_name == "lm_head.weight":  # tied: the embedding already holds this weight
             continue
         blocks = {key: [(name, None)]} if parts is None else {
             layer_of_hf_name(part, num_layers, tied)[1]: [(name, (first, rows))] for part, first, rows in parts}
@@ -202,7 +225,7 @@ def plan_layers(reader, config):
     absent = []
     for fused, pieces in stacks.items():
         index, key = layer_of_hf_name(fused, num_layers, tied)
-        names = [hub_name for hub_name, _ in hub_pieces(fused, config)]
+        names = [hub_name for hub_name, _ in hub_pieces(fused, config, layout)]
         absent += [name for place, name in enumerate(names) if place not in pieces]
         if len(pieces) == len(names):
             plan[index][key] = [(pieces[place], None) for place in range(len(names))]
@@ -213,14 +236,13 @@ def plan_layers(reader, config):
         raise ValueError("weight shapes do not match config.json: " + "; ".join(mismatched[:20]))
     if absent:
         raise ValueError(f"expert weights missing: {', '.join(absent[:20])}{' ...' if len(absent) > 20 else ''} (an "
-                         f"incomplete checkpoint, or num_experts={architecture_of(config).moe.num_experts} in "
-                         f"config.json is wrong).")
+                         f"incomplete checkpoint, or num_experts={num_experts(config)} in config.json is wrong).")
     missing = [f"layer {i}: {sorted(set(expected[i]) - set(plan[i]))}"
                for i in layer_indices_with_files(num_layers, tied) if set(plan[i]) != set(expected[i])]
     if missing:
         raise ValueError(f"weights missing for {', '.join(missing[:20])} (num_hidden_layers={num_layers} in "
                          f"config.json).")
-    return plan
+    return plan, carried
 
 
 def write_module_only_states(tag_dir):
@@ -281,12 +303,13 @@ def convert_hf_to_ds(model_dir, output_dir, overwrite=False, tokenizer_name_or_p
     block = fp8_block_size(config)
     if block:  # read dequantised: the converted model is not quantised
         config.quantization_config = None
-    check_model_config(config)
+    check_convertible(config)
     check_output_dir(output_dir, overwrite)
     reader = WeightReader(find_weight_files(model_dir), (block, config.dtype or torch.bfloat16) if block else None)
-    plan = plan_layers(reader, config)
-    extra_layers = sorted(name for name in reader.file_of if is_multi_token_prediction(name, config))
-    expected = expected_layer_shapes(config)
+    text_config = text_config_of(config)
+    layout = hub_layout_of(config.model_type, reader.file_of)
+    expected, unused_patterns = expected_layer_shapes(text_config)
+    plan, carried = plan_layers(reader, text_config, layout, expected, unused_patterns)
 
     with staged_directory(output_dir) as staging:
         tag_dir = os.path.join(staging, IMPORT_TAG)
@@ -299,9 +322,10 @@ def convert_hf_to_ds(model_dir, output_dir, overwrite=False, tokenizer_name_or_p
                 path = layer_file_path(tag_dir, index)
                 write_layer_file(reader, plan[index], path, expected[index])
                 checksums[os.path.basename(path)] = hasher.submit(file_checksum, path)
-            if extra_layers:
-                path = os.path.join(tag_dir, MTP_FILE_NAME)
-                save_file({name: reader.tensor(name) for name in extra_layers}, path, metadata={"format": "pt"})
+            if carried or config.model_type in HUB_LAYOUTS:  # the layout recorded for the export to write back
+                path = os.path.join(tag_dir, CARRIED_FILE_NAME)
+                record = {HUB_LAYOUT_KEY: layout.record()} if config.model_type in HUB_LAYOUTS else {}
+                save_file({name: reader.tensor(name) for name in carried}, path, metadata={"format": "pt", **record})
                 checksums[os.path.basename(path)] = hasher.submit(file_checksum, path)
             path = write_module_only_states(tag_dir)
             checksums[os.path.basename(path)] = hasher.submit(file_checksum, path)
