@@ -16,13 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from checkpoints.files import (LATEST, check_output_dir, copy_model_side_files, copy_tokenizer_files,
                                has_tokenizer_files, staged_directory)
 from checkpoints.integrity import file_checksum, write_manifest
-from checkpoints.layer_files import load_weights_only, read_exactly, write_layer_file_from_ranges
+from checkpoints.layer_files import copy_range, load_weights_only, read_exactly, write_layer_file_from_ranges
 from checkpoints.quantized_weights import (check_scales, dequantized, drop_quantization_config, fp8_block_size,
                                           scaled_weights, unscaled_error)
 from models.layout import (CARRIED_FILE_NAME, HUB_LAYOUT_KEY, HUB_LAYOUTS, check_convertible,
@@ -108,6 +107,14 @@ class WeightReader:
             raise ValueError(unscaled_error(unscaled, self._entries[unscaled][0], self.file_of[unscaled], quantization))
         for name, scale in self.scale_of.items():
             check_scales(name, self.shape(name), self._entries[scale][1], self.block)
+
+    def tensor_dtype(self, name):
+        """The dtype tensor(name) returns: a dequantised weight's, else the stored one."""
+        if name in self.scale_of:
+            return self.dtype
+        if name in self._entries:
+            return SAFETENSORS_DTYPES[self._entries[name][0]]
+        return self._bin_shards[self.file_of[name]][name].dtype
 
     def shape(self, name):
         if name in self._entries:
@@ -288,6 +295,39 @@ def write_layer_file(reader, sources, path, shapes):
     release_freed_memory()
 
 
+STORED_DTYPE_NAMES = {**{dtype: name for name, dtype in SAFETENSORS_DTYPES.items()},
+                      torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def write_carried_file(reader, names, path, metadata):
+    """A safetensors file of the tensors `names` (models/layout.py CARRIED_FILE_NAME) as the reader reads them,
+    streamed: a safetensors tensor's bytes are copied by the kernel, any other (a .bin shard's, a dequantised one)
+    read and written one at a time, so memory never holds them all (Qwen3.5-397B's MTP layer is 13 GB). The
+    largest elements first keep every tensor aligned to its element size, as safetensors' own writer does."""
+    order = sorted(names, key=lambda name: (-reader.tensor_dtype(name).itemsize, name))
+    header, offsets, end = {"__metadata__": metadata}, {}, 0
+    for name in order:
+        dtype, shape = reader.tensor_dtype(name), reader.shape(name)
+        offsets[name], end = end, end + torch.Size(shape).numel() * dtype.itemsize
+        header[name] = {"dtype": STORED_DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offsets[name], end]}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as target:
+        target.write(struct.pack("<Q", len(text)) + text)
+        start = target.tell()
+        for name in order:
+            stored = reader.byte_range(name)
+            if stored is None:
+                target.seek(start + offsets[name])
+                target.write(memoryview(reader.tensor(name).contiguous().reshape(-1).view(torch.uint8).numpy()))
+            else:
+                dtype, shape, source_path, source_offset = stored
+                with open(source_path, "rb") as source:
+                    copy_range(source.fileno(), source_offset, target.fileno(), start + offsets[name],
+                               torch.Size(shape).numel() * dtype.itemsize)
+        target.truncate(start + end)
+
+
 def convert_hf_to_ds(model_dir, output_dir, overwrite=False, tokenizer_name_or_path=None):
     """tokenizer_name_or_path: a directory whose tokenizer files are copied beside the layer files instead of
     model_dir's (for checkpoints that keep their tokenizer elsewhere)."""
@@ -325,7 +365,7 @@ def convert_hf_to_ds(model_dir, output_dir, overwrite=False, tokenizer_name_or_p
             if carried or config.model_type in HUB_LAYOUTS:  # the layout recorded for the export to write back
                 path = os.path.join(tag_dir, CARRIED_FILE_NAME)
                 record = {HUB_LAYOUT_KEY: layout.record()} if config.model_type in HUB_LAYOUTS else {}
-                save_file({name: reader.tensor(name) for name in carried}, path, metadata={"format": "pt", **record})
+                write_carried_file(reader, carried, path, {"format": "pt", **record})
                 checksums[os.path.basename(path)] = hasher.submit(file_checksum, path)
             path = write_module_only_states(tag_dir)
             checksums[os.path.basename(path)] = hasher.submit(file_checksum, path)

@@ -150,6 +150,22 @@ def test_a_training_checkpoint_carries_the_towers_and_the_layout(converted, tmp_
                for key, tensor in stored.items())
 
 
+def test_a_bin_checkpoint_round_trips_with_its_towers(converted, tmp_path):
+    """A pytorch_model.bin of the multimodal Qwen3.5 (its tensors read, not copied by the kernel: the carried file
+    written one tensor at a time)."""
+    _, stored, hf_dir, _, _ = converted("qwen3_5")
+    (tmp_path / "hf").mkdir()
+    for file in ("config.json", "generation_config.json"):
+        (tmp_path / "hf" / file).write_bytes(open(os.path.join(hf_dir, file), "rb").read())
+    torch.save(stored, tmp_path / "hf" / "pytorch_model.bin")
+    convert_hf_to_ds(str(tmp_path / "hf"), str(tmp_path / "ds"))
+    convert_ds_to_hf(str(tmp_path / "ds"), str(tmp_path / "out"))
+    exported = hf_weights(tmp_path / "out")
+    assert sorted(exported) == sorted(stored)
+    assert all(exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor)
+               for key, tensor in stored.items())
+
+
 def test_a_tensor_outside_the_layout_is_refused_naming_it(converted, tmp_path):
     from tests.hub_checkpoints import rewrite_shards
     _, stored, hf_dir, _, _ = converted("qwen3_5")
