@@ -166,7 +166,8 @@ def expected_layer_shapes(config):
     layers, or for a family converted by its hub layout (models/layout.py HUB_LAYOUTS) of transformers' own text
     model, built on the meta device, whose names are the pipeline's HF names."""
     if config.model_type not in HUB_LAYOUTS:
-        return {i: {k: tuple(v.shape) for k, v in m.state_dict().items()} for i, m in layers_on_meta(config).items()}, ()
+        layers = layers_on_meta(config)
+        return {i: {k: tuple(v.shape) for k, v in m.state_dict().items()} for i, m in layers.items()}, ()
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

@@ -2,7 +2,8 @@
 post-init loading go through here, so the map exists once.
 
 | index    | layer            | HF weight names                                       |
-| 0        | embedding        | model.embed_tokens.weight                             |
+| 0        | embedding        | model.embed_tokens.weight (Gemma 4: its per-layer     |
+|          |                  | embedding tensors beside it, EMBEDDING_LAYER_TENSORS) |
 | 1 .. L   | decoder layer i-1| model.layers.{i-1}.*  (prefix stripped)               |
 | L+1      | final norm       | model.norm.weight                                     |
 | L+2      | LM head          | lm_head.weight (no file when tied: layer 0 holds it)  |
@@ -274,7 +275,8 @@ HUB_LAYOUTS = {
     # the hub's Gemma 3 (and transformers' save_pretrained): the llava layout; transformers' own module names too
     "gemma3": (HubLayout("language_model.model.", "language_model.lm_head.weight",
                          ("vision_tower.", "multi_modal_projector.")),
-               HubLayout("model.language_model.", carried_prefixes=("model.vision_tower.", "model.multi_modal_projector."))),
+               HubLayout("model.language_model.",
+                         carried_prefixes=("model.vision_tower.", "model.multi_modal_projector."))),
     "gemma3_text": (PLAIN_LAYOUT,),
     "gemma4": (HubLayout("model.language_model.", carried_prefixes=(
         "model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")),),

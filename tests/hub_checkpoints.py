@@ -32,8 +32,8 @@ GEMMA3_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, 
 GEMMA4_TEXT = dict(SMALL, global_head_dim=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
                    vocab_size_per_layer_input=96, hidden_size_per_layer_input=8, num_kv_shared_layers=2)
 # Gemma 4 26B-A4B-like: the MoE block beside the dense MLP, V the raw K on full layers, one global KV head
-GEMMA4_MOE_TEXT = dict(SMALL, global_head_dim=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
-                       hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+GEMMA4_MOE_TEXT = dict(SMALL, global_head_dim=32, sliding_window=8,
+                       layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
                        moe_intermediate_size=16, attention_k_eq_v=True, num_global_key_value_heads=1)
 GEMMA4_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                      num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64)
@@ -45,8 +45,8 @@ FP32_AS_STORED = ("linear_attn.A_log", "linear_attn.norm.weight")  # Qwen3.5's f
 @dataclasses.dataclass(frozen=True)
 class HubCase:
     """A checkpoint to build: the transformers model (class, config), where its module holds the text model, what
-    the hub stores beyond or instead of save_pretrained's tensors (stored: {name: tensor} -> {name: tensor}), and
-    which tensors it keeps in fp32."""
+    the hub stores beyond or instead of save_pretrained's tensors (stored(model, {name: tensor}) -> {name: tensor}),
+    and which tensors it keeps in fp32."""
     model_class: type
     config: object
     module_prefix: str = "model."  # the text model's in the module (transformers' state dict)
@@ -66,28 +66,23 @@ def mtp(prefix="mtp.", experts=0, dtype=torch.bfloat16):
     return {f"{prefix}{key}": torch.randn(shape, generator=gen).to(dtype) for key, shape in shapes.items()}
 
 
-def with_mtp(stored):
+def with_mtp(model, stored):
     return {**stored, **mtp()}
 
 
-def module_names(model):
-    """The model's tensors under its module names (transformers 5's fused experts, the hub's Qwen3.5-MoE layout),
-    the tied head left out."""
+def module_names(model, stored=None):
+    """The model's tensors under its module names (transformers 5's fused experts; Gemma 3's model.language_model.*,
+    model.vision_tower.*), the tied head left out."""
     tied = set(getattr(model, "_tied_weights_keys", None) or {}) if model.config.tie_word_embeddings else set()
     return {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
 
 
-def qwen3_5_moe_hub(model):
+def qwen3_5_moe_hub(model, stored):
     """Qwen3.5-MoE on the hub: the decoder layers' experts fused (the module's names), the MTP layer's per expert."""
-    return lambda stored: {**module_names(model), **mtp(experts=2)}
+    return {**module_names(model), **mtp(experts=2)}
 
 
-def gemma3_module_names(model):
-    """A Gemma 3 checkpoint under transformers' module names (model.language_model.*, model.vision_tower.*)."""
-    return lambda stored: module_names(model)
-
-
-def gemma4_with_shared_kv(stored):
+def gemma4_with_shared_kv(model, stored):
     """Gemma 4 E2B / E4B as Google ships them: the KV-shared layers still hold k/v projections and a k norm, which
     their forward never uses (save_pretrained leaves them out)."""
     gen = torch.Generator().manual_seed(7)
@@ -114,7 +109,7 @@ HUB_CASES = {
     # Qwen3.5-35B-A3B-like: fused experts, the MTP layer's per expert
     "qwen3_5_moe": HubCase(Qwen3_5MoeForConditionalGeneration, lambda: Qwen3_5MoeConfig(
         text_config=qwen3_5_text("moe").to_dict(), vision_config=QWEN_VISION), "model.language_model.",
-        FP32_AS_STORED, "fused"),
+        FP32_AS_STORED, qwen3_5_moe_hub),
     # the same model as transformers' save_pretrained writes it: one tensor per expert and projection
     "qwen3_5_moe_saved": HubCase(Qwen3_5MoeForConditionalGeneration, lambda: Qwen3_5MoeConfig(
         text_config=qwen3_5_text("moe").to_dict(), vision_config=QWEN_VISION), "model.language_model.",
@@ -129,7 +124,7 @@ HUB_CASES = {
         text_config=GEMMA3_TEXT, vision_config=GEMMA3_VISION, mm_tokens_per_image=4), "model.language_model."),
     "gemma3_modules": HubCase(Gemma3ForConditionalGeneration, lambda: Gemma3Config(
         text_config=GEMMA3_TEXT, vision_config=GEMMA3_VISION, mm_tokens_per_image=4), "model.language_model.",
-        stored="module names"),
+        stored=module_names),
     "gemma3_text": HubCase(Gemma3ForCausalLM, lambda: Gemma3TextConfig(**GEMMA3_TEXT)),
     # Gemma 4 E2B-like as save_pretrained writes it, and as Google ships it
     "gemma4": HubCase(Gemma4ForConditionalGeneration, lambda: Gemma4Config(
@@ -154,9 +149,8 @@ def build_hub_checkpoint(name, path, seed=0):
                 param.data = param.data.float()
     model.save_pretrained(path, max_shard_size="20KB")
     stored = hf_weights(path)
-    transform = {"fused": qwen3_5_moe_hub(model), "module names": gemma3_module_names(model)}.get(case.stored, case.stored)
-    if transform is not None:
-        stored = transform(stored)
+    if case.stored is not None:
+        stored = case.stored(model, stored)
         rewrite_shards(path, stored)
     return model, stored
 

@@ -80,8 +80,8 @@ def test_export_loads_in_transformers_as_the_original(converted, name):
     missing or unexpected: Qwen3.5's MTP layer, Gemma 4's unused KV-shared projections), and AutoModelForCausalLM
     computes the same logits from it."""
     model, _, hf_dir, _, out = converted(name)
-    loaded = [type(model).from_pretrained(path, dtype=torch.float32, output_loading_info=True) for path in (hf_dir, out)]
-    (original, original_info), (exported, exported_info) = loaded
+    (original, original_info), (exported, exported_info) = (
+        type(model).from_pretrained(path, dtype=torch.float32, output_loading_info=True) for path in (hf_dir, out))
     assert {k: sorted(v) for k, v in exported_info.items()} == {k: sorted(v) for k, v in original_info.items()}
     original_state, exported_state = original.state_dict(), exported.state_dict()
     assert all(torch.equal(exported_state[key], tensor) for key, tensor in original_state.items())
