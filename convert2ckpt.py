@@ -1,4 +1,5 @@
-"""Convert a Hugging Face LLaMA-family model to DeepSpeed per-layer pipeline files, and back.
+"""Convert a Hugging Face model (a family of models/architecture.py, or one of models/layout.py HUB_LAYOUTS as the
+hub ships it) to DeepSpeed per-layer pipeline files, and back.
 
   python convert2ckpt.py --model_name_or_path HF_DIR --output_dir DS_DIR [--tokenizer_name_or_path DIR] [--overwrite]
   python convert2ckpt.py --to_hf --ckpt_dir DS_DIR --output_dir HF_DIR [--tag TAG] [--max_shard_size 5GB]

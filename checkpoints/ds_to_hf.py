@@ -21,9 +21,9 @@ from checkpoints.integrity import (manifest_digest, no_manifest_note, read_by_ex
 from checkpoints.hf_to_ds import SAFETENSORS_DTYPES, safetensors_entries
 from checkpoints.layer_files import load_weights_only
 from models.architecture import architecture_of
-from models.layout import (MTP_FILE_NAME, fuse, hf_name_of_layer_key, hub_piece, hub_pieces,
-                           layer_indices_with_files)
-from models.llama import check_model_config, layers_on_meta
+from models.layout import (CARRIED_FILE_NAME, HUB_LAYOUT_KEY, PLAIN_LAYOUT, HubLayout, check_convertible, fuse,
+                           hf_name_of_layer_key, hub_piece, hub_pieces, layer_indices_with_files, text_config_of)
+from models.llama import layers_on_meta
 from models.lora import EXPERT_ADAPTER, NO_LORA, LoraSettings, add_adapters, peft_adapters
 
 PEFT_PREFIX = "base_model.model."  # peft's name of the wrapped model in an adapter's weights
@@ -72,11 +72,12 @@ def split_dims_of(config, size, lora):
             for i, m in layers.items()}
 
 
-def read_hf_tensors(tag_dir, config, lora=NO_LORA):
-    """{HF name: a function returning the tensor} and {HF name: a meta tensor of its shape} (to plan the output
-    shards without reading anything). Layer files are memory-mapped; the slices of a tensor-parallel checkpoint
-    are concatenated along each weight's split dimension only when its output shard is written. lora: the
-    adapters a LoRA checkpoint's layer files hold (and nothing else), under the pipeline's names."""
+def read_hf_tensors(tag_dir, config, lora=NO_LORA, layout=PLAIN_LAYOUT):
+    """{hub name: a function returning the tensor} and {hub name: a meta tensor of its shape} (to plan the output
+    shards without reading anything), the names those of `layout`'s checkpoint. Layer files are memory-mapped; the
+    slices of a tensor-parallel checkpoint are concatenated along each weight's split dimension only when its
+    output shard is written. lora: the adapters a LoRA checkpoint's layer files hold (and nothing else), under the
+    pipeline's names."""
     tensors, shapes = {}, {}
     split_dims = {}
     for index in layer_indices_with_files(config.num_hidden_layers, config.tie_word_embeddings):
@@ -97,19 +98,20 @@ def read_hf_tensors(tag_dir, config, lora=NO_LORA):
     tensors = fuse(tensors, config, lambda parts, stacked: functools.partial(concatenated, parts) if stacked else parts[0])
     if lora.enabled:
         return tensors, fuse(shapes, config)
-    return hub_layout(tensors, fuse(shapes, config), config)
+    return under_hub_names(tensors, fuse(shapes, config), config, layout)
 
 
 def concatenated(tensor_functions):
     return torch.cat([tensor() for tensor in tensor_functions])
 
 
-def hub_layout(tensors, shapes, config):
-    """tensors and shapes under the names transformers' save_pretrained writes: an MoE layer's experts one tensor
-    per expert and projection (models/layout.py hub_pieces), each read from its fused tensor as it is written."""
+def under_hub_names(tensors, shapes, config, layout):
+    """tensors and shapes under the names of `layout`'s checkpoint (models/layout.py hub_pieces): the text model
+    under its prefix, an MoE layer's experts one tensor per expert and projection as transformers' save_pretrained
+    writes them (each read from its fused tensor as it is written) unless the checkpoint held them fused."""
     hub_tensors, hub_shapes = {}, {}
     for name, shape in shapes.items():
-        for hub_name, piece in hub_pieces(name, config):
+        for hub_name, piece in hub_pieces(name, config, layout):
             hub_tensors[hub_name] = tensors[name] if piece is None else functools.partial(piece_of, tensors[name], piece)
             hub_shapes[hub_name] = hub_piece(shape, piece)
     return hub_tensors, hub_shapes
@@ -132,22 +134,26 @@ def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overw
                          f"it without --merge_lora.")
     if verify_checksums:
         verify_model_side_files(side_dir)
-    config = AutoConfig.from_pretrained(side_dir)
-    check_model_config(config)
+    config = AutoConfig.from_pretrained(side_dir)  # a multimodal checkpoint's: exported as it was
+    check_convertible(config)
+    text_config = text_config_of(config)
     check_output_dir(output_dir, overwrite)
     if verify_checksums and not verify_directory(tag_dir, read_by_export):
         print(no_manifest_note(tag_dir), file=sys.stderr, flush=True)
     if record is None:
-        tensors, shapes = read_hf_tensors(tag_dir, config)
+        layout = recorded_layout(tag_dir)
+        tensors, shapes = read_hf_tensors(tag_dir, text_config, layout=layout)
     else:
         lora = LoraSettings(**{**record["lora"], "target_modules": tuple(record["lora"]["target_modules"])})
-        adapters, adapter_shapes = read_hf_tensors(tag_dir, config, lora)
+        adapters, adapter_shapes = read_hf_tensors(tag_dir, text_config, lora)
         if not merge_lora:
-            return write_peft_adapter(adapters, lora, config, record["base_model"]["path"], side_dir, output_dir)
+            return write_peft_adapter(adapters, lora, text_config, record["base_model"]["path"], side_dir,
+                                      output_dir)
         tag_dir = base_tag_dir(record, tag_dir, verify_checksums)
-        tensors, shapes = read_hf_tensors(tag_dir, config)
-        tensors = merged(tensors, adapters, lora.scaling, config)
-    extra_tensors, extra_shapes = multi_token_prediction_tensors(tag_dir, config)
+        layout = recorded_layout(tag_dir)
+        tensors, shapes = read_hf_tensors(tag_dir, text_config, layout=layout)
+        tensors = merged(tensors, adapters, lora.scaling, text_config, layout)
+    extra_tensors, extra_shapes = carried_tensors(tag_dir, text_config)
     tensors, shapes = {**tensors, **extra_tensors}, {**shapes, **extra_shapes}
     split = split_torch_state_dict_into_shards(shapes, max_shard_size=max_shard_size)
 
@@ -162,12 +168,12 @@ def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overw
     return output_dir
 
 
-def multi_token_prediction_tensors(tag_dir, config):
-    """{HF name: a function returning the tensor} and {HF name: a meta tensor} of the multi-token-prediction layers
-    conversion kept beside the layer files (models/layout.py MTP_FILE_NAME), as they were; a training checkpoint
-    carries its base's (checkpoints/saving.py). One without them while the config names some (its base had none,
-    or it was saved before checkpoints carried them): its export says so."""
-    path = os.path.join(tag_dir, MTP_FILE_NAME)
+def carried_tensors(tag_dir, config):
+    """{HF name: a function returning the tensor} and {HF name: a meta tensor} of the tensors conversion carried
+    beside the layer files (models/layout.py CARRIED_FILE_NAME: towers, multi-token-prediction layers), as they were;
+    a training checkpoint carries its base's (checkpoints/saving.py). One without DeepSeek-V3's MTP layers while the
+    config names some (its base had none, or it was saved before checkpoints carried them): its export says so."""
+    path = os.path.join(tag_dir, CARRIED_FILE_NAME)
     if not os.path.isfile(path):
         if getattr(config, "num_nextn_predict_layers", 0):
             print(f"note: {tag_dir} holds none of the model's {config.num_nextn_predict_layers} multi-token-prediction "
@@ -176,6 +182,17 @@ def multi_token_prediction_tensors(tag_dir, config):
     shapes = {name: torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype], device="meta")
               for name, (dtype, shape, _, _) in safetensors_entries(path).items()}
     return {name: functools.partial(stored_tensor, path, name) for name in shapes}, shapes
+
+
+def recorded_layout(tag_dir):
+    """The HubLayout conversion read the checkpoint with, recorded in its carried file; a plain text-only layout
+    where none is (the pipeline's own families)."""
+    path = os.path.join(tag_dir, CARRIED_FILE_NAME)
+    if not os.path.isfile(path):
+        return PLAIN_LAYOUT
+    with safe_open(path, framework="pt") as handle:
+        record = (handle.metadata() or {}).get(HUB_LAYOUT_KEY)
+    return HubLayout.from_record(record) if record else PLAIN_LAYOUT
 
 
 def stored_tensor(path, name):
@@ -208,7 +225,7 @@ def base_tag_dir(record, tag_dir, verify_checksums):
     return base_tag
 
 
-def merged(base_tensors, adapters, scaling, config):
+def merged(base_tensors, adapters, scaling, config, layout):
     """{HF name: a function returning the tensor} of the base with W + scaling * B @ A for every adapted weight
     (computed in fp32, stored in the base's dtype); an expert adapter's update per expert, on each of the tensors
     save_pretrained writes its fused tensor as (models/layout.py hub_pieces)."""
@@ -216,13 +233,14 @@ def merged(base_tensors, adapters, scaling, config):
     for name in adapters:
         if name.endswith(".lora_A.weight"):
             module = name.removesuffix(".lora_A.weight")
-            a, b, weight = adapters[name], adapters[f"{module}.lora_B.weight"], base_tensors[f"{module}.weight"]
-            tensors[f"{module}.weight"] = functools.partial(merged_weight, weight, a, b, scaling)
+            weight_name = layout.to_hub(f"{module}.weight")
+            a, b, weight = adapters[name], adapters[f"{module}.lora_B.weight"], base_tensors[weight_name]
+            tensors[weight_name] = functools.partial(merged_weight, weight, a, b, scaling)
         elif EXPERT_ADAPTER.match(name) and ".lora_A." in name:
             fused = name.replace(".lora_A.", ".")
             a, b = adapters[name], adapters[name.replace(".lora_A.", ".lora_B.")]
             transposed = architecture_of(config).moe.transposed
-            for hub_name, piece in hub_pieces(fused, config):
+            for hub_name, piece in hub_pieces(fused, config, layout):
                 tensors[hub_name] = functools.partial(merged_piece, base_tensors[hub_name], a, b, scaling, piece,
                                                       transposed)
     return tensors

@@ -16,18 +16,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from checkpoints.files import (LATEST, check_output_dir, copy_model_side_files, copy_tokenizer_files,
                                has_tokenizer_files, staged_directory)
 from checkpoints.integrity import file_checksum, write_manifest
-from checkpoints.layer_files import load_weights_only, read_exactly, write_layer_file_from_ranges
+from checkpoints.layer_files import copy_range, load_weights_only, read_exactly, write_layer_file_from_ranges
 from checkpoints.quantized_weights import (check_scales, dequantized, drop_quantization_config, fp8_block_size,
                                           scaled_weights, unscaled_error)
-from models.layout import (MTP_FILE_NAME, expert_piece, fused_parts, hub_pieces, is_multi_token_prediction,
-                           layer_file_path, layer_indices_with_files, layer_of_hf_name, pipeline_name)
-from models.llama import architecture_of, check_model_config, layers_on_meta
+from models.layout import (CARRIED_FILE_NAME, HUB_LAYOUT_KEY, HUB_LAYOUTS, check_convertible,
+                           expert_piece, fused_parts, hub_layout_of, hub_pieces, is_carried, layer_file_path,
+                           layer_indices_with_files, layer_of_hf_name, num_experts, pipeline_name, text_config_of)
+from models.llama import layers_on_meta
 
 IMPORT_TAG = "global_step0"
 
@@ -108,6 +108,14 @@ class WeightReader:
         for name, scale in self.scale_of.items():
             check_scales(name, self.shape(name), self._entries[scale][1], self.block)
 
+    def tensor_dtype(self, name):
+        """The dtype tensor(name) returns: a dequantised weight's, else the stored one."""
+        if name in self.scale_of:
+            return self.dtype
+        if name in self._entries:
+            return SAFETENSORS_DTYPES[self._entries[name][0]]
+        return self._bin_shards[self.file_of[name]][name].dtype
+
     def shape(self, name):
         if name in self._entries:
             return self._entries[name][1]
@@ -154,22 +162,44 @@ class WeightReader:
 
 
 def expected_layer_shapes(config):
-    """{layer index: {key: shape}}."""
-    return {i: {k: tuple(v.shape) for k, v in m.state_dict().items()} for i, m in layers_on_meta(config).items()}
+    """({layer index: {key: shape}}, the patterns of the hub names the model ignores on load): of the pipeline's
+    layers, or for a family converted by its hub layout (models/layout.py HUB_LAYOUTS) of transformers' own text
+    model, built on the meta device, whose names are the pipeline's HF names."""
+    if config.model_type not in HUB_LAYOUTS:
+        layers = layers_on_meta(config)
+        return {i: {k: tuple(v.shape) for k, v in m.state_dict().items()} for i, m in layers.items()}, ()
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    expected = defaultdict(dict)
+    for name, tensor in model.state_dict().items():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue  # the embedding's
+        located = layer_of_hf_name(name, config.num_hidden_layers, config.tie_word_embeddings)
+        if located is None:
+            raise ValueError(f"transformers' {type(model).__name__} holds {name}, which the layer index map "
+                             f"(models/layout.py) places in no layer; it needs a place there before conversion.")
+        expected[located[0]][located[1]] = tuple(tensor.shape)
+    return dict(expected), tuple(model._keys_to_ignore_on_load_unexpected or ())
 
 
-def plan_layers(reader, config):
-    """{layer index: {key: [(HF name, rows), ...]}}, after checking every name and shape against the config: the
-    pieces whose rows the key's tensor stacks, in order (one, but an MoE layer's experts from the hub's per-expert
-    tensors); rows: None, or (first, count), the block of a fused weight (Phi-3's) that the key holds."""
+def plan_layers(reader, config, layout, expected, unused_patterns=()):
+    """({layer index: {key: [(hub name, rows), ...]}}, [hub names of the tensors carried as they are]), after
+    checking every name and shape against the config (config: the text model's; expected and unused_patterns:
+    expected_layer_shapes'): the pieces whose rows the key's tensor stacks, in order (one, but an MoE layer's experts
+    from the hub's per-expert tensors); rows: None, or (first, count), the block of a fused weight (Phi-3's) that
+    the key holds."""
     num_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
-    expected = expected_layer_shapes(config)
-    plan, unknown, mismatched = defaultdict(dict), [], []
+    plan, carried, unknown, mismatched = defaultdict(dict), [], [], []
     stacks = defaultdict(dict)  # {fused HF name: {place in its stack: hub name}}: the hub's per-expert tensors
     for name in sorted(reader.file_of):
-        if name.endswith("rotary_emb.inv_freq") or is_multi_token_prediction(name, config):
-            continue  # a buffer some old checkpoints saved, derived from the config; layers kept apart (MTP_FILE_NAME)
-        piece = expert_piece(name, config)
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer some old checkpoints saved, derived from the config
+        if is_carried(name, config, layout, unused_patterns):
+            carried.append(name)
+            continue
+        hf_name = layout.from_hub(name)  # the pipeline's name of the hub's
+        piece = expert_piece(hf_name, config) if hf_name else None
         if piece is not None:
             fused, place, per_expert = piece
             located = layer_of_hf_name(fused, num_layers, tied)
@@ -182,13 +212,14 @@ def plan_layers(reader, config):
             else:
                 stacks[fused][place] = name
             continue
-        parts = fused_parts(name, config)
-        located = layer_of_hf_name(pipeline_name(name, config) if parts is None else parts[0][0], num_layers, tied)
-        if located is None or located[1] not in expected[located[0]]:
+        parts = fused_parts(hf_name, config) if hf_name else None
+        located = hf_name and layer_of_hf_name(pipeline_name(hf_name, config) if parts is None else parts[0][0],
+                                               num_layers, tied)
+        if not located or located[1] not in expected[located[0]]:
             unknown.append(f"{name} ({os.path.basename(reader.file_of[name])})")
             continue
         index, key = located
-        if tied and name == "lm_head.weight":  # tied: the embedding already holds this weight
+        if tied and hf_name == "lm_head.weight":  # tied: the embedding already holds this weight
             continue
         blocks = {key: [(name, None)]} if parts is None else {
             layer_of_hf_name(part, num_layers, tied)[1]: [(name, (first, rows))] for part, first, rows in parts}
@@ -202,7 +233,7 @@ def plan_layers(reader, config):
     absent = []
     for fused, pieces in stacks.items():
         index, key = layer_of_hf_name(fused, num_layers, tied)
-        names = [hub_name for hub_name, _ in hub_pieces(fused, config)]
+        names = [hub_name for hub_name, _ in hub_pieces(fused, config, layout)]
         absent += [name for place, name in enumerate(names) if place not in pieces]
         if len(pieces) == len(names):
             plan[index][key] = [(pieces[place], None) for place in range(len(names))]
@@ -213,14 +244,13 @@ def plan_layers(reader, config):
         raise ValueError("weight shapes do not match config.json: " + "; ".join(mismatched[:20]))
     if absent:
         raise ValueError(f"expert weights missing: {', '.join(absent[:20])}{' ...' if len(absent) > 20 else ''} (an "
-                         f"incomplete checkpoint, or num_experts={architecture_of(config).moe.num_experts} in "
-                         f"config.json is wrong).")
+                         f"incomplete checkpoint, or num_experts={num_experts(config)} in config.json is wrong).")
     missing = [f"layer {i}: {sorted(set(expected[i]) - set(plan[i]))}"
                for i in layer_indices_with_files(num_layers, tied) if set(plan[i]) != set(expected[i])]
     if missing:
         raise ValueError(f"weights missing for {', '.join(missing[:20])} (num_hidden_layers={num_layers} in "
                          f"config.json).")
-    return plan
+    return plan, carried
 
 
 def write_module_only_states(tag_dir):
@@ -266,6 +296,39 @@ def write_layer_file(reader, sources, path, shapes):
     release_freed_memory()
 
 
+STORED_DTYPE_NAMES = {**{dtype: name for name, dtype in SAFETENSORS_DTYPES.items()},
+                      torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def write_carried_file(reader, names, path, metadata):
+    """A safetensors file of the tensors `names` (models/layout.py CARRIED_FILE_NAME) as the reader reads them,
+    streamed: a safetensors tensor's bytes are copied by the kernel, any other (a .bin shard's, a dequantised one)
+    read and written one at a time, so memory never holds them all (Qwen3.5-397B's MTP layer is 13 GB). The
+    largest elements first keep every tensor aligned to its element size, as safetensors' own writer does."""
+    order = sorted(names, key=lambda name: (-reader.tensor_dtype(name).itemsize, name))
+    header, offsets, end = {"__metadata__": metadata}, {}, 0
+    for name in order:
+        dtype, shape = reader.tensor_dtype(name), reader.shape(name)
+        offsets[name], end = end, end + torch.Size(shape).numel() * dtype.itemsize
+        header[name] = {"dtype": STORED_DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offsets[name], end]}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as target:
+        target.write(struct.pack("<Q", len(text)) + text)
+        start = target.tell()
+        for name in order:
+            stored = reader.byte_range(name)
+            if stored is None:
+                target.seek(start + offsets[name])
+                target.write(memoryview(reader.tensor(name).contiguous().reshape(-1).view(torch.uint8).numpy()))
+            else:
+                dtype, shape, source_path, source_offset = stored
+                with open(source_path, "rb") as source:
+                    copy_range(source.fileno(), source_offset, target.fileno(), start + offsets[name],
+                               torch.Size(shape).numel() * dtype.itemsize)
+        target.truncate(start + end)
+
+
 def convert_hf_to_ds(model_dir, output_dir, overwrite=False, tokenizer_name_or_path=None):
     """tokenizer_name_or_path: a directory whose tokenizer files are copied beside the layer files instead of
     model_dir's (for checkpoints that keep their tokenizer elsewhere)."""
@@ -281,12 +344,13 @@ def convert_hf_to_ds(model_dir, output_dir, overwrite=False, tokenizer_name_or_p
     block = fp8_block_size(config)
     if block:  # read dequantised: the converted model is not quantised
         config.quantization_config = None
-    check_model_config(config)
+    check_convertible(config)
     check_output_dir(output_dir, overwrite)
     reader = WeightReader(find_weight_files(model_dir), (block, config.dtype or torch.bfloat16) if block else None)
-    plan = plan_layers(reader, config)
-    extra_layers = sorted(name for name in reader.file_of if is_multi_token_prediction(name, config))
-    expected = expected_layer_shapes(config)
+    text_config = text_config_of(config)
+    layout = hub_layout_of(config.model_type, reader.file_of)
+    expected, unused_patterns = expected_layer_shapes(text_config)
+    plan, carried = plan_layers(reader, text_config, layout, expected, unused_patterns)
 
     with staged_directory(output_dir) as staging:
         tag_dir = os.path.join(staging, IMPORT_TAG)
@@ -299,9 +363,10 @@ def convert_hf_to_ds(model_dir, output_dir, overwrite=False, tokenizer_name_or_p
                 path = layer_file_path(tag_dir, index)
                 write_layer_file(reader, plan[index], path, expected[index])
                 checksums[os.path.basename(path)] = hasher.submit(file_checksum, path)
-            if extra_layers:
-                path = os.path.join(tag_dir, MTP_FILE_NAME)
-                save_file({name: reader.tensor(name) for name in extra_layers}, path, metadata={"format": "pt"})
+            if carried or config.model_type in HUB_LAYOUTS:  # the layout recorded for the export to write back
+                path = os.path.join(tag_dir, CARRIED_FILE_NAME)
+                record = {HUB_LAYOUT_KEY: layout.record()} if config.model_type in HUB_LAYOUTS else {}
+                write_carried_file(reader, carried, path, {"format": "pt", **record})
                 checksums[os.path.basename(path)] = hasher.submit(file_checksum, path)
             path = write_module_only_states(tag_dir)
             checksums[os.path.basename(path)] = hasher.submit(file_checksum, path)

@@ -25,7 +25,7 @@ from checkpoints.tag_dirs import begin_change, end_save, prune_checkpoints, tag_
 from checkpoints.trainer_state import write_trainer_state
 from deepspeed_internals.access import checkpoint_engine_of
 from errors import ConfigError
-from models.layout import MTP_FILE_NAME
+from models.layout import CARRIED_FILE_NAME
 
 RUN_CONFIG_NAME = "run_config.yaml"
 
@@ -127,7 +127,7 @@ def write_side_files_and_complete(cfg, model_files_dir, tag_dir, trainer_state, 
     OmegaConf.save(cfg, os.path.join(tag_dir, RUN_CONFIG_NAME), resolve=True)
     write_trainer_state(tag_dir, trainer_state)
     checksums = {name: checksum for files in every_rank for name, checksum in files.items()}
-    carry_multi_token_prediction(cfg.model_name_or_path, tag_dir, checksums)
+    carry_untrained_tensors(cfg.model_name_or_path, tag_dir, checksums)
     for name in os.listdir(tag_dir):  # the small side files rank 0 just wrote
         if name not in checksums and name != IN_PROGRESS_MARKER and os.path.isfile(os.path.join(tag_dir, name)):
             checksums[name] = durable_checksum(os.path.join(tag_dir, name))
@@ -137,16 +137,17 @@ def write_side_files_and_complete(cfg, model_files_dir, tag_dir, trainer_state, 
     write_text_atomic(os.path.join(output_dir, LATEST), tag)
 
 
-def carry_multi_token_prediction(model_dir, tag_dir, checksums):
-    """The multi-token-prediction layers of the converted model the run trains (conversion keeps them beside its
-    layer files, models/layout.py MTP_FILE_NAME; nothing trains them), into the checkpoint as they are, so that its
-    export writes them back bit for bit: a hard link where the filesystem takes one, else a copy. Its checksum is
-    the one model_dir's manifest recorded for the same bytes (computed where there is none)."""
+def carry_untrained_tensors(model_dir, tag_dir, checksums):
+    """The tensors of the converted model the run trains that the pipeline does not run (conversion keeps them
+    beside its layer files, models/layout.py CARRIED_FILE_NAME: multi-token-prediction layers, vision and audio
+    towers, and the record of the checkpoint's hub layout), into the checkpoint as they are, so that its export
+    writes them back bit for bit: a hard link where the filesystem takes one, else a copy. Its checksum is the one
+    model_dir's manifest recorded for the same bytes (computed where there is none)."""
     source_dir = os.path.join(model_dir, read_latest(model_dir) or "")
-    source = os.path.join(source_dir, MTP_FILE_NAME)
+    source = os.path.join(source_dir, CARRIED_FILE_NAME)
     if not os.path.isfile(source):
         return
-    target = os.path.join(tag_dir, MTP_FILE_NAME)
+    target = os.path.join(tag_dir, CARRIED_FILE_NAME)
     link_or_copy(source, target)
     fsync_path(target)  # on stable storage before COMPLETE names it (a link's data is the base's, already there)
-    checksums[MTP_FILE_NAME] = (read_manifest(source_dir) or {}).get(MTP_FILE_NAME) or file_checksum(target)
+    checksums[CARRIED_FILE_NAME] = (read_manifest(source_dir) or {}).get(CARRIED_FILE_NAME) or file_checksum(target)

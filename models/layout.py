@@ -2,7 +2,8 @@
 post-init loading go through here, so the map exists once.
 
 | index    | layer            | HF weight names                                       |
-| 0        | embedding        | model.embed_tokens.weight                             |
+| 0        | embedding        | model.embed_tokens.weight (Gemma 4: its per-layer     |
+|          |                  | embedding tensors beside it, EMBEDDING_LAYER_TENSORS) |
 | 1 .. L   | decoder layer i-1| model.layers.{i-1}.*  (prefix stripped)               |
 | L+1      | final norm       | model.norm.weight                                     |
 | L+2      | LM head          | lm_head.weight (no file when tied: layer 0 holds it)  |
@@ -13,13 +14,22 @@ models/architecture.py's fused_projections), split on conversion and fused again
 A mixture-of-experts layer holds its experts fused, as transformers 5 does (models/moe.py); the hub's checkpoints,
 and transformers' save_pretrained, hold one tensor per expert and projection (Mixtral's under its old module name,
 block_sparse_moe): stacked on conversion (either layout is read), split again on export (GPT-OSS's stay fused).
+
+The names above are the pipeline's: those of transformers' text-only CausalLM. A checkpoint as the hub ships it may
+nest that text model (Qwen3.5's and Gemma's multimodal ones) and hold tensors the pipeline never runs (their vision
+and audio towers, Qwen3.5's and DeepSeek-V3's multi-token-prediction layers): its HubLayout says where the text
+model is and what is carried as it is, beside the layer files (CARRIED_FILE_NAME), for the export to write back.
 """
+import copy
+import dataclasses
+import difflib
+import json
 import os
 import re
 
 import torch
 
-from models.architecture import architecture_of, fused_projections
+from models.architecture import SUPPORTED_MODEL_TYPES, architecture_of, check_model_config, fused_projections
 
 _DECODER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -28,10 +38,18 @@ def num_pipeline_layers(num_hidden_layers):
     return num_hidden_layers + 3
 
 
+# Gemma 4's per-layer-embedding inputs, computed from the token ids and the embedding before the first layer: held
+# by the embedding layer beside its weight, under their names in the text model.
+EMBEDDING_LAYER_TENSORS = ("embed_tokens_per_layer.weight", "per_layer_model_projection.weight",
+                           "per_layer_projection_norm.weight")
+
+
 def layer_of_hf_name(name, num_hidden_layers, tie_word_embeddings):
     """(layer index, key inside that layer's state dict) for a Hugging Face weight name; None if unknown."""
     if name == "model.embed_tokens.weight":
         return 0, "weight"
+    if name.removeprefix("model.") in EMBEDDING_LAYER_TENSORS:
+        return 0, name.removeprefix("model.")
     if name == "model.norm.weight":
         return num_hidden_layers + 1, "weight"
     if name == "lm_head.weight":
@@ -44,7 +62,7 @@ def layer_of_hf_name(name, num_hidden_layers, tie_word_embeddings):
 
 def hf_name_of_layer_key(index, key, num_hidden_layers):
     if index == 0:
-        return f"model.embed_tokens.{key}"
+        return f"model.{key}" if key in EMBEDDING_LAYER_TENSORS else f"model.embed_tokens.{key}"
     if index <= num_hidden_layers:
         return f"model.layers.{index - 1}.{key}"
     if index == num_hidden_layers + 1:
@@ -71,12 +89,18 @@ def layer_indices_with_files(num_hidden_layers, tie_word_embeddings):
 ROW_STACKED, SHARED = ("lora_B.weight", "weight"), "lora_A.weight"  # longest suffix first
 
 
+def split_projections(config):
+    """fused_projections of the families the pipeline splits; a family converted by its hub layout keeps every
+    tensor as stored (Qwen3-Next's in_proj_qkvz and in_proj_ba too: the model part takes them fused)."""
+    return {} if config.model_type in HUB_LAYOUTS else fused_projections(config)
+
+
 def fused_parts(name, config):
     """((the part's HF name, first row, rows), ...) of a fused Hugging Face tensor (rows None: the whole tensor, a
     shared adapter A, held by the first part); None for any other name."""
     match = _DECODER.match(name)
     suffix = next((s for s in (SHARED, *ROW_STACKED) if match and match.group(2).endswith(f".{s}")), None)
-    parts = fused_projections(config).get(match.group(2).removesuffix(f".{suffix}")) if suffix else None
+    parts = split_projections(config).get(match.group(2).removesuffix(f".{suffix}")) if suffix else None
     if parts is None:
         return None
     prefix = f"model.layers.{match.group(1)}."
@@ -110,7 +134,7 @@ def fused_groups(config, names):
     the parts' rows stacked in order, or (a shared A) the first part's tensor, the others being the same one."""
     groups = {}
     for layer in range(config.num_hidden_layers):
-        for module, parts in fused_projections(config).items():
+        for module, parts in split_projections(config).items():
             for suffix in (*ROW_STACKED, SHARED):
                 part_names = [f"model.layers.{layer}.{part}.{suffix}" for part, _ in parts]
                 present = [name for name in part_names if name in names]
@@ -123,7 +147,8 @@ def fused_groups(config, names):
 # the order each expert's block stacks them}).
 HUB_EXPERTS = {"mixtral": ("block_sparse_moe.", {"experts.gate_up_proj": ("w1.weight", "w3.weight"),
                                                   "experts.down_proj": ("w2.weight",)})}
-HUB_EXPERTS.update(dict.fromkeys(("qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe"), ("mlp.", {
+HUB_EXPERTS.update(dict.fromkeys(("qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe", "qwen3_5_moe_text",
+                                  "qwen3_next"), ("mlp.", {
     "experts.gate_up_proj": ("gate_proj.weight", "up_proj.weight"), "experts.down_proj": ("down_proj.weight",)})))
 _HUB_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(.+)$")
 
@@ -149,21 +174,29 @@ def pipeline_name(name, config):
     return name.replace(f".{module}", ".mlp.", 1) if module != "mlp." and _DECODER.match(name) else name
 
 
-def hub_pieces(name, config):
-    """[(hub name, (expert, part, parts) or None)] of a pipeline HF name, as transformers' save_pretrained writes a
-    model: a sparse layer's fused experts as each expert's projections (expert e's part p of `parts` row blocks of
-    tensor[e]), Mixtral's module renamed; None: the whole tensor."""
+def hub_pieces(name, config, layout=None):
+    """[(hub name, (expert, part, parts) or None)] of a pipeline HF name, as the checkpoint of `layout` (default:
+    PLAIN_LAYOUT, as transformers' save_pretrained writes a text model) names it: under the layout's text prefix, an
+    MoE layer's fused experts as each expert's projections (expert e's part p of `parts` row blocks of tensor[e])
+    unless the layout holds them fused, Mixtral's module renamed; None: the whole tensor."""
+    layout = layout or PLAIN_LAYOUT
     module, fused = HUB_EXPERTS.get(config.model_type, ("mlp.", {}))
     match = _DECODER.match(name)
     if match is None or not match.group(2).startswith("mlp."):
-        return [(name, None)]
+        return [(layout.to_hub(name), None)]
     layer, key = int(match.group(1)), match.group(2).removeprefix("mlp.")
-    prefix = f"model.layers.{layer}.{module}"
-    if key not in fused or not architecture_of(config).sparse_layers[layer]:
+    prefix = layout.to_hub(f"model.layers.{layer}.{module}")
+    if key not in fused or not layout.experts_apart:  # only a sparse layer holds fused experts
         return [(f"{prefix}{key}", None)]
     parts = fused[key]
     return [(f"{prefix}experts.{expert}.{part}", (expert, index, len(parts)))
-            for expert in range(architecture_of(config).moe.num_experts) for index, part in enumerate(parts)]
+            for expert in range(num_experts(config)) for index, part in enumerate(parts)]
+
+
+def num_experts(config):
+    """The routed experts of an MoE layer: the pipeline's count, or the config's for a family converted by its hub
+    layout (Qwen3.5-MoE, Qwen3-Next)."""
+    return config.num_experts if config.model_type in HUB_LAYOUTS else architecture_of(config).moe.num_experts
 
 
 def hub_piece(tensor, piece):
@@ -176,13 +209,123 @@ def hub_piece(tensor, piece):
 
 # The multi-token-prediction layers a DeepSeek-V3 or GLM-4.5 checkpoint ships after its decoder layers
 # (num_nextn_predict_layers of them, model.layers.{L}.* on): transformers' CausalLM forward never runs them (they
-# serve speculative decoding), nor does the pipeline; conversion keeps their tensors as they are, in this file of
-# the converted tag, and export writes them back.
-MTP_FILE_NAME = "mtp_layers.safetensors"
-
-
+# serve speculative decoding), nor does the pipeline; conversion carries them as they are.
 def is_multi_token_prediction(name, config):
     """Whether a Hugging Face weight belongs to a multi-token-prediction layer."""
     match = _DECODER.match(name)
     extra = getattr(config, "num_nextn_predict_layers", 0) or 0
     return bool(match) and config.num_hidden_layers <= int(match.group(1)) < config.num_hidden_layers + extra
+
+
+# The tensors of a checkpoint the pipeline does not run, under their hub names, as they were (bytes and dtypes), in
+# this file of the converted tag: a training checkpoint carries its base's (checkpoints/saving.py), export writes
+# them back. Its metadata records the HubLayout the checkpoint was read with (HUB_LAYOUT_KEY), for the export to
+# write the text model's tensors under the names they had.
+CARRIED_FILE_NAME = "carried_tensors.safetensors"
+HUB_LAYOUT_KEY = "hub_layout"
+
+
+@dataclasses.dataclass(frozen=True)
+class HubLayout:
+    """Where a checkpoint keeps the text model the pipeline trains, and what else it holds. The text model's hub
+    names are the pipeline's with `model.` replaced by text_prefix and lm_head.weight by head; a tensor under one of
+    carried_prefixes (a vision or audio tower, Qwen3.5's MTP layer) is carried as it is. experts_apart: whether an
+    MoE layer's experts are stored one tensor per expert and projection (transformers' save_pretrained, Qwen3-Next
+    on the hub) or fused (Qwen3.5-MoE and Qwen3.6-MoE on the hub)."""
+    text_prefix: str = "model."
+    head: str = "lm_head.weight"
+    carried_prefixes: tuple = ()
+    experts_apart: bool = True
+
+    def from_hub(self, name):
+        """The pipeline's HF name of a hub name of the text model; None for any other."""
+        if name == self.head:
+            return "lm_head.weight"
+        if name.startswith(self.carried_prefixes) or not name.startswith(self.text_prefix):
+            return None
+        return f"model.{name.removeprefix(self.text_prefix)}"
+
+    def to_hub(self, name):
+        if name == "lm_head.weight":
+            return self.head
+        return f"{self.text_prefix}{name.removeprefix('model.')}"
+
+    def record(self):
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_record(cls, text):
+        fields = json.loads(text)
+        return cls(**{**fields, "carried_prefixes": tuple(fields["carried_prefixes"])})
+
+
+PLAIN_LAYOUT = HubLayout()  # a text-only checkpoint: model.embed_tokens, model.layers.{i}, model.norm, lm_head
+QWEN3_5_MULTIMODAL = HubLayout("model.language_model.", carried_prefixes=("model.visual.", "mtp."))
+# The families converted by their hub layout, whose layer files hold their text model's tensors as stored (no
+# fused projection split): {model_type: its layouts on the hub, the one whose embedding a checkpoint holds is its}.
+# Their names and shapes are checked against transformers' own text model (checkpoints/hf_to_ds.py); whether the
+# pipeline trains them is the model's business (models/architecture.py).
+HUB_LAYOUTS = {
+    "qwen3_5": (QWEN3_5_MULTIMODAL,),
+    "qwen3_5_moe": (QWEN3_5_MULTIMODAL,),
+    # a text-only config over the multimodal checkpoint loads too (transformers' PrefixChange of language_model)
+    "qwen3_5_text": (HubLayout(carried_prefixes=("mtp.",)), QWEN3_5_MULTIMODAL),
+    "qwen3_5_moe_text": (HubLayout(carried_prefixes=("mtp.",)), QWEN3_5_MULTIMODAL),
+    "qwen3_next": (HubLayout(carried_prefixes=("mtp.",)),),
+    # the hub's Gemma 3 (and transformers' save_pretrained): the llava layout; transformers' own module names too
+    "gemma3": (HubLayout("language_model.model.", "language_model.lm_head.weight",
+                         ("vision_tower.", "multi_modal_projector.")),
+               HubLayout("model.language_model.",
+                         carried_prefixes=("model.vision_tower.", "model.multi_modal_projector."))),
+    "gemma3_text": (PLAIN_LAYOUT,),
+    "gemma4": (HubLayout("model.language_model.", carried_prefixes=(
+        "model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")),),
+    "gemma4_text": (PLAIN_LAYOUT,),
+    "olmo3": (PLAIN_LAYOUT,),
+}
+_FUSED_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def hub_layout_of(model_type, names):
+    """The HubLayout of a checkpoint of model_type holding the tensors `names`: of its family's layouts the one whose
+    embedding it holds, with its experts as it stores them."""
+    layouts = HUB_LAYOUTS.get(model_type, (PLAIN_LAYOUT,))
+    layout = next((c for c in layouts if c.to_hub("model.embed_tokens.weight") in names), layouts[0])
+    fused = any(_FUSED_EXPERTS.match(layout.from_hub(name) or "") for name in names)
+    return dataclasses.replace(layout, experts_apart=not fused)
+
+
+def is_carried(name, config, layout, unused_patterns=()):
+    """Whether conversion carries a hub tensor as it is rather than into a layer file: under a carried prefix, a
+    multi-token-prediction layer, or a text-model tensor that transformers' model does not hold and ignores on load
+    (unused_patterns, its _keys_to_ignore_on_load_unexpected: the hub's Gemma 4 E2B/E4B still ship their KV-shared
+    layers' unused k/v projections and norms)."""
+    if name.startswith(layout.carried_prefixes):
+        return True
+    pipeline = layout.from_hub(name)
+    return pipeline is not None and (is_multi_token_prediction(pipeline, config)
+                                     or any(re.search(pattern, pipeline) for pattern in unused_patterns))
+
+
+def text_config_of(config):
+    """The config of the text model of a (possibly multimodal) config, with the head tied as transformers ties the
+    checkpoint's model: by the top-level config's tie_word_embeddings."""
+    text = config.get_text_config()
+    if text is not config and text.tie_word_embeddings != config.tie_word_embeddings:
+        text = copy.deepcopy(text)
+        text.tie_word_embeddings = config.tie_word_embeddings
+    return text
+
+
+def check_convertible(config):
+    """Refuse, in one line, a model_type whose checkpoint the map does not know; the pipeline's own families also
+    have their config checked as training will check it (models/architecture.py check_model_config)."""
+    if config.model_type in HUB_LAYOUTS:
+        return
+    if config.model_type in SUPPORTED_MODEL_TYPES:
+        check_model_config(config)
+        return
+    supported = tuple(dict.fromkeys((*SUPPORTED_MODEL_TYPES, *HUB_LAYOUTS)))
+    nearest = difflib.get_close_matches(config.model_type, supported, n=1, cutoff=0.6)
+    raise ValueError(f"model_type '{config.model_type}' is not supported; supported: {', '.join(supported)}"
+                     + (f"; the nearest is '{nearest[0]}', whose layers differ from it." if nearest else "."))

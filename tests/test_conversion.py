@@ -113,9 +113,10 @@ def test_unsupported_model_type_lists_supported(tmp_path):
     GPT2Config(n_layer=2, n_embd=32, n_head=4).save_pretrained(tmp_path / "gpt2")
     result = convert_cli("--model_name_or_path", str(tmp_path / "gpt2"), "--output_dir", str(tmp_path / "out"))
     assert result.returncode != 0
-    assert ("model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, olmo2, granite, smollm3, "
-            "phi3, mixtral, qwen3_moe, qwen2_moe, olmoe, gpt_oss, deepseek_v3, glm4_moe (the LLaMA layout and its "
-            "mixtures of experts)." in result.stderr)
+    assert result.stderr == ("convert2ckpt: error: model_type 'gpt2' is not supported; supported: llama, mistral, "
+                             "qwen2, qwen3, olmo2, granite, smollm3, phi3, mixtral, qwen3_moe, qwen2_moe, olmoe, "
+                             "gpt_oss, deepseek_v3, glm4_moe, qwen3_5, qwen3_5_moe, qwen3_5_text, qwen3_5_moe_text, "
+                             "qwen3_next, gemma3, gemma3_text, gemma4, gemma4_text, olmo3.\n")
     assert_nothing_written(tmp_path, str(tmp_path / "out"))
 
 
@@ -169,9 +170,8 @@ def test_dropout_is_refused_for_training_only_naming_the_field(tmp_path):
 
 
 @pytest.mark.parametrize("model_type,field,value,message", [
-    ("qwen3_next", None, None, r"model_type 'qwen3_next' is not supported; supported: llama, .*, glm4_moe \(the "
-                               r"LLaMA layout and its mixtures of experts\); the nearest is 'qwen3_moe', whose layers "
-                               r"differ from it\."),
+    ("kimi_linear", None, None, r"^model_type 'kimi_linear' is not supported; supported: llama, .*, glm4_moe, "
+                                r"qwen3_5, .*, olmo3\.$"),
     ("qwen3", "attn_logit_softcapping", 50.0, r"attn_logit_softcapping=50\.0 in the qwen3 config asks for an attention "
                                               r"logit soft-cap, which this pipeline does not implement\."),
     ("llama", "layer_norm_eps", 1e-5, r"layer_norm_eps=1e-05 in the llama config asks for a LayerNorm \(only "

@@ -14,7 +14,7 @@ from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.hf_to_ds import convert_hf_to_ds
 from checkpoints.layer_files import load_weights_only
 from checkpoints.quantized_weights import dequantized
-from models.layout import MTP_FILE_NAME, layer_file_name
+from models.layout import CARRIED_FILE_NAME, layer_file_name
 from tests.tiny_models import DEEPSEEK_CONFIGS, make_model
 
 BLOCK = 8  # the tiny models' fp8 blocks (DeepSeek's are 128 x 128)
@@ -58,7 +58,7 @@ def test_round_trip_is_bit_identical_with_the_mtp_layers(tmp_path, name, mtp_lay
     extra = mtp_tensors(config) if config.num_nextn_predict_layers else {}
     original = with_mtp_shard(str(tmp_path / "hf"), extra)
     convert_hf_to_ds(str(tmp_path / "hf"), str(tmp_path / "ds"))
-    mtp_file = tmp_path / "ds" / "global_step0" / MTP_FILE_NAME
+    mtp_file = tmp_path / "ds" / "global_step0" / CARRIED_FILE_NAME
     assert mtp_file.exists() == bool(extra)
     convert_ds_to_hf(str(tmp_path / "ds"), str(tmp_path / "out"), max_shard_size="20KB")
     exported = hf_weights(tmp_path / "out")
@@ -111,7 +111,7 @@ def test_fp8_blocks_are_dequantised_as_transformers_does(tmp_path):
     for layer in range(config.num_hidden_layers):
         for key, tensor in load_weights_only(str(tag / layer_file_name(layer + 1))).items():
             assert torch.equal(tensor, reference[f"model.layers.{layer}.{key}"]), key
-    mtp = load_file(tag / MTP_FILE_NAME)  # dequantised too, scales gone
+    mtp = load_file(tag / CARRIED_FILE_NAME)  # dequantised too, scales gone
     eh_proj = f"model.layers.{config.num_hidden_layers}.eh_proj.weight"
     assert sorted(mtp) == sorted(mtp_tensors(config))
     assert torch.equal(mtp[eh_proj], dequantized(stored[eh_proj], stored[f"{eh_proj}_scale_inv"], (BLOCK,) * 2,
@@ -182,9 +182,9 @@ def test_scales_of_the_wrong_grid_are_refused_naming_them(tmp_path):
 
 @pytest.mark.parametrize("linked", [True, False], ids=["hard_link", "copy"])
 def test_a_training_checkpoint_carries_the_mtp_layers_of_its_base(tmp_path, monkeypatch, linked):
-    """checkpoints/saving.py: the converted base's mtp_layers.safetensors into a training checkpoint's tag directory,
-    a hard link, or a copy where the filesystem takes none; the checksum in its manifest is the base's (the same
-    bytes), which verification then checks against the file."""
+    """checkpoints/saving.py: the converted base's carried tensors (its MTP layers) into a training checkpoint's tag
+    directory, a hard link, or a copy where the filesystem takes none; the checksum in its manifest is the base's
+    (the same bytes), which verification then checks against the file."""
     import errno
     from omegaconf import OmegaConf
 
@@ -194,7 +194,7 @@ def test_a_training_checkpoint_carries_the_mtp_layers_of_its_base(tmp_path, monk
     make_model(config, tmp_path / "hf")
     with_mtp_shard(str(tmp_path / "hf"), mtp_tensors(config))
     convert_hf_to_ds(str(tmp_path / "hf"), str(tmp_path / "ds"))
-    base = tmp_path / "ds" / "global_step0" / MTP_FILE_NAME
+    base = tmp_path / "ds" / "global_step0" / CARRIED_FILE_NAME
     if not linked:
         def no_link(src, dst):
             raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
@@ -204,8 +204,8 @@ def test_a_training_checkpoint_carries_the_mtp_layers_of_its_base(tmp_path, monk
     (tag_dir / "IN_PROGRESS").write_text("save")
     cfg = OmegaConf.create({"tokenizer_name_or_path": None, "model_name_or_path": str(tmp_path / "ds")})
     write_side_files_and_complete(cfg, str(tmp_path / "ds"), str(tag_dir), {"step": 2}, [{}])
-    carried = tag_dir / MTP_FILE_NAME
+    carried = tag_dir / CARRIED_FILE_NAME
     assert carried.read_bytes() == base.read_bytes()
     assert os.path.samefile(carried, base) == linked
-    assert read_manifest(str(tag_dir))[MTP_FILE_NAME] == read_manifest(str(base.parent))[MTP_FILE_NAME]
-    assert verify_files(str(tag_dir), [MTP_FILE_NAME]) == []  # the base's checksum is the carried file's
+    assert read_manifest(str(tag_dir))[CARRIED_FILE_NAME] == read_manifest(str(base.parent))[CARRIED_FILE_NAME]
+    assert verify_files(str(tag_dir), [CARRIED_FILE_NAME]) == []  # the base's checksum is the carried file's
