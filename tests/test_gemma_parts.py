@@ -20,8 +20,9 @@ from models.gemma3 import (Gemma3DecoderLayer, Gemma3RMSNorm, ScaledEmbedding, g
 from models.gemma4 import (Gemma4DecoderLayer, Gemma4RMSNorm, Gemma4Router, PerLayerInputs, check_gemma4_config,
                            gemma4_embedding, gemma4_final_norm, kv_sources)
 from models.layer_types import RotaryByLayerType, layer_windows, masks_by_layer_type
+from tests.parts_parity import (BATCH, SEQ, VOCAB, check_grads, close, hf_grads, loss_of, reference_logits, reloaded,
+                                 rows)
 
-VOCAB, BATCH, SEQ = 96, 2, 12
 ALTERNATING = ["sliding_attention", "full_attention"] * 3
 
 
@@ -57,11 +58,6 @@ CONFIGS = {
     "gemma4_26b_a4b": lambda: gemma4_config(**K_EQ_V, **MOE, final_logit_softcapping=2.0),  # the MoE
     "gemma4_everything": lambda: gemma4_config(**PLE, **SHARED_KV, **K_EQ_V, **MOE, final_logit_softcapping=2.0),
 }
-
-
-def close(ours, theirs, tol=1e-5):
-    """Within tol of transformers, relative to its largest magnitude where that exceeds 1."""
-    return (ours - theirs).abs().max().item() <= tol * max(1.0, theirs.abs().max().item())
 
 
 def randomise(model):
@@ -161,63 +157,6 @@ def run(stages, carry, packed=True):
     return carry
 
 
-def rows(layout):
-    """(input_ids, document_ids, position_ids) of two rows: full (one document each), padded (the second row ends
-    in padding), or packed (the first row two documents and padding, the second three documents)."""
-    torch.manual_seed(1)
-    input_ids = torch.randint(3, VOCAB, (BATCH, SEQ))
-    document_ids = torch.ones(BATCH, SEQ, dtype=torch.long)
-    if layout == "padded":
-        document_ids[1, 8:] = 0
-    elif layout == "packed":
-        document_ids[0, 5:10], document_ids[0, 10:] = 2, 0
-        document_ids[1, 3:9], document_ids[1, 9:] = 2, 3
-    input_ids[document_ids == 0] = 0  # the pad token
-    position_ids = torch.zeros_like(document_ids)
-    for row in range(BATCH):
-        for document in document_ids[row].unique():
-            where = document_ids[row] == document
-            position_ids[row, where] = torch.arange(int(where.sum()))
-    return input_ids, document_ids, position_ids
-
-
-def documents(document_ids):
-    """[(row, positions)] of every real document."""
-    found = []
-    for row in range(document_ids.shape[0]):
-        for document in document_ids[row].unique().tolist():
-            if document:
-                found.append((row, (document_ids[row] == document).nonzero().squeeze(1)))
-    return found
-
-
-def reference_logits(hf_model, input_ids, document_ids, position_ids, layout):
-    """transformers' logits at every real token, zeros elsewhere: padded rows with their attention mask; packed
-    rows through transformers' own packing (position ids restarting at each document, no attention mask and no
-    cache: it then masks each document apart); 'documents': each document of a packed row run alone."""
-    real = (document_ids != 0)[..., None]
-    if layout == "packed":
-        return hf_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits * real
-    if layout != "documents":
-        return hf_model(input_ids=input_ids, attention_mask=(document_ids != 0).long(), use_cache=False).logits * real
-    logits = torch.zeros(*input_ids.shape, hf_model.config.vocab_size, dtype=hf_model.dtype)
-    for row, where in documents(document_ids):
-        alone = hf_model(input_ids=input_ids[row, where][None], use_cache=False).logits[0]
-        logits = logits.index_put((torch.tensor(row), where), alone)
-    return logits
-
-
-def loss_of(logits, document_ids):
-    """A loss reading every real token's logits with its own weight (fixed), so every gradient path is exercised."""
-    torch.manual_seed(2)
-    weights = torch.randn(logits.shape) * (document_ids != 0)[..., None]
-    return (logits * weights).sum()
-
-
-def hf_grads(hf_model):
-    return {name.removeprefix("model."): p.grad for name, p in hf_model.named_parameters() if p.grad is not None}
-
-
 def assembled_grads(stages):
     """Each parameter's gradient under transformers' name: the per-layer table's shares put back together by
     columns and rows, and the copies of the shared per-layer norm (one per stage) summed as a tied weight's; the
@@ -236,12 +175,6 @@ def assembled_grads(stages):
             else:
                 grads[name] = grads[name] + param.grad
     return grads
-
-
-def check_grads(ours, theirs, tol=1e-5):
-    assert ours.keys() == theirs.keys(), set(ours) ^ set(theirs)
-    wrong = [name for name in theirs if not close(ours[name], theirs[name], tol)]
-    assert not wrong, wrong
 
 
 # ---- each part alone ----
@@ -370,6 +303,41 @@ def test_decoder_layers_have_transformers_state_dicts(case):
             {n: t.shape for n, t in theirs.state_dict().items()}, i
 
 
+@pytest.mark.parametrize("case", CONFIGS)
+def test_decoder_layers_match_transformers(case):
+    """Every layer alone on the same input, tables and packed-documents mask as transformers' layer: outputs and
+    every weight's gradient; a reusing layer given the keys and values its source layer stored (transformers
+    through its shared_kv_states), each per-layer input its slice."""
+    hf_model = reference(case, "sdpa")
+    config, gemma4 = hf_model.config, case.startswith("gemma4")
+    torch.manual_seed(3)
+    input_ids, document_ids, position_ids = rows("packed")
+    hidden = torch.randn(BATCH, SEQ, config.hidden_size)
+    tables = RotaryByLayerType(config)(position_ids, hidden.dtype)
+    masks = masks_by_layer_type(document_ids, layer_windows(config), hidden.dtype)
+    per_layer = torch.randn(BATCH, SEQ, config.num_hidden_layers, 8)
+    theirs_shared, ours_shared = {}, {}
+    for i, theirs in enumerate(hf_model.model.layers):
+        ours = (Gemma4DecoderLayer if gemma4 else Gemma3DecoderLayer)(config, i)
+        ours.load_state_dict(theirs.state_dict())
+        layer_type = config.layer_types[i]
+        cos, sin = tables[layer_type]
+        kwargs = dict(position_embeddings=(cos, sin), attention_mask=masks[layer_type], position_ids=position_ids)
+        if not gemma4:
+            out, expected = ours(hidden, cos, sin, masks[layer_type]), theirs(hidden, **kwargs)
+        else:
+            ple = per_layer[:, :, i] if config.hidden_size_per_layer_input else None
+            out, key_value = ours(hidden, cos, sin, masks[layer_type], ple, ours_shared.get(ours.kv_source))
+            expected = theirs(hidden, ple, shared_kv_states=theirs_shared, **kwargs)
+            if ours.stores_kv:
+                ours_shared[i] = key_value
+        assert close(out, expected, 1e-6), i
+        out.square().sum().backward(retain_graph=True)
+        expected.square().sum().backward(retain_graph=True)
+        for name, param in ours.named_parameters():
+            assert close(param.grad, theirs.get_parameter(name).grad), (i, name)
+
+
 # ---- whole models ----
 
 def compare(case, impl, layout, dtype=torch.float32, logits_tol=1e-5, grads_tol=1e-5):
@@ -434,3 +402,14 @@ def test_two_stages_pass_shared_kv_and_embeddings_with_their_gradients(case):
     torch.autograd.backward(floating, [t.grad for t in received])
     loss_of(theirs, document_ids).backward()
     check_grads(assembled_grads([first, second]), hf_grads(hf_model))
+
+
+@pytest.mark.parametrize("case", ["gemma3", "gemma4_e2b", "gemma4_everything"])
+def test_bf16_logits_equal_transformers(case, tmp_path):
+    """The whole model in bf16, loaded as a user loads a checkpoint, to the bit: the embedding scales rounded to
+    bf16, the norms in fp32, the rotary tables cast to bf16, the router in fp32."""
+    hf_model = reloaded(reference(case, "sdpa"), torch.bfloat16, tmp_path)
+    input_ids, document_ids, position_ids = rows("packed")
+    carry = dict(input_ids=input_ids, document_ids=document_ids, position_ids=position_ids)
+    ours = run(assembled(hf_model, "sdpa"), carry) * (document_ids != 0)[..., None]
+    assert torch.equal(ours, reference_logits(hf_model, input_ids, document_ids, position_ids, "packed"))
