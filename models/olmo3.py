@@ -38,7 +38,7 @@ class Olmo3Attention(nn.Module):
         super().__init__()
         self.layer_type = config.layer_types[layer_index]
         self.window = config.sliding_window if self.layer_type == "sliding_attention" else None
-        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
         self.attention_impl = attention_impl
         heads, kv_heads, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
         bias = config.attention_bias

@@ -274,6 +274,11 @@ def test_per_layer_inputs_refuse_a_config_without_them():
         PerLayerInputs(gemma4_config(**PLE), range(4, 7))
 
 
+def test_gemma3_refuses_bidirectional_attention():
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True in the gemma3_text config"):
+        Gemma3DecoderLayer(gemma3_config(use_bidirectional_attention=True), 0)
+
+
 def test_kv_sources_and_refusals():
     assert kv_sources(gemma4_config(**SHARED_KV)) == {4: 2, 5: 3}
     assert kv_sources(gemma4_config()) == {}
