@@ -180,6 +180,7 @@ class ChunkedGatedDeltaRule(torch.autograd.Function):
         grad_key_products = grad_system_decayed * beta[..., None]
         grad_query_products = grad_products * decay
         grad_decay_decayed = grad_key_products * key_products + grad_query_products * query_products
+        grad_decay_decayed.diagonal(dim1=-2, dim2=-1).zero_()  # a token's decay to itself is 1: no gradient to g
         key_beta_e = (grad_k_beta_e * k).sum(dim=-1)
         grad_beta = ((grad_system_decayed * key_products).sum(dim=-1) + (grad_v_beta * v).sum(dim=-1)
                      + e * key_beta_e)
