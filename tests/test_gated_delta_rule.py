@@ -71,6 +71,9 @@ def upstream_of(batch, seq, value_heads=4, key_dim=16, value_dim=8):
             torch.randn(batch, value_heads, key_dim, value_dim, generator=generator))
 
 
+OUTPUTS = ("output", "final state", "q", "k", "v", "g", "beta", "initial state")  # rule_and_grads', in order
+
+
 def transformers_rule(*args, **kwargs):
     return torch_chunk_gated_delta_rule(*args, use_qk_l2norm_in_kernel=True, **kwargs)
 
@@ -83,7 +86,7 @@ def test_rule_matches_transformers(seq, key_heads, initial):
     upstream = upstream_of(2, seq)
     expected = rule_and_grads(transformers_rule, inputs, upstream, initial)
     got = rule_and_grads(chunk_gated_delta_rule, inputs, upstream, initial)
-    for name, ours, theirs in zip(["output", "final state", "q", "k", "v", "g", "beta", "initial state"], got, expected):
+    for name, ours, theirs in zip(OUTPUTS, got, expected):
         assert_close(ours, theirs, msg=name)
 
 
@@ -129,8 +132,7 @@ def test_a_sequence_split_in_two_with_the_state_carried_equals_the_whole(split):
                                            output_final_state=True)
     out = torch.cat([first, second], dim=1)
     ((out * upstream[0]).sum() + (final * upstream[1]).sum()).backward()
-    for name, ours, theirs in zip(["output", "final state", "q", "k", "v", "g", "beta", "initial state"],
-                                  [out, final] + [leaf.grad for leaf in leaves], whole):
+    for name, ours, theirs in zip(OUTPUTS, [out, final] + [leaf.grad for leaf in leaves], whole):
         assert_close(ours, theirs, msg=name)
 
 
@@ -167,8 +169,8 @@ def tiny_config(family="qwen3_5", **overrides):
 
 
 def random_mixers(family="qwen3_5", dtype=torch.float32):
-    """transformers' mixer with random weights (A_log: MIXER_DECAYS) and ours holding the same (Qwen3-Next's fused projections split); in bf16, A_log and the gated norm's weight stay
-    fp32, as Qwen3.5's checkpoints store them."""
+    """transformers' mixer with random weights (A_log: MIXER_DECAYS) and ours holding the same (Qwen3-Next's fused
+    projections split); in bf16, A_log and the gated norm's weight stay fp32, as Qwen3.5's checkpoints store them."""
     config = tiny_config(family)
     torch.manual_seed(0)
     reference = (Qwen3_5GatedDeltaNet if family == "qwen3_5" else Qwen3NextGatedDeltaNet)(config, layer_idx=0)
@@ -286,25 +288,36 @@ def test_packed_rows_equal_transformers_on_each_document_alone():
     assert torch.equal(out[0, -10:], torch.zeros_like(out[0, -10:]))  # the padding
 
 
-@pytest.mark.parametrize("split", [50, 70, 72, 2], ids=["inside_a_document", "on_a_document_boundary",
-                                                         "within_the_kernel_after_a_boundary", "shorter_than_the_kernel"])
-def test_a_row_in_two_stretches_with_the_carry_equals_the_whole_row(split):
-    """The carry (the convolution's last inputs with their documents, the state) takes a row's second stretch on
-    from its first: outputs and gradients (the input's, every weight's) as the whole row's; a document starting at
-    or just after the split restarts the window and the state there."""
+@pytest.mark.parametrize("splits", [[50], [70], [72], [2], [60, 62]], ids=[
+    "inside_a_document", "on_a_document_boundary", "within_the_kernel_after_a_boundary", "shorter_than_the_kernel",
+    "three_stretches_the_middle_one_shorter_than_the_kernel"])
+def test_a_row_in_stretches_with_the_carry_equals_the_whole_row(splits):
+    """The carry (the convolution's last inputs with their documents, the state) takes each stretch of a row on from
+    the one before: outputs and gradients (the input's, every weight's) as the whole row's; a document starting at or
+    just after a split restarts the window and the state there."""
     _, ours = random_mixers()
     ids = document_ids([[(1, 70), (2, 80)], [(1, 150)]])
     x, upstream = hidden_states(2, 150)
     out, x_grad, grads = mixer_and_grads(ours, x, upstream, document_ids=ids)
     ours.zero_grad(set_to_none=True)
     leaf = x.clone().requires_grad_()
-    first, carry = ours.forward_carrying(leaf[:, :split], ids[:, :split])
-    second, _ = ours.forward_carrying(leaf[:, split:], ids[:, split:], carry)
-    stretches = torch.cat([first, second], dim=1)
+    outputs, carry = [], None
+    for start, end in zip([0, *splits], [*splits, 150]):
+        stretch, carry = ours.forward_carrying(leaf[:, start:end], ids[:, start:end], carry)
+        outputs.append(stretch)
+    stretches = torch.cat(outputs, dim=1)
     (stretches * upstream).sum().backward()
     assert_close(stretches, out)
     assert_close(leaf.grad, x_grad)
     assert_grads_close({name: param.grad for name, param in ours.named_parameters()}, grads)
+
+
+def test_rows_of_one_document_each_carry_without_document_ids():
+    _, ours = random_mixers()
+    x, _ = hidden_states(2, 150)
+    first, carry = ours.forward_carrying(x[:, :100])
+    second, _ = ours.forward_carrying(x[:, 100:], carry=carry)
+    assert_close(torch.cat([first, second], dim=1), ours(x))
 
 
 def test_qwen3_next_fused_projections_split_and_fuse_back_bit_identical():
