@@ -30,9 +30,12 @@ import torch
 import torch.nn.functional as F
 
 CHUNK_SIZE = 64  # transformers' chunk_size: the chunks' rounding is the reference's
-# Decays below e^-60 (1e-26) are taken as 0: far below fp32's resolution next to the terms of decay 1 that every sum
-# they enter holds, and kept they end as denormal numbers, which make the CPU's matrix products several times slower.
-FORGOTTEN = -60.0
+# Decays below e^-45 (3e-20), and the chunk system's solution and its decayed keys (dimensionless: products of
+# decays, betas and unit keys) below 1e-20, are taken as 0: 13 orders of magnitude below fp32's resolution next to
+# the token's own term (decay 1) that every sum they enter holds. Kept, their products underflow to denormal numbers,
+# which make the CPU's matrix products several times slower.
+FORGOTTEN = -45.0
+NEGLIGIBLE = 1e-20
 
 
 def l2_normalized(x, eps=1e-6):
@@ -132,9 +135,10 @@ class ChunkedGatedDeltaRule(torch.autograd.Function):
         query_products = q @ k.transpose(-1, -2)
         system = key_products * decay * beta[..., None]  # its strictly lower triangle (the diagonal is taken as 1)
         identity = torch.eye(chunk, dtype=system.dtype, device=system.device)
-        solve = torch.linalg.solve_triangular(system, identity.expand_as(system), upper=False, unitriangular=True)
+        solve = without_negligible_(torch.linalg.solve_triangular(system, identity.expand_as(system), upper=False,
+                                                                  unitriangular=True))
         u = solve @ (v * beta[..., None])
-        w = solve @ (k * (beta * e)[..., None])
+        w = without_negligible_(solve @ (k * (beta * e)[..., None]))
         states, v_new = scan_states(u, w, k * f[..., None], gamma, initial_state, (batch, value_heads, key_dim,
                                                                                    value_dim))
         chunks = cumulated.shape[0]
@@ -225,6 +229,11 @@ def chunk_decays(cumulated, segments, decay=None):
 def forgotten_exp(log_decay):
     """exp(log_decay), 0 below e^FORGOTTEN."""
     return log_decay.masked_fill(log_decay < FORGOTTEN, -torch.inf).exp_()
+
+
+def without_negligible_(x):
+    """x, its entries below NEGLIGIBLE zeroed in place."""
+    return x.masked_fill_(x.abs() < NEGLIGIBLE, 0)
 
 
 def scan_states(u, w, masked_key, gamma, initial_state, state_shape):
