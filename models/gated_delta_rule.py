@@ -52,6 +52,9 @@ def chunk_gated_delta_rule(query, key, value, g, beta, document_ids=None, initia
     padding, k on a row's k-th document, as models/llama.py's document_causal_mask reads them). initial_state
     [B, Hv, dk, dv]: the state before the first token, carried into the first token's document (a caller whose
     first token starts a new document passes zeros there)."""
+    if value.shape[-2] % key.shape[-2]:
+        raise ValueError(f"{value.shape[-2]} value heads are not a multiple of {key.shape[-2]} key heads: each key "
+                         f"head serves a whole group of value heads.")
     dtype = query.dtype
     q = l2_normalized(query.float()) * query.shape[-1] ** -0.5
     k = l2_normalized(key.float())

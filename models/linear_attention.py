@@ -100,6 +100,7 @@ class GatedDeltaNet(nn.Module):
         return self.mix(hidden, document_ids, carry, carry_out=True)
 
     def mix(self, hidden, document_ids, carry, carry_out):
+        """(output, the LinearAttentionCarry after the stretch if carry_out, else None)."""
         batch, seq, _ = hidden.shape
         if document_ids is not None:
             hidden = hidden * (document_ids != 0)[..., None].to(hidden.dtype)

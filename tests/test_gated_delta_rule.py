@@ -336,3 +336,6 @@ def test_value_heads_not_a_multiple_of_key_heads_are_refused():
     with pytest.raises(ValueError, match=r"linear_num_value_heads \(6\) is not a multiple of linear_num_key_heads "
                                          r"\(4\)"):
         GatedDeltaNet(32, 4, 6, 16, 8, 4)
+    q, k, v, g, beta, _ = rule_inputs(1, 10, key_heads=4, value_heads=6)
+    with pytest.raises(ValueError, match="6 value heads are not a multiple of 4 key heads"):
+        chunk_gated_delta_rule(q, k, v, g, beta)
