@@ -11,7 +11,6 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttentio
 
 from models.attention_kernels import additive_mask
 from models.gated_attention import GatedAttention, PartialRotaryEmbedding
-from models.llama import document_causal_mask
 from models.offset_norms import GatedRMSNorm, OffsetRMSNorm
 
 FAMILIES = {"qwen3_5": (Qwen3_5TextConfig, Qwen3_5Attention, Qwen3_5TextRotaryEmbedding),
@@ -82,9 +81,17 @@ def test_gated_attention_matches_transformers(family, impl, bias):
         assert_close(grads[name], expected_grads[name], msg=name)
 
 
+def packed_mask(ids):
+    """The additive mask of packed documents (ids [B, S], 0 on padding): causal within each document, padding
+    seeing only itself, as the pipeline's stage inputs build it."""
+    seq = ids.shape[-1]
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril() & (ids[:, None, :, None] == ids[:, None, None, :])
+    return additive_mask((allowed & (ids != 0)[:, None, None, :]) | torch.eye(seq, dtype=torch.bool), torch.float32)
+
+
 def test_a_packed_row_equals_each_document_alone():
-    """Documents of 9, 10 and 5 tokens (positions restarting at each), then padding, under models/llama.py's
-    document mask: each document's outputs and input gradients as transformers' on it alone."""
+    """Documents of 9, 10 and 5 tokens (positions restarting at each), then padding, under the mask of packed
+    documents: each document's outputs and input gradients as transformers' on it alone."""
     config, reference, ours = random_attentions("qwen3_5", "sdpa", False)
     ids = torch.tensor([[1] * 9 + [2] * 10 + [3] * 5 + [0] * 4])
     positions = torch.cat([torch.arange(9), torch.arange(10), torch.arange(5), torch.arange(4)])[None]
@@ -92,8 +99,7 @@ def test_a_packed_row_equals_each_document_alone():
     x, upstream = torch.randn(1, 28, 32, generator=generator), torch.randn(1, 28, 32, generator=generator)
     upstream[:, 24:] = 0  # padding's outputs are nobody's
     cos, sin = PartialRotaryEmbedding(config)(x, positions)
-    out, x_grad, _ = attention_and_grads(ours, x, upstream, cos, sin, additive_mask(document_causal_mask(ids),
-                                                                                     x.dtype))
+    out, x_grad, _ = attention_and_grads(ours, x, upstream, cos, sin, packed_mask(ids))
     for span in (slice(0, 9), slice(9, 19), slice(19, 24)):
         alone = x[:, span]
         tables = theirs_tables("qwen3_5", config, alone, torch.arange(span.stop - span.start)[None])
