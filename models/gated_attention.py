@@ -76,7 +76,7 @@ class GatedAttention(nn.Module):
 
     def forward(self, hidden, cos, sin, mask=None):
         """hidden [B, S, H]; cos, sin: PartialRotaryEmbedding's tables; mask: an additive [B, 1, S, S] mask
-        (models/attention_kernels.py additive_mask of models/llama.py's document_causal_mask for packed documents),
+        (the stage's mask of packed documents: causal within each, models/attention_kernels.py additive_mask),
         or None for causal attention."""
         batch, seq, _ = hidden.shape
         query, gate = self.q_proj(hidden).view(batch, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)

@@ -49,7 +49,7 @@ def chunk_gated_delta_rule(query, key, value, g, beta, document_ids=None, initia
 
     query, key [B, S, Hk, dk]; value [B, S, Hv, dv] with Hv a multiple of Hk; g (the log decay, <= 0) and beta
     [B, S, Hv]. document_ids [B, S] (None: one document a row): the state restarts where the id changes (0 on
-    padding, k on a row's k-th document, as models/llama.py's document_causal_mask reads them). initial_state
+    padding, k on a row's k-th document, as the attention's document masks read them). initial_state
     [B, Hv, dk, dv]: the state before the first token, carried into the first token's document (a caller whose
     first token starts a new document passes zeros there)."""
     if value.shape[-2] % key.shape[-2]:

@@ -1,14 +1,16 @@
 """Gated DeltaNet's parts against transformers on the same weights and inputs, in one process: the chunked gated delta
 rule (models/gated_delta_rule.py) against torch_chunk_gated_delta_rule, and the linear-attention mixer
-(models/linear_attention.py) against Qwen3_5GatedDeltaNet and Qwen3NextGatedDeltaNet; outputs, final states, the
-inputs' and every weight's gradients, fp32 within 1e-5. In bf16 the rule's math is fp32 (the bf16 result is the fp32
-one, cast). Packed rows against transformers on each document alone (its torch path cannot take packed rows);
-padded rows against transformers' masked rows; a row split in two stretches, the state and the convolution's inputs
-carried from the first to the second, against the whole row."""
+(models/linear_attention.py) against Qwen3_5GatedDeltaNet, Qwen3_5MoeGatedDeltaNet and Qwen3NextGatedDeltaNet;
+outputs, final states, the inputs' and every weight's gradients, fp32 within 1e-5. In bf16 the rule's math is fp32
+(the bf16 result is the fp32 one, cast). Packed rows against transformers on each document alone (its torch path
+cannot take packed rows); padded rows against transformers' masked rows; a row split in stretches, the state and the
+convolution's inputs carried from each to the next, against the whole row."""
 import pytest
 import torch
 from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet, torch_chunk_gated_delta_rule
+from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from models.gated_delta_rule import chunk_gated_delta_rule, state_transition
@@ -158,14 +160,18 @@ MIXER_DECAYS = (0.05, 0.5, 3.0, 14.0)
 SUMMED_OVER_TOKENS = ("dt_bias", "A_log")
 
 
+FAMILIES = {"qwen3_5": (Qwen3_5TextConfig, Qwen3_5GatedDeltaNet), "qwen3_5_moe": (Qwen3_5MoeTextConfig,
+                                                                               Qwen3_5MoeGatedDeltaNet),
+            "qwen3_next": (Qwen3NextConfig, Qwen3NextGatedDeltaNet)}  # (config, transformers' mixer)
+
+
 def tiny_config(family="qwen3_5", **overrides):
     """A tiny hybrid config: 2 key heads of 16 features serving 4 value heads of 8, a kernel of 4."""
     fields = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                   linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
                   layer_types=["linear_attention", "full_attention"], max_position_embeddings=256)
-    config = (Qwen3_5TextConfig if family == "qwen3_5" else Qwen3NextConfig)(**{**fields, **overrides})
-    return config
+    return FAMILIES[family][0](**{**fields, **overrides})
 
 
 def random_mixers(family="qwen3_5", dtype=torch.float32):
@@ -173,7 +179,7 @@ def random_mixers(family="qwen3_5", dtype=torch.float32):
     projections split); in bf16, A_log and the gated norm's weight stay fp32, as Qwen3.5's checkpoints store them."""
     config = tiny_config(family)
     torch.manual_seed(0)
-    reference = (Qwen3_5GatedDeltaNet if family == "qwen3_5" else Qwen3NextGatedDeltaNet)(config, layer_idx=0)
+    reference = FAMILIES[family][1](config, layer_idx=0)
     with torch.no_grad():
         for name, param in reference.named_parameters():
             if name == "norm.weight":
@@ -229,7 +235,7 @@ def assert_grads_close(ours, theirs):
         assert_close(ours[name], theirs[name], msg=name, tolerance=4e-5 if name in SUMMED_OVER_TOKENS else 1e-5)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_mixer_matches_transformers(family):
     reference, ours = random_mixers(family)
     x, upstream = hidden_states(2, 150)
