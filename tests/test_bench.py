@@ -52,6 +52,10 @@ FIGURES = {
                      "transformers eager CPU s median # (min #, max #)",
                      "pipeline speed-up over transformers eager: #x (rounds #-#)",
                      "pipeline speed-up over transformers grouped_mm: #x (rounds #-#)"],
+    "gated_delta_rule.py": ["transformers CPU s median # (min #, max #)", "pipeline CPU s median # (min #, max #)",
+                            "speed-up over transformers: #x (rounds #-#)",
+                            "max |pipeline - transformers| / max |transformers|: output #, input gradient #, weight "
+                            "gradients #"],
     "goodput.py": ['"goodput": #', '"target_goodput": #', '"detect_s": #', '"restart_s": #',
                    '"final_weights_equal": true'],
     "grad_accumulation_cost.py": ["sums in bf16: step median # (min #, max #) s, peak median #",
