@@ -40,8 +40,7 @@ from schedules.orders import rank_orders
 from schedules.rules import chunk_ids, chunks_per_rank, in_flight_micro_batches, waiting_micro_batches
 from schedules.zbv_order import configured_zbv_durations
 from planner import training_state
-from planner.decoder_costs import DecoderCosts
-from planner.moe_costs import INT64_BYTES
+from planner.decoder_costs import INT64_BYTES, DecoderCosts
 from planner.training_state import FP32_BYTES
 from planner.workload import check_tensor_parallel
 
