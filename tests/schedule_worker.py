@@ -36,7 +36,7 @@ from planner.workload import Workload  # noqa: E402
 from training.config_checks import checked_config  # noqa: E402
 from engines.cost_calibration import agreed_unit_costs  # noqa: E402
 from cluster.distributed import init_distributed, parallel_topology  # noqa: E402
-from training.stage_bounds import configured_stage_bounds  # noqa: E402
+from training.run_spec import configured_stage_bounds  # noqa: E402
 from engines.chunked_engine import rank_chunk_ids, use_chunked_pipeline  # noqa: E402
 from engines.pipeline_engine import use_one_backward, use_zero_bubble  # noqa: E402
 from evaluation.reference import WithReference, compute_reference  # noqa: E402

@@ -30,8 +30,8 @@ INDEXED_IGNORES = ("packing", "overlong", "cache_dir")  # data keys of tokenizin
 
 
 def checked_config(cfg):
-    """cfg with conf/base.yaml's defaults under it and its values normalised, after every check that needs
-    nothing but the config."""
+    """A new config: cfg with conf/base.yaml's defaults under it and its nulls read as their defaults, after every
+    check that needs nothing but the config (the checks only read it)."""
     base = OmegaConf.load(BASE_CONFIG)
     for node in ("defaults", "hydra"):
         base.pop(node)
@@ -40,6 +40,8 @@ def checked_config(cfg):
     # YAML's null (and configs written before these keys) read as their defaults.
     cfg.offload_optimizer = "none" if cfg.offload_optimizer is None else str(cfg.offload_optimizer).lower()
     cfg.tensor_parallel_size = 1 if cfg.tensor_parallel_size is None else cfg.tensor_parallel_size
+    if cfg.hang_watchdog.startup_seconds is None:  # below the collectives' timeout by construction
+        cfg.hang_watchdog.startup_seconds = longest_limit(cfg.dist_timeout_minutes)
     check_values(cfg)
     OmegaConf.set_struct(cfg, True)
     return cfg
@@ -167,14 +169,11 @@ def check_length_buckets(cfg):
 
 def check_hang_watchdog(watchdog, dist_timeout_minutes):
     """The watchdog's limits, each below the collectives' timeout: a hang the watchdog would name later is ended by a
-    collective's timeout first, without a stack or a record (on NCCL, an abort). startup_seconds' default (null) is
-    below it by construction (resilience/hang_watchdog.py longest_limit)."""
+    collective's timeout first, without a stack or a record (on NCCL, an abort)."""
     if watchdog.step_time_factor < 2:
         raise ConfigError(f"hang_watchdog.step_time_factor={watchdog.step_time_factor} is too short for the measured "
                           f"step time: steps vary, and a rank that is only slow must not be ended; use at least 2 "
                           f"(10 by default).")
-    if watchdog.startup_seconds is None:
-        watchdog.startup_seconds = longest_limit(dist_timeout_minutes)
     for key in ("min_step_seconds", "startup_seconds"):
         if not watchdog[key] > 0:
             raise ConfigError(f"hang_watchdog.{key}={watchdog[key]} must be a positive number of seconds.")

@@ -12,7 +12,6 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 import collectives
-from checkpoints.compatibility import dropped_state, layout_change
 from checkpoints.background_save import BackgroundSave, agreed_async_save, snapshot_shortfall
 from checkpoints.disk_space import checkpoint_bytes, storage_warning
 from checkpoints.ds_to_hf import convert_ds_to_hf
@@ -50,11 +49,11 @@ from engines.profiling import NoProfile, StepProfile
 from engines.sequence_length import use_sequence_length
 from resilience.rank_records import start_record
 from training.run_data import RunData, pad_token_id
-from training.resume import start_checkpoint_dir
+from training.resume import (agreed_start, data_position, describe_resume, load_with_reference,
+                             start_checkpoint_dir)
 from errors import ConfigError
 from engines.cost_calibration import measured_partition
 from training.run_spec import plan_spec, run_spec
-from training.start_point import agreed_start, load_with_reference
 from resilience.stragglers import StragglerWatch
 from training.token_mean import step_micro_batches, step_totals, token_mean_loss
 
@@ -171,33 +170,6 @@ def evaluation_record(loss, extra):
     if isinstance(extra, dict):
         return {"eval_loss": loss, **{f"eval_{name}": value for name, value in extra.items()}}
     return {"eval_loss": loss, "eval_ppl": extra}
-
-
-def describe_resume(spec):
-    """What a resume changes about the run that wrote its checkpoint (a line at start-up), or None."""
-    if spec.resume_from is None or spec.cfg.resume_weights_only:
-        return None
-    changes = layout_change(spec.trainer_state, spec.layout, spec.settings)
-    if not changes:
-        return None
-    consumed = spec.trainer_state.get("consumed_samples", 0)
-    per_micro_step = spec.data_parallel * spec.cfg.micro_batch_size
-    # token shards continue at the very next sample of the blend; the sampler rounds down to whole micro-batches
-    again = (f", of which the last {consumed % per_micro_step} are read again: the position rounds down to a whole "
-             f"micro-batch of each of the {spec.data_parallel} data-parallel ranks"
-             if consumed % per_micro_step and spec.cfg.data.format != "indexed" else "")
-    return (f"resuming {os.path.join(*spec.resume_from)} with another layout ({'; '.join(changes)}): the optimizer "
-            f"state is resharded from its per-layer files; the data position is kept in samples ({consumed} "
-            f"consumed{again})"
-            + "".join(f"; dropped: {state}" for state in
-                      dropped_state(spec.trainer_state.get("settings", {}), spec.settings)))
-
-
-def data_position(trainer_state, micro_batches_per_epoch, dp_size, micro_batch_size):
-    """(epoch, micro-batches consumed in it) to continue from. Derived from consumed samples, which every rank
-    knows (middle stages pull no data) and which stays meaningful when the data-parallel degree changes."""
-    consumed = trainer_state.get("consumed_samples", 0) // (dp_size * micro_batch_size)
-    return divmod(consumed, micro_batches_per_epoch)
 
 
 def run(cfg):
