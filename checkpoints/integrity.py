@@ -3,9 +3,10 @@
 Layer files are written without zip CRCs (and torch.load checks none), so a flipped byte would otherwise load and
 export silently. Every converted directory and every training checkpoint holds ``checksums.json``: for each file of
 its tag directory (and, in a converted directory, one more for the config and tokenizer files at its top level), the
-size and an xxh3-128 hash (xxhash, ~25 GB/s: bench/README.md). A file is hashed (a training checkpoint's also
-fsynced) right after it is written, while its pages are still in the page cache; the manifest is written atomically
-and before the checkpoint is declared complete, so a complete checkpoint always has a complete manifest.
+size and an xxh3-128 hash (xxhash: fast enough to hash every file as it is written, bench/checksum_cost.py). A
+file is hashed (a training checkpoint's also fsynced) right after it is written, while its pages are still in the
+page cache; the manifest is written atomically and before the checkpoint is declared complete, so a complete
+checkpoint always has a complete manifest.
 """
 import json
 import os

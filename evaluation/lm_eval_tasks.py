@@ -41,7 +41,7 @@ EXPORT_COMMAND = "python evaluate_lm.py --ckpt_dir OUTPUT_DIR --tag global_stepN
 
 def load_tasks(eval_tasks, output_dir):
     """[(EvalTask, lm-eval's task dict)], or a ConfigError naming the task and what to change. Names need lm-eval's
-    task index (about 15 s to build); task files alone are loaded without it."""
+    task index (slow to build: lm-eval reads every task's YAML); task files alone are loaded without it."""
     files = [task.spec for task in eval_tasks if is_task_file(task.spec)]
     for path in files:
         if not os.path.isfile(path):

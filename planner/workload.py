@@ -26,16 +26,16 @@ class Workload:
     tensor_parallel: int = 1  # ranks splitting each layer (conf/base.yaml's tensor_parallel_size)
     sequence_parallel: bool = True  # with tensor_parallel > 1: residual stream on 1/t of the tokens
     recompute_sequence_gather: bool = False  # sequence parallel: gather again in backward rather than keep
-    context_parallel: int = 1  # ranks splitting each sequence (models/context_parallel.py)
-    expert_parallel: int = 1  # data-parallel ranks splitting each sparse layer's experts (models/expert_parallel.py)
+    context_parallel: int = 1  # ranks splitting each sequence
+    expert_parallel: int = 1  # data-parallel ranks splitting each sparse layer's experts
     document_masks: bool = False  # rows hold packed documents that attend only to themselves: a seq x seq mask
     offload_optimizer: bool = False  # ZeRO-1's fp32 partition, its gradient and Adam's moments in host memory
     pipeline_schedule: str = "1f1b"  # zero_bubble: micro-batches also wait for their weight gradients (W)
     zero_bubble_max_waiting: int | None = None  # zero_bubble: cap on those per stage (None: ZB-H1's s on stage s)
     virtual_stages: int = 1  # interleaved_1f1b: chunks of layers per rank (zbv holds 2)
     zbv_times: list | None = None  # zbv: a chunk's [F, B, W] times (or one per stage) its V order is made for
-    loss_chunk_tokens: int = 1024  # the LM head and loss a chunk of tokens at a time (models/loss.py); 0: logits
-    lora: LoraSettings = NO_LORA  # LoRA adapters: only they train, the rest is frozen (models/lora.py)
+    loss_chunk_tokens: int = 1024  # the LM head and loss a chunk of tokens at a time; 0: the whole logits
+    lora: LoraSettings = NO_LORA  # LoRA adapters: only they train, the rest is frozen
     async_save: bool = False  # a save's snapshot of each rank's checkpoint files in host memory (async_save)
 
     @classmethod

@@ -3,7 +3,9 @@
 import csv
 import io
 import json
+import math
 import os
+import time
 import uuid
 
 import torch
@@ -40,6 +42,47 @@ def compute_throughput(tokens_per_sec, flops_per_token, devices, peak_tflops):
     known peak, model FLOPs utilisation."""
     tflops = flops_per_token * tokens_per_sec / devices / 1e12
     return {"tflops_per_device": tflops, **({"mfu": tflops / peak_tflops} if peak_tflops else {})}
+
+
+class MetricsWindow:
+    """The steps since the last log record: how many, their tokens and model FLOPs, the losses of those that
+    updated the weights and how many had no labelled token; and, over the whole run, the steps a non-finite loss
+    skipped (nan_policy=skip)."""
+
+    def __init__(self):
+        self.run_started = time.time()
+        self.skipped = 0
+        self.reset()
+
+    def reset(self):
+        self.started = time.time()
+        self.steps = self.tokens = self.flops = self.unlabelled = 0
+        self.losses = []
+
+    def add_step(self, tokens, flops_per_token, loss):
+        """A step of `tokens` tokens; loss None: it had nothing to learn."""
+        self.steps += 1
+        self.tokens += tokens
+        self.flops += tokens * flops_per_token
+        if loss is None:
+            self.unlabelled += 1
+        elif math.isfinite(loss):
+            self.losses.append(loss)
+        else:
+            self.skipped += 1
+
+    def mean_loss(self):
+        """The mean loss of the window's steps: None where every step had nothing to learn, NaN where every step
+        that had was skipped."""
+        if self.losses:
+            return sum(self.losses) / len(self.losses)
+        return None if self.unlabelled == self.steps else float("nan")
+
+    def elapsed(self):
+        return time.time() - self.started
+
+    def run_elapsed(self):
+        return time.time() - self.run_started
 
 
 class RunLogger:

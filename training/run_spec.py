@@ -43,7 +43,7 @@ class ConvertedModel(NamedTuple):
     log-probabilities record it: a resume checks that the same one is loaded under them."""
     path: str  # model_name_or_path, absolute
     tag: str  # the tag its 'latest' names
-    digest: str | None  # its manifest's checksum (checkpoints/integrity.py manifest_digest)
+    digest: str | None  # its manifest's checksum (None: a directory converted before manifests)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +181,7 @@ def run_spec(cfg, world_size):
     if cfg.data.format == "indexed":
         check_shards_fit_model(cfg, model_config.vocab_size, spec.tokenizer_dir)
     # this rank's own look at output_dir, for the checks: rank 0's, once a collective can carry it, decides
-    # (training/resume.py agreed_start)
+    # (agreed_start)
     return with_resume(spec, resolve_resume(cfg.resume, cfg.output_dir))
 
 
