@@ -16,6 +16,7 @@ import xxhash
 
 import collectives
 from checkpoints.files import MANIFEST_NAME, fsync_path, write_text_atomic
+from cluster.console import say
 
 ALGORITHM = "xxh3_128"
 CHUNK_BYTES = 16 << 20
@@ -147,7 +148,7 @@ def verify_checkpoint(tag_dir, weights_only):
     recorded = read_manifest(tag_dir)
     if recorded is None:
         if dist.get_rank() == 0:
-            print(no_manifest_note(tag_dir), flush=True)
+            say(no_manifest_note(tag_dir))
         return
     needed = sorted(name for name in recorded if not weights_only or read_by_weights_only_load(name))
     mine = needed[dist.get_rank()::dist.get_world_size()]

@@ -7,6 +7,7 @@ import os
 from omegaconf import ListConfig, OmegaConf
 
 from checkpoints.background_save import ASYNC_SAVE_SETTINGS
+from cluster.console import LOG_LEVELS
 from errors import ConfigError
 from evaluation.eval_task import EvalTask
 from data.formats import DataSettings
@@ -65,7 +66,7 @@ def check_values(cfg):
     """Each key's allowed values, and the rules between keys that need no model or world size."""
     choices = {"precision": PRECISIONS, "lr_scheduler": SCHEDULERS, "offload_optimizer": OFFLOAD_DEVICES,
                "pipeline_schedule": PIPELINE_SCHEDULES, "nan_policy": NAN_POLICIES, "attention_impl": ATTENTION_IMPLS,
-               "loss_impl": LOSS_IMPLS, "async_save": ASYNC_SAVE_SETTINGS}
+               "loss_impl": LOSS_IMPLS, "async_save": ASYNC_SAVE_SETTINGS, "log_level": LOG_LEVELS}
     for key, allowed in choices.items():
         if cfg[key] not in allowed:
             extra = (" (NVMe offload needs ZeRO-3, which pipeline parallelism does not support)"

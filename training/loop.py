@@ -61,6 +61,7 @@ from engines.cost_calibration import measured_partition
 from training.run_spec import plan_spec, run_spec
 from resilience.stragglers import StragglerWatch
 from training.token_mean import StepTotals, step_micro_batches, step_totals, token_mean_micro_batches
+from cluster.console import library_output, quiet_libraries, say
 
 
 def seed_everything(seed):
@@ -73,19 +74,20 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
     """The DeepSpeed pipeline engine of this rank's stage, as every run trains it. layer_loader=None: random weights
     (the benches measure the trainer's engine without a checkpoint)."""
     cfg = spec.cfg
-    module = build_pipeline_module(spec.model_config, parallel_topology(spec.num_stages, spec.tensor_parallel),
-                                   stage_bounds=spec.stage_bounds, attention_impl=cfg.attention_impl,
-                                   activation_checkpoint_interval=cfg.activation_checkpoint_interval,
-                                   dtype=PRECISION_DTYPES[cfg.precision], sequence_parallel=cfg.sequence_parallel,
-                                   recompute_sequence_gather=cfg.recompute_sequence_gather,
-                                   layer_loader=layer_loader, context_parallel_size=cfg.context_parallel_size,
-                                   loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
-                                   grad_accum_dtype=PRECISION_DTYPES[cfg.grad_accum_dtype], lora=spec.lora,
-                                   seed=cfg.seed, objective=spec.preference,
-                                   seq_length=cfg.seq_length if cfg.data.format == "indexed" else None,
-                                   row_layout=row_layout(cfg.data),
-                                   chunk_ids=rank_chunk_ids(cfg.pipeline_schedule, spec.num_stages, cfg.virtual_stages),
-                                   expert_parallel_size=cfg.expert_parallel_size)
+    with library_output(cfg.log_level):  # DeepSpeed's PipelineModule prints its seeds and topology
+        module = build_pipeline_module(
+            spec.model_config, parallel_topology(spec.num_stages, spec.tensor_parallel),
+            stage_bounds=spec.stage_bounds, attention_impl=cfg.attention_impl,
+            activation_checkpoint_interval=cfg.activation_checkpoint_interval,
+            dtype=PRECISION_DTYPES[cfg.precision], sequence_parallel=cfg.sequence_parallel,
+            recompute_sequence_gather=cfg.recompute_sequence_gather, layer_loader=layer_loader,
+            context_parallel_size=cfg.context_parallel_size,
+            loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
+            grad_accum_dtype=PRECISION_DTYPES[cfg.grad_accum_dtype], lora=spec.lora, seed=cfg.seed,
+            objective=spec.preference, seq_length=cfg.seq_length if cfg.data.format == "indexed" else None,
+            row_layout=row_layout(cfg.data),
+            chunk_ids=rank_chunk_ids(cfg.pipeline_schedule, spec.num_stages, cfg.virtual_stages),
+            expert_parallel_size=cfg.expert_parallel_size)
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
@@ -143,13 +145,13 @@ def prepare_output_dir(spec):
     if dist.get_rank() == 0:
         removed = remove_incomplete_checkpoints(cfg.output_dir)
         if removed:
-            print(f"removed incomplete checkpoints left by an interrupted save: {removed}", flush=True)
+            say(f"removed incomplete checkpoints left by an interrupted save: {removed}")
         if resume_from is None and cfg.overwrite_output_dir and not cfg.eval_only:
             clear_previous_run(cfg.output_dir)
         warning = None if cfg.eval_only else storage_warning(cfg.output_dir, spec.checkpoint_bytes,
                                                              cfg.save_total_limit)
         if warning:
-            print(warning, flush=True)
+            say(f"trainer_pipe: {warning}")
     collectives.barrier()
 
 
@@ -166,7 +168,7 @@ def load_lm_eval_tasks(spec):
     path = spec.tokenizer_dir or spec.cfg.tokenizer_name_or_path or spec.model_files_dir  # pre-tokenized data too
     tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer_files(path) else None
     first_rank = int(os.environ.get("RANK", "0")) == 0
-    return LmEvalTasks(spec.cfg, tokenizer, log=lambda line: first_rank and print(line, flush=True))
+    return LmEvalTasks(spec.cfg, tokenizer, log=lambda line: first_rank and say(line))
 
 
 def evaluation_record(loss, extra):
@@ -184,6 +186,7 @@ def run(cfg):
         return print_memory_plan(plan_spec(cfg))
     spec = run_spec(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # every check, before anything is started
     cfg = spec.cfg
+    quiet_libraries(cfg.log_level)
     lm_eval_tasks = load_lm_eval_tasks(spec)
     shortfall = None
     if cfg.async_save and not cfg.eval_only:
@@ -212,7 +215,7 @@ def run_started(spec, lm_eval_tasks, record):
     seed_everything(cfg.seed)
     log_rank0(describe_stages(spec))
     if warning := accumulation_warning(cfg):
-        log_rank0(warning)
+        log_rank0(f"trainer_pipe: {warning}")
     if describe_resume(spec):
         log_rank0(describe_resume(spec))
     topology = parallel_topology(spec.num_stages, spec.tensor_parallel)
@@ -429,6 +432,7 @@ class TrainingRun:
         self.profile.lap("preemption check")
         if self.background is not None and (saved := self.background.complete_if_written()):
             self.last_checkpoint, self.checkpoint_size = os.path.split(saved), checkpoint_bytes(saved)
+            log_rank0(f"checkpoint: saved {saved} (written in the background)")
         if preempted or step == self.total_steps or (cfg.save_steps and step % cfg.save_steps == 0):
             spec = self.spec
             saved = save_checkpoint(self.engine, cfg, spec.model_files_dir, {
@@ -437,6 +441,7 @@ class TrainingRun:
                 self.background, wait=preempted or step == self.total_steps)
             if saved:  # else written in the background, and complete after a later step
                 self.last_checkpoint, self.checkpoint_size = os.path.split(saved), checkpoint_bytes(saved)
+                log_rank0(f"checkpoint: saved {saved}")
         self.profile.lap("checkpoint")
         self.profile.step_done()
         if preempted:
@@ -453,6 +458,6 @@ class TrainingRun:
         if cfg.export_hf and dist.get_rank() == 0:
             convert_ds_to_hf(cfg.output_dir, os.path.join(cfg.output_dir, "hf"), overwrite=True,
                              verify_checksums=cfg.verify_checksums)
-            print(f"exported {'a peft adapter' if self.spec.lora.enabled else 'Hugging Face model'} to "
-                  f"{os.path.join(cfg.output_dir, 'hf')}", flush=True)
+            say(f"exported {'a peft adapter' if self.spec.lora.enabled else 'Hugging Face model'} to "
+                f"{os.path.join(cfg.output_dir, 'hf')}")
         collectives.barrier()

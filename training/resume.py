@@ -30,6 +30,7 @@ from errors import ConfigError
 from models.layout import layer_indices_with_files
 from models.lora import adapter_layer_indices
 from models.partition import decoder_counts_of_bounds
+from cluster.console import say
 
 
 
@@ -266,8 +267,8 @@ def agreed_start(spec):
         return spec
     if dist.get_rank():
         seen = os.path.join(*spec.resume_from) if spec.resume_from else "no checkpoint"
-        print(f"rank {dist.get_rank()}: starting from {os.path.join(*resume_from) if resume_from else 'scratch'}, "
-              f"as rank 0 decided; this node saw {seen} (a shared filesystem's directory cache lagging?)", flush=True)
+        say(f"rank {dist.get_rank()}: starting from {os.path.join(*resume_from) if resume_from else 'scratch'}, "
+            f"as rank 0 decided; this node saw {seen} (a shared filesystem's directory cache lagging?)")
     if resume_from:
         wait_for_files([os.path.join(*resume_from, COMPLETE_MARKER)], VISIBLE_WITHIN_S)
     return with_resume(spec, resume_from)
