@@ -190,11 +190,12 @@ def scoring_loss(module, seq_length):
 class LmEvalTasks:
     """The run's eval_tasks, loaded and checked before training; scored through the engine on every rank."""
 
-    def __init__(self, cfg, tokenizer, log=print):
+    def __init__(self, cfg, tokenizer, log=print, quiet=True):
+        """quiet: lm-eval's INFO lines and progress bars off (log_level=debug keeps them)."""
         if tokenizer is None:
             raise ConfigError("eval_tasks needs the model's tokenizer (lm-eval's tasks are text): set "
                               "tokenizer_name_or_path to its directory.")
-        if cfg.log_level != "debug":
+        if quiet:
             logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task INFO lines, on every rank
             quiet_lm_eval()
         self.tokenizer, self.seq_length = tokenizer, cfg.seq_length

@@ -168,7 +168,8 @@ def load_lm_eval_tasks(spec):
     path = spec.tokenizer_dir or spec.cfg.tokenizer_name_or_path or spec.model_files_dir  # pre-tokenized data too
     tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer_files(path) else None
     first_rank = int(os.environ.get("RANK", "0")) == 0
-    return LmEvalTasks(spec.cfg, tokenizer, log=lambda line: first_rank and say(line))
+    return LmEvalTasks(spec.cfg, tokenizer, log=lambda line: first_rank and say(line),
+                       quiet=spec.cfg.log_level != "debug")
 
 
 def evaluation_record(loss, extra):
