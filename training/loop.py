@@ -217,8 +217,8 @@ def run_started(spec, lm_eval_tasks, record):
     log_rank0(describe_stages(spec))
     if warning := accumulation_warning(cfg):
         log_rank0(f"trainer_pipe: {warning}")
-    if describe_resume(spec):
-        log_rank0(describe_resume(spec))
+    if resumed := describe_resume(spec):
+        log_rank0(resumed)
     topology = parallel_topology(spec.num_stages, spec.tensor_parallel)
     coord = topology.get_coord(dist.get_rank())
     reads_data = stage_reads_data(cfg.pipeline_schedule, spec.num_stages, coord.pipe, cfg.virtual_stages)
