@@ -123,6 +123,10 @@ class QuietHFLM(HFLM):
     def generate_until(self, requests, disable_tqdm=False):
         return super().generate_until(requests, disable_tqdm=True)
 
+    def _loglikelihood_tokens(self, requests, disable_tqdm=False, override_bs=None):
+        # HFLM's loglikelihood_rolling asks for a bar per document's windows whatever its own disable_tqdm
+        return super()._loglikelihood_tokens(requests, disable_tqdm=True, override_bs=override_bs)
+
 
 class PipelineLM(HFLM):
     """HFLM with the pipeline engine in place of the transformers model: HFLM's tokenization and request handling,

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export DS_ACCELERATOR=cpu
 WORK=work/tiny
-say() { printf '\n== %s\n' "$*"; }
+say() { printf '== %s\n' "$*"; }
 if [ -e "$WORK" ]; then rm -rf "$WORK"; fi
 say "demo: a tiny LLaMA made here, converted, trained as 2 pipeline stages on 2 CPU processes, scored and exported"
 python scripts/make_tiny_llama.py --output_dir "$WORK"
@@ -22,8 +22,9 @@ TASKS="$WORK/tasks/demo_cloze.yaml,$WORK/tasks/demo_lines.yaml"
 SCORE=(python evaluate_lm.py --tasks "$TASKS" --max_length 128 --dtype float32 --bootstrap_iters 0 --output_dir "$WORK/run")
 say "lm-eval on the untrained model (its Hugging Face export)"
 HF_DATASETS_OFFLINE=1 "${SCORE[@]}" --ckpt_dir "$WORK/ds" | tail -n 1
-say "training: deepspeed --num_gpus 2 trainer_pipe.py -cp conf -cn tiny (60 steps; lm-eval every 20)"
-HF_DATASETS_OFFLINE=1 deepspeed --quiet --num_gpus 2 trainer_pipe.py -cp conf -cn tiny "eval_tasks=[$TASKS]"
+say "training: deepspeed --num_gpus 2 trainer_pipe.py -cp conf -cn tiny (60 steps; evaluation and lm-eval every 20)"
+HF_DATASETS_OFFLINE=1 deepspeed --quiet --num_gpus 2 trainer_pipe.py -cp conf -cn tiny logging_steps=10 \
+    "eval_tasks=[$TASKS]"
 say "lm-eval on the trained model's export"
 HF_DATASETS_OFFLINE=1 "${SCORE[@]}" --ckpt_dir "$WORK/run" | tail -n 1
 say "the scores before, during and after training (lm_eval.jsonl)"
