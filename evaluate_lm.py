@@ -33,6 +33,8 @@ def parse_args(argv=None):
     parser.add_argument("--bootstrap_iters", type=int, default=100000, help="lm-eval's, for standard errors; 0: none")
     parser.add_argument("--output_dir", help="where lm_eval.jsonl and the samples go (default: --ckpt_dir)")
     parser.add_argument("--hf_dir", help="keep the Hugging Face export here (default: a temporary directory)")
+    parser.add_argument("--log_level", default="info", choices=["info", "debug"],
+                        help="debug: lm-eval's, datasets' and transformers' own progress bars and log lines too")
     return parser.parse_args(argv)
 
 
@@ -54,8 +56,12 @@ def main(argv=None):
     from lm_eval.utils import make_table
 
     from checkpoints.ds_to_hf import convert_ds_to_hf, lora_record, resolve_tag_dir
-    from evaluation.lm_eval_tasks import is_task_file, task_metrics, write_results
+    from cluster.console import quiet_libraries
+    from evaluation.lm_eval_tasks import QuietHFLM, is_task_file, quiet_lm_eval, task_metrics, write_results
 
+    quiet_libraries(args.log_level)  # one line per result, not the libraries' bars
+    if args.log_level != "debug":
+        quiet_lm_eval()
     try:
         tag_dir = resolve_tag_dir(args.ckpt_dir, args.tag)
         step = checkpoint_step(tag_dir)
@@ -73,8 +79,9 @@ def main(argv=None):
     try:
         convert_ds_to_hf(args.ckpt_dir, hf_dir, os.path.basename(tag_dir), overwrite=bool(args.hf_dir),
                          merge_lora=lora_record(tag_dir) is not None)
-        lm = HFLM(pretrained=hf_dir, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
-                  batch_size=args.batch_size, max_length=args.max_length, dtype=args.dtype)
+        model_class = HFLM if args.log_level == "debug" else QuietHFLM
+        lm = model_class(pretrained=hf_dir, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+                         batch_size=args.batch_size, max_length=args.max_length, dtype=args.dtype)
         results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=args.limit,
                                   num_fewshot=args.num_fewshot, bootstrap_iters=args.bootstrap_iters,
                                   log_samples=True)

@@ -10,10 +10,10 @@ import hydra
 
 def say(line, stream=None):
     """One line in one write (stderr by default): every rank's line lands whole on the launcher's shared streams
-    (print and sys.exit write the newline separately, so two ranks' messages could share a line)."""
-    stream = stream or sys.stderr
-    stream.write(f"{line}\n")
-    stream.flush()
+    (print and sys.exit write the newline separately, so two ranks' messages could share a line), never after a
+    progress bar (cluster/console.py)."""
+    from cluster.console import say as console_say
+    console_say(line, stream or sys.stderr)
 
 
 def strip_launcher_arguments():

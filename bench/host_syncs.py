@@ -52,7 +52,7 @@ def syncs_per_step(micro_batches, chunks, steps):
     """Host syncs of each of `steps` steps (after one warm-up step), as the training loop takes them."""
     from deepspeed.accelerator import get_accelerator
 
-    from training.token_mean import global_loss_units, step_micro_batches, token_mean_loss
+    from training.token_mean import global_loss_units, step_micro_batches, token_mean_micro_batches
     engine, stream, _ = trainer_engine(MODEL, [
         f"seq_length={SEQ_LENGTH}", f"micro_batch_size={MICRO_BATCH}", "lr_scheduler=constant",
         f"gradient_accumulation_steps={micro_batches}", "zero_stage=0", "precision=fp32",
@@ -61,8 +61,7 @@ def syncs_per_step(micro_batches, chunks, steps):
     for step in range(steps + 1):
         with counting_syncs(get_accelerator().device_name() == "cuda") as syncs:
             batches = step_micro_batches(engine, stream, micro_batches)
-            with token_mean_loss(engine, global_loss_units(engine, batches)):
-                engine.train_batch(iter(batches))
+            engine.train_batch(iter(token_mean_micro_batches(engine, batches, global_loss_units(engine, batches))))
         if step:  # the first step builds what later ones reuse
             counts.append(len(syncs))
     return counts

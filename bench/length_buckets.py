@@ -43,7 +43,7 @@ def worker(rank, model, data_file, cache_dir, stages, steps, buckets):
     from models.pipeline import build_pipeline_module
     from tests.chat_tokenizers import make_chat_tokenizer
     from training.deepspeed_config import deepspeed_config
-    from training.token_mean import step_micro_batches, step_totals, token_mean_loss
+    from training.token_mean import step_micro_batches, step_totals, token_mean_micro_batches
 
     init_distributed(timeout_minutes=5)
     tokenizer = make_chat_tokenizer("chatml")
@@ -72,8 +72,7 @@ def worker(rank, model, data_file, cache_dir, stages, steps, buckets):
         micro_batches = step_micro_batches(engine, stream, GAS)
         totals = step_totals(engine, micro_batches)
         use_sequence_length(engine, totals.width)
-        with token_mean_loss(engine, totals.units):
-            engine.train_batch(iter(micro_batches))
+        engine.train_batch(iter(token_mean_micro_batches(engine, micro_batches, totals.units)))
 
     for name in CONTENDERS:  # warm-up
         step(name)

@@ -75,11 +75,10 @@ def build(objective, config):
 
 def step(engine, micro_batch_of, pairs):
     """One training step over `pairs` (MICRO_BATCHES micro-batches), the loss the global batch's mean."""
-    from training.token_mean import global_loss_units, token_mean_loss
+    from training.token_mean import global_loss_units, token_mean_micro_batches
     micro_batches = [micro_batch_of(pairs[k:k + PAIRS_PER_MICRO_BATCH])
                      for k in range(0, PAIRS_PER_MICRO_BATCH * MICRO_BATCHES, PAIRS_PER_MICRO_BATCH)]
-    with token_mean_loss(engine, global_loss_units(engine, micro_batches)):
-        engine.train_batch(iter(micro_batches))
+    engine.train_batch(iter(token_mean_micro_batches(engine, micro_batches, global_loss_units(engine, micro_batches))))
 
 
 def reference_pass(engine, pairs):

@@ -5,7 +5,7 @@
    writes its checkpoint (layer files and per-layer optimizer state:
    16 bytes per parameter).
 2. Resumes that checkpoint on 2 processes, each building its share and loading the whole training state through the
-   trainer's own path (training/start_point.py: load_start_state): on the layout that wrote it (2 stages), and on another
+   trainer's own path (training/resume.py: load_start_state): on the layout that wrote it (2 stages), and on another
    (1 stage x tensor parallel 2: every layer's weights, master weights and moments cut in halves). Per rank: wall
    time and the peak RSS while loading above the RSS before it (the engine built and its optimizer state allocated,
    as from the first step on), against the largest layer's optimizer-state file (the bound: a small factor of it).
@@ -52,7 +52,7 @@ def resume_rank(rank, overrides):
     from checkpoints.optimizer_state import MasterState
     from cluster.distributed import init_distributed
     from training.loop import build_engine
-    from training.start_point import load_start_state
+    from training.resume import load_start_state
     from training.run_spec import run_spec
 
     with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):

@@ -34,6 +34,7 @@ from checkpoints.files import free_bytes, is_disk_full, size_text
 from checkpoints.integrity import durable_checksum
 from checkpoints.tag_dirs import begin_change
 from errors import ConfigError
+from cluster.console import say
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal this process gets when its parent dies
 SHARED_MEMORY_DIR = "/dev/shm"  # where share_memory_() places the snapshot's storages
@@ -79,7 +80,7 @@ def agreed_async_save(shortfall):
     room = torch.tensor([int(shortfall is None)], device=collectives.device())
     collectives.all_reduce(room, op=collectives.ReduceOp.MIN)
     if shortfall and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        print(f"trainer_pipe: warning: {shortfall}", flush=True)
+        say(f"trainer_pipe: warning: {shortfall}")
     return bool(room.item())
 
 
@@ -323,8 +324,8 @@ class BackgroundSave:
             raise RuntimeError(f"async_save: the snapshot of {tag_dir} was lost {causes}; the run stops for a "
                                f"restart from the last complete checkpoint")
         if dist.get_rank() == 0:
-            print(f"trainer_pipe: warning: async_save: the background write of {tag_dir} failed {causes}; every rank "
-                  f"writes it again from its snapshot, and saves synchronously from now on", flush=True)
+            say(f"trainer_pipe: warning: async_save: the background write of {tag_dir} failed {causes}; every rank "
+                f"writes it again from its snapshot, and saves synchronously from now on")
             begin_change(tag_dir, "save")  # again: the failed write may have taken the directory or its marker
         collectives.barrier()
         with disk_full_is_one_line(os.path.dirname(tag_dir), os.path.basename(tag_dir), self.needed_bytes):

@@ -3,9 +3,10 @@
 Layer files are written without zip CRCs (and torch.load checks none), so a flipped byte would otherwise load and
 export silently. Every converted directory and every training checkpoint holds ``checksums.json``: for each file of
 its tag directory (and, in a converted directory, one more for the config and tokenizer files at its top level), the
-size and an xxh3-128 hash (xxhash, ~25 GB/s: bench/README.md). A file is hashed (a training checkpoint's also
-fsynced) right after it is written, while its pages are still in the page cache; the manifest is written atomically
-and before the checkpoint is declared complete, so a complete checkpoint always has a complete manifest.
+size and an xxh3-128 hash (xxhash: fast enough to hash every file as it is written, bench/checksum_cost.py). A
+file is hashed (a training checkpoint's also fsynced) right after it is written, while its pages are still in the
+page cache; the manifest is written atomically and before the checkpoint is declared complete, so a complete
+checkpoint always has a complete manifest.
 """
 import json
 import os
@@ -15,6 +16,7 @@ import xxhash
 
 import collectives
 from checkpoints.files import MANIFEST_NAME, fsync_path, write_text_atomic
+from cluster.console import say
 
 ALGORITHM = "xxh3_128"
 CHUNK_BYTES = 16 << 20
@@ -146,7 +148,7 @@ def verify_checkpoint(tag_dir, weights_only):
     recorded = read_manifest(tag_dir)
     if recorded is None:
         if dist.get_rank() == 0:
-            print(no_manifest_note(tag_dir), flush=True)
+            say(no_manifest_note(tag_dir))
         return
     needed = sorted(name for name in recorded if not weights_only or read_by_weights_only_load(name))
     mine = needed[dist.get_rank()::dist.get_world_size()]

@@ -13,6 +13,7 @@ import collectives
 from deepspeed_internals.access import skip_shm_comm_build
 from deepspeed_internals.registry import PipeDataParallelTopology, PipeModelDataParallelTopology
 from errors import ConfigError
+from cluster.console import say
 
 NCCL_TRACE_ENTRIES = "2000"  # collectives NCCL's flight recorder keeps, unless its buffer size is set
 NCCL_TIMEOUT_TRACE = "nccl_timeout_trace_rank_"  # NCCL's own dump when a collective times out (torch adds the rank)
@@ -130,7 +131,7 @@ def communication_failure(error):
 def log_rank0(message):
     """print on global rank 0 (every rank before the process group exists)."""
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(message, flush=True)
+        say(message)
 
 
 def parallel_topology(num_stages, tensor_parallel_size=1):

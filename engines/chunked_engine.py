@@ -34,6 +34,7 @@ from engines.zero_bubble_schedule import BackwardWeightPass
 from schedules.p2p import P2POp, p2p_program
 from engines.zbv_auto import MeasuredTimes
 from schedules.zbv_order import configured_zbv_durations
+from cluster.console import say
 
 SHAPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
 SHAPES_SIZE = 64  # integers in the shapes message: a count, then dtype, ndim and dims per tensor
@@ -324,9 +325,9 @@ def remake_for_measured_times(engine, times, make_program):
     make_program(times)
     engine.zbv_measured_times = times
     if dist.get_rank() == 0:
-        print("zbv_times=auto: each stage's F/B/W ms in the measured step " + ", ".join(
+        say("zbv_times=auto: each stage's F/B/W ms in the measured step " + ", ".join(
             f"stage {stage} " + "/".join(f"{1e3 * t:.0f}" for t in stage_times) for stage, stage_times in
-            enumerate(times)) + "; the V order is made for them from the next step on", flush=True)
+            enumerate(times)) + "; the V order is made for them from the next step on")
 
 
 def set_chunk_program(engine, program):

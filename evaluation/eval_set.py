@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import collectives
+from cluster.console import ProgressBar
 from data.collator import collate, empty_row
 from data.loader import check_identical_across_group
 from deepspeed_internals.access import clear_total_loss
@@ -60,17 +61,19 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
         loss_fn.aux_terms = aux_terms
     loss_sum, cross_entropy_sum, tokens = 0.0, 0.0, 0
     use_sequence_length(engine, cfg.seq_length // context.size)  # rows of seq_length, whatever training's last were
-    for start in range(0, num_micro_batches, cfg.gradient_accumulation_steps):
-        chunk = min(cfg.gradient_accumulation_steps, num_micro_batches - start)
-        losses = engine.eval_batch(batches, reduce_output=None, bcast_loss=False, num_micro_batches=chunk)
-        terms = [float(term) for term in aux_terms] or [0.0] * chunk
-        aux_terms.clear()
-        if engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0:  # once per tensor-parallel group
-            for loss, count, term in zip(losses, token_counts[start:start + chunk], terms):
-                if count:  # each context rank holds size x its share of the loss (ContextParallel.loss): 1/size each
-                    loss_sum += float(loss) * count / context.size
-                    cross_entropy_sum += (float(loss) - term) * count / context.size
-                    tokens += count / context.size
+    with ProgressBar(num_micro_batches, "eval", leave=False) as bar:
+        for start in range(0, num_micro_batches, cfg.gradient_accumulation_steps):
+            chunk = min(cfg.gradient_accumulation_steps, num_micro_batches - start)
+            losses = engine.eval_batch(batches, reduce_output=None, bcast_loss=False, num_micro_batches=chunk)
+            terms = [float(term) for term in aux_terms] or [0.0] * chunk
+            aux_terms.clear()
+            if engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0:  # once per tensor-parallel group
+                for loss, count, term in zip(losses, token_counts[start:start + chunk], terms):
+                    if count:  # each context rank holds size x its share of the loss (ContextParallel.loss)
+                        loss_sum += float(loss) * count / context.size
+                        cross_entropy_sum += (float(loss) - term) * count / context.size
+                        tokens += count / context.size
+            bar.update(chunk)
     if not preference:
         loss_fn.aux_terms = None
     # Only last-stage ranks hold losses; a world-wide sum gives every rank the total.
@@ -85,12 +88,13 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
     return mean, math.exp(min(cross_entropy, 80.0))
 
 
-def score_examples(engine, dataset, dataset_length, cfg, pad_id, width, per_example=lambda output: output):
+def score_examples(engine, dataset, dataset_length, cfg, pad_id, width, per_example=lambda output: output,
+                   desc="scoring"):
     """(dataset_length, width) float32 on every rank: each data-parallel replica runs its share of the examples
     (evaluation's sharding) forward through the pipeline, whose loss_fn returns values per row; per_example turns a
     micro-batch's output into `width` values per example. One all-reduce, to which only the first tensor- and
     context-parallel rank of each last stage adds, assembles them. Every rank calls it; middle stages pass
-    dataset=None and read nothing."""
+    dataset=None and read nothing. desc: the progress bar's name."""
     context = engine.module.context
     # the ranks of a context group score the same examples, each its tokens of them
     dp_rank, dp_size = context.replica(engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size())
@@ -105,9 +109,11 @@ def score_examples(engine, dataset, dataset_length, cfg, pad_id, width, per_exam
     outputs = []
     clear_total_loss(engine)  # eval_batch would add these outputs to the last step's loss
     use_sequence_length(engine, cfg.seq_length // context.size)
-    for start in range(0, num_micro_batches, cfg.gradient_accumulation_steps):
-        chunk = min(cfg.gradient_accumulation_steps, num_micro_batches - start)
-        outputs += engine.eval_batch(batches, reduce_output=None, bcast_loss=False, num_micro_batches=chunk) or []
+    with ProgressBar(num_micro_batches, desc, leave=False) as bar:
+        for start in range(0, num_micro_batches, cfg.gradient_accumulation_steps):
+            chunk = min(cfg.gradient_accumulation_steps, num_micro_batches - start)
+            outputs += engine.eval_batch(batches, reduce_output=None, bcast_loss=False, num_micro_batches=chunk) or []
+            bar.update(chunk)
     values = torch.zeros(dataset_length, width, dtype=torch.float32, device=collectives.device())
     if outputs and engine.grid.get_slice_parallel_rank() == 0 and context.rank == 0:
         scores = torch.cat([per_example(output.float()) for output in outputs])  # shard order

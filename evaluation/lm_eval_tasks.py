@@ -12,18 +12,21 @@ rank computes the same metrics; rank 0 logs them.
 lm-eval is an optional extra (requirements-eval.txt): this module is imported only when eval_tasks is set.
 """
 import contextlib
+import functools
 import json
 import logging
 import os
 import sys
 from pathlib import Path
 
+import lm_eval.api.task
 import lm_eval.tasks
 import torch
 from lm_eval.api.model import LM
 from lm_eval.evaluator import evaluate as lm_eval_evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
+from tqdm import tqdm
 
 from checkpoints.files import write_text_atomic
 from data.formats import IGNORE_INDEX
@@ -41,7 +44,7 @@ EXPORT_COMMAND = "python evaluate_lm.py --ckpt_dir OUTPUT_DIR --tag global_stepN
 
 def load_tasks(eval_tasks, output_dir):
     """[(EvalTask, lm-eval's task dict)], or a ConfigError naming the task and what to change. Names need lm-eval's
-    task index (about 15 s to build); task files alone are loaded without it."""
+    task index (slow to build: lm-eval reads every task's YAML); task files alone are loaded without it."""
     files = [task.spec for task in eval_tasks if is_task_file(task.spec)]
     for path in files:
         if not os.path.isfile(path):
@@ -101,6 +104,30 @@ def lm_eval_version():
     return version("lm_eval")
 
 
+def quiet_lm_eval():
+    """lm-eval without its own progress bars: its models' request bars follow their disable_tqdm (PipelineLM and
+    QuietHFLM always pass true), but building a task's requests draws one bar per task and call (on every rank, in
+    the loop), and lm-eval offers no switch for it."""
+    lm_eval.api.task.tqdm = functools.partial(tqdm, disable=True)
+
+
+class QuietHFLM(HFLM):
+    """lm-eval's HFLM without its progress bars (evaluate_lm.py's console)."""
+
+    def loglikelihood(self, requests, disable_tqdm=False):
+        return super().loglikelihood(requests, disable_tqdm=True)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        return super().loglikelihood_rolling(requests, disable_tqdm=True)
+
+    def generate_until(self, requests, disable_tqdm=False):
+        return super().generate_until(requests, disable_tqdm=True)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm=False, override_bs=None):
+        # HFLM's loglikelihood_rolling asks for a bar per document's windows whatever its own disable_tqdm
+        return super()._loglikelihood_tokens(requests, disable_tqdm=True, override_bs=override_bs)
+
+
 class PipelineLM(HFLM):
     """HFLM with the pipeline engine in place of the transformers model: HFLM's tokenization and request handling,
     each batch of (context, continuation) token lists scored by the engine (every rank calls it; a rank that reads no
@@ -140,7 +167,7 @@ class PipelineLM(HFLM):
         """(rows, 2): each row's continuation log-likelihood and tokens off the top logit, through the engine."""
         with scoring_loss(self.engine.module, self.max_length):
             return score_examples(self.engine, rows if self.reads_data else None, len(rows), self.cfg, self.pad_id,
-                                  width=2)
+                                  width=2, desc="lm-eval")
 
 
 def continuation_row(context, continuation, max_length):
@@ -167,11 +194,14 @@ def scoring_loss(module, seq_length):
 class LmEvalTasks:
     """The run's eval_tasks, loaded and checked before training; scored through the engine on every rank."""
 
-    def __init__(self, cfg, tokenizer, log=print):
+    def __init__(self, cfg, tokenizer, log=print, quiet=True):
+        """quiet: lm-eval's INFO lines and progress bars off (log_level=debug keeps them)."""
         if tokenizer is None:
             raise ConfigError("eval_tasks needs the model's tokenizer (lm-eval's tasks are text): set "
                               "tokenizer_name_or_path to its directory.")
-        logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task INFO lines, on every rank
+        if quiet:
+            logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task INFO lines, on every rank
+            quiet_lm_eval()
         self.tokenizer, self.seq_length = tokenizer, cfg.seq_length
         self.tasks = load_tasks([EvalTask.from_entry(entry) for entry in cfg.eval_tasks], cfg.output_dir)
         for task, task_dict in self.tasks:  # every request built and tokenized once: errors and truncation now

@@ -87,7 +87,7 @@ def compute_reference(engine, dataset, dataset_length, cfg, pad_id):
     try:
         with adapters_off(engine.module):  # a micro-batch's chosen rows, then its rejected ones: one pair per row
             values = score_examples(engine, dataset, dataset_length, cfg, pad_id, width=2,
-                                    per_example=lambda logps: torch.stack(logps.chunk(2), dim=1))
+                                    per_example=lambda logps: torch.stack(logps.chunk(2), dim=1), desc="reference")
     finally:
         loss_fn.reference_pass = False
     return {"chosen": values[:, 0].clone(), "rejected": values[:, 1].clone()}

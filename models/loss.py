@@ -21,10 +21,28 @@ from models.labels import IGNORE_INDEX, shift_labels
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 
 
+def with_step_divisor(labels, divisor):
+    """A micro-batch's labels as a training step hands them to the loss: the loader's (a tensor, or a tuple of
+    tensors), then the step's divisor, a 0-d fp32 tensor on the device that makes the micro-batches' summed losses
+    the global batch's mean (training/token_mean.py). A flat tuple of tensors: the labels DeepSpeed's pipeline
+    engine moves to the device and passes to the loss as they are."""
+    return (*labels, divisor) if isinstance(labels, (tuple, list)) else (labels, divisor)
+
+
+def split_step_divisor(labels, own_tensors):
+    """(the loader's labels, the step's divisor or None) of labels that hold `own_tensors` tensors of their own
+    and, in a training step, the divisor after them (with_step_divisor)."""
+    if own_tensors == 1:
+        return (labels[0], labels[1]) if isinstance(labels, (tuple, list)) else (labels, None)
+    if len(labels) == own_tensors + 1:
+        return tuple(labels[:own_tensors]), labels[own_tensors]
+    return labels, None
+
+
 class CausalLMLoss:
     """The pipeline's loss_fn: (the last layer's output, a micro-batch's labels) -> the next-token loss summed over
-    the labelled tokens, divided by `step_divisor` when the training loop sets one for a step (the global batch's
-    token mean, training/token_mean.py), else by the micro-batch's own labelled tokens (its mean: evaluation). The
+    the labelled tokens, divided by the step's divisor when the labels carry one (a training step: the global
+    batch's token mean, with_step_divisor), else by the micro-batch's own labelled tokens (its mean: evaluation). The
     last layer's output is the logits, or with chunk_tokens > 0 the head's input and weight (LMHeadPipe), whose
     chunks' weight gradients are summed in grad_sum_dtype (the run's grad_accum_dtype; None: the weight's).
     seq_length: the positions of a row, when its labels may be one wider (data/collator.py); None: as wide.
@@ -37,7 +55,6 @@ class CausalLMLoss:
         self.parallel, self.chunk_tokens, self.context = parallel, chunk_tokens, context
         self.grad_sum_dtype, self.seq_length = grad_sum_dtype, seq_length
         self.router = router
-        self.step_divisor = None
         self.aux_terms = None
 
     def units(self, labels, whole=False):
@@ -57,12 +74,11 @@ class CausalLMLoss:
         return loss + term
 
     def next_token_loss(self, outputs, labels):
+        labels, divisor = split_step_divisor(labels, 1)
         next_labels = next_token_labels(labels, self.context, self.seq_length)
-        if self.step_divisor is not None:
-            divisor = self.step_divisor
-        elif self.context.size > 1:
+        if divisor is None and self.context.size > 1:
             divisor = self.context.loss_divisor(next_labels, IGNORE_INDEX)
-        else:
+        elif divisor is None:
             divisor = (next_labels != IGNORE_INDEX).sum().clamp(min=1)
         if self.chunk_tokens:
             hidden, weight = outputs

@@ -9,7 +9,8 @@
 
 A micro-batch holds its pairs' chosen sequences in its first half of rows and their rejected ones in the second
 (data/collator.py `collate_preference`); a pair never spans micro-batches, so the step's loss, the mean over every
-pair of the global batch, is a sum of per-micro-batch sums divided by `step_divisor` (training/token_mean.py).
+pair of the global batch, is a sum of per-micro-batch sums divided by the step's divisor, which a training
+step's labels carry (models/loss.py with_step_divisor).
 
 A mixture of experts adds router_aux_loss_coef times the micro-batch's load-balancing loss over its chosen and
 rejected rows together (models/router_loss.py), as TRL adds `outputs.aux_loss` of that one forward to the loss:
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 import collectives
 from models.context_parallel import NO_CONTEXT_PARALLEL
 from models.labels import IGNORE_INDEX
-from models.loss import next_token_labels, sequence_log_probs
+from models.loss import next_token_labels, sequence_log_probs, split_step_divisor
 from models.tensor_parallel import NO_TENSOR_PARALLEL, AllReduce
 
 OBJECTIVES = ("sft", "dpo", "simpo")
@@ -72,8 +73,9 @@ class PreferenceSettings:
 
 class PreferenceLoss:
     """The pipeline's loss_fn under a preference objective: (the head's input and weight, (labels, reference
-    log-probabilities)) -> the summed pair losses / step_divisor (the step's pairs per micro-batch and rank), or
-    without one (evaluation) the micro-batch's mean over its pairs. `reference_pass`: return each row's summed
+    log-probabilities), and in a training step its divisor) -> the summed pair losses / the divisor (the step's pairs
+    per micro-batch and rank: models/loss.py with_step_divisor), or without one (evaluation) the micro-batch's mean
+    over its pairs. `reference_pass`: return each row's summed
     response log-probability instead (evaluation/reference.py). Each call adds its pairs' metric sums to `totals`
     (kept on the device: no synchronisation per micro-batch). router: an MoE model's LoadBalancingLoss
     (models/router_loss.py), None for a dense model."""
@@ -83,7 +85,6 @@ class PreferenceLoss:
         self.settings, self.parallel, self.chunk_tokens, self.context = settings, parallel, chunk_tokens, context
         self.grad_sum_dtype = grad_sum_dtype  # the run's grad_accum_dtype, for the head's chunks (models/loss.py)
         self.router = router
-        self.step_divisor = None
         self.reference_pass = False
         self.totals = None  # the metrics' sums, then the pair count, since take_metrics
 
@@ -97,7 +98,7 @@ class PreferenceLoss:
         return scored_pairs(tokens).sum().to(torch.int64)
 
     def __call__(self, outputs, labels):
-        labels, reference = labels
+        (labels, reference), divisor = split_step_divisor(labels, 2)
         hidden, weight, *routing = outputs
         rows = labels.shape[0]
         next_labels = next_token_labels(labels, self.context).to(hidden.device)
@@ -122,7 +123,8 @@ class PreferenceLoss:
         losses = -F.logsigmoid(margin) * scored
         self.add_metrics(scored, chosen.detach(), rejected.detach(), chosen_rewards.detach(),
                          rejected_rewards.detach())
-        divisor = self.step_divisor if self.step_divisor is not None else scored.sum().clamp(min=1)
+        if divisor is None:
+            divisor = scored.sum().clamp(min=1)
         loss = self.context.whole_sequence_loss(losses.sum() / divisor)
         aux = self.router(routing) if self.router is not None else None
         return loss if aux is None else loss + self.router.coef * aux

@@ -2,10 +2,11 @@
 plan's FLOPs (engines/cost_calibration.py times them at start-up, before the pipeline is built).
 
 The plan's FLOPs weigh the LM head and its loss, and a split backward (B, then W), as the matmuls count them; a
-device does not follow them exactly: on the project's CPU the small bench shape's head and loss take 1.0-1.1
-decoder layers' time against the FLOPs' 1.33, and a split backward takes ~4% more than a whole one, which FLOPs
-count equal. Under interleaved_1f1b and zbv, where `balanced` picks the split with the shortest simulated step
-(planner/chunk_balance.py), those differences choose the split, so there the measured costs are the default.
+device does not follow them exactly: on the project's CPU the head and loss take less of a decoder layer's time
+than their FLOPs say, and a split backward takes longer than a whole one, which FLOPs count equal
+(bench/trainer_profile.py prints both). Under interleaved_1f1b and zbv, where `balanced` picks the split with the
+shortest simulated step (chunk_balance.py), those differences choose the split, so there the measured costs are the
+default.
 
 A unit's times (seconds per micro-batch, every rank's mean): its forward F, its backward run whole (BW), and run
 split as the zero-bubble schedules run it: B (input gradients, with the gradients nobody defers: embedding and norm

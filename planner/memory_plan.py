@@ -5,8 +5,8 @@ and data-parallel degrees; activations with and without activation checkpointing
 short-lived buffers; the total per device and whether it fits device_memory_gb. With offload_optimizer=cpu, the
 optimizer state leaves the device plan for the host plan: per node (gpus_per_node consecutive ranks), each rank's
 offloaded state and a per-process runtime, plus the memory-mapped dataset, against host_memory_gb.
-The numbers come from planner/stage_costs.py, the cost model the balanced partition uses; the run, its world
-(num_stages x tensor_parallel_size x data-parallel devices) and its stage bounds from training/run_spec.py.
+The numbers come from the cost model the balanced partition uses (stage_costs.py), so that the plan and the
+partition never disagree about a stage; the run's world and stage bounds come with the RunSpec it is given.
 """
 import dataclasses
 import os

@@ -31,8 +31,8 @@ on every rank.
 
 A stage's cost, which the `balanced` partition minimises on the costliest stage, is its compute in units of one
 decoder layer (the slowest stage sets a pipeline's pace) as long as its memory fits the device; a stage over the
-device's memory costs more than any that fits, by how far over it is. Measured on the CPU, stage compute times
-follow these FLOPs within 4% (bench/trainer_profile.py).
+device's memory costs more than any that fits, by how far over it is. bench/trainer_profile.py compares stage
+compute times measured on a device with these FLOPs.
 """
 from models.llama import architecture_of
 from models.partition import (DECODER, DECODERS, EMBEDDING, HEAD, NORM, decoder_kinds, kind_layer, layer_kinds)
@@ -40,8 +40,7 @@ from schedules.orders import rank_orders
 from schedules.rules import chunk_ids, chunks_per_rank, in_flight_micro_batches, waiting_micro_batches
 from schedules.zbv_order import configured_zbv_durations
 from planner import training_state
-from planner.decoder_costs import DecoderCosts
-from planner.moe_costs import INT64_BYTES
+from planner.decoder_costs import INT64_BYTES, DecoderCosts
 from planner.training_state import FP32_BYTES
 from planner.workload import check_tensor_parallel
 
@@ -66,7 +65,7 @@ class LayerCosts:
         residual, gathered = workload.residual_tokens, workload.gathered_input_tokens
         act = workload.activation_bytes
         decoders = {kind: DecoderCosts(config, workload, kind_layer(config, kind))
-                    for kind in set(decoder_kinds(config))}  # planner/decoder_costs.py
+                    for kind in set(decoder_kinds(config))}
         chunked = workload.loss_chunk_tokens > 0
         # The chunked loss's working set: one chunk of fp32 logits (and its activation-dtype copies below fp32),
         # and, where its weight gradient is summed in fp32 (fp16, or fp32 sums), a product to add to that sum no

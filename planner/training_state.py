@@ -133,8 +133,8 @@ def step_bytes(workload, parameters, largest_tensor):
 def allreduce_bucket_bytes(workload, parameters, largest_tensor):
     """ZeRO-0, and the bf16 optimizer, with data parallelism: DeepSpeed's pipeline all-reduces the gradients (the
     model's dtype, the bf16 optimizer's fp32) through flat copies of MEMORY_OPT_ALLREDUCE_SIZE elements, plus the
-    tensor that fills the bucket (pipe/engine.py _exec_reduce_grads). One data-parallel rank skips the all-reduce
-    (training/loop.py)."""
+    tensor that fills the bucket (pipe/engine.py _exec_reduce_grads). With one data-parallel rank the trainer skips
+    that all-reduce, and no bucket is counted."""
     if (workload.zero_stage >= 1 and not workload.bf16_optimizer) or workload.gradient_reduction_ranks == 1:
         return 0
     return min(parameters, MEMORY_OPT_ALLREDUCE_SIZE + largest_tensor) * reduced_gradient_bytes(workload)

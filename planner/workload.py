@@ -1,6 +1,8 @@
 """What one training step runs, as far as compute and memory depend on it: the planner's view of a run."""
 from dataclasses import dataclass
 
+from omegaconf import OmegaConf
+
 from models.lora import NO_LORA, LoraSettings
 from models.tensor_parallel import check_tensor_parallel_split
 
@@ -9,7 +11,7 @@ PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass(frozen=True)
 class Workload:
-    """conf/base.yaml's defaults; training/run_spec.py fills it from a run's config."""
+    """conf/base.yaml's defaults; from_cfg fills it from a run's config."""
     seq_length: int = 512
     micro_batch_size: int = 1
     micro_batches: int = 8  # gradient_accumulation_steps: the pipeline's m
@@ -24,17 +26,45 @@ class Workload:
     tensor_parallel: int = 1  # ranks splitting each layer (conf/base.yaml's tensor_parallel_size)
     sequence_parallel: bool = True  # with tensor_parallel > 1: residual stream on 1/t of the tokens
     recompute_sequence_gather: bool = False  # sequence parallel: gather again in backward rather than keep
-    context_parallel: int = 1  # ranks splitting each sequence (models/context_parallel.py)
-    expert_parallel: int = 1  # data-parallel ranks splitting each sparse layer's experts (models/expert_parallel.py)
+    context_parallel: int = 1  # ranks splitting each sequence
+    expert_parallel: int = 1  # data-parallel ranks splitting each sparse layer's experts
     document_masks: bool = False  # rows hold packed documents that attend only to themselves: a seq x seq mask
     offload_optimizer: bool = False  # ZeRO-1's fp32 partition, its gradient and Adam's moments in host memory
     pipeline_schedule: str = "1f1b"  # zero_bubble: micro-batches also wait for their weight gradients (W)
     zero_bubble_max_waiting: int | None = None  # zero_bubble: cap on those per stage (None: ZB-H1's s on stage s)
     virtual_stages: int = 1  # interleaved_1f1b: chunks of layers per rank (zbv holds 2)
     zbv_times: list | None = None  # zbv: a chunk's [F, B, W] times (or one per stage) its V order is made for
-    loss_chunk_tokens: int = 1024  # the LM head and loss a chunk of tokens at a time (models/loss.py); 0: logits
-    lora: LoraSettings = NO_LORA  # LoRA adapters: only they train, the rest is frozen (models/lora.py)
+    loss_chunk_tokens: int = 1024  # the LM head and loss a chunk of tokens at a time; 0: the whole logits
+    lora: LoraSettings = NO_LORA  # LoRA adapters: only they train, the rest is frozen
     async_save: bool = False  # a save's snapshot of each rank's checkpoint files in host memory (async_save)
+
+    @classmethod
+    def from_cfg(cls, cfg, data_parallel):
+        """The workload a run's config describes on `data_parallel` replicas: what the planner costs and the
+        balanced partition weighs."""
+        ds = OmegaConf.to_container(cfg.deepspeed, resolve=True)
+        optimizer_params = ds.get("optimizer", {}).get("params", {})
+        rows_per_example = 2 if cfg.objective in ("dpo", "simpo") else 1  # a pair's chosen and rejected sequences
+        return cls(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size * rows_per_example,
+                   micro_batches=cfg.gradient_accumulation_steps, precision=cfg.precision,
+                   grad_accum_dtype=cfg.grad_accum_dtype,
+                   zero_stage=cfg.zero_stage, data_parallel=data_parallel,
+                   activation_checkpoint_interval=cfg.activation_checkpoint_interval,
+                   reduce_bucket_size=int(ds.get("zero_optimization", {}).get("reduce_bucket_size",
+                                                                               cls.reduce_bucket_size)),
+                   torch_adam=bool(optimizer_params.get("torch_adam", False)),
+                   fused_adam=bool(optimizer_params.get("fused", False)),
+                   tensor_parallel=cfg.tensor_parallel_size, sequence_parallel=bool(cfg.sequence_parallel),
+                   context_parallel=cfg.context_parallel_size, expert_parallel=cfg.expert_parallel_size,
+                   document_masks=bool(cfg.data.document_isolation if cfg.data.format in ("text", "indexed")
+                                       else cfg.data.packing),
+                   recompute_sequence_gather=bool(cfg.recompute_sequence_gather),
+                   offload_optimizer=cfg.offload_optimizer == "cpu", pipeline_schedule=cfg.pipeline_schedule,
+                   loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
+                   zero_bubble_max_waiting=cfg.zero_bubble_max_waiting, virtual_stages=cfg.virtual_stages or 1,
+                   zbv_times=(OmegaConf.to_container(cfg.zbv_times) if OmegaConf.is_list(cfg.zbv_times)
+                              else cfg.zbv_times),
+                   lora=LoraSettings.from_cfg(cfg.lora), async_save=bool(cfg.async_save))
 
     @property
     def tokens(self):

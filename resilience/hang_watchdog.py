@@ -32,6 +32,7 @@ from deepspeed.runtime.pipe import schedule
 from resilience.exit_codes import HUNG
 from engines.instruction_listeners import add_instruction_listener
 from engines.zero_bubble_schedule import PostRecvActivation, WaitRecvActivation
+from cluster.console import say
 
 HANG_DIR = "hang"  # in output_dir: each hung rank's stacks and flight-recorder trace, NCCL's trace at a timeout
 POLL_SECONDS = 1.0  # the longest the thread sleeps: a phase's new, shorter limit is seen within it
@@ -93,7 +94,7 @@ class HangWatchdog:
                     warning = startup_limit_warning(self.settings, statistics.median(self.step_seconds),
                                                     self.dist_timeout_minutes)
                     if warning:
-                        print(warning, flush=True)
+                        say(warning)
             if step >= total_steps:
                 self.stop()
             else:
@@ -187,8 +188,7 @@ class HangWatchdog:
         line = (f"hang watchdog: rank {self.rank} (stage {self.stage}, data-parallel {self.data_index}) hung "
                 f"{position['where']}{peer}: no progress for {waited:.0f}s (limit {limit[0]:.0f}s: {limit[1]}); "
                 f"every thread's stack: {stacks}{trace}; exiting {HUNG} for a restart")
-        sys.stderr.write(f"\n{line}\n")  # a line of its own: the progress bar may be mid-line
-        sys.stderr.flush()
+        say(line, sys.stderr)
         self.record.end(HUNG, line)
         os._exit(HUNG)
 

@@ -29,6 +29,7 @@ import collectives
 from deepspeed_internals.registry import LAUNCHER_MODULE
 from resilience.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
 from resilience.rank_records import record_end
+from cluster.console import say
 
 
 class Preempted(Exception):
@@ -78,7 +79,7 @@ class PreemptionWatch:
         message = (f"preemption ({self.reason}): the step and the checkpoint did not finish within "
                    f"preemption_grace_seconds={self.grace_seconds}; exiting without it (the last complete checkpoint "
                    f"stays 'latest'; rerun with resume=auto)")
-        print(message, flush=True)
+        say(message)
         record_end(PREEMPTED_EXIT_CODE, message)
         os._exit(PREEMPTED_EXIT_CODE)
 

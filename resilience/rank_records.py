@@ -11,6 +11,7 @@ import threading
 import time
 
 from checkpoints.files import write_text_atomic
+from cluster.console import say
 
 RECORDS_DIR = "rank_records"
 _current = None  # this process's record, once start_record has run
@@ -41,8 +42,8 @@ class RankRecord:
             try:
                 self._write()
             except OSError as error:
-                print(f"rank {self.fields['rank']}: its end record was not written ({error.strerror}): "
-                      f"{self.path}", flush=True)
+                say(f"rank {self.fields['rank']}: its end record was not written ({error.strerror}): "
+                    f"{self.path}")
 
     def _write(self):
         write_text_atomic(self.path, json.dumps(self.fields))

@@ -31,6 +31,7 @@ from checkpoints.files import write_text_atomic
 from errors import ConfigError
 from resilience.exit_codes import LEASE_LOST
 from resilience.rank_records import record_end
+from cluster.console import say
 
 LEASE_FILE = ".lease.json"
 LOCK_FILE = ".lease.lock"  # empty; its flock orders the starts (released by the kernel if its holder dies)
@@ -89,8 +90,8 @@ def lease_lock(output_dir):
         except OSError as error:
             if error.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
                 raise
-            print(f"warning: {output_dir} does not support file locks ({error.strerror}): two jobs starting at the "
-                  f"same moment could both take its lease; mount it with locking to be safe.", flush=True)
+            say(f"run lease: warning: {output_dir} does not support file locks ({error.strerror}): two jobs starting at the "
+                f"same moment could both take its lease; mount it with locking to be safe.")
         yield
     finally:
         os.close(fd)  # releases the flock
@@ -154,9 +155,9 @@ class RunLease:
             if holder == ANOTHER_JOB or seen is not None and lease["heartbeat"] != seen["heartbeat"]:
                 raise ConfigError(refusal_line(output_dir, lease, now))  # renewed while this start waited: it runs
             if seen is None:
-                print(f"output_dir '{output_dir}' holds the lease of an earlier run of this job (pid {lease['pid']} on "
-                      f"{lease['host']}, renewed {now - lease['heartbeat']:.0f}s ago): taking it over unless it is "
-                      f"renewed within {MISSED_RENEWALS * HEARTBEAT_SECONDS}s of that", flush=True)
+                say(f"output_dir '{output_dir}' holds the lease of an earlier run of this job (pid {lease['pid']} on "
+                    f"{lease['host']}, renewed {now - lease['heartbeat']:.0f}s ago): taking it over unless it is "
+                    f"renewed within {MISSED_RENEWALS * HEARTBEAT_SECONDS}s of that")
             seen = lease
             time.sleep(max(0.0, lease["heartbeat"] + MISSED_RENEWALS * HEARTBEAT_SECONDS - now) + 0.1)
         self._stopped = threading.Event()
@@ -181,15 +182,14 @@ class RunLease:
                 if failing >= STALE_SECONDS / 2:
                     return self._lost(f"{self.path} could not be renewed for {failing:.0f}s "
                                       f"({type(error).__name__}: {error})")
-                print(f"warning: {self.path} could not be renewed ({type(error).__name__}: {error}); trying again "
-                      f"in {HEARTBEAT_SECONDS}s", flush=True)
+                say(f"run lease: warning: {self.path} could not be renewed ({type(error).__name__}: {error}); trying again "
+                    f"in {HEARTBEAT_SECONDS}s")
 
     def _lost(self, why):
         """End this rank, and so the run, before two jobs can write output_dir (the main thread may be stuck)."""
         line = (f"trainer_pipe: error: {why}; stopping (exit {LEASE_LOST}) before another job can take "
                 f"{self.output_dir} over; a restart goes on from the last complete checkpoint")
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
+        say(line, sys.stderr)
         record_end(LEASE_LOST, line)
         os._exit(LEASE_LOST)
 

@@ -7,6 +7,7 @@ import argparse
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
 
 
 def main():
@@ -16,6 +17,7 @@ def main():
     parser.add_argument("--max_new_tokens", type=int, default=20)
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    transformers_logging.disable_progress_bar()  # its bar of the weights loaded
     model = AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
     inputs = tokenizer(args.prompt, return_tensors="pt")
     with torch.no_grad():

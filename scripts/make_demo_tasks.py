@@ -81,8 +81,8 @@ def main():
     parser.add_argument("--docs", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    for path in write_tasks(args.text, args.output_dir, args.docs, args.seed).values():
-        print(f"wrote {path}")
+    paths = write_tasks(args.text, args.output_dir, args.docs, args.seed)
+    print(f"wrote {args.output_dir}: {', '.join(os.path.basename(path) for path in paths.values())}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.utils import logging as transformers_logging  # noqa: E402
 
 from data.corpus import train_demo_tokenizer, write_demo_corpus  # noqa: E402
 
@@ -37,6 +38,7 @@ def main():
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
     torch.manual_seed(args.seed)
+    transformers_logging.disable_progress_bar()  # its bar of one shard
     LlamaForCausalLM(config).save_pretrained(hf_dir)
     print(f"wrote {args.output_dir}/train.txt, eval.txt and the Hugging Face model {hf_dir}")
 

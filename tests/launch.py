@@ -103,9 +103,10 @@ def script_command(script, config, overrides):
             "-cn", config, *overrides]
 
 
-def start_trainer(num_procs, overrides, config="tiny", script="trainer_pipe.py", env=None):
-    """launch_trainer(launcher=True) without waiting: the runner (StartedRunner), its output read line by line."""
-    command, env = trainer_command(num_procs, overrides, config, None, script, env)
+def start_trainer(num_procs, overrides, config="tiny", script="trainer_pipe.py", env=None, runner_flags=()):
+    """launch_trainer(launcher=True) without waiting: the runner (StartedRunner), its output read line by line.
+    runner_flags: the deepspeed command's own (--quiet: no launcher INFO lines, as the demo launches)."""
+    command, env = trainer_command(num_procs, overrides, config, None, script, env, runner_flags=runner_flags)
     return StartedRunner(command, env)
 
 
@@ -134,11 +135,11 @@ class StartedRunner:
         return self.process.returncode
 
 
-def trainer_command(num_procs, overrides, config, hostfile, script, env, accelerator="cpu"):
+def trainer_command(num_procs, overrides, config, hostfile, script, env, accelerator="cpu", runner_flags=()):
     placement = (["--hostfile", str(hostfile), "--no_ssh_check", "--master_addr", "127.0.0.1"] if hostfile
                  else ["--num_gpus", str(num_procs)])
-    command = [sys.executable, "-m", "deepspeed.launcher.runner", *placement, "--master_port", str(free_port()),
-               *script_command(script, config, overrides)[1:]]
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", *runner_flags, *placement, "--master_port",
+               str(free_port()), *script_command(script, config, overrides)[1:]]
     return command, process_environment(accelerator, env)
 
 

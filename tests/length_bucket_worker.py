@@ -1,7 +1,7 @@
 """One rank of the length-bucket parity launch: each case trains the same model twice from the same weights on the
 same rows in the same steps (data/length_buckets.py's order for the case's global batch), once with every step's
 rows padded to their bucket's length (the length changes between steps) and once padded to seq_length, each step as
-the trainer runs it (training/token_mean.py step_totals, engines/sequence_length.py, token_mean_loss), with an
+the trainer runs it (training/token_mean.py step_totals, engines/sequence_length.py, token_mean_micro_batches), with an
 evaluation of rows of seq_length (evaluation/eval_set.py) after the first step. Writes both runs' losses, loss
 units, widths, eval losses and the weights they leave, as JSON for tests/test_length_buckets.py to compare."""
 import json
@@ -31,7 +31,7 @@ from models.pipeline import build_pipeline_module, partition_stages  # noqa: E40
 from models.preference import PreferenceSettings  # noqa: E402
 from tests.schedule_worker import (all_ranks_gradients, count_calls, record_optimizer_gradients,  # noqa: E402
                                    worst_error)
-from training.token_mean import step_micro_batches, step_totals, token_mean_loss  # noqa: E402
+from training.token_mean import step_micro_batches, step_totals, token_mean_micro_batches  # noqa: E402
 
 PROMPT = 3  # a pair's shared prompt (unlabelled), and an SFT row's unlabelled head
 
@@ -115,8 +115,8 @@ def train(case, bounds, steps, micro_batch_size, gas, seq_len):
         micro_batches = step_micro_batches(engine, stream, gas)
         totals = step_totals(engine, micro_batches)
         use_sequence_length(engine, totals.width)
-        with token_mean_loss(engine, totals.units):
-            records.append([float(engine.train_batch(iter(micro_batches))), totals.units, totals.width])
+        micro_batches = token_mean_micro_batches(engine, micro_batches, totals.units)
+        records.append([float(engine.train_batch(iter(micro_batches))), totals.units, totals.width])
         if step == 0:  # rows of seq_length between two steps of their own lengths
             eval_loss = evaluate(engine, eval_rows if reads else None, len(eval_rows), cfg, pad_id=0)[0]
     where = f"dp{engine.grid.data_parallel_id}.tp{engine.grid.get_slice_parallel_rank()}"

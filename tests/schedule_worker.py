@@ -36,11 +36,11 @@ from planner.workload import Workload  # noqa: E402
 from training.config_checks import checked_config  # noqa: E402
 from engines.cost_calibration import agreed_unit_costs  # noqa: E402
 from cluster.distributed import init_distributed, parallel_topology  # noqa: E402
-from training.stage_bounds import configured_stage_bounds  # noqa: E402
+from training.run_spec import configured_stage_bounds  # noqa: E402
 from engines.chunked_engine import rank_chunk_ids, use_chunked_pipeline  # noqa: E402
 from engines.pipeline_engine import use_one_backward, use_zero_bubble  # noqa: E402
 from evaluation.reference import WithReference, compute_reference  # noqa: E402
-from training.token_mean import global_loss_units, step_micro_batches, token_mean_loss  # noqa: E402
+from training.token_mean import global_loss_units, step_micro_batches, token_mean_micro_batches  # noqa: E402
 
 PROMPT_TOKENS = 3  # a pair's shared prompt, unlabelled: each response is scored on the rest of its row
 
@@ -129,8 +129,8 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     for at_step[0] in range(steps):  # the same batch every step: the loss must fall
         stream = counted(map(module.context.split_micro_batch, rows(gas)), read)
         step_batches = step_micro_batches(engine, stream, gas)
-        with token_mean_loss(engine, global_loss_units(engine, step_batches)):
-            losses.append(float(engine.train_batch(iter(step_batches))))
+        step_batches = token_mean_micro_batches(engine, step_batches, global_loss_units(engine, step_batches))
+        losses.append(float(engine.train_batch(iter(step_batches))))
         scales.append(loss_scaler_state(engine))
         if objective.preference:
             rewards.append(module.loss_fn.take_metrics())
@@ -304,8 +304,6 @@ def allow_fp16_on_cpu():
 
 
 def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
-    if os.environ.get('ONE_BWD'):
-        exec(open('/tmp/onebwd.py').read(), {})
     init_distributed(timeout_minutes=2)
     allow_fp16_on_cpu()
     results = {}

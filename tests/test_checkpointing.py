@@ -15,7 +15,7 @@ from checkpoints.rng_state import rng_state_path
 from checkpoints.saving import hashing_saves, write_side_files_and_complete
 from checkpoints.tag_dirs import complete_tags, prune_checkpoints, remove_incomplete_checkpoints
 from errors import ConfigError
-from training.loop import data_position
+from training.resume import data_position
 from training.resume import check_fresh_start, check_output_dir_is_ours, resolve_resume
 
 

@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 
 from data.collator import collate, collate_causal_lm, collate_preference, row_layout
 from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
-from models.loss import CausalLMLoss
+from models.loss import CausalLMLoss, with_step_divisor
 from models.preference import PreferenceLoss, PreferenceSettings
 from tests.host_syncs import HostSyncs
 from tests.tiny_models import COMMON
@@ -41,13 +41,13 @@ def rows(count, packed):
 
 
 def syncs_of_micro_batches(layers, loss_fn, micro_batches):
-    loss_fn.step_divisor = 7.0
+    divisor = torch.tensor(7.0)  # a training step's (training/token_mean.py), beside each micro-batch's labels
     with HostSyncs() as syncs:
         for inputs, labels in micro_batches:
             x = inputs
             for layer in layers:
                 x = layer(x)
-            loss_fn(x, labels).backward()
+            loss_fn(x, with_step_divisor(labels, divisor)).backward()
     assert all(p.grad is not None for layer in layers for p in layer.parameters())
     return syncs.ops
 

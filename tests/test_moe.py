@@ -234,7 +234,7 @@ def test_activation_model_counts_what_an_moe_layer_saves(dtype, precision, famil
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
 @pytest.mark.parametrize("family", [*FAMILIES, "deepseek_v3", "glm4_moe"])
 def test_weight_grad_model_counts_what_an_moe_layer_leaves_to_w(dtype, precision, family):
-    """The planner's bytes a micro-batch waiting for W keeps of a sparse layer (planner/moe_costs.py
+    """The planner's bytes a micro-batch waiting for W keeps of a sparse layer (planner/decoder_costs.py
     moe_weight_grad_bytes, with the attention's and a shared expert's) are what the zero-bubble queue holds."""
     from models.llama import DecoderLayerPipe, StageAttentionInputs
     from models.router_loss import initial_routing, pack_stage

@@ -380,7 +380,7 @@ def test_balanced_chunks_take_the_shortest_simulated_step(schedule, virtual_stag
     from planner.chunk_balance import balanced_chunk_counts, chunk_pass_costs, simulated_step
     from planner.stage_costs import StageCostModel
     from training.config_checks import checked_config
-    from training.stage_bounds import configured_stage_bounds
+    from training.run_spec import configured_stage_bounds
     workload = Workload(seq_length=256, micro_batch_size=4, micro_batches=micro_batches, precision="fp32",
                         pipeline_schedule=schedule, virtual_stages=virtual_stages or 1, zbv_times=zbv_times)
     model = StageCostModel(SMALL, workload, 4)
@@ -425,7 +425,7 @@ def test_balanced_chunks_on_measured_costs_take_their_shortest_step(schedule, vi
     from planner.measured_costs import UnitCosts
     from planner.stage_costs import StageCostModel
     from training.config_checks import checked_config
-    from training.stage_bounds import configured_stage_bounds
+    from training.run_spec import configured_stage_bounds
     units = UnitCosts(CPU_LIKE_UNITS, "test")
     workload = Workload(seq_length=256, micro_batch_size=4, micro_batches=micro_batches, precision="fp32",
                         pipeline_schedule=schedule, virtual_stages=virtual_stages or 1,

@@ -594,7 +594,7 @@ def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tens
     from tests.lora_reference import adapter_values
     from tests.parity_worker import GradientRecorder, hf_name_of_pipeline_param, set_adapters
     from cluster.distributed import parallel_topology
-    from training.token_mean import global_loss_units, token_mean_loss
+    from training.token_mean import global_loss_units, token_mean_micro_batches
 
     config = AutoConfig.from_pretrained(model["hf"])
     if getattr(config, "router_aux_loss_coef", 0.0):  # as the trainer sets it under DPO (moe_model_config)
@@ -617,8 +617,8 @@ def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tens
              for i, (chosen, rejected) in enumerate(FIRST_STEP_REFERENCE) if first <= i < first + MICRO_BATCH * GAS]
     micro_batches = [collate_preference(pairs[k:k + MICRO_BATCH], SEQ, tokenizer.pad_token_id)
                      for k in range(0, len(pairs), MICRO_BATCH)]
-    with token_mean_loss(engine, global_loss_units(engine, micro_batches)):
-        loss = float(engine.train_batch(iter(micro_batches)))
+    micro_batches = token_mean_micro_batches(engine, micro_batches, global_loss_units(engine, micro_batches))
+    loss = float(engine.train_batch(iter(micro_batches)))
     grads = {hf_name_of_pipeline_param(name, config.num_hidden_layers):
              (recorder.recorded[param], getattr(param, "tensor_parallel_dim", None))
              for name, param in module.named_parameters() if param.requires_grad}

@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from checkpoints.compatibility import check_resume_topology
+from training.resume import check_resume_topology
 from tests.conftest import ROOT
 from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_ranks_separately, launch_trainer,
                           per_step_losses, read_metrics, run_python, start_trainer)

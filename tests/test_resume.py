@@ -60,7 +60,7 @@ def test_a_changed_global_batch_is_said_at_start_up(demo_model, reference_run):
     from hydra import compose, initialize_config_dir
 
     from tests.conftest import ROOT
-    from training.loop import describe_resume
+    from training.resume import describe_resume
     from training.run_spec import run_spec
     overrides = demo_overrides(demo_model, "unused", **{**REFERENCE, "num_stages": 1, "micro_batch_size": 3,
                                                          "gradient_accumulation_steps": 1,
@@ -169,7 +169,7 @@ def test_a_checkpoint_that_cannot_resume_is_refused_before_anything_is_built(dem
 
 def test_a_change_of_split_that_is_recorded_only_above_1_is_named():
     """Tensor- and context-parallel sizes are recorded only when above 1: leaving either is still a change."""
-    from checkpoints.compatibility import layout_change
+    from training.resume import layout_change
     settings = {"precision": "fp32", "zero_stage": 1}
     saved = {"topology": {"num_stages": 1, "data_parallel": 1, "context_parallel": 2, "tensor_parallel": 2,
                           "stage_bounds": [0, 7]}, "settings": settings}

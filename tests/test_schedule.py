@@ -21,7 +21,7 @@ from tests.tiny_models import TINY_CONFIGS, make_model
 from engines.chunked_engine import stage_reads_data
 from errors import ConfigError
 from training.config_checks import checked_config
-from training.stage_bounds import configured_stage_bounds
+from training.run_spec import configured_stage_bounds
 from schedules.orders import rank_orders, stage_orders
 from schedules.rules import chunk_ids, chunks_per_rank
 from schedules.simulator import simulate

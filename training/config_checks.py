@@ -7,6 +7,7 @@ import os
 from omegaconf import ListConfig, OmegaConf
 
 from checkpoints.background_save import ASYNC_SAVE_SETTINGS
+from cluster.console import LOG_LEVELS
 from errors import ConfigError
 from evaluation.eval_task import EvalTask
 from data.formats import DataSettings
@@ -30,8 +31,8 @@ INDEXED_IGNORES = ("packing", "overlong", "cache_dir")  # data keys of tokenizin
 
 
 def checked_config(cfg):
-    """cfg with conf/base.yaml's defaults under it and its values normalised, after every check that needs
-    nothing but the config."""
+    """A new config: cfg with conf/base.yaml's defaults under it and its nulls read as their defaults, after every
+    check that needs nothing but the config (the checks only read it)."""
     base = OmegaConf.load(BASE_CONFIG)
     for node in ("defaults", "hydra"):
         base.pop(node)
@@ -40,6 +41,8 @@ def checked_config(cfg):
     # YAML's null (and configs written before these keys) read as their defaults.
     cfg.offload_optimizer = "none" if cfg.offload_optimizer is None else str(cfg.offload_optimizer).lower()
     cfg.tensor_parallel_size = 1 if cfg.tensor_parallel_size is None else cfg.tensor_parallel_size
+    if cfg.hang_watchdog.startup_seconds is None:  # below the collectives' timeout by construction
+        cfg.hang_watchdog.startup_seconds = longest_limit(cfg.dist_timeout_minutes)
     check_values(cfg)
     OmegaConf.set_struct(cfg, True)
     return cfg
@@ -63,7 +66,7 @@ def check_values(cfg):
     """Each key's allowed values, and the rules between keys that need no model or world size."""
     choices = {"precision": PRECISIONS, "lr_scheduler": SCHEDULERS, "offload_optimizer": OFFLOAD_DEVICES,
                "pipeline_schedule": PIPELINE_SCHEDULES, "nan_policy": NAN_POLICIES, "attention_impl": ATTENTION_IMPLS,
-               "loss_impl": LOSS_IMPLS, "async_save": ASYNC_SAVE_SETTINGS}
+               "loss_impl": LOSS_IMPLS, "async_save": ASYNC_SAVE_SETTINGS, "log_level": LOG_LEVELS}
     for key, allowed in choices.items():
         if cfg[key] not in allowed:
             extra = (" (NVMe offload needs ZeRO-3, which pipeline parallelism does not support)"
@@ -167,14 +170,11 @@ def check_length_buckets(cfg):
 
 def check_hang_watchdog(watchdog, dist_timeout_minutes):
     """The watchdog's limits, each below the collectives' timeout: a hang the watchdog would name later is ended by a
-    collective's timeout first, without a stack or a record (on NCCL, an abort). startup_seconds' default (null) is
-    below it by construction (resilience/hang_watchdog.py longest_limit)."""
+    collective's timeout first, without a stack or a record (on NCCL, an abort)."""
     if watchdog.step_time_factor < 2:
         raise ConfigError(f"hang_watchdog.step_time_factor={watchdog.step_time_factor} is too short for the measured "
                           f"step time: steps vary, and a rank that is only slow must not be ended; use at least 2 "
                           f"(10 by default).")
-    if watchdog.startup_seconds is None:
-        watchdog.startup_seconds = longest_limit(dist_timeout_minutes)
     for key in ("min_step_seconds", "startup_seconds"):
         if not watchdog[key] > 0:
             raise ConfigError(f"hang_watchdog.{key}={watchdog[key]} must be a positive number of seconds.")

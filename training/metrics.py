@@ -1,16 +1,19 @@
-"""Run logging on rank 0: a progress bar, one JSON line per logged step in metrics.jsonl, DeepSpeed's monitors
-(TensorBoard, W&B, CSV) and, at the end, a PNG of the training and evaluation loss."""
+"""Run logging on rank 0: each record in full as one JSON line of metrics.jsonl and in DeepSpeed's monitors
+(TensorBoard, W&B, CSV), in a short human form as one line of the console (below a progress bar on a terminal) and,
+at the end, a PNG of the training and evaluation loss."""
 import csv
 import io
 import json
+import math
 import os
+import time
 import uuid
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from checkpoints.files import write_text_atomic
+from cluster.console import ProgressBar, say
 from errors import ConfigError
 from evaluation.lm_eval_log import LM_EVAL_FILE
 from deepspeed_internals.registry import MonitorMaster, WandbMonitor, get_monitor_config
@@ -40,6 +43,47 @@ def compute_throughput(tokens_per_sec, flops_per_token, devices, peak_tflops):
     known peak, model FLOPs utilisation."""
     tflops = flops_per_token * tokens_per_sec / devices / 1e12
     return {"tflops_per_device": tflops, **({"mfu": tflops / peak_tflops} if peak_tflops else {})}
+
+
+class MetricsWindow:
+    """The steps since the last log record: how many, their tokens and model FLOPs, the losses of those that
+    updated the weights and how many had no labelled token; and, over the whole run, the steps a non-finite loss
+    skipped (nan_policy=skip)."""
+
+    def __init__(self):
+        self.run_started = time.time()
+        self.skipped = 0
+        self.reset()
+
+    def reset(self):
+        self.started = time.time()
+        self.steps = self.tokens = self.flops = self.unlabelled = 0
+        self.losses = []
+
+    def add_step(self, tokens, flops_per_token, loss):
+        """A step of `tokens` tokens; loss None: it had nothing to learn."""
+        self.steps += 1
+        self.tokens += tokens
+        self.flops += tokens * flops_per_token
+        if loss is None:
+            self.unlabelled += 1
+        elif math.isfinite(loss):
+            self.losses.append(loss)
+        else:
+            self.skipped += 1
+
+    def mean_loss(self):
+        """The mean loss of the window's steps: None where every step had nothing to learn, NaN where every step
+        that had was skipped."""
+        if self.losses:
+            return sum(self.losses) / len(self.losses)
+        return None if self.unlabelled == self.steps else float("nan")
+
+    def elapsed(self):
+        return time.time() - self.started
+
+    def run_elapsed(self):
+        return time.time() - self.run_started
 
 
 class RunLogger:
@@ -82,7 +126,8 @@ class RunLogger:
             self.tensorboard = SummaryWriter(os.path.join(tensorboard.output_path, tensorboard.job_name),
                                              purge_step=None if replays_after is None else replays_after + 1)
         self.file = open(os.path.join(output_dir, METRICS_FILE), "a")
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+        self.total_steps = total_steps
+        self.bar = ProgressBar(total_steps, "train", initial=start_step)
 
     def log(self, record):
         """Write one record: {"step": N, name: value, ...}."""
@@ -99,9 +144,9 @@ class RunLogger:
             for event in events:
                 self.tensorboard.add_scalar(*event)
             self.tensorboard.flush()
-        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in record.items() if k != "step"}
-        self.bar.set_postfix(shown, refresh=False)
-        self.bar.write(json.dumps(record))
+        if record.get("loss") is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.4g}", refresh=False)
+        say(record_line(record, self.total_steps))
 
     def advance(self, steps=1):
         if self.enabled:
@@ -117,6 +162,38 @@ class RunLogger:
         plot_losses(os.path.join(self.output_dir, METRICS_FILE), os.path.join(self.output_dir, PLOT_FILE))
 
 
+# What the console shows of a training record, as (key, label, format); an evaluation record shows all its figures.
+TRAINING_SHOWN = (("loss", "loss", ".4g"), ("lr", "lr", ".3g"), ("grad_norm", "grad_norm", ".3g"),
+                  ("rewards/accuracies", "rewards/accuracies", ".3g"), ("rewards/margins", "rewards/margins", ".3g"),
+                  ("aux_loss", "aux_loss", ".4g"), ("tokens_per_sec", "tokens/s", ",.0f"), ("mfu", "mfu", ".1%"),
+                  ("skipped_steps", "skipped steps", "d"))
+
+
+def record_line(record, total_steps):
+    """A record as the console shows it, `step N/T | name value | ...`: of a training record the figures a person
+    follows (loss, learning rate, gradient norm, the preference and router losses, throughput), of an evaluation's
+    every figure (lm-eval's without their lm_eval/ prefix); metrics.jsonl holds the whole record."""
+    step = f"step {record['step']}/{total_steps}" if total_steps else f"step {record['step']}"
+    if "loss" in record:
+        shown = [(label, record[key], spec) for key, label, spec in TRAINING_SHOWN if record.get(key) is not None]
+        stragglers = ([f"rank {r}" for r in record.get("straggler_ranks", [])]
+                      + [f"stage {s}" for s in record.get("straggler_stages", [])])
+        if stragglers:
+            shown.append(("stragglers", ", ".join(map(str, stragglers)), "s"))
+    else:
+        shown = [(key.removeprefix("lm_eval/"), value, ".4g") for key, value in record.items()
+                 if key != "step" and value is not None]
+    return " | ".join([step] + [f"{label} {format_value(value, spec)}" for label, value, spec in shown])
+
+
+def format_value(value, spec):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int) and spec not in ("d", ",.0f"):
+        return str(value)
+    return format(value, spec)
+
+
 def drop_records_after(path, step, source=None):
     """Rewrite the JSON-lines file at path (atomically) without its records of steps after `step` (of that
     `source` only, when given: lm_eval.jsonl keeps the scores of exports, which a restart does not log again; None:
@@ -130,8 +207,8 @@ def drop_records_after(path, step, source=None):
     if dropped or repaired:
         write_text_atomic(path, "".join(line for (line, _), again in zip(records, logged_again) if not again))
     if dropped:
-        print(f"{path}: dropped the records of step(s) {', '.join(map(str, dropped))}, which this run logs again "
-              f"(it starts after step {step})", flush=True)
+        say(f"{path}: dropped the records of step(s) {', '.join(map(str, dropped))}, which this run logs again "
+            f"(it starts after step {step})")
     return dropped
 
 
@@ -150,8 +227,8 @@ def whole_records(path):
         except json.JSONDecodeError as error:
             if number < len(lines):
                 raise ConfigError(f"{path}: line {number} is not a JSON record ({error}); fix or remove it") from None
-            print(f"{path}: dropped its last line, a record cut short when the run writing it stopped mid-append: "
-                  f"{line.strip()[:60]!r}", flush=True)
+            say(f"{path}: dropped its last line, a record cut short when the run writing it stopped mid-append: "
+                f"{line.strip()[:60]!r}")
             repaired = True
     return records, repaired
 

@@ -1,38 +1,50 @@
 """Check, then build: one pass turns a run's Hydra config into a RunSpec, the validated description that every
-builder (topology, stages, data, engine, memory plan) takes what it needs from. Every rule of a run runs from here:
-what the config alone says (training/config_checks.py), then the layout against the world size and the model, the
-data files, and the checkpoint a run starts from; all before any process group or file write, identically on every
-rank, so all ranks fail together with a message that names the bad value and what to do."""
+builder (topology, stages, data, engine, memory plan) takes what it needs from.
+
+Every rule of a run runs from here, in the order that lets each message name the real cause: what the config alone
+says (training/config_checks.py), the data files (data/file_checks.py), the converted model, the layout against
+the world size and the model, then the checkpoint a run resumes (training/resume.py). All of it runs before any
+process group or file write, identically on every rank, so all ranks fail together with one line that names the
+bad value and what to do. Nothing here changes the config it checks."""
 import dataclasses
 import math
 import os
+from typing import NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
-from checkpoints.compatibility import check_resume_topology, check_same_model, dropped_state
 from checkpoints.files import has_tokenizer_files, read_latest
 from checkpoints.integrity import manifest_digest, verify_model_side_files
-from checkpoints.optimizer_state import check_optimizer_state_files, has_layout_free_state
-from checkpoints.trainer_state import read_trainer_state
-from data.indexed import CorpusIndex
-from data.shard_files import ShardError, check_sources, parse_sources, read_shard_header, tokenizer_fingerprint
+from data.file_checks import check_data_files, check_shards_fit_model
+from errors import ConfigError
 from models.architecture import architecture_of, check_trains_as_configured
-from models.layout import layer_file_name, layer_indices_with_files
 from models.context_parallel import context_parallel_error
 from models.expert_parallel import expert_parallel_error
+from models.layout import layer_file_name
 from models.llama import check_model_config
-from models.lora import (LoraSettings, adapter_layer_indices, adapter_parameter_total, check_lora_applies,
-                         check_rank_fits)
-from models.partition import layer_parameter_counts
+from models.lora import adapter_parameter_total, check_lora_applies, check_rank_fits
+from models.partition import decoder_counts_of_bounds, decoder_kinds, layer_parameter_counts
+from models.pipeline import partition_stages
 from models.preference import PreferenceSettings
 from models.tensor_parallel import check_tensor_parallel_split
+from planner.chunk_balance import balanced_chunk_counts
+from planner.measured_costs import measured_stage_cost, uses_measured_costs
+from planner.stage_costs import StageCostModel
 from planner.training_state import checkpoint_bytes_per_parameter
 from planner.workload import Workload
-from errors import ConfigError
+from schedules.rules import chunks_per_rank
 from training.config_checks import checked_config, moe_model_config
-from training.resume import check_fresh_start, check_output_dir_is_ours, resolve_resume
-from training.stage_bounds import configured_stage_bounds
+from training.resume import check_output_dir_is_ours, check_resume, resolve_resume, with_resume
+
+
+class ConvertedModel(NamedTuple):
+    """The converted checkpoint a run starts from, as a LoRA run's adapters and a DPO run's reference
+    log-probabilities record it: a resume checks that the same one is loaded under them."""
+    path: str  # model_name_or_path, absolute
+    tag: str  # the tag its 'latest' names
+    digest: str | None  # its manifest's checksum (None: a directory converted before manifests)
+
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
@@ -47,6 +59,8 @@ class RunSpec:
     resume_from: tuple | None = None  # (checkpoint dir, tag)
     trainer_state: dict = dataclasses.field(default_factory=dict)
     unit_costs: object = None  # planner/measured_costs.py UnitCosts `balanced` weighed stages by (None: FLOPs)
+    # read once at the start when LoRA or DPO records it; None otherwise and when planning
+    converted_model: ConvertedModel | None = None
 
     @property
     def num_stages(self):
@@ -100,8 +114,7 @@ class RunSpec:
     def reference_checkpoint(self):
         """DPO: the manifest checksum of the checkpoint whose weights are the reference (the converted model the
         run starts from; under LoRA its base), which the stored reference log-probabilities are keyed by."""
-        base_dir = os.path.abspath(self.cfg.model_name_or_path)
-        return manifest_digest(os.path.join(base_dir, read_latest(base_dir)))
+        return self.converted_model.digest
 
     @property
     def reference_record(self):
@@ -125,13 +138,12 @@ class RunSpec:
     @property
     def lora_record(self):
         """What a LoRA checkpoint records in trainer_state.json: its adapters' settings and the converted base it
-        trains on (path and manifest checksum), which a resume and an export read the base from; {} otherwise."""
+        trains on, which a resume and an export read the base from; {} otherwise."""
         if not self.lora.enabled:
             return {}
-        base_dir = os.path.abspath(self.cfg.model_name_or_path)
-        tag_dir = os.path.join(base_dir, read_latest(base_dir))
-        return {"lora": self.lora.as_dict(), "base_model": {"path": base_dir, "tag": os.path.basename(tag_dir),
-                                                            "manifest_xxh3_128": manifest_digest(tag_dir)}}
+        base = self.converted_model
+        return {"lora": self.lora.as_dict(),
+                "base_model": {"path": base.path, "tag": base.tag, "manifest_xxh3_128": base.digest}}
 
     def replanned(self, **workload_changes):
         """The same run with another workload (and the stage bounds the partition gives it)."""
@@ -162,89 +174,15 @@ def run_spec(cfg, world_size):
         except ValueError as error:
             raise ConfigError(str(error)) from None
     workload = check_layout(cfg, model_config, world_size)
+    recorded = workload.lora.enabled or PreferenceSettings.from_cfg(cfg).needs_reference
     spec = RunSpec(cfg, model_config, world_size, workload, configured_stage_bounds(cfg, model_config, workload),
-                   model_files_dir, tokenizer_dir(cfg, model_files_dir))
+                   model_files_dir, tokenizer_dir(cfg, model_files_dir),
+                   converted_model=converted_model(cfg.model_name_or_path) if recorded else None)
     if cfg.data.format == "indexed":
         check_shards_fit_model(cfg, model_config.vocab_size, spec.tokenizer_dir)
     # this rank's own look at output_dir, for the checks: rank 0's, once a collective can carry it, decides
-    # (training/start_point.py)
+    # (agreed_start)
     return with_resume(spec, resolve_resume(cfg.resume, cfg.output_dir))
-
-
-def with_resume(spec, resume_from):
-    """spec resuming resume_from ((checkpoint dir, tag), or None for a fresh start), once it fits the run."""
-    cfg = spec.cfg
-    trainer_state = read_trainer_state(os.path.join(*resume_from)) if resume_from else {}
-    if resume_from is None and not cfg.eval_only:
-        check_fresh_start(cfg.output_dir, cfg.overwrite_output_dir)
-    spec = dataclasses.replace(spec, resume_from=resume_from, trainer_state=trainer_state)
-    if resume_from:
-        check_resume(spec)
-    return spec
-
-
-def check_resume(spec):
-    """The checkpoint to resume fits this run: the same model, its state files present, and state that cannot carry
-    over to this run's settings dropped only when asked (resume_drop_state)."""
-    cfg, trainer_state, tag_dir = spec.cfg, spec.trainer_state, os.path.join(*spec.resume_from)
-    check_same_model(tag_dir, spec.model_config)
-    check_same_adapters(spec, tag_dir)
-    check_same_reference(spec, tag_dir)
-    if cfg.eval_only or cfg.resume_weights_only:
-        return
-    if not has_layout_free_state(trainer_state):
-        return check_resume_topology(trainer_state, spec.layout, False, tag_dir)
-    config = spec.model_config
-    check_optimizer_state_files(tag_dir, trainer_state, adapter_layer_indices(config.num_hidden_layers)
-                                if spec.lora.enabled else
-                                layer_indices_with_files(config.num_hidden_layers, config.tie_word_embeddings))
-    dropped = dropped_state(trainer_state.get("settings", {}), spec.settings)
-    if dropped and not cfg.resume_drop_state:
-        raise ConfigError(f"resuming {tag_dir} cannot carry over {', '.join(dropped)}; set resume_drop_state=true "
-                          f"to start it fresh, or resume with the checkpoint's settings.")
-
-
-def check_same_reference(spec, tag_dir):
-    """A DPO checkpoint resumes against the reference it was trained against: the same starting checkpoint."""
-    saved = spec.trainer_state.get("reference")
-    if not saved or not spec.preference.needs_reference:
-        return
-    if saved["checkpoint"] != spec.reference_checkpoint:
-        raise ConfigError(f"checkpoint {tag_dir} was trained with DPO against the reference log-probabilities of the "
-                          f"checkpoint with manifest checksum {saved['checkpoint']}, but model_name_or_path "
-                          f"{spec.cfg.model_name_or_path} has checksum {spec.reference_checkpoint}: set "
-                          f"model_name_or_path to the checkpoint that run started from.")
-
-
-def check_same_adapters(spec, tag_dir):
-    """A LoRA checkpoint resumes only as LoRA with the same adapters, onto the base it was trained on (its
-    manifest's checksum); a full fine-tuning checkpoint only as full fine-tuning."""
-    saved, base = spec.trainer_state.get("lora"), spec.trainer_state.get("base_model")
-    current = spec.lora.as_dict() if spec.lora.enabled else None
-    if saved is None and current is None:
-        return
-    if saved is None:
-        raise ConfigError(f"checkpoint {tag_dir} is a full fine-tuning checkpoint, this run trains LoRA adapters "
-                          f"(lora.rank={spec.lora.rank}): to put adapters on its weights, start a new run with "
-                          f"model_name_or_path={os.path.dirname(tag_dir)} and no resume; or resume it with lora.rank=0.")
-    settings = " ".join(f"lora.{key}={value if key != 'target_modules' else '[' + ','.join(value) + ']'}"
-                        for key, value in saved.items() if key != "dropout")
-    if current is None:
-        raise ConfigError(f"checkpoint {tag_dir} holds LoRA adapters, not a whole model: resume it as LoRA with "
-                          f"{settings} (the base is {base['path']}), or export the merged model (python "
-                          f"convert2ckpt.py --to_hf --merge_lora --ckpt_dir {os.path.dirname(tag_dir)} ...) and "
-                          f"convert it to fine-tune every weight.")
-    differ = [key for key in ("rank", "alpha", "target_modules") if saved[key] != current[key]]
-    if differ:
-        raise ConfigError(f"checkpoint {tag_dir} holds adapters with {settings}; this run has "
-                          f"{', '.join(f'lora.{key}={current[key]}' for key in differ)}: set the checkpoint's.")
-    base_dir = os.path.abspath(spec.cfg.model_name_or_path)
-    digest = manifest_digest(os.path.join(base_dir, read_latest(base_dir)))
-    if digest != base["manifest_xxh3_128"]:
-        raise ConfigError(f"checkpoint {tag_dir} holds adapters trained on the base {base['path']} (checksum "
-                          f"{base['manifest_xxh3_128']}), but model_name_or_path {base_dir} has checksum {digest}: "
-                          f"another base, whose outputs the adapters would not fit; set model_name_or_path to the "
-                          f"base the adapters were trained on.")
 
 
 def plan_spec(cfg, world_size=None, model_config=None):
@@ -262,49 +200,6 @@ def plan_world_size(cfg):
     return cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", cfg.num_stages * (cfg.tensor_parallel_size or 1)))
 
 
-# --- the config alone ------------------------------------------------------------------------------------------------
-
-def check_data_files(cfg):
-    if cfg.eval_only:
-        if not cfg.eval_file and not cfg.eval_tasks:
-            raise ConfigError("eval_only=true needs eval_file or eval_tasks.")
-    elif not cfg.train_file:
-        raise ConfigError("train_file is not set; pass train_file=PATH (jsonl, json, parquet or txt; with "
-                          "data.format=indexed a shard PREFIX or a list of {path: PREFIX, weight: W}).")
-    for key in ("train_file", "eval_file"):
-        path = cfg[key]
-        if not path or (key == "train_file" and cfg.eval_only):
-            continue
-        if cfg.data.format == "indexed":
-            try:
-                for source in parse_sources(path, key):
-                    read_shard_header(source.prefix)
-            except ShardError as error:
-                raise ConfigError(f"{key}: {error}") from None
-        elif not isinstance(path, str):
-            raise ConfigError(f"{key} is a list; only data.format=indexed reads several corpora (a list of "
-                              f"{{path: PREFIX, weight: W}}); name one file.")
-        elif not os.path.isfile(path):
-            raise ConfigError(f"{key} '{path}' does not exist.")
-
-
-def check_shards_fit_model(cfg, vocab_size, tokenizer_path):
-    """data.format=indexed: every corpus written for this model's vocabulary and tokenizer (as its PREFIX.json
-    records), holding at least one sample, and its sample index writable where it goes (or built already)."""
-    fingerprint = None
-    if tokenizer_path:
-        from transformers import AutoTokenizer
-        fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer_path))
-    for key in ("train_file", "eval_file"):
-        if cfg[key] and not (key == "train_file" and cfg.eval_only):
-            try:
-                headers = check_sources(parse_sources(cfg[key], key), key, vocab_size, fingerprint, cfg.seq_length)
-                for header in headers:
-                    CorpusIndex(header, cfg.seed, cfg.seq_length, cfg.data.index_dir).check_writable()
-            except ShardError as error:
-                raise ConfigError(f"{key}: {error}") from None
-
-
 # --- the config against the model and the world ----------------------------------------------------------------------
 
 def check_layout(cfg, model_config, world_size):
@@ -314,7 +209,7 @@ def check_layout(cfg, model_config, world_size):
     error = context_parallel_error(cfg.context_parallel_size, cfg.seq_length, data_axis)
     if error:
         raise ConfigError(error)
-    workload = workload_of(cfg, data_axis // cfg.context_parallel_size)
+    workload = Workload.from_cfg(cfg, data_axis // cfg.context_parallel_size)
     moe = architecture_of(model_config).moe
     error = expert_parallel_error(cfg.expert_parallel_size, workload.data_parallel, moe and moe.num_experts)
     if error:
@@ -364,31 +259,54 @@ def data_parallel_size(world_size, num_stages, tensor_parallel_size=1):
     return world_size // replica
 
 
-def workload_of(cfg, data_parallel):
-    """The run's Workload for the cost model (planner/stage_costs.py)."""
-    ds = OmegaConf.to_container(cfg.deepspeed, resolve=True)
-    optimizer_params = ds.get("optimizer", {}).get("params", {})
-    rows_per_example = 2 if cfg.objective in ("dpo", "simpo") else 1  # a pair's chosen and rejected sequences
-    return Workload(seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size * rows_per_example,
-                    micro_batches=cfg.gradient_accumulation_steps, precision=cfg.precision,
-                    grad_accum_dtype=cfg.grad_accum_dtype,
-                    zero_stage=cfg.zero_stage, data_parallel=data_parallel,
-                    activation_checkpoint_interval=cfg.activation_checkpoint_interval,
-                    reduce_bucket_size=int(ds.get("zero_optimization", {}).get("reduce_bucket_size",
-                                                                                Workload.reduce_bucket_size)),
-                    torch_adam=bool(optimizer_params.get("torch_adam", False)),
-                    fused_adam=bool(optimizer_params.get("fused", False)),
-                    tensor_parallel=cfg.tensor_parallel_size, sequence_parallel=bool(cfg.sequence_parallel),
-                    context_parallel=cfg.context_parallel_size, expert_parallel=cfg.expert_parallel_size,
-                    document_masks=bool(cfg.data.document_isolation if cfg.data.format in ("text", "indexed")
-                                        else cfg.data.packing),
-                    recompute_sequence_gather=bool(cfg.recompute_sequence_gather),
-                    offload_optimizer=cfg.offload_optimizer == "cpu", pipeline_schedule=cfg.pipeline_schedule,
-                    loss_chunk_tokens=cfg.loss_chunk_tokens if cfg.loss_impl == "chunked" else 0,
-                    zero_bubble_max_waiting=cfg.zero_bubble_max_waiting, virtual_stages=cfg.virtual_stages or 1,
-                    zbv_times=(OmegaConf.to_container(cfg.zbv_times) if OmegaConf.is_list(cfg.zbv_times)
-                               else cfg.zbv_times),
-                    lora=LoraSettings.from_cfg(cfg.lora), async_save=bool(cfg.async_save))
+# --- the stages ------------------------------------------------------------------------------------------------------
+
+def configured_stage_bounds(cfg, model_config, workload, units=None):
+    """The stage bounds cfg.partition gives this workload (a method name or a list of decoder layers per stage);
+    under a schedule with several chunks per rank, the bounds of every global chunk (models/partition.py's
+    chunk_bounds), `balanced` minimising the schedule's simulated step (planner/chunk_balance.py). units: the
+    measured costs `balanced` weighs compute by (planner/measured_costs.py; None: the plan's FLOPs)."""
+    partition = cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
+    chunks = cfg.num_stages * chunks_per_rank(cfg.pipeline_schedule, cfg.virtual_stages)
+    check_chunk_count(cfg, chunks, model_config.num_hidden_layers, partition)
+    if uses_measured_costs(cfg) and len(set(decoder_kinds(model_config))) > 1:
+        raise ConfigError(f"partition_costs={cfg.partition_costs} times one decoder layer, and "
+                          f"{model_config.model_type}'s are of two kinds (dense and sparse); set "
+                          f"partition_costs=flops.")
+    cost = None
+    if partition == "balanced" and chunks == cfg.num_stages:
+        model = StageCostModel(model_config, workload, cfg.num_stages, cfg.device_memory_gb * 2**30)
+        cost = model.cost if units is None else measured_stage_cost(model, units)
+    try:
+        if partition == "balanced" and chunks > cfg.num_stages:
+            partition = balanced_chunk_counts(model_config, workload, cfg.num_stages, units)
+        bounds = tuple(partition_stages(model_config, chunks, partition, cost))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    counts = decoder_counts_of_bounds(bounds)
+    if workload.lora.enabled and 0 in counts:
+        raise ConfigError(f"partition {counts} (decoder layers per stage) leaves stage {counts.index(0)} without a "
+                          f"decoder layer: under LoRA it would hold no adapter, nothing to train; give every stage "
+                          f"at least one decoder layer.")
+    return bounds
+
+
+def check_chunk_count(cfg, chunks, num_hidden_layers, partition):
+    """A schedule with several chunks per rank needs a decoder layer per chunk, and a list partition one entry each."""
+    if chunks == cfg.num_stages:
+        return
+    if chunks > num_hidden_layers:
+        fix = (f"use virtual_stages={num_hidden_layers // cfg.num_stages} or less" if num_hidden_layers >= 2 *
+               cfg.num_stages and cfg.pipeline_schedule == "interleaved_1f1b" else
+               f"use num_stages={num_hidden_layers // chunks_per_rank(cfg.pipeline_schedule, cfg.virtual_stages)} "
+               f"or less")
+        raise ConfigError(f"pipeline_schedule={cfg.pipeline_schedule} splits the model into {chunks} chunks "
+                          f"({cfg.num_stages} stages x {chunks // cfg.num_stages}), more than its {num_hidden_layers} "
+                          f"decoder layers: {fix}.")
+    if not isinstance(partition, str) and len(partition) != chunks:
+        raise ConfigError(f"partition {partition} has {len(partition)} entries: pipeline_schedule="
+                          f"{cfg.pipeline_schedule} splits the model into {chunks} chunks ({cfg.num_stages} stages x "
+                          f"{chunks // cfg.num_stages}); give decoder layers per chunk, {chunks} entries.")
 
 
 # --- the files a run starts from ---------------------------------------------------------------------------------
@@ -447,3 +365,10 @@ def tokenizer_dir(cfg, model_files_dir):
                           f"tokenizer_name_or_path to the directory of the model's tokenizer, or pre-tokenize the "
                           f"data (data.format=pretokenized, lines of input_ids).")
     return path
+
+
+def converted_model(model_dir):
+    """The ConvertedModel at model_dir (its 'latest' tag and the manifest's checksum), read once for the run."""
+    path = os.path.abspath(model_dir)
+    tag = read_latest(path)
+    return ConvertedModel(path, tag, manifest_digest(os.path.join(path, tag)))

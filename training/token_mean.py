@@ -6,17 +6,19 @@ DeepSpeed divides each micro-batch's loss by the accumulation steps and averages
 over its data axis (data x context ranks); so a micro-batch's summed loss divided by the global batch's labelled
 tokens / (accumulation steps x data-axis ranks) makes both exactly the token mean. The count must be known before
 the step's first backward: the ranks that read data take the step's micro-batches first, and one all-reduce of an
-integer per step tells every rank the total (and so whether the step has anything to learn from).
+integer per step tells every rank the total (and so whether the step has anything to learn from). The divisor then
+travels with each micro-batch's labels to the loss, which DeepSpeed's pipeline engine calls as loss_fn(outputs,
+labels).
 Under a preference objective (models/preference.py) the unit is the pair, not the token: the step's loss is the
 mean over its pairs, TRL's.
 """
-import contextlib
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 import collectives
+from models.loss import with_step_divisor
 
 
 def step_micro_batches(engine, stream, count):
@@ -73,13 +75,13 @@ def row_width(micro_batch):
     return inputs[0].shape[-1]
 
 
-@contextlib.contextmanager
-def token_mean_loss(engine, global_tokens):
-    """For one train_batch: every micro-batch's loss sum divided so that the step is the global token mean."""
-    loss_fn = engine.module.loss_fn
-    loss_fn.step_divisor = global_tokens / (engine.gradient_accumulation_steps()
-                                            * engine.grid.get_data_parallel_world_size())
-    try:
-        yield
-    finally:
-        loss_fn.step_divisor = None
+def token_mean_micro_batches(engine, micro_batches, global_units):
+    """The step's micro-batches, each one's labels carrying the divisor that makes the step's loss the global
+    batch's mean over its loss units (with_step_divisor): one device tensor for the whole step, made
+    from the count step_totals read once. The stages that read nothing get their stream as it is."""
+    if not isinstance(micro_batches, list):
+        return micro_batches
+    divisor = torch.tensor(global_units / (engine.gradient_accumulation_steps()
+                                           * engine.grid.get_data_parallel_world_size()),
+                           dtype=torch.float32, device=collectives.device())
+    return [(inputs, with_step_divisor(labels, divisor)) for inputs, labels in micro_batches]
