@@ -44,10 +44,16 @@ def train(demo_model, model, tmp_path, out, expert_parallel, **extra):
 
 
 def saved_state(tag_dir):
-    """{file: {key: tensor}} of a checkpoint's layer files: the weights and the optimizer's master weights and
-    moments, every expert whole."""
-    return {os.path.basename(path): tensors_of(torch.load(path, map_location="cpu", weights_only=True))
-            for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*.pt")))}
+    """{(layer, model_states | optim_states): {key: tensor}} of a checkpoint's layer files: the weights and the
+    optimizer's master weights and moments, an expert shard's rows joined to the others' in shard order (every
+    expert whole, whatever expert-parallel size saved them)."""
+    state = {}
+    for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*.pt"))):
+        name = os.path.basename(path)
+        entry = state.setdefault((name.split("-")[0], name.rsplit("-", 1)[1]), {})
+        for key, tensor in tensors_of(torch.load(path, map_location="cpu", weights_only=True)).items():
+            entry[key] = torch.cat([entry[key], tensor]) if key in entry else tensor
+    return state
 
 
 @pytest.mark.slow
@@ -71,13 +77,19 @@ def test_resume_on_another_expert_parallel_size_holds_the_whole_state(demo_model
     assert len(evaluated[0]) == 1
     for resumed, step in ((whole, 3), (whole, 4), (again, 4)):
         theirs, ours = saved_state(split / f"global_step{step}"), saved_state(resumed / f"global_step{step}")
-        assert ours.keys() == theirs.keys() and any("optim_states" in name for name in ours)
+        assert ours.keys() == theirs.keys() and any(kind == "optim_states.pt" for _, kind in ours)
         for name, tensors in theirs.items():
             assert ours[name].keys() == tensors.keys(), name
             for key, tensor in tensors.items():
                 assert torch.allclose(ours[name][key], tensor, **dict(atol=1e-6, rtol=1e-5)), (resumed, name, key)
-    experts = saved_state(split / "global_step4")["layer_03-model_states.pt"]["/mlp.experts.gate_up_proj"]
-    assert experts.shape[0] == 8  # every expert in the file, though each rank held 4
+    # each rank wrote its own 4 of the 8 experts, weights and optimizer state, and the layer file holds the rest
+    for kind, key in (("model", "/mlp.experts.gate_up_proj"), ("optim", "/fp32/mlp.experts.gate_up_proj")):
+        shards = [tensors_of(torch.load(split / "global_step4" / f"layer_03-experts_0{shard}-of-02-{kind}_states.pt",
+                                        weights_only=True)) for shard in range(2)]
+        assert [shard[key].shape[0] for shard in shards] == [4, 4]
+        layer = tensors_of(torch.load(split / "global_step4" / f"layer_03-{kind}_states.pt", weights_only=True))
+        assert layer and not any(".experts." in name for name in layer)
+    assert not glob.glob(str(whole / "global_step4" / "*experts_*"))  # experts whole on each rank: in the layer file
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
