@@ -25,14 +25,14 @@ def dense_first_moe(demo_model, tmp_path_factory):
     return demo_model_of(config, demo_model, tmp_path_factory.mktemp("dense_first_moe"))
 
 
-def train(demo_model, model, tmp_path, out, expert_parallel, **extra):
-    """model on 2 stages (2 decoder layers each) x 2 data-parallel ranks, ZeRO-1, clipping on, a checkpoint after
-    every step, evaluated at the end (step 4): the trainer's output."""
+def train(demo_model, model, tmp_path, out, expert_parallel, procs=4, **extra):
+    """model on 2 stages (2 decoder layers each) x 2 data-parallel ranks (or as `extra` says, on `procs` ranks),
+    ZeRO-1, clipping on, a checkpoint after every step, evaluated at the end (step 4): the trainer's output."""
     from tests.test_token_mean import MICRO_BATCH, SEED, SEQ, write_skewed_instructions
     train_file = tmp_path / "train.jsonl"
     if not train_file.exists():
         write_skewed_instructions(demo_model, train_file)
-    return check_ok(launch_trainer(4, demo_overrides(demo_model, out, **{
+    return check_ok(launch_trainer(procs, demo_overrides(demo_model, out, **{
         "model_name_or_path": model["ds"], "train_file": str(train_file), "eval_file": str(train_file),
         "eval_steps": 0,
         "data.format": "instruction", "data.cache_dir": str(tmp_path / "cache"), "seq_length": SEQ,
@@ -90,6 +90,83 @@ def test_resume_on_another_expert_parallel_size_holds_the_whole_state(demo_model
         layer = tensors_of(torch.load(split / "global_step4" / f"layer_03-{kind}_states.pt", weights_only=True))
         assert layer and not any(".experts." in name for name in layer)
     assert not glob.glob(str(whole / "global_step4" / "*experts_*"))  # experts whole on each rank: in the layer file
+
+
+@pytest.fixture(scope="module")
+def sparse_moe(demo_model, tmp_path_factory):
+    """tests/test_moe.py's demo mixture of experts (Qwen3-MoE, layer 1 dense, the load-balancing loss on): on 2
+    stages of 2 decoder layers each holds experts."""
+    from tests.tiny_models import MOE_CONFIGS
+    return demo_model_of(MOE_CONFIGS["qwen3_moe"](), demo_model, tmp_path_factory.mktemp("sparse_moe"))
+
+
+def assert_export_holds(hf_dir, tag_dir):
+    """The Hugging Face export of a checkpoint holds its weights' bytes: each tensor the one the layer files and
+    expert shards hold, an expert's projection its rows of the fused tensor."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from models.layout import expert_piece, layer_of_hf_name
+    config = AutoConfig.from_pretrained(hf_dir)
+    saved = {layer: tensors for (layer, kind), tensors in saved_state(tag_dir).items() if kind == "model_states.pt"}
+    exported = {k: v for path in glob.glob(os.path.join(hf_dir, "*.safetensors")) for k, v in load_file(path).items()}
+    assert len(exported) > len(saved)
+    for name, tensor in exported.items():
+        fused, piece, parts = expert_piece(name, config) or (name, None, None)
+        index, key = layer_of_hf_name(fused, config.num_hidden_layers, config.tie_word_embeddings)
+        source = saved[f"layer_{index:02d}"][f"/{key}"]
+        source = source if piece is None else source[piece // parts].chunk(parts)[piece % parts]
+        assert tensor.dtype == source.dtype and torch.equal(tensor, source), name
+
+
+# name: the layout's stages, partition and precision. In bf16 DeepSpeed all-reduces the replicas' fp32 gradient sums
+# in bf16 unless told otherwise (its communication_data_type): 2 replicas or 4 then round them differently (seen:
+# losses 1.1e-4 apart by step 3, gradient norms 8e-4); reduced in fp32 they are the same sums as in fp32.
+REPLICAS = {"1stage": dict(num_stages=1, partition="[4]"), "2stages": dict(num_stages=2, partition="[2,2]"),
+            "bf16_1stage": {"num_stages": 1, "partition": "[4]", "precision": "bf16",
+                            "+deepspeed.communication_data_type": "fp32"}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", REPLICAS)
+def test_twice_as_many_replicas_as_expert_parallel_ranks_equal_one_replica(demo_model, sparse_moe, tmp_path, layout):
+    """Data parallel 2 x expert parallel 2 (4 ranks a stage: each slice of the experts on 2 replicas, which ZeRO-1
+    partitions its optimizer state over and all-reduces its gradients over) against data parallel = expert parallel
+    on the same global batches (one sequence a micro-batch, twice the micro-batches a rank), clipping active, the
+    load-balancing loss on: every step's loss and gradient norm, the evaluation, and every checkpoint's weights,
+    master weights and moments within 1e-6; its export holds its checkpoint's bytes; and its step-2 checkpoint
+    resumed on 2 ranks a stage (another data-parallel size) makes the reference's steps 3 and 4."""
+    settings = dict(REPLICAS[layout], micro_batch_size=1)
+    stages = settings["num_stages"]
+    reference, replicas, resumed = (tmp_path / name for name in ("dp_ep", "dp_2ep", "resumed"))
+    train(demo_model, sparse_moe, tmp_path, reference, 2, procs=2 * stages, gradient_accumulation_steps=4,
+          **settings)
+    train(demo_model, sparse_moe, tmp_path, replicas, 2, procs=4 * stages, gradient_accumulation_steps=2,
+          export_hf="true", **settings)
+    result = train(demo_model, sparse_moe, tmp_path, resumed, 2, procs=2 * stages, gradient_accumulation_steps=4,
+                   resume=str(replicas / "global_step2"), **settings)
+    assert "data_parallel 4 -> 2" in result.stdout
+    records = {out: [r for r in read_metrics(out) if "loss" in r] for out in (reference, replicas, resumed)}
+    assert [r["step"] for r in records[replicas]] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm", "aux_loss"):
+        expected = [r[key] for r in records[reference]]
+        assert [r[key] for r in records[replicas]] == pytest.approx(expected, **EXACT), key
+        assert [r[key] for r in records[resumed]] == pytest.approx(expected[2:], **EXACT), key
+    assert min(r["grad_norm"] for r in records[reference]) > 0.05  # clipping acts on every step
+    evaluated = [[r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r] for out in (reference, replicas,
+                                                                                          resumed)]
+    assert len(evaluated[0]) == 1 and evaluated[1] == pytest.approx(evaluated[0], **EXACT)
+    assert evaluated[2] == pytest.approx(evaluated[0], **EXACT)
+    for out, steps in ((replicas, (1, 2, 3, 4)), (resumed, (3, 4))):
+        for step in steps:
+            theirs, ours = saved_state(reference / f"global_step{step}"), saved_state(out / f"global_step{step}")
+            assert ours.keys() == theirs.keys()
+            for name, tensors in theirs.items():
+                assert ours[name].keys() == tensors.keys(), name
+                for key, tensor in tensors.items():
+                    assert torch.allclose(ours[name][key].float(), tensor.float(), atol=1e-6, rtol=1e-5), \
+                        (out, step, name, key)
+    assert_export_holds(str(replicas / "hf"), replicas / "global_step4")
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
