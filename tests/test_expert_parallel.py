@@ -119,12 +119,18 @@ def assert_export_holds(hf_dir, tag_dir):
         assert tensor.dtype == source.dtype and torch.equal(tensor, source), name
 
 
-# name: the layout's stages, partition and precision. In bf16 DeepSpeed all-reduces the replicas' fp32 gradient sums
-# in bf16 unless told otherwise (its communication_data_type): 2 replicas or 4 then round them differently (seen:
-# losses 1.1e-4 apart by step 3, gradient norms 8e-4); reduced in fp32 they are the same sums as in fp32.
-REPLICAS = {"1stage": dict(num_stages=1, partition="[4]"), "2stages": dict(num_stages=2, partition="[2,2]"),
-            "bf16_1stage": {"num_stages": 1, "partition": "[4]", "precision": "bf16",
-                            "+deepspeed.communication_data_type": "fp32"}}
+# name: (the layout: its stages, partition and precision; what its checkpoint resumes on: ranks, expert-parallel
+# size, stages). In bf16 DeepSpeed all-reduces the replicas' fp32 gradient sums in bf16 unless told otherwise (its
+# communication_data_type): 2 replicas or 4 then round them differently (seen: losses 1.1e-4 apart by step 3,
+# gradient norms 8e-4); reduced in fp32 they are the same sums as in fp32. Another expert-parallel size is another
+# bf16 sum (an expert's weight gradient over 4 ranks' tokens in one bf16 GEMM, not 2 GEMMs summed in fp32): bf16
+# resumes on another data-parallel size.
+REPLICAS = {
+    "1stage": (dict(num_stages=1, partition="[4]"), dict(procs=4, expert_parallel=4)),
+    "2stages": (dict(num_stages=2, partition="[2,2]"), dict(procs=2, expert_parallel=2, num_stages=1, partition="[4]")),
+    "bf16_1stage": ({"num_stages": 1, "partition": "[4]", "precision": "bf16",
+                     "+deepspeed.communication_data_type": "fp32"}, dict(procs=2, expert_parallel=2)),
+}
 
 
 @pytest.mark.slow
@@ -134,18 +140,23 @@ def test_twice_as_many_replicas_as_expert_parallel_ranks_equal_one_replica(demo_
     partitions its optimizer state over and all-reduces its gradients over) against data parallel = expert parallel
     on the same global batches (one sequence a micro-batch, twice the micro-batches a rank), clipping active, the
     load-balancing loss on: every step's loss and gradient norm, the evaluation, and every checkpoint's weights,
-    master weights and moments within 1e-6; its export holds its checkpoint's bytes; and its step-2 checkpoint
-    resumed on 2 ranks a stage (another data-parallel size) makes the reference's steps 3 and 4."""
-    settings = dict(REPLICAS[layout], micro_batch_size=1)
-    stages = settings["num_stages"]
+    master weights and moments within 1e-6; its export holds its checkpoint's bytes; and its step-2 checkpoint,
+    resumed on another expert-parallel size (4: half of each saved shard a rank) or on another stage count and
+    data-parallel size, makes the reference's steps 3 and 4."""
+    layout, resumed_on = REPLICAS[layout]
+    settings, stages = dict(layout, micro_batch_size=1), layout["num_stages"]
     reference, replicas, resumed = (tmp_path / name for name in ("dp_ep", "dp_2ep", "resumed"))
     train(demo_model, sparse_moe, tmp_path, reference, 2, procs=2 * stages, gradient_accumulation_steps=4,
           **settings)
     train(demo_model, sparse_moe, tmp_path, replicas, 2, procs=4 * stages, gradient_accumulation_steps=2,
           export_hf="true", **settings)
-    result = train(demo_model, sparse_moe, tmp_path, resumed, 2, procs=2 * stages, gradient_accumulation_steps=4,
-                   resume=str(replicas / "global_step2"), **settings)
-    assert "data_parallel 4 -> 2" in result.stdout
+    procs, expert_parallel = resumed_on.pop("procs"), resumed_on.pop("expert_parallel")
+    data_parallel = procs // resumed_on.get("num_stages", stages)
+    result = train(demo_model, sparse_moe, tmp_path, resumed, expert_parallel, procs=procs,
+                   gradient_accumulation_steps=8 // data_parallel, resume=str(replicas / "global_step2"),
+                   **{**settings, **resumed_on})
+    assert f"expert_parallel 2 -> {expert_parallel}" in result.stdout or f"data_parallel 4 -> {data_parallel}" in \
+        result.stdout
     records = {out: [r for r in read_metrics(out) if "loss" in r] for out in (reference, replicas, resumed)}
     assert [r["step"] for r in records[replicas]] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "aux_loss"):
