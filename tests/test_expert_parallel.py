@@ -4,7 +4,9 @@ and bf16) runs with the other layouts in tests/test_moe.py; here: a checkpoint r
 size with its whole state, each rank reads only its own experts' bytes, the dispatch takes one host sync per layer
 and micro-batch, and what cannot split is refused in one line."""
 import glob
+import json
 import os
+import re
 
 import pytest
 import torch
@@ -25,14 +27,15 @@ def dense_first_moe(demo_model, tmp_path_factory):
     return demo_model_of(config, demo_model, tmp_path_factory.mktemp("dense_first_moe"))
 
 
-def train(demo_model, model, tmp_path, out, expert_parallel, procs=4, **extra):
+def train(demo_model, model, tmp_path, out, expert_parallel, procs=4, script="trainer_pipe.py", **extra):
     """model on 2 stages (2 decoder layers each) x 2 data-parallel ranks (or as `extra` says, on `procs` ranks),
-    ZeRO-1, clipping on, a checkpoint after every step, evaluated at the end (step 4): the trainer's output."""
+    ZeRO-1, clipping on, a checkpoint after every step, evaluated at the end (step 4): the output of the trainer
+    (or of `script`, run as it)."""
     from tests.test_token_mean import MICRO_BATCH, SEED, SEQ, write_skewed_instructions
     train_file = tmp_path / "train.jsonl"
     if not train_file.exists():
         write_skewed_instructions(demo_model, train_file)
-    return check_ok(launch_trainer(procs, demo_overrides(demo_model, out, **{
+    return check_ok(launch_trainer(procs, script=script, overrides=demo_overrides(demo_model, out, **{
         "model_name_or_path": model["ds"], "train_file": str(train_file), "eval_file": str(train_file),
         "eval_steps": 0,
         "data.format": "instruction", "data.cache_dir": str(tmp_path / "cache"), "seq_length": SEQ,
@@ -178,6 +181,36 @@ def test_twice_as_many_replicas_as_expert_parallel_ranks_equal_one_replica(demo_
                     assert torch.allclose(ours[name][key].float(), tensor.float(), atol=1e-6, rtol=1e-5), \
                         (out, step, name, key)
     assert_export_holds(str(replicas / "hf"), replicas / "global_step4")
+
+
+@pytest.fixture(scope="module")
+def wide_experts(demo_model, tmp_path_factory):
+    """The demo Qwen3-MoE with experts 8192 wide: a sparse layer's experts 6.3M parameters, ~8 in 10 of the model."""
+    from tests.tiny_models import MOE_CONFIGS
+    config = MOE_CONFIGS["qwen3_moe"]()
+    config.moe_intermediate_size = 8192
+    return demo_model_of(config, demo_model, tmp_path_factory.mktemp("wide_experts"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_save_takes_at_most_one_shard_above_the_resident_state(demo_model, wide_experts, tmp_path, ranks):
+    """One stage, its experts split over all `ranks` (ZeRO-1, fp32), saved after a step: on every rank the peak
+    resident set of the save (tests/save_memory_probe.py) is at most the largest file it writes above the resident
+    state, beside the checksum's one reused read buffer; that file is one shard of a layer's experts' optimizer
+    state, so no rank held a layer's experts whole, which would have taken `ranks` shards."""
+    from checkpoints.integrity import CHUNK_BYTES
+    out, slack = tmp_path / "run", 2 << 20  # pickling, the engine's small files: seen under 0.5 MiB
+    train(demo_model, wide_experts, tmp_path, out, ranks, procs=ranks, num_stages=1, partition="[4]",
+          gradient_accumulation_steps=1, max_steps=1, async_save="false",
+          script=os.path.join("tests", "save_memory_probe.py"))
+    for rank in range(ranks):
+        (save,) = json.loads((out / f"save_memory_rank{rank}.json").read_text())
+        largest = max(save["files"], key=save["files"].get)
+        shard = save["files"][largest]
+        assert re.fullmatch(rf"layer_0[1-4]-experts_0{rank}-of-0{ranks}-optim_states\.pt", largest), save["files"]
+        assert save["peak"] - save["resident"] <= shard + CHUNK_BYTES + slack, (rank, save)
+        assert shard * ranks > shard + CHUNK_BYTES + slack  # a layer's experts whole on a rank would be seen
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
