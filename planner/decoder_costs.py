@@ -16,9 +16,10 @@ SDPA's backward needs them. On the CPU, whose flash kernel takes one width, SDPA
 instead, which keeps the scores.
 """
 from models.llama import architecture_of, head_dim_of
-from models.lora import adapter_parameter_count
+from models.lora import adapter_parameter_count, expert_ranks
 from models.partition import decoder_parameter_split, expert_parameters, mean_attended_keys
-from planner.moe_costs import eager_attention_extra_bytes, moe_saved_bytes, moe_weight_grad_bytes
+from planner.moe_costs import (eager_attention_extra_bytes, lora_folded_expert_bytes, moe_saved_bytes,
+                               moe_weight_grad_bytes)
 from planner.training_state import FP32_BYTES
 
 
@@ -75,6 +76,10 @@ class DecoderCosts:
             self.saved_bytes += 2 * residual * hidden * (FP32_BYTES - act)
         if moe:
             self.saved_bytes += moe_saved_bytes(moe, residual, hidden, act)
+        if moe and lora.enabled:  # the folded copy of each adapted expert tensor, per micro-batch
+            self.saved_bytes += lora_folded_expert_bytes(moe, hidden, act, expert_ranks(config, lora.target_modules,
+                                                                                        lora.rank),
+                                                         moe.num_experts // workload.expert_parallel)
         if architecture.attention_sinks:
             self.saved_bytes += eager_attention_extra_bytes(workload, self.heads, self.q_width, self.kv_width, act)
         # LoRA keeps each adapter's rank-wide h (gathered for a column-parallel group) and, with dropout, its

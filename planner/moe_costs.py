@@ -32,6 +32,14 @@ def moe_saved_bytes(moe, tokens, hidden, act):
     return routed * per_choice + tokens * (router + aux + shared_gate) + 2 * 4 * moe.num_experts
 
 
+def lora_folded_expert_bytes(moe, hidden, act, adapted, experts_held):
+    """What LoRA on the experts (models/moe.py Experts.weight) keeps for backward beyond the adapters: each adapted
+    fused projection (`adapted`: gate_up_proj, down_proj) folded, W + scaling B A for each of the `experts_held`
+    experts, which the grouped GEMM keeps for its input gradient."""
+    widths = {"gate_up_proj": 2 * moe.expert_size * hidden, "down_proj": moe.expert_size * hidden}
+    return act * experts_held * sum(widths[name] for name in adapted)
+
+
 def moe_weight_grad_bytes(moe, tokens, hidden, act, input_kept):
     """What a micro-batch waiting for its W (zero-bubble schedules, models/weight_grads.py) keeps of an MoE block on
     the `tokens` it routes: per routed choice the experts' inputs (the token's copy and the SwiGLU's output) and
