@@ -563,6 +563,19 @@ def test_output_router_logits_overrides_the_checkpoint_and_is_refused_for_a_dens
         run_spec_of(demo_model, demo_model["ds"], tmp_path, "output_router_logits=true")
 
 
+def test_a_torch_without_grouped_mm_is_refused_in_one_line_for_a_mixture_of_experts(demo_model, tiny_moe_checkpoints,
+                                                                                   tmp_path, monkeypatch):
+    """Before any process group: the version that added it named; a dense model does not need it."""
+    from training.config_checks import ConfigError
+    monkeypatch.delattr(torch.nn.functional, "grouped_mm")
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")
+    with pytest.raises(ConfigError, match=r"^the mixture of experts mixtral runs its experts through "
+                                          r"torch\.nn\.functional\.grouped_mm, which torch 2\.9\.1\+cu128 lacks "
+                                          r"\(torch 2\.10 added it\): install torch>=2\.10\.$"):
+        run_spec_of(demo_model, tiny_moe_checkpoints["mixtral"][1], tmp_path)
+    assert run_spec_of(demo_model, demo_model["ds"], tmp_path).model_config.model_type == "llama"
+
+
 # --- many processes ------------------------------------------------------------------------------------------------
 
 LAYOUTS = {  # name: (stages, world size, tensor parallel, {case suffix: options})

@@ -4,6 +4,7 @@ first, then the checks that need files, the model and the world."""
 import difflib
 import os
 
+import torch
 from omegaconf import ListConfig, OmegaConf
 
 from checkpoints.background_save import ASYNC_SAVE_SETTINGS
@@ -298,6 +299,18 @@ EXPERT_PARALLEL_REFUSED = {
     "nan_policy": (lambda value: value == "skip", "use nan_policy=stop"),
     "lora.rank": (lambda value: value > 0, "train without LoRA (lora.rank=0)"),  # its expert slices unreduced
 }
+
+
+GROUPED_MM_TORCH = "2.10"  # the first torch with torch.nn.functional.grouped_mm (CPU, and CUDA from sm80)
+
+
+def check_torch_kernels(model_config):
+    """A mixture of experts runs its experts through torch.nn.functional.grouped_mm (models/weight_grads.py):
+    refused in one line, before any process group, on a torch without it."""
+    if architecture_of(model_config).moe and not hasattr(torch.nn.functional, "grouped_mm"):
+        raise ConfigError(f"the mixture of experts {model_config.model_type} runs its experts through "
+                          f"torch.nn.functional.grouped_mm, which torch {torch.__version__} lacks (torch "
+                          f"{GROUPED_MM_TORCH} added it): install torch>={GROUPED_MM_TORCH}.")
 
 
 def moe_model_config(cfg, model_config):

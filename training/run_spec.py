@@ -30,7 +30,7 @@ from models.tensor_parallel import check_tensor_parallel_split
 from planner.training_state import checkpoint_bytes_per_parameter
 from planner.workload import Workload
 from errors import ConfigError
-from training.config_checks import checked_config, moe_model_config
+from training.config_checks import check_torch_kernels, checked_config, moe_model_config
 from training.resume import check_fresh_start, check_output_dir_is_ours, resolve_resume
 from training.stage_bounds import configured_stage_bounds
 
@@ -156,6 +156,7 @@ def run_spec(cfg, world_size):
     check_output_dir_is_ours(cfg.output_dir, cfg.model_name_or_path)
     model_config, model_files_dir = load_model_config(cfg.model_name_or_path, cfg.verify_checksums)
     model_config = moe_model_config(cfg, model_config)
+    check_torch_kernels(model_config)
     if not cfg.eval_only:
         try:
             check_trains_as_configured(model_config)
