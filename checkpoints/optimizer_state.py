@@ -185,6 +185,7 @@ def save_training_state(engine, tag_dir):
                              for name, param in part.tensors.items()} for key in keys}
             if part.writes:
                 checkpoint_engine_of(engine).save(tensors, optimizer_state_path(part.path))
+            del tensors  # its host copies go before the next file's are made: one file's at a time
     return {"optimizer_step": state.step, "lr": engine.optimizer.param_groups[0]["lr"],
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "engine_counters": engine_counters(engine), "loss_scaler": loss_scaler_state(engine)}

@@ -56,6 +56,12 @@ class DecoderCosts:
         experts = moe.num_experts * expert_parameters(moe, hidden) if moe else 0
         self.experts_not_held = experts - experts // workload.expert_parallel
         self.parameters = sharded // t + replicated - self.experts_not_held + self.adapters
+        # The largest file of the layer a rank writes (models/pipeline.py saved_parts): the layer's part held on
+        # this tensor-parallel rank (rank 0's, with the replicated tensors), or under expert parallelism the larger
+        # of the rest and the rank's slice of the experts, a file of its own; under LoRA only the adapters are saved.
+        held = experts - self.experts_not_held
+        self.largest_file = (self.adapters if lora.enabled else max(held, self.parameters - held)
+                             if workload.expert_parallel > 1 else self.parameters)
         self.largest_tensor = max(hidden * max(inter, self.q_width), self.latent_largest_tensor(),
                                   2 * moe.num_experts * moe.expert_size * hidden // workload.expert_parallel
                                   if moe else 0)

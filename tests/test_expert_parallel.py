@@ -198,8 +198,17 @@ def test_a_save_takes_at_most_one_shard_above_the_resident_state(demo_model, wid
     """One stage, its experts split over all `ranks` (ZeRO-1, fp32), saved after a step: on every rank the peak
     resident set of the save (tests/save_memory_probe.py) is at most the largest file it writes above the resident
     state, beside the checksum's one reused read buffer; that file is one shard of a layer's experts' optimizer
-    state, so no rank held a layer's experts whole, which would have taken `ranks` shards."""
+    state, so no rank held a layer's experts whole, which would have taken `ranks` shards. The plan's host
+    memory of a save (planner/training_state.py save_host_bytes) is that file's bytes."""
+    from transformers import AutoConfig
+
     from checkpoints.integrity import CHUNK_BYTES
+    from models.partition import layer_kinds
+    from planner.stage_costs import LayerCosts
+    from planner.workload import Workload
+    costs = LayerCosts(AutoConfig.from_pretrained(wide_experts["hf"]), Workload(
+        precision="fp32", data_parallel=ranks, expert_parallel=ranks))
+    planned = costs.stage_save_bytes(layer_kinds(costs.config))[1]
     out, slack = tmp_path / "run", 2 << 20  # pickling, the engine's small files: seen under 0.5 MiB
     train(demo_model, wide_experts, tmp_path, out, ranks, procs=ranks, num_stages=1, partition="[4]",
           gradient_accumulation_steps=1, max_steps=1, async_save="false",
@@ -210,6 +219,7 @@ def test_a_save_takes_at_most_one_shard_above_the_resident_state(demo_model, wid
         shard = save["files"][largest]
         assert re.fullmatch(rf"layer_0[1-4]-experts_0{rank}-of-0{ranks}-optim_states\.pt", largest), save["files"]
         assert save["peak"] - save["resident"] <= shard + CHUNK_BYTES + slack, (rank, save)
+        assert planned == shard
         assert shard * ranks > shard + CHUNK_BYTES + slack  # a layer's experts whole on a rank would be seen
 
 
