@@ -151,8 +151,8 @@ def test_twice_as_many_replicas_as_expert_parallel_ranks_equal_one_replica(demo_
     reference, replicas, resumed = (tmp_path / name for name in ("dp_ep", "dp_2ep", "resumed"))
     train(demo_model, sparse_moe, tmp_path, reference, 2, procs=2 * stages, gradient_accumulation_steps=4,
           **settings)
-    train(demo_model, sparse_moe, tmp_path, replicas, 2, procs=4 * stages, gradient_accumulation_steps=2,
-          export_hf="true", **settings)
+    output = train(demo_model, sparse_moe, tmp_path, replicas, 2, procs=4 * stages, gradient_accumulation_steps=2,
+                   export_hf="true", **{**settings, "moe.rank_load_warning": 1.0001}).stdout
     procs, expert_parallel = resumed_on.pop("procs"), resumed_on.pop("expert_parallel")
     data_parallel = procs // resumed_on.get("num_stages", stages)
     result = train(demo_model, sparse_moe, tmp_path, resumed, expert_parallel, procs=procs,
@@ -167,6 +167,11 @@ def test_twice_as_many_replicas_as_expert_parallel_ranks_equal_one_replica(demo_
         assert [r[key] for r in records[replicas]] == pytest.approx(expected, **EXACT), key
         assert [r[key] for r in records[resumed]] == pytest.approx(expected[2:], **EXACT), key
     assert min(r["grad_norm"] for r in records[reference]) > 0.05  # clipping acts on every step
+    # each sparse layer's busiest expert-parallel rank against a rank's mean (the same counts summed over replicas)
+    loads = [{key: value for key, value in r.items() if key.startswith("expert_rank_load/")} for r in records[replicas]]
+    assert loads == [{key: r[key] for key in load} for r, load in zip(records[reference], loads)]
+    assert all(set(load) == {f"expert_rank_load/layer_{i}" for i in (0, 2, 3)} for load in loads)
+    assert "an expert-parallel rank received more than moe.rank_load_warning=1.0001 times" in output
     evaluated = [[r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r] for out in (reference, replicas,
                                                                                           resumed)]
     assert len(evaluated[0]) == 1 and evaluated[1] == pytest.approx(evaluated[0], **EXACT)

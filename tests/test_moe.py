@@ -201,6 +201,45 @@ def test_a_split_backward_leaves_the_experts_and_routers_weight_gradients_to_w(f
     assert not adapted or all(grads[name] is not None for name in grads if "lora_" in name)
 
 
+# --- balance seen --------------------------------------------------------------------------------------------------
+
+def test_the_metrics_show_each_layers_busiest_expert_and_rank_and_a_collapse_is_warned_in_one_line():
+    """Qwen3-MoE's 3 sparse layers of 8 experts, two windows' counts: expert_load is the busiest expert's tokens over
+    the mean; under expert parallelism 2 (experts 0-3 on one rank, 4-7 on the other) expert_rank_load the busiest
+    rank's over the mean; the warning names each layer whose rank took more than moe.rank_load_warning times its
+    share."""
+    from training.expert_balance import rank_overload_warning
+    loss = LoadBalancingLoss(MOE_CONFIGS["qwen3_moe"]())
+    assert loss.sparse_layers == [0, 2, 3]
+    counts = torch.tensor([[4, 4, 4, 4, 4, 4, 4, 4],    # balanced
+                           [16, 0, 0, 0, 4, 4, 4, 4],   # one busy expert, the ranks balanced
+                           [10, 10, 10, 6, 1, 1, 1, 1]])  # the first rank takes 36 of 40
+    for half in (counts // 2, counts - counts // 2):  # two micro-batches of a window
+        loss.add_metrics(half, torch.tensor(2.0))
+    metrics = loss.take_metrics(expert_parallel=2)
+    assert metrics == {"aux_loss": 2.0, "expert_load/layer_0": 1.0, "expert_load/layer_2": 4.0,
+                       "expert_load/layer_3": 2.0, "expert_rank_load/layer_0": 1.0, "expert_rank_load/layer_2": 1.0,
+                       "expert_rank_load/layer_3": 1.8}
+    assert rank_overload_warning(metrics, 2.0, 40) is None and rank_overload_warning(metrics, 0, 40) is None
+    assert rank_overload_warning(metrics, 1.5, 40) == (
+        "trainer_pipe: warning: step 40: an expert-parallel rank received more than moe.rank_load_warning=1.5 times "
+        "its balanced share of the routed tokens of decoder layer(s) 3 (1.80x) in the last logging window: the "
+        "routing collapses onto its experts, whose activations the memory plan counts at the balanced share; turn on "
+        "or raise the load-balancing loss (output_router_logits=true, router_aux_loss_coef in config.json) or, for "
+        "DeepSeek-V3's router, moe.bias_update_rate, or set moe.rank_load_warning=0 to silence this.")
+    loss.add_metrics(counts, torch.tensor(2.0))
+    assert not any(key.startswith("expert_rank_load/") for key in loss.take_metrics())  # experts whole on each rank
+
+
+@pytest.mark.parametrize("value", [1, 0.5, -2, "many", True])
+def test_a_rank_load_warning_that_cannot_be_exceeded_is_refused_in_one_line(value):
+    from training.config_checks import ConfigError, check_balancing
+    with pytest.raises(ConfigError, match=rf"^moe\.rank_load_warning={value!r} must be a multiple of a rank's "
+                                          rf"balanced share of the routed tokens above 1 \(2\.0: twice its share\), "
+                                          rf"or 0 for no warning\.$".replace("'", "\\'")):
+        check_balancing({"bias_update_rate": 0.0, "sequence_aux_loss_coef": 0.0, "rank_load_warning": value})
+
+
 # --- the clipping norm ---------------------------------------------------------------------------------------------
 
 SQUARES_MEMORY = """

@@ -127,12 +127,17 @@ def check_values(cfg):
 
 
 def check_balancing(moe):
-    """moe.bias_update_rate and moe.sequence_aux_loss_coef: numbers >= 0 (0: off)."""
-    for key in ("bias_update_rate", "sequence_aux_loss_coef"):
+    """moe.bias_update_rate and moe.sequence_aux_loss_coef: numbers >= 0 (0: off); moe.rank_load_warning: 0 (off)
+    or a multiple of the balanced share above 1."""
+    for key in BALANCING_PAPER_VALUES:
         value = moe[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise ConfigError(f"moe.{key}={value!r} must be a number >= 0 (0: off; DeepSeek-V3's paper used "
                               f"{BALANCING_PAPER_VALUES[key]}).")
+    value = moe["rank_load_warning"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value == 0 or value > 1):
+        raise ConfigError(f"moe.rank_load_warning={value!r} must be a multiple of a rank's balanced share of the "
+                          f"routed tokens above 1 (2.0: twice its share), or 0 for no warning.")
 
 
 def check_token_shard_keys(cfg):
@@ -318,9 +323,11 @@ def moe_model_config(cfg, model_config):
     config.json does, but under objective=dpo on whenever router_aux_loss_coef is nonzero, as TRL's DPOTrainer
     asks for the router logits then) and DeepSeek's sequence-wise loss coefficient (moe.sequence_aux_loss_coef),
     after refusing in one line each setting an MoE model is not tested under; a dense model's as it is, where
-    output_router_logits must be null. The moe.* keys apply to DeepSeek-V3's router only."""
+    output_router_logits must be null. moe.bias_update_rate and moe.sequence_aux_loss_coef apply to DeepSeek-V3's
+    router only."""
     moe = architecture_of(model_config).moe
-    for key, value in cfg.moe.items():
+    for key in BALANCING_PAPER_VALUES:
+        value = cfg.moe[key]
         if value and not (moe and moe.sigmoid_routing):
             raise ConfigError(f"moe.{key}={value} applies to DeepSeek-V3's router (deepseek_v3, glm4_moe), and "
                               f"{model_config.model_type} has {'another router' if moe else 'no router'}; set "

@@ -34,7 +34,7 @@ from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.sigmoid_router import FP32_MARKER
 from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan, snapshot_bytes_of_ranks
 from training.deepspeed_config import accumulation_warning, deepspeed_config
-from training.expert_balance import CorrectionBiasBalancing
+from training.expert_balance import CorrectionBiasBalancing, rank_overload_warning
 from cluster.distributed import (check_devices, elastic_restart_error, init_distributed, log_rank0, node_ranks,
                                   parallel_topology, set_threads_per_process, set_up_flight_recorder)
 from evaluation.eval_set import evaluate
@@ -355,6 +355,7 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
         if step % cfg.logging_steps == 0 or step == total_steps:
             preference_metrics = engine.module.loss_fn.take_metrics() if spec.preference.preference else {}
             router = getattr(engine.module.loss_fn, "router", None)  # an MoE model's: aux_loss, expert_load/*
+            router_metrics = router.take_metrics(cfg.expert_parallel_size) if router else {}
             elapsed = time.time() - window_start
             grad_norm = engine.get_global_grad_norm()
             tokens_per_sec = window_tokens / elapsed
@@ -366,12 +367,14 @@ def train(engine, spec, stream, data, pad_id, monitors, step, total_steps, lm_ev
                         "tokens_per_sec": tokens_per_sec,
                         **compute_throughput(tokens_per_sec, window_flops / window_tokens, dist.get_world_size(),
                                              peak_tflops),
-                        **preference_metrics, **(router.take_metrics() if router else {}),
+                        **preference_metrics, **router_metrics,
                         "samples_per_sec": window_steps * samples_per_step / elapsed,
                         "elapsed_s": time.time() - start_time, **({"skipped_steps": skipped} if skipped else {}),
                         **stragglers.window_report(log_rank0),
                         **data.epochs(start_consumed + (step - start_step) * samples_per_step)})
             window_start, window_steps, window_tokens, window_flops, losses, unlabelled = time.time(), 0, 0, 0, [], 0
+            if overload := rank_overload_warning(router_metrics, cfg.moe.rank_load_warning, step):
+                log_rank0(overload)
         profile.lap("logging")
         evaluation_due = step == total_steps or (cfg.eval_steps and step % cfg.eval_steps == 0)
         if data.eval_length and evaluation_due:
