@@ -48,14 +48,23 @@ def train(demo_model, model, tmp_path, out, expert_parallel, procs=4, script="tr
 
 def saved_state(tag_dir):
     """{(layer, model_states | optim_states): {key: tensor}} of a checkpoint's layer files: the weights and the
-    optimizer's master weights and moments, an expert shard's rows joined to the others' in shard order (every
-    expert whole, whatever expert-parallel size saved them)."""
+    optimizer's master weights and moments, whole: an expert shard's rows joined to the others' in shard order
+    (whatever expert-parallel size saved them), a tensor-parallel rank's slice to the others' along its split."""
+    from transformers import AutoConfig
+
+    from checkpoints.ds_to_hf import split_dims_of
+    from models.lora import NO_LORA
+    paths = sorted(glob.glob(os.path.join(tag_dir, "layer_*.pt")))
+    slices = max([int(m.group(1)) + 1 for p in paths if (m := re.search(r"-model_(\d+)-", p))], default=1)
+    split_dims = split_dims_of(AutoConfig.from_pretrained(tag_dir), slices, NO_LORA) if slices > 1 else {}
     state = {}
-    for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*.pt"))):
+    for path in paths:
         name = os.path.basename(path)
-        entry = state.setdefault((name.split("-")[0], name.rsplit("-", 1)[1]), {})
+        layer = name.split("-")[0]
+        entry = state.setdefault((layer, name.rsplit("-", 1)[1]), {})
         for key, tensor in tensors_of(torch.load(path, map_location="cpu", weights_only=True)).items():
-            entry[key] = torch.cat([entry[key], tensor]) if key in entry else tensor
+            dim = split_dims.get(int(layer.removeprefix("layer_")), {}).get(key.rsplit("/", 1)[1]) or 0
+            entry[key] = torch.cat([entry[key], tensor], dim) if key in entry else tensor
     return state
 
 
@@ -133,6 +142,8 @@ REPLICAS = {
     "2stages": (dict(num_stages=2, partition="[2,2]"), dict(procs=2, expert_parallel=2, num_stages=1, partition="[4]")),
     "bf16_1stage": ({"num_stages": 1, "partition": "[4]", "precision": "bf16",
                      "+deepspeed.communication_data_type": "fp32"}, dict(procs=2, expert_parallel=2)),
+    # tensor parallel 2 beside: its rank 0 writes the experts' shards and every replicated tensor, once
+    "tp2_1stage": (dict(num_stages=1, partition="[4]", tensor_parallel_size=2), dict(procs=4, expert_parallel=2)),
 }
 
 
@@ -148,16 +159,19 @@ def test_twice_as_many_replicas_as_expert_parallel_ranks_equal_one_replica(demo_
     data-parallel size, makes the reference's steps 3 and 4."""
     layout, resumed_on = REPLICAS[layout]
     settings, stages = dict(layout, micro_batch_size=1), layout["num_stages"]
+    ranks_a_replica = stages * layout.get("tensor_parallel_size", 1)
     reference, replicas, resumed = (tmp_path / name for name in ("dp_ep", "dp_2ep", "resumed"))
-    train(demo_model, sparse_moe, tmp_path, reference, 2, procs=2 * stages, gradient_accumulation_steps=4,
+    train(demo_model, sparse_moe, tmp_path, reference, 2, procs=2 * ranks_a_replica, gradient_accumulation_steps=4,
           **settings)
-    output = train(demo_model, sparse_moe, tmp_path, replicas, 2, procs=4 * stages, gradient_accumulation_steps=2,
-                   export_hf="true", **{**settings, "moe.rank_load_warning": 1.0001}).stdout
+    output = train(demo_model, sparse_moe, tmp_path, replicas, 2, procs=4 * ranks_a_replica,
+                   gradient_accumulation_steps=2, export_hf="true",
+                   **{**settings, "moe.rank_load_warning": 1.0001}).stdout
     procs, expert_parallel = resumed_on.pop("procs"), resumed_on.pop("expert_parallel")
-    data_parallel = procs // resumed_on.get("num_stages", stages)
+    settings_resumed = {**settings, **resumed_on}
+    data_parallel = procs // (settings_resumed["num_stages"] * settings_resumed.get("tensor_parallel_size", 1))
     result = train(demo_model, sparse_moe, tmp_path, resumed, expert_parallel, procs=procs,
                    gradient_accumulation_steps=8 // data_parallel, resume=str(replicas / "global_step2"),
-                   **{**settings, **resumed_on})
+                   **settings_resumed)
     assert f"expert_parallel 2 -> {expert_parallel}" in result.stdout or f"data_parallel 4 -> {data_parallel}" in \
         result.stdout
     records = {out: [r for r in read_metrics(out) if "loss" in r] for out in (reference, replicas, resumed)}
@@ -323,3 +337,17 @@ def test_the_all_to_all_dispatch_equals_every_expert_on_every_rank(tmp_path):
         assert len(results) == 4
         for case, differences in results.items():
             assert max(differences) < 1e-6, (rank, case, differences)
+
+
+@pytest.mark.slow
+def test_replicated_expert_gradients_sum_alike_when_a_rank_routes_no_row(tmp_path):
+    """Under tensor parallelism (sequence parallel) with expert parallelism a rank's experts may receive no row in
+    a micro-batch: their gradients (zeros, laid out as the parameter) are summed with a peer's from the grouped
+    GEMM (the transposed layout of its backward) into the same sums on both ranks, each the two ranks' own."""
+    from tests.distributed import spawn
+    from tests.expert_parallel_worker import replicated_expert_grads_when_a_rank_routes_no_row
+    spawn(replicated_expert_grads_when_a_rank_routes_no_row, 2, str(tmp_path))
+    for rank in range(2):
+        differences = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert set(differences) == {"gate_up_proj", "down_proj"} and max(differences.values()) == 0.0, (rank,
+                                                                                                        differences)
