@@ -1,8 +1,9 @@
 """Expert parallelism (models/expert_parallel.py): the experts of each sparse layer split over the data-parallel ranks
 of a stage. Its parity with transformers (loss, every gradient, the clipping norm, training steps with ZeRO-1 in fp32
 and bf16) runs with the other layouts in tests/test_moe.py; here: a checkpoint resumes on another expert-parallel
-size with its whole state, each rank reads only its own experts' bytes, the dispatch takes one host sync per layer
-and micro-batch, and what cannot split is refused in one line."""
+size with its whole state, twice as many replicas as expert-parallel ranks train, save, resume and export as one
+replica does, a save holds at most one shard of the experts above the resident state, each rank reads only its own
+experts' bytes, the dispatch equals every expert on every rank, and what cannot split is refused in one line."""
 import glob
 import json
 import os
