@@ -19,7 +19,7 @@ from checkpoints.files import (check_output_dir, copy_model_side_files, copy_tok
 from checkpoints.integrity import (manifest_digest, no_manifest_note, read_by_export, verify_directory,
                                    verify_model_side_files)
 from checkpoints.hf_to_ds import SAFETENSORS_DTYPES, safetensors_entries
-from checkpoints.layer_files import load_weights_only
+from checkpoints.layer_files import layer_files_and_expert_shards, load_weights_only
 from models.architecture import architecture_of
 from models.layout import (CARRIED_FILE_NAME, HUB_LAYOUT_KEY, PLAIN_LAYOUT, HubLayout, check_convertible, fuse,
                            hf_name_of_layer_key, hub_piece, hub_pieces, layer_indices_with_files, text_config_of)
@@ -52,7 +52,8 @@ def model_files_dir(ckpt_dir, tag_dir):
 
 
 def layer_files(tag_dir, index, config):
-    """The files of one layer: one whole-layer file, or one per tensor-parallel rank (layer_XX-model_YY-...)."""
+    """The files of one layer: one whole-layer file, or one per tensor-parallel rank (layer_XX-model_YY-...), and
+    the expert shards of a checkpoint saved under expert parallelism."""
     paths = sorted(glob.glob(os.path.join(tag_dir, f"layer_{index:02d}-*model_states.pt")))
     if not paths:
         found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(tag_dir, "layer_*")))
@@ -81,7 +82,14 @@ def read_hf_tensors(tag_dir, config, lora=NO_LORA, layout=PLAIN_LAYOUT):
     tensors, shapes = {}, {}
     split_dims = {}
     for index in layer_indices_with_files(config.num_hidden_layers, config.tie_word_embeddings):
-        slices = [load_weights_only(p) for p in layer_files(tag_dir, index, config)]
+        paths, shard_paths = layer_files_and_expert_shards(layer_files(tag_dir, index, config))
+        slices = [load_weights_only(p) for p in paths]
+        shards = [load_weights_only(p) for p in shard_paths]
+        for key, first in (shards[0].items() if shards else ()):
+            name = hf_name_of_layer_key(index, key, config.num_hidden_layers)
+            tensors[name] = ExpertShards([shard[key] for shard in shards])
+            shapes[name] = torch.empty((first.shape[0] * len(shards), *first.shape[1:]), dtype=first.dtype,
+                                       device="meta")
         if len(slices) > 1 and len(slices) not in split_dims:
             split_dims[len(slices)] = split_dims_of(config, len(slices), lora)
         for key, first in slices[0].items():
@@ -118,7 +126,24 @@ def under_hub_names(tensors, shapes, config, layout):
 
 
 def piece_of(tensor_function, piece):
-    return hub_piece(tensor_function(), piece).contiguous()
+    # a fused tensor kept in expert shards gives one expert's rows from its own shard (hub_piece indexes it)
+    source = tensor_function if isinstance(tensor_function, ExpertShards) else tensor_function()
+    return hub_piece(source, piece).contiguous()
+
+
+class ExpertShards:
+    """A fused expert tensor that a training checkpoint keeps in expert shards (models/layout.py
+    expert_shard_file_name), memory-mapped: whole when called, one expert's rows when indexed by it."""
+
+    def __init__(self, shards):
+        self.shards = shards
+
+    def __call__(self):
+        return torch.cat(self.shards)
+
+    def __getitem__(self, expert):
+        rows = self.shards[0].shape[0]
+        return self.shards[expert // rows][expert % rows]
 
 
 def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overwrite=False, verify_checksums=True,

@@ -15,6 +15,7 @@ import re
 import torch
 
 from errors import ConfigError
+from models.layout import expert_shard_of
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6 is a zip archive
 
@@ -52,22 +53,107 @@ def load_weights_only(path, allowed=(), advice=CONVERT_ADVICE, mmap=True, map_lo
 
 def load_layer_slice(layer, paths, rank, size, strict=True):
     """Load this tensor-parallel rank's part of a layer: its slice of the one whole-layer file, its own file when
-    the layer was saved by `size` ranks (DeepSpeed names them layer_XX-model_YY-model_states.pt), or, from a
-    checkpoint saved with another tensor-parallel size, its slice assembled from the saved slices. A layer with
-    frozen parameters (LoRA) loads the part its files hold: the frozen base (a converted model) or the trainable
+    the layer was saved by `size` ranks (DeepSpeed names them layer_XX-model_YY-model_states.pt; the replicated
+    tensors, the same on every rank, are in rank 0's), or, from a checkpoint saved with another tensor-parallel
+    size, its slice assembled from the saved slices. A training checkpoint saved under expert parallelism holds
+    each slice of a layer's experts in a file of its own (models/pipeline.py saved_parts): the rows of this rank's
+    experts are read from the files holding them, whatever expert-parallel size wrote them. A layer with frozen
+    parameters (LoRA) loads the part its files hold: the frozen base (a converted model) or the trainable
     parameters (a checkpoint saved without the frozen ones)."""
     if not paths:
         raise FileNotFoundError("no layer file for this layer in the checkpoint; was it written by this model?")
-    layer = part_held(layer, torch.load(paths[0], map_location="cpu", mmap=True, weights_only=True).keys())
+    paths, shard_paths = layer_files_and_expert_shards(paths)
+    first = mapped(paths[0])
+    shards = [mapped(path) for path in shard_paths]
+    expert_keys = set(shards[0]) if shards else set()
+    layer = part_held(layer, set(first) | expert_keys)
+    keys, saved_keys = set(layer.state_dict(keep_vars=True)), set(first) | expert_keys
+    if keys != saved_keys:
+        if strict:
+            raise RuntimeError(f"layer file keys differ from the layer's: missing {sorted(keys - saved_keys)}, "
+                               f"unexpected {sorted(saved_keys - keys)} ({paths[0]})")
+        keys = keys & saved_keys
+        layer = LayerPart(layer, keys)
+    if shards:
+        load_expert_shards(LayerPart(layer, keys & expert_keys), shard_paths, shards)
+        layer = LayerPart(layer, keys - expert_keys)
     if len(paths) == 1:
-        load_layer_file(layer, paths[0], strict, rank, size)
+        load_layer_file(layer, paths[0], rank, size)
     elif len(paths) == size:
-        load_layer_file(layer, sorted(paths)[rank], strict)
+        own = set(mapped(paths[rank])) if rank else set(first)
+        load_layer_file(LayerPart(layer, keys & own), paths[rank])
+        if keys - own:  # the replicated tensors, which tensor-parallel rank 0 writes once for its group
+            load_layer_file(LayerPart(layer, keys - own), paths[0])
     else:
         targets = layer.state_dict(keep_vars=True)
-        saved = [own_experts(torch.load(p, map_location="cpu", mmap=True, weights_only=True), targets)
-                 for p in sorted(paths)]
-        layer.load_state_dict(tensors_for_rank(saved, targets, rank, size, paths[0]), strict=strict)
+        saved = [own_experts({key: tensor for key, tensor in mapped(p).items() if key in targets}, targets)
+                 for p in paths]
+        layer.load_state_dict(tensors_for_rank(saved, targets, rank, size, paths[0]))
+
+
+def mapped(path):
+    """A torch.save file's {key: tensor}, memory-mapped: nothing read until a tensor is."""
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+
+def layer_files_and_expert_shards(paths):
+    """(the layer's own files: one whole, or one per tensor-parallel rank; its expert shard files in shard order,
+    none when its experts are in its own files) of the files DeepSpeed's glob finds for a layer. A set of shard
+    files that is not complete is refused in one line."""
+    shards = {path: expert_shard_of(path) for path in paths if expert_shard_of(path)}
+    own = sorted(path for path in paths if path not in shards)
+    if not shards:
+        return own, []
+    counts = {count for _, count in shards.values()}
+    found = sorted(shard for shard, _ in shards.values())
+    if len(counts) != 1 or found != list(range(next(iter(counts)))) or not own:
+        names = sorted(os.path.basename(path) for path in paths)
+        raise ConfigError(f"the files of a layer in {os.path.dirname(next(iter(shards)))} are not one layer file "
+                          f"and one complete set of expert shards: {names}; copy the checkpoint again.")
+    return own, sorted(shards, key=lambda path: shards[path][0])
+
+
+def expert_shard_pieces(experts, shard_rows, shards):
+    """[(shard, its first row, the target's first row, rows)]: where the rows of an ExpertSlice `experts` lie in
+    `shards` files of shard_rows experts each (shard s holds experts s·shard_rows ...)."""
+    low, high = experts.first, experts.first + experts.count
+    pieces = []
+    for shard in range(shards):
+        begin, end = max(low, shard * shard_rows), min(high, (shard + 1) * shard_rows)
+        if begin < end:
+            pieces.append((shard, begin - shard * shard_rows, begin - low, end - begin))
+    return pieces
+
+
+def check_expert_shard(tensor, target, shards, key, where):
+    if tensor.shape[0] * shards != target.expert_slice.total or tensor.shape[1:] != target.shape[1:]:
+        raise ConfigError(f"{key} in {where} has shape {tuple(tensor.shape)}, not one of {shards} shards of this "
+                          f"run's {target.expert_slice.total} experts of shape {tuple(target.shape[1:])}; the "
+                          f"checkpoint is of another model.")
+
+
+def load_expert_shards(layer, paths, shards):
+    """Read the rows of each expert tensor of `layer` (an ExpertSlice of its experts) from the expert shard files
+    holding them (paths, their mapped states `shards`), straight into the parameter."""
+    targets = layer.state_dict(keep_vars=True)
+    pieces = {path: [] for path in paths}
+    for key, target in targets.items():
+        check_expert_shard(shards[0][key], target, len(shards), key, paths[0])
+        for shard, source_row, target_row, rows in expert_shard_pieces(target.expert_slice, shards[0][key].shape[0],
+                                                                       len(shards)):
+            pieces[paths[shard]].append((key, shards[shard][key].narrow(0, source_row, rows),
+                                         target.detach().narrow(0, target_row, rows)))
+    for path, shard in zip(paths, shards):
+        read_into(path, shard, pieces[path])
+
+
+def expert_rows_of_shards(shards, key, target, where):
+    """The rows of expert tensor `key` that `target` (a parameter holding an ExpertSlice) holds, from the shard
+    files' {key: tensor} (in shard order): a view of one file's tensor where one holds them all."""
+    check_expert_shard(shards[0][key], target, len(shards), key, where)
+    parts = [shards[shard][key].narrow(0, source_row, rows) for shard, source_row, _, rows in
+             expert_shard_pieces(target.expert_slice, shards[0][key].shape[0], len(shards))]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class LayerPart:
@@ -115,8 +201,8 @@ def tensors_for_rank(saved, targets, rank, size, where):
     if len(saved) == 1:
         return {key: own_slice(tensor, getattr(targets.get(key), "tensor_parallel_dim", None), rank, size)
                 for key, tensor in saved[0].items()}
-    if len(saved) == size:
-        return saved[rank]
+    if len(saved) == size:  # rank 0's file holds the replicated tensors (older checkpoints: every rank's)
+        return {**saved[0], **saved[rank]}
     state = {}
     for key, first in saved[0].items():
         target = targets.get(key)
@@ -140,24 +226,29 @@ def tensors_for_rank(saved, targets, rank, size, where):
     return state
 
 
-def load_layer_file(layer, path, strict=True, rank=0, size=1):
-    """Read a layer file into the layer's parameters; a parameter split across `size` tensor-parallel ranks
+def load_layer_file(layer, path, rank=0, size=1):
+    """Read the layer's tensors from a layer file holding them (and maybe more: a part of a layer, LayerPart, reads
+    its own) into its parameters; a parameter split across `size` tensor-parallel ranks
     (tensor_parallel_dim set by models/tensor_parallel.py) gets this rank's slice of the whole tensor, an expert
     tensor under expert parallelism its rank's experts."""
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    state = mapped(path)
     targets = layer.state_dict(keep_vars=True)
-    sliced = {key: own_slice(tensor, getattr(targets.get(key), "tensor_parallel_dim", None), rank, size)
-              for key, tensor in own_experts(state, targets).items()}
+    sliced = {key: own_slice(tensor, getattr(targets[key], "tensor_parallel_dim", None), rank, size)
+              for key, tensor in own_experts({key: state[key] for key in targets}, targets).items()}
+    if any(source.shape != targets[key].shape for key, source in sliced.items()):
+        layer.load_state_dict(sliced, strict=False)  # raises load_state_dict's error, naming each size mismatch
+    read_into(path, state, [(key, source, targets[key].detach()) for key, source in sliced.items()])
+
+
+def read_into(path, state, pieces):
+    """Each (key, source, target) of pieces: source, a view of state[key] (path's tensors, memory-mapped), read into
+    target by pread where both are contiguous and alike, else copied through the mapping."""
     offsets = file_offsets(path, state)
-    if offsets is None or set(state) != set(targets):
-        layer.load_state_dict(sliced, strict=strict)  # copies through the mapping, or raises load_state_dict's error
-        return
     staging = None
     with open(path, "rb") as f:
-        for key, source in sliced.items():
-            target = targets[key].detach()
-            if (target.dtype, target.shape) == (source.dtype, source.shape) and target.is_contiguous() \
-                    and source.is_contiguous() and target.numel():
+        for key, source, target in pieces:
+            if offsets is not None and (target.dtype, target.shape) == (source.dtype, source.shape) and \
+                    target.is_contiguous() and source.is_contiguous() and target.numel():
                 offset = offsets[key] + (source.storage_offset() - state[key].storage_offset()) * source.element_size()
                 if target.device.type == "cpu":
                     read_exactly(f.fileno(), target.view(torch.uint8).reshape(-1).numpy(), offset)
@@ -166,7 +257,8 @@ def load_layer_file(layer, path, strict=True, rank=0, size=1):
                     read_exactly(f.fileno(), staging[:target.nbytes].numpy(), offset)
                     target.view(torch.uint8).reshape(-1).copy_(staging[:target.nbytes])
             else:
-                target.copy_(source)
+                with torch.no_grad():
+                    target.copy_(source)
 
 
 def host_staging_buffer(buffer, nbytes):

@@ -2,7 +2,9 @@
 
 For each pipeline layer a training checkpoint holds `layer_XX[-model_YY]-optim_states.pt`: per parameter its fp32
 master weight and the optimizer's moments (Adam's exp_avg, exp_avg_sq), whole across data-parallel ranks (ZeRO-1's
-partitions gathered) and sliced like the layer's own file under tensor parallelism. A resume cuts each rank's share
+partitions gathered) and laid out like the layer's own files: sliced under tensor parallelism (the replicated
+parameters in rank 0's file only), and under expert parallelism each slice of the experts in a file of its own,
+`layer_XX-experts_SS-of-KK-optim_states.pt`, gathered from that slice's replicas alone. A resume cuts each rank's share
 out of them, one layer at a time, for whatever stages, tensor- and data-parallel ranks, ZeRO stage, offload and
 partition it runs with; the step count, the LR schedule's position and the engine's counters travel in
 trainer_state.json. DeepSpeed's own per-rank copies (ZeRO's *_optim_states.pt, the optimizer inside mp_rank_*) are
@@ -26,7 +28,8 @@ import torch.distributed as dist
 from deepspeed.pipe import TiedLayerSpec
 
 import collectives
-from checkpoints.layer_files import load_weights_only, own_experts, tensors_for_rank
+from checkpoints.layer_files import (expert_rows_of_shards, layer_files_and_expert_shards, load_weights_only,
+                                    own_experts, tensors_for_rank)
 from checkpoints.state_files import STATE_ADVICE
 from deepspeed_internals.access import (checkpoint_engine_of, engine_counters, is_zero_optimizer, layer_specs,
                                         loss_scaler_state, replay_cpu_adam_steps, restore_engine_counters,
@@ -139,27 +142,21 @@ class MasterState:
         source = partition if key == MASTER else self.optimizer.state[partition][key]
         return fragment.param_start, source.detach().narrow(0, fragment.partition_start, fragment.numel)
 
-    def gathered(self, param, key, group, writer, writes, expert_replica_rank=0):
-        """The whole parameter's `key` in host memory on the data-parallel rank `writer` (ZeRO's fragments summed
-        into it), where `writes`; None on the others, which only send their fragments (no host copy of a state that
-        one rank writes). An expert parameter under expert parallelism holds a slice of the layer's experts: the
-        whole is every expert, each slice added at its rows by the first of the ranks holding it
-        (expert_replica_rank 0) or, under ZeRO, by the ranks its fragments are on."""
-        experts = getattr(param, "expert_slice", None)
-        split = experts is not None and experts.count < experts.total
-        if not (self.zero or writes or split):
+    def gathered(self, param, key, group, writer, writes):
+        """The parameter's `key` (its tensor on this rank: under expert parallelism this rank's slice of the
+        experts) in host memory on rank `writer` of `group`, the ranks holding the parameter alike, where `writes`;
+        None on the others. Under ZeRO its fragments are summed into it there, each rank of the group allocating
+        the parameter's size in fp32 for the reduction, once at a time; nothing larger than the parameter."""
+        if not (self.zero or writes):
             return None
-        per_expert = param.numel() // experts.count if split else 0
-        whole = torch.zeros(param.numel() * experts.total // experts.count if split else param.numel(),
-                            dtype=torch.float32, device=param.device)
         piece = self.fragment(param, key)
-        if piece is not None and (self.zero or (expert_replica_rank == 0 if split else writes)):
-            start = experts.first * per_expert if split else 0
-            whole.narrow(0, start + piece[0], piece[1].numel()).copy_(piece[1])
-        if self.zero or split:
-            collectives.reduce(whole, dst=dist.get_global_rank(group, writer), group=group)
-        shape = (experts.total, *param.shape[1:]) if split else param.shape
-        return whole.view(shape).cpu() if writes else None
+        if not self.zero:
+            return piece[1].view(param.shape).to("cpu", copy=True)
+        whole = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        if piece is not None:
+            whole.narrow(0, piece[0], piece[1].numel()).copy_(piece[1])
+        collectives.reduce(whole, dst=dist.get_global_rank(group, writer), group=group)
+        return whole.view(param.shape).cpu() if writes else None
 
     def assign(self, param, key, value, name, where):
         if value.shape != param.shape:
@@ -171,24 +168,23 @@ class MasterState:
 
 
 def save_training_state(engine, tag_dir):
-    """Write this stage's layers' optimizer state (every rank takes part: a layer's parameters are gathered on
-    the data-parallel rank that writes it, layers taking turns) through the engine's checkpoint engine; returns
-    what trainer_state.json carries for the resume: the step count, the lr and the LR schedule, the engine's counters and
-    fp16's loss scaler."""
+    """Write this stage's layers' optimizer state, in the files models/pipeline.py's saved_parts names (every rank
+    takes part: each file's tensors are gathered from ZeRO's fragments on the rank that writes it, the layers'
+    files taking turns over the data-parallel ranks) through the engine's checkpoint engine; returns what
+    trainer_state.json carries for the resume: the step count, the lr and the LR schedule, the engine's counters
+    and fp16's loss scaler."""
     state = MasterState(engine)
     keys = [MASTER, *state.moment_keys]
-    group = engine.grid.get_data_parallel_group()
-    dp_rank, dp_size = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
     module = engine.module
     saved_here = [(index, layer) for index, layer, saves in stage_layers(module) if saves]
     for turn, (index, layer) in enumerate(saved_here):
-        writer = turn % dp_size
-        tensors = {key: {name: state.gathered(param, key, group, writer, dp_rank == writer,
-                                              module.experts.replica_rank)
-                         for name, param in trained_parameters(layer).items()} for key in keys}
-        if dp_rank == writer:
-            path = optimizer_state_path(module.ckpt_layer_path(tag_dir, module.layer_indices.index(index)))
-            checkpoint_engine_of(engine).save(tensors, path)
+        parts = module.saved_parts(tag_dir, module.layer_indices.index(index), trained_parameters(layer), turn)
+        for part in parts:
+            tensors = {key: {name: state.gathered(param, key, part.group, part.writer, part.writes)
+                             for name, param in part.tensors.items()} for key in keys}
+            if part.writes:
+                checkpoint_engine_of(engine).save(tensors, optimizer_state_path(part.path))
+            del tensors  # its host copies go before the next file's are made: one file's at a time
     return {"optimizer_step": state.step, "lr": engine.optimizer.param_groups[0]["lr"],
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "engine_counters": engine_counters(engine), "loss_scaler": loss_scaler_state(engine)}
@@ -201,10 +197,12 @@ def has_layout_free_state(trainer_state):
 
 
 def check_optimizer_state_files(tag_dir, trainer_state, layer_indices):
-    """Every layer's optimizer state is in the checkpoint (one file per tensor-parallel rank that wrote it)."""
+    """Every layer's optimizer state is in the checkpoint: one file per tensor-parallel rank that wrote it, and
+    under expert parallelism one complete set of expert shards."""
     slices = trainer_state.get("topology", {}).get("tensor_parallel", 1)
     for index in layer_indices:
-        found = len(saved_optimizer_state_paths(tag_dir, index))
+        paths = saved_optimizer_state_paths(tag_dir, index)
+        found = len(layer_files_and_expert_shards(paths)[0]) if paths else 0
         if found != slices:
             raise FileNotFoundError(missing_state_message(tag_dir, index) if not found else
                                     f"checkpoint {tag_dir} has {found} optimizer-state files for layer {index}, its "
@@ -213,9 +211,10 @@ def check_optimizer_state_files(tag_dir, trainer_state, layer_indices):
 
 
 def load_training_state(engine, tag_dir, trainer_state):
-    """The optimizer state of this rank's parameters from the per-layer files (this rank's tensor-parallel slice
-    and ZeRO fragment; the weights themselves came with the layer files), then the step count, lr, LR schedule,
-    counters and loss scaler. Peak memory: one layer's saved state, memory-mapped."""
+    """The optimizer state of this rank's parameters from the per-layer files (this rank's tensor-parallel slice,
+    its experts' rows from the expert shard files that hold them, and its ZeRO fragment; the weights themselves
+    came with the layer files), then the step count, lr, LR schedule, counters and loss scaler. Peak memory: one
+    parameter's saved state, memory-mapped."""
     state = MasterState(engine)
     keys = [MASTER, *state.moment_keys]
     rank, size = engine.module.parallel.rank, engine.module.parallel.size
@@ -223,7 +222,9 @@ def load_training_state(engine, tag_dir, trainer_state):
         paths = saved_optimizer_state_paths(tag_dir, index)
         if not paths:
             raise FileNotFoundError(missing_state_message(tag_dir, index))
+        paths, shard_paths = layer_files_and_expert_shards(paths)
         saved = [load_weights_only(path, advice=STATE_ADVICE) for path in paths]
+        shards = [load_weights_only(path, advice=STATE_ADVICE) for path in shard_paths]
         targets = trained_parameters(layer)
         for key in keys:
             if key not in saved[0]:
@@ -231,6 +232,8 @@ def load_training_state(engine, tag_dir, trainer_state):
                                   f"trained with another optimizer; set resume_weights_only=true to start a fresh one.")
             values = tensors_for_rank([own_experts(s[key], targets) for s in saved], targets, rank, size, paths[0])
             for name, param in targets.items():
+                if shards and name in shards[0][key]:
+                    values[name] = expert_rows_of_shards([s[key] for s in shards], name, param, shard_paths[0])
                 if name not in values:
                     raise ConfigError(f"{paths[0]} has no {key} of {name}; the checkpoint is of another model.")
                 state.assign(param, key, values[name], name, paths[0])

@@ -57,12 +57,6 @@ def all_gather_numbers(numbers):
     return every_rank.view(-1, mine.numel()).tolist()
 
 
-def gather(tensor, gather_list, dst, group=None):
-    """tensor of every rank of the group into gather_list (on the global rank dst; None elsewhere)."""
-    check_on_device(tensor, *(gather_list or ()))
-    dist.gather(tensor, gather_list, dst=dst, group=group)
-
-
 def reduce_scatter_single(out, tensor, group=None):
     check_on_device(out, tensor)
     dist.reduce_scatter_single(out, tensor, group=group)

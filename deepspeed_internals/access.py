@@ -377,8 +377,9 @@ def expert_layers_stand_in(num_experts):
 
 def checkpoints_without_expert_files(engine):
     """The engine's save_checkpoint and load_checkpoint as for a model without experts: with experts DeepSpeed
-    writes and expects its MoE layout (a file per expert, 'num_experts' in the model states), where the project's
-    layer files hold the experts whole (models/pipeline.py LlamaPipeline.save_state_dict). Nothing without."""
+    writes and expects its MoE layout (a file per expert, 'num_experts' in the model states), where the project
+    writes each expert-parallel rank's slice of the experts beside its layer files (models/pipeline.py
+    LlamaPipeline.saved_parts). Nothing without."""
     if not engine.has_moe_layers:
         return
     for name in ("save_checkpoint", "load_checkpoint"):

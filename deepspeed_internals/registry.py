@@ -273,7 +273,7 @@ INTERNALS = (
     Internal(f"{PIPELINE_MODULE}.load_state_dir", "which the project's pipeline overrides",
              ("self", "load_dir", "checkpoint_engine", "strict")),
     Internal(PIPELINE_ENGINE, "which the project's pipeline overrides", mentions="self.module.load_state_dir("),
-    Internal(f"{PIPELINE_MODULE}.save_state_dict", "which the project's pipeline overrides (experts gathered whole)",
+    Internal(f"{PIPELINE_MODULE}.save_state_dict", "which the project's pipeline overrides (its experts' shards)",
              ("self", "save_dir", "checkpoint_engine", "exclude_frozen_params")),
     Internal(PIPELINE_ENGINE, "which the project's pipeline overrides", mentions="self.module.save_state_dict("),
     Internal(f"{PIPELINE_MODULE}._set_bounds", "which the project's pipeline calls", ("self", "start", "stop")),

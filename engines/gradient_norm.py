@@ -53,9 +53,18 @@ def squares_of(params_and_grads, engine, expert_parallel):
 
 
 def summed_squares(grads):
+    """The sum of the gradients' squares in fp32, each gradient squared NORM_CHUNK_ELEMENTS at a time: a 16-bit
+    expert gradient's fp32 copy and squares stay that small, however large the gradient (an fp32 copy of it whole
+    would be gigabytes). A gradient within one chunk is summed as one tensor, as before chunking.
+    torch.linalg.vector_norm is no better here: on the CPU (torch 2.13) it casts its whole input to the dtype asked
+    for, and its fp32 sum of a large tensor drifts further from the exact one than sum's."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=collectives.device())
-    return torch.stack([grad.float().pow(2).sum() for grad in grads]).sum()
+    return torch.stack([chunk.float().pow(2).sum() for grad in grads
+                        for chunk in grad.reshape(-1).split(NORM_CHUNK_ELEMENTS)]).sum()
+
+
+NORM_CHUNK_ELEMENTS = 1 << 24  # 16M elements: 64 MiB of fp32 squares at most at once (and its copy below fp32)
 
 
 def model_norm(params_and_grads, engine, expert_parallel):

@@ -33,11 +33,6 @@ class ExpertParallel:
         self.replica_group, self.replica_ranks = replica_group, list(replica_ranks)
 
     @property
-    def replica_rank(self):
-        """This rank's place among the ranks holding its slice (0: the first, which writes what they hold)."""
-        return self.replica_ranks.index(dist.get_rank()) if self.size > 1 else 0
-
-    @property
     def name(self):
         """DeepSpeed's name of the groups (its expert parameters' group_name)."""
         return f"ep_size_{self.size}"
@@ -62,15 +57,6 @@ class ExpertParallel:
         out = experts(rows[by_expert], received.view(self.size, local).sum(dim=0), per_expert)
         back = collectives.exchange_rows(out[inverse_permutation(by_expert)], sent, from_rank, self.group)
         return combine(back, order, weights, hidden.dtype)
-
-    def gather_whole(self, tensor, dst=0):
-        """The layer's every expert (dim 0) of an expert tensor, on rank `dst` of the group (None elsewhere): each
-        rank's slice received straight into its rows of the whole."""
-        whole = torch.empty((tensor.shape[0] * self.size, *tensor.shape[1:]), dtype=tensor.dtype,
-                            device=tensor.device) if self.rank == dst else None
-        collectives.gather(tensor.contiguous(), list(whole.chunk(self.size)) if whole is not None else None,
-                           dst=self.ranks[dst], group=self.group)
-        return whole
 
 
 NO_EXPERT_PARALLEL = ExpertParallel()

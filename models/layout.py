@@ -79,6 +79,23 @@ def layer_file_path(tag_dir, index):
     return os.path.join(tag_dir, layer_file_name(index))
 
 
+def expert_shard_file_name(index, shard, shards, kind="model"):
+    """A training checkpoint's file of a layer's experts shard/shards (experts [shard E/shards, (shard + 1)
+    E/shards) of each expert tensor, its weights or, kind "optim", its optimizer state), which the expert-parallel
+    rank holding them writes: layer_05-experts_01-of-04-model_states.pt. DeepSpeed's glob of a layer's files finds
+    these too; expert_shard_of tells them from its tensor-parallel slices."""
+    return f"layer_{index:02d}-experts_{shard:02d}-of-{shards:02d}-{kind}_states.pt"
+
+
+_EXPERT_SHARD = re.compile(r"^layer_\d+-experts_(\d+)-of-(\d+)-(?:model|optim)_states\.pt$")
+
+
+def expert_shard_of(path):
+    """(shard, shards) of an expert shard file's path, or None for any other file."""
+    match = _EXPERT_SHARD.match(os.path.basename(path))
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
 def layer_indices_with_files(num_hidden_layers, tie_word_embeddings):
     last = num_hidden_layers + 1 if tie_word_embeddings else num_hidden_layers + 2
     return range(0, last + 1)

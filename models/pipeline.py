@@ -2,6 +2,8 @@
 them, so no rank ever holds more than its own stage. Which layers a stage owns, and how a layer's weights are read,
 come from the caller (the trainer: training/run_spec.py's stage bounds, checkpoints/layer_files.py's reader)."""
 import functools
+import os
+from typing import NamedTuple
 
 import torch
 from deepspeed import checkpointing
@@ -12,6 +14,7 @@ from deepspeed_internals.access import (pipeline_grid, set_layer_range, set_part
 from deepspeed_internals.registry import non_reentrant_checkpoint
 from models.context_parallel import NO_CONTEXT_PARALLEL, build_context_parallel
 from models.expert_parallel import NO_EXPERT_PARALLEL, build_expert_parallel
+from models.layout import expert_shard_file_name
 from models.llama import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs,
                           architecture_of, check_model_config, lm_head)
 from models.lora import NO_LORA, add_adapters, freeze_all_but_adapters
@@ -140,26 +143,42 @@ class LlamaPipeline(PipelineModule):
         return super().ckpt_layer_path_list(ckpt_dir, self.layer_indices[local_layer_idx] - self.layer_indices[0])
 
     def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
-        """DeepSpeed's save of the stage's layer files by data-parallel rank 0, with the experts gathered whole
-        there first under expert parallelism (its expert-parallel group takes part, one tensor at a time): a layer
-        file holds every expert, whatever the layout that writes or reads it."""
-        experts, data_rank = self.experts, pipeline_grid(self).data_parallel_id
-        if experts.size == 1:
-            return super().save_state_dict(save_dir, checkpoint_engine, exclude_frozen_params)
-        if data_rank >= experts.size:  # another expert-parallel group: the same weights as data-parallel rank 0's
-            return
-        if data_rank == 0:
-            checkpoint_engine.makedirs(save_dir, exist_ok=True)
+        """DeepSpeed's save of the stage's layer files, each file written by one rank from its own tensors
+        (saved_parts): nothing is gathered, under expert parallelism each slice of the experts goes to a file of
+        its own, and a tensor-parallel group writes its replicated tensors once."""
         for index, layer in enumerate(self.forward_funcs):
             if not hasattr(layer, "state_dict"):
                 continue
             frozen = {name for name, param in layer.named_parameters() if not param.requires_grad}
-            state = {key: experts.gather_whole(tensor.detach()) if hasattr(tensor, "expert_slice") else tensor.detach()
-                     for key, tensor in layer.state_dict(keep_vars=True).items()
-                     if not (exclude_frozen_params and key in frozen)}
-            if data_rank == 0:  # host copies, as DeepSpeed saves them: a view's own bytes, not its flat buffer's
-                checkpoint_engine.save({key: tensor.to("cpu", copy=True) for key, tensor in state.items()},
-                                       self.ckpt_layer_path(save_dir, index))
+            tensors = {key: tensor for key, tensor in layer.state_dict(keep_vars=True).items()
+                       if not (exclude_frozen_params and key in frozen)}
+            for part in self.saved_parts(save_dir, index, tensors):
+                if part.writes:
+                    checkpoint_engine.makedirs(save_dir, exist_ok=True)
+                    checkpoint_engine.save(host_copies(part.tensors, checkpoint_engine), part.path)
+
+    def saved_parts(self, save_dir, local_index, tensors, turn=0):
+        """The SavedParts of a layer of this stage holding this rank's `tensors` ({key: tensor} of the layer's).
+        The layer's file of this tensor-parallel rank holds its slices of the split tensors and, on rank 0 only,
+        the replicated ones (the same on every rank of the group), written by data-parallel rank turn % dp. Under
+        expert parallelism the experts' tensors go instead to the file of this rank's slice of them
+        (models/layout.py expert_shard_file_name), written by replica turn % replicas of the ranks holding that
+        slice: the post-init loader reads any expert-parallel size's slices from such files."""
+        grid, experts = pipeline_grid(self), self.experts
+        dp_rank, dp_size = grid.data_parallel_id, grid.data_parallel_size
+        saved = {key: tensor for key, tensor in tensors.items()
+                 if self.parallel.rank == 0 or getattr(tensor, "tensor_parallel_dim", None) is not None}
+        shard = {key: tensor for key, tensor in saved.items() if experts.size > 1 and hasattr(tensor, "expert_slice")}
+        layer = {key: tensor for key, tensor in saved.items() if key not in shard}
+        writer = turn % dp_size
+        parts = [SavedPart(self.ckpt_layer_path(save_dir, local_index), layer, grid.get_data_parallel_group(), writer,
+                           dp_rank == writer)]
+        if shard:
+            writer = turn % (dp_size // experts.size)
+            name = expert_shard_file_name(self.layer_indices[local_index], experts.rank, experts.size)
+            parts.append(SavedPart(os.path.join(save_dir, name), shard, experts.replica_group, writer,
+                                   dp_rank // experts.size == writer))
+        return parts
 
     def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
         """DeepSpeed's per-layer loading through layer_loader: each layer's files straight into its parameters
@@ -172,6 +191,25 @@ class LlamaPipeline(PipelineModule):
             self.layer_loader(layer, self.ckpt_layer_path_list(load_dir, index), self.parallel.rank,
                               self.parallel.size, strict)
         synchronize_tied_weights(self)
+
+
+class SavedPart(NamedTuple):
+    """Tensors of a layer that one file of a checkpoint holds: the ranks of `group` (a process group) hold them
+    alike, and its rank `writer` writes the file; writes: whether this rank is that writer."""
+    path: str
+    tensors: dict
+    group: object
+    writer: int
+    writes: bool
+
+
+def host_copies(tensors, checkpoint_engine):
+    """A file's tensors as a synchronous torch.save takes them: each tensor's own bytes on the host (a parameter may
+    be a view of ZeRO's flat buffer, whose whole storage torch.save would write); as they are for a background
+    save's snapshot, which copies them itself (checkpoints/background_save.py)."""
+    if not checkpoint_engine.preserves_storage_sharing():
+        return {key: tensor.detach() for key, tensor in tensors.items()}
+    return {key: tensor.detach().to("cpu", copy=True) for key, tensor in tensors.items()}
 
 
 def run_layers(layers, *inputs):

@@ -131,10 +131,13 @@ class LoadBalancingLoss:
             return torch.zeros(len(self.sparse_layers), self.num_experts, dtype=torch.int64, device=collectives.device())
         return loads
 
-    def take_metrics(self):
+    def take_metrics(self, expert_parallel=1):
         """{aux_loss: the mean over the micro-batches trained since the last call, expert_load/layer_{i}: each sparse
-        layer's largest over its mean tokens per expert}, on every rank (a collective: only last stages hold nonzero
-        sums; the tensor-parallel ranks of one add the same, which leaves the ratios unchanged); {} when none."""
+        layer's largest over its mean tokens per expert, and with experts split over expert_parallel > 1 ranks
+        (E / expert_parallel consecutive experts each) expert_rank_load/layer_{i}: the tokens its busiest rank
+        received over a rank's mean (summed over the expert-parallel groups)}, on every rank (a collective: only last
+        stages hold nonzero sums; the tensor-parallel ranks of one add the same, which leaves the ratios unchanged);
+        {} when none."""
         size = len(self.sparse_layers) * self.num_experts + 2
         totals = self.totals if self.totals is not None else torch.zeros(size, dtype=torch.float64,
                                                                          device=collectives.device())
@@ -148,4 +151,9 @@ class LoadBalancingLoss:
         loads = (counts.amax(dim=1) / means.clamp(min=1e-30)).tolist()
         metrics.update({f"expert_load/layer_{layer}": load for layer, load, mean in
                         zip(self.sparse_layers, loads, means.tolist()) if mean})
+        if expert_parallel > 1:
+            ranks = counts.view(len(self.sparse_layers), expert_parallel, -1).sum(dim=2)
+            rank_loads = (ranks.amax(dim=1) / ranks.mean(dim=1).clamp(min=1e-30)).tolist()
+            metrics.update({f"expert_rank_load/layer_{layer}": load for layer, load, mean in
+                            zip(self.sparse_layers, rank_loads, means.tolist()) if mean})
         return metrics

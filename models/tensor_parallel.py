@@ -227,7 +227,10 @@ class BufferPool:
 
 
 def all_reduce_copy(tensor, group):
-    tensor = tensor.clone()  # never sum in place into a tensor autograd may still hand to another consumer
+    # A copy: never sum in place into a tensor autograd may still hand to another consumer. Contiguous: the
+    # collective sums the ranks' memory element by element, and a gradient's layout may differ between ranks (an
+    # expert's from the grouped GEMM transposed, from an empty row block not: tests/test_expert_parallel.py).
+    tensor = tensor.clone(memory_format=torch.contiguous_format)
     collectives.all_reduce(tensor, group=group)
     return tensor
 

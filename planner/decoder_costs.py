@@ -20,7 +20,7 @@ A mixture of experts' sparse layer keeps what its MoE block saves beyond the den
 (eager_attention_extra_bytes); tests/test_moe.py checks these against autograd's saved tensors.
 """
 from models.llama import architecture_of, head_dim_of
-from models.lora import adapter_parameter_count
+from models.lora import adapter_parameter_count, expert_ranks
 from models.partition import decoder_parameter_split, expert_parameters, mean_attended_keys
 from planner.training_state import FP32_BYTES
 
@@ -60,6 +60,12 @@ class DecoderCosts:
         experts = moe.num_experts * expert_parameters(moe, hidden) if moe else 0
         self.experts_not_held = experts - experts // workload.expert_parallel
         self.parameters = sharded // t + replicated - self.experts_not_held + self.adapters
+        # The largest file of the layer a rank writes (models/pipeline.py saved_parts): the layer's part held on
+        # this tensor-parallel rank (rank 0's, with the replicated tensors), or under expert parallelism the larger
+        # of the rest and the rank's slice of the experts, a file of its own; under LoRA only the adapters are saved.
+        held = experts - self.experts_not_held
+        self.largest_file = (self.adapters if lora.enabled else max(held, self.parameters - held)
+                             if workload.expert_parallel > 1 else self.parameters)
         self.largest_tensor = max(hidden * max(inter, self.q_width), self.latent_largest_tensor(),
                                   2 * moe.num_experts * moe.expert_size * hidden // workload.expert_parallel
                                   if moe else 0)
@@ -80,6 +86,10 @@ class DecoderCosts:
             self.saved_bytes += 2 * residual * hidden * (FP32_BYTES - act)
         if moe:
             self.saved_bytes += moe_saved_bytes(moe, residual, hidden, act)
+        if moe and lora.enabled:  # the folded copy of each adapted expert tensor, per micro-batch
+            self.saved_bytes += lora_folded_expert_bytes(moe, hidden, act, expert_ranks(config, lora.target_modules,
+                                                                                        lora.rank),
+                                                         moe.num_experts // workload.expert_parallel)
         if architecture.attention_sinks:
             self.saved_bytes += eager_attention_extra_bytes(workload, self.heads, self.q_width, self.kv_width, act)
         # LoRA keeps each adapter's rank-wide h (gathered for a column-parallel group) and, with dropout, its
@@ -199,6 +209,14 @@ def moe_saved_bytes(moe, tokens, hidden, act):
     # Qwen2-MoE's shared expert gate's sigmoid and the shared output
     shared_gate = act * (hidden + 1) if moe.shared_expert_size and moe.shared_expert_gated else 0
     return routed * per_choice + tokens * (router + aux + shared_gate) + 2 * 4 * moe.num_experts
+
+
+def lora_folded_expert_bytes(moe, hidden, act, adapted, experts_held):
+    """What LoRA on the experts (models/moe.py Experts.weight) keeps for backward beyond the adapters: each adapted
+    fused projection (`adapted`: gate_up_proj, down_proj) folded, W + scaling B A for each of the `experts_held`
+    experts, which the grouped GEMM keeps for its input gradient."""
+    widths = {"gate_up_proj": 2 * moe.expert_size * hidden, "down_proj": moe.expert_size * hidden}
+    return act * experts_held * sum(widths[name] for name in adapted)
 
 
 def moe_weight_grad_bytes(moe, tokens, hidden, act, input_kept):

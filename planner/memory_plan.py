@@ -64,9 +64,11 @@ def devices_per_node(spec):
 def host_memory_plan(spec, rows):
     """Host bytes per node: gpus_per_node consecutive ranks (DeepSpeed's topology puts a replica's tensor-parallel
     ranks, then data-parallel replicas, then stages next to each other), each with its offloaded optimizer state
-    and HOST_PROCESS_BYTES, plus the dataset once; with async_save, each rank's snapshot too."""
+    and HOST_PROCESS_BYTES, plus the dataset once; with async_save, each rank's snapshot too, without it the host
+    copies of the largest file each rank writes at a save (every rank saves at once)."""
     per_node, world_size = devices_per_node(spec), spec.world_size
-    rank_bytes = [rows[stage_of_rank(spec, rank)]["host_bytes"] + rows[stage_of_rank(spec, rank)]["snapshot_bytes"]
+    rank_bytes = [sum(rows[stage_of_rank(spec, rank)][key] for key in ("host_bytes", "snapshot_bytes",
+                                                                       "save_host_bytes"))
                   + HOST_PROCESS_BYTES for rank in range(world_size)]
     return [sum(rank_bytes[start:start + per_node]) + dataset_bytes(spec.cfg)
             for start in range(0, world_size, per_node)]
@@ -93,7 +95,8 @@ def format_memory_plan(spec, rows):
     interval = workload.activation_checkpoint_interval or 1
     width = max(7, *(len(layer_ranges(row)) for row in rows))
     header = (f"{'stage':>5} {'layers':>{width}} {'params':>8} {'weights':>8} {'grads':>8} {'optim':>8} "
-              f"{f'act(ckpt {interval})':>12} {'act(full)':>10} {'step':>7} {'buffers':>8} {'total':>8}  fits")
+              f"{f'act(ckpt {interval})':>12} {'act(full)':>10} {'step':>7} {'save':>6} {'buffers':>8} "
+              f"{'total':>8}  fits")
     tensor = f"{workload.tensor_parallel} tensor-parallel x " if workload.tensor_parallel > 1 else ""
     if workload.context_parallel > 1:
         tensor += f"{workload.context_parallel} context-parallel x "
@@ -107,12 +110,12 @@ def format_memory_plan(spec, rows):
             f"{row['weights_bytes'] / GIB:>8.1f} {row['gradients_bytes'] / GIB:>8.1f} "
             f"{row['optimizer_bytes'] / GIB:>8.1f} {row['activation_checkpointed_bytes'] / GIB:>12.1f} "
             f"{row['activation_full_bytes'] / GIB:>10.1f} {row['step_bytes'] / GIB:>7.1f} "
-            f"{row['buffer_bytes'] / GIB:>8.1f} "
+            f"{row['save_bytes'] / GIB:>6.1f} {row['buffer_bytes'] / GIB:>8.1f} "
             f"{row['memory_bytes'] / GIB:>8.1f}  {'yes' if row['fits'] else 'NO'}")
     largest = max(rows, key=lambda row: row["memory_bytes"])
     verdict = "fits" if all(row["fits"] for row in rows) else "does NOT fit"
     lines.append(f"total = weights + optim + buffers + max(grads + activations as configured, step: the optimizer "
-                 f"step's peak incl. gradients); largest stage "
+                 f"step's peak incl. gradients, grads + save: a save's fp32 gather of one parameter); largest stage "
                  f"{largest['memory_bytes'] / GIB:.1f} GiB: {verdict} in {cfg.device_memory_gb} GiB per device")
     lines.append(RUNTIME_NOTE)
     host_nodes = host_memory_plan(spec, rows)
@@ -120,8 +123,10 @@ def format_memory_plan(spec, rows):
     largest_node = max(host_nodes)
     offloaded = sum(row["host_bytes"] for row in rows) * (world_size // len(rows))
     snapshot = sum(row["snapshot_bytes"] for row in rows) * (world_size // len(rows))
+    save = max(rows[stage_of_rank(spec, rank)]["save_host_bytes"] for rank in range(world_size))
     snapshot = (f" + async_save snapshot {snapshot / len(host_nodes) / GIB:.1f} GiB (in /dev/shm: each rank's "
-                f"checkpoint files)" if cfg.async_save else "")
+                f"checkpoint files)" if cfg.async_save else
+                f" + a save's host copies of each rank's largest file (up to {save / GIB:.1f} GiB a rank)")
     lines.append(f"host memory per node ({devices_per_node(spec)} devices, "
                  f"{len(host_nodes)} node(s)): offloaded optimizer {offloaded / len(host_nodes) / GIB:.1f} GiB "
                  f"(fp32 master, its gradient, Adam moments, pinned copies){snapshot} + "

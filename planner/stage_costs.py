@@ -85,6 +85,8 @@ class LayerCosts:
         self.trained = ({EMBEDDING: 0, NORM: 0, HEAD: 0, **{kind: decoder.adapters for kind, decoder in
                                                           decoders.items()}} if lora.enabled
                         else dict(self.parameters))
+        self.largest_file = {EMBEDDING: self.trained[EMBEDDING], NORM: self.trained[NORM], HEAD: self.trained[HEAD],
+                             **{kind: decoder.largest_file for kind, decoder in decoders.items()}}
         self.largest_trained = ({EMBEDDING: 0, NORM: 0, HEAD: 0,
                                  **{kind: lora.rank * max(hidden, decoder.inter * t) if decoder.adapters else 0
                                     for kind, decoder in decoders.items()}} if lora.enabled
@@ -230,6 +232,12 @@ class LayerCosts:
     def stage_snapshot_bytes(self, kinds):
         return training_state.snapshot_bytes(self.workload, self.stage_trained(kinds))
 
+    def stage_save_bytes(self, kinds):
+        """(device, host) bytes a save takes beyond the training state (training_state.save_device_bytes,
+        save_host_bytes)."""
+        return (training_state.save_device_bytes(self.workload, max(self.largest_trained[kind] for kind in kinds)),
+                training_state.save_host_bytes(self.workload, max(self.largest_file[kind] for kind in kinds)))
+
     def stage_step_bytes(self, kinds):
         return training_state.step_bytes(self.workload, self.stage_trained(kinds),
                                          max(self.largest_trained[kind] for kind in kinds))
@@ -262,12 +270,11 @@ class StageCostModel:
         return peak
 
     def memory_bytes(self, stage, kinds):
-        """Peak memory: weights, optimizer state and buffers, plus the larger of the backward passes (gradients
-        and activations) and the optimizer step."""
-        state = self.layers.stage_state_bytes(kinds)
-        backward = state["gradients"] + self.activation_bytes(stage, kinds)
-        return (state["weights"] + state["optimizer"] + self.layers.stage_buffer_bytes()
-                + max(backward, self.layers.stage_step_bytes(kinds)))
+        """Peak memory: weights, optimizer state and buffers, plus the largest of the backward passes (gradients
+        and activations), the optimizer step and a save (after the step: with the gradients)."""
+        return peak_bytes(self.layers.stage_state_bytes(kinds), self.activation_bytes(stage, kinds),
+                          self.layers.stage_step_bytes(kinds), self.layers.stage_buffer_bytes(),
+                          self.layers.stage_save_bytes(kinds)[0])
 
     def compute(self, kinds):
         """A stage's training compute per micro-batch in decoder layers: its share of the step's time."""
@@ -279,6 +286,14 @@ class StageCostModel:
             return 0, self.compute(kinds)
         usable = self.device_bytes * (1 - UNMODELLED_DEVICE_SHARE)
         return max(0, self.memory_bytes(stage, kinds) - usable), self.compute(kinds)
+
+
+def peak_bytes(state, activations, step, buffers, save):
+    """A stage's peak on its device: the state that stays (weights, optimizer, buffers), then the largest of the
+    backward passes (gradients and activations), the optimizer step (gradients included) and a save's buffer beside
+    the gradients."""
+    gradients = state["gradients"]
+    return state["weights"] + state["optimizer"] + buffers + max(gradients + activations, step, gradients + save)
 
 
 def balanced_stage_cost(config, workload, num_stages, device_bytes=None):
@@ -327,6 +342,7 @@ def stage_plan(config, bounds, workload):
             "buffer_bytes": model.layers.stage_buffer_bytes(),
             "host_bytes": model.layers.stage_host_bytes(kinds),
             "snapshot_bytes": model.layers.stage_snapshot_bytes(kinds),
+            **dict(zip(("save_bytes", "save_host_bytes"), model.layers.stage_save_bytes(kinds))),
             "in_flight": model.in_flight(stage),
             "waiting_for_weight_grads": model.waiting(stage),
             "memory_bytes": model.memory_bytes(stage, kinds),
@@ -357,6 +373,7 @@ def chunked_stage_plan(config, bounds, workload):
         state = model.layers.stage_state_bytes(kinds)
         step = model.layers.stage_step_bytes(kinds)
         buffers = model.layers.stage_buffer_bytes()
+        save = model.layers.stage_save_bytes(kinds)
         rows.append({
             "stage": rank, "layers": chunks[0], "chunks": chunks, "decoder_layers": decoder_count(kinds),
             "parameters": model.layers.stage_parameters(kinds),
@@ -365,10 +382,10 @@ def chunked_stage_plan(config, bounds, workload):
             "activation_bytes": activations, "step_bytes": step, "buffer_bytes": buffers,
             "host_bytes": model.layers.stage_host_bytes(kinds),
             "snapshot_bytes": model.layers.stage_snapshot_bytes(kinds),
+            **dict(zip(("save_bytes", "save_host_bytes"), save)),
             "in_flight": sum(in_flight for in_flight, _ in held),
             "waiting_for_weight_grads": sum(waiting for _, waiting in held),
-            "memory_bytes": (state["weights"] + state["optimizer"] + buffers
-                             + max(state["gradients"] + activations, step)),
+            "memory_bytes": peak_bytes(state, activations, step, buffers, save[0]),
             "compute": model.compute(kinds),
         })
     return rows

@@ -65,6 +65,25 @@ def snapshot_bytes(workload, trained):
     return trained * checkpoint_bytes_per_parameter(workload) / workload.gradient_reduction_ranks
 
 
+def save_device_bytes(workload, largest_trained):
+    """What a save takes on the device beyond the training state: under ZeRO each parameter's master weight and
+    moments are summed from its fragments into one fp32 buffer of its size (this rank's tensor: an expert-parallel
+    rank's slice of the experts), one parameter at a time, before the host copy is written
+    (checkpoints/optimizer_state.py MasterState.gathered); without ZeRO the copies go straight to the host."""
+    return largest_trained * FP32_BYTES if workload.zero_stage >= 1 else 0
+
+
+def save_host_bytes(workload, largest_file):
+    """What a save takes in host memory on a rank beyond its resident state: the host copies of the largest file it
+    writes (`largest_file` parameters of a layer's part: their fp32 master weights and Adam's two moments, more
+    than their weights), one file at a time (checkpoints/optimizer_state.py, models/pipeline.py saved_parts); the
+    checksum's one read buffer is within the process's runtime. With async_save the snapshot holds every file
+    instead, from the first save on (snapshot_bytes)."""
+    if workload.async_save:
+        return 0
+    return largest_file * (FP32_BYTES + ADAM_STATE_BYTES)
+
+
 def host_state_bytes_per_parameter(workload):
     """Host bytes per parameter of a stage with offload_optimizer=cpu (zero/stage_1_and_2.py), all pinned: the fp32
     master partition, its fp32 gradient, Adam's two moments, and a weight-dtype copy of the partition the updated

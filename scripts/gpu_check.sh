@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One command that proves a GPU run: the checks in tests/gpu (bf16 conversion, training, resume, offload, LoRA,
-# export, token shards, DPO against TRL and throughput on one GPU; NCCL pipeline, tensor and context parallelism on
-# two) launch the trainer and the converter as a user would, then print one line per check: name, PASS / FAIL /
-# SKIP, key figure. Exits non-zero if a check fails, or if the machine has a GPU (nvidia-smi lists one, or a
-# /dev/nvidia device exists) that torch cannot use (a CPU build of torch, a driver older than its CUDA); only a
-# machine without a GPU skips every check and exits 0. Needs the CUDA build of torch and the requirements installed
-# (README, "Install on a GPU cluster"). One H200: about 7.5 minutes, 6 without the throughput check
-# (-k "not throughput"; bench/README.md, "GPU check").
+# export, token shards, DPO against TRL and throughput on one GPU; the mixtures of experts' and latent attention's
+# bf16 evaluation against transformers, their experts' path and host syncs, MLA's SDPA kernel and a Qwen3-MoE
+# stage's tokens/s; NCCL pipeline, tensor, context and expert parallelism on two) launch the trainer and the
+# converter as a user would, then print one line per check: name, PASS / FAIL / SKIP, key figure. Exits non-zero if
+# a check fails, or if the machine has a GPU (nvidia-smi lists one, or a /dev/nvidia device exists) that torch
+# cannot use (a CPU build of torch, a driver older than its CUDA); only a machine without a GPU skips every check
+# and exits 0. Needs the CUDA build of torch and the requirements installed
+# (README, "Install on a GPU cluster"). One H200: about 7.5 minutes, 6 without the throughput checks
+# (-k "not throughput"; bench/README.md, "GPU check"), before the mixture-of-experts checks were added (not yet
+# timed on a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -55,3 +55,38 @@ def dispatch_against_local_experts(rank, out_dir):
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     torch.distributed.destroy_process_group()
+
+
+def replicated_expert_grads_when_a_rank_routes_no_row(rank, out_dir):
+    """One rank of tensor parallel 2 (sequence parallel): a layer's experts whole on both, rank 0 running its rows
+    through the grouped GEMM, rank 1 with no row at all (an expert-parallel rank no token chose: each expert's row
+    block alone, every one empty): {each expert tensor: the largest difference of this rank's gradient from the
+    sum of both ranks' own gradients}."""
+    from cluster.distributed import init_distributed
+    from models.architecture import architecture_of
+    from models.moe import Experts
+    from models.tensor_parallel import TensorParallel
+    from tests.tiny_models import MOE_CONFIGS
+    init_distributed(timeout_minutes=2)
+    config = MOE_CONFIGS["qwen3_moe"]()
+    moe = architecture_of(config).moe
+    torch.manual_seed(0)
+    experts = Experts(moe, config.hidden_size, torch.nn.functional.silu, 0, moe.num_experts,
+                      TensorParallel(2, rank, True, group=torch.distributed.group.WORLD))
+    rows = [11, 0][rank]
+    counts = torch.tensor([rows] + [0] * (moe.num_experts - 1))
+    tokens = torch.randn(rows, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    experts(tokens, counts, counts.tolist() if rows == 0 else None).pow(2).sum().backward()
+    local = [torch.zeros_like(p) for p in experts.parameters()]
+    if rows:  # this rank's own gradients, without the group: the block's math on a single rank
+        alone = Experts(moe, config.hidden_size, torch.nn.functional.silu, 0, moe.num_experts)
+        alone.load_state_dict(experts.state_dict())
+        alone(tokens, counts).pow(2).sum().backward()
+        local = [p.grad for p in alone.parameters()]
+    summed = [g.clone() for g in local]
+    for g in summed:
+        torch.distributed.all_reduce(g)
+    results = {name: (p.grad - s).abs().max().item() for (name, p), s in zip(experts.named_parameters(), summed)}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    torch.distributed.destroy_process_group()

@@ -1,10 +1,13 @@
 """Expert parallelism (models/expert_parallel.py): the experts of each sparse layer split over the data-parallel ranks
 of a stage. Its parity with transformers (loss, every gradient, the clipping norm, training steps with ZeRO-1 in fp32
 and bf16) runs with the other layouts in tests/test_moe.py; here: a checkpoint resumes on another expert-parallel
-size with its whole state, each rank reads only its own experts' bytes, the dispatch takes one host sync per layer
-and micro-batch, and what cannot split is refused in one line."""
+size with its whole state, twice as many replicas as expert-parallel ranks train, save, resume and export as one
+replica does, a save holds at most one shard of the experts above the resident state, each rank reads only its own
+experts' bytes, the dispatch equals every expert on every rank, and what cannot split is refused in one line."""
 import glob
+import json
 import os
+import re
 
 import pytest
 import torch
@@ -25,14 +28,15 @@ def dense_first_moe(demo_model, tmp_path_factory):
     return demo_model_of(config, demo_model, tmp_path_factory.mktemp("dense_first_moe"))
 
 
-def train(demo_model, model, tmp_path, out, expert_parallel, **extra):
-    """model on 2 stages (2 decoder layers each) x 2 data-parallel ranks, ZeRO-1, clipping on, a checkpoint after
-    every step, evaluated at the end (step 4): the trainer's output."""
+def train(demo_model, model, tmp_path, out, expert_parallel, procs=4, script="trainer_pipe.py", **extra):
+    """model on 2 stages (2 decoder layers each) x 2 data-parallel ranks (or as `extra` says, on `procs` ranks),
+    ZeRO-1, clipping on, a checkpoint after every step, evaluated at the end (step 4): the output of the trainer
+    (or of `script`, run as it)."""
     from tests.test_token_mean import MICRO_BATCH, SEED, SEQ, write_skewed_instructions
     train_file = tmp_path / "train.jsonl"
     if not train_file.exists():
         write_skewed_instructions(demo_model, train_file)
-    return check_ok(launch_trainer(4, demo_overrides(demo_model, out, **{
+    return check_ok(launch_trainer(procs, script=script, overrides=demo_overrides(demo_model, out, **{
         "model_name_or_path": model["ds"], "train_file": str(train_file), "eval_file": str(train_file),
         "eval_steps": 0,
         "data.format": "instruction", "data.cache_dir": str(tmp_path / "cache"), "seq_length": SEQ,
@@ -44,10 +48,25 @@ def train(demo_model, model, tmp_path, out, expert_parallel, **extra):
 
 
 def saved_state(tag_dir):
-    """{file: {key: tensor}} of a checkpoint's layer files: the weights and the optimizer's master weights and
-    moments, every expert whole."""
-    return {os.path.basename(path): tensors_of(torch.load(path, map_location="cpu", weights_only=True))
-            for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*.pt")))}
+    """{(layer, model_states | optim_states): {key: tensor}} of a checkpoint's layer files: the weights and the
+    optimizer's master weights and moments, whole: an expert shard's rows joined to the others' in shard order
+    (whatever expert-parallel size saved them), a tensor-parallel rank's slice to the others' along its split."""
+    from transformers import AutoConfig
+
+    from checkpoints.ds_to_hf import split_dims_of
+    from models.lora import NO_LORA
+    paths = sorted(glob.glob(os.path.join(tag_dir, "layer_*.pt")))
+    slices = max([int(m.group(1)) + 1 for p in paths if (m := re.search(r"-model_(\d+)-", p))], default=1)
+    split_dims = split_dims_of(AutoConfig.from_pretrained(tag_dir), slices, NO_LORA) if slices > 1 else {}
+    state = {}
+    for path in paths:
+        name = os.path.basename(path)
+        layer = name.split("-")[0]
+        entry = state.setdefault((layer, name.rsplit("-", 1)[1]), {})
+        for key, tensor in tensors_of(torch.load(path, map_location="cpu", weights_only=True)).items():
+            dim = split_dims.get(int(layer.removeprefix("layer_")), {}).get(key.rsplit("/", 1)[1]) or 0
+            entry[key] = torch.cat([entry[key], tensor], dim) if key in entry else tensor
+    return state
 
 
 @pytest.mark.slow
@@ -71,13 +90,157 @@ def test_resume_on_another_expert_parallel_size_holds_the_whole_state(demo_model
     assert len(evaluated[0]) == 1
     for resumed, step in ((whole, 3), (whole, 4), (again, 4)):
         theirs, ours = saved_state(split / f"global_step{step}"), saved_state(resumed / f"global_step{step}")
-        assert ours.keys() == theirs.keys() and any("optim_states" in name for name in ours)
+        assert ours.keys() == theirs.keys() and any(kind == "optim_states.pt" for _, kind in ours)
         for name, tensors in theirs.items():
             assert ours[name].keys() == tensors.keys(), name
             for key, tensor in tensors.items():
                 assert torch.allclose(ours[name][key], tensor, **dict(atol=1e-6, rtol=1e-5)), (resumed, name, key)
-    experts = saved_state(split / "global_step4")["layer_03-model_states.pt"]["/mlp.experts.gate_up_proj"]
-    assert experts.shape[0] == 8  # every expert in the file, though each rank held 4
+    # each rank wrote its own 4 of the 8 experts, weights and optimizer state, and the layer file holds the rest
+    for kind, key in (("model", "/mlp.experts.gate_up_proj"), ("optim", "/fp32/mlp.experts.gate_up_proj")):
+        shards = [tensors_of(torch.load(split / "global_step4" / f"layer_03-experts_0{shard}-of-02-{kind}_states.pt",
+                                        weights_only=True)) for shard in range(2)]
+        assert [shard[key].shape[0] for shard in shards] == [4, 4]
+        layer = tensors_of(torch.load(split / "global_step4" / f"layer_03-{kind}_states.pt", weights_only=True))
+        assert layer and not any(".experts." in name for name in layer)
+    assert not glob.glob(str(whole / "global_step4" / "*experts_*"))  # experts whole on each rank: in the layer file
+
+
+@pytest.fixture(scope="module")
+def sparse_moe(demo_model, tmp_path_factory):
+    """tests/test_moe.py's demo mixture of experts (Qwen3-MoE, layer 1 dense, the load-balancing loss on): on 2
+    stages of 2 decoder layers each holds experts."""
+    from tests.tiny_models import MOE_CONFIGS
+    return demo_model_of(MOE_CONFIGS["qwen3_moe"](), demo_model, tmp_path_factory.mktemp("sparse_moe"))
+
+
+def assert_export_holds(hf_dir, tag_dir):
+    """The Hugging Face export of a checkpoint holds its weights' bytes: each tensor the one the layer files and
+    expert shards hold, an expert's projection its rows of the fused tensor."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from models.layout import expert_piece, layer_of_hf_name
+    config = AutoConfig.from_pretrained(hf_dir)
+    saved = {layer: tensors for (layer, kind), tensors in saved_state(tag_dir).items() if kind == "model_states.pt"}
+    exported = {k: v for path in glob.glob(os.path.join(hf_dir, "*.safetensors")) for k, v in load_file(path).items()}
+    assert len(exported) > len(saved)
+    for name, tensor in exported.items():
+        fused, piece, parts = expert_piece(name, config) or (name, None, None)
+        index, key = layer_of_hf_name(fused, config.num_hidden_layers, config.tie_word_embeddings)
+        source = saved[f"layer_{index:02d}"][f"/{key}"]
+        source = source if piece is None else source[piece // parts].chunk(parts)[piece % parts]
+        assert tensor.dtype == source.dtype and torch.equal(tensor, source), name
+
+
+# name: (the layout: its stages, partition and precision; what its checkpoint resumes on: ranks, expert-parallel
+# size, stages). In bf16 DeepSpeed all-reduces the replicas' fp32 gradient sums in bf16 unless told otherwise (its
+# communication_data_type): 2 replicas or 4 then round them differently (seen: losses 1.1e-4 apart by step 3,
+# gradient norms 8e-4); reduced in fp32 they are the same sums as in fp32. Another expert-parallel size is another
+# bf16 sum (an expert's weight gradient over 4 ranks' tokens in one bf16 GEMM, not 2 GEMMs summed in fp32): bf16
+# resumes on another data-parallel size.
+REPLICAS = {
+    "1stage": (dict(num_stages=1, partition="[4]"), dict(procs=4, expert_parallel=4)),
+    "2stages": (dict(num_stages=2, partition="[2,2]"), dict(procs=2, expert_parallel=2, num_stages=1, partition="[4]")),
+    "bf16_1stage": ({"num_stages": 1, "partition": "[4]", "precision": "bf16",
+                     "+deepspeed.communication_data_type": "fp32"}, dict(procs=2, expert_parallel=2)),
+    # tensor parallel 2 beside: its rank 0 writes the experts' shards and every replicated tensor, once
+    "tp2_1stage": (dict(num_stages=1, partition="[4]", tensor_parallel_size=2), dict(procs=4, expert_parallel=2)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", REPLICAS)
+def test_twice_as_many_replicas_as_expert_parallel_ranks_equal_one_replica(demo_model, sparse_moe, tmp_path, layout):
+    """Data parallel 2 x expert parallel 2 (4 ranks a stage: each slice of the experts on 2 replicas, which ZeRO-1
+    partitions its optimizer state over and all-reduces its gradients over) against data parallel = expert parallel
+    on the same global batches (one sequence a micro-batch, twice the micro-batches a rank), clipping active, the
+    load-balancing loss on: every step's loss and gradient norm, the evaluation, and every checkpoint's weights,
+    master weights and moments within 1e-6; its export holds its checkpoint's bytes; and its step-2 checkpoint,
+    resumed on another expert-parallel size (4: half of each saved shard a rank) or on another stage count and
+    data-parallel size, makes the reference's steps 3 and 4."""
+    layout, resumed_on = REPLICAS[layout]
+    settings, stages = dict(layout, micro_batch_size=1), layout["num_stages"]
+    ranks_a_replica = stages * layout.get("tensor_parallel_size", 1)
+    reference, replicas, resumed = (tmp_path / name for name in ("dp_ep", "dp_2ep", "resumed"))
+    train(demo_model, sparse_moe, tmp_path, reference, 2, procs=2 * ranks_a_replica, gradient_accumulation_steps=4,
+          **settings)
+    output = train(demo_model, sparse_moe, tmp_path, replicas, 2, procs=4 * ranks_a_replica,
+                   gradient_accumulation_steps=2, export_hf="true",
+                   **{**settings, "moe.rank_load_warning": 1.0001}).stdout
+    procs, expert_parallel = resumed_on.pop("procs"), resumed_on.pop("expert_parallel")
+    settings_resumed = {**settings, **resumed_on}
+    data_parallel = procs // (settings_resumed["num_stages"] * settings_resumed.get("tensor_parallel_size", 1))
+    result = train(demo_model, sparse_moe, tmp_path, resumed, expert_parallel, procs=procs,
+                   gradient_accumulation_steps=8 // data_parallel, resume=str(replicas / "global_step2"),
+                   **settings_resumed)
+    assert f"expert_parallel 2 -> {expert_parallel}" in result.stdout or f"data_parallel 4 -> {data_parallel}" in \
+        result.stdout
+    records = {out: [r for r in read_metrics(out) if "loss" in r] for out in (reference, replicas, resumed)}
+    assert [r["step"] for r in records[replicas]] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm", "aux_loss"):
+        expected = [r[key] for r in records[reference]]
+        assert [r[key] for r in records[replicas]] == pytest.approx(expected, **EXACT), key
+        assert [r[key] for r in records[resumed]] == pytest.approx(expected[2:], **EXACT), key
+    assert min(r["grad_norm"] for r in records[reference]) > 0.05  # clipping acts on every step
+    # each sparse layer's busiest expert-parallel rank against a rank's mean (the same counts summed over replicas)
+    loads = [{key: value for key, value in r.items() if key.startswith("expert_rank_load/")} for r in records[replicas]]
+    assert loads == [{key: r[key] for key in load} for r, load in zip(records[reference], loads)]
+    assert all(set(load) == {f"expert_rank_load/layer_{i}" for i in (0, 2, 3)} for load in loads)
+    assert "an expert-parallel rank received more than moe.rank_load_warning=1.0001 times" in output
+    evaluated = [[r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r] for out in (reference, replicas,
+                                                                                          resumed)]
+    assert len(evaluated[0]) == 1 and evaluated[1] == pytest.approx(evaluated[0], **EXACT)
+    assert evaluated[2] == pytest.approx(evaluated[0], **EXACT)
+    for out, steps in ((replicas, (1, 2, 3, 4)), (resumed, (3, 4))):
+        for step in steps:
+            theirs, ours = saved_state(reference / f"global_step{step}"), saved_state(out / f"global_step{step}")
+            assert ours.keys() == theirs.keys()
+            for name, tensors in theirs.items():
+                assert ours[name].keys() == tensors.keys(), name
+                for key, tensor in tensors.items():
+                    assert torch.allclose(ours[name][key].float(), tensor.float(), atol=1e-6, rtol=1e-5), \
+                        (out, step, name, key)
+    assert_export_holds(str(replicas / "hf"), replicas / "global_step4")
+
+
+@pytest.fixture(scope="module")
+def wide_experts(demo_model, tmp_path_factory):
+    """The demo Qwen3-MoE with experts 8192 wide: a sparse layer's experts 6.3M parameters, ~8 in 10 of the model."""
+    from tests.tiny_models import MOE_CONFIGS
+    config = MOE_CONFIGS["qwen3_moe"]()
+    config.moe_intermediate_size = 8192
+    return demo_model_of(config, demo_model, tmp_path_factory.mktemp("wide_experts"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_save_takes_at_most_one_shard_above_the_resident_state(demo_model, wide_experts, tmp_path, ranks):
+    """One stage, its experts split over all `ranks` (ZeRO-1, fp32), saved after a step: on every rank the peak
+    resident set of the save (tests/save_memory_probe.py) is at most the largest file it writes above the resident
+    state, beside the checksum's one reused read buffer; that file is one shard of a layer's experts' optimizer
+    state, so no rank held a layer's experts whole, which would have taken `ranks` shards. The plan's host
+    memory of a save (planner/training_state.py save_host_bytes) is that file's bytes."""
+    from transformers import AutoConfig
+
+    from checkpoints.integrity import CHUNK_BYTES
+    from models.partition import layer_kinds
+    from planner.stage_costs import LayerCosts
+    from planner.workload import Workload
+    costs = LayerCosts(AutoConfig.from_pretrained(wide_experts["hf"]), Workload(
+        precision="fp32", data_parallel=ranks, expert_parallel=ranks))
+    planned = costs.stage_save_bytes(layer_kinds(costs.config))[1]
+    out, slack = tmp_path / "run", 2 << 20  # pickling, the engine's small files: seen under 0.5 MiB
+    train(demo_model, wide_experts, tmp_path, out, ranks, procs=ranks, num_stages=1, partition="[4]",
+          gradient_accumulation_steps=1, max_steps=1, async_save="false",
+          script=os.path.join("tests", "save_memory_probe.py"))
+    for rank in range(ranks):
+        (save,) = json.loads((out / f"save_memory_rank{rank}.json").read_text())
+        largest = max(save["files"], key=save["files"].get)
+        shard = save["files"][largest]
+        assert re.fullmatch(rf"layer_0[1-4]-experts_0{rank}-of-0{ranks}-optim_states\.pt", largest), save["files"]
+        assert save["peak"] - save["resident"] <= shard + CHUNK_BYTES + slack, (rank, save)
+        assert planned == shard
+        assert shard * ranks > shard + CHUNK_BYTES + slack  # a layer's experts whole on a rank would be seen
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
@@ -175,3 +338,17 @@ def test_the_all_to_all_dispatch_equals_every_expert_on_every_rank(tmp_path):
         assert len(results) == 4
         for case, differences in results.items():
             assert max(differences) < 1e-6, (rank, case, differences)
+
+
+@pytest.mark.slow
+def test_replicated_expert_gradients_sum_alike_when_a_rank_routes_no_row(tmp_path):
+    """Under tensor parallelism (sequence parallel) with expert parallelism a rank's experts may receive no row in
+    a micro-batch: their gradients (zeros, laid out as the parameter) are summed with a peer's from the grouped
+    GEMM (the transposed layout of its backward) into the same sums on both ranks, each the two ranks' own."""
+    from tests.distributed import spawn
+    from tests.expert_parallel_worker import replicated_expert_grads_when_a_rank_routes_no_row
+    spawn(replicated_expert_grads_when_a_rank_routes_no_row, 2, str(tmp_path))
+    for rank in range(2):
+        differences = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert set(differences) == {"gate_up_proj", "down_proj"} and max(differences.values()) == 0.0, (rank,
+                                                                                                        differences)

@@ -63,7 +63,11 @@ def test_llama_65b_as_shipped_offloads_the_optimizer_and_fits_gpu_and_host(capsy
                                                                    else 8192 * 22016)  # fp64 norm of one grad
     # Ranks 0-7 (stages 0-3 x 2 replicas) on node 0, 8-15 on node 1.
     nodes = host_memory_plan(spec, rows)
-    assert nodes == [2 * sum(row["host_bytes"] for row in rows[start:start + 4]) + 8 * HOST_PROCESS_BYTES
+    # a save's host copies: each rank's largest file, a decoder layer's fp32 master and Adam moments
+    from models.partition import layer_parameter_counts
+    assert all(row["save_host_bytes"] == 12 * layer_parameter_counts(model_config)[1] for row in rows)
+    assert nodes == [2 * sum(row["host_bytes"] + row["save_host_bytes"] for row in rows[start:start + 4])
+                     + 8 * HOST_PROCESS_BYTES
                      for start in (0, 4)]
     assert "fits in 80 GiB per device" in printed and "fits in 1024 GiB per node" in printed
     assert "does NOT" not in printed and plan_fits(spec, rows, nodes)
@@ -333,8 +337,11 @@ def test_async_save_snapshot_is_planned_and_a_node_without_room_for_it_is_one_li
     without = plan_spec(run_config("llama_65b"), 16)
     node_snapshots = [snapshot_bytes_of_ranks(spec, range(start, start + 8)) for start in (0, 8)]
     assert node_snapshots == [2 * sum(row["snapshot_bytes"] for row in rows[first:first + 4]) for first in (0, 4)]
-    assert host_memory_plan(spec, rows) == [plain + snapshot for plain, snapshot in zip(
-        host_memory_plan(without, memory_plan(without)), node_snapshots)]
+    synchronous = memory_plan(without)  # whose saves hold the host copies of each rank's largest file instead
+    node_saves = [2 * sum(row["save_host_bytes"] for row in synchronous[first:first + 4]) for first in (0, 4)]
+    assert all(row["save_host_bytes"] == 0 for row in rows) and min(node_saves) > 0
+    assert host_memory_plan(spec, rows) == [plain - saves + snapshot for plain, saves, snapshot in zip(
+        host_memory_plan(without, synchronous), node_saves, node_snapshots)]
     per_node = sum(node_snapshots) / 2 / GIB
     assert f"+ async_save snapshot {per_node:.1f} GiB (in /dev/shm: each rank's checkpoint files) +" in printed
     assert f"largest node {max(host_memory_plan(spec, rows)) / GIB:.1f} GiB" in printed

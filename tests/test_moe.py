@@ -201,6 +201,82 @@ def test_a_split_backward_leaves_the_experts_and_routers_weight_gradients_to_w(f
     assert not adapted or all(grads[name] is not None for name in grads if "lora_" in name)
 
 
+# --- balance seen --------------------------------------------------------------------------------------------------
+
+def test_the_metrics_show_each_layers_busiest_expert_and_rank_and_a_collapse_is_warned_in_one_line():
+    """Qwen3-MoE's 3 sparse layers of 8 experts, two windows' counts: expert_load is the busiest expert's tokens over
+    the mean; under expert parallelism 2 (experts 0-3 on one rank, 4-7 on the other) expert_rank_load the busiest
+    rank's over the mean; the warning names each layer whose rank took more than moe.rank_load_warning times its
+    share."""
+    from training.expert_balance import rank_overload_warning
+    loss = LoadBalancingLoss(MOE_CONFIGS["qwen3_moe"]())
+    assert loss.sparse_layers == [0, 2, 3]
+    counts = torch.tensor([[4, 4, 4, 4, 4, 4, 4, 4],    # balanced
+                           [16, 0, 0, 0, 4, 4, 4, 4],   # one busy expert, the ranks balanced
+                           [10, 10, 10, 6, 1, 1, 1, 1]])  # the first rank takes 36 of 40
+    for half in (counts // 2, counts - counts // 2):  # two micro-batches of a window
+        loss.add_metrics(half, torch.tensor(2.0))
+    metrics = loss.take_metrics(expert_parallel=2)
+    assert metrics == {"aux_loss": 2.0, "expert_load/layer_0": 1.0, "expert_load/layer_2": 4.0,
+                       "expert_load/layer_3": 2.0, "expert_rank_load/layer_0": 1.0, "expert_rank_load/layer_2": 1.0,
+                       "expert_rank_load/layer_3": 1.8}
+    assert rank_overload_warning(metrics, 2.0, 40) is None and rank_overload_warning(metrics, 0, 40) is None
+    assert rank_overload_warning(metrics, 1.5, 40) == (
+        "trainer_pipe: warning: step 40: an expert-parallel rank received more than moe.rank_load_warning=1.5 times "
+        "its balanced share of the routed tokens of decoder layer(s) 3 (1.80x) in the last logging window: the "
+        "routing collapses onto its experts, whose activations the memory plan counts at the balanced share; turn on "
+        "or raise the load-balancing loss (output_router_logits=true, router_aux_loss_coef in config.json) or, for "
+        "DeepSeek-V3's router, moe.bias_update_rate, or set moe.rank_load_warning=0 to silence this.")
+    loss.add_metrics(counts, torch.tensor(2.0))
+    assert not any(key.startswith("expert_rank_load/") for key in loss.take_metrics())  # experts whole on each rank
+
+
+@pytest.mark.parametrize("value", [1, 0.5, -2, "many", True])
+def test_a_rank_load_warning_that_cannot_be_exceeded_is_refused_in_one_line(value):
+    from training.config_checks import ConfigError, check_balancing
+    with pytest.raises(ConfigError, match=rf"^moe\.rank_load_warning={value!r} must be a multiple of a rank's "
+                                          rf"balanced share of the routed tokens above 1 \(2\.0: twice its share\), "
+                                          rf"or 0 for no warning\.$".replace("'", "\\'")):
+        check_balancing({"bias_update_rate": 0.0, "sequence_aux_loss_coef": 0.0, "rank_load_warning": value})
+
+
+# --- the clipping norm ---------------------------------------------------------------------------------------------
+
+SQUARES_MEMORY = """
+import ctypes, json, torch
+from engines import gradient_norm
+ctypes.CDLL(None).mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD: large buffers mapped, and unmapped when freed
+def peak_above(run):
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    status = lambda field: next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field))
+    before = status("VmRSS:")
+    run()
+    return (status("VmHWM:") - before) * 1024
+grad = torch.randn(3 << 22, dtype=torch.bfloat16)  # 12.6M elements: 24 MiB
+gradient_norm.NORM_CHUNK_ELEMENTS = 1 << 20
+gradient_norm.summed_squares([grad[:3 << 20]])  # the kernels' code paged in before anything is measured
+print(json.dumps([peak_above(lambda: gradient_norm.summed_squares([grad])),
+                  peak_above(lambda: grad.float().pow(2).sum())]))
+"""
+
+
+def test_the_clipping_norms_squares_take_a_chunk_at_a_time():
+    """summed_squares: a gradient within one chunk gives the bits of its squares summed whole, as before chunking;
+    a larger one the exact sum within fp32 rounding, with a chunk's fp32 copy and squares at a time, not the whole
+    gradient's (measured in a process of its own, resident set peaks)."""
+    from engines.gradient_norm import NORM_CHUNK_ELEMENTS, summed_squares
+    from tests.launch import check_ok, run_python
+    torch.manual_seed(0)
+    grads = [torch.randn(1000, 7, dtype=torch.bfloat16), torch.randn(33)]
+    assert torch.equal(summed_squares(grads), torch.stack([g.float().pow(2).sum() for g in grads]).sum())
+    large = torch.randn(NORM_CHUNK_ELEMENTS + 12345)
+    assert summed_squares([large]).item() == pytest.approx(large.double().pow(2).sum().item(), rel=1e-6)
+    chunked, whole = json.loads(check_ok(run_python(["-c", SQUARES_MEMORY])).stdout)
+    chunk_bytes = (1 << 20) * 4
+    assert chunked <= 2 * chunk_bytes + (1 << 20) and whole >= 2 * (3 << 22) * 4 - (1 << 20), (chunked, whole)
+
+
 # --- the planner ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
@@ -229,6 +305,48 @@ def test_activation_model_counts_what_an_moe_layer_saves(dtype, precision, famil
     assert saved_activation_bytes(lambda: decoder(inputs), shared | params) == costs.saved_bytes[DECODER]
     model = AutoModelForCausalLM.from_config(config)
     assert sum(layer_parameter_counts(config)) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("family,targets", [("mixtral", ("experts.gate_up_proj", "experts.down_proj")),
+                                            ("gpt_oss", ("experts.down_proj",)), ("qwen3_moe", ("gate_proj",))])
+def test_the_plan_counts_the_folded_experts_lora_keeps_for_backward(dtype, precision, family, targets, monkeypatch):
+    """LoRA on a sparse layer's experts keeps, per micro-batch, each adapted fused tensor folded with its adapters
+    (W + scaling B A, the grouped GEMM's weight): autograd saves tensors of those shapes, exactly the bytes the
+    planner adds for them (planner/moe_costs.py lora_folded_expert_bytes; Qwen3-MoE's gate_proj adapts its experts'
+    gate_up_proj, as peft reads it)."""
+    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from models.lora import LoraSettings, add_adapters
+    from models.partition import DECODER
+    from models.router_loss import initial_routing, pack_stage
+    from planner import decoder_costs
+    from planner.stage_costs import LayerCosts
+    from planner.workload import Workload
+    batch, seq = 2, 24
+    config, lora = MOE_CONFIGS[family](), LoraSettings(rank=2, target_modules=targets)
+    index = architecture_of(config).sparse_layers.index(True)
+    workload = Workload(seq_length=seq, micro_batch_size=batch, precision=precision, lora=lora)
+    planned = {True: LayerCosts(config, workload)}
+    monkeypatch.setattr(decoder_costs, "lora_folded_expert_bytes", lambda *args: 0)
+    planned[False] = LayerCosts(config, workload)  # the plan without its term for them
+    decoder = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="full"), layer_index=index)
+    add_adapters(decoder, lora, config, 1, 0, 0, index)
+    decoder = decoder.to(dtype)
+    for name, param in decoder.named_parameters():
+        param.requires_grad_("lora_" in name)
+    experts = decoder.mlp.experts
+    fused = {name: getattr(experts, name).shape for name in experts.lora_A}
+    hidden = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
+    mask, positions = torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda t: t):
+        decoder(pack_stage(hidden, mask, positions, initial_routing(config, "cpu")))
+    params = {p.untyped_storage().data_ptr() for p in decoder.parameters()}
+    folded = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
+              if t.untyped_storage().data_ptr() not in params and t.dtype == dtype and
+              any(t.shape in (shape, shape[:1] + shape[:0:-1]) for shape in fused.values())}  # a transposed view
+    assert len(folded) == len(fused) and fused
+    assert planned[True].saved_bytes[DECODER] - planned[False].saved_bytes[DECODER] == sum(folded.values())
 
 
 @pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
@@ -482,6 +600,19 @@ def test_output_router_logits_overrides_the_checkpoint_and_is_refused_for_a_dens
     with pytest.raises(ConfigError, match=r"^output_router_logits=True asks for the load-balancing loss of a mixture "
                                           r"of experts, and llama has no router; leave it null\.$"):
         run_spec_of(demo_model, demo_model["ds"], tmp_path, "output_router_logits=true")
+
+
+def test_a_torch_without_grouped_mm_is_refused_in_one_line_for_a_mixture_of_experts(demo_model, tiny_moe_checkpoints,
+                                                                                   tmp_path, monkeypatch):
+    """Before any process group: the version that added it named; a dense model does not need it."""
+    from training.config_checks import ConfigError
+    monkeypatch.delattr(torch.nn.functional, "grouped_mm")
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")
+    with pytest.raises(ConfigError, match=r"^the mixture of experts mixtral runs its experts through "
+                                          r"torch\.nn\.functional\.grouped_mm, which torch 2\.9\.1\+cu128 lacks "
+                                          r"\(torch 2\.10 added it\): install torch>=2\.10\.$"):
+        run_spec_of(demo_model, tiny_moe_checkpoints["mixtral"][1], tmp_path)
+    assert run_spec_of(demo_model, demo_model["ds"], tmp_path).model_config.model_type == "llama"
 
 
 # --- many processes ------------------------------------------------------------------------------------------------

@@ -146,6 +146,28 @@ def test_slices_of_another_model_are_refused(tmp_path):
         load_layer_slice(torch.nn.Linear(2, 2, bias=False), paths, rank=0, size=4)
 
 
+def test_replicated_tensors_are_read_from_rank_0s_file(tmp_path):
+    """A tensor-parallel checkpoint holds a replicated tensor (a norm) in rank 0's file only, and older ones in every
+    rank's: either loads on each rank, and on another tensor-parallel size."""
+    class Layer(torch.nn.Module):
+        def __init__(self, rows):
+            super().__init__()
+            self.weight, self.norm = torch.nn.Parameter(torch.zeros(rows, 2)), torch.nn.Parameter(torch.zeros(3))
+            self.weight.tensor_parallel_dim = 0
+
+    weight, norm = torch.arange(8.0).view(4, 2), torch.tensor([1.0, 2.0, 3.0])
+    for layout, replicated_in in (("once", [0]), ("every_rank", [0, 1])):
+        for rank in range(2):
+            torch.save({"weight": weight[2 * rank:2 * rank + 2], **({"norm": norm} if rank in replicated_in else {})},
+                       tmp_path / f"{layout}-model_0{rank}-model_states.pt")
+        paths = sorted(str(p) for p in tmp_path.glob(f"{layout}-*"))
+        for rank, size, rows in ((0, 2, 2), (1, 2, 2), (0, 1, 4)):
+            layer = Layer(rows)
+            load_layer_slice(layer, paths, rank=rank, size=size)
+            assert torch.equal(layer.weight, weight[rank * rows:(rank + 1) * rows]), (layout, rank, size)
+            assert torch.equal(layer.norm, norm), (layout, rank, size)
+
+
 def test_the_pad_tokens_embedding_row_takes_no_gradient():
     """As transformers builds the embedding (nn.Embedding with padding_idx=config.pad_token_id), over two
     micro-batches holding the pad token as a real token: the first's gradient dense, the second's added row by row

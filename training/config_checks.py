@@ -4,6 +4,7 @@ first, then the checks that need files, the model and the world."""
 import difflib
 import os
 
+import torch
 from omegaconf import ListConfig, OmegaConf
 
 from checkpoints.background_save import ASYNC_SAVE_SETTINGS
@@ -129,12 +130,17 @@ def check_values(cfg):
 
 
 def check_balancing(moe):
-    """moe.bias_update_rate and moe.sequence_aux_loss_coef: numbers >= 0 (0: off)."""
-    for key in ("bias_update_rate", "sequence_aux_loss_coef"):
+    """moe.bias_update_rate and moe.sequence_aux_loss_coef: numbers >= 0 (0: off); moe.rank_load_warning: 0 (off)
+    or a multiple of the balanced share above 1."""
+    for key in BALANCING_PAPER_VALUES:
         value = moe[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise ConfigError(f"moe.{key}={value!r} must be a number >= 0 (0: off; DeepSeek-V3's paper used "
                               f"{BALANCING_PAPER_VALUES[key]}).")
+    value = moe["rank_load_warning"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value == 0 or value > 1):
+        raise ConfigError(f"moe.rank_load_warning={value!r} must be a multiple of a rank's balanced share of the "
+                          f"routed tokens above 1 (2.0: twice its share), or 0 for no warning.")
 
 
 def check_token_shard_keys(cfg):
@@ -300,14 +306,28 @@ EXPERT_PARALLEL_REFUSED = {
 }
 
 
+GROUPED_MM_TORCH = "2.10"  # the first torch with torch.nn.functional.grouped_mm (CPU, and CUDA from sm80)
+
+
+def check_torch_kernels(model_config):
+    """A mixture of experts runs its experts through torch.nn.functional.grouped_mm (models/weight_grads.py):
+    refused in one line, before any process group, on a torch without it."""
+    if architecture_of(model_config).moe and not hasattr(torch.nn.functional, "grouped_mm"):
+        raise ConfigError(f"the mixture of experts {model_config.model_type} runs its experts through "
+                          f"torch.nn.functional.grouped_mm, which torch {torch.__version__} lacks (torch "
+                          f"{GROUPED_MM_TORCH} added it): install torch>={GROUPED_MM_TORCH}.")
+
+
 def moe_model_config(cfg, model_config):
     """The model config a run builds: an MoE model's with output_router_logits set as the run says (null: as its
     config.json does, but under objective=dpo on whenever router_aux_loss_coef is nonzero, as TRL's DPOTrainer
     asks for the router logits then) and DeepSeek's sequence-wise loss coefficient (moe.sequence_aux_loss_coef),
     after refusing in one line each setting an MoE model is not tested under; a dense model's as it is, where
-    output_router_logits must be null. The moe.* keys apply to DeepSeek-V3's router only."""
+    output_router_logits must be null. moe.bias_update_rate and moe.sequence_aux_loss_coef apply to DeepSeek-V3's
+    router only."""
     moe = architecture_of(model_config).moe
-    for key, value in cfg.moe.items():
+    for key in BALANCING_PAPER_VALUES:
+        value = cfg.moe[key]
         if value and not (moe and moe.sigmoid_routing):
             raise ConfigError(f"moe.{key}={value} applies to DeepSeek-V3's router (deepseek_v3, glm4_moe), and "
                               f"{model_config.model_type} has {'another router' if moe else 'no router'}; set "

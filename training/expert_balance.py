@@ -42,3 +42,21 @@ class CorrectionBiasBalancing:
         for row, router in self.routers:
             bias = router.e_score_correction_bias
             bias.copy_(balanced_correction_bias(bias, loads[row], self.rate))
+
+
+def rank_overload_warning(metrics, factor, step):
+    """One line naming each sparse layer whose busiest expert-parallel rank received more than `factor` times its
+    balanced share of the routed tokens in the logging window ending at `step` (metrics: the router loss's
+    take_metrics, expert_rank_load/layer_{i}), else None. The memory plan counts each rank's balanced share of the
+    routed tokens (planner/decoder_costs.py): routing that collapses onto one rank's experts takes more there."""
+    over = {key.rsplit("_", 1)[1]: load for key, load in metrics.items()
+            if key.startswith("expert_rank_load/") and load > factor}
+    if not factor or not over:
+        return None
+    layers = ", ".join(f"{layer} ({load:.2f}x)" for layer, load in over.items())
+    return (f"trainer_pipe: warning: step {step}: an expert-parallel rank received more than moe.rank_load_warning="
+            f"{factor} times its balanced share of the routed tokens of decoder layer(s) {layers} in the last logging "
+            f"window: the routing collapses onto its experts, whose activations the memory plan counts at the balanced "
+            f"share; turn on or raise the load-balancing loss (output_router_logits=true, router_aux_loss_coef in "
+            f"config.json) or, for DeepSeek-V3's router, moe.bias_update_rate, or set moe.rank_load_warning=0 to "
+            f"silence this.")

@@ -38,7 +38,7 @@ from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.sigmoid_router import FP32_MARKER
 from planner.memory_plan import describe_stages, planned_stage_tflops, print_memory_plan, snapshot_bytes_of_ranks
 from training.deepspeed_config import accumulation_warning, deepspeed_config
-from training.expert_balance import CorrectionBiasBalancing
+from training.expert_balance import CorrectionBiasBalancing, rank_overload_warning
 from cluster.distributed import (check_devices, elastic_restart_error, init_distributed, log_rank0, node_ranks,
                                   parallel_topology, set_threads_per_process, set_up_flight_recorder)
 from evaluation.eval_set import evaluate
@@ -392,6 +392,7 @@ class TrainingRun:
         if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
             preference_metrics = engine.module.loss_fn.take_metrics() if spec.preference.preference else {}
             router = getattr(engine.module.loss_fn, "router", None)  # an MoE model's: aux_loss, expert_load/*
+            router_metrics = router.take_metrics(cfg.expert_parallel_size) if router else {}
             elapsed = window.elapsed()
             grad_norm = engine.get_global_grad_norm()
             tokens_per_sec = window.tokens / elapsed
@@ -400,13 +401,15 @@ class TrainingRun:
                              "tokens_per_sec": tokens_per_sec,
                              **compute_throughput(tokens_per_sec, window.flops / window.tokens,
                                                   dist.get_world_size(), self.peak_tflops),
-                             **preference_metrics, **(router.take_metrics() if router else {}),
+                             **preference_metrics, **router_metrics,
                              "samples_per_sec": window.steps * spec.samples_per_step / elapsed,
                              "elapsed_s": window.run_elapsed(),
                              **({"skipped_steps": window.skipped} if window.skipped else {}),
                              **self.stragglers.window_report(log_rank0),
                              **self.data.epochs(self.consumed_samples)})
             window.reset()
+            if overload := rank_overload_warning(router_metrics, cfg.moe.rank_load_warning, self.step):
+                log_rank0(overload)
         self.profile.lap("logging")
 
     def evaluate_if_due(self):

@@ -34,7 +34,7 @@ from planner.stage_costs import StageCostModel
 from planner.training_state import checkpoint_bytes_per_parameter
 from planner.workload import Workload
 from schedules.rules import chunks_per_rank
-from training.config_checks import checked_config, moe_model_config
+from training.config_checks import check_torch_kernels, checked_config, moe_model_config
 from training.resume import check_output_dir_is_ours, check_resume, resolve_resume, with_resume
 
 
@@ -168,6 +168,7 @@ def run_spec(cfg, world_size):
     check_output_dir_is_ours(cfg.output_dir, cfg.model_name_or_path)
     model_config, model_files_dir = load_model_config(cfg.model_name_or_path, cfg.verify_checksums)
     model_config = moe_model_config(cfg, model_config)
+    check_torch_kernels(model_config)
     if not cfg.eval_only:
         try:
             check_trains_as_configured(model_config)

@@ -1,5 +1,6 @@
 """The GPU check on two GPUs (bash scripts/gpu_check.sh): NCCL between pipeline stages and within tensor- and
-context-parallel groups, each against what the CPU suite proves over gloo, in fp32 so that equal means equal."""
+context-parallel groups, and expert parallelism's all-to-alls, each against what the CPU suite proves over gloo, in
+fp32 so that equal means equal."""
 import pytest
 import torch
 
@@ -40,3 +41,24 @@ def test_split_over_2_gpus_equals_1_gpu(demo_model, one_gpu_losses, tmp_path, re
     difference = loss_difference(launched_losses(demo_model, tmp_path / "run", 2, **{split: 2}), one_gpu_losses)
     assert difference <= 1e-4, difference
     record_property("figure", f"{split}=2, 8 fp32 steps: max |loss difference| {difference:.1e} (allowed 1e-4)")
+
+
+def test_expert_parallel_over_2_gpus_equals_the_experts_whole(demo_model, tmp_path, record_property):
+    """tests/test_moe.py's demo Qwen3-MoE (the load-balancing loss on) on 2 data-parallel GPUs, its experts split
+    over the two (expert_parallel_size=2: every token to its experts' GPU and back by NCCL all-to-all) against each
+    GPU holding them all (tests/test_expert_parallel.py on CPU), ZeRO-1; and the experts' saved shards resume."""
+    from tests.test_moe import demo_model_of
+    from tests.tiny_models import MOE_CONFIGS
+    model = dict(demo_model, **demo_model_of(MOE_CONFIGS["qwen3_moe"](), demo_model, tmp_path / "model"))
+    losses = {size: launched_losses(model, tmp_path / f"ep{size}", 2, zero_stage=1, save_steps=4,
+                                    expert_parallel_size=size) for size in (1, 2)}
+    difference = loss_difference(losses[2], losses[1])
+    assert difference <= 1e-5, losses
+    resumed = tmp_path / "resumed"
+    check_ok(launch_trainer(2, demo_overrides(model, resumed, **dict(
+        SINGLE_PROCESS, zero_stage=1, expert_parallel_size=2, resume=tmp_path / "ep2" / "global_step4")),
+        accelerator="cuda"))
+    resume_difference = loss_difference(per_step_losses(resumed), losses[2][4:])
+    assert resume_difference <= 1e-5, resume_difference
+    record_property("figure", f"8 fp32 steps: max |loss difference| {difference:.1e} (allowed 1e-5); resumed from "
+                              f"the experts' shards at step 4: {resume_difference:.1e}")
