@@ -313,7 +313,7 @@ def test_activation_model_counts_what_an_moe_layer_saves(dtype, precision, famil
 def test_the_plan_counts_the_folded_experts_lora_keeps_for_backward(dtype, precision, family, targets, monkeypatch):
     """LoRA on a sparse layer's experts keeps, per micro-batch, each adapted fused tensor folded with its adapters
     (W + scaling B A, the grouped GEMM's weight): autograd saves tensors of those shapes, exactly the bytes the
-    planner adds for them (planner/moe_costs.py lora_folded_expert_bytes; Qwen3-MoE's gate_proj adapts its experts'
+    planner adds for them (planner/decoder_costs.py lora_folded_expert_bytes; Qwen3-MoE's gate_proj adapts its experts'
     gate_up_proj, as peft reads it)."""
     from models.llama import DecoderLayerPipe, StageAttentionInputs
     from models.lora import LoraSettings, add_adapters
