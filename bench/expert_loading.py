@@ -24,7 +24,7 @@ def read_bytes():
 
 def sparse_layer(config, experts=None):
     from models.expert_parallel import NO_EXPERT_PARALLEL
-    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe, StageAttentionInputs
     return DecoderLayerPipe(config, StageAttentionInputs(config), dispatcher=experts or NO_EXPERT_PARALLEL)
 
 

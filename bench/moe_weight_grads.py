@@ -23,7 +23,7 @@ SPLITS = ("experts in W", "experts in B", "undivided")
 
 def sparse_layer(config, split):
     """A decoder layer whose backward splits as `split` says, and the queue its W runs from (None: undivided)."""
-    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe, StageAttentionInputs
     from models.tensor_parallel import TensorParallel
     from models.weight_grads import WeightGradQueue
     import torch

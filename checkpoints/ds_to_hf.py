@@ -23,7 +23,7 @@ from checkpoints.layer_files import load_weights_only
 from models.architecture import architecture_of
 from models.layout import (MTP_FILE_NAME, fuse, hf_name_of_layer_key, hub_piece, hub_pieces,
                            layer_indices_with_files)
-from models.llama import check_model_config, layers_on_meta
+from models.pipeline_layers import check_model_config, layers_on_meta
 from models.lora import EXPERT_ADAPTER, NO_LORA, LoraSettings, add_adapters, peft_adapters
 
 PEFT_PREFIX = "base_model.model."  # peft's name of the wrapped model in an adapter's weights

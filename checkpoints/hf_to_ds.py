@@ -27,7 +27,7 @@ from checkpoints.quantized_weights import (check_scales, dequantized, drop_quant
                                           scaled_weights, unscaled_error)
 from models.layout import (MTP_FILE_NAME, expert_piece, fused_parts, hub_pieces, is_multi_token_prediction,
                            layer_file_path, layer_indices_with_files, layer_of_hf_name, pipeline_name)
-from models.llama import architecture_of, check_model_config, layers_on_meta
+from models.pipeline_layers import architecture_of, check_model_config, layers_on_meta
 
 IMPORT_TAG = "global_step0"
 

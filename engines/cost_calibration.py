@@ -27,7 +27,7 @@ from deepspeed.accelerator import get_accelerator
 import collectives
 from data.collator import row_layout
 from models.context_parallel import NO_CONTEXT_PARALLEL
-from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
+from models.pipeline_layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
 from models.loss import CausalLMLoss
 from models.partition import DECODER, EMBEDDING, HEAD, planned_decoder
 from models.pipeline import PRECISION_DTYPES

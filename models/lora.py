@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from models.architecture import architecture_of
-from models.llama import DecoderLayerPipe, fused_projections
+from models.pipeline_layers import DecoderLayerPipe, fused_projections
 from models.moe import MoEBlock
 from models.tensor_parallel import SHARDED_MARKER, TensorParallel
 

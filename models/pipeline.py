@@ -12,7 +12,7 @@ from deepspeed_internals.access import (pipeline_grid, set_layer_range, set_part
 from deepspeed_internals.registry import non_reentrant_checkpoint
 from models.context_parallel import NO_CONTEXT_PARALLEL, build_context_parallel
 from models.expert_parallel import NO_EXPERT_PARALLEL, build_expert_parallel
-from models.llama import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs,
+from models.pipeline_layers import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs,
                           architecture_of, check_model_config, lm_head)
 from models.lora import NO_LORA, add_adapters, freeze_all_but_adapters
 from models.loss import CausalLMLoss

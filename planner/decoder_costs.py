@@ -15,7 +15,7 @@ crosses the tensor- and context-parallel groups, not what backward keeps: the ex
 SDPA's backward needs them. On the CPU, whose flash kernel takes one width, SDPA falls back to its math path
 instead, which keeps the scores.
 """
-from models.llama import architecture_of, head_dim_of
+from models.pipeline_layers import architecture_of, head_dim_of
 from models.lora import adapter_parameter_count
 from models.partition import decoder_parameter_split, expert_parameters, mean_attended_keys
 from planner.moe_costs import eager_attention_extra_bytes, moe_saved_bytes, moe_weight_grad_bytes

@@ -34,7 +34,7 @@ decoder layer (the slowest stage sets a pipeline's pace) as long as its memory f
 device's memory costs more than any that fits, by how far over it is. Measured on the CPU, stage compute times
 follow these FLOPs within 4% (bench/trainer_profile.py).
 """
-from models.llama import architecture_of
+from models.pipeline_layers import architecture_of
 from models.partition import (DECODER, DECODERS, EMBEDDING, HEAD, NORM, decoder_kinds, kind_layer, layer_kinds)
 from schedules.orders import rank_orders
 from schedules.rules import chunk_ids, chunks_per_rank, in_flight_micro_batches, waiting_micro_batches

@@ -73,7 +73,7 @@ def test_decoder_costs_are_what_autograd_keeps(monkeypatch, dtype, precision, ki
     Qwen3-MoE's grouped-query attention; DeepSeek-V3's router): the planner's saved bytes are what autograd keeps
     with the CUDA kernels' attention, its parameters transformers' layer's, and a micro-batch waiting for W keeps
     what the zero-bubble queue holds."""
-    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe, StageAttentionInputs
     from models.router_loss import initial_routing, pack_stage
     from models.tensor_parallel import TensorParallel
     from models.weight_grads import WeightGradQueue

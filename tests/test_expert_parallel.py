@@ -88,7 +88,7 @@ def test_a_rank_reads_only_its_own_experts_bytes(tmp_path, monkeypatch, family):
     from checkpoints import layer_files
     from models.architecture import architecture_of
     from models.expert_parallel import ExpertParallel
-    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe, StageAttentionInputs
     from tests.tiny_models import MOE_CONFIGS
     config = MOE_CONFIGS[family]()
     inputs, layer_index = StageAttentionInputs(config), architecture_of(config).sparse_layers.index(True)

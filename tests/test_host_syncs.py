@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig
 
 from data.collator import collate, collate_causal_lm, collate_preference, row_layout
-from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
+from models.pipeline_layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
 from models.loss import CausalLMLoss
 from models.preference import PreferenceLoss, PreferenceSettings
 from tests.host_syncs import HostSyncs

@@ -12,7 +12,7 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeAttention, Glm
 
 from models.attention_kernels import additive_mask
 from models.latent_attention import LatentAttention, softmax_scale
-from models.llama import Attention, StageAttentionInputs
+from models.pipeline_layers import Attention, StageAttentionInputs
 
 BATCH, SEQ = 2, 12
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.9, "mscale_all_dim": 1.1,

@@ -20,7 +20,7 @@ from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.hf_to_ds import convert_hf_to_ds
 from models.architecture import architecture_of
 from models.layout import layer_of_hf_name
-from models.llama import lm_head
+from models.pipeline_layers import lm_head
 from models.loss import CausalLMLoss
 from models.moe import Experts, LocalExperts
 from models.pipeline import build_pipeline_layers
@@ -142,7 +142,7 @@ def test_a_split_backward_leaves_the_experts_and_routers_weight_gradients_to_w(f
     as a step's last W does: the gradients still reach the parameters."""
     from models.lora import TARGETS, LoraSettings, add_adapters, freeze_all_but_adapters
     from deepspeed_internals.registry import non_reentrant_checkpoint
-    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe, StageAttentionInputs
     from models.router_loss import initial_routing, pack_stage, unpack_stage
     from models.tensor_parallel import TensorParallel
     from models.weight_grads import WeightGradQueue
@@ -208,7 +208,7 @@ def test_a_split_backward_leaves_the_experts_and_routers_weight_gradients_to_w(f
 def test_activation_model_counts_what_an_moe_layer_saves(dtype, precision, family):
     """The planner's bytes of a sparse layer (planner/stage_costs.py moe_saved_bytes; GPT-OSS's eager attention
     with sinks) are what autograd keeps for backward, and its parameters transformers' (every expert)."""
-    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe, StageAttentionInputs
     from models.partition import DECODER, layer_parameter_counts
     from models.router_loss import initial_routing, pack_stage
     from planner.stage_costs import LayerCosts
@@ -236,7 +236,7 @@ def test_activation_model_counts_what_an_moe_layer_saves(dtype, precision, famil
 def test_weight_grad_model_counts_what_an_moe_layer_leaves_to_w(dtype, precision, family):
     """The planner's bytes a micro-batch waiting for W keeps of a sparse layer (planner/moe_costs.py
     moe_weight_grad_bytes, with the attention's and a shared expert's) are what the zero-bubble queue holds."""
-    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe, StageAttentionInputs
     from models.router_loss import initial_routing, pack_stage
     from models.partition import DECODER
     from models.tensor_parallel import TensorParallel
@@ -325,7 +325,7 @@ def stage_syncs(config, loss_fn):
     """(the host syncs of a stage of the embedding, decoder layers 0 and 1, the final norm and the chunked head with
     loss_fn over three padded micro-batches (tests/test_host_syncs.py), the micro-batches)."""
     from data.collator import collate_causal_lm
-    from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
     from tests.test_host_syncs import SEQ, rows, syncs_of_micro_batches
     inputs = StageAttentionInputs(config, row_layout="padded")
     layers = [EmbeddingPipe(config), *[DecoderLayerPipe(config, inputs, layer_index=i) for i in range(2)],

@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from transformers import GraniteConfig, LlamaConfig, Olmo2Config, Phi3Config, Qwen3Config, SmolLM3Config
 
 from models.layout import num_pipeline_layers
-from models.llama import DecoderLayerPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
+from models.pipeline_layers import DecoderLayerPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
 from models.loss import CausalLMLoss
 from models.partition import DECODER, HEAD, NORM, balanced_decoder_counts, stage_bounds
 from models.pipeline import build_pipeline_layers, partition_stages

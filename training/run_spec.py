@@ -21,7 +21,7 @@ from models.architecture import architecture_of, check_trains_as_configured
 from models.layout import layer_file_name, layer_indices_with_files
 from models.context_parallel import context_parallel_error
 from models.expert_parallel import expert_parallel_error
-from models.llama import check_model_config
+from models.pipeline_layers import check_model_config
 from models.lora import (LoraSettings, adapter_layer_indices, adapter_parameter_total, check_lora_applies,
                          check_rank_fits)
 from models.partition import layer_parameter_counts
