@@ -20,14 +20,14 @@ from checkpoints.integrity import (manifest_digest, no_manifest_note, read_by_ex
                                    verify_model_side_files)
 from checkpoints.hf_to_ds import SAFETENSORS_DTYPES, safetensors_entries
 from checkpoints.layer_files import load_weights_only
-from models.architecture import architecture_of
+from models.architecture import architecture_of, check_model_config
 from models.layout import (MTP_FILE_NAME, fuse, hf_name_of_layer_key, hub_piece, hub_pieces,
                            layer_indices_with_files)
-from models.pipeline_layers import check_model_config, layers_on_meta
 from models.lora import EXPERT_ADAPTER, NO_LORA, LoraSettings, add_adapters, peft_adapters
+from models.pipeline_layers import layers_on_meta
+from models.tensor_parallel import TensorParallel
 
 PEFT_PREFIX = "base_model.model."  # peft's name of the wrapped model in an adapter's weights
-from models.tensor_parallel import TensorParallel
 
 
 def resolve_tag_dir(ckpt_dir, tag=None):

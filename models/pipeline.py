@@ -10,16 +10,17 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed_internals.access import (pipeline_grid, set_layer_range, set_partition, synchronize_tied_weights,
                                         use_deepspeed_expert_groups)
 from deepspeed_internals.registry import non_reentrant_checkpoint
-from models.context_parallel import NO_CONTEXT_PARALLEL, build_context_parallel
+from models.architecture import architecture_of, check_model_config
+from models.attention import StageAttentionInputs
+from models.context_parallel import NO_CONTEXT_PARALLEL, ContextParallelAttentionInputs, build_context_parallel
 from models.expert_parallel import NO_EXPERT_PARALLEL, build_expert_parallel
-from models.pipeline_layers import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs,
-                          architecture_of, check_model_config, lm_head)
 from models.lora import NO_LORA, add_adapters, freeze_all_but_adapters
 from models.loss import CausalLMLoss
-from models.router_loss import LoadBalancingLoss
 from models.partition import stage_bounds
+from models.pipeline_layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StagePlan, lm_head
 from models.preference import PreferenceLoss, PreferenceSettings
-from models.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel
+from models.router_loss import LoadBalancingLoss
+from models.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel, parallelize_adapters
 
 ATTENTION_IMPLS = ("sdpa", "eager")
 LOSS_IMPLS = ("chunked", "logits")
@@ -30,19 +31,20 @@ def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARA
                           chunked_loss=False, row_layout="packed", experts=NO_EXPERT_PARALLEL):
     """Layer specs in pipeline index order (models/layout.py): embedding, decoder layers, final norm, LM head.
     chunked_loss: the head hands the loss its input and weight instead of logits (models/loss.py). row_layout:
-    what the rows hold, which decides the attention masks (models/llama.py StageAttentionInputs). experts: where
-    a sparse layer's experts are (models/expert_parallel.py)."""
+    what the rows hold, which decides the attention masks (models/attention.py StageAttentionInputs). experts:
+    where a sparse layer's experts are (models/expert_parallel.py)."""
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl '{attention_impl}' is not one of {ATTENTION_IMPLS}.")
-    stage_inputs = StageAttentionInputs(config, context, row_layout)
+    stage_inputs = (ContextParallelAttentionInputs(config, context, row_layout) if context.size > 1
+                    else StageAttentionInputs(config, row_layout))
     tied = config.tie_word_embeddings
     embedding = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel) if tied
                  else LayerSpec(EmbeddingPipe, config, parallel))
     head = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel,
                           forward_fn=functools.partial(lm_head, chunked_loss=chunked_loss))
             if tied else LayerSpec(LMHeadPipe, config, parallel, chunked_loss))
-    dispatcher = experts if experts.size > 1 else None
-    decoders = [LayerSpec(DecoderLayerPipe, config, stage_inputs, attention_impl, parallel, context, index, dispatcher)
+    plan = StagePlan(attention_impl, parallel, context, experts)
+    decoders = [LayerSpec(DecoderLayerPipe, config, stage_inputs, index, plan)
                 for index in range(config.num_hidden_layers)]
     return [embedding, *decoders, LayerSpec(FinalNormPipe, config, parallel), head]
 
@@ -238,6 +240,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                 if isinstance(layer, DecoderLayerPipe):
                     add_adapters(layer, lora, config, parallel.size, parallel.rank, seed,
                                  module.layer_indices[local])
+                    parallelize_adapters(layer, parallel)
             freeze_all_but_adapters(module)
         expert_params = [p for p in module.parameters() if hasattr(p, "expert_slice")]
         if experts.size > 1 and expert_params:

@@ -4,7 +4,7 @@ its parameters, its training FLOPs, what it keeps for backward, its backward's w
 waiting for its weight gradients keeps. planner/stage_costs.py builds stages from them, as its docstring describes
 (tensor, sequence and context parallelism, checkpointing, schedules).
 
-Attention is grouped-query (models/llama.py) or multi-head latent (models/latent_attention.py, MLA). What MLA keeps
+Attention is grouped-query (models/attention.py) or multi-head latent (models/latent_attention.py, MLA). What MLA keeps
 for backward: the layer's normed input (its share of the tokens: the latent projections run on this rank's
 tokens), each latent norm's fp32 input, inverse RMS and normed output, the latents as the head projections take
 them (gathered under sequence parallelism), the queries and keys of this rank's heads, the keys' and values'
@@ -15,7 +15,7 @@ crosses the tensor- and context-parallel groups, not what backward keeps: the ex
 SDPA's backward needs them. On the CPU, whose flash kernel takes one width, SDPA falls back to its math path
 instead, which keeps the scores.
 """
-from models.pipeline_layers import architecture_of, head_dim_of
+from models.architecture import architecture_of, head_dim_of
 from models.lora import adapter_parameter_count
 from models.partition import decoder_parameter_split, expert_parameters, mean_attended_keys
 from planner.moe_costs import eager_attention_extra_bytes, moe_saved_bytes, moe_weight_grad_bytes

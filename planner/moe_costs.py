@@ -50,7 +50,7 @@ def moe_weight_grad_bytes(moe, tokens, hidden, act, input_kept):
 
 
 def eager_attention_extra_bytes(workload, heads, q_width, kv_width, act):
-    """What attention with sinks (GPT-OSS, always the eager formula: models/llama.py) keeps beyond SDPA's: the keys
+    """What attention with sinks (GPT-OSS, always the eager formula: models/attention_kernels.py) keeps beyond SDPA's: the keys
     and values repeated for every query head, and the scores with the sink column, their maximum and their
     softmax, instead of SDPA's log-sum-exp."""
     scores = workload.micro_batch_size * heads * workload.seq_length * (workload.seq_length + 1)

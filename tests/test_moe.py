@@ -20,10 +20,10 @@ from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.hf_to_ds import convert_hf_to_ds
 from models.architecture import architecture_of
 from models.layout import layer_of_hf_name
-from models.pipeline_layers import lm_head
 from models.loss import CausalLMLoss
 from models.moe import Experts, LocalExperts
 from models.pipeline import build_pipeline_layers
+from models.pipeline_layers import lm_head
 from models.router_loss import LoadBalancingLoss
 from tests import parity_worker
 from tests.distributed import spawn
@@ -142,9 +142,9 @@ def test_a_split_backward_leaves_the_experts_and_routers_weight_gradients_to_w(f
     as a step's last W does: the gradients still reach the parameters."""
     from models.lora import TARGETS, LoraSettings, add_adapters, freeze_all_but_adapters
     from deepspeed_internals.registry import non_reentrant_checkpoint
-    from models.pipeline_layers import DecoderLayerPipe, StageAttentionInputs
-    from models.router_loss import initial_routing, pack_stage, unpack_stage
-    from models.tensor_parallel import TensorParallel
+    from models.attention import StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe, StagePlan, StageTuple
+    from models.tensor_parallel import TensorParallel, parallelize_adapters
     from models.weight_grads import WeightGradQueue
     config = {**MOE_CONFIGS, **DEEPSEEK_CONFIGS}[family]()
     config.update({"moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size":
@@ -161,22 +161,24 @@ def test_a_split_backward_leaves_the_experts_and_routers_weight_gradients_to_w(f
     runs = []
     for parallel in (split, TensorParallel()):
         torch.manual_seed(0)
-        layer = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="padded"), parallel=parallel,
-                                 layer_index=layer_index)
+        layer = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="padded"), layer_index,
+                                 StagePlan(parallel=parallel))
         if adapted:  # no dropout on the experts' adapters (peft's); B random, so that A takes a gradient too
             adapted_names = ("q_proj", "experts.gate_up_proj", "experts.down_proj")
             add_adapters(layer, LoraSettings(rank=2, target_modules=tuple(n for n in TARGETS if n in adapted_names)),
                          config, seed=0)
+            parallelize_adapters(layer, parallel)
             freeze_all_but_adapters(layer)
         with torch.no_grad():
             for name, param in layer.named_parameters():
                 if name.endswith("bias") or "lora_B" in name:
                     param.normal_(std=0.1)
         x = hidden.clone().requires_grad_()
-        inputs = pack_stage(x, document_ids, torch.arange(12).expand(2, 12), initial_routing(config, "cpu"))
+        stage = StageTuple(config)
+        inputs = stage.start(x, document_ids, torch.arange(12).expand(2, 12))
         run = (lambda *tensors: layer(tensors))
-        out = unpack_stage(non_reentrant_checkpoint(run, *inputs) if checkpointed else run(*inputs))
-        floating = [out[0], *[t for t in out[3] if t.is_floating_point()]]
+        out = stage.unpack(non_reentrant_checkpoint(run, *inputs) if checkpointed else run(*inputs))
+        floating = [out.hidden, *[t for t in out.routing.tensors() if t.is_floating_point()]]
         torch.manual_seed(1)
         deferring = parallel.weight_grads is not None
         with parallel.weight_grads.defer() if deferring else contextlib.nullcontext():
@@ -208,9 +210,9 @@ def test_a_split_backward_leaves_the_experts_and_routers_weight_gradients_to_w(f
 def test_activation_model_counts_what_an_moe_layer_saves(dtype, precision, family):
     """The planner's bytes of a sparse layer (planner/stage_costs.py moe_saved_bytes; GPT-OSS's eager attention
     with sinks) are what autograd keeps for backward, and its parameters transformers' (every expert)."""
-    from models.pipeline_layers import DecoderLayerPipe, StageAttentionInputs
+    from models.attention import StageAttentionInputs
     from models.partition import DECODER, layer_parameter_counts
-    from models.router_loss import initial_routing, pack_stage
+    from models.pipeline_layers import DecoderLayerPipe, StageTuple
     from planner.stage_costs import LayerCosts
     from planner.workload import Workload
     from tests.test_partition import saved_activation_bytes
@@ -225,7 +227,7 @@ def test_activation_model_counts_what_an_moe_layer_saves(dtype, precision, famil
     shared = {t.untyped_storage().data_ptr() for t in stage_inputs(hidden, mask, positions, decoder.self_attn.window)
               if t is not None}
     params = {p.untyped_storage().data_ptr() for p in decoder.parameters()}
-    inputs = pack_stage(hidden, mask, positions, initial_routing(config, "cpu"))
+    inputs = StageTuple(config).start(hidden, mask, positions)
     assert saved_activation_bytes(lambda: decoder(inputs), shared | params) == costs.saved_bytes[DECODER]
     model = AutoModelForCausalLM.from_config(config)
     assert sum(layer_parameter_counts(config)) == sum(p.numel() for p in model.parameters())
@@ -236,9 +238,9 @@ def test_activation_model_counts_what_an_moe_layer_saves(dtype, precision, famil
 def test_weight_grad_model_counts_what_an_moe_layer_leaves_to_w(dtype, precision, family):
     """The planner's bytes a micro-batch waiting for W keeps of a sparse layer (planner/moe_costs.py
     moe_weight_grad_bytes, with the attention's and a shared expert's) are what the zero-bubble queue holds."""
-    from models.pipeline_layers import DecoderLayerPipe, StageAttentionInputs
-    from models.router_loss import initial_routing, pack_stage
+    from models.attention import StageAttentionInputs
     from models.partition import DECODER
+    from models.pipeline_layers import DecoderLayerPipe, StagePlan, StageTuple
     from models.tensor_parallel import TensorParallel
     from models.weight_grads import WeightGradQueue
     from planner.stage_costs import LayerCosts
@@ -251,13 +253,13 @@ def test_weight_grad_model_counts_what_an_moe_layer_leaves_to_w(dtype, precision
     parallel.weight_grads = WeightGradQueue()
     torch.set_default_dtype(dtype)  # built in the training dtype as the trainer builds it (DeepSeek's router: fp32)
     try:
-        decoder = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="full"), parallel=parallel,
-                                   layer_index=architecture_of(config).sparse_layers.index(True))
+        decoder = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="full"),
+                                   architecture_of(config).sparse_layers.index(True), StagePlan(parallel=parallel))
     finally:
         torch.set_default_dtype(torch.float32)
     hidden = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
     mask, positions = torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq)
-    output = decoder(pack_stage(hidden, mask, positions, initial_routing(config, "cpu")))[0]
+    output = decoder(StageTuple(config).start(hidden, mask, positions))[0]
     with parallel.weight_grads.defer():
         output.backward(torch.randn_like(output))
     params = {p.untyped_storage().data_ptr() for p in decoder.parameters()}
@@ -325,7 +327,8 @@ def stage_syncs(config, loss_fn):
     """(the host syncs of a stage of the embedding, decoder layers 0 and 1, the final norm and the chunked head with
     loss_fn over three padded micro-batches (tests/test_host_syncs.py), the micro-batches)."""
     from data.collator import collate_causal_lm
-    from models.pipeline_layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
+    from models.attention import StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe
     from tests.test_host_syncs import SEQ, rows, syncs_of_micro_batches
     inputs = StageAttentionInputs(config, row_layout="padded")
     layers = [EmbeddingPipe(config), *[DecoderLayerPipe(config, inputs, layer_index=i) for i in range(2)],

@@ -17,11 +17,10 @@ from checkpoints.optimizer_state import check_optimizer_state_files, has_layout_
 from checkpoints.trainer_state import read_trainer_state
 from data.indexed import CorpusIndex
 from data.shard_files import ShardError, check_sources, parse_sources, read_shard_header, tokenizer_fingerprint
-from models.architecture import architecture_of, check_trains_as_configured
+from models.architecture import architecture_of, check_model_config, check_trains_as_configured
 from models.layout import layer_file_name, layer_indices_with_files
 from models.context_parallel import context_parallel_error
 from models.expert_parallel import expert_parallel_error
-from models.pipeline_layers import check_model_config
 from models.lora import (LoraSettings, adapter_layer_indices, adapter_parameter_total, check_lora_applies,
                          check_rank_fits)
 from models.partition import layer_parameter_counts

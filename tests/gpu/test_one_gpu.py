@@ -133,7 +133,8 @@ def test_attention_runs_a_fused_sdpa_kernel(record_property):
     error rather than a silent fall-back to the math kernel (a seq x seq score matrix per head)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from models.pipeline_layers import DecoderLayerPipe, StageAttentionInputs
+    from models.attention import StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe
     config = one_billion_config()
     stage_inputs = StageAttentionInputs(config, row_layout="full")  # the run's rows: one document each
     layer = DecoderLayerPipe(config, stage_inputs).to("cuda", torch.bfloat16)
