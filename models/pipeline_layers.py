@@ -28,8 +28,8 @@ from models.decoder import DecoderLayer
 from models.expert_parallel import NO_EXPERT_PARALLEL, ExpertParallel
 from models.moe import RoutedTokens
 from models.norms import RMSNorm
-from models.tensor_parallel import (NO_TENSOR_PARALLEL, TensorParallel, mark_sharded, parallelize, replicated,
-                                    vocabulary_rows)
+from models.tensor_parallel import (NO_TENSOR_PARALLEL, TensorParallel, hook_gradient_sums, mark_sharded, parallelize,
+                                    replicated, vocabulary_rows)
 
 
 class Routing(NamedTuple):
@@ -130,21 +130,6 @@ class StagePlan:
         parallelize(layer, self.parallel, self.device)
         if self.context.size > 1:
             wrap_attention_cores(layer, self.context)
-        if self.device != "meta":
-            materialize(layer, self.device)
-
-
-def materialize(module, device=None):
-    """Every parameter and buffer still on the meta device made on `device` and initialised by its module's
-    reset_parameters (a module without one is refused: its values would be whatever memory held)."""
-    for sub in module.modules():
-        own = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
-        if any(t.is_meta for t in own):
-            if not hasattr(sub, "reset_parameters"):
-                raise TypeError(f"{type(sub).__name__} has no reset_parameters to initialise it after a build on the "
-                                f"meta device.")
-            sub.to_empty(device=device if device is not None else torch.get_default_device(), recurse=False)
-            sub.reset_parameters()
 
 
 PLAIN_STAGE = StagePlan()
@@ -209,6 +194,7 @@ class FinalNormPipe(RMSNorm):
         architecture = architecture_of(config)
         super().__init__(config.hidden_size, config.rms_norm_eps, scale_in_fp32=architecture.norm_scale_in_fp32)
         replicated(self, parallel)
+        hook_gradient_sums(self, parallel)
         self.logits_multiplier = 1 / architecture.logits_scaling
         self.stage = StageTuple(config)
 

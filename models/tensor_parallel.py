@@ -387,20 +387,30 @@ def mark_sharded(param, dim):
     param.tensor_parallel_dim = dim
 
 
-def sum_gradient_over_group(param, parallel):
-    """A parameter whose gradient on each rank covers only that rank's share (of the tokens or the heads): the
-    group's sum, identical on every rank, from a hook on the parameter."""
-    if not getattr(param, "gradient_summed_over_group", False):
-        param.register_hook(functools.partial(all_reduce_copy, group=parallel.group))
-        param.gradient_summed_over_group = True
+def sum_gradient_over_group(module, name):
+    """Parameter `name` of `module`, whose gradient on each rank covers only that rank's share (of the tokens or the
+    heads), takes the group's sum, identical on every rank: from a hook that hook_gradient_sums puts on it once the
+    layer's parameters are made (a parameter made from the meta device is a new tensor)."""
+    module.__dict__.setdefault("gradients_summed_over_group", set()).add(name)
 
 
 def replicated(module, parallel):
     """A module every rank holds whole and applies to its own tokens: under sequence parallelism its gradients are
     summed over the group."""
     if parallel.sequence_parallel:
-        for param in module.parameters():
-            sum_gradient_over_group(param, parallel)
+        for sub in module.modules():
+            for name, param in sub.named_parameters(recurse=False):
+                sum_gradient_over_group(sub, name)
+
+
+def hook_gradient_sums(module, parallel):
+    """The hooks summing over the group the gradients sum_gradient_over_group named, each parameter's once."""
+    for sub in module.modules():
+        for name in getattr(sub, "gradients_summed_over_group", ()):
+            param = getattr(sub, name)
+            if not getattr(param, "gradient_summed_over_group", False):
+                param.register_hook(lambda grad: all_reduce_copy(grad, parallel.group))
+                param.gradient_summed_over_group = True
 
 
 def gather_input(block, parallel):
@@ -416,7 +426,7 @@ def reduce_output(block, row, parallel):
         return out if row.bias is None else out + row.bias
     block.register_forward_hook(reduced)
     if row.bias is not None and parallel.sequence_parallel:
-        sum_gradient_over_group(row.bias, parallel)
+        sum_gradient_over_group(row, "bias")
 
 
 # --- the plans of the parts ------------------------------------------------------------------------------------
@@ -441,7 +451,7 @@ def attention_plan(attention, parallel, device):
                 (attention.num_heads, "num_attention_heads"))
     if attention.qk_norm == "head":
         for norm in (attention.q_norm, attention.k_norm):
-            sum_gradient_over_group(norm.weight, parallel)
+            sum_gradient_over_group(norm, "weight")
     elif attention.qk_norm == "projection":
         attention.q_norm = ShardedProjectionRMSNorm.of(attention.q_norm, parallel, device)
         attention.k_norm = ShardedProjectionRMSNorm.of(attention.k_norm, parallel, device)
@@ -525,6 +535,32 @@ def parallelize(layer, parallel, device=None):
     for child in layer.children():
         if type(child) is RMSNorm:  # a decoder layer's norms, applied to this rank's tokens
             replicated(child, parallel)
+    if device != "meta":
+        materialize(layer, device)
+    hook_gradient_sums(layer, parallel)
+
+
+def materialize(module, device=None):
+    """Every parameter and buffer a plan left on the meta device made on `device` (None: torch's default) and
+    initialised by its module's reset_parameters (a module without one is refused: its values would be whatever
+    memory held), keeping the attributes set on it (markers)."""
+    device = device if device is not None else torch.get_default_device()
+    for sub in module.modules():
+        tensors = {**sub._parameters, **sub._buffers}
+        if not any(t is not None and t.is_meta for t in tensors.values()):
+            continue
+        if not hasattr(sub, "reset_parameters"):
+            raise TypeError(f"{type(sub).__name__} has no reset_parameters to initialise it after a build on the meta "
+                            f"device.")
+        for name, param in sub._parameters.items():
+            if param is not None and param.is_meta:
+                made = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                made.__dict__.update(param.__dict__)
+                sub._parameters[name] = made
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                sub._buffers[name] = torch.empty_like(buffer, device=device)
+        sub.reset_parameters()
 
 
 def planned_parts(module):
@@ -552,12 +588,13 @@ def parallelize_adapters(layer, parallel):
                 done[id(current)] = stage_linear(current, ColumnParallelLinear if column_a else StageLinear, parallel)
                 summed = (column_a or (factor == "lora_B" and isinstance(projection, RowParallelLinear)))
                 if parallel.size > 1 and summed:
-                    sum_gradient_over_group(current.weight, parallel)
+                    sum_gradient_over_group(done[id(current)], "weight")
                 elif type(projection) is StageLinear:
-                    replicated(current, parallel)
+                    replicated(done[id(current)], parallel)
             setattr(projection, factor, done[id(current)])
     for experts in [m for m in layer.modules() if isinstance(m, Experts) and hasattr(m, "lora_A")]:
         replicated(experts, parallel)
+    hook_gradient_sums(layer, parallel)
 
 
 class ShardedProjectionRMSNorm(ProjectionRMSNorm):
