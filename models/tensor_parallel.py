@@ -404,12 +404,15 @@ def replicated(module, parallel):
 
 
 def hook_gradient_sums(module, parallel):
-    """The hooks summing over the group the gradients sum_gradient_over_group named, each parameter's once."""
+    """The hooks summing over the group the gradients sum_gradient_over_group named, each parameter's once. A
+    gradient a split backward leaves to W reaches the hook as None in B, and as itself at W."""
+    def summed(grad):
+        return grad if grad is None else all_reduce_copy(grad, parallel.group)
     for sub in module.modules():
         for name in getattr(sub, "gradients_summed_over_group", ()):
             param = getattr(sub, name)
             if not getattr(param, "gradient_summed_over_group", False):
-                param.register_hook(lambda grad: all_reduce_copy(grad, parallel.group))
+                param.register_hook(summed)
                 param.gradient_summed_over_group = True
 
 
