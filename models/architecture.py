@@ -14,7 +14,7 @@ import functools
 import torch.nn.functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-# transformers' ACT2FN for the activations LLaMA-family models use (importing ACT2FN costs ~75 MB per process).
+# transformers' ACT2FN for the activations the families use (importing ACT2FN would cost every process memory).
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
                "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
 # Config fields of other families that change the math in ways this pipeline does not implement: {field: why}.

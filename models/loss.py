@@ -6,8 +6,7 @@ a time (Liger Kernel's fused linear cross-entropy, in plain torch). In training 
 forward pass, chunk by chunk, while each chunk's logits exist; backward only scales them by the loss's gradient, so
 the head costs the same three matmuls as the logits path and its backward is instant for the stage before it. Under
 the zero-bubble schedule too: the weight gradient arrives with B and leaves no W, which would have to project every
-chunk again (no chunk's logits outlive the forward pass): 10% more compute on a stage holding a 49k-word head
-(bench/trainer_profile.py).
+chunk again (no chunk's logits outlive the forward pass).
 `loss_chunk_tokens` = 0: the head's full logits, then the cross-entropy (the reference the chunked path is tested
 against). Under tensor parallelism each rank projects onto its vocabulary rows, and the log-sum-exp and the target
 logit are combined across the group, never the logits.

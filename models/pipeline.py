@@ -189,21 +189,16 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
                           objective=PreferenceSettings(), seq_length=None, row_layout="packed", chunk_ids=None,
                           expert_parallel_size=1):
-    """The pipeline module of this rank's stage. topology: DeepSpeed's, with a 'model' axis for tensor
-    parallelism (cluster/distributed.py). stage_bounds: the first pipeline layer of each stage and the layer
-    count (default: the 'parameters' partition). dtype: the training dtype to build the stage in (default
-    torch's, fp32), so that a bf16 stage never exists in fp32 first. layer_loader: see LlamaPipeline.
-    context_parallel_size: ranks of the topology's data axis splitting each sequence (models/context_parallel.py);
-    under it the stage takes its tokens of each sequence (ContextParallel.split_micro_batch, labels shifted).
-    loss_chunk_tokens: > 0, the LM head and the loss run that many tokens at a time; 0, through the full logits.
-    grad_accum_dtype: what the chunked head sums its chunks' weight gradients in (default the weight's dtype).
-    lora: LoRA adapters on the decoder layers, initialised from `seed`, and everything else frozen
-    (models/lora.py). objective: the next-token loss (sft), or a preference loss over pairs (models/preference.py;
-    chunked head only). seq_length: the rows' width, when their labels may be one wider (token shards). row_layout:
-    what the rows hold (data/collator.py `row_layout`; 'packed', a mask per document, is right for any rows).
-    chunk_ids: each rank's global chunks, several per rank (then stage_bounds bound the chunks; LlamaPipeline).
-    expert_parallel_size: data-parallel ranks of a stage splitting each sparse layer's experts
-    (models/expert_parallel.py)."""
+    """The pipeline module of this rank's stage, with the parallelism its topology and sizes ask for applied to its
+    layers and the loss its objective takes.
+
+    The topology (cluster/distributed.py) has a 'model' axis for tensor parallelism; context and expert parallelism
+    take ranks of its data axis. The stage is built directly in the training dtype, so that a bf16 stage never exists
+    in fp32 first; stage_bounds (default: the 'parameters' partition) and chunk_ids (several chunks per rank, see
+    LlamaPipeline) say which layers it holds, and layer_loader how their files are read. LoRA's adapters are added
+    to the built decoder layers, split like their projections, and everything else is frozen; row_layout (what the
+    rows hold, data/collator.py) decides the masks, and seq_length the labels' width when they may be one wider than
+    the rows (token shards)."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()

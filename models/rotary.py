@@ -8,7 +8,7 @@ from models.architecture import architecture_of, head_dim_of
 
 class RotaryEmbedding(nn.Module):
     """transformers' LlamaRotaryEmbedding (every rope_type, through its own init functions and dynamic update),
-    written here because importing transformers' modeling code costs every rank ~130 MB of memory."""
+    written here because importing transformers' modeling code would cost every rank memory it never uses."""
 
     def __init__(self, config):
         super().__init__()

@@ -40,7 +40,7 @@ from models.attention import Attention
 from models.latent_attention import LatentAttention
 from models.mlp import MLP
 from models.moe import Experts, MoEBlock, RoutedTokens
-from models.norms import HeadRMSNorm, ProjectionRMSNorm, RMSNorm
+from models.norms import ProjectionRMSNorm, RMSNorm
 from models.sigmoid_router import SigmoidRouter
 from models.weight_grads import (deferrable_grouped_linear, embedding as row_grad_embedding, grouped_linear,
                                  keep_params, linear as deferrable_linear, linear_weight_grads, parameter_or_view,

@@ -101,7 +101,7 @@ def test_the_recorder_sees_the_syncs_the_old_path_took():
 
 def test_the_run_decides_the_attention_masks_from_its_rows():
     """Packed rows take a mask per document; one-document rows none (causal attention), but under context
-    parallelism padded rows' halves do (models/llama.py StageAttentionInputs)."""
+    parallelism padded rows' halves do (models/attention.py StageAttentionInputs)."""
     def data(**keys):
         return SimpleNamespace(**{"packing": False, "document_isolation": False, "format": "chat", **keys})
     assert [row_layout(data(**keys)) for keys in (
