@@ -17,9 +17,11 @@ The parameters every rank holds whole but applies to its own tokens (norms, the 
 router and experts, the latent projections of multi-head latent attention) have their gradients summed over the
 group by a hook on the parameter: identical on every rank, as without sequence parallelism.
 
-`recompute_sequence_gather`: the gathered input goes to the pool's one buffer (BufferPool), and what backward keeps
-of it is this rank's share; the whole is gathered again for the weight gradients, once per block, the pool knowing
-whose tokens it holds (RegatheredLinear).
+A block's projections of its gathered input (BlockInputLinear) add their input gradients into one buffer of the
+pool (BufferPool), which the gather's backward reduce-scatters: the gradient over all tokens exists once per block.
+With `recompute_sequence_gather` the gathered input goes to the pool too, and what backward keeps of it is this
+rank's share; the whole is gathered again for the weight gradients, once per block, the pool knowing whose tokens it
+holds.
 
 Every linear layer of a stage is one of these modules, at tensor_parallel_size 1 too (StageLinear), and so are the
 mixture's grouped projections and DeepSeek-V3's router through `matmul` and `grouped_linear`: the engine that splits
@@ -89,7 +91,7 @@ class TensorParallel:
         """A column-parallel block's input: every token (gathered under sequence parallelism, into the pool with
         recompute_sequence_gather), its gradient summed over the group."""
         if self.sequence_parallel:
-            return GatherTokens.apply(x, self, self.recompute_sequence_gather)
+            return gathered_block_input(x, self)
         return CopyToGroup.apply(x, self.group)
 
     def whole_input(self, x):
@@ -99,7 +101,7 @@ class TensorParallel:
         if self.size == 1:
             return x
         if self.sequence_parallel:
-            return GatherTokens.apply(x, self, False)
+            return GatherTokens.apply(x, self, None)
         return CopyToGroup.apply(x, self.group)
 
     def reduce(self, partial):
@@ -111,12 +113,11 @@ class TensorParallel:
         return AllReduce.apply(partial, self.group)
 
     def column_linear(self, x, weight, bias=None):
-        """x through this rank's output features; when x is the pool's gather of a block input, only this rank's
-        tokens are kept for backward (recompute_sequence_gather)."""
-        source = self.buffers.gathered_source(x)
-        if source is None:
+        """x through this rank's output features; a block's gathered input through BlockInputLinear."""
+        gather = getattr(x, "block_gather", None)
+        if gather is None:
             return self.matmul(x, weight, bias)
-        return regathered_linear(x, weight, bias, self, source)
+        return block_input_linear(x, weight, bias, gather)
 
     # --- the vocabulary -----------------------------------------------------------------------------------------
     def embedding(self, input_ids, weight, padding_idx=None):
@@ -169,12 +170,14 @@ class TensorParallel:
 
 class BufferPool:
     """Megatron's global memory buffer: one tensor per name and dtype, grown on demand and reused by every call,
-    for data that lives only within one call (a gathered block input used for one block's matmuls). It remembers
-    whose tokens its gather buffer holds, so a block's projections gather them again only once between them."""
+    for data that lives only within one call (a gathered block input used for one block's matmuls, the input
+    gradient its projections add up). It remembers whose tokens its gather buffer holds, so a block's projections
+    gather them again only once between them, and which block's input gradient its other buffer holds."""
 
     def __init__(self):
         self._buffers = {}
         self._held = None  # (the tokens gathered, their version, the gather buffer's view holding them)
+        self._claimed = set()  # the names of the buffers a block's input gradient holds
 
     def get(self, name, shape, dtype, device):
         count = math.prod(shape)
@@ -184,6 +187,17 @@ class BufferPool:
             buffer = self._buffers[key] = torch.empty(count, dtype=dtype, device=device)
         return buffer[:count].view(shape)
 
+    def claim(self, name, shape, dtype, device):
+        """The buffer `name` for one user until release, or a fresh tensor while another holds it."""
+        if name in self._claimed:
+            return torch.empty(shape, dtype=dtype, device=device)
+        self._claimed.add(name)
+        return self.get(name, shape, dtype, device)
+
+    def release(self, name, tensor):
+        if tensor.data_ptr() == self._buffers.get((name, tensor.dtype, tensor.device), tensor[:0]).data_ptr():
+            self._claimed.discard(name)
+
     def hold(self, source, gathered):
         self._held = (source, source._version, gathered)
 
@@ -192,14 +206,6 @@ class BufferPool:
         if self._held is not None and self._held[0] is source and self._held[1] == source._version:
             return self._held[2]
         return None
-
-    def gathered_source(self, x):
-        """The tokens x is the pool's gather of, when x is the buffer's view holding them; else None."""
-        if self._held is None:
-            return None
-        source, _, gathered = self._held
-        same = x.data_ptr() == gathered.data_ptr() and x.shape == gathered.shape and x.dtype == gathered.dtype
-        return source if same else None
 
 
 def all_reduce_copy(tensor, group):
@@ -245,48 +251,96 @@ class ReduceScatterTokens(torch.autograd.Function):
 
 
 class GatherTokens(torch.autograd.Function):
-    """All-gather by token forward (into the pool when pooled); the gradient reduce-scattered back to each rank's
-    tokens."""
+    """All-gather by token forward (a block's input: BlockGather, into the pool with recompute_sequence_gather);
+    the gradient reduce-scattered back to each rank's tokens, a block's with what its projections added up."""
 
     @staticmethod
-    def forward(ctx, x, parallel, pooled):
-        ctx.parallel = parallel
-        return parallel.gather_tokens(x, pooled)
+    def forward(ctx, x, parallel, block):
+        ctx.parallel, ctx.block = parallel, block
+        ctx.set_materialize_grads(False)  # a block's projections hand their gradients over through the block
+        return parallel.gather_tokens(x, pooled=block is not None and block.source is not None)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.parallel.scatter_tokens(grad), None, None
+        if ctx.block is not None:
+            grad = ctx.block.take_input_grad(grad)
+        if grad is None:
+            return None, None, None
+        scattered = ctx.parallel.scatter_tokens(grad)
+        if ctx.block is not None:
+            ctx.parallel.buffers.release("input_grad", grad)
+        return scattered, None, None
 
 
-class RegatheredLinear(torch.autograd.Function):
-    """A column-parallel projection of a pooled block input (recompute_sequence_gather): backward keeps this rank's
-    tokens, not the gathered ones, and gathers them again for the weight gradients, now or at W (every rank of the
-    group runs W at the same point)."""
+class BlockGather:
+    """The gather of one block's input under sequence parallelism: its tokens (kept to gather them again with
+    recompute_sequence_gather, else None), and the input gradient its projections add up, in the pool's buffer."""
+
+    def __init__(self, parallel, source=None):
+        self.parallel, self.source = parallel, source
+        self.input_grad = None
+
+    def add_input_grad(self, grad, weight):
+        """The input gradient grad @ weight of one projection added in."""
+        if self.input_grad is None:
+            shape = (grad.shape[0], weight.shape[1])
+            self.input_grad = self.parallel.buffers.claim("input_grad", shape, grad.dtype, grad.device)
+            self.input_grad.addmm_(grad, weight, beta=0)
+        else:
+            self.input_grad.addmm_(grad, weight)
+
+    def take_input_grad(self, grad):
+        """The block input's whole gradient: what its projections added up, and `grad` from any other reader."""
+        total, self.input_grad = self.input_grad, None
+        if total is None or grad is None:
+            return total if grad is None else grad
+        return total.add_(grad.reshape(total.shape))
+
+
+@torch.compiler.disable  # the gathered tensor carries its BlockGather to the block's projections
+def gathered_block_input(x, parallel):
+    block = BlockGather(parallel, x if parallel.recompute_sequence_gather else None)
+    full = GatherTokens.apply(x, parallel, block)
+    full.block_gather = block
+    return full
+
+
+class BlockInputLinear(torch.autograd.Function):
+    """A column-parallel projection of a block's gathered input: its input gradient added into the block's
+    (BlockGather), its weight gradients from the input kept, or with recompute_sequence_gather from this rank's
+    tokens gathered again, now or at W (every rank of the group runs W at the same point)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, parallel, source):
-        ctx.parallel, ctx.trains = parallel, takes_weight_grads(weight, bias)
+    def forward(ctx, x, weight, bias, block):
+        ctx.block, ctx.trains = block, takes_weight_grads(weight, bias)
         # The input is kept for weight gradients only: a frozen projection (LoRA's base) keeps none.
-        ctx.save_for_backward(source if ctx.trains else None)
+        ctx.save_for_backward((x if block.source is None else block.source) if ctx.trains else None)
         keep_params(ctx, weight, bias)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        (source,), (weight, bias), parallel = ctx.saved_tensors, ctx.params, ctx.parallel
-        grad_x = grad @ weight
+        (kept,), (weight, bias), block = ctx.saved_tensors, ctx.params, ctx.block
+        parallel = block.parallel
+        grad = grad.reshape(-1, grad.shape[-1])
+        block.add_input_grad(grad, weight)
         if not ctx.trains:
-            return grad_x, None, None, None, None
+            return None, None, None, None
+
+        def weight_grads():
+            full = kept if block.source is None else parallel.regather(kept)
+            return linear_weight_grads(full, grad, weight, bias)
         if parallel.weight_grads is not None and parallel.weight_grads.deferring:
-            parallel.weight_grads.add(lambda: linear_weight_grads(parallel.regather(source), grad, weight, bias))
-            return grad_x, None, None, None, None
-        grad_of = {id(p): g for p, g in linear_weight_grads(parallel.regather(source), grad, weight, bias)}
-        return grad_x, grad_of.get(id(weight)), None if bias is None else grad_of.get(id(bias)), None, None
+            # W may run after other layers reused the pool's buffer: the input kept, or gathered again then.
+            parallel.weight_grads.add(weight_grads)
+            return None, None, None, None
+        grad_of = {id(p): g for p, g in weight_grads()}
+        return None, grad_of.get(id(weight)), None if bias is None else grad_of.get(id(bias)), None
 
 
 @torch.compiler.disable  # its backward decides at run time whether W is deferred (models/weight_grads.py)
-def regathered_linear(x, weight, bias, parallel, source):
-    return RegatheredLinear.apply(x, weight, bias, parallel, source)
+def block_input_linear(x, weight, bias, block):
+    return BlockInputLinear.apply(x, weight, bias, block)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
