@@ -146,7 +146,8 @@ def granite(config):
 def smollm3(config):
     """SmolLM3: LLaMA without the rotary embedding on the layers no_rope_layers marks 0; windows as Qwen2's."""
     return Architecture(qkv_bias=config.attention_bias, o_bias=config.attention_bias, mlp_bias=config.mlp_bias,
-                        rotary_layers=tuple(bool(rotary) for rotary in config.no_rope_layers[:config.num_hidden_layers]),
+                        rotary_layers=tuple(bool(rotary) for rotary in
+                                            config.no_rope_layers[:config.num_hidden_layers]),
                         sliding_windows=marked_windows(config, config.use_sliding_window))
 
 

@@ -93,6 +93,7 @@ def from_hf(path, dtype=None, attention_impl="sdpa"):
     for index, module in model.pipeline_layers().items():
         targets = module.state_dict(keep_vars=True)
         state = {key: tensor if dtype is None or getattr(targets.get(key), FP32_MARKER, False)
-                 or not tensor.is_floating_point() else tensor.to(dtype) for key, tensor in states.get(index, {}).items()}
+                 or not tensor.is_floating_point() else tensor.to(dtype)
+                 for key, tensor in states.get(index, {}).items()}
         module.load_state_dict(state, strict=True, assign=True)
     return model.eval()

@@ -11,14 +11,14 @@ import functools
 
 from torch import nn
 
-from models.architecture import LATENT_ATTENTION, POST_NORMS, PRE_NORMS, architecture_of
+from models.architecture import ATTENTION, LATENT_ATTENTION, POST_NORMS, PRE_NORMS, architecture_of
 from models.attention import Attention
 from models.latent_attention import LatentAttention
 from models.mlp import MLP
 from models.moe import MoEBlock
 from models.norms import RMSNorm
 
-TOKEN_MIXERS = {"attention": Attention, LATENT_ATTENTION: LatentAttention}
+TOKEN_MIXERS = {ATTENTION: Attention, LATENT_ATTENTION: LatentAttention}
 # placement: ((norm before the token mixer, after it), (before the feed-forward, after it)), None where there is none
 NORM_PLACEMENTS = {
     PRE_NORMS: (("input_layernorm", None), ("post_attention_layernorm", None)),  # LLaMA
@@ -37,13 +37,14 @@ class DecoderLayer(nn.Module):
         self.sparse = architecture.sparse_layers[layer_index]
         norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps,
                                  scale_in_fp32=architecture.norm_scale_in_fp32)
-        (self.mixer_norms, self.feed_forward_norms) = NORM_PLACEMENTS[architecture.norm_placement]
-        self.add_norm(self.mixer_norms[0], norm)
+        self.norm_names = NORM_PLACEMENTS[architecture.norm_placement]
+        (before_mixer, after_mixer), (before_feed_forward, after_feed_forward) = self.norm_names
+        self.add_norm(before_mixer, norm)
         self.self_attn = TOKEN_MIXERS[architecture.token_mixer](config, attention_impl, layer_index)
-        self.add_norm(self.mixer_norms[1], norm)
-        self.add_norm(self.feed_forward_norms[0], norm)
+        self.add_norm(after_mixer, norm)
+        self.add_norm(before_feed_forward, norm)
         self.mlp = MoEBlock(config) if self.sparse else MLP(config)
-        self.add_norm(self.feed_forward_norms[1], norm)
+        self.add_norm(after_feed_forward, norm)
 
     def add_norm(self, name, norm):
         if name is not None:
@@ -52,12 +53,12 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden, inputs, tokens=None):
         """(the new hidden states, this layer's routing statistics or None). inputs: the batch's AttentionInputs;
         tokens: its RoutedTokens, which a sparse layer's router reads."""
-        (mixer_before, mixer_after), (feed_forward_before, feed_forward_after) = self.mixer_norms, self.feed_forward_norms
-        attention = self.self_attn(self.normed(mixer_before, hidden), inputs)
-        hidden = hidden + self.scaled(self.normed(mixer_after, attention))
-        x = self.normed(feed_forward_before, hidden)
+        (before_mixer, after_mixer), (before_feed_forward, after_feed_forward) = self.norm_names
+        attention = self.self_attn(self.normed(before_mixer, hidden), inputs)
+        hidden = hidden + self.scaled(self.normed(after_mixer, attention))
+        x = self.normed(before_feed_forward, hidden)
         out, statistics = self.mlp(x, tokens) if self.sparse else (self.mlp(x), None)
-        return hidden + self.scaled(self.normed(feed_forward_after, out)), statistics
+        return hidden + self.scaled(self.normed(after_feed_forward, out)), statistics
 
     def normed(self, name, x):
         return x if name is None else getattr(self, name)(x)
