@@ -1,5 +1,5 @@
 """What the attention mask costs: one stage's saved activations and forward + backward time on rows of one padded
-document (plain causal attention, no mask tensor: models/llama.py) against the same rows holding two packed
+document (plain causal attention, no mask tensor: models/attention.py) against the same rows holding two packed
 documents (an additive seq x seq mask, kept for backward), at the same length and padding, on the CPU; then the
 planner's mask figure at longer sequences.
 

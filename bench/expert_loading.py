@@ -24,8 +24,9 @@ def read_bytes():
 
 def sparse_layer(config, experts=None):
     from models.expert_parallel import NO_EXPERT_PARALLEL
-    from models.llama import DecoderLayerPipe, StageAttentionInputs
-    return DecoderLayerPipe(config, StageAttentionInputs(config), dispatcher=experts or NO_EXPERT_PARALLEL)
+    from models.attention import StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe, StagePlan
+    return DecoderLayerPipe(config, StageAttentionInputs(config), plan=StagePlan(experts=experts or NO_EXPERT_PARALLEL))
 
 
 def main():

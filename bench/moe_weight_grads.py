@@ -23,7 +23,8 @@ SPLITS = ("experts in W", "experts in B", "undivided")
 
 def sparse_layer(config, split):
     """A decoder layer whose backward splits as `split` says, and the queue its W runs from (None: undivided)."""
-    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from models.attention import StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe, StagePlan
     from models.tensor_parallel import TensorParallel
     from models.weight_grads import WeightGradQueue
     import torch
@@ -31,9 +32,13 @@ def sparse_layer(config, split):
     if split != "undivided":
         parallel.weight_grads = WeightGradQueue()
     torch.manual_seed(0)
-    layer = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="full"), parallel=parallel)
+    layer = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="full"), plan=StagePlan(parallel=parallel))
     if split == "experts in B":  # the MoE block without the queue: its router's and experts' gradients in B
-        layer.mlp.parallel = layer.mlp.experts.parallel = TensorParallel()
+        undivided = TensorParallel()
+        for module in layer.mlp.modules():
+            if hasattr(module, "parallel"):
+                module.parallel = undivided
+        layer.mlp.experts.grouped_linear = undivided.grouped_linear
     return layer, parallel.weight_grads
 
 
@@ -61,7 +66,7 @@ def main():
     args = parse_args(parser, rounds=2, hidden_size=64)
     import torch
 
-    from models.router_loss import initial_routing, pack_stage
+    from models.pipeline_layers import StageTuple
     torch.set_num_threads(1)
     config = model_config(args.hidden_size, moe=True)
     hidden = torch.randn(MICRO_BATCH, SEQ_LENGTH, config.hidden_size)
@@ -70,7 +75,7 @@ def main():
     layers = {split: sparse_layer(config, split) for split in SPLITS}
 
     def step(split):
-        inputs = pack_stage(hidden.clone().requires_grad_(), ones, positions, initial_routing(config, "cpu"))
+        inputs = StageTuple(config).start(hidden.clone().requires_grad_(), ones, positions)
         return timed_passes(*layers[split], inputs)
     in_rounds({split: lambda split=split: step(split) for split in SPLITS}, 1)  # warm-up
     times = in_rounds({split: lambda split=split: step(split) for split in SPLITS}, args.rounds)

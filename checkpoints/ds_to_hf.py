@@ -23,11 +23,11 @@ from checkpoints.layer_files import layer_files_and_expert_shards, load_weights_
 from models.architecture import architecture_of
 from models.layout import (CARRIED_FILE_NAME, HUB_LAYOUT_KEY, PLAIN_LAYOUT, HubLayout, check_convertible, fuse,
                            hf_name_of_layer_key, hub_piece, hub_pieces, layer_indices_with_files, text_config_of)
-from models.llama import layers_on_meta
 from models.lora import EXPERT_ADAPTER, NO_LORA, LoraSettings, add_adapters, peft_adapters
+from models.pipeline_layers import layers_on_meta
+from models.tensor_parallel import TensorParallel
 
 PEFT_PREFIX = "base_model.model."  # peft's name of the wrapped model in an adapter's weights
-from models.tensor_parallel import TensorParallel
 
 
 def resolve_tag_dir(ckpt_dir, tag=None):

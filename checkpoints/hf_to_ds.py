@@ -24,30 +24,13 @@ from checkpoints.integrity import file_checksum, write_manifest
 from checkpoints.layer_files import copy_range, load_weights_only, read_exactly, write_layer_file_from_ranges
 from checkpoints.quantized_weights import (check_scales, dequantized, drop_quantization_config, fp8_block_size,
                                           scaled_weights, unscaled_error)
+from models.hf_weights import find_weight_files
 from models.layout import (CARRIED_FILE_NAME, HUB_LAYOUT_KEY, HUB_LAYOUTS, check_convertible,
                            expert_piece, fused_parts, hub_layout_of, hub_pieces, is_carried, layer_file_path,
                            layer_indices_with_files, layer_of_hf_name, num_experts, pipeline_name, text_config_of)
-from models.llama import layers_on_meta
+from models.pipeline_layers import layers_on_meta
 
 IMPORT_TAG = "global_step0"
-
-
-def find_weight_files(model_dir):
-    """Weight files of a Hugging Face directory, in the order its index (if any) lists them."""
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index_path = os.path.join(model_dir, index_name)
-        if os.path.isfile(index_path):
-            with open(index_path) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-            missing = [s for s in shards if not os.path.isfile(os.path.join(model_dir, s))]
-            if missing:
-                raise FileNotFoundError(f"{index_path} lists shards that do not exist: {missing}")
-            return [os.path.join(model_dir, s) for s in shards]
-    for single in ("model.safetensors", "pytorch_model.bin"):
-        if os.path.isfile(os.path.join(model_dir, single)):
-            return [os.path.join(model_dir, single)]
-    raise FileNotFoundError(f"no weights in '{model_dir}': expected model.safetensors, "
-                            f"model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json.")
 
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

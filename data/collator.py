@@ -69,7 +69,7 @@ def row_layout(data):
     """What every row of a run's data config (its `data` node) holds, known before any is read: 'packed', several
     documents (data.packing, data.document_isolation); 'full', one document's tokens filling the row (text blocks,
     token shards); 'padded', one document then padding. The model picks its attention masks from it
-    (models/llama.py StageAttentionInputs)."""
+    (models/attention.py StageAttentionInputs)."""
     if data.packing or data.document_isolation:
         return "packed"
     return "full" if data.format in ("text", "indexed") else "padded"

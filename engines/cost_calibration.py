@@ -26,12 +26,12 @@ from deepspeed.accelerator import get_accelerator
 
 import collectives
 from data.collator import row_layout
+from models.attention import StageAttentionInputs
 from models.context_parallel import NO_CONTEXT_PARALLEL
-from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
 from models.loss import CausalLMLoss
 from models.partition import DECODER, EMBEDDING, HEAD, planned_decoder
 from models.pipeline import PRECISION_DTYPES
-from models.router_loss import initial_routing, pack_stage
+from models.pipeline_layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StagePlan, StageTuple
 from models.tensor_parallel import TensorParallel
 from models.weight_grads import WeightGradQueue
 from planner.measured_costs import TIMES, UnitCosts, uses_measured_costs
@@ -83,14 +83,15 @@ def timed_unit_costs(cfg, config):
         hidden = torch.randn(batch, seq, config.hidden_size, requires_grad=True)
         grad = torch.randn(batch, seq, config.hidden_size)
         embedding = EmbeddingPipe(config, parallel)
-        decoder = DecoderLayerPipe(config, StageAttentionInputs(config, NO_CONTEXT_PARALLEL, row_layout(cfg.data)),
-                                   cfg.attention_impl, parallel, layer_index=planned_decoder(config))
-        routing = initial_routing(config, device)  # an MoE model's statistics, which its decoder layers carry on
+        decoder = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout(cfg.data)), planned_decoder(config),
+                                   StagePlan(cfg.attention_impl, parallel))
+        # an MoE model's routing statistics start at zeros, which its decoder layers carry on
+        stage_inputs = StageTuple(config).start(hidden, documents, positions)
         norm, head = FinalNormPipe(config, parallel), LMHeadPipe(config, parallel, chunk_tokens > 0)
     loss = CausalLMLoss(parallel, chunk_tokens, NO_CONTEXT_PARALLEL, PRECISION_DTYPES[cfg.grad_accum_dtype])
     units = {EMBEDDING: (lambda: embedding((ids, documents, positions))[0], grad),
-             DECODER: (lambda: decoder(pack_stage(hidden, documents, positions, routing))[0], grad),
-             HEAD: (lambda: loss(head(norm((hidden, documents, positions))), ids), None)}
+             DECODER: (lambda: decoder(stage_inputs)[0], grad),
+             HEAD: (lambda: loss(head(norm(stage_inputs)), ids), None)}
     clock = InstructionClock(time.process_time)
     rounds = []
     for _ in range(CALIBRATION_REPETITIONS + 1):  # the units in turn, so that a slow spell falls on all of them

@@ -1,32 +1,11 @@
-"""What each supported model family changes in the LLaMA decoder, read from its Hugging Face config in one place.
+"""What each supported model family is, declared once per model_type from its Hugging Face config.
 
-Every family is LLaMA's layer (RMSNorm, rotary attention, SwiGLU MLP) with a few of these options, each followed
-exactly as transformers' modeling file for the family computes it:
-
-| model_type | differences from llama                                                                           |
-| mistral    | a sliding window on every layer; no biases                                                         |
-| qwen2      | bias on q, k, v only; a sliding window on the layers layer_types marks (max_window_layers)         |
-| qwen3      | an RMSNorm over each query and key head (q_norm, k_norm); explicit head_dim; windows as qwen2      |
-| olmo2      | norms after attention and MLP instead of before; q_norm, k_norm over the whole q and k projections  |
-| granite    | embedding, residual and attention multipliers; logits divided by logits_scaling                    |
-| smollm3    | no rotary embedding on the layers no_rope_layers marks 0                                           |
-| phi3       | fused qkv_proj and gate_up_proj (split in the pipeline: models/layout.py); partial rotary; no bias |
-| deepseek_v3| multi-head latent attention (models/latent_attention.py)                                          |
-| glm4_moe   | bias on q, k, v only (attention_bias); a per-head q/k norm with use_qk_norm; partial rotary        |
-
-The mixture-of-experts families replace the MLP of some or all layers by the MoE block (models/moe.py), whose
-options (MixtureOfExperts below) come from the config too:
-
-| model_type | differences from llama                                                                           |
-| mixtral    | every layer MoE, top-k of a softmax router, renormalised; a sliding window on every layer if set   |
-| qwen3_moe  | as qwen3's attention (no windows unless use_sliding_window); MoE layers by decoder_sparse_step and |
-|            | mlp_only_layers (the others dense, intermediate_size); norm_topk_prob                             |
-| qwen2_moe  | as qwen2's attention (qkv_bias); a shared expert behind a sigmoid gate beside the routed ones     |
-| olmoe      | q_norm, k_norm over the whole q and k projections (scaled after the cast, unlike olmo2's)          |
-| gpt_oss    | attention sinks; biases everywhere; a sliding window on the layers layer_types marks; YaRN; a     |
-|            | router with a bias, top-k of the logits then a softmax; experts with biases and a clamped SwiGLU  |
-| deepseek_v3| the first first_k_dense_replace layers dense; DeepSeek-V3's sigmoid, group-limited router with its |
-| glm4_moe   | score-correction bias (models/sigmoid_router.py); shared experts (ungated) beside the routed ones  |
+A family's decoder layer composes parts: a token mixer (grouped-query attention, models/attention.py, or multi-head
+latent attention, models/latent_attention.py), a feed-forward (the dense MLP, models/mlp.py, or a mixture of
+experts, models/moe.py), RMSNorms placed before or after each of them (models/decoder.py), the rotary embedding and
+a few multipliers. The declarations below (FAMILIES) say which parts and options each family takes, each as
+transformers' modeling file for the family computes it, so that reading one family's function tells what it is.
+Adding a family means adding its declaration here and, where it brings math no part has, a part.
 """
 import dataclasses
 import difflib
@@ -35,10 +14,7 @@ import functools
 import torch.nn.functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "deepseek_v3", "glm4_moe")
-SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe")  # DeepSeek-V3's router (models/sigmoid_router.py)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3", *MOE_MODEL_TYPES)
-# transformers' ACT2FN for the activations LLaMA-family models use (importing ACT2FN costs ~75 MB per process).
+# transformers' ACT2FN for the activations the families use (importing ACT2FN would cost every process memory).
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu,
                "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
 # Config fields of other families that change the math in ways this pipeline does not implement: {field: why}.
@@ -52,6 +28,9 @@ IMPLEMENTED_BY = {"use_qk_norm": ("glm4_moe",)}  # {field of NOT_IMPLEMENTED: th
 TRAINING_DROPOUT = {"attention_dropout": "dropout on the attention weights",
                     "resid_pdrop": "dropout on each sublayer's output",
                     "router_jitter_noise": "multiplicative noise on the MoE router's input"}
+
+ATTENTION, LATENT_ATTENTION = "attention", "latent_attention"  # the token mixers
+PRE_NORMS, POST_NORMS = "pre", "post"  # where a layer's norms sit (models/decoder.py NORM_PLACEMENTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +66,15 @@ class MixtureOfExperts:
 
 @dataclasses.dataclass(frozen=True)
 class Architecture:
+    """A family's decoder, as its declaration below fills it in. The per-layer tuples have one entry per decoder
+    layer."""
+    token_mixer: str = ATTENTION
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: str | None = None  # 'head': per head (Qwen3); 'projection': over the whole q and k projections (OLMo 2)
-    post_norms: bool = False  # OLMo 2: each sublayer's output normalised before the residual add, no input norm
+    norm_placement: str = PRE_NORMS
+    norm_scale_in_fp32: bool = False  # OLMo 2, GPT-OSS: an RMSNorm's weight applied before the cast back
     embedding_multiplier: float = 1.0  # Granite's multipliers
     residual_multiplier: float = 1.0
     attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
@@ -100,11 +83,196 @@ class Architecture:
     rotary_layers: tuple = ()  # per decoder layer: whether it applies the rotary embedding
     sliding_windows: tuple = ()  # per decoder layer: its attention window (keys > query - window), or None
     fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj fused in the Hugging Face checkpoint
-    norm_scale_in_fp32: bool = False  # OLMo 2, GPT-OSS: an RMSNorm's weight applied before the cast back
     attention_sinks: bool = False  # GPT-OSS: a learned logit per head in each softmax's denominator
     moe: MixtureOfExperts | None = None
-    sparse_layers: tuple = ()  # per decoder layer: whether its MLP is the MoE block
-    latent_attention: bool = False  # DeepSeek-V3: multi-head latent attention (models/latent_attention.py)
+    sparse_layers: tuple = ()  # per decoder layer: whether its feed-forward is the MoE block
+
+    @property
+    def latent_attention(self):
+        return self.token_mixer == LATENT_ATTENTION
+
+
+def architecture_of(config):
+    """The Architecture of a (checked) Hugging Face config: its family's declaration, with LLaMA's per-layer
+    defaults (rotary embedding everywhere, no window, dense feed-forwards) where the family sets none."""
+    declared = FAMILIES[config.model_type](config)
+    layers = config.num_hidden_layers
+    return dataclasses.replace(declared, rotary_layers=declared.rotary_layers or (True,) * layers,
+                               sliding_windows=declared.sliding_windows or (None,) * layers,
+                               sparse_layers=declared.sparse_layers or (False,) * layers)
+
+
+# --- the families -----------------------------------------------------------------------------------------------
+
+def llama(config):
+    """LLaMA 1-3.3, SmolLM2: RMSNorm before attention and MLP, rotary attention, SwiGLU MLP; biases as the config
+    asks."""
+    return Architecture(qkv_bias=config.attention_bias, o_bias=config.attention_bias, mlp_bias=config.mlp_bias)
+
+
+def mistral(config):
+    """Mistral v0.1: LLaMA with a sliding window on every layer and no biases."""
+    return Architecture(sliding_windows=every_layer(config, config.sliding_window or None))
+
+
+def qwen2(config):
+    """Qwen2, Qwen2.5: biases on q, k and v only; with use_sliding_window, windows on the layers layer_types marks
+    (from max_window_layers on)."""
+    return Architecture(qkv_bias=True, sliding_windows=marked_windows(config, config.use_sliding_window))
+
+
+def qwen3(config):
+    """Qwen3 (dense): an RMSNorm over each query and key head; windows as Qwen2's."""
+    return Architecture(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm="head",
+                        sliding_windows=marked_windows(config, config.use_sliding_window))
+
+
+def olmo2(config):
+    """OLMo 2: each sublayer's output normalised before the residual add (no input norms); q and k normalised
+    over their whole projections; every norm's weight applied before the cast back."""
+    return Architecture(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm="projection",
+                        norm_placement=POST_NORMS, norm_scale_in_fp32=True)
+
+
+def granite(config):
+    """Granite 3: LLaMA with embedding, residual and attention multipliers, and the logits divided by
+    logits_scaling."""
+    return Architecture(qkv_bias=config.attention_bias, o_bias=config.attention_bias, mlp_bias=config.mlp_bias,
+                        embedding_multiplier=config.embedding_multiplier,
+                        residual_multiplier=config.residual_multiplier, attention_scale=config.attention_multiplier,
+                        logits_scaling=config.logits_scaling)
+
+
+def smollm3(config):
+    """SmolLM3: LLaMA without the rotary embedding on the layers no_rope_layers marks 0; windows as Qwen2's."""
+    return Architecture(qkv_bias=config.attention_bias, o_bias=config.attention_bias, mlp_bias=config.mlp_bias,
+                        rotary_layers=tuple(bool(rotary) for rotary in
+                                            config.no_rope_layers[:config.num_hidden_layers]),
+                        sliding_windows=marked_windows(config, config.use_sliding_window))
+
+
+def phi3(config):
+    """Phi-3, Phi-4: fused qkv_proj and gate_up_proj in the checkpoint (held as LLaMA's parts: models/layout.py),
+    a partial rotary embedding, a sliding window on every layer if set, no biases."""
+    return Architecture(fused_projections=True, rotary_fraction=partial_rotary(config),
+                        sliding_windows=every_layer(config, config.sliding_window or None))
+
+
+def mixtral(config):
+    """Mixtral: Mistral's attention; every layer's MLP a mixture of experts, the top-k of a softmax router
+    renormalised (in fp32)."""
+    return Architecture(sliding_windows=every_layer(config, config.sliding_window or None),
+                        moe=MixtureOfExperts(config.num_local_experts, config.num_experts_per_tok,
+                                             config.intermediate_size, norm_topk_prob=True,
+                                             weights_in_logits_dtype=False, **load_balancing(config)),
+                        sparse_layers=every_layer(config, config.num_local_experts > 0))
+
+
+def qwen3_moe(config):
+    """Qwen3-MoE: Qwen3's attention (a window on every layer only with use_sliding_window); experts on the layers
+    decoder_sparse_step picks and mlp_only_layers leaves, dense MLPs of intermediate_size on the others."""
+    return Architecture(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm="head",
+                        sliding_windows=every_layer(config, config.sliding_window or None),
+                        moe=MixtureOfExperts(config.num_experts, config.num_experts_per_tok,
+                                             config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+                                             **load_balancing(config)),
+                        sparse_layers=qwen_sparse_layers(config))
+
+
+def qwen2_moe(config):
+    """Qwen2-MoE: Qwen2's attention (q/k/v biases with qkv_bias); experts as Qwen3-MoE's, beside them a shared
+    expert behind a sigmoid gate."""
+    return Architecture(qkv_bias=config.qkv_bias, sliding_windows=marked_windows(config, config.use_sliding_window),
+                        moe=MixtureOfExperts(config.num_experts, config.num_experts_per_tok,
+                                             config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+                                             shared_expert_size=config.shared_expert_intermediate_size,
+                                             **load_balancing(config)),
+                        sparse_layers=qwen_sparse_layers(config))
+
+
+def olmoe(config):
+    """OLMoE: q and k normalised over their whole projections (the weight applied after the cast, unlike
+    OLMo 2's); every layer's MLP a mixture of experts, the top-k of a softmax router."""
+    return Architecture(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm="projection",
+                        moe=MixtureOfExperts(config.num_experts, config.num_experts_per_tok,
+                                             config.intermediate_size, norm_topk_prob=bool(config.norm_topk_prob),
+                                             **load_balancing(config)),
+                        sparse_layers=every_layer(config, config.num_experts > 0))
+
+
+def gpt_oss(config):
+    """GPT-OSS: attention sinks, biases everywhere, a window on the layers layer_types marks, YaRN; a router with a
+    bias, the top-k of its logits then a softmax; experts held transposed, with biases and a clamped SwiGLU."""
+    return Architecture(qkv_bias=config.attention_bias, o_bias=config.attention_bias, norm_scale_in_fp32=True,
+                        attention_sinks=True, sliding_windows=marked_windows(config, True),
+                        moe=MixtureOfExperts(config.num_local_experts, config.num_experts_per_tok,
+                                             config.intermediate_size, router_name="router", router_bias=True,
+                                             softmax_after_topk=True, norm_topk_prob=False, expert_bias=True,
+                                             transposed=True, swiglu_limit=config.swiglu_limit,
+                                             swiglu_alpha=config.swiglu_alpha, **load_balancing(config)),
+                        sparse_layers=every_layer(config, config.num_local_experts > 0))
+
+
+def deepseek_v3(config):
+    """DeepSeek-V3, Kimi K2, Moonlight: multi-head latent attention; after the first first_k_dense_replace dense
+    layers, DeepSeek-V3's sigmoid router (models/sigmoid_router.py) over routed experts beside ungated shared
+    ones."""
+    return Architecture(token_mixer=LATENT_ATTENTION, moe=sigmoid_routed_experts(config),
+                        sparse_layers=tuple(layer >= config.first_k_dense_replace
+                                            for layer in range(config.num_hidden_layers)))
+
+
+def glm4_moe(config):
+    """GLM-4.5: grouped-query attention with q/k/v biases (attention_bias), a per-head q/k norm with use_qk_norm and
+    a partial rotary embedding; DeepSeek-V3's router and experts after the first first_k_dense_replace layers."""
+    return Architecture(qkv_bias=config.attention_bias, qk_norm="head" if config.use_qk_norm else None,
+                        rotary_fraction=partial_rotary(config), moe=sigmoid_routed_experts(config),
+                        sparse_layers=tuple(layer >= config.first_k_dense_replace
+                                            for layer in range(config.num_hidden_layers)))
+
+
+FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "olmo2": olmo2, "granite": granite,
+            "smollm3": smollm3, "phi3": phi3, "mixtral": mixtral, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe,
+            "olmoe": olmoe, "gpt_oss": gpt_oss, "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+# --- what several families share ----------------------------------------------------------------------------------
+
+def every_layer(config, value):
+    return (value,) * config.num_hidden_layers
+
+
+def marked_windows(config, windowed):
+    """sliding_window on the layers layer_types marks 'sliding_attention' (Qwen2 and Qwen3 mark those from
+    max_window_layers on, Qwen2-MoE the odd ones below it, GPT-OSS alternate layers), when `windowed`."""
+    return tuple(config.sliding_window if windowed and kind == "sliding_attention" else None
+                 for kind in config.layer_types[:config.num_hidden_layers])
+
+
+def partial_rotary(config):
+    return config.rope_parameters.get("partial_rotary_factor", 1.0)
+
+
+def load_balancing(config):
+    """transformers' load-balancing loss of a softmax-routed family: on with output_router_logits."""
+    return dict(aux_loss=bool(config.output_router_logits), aux_loss_coef=float(config.router_aux_loss_coef))
+
+
+def qwen_sparse_layers(config):
+    """Qwen-MoE's layers with experts: every decoder_sparse_step-th, but those mlp_only_layers lists."""
+    return tuple(config.num_experts > 0 and layer not in config.mlp_only_layers and
+                 (layer + 1) % config.decoder_sparse_step == 0 for layer in range(config.num_hidden_layers))
+
+
+def sigmoid_routed_experts(config):
+    """DeepSeek-V3's experts: no load-balancing loss (transformers' forward computes none for them), its
+    sequence-wise one when the run asks (moe.sequence_aux_loss_coef)."""
+    return MixtureOfExperts(num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
+                            expert_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+                            shared_expert_size=config.moe_intermediate_size * config.n_shared_experts,
+                            shared_expert_name="shared_experts", shared_expert_gated=False, sigmoid_routing=True,
+                            sequence_aux_loss_coef=getattr(config, "sequence_aux_loss_coef", 0.0))
 
 
 def head_dim_of(config):
@@ -121,90 +289,6 @@ def fused_projections(config):
     return {"self_attn.qkv_proj": (("self_attn.q_proj", config.num_attention_heads * head_dim),
                                    ("self_attn.k_proj", kv_heads * head_dim), ("self_attn.v_proj", kv_heads * head_dim)),
             "mlp.gate_up_proj": (("mlp.gate_proj", config.intermediate_size), ("mlp.up_proj", config.intermediate_size))}
-
-
-def architecture_of(config):
-    """The options of a (checked) Hugging Face config."""
-    family = config.model_type
-    attention_bias, mlp_bias = getattr(config, "attention_bias", False), getattr(config, "mlp_bias", False)
-    layers = range(config.num_hidden_layers)
-    return Architecture(
-        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and config.qkv_bias) or (
-            attention_bias and family in (*BIASED_ATTENTION, "glm4_moe")),
-        o_bias=attention_bias and family in BIASED_ATTENTION,
-        mlp_bias=mlp_bias and family in ("llama", "granite", "smollm3"),
-        qk_norm="head" if family == "glm4_moe" and config.use_qk_norm else {
-            "qwen3": "head", "qwen3_moe": "head", "olmo2": "projection", "olmoe": "projection"}.get(family),
-        post_norms=family == "olmo2",
-        embedding_multiplier=getattr(config, "embedding_multiplier", 1.0) if family == "granite" else 1.0,
-        residual_multiplier=getattr(config, "residual_multiplier", 1.0) if family == "granite" else 1.0,
-        attention_scale=config.attention_multiplier if family == "granite" else None,
-        logits_scaling=config.logits_scaling if family == "granite" else 1.0,
-        rotary_fraction=config.rope_parameters.get("partial_rotary_factor", 1.0) if family in ("phi3", "glm4_moe")
-        else 1.0,
-        rotary_layers=tuple(bool(config.no_rope_layers[i]) if family == "smollm3" else True for i in layers),
-        sliding_windows=tuple(sliding_window(config, i) for i in layers),
-        fused_projections=family == "phi3",
-        norm_scale_in_fp32=family in ("olmo2", "gpt_oss"),
-        attention_sinks=family == "gpt_oss",
-        moe=mixture_of_experts(config),
-        sparse_layers=tuple(sparse_layer(config, i) for i in layers),
-        latent_attention=family == "deepseek_v3")
-
-
-BIASED_ATTENTION = ("llama", "qwen3", "olmo2", "granite", "smollm3", "qwen3_moe", "olmoe", "gpt_oss")  # attention_bias
-
-
-def mixture_of_experts(config):
-    """The MoE block's options of an MoE family's config, else None."""
-    family = config.model_type
-    if family not in MOE_MODEL_TYPES:
-        return None
-    gpt_oss = family == "gpt_oss"
-    if family in SIGMOID_ROUTED:  # no load-balancing loss: transformers' forward computes none for them
-        return MixtureOfExperts(
-            num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
-            expert_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
-            shared_expert_size=config.moe_intermediate_size * config.n_shared_experts,
-            shared_expert_name="shared_experts", shared_expert_gated=False, sigmoid_routing=True,
-            sequence_aux_loss_coef=getattr(config, "sequence_aux_loss_coef", 0.0))
-    return MixtureOfExperts(
-        num_experts=config.num_experts, top_k=config.num_experts_per_tok,
-        expert_size=config.moe_intermediate_size if family in ("qwen3_moe", "qwen2_moe") else config.intermediate_size,
-        router_name="router" if gpt_oss else "gate", router_bias=gpt_oss, softmax_after_topk=gpt_oss,
-        norm_topk_prob=family == "mixtral" or bool(getattr(config, "norm_topk_prob", False)),
-        weights_in_logits_dtype=family != "mixtral", expert_bias=gpt_oss, transposed=gpt_oss,
-        swiglu_limit=config.swiglu_limit if gpt_oss else None, swiglu_alpha=config.swiglu_alpha if gpt_oss else 1.0,
-        shared_expert_size=config.shared_expert_intermediate_size if family == "qwen2_moe" else 0,
-        aux_loss=bool(config.output_router_logits), aux_loss_coef=float(config.router_aux_loss_coef))
-
-
-def sparse_layer(config, layer):
-    """Whether decoder layer `layer`'s MLP is the MoE block: every layer of an MoE family but, in Qwen's, those
-    mlp_only_layers lists and those decoder_sparse_step skips."""
-    if config.model_type in SIGMOID_ROUTED:
-        return layer >= config.first_k_dense_replace
-    if config.model_type not in MOE_MODEL_TYPES or config.num_experts == 0:
-        return False
-    if config.model_type in ("qwen3_moe", "qwen2_moe"):
-        return layer not in config.mlp_only_layers and (layer + 1) % config.decoder_sparse_step == 0
-    return True
-
-
-def sliding_window(config, layer):
-    """Decoder layer `layer`'s attention window, as the family's transformers code decides it: every layer of a
-    Mistral, Mixtral or Phi-3 config with sliding_window, and of a Qwen3-MoE one with use_sliding_window; the layers
-    layer_types marks 'sliding_attention' otherwise (GPT-OSS's alternate layers; Qwen2 and Qwen3 mark those from
-    max_window_layers on, Qwen2-MoE the odd ones below it; they and SmolLM3 need use_sliding_window too)."""
-    window = getattr(config, "sliding_window", None)
-    if config.model_type in ("mistral", "mixtral", "phi3", "qwen3_moe"):
-        return window or None  # Qwen3-MoE's config sets None without use_sliding_window
-    if config.model_type == "gpt_oss":
-        return window if config.layer_types[layer] == "sliding_attention" else None
-    if config.model_type not in ("qwen2", "qwen3", "smollm3", "qwen2_moe") or \
-            not getattr(config, "use_sliding_window", False):
-        return None
-    return window if config.layer_types[layer] == "sliding_attention" else None
 
 
 def check_trains_as_configured(config):
@@ -248,6 +332,6 @@ def check_deepseek_line(config):
                          f"num_attention_heads={config.num_attention_heads}: multi-head latent attention expands one "
                          f"key and value per query head (transformers' DeepseekV3Attention cannot run it either); set "
                          f"num_key_value_heads to {config.num_attention_heads}.")
-    if config.model_type in SIGMOID_ROUTED and config.n_routed_experts % config.n_group:
+    if config.model_type in ("deepseek_v3", "glm4_moe") and config.n_routed_experts % config.n_group:
         raise ValueError(f"n_group={config.n_group} in the {config.model_type} config does not divide "
                          f"n_routed_experts={config.n_routed_experts}: the router ranks groups of equal size.")

@@ -1,11 +1,10 @@
-"""The math every attention of the decoder shares (models/llama.py's grouped-query Attention, models/
-latent_attention.py's multi-head latent attention): the rotary embedding applied to a head's features, and softmax
-attention over heads, through SDPA or the eager formula transformers' `eager` implementation computes.
+"""The math every attention of the decoder shares (grouped-query attention, models/attention.py; multi-head latent
+attention, models/latent_attention.py): the rotary embedding applied to a head's features, and softmax attention
+over heads, through SDPA or the eager formula transformers' `eager` implementation computes.
 """
 import torch
 import torch.nn.functional as F
-
-from models.context_parallel import causal_lower_right_attention
+from torch.nn.attention.bias import causal_lower_right
 
 
 def additive_mask(allowed, dtype):
@@ -68,3 +67,50 @@ def eager_attention(q, k, v, mask, scale=None, sinks=None):
         combined = combined - combined.amax(dim=-1, keepdim=True)
         probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(v.dtype)
     return torch.matmul(probs, v)
+
+
+def causal_lower_right_attention(q, k, v, grouped, scale=None):
+    """Causal attention of queries that are the last q.shape[2] of the keys (each half's queries end its keys), with
+    no mask tensor: CUDA's flash kernels align a causal mask there (torch's causal_lower_right), but the CPU's aligns
+    it at the first key and SDPA would materialise the mask and keep it per layer for backward."""
+    if q.device.type == "cpu":
+        if v.shape[-1] != q.shape[-1]:  # MLA's values: the CPU kernel takes one width, so zeros pad the narrower
+            width, scale = max(q.shape[-1], v.shape[-1]), q.shape[-1] ** -0.5 if scale is None else scale
+            q, k, padded = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+            return LowerRightCausalOnCPU.apply(q, k, padded, scale)[..., :v.shape[-1]]
+        return LowerRightCausalOnCPU.apply(q, k, v, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+                                          enable_gqa=grouped, scale=scale)
+
+
+class LowerRightCausalOnCPU(torch.autograd.Function):
+    """The keys before the queries' own block (all visible) and that block (causal from its first key) through the
+    CPU flash kernel apart, merged by their log-sum-exps; backward runs each part's kernel with the merged output
+    and log-sum-exp, which gives exactly the gradient of the whole (ring attention's merge). No torch op exposes
+    the kernel's log-sum-exp but this private one."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        prefix = k.shape[2] - q.shape[2]
+        before, before_lse = flash(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
+        block, block_lse = flash(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
+        lse = torch.logaddexp(before_lse, block_lse)
+        out = (before.float() * (before_lse - lse).exp()[..., None]
+               + block.float() * (block_lse - lse).exp()[..., None]).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        prefix = k.shape[2] - q.shape[2]
+        grad = grad.contiguous()
+        dq_before, dk_before, dv_before = flash_backward(grad, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, 0.0,
+                                                         False, scale=ctx.scale)
+        dq_block, dk_block, dv_block = flash_backward(grad, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, 0.0,
+                                                      True, scale=ctx.scale)
+        return (dq_before + dq_block, torch.cat([dk_before, dk_block], 2), torch.cat([dv_before, dv_block], 2),
+                None)

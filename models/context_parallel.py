@@ -12,14 +12,21 @@ causal mask every rank attends over the same number of keys ((2c+1)/(2c) of a se
 each local half attends only over the keys up to its own chunk. Each token keeps its document id and position
 (they travel with it), so rotary embeddings and the per-document causal mask are those of the whole sequence.
 
+Applied from outside to a built stage: each layer's attention core (models/attention.py AttentionCore) is wrapped
+by ContextParallelCore, and the stage's masks are ContextParallelAttentionInputs' (one per local half). Multi-head
+latent attention hands its core the keys' latent and rotary part with their expansion (models/latent_attention.py),
+so the group gathers those (576 features a token for DeepSeek-V3), not the expanded keys and values (num_heads x 320
+= 40,960), and each rank expands the whole sequence's latent: the latent's gradient is reduce-scattered back, the
+expansion's weight gradient of each rank's queries summed over the group with the data-parallel ones.
+
 With size 1 every call is the plain computation and no collective runs.
 """
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+from torch import nn
 
 import collectives
+from models.attention import StageAttentionInputs, additive_mask
 from models.labels import shift_labels
 
 
@@ -60,21 +67,21 @@ class ContextParallel:
         return tuple(self.local_tokens(t) for t in inputs), (next_labels, *per_row) if per_row else next_labels
 
     # --- attention --------------------------------------------------------------------------------------------
-    def gather_keys_values(self, k, v):
-        """Keys and values (batch, heads, local tokens, head_dim) of the whole sequence in global order; one
-        all-gather for both, its backward a reduce-scatter of their gradients."""
+    def gather_keys_values(self, *tensors):
+        """Keys and values (batch, heads, local tokens, features), or what they are expanded from, of the whole
+        sequence in global order; one all-gather for all, its backward a reduce-scatter of their gradients."""
         if self.size == 1:
-            return k, v
-        gathered = GatherSequence.apply(torch.cat([k, v], dim=-1), self, 2)
-        return gathered.split(k.shape[-1], dim=-1)
+            return tensors
+        gathered = GatherSequence.apply(torch.cat(tensors, dim=-1), self, 2)
+        return gathered.split([t.shape[-1] for t in tensors], dim=-1)
 
     def attention_masks(self, document_ids, window=None):
         """Per local half, the boolean (batch, 1, chunk, keys up to the chunk's end) mask of the keys its queries
         may attend: causal by global position, within the query's document and within `window` positions of it (a
         sliding window; None: unlimited); a padding query sees only itself (no empty row). The whole sequence's
         document ids are all-gathered once per micro-batch. Rows of one document and no window need none
-        (models/llama.py StageAttentionInputs): causal attention whose queries end the keys
-        (causal_lower_right_attention)."""
+        (ContextParallelAttentionInputs): causal attention whose queries end the keys
+        (models/attention_kernels.py causal_lower_right_attention)."""
         whole = self.gather_sequence(document_ids, dim=1)
         if window is not None and window >= whole.shape[1]:
             window = None
@@ -96,8 +103,6 @@ class ContextParallel:
         """attention(q, k, v, mask) of this rank's queries: each half over the keys up to its own chunk (the
         causal saving that the zig-zag split makes even across ranks). The halves are joined token-major, the
         layout the output projection reads, so joining them is the only copy."""
-        if self.size == 1:
-            return attention(q, k, v, masks)
         chunk = q.shape[2] // 2
         outputs = []
         for half, (index, mask) in enumerate(zip(self.global_chunks(), masks)):
@@ -153,6 +158,40 @@ class ContextParallel:
         return to_global.to(device), to_gathered.to(device)
 
 
+class ContextParallelCore(nn.Module):
+    """An attention core (models/attention.py AttentionCore) of a context group's rank: the whole sequence's keys
+    and values (or what they expand from) gathered, then this rank's queries attended over them half by half."""
+
+    def __init__(self, core, context):
+        super().__init__()
+        self.core, self.context = core, context
+
+    def forward(self, q, keys_values, masks, expand=None, sinks=None):
+        gathered = self.context.gather_keys_values(*keys_values)
+        k, v = gathered if expand is None else expand(*gathered)
+        return self.context.attend(lambda *args: self.core.attend(*args, sinks=sinks), q, k, v, masks)
+
+
+class ContextParallelAttentionInputs(StageAttentionInputs):
+    """A stage's attention inputs under context parallelism: one mask per local half of the tokens (or None for
+    plain causal attention), which padded rows take too."""
+
+    def __init__(self, config, context, row_layout="packed"):
+        super().__init__(config, row_layout)
+        self.context = context
+        self.masked = row_layout in ("packed", "padded")
+
+    def mask(self, document_ids, dtype, window):
+        needed = self.masked or (window is not None and window < document_ids.shape[1] * self.context.size)
+        halves = self.context.attention_masks(document_ids, window) if needed else [None, None]
+        return [additive_mask(half, dtype) for half in halves]
+
+
+def wrap_attention_cores(layer, context):
+    """A decoder layer's attention core replaced by its context-parallel form."""
+    layer.self_attn.core = ContextParallelCore(layer.self_attn.core, context)
+
+
 class ScaleGradient(torch.autograd.Function):
     """Identity forward; the gradient times `scale` backward."""
 
@@ -181,53 +220,6 @@ class GatherSequence(torch.autograd.Function):
         _, to_gathered = context.orders(grad.shape[dim] // (2 * context.size), grad.device)
         in_gathered_order = grad.movedim(dim, 0).index_select(0, to_gathered)
         return context.reduce_scatter(in_gathered_order).movedim(0, dim), None, None
-
-
-def causal_lower_right_attention(q, k, v, grouped, scale=None):
-    """Causal attention of queries that are the last q.shape[2] of the keys (each half's queries end its keys), with
-    no mask tensor: CUDA's flash kernels align a causal mask there (torch's causal_lower_right), but the CPU's aligns
-    it at the first key and SDPA would materialise the mask and keep it per layer for backward."""
-    if q.device.type == "cpu":
-        if v.shape[-1] != q.shape[-1]:  # MLA's values: the CPU kernel takes one width, so zeros pad the narrower
-            width, scale = max(q.shape[-1], v.shape[-1]), q.shape[-1] ** -0.5 if scale is None else scale
-            q, k, padded = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
-            return LowerRightCausalOnCPU.apply(q, k, padded, scale)[..., :v.shape[-1]]
-        return LowerRightCausalOnCPU.apply(q, k, v, scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
-                                          enable_gqa=grouped, scale=scale)
-
-
-class LowerRightCausalOnCPU(torch.autograd.Function):
-    """The keys before the queries' own block (all visible) and that block (causal from its first key) through the
-    CPU flash kernel apart, merged by their log-sum-exps; backward runs each part's kernel with the merged output
-    and log-sum-exp, which gives exactly the gradient of the whole (ring attention's merge). No torch op exposes
-    the kernel's log-sum-exp but this private one."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale):
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        prefix = k.shape[2] - q.shape[2]
-        before, before_lse = flash(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
-        block, block_lse = flash(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)
-        lse = torch.logaddexp(before_lse, block_lse)
-        out = (before.float() * (before_lse - lse).exp()[..., None]
-               + block.float() * (block_lse - lse).exp()[..., None]).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
-        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        prefix = k.shape[2] - q.shape[2]
-        grad = grad.contiguous()
-        dq_before, dk_before, dv_before = flash_backward(grad, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, 0.0,
-                                                         False, scale=ctx.scale)
-        dq_block, dk_block, dv_block = flash_backward(grad, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, 0.0,
-                                                      True, scale=ctx.scale)
-        return (dq_before + dq_block, torch.cat([dk_before, dk_block], 2), torch.cat([dv_before, dv_block], 2),
-                None)
 
 
 def build_context_parallel(topology, size):

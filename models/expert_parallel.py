@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import collectives
-from models.moe import combine, inverse_permutation, sort_by_expert
+from models.moe import Experts, MoEBlock, combine, inverse_permutation, sort_by_expert
 
 
 class ExpertParallel:
@@ -40,6 +40,18 @@ class ExpertParallel:
     def expert_range(self, num_experts):
         count = num_experts // self.size
         return self.rank * count, count
+
+    def split_experts(self, layer, device=None):
+        """A built decoder layer's experts (a sparse layer's) as this rank's slice of them, dispatched by this
+        all-to-all: new experts made on `device` (None: torch's default) unless the layer's are on the meta device
+        and so is `device`."""
+        if not isinstance(layer.mlp, MoEBlock):
+            return
+        block, whole = layer.mlp, layer.mlp.experts
+        first, count = self.expert_range(block.moe.num_experts)
+        with torch.device(device if device is not None else torch.get_default_device()):
+            block.experts = Experts(block.moe, whole.hidden_size, whole.act_fn, first, count)
+        block.dispatcher = self
 
     def __call__(self, hidden, expert_ids, weights, experts):
         top_k, local = expert_ids.shape[1], experts.num_local_experts

@@ -9,7 +9,7 @@ import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from models.attention_kernels import additive_mask
-from models.llama import document_causal_mask, within_window
+from models.attention import document_causal_mask, within_window
 
 # Rotary types whose frequencies transformers recomputes from the sequence length at every call: tables built once
 # at construction cannot follow them.

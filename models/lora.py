@@ -1,15 +1,16 @@
 """LoRA adapters (Hu et al., 2021) on the decoder layers' projections, in peft's layout, applied to a built stage.
 
 A targeted projection `p` (q_proj ... down_proj) gains two bias-free linear children, `p.lora_A` (rank x in) and
-`p.lora_B` (out x rank), and computes y = p(x) + scaling * B(A(dropout(x))) with scaling = alpha / rank: peft's
-LoraLayer, so a layer's adapter keys (`self_attn.q_proj.lora_A.weight`) are peft's after the `model.layers.{i}.`
-prefix. Everything else of the model is frozen: no gradient, no optimizer state, nothing reduced.
+`p.lora_B` (out x rank), and a forward hook that adds scaling * B(A(dropout(x))) to its output, scaling = alpha /
+rank: peft's LoraLayer, so a layer's adapter keys (`self_attn.q_proj.lora_A.weight`) are peft's after the
+`model.layers.{i}.` prefix. Everything else of the model is frozen: no gradient, no optimizer state, nothing reduced.
 
 Under tensor parallelism an adapter splits like its projection, so no activation of the base width is gathered: on
 a column-parallel projection A is whole and B holds this rank's output rows; on a row-parallel one A holds this
-rank's input columns and B is whole; on one every rank holds whole (MLA's latent projections) both are whole
-(models/tensor_parallel.py runs them). Initial values (peft's: A Kaiming-uniform, B zero) are drawn for the whole
-tensor from a generator seeded by (seed, layer, target), then sliced: every layout starts from the same adapters.
+rank's input columns and B is whole, its output a partial sum added over the group with the projection's; on one
+every rank holds whole (MLA's latent projections) both are whole (models/tensor_parallel.py parallelize_adapters).
+Initial values (peft's: A Kaiming-uniform, B zero) are drawn for the whole tensor from a generator seeded by (seed,
+layer, target), then sliced: every layout starts from the same adapters.
 
 A mixture of experts' fused experts (`mlp.experts.gate_up_proj` [E, ...], `mlp.experts.down_proj`) take adapters as
 peft 0.21 puts them on a parameter (`target_parameters`, its ParamWrapper): per expert e, A_e (rank x in) and B_e
@@ -24,12 +25,13 @@ import math
 import re
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from models.architecture import architecture_of
-from models.llama import DecoderLayerPipe, fused_projections
-from models.moe import MoEBlock
-from models.tensor_parallel import SHARDED_MARKER, TensorParallel
+from models.architecture import architecture_of, fused_projections
+from models.moe import Experts, MoEBlock
+from models.pipeline_layers import decoder_on_meta
+from models.tensor_parallel import mark_sharded
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -217,17 +219,6 @@ def decoder_kinds_on_meta(config):
     return [decoder_on_meta(config, layer_index=sparse.index(kind)) for kind in sorted(set(sparse))]
 
 
-def decoder_on_meta(config, tensor_parallel=1, layer_index=None):
-    """One decoder layer on the meta device (shapes only, no memory): layer_index's, or (None) a sparse one where
-    the model has any, its largest kind."""
-    if layer_index is None:
-        sparse = architecture_of(config).sparse_layers
-        layer_index = sparse.index(True) if True in sparse else 0
-    with torch.device("meta"):
-        return DecoderLayerPipe(config, stage_inputs=None, parallel=TensorParallel(tensor_parallel),
-                                layer_index=layer_index)
-
-
 def adapter_parameter_count(config, settings, tensor_parallel=1, layer_index=None, active=False):
     """Adapter parameters of one decoder layer (decoder_on_meta's) on one tensor-parallel rank, from the config;
     active: the experts' as a token runs through them (top_k of the experts), as MFU counts the experts."""
@@ -266,9 +257,8 @@ def add_adapters(decoder_layer, settings, config, tensor_parallel_size=1, tensor
                                       device=device, dtype=dtype)
         projection.lora_scaling, projection.lora_dropout = settings.scaling, settings.dropout
         split = {1: projection.lora_A.weight, 0: projection.lora_B.weight}.get(dim)
-        if tensor_parallel_size > 1 and split is not None:  # DeepSpeed's marker: see TensorParallel.mark_sharded
-            split.tensor_parallel_dim = dim
-            setattr(split, SHARDED_MARKER, True)
+        if tensor_parallel_size > 1 and split is not None:
+            mark_sharded(split, dim)
         if seed is not None:
             a, b = initial_factors(seed, index, TARGETS.index(name), settings.rank, whole_in, whole_out)
             with torch.no_grad():
@@ -276,11 +266,32 @@ def add_adapters(decoder_layer, settings, config, tensor_parallel_size=1, tensor
                                                else a)
                 projection.lora_B.weight.copy_(b.chunk(tensor_parallel_size, 0)[tensor_parallel_rank] if dim == 0
                                                else b)
+        projection.register_forward_hook(add_adapter_output)
     share_fused_adapters(decoder_layer, config)
     experts = getattr(decoder_layer.mlp, "experts", None)
     if experts is not None:
         add_expert_adapters(experts, expert_ranks(config, settings.target_modules, settings.rank), settings, seed,
                             index)
+
+
+def add_adapter_output(projection, args, out):
+    """A projection's output with its adapter's added: out + scaling * B(A(dropout(x)))."""
+    x = F.dropout(args[0], projection.lora_dropout, projection.training)
+    return out + projection.lora_B(projection.lora_A(x)) * projection.lora_scaling
+
+
+class AdaptedExperts(Experts):
+    """A mixture's experts with adapters on their fused projections: each expert's weight is W_e + scaling B_e A_e,
+    one baddbmm over the experts, as peft's ParamWrapper folds it (A [E, rank, in], B [E, out, rank])."""
+
+    def weight(self, name):
+        weight = getattr(self, name)
+        if name not in self.lora_A or not self.lora_scaling:
+            return weight
+        a, b = self.lora_A[name], self.lora_B[name]
+        if self.transposed:  # [E, in, out]
+            return torch.baddbmm(weight, a.transpose(-2, -1), b.transpose(-2, -1), alpha=self.lora_scaling)
+        return torch.baddbmm(weight, b, a, alpha=self.lora_scaling)
 
 
 def expert_features(experts, name):
@@ -297,6 +308,7 @@ def add_expert_adapters(experts, ranks, settings, seed=None, index=0):
     if not ranks:
         return
     weight = experts.gate_up_proj
+    experts.__class__ = AdaptedExperts  # the same module and parameters, its weights folded with the adapters
     experts.lora_A, experts.lora_B = nn.ParameterDict(), nn.ParameterDict()
     experts.lora_scaling = settings.scaling
     for name, rank in ranks.items():
@@ -316,7 +328,7 @@ def share_fused_adapters(decoder_layer, config):
     """The parts of one of Phi-3's fused projections share its first part's A (column-parallel: whole on every
     rank), as peft's one adapter on the fused projection has; each keeps its rows of B."""
     projections = projections_of(decoder_layer, config)
-    for first, *others in decoder_layer.fused_groups:
+    for first, *others in fused_target_groups(config).values():
         for name in others:
             if hasattr(projections[name], "lora_A"):
                 projections[name].lora_A = projections[first].lora_A

@@ -6,8 +6,7 @@ a time (Liger Kernel's fused linear cross-entropy, in plain torch). In training 
 forward pass, chunk by chunk, while each chunk's logits exist; backward only scales them by the loss's gradient, so
 the head costs the same three matmuls as the logits path and its backward is instant for the stage before it. Under
 the zero-bubble schedule too: the weight gradient arrives with B and leaves no W, which would have to project every
-chunk again (no chunk's logits outlive the forward pass): 10% more compute on a stage holding a 49k-word head
-(bench/trainer_profile.py).
+chunk again (no chunk's logits outlive the forward pass).
 `loss_chunk_tokens` = 0: the head's full logits, then the cross-entropy (the reference the chunked path is tested
 against). Under tensor parallelism each rank projects onto its vocabulary rows, and the log-sum-exp and the target
 logit are combined across the group, never the logits.
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 import collectives
 from models.context_parallel import NO_CONTEXT_PARALLEL
 from models.labels import IGNORE_INDEX, shift_labels
+from models.pipeline_layers import head_outputs
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 
 
@@ -63,7 +63,7 @@ class CausalLMLoss:
         return labelled_tokens(labels, NO_CONTEXT_PARALLEL if whole else self.context)
 
     def __call__(self, outputs, labels):
-        outputs, routing = head_outputs(outputs, self.chunk_tokens)
+        outputs, routing = head_outputs(outputs, self.chunk_tokens > 0)
         loss = self.next_token_loss(outputs, labels)
         aux = self.router(routing) if self.router is not None else None
         if aux is None:
@@ -84,7 +84,8 @@ class CausalLMLoss:
             hidden, weight = outputs
             return chunked_loss_sum(hidden, weight, next_labels.to(hidden.device), divisor, self.parallel,
                                     self.chunk_tokens, self.grad_sum_dtype)
-        return logits_loss_sum(outputs, next_labels.to(outputs.device), self.parallel) / divisor
+        logits, = outputs
+        return logits_loss_sum(logits, next_labels.to(logits.device), self.parallel) / divisor
 
 
 class ContinuationScores:
@@ -97,18 +98,12 @@ class ContinuationScores:
 
     def __call__(self, outputs, labels):
         next_labels = next_token_labels(labels, self.context, self.seq_length)
-        scores = continuation_scores(head_outputs(outputs, self.chunk_tokens)[0], next_labels, labels.shape[0], self.parallel, self.chunk_tokens)
+        head, _ = head_outputs(outputs, self.chunk_tokens > 0)
+        scores = continuation_scores(head if self.chunk_tokens else head[0], next_labels, labels.shape[0],
+                                     self.parallel, self.chunk_tokens)
         if self.context.size > 1:  # each rank scored its tokens of every row
             collectives.all_reduce(scores, group=self.context.group)
         return scores
-
-
-def head_outputs(outputs, chunk_tokens):
-    """(the LM head's outputs: the logits, or with chunk_tokens its input and weight; the routing statistics an MoE
-    model carries after them to the loss, models/router_loss.py, or ())."""
-    if chunk_tokens:
-        return outputs[:2], outputs[2:]
-    return (outputs[0], outputs[1:]) if isinstance(outputs, tuple) else (outputs, ())
 
 
 def next_token_labels(labels, context=NO_CONTEXT_PARALLEL, positions=None):

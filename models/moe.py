@@ -1,4 +1,4 @@
-"""The mixture-of-experts block, beside the dense MLP (models/llama.py): a router scores each token for every expert,
+"""The mixture-of-experts block, beside the dense MLP (models/mlp.py): a router scores each token for every expert,
 each token goes to its top-k experts, and their outputs come back weighted by the routing weights. Dropless: every
 token reaches every expert it picks, exactly as transformers routes (models/architecture.py's MixtureOfExperts holds
 each family's options: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, GPT-OSS).
@@ -11,13 +11,13 @@ are read to the host once per layer, never once per expert. The order of every s
 path (sort, project, weight, unsort, sum over the k choices), so the outputs are the same to the last bit where the
 kernels are.
 
-The seam for expert parallelism: the block routes, then hands the tokens to a dispatcher injected at construction,
+The block routes, then hands the tokens to its dispatcher,
 
     dispatcher(hidden [T, H], expert_ids [T, k] int64, weights [T, k], experts) -> [T, H]
 
-and never knows where the experts are. `experts` holds a contiguous slice of the layer's experts, which the
-dispatcher chooses when the block is built (`dispatcher.expert_range(num_experts) -> (first, count)`):
-`experts.first_expert`, `experts.num_local_experts`, and
+and never knows where the experts are: expert parallelism replaces the dispatcher and the experts with its own
+(models/expert_parallel.py). `experts` holds a contiguous slice of the layer's experts: `experts.first_expert`,
+`experts.num_local_experts`, and
 
     experts(tokens [N, H] sorted by local expert, counts [num_local_experts] int64 on the device,
             split_sizes: the same counts as Python ints, or None) -> [N, H]
@@ -36,17 +36,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.architecture import ACTIVATIONS, architecture_of
+from models.mlp import MLP
 from models.sigmoid_router import SigmoidRouter, sequence_balance
-from models.tensor_parallel import NO_TENSOR_PARALLEL
-from models.weight_grads import RowGroups
 
 
-class RoutedTokens(NamedTuple):
-    """The tokens a rank's block routes (its sequence-parallel share of the micro-batch's): which are real (not
-    padding: transformers' attention mask), the row (sequence) each belongs to, and the micro-batch's rows."""
-    real: torch.Tensor  # [T] bool
-    rows: torch.Tensor  # [T] int64
-    num_rows: int
+class RoutedTokens:
+    """The tokens a block routes: which are real (not padding: transformers' attention mask), the row (sequence)
+    each belongs to, and the batch's rows. Statistics per sequence are sums over its tokens (sum_by_row)."""
+
+    def __init__(self, real, rows, num_rows):
+        self.real, self.rows, self.num_rows = real, rows, num_rows  # [T] bool, [T] int64, int
+
+    @classmethod
+    def of(cls, document_ids):
+        """The tokens of a batch's rows, from their document ids (batch, seq), 0 on padding."""
+        batch, seq = document_ids.shape
+        rows = torch.arange(batch * seq, device=document_ids.device) // seq
+        return cls((document_ids != 0).reshape(-1), rows, batch)
+
+    def sum_by_row(self, per_token):
+        """[num_rows, F]: per_token [T, F] summed over each row's tokens."""
+        return per_token.new_zeros(self.num_rows, per_token.shape[1]).index_add(0, self.rows, per_token)
 
 
 def route(logits, moe):
@@ -61,33 +71,28 @@ def route(logits, moe):
 
 
 class MoEBlock(nn.Module):
-    """The MLP of a sparse decoder layer. Its router is named as the family's (`gate`, GPT-OSS's `router`), so the
-    layer's state dict is the Hugging Face one; DeepSeek-V3's is a module of its own (models/sigmoid_router.py).
-    shared_expert: a dense MLP beside the routed experts, Qwen2-MoE's behind a sigmoid gate (`shared_expert`,
-    `shared_expert_gate`), DeepSeek-V3's added as it is (`shared_experts`).
+    """The feed-forward of a sparse decoder layer. Its router is named as the family's (`gate`, GPT-OSS's `router`),
+    so the layer's state dict is the Hugging Face one; DeepSeek-V3's is a module of its own
+    (models/sigmoid_router.py). A shared expert, where the family has one, is a dense MLP beside the routed
+    experts: Qwen2-MoE's behind a sigmoid gate (`shared_expert`, `shared_expert_gate`), DeepSeek-V3's added as it
+    is (`shared_experts`)."""
 
-    Under tensor parallelism each rank holds every expert whole and routes its own tokens: the sequence-parallel
-    share of the tokens (each rank computes 1/t of the block, no collective), or without sequence parallelism all
-    of them, as every rank computes a norm. The router's and experts' gradients are then summed over the group as a
-    norm's (TensorParallel.replicated); the shared expert splits like the dense MLP."""
-
-    def __init__(self, config, parallel=NO_TENSOR_PARALLEL, dispatcher=None, shared_expert=None):
+    def __init__(self, config):
         super().__init__()
         self.moe = moe = architecture_of(config).moe
-        self.parallel = parallel
-        self.dispatcher = dispatcher or LOCAL_EXPERTS
-        self.add_module(moe.router_name, SigmoidRouter(config, parallel) if moe.sigmoid_routing else
+        self.dispatcher = LOCAL_EXPERTS
+        shared_expert = MLP(config, moe.shared_expert_size) if moe.shared_expert_size else None
+        self.add_module(moe.router_name, SigmoidRouter(config) if moe.sigmoid_routing else
                         nn.Linear(config.hidden_size, moe.num_experts, bias=moe.router_bias))
-        first, count = self.dispatcher.expert_range(moe.num_experts)
-        self.experts = Experts(moe, config.hidden_size, ACTIVATIONS[config.hidden_act], first, count, parallel)
+        self.experts = Experts(moe, config.hidden_size, ACTIVATIONS[config.hidden_act], 0, moe.num_experts)
         if shared_expert is not None:  # under the family's name
             self.add_module(moe.shared_expert_name, shared_expert)
         if shared_expert is not None and moe.shared_expert_gated:
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
-    def forward(self, x, document_ids):
-        """(the block's output, shaped as x; this layer's routing statistics: routing_statistics'). document_ids:
-        the micro-batch's [batch, seq], 0 on padding."""
+    def forward(self, x, tokens):
+        """(the block's output, shaped as x; this layer's routing statistics: routing_statistics'). tokens: the
+        RoutedTokens of x's tokens."""
         hidden = x.reshape(-1, x.shape[-1])
         logits, weights, expert_ids = self.route(hidden)
         out = self.dispatcher(hidden, expert_ids, weights, self.experts)
@@ -95,30 +100,20 @@ class MoEBlock(nn.Module):
         if shared_expert is not None:
             shared = shared_expert(hidden)
             if self.moe.shared_expert_gated:
-                shared = torch.sigmoid(self.parallel.replicated_linear(hidden, self.shared_expert_gate)) * shared
+                shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
             out = out + shared
-        statistics = routing_statistics(logits, expert_ids, self.routed_tokens(document_ids), self.moe, self.parallel)
-        return out.view_as(x), statistics
+        return out.view_as(x), routing_statistics(logits, expert_ids, tokens, self.moe)
 
     def route(self, hidden):
         """(router logits [T, E], routing weights [T, k], expert ids [T, k]) of hidden [T, H]."""
         router = getattr(self, self.moe.router_name)
         if self.moe.sigmoid_routing:
             return router(hidden)
-        logits = self.parallel.replicated_linear(hidden, router)
+        logits = router(hidden)
         return logits, *route(logits, self.moe)
 
-    def routed_tokens(self, document_ids):
-        """The RoutedTokens this rank's block sees: its sequence-parallel share of the micro-batch's."""
-        batch, seq = document_ids.shape
-        real = (document_ids != 0).reshape(-1)
-        rows = torch.arange(batch * seq, device=document_ids.device) // seq
-        if self.parallel.sequence_parallel:
-            real, rows = (t.chunk(self.parallel.size)[self.parallel.rank] for t in (real, rows))
-        return RoutedTokens(real, rows, batch)
 
-
-def routing_statistics(logits, expert_ids, tokens, moe, parallel=NO_TENSOR_PARALLEL):
+def routing_statistics(logits, expert_ids, tokens, moe):
     """One layer's routing statistics: the real tokens' top-k choices per expert [E] int64, and the floating sum
     an auxiliary loss takes from the layer [E] fp32, else None: with transformers' load-balancing loss the sums of
     the real tokens' router probabilities (a softmax of the logits in their own dtype: load_balancing_loss_func's),
@@ -127,11 +122,33 @@ def routing_statistics(logits, expert_ids, tokens, moe, parallel=NO_TENSOR_PARAL
     counts = torch.zeros(moe.num_experts, dtype=torch.int64, device=expert_ids.device).scatter_add_(
         0, expert_ids.reshape(-1), mask.to(torch.int64).repeat_interleave(moe.top_k))
     if moe.sequence_aux_loss_coef:
-        return counts, sequence_balance(logits, expert_ids, tokens, moe.top_k, parallel)
+        return counts, sequence_balance(logits, expert_ids, tokens, moe.top_k)
     if not moe.aux_loss:
         return counts, None
     probabilities = F.softmax(logits, dim=-1).float()
     return counts, (probabilities * mask.to(torch.float32)[:, None]).sum(dim=0)
+
+
+class RowGroups(NamedTuple):
+    """The row blocks of a grouped projection (a mixture of experts: each expert's tokens): `offsets`, the int32
+    cumulative row counts, for torch's grouped GEMM, or `split_sizes`, the counts as a list, for one matmul per block;
+    and each row's group (int64, for the bias), or None without a bias."""
+    offsets: torch.Tensor | None
+    split_sizes: list | None
+    group_of_row: torch.Tensor | None
+
+
+def grouped_matmul(x, weight, groups):
+    """Each row block of x [rows, in] times its group's weight [groups, in, out]."""
+    if groups.split_sizes is None:
+        return F.grouped_mm(x, weight, offs=groups.offsets)
+    return torch.cat([block @ weight[g] for g, block in enumerate(x.split(groups.split_sizes))])
+
+
+def grouped_linear(x, weight, bias, groups):
+    """grouped_matmul, and each row's group's bias [groups, out] added (bias None: none)."""
+    out = grouped_matmul(x, weight, groups)
+    return out if bias is None else out + bias[groups.group_of_row]
 
 
 class ExpertSlice(NamedTuple):
@@ -149,10 +166,12 @@ class ExpertSlice(NamedTuple):
 class Experts(nn.Module):
     """Experts first_expert .. first_expert + num_local_experts - 1 of a layer, fused: see the module's docstring."""
 
-    def __init__(self, moe, hidden, act_fn, first_expert, num_local_experts, parallel=NO_TENSOR_PARALLEL):
+    grouped_linear = staticmethod(grouped_linear)  # a stage's defers its weight gradients (models/tensor_parallel.py)
+
+    def __init__(self, moe, hidden, act_fn, first_expert, num_local_experts):
         super().__init__()
-        self.first_expert, self.num_local_experts = first_expert, num_local_experts
-        self.transposed, self.act_fn, self.parallel = moe.transposed, act_fn, parallel
+        self.first_expert, self.num_local_experts, self.hidden_size = first_expert, num_local_experts, hidden
+        self.transposed, self.act_fn = moe.transposed, act_fn
         self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
         count, inter = num_local_experts, moe.expert_size
         gate_up, down = ((count, hidden, 2 * inter), (count, inter, hidden)) if moe.transposed else \
@@ -164,6 +183,13 @@ class Experts(nn.Module):
             self.down_proj_bias = nn.Parameter(torch.zeros(count, hidden))
         for param in self.parameters():  # the layer's experts it holds along dim 0: what loading reads, saving gathers
             param.expert_slice = ExpertSlice(first_expert, num_local_experts, moe.num_experts)
+
+    def reset_parameters(self):
+        for param in (self.gate_up_proj, self.down_proj):
+            nn.init.normal_(param, std=0.02)
+        for param in (getattr(self, "gate_up_proj_bias", None), getattr(self, "down_proj_bias", None)):
+            if param is not None:
+                nn.init.zeros_(param)
 
     def forward(self, tokens, counts, split_sizes=None):
         inter = self.down_proj.shape[-2 if self.transposed else -1]
@@ -179,26 +205,16 @@ class Experts(nn.Module):
         return self.project(inner, "down_proj", counts, sizes, rows_expert)
 
     def project(self, x, name, counts, split_sizes, rows_expert):
-        """x's row block of each expert through that expert's projection (and bias); under a zero-bubble schedule
-        their gradients wait for W as a linear layer's do."""
+        """x's row block of each expert through that expert's projection (and bias)."""
         weight = self.weight(name)
         weight = weight if self.transposed else weight.transpose(-2, -1)  # [experts, in, out]
-        bias = None if rows_expert is None else self.parallel.replicated(getattr(self, f"{name}_bias"))
+        bias = None if rows_expert is None else getattr(self, f"{name}_bias")
         offsets = counts.cumsum(0, dtype=torch.int32) if split_sizes is None else None
-        return self.parallel.grouped_linear(x, weight, bias, RowGroups(offsets, split_sizes, rows_expert))
+        return self.grouped_linear(x, weight, bias, RowGroups(offsets, split_sizes, rows_expert))
 
     def weight(self, name):
-        """A fused projection's weight, with its LoRA update where it has adapters (models/lora.py): W_e + scaling
-        * B_e A_e for each expert, one baddbmm, as peft's ParamWrapper folds it (A [E, rank, in], B [E, out,
-        rank])."""
-        weight = self.parallel.replicated(getattr(self, name))
-        adapters = getattr(self, "lora_A", {})
-        if name not in adapters or not self.lora_scaling:
-            return weight
-        a, b = (self.parallel.replicated(factors[name]) for factors in (self.lora_A, self.lora_B))
-        if self.transposed:  # [E, in, out]
-            return torch.baddbmm(weight, a.transpose(-2, -1), b.transpose(-2, -1), alpha=self.lora_scaling)
-        return torch.baddbmm(weight, b, a, alpha=self.lora_scaling)
+        """A fused projection's weight as the experts apply it (LoRA's folds its adapters in: models/lora.py)."""
+        return getattr(self, name)
 
     def gate(self, gate_up):
         """SwiGLU of the gate and up features; GPT-OSS's clamped one of its interleaved features."""
@@ -227,10 +243,7 @@ def grouped_mm_fits(operands, inner_width):
 
 
 class LocalExperts:
-    """The dispatcher of a rank that holds every expert of the layer."""
-
-    def expert_range(self, num_experts):
-        return 0, num_experts
+    """The dispatcher of a block that holds every expert of the layer."""
 
     def __call__(self, hidden, expert_ids, weights, experts):
         top_k = expert_ids.shape[1]

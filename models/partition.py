@@ -9,7 +9,7 @@ import re
 
 from deepspeed_internals.registry import partition_balanced, partition_uniform
 from models.layout import num_pipeline_layers
-from models.llama import architecture_of, head_dim_of
+from models.architecture import architecture_of, head_dim_of
 from models.lora import NO_LORA, adapter_parameter_total
 from schedules.rules import chunk_ids, chunks_per_rank
 

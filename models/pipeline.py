@@ -12,17 +12,18 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed_internals.access import (pipeline_grid, set_layer_range, set_partition, synchronize_tied_weights,
                                         use_deepspeed_expert_groups)
 from deepspeed_internals.registry import non_reentrant_checkpoint
-from models.context_parallel import NO_CONTEXT_PARALLEL, build_context_parallel
+from models.architecture import architecture_of, check_model_config
+from models.attention import StageAttentionInputs
+from models.context_parallel import NO_CONTEXT_PARALLEL, ContextParallelAttentionInputs, build_context_parallel
 from models.expert_parallel import NO_EXPERT_PARALLEL, build_expert_parallel
 from models.layout import expert_shard_file_name
-from models.llama import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs,
-                          architecture_of, check_model_config, lm_head)
 from models.lora import NO_LORA, add_adapters, freeze_all_but_adapters
 from models.loss import CausalLMLoss
-from models.router_loss import LoadBalancingLoss
 from models.partition import stage_bounds
+from models.pipeline_layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StagePlan, lm_head
 from models.preference import PreferenceLoss, PreferenceSettings
-from models.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel
+from models.router_loss import LoadBalancingLoss
+from models.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel, parallelize_adapters
 
 ATTENTION_IMPLS = ("sdpa", "eager")
 LOSS_IMPLS = ("chunked", "logits")
@@ -33,19 +34,20 @@ def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARA
                           chunked_loss=False, row_layout="packed", experts=NO_EXPERT_PARALLEL):
     """Layer specs in pipeline index order (models/layout.py): embedding, decoder layers, final norm, LM head.
     chunked_loss: the head hands the loss its input and weight instead of logits (models/loss.py). row_layout:
-    what the rows hold, which decides the attention masks (models/llama.py StageAttentionInputs). experts: where
-    a sparse layer's experts are (models/expert_parallel.py)."""
+    what the rows hold, which decides the attention masks (models/attention.py StageAttentionInputs). experts:
+    where a sparse layer's experts are (models/expert_parallel.py)."""
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl '{attention_impl}' is not one of {ATTENTION_IMPLS}.")
-    stage_inputs = StageAttentionInputs(config, context, row_layout)
+    stage_inputs = (ContextParallelAttentionInputs(config, context, row_layout) if context.size > 1
+                    else StageAttentionInputs(config, row_layout))
     tied = config.tie_word_embeddings
     embedding = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel) if tied
                  else LayerSpec(EmbeddingPipe, config, parallel))
     head = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel,
                           forward_fn=functools.partial(lm_head, chunked_loss=chunked_loss))
             if tied else LayerSpec(LMHeadPipe, config, parallel, chunked_loss))
-    dispatcher = experts if experts.size > 1 else None
-    decoders = [LayerSpec(DecoderLayerPipe, config, stage_inputs, attention_impl, parallel, context, index, dispatcher)
+    plan = StagePlan(attention_impl, parallel, context, experts)
+    decoders = [LayerSpec(DecoderLayerPipe, config, stage_inputs, index, plan)
                 for index in range(config.num_hidden_layers)]
     return [embedding, *decoders, LayerSpec(FinalNormPipe, config, parallel), head]
 
@@ -225,21 +227,16 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
                           objective=PreferenceSettings(), seq_length=None, row_layout="packed", chunk_ids=None,
                           expert_parallel_size=1):
-    """The pipeline module of this rank's stage. topology: DeepSpeed's, with a 'model' axis for tensor
-    parallelism (cluster/distributed.py). stage_bounds: the first pipeline layer of each stage and the layer
-    count (default: the 'parameters' partition). dtype: the training dtype to build the stage in (default
-    torch's, fp32), so that a bf16 stage never exists in fp32 first. layer_loader: see LlamaPipeline.
-    context_parallel_size: ranks of the topology's data axis splitting each sequence (models/context_parallel.py);
-    under it the stage takes its tokens of each sequence (ContextParallel.split_micro_batch, labels shifted).
-    loss_chunk_tokens: > 0, the LM head and the loss run that many tokens at a time; 0, through the full logits.
-    grad_accum_dtype: what the chunked head sums its chunks' weight gradients in (default the weight's dtype).
-    lora: LoRA adapters on the decoder layers, initialised from `seed`, and everything else frozen
-    (models/lora.py). objective: the next-token loss (sft), or a preference loss over pairs (models/preference.py;
-    chunked head only). seq_length: the rows' width, when their labels may be one wider (token shards). row_layout:
-    what the rows hold (data/collator.py `row_layout`; 'packed', a mask per document, is right for any rows).
-    chunk_ids: each rank's global chunks, several per rank (then stage_bounds bound the chunks; LlamaPipeline).
-    expert_parallel_size: data-parallel ranks of a stage splitting each sparse layer's experts
-    (models/expert_parallel.py)."""
+    """The pipeline module of this rank's stage, with the parallelism its topology and sizes ask for applied to its
+    layers and the loss its objective takes.
+
+    The topology (cluster/distributed.py) has a 'model' axis for tensor parallelism; context and expert parallelism
+    take ranks of its data axis. The stage is built directly in the training dtype, so that a bf16 stage never exists
+    in fp32 first; stage_bounds (default: the 'parameters' partition) and chunk_ids (several chunks per rank, see
+    LlamaPipeline) say which layers it holds, and layer_loader how their files are read. LoRA's adapters are added
+    to the built decoder layers, split like their projections, and everything else is frozen; row_layout (what the
+    rows hold, data/collator.py) decides the masks, and seq_length the labels' width when they may be one wider than
+    the rows (token shards)."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
@@ -276,6 +273,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                 if isinstance(layer, DecoderLayerPipe):
                     add_adapters(layer, lora, config, parallel.size, parallel.rank, seed,
                                  module.layer_indices[local])
+                    parallelize_adapters(layer, parallel)
             freeze_all_but_adapters(module)
         expert_params = [p for p in module.parameters() if hasattr(p, "expert_slice")]
         if experts.size > 1 and expert_params:

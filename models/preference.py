@@ -28,6 +28,7 @@ import collectives
 from models.context_parallel import NO_CONTEXT_PARALLEL
 from models.labels import IGNORE_INDEX
 from models.loss import next_token_labels, sequence_log_probs, split_step_divisor
+from models.pipeline_layers import head_outputs
 from models.tensor_parallel import NO_TENSOR_PARALLEL, AllReduce
 
 OBJECTIVES = ("sft", "dpo", "simpo")
@@ -99,7 +100,7 @@ class PreferenceLoss:
 
     def __call__(self, outputs, labels):
         (labels, reference), divisor = split_step_divisor(labels, 2)
-        hidden, weight, *routing = outputs
+        (hidden, weight), routing = head_outputs(outputs, chunked=True)
         rows = labels.shape[0]
         next_labels = next_token_labels(labels, self.context).to(hidden.device)
         logps = sequence_log_probs(hidden, weight, next_labels, rows, self.parallel, self.chunk_tokens,

@@ -3,21 +3,16 @@
 transformers (`load_balancing_loss_func` in each MoE family's modeling file) computes one loss per forward over the
 routers of all the MoE layers: the real tokens' top-k choices per expert and their router probabilities, each summed
 over the layers and divided by (layers x real tokens), multiplied, summed over the experts and times their number.
-It is not a sum of per-layer terms, and the layers live on different stages, so the tuple between layers carries
-what the last stage needs (models/llama.py), from the embedding on, the same shapes across every boundary:
+It is not a sum of per-layer terms, and the layers live on different stages, so the tuple between stages carries
+what the last stage needs (models/pipeline_layers.py Routing), from the embedding on:
 
-- every sparse layer's top-k counts, [sparse layers, E] int64, zeros until the layer has run: no gradient; the loss
-  takes their sum over the layers, the expert-load metrics each layer's;
+- every sparse layer's top-k counts, [sparse layers, E] int64: no gradient; the loss takes their sum over the
+  layers, the expert-load metrics each layer's;
 - with the loss on (transformers' output_router_logits), the running sum of the router probabilities, [E] fp32,
-  whose gradient goes back through every stage boundary to every router. It starts as zeros that take a gradient
-  (a stage without a sparse layer passes on a tensor DeepSpeed can run backward from), and as transformers adds
-  each layer's to zeros.
+  whose gradient goes back through every stage boundary to every router, as transformers adds each layer's to zeros.
 
 DeepSeek-V3's sequence-wise balance loss (models/sigmoid_router.py sequence_balance, the run's
 moe.sequence_aux_loss_coef) is a sum of per-layer terms: the same floating [E] slot carries their running sum instead.
-
-The floating tensors come first in the tuple (unpack_stage): DeepSpeed's pipeline engine receives the k-th floating
-gradient into its receive buffer for the tuple's k-th activation, whatever that one's dtype.
 
 Under tensor parallelism with sequence parallelism each rank's statistics are of its share of the tokens: summed over
 the group at the loss. A micro-batch's loss is transformers' `outputs.loss`, the cross-entropy plus
@@ -30,45 +25,6 @@ import torch.distributed as dist
 import collectives
 from models.architecture import architecture_of
 from models.tensor_parallel import NO_TENSOR_PARALLEL, AllReduce
-
-
-def initial_routing(config, device):
-    """The routing statistics the embedding starts the tuple with: () for a dense model."""
-    moe = architecture_of(config).moe
-    if moe is None:
-        return ()
-    counts = torch.zeros(sum(architecture_of(config).sparse_layers), moe.num_experts, dtype=torch.int64, device=device)
-    if not moe.loss_sum:
-        return (counts,)
-    return counts, torch.zeros(moe.num_experts, dtype=torch.float32, device=device, requires_grad=True)
-
-
-def unpack_stage(inputs):
-    """(hidden states, document ids, positions, routing statistics: () or (counts[, probability sums])) of the tuple
-    between layers, its floating tensors first."""
-    if len(inputs) == 3:
-        return (*inputs, ())
-    if len(inputs) == 4:
-        hidden, document_ids, position_ids, counts = inputs
-        return hidden, document_ids, position_ids, (counts,)
-    hidden, probabilities, document_ids, position_ids, counts = inputs
-    return hidden, document_ids, position_ids, (counts, probabilities)
-
-
-def pack_stage(hidden, document_ids, position_ids, routing):
-    """unpack_stage's inverse."""
-    if len(routing) < 2:
-        return (hidden, document_ids, position_ids, *routing)
-    counts, probabilities = routing
-    return hidden, probabilities, document_ids, position_ids, counts
-
-
-def carry_routing(carried, statistics, row):
-    """The tuple's routing statistics with the sparse layer number `row`'s (counts [E], probability sums [E] or
-    None) added."""
-    counts, probabilities = statistics
-    stacked = torch.cat([carried[0][:row], counts[None], carried[0][row + 1:]])
-    return (stacked,) if probabilities is None else (stacked, carried[1] + probabilities)
 
 
 class LoadBalancingLoss:
@@ -95,22 +51,22 @@ class LoadBalancingLoss:
         return 2 if self.enabled or self.sequence_wise else 1
 
     def __call__(self, routing):
-        """The auxiliary loss of a micro-batch before its coefficient (0-d fp32, None when it is off):
-        transformers' load-balancing loss, or DeepSeek-V3's sequence-wise one (the sum of the carried terms, which
-        each layer made whole over the tensor-parallel group already)."""
-        counts, *probabilities = routing
+        """The auxiliary loss of a micro-batch before its coefficient (0-d fp32, None when it is off) from its
+        Routing: transformers' load-balancing loss, or DeepSeek-V3's sequence-wise one (the sum of the carried
+        terms, which each layer made whole over the tensor-parallel group already)."""
+        counts, sums = routing.counts, routing.loss_sums
         if self.parallel.sequence_parallel:  # each rank routed its share of the tokens
             counts = counts.clone()
             collectives.all_reduce(counts, group=self.parallel.group)
             if self.enabled:
-                probabilities = [AllReduce.apply(p, self.parallel.group) for p in probabilities]
+                sums = AllReduce.apply(sums, self.parallel.group)
         loss = None
         if self.sequence_wise:
-            loss = probabilities[0].sum()
+            loss = sums.sum()
         elif self.enabled:
             chosen = counts.sum(dim=0).float()
             rows = (counts.sum() / self.top_k).float().clamp(min=1)  # layers x real tokens (1: an empty batch's 0)
-            loss = torch.sum(chosen / rows * (probabilities[0] / rows).unsqueeze(0)) * self.num_experts
+            loss = torch.sum(chosen / rows * (sums / rows).unsqueeze(0)) * self.num_experts
         if torch.is_grad_enabled():  # a training forward: evaluation's leave the training window's sums alone
             self.add_metrics(counts, loss)
             if self.counts_step_loads:

@@ -8,9 +8,8 @@ checkpoint's, frozen. Beside it DeepSeek-V3 adds a small sequence-wise balance l
 within one sequence (sequence_balance); transformers has none, so it is off unless a run asks for it.
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
-
-from models.tensor_parallel import NO_TENSOR_PARALLEL, AllReduce
 
 # The marker of a parameter kept in fp32 whatever the training dtype, as transformers keeps it
 # (_keep_in_fp32_modules_strict): its own parameter group, its fp32 master weight equal to it (training/loop.py).
@@ -23,21 +22,26 @@ class SigmoidRouter(nn.Module):
     (_keep_in_fp32_modules_strict) and kept so under bf16 (FP32_MARKER), the logits computed in fp32 whatever the
     hidden states' dtype."""
 
-    def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
+    linear = staticmethod(F.linear)  # a stage's defers its weight gradient (models/tensor_parallel.py)
+
+    def __init__(self, config):
         super().__init__()
         self.num_experts, self.top_k = config.n_routed_experts, config.num_experts_per_tok
         self.num_groups, self.top_groups = config.n_group, config.topk_group
         self.normalize, self.scaling_factor = config.norm_topk_prob, config.routed_scaling_factor
-        self.parallel = parallel
         weight = torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32)
         self.weight = nn.Parameter(weight.normal_(std=0.02))
         setattr(self.weight, FP32_MARKER, True)
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
 
+    def reset_parameters(self):
+        nn.init.normal_(self.weight, std=0.02)
+        nn.init.zeros_(self.e_score_correction_bias)
+
     def forward(self, hidden):
         """(router logits [tokens, experts] fp32, routing weights [tokens, top_k] fp32, expert ids [tokens, top_k])
         of hidden [tokens, hidden_size]."""
-        logits = self.parallel.matmul(hidden.float(), self.parallel.replicated(self.weight).float())
+        logits = self.linear(hidden.float(), self.weight.float())
         weights, expert_ids = self.route(logits)
         return logits, weights, expert_ids
 
@@ -73,7 +77,7 @@ def balanced_correction_bias(bias, loads, rate):
     return bias + rate * torch.sign(loads.mean() - loads)
 
 
-def sequence_balance(logits, expert_ids, tokens, top_k, parallel=NO_TENSOR_PARALLEL):
+def sequence_balance(logits, expert_ids, tokens, top_k):
     """DeepSeek-V3's sequence-wise balance loss of one layer over a micro-batch, per expert, before its coefficient
     alpha ([E] fp32; the loss is alpha times its sum). For each sequence (a row: tokens.rows) of T real tokens,
     as the DeepSeek-V3 paper's eq. 17-20 define it:
@@ -82,17 +86,15 @@ def sequence_balance(logits, expert_ids, tokens, top_k, parallel=NO_TENSOR_PARAL
         P_i = 1 / T * sum over the tokens of s'_i,   s' = the sigmoid scores divided by their sum over the experts
 
     and the layer's term is f_i * P_i averaged over the micro-batch's sequences (rows with a real token; padding
-    counts nowhere). f takes no gradient; P's reaches the router's weight through the scores. Under sequence
-    parallelism each rank routes a share of the tokens: their per-sequence sums are added over the group first.
+    counts nowhere). f takes no gradient; P's reaches the router's weight through the scores. The per-sequence sums
+    are the tokens' own (RoutedTokens.sum_by_row: under sequence parallelism of the whole group's tokens).
     logits: [T, E] fp32; expert_ids: [T, top_k]; tokens: models/moe.py RoutedTokens."""
     scores = logits.sigmoid()
     num_experts = scores.shape[-1]
     real = tokens.real.to(scores.dtype)[:, None]
     chosen = torch.zeros_like(scores).scatter_(1, expert_ids, 1.0)
     per_token = torch.cat([chosen * real, scores / scores.sum(dim=-1, keepdim=True) * real, real], dim=1)
-    sums = per_token.new_zeros(tokens.num_rows, per_token.shape[1]).index_add(0, tokens.rows, per_token)
-    if parallel.sequence_parallel:
-        sums = AllReduce.apply(sums, parallel.group)
+    sums = tokens.sum_by_row(per_token)
     choices, score_sums, lengths = sums.split([num_experts, num_experts, 1], dim=1)
     length = lengths.clamp(min=1)
     fractions, probabilities = choices * (num_experts / top_k) / length, score_sums / length

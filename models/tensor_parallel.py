@@ -1,22 +1,49 @@
-"""Tensor parallelism inside a pipeline stage, in Megatron's layout, as the few calls the layers make.
+"""Tensor parallelism inside a pipeline stage, in Megatron's layout, applied to the built layers of a stage from
+outside: the plain parts (models/attention.py, models/mlp.py, ...) compute as on one device, and a plan per part
+(PART_PLANS) turns them into this rank's share of the group's work.
 
-A layer built with ``TensorParallel(size=t)`` holds 1/t of its projections: q, k, v, gate and up split by output
-feature (column-parallel: each rank computes its own heads or MLP columns from the whole input), o and down split
-by input feature (row-parallel: partial sums, added across the group), the embedding and LM head split by
-vocabulary row. With ``sequence_parallel`` the residual stream between those projections holds 1/t of the tokens
-(batch and sequence flattened), so norms, residual adds and the tensors sent between stages shrink by t; the
-tokens are all-gathered before a column-parallel group and reduce-scattered after a row-parallel one.
+A plan replaces each nn.Linear it names by one of this file's linear modules under the same name, holding this
+rank's shard under the same parameter names, so a layer's state dict, its layer files and the post-init loader keep
+their keys; the split dimension is marked on the parameter (`tensor_parallel_dim`, DeepSpeed's SHARDED_MARKER), which
+checkpoints/layer_files.py slices by. Column-parallel projections (q, k, v, gate, up) split by output feature: each
+rank computes its heads or MLP columns from the block's whole input. Row-parallel ones (o, down) split by input
+feature: partial sums, added across the group at the block's output, the bias once after the sum. The embedding and
+the LM head split by vocabulary row (vocabulary_rows, vocab_parallel_logits).
 
-With size 1 every call is the plain computation and no collective runs: the single-process model is this one.
+With `sequence_parallel` the residual stream between blocks holds 1/t of the tokens (batch and sequence flattened),
+so norms, residual adds and the tensors sent between stages shrink by t: a block's input is all-gathered once, by
+a forward pre-hook on the block (q, k and v share that one gather), and its output reduce-scattered by a forward hook.
+The parameters every rank holds whole but applies to its own tokens (norms, the row-parallel biases, a mixture's
+router and experts, the latent projections of multi-head latent attention) have their gradients summed over the
+group by a hook on the parameter: identical on every rank, as without sequence parallelism.
+
+A block's projections of its gathered input (BlockInputLinear) add their input gradients into one buffer of the
+pool (BufferPool), which the gather's backward reduce-scatters: the gradient over all tokens exists once per block.
+With `recompute_sequence_gather` the gathered input goes to the pool too, and what backward keeps of it is this
+rank's share; the whole is gathered again for the weight gradients, once per block, the pool knowing whose tokens it
+holds.
+
+Every linear layer of a stage is one of these modules, at tensor_parallel_size 1 too (StageLinear), and so are the
+mixture's grouped projections and DeepSeek-V3's router through `matmul` and `grouped_linear`: the engine that splits
+the backward for a zero-bubble schedule sets one queue, TensorParallel.weight_grads (models/weight_grads.py).
+
 Written here rather than taken from a library because DeepSpeed's AutoTP does not compose with PipelineModule, and
 DTensor parameters would bypass DeepSpeed's optimizer and gradient machinery.
 """
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import collectives
+from models.attention import Attention
+from models.latent_attention import LatentAttention
+from models.mlp import MLP
+from models.moe import Experts, MoEBlock, RoutedTokens
+from models.norms import ProjectionRMSNorm, RMSNorm
+from models.sigmoid_router import SigmoidRouter
 from models.weight_grads import (deferrable_grouped_linear, embedding as row_grad_embedding, grouped_linear,
                                  keep_params, linear as deferrable_linear, linear_weight_grads, parameter_or_view,
                                  takes_weight_grads)
@@ -27,7 +54,8 @@ SHARDED_MARKER = "tensor_model_parallel"
 
 
 class TensorParallel:
-    """One rank's place in its tensor-parallel group, and the collectives the layers call."""
+    """One rank's place in its tensor-parallel group, the collectives the plan's hooks and modules call, and the
+    weight-gradient queue of a split backward (None: undivided)."""
 
     def __init__(self, size=1, rank=0, sequence_parallel=False, recompute_sequence_gather=False, group=None):
         self.size, self.rank, self.group = size, rank, group
@@ -43,77 +71,7 @@ class TensorParallel:
                              f"tensor_parallel_size that divides it.")
         return count // self.size
 
-    def mark_sharded(self, module, dim):
-        """Record on each parameter of a split module the dimension it is split along (biases of a row-parallel
-        layer are whole, added once after the reduction)."""
-        if self.size == 1:
-            return
-        for name, param in module.named_parameters(recurse=False):
-            if dim == 0 or name == "weight":
-                setattr(param, SHARDED_MARKER, True)
-                param.tensor_parallel_dim = dim
-
-    # --- the calls the layers make ---------------------------------------------------------------------------
-    def column_linears(self, x, linears):
-        """Column-parallel projections sharing one input (q, k, v; gate, up; the LM head): this rank's output
-        features for every token. Under sequence parallelism x holds this rank's tokens and the full set is
-        gathered once for the whole group of projections. Projections with LoRA adapters add theirs."""
-        adapters = self.column_adapters(x, linears)
-        if self.size == 1:
-            outputs = [self.linear(x, lin) for lin in linears]
-        elif self.sequence_parallel:
-            params = [t for lin in linears for t in (lin.weight, getattr(lin, "bias", None))]
-            outputs = list(gathered_linears(self, x, *params))
-        else:
-            copied = CopyToGroup.apply(x, self.group)
-            outputs = [self.linear(copied, lin) for lin in linears]
-        return [out + adapters[i] if i in adapters else out for i, out in enumerate(outputs)]
-
-    def whole_input(self, x):
-        """The input of a column-parallel projection done outside column_linears (the chunked LM loss): every
-        token (gathered under sequence parallelism), its gradient summed over the group."""
-        if self.size == 1:
-            return x
-        if self.sequence_parallel:
-            return GatherTokens.apply(x, self)
-        return CopyToGroup.apply(x, self.group)
-
-    def row_linear(self, x, linear):
-        """A row-parallel projection: partial sums over this rank's input features, added across the group (and
-        split by token under sequence parallelism); the bias, held whole, is added once after the sum."""
-        if self.size == 1:
-            out = self.linear(x, linear)
-        else:
-            out = self.reduce(self.linear(x, linear, bias=False))
-            out = out if linear.bias is None else out + self.replicated(linear.bias)
-        return out + self.row_adapter(x, linear) if hasattr(linear, "lora_A") else out
-
-    def replicated_linear(self, x, module):
-        """A projection every rank holds whole, on this rank's tokens (MLA's latent projections): its weight and
-        bias are replicated like a norm's, and so are both factors of its LoRA adapter."""
-        bias = None if module.bias is None else self.replicated(module.bias)
-        out = self.matmul(x, self.replicated(module.weight), bias)
-        if not hasattr(module, "lora_A"):
-            return out
-        h = self.matmul(F.dropout(x, module.lora_dropout, module.training), self.replicated(module.lora_A.weight))
-        return out + self.matmul(h, self.replicated(module.lora_B.weight)) * module.lora_scaling
-
-    def whole_input_linear(self, x, module):
-        """A column-parallel projection of an input every rank holds whole already (MLA's q_b_proj and kv_b_proj
-        on the gathered latents), whose gradient the gather sums over the group: this rank's output features. Its
-        LoRA adapter's A is whole and its gradient, from this rank's rows of B only, is summed over the group; B
-        holds this rank's rows."""
-        out = self.linear(x, module)
-        if not hasattr(module, "lora_A"):
-            return out
-        a = module.lora_A.weight if self.size == 1 else CopyToGroup.apply(module.lora_A.weight, self.group)
-        h = self.matmul(F.dropout(x, module.lora_dropout, module.training), a)
-        return out + self.matmul(h, module.lora_B.weight) * module.lora_scaling
-
-    def linear(self, x, module, bias=True):
-        """x through a linear module (without its bias if bias=False)."""
-        return self.matmul(x, module.weight, getattr(module, "bias", None) if bias else None)
-
+    # --- the stage's matmuls ---------------------------------------------------------------------------------
     def matmul(self, x, weight, bias=None):
         """F.linear, its weight gradients deferred when the schedule splits the backward."""
         if self.weight_grads is None:
@@ -121,35 +79,30 @@ class TensorParallel:
         return deferrable_linear(x, weight, bias, self.weight_grads)
 
     def grouped_linear(self, x, weight, bias, groups):
-        """Each row block of x through its group's weight and bias (a mixture's experts: models/weight_grads.py
+        """Each row block of x through its group's weight and bias (a mixture's experts: models/moe.py
         grouped_linear), the weight gradients deferred when the schedule splits the backward (but a LoRA-folded
         weight's, parameter_or_view)."""
         if self.weight_grads is None or not parameter_or_view(weight):
             return grouped_linear(x, weight, bias, groups)
         return deferrable_grouped_linear(x, weight, bias, groups, self.weight_grads)
 
-    # --- LoRA adapters (models/lora.py): split like their projection, so only rank-wide activations travel ----------
-    def column_adapters(self, x, linears):
-        """{position in linears: scaling * B(A(dropout(x)))} of the column-parallel projections with adapters.
-        A is whole: each rank computes the rank-wide h = A x of its own tokens, and the h of the whole group cross
-        the tensor-parallel group at once (gathered by token under sequence parallelism, whose A gradient, of this
-        rank's tokens only, is then summed like a norm's); B holds this rank's output rows."""
-        adapted = [(i, lin) for i, lin in enumerate(linears) if hasattr(lin, "lora_A")]
-        if not adapted:
-            return {}
-        h = torch.cat([self.matmul(F.dropout(x, lin.lora_dropout, lin.training),
-                                   self.replicated(lin.lora_A.weight)) for _, lin in adapted], dim=-1)
-        if self.size > 1:
-            h = GatherTokens.apply(h, self) if self.sequence_parallel else CopyToGroup.apply(h, self.group)
-        parts = h.split([lin.lora_A.out_features for _, lin in adapted], dim=-1)
-        return {i: self.matmul(part, lin.lora_B.weight) * lin.lora_scaling for (i, lin), part in zip(adapted, parts)}
+    # --- a block's input and output ----------------------------------------------------------------------------
+    def block_input(self, x):
+        """A column-parallel block's input: every token (gathered under sequence parallelism, into the pool with
+        recompute_sequence_gather), its gradient summed over the group."""
+        if self.sequence_parallel:
+            return gathered_block_input(x, self)
+        return CopyToGroup.apply(x, self.group)
 
-    def row_adapter(self, x, linear):
-        """scaling * B(A(dropout(x))) of a row-parallel projection: A holds this rank's input columns, so h = A x is
-        a partial sum, reduced like the projection's own output (rank-wide); B is whole (its gradient, under
-        sequence parallelism of this rank's tokens only, summed like a norm's)."""
-        h = self.reduce(self.matmul(F.dropout(x, linear.lora_dropout, linear.training), linear.lora_A.weight))
-        return self.matmul(h, self.replicated(linear.lora_B.weight)) * linear.lora_scaling
+    def whole_input(self, x):
+        """The input of a column-parallel projection whose input is kept for backward as it is (the chunked LM
+        loss, MLA's latents): every token, gathered into a fresh tensor under sequence parallelism, its gradient
+        summed over the group."""
+        if self.size == 1:
+            return x
+        if self.sequence_parallel:
+            return GatherTokens.apply(x, self, None)
+        return CopyToGroup.apply(x, self.group)
 
     def reduce(self, partial):
         """Sum partial results across the group: all-reduce, or reduce-scatter by token under sequence parallelism."""
@@ -159,21 +112,14 @@ class TensorParallel:
             return ReduceScatterTokens.apply(partial.reshape(-1, partial.shape[-1]), self)
         return AllReduce.apply(partial, self.group)
 
-    def replicated(self, param):
-        """A parameter every rank holds whole (norms, row-parallel biases). Under sequence parallelism each rank
-        sees only its tokens, so the gradient is summed over the group: identical on every rank, as without."""
-        return CopyToGroup.apply(param, self.group) if self.sequence_parallel else param
+    def column_linear(self, x, weight, bias=None):
+        """x through this rank's output features; a block's gathered input through BlockInputLinear."""
+        gather = getattr(x, "block_gather", None)
+        if gather is None:
+            return self.matmul(x, weight, bias)
+        return block_input_linear(x, weight, bias, gather)
 
-    def shared_by_heads(self, param):
-        """A parameter every rank applies to its own heads (Qwen3's per-head norms): each rank's gradient covers its
-        heads only, so it is summed over the group."""
-        return CopyToGroup.apply(param, self.group) if self.size > 1 else param
-
-    def sum_over_heads(self, partial):
-        """The group's sum of a per-rank partial over its heads (OLMo 2's mean of squares over a whole projection),
-        every rank's gradient reaching every partial."""
-        return AllReduce.apply(CopyToGroup.apply(partial, self.group), self.group) if self.size > 1 else partial
-
+    # --- the vocabulary -----------------------------------------------------------------------------------------
     def embedding(self, input_ids, weight, padding_idx=None):
         """Vocabulary-parallel lookup: this rank's rows, zeros for ids outside them, summed over the group.
         padding_idx: this rank's row that takes no gradient (the pad token's, where this rank holds it)."""
@@ -183,6 +129,10 @@ class TensorParallel:
         outside = (local < 0) | (local >= weight.shape[0])
         rows = row_grad_embedding(local.masked_fill(outside, 0), weight, padding_idx).masked_fill(outside[..., None], 0)
         return self.reduce(rows)
+
+    def logits(self, hidden, weight):
+        """This rank's vocabulary share of the logits, from every token's hidden states."""
+        return self.column_linear(self.block_input(hidden) if self.size > 1 else hidden, weight)
 
     def cross_entropy_sum(self, logits, labels, ignore_index):
         """Summed cross-entropy over the labels not equal to ignore_index, from vocabulary-sharded logits (never
@@ -198,7 +148,15 @@ class TensorParallel:
         out = (self.buffers.get("gather", shape, x.dtype, x.device) if pooled
                else torch.empty(shape, dtype=x.dtype, device=x.device))
         collectives.all_gather_single(out, x.contiguous(), group=self.group)
+        if pooled:
+            self.buffers.hold(x, out)
         return out
+
+    def regather(self, source):
+        """The pool's gather of `source` (this rank's tokens of a block input): the pool's buffer as it is when it
+        still holds them, else gathered again into it."""
+        held = self.buffers.holding(source)
+        return held if held is not None else self.gather_tokens(source, pooled=True)
 
     def scatter_tokens(self, x):
         """Reduce-scatter over tokens (dim 0): the group's sum of this rank's share."""
@@ -212,10 +170,14 @@ class TensorParallel:
 
 class BufferPool:
     """Megatron's global memory buffer: one tensor per name and dtype, grown on demand and reused by every call,
-    for data that lives only within one call (a gathered input used for one group of matmuls)."""
+    for data that lives only within one call (a gathered block input used for one block's matmuls, the input
+    gradient its projections add up). It remembers whose tokens its gather buffer holds, so a block's projections
+    gather them again only once between them, and which block's input gradient its other buffer holds."""
 
     def __init__(self):
         self._buffers = {}
+        self._held = None  # (the tokens gathered, their version, the gather buffer's view holding them)
+        self._claimed = set()  # the names of the buffers a block's input gradient holds
 
     def get(self, name, shape, dtype, device):
         count = math.prod(shape)
@@ -224,6 +186,26 @@ class BufferPool:
         if buffer is None or buffer.numel() < count:
             buffer = self._buffers[key] = torch.empty(count, dtype=dtype, device=device)
         return buffer[:count].view(shape)
+
+    def claim(self, name, shape, dtype, device):
+        """The buffer `name` for one user until release, or a fresh tensor while another holds it."""
+        if name in self._claimed:
+            return torch.empty(shape, dtype=dtype, device=device)
+        self._claimed.add(name)
+        return self.get(name, shape, dtype, device)
+
+    def release(self, name, tensor):
+        if tensor.data_ptr() == self._buffers.get((name, tensor.dtype, tensor.device), tensor[:0]).data_ptr():
+            self._claimed.discard(name)
+
+    def hold(self, source, gathered):
+        self._held = (source, source._version, gathered)
+
+    def holding(self, source):
+        """The buffer's view holding source's gather, if it still holds it."""
+        if self._held is not None and self._held[0] is source and self._held[1] == source._version:
+            return self._held[2]
+        return None
 
 
 def all_reduce_copy(tensor, group):
@@ -272,76 +254,96 @@ class ReduceScatterTokens(torch.autograd.Function):
 
 
 class GatherTokens(torch.autograd.Function):
-    """All-gather by token forward; the gradient reduce-scattered back to each rank's tokens."""
+    """All-gather by token forward (a block's input: BlockGather, into the pool with recompute_sequence_gather);
+    the gradient reduce-scattered back to each rank's tokens, a block's with what its projections added up."""
 
     @staticmethod
-    def forward(ctx, x, parallel):
-        ctx.parallel = parallel
-        return parallel.gather_tokens(x, pooled=False)
+    def forward(ctx, x, parallel, block):
+        ctx.parallel, ctx.block = parallel, block
+        ctx.set_materialize_grads(False)  # a block's projections hand their gradients over through the block
+        return parallel.gather_tokens(x, pooled=block is not None and block.source is not None)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.parallel.scatter_tokens(grad), None
+        if ctx.block is not None:
+            grad = ctx.block.take_input_grad(grad)
+        if grad is None:
+            return None, None, None
+        scattered = ctx.parallel.scatter_tokens(grad)
+        if ctx.block is not None:
+            ctx.parallel.buffers.release("input_grad", grad)
+        return scattered, None, None
 
 
-class GatheredLinears(torch.autograd.Function):
-    """Sequence-parallel column projections: gather the tokens once, apply every projection of the group.
+class BlockGather:
+    """The gather of one block's input under sequence parallelism: its tokens (kept to gather them again with
+    recompute_sequence_gather, else None), and the input gradient its projections add up, in the pool's buffer."""
 
-    Backward needs the gathered input for the weight gradients: kept from forward (memory: the full tokens per
-    layer and micro-batch in flight), or, with recompute_sequence_gather, gathered again into the pool buffer
-    (one more all-gather per group, and only the pool's one buffer alive)."""
+    def __init__(self, parallel, source=None):
+        self.parallel, self.source = parallel, source
+        self.input_grad = None
+
+    def add_input_grad(self, grad, weight):
+        """The input gradient grad @ weight of one projection added in."""
+        if self.input_grad is None:
+            shape = (grad.shape[0], weight.shape[1])
+            self.input_grad = self.parallel.buffers.claim("input_grad", shape, grad.dtype, grad.device)
+            self.input_grad.addmm_(grad, weight, beta=0)
+        else:
+            self.input_grad.addmm_(grad, weight)
+
+    def take_input_grad(self, grad):
+        """The block input's whole gradient: what its projections added up, and `grad` from any other reader."""
+        total, self.input_grad = self.input_grad, None
+        if total is None or grad is None:
+            return total if grad is None else grad
+        return total.add_(grad.reshape(total.shape))
+
+
+@torch.compiler.disable  # the gathered tensor carries its BlockGather to the block's projections
+def gathered_block_input(x, parallel):
+    block = BlockGather(parallel, x if parallel.recompute_sequence_gather else None)
+    full = GatherTokens.apply(x, parallel, block)
+    full.block_gather = block
+    return full
+
+
+class BlockInputLinear(torch.autograd.Function):
+    """A column-parallel projection of a block's gathered input: its input gradient added into the block's
+    (BlockGather), its weight gradients from the input kept, or with recompute_sequence_gather from this rank's
+    tokens gathered again, now or at W (every rank of the group runs W at the same point)."""
 
     @staticmethod
-    def forward(ctx, parallel, x, *params):
-        recompute = parallel.recompute_sequence_gather
-        full = parallel.gather_tokens(x, pooled=recompute)
-        weights, biases = params[0::2], params[1::2]
-        outputs = tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
-        ctx.parallel, ctx.biases, ctx.full_shape = parallel, biases, full.shape
-        # The input is kept for weight gradients only: a frozen group (LoRA's base) keeps none.
-        ctx.trains = any(takes_weight_grads(w, b) for w, b in zip(weights, biases))
-        ctx.save_for_backward(None if not ctx.trains else x if recompute else full)
-        keep_params(ctx, *weights)
-        return outputs
+    def forward(ctx, x, weight, bias, block):
+        ctx.block, ctx.trains = block, takes_weight_grads(weight, bias)
+        # The input is kept for weight gradients only: a frozen projection (LoRA's base) keeps none.
+        ctx.save_for_backward((x if block.source is None else block.source) if ctx.trains else None)
+        keep_params(ctx, weight, bias)
+        return F.linear(x, weight, bias)
 
     @staticmethod
-    def backward(ctx, *grads):
-        parallel = ctx.parallel
-        (saved,), weights = ctx.saved_tensors, ctx.params
-        shape = ctx.full_shape
-        # The input gradient over all tokens lives only until it is reduce-scattered: a pool buffer.
-        grad_full = parallel.buffers.get("input_grad", (math.prod(shape[:-1]), shape[-1]), grads[0].dtype,
-                                         grads[0].device)
-        for index, (grad, weight) in enumerate(zip(grads, weights)):
-            grad_full.addmm_(grad.reshape(-1, grad.shape[-1]), weight, beta=1 if index else 0)
-        grad_x = parallel.scatter_tokens(grad_full.view(shape))
+    def backward(ctx, grad):
+        (kept,), (weight, bias), block = ctx.saved_tensors, ctx.params, ctx.block
+        parallel = block.parallel
+        grad = grad.reshape(-1, grad.shape[-1])
+        block.add_input_grad(grad, weight)
         if not ctx.trains:
-            return None, grad_x, *([None] * 2 * len(weights))
+            return None, None, None, None
+
+        def weight_grads():
+            full = kept if block.source is None else parallel.regather(kept)
+            return linear_weight_grads(full, grad, weight, bias)
         if parallel.weight_grads is not None and parallel.weight_grads.deferring:
-            # W may run after other layers reused the pool buffer: keep the input, or gather it again then.
-            queue_gathered_weight_grads(parallel, saved, grads, weights, ctx.biases)
-            return None, grad_x, *([None] * 2 * len(weights))
-        full = parallel.gather_tokens(saved, pooled=True) if parallel.recompute_sequence_gather else saved
-        param_grads = []
-        for grad, weight, bias in zip(grads, weights, ctx.biases):
-            grad_of = {id(p): g for p, g in linear_weight_grads(full, grad, weight, bias)}
-            param_grads += [grad_of.get(id(weight)), None if bias is None else grad_of.get(id(bias))]
-        return None, grad_x, *param_grads
+            # W may run after other layers reused the pool's buffer: the input kept, or gathered again then.
+            parallel.weight_grads.add(weight_grads)
+            return None, None, None, None
+        grad_of = {id(p): g for p, g in weight_grads()}
+        return None, grad_of.get(id(weight)), None if bias is None else grad_of.get(id(bias)), None
 
 
 @torch.compiler.disable  # its backward decides at run time whether W is deferred (models/weight_grads.py)
-def gathered_linears(parallel, x, *params):
-    return GatheredLinears.apply(parallel, x, *params)
-
-
-def queue_gathered_weight_grads(parallel, saved, grads, weights, biases):
-    """Queue GatheredLinears' weight gradients (zero-bubble W); the tokens are gathered again at W when
-    recompute_sequence_gather keeps only this rank's share (every rank of the group runs W at the same point)."""
-    def params_and_grads():
-        full = parallel.gather_tokens(saved, pooled=True) if parallel.recompute_sequence_gather else saved
-        return [pair for grad, weight, bias in zip(grads, weights, biases)
-                for pair in linear_weight_grads(full, grad, weight, bias)]
-    parallel.weight_grads.add(params_and_grads)
+def block_input_linear(x, weight, bias, block):
+    return BlockInputLinear.apply(x, weight, bias, block)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -375,6 +377,337 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits, None, None, None
 
 
+# --- the stage's linear layers ---------------------------------------------------------------------------------
+
+class StageLinear(nn.Linear):
+    """A linear layer every rank of the group holds whole."""
+
+    def forward(self, x):
+        return self.parallel.matmul(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(StageLinear):
+    """This rank's output features of a projection of the block's whole input (a LoRA adapter's A, held whole,
+    reads that input too)."""
+
+    def forward(self, x):
+        return self.parallel.column_linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(StageLinear):
+    """A projection of this rank's input features: partial sums, which the block's output hook adds over the group,
+    then adds the bias (held whole) once."""
+
+    def forward(self, x):
+        return self.parallel.matmul(x, self.weight)
+
+
+def stage_linear(linear, cls, parallel, split_dim=None, check=None, device=None):
+    """`linear` as a `cls` module holding this rank's shard along split_dim (None: whole) under the same parameter
+    names. A linear built on the meta device gets a fresh shard initialised as nn.Linear initialises one, on
+    `device`; a real one, its own rows or columns. check: (count, what) that tensor parallelism must divide."""
+    if check is not None:
+        parallel.local(*check)
+    module = cls.__new__(cls)
+    nn.Module.__init__(module)
+    module.parallel = parallel
+    if split_dim is None or parallel.size == 1:
+        module.in_features, module.out_features = linear.in_features, linear.out_features
+        module.weight, module.bias = linear.weight, linear.bias
+        return module
+    weight_shard = list(linear.weight.shape)
+    weight_shard[split_dim] //= parallel.size
+    module.out_features, module.in_features = weight_shard
+    bias_split = split_dim == 0 and linear.bias is not None
+    if linear.weight.is_meta and device != "meta":
+        module.weight = nn.Parameter(torch.empty(weight_shard, dtype=linear.weight.dtype, device=device))
+        module.bias = None if linear.bias is None else nn.Parameter(torch.empty(
+            module.out_features if bias_split else linear.bias.shape[0], dtype=linear.bias.dtype, device=device))
+        nn.Linear.reset_parameters(module)
+    else:
+        module.weight = nn.Parameter(own_shard(linear.weight, split_dim, parallel))
+        module.bias = None if linear.bias is None else nn.Parameter(
+            own_shard(linear.bias, 0, parallel) if bias_split else linear.bias.detach().clone())
+    mark_sharded(module.weight, split_dim)
+    if bias_split:
+        mark_sharded(module.bias, 0)
+    return module
+
+
+def own_shard(tensor, dim, parallel):
+    return tensor.detach().chunk(parallel.size, dim)[parallel.rank].clone()
+
+
+def mark_sharded(param, dim):
+    """Record on a parameter the dimension it is split along over the group."""
+    setattr(param, SHARDED_MARKER, True)
+    param.tensor_parallel_dim = dim
+
+
+def sum_gradient_over_group(module, name):
+    """Parameter `name` of `module`, whose gradient on each rank covers only that rank's share (of the tokens or the
+    heads), takes the group's sum, identical on every rank: from a hook that hook_gradient_sums puts on it once the
+    layer's parameters are made (a parameter made from the meta device is a new tensor)."""
+    module.__dict__.setdefault("gradients_summed_over_group", set()).add(name)
+
+
+def replicated(module, parallel):
+    """A module every rank holds whole and applies to its own tokens: under sequence parallelism its gradients are
+    summed over the group."""
+    if parallel.sequence_parallel:
+        for sub in module.modules():
+            for name, param in sub.named_parameters(recurse=False):
+                sum_gradient_over_group(sub, name)
+
+
+def hook_gradient_sums(module, parallel):
+    """The hooks summing over the group the gradients sum_gradient_over_group named, each parameter's once. A
+    gradient a split backward leaves to W reaches the hook as None in B, and as itself at W."""
+    def summed(grad):
+        return grad if grad is None else all_reduce_copy(grad, parallel.group)
+    for sub in module.modules():
+        for name in getattr(sub, "gradients_summed_over_group", ()):
+            param = getattr(sub, name)
+            if not getattr(param, "gradient_summed_over_group", False):
+                param.register_hook(summed)
+                param.gradient_summed_over_group = True
+
+
+def gather_input(block, parallel):
+    """The block's input (its first argument) whole before its column-parallel projections: once per block."""
+    block.register_forward_pre_hook(lambda module, args: (parallel.block_input(args[0]), *args[1:]))
+
+
+def reduce_output(block, row, parallel):
+    """The block's output (its row-parallel projection's partial sums) added over the group, then the projection's
+    bias once (whole on every rank, added to its own tokens under sequence parallelism)."""
+    def reduced(module, args, partial):
+        out = parallel.reduce(partial)
+        return out if row.bias is None else out + row.bias
+    block.register_forward_hook(reduced)
+    if row.bias is not None and parallel.sequence_parallel:
+        sum_gradient_over_group(row, "bias")
+
+
+# --- the plans of the parts ------------------------------------------------------------------------------------
+
+def split_block(block, columns, row, parallel, device, check):
+    """A block of column-parallel projections `columns` reading its gathered input and the row-parallel `row`
+    whose output is reduced."""
+    for name in columns:
+        setattr(block, name, stage_linear(getattr(block, name), ColumnParallelLinear, parallel, 0, check, device))
+    setattr(block, row, stage_linear(getattr(block, row), RowParallelLinear, parallel, 1, check, device))
+    gather_input(block, parallel)
+    reduce_output(block, getattr(block, row), parallel)
+
+
+def attention_plan(attention, parallel, device):
+    """Each rank computes whole heads: its query heads and the key/value heads they attend with (q, k, v split by
+    heads, o by its input). Qwen3's per-head norms are whole, their gradient (of each rank's heads) summed over the
+    group; OLMo 2's whole-projection norms split with the heads, their mean of squares summed over the group;
+    GPT-OSS's sinks split with the heads."""
+    parallel.local(attention.num_kv_heads, "num_key_value_heads")
+    split_block(attention, ("q_proj", "k_proj", "v_proj"), "o_proj", parallel, device,
+                (attention.num_heads, "num_attention_heads"))
+    if attention.qk_norm == "head":
+        for norm in (attention.q_norm, attention.k_norm):
+            sum_gradient_over_group(norm, "weight")
+    elif attention.qk_norm == "projection":
+        attention.q_norm = ShardedProjectionRMSNorm.of(attention.q_norm, parallel, device)
+        attention.k_norm = ShardedProjectionRMSNorm.of(attention.k_norm, parallel, device)
+    if hasattr(attention, "sinks"):
+        attention.sinks = shard_parameter(attention.sinks, parallel, device)
+
+
+def latent_attention_plan(attention, parallel, device):
+    """The heads split (q_b_proj or q_proj, kv_b_proj by output rows, o_proj by input columns); the latent
+    projections and their norms whole on every rank: they are narrow (DeepSeek-V3's kv_a_proj_with_mqa is 576 x
+    7168, q_a_proj 1536 x 7168: 16 MB of 1.3 GB per layer in bf16), and splitting them would put a collective inside
+    each latent norm. Each rank computes them on its own tokens (its share under sequence parallelism), then the
+    latents, not the hidden states, cross the group (latent_tokens): kv_lora_rank + qk_rope_head_dim (+ q_lora_rank)
+    features a token, 2,112 against a hidden size of 7,168 for DeepSeek-V3."""
+    heads = (attention.kv_b_proj.out_features // (attention.nope + attention.v_dim), "num_attention_heads")
+    column = functools.partial(stage_linear, cls=ColumnParallelLinear, parallel=parallel, split_dim=0, check=heads,
+                               device=device)
+    if attention.q_rank is None:
+        attention.q_proj = column(attention.q_proj)
+        gather_input(attention.q_proj, parallel)
+    else:
+        attention.q_a_proj = stage_linear(attention.q_a_proj, StageLinear, parallel)
+        attention.q_b_proj = column(attention.q_b_proj)
+        replicated(attention.q_a_proj, parallel)
+        replicated(attention.q_a_layernorm, parallel)
+    attention.kv_a_proj_with_mqa = stage_linear(attention.kv_a_proj_with_mqa, StageLinear, parallel)
+    replicated(attention.kv_a_proj_with_mqa, parallel)
+    replicated(attention.kv_a_layernorm, parallel)
+    attention.kv_b_proj = column(attention.kv_b_proj)
+    attention.latent_tokens.register_forward_hook(lambda module, args, latents: parallel.whole_input(latents))
+    attention.o_proj = stage_linear(attention.o_proj, RowParallelLinear, parallel, 1, heads, device)
+    reduce_output(attention, attention.o_proj, parallel)
+
+
+def mlp_plan(mlp, parallel, device, what="intermediate_size"):
+    """gate and up split by columns, down by its input."""
+    split_block(mlp, ("gate_proj", "up_proj"), "down_proj", parallel, device, (mlp.gate_proj.out_features, what))
+
+
+def moe_plan(block, parallel, device):
+    """Each rank holds every expert whole and routes its own tokens: the sequence-parallel share of the tokens
+    (each rank computes 1/t of the block, no collective), or without sequence parallelism all of them, as every
+    rank computes a norm. The router's and experts' gradients are then summed over the group as a norm's; the
+    shared expert splits like the dense MLP."""
+    moe = block.moe
+    if not moe.sigmoid_routing:
+        setattr(block, moe.router_name, stage_linear(getattr(block, moe.router_name), StageLinear, parallel))
+    shared_expert = getattr(block, moe.shared_expert_name, None)
+    if shared_expert is not None:
+        mlp_plan(shared_expert, parallel, device, "the shared expert's width")
+    if hasattr(block, "shared_expert_gate"):
+        block.shared_expert_gate = stage_linear(block.shared_expert_gate, StageLinear, parallel)
+    for name, module in block.named_children():
+        if name != moe.shared_expert_name:
+            replicated(module, parallel)
+    if parallel.sequence_parallel:
+        block.register_forward_pre_hook(lambda module, args: (args[0], TokenShare(args[1], parallel)))
+
+
+PART_PLANS = {Attention: attention_plan, LatentAttention: latent_attention_plan, MLP: mlp_plan, MoEBlock: moe_plan}
+
+
+def parallelize(layer, parallel, device=None):
+    """A built decoder layer (or one of its parts) as this rank's share of it, its parts by PART_PLANS, every
+    linear layer a stage linear. device: where the shards of a layer built on the meta device are made (None:
+    torch's default)."""
+    if parallel.size > 1:
+        for part in [layer] if type(layer) in PART_PLANS else planned_parts(layer):
+            PART_PLANS[type(part)](part, parallel, device)
+    for parent in list(layer.modules()):
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear:
+                if parallel.size > 1:
+                    raise ValueError(f"tensor parallelism has no plan for {type(parent).__name__}.{name} of "
+                                     f"{type(layer).__name__}; add one to PART_PLANS (models/tensor_parallel.py).")
+                setattr(parent, name, stage_linear(child, StageLinear, parallel))
+            elif isinstance(child, Experts):
+                child.grouped_linear = parallel.grouped_linear
+            elif isinstance(child, SigmoidRouter):
+                child.linear = parallel.matmul
+    for child in layer.children():
+        if type(child) is RMSNorm:  # a decoder layer's norms, applied to this rank's tokens
+            replicated(child, parallel)
+    if device != "meta":
+        materialize(layer, device)
+    hook_gradient_sums(layer, parallel)
+
+
+def materialize(module, device=None):
+    """Every parameter and buffer a plan left on the meta device made on `device` (None: torch's default) and
+    initialised by its module's reset_parameters (a module without one is refused: its values would be whatever
+    memory held), keeping the attributes set on it (markers)."""
+    device = device if device is not None else torch.get_default_device()
+    for sub in module.modules():
+        tensors = {**sub._parameters, **sub._buffers}
+        if not any(t is not None and t.is_meta for t in tensors.values()):
+            continue
+        if not hasattr(sub, "reset_parameters"):
+            raise TypeError(f"{type(sub).__name__} has no reset_parameters to initialise it after a build on the meta "
+                            f"device.")
+        for name, param in sub._parameters.items():
+            if param is not None and param.is_meta:
+                made = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                made.__dict__.update(param.__dict__)
+                sub._parameters[name] = made
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                sub._buffers[name] = torch.empty_like(buffer, device=device)
+        sub.reset_parameters()
+
+
+def planned_parts(module):
+    """The outermost submodules of `module` that PART_PLANS has a plan for (a plan takes care of what it holds)."""
+    for child in module.children():
+        if type(child) in PART_PLANS:
+            yield child
+        else:
+            yield from planned_parts(child)
+
+
+def parallelize_adapters(layer, parallel):
+    """A decoder layer's LoRA adapters (models/lora.py) as stage linears split like their projection: on a
+    column-parallel projection A is whole and reads the block's whole input, its gradient (of this rank's rows of
+    B only) summed over the group, and B holds this rank's output rows; on a row-parallel one A holds this rank's
+    input columns, and B is whole, its partial output summed with the projection's and its gradient over the
+    group; on a projection every rank holds whole both are whole (replicated, as the projection). The experts'
+    adapters are replicated as the experts are."""
+    done = {}
+    for projection in [m for m in layer.modules() if isinstance(m, StageLinear) and hasattr(m, "lora_A")]:
+        for factor in ("lora_A", "lora_B"):
+            current = getattr(projection, factor)
+            if id(current) not in done:  # Phi-3's fused parts share one A
+                column_a = factor == "lora_A" and isinstance(projection, ColumnParallelLinear)
+                done[id(current)] = stage_linear(current, ColumnParallelLinear if column_a else StageLinear, parallel)
+                summed = (column_a or (factor == "lora_B" and isinstance(projection, RowParallelLinear)))
+                if parallel.size > 1 and summed:
+                    sum_gradient_over_group(done[id(current)], "weight")
+                elif type(projection) is StageLinear:
+                    replicated(done[id(current)], parallel)
+            setattr(projection, factor, done[id(current)])
+    for experts in [m for m in layer.modules() if isinstance(m, Experts) and hasattr(m, "lora_A")]:
+        replicated(experts, parallel)
+    hook_gradient_sums(layer, parallel)
+
+
+class ShardedProjectionRMSNorm(ProjectionRMSNorm):
+    """OLMo 2's whole-projection q/k norm of a rank's heads: its weight split with them, the mean of squares over
+    the whole projection summed over the group (every rank's gradient reaching every partial sum)."""
+
+    @classmethod
+    def of(cls, norm, parallel, device):
+        sharded = cls.__new__(cls)
+        nn.Module.__init__(sharded)
+        sharded.eps, sharded.scale_in_fp32, sharded.whole_width = norm.eps, norm.scale_in_fp32, norm.whole_width
+        sharded.parallel = parallel
+        sharded.weight = shard_parameter(norm.weight, parallel, device, fill=1.0)
+        return sharded
+
+    def square_sum(self, x32):
+        partial = x32.square().sum(-1, keepdim=True)
+        return AllReduce.apply(CopyToGroup.apply(partial, self.parallel.group), self.parallel.group)
+
+
+def shard_parameter(param, parallel, device, fill=0.0):
+    """This rank's rows (dim 0) of a parameter split with the heads; a meta one's made on `device`, filled."""
+    rows = param.shape[0] // parallel.size
+    if param.is_meta and device != "meta":
+        shard = nn.Parameter(torch.full((rows, *param.shape[1:]), fill, dtype=param.dtype, device=device))
+    else:
+        shard = nn.Parameter(own_shard(param, 0, parallel) if not param.is_meta else
+                             torch.empty((rows, *param.shape[1:]), dtype=param.dtype, device="meta"))
+    mark_sharded(shard, 0)
+    return shard
+
+
+class TokenShare(RoutedTokens):
+    """This rank's share of a block's routed tokens under sequence parallelism; a per-sequence sum is the whole
+    group's."""
+
+    def __init__(self, tokens, parallel):
+        real, rows = (t.chunk(parallel.size)[parallel.rank] for t in (tokens.real, tokens.rows))
+        super().__init__(real, rows, tokens.num_rows)
+        self.group = parallel.group
+
+    def sum_by_row(self, per_token):
+        return AllReduce.apply(super().sum_by_row(per_token), self.group)
+
+
+def vocabulary_rows(config, parallel):
+    """(this rank's vocabulary rows, its row of the pad token or None) of the embedding and LM head."""
+    rows = parallel.local(config.vocab_size, "vocab_size")
+    pad = getattr(config, "pad_token_id", None)
+    mine = pad is not None and parallel.rank * rows <= pad < (parallel.rank + 1) * rows
+    return rows, pad - parallel.rank * rows if mine else None
+
+
 def check_tensor_parallel_split(config, size, sequence_tokens=None):
     """Raise ValueError naming every count that tensor_parallel_size does not split evenly: heads, key/value heads,
     MLP columns, vocabulary rows and, under sequence parallelism, the tokens of a micro-batch."""
@@ -394,4 +727,4 @@ def check_tensor_parallel_split(config, size, sequence_tokens=None):
                          f"that divides {'them' if len(bad) > 1 else 'it'}{hint}.")
 
 
-NO_TENSOR_PARALLEL = TensorParallel()  # the plain single-process model
+NO_TENSOR_PARALLEL = TensorParallel()  # the plain single-process computation

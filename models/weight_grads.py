@@ -17,10 +17,11 @@ backward builds a dense vocabulary x hidden tensor per micro-batch (1-2 GB on a 
 """
 import collections
 import contextlib
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from models.moe import RowGroups, grouped_linear, grouped_matmul
 
 
 class WeightGradQueue:
@@ -102,28 +103,6 @@ class DeferrableLinear(torch.autograd.Function):
             return grad_x, None, None, None
         grad_of = {id(param): param_grad for param, param_grad in linear_weight_grads(x, grad, weight, bias)}
         return grad_x, grad_of.get(id(weight)), None if bias is None else grad_of.get(id(bias)), None
-
-
-class RowGroups(NamedTuple):
-    """The row blocks of a grouped projection (a mixture of experts: each expert's tokens): `offsets`, the int32
-    cumulative row counts, for torch's grouped GEMM, or `split_sizes`, the counts as a list, for one matmul per block;
-    and each row's group (int64, for the bias), or None without a bias."""
-    offsets: torch.Tensor | None
-    split_sizes: list | None
-    group_of_row: torch.Tensor | None
-
-
-def grouped_matmul(x, weight, groups):
-    """Each row block of x [rows, in] times its group's weight [groups, in, out]."""
-    if groups.split_sizes is None:
-        return F.grouped_mm(x, weight, offs=groups.offsets)
-    return torch.cat([block @ weight[g] for g, block in enumerate(x.split(groups.split_sizes))])
-
-
-def grouped_linear(x, weight, bias, groups):
-    """grouped_matmul, and each row's group's bias [groups, out] added (bias None: none)."""
-    out = grouped_matmul(x, weight, groups)
-    return out if bias is None else out + bias[groups.group_of_row]
 
 
 def grouped_linear_weight_grads(x, grad, weight, bias, groups):

@@ -4,7 +4,7 @@ its parameters, its training FLOPs, what it keeps for backward, its backward's w
 waiting for its weight gradients keeps. planner/stage_costs.py builds stages from them, as its docstring describes
 (tensor, sequence and context parallelism, checkpointing, schedules).
 
-Attention is grouped-query (models/llama.py) or multi-head latent (models/latent_attention.py, MLA). What MLA keeps
+Attention is grouped-query (models/attention.py) or multi-head latent (models/latent_attention.py, MLA). What MLA keeps
 for backward: the layer's normed input (its share of the tokens: the latent projections run on this rank's
 tokens), each latent norm's fp32 input, inverse RMS and normed output, the latents as the head projections take
 them (gathered under sequence parallelism), the queries and keys of this rank's heads, the keys' and values'
@@ -19,7 +19,7 @@ A mixture of experts' sparse layer keeps what its MoE block saves beyond the den
 (moe_saved_bytes), and attention with sinks (GPT-OSS) always runs the eager formula, which keeps more than SDPA
 (eager_attention_extra_bytes); tests/test_moe.py checks these against autograd's saved tensors.
 """
-from models.llama import architecture_of, head_dim_of
+from models.architecture import architecture_of, head_dim_of
 from models.lora import adapter_parameter_count, expert_ranks
 from models.partition import decoder_parameter_split, expert_parameters, mean_attended_keys
 from planner.training_state import FP32_BYTES
@@ -237,7 +237,7 @@ def moe_weight_grad_bytes(moe, tokens, hidden, act, input_kept):
 
 
 def eager_attention_extra_bytes(workload, heads, q_width, kv_width, act):
-    """What attention with sinks (GPT-OSS, always the eager formula: models/llama.py) keeps beyond SDPA's: the keys
+    """What attention with sinks (GPT-OSS, always the eager formula: models/attention_kernels.py) keeps beyond SDPA's: the keys
     and values repeated for every query head, and the scores with the sink column, their maximum and their
     softmax, instead of SDPA's log-sum-exp."""
     scores = workload.micro_batch_size * heads * workload.seq_length * (workload.seq_length + 1)

@@ -34,7 +34,7 @@ decoder layer (the slowest stage sets a pipeline's pace) as long as its memory f
 device's memory costs more than any that fits, by how far over it is. bench/trainer_profile.py compares stage
 compute times measured on a device with these FLOPs.
 """
-from models.llama import architecture_of
+from models.architecture import architecture_of
 from models.partition import (DECODER, DECODERS, EMBEDDING, HEAD, NORM, decoder_kinds, kind_layer, layer_kinds)
 from schedules.orders import rank_orders
 from schedules.rules import chunk_ids, chunks_per_rank, in_flight_micro_batches, waiting_micro_batches
@@ -142,7 +142,7 @@ class LayerCosts:
         c = workload.context_parallel
         chunk = workload.seq_length // (2 * c)
         # One mask per sliding window shorter than the sequence, and one for the layers without when rows hold
-        # padding or packed documents (models/llama.py StageAttentionInputs).
+        # padding or packed documents (models/attention.py StageAttentionInputs).
         # A window's mask over rows of one document each is one row's, shared by the micro-batch's rows.
         windows = {w if w and w < workload.seq_length else None for w in architecture_of(config).sliding_windows}
         rows = workload.micro_batch_size if workload.document_masks else 1
@@ -150,7 +150,7 @@ class LayerCosts:
         masks = len(windows - {None}) * rows + full_masks
         self.context_mask_bytes = (workload.micro_batch_size * chunk * chunk * (2 * c + 1) * act
                                    * len(windows) if c > 1 else 0)
-        # Packed documents' and sliding windows' additive masks (models/llama.py), which attention keeps for
+        # Packed documents' and sliding windows' additive masks (models/attention.py), which attention keeps for
         # backward: each per micro-batch in flight. Rows of one document, padded or not, attend with is_causal and
         # need none without a window.
         self.document_mask_bytes = masks * workload.seq_length ** 2 * act if c == 1 else 0

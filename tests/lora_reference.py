@@ -5,8 +5,8 @@ from transformers import AutoModelForCausalLM
 from checkpoints.ds_to_hf import PEFT_PREFIX
 from models.architecture import architecture_of
 from models.layout import fuse, hf_name_of_layer_key
-from models.llama import DecoderLayerPipe
 from models.lora import EXPERT_PARAMETERS, add_adapters, expert_ranks, is_adapter_key, peft_adapters
+from models.pipeline_layers import DecoderLayerPipe
 
 
 def hf_name_of_peft(name):

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from data import IGNORE_INDEX, build_dataset, collate_causal_lm
-from models.llama import document_causal_mask
+from models.attention import document_causal_mask
 from tests.chat_tokenizers import MISTRAL_TEMPLATE, make_chat_tokenizer
 
 CONVERSATION = [

@@ -76,8 +76,9 @@ def test_sequence_aux_loss_equals_the_papers_definition_on_transformers(tmp_path
 
 def test_without_the_coefficient_the_loss_is_transformers(tmp_path):
     """moe.sequence_aux_loss_coef=0 (the default): no floating sum is carried and the loss is outputs.loss."""
-    from models.router_loss import initial_routing
+    from models.pipeline_layers import StageTuple
     config = DEEPSEEK_CONFIGS["deepseek_v3"]()
+    initial_routing = lambda config, device: StageTuple(config).initial_routing(device).tensors()  # noqa: E731
     hf_model = make_model(config, tmp_path)
     batch = make_batch(2, 16, config.vocab_size, seed=1)
     assert len(initial_routing(config, "cpu")) == 1

@@ -73,8 +73,8 @@ def test_decoder_costs_are_what_autograd_keeps(monkeypatch, dtype, precision, ki
     Qwen3-MoE's grouped-query attention; DeepSeek-V3's router): the planner's saved bytes are what autograd keeps
     with the CUDA kernels' attention, its parameters transformers' layer's, and a micro-batch waiting for W keeps
     what the zero-bubble queue holds."""
-    from models.llama import DecoderLayerPipe, StageAttentionInputs
-    from models.router_loss import initial_routing, pack_stage
+    from models.attention import StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe, StagePlan, StageTuple
     from models.tensor_parallel import TensorParallel
     from models.weight_grads import WeightGradQueue
     monkeypatch.setattr(F, "scaled_dot_product_attention", kernel_attention)
@@ -88,7 +88,7 @@ def test_decoder_costs_are_what_autograd_keeps(monkeypatch, dtype, precision, ki
     mask, positions = torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq)
     shared = {t.untyped_storage().data_ptr() for t in stage_inputs(hidden, mask, positions, None) if t is not None}
     params = {p.untyped_storage().data_ptr() for p in decoder.parameters()}
-    inputs = pack_stage(hidden, mask, positions, initial_routing(config, "cpu"))
+    inputs = StageTuple(config).start(hidden, mask, positions)
     assert saved_activation_bytes(lambda: decoder(inputs), shared | params) == costs.saved_bytes[kind]
     reference = AutoModelForCausalLM.from_config(config).model.layers[layer]
     assert layer_parameter_counts(config)[layer + 1] == sum(p.numel() for p in reference.parameters())
@@ -97,9 +97,9 @@ def test_decoder_costs_are_what_autograd_keeps(monkeypatch, dtype, precision, ki
         parallel = TensorParallel()
         parallel.weight_grads = WeightGradQueue()
         decoder = in_training_dtype(DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="full"),
-                                                     parallel=parallel, layer_index=layer), dtype)
+                                                     layer, StagePlan(parallel=parallel)), dtype)
         params = {p.untyped_storage().data_ptr() for p in decoder.parameters()}
-        output = decoder(pack_stage(hidden, mask, positions, initial_routing(config, "cpu")))[0]
+        output = decoder(StageTuple(config).start(hidden, mask, positions))[0]
         with parallel.weight_grads.defer():
             output.backward(torch.randn_like(output))
         assert queued_tensor_bytes(parallel.weight_grads, params) == costs.weight_grad_bytes[kind]

@@ -16,7 +16,7 @@ HIDDEN_ROWS = 512  # bf16 hidden states the routers score (a bf16 router differs
 
 def routers_of(module):
     """{pipeline index: the SigmoidRouter} of a stage's sparse layers."""
-    from models.llama import DecoderLayerPipe
+    from models.pipeline_layers import DecoderLayerPipe
     return {module.layer_indices[local]: layer.mlp.gate for local, layer in enumerate(module.forward_funcs)
             if isinstance(layer, DecoderLayerPipe) and layer.sparse}
 

@@ -251,14 +251,15 @@ def test_a_rank_reads_only_its_own_experts_bytes(tmp_path, monkeypatch, family):
     from checkpoints import layer_files
     from models.architecture import architecture_of
     from models.expert_parallel import ExpertParallel
-    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from models.attention import StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe, StagePlan
     from tests.tiny_models import MOE_CONFIGS
     config = MOE_CONFIGS[family]()
     inputs, layer_index = StageAttentionInputs(config), architecture_of(config).sparse_layers.index(True)
     torch.manual_seed(0)
     whole = DecoderLayerPipe(config, inputs, layer_index=layer_index).state_dict()
     torch.save(whole, tmp_path / "layer_01-model_states.pt")
-    mine = DecoderLayerPipe(config, inputs, layer_index=layer_index, dispatcher=ExpertParallel(size=2, rank=1))
+    mine = DecoderLayerPipe(config, inputs, layer_index, StagePlan(experts=ExpertParallel(size=2, rank=1)))
     reads = []
     read_exactly = layer_files.read_exactly
     monkeypatch.setattr(layer_files, "read_exactly", lambda fd, buffer, offset: reads.append(buffer.nbytes) or

@@ -13,8 +13,9 @@ import torch
 from transformers import LlamaConfig
 
 from data.collator import collate, collate_causal_lm, collate_preference, row_layout
-from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
+from models.attention import StageAttentionInputs
 from models.loss import CausalLMLoss, with_step_divisor
+from models.pipeline_layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StagePlan
 from models.preference import PreferenceLoss, PreferenceSettings
 from tests.host_syncs import HostSyncs
 from tests.tiny_models import COMMON
@@ -100,7 +101,7 @@ def test_the_recorder_sees_the_syncs_the_old_path_took():
 
 def test_the_run_decides_the_attention_masks_from_its_rows():
     """Packed rows take a mask per document; one-document rows none (causal attention), but under context
-    parallelism padded rows' halves do (models/llama.py StageAttentionInputs)."""
+    parallelism padded rows' halves do (models/attention.py StageAttentionInputs)."""
     def data(**keys):
         return SimpleNamespace(**{"packing": False, "document_isolation": False, "format": "chat", **keys})
     assert [row_layout(data(**keys)) for keys in (
@@ -138,7 +139,7 @@ def expert_parallel_syncs(rank, out_dir):
     for family in EXPERT_PARALLEL_FAMILIES:
         config = MOE_CONFIGS[family]()
         inputs = StageAttentionInputs(config, row_layout="padded")
-        layers = [EmbeddingPipe(config), *[DecoderLayerPipe(config, inputs, layer_index=i, dispatcher=experts)
+        layers = [EmbeddingPipe(config), *[DecoderLayerPipe(config, inputs, i, StagePlan(experts=experts))
                                            for i in range(config.num_hidden_layers)],
                   FinalNormPipe(config), LMHeadPipe(config, chunked_loss=True)]
         loss_fn = CausalLMLoss(chunk_tokens=5, router=LoadBalancingLoss(config))

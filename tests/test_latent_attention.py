@@ -2,17 +2,17 @@
 outputs, the input's gradient and every weight's gradient in fp32, SDPA and eager, causal and a packed-documents
 mask. Multi-head latent attention (models/latent_attention.py) against DeepseekV3Attention, with and without the
 query latent (q_lora_rank), DeepSeek's interleaved rotary layout or the halves one, YaRN with mscale and
-mscale_all_dim (the softmax scale and the rotary tables), biases; GLM-4.5's (models/llama.py's Attention with its
-options) against Glm4MoeAttention: partial rotary, q/k/v biases without o's, with and without use_qk_norm."""
+mscale_all_dim (the softmax scale and the rotary tables), biases; GLM-4.5's (models/attention.py's Attention with
+its options) against Glm4MoeAttention: partial rotary, q/k/v biases without o's, with and without use_qk_norm."""
 import pytest
 import torch
 from transformers import DeepseekV3Config, Glm4MoeConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeAttention, Glm4MoeRotaryEmbedding
 
+from models.attention import Attention, StageAttentionInputs
 from models.attention_kernels import additive_mask
 from models.latent_attention import LatentAttention, softmax_scale
-from models.llama import Attention, StageAttentionInputs
 
 BATCH, SEQ = 2, 12
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.9, "mscale_all_dim": 1.1,
@@ -81,12 +81,13 @@ def test_latent_attention_matches_transformers(case, impl, masked):
     positions = torch.arange(SEQ).expand(BATCH, SEQ)
     x = torch.randn(BATCH, SEQ, config.hidden_size, generator=torch.Generator().manual_seed(1))
     stage_inputs = StageAttentionInputs(config, row_layout="packed" if masked else "full")
-    cos, sin, mask = stage_inputs(x, document, positions)
+    inputs = stage_inputs(x, document, positions)
+    cos, sin, mask = inputs
     theirs_cos, theirs_sin = FAMILIES[config.model_type][1](config)(x, positions)
     assert torch.equal(cos, theirs_cos) and torch.equal(sin, theirs_sin)
 
     x_ours, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out = ours(x_ours, cos, sin, mask, BATCH, SEQ)
+    out = ours(x_ours, inputs)
     mask_ref = mask
     if mask is None and impl == "eager":  # transformers' eager attention is causal only through its mask
         mask_ref = additive_mask(torch.ones(SEQ, SEQ, dtype=torch.bool).tril()[None, None], x.dtype)
@@ -127,17 +128,19 @@ def split_worker(rank, out_dir):
     import torch.distributed as dist
 
     from cluster.distributed import init_distributed
-    from models.context_parallel import ContextParallel
-    from models.tensor_parallel import TensorParallel
+    from models.context_parallel import ContextParallel, ContextParallelAttentionInputs, ContextParallelCore
+    from models.tensor_parallel import TensorParallel, parallelize
     init_distributed(timeout_minutes=2)
     errors = {}
     for name, (tensor, sequence, context_size, masked, q_rank) in SPLITS.items():
         config = mla_config(rope_parameters=YARN, q_lora_rank=q_rank, attention_bias=True)
         reference, whole = random_attention(config, "sdpa")
-        parallel = TensorParallel(tensor, rank, sequence, group=dist.group.WORLD) if tensor > 1 else None
+        parallel = TensorParallel(tensor, rank, sequence, group=dist.group.WORLD)
         context = ContextParallel(context_size, rank, dist.group.WORLD) if context_size > 1 else None
-        ours = LatentAttention(config, "sdpa", **({"parallel": parallel} if parallel else {}),
-                               **({"context": context} if context else {}))
+        ours = LatentAttention(config, "sdpa")
+        parallelize(ours, parallel)
+        if context:
+            ours.core = ContextParallelCore(ours.core, context)
         ours.load_state_dict({n: t.chunk(tensor, getattr(p, "tensor_parallel_dim", 0))[rank]
                               if hasattr(p, "tensor_parallel_dim") else t
                               for (n, t), p in zip(whole.state_dict().items(), ours.parameters())})
@@ -146,20 +149,18 @@ def split_worker(rank, out_dir):
         x = torch.randn(BATCH, SEQ, config.hidden_size, generator=torch.Generator().manual_seed(1))
         upstream = torch.randn(BATCH, SEQ, config.hidden_size, generator=torch.Generator().manual_seed(2))
         x_whole = x.clone().requires_grad_()
-        cos, sin, mask = StageAttentionInputs(config, row_layout="packed" if masked else "full")(
-            x, document, positions)
-        (whole(x_whole, cos, sin, mask, BATCH, SEQ) * upstream).sum().backward()
-        out_whole = whole(x, cos, sin, mask, BATCH, SEQ).detach()
+        inputs = StageAttentionInputs(config, row_layout="packed" if masked else "full")(x, document, positions)
+        (whole(x_whole, inputs) * upstream).sum().backward()
+        out_whole = whole(x, inputs).detach()
 
         mine = (lambda t: t.reshape(BATCH * SEQ, -1).chunk(tensor)[rank]) if sequence else \
             (lambda t: context.local_tokens(t)) if context else (lambda t: t)
         x_mine = mine(x).clone().requires_grad_()
-        stage_inputs = StageAttentionInputs(config, **({"context": context} if context else {}),
-                                            row_layout="packed" if masked else "full")
-        seq = SEQ // context_size
-        cos, sin, mask = stage_inputs(x_mine, *(context.local_tokens(t) if context else t
-                                                for t in (document, positions)))
-        out = ours(x_mine, cos, sin, mask, BATCH, seq)
+        layout = "packed" if masked else "full"
+        stage_inputs = (ContextParallelAttentionInputs(config, context, layout) if context
+                        else StageAttentionInputs(config, layout))
+        out = ours(x_mine, stage_inputs(x_mine, *(context.local_tokens(t) if context else t
+                                                  for t in (document, positions))))
         (out * mine(upstream)).sum().backward()
         grads = {n: p.grad.clone() for n, p in ours.named_parameters()}
         if context:

@@ -344,7 +344,7 @@ def test_phi3_adapters_export_on_the_fused_projections_and_load_in_peft(tiny_che
 
     from checkpoints.ds_to_hf import convert_ds_to_hf
     from models.layout import hf_name_of_layer_key
-    from models.llama import DecoderLayerPipe
+    from models.pipeline_layers import DecoderLayerPipe
     from models.lora import add_adapters, is_adapter_key
     from tests.lora_reference import hf_name_of_peft
 
@@ -424,7 +424,7 @@ def pipeline_logits(config, hf_model, settings, adapters, input_ids):
     """The pipeline's layers holding hf_model's weights and `adapters` (of `settings`), run in one process on
     input_ids."""
     from models.layout import hf_name_of_layer_key, layer_of_hf_name
-    from models.llama import DecoderLayerPipe, lm_head
+    from models.pipeline_layers import DecoderLayerPipe, lm_head
     from models.lora import add_adapters
     from models.pipeline import build_pipeline_layers
     layers = [spec.build() for spec in build_pipeline_layers(config)]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from models.llama import LMHeadPipe
+from models.pipeline_layers import LMHeadPipe
 from models.loss import CausalLMLoss
 from models.tensor_parallel import TensorParallel
 from models.weight_grads import WeightGradQueue

@@ -20,10 +20,10 @@ from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.hf_to_ds import convert_hf_to_ds
 from models.architecture import architecture_of
 from models.layout import layer_of_hf_name
-from models.llama import lm_head
 from models.loss import CausalLMLoss
 from models.moe import Experts, LocalExperts
 from models.pipeline import build_pipeline_layers
+from models.pipeline_layers import lm_head
 from models.router_loss import LoadBalancingLoss
 from tests import parity_worker
 from tests.distributed import spawn
@@ -142,9 +142,9 @@ def test_a_split_backward_leaves_the_experts_and_routers_weight_gradients_to_w(f
     as a step's last W does: the gradients still reach the parameters."""
     from models.lora import TARGETS, LoraSettings, add_adapters, freeze_all_but_adapters
     from deepspeed_internals.registry import non_reentrant_checkpoint
-    from models.llama import DecoderLayerPipe, StageAttentionInputs
-    from models.router_loss import initial_routing, pack_stage, unpack_stage
-    from models.tensor_parallel import TensorParallel
+    from models.attention import StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe, StagePlan, StageTuple
+    from models.tensor_parallel import TensorParallel, parallelize_adapters
     from models.weight_grads import WeightGradQueue
     config = {**MOE_CONFIGS, **DEEPSEEK_CONFIGS}[family]()
     config.update({"moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size":
@@ -161,22 +161,24 @@ def test_a_split_backward_leaves_the_experts_and_routers_weight_gradients_to_w(f
     runs = []
     for parallel in (split, TensorParallel()):
         torch.manual_seed(0)
-        layer = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="padded"), parallel=parallel,
-                                 layer_index=layer_index)
+        layer = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="padded"), layer_index,
+                                 StagePlan(parallel=parallel))
         if adapted:  # no dropout on the experts' adapters (peft's); B random, so that A takes a gradient too
             adapted_names = ("q_proj", "experts.gate_up_proj", "experts.down_proj")
             add_adapters(layer, LoraSettings(rank=2, target_modules=tuple(n for n in TARGETS if n in adapted_names)),
                          config, seed=0)
+            parallelize_adapters(layer, parallel)
             freeze_all_but_adapters(layer)
         with torch.no_grad():
             for name, param in layer.named_parameters():
                 if name.endswith("bias") or "lora_B" in name:
                     param.normal_(std=0.1)
         x = hidden.clone().requires_grad_()
-        inputs = pack_stage(x, document_ids, torch.arange(12).expand(2, 12), initial_routing(config, "cpu"))
+        stage = StageTuple(config)
+        inputs = stage.start(x, document_ids, torch.arange(12).expand(2, 12))
         run = (lambda *tensors: layer(tensors))
-        out = unpack_stage(non_reentrant_checkpoint(run, *inputs) if checkpointed else run(*inputs))
-        floating = [out[0], *[t for t in out[3] if t.is_floating_point()]]
+        out = stage.unpack(non_reentrant_checkpoint(run, *inputs) if checkpointed else run(*inputs))
+        floating = [out.hidden, *[t for t in out.routing.tensors() if t.is_floating_point()]]
         torch.manual_seed(1)
         deferring = parallel.weight_grads is not None
         with parallel.weight_grads.defer() if deferring else contextlib.nullcontext():
@@ -284,9 +286,9 @@ def test_the_clipping_norms_squares_take_a_chunk_at_a_time():
 def test_activation_model_counts_what_an_moe_layer_saves(dtype, precision, family):
     """The planner's bytes of a sparse layer (planner/stage_costs.py moe_saved_bytes; GPT-OSS's eager attention
     with sinks) are what autograd keeps for backward, and its parameters transformers' (every expert)."""
-    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from models.attention import StageAttentionInputs
     from models.partition import DECODER, layer_parameter_counts
-    from models.router_loss import initial_routing, pack_stage
+    from models.pipeline_layers import DecoderLayerPipe, StageTuple
     from planner.stage_costs import LayerCosts
     from planner.workload import Workload
     from tests.test_partition import saved_activation_bytes
@@ -301,7 +303,7 @@ def test_activation_model_counts_what_an_moe_layer_saves(dtype, precision, famil
     shared = {t.untyped_storage().data_ptr() for t in stage_inputs(hidden, mask, positions, decoder.self_attn.window)
               if t is not None}
     params = {p.untyped_storage().data_ptr() for p in decoder.parameters()}
-    inputs = pack_stage(hidden, mask, positions, initial_routing(config, "cpu"))
+    inputs = StageTuple(config).start(hidden, mask, positions)
     assert saved_activation_bytes(lambda: decoder(inputs), shared | params) == costs.saved_bytes[DECODER]
     model = AutoModelForCausalLM.from_config(config)
     assert sum(layer_parameter_counts(config)) == sum(p.numel() for p in model.parameters())
@@ -315,10 +317,10 @@ def test_the_plan_counts_the_folded_experts_lora_keeps_for_backward(dtype, preci
     (W + scaling B A, the grouped GEMM's weight): autograd saves tensors of those shapes, exactly the bytes the
     planner adds for them (planner/decoder_costs.py lora_folded_expert_bytes; Qwen3-MoE's gate_proj adapts its experts'
     gate_up_proj, as peft reads it)."""
-    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from models.attention import StageAttentionInputs
     from models.lora import LoraSettings, add_adapters
     from models.partition import DECODER
-    from models.router_loss import initial_routing, pack_stage
+    from models.pipeline_layers import DecoderLayerPipe, StageTuple
     from planner import decoder_costs
     from planner.stage_costs import LayerCosts
     from planner.workload import Workload
@@ -340,7 +342,7 @@ def test_the_plan_counts_the_folded_experts_lora_keeps_for_backward(dtype, preci
     mask, positions = torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda tensor: saved.append(tensor) or tensor, lambda t: t):
-        decoder(pack_stage(hidden, mask, positions, initial_routing(config, "cpu")))
+        decoder(StageTuple(config).start(hidden, mask, positions))
     params = {p.untyped_storage().data_ptr() for p in decoder.parameters()}
     folded = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
               if t.untyped_storage().data_ptr() not in params and t.dtype == dtype and
@@ -354,9 +356,9 @@ def test_the_plan_counts_the_folded_experts_lora_keeps_for_backward(dtype, preci
 def test_weight_grad_model_counts_what_an_moe_layer_leaves_to_w(dtype, precision, family):
     """The planner's bytes a micro-batch waiting for W keeps of a sparse layer (planner/decoder_costs.py
     moe_weight_grad_bytes, with the attention's and a shared expert's) are what the zero-bubble queue holds."""
-    from models.llama import DecoderLayerPipe, StageAttentionInputs
-    from models.router_loss import initial_routing, pack_stage
+    from models.attention import StageAttentionInputs
     from models.partition import DECODER
+    from models.pipeline_layers import DecoderLayerPipe, StagePlan, StageTuple
     from models.tensor_parallel import TensorParallel
     from models.weight_grads import WeightGradQueue
     from planner.stage_costs import LayerCosts
@@ -369,13 +371,13 @@ def test_weight_grad_model_counts_what_an_moe_layer_leaves_to_w(dtype, precision
     parallel.weight_grads = WeightGradQueue()
     torch.set_default_dtype(dtype)  # built in the training dtype as the trainer builds it (DeepSeek's router: fp32)
     try:
-        decoder = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="full"), parallel=parallel,
-                                   layer_index=architecture_of(config).sparse_layers.index(True))
+        decoder = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="full"),
+                                   architecture_of(config).sparse_layers.index(True), StagePlan(parallel=parallel))
     finally:
         torch.set_default_dtype(torch.float32)
     hidden = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
     mask, positions = torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq)
-    output = decoder(pack_stage(hidden, mask, positions, initial_routing(config, "cpu")))[0]
+    output = decoder(StageTuple(config).start(hidden, mask, positions))[0]
     with parallel.weight_grads.defer():
         output.backward(torch.randn_like(output))
     params = {p.untyped_storage().data_ptr() for p in decoder.parameters()}
@@ -443,7 +445,8 @@ def stage_syncs(config, loss_fn):
     """(the host syncs of a stage of the embedding, decoder layers 0 and 1, the final norm and the chunked head with
     loss_fn over three padded micro-batches (tests/test_host_syncs.py), the micro-batches)."""
     from data.collator import collate_causal_lm
-    from models.llama import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
+    from models.attention import StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe
     from tests.test_host_syncs import SEQ, rows, syncs_of_micro_batches
     inputs = StageAttentionInputs(config, row_layout="padded")
     layers = [EmbeddingPipe(config), *[DecoderLayerPipe(config, inputs, layer_index=i) for i in range(2)],

@@ -51,7 +51,7 @@ from schedules.zbv_order import EQUAL_TIMES, configured_zbv_durations
 STAGES = range(2, 9)
 MICRO_BATCHES = [*range(1, 10), 16]
 MAX_WAITING = [None, 0, 1, 2, 4]
-# What the project's stages pass on (models/llama.py): hidden states, document ids, position ids.
+# What the project's stages pass on (models/pipeline_layers.py): hidden states, document ids, position ids.
 ROWS, SEQUENCE, HIDDEN = 2, 8, 16
 CONF = pathlib.Path(__file__).parents[1] / "conf"
 

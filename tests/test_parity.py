@@ -84,7 +84,7 @@ def test_phi3_longrope_partial_rotary_tables_equal_transformers(seq):
     from transformers import Phi3Config
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-    from models.llama import RotaryEmbedding
+    from models.rotary import RotaryEmbedding
     from tests.tiny_models import COMMON
     config = Phi3Config(**{**COMMON, "max_position_embeddings": 64}, original_max_position_embeddings=32,
                         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,

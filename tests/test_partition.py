@@ -9,10 +9,11 @@ from hydra import compose, initialize_config_dir
 from transformers import GraniteConfig, LlamaConfig, Olmo2Config, Phi3Config, Qwen3Config, SmolLM3Config
 
 from models.layout import num_pipeline_layers
-from models.llama import DecoderLayerPipe, FinalNormPipe, LMHeadPipe, StageAttentionInputs
+from models.attention import StageAttentionInputs
 from models.loss import CausalLMLoss
 from models.partition import DECODER, HEAD, NORM, balanced_decoder_counts, stage_bounds
 from models.pipeline import build_pipeline_layers, partition_stages
+from models.pipeline_layers import DecoderLayerPipe, FinalNormPipe, LMHeadPipe, StagePlan
 from models.tensor_parallel import TensorParallel
 from models.weight_grads import WeightGradQueue
 from planner.stage_costs import LayerCosts, balanced_stage_cost, compute_spread, stage_plan
@@ -218,7 +219,7 @@ def test_activation_model_matches_what_autograd_saves(dtype, precision, kv_heads
     outputs, losses = [], []
     loss_fn = CausalLMLoss(chunk_tokens=chunk, grad_sum_dtype=torch.float32)  # the Workload's grad_accum_dtype
     measured = saved_activation_bytes(lambda: losses.append(loss_fn(
-        outputs.append(head(norm((hidden,)))) or outputs[0], labels)), params)
+        outputs.append(head(norm((hidden, mask, positions)))) or outputs[0], labels)), params)
     if chunk:  # the chunked loss holds its gradients, computed in forward, on its backward node
         measured += sum(t.untyped_storage().nbytes() for t in (losses[0].grad_fn.grad_hidden,
                                                                losses[0].grad_fn.grad_weight))
@@ -258,7 +259,7 @@ def test_weight_grad_model_matches_what_the_zero_bubble_queue_keeps(dtype, preci
     config, costs = small_layer(kv_heads, precision, batch, seq, chunk)
     parallel = TensorParallel()
     parallel.weight_grads = WeightGradQueue()
-    decoder = DecoderLayerPipe(config, StageAttentionInputs(config), parallel=parallel).to(dtype)
+    decoder = DecoderLayerPipe(config, StageAttentionInputs(config), plan=StagePlan(parallel=parallel)).to(dtype)
     norm = FinalNormPipe(config, parallel).to(dtype)
     head = LMHeadPipe(config, parallel, chunked_loss=chunk > 0).to(dtype)
     params = {p.untyped_storage().data_ptr() for m in (decoder, norm, head) for p in m.parameters()}
@@ -269,7 +270,7 @@ def test_weight_grad_model_matches_what_the_zero_bubble_queue_keeps(dtype, preci
         output.backward(torch.randn_like(output))
     assert queued_tensor_bytes(parallel.weight_grads, params) == costs.weight_grad_bytes[DECODER]
     parallel.weight_grads.run_oldest()
-    loss = CausalLMLoss(parallel, chunk)(head(norm((hidden.detach(),))),
+    loss = CausalLMLoss(parallel, chunk)(head(norm((hidden.detach(), mask, positions))),
                                          torch.randint(0, config.vocab_size, (batch, seq)))
     with parallel.weight_grads.defer():
         loss.backward()

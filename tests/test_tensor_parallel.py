@@ -173,7 +173,7 @@ def test_the_pad_tokens_embedding_row_takes_no_gradient():
     micro-batches holding the pad token as a real token: the first's gradient dense, the second's added row by row
     (models/weight_grads.py). Under tensor parallel 2 the row is the second rank's (50 - 48); the full layouts'
     gradients against transformers are the parity tests', whose llama3 and tied models have a pad token in the data."""
-    from models.llama import EmbeddingPipe
+    from models.pipeline_layers import EmbeddingPipe
     from models.tensor_parallel import TensorParallel
     from tests.tiny_models import TINY_CONFIGS
 

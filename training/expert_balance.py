@@ -15,7 +15,7 @@ resumed and exported with it.
 import torch
 
 import collectives
-from models.llama import DecoderLayerPipe
+from models.pipeline_layers import DecoderLayerPipe
 from models.sigmoid_router import balanced_correction_bias
 
 

@@ -18,11 +18,10 @@ from checkpoints.files import has_tokenizer_files, read_latest
 from checkpoints.integrity import manifest_digest, verify_model_side_files
 from data.file_checks import check_data_files, check_shards_fit_model
 from errors import ConfigError
-from models.architecture import architecture_of, check_trains_as_configured
+from models.architecture import architecture_of, check_model_config, check_trains_as_configured
 from models.context_parallel import context_parallel_error
 from models.expert_parallel import expert_parallel_error
 from models.layout import layer_file_name
-from models.llama import check_model_config
 from models.lora import adapter_parameter_total, check_lora_applies, check_rank_fits
 from models.partition import decoder_counts_of_bounds, decoder_kinds, layer_parameter_counts
 from models.pipeline import partition_stages

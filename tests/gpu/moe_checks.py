@@ -67,8 +67,8 @@ def sparse_layer(family, device, dtype, num_experts=None):
     """A sparse decoder layer of `family` (num_experts of them, when given) on `device`, built in `dtype` as the
     trainer builds a stage, and its input tuple: (layer, inputs)."""
     from models.architecture import architecture_of
-    from models.llama import DecoderLayerPipe, StageAttentionInputs
-    from models.router_loss import initial_routing, pack_stage
+    from models.attention import StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe, StageTuple
     config = family_config(family)
     if num_experts:
         field = next(name for name in ("num_experts", "num_local_experts", "n_routed_experts") if hasattr(config, name))
@@ -84,7 +84,7 @@ def sparse_layer(family, device, dtype, num_experts=None):
     hidden = torch.randn(batch, seq, config.hidden_size, device=device, dtype=dtype, requires_grad=True)
     document_ids = torch.ones(batch, seq, dtype=torch.long, device=device)
     positions = torch.arange(seq, device=device).expand(batch, seq)
-    return layer, pack_stage(hidden, document_ids, positions, initial_routing(config, device))
+    return layer, StageTuple(config).start(hidden, document_ids, positions)
 
 
 def expert_path(family, device, dtype):

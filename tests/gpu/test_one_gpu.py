@@ -133,7 +133,8 @@ def test_attention_runs_a_fused_sdpa_kernel(record_property):
     error rather than a silent fall-back to the math kernel (a seq x seq score matrix per head)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from models.llama import DecoderLayerPipe, StageAttentionInputs
+    from models.attention import StageAttentionInputs
+    from models.pipeline_layers import DecoderLayerPipe
     config = one_billion_config()
     stage_inputs = StageAttentionInputs(config, row_layout="full")  # the run's rows: one document each
     layer = DecoderLayerPipe(config, stage_inputs).to("cuda", torch.bfloat16)
@@ -156,7 +157,7 @@ def test_chunked_loss_equals_the_logits_head(record_property):
     """The 1B shape's head and loss on 2 x 2048 tokens in bf16, in conf/base.yaml's chunks of 1024 tokens against the
     full logits: the loss, and the gradients of the head's input and weight (‖chunked - logits‖ / ‖logits‖; bf16
     keeps 2^-8 of each element and the chunks' weight gradient is summed in bf16: 4.7e-3 measured on CPU)."""
-    from models.llama import LMHeadPipe
+    from models.pipeline_layers import LMHeadPipe
     from models.loss import CausalLMLoss
     config = one_billion_config()
     torch.manual_seed(0)

@@ -1,0 +1,68 @@
+"""A decoder layer: its family's token mixer and feed-forward, each inside a residual connection, with the family's
+norms where it places them.
+
+    hidden = hidden + multiplier * after(mixer(before(hidden)))       (each of before / after a norm, or none)
+    hidden = hidden + multiplier * after(feed_forward(before(hidden)))
+
+NORM_PLACEMENTS names the norms each placement has, as the family's transformers layer names them, so the layer's
+state dict is the Hugging Face one after the `model.layers.{i}.` prefix.
+"""
+import functools
+
+from torch import nn
+
+from models.architecture import ATTENTION, LATENT_ATTENTION, POST_NORMS, PRE_NORMS, architecture_of
+from models.attention import Attention
+from models.latent_attention import LatentAttention
+from models.mlp import MLP
+from models.moe import MoEBlock
+from models.norms import RMSNorm
+
+TOKEN_MIXERS = {ATTENTION: Attention, LATENT_ATTENTION: LatentAttention}
+# placement: ((norm before the token mixer, after it), (before the feed-forward, after it)), None where there is none
+NORM_PLACEMENTS = {
+    PRE_NORMS: (("input_layernorm", None), ("post_attention_layernorm", None)),  # LLaMA
+    POST_NORMS: ((None, "post_attention_layernorm"), (None, "post_feedforward_layernorm")),  # OLMo 2
+}
+
+
+class DecoderLayer(nn.Module):
+    """Decoder layer `layer_index` of a model: its token mixer is `self_attn`, its feed-forward `mlp` (an MoE block
+    on the family's sparse layers), as transformers names them."""
+
+    def __init__(self, config, layer_index=0, attention_impl="sdpa"):
+        super().__init__()
+        architecture = architecture_of(config)
+        self.residual_multiplier = architecture.residual_multiplier
+        self.sparse = architecture.sparse_layers[layer_index]
+        norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps,
+                                 scale_in_fp32=architecture.norm_scale_in_fp32)
+        self.norm_names = NORM_PLACEMENTS[architecture.norm_placement]
+        (before_mixer, after_mixer), (before_feed_forward, after_feed_forward) = self.norm_names
+        self.add_norm(before_mixer, norm)
+        self.self_attn = TOKEN_MIXERS[architecture.token_mixer](config, attention_impl, layer_index)
+        self.add_norm(after_mixer, norm)
+        self.add_norm(before_feed_forward, norm)
+        self.mlp = MoEBlock(config) if self.sparse else MLP(config)
+        self.add_norm(after_feed_forward, norm)
+
+    def add_norm(self, name, norm):
+        if name is not None:
+            self.add_module(name, norm())
+
+    def forward(self, hidden, inputs, tokens=None):
+        """(the new hidden states, this layer's routing statistics or None). inputs: the batch's AttentionInputs;
+        tokens: its RoutedTokens, which a sparse layer's router reads."""
+        (before_mixer, after_mixer), (before_feed_forward, after_feed_forward) = self.norm_names
+        attention = self.self_attn(self.normed(before_mixer, hidden), inputs)
+        hidden = hidden + self.scaled(self.normed(after_mixer, attention))
+        x = self.normed(before_feed_forward, hidden)
+        out, statistics = self.mlp(x, tokens) if self.sparse else (self.mlp(x), None)
+        return hidden + self.scaled(self.normed(after_feed_forward, out)), statistics
+
+    def normed(self, name, x):
+        return x if name is None else getattr(self, name)(x)
+
+    def scaled(self, x):
+        """x times the residual multiplier (Granite's); x itself, with no kernel, at 1."""
+        return x if self.residual_multiplier == 1 else x * self.residual_multiplier

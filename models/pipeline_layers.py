@@ -1,0 +1,262 @@
+"""The model as pipeline layers (DeepSpeed LayerSpecs): embedding, decoder layers, final norm, LM head, each
+wrapping the plain parts of models/ and passing on what crosses a stage boundary.
+
+What travels between layers is StageActivations, named fields, defined here once; DeepSpeed's pipeline engine sends
+tuples of tensors, and marks every floating tensor it receives `requires_grad` and waits for its gradient, so
+StageTuple turns the fields into the tuple and back, the floating tensors first (the engine receives the k-th
+floating gradient into the buffer of the tuple's k-th tensor, whatever that one's dtype): the hidden states and, for
+an auxiliary loss of a mixture of experts, the running sum every router's gradient comes back through; then the
+document ids and positions as integers (the causal mask and rotary tables are derived inside each stage, once per
+stage) and the experts' top-k counts. Labels never travel: the last stage reads them from its own loader.
+
+A decoder layer is built as the plain DecoderLayer (on the meta device where a plan reshapes its parameters), then
+transformed by the stage's plan (StagePlan): the experts' slice (models/expert_parallel.py), tensor parallelism and
+the stage's linear layers (models/tensor_parallel.py), context parallelism around the attention core
+(models/context_parallel.py). Parameter names inside each layer equal transformers' names after the
+`model.layers.{i}.` prefix, so a layer's state dict is the Hugging Face one with the prefix stripped.
+"""
+import contextlib
+import dataclasses
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from models.architecture import architecture_of
+from models.context_parallel import NO_CONTEXT_PARALLEL, ContextParallel, wrap_attention_cores
+from models.decoder import DecoderLayer
+from models.expert_parallel import NO_EXPERT_PARALLEL, ExpertParallel
+from models.moe import RoutedTokens
+from models.norms import RMSNorm
+from models.tensor_parallel import (NO_TENSOR_PARALLEL, TensorParallel, hook_gradient_sums, mark_sharded, parallelize,
+                                    replicated, vocabulary_rows)
+
+
+class Routing(NamedTuple):
+    """What the loss takes from a mixture's sparse layers (models/router_loss.py), carried from the embedding on in
+    the same shapes across every boundary: each sparse layer's top-k counts of the real tokens, zeros until the
+    layer has run; with an auxiliary loss, the running sum of the layers' floating terms (router probabilities, or
+    DeepSeek-V3's per-expert sequence-wise terms), which starts as zeros that take a gradient, so that a stage
+    without a sparse layer passes on a tensor DeepSpeed can run backward from."""
+    counts: torch.Tensor  # [sparse layers, E] int64
+    loss_sums: torch.Tensor | None = None  # [E] fp32
+
+    def tensors(self):
+        """(counts[, loss sums]): the order the LM head hands them on to the loss in."""
+        return (self.counts,) if self.loss_sums is None else (self.counts, self.loss_sums)
+
+    def with_layer(self, row, statistics):
+        """These statistics with sparse layer number `row`'s (counts [E], its floating term [E] or None) added."""
+        counts, term = statistics
+        stacked = torch.cat([self.counts[:row], counts[None], self.counts[row + 1:]])
+        return Routing(stacked, None if term is None else self.loss_sums + term)
+
+
+class StageActivations(NamedTuple):
+    """What a decoder layer takes and hands on: hidden states (batch, seq, hidden), or under sequence parallelism
+    this rank's share of the flattened tokens (batch * seq / tp, hidden); each token's document id (0 on padding)
+    and position, (batch, seq); a mixture's Routing (None for a dense model)."""
+    hidden: torch.Tensor
+    document_ids: torch.Tensor
+    position_ids: torch.Tensor
+    routing: Routing | None = None
+
+
+class StageTuple:
+    """StageActivations as the tuple of tensors DeepSpeed's engine sends between stages, for one model: (hidden[,
+    loss sums], document ids, positions[, counts])."""
+
+    def __init__(self, config):
+        architecture = architecture_of(config)
+        self.moe, self.sparse_layers = architecture.moe, sum(architecture.sparse_layers)
+
+    def pack(self, activations):
+        routing = activations.routing
+        if routing is None:
+            return activations.hidden, activations.document_ids, activations.position_ids
+        floating = (activations.hidden,) if routing.loss_sums is None else (activations.hidden, routing.loss_sums)
+        return (*floating, activations.document_ids, activations.position_ids, routing.counts)
+
+    def unpack(self, tensors):
+        if self.moe is None:
+            return StageActivations(*tensors)
+        if not self.moe.loss_sum:
+            hidden, document_ids, position_ids, counts = tensors
+            return StageActivations(hidden, document_ids, position_ids, Routing(counts))
+        hidden, loss_sums, document_ids, position_ids, counts = tensors
+        return StageActivations(hidden, document_ids, position_ids, Routing(counts, loss_sums))
+
+    def start(self, hidden, document_ids, position_ids):
+        """The tuple the embedding hands on: a mixture's routing statistics start at zeros."""
+        return self.pack(StageActivations(hidden, document_ids, position_ids, self.initial_routing(hidden.device)))
+
+    def initial_routing(self, device):
+        if self.moe is None:
+            return None
+        counts = torch.zeros(self.sparse_layers, self.moe.num_experts, dtype=torch.int64, device=device)
+        if not self.moe.loss_sum:
+            return Routing(counts)
+        return Routing(counts, torch.zeros(self.moe.num_experts, dtype=torch.float32, device=device,
+                                           requires_grad=True))
+
+
+def head_outputs(outputs, chunked):
+    """(the LM head's outputs: (logits,), or with the chunked loss (its input, its weight); the Routing of an MoE
+    model, or None) from the last layer's output, which the loss receives (models/loss.py)."""
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    head, routing = (outputs[:2], outputs[2:]) if chunked else (outputs[:1], outputs[1:])
+    return head, Routing(*routing) if routing else None
+
+
+@dataclasses.dataclass
+class StagePlan:
+    """How a stage's decoder layers are built: the attention implementation, and the parallelism applied to each.
+    device: where the parameters of a layer a plan reshapes are made ("meta": shapes only; None: torch's default)."""
+    attention_impl: str = "sdpa"
+    parallel: TensorParallel = NO_TENSOR_PARALLEL
+    context: ContextParallel = NO_CONTEXT_PARALLEL
+    experts: ExpertParallel = NO_EXPERT_PARALLEL
+    device: str | None = None
+
+    def building(self):
+        """Where the plain layer is built: on the meta device when the plan replaces its parameters by this rank's
+        shares (no memory for the whole layer), else where it stays."""
+        reshaping = self.parallel.size > 1 or self.experts.size > 1 or self.device == "meta"
+        return torch.device("meta") if reshaping else contextlib.nullcontext()
+
+    def apply(self, layer):
+        if self.experts.size > 1:
+            self.experts.split_experts(layer, self.device)
+        parallelize(layer, self.parallel, self.device)
+        if self.context.size > 1:
+            wrap_attention_cores(layer, self.context)
+
+
+PLAIN_STAGE = StagePlan()
+
+
+class EmbeddingPipe(nn.Embedding):
+    """Layer 0: token ids to hidden states; document ids and positions pass through as integer tensors (and a
+    mixture's routing statistics start).
+
+    As transformers builds it (padding_idx=config.pad_token_id): the pad token's row takes no gradient from the
+    lookup, which matters where pad is a real token (pad = eos; ChatML's <|im_end|>). Under tensor parallelism the
+    row lives on the rank whose vocabulary share holds it (padding_idx there, None on the others)."""
+
+    def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
+        rows, padding_idx = vocabulary_rows(config, parallel)
+        super().__init__(rows, config.hidden_size, padding_idx=padding_idx)
+        if parallel.size > 1:
+            mark_sharded(self.weight, 0)
+        self.parallel = parallel
+        self.multiplier = architecture_of(config).embedding_multiplier  # Granite's
+        self.stage = StageTuple(config)
+
+    def forward(self, inputs):
+        input_ids, document_ids, position_ids = inputs
+        embedded = self.parallel.embedding(input_ids, self.weight, self.padding_idx)
+        return self.stage.start(scaled(embedded, self.multiplier), document_ids, position_ids)
+
+
+class DecoderLayerPipe(DecoderLayer):
+    """A decoder layer between stage tuples: the stage's shared attention inputs (stage_inputs, built once per
+    micro-batch) and a sparse layer's routed tokens go in, its routing statistics join the tuple's."""
+
+    def __init__(self, config, stage_inputs, layer_index=0, plan=PLAIN_STAGE):
+        with plan.building():
+            super().__init__(config, layer_index, plan.attention_impl)
+        plan.apply(self)
+        self.stage_inputs = stage_inputs
+        self.stage = StageTuple(config)
+        self.sparse_row = sum(architecture_of(config).sparse_layers[:layer_index])  # its row of the routing counts
+        self.math = super().forward
+
+    def forward(self, inputs):
+        stage = self.stage.unpack(inputs)
+        attention_inputs = self.stage_inputs(stage.hidden, stage.document_ids, stage.position_ids,
+                                             self.self_attn.window)
+        tokens = RoutedTokens.of(stage.document_ids) if self.sparse else None
+        hidden, statistics = self.math(stage.hidden, attention_inputs, tokens)
+        routing = stage.routing if statistics is None else stage.routing.with_layer(self.sparse_row, statistics)
+        return self.stage.pack(stage._replace(hidden=hidden, routing=routing))
+
+    def compile(self, *args, **kwargs):
+        """torch.compile the layer's math only: the stage's shared attention inputs stay a Python-side cache."""
+        self.math = torch.compile(self.math, *args, **kwargs)
+
+
+class FinalNormPipe(RMSNorm):
+    """Layer L+1: drops document ids and positions, which nothing after it needs (a mixture's routing statistics
+    go on to the loss). Granite divides its logits by logits_scaling: done here, to the LM head's input (the head is
+    linear), so every loss path sees it."""
+
+    def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
+        architecture = architecture_of(config)
+        super().__init__(config.hidden_size, config.rms_norm_eps, scale_in_fp32=architecture.norm_scale_in_fp32)
+        replicated(self, parallel)
+        hook_gradient_sums(self, parallel)
+        self.logits_multiplier = 1 / architecture.logits_scaling
+        self.stage = StageTuple(config)
+
+    def forward(self, inputs):
+        stage = self.stage.unpack(inputs)
+        normed = scaled(super().forward(stage.hidden), self.logits_multiplier)
+        return (normed, *stage.routing.tensors()) if stage.routing is not None else normed
+
+
+def scaled(x, multiplier):
+    """x * multiplier (Granite's multipliers); the same x, with no kernel, at 1."""
+    return x if multiplier == 1 else x * multiplier
+
+
+class LMHeadPipe(nn.Linear):
+    """Layer L+2: hidden states to logits (this rank's vocabulary rows under tensor parallelism); with
+    chunked_loss, the hidden states and the weight, which the loss projects a chunk of tokens at a time
+    (models/loss.py), so no layer output holds the logits."""
+
+    def __init__(self, config, parallel=NO_TENSOR_PARALLEL, chunked_loss=False):
+        super().__init__(config.hidden_size, vocabulary_rows(config, parallel)[0], bias=False)
+        if parallel.size > 1:
+            mark_sharded(self.weight, 0)
+        self.parallel, self.chunked_loss = parallel, chunked_loss
+
+    def forward(self, hidden):
+        return lm_head(self, hidden, self.chunked_loss)
+
+
+def lm_head(module, inputs, chunked_loss=False):
+    """The LM head of `module`'s weight: its own, or the embedding's when tied (DeepSpeed's TiedLayerSpec calls
+    forward_fn(embedding, inputs)). inputs: the hidden states, or those and a mixture's routing statistics, which
+    follow the head's outputs to the loss (head_outputs)."""
+    hidden, *routing = inputs if isinstance(inputs, tuple) else (inputs,)
+    if chunked_loss:
+        # A view, not the leaf: DeepSpeed hooks the outputs that have a grad_fn to start each backward (the bf16
+        # optimizer clears its gradients there), and so runs that before the weight's gradient accumulates.
+        return hidden, module.weight.view_as(module.weight), *routing
+    logits = module.parallel.logits(hidden, module.weight)
+    return (logits, *routing) if routing else logits
+
+
+def decoder_on_meta(config, tensor_parallel=1, layer_index=None):
+    """One decoder layer on the meta device (shapes and split dimensions, no memory): layer_index's, or (None) a
+    sparse one where the model has any, its largest kind."""
+    if layer_index is None:
+        sparse = architecture_of(config).sparse_layers
+        layer_index = sparse.index(True) if True in sparse else 0
+    plan = StagePlan(parallel=TensorParallel(tensor_parallel), device="meta")
+    return DecoderLayerPipe(config, stage_inputs=None, layer_index=layer_index, plan=plan)
+
+
+def layers_on_meta(config, parallel=NO_TENSOR_PARALLEL):
+    """{pipeline index: module} with one decoder layer standing for all of its kind (dense or sparse), built on the
+    meta device (no memory): the shapes and split dimensions of every layer file."""
+    sparse = architecture_of(config).sparse_layers
+    plan = StagePlan(parallel=parallel, device="meta")
+    with torch.device("meta"):
+        decoders = {kind: DecoderLayerPipe(config, stage_inputs=None, layer_index=sparse.index(kind), plan=plan)
+                    for kind in set(sparse)}
+        modules = {0: EmbeddingPipe(config, parallel), config.num_hidden_layers + 1: FinalNormPipe(config, parallel)}
+        if not config.tie_word_embeddings:
+            modules[config.num_hidden_layers + 2] = LMHeadPipe(config, parallel)
+    modules.update({i + 1: decoders[kind] for i, kind in enumerate(sparse)})
+    return modules
