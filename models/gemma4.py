@@ -153,14 +153,13 @@ class Gemma4Router(nn.Module):
         return probabilities, weights * self.per_expert_scale[expert_ids], expert_ids
 
 
-def gemma4_experts(config, dispatcher=LOCAL_EXPERTS):
+def gemma4_experts(config):
     """A Gemma 4 MoE layer's experts, `experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and
     `experts.down_proj` [E, H, I] as transformers stores them, GeGLU between: models/moe.py's Experts (the same
-    fused experts as the other MoE families'), holding the experts `dispatcher` places on this device."""
+    fused experts as the other MoE families'), all of them: expert parallelism splits them from outside."""
     moe = MixtureOfExperts(num_experts=config.num_experts, top_k=config.top_k_experts,
                            expert_size=config.moe_intermediate_size)
-    first, count = dispatcher.expert_range(config.num_experts)
-    return Experts(moe, config.hidden_size, ACTIVATIONS[config.hidden_activation], first, count)
+    return Experts(moe, config.hidden_size, ACTIVATIONS[config.hidden_activation], 0, config.num_experts)
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -174,10 +173,10 @@ class Gemma4DecoderLayer(nn.Module):
     PerLayerInputs' output, required where the config has per-layer embeddings (`per_layer_width` > 0).
     shared_kv and key_value: as Gemma4Attention's (`reuses_kv`, `stores_kv`, `kv_source`).
 
-    An MoE layer's experts are run by `dispatcher` (models/moe.py's seam for expert parallelism: LOCAL_EXPERTS holds
-    them all); it returns nothing beyond the hidden states, as transformers computes no auxiliary loss for Gemma 4."""
+    An MoE layer's experts are run by its `dispatcher` (models/moe.py's seam, which expert parallelism replaces from
+    outside: LOCAL_EXPERTS runs them all here); it returns nothing beyond the hidden states, as transformers computes no auxiliary loss for Gemma 4."""
 
-    def __init__(self, config, layer_index, attention_impl="sdpa", dispatcher=LOCAL_EXPERTS):
+    def __init__(self, config, layer_index, attention_impl="sdpa"):
         super().__init__()
         check_gemma4_config(config)
         hidden, eps = config.hidden_size, config.rms_norm_eps
@@ -201,8 +200,8 @@ class Gemma4DecoderLayer(nn.Module):
         self.moe = config.enable_moe_block
         if self.moe:
             self.router = Gemma4Router(config)
-            self.experts = gemma4_experts(config, dispatcher)
-            self.dispatcher = dispatcher
+            self.experts = gemma4_experts(config)
+            self.dispatcher = LOCAL_EXPERTS
             self.post_feedforward_layernorm_1 = Gemma4RMSNorm(hidden, eps)
             self.post_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
             self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
