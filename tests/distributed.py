@@ -89,3 +89,9 @@ class ProcessGroupPool:
             yield
         finally:
             dist.new_group = make
+
+    def runs(self, items):
+        """Each of items inside its own run(): for a worker's loop of one run per item."""
+        for item in items:
+            with self.run():
+                yield item
