@@ -15,6 +15,7 @@ from models.partition import decoder_counts_of_bounds, rank_chunk_layers, stage_
 from planner.stage_costs import format_stage_plan, stage_plan
 from planner.workload import Workload
 from tests import schedule_worker
+from tests.conftest import HEAVY_LAUNCHES
 from tests.distributed import spawn
 from tests.launch import demo_overrides, run_in_process
 from tests.tiny_models import TINY_CONFIGS, make_model
@@ -149,6 +150,7 @@ def launch_cases(cases, checkpoints, processes, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(HEAVY_LAUNCHES)
 def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
     checkpoints = {**tiny_checkpoints, **eight_layer_checkpoints(tmp_path / "models", ["llama2", "tied"])}
     ranks = launch_cases(CASES, checkpoints, 4, tmp_path)
@@ -163,6 +165,7 @@ def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(HEAVY_LAUNCHES)
 def test_four_stages_x_tp2_or_cp2_equal_1f1b(tmp_path):
     launch_cases(EIGHT_PROCESS_CASES, eight_layer_checkpoints(tmp_path / "models", ["tied", "llama3"]), 8, tmp_path)
 
@@ -459,5 +462,6 @@ MOE_CASES = {
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(HEAVY_LAUNCHES)
 def test_moe_losses_and_gradients_equal_1f1b(tiny_moe_checkpoints, tiny_deepseek_checkpoints, tmp_path):
     launch_cases(MOE_CASES, {**tiny_moe_checkpoints, **tiny_deepseek_checkpoints}, 4, tmp_path)
