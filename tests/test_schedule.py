@@ -425,15 +425,15 @@ def test_zbv_holds_at_most_max_waiting_back_for_w(stages, micro_batches, max_wai
 
 # Mixtures of experts (docs/moe.md): the families of tests/tiny_models.py but Mixtral (its experts are OLMoE's and
 # Qwen3-MoE's kind; every family's math against transformers: tests/test_moe.py), each case a layout, 4 chunks of one
-# decoder layer under the chunked schedules, the routing statistics (counts; with the load-balancing loss the probability sums, whose
-# gradient reaches every router) carried between chunks as between stages, handed over in place on the last rank
-# under ZB-V; the experts' and routers' weight gradients computed in W under zero_bubble and zbv. Every stage's
-# backward is one pass from all its floating outputs (engines/pipeline_engine.py), so the gradients are 1F1B's bit
-# for bit; under ZB-V the tied Qwen3-MoE sums the embedding's and the head's on one rank, as the dense tied
-# cases. ep2, expert parallelism 2: each data-parallel rank of a stage holds half of every
-# sparse layer's experts, the tokens exchanged by all-to-all in every chunk's forward and backward (and
-# recomputation), none in W. tp2 (sequence parallel): each rank routes its tokens through whole experts, their
-# gradients summed over the group in W. bf16: the trainer's default (ZeRO-1, fp32 sums).
+# decoder layer under the chunked schedules, the routing statistics (counts; with the load-balancing loss the
+# probability sums, whose gradient reaches every router) carried between chunks as between stages, handed over in
+# place on the last rank under ZB-V; the experts' and routers' weight gradients computed in W under zero_bubble and
+# zbv. Every stage's backward is one pass from all its floating outputs (engines/pipeline_engine.py), so the gradients
+# are 1F1B's bit for bit; under ZB-V the tied Qwen3-MoE sums the embedding's and the head's on one rank, as the dense
+# tied cases. ep2, expert parallelism 2: each data-parallel rank of a stage holds half of every sparse layer's
+# experts, the tokens exchanged by all-to-all in every chunk's forward and backward (and recomputation), none in W.
+# tp2 (sequence parallel): each rank routes its tokens through whole experts, their gradients summed over the group in
+# W. bf16: the trainer's default (ZeRO-1, fp32 sums).
 MOE = dict(stages=2, schedules=("zero_bubble", *CHUNKED), virtual_stages=2, tolerance=0.0)
 BF16_ZERO1 = dict(zero_optimization={"stage": 1}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
 MOE_CASES = {
