@@ -78,7 +78,8 @@ class ProcessGroupPool:
         make, self.asked = dist.new_group, Counter()
 
         def pooled_group(ranks=None, **options):
-            members = None if ranks is None else tuple(sorted(int(rank) for rank in ranks))
+            ranks = None if ranks is None else [int(rank) for rank in ranks]  # a range or generator read once
+            members = None if ranks is None else tuple(sorted(ranks))
             key = (members, tuple(sorted((name, repr(value)) for name, value in options.items())))
             self.asked[key] += 1
             if (key, self.asked[key]) not in self.groups:
