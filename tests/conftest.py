@@ -28,6 +28,10 @@ collect_ignore = ["gpu"]
 
 # Session fixtures that launch training runs: a test using one is slow however quick its own body.
 TRAINED_FIXTURES = {"reference_run", "single_process_run", "lora_run", "peft_run", "two_step_run"}
+# The xdist group of the launches that keep 4 or more ranks busy for most of a minute (tests/test_schedule.py's):
+# one worker runs them one after another, while the other runs the rest; two at once would put 8 to 12 ranks on a
+# 2-core host's cores. pytest-xdist sends the groups with the most tests first, so this one starts early.
+HEAVY_LAUNCHES = "heavy_launches"
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's (its groups) and -m's (slow)

@@ -1,10 +1,13 @@
 """Start real worker processes on this machine: one process per rank, gloo through DeepSpeed's CPU accelerator."""
+import contextlib
 import itertools
 import os
 import random
 import socket
 import time
+from collections import Counter
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -55,3 +58,41 @@ def spawn(fn, world_size, *args, timeout=None):
             for process in started.processes:
                 process.kill()
             raise TimeoutError(f"{fn.__name__} on {world_size} ranks had not ended after {timeout}s")
+
+
+class ProcessGroupPool:
+    """Process groups for a worker that builds an engine per run, one run after another: inside run(), the n-th
+    dist.new_group a run asks for over a set of ranks is the n-th that the first run to ask for it made.
+
+    Why: each Gloo group keeps a thread that wakes every 10 ms, and a finished run's groups outlive it (its engine's
+    grid stays referenced from outside Python's reach, so destroying the groups does not end their threads). A worker
+    making every run's groups anew held a few hundred per rank: between them they took a core's share of a 2-core host
+    and drove its load average into the tens. Runs never overlap, and every rank runs the same runs, so every rank
+    takes the same group for each call, in the same order, as new_group requires."""
+
+    def __init__(self):
+        self.groups, self.asked = {}, Counter()
+
+    @contextlib.contextmanager
+    def run(self):
+        make, self.asked = dist.new_group, Counter()
+
+        def pooled_group(ranks=None, **options):
+            ranks = None if ranks is None else [int(rank) for rank in ranks]  # a range or generator read once
+            members = None if ranks is None else tuple(sorted(ranks))
+            key = (members, tuple(sorted((name, repr(value)) for name, value in options.items())))
+            self.asked[key] += 1
+            if (key, self.asked[key]) not in self.groups:
+                self.groups[key, self.asked[key]] = make(ranks, **options)
+            return self.groups[key, self.asked[key]]
+        dist.new_group = pooled_group
+        try:
+            yield
+        finally:
+            dist.new_group = make
+
+    def runs(self, items):
+        """Each of items inside its own run(): for a worker's loop of one run per item."""
+        for item in items:
+            with self.run():
+                yield item

@@ -29,6 +29,7 @@ from evaluation.eval_set import evaluate  # noqa: E402
 from evaluation.reference import WithReference, compute_reference  # noqa: E402
 from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
 from models.preference import PreferenceSettings  # noqa: E402
+from tests.distributed import ProcessGroupPool  # noqa: E402
 from tests.schedule_worker import (all_ranks_gradients, count_calls, record_optimizer_gradients,  # noqa: E402
                                    worst_error)
 from training.token_mean import step_micro_batches, step_totals, token_mean_micro_batches  # noqa: E402
@@ -128,7 +129,7 @@ def train(case, bounds, steps, micro_batch_size, gas, seq_len):
 def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
     init_distributed(timeout_minutes=2)
     results = {}
-    for case in cases:
+    for case in ProcessGroupPool().runs(cases):  # the cases' engines share their process groups
         padded = train(case, None, steps, micro_batch_size, gas, seq_len)
         bucketed = train(case, bucket_bounds(case["length_buckets"], seq_len), steps, micro_batch_size, gas, seq_len)
         results[case["name"]] = {

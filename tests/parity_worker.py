@@ -16,6 +16,7 @@ from models.lora import NO_LORA, LoraSettings  # noqa: E402
 from checkpoints.layer_files import load_layer_slice  # noqa: E402
 from deepspeed_internals.access import checkpoints_without_expert_files  # noqa: E402
 from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
+from tests.distributed import ProcessGroupPool  # noqa: E402
 from tests.lora_reference import (adapter_values, hf_name_of_peft, peft_model, pipeline_layout,  # noqa: E402
                                   pipeline_slice)
 from tests.tiny_models import make_batch  # noqa: E402
@@ -179,7 +180,7 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
     init_distributed(timeout_minutes=2)
     opens = LayerFileOpens()
     results, references = {}, {}
-    for case in cases:
+    for case in ProcessGroupPool().runs(cases):  # the cases' engines share their process groups
         config = AutoConfig.from_pretrained(case["hf_dir"])
         lora = LoraSettings(**case["lora"]) if "lora" in case else NO_LORA
         adapters = adapter_values(config, lora, seed=7, nonzero_b=True) if lora.enabled else None

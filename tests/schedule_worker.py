@@ -29,6 +29,7 @@ from data.collator import collate_preference  # noqa: E402
 from models.lora import NO_LORA, LoraSettings  # noqa: E402
 from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
 from models.preference import PreferenceSettings  # noqa: E402
+from tests.distributed import ProcessGroupPool  # noqa: E402
 from tests.parity_worker import CHUNK_TOKENS, micro_batches  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
 from deepspeed_internals.access import checkpoints_without_expert_files, loss_scaler_state  # noqa: E402
@@ -306,13 +307,15 @@ def allow_fp16_on_cpu():
 def run(rank, cases, steps, micro_batch_size, gas, seq_len, out_dir):
     init_distributed(timeout_minutes=2)
     allow_fp16_on_cpu()
-    results = {}
+    results, groups = {}, ProcessGroupPool()  # every run's engine its own groups, made once for them all
     for case in cases:
         case_steps = case.get("steps", steps)
-        reference = train(case, "1f1b", case_steps, micro_batch_size, gas, seq_len)
+        with groups.run():
+            reference = train(case, "1f1b", case_steps, micro_batch_size, gas, seq_len)
         named_reference, results[case["name"]] = by_name(reference), {}
         for schedule in case["schedules"]:  # ZB-H1 runs 1F1B's layers per rank: each rank's own gradients compared
-            ours = train(case, schedule, case_steps, micro_batch_size, gas, seq_len)
+            with groups.run():
+                ours = train(case, schedule, case_steps, micro_batch_size, gas, seq_len)
             results[case["name"]][schedule] = (compared(reference, ours) if schedule == "zero_bubble" else
                                                compared(named_reference, by_name(ours)))
         torch.distributed.barrier()

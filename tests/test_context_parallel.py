@@ -11,7 +11,7 @@ import random
 import pytest
 
 from models.context_parallel import context_parallel_error
-from tests.distributed import spawn
+from tests.distributed import ProcessGroupPool, spawn
 from tests.parity_worker import CHUNK_TOKENS
 from tests.launch import (SINGLE_PROCESS, check_ok, demo_overrides, launch_trainer, lm_eval_overrides, per_step_losses,
                           read_metrics)
@@ -61,8 +61,8 @@ def context_parity_worker(rank, checkpoints, datasets, out_dir):
     init_distributed(timeout_minutes=2)
     references = torch.load(f"{out_dir}/references.pt", weights_only=True)
     results = {}
-    for (data, rows), (name, (model, stages, tensor_parallel, context_parallel, options)) in itertools.product(
-            datasets.items(), CASES.items()):
+    for (data, rows), (name, (model, stages, tensor_parallel, context_parallel, options)) in ProcessGroupPool().runs(
+            itertools.product(datasets.items(), CASES.items())):  # the cases' engines share their process groups
         hf_dir, ds_dir = checkpoints[model]
         config = AutoConfig.from_pretrained(hf_dir)
         module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True,

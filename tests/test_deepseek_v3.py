@@ -92,11 +92,12 @@ def eval_worker(rank, cases, rows, out_dir):
     from cluster.distributed import init_distributed, parallel_topology
     from evaluation.eval_set import evaluate
     from models.pipeline import build_pipeline_module
+    from tests.distributed import ProcessGroupPool
     from tests.parity_worker import CHUNK_TOKENS
     from tests.test_packing import recording_engine
     init_distributed(timeout_minutes=2)
     results = {}
-    for name, ds_dir, stages in cases:
+    for name, ds_dir, stages in ProcessGroupPool().runs(cases):  # the engines share their process groups
         module = build_pipeline_module(AutoConfig.from_pretrained(ds_dir), parallel_topology(stages, 1),
                                        layer_loader=load_layer_slice, loss_chunk_tokens=CHUNK_TOKENS)
         engine, _ = recording_engine(module, ds_dir)

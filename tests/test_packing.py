@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from data import build_dataset
-from tests.distributed import spawn
+from tests.distributed import ProcessGroupPool, spawn
 from tests.parity_worker import CHUNK_TOKENS
 
 SEQ, MICRO_BATCH, GAS = 32, 2, 2
@@ -145,7 +145,7 @@ def packed_parity_worker(rank, cases, rows, out_dir):
     init_distributed(timeout_minutes=2)
     references = torch.load(f"{out_dir}/references.pt", weights_only=True)
     results = {}
-    for model, hf_dir, ds_dir, topology in cases:
+    for model, hf_dir, ds_dir, topology in ProcessGroupPool().runs(cases):  # the engines share their groups
         stages, tensor_parallel = TOPOLOGIES[topology]
         config = AutoConfig.from_pretrained(hf_dir)
         module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True,

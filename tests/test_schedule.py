@@ -15,6 +15,7 @@ from models.partition import decoder_counts_of_bounds, rank_chunk_layers, stage_
 from planner.stage_costs import format_stage_plan, stage_plan
 from planner.workload import Workload
 from tests import schedule_worker
+from tests.conftest import HEAVY_LAUNCHES
 from tests.distributed import spawn
 from tests.launch import demo_overrides, run_in_process
 from tests.tiny_models import TINY_CONFIGS, make_model
@@ -54,16 +55,12 @@ CASES = {
         objective="simpo", zbv_tolerance=2e-6)),
     "2stages_x_2dp_dpo_lora": ("llama2", dict(stages=2, schedules=CHUNKED, virtual_stages=2, objective="dpo",
                                               lora=dict(rank=4))),
-    # tensor parallelism 2 (sequence parallel): each rank's shards, by tensor-parallel rank
-    "2stages_x_tp2_tied": ("tied", dict(stages=2, schedules=("zero_bubble", *CHUNKED), virtual_stages=2,
-                                        tensor_parallel=2, zbv_tolerance=2e-6)),
-    "2stages_x_tp2_recompute_gather": ("llama2", dict(stages=2, schedules=("zero_bubble",), tensor_parallel=2,
-                                                      recompute_sequence_gather=True)),
-    "2stages_x_tp2_no_sequence_parallel": ("qwen2", dict(stages=2, schedules=("zero_bubble",), tensor_parallel=2,
-                                                         sequence_parallel=False)),
-    # context parallelism 2: each rank of a stage's pair takes its tokens of every sequence, the token mean's count
-    # and DPO's reference pass across them
-    "2stages_x_cp2": ("llama3", dict(stages=2, schedules=CHUNKED, virtual_stages=2, context_parallel=2)),
+    # tensor parallelism 2 (sequence parallel): each rank's shards, by tensor-parallel rank; a tied model's under
+    # ZB-H1 here, under the chunked schedules in 4stages_x_tp2_tied (EIGHT_PROCESS_CASES)
+    "2stages_x_tp2_tied_recompute_gather": ("tied", dict(stages=2, schedules=("zero_bubble",), tensor_parallel=2,
+                                                         recompute_sequence_gather=True)),
+    # context parallelism 2: each rank of a stage's pair takes its tokens of every sequence, DPO's pair mean and
+    # reference pass across them (SFT's token mean under CP: 4stages_x_cp2)
     "2stages_x_cp2_dpo": ("llama3", dict(stages=2, schedules=CHUNKED, virtual_stages=2, context_parallel=2,
                                          objective="dpo")),
     # DeepSpeed's other gradient buffers, bf16 losses bit-identical: ZeRO-1's (bf16: the trainer's default), the bf16
@@ -85,14 +82,16 @@ CASES = {
     "2stages_x_2dp_bf16_offload": ("tied", dict(stages=2, schedules=("zero_bubble",), tolerance=0.0, deepspeed=dict(
         zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}, bf16={"enabled": True}))),
     # fp32 sums (the trainer's default) where the bf16 optimizer does not take them: offloaded ZeRO-1's grad_accum
-    # (filled by gradient hooks, W's included), and the bf16 optimizer under tensor parallelism.
+    # (filled by gradient hooks, W's included), and the bf16 optimizer under tensor parallelism, here without
+    # sequence parallelism (every rank of the pair runs every token: all-reduces instead of the token scatter).
     "2stages_x_2dp_bf16_offload_fp32_accumulation": ("llama2", dict(
         stages=2, schedules=("zero_bubble",), tolerance=0.0, deepspeed=dict(
             zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}, bf16={"enabled": True},
             data_types={"grad_accum_dtype": "fp32"}))),
-    "2stages_x_tp2_bf16_fp32_accumulation": ("qwen2", dict(
-        stages=2, schedules=("zero_bubble",), tensor_parallel=2, tolerance=0.0, deepspeed=dict(
-            zero_optimization={"stage": 1}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}))),
+    "2stages_x_tp2_bf16_fp32_accumulation_no_sequence_parallel": ("qwen2", dict(
+        stages=2, schedules=("zero_bubble",), tensor_parallel=2, sequence_parallel=False, tolerance=0.0,
+        deepspeed=dict(zero_optimization={"stage": 1}, bf16={"enabled": True},
+                       data_types={"grad_accum_dtype": "fp32"}))),
     # offload_optimizer=cpu (ZeRO-1's fp32 partition and Adam's moments on the host), fp32, under both, ZB-V's V order
     # made for measured times (zbv_times: F, B, W in ms; another order than F = B = W's), 8 layers in 4 chunks split
     # by partition_costs=measured (the units timed on every rank, their mean agreed: engines/cost_calibration.py)
@@ -151,6 +150,7 @@ def launch_cases(cases, checkpoints, processes, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(HEAVY_LAUNCHES)
 def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
     checkpoints = {**tiny_checkpoints, **eight_layer_checkpoints(tmp_path / "models", ["llama2", "tied"])}
     ranks = launch_cases(CASES, checkpoints, 4, tmp_path)
@@ -165,6 +165,7 @@ def test_losses_and_gradients_equal_1f1b(tiny_checkpoints, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(HEAVY_LAUNCHES)
 def test_four_stages_x_tp2_or_cp2_equal_1f1b(tmp_path):
     launch_cases(EIGHT_PROCESS_CASES, eight_layer_checkpoints(tmp_path / "models", ["tied", "llama3"]), 8, tmp_path)
 
@@ -422,25 +423,27 @@ def test_zbv_holds_at_most_max_waiting_back_for_w(stages, micro_batches, max_wai
     assert uncapped <= capped < step_time(stages, micro_batches, times, "1f1b")
 
 
-# Mixtures of experts (docs/moe.md): every family of tests/tiny_models.py, 4 chunks of one decoder layer under the
-# chunked schedules, the routing statistics (counts; with the load-balancing loss the probability sums, whose
-# gradient reaches every router) carried between chunks as between stages, handed over in place on the last rank
-# under ZB-V; the experts' and routers' weight gradients computed in W under zero_bubble and zbv. Every stage's
-# backward is one pass from all its floating outputs (engines/pipeline_engine.py), so the gradients are 1F1B's bit
-# for bit; under ZB-V the tied Qwen3-MoE sums the embedding's and the head's on one rank, as the dense tied
-# cases. ep2, expert parallelism 2: each data-parallel rank of a stage holds half of every
-# sparse layer's experts, the tokens exchanged by all-to-all in every chunk's forward and backward (and
-# recomputation), none in W. tp2 (sequence parallel): each rank routes its tokens through whole experts, their
-# gradients summed over the group in W. bf16: the trainer's default (ZeRO-1, fp32 sums).
+# Mixtures of experts (docs/moe.md): the families of tests/tiny_models.py but Mixtral (its experts are OLMoE's and
+# Qwen3-MoE's kind; every family's math against transformers: tests/test_moe.py), each case a layout, 4 chunks of one
+# decoder layer under the chunked schedules, the routing statistics (counts; with the load-balancing loss the
+# probability sums, whose gradient reaches every router) carried between chunks as between stages, handed over in
+# place on the last rank under ZB-V; the experts' and routers' weight gradients computed in W under zero_bubble and
+# zbv. Every stage's backward is one pass from all its floating outputs (engines/pipeline_engine.py), so the gradients
+# are 1F1B's bit for bit; under ZB-V the tied Qwen3-MoE sums the embedding's and the head's on one rank, as the dense
+# tied cases. ep2, expert parallelism 2: each data-parallel rank of a stage holds half of every sparse layer's
+# experts, the tokens exchanged by all-to-all in every chunk's forward and backward (and recomputation), none in W.
+# tp2 (sequence parallel): each rank routes its tokens through whole experts, their gradients summed over the group in
+# W. bf16: the trainer's default (ZeRO-1, fp32 sums).
 MOE = dict(stages=2, schedules=("zero_bubble", *CHUNKED), virtual_stages=2, tolerance=0.0)
 BF16_ZERO1 = dict(zero_optimization={"stage": 1}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
 MOE_CASES = {
-    "moe_mixtral_2dp_ep2": ("mixtral", dict(MOE, expert_parallel=2)),
     "moe_qwen3_moe_2dp_ep2_checkpointing": ("qwen3_moe", dict(MOE, expert_parallel=2, checkpoint_interval=1,
                                                               zbv_tolerance=2e-6)),
     "moe_qwen2_moe_tp2": ("qwen2_moe", dict(MOE, tensor_parallel=2)),
     "moe_olmoe_2dp_ep2_bf16_fp32_accumulation": ("olmoe", dict(MOE, expert_parallel=2, deepspeed=BF16_ZERO1)),
-    "moe_gpt_oss_tp2": ("gpt_oss", dict(MOE, tensor_parallel=2)),
+    # GPT-OSS's expert and router biases: their gradients summed over the tensor-parallel pair in W (the chunked
+    # schedules under tp2: moe_qwen2_moe_tp2)
+    "moe_gpt_oss_tp2": ("gpt_oss", dict(MOE, schedules=("zero_bubble",), tensor_parallel=2)),
     # DeepSeek-V3's sequence-wise balance loss (moe.sequence_aux_loss_coef): its per-layer sums in the tuple's
     # floating slot, as the load-balancing loss's probability sums
     "moe_deepseek_v3_2dp_sequence_loss": ("deepseek_v3", dict(MOE, model_config={"sequence_aux_loss_coef": 0.1})),
@@ -459,5 +462,6 @@ MOE_CASES = {
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(HEAVY_LAUNCHES)
 def test_moe_losses_and_gradients_equal_1f1b(tiny_moe_checkpoints, tiny_deepseek_checkpoints, tmp_path):
     launch_cases(MOE_CASES, {**tiny_moe_checkpoints, **tiny_deepseek_checkpoints}, 4, tmp_path)
