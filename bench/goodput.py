@@ -63,7 +63,7 @@ def step_times(lines):
     """[(time, step)] of every step rank 0 logged, in order (a restart logs its replayed steps again)."""
     found = []
     for at, line in lines:
-        match = re.search(r'\{"step": (\d+), "loss"', line)
+        match = re.search(r"\bstep (\d+)/\d+ \| loss ", line)  # the console's short record (cluster/console.py)
         if match:
             found.append((at, int(match.group(1))))
     return found

@@ -65,14 +65,16 @@ def replicated_expert_grads_when_a_rank_routes_no_row(rank, out_dir):
     from cluster.distributed import init_distributed
     from models.architecture import architecture_of
     from models.moe import Experts
-    from models.tensor_parallel import TensorParallel
+    from models.tensor_parallel import TensorParallel, hook_gradient_sums, replicated
     from tests.tiny_models import MOE_CONFIGS
     init_distributed(timeout_minutes=2)
     config = MOE_CONFIGS["qwen3_moe"]()
     moe = architecture_of(config).moe
     torch.manual_seed(0)
-    experts = Experts(moe, config.hidden_size, torch.nn.functional.silu, 0, moe.num_experts,
-                      TensorParallel(2, rank, True, group=torch.distributed.group.WORLD))
+    experts = Experts(moe, config.hidden_size, torch.nn.functional.silu, 0, moe.num_experts)
+    parallel = TensorParallel(2, rank, True, group=torch.distributed.group.WORLD)
+    replicated(experts, parallel)  # as the stage's plan makes a sparse layer's experts under sequence parallelism
+    hook_gradient_sums(experts, parallel)
     rows = [11, 0][rank]
     counts = torch.tensor([rows] + [0] * (moe.num_experts - 1))
     tokens = torch.randn(rows, config.hidden_size, generator=torch.Generator().manual_seed(1))
