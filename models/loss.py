@@ -47,15 +47,15 @@ class CausalLMLoss:
     chunks' weight gradients are summed in grad_sum_dtype (the run's grad_accum_dtype; None: the weight's).
     seq_length: the positions of a row, when its labels may be one wider (data/collator.py); None: as wide.
     router: an MoE model's LoadBalancingLoss (models/router_loss.py), whose loss times its coefficient is added,
-    as transformers adds it to outputs.loss; None for a dense model. While evaluation sets `aux_terms` to a list,
-    each call appends that added term (a 0-d tensor) to it: perplexity is of the cross-entropy alone."""
+    as transformers adds it to outputs.loss; None for a dense model. An evaluation forward (no gradient) keeps that
+    added term (a 0-d tensor) until take_aux_terms: perplexity is of the cross-entropy alone."""
 
     def __init__(self, parallel=NO_TENSOR_PARALLEL, chunk_tokens=0, context=NO_CONTEXT_PARALLEL, grad_sum_dtype=None,
                  seq_length=None, router=None):
         self.parallel, self.chunk_tokens, self.context = parallel, chunk_tokens, context
         self.grad_sum_dtype, self.seq_length = grad_sum_dtype, seq_length
         self.router = router
-        self.aux_terms = None
+        self.aux_terms = []  # evaluation's added terms since take_aux_terms
 
     def units(self, labels, whole=False):
         """What the loss averages over, a 0-d int64 tensor beside the labels: labelled tokens, of this rank's share
@@ -69,9 +69,15 @@ class CausalLMLoss:
         if aux is None:
             return loss
         term = self.router.coef * aux
-        if self.aux_terms is not None:
+        if not torch.is_grad_enabled():
             self.aux_terms.append(term.detach())
         return loss + term
+
+    def take_aux_terms(self):
+        """The load-balancing terms the evaluation forwards since the last call added to their losses, one 0-d
+        tensor per micro-batch ([] for a dense model)."""
+        terms, self.aux_terms = self.aux_terms, []
+        return terms
 
     def next_token_loss(self, outputs, labels):
         labels, divisor = split_step_divisor(labels, 1)

@@ -226,7 +226,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
                           objective=PreferenceSettings(), seq_length=None, row_layout="packed", chunk_ids=None,
-                          expert_parallel_size=1):
+                          expert_parallel_size=1, counts_step_loads=False):
     """The pipeline module of this rank's stage, with the parallelism its topology and sizes ask for applied to its
     layers and the loss its objective takes.
 
@@ -236,7 +236,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     LlamaPipeline) say which layers it holds, and layer_loader how their files are read. LoRA's adapters are added
     to the built decoder layers, split like their projections, and everything else is frozen; row_layout (what the
     rows hold, data/collator.py) decides the masks, and seq_length the labels' width when they may be one wider than
-    the rows (token shards)."""
+    the rows (token shards). counts_step_loads: the loss keeps each step's expert loads, which DeepSeek-V3's bias
+    balancing moves the routers' biases by."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
@@ -247,7 +248,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     if stage_bounds is None:
         stage_bounds = partition_stages(config, topology.get_dim("pipe"))
     moe = architecture_of(config).moe
-    router, moe_loss_sum = (LoadBalancingLoss(config, parallel), moe.loss_sum) if moe else (None, False)
+    router, moe_loss_sum = ((LoadBalancingLoss(config, parallel, counts_step_loads), moe.loss_sum) if moe
+                            else (None, False))
     loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype, router)
                if objective.preference else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype,
                                                      seq_length, router))
