@@ -4,6 +4,7 @@ last stage, then train, evaluate, log and save.
 train() is the loop itself, one step at a time in the order every rank keeps (the collectives of logging,
 evaluation, preemption and saving are met by all ranks alike): the step's batch, the step, its metrics, the
 evaluation and the checkpoint when due."""
+import dataclasses
 import math
 import os
 import random
@@ -198,8 +199,8 @@ def run(cfg):
         raise ConfigError(error)
     trace_dir = set_up_flight_recorder(os.path.join(cfg.output_dir, HANG_DIR))  # read as the process group starts
     init_distributed(cfg.dist_timeout_minutes)
-    if cfg.async_save == "auto":  # from here on, true or false alike on every rank
-        cfg.async_save = not cfg.eval_only and agreed_async_save(shortfall)
+    if cfg.async_save == "auto":  # the verdict, alike on every rank
+        spec = dataclasses.replace(spec, async_save=not cfg.eval_only and agreed_async_save(shortfall))
     with output_dir_lease(cfg.output_dir):  # before anything in output_dir is touched
         record = start_record(cfg.output_dir, int(os.environ.get("RANK", "0")))  # names this rank if it dies
         if trace_dir:
@@ -338,7 +339,7 @@ class TrainingRun:
                                     planned_stage_tflops(spec, engine.stage_id)) if cfg.profile else NoProfile())
         self.stragglers = StragglerWatch(engine, cfg.straggler_margin)
         self.balancing = CorrectionBiasBalancing(engine, cfg.moe.bias_update_rate) if cfg.moe.bias_update_rate else None
-        self.background = BackgroundSave() if cfg.async_save else None
+        self.background = BackgroundSave() if spec.async_save else None
         if self.background:
             add_instruction_listener(engine, self.background)  # the optimizer step waits for the snapshot's copy
         self.window = MetricsWindow()
