@@ -6,6 +6,7 @@ carry no labels, and every micro-batch loss is weighted by its number of labelle
 the ranks of a context group read the same examples (sharded by replica) and each takes its tokens of them.
 """
 import math
+from functools import partial
 
 import torch
 from torch.utils.data import DataLoader
@@ -16,6 +17,7 @@ from data.collator import collate, empty_row
 from data.loader import check_identical_across_group
 from deepspeed_internals.access import clear_total_loss
 from engines.sequence_length import use_sequence_length
+from models.loss import split_micro_batch
 from models.preference import PreferenceLoss
 
 
@@ -49,7 +51,7 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
         loader = DataLoader(PaddedShard(dataset, dp_rank, dp_size, micro_batch), batch_size=micro_batch,
                             collate_fn=lambda rows: collate(rows, cfg.seq_length, pad_id))
         units = engine.module.loss_fn.units  # labelled tokens, or scored pairs
-        batches = (token_counts.append(int(units(b[1], whole=True))) or context.split_micro_batch(b) for b in loader)
+        batches = (token_counts.append(int(units(b[1], whole=True))) or split_micro_batch(context, b) for b in loader)
         if cfg.tensor_parallel_size > 1:
             batches = check_identical_across_group(batches, engine.grid.get_slice_parallel_group())
     loss_fn = engine.module.loss_fn
@@ -95,9 +97,9 @@ def score_examples(engine, dataset, dataset_length, cfg, pad_id, width, per_exam
     batches = None
     if dataset is not None:
         shard = PaddedShard(dataset, dp_rank, dp_size, micro_batch)
-        batches = map(context.split_micro_batch, DataLoader(shard, batch_size=micro_batch,
-                                                            collate_fn=lambda rows: collate(rows, cfg.seq_length,
-                                                                                            pad_id)))
+        loader = DataLoader(shard, batch_size=micro_batch,
+                            collate_fn=lambda rows: collate(rows, cfg.seq_length, pad_id))
+        batches = map(partial(split_micro_batch, context), loader)
     outputs = []
     clear_total_loss(engine)  # eval_batch would add these outputs to the last step's loss
     use_sequence_length(engine, cfg.seq_length // context.size)

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import collectives
+from models import IGNORE_INDEX
 from models.context_parallel import NO_CONTEXT_PARALLEL
-from models.labels import IGNORE_INDEX, shift_labels
 from models.pipeline_layers import head_outputs
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 
@@ -112,12 +112,34 @@ class ContinuationScores:
         return scores
 
 
+def shift_labels(labels, positions=None):
+    """(rows, positions): position t's label is labels[:, t + 1] (the labels shifted, rather than the logits).
+    Labels as wide as the rows (`positions` None or equal): the last position predicts nothing; one wider (token
+    shards' samples, data/collator.py): it predicts the token after the row."""
+    positions = labels.shape[1] if positions is None else positions
+    return F.pad(labels[:, 1:], (0, positions + 1 - labels.shape[1]), value=IGNORE_INDEX)
+
+
 def next_token_labels(labels, context=NO_CONTEXT_PARALLEL, positions=None):
     """The label each position predicts, flattened (shift_labels); under context parallelism shifted and split
-    already (ContextParallel.split_micro_batch)."""
+    already (split_micro_batch)."""
     if context.size > 1:
         return labels.reshape(-1)
     return shift_labels(labels, positions).reshape(-1)
+
+
+def split_micro_batch(context, batch):
+    """A collated micro-batch ((input_ids, document_ids, position_ids), labels) of whole sequences -> the context
+    group rank's tokens of each (ContextParallel.local_tokens); as it is without context parallelism. The labels are
+    shifted first, while the sequence is whole (each token's label is the next token's, which may sit on another
+    rank): the context-parallel loss does not shift them again. Preference pairs' labels, (labels, reference
+    log-probabilities per row), keep their per-row values whole."""
+    if context.size == 1 or batch is None:
+        return batch
+    inputs, labels = batch
+    labels, *per_row = labels if isinstance(labels, tuple) else (labels,)
+    next_labels = context.local_tokens(shift_labels(labels, inputs[0].shape[1]))
+    return tuple(context.local_tokens(t) for t in inputs), (next_labels, *per_row) if per_row else next_labels
 
 
 def labelled_tokens(labels, context=NO_CONTEXT_PARALLEL):

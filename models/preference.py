@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import collectives
 from models.context_parallel import NO_CONTEXT_PARALLEL
-from models.labels import IGNORE_INDEX
+from models import IGNORE_INDEX
 from models.loss import next_token_labels, sequence_log_probs, split_step_divisor
 from models.pipeline_layers import head_outputs
 from models.tensor_parallel import NO_TENSOR_PARALLEL, AllReduce

@@ -101,8 +101,8 @@ def test_the_last_input_learns_the_token_after_it_unless_a_document_starts_there
 
     from data.collator import collate_causal_lm
     from models.context_parallel import ContextParallel
-    from models.labels import IGNORE_INDEX
-    from models.loss import CausalLMLoss, next_token_labels
+    from models import IGNORE_INDEX
+    from models.loss import CausalLMLoss, next_token_labels, split_micro_batch
     rows = [{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8, 9], "lengths": [2, 3]},  # a document from 7 on
             {"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4, 5], "lengths": [4, 1]}]  # one starting after it
     inputs, labels = collate_causal_lm(rows, seq_length=4, pad_id=0)
@@ -114,7 +114,7 @@ def test_the_last_input_learns_the_token_after_it_unless_a_document_starts_there
     scored = next_token_labels(labels, positions=4)
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 12), scored, ignore_index=IGNORE_INDEX)
     assert torch.equal(CausalLMLoss(seq_length=4)(logits, labels), expected)
-    (_, split_labels) = ContextParallel(size=2, rank=1).split_micro_batch((inputs, labels))
+    (_, split_labels) = split_micro_batch(ContextParallel(size=2, rank=1), (inputs, labels))
     assert split_labels.tolist() == [[IGNORE_INDEX, 8], [3, 4]]  # chunks 1 and 2 of 4: positions 1 and 2
 
 

@@ -286,6 +286,7 @@ def host_tensor_units(rank, root):
 
     from data.collator import collate_preference
     from models.context_parallel import ContextParallel
+    from models.loss import split_micro_batch
     from models.preference import PreferenceLoss, PreferenceSettings
     from tests.test_collectives import on_host
     from training.token_mean import global_loss_units, step_micro_batches
@@ -295,7 +296,7 @@ def host_tensor_units(rank, root):
     loss_fn = PreferenceLoss(PreferenceSettings("dpo", beta=BETA), context=context)
     engine = SimpleNamespace(is_first_stage=lambda: True, is_last_stage=lambda: True, module=SimpleNamespace(
         loss_fn=loss_fn), grid=SimpleNamespace(get_slice_parallel_rank=lambda: 0))
-    micro_batches = [context.split_micro_batch(on_host(collate_preference(pairs, SEQ, pad_id=0)))
+    micro_batches = [split_micro_batch(context, on_host(collate_preference(pairs, SEQ, pad_id=0)))
                      for pairs in HOST_UNIT_PAIRS]
     try:
         global_loss_units(engine, micro_batches)

@@ -9,6 +9,7 @@ import math
 import os
 import random
 import time
+from functools import partial
 from typing import NamedTuple
 
 import deepspeed
@@ -34,6 +35,7 @@ from deepspeed_internals.access import (ask_cpuinfo_once, checkpoints_without_ex
                                         replace_checkpoint_engine, skip_gradient_allreduce, skip_optimizer_files,
                                         uses_bf16_optimizer)
 from deepspeed_internals.registry import check_deepspeed_internals
+from models.loss import split_micro_batch
 from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.sigmoid_router import FP32_MARKER
@@ -289,7 +291,7 @@ def training_stream(engine, spec, data, coord, pad_id):
         epoch, consumed = data_position(spec.trainer_state, len(loader), spec.data_parallel, cfg.micro_batch_size)
         stream = infinite_micro_batches(loader, epoch, consumed)
     if cfg.context_parallel_size > 1:
-        stream = map(engine.module.context.split_micro_batch, stream)
+        stream = map(partial(split_micro_batch, engine.module.context), stream)
     if spec.tensor_parallel > 1 and data.reads_data:
         stream = check_identical_across_group(stream, engine.grid.get_slice_parallel_group(),
                                               batches_per_check=cfg.gradient_accumulation_steps)
