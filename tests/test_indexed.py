@@ -480,9 +480,7 @@ def test_a_resume_with_a_smaller_global_batch_reads_the_next_samples(mixture_run
 def test_read_only_shards_build_their_index_in_index_dir(demo_model, corpus, small_disk, tmp_path):
     """Shards on a read-only filesystem: the run is refused before it starts, naming where the index would go and
     data.index_dir; with index_dir the index is built there, and the samples are those built beside the shards."""
-    from hydra import compose, initialize_config_dir
-
-    from tests.conftest import ROOT
+    from tests.helpers import compose_config
     from tests.launch import demo_overrides
     from errors import ConfigError
     from training.run_spec import run_spec
@@ -492,10 +490,8 @@ def test_read_only_shards_build_their_index_in_index_dir(demo_model, corpus, sma
     small_disk(16 * 2**20, read_only=True)
 
     def spec(**overrides):
-        with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-            cfg = compose(config_name="tiny", overrides=demo_overrides(demo_model, tmp_path / "run", **{
-                "train_file": disk / "web", "eval_file": "null", "data.format": "indexed", **overrides}))
-        return run_spec(cfg, 2)
+        return run_spec(compose_config(demo_overrides(demo_model, tmp_path / "run", **{
+            "train_file": disk / "web", "eval_file": "null", "data.format": "indexed", **overrides})), 2)
     with pytest.raises(ConfigError, match=rf"train_file: {disk}/web: its sample index goes to {disk}/web\.index/s42-"
                                           rf"L64-\w+, but {disk} is not writable \(read-only storage\?\); set "
                                           rf"data\.index_dir to a directory that every node can write and read"):
@@ -516,10 +512,8 @@ def test_read_only_shards_build_their_index_in_index_dir(demo_model, corpus, sma
 def test_run_refuses_bad_shards_before_starting(demo_model, corpus, tmp_path):
     """run_spec (every rank, before any process group): a missing prefix, a list given to a file format, shards
     prepared with another tokenizer."""
-    from hydra import compose, initialize_config_dir
-
     from data.corpus import train_demo_tokenizer
-    from tests.conftest import ROOT
+    from tests.helpers import compose_config
     from tests.launch import demo_overrides
     from errors import ConfigError
     from training.run_spec import run_spec
@@ -527,9 +521,7 @@ def test_run_refuses_bad_shards_before_starting(demo_model, corpus, tmp_path):
     tokenize_shards.prepare_shards([demo_model["eval"]], str(tmp_path / "other_tokenizer"), str(tmp_path / "other"))
 
     def spec(**overrides):
-        with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-            cfg = compose(config_name="tiny", overrides=demo_overrides(demo_model, tmp_path / "run", **overrides))
-        return run_spec(cfg, 2)
+        return run_spec(compose_config(demo_overrides(demo_model, tmp_path / "run", **overrides)), 2)
     assert spec(train_file=corpus["prefix"], eval_file=corpus["prefix"], **{"data.format": "indexed"})
     with pytest.raises(ConfigError, match=f"train_file: {tmp_path}/nope.idx does not exist: a corpus is a PREFIX"):
         spec(train_file=f"[{{path: {corpus['prefix']}, weight: 2}}, {{path: {tmp_path / 'nope'}, weight: 1}}]",

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.distributed import spawn
+from tests.launch import read_metrics
 
 SEQ, MICRO_BATCH, GAS, STEPS, SEED, BETA = 48, 2, 2, 4, 42, 0.1
 LORA_RANK, SIMPO_BETA, SIMPO_GAMMA, EVAL_PAIRS = 4, 2.0, 0.5, 10
@@ -125,11 +126,8 @@ def trainer_overrides(model, output_dir, **extra):
 def composed(*runs):
     """Each list of overrides composed as trainer_pipe.py composes it (Hydra, conf/tiny.yaml), here once for all the
     ranks that run it (~0.1 CPU s a run and rank)."""
-    from hydra import compose, initialize_config_dir
-
-    from tests.conftest import ROOT
-    with initialize_config_dir(config_dir=f"{ROOT}/conf", version_base=None):
-        return [compose(config_name="tiny", overrides=overrides) for overrides in runs]
+    from tests.helpers import compose_configs
+    return compose_configs(runs)
 
 
 def run_trainer(rank, *configs):
@@ -138,10 +136,6 @@ def run_trainer(rank, *configs):
     for cfg in configs:
         run(cfg)  # the process group stays up for the next run (gloo cannot start a second one on the same port)
     torch.distributed.destroy_process_group()
-
-
-def read_metrics(output_dir):
-    return [json.loads(line) for line in open(output_dir / "metrics.jsonl") if line.strip()]
 
 
 def trainer_order(num_records, data_parallel):
@@ -904,12 +898,9 @@ def test_conversations_without_a_chat_template_name_the_key(tmp_path):
 ], ids=["dpo_on_text", "pairs_without_objective", "packing", "logits_head", "beta", "loss_type",
         "objective"])
 def test_preference_config_errors_name_the_key(overrides, message):
-    from hydra import compose, initialize_config_dir
-
-    from tests.conftest import ROOT
     from errors import ConfigError
+    from tests.helpers import compose_config
     from training.config_checks import checked_config
-    with initialize_config_dir(config_dir=f"{ROOT}/conf", version_base=None):
-        cfg = compose(config_name="tiny", overrides=overrides)
+    cfg = compose_config(overrides)
     with pytest.raises(ConfigError, match=message):
         checked_config(cfg)
