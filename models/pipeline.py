@@ -236,8 +236,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     LlamaPipeline) say which layers it holds, and layer_loader how their files are read. LoRA's adapters are added
     to the built decoder layers, split like their projections, and everything else is frozen; row_layout (what the
     rows hold, data/collator.py) decides the masks, and seq_length the labels' width when they may be one wider than
-    the rows (token shards). counts_step_loads: the loss keeps each step's expert loads, which DeepSeek-V3's bias
-    balancing moves the routers' biases by."""
+    the rows (token shards). With counts_step_loads the router's loss also sums each step's expert loads, by which
+    DeepSeek-V3's bias balancing moves the routers' biases."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
