@@ -44,11 +44,11 @@ class CausalLMLoss:
     the labelled tokens, divided by the step's divisor when the labels carry one (a training step: the global
     batch's token mean, with_step_divisor), else by the micro-batch's own labelled tokens (its mean: evaluation). The
     last layer's output is the logits, or with chunk_tokens > 0 the head's input and weight (LMHeadPipe), whose
-    chunks' weight gradients are summed in grad_sum_dtype (the run's grad_accum_dtype; None: the weight's).
-    seq_length: the positions of a row, when its labels may be one wider (data/collator.py); None: as wide.
-    router: an MoE model's LoadBalancingLoss (models/router_loss.py), whose loss times its coefficient is added,
-    as transformers adds it to outputs.loss; None for a dense model. An evaluation forward (no gradient) keeps that
-    added term (a 0-d tensor) until take_aux_terms: perplexity is of the cross-entropy alone."""
+    chunks' weight gradients are summed in grad_sum_dtype (the run's grad_accum_dtype; None: the weight's). A row's
+    labels may be one wider than its seq_length positions (token shards); without seq_length they are as wide.
+    An MoE model's router loss (LoadBalancingLoss) times its coefficient is added, as transformers adds it to
+    outputs.loss. An evaluation forward (no gradient) keeps that added term (a 0-d tensor) until take_aux_terms:
+    perplexity is of the cross-entropy alone."""
 
     def __init__(self, parallel=NO_TENSOR_PARALLEL, chunk_tokens=0, context=NO_CONTEXT_PARALLEL, grad_sum_dtype=None,
                  seq_length=None, router=None):

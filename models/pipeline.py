@@ -32,10 +32,9 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 
 def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL, context=NO_CONTEXT_PARALLEL,
                           chunked_loss=False, row_layout="packed", experts=NO_EXPERT_PARALLEL):
-    """Layer specs in pipeline index order (models/layout.py): embedding, decoder layers, final norm, LM head.
-    chunked_loss: the head hands the loss its input and weight instead of logits (models/loss.py). row_layout:
-    what the rows hold, which decides the attention masks (models/attention.py StageAttentionInputs). experts:
-    where a sparse layer's experts are (models/expert_parallel.py)."""
+    """Layer specs in pipeline index order (models/layout.py): embedding, decoder layers, final norm, LM head. Under
+    the chunked loss the head hands the loss its input and weight instead of logits; what the rows hold (row_layout)
+    decides the attention masks, and `experts` where each sparse layer's experts are."""
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl '{attention_impl}' is not one of {ATTENTION_IMPLS}.")
     stage_inputs = (ContextParallelAttentionInputs(config, context, row_layout) if context.size > 1

@@ -78,8 +78,8 @@ class PreferenceLoss:
     per micro-batch and rank: models/loss.py with_step_divisor), or without one (evaluation) the micro-batch's mean
     over its pairs. Each call adds its pairs' metric sums to those of its window (kept on the device: no
     synchronisation per micro-batch): a training forward's to the training window, an evaluation's (no gradient) to
-    the evaluation's, so that evaluating leaves the training window's sums alone. router: an MoE model's
-    LoadBalancingLoss (models/router_loss.py), None for a dense model."""
+    the evaluation's, so that evaluating leaves the training window's sums alone. An MoE model's router loss
+    (LoadBalancingLoss) is added times its coefficient."""
 
     def __init__(self, settings, parallel=NO_TENSOR_PARALLEL, chunk_tokens=1024, context=NO_CONTEXT_PARALLEL,
                  grad_sum_dtype=None, router=None):
