@@ -307,6 +307,31 @@ def pair(prompt, chosen, rejected):
             for side, response in (("chosen", chosen), ("rejected", rejected)) for key in ("input_ids", "labels")}
 
 
+def test_evaluation_metrics_are_kept_apart_from_the_training_window():
+    """A forward without gradient (evaluation's) adds its pairs' metrics to the evaluation's window, not to the
+    training window the next log record takes: each window's metrics are those of its forwards alone."""
+    from data.collator import collate_preference
+    from models.preference import PreferenceLoss, PreferenceSettings
+    _, labels = collate_preference([pair([1, 2, 3], [4, 5], [6]), pair([1, 7], [8, 9, 10], [11])], 8, pad_id=0)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, 8, generator=generator)
+    trained, evaluated = (scale * torch.randn(4, 8, 8, generator=generator) for scale in (1.0, 3.0))
+
+    def metrics_alone(hidden, grad):
+        alone = PreferenceLoss(PreferenceSettings("simpo"), chunk_tokens=4)
+        with torch.set_grad_enabled(grad):
+            alone((hidden.clone().requires_grad_(grad), weight), labels)
+        return alone.take_metrics(evaluation=not grad)
+    loss_fn = PreferenceLoss(PreferenceSettings("simpo"), chunk_tokens=4)
+    loss_fn((trained.clone().requires_grad_(), weight), labels).backward()
+    with torch.no_grad():
+        loss_fn((evaluated, weight), labels)
+    evaluation, training = loss_fn.take_metrics(evaluation=True), loss_fn.take_metrics()
+    assert evaluation == metrics_alone(evaluated, grad=False) and training == metrics_alone(trained, grad=True)
+    assert evaluation != training
+    assert loss_fn.take_metrics() == {} and loss_fn.take_metrics(evaluation=True) == {}
+
+
 # two micro-batches of two pairs; the second micro-batch's first pair has no chosen response (not scored)
 HOST_UNIT_PAIRS = [[pair([1, 2, 3], [4, 5], [6]), pair([1, 7], list(range(8, 40)), [9, 10, 11])],
                    [pair([1, 2], [], [3, 4]), pair([5] * 20, [6] * 20, [7] * 8)]]
