@@ -163,7 +163,7 @@ def chunked_loss_sum(hidden, weight, labels, divisor, parallel, chunk_tokens, gr
 
 def sequence_log_probs(hidden, weight, labels, sequences, parallel, chunk_tokens, grad_sum_dtype=None):
     """Each sequence's summed log-probability of its labelled next tokens, (sequences,) in fp32, differentiable:
-    the response log-probabilities preference losses are made of (models/preference.py), from the head's input and
+    the response log-probabilities preference losses are made of (PreferenceLoss), from the head's input and
     weight, `chunk_tokens` tokens at a time, the chunks' weight gradients summed in grad_sum_dtype (as
     CausalLMLoss's). labels: next_token_labels of `sequences` rows of equal length."""
     whole = parallel.whole_input(hidden)

@@ -77,7 +77,7 @@ class LlamaPipeline(PipelineModule):
         self.model_config = config
         self.stage_bounds = list(stage_bounds)
         self.parallel = parallel
-        self.context = context  # which tokens of a collated micro-batch this rank holds (models/loss.py split_micro_batch)
+        self.context = context  # which tokens of a collated micro-batch this rank holds (split_micro_batch)
         self.experts = experts
         self.layer_loader = layer_loader
         self.chunk_ids = chunk_ids

@@ -1,5 +1,5 @@
-"""Preference objectives on the last stage, from each sequence's response log-probability (models/loss.py
-`sequence_log_probs`, chunked, never a tokens x vocabulary tensor):
+"""Preference objectives on the last stage, from each sequence's response log-probability (`sequence_log_probs`,
+chunked, never a tokens x vocabulary tensor):
 
 - `dpo`: TRL's DPOTrainer with loss_type="sigmoid": -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r))) per pair,
   pi and ref the summed response log-probabilities of the policy and of the reference (the starting weights,
@@ -10,7 +10,7 @@
 A micro-batch holds its pairs' chosen sequences in its first half of rows and their rejected ones in the second
 (data/collator.py `collate_preference`); a pair never spans micro-batches, so the step's loss, the mean over every
 pair of the global batch, is a sum of per-micro-batch sums divided by the step's divisor, which a training
-step's labels carry (models/loss.py with_step_divisor).
+step's labels carry (with_step_divisor).
 
 A mixture of experts adds router_aux_loss_coef times the micro-batch's load-balancing loss over its chosen and
 rejected rows together (models/router_loss.py), as TRL adds `outputs.aux_loss` of that one forward to the loss:
@@ -75,7 +75,7 @@ class PreferenceSettings:
 class PreferenceLoss:
     """The pipeline's loss_fn under a preference objective: (the head's input and weight, (labels, reference
     log-probabilities), and in a training step its divisor) -> the summed pair losses / the divisor (the step's pairs
-    per micro-batch and rank: models/loss.py with_step_divisor), or without one (evaluation) the micro-batch's mean
+    per micro-batch and rank: with_step_divisor), or without one (evaluation) the micro-batch's mean
     over its pairs. Each call adds its pairs' metric sums to those of its window (kept on the device: no
     synchronisation per micro-batch): a training forward's to the training window, an evaluation's (no gradient) to
     the evaluation's, so that evaluating leaves the training window's sums alone. An MoE model's router loss
@@ -84,7 +84,7 @@ class PreferenceLoss:
     def __init__(self, settings, parallel=NO_TENSOR_PARALLEL, chunk_tokens=1024, context=NO_CONTEXT_PARALLEL,
                  grad_sum_dtype=None, router=None):
         self.settings, self.parallel, self.chunk_tokens, self.context = settings, parallel, chunk_tokens, context
-        self.grad_sum_dtype = grad_sum_dtype  # the run's grad_accum_dtype, for the head's chunks (models/loss.py)
+        self.grad_sum_dtype = grad_sum_dtype  # the run's grad_accum_dtype, for the head's chunks
         self.router = router
         self.totals = {True: None, False: None}  # per window (training: True), the metrics' sums, then the pairs
 

@@ -16,7 +16,7 @@ moe.sequence_aux_loss_coef) is a sum of per-layer terms: the same floating [E] s
 
 Under tensor parallelism with sequence parallelism each rank's statistics are of its share of the tokens: summed over
 the group at the loss. A micro-batch's loss is transformers' `outputs.loss`, the cross-entropy plus
-router_aux_loss_coef x this loss (models/loss.py CausalLMLoss); DeepSpeed's mean over the global batch's micro-batches
+router_aux_loss_coef x this loss (CausalLMLoss); DeepSpeed's mean over the global batch's micro-batches
 makes the step's the token-mean cross-entropy plus the coefficient times the mean of the micro-batches' losses.
 """
 import torch
