@@ -86,7 +86,7 @@ class PreferenceLoss:
         self.settings, self.parallel, self.chunk_tokens, self.context = settings, parallel, chunk_tokens, context
         self.grad_sum_dtype = grad_sum_dtype  # the run's grad_accum_dtype, for the head's chunks
         self.router = router
-        self.totals = {True: None, False: None}  # per window (training: True), the metrics' sums, then the pairs
+        self.totals = {"training": None, "evaluation": None}  # per window, the metrics' sums, then the pairs
 
     def units(self, labels, whole=False):
         """What the loss averages over: the pairs with a response token (evaluation pads with empty rows); of a
@@ -137,18 +137,18 @@ class PreferenceLoss:
         values = (chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),
                   chosen_rewards - rejected_rewards, chosen, rejected)
         sums = torch.stack([(value * scored).sum() for value in values] + [scored.sum()]).double()
-        training = torch.is_grad_enabled()
-        self.totals[training] = sums if self.totals[training] is None else self.totals[training] + sums
+        window = "training" if torch.is_grad_enabled() else "evaluation"
+        self.totals[window] = sums if self.totals[window] is None else self.totals[window] + sums
 
     def take_metrics(self, evaluation=False):
         """TRL's metrics as means over the pairs scored since the last call on any rank, in training forwards (or
         with evaluation=True, in evaluation's), on every rank (a collective): sums over the world, where only last
         stages hold nonzero sums, and the tensor-parallel ranks of one, which add the same, leave the means
         unchanged; {} when no pair was scored."""
-        training = not evaluation
-        totals = self.totals[training] if self.totals[training] is not None else torch.zeros(
+        window = "evaluation" if evaluation else "training"
+        totals = self.totals[window] if self.totals[window] is not None else torch.zeros(
             len(METRICS) + 1, dtype=torch.float64, device=collectives.device())
-        self.totals[training] = None
+        self.totals[window] = None
         if dist.is_initialized():
             collectives.all_reduce(totals)
         *sums, pairs = totals.tolist()
