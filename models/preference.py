@@ -75,11 +75,11 @@ class PreferenceSettings:
 class PreferenceLoss:
     """The pipeline's loss_fn under a preference objective: (the head's input and weight, (labels, reference
     log-probabilities), and in a training step its divisor) -> the summed pair losses / the divisor (the step's pairs
-    per micro-batch and rank: with_step_divisor), or without one (evaluation) the micro-batch's mean
-    over its pairs. Each call adds its pairs' metric sums to those of its window (kept on the device: no
-    synchronisation per micro-batch): a training forward's to the training window, an evaluation's (no gradient) to
-    the evaluation's, so that evaluating leaves the training window's sums alone. An MoE model's router loss
-    (LoadBalancingLoss) is added times its coefficient."""
+    per micro-batch and rank: with_step_divisor), or without one (evaluation) the micro-batch's mean over its pairs.
+    Each call adds its pairs' metric sums to those of its window (kept on the device: no synchronisation per
+    micro-batch): a training forward's to the training window, an evaluation's (no gradient) to the evaluation's, so
+    that evaluating leaves the training window's sums alone. An MoE model's router loss (LoadBalancingLoss) is added
+    times its coefficient."""
 
     def __init__(self, settings, parallel=NO_TENSOR_PARALLEL, chunk_tokens=1024, context=NO_CONTEXT_PARALLEL,
                  grad_sum_dtype=None, router=None):
