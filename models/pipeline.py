@@ -32,10 +32,9 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 
 def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL, context=NO_CONTEXT_PARALLEL,
                           chunked_loss=False, row_layout="packed", experts=NO_EXPERT_PARALLEL):
-    """Layer specs in pipeline index order (models/layout.py): embedding, decoder layers, final norm, LM head.
-    chunked_loss: the head hands the loss its input and weight instead of logits (models/loss.py). row_layout:
-    what the rows hold, which decides the attention masks (models/attention.py StageAttentionInputs). experts:
-    where a sparse layer's experts are (models/expert_parallel.py)."""
+    """Layer specs in pipeline index order (models/layout.py): embedding, decoder layers, final norm, LM head. Under
+    the chunked loss the head hands the loss its input and weight instead of logits; what the rows hold (row_layout)
+    decides the attention masks, and `experts` where each sparse layer's experts are."""
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl '{attention_impl}' is not one of {ATTENTION_IMPLS}.")
     stage_inputs = (ContextParallelAttentionInputs(config, context, row_layout) if context.size > 1
@@ -78,7 +77,7 @@ class LlamaPipeline(PipelineModule):
         self.model_config = config
         self.stage_bounds = list(stage_bounds)
         self.parallel = parallel
-        self.context = context  # its split_micro_batch gives this rank its tokens of a collated micro-batch
+        self.context = context  # which tokens of a collated micro-batch this rank holds (split_micro_batch)
         self.experts = experts
         self.layer_loader = layer_loader
         self.chunk_ids = chunk_ids
@@ -226,7 +225,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
                           objective=PreferenceSettings(), seq_length=None, row_layout="packed", chunk_ids=None,
-                          expert_parallel_size=1):
+                          expert_parallel_size=1, counts_step_loads=False):
     """The pipeline module of this rank's stage, with the parallelism its topology and sizes ask for applied to its
     layers and the loss its objective takes.
 
@@ -236,7 +235,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     LlamaPipeline) say which layers it holds, and layer_loader how their files are read. LoRA's adapters are added
     to the built decoder layers, split like their projections, and everything else is frozen; row_layout (what the
     rows hold, data/collator.py) decides the masks, and seq_length the labels' width when they may be one wider than
-    the rows (token shards)."""
+    the rows (token shards). With counts_step_loads the router's loss also sums each step's expert loads, by which
+    DeepSeek-V3's bias balancing moves the routers' biases."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
@@ -247,7 +247,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     if stage_bounds is None:
         stage_bounds = partition_stages(config, topology.get_dim("pipe"))
     moe = architecture_of(config).moe
-    router, moe_loss_sum = (LoadBalancingLoss(config, parallel), moe.loss_sum) if moe else (None, False)
+    router, moe_loss_sum = ((LoadBalancingLoss(config, parallel, counts_step_loads), moe.loss_sum) if moe
+                            else (None, False))
     loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype, router)
                if objective.preference else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype,
                                                      seq_length, router))

@@ -96,6 +96,9 @@ FIGURES = {
             "tp2, sequence parallel, gather recomputed")),
         "tp2, sequence parallel, gather recomputed: pool on rank 0: gather float32 # elements (# MiB), input_grad "
         "float32 # elements (# MiB); gathers over the steps: # into the pool (1 distinct storage)"],
+    "tp_collectives.py": [f"{family}: per decoder layer # collectives (forward #, backward #: all_gather_single #, "
+                          "all_reduce #, reduce_scatter_single #); embedding, final norm and head #"
+                          for family in ("llama3", "qwen3_moe")],
     "trainer_profile.py": ["matrix products # s (#%), attention kernels # s (#%), optimizer # s (#%), the rest # s",
                            "and nothing else: at most #x transformers' loop",
                            "round 1: two loops # tok/s (# per CPU s), 2 stages zbv # tok/s (# per CPU s)",

@@ -550,16 +550,12 @@ def test_moe_math_not_implemented_is_refused_before_any_weight_is_read(tmp_path,
 
 def run_spec_of(demo_model, model_dir, tmp_path, *overrides, world_size=2):
     """The RunSpec of a run on the converted model_dir with the demo tokenizer (the checks before any process)."""
-    from hydra import compose, initialize_config_dir
-
-    from tests.conftest import ROOT
+    from tests.helpers import compose_config
     from tests.launch import demo_overrides
     from training.run_spec import run_spec
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-        cfg = compose(config_name="tiny", overrides=demo_overrides(demo_model, tmp_path / "run", **{
-            "model_name_or_path": model_dir, "tokenizer_name_or_path": demo_model["ds"],
-            "data.format": "pretokenized", "train_file": tmp_path / "ids.jsonl", "eval_file": "null",
-            "seq_length": 32}) + list(overrides))
+    cfg = compose_config(demo_overrides(demo_model, tmp_path / "run", **{
+        "model_name_or_path": model_dir, "tokenizer_name_or_path": demo_model["ds"], "data.format": "pretokenized",
+        "train_file": tmp_path / "ids.jsonl", "eval_file": "null", "seq_length": 32}) + list(overrides))
     (tmp_path / "ids.jsonl").write_text("".join(json.dumps({"input_ids": list(range(3, 40))}) + "\n"
                                                 for _ in range(8)))
     return run_spec(cfg, world_size)

@@ -1,11 +1,9 @@
 """The cost model and the partitions built from it (fast: no processes, nothing of model size is built)."""
 import dataclasses
 import functools
-import os
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from transformers import GraniteConfig, LlamaConfig, Olmo2Config, Phi3Config, Qwen3Config, SmolLM3Config
 
 from models.layout import num_pipeline_layers
@@ -18,7 +16,7 @@ from models.tensor_parallel import TensorParallel
 from models.weight_grads import WeightGradQueue
 from planner.stage_costs import LayerCosts, balanced_stage_cost, compute_spread, stage_plan
 from planner.workload import Workload
-from tests.conftest import ROOT
+from tests.helpers import compose_config
 from training.run_spec import plan_spec
 
 # Published sizes (config.json of meta-llama/Llama-2-7b-hf, Meta-Llama-3.1-8B, llama-65b).
@@ -59,8 +57,7 @@ WORLD_SIZE = {"llama_7b": 8, "llama3_8b": 8, "llama_65b": 16, "qwen3_8b": 8, "ph
 
 
 def run_config(name):
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-        return compose(config_name=name)
+    return compose_config(config=name)
 
 
 def configured_plan(name, partition=None):

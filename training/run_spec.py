@@ -60,6 +60,9 @@ class RunSpec:
     unit_costs: object = None  # planner/measured_costs.py UnitCosts `balanced` weighed stages by (None: FLOPs)
     # read once at the start when LoRA or DPO records it; None otherwise and when planning
     converted_model: ConvertedModel | None = None
+    # whether saves write in the background: async_save=true, or auto's verdict, which the job agrees on once its
+    # process group is up (training/loop.py run); the config keeps what it declares
+    async_save: bool = False
 
     @property
     def num_stages(self):
@@ -177,7 +180,8 @@ def run_spec(cfg, world_size):
     recorded = workload.lora.enabled or PreferenceSettings.from_cfg(cfg).needs_reference
     spec = RunSpec(cfg, model_config, world_size, workload, configured_stage_bounds(cfg, model_config, workload),
                    model_files_dir, tokenizer_dir(cfg, model_files_dir),
-                   converted_model=converted_model(cfg.model_name_or_path) if recorded else None)
+                   converted_model=converted_model(cfg.model_name_or_path) if recorded else None,
+                   async_save=cfg.async_save is True)
     if cfg.data.format == "indexed":
         check_shards_fit_model(cfg, model_config.vocab_size, spec.tokenizer_dir)
     # this rank's own look at output_dir, for the checks: rank 0's, once a collective can carry it, decides
