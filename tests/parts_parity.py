@@ -5,6 +5,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 VOCAB, BATCH, SEQ = 96, 2, 12
+# Float64 runs against each document alone (tests/test_gemma_parts.py says why float64): SDPA's to float64's
+# rounding, the gradients to the fp32 sums inside the norms. Eager attention's softmax is fp32 in both (as in
+# transformers' eager_attention_forward), forward and backward, and an fp32 softmax rounds a row by where its values
+# fall in the vector lanes: on AVX2 kernels a 5-token document alone and inside a 12-wide packed row differ by
+# 1.2e-7 of a weight, up to 1.8e-6 of these models' logits and 1.4e-5 of a gradient (AVX-512's 16 lanes hold a whole
+# row: 1e-15); a token of one document seen by another moves them by tenths.
+DOCUMENTS_ALONE_TOLERANCES = {"sdpa": dict(logits_tol=1e-12, grads_tol=1e-5),
+                              "eager": dict(logits_tol=1e-5, grads_tol=1e-4)}
 
 
 def close(ours, theirs, tol=1e-5):
