@@ -198,6 +198,12 @@ def uses_bf16_optimizer(engine):
     return engine.using_bf16_optimizer
 
 
+def accumulated_gradient(engine, param):
+    """The tensor holding a parameter's gradient summed over the step's micro-batches: the bf16 optimizer's fp32
+    one (it adds each backward's .grad into it), else .grad; as DeepSpeed's own tied-weight reduction reads it."""
+    return getattr(param, "_hp_grad", None) if engine.using_bf16_optimizer else param.grad
+
+
 def clear_bf16_optimizer_grads(optimizer):
     """The bf16 optimizer clears the parameters' .grad (already added into its fp32 gradients)."""
     optimizer.clear_lp_grads()

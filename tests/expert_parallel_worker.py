@@ -65,7 +65,7 @@ def replicated_expert_grads_when_a_rank_routes_no_row(rank, out_dir):
     from cluster.distributed import init_distributed
     from models.architecture import architecture_of
     from models.moe import Experts
-    from models.tensor_parallel import TensorParallel, hook_gradient_sums, replicated
+    from models.tensor_parallel import TensorParallel, sum_gradients_at_step, sum_step_gradients
     from tests.tiny_models import MOE_CONFIGS
     init_distributed(timeout_minutes=2)
     config = MOE_CONFIGS["qwen3_moe"]()
@@ -73,12 +73,12 @@ def replicated_expert_grads_when_a_rank_routes_no_row(rank, out_dir):
     torch.manual_seed(0)
     experts = Experts(moe, config.hidden_size, torch.nn.functional.silu, 0, moe.num_experts)
     parallel = TensorParallel(2, rank, True, group=torch.distributed.group.WORLD)
-    replicated(experts, parallel)  # as the stage's plan makes a sparse layer's experts under sequence parallelism
-    hook_gradient_sums(experts, parallel)
-    rows = [11, 0][rank]
+    sum_gradients_at_step(experts, parallel)  # as the stage's plan makes a sparse layer's experts under sequence
+    rows = [11, 0][rank]  # parallelism: summed over the group once, at the step
     counts = torch.tensor([rows] + [0] * (moe.num_experts - 1))
     tokens = torch.randn(rows, config.hidden_size, generator=torch.Generator().manual_seed(1))
     experts(tokens, counts, counts.tolist() if rows == 0 else None).pow(2).sum().backward()
+    sum_step_gradients(experts, parallel, lambda param: param.grad)
     local = [torch.zeros_like(p) for p in experts.parameters()]
     if rows:  # this rank's own gradients, without the group: the block's math on a single rank
         alone = Experts(moe, config.hidden_size, torch.nn.functional.silu, 0, moe.num_experts)

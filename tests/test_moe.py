@@ -666,6 +666,11 @@ def assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tens
             bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
             assert not bad, f"{case['name']}: gradients differ from transformers: {bad}"
             assert result["replicated_grad_spread"] == 0.0, case["name"]
+            # Under sequence parallelism each expert tensor's gradient is summed over the tensor-parallel group once
+            # in the step (GAS micro-batches), at its boundary; without it, or without tensor parallelism, never.
+            sums, expert_tensors = result["expert_grad_sums"]
+            summed_at_step = tensor_parallel > 1 and case.get("sequence_parallel", True)
+            assert sums == (expert_tensors if summed_at_step else 0), (case["name"], sums, expert_tensors, GAS)
             assert set(result["layer_files_opened"]) == own_layer_files(case["ds_dir"], result), case["name"]
             for kind, (norm, reference) in result["norms"].items():  # the clipping norm counts every expert once
                 assert norm == pytest.approx(reference, rel=1e-5), (case["name"], kind)
