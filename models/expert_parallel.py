@@ -15,7 +15,12 @@ counts exchanged by one small all-to-all and read on the host (the split sizes o
 a layer and micro-batch), the rows sent to their experts' ranks, sorted there by local expert and run as one grouped
 GEMM, sent back, then weighted, unsorted and summed per token in routing order as LocalExperts does: each token's
 outputs are the same sums as transformers'. Backward runs both exchanges in reverse (collectives.exchange_rows).
+Under activation checkpointing (keeping_dispatch) the first forward keeps the routing decision and both exchanges'
+outputs, so the recomputation in backward runs no collective and no host read (KeptDispatch).
 """
+import functools
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -55,20 +60,95 @@ class ExpertParallel:
 
     def __call__(self, hidden, expert_ids, weights, experts):
         top_k, local = expert_ids.shape[1], experts.num_local_experts
+        kept = KeptDispatch.replaying()
+        if kept is not None:  # a checkpointed layer's recomputation: the first forward's routing and exchanges
+            plan, received_rows, returned_rows = kept
+            rows = collectives.kept_exchange(hidden[plan.order // top_k], received_rows, plan.from_rank, plan.sent,
+                                             self.group)
+            out = experts(rows[plan.by_expert], plan.expert_counts, plan.per_expert)
+            back = collectives.kept_exchange(out[inverse_permutation(plan.by_expert)], returned_rows, plan.sent,
+                                             plan.from_rank, self.group)
+            return combine(back, plan.order, weights, hidden.dtype)
+        plan = self.plan(expert_ids, local)
+        rows = collectives.exchange_rows(hidden[plan.order // top_k], plan.from_rank, plan.sent, self.group)
+        out = experts(rows[plan.by_expert], plan.expert_counts, plan.per_expert)
+        back = collectives.exchange_rows(out[inverse_permutation(plan.by_expert)], plan.sent, plan.from_rank,
+                                         self.group)
+        KeptDispatch.record(plan, rows, back)
+        return combine(back, plan.order, weights, hidden.dtype)
+
+    def plan(self, expert_ids, local):
+        """A layer's routing decision as the exchanges need it: the T x k choices sorted by expert, each expert's
+        count sent to its owner (one small all-to-all) and the split sizes read on the host (the layer's one sync),
+        and the order of the received rows by local expert."""
         order, counts = sort_by_expert(expert_ids, local * self.size)
         received = torch.empty_like(counts)  # [source rank, local expert]: the rows each rank sends each expert here
         collectives.all_to_all_single(received, counts, group=self.group)
         sizes = torch.cat([counts.view(self.size, local).sum(dim=1), received]).tolist()  # the layer's host read
         sent, from_each = sizes[:self.size], sizes[self.size:]
         from_rank = [sum(from_each[r * local:(r + 1) * local]) for r in range(self.size)]
-        per_expert = [sum(from_each[e::local]) for e in range(local)]
-        rows = collectives.exchange_rows(hidden[order // top_k], from_rank, sent, self.group)
-        rows_expert = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(self.size), received,
-                                              output_size=rows.shape[0])
-        by_expert = torch.argsort(rows_expert, stable=True)
-        out = experts(rows[by_expert], received.view(self.size, local).sum(dim=0), per_expert)
-        back = collectives.exchange_rows(out[inverse_permutation(by_expert)], sent, from_rank, self.group)
-        return combine(back, order, weights, hidden.dtype)
+        rows_expert = torch.repeat_interleave(torch.arange(local, device=counts.device).repeat(self.size), received,
+                                              output_size=sum(from_rank))
+        return DispatchPlan(order, sent, from_rank, received.view(self.size, local).sum(dim=0),
+                            [sum(from_each[e::local]) for e in range(local)], torch.argsort(rows_expert, stable=True))
+
+
+class DispatchPlan(NamedTuple):
+    """A sparse layer's routing decision on this rank, what its exchanges and experts take: `order` (the T x k
+    choices sorted by expert), the rows sent to each rank and received from each (`sent`, `from_rank`), each local
+    expert's received rows on the device and on the host (`expert_counts`, `per_expert`), and `by_expert`, the
+    received rows' order by local expert."""
+    order: torch.Tensor
+    sent: list
+    from_rank: list
+    expert_counts: torch.Tensor
+    per_expert: list
+    by_expert: torch.Tensor
+
+
+class KeptDispatch:
+    """What a checkpointed block's first forward keeps of each sparse layer's dispatch, for its recomputation in
+    backward: the routing decision (DispatchPlan) and both exchanges' outputs, the received rows and the rows come
+    back. The recomputation then runs no collective and reads nothing to the host, and takes the routing of the
+    first forward whatever it would recompute, so every rank of a group reaches its backward's two exchanges
+    (torchtitan's selective checkpointing keeps the same). Their price: a sparse layer's two row tensors, T x k rows
+    of the hidden size, kept beside the block's input until its backward."""
+
+    _active = []  # the KeptDispatch of the block running now, innermost last
+
+    def __init__(self):
+        self.layers, self.replay = [], None
+
+    @classmethod
+    def replaying(cls):
+        """The next layer's kept (plan, received rows, rows come back) during a recomputation, else None."""
+        if not cls._active or cls._active[-1].replay is None:
+            return None
+        return next(cls._active[-1].replay)
+
+    @classmethod
+    def record(cls, plan, rows, back):
+        if cls._active:
+            cls._active[-1].layers.append((plan, rows.detach(), back.detach()))
+
+    def run(self, function, *args):
+        """function(*args), its dispatches kept on the first call, replayed on every later one (a recomputation)."""
+        self.replay = iter(self.layers) if self.layers else None
+        KeptDispatch._active.append(self)
+        try:
+            return function(*args)
+        finally:
+            KeptDispatch._active.pop()
+
+
+def keeping_dispatch(checkpoint):
+    """An activation-checkpointing function (DeepSpeed's reentrant or non-reentrant: checkpoint(function, *args))
+    whose blocks keep their sparse layers' dispatch for the recomputation (KeptDispatch): a checkpointed sparse layer
+    runs its two exchanges' reverses in backward and no other all-to-all, where recomputing the dispatch would add
+    three and a host sync."""
+    def checkpointed(function, *args):
+        return checkpoint(functools.partial(KeptDispatch().run, function), *args)
+    return checkpointed
 
 
 NO_EXPERT_PARALLEL = ExpertParallel()

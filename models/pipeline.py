@@ -15,7 +15,7 @@ from deepspeed_internals.registry import non_reentrant_checkpoint
 from models.architecture import architecture_of, check_model_config
 from models.attention import StageAttentionInputs
 from models.context_parallel import NO_CONTEXT_PARALLEL, ContextParallelAttentionInputs, build_context_parallel
-from models.expert_parallel import NO_EXPERT_PARALLEL, build_expert_parallel
+from models.expert_parallel import NO_EXPERT_PARALLEL, build_expert_parallel, keeping_dispatch
 from models.layout import expert_shard_file_name
 from models.lora import NO_LORA, add_adapters, freeze_all_but_adapters
 from models.loss import CausalLMLoss
@@ -252,6 +252,12 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                if objective.preference else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype,
                                                      seq_length, router))
     previous_dtype = torch.get_default_dtype()
+    # Under LoRA the frozen embedding's output takes no gradient: reentrant checkpointing of the first decoder layer
+    # would then give its adapters none either. With an auxiliary loss's sum a stage has two floating outputs, which
+    # DeepSpeed runs backward from one at a time: reentrant checkpointing frees its recomputation after the first.
+    checkpoint = non_reentrant_checkpoint if lora.enabled or moe_loss_sum else checkpointing.checkpoint
+    if experts.size > 1:  # a checkpointed block keeps its sparse layers' dispatch: no all-to-all in the recomputation
+        checkpoint = keeping_dispatch(checkpoint)
     torch.set_default_dtype(dtype or previous_dtype)
     try:
         module = LlamaPipeline(config, stage_bounds, parallel, layer_loader, context, chunk_ids, experts,
@@ -262,12 +268,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                                activation_checkpoint_interval=activation_checkpoint_interval,
                                # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.
                                checkpointable_layers=[DecoderLayerPipe.__name__],
-                               # Under LoRA the frozen embedding's output takes no gradient: reentrant checkpointing
-                               # of the first decoder layer would then give its adapters none either. With an
-                               # auxiliary loss's sum a stage has two floating outputs, which DeepSpeed runs backward
-                               # from one at a time: reentrant checkpointing frees its recomputation after the first.
-                               activation_checkpoint_func=(non_reentrant_checkpoint if lora.enabled or moe_loss_sum
-                                                           else checkpointing.checkpoint))
+                               activation_checkpoint_func=checkpoint)
         if lora.enabled:
             for local, layer in enumerate(module.forward_funcs):
                 if isinstance(layer, DecoderLayerPipe):

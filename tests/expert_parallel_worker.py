@@ -92,3 +92,62 @@ def replicated_expert_grads_when_a_rank_routes_no_row(rank, out_dir):
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     torch.distributed.destroy_process_group()
+
+
+def checkpointed_dispatch_exchanges(rank, out_dir):
+    """One rank of expert parallelism 2: a sparse decoder layer (Qwen3-MoE's, padded rows) run plain and under each
+    of DeepSpeed's checkpointing functions, with its dispatch kept (keeping_dispatch) and, to show what it saves,
+    recomputed: {run: [all-to-alls in forward, in backward, host syncs in backward, the outputs' and every gradient's
+    largest difference from the plain run's]}."""
+    from deepspeed import checkpointing
+
+    import collectives
+    from cluster.distributed import init_distributed
+    from deepspeed_internals.registry import PipeDataParallelTopology, non_reentrant_checkpoint
+    from models.architecture import architecture_of
+    from models.attention import StageAttentionInputs
+    from models.expert_parallel import build_expert_parallel, keeping_dispatch
+    from models.pipeline_layers import DecoderLayerPipe, StagePlan, StageTuple
+    from tests.host_syncs import HostSyncs
+    from tests.tiny_models import MOE_CONFIGS
+    init_distributed(timeout_minutes=2)
+    experts = build_expert_parallel(PipeDataParallelTopology(num_pp=1, num_dp=2), 2)
+    config = MOE_CONFIGS["qwen3_moe"]()
+    layer_index = architecture_of(config).sparse_layers.index(True)
+    torch.manual_seed(0)
+    layer = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout="padded"), layer_index,
+                             StagePlan(experts=experts))
+    generator = torch.Generator().manual_seed(rank)
+    document_ids = torch.ones(2, 12, dtype=torch.long)
+    document_ids[1, 9:] = 0  # padding
+    hidden = torch.randn(2, 12, config.hidden_size, generator=generator)
+    grad = torch.randn(hidden.shape, generator=generator)
+    all_to_alls = []
+    all_to_all = collectives.all_to_all_single
+
+    def counted(*args, **kwargs):
+        all_to_alls.append(1)
+        return all_to_all(*args, **kwargs)
+    collectives.all_to_all_single = counted
+    runs = {"plain": None, "reentrant": checkpointing.checkpoint, "non-reentrant": non_reentrant_checkpoint}
+    runs.update({f"{name} kept": keeping_dispatch(runs[name]) for name in ("reentrant", "non-reentrant")})
+    results, reference = {}, None
+    for name, checkpoint in runs.items():
+        layer.zero_grad(set_to_none=True)
+        x = hidden.clone().requires_grad_()
+        stage = StageTuple(config)
+        inputs = stage.start(x, document_ids, torch.arange(12).expand(2, 12))
+        run = (lambda *tensors: layer(tensors))
+        all_to_alls.clear()
+        out = stage.unpack(run(*inputs) if checkpoint is None else checkpoint(run, *inputs)).hidden
+        forward = len(all_to_alls)
+        all_to_alls.clear()
+        with HostSyncs() as syncs:
+            out.backward(grad)
+        tensors = [out.detach(), x.grad, *(p.grad for p in layer.parameters())]
+        reference = reference or tensors
+        results[name] = [forward, len(all_to_alls), len(syncs.ops),
+                         max((a - b).abs().max().item() for a, b in zip(tensors, reference))]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    torch.distributed.destroy_process_group()
