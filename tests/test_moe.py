@@ -441,6 +441,48 @@ def test_an_moe_stage_takes_no_host_sync(family):
     assert loss_fn.router.take_metrics()["aux_loss"] > 1.0  # read once, at logging
 
 
+@pytest.mark.parametrize("capability, dtype, fast", [
+    ((8, 0), torch.bfloat16, False), ((8, 9), torch.bfloat16, False), ((9, 0), torch.bfloat16, True),
+    ((10, 0), torch.bfloat16, True), ((12, 0), torch.bfloat16, False), ((9, 0), torch.float16, False),
+    ((9, 0), torch.float32, False)], ids=str)
+def test_torchs_grouped_gemm_is_taken_only_where_it_has_a_kernel_of_its_own(monkeypatch, capability, dtype, fast):
+    """On CUDA only sm90 and sm100 in bf16 (torch's CUTLASS kernels; elsewhere torch reads the offsets to the host at
+    every call and loops), on the CPU fp32 and bf16: the capability mocked."""
+    from models.moe import grouped_mm_fast_on
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert grouped_mm_fast_on(torch.device("cuda", 0), dtype) is fast
+    assert grouped_mm_fast_on(torch.device("cpu"), dtype) is (dtype != torch.float16)
+
+
+@pytest.mark.parametrize("split_sizes_known", [False, True], ids=["local", "expert_parallel"])
+def test_where_grouped_gemm_has_no_kernel_the_experts_read_their_sizes_once_forward_and_never_backward(
+        monkeypatch, split_sizes_known):
+    """The row-block loop that runs where torch's grouped GEMM would fall back (a device without its kernel, mocked
+    here): one host read of the experts' counts in forward, none where the caller has them (expert parallelism's
+    exchange), none in backward (torch's fallback reads them at each of its six calls); outputs and gradients equal
+    the grouped GEMM's."""
+    import models.moe
+    from tests.host_syncs import HostSyncs
+    config = MOE_CONFIGS["qwen3_moe"]()
+    moe = architecture_of(config).moe
+    torch.manual_seed(0)
+    experts = Experts(moe, config.hidden_size, torch.nn.functional.silu, 0, moe.num_experts)
+    counts = torch.tensor([3, 0, 5] + [1] * (moe.num_experts - 3))
+    tokens = torch.randn(int(counts.sum()), config.hidden_size, requires_grad=True)
+    grad = torch.randn_like(tokens)
+    reference = experts(tokens, counts)
+    expected = torch.autograd.grad(reference, [tokens, *experts.parameters()], grad)
+    monkeypatch.setattr(models.moe, "grouped_mm_fast_on", lambda device, dtype: False)
+    split_sizes = counts.tolist() if split_sizes_known else None
+    with HostSyncs() as forward:
+        out = experts(tokens, counts, split_sizes)
+    with HostSyncs() as backward:
+        grads = torch.autograd.grad(out, [tokens, *experts.parameters()], grad)
+    assert forward.ops == ([] if split_sizes_known else ["Tensor.tolist"]) and backward.ops == []
+    assert torch.allclose(out, reference, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, expected))
+
+
 def stage_syncs(config, loss_fn):
     """(the host syncs of a stage of the embedding, decoder layers 0 and 1, the final norm and the chunked head with
     loss_fn over three padded micro-batches (tests/test_host_syncs.py), the micro-batches)."""
