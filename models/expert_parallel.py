@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import collectives
-from models.moe import Experts, MoEBlock, combine, inverse_permutation, sort_by_expert
+from models.moe import Experts, MoEBlock, combine, sort_by_expert
 
 
 class ExpertParallel:
@@ -59,51 +59,89 @@ class ExpertParallel:
         block.dispatcher = self
 
     def __call__(self, hidden, expert_ids, weights, experts):
-        top_k, local = expert_ids.shape[1], experts.num_local_experts
-        kept = KeptDispatch.replaying()
-        if kept is not None:  # a checkpointed layer's recomputation: the first forward's routing and exchanges
-            plan, received_rows, returned_rows = kept
-            rows = collectives.kept_exchange(hidden[plan.order // top_k], received_rows, plan.from_rank, plan.sent,
-                                             self.group)
-            out = experts(rows[plan.by_expert], plan.expert_counts, plan.per_expert)
-            back = collectives.kept_exchange(out[inverse_permutation(plan.by_expert)], returned_rows, plan.sent,
-                                             plan.from_rank, self.group)
-            return combine(back, plan.order, weights, hidden.dtype)
-        plan = self.plan(expert_ids, local)
-        rows = collectives.exchange_rows(hidden[plan.order // top_k], plan.from_rank, plan.sent, self.group)
-        out = experts(rows[plan.by_expert], plan.expert_counts, plan.per_expert)
-        back = collectives.exchange_rows(out[inverse_permutation(plan.by_expert)], plan.sent, plan.from_rank,
-                                         self.group)
-        KeptDispatch.record(plan, rows, back)
+        kept = KeptDispatch.replaying()  # a checkpointed layer's recomputation: the first forward's dispatch
+        plan, kept_rows, kept_back = kept if kept is not None else (self.plan(expert_ids, experts), None, None)
+        rows = self.exchange(hidden[plan.pair_token], kept_rows, plan.from_tokens, plan.sent_tokens)
+        out = experts(rows[plan.choice_row], plan.expert_counts, plan.per_expert)
+        back = self.exchange(out[plan.back_order], kept_back, plan.sent, plan.from_rank)
+        if kept is None:
+            KeptDispatch.record(plan, rows, back)
         return combine(back, plan.order, weights, hidden.dtype)
 
-    def plan(self, expert_ids, local):
-        """A layer's routing decision as the exchanges need it: the T x k choices sorted by expert, each expert's
-        count sent to its owner (one small all-to-all) and the split sizes read on the host (the layer's one sync),
-        and the order of the received rows by local expert."""
-        order, counts = sort_by_expert(expert_ids, local * self.size)
-        received = torch.empty_like(counts)  # [source rank, local expert]: the rows each rank sends each expert here
-        collectives.all_to_all_single(received, counts, group=self.group)
-        sizes = torch.cat([counts.view(self.size, local).sum(dim=1), received]).tolist()  # the layer's host read
-        sent, from_each = sizes[:self.size], sizes[self.size:]
-        from_rank = [sum(from_each[r * local:(r + 1) * local]) for r in range(self.size)]
-        rows_expert = torch.repeat_interleave(torch.arange(local, device=counts.device).repeat(self.size), received,
-                                              output_size=sum(from_rank))
-        return DispatchPlan(order, sent, from_rank, received.view(self.size, local).sum(dim=0),
-                            [sum(from_each[e::local]) for e in range(local)], torch.argsort(rows_expert, stable=True))
+    def exchange(self, tensor, kept, output_split_sizes, input_split_sizes):
+        """collectives.exchange_rows, or where a recomputation has the first forward's output, that output."""
+        if kept is None:
+            return collectives.exchange_rows(tensor, output_split_sizes, input_split_sizes, self.group)
+        return collectives.kept_exchange(tensor, kept, output_split_sizes, input_split_sizes, self.group)
+
+    def plan(self, expert_ids, experts):
+        """A layer's routing decision as the exchanges need it (DispatchPlan). Each token goes once to each rank
+        holding one of its experts, its choices there with it; what each rank sends each other, in rows per local
+        expert and in tokens, travels first by one small all-to-all and is read on the host (the layer's one
+        sync)."""
+        num_tokens, top_k = expert_ids.shape
+        local, size = experts.num_local_experts, self.size
+        order, counts = sort_by_expert(expert_ids, local * size)
+        present = token_destinations(expert_ids, local, size)
+        counts_to = torch.cat([counts.view(size, local), present.sum(dim=0)[:, None]], dim=1)  # [rank, local + 1]
+        counts_from = torch.empty_like(counts_to)  # the same, of what each rank sends here
+        collectives.all_to_all_single(counts_from, counts_to, group=self.group)
+        to_rank, from_rank = torch.stack([counts_to, counts_from]).tolist()  # the layer's host read
+        sent_tokens, from_tokens = [row[local] for row in to_rank], [row[local] for row in from_rank]
+        # The (rank, token) pairs, rank by rank and each rank's in token order: by a stable sort, where nonzero would
+        # read their count to the host a second time.
+        pairs = torch.argsort(~present.t().reshape(-1), stable=True)[:sum(sent_tokens)]
+        pair_rank, pair_token = pairs // num_tokens, pairs % num_tokens
+        choices = torch.where(expert_ids[pair_token] // local == pair_rank[:, None], expert_ids[pair_token] % local, -1)
+        received_choices = choices.new_empty((sum(from_tokens), top_k))  # each received token's local experts, or -1
+        collectives.all_to_all_single(received_choices, choices, from_tokens, sent_tokens, group=self.group)
+        choice_row, back_order = local_choices(received_choices, counts_from[:, local], sum(sum(row[:local])
+                                                                                          for row in from_rank))
+        return DispatchPlan(order, pair_token, sent_tokens, from_tokens, choice_row,
+                            counts_from[:, :local].sum(dim=0), [sum(row[e] for row in from_rank) for e in range(local)],
+                            back_order, [sum(row[:local]) for row in to_rank], [sum(row[:local]) for row in from_rank])
+
+
+def token_destinations(expert_ids, experts_per_rank, size):
+    """[T, size] bool: whether each token has one of its experts (expert_ids [T, k]) on each rank, rank r holding
+    experts [r * experts_per_rank, (r + 1) * experts_per_rank)."""
+    present = torch.zeros(expert_ids.shape[0], size, dtype=torch.bool, device=expert_ids.device)
+    return present.scatter_(1, expert_ids // experts_per_rank, True)
+
+
+def local_choices(received_choices, tokens_from, num_choices):
+    """(choice_row: the received token of each of this rank's choices, sorted by local expert, then source rank and
+    the source's token order, as a grouped GEMM takes them and in the order one row per choice would arrive;
+    back_order: those choices' order rank by rank, each rank's in its own sort by expert, as the combine sends them
+    back). received_choices [N, k]: each received token's local experts, -1 for its choices elsewhere;
+    tokens_from [size]: the tokens each rank sent; num_choices: the valid entries."""
+    tokens, top_k = received_choices.shape
+    row = torch.arange(tokens, device=received_choices.device)
+    key = torch.where(received_choices >= 0, received_choices * tokens + row[:, None], torch.iinfo(torch.int64).max)
+    choice_row = torch.argsort(key.reshape(-1), stable=True)[:num_choices] // top_k
+    source = torch.repeat_interleave(torch.arange(tokens_from.shape[0], device=row.device), tokens_from,
+                                     output_size=tokens)
+    return choice_row, torch.argsort(source[choice_row], stable=True)
 
 
 class DispatchPlan(NamedTuple):
-    """A sparse layer's routing decision on this rank, what its exchanges and experts take: `order` (the T x k
-    choices sorted by expert), the rows sent to each rank and received from each (`sent`, `from_rank`), each local
-    expert's received rows on the device and on the host (`expert_counts`, `per_expert`), and `by_expert`, the
-    received rows' order by local expert."""
+    """A sparse layer's dispatch on this rank. Out: `order` (the T x k choices sorted by expert, as the combine takes
+    the rows come back), `pair_token` (the token of each row sent: one per token and rank holding one of its
+    experts, rank by rank), `sent_tokens` / `from_tokens` (the tokens sent to each rank and received from each).
+    Here: `choice_row` (the received token of each choice this rank's experts run, sorted by local expert),
+    `expert_counts` / `per_expert` (each local expert's rows, on the device and on the host), `back_order` (the
+    choices' order as they go back) and `sent` / `from_rank` (the choices' rows coming back from each rank and sent
+    back to each)."""
     order: torch.Tensor
-    sent: list
-    from_rank: list
+    pair_token: torch.Tensor
+    sent_tokens: list
+    from_tokens: list
+    choice_row: torch.Tensor
     expert_counts: torch.Tensor
     per_expert: list
-    by_expert: torch.Tensor
+    back_order: torch.Tensor
+    sent: list
+    from_rank: list
 
 
 class KeptDispatch:
@@ -111,8 +149,9 @@ class KeptDispatch:
     backward: the routing decision (DispatchPlan) and both exchanges' outputs, the received rows and the rows come
     back. The recomputation then runs no collective and reads nothing to the host, and takes the routing of the
     first forward whatever it would recompute, so every rank of a group reaches its backward's two exchanges
-    (torchtitan's selective checkpointing keeps the same). Their price: a sparse layer's two row tensors, T x k rows
-    of the hidden size, kept beside the block's input until its backward."""
+    (torchtitan's selective checkpointing keeps the same). Their price: a sparse layer's two row tensors (its
+    received tokens, at most T x k rows of the hidden size, and its T x k rows come back) kept beside the block's
+    input until its backward."""
 
     _active = []  # the KeptDispatch of the block running now, innermost last
 

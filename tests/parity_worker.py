@@ -167,12 +167,18 @@ def record_deferred_weights(engine):
     return deferred
 
 
+def fused_expert_weights(module):
+    """The stage's trainable fused expert weights ([experts, in, out]: no other parameter has three dimensions)."""
+    return [p for p in module.parameters() if hasattr(p, "expert_slice") and p.requires_grad and p.dim() == 3]
+
+
 class ExpertGradientSums:
     """Counts, while active, the all-reduces over the tensor-parallel group of tensors shaped as one of the stage's
-    trainable expert parameters (their gradients' sums: once per step, not per micro-batch)."""
+    fused expert weights (their gradients' sums: once per step, not per micro-batch). Their biases are left out: a
+    router's weight may have a bias's shape ([experts, hidden])."""
 
     def __init__(self, module, group):
-        self.shapes = {tuple(p.shape) for p in module.parameters() if hasattr(p, "expert_slice") and p.requires_grad}
+        self.shapes = {tuple(p.shape) for p in fused_expert_weights(module)}
         self.group, self.count, self.active = group, 0, False
         all_reduce = collectives.all_reduce
 
@@ -255,8 +261,7 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
             "losses": [loss.item() for loss in step_losses], "mean_loss": float(mean_loss),
             "ref_losses": ref_losses, "grad_errors": grad_errors, "ref_param_names": sorted(ref_grads),
             "replicated_grad_spread": replicated_gradient_spread(module, optimizer, engine), "norms": norms,
-            "expert_grad_sums": [expert_sums.count, sum(hasattr(p, "expert_slice") and p.requires_grad
-                                                        for p in module.parameters())],
+            "expert_grad_sums": [expert_sums.count, len(fused_expert_weights(module))],
             "param_names": [name for name, _ in module.named_parameters()], "deferred_weights": sorted(deferred),
             "expert_slices": {name: list(param.expert_slice) for name, param in module.named_parameters()
                               if hasattr(param, "expert_slice")},

@@ -359,13 +359,13 @@ def test_replicated_expert_gradients_sum_alike_when_a_rank_routes_no_row(tmp_pat
 def test_a_checkpointed_sparse_layer_keeps_its_dispatch_for_backward(tmp_path):
     """Under both of DeepSpeed's activation checkpointing functions, a sparse layer whose block keeps its dispatch
     (models/expert_parallel.py keeping_dispatch, as the pipeline checkpoints under expert parallelism) runs 2
-    all-to-alls in backward (its exchanges' reverses) and no host sync, where recomputing the dispatch runs 5 and
-    syncs once; outputs and every gradient bit-identical to the layer run without checkpointing."""
+    all-to-alls in backward (its exchanges' reverses) and no host sync, where recomputing the dispatch runs 6 and
+    syncs once; outputs and every gradient bit-identical to the layer run without checkpointing. Forward: the
+    counts, the tokens with their choices, the rows back."""
     from tests.distributed import spawn
     from tests.expert_parallel_worker import checkpointed_dispatch_exchanges
     spawn(checkpointed_dispatch_exchanges, 2, str(tmp_path))
     for rank in range(2):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert results == {"plain": [3, 2, 0, 0.0],  # the counts, the rows there, the rows back; their reverses
-                           "reentrant": [3, 5, 1, 0.0], "non-reentrant": [3, 5, 1, 0.0],
-                           "reentrant kept": [3, 2, 0, 0.0], "non-reentrant kept": [3, 2, 0, 0.0]}, (rank, results)
+        assert results == {"plain": [4, 2, 0, 0.0], "reentrant": [4, 6, 1, 0.0], "non-reentrant": [4, 6, 1, 0.0],
+                           "reentrant kept": [4, 2, 0, 0.0], "non-reentrant kept": [4, 2, 0, 0.0]}, (rank, results)
