@@ -306,7 +306,7 @@ EXPERT_PARALLEL_REFUSED = {
 }
 
 
-GROUPED_MM_TORCH = "2.10"  # the first torch with torch.nn.functional.grouped_mm (CPU, and CUDA from sm80)
+GROUPED_MM_TORCH = "2.10"  # the first torch with torch.nn.functional.grouped_mm (its own kernels: CPU, CUDA sm90/sm100)
 
 
 def check_torch_kernels(model_config):
