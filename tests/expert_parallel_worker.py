@@ -98,7 +98,7 @@ def checkpointed_dispatch_exchanges(rank, out_dir):
     """One rank of expert parallelism 2: a sparse decoder layer (Qwen3-MoE's, padded rows) run plain and under each
     of DeepSpeed's checkpointing functions, with its dispatch kept (keeping_dispatch) and, to show what it saves,
     recomputed: {run: [all-to-alls in forward, in backward, host syncs in backward, the outputs' and every gradient's
-    largest difference from the plain run's]}."""
+    largest difference from the plain run's], "kept bytes": [the received tokens', the rows come back's]}."""
     from deepspeed import checkpointing
 
     import collectives
@@ -106,7 +106,7 @@ def checkpointed_dispatch_exchanges(rank, out_dir):
     from deepspeed_internals.registry import PipeDataParallelTopology, non_reentrant_checkpoint
     from models.architecture import architecture_of
     from models.attention import StageAttentionInputs
-    from models.expert_parallel import build_expert_parallel, keeping_dispatch
+    from models.expert_parallel import KeptDispatch, build_expert_parallel, keeping_dispatch
     from models.pipeline_layers import DecoderLayerPipe, StagePlan, StageTuple
     from tests.host_syncs import HostSyncs
     from tests.tiny_models import MOE_CONFIGS
@@ -129,6 +129,9 @@ def checkpointed_dispatch_exchanges(rank, out_dir):
         all_to_alls.append(1)
         return all_to_all(*args, **kwargs)
     collectives.all_to_all_single = counted
+    kept_bytes, record = [], KeptDispatch.record
+    KeptDispatch.record = classmethod(lambda cls, plan, rows, back: kept_bytes.append([rows.nbytes, back.nbytes]) or
+                                      record(plan, rows, back))
     runs = {"plain": None, "reentrant": checkpointing.checkpoint, "non-reentrant": non_reentrant_checkpoint}
     runs.update({f"{name} kept": keeping_dispatch(runs[name]) for name in ("reentrant", "non-reentrant")})
     results, reference = {}, None
@@ -148,6 +151,7 @@ def checkpointed_dispatch_exchanges(rank, out_dir):
         reference = reference or tensors
         results[name] = [forward, len(all_to_alls), len(syncs.ops),
                          max((a - b).abs().max().item() for a, b in zip(tensors, reference))]
+    results["kept bytes"] = kept_bytes[-1]  # the last run's: a checkpointed block's, kept
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     torch.distributed.destroy_process_group()

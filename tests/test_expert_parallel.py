@@ -364,8 +364,20 @@ def test_a_checkpointed_sparse_layer_keeps_its_dispatch_for_backward(tmp_path):
     counts, the tokens with their choices, the rows back."""
     from tests.distributed import spawn
     from tests.expert_parallel_worker import checkpointed_dispatch_exchanges
+    from models.architecture import architecture_of
+    from planner.decoder_costs import DecoderCosts
+    from planner.workload import Workload
+    from tests.tiny_models import MOE_CONFIGS
     spawn(checkpointed_dispatch_exchanges, 2, str(tmp_path))
+    config = MOE_CONFIGS["qwen3_moe"]()
+    planned = DecoderCosts(config, Workload(seq_length=12, micro_batch_size=2, expert_parallel=2),
+                           architecture_of(config).sparse_layers.index(True)).checkpoint_kept_bytes
+    kept = [json.loads((tmp_path / f"rank{rank}.json").read_text()).pop("kept bytes") for rank in range(2)]
+    # The plan counts both kept tensors as a balanced share of the T x k choices: the rows back are exactly that,
+    # and the two ranks' received tokens (one per token and destination) at most that.
+    assert [back for _, back in kept] == [planned // 2] * 2 and 0 < sum(rows for rows, _ in kept) <= planned
     for rank in range(2):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        results.pop("kept bytes")
         assert results == {"plain": [4, 2, 0, 0.0], "reentrant": [4, 6, 1, 0.0], "non-reentrant": [4, 6, 1, 0.0],
                            "reentrant kept": [4, 2, 0, 0.0], "non-reentrant kept": [4, 2, 0, 0.0]}, (rank, results)
