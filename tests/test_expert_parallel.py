@@ -370,7 +370,7 @@ def test_a_checkpointed_sparse_layer_keeps_its_dispatch_for_backward(tmp_path):
     from tests.tiny_models import MOE_CONFIGS
     spawn(checkpointed_dispatch_exchanges, 2, str(tmp_path))
     config = MOE_CONFIGS["qwen3_moe"]()
-    planned = DecoderCosts(config, Workload(seq_length=12, micro_batch_size=2, expert_parallel=2),
+    planned = DecoderCosts(config, Workload(seq_length=12, micro_batch_size=2, precision="fp32", expert_parallel=2),
                            architecture_of(config).sparse_layers.index(True)).checkpoint_kept_bytes
     kept = [json.loads((tmp_path / f"rank{rank}.json").read_text()).pop("kept bytes") for rank in range(2)]
     # The plan counts both kept tensors as a balanced share of the T x k choices: the rows back are exactly that,
