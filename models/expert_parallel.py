@@ -146,17 +146,17 @@ class DispatchPlan(NamedTuple):
 
 class KeptDispatch:
     """What a checkpointed block's first forward keeps of each sparse layer's dispatch, for its recomputation in
-    backward: the routing decision (DispatchPlan) and both exchanges' outputs, the received rows and the rows come
-    back. The recomputation then runs no collective and reads nothing to the host, and takes the routing of the
-    first forward whatever it would recompute, so every rank of a group reaches its backward's two exchanges
-    (torchtitan's selective checkpointing keeps the same). Their price: a sparse layer's two row tensors (its
-    received tokens, at most T x k rows of the hidden size, and its T x k rows come back) kept beside the block's
-    input until its backward."""
+    backward: the routing decision (DispatchPlan: small) and, with keep_rows, both exchanges' outputs, the received
+    rows and the rows come back. The recomputation then reads nothing to the host and takes the routing of the first
+    forward whatever it would recompute, so every rank of a group reaches the same exchanges; with the rows it runs
+    no collective at all (torchtitan's selective checkpointing keeps the same), without them it exchanges the rows
+    again (2 all-to-alls). The rows' price: a sparse layer's two row tensors (its received tokens, at most T x k
+    rows of the hidden size, and its T x k rows come back) kept beside the block's input until its backward."""
 
     _active = []  # the KeptDispatch of the block running now, innermost last
 
-    def __init__(self):
-        self.layers, self.replay = [], None
+    def __init__(self, keep_rows=True):
+        self.layers, self.replay, self.keep_rows = [], None, keep_rows
 
     @classmethod
     def replaying(cls):
@@ -168,7 +168,8 @@ class KeptDispatch:
     @classmethod
     def record(cls, plan, rows, back):
         if cls._active:
-            cls._active[-1].layers.append((plan, rows.detach(), back.detach()))
+            keep_rows = cls._active[-1].keep_rows
+            cls._active[-1].layers.append((plan, *((rows.detach(), back.detach()) if keep_rows else (None, None))))
 
     def run(self, function, *args):
         """function(*args), its dispatches kept on the first call, replayed on every later one (a recomputation)."""
@@ -180,13 +181,13 @@ class KeptDispatch:
             KeptDispatch._active.pop()
 
 
-def keeping_dispatch(checkpoint):
+def keeping_dispatch(checkpoint, keep_rows=True):
     """An activation-checkpointing function (DeepSpeed's reentrant or non-reentrant: checkpoint(function, *args))
     whose blocks keep their sparse layers' dispatch for the recomputation (KeptDispatch): a checkpointed sparse layer
-    runs its two exchanges' reverses in backward and no other all-to-all, where recomputing the dispatch would add
-    three and a host sync."""
+    runs its two exchanges' reverses in backward and, without keep_rows, the two exchanges again, where recomputing
+    the whole dispatch would add four all-to-alls and a host sync."""
     def checkpointed(function, *args):
-        return checkpoint(functools.partial(KeptDispatch().run, function), *args)
+        return checkpoint(functools.partial(KeptDispatch(keep_rows).run, function), *args)
     return checkpointed
 
 

@@ -226,7 +226,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
                           objective=PreferenceSettings(), seq_length=None, row_layout="packed", chunk_ids=None,
-                          expert_parallel_size=1):
+                          expert_parallel_size=1, checkpoint_keeps_rows=True):
     """The pipeline module of this rank's stage, with the parallelism its topology and sizes ask for applied to its
     layers and the loss its objective takes.
 
@@ -236,7 +236,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     LlamaPipeline) say which layers it holds, and layer_loader how their files are read. LoRA's adapters are added
     to the built decoder layers, split like their projections, and everything else is frozen; row_layout (what the
     rows hold, data/collator.py) decides the masks, and seq_length the labels' width when they may be one wider than
-    the rows (token shards)."""
+    the rows (token shards). Under expert parallelism a checkpointed block keeps its sparse layers' routing and, with
+    checkpoint_keeps_rows, their exchanged rows for the recomputation (models/expert_parallel.py KeptDispatch)."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
@@ -256,8 +257,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     # would then give its adapters none either. With an auxiliary loss's sum a stage has two floating outputs, which
     # DeepSpeed runs backward from one at a time: reentrant checkpointing frees its recomputation after the first.
     checkpoint = non_reentrant_checkpoint if lora.enabled or moe_loss_sum else checkpointing.checkpoint
-    if experts.size > 1:  # a checkpointed block keeps its sparse layers' dispatch: no all-to-all in the recomputation
-        checkpoint = keeping_dispatch(checkpoint)
+    if experts.size > 1:  # a checkpointed block keeps its sparse layers' dispatch for the recomputation
+        checkpoint = keeping_dispatch(checkpoint, checkpoint_keeps_rows)
     torch.set_default_dtype(dtype or previous_dtype)
     try:
         module = LlamaPipeline(config, stage_bounds, parallel, layer_loader, context, chunk_ids, experts,

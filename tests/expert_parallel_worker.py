@@ -96,8 +96,8 @@ def replicated_expert_grads_when_a_rank_routes_no_row(rank, out_dir):
 
 def checkpointed_dispatch_exchanges(rank, out_dir):
     """One rank of expert parallelism 2: a sparse decoder layer (Qwen3-MoE's, padded rows) run plain and under each
-    of DeepSpeed's checkpointing functions, with its dispatch kept (keeping_dispatch) and, to show what it saves,
-    recomputed: {run: [all-to-alls in forward, in backward, host syncs in backward, the outputs' and every gradient's
+    of DeepSpeed's checkpointing functions, with its dispatch kept (keeping_dispatch), with only its routing kept
+    and, to show what they save, recomputed: {run: [all-to-alls in forward, in backward, host syncs in backward, the outputs' and every gradient's
     largest difference from the plain run's], "kept bytes": [the received tokens', the rows come back's]}."""
     from deepspeed import checkpointing
 
@@ -133,6 +133,8 @@ def checkpointed_dispatch_exchanges(rank, out_dir):
     KeptDispatch.record = classmethod(lambda cls, plan, rows, back: kept_bytes.append([rows.nbytes, back.nbytes]) or
                                       record(plan, rows, back))
     runs = {"plain": None, "reentrant": checkpointing.checkpoint, "non-reentrant": non_reentrant_checkpoint}
+    for name in ("reentrant", "non-reentrant"):
+        runs[f"{name}, its routing kept"] = keeping_dispatch(runs[name], keep_rows=False)
     runs.update({f"{name} kept": keeping_dispatch(runs[name]) for name in ("reentrant", "non-reentrant")})
     results, reference = {}, None
     for name, checkpoint in runs.items():

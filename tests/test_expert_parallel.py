@@ -360,8 +360,9 @@ def test_a_checkpointed_sparse_layer_keeps_its_dispatch_for_backward(tmp_path):
     """Under both of DeepSpeed's activation checkpointing functions, a sparse layer whose block keeps its dispatch
     (models/expert_parallel.py keeping_dispatch, as the pipeline checkpoints under expert parallelism) runs 2
     all-to-alls in backward (its exchanges' reverses) and no host sync, where recomputing the dispatch runs 6 and
-    syncs once; outputs and every gradient bit-identical to the layer run without checkpointing. Forward: the
-    counts, the tokens with their choices, the rows back."""
+    syncs once, and keeping its routing alone (moe.checkpoint_keeps_rows=false) 4 and none; outputs and every
+    gradient bit-identical to the layer run without checkpointing. Forward: the counts, the tokens with their
+    choices, the rows back."""
     from tests.distributed import spawn
     from tests.expert_parallel_worker import checkpointed_dispatch_exchanges
     from models.architecture import architecture_of
@@ -380,4 +381,6 @@ def test_a_checkpointed_sparse_layer_keeps_its_dispatch_for_backward(tmp_path):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         results.pop("kept bytes")
         assert results == {"plain": [4, 2, 0, 0.0], "reentrant": [4, 6, 1, 0.0], "non-reentrant": [4, 6, 1, 0.0],
+                           "reentrant, its routing kept": [4, 4, 0, 0.0],
+                           "non-reentrant, its routing kept": [4, 4, 0, 0.0],
                            "reentrant kept": [4, 2, 0, 0.0], "non-reentrant kept": [4, 2, 0, 0.0]}, (rank, results)

@@ -242,6 +242,18 @@ def test_a_rank_load_warning_that_cannot_be_exceeded_is_refused_in_one_line(valu
         check_balancing({"bias_update_rate": 0.0, "sequence_aux_loss_coef": 0.0, "rank_load_warning": value})
 
 
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_a_checkpoint_keeps_rows_that_is_not_a_boolean_is_refused_in_one_line(value):
+    from training.config_checks import ConfigError, check_balancing
+    with pytest.raises(ConfigError, match=rf"^moe\.checkpoint_keeps_rows={value!r} must be true \(a checkpointed "
+                                          rf"sparse layer keeps its exchanged rows\) or false \(exchanges them again "
+                                          rf"in backward\)\.$".replace("'", "\\'")):
+        check_balancing({"bias_update_rate": 0.0, "sequence_aux_loss_coef": 0.0, "rank_load_warning": 2.0,
+                         "checkpoint_keeps_rows": value})
+    check_balancing({"bias_update_rate": 0.0, "sequence_aux_loss_coef": 0.0, "rank_load_warning": 2.0,
+                     "checkpoint_keeps_rows": False})
+
+
 # --- the clipping norm ---------------------------------------------------------------------------------------------
 
 SQUARES_MEMORY = """
