@@ -200,8 +200,13 @@ def uses_bf16_optimizer(engine):
 
 def accumulated_gradient(engine, param):
     """The tensor holding a parameter's gradient summed over the step's micro-batches: the bf16 optimizer's fp32
-    one (it adds each backward's .grad into it), else .grad; as DeepSpeed's own tied-weight reduction reads it."""
-    return getattr(param, "_hp_grad", None) if engine.using_bf16_optimizer else param.grad
+    one (it adds each backward's .grad into it), ZeRO-1's (.grad, or where it sums in another dtype than the
+    weights', fp16 or offloaded with fp32 sums, its grad_accum), else .grad."""
+    if engine.using_bf16_optimizer:
+        return getattr(param, "_hp_grad", None)
+    if isinstance(engine.optimizer, EXPORTED["DeepSpeedZeroOptimizer"].resolve()):
+        return engine.optimizer.get_param_gradient_attribute(param)
+    return param.grad
 
 
 def clear_bf16_optimizer_grads(optimizer):
