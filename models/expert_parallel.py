@@ -10,13 +10,16 @@ expert groups, deepspeed_internals.access.use_deepspeed_expert_groups). Tensor p
 on each rank of its group (models/moe.py MoEBlock), so expert parallelism runs beside it unchanged: a group's ranks
 share one tensor-parallel rank and exchange that rank's tokens.
 
-A layer's dispatch, per micro-batch: the T x k choices sorted by expert (as LocalExperts sorts them), the per-expert
-counts exchanged by one small all-to-all and read on the host (the split sizes of what follows: the one host sync of
-a layer and micro-batch), the rows sent to their experts' ranks, sorted there by local expert and run as one grouped
-GEMM, sent back, then weighted, unsorted and summed per token in routing order as LocalExperts does: each token's
-outputs are the same sums as transformers'. Backward runs both exchanges in reverse (collectives.exchange_rows).
+A layer's dispatch, per micro-batch: the T x k choices sorted by expert (as LocalExperts sorts them), the counts of
+what each rank sends each other exchanged by one small all-to-all and read on the host (the split sizes of what
+follows: the one host sync of a layer and micro-batch), each token sent once to each rank holding one of its experts
+with its choices there, expanded there into its choices, sorted by local expert and run as one grouped GEMM, each
+choice's output sent back, then weighted, unsorted and summed per token in routing order as LocalExperts does: each
+token's outputs are the same sums as transformers'. Backward runs both exchanges in reverse
+(collectives.exchange_rows).
 Under activation checkpointing (keeping_dispatch) the first forward keeps the routing decision and both exchanges'
-outputs, so the recomputation in backward runs no collective and no host read (KeptDispatch).
+outputs (or, with moe.checkpoint_keeps_rows=false, the routing alone), so the recomputation in backward runs no
+collective (or the two row exchanges) and no host read (KeptDispatch).
 """
 import functools
 from typing import NamedTuple
@@ -92,14 +95,15 @@ class ExpertParallel:
         # read their count to the host a second time.
         pairs = torch.argsort(~present.t().reshape(-1), stable=True)[:sum(sent_tokens)]
         pair_rank, pair_token = pairs // num_tokens, pairs % num_tokens
-        choices = torch.where(expert_ids[pair_token] // local == pair_rank[:, None], expert_ids[pair_token] % local, -1)
+        pair_experts = expert_ids[pair_token]
+        choices = torch.where(pair_experts // local == pair_rank[:, None], pair_experts % local, -1)
         received_choices = choices.new_empty((sum(from_tokens), top_k))  # each received token's local experts, or -1
         collectives.all_to_all_single(received_choices, choices, from_tokens, sent_tokens, group=self.group)
-        choice_row, back_order = local_choices(received_choices, counts_from[:, local], sum(sum(row[:local])
-                                                                                          for row in from_rank))
+        choices_from = [sum(row[:local]) for row in from_rank]
+        choice_row, back_order = local_choices(received_choices, counts_from[:, local], sum(choices_from))
         return DispatchPlan(order, pair_token, sent_tokens, from_tokens, choice_row,
                             counts_from[:, :local].sum(dim=0), [sum(row[e] for row in from_rank) for e in range(local)],
-                            back_order, [sum(row[:local]) for row in to_rank], [sum(row[:local]) for row in from_rank])
+                            back_order, [sum(row[:local]) for row in to_rank], choices_from)
 
 
 def token_destinations(expert_ids, experts_per_rank, size):
