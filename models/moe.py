@@ -7,9 +7,9 @@ The experts are held fused, as transformers 5 holds them: `gate_up_proj` [E, 2I,
 `down_proj` [E, H, I]; GPT-OSS's transposed, [E, H, 2I] with gate and up interleaved and [E, I, H], with biases. The
 tokens are sorted by expert and run as one grouped GEMM per projection (torch's grouped_mm, where it has a kernel of
 its own for the dtype and device: fp32 or bf16 on the CPU, bf16 on CUDA sm90 and sm100), else as a loop over the
-experts' row blocks, whose sizes are read to the host once per layer, never once per expert. The order of every sum follows transformers' grouped_mm
-path (sort, project, weight, unsort, sum over the k choices), so the outputs are the same to the last bit where the
-kernels are.
+experts' row blocks, whose sizes are read to the host once per layer, never once per expert. The order of every
+sum follows transformers' grouped_mm path (sort, project, weight, unsort, sum over the k choices), so the outputs are
+the same to the last bit where the kernels are.
 
 The block routes, then hands the tokens to its dispatcher,
 

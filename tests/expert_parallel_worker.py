@@ -97,8 +97,9 @@ def replicated_expert_grads_when_a_rank_routes_no_row(rank, out_dir):
 def checkpointed_dispatch_exchanges(rank, out_dir):
     """One rank of expert parallelism 2: a sparse decoder layer (Qwen3-MoE's, padded rows) run plain and under each
     of DeepSpeed's checkpointing functions, with its dispatch kept (keeping_dispatch), with only its routing kept
-    and, to show what they save, recomputed: {run: [all-to-alls in forward, in backward, host syncs in backward, the outputs' and every gradient's
-    largest difference from the plain run's], "kept bytes": [the received tokens', the rows come back's]}."""
+    and, to show what they save, recomputed: {run: [all-to-alls in forward, in backward, host syncs in backward,
+    the outputs' and every gradient's largest difference from the plain run's], "kept bytes": [the received
+    tokens', the rows come back's]}."""
     from deepspeed import checkpointing
 
     import collectives
