@@ -15,7 +15,7 @@ from deepspeed_internals.registry import non_reentrant_checkpoint
 from models.architecture import architecture_of, check_model_config
 from models.attention import StageAttentionInputs
 from models.context_parallel import NO_CONTEXT_PARALLEL, ContextParallelAttentionInputs, build_context_parallel
-from models.expert_parallel import NO_EXPERT_PARALLEL, build_expert_parallel
+from models.expert_parallel import NO_EXPERT_PARALLEL, build_expert_parallel, keeping_dispatch
 from models.layout import expert_shard_file_name
 from models.lora import NO_LORA, add_adapters, freeze_all_but_adapters
 from models.loss import CausalLMLoss
@@ -225,7 +225,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
                           objective=PreferenceSettings(), seq_length=None, row_layout="packed", chunk_ids=None,
-                          expert_parallel_size=1, counts_step_loads=False):
+                          expert_parallel_size=1, counts_step_loads=False, checkpoint_keeps_rows=True):
     """The pipeline module of this rank's stage, with the parallelism its topology and sizes ask for applied to its
     layers and the loss its objective takes.
 
@@ -236,7 +236,9 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     to the built decoder layers, split like their projections, and everything else is frozen; row_layout (what the
     rows hold, data/collator.py) decides the masks, and seq_length the labels' width when they may be one wider than
     the rows (token shards). With counts_step_loads the router's loss also sums each step's expert loads, by which
-    DeepSeek-V3's bias balancing moves the routers' biases."""
+    DeepSeek-V3's bias balancing moves the routers' biases. Under expert parallelism a checkpointed block keeps its
+    sparse layers' routing and, with checkpoint_keeps_rows, their exchanged rows for the recomputation
+    (models/expert_parallel.py KeptDispatch)."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
@@ -253,6 +255,12 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                if objective.preference else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype,
                                                      seq_length, router))
     previous_dtype = torch.get_default_dtype()
+    # Under LoRA the frozen embedding's output takes no gradient: reentrant checkpointing of the first decoder layer
+    # would then give its adapters none either. With an auxiliary loss's sum a stage has two floating outputs, which
+    # DeepSpeed runs backward from one at a time: reentrant checkpointing frees its recomputation after the first.
+    checkpoint = non_reentrant_checkpoint if lora.enabled or moe_loss_sum else checkpointing.checkpoint
+    if experts.size > 1:  # a checkpointed block keeps its sparse layers' dispatch for the recomputation
+        checkpoint = keeping_dispatch(checkpoint, checkpoint_keeps_rows)
     torch.set_default_dtype(dtype or previous_dtype)
     try:
         module = LlamaPipeline(config, stage_bounds, parallel, layer_loader, context, chunk_ids, experts,
@@ -263,12 +271,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                                activation_checkpoint_interval=activation_checkpoint_interval,
                                # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.
                                checkpointable_layers=[DecoderLayerPipe.__name__],
-                               # Under LoRA the frozen embedding's output takes no gradient: reentrant checkpointing
-                               # of the first decoder layer would then give its adapters none either. With an
-                               # auxiliary loss's sum a stage has two floating outputs, which DeepSpeed runs backward
-                               # from one at a time: reentrant checkpointing frees its recomputation after the first.
-                               activation_checkpoint_func=(non_reentrant_checkpoint if lora.enabled or moe_loss_sum
-                                                           else checkpointing.checkpoint))
+                               activation_checkpoint_func=checkpoint)
         if lora.enabled:
             for local, layer in enumerate(module.forward_funcs):
                 if isinstance(layer, DecoderLayerPipe):

@@ -14,8 +14,10 @@ With `sequence_parallel` the residual stream between blocks holds 1/t of the tok
 so norms, residual adds and the tensors sent between stages shrink by t: a block's input is all-gathered once, by
 a forward pre-hook on the block (q, k and v share that one gather), and its output reduce-scattered by a forward hook.
 The parameters every rank holds whole but applies to its own tokens (norms, the row-parallel biases, a mixture's
-router and experts, the latent projections of multi-head latent attention) have their gradients summed over the
-group by a hook on the parameter: identical on every rank, as without sequence parallelism.
+router, the latent projections of multi-head latent attention) have their gradients summed over the group by a hook
+on the parameter: identical on every rank, as without sequence parallelism. A mixture's experts are summed so too,
+but once per step, at its boundary (sum_gradients_at_step, run by the engine: engines/pipeline_engine.py), not in
+every micro-batch's backward: their gradients are large and a rank's tokens few.
 
 A block's projections of its gathered input (BlockInputLinear) add their input gradients into one buffer of the
 pool (BufferPool), which the gather's backward reduce-scatters: the gradient over all tokens exists once per block.
@@ -460,6 +462,39 @@ def replicated(module, parallel):
                 sum_gradient_over_group(sub, name)
 
 
+def sum_gradients_at_step(module, parallel):
+    """A module every rank holds whole and applies to its own tokens, whose gradients are summed over the group once
+    per step rather than in each micro-batch's backward (sum_step_gradients, at the step's boundary): a mixture's
+    experts, whose gradients dwarf a rank's share of the activations (a Qwen3-30B-A3B layer's are ~1.2 GB against
+    the few MB of its tokens). Each rank accumulates its own tokens' gradient over the micro-batches; the sum over
+    the group is linear, so summing the accumulated gradients once gives every rank the gradient that summing each
+    micro-batch's would, in micro-batches fewer collectives."""
+    if parallel.sequence_parallel:
+        module.gradients_summed_at_step = True
+
+
+def step_summed_parameters(module):
+    """The trainable parameters whose gradients sum_gradients_at_step left to the step, in module order."""
+    params = {}
+    for sub in module.modules():
+        if getattr(sub, "gradients_summed_at_step", False):
+            params.update((id(p), p) for p in sub.parameters() if p.requires_grad)
+    return list(params.values())
+
+
+def sum_step_gradients(module, parallel, accumulated_gradient):
+    """At a step's boundary, before the data-parallel reduction and clipping: each gradient left to the step
+    summed over the group in place, accumulated_gradient(param) naming the tensor that holds it (.grad, or the
+    bf16 optimizer's fp32 one). Every rank of the group holds the same modules, so the collectives pair up."""
+    for param in step_summed_parameters(module):
+        grad = accumulated_gradient(param)
+        if grad is None:
+            raise RuntimeError(f"an expert parameter of shape {tuple(param.shape)} has no gradient at the step: its "
+                               f"tensor-parallel peers would wait for its sum; every sparse layer's experts must "
+                               f"take part in the backward.")
+        collectives.all_reduce(grad, group=parallel.group)
+
+
 def hook_gradient_sums(module, parallel):
     """The hooks summing over the group the gradients sum_gradient_over_group named, each parameter's once. A
     gradient a split backward leaves to W reaches the hook as None in B, and as itself at W."""
@@ -554,8 +589,8 @@ def mlp_plan(mlp, parallel, device, what="intermediate_size"):
 def moe_plan(block, parallel, device):
     """Each rank holds every expert whole and routes its own tokens: the sequence-parallel share of the tokens
     (each rank computes 1/t of the block, no collective), or without sequence parallelism all of them, as every
-    rank computes a norm. The router's and experts' gradients are then summed over the group as a norm's; the
-    shared expert splits like the dense MLP."""
+    rank computes a norm. The router's gradients are then summed over the group as a norm's, in each backward; the
+    experts', far larger, once per step (sum_gradients_at_step); the shared expert splits like the dense MLP."""
     moe = block.moe
     if not moe.sigmoid_routing:
         setattr(block, moe.router_name, stage_linear(getattr(block, moe.router_name), StageLinear, parallel))
@@ -565,7 +600,9 @@ def moe_plan(block, parallel, device):
     if hasattr(block, "shared_expert_gate"):
         block.shared_expert_gate = stage_linear(block.shared_expert_gate, StageLinear, parallel)
     for name, module in block.named_children():
-        if name != moe.shared_expert_name:
+        if name == "experts":
+            sum_gradients_at_step(module, parallel)
+        elif name != moe.shared_expert_name:
             replicated(module, parallel)
     if parallel.sequence_parallel:
         block.register_forward_pre_hook(lambda module, args: (args[0], TokenShare(args[1], parallel)))
@@ -653,7 +690,7 @@ def parallelize_adapters(layer, parallel):
                     replicated(done[id(current)], parallel)
             setattr(projection, factor, done[id(current)])
     for experts in [m for m in layer.modules() if isinstance(m, Experts) and hasattr(m, "lora_A")]:
-        replicated(experts, parallel)
+        sum_gradients_at_step(experts, parallel)
     hook_gradient_sums(layer, parallel)
 
 

@@ -52,6 +52,11 @@ FIGURES = {
                      "transformers eager CPU s median # (min #, max #)",
                      "pipeline speed-up over transformers eager: #x (rounds #-#)",
                      "pipeline speed-up over transformers grouped_mm: #x (rounds #-#)"],
+    "moe_dispatch_bytes.py": [*(f"{name}: # experts, top-#" for name in ("deepseek_v3", "qwen3_30b_a3b")),
+                              "ranks a token goes to: mean #, max #",
+                              "before: there # MiB + back # MiB a rank a layer forward, off the rank # MiB",
+                              "now: there # MiB + back # MiB a rank a layer forward, off the rank # MiB",
+                              "now / before: the way there #, a layer's forward and backward #, off the rank #"],
     "gated_delta_rule.py": ["transformers CPU s median # (min #, max #)", "pipeline CPU s median # (min #, max #)",
                             "speed-up over transformers: #x (rounds #-#)",
                             "max |pipeline - transformers| / max |transformers|: output #, input gradient #, weight "

@@ -90,7 +90,8 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
             objective=spec.preference, seq_length=cfg.seq_length if cfg.data.format == "indexed" else None,
             row_layout=row_layout(cfg.data),
             chunk_ids=rank_chunk_ids(cfg.pipeline_schedule, spec.num_stages, cfg.virtual_stages),
-            expert_parallel_size=cfg.expert_parallel_size, counts_step_loads=bool(cfg.moe.bias_update_rate))
+            expert_parallel_size=cfg.expert_parallel_size, counts_step_loads=bool(cfg.moe.bias_update_rate),
+            checkpoint_keeps_rows=cfg.moe.checkpoint_keeps_rows)
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
