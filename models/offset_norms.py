@@ -16,9 +16,14 @@ class OffsetRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).type_as(x)
+        return offset_rms_norm(x, self.weight, self.eps)
+
+
+def offset_rms_norm(x, weight, eps):
+    """OffsetRMSNorm's math over x's last dimension, which the decoder's RMSNorm takes with offset=True."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).type_as(x)
 
 
 class GatedRMSNorm(nn.Module):

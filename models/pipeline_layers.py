@@ -174,7 +174,7 @@ class DecoderLayerPipe(DecoderLayer):
     def forward(self, inputs):
         stage = self.stage.unpack(inputs)
         attention_inputs = self.stage_inputs(stage.hidden, stage.document_ids, stage.position_ids,
-                                             self.self_attn.window)
+                                             self.window)
         tokens = RoutedTokens.of(stage.document_ids) if self.sparse else None
         hidden, statistics = self.math(stage.hidden, attention_inputs, tokens)
         routing = stage.routing if statistics is None else stage.routing.with_layer(self.sparse_row, statistics)
