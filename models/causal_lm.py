@@ -55,13 +55,17 @@ class CausalLM(nn.Module):
         with torch.device("cpu"):
             self.inputs_of = {layout: StageAttentionInputs(config, layout) for layout in ("packed", "full")}
 
-    def forward(self, input_ids, attention_mask=None):
+    def forward(self, input_ids, attention_mask=None, document_ids=None, position_ids=None):
         """Logits (batch, seq, vocab) of input_ids (batch, seq); attention_mask: 1 on the tokens, 0 on padding
-        (transformers'), None for rows without padding."""
+        (transformers'), None for rows without padding. Packed rows instead: document_ids (0 on padding, k on a
+        row's k-th document) and position_ids (batch, seq), as the pipeline's collator gives them."""
         batch, seq = input_ids.shape
-        document_ids = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
-        positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)
-        inputs_of = self.inputs_of["full" if attention_mask is None else "packed"]
+        packed = attention_mask is not None or document_ids is not None
+        if document_ids is None:
+            document_ids = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+        positions = (torch.arange(seq, device=input_ids.device).expand(batch, seq) if position_ids is None
+                     else position_ids)
+        inputs_of = self.inputs_of["packed" if packed else "full"]
         hidden = self.model.embed_tokens(input_ids)
         hidden = hidden if self.embedding_multiplier == 1 else hidden * self.embedding_multiplier
         tokens = RoutedTokens.of(document_ids)
