@@ -192,7 +192,8 @@ class FinalNormPipe(RMSNorm):
 
     def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
         architecture = architecture_of(config)
-        super().__init__(config.hidden_size, config.rms_norm_eps, scale_in_fp32=architecture.norm_scale_in_fp32)
+        super().__init__(config.hidden_size, config.rms_norm_eps, scale_in_fp32=architecture.norm_scale_in_fp32,
+                         offset=architecture.offset_norms)
         replicated(self, parallel)
         hook_gradient_sums(self, parallel)
         self.logits_multiplier = 1 / architecture.logits_scaling

@@ -60,7 +60,8 @@ def pipeline_loss_and_grads(config, hf_model, batch, chunk_tokens):
     for layer in layers[:-1]:
         x = layer(x)
     x = lm_head(layers[0], x, chunk_tokens > 0) if config.tie_word_embeddings else layers[-1](x)
-    loss_fn = CausalLMLoss(chunk_tokens=chunk_tokens, router=LoadBalancingLoss(config))
+    loss_fn = CausalLMLoss(chunk_tokens=chunk_tokens,
+                           router=LoadBalancingLoss(config) if architecture_of(config).moe else None)  # a dense one
     loss = loss_fn(x, labels)
     loss.backward()
     grads = {(index, key): param.grad for index, layer in enumerate(layers) for key, param in layer.named_parameters()}

