@@ -670,7 +670,7 @@ def assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tens
             assert set(result["layer_files_opened"]) == own_layer_files(case["ds_dir"], result), case["name"]
             for kind, (norm, reference) in result["norms"].items():  # the clipping norm counts every expert once
                 assert norm == pytest.approx(reference, rel=1e-5), (case["name"], kind)
-            assert result["norms"]["experts"][1] > 0
+            assert result["norms"]["experts"][1] > 0 or not any(".experts." in n for n in result["ref_param_names"])
             split = case.get("expert_parallel", 1)  # each data-parallel rank holds its slice of every layer's experts
             assert all([first, count] == [result["dp_rank"] % split * total // split, total // split]
                        for first, count, total in result["expert_slices"].values()), case["name"]

@@ -32,3 +32,25 @@ def test_layers_equal_transformers_in_one_process(tmp_path, family, chunk_tokens
     expected = {name: grad for name, grad in expected.items()
                 if not (reference.config.tie_word_embeddings and name == "lm_head.weight")}
     assert_gradients_equal(grads, expected, family)
+
+
+# --- many processes ------------------------------------------------------------------------------------------------
+
+LAYOUTS = {  # name: (stages, world size, tensor parallel, {case suffix: options})
+    "1stage": (1, 1, 1, {"": {}}),
+    "2stages": (2, 2, 1, {"": {}}),
+    "4stages": (4, 4, 1, {"": {}}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_loss_and_gradients_equal_transformers_across_processes(tiny_hybrid_checkpoints, tmp_path, layout):
+    """One launch per layout runs every hybrid, its layer pattern split across the stages wherever the partition
+    falls: the per-micro-batch losses (padded rows) and every gradient after the reductions equal transformers';
+    each rank reads only its stage's layer files."""
+    from tests.test_moe import assert_parity_across_processes
+    num_stages, world_size, tensor_parallel, variants = LAYOUTS[layout]
+    cases = [dict(name=family + suffix, hf_dir=hf, ds_dir=ds, **options)
+             for suffix, options in variants.items() for family, (hf, ds) in tiny_hybrid_checkpoints.items()]
+    assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel)
