@@ -26,6 +26,12 @@ from models.gated_delta_rule import chunk_gated_delta_rule
 from models.offset_norms import GatedRMSNorm
 
 
+# The marker of a parameter transformers computes with in the dtype it is stored in, which a run keeps so whatever its
+# training dtype (models/pipeline_layers.py StagePlan.kept_in_fp32): Qwen3.5 stores A_log and the gated norm's weight
+# in fp32 beside bf16 weights (the decay and the norm then run in fp32), Qwen3.6 in bf16.
+KEPT_AS_STORED = "kept_as_stored"
+
+
 class LinearAttentionCarry(NamedTuple):
     """What a linear-attention layer hands from one stretch of a row to the stretch after it."""
     conv_inputs: torch.Tensor  # [B, kernel - 1, conv channels]: the convolution's last inputs (q|k|v projections)
@@ -82,6 +88,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_value_heads).uniform_(0.01, 16).log_())
         self.norm = GatedRMSNorm(value_head_dim, eps=rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        for param in (self.A_log, self.norm.weight):
+            setattr(param, KEPT_AS_STORED, True)
 
     @classmethod
     def from_config(cls, config):

@@ -26,8 +26,10 @@ from models.architecture import architecture_of
 from models.context_parallel import NO_CONTEXT_PARALLEL, ContextParallel, wrap_attention_cores
 from models.decoder import DecoderLayer
 from models.expert_parallel import NO_EXPERT_PARALLEL, ExpertParallel
+from models.linear_attention import KEPT_AS_STORED
 from models.moe import RoutedTokens
 from models.norms import RMSNorm
+from models.sigmoid_router import FP32_MARKER
 from models.tensor_parallel import (NO_TENSOR_PARALLEL, TensorParallel, hook_gradient_sums, mark_sharded, parallelize,
                                     replicated, vocabulary_rows)
 
@@ -117,6 +119,9 @@ class StagePlan:
     context: ContextParallel = NO_CONTEXT_PARALLEL
     experts: ExpertParallel = NO_EXPERT_PARALLEL
     device: str | None = None
+    # keys of a decoder layer's parameters marked KEPT_AS_STORED that the checkpoint stores in fp32: kept in fp32
+    # whatever the training dtype (checkpoints/layer_files.py fp32_stored_keys)
+    kept_in_fp32: frozenset = frozenset()
 
     def building(self):
         """Where the plain layer is built: on the meta device when the plan replaces its parameters by this rank's
@@ -130,6 +135,16 @@ class StagePlan:
         parallelize(layer, self.parallel, self.device)
         if self.context.size > 1:
             wrap_attention_cores(layer, self.context)
+        keep_in_fp32(layer, self.kept_in_fp32)
+
+
+def keep_in_fp32(layer, keys):
+    """The layer's parameters of `keys` that transformers computes with as stored (KEPT_AS_STORED) made fp32, and
+    marked so that the engines keep them fp32 beside the training dtype (models/sigmoid_router.py FP32_MARKER)."""
+    for key, param in layer.named_parameters():
+        if key in keys and getattr(param, KEPT_AS_STORED, False):
+            param.data = param.data.float()
+            setattr(param, FP32_MARKER, True)
 
 
 PLAIN_STAGE = StagePlan()

@@ -730,7 +730,7 @@ def transformers_steps(hf_dir, batches, micro_batch_size):
         for rows in torch.arange(input_ids.shape[0]).split(micro_batch_size):
             outputs = model(input_ids=input_ids[rows], attention_mask=(document_ids[rows] != 0).long(),
                             position_ids=position_ids[rows], labels=labels[rows])
-            aux_loss = 0.0 if outputs.aux_loss is None else outputs.aux_loss
+            aux_loss = getattr(outputs, "aux_loss", None) or 0.0  # a dense model has none
             cross_entropy = outputs.loss - coef * aux_loss
             loss = cross_entropy * (labels[rows, 1:] != -100).sum() / total_tokens + coef * aux_loss / count
             loss.backward()
