@@ -84,12 +84,20 @@ class GatedDeltaNet(nn.Module):
         # transformers' nn.Conv1d (depthwise, no bias): its weight [C, 1, K] under the same name
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel_size, groups=conv_dim, bias=False,
                                 padding=conv_kernel_size - 1)
-        self.dt_bias = nn.Parameter(torch.ones(num_value_heads))
-        self.A_log = nn.Parameter(torch.empty(num_value_heads).uniform_(0.01, 16).log_())
+        self.dt_bias = nn.Parameter(torch.empty(num_value_heads))
+        self.A_log = nn.Parameter(torch.empty(num_value_heads))
+        self.reset_parameters()
         self.norm = GatedRMSNorm(value_head_dim, eps=rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
         for param in (self.A_log, self.norm.weight):
             setattr(param, KEPT_AS_STORED, True)
+
+    def reset_parameters(self):
+        """transformers' initialisation of the parameters the module holds itself (the decays'): a parameter made
+        after a build on the meta device gets it (models/tensor_parallel.py materialize)."""
+        with torch.no_grad():
+            self.dt_bias.fill_(1.0)
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log_())
 
     @classmethod
     def from_config(cls, config):

@@ -15,6 +15,9 @@ class OffsetRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
+    def reset_parameters(self):
+        nn.init.zeros_(self.weight)
+
     def forward(self, x):
         return offset_rms_norm(x, self.weight, self.eps)
 
@@ -35,6 +38,9 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
 
     def forward(self, x, gate):
         dtype = x.dtype

@@ -77,3 +77,67 @@ def test_training_steps_equal_transformers(demo_model, demo_hybrids, tmp_path, f
     assert min(norms) > MAX_GRAD_NORM  # clipping acts on every step
     assert [r["loss"] for r in records] == pytest.approx(losses, abs=1e-4, rel=0)
     assert records[0]["grad_norm"] == pytest.approx(norms[0], rel=1e-4)
+
+
+# --- dtypes as stored, the multimodal checkpoint trained and exported ------------------------------------------------
+
+def multimodal_hub_checkpoint(demo_model, root, fp32):
+    """A tiny Qwen3.5 multimodal checkpoint as the hub ships it, over the demo model's tokenizer: bf16, the names in
+    `fp32` stored in fp32 (Qwen3.5's; Qwen3.6: none), a vision tower and the MTP layer; converted. {hf, ds}."""
+    import os
+    import shutil
+    from transformers import AutoConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from checkpoints.hf_to_ds import convert_hf_to_ds
+    from tests.hub_checkpoints import QWEN_VISION, hf_weights, mtp, rewrite_shards
+    tokens = AutoConfig.from_pretrained(demo_model["hf"])
+    text = {**HYBRID_CONFIGS["qwen3_5"]().to_dict(), "max_position_embeddings": 128,
+            **{field: getattr(tokens, field) for field in ("vocab_size", "bos_token_id", "eos_token_id",
+                                                          "pad_token_id")}}
+    config = Qwen3_5Config(text_config=text, vision_config=QWEN_VISION, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(std=0.1)
+            if name.endswith(fp32):
+                param.data = param.data.float()
+    hf, ds = root / "hf", root / "ds"
+    model.save_pretrained(hf, max_shard_size="20KB")
+    rewrite_shards(hf, {**hf_weights(hf), **mtp()})
+    for name in os.listdir(demo_model["hf"]):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(demo_model["hf"], name), hf)
+    convert_hf_to_ds(str(hf), str(ds))
+    return {"hf": str(hf), "ds": str(ds)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("release", ["qwen3_5", "qwen3_6"])
+def test_bf16_training_keeps_each_tensor_as_stored_through_checkpoint_and_export(demo_model, tmp_path, release):
+    """The multimodal checkpoint trained in bf16 (its text model; the vision tower and the MTP layer carried): the
+    fp32-stored A_log and gated-norm weights (Qwen3.5) stay fp32 in the training checkpoint's layer files and in the
+    export, and train; Qwen3.6's bf16 ones stay bf16; every other tensor keeps its dtype, the carried ones their
+    bits; the export loads in transformers as the original did."""
+    from transformers import Qwen3_5ForConditionalGeneration
+    from checkpoints.layer_files import mapped
+    from models.layout import layer_file_path
+    from tests.hub_checkpoints import FP32_AS_STORED, hf_weights
+    from tests.launch import check_ok, demo_overrides, launch_trainer
+    fp32 = FP32_AS_STORED if release == "qwen3_5" else ()
+    dirs = multimodal_hub_checkpoint(demo_model, tmp_path / "model", fp32)
+    out = tmp_path / "run"
+    check_ok(launch_trainer(1, demo_overrides(demo_model, out, model_name_or_path=dirs["ds"], precision="bf16",
+                                              max_steps=2, save_steps=2, eval_steps=0, logging_steps=1,
+                                              learning_rate=1e-2, export_hf="true")))
+    layer = mapped(layer_file_path(str(out / "global_step2"), 1))  # a linear-attention layer
+    expected = torch.float32 if fp32 else torch.bfloat16
+    assert layer["linear_attn.A_log"].dtype == layer["linear_attn.norm.weight"].dtype == expected
+    assert layer["linear_attn.in_proj_qkv.weight"].dtype == torch.bfloat16
+    before, after = hf_weights(dirs["hf"]), hf_weights(out / "hf")
+    assert set(after) == set(before)
+    assert {name: t.dtype for name, t in after.items()} == {name: t.dtype for name, t in before.items()}
+    assert all(torch.equal(after[name], before[name]) for name in before if name.startswith(("model.visual.", "mtp.")))
+    a_log = "model.language_model.layers.0.linear_attn.A_log"
+    assert not torch.equal(after[a_log], before[a_log])  # trained
+    exported, info = Qwen3_5ForConditionalGeneration.from_pretrained(out / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
