@@ -34,26 +34,53 @@ def test_layers_equal_transformers_in_one_process(tmp_path, family, chunk_tokens
     assert_gradients_equal(grads, expected, family)
 
 
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_tensor_parallelism_is_refused_in_one_line_before_anything_is_built(family):
+    """The linear-attention layers have no tensor-parallel plan yet: refused by the run's checks, naming the fix."""
+    from models.tensor_parallel import check_tensor_parallel_split
+    config = HYBRID_CONFIGS[family]()
+    check_tensor_parallel_split(config, 1)
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2 with .*no tensor-parallel plan yet; set "
+                                         r"tensor_parallel_size=1") as error:
+        check_tensor_parallel_split(config, 2)
+    assert "\n" not in str(error.value)
+
+
 # --- many processes ------------------------------------------------------------------------------------------------
 
-LAYOUTS = {  # name: (stages, world size, tensor parallel, {case suffix: options})
-    "1stage": (1, 1, 1, {"": {}}),
-    "2stages": (2, 2, 1, {"": {}}),
-    "4stages": (4, 4, 1, {"": {}}),
+LAYOUTS = {  # name: (stages, world size, tensor parallel, {case suffix: options}, families)
+    "1stage": (1, 1, 1, {"": {}}, HYBRIDS),
+    "2stages": (2, 2, 1, {"": {}}, HYBRIDS),
+    "4stages": (4, 4, 1, {"": {}}, HYBRIDS),
+    "2stages_x_2dp": (2, 4, 1, {"+checkpointing": {"checkpoint_interval": 1},
+                                "+zero_bubble": {"schedule": "zero_bubble"}}, ("qwen3_5", "qwen3_next")),
+    "2stages_x_ep2": (2, 4, 1, {"+ep2": {"expert_parallel": 2}}, ("qwen3_5_moe", "qwen3_next")),
 }
+# the linear attention's projections, whose weight gradients a zero-bubble schedule leaves to W
+LINEAR_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_loss_and_gradients_equal_transformers_across_processes(tiny_hybrid_checkpoints, tmp_path, layout):
-    """One launch per layout runs every hybrid, its layer pattern split across the stages wherever the partition
-    falls: the per-micro-batch losses (padded rows) and every gradient after the reductions equal transformers';
-    each rank reads only its stage's layer files."""
+    """One launch per layout runs the hybrids, their layer pattern split across the stages wherever the partition
+    falls: the per-micro-batch losses (padded rows) and every gradient after the data-parallel (and expert-parallel)
+    reductions equal transformers'; each rank reads only its stage's layer files; under the zero-bubble schedule the
+    linear attention's projections have their weight gradients computed at W."""
+    import glob
+    import json
     from tests.test_moe import assert_parity_across_processes
-    num_stages, world_size, tensor_parallel, variants = LAYOUTS[layout]
-    cases = [dict(name=family + suffix, hf_dir=hf, ds_dir=ds, **options)
-             for suffix, options in variants.items() for family, (hf, ds) in tiny_hybrid_checkpoints.items()]
+    num_stages, world_size, tensor_parallel, variants, families = LAYOUTS[layout]
+    cases = [dict(name=family + suffix, hf_dir=tiny_hybrid_checkpoints[family][0],
+                  ds_dir=tiny_hybrid_checkpoints[family][1], **options)
+             for suffix, options in variants.items() for family in families]
     assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel)
+    for path in glob.glob(str(tmp_path / "rank*.json")):
+        for name, result in json.load(open(path)).items():
+            if name.endswith("+zero_bubble"):
+                projections = {n for n in result["param_names"] if ".linear_attn." in n
+                               and n.rsplit(".", 2)[-2] in LINEAR_PROJECTIONS}
+                assert projections and projections <= set(result["deferred_weights"]), name
 
 
 # --- training ------------------------------------------------------------------------------------------------------
@@ -126,7 +153,7 @@ def test_bf16_training_keeps_each_tensor_as_stored_through_checkpoint_and_export
     fp32 = FP32_AS_STORED if release == "qwen3_5" else ()
     dirs = multimodal_hub_checkpoint(demo_model, tmp_path / "model", fp32)
     out = tmp_path / "run"
-    check_ok(launch_trainer(1, demo_overrides(demo_model, out, model_name_or_path=dirs["ds"], precision="bf16",
+    check_ok(launch_trainer(1, demo_overrides(demo_model, out, model_name_or_path=dirs["ds"], precision="bf16", zero_stage=1,
                                               max_steps=2, save_steps=2, eval_steps=0, logging_steps=1,
                                               learning_rate=1e-2, export_hf="true")))
     layer = mapped(layer_file_path(str(out / "global_step2"), 1))  # a linear-attention layer
