@@ -31,7 +31,8 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 
 
 def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL, context=NO_CONTEXT_PARALLEL,
-                          chunked_loss=False, row_layout="packed", experts=NO_EXPERT_PARALLEL, kept_in_fp32=frozenset()):
+                          chunked_loss=False, row_layout="packed", experts=NO_EXPERT_PARALLEL,
+                          kept_in_fp32=frozenset()):
     """Layer specs in pipeline index order (models/layout.py): embedding, decoder layers, final norm, LM head.
     chunked_loss: the head hands the loss its input and weight instead of logits (models/loss.py). row_layout:
     what the rows hold, which decides the attention masks (models/attention.py StageAttentionInputs). experts:

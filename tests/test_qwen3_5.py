@@ -141,9 +141,9 @@ def multimodal_hub_checkpoint(demo_model, root, fp32):
 @pytest.mark.slow
 @pytest.mark.parametrize("release", ["qwen3_5", "qwen3_6"])
 def test_bf16_training_keeps_each_tensor_as_stored_through_checkpoint_and_export(demo_model, tmp_path, release):
-    """The multimodal checkpoint trained in bf16 (its text model; the vision tower and the MTP layer carried): the
-    fp32-stored A_log and gated-norm weights (Qwen3.5) stay fp32 in the training checkpoint's layer files and in the
-    export, and train; Qwen3.6's bf16 ones stay bf16; every other tensor keeps its dtype, the carried ones their
+    """The multimodal checkpoint trained in bf16 over 2 stages (its text model; the vision tower and the MTP layer
+    carried): the fp32-stored A_log and gated-norm weights (Qwen3.5) stay fp32 in the training checkpoint's layer
+    files and in the export, and train; Qwen3.6's bf16 ones stay bf16; every other tensor keeps its dtype, the carried ones their
     bits; the export loads in transformers as the original did."""
     from transformers import Qwen3_5ForConditionalGeneration
     from checkpoints.layer_files import mapped
@@ -153,8 +153,8 @@ def test_bf16_training_keeps_each_tensor_as_stored_through_checkpoint_and_export
     fp32 = FP32_AS_STORED if release == "qwen3_5" else ()
     dirs = multimodal_hub_checkpoint(demo_model, tmp_path / "model", fp32)
     out = tmp_path / "run"
-    check_ok(launch_trainer(1, demo_overrides(demo_model, out, model_name_or_path=dirs["ds"], precision="bf16", zero_stage=1,
-                                              max_steps=2, save_steps=2, eval_steps=0, logging_steps=1,
+    check_ok(launch_trainer(2, demo_overrides(demo_model, out, model_name_or_path=dirs["ds"], precision="bf16",
+                                              zero_stage=1, max_steps=2, save_steps=2, eval_steps=0, logging_steps=1,
                                               learning_rate=1e-2, export_hf="true")))
     layer = mapped(layer_file_path(str(out / "global_step2"), 1))  # a linear-attention layer
     expected = torch.float32 if fp32 else torch.bfloat16
