@@ -83,6 +83,35 @@ def test_loss_and_gradients_equal_transformers_across_processes(tiny_hybrid_chec
                 assert projections and projections <= set(result["deferred_weights"]), name
 
 
+@pytest.mark.slow
+def test_adapters_on_the_linear_attention_match_peft(tiny_hybrid_checkpoints, tmp_path):
+    """LoRA on every projection of both token mixers (peft's names: Qwen3.5's in_proj_qkv / z / b / a and out_proj,
+    Qwen3-Next's fused in_proj_qkvz / in_proj_ba) over 2 stages: one step's loss and every adapter's gradient equal
+    peft's on transformers; the base takes no gradient; under zero-bubble the adapters' weight gradients go to W."""
+    from models.lora import LINEAR_PROJECTIONS, MLP_PROJECTIONS
+    from tests.test_lora import ATTENTION, LORA, run_lora_parity
+    targets = ATTENTION + LINEAR_PROJECTIONS + MLP_PROJECTIONS
+    cases = [dict(name="qwen3_5", model="qwen3_5", lora=dict(LORA, target_modules=targets)),
+             dict(name="qwen3_next+zero_bubble", model="qwen3_next", schedule="zero_bubble",
+                  lora=dict(LORA, target_modules=ATTENTION + LINEAR_PROJECTIONS))]
+    ranks = run_lora_parity(tiny_hybrid_checkpoints, tmp_path, cases, 2, 2)
+    for case in cases:
+        name = case["name"]
+        for rank in ranks:
+            result = rank[name]
+            assert result["mean_loss"] == pytest.approx(sum(result["ref_losses"]) / len(result["ref_losses"]),
+                                                         abs=1e-5), name
+            bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
+            assert not bad, f"{name}: adapter gradients differ from peft's: {bad}"
+            assert result["frozen_unchanged_without_grad"], name
+        compared = set().union(*(r[name]["grad_errors"] for r in ranks))
+        assert compared == set(ranks[0][name]["ref_param_names"])
+        assert any(".linear_attn.in_proj_" in n for n in compared), name
+        if case.get("schedule") == "zero_bubble":
+            deferred = set().union(*(r[name]["deferred_weights"] for r in ranks))
+            assert deferred and all(".lora_" in n for n in deferred), name
+
+
 # --- training ------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
