@@ -35,14 +35,13 @@ def test_layers_equal_transformers_in_one_process(tmp_path, family, chunk_tokens
 
 
 @pytest.mark.parametrize("family", HYBRIDS)
-def test_tensor_parallelism_is_refused_in_one_line_before_anything_is_built(family):
-    """The linear-attention layers have no tensor-parallel plan yet: refused by the run's checks, naming the fix."""
+def test_a_tensor_parallel_size_that_cannot_split_the_linear_heads_is_refused_in_one_line(family):
+    """Gated DeltaNet splits by key and value heads: a size that does not divide them is refused, naming them."""
     from models.tensor_parallel import check_tensor_parallel_split
     config = HYBRID_CONFIGS[family]()
-    check_tensor_parallel_split(config, 1)
-    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2 with .*no tensor-parallel plan yet; set "
-                                         r"tensor_parallel_size=1") as error:
-        check_tensor_parallel_split(config, 2)
+    check_tensor_parallel_split(config, 2)
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=4 does not divide .*linear_num_key_heads=2") as error:
+        check_tensor_parallel_split(config, 4)
     assert "\n" not in str(error.value)
 
 
@@ -55,6 +54,7 @@ LAYOUTS = {  # name: (stages, world size, tensor parallel, {case suffix: options
     "2stages_x_2dp": (2, 4, 1, {"+checkpointing": {"checkpoint_interval": 1},
                                 "+zero_bubble": {"schedule": "zero_bubble"}}, ("qwen3_5", "qwen3_next")),
     "2stages_x_ep2": (2, 4, 1, {"+ep2": {"expert_parallel": 2}}, ("qwen3_5_moe", "qwen3_next")),
+    "2stages_x_tp2": (2, 4, 2, {"+sp": {}, "": {"sequence_parallel": False}}, HYBRIDS),
 }
 # the linear attention's projections, whose weight gradients a zero-bubble schedule leaves to W
 LINEAR_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
