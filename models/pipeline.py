@@ -31,10 +31,12 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 
 
 def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL, context=NO_CONTEXT_PARALLEL,
-                          chunked_loss=False, row_layout="packed", experts=NO_EXPERT_PARALLEL):
+                          chunked_loss=False, row_layout="packed", experts=NO_EXPERT_PARALLEL,
+                          kept_in_fp32=frozenset()):
     """Layer specs in pipeline index order (models/layout.py): embedding, decoder layers, final norm, LM head. Under
     the chunked loss the head hands the loss its input and weight instead of logits; what the rows hold (row_layout)
-    decides the attention masks, and `experts` where each sparse layer's experts are."""
+    decides the attention masks, `experts` where each sparse layer's experts are, and kept_in_fp32 the decoder
+    layers' keys kept in fp32 as the checkpoint stores them (models/pipeline_layers.py StagePlan)."""
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl '{attention_impl}' is not one of {ATTENTION_IMPLS}.")
     stage_inputs = (ContextParallelAttentionInputs(config, context, row_layout) if context.size > 1
@@ -45,7 +47,7 @@ def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARA
     head = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel,
                           forward_fn=functools.partial(lm_head, chunked_loss=chunked_loss))
             if tied else LayerSpec(LMHeadPipe, config, parallel, chunked_loss))
-    plan = StagePlan(attention_impl, parallel, context, experts)
+    plan = StagePlan(attention_impl, parallel, context, experts, kept_in_fp32=frozenset(kept_in_fp32))
     decoders = [LayerSpec(DecoderLayerPipe, config, stage_inputs, index, plan)
                 for index in range(config.num_hidden_layers)]
     return [embedding, *decoders, LayerSpec(FinalNormPipe, config, parallel), head]
@@ -225,7 +227,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
                           objective=PreferenceSettings(), seq_length=None, row_layout="packed", chunk_ids=None,
-                          expert_parallel_size=1, counts_step_loads=False, checkpoint_keeps_rows=True):
+                          expert_parallel_size=1, counts_step_loads=False, checkpoint_keeps_rows=True,
+                          kept_in_fp32=frozenset()):
     """The pipeline module of this rank's stage, with the parallelism its topology and sizes ask for applied to its
     layers and the loss its objective takes.
 
@@ -238,7 +241,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     the rows (token shards). With counts_step_loads the router's loss also sums each step's expert loads, by which
     DeepSeek-V3's bias balancing moves the routers' biases. Under expert parallelism a checkpointed block keeps its
     sparse layers' routing and, with checkpoint_keeps_rows, their exchanged rows for the recomputation
-    (models/expert_parallel.py KeptDispatch)."""
+    (models/expert_parallel.py KeptDispatch); kept_in_fp32 names the decoder layers' parameters kept in fp32 as their
+    checkpoint stores them (models/pipeline_layers.py StagePlan)."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
@@ -266,7 +270,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
         module = LlamaPipeline(config, stage_bounds, parallel, layer_loader, context, chunk_ids, experts,
                                layers=build_pipeline_layers(config, attention_impl, parallel, context,
                                                             chunked_loss=loss_chunk_tokens > 0,
-                                                            row_layout=row_layout, experts=experts),
+                                                            row_layout=row_layout, experts=experts,
+                                                            kept_in_fp32=kept_in_fp32),
                                topology=topology, loss_fn=loss_fn,
                                activation_checkpoint_interval=activation_checkpoint_interval,
                                # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.
