@@ -215,8 +215,8 @@ class BufferPool:
 
 def all_reduce_copy(tensor, group):
     # A copy: never sum in place into a tensor autograd may still hand to another consumer. Contiguous: the
-    # collective sums the ranks' memory element by element, and a gradient's layout may differ between ranks (an
-    # expert's from the grouped GEMM transposed, from an empty row block not: tests/test_expert_parallel.py).
+    # collective sums the ranks' memory element by element, and a gradient's layout may differ between ranks (as an
+    # expert's did, from the grouped GEMM transposed and from an empty row block not, when experts were summed here).
     tensor = tensor.clone(memory_format=torch.contiguous_format)
     collectives.all_reduce(tensor, group=group)
     return tensor
