@@ -101,6 +101,7 @@ FIGURES = {
             "tp2, sequence parallel, gather recomputed")),
         "tp2, sequence parallel, gather recomputed: pool on rank 0: gather float32 # elements (# MiB), input_grad "
         "float32 # elements (# MiB); gathers over the steps: # into the pool (1 distinct storage)"],
+    "stage_cpu.py": ["this tree: CPU s per micro-batch median # (rounds #-#)"],
     "tp_collectives.py": [f"{family}: per decoder layer # collectives (forward #, backward #: all_gather_single #, "
                           "all_reduce #, reduce_scatter_single #); embedding, final norm and head #"
                           for family in ("llama3", "qwen3_moe")],
