@@ -230,7 +230,7 @@ def tensors_for_rank(saved, targets, rank, size, where):
             continue
         blocks = getattr(target, "tensor_parallel_blocks", None)
         if blocks is not None:  # cut per block (the linear attention's q, k, v): the whole tensor, then this share
-            dim = target.tensor_parallel_dim
+            dim = getattr(target, "tensor_parallel_dim", None) or 0  # its rows, split or (size 1) whole
             state[key] = shard_of(joined_shards([s[key] for s in saved], dim, blocks), dim, rank, size, blocks)
             continue
         differing = [d for d, (a, b) in enumerate(zip(first.shape, target.shape)) if a != b]

@@ -45,6 +45,46 @@ def test_a_tensor_parallel_size_that_cannot_split_the_linear_heads_is_refused_in
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_tensor_parallel_shards_cut_the_linear_attention_per_head_and_load_at_any_size(family):
+    """Under tensor parallelism 2 each rank's in_proj_qkv and convolution channels are its key heads' q and k and
+    its value heads' v (shard_of's blocks), and a layer saved as 2 slices loads whole into an unsplit layer and back
+    into each rank's slice: resharding and export join the blocks as they were cut."""
+    from checkpoints.layer_files import tensors_for_rank
+    from models.pipeline_layers import decoder_on_meta
+    from models.tensor_parallel import joined_shards, shard_of
+    config = HYBRID_CONFIGS[family]()
+    whole, halves = decoder_on_meta(config, 1, layer_index=0), decoder_on_meta(config, 2, layer_index=0)
+    state = {key: torch.randn(tensor.shape) for key, tensor in whole.state_dict().items()}
+    targets = dict(halves.named_parameters())
+    saved = [{key: shard_of(tensor, targets[key].tensor_parallel_dim, rank, 2,
+                            getattr(targets[key], "tensor_parallel_blocks", None))
+              if getattr(targets[key], "tensor_parallel_dim", None) is not None else tensor
+              for key, tensor in state.items()} for rank in range(2)]
+    channels = saved[0]["linear_attn.conv1d.weight"][:, 0, 0]
+    key_dim, value_dim = 2 * 8, 4 * 8  # 2 key heads and 4 value heads of 8
+    q, k, v = state["linear_attn.conv1d.weight"][:, 0, 0].split([key_dim, key_dim, value_dim])
+    assert torch.equal(channels, torch.cat([q[:8], k[:8], v[:16]]))  # key head 0, value heads 0 and 1
+    loaded = tensors_for_rank(saved, dict(whole.named_parameters()), 0, 1, "test")
+    assert all(torch.equal(loaded[key], state[key]) for key in state)
+    for rank in range(2):
+        again = tensors_for_rank([state], targets, rank, 2, "test")
+        assert all(torch.equal(again[key], saved[rank][key]) for key in state)
+    dim, blocks = 0, targets["linear_attn.conv1d.weight"].tensor_parallel_blocks
+    assert torch.equal(joined_shards([s["linear_attn.conv1d.weight"] for s in saved], dim, blocks),
+                       state["linear_attn.conv1d.weight"])
+
+
+def test_an_adapter_on_in_proj_qkv_under_tensor_parallelism_is_refused_in_one_line():
+    from models.lora import LoraSettings, check_lora_applies
+    config = HYBRID_CONFIGS["qwen3_5"]()
+    settings = LoraSettings(rank=4, target_modules=("q_proj", "in_proj_qkv"))
+    check_lora_applies(config, settings, 1)
+    check_lora_applies(config, LoraSettings(rank=4, target_modules=("q_proj", "in_proj_z")), 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: in_proj_qkv splits per q/k/v block"):
+        check_lora_applies(config, settings, 2)
+
+
 # --- many processes ------------------------------------------------------------------------------------------------
 
 LAYOUTS = {  # name: (stages, world size, tensor parallel, {case suffix: options}, families)
