@@ -230,7 +230,7 @@ def tensors_for_rank(saved, targets, rank, size, where):
             continue
         blocks = getattr(target, "tensor_parallel_blocks", None)
         if blocks is not None:  # cut per block (the linear attention's q, k, v): the whole tensor, then this share
-            dim = target.tensor_parallel_dim
+            dim = getattr(target, "tensor_parallel_dim", None) or 0  # its rows, split or (size 1) whole
             state[key] = shard_of(joined_shards([s[key] for s in saved], dim, blocks), dim, rank, size, blocks)
             continue
         differing = [d for d, (a, b) in enumerate(zip(first.shape, target.shape)) if a != b]
@@ -271,8 +271,11 @@ def read_into(path, state, pieces):
     staging = None
     with open(path, "rb") as f:
         for key, source, target in pieces:
+            # a view of the file's tensor is read straight from its bytes; a tensor made from it (a shard cut per
+            # block, models/tensor_parallel.py shard_of) is copied
             if offsets is not None and (target.dtype, target.shape) == (source.dtype, source.shape) and \
-                    target.is_contiguous() and source.is_contiguous() and target.numel():
+                    target.is_contiguous() and source.is_contiguous() and target.numel() and \
+                    source.untyped_storage().data_ptr() == state[key].untyped_storage().data_ptr():
                 offset = offsets[key] + (source.storage_offset() - state[key].storage_offset()) * source.element_size()
                 if target.device.type == "cpu":
                     read_exactly(f.fileno(), target.view(torch.uint8).reshape(-1).numpy(), offset)

@@ -155,13 +155,17 @@ def peft_target_modules(config, target_modules):
     return fused + [name for name in target_modules if not any(name in parts for parts in groups.values())]
 
 
-def check_lora_applies(config, settings):
+def check_lora_applies(config, settings, tensor_parallel=1):
     """Targets a peft adapter on this model can hold, before any work. Names the model lacks are left out, as peft
     leaves them, but some must reach something. peft adapts Phi-3's fused qkv_proj and gate_up_proj as single
     projections (one A over q, k and v), so the pipeline's parts of one take adapters together; on a mixture of
     experts peft's reading of the MLP names must be whole (gate_proj with up_proj) and single (not beside
     experts.*), and peft's adapters on the experts take no dropout."""
     targets = settings.target_modules
+    if tensor_parallel > 1 and "in_proj_qkv" in targets and "in_proj_qkv" in model_targets(config):
+        raise ValueError(f"lora.target_modules {list(targets)} with tensor_parallel_size={tensor_parallel}: "
+                         f"in_proj_qkv splits per q/k/v block over the ranks, which its adapter's B does not yet; "
+                         f"leave in_proj_qkv out or set tensor_parallel_size=1.")
     for fused, parts in fused_target_groups(config).items():
         targeted = [name for name in parts if name in targets]
         if targeted and len(targeted) != len(parts):

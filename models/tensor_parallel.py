@@ -651,7 +651,7 @@ def linear_attention_plan(mixer, parallel, device):
     its input; the gated norm's per-head weight whole, its gradient summed over the group."""
     heads = (mixer.num_key_heads, "linear_num_key_heads")
     parallel.local(mixer.num_value_heads, "linear_num_value_heads")
-    qkv = (mixer.key_dim, mixer.key_dim, mixer.value_dim)
+    qkv = mixer.conv1d.weight.tensor_parallel_blocks
     column = functools.partial(stage_linear, cls=ColumnParallelLinear, parallel=parallel, split_dim=0, check=heads,
                                device=device)
     if hasattr(mixer, "in_proj_qkvz"):

@@ -121,7 +121,7 @@ def test_unsupported_model_type_lists_supported(tmp_path):
 
 
 @pytest.mark.parametrize("model_type,nearest", [("olmo3", "olmoe"), ("granitemoe", "granite"), ("phimoe", "phi3"),
-                                               ("gemma2", None)])
+                                               ("qwen3_5_vl", "qwen3_5"), ("gemma2", None)])
 def test_unsupported_family_names_the_nearest_supported_one(model_type, nearest):
     """The families whose names say they are close (their MoE or next versions) are named; others only the list."""
     from types import SimpleNamespace
@@ -135,7 +135,7 @@ def test_unsupported_family_names_the_nearest_supported_one(model_type, nearest)
                                        "qwen3_next, qwen3_5, qwen3_5_moe (the LLaMA layout, its mixtures of experts "
                                        "and the Gated DeltaNet hybrids)")
     assert str(error.value).endswith(f"; the nearest is '{nearest}', whose layers differ from it." if nearest
-                                     else "(the LLaMA layout and its mixtures of experts).")
+                                     else "(the LLaMA layout, its mixtures of experts and the Gated DeltaNet hybrids).")
 
 
 def test_dropout_is_refused_for_training_only_naming_the_field(tmp_path):
