@@ -222,7 +222,8 @@ def record(stages, micro_batches, batches, zero_bubble=None, experts=False):
     sent = collections.defaultdict(collections.deque)
     programs = []
     for stage in range(stages):
-        module = types.SimpleNamespace(parallel=types.SimpleNamespace(), get_tied_weights_and_groups=list)
+        module = types.SimpleNamespace(parallel=types.SimpleNamespace(), get_tied_weights_and_groups=list,
+                                       modules=list)
         engine = handlers_only_pipeline_engine(Grid(stage, stages), module, micro_batches, torch.device("cpu"))
         if zero_bubble is not None:
             use_zero_bubble(engine, **zero_bubble)
@@ -493,7 +494,8 @@ def record_chunked(schedule, stages, micro_batches, batches, virtual_stages=1, m
                                                             for link, tensors in sent.items()})
         sent, broadcasts, recorded = collections.defaultdict(collections.deque), [], []
         for rank in range(stages):
-            module = types.SimpleNamespace(parallel=types.SimpleNamespace(), get_tied_weights_and_groups=list)
+            module = types.SimpleNamespace(parallel=types.SimpleNamespace(), get_tied_weights_and_groups=list,
+                                       modules=list)
             engine = handlers_only_pipeline_engine(Grid(rank, stages), module, micro_batches, torch.device("cpu"))
             use_chunked_pipeline(engine, schedule, virtual_stages if schedule == "interleaved_1f1b" else None,
                                  max_waiting)
