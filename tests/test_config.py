@@ -239,3 +239,11 @@ def test_threads_per_rank_share_the_cores_the_process_may_use_not_the_machines(c
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert int(result.stdout.split()[-1]) == threads
+
+
+def test_the_suites_process_keeps_one_thread_when_a_test_runs_the_trainer_in_it():
+    """run() (tests/launch.py run_in_process) sets its process's threads first: the suite's own stays at one
+    (tests/conftest.py), or every later test of the worker pays a second thread's spin-waits."""
+    from cluster.distributed import set_threads_per_process
+    set_threads_per_process()
+    assert torch.get_num_threads() == 1
