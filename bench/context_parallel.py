@@ -34,6 +34,7 @@ def micro_batch(seq, vocab, seed):
 def worker(rank, seq, rounds, steps):
     import deepspeed
 
+    from models.loss import split_micro_batch
     from models.pipeline import build_pipeline_module
     from cluster.distributed import init_distributed, parallel_topology
 
@@ -49,7 +50,7 @@ def worker(rank, seq, rounds, steps):
             "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
             "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}})
         replica, _ = module.context.replica(engine.grid.data_parallel_id, 2)
-        batches = [module.context.split_micro_batch(micro_batch(seq, config.vocab_size, seed=replica * 100 + i))
+        batches = [split_micro_batch(module.context, micro_batch(seq, config.vocab_size, seed=replica * 100 + i))
                    for i in range(GLOBAL_SEQUENCES // replicas)]
         engines[name] = (engine, module, batches)
     activations = {name: saved_activation_bytes(module, batches[0]) for name, (_, module, batches) in engines.items()}

@@ -91,6 +91,26 @@ def exchange_rows(tensor, output_split_sizes, input_split_sizes, group):
     return _AllToAllRows.apply(tensor, list(output_split_sizes), list(input_split_sizes), group)
 
 
+class _KeptRows(torch.autograd.Function):
+    """An exchange's output kept from an earlier forward (a checkpointed layer's recomputation), standing for the
+    exchange of `tensor` without communicating; its backward is the exchange's, the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, tensor, kept, output_split_sizes, input_split_sizes, group):
+        ctx.splits, ctx.group = (input_split_sizes, output_split_sizes), group
+        return kept.view_as(kept)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAllRows.apply(grad, *ctx.splits, ctx.group), None, None, None, None
+
+
+def kept_exchange(tensor, kept, output_split_sizes, input_split_sizes, group):
+    """What exchange_rows(tensor, ...) returned in an earlier forward (`kept`), returned again without communicating;
+    backward sends each row's gradient back where it came from, as exchange_rows' does."""
+    return _KeptRows.apply(tensor, kept, list(output_split_sizes), list(input_split_sizes), group)
+
+
 def isend(tensor, peer):
     check_on_device(tensor)
     return dist.isend(tensor, peer)

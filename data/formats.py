@@ -13,7 +13,7 @@ from typing import Any
 import datasets
 
 from errors import ConfigError
-from models.labels import IGNORE_INDEX
+from models import IGNORE_INDEX
 FORMATS = ("pretokenized", "text", "instruction", "chat", "preference", "indexed")  # indexed: data/indexed.py
 FORMAT_FIELDS = {"pretokenized": ("input_ids",), "instruction": ("prompt", "response"), "chat": ("messages",),
                  "preference": ("chosen", "rejected")}

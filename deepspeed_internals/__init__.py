@@ -39,7 +39,10 @@ Through this module, checked against DeepSpeed 0.19.8 (CHECKED_VERSION), with wh
 - The pipeline engine's instruction state the zero-bubble handlers share with DeepSpeed's: pipe_buffers,
   pipe_recv_buf and _recv_tensor_meta, first_output_send and _send_tensor_meta, grad_layer, _exec_backward_pass,
   dynamic_shape / has_bool_tensors / is_pipe_partitioned (paths it refuses), using_bf16_optimizer with
-  BF16_Optimizer.clear_lp_grads / update_hp_grads (the bf16 optimizer's per-backward gradient hand-off);
+  BF16_Optimizer.clear_lp_grads / update_hp_grads (the bf16 optimizer's per-backward gradient hand-off) and the
+  _hp_grad it sets on each parameter (the fp32 sum of its micro-batches' gradients, which the tensor-parallel sums
+  left to the step read, as PipelineEngine._exec_reduce_tied_grads reads it), and for ZeRO-1's own optimizer
+  DeepSpeedZeroOptimizer.get_param_gradient_attribute (.grad, or grad_accum where it sums in another dtype);
   TrainSchedule._buffer_idx (a micro-batch's pipe buffer).
 - The chunked engine (engines/chunked_engine.py, several chunks per rank) runs DeepSpeed's _exec_forward_pass,
   _exec_load_micro_batch and _exec_backward_pass per chunk and overrides is_first_stage, is_last_stage and

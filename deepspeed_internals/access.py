@@ -198,6 +198,17 @@ def uses_bf16_optimizer(engine):
     return engine.using_bf16_optimizer
 
 
+def accumulated_gradient(engine, param):
+    """The tensor holding a parameter's gradient summed over the step's micro-batches: the bf16 optimizer's fp32
+    one (it adds each backward's .grad into it), ZeRO-1's (.grad, or where it sums in another dtype than the
+    weights', fp16 or offloaded with fp32 sums, its grad_accum), else .grad."""
+    if engine.using_bf16_optimizer:
+        return getattr(param, "_hp_grad", None)
+    if isinstance(engine.optimizer, EXPORTED["DeepSpeedZeroOptimizer"].resolve()):
+        return engine.optimizer.get_param_gradient_attribute(param)
+    return param.grad
+
+
 def clear_bf16_optimizer_grads(optimizer):
     """The bf16 optimizer clears the parameters' .grad (already added into its fp32 gradients)."""
     optimizer.clear_lp_grads()

@@ -265,6 +265,11 @@ INTERNALS = (
                    "dynamic_shape", "has_bool_tensors", "is_pipe_partitioned")),
     Internal(f"{BF16_OPTIMIZER}.clear_lp_grads", "which the zero-bubble W calls", ("self", "set_to_none")),
     Internal(f"{BF16_OPTIMIZER}.update_hp_grads", "which the zero-bubble W calls", ("self", "clear_lp_grads")),
+    # Where a step's accumulated gradient is, for the tensor-parallel sums left to the step (engines/pipeline_engine.py)
+    Internal(BF16_OPTIMIZER, "whose fp32 gradient sums the tensor-parallel sums at the step read",
+             mentions="lp._hp_grad = hp_grad"),
+    Internal(f"{ZERO_OPTIMIZER}.get_param_gradient_attribute", "where ZeRO-1 accumulates a gradient (.grad, or its "
+             "grad_accum in another dtype), which the tensor-parallel sums at the step read", ("self", "param")),
     Internal("deepspeed.runtime.pipe.schedule:TrainSchedule._buffer_idx", "which the zero-bubble schedule calls",
              ("self", "micro_batch_id")),
     # The pipeline module (models/pipeline.py) and the per-layer optimizer state (checkpoints/optimizer_state.py).

@@ -20,12 +20,13 @@ from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 import collectives
-from deepspeed_internals.access import (activation_buffer, add_grads_to_bf16_optimizer, add_instruction_handlers,
-                                        clear_bf16_optimizer_grads, pipe_buffer, receive_activation_shapes_once,
-                                        received_gradients, run_backward_pass, send_activation_shapes_once,
-                                        sends_need_deepspeed_handlers, set_pipe_buffer, set_received_gradients,
-                                        uses_bf16_optimizer)
+from deepspeed_internals.access import (accumulated_gradient, activation_buffer, add_grads_to_bf16_optimizer,
+                                        add_instruction_handlers, clear_bf16_optimizer_grads, pipe_buffer,
+                                        receive_activation_shapes_once, received_gradients, run_backward_pass,
+                                        send_activation_shapes_once, sends_need_deepspeed_handlers, set_pipe_buffer,
+                                        set_received_gradients, uses_bf16_optimizer)
 from errors import ConfigError
+from models.tensor_parallel import sum_step_gradients
 from models.weight_grads import WeightGradQueue
 from engines.zero_bubble_schedule import (BackwardInputPass, BackwardWeightPass, PostRecvActivation, WaitRecvActivation,
                                           ZeroBubbleSchedule)
@@ -62,9 +63,17 @@ class OneBackwardPipelineEngine(PipelineEngine):
         super()._exec_backward_pass(buffer_id)
         set_received_gradients(self, grads)
 
+    def _exec_reduce_tied_grads(self):
+        """DeepSpeed's sums of the tied weights' gradients, then the tensor-parallel sums left to the step (a
+        mixture's experts under sequence parallelism, models/tensor_parallel.py sum_gradients_at_step): after every
+        backward (and W) of the step, before the data-parallel reduction and clipping."""
+        super()._exec_reduce_tied_grads()
+        sum_step_gradients(self.module, self.module.parallel, lambda param: accumulated_gradient(self, param))
+
 
 add_instruction_handlers(OneBackwardPipelineEngine, {
     schedule.BackwardPass: OneBackwardPipelineEngine._exec_backward_pass,
+    schedule.ReduceTiedGrads: OneBackwardPipelineEngine._exec_reduce_tied_grads,
 })
 
 

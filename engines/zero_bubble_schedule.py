@@ -30,8 +30,8 @@ class ZeroBubbleSchedule(TrainSchedule):
     TrainSchedule's: a buffer holds a micro-batch from its F to its B, and those run in 1F1B's order.
 
     The first stage runs each B and its W as one undivided BackwardPass, 1F1B's: its order puts every W right
-    after its own B, and no stage waits for the first stage's input gradient, so splitting would only cost (the
-    split backward computes 2-5% slower on this project's CPU, bench/pipeline_efficiency.py)."""
+    after its own B, and no stage waits for the first stage's input gradient, so splitting would only cost (a split
+    backward computes slower than an undivided one: bench/README.md)."""
 
     def __init__(self, micro_batches, stages, stage_id, max_waiting=None):
         super().__init__(micro_batches, stages, stage_id)

@@ -6,6 +6,7 @@ carry no labels, and every micro-batch loss is weighted by its number of labelle
 the ranks of a context group read the same examples (sharded by replica) and each takes its tokens of them.
 """
 import math
+from functools import partial
 
 import torch
 from torch.utils.data import DataLoader
@@ -16,6 +17,7 @@ from data.collator import collate, empty_row
 from data.loader import check_identical_across_group
 from deepspeed_internals.access import clear_total_loss
 from engines.sequence_length import use_sequence_length
+from models.loss import split_micro_batch
 from models.preference import PreferenceLoss
 
 
@@ -49,24 +51,20 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
         loader = DataLoader(PaddedShard(dataset, dp_rank, dp_size, micro_batch), batch_size=micro_batch,
                             collate_fn=lambda rows: collate(rows, cfg.seq_length, pad_id))
         units = engine.module.loss_fn.units  # labelled tokens, or scored pairs
-        batches = (token_counts.append(int(units(b[1], whole=True))) or context.split_micro_batch(b) for b in loader)
+        batches = (token_counts.append(int(units(b[1], whole=True))) or split_micro_batch(context, b) for b in loader)
         if cfg.tensor_parallel_size > 1:
             batches = check_identical_across_group(batches, engine.grid.get_slice_parallel_group())
     loss_fn = engine.module.loss_fn
-    preference = isinstance(loss_fn, PreferenceLoss)
-    if preference:  # the training window's metric sums, set aside
-        training_totals, loss_fn.totals = loss_fn.totals, None
-    aux_terms = []  # each micro-batch's load-balancing term (an MoE model's), appended by the loss
-    if not preference:
-        loss_fn.aux_terms = aux_terms
+    preference = isinstance(loss_fn, PreferenceLoss)  # its evaluation's metric sums are kept apart from training's
     loss_sum, cross_entropy_sum, tokens = 0.0, 0.0, 0
     use_sequence_length(engine, cfg.seq_length // context.size)  # rows of seq_length, whatever training's last were
     with ProgressBar(num_micro_batches, "eval", leave=False) as bar:
         for start in range(0, num_micro_batches, cfg.gradient_accumulation_steps):
             chunk = min(cfg.gradient_accumulation_steps, num_micro_batches - start)
             losses = engine.eval_batch(batches, reduce_output=None, bcast_loss=False, num_micro_batches=chunk)
-            terms = [float(term) for term in aux_terms] or [0.0] * chunk
-            aux_terms.clear()
+            # each micro-batch's load-balancing term (an MoE model's), which its loss holds
+            terms = [] if preference else [float(term) for term in loss_fn.take_aux_terms()]
+            terms = terms or [0.0] * chunk
             if engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0:  # once per tensor-parallel group
                 for loss, count, term in zip(losses, token_counts[start:start + chunk], terms):
                     if count:  # each context rank holds size x its share of the loss (ContextParallel.loss)
@@ -74,16 +72,12 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
                         cross_entropy_sum += (float(loss) - term) * count / context.size
                         tokens += count / context.size
             bar.update(chunk)
-    if not preference:
-        loss_fn.aux_terms = None
     # Only last-stage ranks hold losses; a world-wide sum gives every rank the total.
     totals = torch.tensor([loss_sum, cross_entropy_sum, tokens], dtype=torch.float64, device=collectives.device())
     collectives.all_reduce(totals)
     mean = (totals[0] / totals[2]).item() if totals[2] else float("nan")
     if preference:
-        metrics = loss_fn.take_metrics()
-        loss_fn.totals = training_totals
-        return mean, metrics
+        return mean, loss_fn.take_metrics(evaluation=True)
     cross_entropy = (totals[1] / totals[2]).item() if totals[2] else float("nan")
     return mean, math.exp(min(cross_entropy, 80.0))
 
@@ -103,9 +97,9 @@ def score_examples(engine, dataset, dataset_length, cfg, pad_id, width, per_exam
     batches = None
     if dataset is not None:
         shard = PaddedShard(dataset, dp_rank, dp_size, micro_batch)
-        batches = map(context.split_micro_batch, DataLoader(shard, batch_size=micro_batch,
-                                                            collate_fn=lambda rows: collate(rows, cfg.seq_length,
-                                                                                            pad_id)))
+        loader = DataLoader(shard, batch_size=micro_batch,
+                            collate_fn=lambda rows: collate(rows, cfg.seq_length, pad_id))
+        batches = map(partial(split_micro_batch, context), loader)
     outputs = []
     clear_total_loss(engine)  # eval_batch would add these outputs to the last step's loss
     use_sequence_length(engine, cfg.seq_length // context.size)

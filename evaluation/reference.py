@@ -18,6 +18,7 @@ import collectives
 from checkpoints.files import atomic_write
 from errors import ConfigError
 from models.lora import adapters_off
+from models.preference import ReferenceLogProbs
 from evaluation.eval_set import score_examples
 from cluster.shared_files import VISIBLE_WITHIN_S, wait_for_files
 
@@ -82,12 +83,13 @@ def compute_reference(engine, dataset, dataset_length, cfg, pad_id):
     """{"chosen": (pairs,), "rejected": (pairs,)} float32 on every rank: each data-parallel replica scores its
     share of the pairs, the last stage summing each response's log-probabilities (evaluation/eval_set.py
     score_examples)."""
-    loss_fn = engine.module.loss_fn
-    loss_fn.reference_pass = True
+    module = engine.module
+    preference = module.loss_fn
+    module.loss_fn = ReferenceLogProbs(preference)  # each row's log-probability instead of the pairs' loss
     try:
-        with adapters_off(engine.module):  # a micro-batch's chosen rows, then its rejected ones: one pair per row
+        with adapters_off(module):  # a micro-batch's chosen rows, then its rejected ones: one pair per row
             values = score_examples(engine, dataset, dataset_length, cfg, pad_id, width=2,
                                     per_example=lambda logps: torch.stack(logps.chunk(2), dim=1), desc="reference")
     finally:
-        loss_fn.reference_pass = False
+        module.loss_fn = preference
     return {"chosen": values[:, 0].clone(), "rejected": values[:, 1].clone()}

@@ -3,6 +3,10 @@
 `from models import from_hf` reads a Hugging Face directory into a single-device torch module (models/causal_lm.py).
 """
 
+# The label of a position that learns nothing (padding, prompts, each later document's first token): transformers'
+# and torch's cross-entropy's ignore_index. The data's collators write it, the losses skip it.
+IGNORE_INDEX = -100
+
 
 def __getattr__(name):
     # Imported on first use: the pipeline's processes import models' modules without building this one.

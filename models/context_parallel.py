@@ -27,11 +27,11 @@ from torch import nn
 
 import collectives
 from models.attention import StageAttentionInputs, additive_mask
-from models.labels import shift_labels
 
 
 class ContextParallel:
-    """One rank's place in its context group, the data split and the collectives attention calls."""
+    """One rank's place in its context group: which tokens it holds and the collectives attention calls. A collated
+    micro-batch is split by models/loss.py split_micro_batch, which shifts its labels first."""
 
     def __init__(self, size=1, rank=0, group=None):
         self.size, self.rank, self.group = size, rank, group
@@ -53,18 +53,6 @@ class ContextParallel:
             return x
         chunks = x.chunk(2 * self.size, dim=dim)
         return torch.cat([chunks[index] for index in self.global_chunks()], dim=dim)
-
-    def split_micro_batch(self, batch):
-        """A collated micro-batch ((input_ids, document_ids, position_ids), labels) of whole sequences -> this
-        rank's tokens of each. The labels are shifted here, while the sequence is whole (each token's label is the
-        next token's, which may sit on another rank): the context-parallel loss does not shift them again.
-        Preference pairs' labels, (labels, reference log-probabilities per row), keep their per-row values whole."""
-        if self.size == 1 or batch is None:
-            return batch
-        inputs, labels = batch
-        labels, *per_row = labels if isinstance(labels, tuple) else (labels,)
-        next_labels = self.local_tokens(shift_labels(labels, inputs[0].shape[1]))
-        return tuple(self.local_tokens(t) for t in inputs), (next_labels, *per_row) if per_row else next_labels
 
     # --- attention --------------------------------------------------------------------------------------------
     def gather_keys_values(self, *tensors):

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import collectives
+from models import IGNORE_INDEX
 from models.context_parallel import NO_CONTEXT_PARALLEL
-from models.labels import IGNORE_INDEX, shift_labels
 from models.pipeline_layers import head_outputs
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 
@@ -44,18 +44,18 @@ class CausalLMLoss:
     the labelled tokens, divided by the step's divisor when the labels carry one (a training step: the global
     batch's token mean, with_step_divisor), else by the micro-batch's own labelled tokens (its mean: evaluation). The
     last layer's output is the logits, or with chunk_tokens > 0 the head's input and weight (LMHeadPipe), whose
-    chunks' weight gradients are summed in grad_sum_dtype (the run's grad_accum_dtype; None: the weight's).
-    seq_length: the positions of a row, when its labels may be one wider (data/collator.py); None: as wide.
-    router: an MoE model's LoadBalancingLoss (models/router_loss.py), whose loss times its coefficient is added,
-    as transformers adds it to outputs.loss; None for a dense model. While evaluation sets `aux_terms` to a list,
-    each call appends that added term (a 0-d tensor) to it: perplexity is of the cross-entropy alone."""
+    chunks' weight gradients are summed in grad_sum_dtype (the run's grad_accum_dtype; None: the weight's). A row's
+    labels may be one wider than its seq_length positions (token shards); without seq_length they are as wide.
+    An MoE model's router loss (LoadBalancingLoss) times its coefficient is added, as transformers adds it to
+    outputs.loss. An evaluation forward (no gradient) keeps that added term (a 0-d tensor) until take_aux_terms:
+    perplexity is of the cross-entropy alone."""
 
     def __init__(self, parallel=NO_TENSOR_PARALLEL, chunk_tokens=0, context=NO_CONTEXT_PARALLEL, grad_sum_dtype=None,
                  seq_length=None, router=None):
         self.parallel, self.chunk_tokens, self.context = parallel, chunk_tokens, context
         self.grad_sum_dtype, self.seq_length = grad_sum_dtype, seq_length
         self.router = router
-        self.aux_terms = None
+        self.aux_terms = []  # evaluation's added terms since take_aux_terms
 
     def units(self, labels, whole=False):
         """What the loss averages over, a 0-d int64 tensor beside the labels: labelled tokens, of this rank's share
@@ -69,9 +69,15 @@ class CausalLMLoss:
         if aux is None:
             return loss
         term = self.router.coef * aux
-        if self.aux_terms is not None:
+        if not torch.is_grad_enabled():
             self.aux_terms.append(term.detach())
         return loss + term
+
+    def take_aux_terms(self):
+        """The load-balancing terms the evaluation forwards since the last call added to their losses, one 0-d
+        tensor per micro-batch ([] for a dense model)."""
+        terms, self.aux_terms = self.aux_terms, []
+        return terms
 
     def next_token_loss(self, outputs, labels):
         labels, divisor = split_step_divisor(labels, 1)
@@ -106,12 +112,34 @@ class ContinuationScores:
         return scores
 
 
+def shift_labels(labels, positions=None):
+    """(rows, positions): position t's label is labels[:, t + 1] (the labels shifted, rather than the logits).
+    Labels as wide as the rows (`positions` None or equal): the last position predicts nothing; one wider (token
+    shards' samples, data/collator.py): it predicts the token after the row."""
+    positions = labels.shape[1] if positions is None else positions
+    return F.pad(labels[:, 1:], (0, positions + 1 - labels.shape[1]), value=IGNORE_INDEX)
+
+
 def next_token_labels(labels, context=NO_CONTEXT_PARALLEL, positions=None):
     """The label each position predicts, flattened (shift_labels); under context parallelism shifted and split
-    already (ContextParallel.split_micro_batch)."""
+    already (split_micro_batch)."""
     if context.size > 1:
         return labels.reshape(-1)
     return shift_labels(labels, positions).reshape(-1)
+
+
+def split_micro_batch(context, batch):
+    """A collated micro-batch ((input_ids, document_ids, position_ids), labels) of whole sequences -> the context
+    group rank's tokens of each (ContextParallel.local_tokens); as it is without context parallelism. The labels are
+    shifted first, while the sequence is whole (each token's label is the next token's, which may sit on another
+    rank): the context-parallel loss does not shift them again. Preference pairs' labels, (labels, reference
+    log-probabilities per row), keep their per-row values whole."""
+    if context.size == 1 or batch is None:
+        return batch
+    inputs, labels = batch
+    labels, *per_row = labels if isinstance(labels, tuple) else (labels,)
+    next_labels = context.local_tokens(shift_labels(labels, inputs[0].shape[1]))
+    return tuple(context.local_tokens(t) for t in inputs), (next_labels, *per_row) if per_row else next_labels
 
 
 def labelled_tokens(labels, context=NO_CONTEXT_PARALLEL):
@@ -135,7 +163,7 @@ def chunked_loss_sum(hidden, weight, labels, divisor, parallel, chunk_tokens, gr
 
 def sequence_log_probs(hidden, weight, labels, sequences, parallel, chunk_tokens, grad_sum_dtype=None):
     """Each sequence's summed log-probability of its labelled next tokens, (sequences,) in fp32, differentiable:
-    the response log-probabilities preference losses are made of (models/preference.py), from the head's input and
+    the response log-probabilities preference losses are made of (PreferenceLoss), from the head's input and
     weight, `chunk_tokens` tokens at a time, the chunks' weight gradients summed in grad_sum_dtype (as
     CausalLMLoss's). labels: next_token_labels of `sequences` rows of equal length."""
     whole = parallel.whole_input(hidden)

@@ -5,11 +5,11 @@ each family's options: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, GPT-OSS).
 
 The experts are held fused, as transformers 5 holds them: `gate_up_proj` [E, 2I, H] (gate rows, then up rows) and
 `down_proj` [E, H, I]; GPT-OSS's transposed, [E, H, 2I] with gate and up interleaved and [E, I, H], with biases. The
-tokens are sorted by expert and run as one grouped GEMM per projection (torch's grouped_mm, where it takes the dtype
-and device: fp32 or bf16 on the CPU, bf16 on CUDA from sm80), else as a loop over the experts' row blocks, whose sizes
-are read to the host once per layer, never once per expert. The order of every sum follows transformers' grouped_mm
-path (sort, project, weight, unsort, sum over the k choices), so the outputs are the same to the last bit where the
-kernels are.
+tokens are sorted by expert and run as one grouped GEMM per projection (torch's grouped_mm, where it has a kernel of
+its own for the dtype and device: fp32 or bf16 on the CPU, bf16 on CUDA sm90 and sm100), else as a loop over the
+experts' row blocks, whose sizes are read to the host once per layer, never once per expert. The order of every
+sum follows transformers' grouped_mm path (sort, project, weight, unsort, sum over the k choices), so the outputs are
+the same to the last bit where the kernels are.
 
 The block routes, then hands the tokens to its dispatcher,
 
@@ -225,21 +225,33 @@ class Experts(nn.Module):
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
+# The CUDA compute capabilities (major) where torch's grouped GEMM has kernels of its own (CUTLASS, bf16 in and out):
+# sm90 (Hopper) and sm100 (Blackwell). Elsewhere torch falls back to reading the offsets to the host and running one
+# GEMM per group, at every call: a sync in each of a layer's 2 projections forward and 4 grouped GEMMs backward.
+GROUPED_MM_CUDA_MAJORS = (9, 10)
+
+
+def grouped_mm_fast_on(device, dtype):
+    """Whether torch's grouped GEMM runs a kernel of its own for dtype on device: fp32 or bf16 on the CPU, bf16 on
+    CUDA sm90 and sm100."""
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.bfloat16)
+    return device.type == "cuda" and dtype == torch.bfloat16 and \
+        torch.cuda.get_device_capability(device)[0] in GROUPED_MM_CUDA_MAJORS
+
+
 def grouped_mm_fits(operands, inner_width):
-    """Whether torch's grouped GEMM takes the experts' operands (the tokens, then the weights; inner_width: the
-    features between the projections): fp32 or bf16 on the CPU, bf16 on CUDA from sm80, every address and stride on
-    16 bytes. Else each expert's row block runs alone."""
+    """Whether the experts' operands (the tokens, then the weights; inner_width: the features between the
+    projections) take torch's grouped GEMM on its own kernel (grouped_mm_fast_on), every address and stride on 16
+    bytes. Else each expert's row block runs alone, the block sizes read to the host once per layer forward (none
+    where the caller has them, as expert parallelism's exchange does) and none in backward: torch's own fallback
+    would read them at each of its six grouped GEMMs."""
     x = operands[0]
-    if x.device.type == "cpu":
-        supported = x.dtype in (torch.float32, torch.bfloat16)
-    else:
-        supported = x.device.type == "cuda" and x.dtype == torch.bfloat16 and \
-            torch.cuda.get_device_capability(x.device) >= (8, 0)
     if x.shape[0] == 0:  # torch's CPU kernel takes no empty input in backward (an expert-parallel rank no token chose)
         return False
     aligned = all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
                   for t in operands)
-    return supported and aligned and inner_width * x.element_size() % 16 == 0
+    return grouped_mm_fast_on(x.device, x.dtype) and aligned and inner_width * x.element_size() % 16 == 0
 
 
 class LocalExperts:

@@ -15,7 +15,7 @@ from deepspeed_internals.registry import non_reentrant_checkpoint
 from models.architecture import architecture_of, check_model_config
 from models.attention import StageAttentionInputs
 from models.context_parallel import NO_CONTEXT_PARALLEL, ContextParallelAttentionInputs, build_context_parallel
-from models.expert_parallel import NO_EXPERT_PARALLEL, build_expert_parallel
+from models.expert_parallel import NO_EXPERT_PARALLEL, build_expert_parallel, keeping_dispatch
 from models.layout import expert_shard_file_name
 from models.lora import NO_LORA, add_adapters, freeze_all_but_adapters
 from models.loss import CausalLMLoss
@@ -31,11 +31,12 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 
 
 def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL, context=NO_CONTEXT_PARALLEL,
-                          chunked_loss=False, row_layout="packed", experts=NO_EXPERT_PARALLEL):
-    """Layer specs in pipeline index order (models/layout.py): embedding, decoder layers, final norm, LM head.
-    chunked_loss: the head hands the loss its input and weight instead of logits (models/loss.py). row_layout:
-    what the rows hold, which decides the attention masks (models/attention.py StageAttentionInputs). experts:
-    where a sparse layer's experts are (models/expert_parallel.py)."""
+                          chunked_loss=False, row_layout="packed", experts=NO_EXPERT_PARALLEL,
+                          kept_in_fp32=frozenset()):
+    """Layer specs in pipeline index order (models/layout.py): embedding, decoder layers, final norm, LM head. Under
+    the chunked loss the head hands the loss its input and weight instead of logits; what the rows hold (row_layout)
+    decides the attention masks, `experts` where each sparse layer's experts are, and kept_in_fp32 the decoder
+    layers' keys kept in fp32 as the checkpoint stores them (models/pipeline_layers.py StagePlan)."""
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl '{attention_impl}' is not one of {ATTENTION_IMPLS}.")
     stage_inputs = (ContextParallelAttentionInputs(config, context, row_layout) if context.size > 1
@@ -46,7 +47,7 @@ def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARA
     head = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel,
                           forward_fn=functools.partial(lm_head, chunked_loss=chunked_loss))
             if tied else LayerSpec(LMHeadPipe, config, parallel, chunked_loss))
-    plan = StagePlan(attention_impl, parallel, context, experts)
+    plan = StagePlan(attention_impl, parallel, context, experts, kept_in_fp32=frozenset(kept_in_fp32))
     decoders = [LayerSpec(DecoderLayerPipe, config, stage_inputs, index, plan)
                 for index in range(config.num_hidden_layers)]
     return [embedding, *decoders, LayerSpec(FinalNormPipe, config, parallel), head]
@@ -78,7 +79,7 @@ class LlamaPipeline(PipelineModule):
         self.model_config = config
         self.stage_bounds = list(stage_bounds)
         self.parallel = parallel
-        self.context = context  # its split_micro_batch gives this rank its tokens of a collated micro-batch
+        self.context = context  # which tokens of a collated micro-batch this rank holds (split_micro_batch)
         self.experts = experts
         self.layer_loader = layer_loader
         self.chunk_ids = chunk_ids
@@ -226,7 +227,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
                           objective=PreferenceSettings(), seq_length=None, row_layout="packed", chunk_ids=None,
-                          expert_parallel_size=1):
+                          expert_parallel_size=1, counts_step_loads=False, checkpoint_keeps_rows=True,
+                          kept_in_fp32=frozenset()):
     """The pipeline module of this rank's stage, with the parallelism its topology and sizes ask for applied to its
     layers and the loss its objective takes.
 
@@ -236,7 +238,11 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     LlamaPipeline) say which layers it holds, and layer_loader how their files are read. LoRA's adapters are added
     to the built decoder layers, split like their projections, and everything else is frozen; row_layout (what the
     rows hold, data/collator.py) decides the masks, and seq_length the labels' width when they may be one wider than
-    the rows (token shards)."""
+    the rows (token shards). With counts_step_loads the router's loss also sums each step's expert loads, by which
+    DeepSeek-V3's bias balancing moves the routers' biases. Under expert parallelism a checkpointed block keeps its
+    sparse layers' routing and, with checkpoint_keeps_rows, their exchanged rows for the recomputation
+    (models/expert_parallel.py KeptDispatch); kept_in_fp32 names the decoder layers' parameters kept in fp32 as their
+    checkpoint stores them (models/pipeline_layers.py StagePlan)."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
@@ -247,27 +253,30 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     if stage_bounds is None:
         stage_bounds = partition_stages(config, topology.get_dim("pipe"))
     moe = architecture_of(config).moe
-    router, moe_loss_sum = (LoadBalancingLoss(config, parallel), moe.loss_sum) if moe else (None, False)
+    router, moe_loss_sum = ((LoadBalancingLoss(config, parallel, counts_step_loads), moe.loss_sum) if moe
+                            else (None, False))
     loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype, router)
                if objective.preference else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype,
                                                      seq_length, router))
     previous_dtype = torch.get_default_dtype()
+    # Under LoRA the frozen embedding's output takes no gradient: reentrant checkpointing of the first decoder layer
+    # would then give its adapters none either. With an auxiliary loss's sum a stage has two floating outputs, which
+    # DeepSpeed runs backward from one at a time: reentrant checkpointing frees its recomputation after the first.
+    checkpoint = non_reentrant_checkpoint if lora.enabled or moe_loss_sum else checkpointing.checkpoint
+    if experts.size > 1:  # a checkpointed block keeps its sparse layers' dispatch for the recomputation
+        checkpoint = keeping_dispatch(checkpoint, checkpoint_keeps_rows)
     torch.set_default_dtype(dtype or previous_dtype)
     try:
         module = LlamaPipeline(config, stage_bounds, parallel, layer_loader, context, chunk_ids, experts,
                                layers=build_pipeline_layers(config, attention_impl, parallel, context,
                                                             chunked_loss=loss_chunk_tokens > 0,
-                                                            row_layout=row_layout, experts=experts),
+                                                            row_layout=row_layout, experts=experts,
+                                                            kept_in_fp32=kept_in_fp32),
                                topology=topology, loss_fn=loss_fn,
                                activation_checkpoint_interval=activation_checkpoint_interval,
                                # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.
                                checkpointable_layers=[DecoderLayerPipe.__name__],
-                               # Under LoRA the frozen embedding's output takes no gradient: reentrant checkpointing
-                               # of the first decoder layer would then give its adapters none either. With an
-                               # auxiliary loss's sum a stage has two floating outputs, which DeepSpeed runs backward
-                               # from one at a time: reentrant checkpointing frees its recomputation after the first.
-                               activation_checkpoint_func=(non_reentrant_checkpoint if lora.enabled or moe_loss_sum
-                                                           else checkpointing.checkpoint))
+                               activation_checkpoint_func=checkpoint)
         if lora.enabled:
             for local, layer in enumerate(module.forward_funcs):
                 if isinstance(layer, DecoderLayerPipe):

@@ -26,8 +26,10 @@ from models.architecture import architecture_of
 from models.context_parallel import NO_CONTEXT_PARALLEL, ContextParallel, wrap_attention_cores
 from models.decoder import DecoderLayer
 from models.expert_parallel import NO_EXPERT_PARALLEL, ExpertParallel
+from models.linear_attention import KEPT_AS_STORED
 from models.moe import RoutedTokens
 from models.norms import RMSNorm
+from models.sigmoid_router import FP32_MARKER
 from models.tensor_parallel import (NO_TENSOR_PARALLEL, TensorParallel, hook_gradient_sums, mark_sharded, parallelize,
                                     replicated, vocabulary_rows)
 
@@ -117,6 +119,9 @@ class StagePlan:
     context: ContextParallel = NO_CONTEXT_PARALLEL
     experts: ExpertParallel = NO_EXPERT_PARALLEL
     device: str | None = None
+    # keys of a decoder layer's parameters marked KEPT_AS_STORED that the checkpoint stores in fp32: kept in fp32
+    # whatever the training dtype (checkpoints/layer_files.py fp32_stored_keys)
+    kept_in_fp32: frozenset = frozenset()
 
     def building(self):
         """Where the plain layer is built: on the meta device when the plan replaces its parameters by this rank's
@@ -130,6 +135,16 @@ class StagePlan:
         parallelize(layer, self.parallel, self.device)
         if self.context.size > 1:
             wrap_attention_cores(layer, self.context)
+        keep_in_fp32(layer, self.kept_in_fp32)
+
+
+def keep_in_fp32(layer, keys):
+    """The layer's parameters of `keys` that transformers computes with as stored (KEPT_AS_STORED) made fp32, and
+    marked so that the engines keep them fp32 beside the training dtype (models/sigmoid_router.py FP32_MARKER)."""
+    for key, param in layer.named_parameters():
+        if key in keys and getattr(param, KEPT_AS_STORED, False):
+            param.data = param.data.float()
+            setattr(param, FP32_MARKER, True)
 
 
 PLAIN_STAGE = StagePlan()
@@ -174,7 +189,7 @@ class DecoderLayerPipe(DecoderLayer):
     def forward(self, inputs):
         stage = self.stage.unpack(inputs)
         attention_inputs = self.stage_inputs(stage.hidden, stage.document_ids, stage.position_ids,
-                                             self.self_attn.window)
+                                             self.window)
         tokens = RoutedTokens.of(stage.document_ids) if self.sparse else None
         hidden, statistics = self.math(stage.hidden, attention_inputs, tokens)
         routing = stage.routing if statistics is None else stage.routing.with_layer(self.sparse_row, statistics)
@@ -192,7 +207,8 @@ class FinalNormPipe(RMSNorm):
 
     def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
         architecture = architecture_of(config)
-        super().__init__(config.hidden_size, config.rms_norm_eps, scale_in_fp32=architecture.norm_scale_in_fp32)
+        super().__init__(config.hidden_size, config.rms_norm_eps, scale_in_fp32=architecture.norm_scale_in_fp32,
+                         offset=architecture.offset_norms)
         replicated(self, parallel)
         hook_gradient_sums(self, parallel)
         self.logits_multiplier = 1 / architecture.logits_scaling
@@ -247,16 +263,23 @@ def decoder_on_meta(config, tensor_parallel=1, layer_index=None):
     return DecoderLayerPipe(config, stage_inputs=None, layer_index=layer_index, plan=plan)
 
 
+def decoder_kinds_of(config):
+    """Each decoder layer's kind, (its token mixer, whether its feed-forward is sparse): the layers of one kind hold
+    the same tensors."""
+    architecture = architecture_of(config)
+    return list(zip(architecture.mixer_layers, architecture.sparse_layers))
+
+
 def layers_on_meta(config, parallel=NO_TENSOR_PARALLEL):
-    """{pipeline index: module} with one decoder layer standing for all of its kind (dense or sparse), built on the
+    """{pipeline index: module} with one decoder layer standing for all of its kind (decoder_kinds_of), built on the
     meta device (no memory): the shapes and split dimensions of every layer file."""
-    sparse = architecture_of(config).sparse_layers
+    kinds = decoder_kinds_of(config)
     plan = StagePlan(parallel=parallel, device="meta")
     with torch.device("meta"):
-        decoders = {kind: DecoderLayerPipe(config, stage_inputs=None, layer_index=sparse.index(kind), plan=plan)
-                    for kind in set(sparse)}
+        decoders = {kind: DecoderLayerPipe(config, stage_inputs=None, layer_index=kinds.index(kind), plan=plan)
+                    for kind in set(kinds)}
         modules = {0: EmbeddingPipe(config, parallel), config.num_hidden_layers + 1: FinalNormPipe(config, parallel)}
         if not config.tie_word_embeddings:
             modules[config.num_hidden_layers + 2] = LMHeadPipe(config, parallel)
-    modules.update({i + 1: decoders[kind] for i, kind in enumerate(sparse)})
+    modules.update({i + 1: decoders[kind] for i, kind in enumerate(kinds)})
     return modules

@@ -1,5 +1,5 @@
-"""Preference objectives on the last stage, from each sequence's response log-probability (models/loss.py
-`sequence_log_probs`, chunked, never a tokens x vocabulary tensor):
+"""Preference objectives on the last stage, from each sequence's response log-probability (`sequence_log_probs`,
+chunked, never a tokens x vocabulary tensor):
 
 - `dpo`: TRL's DPOTrainer with loss_type="sigmoid": -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r))) per pair,
   pi and ref the summed response log-probabilities of the policy and of the reference (the starting weights,
@@ -10,7 +10,7 @@
 A micro-batch holds its pairs' chosen sequences in its first half of rows and their rejected ones in the second
 (data/collator.py `collate_preference`); a pair never spans micro-batches, so the step's loss, the mean over every
 pair of the global batch, is a sum of per-micro-batch sums divided by the step's divisor, which a training
-step's labels carry (models/loss.py with_step_divisor).
+step's labels carry (with_step_divisor).
 
 A mixture of experts adds router_aux_loss_coef times the micro-batch's load-balancing loss over its chosen and
 rejected rows together (models/router_loss.py), as TRL adds `outputs.aux_loss` of that one forward to the loss:
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import collectives
 from models.context_parallel import NO_CONTEXT_PARALLEL
-from models.labels import IGNORE_INDEX
+from models import IGNORE_INDEX
 from models.loss import next_token_labels, sequence_log_probs, split_step_divisor
 from models.pipeline_layers import head_outputs
 from models.tensor_parallel import NO_TENSOR_PARALLEL, AllReduce
@@ -75,19 +75,18 @@ class PreferenceSettings:
 class PreferenceLoss:
     """The pipeline's loss_fn under a preference objective: (the head's input and weight, (labels, reference
     log-probabilities), and in a training step its divisor) -> the summed pair losses / the divisor (the step's pairs
-    per micro-batch and rank: models/loss.py with_step_divisor), or without one (evaluation) the micro-batch's mean
-    over its pairs. `reference_pass`: return each row's summed
-    response log-probability instead (evaluation/reference.py). Each call adds its pairs' metric sums to `totals`
-    (kept on the device: no synchronisation per micro-batch). router: an MoE model's LoadBalancingLoss
-    (models/router_loss.py), None for a dense model."""
+    per micro-batch and rank: with_step_divisor), or without one (evaluation) the micro-batch's mean over its pairs.
+    Each call adds its pairs' metric sums to those of its window (kept on the device: no synchronisation per
+    micro-batch): a training forward's to the training window, an evaluation's (no gradient) to the evaluation's, so
+    that evaluating leaves the training window's sums alone. An MoE model's router loss (LoadBalancingLoss) is added
+    times its coefficient."""
 
     def __init__(self, settings, parallel=NO_TENSOR_PARALLEL, chunk_tokens=1024, context=NO_CONTEXT_PARALLEL,
                  grad_sum_dtype=None, router=None):
         self.settings, self.parallel, self.chunk_tokens, self.context = settings, parallel, chunk_tokens, context
-        self.grad_sum_dtype = grad_sum_dtype  # the run's grad_accum_dtype, for the head's chunks (models/loss.py)
+        self.grad_sum_dtype = grad_sum_dtype  # the run's grad_accum_dtype, for the head's chunks
         self.router = router
-        self.reference_pass = False
-        self.totals = None  # the metrics' sums, then the pair count, since take_metrics
+        self.totals = {"training": None, "evaluation": None}  # per window, the metrics' sums, then the pairs
 
     def units(self, labels, whole=False):
         """What the loss averages over: the pairs with a response token (evaluation pads with empty rows); of a
@@ -101,15 +100,7 @@ class PreferenceLoss:
     def __call__(self, outputs, labels):
         (labels, reference), divisor = split_step_divisor(labels, 2)
         (hidden, weight), routing = head_outputs(outputs, chunked=True)
-        rows = labels.shape[0]
-        next_labels = next_token_labels(labels, self.context).to(hidden.device)
-        logps = sequence_log_probs(hidden, weight, next_labels, rows, self.parallel, self.chunk_tokens,
-                                   self.grad_sum_dtype)
-        tokens = response_tokens(next_labels, rows, self.context)
-        if self.context.size > 1:  # each rank summed its tokens of every sequence
-            logps = AllReduce.apply(logps, self.context.group)
-        if self.reference_pass:
-            return logps.detach()
+        logps, tokens = self.log_probs(hidden, weight, labels)
         scored = scored_pairs(tokens).to(logps.device)
         if self.settings.objective == "simpo":
             chosen, rejected = (logps / tokens.clamp(min=1)).chunk(2)
@@ -130,23 +121,51 @@ class PreferenceLoss:
         aux = self.router(routing) if self.router is not None else None
         return loss if aux is None else loss + self.router.coef * aux
 
+    def log_probs(self, hidden, weight, labels):
+        """(each row's summed response log-probability, each row's response tokens), both (rows,) and whole over the
+        context group, from the head's input and weight."""
+        rows = labels.shape[0]
+        next_labels = next_token_labels(labels, self.context).to(hidden.device)
+        logps = sequence_log_probs(hidden, weight, next_labels, rows, self.parallel, self.chunk_tokens,
+                                   self.grad_sum_dtype)
+        tokens = response_tokens(next_labels, rows, self.context)
+        if self.context.size > 1:  # each rank summed its tokens of every sequence
+            logps = AllReduce.apply(logps, self.context.group)
+        return logps, tokens
+
     def add_metrics(self, scored, chosen, rejected, chosen_rewards, rejected_rewards):
         values = (chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),
                   chosen_rewards - rejected_rewards, chosen, rejected)
         sums = torch.stack([(value * scored).sum() for value in values] + [scored.sum()]).double()
-        self.totals = sums if self.totals is None else self.totals + sums
+        window = "training" if torch.is_grad_enabled() else "evaluation"
+        self.totals[window] = sums if self.totals[window] is None else self.totals[window] + sums
 
-    def take_metrics(self):
-        """TRL's metrics as means over the pairs scored since the last call on any rank, on every rank (a
-        collective): sums over the world, where only last stages hold nonzero sums, and the tensor-parallel ranks of
-        one, which add the same, leave the means unchanged; {} when no pair was scored."""
-        totals = self.totals if self.totals is not None else torch.zeros(
+    def take_metrics(self, evaluation=False):
+        """TRL's metrics as means over the pairs scored since the last call on any rank, in training forwards (or
+        with evaluation=True, in evaluation's), on every rank (a collective): sums over the world, where only last
+        stages hold nonzero sums, and the tensor-parallel ranks of one, which add the same, leave the means
+        unchanged; {} when no pair was scored."""
+        window = "evaluation" if evaluation else "training"
+        totals = self.totals[window] if self.totals[window] is not None else torch.zeros(
             len(METRICS) + 1, dtype=torch.float64, device=collectives.device())
-        self.totals = None
+        self.totals[window] = None
         if dist.is_initialized():
             collectives.all_reduce(totals)
         *sums, pairs = totals.tolist()
         return {name: value / pairs for name, value in zip(METRICS, sums)} if pairs else {}
+
+
+class ReferenceLogProbs:
+    """The pipeline's loss_fn while DPO's reference log-probabilities are computed (evaluation/reference.py): each
+    row's summed response log-probability under the preference loss's settings, no gradient, no metric."""
+
+    def __init__(self, preference):
+        self.preference = preference
+
+    def __call__(self, outputs, labels):
+        (labels, _), _ = split_step_divisor(labels, 2)
+        (hidden, weight), _ = head_outputs(outputs, chunked=True)
+        return self.preference.log_probs(hidden, weight, labels)[0].detach()
 
 
 def response_tokens(next_labels, rows, context):

@@ -16,7 +16,7 @@ moe.sequence_aux_loss_coef) is a sum of per-layer terms: the same floating [E] s
 
 Under tensor parallelism with sequence parallelism each rank's statistics are of its share of the tokens: summed over
 the group at the loss. A micro-batch's loss is transformers' `outputs.loss`, the cross-entropy plus
-router_aux_loss_coef x this loss (models/loss.py CausalLMLoss); DeepSpeed's mean over the global batch's micro-batches
+router_aux_loss_coef x this loss (CausalLMLoss); DeepSpeed's mean over the global batch's micro-batches
 makes the step's the token-mean cross-entropy plus the coefficient times the mean of the micro-batches' losses.
 """
 import torch
@@ -29,9 +29,10 @@ from models.tensor_parallel import NO_TENSOR_PARALLEL, AllReduce
 
 class LoadBalancingLoss:
     """The last stage's side of it: the loss of a micro-batch from the routing statistics it receives, and the
-    metrics of the micro-batches trained since the last take_metrics (sums kept on the device)."""
+    metrics of the micro-batches trained since the last take_metrics (sums kept on the device); with
+    counts_step_loads (DeepSeek-V3's bias balancing, training/expert_balance.py) also the loads of the step so far."""
 
-    def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
+    def __init__(self, config, parallel=NO_TENSOR_PARALLEL, counts_step_loads=False):
         architecture = architecture_of(config)
         moe = architecture.moe
         self.enabled, self.coef = moe.aux_loss, moe.aux_loss_coef
@@ -42,8 +43,8 @@ class LoadBalancingLoss:
         self.sparse_layers = [i for i, sparse in enumerate(architecture.sparse_layers) if sparse]
         self.parallel = parallel
         self.totals = None  # per layer and expert: top-k counts; then the loss's sum and the micro-batches
-        self.step_loads = None  # with bias balancing (training/expert_balance.py): the step's counts so far
-        self.counts_step_loads = False
+        self.counts_step_loads = counts_step_loads
+        self.step_loads = None  # the step's counts so far, when counted
 
     @property
     def carried(self):

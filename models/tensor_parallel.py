@@ -14,8 +14,10 @@ With `sequence_parallel` the residual stream between blocks holds 1/t of the tok
 so norms, residual adds and the tensors sent between stages shrink by t: a block's input is all-gathered once, by
 a forward pre-hook on the block (q, k and v share that one gather), and its output reduce-scattered by a forward hook.
 The parameters every rank holds whole but applies to its own tokens (norms, the row-parallel biases, a mixture's
-router and experts, the latent projections of multi-head latent attention) have their gradients summed over the
-group by a hook on the parameter: identical on every rank, as without sequence parallelism.
+router, the latent projections of multi-head latent attention) have their gradients summed over the group by a hook
+on the parameter: identical on every rank, as without sequence parallelism. A mixture's experts are summed so too,
+but once per step, at its boundary (sum_gradients_at_step, run by the engine: engines/pipeline_engine.py), not in
+every micro-batch's backward: their gradients are large and a rank's tokens few.
 
 A block's projections of its gathered input (BlockInputLinear) add their input gradients into one buffer of the
 pool (BufferPool), which the gather's backward reduce-scatters: the gradient over all tokens exists once per block.
@@ -38,7 +40,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import collectives
+from models.architecture import LINEAR_ATTENTION, architecture_of
 from models.attention import Attention
+from models.gated_attention import GatedAttention
+from models.linear_attention import FusedGatedDeltaNet, GatedDeltaNet
 from models.latent_attention import LatentAttention
 from models.mlp import MLP
 from models.moe import Experts, MoEBlock, RoutedTokens
@@ -210,8 +215,8 @@ class BufferPool:
 
 def all_reduce_copy(tensor, group):
     # A copy: never sum in place into a tensor autograd may still hand to another consumer. Contiguous: the
-    # collective sums the ranks' memory element by element, and a gradient's layout may differ between ranks (an
-    # expert's from the grouped GEMM transposed, from an empty row block not: tests/test_expert_parallel.py).
+    # collective sums the ranks' memory element by element, and a gradient's layout may differ between ranks (as an
+    # expert's did, from the grouped GEMM transposed and from an empty row block not, when experts were summed here).
     tensor = tensor.clone(memory_format=torch.contiguous_format)
     collectives.all_reduce(tensor, group=group)
     return tensor
@@ -402,10 +407,11 @@ class RowParallelLinear(StageLinear):
         return self.parallel.matmul(x, self.weight)
 
 
-def stage_linear(linear, cls, parallel, split_dim=None, check=None, device=None):
+def stage_linear(linear, cls, parallel, split_dim=None, check=None, device=None, blocks=None):
     """`linear` as a `cls` module holding this rank's shard along split_dim (None: whole) under the same parameter
     names. A linear built on the meta device gets a fresh shard initialised as nn.Linear initialises one, on
-    `device`; a real one, its own rows or columns. check: (count, what) that tensor parallelism must divide."""
+    `device`; a real one, its own rows or columns (of each of `blocks`: shard_of). check: (count, what) that tensor
+    parallelism must divide."""
     if check is not None:
         parallel.local(*check)
     module = cls.__new__(cls)
@@ -425,23 +431,43 @@ def stage_linear(linear, cls, parallel, split_dim=None, check=None, device=None)
             module.out_features if bias_split else linear.bias.shape[0], dtype=linear.bias.dtype, device=device))
         nn.Linear.reset_parameters(module)
     else:
-        module.weight = nn.Parameter(own_shard(linear.weight, split_dim, parallel))
+        module.weight = nn.Parameter(own_shard(linear.weight, split_dim, parallel, blocks))
         module.bias = None if linear.bias is None else nn.Parameter(
             own_shard(linear.bias, 0, parallel) if bias_split else linear.bias.detach().clone())
-    mark_sharded(module.weight, split_dim)
+    mark_sharded(module.weight, split_dim, blocks)
     if bias_split:
         mark_sharded(module.bias, 0)
     return module
 
 
-def own_shard(tensor, dim, parallel):
-    return tensor.detach().chunk(parallel.size, dim)[parallel.rank].clone()
+def own_shard(tensor, dim, parallel, blocks=None):
+    return shard_of(tensor.detach(), dim, parallel.rank, parallel.size, blocks).clone()
 
 
-def mark_sharded(param, dim):
-    """Record on a parameter the dimension it is split along over the group."""
+def shard_of(tensor, dim, rank, size, blocks=None):
+    """Rank `rank`'s shard of a whole tensor split along dim over `size` ranks: its chunk, or with blocks (the whole
+    sizes of consecutive blocks along dim that split apart: the linear attention's q, k and v channels) its chunk of
+    each block, in order."""
+    if blocks is None:
+        return tensor.chunk(size, dim)[rank]
+    return torch.cat([block.chunk(size, dim)[rank] for block in tensor.split(list(blocks), dim)], dim)
+
+
+def joined_shards(shards, dim, blocks=None):
+    """shard_of's inverse: the whole tensor of every rank's shard, in rank order."""
+    if blocks is None:
+        return torch.cat(shards, dim)
+    pieces = [shard.split([block // len(shards) for block in blocks], dim) for shard in shards]
+    return torch.cat([pieces[rank][block] for block in range(len(blocks)) for rank in range(len(shards))], dim)
+
+
+def mark_sharded(param, dim, blocks=None):
+    """Record on a parameter the dimension it is split along over the group (and the blocks along it that split
+    apart: shard_of)."""
     setattr(param, SHARDED_MARKER, True)
     param.tensor_parallel_dim = dim
+    if blocks is not None:
+        param.tensor_parallel_blocks = tuple(blocks)
 
 
 def sum_gradient_over_group(module, name):
@@ -458,6 +484,39 @@ def replicated(module, parallel):
         for sub in module.modules():
             for name, param in sub.named_parameters(recurse=False):
                 sum_gradient_over_group(sub, name)
+
+
+def sum_gradients_at_step(module, parallel):
+    """A module every rank holds whole and applies to its own tokens, whose gradients are summed over the group once
+    per step rather than in each micro-batch's backward (sum_step_gradients, at the step's boundary): a mixture's
+    experts, whose gradients dwarf a rank's share of the activations (a Qwen3-30B-A3B layer's are ~1.2 GB against
+    the few MB of its tokens). Each rank accumulates its own tokens' gradient over the micro-batches; the sum over
+    the group is linear, so summing the accumulated gradients once gives every rank the gradient that summing each
+    micro-batch's would, in micro-batches fewer collectives."""
+    if parallel.sequence_parallel:
+        module.gradients_summed_at_step = True
+
+
+def step_summed_parameters(module):
+    """The trainable parameters whose gradients sum_gradients_at_step left to the step, in module order."""
+    params = {}
+    for sub in module.modules():
+        if getattr(sub, "gradients_summed_at_step", False):
+            params.update((id(p), p) for p in sub.parameters() if p.requires_grad)
+    return list(params.values())
+
+
+def sum_step_gradients(module, parallel, accumulated_gradient):
+    """At a step's boundary, before the data-parallel reduction and clipping: each gradient left to the step
+    summed over the group in place, accumulated_gradient(param) naming the tensor that holds it (.grad, or the
+    bf16 optimizer's fp32 one). Every rank of the group holds the same modules, so the collectives pair up."""
+    for param in step_summed_parameters(module):
+        grad = accumulated_gradient(param)
+        if grad is None:
+            raise RuntimeError(f"an expert parameter of shape {tuple(param.shape)} has no gradient at the step: its "
+                               f"tensor-parallel peers would wait for its sum; every sparse layer's experts must "
+                               f"take part in the backward.")
+        collectives.all_reduce(grad, group=parallel.group)
 
 
 def hook_gradient_sums(module, parallel):
@@ -554,8 +613,8 @@ def mlp_plan(mlp, parallel, device, what="intermediate_size"):
 def moe_plan(block, parallel, device):
     """Each rank holds every expert whole and routes its own tokens: the sequence-parallel share of the tokens
     (each rank computes 1/t of the block, no collective), or without sequence parallelism all of them, as every
-    rank computes a norm. The router's and experts' gradients are then summed over the group as a norm's; the
-    shared expert splits like the dense MLP."""
+    rank computes a norm. The router's gradients are then summed over the group as a norm's, in each backward; the
+    experts', far larger, once per step (sum_gradients_at_step); the shared expert splits like the dense MLP."""
     moe = block.moe
     if not moe.sigmoid_routing:
         setattr(block, moe.router_name, stage_linear(getattr(block, moe.router_name), StageLinear, parallel))
@@ -565,13 +624,58 @@ def moe_plan(block, parallel, device):
     if hasattr(block, "shared_expert_gate"):
         block.shared_expert_gate = stage_linear(block.shared_expert_gate, StageLinear, parallel)
     for name, module in block.named_children():
-        if name != moe.shared_expert_name:
+        if name == "experts":
+            sum_gradients_at_step(module, parallel)
+        elif name != moe.shared_expert_name:
             replicated(module, parallel)
     if parallel.sequence_parallel:
         block.register_forward_pre_hook(lambda module, args: (args[0], TokenShare(args[1], parallel)))
 
 
-PART_PLANS = {Attention: attention_plan, LatentAttention: latent_attention_plan, MLP: mlp_plan, MoEBlock: moe_plan}
+def gated_attention_plan(attention, parallel, device):
+    """The hybrids' full attention split as attention_plan splits grouped-query attention: q_proj's rows are each
+    head's [query | gate], so a split by heads keeps each head's gate with its query; the per-head (1 + w) norms
+    whole, their gradients summed over the group."""
+    heads = attention.q_proj.out_features // (2 * attention.head_dim)
+    parallel.local(attention.k_proj.out_features // attention.head_dim, "num_key_value_heads")
+    split_block(attention, ("q_proj", "k_proj", "v_proj"), "o_proj", parallel, device, (heads, "num_attention_heads"))
+    for norm in (attention.q_norm, attention.k_norm):
+        sum_gradient_over_group(norm, "weight")
+
+
+def linear_attention_plan(mixer, parallel, device):
+    """Gated DeltaNet split by heads: each rank computes its key heads and the value heads they serve (value heads
+    j * r .. j * r + r - 1 with key head j), the recurrence of each head being its own. in_proj_qkv and the
+    convolution's channels are cut per block (q, k, v: shard_of's blocks), in_proj_z, in_proj_b, in_proj_a, A_log and
+    dt_bias by value heads, Qwen3-Next's in_proj_qkvz and in_proj_ba (grouped by key head) by key heads; out_proj by
+    its input; the gated norm's per-head weight whole, its gradient summed over the group."""
+    heads = (mixer.num_key_heads, "linear_num_key_heads")
+    parallel.local(mixer.num_value_heads, "linear_num_value_heads")
+    qkv = mixer.conv1d.weight.tensor_parallel_blocks
+    column = functools.partial(stage_linear, cls=ColumnParallelLinear, parallel=parallel, split_dim=0, check=heads,
+                               device=device)
+    if hasattr(mixer, "in_proj_qkvz"):
+        mixer.in_proj_qkvz, mixer.in_proj_ba = column(mixer.in_proj_qkvz), column(mixer.in_proj_ba)
+    else:
+        mixer.in_proj_qkv = column(mixer.in_proj_qkv, blocks=qkv)
+        mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a = (column(mixer.in_proj_z), column(mixer.in_proj_b),
+                                                              column(mixer.in_proj_a))
+    mixer.out_proj = stage_linear(mixer.out_proj, RowParallelLinear, parallel, 1, heads, device)
+    # left on the meta device where the layer was built there: materialize initialises them as their modules do
+    mixer.conv1d.weight = shard_parameter(mixer.conv1d.weight, parallel, "meta", blocks=qkv)
+    mixer.A_log, mixer.dt_bias = (shard_parameter(mixer.A_log, parallel, "meta"),
+                                  shard_parameter(mixer.dt_bias, parallel, "meta"))
+    sum_gradient_over_group(mixer.norm, "weight")
+    mixer.num_key_heads, mixer.num_value_heads = mixer.num_key_heads // parallel.size, \
+        mixer.num_value_heads // parallel.size
+    mixer.key_dim, mixer.value_dim = mixer.key_dim // parallel.size, mixer.value_dim // parallel.size
+    gather_input(mixer, parallel)
+    reduce_output(mixer, mixer.out_proj, parallel)
+
+
+PART_PLANS = {Attention: attention_plan, LatentAttention: latent_attention_plan, MLP: mlp_plan, MoEBlock: moe_plan,
+              GatedAttention: gated_attention_plan, GatedDeltaNet: linear_attention_plan,
+              FusedGatedDeltaNet: linear_attention_plan}
 
 
 def parallelize(layer, parallel, device=None):
@@ -653,7 +757,7 @@ def parallelize_adapters(layer, parallel):
                     replicated(done[id(current)], parallel)
             setattr(projection, factor, done[id(current)])
     for experts in [m for m in layer.modules() if isinstance(m, Experts) and hasattr(m, "lora_A")]:
-        replicated(experts, parallel)
+        sum_gradients_at_step(experts, parallel)
     hook_gradient_sums(layer, parallel)
 
 
@@ -675,15 +779,17 @@ class ShardedProjectionRMSNorm(ProjectionRMSNorm):
         return AllReduce.apply(CopyToGroup.apply(partial, self.parallel.group), self.parallel.group)
 
 
-def shard_parameter(param, parallel, device, fill=0.0):
-    """This rank's rows (dim 0) of a parameter split with the heads; a meta one's made on `device`, filled."""
+def shard_parameter(param, parallel, device, fill=0.0, blocks=None):
+    """This rank's rows (dim 0) of a parameter split with the heads (of each of `blocks`: shard_of); a meta one's
+    made on `device`, filled (a module's reset_parameters initialises it after materialize)."""
     rows = param.shape[0] // parallel.size
     if param.is_meta and device != "meta":
         shard = nn.Parameter(torch.full((rows, *param.shape[1:]), fill, dtype=param.dtype, device=device))
     else:
-        shard = nn.Parameter(own_shard(param, 0, parallel) if not param.is_meta else
+        shard = nn.Parameter(own_shard(param, 0, parallel, blocks) if not param.is_meta else
                              torch.empty((rows, *param.shape[1:]), dtype=param.dtype, device="meta"))
-    mark_sharded(shard, 0)
+    shard.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("_")})  # its markers
+    mark_sharded(shard, 0, blocks)
     return shard
 
 
@@ -716,6 +822,9 @@ def check_tensor_parallel_split(config, size, sequence_tokens=None):
     counts = {"num_attention_heads": config.num_attention_heads,
               "num_key_value_heads": config.num_key_value_heads or config.num_attention_heads,
               "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+    if LINEAR_ATTENTION in architecture_of(config).mixer_layers:  # Gated DeltaNet splits by key and value heads
+        counts.update(linear_num_key_heads=config.linear_num_key_heads,
+                      linear_num_value_heads=config.linear_num_value_heads)
     if getattr(config, "shared_expert_intermediate_size", None):  # Qwen2-MoE's shared expert splits as the MLP
         counts["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
     if sequence_tokens is not None:

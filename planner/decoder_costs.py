@@ -90,6 +90,12 @@ class DecoderCosts:
             self.saved_bytes += lora_folded_expert_bytes(moe, hidden, act, expert_ranks(config, lora.target_modules,
                                                                                         lora.rank),
                                                          moe.num_experts // workload.expert_parallel)
+        # A checkpointed block keeps, under expert parallelism, each sparse layer's dispatch for its recomputation
+        # (models/expert_parallel.py KeptDispatch): with its rows, the received tokens (one per token and rank holding
+        # one of its experts: at most, and counted as, a balanced share of the T x k choices) and the T x k rows come
+        # back; its routing decision (T x k indices) is left out, as the router's own are.
+        keeps_rows = moe and workload.expert_parallel > 1 and workload.checkpoint_keeps_rows
+        self.checkpoint_kept_bytes = 2 * residual * moe.top_k * hidden * act if keeps_rows else 0
         if architecture.attention_sinks:
             self.saved_bytes += eager_attention_extra_bytes(workload, self.heads, self.q_width, self.kv_width, act)
         # LoRA keeps each adapter's rank-wide h (gathered for a column-parallel group) and, with dropout, its

@@ -133,6 +133,10 @@ class LayerCosts:
         self.weight_grad_bytes = {
             EMBEDDING: 0, NORM: 0, HEAD: 0 if chunked else act * (gathered * hidden + tokens * vocab),
             **{kind: decoder.weight_grad_bytes for kind, decoder in decoders.items()}}
+        # What a checkpointed run of layers keeps beside its input (a sparse layer's dispatch under expert
+        # parallelism: planner/decoder_costs.py).
+        self.checkpoint_kept_bytes = {EMBEDDING: 0, NORM: 0, HEAD: 0,
+                                      **{kind: decoder.checkpoint_kept_bytes for kind, decoder in decoders.items()}}
         # One hidden-states tensor: a stage boundary, a checkpoint input.
         self.hidden_bytes = residual * hidden * act
         # Sequence parallelism's pool, once per stage: the buffer every column group sums its input gradient into,
@@ -189,7 +193,7 @@ class LayerCosts:
             saved = sum(self.saved_bytes[kind] for kind in run)
             workspace = max(self.backward_bytes[kind] for kind in run)
             if checkpointed:
-                per_micro_batch += self.hidden_bytes
+                per_micro_batch += self.hidden_bytes + sum(self.checkpoint_kept_bytes[kind] for kind in run)
                 transient = max(transient, saved + workspace)
             else:
                 per_micro_batch += saved

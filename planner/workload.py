@@ -28,6 +28,7 @@ class Workload:
     recompute_sequence_gather: bool = False  # sequence parallel: gather again in backward rather than keep
     context_parallel: int = 1  # ranks splitting each sequence
     expert_parallel: int = 1  # data-parallel ranks splitting each sparse layer's experts
+    checkpoint_keeps_rows: bool = True  # expert parallel: a checkpointed sparse layer keeps its exchanged rows
     document_masks: bool = False  # rows hold packed documents that attend only to themselves: a seq x seq mask
     offload_optimizer: bool = False  # ZeRO-1's fp32 partition, its gradient and Adam's moments in host memory
     pipeline_schedule: str = "1f1b"  # zero_bubble: micro-batches also wait for their weight gradients (W)
@@ -56,6 +57,7 @@ class Workload:
                    fused_adam=bool(optimizer_params.get("fused", False)),
                    tensor_parallel=cfg.tensor_parallel_size, sequence_parallel=bool(cfg.sequence_parallel),
                    context_parallel=cfg.context_parallel_size, expert_parallel=cfg.expert_parallel_size,
+                   checkpoint_keeps_rows=bool(cfg.moe.checkpoint_keeps_rows),
                    document_masks=bool(cfg.data.document_isolation if cfg.data.format in ("text", "indexed")
                                        else cfg.data.packing),
                    recompute_sequence_gather=bool(cfg.recompute_sequence_gather),

@@ -174,10 +174,9 @@ def launch_ranks_separately(num_procs, overrides, config="tiny", timeout=120, sc
 
 def run_in_process(overrides, world_size, config="tiny"):
     """trainer's run() with the launcher's environment for world_size ranks, up to its first failure."""
-    from hydra import compose, initialize_config_dir
+    from tests.helpers import compose_config
     from training.loop import run
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-        cfg = compose(config_name=config, overrides=overrides)
+    cfg = compose_config(overrides, config)
     previous = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(world_size)
     try:

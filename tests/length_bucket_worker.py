@@ -7,6 +7,7 @@ units, widths, eval losses and the weights they leave, as JSON for tests/test_le
 import json
 import os
 import sys
+from functools import partial
 from itertools import islice, repeat
 from types import SimpleNamespace
 
@@ -27,6 +28,7 @@ from engines.pipeline_engine import use_zero_bubble  # noqa: E402
 from engines.sequence_length import use_sequence_length  # noqa: E402
 from evaluation.eval_set import evaluate  # noqa: E402
 from evaluation.reference import WithReference, compute_reference  # noqa: E402
+from models.loss import split_micro_batch  # noqa: E402
 from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
 from models.preference import PreferenceSettings  # noqa: E402
 from tests.distributed import ProcessGroupPool  # noqa: E402
@@ -112,7 +114,7 @@ def train(case, bounds, steps, micro_batch_size, gas, seq_len):
         indices = list(islice(order, micro_batch_size * gas))
         batches = (collate([rows[i] for i in indices[k:k + micro_batch_size]], seq_len, 0, bounds)
                    for k in range(0, len(indices), micro_batch_size))
-        stream = map(context.split_micro_batch, batches) if reads else repeat(None)
+        stream = map(partial(split_micro_batch, context), batches) if reads else repeat(None)
         micro_batches = step_micro_batches(engine, stream, gas)
         totals = step_totals(engine, micro_batches)
         use_sequence_length(engine, totals.width)

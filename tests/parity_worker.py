@@ -9,6 +9,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deepspeed  # noqa: E402
+import collectives  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from models.layout import hf_name_of_layer_key, split_fused  # noqa: E402
@@ -16,6 +17,7 @@ from models.lora import NO_LORA, LoraSettings  # noqa: E402
 from checkpoints.layer_files import load_layer_slice  # noqa: E402
 from deepspeed_internals.access import checkpoints_without_expert_files  # noqa: E402
 from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
+from models.tensor_parallel import shard_of  # noqa: E402
 from tests.distributed import ProcessGroupPool  # noqa: E402
 from tests.lora_reference import (adapter_values, hf_name_of_peft, peft_model, pipeline_layout,  # noqa: E402
                                   pipeline_slice)
@@ -73,9 +75,9 @@ def gradient_errors(module, recorded, ref_grads, num_hidden_layers, engine):
             continue
         hf_name = hf_name_of_pipeline_param(name, num_hidden_layers)
         ref = ref_grads[hf_name]
-        if getattr(param, "tensor_parallel_dim", None) is not None:
-            ref = ref.chunk(engine.grid.get_slice_parallel_world_size(),
-                            param.tensor_parallel_dim)[engine.grid.get_slice_parallel_rank()]
+        if getattr(param, "tensor_parallel_dim", None) is not None:  # cut per block where it is (shard_of)
+            ref = shard_of(ref, param.tensor_parallel_dim, engine.grid.get_slice_parallel_rank(),
+                           engine.grid.get_slice_parallel_world_size(), getattr(param, "tensor_parallel_blocks", None))
         if hasattr(param, "expert_slice"):  # this rank's experts under expert parallelism
             ref = param.expert_slice.of(ref)
         difference, scale = (recorded[param] - ref).abs().max().item(), ref.abs().max().item()
@@ -166,6 +168,28 @@ def record_deferred_weights(engine):
     return deferred
 
 
+def fused_expert_weights(module):
+    """The stage's trainable fused expert weights ([experts, in, out]: no other parameter has three dimensions)."""
+    return [p for p in module.parameters() if hasattr(p, "expert_slice") and p.requires_grad and p.dim() == 3]
+
+
+class ExpertGradientSums:
+    """Counts, while active, the all-reduces over the tensor-parallel group of tensors shaped as one of the stage's
+    fused expert weights (their gradients' sums: once per step, not per micro-batch). Their biases are left out: a
+    router's weight may have a bias's shape ([experts, hidden])."""
+
+    def __init__(self, module, group):
+        self.shapes = {tuple(p.shape) for p in fused_expert_weights(module)}
+        self.group, self.count, self.active = group, 0, False
+        all_reduce = collectives.all_reduce
+
+        def counted(tensor, op=collectives.ReduceOp.SUM, group=None):
+            self.count += self.active and group is self.group and tuple(tensor.shape) in self.shapes
+            return all_reduce(tensor, op=op, group=group)
+        self.restore = lambda: setattr(collectives, "all_reduce", all_reduce)
+        collectives.all_reduce = counted
+
+
 def shared_reference(references, rank, path, key, compute):
     """compute() (transformers' run, the same on every rank) on rank 0 only, once per key (the model and adapters:
     the launch's cases share its batch), handed to every rank through the file at path."""
@@ -222,7 +246,11 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
         step_losses = []
         loss_fn = module.loss_fn
         module.loss_fn = lambda logits, labels: step_losses.append(loss_fn(logits, labels)) or step_losses[-1]
+        expert_sums = ExpertGradientSums(module, engine.grid.get_slice_parallel_group())
+        expert_sums.active = True
         mean_loss = engine.train_batch(micro_batches(batch, micro_batch_size, gas, dp_size, engine.grid.data_parallel_id))
+        expert_sums.active = False
+        expert_sums.restore()
         ref_losses, ref_grads = shared_reference(
             references, rank, os.path.join(out_dir, f"{case['name']}-hf.pt"), (case["hf_dir"], lora),  # the batch's
             lambda: hf_reference(case["hf_dir"], batch, micro_batch_size, lora if lora.enabled else None, adapters))
@@ -234,6 +262,7 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
             "losses": [loss.item() for loss in step_losses], "mean_loss": float(mean_loss),
             "ref_losses": ref_losses, "grad_errors": grad_errors, "ref_param_names": sorted(ref_grads),
             "replicated_grad_spread": replicated_gradient_spread(module, optimizer, engine), "norms": norms,
+            "expert_grad_sums": [expert_sums.count, len(fused_expert_weights(module))],
             "param_names": [name for name, _ in module.named_parameters()], "deferred_weights": sorted(deferred),
             "expert_slices": {name: list(param.expert_slice) for name, param in module.named_parameters()
                               if hasattr(param, "expert_slice")},

@@ -27,6 +27,7 @@ from checkpoints.layer_files import load_layer_slice  # noqa: E402
 import collectives  # noqa: E402
 from data.collator import collate_preference  # noqa: E402
 from models.lora import NO_LORA, LoraSettings  # noqa: E402
+from models.loss import split_micro_batch  # noqa: E402
 from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
 from models.preference import PreferenceSettings  # noqa: E402
 from tests.distributed import ProcessGroupPool  # noqa: E402
@@ -128,7 +129,7 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
         rows = lambda count: micro_batches(batch, micro_batch_size, count, replicas, replica)  # noqa
     losses, read, rewards, scales = [], [], [], []
     for at_step[0] in range(steps):  # the same batch every step: the loss must fall
-        stream = counted(map(module.context.split_micro_batch, rows(gas)), read)
+        stream = counted(map(functools.partial(split_micro_batch, module.context), rows(gas)), read)
         step_batches = step_micro_batches(engine, stream, gas)
         step_batches = token_mean_micro_batches(engine, step_batches, global_loss_units(engine, step_batches))
         losses.append(float(engine.train_batch(iter(step_batches))))
@@ -139,7 +140,8 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     # the weights the steps leave (ZeRO's flat fp32 partitions, offloaded or not, copied back into the module's)
     weights = all_ranks_gradients([{name: p.detach().clone() for name, p in engine.module.named_parameters()}], where)
     # evaluation: 3 micro-batches (no multiple of the stages), the loss broadcast from the last chunk's rank
-    eval_loss = float(engine.eval_batch(map(module.context.split_micro_batch, rows(3)), num_micro_batches=3))
+    eval_rows = map(functools.partial(split_micro_batch, module.context), rows(3))
+    eval_loss = float(engine.eval_batch(eval_rows, num_micro_batches=3))
     return losses, recorded, weights, {**held, "where": where, "stage": engine.stage_id,
                                        "data_parallel_rank": engine.grid.data_parallel_id,
                                        "waiting": max(waiting, default=0), "read": len(read), "eval_loss": eval_loss,

@@ -52,6 +52,11 @@ FIGURES = {
                      "transformers eager CPU s median # (min #, max #)",
                      "pipeline speed-up over transformers eager: #x (rounds #-#)",
                      "pipeline speed-up over transformers grouped_mm: #x (rounds #-#)"],
+    "moe_dispatch_bytes.py": [*(f"{name}: # experts, top-#" for name in ("deepseek_v3", "qwen3_30b_a3b")),
+                              "ranks a token goes to: mean #, max #",
+                              "before: there # MiB + back # MiB a rank a layer forward, off the rank # MiB",
+                              "now: there # MiB + back # MiB a rank a layer forward, off the rank # MiB",
+                              "now / before: the way there #, a layer's forward and backward #, off the rank #"],
     "gated_delta_rule.py": ["transformers CPU s median # (min #, max #)", "pipeline CPU s median # (min #, max #)",
                             "speed-up over transformers: #x (rounds #-#)",
                             "max |pipeline - transformers| / max |transformers|: output #, input gradient #, weight "
@@ -96,6 +101,10 @@ FIGURES = {
             "tp2, sequence parallel, gather recomputed")),
         "tp2, sequence parallel, gather recomputed: pool on rank 0: gather float32 # elements (# MiB), input_grad "
         "float32 # elements (# MiB); gathers over the steps: # into the pool (1 distinct storage)"],
+    "stage_cpu.py": ["this tree: CPU s per micro-batch median # (rounds #-#)"],
+    "tp_collectives.py": [f"{family}: per decoder layer # collectives (forward #, backward #: all_gather_single #, "
+                          "all_reduce #, reduce_scatter_single #); embedding, final norm and head #"
+                          for family in ("llama3", "qwen3_moe")],
     "trainer_profile.py": ["matrix products # s (#%), attention kernels # s (#%), optimizer # s (#%), the rest # s",
                            "and nothing else: at most #x transformers' loop",
                            "round 1: two loops # tok/s (# per CPU s), 2 stages zbv # tok/s (# per CPU s)",

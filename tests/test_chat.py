@@ -9,6 +9,7 @@ import pytest
 from data import IGNORE_INDEX, build_dataset, collate_causal_lm
 from models.attention import document_causal_mask
 from tests.chat_tokenizers import MISTRAL_TEMPLATE, make_chat_tokenizer
+from tests.helpers import write_jsonl
 
 CONVERSATION = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -26,11 +27,6 @@ END_OF_TURN = {"chatml": "<|im_end|>\n", "llama3": "<|eot_id|>", "phi4": "<|im_e
 @pytest.fixture(scope="module", params=list(END_OF_TURN))
 def chat_tokenizer(request):
     return request.param, make_chat_tokenizer(request.param)
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 def build(path, tokenizer, seq_length, tmp_path, **cfg):

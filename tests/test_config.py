@@ -10,6 +10,7 @@ from deepspeed.runtime import lr_schedules
 from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
+from tests.helpers import compose_config
 from tests.launch import process_environment, run_processes
 from training.deepspeed_config import deepspeed_config, lr_scheduler_config
 
@@ -45,9 +46,7 @@ def test_warmup_rises_then_cosine_decays_to_the_floor():
                                         if n.endswith(".yaml")))
 def test_shipped_configs_leave_unmeasured_compile_off_and_verify_checksums(name):
     """compile=true gains nothing measurable on the CPU and never ran on a GPU here (issue 13, README)."""
-    from hydra import compose, initialize_config_dir
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-        cfg = compose(config_name=name)
+    cfg = compose_config(config=name)
     assert cfg.compile is False
     assert cfg.verify_checksums is True and cfg.tokenizer_name_or_path is None
 
@@ -55,10 +54,7 @@ def test_shipped_configs_leave_unmeasured_compile_off_and_verify_checksums(name)
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_deepspeed_keys_added_to_the_precision_nodes_are_kept(precision):
     """precision switches bf16 on or off; other keys of the bf16 node (DeepSpeed's) pass through to DeepSpeed."""
-    from hydra import compose, initialize_config_dir
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-        cfg = compose(config_name="tiny", overrides=[f"precision={precision}",
-                                                     "+deepspeed.bf16.immediate_grad_update=true"])
+    cfg = compose_config([f"precision={precision}", "+deepspeed.bf16.immediate_grad_update=true"])
     ds, _ = deepspeed_config(cfg, total_steps=10)
     assert ds["bf16"] == {"immediate_grad_update": True, "enabled": precision == "bf16"}
     assert ds["fp16"] == {"initial_scale_power": 16, "enabled": False}
@@ -112,9 +108,7 @@ def test_torch_adamw_runs_fused_and_deepspeed_adams_get_no_torch_argument(overri
 
 
 def composed(name, *overrides):
-    from hydra import compose, initialize_config_dir
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-        return compose(config_name=name, overrides=list(overrides))
+    return compose_config(overrides, name)
 
 
 @pytest.mark.parametrize("override,message", [

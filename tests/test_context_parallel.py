@@ -39,9 +39,10 @@ CASES = {  # name: (tiny model, stages, tensor parallel, context parallel, optio
 def micro_batches(rows, replicas, replica, context):
     """This rank's tokens of micro-batch (step * replicas + replica) for each step."""
     from data.collator import collate_causal_lm
+    from models.loss import split_micro_batch
     for step in range(GAS):
         start = (step * replicas + replica) * MICRO_BATCH
-        yield context.split_micro_batch(collate_causal_lm(rows[start:start + MICRO_BATCH], SEQ, pad_id=0))
+        yield split_micro_batch(context, collate_causal_lm(rows[start:start + MICRO_BATCH], SEQ, pad_id=0))
 
 
 def context_parity_worker(rank, checkpoints, datasets, out_dir):

@@ -121,7 +121,7 @@ def test_unsupported_model_type_lists_supported(tmp_path):
 
 
 @pytest.mark.parametrize("model_type,nearest", [("olmo3", "olmoe"), ("granitemoe", "granite"), ("phimoe", "phi3"),
-                                               ("qwen3_next", "qwen3_moe"), ("gemma2", None)])
+                                               ("qwen3_5_vl", "qwen3_5"), ("gemma2", None)])
 def test_unsupported_family_names_the_nearest_supported_one(model_type, nearest):
     """The families whose names say they are close (their MoE or next versions) are named; others only the list."""
     from types import SimpleNamespace
@@ -131,19 +131,19 @@ def test_unsupported_family_names_the_nearest_supported_one(model_type, nearest)
         check_model_config(SimpleNamespace(model_type=model_type))
     assert str(error.value).startswith(f"model_type '{model_type}' is not supported; supported: llama, mistral, "
                                        "qwen2, qwen3, olmo2, granite, smollm3, phi3, mixtral, qwen3_moe, qwen2_moe, "
-                                       "olmoe, gpt_oss, deepseek_v3, glm4_moe (the LLaMA layout and its mixtures of "
-                                       "experts)")
+                                       "olmoe, gpt_oss, deepseek_v3, glm4_moe, qwen3_5_text, qwen3_5_moe_text, "
+                                       "qwen3_next, qwen3_5, qwen3_5_moe (the LLaMA layout, its mixtures of experts "
+                                       "and the Gated DeltaNet hybrids)")
     assert str(error.value).endswith(f"; the nearest is '{nearest}', whose layers differ from it." if nearest
-                                     else "(the LLaMA layout and its mixtures of experts).")
+                                     else "(the LLaMA layout, its mixtures of experts and the Gated DeltaNet hybrids).")
 
 
 def test_dropout_is_refused_for_training_only_naming_the_field(tmp_path):
     """An attention_dropout of 0.1 (as Granite configs may set), which transformers applies while training and the
     pipeline does not: conversion (exact) and evaluation go on, a training run is refused at start-up in one line;
     so is Phi-3's resid_pdrop."""
-    from hydra import compose, initialize_config_dir
-
     from errors import ConfigError
+    from tests.helpers import compose_config
     from training.run_spec import run_spec
     data = tmp_path / "ids.jsonl"
     data.write_text("".join(json.dumps({"input_ids": list(range(3, 40))}) + "\n" for _ in range(8)))
@@ -155,12 +155,10 @@ def test_dropout_is_refused_for_training_only_naming_the_field(tmp_path):
         convert_hf_to_ds(str(tmp_path / family / "hf"), str(tmp_path / family / "ds"))
 
         def spec(*overrides):
-            with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-                cfg = compose(config_name="tiny", overrides=[
-                    f"model_name_or_path={tmp_path / family / 'ds'}", f"train_file={data}", f"eval_file={data}",
-                    f"output_dir={tmp_path / family / 'run'}", "data.format=pretokenized", "seq_length=32",
-                    f"data.cache_dir={tmp_path / 'cache'}", *overrides])
-            return run_spec(cfg, 2)
+            return run_spec(compose_config([
+                f"model_name_or_path={tmp_path / family / 'ds'}", f"train_file={data}", f"eval_file={data}",
+                f"output_dir={tmp_path / family / 'run'}", "data.format=pretokenized", "seq_length=32",
+                f"data.cache_dir={tmp_path / 'cache'}", *overrides]), 2)
         with pytest.raises(ConfigError, match=rf"^{field}={value} in the {family} config asks for dropout {where} "
                                               r"while training, which this pipeline does not implement; set it to 0 "
                                               r"in the Hugging Face config.json and convert again \(eval_only runs "

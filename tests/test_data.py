@@ -26,6 +26,7 @@ from data import (
 from data.datasets import tokenization_digest
 from errors import ConfigError
 from tests.distributed import spawn
+from tests.helpers import write_jsonl
 
 SENTENCE = "The small cat sees the red ball near the park. 3 plus 4 is 7."
 
@@ -43,11 +44,6 @@ def demo_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokenizer(demo_dir):
     return AutoTokenizer.from_pretrained(demo_dir / "tokenizer")
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 def flatten(rows):

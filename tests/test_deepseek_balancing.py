@@ -276,8 +276,7 @@ def test_balancing_takes_no_host_sync():
     config = DEEPSEEK_CONFIGS["deepseek_v3"]()
     config.vocab_size = 512  # the host-sync rows' token ids
     config.sequence_aux_loss_coef = ALPHA
-    loss_fn = CausalLMLoss(chunk_tokens=5, router=LoadBalancingLoss(config))
-    loss_fn.router.counts_step_loads = True
+    loss_fn = CausalLMLoss(chunk_tokens=5, router=LoadBalancingLoss(config, counts_step_loads=True))
     syncs, batches = stage_syncs(config, loss_fn)
     assert syncs == []
     real_tokens = sum(int((batch[0][1] != 0).sum()) for batch in batches)

@@ -15,6 +15,7 @@ from checkpoints.hf_to_ds import convert_hf_to_ds
 from checkpoints.layer_files import load_weights_only
 from checkpoints.quantized_weights import dequantized
 from models.layout import CARRIED_FILE_NAME, layer_file_name
+from tests.helpers import edit_json
 from tests.tiny_models import DEEPSEEK_CONFIGS, make_model
 
 BLOCK = 8  # the tiny models' fp8 blocks (DeepSeek's are 128 x 128)
@@ -139,14 +140,6 @@ def copy_quantized(tmp_path):
     make_model(config, tmp_path / "hf")
     quantize_checkpoint(str(tmp_path / "hf"), {})
     return tmp_path / "hf"
-
-
-def edit_json(path, change):
-    with open(path) as f:
-        content = json.load(f)
-    change(content)
-    with open(path, "w") as f:
-        json.dump(content, f)
 
 
 def test_other_quantisation_is_refused_before_any_weight_is_read(tmp_path):

@@ -174,6 +174,8 @@ H200 = ["device_memory_gb=141", "host_memory_gb=2048"]
 
 @pytest.mark.parametrize("overrides,fits", [
     ([], True),  # as shipped: 30 stages x 8 data-parallel, experts split over 8, 80 GB GPUs: 30 nodes
+    # a checkpointed sparse layer keeping its exchanged rows: 0.9 GiB each a micro-batch in flight, over 80 GB
+    (["moe.checkpoint_keeps_rows=true"], False),
     (["num_stages=29", "plan_world_size=232"], False),  # one stage fewer: a stage of 3 sparse layers
     ([*OFFLOADED, "grad_accum_dtype=bf16"], False),  # offloaded, experts whole: over 80 GB
     # on H200s: 61 GPUs, 8 nodes; a save's host copy of a sparse layer's whole optimizer state (its experts whole,
@@ -181,7 +183,7 @@ H200 = ["device_memory_gb=141", "host_memory_gb=2048"]
     ([*OFFLOADED, "grad_accum_dtype=bf16", *H200], False),
     ([*OFFLOADED, "grad_accum_dtype=bf16", *H200, "host_memory_gb=3072"], True),
     ([*OFFLOADED, *H200], False),  # with fp32 sums: over 141 GB
-], ids=["shipped", "29_stages", "offloaded_80gb", "offloaded_h200", "offloaded_h200_3tb_host",
+], ids=["shipped", "rows_kept", "29_stages", "offloaded_80gb", "offloaded_h200", "offloaded_h200_3tb_host",
         "offloaded_h200_fp32_sums"])
 def test_deepseek_v3_node_counts_the_config_states(overrides, fits):
     from planner.memory_plan import host_memory_plan, memory_plan, plan_fits

@@ -46,9 +46,7 @@ def masters_equal_weights(engine):
 def bf16_run(rank, overrides, out_dir):
     """The trainer on one process with its train() wrapped: the routers' outputs and the masters right after the
     checkpoint is loaded, the step(s), then every tensor's dtype and the masters again."""
-    from hydra import compose, initialize_config_dir
-
-    from tests.conftest import ROOT
+    from tests.helpers import compose_config
     from tests.parity_worker import hf_name_of_pipeline_param
     from training import loop
     train = loop.train
@@ -66,8 +64,7 @@ def bf16_run(rank, overrides, out_dir):
                        "optimizer": type(engine.optimizer).__name__}, f)
         return result
     loop.train = recorded_train
-    with initialize_config_dir(config_dir=f"{ROOT}/conf", version_base=None):
-        loop.run(compose(config_name="tiny", overrides=overrides))
+    loop.run(compose_config(overrides))
 
 
 @pytest.mark.slow

@@ -50,9 +50,7 @@ def move_to_meta(engine, state):
 
 
 def resume_on_meta(rank, overrides, result_path):
-    from hydra import compose, initialize_config_dir
-
-    from tests.conftest import ROOT
+    from tests.helpers import compose_config
     from training import loop
     from checkpoints.optimizer_state import MasterState
 
@@ -72,8 +70,7 @@ def resume_on_meta(rank, overrides, result_path):
             json.dump({"devices": sorted(devices), "optimizer_step": state.step}, f)
 
     loop.build_engine, loop.train = build_engine_on_meta, record_instead_of_training
-    with initialize_config_dir(config_dir=f"{ROOT}/conf", version_base=None):
-        loop.run(compose(config_name="tiny", overrides=overrides))
+    loop.run(compose_config(overrides))
 
 
 @pytest.mark.slow

@@ -353,3 +353,34 @@ def test_replicated_expert_gradients_sum_alike_when_a_rank_routes_no_row(tmp_pat
         differences = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert set(differences) == {"gate_up_proj", "down_proj"} and max(differences.values()) == 0.0, (rank,
                                                                                                         differences)
+
+
+@pytest.mark.slow
+def test_a_checkpointed_sparse_layer_keeps_its_dispatch_for_backward(tmp_path):
+    """Under both of DeepSpeed's activation checkpointing functions, a sparse layer whose block keeps its dispatch
+    (models/expert_parallel.py keeping_dispatch, as the pipeline checkpoints under expert parallelism) runs 2
+    all-to-alls in backward (its exchanges' reverses) and no host sync, where recomputing the dispatch runs 6 and
+    syncs once, and keeping its routing alone (moe.checkpoint_keeps_rows=false) 4 and none; outputs and every
+    gradient bit-identical to the layer run without checkpointing. Forward: the counts, the tokens with their
+    choices, the rows back."""
+    from tests.distributed import spawn
+    from tests.expert_parallel_worker import checkpointed_dispatch_exchanges
+    from models.architecture import architecture_of
+    from planner.decoder_costs import DecoderCosts
+    from planner.workload import Workload
+    from tests.tiny_models import MOE_CONFIGS
+    spawn(checkpointed_dispatch_exchanges, 2, str(tmp_path))
+    config = MOE_CONFIGS["qwen3_moe"]()
+    planned = DecoderCosts(config, Workload(seq_length=12, micro_batch_size=2, precision="fp32", expert_parallel=2),
+                           architecture_of(config).sparse_layers.index(True)).checkpoint_kept_bytes
+    kept = [json.loads((tmp_path / f"rank{rank}.json").read_text()).pop("kept bytes") for rank in range(2)]
+    # The plan counts both kept tensors as a balanced share of the T x k choices: the rows back are exactly that,
+    # and the two ranks' received tokens (one per token and destination) at most that.
+    assert [back for _, back in kept] == [planned // 2] * 2 and 0 < sum(rows for rows, _ in kept) <= planned
+    for rank in range(2):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        results.pop("kept bytes")
+        assert results == {"plain": [4, 2, 0, 0.0], "reentrant": [4, 6, 1, 0.0], "non-reentrant": [4, 6, 1, 0.0],
+                           "reentrant, its routing kept": [4, 4, 0, 0.0],
+                           "non-reentrant, its routing kept": [4, 4, 0, 0.0],
+                           "reentrant kept": [4, 2, 0, 0.0], "non-reentrant kept": [4, 2, 0, 0.0]}, (rank, results)

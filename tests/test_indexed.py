@@ -101,8 +101,8 @@ def test_the_last_input_learns_the_token_after_it_unless_a_document_starts_there
 
     from data.collator import collate_causal_lm
     from models.context_parallel import ContextParallel
-    from models.labels import IGNORE_INDEX
-    from models.loss import CausalLMLoss, next_token_labels
+    from models import IGNORE_INDEX
+    from models.loss import CausalLMLoss, next_token_labels, split_micro_batch
     rows = [{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8, 9], "lengths": [2, 3]},  # a document from 7 on
             {"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4, 5], "lengths": [4, 1]}]  # one starting after it
     inputs, labels = collate_causal_lm(rows, seq_length=4, pad_id=0)
@@ -114,7 +114,7 @@ def test_the_last_input_learns_the_token_after_it_unless_a_document_starts_there
     scored = next_token_labels(labels, positions=4)
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 12), scored, ignore_index=IGNORE_INDEX)
     assert torch.equal(CausalLMLoss(seq_length=4)(logits, labels), expected)
-    (_, split_labels) = ContextParallel(size=2, rank=1).split_micro_batch((inputs, labels))
+    (_, split_labels) = split_micro_batch(ContextParallel(size=2, rank=1), (inputs, labels))
     assert split_labels.tolist() == [[IGNORE_INDEX, 8], [3, 4]]  # chunks 1 and 2 of 4: positions 1 and 2
 
 
@@ -480,9 +480,7 @@ def test_a_resume_with_a_smaller_global_batch_reads_the_next_samples(mixture_run
 def test_read_only_shards_build_their_index_in_index_dir(demo_model, corpus, small_disk, tmp_path):
     """Shards on a read-only filesystem: the run is refused before it starts, naming where the index would go and
     data.index_dir; with index_dir the index is built there, and the samples are those built beside the shards."""
-    from hydra import compose, initialize_config_dir
-
-    from tests.conftest import ROOT
+    from tests.helpers import compose_config
     from tests.launch import demo_overrides
     from errors import ConfigError
     from training.run_spec import run_spec
@@ -492,10 +490,8 @@ def test_read_only_shards_build_their_index_in_index_dir(demo_model, corpus, sma
     small_disk(16 * 2**20, read_only=True)
 
     def spec(**overrides):
-        with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-            cfg = compose(config_name="tiny", overrides=demo_overrides(demo_model, tmp_path / "run", **{
-                "train_file": disk / "web", "eval_file": "null", "data.format": "indexed", **overrides}))
-        return run_spec(cfg, 2)
+        return run_spec(compose_config(demo_overrides(demo_model, tmp_path / "run", **{
+            "train_file": disk / "web", "eval_file": "null", "data.format": "indexed", **overrides})), 2)
     with pytest.raises(ConfigError, match=rf"train_file: {disk}/web: its sample index goes to {disk}/web\.index/s42-"
                                           rf"L64-\w+, but {disk} is not writable \(read-only storage\?\); set "
                                           rf"data\.index_dir to a directory that every node can write and read"):
@@ -516,10 +512,8 @@ def test_read_only_shards_build_their_index_in_index_dir(demo_model, corpus, sma
 def test_run_refuses_bad_shards_before_starting(demo_model, corpus, tmp_path):
     """run_spec (every rank, before any process group): a missing prefix, a list given to a file format, shards
     prepared with another tokenizer."""
-    from hydra import compose, initialize_config_dir
-
     from data.corpus import train_demo_tokenizer
-    from tests.conftest import ROOT
+    from tests.helpers import compose_config
     from tests.launch import demo_overrides
     from errors import ConfigError
     from training.run_spec import run_spec
@@ -527,9 +521,7 @@ def test_run_refuses_bad_shards_before_starting(demo_model, corpus, tmp_path):
     tokenize_shards.prepare_shards([demo_model["eval"]], str(tmp_path / "other_tokenizer"), str(tmp_path / "other"))
 
     def spec(**overrides):
-        with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-            cfg = compose(config_name="tiny", overrides=demo_overrides(demo_model, tmp_path / "run", **overrides))
-        return run_spec(cfg, 2)
+        return run_spec(compose_config(demo_overrides(demo_model, tmp_path / "run", **overrides)), 2)
     assert spec(train_file=corpus["prefix"], eval_file=corpus["prefix"], **{"data.format": "indexed"})
     with pytest.raises(ConfigError, match=f"train_file: {tmp_path}/nope.idx does not exist: a corpus is a PREFIX"):
         spec(train_file=f"[{{path: {corpus['prefix']}, weight: 2}}, {{path: {tmp_path / 'nope'}, weight: 1}}]",

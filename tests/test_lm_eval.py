@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from models.context_parallel import NO_CONTEXT_PARALLEL
-from models.labels import IGNORE_INDEX
+from models import IGNORE_INDEX
 from models.loss import ContinuationScores, continuation_scores
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 from tests.launch import demo_overrides, run_in_process

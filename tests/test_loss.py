@@ -99,3 +99,27 @@ def test_a_bf16_head_sums_its_chunks_weight_gradients_in_fp32():
         errors[grad_sum_dtype] = float((head.weight.grad.double() - reference.weight.grad).norm()
                                        / reference.weight.grad.norm())
     assert errors[torch.float32] < 0.5 * errors[torch.bfloat16], errors
+
+
+def test_evaluation_keeps_the_load_balancing_terms_and_training_does_not():
+    """An MoE model's loss adds router_aux_loss_coef x its load-balancing loss. A forward without gradient
+    (evaluation's) keeps that term for take_aux_terms, from which evaluation's perplexity is of the cross-entropy
+    alone; a training forward keeps none."""
+    from models.router_loss import LoadBalancingLoss
+    from tests.tiny_models import MOE_CONFIGS
+    config = MOE_CONFIGS["mixtral"]()
+    experts, generator = config.num_local_experts, torch.Generator().manual_seed(0)
+    labels = torch.randint(0, config.vocab_size, (2, 8), generator=generator)
+    counts = torch.randint(1, 5, (config.num_hidden_layers, experts), generator=generator)
+    logits = [torch.randn(2, 8, config.vocab_size, generator=generator) for _ in range(3)]
+    sums = [torch.rand(experts, generator=generator) for _ in range(3)]
+    loss_fn = CausalLMLoss(router=LoadBalancingLoss(config))
+    loss_fn((logits[0].requires_grad_(), counts, sums[0].requires_grad_()), labels).backward()
+    assert loss_fn.take_aux_terms() == []
+    with torch.no_grad():
+        losses = [loss_fn((logits[i], counts, sums[i]), labels) for i in (1, 2)]
+    terms = loss_fn.take_aux_terms()
+    assert len(terms) == 2 and all(term > 0.01 for term in terms)
+    for loss, term, i in zip(losses, terms, (1, 2)):
+        assert torch.allclose(loss - term, CausalLMLoss()(logits[i], labels), atol=1e-6)
+    assert loss_fn.take_aux_terms() == []

@@ -2,7 +2,6 @@
 import os
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from models.partition import DECODER, EMBEDDING, HEAD, NORM
@@ -11,6 +10,7 @@ from planner.memory_plan import HOST_PROCESS_BYTES, format_memory_plan, host_mem
     print_memory_plan, snapshot_bytes_of_ranks
 from planner.stage_costs import LayerCosts
 from tests.conftest import ROOT
+from tests.helpers import compose_config
 from tests.tiny_models import make_tiny_model
 from errors import ConfigError
 from training.run_spec import load_plan_model_config, plan_spec, plan_world_size
@@ -19,8 +19,7 @@ GIB = 2 ** 30
 
 
 def run_config(name, *overrides):
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-        return compose(config_name=name, overrides=["plan_only=true", *overrides])
+    return compose_config(["plan_only=true", *overrides], name)
 
 
 def test_llama_65b_without_offload_does_not_fit_two_nodes_of_eight_80gb_devices(capsys):

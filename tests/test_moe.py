@@ -60,7 +60,8 @@ def pipeline_loss_and_grads(config, hf_model, batch, chunk_tokens):
     for layer in layers[:-1]:
         x = layer(x)
     x = lm_head(layers[0], x, chunk_tokens > 0) if config.tie_word_embeddings else layers[-1](x)
-    loss_fn = CausalLMLoss(chunk_tokens=chunk_tokens, router=LoadBalancingLoss(config))
+    loss_fn = CausalLMLoss(chunk_tokens=chunk_tokens,
+                           router=LoadBalancingLoss(config) if architecture_of(config).moe else None)  # a dense one
     loss = loss_fn(x, labels)
     loss.backward()
     grads = {(index, key): param.grad for index, layer in enumerate(layers) for key, param in layer.named_parameters()}
@@ -240,6 +241,18 @@ def test_a_rank_load_warning_that_cannot_be_exceeded_is_refused_in_one_line(valu
                                           rf"balanced share of the routed tokens above 1 \(2\.0: twice its share\), "
                                           rf"or 0 for no warning\.$".replace("'", "\\'")):
         check_balancing({"bias_update_rate": 0.0, "sequence_aux_loss_coef": 0.0, "rank_load_warning": value})
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_a_checkpoint_keeps_rows_that_is_not_a_boolean_is_refused_in_one_line(value):
+    from training.config_checks import ConfigError, check_balancing
+    with pytest.raises(ConfigError, match=rf"^moe\.checkpoint_keeps_rows={value!r} must be true \(a checkpointed "
+                                          rf"sparse layer keeps its exchanged rows\) or false \(exchanges them again "
+                                          rf"in backward\)\.$".replace("'", "\\'")):
+        check_balancing({"bias_update_rate": 0.0, "sequence_aux_loss_coef": 0.0, "rank_load_warning": 2.0,
+                         "checkpoint_keeps_rows": value})
+    check_balancing({"bias_update_rate": 0.0, "sequence_aux_loss_coef": 0.0, "rank_load_warning": 2.0,
+                     "checkpoint_keeps_rows": False})
 
 
 # --- the clipping norm ---------------------------------------------------------------------------------------------
@@ -441,6 +454,48 @@ def test_an_moe_stage_takes_no_host_sync(family):
     assert loss_fn.router.take_metrics()["aux_loss"] > 1.0  # read once, at logging
 
 
+@pytest.mark.parametrize("capability, dtype, fast", [
+    ((8, 0), torch.bfloat16, False), ((8, 9), torch.bfloat16, False), ((9, 0), torch.bfloat16, True),
+    ((10, 0), torch.bfloat16, True), ((12, 0), torch.bfloat16, False), ((9, 0), torch.float16, False),
+    ((9, 0), torch.float32, False)], ids=str)
+def test_torchs_grouped_gemm_is_taken_only_where_it_has_a_kernel_of_its_own(monkeypatch, capability, dtype, fast):
+    """On CUDA only sm90 and sm100 in bf16 (torch's CUTLASS kernels; elsewhere torch reads the offsets to the host at
+    every call and loops), on the CPU fp32 and bf16: the capability mocked."""
+    from models.moe import grouped_mm_fast_on
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert grouped_mm_fast_on(torch.device("cuda", 0), dtype) is fast
+    assert grouped_mm_fast_on(torch.device("cpu"), dtype) is (dtype != torch.float16)
+
+
+@pytest.mark.parametrize("split_sizes_known", [False, True], ids=["local", "expert_parallel"])
+def test_where_grouped_gemm_has_no_kernel_the_experts_read_their_sizes_once_forward_and_never_backward(
+        monkeypatch, split_sizes_known):
+    """The row-block loop that runs where torch's grouped GEMM would fall back (a device without its kernel, mocked
+    here): one host read of the experts' counts in forward, none where the caller has them (expert parallelism's
+    exchange), none in backward (torch's fallback reads them at each of its six calls); outputs and gradients equal
+    the grouped GEMM's."""
+    import models.moe
+    from tests.host_syncs import HostSyncs
+    config = MOE_CONFIGS["qwen3_moe"]()
+    moe = architecture_of(config).moe
+    torch.manual_seed(0)
+    experts = Experts(moe, config.hidden_size, torch.nn.functional.silu, 0, moe.num_experts)
+    counts = torch.tensor([3, 0, 5] + [1] * (moe.num_experts - 3))
+    tokens = torch.randn(int(counts.sum()), config.hidden_size, requires_grad=True)
+    grad = torch.randn_like(tokens)
+    reference = experts(tokens, counts)
+    expected = torch.autograd.grad(reference, [tokens, *experts.parameters()], grad)
+    monkeypatch.setattr(models.moe, "grouped_mm_fast_on", lambda device, dtype: False)
+    split_sizes = counts.tolist() if split_sizes_known else None
+    with HostSyncs() as forward:
+        out = experts(tokens, counts, split_sizes)
+    with HostSyncs() as backward:
+        grads = torch.autograd.grad(out, [tokens, *experts.parameters()], grad)
+    assert forward.ops == ([] if split_sizes_known else ["Tensor.tolist"]) and backward.ops == []
+    assert torch.allclose(out, reference, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, expected))
+
+
 def stage_syncs(config, loss_fn):
     """(the host syncs of a stage of the embedding, decoder layers 0 and 1, the final norm and the chunked head with
     loss_fn over three padded micro-batches (tests/test_host_syncs.py), the micro-batches)."""
@@ -550,16 +605,12 @@ def test_moe_math_not_implemented_is_refused_before_any_weight_is_read(tmp_path,
 
 def run_spec_of(demo_model, model_dir, tmp_path, *overrides, world_size=2):
     """The RunSpec of a run on the converted model_dir with the demo tokenizer (the checks before any process)."""
-    from hydra import compose, initialize_config_dir
-
-    from tests.conftest import ROOT
+    from tests.helpers import compose_config
     from tests.launch import demo_overrides
     from training.run_spec import run_spec
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-        cfg = compose(config_name="tiny", overrides=demo_overrides(demo_model, tmp_path / "run", **{
-            "model_name_or_path": model_dir, "tokenizer_name_or_path": demo_model["ds"],
-            "data.format": "pretokenized", "train_file": tmp_path / "ids.jsonl", "eval_file": "null",
-            "seq_length": 32}) + list(overrides))
+    cfg = compose_config(demo_overrides(demo_model, tmp_path / "run", **{
+        "model_name_or_path": model_dir, "tokenizer_name_or_path": demo_model["ds"], "data.format": "pretokenized",
+        "train_file": tmp_path / "ids.jsonl", "eval_file": "null", "seq_length": 32}) + list(overrides))
     (tmp_path / "ids.jsonl").write_text("".join(json.dumps({"input_ids": list(range(3, 40))}) + "\n"
                                                 for _ in range(8)))
     return run_spec(cfg, world_size)
@@ -666,10 +717,15 @@ def assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tens
             bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
             assert not bad, f"{case['name']}: gradients differ from transformers: {bad}"
             assert result["replicated_grad_spread"] == 0.0, case["name"]
+            # Under sequence parallelism each expert tensor's gradient is summed over the tensor-parallel group once
+            # in the step (GAS micro-batches), at its boundary; without it, or without tensor parallelism, never.
+            sums, expert_tensors = result["expert_grad_sums"]
+            summed_at_step = tensor_parallel > 1 and case.get("sequence_parallel", True)
+            assert sums == (expert_tensors if summed_at_step else 0), (case["name"], sums, expert_tensors, GAS)
             assert set(result["layer_files_opened"]) == own_layer_files(case["ds_dir"], result), case["name"]
             for kind, (norm, reference) in result["norms"].items():  # the clipping norm counts every expert once
                 assert norm == pytest.approx(reference, rel=1e-5), (case["name"], kind)
-            assert result["norms"]["experts"][1] > 0
+            assert result["norms"]["experts"][1] > 0 or not any(".experts." in n for n in result["ref_param_names"])
             split = case.get("expert_parallel", 1)  # each data-parallel rank holds its slice of every layer's experts
             assert all([first, count] == [result["dp_rank"] % split * total // split, total // split]
                        for first, count, total in result["expert_slices"].values()), case["name"]
@@ -729,7 +785,7 @@ def transformers_steps(hf_dir, batches, micro_batch_size):
         for rows in torch.arange(input_ids.shape[0]).split(micro_batch_size):
             outputs = model(input_ids=input_ids[rows], attention_mask=(document_ids[rows] != 0).long(),
                             position_ids=position_ids[rows], labels=labels[rows])
-            aux_loss = 0.0 if outputs.aux_loss is None else outputs.aux_loss
+            aux_loss = getattr(outputs, "aux_loss", None) or 0.0  # a dense model has none
             cross_entropy = outputs.loss - coef * aux_loss
             loss = cross_entropy * (labels[rows, 1:] != -100).sum() / total_tokens + coef * aux_loss / count
             loss.backward()

@@ -1,11 +1,9 @@
 """The cost model and the partitions built from it (fast: no processes, nothing of model size is built)."""
 import dataclasses
 import functools
-import os
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from transformers import GraniteConfig, LlamaConfig, Olmo2Config, Phi3Config, Qwen3Config, SmolLM3Config
 
 from models.layout import num_pipeline_layers
@@ -18,7 +16,7 @@ from models.tensor_parallel import TensorParallel
 from models.weight_grads import WeightGradQueue
 from planner.stage_costs import LayerCosts, balanced_stage_cost, compute_spread, stage_plan
 from planner.workload import Workload
-from tests.conftest import ROOT
+from tests.helpers import compose_config
 from training.run_spec import plan_spec
 
 # Published sizes (config.json of meta-llama/Llama-2-7b-hf, Meta-Llama-3.1-8B, llama-65b).
@@ -59,8 +57,7 @@ WORLD_SIZE = {"llama_7b": 8, "llama3_8b": 8, "llama_65b": 16, "qwen3_8b": 8, "ph
 
 
 def run_config(name):
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-        return compose(config_name=name)
+    return compose_config(config=name)
 
 
 def configured_plan(name, partition=None):
@@ -243,7 +240,7 @@ def test_activation_model_counts_each_familys_layer(dtype, precision, family):
     decoder = DecoderLayerPipe(config, stage_inputs).to(dtype)
     hidden = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
     mask, positions = torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq)
-    cos, sin, window_mask = stage_inputs(hidden, mask, positions, decoder.self_attn.window)
+    cos, sin, window_mask, _ = stage_inputs(hidden, mask, positions, decoder.self_attn.window)
     shared = {t.untyped_storage().data_ptr() for t in (cos, sin, window_mask) if t is not None}
     params = {p.untyped_storage().data_ptr() for p in decoder.parameters()}
     assert saved_activation_bytes(lambda: decoder((hidden, mask, positions)), shared | params) \

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.distributed import spawn
+from tests.launch import read_metrics
 
 SEQ, MICRO_BATCH, GAS, STEPS, SEED, BETA = 48, 2, 2, 4, 42, 0.1
 LORA_RANK, SIMPO_BETA, SIMPO_GAMMA, EVAL_PAIRS = 4, 2.0, 0.5, 10
@@ -125,11 +126,8 @@ def trainer_overrides(model, output_dir, **extra):
 def composed(*runs):
     """Each list of overrides composed as trainer_pipe.py composes it (Hydra, conf/tiny.yaml), here once for all the
     ranks that run it (~0.1 CPU s a run and rank)."""
-    from hydra import compose, initialize_config_dir
-
-    from tests.conftest import ROOT
-    with initialize_config_dir(config_dir=f"{ROOT}/conf", version_base=None):
-        return [compose(config_name="tiny", overrides=overrides) for overrides in runs]
+    from tests.helpers import compose_configs
+    return compose_configs(runs)
 
 
 def run_trainer(rank, *configs):
@@ -138,10 +136,6 @@ def run_trainer(rank, *configs):
     for cfg in configs:
         run(cfg)  # the process group stays up for the next run (gloo cannot start a second one on the same port)
     torch.distributed.destroy_process_group()
-
-
-def read_metrics(output_dir):
-    return [json.loads(line) for line in open(output_dir / "metrics.jsonl") if line.strip()]
 
 
 def trainer_order(num_records, data_parallel):
@@ -286,6 +280,7 @@ def host_tensor_units(rank, root):
 
     from data.collator import collate_preference
     from models.context_parallel import ContextParallel
+    from models.loss import split_micro_batch
     from models.preference import PreferenceLoss, PreferenceSettings
     from tests.test_collectives import on_host
     from training.token_mean import global_loss_units, step_micro_batches
@@ -295,7 +290,7 @@ def host_tensor_units(rank, root):
     loss_fn = PreferenceLoss(PreferenceSettings("dpo", beta=BETA), context=context)
     engine = SimpleNamespace(is_first_stage=lambda: True, is_last_stage=lambda: True, module=SimpleNamespace(
         loss_fn=loss_fn), grid=SimpleNamespace(get_slice_parallel_rank=lambda: 0))
-    micro_batches = [context.split_micro_batch(on_host(collate_preference(pairs, SEQ, pad_id=0)))
+    micro_batches = [split_micro_batch(context, on_host(collate_preference(pairs, SEQ, pad_id=0)))
                      for pairs in HOST_UNIT_PAIRS]
     try:
         global_loss_units(engine, micro_batches)
@@ -310,6 +305,31 @@ def pair(prompt, chosen, rejected):
     """A pair of token rows: the prompt's labels -100, the response's its tokens."""
     return {f"{side}_{key}": prompt + response if key == "input_ids" else [-100] * len(prompt) + response
             for side, response in (("chosen", chosen), ("rejected", rejected)) for key in ("input_ids", "labels")}
+
+
+def test_evaluation_metrics_are_kept_apart_from_the_training_window():
+    """A forward without gradient (evaluation's) adds its pairs' metrics to the evaluation's window, not to the
+    training window the next log record takes: each window's metrics are those of its forwards alone."""
+    from data.collator import collate_preference
+    from models.preference import PreferenceLoss, PreferenceSettings
+    _, labels = collate_preference([pair([1, 2, 3], [4, 5], [6]), pair([1, 7], [8, 9, 10], [11])], 8, pad_id=0)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, 8, generator=generator)
+    trained, evaluated = (scale * torch.randn(4, 8, 8, generator=generator) for scale in (1.0, 3.0))
+
+    def metrics_alone(hidden, grad):
+        alone = PreferenceLoss(PreferenceSettings("simpo"), chunk_tokens=4)
+        with torch.set_grad_enabled(grad):
+            alone((hidden.clone().requires_grad_(grad), weight), labels)
+        return alone.take_metrics(evaluation=not grad)
+    loss_fn = PreferenceLoss(PreferenceSettings("simpo"), chunk_tokens=4)
+    loss_fn((trained.clone().requires_grad_(), weight), labels).backward()
+    with torch.no_grad():
+        loss_fn((evaluated, weight), labels)
+    evaluation, training = loss_fn.take_metrics(evaluation=True), loss_fn.take_metrics()
+    assert evaluation == metrics_alone(evaluated, grad=False) and training == metrics_alone(trained, grad=True)
+    assert evaluation != training
+    assert loss_fn.take_metrics() == {} and loss_fn.take_metrics(evaluation=True) == {}
 
 
 # two micro-batches of two pairs; the second micro-batch's first pair has no chosen response (not scored)
@@ -903,12 +923,9 @@ def test_conversations_without_a_chat_template_name_the_key(tmp_path):
 ], ids=["dpo_on_text", "pairs_without_objective", "packing", "logits_head", "beta", "loss_type",
         "objective"])
 def test_preference_config_errors_name_the_key(overrides, message):
-    from hydra import compose, initialize_config_dir
-
-    from tests.conftest import ROOT
     from errors import ConfigError
+    from tests.helpers import compose_config
     from training.config_checks import checked_config
-    with initialize_config_dir(config_dir=f"{ROOT}/conf", version_base=None):
-        cfg = compose(config_name="tiny", overrides=overrides)
+    cfg = compose_config(overrides)
     with pytest.raises(ConfigError, match=message):
         checked_config(cfg)

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from training.resume import check_resume_topology
-from tests.conftest import ROOT
 from tests.launch import (REFERENCE, check_ok, demo_overrides, launch_ranks_separately, launch_trainer,
                           per_step_losses, read_metrics, run_python, start_trainer)
 from resilience.exit_codes import CRASHED, DISK_FULL
@@ -349,13 +348,11 @@ def test_disk_filling_during_the_first_save_is_one_line(demo_model, two_step_run
     tokenizer and other side files): a disk with room for the estimate but not the checkpoint fills mid-save,
     and the rank that hit it says so in one line (its peers then stop on the lost connection), with no checkpoint
     marked complete."""
-    from hydra import compose, initialize_config_dir
-
     from checkpoints.disk_space import checkpoint_bytes
+    from tests.helpers import compose_config
     from training.run_spec import run_spec
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-        estimate = run_spec(compose(config_name="tiny", overrides=two_step_overrides(
-            demo_model, two_step_run, overwrite_output_dir="true")), 2).checkpoint_bytes
+    estimate = run_spec(compose_config(two_step_overrides(demo_model, two_step_run, overwrite_output_dir="true")),
+                        2).checkpoint_bytes
     actual = checkpoint_bytes(two_step_run / "global_step2")
     assert estimate < actual
     disk = small_disk(used_bytes(two_step_run) - actual + (estimate + actual) // 2)

@@ -1,7 +1,6 @@
 """Resume on any layout: the reference run's step-4 checkpoint (2 stages x 2 data-parallel, ZeRO-1, fp32) goes on
 under other stage counts, tensor- and data-parallel sizes, ZeRO stages and offload with its whole training state,
 and its losses equal the run that never stopped; what cannot resume is refused before anything is built."""
-import json
 import os
 import re
 import shutil
@@ -10,6 +9,7 @@ import pytest
 
 from tests.launch import REFERENCE, check_ok, demo_overrides, launch_trainer, lm_eval_overrides, per_step_losses, \
     read_metrics, run_in_process
+from tests.helpers import edit_json
 from tests.test_lm_eval import assert_loop_equals_lm_eval, log_likelihoods, read_samples
 
 # fp32 reduction-order noise: the same sums over other ranks and stage boundaries.
@@ -57,16 +57,13 @@ def test_resume_on_another_layout_equals_the_run_that_never_stopped(demo_model, 
 def test_a_changed_global_batch_is_said_at_start_up(demo_model, reference_run):
     """2 data-parallel ranks of 3 sequences per micro-batch (the global batch 8 -> 6): 32 consumed samples are 5
     micro-batches and 2 samples; the 2 are read again, and the line says so."""
-    from hydra import compose, initialize_config_dir
-
-    from tests.conftest import ROOT
+    from tests.helpers import compose_config
     from training.resume import describe_resume
     from training.run_spec import run_spec
     overrides = demo_overrides(demo_model, "unused", **{**REFERENCE, "num_stages": 1, "micro_batch_size": 3,
                                                          "gradient_accumulation_steps": 1,
                                                          "resume": str(reference_run / "global_step4")})
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-        spec = run_spec(compose(config_name="tiny", overrides=overrides), 2)
+    spec = run_spec(compose_config(overrides), 2)
     assert describe_resume(spec) == (
         f"resuming {reference_run}/global_step4 with another layout (num_stages 2 -> 1; stage_bounds [0, 3, 7] -> "
         f"[0, 7]; global_batch_size 8 -> 6): the optimizer state is resharded from its per-layer files; the data "
@@ -135,13 +132,6 @@ def copy_of_checkpoint(reference_run, tmp_path):
     return tag
 
 
-def edit_json(path, **changes):
-    content = json.loads(path.read_text())
-    for key, value in changes.items():
-        content[key] = {**content[key], **value} if isinstance(value, dict) else value
-    path.write_text(json.dumps(content))
-
-
 @pytest.mark.parametrize("fault,overrides,message", [
     ("other_model", {}, "is of another model than model_name_or_path (num_hidden_layers 6 there, 4 here): resume a "
                         "checkpoint of this model, or set model_name_or_path to the converted model the checkpoint "
@@ -156,11 +146,11 @@ def test_a_checkpoint_that_cannot_resume_is_refused_before_anything_is_built(dem
                                                                              fault, overrides, message):
     tag = copy_of_checkpoint(reference_run, tmp_path)
     if fault == "other_model":
-        edit_json(tag / "config.json", num_hidden_layers=6)
+        edit_json(tag / "config.json", lambda config: config.update(num_hidden_layers=6))
     elif fault == "missing_state":
         os.remove(tag / "layer_03-optim_states.pt")
     else:
-        edit_json(tag / "trainer_state.json", settings={"precision": "fp16"})
+        edit_json(tag / "trainer_state.json", lambda state: state["settings"].update(precision="fp16"))
     with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)):
         run_in_process(demo_overrides(demo_model, tmp_path / "run", **{**REFERENCE, **overrides},
                                       resume=str(tag)), 4)

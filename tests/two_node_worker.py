@@ -24,16 +24,12 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 def main(settings):
     import torch.distributed as dist
-    from hydra import compose, initialize_config_dir
-
     from data.indexed import training_blend
     from data.shard_files import parse_sources
-    from tests.conftest import ROOT
+    from tests.helpers import compose_config
     from training.loop import run
     rank = int(os.environ["RANK"])
-    with initialize_config_dir(config_dir=f"{ROOT}/conf", version_base=None):
-        cfg = compose(config_name="tiny", overrides=settings["overrides"])
-    run(cfg)
+    run(compose_config(settings["overrides"]))
     blend = training_blend(parse_sources(settings["shards"], "train_file"), reads_data=True, seed=0, seq_length=16,
                            isolate=False, blend_dir=settings["index_dir"], vocab_size=settings["vocab_size"],
                            total_samples=200, build_limit_minutes=5, index_dir=settings["index_dir"])

@@ -131,7 +131,7 @@ def check_values(cfg):
 
 def check_balancing(moe):
     """moe.bias_update_rate and moe.sequence_aux_loss_coef: numbers >= 0 (0: off); moe.rank_load_warning: 0 (off)
-    or a multiple of the balanced share above 1."""
+    or a multiple of the balanced share above 1; moe.checkpoint_keeps_rows: a boolean."""
     for key in BALANCING_PAPER_VALUES:
         value = moe[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
@@ -141,6 +141,9 @@ def check_balancing(moe):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value == 0 or value > 1):
         raise ConfigError(f"moe.rank_load_warning={value!r} must be a multiple of a rank's balanced share of the "
                           f"routed tokens above 1 (2.0: twice its share), or 0 for no warning.")
+    if not isinstance(moe["checkpoint_keeps_rows"], bool):
+        raise ConfigError(f"moe.checkpoint_keeps_rows={moe['checkpoint_keeps_rows']!r} must be true (a checkpointed "
+                          f"sparse layer keeps its exchanged rows) or false (exchanges them again in backward).")
 
 
 def check_token_shard_keys(cfg):
@@ -306,7 +309,7 @@ EXPERT_PARALLEL_REFUSED = {
 }
 
 
-GROUPED_MM_TORCH = "2.10"  # the first torch with torch.nn.functional.grouped_mm (CPU, and CUDA from sm80)
+GROUPED_MM_TORCH = "2.10"  # the first torch with torch.nn.functional.grouped_mm (its own kernels: CPU, CUDA sm90/sm100)
 
 
 def check_torch_kernels(model_config):

@@ -22,8 +22,7 @@ from models.sigmoid_router import balanced_correction_bias
 class CorrectionBiasBalancing:
     def __init__(self, engine, rate):
         self.rate = rate
-        self.loss = engine.module.loss_fn.router
-        self.loss.counts_step_loads = True
+        self.loss = engine.module.loss_fn.router  # built counting the step's loads (build_engine)
         self.routers = [(layer.sparse_row, layer.mlp.gate) for layer in engine.module.forward_funcs
                         if isinstance(layer, DecoderLayerPipe) and layer.sparse]
         # the loads of a last stage's tensor-parallel group are the whole micro-batches' on each of its ranks

@@ -4,10 +4,12 @@ last stage, then train, evaluate, log and save.
 train() is the loop itself, one step at a time in the order every rank keeps (the collectives of logging,
 evaluation, preemption and saving are met by all ranks alike): the step's batch, the step, its metrics, the
 evaluation and the checkpoint when due."""
+import dataclasses
 import math
 import os
 import random
 import time
+from functools import partial
 from typing import NamedTuple
 
 import deepspeed
@@ -22,7 +24,7 @@ from checkpoints.disk_space import checkpoint_bytes, storage_warning
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.files import has_tokenizer_files
 from checkpoints.integrity import verify_checkpoint
-from checkpoints.layer_files import load_layer_slice
+from checkpoints.layer_files import fp32_stored_keys, load_layer_slice
 from resilience.run_lease import output_dir_lease
 from checkpoints.saving import save_checkpoint
 from checkpoints.state_files import WeightsOnlyCheckpointEngine
@@ -33,6 +35,7 @@ from deepspeed_internals.access import (ask_cpuinfo_once, checkpoints_without_ex
                                         replace_checkpoint_engine, skip_gradient_allreduce, skip_optimizer_files,
                                         uses_bf16_optimizer)
 from deepspeed_internals.registry import check_deepspeed_internals
+from models.loss import split_micro_batch
 from models.partition import training_flops_per_token
 from models.pipeline import PRECISION_DTYPES, build_pipeline_module
 from models.sigmoid_router import FP32_MARKER
@@ -87,7 +90,11 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
             objective=spec.preference, seq_length=cfg.seq_length if cfg.data.format == "indexed" else None,
             row_layout=row_layout(cfg.data),
             chunk_ids=rank_chunk_ids(cfg.pipeline_schedule, spec.num_stages, cfg.virtual_stages),
-            expert_parallel_size=cfg.expert_parallel_size)
+            expert_parallel_size=cfg.expert_parallel_size, counts_step_loads=bool(cfg.moe.bias_update_rate),
+            checkpoint_keeps_rows=cfg.moe.checkpoint_keeps_rows,
+            # the tensors the converted model stores in fp32 beside bf16 ones (Qwen3.5's A_log) stay fp32
+            kept_in_fp32=fp32_stored_keys(start_checkpoint_dir(cfg.model_name_or_path, None), spec.model_config)
+            if layer_loader is not None else frozenset())
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)
@@ -198,8 +205,8 @@ def run(cfg):
         raise ConfigError(error)
     trace_dir = set_up_flight_recorder(os.path.join(cfg.output_dir, HANG_DIR))  # read as the process group starts
     init_distributed(cfg.dist_timeout_minutes)
-    if cfg.async_save == "auto":  # from here on, true or false alike on every rank
-        cfg.async_save = not cfg.eval_only and agreed_async_save(shortfall)
+    if cfg.async_save == "auto":  # the verdict, alike on every rank
+        spec = dataclasses.replace(spec, async_save=not cfg.eval_only and agreed_async_save(shortfall))
     with output_dir_lease(cfg.output_dir):  # before anything in output_dir is touched
         record = start_record(cfg.output_dir, int(os.environ.get("RANK", "0")))  # names this rank if it dies
         if trace_dir:
@@ -288,7 +295,7 @@ def training_stream(engine, spec, data, coord, pad_id):
         epoch, consumed = data_position(spec.trainer_state, len(loader), spec.data_parallel, cfg.micro_batch_size)
         stream = infinite_micro_batches(loader, epoch, consumed)
     if cfg.context_parallel_size > 1:
-        stream = map(engine.module.context.split_micro_batch, stream)
+        stream = map(partial(split_micro_batch, engine.module.context), stream)
     if spec.tensor_parallel > 1 and data.reads_data:
         stream = check_identical_across_group(stream, engine.grid.get_slice_parallel_group(),
                                               batches_per_check=cfg.gradient_accumulation_steps)
@@ -338,7 +345,7 @@ class TrainingRun:
                                     planned_stage_tflops(spec, engine.stage_id)) if cfg.profile else NoProfile())
         self.stragglers = StragglerWatch(engine, cfg.straggler_margin)
         self.balancing = CorrectionBiasBalancing(engine, cfg.moe.bias_update_rate) if cfg.moe.bias_update_rate else None
-        self.background = BackgroundSave() if cfg.async_save else None
+        self.background = BackgroundSave() if spec.async_save else None
         if self.background:
             add_instruction_listener(engine, self.background)  # the optimizer step waits for the snapshot's copy
         self.window = MetricsWindow()

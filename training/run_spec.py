@@ -21,7 +21,7 @@ from errors import ConfigError
 from models.architecture import architecture_of, check_model_config, check_trains_as_configured
 from models.context_parallel import context_parallel_error
 from models.expert_parallel import expert_parallel_error
-from models.layout import layer_file_name
+from models.layout import layer_file_name, text_config_of
 from models.lora import adapter_parameter_total, check_lora_applies, check_rank_fits
 from models.partition import decoder_counts_of_bounds, decoder_kinds, layer_parameter_counts
 from models.pipeline import partition_stages
@@ -60,6 +60,9 @@ class RunSpec:
     unit_costs: object = None  # planner/measured_costs.py UnitCosts `balanced` weighed stages by (None: FLOPs)
     # read once at the start when LoRA or DPO records it; None otherwise and when planning
     converted_model: ConvertedModel | None = None
+    # whether saves write in the background: async_save=true, or auto's verdict, which the job agrees on once its
+    # process group is up (training/loop.py run); the config keeps what it declares
+    async_save: bool = False
 
     @property
     def num_stages(self):
@@ -177,7 +180,8 @@ def run_spec(cfg, world_size):
     recorded = workload.lora.enabled or PreferenceSettings.from_cfg(cfg).needs_reference
     spec = RunSpec(cfg, model_config, world_size, workload, configured_stage_bounds(cfg, model_config, workload),
                    model_files_dir, tokenizer_dir(cfg, model_files_dir),
-                   converted_model=converted_model(cfg.model_name_or_path) if recorded else None)
+                   converted_model=converted_model(cfg.model_name_or_path) if recorded else None,
+                   async_save=cfg.async_save is True)
     if cfg.data.format == "indexed":
         check_shards_fit_model(cfg, model_config.vocab_size, spec.tokenizer_dir)
     # this rank's own look at output_dir, for the checks: rank 0's, once a collective can carry it, decides
@@ -218,7 +222,7 @@ def check_layout(cfg, model_config, world_size):
     try:
         check_tensor_parallel_split(model_config, tp, workload.tokens if workload.splits_sequence else None)
         if workload.lora.enabled:
-            check_lora_applies(model_config, workload.lora)
+            check_lora_applies(model_config, workload.lora, tp)
             check_rank_fits(model_config, workload.lora)
     except ValueError as error:
         raise ConfigError(str(error)) from None
@@ -330,7 +334,7 @@ def load_model_config(model_dir, verify_checksums):
         verify_model_side_files(side_dir)
     config = AutoConfig.from_pretrained(side_dir)
     check_model_config(config)
-    return config, side_dir
+    return text_config_of(config), side_dir  # a multimodal checkpoint trains its text model
 
 
 def load_plan_model_config(cfg):
@@ -346,7 +350,7 @@ def load_plan_model_config(cfg):
         raise ConfigError(f"plan_only needs a model config: '{path}' has no config.json and model_config is not "
                           f"set; point model_name_or_path at a Hugging Face or converted directory.")
     check_model_config(config)
-    return config
+    return text_config_of(config)
 
 
 def tokenizer_dir(cfg, model_files_dir):
