@@ -20,6 +20,11 @@ from tests.tiny_models import DEEPSEEK_CONFIGS, HYBRID_CONFIGS, MOE_CONFIGS, TIN
 
 if not torch.cuda.is_available():  # the CPU suite's in-process references: see tests/launch.py process_environment
     torch.set_num_threads(1)
+    # and kept at one: a test running the trainer's run() in this process (tests/launch.py run_in_process) calls
+    # set_threads_per_process, which without OMP_NUM_THREADS set the process's cores' count (2): every later test of
+    # the worker then ran 2 OpenMP threads, whose barrier spin-waits cost as much CPU again on a busy 2-core host
+    # (a worker's second thread: 111 of its 283 CPU s in the quick tier)
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 gc.freeze()  # the libraries loaded by now stay: full collections skip them (as tests/zygote_imports.py does)
 

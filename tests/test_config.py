@@ -2,7 +2,6 @@
 DeepSpeed (the learning rate each optimizer step actually uses), shipped defaults."""
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
 from tests.helpers import compose_config
+from tests.launch import process_environment, run_processes
 from training.deepspeed_config import deepspeed_config, lr_scheduler_config
 
 
@@ -212,6 +212,8 @@ def test_ranks_that_cannot_have_a_gpu_each_are_refused_at_start_up(monkeypatch, 
 
 
 THREADS_OF_A_RANK = """
+import os, sys
+os.sched_setaffinity(0, map(int, sys.argv[1].split(",")))  # what taskset -c CORES does before it runs the command
 from cluster.distributed import set_threads_per_process
 import torch
 set_threads_per_process()
@@ -224,10 +226,18 @@ print(torch.get_num_threads())
 @pytest.mark.parametrize("cores,local_ranks,threads", [("0", 1, 1), ("0,1", 2, 1), ("0,1", 1, 2)])
 def test_threads_per_rank_share_the_cores_the_process_may_use_not_the_machines(cores, local_ranks, threads):
     """Under taskset (as under Slurm's cpuset cgroup or numactl) a rank's threads share the cores it may run on,
-    not os.cpu_count()'s: one core for one rank is one thread, not the machine's count."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    result = subprocess.run(["taskset", "-c", cores, sys.executable, "-c", THREADS_OF_A_RANK], cwd=ROOT,
-                            env={**env, "LOCAL_SIZE": str(local_ranks), "DS_ACCELERATOR": "cpu"},
-                            capture_output=True, text=True, timeout=300)
+    not os.cpu_count()'s: one core for one rank is one thread, not the machine's count. The rank is forked from the
+    rank zygote (a fresh interpreter's imports cost ~13 CPU s here), without the suite's OMP_NUM_THREADS."""
+    env = {k: v for k, v in process_environment("cpu").items() if k != "OMP_NUM_THREADS"}
+    result, = run_processes([sys.executable, "-c", THREADS_OF_A_RANK, cores], [{**env, "LOCAL_SIZE": str(local_ranks)}],
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert int(result.stdout.split()[-1]) == threads
+
+
+def test_the_suites_process_keeps_one_thread_when_a_test_runs_the_trainer_in_it():
+    """run() (tests/launch.py run_in_process) sets its process's threads first: the suite's own stays at one
+    (tests/conftest.py), or every later test of the worker pays a second thread's spin-waits."""
+    from cluster.distributed import set_threads_per_process
+    set_threads_per_process()
+    assert torch.get_num_threads() == 1
