@@ -11,27 +11,28 @@ projections are held as their parts and a mixture's experts fused, as the pipeli
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from models.architecture import architecture_of, check_model_config
 from models.attention import StageAttentionInputs
-from models.decoder import DecoderLayer
+from models.decoder import Gemma4Decoder, decoder_layer, final_norm
+from models.gemma3 import soft_cap
 from models.hf_weights import find_weight_files, hf_tensors, layer_states
+from models.layout import HUB_LAYOUTS, hub_layout_of, is_carried, text_config_of
 from models.moe import RoutedTokens
-from models.norms import RMSNorm
 from models.sigmoid_router import FP32_MARKER
 
 
 class DecoderStack(nn.Module):
-    """transformers' `model`: the embedding, the decoder layers and the final norm."""
+    """transformers' `model`: the embedding, the decoder layers and the final norm (Gemma 4's per-layer embeddings
+    are held by the layers, each its share: models/decoder.py Gemma4Decoder)."""
 
     def __init__(self, config, attention_impl):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.layers = nn.ModuleList(DecoderLayer(config, index, attention_impl)
+        self.layers = nn.ModuleList(decoder_layer(config, index, attention_impl)
                                     for index in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                            scale_in_fp32=architecture_of(config).norm_scale_in_fp32)
+        self.norm = final_norm(config)
 
 
 class CausalLM(nn.Module):
@@ -41,9 +42,8 @@ class CausalLM(nn.Module):
         super().__init__()
         check_model_config(config)
         self.config = config
-        architecture = architecture_of(config)
-        self.embedding_multiplier, self.logits_multiplier = (architecture.embedding_multiplier,
-                                                             1 / architecture.logits_scaling)
+        self.architecture = architecture = architecture_of(config)
+        self.logits_multiplier = 1 / architecture.logits_scaling
         self.model = DecoderStack(config, attention_impl)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -53,21 +53,34 @@ class CausalLM(nn.Module):
         with torch.device("cpu"):
             self.inputs_of = {layout: StageAttentionInputs(config, layout) for layout in ("packed", "full")}
 
-    def forward(self, input_ids, attention_mask=None):
+    def forward(self, input_ids, attention_mask=None, document_ids=None):
         """Logits (batch, seq, vocab) of input_ids (batch, seq); attention_mask: 1 on the tokens, 0 on padding
-        (transformers'), None for rows without padding."""
+        (transformers'), None for rows without padding; or document_ids, rows of several documents: k >= 1 on a
+        row's k-th document, 0 on padding (each document's positions from 0)."""
         batch, seq = input_ids.shape
-        document_ids = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
-        positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+        if document_ids is None:
+            document_ids = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+            positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+        else:
+            attention_mask = document_ids
+            positions = document_positions(document_ids)
         inputs_of = self.inputs_of["full" if attention_mask is None else "packed"]
         hidden = self.model.embed_tokens(input_ids)
-        hidden = hidden if self.embedding_multiplier == 1 else hidden * self.embedding_multiplier
+        multiplier = self.architecture.embedding_scale(hidden.dtype)
+        hidden = embedded = hidden if multiplier == 1 else hidden * multiplier
         tokens = RoutedTokens.of(document_ids)
+        shared_kv = {}  # Gemma 4: {layer: the keys and values it stored for the layers reusing them}
         for layer in self.model.layers:
-            hidden, _ = layer(hidden, inputs_of(hidden, document_ids, positions, layer.self_attn.window), tokens)
+            inputs = inputs_of(hidden, document_ids, positions, layer.self_attn.window)
+            if not isinstance(layer, Gemma4Decoder):
+                hidden, _ = layer(hidden, inputs, tokens)
+                continue
+            hidden, _, key_value = layer(hidden, inputs, tokens, input_ids, embedded, shared_kv.get(layer.kv_source))
+            if layer.stores_kv:
+                shared_kv[layer.self_attn.layer_index] = key_value
         hidden = self.model.norm(hidden)
         hidden = hidden if self.logits_multiplier == 1 else hidden * self.logits_multiplier
-        return F.linear(hidden, self.head_weight)
+        return soft_cap(F.linear(hidden, self.head_weight), self.architecture.final_logit_softcapping)
 
     @property
     def head_weight(self):
@@ -82,14 +95,24 @@ class CausalLM(nn.Module):
         return layers
 
 
+def document_positions(document_ids):
+    """Each token's position in its document (batch, seq): from 0 where a row's document id changes."""
+    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
 def from_hf(path, dtype=None, attention_impl="sdpa"):
     """The CausalLM of a Hugging Face directory (config.json and safetensors or .bin weights, sharded or not), its
     weights read through conversion's name map, in evaluation mode. dtype: what to cast the weights to (None: as
-    stored); DeepSeek-V3's router stays fp32, as transformers keeps it."""
-    config = AutoConfig.from_pretrained(path)
+    stored); DeepSeek-V3's router stays fp32, as transformers keeps it. A multimodal checkpoint (Gemma 3's and 4's)
+    gives its language model."""
+    hub_config = AutoConfig.from_pretrained(path)
+    config = text_config_of(hub_config)
     with torch.device("meta"):
         model = CausalLM(config, attention_impl)
-    states = layer_states(hf_tensors(find_weight_files(path)), config)
+    states = layer_states(text_model_tensors(hf_tensors(find_weight_files(path)), hub_config), config)
     for index, module in model.pipeline_layers().items():
         targets = module.state_dict(keep_vars=True)
         state = {key: tensor if dtype is None or getattr(targets.get(key), FP32_MARKER, False)
@@ -97,3 +120,17 @@ def from_hf(path, dtype=None, attention_impl="sdpa"):
                  for key, tensor in states.get(index, {}).items()}
         module.load_state_dict(state, strict=True, assign=True)
     return model.eval()
+
+
+def text_model_tensors(tensors, hub_config):
+    """{the pipeline's HF name: tensor} of a checkpoint's text model, as conversion reads it (models/layout.py
+    HubLayout): a multimodal checkpoint's towers left out, and the tensors transformers ignores on load (the hub's
+    Gemma 4 E2B/E4B ship their KV-shared layers' unused key/value projections)."""
+    if hub_config.model_type not in HUB_LAYOUTS:
+        return tensors
+    layout = hub_layout_of(hub_config.model_type, tensors)
+    text = text_config_of(hub_config)
+    with torch.device("meta"):  # the patterns depend on the config (Gemma 4 sets them per KV-shared layer)
+        ignored = AutoModelForCausalLM.from_config(text)._keys_to_ignore_on_load_unexpected or ()
+    return {layout.from_hub(name): tensor for name, tensor in tensors.items()
+            if not is_carried(name, text, layout, ignored) and layout.from_hub(name) is not None}

@@ -8,7 +8,8 @@ from collections import defaultdict
 import torch
 from safetensors import safe_open
 
-from models.layout import expert_piece, fused_parts, is_multi_token_prediction, layer_of_hf_name, pipeline_name
+from models.layout import (expert_piece, fused_parts, is_multi_token_prediction, layer_of_hf_name, per_layer_share,
+                           per_layer_shares, pipeline_name)
 
 
 def find_weight_files(model_dir):
@@ -44,7 +45,8 @@ def hf_tensors(files):
 
 def layer_states(tensors, config):
     """{pipeline layer index: its state dict} of Hugging Face tensors: a fused weight split into its parts
-    (Phi-3's), the hub's per-expert tensors stacked into the fused ones, a tied LM head left to the embedding, the
+    (Phi-3's), the hub's per-expert tensors stacked into the fused ones, Gemma 4's per-layer embeddings cut into
+    each decoder layer's share (views), a tied LM head left to the embedding, the
     multi-token-prediction layers (which no forward runs) and rotary buffers left out. A name no layer holds is
     refused, naming it."""
     num_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
@@ -58,6 +60,11 @@ def layer_states(tensors, config):
         if piece is not None:
             fused, place, per_expert = piece
             stacks[(fused, per_expert)][place] = tensor
+            continue
+        shares = per_layer_shares(name, config)
+        if shares is not None:
+            for share in shares:
+                states[share[0]][share[1]] = per_layer_share(tensor, share)
             continue
         parts = fused_parts(name, config) or ((name, 0, None),)
         for part, first, rows in parts:
