@@ -197,6 +197,6 @@ def test_a_model_type_not_supported_is_refused_in_one_line_before_any_work(tmp_p
         convert_hf_to_ds(str(tmp_path / "hf"), str(tmp_path / "ds"))
     assert str(error.value) == (
         f"model_type '{config.model_type}' is not supported; supported: llama, mistral, qwen2, qwen3, olmo2, "
-        "granite, smollm3, phi3, mixtral, qwen3_moe, qwen2_moe, olmoe, gpt_oss, deepseek_v3, glm4_moe, qwen3_5, "
-        "qwen3_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next, gemma3, gemma3_text, gemma4, gemma4_text, olmo3.")
+        "granite, smollm3, phi3, mixtral, qwen3_moe, qwen2_moe, olmoe, gpt_oss, deepseek_v3, glm4_moe, olmo3, "
+        "gemma3_text, gemma4_text, gemma3, gemma4, qwen3_5, qwen3_5_moe, qwen3_5_text, qwen3_5_moe_text, qwen3_next.")
     assert not (tmp_path / "ds").exists()
