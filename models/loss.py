@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import collectives
 from models.context_parallel import NO_CONTEXT_PARALLEL
+from models.gemma3 import soft_cap, soft_cap_derivative
 from models.labels import IGNORE_INDEX, shift_labels
 from models.pipeline_layers import head_outputs
 from models.tensor_parallel import NO_TENSOR_PARALLEL
@@ -46,13 +47,15 @@ class CausalLMLoss:
     last layer's output is the logits, or with chunk_tokens > 0 the head's input and weight (LMHeadPipe), whose
     chunks' weight gradients are summed in grad_sum_dtype (the run's grad_accum_dtype; None: the weight's).
     seq_length: the positions of a row, when its labels may be one wider (data/collator.py); None: as wide.
+    logit_cap: Gemma's final_logit_softcapping (None: none), cap * tanh(logits / cap) of each chunk's logits.
     router: an MoE model's LoadBalancingLoss (models/router_loss.py), whose loss times its coefficient is added,
     as transformers adds it to outputs.loss; None for a dense model. While evaluation sets `aux_terms` to a list,
     each call appends that added term (a 0-d tensor) to it: perplexity is of the cross-entropy alone."""
 
     def __init__(self, parallel=NO_TENSOR_PARALLEL, chunk_tokens=0, context=NO_CONTEXT_PARALLEL, grad_sum_dtype=None,
-                 seq_length=None, router=None):
+                 seq_length=None, router=None, logit_cap=None):
         self.parallel, self.chunk_tokens, self.context = parallel, chunk_tokens, context
+        self.logit_cap = logit_cap  # Gemma's final_logit_softcapping: each chunk's logits capped (models/gemma3.py)
         self.grad_sum_dtype, self.seq_length = grad_sum_dtype, seq_length
         self.router = router
         self.aux_terms = None
@@ -83,9 +86,9 @@ class CausalLMLoss:
         if self.chunk_tokens:
             hidden, weight = outputs
             return chunked_loss_sum(hidden, weight, next_labels.to(hidden.device), divisor, self.parallel,
-                                    self.chunk_tokens, self.grad_sum_dtype)
+                                    self.chunk_tokens, self.grad_sum_dtype, self.logit_cap)
         logits, = outputs
-        return logits_loss_sum(logits, next_labels.to(logits.device), self.parallel) / divisor
+        return logits_loss_sum(soft_cap(logits, self.logit_cap), next_labels.to(logits.device), self.parallel) / divisor
 
 
 class ContinuationScores:
@@ -126,11 +129,19 @@ def logits_loss_sum(logits, labels, parallel):
     return parallel.cross_entropy_sum(logits.float().reshape(-1, logits.shape[-1]), labels, IGNORE_INDEX)
 
 
-def chunked_loss_sum(hidden, weight, labels, divisor, parallel, chunk_tokens, grad_sum_dtype=None):
-    """Summed cross-entropy of the labelled tokens / divisor, projecting `chunk_tokens` tokens at a time."""
+def chunked_loss_sum(hidden, weight, labels, divisor, parallel, chunk_tokens, grad_sum_dtype=None, logit_cap=None):
+    """Summed cross-entropy of the labelled tokens / divisor, projecting `chunk_tokens` tokens at a time (each chunk's
+    logits soft-capped by logit_cap, if set)."""
     whole = parallel.whole_input(hidden)  # every token of the micro-batch; its gradient reduced over the group
     return ChunkedLinearCrossEntropy.apply(whole.reshape(-1, whole.shape[-1]), weight, labels, divisor, parallel,
-                                           chunk_tokens, grad_sum_dtype)
+                                           chunk_tokens, grad_sum_dtype, logit_cap)
+
+
+def capped_logits(hidden, weight, cap):
+    """(a chunk's logits in fp32, soft-capped by cap in the head's dtype as transformers caps them; the cap's
+    derivative, which their gradient is multiplied by, or None without a cap)."""
+    logits = soft_cap(F.linear(hidden, weight), cap).float()
+    return logits, None if cap is None else soft_cap_derivative(logits, cap)
 
 
 def sequence_log_probs(hidden, weight, labels, sequences, parallel, chunk_tokens, grad_sum_dtype=None):
@@ -160,10 +171,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     logits are the head's (activation dtype), upcast to fp32 as the logits path does; its gradient
     (softmax - one-hot, unscaled, in [-1, 1]: no fp16 underflow) goes through the matmuls in the activation dtype
     and is summed in grad_sum_dtype (fp32 under fp16); backward scales the sums by the loss's gradient and
-    1 / divisor, in fp32."""
+    1 / divisor, in fp32. With logit_cap (Gemma's), each chunk's logits are soft-capped, and their gradient
+    multiplied by the cap's derivative, while the chunk exists."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, divisor, parallel, chunk_tokens, grad_sum_dtype):
+    def forward(ctx, hidden, weight, labels, divisor, parallel, chunk_tokens, grad_sum_dtype, logit_cap=None):
         share = VocabularyShare(labels, weight.shape[0], parallel)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = weight_grad_buffer(weight, grad_sum_dtype) if ctx.needs_input_grad[1] else None
@@ -171,19 +183,22 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                                 for _ in range(2))
         target_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for rows in token_chunks(hidden.shape[0], chunk_tokens):
-            logits = F.linear(hidden[rows], weight).float()
+            logits, cap_derivative = capped_logits(hidden[rows], weight, logit_cap)
             target = logits.gather(1, share.local[rows, None]).squeeze(1)
             target_sum += target.masked_fill(~share.inside[rows], 0).sum()
             row_max[rows] = exp_minus_row_max(logits)
             log_sum_exp[rows] = group_log_sum_exp(logits, row_max[rows], parallel)
             if grad_hidden is not None or grad_weight is not None:
-                grad_logits = softmax_minus_target(logits, row_max, log_sum_exp, share, rows).to(hidden.dtype)
+                grad_logits = softmax_minus_target(logits, row_max, log_sum_exp, share, rows)
+                if cap_derivative is not None:
+                    grad_logits.mul_(cap_derivative)
+                grad_logits = grad_logits.to(hidden.dtype)
                 if grad_hidden is not None:
                     grad_hidden[rows] = grad_logits @ weight
                 if grad_weight is not None:
                     add_weight_grad(grad_weight, grad_logits, hidden[rows])
                 del grad_logits
-            del logits  # before the next chunk's: one chunk of logits alive at a time
+            del logits, cap_derivative  # before the next chunk's: one chunk of logits alive at a time
         if parallel.size > 1:
             collectives.all_reduce(target_sum, group=parallel.group)
         ctx.divisor, ctx.dtypes = divisor, (hidden.dtype, weight.dtype)
@@ -195,7 +210,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss.float() / ctx.divisor
         grad_hidden = None if ctx.grad_hidden is None else (ctx.grad_hidden * scale).to(ctx.dtypes[0])
         grad_weight = None if ctx.grad_weight is None else ctx.grad_weight.mul_(scale).to(ctx.dtypes[1])
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 class SequenceLogProbs(torch.autograd.Function):

@@ -9,7 +9,10 @@ import re
 
 from deepspeed_internals.registry import partition_balanced, partition_uniform
 from models.layout import num_pipeline_layers
-from models.architecture import architecture_of, head_dim_of
+import torch
+
+from models.architecture import COMPOSED, architecture_of, head_dim_of
+from models.decoder import decoder_layer
 from models.lora import NO_LORA, adapter_parameter_total
 from schedules.rules import chunk_ids, chunks_per_rank
 
@@ -66,6 +69,8 @@ def decoder_parameter_split(config, layer=None, active=False):
     MoE model, which the planner takes for every layer; a dense one among them is smaller). active: the weights a
     token runs through (its top_k experts of num_experts), which its FLOPs count; else all."""
     architecture = architecture_of(config)
+    if architecture.decoder != COMPOSED:
+        return own_layer_parameter_split(config, planned_decoder(config) if layer is None else layer, active)
     hidden = config.hidden_size
     sparse = architecture.sparse_layers[planned_decoder(config) if layer is None else layer]
     inter = 0 if sparse else config.intermediate_size
@@ -82,6 +87,24 @@ def decoder_parameter_split(config, layer=None, active=False):
         if moe.shared_expert_size:
             sharded += 3 * hidden * moe.shared_expert_size
             replicated += hidden if moe.shared_expert_gated else 0  # Qwen2-MoE's gate
+    return sharded, replicated
+
+
+def own_layer_parameter_split(config, layer, active=False):
+    """decoder_parameter_split of a family with decoder layers of its own (Gemma 3's and 4's, whose layers differ
+    by type: sliding or full, storing or reusing keys and values, their share of the per-layer embeddings), counted
+    on the layer built on the meta device: its matrices sharded (the experts' as a token runs through them when
+    active), the vectors (norms, the router's scales) replicated."""
+    with torch.device("meta"):
+        module = decoder_layer(config, layer)
+    sharded = replicated = 0
+    for name, param in module.named_parameters():
+        if param.dim() < 2:
+            replicated += param.numel()
+        else:
+            moe = architecture_of(config).moe
+            share = moe.top_k / moe.num_experts if active and name.startswith("experts.") else 1
+            sharded += int(param.numel() * share)
     return sharded, replicated
 
 

@@ -20,7 +20,8 @@ from models.layout import expert_shard_file_name
 from models.lora import NO_LORA, add_adapters, freeze_all_but_adapters
 from models.loss import CausalLMLoss
 from models.partition import stage_bounds
-from models.pipeline_layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StagePlan, lm_head
+from models.pipeline_layers import (DECODER_PIPES, EmbeddingPipe, LMHeadPipe, StageDecoder, StagePlan, StageTuple,
+                                   decoder_pipe, final_norm_pipe, lm_head)
 from models.preference import PreferenceLoss, PreferenceSettings
 from models.router_loss import LoadBalancingLoss
 from models.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel, parallelize_adapters
@@ -47,9 +48,9 @@ def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARA
                           forward_fn=functools.partial(lm_head, chunked_loss=chunked_loss))
             if tied else LayerSpec(LMHeadPipe, config, parallel, chunked_loss))
     plan = StagePlan(attention_impl, parallel, context, experts)
-    decoders = [LayerSpec(DecoderLayerPipe, config, stage_inputs, index, plan)
+    decoders = [LayerSpec(decoder_pipe(config), config, stage_inputs, index, plan)
                 for index in range(config.num_hidden_layers)]
-    return [embedding, *decoders, LayerSpec(FinalNormPipe, config, parallel), head]
+    return [embedding, *decoders, LayerSpec(final_norm_pipe(config), config, parallel), head]
 
 
 def partition_stages(config, num_stages, partition="parameters", stage_cost=None):
@@ -84,6 +85,31 @@ class LlamaPipeline(PipelineModule):
         self.chunk_ids = chunk_ids
         self.active_chunk = 0
         super().__init__(partition_method="explicit", **kwargs)
+        # in a tuple: the Parameter itself as an attribute would be registered under the module's own name
+        self.per_layer_norm = self.share_per_layer_norm()
+
+    def share_per_layer_norm(self):
+        """Gemma 4's per-layer-embedding norm, one weight every decoder layer reads and holds a copy of: one
+        Parameter for this rank's layers (autograd sums their gradients into it), summed over the stages as a tied
+        weight's (get_tied_weights_and_groups); () for any other model."""
+        if not StageTuple(self.model_config).per_layer:
+            return ()
+        norms = [layer.per_layer_inputs.per_layer_projection_norm for layer in self.forward_funcs
+                 if isinstance(layer, StageDecoder)]
+        if not norms:
+            raise ValueError(f"stage bounds {self.stage_bounds} leave a stage without decoder layers; with per-layer "
+                             f"embeddings (hidden_size_per_layer_input) every stage must hold one: give each some.")
+        for norm in norms[1:]:
+            norm.weight = norms[0].weight
+        return (norms[0].weight,)
+
+    def get_tied_weights_and_groups(self):
+        """DeepSpeed's tied weights and their groups, and Gemma 4's per-layer norm over the pipeline's stages
+        (every stage holds decoder layers, each a copy of it)."""
+        tied = super().get_tied_weights_and_groups()
+        if self.per_layer_norm and self.num_stages > 1:
+            tied.append((self.per_layer_norm[0], pipeline_grid(self).get_pipe_parallel_group()))
+        return tied
 
     def _partition_layers(self, method="parameters"):
         # DeepSpeed's grid made the process groups just before this call, and the layers are built after it.
@@ -130,7 +156,7 @@ class LlamaPipeline(PipelineModule):
         x = forward_input
         for start in range(0, len(layers), interval):
             block = functools.partial(run_layers, layers[start:start + interval])
-            if self.activation_checkpoint_interval and all(isinstance(layer, DecoderLayerPipe)
+            if self.activation_checkpoint_interval and all(isinstance(layer, StageDecoder)
                                                            for layer in layers[start:start + interval]):
                 x = self.activation_checkpoint_func(block, *(x if isinstance(x, tuple) else (x,)))
             else:
@@ -248,9 +274,13 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
         stage_bounds = partition_stages(config, topology.get_dim("pipe"))
     moe = architecture_of(config).moe
     router, moe_loss_sum = (LoadBalancingLoss(config, parallel), moe.loss_sum) if moe else (None, False)
+    logit_cap = architecture_of(config).final_logit_softcapping
+    if objective.preference and logit_cap is not None:
+        raise ValueError(f"final_logit_softcapping={logit_cap} in the {config.model_type} config: preference "
+                         f"objectives do not soft-cap their log-probabilities yet; train it with the causal LM loss.")
     loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype, router)
                if objective.preference else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype,
-                                                     seq_length, router))
+                                                     seq_length, router, logit_cap))
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype or previous_dtype)
     try:
@@ -261,7 +291,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                                topology=topology, loss_fn=loss_fn,
                                activation_checkpoint_interval=activation_checkpoint_interval,
                                # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.
-                               checkpointable_layers=[DecoderLayerPipe.__name__],
+                               checkpointable_layers=[pipe.__name__ for pipe in DECODER_PIPES.values()],
                                # Under LoRA the frozen embedding's output takes no gradient: reentrant checkpointing
                                # of the first decoder layer would then give its adapters none either. With an
                                # auxiliary loss's sum a stage has two floating outputs, which DeepSpeed runs backward
@@ -270,7 +300,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                                                            else checkpointing.checkpoint))
         if lora.enabled:
             for local, layer in enumerate(module.forward_funcs):
-                if isinstance(layer, DecoderLayerPipe):
+                if isinstance(layer, StageDecoder):
                     add_adapters(layer, lora, config, parallel.size, parallel.rank, seed,
                                  module.layer_indices[local])
                     parallelize_adapters(layer, parallel)

@@ -1,0 +1,62 @@
+"""Gemma 3, Gemma 4 and OLMo 3 on the pipeline against transformers (real processes, fp32): the loss of every
+micro-batch and every parameter's gradient on 1, 2 and 4 stages, Gemma 4's reusing layers on another stage than the
+layer whose keys and values they reuse, with per-layer embeddings (each stage reading only its layers' share of
+them from its own layer files), the final soft cap inside the chunked loss and the tied embedding across the first
+and last stage."""
+import glob
+import json
+
+import pytest
+
+from tests import parity_worker
+from tests.distributed import spawn
+from tests.test_parity import GAS, MICRO_BATCH, SEQ, own_layer_files
+from tests.tiny_models import LAYER_TYPE_CONFIGS
+
+# {(stages, decoder layers): decoder layers per stage}: Gemma 4's sources (layers 2, 3) on another stage than
+# their reusers (4, 5); OLMo 3's four layers one or two a stage
+BOUNDS = {(1, 6): "parameters", (2, 6): [3, 3], (4, 6): [2, 1, 2, 1], (1, 4): "parameters", (2, 4): [2, 2],
+          (4, 4): [1, 1, 1, 1]}
+
+
+def run(checkpoints, tmp_path, num_stages, names, **case):
+    layers = {name: LAYER_TYPE_CONFIGS[name]().num_hidden_layers for name in names}
+    cases = [dict(name=name, hf_dir=checkpoints[name][0], ds_dir=checkpoints[name][1],
+                  partition=BOUNDS[num_stages, layers[name]], **case) for name in names]
+    spawn(parity_worker.run, num_stages, cases, num_stages, MICRO_BATCH, GAS, SEQ, str(tmp_path))
+    return [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "rank*.json")))]
+
+
+def check(ranks, names, checkpoints, num_stages):
+    for name in names:
+        for rank in ranks:
+            result = rank[name]
+            ref = result["ref_losses"]
+            assert result["mean_loss"] == pytest.approx(sum(ref) / len(ref), abs=1e-5), name
+            if result["stage"] == num_stages - 1:
+                assert result["losses"] == pytest.approx(ref, abs=1e-5), name
+            bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
+            assert not bad, f"{name}: gradients differ from transformers: {bad}"
+            assert set(result["layer_files_opened"]) == own_layer_files(checkpoints[name][1], result), name
+        # every parameter compared; the per-layer norm's copies are one Parameter per stage (its first layer's name)
+        compared = set().union(*(r[name]["grad_errors"] for r in ranks))
+        copies = {n for n in ranks[0][name]["ref_param_names"] if n.endswith("per_layer_projection_norm.weight")}
+        assert compared - copies == set(ranks[0][name]["ref_param_names"]) - copies, name
+        assert bool(copies) == bool(compared & copies), name
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 4], ids=["1stage", "2stages", "4stages"])
+@pytest.mark.slow
+def test_losses_and_gradients_equal_transformers(tiny_layer_type_checkpoints, tmp_path, num_stages):
+    names = list(LAYER_TYPE_CONFIGS)
+    ranks = run(tiny_layer_type_checkpoints, tmp_path, num_stages, names)
+    check(ranks, names, tiny_layer_type_checkpoints, num_stages)
+
+
+@pytest.mark.slow
+def test_logits_loss_path_and_activation_checkpointing(tiny_layer_type_checkpoints, tmp_path):
+    """The soft cap on the full logits (loss_chunk_tokens 0); activation checkpointing of every layer, which
+    recomputes a source layer's keys and values and a reusing layer's use of them."""
+    names = ["gemma4_e2b", "gemma3_text"]
+    ranks = run(tiny_layer_type_checkpoints, tmp_path, 2, names, loss_chunk_tokens=0, checkpoint_interval=1)
+    check(ranks, names, tiny_layer_type_checkpoints, 2)
