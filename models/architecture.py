@@ -343,7 +343,10 @@ def key_value_heads(config):
     return [config.num_key_value_heads or config.num_attention_heads] * config.num_hidden_layers
 
 
-def head_dim_of(config):
+def head_dim_of(config, layer=0):
+    """Decoder layer `layer`'s head width: Gemma 4's full layers have their own (global_head_dim)."""
+    if config.model_type == "gemma4_text":
+        return config.per_layer_config[layer].head_dim
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 

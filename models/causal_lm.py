@@ -47,6 +47,7 @@ class CausalLM(nn.Module):
         self.model = DecoderStack(config, attention_impl)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_per_layer_norms()
         # Padded rows take a mask per row, full ones none (models/attention.py StageAttentionInputs). The rotary
         # tables are computed on the host, even when the model is built on the meta device, and follow the hidden
         # states to theirs.
@@ -81,6 +82,14 @@ class CausalLM(nn.Module):
         hidden = self.model.norm(hidden)
         hidden = hidden if self.logits_multiplier == 1 else hidden * self.logits_multiplier
         return soft_cap(F.linear(hidden, self.head_weight), self.architecture.final_logit_softcapping)
+
+    def tie_per_layer_norms(self):
+        """Gemma 4's per-layer-embedding norm, copied into every layer (models/decoder.py Gemma4Decoder), made one
+        Parameter again, as transformers holds it: its gradient the sum over the layers, trained once."""
+        norms = [layer.per_layer_inputs.per_layer_projection_norm for layer in self.model.layers
+                 if hasattr(layer, "per_layer_inputs")]
+        for norm in norms[1:]:
+            norm.weight = norms[0].weight
 
     @property
     def head_weight(self):
@@ -119,6 +128,7 @@ def from_hf(path, dtype=None, attention_impl="sdpa"):
                  or not tensor.is_floating_point() else tensor.to(dtype)
                  for key, tensor in states.get(index, {}).items()}
         module.load_state_dict(state, strict=True, assign=True)
+    model.tie_per_layer_norms()
     return model.eval()
 
 

@@ -138,12 +138,12 @@ def attention_parameter_split(config):
     return sharded, replicated
 
 
-def attention_head_widths(config):
-    """(a query or key head's features, a value head's): head_dim both, or multi-head latent attention's
-    qk_nope_head_dim + qk_rope_head_dim and v_head_dim."""
+def attention_head_widths(config, layer=0):
+    """(a query or key head's features, a value head's) of decoder layer `layer`: head_dim both (Gemma 4's full
+    layers' their own), or multi-head latent attention's qk_nope_head_dim + qk_rope_head_dim and v_head_dim."""
     if architecture_of(config).latent_attention:
         return config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
-    return head_dim_of(config), head_dim_of(config)
+    return head_dim_of(config, layer), head_dim_of(config, layer)
 
 
 def expert_parameters(moe, hidden):
@@ -152,7 +152,12 @@ def expert_parameters(moe, hidden):
 
 
 def planned_decoder(config):
-    """The decoder layer the cost model takes for every one: the first sparse layer of an MoE model, else the first."""
+    """The decoder layer the cost model takes for every one: the first sparse layer of an MoE model, else the first;
+    of a family whose layers differ by type (Gemma's sliding and full layers, Gemma 4's reusing ones with their
+    double-wide MLP), its largest, so that every layer's costs are at most those priced."""
+    if architecture_of(config).decoder != COMPOSED:
+        sizes = [sum(own_layer_parameter_split(config, layer)) for layer in range(config.num_hidden_layers)]
+        return sizes.index(max(sizes))
     sparse = architecture_of(config).sparse_layers
     return sparse.index(True) if any(sparse) else 0
 
@@ -188,8 +193,9 @@ def training_flops_per_token(config, seq_length, lora=NO_LORA):
     like any trained weight (the experts' as a token runs through them)."""
     matmul_weights = sum(sum(decoder_parameter_split(config, layer, active=True))
                          for layer in range(config.num_hidden_layers)) + config.vocab_size * config.hidden_size
-    keys = sum(min(seq_length, window or seq_length) for window in architecture_of(config).sliding_windows)
-    attention = 2 * keys * config.num_attention_heads * sum(attention_head_widths(config))
+    attention = sum(2 * min(seq_length, window or seq_length) * config.num_attention_heads
+                    * sum(attention_head_widths(config, layer))
+                    for layer, window in enumerate(architecture_of(config).sliding_windows))
     if not lora.enabled:
         return 3 * (2 * matmul_weights + attention)
     adapters = adapter_parameter_total(config, lora, active=True)
