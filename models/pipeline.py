@@ -12,7 +12,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed_internals.access import (pipeline_grid, set_layer_range, set_partition, synchronize_tied_weights,
                                         use_deepspeed_expert_groups)
 from deepspeed_internals.registry import non_reentrant_checkpoint
-from models.architecture import architecture_of, check_model_config
+from models.architecture import COMPOSED, architecture_of, check_model_config
 from models.attention import StageAttentionInputs
 from models.context_parallel import NO_CONTEXT_PARALLEL, ContextParallelAttentionInputs, build_context_parallel
 from models.expert_parallel import NO_EXPERT_PARALLEL, build_expert_parallel
@@ -248,6 +248,21 @@ def run_layers(layers, *inputs):
     return x
 
 
+def check_own_layers_parallelism(config, tensor_parallel, context_parallel, expert_parallel):
+    """Refuse, in one line, the parallelism Gemma's own decoder layers (models/gemma3.py, gemma4.py) have no plan
+    for yet: tensor, context and expert parallelism (their attention has no AttentionCore to wrap, their parts no
+    PART_PLANS entry). Pipeline and data parallelism, ZeRO-1, bf16, checkpointing and packing train them."""
+    if architecture_of(config).decoder == COMPOSED:
+        return
+    asked = {name: size for name, size in (("tensor_parallel_size", tensor_parallel),
+                                           ("context_parallel_size", context_parallel),
+                                           ("expert_parallel_size", expert_parallel)) if size > 1}
+    if asked:
+        raise ValueError(f"{', '.join(f'{k}={v}' for k, v in asked.items())}: {config.model_type}'s decoder layers "
+                         f"have no tensor, context or expert parallel plan yet; train it with pipeline and data "
+                         f"parallelism (set them to 1).")
+
+
 def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
@@ -265,6 +280,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     the rows (token shards)."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
+    check_own_layers_parallelism(config, tp_size, context_parallel_size, expert_parallel_size)
     rank = torch.distributed.get_rank()
     parallel = TensorParallel(tp_size, getattr(topology.get_coord(rank), "model", 0), sequence_parallel,
                               recompute_sequence_gather)
