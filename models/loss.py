@@ -96,14 +96,15 @@ class ContinuationScores:
     output, labels that are -100 but on each row's continuation) -> (rows, 2) continuation_scores, each row's sums
     over all its tokens under context parallelism. seq_length: the rows' width (their labels are one wider)."""
 
-    def __init__(self, parallel, chunk_tokens, context, seq_length):
+    def __init__(self, parallel, chunk_tokens, context, seq_length, logit_cap=None):
         self.parallel, self.chunk_tokens, self.context, self.seq_length = parallel, chunk_tokens, context, seq_length
+        self.logit_cap = logit_cap  # Gemma's final_logit_softcapping
 
     def __call__(self, outputs, labels):
         next_labels = next_token_labels(labels, self.context, self.seq_length)
         head, _ = head_outputs(outputs, self.chunk_tokens > 0)
         scores = continuation_scores(head if self.chunk_tokens else head[0], next_labels, labels.shape[0],
-                                     self.parallel, self.chunk_tokens)
+                                     self.parallel, self.chunk_tokens, self.logit_cap)
         if self.context.size > 1:  # each rank scored its tokens of every row
             collectives.all_reduce(scores, group=self.context.group)
         return scores
@@ -144,14 +145,16 @@ def capped_logits(hidden, weight, cap):
     return logits, None if cap is None else soft_cap_derivative(logits, cap)
 
 
-def sequence_log_probs(hidden, weight, labels, sequences, parallel, chunk_tokens, grad_sum_dtype=None):
+def sequence_log_probs(hidden, weight, labels, sequences, parallel, chunk_tokens, grad_sum_dtype=None,
+                       logit_cap=None):
     """Each sequence's summed log-probability of its labelled next tokens, (sequences,) in fp32, differentiable:
     the response log-probabilities preference losses are made of (models/preference.py), from the head's input and
     weight, `chunk_tokens` tokens at a time, the chunks' weight gradients summed in grad_sum_dtype (as
-    CausalLMLoss's). labels: next_token_labels of `sequences` rows of equal length."""
+    CausalLMLoss's), each chunk's logits soft-capped by logit_cap if set. labels: next_token_labels of `sequences`
+    rows of equal length."""
     whole = parallel.whole_input(hidden)
     return SequenceLogProbs.apply(whole.reshape(-1, whole.shape[-1]), weight, labels, sequences, parallel,
-                                  chunk_tokens, grad_sum_dtype)
+                                  chunk_tokens, grad_sum_dtype, logit_cap)
 
 
 class VocabularyShare:
@@ -223,13 +226,13 @@ class SequenceLogProbs(torch.autograd.Function):
     gathered per chunk in forward and the label logits summed over the group once; backward needs no collective."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, sequences, parallel, chunk_tokens, grad_sum_dtype):
+    def forward(ctx, hidden, weight, labels, sequences, parallel, chunk_tokens, grad_sum_dtype, logit_cap=None):
         share = VocabularyShare(labels, weight.shape[0], parallel)
-        target, log_sum_exp, _ = label_logits(lambda rows: F.linear(hidden[rows], weight), hidden.shape[0], share,
-                                              parallel, chunk_tokens)
+        target, log_sum_exp, _ = label_logits(lambda rows: capped_logits(hidden[rows], weight, logit_cap)[0],
+                                              hidden.shape[0], share, parallel, chunk_tokens)
         ctx.save_for_backward(hidden, weight)
         ctx.share, ctx.log_sum_exp, ctx.parallel, ctx.chunk_tokens = share, log_sum_exp, parallel, chunk_tokens
-        ctx.grad_sum_dtype = grad_sum_dtype
+        ctx.grad_sum_dtype, ctx.logit_cap = grad_sum_dtype, logit_cap
         per_token = (target - log_sum_exp).masked_fill(~share.labelled, 0)
         return per_token.view(sequences, -1).sum(dim=1)
 
@@ -243,17 +246,20 @@ class SequenceLogProbs(torch.autograd.Function):
         grad_weight = weight_grad_buffer(weight, ctx.grad_sum_dtype) if ctx.needs_input_grad[1] else None
         row_max = torch.empty_like(log_sum_exp)
         for rows in token_chunks(hidden.shape[0], ctx.chunk_tokens):
-            logits = F.linear(hidden[rows], weight).float()
+            logits, cap_derivative = capped_logits(hidden[rows], weight, ctx.logit_cap)
             row_max[rows] = exp_minus_row_max(logits)
             grad_logits = softmax_minus_target(logits, row_max, log_sum_exp, share, rows)
-            grad_logits = grad_logits.mul_(token_scale[rows, None]).to(hidden.dtype)
+            grad_logits = grad_logits.mul_(token_scale[rows, None])
+            if cap_derivative is not None:
+                grad_logits.mul_(cap_derivative)
+            grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ weight
             if grad_weight is not None:
                 add_weight_grad(grad_weight, grad_logits, hidden[rows])
-            del logits, grad_logits
+            del logits, grad_logits, cap_derivative
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None,
-                None)
+                None, None)
 
 
 def label_logits(logits_of, tokens, share, parallel, chunk_tokens, top=False):
@@ -281,7 +287,7 @@ def label_logits(logits_of, tokens, share, parallel, chunk_tokens, top=False):
 
 
 @torch.no_grad()
-def continuation_scores(outputs, labels, sequences, parallel, chunk_tokens):
+def continuation_scores(outputs, labels, sequences, parallel, chunk_tokens, logit_cap=None):
     """(sequences, 2) fp32, forward only: per sequence, the summed log-probability of its labelled next tokens and
     how many of them are not the top logit (lm-eval's loglikelihood and, where 0, is_greedy; a tie counts as the
     top). outputs: the head's input and weight (chunk_tokens > 0) or the logits (this rank's vocabulary share).
@@ -291,11 +297,12 @@ def continuation_scores(outputs, labels, sequences, parallel, chunk_tokens):
         hidden = parallel.whole_input(hidden)
         hidden = hidden.reshape(-1, hidden.shape[-1])
         tokens, vocabulary_rows = hidden.shape[0], weight.shape[0]
-        logits_of, device = (lambda chunk: F.linear(hidden[chunk], weight)), hidden.device
+        logits_of, device = (lambda chunk: capped_logits(hidden[chunk], weight, logit_cap)[0]), hidden.device
     else:
         logits = outputs.reshape(-1, outputs.shape[-1])
         (tokens, vocabulary_rows), chunk_tokens = logits.shape, logits.shape[0]
-        logits_of, device = (lambda chunk: logits[chunk].clone()), logits.device  # label_logits works in place
+        # soft_cap makes a new tensor (label_logits works in place); clone where there is no cap
+        logits_of, device = (lambda chunk: soft_cap(logits[chunk], logit_cap).clone()), logits.device
     share = VocabularyShare(labels.to(device), vocabulary_rows, parallel)
     target, log_sum_exp, top_logit = label_logits(logits_of, tokens, share, parallel, chunk_tokens, top=True)
     log_probs = (target - log_sum_exp).masked_fill(~share.labelled, 0)

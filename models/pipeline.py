@@ -290,11 +290,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
         stage_bounds = partition_stages(config, topology.get_dim("pipe"))
     moe = architecture_of(config).moe
     router, moe_loss_sum = (LoadBalancingLoss(config, parallel), moe.loss_sum) if moe else (None, False)
-    logit_cap = architecture_of(config).final_logit_softcapping
-    if objective.preference and logit_cap is not None:
-        raise ValueError(f"final_logit_softcapping={logit_cap} in the {config.model_type} config: preference "
-                         f"objectives do not soft-cap their log-probabilities yet; train it with the causal LM loss.")
-    loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype, router)
+    logit_cap = architecture_of(config).final_logit_softcapping  # Gemma's, inside the loss
+    loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype, router, logit_cap)
                if objective.preference else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype,
                                                      seq_length, router, logit_cap))
     previous_dtype = torch.get_default_dtype()
