@@ -20,11 +20,12 @@ BOUNDS = {(1, 6): "parameters", (2, 6): [3, 3], (4, 6): [2, 1, 2, 1], (1, 4): "p
           (4, 4): [1, 1, 1, 1]}
 
 
-def run(checkpoints, tmp_path, num_stages, names, **case):
+def run(checkpoints, tmp_path, num_stages, names, tensor_parallel=1, **case):
     layers = {name: LAYER_TYPE_CONFIGS[name]().num_hidden_layers for name in names}
     cases = [dict(name=name, hf_dir=checkpoints[name][0], ds_dir=checkpoints[name][1],
                   partition=BOUNDS[num_stages, layers[name]], **case) for name in names]
-    spawn(parity_worker.run, num_stages, cases, num_stages, MICRO_BATCH, GAS, SEQ, str(tmp_path))
+    spawn(parity_worker.run, num_stages * tensor_parallel, cases, num_stages, MICRO_BATCH, GAS, SEQ, str(tmp_path),
+          tensor_parallel)
     return [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "rank*.json")))]
 
 
@@ -61,6 +62,24 @@ def test_logits_loss_path_and_activation_checkpointing(tiny_layer_type_checkpoin
     names = ["gemma4_e2b", "gemma3_text"]
     ranks = run(tiny_layer_type_checkpoints, tmp_path, 2, names, loss_chunk_tokens=0, checkpoint_interval=1)
     check(ranks, names, tiny_layer_type_checkpoints, 2)
+
+
+@pytest.mark.slow
+def test_olmo3_tensor_parallel_equals_transformers(tiny_layer_type_checkpoints, tmp_path):
+    """OLMo 3 takes OLMo 2's composed layer, so its tensor-parallel plan: 2 stages x TP 2 (sequence parallelism),
+    the sliding and full layers' rotary per type, against transformers."""
+    ranks = run(tiny_layer_type_checkpoints, tmp_path, 2, ["olmo3"], tensor_parallel=2)
+    check(ranks, ["olmo3"], tiny_layer_type_checkpoints, 2)
+
+
+def test_gemma_refuses_tensor_context_and_expert_parallelism_in_one_line():
+    from models.pipeline import check_own_layers_parallelism
+    config = LAYER_TYPE_CONFIGS["gemma4_26b_a4b"]()
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2, expert_parallel_size=2: gemma4_text's decoder "
+                                         r"layers have no tensor, context or expert parallel plan yet"):
+        check_own_layers_parallelism(config, 2, 1, 2)
+    check_own_layers_parallelism(config, 1, 1, 1)
+    check_own_layers_parallelism(LAYER_TYPE_CONFIGS["olmo3"](), 2, 2, 1)  # the composed layer's plans
 
 
 @pytest.fixture(scope="module")
