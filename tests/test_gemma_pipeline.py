@@ -110,3 +110,22 @@ def test_six_training_steps_equal_transformers(demo_model, demo_gemma4, tmp_path
     own_spread = max(abs(a - b) for a, b in zip(eager, sdpa))
     assert 0 < own_spread < 1e-2
     assert max(abs(a - b) for a, b in zip(ours, eager)) <= own_spread
+
+
+@pytest.mark.slow
+def test_lora_adapter_gradients_equal_peft(tiny_layer_type_checkpoints, tmp_path):
+    """LoRA under peft's names on every attention and MLP projection of the dense Gemma 3 and Gemma 4 (PLE, shared
+    K/V) layers and OLMo 3's, on 2 stages: the loss and every adapter's gradient equal peft's on transformers."""
+    from tests.test_lora import LORA, run_lora_parity
+    names = ["gemma3_text", "gemma4_e2b", "olmo3"]
+    cases = [dict(name=name, model=name, lora=LORA, partition=BOUNDS[2, LAYER_TYPE_CONFIGS[name]().num_hidden_layers])
+             for name in names]
+    ranks = run_lora_parity(tiny_layer_type_checkpoints, tmp_path, cases, 2, 2)
+    for name in names:
+        for rank in ranks:
+            result = rank[name]
+            assert result["mean_loss"] == pytest.approx(sum(result["ref_losses"]) / GAS, abs=1e-5), name
+            bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
+            assert not bad, f"{name}: adapter gradients differ from peft's: {bad}"
+            assert result["frozen_unchanged_without_grad"] and all(".lora_" in n for n in result["grad_errors"])
+        assert set().union(*(r[name]["grad_errors"] for r in ranks)) == set(ranks[0][name]["ref_param_names"])
