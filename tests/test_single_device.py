@@ -85,3 +85,21 @@ def test_multimodal_architecture_is_refused_with_the_way_to_its_text_config():
     check_model_config(config)  # its text model is checked
     with pytest.raises(ValueError, match="a gemma3 config is a multimodal checkpoint's: build the model from its text"):
         architecture_of(config)
+
+
+@pytest.mark.parametrize("name", ["olmo2", "olmo3", "gemma3_text", "gemma4_e2b"])
+def test_bf16_logits_equal_transformers_to_the_bit(name, tmp_path):
+    """In bf16, loaded as a user loads a checkpoint: OLMo 2's and OLMo 3's rotary tables kept in fp32 and the
+    rotation run in fp32 before the cast back (as transformers), Gemma's tables cast to bf16 and its embedding
+    scale rounded to bf16; the logits bit-identical."""
+    from transformers import AutoModelForCausalLM
+
+    from models import from_hf
+    make_tiny_model(name, tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    input_ids, attention_mask, _ = make_batch(2, 16, reference.config.vocab_size, seed=4)
+    with torch.no_grad():
+        theirs = reference(input_ids, attention_mask=attention_mask).logits
+        ours = from_hf(str(tmp_path), dtype=torch.bfloat16)(input_ids, attention_mask)
+    real = attention_mask.bool()
+    assert torch.equal(ours[real], theirs[real]), name
