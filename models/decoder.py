@@ -106,7 +106,16 @@ class DecoderLayer(nn.Module):
         return x if self.residual_multiplier == 1 else x * self.residual_multiplier
 
 
-class Gemma3Decoder(Gemma3DecoderLayer):
+class OwnDecoder:
+    """What a family's own decoder layer shows the plans applied from outside (LoRA's projections) as the composed
+    layer does: its token mixer, which is its attention."""
+
+    @property
+    def token_mixer(self):
+        return self.self_attn
+
+
+class Gemma3Decoder(OwnDecoder, Gemma3DecoderLayer):
     """Gemma 3's decoder layer (models/gemma3.py) under every layer's call; it has no experts."""
     sparse = False
 
@@ -114,7 +123,7 @@ class Gemma3Decoder(Gemma3DecoderLayer):
         return super().forward(hidden, inputs.cos, inputs.sin, inputs.mask), None
 
 
-class Gemma4Decoder(Gemma4DecoderLayer):
+class Gemma4Decoder(OwnDecoder, Gemma4DecoderLayer):
     """Gemma 4's decoder layer (models/gemma4.py) under every layer's call, with what a Gemma 4 layer takes and
     gives besides: the token ids and the model's first hidden states (`embedded`), which its per-layer input is
     computed from, and the keys and values a reusing layer takes (shared_kv), or a storing layer gives:
