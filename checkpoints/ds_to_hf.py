@@ -22,7 +22,8 @@ from checkpoints.hf_to_ds import SAFETENSORS_DTYPES, safetensors_entries
 from checkpoints.layer_files import layer_files_and_expert_shards, load_weights_only
 from models.architecture import architecture_of
 from models.layout import (CARRIED_FILE_NAME, HUB_LAYOUT_KEY, PLAIN_LAYOUT, HubLayout, check_convertible, fuse,
-                           hf_name_of_layer_key, hub_piece, hub_pieces, layer_indices_with_files, text_config_of)
+                           hf_name_of_layer_key, hub_piece, hub_pieces, joined_per_layer_tensor, layer_indices_with_files,
+                           PER_LAYER_PREFIX, PER_LAYER_TENSORS, text_config_of)
 from models.lora import EXPERT_ADAPTER, NO_LORA, LoraSettings, add_adapters, peft_adapters
 from models.pipeline_layers import layers_on_meta
 from models.tensor_parallel import TensorParallel, joined_shards
@@ -112,11 +113,32 @@ def read_hf_tensors(tag_dir, config, lora=NO_LORA, layout=PLAIN_LAYOUT):
                                                   blocks[index].get(key))
                 shape = first.shape[:dim] + (first.shape[dim] * len(slices),) + first.shape[dim + 1:]
             shapes[name] = torch.empty(shape, dtype=first.dtype, device="meta")
+    tensors, shapes = joined_per_layer_tensors(tensors, shapes, config)
     # Phi-3's weights and adapters, fused again
     tensors = fuse(tensors, config, lambda parts, stacked: functools.partial(concatenated, parts) if stacked else parts[0])
     if lora.enabled:
         return tensors, fuse(shapes, config)
     return under_hub_names(tensors, fuse(shapes, config), config, layout)
+
+
+def joined_per_layer_tensors(tensors, shapes, config):
+    """tensors and shapes with Gemma 4's per-layer embeddings, which each decoder layer's file holds its share of
+    (models/layout.py PER_LAYER_TENSORS), joined back into the model-level tensors."""
+    for short, dim in PER_LAYER_TENSORS.items():
+        names = [f"model.layers.{layer}.{PER_LAYER_PREFIX}{short}" for layer in range(config.num_hidden_layers)]
+        if names[0] not in tensors:
+            continue
+        parts = [tensors.pop(name) for name in names]
+        part_shapes = [shapes.pop(name) for name in names]
+        tensors[f"model.{short}"] = functools.partial(joined_from, parts, short)
+        shapes[f"model.{short}"] = part_shapes[0] if dim is None else torch.cat(part_shapes, dim)
+    return tensors, shapes
+
+
+def joined_from(tensor_functions, short):
+    if PER_LAYER_TENSORS[short] is None:  # a tied copy in every layer: the first's
+        return tensor_functions[0]()
+    return joined_per_layer_tensor(short, [tensor() for tensor in tensor_functions])
 
 
 def concatenated(tensor_functions):

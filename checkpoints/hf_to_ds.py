@@ -13,6 +13,7 @@ import os
 import struct
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -27,7 +28,8 @@ from checkpoints.quantized_weights import (check_scales, dequantized, drop_quant
 from models.hf_weights import find_weight_files
 from models.layout import (CARRIED_FILE_NAME, HUB_LAYOUT_KEY, HUB_LAYOUTS, check_convertible,
                            expert_piece, fused_parts, hub_layout_of, hub_pieces, is_carried, layer_file_path,
-                           layer_indices_with_files, layer_of_hf_name, num_experts, pipeline_name, text_config_of)
+                           layer_indices_with_files, layer_of_hf_name, num_experts, per_layer_shares, pipeline_name,
+                           text_config_of)
 from models.pipeline_layers import layers_on_meta
 
 IMPORT_TAG = "global_step0"
@@ -106,9 +108,9 @@ class WeightReader:
 
     def byte_range(self, name, rows=None):
         """(dtype, shape, path, byte offset) of a safetensors tensor (rows: (first, count), a block of its rows)
-        whose bytes can be copied as they are; else None."""
+        whose bytes can be copied as they are; else None (a block of columns too)."""
         entry = self._entries.get(name)
-        if entry is None or entry[0] not in SAFETENSORS_DTYPES or name in self.scale_of:
+        if entry is None or entry[0] not in SAFETENSORS_DTYPES or name in self.scale_of or isinstance(rows, Columns):
             return None
         dtype, shape, offset, _ = entry
         dtype = SAFETENSORS_DTYPES[dtype]
@@ -119,6 +121,11 @@ class WeightReader:
         return dtype, shape, self.file_of[name], offset
 
     def tensor(self, name, rows=None):
+        if isinstance(rows, Columns):  # read as a slice: only those columns' bytes of each row
+            if name in self._entries and name not in self.scale_of:
+                with safe_open(self.file_of[name], framework="pt") as handle:
+                    return handle.get_slice(name)[:, rows.first:rows.first + rows.count].contiguous()
+            return self.tensor(name).narrow(1, rows.first, rows.count).contiguous()
         if rows is not None:
             first, count = rows
             return self.tensor(name)[first:first + count].clone()
@@ -144,6 +151,12 @@ class WeightReader:
         return tensor
 
 
+class Columns(NamedTuple):
+    """A block of a 2-D tensor's columns that a layer file holds (Gemma 4's per-layer table: each decoder layer's)."""
+    first: int
+    count: int
+
+
 def expected_layer_shapes(config):
     """({layer index: {key: shape}}, the patterns of the hub names the model ignores on load): of the pipeline's
     layers, or for a family converted by its hub layout (models/layout.py HUB_LAYOUTS) of transformers' own text
@@ -158,6 +171,10 @@ def expected_layer_shapes(config):
     for name, tensor in model.state_dict().items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue  # the embedding's
+        for index, key, dim, _, width in per_layer_shares(name, config) or ():
+            expected[index][key] = tuple(width if d == dim else size for d, size in enumerate(tensor.shape))
+        if per_layer_shares(name, config) is not None:
+            continue
         located = layer_of_hf_name(name, config.num_hidden_layers, config.tie_word_embeddings)
         if located is None:
             raise ValueError(f"transformers' {type(model).__name__} holds {name}, which the layer index map "
@@ -194,6 +211,18 @@ def plan_layers(reader, config, layout, expected, unused_patterns=()):
                                   f"config expects {(shape[1] // per_expert, *shape[2:])}")
             else:
                 stacks[fused][place] = name
+            continue
+        shares = per_layer_shares(hf_name, config) if hf_name else None
+        if shares is not None:  # Gemma 4's per-layer embeddings: each decoder layer's share in its file
+            whole = tuple(config.num_hidden_layers * size if d == shares[0][2] else size
+                          for d, size in enumerate(expected[shares[0][0]][shares[0][1]]))
+            if reader.shape(name) != whole:
+                mismatched.append(f"{name}: {reader.shape(name)} in {os.path.basename(reader.file_of[name])}, "
+                                  f"config expects {whole}")
+                continue
+            for index, key, dim, first, width in shares:
+                plan[index][key] = [(name, None if dim is None else (first, width) if dim == 0 else
+                                     Columns(first, width))]
             continue
         parts = fused_parts(hf_name, config) if hf_name else None
         located = hf_name and layer_of_hf_name(pipeline_name(hf_name, config) if parts is None else parts[0][0],

@@ -31,7 +31,7 @@ from models.context_parallel import NO_CONTEXT_PARALLEL
 from models.loss import CausalLMLoss
 from models.partition import DECODER, EMBEDDING, HEAD, planned_decoder
 from models.pipeline import PRECISION_DTYPES
-from models.pipeline_layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StagePlan, StageTuple
+from models.pipeline_layers import EmbeddingPipe, LMHeadPipe, StagePlan, StageTuple, decoder_pipe, final_norm_pipe
 from models.tensor_parallel import TensorParallel
 from models.weight_grads import WeightGradQueue
 from planner.measured_costs import TIMES, UnitCosts, uses_measured_costs
@@ -83,11 +83,11 @@ def timed_unit_costs(cfg, config):
         hidden = torch.randn(batch, seq, config.hidden_size, requires_grad=True)
         grad = torch.randn(batch, seq, config.hidden_size)
         embedding = EmbeddingPipe(config, parallel)
-        decoder = DecoderLayerPipe(config, StageAttentionInputs(config, row_layout(cfg.data)), planned_decoder(config),
-                                   StagePlan(cfg.attention_impl, parallel))
+        decoder = decoder_pipe(config)(config, StageAttentionInputs(config, row_layout(cfg.data)),
+                                       planned_decoder(config), StagePlan(cfg.attention_impl, parallel))
         # an MoE model's routing statistics start at zeros, which its decoder layers carry on
-        stage_inputs = StageTuple(config).start(hidden, documents, positions)
-        norm, head = FinalNormPipe(config, parallel), LMHeadPipe(config, parallel, chunk_tokens > 0)
+        stage_inputs = StageTuple(config).start(hidden, documents, positions, ids)
+        norm, head = final_norm_pipe(config)(config, parallel), LMHeadPipe(config, parallel, chunk_tokens > 0)
     loss = CausalLMLoss(parallel, chunk_tokens, NO_CONTEXT_PARALLEL, PRECISION_DTYPES[cfg.grad_accum_dtype])
     units = {EMBEDDING: (lambda: embedding((ids, documents, positions))[0], grad),
              DECODER: (lambda: decoder(stage_inputs)[0], grad),

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 
+import torch
 import torch.nn.functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -23,7 +24,10 @@ NOT_IMPLEMENTED = {"attn_logit_softcapping": "an attention logit soft-cap", "fin
                    "use_qk_norm": "a query/key norm this family's layer does not have",
                    "clip_qkv": "query, key and value clipping", "quantization_config":
                    "quantized weights (dequantize the checkpoint to bf16 or fp32 first)"}
-IMPLEMENTED_BY = {"use_qk_norm": ("glm4_moe",)}  # {field of NOT_IMPLEMENTED: the families that implement it}
+# {field of NOT_IMPLEMENTED: the families that implement it}. transformers' Gemma 3 reads attn_logit_softcapping
+# but never passes it to its attention functions: it changes nothing there, nor here.
+IMPLEMENTED_BY = {"use_qk_norm": ("glm4_moe",), "attn_logit_softcapping": ("gemma3_text",),
+                  "final_logit_softcapping": ("gemma3_text", "gemma4_text")}
 # Randomness that transformers applies while training (never in evaluation) and this pipeline does not: {field: what}.
 TRAINING_DROPOUT = {"attention_dropout": "dropout on the attention weights",
                     "resid_pdrop": "dropout on each sublayer's output",
@@ -34,6 +38,9 @@ ATTENTION, LATENT_ATTENTION = "attention", "latent_attention"  # the token mixer
 GATED_ATTENTION, LINEAR_ATTENTION = "gated_attention", "linear_attention"
 HYBRID_MIXERS = {"full_attention": GATED_ATTENTION, "linear_attention": LINEAR_ATTENTION}  # {layer type: mixer}
 PRE_NORMS, POST_NORMS = "pre", "post"  # where a layer's norms sit (models/decoder.py NORM_PLACEMENTS)
+# The decoder layers (models/decoder.py DECODER_LAYERS): the one composed from the options below, or a family's own
+# part (Gemma 3's and Gemma 4's, whose layers share little with the composed one: models/gemma3.py, gemma4.py).
+COMPOSED, GEMMA3, GEMMA4 = "composed", "gemma3", "gemma4"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,15 +99,31 @@ class Architecture:
     mixer_layers: tuple = ()  # per decoder layer: its token mixer (the hybrids' differ from layer to layer)
     offset_norms: bool = False  # the hybrids' (1 + w) RMSNorms (models/offset_norms.py), weights initialised to 0
     fused_linear_projections: bool = False  # Qwen3-Next's in_proj_qkvz / in_proj_ba (models/linear_attention.py)
+    decoder: str = COMPOSED  # the decoder layer: the composed one, or a family's own (GEMMA3, GEMMA4)
+    # rotary tables per layer type, from rope_parameters[type] (Gemma 3 and 4, OLMo 3: models/layer_types.py)
+    rotary_by_layer_type: bool = False
+    rotary_in_fp32: bool = False  # OLMo 2 and 3: the tables kept in fp32, the rotation in fp32, then cast back
+    embedding_scale_rounded: bool = False  # Gemma: embedding_multiplier rounded to the weight's dtype first
+    final_logit_softcapping: float | None = None  # Gemma: cap * tanh(logits / cap), in the loss (models/loss.py)
 
     @property
     def latent_attention(self):
         return self.token_mixer == LATENT_ATTENTION
 
+    def embedding_scale(self, dtype):
+        """What the token embedding is multiplied by in `dtype`: embedding_multiplier, Gemma's rounded to the dtype
+        first (sqrt(3072) = 55.4256 is 55.5 in bf16), as transformers rounds it (to fp32, then to the weight's)."""
+        if not self.embedding_scale_rounded:
+            return self.embedding_multiplier
+        return torch.tensor(self.embedding_multiplier, dtype=torch.float32).to(dtype).item()
+
 
 def architecture_of(config):
-    """The Architecture of a (checked) Hugging Face config: its family's declaration, with LLaMA's per-layer
+    """The Architecture of a (checked) Hugging Face text config: its family's declaration, with LLaMA's per-layer
     defaults (rotary embedding everywhere, no window, dense feed-forwards) where the family sets none."""
+    if config.model_type in TRAINED_THROUGH_TEXT:
+        raise ValueError(f"a {config.model_type} config is a multimodal checkpoint's: build the model from its text "
+                         f"config (models/layout.py text_config_of), a {TRAINED_THROUGH_TEXT[config.model_type]} one.")
     declared = FAMILIES[config.model_type](config)
     layers = config.num_hidden_layers
     return dataclasses.replace(declared, rotary_layers=declared.rotary_layers or (True,) * layers,
@@ -138,7 +161,7 @@ def olmo2(config):
     """OLMo 2: each sublayer's output normalised before the residual add (no input norms); q and k normalised
     over their whole projections; every norm's weight applied before the cast back."""
     return Architecture(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm="projection",
-                        norm_placement=POST_NORMS, norm_scale_in_fp32=True)
+                        norm_placement=POST_NORMS, norm_scale_in_fp32=True, rotary_in_fp32=True)
 
 
 def granite(config):
@@ -264,13 +287,49 @@ def qwen3_next(config):
         **load_balancing(config)), sparse_layers=qwen_sparse_layers(config))
 
 
+def olmo3(config):
+    """OLMo 3: OLMo 2's layer with a type per layer (three sliding-window layers, then a full one, by default), each
+    type with its own rotary parameters (the full layers may carry YaRN or linear scaling alone)."""
+    return dataclasses.replace(olmo2(config), sliding_windows=marked_windows(config, True),
+                               rotary_by_layer_type=True)
+
+
+def gemma3_text(config):
+    """Gemma 3: its own decoder layer (models/gemma3.py: (1 + w) norms around both sublayers, per-head q/k norms,
+    scores scaled by query_pre_attn_scalar ** -0.5, GeGLU), sliding and full layers by layer_types with each type's
+    rotary, the embedding times sqrt(hidden_size) rounded to its dtype, the final logits soft-capped if set."""
+    return Architecture(decoder=GEMMA3, qkv_bias=config.attention_bias, o_bias=config.attention_bias,
+                        sliding_windows=marked_windows(config, True), rotary_by_layer_type=True,
+                        embedding_multiplier=config.hidden_size ** 0.5, embedding_scale_rounded=True,
+                        final_logit_softcapping=config.final_logit_softcapping)
+
+
+def gemma4_text(config):
+    """Gemma 4: its own decoder layer (models/gemma4.py: plain-w norms, scores scaled by 1, a weightless v norm,
+    full layers with their own head_dim, key/value heads and proportional rotary, key/values shared by the last
+    num_kv_shared_layers layers, per-layer embeddings, layer_scalar, the MoE block beside the dense MLP), sliding and
+    full layers by layer_types, the embedding times sqrt(hidden_size) rounded to its dtype, the final logits
+    soft-capped. Its experts run through models/moe.py's Experts (sparse_layers: every layer with
+    enable_moe_block, each also keeping its dense MLP)."""
+    moe = (MixtureOfExperts(config.num_experts, config.top_k_experts, config.moe_intermediate_size,
+                            router_name="router", norm_topk_prob=True) if config.enable_moe_block else None)
+    return Architecture(decoder=GEMMA4, qkv_bias=config.attention_bias, o_bias=config.attention_bias,
+                        attention_scale=1.0, sliding_windows=marked_windows(config, True), rotary_by_layer_type=True,
+                        embedding_multiplier=config.hidden_size ** 0.5, embedding_scale_rounded=True,
+                        final_logit_softcapping=config.final_logit_softcapping, moe=moe,
+                        sparse_layers=every_layer(config, moe is not None))
+
+
 FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "olmo2": olmo2, "granite": granite,
             "smollm3": smollm3, "phi3": phi3, "mixtral": mixtral, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe,
             "olmoe": olmoe, "gpt_oss": gpt_oss, "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe,
             "qwen3_5_text": qwen3_5_text, "qwen3_5_moe_text": qwen3_5_moe_text, "qwen3_next": qwen3_next}
-# Multimodal checkpoints whose text model trains ({model_type: its text config's}); their towers and MTP layer are
-# carried as they are (models/layout.py), and every step takes their text config (models/layout.py text_config_of).
-TRAINED_THROUGH_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+FAMILIES.update({"olmo3": olmo3, "gemma3_text": gemma3_text, "gemma4_text": gemma4_text})
+# Multimodal checkpoints whose text model trains ({model_type: its text config's}); their towers (and Qwen3.5's MTP
+# layer) are carried as they are (models/layout.py), and every step takes their text config (models/layout.py
+# text_config_of): the model is built from the text config.
+TRAINED_THROUGH_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma3": "gemma3_text",
+                        "gemma4": "gemma4_text"}
 SUPPORTED_MODEL_TYPES = (*FAMILIES, *TRAINED_THROUGH_TEXT)
 
 
@@ -321,7 +380,18 @@ def sigmoid_routed_experts(config):
                             sequence_aux_loss_coef=getattr(config, "sequence_aux_loss_coef", 0.0))
 
 
-def head_dim_of(config):
+def key_value_heads(config):
+    """Each decoder layer's key/value head count: Gemma 4's full layers may have their own
+    (num_global_key_value_heads, through transformers' per-layer configs)."""
+    if config.model_type == "gemma4_text":
+        return [config.per_layer_config[i].num_key_value_heads for i in range(config.num_hidden_layers)]
+    return [config.num_key_value_heads or config.num_attention_heads] * config.num_hidden_layers
+
+
+def head_dim_of(config, layer=0):
+    """Decoder layer `layer`'s head width: Gemma 4's full layers have their own (global_head_dim)."""
+    if config.model_type == "gemma4_text":
+        return config.per_layer_config[layer].head_dim
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
@@ -352,8 +422,8 @@ def check_model_config(config):
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         nearest = difflib.get_close_matches(config.model_type, SUPPORTED_MODEL_TYPES, n=1, cutoff=0.6)
         raise ValueError(f"model_type '{config.model_type}' is not supported; supported: "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (the LLaMA layout, its mixtures of experts and the "
-                         f"Gated DeltaNet hybrids)"
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (the LLaMA layout, its mixtures of experts, the "
+                         f"Gated DeltaNet hybrids and Gemma's own layers)"
                          + (f"; the nearest is '{nearest[0]}', whose layers differ from it." if nearest else "."))
     if config.model_type in TRAINED_THROUGH_TEXT:
         check_model_config(config.get_text_config())
@@ -362,14 +432,16 @@ def check_model_config(config):
         if getattr(config, field, None) not in (None, False) and config.model_type not in IMPLEMENTED_BY.get(field, ()):
             raise ValueError(f"{field}={getattr(config, field)!r} in the {config.model_type} config asks for {what}, "
                              f"which this pipeline does not implement.")
-    kv_heads = config.num_key_value_heads or config.num_attention_heads
-    if config.num_attention_heads % kv_heads:
-        raise ValueError(f"num_attention_heads ({config.num_attention_heads}) is not a multiple of "
-                         f"num_key_value_heads ({kv_heads}).")
-    if config.hidden_act not in ACTIVATIONS:
-        raise ValueError(f"hidden_act '{config.hidden_act}' is not supported.")
+    for kv_heads in set(key_value_heads(config)):
+        if config.num_attention_heads % kv_heads:
+            raise ValueError(f"num_attention_heads ({config.num_attention_heads}) is not a multiple of "
+                             f"num_key_value_heads ({kv_heads}).")
+    activation = activation_of(config)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"hidden_act '{activation}' is not supported.")
     check_deepseek_line(config)
     check_hybrid_line(config)
+    check_gemma_line(config)
     rope_type = config.rope_parameters.get("rope_type", "default")
     if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope_parameters rope_type '{rope_type}' is not implemented; implemented: default, "
@@ -385,6 +457,32 @@ def check_hybrid_line(config):
         raise ValueError(f"linear_num_value_heads={config.linear_num_value_heads} in the {config.model_type} config "
                          f"is not a multiple of linear_num_key_heads={config.linear_num_key_heads}: each key head "
                          f"serves a whole group of value heads.")
+
+
+def activation_of(config):
+    """The MLP's activation: hidden_act, or Gemma's hidden_activation."""
+    return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+
+
+def check_gemma_line(config):
+    """What Gemma 3's and Gemma 4's configs may ask that their parts (models/gemma3.py, gemma4.py) do not compute
+    as transformers does, refused naming the field."""
+    if config.model_type == "gemma3_text" and config.use_bidirectional_attention:
+        raise ValueError("use_bidirectional_attention=True in the gemma3_text config makes every token attend to "
+                         "later ones (an encoder), which a causal language model's training does not implement.")
+    if config.model_type == "gemma4_text":
+        if config.use_bidirectional_attention == "all":
+            raise ValueError("use_bidirectional_attention='all' in the gemma4_text config makes every token attend "
+                             "to later ones (an encoder), which a causal language model's training does not "
+                             "implement.")
+        if config.num_kv_shared_layers >= config.num_hidden_layers:
+            raise ValueError(f"num_kv_shared_layers={config.num_kv_shared_layers} of {config.num_hidden_layers} "
+                             f"layers leaves no layer to compute the keys and values they share; it must be below "
+                             f"num_hidden_layers.")
+        missing = [field for field in ("num_experts", "top_k_experts", "moe_intermediate_size")
+                   if config.enable_moe_block and not getattr(config, field)]
+        if missing:
+            raise ValueError(f"enable_moe_block=True in the gemma4_text config needs {', '.join(missing)}.")
 
 
 def check_deepseek_line(config):

@@ -16,7 +16,7 @@ from torch import nn
 from models.architecture import architecture_of, head_dim_of
 from models.attention_kernels import additive_mask, apply_rotary, attend as softmax_attention
 from models.norms import HeadRMSNorm, ProjectionRMSNorm
-from models.rotary import RotaryEmbedding
+from models.rotary import RotaryByLayerType, RotaryEmbedding
 
 ROW_LAYOUTS = ("packed", "padded", "full")  # what a run's rows hold: data/collator.py `row_layout`
 
@@ -53,7 +53,11 @@ class StageAttentionInputs:
     def __init__(self, config, row_layout="packed"):
         if row_layout not in ROW_LAYOUTS:
             raise ValueError(f"row_layout={row_layout!r} is not one of {', '.join(ROW_LAYOUTS)}.")
-        self.rotary = RotaryEmbedding(config)
+        architecture = architecture_of(config)
+        # Gemma's and OLMo 3's tables per layer type, keyed by its window (OLMo's kept in fp32)
+        self.by_type = architecture.rotary_by_layer_type
+        self.rotary = RotaryByLayerType(config) if self.by_type else RotaryEmbedding(config)
+        self.tables_in_fp32 = architecture.rotary_in_fp32
         self.masked = row_layout == "packed"
         self._key = None
         self._held = None  # the tensors the key's addresses belong to, kept alive so no other batch reuses them
@@ -66,14 +70,21 @@ class StageAttentionInputs:
         key = (document_ids.data_ptr(), document_ids._version, position_ids.data_ptr(), position_ids._version,
                tuple(document_ids.shape), hidden.dtype, hidden.device)
         if key != self._key:
-            self.rotary.to(hidden.device)
-            self._value = self.rotary(hidden, position_ids)
+            self._value = self.tables(hidden, position_ids)
             self._masks = {}
             self._key = key
             self._held = (document_ids, position_ids)
         if window not in self._masks:
             self._masks[window] = self.mask(document_ids, hidden.dtype, window)
-        return AttentionInputs(*self._value, self._masks[window], document_ids if self.masked else None)
+        tables = self._value[self.rotary.type_of_window[window]] if self.by_type else self._value
+        return AttentionInputs(*tables, self._masks[window], document_ids if self.masked else None)
+
+    def tables(self, hidden, position_ids):
+        """(cos, sin) of the positions, or {layer type: (cos, sin)} for tables per layer type."""
+        if self.by_type:
+            return self.rotary(position_ids, torch.float32 if self.tables_in_fp32 else hidden.dtype)
+        self.rotary.to(hidden.device)
+        return self.rotary(hidden, position_ids)
 
     def mask(self, document_ids, dtype, window):
         """The additive mask of a batch, None for none; a sliding window shorter than the row always takes one."""
@@ -163,7 +174,7 @@ class Attention(nn.Module):
         q = q.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        if self.rotary:
-            q, k = apply_rotary(q, inputs.cos, inputs.sin), apply_rotary(k, inputs.cos, inputs.sin)
+        if self.rotary:  # in the tables' dtype (OLMo's fp32), cast back
+            q, k = (apply_rotary(x, inputs.cos, inputs.sin).to(x.dtype) for x in (q, k))
         out = self.core(q, (k, v), inputs.mask, sinks=getattr(self, "sinks", None))
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -15,25 +15,24 @@ from transformers import AutoConfig
 
 from models.architecture import architecture_of, check_model_config
 from models.attention import StageAttentionInputs
-from models.decoder import DecoderLayer
+from models.decoder import Gemma4Decoder, decoder_layer, final_norm
+from models.gemma3 import soft_cap
 from models.hf_weights import find_weight_files, hf_tensors, layer_states, text_model_tensors
 from models.layout import text_config_of
 from models.moe import RoutedTokens
-from models.norms import RMSNorm
 from models.sigmoid_router import FP32_MARKER
 
 
 class DecoderStack(nn.Module):
-    """transformers' `model`: the embedding, the decoder layers and the final norm."""
+    """transformers' `model`: the embedding, the decoder layers and the final norm (Gemma 4's per-layer embeddings
+    are held by the layers, each its share: models/decoder.py Gemma4Decoder)."""
 
     def __init__(self, config, attention_impl):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.layers = nn.ModuleList(DecoderLayer(config, index, attention_impl)
+        self.layers = nn.ModuleList(decoder_layer(config, index, attention_impl)
                                     for index in range(config.num_hidden_layers))
-        architecture = architecture_of(config)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_fp32=architecture.norm_scale_in_fp32,
-                            offset=architecture.offset_norms)
+        self.norm = final_norm(config)
 
 
 class CausalLM(nn.Module):
@@ -43,12 +42,12 @@ class CausalLM(nn.Module):
         super().__init__()
         check_model_config(config)
         self.config = config
-        architecture = architecture_of(config)
-        self.embedding_multiplier, self.logits_multiplier = (architecture.embedding_multiplier,
-                                                             1 / architecture.logits_scaling)
+        self.architecture = architecture = architecture_of(config)
+        self.logits_multiplier = 1 / architecture.logits_scaling
         self.model = DecoderStack(config, attention_impl)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_per_layer_norms()
         # Padded rows take a mask per row, full ones none (models/attention.py StageAttentionInputs). The rotary
         # tables are computed on the host, even when the model is built on the meta device, and follow the hidden
         # states to theirs.
@@ -58,22 +57,40 @@ class CausalLM(nn.Module):
     def forward(self, input_ids, attention_mask=None, document_ids=None, position_ids=None):
         """Logits (batch, seq, vocab) of input_ids (batch, seq); attention_mask: 1 on the tokens, 0 on padding
         (transformers'), None for rows without padding. Packed rows instead: document_ids (0 on padding, k on a
-        row's k-th document) and position_ids (batch, seq), as the pipeline's collator gives them."""
+        row's k-th document) and position_ids (batch, seq), as the pipeline's collator gives them (None: each
+        document's positions from 0)."""
         batch, seq = input_ids.shape
         packed = attention_mask is not None or document_ids is not None
+        if position_ids is None:
+            position_ids = (torch.arange(seq, device=input_ids.device).expand(batch, seq) if document_ids is None
+                            else document_positions(document_ids))
         if document_ids is None:
             document_ids = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
-        positions = (torch.arange(seq, device=input_ids.device).expand(batch, seq) if position_ids is None
-                     else position_ids)
         inputs_of = self.inputs_of["packed" if packed else "full"]
         hidden = self.model.embed_tokens(input_ids)
-        hidden = hidden if self.embedding_multiplier == 1 else hidden * self.embedding_multiplier
+        multiplier = self.architecture.embedding_scale(hidden.dtype)
+        hidden = embedded = hidden if multiplier == 1 else hidden * multiplier
         tokens = RoutedTokens.of(document_ids)
+        shared_kv = {}  # Gemma 4: {layer: the keys and values it stored for the layers reusing them}
         for layer in self.model.layers:
-            hidden, _ = layer(hidden, inputs_of(hidden, document_ids, positions, layer.window), tokens)
+            inputs = inputs_of(hidden, document_ids, position_ids, layer.window)
+            if not isinstance(layer, Gemma4Decoder):
+                hidden, _ = layer(hidden, inputs, tokens)
+                continue
+            hidden, _, key_value = layer(hidden, inputs, tokens, input_ids, embedded, shared_kv.get(layer.kv_source))
+            if layer.stores_kv:
+                shared_kv[layer.self_attn.layer_index] = key_value
         hidden = self.model.norm(hidden)
         hidden = hidden if self.logits_multiplier == 1 else hidden * self.logits_multiplier
-        return F.linear(hidden, self.head_weight)
+        return soft_cap(F.linear(hidden, self.head_weight), self.architecture.final_logit_softcapping)
+
+    def tie_per_layer_norms(self):
+        """Gemma 4's per-layer-embedding norm, copied into every layer (models/decoder.py Gemma4Decoder), made one
+        Parameter again, as transformers holds it: its gradient the sum over the layers, trained once."""
+        norms = [layer.per_layer_inputs.per_layer_projection_norm for layer in self.model.layers
+                 if hasattr(layer, "per_layer_inputs")]
+        for norm in norms[1:]:
+            norm.weight = norms[0].weight
 
     @property
     def head_weight(self):
@@ -88,11 +105,19 @@ class CausalLM(nn.Module):
         return layers
 
 
+def document_positions(document_ids):
+    """Each token's position in its document (batch, seq): from 0 where a row's document id changes."""
+    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
 def from_hf(path, dtype=None, attention_impl="sdpa"):
     """The CausalLM of a Hugging Face directory (config.json and safetensors or .bin weights, sharded or not), its
-    weights read through conversion's name map, in evaluation mode: of a multimodal checkpoint (Qwen3.5's), its
-    text model, the towers and MTP layer left out. dtype: what to cast the weights to (None: as stored);
-    DeepSeek-V3's router stays fp32, as transformers keeps it."""
+    weights read through conversion's name map, in evaluation mode: of a multimodal checkpoint (Qwen3.5's, Gemma 3's
+    and 4's), its text model, the towers and MTP layer left out. dtype: what to cast the weights to (None: as
+    stored); DeepSeek-V3's router stays fp32, as transformers keeps it."""
     hub_config = AutoConfig.from_pretrained(path)
     check_model_config(hub_config)
     config = text_config_of(hub_config)
@@ -105,4 +130,5 @@ def from_hf(path, dtype=None, attention_impl="sdpa"):
                  or not tensor.is_floating_point() else tensor.to(dtype)
                  for key, tensor in states.get(index, {}).items()}
         module.load_state_dict(state, strict=True, assign=True)
+    model.tie_per_layer_norms()
     return model.eval()

@@ -6,19 +6,25 @@ norms where it places them.
 
 NORM_PLACEMENTS names the norms each placement has, as the family's transformers layer names them, so the layer's
 state dict is the Hugging Face one after the `model.layers.{i}.` prefix.
+
+Gemma 3 and Gemma 4 have decoder layers of their own (models/gemma3.py, gemma4.py), which share little with this
+one; DECODER_LAYERS holds each under the call every model's layer takes, forward(hidden, inputs, tokens) ->
+(hidden, routing statistics or None), Gemma 4's with what its layers exchange besides (Gemma4Decoder).
 """
 import functools
 
 from torch import nn
 
-from models.architecture import (ATTENTION, GATED_ATTENTION, LATENT_ATTENTION, LINEAR_ATTENTION, POST_NORMS, PRE_NORMS,
-                                 architecture_of)
+from models.architecture import (ATTENTION, COMPOSED, GATED_ATTENTION, GEMMA3, GEMMA4, LATENT_ATTENTION,
+                                 LINEAR_ATTENTION, POST_NORMS, PRE_NORMS, architecture_of)
 from models.attention import Attention
 from models.gated_attention import GatedAttention
+from models.gemma3 import Gemma3DecoderLayer, gemma3_final_norm
+from models.gemma4 import Gemma4DecoderLayer, PerLayerInputs, gemma4_final_norm
 from models.latent_attention import LatentAttention
 from models.linear_attention import FusedGatedDeltaNet, GatedDeltaNet
 from models.mlp import MLP
-from models.moe import MoEBlock
+from models.moe import MoEBlock, routing_statistics
 from models.norms import RMSNorm
 
 
@@ -42,6 +48,8 @@ NORM_PLACEMENTS = {
     PRE_NORMS: (("input_layernorm", None), ("post_attention_layernorm", None)),  # LLaMA
     POST_NORMS: ((None, "post_attention_layernorm"), (None, "post_feedforward_layernorm")),  # OLMo 2
 }
+
+
 class DecoderLayer(nn.Module):
     """Decoder layer `layer_index` of a model: its token mixer is `self_attn` (a hybrid's linear attention
     `linear_attn`), its feed-forward `mlp` (an MoE block on the family's sparse layers), as transformers names
@@ -96,3 +104,66 @@ class DecoderLayer(nn.Module):
     def scaled(self, x):
         """x times the residual multiplier (Granite's); x itself, with no kernel, at 1."""
         return x if self.residual_multiplier == 1 else x * self.residual_multiplier
+
+
+class OwnDecoder:
+    """What a family's own decoder layer shows the plans applied from outside (LoRA's projections) as the composed
+    layer does: its token mixer, which is its attention."""
+
+    @property
+    def token_mixer(self):
+        return self.self_attn
+
+
+class Gemma3Decoder(OwnDecoder, Gemma3DecoderLayer):
+    """Gemma 3's decoder layer (models/gemma3.py) under every layer's call; it has no experts."""
+    sparse = False
+
+    def forward(self, hidden, inputs, tokens=None):
+        return super().forward(hidden, inputs.cos, inputs.sin, inputs.mask), None
+
+
+class Gemma4Decoder(OwnDecoder, Gemma4DecoderLayer):
+    """Gemma 4's decoder layer (models/gemma4.py) under every layer's call, with what a Gemma 4 layer takes and
+    gives besides: the token ids and the model's first hidden states (`embedded`), which its per-layer input is
+    computed from, and the keys and values a reusing layer takes (shared_kv), or a storing layer gives:
+
+        forward(hidden, inputs, tokens=None, input_ids=None, embedded=None, shared_kv=None)
+            -> (hidden, routing statistics or None, key_value)
+
+    With per-layer embeddings it holds its own share of them, this layer's columns of the per-layer table and rows
+    of its projection (`per_layer_inputs`, models/layout.py places them in the layer's file), so that a pipeline
+    stage holds only its layers'; the per-layer norm they share is copied into every layer, a tied weight. An MoE
+    layer's statistics are its top-k counts (transformers computes no auxiliary loss for Gemma 4)."""
+
+    def __init__(self, config, layer_index=0, attention_impl="sdpa"):
+        super().__init__(config, layer_index, attention_impl)
+        self.sparse = self.moe
+        self.experts_config = architecture_of(config).moe
+        if self.per_layer_width:
+            self.per_layer_inputs = PerLayerInputs(config, range(layer_index, layer_index + 1))
+
+    def forward(self, hidden, inputs, tokens=None, input_ids=None, embedded=None, shared_kv=None):
+        per_layer_input = self.per_layer_inputs(input_ids, embedded)[:, :, 0] if self.per_layer_width else None
+        hidden, key_value, expert_ids = super().forward(hidden, inputs.cos, inputs.sin, inputs.mask,
+                                                        per_layer_input, shared_kv)
+        statistics = routing_statistics(None, expert_ids, tokens, self.experts_config) if self.sparse else None
+        return hidden, statistics, key_value
+
+
+DECODER_LAYERS = {COMPOSED: DecoderLayer, GEMMA3: Gemma3Decoder, GEMMA4: Gemma4Decoder}
+
+
+def decoder_layer(config, layer_index=0, attention_impl="sdpa"):
+    """Decoder layer layer_index of a model, its family's kind."""
+    return DECODER_LAYERS[architecture_of(config).decoder](config, layer_index, attention_impl)
+
+
+def final_norm(config):
+    """The model's final norm, `model.norm`, its family's kind."""
+    decoder = architecture_of(config).decoder
+    if decoder == COMPOSED:
+        architecture = architecture_of(config)
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_fp32=architecture.norm_scale_in_fp32,
+                       offset=architecture.offset_norms)
+    return {GEMMA3: gemma3_final_norm, GEMMA4: gemma4_final_norm}[decoder](config)

@@ -18,15 +18,9 @@ soft cap and the gated MLP, whose math is the same.
 import torch
 from torch import nn
 
+from models.architecture import check_gemma_line
 from models.attention_kernels import apply_rotary, attend
 from models.gated_mlp import GatedMLP
-
-
-def check_gemma3_config(config):
-    """Refuse what these parts do not compute as transformers does, naming the field."""
-    if config.use_bidirectional_attention:
-        raise ValueError("use_bidirectional_attention=True in the gemma3_text config makes every token attend to "
-                         "later ones (an encoder), which a causal language model's training does not implement.")
 
 
 class Gemma3RMSNorm(nn.Module):
@@ -117,7 +111,7 @@ class Gemma3DecoderLayer(nn.Module):
 
     def __init__(self, config, layer_index, attention_impl="sdpa"):
         super().__init__()
-        check_gemma3_config(config)
+        check_gemma_line(config)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Gemma3Attention(config, layer_index, attention_impl)
         self.layer_type, self.window = self.self_attn.layer_type, self.self_attn.window

@@ -22,27 +22,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from models.architecture import ACTIVATIONS, MixtureOfExperts
+from models.architecture import ACTIVATIONS, MixtureOfExperts, check_gemma_line
 from models.attention_kernels import apply_rotary, attend
 from models.gated_mlp import GatedMLP
 from models.gemma3 import ScaledEmbedding
 from models.moe import LOCAL_EXPERTS, Experts
-
-
-def check_gemma4_config(config):
-    """Refuse what these parts do not compute as transformers does, naming the field."""
-    if config.use_bidirectional_attention == "all":
-        raise ValueError("use_bidirectional_attention='all' in the gemma4_text config makes every token attend to "
-                         "later ones (an encoder), which a causal language model's training does not implement.")
-    if config.num_kv_shared_layers >= config.num_hidden_layers:
-        raise ValueError(f"num_kv_shared_layers={config.num_kv_shared_layers} of {config.num_hidden_layers} layers "
-                         f"leaves no layer to compute the keys and values they share (an assistant model reading "
-                         f"another model's); it must be below num_hidden_layers.")
-    if config.enable_moe_block:
-        missing = [field for field in ("num_experts", "top_k_experts", "moe_intermediate_size")
-                   if not getattr(config, field)]
-        if missing:
-            raise ValueError(f"enable_moe_block=True in the gemma4_text config needs {', '.join(missing)}.")
 
 
 def kv_sources(config):
@@ -166,7 +150,7 @@ class Gemma4DecoderLayer(nn.Module):
     """Decoder layer `layer_index`.
 
     forward(hidden [batch, seq, hidden], cos, sin, mask, per_layer_input=None, shared_kv=None)
-        -> (hidden, key_value)
+        -> (hidden, key_value, expert_ids)
 
     cos, sin and mask are those of the layer's type (`layer_type`, `window`; models/layer_types.py builds them once
     per micro-batch). per_layer_input [batch, seq, hidden_size_per_layer_input]: this layer's slice of
@@ -174,11 +158,13 @@ class Gemma4DecoderLayer(nn.Module):
     shared_kv and key_value: as Gemma4Attention's (`reuses_kv`, `stores_kv`, `kv_source`).
 
     An MoE layer's experts are run by its `dispatcher` (models/moe.py's seam, which expert parallelism replaces from
-    outside: LOCAL_EXPERTS runs them all here); it returns nothing beyond the hidden states, as transformers computes no auxiliary loss for Gemma 4."""
+    outside: LOCAL_EXPERTS runs them all here); expert_ids [tokens, top_k] are the experts each token was routed to
+    (None on a layer without the MoE block), for the routing counts: transformers computes no auxiliary loss for
+    Gemma 4."""
 
     def __init__(self, config, layer_index, attention_impl="sdpa"):
         super().__init__()
-        check_gemma4_config(config)
+        check_gemma_line(config)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Gemma4Attention(config, layer_index, attention_impl)
         attention = self.self_attn
@@ -210,22 +196,24 @@ class Gemma4DecoderLayer(nn.Module):
         attention, key_value = self.self_attn(self.input_layernorm(hidden), cos, sin, mask, shared_kv)
         hidden = hidden + self.post_attention_layernorm(attention)
         feedforward = self.mlp(self.pre_feedforward_layernorm(hidden))
+        expert_ids = None
         if self.moe:
-            feedforward = self.post_feedforward_layernorm_1(feedforward) + \
-                self.post_feedforward_layernorm_2(self.mixture_of_experts(hidden))
+            experts, expert_ids = self.mixture_of_experts(hidden)
+            feedforward = self.post_feedforward_layernorm_1(feedforward) + self.post_feedforward_layernorm_2(experts)
         hidden = hidden + self.post_feedforward_layernorm(feedforward)
         if self.per_layer_width:
             gated = self.act_fn(self.per_layer_input_gate(hidden)) * per_layer_input
             hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gated))
-        return hidden * self.layer_scalar, key_value
+        return hidden * self.layer_scalar, key_value, expert_ids
 
     def mixture_of_experts(self, residual):
-        """The experts' output for the residual stream before the feedforward (routed from it, each expert's input
-        its own pre-norm of it), shaped as it."""
+        """(the experts' output for the residual stream before the feedforward, shaped as it; the expert ids
+        [tokens, top_k] each token was routed to): routed from the residual, each expert's input its own pre-norm of
+        it."""
         tokens = residual.reshape(-1, residual.shape[-1])
         _, weights, expert_ids = self.router(tokens)
         out = self.dispatcher(self.pre_feedforward_layernorm_2(tokens), expert_ids, weights, self.experts)
-        return out.view_as(residual)
+        return out.view_as(residual), expert_ids
 
 
 class PerLayerInputs(nn.Module):

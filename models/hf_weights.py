@@ -7,9 +7,10 @@ from collections import defaultdict
 
 import torch
 from safetensors import safe_open
+from transformers import AutoModelForCausalLM
 
 from models.layout import (HUB_LAYOUTS, expert_piece, fused_parts, hub_layout_of, is_carried, is_multi_token_prediction,
-                           layer_of_hf_name, pipeline_name, text_config_of)
+                           layer_of_hf_name, per_layer_share, per_layer_shares, pipeline_name, text_config_of)
 
 
 def find_weight_files(model_dir):
@@ -46,17 +47,22 @@ def hf_tensors(files):
 def text_model_tensors(tensors, config):
     """{the pipeline's HF name: tensor} of the text model among a checkpoint's {hub name: tensor} (config: the
     checkpoint's own): for a family converted by its hub layout (models/layout.py HUB_LAYOUTS) renamed from the
-    layout the checkpoint has, what conversion carries (towers, MTP layers) left out; the others' as they are."""
+    layout the checkpoint has, what conversion carries (towers, MTP layers) left out, and the tensors transformers
+    ignores on load (the hub's Gemma 4 E2B/E4B ship their KV-shared layers' unused key/value projections); the
+    others' as they are."""
     if config.model_type not in HUB_LAYOUTS:
         return tensors
     layout, text = hub_layout_of(config.model_type, tensors), text_config_of(config)
+    with torch.device("meta"):  # the patterns depend on the config (Gemma 4 sets them per KV-shared layer)
+        ignored = AutoModelForCausalLM.from_config(text)._keys_to_ignore_on_load_unexpected or ()
     return {layout.from_hub(name): tensor for name, tensor in tensors.items()
-            if not is_carried(name, text, layout) and layout.from_hub(name) is not None}
+            if not is_carried(name, text, layout, ignored) and layout.from_hub(name) is not None}
 
 
 def layer_states(tensors, config):
     """{pipeline layer index: its state dict} of Hugging Face tensors: a fused weight split into its parts
-    (Phi-3's), the hub's per-expert tensors stacked into the fused ones, a tied LM head left to the embedding, the
+    (Phi-3's), the hub's per-expert tensors stacked into the fused ones, Gemma 4's per-layer embeddings cut into
+    each decoder layer's share (views), a tied LM head left to the embedding, the
     multi-token-prediction layers (which no forward runs) and rotary buffers left out. A name no layer holds is
     refused, naming it."""
     num_layers, tied = config.num_hidden_layers, config.tie_word_embeddings
@@ -70,6 +76,11 @@ def layer_states(tensors, config):
         if piece is not None:
             fused, place, per_expert = piece
             stacks[(fused, per_expert)][place] = tensor
+            continue
+        shares = per_layer_shares(name, config)
+        if shares is not None:
+            for share in shares:
+                states[share[0]][share[1]] = per_layer_share(tensor, share)
             continue
         parts = fused_parts(name, config) or ((name, 0, None),)
         for part, first, rows in parts:

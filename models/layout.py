@@ -2,9 +2,9 @@
 post-init loading go through here, so the map exists once.
 
 | index    | layer            | HF weight names                                       |
-| 0        | embedding        | model.embed_tokens.weight (Gemma 4: its per-layer     |
-|          |                  | embedding tensors beside it, EMBEDDING_LAYER_TENSORS) |
-| 1 .. L   | decoder layer i-1| model.layers.{i-1}.*  (prefix stripped)               |
+| 0        | embedding        | model.embed_tokens.weight                             |
+| 1 .. L   | decoder layer i-1| model.layers.{i-1}.*  (prefix stripped); Gemma 4: its |
+|          |                  | share of the per-layer embeddings (PER_LAYER_TENSORS) |
 | L+1      | final norm       | model.norm.weight                                     |
 | L+2      | LM head          | lm_head.weight (no file when tied: layer 0 holds it)  |
 
@@ -38,18 +38,43 @@ def num_pipeline_layers(num_hidden_layers):
     return num_hidden_layers + 3
 
 
-# Gemma 4's per-layer-embedding inputs, computed from the token ids and the embedding before the first layer: held
-# by the embedding layer beside its weight, under their names in the text model.
-EMBEDDING_LAYER_TENSORS = ("embed_tokens_per_layer.weight", "per_layer_model_projection.weight",
-                           "per_layer_projection_norm.weight")
+# Gemma 4's per-layer embeddings (PLE): model-level tensors on the hub, of which each decoder layer computes with its
+# own share, held in its own file under PER_LAYER_PREFIX so that a pipeline stage reads and saves only its layers':
+# {name after `model.`: the dimension the layers' shares are cut along, one block of hidden_size_per_layer_input per
+# layer in layer order; None: the whole tensor, in every layer (the norm the layers share, a tied weight)}.
+PER_LAYER_TENSORS = {"embed_tokens_per_layer.weight": 1, "per_layer_model_projection.weight": 0,
+                     "per_layer_projection_norm.weight": None}
+PER_LAYER_PREFIX = "per_layer_inputs."
+
+
+def per_layer_shares(name, config):
+    """[(pipeline layer index, key in its state dict, dimension, first, width)] of a Hugging Face per-layer-embedding
+    tensor (dimension None: the whole tensor); None for any other name."""
+    short = name.removeprefix("model.")
+    if not name.startswith("model.") or short not in PER_LAYER_TENSORS:
+        return None
+    dim, width = PER_LAYER_TENSORS[short], config.hidden_size_per_layer_input
+    return [(layer + 1, PER_LAYER_PREFIX + short, dim, layer * width, width)
+            for layer in range(config.num_hidden_layers)]
+
+
+def per_layer_share(tensor, share):
+    """A layer's share of a per-layer-embedding tensor (a view): per_layer_shares' entry."""
+    _, _, dim, first, width = share
+    return tensor if dim is None else tensor.narrow(dim, first, width)
+
+
+def joined_per_layer_tensor(name, layer_tensors):
+    """The Hugging Face tensor `name` (after `model.`) from its layers' shares, in layer order: concatenated along
+    its dimension, or the first layer's copy of a whole one."""
+    dim = PER_LAYER_TENSORS[name]
+    return layer_tensors[0] if dim is None else torch.cat(layer_tensors, dim)
 
 
 def layer_of_hf_name(name, num_hidden_layers, tie_word_embeddings):
     """(layer index, key inside that layer's state dict) for a Hugging Face weight name; None if unknown."""
     if name == "model.embed_tokens.weight":
         return 0, "weight"
-    if name.removeprefix("model.") in EMBEDDING_LAYER_TENSORS:
-        return 0, name.removeprefix("model.")
     if name == "model.norm.weight":
         return num_hidden_layers + 1, "weight"
     if name == "lm_head.weight":
@@ -62,7 +87,7 @@ def layer_of_hf_name(name, num_hidden_layers, tie_word_embeddings):
 
 def hf_name_of_layer_key(index, key, num_hidden_layers):
     if index == 0:
-        return f"model.{key}" if key in EMBEDDING_LAYER_TENSORS else f"model.embed_tokens.{key}"
+        return f"model.embed_tokens.{key}"
     if index <= num_hidden_layers:
         return f"model.layers.{index - 1}.{key}"
     if index == num_hidden_layers + 1:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import collectives
 from models import IGNORE_INDEX
 from models.context_parallel import NO_CONTEXT_PARALLEL
+from models.gemma3 import soft_cap, soft_cap_derivative
 from models.pipeline_layers import head_outputs
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 
@@ -46,13 +47,15 @@ class CausalLMLoss:
     last layer's output is the logits, or with chunk_tokens > 0 the head's input and weight (LMHeadPipe), whose
     chunks' weight gradients are summed in grad_sum_dtype (the run's grad_accum_dtype; None: the weight's). A row's
     labels may be one wider than its seq_length positions (token shards); without seq_length they are as wide.
+    logit_cap: Gemma's final_logit_softcapping (None: none), cap * tanh(logits / cap) of each chunk's logits.
     An MoE model's router loss (LoadBalancingLoss) times its coefficient is added, as transformers adds it to
     outputs.loss. An evaluation forward (no gradient) keeps that added term (a 0-d tensor) until take_aux_terms:
     perplexity is of the cross-entropy alone."""
 
     def __init__(self, parallel=NO_TENSOR_PARALLEL, chunk_tokens=0, context=NO_CONTEXT_PARALLEL, grad_sum_dtype=None,
-                 seq_length=None, router=None):
+                 seq_length=None, router=None, logit_cap=None):
         self.parallel, self.chunk_tokens, self.context = parallel, chunk_tokens, context
+        self.logit_cap = logit_cap  # Gemma's final_logit_softcapping: each chunk's logits capped (models/gemma3.py)
         self.grad_sum_dtype, self.seq_length = grad_sum_dtype, seq_length
         self.router = router
         self.aux_terms = []  # evaluation's added terms since take_aux_terms
@@ -89,9 +92,9 @@ class CausalLMLoss:
         if self.chunk_tokens:
             hidden, weight = outputs
             return chunked_loss_sum(hidden, weight, next_labels.to(hidden.device), divisor, self.parallel,
-                                    self.chunk_tokens, self.grad_sum_dtype)
+                                    self.chunk_tokens, self.grad_sum_dtype, self.logit_cap)
         logits, = outputs
-        return logits_loss_sum(logits, next_labels.to(logits.device), self.parallel) / divisor
+        return logits_loss_sum(soft_cap(logits, self.logit_cap), next_labels.to(logits.device), self.parallel) / divisor
 
 
 class ContinuationScores:
@@ -99,14 +102,15 @@ class ContinuationScores:
     output, labels that are -100 but on each row's continuation) -> (rows, 2) continuation_scores, each row's sums
     over all its tokens under context parallelism. seq_length: the rows' width (their labels are one wider)."""
 
-    def __init__(self, parallel, chunk_tokens, context, seq_length):
+    def __init__(self, parallel, chunk_tokens, context, seq_length, logit_cap=None):
         self.parallel, self.chunk_tokens, self.context, self.seq_length = parallel, chunk_tokens, context, seq_length
+        self.logit_cap = logit_cap  # Gemma's final_logit_softcapping
 
     def __call__(self, outputs, labels):
         next_labels = next_token_labels(labels, self.context, self.seq_length)
         head, _ = head_outputs(outputs, self.chunk_tokens > 0)
         scores = continuation_scores(head if self.chunk_tokens else head[0], next_labels, labels.shape[0],
-                                     self.parallel, self.chunk_tokens)
+                                     self.parallel, self.chunk_tokens, self.logit_cap)
         if self.context.size > 1:  # each rank scored its tokens of every row
             collectives.all_reduce(scores, group=self.context.group)
         return scores
@@ -154,21 +158,31 @@ def logits_loss_sum(logits, labels, parallel):
     return parallel.cross_entropy_sum(logits.float().reshape(-1, logits.shape[-1]), labels, IGNORE_INDEX)
 
 
-def chunked_loss_sum(hidden, weight, labels, divisor, parallel, chunk_tokens, grad_sum_dtype=None):
-    """Summed cross-entropy of the labelled tokens / divisor, projecting `chunk_tokens` tokens at a time."""
+def chunked_loss_sum(hidden, weight, labels, divisor, parallel, chunk_tokens, grad_sum_dtype=None, logit_cap=None):
+    """Summed cross-entropy of the labelled tokens / divisor, projecting `chunk_tokens` tokens at a time (each chunk's
+    logits soft-capped by logit_cap, if set)."""
     whole = parallel.whole_input(hidden)  # every token of the micro-batch; its gradient reduced over the group
     return ChunkedLinearCrossEntropy.apply(whole.reshape(-1, whole.shape[-1]), weight, labels, divisor, parallel,
-                                           chunk_tokens, grad_sum_dtype)
+                                           chunk_tokens, grad_sum_dtype, logit_cap)
 
 
-def sequence_log_probs(hidden, weight, labels, sequences, parallel, chunk_tokens, grad_sum_dtype=None):
+def capped_logits(hidden, weight, cap):
+    """(a chunk's logits in fp32, soft-capped by cap in the head's dtype as transformers caps them; the cap's
+    derivative, which their gradient is multiplied by, or None without a cap)."""
+    logits = soft_cap(F.linear(hidden, weight), cap).float()
+    return logits, None if cap is None else soft_cap_derivative(logits, cap)
+
+
+def sequence_log_probs(hidden, weight, labels, sequences, parallel, chunk_tokens, grad_sum_dtype=None,
+                       logit_cap=None):
     """Each sequence's summed log-probability of its labelled next tokens, (sequences,) in fp32, differentiable:
     the response log-probabilities preference losses are made of (PreferenceLoss), from the head's input and
     weight, `chunk_tokens` tokens at a time, the chunks' weight gradients summed in grad_sum_dtype (as
-    CausalLMLoss's). labels: next_token_labels of `sequences` rows of equal length."""
+    CausalLMLoss's), each chunk's logits soft-capped by logit_cap if set. labels: next_token_labels of `sequences`
+    rows of equal length."""
     whole = parallel.whole_input(hidden)
     return SequenceLogProbs.apply(whole.reshape(-1, whole.shape[-1]), weight, labels, sequences, parallel,
-                                  chunk_tokens, grad_sum_dtype)
+                                  chunk_tokens, grad_sum_dtype, logit_cap)
 
 
 class VocabularyShare:
@@ -188,10 +202,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     logits are the head's (activation dtype), upcast to fp32 as the logits path does; its gradient
     (softmax - one-hot, unscaled, in [-1, 1]: no fp16 underflow) goes through the matmuls in the activation dtype
     and is summed in grad_sum_dtype (fp32 under fp16); backward scales the sums by the loss's gradient and
-    1 / divisor, in fp32."""
+    1 / divisor, in fp32. With logit_cap (Gemma's), each chunk's logits are soft-capped, and their gradient
+    multiplied by the cap's derivative, while the chunk exists."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, divisor, parallel, chunk_tokens, grad_sum_dtype):
+    def forward(ctx, hidden, weight, labels, divisor, parallel, chunk_tokens, grad_sum_dtype, logit_cap=None):
         share = VocabularyShare(labels, weight.shape[0], parallel)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = weight_grad_buffer(weight, grad_sum_dtype) if ctx.needs_input_grad[1] else None
@@ -199,19 +214,22 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                                 for _ in range(2))
         target_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for rows in token_chunks(hidden.shape[0], chunk_tokens):
-            logits = F.linear(hidden[rows], weight).float()
+            logits, cap_derivative = capped_logits(hidden[rows], weight, logit_cap)
             target = logits.gather(1, share.local[rows, None]).squeeze(1)
             target_sum += target.masked_fill(~share.inside[rows], 0).sum()
             row_max[rows] = exp_minus_row_max(logits)
             log_sum_exp[rows] = group_log_sum_exp(logits, row_max[rows], parallel)
             if grad_hidden is not None or grad_weight is not None:
-                grad_logits = softmax_minus_target(logits, row_max, log_sum_exp, share, rows).to(hidden.dtype)
+                grad_logits = softmax_minus_target(logits, row_max, log_sum_exp, share, rows)
+                if cap_derivative is not None:
+                    grad_logits.mul_(cap_derivative)
+                grad_logits = grad_logits.to(hidden.dtype)
                 if grad_hidden is not None:
                     grad_hidden[rows] = grad_logits @ weight
                 if grad_weight is not None:
                     add_weight_grad(grad_weight, grad_logits, hidden[rows])
                 del grad_logits
-            del logits  # before the next chunk's: one chunk of logits alive at a time
+            del logits, cap_derivative  # before the next chunk's: one chunk of logits alive at a time
         if parallel.size > 1:
             collectives.all_reduce(target_sum, group=parallel.group)
         ctx.divisor, ctx.dtypes = divisor, (hidden.dtype, weight.dtype)
@@ -223,7 +241,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss.float() / ctx.divisor
         grad_hidden = None if ctx.grad_hidden is None else (ctx.grad_hidden * scale).to(ctx.dtypes[0])
         grad_weight = None if ctx.grad_weight is None else ctx.grad_weight.mul_(scale).to(ctx.dtypes[1])
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 class SequenceLogProbs(torch.autograd.Function):
@@ -236,13 +254,13 @@ class SequenceLogProbs(torch.autograd.Function):
     gathered per chunk in forward and the label logits summed over the group once; backward needs no collective."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, sequences, parallel, chunk_tokens, grad_sum_dtype):
+    def forward(ctx, hidden, weight, labels, sequences, parallel, chunk_tokens, grad_sum_dtype, logit_cap=None):
         share = VocabularyShare(labels, weight.shape[0], parallel)
-        target, log_sum_exp, _ = label_logits(lambda rows: F.linear(hidden[rows], weight), hidden.shape[0], share,
-                                              parallel, chunk_tokens)
+        target, log_sum_exp, _ = label_logits(lambda rows: capped_logits(hidden[rows], weight, logit_cap)[0],
+                                              hidden.shape[0], share, parallel, chunk_tokens)
         ctx.save_for_backward(hidden, weight)
         ctx.share, ctx.log_sum_exp, ctx.parallel, ctx.chunk_tokens = share, log_sum_exp, parallel, chunk_tokens
-        ctx.grad_sum_dtype = grad_sum_dtype
+        ctx.grad_sum_dtype, ctx.logit_cap = grad_sum_dtype, logit_cap
         per_token = (target - log_sum_exp).masked_fill(~share.labelled, 0)
         return per_token.view(sequences, -1).sum(dim=1)
 
@@ -256,17 +274,20 @@ class SequenceLogProbs(torch.autograd.Function):
         grad_weight = weight_grad_buffer(weight, ctx.grad_sum_dtype) if ctx.needs_input_grad[1] else None
         row_max = torch.empty_like(log_sum_exp)
         for rows in token_chunks(hidden.shape[0], ctx.chunk_tokens):
-            logits = F.linear(hidden[rows], weight).float()
+            logits, cap_derivative = capped_logits(hidden[rows], weight, ctx.logit_cap)
             row_max[rows] = exp_minus_row_max(logits)
             grad_logits = softmax_minus_target(logits, row_max, log_sum_exp, share, rows)
-            grad_logits = grad_logits.mul_(token_scale[rows, None]).to(hidden.dtype)
+            grad_logits = grad_logits.mul_(token_scale[rows, None])
+            if cap_derivative is not None:
+                grad_logits.mul_(cap_derivative)
+            grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ weight
             if grad_weight is not None:
                 add_weight_grad(grad_weight, grad_logits, hidden[rows])
-            del logits, grad_logits
+            del logits, grad_logits, cap_derivative
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None,
-                None)
+                None, None)
 
 
 def label_logits(logits_of, tokens, share, parallel, chunk_tokens, top=False):
@@ -294,7 +315,7 @@ def label_logits(logits_of, tokens, share, parallel, chunk_tokens, top=False):
 
 
 @torch.no_grad()
-def continuation_scores(outputs, labels, sequences, parallel, chunk_tokens):
+def continuation_scores(outputs, labels, sequences, parallel, chunk_tokens, logit_cap=None):
     """(sequences, 2) fp32, forward only: per sequence, the summed log-probability of its labelled next tokens and
     how many of them are not the top logit (lm-eval's loglikelihood and, where 0, is_greedy; a tie counts as the
     top). outputs: the head's input and weight (chunk_tokens > 0) or the logits (this rank's vocabulary share).
@@ -304,11 +325,12 @@ def continuation_scores(outputs, labels, sequences, parallel, chunk_tokens):
         hidden = parallel.whole_input(hidden)
         hidden = hidden.reshape(-1, hidden.shape[-1])
         tokens, vocabulary_rows = hidden.shape[0], weight.shape[0]
-        logits_of, device = (lambda chunk: F.linear(hidden[chunk], weight)), hidden.device
+        logits_of, device = (lambda chunk: capped_logits(hidden[chunk], weight, logit_cap)[0]), hidden.device
     else:
         logits = outputs.reshape(-1, outputs.shape[-1])
         (tokens, vocabulary_rows), chunk_tokens = logits.shape, logits.shape[0]
-        logits_of, device = (lambda chunk: logits[chunk].clone()), logits.device  # label_logits works in place
+        # soft_cap makes a new tensor (label_logits works in place); clone where there is no cap
+        logits_of, device = (lambda chunk: soft_cap(logits[chunk], logit_cap).clone()), logits.device
     share = VocabularyShare(labels.to(device), vocabulary_rows, parallel)
     target, log_sum_exp, top_logit = label_logits(logits_of, tokens, share, parallel, chunk_tokens, top=True)
     log_probs = (target - log_sum_exp).masked_fill(~share.labelled, 0)

@@ -9,7 +9,10 @@ import re
 
 from deepspeed_internals.registry import partition_balanced, partition_uniform
 from models.layout import num_pipeline_layers
-from models.architecture import architecture_of, head_dim_of
+import torch
+
+from models.architecture import COMPOSED, architecture_of, head_dim_of
+from models.decoder import decoder_layer
 from models.lora import NO_LORA, adapter_parameter_total
 from schedules.rules import chunk_ids, chunks_per_rank
 
@@ -66,6 +69,8 @@ def decoder_parameter_split(config, layer=None, active=False):
     MoE model, which the planner takes for every layer; a dense one among them is smaller). active: the weights a
     token runs through (its top_k experts of num_experts), which its FLOPs count; else all."""
     architecture = architecture_of(config)
+    if architecture.decoder != COMPOSED:
+        return own_layer_parameter_split(config, planned_decoder(config) if layer is None else layer, active)
     hidden = config.hidden_size
     sparse = architecture.sparse_layers[planned_decoder(config) if layer is None else layer]
     inter = 0 if sparse else config.intermediate_size
@@ -82,6 +87,24 @@ def decoder_parameter_split(config, layer=None, active=False):
         if moe.shared_expert_size:
             sharded += 3 * hidden * moe.shared_expert_size
             replicated += hidden if moe.shared_expert_gated else 0  # Qwen2-MoE's gate
+    return sharded, replicated
+
+
+def own_layer_parameter_split(config, layer, active=False):
+    """decoder_parameter_split of a family with decoder layers of its own (Gemma 3's and 4's, whose layers differ
+    by type: sliding or full, storing or reusing keys and values, their share of the per-layer embeddings), counted
+    on the layer built on the meta device: its matrices sharded (the experts' as a token runs through them when
+    active), the vectors (norms, the router's scales) replicated."""
+    with torch.device("meta"):
+        module = decoder_layer(config, layer)
+    sharded = replicated = 0
+    for name, param in module.named_parameters():
+        if param.dim() < 2:
+            replicated += param.numel()
+        else:
+            moe = architecture_of(config).moe
+            share = moe.top_k / moe.num_experts if active and name.startswith("experts.") else 1
+            sharded += int(param.numel() * share)
     return sharded, replicated
 
 
@@ -115,12 +138,12 @@ def attention_parameter_split(config):
     return sharded, replicated
 
 
-def attention_head_widths(config):
-    """(a query or key head's features, a value head's): head_dim both, or multi-head latent attention's
-    qk_nope_head_dim + qk_rope_head_dim and v_head_dim."""
+def attention_head_widths(config, layer=0):
+    """(a query or key head's features, a value head's) of decoder layer `layer`: head_dim both (Gemma 4's full
+    layers' their own), or multi-head latent attention's qk_nope_head_dim + qk_rope_head_dim and v_head_dim."""
     if architecture_of(config).latent_attention:
         return config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
-    return head_dim_of(config), head_dim_of(config)
+    return head_dim_of(config, layer), head_dim_of(config, layer)
 
 
 def expert_parameters(moe, hidden):
@@ -129,7 +152,12 @@ def expert_parameters(moe, hidden):
 
 
 def planned_decoder(config):
-    """The decoder layer the cost model takes for every one: the first sparse layer of an MoE model, else the first."""
+    """The decoder layer the cost model takes for every one: the first sparse layer of an MoE model, else the first;
+    of a family whose layers differ by type (Gemma's sliding and full layers, Gemma 4's reusing ones with their
+    double-wide MLP), its largest, so that every layer's costs are at most those priced."""
+    if architecture_of(config).decoder != COMPOSED:
+        sizes = [sum(own_layer_parameter_split(config, layer)) for layer in range(config.num_hidden_layers)]
+        return sizes.index(max(sizes))
     sparse = architecture_of(config).sparse_layers
     return sparse.index(True) if any(sparse) else 0
 
@@ -165,8 +193,9 @@ def training_flops_per_token(config, seq_length, lora=NO_LORA):
     like any trained weight (the experts' as a token runs through them)."""
     matmul_weights = sum(sum(decoder_parameter_split(config, layer, active=True))
                          for layer in range(config.num_hidden_layers)) + config.vocab_size * config.hidden_size
-    keys = sum(min(seq_length, window or seq_length) for window in architecture_of(config).sliding_windows)
-    attention = 2 * keys * config.num_attention_heads * sum(attention_head_widths(config))
+    attention = sum(2 * min(seq_length, window or seq_length) * config.num_attention_heads
+                    * sum(attention_head_widths(config, layer))
+                    for layer, window in enumerate(architecture_of(config).sliding_windows))
     if not lora.enabled:
         return 3 * (2 * matmul_weights + attention)
     adapters = adapter_parameter_total(config, lora, active=True)

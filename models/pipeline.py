@@ -12,7 +12,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed_internals.access import (pipeline_grid, set_layer_range, set_partition, synchronize_tied_weights,
                                         use_deepspeed_expert_groups)
 from deepspeed_internals.registry import non_reentrant_checkpoint
-from models.architecture import architecture_of, check_model_config
+from models.architecture import COMPOSED, architecture_of, check_model_config
 from models.attention import StageAttentionInputs
 from models.context_parallel import NO_CONTEXT_PARALLEL, ContextParallelAttentionInputs, build_context_parallel
 from models.expert_parallel import NO_EXPERT_PARALLEL, build_expert_parallel, keeping_dispatch
@@ -20,7 +20,8 @@ from models.layout import expert_shard_file_name
 from models.lora import NO_LORA, add_adapters, freeze_all_but_adapters
 from models.loss import CausalLMLoss
 from models.partition import stage_bounds
-from models.pipeline_layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, StagePlan, lm_head
+from models.pipeline_layers import (DECODER_PIPES, EmbeddingPipe, LMHeadPipe, StageDecoder, StagePlan, StageTuple,
+                                   decoder_pipe, final_norm_pipe, lm_head)
 from models.preference import PreferenceLoss, PreferenceSettings
 from models.router_loss import LoadBalancingLoss
 from models.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel, parallelize_adapters
@@ -48,9 +49,9 @@ def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARA
                           forward_fn=functools.partial(lm_head, chunked_loss=chunked_loss))
             if tied else LayerSpec(LMHeadPipe, config, parallel, chunked_loss))
     plan = StagePlan(attention_impl, parallel, context, experts, kept_in_fp32=frozenset(kept_in_fp32))
-    decoders = [LayerSpec(DecoderLayerPipe, config, stage_inputs, index, plan)
+    decoders = [LayerSpec(decoder_pipe(config), config, stage_inputs, index, plan)
                 for index in range(config.num_hidden_layers)]
-    return [embedding, *decoders, LayerSpec(FinalNormPipe, config, parallel), head]
+    return [embedding, *decoders, LayerSpec(final_norm_pipe(config), config, parallel), head]
 
 
 def partition_stages(config, num_stages, partition="parameters", stage_cost=None):
@@ -85,6 +86,31 @@ class LlamaPipeline(PipelineModule):
         self.chunk_ids = chunk_ids
         self.active_chunk = 0
         super().__init__(partition_method="explicit", **kwargs)
+        # in a tuple: the Parameter itself as an attribute would be registered under the module's own name
+        self.per_layer_norm = self.share_per_layer_norm()
+
+    def share_per_layer_norm(self):
+        """Gemma 4's per-layer-embedding norm, one weight every decoder layer reads and holds a copy of: one
+        Parameter for this rank's layers (autograd sums their gradients into it), summed over the stages as a tied
+        weight's (get_tied_weights_and_groups); () for any other model."""
+        if not StageTuple(self.model_config).per_layer:
+            return ()
+        norms = [layer.per_layer_inputs.per_layer_projection_norm for layer in self.forward_funcs
+                 if isinstance(layer, StageDecoder)]
+        if not norms:
+            raise ValueError(f"stage bounds {self.stage_bounds} leave a stage without decoder layers; with per-layer "
+                             f"embeddings (hidden_size_per_layer_input) every stage must hold one: give each some.")
+        for norm in norms[1:]:
+            norm.weight = norms[0].weight
+        return (norms[0].weight,)
+
+    def get_tied_weights_and_groups(self):
+        """DeepSpeed's tied weights and their groups, and Gemma 4's per-layer norm over the pipeline's stages
+        (every stage holds decoder layers, each a copy of it)."""
+        tied = super().get_tied_weights_and_groups()
+        if self.per_layer_norm and self.num_stages > 1:
+            tied.append((self.per_layer_norm[0], pipeline_grid(self).get_pipe_parallel_group()))
+        return tied
 
     def _partition_layers(self, method="parameters"):
         # DeepSpeed's grid made the process groups just before this call, and the layers are built after it.
@@ -131,7 +157,7 @@ class LlamaPipeline(PipelineModule):
         x = forward_input
         for start in range(0, len(layers), interval):
             block = functools.partial(run_layers, layers[start:start + interval])
-            if self.activation_checkpoint_interval and all(isinstance(layer, DecoderLayerPipe)
+            if self.activation_checkpoint_interval and all(isinstance(layer, StageDecoder)
                                                            for layer in layers[start:start + interval]):
                 x = self.activation_checkpoint_func(block, *(x if isinstance(x, tuple) else (x,)))
             else:
@@ -223,6 +249,21 @@ def run_layers(layers, *inputs):
     return x
 
 
+def check_own_layers_parallelism(config, tensor_parallel, context_parallel, expert_parallel):
+    """Refuse, in one line, the parallelism Gemma's own decoder layers (models/gemma3.py, gemma4.py) have no plan
+    for yet: tensor, context and expert parallelism (their attention has no AttentionCore to wrap, their parts no
+    PART_PLANS entry). Pipeline and data parallelism, ZeRO-1, bf16, checkpointing and packing train them."""
+    if architecture_of(config).decoder == COMPOSED:
+        return
+    asked = {name: size for name, size in (("tensor_parallel_size", tensor_parallel),
+                                           ("context_parallel_size", context_parallel),
+                                           ("expert_parallel_size", expert_parallel)) if size > 1}
+    if asked:
+        raise ValueError(f"{', '.join(f'{k}={v}' for k, v in asked.items())}: {config.model_type}'s decoder layers "
+                         f"have no tensor, context or expert parallel plan yet; train it with pipeline and data "
+                         f"parallelism (set them to 1).")
+
+
 def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
@@ -245,6 +286,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     checkpoint stores them (models/pipeline_layers.py StagePlan)."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
+    check_own_layers_parallelism(config, tp_size, context_parallel_size, expert_parallel_size)
     rank = torch.distributed.get_rank()
     parallel = TensorParallel(tp_size, getattr(topology.get_coord(rank), "model", 0), sequence_parallel,
                               recompute_sequence_gather)
@@ -255,9 +297,10 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     moe = architecture_of(config).moe
     router, moe_loss_sum = ((LoadBalancingLoss(config, parallel, counts_step_loads), moe.loss_sum) if moe
                             else (None, False))
-    loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype, router)
+    logit_cap = architecture_of(config).final_logit_softcapping  # Gemma's, inside the loss
+    loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype, router, logit_cap)
                if objective.preference else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype,
-                                                     seq_length, router))
+                                                     seq_length, router, logit_cap))
     previous_dtype = torch.get_default_dtype()
     # Under LoRA the frozen embedding's output takes no gradient: reentrant checkpointing of the first decoder layer
     # would then give its adapters none either. With an auxiliary loss's sum a stage has two floating outputs, which
@@ -275,11 +318,11 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                                topology=topology, loss_fn=loss_fn,
                                activation_checkpoint_interval=activation_checkpoint_interval,
                                # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.
-                               checkpointable_layers=[DecoderLayerPipe.__name__],
+                               checkpointable_layers=[pipe.__name__ for pipe in DECODER_PIPES.values()],
                                activation_checkpoint_func=checkpoint)
         if lora.enabled:
             for local, layer in enumerate(module.forward_funcs):
-                if isinstance(layer, DecoderLayerPipe):
+                if isinstance(layer, StageDecoder):
                     add_adapters(layer, lora, config, parallel.size, parallel.rank, seed,
                                  module.layer_indices[local])
                     parallelize_adapters(layer, parallel)

@@ -22,9 +22,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from models.architecture import architecture_of
+from models.architecture import COMPOSED, GEMMA3, GEMMA4, architecture_of
 from models.context_parallel import NO_CONTEXT_PARALLEL, ContextParallel, wrap_attention_cores
-from models.decoder import DecoderLayer
+from models.decoder import DecoderLayer, Gemma3Decoder, Gemma4Decoder
+from models.gemma3 import Gemma3RMSNorm
+from models.gemma4 import Gemma4RMSNorm, kv_sources
 from models.expert_parallel import NO_EXPERT_PARALLEL, ExpertParallel
 from models.linear_attention import KEPT_AS_STORED
 from models.moe import RoutedTokens
@@ -57,40 +59,71 @@ class Routing(NamedTuple):
 class StageActivations(NamedTuple):
     """What a decoder layer takes and hands on: hidden states (batch, seq, hidden), or under sequence parallelism
     this rank's share of the flattened tokens (batch * seq / tp, hidden); each token's document id (0 on padding)
-    and position, (batch, seq); a mixture's Routing (None for a dense model)."""
+    and position, (batch, seq); a mixture's Routing (None for a dense model). Gemma 4 adds what its layers read
+    beyond the hidden states: with per-layer embeddings the token ids and the model's first hidden states
+    (`embedded`), which each layer's per-layer input is computed from where the layer lives; with shared key/values
+    {source layer: (keys, values)} of the source layers whose keys and values a later layer reuses."""
     hidden: torch.Tensor
     document_ids: torch.Tensor
     position_ids: torch.Tensor
     routing: Routing | None = None
+    input_ids: torch.Tensor | None = None
+    embedded: torch.Tensor | None = None
+    shared_kv: dict | None = None
 
 
 class StageTuple:
     """StageActivations as the tuple of tensors DeepSpeed's engine sends between stages, for one model: (hidden[,
-    loss sums], document ids, positions[, counts])."""
+    loss sums][, embedded][, keys and values of each source layer carried], document ids, positions[, token
+    ids][, counts]).
+
+    Which source layers' keys and values a tuple carries depends on where it is: `after` (the layer whose output it
+    is; -1: the embedding's) carries those stored at or before it that a layer after it reuses, so the tuple at
+    each boundary is the same for every micro-batch, and the keys and values take their gradient back to the stage
+    that computed them."""
 
     def __init__(self, config):
         architecture = architecture_of(config)
         self.moe, self.sparse_layers = architecture.moe, sum(architecture.sparse_layers)
+        self.per_layer = architecture.decoder == GEMMA4 and bool(config.hidden_size_per_layer_input)
+        self.kv_sources = kv_sources(config) if architecture.decoder == GEMMA4 else {}
 
-    def pack(self, activations):
+    def carried_sources(self, after):
+        """The source layers whose keys and values the tuple after layer `after` carries, in order."""
+        return sorted({source for reuser, source in self.kv_sources.items() if source <= after < reuser})
+
+    def pack(self, activations, after=-1):
         routing = activations.routing
-        if routing is None:
-            return activations.hidden, activations.document_ids, activations.position_ids
-        floating = (activations.hidden,) if routing.loss_sums is None else (activations.hidden, routing.loss_sums)
-        return (*floating, activations.document_ids, activations.position_ids, routing.counts)
+        floating = [activations.hidden]
+        if routing is not None and routing.loss_sums is not None:
+            floating.append(routing.loss_sums)
+        if self.per_layer:
+            floating.append(activations.embedded)
+        for source in self.carried_sources(after):
+            floating.extend(activations.shared_kv[source])
+        integers = [activations.document_ids, activations.position_ids]
+        if self.per_layer:
+            integers.append(activations.input_ids)
+        if routing is not None:
+            integers.append(routing.counts)
+        return (*floating, *integers)
 
-    def unpack(self, tensors):
-        if self.moe is None:
-            return StageActivations(*tensors)
-        if not self.moe.loss_sum:
-            hidden, document_ids, position_ids, counts = tensors
-            return StageActivations(hidden, document_ids, position_ids, Routing(counts))
-        hidden, loss_sums, document_ids, position_ids, counts = tensors
-        return StageActivations(hidden, document_ids, position_ids, Routing(counts, loss_sums))
+    def unpack(self, tensors, after=-1):
+        tensors = list(tensors)
+        hidden = tensors.pop(0)
+        loss_sums = tensors.pop(0) if self.moe is not None and self.moe.loss_sum else None
+        embedded = tensors.pop(0) if self.per_layer else None
+        shared_kv = {source: (tensors.pop(0), tensors.pop(0)) for source in self.carried_sources(after)}
+        document_ids, position_ids = tensors.pop(0), tensors.pop(0)
+        input_ids = tensors.pop(0) if self.per_layer else None
+        routing = Routing(tensors.pop(0), loss_sums) if self.moe is not None else None
+        return StageActivations(hidden, document_ids, position_ids, routing, input_ids, embedded, shared_kv)
 
-    def start(self, hidden, document_ids, position_ids):
-        """The tuple the embedding hands on: a mixture's routing statistics start at zeros."""
-        return self.pack(StageActivations(hidden, document_ids, position_ids, self.initial_routing(hidden.device)))
+    def start(self, hidden, document_ids, position_ids, input_ids=None):
+        """The tuple the embedding hands on: a mixture's routing statistics start at zeros; Gemma 4's per-layer
+        embeddings take the token ids and the embedded tokens."""
+        return self.pack(StageActivations(hidden, document_ids, position_ids, self.initial_routing(hidden.device),
+                                          input_ids, hidden, {}))
 
     def initial_routing(self, device):
         if self.moe is None:
@@ -164,60 +197,123 @@ class EmbeddingPipe(nn.Embedding):
         if parallel.size > 1:
             mark_sharded(self.weight, 0)
         self.parallel = parallel
-        self.multiplier = architecture_of(config).embedding_multiplier  # Granite's
+        self.architecture = architecture_of(config)  # Granite's multiplier, Gemma's scale
         self.stage = StageTuple(config)
 
     def forward(self, inputs):
         input_ids, document_ids, position_ids = inputs
         embedded = self.parallel.embedding(input_ids, self.weight, self.padding_idx)
-        return self.stage.start(scaled(embedded, self.multiplier), document_ids, position_ids)
+        embedded = scaled(embedded, self.architecture.embedding_scale(embedded.dtype))
+        return self.stage.start(embedded, document_ids, position_ids, input_ids)
 
 
-class DecoderLayerPipe(DecoderLayer):
-    """A decoder layer between stage tuples: the stage's shared attention inputs (stage_inputs, built once per
-    micro-batch) and a sparse layer's routed tokens go in, its routing statistics join the tuple's."""
+class StageDecoder:
+    """What makes a decoder layer a pipeline layer, between stage tuples: the stage's shared attention inputs
+    (stage_inputs, built once per micro-batch) and a sparse layer's routed tokens go in, its routing statistics join
+    the tuple's. Mixed into each family's decoder layer (below), whose state dict stays transformers'."""
 
-    def __init__(self, config, stage_inputs, layer_index=0, plan=PLAIN_STAGE):
+    def __init__(self, config, stage_inputs, layer_index=0, plan=None):
+        plan = plan or PLAIN_STAGE
         with plan.building():
             super().__init__(config, layer_index, plan.attention_impl)
         plan.apply(self)
         self.stage_inputs = stage_inputs
         self.stage = StageTuple(config)
+        self.layer_index = layer_index
         self.sparse_row = sum(architecture_of(config).sparse_layers[:layer_index])  # its row of the routing counts
         self.math = super().forward
 
     def forward(self, inputs):
-        stage = self.stage.unpack(inputs)
+        stage = self.stage.unpack(inputs, self.layer_index - 1)
         attention_inputs = self.stage_inputs(stage.hidden, stage.document_ids, stage.position_ids,
                                              self.window)
         tokens = RoutedTokens.of(stage.document_ids) if self.sparse else None
-        hidden, statistics = self.math(stage.hidden, attention_inputs, tokens)
+        hidden, statistics, stage = self.run(stage, attention_inputs, tokens)
         routing = stage.routing if statistics is None else stage.routing.with_layer(self.sparse_row, statistics)
-        return self.stage.pack(stage._replace(hidden=hidden, routing=routing))
+        return self.stage.pack(stage._replace(hidden=hidden, routing=routing), self.layer_index)
+
+    def run(self, stage, attention_inputs, tokens):
+        """(hidden states, routing statistics or None, the stage's activations with what the layer adds)."""
+        return *self.math(stage.hidden, attention_inputs, tokens), stage
 
     def compile(self, *args, **kwargs):
         """torch.compile the layer's math only: the stage's shared attention inputs stay a Python-side cache."""
         self.math = torch.compile(self.math, *args, **kwargs)
 
 
-class FinalNormPipe(RMSNorm):
-    """Layer L+1: drops document ids and positions, which nothing after it needs (a mixture's routing statistics
-    go on to the loss). Granite divides its logits by logits_scaling: done here, to the LM head's input (the head is
-    linear), so every loss path sees it."""
+class DecoderLayerPipe(StageDecoder, DecoderLayer):
+    """The composed decoder layer (models/decoder.py) as a pipeline layer."""
+
+
+class Gemma3DecoderPipe(StageDecoder, Gemma3Decoder):
+    """Gemma 3's decoder layer as a pipeline layer."""
+
+
+class Gemma4DecoderPipe(StageDecoder, Gemma4Decoder):
+    """Gemma 4's decoder layer as a pipeline layer: it reads the token ids and embedded tokens for its per-layer
+    input, and a reusing layer its source's keys and values from the tuple; a storing layer adds its own."""
+
+    def run(self, stage, attention_inputs, tokens):
+        hidden, statistics, key_value = self.math(stage.hidden, attention_inputs, tokens, stage.input_ids,
+                                                  stage.embedded, stage.shared_kv.get(self.kv_source))
+        if self.stores_kv:  # heads-first views, made contiguous once: the engine sends them as they are
+            key_value = tuple(t.contiguous() for t in key_value)
+            stage = stage._replace(shared_kv={**stage.shared_kv, self.layer_index: key_value})
+        return hidden, statistics, stage
+
+
+DECODER_PIPES = {COMPOSED: DecoderLayerPipe, GEMMA3: Gemma3DecoderPipe, GEMMA4: Gemma4DecoderPipe}
+
+
+def decoder_pipe(config):
+    """The pipeline layer class of the model's decoder layers."""
+    return DECODER_PIPES[architecture_of(config).decoder]
+
+
+class StageFinalNorm:
+    """What makes a final norm the pipeline's layer L+1: it drops document ids, positions and what else only the
+    decoder layers read (a mixture's routing statistics go on to the loss). Granite divides its logits by
+    logits_scaling: done here, to the LM head's input (the head is linear), so every loss path sees it. Mixed into
+    each family's final norm (below)."""
 
     def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
         architecture = architecture_of(config)
-        super().__init__(config.hidden_size, config.rms_norm_eps, scale_in_fp32=architecture.norm_scale_in_fp32,
-                         offset=architecture.offset_norms)
+        super().__init__(config.hidden_size, config.rms_norm_eps, **self.norm_options(architecture))
         replicated(self, parallel)
         hook_gradient_sums(self, parallel)
         self.logits_multiplier = 1 / architecture.logits_scaling
         self.stage = StageTuple(config)
+        self.last_layer = config.num_hidden_layers - 1
+
+    @staticmethod
+    def norm_options(architecture):
+        return {}
 
     def forward(self, inputs):
-        stage = self.stage.unpack(inputs)
+        stage = self.stage.unpack(inputs, self.last_layer)
         normed = scaled(super().forward(stage.hidden), self.logits_multiplier)
         return (normed, *stage.routing.tensors()) if stage.routing is not None else normed
+
+
+class FinalNormPipe(StageFinalNorm, RMSNorm):
+    @staticmethod
+    def norm_options(architecture):
+        return {"scale_in_fp32": architecture.norm_scale_in_fp32, "offset": architecture.offset_norms}
+
+
+class Gemma3FinalNormPipe(StageFinalNorm, Gemma3RMSNorm):
+    pass
+
+
+class Gemma4FinalNormPipe(StageFinalNorm, Gemma4RMSNorm):
+    pass
+
+
+FINAL_NORM_PIPES = {COMPOSED: FinalNormPipe, GEMMA3: Gemma3FinalNormPipe, GEMMA4: Gemma4FinalNormPipe}
+
+
+def final_norm_pipe(config):
+    return FINAL_NORM_PIPES[architecture_of(config).decoder]
 
 
 def scaled(x, multiplier):
@@ -260,7 +356,7 @@ def decoder_on_meta(config, tensor_parallel=1, layer_index=None):
         sparse = architecture_of(config).sparse_layers
         layer_index = sparse.index(True) if True in sparse else 0
     plan = StagePlan(parallel=TensorParallel(tensor_parallel), device="meta")
-    return DecoderLayerPipe(config, stage_inputs=None, layer_index=layer_index, plan=plan)
+    return decoder_pipe(config)(config, stage_inputs=None, layer_index=layer_index, plan=plan)
 
 
 def decoder_kinds_of(config):
@@ -275,11 +371,15 @@ def layers_on_meta(config, parallel=NO_TENSOR_PARALLEL):
     meta device (no memory): the shapes and split dimensions of every layer file."""
     kinds = decoder_kinds_of(config)
     plan = StagePlan(parallel=parallel, device="meta")
+    # Gemma's layers differ by type (sliding or full, storing or reusing keys and values): each is built
+    own_layers = architecture_of(config).decoder != COMPOSED
     with torch.device("meta"):
-        decoders = {kind: DecoderLayerPipe(config, stage_inputs=None, layer_index=kinds.index(kind), plan=plan)
-                    for kind in set(kinds)}
-        modules = {0: EmbeddingPipe(config, parallel), config.num_hidden_layers + 1: FinalNormPipe(config, parallel)}
+        decoders = {kind: decoder_pipe(config)(config, stage_inputs=None, layer_index=kinds.index(kind), plan=plan)
+                    for kind in ([] if own_layers else set(kinds))}
+        modules = {0: EmbeddingPipe(config, parallel),
+                   config.num_hidden_layers + 1: final_norm_pipe(config)(config, parallel)}
         if not config.tie_word_embeddings:
             modules[config.num_hidden_layers + 2] = LMHeadPipe(config, parallel)
-    modules.update({i + 1: decoders[kind] for i, kind in enumerate(kinds)})
+        modules.update({i + 1: decoder_pipe(config)(config, stage_inputs=None, layer_index=i, plan=plan) if own_layers
+                        else decoders[kind] for i, kind in enumerate(kinds)})
     return modules

@@ -82,8 +82,9 @@ class PreferenceLoss:
     times its coefficient."""
 
     def __init__(self, settings, parallel=NO_TENSOR_PARALLEL, chunk_tokens=1024, context=NO_CONTEXT_PARALLEL,
-                 grad_sum_dtype=None, router=None):
+                 grad_sum_dtype=None, router=None, logit_cap=None):
         self.settings, self.parallel, self.chunk_tokens, self.context = settings, parallel, chunk_tokens, context
+        self.logit_cap = logit_cap  # Gemma's final_logit_softcapping, on each chunk's logits (models/loss.py)
         self.grad_sum_dtype = grad_sum_dtype  # the run's grad_accum_dtype, for the head's chunks
         self.router = router
         self.totals = {"training": None, "evaluation": None}  # per window, the metrics' sums, then the pairs
@@ -127,7 +128,7 @@ class PreferenceLoss:
         rows = labels.shape[0]
         next_labels = next_token_labels(labels, self.context).to(hidden.device)
         logps = sequence_log_probs(hidden, weight, next_labels, rows, self.parallel, self.chunk_tokens,
-                                   self.grad_sum_dtype)
+                                   self.grad_sum_dtype, self.logit_cap)
         tokens = response_tokens(next_labels, rows, self.context)
         if self.context.size > 1:  # each rank summed its tokens of every sequence
             logps = AllReduce.apply(logps, self.context.group)

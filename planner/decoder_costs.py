@@ -19,7 +19,7 @@ A mixture of experts' sparse layer keeps what its MoE block saves beyond the den
 (moe_saved_bytes), and attention with sinks (GPT-OSS) always runs the eager formula, which keeps more than SDPA
 (eager_attention_extra_bytes); tests/test_moe.py checks these against autograd's saved tensors.
 """
-from models.architecture import architecture_of, head_dim_of
+from models.architecture import architecture_of, head_dim_of, key_value_heads
 from models.lora import adapter_parameter_count, expert_ranks
 from models.partition import decoder_parameter_split, expert_parameters, mean_attended_keys
 from planner.training_state import FP32_BYTES
@@ -45,8 +45,10 @@ class DecoderCosts:
             self.q_width = self.kv_width = self.heads * (config.qk_nope_head_dim + config.qk_rope_head_dim)
             self.value_width = self.heads * config.v_head_dim
         else:
-            self.q_width = self.value_width = config.num_attention_heads * head_dim_of(config) // t
-            self.kv_width = (config.num_key_value_heads or config.num_attention_heads) * head_dim_of(config) // t
+            # the layer's own widths: Gemma's sliding and full layers differ (head_dim, key/value heads)
+            self.head_dim = head_dim_of(config, layer)
+            self.q_width = self.value_width = config.num_attention_heads * self.head_dim // t
+            self.kv_width = key_value_heads(config)[layer] * self.head_dim // t
         sparse = architecture.sparse_layers[layer]
         moe = architecture.moe if sparse else None
         inter = moe.shared_expert_size // t if moe else config.intermediate_size // t
@@ -154,7 +156,7 @@ class DecoderCosts:
             # scaled one (OLMoE's scales after the cast: in the activation dtype).
             qk_width = self.q_width + self.kv_width
             if architecture.qk_norm == "head":
-                saved += tokens * ((FP32_BYTES + act) * qk_width + FP32_BYTES * (qk_width // head_dim_of(config)))
+                saved += tokens * ((FP32_BYTES + act) * qk_width + FP32_BYTES * (qk_width // self.head_dim))
             elif architecture.qk_norm == "projection":
                 scaled_bytes = FP32_BYTES if architecture.norm_scale_in_fp32 else act
                 saved += tokens * ((FP32_BYTES + scaled_bytes) * qk_width + 2 * FP32_BYTES)

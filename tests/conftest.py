@@ -16,7 +16,8 @@ import torch  # noqa: E402
 from tests.cpu_durations import (pytest_addoption, pytest_runtest_logreport, pytest_runtest_makereport,  # noqa: E402,F401
                                  pytest_runtest_protocol, pytest_sessionfinish, pytest_terminal_summary,
                                  pytest_testnodedown)
-from tests.tiny_models import DEEPSEEK_CONFIGS, HYBRID_CONFIGS, MOE_CONFIGS, TINY_CONFIGS, make_tiny_model  # noqa: E402
+from tests.tiny_models import (DEEPSEEK_CONFIGS, HYBRID_CONFIGS, LAYER_TYPE_CONFIGS, MOE_CONFIGS,  # noqa: E402
+                               TINY_CONFIGS, make_tiny_model)
 
 if not torch.cuda.is_available():  # the CPU suite's in-process references: see tests/launch.py process_environment
     torch.set_num_threads(1)
@@ -83,6 +84,13 @@ def converted_tiny_models(root, names):
 def tiny_checkpoints(tmp_path_factory):
     """{name: (hf_dir, ds_dir)} for every tiny config: saved as sharded safetensors, then converted."""
     return converted_tiny_models(tmp_path_factory.mktemp("tiny"), TINY_CONFIGS)
+
+
+@pytest.fixture(scope="session")
+def tiny_layer_type_checkpoints(tmp_path_factory):
+    """{name: (hf_dir, ds_dir)} for the Gemma 3, Gemma 4 and OLMo 3 tiny models (tests/tiny_models.py
+    LAYER_TYPE_CONFIGS), saved and converted."""
+    return converted_tiny_models(tmp_path_factory.mktemp("tiny_by_type"), LAYER_TYPE_CONFIGS)
 
 
 @pytest.fixture(scope="session")

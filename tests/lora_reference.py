@@ -6,7 +6,7 @@ from checkpoints.ds_to_hf import PEFT_PREFIX
 from models.architecture import architecture_of
 from models.layout import fuse, hf_name_of_layer_key
 from models.lora import EXPERT_PARAMETERS, add_adapters, expert_ranks, is_adapter_key, peft_adapters
-from models.pipeline_layers import DecoderLayerPipe
+from models.pipeline_layers import decoder_pipe
 
 
 def hf_name_of_peft(name):
@@ -20,7 +20,7 @@ def adapter_values(config, settings, seed, nonzero_b=False):
     gradients reach A."""
     values = {}
     for layer in range(config.num_hidden_layers):
-        decoder = DecoderLayerPipe(config, stage_inputs=None, layer_index=layer)
+        decoder = decoder_pipe(config)(config, stage_inputs=None, layer_index=layer)
         add_adapters(decoder, settings, config, seed=seed, index=layer + 1)
         values.update({hf_name_of_layer_key(layer + 1, key, config.num_hidden_layers): value.detach()
                        for key, value in decoder.state_dict().items() if is_adapter_key(key)})

@@ -12,7 +12,7 @@ import deepspeed  # noqa: E402
 import collectives  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from models.layout import hf_name_of_layer_key, split_fused  # noqa: E402
+from models.layout import hf_name_of_layer_key, per_layer_share, per_layer_shares, split_fused  # noqa: E402
 from models.lora import NO_LORA, LoraSettings  # noqa: E402
 from checkpoints.layer_files import load_layer_slice  # noqa: E402
 from deepspeed_internals.access import checkpoints_without_expert_files  # noqa: E402
@@ -125,7 +125,17 @@ def hf_reference(hf_dir, batch, micro_batch_size, lora=None, adapters=None):
         grads = pipeline_layout(grads, model.config, lora)  # the experts' adapters as the pipeline holds them
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)  # the same tensor as the embedding's
-    return [loss.item() for loss in losses], grads
+    return [loss.item() for loss in losses], per_layer_grads(grads, model.config)
+
+
+def per_layer_grads(grads, config):
+    """grads with Gemma 4's per-layer embeddings' as the pipeline holds them: each decoder layer's share (the shared
+    norm's whole gradient in every layer: its copies' gradients are summed, as a tied weight's)."""
+    for name in [name for name in grads if per_layer_shares(name, config) is not None]:
+        whole = grads.pop(name)
+        for share in per_layer_shares(name, config):
+            grads[hf_name_of_layer_key(share[0], share[1], config.num_hidden_layers)] = per_layer_share(whole, share)
+    return grads
 
 
 def set_adapters(module, adapters, parallel):

@@ -120,8 +120,9 @@ def test_unsupported_model_type_lists_supported(tmp_path):
     assert_nothing_written(tmp_path, str(tmp_path / "out"))
 
 
-@pytest.mark.parametrize("model_type,nearest", [("olmo3", "olmoe"), ("granitemoe", "granite"), ("phimoe", "phi3"),
-                                               ("qwen3_5_vl", "qwen3_5"), ("gemma2", None)])
+@pytest.mark.parametrize("model_type,nearest", [("olmo2_moe", "olmoe"), ("granitemoe", "granite"), ("phimoe", "phi3"),
+                                               ("qwen3_5_vl", "qwen3_5"), ("gemma3n", "gemma3"),
+                                               ("olmo_hybrid", None)])
 def test_unsupported_family_names_the_nearest_supported_one(model_type, nearest):
     """The families whose names say they are close (their MoE or next versions) are named; others only the list."""
     from types import SimpleNamespace
@@ -132,10 +133,12 @@ def test_unsupported_family_names_the_nearest_supported_one(model_type, nearest)
     assert str(error.value).startswith(f"model_type '{model_type}' is not supported; supported: llama, mistral, "
                                        "qwen2, qwen3, olmo2, granite, smollm3, phi3, mixtral, qwen3_moe, qwen2_moe, "
                                        "olmoe, gpt_oss, deepseek_v3, glm4_moe, qwen3_5_text, qwen3_5_moe_text, "
-                                       "qwen3_next, qwen3_5, qwen3_5_moe (the LLaMA layout, its mixtures of experts "
-                                       "and the Gated DeltaNet hybrids)")
+                                       "qwen3_next, olmo3, gemma3_text, gemma4_text, qwen3_5, qwen3_5_moe, gemma3, "
+                                       "gemma4 (the LLaMA layout, its mixtures of experts, the Gated DeltaNet hybrids "
+                                       "and Gemma's own layers)")
     assert str(error.value).endswith(f"; the nearest is '{nearest}', whose layers differ from it." if nearest
-                                     else "(the LLaMA layout, its mixtures of experts and the Gated DeltaNet hybrids).")
+                                     else "(the LLaMA layout, its mixtures of experts, the Gated DeltaNet hybrids "
+                                          "and Gemma's own layers).")
 
 
 def test_dropout_is_refused_for_training_only_naming_the_field(tmp_path):
@@ -169,7 +172,7 @@ def test_dropout_is_refused_for_training_only_naming_the_field(tmp_path):
 
 @pytest.mark.parametrize("model_type,field,value,message", [
     ("kimi_linear", None, None, r"^model_type 'kimi_linear' is not supported; supported: llama, .*, glm4_moe, "
-                                r"qwen3_5, .*, olmo3\.$"),
+                                r"qwen3_5, .*, qwen3_next, gemma3, .*, olmo3\.$"),
     ("qwen3", "attn_logit_softcapping", 50.0, r"attn_logit_softcapping=50\.0 in the qwen3 config asks for an attention "
                                               r"logit soft-cap, which this pipeline does not implement\."),
     ("llama", "layer_norm_eps", 1e-5, r"layer_norm_eps=1e-05 in the llama config asks for a LayerNorm \(only "

@@ -17,9 +17,11 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM, Gemma4
 
 from models.gemma3 import (Gemma3DecoderLayer, Gemma3RMSNorm, ScaledEmbedding, gemma3_embedding, gemma3_final_norm,
                            soft_cap, soft_cap_derivative)
-from models.gemma4 import (Gemma4DecoderLayer, Gemma4RMSNorm, Gemma4Router, PerLayerInputs, check_gemma4_config,
+from models.gemma4 import (Gemma4DecoderLayer, Gemma4RMSNorm, Gemma4Router, PerLayerInputs,
                            gemma4_embedding, gemma4_final_norm, kv_sources)
-from models.layer_types import RotaryByLayerType, layer_windows, masks_by_layer_type
+from models.architecture import check_gemma_line
+from models.layer_types import layer_windows, masks_by_layer_type
+from models.rotary import RotaryByLayerType
 from tests.parts_parity import (BATCH, DOCUMENTS_ALONE_TOLERANCES, SEQ, VOCAB, check_grads, close, hf_grads, loss_of,
                                  reference_logits, reloaded, rows)
 
@@ -133,7 +135,7 @@ class Assembly(nn.Module):
             if not self.gemma4:
                 hidden = layer(hidden, cos, sin, mask)
                 continue
-            hidden, key_value = layer(hidden, cos, sin, mask, None if per_layer is None else per_layer[:, :, j],
+            hidden, key_value, _ = layer(hidden, cos, sin, mask, None if per_layer is None else per_layer[:, :, j],
                                       shared.get(layer.kv_source))
             if layer.stores_kv:
                 shared[i] = key_value
@@ -283,9 +285,9 @@ def test_kv_sources_and_refusals():
     assert kv_sources(gemma4_config(**SHARED_KV)) == {4: 2, 5: 3}
     assert kv_sources(gemma4_config()) == {}
     with pytest.raises(ValueError, match="num_kv_shared_layers=6 of 6 layers leaves no layer"):
-        check_gemma4_config(gemma4_config(num_kv_shared_layers=6))
+        check_gemma_line(gemma4_config(num_kv_shared_layers=6))
     with pytest.raises(ValueError, match="use_bidirectional_attention='all'"):
-        check_gemma4_config(gemma4_config(use_bidirectional_attention="all"))
+        check_gemma_line(gemma4_config(use_bidirectional_attention="all"))
 
 
 def test_a_reusing_layer_refuses_to_run_without_the_shared_kv():
@@ -332,7 +334,7 @@ def test_decoder_layers_match_transformers(case):
             out, expected = ours(hidden, cos, sin, masks[layer_type]), theirs(hidden, **kwargs)
         else:
             ple = per_layer[:, :, i] if config.hidden_size_per_layer_input else None
-            out, key_value = ours(hidden, cos, sin, masks[layer_type], ple, ours_shared.get(ours.kv_source))
+            out, key_value, _ = ours(hidden, cos, sin, masks[layer_type], ple, ours_shared.get(ours.kv_source))
             expected = theirs(hidden, ple, shared_kv_states=theirs_shared, **kwargs)
             if ours.stores_kv:
                 ours_shared[i] = key_value

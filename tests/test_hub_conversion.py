@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, KimiLinearConfig, OlmoHybridConfi
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.hf_to_ds import convert_hf_to_ds
 from checkpoints.layer_files import load_weights_only
-from models.layout import CARRIED_FILE_NAME, HUB_LAYOUT_KEY, HubLayout, layer_file_name
+from models.layout import CARRIED_FILE_NAME, HUB_LAYOUT_KEY, PER_LAYER_TENSORS, HubLayout, layer_file_name
 from tests.hub_checkpoints import HUB_CASES, build_hub_checkpoint, hf_weights
 
 # {case: (hub prefix of the text model, what the conversion carries as it is, how the experts are stored)}
@@ -94,25 +94,29 @@ def test_export_loads_in_transformers_as_the_original(converted, name):
 @pytest.mark.parametrize("name", HUB_CASES)
 def test_layer_files_hold_the_text_model_under_hf_names_and_the_rest_is_carried(converted, name):
     """Layer 1 + i holds exactly decoder layer i's tensors under their HF names with the prefix stripped (the
-    experts fused, as the module holds them), in their stored dtypes; the embedding layer Gemma 4's per-layer
-    inputs beside its weight; every tensor outside the text model, and the text model's that transformers does not
-    hold, are in the carried file under their stored names, with the layout the export writes back."""
+    experts fused, as the module holds them), in their stored dtypes, with its share of Gemma 4's per-layer
+    embeddings; the embedding layer holds its weight alone; every tensor outside the text model, and the text
+    model's that transformers does not hold, are in the carried file under their stored names, with the layout the export writes back."""
     model, stored, _, ds_dir, _ = converted(name)
     prefix, carried_prefixes, experts_apart = LAYOUTS[name]
     module_prefix = HUB_CASES[name].module_prefix
     state = model.state_dict()
     text = model.config.get_text_config()
     tag = os.path.join(ds_dir, "global_step0")
+    width = getattr(text, "hidden_size_per_layer_input", 0) or 0
     for layer in range(text.num_hidden_layers):
         held = load_weights_only(os.path.join(tag, layer_file_name(layer + 1)))
         own = {key.removeprefix(f"{module_prefix}layers.{layer}."): tensor for key, tensor in state.items()
                if key.startswith(f"{module_prefix}layers.{layer}.")}
+        # Gemma 4's per-layer embeddings: the layer's own columns / rows of them, and the norm they share
+        own.update({f"per_layer_inputs.{key}": tensor if dim is None else tensor.narrow(dim, layer * width, width)
+                    for key, dim in PER_LAYER_TENSORS.items()
+                    if (tensor := state.get(f"{module_prefix}{key}")) is not None})
         assert sorted(held) == sorted(own), layer
         for key, tensor in own.items():
             assert held[key].dtype == tensor.dtype and torch.equal(held[key], tensor), (layer, key)
     embedding = load_weights_only(os.path.join(tag, layer_file_name(0)))
-    extras = {"embed_tokens_per_layer.weight", "per_layer_model_projection.weight", "per_layer_projection_norm.weight"}
-    assert sorted(embedding) == sorted({"weight"} | {key for key in extras if f"{module_prefix}{key}" in state})
+    assert sorted(embedding) == ["weight"]
     assert torch.equal(embedding["weight"], state[f"{module_prefix}embed_tokens.weight"])
     head = os.path.join(tag, layer_file_name(text.num_hidden_layers + 2))
     assert os.path.isfile(head) != model.config.tie_word_embeddings

@@ -123,3 +123,51 @@ def test_evaluation_keeps_the_load_balancing_terms_and_training_does_not():
     for loss, term, i in zip(losses, terms, (1, 2)):
         assert torch.allclose(loss - term, CausalLMLoss()(logits[i], labels), atol=1e-6)
     assert loss_fn.take_aux_terms() == []
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 5], ids=["logits", "chunked"])
+def test_soft_capped_loss_and_gradients_equal_autograd(chunk_tokens):
+    """Gemma's final soft cap inside the loss: the chunked path (each chunk's logits capped, their gradient times
+    the cap's derivative) and the logits path, against autograd through cap * tanh(logits / cap), fp32."""
+    from models.gemma3 import soft_cap
+    torch.manual_seed(0)
+    hidden = (torch.randn(2, 9, 16) * 4).requires_grad_()
+    weight = torch.randn(40, 16).requires_grad_()
+    labels = torch.randint(0, 40, (2, 9))
+    labels[1, 6:] = -100
+    logits = soft_cap(hidden @ weight.t(), 3.0)
+    reference = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                                  ignore_index=-100)
+    expected = torch.autograd.grad(reference, (hidden, weight))
+    loss_fn = CausalLMLoss(chunk_tokens=chunk_tokens, logit_cap=3.0)
+    outputs = (hidden, weight) if chunk_tokens else hidden @ weight.t()
+    loss = loss_fn(outputs, labels)
+    assert loss.item() == pytest.approx(reference.item(), abs=1e-6)
+    for mine, theirs in zip(torch.autograd.grad(loss, (hidden, weight)), expected):
+        assert (mine - theirs).abs().max() < 1e-6
+    uncapped = CausalLMLoss(chunk_tokens=chunk_tokens)(outputs, labels)
+    assert abs(uncapped.item() - reference.item()) > 1e-2  # the cap changes the loss: the test can fail
+
+
+def test_soft_capped_sequence_log_probs_and_continuation_scores_equal_autograd():
+    """DPO's response log-probabilities and lm-eval's continuation scores soft-cap their logits as the loss does."""
+    from models.gemma3 import soft_cap
+    from models.loss import continuation_scores, sequence_log_probs
+    from models.tensor_parallel import NO_TENSOR_PARALLEL
+    torch.manual_seed(1)
+    hidden = (torch.randn(4 * 6, 16) * 4).requires_grad_()
+    weight = torch.randn(40, 16).requires_grad_()
+    labels = torch.randint(0, 40, (4 * 6,))
+    labels[:3] = -100
+    log_probs = torch.log_softmax(soft_cap(hidden @ weight.t(), 3.0), dim=-1)
+    picked = log_probs.gather(1, labels.clamp(min=0)[:, None]).squeeze(1) * (labels != -100)
+    reference = picked.view(4, 6).sum(1)
+    mine = sequence_log_probs(hidden, weight, labels, 4, NO_TENSOR_PARALLEL, 5, logit_cap=3.0)
+    assert (mine - reference).abs().max() < 1e-5
+    scale = torch.randn(4)
+    for ours, theirs in zip(torch.autograd.grad((mine * scale).sum(), (hidden, weight)),
+                            torch.autograd.grad((reference * scale).sum(), (hidden, weight))):
+        assert (ours - theirs).abs().max() < 1e-5
+    for outputs, chunk in (((hidden.detach(), weight.detach()), 5), (hidden.detach() @ weight.detach().t(), 0)):
+        scores = continuation_scores(outputs, labels, 4, NO_TENSOR_PARALLEL, chunk, logit_cap=3.0)
+        assert (scores[:, 0] - reference.detach()).abs().max() < 1e-5

@@ -769,12 +769,12 @@ def demo_model_of(config, demo_model, root):
     return {"hf": str(root / "hf"), "ds": str(root / "ds")}
 
 
-def transformers_steps(hf_dir, batches, micro_batch_size):
+def transformers_steps(hf_dir, batches, micro_batch_size, attention="eager"):
     """(losses, gradient norms before clipping) of transformers' model trained on each step's global batch, each
     micro-batch's outputs.loss accumulated as the step's loss defines it: the global batch's token-mean
     cross-entropy (each micro-batch's mean weighted by its labelled tokens) plus router_aux_loss_coef times the
     mean of the micro-batches' load-balancing losses."""
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation=attention, dtype=torch.float32)
     coef = getattr(model.config, "router_aux_loss_coef", 0.0)  # the DeepSeek-V3 line has no load-balancing loss
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     losses, norms = [], []
@@ -797,10 +797,11 @@ def transformers_steps(hf_dir, batches, micro_batch_size):
     return losses, norms
 
 
-def trained_and_transformers(demo_model, model_dirs, tmp_path, layout):
+def trained_and_transformers(demo_model, model_dirs, tmp_path, layout, attention="eager"):
     """Six steps of the trainer on model_dirs["ds"] (a TRAIN_LAYOUTS layout) on instruction data, and of
     transformers_steps on model_dirs["hf"] over the same global batches: (the trainer's metrics records,
-    transformers' losses, its gradient norms, the layout's settings)."""
+    transformers' losses, its gradient norms, the layout's settings); attention: transformers' implementation, or
+    a tuple of them, each giving its losses and norms."""
     from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics
     from tests.test_token_mean import MICRO_BATCH as ROWS, SEED, SEQ as TRAIN_SEQ, global_batches
     from tests.test_token_mean import write_skewed_instructions
@@ -815,9 +816,12 @@ def trained_and_transformers(demo_model, model_dirs, tmp_path, layout):
         "save_steps": 0})))
     records = [r for r in read_metrics(out) if "loss" in r]
     data_parallel = procs // settings["num_stages"]
-    losses, norms = transformers_steps(model_dirs["hf"], global_batches(
-        demo_model, train_file, data_parallel, settings["gradient_accumulation_steps"], tmp_path / "ref",
-        steps=TRAIN_STEPS), ROWS)
+    batches = list(global_batches(demo_model, train_file, data_parallel, settings["gradient_accumulation_steps"],
+                                  tmp_path / "ref", steps=TRAIN_STEPS))
+    if isinstance(attention, tuple):
+        runs = [transformers_steps(model_dirs["hf"], batches, ROWS, impl) for impl in attention]
+        return records, [losses for losses, _ in runs], [norms for _, norms in runs], settings
+    losses, norms = transformers_steps(model_dirs["hf"], batches, ROWS, attention)
     return records, losses, norms, settings
 
 

@@ -9,7 +9,8 @@ from torch import nn
 from transformers import Olmo3Config
 from transformers.models.olmo3.modeling_olmo3 import Olmo3ForCausalLM
 
-from models.layer_types import RotaryByLayerType, layer_windows, masks_by_layer_type
+from models.layer_types import layer_windows, masks_by_layer_type
+from models.rotary import RotaryByLayerType
 from models.olmo3 import Olmo3DecoderLayer, olmo3_final_norm
 from tests.parts_parity import (BATCH, DOCUMENTS_ALONE_TOLERANCES, SEQ, VOCAB, check_grads, close, hf_grads, loss_of,
                                  reference_logits, reloaded, rows)

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.tiny_models import (DEEPSEEK_CONFIGS, HYBRID_CONFIGS, MOE_CONFIGS, TINY_CONFIGS, make_batch,
-                               make_tiny_model)
+from tests.tiny_models import (DEEPSEEK_CONFIGS, HYBRID_CONFIGS, LAYER_TYPE_CONFIGS, MOE_CONFIGS, TINY_CONFIGS,
+                               make_batch, make_tiny_model)
 
-FAMILIES = [*TINY_CONFIGS, *MOE_CONFIGS, *DEEPSEEK_CONFIGS, *HYBRID_CONFIGS]
+FAMILIES = [*TINY_CONFIGS, *MOE_CONFIGS, *DEEPSEEK_CONFIGS, *HYBRID_CONFIGS, *LAYER_TYPE_CONFIGS]
 
 
 def next_token_loss(logits, labels):
@@ -30,6 +30,21 @@ def test_logits_and_loss_equal_transformers(name, tmp_path):
     aux = getattr(theirs, "aux_loss", None)
     their_loss = theirs.loss - reference.config.router_aux_loss_coef * aux if aux is not None else theirs.loss
     assert next_token_loss(logits, labels).item() == pytest.approx(their_loss.item(), abs=1e-5), name
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2_moe", *LAYER_TYPE_CONFIGS])
+def test_packed_rows_equal_transformers_packing(name, tmp_path):
+    """Rows of several documents (document ids), against transformers' own packing: position ids restarting at
+    each document, no attention mask; the sliding layers' window within each document."""
+    from models import from_hf
+    from tests.parts_parity import rows
+    reference = make_tiny_model(name, tmp_path)
+    input_ids, document_ids, position_ids = rows("packed")
+    real = document_ids != 0
+    with torch.no_grad():
+        theirs = reference(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        logits = from_hf(str(tmp_path))(input_ids, document_ids=document_ids)
+    assert (logits - theirs)[real].abs().max().item() < 1e-5, name
 
 
 @pytest.mark.parametrize("name", ["phi3", "mixtral"])  # fused projections; experts as transformers holds them
@@ -128,3 +143,50 @@ def test_an_unknown_layer_type_is_refused_naming_it():
     config.layer_types = ["linear_attention", "mamba", "linear_attention", "full_attention"]
     with pytest.raises(ValueError, match=r"layer_types \['mamba'\].*implemented: full_attention, linear_attention"):
         check_model_config(config)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma3_modules", "gemma4", "gemma4_hub"])
+def test_multimodal_checkpoints_give_their_language_model(name, tmp_path):
+    """Gemma 3's and Gemma 4's multimodal checkpoints as the hub ships them (towers, the llava or transformers'
+    module names, Gemma 4's unused KV-shared projections): their language model's logits on text, as
+    transformers' multimodal model computes them."""
+    from models import from_hf
+    from tests.hub_checkpoints import build_hub_checkpoint
+    built = build_hub_checkpoint(name, tmp_path)[0]
+    # loaded in fp32 as a user loads it (the built model's .to(bf16) rounded its fp32 buffers: the embedding scale)
+    reference = type(built).from_pretrained(tmp_path, dtype=torch.float32).eval()
+    model = from_hf(str(tmp_path), dtype=torch.float32)
+    assert model.config.model_type == f"{reference.config.model_type}_text"
+    input_ids, attention_mask, _ = make_batch(2, 12, model.config.vocab_size, seed=3)
+    with torch.no_grad():
+        theirs = reference(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        logits = model(input_ids, attention_mask)
+    assert (logits - theirs)[attention_mask.bool()].abs().max().item() < 1e-5, name
+
+
+def test_multimodal_architecture_is_refused_with_the_way_to_its_text_config():
+    from transformers import Gemma3Config
+
+    from models.architecture import architecture_of, check_model_config
+    config = Gemma3Config(text_config=dict(num_hidden_layers=2))
+    check_model_config(config)  # its text model is checked
+    with pytest.raises(ValueError, match="a gemma3 config is a multimodal checkpoint's: build the model from its text"):
+        architecture_of(config)
+
+
+@pytest.mark.parametrize("name", ["olmo2", "olmo3", "gemma3_text", "gemma4_e2b"])
+def test_bf16_logits_equal_transformers_to_the_bit(name, tmp_path):
+    """In bf16, loaded as a user loads a checkpoint: OLMo 2's and OLMo 3's rotary tables kept in fp32 and the
+    rotation run in fp32 before the cast back (as transformers), Gemma's tables cast to bf16 and its embedding
+    scale rounded to bf16; the logits bit-identical."""
+    from transformers import AutoModelForCausalLM
+
+    from models import from_hf
+    make_tiny_model(name, tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    input_ids, attention_mask, _ = make_batch(2, 16, reference.config.vocab_size, seed=4)
+    with torch.no_grad():
+        theirs = reference(input_ids, attention_mask=attention_mask).logits
+        ours = from_hf(str(tmp_path), dtype=torch.bfloat16)(input_ids, attention_mask)
+    real = attention_mask.bool()
+    assert torch.equal(ours[real], theirs[real]), name

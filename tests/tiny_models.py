@@ -1,7 +1,7 @@
 """Tiny LLaMA-family models built locally from a config (random weights, save_pretrained): the Hugging Face model
 is the oracle the pipeline must match."""
 import torch
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, GptOssConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConfig, Gemma4TextConfig, Olmo3Config, Glm4MoeConfig, GptOssConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
                           Olmo2Config, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
                           Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig, SmolLM3Config)
 
@@ -108,10 +108,43 @@ HYBRID_CONFIGS = {
 }
 
 
+# Gemma 3, Gemma 4 and OLMo 3: sliding and full layers by layer_types (the window, 4, shorter than the tests' rows),
+# each type with its own rotary.
+LAYER_TYPES = dict(COMMON, num_hidden_layers=6, num_key_value_heads=2, sliding_window=4, rms_norm_eps=1e-6)
+GEMMA4 = dict(LAYER_TYPES, head_dim=8, global_head_dim=16, hidden_size_per_layer_input=0,
+              layer_types=["sliding_attention", "full_attention"] * 3)
+GEMMA4_PLE = dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=96)  # E2B / E4B
+GEMMA4_SHARED_KV = dict(num_kv_shared_layers=2, use_double_wide_mlp=True)  # layers 4, 5 reuse 2's and 3's
+GEMMA4_K_EQ_V = dict(attention_k_eq_v=True, num_global_key_value_heads=1)  # 31B and 26B-A4B
+GEMMA4_MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+LAYER_TYPE_CONFIGS = {
+    # Gemma 3: two full layers of six, linear scaling on their rotary, query_pre_attn_scalar away from head_dim
+    "gemma3_text": lambda: Gemma3TextConfig(**LAYER_TYPES, head_dim=16, query_pre_attn_scalar=12,
+                                            sliding_window_pattern=3, final_logit_softcapping=2.0, rope_parameters={
+                                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                   "rope_theta": 1e6}}),
+    "gemma4_e2b": lambda: Gemma4TextConfig(**{**GEMMA4, **GEMMA4_PLE}, **GEMMA4_SHARED_KV, final_logit_softcapping=2.0),
+    "gemma4_31b": lambda: Gemma4TextConfig(**GEMMA4, **GEMMA4_K_EQ_V, final_logit_softcapping=30.0),
+    "gemma4_26b_a4b": lambda: Gemma4TextConfig(**GEMMA4, **GEMMA4_K_EQ_V, **GEMMA4_MOE, final_logit_softcapping=2.0),
+    # OLMo 3: three sliding layers, then a full one with YaRN (without biases and with its norms as initialised:
+    # random biases there leave transformers' own fp32 key gradients 1e-4 away from its float64 ones)
+    "olmo3": lambda: Olmo3Config(**{**LAYER_TYPES, "num_hidden_layers": 4}, **TOKENS,
+                                 rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 5e5},
+                                                  "full_attention": {
+                                                      "rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
+                                                      "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0}}),
+}
+
+
 def make_tiny_model(name, path, seed=0, **save_kwargs):
     """Save a randomly initialised tiny model to path and return it (fp32, eval mode)."""
-    return make_model({**TINY_CONFIGS, **MOE_CONFIGS, **DEEPSEEK_CONFIGS, **HYBRID_CONFIGS}[name](), path, seed,
-                      **save_kwargs)
+    configs = {**TINY_CONFIGS, **MOE_CONFIGS, **DEEPSEEK_CONFIGS, **HYBRID_CONFIGS, **LAYER_TYPE_CONFIGS}
+    return make_model(configs[name](), path, seed, **save_kwargs)
+
+
+PERTURBED_NORMS = ("gemma3_text", "gemma4_text")  # norms whose init would hide a (1 + w) against a w
 
 
 def make_model(config, path, seed=0, dtype=torch.float32, **save_kwargs):
@@ -122,14 +155,17 @@ def make_model(config, path, seed=0, dtype=torch.float32, **save_kwargs):
         for param_name, param in model.named_parameters():
             if param_name.endswith((".bias", "_bias")):
                 param.normal_(std=0.02)
-            if param_name.endswith("norm.weight") and not param.any():  # a (1 + w) norm's: 0 would hide the offset
+            if config.model_type in PERTURBED_NORMS and param_name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param), alpha=0.3)  # away from the identity, (1 + w) or w
+            elif param_name.endswith("norm.weight") and not param.any():  # a (1 + w) norm's: 0 would hide the offset
                 param.normal_(std=0.1)
             if param_name.endswith("A_log"):  # decays of 0.05 to 1 a token: init's (to 16) forget within a token,
                 param.uniform_(-3.0, 0.0)  # leaving the decay's gradients at fp32's noise
-
         for buffer_name, buffer in model.named_buffers():
             if buffer_name.endswith("e_score_correction_bias"):  # DeepSeek's: moves the choice, not the weights
                 buffer.normal_(std=0.1)
+            if buffer_name.endswith("layer_scalar"):  # Gemma 4's, ones at init
+                buffer.uniform_(0.5, 1.5)
         if config.pad_token_id is not None:  # a pad that is a real token (eos) has a trained row, not init's zeros
             model.get_input_embeddings().weight[config.pad_token_id].normal_(std=0.02)
     model.save_pretrained(path, **save_kwargs)

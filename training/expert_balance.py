@@ -15,7 +15,7 @@ resumed and exported with it.
 import torch
 
 import collectives
-from models.pipeline_layers import DecoderLayerPipe
+from models.pipeline_layers import StageDecoder
 from models.sigmoid_router import balanced_correction_bias
 
 
@@ -24,7 +24,7 @@ class CorrectionBiasBalancing:
         self.rate = rate
         self.loss = engine.module.loss_fn.router  # built counting the step's loads (build_engine)
         self.routers = [(layer.sparse_row, layer.mlp.gate) for layer in engine.module.forward_funcs
-                        if isinstance(layer, DecoderLayerPipe) and layer.sparse]
+                        if isinstance(layer, StageDecoder) and layer.sparse]
         # the loads of a last stage's tensor-parallel group are the whole micro-batches' on each of its ranks
         self.gives_loads = engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0
 

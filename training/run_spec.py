@@ -24,7 +24,7 @@ from models.expert_parallel import expert_parallel_error
 from models.layout import layer_file_name, text_config_of
 from models.lora import adapter_parameter_total, check_lora_applies, check_rank_fits
 from models.partition import decoder_counts_of_bounds, decoder_kinds, layer_parameter_counts
-from models.pipeline import partition_stages
+from models.pipeline import check_own_layers_parallelism, partition_stages
 from models.preference import PreferenceSettings
 from models.tensor_parallel import check_tensor_parallel_split
 from planner.chunk_balance import balanced_chunk_counts
@@ -220,6 +220,7 @@ def check_layout(cfg, model_config, world_size):
         raise ConfigError(error)
     check_length_buckets_split(cfg, workload)
     try:
+        check_own_layers_parallelism(model_config, tp, cfg.context_parallel_size, cfg.expert_parallel_size)
         check_tensor_parallel_split(model_config, tp, workload.tokens if workload.splits_sequence else None)
         if workload.lora.enabled:
             check_lora_applies(model_config, workload.lora, tp)
@@ -334,7 +335,8 @@ def load_model_config(model_dir, verify_checksums):
         verify_model_side_files(side_dir)
     config = AutoConfig.from_pretrained(side_dir)
     check_model_config(config)
-    return text_config_of(config), side_dir  # a multimodal checkpoint trains its text model
+    # a multimodal checkpoint's language model is trained (its towers carried: checkpoints/saving.py)
+    return text_config_of(config), side_dir
 
 
 def load_plan_model_config(cfg):
