@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from tests import parity_worker
 from tests.distributed import spawn
-from tests.test_parity import GAS, MICRO_BATCH, SEQ, own_layer_files
+from tests.test_parity import GAS, MICRO_BATCH, SEQ, assert_rank_equals_transformers
 from tests.tiny_models import LAYER_TYPE_CONFIGS
 
 # {(stages, decoder layers): decoder layers per stage}: Gemma 4's sources (layers 2, 3) on another stage than
@@ -32,14 +32,7 @@ def run(checkpoints, tmp_path, num_stages, names, tensor_parallel=1, **case):
 def check(ranks, names, checkpoints, num_stages):
     for name in names:
         for rank in ranks:
-            result = rank[name]
-            ref = result["ref_losses"]
-            assert result["mean_loss"] == pytest.approx(sum(ref) / len(ref), abs=1e-5), name
-            if result["stage"] == num_stages - 1:
-                assert result["losses"] == pytest.approx(ref, abs=1e-5), name
-            bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
-            assert not bad, f"{name}: gradients differ from transformers: {bad}"
-            assert set(result["layer_files_opened"]) == own_layer_files(checkpoints[name][1], result), name
+            assert_rank_equals_transformers(rank[name], name, num_stages, checkpoints[name][1])
         # every parameter compared; the per-layer norm's copies are one Parameter per stage (its first layer's name)
         compared = set().union(*(r[name]["grad_errors"] for r in ranks))
         copies = {n for n in ranks[0][name]["ref_param_names"] if n.endswith("per_layer_projection_norm.weight")}
