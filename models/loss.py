@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import collectives
 from models.context_parallel import NO_CONTEXT_PARALLEL
 from models.labels import IGNORE_INDEX, shift_labels
+from models.multi_token_prediction import mtp_labels
 from models.pipeline_layers import head_outputs
 from models.tensor_parallel import NO_TENSOR_PARALLEL
 
@@ -47,14 +48,18 @@ class CausalLMLoss:
     chunks' weight gradients are summed in grad_sum_dtype (the run's grad_accum_dtype; None: the weight's).
     seq_length: the positions of a row, when its labels may be one wider (data/collator.py); None: as wide.
     router: an MoE model's LoadBalancingLoss (models/router_loss.py), whose loss times its coefficient is added,
-    as transformers adds it to outputs.loss; None for a dense model. While evaluation sets `aux_terms` to a list,
-    each call appends that added term (a 0-d tensor) to it: perplexity is of the cross-entropy alone."""
+    as transformers adds it to outputs.loss; None for a dense model. mtp_scale > 0: the last layer's output holds
+    the MTP layer's head outputs too (models/multi_token_prediction.py), whose next-next-token loss, summed over its
+    labelled positions and divided as the main loss (by the same divisor: Megatron's per-token loss), times
+    mtp_scale is added. While evaluation sets `aux_terms` to a list, each call appends the added terms (a 0-d
+    tensor, their sum) to it: perplexity is of the cross-entropy alone."""
 
     def __init__(self, parallel=NO_TENSOR_PARALLEL, chunk_tokens=0, context=NO_CONTEXT_PARALLEL, grad_sum_dtype=None,
-                 seq_length=None, router=None):
+                 seq_length=None, router=None, mtp_scale=0.0):
         self.parallel, self.chunk_tokens, self.context = parallel, chunk_tokens, context
         self.grad_sum_dtype, self.seq_length = grad_sum_dtype, seq_length
         self.router = router
+        self.mtp_scale = mtp_scale
         self.aux_terms = None
 
     def units(self, labels, whole=False):
@@ -63,23 +68,36 @@ class CausalLMLoss:
         return labelled_tokens(labels, NO_CONTEXT_PARALLEL if whole else self.context)
 
     def __call__(self, outputs, labels):
-        outputs, routing = head_outputs(outputs, self.chunk_tokens > 0)
-        loss = self.next_token_loss(outputs, labels)
-        aux = self.router(routing) if self.router is not None else None
-        if aux is None:
+        if self.mtp_scale > 0:
+            outputs, routing, mtp = head_outputs(outputs, self.chunk_tokens > 0, multi_token=True)
+        else:
+            (outputs, routing), mtp = head_outputs(outputs, self.chunk_tokens > 0), None
+        labels, divisor = split_step_divisor(labels, 1)
+        next_labels = next_token_labels(labels, self.context, self.seq_length)
+        divisor = self.divisor(next_labels) if divisor is None else divisor
+        loss = self.loss_sum(outputs, next_labels, divisor)
+        terms = []
+        if self.router is not None and (aux := self.router(routing)) is not None:
+            terms.append(self.router.coef * aux)
+        if mtp is not None:
+            mtp_outputs, document_ids = mtp
+            terms.append(self.mtp_scale * self.loss_sum(mtp_outputs, mtp_labels(labels, document_ids,
+                                                                                self.seq_length), divisor))
+        if not terms:
             return loss
-        term = self.router.coef * aux
+        term = sum(terms)
         if self.aux_terms is not None:
             self.aux_terms.append(term.detach())
         return loss + term
 
-    def next_token_loss(self, outputs, labels):
-        labels, divisor = split_step_divisor(labels, 1)
-        next_labels = next_token_labels(labels, self.context, self.seq_length)
-        if divisor is None and self.context.size > 1:
-            divisor = self.context.loss_divisor(next_labels, IGNORE_INDEX)
-        elif divisor is None:
-            divisor = (next_labels != IGNORE_INDEX).sum().clamp(min=1)
+    def divisor(self, next_labels):
+        """A micro-batch's own labelled tokens (evaluation), over the context group under context parallelism."""
+        if self.context.size > 1:
+            return self.context.loss_divisor(next_labels, IGNORE_INDEX)
+        return (next_labels != IGNORE_INDEX).sum().clamp(min=1)
+
+    def loss_sum(self, outputs, next_labels, divisor):
+        """The cross-entropy of the head outputs against next_labels, summed over the labelled ones / divisor."""
         if self.chunk_tokens:
             hidden, weight = outputs
             return chunked_loss_sum(hidden, weight, next_labels.to(hidden.device), divisor, self.parallel,

@@ -1,0 +1,210 @@
+"""Multi-token prediction trained on the last stage (models/multi_token_prediction.py): with mtp_loss_scale > 0 the
+pipeline's loss is the next-token loss plus the scale times the MTP layer's next-next-token loss, both divided by
+the labelled tokens, and every gradient (the shared embedding's and head's from both uses, the MTP layer's own) is
+that of a plain torch reference built from the same weights: transformers' model for the main hidden states, its
+own decoder layer class for the MTP layer, run on each document alone (padded rows and packed rows)."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.labels import IGNORE_INDEX
+from models.layout import hf_name_of_layer_key, layer_of_hf_name
+from models.loss import CausalLMLoss
+from models.multi_token_prediction import MultiTokenPrediction, mtp_labels, mtp_layout_of, next_tokens
+from models.pipeline import build_pipeline_layers
+from models.pipeline_layers import lm_head
+from tests.tiny_models import DEEPSEEK_CONFIGS, make_batch, make_model
+
+SCALE = 0.3  # not Megatron-Bridge's 0.1: a larger share of the gradient, so a wrong MTP term shows
+
+
+def tiny_config(family):
+    config = DEEPSEEK_CONFIGS[family]()
+    config.num_nextn_predict_layers = 1
+    config.mtp_loss_scale = SCALE  # as training/config_checks.py sets it from the run's mtp_loss_scale
+    return config
+
+
+def mtp_hub_tensors(config, seed=5):
+    """Random tensors for every tensor of the MTP layer, under the checkpoint's names (DeepSeek-V3's
+    model.layers.{L}.*): norms near 1, projections and experts small, the router's correction bias random."""
+    layout = mtp_layout_of(config)
+    with torch.device("meta"):
+        shapes = MultiTokenPrediction(config).state_dict()
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for key, meta in shapes.items():
+        noise = torch.randn(meta.shape, generator=gen)
+        tensors[layout.hub_name(key)] = 1 + 0.1 * noise if "norm" in key else 0.1 * noise
+    return tensors
+
+
+class ReferenceMTP(nn.Module):
+    """DeepSeek-V3's MTP layer in plain torch and transformers' own parts (vLLM's and Megatron's order of the
+    concatenation, the shared embedding and head passed in)."""
+
+    def __init__(self, config, tensors):
+        super().__init__()
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer, Glm4MoeRMSNorm
+        layer_class, norm = ((Glm4MoeDecoderLayer, Glm4MoeRMSNorm) if config.model_type == "glm4_moe"
+                             else (DeepseekV3DecoderLayer, DeepseekV3RMSNorm))
+        config = copy.deepcopy(config)
+        config._attn_implementation = "eager"
+        self.enorm, self.hnorm = (norm(config.hidden_size, config.rms_norm_eps) for _ in range(2))
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.layer = layer_class(config, config.num_hidden_layers)
+        self.shared_head_norm = norm(config.hidden_size, config.rms_norm_eps)
+        prefix = f"model.layers.{config.num_hidden_layers}."
+        state = {name.removeprefix(prefix): tensor for name, tensor in tensors.items()}
+        names = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+                 "shared_head.norm.weight": "shared_head_norm.weight"}
+        own = {names.get(key, f"layer.{key}"): tensor for key, tensor in state.items()}
+        self.load_state_dict(own, strict=True)
+
+    def forward(self, model, input_ids, labels):
+        """(the main cross-entropy sum, the MTP one) of one document alone: input_ids (1, n), labels (1, n)."""
+        hidden = model.model(input_ids).last_hidden_state  # after the final norm
+        main = F.cross_entropy(model.lm_head(hidden)[0, :-1], labels[0, 1:], ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+        n = input_ids.shape[1]
+        if n < 3:
+            return main, hidden.new_zeros(())
+        embedded = model.model.embed_tokens(input_ids[:, 1:])
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden[:, :-1])], dim=-1))
+        positions = torch.arange(n - 1)[None]
+        mask = torch.full((n - 1, n - 1), torch.finfo(x.dtype).min).triu(1)[None, None]
+        x = self.layer(x, attention_mask=mask, position_ids=positions,
+                       position_embeddings=model.model.rotary_emb(x, positions))
+        logits = model.lm_head(self.shared_head_norm(x))
+        mtp = F.cross_entropy(logits[0, :-1], labels[0, 2:], ignore_index=IGNORE_INDEX, reduction="sum")
+        return main, mtp
+
+
+def packed_batch(config, seed=2):
+    """Two rows of 16 packing documents of 2 to 9 tokens (a row's last document ends with it, the other row padded
+    at its end): (input_ids, document_ids, positions, labels), each later document's first label -100 as the
+    collator ignores it, and a prompt's labels -100 in one document."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, config.vocab_size, (2, 16), generator=gen)
+    document_ids = torch.tensor([[1] * 5 + [2] * 2 + [3] * 9, [1] * 7 + [2] * 4 + [3] * 3 + [0] * 2])
+    positions = torch.zeros_like(input_ids)
+    labels = input_ids.clone()
+    for row in range(2):
+        for doc in document_ids[row].unique().tolist():
+            where = (document_ids[row] == doc).nonzero().squeeze(1)
+            positions[row, where] = torch.arange(len(where))
+            if doc > 1:
+                labels[row, where[0]] = IGNORE_INDEX
+    labels[document_ids == 0] = IGNORE_INDEX
+    labels[0, 7:10] = IGNORE_INDEX  # the third document's prompt
+    return input_ids, document_ids, positions, labels
+
+
+def padded_batch(config):
+    input_ids, attention_mask, labels = make_batch(2, 16, config.vocab_size, seed=1)
+    return input_ids, attention_mask, torch.arange(16).expand_as(input_ids), labels
+
+
+def documents(batch):
+    """((input_ids (1, n), labels (1, n)), ...) of each document of a batch, alone."""
+    input_ids, document_ids, _, labels = batch
+    for row in range(input_ids.shape[0]):
+        for doc in document_ids[row].unique().tolist():
+            if doc:
+                where = document_ids[row] == doc
+                yield input_ids[row, where][None], labels[row, where][None]
+
+
+def reference_loss_and_grads(config, model, tensors, batch):
+    reference = ReferenceMTP(config, tensors)
+    sums = [reference(model, ids, labels) for ids, labels in documents(batch)]
+    divisor = sum((labels[0, 1:] != IGNORE_INDEX).sum() for _, labels in documents(batch))
+    main, mtp = (sum(parts) / divisor for parts in zip(*sums))
+    (main + SCALE * mtp).backward()
+    layout = mtp_layout_of(config)
+    grads = {name: param.grad for name, param in model.named_parameters()}
+    names = {"enorm.weight": "embedding_norm.weight", "hnorm.weight": "hidden_norm.weight",
+             "eh_proj.weight": "projection.weight", "shared_head_norm.weight": "norm.weight"}
+    grads.update({layout.hub_name(names.get(key, key)): param.grad for key, param in reference.named_parameters()})
+    return main.item(), mtp.item(), grads
+
+
+def pipeline_loss_and_grads(config, model, tensors, batch, chunk_tokens):
+    """The pipeline's layers holding the model's and the MTP layer's weights, run one after the other on batch:
+    (the loss, its MTP term, {HF name: gradient})."""
+    layers = [spec.build() for spec in build_pipeline_layers(config, chunked_loss=chunk_tokens > 0)]
+    layout, final_norm = mtp_layout_of(config), config.num_hidden_layers + 1
+    state = {}
+    for name, tensor in model.state_dict().items():
+        index, key = layer_of_hf_name(name, config.num_hidden_layers, config.tie_word_embeddings)
+        state.setdefault(index, {})[key] = tensor
+    state[final_norm].update({f"mtp.{layout.key_of(name)}": tensor for name, tensor in tensors.items()})
+    for index, layer in enumerate(layers):
+        if index in state:
+            layer.load_state_dict(state[index], strict=True)
+    input_ids, document_ids, positions, labels = batch
+    x = (input_ids, document_ids, positions)
+    for layer in layers[:-1]:
+        x = layer(x)
+    x = lm_head(layers[0], x, chunk_tokens > 0) if config.tie_word_embeddings else layers[-1](x)
+    loss_fn = CausalLMLoss(chunk_tokens=chunk_tokens, mtp_scale=SCALE)
+    loss_fn.aux_terms = []
+    loss = loss_fn(x, labels)
+    loss.backward()
+    grads = {}
+    for index, layer in enumerate(layers):
+        for key, param in layer.named_parameters():
+            if index == final_norm and key.startswith("mtp."):
+                grads[layout.hub_name(key.removeprefix("mtp."))] = param.grad
+            elif param.grad is not None:
+                grads.setdefault(hf_name_of_layer_key(index, key, config.num_hidden_layers), param.grad)
+    if config.tie_word_embeddings:
+        grads["lm_head.weight"] = grads["model.embed_tokens.weight"]
+    return loss.item(), loss_fn.aux_terms[0].item() / SCALE, grads
+
+
+@pytest.mark.parametrize("rows", ["padded", "packed"])
+@pytest.mark.parametrize("chunk_tokens", [0, 7], ids=["logits", "chunked"])
+@pytest.mark.parametrize("family", list(DEEPSEEK_CONFIGS))
+def test_loss_and_gradients_equal_a_torch_reference(tmp_path, family, chunk_tokens, rows):
+    """The loss (main + scale x MTP), its MTP term and every gradient, the MTP layer's and the shared embedding's
+    and head's included, against the reference on each document alone: packed documents' MTP terms restart at
+    every boundary (the next token's embedding never crosses one), padded rows' last real token predicts nothing."""
+    config = tiny_config(family)
+    model = make_model(config, tmp_path)
+    tensors = mtp_hub_tensors(config)
+    batch = packed_batch(config) if rows == "packed" else padded_batch(config)
+    loss, mtp, grads = pipeline_loss_and_grads(config, model, tensors, batch, chunk_tokens)
+    ref_main, ref_mtp, ref_grads = reference_loss_and_grads(config, model, tensors, batch)
+    assert ref_mtp > 1.0  # a real term: about the log of the vocabulary
+    assert mtp == pytest.approx(ref_mtp, rel=1e-6)
+    assert loss == pytest.approx(ref_main + SCALE * ref_mtp, rel=1e-6)
+    mtp_names = [name for name in tensors if ref_grads.get(name) is not None]
+    assert any("eh_proj" in name for name in mtp_names) and any("experts" in name for name in mtp_names)
+    errors = {name: ((grads[name] - ref).abs().max() / ref.abs().max()).item()
+              for name, ref in ref_grads.items() if ref is not None}
+    assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda item: -item[1])[:5]
+
+
+def test_labels_skip_positions_whose_next_token_is_another_document():
+    labels = torch.tensor([[10, 11, 12, 13, -100, 21, 22, 23]])
+    document_ids = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 2]])
+    assert mtp_labels(labels, document_ids).tolist() == [12, 13, -100, -100, 22, 23, -100, -100]
+    assert next_tokens(labels).tolist() == [[11, 12, 13, -100, 21, 22, 23, 23]]
+    # labels one wider than the rows (token shards): the last but one position has a label, the last none
+    assert mtp_labels(torch.tensor([[1, 2, 3, 4]]), torch.tensor([[1, 1, 1]]), positions=3).tolist() == [3, 4, -100]
+
+
+def test_a_family_without_an_mtp_layer_is_refused():
+    config = DEEPSEEK_CONFIGS["deepseek_v3"]()
+    config.num_nextn_predict_layers = 0
+    with pytest.raises(ValueError, match="declares 0 multi-token-prediction layers"):
+        mtp_layout_of(config)
+    from tests.tiny_models import TINY_CONFIGS
+    llama = next(make() for make in TINY_CONFIGS.values())
+    with pytest.raises(ValueError, match=f"model_type '{llama.model_type}' has no multi-token-prediction layer"):
+        mtp_layout_of(llama)
