@@ -109,14 +109,16 @@ class CausalLMLoss:
 class ContinuationScores:
     """The pipeline's loss_fn while lm-eval's requests are scored (evaluation/lm_eval_tasks.py): (the last layer's
     output, labels that are -100 but on each row's continuation) -> (rows, 2) continuation_scores, each row's sums
-    over all its tokens under context parallelism. seq_length: the rows' width (their labels are one wider)."""
+    over all its tokens under context parallelism. seq_length: the rows' width (their labels are one wider).
+    multi_token: the outputs hold the MTP layer's too (a run training it), which scoring leaves aside."""
 
-    def __init__(self, parallel, chunk_tokens, context, seq_length):
+    def __init__(self, parallel, chunk_tokens, context, seq_length, multi_token=False):
         self.parallel, self.chunk_tokens, self.context, self.seq_length = parallel, chunk_tokens, context, seq_length
+        self.multi_token = multi_token
 
     def __call__(self, outputs, labels):
         next_labels = next_token_labels(labels, self.context, self.seq_length)
-        head, _ = head_outputs(outputs, self.chunk_tokens > 0)
+        head = head_outputs(outputs, self.chunk_tokens > 0, self.multi_token)[0]
         scores = continuation_scores(head if self.chunk_tokens else head[0], next_labels, labels.shape[0],
                                      self.parallel, self.chunk_tokens)
         if self.context.size > 1:  # each rank scored its tokens of every row

@@ -129,6 +129,7 @@ class MultiTokenPrediction(nn.Module):
 
     def __init__(self, config, attention_impl="sdpa"):
         super().__init__()
+        self.model_config = config  # whose checkpoint names its tensors (checkpoints/mtp_tensors.py)
         layout = mtp_layout_of(config)
         layer_config, layer_index = layout.layer_config(config)
         self.embedding_norm, self.hidden_norm = layout.norm(config), layout.norm(config)

@@ -208,3 +208,123 @@ def test_a_family_without_an_mtp_layer_is_refused():
     llama = next(make() for make in TINY_CONFIGS.values())
     with pytest.raises(ValueError, match=f"model_type '{llama.model_type}' has no multi-token-prediction layer"):
         mtp_layout_of(llama)
+
+
+# --- training, saving and export ---------------------------------------------------------------------------------
+
+def per_expert(tensors, config):
+    """tensors ({hub name: tensor}, experts fused) as DeepSeek-V3's checkpoints store them: one tensor per expert and
+    projection."""
+    from models.layout import hub_piece, hub_pieces
+    return {hub: hub_piece(tensor, piece).clone() for name, tensor in tensors.items()
+            for hub, piece in hub_pieces(name, config)}
+
+
+@pytest.fixture(scope="module")
+def demo_deepseek_with_mtp(demo_model, tmp_path_factory):
+    """The tiny DeepSeek-V3 over the demo model's tokenizer, its checkpoint shipping a whole MTP layer as DeepSeek's
+    do (its own norms, projection, a sparse decoder layer one tensor per expert, and copies of the embedding and
+    head): {hf, ds, config, mtp: {hub name: tensor, experts fused}}."""
+    from checkpoints.hf_to_ds import convert_hf_to_ds
+    from tests.test_deepseek_conversion import with_mtp_shard
+    from tests.test_moe import demo_model_of
+    config = DEEPSEEK_CONFIGS["deepseek_v3"]()
+    config.num_nextn_predict_layers = 1
+    root = tmp_path_factory.mktemp("demo_deepseek_with_mtp")
+    dirs = demo_model_of(config, demo_model, root)
+    mtp = mtp_hub_tensors(config)
+    weights = with_mtp_shard(dirs["hf"], {})
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    copies = {f"{prefix}embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
+              f"{prefix}shared_head.head.weight": weights["lm_head.weight"].clone()}
+    with_mtp_shard(dirs["hf"], {**per_expert(mtp, config), **copies})
+    convert_hf_to_ds(dirs["hf"], dirs["ds"], overwrite=True)
+    return {**dirs, "config": config, "mtp": mtp}
+
+
+def reference_steps(model_dirs, batches, micro_batch_size):
+    """(losses, gradient norms before clipping, the MTP layer's final tensors {hub name: tensor}) of transformers'
+    model and ReferenceMTP trained together by torch's AdamW, each step's loss the global batch's token-mean
+    cross-entropy plus SCALE times the MTP layer's summed loss over the same count, each row's document alone."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_moe import LEARNING_RATE, MAX_GRAD_NORM
+    config = model_dirs["config"]
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["hf"], attn_implementation="eager", dtype=torch.float32)
+    reference = ReferenceMTP(config, model_dirs["mtp"])
+    params = [*model.parameters(), *reference.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    losses, norms = [], []
+    for (input_ids, document_ids, _), labels in batches:
+        total_tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
+        step_loss = 0.0
+        for rows in torch.arange(input_ids.shape[0]).split(micro_batch_size):
+            loss = 0.0
+            for row in rows:
+                real = document_ids[row] != 0
+                main, mtp = reference(model, input_ids[row, real][None], labels[row, real][None])
+                loss = loss + (main + SCALE * mtp) / total_tokens
+            loss.backward()
+            step_loss += loss.item()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(step_loss)
+    names = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+             "shared_head_norm.weight": "shared_head.norm.weight"}
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    trained = {f"{prefix}{names.get(key, key.removeprefix('layer.'))}": tensor.detach()
+               for key, tensor in reference.state_dict().items()}
+    return losses, norms, trained
+
+
+MTP_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps=4, zero_stage=0)),
+               "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", MTP_LAYOUTS)
+def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model, demo_deepseek_with_mtp, tmp_path,
+                                                                     layout):
+    """Six steps with mtp_loss_scale (padded instruction rows, clipping active) from a converted checkpoint whose MTP
+    layer is carried: the MTP layer starts from the carried file, the logged losses and the step-1 gradient norm are
+    those of transformers + ReferenceMTP + AdamW (which differ from the main loss's alone), and the export holds
+    the trained MTP layer under DeepSeek's names, one tensor per expert, within 1e-5 of the reference's, its copies
+    of the embedding and head the exported ones."""
+    from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics
+    from tests.test_conversion import load_hf_weights
+    from tests.test_moe import LEARNING_RATE, MAX_GRAD_NORM, TRAIN_STEPS
+    from tests.test_token_mean import MICRO_BATCH as ROWS, SEED, SEQ as TRAIN_SEQ, global_batches
+    from tests.test_token_mean import write_skewed_instructions
+    procs, settings = MTP_LAYOUTS[layout]
+    train_file = write_skewed_instructions(demo_model, tmp_path / "train.jsonl")
+    out = tmp_path / "run"
+    check_ok(launch_trainer(procs, demo_overrides(demo_model, out, **{
+        **settings, "model_name_or_path": demo_deepseek_with_mtp["ds"], "train_file": str(train_file),
+        "eval_file": "null", "data.format": "instruction", "data.cache_dir": str(tmp_path / "cache"),
+        "seq_length": TRAIN_SEQ, "micro_batch_size": ROWS, "max_steps": TRAIN_STEPS, "logging_steps": 1,
+        "learning_rate": LEARNING_RATE, "lr_scheduler": "constant", "warmup_steps": 0,
+        "max_grad_norm": MAX_GRAD_NORM, "seed": SEED, "mtp_loss_scale": SCALE, "save_steps": 0,
+        "export_hf": "true"})))
+    records = [r for r in read_metrics(out) if "loss" in r]
+    batches = global_batches(demo_model, train_file, procs // settings["num_stages"],
+                             settings["gradient_accumulation_steps"], tmp_path / "ref", steps=TRAIN_STEPS)
+    losses, norms, trained = reference_steps(demo_deepseek_with_mtp, list(batches), ROWS)
+    assert min(norms) > MAX_GRAD_NORM  # clipping acts on every step
+    assert [r["loss"] for r in records] == pytest.approx(losses, abs=1e-5, rel=0)
+    assert records[0]["grad_norm"] == pytest.approx(norms[0], rel=1e-4)
+    config = demo_deepseek_with_mtp["config"]
+    weights = load_hf_weights(str(out / "hf"))
+    expected = per_expert(trained, config)
+    assert sorted(name for name in weights if name.startswith(f"model.layers.{config.num_hidden_layers}.")) == \
+        sorted([*expected, *(f"model.layers.{config.num_hidden_layers}.{copy}"
+                             for copy in ("embed_tokens.weight", "shared_head.head.weight"))])
+    errors = {name: (weights[name] - tensor).abs().max().item() for name, tensor in expected.items()}
+    assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda item: -item[1])[:5]
+    moved = {name: (tensor - per_expert(demo_deepseek_with_mtp["mtp"], config)[name]).abs().max().item()
+             for name, tensor in expected.items()}
+    # every MTP tensor trained, but the router's correction bias (a buffer) and experts no token chose
+    assert all(moved[name] > 1e-4 for name in moved if not ("experts." in name or "correction_bias" in name)), moved
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    assert torch.equal(weights[f"{prefix}embed_tokens.weight"], weights["model.embed_tokens.weight"])
+    assert torch.equal(weights[f"{prefix}shared_head.head.weight"], weights["lm_head.weight"])
