@@ -18,31 +18,40 @@ MTP_PREFIX = "mtp."  # the MTP layer's keys in the final-norm layer's state dict
 def carried_mtp_state(tag_dir, config):
     """{key of MultiTokenPrediction: tensor} from the carried file of a converted tag: each hub tensor under the
     layer's key, an expert's per-expert projections stacked into the fused tensors; the shared copies left out."""
-    path = os.path.join(tag_dir, CARRIED_FILE_NAME)
     layout = mtp_layout_of(config)
     state, pieces = {}, {}
-    if os.path.isfile(path):
-        with safe_open(path, framework="pt") as handle:
-            for name in handle.keys():
-                piece = expert_piece(name, config)
-                fused = piece[0] if piece else name
-                key = layout.key_of(fused)
-                if key is None:
-                    continue
-                if piece is None:
-                    state[key] = handle.get_tensor(name)
-                else:
-                    pieces.setdefault(key, {})[piece[1]] = (handle.get_tensor(name), piece[2])
+    with safe_open(os.path.join(tag_dir, CARRIED_FILE_NAME), framework="pt") as handle:
+        for name, key, piece in carried_mtp_names(tag_dir, config):
+            if piece is None:
+                state[key] = handle.get_tensor(name)
+            else:
+                pieces.setdefault(key, {})[piece[1]] = (handle.get_tensor(name), piece[2])
     for key, stacked in pieces.items():
         parts = next(iter(stacked.values()))[1]
         experts = len(stacked) // parts
         state[key] = torch.stack([torch.cat([stacked[expert * parts + part][0] for part in range(parts)])
                                   for expert in range(experts)])
-    if not state:
+    return state
+
+
+def carried_mtp_names(tag_dir, config):
+    """[(hub name, key of MultiTokenPrediction, expert piece or None)] of the MTP tensors a converted tag carries
+    (models/layout.py expert_piece); a one-line error, naming what to do, where it carries none."""
+    path = os.path.join(tag_dir, CARRIED_FILE_NAME)
+    layout = mtp_layout_of(config)
+    names = []
+    if os.path.isfile(path):
+        with safe_open(path, framework="pt") as handle:
+            for name in handle.keys():
+                piece = expert_piece(name, config)
+                key = layout.key_of(piece[0] if piece else name)
+                if key is not None:
+                    names.append((name, key, piece))
+    if not names:
         raise FileNotFoundError(f"mtp_loss_scale > 0: {tag_dir} carries no multi-token-prediction tensors (under "
                                 f"{layout.prefix}) to start the MTP layer from; convert the checkpoint again from a "
                                 f"Hugging Face directory holding them, or set mtp_loss_scale=0.")
-    return state
+    return names
 
 
 def load_carried_mtp(mtp, tag_dir, config):

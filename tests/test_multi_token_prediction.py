@@ -282,6 +282,19 @@ MTP_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps=4
                "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1))}
 
 
+def train_with_mtp(demo_model, model_dirs, train_file, out, procs, settings, **extra):
+    from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics
+    from tests.test_moe import LEARNING_RATE, MAX_GRAD_NORM, TRAIN_STEPS
+    from tests.test_token_mean import MICRO_BATCH as ROWS, SEED, SEQ as TRAIN_SEQ
+    check_ok(launch_trainer(procs, demo_overrides(demo_model, out, **{
+        **settings, "model_name_or_path": model_dirs["ds"], "train_file": str(train_file), "eval_file": "null",
+        "data.format": "instruction", "data.cache_dir": str(out.parent / "cache"), "seq_length": TRAIN_SEQ,
+        "micro_batch_size": ROWS, "max_steps": TRAIN_STEPS, "logging_steps": 1, "learning_rate": LEARNING_RATE,
+        "lr_scheduler": "constant", "warmup_steps": 0, "max_grad_norm": MAX_GRAD_NORM, "seed": SEED,
+        "mtp_loss_scale": SCALE, "save_steps": 3, "export_hf": "true", **extra})))
+    return [r for r in read_metrics(out) if "loss" in r]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", MTP_LAYOUTS)
 def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model, demo_deepseek_with_mtp, tmp_path,
@@ -290,23 +303,16 @@ def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model,
     layer is carried: the MTP layer starts from the carried file, the logged losses and the step-1 gradient norm are
     those of transformers + ReferenceMTP + AdamW (which differ from the main loss's alone), and the export holds
     the trained MTP layer under DeepSeek's names, one tensor per expert, within 1e-5 of the reference's, its copies
-    of the embedding and head the exported ones."""
-    from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics
+    of the embedding and head the exported ones. On 2 stages x 2 data-parallel, the checkpoint of step 3 (its MTP
+    layer in the final norm's layer file) resumed on 1 stage x 2 data-parallel trains steps 4 to 6 as the straight
+    run did, to the same exported MTP layer."""
     from tests.test_conversion import load_hf_weights
-    from tests.test_moe import LEARNING_RATE, MAX_GRAD_NORM, TRAIN_STEPS
-    from tests.test_token_mean import MICRO_BATCH as ROWS, SEED, SEQ as TRAIN_SEQ, global_batches
-    from tests.test_token_mean import write_skewed_instructions
+    from tests.test_moe import MAX_GRAD_NORM, TRAIN_STEPS
+    from tests.test_token_mean import MICRO_BATCH as ROWS, global_batches, write_skewed_instructions
     procs, settings = MTP_LAYOUTS[layout]
     train_file = write_skewed_instructions(demo_model, tmp_path / "train.jsonl")
     out = tmp_path / "run"
-    check_ok(launch_trainer(procs, demo_overrides(demo_model, out, **{
-        **settings, "model_name_or_path": demo_deepseek_with_mtp["ds"], "train_file": str(train_file),
-        "eval_file": "null", "data.format": "instruction", "data.cache_dir": str(tmp_path / "cache"),
-        "seq_length": TRAIN_SEQ, "micro_batch_size": ROWS, "max_steps": TRAIN_STEPS, "logging_steps": 1,
-        "learning_rate": LEARNING_RATE, "lr_scheduler": "constant", "warmup_steps": 0,
-        "max_grad_norm": MAX_GRAD_NORM, "seed": SEED, "mtp_loss_scale": SCALE, "save_steps": 0,
-        "export_hf": "true"})))
-    records = [r for r in read_metrics(out) if "loss" in r]
+    records = train_with_mtp(demo_model, demo_deepseek_with_mtp, train_file, out, procs, settings)
     batches = global_batches(demo_model, train_file, procs // settings["num_stages"],
                              settings["gradient_accumulation_steps"], tmp_path / "ref", steps=TRAIN_STEPS)
     losses, norms, trained = reference_steps(demo_deepseek_with_mtp, list(batches), ROWS)
@@ -328,3 +334,43 @@ def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model,
     prefix = f"model.layers.{config.num_hidden_layers}."
     assert torch.equal(weights[f"{prefix}embed_tokens.weight"], weights["model.embed_tokens.weight"])
     assert torch.equal(weights[f"{prefix}shared_head.head.weight"], weights["lm_head.weight"])
+    if layout != "2stages_x_2dp":
+        return
+    resumed = train_with_mtp(demo_model, demo_deepseek_with_mtp, train_file, tmp_path / "resumed", 2,
+                             dict(settings, num_stages=1), resume=str(out / "global_step3"))
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in records[3:]], abs=1e-5, rel=0)
+    resumed_weights = load_hf_weights(str(tmp_path / "resumed" / "hf"))
+    assert all(torch.allclose(resumed_weights[name], weights[name], rtol=0, atol=1e-5) for name in expected)
+
+
+@pytest.mark.parametrize("model,overrides,message", [
+    ("llama", ["mtp_loss_scale=0.1"], r"^mtp_loss_scale > 0: model_type 'llama' has no multi-token-prediction layer "
+                                      r"the pipeline trains \(those of deepseek_v3, glm4_moe, qwen3_5_text, "
+                                      r"qwen3_5_moe_text\); set mtp_loss_scale=0\.$"),
+    ("deepseek_v3", ["mtp_loss_scale=0.1"], r"^mtp_loss_scale > 0: \S+global_step0 carries no "
+                                            r"multi-token-prediction tensors \(under model\.layers\.4\.\) to start "
+                                            r"the MTP layer from; convert the checkpoint again"),
+    ("deepseek_v3_mtp", ["mtp_loss_scale=-1"], r"^mtp_loss_scale=-1 must be a number >= 0"),
+    ("deepseek_v3_mtp", ["mtp_loss_scale=0.1", "tensor_parallel_size=2"],
+     r"^tensor_parallel_size=2 with mtp_loss_scale=0\.1: the MTP layer is not split across a tensor-parallel group "
+     r"yet; set tensor_parallel_size back or mtp_loss_scale=0"),
+    ("deepseek_v3_mtp", ["mtp_loss_scale=0.1", "lora.rank=4"], r"^lora\.rank=4 with mtp_loss_scale=0\.1: the MTP "
+                                                              r"layer takes no adapters"),
+], ids=["no_mtp_family", "none_carried", "negative", "tensor_parallel", "lora"])
+def test_mtp_settings_are_refused_where_they_do_not_apply(demo_model, tiny_deepseek_checkpoints,
+                                                          demo_deepseek_with_mtp, tmp_path, model, overrides, message):
+    from tests.test_moe import run_spec_of
+    from training.config_checks import ConfigError
+    model_dir = {"llama": demo_model["ds"], "deepseek_v3": tiny_deepseek_checkpoints["deepseek_v3"][1],
+                 "deepseek_v3_mtp": demo_deepseek_with_mtp["ds"]}[model]
+    with pytest.raises(ConfigError, match=message):
+        run_spec_of(demo_model, model_dir, tmp_path, *overrides)
+
+
+def test_the_scale_reaches_the_model_config(demo_model, demo_deepseek_with_mtp, tmp_path):
+    from tests.test_moe import run_spec_of
+    assert run_spec_of(demo_model, demo_deepseek_with_mtp["ds"], tmp_path,
+                       "mtp_loss_scale=0.1").model_config.mtp_loss_scale == 0.1
+    assert not hasattr(run_spec_of(demo_model, demo_deepseek_with_mtp["ds"], tmp_path).model_config,
+                       "mtp_loss_scale")

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
 from checkpoints.files import has_tokenizer_files, read_latest
+from checkpoints.mtp_tensors import carried_mtp_names
 from checkpoints.integrity import manifest_digest, verify_model_side_files
 from data.file_checks import check_data_files, check_shards_fit_model
 from errors import ConfigError
@@ -167,6 +168,11 @@ def run_spec(cfg, world_size):
     check_output_dir_is_ours(cfg.output_dir, cfg.model_name_or_path)
     model_config, model_files_dir = load_model_config(cfg.model_name_or_path, cfg.verify_checksums)
     model_config = mtp_model_config(cfg, moe_model_config(cfg, model_config))
+    if cfg.mtp_loss_scale:
+        try:  # the MTP layer starts from the converted model's carried tensors (checkpoints/mtp_tensors.py)
+            carried_mtp_names(os.path.join(cfg.model_name_or_path, read_latest(cfg.model_name_or_path)), model_config)
+        except FileNotFoundError as error:
+            raise ConfigError(str(error)) from None
     check_torch_kernels(model_config)
     if not cfg.eval_only:
         try:
