@@ -57,6 +57,32 @@ def causal_conv1d(x, weight, document_ids=None, context=None, context_document_i
     return F.silu(out.to(x.dtype))
 
 
+class DeltaRuleCore(nn.Module):
+    """What a linear-attention layer computes along the sequence, no parameters of its own: the causal convolution
+    over q|k|v (the layer's weight passed in) and the gated delta rule over its heads. The one seam context
+    parallelism replaces from outside (models/context_parallel.py ContextParallelDeltaRuleCore), as it replaces
+    softmax attention's core."""
+
+    def __init__(self, num_key_heads, num_value_heads, key_head_dim, value_head_dim):
+        super().__init__()
+        self.num_key_heads, self.num_value_heads = num_key_heads, num_value_heads
+        self.key_head_dim, self.value_head_dim = key_head_dim, value_head_dim
+
+    def forward(self, qkv, conv_weight, g, beta, document_ids=None, context=None, context_ids=None,
+                initial_state=None, output_final_state=False):
+        """(output [B, S, Hv, dv], final state or None) of the q|k|v projections qkv [B, S, C], the log decays g and
+        betas [B, S, Hv]; document_ids, the convolution's context and the initial state as models/gated_delta_rule.py
+        and causal_conv1d take them."""
+        batch, seq, _ = qkv.shape
+        key_dim = self.num_key_heads * self.key_head_dim
+        mixed = causal_conv1d(qkv, conv_weight, document_ids, context, context_ids)
+        query, key, value = mixed.split([key_dim, key_dim, self.num_value_heads * self.value_head_dim], dim=-1)
+        return chunk_gated_delta_rule(
+            query.reshape(batch, seq, -1, self.key_head_dim), key.reshape(batch, seq, -1, self.key_head_dim),
+            value.reshape(batch, seq, -1, self.value_head_dim), g, beta, document_ids, initial_state,
+            output_final_state=output_final_state)
+
+
 class GatedDeltaNet(nn.Module):
     """The linear-attention token mixer of one decoder layer (hidden [B, S, H] -> [B, S, H])."""
 
@@ -78,6 +104,7 @@ class GatedDeltaNet(nn.Module):
         # transformers' nn.Conv1d (depthwise, no bias): its weight [C, 1, K] under the same name
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel_size, groups=conv_dim, bias=False,
                                 padding=conv_kernel_size - 1)
+        self.core = DeltaRuleCore(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
         self.dt_bias = nn.Parameter(torch.ones(num_value_heads))
         self.A_log = nn.Parameter(torch.empty(num_value_heads).uniform_(0.01, 16).log_())
         self.norm = GatedRMSNorm(value_head_dim, eps=rms_norm_eps)
@@ -115,12 +142,8 @@ class GatedDeltaNet(nn.Module):
             if document_ids is not None:  # the state goes on only into the document it was left in
                 initial_state = initial_state * (context_ids[:, -1] == document_ids[:, 0]).to(
                     initial_state.dtype)[:, None, None, None]
-        mixed = causal_conv1d(qkv, self.conv1d.weight, document_ids, context, context_ids)
-        query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        out, final_state = chunk_gated_delta_rule(
-            query.reshape(batch, seq, -1, self.key_head_dim), key.reshape(batch, seq, -1, self.key_head_dim),
-            value.reshape(batch, seq, -1, self.value_head_dim), g, beta, document_ids, initial_state,
-            output_final_state=carry_out)
+        out, final_state = self.core(qkv, self.conv1d.weight, g, beta, document_ids, context, context_ids,
+                                     initial_state, output_final_state=carry_out)
         out = self.out_proj(self.norm(out, z).reshape(batch, seq, -1))
         if not carry_out:
             return out, None
