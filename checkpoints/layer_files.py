@@ -8,6 +8,7 @@ the next one). A parameter on an accelerator gets its bytes through one host buf
 tensor, then a copy to the device.
 """
 import errno
+import glob
 import os
 import pickle
 import re
@@ -16,7 +17,10 @@ import torch
 
 from checkpoints.mtp_tensors import MTP_PREFIX, load_carried_mtp
 from errors import ConfigError
+from models.architecture import LINEAR_ATTENTION, architecture_of
 from models.layout import expert_shard_of
+from models.linear_attention import KEPT_AS_STORED
+from models.pipeline_layers import decoder_on_meta
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6 is a zip archive
 
@@ -114,6 +118,21 @@ def with_multi_token_prediction(layer, saved, path):
 def mapped(path):
     """A torch.save file's {key: tensor}, memory-mapped: nothing read until a tensor is."""
     return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+
+def fp32_stored_keys(tag_dir, config):
+    """The keys of the decoder layers' parameters that a run keeps as stored (models/linear_attention.py
+    KEPT_AS_STORED: Qwen3.5's A_log and gated-norm weight) that tag_dir's layer files store in fp32, read from the
+    first linear-attention layer's file (every such layer stores them alike); empty for a model without one."""
+    mixers = architecture_of(config).mixer_layers
+    if LINEAR_ATTENTION not in mixers:
+        return frozenset()
+    layer = mixers.index(LINEAR_ATTENTION)
+    kept = [key for key, param in decoder_on_meta(config, layer_index=layer).named_parameters()
+            if getattr(param, KEPT_AS_STORED, False)]
+    paths = sorted(glob.glob(os.path.join(tag_dir, f"layer_{layer + 1:02d}-*model_states.pt")))  # its file(s)
+    stored = mapped(paths[0]) if paths else {}
+    return frozenset(key for key in kept if key in stored and stored[key].dtype == torch.float32)
 
 
 def layer_files_and_expert_shards(paths):

@@ -30,6 +30,9 @@ TRAINING_DROPOUT = {"attention_dropout": "dropout on the attention weights",
                     "router_jitter_noise": "multiplicative noise on the MoE router's input"}
 
 ATTENTION, LATENT_ATTENTION = "attention", "latent_attention"  # the token mixers
+# the Gated DeltaNet hybrids' (Qwen3.5, Qwen3-Next): gated full attention and linear attention, per layer_types
+GATED_ATTENTION, LINEAR_ATTENTION = "gated_attention", "linear_attention"
+HYBRID_MIXERS = {"full_attention": GATED_ATTENTION, "linear_attention": LINEAR_ATTENTION}  # {layer type: mixer}
 PRE_NORMS, POST_NORMS = "pre", "post"  # where a layer's norms sit (models/decoder.py NORM_PLACEMENTS)
 
 
@@ -86,6 +89,9 @@ class Architecture:
     attention_sinks: bool = False  # GPT-OSS: a learned logit per head in each softmax's denominator
     moe: MixtureOfExperts | None = None
     sparse_layers: tuple = ()  # per decoder layer: whether its feed-forward is the MoE block
+    mixer_layers: tuple = ()  # per decoder layer: its token mixer (the hybrids' differ from layer to layer)
+    offset_norms: bool = False  # the hybrids' (1 + w) RMSNorms (models/offset_norms.py), weights initialised to 0
+    fused_linear_projections: bool = False  # Qwen3-Next's in_proj_qkvz / in_proj_ba (models/linear_attention.py)
 
     @property
     def latent_attention(self):
@@ -99,7 +105,8 @@ def architecture_of(config):
     layers = config.num_hidden_layers
     return dataclasses.replace(declared, rotary_layers=declared.rotary_layers or (True,) * layers,
                                sliding_windows=declared.sliding_windows or (None,) * layers,
-                               sparse_layers=declared.sparse_layers or (False,) * layers)
+                               sparse_layers=declared.sparse_layers or (False,) * layers,
+                               mixer_layers=declared.mixer_layers or (declared.token_mixer,) * layers)
 
 
 # --- the families -----------------------------------------------------------------------------------------------
@@ -231,10 +238,40 @@ def glm4_moe(config):
                                             for layer in range(config.num_hidden_layers)))
 
 
+def qwen3_5_text(config):
+    """Qwen3.5, Qwen3.6 (dense): the Gated DeltaNet hybrid. Each layer's token mixer as layer_types says, linear
+    attention (models/linear_attention.py) or gated full attention with a partial rotary embedding
+    (models/gated_attention.py); (1 + w) RMSNorms before the mixer and the SwiGLU MLP, and as the final norm."""
+    return Architecture(rotary_fraction=partial_rotary(config), offset_norms=True, mixer_layers=hybrid_mixers(config))
+
+
+def qwen3_5_moe_text(config):
+    """Qwen3.5-MoE, Qwen3.6-MoE: Qwen3.5's layers with every feed-forward a mixture of experts, the top-k of a
+    softmax router always renormalised, beside a shared expert behind its sigmoid gate."""
+    return dataclasses.replace(qwen3_5_text(config), moe=MixtureOfExperts(
+        config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size, norm_topk_prob=True,
+        shared_expert_size=config.shared_expert_intermediate_size, **load_balancing(config)),
+        sparse_layers=every_layer(config, True))
+
+
+def qwen3_next(config):
+    """Qwen3-Next: Qwen3.5-MoE's layers with the linear attention's projections fused (in_proj_qkvz, in_proj_ba,
+    grouped by key head), the experts on the layers decoder_sparse_step picks and mlp_only_layers leaves, top-k
+    renormalised with norm_topk_prob."""
+    return dataclasses.replace(qwen3_5_text(config), fused_linear_projections=True, moe=MixtureOfExperts(
+        config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+        norm_topk_prob=config.norm_topk_prob, shared_expert_size=config.shared_expert_intermediate_size,
+        **load_balancing(config)), sparse_layers=qwen_sparse_layers(config))
+
+
 FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "olmo2": olmo2, "granite": granite,
             "smollm3": smollm3, "phi3": phi3, "mixtral": mixtral, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe,
-            "olmoe": olmoe, "gpt_oss": gpt_oss, "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe}
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+            "olmoe": olmoe, "gpt_oss": gpt_oss, "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe,
+            "qwen3_5_text": qwen3_5_text, "qwen3_5_moe_text": qwen3_5_moe_text, "qwen3_next": qwen3_next}
+# Multimodal checkpoints whose text model trains ({model_type: its text config's}); their towers and MTP layer are
+# carried as they are (models/layout.py), and every step takes their text config (models/layout.py text_config_of).
+TRAINED_THROUGH_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+SUPPORTED_MODEL_TYPES = (*FAMILIES, *TRAINED_THROUGH_TEXT)
 
 
 # --- what several families share ----------------------------------------------------------------------------------
@@ -248,6 +285,15 @@ def marked_windows(config, windowed):
     max_window_layers on, Qwen2-MoE the odd ones below it, GPT-OSS alternate layers), when `windowed`."""
     return tuple(config.sliding_window if windowed and kind == "sliding_attention" else None
                  for kind in config.layer_types[:config.num_hidden_layers])
+
+
+def hybrid_mixers(config):
+    """The token mixer of each decoder layer, from the layer types the config lists."""
+    unknown = sorted(set(config.layer_types) - set(HYBRID_MIXERS))
+    if unknown:
+        raise ValueError(f"layer_types {unknown} in the {config.model_type} config are not implemented; implemented: "
+                         f"{', '.join(HYBRID_MIXERS)}.")
+    return tuple(HYBRID_MIXERS[kind] for kind in config.layer_types[:config.num_hidden_layers])
 
 
 def partial_rotary(config):
@@ -306,8 +352,12 @@ def check_model_config(config):
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         nearest = difflib.get_close_matches(config.model_type, SUPPORTED_MODEL_TYPES, n=1, cutoff=0.6)
         raise ValueError(f"model_type '{config.model_type}' is not supported; supported: "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (the LLaMA layout and its mixtures of experts)"
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (the LLaMA layout, its mixtures of experts and the "
+                         f"Gated DeltaNet hybrids)"
                          + (f"; the nearest is '{nearest[0]}', whose layers differ from it." if nearest else "."))
+    if config.model_type in TRAINED_THROUGH_TEXT:
+        check_model_config(config.get_text_config())
+        return
     for field, what in NOT_IMPLEMENTED.items():
         if getattr(config, field, None) not in (None, False) and config.model_type not in IMPLEMENTED_BY.get(field, ()):
             raise ValueError(f"{field}={getattr(config, field)!r} in the {config.model_type} config asks for {what}, "
@@ -319,10 +369,22 @@ def check_model_config(config):
     if config.hidden_act not in ACTIVATIONS:
         raise ValueError(f"hidden_act '{config.hidden_act}' is not supported.")
     check_deepseek_line(config)
+    check_hybrid_line(config)
     rope_type = config.rope_parameters.get("rope_type", "default")
     if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope_parameters rope_type '{rope_type}' is not implemented; implemented: default, "
                          f"{', '.join(ROPE_INIT_FUNCTIONS)}.")
+
+
+def check_hybrid_line(config):
+    """What the Gated DeltaNet hybrids' configs may ask that this pipeline does not compute as transformers does."""
+    if config.model_type not in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
+        return
+    hybrid_mixers(config)
+    if config.linear_num_value_heads % config.linear_num_key_heads:
+        raise ValueError(f"linear_num_value_heads={config.linear_num_value_heads} in the {config.model_type} config "
+                         f"is not a multiple of linear_num_key_heads={config.linear_num_key_heads}: each key head "
+                         f"serves a whole group of value heads.")
 
 
 def check_deepseek_line(config):

@@ -23,10 +23,13 @@ ROW_LAYOUTS = ("packed", "padded", "full")  # what a run's rows hold: data/colla
 
 class AttentionInputs(NamedTuple):
     """What every attention layer of a batch reads: the rotary tables (batch, seq, rotary features) of the rows'
-    positions and the additive mask (None: causal, no tensor)."""
+    positions and the additive mask (None: causal, no tensor); and what a linear-attention layer reads instead of a
+    mask, the rows' document ids (batch, seq) where they hold packed documents (None: each row one document, or one
+    then padding, which no real token's recurrence reads)."""
     cos: torch.Tensor
     sin: torch.Tensor
     mask: object
+    document_ids: torch.Tensor | None = None
 
     @property
     def rows(self):
@@ -70,7 +73,7 @@ class StageAttentionInputs:
             self._held = (document_ids, position_ids)
         if window not in self._masks:
             self._masks[window] = self.mask(document_ids, hidden.dtype, window)
-        return AttentionInputs(*self._value, self._masks[window])
+        return AttentionInputs(*self._value, self._masks[window], document_ids if self.masked else None)
 
     def mask(self, document_ids, dtype, window):
         """The additive mask of a batch, None for none; a sliding window shorter than the row always takes one."""

@@ -16,7 +16,8 @@ from transformers import AutoConfig
 from models.architecture import architecture_of, check_model_config
 from models.attention import StageAttentionInputs
 from models.decoder import DecoderLayer
-from models.hf_weights import find_weight_files, hf_tensors, layer_states
+from models.hf_weights import find_weight_files, hf_tensors, layer_states, text_model_tensors
+from models.layout import text_config_of
 from models.moe import RoutedTokens
 from models.norms import RMSNorm
 from models.sigmoid_router import FP32_MARKER
@@ -30,8 +31,9 @@ class DecoderStack(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config, index, attention_impl)
                                     for index in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                            scale_in_fp32=architecture_of(config).norm_scale_in_fp32)
+        architecture = architecture_of(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_fp32=architecture.norm_scale_in_fp32,
+                            offset=architecture.offset_norms)
 
 
 class CausalLM(nn.Module):
@@ -53,18 +55,22 @@ class CausalLM(nn.Module):
         with torch.device("cpu"):
             self.inputs_of = {layout: StageAttentionInputs(config, layout) for layout in ("packed", "full")}
 
-    def forward(self, input_ids, attention_mask=None):
+    def forward(self, input_ids, attention_mask=None, document_ids=None, position_ids=None):
         """Logits (batch, seq, vocab) of input_ids (batch, seq); attention_mask: 1 on the tokens, 0 on padding
-        (transformers'), None for rows without padding."""
+        (transformers'), None for rows without padding. Packed rows instead: document_ids (0 on padding, k on a
+        row's k-th document) and position_ids (batch, seq), as the pipeline's collator gives them."""
         batch, seq = input_ids.shape
-        document_ids = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
-        positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)
-        inputs_of = self.inputs_of["full" if attention_mask is None else "packed"]
+        packed = attention_mask is not None or document_ids is not None
+        if document_ids is None:
+            document_ids = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+        positions = (torch.arange(seq, device=input_ids.device).expand(batch, seq) if position_ids is None
+                     else position_ids)
+        inputs_of = self.inputs_of["packed" if packed else "full"]
         hidden = self.model.embed_tokens(input_ids)
         hidden = hidden if self.embedding_multiplier == 1 else hidden * self.embedding_multiplier
         tokens = RoutedTokens.of(document_ids)
         for layer in self.model.layers:
-            hidden, _ = layer(hidden, inputs_of(hidden, document_ids, positions, layer.self_attn.window), tokens)
+            hidden, _ = layer(hidden, inputs_of(hidden, document_ids, positions, layer.window), tokens)
         hidden = self.model.norm(hidden)
         hidden = hidden if self.logits_multiplier == 1 else hidden * self.logits_multiplier
         return F.linear(hidden, self.head_weight)
@@ -84,12 +90,15 @@ class CausalLM(nn.Module):
 
 def from_hf(path, dtype=None, attention_impl="sdpa"):
     """The CausalLM of a Hugging Face directory (config.json and safetensors or .bin weights, sharded or not), its
-    weights read through conversion's name map, in evaluation mode. dtype: what to cast the weights to (None: as
-    stored); DeepSeek-V3's router stays fp32, as transformers keeps it."""
-    config = AutoConfig.from_pretrained(path)
+    weights read through conversion's name map, in evaluation mode: of a multimodal checkpoint (Qwen3.5's), its
+    text model, the towers and MTP layer left out. dtype: what to cast the weights to (None: as stored);
+    DeepSeek-V3's router stays fp32, as transformers keeps it."""
+    hub_config = AutoConfig.from_pretrained(path)
+    check_model_config(hub_config)
+    config = text_config_of(hub_config)
     with torch.device("meta"):
         model = CausalLM(config, attention_impl)
-    states = layer_states(hf_tensors(find_weight_files(path)), config)
+    states = layer_states(text_model_tensors(hf_tensors(find_weight_files(path)), hub_config), config)
     for index, module in model.pipeline_layers().items():
         targets = module.state_dict(keep_vars=True)
         state = {key: tensor if dtype is None or getattr(targets.get(key), FP32_MARKER, False)

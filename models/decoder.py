@@ -11,24 +11,41 @@ import functools
 
 from torch import nn
 
-from models.architecture import ATTENTION, LATENT_ATTENTION, POST_NORMS, PRE_NORMS, architecture_of
+from models.architecture import (ATTENTION, GATED_ATTENTION, LATENT_ATTENTION, LINEAR_ATTENTION, POST_NORMS, PRE_NORMS,
+                                 architecture_of)
 from models.attention import Attention
+from models.gated_attention import GatedAttention
 from models.latent_attention import LatentAttention
+from models.linear_attention import FusedGatedDeltaNet, GatedDeltaNet
 from models.mlp import MLP
 from models.moe import MoEBlock
 from models.norms import RMSNorm
 
-TOKEN_MIXERS = {ATTENTION: Attention, LATENT_ATTENTION: LatentAttention}
+
+def gated_attention(config, attention_impl="sdpa", layer_index=0):
+    return GatedAttention.from_config(config, attention_impl)
+
+
+def linear_attention(config, attention_impl="sdpa", layer_index=0):
+    """Qwen3.5's GatedDeltaNet, or Qwen3-Next's with its fused projections."""
+    fused = architecture_of(config).fused_linear_projections
+    return (FusedGatedDeltaNet if fused else GatedDeltaNet).from_config(config)
+
+
+# {token mixer: its module, built as module(config, attention_impl, layer_index)}; it sits in the layer under the
+# name transformers gives it (MIXER_NAMES, else self_attn)
+TOKEN_MIXERS = {ATTENTION: Attention, LATENT_ATTENTION: LatentAttention, GATED_ATTENTION: gated_attention,
+                LINEAR_ATTENTION: linear_attention}
+MIXER_NAMES = {LINEAR_ATTENTION: "linear_attn"}
 # placement: ((norm before the token mixer, after it), (before the feed-forward, after it)), None where there is none
 NORM_PLACEMENTS = {
     PRE_NORMS: (("input_layernorm", None), ("post_attention_layernorm", None)),  # LLaMA
     POST_NORMS: ((None, "post_attention_layernorm"), (None, "post_feedforward_layernorm")),  # OLMo 2
 }
-
-
 class DecoderLayer(nn.Module):
-    """Decoder layer `layer_index` of a model: its token mixer is `self_attn`, its feed-forward `mlp` (an MoE block
-    on the family's sparse layers), as transformers names them."""
+    """Decoder layer `layer_index` of a model: its token mixer is `self_attn` (a hybrid's linear attention
+    `linear_attn`), its feed-forward `mlp` (an MoE block on the family's sparse layers), as transformers names
+    them."""
 
     def __init__(self, config, layer_index=0, attention_impl="sdpa"):
         super().__init__()
@@ -36,11 +53,14 @@ class DecoderLayer(nn.Module):
         self.residual_multiplier = architecture.residual_multiplier
         self.sparse = architecture.sparse_layers[layer_index]
         norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps,
-                                 scale_in_fp32=architecture.norm_scale_in_fp32)
+                                 scale_in_fp32=architecture.norm_scale_in_fp32, offset=architecture.offset_norms)
         self.norm_names = NORM_PLACEMENTS[architecture.norm_placement]
         (before_mixer, after_mixer), (before_feed_forward, after_feed_forward) = self.norm_names
         self.add_norm(before_mixer, norm)
-        self.self_attn = TOKEN_MIXERS[architecture.token_mixer](config, attention_impl, layer_index)
+        self.mixer_kind = architecture.mixer_layers[layer_index]
+        self.mixer_name = MIXER_NAMES.get(self.mixer_kind, "self_attn")
+        self.add_module(self.mixer_name, TOKEN_MIXERS[self.mixer_kind](config, attention_impl, layer_index))
+        self.window = getattr(self.token_mixer, "window", None)  # the positions its attention sees (None: all)
         self.add_norm(after_mixer, norm)
         self.add_norm(before_feed_forward, norm)
         self.mlp = MoEBlock(config) if self.sparse else MLP(config)
@@ -54,11 +74,21 @@ class DecoderLayer(nn.Module):
         """(the new hidden states, this layer's routing statistics or None). inputs: the batch's AttentionInputs;
         tokens: its RoutedTokens, which a sparse layer's router reads."""
         (before_mixer, after_mixer), (before_feed_forward, after_feed_forward) = self.norm_names
-        attention = self.self_attn(self.normed(before_mixer, hidden), inputs)
+        attention = self.mix(self.normed(before_mixer, hidden), inputs)
         hidden = hidden + self.scaled(self.normed(after_mixer, attention))
         x = self.normed(before_feed_forward, hidden)
         out, statistics = self.mlp(x, tokens) if self.sparse else (self.mlp(x), None)
         return hidden + self.scaled(self.normed(after_feed_forward, out)), statistics
+
+    @property
+    def token_mixer(self):
+        return getattr(self, self.mixer_name)
+
+    def mix(self, x, inputs):
+        """The token mixer's output; linear attention reads the rows' document ids where attention reads a mask."""
+        if self.mixer_kind == LINEAR_ATTENTION:
+            return self.linear_attn(x, inputs.document_ids, inputs.rows)
+        return self.self_attn(x, inputs)
 
     def normed(self, name, x):
         return x if name is None else getattr(self, name)(x)

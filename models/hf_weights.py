@@ -8,7 +8,8 @@ from collections import defaultdict
 import torch
 from safetensors import safe_open
 
-from models.layout import expert_piece, fused_parts, is_multi_token_prediction, layer_of_hf_name, pipeline_name
+from models.layout import (HUB_LAYOUTS, expert_piece, fused_parts, hub_layout_of, is_carried, is_multi_token_prediction,
+                           layer_of_hf_name, pipeline_name, text_config_of)
 
 
 def find_weight_files(model_dir):
@@ -40,6 +41,17 @@ def hf_tensors(files):
         else:
             tensors.update(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
     return tensors
+
+
+def text_model_tensors(tensors, config):
+    """{the pipeline's HF name: tensor} of the text model among a checkpoint's {hub name: tensor} (config: the
+    checkpoint's own): for a family converted by its hub layout (models/layout.py HUB_LAYOUTS) renamed from the
+    layout the checkpoint has, what conversion carries (towers, MTP layers) left out; the others' as they are."""
+    if config.model_type not in HUB_LAYOUTS:
+        return tensors
+    layout, text = hub_layout_of(config.model_type, tensors), text_config_of(config)
+    return {layout.from_hub(name): tensor for name, tensor in tensors.items()
+            if not is_carried(name, text, layout) and layout.from_hub(name) is not None}
 
 
 def layer_states(tensors, config):

@@ -17,9 +17,9 @@ documents as cu_seqlens, and the convolution as the causal-conv1d package's kern
 (DeltaRuleCore.forward, the one place that chooses: cuda_kernels); the torch path everywhere else, and for a
 stretch carried from another (forward_carrying) or fp32 activations (fla's kernel takes 16-bit ones).
 
-Qwen3-Next stores in_proj_qkvz and in_proj_ba fused, grouped by key head; the module holds Qwen3.5's split layout,
-and split_fused_projections / fuse_projections turn one into the other (row permutations, exact both ways), for the
-key map to apply at conversion and export.
+Qwen3-Next stores in_proj_qkvz and in_proj_ba fused, grouped by key head: FusedGatedDeltaNet holds them so (the
+layer files keep every tensor as stored) and regroups their outputs; split_fused_projections / fuse_projections turn
+the weights of one layout into the other's (row permutations, exact both ways).
 """
 import functools
 from typing import NamedTuple
@@ -30,6 +30,12 @@ from torch import nn
 
 from models.gated_delta_rule import chunk_gated_delta_rule
 from models.offset_norms import GatedRMSNorm
+
+
+# The marker of a parameter transformers computes with in the dtype it is stored in, which a run keeps so whatever its
+# training dtype (models/pipeline_layers.py StagePlan.kept_in_fp32): Qwen3.5 stores A_log and the gated norm's weight
+# in fp32 beside bf16 weights (the decay and the norm then run in fp32), Qwen3.6 in bf16.
+KEPT_AS_STORED = "kept_as_stored"
 
 
 class LinearAttentionCarry(NamedTuple):
@@ -170,10 +176,20 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel_size, groups=conv_dim, bias=False,
                                 padding=conv_kernel_size - 1)
         self.core = DeltaRuleCore(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
-        self.dt_bias = nn.Parameter(torch.ones(num_value_heads))
-        self.A_log = nn.Parameter(torch.empty(num_value_heads).uniform_(0.01, 16).log_())
+        self.dt_bias = nn.Parameter(torch.empty(num_value_heads))
+        self.A_log = nn.Parameter(torch.empty(num_value_heads))
+        self.reset_parameters()
         self.norm = GatedRMSNorm(value_head_dim, eps=rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        for param in (self.A_log, self.norm.weight):
+            setattr(param, KEPT_AS_STORED, True)
+
+    def reset_parameters(self):
+        """transformers' initialisation of the parameters the module holds itself (the decays'): a parameter made
+        after a build on the meta device gets it (models/tensor_parallel.py materialize)."""
+        with torch.no_grad():
+            self.dt_bias.fill_(1.0)
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log_())
 
     @classmethod
     def from_config(cls, config):
@@ -182,25 +198,31 @@ class GatedDeltaNet(nn.Module):
                    config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim,
                    config.rms_norm_eps)
 
-    def forward(self, hidden, document_ids=None):
-        """hidden [B, S, H]; document_ids [B, S] or None (each row one document, no padding)."""
-        return self.mix(hidden, document_ids, None, carry_out=False)[0]
+    def forward(self, hidden, document_ids=None, rows=None):
+        """hidden [B, S, H]; document_ids [B, S] or None (each row one document, no padding); rows: (B, S) where
+        hidden holds the rows' tokens flattened (sequence parallelism's layout around the projections)."""
+        return self.mix(hidden, document_ids, None, carry_out=False, rows=rows)[0]
+
+    def projections(self, hidden):
+        """(q|k|v, z, b, a): the projections of hidden, each over its last dimension."""
+        return self.in_proj_qkv(hidden), self.in_proj_z(hidden), self.in_proj_b(hidden), self.in_proj_a(hidden)
 
     def forward_carrying(self, hidden, document_ids=None, carry=None):
         """(output, the LinearAttentionCarry after the stretch): the stretch continues `carry` (None: starts the row)
         where its first token is of the carry's last token's document (document_ids None: it is)."""
         return self.mix(hidden, document_ids, carry, carry_out=True)
 
-    def mix(self, hidden, document_ids, carry, carry_out):
+    def mix(self, hidden, document_ids, carry, carry_out, rows=None):
         """(output, the LinearAttentionCarry after the stretch if carry_out, else None)."""
-        batch, seq, _ = hidden.shape
-        if document_ids is not None:
-            hidden = hidden * (document_ids != 0)[..., None].to(hidden.dtype)
-        qkv = self.in_proj_qkv(hidden)
-        z = self.in_proj_z(hidden).view(batch, seq, -1, self.value_head_dim)
-        beta = self.in_proj_b(hidden).sigmoid()
+        batch, seq = hidden.shape[:2] if rows is None else rows
+        # padding's projections zeroed: transformers zeroes its inputs (the projections have no bias)
+        qkv, z, b, a = (x.reshape(batch, seq, -1) if document_ids is None else
+                        x.reshape(batch, seq, -1) * (document_ids != 0)[..., None].to(x.dtype)
+                        for x in self.projections(hidden))
+        z = z.view(batch, seq, -1, self.value_head_dim)
+        beta = b.sigmoid()
         # fp32 whatever the weights' dtype (A_log may be stored in fp32 beside bf16 weights), as transformers
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         context = context_ids = initial_state = None
         if carry is not None:
             context, context_ids, initial_state = carry
@@ -228,6 +250,30 @@ class GatedDeltaNet(nn.Module):
         inputs = torch.cat([context.to(qkv.dtype), qkv], dim=1)[:, -keep:]
         ids = torch.cat([context_ids, document_ids], dim=1)[:, -keep:]
         return LinearAttentionCarry(inputs, ids, final_state)
+
+
+class FusedGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next's linear attention: GatedDeltaNet holding in_proj_qkvz and in_proj_ba as the checkpoint stores
+    them (rows grouped by key head: its q, its k, its group's v, then z; its group's b, then a), their outputs
+    regrouped into q|k|v, z, b, a as transformers' fix_query_key_value_ordering does. A split of the key heads cuts
+    both projections on those groups' boundaries."""
+
+    def __init__(self, hidden_size, num_key_heads, num_value_heads, key_head_dim, value_head_dim, conv_kernel_size,
+                 rms_norm_eps=1e-6):
+        super().__init__(hidden_size, num_key_heads, num_value_heads, key_head_dim, value_head_dim, conv_kernel_size,
+                         rms_norm_eps)
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_value_heads, bias=False)
+
+    def projections(self, hidden):
+        group = self.num_value_heads // self.num_key_heads
+        key, value = self.key_head_dim, group * self.value_head_dim
+        qkvz = self.in_proj_qkvz(hidden)
+        q, k, v, z = qkvz.unflatten(-1, (-1, 2 * key + 2 * value)).split([key, key, value, value], dim=-1)
+        b, a = self.in_proj_ba(hidden).unflatten(-1, (-1, 2 * group)).split([group, group], dim=-1)
+        return torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2)], dim=-1), z.flatten(-2), b.flatten(-2), \
+            a.flatten(-2)
 
 
 def split_fused_projections(qkvz, ba, num_key_heads, num_value_heads, key_head_dim, value_head_dim):

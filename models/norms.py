@@ -4,21 +4,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.offset_norms import offset_rms_norm
+
 
 class RMSNorm(nn.Module):
     """transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale (scale_in_fp32, OLMo 2's: scale, then
-    cast back)."""
+    cast back); offset: the Gated DeltaNet hybrids' (1 + w) scale in fp32, its weight initialised to 0
+    (models/offset_norms.py)."""
 
-    def __init__(self, hidden_size, eps, scale_in_fp32=False):
+    def __init__(self, hidden_size, eps, scale_in_fp32=False, offset=False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if offset else torch.ones(hidden_size))
         self.eps = eps
-        self.scale_in_fp32 = scale_in_fp32
+        self.scale_in_fp32, self.offset = scale_in_fp32, offset
 
     def reset_parameters(self):
-        nn.init.ones_(self.weight)
+        (nn.init.zeros_ if self.offset else nn.init.ones_)(self.weight)
 
     def forward(self, x):
+        if self.offset:
+            return offset_rms_norm(x, self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (self.weight * normed).to(x.dtype) if self.scale_in_fp32 else self.weight * normed.to(x.dtype)
 

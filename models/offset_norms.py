@@ -15,10 +15,18 @@ class OffsetRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
+    def reset_parameters(self):
+        nn.init.zeros_(self.weight)
+
     def forward(self, x):
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).type_as(x)
+        return offset_rms_norm(x, self.weight, self.eps)
+
+
+def offset_rms_norm(x, weight, eps):
+    """OffsetRMSNorm's math over x's last dimension, which the decoder's RMSNorm takes with offset=True."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).type_as(x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -30,6 +38,9 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
 
     def forward(self, x, gate):
         dtype = x.dtype

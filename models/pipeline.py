@@ -31,11 +31,13 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 
 
 def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARALLEL, context=NO_CONTEXT_PARALLEL,
-                          chunked_loss=False, row_layout="packed", experts=NO_EXPERT_PARALLEL):
+                          chunked_loss=False, row_layout="packed", experts=NO_EXPERT_PARALLEL,
+                          kept_in_fp32=frozenset()):
     """Layer specs in pipeline index order (models/layout.py): embedding, decoder layers, final norm, LM head.
     chunked_loss: the head hands the loss its input and weight instead of logits (models/loss.py). row_layout:
     what the rows hold, which decides the attention masks (models/attention.py StageAttentionInputs). experts:
-    where a sparse layer's experts are (models/expert_parallel.py)."""
+    where a sparse layer's experts are (models/expert_parallel.py). kept_in_fp32: the decoder layers' keys kept in
+    fp32 as the checkpoint stores them (models/pipeline_layers.py StagePlan)."""
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl '{attention_impl}' is not one of {ATTENTION_IMPLS}.")
     stage_inputs = (ContextParallelAttentionInputs(config, context, row_layout) if context.size > 1
@@ -46,7 +48,7 @@ def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARA
     head = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel,
                           forward_fn=functools.partial(lm_head, chunked_loss=chunked_loss))
             if tied else LayerSpec(LMHeadPipe, config, parallel, chunked_loss))
-    plan = StagePlan(attention_impl, parallel, context, experts)
+    plan = StagePlan(attention_impl, parallel, context, experts, kept_in_fp32=frozenset(kept_in_fp32))
     decoders = [LayerSpec(DecoderLayerPipe, config, stage_inputs, index, plan)
                 for index in range(config.num_hidden_layers)]
     return [embedding, *decoders, LayerSpec(FinalNormPipe, config, parallel, stage_inputs, attention_impl), head]
@@ -226,7 +228,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,
                           objective=PreferenceSettings(), seq_length=None, row_layout="packed", chunk_ids=None,
-                          expert_parallel_size=1):
+                          expert_parallel_size=1, kept_in_fp32=frozenset()):
     """The pipeline module of this rank's stage, with the parallelism its topology and sizes ask for applied to its
     layers and the loss its objective takes.
 
@@ -236,7 +238,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     LlamaPipeline) say which layers it holds, and layer_loader how their files are read. LoRA's adapters are added
     to the built decoder layers, split like their projections, and everything else is frozen; row_layout (what the
     rows hold, data/collator.py) decides the masks, and seq_length the labels' width when they may be one wider than
-    the rows (token shards)."""
+    the rows (token shards); kept_in_fp32 the decoder layers' parameters kept in fp32 as their checkpoint stores them
+    (models/pipeline_layers.py StagePlan)."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
     rank = torch.distributed.get_rank()
@@ -257,7 +260,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
         module = LlamaPipeline(config, stage_bounds, parallel, layer_loader, context, chunk_ids, experts,
                                layers=build_pipeline_layers(config, attention_impl, parallel, context,
                                                             chunked_loss=loss_chunk_tokens > 0,
-                                                            row_layout=row_layout, experts=experts),
+                                                            row_layout=row_layout, experts=experts,
+                                                            kept_in_fp32=kept_in_fp32),
                                topology=topology, loss_fn=loss_fn,
                                activation_checkpoint_interval=activation_checkpoint_interval,
                                # The embedding's input is integer ids: reentrant checkpointing of it would get no grad.

@@ -26,9 +26,11 @@ from models.architecture import architecture_of
 from models.context_parallel import NO_CONTEXT_PARALLEL, ContextParallel, wrap_attention_cores
 from models.decoder import DecoderLayer
 from models.expert_parallel import NO_EXPERT_PARALLEL, ExpertParallel
+from models.linear_attention import KEPT_AS_STORED
 from models.moe import RoutedTokens
 from models.multi_token_prediction import MultiTokenPrediction, next_tokens
 from models.norms import RMSNorm
+from models.sigmoid_router import FP32_MARKER
 from models.tensor_parallel import (NO_TENSOR_PARALLEL, TensorParallel, hook_gradient_sums, mark_sharded, parallelize,
                                     replicated, vocabulary_rows)
 
@@ -136,6 +138,9 @@ class StagePlan:
     context: ContextParallel = NO_CONTEXT_PARALLEL
     experts: ExpertParallel = NO_EXPERT_PARALLEL
     device: str | None = None
+    # keys of a decoder layer's parameters marked KEPT_AS_STORED that the checkpoint stores in fp32: kept in fp32
+    # whatever the training dtype (checkpoints/layer_files.py fp32_stored_keys)
+    kept_in_fp32: frozenset = frozenset()
 
     def building(self):
         """Where the plain layer is built: on the meta device when the plan replaces its parameters by this rank's
@@ -149,6 +154,16 @@ class StagePlan:
         parallelize(layer, self.parallel, self.device)
         if self.context.size > 1:
             wrap_attention_cores(layer, self.context)
+        keep_in_fp32(layer, self.kept_in_fp32)
+
+
+def keep_in_fp32(layer, keys):
+    """The layer's parameters of `keys` that transformers computes with as stored (KEPT_AS_STORED) made fp32, and
+    marked so that the engines keep them fp32 beside the training dtype (models/sigmoid_router.py FP32_MARKER)."""
+    for key, param in layer.named_parameters():
+        if key in keys and getattr(param, KEPT_AS_STORED, False):
+            param.data = param.data.float()
+            setattr(param, FP32_MARKER, True)
 
 
 PLAIN_STAGE = StagePlan()
@@ -197,7 +212,7 @@ class DecoderLayerPipe(DecoderLayer):
     def forward(self, inputs):
         stage = self.stage.unpack(inputs)
         attention_inputs = self.stage_inputs(stage.hidden, stage.document_ids, stage.position_ids,
-                                             self.self_attn.window)
+                                             self.window)
         tokens = RoutedTokens.of(stage.document_ids) if self.sparse else None
         hidden, statistics = self.math(stage.hidden, attention_inputs, tokens)
         routing = stage.routing if statistics is None else stage.routing.with_layer(self.sparse_row, statistics)
@@ -220,7 +235,8 @@ class FinalNormPipe(RMSNorm):
 
     def __init__(self, config, parallel=NO_TENSOR_PARALLEL, stage_inputs=None, attention_impl="sdpa"):
         architecture = architecture_of(config)
-        super().__init__(config.hidden_size, config.rms_norm_eps, scale_in_fp32=architecture.norm_scale_in_fp32)
+        super().__init__(config.hidden_size, config.rms_norm_eps, scale_in_fp32=architecture.norm_scale_in_fp32,
+                         offset=architecture.offset_norms)
         self.stage = StageTuple(config)
         self.mtp = MultiTokenPrediction(config, attention_impl) if self.stage.multi_token else None
         replicated(self, parallel)

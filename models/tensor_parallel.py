@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import collectives
+from models.architecture import LINEAR_ATTENTION, architecture_of
 from models.attention import Attention
 from models.latent_attention import LatentAttention
 from models.mlp import MLP
@@ -713,6 +714,10 @@ def check_tensor_parallel_split(config, size, sequence_tokens=None):
     MLP columns, vocabulary rows and, under sequence parallelism, the tokens of a micro-batch."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size={size} must be at least 1.")
+    if size > 1 and LINEAR_ATTENTION in architecture_of(config).mixer_layers:
+        raise ValueError(f"tensor_parallel_size={size} with {config.model_type}: its linear-attention (Gated DeltaNet) "
+                         f"layers have no tensor-parallel plan yet; set tensor_parallel_size=1 and split the model "
+                         f"over pipeline stages, data and expert parallelism (docs/qwen3_5.md).")
     counts = {"num_attention_heads": config.num_attention_heads,
               "num_key_value_heads": config.num_key_value_heads or config.num_attention_heads,
               "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}

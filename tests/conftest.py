@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from tests.cpu_durations import (pytest_addoption, pytest_runtest_logreport, pytest_runtest_makereport,  # noqa: E402,F401
                                  pytest_runtest_protocol, pytest_sessionfinish, pytest_terminal_summary,
                                  pytest_testnodedown)
-from tests.tiny_models import DEEPSEEK_CONFIGS, MOE_CONFIGS, TINY_CONFIGS, make_tiny_model  # noqa: E402
+from tests.tiny_models import DEEPSEEK_CONFIGS, HYBRID_CONFIGS, MOE_CONFIGS, TINY_CONFIGS, make_tiny_model  # noqa: E402
 
 if not torch.cuda.is_available():  # the CPU suite's in-process references: see tests/launch.py process_environment
     torch.set_num_threads(1)
@@ -92,6 +92,13 @@ def tiny_deepseek_checkpoints(tmp_path_factory):
     """{name: (hf_dir, ds_dir)} for every tiny model of the DeepSeek-V3 line (tests/tiny_models.py
     DEEPSEEK_CONFIGS), saved and converted as the mixtures of experts."""
     return converted_tiny_models(tmp_path_factory.mktemp("tiny_deepseek"), DEEPSEEK_CONFIGS)
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_checkpoints(tmp_path_factory):
+    """{name: (hf_dir, ds_dir)} for every tiny Gated DeltaNet hybrid (tests/tiny_models.py HYBRID_CONFIGS), saved
+    by transformers and converted."""
+    return converted_tiny_models(tmp_path_factory.mktemp("tiny_hybrid"), HYBRID_CONFIGS)
 
 
 @pytest.fixture(scope="session")

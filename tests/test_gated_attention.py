@@ -9,8 +9,10 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5Attention, Qwen
                                                           Qwen3_5TextRotaryEmbedding)
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttention, Qwen3NextRotaryEmbedding
 
+from models.attention import AttentionInputs
 from models.attention_kernels import additive_mask
-from models.gated_attention import GatedAttention, PartialRotaryEmbedding
+from models.gated_attention import GatedAttention
+from models.rotary import RotaryEmbedding
 from models.offset_norms import GatedRMSNorm, OffsetRMSNorm
 
 FAMILIES = {"qwen3_5": (Qwen3_5TextConfig, Qwen3_5Attention, Qwen3_5TextRotaryEmbedding),
@@ -67,11 +69,11 @@ def test_gated_attention_matches_transformers(family, impl, bias):
     generator = torch.Generator().manual_seed(1)
     x, upstream = torch.randn(2, 24, 32, generator=generator), torch.randn(2, 24, 32, generator=generator)
     positions = torch.arange(24).expand(2, 24)
-    cos, sin = PartialRotaryEmbedding(config)(x, positions)
+    cos, sin = RotaryEmbedding(config)(x, positions)
     theirs_cos, theirs_sin = theirs_tables(family, config, x, positions)
     assert cos.shape[-1] == 4 and torch.equal(cos, theirs_cos) and torch.equal(sin, theirs_sin)
     causal = additive_mask(torch.ones(24, 24, dtype=torch.bool).tril()[None, None], x.dtype)
-    out, x_grad, grads = attention_and_grads(ours, x, upstream, cos, sin, None)
+    out, x_grad, grads = attention_and_grads(ours, x, upstream, AttentionInputs(cos, sin, None))
     expected, expected_x_grad, expected_grads = attention_and_grads(
         reference, x, upstream, (theirs_cos, theirs_sin), causal if impl == "eager" else None)
     assert_close(out, expected)
@@ -98,8 +100,8 @@ def test_a_packed_row_equals_each_document_alone():
     generator = torch.Generator().manual_seed(1)
     x, upstream = torch.randn(1, 28, 32, generator=generator), torch.randn(1, 28, 32, generator=generator)
     upstream[:, 24:] = 0  # padding's outputs are nobody's
-    cos, sin = PartialRotaryEmbedding(config)(x, positions)
-    out, x_grad, _ = attention_and_grads(ours, x, upstream, cos, sin, packed_mask(ids))
+    cos, sin = RotaryEmbedding(config)(x, positions)
+    out, x_grad, _ = attention_and_grads(ours, x, upstream, AttentionInputs(cos, sin, packed_mask(ids)))
     for span in (slice(0, 9), slice(9, 19), slice(19, 24)):
         alone = x[:, span]
         tables = theirs_tables("qwen3_5", config, alone, torch.arange(span.stop - span.start)[None])

@@ -3,7 +3,7 @@ is the oracle the pipeline must match."""
 import torch
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, GptOssConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
                           Olmo2Config, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
-                          SmolLM3Config)
+                          Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig, SmolLM3Config)
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
               max_position_embeddings=64, rms_norm_eps=1e-5)
@@ -88,10 +88,30 @@ DEEPSEEK_CONFIGS = {
                                       use_qk_norm=True, n_group=2, topk_group=1, routed_scaling_factor=1.5),
 }
 
+# The Gated DeltaNet hybrids: 2 key heads and 4 value heads of 8 (grouped value heads), a kernel of 4; gated full
+# attention of 4 query and 2 key/value heads of 16, a quarter of each rotary; positions to 256, so that packed rows
+# cross the delta rule's chunks of 64.
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4)
+HYBRID = dict(COMMON, max_position_embeddings=256, num_key_value_heads=2, head_dim=16, **LINEAR)
+QWEN_EXPERTS = dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+HYBRID_CONFIGS = {
+    # Qwen3.5 / 3.6 dense: a full-attention layer second, not at the interval's place (layer_types decides)
+    "qwen3_5": lambda: Qwen3_5TextConfig(**HYBRID, layer_types=["linear_attention", "full_attention",
+                                                                 "linear_attention", "linear_attention"]),
+    # Qwen3.5 0.8B-like: tied embeddings, a pad token that is a real one
+    "qwen3_5_tied": lambda: Qwen3_5TextConfig(**HYBRID, tie_word_embeddings=True, pad_token_id=3),
+    # Qwen3.5-MoE: every layer top-2 of 4 renormalised, the gated shared expert, the load-balancing loss on
+    "qwen3_5_moe": lambda: Qwen3_5MoeTextConfig(**HYBRID, **MOE, **QWEN_EXPERTS),
+    # Qwen3-Next: fused in_proj_qkvz / in_proj_ba, layer 1 dense (mlp_only_layers), top-k not renormalised
+    "qwen3_next": lambda: Qwen3NextConfig(**HYBRID, **MOE, **QWEN_EXPERTS, mlp_only_layers=[1], norm_topk_prob=False),
+}
+
 
 def make_tiny_model(name, path, seed=0, **save_kwargs):
     """Save a randomly initialised tiny model to path and return it (fp32, eval mode)."""
-    return make_model({**TINY_CONFIGS, **MOE_CONFIGS, **DEEPSEEK_CONFIGS}[name](), path, seed, **save_kwargs)
+    return make_model({**TINY_CONFIGS, **MOE_CONFIGS, **DEEPSEEK_CONFIGS, **HYBRID_CONFIGS}[name](), path, seed,
+                      **save_kwargs)
 
 
 def make_model(config, path, seed=0, dtype=torch.float32, **save_kwargs):
@@ -102,6 +122,11 @@ def make_model(config, path, seed=0, dtype=torch.float32, **save_kwargs):
         for param_name, param in model.named_parameters():
             if param_name.endswith((".bias", "_bias")):
                 param.normal_(std=0.02)
+            if param_name.endswith("norm.weight") and not param.any():  # a (1 + w) norm's: 0 would hide the offset
+                param.normal_(std=0.1)
+            if param_name.endswith("A_log"):  # decays of 0.05 to 1 a token: init's (to 16) forget within a token,
+                param.uniform_(-3.0, 0.0)  # leaving the decay's gradients at fp32's noise
+
         for buffer_name, buffer in model.named_buffers():
             if buffer_name.endswith("e_score_correction_bias"):  # DeepSeek's: moves the choice, not the weights
                 buffer.normal_(std=0.1)

@@ -22,7 +22,7 @@ from checkpoints.disk_space import checkpoint_bytes, storage_warning
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from checkpoints.files import has_tokenizer_files
 from checkpoints.integrity import verify_checkpoint
-from checkpoints.layer_files import load_layer_slice
+from checkpoints.layer_files import fp32_stored_keys, load_layer_slice
 from resilience.run_lease import output_dir_lease
 from checkpoints.saving import save_checkpoint
 from checkpoints.state_files import WeightsOnlyCheckpointEngine
@@ -87,7 +87,10 @@ def build_engine(spec, total_steps, layer_loader=load_layer_slice):
             objective=spec.preference, seq_length=cfg.seq_length if cfg.data.format == "indexed" else None,
             row_layout=row_layout(cfg.data),
             chunk_ids=rank_chunk_ids(cfg.pipeline_schedule, spec.num_stages, cfg.virtual_stages),
-            expert_parallel_size=cfg.expert_parallel_size)
+            expert_parallel_size=cfg.expert_parallel_size,
+            # the tensors the converted model stores in fp32 beside bf16 ones (Qwen3.5's A_log) stay fp32
+            kept_in_fp32=fp32_stored_keys(start_checkpoint_dir(cfg.model_name_or_path, None), spec.model_config)
+            if layer_loader is not None else frozenset())
     if cfg.compile:
         module.compile()
     ds_config, monitors = deepspeed_config(cfg, total_steps)

@@ -12,10 +12,10 @@ state that cannot carry over to the run's settings (fp16's loss scale) is droppe
 refuses to mix its checkpoints with an older run's, and every start refuses an output_dir holding what the
 trainer did not write and would clean up."""
 import dataclasses
-import json
 import os
 
 import torch.distributed as dist
+from transformers import AutoConfig
 
 import collectives
 from checkpoints.branches import finish_moves, start_branch
@@ -27,7 +27,7 @@ from checkpoints.trainer_state import read_trainer_state
 from cluster.distributed import log_rank0
 from cluster.shared_files import VISIBLE_WITHIN_S, wait_for_files
 from errors import ConfigError
-from models.layout import layer_indices_with_files
+from models.layout import layer_indices_with_files, text_config_of
 from models.lora import adapter_layer_indices
 from models.partition import decoder_counts_of_bounds
 from cluster.console import say
@@ -127,8 +127,7 @@ def check_same_model(tag_dir, model_config):
     path = os.path.join(tag_dir, "config.json")
     if not os.path.isfile(path):
         return
-    with open(path) as f:
-        saved = json.load(f)
+    saved = text_config_of(AutoConfig.from_pretrained(tag_dir)).to_dict()  # a multimodal checkpoint's text model's
     current = model_config.to_dict()
     differ = [f"{key} {saved.get(key)} there, {current.get(key)} here" for key in MODEL_SHAPE_KEYS
               if saved.get(key) != current.get(key)]

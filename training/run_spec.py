@@ -22,7 +22,7 @@ from errors import ConfigError
 from models.architecture import architecture_of, check_model_config, check_trains_as_configured
 from models.context_parallel import context_parallel_error
 from models.expert_parallel import expert_parallel_error
-from models.layout import layer_file_name
+from models.layout import layer_file_name, text_config_of
 from models.lora import adapter_parameter_total, check_lora_applies, check_rank_fits
 from models.partition import decoder_counts_of_bounds, decoder_kinds, layer_parameter_counts
 from models.pipeline import partition_stages
@@ -336,7 +336,7 @@ def load_model_config(model_dir, verify_checksums):
         verify_model_side_files(side_dir)
     config = AutoConfig.from_pretrained(side_dir)
     check_model_config(config)
-    return config, side_dir
+    return text_config_of(config), side_dir  # a multimodal checkpoint trains its text model
 
 
 def load_plan_model_config(cfg):
@@ -352,7 +352,7 @@ def load_plan_model_config(cfg):
         raise ConfigError(f"plan_only needs a model config: '{path}' has no config.json and model_config is not "
                           f"set; point model_name_or_path at a Hugging Face or converted directory.")
     check_model_config(config)
-    return config
+    return text_config_of(config)
 
 
 def tokenizer_dir(cfg, model_files_dir):

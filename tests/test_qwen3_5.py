@@ -1,0 +1,170 @@
+"""The Gated DeltaNet hybrids (Qwen3.5, Qwen3.6, Qwen3.5-MoE, Qwen3-Next) on the pipeline: its layers equal
+transformers in one process (loss, every gradient, padded rows); over 1, 2 and 4 stages, data, tensor and expert
+parallelism (real processes), the losses and gradients after every reduction equal transformers'; six training
+steps with clipping equal a transformers + torch AdamW loop; fp32-stored tensors stay fp32 in training and export.
+The single-device model's parity (padded and packed rows, the multimodal checkpoints) is tests/test_single_device.py's.
+"""
+import pytest
+import torch
+
+from tests.test_moe import pipeline_in_one_process
+from tests.tiny_models import HYBRID_CONFIGS, make_tiny_model
+
+HYBRIDS = list(HYBRID_CONFIGS)
+
+
+def assert_gradients_equal(grads, expected, family):
+    assert set(grads) == set(expected), family
+    for name, grad in grads.items():
+        reference = expected[name]
+        scale = reference.abs().max().item() or 1.0
+        assert (grad - reference).abs().max().item() / scale < 1e-4, (family, name)
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 7], ids=["logits", "chunked"])
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_layers_equal_transformers_in_one_process(tmp_path, family, chunk_tokens):
+    """The pipeline's layers run one after the other on padded rows: the loss (with Qwen3.5-MoE's and Qwen3-Next's
+    load-balancing term) and every weight's gradient are transformers'."""
+    reference = make_tiny_model(family, tmp_path)
+    loss, grads, outputs, expected = pipeline_in_one_process(reference.config, reference.train(), chunk_tokens)
+    assert loss.item() == pytest.approx(outputs.loss.item(), abs=1e-5)
+    expected = {name: grad for name, grad in expected.items()
+                if not (reference.config.tie_word_embeddings and name == "lm_head.weight")}
+    assert_gradients_equal(grads, expected, family)
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_tensor_parallelism_is_refused_in_one_line_before_anything_is_built(family):
+    """The linear-attention layers have no tensor-parallel plan yet: refused by the run's checks, naming the fix."""
+    from models.tensor_parallel import check_tensor_parallel_split
+    config = HYBRID_CONFIGS[family]()
+    check_tensor_parallel_split(config, 1)
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2 with .*no tensor-parallel plan yet; set "
+                                         r"tensor_parallel_size=1") as error:
+        check_tensor_parallel_split(config, 2)
+    assert "\n" not in str(error.value)
+
+
+# --- many processes ------------------------------------------------------------------------------------------------
+
+LAYOUTS = {  # name: (stages, world size, tensor parallel, {case suffix: options}, families)
+    "1stage": (1, 1, 1, {"": {}}, HYBRIDS),
+    "2stages": (2, 2, 1, {"": {}}, HYBRIDS),
+    "4stages": (4, 4, 1, {"": {}}, HYBRIDS),
+    "2stages_x_2dp": (2, 4, 1, {"+checkpointing": {"checkpoint_interval": 1},
+                                "+zero_bubble": {"schedule": "zero_bubble"}}, ("qwen3_5", "qwen3_next")),
+    "2stages_x_ep2": (2, 4, 1, {"+ep2": {"expert_parallel": 2}}, ("qwen3_5_moe", "qwen3_next")),
+}
+# the linear attention's projections, whose weight gradients a zero-bubble schedule leaves to W
+LINEAR_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_loss_and_gradients_equal_transformers_across_processes(tiny_hybrid_checkpoints, tmp_path, layout):
+    """One launch per layout runs the hybrids, their layer pattern split across the stages wherever the partition
+    falls: the per-micro-batch losses (padded rows) and every gradient after the data-parallel (and expert-parallel)
+    reductions equal transformers'; each rank reads only its stage's layer files; under the zero-bubble schedule the
+    linear attention's projections have their weight gradients computed at W."""
+    import glob
+    import json
+    from tests.test_moe import assert_parity_across_processes
+    num_stages, world_size, tensor_parallel, variants, families = LAYOUTS[layout]
+    cases = [dict(name=family + suffix, hf_dir=tiny_hybrid_checkpoints[family][0],
+                  ds_dir=tiny_hybrid_checkpoints[family][1], **options)
+             for suffix, options in variants.items() for family in families]
+    assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel)
+    for path in glob.glob(str(tmp_path / "rank*.json")):
+        for name, result in json.load(open(path)).items():
+            if name.endswith("+zero_bubble"):
+                projections = {n for n in result["param_names"] if ".linear_attn." in n
+                               and n.rsplit(".", 2)[-2] in LINEAR_PROJECTIONS}
+                assert projections and projections <= set(result["deferred_weights"]), name
+
+
+# --- training ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def demo_hybrids(demo_model, tmp_path_factory):
+    """Tiny Qwen3.5 and Qwen3.5-MoE (the load-balancing loss on) over the demo model's tokenizer: {family: {hf, ds}}."""
+    from tests.test_moe import demo_model_of
+    return {family: demo_model_of(HYBRID_CONFIGS[family](), demo_model, tmp_path_factory.mktemp(family))
+            for family in ("qwen3_5", "qwen3_5_moe")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["1_process", "2stages", "2stages_x_2dp"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_training_steps_equal_transformers(demo_model, demo_hybrids, tmp_path, family, layout):
+    """Six steps of the trainer on instruction data (padded rows), clipping active: the logged loss and the step-1
+    gradient norm are those of transformers + torch AdamW on the same global batches (2 x 2: ZeRO-1)."""
+    from tests.test_moe import MAX_GRAD_NORM, trained_and_transformers
+    records, losses, norms, _ = trained_and_transformers(demo_model, demo_hybrids[family], tmp_path, layout)
+    assert min(norms) > MAX_GRAD_NORM  # clipping acts on every step
+    assert [r["loss"] for r in records] == pytest.approx(losses, abs=1e-4, rel=0)
+    assert records[0]["grad_norm"] == pytest.approx(norms[0], rel=1e-4)
+
+
+# --- dtypes as stored, the multimodal checkpoint trained and exported ------------------------------------------------
+
+def multimodal_hub_checkpoint(demo_model, root, fp32):
+    """A tiny Qwen3.5 multimodal checkpoint as the hub ships it, over the demo model's tokenizer: bf16, the names in
+    `fp32` stored in fp32 (Qwen3.5's; Qwen3.6: none), a vision tower and the MTP layer; converted. {hf, ds}."""
+    import os
+    import shutil
+    from transformers import AutoConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from checkpoints.hf_to_ds import convert_hf_to_ds
+    from tests.hub_checkpoints import QWEN_VISION, hf_weights, mtp, rewrite_shards
+    tokens = AutoConfig.from_pretrained(demo_model["hf"])
+    text = {**HYBRID_CONFIGS["qwen3_5"]().to_dict(), "max_position_embeddings": 128,
+            **{field: getattr(tokens, field) for field in ("vocab_size", "bos_token_id", "eos_token_id",
+                                                          "pad_token_id")}}
+    config = Qwen3_5Config(text_config=text, vision_config=QWEN_VISION, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(std=0.1)
+            if name.endswith(fp32):
+                param.data = param.data.float()
+    hf, ds = root / "hf", root / "ds"
+    model.save_pretrained(hf, max_shard_size="20KB")
+    rewrite_shards(hf, {**hf_weights(hf), **mtp()})
+    for name in os.listdir(demo_model["hf"]):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(demo_model["hf"], name), hf)
+    convert_hf_to_ds(str(hf), str(ds))
+    return {"hf": str(hf), "ds": str(ds)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("release", ["qwen3_5", "qwen3_6"])
+def test_bf16_training_keeps_each_tensor_as_stored_through_checkpoint_and_export(demo_model, tmp_path, release):
+    """The multimodal checkpoint trained in bf16 over 2 stages (its text model; the vision tower and the MTP layer
+    carried): the fp32-stored A_log and gated-norm weights (Qwen3.5) stay fp32 in the training checkpoint's layer
+    files and in the export, and train; Qwen3.6's bf16 ones stay bf16; every other tensor keeps its dtype, the carried ones their
+    bits; the export loads in transformers as the original did."""
+    from transformers import Qwen3_5ForConditionalGeneration
+    from checkpoints.layer_files import mapped
+    from models.layout import layer_file_path
+    from tests.hub_checkpoints import FP32_AS_STORED, hf_weights
+    from tests.launch import check_ok, demo_overrides, launch_trainer
+    fp32 = FP32_AS_STORED if release == "qwen3_5" else ()
+    dirs = multimodal_hub_checkpoint(demo_model, tmp_path / "model", fp32)
+    out = tmp_path / "run"
+    check_ok(launch_trainer(2, demo_overrides(demo_model, out, model_name_or_path=dirs["ds"], precision="bf16",
+                                              zero_stage=1, max_steps=2, save_steps=2, eval_steps=0, logging_steps=1,
+                                              learning_rate=1e-2, export_hf="true")))
+    layer = mapped(layer_file_path(str(out / "global_step2"), 1))  # a linear-attention layer
+    expected = torch.float32 if fp32 else torch.bfloat16
+    assert layer["linear_attn.A_log"].dtype == layer["linear_attn.norm.weight"].dtype == expected
+    assert layer["linear_attn.in_proj_qkv.weight"].dtype == torch.bfloat16
+    before, after = hf_weights(dirs["hf"]), hf_weights(out / "hf")
+    assert set(after) == set(before)
+    assert {name: t.dtype for name, t in after.items()} == {name: t.dtype for name, t in before.items()}
+    assert all(torch.equal(after[name], before[name]) for name in before if name.startswith(("model.visual.", "mtp.")))
+    a_log = "model.language_model.layers.0.linear_attn.A_log"
+    assert not torch.equal(after[a_log], before[a_log])  # trained
+    exported, info = Qwen3_5ForConditionalGeneration.from_pretrained(out / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
