@@ -90,3 +90,20 @@ def test_the_reference_tells_a_state_restarted_at_the_rank_boundary_apart():
 def test_heads_that_do_not_split_are_refused():
     with pytest.raises(ValueError, match=r"^linear_num_key_heads=2 does not split over context_parallel_size=4"):
         ContextParallelDeltaRuleCore(DeltaRuleCore(2, 8, 16, 8), ContextParallel(4, 0))
+
+
+# The hybrids on the pipeline under context parallelism, on 4 processes: {name: (tiny model, stages, tensor
+# parallel, context parallel, options)}, as tests/test_context_parallel.py's CASES.
+HYBRID_CASES = {
+    "qwen3_5_cp2_x_2replicas": ("qwen3_5", 1, 1, 2, {}),
+    "qwen3_5_tied_2stages_x_cp2": ("qwen3_5_tied", 2, 1, 2, {}),  # the tied embedding across the stages
+}
+
+
+@pytest.mark.slow
+def test_hybrids_under_context_parallelism_equal_transformers(tiny_hybrid_checkpoints, tmp_path):
+    """Qwen3.5 (linear attention, gated full attention) on the pipeline with context_parallel_size=2: the eval loss
+    (the trainer's evaluate), the training loss and every gradient on each rank equal transformers' on each packed
+    document alone (its torch path cannot keep them apart) and on full rows (eval within 1e-5, gradients 1e-4)."""
+    from tests.test_context_parallel import assert_context_parity
+    assert_context_parity(tiny_hybrid_checkpoints, tmp_path, HYBRID_CASES)
