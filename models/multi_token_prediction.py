@@ -74,13 +74,13 @@ def full_attention_layer(config):
     return extended, config.num_hidden_layers
 
 
-def rms_norm(config):
+def plain_norm(config):
     return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-def offset_rms_norm(config):
-    from models.offset_norms import OffsetRMSNorm
-    return OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+def offset_norm(config):
+    """The hybrids' (1 + w) RMSNorm."""
+    return RMSNorm(config.hidden_size, config.rms_norm_eps, offset=True)
 
 
 def deepseek_layout(config):
@@ -88,7 +88,7 @@ def deepseek_layout(config):
         prefix=f"model.layers.{config.num_hidden_layers}.",
         parts=(("embedding_norm.", "enorm."), ("hidden_norm.", "hnorm."), ("projection.", "eh_proj."),
                ("norm.", "shared_head.norm."), ("layer.", "")),
-        layer_config=following_decoder_layer, norm=rms_norm,
+        layer_config=following_decoder_layer, norm=plain_norm,
         shared=(("embed_tokens.weight", "model.embed_tokens.weight"), ("shared_head.head.weight", "lm_head.weight")))
 
 
@@ -96,7 +96,7 @@ def qwen3_5_layout(config):
     return MultiTokenPredictionLayout(
         prefix="mtp.", parts=(("embedding_norm.", "pre_fc_norm_embedding."), ("hidden_norm.", "pre_fc_norm_hidden."),
                               ("projection.", "fc."), ("norm.", "norm."), ("layer.", "layers.0.")),
-        layer_config=full_attention_layer, norm=offset_rms_norm)
+        layer_config=full_attention_layer, norm=offset_norm)
 
 
 # {model_type: its MTP layer's layout}; the config's count of MTP layers says whether a checkpoint has one.

@@ -16,14 +16,20 @@ from models.loss import CausalLMLoss
 from models.multi_token_prediction import MultiTokenPrediction, mtp_labels, mtp_layout_of, next_tokens
 from models.pipeline import build_pipeline_layers
 from models.pipeline_layers import lm_head
-from tests.tiny_models import DEEPSEEK_CONFIGS, make_batch, make_model
+from tests.tiny_models import DEEPSEEK_CONFIGS, HYBRID_CONFIGS, make_batch, make_model
 
 SCALE = 0.3  # not Megatron-Bridge's 0.1: a larger share of the gradient, so a wrong MTP term shows
 
 
+MTP_FAMILIES = {**DEEPSEEK_CONFIGS, "qwen3_5": HYBRID_CONFIGS["qwen3_5"]}
+
+
 def tiny_config(family):
-    config = DEEPSEEK_CONFIGS[family]()
-    config.num_nextn_predict_layers = 1
+    config = MTP_FAMILIES[family]()
+    if config.model_type == "qwen3_5_text":
+        config.mtp_num_hidden_layers = 1
+    else:
+        config.num_nextn_predict_layers = 1
     config.mtp_loss_scale = SCALE  # as training/config_checks.py sets it from the run's mtp_loss_scale
     return config
 
@@ -42,27 +48,46 @@ def mtp_hub_tensors(config, seed=5):
     return tensors
 
 
+# The reference's own names of the MTP layer's parts, after DeepSeek-V3's paper (models/multi_token_prediction.py's
+# names on the left).
+REFERENCE_NAMES = {"embedding_norm.": "enorm.", "hidden_norm.": "hnorm.", "projection.": "eh_proj.",
+                   "norm.": "shared_head_norm.", "layer.": "layer."}
+
+
+def reference_parts(config):
+    """(transformers' decoder layer class, its RMSNorm class) of a family."""
+    if config.model_type == "glm4_moe":
+        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer, Glm4MoeRMSNorm
+        return Glm4MoeDecoderLayer, Glm4MoeRMSNorm
+    if config.model_type == "qwen3_5_text":
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+        return Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+    return DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+
+def reference_key(key):
+    ours = next(prefix for prefix in REFERENCE_NAMES if key.startswith(prefix))
+    return REFERENCE_NAMES[ours] + key.removeprefix(ours)
+
+
 class ReferenceMTP(nn.Module):
-    """DeepSeek-V3's MTP layer in plain torch and transformers' own parts (vLLM's and Megatron's order of the
-    concatenation, the shared embedding and head passed in)."""
+    """The MTP layer in plain torch and transformers' own parts (vLLM's and Megatron's order of the concatenation,
+    the shared embedding and head passed in): DeepSeek-V3's (its decoder layer L), Qwen3.5's (a full-attention
+    layer, (1 + w) norms)."""
 
     def __init__(self, config, tensors):
         super().__init__()
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
-        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer, Glm4MoeRMSNorm
-        layer_class, norm = ((Glm4MoeDecoderLayer, Glm4MoeRMSNorm) if config.model_type == "glm4_moe"
-                             else (DeepseekV3DecoderLayer, DeepseekV3RMSNorm))
-        config = copy.deepcopy(config)
-        config._attn_implementation = "eager"
-        self.enorm, self.hnorm = (norm(config.hidden_size, config.rms_norm_eps) for _ in range(2))
+        layer_class, norm = reference_parts(config)
+        layer_config, index = mtp_layout_of(config).layer_config(config)
+        layer_config._attn_implementation = "eager"
+        self.enorm, self.hnorm = (norm(config.hidden_size, eps=config.rms_norm_eps) for _ in range(2))
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.layer = layer_class(config, config.num_hidden_layers)
-        self.shared_head_norm = norm(config.hidden_size, config.rms_norm_eps)
-        prefix = f"model.layers.{config.num_hidden_layers}."
-        state = {name.removeprefix(prefix): tensor for name, tensor in tensors.items()}
-        names = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-                 "shared_head.norm.weight": "shared_head_norm.weight"}
-        own = {names.get(key, f"layer.{key}"): tensor for key, tensor in state.items()}
+        self.layer = layer_class(layer_config, index)
+        self.shared_head_norm = norm(config.hidden_size, eps=config.rms_norm_eps)
+        layout = mtp_layout_of(config)
+        own = {reference_key(layout.key_of(name)): tensor for name, tensor in tensors.items()
+               if layout.key_of(name) is not None}
         self.load_state_dict(own, strict=True)
 
     def forward(self, model, input_ids, labels):
@@ -127,9 +152,8 @@ def reference_loss_and_grads(config, model, tensors, batch):
     (main + SCALE * mtp).backward()
     layout = mtp_layout_of(config)
     grads = {name: param.grad for name, param in model.named_parameters()}
-    names = {"enorm.weight": "embedding_norm.weight", "hnorm.weight": "hidden_norm.weight",
-             "eh_proj.weight": "projection.weight", "shared_head_norm.weight": "norm.weight"}
-    grads.update({layout.hub_name(names.get(key, key)): param.grad for key, param in reference.named_parameters()})
+    ours = {reference_key(key): key for key in MultiTokenPrediction(config).state_dict()}
+    grads.update({layout.hub_name(ours[key]): param.grad for key, param in reference.named_parameters()})
     return main.item(), mtp.item(), grads
 
 
@@ -169,7 +193,7 @@ def pipeline_loss_and_grads(config, model, tensors, batch, chunk_tokens):
 
 @pytest.mark.parametrize("rows", ["padded", "packed"])
 @pytest.mark.parametrize("chunk_tokens", [0, 7], ids=["logits", "chunked"])
-@pytest.mark.parametrize("family", list(DEEPSEEK_CONFIGS))
+@pytest.mark.parametrize("family", list(MTP_FAMILIES))
 def test_loss_and_gradients_equal_a_torch_reference(tmp_path, family, chunk_tokens, rows):
     """The loss (main + scale x MTP), its MTP term and every gradient, the MTP layer's and the shared embedding's
     and head's included, against the reference on each document alone: packed documents' MTP terms restart at
@@ -184,7 +208,10 @@ def test_loss_and_gradients_equal_a_torch_reference(tmp_path, family, chunk_toke
     assert mtp == pytest.approx(ref_mtp, rel=1e-6)
     assert loss == pytest.approx(ref_main + SCALE * ref_mtp, rel=1e-6)
     mtp_names = [name for name in tensors if ref_grads.get(name) is not None]
-    assert any("eh_proj" in name for name in mtp_names) and any("experts" in name for name in mtp_names)
+    layout = mtp_layout_of(config)
+    assert any(layout.key_of(name) == "projection.weight" for name in mtp_names)
+    assert any(("experts" if config.model_type != "qwen3_5_text" else "self_attn.q_proj") in name
+               for name in mtp_names)
     errors = {name: ((grads[name] - ref).abs().max() / ref.abs().max()).item()
               for name, ref in ref_grads.items() if ref is not None}
     assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda item: -item[1])[:5]
@@ -221,25 +248,39 @@ def per_expert(tensors, config):
 
 
 @pytest.fixture(scope="module")
-def demo_deepseek_with_mtp(demo_model, tmp_path_factory):
-    """The tiny DeepSeek-V3 over the demo model's tokenizer, its checkpoint shipping a whole MTP layer as DeepSeek's
-    do (its own norms, projection, a sparse decoder layer one tensor per expert, and copies of the embedding and
-    head): {hf, ds, config, mtp: {hub name: tensor, experts fused}}."""
+def mtp_checkpoints(demo_model, tmp_path_factory):
+    """family -> the tiny model over the demo model's tokenizer, its checkpoint shipping a whole MTP layer as the
+    hub does ({hf, ds, config, mtp: {hub name: tensor, experts fused}}): DeepSeek-V3's (its own norms, projection,
+    a sparse decoder layer one tensor per expert, and copies of the embedding and head), Qwen3.5's (mtp.*)."""
     from checkpoints.hf_to_ds import convert_hf_to_ds
     from tests.test_deepseek_conversion import with_mtp_shard
     from tests.test_moe import demo_model_of
-    config = DEEPSEEK_CONFIGS["deepseek_v3"]()
-    config.num_nextn_predict_layers = 1
-    root = tmp_path_factory.mktemp("demo_deepseek_with_mtp")
-    dirs = demo_model_of(config, demo_model, root)
-    mtp = mtp_hub_tensors(config)
-    weights = with_mtp_shard(dirs["hf"], {})
-    prefix = f"model.layers.{config.num_hidden_layers}."
-    copies = {f"{prefix}embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
-              f"{prefix}shared_head.head.weight": weights["lm_head.weight"].clone()}
-    with_mtp_shard(dirs["hf"], {**per_expert(mtp, config), **copies})
-    convert_hf_to_ds(dirs["hf"], dirs["ds"], overwrite=True)
-    return {**dirs, "config": config, "mtp": mtp}
+    built = {}
+
+    def checkpoint(family):
+        if family in built:
+            return built[family]
+        config = tiny_config(family)
+        del config.mtp_loss_scale  # the run's, not the checkpoint's
+        root = tmp_path_factory.mktemp(f"mtp_{family}")
+        dirs = demo_model_of(config, demo_model, root)
+        mtp = mtp_hub_tensors(config)
+        weights = with_mtp_shard(dirs["hf"], {})
+        copies = {}
+        if config.model_type != "qwen3_5_text":
+            prefix = f"model.layers.{config.num_hidden_layers}."
+            copies = {f"{prefix}embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
+                      f"{prefix}shared_head.head.weight": weights["lm_head.weight"].clone()}
+        with_mtp_shard(dirs["hf"], {**per_expert(mtp, config), **copies})
+        convert_hf_to_ds(dirs["hf"], dirs["ds"], overwrite=True)
+        built[family] = {**dirs, "config": config, "mtp": mtp}
+        return built[family]
+    return checkpoint
+
+
+@pytest.fixture(scope="module")
+def demo_deepseek_with_mtp(mtp_checkpoints):
+    return mtp_checkpoints("deepseek_v3")
 
 
 def reference_steps(model_dirs, batches, micro_batch_size):
@@ -270,16 +311,15 @@ def reference_steps(model_dirs, batches, micro_batch_size):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(step_loss)
-    names = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-             "shared_head_norm.weight": "shared_head.norm.weight"}
-    prefix = f"model.layers.{config.num_hidden_layers}."
-    trained = {f"{prefix}{names.get(key, key.removeprefix('layer.'))}": tensor.detach()
-               for key, tensor in reference.state_dict().items()}
+    layout = mtp_layout_of(config)
+    ours = {reference_key(key): key for key in MultiTokenPrediction(config).state_dict()}
+    trained = {layout.hub_name(ours[key]): tensor.detach() for key, tensor in reference.state_dict().items()}
     return losses, norms, trained
 
 
 MTP_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps=4, zero_stage=0)),
-               "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1))}
+               "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1)),
+               "qwen3_5_2stages": (2, dict(num_stages=2, gradient_accumulation_steps=4, zero_stage=0))}
 
 
 def train_with_mtp(demo_model, model_dirs, train_file, out, procs, settings, **extra):
@@ -297,8 +337,7 @@ def train_with_mtp(demo_model, model_dirs, train_file, out, procs, settings, **e
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", MTP_LAYOUTS)
-def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model, demo_deepseek_with_mtp, tmp_path,
-                                                                     layout):
+def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model, mtp_checkpoints, tmp_path, layout):
     """Six steps with mtp_loss_scale (padded instruction rows, clipping active) from a converted checkpoint whose MTP
     layer is carried: the MTP layer starts from the carried file, the logged losses and the step-1 gradient norm are
     those of transformers + ReferenceMTP + AdamW (which differ from the main loss's alone), and the export holds
@@ -310,6 +349,7 @@ def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model,
     from tests.test_moe import MAX_GRAD_NORM, TRAIN_STEPS
     from tests.test_token_mean import MICRO_BATCH as ROWS, global_batches, write_skewed_instructions
     procs, settings = MTP_LAYOUTS[layout]
+    demo_deepseek_with_mtp = mtp_checkpoints("qwen3_5" if layout.startswith("qwen3_5") else "deepseek_v3")
     train_file = write_skewed_instructions(demo_model, tmp_path / "train.jsonl")
     out = tmp_path / "run"
     records = train_with_mtp(demo_model, demo_deepseek_with_mtp, train_file, out, procs, settings)
@@ -322,18 +362,17 @@ def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model,
     config = demo_deepseek_with_mtp["config"]
     weights = load_hf_weights(str(out / "hf"))
     expected = per_expert(trained, config)
-    assert sorted(name for name in weights if name.startswith(f"model.layers.{config.num_hidden_layers}.")) == \
-        sorted([*expected, *(f"model.layers.{config.num_hidden_layers}.{copy}"
-                             for copy in ("embed_tokens.weight", "shared_head.head.weight"))])
+    layout_of_mtp = mtp_layout_of(config)
+    assert sorted(name for name in weights if name.startswith(layout_of_mtp.prefix)) == \
+        sorted([*expected, *(f"{layout_of_mtp.prefix}{copy}" for copy, _ in layout_of_mtp.shared)])
     errors = {name: (weights[name] - tensor).abs().max().item() for name, tensor in expected.items()}
     assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda item: -item[1])[:5]
     moved = {name: (tensor - per_expert(demo_deepseek_with_mtp["mtp"], config)[name]).abs().max().item()
              for name, tensor in expected.items()}
     # every MTP tensor trained, but the router's correction bias (a buffer) and experts no token chose
     assert all(moved[name] > 1e-4 for name in moved if not ("experts." in name or "correction_bias" in name)), moved
-    prefix = f"model.layers.{config.num_hidden_layers}."
-    assert torch.equal(weights[f"{prefix}embed_tokens.weight"], weights["model.embed_tokens.weight"])
-    assert torch.equal(weights[f"{prefix}shared_head.head.weight"], weights["lm_head.weight"])
+    for copy, source in layout_of_mtp.shared:  # DeepSeek-V3's copies of the shared embedding and head
+        assert torch.equal(weights[f"{layout_of_mtp.prefix}{copy}"], weights[source])
     if layout != "2stages_x_2dp":
         return
     resumed = train_with_mtp(demo_model, demo_deepseek_with_mtp, train_file, tmp_path / "resumed", 2,
