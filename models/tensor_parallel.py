@@ -720,9 +720,8 @@ def check_tensor_parallel_split(config, size, sequence_tokens=None):
                          f"over pipeline stages, data and expert parallelism (docs/qwen3_5.md).")
     counts = {"num_attention_heads": config.num_attention_heads,
               "num_key_value_heads": config.num_key_value_heads or config.num_attention_heads,
-              "vocab_size": config.vocab_size}
-    if getattr(config, "intermediate_size", None):  # Qwen3.5-MoE's config has none: every layer is sparse
-        counts["intermediate_size"] = config.intermediate_size
+              # Qwen3.5-MoE's config has none: every layer is sparse
+              "intermediate_size": getattr(config, "intermediate_size", None) or 0, "vocab_size": config.vocab_size}
     if getattr(config, "shared_expert_intermediate_size", None):  # Qwen2-MoE's shared expert splits as the MLP
         counts["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
     if sequence_tokens is not None:
