@@ -27,7 +27,7 @@ from models.layout import (CARRIED_FILE_NAME, HUB_LAYOUT_KEY, PLAIN_LAYOUT, HubL
 from models.lora import EXPERT_ADAPTER, NO_LORA, LoraSettings, add_adapters, peft_adapters
 from models.multi_token_prediction import mtp_layout_of
 from models.pipeline_layers import layers_on_meta
-from models.tensor_parallel import TensorParallel
+from models.tensor_parallel import TensorParallel, joined_shards
 
 PEFT_PREFIX = "base_model.model."  # peft's name of the wrapped model in an adapter's weights
 
@@ -66,13 +66,21 @@ def layer_files(tag_dir, index, config):
 
 def split_dims_of(config, size, lora):
     """{pipeline index: {key: the dimension tensor parallelism over `size` ranks splits it along, or None}}: a
-    buffer (DeepSeek-V3's correction bias) is whole on every rank."""
+    buffer (DeepSeek-V3's correction bias) is whole on every rank. A tensor cut per block along it (the linear
+    attention's q, k, v channels) names the blocks in split_blocks_of."""
     layers = layers_on_meta(config, TensorParallel(size))
     if lora.enabled:  # one decoder layer of each kind stands for all of that kind
         for decoder in {id(m): m for i, m in layers.items() if 1 <= i <= config.num_hidden_layers}.values():
             add_adapters(decoder, lora, config, size)
     return {i: {k: getattr(p, "tensor_parallel_dim", None) for k, p in [*m.named_parameters(), *m.named_buffers()]}
             for i, m in layers.items()}
+
+
+def split_blocks_of(config, size):
+    """{pipeline index: {key: the whole sizes of the blocks along its split dimension that split apart}} of the
+    tensors tensor parallelism over `size` ranks cuts per block (models/tensor_parallel.py shard_of)."""
+    return {i: {k: p.tensor_parallel_blocks for k, p in m.named_parameters() if hasattr(p, "tensor_parallel_blocks")}
+            for i, m in layers_on_meta(config, TensorParallel(size)).items()}
 
 
 def read_hf_tensors(tag_dir, config, lora=NO_LORA, layout=PLAIN_LAYOUT):
@@ -93,15 +101,17 @@ def read_hf_tensors(tag_dir, config, lora=NO_LORA, layout=PLAIN_LAYOUT):
             shapes[name] = torch.empty((first.shape[0] * len(shards), *first.shape[1:]), dtype=first.dtype,
                                        device="meta")
         if len(slices) > 1 and len(slices) not in split_dims:
-            split_dims[len(slices)] = split_dims_of(config, len(slices), lora)
+            split_dims[len(slices)] = split_dims_of(config, len(slices), lora), split_blocks_of(config, len(slices))
         for key, first in slices[0].items():
             name = pipeline_name_of_layer_key(index, key, config)
-            dim = split_dims[len(slices)][index][key] if len(slices) > 1 else None
+            dims, blocks = split_dims[len(slices)] if len(slices) > 1 else ({}, {})
+            dim = dims[index][key] if len(slices) > 1 else None
             if dim is None:
                 tensors[name] = functools.partial(torch.Tensor.contiguous, first)
                 shape = first.shape
             else:
-                tensors[name] = functools.partial(torch.cat, [s[key] for s in slices], dim)
+                tensors[name] = functools.partial(joined_shards, [s[key] for s in slices], dim,
+                                                  blocks[index].get(key))
                 shape = first.shape[:dim] + (first.shape[dim] * len(slices),) + first.shape[dim + 1:]
             shapes[name] = torch.empty(shape, dtype=first.dtype, device="meta")
     # Phi-3's weights and adapters, fused again

@@ -21,6 +21,7 @@ from models.architecture import LINEAR_ATTENTION, architecture_of
 from models.layout import expert_shard_of
 from models.linear_attention import KEPT_AS_STORED
 from models.pipeline_layers import decoder_on_meta
+from models.tensor_parallel import joined_shards, shard_of
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6 is a zip archive
 
@@ -238,8 +239,7 @@ def tensors_for_rank(saved, targets, rank, size, where):
     from the wanted one (only along the split dimension); only the saved slices that overlap this rank's range are
     read. where: the file named in errors."""
     if len(saved) == 1:
-        return {key: own_slice(tensor, getattr(targets.get(key), "tensor_parallel_dim", None), rank, size)
-                for key, tensor in saved[0].items()}
+        return {key: own_slice(tensor, targets.get(key), rank, size) for key, tensor in saved[0].items()}
     if len(saved) == size:  # rank 0's file holds the replicated tensors (older checkpoints: every rank's)
         return {**saved[0], **saved[rank]}
     state = {}
@@ -247,6 +247,11 @@ def tensors_for_rank(saved, targets, rank, size, where):
         target = targets.get(key)
         if target is None or target.shape == first.shape:  # replicated (norms), or unknown: strict loading says so
             state[key] = first
+            continue
+        blocks = getattr(target, "tensor_parallel_blocks", None)
+        if blocks is not None:  # cut per block (the linear attention's q, k, v): the whole tensor, then this share
+            dim = getattr(target, "tensor_parallel_dim", None) or 0  # its rows, split or (size 1) whole
+            state[key] = shard_of(joined_shards([s[key] for s in saved], dim, blocks), dim, rank, size, blocks)
             continue
         differing = [d for d, (a, b) in enumerate(zip(first.shape, target.shape)) if a != b]
         if first.dim() != target.dim() or len(differing) != 1 or \
@@ -272,7 +277,7 @@ def load_layer_file(layer, path, rank=0, size=1):
     tensor under expert parallelism its rank's experts."""
     state = mapped(path)
     targets = layer.state_dict(keep_vars=True)
-    sliced = {key: own_slice(tensor, getattr(targets[key], "tensor_parallel_dim", None), rank, size)
+    sliced = {key: own_slice(tensor, targets[key], rank, size)
               for key, tensor in own_experts({key: state[key] for key in targets}, targets).items()}
     if any(source.shape != targets[key].shape for key, source in sliced.items()):
         layer.load_state_dict(sliced, strict=False)  # raises load_state_dict's error, naming each size mismatch
@@ -286,8 +291,11 @@ def read_into(path, state, pieces):
     staging = None
     with open(path, "rb") as f:
         for key, source, target in pieces:
+            # a view of the file's tensor is read straight from its bytes; a tensor made from it (a shard cut per
+            # block, models/tensor_parallel.py shard_of) is copied
             if offsets is not None and (target.dtype, target.shape) == (source.dtype, source.shape) and \
-                    target.is_contiguous() and source.is_contiguous() and target.numel():
+                    target.is_contiguous() and source.is_contiguous() and target.numel() and \
+                    source.untyped_storage().data_ptr() == state[key].untyped_storage().data_ptr():
                 offset = offsets[key] + (source.storage_offset() - state[key].storage_offset()) * source.element_size()
                 if target.device.type == "cpu":
                     read_exactly(f.fileno(), target.view(torch.uint8).reshape(-1).numpy(), offset)
@@ -308,12 +316,15 @@ def host_staging_buffer(buffer, nbytes):
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
 
-def own_slice(tensor, dim, rank, size):
+def own_slice(tensor, target, rank, size):
+    """This rank's slice of a whole saved tensor, as its target parameter (None: unknown) is split
+    (models/tensor_parallel.py mark_sharded)."""
+    dim = getattr(target, "tensor_parallel_dim", None)
     if dim is None or size == 1:
         return tensor
     if tensor.shape[dim] % size:
         raise ValueError(f"a tensor of shape {tuple(tensor.shape)} does not split in {size} along dim {dim}.")
-    return tensor.chunk(size, dim)[rank]
+    return shard_of(tensor, dim, rank, size, getattr(target, "tensor_parallel_blocks", None))
 
 
 def file_offsets(path, state):

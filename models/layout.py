@@ -344,7 +344,7 @@ def check_convertible(config):
     if config.model_type in SUPPORTED_MODEL_TYPES:
         check_model_config(config)
         return
-    supported = tuple(dict.fromkeys((*SUPPORTED_MODEL_TYPES, *HUB_LAYOUTS)))
+    supported = (*(t for t in SUPPORTED_MODEL_TYPES if t not in HUB_LAYOUTS), *HUB_LAYOUTS)
     nearest = difflib.get_close_matches(config.model_type, supported, n=1, cutoff=0.6)
     raise ValueError(f"model_type '{config.model_type}' is not supported; supported: {', '.join(supported)}"
                      + (f"; the nearest is '{nearest[0]}', whose layers differ from it." if nearest else "."))

@@ -183,6 +183,10 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
         for param in (self.A_log, self.norm.weight):
             setattr(param, KEPT_AS_STORED, True)
+        # q, k and v channels, which a split by heads cuts apart (models/tensor_parallel.py shard_of): marked
+        # whatever the split, so that a checkpoint saved split loads whole
+        for param in (self.in_proj_qkv.weight, self.conv1d.weight):
+            param.tensor_parallel_blocks = (self.key_dim, self.key_dim, self.value_dim)
 
     def reset_parameters(self):
         """transformers' initialisation of the parameters the module holds itself (the decays'): a parameter made
@@ -264,7 +268,7 @@ class FusedGatedDeltaNet(GatedDeltaNet):
                          rms_norm_eps)
         del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
         self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_value_heads, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_value_heads, bias=False)  # (grouped by key head: no blocks)
 
     def projections(self, hidden):
         group = self.num_value_heads // self.num_key_heads

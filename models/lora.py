@@ -30,16 +30,18 @@ from torch import nn
 
 from models.architecture import architecture_of, fused_projections
 from models.moe import Experts, MoEBlock
-from models.pipeline_layers import decoder_on_meta
+from models.pipeline_layers import decoder_kinds_of, decoder_on_meta
 from models.tensor_parallel import mark_sharded
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS  # lora.target_modules' default
 LATENT_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # multi-head latent attention's
+# Gated DeltaNet's (Qwen3.5's; Qwen3-Next's fused in_proj_qkvz and in_proj_ba), peft's names
+LINEAR_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # a mixture of experts' fused experts, in their module's order
 EXPERT_TARGETS = tuple(f"experts.{name}" for name in EXPERT_PARAMETERS)  # peft's target_parameters
-TARGETS = PROJECTIONS + LATENT_PROJECTIONS + EXPERT_TARGETS
+TARGETS = PROJECTIONS + LATENT_PROJECTIONS + LINEAR_PROJECTIONS + EXPERT_TARGETS
 ADAPTER_FACTORS = ("lora_A", "lora_B")
 # The families whose gate_proj, up_proj and down_proj peft 0.21 reads as their fused experts' (its
 # transformers_weight_conversion: _MODEL_TO_CONVERSION_PATTERN to qwen2_moe's mapping): gate_proj and up_proj
@@ -113,7 +115,8 @@ def projections_of(decoder_layer, config):
         mlp = getattr(mlp, mlp.moe.shared_expert_name, None)
     if config.model_type in PEFT_EXPERT_MLP_NAMES:
         mlp = None
-    found = {name: getattr(decoder_layer.self_attn, name, None) for name in ATTENTION_PROJECTIONS + LATENT_PROJECTIONS}
+    found = {name: getattr(decoder_layer.token_mixer, name, None)
+             for name in ATTENTION_PROJECTIONS + LATENT_PROJECTIONS + LINEAR_PROJECTIONS}
     found.update({name: getattr(mlp, name, None) for name in MLP_PROJECTIONS})
     return {name: module for name, module in found.items() if isinstance(module, nn.Linear)}
 
@@ -152,13 +155,17 @@ def peft_target_modules(config, target_modules):
     return fused + [name for name in target_modules if not any(name in parts for parts in groups.values())]
 
 
-def check_lora_applies(config, settings):
+def check_lora_applies(config, settings, tensor_parallel=1):
     """Targets a peft adapter on this model can hold, before any work. Names the model lacks are left out, as peft
     leaves them, but some must reach something. peft adapts Phi-3's fused qkv_proj and gate_up_proj as single
     projections (one A over q, k and v), so the pipeline's parts of one take adapters together; on a mixture of
     experts peft's reading of the MLP names must be whole (gate_proj with up_proj) and single (not beside
     experts.*), and peft's adapters on the experts take no dropout."""
     targets = settings.target_modules
+    if tensor_parallel > 1 and "in_proj_qkv" in targets and "in_proj_qkv" in model_targets(config):
+        raise ValueError(f"lora.target_modules {list(targets)} with tensor_parallel_size={tensor_parallel}: "
+                         f"in_proj_qkv splits per q/k/v block over the ranks, which its adapter's B does not yet; "
+                         f"leave in_proj_qkv out or set tensor_parallel_size=1.")
     for fused, parts in fused_target_groups(config).items():
         targeted = [name for name in parts if name in targets]
         if targeted and len(targeted) != len(parts):
@@ -214,9 +221,9 @@ def check_rank_fits(config, settings):
 
 
 def decoder_kinds_on_meta(config):
-    """One decoder layer of each kind the model has (dense, sparse) on the meta device."""
-    sparse = architecture_of(config).sparse_layers
-    return [decoder_on_meta(config, layer_index=sparse.index(kind)) for kind in sorted(set(sparse))]
+    """One decoder layer of each kind the model has (its token mixer, dense or sparse) on the meta device."""
+    kinds = decoder_kinds_of(config)
+    return [decoder_on_meta(config, layer_index=kinds.index(kind)) for kind in sorted(set(kinds))]
 
 
 def adapter_parameter_count(config, settings, tensor_parallel=1, layer_index=None, active=False):

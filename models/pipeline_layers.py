@@ -307,16 +307,23 @@ def decoder_on_meta(config, tensor_parallel=1, layer_index=None):
     return DecoderLayerPipe(config, stage_inputs=None, layer_index=layer_index, plan=plan)
 
 
+def decoder_kinds_of(config):
+    """Each decoder layer's kind, (its token mixer, whether its feed-forward is sparse): the layers of one kind hold
+    the same tensors."""
+    architecture = architecture_of(config)
+    return list(zip(architecture.mixer_layers, architecture.sparse_layers))
+
+
 def layers_on_meta(config, parallel=NO_TENSOR_PARALLEL):
-    """{pipeline index: module} with one decoder layer standing for all of its kind (dense or sparse), built on the
+    """{pipeline index: module} with one decoder layer standing for all of its kind (decoder_kinds_of), built on the
     meta device (no memory): the shapes and split dimensions of every layer file."""
-    sparse = architecture_of(config).sparse_layers
+    kinds = decoder_kinds_of(config)
     plan = StagePlan(parallel=parallel, device="meta")
     with torch.device("meta"):
-        decoders = {kind: DecoderLayerPipe(config, stage_inputs=None, layer_index=sparse.index(kind), plan=plan)
-                    for kind in set(sparse)}
+        decoders = {kind: DecoderLayerPipe(config, stage_inputs=None, layer_index=kinds.index(kind), plan=plan)
+                    for kind in set(kinds)}
         modules = {0: EmbeddingPipe(config, parallel), config.num_hidden_layers + 1: FinalNormPipe(config, parallel)}
         if not config.tie_word_embeddings:
             modules[config.num_hidden_layers + 2] = LMHeadPipe(config, parallel)
-    modules.update({i + 1: decoders[kind] for i, kind in enumerate(sparse)})
+    modules.update({i + 1: decoders[kind] for i, kind in enumerate(kinds)})
     return modules

@@ -40,6 +40,8 @@ from torch import nn
 import collectives
 from models.architecture import LINEAR_ATTENTION, architecture_of
 from models.attention import Attention
+from models.gated_attention import GatedAttention
+from models.linear_attention import DeltaRuleCore, FusedGatedDeltaNet, GatedDeltaNet
 from models.latent_attention import LatentAttention
 from models.mlp import MLP
 from models.moe import Experts, MoEBlock, RoutedTokens
@@ -403,10 +405,11 @@ class RowParallelLinear(StageLinear):
         return self.parallel.matmul(x, self.weight)
 
 
-def stage_linear(linear, cls, parallel, split_dim=None, check=None, device=None):
+def stage_linear(linear, cls, parallel, split_dim=None, check=None, device=None, blocks=None):
     """`linear` as a `cls` module holding this rank's shard along split_dim (None: whole) under the same parameter
     names. A linear built on the meta device gets a fresh shard initialised as nn.Linear initialises one, on
-    `device`; a real one, its own rows or columns. check: (count, what) that tensor parallelism must divide."""
+    `device`; a real one, its own rows or columns (of each of `blocks`: shard_of). check: (count, what) that tensor
+    parallelism must divide."""
     if check is not None:
         parallel.local(*check)
     module = cls.__new__(cls)
@@ -426,23 +429,43 @@ def stage_linear(linear, cls, parallel, split_dim=None, check=None, device=None)
             module.out_features if bias_split else linear.bias.shape[0], dtype=linear.bias.dtype, device=device))
         nn.Linear.reset_parameters(module)
     else:
-        module.weight = nn.Parameter(own_shard(linear.weight, split_dim, parallel))
+        module.weight = nn.Parameter(own_shard(linear.weight, split_dim, parallel, blocks))
         module.bias = None if linear.bias is None else nn.Parameter(
             own_shard(linear.bias, 0, parallel) if bias_split else linear.bias.detach().clone())
-    mark_sharded(module.weight, split_dim)
+    mark_sharded(module.weight, split_dim, blocks)
     if bias_split:
         mark_sharded(module.bias, 0)
     return module
 
 
-def own_shard(tensor, dim, parallel):
-    return tensor.detach().chunk(parallel.size, dim)[parallel.rank].clone()
+def own_shard(tensor, dim, parallel, blocks=None):
+    return shard_of(tensor.detach(), dim, parallel.rank, parallel.size, blocks).clone()
 
 
-def mark_sharded(param, dim):
-    """Record on a parameter the dimension it is split along over the group."""
+def shard_of(tensor, dim, rank, size, blocks=None):
+    """Rank `rank`'s shard of a whole tensor split along dim over `size` ranks: its chunk, or with blocks (the whole
+    sizes of consecutive blocks along dim that split apart: the linear attention's q, k and v channels) its chunk of
+    each block, in order."""
+    if blocks is None:
+        return tensor.chunk(size, dim)[rank]
+    return torch.cat([block.chunk(size, dim)[rank] for block in tensor.split(list(blocks), dim)], dim)
+
+
+def joined_shards(shards, dim, blocks=None):
+    """shard_of's inverse: the whole tensor of every rank's shard, in rank order."""
+    if blocks is None:
+        return torch.cat(shards, dim)
+    pieces = [shard.split([block // len(shards) for block in blocks], dim) for shard in shards]
+    return torch.cat([pieces[rank][block] for block in range(len(blocks)) for rank in range(len(shards))], dim)
+
+
+def mark_sharded(param, dim, blocks=None):
+    """Record on a parameter the dimension it is split along over the group (and the blocks along it that split
+    apart: shard_of)."""
     setattr(param, SHARDED_MARKER, True)
     param.tensor_parallel_dim = dim
+    if blocks is not None:
+        param.tensor_parallel_blocks = tuple(blocks)
 
 
 def sum_gradient_over_group(module, name):
@@ -572,7 +595,52 @@ def moe_plan(block, parallel, device):
         block.register_forward_pre_hook(lambda module, args: (args[0], TokenShare(args[1], parallel)))
 
 
-PART_PLANS = {Attention: attention_plan, LatentAttention: latent_attention_plan, MLP: mlp_plan, MoEBlock: moe_plan}
+def gated_attention_plan(attention, parallel, device):
+    """The hybrids' full attention split as attention_plan splits grouped-query attention: q_proj's rows are each
+    head's [query | gate], so a split by heads keeps each head's gate with its query; the per-head (1 + w) norms
+    whole, their gradients summed over the group."""
+    heads = attention.q_proj.out_features // (2 * attention.head_dim)
+    parallel.local(attention.k_proj.out_features // attention.head_dim, "num_key_value_heads")
+    split_block(attention, ("q_proj", "k_proj", "v_proj"), "o_proj", parallel, device, (heads, "num_attention_heads"))
+    for norm in (attention.q_norm, attention.k_norm):
+        sum_gradient_over_group(norm, "weight")
+
+
+def linear_attention_plan(mixer, parallel, device):
+    """Gated DeltaNet split by heads: each rank computes its key heads and the value heads they serve (value heads
+    j * r .. j * r + r - 1 with key head j), the recurrence of each head being its own. in_proj_qkv and the
+    convolution's channels are cut per block (q, k, v: shard_of's blocks), in_proj_z, in_proj_b, in_proj_a, A_log and
+    dt_bias by value heads, Qwen3-Next's in_proj_qkvz and in_proj_ba (grouped by key head) by key heads; out_proj by
+    its input; the gated norm's per-head weight whole, its gradient summed over the group."""
+    heads = (mixer.num_key_heads, "linear_num_key_heads")
+    parallel.local(mixer.num_value_heads, "linear_num_value_heads")
+    qkv = mixer.conv1d.weight.tensor_parallel_blocks
+    column = functools.partial(stage_linear, cls=ColumnParallelLinear, parallel=parallel, split_dim=0, check=heads,
+                               device=device)
+    if hasattr(mixer, "in_proj_qkvz"):
+        mixer.in_proj_qkvz, mixer.in_proj_ba = column(mixer.in_proj_qkvz), column(mixer.in_proj_ba)
+    else:
+        mixer.in_proj_qkv = column(mixer.in_proj_qkv, blocks=qkv)
+        mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a = (column(mixer.in_proj_z), column(mixer.in_proj_b),
+                                                              column(mixer.in_proj_a))
+    mixer.out_proj = stage_linear(mixer.out_proj, RowParallelLinear, parallel, 1, heads, device)
+    # left on the meta device where the layer was built there: materialize initialises them as their modules do
+    mixer.conv1d.weight = shard_parameter(mixer.conv1d.weight, parallel, "meta", blocks=qkv)
+    mixer.A_log, mixer.dt_bias = (shard_parameter(mixer.A_log, parallel, "meta"),
+                                  shard_parameter(mixer.dt_bias, parallel, "meta"))
+    sum_gradient_over_group(mixer.norm, "weight")
+    mixer.num_key_heads, mixer.num_value_heads = mixer.num_key_heads // parallel.size, \
+        mixer.num_value_heads // parallel.size
+    mixer.key_dim, mixer.value_dim = mixer.key_dim // parallel.size, mixer.value_dim // parallel.size
+    mixer.core = DeltaRuleCore(mixer.num_key_heads, mixer.num_value_heads, mixer.key_head_dim,
+                               mixer.value_head_dim)  # the convolution and the rule over this rank's heads
+    gather_input(mixer, parallel)
+    reduce_output(mixer, mixer.out_proj, parallel)
+
+
+PART_PLANS = {Attention: attention_plan, LatentAttention: latent_attention_plan, MLP: mlp_plan, MoEBlock: moe_plan,
+              GatedAttention: gated_attention_plan, GatedDeltaNet: linear_attention_plan,
+              FusedGatedDeltaNet: linear_attention_plan}
 
 
 def parallelize(layer, parallel, device=None):
@@ -676,15 +744,17 @@ class ShardedProjectionRMSNorm(ProjectionRMSNorm):
         return AllReduce.apply(CopyToGroup.apply(partial, self.parallel.group), self.parallel.group)
 
 
-def shard_parameter(param, parallel, device, fill=0.0):
-    """This rank's rows (dim 0) of a parameter split with the heads; a meta one's made on `device`, filled."""
+def shard_parameter(param, parallel, device, fill=0.0, blocks=None):
+    """This rank's rows (dim 0) of a parameter split with the heads (of each of `blocks`: shard_of); a meta one's
+    made on `device`, filled (a module's reset_parameters initialises it after materialize)."""
     rows = param.shape[0] // parallel.size
     if param.is_meta and device != "meta":
         shard = nn.Parameter(torch.full((rows, *param.shape[1:]), fill, dtype=param.dtype, device=device))
     else:
-        shard = nn.Parameter(own_shard(param, 0, parallel) if not param.is_meta else
+        shard = nn.Parameter(own_shard(param, 0, parallel, blocks) if not param.is_meta else
                              torch.empty((rows, *param.shape[1:]), dtype=param.dtype, device="meta"))
-    mark_sharded(shard, 0)
+    shard.__dict__.update({k: v for k, v in param.__dict__.items() if not k.startswith("_")})  # its markers
+    mark_sharded(shard, 0, blocks)
     return shard
 
 
@@ -714,14 +784,13 @@ def check_tensor_parallel_split(config, size, sequence_tokens=None):
     MLP columns, vocabulary rows and, under sequence parallelism, the tokens of a micro-batch."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size={size} must be at least 1.")
-    if size > 1 and LINEAR_ATTENTION in architecture_of(config).mixer_layers:
-        raise ValueError(f"tensor_parallel_size={size} with {config.model_type}: its linear-attention (Gated DeltaNet) "
-                         f"layers have no tensor-parallel plan yet; set tensor_parallel_size=1 and split the model "
-                         f"over pipeline stages, data and expert parallelism (docs/qwen3_5.md).")
     counts = {"num_attention_heads": config.num_attention_heads,
               "num_key_value_heads": config.num_key_value_heads or config.num_attention_heads,
               # Qwen3.5-MoE's config has none: every layer is sparse
               "intermediate_size": getattr(config, "intermediate_size", None) or 0, "vocab_size": config.vocab_size}
+    if LINEAR_ATTENTION in architecture_of(config).mixer_layers:  # Gated DeltaNet splits by key and value heads
+        counts.update(linear_num_key_heads=config.linear_num_key_heads,
+                      linear_num_value_heads=config.linear_num_value_heads)
     if getattr(config, "shared_expert_intermediate_size", None):  # Qwen2-MoE's shared expert splits as the MLP
         counts["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
     if sequence_tokens is not None:

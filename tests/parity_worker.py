@@ -16,6 +16,7 @@ from models.lora import NO_LORA, LoraSettings  # noqa: E402
 from checkpoints.layer_files import load_layer_slice  # noqa: E402
 from deepspeed_internals.access import checkpoints_without_expert_files  # noqa: E402
 from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
+from models.tensor_parallel import shard_of  # noqa: E402
 from tests.distributed import ProcessGroupPool  # noqa: E402
 from tests.lora_reference import (adapter_values, hf_name_of_peft, peft_model, pipeline_layout,  # noqa: E402
                                   pipeline_slice)
@@ -73,9 +74,9 @@ def gradient_errors(module, recorded, ref_grads, num_hidden_layers, engine):
             continue
         hf_name = hf_name_of_pipeline_param(name, num_hidden_layers)
         ref = ref_grads[hf_name]
-        if getattr(param, "tensor_parallel_dim", None) is not None:
-            ref = ref.chunk(engine.grid.get_slice_parallel_world_size(),
-                            param.tensor_parallel_dim)[engine.grid.get_slice_parallel_rank()]
+        if getattr(param, "tensor_parallel_dim", None) is not None:  # cut per block where it is (shard_of)
+            ref = shard_of(ref, param.tensor_parallel_dim, engine.grid.get_slice_parallel_rank(),
+                           engine.grid.get_slice_parallel_world_size(), getattr(param, "tensor_parallel_blocks", None))
         if hasattr(param, "expert_slice"):  # this rank's experts under expert parallelism
             ref = param.expert_slice.of(ref)
         difference, scale = (recorded[param] - ref).abs().max().item(), ref.abs().max().item()

@@ -121,7 +121,7 @@ def test_unsupported_model_type_lists_supported(tmp_path):
 
 
 @pytest.mark.parametrize("model_type,nearest", [("olmo3", "olmoe"), ("granitemoe", "granite"), ("phimoe", "phi3"),
-                                               ("qwen3_next", "qwen3_moe"), ("gemma2", None)])
+                                               ("qwen3_5_vl", "qwen3_5"), ("gemma2", None)])
 def test_unsupported_family_names_the_nearest_supported_one(model_type, nearest):
     """The families whose names say they are close (their MoE or next versions) are named; others only the list."""
     from types import SimpleNamespace
@@ -131,10 +131,11 @@ def test_unsupported_family_names_the_nearest_supported_one(model_type, nearest)
         check_model_config(SimpleNamespace(model_type=model_type))
     assert str(error.value).startswith(f"model_type '{model_type}' is not supported; supported: llama, mistral, "
                                        "qwen2, qwen3, olmo2, granite, smollm3, phi3, mixtral, qwen3_moe, qwen2_moe, "
-                                       "olmoe, gpt_oss, deepseek_v3, glm4_moe (the LLaMA layout and its mixtures of "
-                                       "experts)")
+                                       "olmoe, gpt_oss, deepseek_v3, glm4_moe, qwen3_5_text, qwen3_5_moe_text, "
+                                       "qwen3_next, qwen3_5, qwen3_5_moe (the LLaMA layout, its mixtures of experts "
+                                       "and the Gated DeltaNet hybrids)")
     assert str(error.value).endswith(f"; the nearest is '{nearest}', whose layers differ from it." if nearest
-                                     else "(the LLaMA layout and its mixtures of experts).")
+                                     else "(the LLaMA layout, its mixtures of experts and the Gated DeltaNet hybrids).")
 
 
 def test_dropout_is_refused_for_training_only_naming_the_field(tmp_path):

@@ -82,7 +82,7 @@ def test_latent_attention_matches_transformers(case, impl, masked):
     x = torch.randn(BATCH, SEQ, config.hidden_size, generator=torch.Generator().manual_seed(1))
     stage_inputs = StageAttentionInputs(config, row_layout="packed" if masked else "full")
     inputs = stage_inputs(x, document, positions)
-    cos, sin, mask = inputs
+    cos, sin, mask, _ = inputs
     theirs_cos, theirs_sin = FAMILIES[config.model_type][1](config)(x, positions)
     assert torch.equal(cos, theirs_cos) and torch.equal(sin, theirs_sin)
 

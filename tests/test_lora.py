@@ -232,7 +232,8 @@ def test_merged_export_equals_peft_merge(demo_model, lora_run, tmp_path):
     ({"lora.rank": 4, "lora.target_modules": "[q_proj,qkv_proj]"},
      r"lora.target_modules \['q_proj', 'qkv_proj'\]: \['qkv_proj'\] matches no layer; the layers that take adapters "
      r"are q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa, "
-     r"kv_b_proj, experts\.gate_up_proj, experts\.down_proj\."),
+     r"kv_b_proj, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, in_proj_qkvz, in_proj_ba, out_proj, "
+     r"experts\.gate_up_proj, experts\.down_proj\."),
     ({"lora.rank": 4, "lora.target_modules": "[q_a_proj,experts.down_proj]"},
      r"lora.target_modules \['q_a_proj', 'experts\.down_proj'\] matches nothing of this llama model; it takes adapters "
      r"on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj\."),

@@ -243,7 +243,7 @@ def test_activation_model_counts_each_familys_layer(dtype, precision, family):
     decoder = DecoderLayerPipe(config, stage_inputs).to(dtype)
     hidden = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
     mask, positions = torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq)
-    cos, sin, window_mask = stage_inputs(hidden, mask, positions, decoder.self_attn.window)[:3]
+    cos, sin, window_mask, _ = stage_inputs(hidden, mask, positions, decoder.self_attn.window)
     shared = {t.untyped_storage().data_ptr() for t in (cos, sin, window_mask) if t is not None}
     params = {p.untyped_storage().data_ptr() for p in decoder.parameters()}
     assert saved_activation_bytes(lambda: decoder((hidden, mask, positions)), shared | params) \

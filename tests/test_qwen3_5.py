@@ -35,15 +35,54 @@ def test_layers_equal_transformers_in_one_process(tmp_path, family, chunk_tokens
 
 
 @pytest.mark.parametrize("family", HYBRIDS)
-def test_tensor_parallelism_is_refused_in_one_line_before_anything_is_built(family):
-    """The linear-attention layers have no tensor-parallel plan yet: refused by the run's checks, naming the fix."""
+def test_a_tensor_parallel_size_that_cannot_split_the_linear_heads_is_refused_in_one_line(family):
+    """Gated DeltaNet splits by key and value heads: a size that does not divide them is refused, naming them."""
     from models.tensor_parallel import check_tensor_parallel_split
     config = HYBRID_CONFIGS[family]()
-    check_tensor_parallel_split(config, 1)
-    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2 with .*no tensor-parallel plan yet; set "
-                                         r"tensor_parallel_size=1") as error:
-        check_tensor_parallel_split(config, 2)
+    check_tensor_parallel_split(config, 2)
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=4 does not divide .*linear_num_key_heads=2") as error:
+        check_tensor_parallel_split(config, 4)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_tensor_parallel_shards_cut_the_linear_attention_per_head_and_load_at_any_size(family):
+    """Under tensor parallelism 2 each rank's in_proj_qkv and convolution channels are its key heads' q and k and
+    its value heads' v (shard_of's blocks), and a layer saved as 2 slices loads whole into an unsplit layer and back
+    into each rank's slice: resharding and export join the blocks as they were cut."""
+    from checkpoints.layer_files import tensors_for_rank
+    from models.pipeline_layers import decoder_on_meta
+    from models.tensor_parallel import joined_shards, shard_of
+    config = HYBRID_CONFIGS[family]()
+    whole, halves = decoder_on_meta(config, 1, layer_index=0), decoder_on_meta(config, 2, layer_index=0)
+    state = {key: torch.randn(tensor.shape) for key, tensor in whole.state_dict().items()}
+    targets = dict(halves.named_parameters())
+    saved = [{key: shard_of(tensor, targets[key].tensor_parallel_dim, rank, 2,
+                            getattr(targets[key], "tensor_parallel_blocks", None))
+              if getattr(targets[key], "tensor_parallel_dim", None) is not None else tensor
+              for key, tensor in state.items()} for rank in range(2)]
+    channels = saved[0]["linear_attn.conv1d.weight"][:, 0, 0]
+    key_dim, value_dim = 2 * 8, 4 * 8  # 2 key heads and 4 value heads of 8
+    q, k, v = state["linear_attn.conv1d.weight"][:, 0, 0].split([key_dim, key_dim, value_dim])
+    assert torch.equal(channels, torch.cat([q[:8], k[:8], v[:16]]))  # key head 0, value heads 0 and 1
+    loaded = tensors_for_rank(saved, dict(whole.named_parameters()), 0, 1, "test")
+    assert all(torch.equal(loaded[key], state[key]) for key in state)
+    for rank in range(2):
+        again = tensors_for_rank([state], targets, rank, 2, "test")
+        assert all(torch.equal(again[key], saved[rank][key]) for key in state)
+    dim, blocks = 0, targets["linear_attn.conv1d.weight"].tensor_parallel_blocks
+    assert torch.equal(joined_shards([s["linear_attn.conv1d.weight"] for s in saved], dim, blocks),
+                       state["linear_attn.conv1d.weight"])
+
+
+def test_an_adapter_on_in_proj_qkv_under_tensor_parallelism_is_refused_in_one_line():
+    from models.lora import LoraSettings, check_lora_applies
+    config = HYBRID_CONFIGS["qwen3_5"]()
+    settings = LoraSettings(rank=4, target_modules=("q_proj", "in_proj_qkv"))
+    check_lora_applies(config, settings, 1)
+    check_lora_applies(config, LoraSettings(rank=4, target_modules=("q_proj", "in_proj_z")), 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: in_proj_qkv splits per q/k/v block"):
+        check_lora_applies(config, settings, 2)
 
 
 # --- many processes ------------------------------------------------------------------------------------------------
@@ -55,6 +94,7 @@ LAYOUTS = {  # name: (stages, world size, tensor parallel, {case suffix: options
     "2stages_x_2dp": (2, 4, 1, {"+checkpointing": {"checkpoint_interval": 1},
                                 "+zero_bubble": {"schedule": "zero_bubble"}}, ("qwen3_5", "qwen3_next")),
     "2stages_x_ep2": (2, 4, 1, {"+ep2": {"expert_parallel": 2}}, ("qwen3_5_moe", "qwen3_next")),
+    "2stages_x_tp2": (2, 4, 2, {"+sp": {}, "": {"sequence_parallel": False}}, HYBRIDS),
 }
 # the linear attention's projections, whose weight gradients a zero-bubble schedule leaves to W
 LINEAR_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
@@ -75,12 +115,43 @@ def test_loss_and_gradients_equal_transformers_across_processes(tiny_hybrid_chec
                   ds_dir=tiny_hybrid_checkpoints[family][1], **options)
              for suffix, options in variants.items() for family in families]
     assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel)
-    for path in glob.glob(str(tmp_path / "rank*.json")):
-        for name, result in json.load(open(path)).items():
-            if name.endswith("+zero_bubble"):
-                projections = {n for n in result["param_names"] if ".linear_attn." in n
-                               and n.rsplit(".", 2)[-2] in LINEAR_PROJECTIONS}
-                assert projections and projections <= set(result["deferred_weights"]), name
+    ranks = [json.load(open(path)) for path in glob.glob(str(tmp_path / "rank*.json"))]
+    for name in {name for rank in ranks for name in rank if name.endswith("+zero_bubble")}:
+        projections = {n for rank in ranks for n in rank[name]["param_names"]
+                       if ".linear_attn." in n and n.rsplit(".", 2)[-2] in LINEAR_PROJECTIONS}
+        deferred = {n for rank in ranks for n in rank[name]["deferred_weights"]}
+        # the first stage's first layer computes its weight gradients with the input's (which nothing needs)
+        kinds = {n.rsplit(".", 2)[-2] for n in projections}
+        assert kinds and kinds == {n.rsplit(".", 2)[-2] for n in projections & deferred}, name
+
+
+@pytest.mark.slow
+def test_adapters_on_the_linear_attention_match_peft(tiny_hybrid_checkpoints, tmp_path):
+    """LoRA on every projection of both token mixers (peft's names: Qwen3.5's in_proj_qkv / z / b / a and out_proj,
+    Qwen3-Next's fused in_proj_qkvz / in_proj_ba) over 2 stages: one step's loss and every adapter's gradient equal
+    peft's on transformers; the base takes no gradient; under zero-bubble the adapters' weight gradients go to W."""
+    from models.lora import LINEAR_PROJECTIONS, MLP_PROJECTIONS
+    from tests.test_lora import ATTENTION, LORA, run_lora_parity
+    targets = ATTENTION + LINEAR_PROJECTIONS + MLP_PROJECTIONS
+    cases = [dict(name="qwen3_5", model="qwen3_5", lora=dict(LORA, target_modules=targets)),
+             dict(name="qwen3_next+zero_bubble", model="qwen3_next", schedule="zero_bubble",
+                  lora=dict(LORA, target_modules=ATTENTION + LINEAR_PROJECTIONS))]
+    ranks = run_lora_parity(tiny_hybrid_checkpoints, tmp_path, cases, 2, 2)
+    for case in cases:
+        name = case["name"]
+        for rank in ranks:
+            result = rank[name]
+            assert result["mean_loss"] == pytest.approx(sum(result["ref_losses"]) / len(result["ref_losses"]),
+                                                         abs=1e-5), name
+            bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
+            assert not bad, f"{name}: adapter gradients differ from peft's: {bad}"
+            assert result["frozen_unchanged_without_grad"], name
+        compared = set().union(*(r[name]["grad_errors"] for r in ranks))
+        assert compared == set(ranks[0][name]["ref_param_names"])
+        assert any(".linear_attn.in_proj_" in n for n in compared), name
+        if case.get("schedule") == "zero_bubble":
+            deferred = set().union(*(r[name]["deferred_weights"] for r in ranks))
+            assert deferred and all(".lora_" in n for n in deferred), name
 
 
 # --- training ------------------------------------------------------------------------------------------------------
@@ -155,7 +226,8 @@ def test_bf16_training_keeps_each_tensor_as_stored_through_checkpoint_and_export
     out = tmp_path / "run"
     check_ok(launch_trainer(2, demo_overrides(demo_model, out, model_name_or_path=dirs["ds"], precision="bf16",
                                               zero_stage=1, max_steps=2, save_steps=2, eval_steps=0, logging_steps=1,
-                                              learning_rate=1e-2, export_hf="true")))
+                                              learning_rate=1e-2, lr_scheduler="constant", warmup_steps=0,
+                                              export_hf="true")))
     layer = mapped(layer_file_path(str(out / "global_step2"), 1))  # a linear-attention layer
     expected = torch.float32 if fp32 else torch.bfloat16
     assert layer["linear_attn.A_log"].dtype == layer["linear_attn.norm.weight"].dtype == expected
@@ -164,7 +236,33 @@ def test_bf16_training_keeps_each_tensor_as_stored_through_checkpoint_and_export
     assert set(after) == set(before)
     assert {name: t.dtype for name, t in after.items()} == {name: t.dtype for name, t in before.items()}
     assert all(torch.equal(after[name], before[name]) for name in before if name.startswith(("model.visual.", "mtp.")))
-    a_log = "model.language_model.layers.0.linear_attn.A_log"
-    assert not torch.equal(after[a_log], before[a_log])  # trained
+    for trained in ("layers.0.linear_attn.A_log", "layers.0.linear_attn.in_proj_qkv.weight"):
+        name = f"model.language_model.{trained}"
+        assert not torch.equal(after[name], before[name]), name
     exported, info = Qwen3_5ForConditionalGeneration.from_pretrained(out / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["mismatched_keys"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_a_tensor_parallel_checkpoint_reloads_and_exports_bit_identical(tiny_hybrid_checkpoints, tmp_path, family):
+    """Saved by 2 tensor-parallel ranks (in_proj_qkv and the convolution's channels cut per q/k/v block), the
+    checkpoint reloads into the same ranks, merges into 2 stages without tensor parallelism equal to the converted
+    layer files, and exports to the original Hugging Face tensors bit for bit."""
+    import glob
+    import json
+    import os
+    from safetensors.torch import load_file
+    from tests.distributed import spawn
+    from tests.test_tensor_parallel import save_and_export_worker
+    hf_dir, ds_dir = tiny_hybrid_checkpoints[family]
+    spawn(save_and_export_worker, 2, hf_dir, ds_dir, str(tmp_path))
+    assert (tmp_path / "ckpt" / "tp2" / "layer_01-model_01-model_states.pt").is_file()
+    assert all(json.load(open(tmp_path / f"reloaded{rank}.json")) for rank in range(2))
+    merged = {k: v for rank in range(2) for k, v in json.load(open(tmp_path / f"merged{rank}.json")).items()}
+    assert merged and all(merged.values()), merged
+    original = {k: v for p in glob.glob(os.path.join(hf_dir, "*.safetensors")) for k, v in load_file(p).items()}
+    exported = {k: v for p in glob.glob(str(tmp_path / "hf" / "*.safetensors")) for k, v in load_file(p).items()}
+    assert sorted(exported) == sorted(original)
+    assert all(exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor)
+               for key, tensor in original.items())

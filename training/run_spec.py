@@ -224,7 +224,7 @@ def check_layout(cfg, model_config, world_size):
     try:
         check_tensor_parallel_split(model_config, tp, workload.tokens if workload.splits_sequence else None)
         if workload.lora.enabled:
-            check_lora_applies(model_config, workload.lora)
+            check_lora_applies(model_config, workload.lora, tp)
             check_rank_fits(model_config, workload.lora)
     except ValueError as error:
         raise ConfigError(str(error)) from None
