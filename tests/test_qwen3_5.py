@@ -167,12 +167,18 @@ def demo_hybrids(demo_model, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["1_process", "2stages", "2stages_x_2dp"])
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_training_steps_equal_transformers(demo_model, demo_hybrids, tmp_path, family, layout):
+def test_training_steps_equal_transformers(demo_model, demo_hybrids, tmp_path, family, layout, monkeypatch):
     """Six steps of the trainer on instruction data (padded rows), clipping active: the logged loss and the step-1
     gradient norm are those of transformers + torch AdamW on the same global batches (2 x 2: ZeRO-1)."""
-    from tests.test_moe import MAX_GRAD_NORM, trained_and_transformers
-    records, losses, norms, _ = trained_and_transformers(demo_model, demo_hybrids[family], tmp_path, layout)
-    assert min(norms) > MAX_GRAD_NORM  # clipping acts on every step
+    import tests.test_moe as moe_tests
+    # The demo tokenizer named explicitly: AutoTokenizer maps model_type qwen3_5_moe_text to Qwen3_5Tokenizer
+    # whatever tokenizer_config.json says, which would tokenize the run's data unlike the reference's.
+    procs, settings = moe_tests.TRAIN_LAYOUTS[layout]
+    monkeypatch.setitem(moe_tests.TRAIN_LAYOUTS, layout,
+                        (procs, {**settings, "tokenizer_name_or_path": demo_model["hf"]}))
+    records, losses, norms, _ = moe_tests.trained_and_transformers(demo_model, demo_hybrids[family], tmp_path,
+                                                                   layout)
+    assert min(norms) > moe_tests.MAX_GRAD_NORM  # clipping acts on every step
     assert [r["loss"] for r in records] == pytest.approx(losses, abs=1e-4, rel=0)
     assert records[0]["grad_norm"] == pytest.approx(norms[0], rel=1e-4)
 
