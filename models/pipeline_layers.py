@@ -28,6 +28,7 @@ from models.decoder import DecoderLayer
 from models.expert_parallel import NO_EXPERT_PARALLEL, ExpertParallel
 from models.linear_attention import KEPT_AS_STORED
 from models.moe import RoutedTokens
+from models.multi_token_prediction import MultiTokenPrediction, next_tokens
 from models.norms import RMSNorm
 from models.sigmoid_router import FP32_MARKER
 from models.tensor_parallel import (NO_TENSOR_PARALLEL, TensorParallel, hook_gradient_sums, mark_sharded, parallelize,
@@ -57,40 +58,50 @@ class Routing(NamedTuple):
 class StageActivations(NamedTuple):
     """What a decoder layer takes and hands on: hidden states (batch, seq, hidden), or under sequence parallelism
     this rank's share of the flattened tokens (batch * seq / tp, hidden); each token's document id (0 on padding)
-    and position, (batch, seq); a mixture's Routing (None for a dense model)."""
+    and position, (batch, seq); a mixture's Routing (None for a dense model); with multi-token prediction trained,
+    the shared embedding of each position's next token (laid out as hidden), which the last stage's MTP layer reads
+    (models/multi_token_prediction.py) and whose gradient goes back to the embedding through every stage."""
     hidden: torch.Tensor
     document_ids: torch.Tensor
     position_ids: torch.Tensor
     routing: Routing | None = None
+    next_embedded: torch.Tensor | None = None
+
+
+def trains_multi_token_prediction(config):
+    """Whether the run trains the MTP layer: the run's mtp_loss_scale, which its config checks set on the model
+    config (training/config_checks.py), > 0."""
+    return getattr(config, "mtp_loss_scale", 0.0) > 0
 
 
 class StageTuple:
     """StageActivations as the tuple of tensors DeepSpeed's engine sends between stages, for one model: (hidden[,
-    loss sums], document ids, positions[, counts])."""
+    loss sums][, next embedded], document ids, positions[, counts])."""
 
     def __init__(self, config):
         architecture = architecture_of(config)
         self.moe, self.sparse_layers = architecture.moe, sum(architecture.sparse_layers)
+        self.multi_token = trains_multi_token_prediction(config)
 
     def pack(self, activations):
         routing = activations.routing
-        if routing is None:
-            return activations.hidden, activations.document_ids, activations.position_ids
-        floating = (activations.hidden,) if routing.loss_sums is None else (activations.hidden, routing.loss_sums)
-        return (*floating, activations.document_ids, activations.position_ids, routing.counts)
+        sums = () if routing is None or routing.loss_sums is None else (routing.loss_sums,)
+        embedded = (activations.next_embedded,) if self.multi_token else ()
+        counts = () if routing is None else (routing.counts,)
+        return (activations.hidden, *sums, *embedded, activations.document_ids, activations.position_ids, *counts)
 
     def unpack(self, tensors):
-        if self.moe is None:
-            return StageActivations(*tensors)
-        if not self.moe.loss_sum:
-            hidden, document_ids, position_ids, counts = tensors
-            return StageActivations(hidden, document_ids, position_ids, Routing(counts))
-        hidden, loss_sums, document_ids, position_ids, counts = tensors
-        return StageActivations(hidden, document_ids, position_ids, Routing(counts, loss_sums))
+        hidden, *rest = tensors
+        loss_sums = rest.pop(0) if self.moe is not None and self.moe.loss_sum else None
+        next_embedded = rest.pop(0) if self.multi_token else None
+        document_ids, position_ids, *counts = rest
+        routing = Routing(counts[0], loss_sums) if self.moe is not None else None
+        return StageActivations(hidden, document_ids, position_ids, routing, next_embedded)
 
-    def start(self, hidden, document_ids, position_ids):
+    def start(self, hidden, document_ids, position_ids, next_embedded=None):
         """The tuple the embedding hands on: a mixture's routing statistics start at zeros."""
-        return self.pack(StageActivations(hidden, document_ids, position_ids, self.initial_routing(hidden.device)))
+        return self.pack(StageActivations(hidden, document_ids, position_ids, self.initial_routing(hidden.device),
+                                          next_embedded))
 
     def initial_routing(self, device):
         if self.moe is None:
@@ -102,12 +113,20 @@ class StageTuple:
                                            requires_grad=True))
 
 
-def head_outputs(outputs, chunked):
+def head_outputs(outputs, chunked, multi_token=False):
     """(the LM head's outputs: (logits,), or with the chunked loss (its input, its weight); the Routing of an MoE
-    model, or None) from the last layer's output, which the loss receives (models/loss.py)."""
+    model, or None) from the last layer's output, which the loss receives (models/loss.py). multi_token: the
+    outputs hold the MTP layer's too (lm_head), returned as a third item: (its head outputs, as the main ones,
+    the document ids); None without."""
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    head, routing = (outputs[:2], outputs[2:]) if chunked else (outputs[:1], outputs[1:])
-    return head, Routing(*routing) if routing else None
+    width = 2 if chunked else 1
+    head, rest = outputs[:width], outputs[width:]
+    mtp = None
+    if multi_token:
+        mtp_head = (rest[0], head[1]) if chunked else (rest[0],)
+        mtp, rest = (mtp_head, rest[1]), rest[2:]
+    routing = Routing(*rest) if rest else None
+    return (head, routing, mtp) if multi_token else (head, routing)
 
 
 @dataclasses.dataclass
@@ -166,11 +185,15 @@ class EmbeddingPipe(nn.Embedding):
         self.parallel = parallel
         self.multiplier = architecture_of(config).embedding_multiplier  # Granite's
         self.stage = StageTuple(config)
+        self.multi_token = self.stage.multi_token  # the head (when tied) hands the MTP layer's outputs on too
 
     def forward(self, inputs):
         input_ids, document_ids, position_ids = inputs
-        embedded = self.parallel.embedding(input_ids, self.weight, self.padding_idx)
-        return self.stage.start(scaled(embedded, self.multiplier), document_ids, position_ids)
+        next_embedded = self.embedded(next_tokens(input_ids)) if self.multi_token else None
+        return self.stage.start(self.embedded(input_ids), document_ids, position_ids, next_embedded)
+
+    def embedded(self, input_ids):
+        return scaled(self.parallel.embedding(input_ids, self.weight, self.padding_idx), self.multiplier)
 
 
 class DecoderLayerPipe(DecoderLayer):
@@ -203,21 +226,36 @@ class DecoderLayerPipe(DecoderLayer):
 class FinalNormPipe(RMSNorm):
     """Layer L+1: drops document ids and positions, which nothing after it needs (a mixture's routing statistics
     go on to the loss). Granite divides its logits by logits_scaling: done here, to the LM head's input (the head is
-    linear), so every loss path sees it."""
+    linear), so every loss path sees it.
 
-    def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
+    With multi-token prediction trained, the layer holds the MTP layer too (`mtp`, its tensors in this layer's file
+    under `mtp.`), which reads the normed hidden states, the next tokens' embedding and the attention inputs
+    (stage_inputs, the stage's): its normed output and the document ids (which mask its labels) follow the main
+    hidden states to the shared head."""
+
+    def __init__(self, config, parallel=NO_TENSOR_PARALLEL, stage_inputs=None, attention_impl="sdpa"):
         architecture = architecture_of(config)
         super().__init__(config.hidden_size, config.rms_norm_eps, scale_in_fp32=architecture.norm_scale_in_fp32,
                          offset=architecture.offset_norms)
+        self.stage = StageTuple(config)
+        self.mtp = MultiTokenPrediction(config, attention_impl) if self.stage.multi_token else None
         replicated(self, parallel)
         hook_gradient_sums(self, parallel)
         self.logits_multiplier = 1 / architecture.logits_scaling
-        self.stage = StageTuple(config)
+        self.stage_inputs = stage_inputs
 
     def forward(self, inputs):
         stage = self.stage.unpack(inputs)
-        normed = scaled(super().forward(stage.hidden), self.logits_multiplier)
-        return (normed, *stage.routing.tensors()) if stage.routing is not None else normed
+        normed = super().forward(stage.hidden)
+        head_inputs = (scaled(normed, self.logits_multiplier),)
+        if self.mtp is not None:
+            attention_inputs = self.stage_inputs(normed, stage.document_ids, stage.position_ids,
+                                                 self.mtp.layer.self_attn.window)
+            tokens = RoutedTokens.of(stage.document_ids) if self.mtp.layer.sparse else None
+            predicted = self.mtp(normed, stage.next_embedded, attention_inputs, tokens)
+            head_inputs += (scaled(predicted, self.logits_multiplier), stage.document_ids)
+        routing = stage.routing.tensors() if stage.routing is not None else ()
+        return (*head_inputs, *routing) if len(head_inputs) + len(routing) > 1 else head_inputs[0]
 
 
 def scaled(x, multiplier):
@@ -235,6 +273,7 @@ class LMHeadPipe(nn.Linear):
         if parallel.size > 1:
             mark_sharded(self.weight, 0)
         self.parallel, self.chunked_loss = parallel, chunked_loss
+        self.multi_token = trains_multi_token_prediction(config)
 
     def forward(self, hidden):
         return lm_head(self, hidden, self.chunked_loss)
@@ -243,14 +282,19 @@ class LMHeadPipe(nn.Linear):
 def lm_head(module, inputs, chunked_loss=False):
     """The LM head of `module`'s weight: its own, or the embedding's when tied (DeepSpeed's TiedLayerSpec calls
     forward_fn(embedding, inputs)). inputs: the hidden states, or those and a mixture's routing statistics, which
-    follow the head's outputs to the loss (head_outputs)."""
-    hidden, *routing = inputs if isinstance(inputs, tuple) else (inputs,)
+    follow the head's outputs to the loss (head_outputs); with multi-token prediction (module.multi_token), the MTP
+    layer's hidden states and the document ids after the main hidden states, the former through the same head."""
+    hidden, *rest = inputs if isinstance(inputs, tuple) else (inputs,)
+    mtp = ()
+    if module.multi_token:
+        mtp_hidden, document_ids, *rest = rest
+        mtp = ((mtp_hidden if chunked_loss else module.parallel.logits(mtp_hidden, module.weight)), document_ids)
     if chunked_loss:
         # A view, not the leaf: DeepSpeed hooks the outputs that have a grad_fn to start each backward (the bf16
         # optimizer clears its gradients there), and so runs that before the weight's gradient accumulates.
-        return hidden, module.weight.view_as(module.weight), *routing
+        return hidden, module.weight.view_as(module.weight), *mtp, *rest
     logits = module.parallel.logits(hidden, module.weight)
-    return (logits, *routing) if routing else logits
+    return (logits, *mtp, *rest) if mtp or rest else logits
 
 
 def decoder_on_meta(config, tensor_parallel=1, layer_index=None):
