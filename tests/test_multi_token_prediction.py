@@ -178,6 +178,7 @@ def pipeline_loss_and_grads(config, model, tensors, batch, chunk_tokens):
     loss_fn = CausalLMLoss(chunk_tokens=chunk_tokens, mtp_scale=SCALE)
     loss = loss_fn(x, labels)
     loss.backward()
+    assert loss_fn.take_aux_terms() == []  # a training forward keeps none
     with torch.no_grad():  # an evaluation forward keeps its added term, here the MTP loss times SCALE
         loss_fn(x, labels)
     mtp_term, = loss_fn.take_aux_terms()
