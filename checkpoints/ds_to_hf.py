@@ -20,11 +20,13 @@ from checkpoints.integrity import (manifest_digest, no_manifest_note, read_by_ex
                                    verify_model_side_files)
 from checkpoints.hf_to_ds import SAFETENSORS_DTYPES, safetensors_entries
 from checkpoints.layer_files import layer_files_and_expert_shards, load_weights_only
+from checkpoints.mtp_tensors import MTP_PREFIX, shared_copies
 from models.architecture import architecture_of
 from models.layout import (CARRIED_FILE_NAME, HUB_LAYOUT_KEY, PLAIN_LAYOUT, HubLayout, check_convertible, fuse,
                            hf_name_of_layer_key, hub_piece, hub_pieces, joined_per_layer_tensor, layer_indices_with_files,
                            PER_LAYER_PREFIX, PER_LAYER_TENSORS, text_config_of)
 from models.lora import EXPERT_ADAPTER, NO_LORA, LoraSettings, add_adapters, peft_adapters
+from models.multi_token_prediction import mtp_layout_of
 from models.pipeline_layers import layers_on_meta
 from models.tensor_parallel import TensorParallel, joined_shards
 
@@ -102,7 +104,7 @@ def read_hf_tensors(tag_dir, config, lora=NO_LORA, layout=PLAIN_LAYOUT):
         if len(slices) > 1 and len(slices) not in split_dims:
             split_dims[len(slices)] = split_dims_of(config, len(slices), lora), split_blocks_of(config, len(slices))
         for key, first in slices[0].items():
-            name = hf_name_of_layer_key(index, key, config.num_hidden_layers)
+            name = pipeline_name_of_layer_key(index, key, config)
             dims, blocks = split_dims[len(slices)] if len(slices) > 1 else ({}, {})
             dim = dims[index][key] if len(slices) > 1 else None
             if dim is None:
@@ -139,6 +141,27 @@ def joined_from(tensor_functions, short):
     if PER_LAYER_TENSORS[short] is None:  # a tied copy in every layer: the first's
         return tensor_functions[0]()
     return joined_per_layer_tensor(short, [tensor() for tensor in tensor_functions])
+def pipeline_name_of_layer_key(index, key, config):
+    """The pipeline's HF name of a layer file's key; a trained MTP layer's (the final norm's `mtp.` keys) under
+    the name its checkpoint gives it (DeepSeek-V3's model.layers.{L}.*, which hub_pieces splits like a decoder
+    layer's)."""
+    if index == config.num_hidden_layers + 1 and key.startswith(MTP_PREFIX):
+        return mtp_layout_of(config).hub_name(key.removeprefix(MTP_PREFIX))
+    return hf_name_of_layer_key(index, key, config.num_hidden_layers)
+
+
+def with_carried(tensors, shapes, carried, carried_shapes, config):
+    """The export's tensors: the layer files' and the carried ones, a trained MTP layer's in place of the carried
+    one (and the copies of the shared embedding and head its checkpoint stores, the trained ones)."""
+    if any(name in carried for name in tensors):  # only a trained MTP layer's names are in both
+        for copy, source in shared_copies(config).items():
+            if copy in carried:  # a copy of its own: safetensors refuses two names over one storage
+                carried[copy], carried_shapes[copy] = functools.partial(cloned, tensors[source]), shapes[source]
+    return {**carried, **tensors}, {**carried_shapes, **shapes}
+
+
+def cloned(tensor_function):
+    return tensor_function().clone()
 
 
 def concatenated(tensor_functions):
@@ -211,7 +234,7 @@ def convert_ds_to_hf(ckpt_dir, output_dir, tag=None, max_shard_size="5GB", overw
         tensors, shapes = read_hf_tensors(tag_dir, text_config, layout=layout)
         tensors = merged(tensors, adapters, lora.scaling, text_config, layout)
     extra_tensors, extra_shapes = carried_tensors(tag_dir, text_config)
-    tensors, shapes = {**tensors, **extra_tensors}, {**shapes, **extra_shapes}
+    tensors, shapes = with_carried(tensors, shapes, extra_tensors, extra_shapes, text_config)
     split = split_torch_state_dict_into_shards(shapes, max_shard_size=max_shard_size)
 
     with staged_directory(output_dir) as staging:

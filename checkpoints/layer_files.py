@@ -15,6 +15,7 @@ import re
 
 import torch
 
+from checkpoints.mtp_tensors import MTP_PREFIX, load_carried_mtp
 from errors import ConfigError
 from models.architecture import LINEAR_ATTENTION, architecture_of
 from models.layout import expert_shard_of
@@ -69,6 +70,7 @@ def load_layer_slice(layer, paths, rank, size, strict=True):
         raise FileNotFoundError("no layer file for this layer in the checkpoint; was it written by this model?")
     paths, shard_paths = layer_files_and_expert_shards(paths)
     first = mapped(paths[0])
+    layer, first = with_multi_token_prediction(layer, first, paths[0])
     shards = [mapped(path) for path in shard_paths]
     expert_keys = set(shards[0]) if shards else set()
     layer = part_held(layer, set(first) | expert_keys)
@@ -94,6 +96,24 @@ def load_layer_slice(layer, paths, rank, size, strict=True):
         saved = [own_experts({key: tensor for key, tensor in mapped(p).items() if key in targets}, targets)
                  for p in paths]
         layer.load_state_dict(tensors_for_rank(saved, targets, rank, size, paths[0]))
+
+
+def with_multi_token_prediction(layer, saved, path):
+    """(the part of `layer` its file loads, the file's {key: tensor} that part reads) for a final-norm layer and the
+    MTP layer it may hold (models/pipeline_layers.py FinalNormPipe): a file without the MTP layer (a converted model,
+    where it is carried) loads the norm, the MTP layer coming from the tag's carried file; a file with it (a
+    checkpoint of a run that trained it) into a layer without one (this run does not) loads the norm only. Any
+    other layer: as it is."""
+    mtp = getattr(layer, "mtp", None)
+    holds_mtp = any(key.startswith(MTP_PREFIX) for key in saved)
+    if mtp is None and not holds_mtp:
+        return layer, saved
+    norm_keys = {key for key in layer.state_dict(keep_vars=True) if not key.startswith(MTP_PREFIX)}
+    if mtp is not None and not holds_mtp:
+        load_carried_mtp(mtp, os.path.dirname(path), mtp.model_config)
+    elif mtp is not None:
+        return layer, saved
+    return LayerPart(layer, norm_keys), {key: tensor for key, tensor in saved.items() if key in norm_keys}
 
 
 def mapped(path):

@@ -40,7 +40,8 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
     """(token-weighted mean loss, perplexity) over the whole dataset, the same value on every rank; under a
     preference objective (pair-weighted mean loss, {TRL's metric: its mean over the pairs}) instead.
     Middle stages pass dataset=None and read nothing. A mixture of experts' loss holds its load-balancing term, as
-    transformers' outputs.loss and training's `loss` do; the perplexity is of the cross-entropy alone."""
+    transformers' outputs.loss and training's `loss` do, and a run training the MTP layer's its MTP term, as
+    training's `loss` does; the perplexity is of the cross-entropy alone."""
     context = engine.module.context
     dp_rank, dp_size = context.replica(engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size())
     micro_batch = cfg.micro_batch_size
@@ -62,7 +63,7 @@ def evaluate(engine, dataset, dataset_length, cfg, pad_id):
         for start in range(0, num_micro_batches, cfg.gradient_accumulation_steps):
             chunk = min(cfg.gradient_accumulation_steps, num_micro_batches - start)
             losses = engine.eval_batch(batches, reduce_output=None, bcast_loss=False, num_micro_batches=chunk)
-            # each micro-batch's load-balancing term (an MoE model's), which its loss holds
+            # each micro-batch's added terms (load balancing, a trained MTP layer's), which its loss holds
             terms = [] if preference else [float(term) for term in loss_fn.take_aux_terms()]
             terms = terms or [0.0] * chunk
             if engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0:  # once per tensor-parallel group

@@ -184,7 +184,8 @@ def scoring_loss(module, seq_length):
     """The pipeline's loss_fn returning each row's continuation scores, the training one put back after."""
     training_loss = module.loss_fn
     module.loss_fn = ContinuationScores(training_loss.parallel, training_loss.chunk_tokens, training_loss.context,
-                                        seq_length, training_loss.logit_cap)
+                                        seq_length, training_loss.logit_cap,
+                                        multi_token=getattr(training_loss, "mtp_scale", 0.0) > 0)
     try:
         yield
     finally:

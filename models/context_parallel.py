@@ -19,6 +19,17 @@ so the group gathers those (576 features a token for DeepSeek-V3), not the expan
 = 40,960), and each rank expands the whole sequence's latent: the latent's gradient is reduce-scattered back, the
 expansion's weight gradient of each rank's queries summed over the group with the data-parallel ones.
 
+Linear attention (Gated DeltaNet, models/linear_attention.py) runs along the sequence in order, its convolution
+and recurrent state carried from token to token, so it is made exact differently: a head all-to-all (Megatron's
+scheme for Gated DeltaNet, Ulysses' for attention). Each linear-attention layer's core
+(models/linear_attention.py DeltaRuleCore: the convolution and the delta rule) is wrapped by
+ContextParallelDeltaRuleCore: the q|k|v projections, betas and decays of this rank's tokens go to the rank owning
+their heads (rank j: key heads and value heads j/c of each), which puts the whole sequence back in order and runs
+the convolution and the rule over all of it for its heads, the document ids gathered so both restart at every
+document boundary, including one that falls on a rank boundary; the outputs go back to the ranks owning the tokens.
+Key and value heads must divide by the group's size. Everything before and after the core (projections, the gated
+norm, the output projection) is per token and runs on this rank's tokens.
+
 With size 1 every call is the plain computation and no collective runs.
 """
 import torch
@@ -176,8 +187,78 @@ class ContextParallelAttentionInputs(StageAttentionInputs):
 
 
 def wrap_attention_cores(layer, context):
-    """A decoder layer's attention core replaced by its context-parallel form."""
-    layer.self_attn.core = ContextParallelCore(layer.self_attn.core, context)
+    """A decoder layer's attention core replaced by its context-parallel form: its softmax attention's
+    (`self_attn`) or its linear attention's (`linear_attn`)."""
+    if hasattr(layer, "linear_attn"):
+        layer.linear_attn.core = ContextParallelDeltaRuleCore(layer.linear_attn.core, context)
+    else:
+        layer.self_attn.core = ContextParallelCore(layer.self_attn.core, context)
+
+
+class ContextParallelDeltaRuleCore(nn.Module):
+    """A linear-attention core (models/linear_attention.py DeltaRuleCore) of a context group's rank: its inputs
+    exchanged from this rank's tokens of every head to the whole sequence of this rank's heads, the core run there,
+    the outputs exchanged back (the module docstring)."""
+
+    def __init__(self, core, context):
+        super().__init__()
+        for heads, name in ((core.num_key_heads, "linear_num_key_heads"), (core.num_value_heads,
+                                                                          "linear_num_value_heads")):
+            if heads % context.size:
+                raise ValueError(f"{name}={heads} does not split over context_parallel_size={context.size}: "
+                                 f"linear attention's context parallelism gives each rank a whole share of the "
+                                 f"heads; set context_parallel_size to a divisor of {heads}.")
+        self.context = context
+        size = context.size
+        self.core = type(core)(core.num_key_heads // size, core.num_value_heads // size, core.key_head_dim,
+                               core.value_head_dim)  # this rank's heads over the whole sequence
+        self.key_width = core.num_key_heads * core.key_head_dim  # q's (and k's) channels, of every head
+        self.value_width = core.num_value_heads * core.value_head_dim
+
+    def forward(self, qkv, conv_weight, g, beta, document_ids=None, context=None, context_ids=None,
+                initial_state=None, output_final_state=False):
+        if context is not None or initial_state is not None or output_final_state:
+            raise ValueError("context parallelism runs each linear-attention layer over whole sequences: a stretch "
+                             "carried from another (forward_carrying) is not split across ranks.")
+        size, rank = self.context.size, self.context.rank
+        batch, local, _ = qkv.shape
+        q, k, v = qkv.split([self.key_width, self.key_width, self.value_width], dim=-1)
+        heads = self.core.num_value_heads
+        # [B, S/c, c, width/c] per destination rank, q|k|v|beta in the activations' dtype, g (fp32) apart
+        sent = torch.cat([x.reshape(batch, local, size, -1) for x in (q, k, v, beta)], dim=-1)
+        whole = self.whole_sequence(sent)
+        decays = self.whole_sequence(g.reshape(batch, local, size, heads))
+        ids = None if document_ids is None else self.context.gather_sequence(document_ids, dim=1)
+        q, k, v, beta = whole.split([self.key_width // size, self.key_width // size, self.value_width // size,
+                                     heads], dim=-1)
+        key_rows = torch.arange(rank * self.key_width // size, (rank + 1) * self.key_width // size,
+                                device=conv_weight.device)
+        value_rows = torch.arange(rank * self.value_width // size, (rank + 1) * self.value_width // size,
+                                  device=conv_weight.device)
+        weight = conv_weight.index_select(0, torch.cat([key_rows, key_rows + self.key_width,
+                                                        value_rows + 2 * self.key_width]))
+        out, _ = self.core(torch.cat([q, k, v], dim=-1), weight, decays, beta.contiguous(), ids)
+        return self.tokens_of_every_head(out.flatten(2)).unflatten(-1, (-1, self.core.value_head_dim)), None
+
+    def whole_sequence(self, x):
+        """[B, S/c, c, w]: this rank's tokens, a share w of the channels for each rank -> [B, S, w]: every rank's
+        tokens of this rank's share, in sequence order (the exchange differentiable: its backward the reverse)."""
+        size, (batch, local, _, width) = self.context.size, x.shape
+        received = collectives.exchange_rows(x.permute(2, 0, 1, 3).reshape(size * batch, local * width),
+                                             [batch] * size, [batch] * size, self.context.group)
+        gathered = received.view(size, batch, local, width).transpose(0, 1).reshape(batch, size * local, width)
+        to_global, _ = self.context.orders(local // 2, x.device)
+        return gathered.index_select(1, to_global)
+
+    def tokens_of_every_head(self, x):
+        """whole_sequence's inverse: [B, S, w] of this rank's heads -> [B, S/c, c * w], this rank's tokens of all."""
+        size, (batch, seq, width) = self.context.size, x.shape
+        local = seq // size
+        _, to_gathered = self.context.orders(local // 2, x.device)
+        by_rank = x.index_select(1, to_gathered).view(batch, size, local, width).transpose(0, 1)
+        received = collectives.exchange_rows(by_rank.reshape(size * batch, local * width), [batch] * size,
+                                             [batch] * size, self.context.group)
+        return received.view(size, batch, local, width).permute(1, 2, 0, 3).reshape(batch, local, size * width)
 
 
 class ScaleGradient(torch.autograd.Function):

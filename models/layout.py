@@ -222,6 +222,8 @@ def hub_pieces(name, config, layout=None):
     MoE layer's fused experts as each expert's projections (expert e's part p of `parts` row blocks of tensor[e])
     unless the layout holds them fused, Mixtral's module renamed; None: the whole tensor."""
     layout = layout or PLAIN_LAYOUT
+    if not name.startswith("model.") and name != "lm_head.weight":  # outside the text model (Qwen3.5's mtp.*)
+        return [(name, None)]
     module, fused = HUB_EXPERTS.get(config.model_type, ("mlp.", {}))
     match = _DECODER.match(name)
     if match is None or not match.group(2).startswith("mlp."):

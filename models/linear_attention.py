@@ -12,10 +12,16 @@ LinearAttentionCarry, the last kernel - 1 convolution inputs with their document
 the last token, all differentiable, so that chaining the stretches of a row gives the whole row's outputs and
 gradients.
 
+On CUDA, with flash-linear-attention (`fla`) installed, the rule runs as its chunk_gated_delta_rule kernel, packed
+documents as cu_seqlens, and the convolution as the causal-conv1d package's kernel where that is installed too
+(DeltaRuleCore.forward, the one place that chooses: cuda_kernels); the torch path everywhere else, and for a
+stretch carried from another (forward_carrying) or fp32 activations (fla's kernel takes 16-bit ones).
+
 Qwen3-Next stores in_proj_qkvz and in_proj_ba fused, grouped by key head: FusedGatedDeltaNet holds them so (the
 layer files keep every tensor as stored) and regroups their outputs; split_fused_projections / fuse_projections turn
 the weights of one layout into the other's (row permutations, exact both ways).
 """
+import functools
 from typing import NamedTuple
 
 import torch
@@ -63,6 +69,91 @@ def causal_conv1d(x, weight, document_ids=None, context=None, context_document_i
     return F.silu(out.to(x.dtype))
 
 
+class DeltaRuleCore(nn.Module):
+    """What a linear-attention layer computes along the sequence, no parameters of its own: the causal convolution
+    over q|k|v (the layer's weight passed in) and the gated delta rule over its heads. The one seam context
+    parallelism replaces from outside (models/context_parallel.py ContextParallelDeltaRuleCore), as it replaces
+    softmax attention's core."""
+
+    def __init__(self, num_key_heads, num_value_heads, key_head_dim, value_head_dim):
+        super().__init__()
+        self.num_key_heads, self.num_value_heads = num_key_heads, num_value_heads
+        self.key_head_dim, self.value_head_dim = key_head_dim, value_head_dim
+
+    def forward(self, qkv, conv_weight, g, beta, document_ids=None, context=None, context_ids=None,
+                initial_state=None, output_final_state=False):
+        """(output [B, S, Hv, dv], final state or None) of the q|k|v projections qkv [B, S, C], the log decays g and
+        betas [B, S, Hv]; document_ids, the convolution's context and the initial state as models/gated_delta_rule.py
+        and causal_conv1d take them."""
+        kernels = cuda_kernels() if qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16) else None
+        if kernels is not None and context is None and initial_state is None and not output_final_state:
+            return self.with_kernels(kernels, qkv, conv_weight, g, beta, document_ids), None
+        batch, seq, _ = qkv.shape
+        key_dim = self.num_key_heads * self.key_head_dim
+        mixed = causal_conv1d(qkv, conv_weight, document_ids, context, context_ids)
+        query, key, value = mixed.split([key_dim, key_dim, self.num_value_heads * self.value_head_dim], dim=-1)
+        return chunk_gated_delta_rule(
+            query.reshape(batch, seq, -1, self.key_head_dim), key.reshape(batch, seq, -1, self.key_head_dim),
+            value.reshape(batch, seq, -1, self.value_head_dim), g, beta, document_ids, initial_state,
+            output_final_state=output_final_state)
+
+
+    def with_kernels(self, kernels, qkv, conv_weight, g, beta, document_ids):
+        """The output through fla's chunk_gated_delta_rule (and causal-conv1d's kernel, if installed), as
+        transformers' fast path calls them: q and k L2-normalised in the kernel and repeated to the value heads, each
+        packed document a sequence of its own (cu_seqlens over the flattened rows). Reading the documents' starts
+        onto the host is one sync per layer and micro-batch, which fla's varlen kernels need (they plan their blocks
+        on the host)."""
+        rule, conv = kernels
+        batch, seq, _ = qkv.shape
+        segments = None if document_ids is None else document_segments(document_ids)
+        if conv is None:
+            mixed = causal_conv1d(qkv, conv_weight, document_ids)
+        else:
+            mixed = conv(qkv.transpose(1, 2), conv_weight.squeeze(1), bias=None, activation="silu",
+                         seq_idx=None if segments is None else segments.to(torch.int32)).transpose(1, 2)
+        key_dim = self.num_key_heads * self.key_head_dim
+        query, key, value = mixed.split([key_dim, key_dim, self.num_value_heads * self.value_head_dim], dim=-1)
+        group = self.num_value_heads // self.num_key_heads
+        query, key = (x.reshape(batch, seq, -1, self.key_head_dim).repeat_interleave(group, dim=2)
+                      for x in (query, key))
+        value = value.reshape(batch, seq, -1, self.value_head_dim)
+        if segments is None:
+            out, _ = rule(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+            return out
+        starts = torch.ones_like(segments, dtype=torch.bool)
+        starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+        first_tokens = starts.reshape(-1).nonzero().squeeze(1)
+        cu_seqlens = torch.cat([first_tokens, first_tokens.new_tensor([batch * seq])])
+        flat = lambda x: x.reshape(1, batch * seq, *x.shape[2:])  # noqa: E731
+        out, _ = rule(flat(query), flat(key), flat(value), g=flat(g), beta=flat(beta), cu_seqlens=cu_seqlens,
+                      use_qk_l2norm_in_kernel=True)
+        return out.view(batch, seq, *out.shape[2:])
+
+
+@functools.cache
+def cuda_kernels():
+    """(fla's chunk_gated_delta_rule, causal-conv1d's causal_conv1d_fn or None) where flash-linear-attention is
+    installed, else None: whether CUDA runs the kernels (asked once a process)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as rule
+    except ImportError:
+        return None
+    try:
+        from causal_conv1d import causal_conv1d_fn as conv
+    except ImportError:
+        conv = None
+    return rule, conv
+
+
+def document_segments(document_ids):
+    """[B, S] int64: each token's run of equal document ids within its row, numbered from 0 (padding's run too):
+    what causal-conv1d's seq_idx and the sequences of cu_seqlens keep apart."""
+    changes = torch.zeros_like(document_ids)
+    changes[:, 1:] = (document_ids[:, 1:] != document_ids[:, :-1]).long()
+    return changes.cumsum(dim=1)
+
+
 class GatedDeltaNet(nn.Module):
     """The linear-attention token mixer of one decoder layer (hidden [B, S, H] -> [B, S, H])."""
 
@@ -84,6 +175,7 @@ class GatedDeltaNet(nn.Module):
         # transformers' nn.Conv1d (depthwise, no bias): its weight [C, 1, K] under the same name
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel_size, groups=conv_dim, bias=False,
                                 padding=conv_kernel_size - 1)
+        self.core = DeltaRuleCore(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
         self.dt_bias = nn.Parameter(torch.empty(num_value_heads))
         self.A_log = nn.Parameter(torch.empty(num_value_heads))
         self.reset_parameters()
@@ -141,12 +233,8 @@ class GatedDeltaNet(nn.Module):
             if document_ids is not None:  # the state goes on only into the document it was left in
                 initial_state = initial_state * (context_ids[:, -1] == document_ids[:, 0]).to(
                     initial_state.dtype)[:, None, None, None]
-        mixed = causal_conv1d(qkv, self.conv1d.weight, document_ids, context, context_ids)
-        query, key, value = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        out, final_state = chunk_gated_delta_rule(
-            query.reshape(batch, seq, -1, self.key_head_dim), key.reshape(batch, seq, -1, self.key_head_dim),
-            value.reshape(batch, seq, -1, self.value_head_dim), g, beta, document_ids, initial_state,
-            output_final_state=carry_out)
+        out, final_state = self.core(qkv, self.conv1d.weight, g, beta, document_ids, context, context_ids,
+                                     initial_state, output_final_state=carry_out)
         out = self.out_proj(self.norm(out, z).reshape(batch, seq, -1))
         if not carry_out:
             return out, None

@@ -45,19 +45,23 @@ class CausalLMLoss:
     the labelled tokens, divided by the step's divisor when the labels carry one (a training step: the global
     batch's token mean, with_step_divisor), else by the micro-batch's own labelled tokens (its mean: evaluation). The
     last layer's output is the logits, or with chunk_tokens > 0 the head's input and weight (LMHeadPipe), whose
-    chunks' weight gradients are summed in grad_sum_dtype (the run's grad_accum_dtype; None: the weight's). A row's
-    labels may be one wider than its seq_length positions (token shards); without seq_length they are as wide.
-    logit_cap: Gemma's final_logit_softcapping (None: none), cap * tanh(logits / cap) of each chunk's logits.
-    An MoE model's router loss (LoadBalancingLoss) times its coefficient is added, as transformers adds it to
-    outputs.loss. An evaluation forward (no gradient) keeps that added term (a 0-d tensor) until take_aux_terms:
-    perplexity is of the cross-entropy alone."""
+    chunks' weight gradients are summed in grad_sum_dtype (the run's grad_accum_dtype; None: the weight's).
+    seq_length: the positions of a row, when its labels may be one wider (token shards, data/collator.py); None: as
+    wide. logit_cap: Gemma's final_logit_softcapping (None: none), cap * tanh(logits / cap) of each chunk's logits.
+    router: an MoE model's LoadBalancingLoss (models/router_loss.py), whose loss times its coefficient is added, as
+    transformers adds it to outputs.loss; None for a dense model. mtp_scale > 0: the last layer's output holds the
+    MTP layer's head outputs too (models/multi_token_prediction.py), whose next-next-token loss, summed over its
+    labelled positions and divided as the main loss (by the same divisor: Megatron's per-token loss), times
+    mtp_scale is added. An evaluation forward (no gradient) keeps the added terms (a 0-d tensor, their sum) until
+    take_aux_terms: perplexity is of the cross-entropy alone."""
 
     def __init__(self, parallel=NO_TENSOR_PARALLEL, chunk_tokens=0, context=NO_CONTEXT_PARALLEL, grad_sum_dtype=None,
-                 seq_length=None, router=None, logit_cap=None):
+                 seq_length=None, router=None, logit_cap=None, mtp_scale=0.0):
         self.parallel, self.chunk_tokens, self.context = parallel, chunk_tokens, context
         self.logit_cap = logit_cap  # Gemma's final_logit_softcapping: each chunk's logits capped (models/gemma3.py)
         self.grad_sum_dtype, self.seq_length = grad_sum_dtype, seq_length
         self.router = router
+        self.mtp_scale = mtp_scale
         self.aux_terms = []  # evaluation's added terms since take_aux_terms
 
     def units(self, labels, whole=False):
@@ -66,29 +70,42 @@ class CausalLMLoss:
         return labelled_tokens(labels, NO_CONTEXT_PARALLEL if whole else self.context)
 
     def __call__(self, outputs, labels):
-        outputs, routing = head_outputs(outputs, self.chunk_tokens > 0)
-        loss = self.next_token_loss(outputs, labels)
-        aux = self.router(routing) if self.router is not None else None
-        if aux is None:
+        if self.mtp_scale > 0:
+            outputs, routing, mtp = head_outputs(outputs, self.chunk_tokens > 0, multi_token=True)
+        else:
+            (outputs, routing), mtp = head_outputs(outputs, self.chunk_tokens > 0), None
+        labels, divisor = split_step_divisor(labels, 1)
+        next_labels = next_token_labels(labels, self.context, self.seq_length)
+        divisor = self.divisor(next_labels) if divisor is None else divisor
+        loss = self.loss_sum(outputs, next_labels, divisor)
+        terms = []
+        if self.router is not None and (aux := self.router(routing)) is not None:
+            terms.append(self.router.coef * aux)
+        if mtp is not None:
+            mtp_outputs, document_ids = mtp
+            terms.append(self.mtp_scale * self.loss_sum(mtp_outputs, mtp_labels(labels, document_ids,
+                                                                                self.seq_length), divisor))
+        if not terms:
             return loss
-        term = self.router.coef * aux
+        term = sum(terms)
         if not torch.is_grad_enabled():
             self.aux_terms.append(term.detach())
         return loss + term
 
     def take_aux_terms(self):
-        """The load-balancing terms the evaluation forwards since the last call added to their losses, one 0-d
-        tensor per micro-batch ([] for a dense model)."""
+        """The terms (load balancing, MTP) the evaluation forwards since the last call added to their losses, one
+        0-d tensor per micro-batch ([] for a dense model without MTP)."""
         terms, self.aux_terms = self.aux_terms, []
         return terms
 
-    def next_token_loss(self, outputs, labels):
-        labels, divisor = split_step_divisor(labels, 1)
-        next_labels = next_token_labels(labels, self.context, self.seq_length)
-        if divisor is None and self.context.size > 1:
-            divisor = self.context.loss_divisor(next_labels, IGNORE_INDEX)
-        elif divisor is None:
-            divisor = (next_labels != IGNORE_INDEX).sum().clamp(min=1)
+    def divisor(self, next_labels):
+        """A micro-batch's own labelled tokens (evaluation), over the context group under context parallelism."""
+        if self.context.size > 1:
+            return self.context.loss_divisor(next_labels, IGNORE_INDEX)
+        return (next_labels != IGNORE_INDEX).sum().clamp(min=1)
+
+    def loss_sum(self, outputs, next_labels, divisor):
+        """The cross-entropy of the head outputs against next_labels, summed over the labelled ones / divisor."""
         if self.chunk_tokens:
             hidden, weight = outputs
             return chunked_loss_sum(hidden, weight, next_labels.to(hidden.device), divisor, self.parallel,
@@ -100,15 +117,17 @@ class CausalLMLoss:
 class ContinuationScores:
     """The pipeline's loss_fn while lm-eval's requests are scored (evaluation/lm_eval_tasks.py): (the last layer's
     output, labels that are -100 but on each row's continuation) -> (rows, 2) continuation_scores, each row's sums
-    over all its tokens under context parallelism. seq_length: the rows' width (their labels are one wider)."""
+    over all its tokens under context parallelism. seq_length: the rows' width (their labels are one wider).
+    multi_token: the outputs hold the MTP layer's too (a run training it), which scoring leaves aside."""
 
-    def __init__(self, parallel, chunk_tokens, context, seq_length, logit_cap=None):
+    def __init__(self, parallel, chunk_tokens, context, seq_length, logit_cap=None, multi_token=False):
         self.parallel, self.chunk_tokens, self.context, self.seq_length = parallel, chunk_tokens, context, seq_length
         self.logit_cap = logit_cap  # Gemma's final_logit_softcapping
+        self.multi_token = multi_token
 
     def __call__(self, outputs, labels):
         next_labels = next_token_labels(labels, self.context, self.seq_length)
-        head, _ = head_outputs(outputs, self.chunk_tokens > 0)
+        head = head_outputs(outputs, self.chunk_tokens > 0, self.multi_token)[0]
         scores = continuation_scores(head if self.chunk_tokens else head[0], next_labels, labels.shape[0],
                                      self.parallel, self.chunk_tokens, self.logit_cap)
         if self.context.size > 1:  # each rank scored its tokens of every row
@@ -130,6 +149,19 @@ def next_token_labels(labels, context=NO_CONTEXT_PARALLEL, positions=None):
     if context.size > 1:
         return labels.reshape(-1)
     return shift_labels(labels, positions).reshape(-1)
+
+
+def mtp_labels(labels, document_ids, positions=None):
+    """What MTP position i predicts (models/multi_token_prediction.py), flattened: labels[:, i + 2] (as shift_labels
+    shifts them, so labels one wider than the rows give the last but one position a label too), IGNORE_INDEX where
+    the next token t_{i+1} is in another document than t_i (its embedding comes from the wrong document; a later
+    document's first token is unlabelled already, the collator's) and at the last position, whose next token is not
+    in the row."""
+    next_labels = shift_labels(labels, positions)
+    after_next = F.pad(next_labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    same_document = torch.cat([document_ids[:, 1:] == document_ids[:, :-1],
+                               torch.zeros_like(document_ids[:, :1], dtype=torch.bool)], dim=1)
+    return after_next.masked_fill(~same_document.to(after_next.device), IGNORE_INDEX).reshape(-1)
 
 
 def split_micro_batch(context, batch):

@@ -11,22 +11,28 @@ from deepspeed_internals.registry import partition_balanced, partition_uniform
 from models.layout import num_pipeline_layers
 import torch
 
-from models.architecture import COMPOSED, architecture_of, head_dim_of
+from models.architecture import COMPOSED, GATED_ATTENTION, LINEAR_ATTENTION, architecture_of, head_dim_of
 from models.decoder import decoder_layer
 from models.lora import NO_LORA, adapter_parameter_total
 from schedules.rules import chunk_ids, chunks_per_rank
 
 EMBEDDING, DECODER, NORM, HEAD = "embedding", "decoder", "norm", "head"
 DENSE_DECODER = "dense_decoder"  # a dense layer of a model that mixes them with sparse ones
-DECODERS = (DECODER, DENSE_DECODER)
+LINEAR_PREFIX = "linear_"  # a hybrid's linear-attention layer of either kind: linear_decoder, linear_dense_decoder
+DECODERS = (DECODER, DENSE_DECODER, LINEAR_PREFIX + DECODER, LINEAR_PREFIX + DENSE_DECODER)
 
 
 def decoder_kinds(config):
     """The kind of each decoder layer: DECODER, but DENSE_DECODER for the dense layers of a mixture of experts that
-    mixes them with sparse ones (DeepSeek-V3's first_k_dense_replace, Qwen-MoE's mlp_only_layers), which cost less."""
-    sparse = architecture_of(config).sparse_layers
+    mixes them with sparse ones (DeepSeek-V3's first_k_dense_replace, Qwen-MoE's mlp_only_layers), which cost less;
+    a hybrid's linear-attention layers (Qwen3.5's Gated DeltaNet) prefixed linear_, costed apart from its full
+    attention ones."""
+    architecture = architecture_of(config)
+    sparse = architecture.sparse_layers
     mixed = any(sparse) and not all(sparse)
-    return [DENSE_DECODER if mixed and not layer_sparse else DECODER for layer_sparse in sparse]
+    return [(LINEAR_PREFIX if mixer == LINEAR_ATTENTION else "") + (DENSE_DECODER if mixed and not layer_sparse
+                                                                    else DECODER)
+            for layer_sparse, mixer in zip(sparse, architecture.mixer_layers)]
 
 
 def layer_kinds(config):
@@ -37,7 +43,8 @@ def layer_kinds(config):
 def kind_layer(config, kind):
     """The decoder layer whose costs a decoder kind takes: the first of its kind (the first sparse one of an MoE
     model's DECODER)."""
-    return decoder_kinds(config).index(kind) if kind == DENSE_DECODER else planned_decoder(config)
+    kinds = decoder_kinds(config)
+    return planned_decoder(config) if kinds[planned_decoder(config)] == kind else kinds.index(kind)
 
 
 def stage_kinds(stage, num_stages, num_decoders, decoders=None):
@@ -74,7 +81,7 @@ def decoder_parameter_split(config, layer=None, active=False):
     hidden = config.hidden_size
     sparse = architecture.sparse_layers[planned_decoder(config) if layer is None else layer]
     inter = 0 if sparse else config.intermediate_size
-    sharded, replicated = attention_parameter_split(config)
+    sharded, replicated = attention_parameter_split(config, planned_decoder(config) if layer is None else layer)
     sharded += 3 * hidden * inter
     replicated += 2 * hidden
     if architecture.mlp_bias:
@@ -108,12 +115,20 @@ def own_layer_parameter_split(config, layer, active=False):
     return sharded, replicated
 
 
-def attention_parameter_split(config):
-    """A decoder layer's attention parameters as (sharded, replicated) under tensor parallelism (see
+def attention_parameter_split(config, layer=0):
+    """Decoder layer `layer`'s token mixer's parameters as (sharded, replicated) under tensor parallelism (see
     decoder_parameter_split). Multi-head latent attention (models/latent_attention.py): the head projections
-    (q_b_proj or q_proj, kv_b_proj, o_proj) split, the latent projections and their norms whole."""
+    (q_b_proj or q_proj, kv_b_proj, o_proj) split, the latent projections and their norms whole. A hybrid's linear
+    attention (linear_attention_parameters) and gated attention (a query and a gate per head in q_proj, per-head
+    q/k norms)."""
     architecture = architecture_of(config)
     hidden, heads = config.hidden_size, config.num_attention_heads
+    mixer = architecture.mixer_layers[layer]
+    if mixer == LINEAR_ATTENTION:
+        return linear_attention_parameters(config), 0
+    if mixer == GATED_ATTENTION:
+        kv_heads, head_dim = config.num_key_value_heads or heads, head_dim_of(config)
+        return hidden * head_dim * (3 * heads + 2 * kv_heads), 2 * head_dim
     if architecture.latent_attention:
         qk_width, bias = config.qk_nope_head_dim + config.qk_rope_head_dim, bool(config.attention_bias)
         kv_rank, q_rank = config.kv_lora_rank, config.q_lora_rank
@@ -136,6 +151,38 @@ def attention_parameter_split(config):
     if architecture.attention_sinks:
         sharded += heads
     return sharded, replicated
+
+
+def linear_attention_widths(config):
+    """(key features: q's, and k's, all heads; value features; the convolution's channels, q|k|v) of a hybrid's
+    linear attention."""
+    key = config.linear_num_key_heads * config.linear_key_head_dim
+    value = config.linear_num_value_heads * config.linear_value_head_dim
+    return key, value, 2 * key + value
+
+
+def linear_attention_parameters(config):
+    """Gated DeltaNet's parameters (models/linear_attention.py): in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (or
+    Qwen3-Next's fused in_proj_qkvz, in_proj_ba: as many), the depthwise convolution, dt_bias and A_log per value
+    head, the gated norm's weight, out_proj; counted as split over the tensor-parallel ranks by head (the gated
+    norm's head_dim weights, whole on every rank, among them)."""
+    _, value, conv = linear_attention_widths(config)
+    heads, hidden = config.linear_num_value_heads, config.hidden_size
+    return (hidden * (conv + value + 2 * heads) + conv * config.linear_conv_kernel_dim + 2 * heads
+            + config.linear_value_head_dim + value * hidden)
+
+
+def linear_attention_flops(config):
+    """Forward FLOPs of one token through Gated DeltaNet's convolution and chunked rule (models/gated_delta_rule.py),
+    its projections left out (counted as weights): per value head, the chunk's products of its query and key with
+    the chunk's keys, its solved betas' values and keys, its output over the chunk's new values (2 x chunk x (2 key
+    + 2 value features)), and its three products with the state (2 x 3 x key x value features); the convolution's
+    taps over every channel."""
+    from models.gated_delta_rule import CHUNK_SIZE
+    key, value = config.linear_key_head_dim, config.linear_value_head_dim
+    per_head = 2 * CHUNK_SIZE * (2 * key + 2 * value) + 6 * key * value
+    return config.linear_num_value_heads * per_head + 2 * config.linear_conv_kernel_dim * linear_attention_widths(
+        config)[2]
 
 
 def attention_head_widths(config, layer=0):
@@ -169,8 +216,10 @@ def mean_attended_keys(config, seq_length):
     def keys(window):
         beyond = max(0, seq_length - window) if window else 0
         return seq_length / 2 - beyond ** 2 / (2 * seq_length)
-    windows = architecture_of(config).sliding_windows
-    return sum(keys(window) for window in windows) / len(windows)
+    architecture = architecture_of(config)
+    attending = [window for window, mixer in zip(architecture.sliding_windows, architecture.mixer_layers)
+                 if mixer != LINEAR_ATTENTION]  # a hybrid's linear attention attends no keys (linear_attention_flops)
+    return sum(keys(window) for window in attending) / len(attending)
 
 
 def layer_parameter_counts(config):
@@ -193,9 +242,14 @@ def training_flops_per_token(config, seq_length, lora=NO_LORA):
     like any trained weight (the experts' as a token runs through them)."""
     matmul_weights = sum(sum(decoder_parameter_split(config, layer, active=True))
                          for layer in range(config.num_hidden_layers)) + config.vocab_size * config.hidden_size
+    architecture = architecture_of(config)
+    mixers = architecture.mixer_layers
     attention = sum(2 * min(seq_length, window or seq_length) * config.num_attention_heads
                     * sum(attention_head_widths(config, layer))
-                    for layer, window in enumerate(architecture_of(config).sliding_windows))
+                    for layer, (window, mixer) in enumerate(zip(architecture.sliding_windows, mixers))
+                    if mixer != LINEAR_ATTENTION)
+    if LINEAR_ATTENTION in mixers:
+        attention += mixers.count(LINEAR_ATTENTION) * linear_attention_flops(config)
     if not lora.enabled:
         return 3 * (2 * matmul_weights + attention)
     adapters = adapter_parameter_total(config, lora, active=True)

@@ -51,7 +51,8 @@ def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARA
     plan = StagePlan(attention_impl, parallel, context, experts, kept_in_fp32=frozenset(kept_in_fp32))
     decoders = [LayerSpec(decoder_pipe(config), config, stage_inputs, index, plan)
                 for index in range(config.num_hidden_layers)]
-    return [embedding, *decoders, LayerSpec(final_norm_pipe(config), config, parallel), head]
+    return [embedding, *decoders, LayerSpec(final_norm_pipe(config), config, parallel, stage_inputs, attention_impl),
+            head]
 
 
 def partition_stages(config, num_stages, partition="parameters", stage_cost=None):
@@ -300,7 +301,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     logit_cap = architecture_of(config).final_logit_softcapping  # Gemma's, inside the loss
     loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype, router, logit_cap)
                if objective.preference else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype,
-                                                     seq_length, router, logit_cap))
+                                                     seq_length, router, logit_cap,
+                                                     getattr(config, "mtp_loss_scale", 0.0)))
     previous_dtype = torch.get_default_dtype()
     # Under LoRA the frozen embedding's output takes no gradient: reentrant checkpointing of the first decoder layer
     # would then give its adapters none either. With an auxiliary loss's sum a stage has two floating outputs, which

@@ -30,6 +30,7 @@ from models.gemma4 import Gemma4RMSNorm, kv_sources
 from models.expert_parallel import NO_EXPERT_PARALLEL, ExpertParallel
 from models.linear_attention import KEPT_AS_STORED
 from models.moe import RoutedTokens
+from models.multi_token_prediction import MultiTokenPrediction, next_tokens
 from models.norms import RMSNorm
 from models.sigmoid_router import FP32_MARKER
 from models.tensor_parallel import (NO_TENSOR_PARALLEL, TensorParallel, hook_gradient_sums, mark_sharded, parallelize,
@@ -62,7 +63,10 @@ class StageActivations(NamedTuple):
     and position, (batch, seq); a mixture's Routing (None for a dense model). Gemma 4 adds what its layers read
     beyond the hidden states: with per-layer embeddings the token ids and the model's first hidden states
     (`embedded`), which each layer's per-layer input is computed from where the layer lives; with shared key/values
-    {source layer: (keys, values)} of the source layers whose keys and values a later layer reuses."""
+    {source layer: (keys, values)} of the source layers whose keys and values a later layer reuses. With
+    multi-token prediction trained, the shared embedding of each position's next token (`next_embedded`, laid out
+    as hidden), which the last stage's MTP layer reads (models/multi_token_prediction.py) and whose gradient goes
+    back to the embedding through every stage."""
     hidden: torch.Tensor
     document_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -70,12 +74,19 @@ class StageActivations(NamedTuple):
     input_ids: torch.Tensor | None = None
     embedded: torch.Tensor | None = None
     shared_kv: dict | None = None
+    next_embedded: torch.Tensor | None = None
+
+
+def trains_multi_token_prediction(config):
+    """Whether the run trains the MTP layer: the run's mtp_loss_scale, which its config checks set on the model
+    config (training/config_checks.py), > 0."""
+    return getattr(config, "mtp_loss_scale", 0.0) > 0
 
 
 class StageTuple:
     """StageActivations as the tuple of tensors DeepSpeed's engine sends between stages, for one model: (hidden[,
-    loss sums][, embedded][, keys and values of each source layer carried], document ids, positions[, token
-    ids][, counts]).
+    loss sums][, embedded][, next embedded][, keys and values of each source layer carried], document ids,
+    positions[, token ids][, counts]).
 
     Which source layers' keys and values a tuple carries depends on where it is: `after` (the layer whose output it
     is; -1: the embedding's) carries those stored at or before it that a layer after it reuses, so the tuple at
@@ -87,6 +98,7 @@ class StageTuple:
         self.moe, self.sparse_layers = architecture.moe, sum(architecture.sparse_layers)
         self.per_layer = architecture.decoder == GEMMA4 and bool(config.hidden_size_per_layer_input)
         self.kv_sources = kv_sources(config) if architecture.decoder == GEMMA4 else {}
+        self.multi_token = trains_multi_token_prediction(config)
 
     def carried_sources(self, after):
         """The source layers whose keys and values the tuple after layer `after` carries, in order."""
@@ -99,6 +111,8 @@ class StageTuple:
             floating.append(routing.loss_sums)
         if self.per_layer:
             floating.append(activations.embedded)
+        if self.multi_token:
+            floating.append(activations.next_embedded)
         for source in self.carried_sources(after):
             floating.extend(activations.shared_kv[source])
         integers = [activations.document_ids, activations.position_ids]
@@ -113,17 +127,19 @@ class StageTuple:
         hidden = tensors.pop(0)
         loss_sums = tensors.pop(0) if self.moe is not None and self.moe.loss_sum else None
         embedded = tensors.pop(0) if self.per_layer else None
+        next_embedded = tensors.pop(0) if self.multi_token else None
         shared_kv = {source: (tensors.pop(0), tensors.pop(0)) for source in self.carried_sources(after)}
         document_ids, position_ids = tensors.pop(0), tensors.pop(0)
         input_ids = tensors.pop(0) if self.per_layer else None
         routing = Routing(tensors.pop(0), loss_sums) if self.moe is not None else None
-        return StageActivations(hidden, document_ids, position_ids, routing, input_ids, embedded, shared_kv)
+        return StageActivations(hidden, document_ids, position_ids, routing, input_ids, embedded, shared_kv,
+                                next_embedded)
 
-    def start(self, hidden, document_ids, position_ids, input_ids=None):
+    def start(self, hidden, document_ids, position_ids, input_ids=None, next_embedded=None):
         """The tuple the embedding hands on: a mixture's routing statistics start at zeros; Gemma 4's per-layer
-        embeddings take the token ids and the embedded tokens."""
+        embeddings take the token ids and the embedded tokens; a trained MTP layer the next tokens' embedding."""
         return self.pack(StageActivations(hidden, document_ids, position_ids, self.initial_routing(hidden.device),
-                                          input_ids, hidden, {}))
+                                          input_ids, hidden, {}, next_embedded))
 
     def initial_routing(self, device):
         if self.moe is None:
@@ -135,12 +151,20 @@ class StageTuple:
                                            requires_grad=True))
 
 
-def head_outputs(outputs, chunked):
+def head_outputs(outputs, chunked, multi_token=False):
     """(the LM head's outputs: (logits,), or with the chunked loss (its input, its weight); the Routing of an MoE
-    model, or None) from the last layer's output, which the loss receives (models/loss.py)."""
+    model, or None) from the last layer's output, which the loss receives (models/loss.py). multi_token: the
+    outputs hold the MTP layer's too (lm_head), returned as a third item: (its head outputs, as the main ones,
+    the document ids); None without."""
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    head, routing = (outputs[:2], outputs[2:]) if chunked else (outputs[:1], outputs[1:])
-    return head, Routing(*routing) if routing else None
+    width = 2 if chunked else 1
+    head, rest = outputs[:width], outputs[width:]
+    mtp = None
+    if multi_token:
+        mtp_head = (rest[0], head[1]) if chunked else (rest[0],)
+        mtp, rest = (mtp_head, rest[1]), rest[2:]
+    routing = Routing(*rest) if rest else None
+    return (head, routing, mtp) if multi_token else (head, routing)
 
 
 @dataclasses.dataclass
@@ -199,12 +223,16 @@ class EmbeddingPipe(nn.Embedding):
         self.parallel = parallel
         self.architecture = architecture_of(config)  # Granite's multiplier, Gemma's scale
         self.stage = StageTuple(config)
+        self.multi_token = self.stage.multi_token  # the head (when tied) hands the MTP layer's outputs on too
 
     def forward(self, inputs):
         input_ids, document_ids, position_ids = inputs
+        next_embedded = self.embedded(next_tokens(input_ids)) if self.multi_token else None
+        return self.stage.start(self.embedded(input_ids), document_ids, position_ids, input_ids, next_embedded)
+
+    def embedded(self, input_ids):
         embedded = self.parallel.embedding(input_ids, self.weight, self.padding_idx)
-        embedded = scaled(embedded, self.architecture.embedding_scale(embedded.dtype))
-        return self.stage.start(embedded, document_ids, position_ids, input_ids)
+        return scaled(embedded, self.architecture.embedding_scale(embedded.dtype))
 
 
 class StageDecoder:
@@ -274,15 +302,22 @@ class StageFinalNorm:
     """What makes a final norm the pipeline's layer L+1: it drops document ids, positions and what else only the
     decoder layers read (a mixture's routing statistics go on to the loss). Granite divides its logits by
     logits_scaling: done here, to the LM head's input (the head is linear), so every loss path sees it. Mixed into
-    each family's final norm (below)."""
+    each family's final norm (below).
 
-    def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
+    With multi-token prediction trained, the layer holds the MTP layer too (`mtp`, its tensors in this layer's file
+    under `mtp.`), which reads the normed hidden states, the next tokens' embedding and the attention inputs
+    (stage_inputs, the stage's): its normed output and the document ids (which mask its labels) follow the main
+    hidden states to the shared head."""
+
+    def __init__(self, config, parallel=NO_TENSOR_PARALLEL, stage_inputs=None, attention_impl="sdpa"):
         architecture = architecture_of(config)
         super().__init__(config.hidden_size, config.rms_norm_eps, **self.norm_options(architecture))
+        self.stage = StageTuple(config)
+        self.mtp = MultiTokenPrediction(config, attention_impl) if self.stage.multi_token else None
         replicated(self, parallel)
         hook_gradient_sums(self, parallel)
         self.logits_multiplier = 1 / architecture.logits_scaling
-        self.stage = StageTuple(config)
+        self.stage_inputs = stage_inputs
         self.last_layer = config.num_hidden_layers - 1
 
     @staticmethod
@@ -291,8 +326,16 @@ class StageFinalNorm:
 
     def forward(self, inputs):
         stage = self.stage.unpack(inputs, self.last_layer)
-        normed = scaled(super().forward(stage.hidden), self.logits_multiplier)
-        return (normed, *stage.routing.tensors()) if stage.routing is not None else normed
+        normed = super().forward(stage.hidden)
+        head_inputs = (scaled(normed, self.logits_multiplier),)
+        if self.mtp is not None:
+            attention_inputs = self.stage_inputs(normed, stage.document_ids, stage.position_ids,
+                                                 self.mtp.layer.self_attn.window)
+            tokens = RoutedTokens.of(stage.document_ids) if self.mtp.layer.sparse else None
+            predicted = self.mtp(normed, stage.next_embedded, attention_inputs, tokens)
+            head_inputs += (scaled(predicted, self.logits_multiplier), stage.document_ids)
+        routing = stage.routing.tensors() if stage.routing is not None else ()
+        return (*head_inputs, *routing) if len(head_inputs) + len(routing) > 1 else head_inputs[0]
 
 
 class FinalNormPipe(StageFinalNorm, RMSNorm):
@@ -331,6 +374,7 @@ class LMHeadPipe(nn.Linear):
         if parallel.size > 1:
             mark_sharded(self.weight, 0)
         self.parallel, self.chunked_loss = parallel, chunked_loss
+        self.multi_token = trains_multi_token_prediction(config)
 
     def forward(self, hidden):
         return lm_head(self, hidden, self.chunked_loss)
@@ -339,14 +383,19 @@ class LMHeadPipe(nn.Linear):
 def lm_head(module, inputs, chunked_loss=False):
     """The LM head of `module`'s weight: its own, or the embedding's when tied (DeepSpeed's TiedLayerSpec calls
     forward_fn(embedding, inputs)). inputs: the hidden states, or those and a mixture's routing statistics, which
-    follow the head's outputs to the loss (head_outputs)."""
-    hidden, *routing = inputs if isinstance(inputs, tuple) else (inputs,)
+    follow the head's outputs to the loss (head_outputs); with multi-token prediction (module.multi_token), the MTP
+    layer's hidden states and the document ids after the main hidden states, the former through the same head."""
+    hidden, *rest = inputs if isinstance(inputs, tuple) else (inputs,)
+    mtp = ()
+    if module.multi_token:
+        mtp_hidden, document_ids, *rest = rest
+        mtp = ((mtp_hidden if chunked_loss else module.parallel.logits(mtp_hidden, module.weight)), document_ids)
     if chunked_loss:
         # A view, not the leaf: DeepSpeed hooks the outputs that have a grad_fn to start each backward (the bf16
         # optimizer clears its gradients there), and so runs that before the weight's gradient accumulates.
-        return hidden, module.weight.view_as(module.weight), *routing
+        return hidden, module.weight.view_as(module.weight), *mtp, *rest
     logits = module.parallel.logits(hidden, module.weight)
-    return (logits, *routing) if routing else logits
+    return (logits, *mtp, *rest) if mtp or rest else logits
 
 
 def decoder_on_meta(config, tensor_parallel=1, layer_index=None):

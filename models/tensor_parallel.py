@@ -43,7 +43,7 @@ import collectives
 from models.architecture import LINEAR_ATTENTION, architecture_of
 from models.attention import Attention
 from models.gated_attention import GatedAttention
-from models.linear_attention import FusedGatedDeltaNet, GatedDeltaNet
+from models.linear_attention import DeltaRuleCore, FusedGatedDeltaNet, GatedDeltaNet
 from models.latent_attention import LatentAttention
 from models.mlp import MLP
 from models.moe import Experts, MoEBlock, RoutedTokens
@@ -669,6 +669,8 @@ def linear_attention_plan(mixer, parallel, device):
     mixer.num_key_heads, mixer.num_value_heads = mixer.num_key_heads // parallel.size, \
         mixer.num_value_heads // parallel.size
     mixer.key_dim, mixer.value_dim = mixer.key_dim // parallel.size, mixer.value_dim // parallel.size
+    mixer.core = DeltaRuleCore(mixer.num_key_heads, mixer.num_value_heads, mixer.key_head_dim,
+                               mixer.value_head_dim)  # the convolution and the rule over this rank's heads
     gather_input(mixer, parallel)
     reduce_output(mixer, mixer.out_proj, parallel)
 
@@ -821,7 +823,8 @@ def check_tensor_parallel_split(config, size, sequence_tokens=None):
         raise ValueError(f"tensor_parallel_size={size} must be at least 1.")
     counts = {"num_attention_heads": config.num_attention_heads,
               "num_key_value_heads": config.num_key_value_heads or config.num_attention_heads,
-              "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+              # Qwen3.5-MoE's config has none: every layer is sparse
+              "intermediate_size": getattr(config, "intermediate_size", None) or 0, "vocab_size": config.vocab_size}
     if LINEAR_ATTENTION in architecture_of(config).mixer_layers:  # Gated DeltaNet splits by key and value heads
         counts.update(linear_num_key_heads=config.linear_num_key_heads,
                       linear_num_value_heads=config.linear_num_value_heads)

@@ -15,13 +15,27 @@ crosses the tensor- and context-parallel groups, not what backward keeps: the ex
 SDPA's backward needs them. On the CPU, whose flash kernel takes one width, SDPA falls back to its math path
 instead, which keeps the scores.
 
+A hybrid's linear-attention layer (Gated DeltaNet, Qwen3.5) is priced apart from its full-attention ones: its
+projections, convolution and per-head state as parameters (models/partition.py linear_attention_parameters), its
+convolution's and chunked rule's FLOPs in place of attention's (linear_attention_flops), and what it keeps for
+backward measured from the layer itself: its forward run on the meta device at the micro-batch's shape (no memory,
+no time to speak of), each storage autograd saves counted once (linear_attention_saved_bytes): the projections'
+input and outputs, the convolution's, the rule's per-chunk systems, decays and the state entering every chunk, the
+gated norm's, as the torch path keeps them (flash-linear-attention's kernels, on CUDA, recompute some of them and
+keep less). Its full-attention layers are gated attention: each query head's gate beside it in q_proj.
+
 A mixture of experts' sparse layer keeps what its MoE block saves beyond the dense layer's attention and norms
 (moe_saved_bytes), and attention with sinks (GPT-OSS) always runs the eager formula, which keeps more than SDPA
 (eager_attention_extra_bytes); tests/test_moe.py checks these against autograd's saved tensors.
 """
-from models.architecture import architecture_of, head_dim_of, key_value_heads
+import functools
+
+import torch
+
+from models.architecture import GATED_ATTENTION, LINEAR_ATTENTION, architecture_of, head_dim_of, key_value_heads
 from models.lora import adapter_parameter_count, expert_ranks
-from models.partition import decoder_parameter_split, expert_parameters, mean_attended_keys
+from models.partition import (decoder_parameter_split, expert_parameters, linear_attention_flops,
+                              linear_attention_widths, mean_attended_keys)
 from planner.training_state import FP32_BYTES
 
 INT64_BYTES = 8
@@ -35,6 +49,8 @@ class DecoderCosts:
         self.config, self.workload = config, workload
         architecture = architecture_of(config)
         self.latent = architecture.latent_attention
+        self.mixer = architecture.mixer_layers[layer]
+        self.linear = self.mixer == LINEAR_ATTENTION
         t = workload.tensor_parallel
         tokens, residual, gathered = workload.tokens, workload.residual_tokens, workload.gathered_input_tokens
         hidden, act = config.hidden_size, workload.activation_bytes
@@ -68,7 +84,9 @@ class DecoderCosts:
         held = experts - self.experts_not_held
         self.largest_file = (self.adapters if lora.enabled else max(held, self.parameters - held)
                              if workload.expert_parallel > 1 else self.parameters)
-        self.largest_tensor = max(hidden * max(inter, self.q_width), self.latent_largest_tensor(),
+        self.largest_tensor = max(hidden * max(inter, self.q_width * (2 if self.mixer == GATED_ATTENTION else 1),
+                                               linear_attention_widths(config)[2] if self.linear else 0),
+                                  self.latent_largest_tensor(),
                                   2 * moe.num_experts * moe.expert_size * hidden // workload.expert_parallel
                                   if moe else 0)
         # Matmuls: 2 FLOPs per weight per token; causal attention: QK^T and PV over half the seq x seq scores
@@ -76,8 +94,9 @@ class DecoderCosts:
         # MLA's latent projections, run on the residual stream's tokens.
         keys = mean_attended_keys(config, workload.seq_length)
         self.matmul_flops = 2 * tokens * (active_sharded // t) + 2 * residual * active_replicated
-        self.forward_flops = (self.matmul_flops + round(2 * tokens * keys * (self.q_width + self.value_width))
-                              + 2 * tokens * self.adapters)
+        mixing = (tokens * linear_attention_flops(config) if self.linear
+                  else round(2 * tokens * keys * (self.q_width + self.value_width)))
+        self.forward_flops = self.matmul_flops + mixing + 2 * tokens * self.adapters
         # 8 hidden-sized and 4 intermediate-sized tensors in the activation dtype, the two norms' fp32 inputs and
         # inverse RMS, and attention's (attention_saved_bytes). Of the hidden-sized ones, the norms' normalised
         # outputs are on the residual stream's tokens, the inputs of the column-parallel groups (q/k/v, gate/up) on
@@ -86,6 +105,8 @@ class DecoderCosts:
                             + FP32_BYTES * residual * (2 * hidden + 2) + self.attention_saved_bytes())
         if architecture.norm_scale_in_fp32:  # OLMo 2's and GPT-OSS's layer norms keep an fp32 normalised output
             self.saved_bytes += 2 * residual * hidden * (FP32_BYTES - act)
+        if architecture.offset_norms:  # the hybrids' (1 + w) norms keep their fp32 normalised input for the scale
+            self.saved_bytes += 2 * residual * hidden * FP32_BYTES
         if moe:
             self.saved_bytes += moe_saved_bytes(moe, residual, hidden, act)
         if moe and lora.enabled:  # the folded copy of each adapted expert tensor, per micro-batch
@@ -148,6 +169,14 @@ class DecoderCosts:
         workload, config, act = self.workload, self.config, self.workload.activation_bytes
         tokens, residual, gathered = workload.tokens, workload.residual_tokens, workload.gathered_input_tokens
         architecture = architecture_of(config)
+        if self.linear:
+            return linear_attention_saved_bytes(config, workload.micro_batch_size,
+                                                workload.seq_length // workload.context_parallel, act)
+        if self.mixer == GATED_ATTENTION:  # q_proj's query and gate, the gate's sigmoid, the (1 + w) q/k head norms
+            qk_width = self.q_width + self.kv_width
+            return (act * (gathered * config.hidden_size + 4 * tokens * self.q_width
+                           + 2 * workload.key_value_tokens * self.kv_width) + FP32_BYTES * tokens * self.heads
+                    + tokens * ((2 * FP32_BYTES + act) * qk_width + FP32_BYTES * (qk_width // head_dim_of(config))))
         if not self.latent:
             saved = (act * (gathered * config.hidden_size + 2 * tokens * self.q_width
                             + 2 * workload.key_value_tokens * self.kv_width) + FP32_BYTES * tokens * self.heads)
@@ -183,6 +212,12 @@ class DecoderCosts:
         workload, config, act = self.workload, self.config, self.workload.activation_bytes
         tokens, residual, gathered, hidden = (workload.tokens, workload.residual_tokens,
                                               workload.gathered_input_tokens, config.hidden_size)
+        if self.linear:  # in_proj_qkv, _z, _b, _a (one input) and out_proj
+            key, value, conv = linear_attention_widths(config)
+            heads = config.linear_num_value_heads
+            return act * (gathered * hidden + tokens * (conv + 2 * value + 2 * heads + hidden))
+        if self.mixer == GATED_ATTENTION:
+            return act * (gathered * hidden + tokens * (3 * self.q_width + 2 * self.kv_width + hidden))
         if not self.latent:
             return act * (gathered * hidden + tokens * (2 * self.q_width + 2 * self.kv_width + hidden))
         kv_rank, rope, q_rank = config.kv_lora_rank, config.qk_rope_head_dim, config.q_lora_rank or 0
@@ -252,3 +287,34 @@ def eager_attention_extra_bytes(workload, heads, q_width, kv_width, act):
     return (act * (2 * workload.tokens * (q_width - kv_width) + 2 * scores
                    + workload.micro_batch_size * heads * workload.seq_length)
             - FP32_BYTES * workload.tokens * heads)
+
+
+def linear_attention_saved_bytes(config, rows, seq, act):
+    """What a Gated DeltaNet layer keeps for backward over a micro-batch of `rows` packed rows of `seq` tokens (its
+    projections' input, the padding-masked hidden states, included): measured from its own forward on the meta device (models/decoder.py's layer of the config, in
+    the activation dtype), each saved storage once, its weights left out."""
+    widths = (config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
+              config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim)
+    return measured_linear_attention_bytes(widths, architecture_of(config).fused_linear_projections, rows, seq,
+                                           torch.float32 if act == FP32_BYTES else torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=64)
+def measured_linear_attention_bytes(widths, fused, rows, seq, dtype):
+    from models.linear_attention import FusedGatedDeltaNet, GatedDeltaNet
+    with torch.device("meta"):
+        layer = (FusedGatedDeltaNet if fused else GatedDeltaNet)(*widths).to(dtype)
+        hidden = torch.empty(rows, seq, widths[0], dtype=dtype, requires_grad=True)
+        document_ids = torch.ones(rows, seq, dtype=torch.long)
+    weights = {param.untyped_storage()._cdata for param in layer.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()  # on the meta device every data pointer is 0: the storage's own address
+        if storage._cdata not in weights:
+            saved[storage._cdata] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        layer(hidden, document_ids)
+    return sum(saved.values())

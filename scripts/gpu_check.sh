@@ -2,7 +2,8 @@
 # One command that proves a GPU run: the checks in tests/gpu (bf16 conversion, training, resume, offload, LoRA,
 # export, token shards, DPO against TRL and throughput on one GPU; the mixtures of experts' and latent attention's
 # bf16 evaluation against transformers, their experts' path and host syncs, MLA's SDPA kernel and a Qwen3-MoE
-# stage's tokens/s; NCCL pipeline, tensor, context and expert parallelism on two) launch the trainer and the
+# stage's tokens/s; the hybrids' linear attention through flash-linear-attention against its torch path, and the
+# tokens/s of each; NCCL pipeline, tensor, context and expert parallelism on two) launch the trainer and the
 # converter as a user would, then print one line per check: name, PASS / FAIL / SKIP, key figure. Exits non-zero if
 # a check fails, or if the machine has a GPU (nvidia-smi lists one, or a /dev/nvidia device exists) that torch
 # cannot use (a CPU build of torch, a driver older than its CUDA); only a machine without a GPU skips every check

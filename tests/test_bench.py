@@ -61,6 +61,9 @@ FIGURES = {
                             "speed-up over transformers: #x (rounds #-#)",
                             "max |pipeline - transformers| / max |transformers|: output #, input gradient #, weight "
                             "gradients #"],
+    "hybrid_pipeline.py": ["llama tokens/s median # (min #, max #); CPU s a step: stage 0 #, stage 1 #",
+                           "qwen3_5 tokens/s median # (min #, max #); CPU s a step: stage 0 #, stage 1 #",
+                           "qwen3_5 / llama tokens/s per round: median # (min #, max #)"],
     "goodput.py": ['"goodput": #', '"target_goodput": #', '"detect_s": #', '"restart_s": #',
                    '"final_weights_equal": true'],
     "grad_accumulation_cost.py": ["sums in bf16: step median # (min #, max #) s, peak median #",

@@ -45,7 +45,7 @@ def micro_batches(rows, replicas, replica, context):
         yield split_micro_batch(context, collate_causal_lm(rows[start:start + MICRO_BATCH], SEQ, pad_id=0))
 
 
-def context_parity_worker(rank, checkpoints, datasets, out_dir):
+def context_parity_worker(rank, checkpoints, datasets, out_dir, cases=CASES):
     """Each case's eval loss, training loss and gradients on this rank, next to transformers' (hf_references)."""
     from types import SimpleNamespace
 
@@ -63,7 +63,7 @@ def context_parity_worker(rank, checkpoints, datasets, out_dir):
     references = torch.load(f"{out_dir}/references.pt", weights_only=True)
     results = {}
     for (data, rows), (name, (model, stages, tensor_parallel, context_parallel, options)) in ProcessGroupPool().runs(
-            itertools.product(datasets.items(), CASES.items())):  # the cases' engines share their process groups
+            itertools.product(datasets.items(), cases.items())):  # the cases' engines share their process groups
         hf_dir, ds_dir = checkpoints[model]
         config = AutoConfig.from_pretrained(hf_dir)
         module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True,
@@ -92,12 +92,12 @@ def context_parity_worker(rank, checkpoints, datasets, out_dir):
     torch.distributed.destroy_process_group()
 
 
-def hf_references(checkpoints, datasets, world_size):
+def hf_references(checkpoints, datasets, world_size, cases=CASES):
     """{data/case: transformers' eval loss, training objective and gradients (tests/test_packing.py hf_reference)}
     over the case's replicas' micro-batches, computed once here for all the ranks (and cases that share them)."""
     by_inputs, references = {}, {}
     for (data, rows), (name, (model, stages, tensor_parallel, context_parallel, _)) in itertools.product(
-            datasets.items(), CASES.items()):
+            datasets.items(), cases.items()):
         replicas = world_size // (stages * tensor_parallel * context_parallel)
         key = (data, model, replicas)
         if key not in by_inputs:
@@ -121,14 +121,20 @@ def full_rows():
 
 @pytest.mark.slow
 def test_context_parallel_matches_transformers(tiny_checkpoints, tmp_path):
+    assert_context_parity(tiny_checkpoints, tmp_path, CASES)
+
+
+def assert_context_parity(checkpoints, tmp_path, cases):
+    """The cases (CASES' form) on 4 processes: each rank's eval loss, training loss and gradients against
+    transformers' on each document alone, packed rows and full ones."""
     import torch
     datasets = {"packed": packed_documents(tmp_path), "full": full_rows()}
-    torch.save(hf_references(tiny_checkpoints, datasets, 4), tmp_path / "references.pt")
-    spawn(context_parity_worker, 4, tiny_checkpoints, datasets, str(tmp_path))
+    torch.save(hf_references(checkpoints, datasets, 4, cases), tmp_path / "references.pt")
+    spawn(context_parity_worker, 4, checkpoints, datasets, str(tmp_path), cases)
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(4)]
-    for data, case in itertools.product(datasets, CASES):
+    for data, case in itertools.product(datasets, cases):
         name = f"{data}/{case}"
-        assert {rank[name]["context_rank"] for rank in ranks} == set(range(CASES[case][3])), name
+        assert {rank[name]["context_rank"] for rank in ranks} == set(range(cases[case][3])), name
         for result in (rank[name] for rank in ranks):
             assert result["eval_loss"] == pytest.approx(result["ref_loss"], abs=1e-5), name
             assert result["train_loss"] == pytest.approx(result["train_ref"], abs=1e-5), name

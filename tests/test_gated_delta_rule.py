@@ -345,3 +345,41 @@ def test_value_heads_not_a_multiple_of_key_heads_are_refused():
     q, k, v, g, beta, _ = rule_inputs(1, 10, key_heads=4, value_heads=6)
     with pytest.raises(ValueError, match="6 value heads are not a multiple of 4 key heads"):
         chunk_gated_delta_rule(q, k, v, g, beta)
+
+
+def test_the_cuda_kernels_path_calls_fla_as_its_api_takes_it():
+    """DeltaRuleCore.with_kernels (the path CUDA takes with flash-linear-attention installed) on the CPU, with
+    stand-ins honouring fla's chunk_gated_delta_rule and causal-conv1d's causal_conv1d_fn contracts (the rule over
+    each cu_seqlens sequence of the flattened rows from a zero state, q and k normalised in the kernel, as many key
+    as value heads; the convolution over channels-first input, restarting where seq_idx changes): equal to the torch
+    path on packed rows with padding and on rows without document ids."""
+    from models.gated_delta_rule import chunk_gated_delta_rule as torch_rule
+    from models.linear_attention import causal_conv1d, document_segments
+
+    def rule(q, k, v, g, beta, cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+        assert use_qk_l2norm_in_kernel and q.shape[2] == v.shape[2]
+        if cu_seqlens is None:
+            return torch_rule(q, k, v, g, beta)
+        assert q.shape[0] == 1 and cu_seqlens[-1] == q.shape[1] and cu_seqlens.dtype == torch.long
+        bounds = cu_seqlens.tolist()
+        return torch.cat([torch_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b])[0]
+                          for a, b in zip(bounds[:-1], bounds[1:])], dim=1), None
+
+    def conv(x, weight, bias=None, seq_idx=None, activation=None):
+        assert bias is None and activation == "silu" and weight.dim() == 2
+        ids = None if seq_idx is None else seq_idx.long() + 1
+        return causal_conv1d(x.transpose(1, 2), weight[:, None], ids).transpose(1, 2)
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(32, 2, 4, 16, 8, 4)
+    batch, seq = 2, 150
+    qkv = torch.randn(batch, seq, 2 * 32 + 32)
+    g = -torch.rand(batch, seq, 4) * 0.2
+    beta = torch.rand(batch, seq, 4)
+    ids = torch.tensor([[1] * 70 + [2] * 60 + [0] * 20, [1] * 3 + [2] * 100 + [3] * 47])
+    assert document_segments(ids)[0, [0, 69, 70, 130, 149]].tolist() == [0, 0, 1, 2, 2]
+    for document_ids in (ids, None):
+        expected, _ = layer.core(qkv, layer.conv1d.weight, g, beta, document_ids)
+        for kernels in ((rule, conv), (rule, None)):
+            got = layer.core.with_kernels(kernels, qkv, layer.conv1d.weight, g, beta, document_ids)
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)

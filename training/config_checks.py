@@ -14,6 +14,7 @@ from evaluation.eval_task import EvalTask
 from data.formats import DataSettings
 from models.architecture import architecture_of
 from models.lora import LoraSettings
+from models.multi_token_prediction import mtp_layout_of
 from models.pipeline import ATTENTION_IMPLS, LOSS_IMPLS, PRECISION_DTYPES
 from models.preference import PreferenceSettings
 from planner.measured_costs import PARTITION_COSTS, measured_costs_unsupported
@@ -123,6 +124,10 @@ def check_values(cfg):
         raise ConfigError(f"output_router_logits={cfg.output_router_logits!r} must be true, false or null (null: as "
                           f"the checkpoint's config.json says).")
     check_balancing(cfg.moe)
+    scale = cfg.mtp_loss_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale >= 0:
+        raise ConfigError(f"mtp_loss_scale={scale!r} must be a number >= 0 (0: the multi-token-prediction layer is "
+                          f"carried untouched; Megatron-Bridge trains Qwen3.5's with 0.1).")
     check_token_shard_keys(cfg)
     check_length_buckets(cfg)
     for entry in cfg.eval_tasks:
@@ -319,6 +324,35 @@ def check_torch_kernels(model_config):
         raise ConfigError(f"the mixture of experts {model_config.model_type} runs its experts through "
                           f"torch.nn.functional.grouped_mm, which torch {torch.__version__} lacks (torch "
                           f"{GROUPED_MM_TORCH} added it): install torch>={GROUPED_MM_TORCH}.")
+
+
+# What a run training the MTP layer (mtp_loss_scale > 0) does not combine with yet: {key: (refused?, why)}.
+MTP_REFUSED = {
+    "tensor_parallel_size": (lambda v: v > 1, "the MTP layer is not split across a tensor-parallel group yet"),
+    "context_parallel_size": (lambda v: v > 1, "the next token of a rank's last position is on the next rank"),
+    "expert_parallel_size": (lambda v: v > 1, "the MTP layer's experts are not split across ranks yet"),
+    "lora.rank": (lambda v: v > 0, "the MTP layer takes no adapters"),
+    "objective": (lambda v: v != "sft", "the preference losses have no MTP term"),
+}
+
+
+def mtp_model_config(cfg, model_config):
+    """The model config a run builds, with the run's mtp_loss_scale on it (the pipeline's layers read it: the next
+    tokens' embedding travels, the final norm's layer holds the MTP layer), after refusing in one line a model
+    without an MTP layer the pipeline trains and the settings it does not combine with yet."""
+    if not cfg.mtp_loss_scale:
+        return model_config
+    try:
+        mtp_layout_of(model_config)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    for key, (refused, why) in MTP_REFUSED.items():
+        value = OmegaConf.select(cfg, key)
+        if refused(value):
+            raise ConfigError(f"{key}={value} with mtp_loss_scale={cfg.mtp_loss_scale}: {why}; set {key} back or "
+                              f"mtp_loss_scale=0 (docs/deepseek-v3.md#multi-token-prediction).")
+    model_config.mtp_loss_scale = float(cfg.mtp_loss_scale)
+    return model_config
 
 
 def moe_model_config(cfg, model_config):

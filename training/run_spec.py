@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
 from checkpoints.files import has_tokenizer_files, read_latest
+from checkpoints.mtp_tensors import carried_mtp_names
 from checkpoints.integrity import manifest_digest, verify_model_side_files
 from data.file_checks import check_data_files, check_shards_fit_model
 from errors import ConfigError
@@ -33,7 +34,7 @@ from planner.stage_costs import StageCostModel
 from planner.training_state import checkpoint_bytes_per_parameter
 from planner.workload import Workload
 from schedules.rules import chunks_per_rank
-from training.config_checks import check_torch_kernels, checked_config, moe_model_config
+from training.config_checks import check_torch_kernels, checked_config, moe_model_config, mtp_model_config
 from training.resume import check_output_dir_is_ours, check_resume, resolve_resume, with_resume
 
 
@@ -169,7 +170,12 @@ def run_spec(cfg, world_size):
     check_data_files(cfg)
     check_output_dir_is_ours(cfg.output_dir, cfg.model_name_or_path)
     model_config, model_files_dir = load_model_config(cfg.model_name_or_path, cfg.verify_checksums)
-    model_config = moe_model_config(cfg, model_config)
+    model_config = mtp_model_config(cfg, moe_model_config(cfg, model_config))
+    if cfg.mtp_loss_scale:
+        try:  # the MTP layer starts from the converted model's carried tensors (checkpoints/mtp_tensors.py)
+            carried_mtp_names(os.path.join(cfg.model_name_or_path, read_latest(cfg.model_name_or_path)), model_config)
+        except FileNotFoundError as error:
+            raise ConfigError(str(error)) from None
     check_torch_kernels(model_config)
     if not cfg.eval_only:
         try:
@@ -193,7 +199,7 @@ def plan_spec(cfg, world_size=None, model_config=None):
     """A run to plan (plan_only): no processes, weights or data needed. world_size defaults to plan_world_size,
     model_config to load_plan_model_config's."""
     cfg = checked_config(cfg)
-    model_config = moe_model_config(cfg, model_config or load_plan_model_config(cfg))
+    model_config = mtp_model_config(cfg, moe_model_config(cfg, model_config or load_plan_model_config(cfg)))
     world_size = world_size or plan_world_size(cfg)
     workload = check_layout(cfg, model_config, world_size)
     return RunSpec(cfg, model_config, world_size, workload, configured_stage_bounds(cfg, model_config, workload))
