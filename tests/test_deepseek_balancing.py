@@ -171,6 +171,13 @@ BALANCING_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_s
 
 
 def train_balanced(demo_model, model_dirs, train_file, out, procs, settings, **extra):
+    return train_instruction_steps(demo_model, model_dirs, train_file, out, procs, settings,
+                                   **{"moe.bias_update_rate": RATE, **extra})
+
+
+def train_instruction_steps(demo_model, model_dirs, train_file, out, procs, settings, **extra):
+    """The logged step records of TRAIN_STEPS steps on padded instruction rows with clipping active, saving at step
+    3 and exporting, from the converted model in model_dirs["ds"]: the run the balancing and MTP tests compare."""
     from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics
     from tests.test_moe import LEARNING_RATE, MAX_GRAD_NORM, TRAIN_STEPS
     from tests.test_token_mean import MICRO_BATCH as ROWS, SEED, SEQ as TRAIN_SEQ
@@ -179,7 +186,7 @@ def train_balanced(demo_model, model_dirs, train_file, out, procs, settings, **e
         "data.format": "instruction", "data.cache_dir": str(out.parent / "cache"), "seq_length": TRAIN_SEQ,
         "micro_batch_size": ROWS, "max_steps": TRAIN_STEPS, "logging_steps": 1, "learning_rate": LEARNING_RATE,
         "lr_scheduler": "constant", "warmup_steps": 0, "max_grad_norm": MAX_GRAD_NORM, "seed": SEED,
-        "moe.bias_update_rate": RATE, "save_steps": 3, "export_hf": "true", **extra})))
+        "save_steps": 3, "export_hf": "true", **extra})))
     return [r for r in read_metrics(out) if "loss" in r]
 
 

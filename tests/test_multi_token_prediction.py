@@ -326,16 +326,9 @@ MTP_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps=4
 
 
 def train_with_mtp(demo_model, model_dirs, train_file, out, procs, settings, **extra):
-    from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics
-    from tests.test_moe import LEARNING_RATE, MAX_GRAD_NORM, TRAIN_STEPS
-    from tests.test_token_mean import MICRO_BATCH as ROWS, SEED, SEQ as TRAIN_SEQ
-    check_ok(launch_trainer(procs, demo_overrides(demo_model, out, **{
-        **settings, "model_name_or_path": model_dirs["ds"], "train_file": str(train_file), "eval_file": "null",
-        "data.format": "instruction", "data.cache_dir": str(out.parent / "cache"), "seq_length": TRAIN_SEQ,
-        "micro_batch_size": ROWS, "max_steps": TRAIN_STEPS, "logging_steps": 1, "learning_rate": LEARNING_RATE,
-        "lr_scheduler": "constant", "warmup_steps": 0, "max_grad_norm": MAX_GRAD_NORM, "seed": SEED,
-        "mtp_loss_scale": SCALE, "save_steps": 3, "export_hf": "true", **extra})))
-    return [r for r in read_metrics(out) if "loss" in r]
+    from tests.test_deepseek_balancing import train_instruction_steps
+    return train_instruction_steps(demo_model, model_dirs, train_file, out, procs, settings,
+                                   **{"mtp_loss_scale": SCALE, **extra})
 
 
 @pytest.mark.slow
