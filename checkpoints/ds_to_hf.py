@@ -24,7 +24,7 @@ from checkpoints.mtp_tensors import MTP_PREFIX, shared_copies
 from models.architecture import architecture_of
 from models.layout import (CARRIED_FILE_NAME, HUB_LAYOUT_KEY, PLAIN_LAYOUT, HubLayout, check_convertible, fuse,
                            hf_name_of_layer_key, hub_piece, hub_pieces, joined_per_layer_tensor, layer_indices_with_files,
-                           PER_LAYER_PREFIX, PER_LAYER_TENSORS, text_config_of)
+                           per_expert_pieces, PER_LAYER_PREFIX, PER_LAYER_TENSORS, text_config_of)
 from models.lora import EXPERT_ADAPTER, NO_LORA, LoraSettings, add_adapters, peft_adapters
 from models.multi_token_prediction import mtp_layout_of
 from models.pipeline_layers import layers_on_meta
@@ -157,7 +157,24 @@ def with_carried(tensors, shapes, carried, carried_shapes, config):
         for copy, source in shared_copies(config).items():
             if copy in carried:  # a copy of its own: safetensors refuses two names over one storage
                 carried[copy], carried_shapes[copy] = functools.partial(cloned, tensors[source]), shapes[source]
+        tensors, shapes = as_carried_experts(tensors, shapes, carried, config)
     return {**carried, **tensors}, {**carried_shapes, **shapes}
+
+
+def as_carried_experts(tensors, shapes, carried, config):
+    """tensors and shapes with a trained MTP layer's fused experts under the names its carried file stores them by:
+    one tensor per expert and projection where it holds them so (Qwen3.5-MoE's mtp.layers.0.mlp.experts.{e}.*,
+    whose decoder layers' experts the hub stores fused), as they are where it holds them fused."""
+    split_tensors, split_shapes = {}, {}
+    for name, shape in shapes.items():
+        pieces = per_expert_pieces(name, config) if name not in carried else None
+        if not pieces or pieces[0][0] not in carried:
+            split_tensors[name], split_shapes[name] = tensors[name], shape
+            continue
+        for hub_name, piece in pieces:
+            split_tensors[hub_name] = functools.partial(piece_of, tensors[name], piece)
+            split_shapes[hub_name] = hub_piece(shape, piece)
+    return split_tensors, split_shapes
 
 
 def cloned(tensor_function):

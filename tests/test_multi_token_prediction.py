@@ -21,12 +21,12 @@ from tests.tiny_models import DEEPSEEK_CONFIGS, HYBRID_CONFIGS, make_batch, make
 SCALE = 0.3  # not Megatron-Bridge's 0.1: a larger share of the gradient, so a wrong MTP term shows
 
 
-MTP_FAMILIES = {**DEEPSEEK_CONFIGS, "qwen3_5": HYBRID_CONFIGS["qwen3_5"]}
+MTP_FAMILIES = {**DEEPSEEK_CONFIGS, "qwen3_5": HYBRID_CONFIGS["qwen3_5"], "qwen3_5_moe": HYBRID_CONFIGS["qwen3_5_moe"]}
 
 
 def tiny_config(family):
     config = MTP_FAMILIES[family]()
-    if config.model_type == "qwen3_5_text":
+    if config.model_type.startswith("qwen3_5"):
         config.mtp_num_hidden_layers = 1
     else:
         config.num_nextn_predict_layers = 1
@@ -62,6 +62,9 @@ def reference_parts(config):
     if config.model_type == "qwen3_5_text":
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
         return Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+    if config.model_type == "qwen3_5_moe_text":
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
+        return Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
     return DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
@@ -243,11 +246,11 @@ def test_a_family_without_an_mtp_layer_is_refused():
 # --- training, saving and export ---------------------------------------------------------------------------------
 
 def per_expert(tensors, config):
-    """tensors ({hub name: tensor}, experts fused) as DeepSeek-V3's checkpoints store them: one tensor per expert and
-    projection."""
-    from models.layout import hub_piece, hub_pieces
+    """tensors ({hub name: tensor}, experts fused) as DeepSeek-V3's and Qwen3.5-MoE's checkpoints store their MTP
+    layer: one tensor per expert and projection."""
+    from models.layout import hub_piece, per_expert_pieces
     return {hub: hub_piece(tensor, piece).clone() for name, tensor in tensors.items()
-            for hub, piece in hub_pieces(name, config)}
+            for hub, piece in per_expert_pieces(name, config) or [(name, None)]}
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +273,7 @@ def mtp_checkpoints(demo_model, tmp_path_factory):
         mtp = mtp_hub_tensors(config)
         weights = with_mtp_shard(dirs["hf"], {})
         copies = {}
-        if config.model_type != "qwen3_5_text":
+        if not config.model_type.startswith("qwen3_5"):
             prefix = f"model.layers.{config.num_hidden_layers}."
             copies = {f"{prefix}embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
                       f"{prefix}shared_head.head.weight": weights["lm_head.weight"].clone()}
@@ -279,6 +282,45 @@ def mtp_checkpoints(demo_model, tmp_path_factory):
         built[family] = {**dirs, "config": config, "mtp": mtp}
         return built[family]
     return checkpoint
+
+
+def test_qwen3_5_moe_mtp_experts_stack_from_the_hub_and_export_under_their_names(tmp_path):
+    """Qwen3.5-MoE's checkpoint stores its decoder layers' experts fused and its MTP layer's one tensor per expert
+    (mtp.layers.0.mlp.experts.{e}.*): the carried file's per-expert tensors start the MTP layer stacked, and a
+    checkpoint holding a trained MTP layer exports it under the names and dtypes it was stored by, each tensor the
+    trained one's bytes; the untrained export is the original checkpoint's bytes."""
+    from checkpoints.ds_to_hf import convert_ds_to_hf
+    from checkpoints.hf_to_ds import convert_hf_to_ds
+    from checkpoints.mtp_tensors import carried_mtp_state
+    from models.layout import layer_file_path
+    from tests.test_conversion import load_hf_weights
+    from tests.test_deepseek_conversion import with_mtp_shard
+    config = tiny_config("qwen3_5_moe")
+    del config.mtp_loss_scale
+    make_model(config, tmp_path / "hf")
+    mtp = {name: tensor.to(torch.bfloat16) for name, tensor in mtp_hub_tensors(config).items()}
+    stored = per_expert(mtp, config)
+    assert "mtp.layers.0.mlp.experts.3.up_proj.weight" in stored and "mtp.layers.0.mlp.experts.gate_up_proj" not in stored
+    original = with_mtp_shard(str(tmp_path / "hf"), stored)
+    convert_hf_to_ds(str(tmp_path / "hf"), str(tmp_path / "ds"))
+    tag = tmp_path / "ds" / "global_step0"
+    layout = mtp_layout_of(config)
+    state = carried_mtp_state(str(tag), config)
+    assert sorted(state) == sorted(MultiTokenPrediction(config).state_dict())
+    assert all(torch.equal(state[key], mtp[layout.hub_name(key)]) for key in state)
+    convert_ds_to_hf(str(tmp_path / "ds"), str(tmp_path / "untrained"))
+    untrained = load_hf_weights(str(tmp_path / "untrained"))
+    assert all(torch.equal(untrained[name], tensor) and untrained[name].dtype == tensor.dtype
+               for name, tensor in original.items())
+    final_norm = layer_file_path(str(tag), config.num_hidden_layers + 1)
+    trained = {key: tensor + 1 for key, tensor in state.items()}  # stands for a run's trained layer
+    torch.save({**torch.load(final_norm), **{f"mtp.{key}": tensor for key, tensor in trained.items()}}, final_norm)
+    convert_ds_to_hf(str(tmp_path / "ds"), str(tmp_path / "out"), verify_checksums=False)
+    weights = load_hf_weights(str(tmp_path / "out"))
+    expected = per_expert({layout.hub_name(key): tensor for key, tensor in trained.items()}, config)
+    assert sorted(name for name in weights if name.startswith("mtp.")) == sorted(stored)
+    assert all(torch.equal(weights[name], tensor) and weights[name].dtype == torch.bfloat16
+               for name, tensor in expected.items())
 
 
 @pytest.fixture(scope="module")
