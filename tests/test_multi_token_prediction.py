@@ -28,6 +28,7 @@ def tiny_config(family):
     config = MTP_FAMILIES[family]()
     if config.model_type.startswith("qwen3_5"):
         config.mtp_num_hidden_layers = 1
+        config.output_router_logits = False  # the reference has the MTP term alone (tests/test_qwen3_5.py: the rest)
     else:
         config.num_nextn_predict_layers = 1
     config.mtp_loss_scale = SCALE  # as training/config_checks.py sets it from the run's mtp_loss_scale
@@ -362,9 +363,13 @@ def reference_steps(model_dirs, batches, micro_batch_size):
     return losses, norms, trained
 
 
-MTP_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps=4, zero_stage=0)),
-               "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1)),
-               "qwen3_5_2stages": (2, dict(num_stages=2, gradient_accumulation_steps=4, zero_stage=0))}
+# {layout: (family, processes, settings)}
+MTP_LAYOUTS = {"1_process": ("deepseek_v3", 1, dict(num_stages=1, gradient_accumulation_steps=4, zero_stage=0)),
+               "2stages_x_2dp": ("deepseek_v3", 4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1)),
+               "qwen3_5_2stages": ("qwen3_5", 2, dict(num_stages=2, gradient_accumulation_steps=4, zero_stage=0)),
+               # the MTP layer's latent attention and shared experts split over 2 ranks, its experts over 2 others
+               "tp2_x_ep2": ("deepseek_v3", 4, dict(num_stages=1, tensor_parallel_size=2, expert_parallel_size=2,
+                                                    gradient_accumulation_steps=2, zero_stage=1))}
 
 
 def train_with_mtp(demo_model, model_dirs, train_file, out, procs, settings, **extra):
@@ -386,13 +391,14 @@ def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model,
     from tests.test_conversion import load_hf_weights
     from tests.test_moe import MAX_GRAD_NORM, TRAIN_STEPS
     from tests.test_token_mean import MICRO_BATCH as ROWS, global_batches, write_skewed_instructions
-    procs, settings = MTP_LAYOUTS[layout]
-    demo_deepseek_with_mtp = mtp_checkpoints("qwen3_5" if layout.startswith("qwen3_5") else "deepseek_v3")
+    family, procs, settings = MTP_LAYOUTS[layout]
+    demo_deepseek_with_mtp = mtp_checkpoints(family)
     train_file = write_skewed_instructions(demo_model, tmp_path / "train.jsonl")
     out = tmp_path / "run"
     records = train_with_mtp(demo_model, demo_deepseek_with_mtp, train_file, out, procs, settings)
-    batches = global_batches(demo_model, train_file, procs // settings["num_stages"],
-                             settings["gradient_accumulation_steps"], tmp_path / "ref", steps=TRAIN_STEPS)
+    data_parallel = procs // settings["num_stages"] // settings.get("tensor_parallel_size", 1)
+    batches = global_batches(demo_model, train_file, data_parallel, settings["gradient_accumulation_steps"],
+                             tmp_path / "ref", steps=TRAIN_STEPS)
     losses, norms, trained = reference_steps(demo_deepseek_with_mtp, list(batches), ROWS)
     assert min(norms) > MAX_GRAD_NORM  # clipping acts on every step
     assert [r["loss"] for r in records] == pytest.approx(losses, abs=1e-5, rel=0)
@@ -429,18 +435,20 @@ def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model,
                                             r"multi-token-prediction tensors \(under model\.layers\.4\.\) to start "
                                             r"the MTP layer from; convert the checkpoint again"),
     ("deepseek_v3_mtp", ["mtp_loss_scale=-1"], r"^mtp_loss_scale=-1 must be a number >= 0"),
-    ("deepseek_v3_mtp", ["mtp_loss_scale=0.1", "tensor_parallel_size=2"],
-     r"^tensor_parallel_size=2 with mtp_loss_scale=0\.1: the MTP layer is not split across a tensor-parallel group "
-     r"yet; set tensor_parallel_size back or mtp_loss_scale=0"),
-    ("deepseek_v3_mtp", ["mtp_loss_scale=0.1", "lora.rank=4"], r"^lora\.rank=4 with mtp_loss_scale=0\.1: the MTP "
-                                                              r"layer takes no adapters"),
-], ids=["no_mtp_family", "none_carried", "negative", "tensor_parallel", "lora"])
-def test_mtp_settings_are_refused_where_they_do_not_apply(demo_model, tiny_deepseek_checkpoints,
-                                                          demo_deepseek_with_mtp, tmp_path, model, overrides, message):
+    ("qwen3_5_mtp", ["mtp_loss_scale=0.1", "context_parallel_size=2"],
+     r"^context_parallel_size=2 with mtp_loss_scale=0\.1: the next token of a rank's last position is on the next "
+     r"rank; set context_parallel_size back or mtp_loss_scale=0"),
+    ("deepseek_v3_mtp", ["mtp_loss_scale=0.1", "lora.rank=4"], r"^lora\.rank=4 with mtp_loss_scale=0\.1: a LoRA run "
+                                                              r"exports a peft adapter of transformers' model, which "
+                                                              r"has no MTP layer"),
+], ids=["no_mtp_family", "none_carried", "negative", "context_parallel", "lora"])
+def test_mtp_settings_are_refused_where_they_do_not_apply(demo_model, tiny_deepseek_checkpoints, mtp_checkpoints,
+                                                          tmp_path, model, overrides, message):
     from tests.test_moe import run_spec_of
     from training.config_checks import ConfigError
-    model_dir = {"llama": demo_model["ds"], "deepseek_v3": tiny_deepseek_checkpoints["deepseek_v3"][1],
-                 "deepseek_v3_mtp": demo_deepseek_with_mtp["ds"]}[model]
+    model_dir = {"llama": lambda: demo_model["ds"], "deepseek_v3": lambda: tiny_deepseek_checkpoints["deepseek_v3"][1],
+                 "deepseek_v3_mtp": lambda: mtp_checkpoints("deepseek_v3")["ds"],
+                 "qwen3_5_mtp": lambda: mtp_checkpoints("qwen3_5")["ds"]}[model]()
     with pytest.raises(ConfigError, match=message):
         run_spec_of(demo_model, model_dir, tmp_path, *overrides)
 
