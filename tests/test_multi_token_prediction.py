@@ -244,6 +244,36 @@ def test_a_family_without_an_mtp_layer_is_refused():
         mtp_layout_of(llama)
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5", "qwen3_5_moe"])
+def test_the_planner_prices_the_mtp_layer_it_builds(family):
+    """With mtp_loss_scale > 0 the final norm's layer holds the MTP layer: the planner's parameters of that layer
+    (models/partition.py layer_parameter_counts, planner/stage_costs.py per rank) grow by the built layer's, on one
+    rank and per tensor-parallel rank; its FLOPs and activations grow too, the head's twice, and every stage
+    boundary carries a second hidden-sized tensor."""
+    from models.partition import HEAD, NORM, layer_parameter_counts
+    from planner.stage_costs import LayerCosts
+    from planner.workload import Workload
+    config = tiny_config(family)
+    plain = copy.deepcopy(config)
+    del plain.mtp_loss_scale
+    norm = config.num_hidden_layers + 1
+    built = MultiTokenPrediction(config)
+    count = sum(p.numel() for p in built.parameters())
+    assert layer_parameter_counts(config)[norm] - layer_parameter_counts(plain)[norm] == count
+    workload = Workload(seq_length=16, micro_batch_size=2)
+    costs, base = LayerCosts(config, workload), LayerCosts(plain, workload)
+    assert costs.parameters[NORM] - base.parameters[NORM] == count
+    assert costs.forward_flops[NORM] > 0 and costs.saved_bytes[NORM] > base.saved_bytes[NORM]
+    assert costs.forward_flops[HEAD] == 2 * base.forward_flops[HEAD]
+    assert costs.hidden_bytes == 2 * base.hidden_bytes
+    from models.pipeline_layers import StagePlan
+    from models.tensor_parallel import TensorParallel
+    split = StagePlan(parallel=TensorParallel(2), device="meta").multi_token_prediction(config)
+    per_rank = LayerCosts(config, Workload(seq_length=16, micro_batch_size=2, tensor_parallel=2))
+    base_rank = LayerCosts(plain, Workload(seq_length=16, micro_batch_size=2, tensor_parallel=2))
+    assert per_rank.parameters[NORM] - base_rank.parameters[NORM] == sum(p.numel() for p in split.parameters())
+
+
 # --- training, saving and export ---------------------------------------------------------------------------------
 
 def per_expert(tensors, config):
