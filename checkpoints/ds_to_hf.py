@@ -2,6 +2,7 @@
 sharded safetensors, index, config and tokenizer. Layer files are memory-mapped, so memory holds one shard; a
 tensor-parallel checkpoint's per-rank slices are merged back into whole weights. A LoRA checkpoint leaves as a peft
 adapter directory, or merged into the base it was trained on."""
+import copy
 import functools
 import glob
 import json
@@ -24,9 +25,9 @@ from checkpoints.mtp_tensors import MTP_PREFIX, shared_copies
 from models.architecture import architecture_of
 from models.layout import (CARRIED_FILE_NAME, HUB_LAYOUT_KEY, PLAIN_LAYOUT, HubLayout, check_convertible, fuse,
                            hf_name_of_layer_key, hub_piece, hub_pieces, joined_per_layer_tensor, layer_indices_with_files,
-                           PER_LAYER_PREFIX, PER_LAYER_TENSORS, text_config_of)
+                           per_expert_pieces, PER_LAYER_PREFIX, PER_LAYER_TENSORS, text_config_of)
 from models.lora import EXPERT_ADAPTER, NO_LORA, LoraSettings, add_adapters, peft_adapters
-from models.multi_token_prediction import mtp_layout_of
+from models.multi_token_prediction import MTP_LAYOUTS, mtp_layers_of, mtp_layout_of
 from models.pipeline_layers import layers_on_meta
 from models.tensor_parallel import TensorParallel, joined_shards
 
@@ -69,7 +70,7 @@ def split_dims_of(config, size, lora):
     """{pipeline index: {key: the dimension tensor parallelism over `size` ranks splits it along, or None}}: a
     buffer (DeepSeek-V3's correction bias) is whole on every rank. A tensor cut per block along it (the linear
     attention's q, k, v channels) names the blocks in split_blocks_of."""
-    layers = layers_on_meta(config, TensorParallel(size))
+    layers = layers_on_meta(with_multi_token_prediction(config), TensorParallel(size))
     if lora.enabled:  # one decoder layer of each kind stands for all of that kind
         for decoder in {id(m): m for i, m in layers.items() if 1 <= i <= config.num_hidden_layers}.values():
             add_adapters(decoder, lora, config, size)
@@ -81,7 +82,17 @@ def split_blocks_of(config, size):
     """{pipeline index: {key: the whole sizes of the blocks along its split dimension that split apart}} of the
     tensors tensor parallelism over `size` ranks cuts per block (models/tensor_parallel.py shard_of)."""
     return {i: {k: p.tensor_parallel_blocks for k, p in m.named_parameters() if hasattr(p, "tensor_parallel_blocks")}
-            for i, m in layers_on_meta(config, TensorParallel(size)).items()}
+            for i, m in layers_on_meta(with_multi_token_prediction(config), TensorParallel(size)).items()}
+
+
+def with_multi_token_prediction(config):
+    """The config with its MTP layer trained, where it has one the pipeline trains (its final norm's layer then
+    holds it, so that a checkpoint's trained MTP layer's split dimensions are known); as it is otherwise."""
+    if config.model_type not in MTP_LAYOUTS or mtp_layers_of(config) != 1:
+        return config
+    trained = copy.deepcopy(config)
+    trained.mtp_loss_scale = 1.0
+    return trained
 
 
 def read_hf_tensors(tag_dir, config, lora=NO_LORA, layout=PLAIN_LAYOUT):
@@ -97,7 +108,7 @@ def read_hf_tensors(tag_dir, config, lora=NO_LORA, layout=PLAIN_LAYOUT):
         slices = [load_weights_only(p) for p in paths]
         shards = [load_weights_only(p) for p in shard_paths]
         for key, first in (shards[0].items() if shards else ()):
-            name = hf_name_of_layer_key(index, key, config.num_hidden_layers)
+            name = pipeline_name_of_layer_key(index, key, config)
             tensors[name] = ExpertShards([shard[key] for shard in shards])
             shapes[name] = torch.empty((first.shape[0] * len(shards), *first.shape[1:]), dtype=first.dtype,
                                        device="meta")
@@ -157,7 +168,24 @@ def with_carried(tensors, shapes, carried, carried_shapes, config):
         for copy, source in shared_copies(config).items():
             if copy in carried:  # a copy of its own: safetensors refuses two names over one storage
                 carried[copy], carried_shapes[copy] = functools.partial(cloned, tensors[source]), shapes[source]
+        tensors, shapes = as_carried_experts(tensors, shapes, carried, config)
     return {**carried, **tensors}, {**carried_shapes, **shapes}
+
+
+def as_carried_experts(tensors, shapes, carried, config):
+    """tensors and shapes with a trained MTP layer's fused experts under the names its carried file stores them by:
+    one tensor per expert and projection where it holds them so (Qwen3.5-MoE's mtp.layers.0.mlp.experts.{e}.*,
+    whose decoder layers' experts the hub stores fused), as they are where it holds them fused."""
+    split_tensors, split_shapes = {}, {}
+    for name, shape in shapes.items():
+        pieces = per_expert_pieces(name, config) if name not in carried else None
+        if not pieces or pieces[0][0] not in carried:
+            split_tensors[name], split_shapes[name] = tensors[name], shape
+            continue
+        for hub_name, piece in pieces:
+            split_tensors[hub_name] = functools.partial(piece_of, tensors[name], piece)
+            split_shapes[hub_name] = hub_piece(shape, piece)
+    return split_tensors, split_shapes
 
 
 def cloned(tensor_function):

@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from checkpoints.mtp_tensors import MTP_PREFIX, load_carried_mtp
+from checkpoints.mtp_tensors import MTP_PREFIX, carried_mtp_state
 from errors import ConfigError
 from models.architecture import LINEAR_ATTENTION, architecture_of
 from models.layout import expert_shard_of
@@ -70,7 +70,7 @@ def load_layer_slice(layer, paths, rank, size, strict=True):
         raise FileNotFoundError("no layer file for this layer in the checkpoint; was it written by this model?")
     paths, shard_paths = layer_files_and_expert_shards(paths)
     first = mapped(paths[0])
-    layer, first = with_multi_token_prediction(layer, first, paths[0])
+    layer, first = with_multi_token_prediction(layer, first, paths[0], rank, size)
     shards = [mapped(path) for path in shard_paths]
     expert_keys = set(shards[0]) if shards else set()
     layer = part_held(layer, set(first) | expert_keys)
@@ -98,7 +98,7 @@ def load_layer_slice(layer, paths, rank, size, strict=True):
         layer.load_state_dict(tensors_for_rank(saved, targets, rank, size, paths[0]))
 
 
-def with_multi_token_prediction(layer, saved, path):
+def with_multi_token_prediction(layer, saved, path, rank=0, size=1):
     """(the part of `layer` its file loads, the file's {key: tensor} that part reads) for a final-norm layer and the
     MTP layer it may hold (models/pipeline_layers.py FinalNormPipe): a file without the MTP layer (a converted model,
     where it is carried) loads the norm, the MTP layer coming from the tag's carried file; a file with it (a
@@ -110,10 +110,22 @@ def with_multi_token_prediction(layer, saved, path):
         return layer, saved
     norm_keys = {key for key in layer.state_dict(keep_vars=True) if not key.startswith(MTP_PREFIX)}
     if mtp is not None and not holds_mtp:
-        load_carried_mtp(mtp, os.path.dirname(path), mtp.model_config)
+        load_carried_mtp(mtp, os.path.dirname(path), rank, size)
     elif mtp is not None:
         return layer, saved
     return LayerPart(layer, norm_keys), {key: tensor for key, tensor in saved.items() if key in norm_keys}
+
+
+def load_carried_mtp(mtp, tag_dir, rank=0, size=1):
+    """The MTP layer `mtp` of a run's final-norm layer, loaded from the converted tag's carried file (strict: every
+    tensor of the layer, nothing else): this tensor-parallel rank's slices, this expert-parallel rank's experts."""
+    state = carried_mtp_state(tag_dir, mtp.model_config)
+    targets = mtp.state_dict(keep_vars=True)
+    if set(state) != set(targets):
+        raise RuntimeError(f"the carried multi-token-prediction tensors in {tag_dir} differ from the MTP layer's: "
+                           f"missing {sorted(set(targets) - set(state))[:5]}, "
+                           f"unexpected {sorted(set(state) - set(targets))[:5]}")
+    mtp.load_state_dict(tensors_for_rank([own_experts(state, targets)], targets, rank, size, tag_dir), strict=True)
 
 
 def mapped(path):

@@ -9,7 +9,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from models.layout import CARRIED_FILE_NAME, expert_piece, hub_pieces
+from models.layout import CARRIED_FILE_NAME, expert_piece
 from models.multi_token_prediction import mtp_layout_of
 
 MTP_PREFIX = "mtp."  # the MTP layer's keys in the final-norm layer's state dict
@@ -52,23 +52,6 @@ def carried_mtp_names(tag_dir, config):
                                 f"{layout.prefix}) to start the MTP layer from; convert the checkpoint again from a "
                                 f"Hugging Face directory holding them, or set mtp_loss_scale=0.")
     return names
-
-
-def load_carried_mtp(mtp, tag_dir, config):
-    """The MTP layer `mtp` of a run's final-norm layer, loaded from the converted tag's carried file (strict: every
-    tensor of the layer, nothing else)."""
-    state = carried_mtp_state(tag_dir, config)
-    expected = set(mtp.state_dict())
-    if set(state) != expected:
-        raise RuntimeError(f"the carried multi-token-prediction tensors in {tag_dir} differ from the MTP layer's: "
-                           f"missing {sorted(expected - set(state))[:5]}, unexpected {sorted(set(state) - expected)[:5]}")
-    mtp.load_state_dict(state, strict=True)
-
-
-def trained_mtp_hub_names(key, config, hub_layout):
-    """[(hub name, piece)] (models/layout.py hub_pieces) of a key of a trained MTP layer (without `mtp.`), as the
-    checkpoint stores it."""
-    return hub_pieces(mtp_layout_of(config).hub_name(key), config, hub_layout)
 
 
 def shared_copies(config):

@@ -192,7 +192,9 @@ HUB_EXPERTS = {"mixtral": ("block_sparse_moe.", {"experts.gate_up_proj": ("w1.we
 HUB_EXPERTS.update(dict.fromkeys(("qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "glm4_moe", "qwen3_5_moe_text",
                                   "qwen3_next"), ("mlp.", {
     "experts.gate_up_proj": ("gate_proj.weight", "up_proj.weight"), "experts.down_proj": ("down_proj.weight",)})))
-_HUB_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(.+)$")
+# A decoder layer's, or Qwen3.5-MoE's MTP layer's (mtp.layers.0.*, which its checkpoint stores per expert while
+# the decoder layers' experts are fused)
+_HUB_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(.+)$")
 
 
 def expert_piece(name, config):
@@ -203,11 +205,22 @@ def expert_piece(name, config):
     module, fused = HUB_EXPERTS.get(config.model_type, (None, {}))
     if match is None or f"{match.group(2)}." != module:
         return None
-    layer, expert, part = int(match.group(1)), int(match.group(3)), match.group(4)
+    layer, expert, part = match.group(1), int(match.group(3)), match.group(4)
     for key, parts in fused.items():
         if part in parts:
-            return f"model.layers.{layer}.mlp.{key}", expert * len(parts) + parts.index(part), len(parts)
+            return f"{layer}.mlp.{key}", expert * len(parts) + parts.index(part), len(parts)
     return None
+
+
+def per_expert_pieces(name, config):
+    """[(hub name, (expert, part, parts))] of a fused experts tensor (model.layers.1.mlp.experts.gate_up_proj, or an
+    MTP layer's), one tensor per expert and projection as the hub stores them; None for any other name."""
+    prefix, _, key = name.rpartition("experts.")
+    parts = HUB_EXPERTS.get(config.model_type, ("mlp.", {}))[1].get(f"experts.{key}")
+    if not prefix or parts is None:
+        return None
+    return [(f"{prefix}experts.{expert}.{part}", (expert, index, len(parts)))
+            for expert in range(num_experts(config)) for index, part in enumerate(parts)]
 
 
 def pipeline_name(name, config):
@@ -224,17 +237,14 @@ def hub_pieces(name, config, layout=None):
     layout = layout or PLAIN_LAYOUT
     if not name.startswith("model.") and name != "lm_head.weight":  # outside the text model (Qwen3.5's mtp.*)
         return [(name, None)]
-    module, fused = HUB_EXPERTS.get(config.model_type, ("mlp.", {}))
+    module = HUB_EXPERTS.get(config.model_type, ("mlp.", {}))[0]
     match = _DECODER.match(name)
     if match is None or not match.group(2).startswith("mlp."):
         return [(layout.to_hub(name), None)]
     layer, key = int(match.group(1)), match.group(2).removeprefix("mlp.")
     prefix = layout.to_hub(f"model.layers.{layer}.{module}")
-    if key not in fused or not layout.experts_apart:  # only a sparse layer holds fused experts
-        return [(f"{prefix}{key}", None)]
-    parts = fused[key]
-    return [(f"{prefix}experts.{expert}.{part}", (expert, index, len(parts)))
-            for expert in range(num_experts(config)) for index, part in enumerate(parts)]
+    pieces = per_expert_pieces(f"{prefix}{key}", config) if layout.experts_apart else None
+    return pieces or [(f"{prefix}{key}", None)]  # only a sparse layer holds fused experts
 
 
 def num_experts(config):

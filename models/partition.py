@@ -14,6 +14,7 @@ import torch
 from models.architecture import COMPOSED, GATED_ATTENTION, LINEAR_ATTENTION, architecture_of, head_dim_of
 from models.decoder import decoder_layer
 from models.lora import NO_LORA, adapter_parameter_total
+from models.multi_token_prediction import mtp_layout_of
 from schedules.rules import chunk_ids, chunks_per_rank
 
 EMBEDDING, DECODER, NORM, HEAD = "embedding", "decoder", "norm", "head"
@@ -223,11 +224,31 @@ def mean_attended_keys(config, seq_length):
 
 
 def layer_parameter_counts(config):
-    """Parameters of each pipeline layer, from the config alone (a tied LM head counts 0: the embedding owns it)."""
+    """Parameters of each pipeline layer, from the config alone (a tied LM head counts 0: the embedding owns it; the
+    final norm's layer holds a trained MTP layer)."""
     embedding = config.vocab_size * config.hidden_size
     head = 0 if config.tie_word_embeddings else embedding
     decoders = [sum(decoder_parameter_split(config, layer)) for layer in range(config.num_hidden_layers)]
-    return [embedding] + decoders + [config.hidden_size, head]
+    return [embedding] + decoders + [config.hidden_size + sum(mtp_parameter_split(config)), head]
+
+
+def mtp_decoder(config):
+    """(the config, index) the MTP layer a run trains (mtp_loss_scale > 0) builds its decoder layer as
+    (models/multi_token_prediction.py); None for a run that does not train one."""
+    if not getattr(config, "mtp_loss_scale", 0.0) > 0:
+        return None
+    return mtp_layout_of(config).layer_config(config)
+
+
+def mtp_parameter_split(config):
+    """The trained MTP layer's parameters as (sharded, replicated) under tensor parallelism ((0, 0) without one):
+    its decoder layer's (decoder_parameter_split), and its projection of [embedding | hidden] (2 h x h) and three
+    norms, whole on every rank (models/pipeline_layers.py StagePlan.multi_token_prediction)."""
+    layer = mtp_decoder(config)
+    if layer is None:
+        return 0, 0
+    sharded, replicated = decoder_parameter_split(*layer)
+    return sharded, replicated + 2 * config.hidden_size ** 2 + 3 * config.hidden_size
 
 
 def training_flops_per_token(config, seq_length, lora=NO_LORA):

@@ -51,8 +51,7 @@ def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARA
     plan = StagePlan(attention_impl, parallel, context, experts, kept_in_fp32=frozenset(kept_in_fp32))
     decoders = [LayerSpec(decoder_pipe(config), config, stage_inputs, index, plan)
                 for index in range(config.num_hidden_layers)]
-    return [embedding, *decoders, LayerSpec(final_norm_pipe(config), config, parallel, stage_inputs, attention_impl),
-            head]
+    return [embedding, *decoders, LayerSpec(final_norm_pipe(config), config, parallel, stage_inputs, plan), head]
 
 
 def partition_stages(config, num_stages, partition="parameters", stage_cost=None):

@@ -33,8 +33,8 @@ from models.moe import RoutedTokens
 from models.multi_token_prediction import MultiTokenPrediction, next_tokens
 from models.norms import RMSNorm
 from models.sigmoid_router import FP32_MARKER
-from models.tensor_parallel import (NO_TENSOR_PARALLEL, TensorParallel, hook_gradient_sums, mark_sharded, parallelize,
-                                    replicated, vocabulary_rows)
+from models.tensor_parallel import (NO_TENSOR_PARALLEL, StageLinear, TensorParallel, hook_gradient_sums, mark_sharded,
+                                    materialize, parallelize, replicated, stage_linear, vocabulary_rows)
 
 
 class Routing(NamedTuple):
@@ -194,6 +194,23 @@ class StagePlan:
             wrap_attention_cores(layer, self.context)
         keep_in_fp32(layer, self.kept_in_fp32)
 
+    def multi_token_prediction(self, config):
+        """The MTP layer (models/multi_token_prediction.py) split as the decoder layers are: its decoder layer by
+        this plan (its experts' slice, its parts by tensor parallelism's PART_PLANS); its projection of [embedding |
+        hidden] and its norms whole on every rank and applied to its own tokens, as a decoder layer's norms are (the
+        projection, 2 h x h, is small beside the layer it feeds), their gradients summed over the group under
+        sequence parallelism."""
+        with self.building():
+            mtp = MultiTokenPrediction(config, self.attention_impl)
+        self.apply(mtp.layer)
+        mtp.projection = stage_linear(mtp.projection, StageLinear, self.parallel)
+        for part in (mtp.embedding_norm, mtp.hidden_norm, mtp.projection, mtp.norm):
+            replicated(part, self.parallel)
+        if self.device != "meta":
+            materialize(mtp, self.device)
+        hook_gradient_sums(mtp, self.parallel)
+        return mtp
+
 
 def keep_in_fp32(layer, keys):
     """The layer's parameters of `keys` that transformers computes with as stored (KEPT_AS_STORED) made fp32, and
@@ -309,12 +326,13 @@ class StageFinalNorm:
     (stage_inputs, the stage's): its normed output and the document ids (which mask its labels) follow the main
     hidden states to the shared head."""
 
-    def __init__(self, config, parallel=NO_TENSOR_PARALLEL, stage_inputs=None, attention_impl="sdpa"):
+    def __init__(self, config, parallel=NO_TENSOR_PARALLEL, stage_inputs=None, plan=None):
         architecture = architecture_of(config)
         super().__init__(config.hidden_size, config.rms_norm_eps, **self.norm_options(architecture))
         self.stage = StageTuple(config)
-        self.mtp = MultiTokenPrediction(config, attention_impl) if self.stage.multi_token else None
         replicated(self, parallel)
+        self.mtp = (plan or StagePlan(parallel=parallel)).multi_token_prediction(config) if self.stage.multi_token \
+            else None
         hook_gradient_sums(self, parallel)
         self.logits_multiplier = 1 / architecture.logits_scaling
         self.stage_inputs = stage_inputs
@@ -426,7 +444,7 @@ def layers_on_meta(config, parallel=NO_TENSOR_PARALLEL):
         decoders = {kind: decoder_pipe(config)(config, stage_inputs=None, layer_index=kinds.index(kind), plan=plan)
                     for kind in ([] if own_layers else set(kinds))}
         modules = {0: EmbeddingPipe(config, parallel),
-                   config.num_hidden_layers + 1: final_norm_pipe(config)(config, parallel)}
+                   config.num_hidden_layers + 1: final_norm_pipe(config)(config, parallel, plan=plan)}
         if not config.tie_word_embeddings:
             modules[config.num_hidden_layers + 2] = LMHeadPipe(config, parallel)
         modules.update({i + 1: decoder_pipe(config)(config, stage_inputs=None, layer_index=i, plan=plan) if own_layers

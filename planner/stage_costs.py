@@ -35,7 +35,8 @@ device's memory costs more than any that fits, by how far over it is. bench/trai
 compute times measured on a device with these FLOPs.
 """
 from models.architecture import architecture_of
-from models.partition import (DECODER, DECODERS, EMBEDDING, HEAD, NORM, decoder_kinds, kind_layer, layer_kinds)
+from models.partition import (DECODER, DECODERS, EMBEDDING, HEAD, NORM, decoder_kinds, kind_layer, layer_kinds,
+                              mtp_decoder)
 from schedules.orders import rank_orders
 from schedules.rules import chunk_ids, chunks_per_rank, in_flight_micro_batches, waiting_micro_batches
 from schedules.zbv_order import configured_zbv_durations
@@ -75,10 +76,21 @@ class LayerCosts:
         chunk_logits = chunk * vocab * FP32_BYTES
         chunk_bytes = (chunk_logits + chunk * vocab * (act if act != FP32_BYTES else 0)
                        + (chunk_logits if weight_grad_bytes != act else 0))
+        # A trained MTP layer (models/multi_token_prediction.py), held by the final norm's layer: its decoder layer's
+        # costs (DecoderCosts), its projection of [embedding | hidden] (2 h x h) and three norms whole on every rank
+        # and run on its tokens; its output takes the LM head a second time (`heads`), and every stage boundary
+        # carries the next tokens' embedding beside the hidden states.
+        mtp_layer = mtp_decoder(config)
+        mtp = DecoderCosts(mtp_layer[0], workload, mtp_layer[1]) if mtp_layer else None
+        heads = 2 if mtp else 1
+        mtp_own = 2 * hidden * hidden + 3 * hidden if mtp else 0
+        norm = hidden + (mtp.parameters + mtp_own if mtp else 0)
+        mtp_flops = mtp.matmul_flops + 2 * residual * 2 * hidden * hidden if mtp else 0
         # vocab is this rank's share; parameters are this rank's too.
-        self.parameters = {EMBEDDING: vocab * hidden, NORM: hidden, HEAD: vocab * hidden,  # a tied head: a second copy
+        self.parameters = {EMBEDDING: vocab * hidden, NORM: norm, HEAD: vocab * hidden,  # a tied head: a second copy
                            **{kind: decoder.parameters for kind, decoder in decoders.items()}}
-        self.largest_tensor = {EMBEDDING: vocab * hidden, NORM: hidden, HEAD: vocab * hidden,
+        self.largest_tensor = {EMBEDDING: vocab * hidden, NORM: max(hidden, mtp.largest_tensor if mtp else 0),
+                               HEAD: vocab * hidden,
                                **{kind: decoder.largest_tensor for kind, decoder in decoders.items()}}
         # LoRA (models/lora.py): only the adapters train; they add their parameters to a decoder layer's.
         lora = workload.lora
@@ -95,12 +107,13 @@ class LayerCosts:
                                                                         workload.zero_stage >= 1 else 0)
                                              for kind, decoder in decoders.items()}}  # what ZeRO-1 shards over every
         # data-parallel rank: under expert parallelism every expert (planner/decoder_costs.py)
-        self.forward_flops = {EMBEDDING: 0, NORM: 0, HEAD: 2 * tokens * hidden * vocab,
+        self.forward_flops = {EMBEDDING: 0, NORM: mtp_flops + (mtp.forward_flops - mtp.matmul_flops if mtp else 0),
+                              HEAD: heads * 2 * tokens * hidden * vocab,
                               **{kind: decoder.forward_flops for kind, decoder in decoders.items()}}
         # W, the weight gradients a split backward defers (models/weight_grads.py): a trained matmul's forward FLOPs
         # (the chunked loss computes its head's in F, models/loss.py); B is the rest of the backward. A frozen base
         # skips them (its backward computes input gradients only).
-        matmuls = {EMBEDDING: 0, NORM: 0, HEAD: self.forward_flops[HEAD],
+        matmuls = {EMBEDDING: 0, NORM: mtp_flops, HEAD: self.forward_flops[HEAD],
                    **{kind: decoder.matmul_flops for kind, decoder in decoders.items()}}
         self.frozen_weight_grad_flops = matmuls if lora.enabled else dict.fromkeys(matmuls, 0)
         self.weight_grad_flops = {kind: (2 * tokens * decoders[kind].adapters if kind in DECODERS else 0)
@@ -112,33 +125,40 @@ class LayerCosts:
             # The norm's fp32 input and inverse RMS, its normalised output, and its scaled output as the LM head's
             # input (gathered under sequence parallelism).
             # The chunked loss keeps no input of the head: it has its gradients already (models/loss.py).
-            NORM: residual * (FP32_BYTES * (hidden + 1) + act * hidden) + (0 if chunked else gathered * act * hidden),
+            # The MTP layer's: its decoder layer's, its projection's input and its norms' as the final norm's.
+            NORM: heads * (residual * (FP32_BYTES * (hidden + 1) + act * hidden) + (0 if chunked else
+                                                                                   gathered * act * hidden))
+            + (mtp.saved_bytes + 2 * residual * hidden * act
+               + 2 * residual * (FP32_BYTES * (hidden + 1) + act * hidden) if mtp else 0),
             # Logits: the loss's fp32 log-softmax and its shifted labels (the logits themselves: see
             # last_output_bytes); vocabulary-parallel, the labels as local ids and two boolean token masks
             # (models/tensor_parallel.py). Chunked: the gradients of the head's input (all tokens) and weight
             # computed in forward (fp32 weight gradient under fp16; none for a frozen head), under every schedule.
-            HEAD: (act * tokens * hidden + (0 if lora.enabled else weight_grad_bytes * vocab * hidden)
-                   if chunked else tokens * (vocab * FP32_BYTES + INT64_BYTES + (2 if t > 1 else 0))),
+            HEAD: (heads * act * tokens * hidden + (0 if lora.enabled else weight_grad_bytes * vocab * hidden)
+                   if chunked else heads * tokens * (vocab * FP32_BYTES + INT64_BYTES + (2 if t > 1 else 0))),
             **{kind: decoder.saved_bytes for kind, decoder in decoders.items()}}
         # Gradients alive at once while a layer runs backward (a decoder's: planner/decoder_costs.py); the loss's two
         # fp32 logits-sized gradients.
         pooled = 1 if workload.splits_sequence else 0
-        self.backward_bytes = {EMBEDDING: 0, NORM: 0, HEAD: chunk_bytes if chunked else 2 * tokens * vocab * FP32_BYTES,
+        self.backward_bytes = {EMBEDDING: 0, NORM: mtp.backward_bytes if mtp else 0,
+                               HEAD: chunk_bytes if chunked else heads * 2 * tokens * vocab * FP32_BYTES,
                                **{kind: decoder.backward_bytes for kind, decoder in decoders.items()}}
         # The last stage's output, which the engine holds (below): the logits, or the chunked loss's input.
-        self.last_output_bytes = residual * hidden * act if chunked else tokens * vocab * act
+        self.last_output_bytes = heads * (residual * hidden * act if chunked else tokens * vocab * act)
         # A micro-batch waiting for its W (zero-bubble schedule) keeps each deferred linear layer's input and output
         # gradient (a decoder's: planner/decoder_costs.py); the logits head's input and its logits-sized gradient (the
         # chunked loss's head leaves no W: models/loss.py).
         self.weight_grad_bytes = {
-            EMBEDDING: 0, NORM: 0, HEAD: 0 if chunked else act * (gathered * hidden + tokens * vocab),
+            EMBEDDING: 0, NORM: mtp.weight_grad_bytes if mtp else 0,
+            HEAD: 0 if chunked else heads * act * (gathered * hidden + tokens * vocab),
             **{kind: decoder.weight_grad_bytes for kind, decoder in decoders.items()}}
         # What a checkpointed run of layers keeps beside its input (a sparse layer's dispatch under expert
         # parallelism: planner/decoder_costs.py).
         self.checkpoint_kept_bytes = {EMBEDDING: 0, NORM: 0, HEAD: 0,
                                       **{kind: decoder.checkpoint_kept_bytes for kind, decoder in decoders.items()}}
-        # One hidden-states tensor: a stage boundary, a checkpoint input.
-        self.hidden_bytes = residual * hidden * act
+        # What a stage boundary and a checkpoint input hold: the hidden states (and a trained MTP layer's next
+        # tokens' embedding).
+        self.hidden_bytes = heads * residual * hidden * act
         # Sequence parallelism's pool, once per stage: the buffer every column group sums its input gradient into,
         # and with recompute_sequence_gather the one it gathers its input into.
         self.pool_bytes = tokens * hidden * act * pooled * (2 if workload.recompute_sequence_gather else 1)

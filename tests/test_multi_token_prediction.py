@@ -21,13 +21,14 @@ from tests.tiny_models import DEEPSEEK_CONFIGS, HYBRID_CONFIGS, make_batch, make
 SCALE = 0.3  # not Megatron-Bridge's 0.1: a larger share of the gradient, so a wrong MTP term shows
 
 
-MTP_FAMILIES = {**DEEPSEEK_CONFIGS, "qwen3_5": HYBRID_CONFIGS["qwen3_5"]}
+MTP_FAMILIES = {**DEEPSEEK_CONFIGS, "qwen3_5": HYBRID_CONFIGS["qwen3_5"], "qwen3_5_moe": HYBRID_CONFIGS["qwen3_5_moe"]}
 
 
 def tiny_config(family):
     config = MTP_FAMILIES[family]()
-    if config.model_type == "qwen3_5_text":
+    if config.model_type.startswith("qwen3_5"):
         config.mtp_num_hidden_layers = 1
+        config.output_router_logits = False  # the reference has the MTP term alone (tests/test_qwen3_5.py: the rest)
     else:
         config.num_nextn_predict_layers = 1
     config.mtp_loss_scale = SCALE  # as training/config_checks.py sets it from the run's mtp_loss_scale
@@ -62,6 +63,9 @@ def reference_parts(config):
     if config.model_type == "qwen3_5_text":
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
         return Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+    if config.model_type == "qwen3_5_moe_text":
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
+        return Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
     return DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
@@ -240,14 +244,44 @@ def test_a_family_without_an_mtp_layer_is_refused():
         mtp_layout_of(llama)
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5", "qwen3_5_moe"])
+def test_the_planner_prices_the_mtp_layer_it_builds(family):
+    """With mtp_loss_scale > 0 the final norm's layer holds the MTP layer: the planner's parameters of that layer
+    (models/partition.py layer_parameter_counts, planner/stage_costs.py per rank) grow by the built layer's, on one
+    rank and per tensor-parallel rank; its FLOPs and activations grow too, the head's twice, and every stage
+    boundary carries a second hidden-sized tensor."""
+    from models.partition import HEAD, NORM, layer_parameter_counts
+    from planner.stage_costs import LayerCosts
+    from planner.workload import Workload
+    config = tiny_config(family)
+    plain = copy.deepcopy(config)
+    del plain.mtp_loss_scale
+    norm = config.num_hidden_layers + 1
+    built = MultiTokenPrediction(config)
+    count = sum(p.numel() for p in built.parameters())
+    assert layer_parameter_counts(config)[norm] - layer_parameter_counts(plain)[norm] == count
+    workload = Workload(seq_length=16, micro_batch_size=2)
+    costs, base = LayerCosts(config, workload), LayerCosts(plain, workload)
+    assert costs.parameters[NORM] - base.parameters[NORM] == count
+    assert costs.forward_flops[NORM] > 0 and costs.saved_bytes[NORM] > base.saved_bytes[NORM]
+    assert costs.forward_flops[HEAD] == 2 * base.forward_flops[HEAD]
+    assert costs.hidden_bytes == 2 * base.hidden_bytes
+    from models.pipeline_layers import StagePlan
+    from models.tensor_parallel import TensorParallel
+    split = StagePlan(parallel=TensorParallel(2), device="meta").multi_token_prediction(config)
+    per_rank = LayerCosts(config, Workload(seq_length=16, micro_batch_size=2, tensor_parallel=2))
+    base_rank = LayerCosts(plain, Workload(seq_length=16, micro_batch_size=2, tensor_parallel=2))
+    assert per_rank.parameters[NORM] - base_rank.parameters[NORM] == sum(p.numel() for p in split.parameters())
+
+
 # --- training, saving and export ---------------------------------------------------------------------------------
 
 def per_expert(tensors, config):
-    """tensors ({hub name: tensor}, experts fused) as DeepSeek-V3's checkpoints store them: one tensor per expert and
-    projection."""
-    from models.layout import hub_piece, hub_pieces
+    """tensors ({hub name: tensor}, experts fused) as DeepSeek-V3's and Qwen3.5-MoE's checkpoints store their MTP
+    layer: one tensor per expert and projection."""
+    from models.layout import hub_piece, per_expert_pieces
     return {hub: hub_piece(tensor, piece).clone() for name, tensor in tensors.items()
-            for hub, piece in hub_pieces(name, config)}
+            for hub, piece in per_expert_pieces(name, config) or [(name, None)]}
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +304,7 @@ def mtp_checkpoints(demo_model, tmp_path_factory):
         mtp = mtp_hub_tensors(config)
         weights = with_mtp_shard(dirs["hf"], {})
         copies = {}
-        if config.model_type != "qwen3_5_text":
+        if not config.model_type.startswith("qwen3_5"):
             prefix = f"model.layers.{config.num_hidden_layers}."
             copies = {f"{prefix}embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
                       f"{prefix}shared_head.head.weight": weights["lm_head.weight"].clone()}
@@ -279,6 +313,45 @@ def mtp_checkpoints(demo_model, tmp_path_factory):
         built[family] = {**dirs, "config": config, "mtp": mtp}
         return built[family]
     return checkpoint
+
+
+def test_qwen3_5_moe_mtp_experts_stack_from_the_hub_and_export_under_their_names(tmp_path):
+    """Qwen3.5-MoE's checkpoint stores its decoder layers' experts fused and its MTP layer's one tensor per expert
+    (mtp.layers.0.mlp.experts.{e}.*): the carried file's per-expert tensors start the MTP layer stacked, and a
+    checkpoint holding a trained MTP layer exports it under the names and dtypes it was stored by, each tensor the
+    trained one's bytes; the untrained export is the original checkpoint's bytes."""
+    from checkpoints.ds_to_hf import convert_ds_to_hf
+    from checkpoints.hf_to_ds import convert_hf_to_ds
+    from checkpoints.mtp_tensors import carried_mtp_state
+    from models.layout import layer_file_path
+    from tests.test_conversion import load_hf_weights
+    from tests.test_deepseek_conversion import with_mtp_shard
+    config = tiny_config("qwen3_5_moe")
+    del config.mtp_loss_scale
+    make_model(config, tmp_path / "hf")
+    mtp = {name: tensor.to(torch.bfloat16) for name, tensor in mtp_hub_tensors(config).items()}
+    stored = per_expert(mtp, config)
+    assert "mtp.layers.0.mlp.experts.3.up_proj.weight" in stored and "mtp.layers.0.mlp.experts.gate_up_proj" not in stored
+    original = with_mtp_shard(str(tmp_path / "hf"), stored)
+    convert_hf_to_ds(str(tmp_path / "hf"), str(tmp_path / "ds"))
+    tag = tmp_path / "ds" / "global_step0"
+    layout = mtp_layout_of(config)
+    state = carried_mtp_state(str(tag), config)
+    assert sorted(state) == sorted(MultiTokenPrediction(config).state_dict())
+    assert all(torch.equal(state[key], mtp[layout.hub_name(key)]) for key in state)
+    convert_ds_to_hf(str(tmp_path / "ds"), str(tmp_path / "untrained"))
+    untrained = load_hf_weights(str(tmp_path / "untrained"))
+    assert all(torch.equal(untrained[name], tensor) and untrained[name].dtype == tensor.dtype
+               for name, tensor in original.items())
+    final_norm = layer_file_path(str(tag), config.num_hidden_layers + 1)
+    trained = {key: tensor + 1 for key, tensor in state.items()}  # stands for a run's trained layer
+    torch.save({**torch.load(final_norm), **{f"mtp.{key}": tensor for key, tensor in trained.items()}}, final_norm)
+    convert_ds_to_hf(str(tmp_path / "ds"), str(tmp_path / "out"), verify_checksums=False)
+    weights = load_hf_weights(str(tmp_path / "out"))
+    expected = per_expert({layout.hub_name(key): tensor for key, tensor in trained.items()}, config)
+    assert sorted(name for name in weights if name.startswith("mtp.")) == sorted(stored)
+    assert all(torch.equal(weights[name], tensor) and weights[name].dtype == torch.bfloat16
+               for name, tensor in expected.items())
 
 
 @pytest.fixture(scope="module")
@@ -320,9 +393,13 @@ def reference_steps(model_dirs, batches, micro_batch_size):
     return losses, norms, trained
 
 
-MTP_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps=4, zero_stage=0)),
-               "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1)),
-               "qwen3_5_2stages": (2, dict(num_stages=2, gradient_accumulation_steps=4, zero_stage=0))}
+# {layout: (family, processes, settings)}
+MTP_LAYOUTS = {"1_process": ("deepseek_v3", 1, dict(num_stages=1, gradient_accumulation_steps=4, zero_stage=0)),
+               "2stages_x_2dp": ("deepseek_v3", 4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1)),
+               "qwen3_5_2stages": ("qwen3_5", 2, dict(num_stages=2, gradient_accumulation_steps=4, zero_stage=0)),
+               # the MTP layer's latent attention and shared experts split over 2 ranks, its experts over 2 others
+               "tp2_x_ep2": ("deepseek_v3", 4, dict(num_stages=1, tensor_parallel_size=2, expert_parallel_size=2,
+                                                    gradient_accumulation_steps=2, zero_stage=1))}
 
 
 def train_with_mtp(demo_model, model_dirs, train_file, out, procs, settings, **extra):
@@ -344,13 +421,14 @@ def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model,
     from tests.test_conversion import load_hf_weights
     from tests.test_moe import MAX_GRAD_NORM, TRAIN_STEPS
     from tests.test_token_mean import MICRO_BATCH as ROWS, global_batches, write_skewed_instructions
-    procs, settings = MTP_LAYOUTS[layout]
-    demo_deepseek_with_mtp = mtp_checkpoints("qwen3_5" if layout.startswith("qwen3_5") else "deepseek_v3")
+    family, procs, settings = MTP_LAYOUTS[layout]
+    demo_deepseek_with_mtp = mtp_checkpoints(family)
     train_file = write_skewed_instructions(demo_model, tmp_path / "train.jsonl")
     out = tmp_path / "run"
     records = train_with_mtp(demo_model, demo_deepseek_with_mtp, train_file, out, procs, settings)
-    batches = global_batches(demo_model, train_file, procs // settings["num_stages"],
-                             settings["gradient_accumulation_steps"], tmp_path / "ref", steps=TRAIN_STEPS)
+    data_parallel = procs // settings["num_stages"] // settings.get("tensor_parallel_size", 1)
+    batches = global_batches(demo_model, train_file, data_parallel, settings["gradient_accumulation_steps"],
+                             tmp_path / "ref", steps=TRAIN_STEPS)
     losses, norms, trained = reference_steps(demo_deepseek_with_mtp, list(batches), ROWS)
     assert min(norms) > MAX_GRAD_NORM  # clipping acts on every step
     assert [r["loss"] for r in records] == pytest.approx(losses, abs=1e-5, rel=0)
@@ -387,18 +465,20 @@ def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model,
                                             r"multi-token-prediction tensors \(under model\.layers\.4\.\) to start "
                                             r"the MTP layer from; convert the checkpoint again"),
     ("deepseek_v3_mtp", ["mtp_loss_scale=-1"], r"^mtp_loss_scale=-1 must be a number >= 0"),
-    ("deepseek_v3_mtp", ["mtp_loss_scale=0.1", "tensor_parallel_size=2"],
-     r"^tensor_parallel_size=2 with mtp_loss_scale=0\.1: the MTP layer is not split across a tensor-parallel group "
-     r"yet; set tensor_parallel_size back or mtp_loss_scale=0"),
-    ("deepseek_v3_mtp", ["mtp_loss_scale=0.1", "lora.rank=4"], r"^lora\.rank=4 with mtp_loss_scale=0\.1: the MTP "
-                                                              r"layer takes no adapters"),
-], ids=["no_mtp_family", "none_carried", "negative", "tensor_parallel", "lora"])
-def test_mtp_settings_are_refused_where_they_do_not_apply(demo_model, tiny_deepseek_checkpoints,
-                                                          demo_deepseek_with_mtp, tmp_path, model, overrides, message):
+    ("qwen3_5_mtp", ["mtp_loss_scale=0.1", "context_parallel_size=2"],
+     r"^context_parallel_size=2 with mtp_loss_scale=0\.1: the next token of a rank's last position is on the next "
+     r"rank; set context_parallel_size back or mtp_loss_scale=0"),
+    ("deepseek_v3_mtp", ["mtp_loss_scale=0.1", "lora.rank=4"], r"^lora\.rank=4 with mtp_loss_scale=0\.1: a LoRA run "
+                                                              r"exports a peft adapter of transformers' model, which "
+                                                              r"has no MTP layer"),
+], ids=["no_mtp_family", "none_carried", "negative", "context_parallel", "lora"])
+def test_mtp_settings_are_refused_where_they_do_not_apply(demo_model, tiny_deepseek_checkpoints, mtp_checkpoints,
+                                                          tmp_path, model, overrides, message):
     from tests.test_moe import run_spec_of
     from training.config_checks import ConfigError
-    model_dir = {"llama": demo_model["ds"], "deepseek_v3": tiny_deepseek_checkpoints["deepseek_v3"][1],
-                 "deepseek_v3_mtp": demo_deepseek_with_mtp["ds"]}[model]
+    model_dir = {"llama": lambda: demo_model["ds"], "deepseek_v3": lambda: tiny_deepseek_checkpoints["deepseek_v3"][1],
+                 "deepseek_v3_mtp": lambda: mtp_checkpoints("deepseek_v3")["ds"],
+                 "qwen3_5_mtp": lambda: mtp_checkpoints("qwen3_5")["ds"]}[model]()
     with pytest.raises(ConfigError, match=message):
         run_spec_of(demo_model, model_dir, tmp_path, *overrides)
 

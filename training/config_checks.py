@@ -328,10 +328,9 @@ def check_torch_kernels(model_config):
 
 # What a run training the MTP layer (mtp_loss_scale > 0) does not combine with yet: {key: (refused?, why)}.
 MTP_REFUSED = {
-    "tensor_parallel_size": (lambda v: v > 1, "the MTP layer is not split across a tensor-parallel group yet"),
     "context_parallel_size": (lambda v: v > 1, "the next token of a rank's last position is on the next rank"),
-    "expert_parallel_size": (lambda v: v > 1, "the MTP layer's experts are not split across ranks yet"),
-    "lora.rank": (lambda v: v > 0, "the MTP layer takes no adapters"),
+    "lora.rank": (lambda v: v > 0, "a LoRA run exports a peft adapter of transformers' model, which has no MTP layer "
+                                   "(transformers drops mtp.* and layer L) to hold the MTP layer's adapters or weights"),
     "objective": (lambda v: v != "sft", "the preference losses have no MTP term"),
 }
 
