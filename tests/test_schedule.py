@@ -423,8 +423,9 @@ def test_zbv_holds_at_most_max_waiting_back_for_w(stages, micro_batches, max_wai
     assert uncapped <= capped < step_time(stages, micro_batches, times, "1f1b")
 
 
-# Mixtures of experts (docs/moe.md): the families of tests/tiny_models.py but Mixtral (its experts are OLMoE's and
-# Qwen3-MoE's kind; every family's math against transformers: tests/test_moe.py), each case a layout, 4 chunks of one
+# Mixtures of experts (docs/moe.md): the families of tests/tiny_models.py but Mixtral and GLM-4.5 (their experts and
+# routers are OLMoE's and DeepSeek-V3's kinds; every family's math against transformers: tests/test_moe.py,
+# tests/test_deepseek_v3.py), each case a layout, 4 chunks of one
 # decoder layer under the chunked schedules, the routing statistics (counts; with the load-balancing loss the
 # probability sums, whose gradient reaches every router) carried between chunks as between stages, handed over in
 # place on the last rank under ZB-V; the experts' and routers' weight gradients computed in W under zero_bubble and
@@ -447,7 +448,6 @@ MOE_CASES = {
     # DeepSeek-V3's sequence-wise balance loss (moe.sequence_aux_loss_coef): its per-layer sums in the tuple's
     # floating slot, as the load-balancing loss's probability sums
     "moe_deepseek_v3_2dp_sequence_loss": ("deepseek_v3", dict(MOE, model_config={"sequence_aux_loss_coef": 0.1})),
-    "moe_glm4_moe_2dp": ("glm4_moe", MOE),
     # DPO (the load-balancing loss added as TRL adds it) with LoRA on the attention and, as peft reads Qwen3-MoE's
     # gate/up/down, on the experts (their adapters' gradients in B: models/weight_grads.py parameter_or_view)
     "moe_qwen3_moe_2dp_dpo_lora": ("qwen3_moe", dict(MOE, objective="dpo", lora=dict(rank=4), zbv_tolerance=2e-6)),
