@@ -65,13 +65,29 @@ def test_olmo3_tensor_parallel_equals_transformers(tiny_layer_type_checkpoints, 
     check(ranks, ["olmo3"], tiny_layer_type_checkpoints, 2)
 
 
+@pytest.mark.slow
+def test_gemma4_moe_expert_parallel_equals_transformers(tiny_layer_type_checkpoints, tmp_path):
+    """Gemma 4's MoE (dense MLP beside the experts, the normed and scaled router with per_expert_scale) with its
+    experts split over 2 data-parallel ranks of each of 2 stages (each rank reading only its experts' rows from the
+    layer files), as the other MoE families' (tests/test_moe.py): every micro-batch's loss and every parameter's
+    gradient equal transformers', each rank holding its half of every layer's experts."""
+    from tests.test_moe import assert_parity_across_processes
+    hf_dir, ds_dir = tiny_layer_type_checkpoints["gemma4_26b_a4b"]
+    assert_parity_across_processes([dict(name="gemma4_26b_a4b", hf_dir=hf_dir, ds_dir=ds_dir, partition=BOUNDS[2, 6],
+                                         expert_parallel=2)], tmp_path, 2, 4, 1)
+
+
 def test_gemma_refuses_tensor_context_and_expert_parallelism_in_one_line():
+    """Tensor and context parallelism refused for Gemma's own layers, expert parallelism where they have no
+    experts; Gemma 4's MoE takes expert parallelism."""
     from models.pipeline import check_own_layers_parallelism
     config = LAYER_TYPE_CONFIGS["gemma4_26b_a4b"]()
-    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2, expert_parallel_size=2: gemma4_text's decoder "
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2, context_parallel_size=2: gemma4_text's decoder "
                                          r"layers have no tensor, context or expert parallel plan yet"):
-        check_own_layers_parallelism(config, 2, 1, 2)
-    check_own_layers_parallelism(config, 1, 1, 1)
+        check_own_layers_parallelism(config, 2, 2, 2)
+    with pytest.raises(ValueError, match=r"^expert_parallel_size=2: gemma3_text's decoder layers"):
+        check_own_layers_parallelism(LAYER_TYPE_CONFIGS["gemma3_text"](), 1, 1, 2)
+    check_own_layers_parallelism(config, 1, 1, 2)
     check_own_layers_parallelism(LAYER_TYPE_CONFIGS["olmo3"](), 2, 2, 1)  # the composed layer's plans
 
 
