@@ -91,6 +91,15 @@ def test_gemma_refuses_tensor_context_and_expert_parallelism_in_one_line():
     check_own_layers_parallelism(LAYER_TYPE_CONFIGS["olmo3"](), 2, 2, 1)  # the composed layer's plans
 
 
+def test_lora_on_gemma4_experts_is_refused_in_one_line():
+    from models.lora import LoraSettings, check_lora_applies
+    config = LAYER_TYPE_CONFIGS["gemma4_26b_a4b"]()
+    with pytest.raises(ValueError, match=r"^lora\.target_modules \['q_proj', 'experts\.gate_up_proj'\]: Gemma 4's "
+                                         r"experts \(gate_up_proj\) take no adapters yet; leave experts\.\* out"):
+        check_lora_applies(config, LoraSettings(rank=4, target_modules=("q_proj", "experts.gate_up_proj")))
+    check_lora_applies(config, LoraSettings(rank=4, target_modules=("q_proj", "gate_proj")))
+
+
 @pytest.fixture(scope="module")
 def demo_gemma4(demo_model, tmp_path_factory):
     """The tiny Gemma 4 E2B-like model (per-layer embeddings, shared keys/values, soft cap) over the demo model's
