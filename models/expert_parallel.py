@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import collectives
-from models.moe import Experts, MoEBlock, combine, sort_by_expert
+from models.moe import Experts, combine, sort_by_expert
 
 
 class ExpertParallel:
@@ -50,15 +50,17 @@ class ExpertParallel:
         return self.rank * count, count
 
     def split_experts(self, layer, device=None):
-        """A built decoder layer's experts (a sparse layer's) as this rank's slice of them, dispatched by this
-        all-to-all: new experts made on `device` (None: torch's default) unless the layer's are on the meta device
-        and so is `device`."""
-        if not isinstance(layer.mlp, MoEBlock):
+        """A built decoder layer's experts (a sparse layer's: its MoEBlock's, or Gemma 4's beside its dense MLP) as
+        this rank's slice of them, dispatched by this all-to-all: new experts made on `device` (None: torch's
+        default) unless the layer's are on the meta device and so is `device`. The router stays whole on every
+        rank (Gemma 4's per_expert_scale with it): every rank routes its own tokens over all the experts."""
+        block = next((m for m in (layer.mlp, layer) if isinstance(getattr(m, "experts", None), Experts)), None)
+        if block is None:
             return
-        block, whole = layer.mlp, layer.mlp.experts
-        first, count = self.expert_range(block.moe.num_experts)
+        whole = block.experts
+        first, count = self.expert_range(whole.moe.num_experts)
         with torch.device(device if device is not None else torch.get_default_device()):
-            block.experts = Experts(block.moe, whole.hidden_size, whole.act_fn, first, count)
+            block.experts = Experts(whole.moe, whole.hidden_size, whole.act_fn, first, count)
         block.dispatcher = self
 
     def __call__(self, hidden, expert_ids, weights, experts):

@@ -47,6 +47,10 @@ class Gemma4RMSNorm(nn.Module):
         if with_scale:
             self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self):  # after a build on the meta device (models/tensor_parallel.py materialize)
+        if hasattr(self, "weight"):
+            nn.init.ones_(self.weight)
+
     def forward(self, x):
         x32 = x.float()
         normed = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
@@ -129,6 +133,10 @@ class Gemma4Router(nn.Module):
         self.scale = nn.Parameter(torch.ones(hidden))
         self.per_expert_scale = nn.Parameter(torch.ones(experts))
 
+    def reset_parameters(self):  # its own tensors after a build on the meta device; proj has its own
+        nn.init.ones_(self.scale)
+        nn.init.ones_(self.per_expert_scale)
+
     def forward(self, hidden):
         scores = self.proj(self.norm(hidden) * self.scale * self.root_scale)
         probabilities = F.softmax(scores, dim=-1, dtype=torch.float32)
@@ -191,6 +199,9 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_feedforward_layernorm_1 = Gemma4RMSNorm(hidden, eps)
             self.post_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
             self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
+
+    def reset_parameters(self):  # its own buffer after a build on the meta device; its parts have their own
+        nn.init.ones_(self.layer_scalar)
 
     def forward(self, hidden, cos, sin, mask, per_layer_input=None, shared_kv=None):
         attention, key_value = self.self_attn(self.input_layernorm(hidden), cos, sin, mask, shared_kv)

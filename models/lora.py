@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.architecture import architecture_of, fused_projections
+from models.architecture import GEMMA4, architecture_of, fused_projections
 from models.moe import Experts, MoEBlock
 from models.pipeline_layers import decoder_kinds_of, decoder_on_meta
 from models.tensor_parallel import mark_sharded
@@ -176,6 +176,9 @@ def check_lora_applies(config, settings, tensor_parallel=1):
         raise ValueError(f"lora.target_modules {list(targets)} matches nothing of this {config.model_type} model; "
                          f"it takes adapters on {', '.join(reached)}.")
     experts = expert_ranks(config, targets, settings.rank)
+    if experts and architecture_of(config).decoder == GEMMA4:
+        raise ValueError(f"lora.target_modules {list(targets)}: Gemma 4's experts ({', '.join(experts)}) take no "
+                         f"adapters yet; leave experts.* out (its attention and dense MLP projections take them).")
     mlp_names = [name for name in MLP_PROJECTIONS if name in targets]
     if config.model_type in PEFT_EXPERT_MLP_NAMES and mlp_names:
         if ("gate_proj" in targets) != ("up_proj" in targets):

@@ -171,6 +171,7 @@ class Experts(nn.Module):
     def __init__(self, moe, hidden, act_fn, first_expert, num_local_experts):
         super().__init__()
         self.first_expert, self.num_local_experts, self.hidden_size = first_expert, num_local_experts, hidden
+        self.moe = moe  # what expert parallelism's slice of them is built from
         self.transposed, self.act_fn = moe.transposed, act_fn
         self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
         count, inter = num_local_experts, moe.expert_size

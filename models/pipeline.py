@@ -251,13 +251,16 @@ def run_layers(layers, *inputs):
 
 def check_own_layers_parallelism(config, tensor_parallel, context_parallel, expert_parallel):
     """Refuse, in one line, the parallelism Gemma's own decoder layers (models/gemma3.py, gemma4.py) have no plan
-    for yet: tensor, context and expert parallelism (their attention has no AttentionCore to wrap, their parts no
-    PART_PLANS entry). Pipeline and data parallelism, ZeRO-1, bf16, checkpointing and packing train them."""
-    if architecture_of(config).decoder == COMPOSED:
+    for yet: tensor and context parallelism (their attention has no AttentionCore to wrap, their parts no PART_PLANS
+    entry), and expert parallelism where the layers have no experts (Gemma 4's MoE block splits its experts:
+    models/expert_parallel.py). Pipeline and data parallelism, ZeRO-1, bf16, checkpointing and packing train them."""
+    architecture = architecture_of(config)
+    if architecture.decoder == COMPOSED:
         return
     asked = {name: size for name, size in (("tensor_parallel_size", tensor_parallel),
                                            ("context_parallel_size", context_parallel),
-                                           ("expert_parallel_size", expert_parallel)) if size > 1}
+                                           ("expert_parallel_size", 1 if architecture.moe else expert_parallel))
+             if size > 1}
     if asked:
         raise ValueError(f"{', '.join(f'{k}={v}' for k, v in asked.items())}: {config.model_type}'s decoder layers "
                          f"have no tensor, context or expert parallel plan yet; train it with pipeline and data "

@@ -821,6 +821,8 @@ def check_tensor_parallel_split(config, size, sequence_tokens=None):
     MLP columns, vocabulary rows and, under sequence parallelism, the tokens of a micro-batch."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size={size} must be at least 1.")
+    if size == 1:  # one rank splits nothing (and Gemma 4's per-layer key/value head counts need not be read)
+        return
     counts = {"num_attention_heads": config.num_attention_heads,
               "num_key_value_heads": config.num_key_value_heads or config.num_attention_heads,
               # Qwen3.5-MoE's config has none: every layer is sparse

@@ -65,14 +65,39 @@ def test_olmo3_tensor_parallel_equals_transformers(tiny_layer_type_checkpoints, 
     check(ranks, ["olmo3"], tiny_layer_type_checkpoints, 2)
 
 
+@pytest.mark.slow
+def test_gemma4_moe_expert_parallel_equals_transformers(tiny_layer_type_checkpoints, tmp_path):
+    """Gemma 4's MoE (dense MLP beside the experts, the normed and scaled router with per_expert_scale) with its
+    experts split over 2 data-parallel ranks of each of 2 stages (each rank reading only its experts' rows from the
+    layer files), as the other MoE families' (tests/test_moe.py): every micro-batch's loss and every parameter's
+    gradient equal transformers', each rank holding its half of every layer's experts."""
+    from tests.test_moe import assert_parity_across_processes
+    hf_dir, ds_dir = tiny_layer_type_checkpoints["gemma4_26b_a4b"]
+    assert_parity_across_processes([dict(name="gemma4_26b_a4b", hf_dir=hf_dir, ds_dir=ds_dir, partition=BOUNDS[2, 6],
+                                         expert_parallel=2)], tmp_path, 2, 4, 1)
+
+
 def test_gemma_refuses_tensor_context_and_expert_parallelism_in_one_line():
+    """Tensor and context parallelism refused for Gemma's own layers, expert parallelism where they have no
+    experts; Gemma 4's MoE takes expert parallelism."""
     from models.pipeline import check_own_layers_parallelism
     config = LAYER_TYPE_CONFIGS["gemma4_26b_a4b"]()
-    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2, expert_parallel_size=2: gemma4_text's decoder "
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2, context_parallel_size=2: gemma4_text's decoder "
                                          r"layers have no tensor, context or expert parallel plan yet"):
-        check_own_layers_parallelism(config, 2, 1, 2)
-    check_own_layers_parallelism(config, 1, 1, 1)
+        check_own_layers_parallelism(config, 2, 2, 2)
+    with pytest.raises(ValueError, match=r"^expert_parallel_size=2: gemma3_text's decoder layers"):
+        check_own_layers_parallelism(LAYER_TYPE_CONFIGS["gemma3_text"](), 1, 1, 2)
+    check_own_layers_parallelism(config, 1, 1, 2)
     check_own_layers_parallelism(LAYER_TYPE_CONFIGS["olmo3"](), 2, 2, 1)  # the composed layer's plans
+
+
+def test_lora_on_gemma4_experts_is_refused_in_one_line():
+    from models.lora import LoraSettings, check_lora_applies
+    config = LAYER_TYPE_CONFIGS["gemma4_26b_a4b"]()
+    with pytest.raises(ValueError, match=r"^lora\.target_modules \['q_proj', 'experts\.gate_up_proj'\]: Gemma 4's "
+                                         r"experts \(gate_up_proj\) take no adapters yet; leave experts\.\* out"):
+        check_lora_applies(config, LoraSettings(rank=4, target_modules=("q_proj", "experts.gate_up_proj")))
+    check_lora_applies(config, LoraSettings(rank=4, target_modules=("q_proj", "gate_proj")))
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +154,19 @@ def test_lora_adapter_gradients_equal_peft(tiny_layer_type_checkpoints, tmp_path
             assert not bad, f"{name}: adapter gradients differ from peft's: {bad}"
             assert result["frozen_unchanged_without_grad"] and all(".lora_" in n for n in result["grad_errors"])
         assert set().union(*(r[name]["grad_errors"] for r in ranks)) == set(ranks[0][name]["ref_param_names"])
+
+
+@pytest.mark.parametrize("name", ["gemma3_27b", "gemma4_31b", "gemma4_26b_a4b"])
+def test_shipped_configs_fit_their_hardware(capsys, name):
+    """plan_only on the hardware each names (2 nodes x 8 x 80 GB): every device within its memory with 10% to
+    spare. The planner does not yet count Gemma's parameters exactly: it counts 5% (Gemma 3 27B: the tied
+    embedding's 1.41B once more, as an LM head) to 14% (Gemma 4 31B) more than transformers, so these plans err on
+    the safe side."""
+    from planner.memory_plan import print_memory_plan
+    from tests.test_memory_plan import run_config
+    from training.run_spec import plan_spec
+    cfg = run_config(name)
+    rows = print_memory_plan(plan_spec(cfg))
+    assert all(row["fits"] for row in rows)
+    assert "does NOT fit" not in capsys.readouterr().out
+    assert max(row["memory_bytes"] for row in rows) < 0.9 * cfg.device_memory_gb * 2 ** 30
