@@ -96,7 +96,7 @@ class Gemma4Attention(nn.Module):
             raise ValueError(f"layer {self.layer_index} " + (
                 f"reuses layer {self.kv_source}'s keys and values: pass them as shared_kv." if self.reuses_kv else
                 "computes its own keys and values: pass no shared_kv."))
-        batch, seq = hidden.shape[:2]
+        batch, seq = cos.shape[:2]  # the rows' shape, also where hidden is their tokens flattened (tensor parallel)
         heads = (batch, seq, -1, self.head_dim)
         q = apply_rotary(self.q_norm(self.q_proj(hidden).view(heads)).transpose(1, 2), cos, sin)
         key_value = None
