@@ -31,6 +31,9 @@ class Gemma3RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
 
+    def reset_parameters(self):  # a layer built on the meta device is initialised by it (tensor parallelism)
+        nn.init.zeros_(self.weight)
+
     def forward(self, x):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

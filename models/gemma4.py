@@ -47,6 +47,10 @@ class Gemma4RMSNorm(nn.Module):
         if with_scale:
             self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self):  # a layer built on the meta device is initialised by it (tensor parallelism)
+        if hasattr(self, "weight"):
+            nn.init.ones_(self.weight)
+
     def forward(self, x):
         x32 = x.float()
         normed = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
@@ -191,6 +195,11 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_feedforward_layernorm_1 = Gemma4RMSNorm(hidden, eps)
             self.post_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
             self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
+
+    def reset_parameters(self):
+        """The layer's own buffer, layer_scalar, at one, where the layer was built on the meta device (tensor
+        parallelism); the checkpoint's value is loaded over it. Its parts initialise themselves."""
+        nn.init.ones_(self.layer_scalar)
 
     def forward(self, hidden, cos, sin, mask, per_layer_input=None, shared_kv=None):
         attention, key_value = self.self_attn(self.input_layernorm(hidden), cos, sin, mask, shared_kv)

@@ -542,10 +542,13 @@ def gather_input(block, parallel):
 
 def reduce_output(block, row, parallel):
     """The block's output (its row-parallel projection's partial sums) added over the group, then the projection's
-    bias once (whole on every rank, added to its own tokens under sequence parallelism)."""
-    def reduced(module, args, partial):
+    bias once (whole on every rank, added to its own tokens under sequence parallelism). A block returning a tuple
+    (Gemma 4's attention: its output, then its keys and values) has its first element reduced, the rest as they are."""
+    def reduced(module, args, output):
+        partial, rest = (output[0], output[1:]) if isinstance(output, tuple) else (output, None)
         out = parallel.reduce(partial)
-        return out if row.bias is None else out + row.bias
+        out = out if row.bias is None else out + row.bias
+        return out if rest is None else (out, *rest)
     block.register_forward_hook(reduced)
     if row.bias is not None and parallel.sequence_parallel:
         sum_gradient_over_group(row, "bias")
