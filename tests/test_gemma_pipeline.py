@@ -98,10 +98,10 @@ def demo_gemma4(demo_model, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["1_process", "2stages", "2stages_x_2dp", "bf16_2stages_x_2dp", "2stages_x_tp2"])
+@pytest.mark.parametrize("layout", ["1_process", "2stages", "2stages_x_2dp", "bf16_2stages_x_2dp"])
 def test_six_training_steps_equal_transformers(demo_model, demo_gemma4, tmp_path, layout):
     """Six steps of the trainer (AdamW at 1e-3, clipping active; fp32 on 1 process, 2 stages, and 2 stages x 2
-    data-parallel under ZeRO-1; bf16 with ZeRO-1; 2 stages x TP 2) on instruction data, against transformers and torch's AdamW on
+    data-parallel under ZeRO-1; bf16 with ZeRO-1) on instruction data, against transformers and torch's AdamW on
     the same global batches: the first steps' losses within 1e-4, the first gradient norm within
     1e-4, every step as near transformers' eager run as transformers' own SDPA run is. On this tiny model fp32
     training drifts: transformers' eager and SDPA runs are 2e-3 apart by the fifth step (Adam's first steps move
