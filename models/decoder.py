@@ -144,7 +144,7 @@ class Gemma4Decoder(OwnDecoder, Gemma4DecoderLayer):
             self.per_layer_inputs = PerLayerInputs(config, range(layer_index, layer_index + 1))
 
     def forward(self, hidden, inputs, tokens=None, input_ids=None, embedded=None, shared_kv=None):
-        per_layer_input = self.per_layer_inputs(input_ids, embedded)[:, :, 0] if self.per_layer_width else None
+        per_layer_input = self.per_layer_inputs(input_ids, embedded)[..., 0, :] if self.per_layer_width else None
         hidden, key_value, expert_ids = super().forward(hidden, inputs.cos, inputs.sin, inputs.mask,
                                                         per_layer_input, shared_kv)
         statistics = routing_statistics(None, expert_ids, tokens, self.experts_config) if self.sparse else None

@@ -31,6 +31,9 @@ class Gemma3RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
 
+    def reset_parameters(self):  # a layer built on the meta device is initialised by it (tensor or expert parallelism)
+        nn.init.zeros_(self.weight)
+
     def forward(self, x):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -92,7 +95,7 @@ class Gemma3Attention(nn.Module):
         self.k_norm = Gemma3RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, hidden, cos, sin, mask):
-        batch, seq = hidden.shape[:2]
+        batch, seq = cos.shape[:2]  # the rows' shape, also where hidden is their tokens flattened (tensor parallel)
         heads = (batch, seq, -1, self.head_dim)
         q = self.q_norm(self.q_proj(hidden).view(heads)).transpose(1, 2)
         k = self.k_norm(self.k_proj(hidden).view(heads)).transpose(1, 2)

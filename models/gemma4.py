@@ -47,7 +47,7 @@ class Gemma4RMSNorm(nn.Module):
         if with_scale:
             self.weight = nn.Parameter(torch.ones(dim))
 
-    def reset_parameters(self):  # after a build on the meta device (models/tensor_parallel.py materialize)
+    def reset_parameters(self):  # a layer built on the meta device is initialised by it (tensor or expert parallelism)
         if hasattr(self, "weight"):
             nn.init.ones_(self.weight)
 
@@ -100,7 +100,7 @@ class Gemma4Attention(nn.Module):
             raise ValueError(f"layer {self.layer_index} " + (
                 f"reuses layer {self.kv_source}'s keys and values: pass them as shared_kv." if self.reuses_kv else
                 "computes its own keys and values: pass no shared_kv."))
-        batch, seq = hidden.shape[:2]
+        batch, seq = cos.shape[:2]  # the rows' shape, also where hidden is their tokens flattened (tensor parallel)
         heads = (batch, seq, -1, self.head_dim)
         q = apply_rotary(self.q_norm(self.q_proj(hidden).view(heads)).transpose(1, 2), cos, sin)
         key_value = None
@@ -200,7 +200,9 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
             self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
 
-    def reset_parameters(self):  # its own buffer after a build on the meta device; its parts have their own
+    def reset_parameters(self):
+        """The layer's own buffer, layer_scalar, at one, where the layer was built on the meta device (tensor or expert
+        parallelism); the checkpoint's value is loaded over it. Its parts initialise themselves."""
         nn.init.ones_(self.layer_scalar)
 
     def forward(self, hidden, cos, sin, mask, per_layer_input=None, shared_kv=None):

@@ -249,22 +249,32 @@ def run_layers(layers, *inputs):
     return x
 
 
+# {parallelism: what of Gemma's own decoder layers (models/gemma3.py, gemma4.py) has no plan for it yet}, one entry
+# per kind of parallelism, checked only where its size is above 1.
+OWN_LAYERS_UNPLANNED = {
+    "context_parallel_size": lambda config: "decoder layers",
+    # expert parallelism splits Gemma 4's MoE block's experts (models/expert_parallel.py); a model without has none
+    "expert_parallel_size": lambda config: None if architecture_of(config).moe else "decoder layers",
+    # tensor parallelism splits the attention, the MLP, the vocabulary and runs PLE per rank; not the MoE block
+    "tensor_parallel_size": lambda config: "mixture of experts (enable_moe_block)" if getattr(
+        config, "enable_moe_block", False) else None,
+}
+
+
 def check_own_layers_parallelism(config, tensor_parallel, context_parallel, expert_parallel):
-    """Refuse, in one line, the parallelism Gemma's own decoder layers (models/gemma3.py, gemma4.py) have no plan
-    for yet: tensor and context parallelism (their attention has no AttentionCore to wrap, their parts no PART_PLANS
-    entry), and expert parallelism where the layers have no experts (Gemma 4's MoE block splits its experts:
-    models/expert_parallel.py). Pipeline and data parallelism, ZeRO-1, bf16, checkpointing and packing train them."""
-    architecture = architecture_of(config)
-    if architecture.decoder == COMPOSED:
+    """Refuse, in one line, the parallelism Gemma's own decoder layers have no plan for yet (OWN_LAYERS_UNPLANNED).
+    Tensor parallelism (but of Gemma 4's MoE block), expert parallelism of Gemma 4's experts, pipeline and data
+    parallelism, ZeRO-1, bf16, checkpointing and packing train them."""
+    if architecture_of(config).decoder == COMPOSED:
         return
-    asked = {name: size for name, size in (("tensor_parallel_size", tensor_parallel),
-                                           ("context_parallel_size", context_parallel),
-                                           ("expert_parallel_size", 1 if architecture.moe else expert_parallel))
-             if size > 1}
-    if asked:
-        raise ValueError(f"{', '.join(f'{k}={v}' for k, v in asked.items())}: {config.model_type}'s decoder layers "
-                         f"have no tensor, context or expert parallel plan yet; train it with pipeline and data "
-                         f"parallelism (set them to 1).")
+    sizes = {"tensor_parallel_size": tensor_parallel, "context_parallel_size": context_parallel,
+             "expert_parallel_size": expert_parallel}
+    refused = {name: (size, OWN_LAYERS_UNPLANNED[name](config)) for name, size in sizes.items() if size > 1}
+    refused = {name: (size, what) for name, (size, what) in refused.items() if what is not None}
+    if refused:
+        raise ValueError("; ".join(f"{name}={size}: {config.model_type}'s {what} have no "
+                                   f"{name.removesuffix('_parallel_size')} parallel plan yet"
+                                   for name, (size, what) in refused.items()) + "; set them to 1.")
 
 
 def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,

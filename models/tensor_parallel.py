@@ -43,6 +43,9 @@ import collectives
 from models.architecture import LINEAR_ATTENTION, architecture_of
 from models.attention import Attention
 from models.gated_attention import GatedAttention
+from models.gated_mlp import GatedMLP
+from models.gemma3 import Gemma3Attention, Gemma3RMSNorm
+from models.gemma4 import Gemma4Attention, Gemma4DecoderLayer, Gemma4RMSNorm
 from models.linear_attention import DeltaRuleCore, FusedGatedDeltaNet, GatedDeltaNet
 from models.latent_attention import LatentAttention
 from models.mlp import MLP
@@ -539,10 +542,13 @@ def gather_input(block, parallel):
 
 def reduce_output(block, row, parallel):
     """The block's output (its row-parallel projection's partial sums) added over the group, then the projection's
-    bias once (whole on every rank, added to its own tokens under sequence parallelism)."""
-    def reduced(module, args, partial):
+    bias once (whole on every rank, added to its own tokens under sequence parallelism). A block returning a tuple
+    (Gemma 4's attention: its output, then its keys and values) has its first element reduced, the rest as they are."""
+    def reduced(module, args, output):
+        partial, rest = (output[0], output[1:]) if isinstance(output, tuple) else (output, None)
         out = parallel.reduce(partial)
-        return out if row.bias is None else out + row.bias
+        out = out if row.bias is None else out + row.bias
+        return out if rest is None else (out, *rest)
     block.register_forward_hook(reduced)
     if row.bias is not None and parallel.sequence_parallel:
         sum_gradient_over_group(row, "bias")
@@ -632,6 +638,43 @@ def moe_plan(block, parallel, device):
         block.register_forward_pre_hook(lambda module, args: (args[0], TokenShare(args[1], parallel)))
 
 
+def gemma_attention_plan(attention, parallel, device):
+    """Gemma 3's and Gemma 4's attention split by heads as attention_plan splits grouped-query attention: q, k and v
+    by heads, o by its input, the per-head q and k norms whole, their gradients summed over the group (v's has no
+    weight). Each layer splits its own head count: Gemma 4's full layers their num_global_key_value_heads and
+    global_head_dim, a full layer with attention_k_eq_v its k_proj only (its values are its keys). A layer reusing
+    another's keys and values has q and o only: the keys and values it is given are this rank's heads, computed by
+    its source layer's share on this rank (on its stage, or sent in the stage tuple by the same tensor-parallel
+    rank of the source's stage)."""
+    columns = [name for name in ("q_proj", "k_proj", "v_proj") if hasattr(attention, name)]
+    if hasattr(attention, "k_proj"):
+        parallel.local(attention.k_proj.out_features // attention.head_dim, "num_key_value_heads")
+    split_block(attention, columns, "o_proj", parallel, device,
+                (attention.q_proj.out_features // attention.head_dim, "num_attention_heads"))
+    for name in ("q_norm", "k_norm"):
+        if hasattr(attention, name):
+            sum_gradient_over_group(getattr(attention, name), "weight")
+
+
+def per_layer_embedding_plan(layer, parallel, device):
+    """Gemma 4's per-layer embeddings (PLE) whole on every rank and applied to its own tokens (its sequence-parallel
+    share, or all of them): a decoder layer's share of the per-layer table is one layer's columns (256 features in
+    Gemma 4 E2B), and a token's per-layer input reads only its own id and embedding, so each rank computes its
+    tokens' exactly with no collective, where splitting the columns would add a gather in every layer. Their
+    gradients are summed over the group as a norm's."""
+    if not layer.per_layer_width:
+        return
+    per_layer = layer.per_layer_inputs
+    for parent, name in ((layer, "per_layer_input_gate"), (layer, "per_layer_projection"),
+                         (per_layer, "per_layer_model_projection")):
+        setattr(parent, name, stage_linear(getattr(parent, name), StageLinear, parallel))
+    for part in (layer.per_layer_input_gate, layer.per_layer_projection, per_layer):
+        replicated(part, parallel)
+    if parallel.sequence_parallel:  # the ids of this rank's tokens, the embedded tokens being its share already
+        per_layer.register_forward_pre_hook(
+            lambda module, args: (args[0].reshape(-1).chunk(parallel.size)[parallel.rank], *args[1:]))
+
+
 def gated_attention_plan(attention, parallel, device):
     """The hybrids' full attention split as attention_plan splits grouped-query attention: q_proj's rows are each
     head's [query | gate], so a split by heads keeps each head's gate with its query; the per-head (1 + w) norms
@@ -677,7 +720,12 @@ def linear_attention_plan(mixer, parallel, device):
 
 PART_PLANS = {Attention: attention_plan, LatentAttention: latent_attention_plan, MLP: mlp_plan, MoEBlock: moe_plan,
               GatedAttention: gated_attention_plan, GatedDeltaNet: linear_attention_plan,
-              FusedGatedDeltaNet: linear_attention_plan}
+              FusedGatedDeltaNet: linear_attention_plan, Gemma3Attention: gemma_attention_plan,
+              Gemma4Attention: gemma_attention_plan, GatedMLP: mlp_plan}
+# The plans of the parts a decoder layer holds directly rather than in a submodule, by the layer's kind.
+LAYER_PLANS = {Gemma4DecoderLayer: per_layer_embedding_plan}
+# The norms a decoder layer applies to its residual stream, on every rank to its own tokens.
+LAYER_NORMS = (RMSNorm, Gemma3RMSNorm, Gemma4RMSNorm)
 
 
 def parallelize(layer, parallel, device=None):
@@ -687,6 +735,9 @@ def parallelize(layer, parallel, device=None):
     if parallel.size > 1:
         for part in [layer] if type(layer) in PART_PLANS else planned_parts(layer):
             PART_PLANS[type(part)](part, parallel, device)
+        for kind, plan in LAYER_PLANS.items():
+            if isinstance(layer, kind):
+                plan(layer, parallel, device)
     for parent in list(layer.modules()):
         for name, child in parent.named_children():
             if type(child) is nn.Linear:
@@ -699,7 +750,7 @@ def parallelize(layer, parallel, device=None):
             elif isinstance(child, SigmoidRouter):
                 child.linear = parallel.matmul
     for child in layer.children():
-        if type(child) is RMSNorm:  # a decoder layer's norms, applied to this rank's tokens
+        if type(child) in LAYER_NORMS:  # a decoder layer's norms, applied to this rank's tokens
             replicated(child, parallel)
     if device != "meta":
         materialize(layer, device)
@@ -816,6 +867,17 @@ def vocabulary_rows(config, parallel):
     return rows, pad - parallel.rank * rows if mine else None
 
 
+def key_value_heads(config):
+    """{the config's name of a key/value head count: the count}: Gemma 4's per-layer configs (its full layers with
+    attention_k_eq_v have num_global_key_value_heads), or the one count of the others."""
+    per_layer = getattr(config, "per_layer_config", None)
+    if per_layer is None:
+        return {"num_key_value_heads": config.num_key_value_heads or config.num_attention_heads}
+    global_heads = getattr(config, "attention_k_eq_v", False)
+    return {"num_global_key_value_heads" if global_heads and kind == "full_attention" else "num_key_value_heads":
+            layer.num_key_value_heads for kind, layer in zip(config.layer_types, per_layer)}
+
+
 def check_tensor_parallel_split(config, size, sequence_tokens=None):
     """Raise ValueError naming every count that tensor_parallel_size does not split evenly: heads, key/value heads,
     MLP columns, vocabulary rows and, under sequence parallelism, the tokens of a micro-batch."""
@@ -823,8 +885,7 @@ def check_tensor_parallel_split(config, size, sequence_tokens=None):
         raise ValueError(f"tensor_parallel_size={size} must be at least 1.")
     if size == 1:  # one rank splits nothing (and Gemma 4's per-layer key/value head counts need not be read)
         return
-    counts = {"num_attention_heads": config.num_attention_heads,
-              "num_key_value_heads": config.num_key_value_heads or config.num_attention_heads,
+    counts = {"num_attention_heads": config.num_attention_heads, **key_value_heads(config),
               # Qwen3.5-MoE's config has none: every layer is sparse
               "intermediate_size": getattr(config, "intermediate_size", None) or 0, "vocab_size": config.vocab_size}
     if LINEAR_ATTENTION in architecture_of(config).mixer_layers:  # Gated DeltaNet splits by key and value heads

@@ -58,11 +58,14 @@ def test_logits_loss_path_and_activation_checkpointing(tiny_layer_type_checkpoin
 
 
 @pytest.mark.slow
-def test_olmo3_tensor_parallel_equals_transformers(tiny_layer_type_checkpoints, tmp_path):
-    """OLMo 3 takes OLMo 2's composed layer, so its tensor-parallel plan: 2 stages x TP 2 (sequence parallelism),
-    the sliding and full layers' rotary per type, against transformers."""
-    ranks = run(tiny_layer_type_checkpoints, tmp_path, 2, ["olmo3"], tensor_parallel=2)
-    check(ranks, ["olmo3"], tiny_layer_type_checkpoints, 2)
+def test_tensor_parallel_equals_transformers(tiny_layer_type_checkpoints, tmp_path):
+    """2 stages x TP 2 (sequence parallelism), one launch: OLMo 3 (OLMo 2's composed layer and plan), Gemma 3 (heads,
+    GeGLU, the scaled vocabulary-parallel embedding and the soft cap on each rank's vocabulary share inside the
+    chunked loss) and Gemma 4 E2B (its reusing layers on another stage than their sources, each rank sent its own
+    heads' keys and values; per-layer embeddings on each rank's tokens), against transformers."""
+    names = ["olmo3", "gemma3_text", "gemma4_e2b"]
+    ranks = run(tiny_layer_type_checkpoints, tmp_path, 2, names, tensor_parallel=2)
+    check(ranks, names, tiny_layer_type_checkpoints, 2)
 
 
 @pytest.mark.slow
@@ -77,18 +80,24 @@ def test_gemma4_moe_expert_parallel_equals_transformers(tiny_layer_type_checkpoi
                                          expert_parallel=2)], tmp_path, 2, 4, 1)
 
 
-def test_gemma_refuses_tensor_context_and_expert_parallelism_in_one_line():
-    """Tensor and context parallelism refused for Gemma's own layers, expert parallelism where they have no
-    experts; Gemma 4's MoE takes expert parallelism."""
+def test_gemma_refuses_unplanned_parallelism_in_one_line():
     from models.pipeline import check_own_layers_parallelism
-    config = LAYER_TYPE_CONFIGS["gemma4_26b_a4b"]()
-    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2, context_parallel_size=2: gemma4_text's decoder "
-                                         r"layers have no tensor, context or expert parallel plan yet"):
-        check_own_layers_parallelism(config, 2, 2, 2)
-    with pytest.raises(ValueError, match=r"^expert_parallel_size=2: gemma3_text's decoder layers"):
+    from models.tensor_parallel import check_tensor_parallel_split
+    moe = LAYER_TYPE_CONFIGS["gemma4_26b_a4b"]()
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2: gemma4_text's mixture of experts "
+                                         r"\(enable_moe_block\) have no tensor parallel plan yet; set them to 1\.$"):
+        check_own_layers_parallelism(moe, 2, 1, 2)
+    with pytest.raises(ValueError, match=r"^expert_parallel_size=2: gemma3_text's decoder layers have no expert "
+                                         r"parallel plan yet; set them to 1\.$"):
         check_own_layers_parallelism(LAYER_TYPE_CONFIGS["gemma3_text"](), 1, 1, 2)
-    check_own_layers_parallelism(config, 1, 1, 2)
+    with pytest.raises(ValueError, match=r"^context_parallel_size=2: gemma3_text's decoder layers have no context "):
+        check_own_layers_parallelism(LAYER_TYPE_CONFIGS["gemma3_text"](), 1, 2, 1)
+    check_own_layers_parallelism(moe, 1, 1, 2)  # Gemma 4's experts split
+    check_own_layers_parallelism(LAYER_TYPE_CONFIGS["gemma4_e2b"](), 2, 1, 1)
     check_own_layers_parallelism(LAYER_TYPE_CONFIGS["olmo3"](), 2, 2, 1)  # the composed layer's plans
+    # Gemma 4 31B-like: one key/value head on its full layers
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2 does not divide num_global_key_value_heads=1; "):
+        check_tensor_parallel_split(LAYER_TYPE_CONFIGS["gemma4_31b"](), 2)
 
 
 def test_lora_on_gemma4_experts_is_refused_in_one_line():
