@@ -196,7 +196,13 @@ def test_chunked_schedules_equal_1f1b(tiny_hybrid_checkpoints, tmp_path):
     """Interleaved 1F1B and ZB-V on the hybrids: two steps' losses, the evaluation loss, every gradient (by name
     across the ranks) and the weights the steps leave equal the 1F1B run's."""
     from tests.test_schedule import launch_cases
-    launch_cases(SCHEDULE_CASES, tiny_hybrid_checkpoints, 2, tmp_path)
+    ranks = launch_cases(SCHEDULE_CASES, tiny_hybrid_checkpoints, 2, tmp_path)
+    for name in SCHEDULE_CASES:  # ZB-V's W computed every linear-attention projection's weight gradient (on some rank)
+        deferred = {n.rsplit(".", 2)[-2] for rank in ranks for n in rank[name]["zbv"]["deferred_weights"]
+                    if ".linear_attn." in n}
+        expected = {"in_proj_qkvz", "in_proj_ba", "out_proj"} if "next" in name else \
+            {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
+        assert deferred == expected, name
 
 
 # --- training ------------------------------------------------------------------------------------------------------
