@@ -133,8 +133,9 @@ def test_loss_and_gradients_equal_transformers_across_processes(tiny_hybrid_chec
                   ds_dir=tiny_hybrid_checkpoints[family][1], **options)
              for suffix, options in variants.items() for family in families]
     adapted = [dict({k: v for k, v in case.items() if k not in ("family", "lora")},
-                    hf_dir=tiny_hybrid_checkpoints[case["family"]][0], ds_dir=tiny_hybrid_checkpoints[case["family"]][1],
-                    lora=dict(LORA, target_modules=case["lora"])) for case in LORA_IN_LAUNCH.get(layout, ())]
+                    hf_dir=tiny_hybrid_checkpoints[case["family"]][0],
+                    ds_dir=tiny_hybrid_checkpoints[case["family"]][1], lora=dict(LORA, target_modules=case["lora"]))
+               for case in LORA_IN_LAUNCH.get(layout, ())]
     ranks = assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel, adapted)
     assert_adapters_match_peft(adapted, ranks)
     for name in {name for rank in ranks for name in rank if name.endswith("+zero_bubble")}:
