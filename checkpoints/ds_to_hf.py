@@ -70,19 +70,25 @@ def split_dims_of(config, size, lora):
     """{pipeline index: {key: the dimension tensor parallelism over `size` ranks splits it along, or None}}: a
     buffer (DeepSeek-V3's correction bias) is whole on every rank. A tensor cut per block along it (the linear
     attention's q, k, v channels) names the blocks in split_blocks_of."""
+    return {i: {k: getattr(p, "tensor_parallel_dim", None) for k, p in [*m.named_parameters(), *m.named_buffers()]}
+            for i, m in layers_with_adapters(config, size, lora).items()}
+
+
+def split_blocks_of(config, size, lora):
+    """{pipeline index: {key: the whole sizes of the blocks along its split dimension that split apart}} of the
+    tensors tensor parallelism over `size` ranks cuts per block (models/tensor_parallel.py shard_of; in_proj_qkv's
+    adapter's B as its projection)."""
+    return {i: {k: p.tensor_parallel_blocks for k, p in m.named_parameters() if hasattr(p, "tensor_parallel_blocks")}
+            for i, m in layers_with_adapters(config, size, lora).items()}
+
+
+def layers_with_adapters(config, size, lora):
+    """{pipeline index: layer on the meta device} split over `size` tensor-parallel ranks, with lora's adapters."""
     layers = layers_on_meta(with_multi_token_prediction(config), TensorParallel(size))
     if lora.enabled:  # one decoder layer of each kind stands for all of that kind
         for decoder in {id(m): m for i, m in layers.items() if 1 <= i <= config.num_hidden_layers}.values():
             add_adapters(decoder, lora, config, size)
-    return {i: {k: getattr(p, "tensor_parallel_dim", None) for k, p in [*m.named_parameters(), *m.named_buffers()]}
-            for i, m in layers.items()}
-
-
-def split_blocks_of(config, size):
-    """{pipeline index: {key: the whole sizes of the blocks along its split dimension that split apart}} of the
-    tensors tensor parallelism over `size` ranks cuts per block (models/tensor_parallel.py shard_of)."""
-    return {i: {k: p.tensor_parallel_blocks for k, p in m.named_parameters() if hasattr(p, "tensor_parallel_blocks")}
-            for i, m in layers_on_meta(with_multi_token_prediction(config), TensorParallel(size)).items()}
+    return layers
 
 
 def with_multi_token_prediction(config):
@@ -113,7 +119,8 @@ def read_hf_tensors(tag_dir, config, lora=NO_LORA, layout=PLAIN_LAYOUT):
             shapes[name] = torch.empty((first.shape[0] * len(shards), *first.shape[1:]), dtype=first.dtype,
                                        device="meta")
         if len(slices) > 1 and len(slices) not in split_dims:
-            split_dims[len(slices)] = split_dims_of(config, len(slices), lora), split_blocks_of(config, len(slices))
+            split_dims[len(slices)] = split_dims_of(config, len(slices), lora), split_blocks_of(config, len(slices),
+                                                                                            lora)
         for key, first in slices[0].items():
             name = pipeline_name_of_layer_key(index, key, config)
             dims, blocks = split_dims[len(slices)] if len(slices) > 1 else ({}, {})

@@ -31,7 +31,7 @@ from torch import nn
 from models.architecture import GEMMA4, architecture_of, fused_projections
 from models.moe import Experts, MoEBlock
 from models.pipeline_layers import decoder_kinds_of, decoder_on_meta
-from models.tensor_parallel import mark_sharded
+from models.tensor_parallel import mark_sharded, shard_of
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -155,17 +155,13 @@ def peft_target_modules(config, target_modules):
     return fused + [name for name in target_modules if not any(name in parts for parts in groups.values())]
 
 
-def check_lora_applies(config, settings, tensor_parallel=1):
+def check_lora_applies(config, settings):
     """Targets a peft adapter on this model can hold, before any work. Names the model lacks are left out, as peft
     leaves them, but some must reach something. peft adapts Phi-3's fused qkv_proj and gate_up_proj as single
     projections (one A over q, k and v), so the pipeline's parts of one take adapters together; on a mixture of
     experts peft's reading of the MLP names must be whole (gate_proj with up_proj) and single (not beside
     experts.*), and peft's adapters on the experts take no dropout."""
     targets = settings.target_modules
-    if tensor_parallel > 1 and "in_proj_qkv" in targets and "in_proj_qkv" in model_targets(config):
-        raise ValueError(f"lora.target_modules {list(targets)} with tensor_parallel_size={tensor_parallel}: "
-                         f"in_proj_qkv splits per q/k/v block over the ranks, which its adapter's B does not yet; "
-                         f"leave in_proj_qkv out or set tensor_parallel_size=1.")
     for fused, parts in fused_target_groups(config).items():
         targeted = [name for name in parts if name in targets]
         if targeted and len(targeted) != len(parts):
@@ -269,13 +265,18 @@ def add_adapters(decoder_layer, settings, config, tensor_parallel_size=1, tensor
         split = {1: projection.lora_A.weight, 0: projection.lora_B.weight}.get(dim)
         if tensor_parallel_size > 1 and split is not None:
             mark_sharded(split, dim)
+        # B of a projection cut per block (in_proj_qkv's q, k and v) holds the rows its outputs do: marked whatever
+        # the split, as its projection is, so that a checkpoint saved split loads whole
+        blocks = getattr(projection.weight, "tensor_parallel_blocks", None)
+        if blocks is not None:
+            projection.lora_B.weight.tensor_parallel_blocks = blocks
         if seed is not None:
             a, b = initial_factors(seed, index, TARGETS.index(name), settings.rank, whole_in, whole_out)
             with torch.no_grad():
-                projection.lora_A.weight.copy_(a.chunk(tensor_parallel_size, 1)[tensor_parallel_rank] if dim == 1
-                                               else a)
-                projection.lora_B.weight.copy_(b.chunk(tensor_parallel_size, 0)[tensor_parallel_rank] if dim == 0
-                                               else b)
+                projection.lora_A.weight.copy_(shard_of(a, 1, tensor_parallel_rank, tensor_parallel_size)
+                                               if dim == 1 else a)
+                projection.lora_B.weight.copy_(shard_of(b, 0, tensor_parallel_rank, tensor_parallel_size, blocks)
+                                               if dim == 0 else b)
         projection.register_forward_hook(add_adapter_output)
     share_fused_adapters(decoder_layer, config)
     experts = getattr(decoder_layer.mlp, "experts", None)

@@ -7,6 +7,7 @@ from models.architecture import architecture_of
 from models.layout import fuse, hf_name_of_layer_key
 from models.lora import EXPERT_PARAMETERS, add_adapters, expert_ranks, is_adapter_key, peft_adapters
 from models.pipeline_layers import decoder_pipe
+from models.tensor_parallel import shard_of
 
 
 def hf_name_of_peft(name):
@@ -72,7 +73,8 @@ def peft_model(hf_dir, settings, values):
 def pipeline_slice(value, param, rank, size):
     """This tensor-parallel rank's slice of a whole adapter value (split like models/lora.py splits it)."""
     dim = getattr(param, "tensor_parallel_dim", None)
-    return value if dim is None or size == 1 else value.chunk(size, dim)[rank]
+    return value if dim is None or size == 1 else shard_of(value, dim, rank, size,
+                                                            getattr(param, "tensor_parallel_blocks", None))
 
 
 

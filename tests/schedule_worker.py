@@ -31,7 +31,7 @@ from models.loss import split_micro_batch  # noqa: E402
 from models.pipeline import build_pipeline_module, partition_stages  # noqa: E402
 from models.preference import PreferenceSettings  # noqa: E402
 from tests.distributed import ProcessGroupPool  # noqa: E402
-from tests.parity_worker import CHUNK_TOKENS, micro_batches  # noqa: E402
+from tests.parity_worker import CHUNK_TOKENS, micro_batches, record_deferred_weights  # noqa: E402
 from tests.tiny_models import make_batch  # noqa: E402
 from deepspeed_internals.access import checkpoints_without_expert_files, loss_scaler_state  # noqa: E402
 from planner.workload import Workload  # noqa: E402
@@ -112,6 +112,8 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
                              zbv_times=case.get("zbv_times") if schedule == "zbv" else None)
     else:
         use_one_backward(engine)
+    # the parameters whose weight gradients a W computed (ZB-H1's and ZB-V's), filled as the steps run
+    deferred = record_deferred_weights(engine) if schedule in ("zero_bubble", "zbv") else set()
     recorded = record_optimizer_gradients(engine)
     at_step = [None]  # the step running, for overflow_in_gradient
     overflowed = overflow_in_gradient(engine, *case["overflow_in_gradient"], at_step) if (
@@ -146,7 +148,7 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
                                        "data_parallel_rank": engine.grid.data_parallel_id,
                                        "waiting": max(waiting, default=0), "read": len(read), "eval_loss": eval_loss,
                                        "checkpointed": len(checkpointed), "rewards": rewards, "loss_scales": scales,
-                                       "overflowed": overflowed,
+                                       "overflowed": overflowed, "deferred_weights": sorted(deferred),
                                        "measured_times": getattr(engine, "zbv_measured_times", None),
                                        "expert_slices": sorted({tuple(p.expert_slice) for p in module.parameters()
                                                                 if hasattr(p, "expert_slice")}),

@@ -700,10 +700,12 @@ def test_loss_and_gradients_equal_transformers_across_processes(tiny_moe_checkpo
     assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel)
 
 
-def assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel):
+def assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel, unchecked=()):
     """The cases run in one launch (tests/parity_worker.py): each rank's losses and gradients those of transformers,
-    replicated gradients equal over the tensor-parallel group, only the stage's layer files read."""
-    spawn(parity_worker.run, world_size, cases, num_stages, MICRO_BATCH, GAS, SEQ, str(tmp_path), tensor_parallel)
+    replicated gradients equal over the tensor-parallel group, only the stage's layer files read. unchecked: cases
+    that share the launch, which the caller checks (LoRA's, against peft) from the ranks' results returned."""
+    spawn(parity_worker.run, world_size, [*cases, *unchecked], num_stages, MICRO_BATCH, GAS, SEQ, str(tmp_path),
+          tensor_parallel)
     ranks = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "rank*.json")))]
     dp_size = world_size // (num_stages * tensor_parallel)
     for case in cases:
@@ -731,6 +733,7 @@ def assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tens
                        for first, count, total in result["expert_slices"].values()), case["name"]
         assert set().union(*(r[case["name"]]["grad_errors"] for r in ranks)) == \
             set(ranks[0][case["name"]]["ref_param_names"])
+    return ranks
 
 
 # --- training ------------------------------------------------------------------------------------------------------

@@ -75,14 +75,27 @@ def test_tensor_parallel_shards_cut_the_linear_attention_per_head_and_load_at_an
                        state["linear_attn.conv1d.weight"])
 
 
-def test_an_adapter_on_in_proj_qkv_under_tensor_parallelism_is_refused_in_one_line():
-    from models.lora import LoraSettings, check_lora_applies
+def test_an_adapter_on_in_proj_qkv_splits_its_b_per_block_and_exports_whole():
+    """Under tensor parallelism 2 in_proj_qkv's adapter keeps A whole and cuts B per q/k/v block as its projection's
+    rows are cut (marked so at any size, so that a checkpoint saved split loads whole), and export joins the blocks
+    back as they were cut. Its values against peft: test_loss_and_gradients_equal_transformers_across_processes."""
+    from checkpoints.ds_to_hf import split_blocks_of, split_dims_of
+    from models.lora import LoraSettings, add_adapters
+    from models.pipeline_layers import decoder_on_meta
     config = HYBRID_CONFIGS["qwen3_5"]()
-    settings = LoraSettings(rank=4, target_modules=("q_proj", "in_proj_qkv"))
-    check_lora_applies(config, settings, 1)
-    check_lora_applies(config, LoraSettings(rank=4, target_modules=("q_proj", "in_proj_z")), 2)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: in_proj_qkv splits per q/k/v block"):
-        check_lora_applies(config, settings, 2)
+    settings = LoraSettings(rank=4, target_modules=("in_proj_qkv",))
+    blocks = (2 * 8, 2 * 8, 4 * 8)  # q, k (2 key heads of 8) and v (4 value heads of 8)
+    for size in (1, 2):
+        layer = decoder_on_meta(config, size, layer_index=0)
+        add_adapters(layer, settings, config, size)
+        projection = layer.linear_attn.in_proj_qkv
+        assert projection.lora_B.weight.tensor_parallel_blocks == projection.weight.tensor_parallel_blocks == blocks
+        assert projection.lora_B.weight.shape == (sum(blocks) // size, 4)
+        assert projection.lora_A.weight.shape == (4, config.hidden_size)
+    prefix = "linear_attn.in_proj_qkv"
+    assert split_blocks_of(config, 2, settings)[1][f"{prefix}.lora_B.weight"] == blocks
+    dims = split_dims_of(config, 2, settings)[1]
+    assert (dims[f"{prefix}.lora_B.weight"], dims[f"{prefix}.lora_A.weight"]) == (0, None)
 
 
 # --- many processes ------------------------------------------------------------------------------------------------
@@ -98,6 +111,12 @@ LAYOUTS = {  # name: (stages, world size, tensor parallel, {case suffix: options
 }
 # the linear attention's projections, whose weight gradients a zero-bubble schedule leaves to W
 LINEAR_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
+# LoRA cases sharing a layout's launch, checked against peft: under tensor parallelism in_proj_qkv's adapter's B cut
+# per q/k/v block (Qwen3.5, with sequence parallelism), Qwen3-Next's fused in_proj_qkvz / in_proj_ba by key heads
+LORA_IN_LAUNCH = {"2stages_x_tp2": [
+    dict(name="qwen3_5+lora+sp", family="qwen3_5", lora=("q_proj", "v_proj") + LINEAR_PROJECTIONS),
+    dict(name="qwen3_next+lora", family="qwen3_next", lora=("o_proj",) + LINEAR_PROJECTIONS,
+         sequence_parallel=False)]}
 
 
 @pytest.mark.slow
@@ -107,15 +126,18 @@ def test_loss_and_gradients_equal_transformers_across_processes(tiny_hybrid_chec
     falls: the per-micro-batch losses (padded rows) and every gradient after the data-parallel (and expert-parallel)
     reductions equal transformers'; each rank reads only its stage's layer files; under the zero-bubble schedule the
     linear attention's projections have their weight gradients computed at W."""
-    import glob
-    import json
+    from tests.test_lora import LORA
     from tests.test_moe import assert_parity_across_processes
     num_stages, world_size, tensor_parallel, variants, families = LAYOUTS[layout]
     cases = [dict(name=family + suffix, hf_dir=tiny_hybrid_checkpoints[family][0],
                   ds_dir=tiny_hybrid_checkpoints[family][1], **options)
              for suffix, options in variants.items() for family in families]
-    assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel)
-    ranks = [json.load(open(path)) for path in glob.glob(str(tmp_path / "rank*.json"))]
+    adapted = [dict({k: v for k, v in case.items() if k not in ("family", "lora")},
+                    hf_dir=tiny_hybrid_checkpoints[case["family"]][0],
+                    ds_dir=tiny_hybrid_checkpoints[case["family"]][1], lora=dict(LORA, target_modules=case["lora"]))
+               for case in LORA_IN_LAUNCH.get(layout, ())]
+    ranks = assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel, adapted)
+    assert_adapters_match_peft(adapted, ranks)
     for name in {name for rank in ranks for name in rank if name.endswith("+zero_bubble")}:
         projections = {n for rank in ranks for n in rank[name]["param_names"]
                        if ".linear_attn." in n and n.rsplit(".", 2)[-2] in LINEAR_PROJECTIONS}
@@ -136,7 +158,13 @@ def test_adapters_on_the_linear_attention_match_peft(tiny_hybrid_checkpoints, tm
     cases = [dict(name="qwen3_5", model="qwen3_5", lora=dict(LORA, target_modules=targets)),
              dict(name="qwen3_next+zero_bubble", model="qwen3_next", schedule="zero_bubble",
                   lora=dict(LORA, target_modules=ATTENTION + LINEAR_PROJECTIONS))]
-    ranks = run_lora_parity(tiny_hybrid_checkpoints, tmp_path, cases, 2, 2)
+    assert_adapters_match_peft(cases, run_lora_parity(tiny_hybrid_checkpoints, tmp_path, cases, 2, 2))
+
+
+def assert_adapters_match_peft(cases, ranks):
+    """Each LoRA case's loss and every adapter's gradient (on some rank, each rank's slice) equal peft's, equal over
+    the tensor-parallel group where replicated; the base takes no gradient; under zero-bubble the adapters' weight
+    gradients went to W."""
     for case in cases:
         name = case["name"]
         for rank in ranks:
@@ -146,12 +174,68 @@ def test_adapters_on_the_linear_attention_match_peft(tiny_hybrid_checkpoints, tm
             bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
             assert not bad, f"{name}: adapter gradients differ from peft's: {bad}"
             assert result["frozen_unchanged_without_grad"], name
+            assert result["replicated_grad_spread"] == 0.0, name
         compared = set().union(*(r[name]["grad_errors"] for r in ranks))
         assert compared == set(ranks[0][name]["ref_param_names"])
         assert any(".linear_attn.in_proj_" in n for n in compared), name
         if case.get("schedule") == "zero_bubble":
             deferred = set().union(*(r[name]["deferred_weights"] for r in ranks))
             assert deferred and all(".lora_" in n for n in deferred), name
+
+
+# The chunked schedules (two chunks per rank, one decoder layer each) against 1F1B on 2 ranks, in one launch
+# (tests/schedule_worker.py, tests/test_schedule.py's checks): interleaved 1F1B and ZB-V, whose W computes the
+# linear attention's projections' weight gradients as ZB-H1's does; the tied Qwen3.5 (ZB-V sums its embedding's and
+# head's gradients on one rank: test_schedule.py's 2e-6), Qwen3-Next's fused projections and load-balancing loss.
+SCHEDULE_CASES = {f"hybrid_{family}": (family, dict(stages=2, schedules=("interleaved_1f1b", "zbv"), virtual_stages=2,
+                                                    zbv_tolerance=2e-6))
+                  for family in ("qwen3_5_tied", "qwen3_next")}
+
+
+@pytest.mark.slow
+def test_chunked_schedules_equal_1f1b(tiny_hybrid_checkpoints, tmp_path):
+    """Interleaved 1F1B and ZB-V on the hybrids: two steps' losses, the evaluation loss, every gradient (by name
+    across the ranks) and the weights the steps leave equal the 1F1B run's."""
+    from tests.test_schedule import launch_cases
+    ranks = launch_cases(SCHEDULE_CASES, tiny_hybrid_checkpoints, 2, tmp_path)
+    for name in SCHEDULE_CASES:  # ZB-V's W computed every linear-attention projection's weight gradient (on some rank)
+        deferred = {n.rsplit(".", 2)[-2] for rank in ranks for n in rank[name]["zbv"]["deferred_weights"]
+                    if ".linear_attn." in n}
+        expected = {"in_proj_qkvz", "in_proj_ba", "out_proj"} if "next" in name else \
+            {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
+        assert deferred == expected, name
+
+
+# DPO on Qwen3.5 against TRL's DPOTrainer (tests/test_preference.py's first step: FIRST_STEP_REFERENCE as the
+# reference log-probabilities, padded pairs), full weights and LoRA (the default targets, B nonzero), one process
+# (most of its cost the process start and TRL's import, which both cases share).
+@pytest.mark.slow
+def test_dpo_first_step_equals_trl(tmp_path):
+    """The first DPO step's loss, rewards and every gradient (the linear attention's included; the adapters' under
+    LoRA) within 1e-5 of TRL's DPOTrainer on transformers (peft under LoRA)."""
+    from tests.chat_tokenizers import make_chat_tokenizer
+    from tests.distributed import spawn
+    from tests.test_preference import FIRST_STEP_REFERENCE, LORA_RANK, SEQ, assert_first_step_matches_trl, \
+        preference_checkpoint
+    tokenizer = make_chat_tokenizer("qwen3")
+    config = HYBRID_CONFIGS["qwen3_5"]()
+    config.vocab_size, config.max_position_embeddings = len(tokenizer), SEQ
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    model = preference_checkpoint(tmp_path / "qwen3_5", config, tokenizer, len(FIRST_STEP_REFERENCE))
+    spawn(dpo_first_steps, 1, model, tmp_path)
+    for case, rank in (("full", 0), ("lora", LORA_RANK)):
+        assert_first_step_matches_trl(model, tmp_path, case, 1, 1, lora_rank=rank)
+
+
+def dpo_first_steps(rank, model, root):
+    import torch.distributed
+    from cluster.distributed import init_distributed
+    from tests.test_preference import LORA_RANK, pipeline_first_step
+    init_distributed(timeout_minutes=2)
+    pipeline_first_step(rank, model, root, "full")
+    pipeline_first_step(rank, model, root, "lora", lora_rank=LORA_RANK)
+    torch.distributed.destroy_process_group()
 
 
 # --- training ------------------------------------------------------------------------------------------------------

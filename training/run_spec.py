@@ -229,7 +229,7 @@ def check_layout(cfg, model_config, world_size):
         check_own_layers_parallelism(model_config, tp, cfg.context_parallel_size, cfg.expert_parallel_size)
         check_tensor_parallel_split(model_config, tp, workload.tokens if workload.splits_sequence else None)
         if workload.lora.enabled:
-            check_lora_applies(model_config, workload.lora, tp)
+            check_lora_applies(model_config, workload.lora)
             check_rank_fits(model_config, workload.lora)
     except ValueError as error:
         raise ConfigError(str(error)) from None
