@@ -869,13 +869,13 @@ def vocabulary_rows(config, parallel):
 
 def key_value_heads(config):
     """{the config's name of a key/value head count: the count}: Gemma 4's per-layer configs (its full layers with
-    attention_k_eq_v have num_global_key_value_heads), or the one count of the others."""
-    per_layer = getattr(config, "per_layer_config", None)
-    if per_layer is None:
+    attention_k_eq_v have num_global_key_value_heads), or the one count of the others. Gated on the model type, as
+    models/architecture.py's key_value_heads: transformers gives every config a per_layer_config view."""
+    if config.model_type != "gemma4_text":
         return {"num_key_value_heads": config.num_key_value_heads or config.num_attention_heads}
     global_heads = getattr(config, "attention_k_eq_v", False)
     return {"num_global_key_value_heads" if global_heads and kind == "full_attention" else "num_key_value_heads":
-            layer.num_key_value_heads for kind, layer in zip(config.layer_types, per_layer)}
+            config.per_layer_config[i].num_key_value_heads for i, kind in enumerate(config.layer_types)}
 
 
 def check_tensor_parallel_split(config, size, sequence_tokens=None):

@@ -98,6 +98,9 @@ def test_gemma_refuses_unplanned_parallelism_in_one_line():
     # Gemma 4 31B-like: one key/value head on its full layers
     with pytest.raises(ValueError, match=r"^tensor_parallel_size=2 does not divide num_global_key_value_heads=1; "):
         check_tensor_parallel_split(LAYER_TYPE_CONFIGS["gemma4_31b"](), 2)
+    # a family without layer_types (transformers gives every config a per_layer_config view): its one count
+    from transformers import Qwen3MoeConfig
+    check_tensor_parallel_split(Qwen3MoeConfig(num_attention_heads=4, num_key_value_heads=2, vocab_size=128), 2)
 
 
 def test_lora_on_gemma4_experts_is_refused_in_one_line():
