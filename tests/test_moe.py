@@ -747,7 +747,13 @@ TRAIN_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps
                  "2stages_x_ep2": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1,
                                            expert_parallel_size=2)),
                  "bf16_2stages_x_ep2": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1,
-                                                precision="bf16", expert_parallel_size=2))}
+                                                precision="bf16", expert_parallel_size=2)),
+                 # tensor parallelism with sequence parallelism (fp32, and bf16 with ZeRO-1's fp32 sums): the
+                 # experts' gradients summed over the group once a step, through each optimizer's accumulation
+                 "2stages_x_tp2": (4, dict(num_stages=2, gradient_accumulation_steps=4, zero_stage=0,
+                                           tensor_parallel_size=2)),
+                 "bf16_2stages_x_tp2": (4, dict(num_stages=2, gradient_accumulation_steps=4, zero_stage=1,
+                                                precision="bf16", tensor_parallel_size=2))}
 
 
 @pytest.fixture(scope="module")
@@ -818,7 +824,8 @@ def trained_and_transformers(demo_model, model_dirs, tmp_path, layout, attention
         "lr_scheduler": "constant", "warmup_steps": 0, "max_grad_norm": MAX_GRAD_NORM, "seed": SEED,
         "save_steps": 0})))
     records = [r for r in read_metrics(out) if "loss" in r]
-    data_parallel = procs // settings["num_stages"]
+    # expert parallelism takes ranks of the data axis; tensor parallelism a model axis of its own
+    data_parallel = procs // (settings["num_stages"] * settings.get("tensor_parallel_size", 1))
     batches = list(global_batches(demo_model, train_file, data_parallel, settings["gradient_accumulation_steps"],
                                   tmp_path / "ref", steps=TRAIN_STEPS))
     if isinstance(attention, tuple):
