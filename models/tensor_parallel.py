@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import collectives
-from models.architecture import LINEAR_ATTENTION, architecture_of
+from models.architecture import LINEAR_ATTENTION, architecture_of, key_value_heads
 from models.attention import Attention
 from models.gated_attention import GatedAttention
 from models.gated_mlp import GatedMLP
@@ -867,15 +867,16 @@ def vocabulary_rows(config, parallel):
     return rows, pad - parallel.rank * rows if mine else None
 
 
-def key_value_heads(config):
-    """{the config's name of a key/value head count: the count}: Gemma 4's per-layer configs (its full layers with
-    attention_k_eq_v have num_global_key_value_heads), or the one count of the others. Gated on the model type, as
-    models/architecture.py's key_value_heads: transformers gives every config a per_layer_config view."""
+def key_value_head_counts(config):
+    """{the config's name of a key/value head count: the count}, from models/architecture.py's per-layer counts:
+    Gemma 4's full layers with attention_k_eq_v have num_global_key_value_heads, every other layer (and family)
+    num_key_value_heads."""
+    counts = key_value_heads(config)
     if config.model_type != "gemma4_text":
-        return {"num_key_value_heads": config.num_key_value_heads or config.num_attention_heads}
+        return {"num_key_value_heads": counts[0]}
     global_heads = getattr(config, "attention_k_eq_v", False)
     return {"num_global_key_value_heads" if global_heads and kind == "full_attention" else "num_key_value_heads":
-            config.per_layer_config[i].num_key_value_heads for i, kind in enumerate(config.layer_types)}
+            count for kind, count in zip(config.layer_types, counts)}
 
 
 def check_tensor_parallel_split(config, size, sequence_tokens=None):
@@ -885,7 +886,7 @@ def check_tensor_parallel_split(config, size, sequence_tokens=None):
         raise ValueError(f"tensor_parallel_size={size} must be at least 1.")
     if size == 1:  # one rank splits nothing (and Gemma 4's per-layer key/value head counts need not be read)
         return
-    counts = {"num_attention_heads": config.num_attention_heads, **key_value_heads(config),
+    counts = {"num_attention_heads": config.num_attention_heads, **key_value_head_counts(config),
               # Qwen3.5-MoE's config has none: every layer is sparse
               "intermediate_size": getattr(config, "intermediate_size", None) or 0, "vocab_size": config.vocab_size}
     if LINEAR_ATTENTION in architecture_of(config).mixer_layers:  # Gated DeltaNet splits by key and value heads
