@@ -32,6 +32,7 @@ overlapped it.
 """
 import concurrent.futures
 import json
+import math
 import os
 import shutil
 import statistics
@@ -44,7 +45,7 @@ from common import bench_parser, launch_training, machine_note, parse_args, spaw
 
 from schedules.orders import rank_orders  # noqa: E402
 from schedules.simulator import simulate  # noqa: E402
-from schedules.zbv_order import configured_zbv_durations  # noqa: E402
+from schedules.zbv_order import ZBV_TIMES_SPREAD, configured_zbv_durations  # noqa: E402
 
 SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1024)
@@ -201,10 +202,13 @@ def cpu_step_seconds(profiles, schedule, micro_batches, zbv_times=None):
 
 
 def measured_zbv_times(profiles, micro_batches):
-    """zbv_times from a run's profiles: each stage's [F, B, W] CPU ms per micro-batch (at least 1: zbv_times takes
-    positive numbers, and a small chunk's W can take less than half a millisecond)."""
+    """zbv_times from a run's profiles: each stage's [F, B, W] CPU ms per micro-batch, each raised to 1 /
+    ZBV_TIMES_SPREAD of the longest as the trainer's zbv_times=auto does (a small chunk's W can take a tenth of its F,
+    which zbv_times refuses), and to at least 1 ms (zbv_times takes positive whole numbers here)."""
     times, _, _ = simulated_cpu_step(profiles, "zbv", micro_batches)
-    return [[max(1, round(1e3 * stage_times[kind])) for kind in "FBW"] for stage_times in times]
+    milliseconds = [[1e3 * stage_times[kind] for kind in "FBW"] for stage_times in times]
+    floor = max(1, math.ceil(max(map(max, milliseconds)) / ZBV_TIMES_SPREAD))
+    return [[max(floor, round(t)) for t in stage_ms] for stage_ms in milliseconds]
 
 
 def simulated_cpu_step(profiles, schedule, micro_batches, zbv_times=None):

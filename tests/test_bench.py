@@ -5,14 +5,17 @@ rank zygote (tests/launch.py run_python), and its workers, child interpreters an
 (bench/common.py): no library is imported again. They run in the quick tier, on one pytest-xdist worker (one zygote),
 but for the few in SLOW, whose smoke size still costs several CPU seconds."""
 import glob
+import importlib.util
 import os
 import pathlib
 import re
 
 import pytest
+from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
 from tests.launch import check_ok, run_python
+from training.config_checks import check_zbv_times
 
 SCRIPTS = sorted(os.path.basename(path) for path in glob.glob(os.path.join(ROOT, "bench", "*.py"))
                  if "if __name__ == \"__main__\":" in pathlib.Path(path).read_text())
@@ -180,3 +183,16 @@ def test_bench_script_prints_its_figures_at_smoke_size(script):
     missing = [figure for figure in FIGURES.get(script, ["(no figures named)"])
                if not re.search(pattern(figure), output)]
     assert not missing, f"{missing} not in:\n{output}"
+
+
+def test_zbv_times_measured_from_a_tiny_chunk_pass_the_trainers_check(monkeypatch):
+    """A small chunk's W can take a tenth of its F (the smoke run's [[9, 6, 1], ...] that zbv_times refused): the bench
+    raises each time to 1 / ZBV_TIMES_SPREAD of the longest, as the trainer's zbv_times=auto does."""
+    spec = importlib.util.spec_from_file_location("trainer_profile", os.path.join(ROOT, "bench", "trainer_profile.py"))
+    trainer_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer_profile)
+    seconds = [{"F": 9.2e-3, "B": 6.1e-3, "W": 0.6e-3}, {"F": 6e-3, "B": 4e-3, "W": 0.2e-3}]
+    monkeypatch.setattr(trainer_profile, "simulated_cpu_step", lambda profiles, schedule, micro_batches: (seconds, 0, 0))
+    times = trainer_profile.measured_zbv_times({}, 4)
+    assert times == [[9, 6, 2], [6, 4, 2]]
+    check_zbv_times(OmegaConf.create({"zbv_times": times, "pipeline_schedule": "zbv", "num_stages": 2}))
