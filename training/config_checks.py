@@ -328,7 +328,6 @@ def check_torch_kernels(model_config):
 
 # What a run training the MTP layer (mtp_loss_scale > 0) does not combine with yet: {key: (refused?, why)}.
 MTP_REFUSED = {
-    "context_parallel_size": (lambda v: v > 1, "the next token of a rank's last position is on the next rank"),
     "lora.rank": (lambda v: v > 0, "a LoRA run exports a peft adapter of transformers' model, which has no MTP layer "
                                    "(transformers drops mtp.* and layer L) to hold the MTP layer's adapters or weights"),
     "objective": (lambda v: v != "sft", "the preference losses have no MTP term"),
