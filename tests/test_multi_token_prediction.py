@@ -449,7 +449,9 @@ def reference_steps(model_dirs, batches, micro_batch_size):
 # {layout: (family, processes, settings)}
 MTP_LAYOUTS = {"1_process": ("deepseek_v3", 1, dict(num_stages=1, gradient_accumulation_steps=4, zero_stage=0)),
                "2stages_x_2dp": ("deepseek_v3", 4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1)),
-               "qwen3_5_2stages": ("qwen3_5", 2, dict(num_stages=2, gradient_accumulation_steps=4, zero_stage=0)),
+               # Qwen3.5's MTP layer on context 2 too: its next token and label after next on the other rank
+               "qwen3_5_2stages_x_cp2": ("qwen3_5", 4, dict(num_stages=2, context_parallel_size=2,
+                                                            gradient_accumulation_steps=4, zero_stage=0)),
                # the MTP layer's latent attention and shared experts split over 2 ranks, its experts over 2 others
                "tp2_x_ep2": ("deepseek_v3", 4, dict(num_stages=1, tensor_parallel_size=2, expert_parallel_size=2,
                                                     gradient_accumulation_steps=2, zero_stage=1))}
@@ -479,7 +481,8 @@ def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model,
     train_file = write_skewed_instructions(demo_model, tmp_path / "train.jsonl")
     out = tmp_path / "run"
     records = train_with_mtp(demo_model, demo_deepseek_with_mtp, train_file, out, procs, settings)
-    data_parallel = procs // settings["num_stages"] // settings.get("tensor_parallel_size", 1)
+    data_parallel = (procs // settings["num_stages"] // settings.get("tensor_parallel_size", 1)
+                     // settings.get("context_parallel_size", 1))
     batches = global_batches(demo_model, train_file, data_parallel, settings["gradient_accumulation_steps"],
                              tmp_path / "ref", steps=TRAIN_STEPS)
     losses, norms, trained = reference_steps(demo_deepseek_with_mtp, list(batches), ROWS)
