@@ -16,7 +16,7 @@ computes its forward again in B.
 """
 import dataclasses
 
-from models.partition import DECODER, EMBEDDING, HEAD, NORM
+from models.partition import DECODER, EMBEDDING, HEAD, NORM, timed_kind
 
 PARTITION_COSTS = ("auto", "flops", "measured")
 UNITS = (EMBEDDING, DECODER, HEAD)
@@ -39,7 +39,7 @@ class UnitCosts:
         return cls({unit: {time: next(flat) for time in TIMES} for unit in UNITS}, device)
 
     def of(self, kind, time):
-        return 0.0 if kind == NORM else self.seconds[kind][time]
+        return 0.0 if kind == NORM else self.seconds[timed_kind(kind)][time]
 
     def pass_seconds(self, runs, split):
         """{"F", "B", "W"} seconds of a stage or chunk, given as LayerCosts.chunks' (kinds, checkpointed) runs;

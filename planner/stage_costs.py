@@ -86,8 +86,9 @@ class LayerCosts:
         mtp_own = 2 * hidden * hidden + 3 * hidden if mtp else 0
         norm = hidden + (mtp.parameters + mtp_own if mtp else 0)
         mtp_flops = mtp.matmul_flops + 2 * residual * 2 * hidden * hidden if mtp else 0
-        # vocab is this rank's share; parameters are this rank's too.
-        self.parameters = {EMBEDDING: vocab * hidden, NORM: norm, HEAD: vocab * hidden,  # a tied head: a second copy
+        # vocab is this rank's share; parameters are this rank's too. A tied head is a second copy of the embedding
+        # where they sit on different ranks (held_sum).
+        self.parameters = {EMBEDDING: vocab * hidden, NORM: norm, HEAD: vocab * hidden,
                            **{kind: decoder.parameters for kind, decoder in decoders.items()}}
         self.largest_tensor = {EMBEDDING: vocab * hidden, NORM: max(hidden, mtp.largest_tensor if mtp else 0),
                                HEAD: vocab * hidden,
@@ -236,16 +237,25 @@ class LayerCosts:
         waiting_bytes = waiting * sum(self.weight_grad_bytes[kind] for kind in kinds)
         return in_flight * per_micro_batch + waiting_bytes + persistent + transient
 
+    def held_sum(self, figures, kinds):
+        """figures summed over the kinds a stage (or a rank's chunks) holds; a tied LM head beside the embedding on
+        one rank counted once: DeepSpeed's TiedLayerSpec builds one module there (models/pipeline.py), a copy of
+        its own on another rank."""
+        total = sum(figures[kind] for kind in kinds)
+        if self.config.tie_word_embeddings and EMBEDDING in kinds and HEAD in kinds:
+            total -= figures[HEAD]
+        return total
+
     def stage_parameters(self, kinds):
-        return sum(self.parameters[kind] for kind in kinds)
+        return self.held_sum(self.parameters, kinds)
 
     def stage_trained(self, kinds):
-        return sum(self.trained[kind] for kind in kinds)
+        return self.held_sum(self.trained, kinds)
 
     def stage_state_bytes(self, kinds):
         """Weights, gradients and optimizer state of a stage, in bytes."""
         return training_state.state_bytes(self.workload, self.stage_parameters(kinds), self.stage_trained(kinds),
-                                          sum(self.optimized[kind] for kind in kinds))
+                                          self.held_sum(self.optimized, kinds))
 
     def stage_buffer_bytes(self):
         return training_state.buffer_bytes(self.workload, max(self.largest_trained.values()))
@@ -274,7 +284,9 @@ class StageCostModel:
     def __init__(self, config, workload, num_stages, device_bytes=None):
         self.layers = LayerCosts(config, workload)
         self.workload, self.num_stages, self.device_bytes = workload, num_stages, device_bytes
-        self.compute_unit = self.layers.stage_flops([DECODER])
+        # one decoder layer: a sliding one of Gemma's, the first layer of a model without a DECODER kind
+        self.compute_unit = self.layers.stage_flops([DECODER if DECODER in self.layers.parameters
+                                                     else decoder_kinds(config)[0]])
 
     def in_flight(self, stage):
         return in_flight_micro_batches(stage, self.num_stages, self.workload.micro_batches)

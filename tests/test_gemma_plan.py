@@ -1,0 +1,49 @@
+"""The planner on Gemma 3 and Gemma 4 (planner/stage_costs.py, models/partition.py): each type of layer (sliding,
+full, reusing another's keys and values) priced with the parameters of the layer the pipeline builds, on one rank and
+per tensor-parallel rank (per-layer embeddings whole on every rank), a tied LM head once beside the embedding, the
+model's count equal to transformers'; the tuple between stages (per-layer embeddings' inputs, carried keys and values)
+priced as the bytes the pipeline sends."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma4TextConfig
+
+from models.partition import EMBEDDING, HEAD, decoder_kinds, layer_kinds, model_parameter_count
+from models.pipeline_layers import layers_on_meta
+from models.tensor_parallel import TensorParallel
+from planner.stage_costs import LayerCosts
+from planner.workload import Workload
+from tests.tiny_models import GEMMA4, GEMMA4_K_EQ_V, LAYER_TYPE_CONFIGS
+
+GEMMAS = ["gemma3_text", "gemma4_e2b", "gemma4_31b", "gemma4_26b_a4b"]
+
+
+def tiny(name, tensor_parallel=1):
+    """The tiny config; Gemma 4 31B-like with 2 global key/value heads under tensor parallelism 2 (its one would not
+    split)."""
+    if name == "gemma4_31b" and tensor_parallel > 1:
+        return Gemma4TextConfig(**GEMMA4, **{**GEMMA4_K_EQ_V, "num_global_key_value_heads": 2})
+    return LAYER_TYPE_CONFIGS[name]()
+
+
+# tensor parallelism of Gemma 4's MoE block is refused (models/pipeline.py OWN_LAYERS_UNPLANNED)
+@pytest.mark.parametrize("name,tensor_parallel", [(name, 1) for name in GEMMAS] + [
+    (name, 2) for name in GEMMAS if name != "gemma4_26b_a4b"])
+def test_the_planner_prices_the_layers_it_builds(name, tensor_parallel):
+    """Every pipeline layer's priced parameters are those of the layer built on the meta device for one
+    tensor-parallel rank, layer by layer (full layers' own widths, reusing layers without k/v projections and with
+    their double-wide MLP, the per-layer table's columns); one stage holds the tied head once, and the model's count,
+    each tied weight once, is transformers'."""
+    config = tiny(name, tensor_parallel)
+    costs = LayerCosts(config, Workload(seq_length=16, micro_batch_size=2, tensor_parallel=tensor_parallel))
+    kinds = layer_kinds(config)
+    built = {index: sum(p.numel() for p in module.parameters())
+             for index, module in layers_on_meta(config, TensorParallel(tensor_parallel)).items()}
+    assert {index: costs.parameters[kinds[index]] for index in built} == built
+    assert len(set(decoder_kinds(config))) > 1  # sliding and full layers apart
+    assert costs.stage_parameters(kinds) == sum(built.values())  # layers_on_meta: no module for the tied head
+    assert costs.stage_parameters(kinds[:2]) + costs.stage_parameters(kinds[2:]) == sum(built.values()) + \
+        costs.parameters[EMBEDDING]  # on two stages the head's copy
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert model_parameter_count(config) == sum(p.numel() for p in model.parameters())
+    assert costs.parameters[HEAD] == costs.parameters[EMBEDDING]
