@@ -354,11 +354,14 @@ def balanced_mixed_counts(decoders, num_stages, stage_cost):
     """balanced_decoder_counts for decoder layers of different kinds: adding a layer to a stage moves the layers of
     every later one, so each stage's run of layers is chosen together, by dynamic programming over (stages, layers):
     exactly the smallest largest cost, and among those, the one with the smallest sum of squared stage compute
-    (an even spread). A stage's cost rises with its layers, which bounds the search."""
+    (an even spread). A stage's cost rises with its layers, which bounds the search. stage_cost takes the stage's
+    first pipeline layer as `start` (what crosses its boundaries depends on where they are: Gemma 4's carried keys
+    and values)."""
     layers = len(decoders)
 
-    def cost(stage, first, end):  # stage holding decoder layers first .. end - 1
-        return stage_cost(stage, stage_kinds(stage, num_stages, end - first, decoders[first:]))
+    def cost(stage, first, end):  # stage holding decoder layers first .. end - 1, from pipeline layer `start`
+        return stage_cost(stage, stage_kinds(stage, num_stages, end - first, decoders[first:]),
+                          start=first + 1 if stage else 0)
     best = {0: ((0, 0), 0.0, [])}  # layers held by the stages so far: (largest cost, sum of squares, counts)
     for stage in range(num_stages):
         reached = {}

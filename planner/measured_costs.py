@@ -69,8 +69,8 @@ class UnitCosts:
 def measured_stage_cost(model, units):
     """StageCostModel.cost with the measured compute: (bytes over the device's memory, decoder layers' time). Under
     zero_bubble and zbv every stage (chunk) but the first splits its backward (schedules/orders.py)."""
-    def cost(stage, kinds):
-        over, _ = model.cost(stage, kinds)
+    def cost(stage, kinds, start=None):
+        over, _ = model.cost(stage, kinds, start)
         split = model.workload.pipeline_schedule in ("zero_bubble", "zbv") and stage > 0
         seconds = units.pass_seconds(model.layers.chunks(kinds), split)
         return over, sum(seconds.values()) / units.decoder_seconds

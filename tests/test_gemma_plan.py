@@ -47,3 +47,29 @@ def test_the_planner_prices_the_layers_it_builds(name, tensor_parallel):
         model = AutoModelForCausalLM.from_config(config)
     assert model_parameter_count(config) == sum(p.numel() for p in model.parameters())
     assert costs.parameters[HEAD] == costs.parameters[EMBEDDING]
+
+
+@pytest.mark.parametrize("name", ["gemma4_e2b", "gemma4_26b_a4b", "gemma3_text"])
+def test_the_priced_stage_tuples_are_the_bytes_the_pipeline_sends(name):
+    """The tuple after the embedding and after every decoder layer, run on 2 padded rows: its bytes (the hidden
+    states, Gemma 4's embedded tokens and token ids for the per-layer embeddings, the keys and values of layers 2
+    and 3 from where they are stored to their reusers 4 and 5, ids, positions, routing counts) and its floating
+    tensors' (the gradient sent back) as LayerCosts.boundary_bytes prices them."""
+    from models.pipeline import build_pipeline_layers
+    from tests.tiny_models import make_batch
+    config = tiny(name)
+    batch, seq = 2, 16
+    costs = LayerCosts(config, Workload(seq_length=seq, micro_batch_size=batch, precision="fp32"))
+    layers = [spec.build() for spec in build_pipeline_layers(config)]
+    input_ids, attention_mask, _ = make_batch(batch, seq, config.vocab_size)
+    tuples = [(input_ids, attention_mask, torch.arange(seq).expand(batch, seq))]
+    with torch.no_grad():
+        for layer in layers[:config.num_hidden_layers + 1]:
+            tuples.append(layer(tuples[-1]))
+    for after, sent in enumerate(tuples[1:], start=-1):
+        floating = sum(t.numel() * t.element_size() for t in sent if t.is_floating_point())
+        assert costs.boundary_bytes(after) == (sum(t.numel() * t.element_size() for t in sent), floating), after
+    carried = [costs.boundary_bytes(after)[1] for after in range(-1, config.num_hidden_layers)]
+    if name == "gemma4_e2b":  # the keys and values of 2 (from 2 to 3) and of 2 and 3 (to 4), of 3 (to 5)
+        kv = costs.key_value_bytes
+        assert [c - carried[0] for c in carried] == [0, 0, 0, kv[2], kv[2] + kv[3], kv[3], 0]
