@@ -69,9 +69,8 @@ def layer_kinds(config):
 
 def kind_layer(config, kind):
     """The decoder layer whose costs a decoder kind takes: the first of its kind (the first sparse one of an MoE
-    model's DECODER)."""
-    kinds = decoder_kinds(config)
-    return planned_decoder(config) if kinds[planned_decoder(config)] == kind else kinds.index(kind)
+    model's DECODER); the layers of a kind hold the same tensors."""
+    return decoder_kinds(config).index(kind)
 
 
 def stage_kinds(stage, num_stages, num_decoders, decoders=None):
@@ -239,9 +238,11 @@ def expert_parameters(moe, hidden):
 
 
 def planned_decoder(config):
-    """The decoder layer the cost model takes for every one: the first sparse layer of an MoE model, else the first;
-    of a family whose layers differ by type (Gemma's sliding and full layers, Gemma 4's reusing ones with their
-    double-wide MLP), its largest, so that every layer's costs are at most those priced."""
+    """The one decoder layer that stands for all (engines/cost_calibration.py times it for partition_costs=measured;
+    decoder_parameter_split's default): the first sparse layer of an MoE model, else the first; of a family whose
+    layers differ by type (Gemma's sliding and full layers, Gemma 4's reusing ones with their double-wide MLP), its
+    largest, so that every layer's measured time is at most the one it is given. The plan prices every kind of layer
+    by its own (kind_layer)."""
     if architecture_of(config).decoder != COMPOSED:
         sizes = [sum(own_layer_parameter_split(config, layer)) for layer in range(config.num_hidden_layers)]
         return sizes.index(max(sizes))

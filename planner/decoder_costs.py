@@ -95,11 +95,11 @@ class DecoderCosts:
         # full ones). Norms and row-parallel biases (counted the same way), and MLA's latent projections, run on the
         # residual stream's tokens.
         kinds = decoder_kinds(config)
-        keys = mean_attended_keys(config, workload.seq_length, [i for i, kind in enumerate(kinds)
-                                                                if kind == kinds[layer]])
         self.matmul_flops = 2 * tokens * (active_sharded // t) + 2 * residual * active_replicated
-        mixing = (tokens * linear_attention_flops(config) if self.linear
-                  else round(2 * tokens * keys * (self.q_width + self.value_width)))
+        mixing = (tokens * linear_attention_flops(config) if self.linear else round(
+            2 * tokens * mean_attended_keys(config, workload.seq_length, [i for i, kind in enumerate(kinds)
+                                                                          if kind == kinds[layer]])
+            * (self.q_width + self.value_width)))
         self.forward_flops = self.matmul_flops + mixing + 2 * tokens * self.adapters
         # 8 hidden-sized and 4 intermediate-sized tensors in the activation dtype, the two norms' fp32 inputs and
         # inverse RMS, and attention's (attention_saved_bytes). Of the hidden-sized ones, the norms' normalised
