@@ -3,6 +3,8 @@ full, reusing another's keys and values) priced with the parameters of the layer
 per tensor-parallel rank (per-layer embeddings whole on every rank), a tied LM head once beside the embedding, the
 model's count equal to transformers'; the tuple between stages (per-layer embeddings' inputs, carried keys and values)
 priced as the bytes the pipeline sends."""
+import pathlib
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma4TextConfig
@@ -15,6 +17,7 @@ from planner.workload import Workload
 from tests.tiny_models import GEMMA4, GEMMA4_K_EQ_V, LAYER_TYPE_CONFIGS
 
 GEMMAS = ["gemma3_text", "gemma4_e2b", "gemma4_31b", "gemma4_26b_a4b"]
+CONF = pathlib.Path(__file__).resolve().parent.parent / "conf"
 
 
 def tiny(name, tensor_parallel=1):
@@ -73,3 +76,18 @@ def test_the_priced_stage_tuples_are_the_bytes_the_pipeline_sends(name):
     if name == "gemma4_e2b":  # the keys and values of 2 (from 2 to 3) and of 2 and 3 (to 4), of 3 (to 5)
         kv = costs.key_value_bytes
         assert [c - carried[0] for c in carried] == [0, 0, 0, kv[2], kv[2] + kv[3], kv[3], 0]
+
+
+@pytest.mark.parametrize("name,published", [("gemma3_27b", 27.0), ("gemma4_31b", 30.7), ("gemma4_26b_a4b", 25.2)])
+def test_shipped_configs_count_transformers_parameters(name, published):
+    """The shipped configs' sizes (conf/*.yaml model_config) give the published parameter counts as transformers'
+    text model counts them, and the planner's count is that model's."""
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig
+    fields = OmegaConf.to_container(OmegaConf.load(CONF / f"{name}.yaml").model_config)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in model.parameters())
+    assert model_parameter_count(config) == count
+    assert round(count / 1e9, 1) == published
