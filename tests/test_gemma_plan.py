@@ -76,6 +76,12 @@ def test_the_priced_stage_tuples_are_the_bytes_the_pipeline_sends(name):
     if name == "gemma4_e2b":  # the keys and values of 2 (from 2 to 3) and of 2 and 3 (to 4), of 3 (to 5)
         kv = costs.key_value_bytes
         assert [c - carried[0] for c in carried] == [0, 0, 0, kv[2], kv[2] + kv[3], kv[3], 0]
+        # a stage of the embedding and layers 0-2, then one of layers 3-5: the first makes and sends layer 2's keys
+        # and values (with its hidden states), the second receives them
+        kinds = layer_kinds(config)
+        first, second = costs.stage_boundaries(kinds[:4], 0), costs.stage_boundaries(kinds[4:], 4)
+        assert first[1:] == (costs.boundary_bytes(2), costs.hidden_bytes + kv[2])
+        assert second[0] == costs.boundary_bytes(2)
 
 
 @pytest.mark.parametrize("name,published", [("gemma3_27b", 27.0), ("gemma4_31b", 30.7), ("gemma4_26b_a4b", 25.2)])
