@@ -52,7 +52,7 @@ def paper_times(config_name):
     a checkpointed layer recomputes its forward in B; the LM head's input gradient is B, its weight gradient W."""
     from hydra import compose, initialize_config_dir
 
-    from models.partition import DECODER, HEAD, decoder_counts_of_bounds, decoder_parameter_split
+    from models.partition import DECODER, HEAD, decoder_counts_of_bounds, decoder_parameter_split, kind_layer
     from planner.stage_costs import LayerCosts
     from training.run_spec import plan_spec
 
@@ -61,7 +61,7 @@ def paper_times(config_name):
         spec = plan_spec(compose(config_name=config_name))
     cfg, config, workload = spec.cfg, spec.model_config, spec.workload
     layers = LayerCosts(config, workload)
-    sharded, replicated = decoder_parameter_split(config)
+    sharded, replicated = decoder_parameter_split(config, kind_layer(config, DECODER))  # the unit's own layer
     unit = layers.forward_flops[DECODER]
     matmul = (2 * workload.tokens * sharded + 2 * workload.residual_tokens * replicated) / unit
     attention = 1 - matmul

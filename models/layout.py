@@ -337,7 +337,8 @@ HUB_LAYOUTS = {
     "gemma4_text": (PLAIN_LAYOUT,),
     "olmo3": (PLAIN_LAYOUT,),
 }
-_FUSED_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# an MoE layer's experts stored fused: under mlp. (Qwen3.5-MoE), or beside the dense MLP (Gemma 4's layers.{i}.experts)
+_FUSED_EXPERTS = re.compile(r"^model\.layers\.\d+\.(mlp\.)?experts\.(gate_up_proj|down_proj)$")
 
 
 def hub_layout_of(model_type, names):

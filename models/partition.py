@@ -20,20 +20,46 @@ from schedules.rules import chunk_ids, chunks_per_rank
 EMBEDDING, DECODER, NORM, HEAD = "embedding", "decoder", "norm", "head"
 DENSE_DECODER = "dense_decoder"  # a dense layer of a model that mixes them with sparse ones
 LINEAR_PREFIX = "linear_"  # a hybrid's linear-attention layer of either kind: linear_decoder, linear_dense_decoder
-DECODERS = (DECODER, DENSE_DECODER, LINEAR_PREFIX + DECODER, LINEAR_PREFIX + DENSE_DECODER)
+# Gemma's own layers by type: its full-attention layers (their own head width and key/value heads in Gemma 4), and
+# Gemma 4's layers reusing an earlier layer's keys and values (no k/v projections, a double-wide MLP where the config
+# says): reusing_full_decoder, full_decoder, reusing_decoder beside the sliding layers' decoder
+FULL_PREFIX, REUSING_PREFIX = "full_", "reusing_"
+OWN_LAYER_PREFIXES = ("", FULL_PREFIX, REUSING_PREFIX, REUSING_PREFIX + FULL_PREFIX)
+DECODERS = (DECODER, DENSE_DECODER, LINEAR_PREFIX + DECODER, LINEAR_PREFIX + DENSE_DECODER,
+            *(prefix + DECODER for prefix in OWN_LAYER_PREFIXES[1:]))
 
 
 def decoder_kinds(config):
     """The kind of each decoder layer: DECODER, but DENSE_DECODER for the dense layers of a mixture of experts that
     mixes them with sparse ones (DeepSeek-V3's first_k_dense_replace, Qwen-MoE's mlp_only_layers), which cost less;
     a hybrid's linear-attention layers (Qwen3.5's Gated DeltaNet) prefixed linear_, costed apart from its full
-    attention ones."""
+    attention ones; a family with its own decoder layers (Gemma's) by type, prefixed full_ and reusing_
+    (own_layer_prefix)."""
     architecture = architecture_of(config)
+    if architecture.decoder != COMPOSED:
+        return [own_layer_prefix(config, layer) + DECODER for layer in range(config.num_hidden_layers)]
     sparse = architecture.sparse_layers
     mixed = any(sparse) and not all(sparse)
     return [(LINEAR_PREFIX if mixer == LINEAR_ATTENTION else "") + (DENSE_DECODER if mixed and not layer_sparse
                                                                     else DECODER)
             for layer_sparse, mixer in zip(sparse, architecture.mixer_layers)]
+
+
+def own_layer_prefix(config, layer):
+    """The kind prefix of Gemma's decoder layer `layer`: full_ for a full-attention layer, reusing_ before it for a
+    Gemma 4 layer reusing an earlier layer's keys and values. Layers of one kind hold the same tensors."""
+    reusing = config.model_type == "gemma4_text" and config.kv_sharing_modes[layer] == "reuse"
+    full = config.layer_types[layer] == "full_attention"
+    return (REUSING_PREFIX if reusing else "") + (FULL_PREFIX if full else "")
+
+
+def timed_kind(kind):
+    """The measured unit (planner/measured_costs.py) whose time a layer kind takes: its own, but Gemma's decoder
+    layers of every type the largest one's, the one engines/cost_calibration.py times (planned_decoder)."""
+    for prefix in OWN_LAYER_PREFIXES[1:]:
+        if kind == prefix + DECODER:
+            return DECODER
+    return kind
 
 
 def layer_kinds(config):
@@ -43,9 +69,8 @@ def layer_kinds(config):
 
 def kind_layer(config, kind):
     """The decoder layer whose costs a decoder kind takes: the first of its kind (the first sparse one of an MoE
-    model's DECODER)."""
-    kinds = decoder_kinds(config)
-    return planned_decoder(config) if kinds[planned_decoder(config)] == kind else kinds.index(kind)
+    model's DECODER); the layers of a kind hold the same tensors."""
+    return decoder_kinds(config).index(kind)
 
 
 def stage_kinds(stage, num_stages, num_decoders, decoders=None):
@@ -98,21 +123,34 @@ def decoder_parameter_split(config, layer=None, active=False):
     return sharded, replicated
 
 
+# The parts of Gemma 4's decoder layer every tensor-parallel rank holds whole: its share of the per-layer embeddings
+# with their gate and projection (models/tensor_parallel.py per_layer_embedding_plan), and the MoE block's router and
+# experts, as the other families' (decoder_parameter_split)
+WHOLE_UNDER_TENSOR_PARALLEL = ("per_layer_inputs.", "per_layer_input_gate.", "per_layer_projection.", "router.",
+                               "experts.")
+PER_LAYER_TABLE = "per_layer_inputs.embed_tokens_per_layer.weight"  # a gather, as the token embedding: no matmul
+
+
 def own_layer_parameter_split(config, layer, active=False):
     """decoder_parameter_split of a family with decoder layers of its own (Gemma 3's and 4's, whose layers differ
     by type: sliding or full, storing or reusing keys and values, their share of the per-layer embeddings), counted
-    on the layer built on the meta device: its matrices sharded (the experts' as a token runs through them when
-    active), the vectors (norms, the router's scales) replicated."""
+    on the layer built on the meta device: the projections sharded, the vectors (norms, the router's scales) and
+    WHOLE_UNDER_TENSOR_PARALLEL replicated. active: the weights a token's matmuls run through (its top_k experts of
+    num_experts; none of its per-layer table, which it reads a row of)."""
     with torch.device("meta"):
         module = decoder_layer(config, layer)
+    moe = architecture_of(config).moe
     sharded = replicated = 0
     for name, param in module.named_parameters():
-        if param.dim() < 2:
-            replicated += param.numel()
+        count = param.numel()
+        if active and name == PER_LAYER_TABLE:
+            count = 0
+        elif active and name.startswith("experts."):
+            count = count * moe.top_k // moe.num_experts
+        if param.dim() < 2 or name.startswith(WHOLE_UNDER_TENSOR_PARALLEL):
+            replicated += count
         else:
-            moe = architecture_of(config).moe
-            share = moe.top_k / moe.num_experts if active and name.startswith("experts.") else 1
-            sharded += int(param.numel() * share)
+            sharded += count
     return sharded, replicated
 
 
@@ -200,9 +238,11 @@ def expert_parameters(moe, hidden):
 
 
 def planned_decoder(config):
-    """The decoder layer the cost model takes for every one: the first sparse layer of an MoE model, else the first;
-    of a family whose layers differ by type (Gemma's sliding and full layers, Gemma 4's reusing ones with their
-    double-wide MLP), its largest, so that every layer's costs are at most those priced."""
+    """The one decoder layer that stands for all (engines/cost_calibration.py times it for partition_costs=measured;
+    decoder_parameter_split's default): the first sparse layer of an MoE model, else the first; of a family whose
+    layers differ by type (Gemma's sliding and full layers, Gemma 4's reusing ones with their double-wide MLP), its
+    largest, so that every layer's measured time is at most the one it is given. The plan prices every kind of layer
+    by its own (kind_layer)."""
     if architecture_of(config).decoder != COMPOSED:
         sizes = [sum(own_layer_parameter_split(config, layer)) for layer in range(config.num_hidden_layers)]
         return sizes.index(max(sizes))
@@ -210,16 +250,18 @@ def planned_decoder(config):
     return sparse.index(True) if any(sparse) else 0
 
 
-def mean_attended_keys(config, seq_length):
-    """Keys a query attends, averaged over a sequence's queries and the decoder layers: seq_length / 2 under the
-    causal mask (the cost model's convention), less the keys a layer's sliding window cuts off (the triangle of
-    (seq_length - window)^2 / 2 scores past it)."""
+def mean_attended_keys(config, seq_length, layers=None):
+    """Keys a query attends, averaged over a sequence's queries and the decoder layers (`layers`, default all: a
+    layer kind's): seq_length / 2 under the causal mask (the cost model's convention), less the keys a layer's
+    sliding window cuts off (the triangle of (seq_length - window)^2 / 2 scores past it)."""
     def keys(window):
         beyond = max(0, seq_length - window) if window else 0
         return seq_length / 2 - beyond ** 2 / (2 * seq_length)
     architecture = architecture_of(config)
-    attending = [window for window, mixer in zip(architecture.sliding_windows, architecture.mixer_layers)
-                 if mixer != LINEAR_ATTENTION]  # a hybrid's linear attention attends no keys (linear_attention_flops)
+    layers = range(config.num_hidden_layers) if layers is None else layers
+    attending = [architecture.sliding_windows[layer] for layer in layers
+                 if architecture.mixer_layers[layer] != LINEAR_ATTENTION]  # a hybrid's linear attention attends no
+    # keys (linear_attention_flops)
     return sum(keys(window) for window in attending) / len(attending)
 
 
@@ -230,6 +272,14 @@ def layer_parameter_counts(config):
     head = 0 if config.tie_word_embeddings else embedding
     decoders = [sum(decoder_parameter_split(config, layer)) for layer in range(config.num_hidden_layers)]
     return [embedding] + decoders + [config.hidden_size + sum(mtp_parameter_split(config)), head]
+
+
+def model_parameter_count(config):
+    """The model's parameters, each tied weight once, as transformers' model counts them: the pipeline layers'
+    (layer_parameter_counts: a tied LM head 0) but for Gemma 4's per-layer-embedding norm, which every decoder
+    layer holds a copy of (models/decoder.py Gemma4Decoder)."""
+    copies = config.num_hidden_layers - 1 if config.model_type == "gemma4_text" else 0
+    return sum(layer_parameter_counts(config)) - copies * (getattr(config, "hidden_size_per_layer_input", 0) or 0)
 
 
 def mtp_decoder(config):
@@ -305,11 +355,14 @@ def balanced_mixed_counts(decoders, num_stages, stage_cost):
     """balanced_decoder_counts for decoder layers of different kinds: adding a layer to a stage moves the layers of
     every later one, so each stage's run of layers is chosen together, by dynamic programming over (stages, layers):
     exactly the smallest largest cost, and among those, the one with the smallest sum of squared stage compute
-    (an even spread). A stage's cost rises with its layers, which bounds the search."""
+    (an even spread). A stage's cost rises with its layers, which bounds the search. stage_cost takes the stage's
+    first pipeline layer as `start` (what crosses its boundaries depends on where they are: Gemma 4's carried keys
+    and values)."""
     layers = len(decoders)
 
-    def cost(stage, first, end):  # stage holding decoder layers first .. end - 1
-        return stage_cost(stage, stage_kinds(stage, num_stages, end - first, decoders[first:]))
+    def cost(stage, first, end):  # stage holding decoder layers first .. end - 1, from pipeline layer `start`
+        return stage_cost(stage, stage_kinds(stage, num_stages, end - first, decoders[first:]),
+                          start=first + 1 if stage else 0)
     best = {0: ((0, 0), 0.0, [])}  # layers held by the stages so far: (largest cost, sum of squares, counts)
     for stage in range(num_stages):
         reached = {}

@@ -1,5 +1,6 @@
 """What one decoder layer costs on one rank per micro-batch, for each kind of decoder layer a model has
-(models/partition.py decoder_kinds: all alike, or a mixture of experts' dense layers apart from its sparse ones):
+(models/partition.py decoder_kinds: all alike, a mixture of experts' dense layers apart from its sparse ones, a
+hybrid's linear-attention layers apart from its full ones, Gemma's layers by type):
 its parameters, its training FLOPs, what it keeps for backward, its backward's workspace, and what a micro-batch
 waiting for its weight gradients keeps. planner/stage_costs.py builds stages from them, as its docstring describes
 (tensor, sequence and context parallelism, checkpointing, schedules).
@@ -34,7 +35,7 @@ import torch
 
 from models.architecture import GATED_ATTENTION, LINEAR_ATTENTION, architecture_of, head_dim_of, key_value_heads
 from models.lora import adapter_parameter_count, expert_ranks
-from models.partition import (decoder_parameter_split, expert_parameters, linear_attention_flops,
+from models.partition import (decoder_kinds, decoder_parameter_split, expert_parameters, linear_attention_flops,
                               linear_attention_widths, mean_attended_keys)
 from planner.training_state import FP32_BYTES
 
@@ -90,12 +91,15 @@ class DecoderCosts:
                                   2 * moe.num_experts * moe.expert_size * hidden // workload.expert_parallel
                                   if moe else 0)
         # Matmuls: 2 FLOPs per weight per token; causal attention: QK^T and PV over half the seq x seq scores
-        # (fewer under sliding windows: the layers' mean). Norms and row-parallel biases (counted the same way), and
-        # MLA's latent projections, run on the residual stream's tokens.
-        keys = mean_attended_keys(config, workload.seq_length)
+        # (fewer under sliding windows: the mean over the layers of this kind, Gemma's sliding ones apart from its
+        # full ones). Norms and row-parallel biases (counted the same way), and MLA's latent projections, run on the
+        # residual stream's tokens.
+        kinds = decoder_kinds(config)
         self.matmul_flops = 2 * tokens * (active_sharded // t) + 2 * residual * active_replicated
-        mixing = (tokens * linear_attention_flops(config) if self.linear
-                  else round(2 * tokens * keys * (self.q_width + self.value_width)))
+        mixing = (tokens * linear_attention_flops(config) if self.linear else round(
+            2 * tokens * mean_attended_keys(config, workload.seq_length, [i for i, kind in enumerate(kinds)
+                                                                          if kind == kinds[layer]])
+            * (self.q_width + self.value_width)))
         self.forward_flops = self.matmul_flops + mixing + 2 * tokens * self.adapters
         # 8 hidden-sized and 4 intermediate-sized tensors in the activation dtype, the two norms' fp32 inputs and
         # inverse RMS, and attention's (attention_saved_bytes). Of the hidden-sized ones, the norms' normalised

@@ -16,7 +16,7 @@ computes its forward again in B.
 """
 import dataclasses
 
-from models.partition import DECODER, EMBEDDING, HEAD, NORM
+from models.partition import DECODER, EMBEDDING, HEAD, NORM, timed_kind
 
 PARTITION_COSTS = ("auto", "flops", "measured")
 UNITS = (EMBEDDING, DECODER, HEAD)
@@ -39,7 +39,7 @@ class UnitCosts:
         return cls({unit: {time: next(flat) for time in TIMES} for unit in UNITS}, device)
 
     def of(self, kind, time):
-        return 0.0 if kind == NORM else self.seconds[kind][time]
+        return 0.0 if kind == NORM else self.seconds[timed_kind(kind)][time]
 
     def pass_seconds(self, runs, split):
         """{"F", "B", "W"} seconds of a stage or chunk, given as LayerCosts.chunks' (kinds, checkpointed) runs;
@@ -69,8 +69,8 @@ class UnitCosts:
 def measured_stage_cost(model, units):
     """StageCostModel.cost with the measured compute: (bytes over the device's memory, decoder layers' time). Under
     zero_bubble and zbv every stage (chunk) but the first splits its backward (schedules/orders.py)."""
-    def cost(stage, kinds):
-        over, _ = model.cost(stage, kinds)
+    def cost(stage, kinds, start=None):
+        over, _ = model.cost(stage, kinds, start)
         split = model.workload.pipeline_schedule in ("zero_bubble", "zbv") and stage > 0
         seconds = units.pass_seconds(model.layers.chunks(kinds), split)
         return over, sum(seconds.values()) / units.decoder_seconds

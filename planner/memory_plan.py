@@ -11,6 +11,7 @@ partition never disagree about a stage; the run's world and stage bounds come wi
 import dataclasses
 import os
 
+from models.partition import model_parameter_count
 from planner.measured_costs import partition_costs_note
 from planner.stage_costs import UNMODELLED_DEVICE_SHARE, format_stage_plan, layer_ranges, stage_plan
 from planner.workload import describe_workload
@@ -112,6 +113,10 @@ def format_memory_plan(spec, rows):
             f"{row['activation_full_bytes'] / GIB:>10.1f} {row['step_bytes'] / GIB:>7.1f} "
             f"{row['save_bytes'] / GIB:>6.1f} {row['buffer_bytes'] / GIB:>8.1f} "
             f"{row['memory_bytes'] / GIB:>8.1f}  {'yes' if row['fits'] else 'NO'}")
+    tied = (" (the tied LM head a copy of the embedding where they sit apart)"
+            if spec.model_config.tie_word_embeddings and spec.num_stages > 1 else "")
+    lines.append(f"model parameters {model_parameter_count(spec.model_config) / 1e9:.2f}B, each tied weight once; "
+                 f"params per stage: what each device holds{tied}")
     largest = max(rows, key=lambda row: row["memory_bytes"])
     verdict = "fits" if all(row["fits"] for row in rows) else "does NOT fit"
     lines.append(f"total = weights + optim + buffers + max(grads + activations as configured, step: the optimizer "

@@ -34,9 +34,10 @@ decoder layer (the slowest stage sets a pipeline's pace) as long as its memory f
 device's memory costs more than any that fits, by how far over it is. bench/trainer_profile.py compares stage
 compute times measured on a device with these FLOPs.
 """
-from models.architecture import architecture_of
+from models.architecture import architecture_of, head_dim_of, key_value_heads
 from models.partition import (DECODER, DECODERS, EMBEDDING, HEAD, NORM, decoder_kinds, kind_layer, layer_kinds,
                               mtp_decoder)
+from models.pipeline_layers import StageTuple
 from schedules.orders import rank_orders
 from schedules.rules import chunk_ids, chunks_per_rank, in_flight_micro_batches, waiting_micro_batches
 from schedules.zbv_order import configured_zbv_durations
@@ -86,8 +87,9 @@ class LayerCosts:
         mtp_own = 2 * hidden * hidden + 3 * hidden if mtp else 0
         norm = hidden + (mtp.parameters + mtp_own if mtp else 0)
         mtp_flops = mtp.matmul_flops + 2 * residual * 2 * hidden * hidden if mtp else 0
-        # vocab is this rank's share; parameters are this rank's too.
-        self.parameters = {EMBEDDING: vocab * hidden, NORM: norm, HEAD: vocab * hidden,  # a tied head: a second copy
+        # vocab is this rank's share; parameters are this rank's too. A tied head is a second copy of the embedding
+        # where they sit on different ranks (held_sum).
+        self.parameters = {EMBEDDING: vocab * hidden, NORM: norm, HEAD: vocab * hidden,
                            **{kind: decoder.parameters for kind, decoder in decoders.items()}}
         self.largest_tensor = {EMBEDDING: vocab * hidden, NORM: max(hidden, mtp.largest_tensor if mtp else 0),
                                HEAD: vocab * hidden,
@@ -156,9 +158,13 @@ class LayerCosts:
         # parallelism: planner/decoder_costs.py).
         self.checkpoint_kept_bytes = {EMBEDDING: 0, NORM: 0, HEAD: 0,
                                       **{kind: decoder.checkpoint_kept_bytes for kind, decoder in decoders.items()}}
-        # What a stage boundary and a checkpoint input hold: the hidden states (and a trained MTP layer's next
-        # tokens' embedding).
+        # What a checkpoint input holds: the hidden states (and a trained MTP layer's next tokens' embedding); a
+        # stage boundary holds the whole tuple (boundary_bytes).
         self.hidden_bytes = heads * residual * hidden * act
+        self.stage_tuple = StageTuple(config)
+        self.key_value_bytes = [2 * workload.tokens * kv_heads * head_dim_of(config, layer) // t * act
+                                for layer, kv_heads in enumerate(key_value_heads(config))]
+        self.largest_boundary = max(range(-1, config.num_hidden_layers), key=self.boundary_bytes)
         # Sequence parallelism's pool, once per stage: the buffer every column group sums its input gradient into,
         # and with recompute_sequence_gather the one it gathers its input into.
         self.pool_bytes = tokens * hidden * act * pooled * (2 if workload.recompute_sequence_gather else 1)
@@ -178,6 +184,38 @@ class LayerCosts:
         # backward: each per micro-batch in flight. Rows of one document, padded or not, attend with is_causal and
         # need none without a window.
         self.document_mask_bytes = masks * workload.seq_length ** 2 * act if c == 1 else 0
+
+    def boundary_bytes(self, after):
+        """(bytes of the tuple one micro-batch sends after decoder layer `after` (-1: the embedding's), of its
+        floating tensors: the gradient that comes back) on one rank, as models/pipeline_layers.py StageTuple packs
+        it: the hidden states (and a trained MTP layer's next tokens' embedding), a mixture's fp32 loss sums, Gemma 4's
+        embedded tokens (with per-layer embeddings; their share under sequence parallelism) and the keys and values
+        of each source layer a later layer reuses (this rank's heads, every token); the int64 document ids and
+        positions, Gemma 4's token ids, a mixture's routing counts."""
+        workload, config, stage = self.workload, self.config, self.stage_tuple
+        floating = self.hidden_bytes + sum(self.key_value_bytes[source] for source in stage.carried_sources(after))
+        if stage.per_layer:
+            floating += workload.residual_tokens * config.hidden_size * workload.activation_bytes
+        ids = 3 if stage.per_layer else 2
+        integers = ids * workload.tokens * INT64_BYTES
+        if stage.moe is not None:
+            integers += stage.sparse_layers * stage.moe.num_experts * INT64_BYTES
+            floating += stage.moe.num_experts * FP32_BYTES if stage.moe.loss_sum else 0
+        return floating + integers, floating
+
+    def stage_boundaries(self, kinds, start):
+        """(the tuple a stage receives, the one it sends, the bytes of the latter its own layers made: the hidden
+        states and the keys and values of its source layers it carries on): boundary_bytes of a stage of `kinds`
+        from pipeline layer `start`; where start is not known, the largest boundary's, all of its keys and values
+        made on the stage (the safe side)."""
+        if start is None:
+            sent_after = self.largest_boundary
+            received, made_sources = self.boundary_bytes(sent_after), self.stage_tuple.carried_sources(sent_after)
+        else:
+            received, sent_after = self.boundary_bytes(start - 2), start + len(kinds) - 2
+            made_sources = [source for source in self.stage_tuple.carried_sources(sent_after) if source >= start - 1]
+        made = self.hidden_bytes + sum(self.key_value_bytes[source] for source in made_sources)
+        return received, self.boundary_bytes(sent_after), made
 
     def chunks(self, kinds):
         """DeepSpeed's activation checkpointing: consecutive runs of `interval` layers from the stage's first layer,
@@ -204,10 +242,12 @@ class LayerCosts:
         weight = sum(self.weight_grad_flops[kind] for kind in kinds)
         return {"F": forward, "B": self.stage_flops(kinds) - forward - weight, "W": weight}
 
-    def stage_activation_bytes(self, kinds, in_flight, waiting=0):
+    def stage_activation_bytes(self, kinds, in_flight, waiting=0, start=None):
         """Peak activation memory: what in_flight micro-batches keep for their backward and `waiting` ones for
         their weight gradients, the engine's buffers, and the largest short-lived peak of one layer's backward
-        (after recomputing its checkpointed chunk)."""
+        (after recomputing its checkpointed chunk). start: the stage's first pipeline layer, which decides the
+        tuples at its boundaries (stage_boundaries)."""
+        received, sent, made = self.stage_boundaries(kinds, start)
         per_micro_batch, transient = 0, 0
         for run, checkpointed in self.chunks(kinds):
             saved = sum(self.saved_bytes[kind] for kind in run)
@@ -220,11 +260,11 @@ class LayerCosts:
                 transient = max(transient, workspace)
         persistent = 0
         if kinds[0] != EMBEDDING:  # the received input stays until its gradient is sent; a receive buffer and copy
-            per_micro_batch += self.hidden_bytes
-            persistent += 2 * self.hidden_bytes
-        if kinds[-1] != HEAD:  # the output stays until its backward; a receive buffer for its gradient
-            per_micro_batch += self.hidden_bytes
-            persistent += self.hidden_bytes
+            per_micro_batch += received[0]
+            persistent += 2 * received[0]
+        if kinds[-1] != HEAD:  # the output (what the stage made of it) stays until its backward; a receive buffer
+            per_micro_batch += made  # for its gradient
+            persistent += sent[1]
         else:  # DeepSpeed never frees the last stage's outputs: each of its two buffers keeps one until reused
             persistent += min(2, self.workload.micro_batches) * self.last_output_bytes
         decoders = any(kind in DECODERS for kind in kinds)
@@ -236,16 +276,25 @@ class LayerCosts:
         waiting_bytes = waiting * sum(self.weight_grad_bytes[kind] for kind in kinds)
         return in_flight * per_micro_batch + waiting_bytes + persistent + transient
 
+    def held_sum(self, figures, kinds):
+        """figures summed over the kinds a stage (or a rank's chunks) holds; a tied LM head beside the embedding on
+        one rank counted once: DeepSpeed's TiedLayerSpec builds one module there (models/pipeline.py), a copy of
+        its own on another rank."""
+        total = sum(figures[kind] for kind in kinds)
+        if self.config.tie_word_embeddings and EMBEDDING in kinds and HEAD in kinds:
+            total -= figures[HEAD]
+        return total
+
     def stage_parameters(self, kinds):
-        return sum(self.parameters[kind] for kind in kinds)
+        return self.held_sum(self.parameters, kinds)
 
     def stage_trained(self, kinds):
-        return sum(self.trained[kind] for kind in kinds)
+        return self.held_sum(self.trained, kinds)
 
     def stage_state_bytes(self, kinds):
         """Weights, gradients and optimizer state of a stage, in bytes."""
         return training_state.state_bytes(self.workload, self.stage_parameters(kinds), self.stage_trained(kinds),
-                                          sum(self.optimized[kind] for kind in kinds))
+                                          self.held_sum(self.optimized, kinds))
 
     def stage_buffer_bytes(self):
         return training_state.buffer_bytes(self.workload, max(self.largest_trained.values()))
@@ -274,7 +323,9 @@ class StageCostModel:
     def __init__(self, config, workload, num_stages, device_bytes=None):
         self.layers = LayerCosts(config, workload)
         self.workload, self.num_stages, self.device_bytes = workload, num_stages, device_bytes
-        self.compute_unit = self.layers.stage_flops([DECODER])
+        # one decoder layer: a sliding one of Gemma's, the first layer of a model without a DECODER kind
+        self.compute_unit = self.layers.stage_flops([DECODER if DECODER in self.layers.parameters
+                                                     else decoder_kinds(config)[0]])
 
     def in_flight(self, stage):
         return in_flight_micro_batches(stage, self.num_stages, self.workload.micro_batches)
@@ -283,20 +334,21 @@ class StageCostModel:
         return waiting_micro_batches(stage, self.num_stages, self.workload.micro_batches,
                                      self.workload.pipeline_schedule, self.workload.zero_bubble_max_waiting)
 
-    def activation_bytes(self, stage, kinds):
+    def activation_bytes(self, stage, kinds, start=None):
         """Under zero_bubble the larger of two moments: before a B, and just after it, when its micro-batch has
         traded its activations for its weight-gradient tensors (more than a checkpointed micro-batch keeps). The
-        first stage runs each B with its W, as 1F1B does (schedules/orders.py): only the first moment."""
+        first stage runs each B with its W, as 1F1B does (schedules/orders.py): only the first moment. start: the
+        stage's first pipeline layer (LayerCosts.stage_boundaries)."""
         in_flight, waiting = self.in_flight(stage), self.waiting(stage)
-        peak = self.layers.stage_activation_bytes(kinds, in_flight, waiting)
+        peak = self.layers.stage_activation_bytes(kinds, in_flight, waiting, start)
         if self.workload.pipeline_schedule == "zero_bubble" and stage > 0:
-            peak = max(peak, self.layers.stage_activation_bytes(kinds, in_flight - 1, waiting + 1))
+            peak = max(peak, self.layers.stage_activation_bytes(kinds, in_flight - 1, waiting + 1, start))
         return peak
 
-    def memory_bytes(self, stage, kinds):
+    def memory_bytes(self, stage, kinds, start=None):
         """Peak memory: weights, optimizer state and buffers, plus the largest of the backward passes (gradients
         and activations), the optimizer step and a save (after the step: with the gradients)."""
-        return peak_bytes(self.layers.stage_state_bytes(kinds), self.activation_bytes(stage, kinds),
+        return peak_bytes(self.layers.stage_state_bytes(kinds), self.activation_bytes(stage, kinds, start),
                           self.layers.stage_step_bytes(kinds), self.layers.stage_buffer_bytes(),
                           self.layers.stage_save_bytes(kinds)[0])
 
@@ -304,12 +356,13 @@ class StageCostModel:
         """A stage's training compute per micro-batch in decoder layers: its share of the step's time."""
         return self.layers.stage_flops(kinds) / self.compute_unit
 
-    def cost(self, stage, kinds):
-        """(bytes over the device memory the plan models, compute): a stage that fits is as costly as its compute."""
+    def cost(self, stage, kinds, start=None):
+        """(bytes over the device memory the plan models, compute): a stage that fits is as costly as its compute.
+        start: the stage's first pipeline layer, where known (models/partition.py balanced_mixed_counts)."""
         if self.device_bytes is None:
             return 0, self.compute(kinds)
         usable = self.device_bytes * (1 - UNMODELLED_DEVICE_SHARE)
-        return max(0, self.memory_bytes(stage, kinds) - usable), self.compute(kinds)
+        return max(0, self.memory_bytes(stage, kinds, start) - usable), self.compute(kinds)
 
 
 def peak_bytes(state, activations, step, buffers, save):
@@ -361,7 +414,7 @@ def stage_plan(config, bounds, workload):
             "parameters": model.layers.stage_parameters(kinds),
             "tflops_per_micro_batch": model.layers.stage_flops(kinds) / 1e12,
             **{f"{name}_bytes": value for name, value in state.items()},
-            "activation_bytes": model.activation_bytes(stage, kinds),
+            "activation_bytes": model.activation_bytes(stage, kinds, start),
             "step_bytes": model.layers.stage_step_bytes(kinds),
             "buffer_bytes": model.layers.stage_buffer_bytes(),
             "host_bytes": model.layers.stage_host_bytes(kinds),
@@ -369,7 +422,7 @@ def stage_plan(config, bounds, workload):
             **dict(zip(("save_bytes", "save_host_bytes"), model.layers.stage_save_bytes(kinds))),
             "in_flight": model.in_flight(stage),
             "waiting_for_weight_grads": model.waiting(stage),
-            "memory_bytes": model.memory_bytes(stage, kinds),
+            "memory_bytes": model.memory_bytes(stage, kinds, start),
             "compute": model.compute(kinds),
         })
     return rows
@@ -392,8 +445,8 @@ def chunked_stage_plan(config, bounds, workload):
         chunk_kinds = [kinds_of[start:stop] for start, stop in chunks]
         kinds = sum(chunk_kinds, [])
         held = chunk_micro_batches_at_peak(workload, num_stages, rank)
-        activations = sum(model.layers.stage_activation_bytes(chunk, in_flight, waiting)
-                          for chunk, (in_flight, waiting) in zip(chunk_kinds, held))
+        activations = sum(model.layers.stage_activation_bytes(chunk, in_flight, waiting, start)
+                          for chunk, (in_flight, waiting), (start, _) in zip(chunk_kinds, held, chunks))
         state = model.layers.stage_state_bytes(kinds)
         step = model.layers.stage_step_bytes(kinds)
         buffers = model.layers.stage_buffer_bytes()

@@ -2,6 +2,7 @@
 bit-identical with every tensor's stored dtype, the text model's layers in the layer files under their HF names, the
 vision and audio towers and the MTP tensors carried as they are (into training checkpoints too), the export loading
 in transformers as the original does; and the refusal of a model_type still not supported."""
+import dataclasses
 import json
 import os
 
@@ -32,13 +33,30 @@ LAYOUTS = {
     "gemma4_hub": ("model.language_model.", ("model.vision_tower.", "model.audio_tower.", "model.embed_",
                                              *(f"model.language_model.layers.{i}.self_attn.{p}" for i in (2, 3)
                                                for p in ("k_proj", "v_proj", "k_norm"))), True),
-    "gemma4_text_moe": ("model.", (), True),
+    "gemma4_text_moe": ("model.", (), False),  # its experts fused, as transformers stores them
     "olmo3": ("model.", (), True),
 }
 
 
 def test_every_case_is_checked():
     assert set(LAYOUTS) == set(HUB_CASES)
+
+
+@pytest.mark.parametrize("prefix", ["model.", "model.language_model."], ids=["text", "multimodal"])
+def test_gemma4_experts_are_read_fused_as_stored(prefix):
+    """Gemma 4's experts sit beside its dense MLP (layers.{i}.experts.*, not mlp.experts.*): a checkpoint holding
+    them fused reads as fused, each expert tensor one piece, whole, and its recorded layout says so."""
+    from models.layout import HUB_LAYOUTS, hub_layout_of, hub_pieces
+    from tests.tiny_models import LAYER_TYPE_CONFIGS
+    config = LAYER_TYPE_CONFIGS["gemma4_26b_a4b"]()
+    with torch.device("meta"):
+        names = [name for name in AutoModelForCausalLM.from_config(config).state_dict()]
+    model_type = "gemma4_text" if prefix == "model." else "gemma4"
+    layout = hub_layout_of(model_type, [name.replace("model.", prefix, 1) for name in names])
+    assert layout == dataclasses.replace(HUB_LAYOUTS[model_type][0], experts_apart=False)
+    experts = [name for name in names if ".experts." in name]
+    assert len(experts) == 2 * config.num_hidden_layers
+    assert all(hub_pieces(name, config, layout) == [(name.replace("model.", prefix, 1), None)] for name in experts)
 
 
 @pytest.fixture(scope="module")

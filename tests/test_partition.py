@@ -281,9 +281,12 @@ def test_checkpointed_stage_keeps_one_hidden_state_per_layer_and_recomputes_one(
     costs = LayerCosts(config, workload)
     kinds = [DECODER] * 8
     in_flight = 4
-    # Per micro-batch in flight: the stage's input and output and one checkpoint input per layer; the receive
-    # buffers; one layer recomputed and its backward.
-    expected = (in_flight * costs.hidden_bytes * (2 + 8) + 3 * costs.hidden_bytes
+    # Per micro-batch in flight: the stage's input (the hidden states, the int64 document ids and positions) and
+    # output (its hidden states) and one checkpoint input per layer; the receive buffers (the input twice, the
+    # output's gradient); one layer recomputed and its backward.
+    received, floating = costs.boundary_bytes(0)
+    assert (received, floating) == (costs.hidden_bytes + 2 * 8 * workload.tokens, costs.hidden_bytes)
+    expected = (in_flight * (received + costs.hidden_bytes * (1 + 8)) + 2 * received + costs.hidden_bytes
                 + costs.saved_bytes[DECODER] + costs.backward_bytes[DECODER])
     assert costs.stage_activation_bytes(kinds, in_flight) == expected
 

@@ -24,7 +24,7 @@ from models.context_parallel import context_parallel_error
 from models.expert_parallel import expert_parallel_error
 from models.layout import layer_file_name, text_config_of
 from models.lora import adapter_parameter_total, check_lora_applies, check_rank_fits
-from models.partition import decoder_counts_of_bounds, decoder_kinds, layer_parameter_counts
+from models.partition import decoder_counts_of_bounds, decoder_kinds, layer_parameter_counts, timed_kind
 from models.pipeline import check_own_layers_parallelism, partition_stages
 from models.preference import PreferenceSettings
 from models.tensor_parallel import check_tensor_parallel_split
@@ -280,7 +280,7 @@ def configured_stage_bounds(cfg, model_config, workload, units=None):
     partition = cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
     chunks = cfg.num_stages * chunks_per_rank(cfg.pipeline_schedule, cfg.virtual_stages)
     check_chunk_count(cfg, chunks, model_config.num_hidden_layers, partition)
-    if uses_measured_costs(cfg) and len(set(decoder_kinds(model_config))) > 1:
+    if uses_measured_costs(cfg) and len({timed_kind(kind) for kind in decoder_kinds(model_config)}) > 1:
         raise ConfigError(f"partition_costs={cfg.partition_costs} times one decoder layer, and "
                           f"{model_config.model_type}'s are of two kinds (dense and sparse); set "
                           f"partition_costs=flops.")
