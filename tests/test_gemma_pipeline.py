@@ -90,10 +90,12 @@ def test_gemma_refuses_unplanned_parallelism_in_one_line():
     with pytest.raises(ValueError, match=r"^expert_parallel_size=2: gemma3_text's decoder layers have no expert "
                                          r"parallel plan yet; set them to 1\.$"):
         check_own_layers_parallelism(LAYER_TYPE_CONFIGS["gemma3_text"](), 1, 1, 2)
-    with pytest.raises(ValueError, match=r"^context_parallel_size=2: gemma3_text's decoder layers have no context "):
-        check_own_layers_parallelism(LAYER_TYPE_CONFIGS["gemma3_text"](), 1, 2, 1)
+    with pytest.raises(ValueError, match=r"^context_parallel_size=2: gemma4_text's mixture of experts "
+                                         r"\(enable_moe_block\) have no context parallel plan yet; set them to 1\.$"):
+        check_own_layers_parallelism(moe, 1, 2, 1)
     check_own_layers_parallelism(moe, 1, 1, 2)  # Gemma 4's experts split
-    check_own_layers_parallelism(LAYER_TYPE_CONFIGS["gemma4_e2b"](), 2, 1, 1)
+    check_own_layers_parallelism(LAYER_TYPE_CONFIGS["gemma4_e2b"](), 2, 2, 1)  # the dense layers' TP and CP
+    check_own_layers_parallelism(LAYER_TYPE_CONFIGS["gemma3_text"](), 2, 2, 1)
     check_own_layers_parallelism(LAYER_TYPE_CONFIGS["olmo3"](), 2, 2, 1)  # the composed layer's plans
     # Gemma 4 31B-like: one key/value head on its full layers
     with pytest.raises(ValueError, match=r"^tensor_parallel_size=2 does not divide num_global_key_value_heads=1; "):
