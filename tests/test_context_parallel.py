@@ -2,7 +2,9 @@
 several documents with padding (attention masks) and full one-document rows (causal attention without a mask), the
 token-weighted eval loss (evaluation/eval_set.py) and the training gradients for 1 stage x context 2 (x 2
 replicas), 2 stages x context 2 (tied embeddings), context 2 x tensor parallel 2 (sequence parallel), context 4, and
-2 stages x context 2 under the zero-bubble schedule with activation checkpointing, in one launch of 4 processes;
+2 stages x context 2 under the zero-bubble schedule with activation checkpointing, the other families' layers where
+context parallelism meets what differs (Gemma 3's and Gemma 4's own layers: sliding windows across the ranks'
+chunks, shared keys and values, per-layer embeddings), in one launch of 4 processes;
 training parity through the launcher; config errors before any process group."""
 import itertools
 import json
@@ -33,7 +35,24 @@ CASES = {  # name: (tiny model, stages, tensor parallel, context parallel, optio
     "olmo2_cp2_x_tp2_sp": ("olmo2", 1, 2, 2, {}),
     "granite_cp2_x_2replicas": ("granite", 1, 1, 2, {}),
     "smollm3_2stages_x_cp2": ("smollm3", 2, 1, 2, {}),
+    # Gemma's own layers (tests/tiny_models.py LAYER_TYPE_CONFIGS: a window of 4, so each chunk's first queries
+    # reach the chunk before, on another rank or another zig-zag half): Gemma 3's query_pre_attn_scalar and tied
+    # embedding across stages; Gemma 4 E2B's reusing layers on another stage than their sources and, under tensor x
+    # context parallelism, each rank's heads of the shared keys and values and its tokens' per-layer inputs; Gemma
+    # 4 31B's values that are its keys and its full layers' own head width and key/value head. Some on packed rows
+    # only ("rows"): the full rows' unmasked path is Gemma 3's and the other families'.
+    "gemma3_2stages_x_cp2": ("gemma3_text", 2, 1, 2, {}),
+    "gemma4_e2b_2stages_x_cp2": ("gemma4_e2b", 2, 1, 2, {"rows": ("packed",)}),
+    "gemma4_e2b_cp2_x_tp2_sp": ("gemma4_e2b", 1, 2, 2, {"rows": ("packed",)}),
+    "gemma4_31b_cp4": ("gemma4_31b", 1, 1, 4, {"rows": ("packed",)}),
 }
+
+
+def case_runs(datasets, cases):
+    """(data, its rows, case name, case) for each case on each dataset it takes (its options' "rows"; all by
+    default), in the order every rank runs them."""
+    return [(data, rows, name, case) for (data, rows), (name, case) in itertools.product(datasets.items(), cases.items())
+            if data in case[4].get("rows", datasets)]
 
 
 def micro_batches(rows, replicas, replica, context):
@@ -62,8 +81,8 @@ def context_parity_worker(rank, checkpoints, datasets, out_dir, cases=CASES):
     init_distributed(timeout_minutes=2)
     references = torch.load(f"{out_dir}/references.pt", weights_only=True)
     results = {}
-    for (data, rows), (name, (model, stages, tensor_parallel, context_parallel, options)) in ProcessGroupPool().runs(
-            itertools.product(datasets.items(), cases.items())):  # the cases' engines share their process groups
+    for data, rows, name, (model, stages, tensor_parallel, context_parallel, options) in ProcessGroupPool().runs(
+            case_runs(datasets, cases)):  # the cases' engines share their process groups
         hf_dir, ds_dir = checkpoints[model]
         config = AutoConfig.from_pretrained(hf_dir)
         module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True,
@@ -96,8 +115,7 @@ def hf_references(checkpoints, datasets, world_size, cases=CASES):
     """{data/case: transformers' eval loss, training objective and gradients (tests/test_packing.py hf_reference)}
     over the case's replicas' micro-batches, computed once here for all the ranks (and cases that share them)."""
     by_inputs, references = {}, {}
-    for (data, rows), (name, (model, stages, tensor_parallel, context_parallel, _)) in itertools.product(
-            datasets.items(), cases.items()):
+    for data, rows, name, (model, stages, tensor_parallel, context_parallel, _) in case_runs(datasets, cases):
         replicas = world_size // (stages * tensor_parallel * context_parallel)
         key = (data, model, replicas)
         if key not in by_inputs:
@@ -120,8 +138,8 @@ def full_rows():
 
 
 @pytest.mark.slow
-def test_context_parallel_matches_transformers(tiny_checkpoints, tmp_path):
-    assert_context_parity(tiny_checkpoints, tmp_path, CASES)
+def test_context_parallel_matches_transformers(tiny_checkpoints, tiny_layer_type_checkpoints, tmp_path):
+    assert_context_parity({**tiny_checkpoints, **tiny_layer_type_checkpoints}, tmp_path, CASES)
 
 
 def assert_context_parity(checkpoints, tmp_path, cases):
@@ -132,7 +150,7 @@ def assert_context_parity(checkpoints, tmp_path, cases):
     torch.save(hf_references(checkpoints, datasets, 4, cases), tmp_path / "references.pt")
     spawn(context_parity_worker, 4, checkpoints, datasets, str(tmp_path), cases)
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(4)]
-    for data, case in itertools.product(datasets, cases):
+    for data, _, case, _ in case_runs(datasets, cases):
         name = f"{data}/{case}"
         assert {rank[name]["context_rank"] for rank in ranks} == set(range(cases[case][3])), name
         for result in (rank[name] for rank in ranks):
