@@ -12,8 +12,11 @@ causal mask every rank attends over the same number of keys ((2c+1)/(2c) of a se
 each local half attends only over the keys up to its own chunk. Each token keeps its document id and position
 (they travel with it), so rotary embeddings and the per-document causal mask are those of the whole sequence.
 
-Applied from outside to a built stage: each layer's attention core (models/attention.py AttentionCore) is wrapped
-by ContextParallelCore, and the stage's masks are ContextParallelAttentionInputs' (one per local half). Multi-head
+Applied from outside to a built stage: each layer's attention core (models/attention.py AttentionCore; Gemma 3's
+and Gemma 4's own attention hold one too, with their scales) is wrapped by ContextParallelCore, and the stage's
+masks are ContextParallelAttentionInputs' (one per local half and window). A sliding window's half attends only
+the keys within its queries' reach, from window - 1 before its chunk, on whichever ranks' chunks they sit. Gemma
+4's reusing layers are handed their source's keys and values of this rank's tokens and gather them as their own. Multi-head
 latent attention hands its core the keys' latent and rotary part with their expansion (models/latent_attention.py),
 so the group gathers those (576 features a token for DeepSeek-V3), not the expanded keys and values (num_heads x 320
 = 40,960), and each rank expands the whole sequence's latent: the latent's gradient is reduce-scattered back, the
