@@ -160,6 +160,39 @@ def assert_context_parity(checkpoints, tmp_path, cases):
             assert not bad, f"{name}: gradients differ from transformers on each document alone: {bad}"
 
 
+@pytest.mark.parametrize("size,window", [(2, 3), (4, 5), (2, None)], ids=["cp2_window3", "cp4_window5", "cp2_full"])
+def test_each_half_attends_only_the_keys_its_window_reaches(size, window):
+    """One process, each rank of the group in turn (its gather of the document ids given the whole row's, the only
+    collective the masks take): each half's mask is the unsplit mask's rows of its chunk over the keys from its first
+    query's reach (window - 1 before the chunk, on the chunks before it, whichever rank holds them) to the chunk's
+    end, with nothing it drops allowed; attending over those keys alone equals the unsplit attention."""
+    import torch
+
+    from models.attention import document_causal_mask, within_window
+    from models.attention_kernels import additive_mask, attend
+    from models.context_parallel import ContextParallel
+    seq = 8 * size
+    whole = torch.tensor([[1] * 5 + [2] * (seq - 7) + [0] * 2, [3] * seq])  # packed and padded; one document
+    unsplit = within_window(document_causal_mask(whole), window, whole)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, seq, 4, generator=gen) for _ in range(3))
+    expected = attend(q, k, v, additive_mask(unsplit, q.dtype), "eager")
+    for rank in range(size):
+        context = ContextParallel(size, rank)
+        context.gather_sequence = lambda x, dim: whole
+        masks = context.attention_masks(context.local_tokens(whole), window)
+        chunk = seq // (2 * size)
+        for index, mask in zip(context.global_chunks(), masks):
+            end = (index + 1) * chunk
+            first_key = 0 if window is None else max(0, index * chunk - window + 1)
+            assert mask.shape == (2, 1, chunk, end - first_key)
+            rows = unsplit[:, :, index * chunk:end]
+            assert torch.equal(mask, rows[..., first_key:end]) and not rows[..., :first_key].any()
+        out = context.attend(lambda *args: attend(*args, "eager"), context.local_tokens(q, dim=2), k, v,
+                             [additive_mask(mask, q.dtype) for mask in masks])
+        torch.testing.assert_close(out, context.local_tokens(expected, dim=2), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("processes,layout", [(2, {}), (8, {"num_stages": 2, "tensor_parallel_size": 2})],
                          ids=["1stage_x_cp2", "2stages_x_tp2_x_cp2"])
 @pytest.mark.slow
