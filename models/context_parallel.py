@@ -16,8 +16,9 @@ Applied from outside to a built stage: each layer's attention core (models/atten
 and Gemma 4's own attention hold one too, with their scales) is wrapped by ContextParallelCore, and the stage's
 masks are ContextParallelAttentionInputs' (one per local half and window). A sliding window's half attends only
 the keys within its queries' reach, from window - 1 before its chunk, on whichever ranks' chunks they sit. Gemma
-4's reusing layers are handed their source's keys and values of this rank's tokens and gather them as their own. Multi-head
-latent attention hands its core the keys' latent and rotary part with their expansion (models/latent_attention.py),
+4's reusing layers are handed their source's keys and values of this rank's tokens and gather them as their own.
+
+Multi-head latent attention hands its core the keys' latent and rotary part with their expansion (models/latent_attention.py),
 so the group gathers those (576 features a token for DeepSeek-V3), not the expanded keys and values (num_heads x 320
 = 40,960), and each rank expands the whole sequence's latent: the latent's gradient is reduce-scattered back, the
 expansion's weight gradient of each rank's queries summed over the group with the data-parallel ones.

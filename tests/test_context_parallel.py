@@ -51,7 +51,8 @@ CASES = {  # name: (tiny model, stages, tensor parallel, context parallel, optio
 def case_runs(datasets, cases):
     """(data, its rows, case name, case) for each case on each dataset it takes (its options' "rows"; all by
     default), in the order every rank runs them."""
-    return [(data, rows, name, case) for (data, rows), (name, case) in itertools.product(datasets.items(), cases.items())
+    return [(data, rows, name, case)
+            for (data, rows), (name, case) in itertools.product(datasets.items(), cases.items())
             if data in case[4].get("rows", datasets)]
 
 
