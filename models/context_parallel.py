@@ -69,6 +69,16 @@ class ContextParallel:
         chunks = x.chunk(2 * self.size, dim=dim)
         return torch.cat([chunks[index] for index in self.global_chunks()], dim=dim)
 
+    def of_whole_sequences(self, function, *tensors):
+        """function(*whole sequences) at this rank's tokens: for a per-token value read off another token (each
+        position's next token id, its label after next), which may sit on another rank. tensors: this rank's
+        (batch, local tokens) integers, all-gathered (no gradient; B x S of each, small beside one layer's gathered
+        keys), so function runs on the whole sequences as on one device, and this rank's tokens of its result are
+        kept."""
+        if self.size == 1:
+            return function(*tensors)
+        return self.local_tokens(function(*(self.gather_sequence(t, dim=1) for t in tensors)))
+
     # --- attention --------------------------------------------------------------------------------------------
     def gather_keys_values(self, *tensors):
         """Keys and values (batch, heads, local tokens, features), or what they are expanded from, of the whole

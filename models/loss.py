@@ -83,8 +83,8 @@ class CausalLMLoss:
             terms.append(self.router.coef * aux)
         if mtp is not None:
             mtp_outputs, document_ids = mtp
-            terms.append(self.mtp_scale * self.loss_sum(mtp_outputs, mtp_labels(labels, document_ids,
-                                                                                self.seq_length), divisor))
+            terms.append(self.mtp_scale * self.loss_sum(mtp_outputs, mtp_labels(labels, document_ids, self.seq_length,
+                                                                                self.context), divisor))
         if not terms:
             return loss
         term = sum(terms)
@@ -151,17 +151,25 @@ def next_token_labels(labels, context=NO_CONTEXT_PARALLEL, positions=None):
     return shift_labels(labels, positions).reshape(-1)
 
 
-def mtp_labels(labels, document_ids, positions=None):
+def mtp_labels(labels, document_ids, positions=None, context=NO_CONTEXT_PARALLEL):
     """What MTP position i predicts (models/multi_token_prediction.py), flattened: labels[:, i + 2] (as shift_labels
     shifts them, so labels one wider than the rows give the last but one position a label too), IGNORE_INDEX where
     the next token t_{i+1} is in another document than t_i (its embedding comes from the wrong document; a later
     document's first token is unlabelled already, the collator's) and at the last position, whose next token is not
-    in the row."""
-    next_labels = shift_labels(labels, positions)
+    in the row. Under context parallelism labels and document_ids are this rank's tokens, the labels shifted once
+    already (split_micro_batch): the label after next and the next document id, which may sit on another rank, are
+    read off the whole sequences (ContextParallel.of_whole_sequences)."""
+    next_labels = next_token_labels(labels, context, positions).view(document_ids.shape)
+    return context.of_whole_sequences(after_next_labels, next_labels.to(document_ids.device),
+                                      document_ids).reshape(-1)
+
+
+def after_next_labels(next_labels, document_ids):
+    """mtp_labels of whole rows from their shifted labels, (rows, positions)."""
     after_next = F.pad(next_labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     same_document = torch.cat([document_ids[:, 1:] == document_ids[:, :-1],
                                torch.zeros_like(document_ids[:, :1], dtype=torch.bool)], dim=1)
-    return after_next.masked_fill(~same_document.to(after_next.device), IGNORE_INDEX).reshape(-1)
+    return after_next.masked_fill(~same_document, IGNORE_INDEX)
 
 
 def split_micro_batch(context, batch):

@@ -43,9 +43,9 @@ def build_pipeline_layers(config, attention_impl="sdpa", parallel=NO_TENSOR_PARA
     stage_inputs = (ContextParallelAttentionInputs(config, context, row_layout) if context.size > 1
                     else StageAttentionInputs(config, row_layout))
     tied = config.tie_word_embeddings
-    embedding = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel) if tied
-                 else LayerSpec(EmbeddingPipe, config, parallel))
-    head = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel,
+    embedding = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel, context) if tied
+                 else LayerSpec(EmbeddingPipe, config, parallel, context))
+    head = (TiedLayerSpec("embed", EmbeddingPipe, config, parallel, context,
                           forward_fn=functools.partial(lm_head, chunked_loss=chunked_loss))
             if tied else LayerSpec(LMHeadPipe, config, parallel, chunked_loss))
     plan = StagePlan(attention_impl, parallel, context, experts, kept_in_fp32=frozenset(kept_in_fp32))

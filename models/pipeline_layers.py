@@ -230,21 +230,24 @@ class EmbeddingPipe(nn.Embedding):
 
     As transformers builds it (padding_idx=config.pad_token_id): the pad token's row takes no gradient from the
     lookup, which matters where pad is a real token (pad = eos; ChatML's <|im_end|>). Under tensor parallelism the
-    row lives on the rank whose vocabulary share holds it (padding_idx there, None on the others)."""
+    row lives on the rank whose vocabulary share holds it (padding_idx there, None on the others). With multi-token
+    prediction trained, each position's next token is the whole sequence's, which under context parallelism may sit
+    on another rank (the context group's, `context`)."""
 
-    def __init__(self, config, parallel=NO_TENSOR_PARALLEL):
+    def __init__(self, config, parallel=NO_TENSOR_PARALLEL, context=NO_CONTEXT_PARALLEL):
         rows, padding_idx = vocabulary_rows(config, parallel)
         super().__init__(rows, config.hidden_size, padding_idx=padding_idx)
         if parallel.size > 1:
             mark_sharded(self.weight, 0)
-        self.parallel = parallel
+        self.parallel, self.context = parallel, context
         self.architecture = architecture_of(config)  # Granite's multiplier, Gemma's scale
         self.stage = StageTuple(config)
         self.multi_token = self.stage.multi_token  # the head (when tied) hands the MTP layer's outputs on too
 
     def forward(self, inputs):
         input_ids, document_ids, position_ids = inputs
-        next_embedded = self.embedded(next_tokens(input_ids)) if self.multi_token else None
+        next_embedded = (self.embedded(self.context.of_whole_sequences(next_tokens, input_ids)) if self.multi_token
+                         else None)
         return self.stage.start(self.embedded(input_ids), document_ids, position_ids, input_ids, next_embedded)
 
     def embedded(self, input_ids):

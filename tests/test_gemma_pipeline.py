@@ -152,7 +152,9 @@ def test_six_training_steps_equal_transformers(demo_model, demo_gemma4, tmp_path
         assert ours[:3] == pytest.approx(eager[:3], abs=1e-2, rel=0)
         assert ours == pytest.approx(eager, abs=2e-2, rel=0)
         # the first gradient norm is 2.6% above fp32 transformers' here (11.29 against 11.00), more than the MoE
-        # families' bf16 runs show (1%); not yet explained, so not asserted
+        # families' bf16 runs show (1%): Gemma 4's own. transformers' model cast to bf16 moves it further, 6.4% above
+        # its fp32 norm on a random batch (the embedding's and layer 0's attention gradients ~7% larger each), where
+        # Gemma 3's, OLMo 3's and Qwen3-MoE's move under 0.5% (docs/gemma.md); so not asserted tighter than the loss
         return
     # under TP the row-parallel partial sums round in another order, which Adam amplifies as it does the kernels'
     # rounding (below): seen 1.5e-4 at the third step, so two steps are held to 1e-4 there

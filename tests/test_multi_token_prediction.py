@@ -12,7 +12,8 @@ from torch import nn
 
 from models import IGNORE_INDEX
 from models.layout import hf_name_of_layer_key, layer_of_hf_name
-from models.loss import CausalLMLoss, mtp_labels
+from models.context_parallel import NO_CONTEXT_PARALLEL
+from models.loss import CausalLMLoss, mtp_labels, split_micro_batch
 from models.multi_token_prediction import MultiTokenPrediction, mtp_layout_of, next_tokens
 from models.pipeline import build_pipeline_layers
 from models.pipeline_layers import lm_head
@@ -161,10 +162,11 @@ def reference_loss_and_grads(config, model, tensors, batch):
     return main.item(), mtp.item(), grads
 
 
-def pipeline_loss_and_grads(config, model, tensors, batch, chunk_tokens):
-    """The pipeline's layers holding the model's and the MTP layer's weights, run one after the other on batch:
-    (the loss, its MTP term, {HF name: gradient})."""
-    layers = [spec.build() for spec in build_pipeline_layers(config, chunked_loss=chunk_tokens > 0)]
+def pipeline_loss_and_grads(config, model, tensors, batch, chunk_tokens, context=NO_CONTEXT_PARALLEL):
+    """The pipeline's layers holding the model's and the MTP layer's weights, run one after the other on batch
+    (under context parallelism on this rank's tokens of it): (the loss, its MTP term, {HF name: gradient}), this
+    rank's."""
+    layers = [spec.build() for spec in build_pipeline_layers(config, context=context, chunked_loss=chunk_tokens > 0)]
     layout, final_norm = mtp_layout_of(config), config.num_hidden_layers + 1
     state = {}
     for name, tensor in model.state_dict().items():
@@ -174,12 +176,12 @@ def pipeline_loss_and_grads(config, model, tensors, batch, chunk_tokens):
     for index, layer in enumerate(layers):
         if index in state:
             layer.load_state_dict(state[index], strict=True)
-    input_ids, document_ids, positions, labels = batch
-    x = (input_ids, document_ids, positions)
+    *inputs, labels = batch
+    x, labels = split_micro_batch(context, (tuple(inputs), labels))
     for layer in layers[:-1]:
         x = layer(x)
     x = lm_head(layers[0], x, chunk_tokens > 0) if config.tie_word_embeddings else layers[-1](x)
-    loss_fn = CausalLMLoss(chunk_tokens=chunk_tokens, mtp_scale=SCALE)
+    loss_fn = CausalLMLoss(chunk_tokens=chunk_tokens, context=context, mtp_scale=SCALE)
     loss = loss_fn(x, labels)
     loss.backward()
     assert loss_fn.take_aux_terms() == []  # a training forward keeps none
@@ -222,6 +224,57 @@ def test_loss_and_gradients_equal_a_torch_reference(tmp_path, family, chunk_toke
     errors = {name: ((grads[name] - ref).abs().max() / ref.abs().max()).item()
               for name, ref in ref_grads.items() if ref is not None}
     assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda item: -item[1])[:5]
+
+
+# {family: loss_chunk_tokens}: multi-head latent attention, Qwen3.5's linear attention (a head all-to-all) and its
+# gated full-attention MTP layer, Qwen3.5-MoE's experts
+CONTEXT_PARALLEL_FAMILIES = {"deepseek_v3": 7, "qwen3_5": 0, "qwen3_5_moe": 7}
+
+
+def context_parallel_worker(rank, model_dirs, out_dir):
+    """Each family's loss, MTP term and gradients of the packed batch on context 2, as DeepSpeed averages the
+    context group's (its data axis holds the context ranks), saved by rank 0."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from cluster.distributed import init_distributed
+    from models.context_parallel import ContextParallel
+    init_distributed(timeout_minutes=2)
+    context = ContextParallel(2, rank, dist.group.WORLD)
+    for family, chunk_tokens in CONTEXT_PARALLEL_FAMILIES.items():
+        config = tiny_config(family)
+        model = AutoModelForCausalLM.from_pretrained(model_dirs[family], dtype=torch.float32)
+        loss, mtp, grads = pipeline_loss_and_grads(config, model, mtp_hub_tensors(config), packed_batch(config),
+                                                   chunk_tokens, context)
+        averaged = torch.tensor([loss, mtp], dtype=torch.float64)
+        for tensor in (averaged, *grads.values()):
+            dist.all_reduce(tensor)
+            tensor /= context.size
+        if rank == 0:
+            torch.save({"loss": averaged[0].item(), "mtp": averaged[1].item(), "grads": grads},
+                       f"{out_dir}/{family}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_context_parallel_equals_the_reference(tmp_path):
+    """On context 2 (zig-zag chunks of 4 of the packed rows of 16, documents crossing every rank boundary) the loss,
+    its MTP term and every gradient equal the reference's on each document alone: the MTP layer's next token and
+    label after next are the whole sequence's where they sit on the other rank, its attention is the context group's
+    (latent attention's gathered latent, Qwen3.5's gated attention) and its loss divided as the main loss."""
+    from tests.distributed import spawn
+    models = {family: make_model(tiny_config(family), tmp_path / family) for family in CONTEXT_PARALLEL_FAMILIES}
+    spawn(context_parallel_worker, 2, {family: str(tmp_path / family) for family in models}, str(tmp_path))
+    for family, model in models.items():
+        config = tiny_config(family)
+        ours = torch.load(tmp_path / f"{family}.pt")
+        ref_main, ref_mtp, ref_grads = reference_loss_and_grads(config, model, mtp_hub_tensors(config),
+                                                                packed_batch(config))
+        assert ours["mtp"] == pytest.approx(ref_mtp, rel=1e-6), family
+        assert ours["loss"] == pytest.approx(ref_main + SCALE * ref_mtp, rel=1e-6), family
+        errors = {name: ((ours["grads"][name] - ref).abs().max() / ref.abs().max()).item()
+                  for name, ref in ref_grads.items() if ref is not None}
+        assert max(errors.values()) < 1e-5, (family, sorted(errors.items(), key=lambda item: -item[1])[:5])
 
 
 def test_labels_skip_positions_whose_next_token_is_another_document():
@@ -396,7 +449,9 @@ def reference_steps(model_dirs, batches, micro_batch_size):
 # {layout: (family, processes, settings)}
 MTP_LAYOUTS = {"1_process": ("deepseek_v3", 1, dict(num_stages=1, gradient_accumulation_steps=4, zero_stage=0)),
                "2stages_x_2dp": ("deepseek_v3", 4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1)),
-               "qwen3_5_2stages": ("qwen3_5", 2, dict(num_stages=2, gradient_accumulation_steps=4, zero_stage=0)),
+               # Qwen3.5's MTP layer on context 2 too: its next token and label after next on the other rank
+               "qwen3_5_2stages_x_cp2": ("qwen3_5", 4, dict(num_stages=2, context_parallel_size=2,
+                                                            gradient_accumulation_steps=4, zero_stage=0)),
                # the MTP layer's latent attention and shared experts split over 2 ranks, its experts over 2 others
                "tp2_x_ep2": ("deepseek_v3", 4, dict(num_stages=1, tensor_parallel_size=2, expert_parallel_size=2,
                                                     gradient_accumulation_steps=2, zero_stage=1))}
@@ -426,7 +481,8 @@ def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model,
     train_file = write_skewed_instructions(demo_model, tmp_path / "train.jsonl")
     out = tmp_path / "run"
     records = train_with_mtp(demo_model, demo_deepseek_with_mtp, train_file, out, procs, settings)
-    data_parallel = procs // settings["num_stages"] // settings.get("tensor_parallel_size", 1)
+    data_parallel = (procs // settings["num_stages"] // settings.get("tensor_parallel_size", 1)
+                     // settings.get("context_parallel_size", 1))
     batches = global_batches(demo_model, train_file, data_parallel, settings["gradient_accumulation_steps"],
                              tmp_path / "ref", steps=TRAIN_STEPS)
     losses, norms, trained = reference_steps(demo_deepseek_with_mtp, list(batches), ROWS)
@@ -465,20 +521,16 @@ def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model,
                                             r"multi-token-prediction tensors \(under model\.layers\.4\.\) to start "
                                             r"the MTP layer from; convert the checkpoint again"),
     ("deepseek_v3_mtp", ["mtp_loss_scale=-1"], r"^mtp_loss_scale=-1 must be a number >= 0"),
-    ("qwen3_5_mtp", ["mtp_loss_scale=0.1", "context_parallel_size=2"],
-     r"^context_parallel_size=2 with mtp_loss_scale=0\.1: the next token of a rank's last position is on the next "
-     r"rank; set context_parallel_size back or mtp_loss_scale=0"),
     ("deepseek_v3_mtp", ["mtp_loss_scale=0.1", "lora.rank=4"], r"^lora\.rank=4 with mtp_loss_scale=0\.1: a LoRA run "
                                                               r"exports a peft adapter of transformers' model, which "
                                                               r"has no MTP layer"),
-], ids=["no_mtp_family", "none_carried", "negative", "context_parallel", "lora"])
+], ids=["no_mtp_family", "none_carried", "negative", "lora"])
 def test_mtp_settings_are_refused_where_they_do_not_apply(demo_model, tiny_deepseek_checkpoints, mtp_checkpoints,
                                                           tmp_path, model, overrides, message):
     from tests.test_moe import run_spec_of
     from training.config_checks import ConfigError
     model_dir = {"llama": lambda: demo_model["ds"], "deepseek_v3": lambda: tiny_deepseek_checkpoints["deepseek_v3"][1],
-                 "deepseek_v3_mtp": lambda: mtp_checkpoints("deepseek_v3")["ds"],
-                 "qwen3_5_mtp": lambda: mtp_checkpoints("qwen3_5")["ds"]}[model]()
+                 "deepseek_v3_mtp": lambda: mtp_checkpoints("deepseek_v3")["ds"]}[model]()
     with pytest.raises(ConfigError, match=message):
         run_spec_of(demo_model, model_dir, tmp_path, *overrides)
 

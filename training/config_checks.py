@@ -326,9 +326,9 @@ def check_torch_kernels(model_config):
                           f"{GROUPED_MM_TORCH} added it): install torch>={GROUPED_MM_TORCH}.")
 
 
-# What a run training the MTP layer (mtp_loss_scale > 0) does not combine with yet: {key: (refused?, why)}.
+# What a run training the MTP layer (mtp_loss_scale > 0) does not combine with (docs/deepseek-v3.md says why):
+# {key: (refused?, why)}.
 MTP_REFUSED = {
-    "context_parallel_size": (lambda v: v > 1, "the next token of a rank's last position is on the next rank"),
     "lora.rank": (lambda v: v > 0, "a LoRA run exports a peft adapter of transformers' model, which has no MTP layer "
                                    "(transformers drops mtp.* and layer L) to hold the MTP layer's adapters or weights"),
     "objective": (lambda v: v != "sft", "the preference losses have no MTP term"),
