@@ -12,9 +12,13 @@ causal mask every rank attends over the same number of keys ((2c+1)/(2c) of a se
 each local half attends only over the keys up to its own chunk. Each token keeps its document id and position
 (they travel with it), so rotary embeddings and the per-document causal mask are those of the whole sequence.
 
-Applied from outside to a built stage: each layer's attention core (models/attention.py AttentionCore) is wrapped
-by ContextParallelCore, and the stage's masks are ContextParallelAttentionInputs' (one per local half). Multi-head
-latent attention hands its core the keys' latent and rotary part with their expansion (models/latent_attention.py),
+Applied from outside to a built stage: each layer's attention core (models/attention.py AttentionCore; Gemma 3's
+and Gemma 4's own attention hold one too, with their scales) is wrapped by ContextParallelCore, and the stage's
+masks are ContextParallelAttentionInputs' (one per local half and window). A sliding window's half attends only
+the keys within its queries' reach, from window - 1 before its chunk, on whichever ranks' chunks they sit. Gemma
+4's reusing layers are handed their source's keys and values of this rank's tokens and gather them as their own.
+
+Multi-head latent attention hands its core the keys' latent and rotary part with their expansion (models/latent_attention.py),
 so the group gathers those (576 features a token for DeepSeek-V3), not the expanded keys and values (num_heads x 320
 = 40,960), and each rank expands the whole sequence's latent: the latent's gradient is reduce-scattered back, the
 expansion's weight gradient of each rank's queries summed over the group with the data-parallel ones.
@@ -85,11 +89,13 @@ class ContextParallel:
         return gathered.split([t.shape[-1] for t in tensors], dim=-1)
 
     def attention_masks(self, document_ids, window=None):
-        """Per local half, the boolean (batch, 1, chunk, keys up to the chunk's end) mask of the keys its queries
-        may attend: causal by global position, within the query's document and within `window` positions of it (a
-        sliding window; None: unlimited); a padding query sees only itself (no empty row). The whole sequence's
-        document ids are all-gathered once per micro-batch. Rows of one document and no window need none
-        (ContextParallelAttentionInputs): causal attention whose queries end the keys
+        """Per local half, the boolean (batch, 1, chunk, keys) mask of the keys its queries may attend: causal by
+        global position, within the query's document and within `window` positions of it (a sliding window; None:
+        unlimited); a padding query sees only itself (no empty row). The keys are those up to the chunk's end, and
+        under a window only those from the window's reach of the chunk's first query (window - 1 keys before it,
+        on the chunks of whichever ranks hold them): `attend` reads the half's first key from the mask's width.
+        The whole sequence's document ids are all-gathered once per micro-batch. Rows of one document and no
+        window need none (ContextParallelAttentionInputs): causal attention whose queries end the keys
         (models/attention_kernels.py causal_lower_right_attention)."""
         whole = self.gather_sequence(document_ids, dim=1)
         if window is not None and window >= whole.shape[1]:
@@ -98,25 +104,29 @@ class ContextParallel:
         masks = []
         for index in self.global_chunks():
             end = (index + 1) * chunk
+            first_key = 0 if window is None else max(0, index * chunk - window + 1)
             queries = torch.arange(index * chunk, end, device=document_ids.device)
-            keys = torch.arange(end, device=document_ids.device)
+            keys = torch.arange(first_key, end, device=document_ids.device)
             causal = keys[None, :] <= queries[:, None]
             if window is not None:
                 causal &= keys[None, :] > queries[:, None] - window
-            query_docs, key_docs = whole[:, index * chunk:end], whole[:, :end]
+            query_docs, key_docs = whole[:, index * chunk:end], whole[:, first_key:end]
             allowed = causal & (query_docs[:, :, None] == key_docs[:, None, :]) & (key_docs != 0)[:, None, :]
             masks.append((allowed | (keys[None, :] == queries[:, None]))[:, None])
         return masks
 
     def attend(self, attention, q, k, v, masks):
         """attention(q, k, v, mask) of this rank's queries: each half over the keys up to its own chunk (the
-        causal saving that the zig-zag split makes even across ranks). The halves are joined token-major, the
-        layout the output projection reads, so joining them is the only copy."""
+        causal saving that the zig-zag split makes even across ranks), from the first its mask covers (a sliding
+        window's reach: attention_masks). The halves are joined token-major, the layout the output projection
+        reads, so joining them is the only copy."""
         chunk = q.shape[2] // 2
         outputs = []
         for half, (index, mask) in enumerate(zip(self.global_chunks(), masks)):
             end = (index + 1) * chunk
-            out = attention(q[:, :, half * chunk:(half + 1) * chunk], k[:, :, :end], v[:, :, :end], mask)
+            first_key = 0 if mask is None else end - mask.shape[-1]
+            out = attention(q[:, :, half * chunk:(half + 1) * chunk], k[:, :, first_key:end], v[:, :, first_key:end],
+                            mask)
             outputs.append(out.transpose(1, 2))
         return torch.cat(outputs, dim=1).transpose(1, 2)
 

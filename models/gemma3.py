@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from models.architecture import check_gemma_line
-from models.attention_kernels import apply_rotary, attend
+from models.attention import AttentionCore
+from models.attention_kernels import apply_rotary
 from models.gated_mlp import GatedMLP
 
 
@@ -75,16 +76,16 @@ class Gemma3Attention(nn.Module):
     """Grouped-query attention of decoder layer `layer_index`.
 
     forward(hidden [batch, seq, hidden], cos, sin [batch, seq, head_dim] of the layer's type, mask: the additive mask
-    of its type's window or None for causal) -> [batch, seq, hidden]. `attend(q, k, v, mask)` is the attention core
-    on heads-first tensors, the seam context parallelism wraps."""
+    of its type's window or None for causal) -> [batch, seq, hidden]. Its scores scaled by query_pre_attn_scalar **
+    -0.5 in its `core` (models/attention.py AttentionCore, on heads-first tensors), the seam context parallelism
+    wraps."""
 
     def __init__(self, config, layer_index, attention_impl="sdpa"):
         super().__init__()
         self.layer_type = config.layer_types[layer_index]
         self.window = config.sliding_window if self.layer_type == "sliding_attention" else None
         self.head_dim = config.head_dim
-        self.scale = config.query_pre_attn_scalar ** -0.5
-        self.attention_impl = attention_impl
+        self.core = AttentionCore(attention_impl, config.query_pre_attn_scalar ** -0.5)
         heads, kv_heads, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
         bias = config.attention_bias
         self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
@@ -101,11 +102,8 @@ class Gemma3Attention(nn.Module):
         k = self.k_norm(self.k_proj(hidden).view(heads)).transpose(1, 2)
         v = self.v_proj(hidden).view(heads).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attend(q, k, v, mask)
+        out = self.core(q, (k, v), mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-
-    def attend(self, q, k, v, mask):
-        return attend(q, k, v, mask, self.attention_impl, self.scale)
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -23,7 +23,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from models.architecture import ACTIVATIONS, MixtureOfExperts, check_gemma_line
-from models.attention_kernels import apply_rotary, attend
+from models.attention import AttentionCore
+from models.attention_kernels import apply_rotary
 from models.gated_mlp import GatedMLP
 from models.gemma3 import ScaledEmbedding
 from models.moe import LOCAL_EXPERTS, Experts
@@ -68,7 +69,8 @@ class Gemma4Attention(nn.Module):
     key_value is (keys, values), each [batch, kv_heads, seq, head_dim], normed and keys rotated: what this layer
     attended with, for the layers that reuse them (`stores_kv`); None from a layer that reuses another's
     (`reuses_kv`, its source `kv_source`), which must be given them as shared_kv. Gradients reach the source layer's
-    projections through them. `attend(q, k, v, mask)` is the attention core, the seam context parallelism wraps."""
+    projections through them. Its scores are scaled by 1.0 in its `core` (models/attention.py AttentionCore), the seam
+    context parallelism wraps: under it, keys and values are this rank's tokens', given and returned so."""
 
     def __init__(self, config, layer_index, attention_impl="sdpa"):
         super().__init__()
@@ -78,7 +80,7 @@ class Gemma4Attention(nn.Module):
         sliding = self.layer_type == "sliding_attention"
         self.window = config.sliding_window if sliding else None
         self.head_dim = layer_config.head_dim
-        self.attention_impl = attention_impl
+        self.core = AttentionCore(attention_impl, 1.0)
         mode = config.kv_sharing_modes[layer_index]
         self.reuses_kv, self.stores_kv = mode == "reuse", mode == "store"
         self.kv_source = kv_sources(config).get(layer_index)
@@ -112,11 +114,8 @@ class Gemma4Attention(nn.Module):
             k = apply_rotary(self.k_norm(keys).transpose(1, 2), cos, sin)
             v = self.v_norm(values).transpose(1, 2)
             key_value = (k, v)
-        out = self.attend(q, k, v, mask)
+        out = self.core(q, (k, v), mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1)), key_value
-
-    def attend(self, q, k, v, mask):
-        return attend(q, k, v, mask, self.attention_impl, 1.0)
 
 
 class Gemma4Router(nn.Module):

@@ -252,7 +252,9 @@ def run_layers(layers, *inputs):
 # {parallelism: what of Gemma's own decoder layers (models/gemma3.py, gemma4.py) has no plan for it yet}, one entry
 # per kind of parallelism, checked only where its size is above 1.
 OWN_LAYERS_UNPLANNED = {
-    "context_parallel_size": lambda config: "decoder layers",
+    # context parallelism wraps their attention core (sliding windows across the ranks' chunks); not the MoE block
+    "context_parallel_size": lambda config: "mixture of experts (enable_moe_block)" if getattr(
+        config, "enable_moe_block", False) else None,
     # expert parallelism splits Gemma 4's MoE block's experts (models/expert_parallel.py); a model without has none
     "expert_parallel_size": lambda config: None if architecture_of(config).moe else "decoder layers",
     # tensor parallelism splits the attention, the MLP, the vocabulary and runs PLE per rank; not the MoE block
@@ -263,8 +265,8 @@ OWN_LAYERS_UNPLANNED = {
 
 def check_own_layers_parallelism(config, tensor_parallel, context_parallel, expert_parallel):
     """Refuse, in one line, the parallelism Gemma's own decoder layers have no plan for yet (OWN_LAYERS_UNPLANNED).
-    Tensor parallelism (but of Gemma 4's MoE block), expert parallelism of Gemma 4's experts, pipeline and data
-    parallelism, ZeRO-1, bf16, checkpointing and packing train them."""
+    Tensor and context parallelism (but of Gemma 4's MoE block), expert parallelism of Gemma 4's experts, pipeline
+    and data parallelism, ZeRO-1, bf16, checkpointing and packing train them."""
     if architecture_of(config).decoder == COMPOSED:
         return
     sizes = {"tensor_parallel_size": tensor_parallel, "context_parallel_size": context_parallel,

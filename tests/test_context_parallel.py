@@ -2,7 +2,9 @@
 several documents with padding (attention masks) and full one-document rows (causal attention without a mask), the
 token-weighted eval loss (evaluation/eval_set.py) and the training gradients for 1 stage x context 2 (x 2
 replicas), 2 stages x context 2 (tied embeddings), context 2 x tensor parallel 2 (sequence parallel), context 4, and
-2 stages x context 2 under the zero-bubble schedule with activation checkpointing, in one launch of 4 processes;
+2 stages x context 2 under the zero-bubble schedule with activation checkpointing, the other families' layers where
+context parallelism meets what differs (Gemma 3's and Gemma 4's own layers: sliding windows across the ranks'
+chunks, shared keys and values, per-layer embeddings), in one launch of 4 processes;
 training parity through the launcher; config errors before any process group."""
 import itertools
 import json
@@ -33,7 +35,25 @@ CASES = {  # name: (tiny model, stages, tensor parallel, context parallel, optio
     "olmo2_cp2_x_tp2_sp": ("olmo2", 1, 2, 2, {}),
     "granite_cp2_x_2replicas": ("granite", 1, 1, 2, {}),
     "smollm3_2stages_x_cp2": ("smollm3", 2, 1, 2, {}),
+    # Gemma's own layers (tests/tiny_models.py LAYER_TYPE_CONFIGS: a window of 4, so each chunk's first queries
+    # reach the chunk before, on another rank or another zig-zag half): Gemma 3's query_pre_attn_scalar and tied
+    # embedding across stages; Gemma 4 E2B's reusing layers on another stage than their sources and, under tensor x
+    # context parallelism, each rank's heads of the shared keys and values and its tokens' per-layer inputs; Gemma
+    # 4 31B's values that are its keys and its full layers' own head width and key/value head. Some on packed rows
+    # only ("rows"): the full rows' unmasked path is Gemma 3's and the other families'.
+    "gemma3_2stages_x_cp2": ("gemma3_text", 2, 1, 2, {}),
+    "gemma4_e2b_2stages_x_cp2": ("gemma4_e2b", 2, 1, 2, {"rows": ("packed",)}),
+    "gemma4_e2b_cp2_x_tp2_sp": ("gemma4_e2b", 1, 2, 2, {"rows": ("packed",)}),
+    "gemma4_31b_cp4": ("gemma4_31b", 1, 1, 4, {"rows": ("packed",)}),
 }
+
+
+def case_runs(datasets, cases):
+    """(data, its rows, case name, case) for each case on each dataset it takes (its options' "rows"; all by
+    default), in the order every rank runs them."""
+    return [(data, rows, name, case)
+            for (data, rows), (name, case) in itertools.product(datasets.items(), cases.items())
+            if data in case[4].get("rows", datasets)]
 
 
 def micro_batches(rows, replicas, replica, context):
@@ -62,8 +82,8 @@ def context_parity_worker(rank, checkpoints, datasets, out_dir, cases=CASES):
     init_distributed(timeout_minutes=2)
     references = torch.load(f"{out_dir}/references.pt", weights_only=True)
     results = {}
-    for (data, rows), (name, (model, stages, tensor_parallel, context_parallel, options)) in ProcessGroupPool().runs(
-            itertools.product(datasets.items(), cases.items())):  # the cases' engines share their process groups
+    for data, rows, name, (model, stages, tensor_parallel, context_parallel, options) in ProcessGroupPool().runs(
+            case_runs(datasets, cases)):  # the cases' engines share their process groups
         hf_dir, ds_dir = checkpoints[model]
         config = AutoConfig.from_pretrained(hf_dir)
         module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True,
@@ -96,8 +116,7 @@ def hf_references(checkpoints, datasets, world_size, cases=CASES):
     """{data/case: transformers' eval loss, training objective and gradients (tests/test_packing.py hf_reference)}
     over the case's replicas' micro-batches, computed once here for all the ranks (and cases that share them)."""
     by_inputs, references = {}, {}
-    for (data, rows), (name, (model, stages, tensor_parallel, context_parallel, _)) in itertools.product(
-            datasets.items(), cases.items()):
+    for data, rows, name, (model, stages, tensor_parallel, context_parallel, _) in case_runs(datasets, cases):
         replicas = world_size // (stages * tensor_parallel * context_parallel)
         key = (data, model, replicas)
         if key not in by_inputs:
@@ -120,8 +139,8 @@ def full_rows():
 
 
 @pytest.mark.slow
-def test_context_parallel_matches_transformers(tiny_checkpoints, tmp_path):
-    assert_context_parity(tiny_checkpoints, tmp_path, CASES)
+def test_context_parallel_matches_transformers(tiny_checkpoints, tiny_layer_type_checkpoints, tmp_path):
+    assert_context_parity({**tiny_checkpoints, **tiny_layer_type_checkpoints}, tmp_path, CASES)
 
 
 def assert_context_parity(checkpoints, tmp_path, cases):
@@ -132,7 +151,7 @@ def assert_context_parity(checkpoints, tmp_path, cases):
     torch.save(hf_references(checkpoints, datasets, 4, cases), tmp_path / "references.pt")
     spawn(context_parity_worker, 4, checkpoints, datasets, str(tmp_path), cases)
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(4)]
-    for data, case in itertools.product(datasets, cases):
+    for data, _, case, _ in case_runs(datasets, cases):
         name = f"{data}/{case}"
         assert {rank[name]["context_rank"] for rank in ranks} == set(range(cases[case][3])), name
         for result in (rank[name] for rank in ranks):
@@ -140,6 +159,39 @@ def assert_context_parity(checkpoints, tmp_path, cases):
             assert result["train_loss"] == pytest.approx(result["train_ref"], abs=1e-5), name
             bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
             assert not bad, f"{name}: gradients differ from transformers on each document alone: {bad}"
+
+
+@pytest.mark.parametrize("size,window", [(2, 3), (4, 5), (2, None)], ids=["cp2_window3", "cp4_window5", "cp2_full"])
+def test_each_half_attends_only_the_keys_its_window_reaches(size, window):
+    """One process, each rank of the group in turn (its gather of the document ids given the whole row's, the only
+    collective the masks take): each half's mask is the unsplit mask's rows of its chunk over the keys from its first
+    query's reach (window - 1 before the chunk, on the chunks before it, whichever rank holds them) to the chunk's
+    end, with nothing it drops allowed; attending over those keys alone equals the unsplit attention."""
+    import torch
+
+    from models.attention import document_causal_mask, within_window
+    from models.attention_kernels import additive_mask, attend
+    from models.context_parallel import ContextParallel
+    seq = 8 * size
+    whole = torch.tensor([[1] * 5 + [2] * (seq - 7) + [0] * 2, [3] * seq])  # packed and padded; one document
+    unsplit = within_window(document_causal_mask(whole), window, whole)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, seq, 4, generator=gen) for _ in range(3))
+    expected = attend(q, k, v, additive_mask(unsplit, q.dtype), "eager")
+    for rank in range(size):
+        context = ContextParallel(size, rank)
+        context.gather_sequence = lambda x, dim: whole
+        masks = context.attention_masks(context.local_tokens(whole), window)
+        chunk = seq // (2 * size)
+        for index, mask in zip(context.global_chunks(), masks):
+            end = (index + 1) * chunk
+            first_key = 0 if window is None else max(0, index * chunk - window + 1)
+            assert mask.shape == (2, 1, chunk, end - first_key)
+            rows = unsplit[:, :, index * chunk:end]
+            assert torch.equal(mask, rows[..., first_key:end]) and not rows[..., :first_key].any()
+        out = context.attend(lambda *args: attend(*args, "eager"), context.local_tokens(q, dim=2), k, v,
+                             [additive_mask(mask, q.dtype) for mask in masks])
+        torch.testing.assert_close(out, context.local_tokens(expected, dim=2), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("processes,layout", [(2, {}), (8, {"num_stages": 2, "tensor_parallel_size": 2})],

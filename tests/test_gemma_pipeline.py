@@ -11,6 +11,7 @@ from transformers import AutoConfig
 
 from tests import parity_worker
 from tests.distributed import spawn
+from tests.test_moe import TRAIN_LAYOUTS
 from tests.test_parity import GAS, MICRO_BATCH, SEQ, assert_rank_equals_transformers
 from tests.tiny_models import LAYER_TYPE_CONFIGS
 
@@ -90,10 +91,12 @@ def test_gemma_refuses_unplanned_parallelism_in_one_line():
     with pytest.raises(ValueError, match=r"^expert_parallel_size=2: gemma3_text's decoder layers have no expert "
                                          r"parallel plan yet; set them to 1\.$"):
         check_own_layers_parallelism(LAYER_TYPE_CONFIGS["gemma3_text"](), 1, 1, 2)
-    with pytest.raises(ValueError, match=r"^context_parallel_size=2: gemma3_text's decoder layers have no context "):
-        check_own_layers_parallelism(LAYER_TYPE_CONFIGS["gemma3_text"](), 1, 2, 1)
+    with pytest.raises(ValueError, match=r"^context_parallel_size=2: gemma4_text's mixture of experts "
+                                         r"\(enable_moe_block\) have no context parallel plan yet; set them to 1\.$"):
+        check_own_layers_parallelism(moe, 1, 2, 1)
     check_own_layers_parallelism(moe, 1, 1, 2)  # Gemma 4's experts split
-    check_own_layers_parallelism(LAYER_TYPE_CONFIGS["gemma4_e2b"](), 2, 1, 1)
+    check_own_layers_parallelism(LAYER_TYPE_CONFIGS["gemma4_e2b"](), 2, 2, 1)  # the dense layers' TP and CP
+    check_own_layers_parallelism(LAYER_TYPE_CONFIGS["gemma3_text"](), 2, 2, 1)
     check_own_layers_parallelism(LAYER_TYPE_CONFIGS["olmo3"](), 2, 2, 1)  # the composed layer's plans
     # Gemma 4 31B-like: one key/value head on its full layers
     with pytest.raises(ValueError, match=r"^tensor_parallel_size=2 does not divide num_global_key_value_heads=1; "):
@@ -122,11 +125,20 @@ def demo_gemma4(demo_model, tmp_path_factory):
     return demo_model_of(config, demo_model, tmp_path_factory.mktemp("demo_gemma4"))
 
 
+# The trainer's layouts for Gemma: the other families' (tests/test_moe.py), and 2 stages x CP 2 under ZeRO-1, which
+# partitions over data x context as over data-parallel ranks (bf16_2stages_x_2dp keeps ZeRO-1 over replicas).
+GEMMA_LAYOUTS = {**{name: TRAIN_LAYOUTS[name] for name in ("1_process", "2stages", "bf16_2stages_x_2dp",
+                                                            "2stages_x_tp2")},
+                 "2stages_x_cp2": (4, dict(num_stages=2, gradient_accumulation_steps=4, zero_stage=1,
+                                           context_parallel_size=2))}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["1_process", "2stages", "2stages_x_2dp", "bf16_2stages_x_2dp", "2stages_x_tp2"])
+@pytest.mark.parametrize("layout", GEMMA_LAYOUTS)
 def test_six_training_steps_equal_transformers(demo_model, demo_gemma4, tmp_path, layout):
-    """Six steps of the trainer (AdamW at 1e-3, clipping active; fp32 on 1 process, 2 stages, 2 stages x 2
-    data-parallel under ZeRO-1 and 2 stages x TP 2 with sequence parallelism; bf16 with ZeRO-1) on instruction data, against transformers and torch's AdamW on
+    """Six steps of the trainer (AdamW at 1e-3, clipping active; fp32 on 1 process, 2 stages, 2 stages x CP 2 under
+    ZeRO-1 (padded rows: each half's mask) and 2 stages x TP 2 with sequence parallelism; bf16 with ZeRO-1 on 2
+    data-parallel ranks) on instruction data, against transformers and torch's AdamW on
     the same global batches: the first steps' losses within 1e-4, the first gradient norm within
     1e-4, every step as near transformers' eager run as transformers' own SDPA run is. On this tiny model fp32
     training drifts: transformers' eager and SDPA runs are 2e-3 apart by the fifth step (Adam's first steps move
@@ -134,7 +146,7 @@ def test_six_training_steps_equal_transformers(demo_model, demo_gemma4, tmp_path
     smallest gradients is amplified), so a fixed 1e-4 on all six steps would fail transformers against itself."""
     from tests.test_moe import trained_and_transformers
     records, (eager, sdpa), (norms, _), settings = trained_and_transformers(demo_model, demo_gemma4, tmp_path, layout,
-                                                                             attention=("eager", "sdpa"))
+                                                                             ("eager", "sdpa"), GEMMA_LAYOUTS)
     ours = [r["loss"] for r in records]
     if settings.get("precision") == "bf16":  # bf16's rounding of the fp32 steps (seen 4.5e-3), then its drift (1.3e-2)
         assert ours[:3] == pytest.approx(eager[:3], abs=1e-2, rel=0)

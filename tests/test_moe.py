@@ -806,15 +806,15 @@ def transformers_steps(hf_dir, batches, micro_batch_size, attention="eager"):
     return losses, norms
 
 
-def trained_and_transformers(demo_model, model_dirs, tmp_path, layout, attention="eager"):
-    """Six steps of the trainer on model_dirs["ds"] (a TRAIN_LAYOUTS layout) on instruction data, and of
+def trained_and_transformers(demo_model, model_dirs, tmp_path, layout, attention="eager", layouts=TRAIN_LAYOUTS):
+    """Six steps of the trainer on model_dirs["ds"] (a layout of `layouts`) on instruction data, and of
     transformers_steps on model_dirs["hf"] over the same global batches: (the trainer's metrics records,
     transformers' losses, its gradient norms, the layout's settings); attention: transformers' implementation, or
     a tuple of them, each giving its losses and norms."""
     from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics
     from tests.test_token_mean import MICRO_BATCH as ROWS, SEED, SEQ as TRAIN_SEQ, global_batches
     from tests.test_token_mean import write_skewed_instructions
-    procs, settings = TRAIN_LAYOUTS[layout]
+    procs, settings = layouts[layout]
     train_file = write_skewed_instructions(demo_model, tmp_path / "train.jsonl")
     out = tmp_path / "run"
     check_ok(launch_trainer(procs, demo_overrides(demo_model, out, **{
@@ -824,8 +824,10 @@ def trained_and_transformers(demo_model, model_dirs, tmp_path, layout, attention
         "lr_scheduler": "constant", "warmup_steps": 0, "max_grad_norm": MAX_GRAD_NORM, "seed": SEED,
         "save_steps": 0})))
     records = [r for r in read_metrics(out) if "loss" in r]
-    # expert parallelism takes ranks of the data axis; tensor parallelism a model axis of its own
-    data_parallel = procs // (settings["num_stages"] * settings.get("tensor_parallel_size", 1))
+    # expert parallelism takes ranks of the data axis; tensor parallelism a model axis of its own; a context group's
+    # ranks read the same rows
+    data_parallel = procs // (settings["num_stages"] * settings.get("tensor_parallel_size", 1)
+                              * settings.get("context_parallel_size", 1))
     batches = list(global_batches(demo_model, train_file, data_parallel, settings["gradient_accumulation_steps"],
                                   tmp_path / "ref", steps=TRAIN_STEPS))
     if isinstance(attention, tuple):
