@@ -101,18 +101,20 @@ def decoder_parameter_split(config, layer=None, active=False):
 def own_layer_parameter_split(config, layer, active=False):
     """decoder_parameter_split of a family with decoder layers of its own (Gemma 3's and 4's, whose layers differ
     by type: sliding or full, storing or reusing keys and values, their share of the per-layer embeddings), counted
-    on the layer built on the meta device: its matrices sharded (the experts' as a token runs through them when
-    active), the vectors (norms, the router's scales) replicated."""
+    on the layer built on the meta device: its matrices sharded, but Gemma 4's router and experts, whole on every
+    rank as an MoEBlock's (models/tensor_parallel.py gemma4_moe_plan; the experts as a token runs through them when
+    active), replicated with the vectors (norms, the router's scales)."""
     with torch.device("meta"):
         module = decoder_layer(config, layer)
     sharded = replicated = 0
     for name, param in module.named_parameters():
-        if param.dim() < 2:
+        if name.startswith("experts."):
+            moe = architecture_of(config).moe
+            replicated += int(param.numel() * (moe.top_k / moe.num_experts if active else 1))
+        elif param.dim() < 2 or name.startswith("router."):
             replicated += param.numel()
         else:
-            moe = architecture_of(config).moe
-            share = moe.top_k / moe.num_experts if active and name.startswith("experts.") else 1
-            sharded += int(param.numel() * share)
+            sharded += param.numel()
     return sharded, replicated
 
 
