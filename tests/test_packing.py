@@ -21,6 +21,11 @@ TOPOLOGIES = {"1stage_x_2dp": (1, 1), "2stages": (2, 1), "1stage_x_tp2": (1, 2)}
 # layers; SmolLM3: layers without rotary embedding, for which positions restarting per document change nothing.
 PACKED_MODELS = {"llama3": tuple(TOPOLOGIES), "mistral": tuple(TOPOLOGIES),
                  **dict.fromkeys(("qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3"), ("1stage_x_tp2",))}
+# Gemma's own layers (tests/tiny_models.py LAYER_TYPE_CONFIGS: sliding windows of 4 inside the packed documents, the
+# soft cap): Gemma 4 E2B-like on 2 stages (its per-layer embeddings, its reusing layers on the stage after their
+# sources'), Gemma 3 and the 26B-A4B-like MoE (no load-balancing loss: each document alone routes as in the row)
+# under tensor parallelism.
+PACKED_LAYER_TYPES = {"gemma4_e2b": ("2stages",), "gemma3_text": ("1stage_x_tp2",), "gemma4_26b_a4b": ("1stage_x_tp2",)}
 # The packed rows the parity checks take (training on their first): those of several documents, then single documents
 # of 29 tokens, one beside a short one. Eleven leave every layout's last eval micro-batch a padding row and, on 2
 # replicas, its last accumulation window short (the rest, more documents of the same kinds, cost 2 more eval_batch calls
@@ -194,15 +199,17 @@ def packed_rows(tmp_path):
 
 
 @pytest.mark.slow
-def test_packed_rows_match_transformers_on_each_example(tiny_checkpoints, tiny_moe_checkpoints, tmp_path):
+def test_packed_rows_match_transformers_on_each_example(tiny_checkpoints, tiny_moe_checkpoints,
+                                                        tiny_layer_type_checkpoints, tmp_path):
     """The eval loss, its perplexity (of the cross-entropy: a mixture of experts' loss holds its load-balancing
     term, its perplexity does not) and the gradients."""
     import torch
     rows, stats = packed_rows(tmp_path)
     assert stats.packed_from == 40 and len(rows) < 40 and any(len(r["lengths"]) > 2 for r in rows[:GAS * 2 * 2])
     rows = rows[:EVAL_ROWS]
-    checkpoints = {**tiny_checkpoints, **tiny_moe_checkpoints}
-    cases = [(model, *checkpoints[model], topology) for model, topologies in {**PACKED_MODELS, **PACKED_MOE}.items()
+    checkpoints = {**tiny_checkpoints, **tiny_moe_checkpoints, **tiny_layer_type_checkpoints}
+    cases = [(model, *checkpoints[model], topology)
+             for model, topologies in {**PACKED_MODELS, **PACKED_LAYER_TYPES, **PACKED_MOE}.items()
              for topology in topologies]
     torch.save(hf_references(cases, rows, 2), tmp_path / "references.pt")
     spawn(packed_parity_worker, 2, cases, rows, str(tmp_path))

@@ -41,8 +41,11 @@ def preference_model(tmp_path_factory):
     return preference_checkpoint(tmp_path_factory.mktemp("preference"), config, tokenizer, 48)
 
 
-# The other families, each with its own chat tokenizer's special tokens (tests/chat_tokenizers.py).
-FAMILIES = ("qwen3", "phi3", "olmo2", "granite", "smollm3")
+# The other families, each with its own chat tokenizer's special tokens (tests/chat_tokenizers.py); Gemma 4 E2B-like
+# (tests/tiny_models.py LAYER_TYPE_CONFIGS: per-layer embeddings, shared keys/values, the final soft cap, which the
+# log-probabilities take inside the chunked loss) with Gemma's.
+FAMILIES = ("qwen3", "phi3", "olmo2", "granite", "smollm3", "gemma4_e2b")
+FAMILY_TOKENIZERS = {"gemma4_e2b": "gemma"}
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +54,14 @@ def family_preference_models(tmp_path_factory):
     SmolLM3) over its chat tokenizer's vocabulary and ids, converted, with string pairs}: for the first step (and
     Granite's six steps)."""
     from tests.chat_tokenizers import make_chat_tokenizer
-    from tests.tiny_models import TINY_CONFIGS
+    from tests.tiny_models import LAYER_TYPE_CONFIGS, TINY_CONFIGS
     models = {}
     for family in FAMILIES:
-        tokenizer = make_chat_tokenizer(family)
-        config = TINY_CONFIGS[family]()
+        tokenizer = make_chat_tokenizer(FAMILY_TOKENIZERS.get(family, family))
+        config = {**TINY_CONFIGS, **LAYER_TYPE_CONFIGS}[family]()
         config.vocab_size, config.max_position_embeddings = len(tokenizer), SEQ
+        if getattr(config, "hidden_size_per_layer_input", 0):  # Gemma 4's per-layer table: a row for every token
+            config.vocab_size_per_layer_input = len(tokenizer)
         config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
         config.pad_token_id = tokenizer.pad_token_id
         models[family] = preference_checkpoint(tmp_path_factory.mktemp(family), config, tokenizer,
@@ -792,9 +797,9 @@ def test_first_step_gradients_equal_trl(preference_model, one_process_runs, two_
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_first_step_gradients_equal_trl_for_each_family(family, family_preference_models, one_process_runs):
-    """Each other family (Qwen3, Phi-3, OLMo 2, Granite 3, SmolLM3): DPO's first-step loss, rewards and every
-    gradient within 1e-5 of TRL's on 1 stage with full weights and with LoRA (Phi's on its fused projections, as
-    peft). DPO under tensor parallelism: LLaMA's (test_first_step_gradients_equal_trl); each family's layers under it
+    """Each other family (Qwen3, Phi-3, OLMo 2, Granite 3, SmolLM3, Gemma 4): DPO's first-step loss, rewards and
+    every gradient within 1e-5 of TRL's on 1 stage with full weights and with LoRA (Phi's on its fused projections,
+    as peft; Gemma's log-probabilities of its soft-capped logits). DPO under tensor parallelism: LLaMA's (test_first_step_gradients_equal_trl); each family's layers under it
     (Granite's logit scaling in the vocabulary-parallel head, OLMo 2's projection norms across the group):
     tests/test_tensor_parallel.py."""
     model = family_preference_models[family]
