@@ -11,6 +11,7 @@ from transformers import AutoConfig
 
 from tests import parity_worker
 from tests.distributed import spawn
+from tests.parity_worker import per_layer_norm_copies
 from tests.test_parity import GAS, MICRO_BATCH, SEQ, assert_rank_equals_transformers
 from tests.tiny_models import LAYER_TYPE_CONFIGS
 
@@ -35,7 +36,7 @@ def check(ranks, names, checkpoints, num_stages):
             assert_rank_equals_transformers(rank[name], name, num_stages, checkpoints[name][1])
         # every parameter compared; the per-layer norm's copies are one Parameter per stage (its first layer's name)
         compared = set().union(*(r[name]["grad_errors"] for r in ranks))
-        copies = {n for n in ranks[0][name]["ref_param_names"] if n.endswith("per_layer_projection_norm.weight")}
+        copies = per_layer_norm_copies(ranks[0][name]["ref_param_names"])
         assert compared - copies == set(ranks[0][name]["ref_param_names"]) - copies, name
         assert bool(copies) == bool(compared & copies), name
 

@@ -1,7 +1,8 @@
 """Packed rows with per-document isolation against transformers on each example alone (real processes, gloo):
 the token-weighted eval loss (evaluation/eval_set.py) and the training gradients, for 1 stage x 2 data-parallel,
 2 stages, and 1 stage x tensor parallel 2 with sequence parallelism, in one launch of 2 processes; every other
-family on the last (its norms split by tokens, Phi's fused weights split by heads). Mixtures of experts in the same
+family on the last (its norms split by tokens, Phi's fused weights split by heads), Gemma 3 and 4 (the MoE block
+included) on 2 stages or the last. Mixtures of experts in the same
 launch against transformers on each micro-batch's documents flattened into one row (DataCollatorWithFlattening),
 whose load-balancing loss counts every token of the micro-batch."""
 import json

@@ -660,6 +660,7 @@ def trl_first_step(model, lora_rank, pairs, output_dir):
     from models.layout import split_fused
     from models.lora import LoraSettings
     from tests.lora_reference import adapter_values, hf_name_of_peft, peft_model, pipeline_layout
+    from tests.parity_worker import per_layer_grads
 
     if lora_rank:
         lora = LoraSettings(rank=lora_rank)
@@ -687,12 +688,13 @@ def trl_first_step(model, lora_rank, pairs, output_dir):
         grads = pipeline_layout(grads, trainer.model.config, lora)
     if trainer.model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)
-    return loss, metrics, grads
+    return loss, metrics, per_layer_grads(grads, trainer.model.config)  # Gemma 4's PLE as each layer's share
 
 
 def assert_first_step_matches_trl(model, root, case, world_size, data_parallel, lora_rank=0):
     """Every rank's first-step gradients within 1e-5 of TRL's (relative to the largest element; under tensor
     parallelism against the rank's slice), every gradient compared somewhere; the loss and metrics within 1e-5."""
+    from tests.parity_worker import per_layer_norm_copies
     loss, metrics, grads = trl_first_step(model, lora_rank, data_parallel * MICRO_BATCH * GAS, root / f"{case}-trl")
     compared, bad = set(), {}
     for rank in range(world_size):
@@ -708,7 +710,8 @@ def assert_first_step_matches_trl(model, root, case, world_size, data_parallel, 
                 bad[(rank, name)] = error
             compared.add(name)
     assert not bad, (case, bad)
-    assert compared == set(grads), (case, set(grads) - compared)
+    copies = per_layer_norm_copies(grads)  # compared on one layer of the stage
+    assert compared | copies == set(grads) and bool(copies) == bool(compared & copies), (case, set(grads) - compared)
 
 
 def launch_two_nodes(settings, timeout=600):
