@@ -46,6 +46,10 @@ def preference_model(tmp_path_factory):
 # log-probabilities take inside the chunked loss) with Gemma's.
 FAMILIES = ("qwen3", "phi3", "olmo2", "granite", "smollm3", "gemma4_e2b")
 FAMILY_TOKENIZERS = {"gemma4_e2b": "gemma"}
+# Gemma 4's first-step gradients are compared within 1e-4 (as tests/test_gemma_pipeline.py's): TRL's own eager and
+# SDPA runs are 2.2e-5 apart on them (the first layer's MLP and per-layer projection), the pipeline (SDPA) 3.9e-5
+# from the eager run; the loss and rewards within 1e-5 (seen 1.4e-8).
+FAMILY_GRAD_TOLERANCES = {"gemma4_e2b": 1e-4}
 
 
 @pytest.fixture(scope="module")
@@ -691,9 +695,10 @@ def trl_first_step(model, lora_rank, pairs, output_dir):
     return loss, metrics, per_layer_grads(grads, trainer.model.config)  # Gemma 4's PLE as each layer's share
 
 
-def assert_first_step_matches_trl(model, root, case, world_size, data_parallel, lora_rank=0):
-    """Every rank's first-step gradients within 1e-5 of TRL's (relative to the largest element; under tensor
-    parallelism against the rank's slice), every gradient compared somewhere; the loss and metrics within 1e-5."""
+def assert_first_step_matches_trl(model, root, case, world_size, data_parallel, lora_rank=0, grad_tolerance=1e-5):
+    """Every rank's first-step gradients within grad_tolerance of TRL's (relative to the largest element; under
+    tensor parallelism against the rank's slice), every gradient compared somewhere; the loss and metrics within
+    1e-5."""
     from tests.parity_worker import per_layer_norm_copies
     loss, metrics, grads = trl_first_step(model, lora_rank, data_parallel * MICRO_BATCH * GAS, root / f"{case}-trl")
     compared, bad = set(), {}
@@ -706,7 +711,7 @@ def assert_first_step_matches_trl(model, root, case, world_size, data_parallel, 
         for name, (grad, dim) in result["grads"].items():
             ref = grads[name] if dim is None else grads[name].chunk(tp_size, dim)[tp_rank]
             error = ((grad - ref).abs().max() / ref.abs().max()).item()
-            if not error < 1e-5:
+            if not error < grad_tolerance:
                 bad[(rank, name)] = error
             compared.add(name)
     assert not bad, (case, bad)
@@ -805,9 +810,10 @@ def test_first_step_gradients_equal_trl_for_each_family(family, family_preferenc
     as peft; Gemma's log-probabilities of its soft-capped logits). DPO under tensor parallelism: LLaMA's (test_first_step_gradients_equal_trl); each family's layers under it
     (Granite's logit scaling in the vocabulary-parallel head, OLMo 2's projection norms across the group):
     tests/test_tensor_parallel.py."""
-    model = family_preference_models[family]
-    assert_first_step_matches_trl(model, one_process_runs["root"], f"{family}-full", 1, 1)
-    assert_first_step_matches_trl(model, one_process_runs["root"], f"{family}-lora", 1, 1, lora_rank=LORA_RANK)
+    model, tolerance = family_preference_models[family], FAMILY_GRAD_TOLERANCES.get(family, 1e-5)
+    assert_first_step_matches_trl(model, one_process_runs["root"], f"{family}-full", 1, 1, grad_tolerance=tolerance)
+    assert_first_step_matches_trl(model, one_process_runs["root"], f"{family}-lora", 1, 1, lora_rank=LORA_RANK,
+                                  grad_tolerance=tolerance)
 
 
 # --- data and config checks (in process, no training) ---------------------------------------------------------------
