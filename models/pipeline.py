@@ -251,7 +251,8 @@ def run_layers(layers, *inputs):
 
 # {parallelism: what of Gemma's own decoder layers (models/gemma3.py, gemma4.py) has no plan for it yet}, one entry
 # per kind of parallelism, checked only where its size is above 1. Tensor parallelism splits them all
-# (models/tensor_parallel.py: the attention, the MLP, the vocabulary, PLE and Gemma 4's MoE block on each rank's tokens).
+# (models/tensor_parallel.py: the attention, the MLP, the vocabulary; PLE and Gemma 4's MoE block on each rank's
+# tokens).
 OWN_LAYERS_UNPLANNED = {
     "context_parallel_size": lambda config: "decoder layers",
     # expert parallelism splits Gemma 4's MoE block's experts (models/expert_parallel.py); a model without has none

@@ -70,6 +70,7 @@ def hf_reference(hf_dir, rows, num_micro_batches):
     from transformers import AutoModelForCausalLM
 
     from models.layout import split_fused  # Phi-3's fused weights as the pipeline's parts
+    from tests.parity_worker import per_layer_grads  # Gemma 4's per-layer embeddings as each layer's share
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
     trained = num_micro_batches * MICRO_BATCH  # the rows the objective takes, each document run once for both
     scored = [[hf_loss_sum_and_count(model, ids, labels) for ids, labels in documents(row)] for row in rows[:trained]]
@@ -85,7 +86,7 @@ def hf_reference(hf_dir, rows, num_micro_batches):
         objective = objective + sum(sums) / sum(counts)
     objective = objective / num_micro_batches
     objective.backward()
-    grads = split_fused({n: p.grad for n, p in model.named_parameters()}, model.config)
+    grads = per_layer_grads(split_fused({n: p.grad for n, p in model.named_parameters()}, model.config), model.config)
     return eval_loss, eval_loss, grads, objective.item()
 
 
