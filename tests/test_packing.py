@@ -144,6 +144,7 @@ def packed_parity_worker(rank, cases, rows, out_dir):
     from transformers import AutoConfig
 
     from checkpoints.layer_files import load_layer_slice
+    from engines.pipeline_engine import use_one_backward
     from models.pipeline import build_pipeline_module
     from tests.parity_worker import gradient_errors
     from cluster.distributed import init_distributed, parallel_topology
@@ -157,7 +158,9 @@ def packed_parity_worker(rank, cases, rows, out_dir):
         config = AutoConfig.from_pretrained(hf_dir)
         module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True,
                                        layer_loader=load_layer_slice, loss_chunk_tokens=CHUNK_TOKENS)
+        # the trainer's engine: a mixture's expert gradients summed over the tensor-parallel group at the step's end
         engine, optimizer = recording_engine(module, ds_dir)
+        use_one_backward(engine)
         reads_data = engine.is_first_stage() or engine.is_last_stage()
         cfg = SimpleNamespace(micro_batch_size=MICRO_BATCH, seq_length=SEQ, gradient_accumulation_steps=GAS,
                               tensor_parallel_size=tensor_parallel)
