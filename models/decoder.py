@@ -147,8 +147,14 @@ class Gemma4Decoder(OwnDecoder, Gemma4DecoderLayer):
         per_layer_input = self.per_layer_inputs(input_ids, embedded)[..., 0, :] if self.per_layer_width else None
         hidden, key_value, expert_ids = super().forward(hidden, inputs.cos, inputs.sin, inputs.mask,
                                                         per_layer_input, shared_kv)
-        statistics = routing_statistics(None, expert_ids, tokens, self.experts_config) if self.sparse else None
+        statistics = routing_statistics(None, expert_ids, self.routed(tokens), self.experts_config) if self.sparse \
+            else None
         return hidden, statistics, key_value
+
+    def routed(self, tokens):
+        """The routed tokens (models/moe.py RoutedTokens) of the stage's that this layer's router sees: all of them
+        (tensor parallelism gives each rank its sequence-parallel share: models/tensor_parallel.py gemma4_moe_plan)."""
+        return tokens
 
 
 DECODER_LAYERS = {COMPOSED: DecoderLayer, GEMMA3: Gemma3Decoder, GEMMA4: Gemma4Decoder}

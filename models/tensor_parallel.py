@@ -638,6 +638,21 @@ def moe_plan(block, parallel, device):
         block.register_forward_pre_hook(lambda module, args: (args[0], TokenShare(args[1], parallel)))
 
 
+def gemma4_moe_plan(layer, parallel, device):
+    """Gemma 4's MoE block beside its dense MLP (mlp_plan splits that), as moe_plan splits the other families':
+    every rank holds the router and every expert whole and routes its own tokens (its sequence-parallel share, or
+    all of them), with no collective. The router (its projection, scale and per_expert_scale) takes the group's
+    gradient sum as a norm does, in each backward; the experts once per step (sum_gradients_at_step). The block's
+    three norms are the layer's own (LAYER_NORMS)."""
+    if not layer.moe:
+        return
+    layer.router.proj = stage_linear(layer.router.proj, StageLinear, parallel)
+    replicated(layer.router, parallel)
+    sum_gradients_at_step(layer.experts, parallel)
+    if parallel.sequence_parallel:  # the tokens whose routing choices it counts (models/decoder.py Gemma4Decoder)
+        layer.routed = functools.partial(TokenShare, parallel=parallel)
+
+
 def gemma_attention_plan(attention, parallel, device):
     """Gemma 3's and Gemma 4's attention split by heads as attention_plan splits grouped-query attention: q, k and v
     by heads, o by its input, the per-head q and k norms whole, their gradients summed over the group (v's has no
@@ -722,8 +737,8 @@ PART_PLANS = {Attention: attention_plan, LatentAttention: latent_attention_plan,
               GatedAttention: gated_attention_plan, GatedDeltaNet: linear_attention_plan,
               FusedGatedDeltaNet: linear_attention_plan, Gemma3Attention: gemma_attention_plan,
               Gemma4Attention: gemma_attention_plan, GatedMLP: mlp_plan}
-# The plans of the parts a decoder layer holds directly rather than in a submodule, by the layer's kind.
-LAYER_PLANS = {Gemma4DecoderLayer: per_layer_embedding_plan}
+# The plans of the parts a decoder layer holds directly rather than in a submodule: {the layer's kind: its plans}.
+LAYER_PLANS = {Gemma4DecoderLayer: (per_layer_embedding_plan, gemma4_moe_plan)}
 # The norms a decoder layer applies to its residual stream, on every rank to its own tokens.
 LAYER_NORMS = (RMSNorm, Gemma3RMSNorm, Gemma4RMSNorm)
 
@@ -735,9 +750,10 @@ def parallelize(layer, parallel, device=None):
     if parallel.size > 1:
         for part in [layer] if type(layer) in PART_PLANS else planned_parts(layer):
             PART_PLANS[type(part)](part, parallel, device)
-        for kind, plan in LAYER_PLANS.items():
+        for kind, plans in LAYER_PLANS.items():
             if isinstance(layer, kind):
-                plan(layer, parallel, device)
+                for plan in plans:
+                    plan(layer, parallel, device)
     for parent in list(layer.modules()):
         for name, child in parent.named_children():
             if type(child) is nn.Linear:

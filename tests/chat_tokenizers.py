@@ -100,6 +100,13 @@ def trl_template(name):
             / f"{name}.jinja").read_text()
 
 
+# Gemma's turns (Gemma 3 and 4 instruction-tuned): the assistant's role is 'model'.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' "
+    "else message['role'] %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+
+
 STYLES = {  # name: (special tokens, bos, eos, pad, template)
     "chatml": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", "<|endoftext|>",
                CHATML_TEMPLATE),
@@ -119,6 +126,8 @@ STYLES = {  # name: (special tokens, bos, eos, pad, template)
                 "<|end_of_text|>", "<|end_of_text|>", GRANITE_TEMPLATE),
     "smollm3": (["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"], None,
                 "<|im_end|>", "<|im_end|>", SMOLLM3_TEMPLATE),
+    "gemma": (["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", "<pad>",
+              GEMMA_TEMPLATE),
 }
 
 CORPUS = [

@@ -138,6 +138,12 @@ def per_layer_grads(grads, config):
     return grads
 
 
+def per_layer_norm_copies(names):
+    """Gemma 4's per-layer norm among names (HF names of per_layer_grads): every layer's copy, of which a pipeline
+    stage holds one Parameter under its first layer's name."""
+    return {name for name in names if name.endswith("per_layer_projection_norm.weight")}
+
+
 def set_adapters(module, adapters, parallel):
     """Each adapter factor of this rank's stage to its slice of adapters[HF name]."""
     num_hidden_layers = module.model_config.num_hidden_layers

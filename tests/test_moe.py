@@ -683,18 +683,23 @@ LAYOUTS = {  # name: (stages, world size, tensor parallel, {case suffix: options
     "tp2_x_ep2": (1, 4, 2, {"+ep2": {"expert_parallel": 2}}),  # each tensor-parallel rank's tokens to its peers'
 }
 VARIANT_FAMILIES = ("qwen2_moe", "gpt_oss")  # the variants past the first: a shared expert; sinks and biases
+# The layouts whose first case Gemma 4's MoE block (tests/tiny_models.py gemma4_26b_a4b: its dense MLP split as any
+# MLP, its router and experts whole on every rank beside it) runs too; tests/test_gemma_pipeline.py runs its others.
+GEMMA4_MOE_LAYOUTS = ("2stages_x_tp2", "tp2_x_ep2")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_loss_and_gradients_equal_transformers_across_processes(tiny_moe_checkpoints, tmp_path, layout):
+def test_loss_and_gradients_equal_transformers_across_processes(tiny_moe_checkpoints, tmp_path, layout, request):
     """One launch per layout runs every family: the per-micro-batch losses (padded rows) and every gradient after
     the data-parallel and tensor-parallel reductions, against transformers; the routers' and experts' gradients the
     same on every rank of a tensor-parallel group; each rank reads only its stage's layer files."""
     num_stages, world_size, tensor_parallel, variants = LAYOUTS[layout]
     first, *others = variants.items()
-    cases = [dict(name=family + first[0], hf_dir=hf, ds_dir=ds, **first[1])
-             for family, (hf, ds) in tiny_moe_checkpoints.items()]
+    checkpoints = dict(tiny_moe_checkpoints)
+    if layout in GEMMA4_MOE_LAYOUTS:
+        checkpoints["gemma4_26b_a4b"] = request.getfixturevalue("tiny_layer_type_checkpoints")["gemma4_26b_a4b"]
+    cases = [dict(name=family + first[0], hf_dir=hf, ds_dir=ds, **first[1]) for family, (hf, ds) in checkpoints.items()]
     cases += [dict(name=family + suffix, hf_dir=tiny_moe_checkpoints[family][0], ds_dir=tiny_moe_checkpoints[family][1],
                    **options) for suffix, options in others for family in VARIANT_FAMILIES]
     assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel)

@@ -1,7 +1,8 @@
 """Packed rows with per-document isolation against transformers on each example alone (real processes, gloo):
 the token-weighted eval loss (evaluation/eval_set.py) and the training gradients, for 1 stage x 2 data-parallel,
 2 stages, and 1 stage x tensor parallel 2 with sequence parallelism, in one launch of 2 processes; every other
-family on the last (its norms split by tokens, Phi's fused weights split by heads). Mixtures of experts in the same
+family on the last (its norms split by tokens, Phi's fused weights split by heads), Gemma 3 and 4 (the MoE block
+included) on 2 stages or the last. Mixtures of experts in the same
 launch against transformers on each micro-batch's documents flattened into one row (DataCollatorWithFlattening),
 whose load-balancing loss counts every token of the micro-batch."""
 import json
@@ -21,6 +22,11 @@ TOPOLOGIES = {"1stage_x_2dp": (1, 1), "2stages": (2, 1), "1stage_x_tp2": (1, 2)}
 # layers; SmolLM3: layers without rotary embedding, for which positions restarting per document change nothing.
 PACKED_MODELS = {"llama3": tuple(TOPOLOGIES), "mistral": tuple(TOPOLOGIES),
                  **dict.fromkeys(("qwen2", "qwen3", "olmo2", "granite", "smollm3", "phi3"), ("1stage_x_tp2",))}
+# Gemma's own layers (tests/tiny_models.py LAYER_TYPE_CONFIGS: sliding windows of 4 inside the packed documents, the
+# soft cap): Gemma 4 E2B-like on 2 stages (its per-layer embeddings, its reusing layers on the stage after their
+# sources'), Gemma 3 and the 26B-A4B-like MoE (no load-balancing loss: each document alone routes as in the row)
+# under tensor parallelism.
+PACKED_LAYER_TYPES = {"gemma4_e2b": ("2stages",), "gemma3_text": ("1stage_x_tp2",), "gemma4_26b_a4b": ("1stage_x_tp2",)}
 # The packed rows the parity checks take (training on their first): those of several documents, then single documents
 # of 29 tokens, one beside a short one. Eleven leave every layout's last eval micro-batch a padding row and, on 2
 # replicas, its last accumulation window short (the rest, more documents of the same kinds, cost 2 more eval_batch calls
@@ -64,7 +70,7 @@ def hf_reference(hf_dir, rows, num_micro_batches):
     from transformers import AutoModelForCausalLM
 
     from models.layout import split_fused  # Phi-3's fused weights as the pipeline's parts
-    from tests.parity_worker import per_layer_grads
+    from tests.parity_worker import per_layer_grads  # Gemma 4's per-layer embeddings as each layer's share
     model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
     trained = num_micro_batches * MICRO_BATCH  # the rows the objective takes, each document run once for both
     scored = [[hf_loss_sum_and_count(model, ids, labels) for ids, labels in documents(row)] for row in rows[:trained]]
@@ -138,6 +144,7 @@ def packed_parity_worker(rank, cases, rows, out_dir):
     from transformers import AutoConfig
 
     from checkpoints.layer_files import load_layer_slice
+    from engines.pipeline_engine import use_one_backward
     from models.pipeline import build_pipeline_module
     from tests.parity_worker import gradient_errors
     from cluster.distributed import init_distributed, parallel_topology
@@ -151,7 +158,9 @@ def packed_parity_worker(rank, cases, rows, out_dir):
         config = AutoConfig.from_pretrained(hf_dir)
         module = build_pipeline_module(config, parallel_topology(stages, tensor_parallel), sequence_parallel=True,
                                        layer_loader=load_layer_slice, loss_chunk_tokens=CHUNK_TOKENS)
+        # the trainer's engine: a mixture's expert gradients summed over the tensor-parallel group at the step's end
         engine, optimizer = recording_engine(module, ds_dir)
+        use_one_backward(engine)
         reads_data = engine.is_first_stage() or engine.is_last_stage()
         cfg = SimpleNamespace(micro_batch_size=MICRO_BATCH, seq_length=SEQ, gradient_accumulation_steps=GAS,
                               tensor_parallel_size=tensor_parallel)
@@ -195,15 +204,17 @@ def packed_rows(tmp_path):
 
 
 @pytest.mark.slow
-def test_packed_rows_match_transformers_on_each_example(tiny_checkpoints, tiny_moe_checkpoints, tmp_path):
+def test_packed_rows_match_transformers_on_each_example(tiny_checkpoints, tiny_moe_checkpoints,
+                                                        tiny_layer_type_checkpoints, tmp_path):
     """The eval loss, its perplexity (of the cross-entropy: a mixture of experts' loss holds its load-balancing
     term, its perplexity does not) and the gradients."""
     import torch
     rows, stats = packed_rows(tmp_path)
     assert stats.packed_from == 40 and len(rows) < 40 and any(len(r["lengths"]) > 2 for r in rows[:GAS * 2 * 2])
     rows = rows[:EVAL_ROWS]
-    checkpoints = {**tiny_checkpoints, **tiny_moe_checkpoints}
-    cases = [(model, *checkpoints[model], topology) for model, topologies in {**PACKED_MODELS, **PACKED_MOE}.items()
+    checkpoints = {**tiny_checkpoints, **tiny_moe_checkpoints, **tiny_layer_type_checkpoints}
+    cases = [(model, *checkpoints[model], topology)
+             for model, topologies in {**PACKED_MODELS, **PACKED_LAYER_TYPES, **PACKED_MOE}.items()
              for topology in topologies]
     torch.save(hf_references(cases, rows, 2), tmp_path / "references.pt")
     spawn(packed_parity_worker, 2, cases, rows, str(tmp_path))

@@ -126,7 +126,9 @@ LAYER_TYPE_CONFIGS = {
                                                                    "rope_theta": 1e6}}),
     "gemma4_e2b": lambda: Gemma4TextConfig(**{**GEMMA4, **GEMMA4_PLE}, **GEMMA4_SHARED_KV, final_logit_softcapping=2.0),
     "gemma4_31b": lambda: Gemma4TextConfig(**GEMMA4, **GEMMA4_K_EQ_V, final_logit_softcapping=30.0),
-    "gemma4_26b_a4b": lambda: Gemma4TextConfig(**GEMMA4, **GEMMA4_K_EQ_V, **GEMMA4_MOE, final_logit_softcapping=2.0),
+    # 26B-A4B: two key/value heads on its full layers (as the hub's), which tensor parallelism 2 splits
+    "gemma4_26b_a4b": lambda: Gemma4TextConfig(**GEMMA4, **{**GEMMA4_K_EQ_V, "num_global_key_value_heads": 2},
+                                               **GEMMA4_MOE, final_logit_softcapping=2.0),
     # OLMo 3: three sliding layers, then a full one with YaRN (without biases and with its norms as initialised:
     # random biases there leave transformers' own fp32 key gradients 1e-4 away from its float64 ones)
     "olmo3": lambda: Olmo3Config(**{**LAYER_TYPES, "num_hidden_layers": 4}, **TOKENS,
