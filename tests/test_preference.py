@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from models.preference import PreferenceSettings
 from tests.distributed import spawn
 from tests.launch import read_metrics
 
@@ -50,18 +51,10 @@ def family_preference_models(tmp_path_factory):
     """{family: a tiny model of it (tests/tiny_models.py, Granite's multipliers, Phi's fused weights, tied Qwen3 and
     SmolLM3) over its chat tokenizer's vocabulary and ids, converted, with string pairs}: for the first step (and
     Granite's six steps)."""
-    from tests.chat_tokenizers import make_chat_tokenizer
     from tests.tiny_models import TINY_CONFIGS
-    models = {}
-    for family in FAMILIES:
-        tokenizer = make_chat_tokenizer(family)
-        config = TINY_CONFIGS[family]()
-        config.vocab_size, config.max_position_embeddings = len(tokenizer), SEQ
-        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-        config.pad_token_id = tokenizer.pad_token_id
-        models[family] = preference_checkpoint(tmp_path_factory.mktemp(family), config, tokenizer,
+    return {family: chat_preference_checkpoint(tmp_path_factory.mktemp(family), TINY_CONFIGS[family](), family,
                                                STEPS * MICRO_BATCH * GAS)
-    return models
+            for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +62,31 @@ def moe_preference_model(tmp_path_factory):
     """A tiny Qwen3-MoE (a dense layer among sparse ones, router_aux_loss_coef 0.1) over Qwen's chat tokenizer,
     converted, with string pairs; its config's output_router_logits false, as the published checkpoints say: TRL's
     DPOTrainer adds the load-balancing loss all the same."""
-    from tests.chat_tokenizers import make_chat_tokenizer
     from tests.tiny_models import MOE_CONFIGS
-    tokenizer = make_chat_tokenizer("qwen3")
     config = MOE_CONFIGS["qwen3_moe"]()
     config.output_router_logits = False
+    return chat_preference_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), config, "qwen3", STEPS * MICRO_BATCH * GAS)
+
+
+@pytest.fixture(scope="module")
+def hybrid_preference_model(tmp_path_factory):
+    """A tiny Qwen3.5 (Gated DeltaNet layers and a gated full-attention one, tests/tiny_models.py) over Qwen's chat
+    tokenizer, converted, with string pairs: for two_stage_runs' first step and DPO run on 2 stages x 2
+    data-parallel (its first step on 1 process, and SimPO's: tests/test_qwen3_5.py)."""
+    from tests.tiny_models import HYBRID_CONFIGS
+    return chat_preference_checkpoint(tmp_path_factory.mktemp("qwen3_5"), HYBRID_CONFIGS["qwen3_5"](), "qwen3",
+                                      2 * STEPS * MICRO_BATCH * GAS)
+
+
+def chat_preference_checkpoint(root, config, style, num_records):
+    """preference_checkpoint of `config` over the chat tokenizer of `style` (tests/chat_tokenizers.py): its
+    vocabulary, special tokens' ids and SEQ positions set in the config."""
+    from tests.chat_tokenizers import make_chat_tokenizer
+    tokenizer = make_chat_tokenizer(style)
     config.vocab_size, config.max_position_embeddings = len(tokenizer), SEQ
     config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
-    return preference_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), config, tokenizer, STEPS * MICRO_BATCH * GAS)
+    return preference_checkpoint(root, config, tokenizer, num_records)
 
 
 def preference_checkpoint(root, config, tokenizer, num_records):
@@ -594,12 +603,14 @@ def test_simpo_matches_trl_cpo(preference_model, two_stage_runs, tmp_path):
 
 
 FIRST_STEP_REFERENCE = [(-60.0 - 7 * i, -55.0 - 11 * i) for i in range(4 * MICRO_BATCH * GAS)]  # margins differ
+OBJECTIVES = {"dpo": PreferenceSettings("dpo", beta=BETA),  # pipeline_first_step's and trl_first_step's
+              "simpo": PreferenceSettings("simpo", beta=SIMPO_BETA, gamma=SIMPO_GAMMA)}
 
 
-def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tensor_parallel=1):
+def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tensor_parallel=1, objective="dpo"):
     """One training step of the pipeline on this rank's share of the first pairs (data-parallel rank r takes the
-    r-th block of MICRO_BATCH x GAS), with FIRST_STEP_REFERENCE as their reference log-probabilities; under LoRA
-    adapters with random B. Saves this rank's gradients by Hugging Face name (with its tensor-parallel split), the
+    r-th block of MICRO_BATCH x GAS), with FIRST_STEP_REFERENCE as their reference log-probabilities (which SimPO
+    does not read); under LoRA adapters with random B. objective: "dpo" or "simpo" (OBJECTIVES' settings). Saves this rank's gradients by Hugging Face name (with its tensor-parallel split), the
     step's loss and metrics to root/<case>-rank<r>.pt."""
     import deepspeed
     from transformers import AutoConfig, AutoTokenizer
@@ -608,7 +619,6 @@ def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tens
     from data.collator import collate_preference
     from models.lora import NO_LORA, LoraSettings
     from models.pipeline import build_pipeline_module
-    from models.preference import PreferenceSettings
     from tests.lora_reference import adapter_values
     from tests.parity_worker import GradientRecorder, hf_name_of_pipeline_param, set_adapters
     from cluster.distributed import parallel_topology
@@ -620,7 +630,7 @@ def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tens
     lora = LoraSettings(rank=lora_rank) if lora_rank else NO_LORA
     module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel),
                                    layer_loader=load_layer_slice, loss_chunk_tokens=7, lora=lora,
-                                   objective=PreferenceSettings("dpo", beta=BETA))
+                                   objective=OBJECTIVES[objective])
     recorder = GradientRecorder([p for p in module.parameters() if p.requires_grad])
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=recorder, config={
         "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GAS,
@@ -644,13 +654,15 @@ def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tens
                 "tensor_parallel": (module.parallel.rank, module.parallel.size)}, root / f"{case}-rank{rank}.pt")
 
 
-def trl_first_step(model, lora_rank, pairs, output_dir):
-    """TRL's DPOTrainer loss on the first `pairs` pairs with FIRST_STEP_REFERENCE, in the pipeline's micro-batches
-    of MICRO_BATCH pairs accumulated (a mixture of experts' load-balancing loss is per forward; a dense model's loss
-    the same as in one batch), and its backward: (loss, metrics, {Hugging Face name: gradient})."""
+def trl_first_step(model, lora_rank, pairs, output_dir, objective="dpo"):
+    """TRL's DPOTrainer loss on the first `pairs` pairs with FIRST_STEP_REFERENCE (objective "simpo": CPOTrainer's
+    with loss_type="simpo", cpo_alpha=0, which takes no reference), in the pipeline's micro-batches of MICRO_BATCH
+    pairs accumulated (a mixture of experts' load-balancing loss is per forward; a dense model's loss the same as in
+    one batch), and its backward: (loss, metrics, {Hugging Face name: gradient})."""
     from datasets import Dataset
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
 
     from models.layout import split_fused
     from models.lora import LoraSettings
@@ -662,20 +674,28 @@ def trl_first_step(model, lora_rank, pairs, output_dir):
                                                               nonzero_b=True))
     else:
         policy = AutoModelForCausalLM.from_pretrained(model["hf"], dtype=torch.float32, attn_implementation="eager")
-    trainer = DPOTrainer(model=policy, processing_class=AutoTokenizer.from_pretrained(model["hf"]),
-                         train_dataset=Dataset.from_list(model["records"][:pairs]),
-                         args=DPOConfig(output_dir=str(output_dir), beta=BETA, max_length=SEQ, use_cpu=True,
-                                        bf16=False, report_to=[], precompute_ref_log_probs=True, disable_tqdm=True))
-    examples = [{**trainer.train_dataset[i], "ref_chosen_logps": c, "ref_rejected_logps": r}
-                for i, (c, r) in enumerate(FIRST_STEP_REFERENCE[:pairs])]
+    common = dict(model=policy, processing_class=AutoTokenizer.from_pretrained(model["hf"]),
+                  train_dataset=Dataset.from_list(model["records"][:pairs]))
+    settings = dict(output_dir=str(output_dir), max_length=SEQ, use_cpu=True, bf16=False, report_to=[],
+                    disable_tqdm=True)
+    if objective == "simpo":
+        trainer = CPOTrainer(**common, args=CPOConfig(**settings, loss_type="simpo", cpo_alpha=0.0, beta=SIMPO_BETA,
+                                                      simpo_gamma=SIMPO_GAMMA))
+        examples, compute_loss = list(trainer.train_dataset), trainer.compute_loss
+        logged = trainer._stored_metrics["train"]
+    else:
+        trainer = DPOTrainer(**common, args=DPOConfig(**settings, beta=BETA, precompute_ref_log_probs=True))
+        examples = [{**trainer.train_dataset[i], "ref_chosen_logps": c, "ref_rejected_logps": r}
+                    for i, (c, r) in enumerate(FIRST_STEP_REFERENCE[:pairs])]
+        compute_loss, logged = trainer._compute_loss, trainer._metrics["train"]
     trainer.model.train()
     count, loss = pairs // MICRO_BATCH, 0.0
     for start in range(0, pairs, MICRO_BATCH):
         batch = trainer.data_collator(examples[start:start + MICRO_BATCH])
-        micro_batch_loss = trainer._compute_loss(trainer.model, batch, return_outputs=False) / count
+        micro_batch_loss = compute_loss(trainer.model, batch, return_outputs=False) / count
         micro_batch_loss.backward()
         loss += micro_batch_loss.item()
-    metrics = {name: sum(values[-count:]) / count for name, values in trainer._metrics["train"].items()}
+    metrics = {name: sum(values[-count:]) / count for name, values in logged.items()}
     grads = split_fused({hf_name_of_peft(n): p.grad for n, p in trainer.model.named_parameters() if p.requires_grad},
                         trainer.model.config)  # Phi-3's fused weights (and adapters) as the pipeline's parts
     if lora_rank:  # a mixture of experts' adapters on its experts as the pipeline holds them
@@ -685,10 +705,11 @@ def trl_first_step(model, lora_rank, pairs, output_dir):
     return loss, metrics, grads
 
 
-def assert_first_step_matches_trl(model, root, case, world_size, data_parallel, lora_rank=0):
+def assert_first_step_matches_trl(model, root, case, world_size, data_parallel, lora_rank=0, objective="dpo"):
     """Every rank's first-step gradients within 1e-5 of TRL's (relative to the largest element; under tensor
     parallelism against the rank's slice), every gradient compared somewhere; the loss and metrics within 1e-5."""
-    loss, metrics, grads = trl_first_step(model, lora_rank, data_parallel * MICRO_BATCH * GAS, root / f"{case}-trl")
+    loss, metrics, grads = trl_first_step(model, lora_rank, data_parallel * MICRO_BATCH * GAS, root / f"{case}-trl",
+                                          objective)
     compared, bad = set(), {}
     for rank in range(world_size):
         result = torch.load(root / f"{case}-rank{rank}.pt", weights_only=False)
