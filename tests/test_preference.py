@@ -238,10 +238,11 @@ def one_process_worker(rank, model, families, moe, root, runs):
     run_trainer(rank, *runs)
 
 
-def four_process_worker(rank, model, root, runs):
+def four_process_worker(rank, model, hybrid, root, runs):
     from cluster.distributed import init_distributed
     init_distributed(timeout_minutes=2)
     pipeline_first_step(rank, model, root, "2stages_2dp", num_stages=2)
+    pipeline_first_step(rank, hybrid, root, "qwen3_5-2stages_2dp", num_stages=2)
     pipeline_first_step(rank, model, root, "tp2_2dp", tensor_parallel=2)
     host_tensor_units(rank, root)
     with host_copies_at_saves(rank, root):
@@ -427,13 +428,13 @@ def test_simpo_on_a_mixture_of_experts_adds_the_load_balancing_loss_as_trl_cpo(m
 
 
 @pytest.fixture(scope="module")
-def two_stage_runs(preference_model, tmp_path_factory):
-    """One start of 4 processes for the first-step gradients on 2 stages x 2 data-parallel and 1 stage x tensor
-    parallel 2 x 2 data-parallel (pipeline_first_step), then the runs, in turn: on 2 stages under ZeRO-1, DPO
-    stopped after 2 steps, the same resumed to 4, DPO with LoRA (evaluated, exported, evaluated again from its
-    checkpoint with the reference computed again), DPO under zero-bubble with activation checkpointing, and SimPO;
-    DPO on 2 stages x context parallel 2 (under 1F1B and under ZB-V), and on 1 stage x tensor parallel 2 x 2
-    data-parallel;
+def two_stage_runs(preference_model, hybrid_preference_model, tmp_path_factory):
+    """One start of 4 processes for the first-step gradients on 2 stages x 2 data-parallel (LLaMA's and Qwen3.5's)
+    and 1 stage x tensor parallel 2 x 2 data-parallel (pipeline_first_step), then the runs, in turn: on 2 stages
+    under ZeRO-1, DPO stopped after 2 steps, the same resumed to 4, DPO with LoRA (evaluated, exported, evaluated
+    again from its checkpoint with the reference computed again), DPO under zero-bubble with activation
+    checkpointing, SimPO, and DPO on Qwen3.5; DPO on 2 stages x context parallel 2 (under 1F1B and under ZB-V), and
+    on 1 stage x tensor parallel 2 x 2 data-parallel;
     {name: output_dir}."""
     root = tmp_path_factory.mktemp("two_stages")
     layout = dict(num_stages=2, zero_stage=1)
@@ -454,9 +455,10 @@ def two_stage_runs(preference_model, tmp_path_factory):
                                            eval_file=preference_model["eval"], **{"lora.rank": LORA_RANK,
                                            "data.cache_dir": root / "lora_eval_cache"}),
             "simpo": trainer_overrides(preference_model, root / "simpo", **layout, objective="simpo",
-                                       **{"simpo.beta": SIMPO_BETA, "simpo.gamma": SIMPO_GAMMA})}
-    spawn(four_process_worker, 4, preference_model, root, composed(*runs.values()))
-    names = ("dpo", "tp2", "cp2", "zbv_cp2", "zero_bubble", "lora", "simpo", "lora_eval_cache")
+                                       **{"simpo.beta": SIMPO_BETA, "simpo.gamma": SIMPO_GAMMA}),
+            "qwen3_5": trainer_overrides(hybrid_preference_model, root / "qwen3_5", **layout)}
+    spawn(four_process_worker, 4, preference_model, hybrid_preference_model, root, composed(*runs.values()))
+    names = ("dpo", "tp2", "cp2", "zbv_cp2", "zero_bubble", "lora", "simpo", "qwen3_5", "lora_eval_cache")
     return {"root": root, **{name: root / name for name in names}}
 
 
@@ -536,6 +538,19 @@ def test_dpo_lora_matches_trl(preference_model, two_stage_runs, tmp_path):
     assert_matches_trl(logged_steps(two_stage_runs["lora"]),
                        trl_dpo_run(preference_model, order, 2 * MICRO_BATCH * GAS, tmp_path / "trl",
                                    lora=LoraSettings(rank=LORA_RANK)))
+
+
+@pytest.mark.slow
+def test_dpo_on_a_hybrid_over_two_stages_matches_trl(hybrid_preference_model, two_stage_runs, tmp_path):
+    """Qwen3.5 (Gated DeltaNet layers and gated full attention, the pattern split across the stages) on 2 stages x
+    2 data-parallel under ZeRO-1: the first step's loss, rewards and every gradient within 1e-5 of TRL's
+    DPOTrainer with FIRST_STEP_REFERENCE; four steps of the trainer, its own reference pass through the hybrid
+    included, TRL's."""
+    model = hybrid_preference_model
+    assert_first_step_matches_trl(model, two_stage_runs["root"], "qwen3_5-2stages_2dp", 4, 2)
+    order = trainer_order(len(model["records"]), 2)
+    assert_matches_trl(logged_steps(two_stage_runs["qwen3_5"]),
+                       trl_dpo_run(model, order, 2 * MICRO_BATCH * GAS, tmp_path / "trl"))
 
 
 @pytest.mark.slow
