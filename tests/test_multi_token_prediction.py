@@ -427,8 +427,10 @@ def shared_launch(demo_model, mtp_checkpoints, tmp_path_factory):
         assert procs == 4, layout
         root = tmp_path_factory.mktemp(layout)
         runs[layout] = (write_skewed_instructions(demo_model, root / "train.jsonl"), root / "run")
+        # the demo tokenizer named: AutoTokenizer maps model_type qwen3_5_moe_text to Qwen3_5Tokenizer whatever
+        # tokenizer_config.json says, which would tokenize the run's rows unlike the reference's
         overrides.append(instruction_overrides(demo_model, mtp_checkpoints(family), *runs[layout], settings,
-                                               mtp_loss_scale=SCALE))
+                                               mtp_loss_scale=SCALE, tokenizer_name_or_path=demo_model["hf"]))
     spawn(run_trainer, 4, *composed(*overrides))
     return runs
 
