@@ -178,7 +178,7 @@ def train_balanced(demo_model, model_dirs, train_file, out, procs, settings, **e
 def train_instruction_steps(demo_model, model_dirs, train_file, out, procs, settings, **extra):
     """The logged step records of TRAIN_STEPS steps on padded instruction rows with clipping active, saving at step
     3 and exporting, from the converted model in model_dirs["ds"]: the run the balancing and MTP tests compare."""
-    from tests.launch import check_ok, launch_trainer
+    from tests.launch import check_ok, launch_trainer, logged_steps
     check_ok(launch_trainer(procs, instruction_overrides(demo_model, model_dirs, train_file, out, settings, **extra)))
     return logged_steps(out)
 
@@ -194,11 +194,6 @@ def instruction_overrides(demo_model, model_dirs, train_file, out, settings, **e
         "micro_batch_size": ROWS, "max_steps": TRAIN_STEPS, "logging_steps": 1, "learning_rate": LEARNING_RATE,
         "lr_scheduler": "constant", "warmup_steps": 0, "max_grad_norm": MAX_GRAD_NORM, "seed": SEED,
         "save_steps": 3, "export_hf": "true", **extra})
-
-
-def logged_steps(out):
-    from tests.launch import read_metrics
-    return [r for r in read_metrics(out) if "loss" in r]
 
 
 @pytest.mark.slow

@@ -449,7 +449,7 @@ def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model,
     from tests.test_conversion import load_hf_weights
     from tests.test_moe import MAX_GRAD_NORM, TRAIN_STEPS
     from tests.test_token_mean import MICRO_BATCH as ROWS, global_batches, write_skewed_instructions
-    from tests.test_deepseek_balancing import logged_steps
+    from tests.launch import logged_steps
     family, procs, settings = MTP_LAYOUTS[layout]
     demo_deepseek_with_mtp = mtp_checkpoints(family)
     if layout in SHARED_LAUNCH:

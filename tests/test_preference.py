@@ -15,7 +15,7 @@ import torch
 
 from models.preference import PreferenceSettings
 from tests.distributed import spawn
-from tests.launch import read_metrics
+from tests.launch import logged_steps, read_metrics
 
 SEQ, MICRO_BATCH, GAS, STEPS, SEED, BETA = 48, 2, 2, 4, 42, 0.1
 LORA_RANK, SIMPO_BETA, SIMPO_GAMMA, EVAL_PAIRS = 4, 2.0, 0.5, 10
@@ -206,10 +206,6 @@ def assert_matches_trl(ours, theirs):
         assert mine["grad_norm"] == pytest.approx(trl["grad_norm"], rel=1e-4), step
         for name in METRICS:
             assert mine[name] == pytest.approx(trl[name], abs=1e-4, rel=1e-5), (step, name)
-
-
-def logged_steps(output_dir):
-    return [r for r in read_metrics(output_dir) if "loss" in r]
 
 
 @pytest.fixture(scope="module")
