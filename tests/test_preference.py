@@ -621,8 +621,9 @@ OBJECTIVES = {"dpo": PreferenceSettings("dpo", beta=BETA),  # pipeline_first_ste
 def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tensor_parallel=1, objective="dpo"):
     """One training step of the pipeline on this rank's share of the first pairs (data-parallel rank r takes the
     r-th block of MICRO_BATCH x GAS), with FIRST_STEP_REFERENCE as their reference log-probabilities (which SimPO
-    does not read); under LoRA adapters with random B. objective: "dpo" or "simpo" (OBJECTIVES' settings). Saves this rank's gradients by Hugging Face name (with its tensor-parallel split), the
-    step's loss and metrics to root/<case>-rank<r>.pt."""
+    does not read); under LoRA adapters with random B; objective "dpo" or "simpo" (OBJECTIVES' settings). Saves
+    this rank's gradients by Hugging Face name (with its tensor-parallel split), the step's loss and metrics to
+    root/<case>-rank<r>.pt."""
     import deepspeed
     from transformers import AutoConfig, AutoTokenizer
 
