@@ -193,8 +193,13 @@ def read_metrics(output_dir):
         return [json.loads(line) for line in f]
 
 
+def logged_steps(output_dir):
+    """The run's step records (those with a training loss)."""
+    return [r for r in read_metrics(output_dir) if "loss" in r]
+
+
 def per_step_losses(output_dir):
-    return [r["loss"] for r in read_metrics(output_dir) if "loss" in r]
+    return [r["loss"] for r in logged_steps(output_dir)]
 
 
 def check_ok(result):

@@ -178,16 +178,22 @@ def train_balanced(demo_model, model_dirs, train_file, out, procs, settings, **e
 def train_instruction_steps(demo_model, model_dirs, train_file, out, procs, settings, **extra):
     """The logged step records of TRAIN_STEPS steps on padded instruction rows with clipping active, saving at step
     3 and exporting, from the converted model in model_dirs["ds"]: the run the balancing and MTP tests compare."""
-    from tests.launch import check_ok, demo_overrides, launch_trainer, read_metrics
+    from tests.launch import check_ok, launch_trainer, logged_steps
+    check_ok(launch_trainer(procs, instruction_overrides(demo_model, model_dirs, train_file, out, settings, **extra)))
+    return logged_steps(out)
+
+
+def instruction_overrides(demo_model, model_dirs, train_file, out, settings, **extra):
+    """train_instruction_steps' run as trainer overrides."""
+    from tests.launch import demo_overrides
     from tests.test_moe import LEARNING_RATE, MAX_GRAD_NORM, TRAIN_STEPS
     from tests.test_token_mean import MICRO_BATCH as ROWS, SEED, SEQ as TRAIN_SEQ
-    check_ok(launch_trainer(procs, demo_overrides(demo_model, out, **{
+    return demo_overrides(demo_model, out, **{
         **settings, "model_name_or_path": model_dirs["ds"], "train_file": str(train_file), "eval_file": "null",
         "data.format": "instruction", "data.cache_dir": str(out.parent / "cache"), "seq_length": TRAIN_SEQ,
         "micro_batch_size": ROWS, "max_steps": TRAIN_STEPS, "logging_steps": 1, "learning_rate": LEARNING_RATE,
         "lr_scheduler": "constant", "warmup_steps": 0, "max_grad_norm": MAX_GRAD_NORM, "seed": SEED,
-        "save_steps": 3, "export_hf": "true", **extra})))
-    return [r for r in read_metrics(out) if "loss" in r]
+        "save_steps": 3, "export_hf": "true", **extra})
 
 
 @pytest.mark.slow

@@ -161,7 +161,6 @@ def test_buckets_none_of_which_holds_a_step_are_refused():
 # order_seed: the bucket order's, which gives each case's steps widths 8, 8, 16 (128 rows; DPO's 12, 12, 16) or
 # 12, 8, 16 (64 rows): the evaluation at 16 after step 1, and step 2, change the length.
 CASES = {
-    "2stages_x_2dp_1f1b": ("llama3", dict(stages=2, schedule="1f1b", length_buckets=[8, 12], rows=128, order_seed=10)),
     # ZB-V's rank 1 holds neither the first nor the last chunk: it reads no data and learns each step's width
     "2stages_x_2dp_zbv": ("llama3", dict(stages=2, schedule="zbv", length_buckets=[8, 12], rows=128, order_seed=10)),
     "2stages_x_2dp_dpo_zero_bubble": ("llama3", dict(stages=2, schedule="zero_bubble", objective="dpo",
@@ -170,17 +169,25 @@ CASES = {
                                                  tensor_parallel=2, length_buckets=[8, 12], rows=64, order_seed=14)),
     "2stages_x_cp2_1f1b": ("llama3", dict(stages=2, schedule="1f1b", context_parallel=2, length_buckets=[8, 12],
                                           rows=64, order_seed=14)),
+    # 1F1B on 2 x 2 with the Gated DeltaNet hybrid with experts (LLaMA under the other schedules): its recurrent
+    # state, convolution window and load-balancing loss see the real tokens only, however many padded positions
+    # follow them. Its decay's gradients (A_log, dt_bias) sum over the chunk's cumulative decays in fp32:
+    # transformers' own move by 1.6e-6 of the largest between rows padded to 8 and to 16, one step; three steps
+    # here reach 2.3e-6.
+    "2stages_x_2dp_qwen3_5_moe": ("qwen3_5_moe", dict(stages=2, schedule="1f1b", length_buckets=[8, 12], rows=128,
+                                                      order_seed=10, grad_tolerance=5e-6)),
 }
 
 
 @pytest.mark.slow
-def test_bucketed_losses_equal_padded_ones_under_every_schedule(tiny_checkpoints, tmp_path):
+def test_bucketed_losses_equal_padded_ones_under_every_schedule(tiny_checkpoints, tiny_hybrid_checkpoints, tmp_path):
     """Each case trains on the same rows in the same steps with each step padded to its bucket and to seq_length:
     the same loss units (the token mean's denominators), losses within 1e-6, an evaluation at seq_length after step
-    1 alike, every step's gradients within 2e-6 of the largest and the weights the steps leave within 1e-6 (fp32
-    sums over other shapes; under tensor and context parallelism the real tokens sit on other ranks when the rows
-    are shorter, and are summed in another order); DPO's reference pass the same."""
-    cases = [dict(name=name, hf_dir=tiny_checkpoints[model][0], ds_dir=tiny_checkpoints[model][1], **settings)
+    1 alike, every step's gradients within 2e-6 of the largest (the hybrid's within 5e-6) and the weights the steps
+    leave within 1e-6 (fp32 sums over other shapes; under tensor and context parallelism the real tokens sit on
+    other ranks when the rows are shorter, and are summed in another order); DPO's reference pass the same."""
+    checkpoints = {**tiny_checkpoints, **tiny_hybrid_checkpoints}
+    cases = [dict(name=name, hf_dir=checkpoints[model][0], ds_dir=checkpoints[model][1], **settings)
              for name, (model, settings) in CASES.items()]
     spawn(length_bucket_worker.run, 4, cases, STEPS, MICRO_BATCH, GAS, SEQ, str(tmp_path))
     ranks = [json.load(open(path)) for path in sorted(glob.glob(str(tmp_path / "rank*.json")))]
@@ -201,7 +208,7 @@ def test_bucketed_losses_equal_padded_ones_under_every_schedule(tiny_checkpoints
         assert losses == pytest.approx(padded_losses, abs=1e-6, rel=0), name
         assert result["eval_loss"] == pytest.approx(result["padded_eval_loss"], abs=1e-6, rel=0), name
         assert result["grad_steps"] == [STEPS, STEPS], name
-        assert result["max_grad_error"] <= 2e-6, (name, result["worst_grad"])
+        assert result["max_grad_error"] <= settings.get("grad_tolerance", 2e-6), (name, result["worst_grad"])
         assert result["max_weight_error"] <= 1e-6, (name, result["worst_weight"])
         if settings.get("objective") == "dpo":
             assert result["reference"] == result["padded_reference"] and result["reference"][0], name

@@ -446,6 +446,8 @@ def reference_steps(model_dirs, batches, micro_batch_size):
     return losses, norms, trained
 
 
+TP2_X_EP2 = dict(num_stages=1, tensor_parallel_size=2, expert_parallel_size=2, gradient_accumulation_steps=2,
+                 zero_stage=1)
 # {layout: (family, processes, settings)}
 MTP_LAYOUTS = {"1_process": ("deepseek_v3", 1, dict(num_stages=1, gradient_accumulation_steps=4, zero_stage=0)),
                "2stages_x_2dp": ("deepseek_v3", 4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1)),
@@ -453,8 +455,12 @@ MTP_LAYOUTS = {"1_process": ("deepseek_v3", 1, dict(num_stages=1, gradient_accum
                "qwen3_5_2stages_x_cp2": ("qwen3_5", 4, dict(num_stages=2, context_parallel_size=2,
                                                             gradient_accumulation_steps=4, zero_stage=0)),
                # the MTP layer's latent attention and shared experts split over 2 ranks, its experts over 2 others
-               "tp2_x_ep2": ("deepseek_v3", 4, dict(num_stages=1, tensor_parallel_size=2, expert_parallel_size=2,
-                                                    gradient_accumulation_steps=2, zero_stage=1))}
+               "tp2_x_ep2": ("deepseek_v3", 4, TP2_X_EP2),
+               # Qwen3.5-MoE's: its gated attention (query and gate interleaved per head) and gated shared expert
+               # split over 2 ranks, its experts over 2 others
+               "qwen3_5_moe_tp2_x_ep2": ("qwen3_5_moe", 4, TP2_X_EP2)}
+# layouts whose runs share one start of their processes (training.loop.run on each rank, one run after the other)
+SHARED_LAUNCH = ("tp2_x_ep2", "qwen3_5_moe_tp2_x_ep2")
 
 
 def train_with_mtp(demo_model, model_dirs, train_file, out, procs, settings, **extra):
@@ -463,9 +469,31 @@ def train_with_mtp(demo_model, model_dirs, train_file, out, procs, settings, **e
                                    **{"mtp_loss_scale": SCALE, **extra})
 
 
+@pytest.fixture(scope="module")
+def shared_launch(demo_model, mtp_checkpoints, tmp_path_factory):
+    """SHARED_LAUNCH's runs (train_with_mtp's) in one start of 4 processes: {layout: (train_file, output_dir)}."""
+    from tests.distributed import spawn
+    from tests.test_deepseek_balancing import instruction_overrides
+    from tests.test_preference import composed, run_trainer
+    from tests.test_token_mean import write_skewed_instructions
+    runs, overrides = {}, []
+    for layout in SHARED_LAUNCH:
+        family, procs, settings = MTP_LAYOUTS[layout]
+        assert procs == 4, layout
+        root = tmp_path_factory.mktemp(layout)
+        runs[layout] = (write_skewed_instructions(demo_model, root / "train.jsonl"), root / "run")
+        # the demo tokenizer named: AutoTokenizer maps model_type qwen3_5_moe_text to Qwen3_5Tokenizer whatever
+        # tokenizer_config.json says, which would tokenize the run's rows unlike the reference's
+        overrides.append(instruction_overrides(demo_model, mtp_checkpoints(family), *runs[layout], settings,
+                                               mtp_loss_scale=SCALE, tokenizer_name_or_path=demo_model["hf"]))
+    spawn(run_trainer, 4, *composed(*overrides))
+    return runs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", MTP_LAYOUTS)
-def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model, mtp_checkpoints, tmp_path, layout):
+def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model, mtp_checkpoints, tmp_path, layout,
+                                                                     request):
     """Six steps with mtp_loss_scale (padded instruction rows, clipping active) from a converted checkpoint whose MTP
     layer is carried: the MTP layer starts from the carried file, the logged losses and the step-1 gradient norm are
     those of transformers + ReferenceMTP + AdamW (which differ from the main loss's alone), and the export holds
@@ -476,11 +504,16 @@ def test_training_equals_the_reference_and_exports_the_trained_layer(demo_model,
     from tests.test_conversion import load_hf_weights
     from tests.test_moe import MAX_GRAD_NORM, TRAIN_STEPS
     from tests.test_token_mean import MICRO_BATCH as ROWS, global_batches, write_skewed_instructions
+    from tests.launch import logged_steps
     family, procs, settings = MTP_LAYOUTS[layout]
     demo_deepseek_with_mtp = mtp_checkpoints(family)
-    train_file = write_skewed_instructions(demo_model, tmp_path / "train.jsonl")
-    out = tmp_path / "run"
-    records = train_with_mtp(demo_model, demo_deepseek_with_mtp, train_file, out, procs, settings)
+    if layout in SHARED_LAUNCH:
+        train_file, out = request.getfixturevalue("shared_launch")[layout]
+        records = logged_steps(out)
+    else:
+        train_file = write_skewed_instructions(demo_model, tmp_path / "train.jsonl")
+        out = tmp_path / "run"
+        records = train_with_mtp(demo_model, demo_deepseek_with_mtp, train_file, out, procs, settings)
     data_parallel = (procs // settings["num_stages"] // settings.get("tensor_parallel_size", 1)
                      // settings.get("context_parallel_size", 1))
     batches = global_batches(demo_model, train_file, data_parallel, settings["gradient_accumulation_steps"],

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from models.preference import PreferenceSettings
 from tests.distributed import spawn
-from tests.launch import read_metrics
+from tests.launch import logged_steps, read_metrics
 
 SEQ, MICRO_BATCH, GAS, STEPS, SEED, BETA = 48, 2, 2, 4, 42, 0.1
 LORA_RANK, SIMPO_BETA, SIMPO_GAMMA, EVAL_PAIRS = 4, 2.0, 0.5, 10
@@ -57,20 +58,11 @@ def family_preference_models(tmp_path_factory):
     """{family: a tiny model of it (tests/tiny_models.py, Granite's multipliers, Phi's fused weights, tied Qwen3 and
     SmolLM3) over its chat tokenizer's vocabulary and ids, converted, with string pairs}: for the first step (and
     Granite's six steps)."""
-    from tests.chat_tokenizers import make_chat_tokenizer
     from tests.tiny_models import LAYER_TYPE_CONFIGS, TINY_CONFIGS
-    models = {}
-    for family in FAMILIES:
-        tokenizer = make_chat_tokenizer(FAMILY_TOKENIZERS.get(family, family))
-        config = {**TINY_CONFIGS, **LAYER_TYPE_CONFIGS}[family]()
-        config.vocab_size, config.max_position_embeddings = len(tokenizer), SEQ
-        if getattr(config, "hidden_size_per_layer_input", 0):  # Gemma 4's per-layer table: a row for every token
-            config.vocab_size_per_layer_input = len(tokenizer)
-        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-        config.pad_token_id = tokenizer.pad_token_id
-        models[family] = preference_checkpoint(tmp_path_factory.mktemp(family), config, tokenizer,
-                                               STEPS * MICRO_BATCH * GAS)
-    return models
+    configs = {**TINY_CONFIGS, **LAYER_TYPE_CONFIGS}
+    return {family: chat_preference_checkpoint(tmp_path_factory.mktemp(family), configs[family](),
+                                               FAMILY_TOKENIZERS.get(family, family), STEPS * MICRO_BATCH * GAS)
+            for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +70,33 @@ def moe_preference_model(tmp_path_factory):
     """A tiny Qwen3-MoE (a dense layer among sparse ones, router_aux_loss_coef 0.1) over Qwen's chat tokenizer,
     converted, with string pairs; its config's output_router_logits false, as the published checkpoints say: TRL's
     DPOTrainer adds the load-balancing loss all the same."""
-    from tests.chat_tokenizers import make_chat_tokenizer
     from tests.tiny_models import MOE_CONFIGS
-    tokenizer = make_chat_tokenizer("qwen3")
     config = MOE_CONFIGS["qwen3_moe"]()
     config.output_router_logits = False
+    return chat_preference_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), config, "qwen3", STEPS * MICRO_BATCH * GAS)
+
+
+@pytest.fixture(scope="module")
+def hybrid_preference_model(tmp_path_factory):
+    """A tiny Qwen3.5 (Gated DeltaNet layers and a gated full-attention one, tests/tiny_models.py) over Qwen's chat
+    tokenizer, converted, with string pairs: for two_stage_runs' first step and DPO run on 2 stages x 2
+    data-parallel (its first step on 1 process, and SimPO's: tests/test_qwen3_5.py)."""
+    from tests.tiny_models import HYBRID_CONFIGS
+    return chat_preference_checkpoint(tmp_path_factory.mktemp("qwen3_5"), HYBRID_CONFIGS["qwen3_5"](), "qwen3",
+                                      2 * STEPS * MICRO_BATCH * GAS)
+
+
+def chat_preference_checkpoint(root, config, style, num_records):
+    """preference_checkpoint of `config` over the chat tokenizer of `style` (tests/chat_tokenizers.py): its
+    vocabulary, special tokens' ids and SEQ positions set in the config."""
+    from tests.chat_tokenizers import make_chat_tokenizer
+    tokenizer = make_chat_tokenizer(style)
     config.vocab_size, config.max_position_embeddings = len(tokenizer), SEQ
+    if getattr(config, "hidden_size_per_layer_input", 0):  # Gemma 4's per-layer table: a row for every token
+        config.vocab_size_per_layer_input = len(tokenizer)
     config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
-    return preference_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), config, tokenizer, STEPS * MICRO_BATCH * GAS)
+    return preference_checkpoint(root, config, tokenizer, num_records)
 
 
 def preference_checkpoint(root, config, tokenizer, num_records):
@@ -208,10 +218,6 @@ def assert_matches_trl(ours, theirs):
             assert mine[name] == pytest.approx(trl[name], abs=1e-4, rel=1e-5), (step, name)
 
 
-def logged_steps(output_dir):
-    return [r for r in read_metrics(output_dir) if "loss" in r]
-
-
 @pytest.fixture(scope="module")
 def one_process_runs(preference_model, family_preference_models, moe_preference_model, tmp_path_factory):
     """One process for the first-step gradients (pipeline_first_step: full weights, LoRA; LLaMA's and each other
@@ -238,10 +244,11 @@ def one_process_worker(rank, model, families, moe, root, runs):
     run_trainer(rank, *runs)
 
 
-def four_process_worker(rank, model, root, runs):
+def four_process_worker(rank, model, hybrid, root, runs):
     from cluster.distributed import init_distributed
     init_distributed(timeout_minutes=2)
     pipeline_first_step(rank, model, root, "2stages_2dp", num_stages=2)
+    pipeline_first_step(rank, hybrid, root, "qwen3_5-2stages_2dp", num_stages=2)
     pipeline_first_step(rank, model, root, "tp2_2dp", tensor_parallel=2)
     host_tensor_units(rank, root)
     with host_copies_at_saves(rank, root):
@@ -427,13 +434,13 @@ def test_simpo_on_a_mixture_of_experts_adds_the_load_balancing_loss_as_trl_cpo(m
 
 
 @pytest.fixture(scope="module")
-def two_stage_runs(preference_model, tmp_path_factory):
-    """One start of 4 processes for the first-step gradients on 2 stages x 2 data-parallel and 1 stage x tensor
-    parallel 2 x 2 data-parallel (pipeline_first_step), then the runs, in turn: on 2 stages under ZeRO-1, DPO
-    stopped after 2 steps, the same resumed to 4, DPO with LoRA (evaluated, exported, evaluated again from its
-    checkpoint with the reference computed again), DPO under zero-bubble with activation checkpointing, and SimPO;
-    DPO on 2 stages x context parallel 2 (under 1F1B and under ZB-V), and on 1 stage x tensor parallel 2 x 2
-    data-parallel;
+def two_stage_runs(preference_model, hybrid_preference_model, tmp_path_factory):
+    """One start of 4 processes for the first-step gradients on 2 stages x 2 data-parallel (LLaMA's and Qwen3.5's)
+    and 1 stage x tensor parallel 2 x 2 data-parallel (pipeline_first_step), then the runs, in turn: on 2 stages
+    under ZeRO-1, DPO stopped after 2 steps, the same resumed to 4, DPO with LoRA (evaluated, exported, evaluated
+    again from its checkpoint with the reference computed again), DPO under zero-bubble with activation
+    checkpointing, SimPO, and DPO on Qwen3.5; DPO on 2 stages x context parallel 2 (under 1F1B and under ZB-V), and
+    on 1 stage x tensor parallel 2 x 2 data-parallel;
     {name: output_dir}."""
     root = tmp_path_factory.mktemp("two_stages")
     layout = dict(num_stages=2, zero_stage=1)
@@ -454,9 +461,10 @@ def two_stage_runs(preference_model, tmp_path_factory):
                                            eval_file=preference_model["eval"], **{"lora.rank": LORA_RANK,
                                            "data.cache_dir": root / "lora_eval_cache"}),
             "simpo": trainer_overrides(preference_model, root / "simpo", **layout, objective="simpo",
-                                       **{"simpo.beta": SIMPO_BETA, "simpo.gamma": SIMPO_GAMMA})}
-    spawn(four_process_worker, 4, preference_model, root, composed(*runs.values()))
-    names = ("dpo", "tp2", "cp2", "zbv_cp2", "zero_bubble", "lora", "simpo", "lora_eval_cache")
+                                       **{"simpo.beta": SIMPO_BETA, "simpo.gamma": SIMPO_GAMMA}),
+            "qwen3_5": trainer_overrides(hybrid_preference_model, root / "qwen3_5", **layout)}
+    spawn(four_process_worker, 4, preference_model, hybrid_preference_model, root, composed(*runs.values()))
+    names = ("dpo", "tp2", "cp2", "zbv_cp2", "zero_bubble", "lora", "simpo", "qwen3_5", "lora_eval_cache")
     return {"root": root, **{name: root / name for name in names}}
 
 
@@ -539,6 +547,19 @@ def test_dpo_lora_matches_trl(preference_model, two_stage_runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_dpo_on_a_hybrid_over_two_stages_matches_trl(hybrid_preference_model, two_stage_runs, tmp_path):
+    """Qwen3.5 (Gated DeltaNet layers and gated full attention, the pattern split across the stages) on 2 stages x
+    2 data-parallel under ZeRO-1: the first step's loss, rewards and every gradient within 1e-5 of TRL's
+    DPOTrainer with FIRST_STEP_REFERENCE; four steps of the trainer, its own reference pass through the hybrid
+    included, TRL's."""
+    model = hybrid_preference_model
+    assert_first_step_matches_trl(model, two_stage_runs["root"], "qwen3_5-2stages_2dp", 4, 2)
+    order = trainer_order(len(model["records"]), 2)
+    assert_matches_trl(logged_steps(two_stage_runs["qwen3_5"]),
+                       trl_dpo_run(model, order, 2 * MICRO_BATCH * GAS, tmp_path / "trl"))
+
+
+@pytest.mark.slow
 def test_exported_lora_adapter_gives_the_eval_metrics_in_trl(preference_model, two_stage_runs, tmp_path):
     """The exported peft adapter on the base, evaluated by TRL's DPOTrainer (reference: the adapter disabled) on
     the eval pairs, gives the eval_loss and eval metrics the trainer logged (its eval shards padded with empty
@@ -603,13 +624,16 @@ def test_simpo_matches_trl_cpo(preference_model, two_stage_runs, tmp_path):
 
 
 FIRST_STEP_REFERENCE = [(-60.0 - 7 * i, -55.0 - 11 * i) for i in range(4 * MICRO_BATCH * GAS)]  # margins differ
+OBJECTIVES = {"dpo": PreferenceSettings("dpo", beta=BETA),  # pipeline_first_step's and trl_first_step's
+              "simpo": PreferenceSettings("simpo", beta=SIMPO_BETA, gamma=SIMPO_GAMMA)}
 
 
-def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tensor_parallel=1):
+def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tensor_parallel=1, objective="dpo"):
     """One training step of the pipeline on this rank's share of the first pairs (data-parallel rank r takes the
-    r-th block of MICRO_BATCH x GAS), with FIRST_STEP_REFERENCE as their reference log-probabilities; under LoRA
-    adapters with random B. Saves this rank's gradients by Hugging Face name (with its tensor-parallel split), the
-    step's loss and metrics to root/<case>-rank<r>.pt."""
+    r-th block of MICRO_BATCH x GAS), with FIRST_STEP_REFERENCE as their reference log-probabilities (which SimPO
+    does not read); under LoRA adapters with random B; objective "dpo" or "simpo" (OBJECTIVES' settings). Saves
+    this rank's gradients by Hugging Face name (with its tensor-parallel split), the step's loss and metrics to
+    root/<case>-rank<r>.pt."""
     import deepspeed
     from transformers import AutoConfig, AutoTokenizer
 
@@ -617,7 +641,6 @@ def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tens
     from data.collator import collate_preference
     from models.lora import NO_LORA, LoraSettings
     from models.pipeline import build_pipeline_module
-    from models.preference import PreferenceSettings
     from tests.lora_reference import adapter_values
     from tests.parity_worker import GradientRecorder, hf_name_of_pipeline_param, set_adapters
     from cluster.distributed import parallel_topology
@@ -629,7 +652,7 @@ def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tens
     lora = LoraSettings(rank=lora_rank) if lora_rank else NO_LORA
     module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel),
                                    layer_loader=load_layer_slice, loss_chunk_tokens=7, lora=lora,
-                                   objective=PreferenceSettings("dpo", beta=BETA))
+                                   objective=OBJECTIVES[objective])
     recorder = GradientRecorder([p for p in module.parameters() if p.requires_grad])
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=recorder, config={
         "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GAS,
@@ -653,13 +676,15 @@ def pipeline_first_step(rank, model, root, case, lora_rank=0, num_stages=1, tens
                 "tensor_parallel": (module.parallel.rank, module.parallel.size)}, root / f"{case}-rank{rank}.pt")
 
 
-def trl_first_step(model, lora_rank, pairs, output_dir):
-    """TRL's DPOTrainer loss on the first `pairs` pairs with FIRST_STEP_REFERENCE, in the pipeline's micro-batches
-    of MICRO_BATCH pairs accumulated (a mixture of experts' load-balancing loss is per forward; a dense model's loss
-    the same as in one batch), and its backward: (loss, metrics, {Hugging Face name: gradient})."""
+def trl_first_step(model, lora_rank, pairs, output_dir, objective="dpo"):
+    """TRL's DPOTrainer loss on the first `pairs` pairs with FIRST_STEP_REFERENCE (objective "simpo": CPOTrainer's
+    with loss_type="simpo", cpo_alpha=0, which takes no reference), in the pipeline's micro-batches of MICRO_BATCH
+    pairs accumulated (a mixture of experts' load-balancing loss is per forward; a dense model's loss the same as in
+    one batch), and its backward: (loss, metrics, {Hugging Face name: gradient})."""
     from datasets import Dataset
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
 
     from models.layout import split_fused
     from models.lora import LoraSettings
@@ -672,20 +697,28 @@ def trl_first_step(model, lora_rank, pairs, output_dir):
                                                               nonzero_b=True))
     else:
         policy = AutoModelForCausalLM.from_pretrained(model["hf"], dtype=torch.float32, attn_implementation="eager")
-    trainer = DPOTrainer(model=policy, processing_class=AutoTokenizer.from_pretrained(model["hf"]),
-                         train_dataset=Dataset.from_list(model["records"][:pairs]),
-                         args=DPOConfig(output_dir=str(output_dir), beta=BETA, max_length=SEQ, use_cpu=True,
-                                        bf16=False, report_to=[], precompute_ref_log_probs=True, disable_tqdm=True))
-    examples = [{**trainer.train_dataset[i], "ref_chosen_logps": c, "ref_rejected_logps": r}
-                for i, (c, r) in enumerate(FIRST_STEP_REFERENCE[:pairs])]
+    common = dict(model=policy, processing_class=AutoTokenizer.from_pretrained(model["hf"]),
+                  train_dataset=Dataset.from_list(model["records"][:pairs]))
+    settings = dict(output_dir=str(output_dir), max_length=SEQ, use_cpu=True, bf16=False, report_to=[],
+                    disable_tqdm=True)
+    if objective == "simpo":
+        trainer = CPOTrainer(**common, args=CPOConfig(**settings, loss_type="simpo", cpo_alpha=0.0, beta=SIMPO_BETA,
+                                                      simpo_gamma=SIMPO_GAMMA))
+        examples, compute_loss = list(trainer.train_dataset), trainer.compute_loss
+        logged = trainer._stored_metrics["train"]
+    else:
+        trainer = DPOTrainer(**common, args=DPOConfig(**settings, beta=BETA, precompute_ref_log_probs=True))
+        examples = [{**trainer.train_dataset[i], "ref_chosen_logps": c, "ref_rejected_logps": r}
+                    for i, (c, r) in enumerate(FIRST_STEP_REFERENCE[:pairs])]
+        compute_loss, logged = trainer._compute_loss, trainer._metrics["train"]
     trainer.model.train()
     count, loss = pairs // MICRO_BATCH, 0.0
     for start in range(0, pairs, MICRO_BATCH):
         batch = trainer.data_collator(examples[start:start + MICRO_BATCH])
-        micro_batch_loss = trainer._compute_loss(trainer.model, batch, return_outputs=False) / count
+        micro_batch_loss = compute_loss(trainer.model, batch, return_outputs=False) / count
         micro_batch_loss.backward()
         loss += micro_batch_loss.item()
-    metrics = {name: sum(values[-count:]) / count for name, values in trainer._metrics["train"].items()}
+    metrics = {name: sum(values[-count:]) / count for name, values in logged.items()}
     grads = split_fused({hf_name_of_peft(n): p.grad for n, p in trainer.model.named_parameters() if p.requires_grad},
                         trainer.model.config)  # Phi-3's fused weights (and adapters) as the pipeline's parts
     if lora_rank:  # a mixture of experts' adapters on its experts as the pipeline holds them
@@ -695,12 +728,14 @@ def trl_first_step(model, lora_rank, pairs, output_dir):
     return loss, metrics, per_layer_grads(grads, trainer.model.config)  # Gemma 4's PLE as each layer's share
 
 
-def assert_first_step_matches_trl(model, root, case, world_size, data_parallel, lora_rank=0, grad_tolerance=1e-5):
+def assert_first_step_matches_trl(model, root, case, world_size, data_parallel, lora_rank=0, objective="dpo",
+                                  grad_tolerance=1e-5):
     """Every rank's first-step gradients within grad_tolerance of TRL's (relative to the largest element; under
     tensor parallelism against the rank's slice), every gradient compared somewhere; the loss and metrics within
     1e-5."""
     from tests.parity_worker import per_layer_norm_copies
-    loss, metrics, grads = trl_first_step(model, lora_rank, data_parallel * MICRO_BATCH * GAS, root / f"{case}-trl")
+    loss, metrics, grads = trl_first_step(model, lora_rank, data_parallel * MICRO_BATCH * GAS, root / f"{case}-trl",
+                                          objective)
     compared, bad = set(), {}
     for rank in range(world_size):
         result = torch.load(root / f"{case}-rank{rank}.pt", weights_only=False)

@@ -206,35 +206,34 @@ def test_chunked_schedules_equal_1f1b(tiny_hybrid_checkpoints, tmp_path):
         assert deferred == expected, name
 
 
-# DPO on Qwen3.5 against TRL's DPOTrainer (tests/test_preference.py's first step: FIRST_STEP_REFERENCE as the
-# reference log-probabilities, padded pairs), full weights and LoRA (the default targets, B nonzero), one process
-# (most of its cost the process start and TRL's import, which both cases share).
+# DPO and SimPO on Qwen3.5 against TRL's DPOTrainer and CPOTrainer (tests/test_preference.py's first step:
+# FIRST_STEP_REFERENCE as DPO's reference log-probabilities, padded pairs), DPO with full weights and LoRA (the default
+# targets, B nonzero), one process (most of its cost the process start and TRL's import, which the cases share). DPO
+# on 2 stages x 2 data-parallel, its first step and four steps of the trainer: tests/test_preference.py.
 @pytest.mark.slow
-def test_dpo_first_step_equals_trl(tmp_path):
-    """The first DPO step's loss, rewards and every gradient (the linear attention's included; the adapters' under
-    LoRA) within 1e-5 of TRL's DPOTrainer on transformers (peft under LoRA)."""
-    from tests.chat_tokenizers import make_chat_tokenizer
+def test_dpo_and_simpo_first_step_equal_trl(tmp_path):
+    """The first step's loss, rewards and every gradient (the linear attention's included; the adapters' under
+    LoRA) within 1e-5 of TRL's DPOTrainer on transformers (peft under LoRA), and of its CPOTrainer under SimPO
+    (loss_type="simpo": each response's length-normalised log-probability, the margin gamma)."""
     from tests.distributed import spawn
-    from tests.test_preference import FIRST_STEP_REFERENCE, LORA_RANK, SEQ, assert_first_step_matches_trl, \
-        preference_checkpoint
-    tokenizer = make_chat_tokenizer("qwen3")
-    config = HYBRID_CONFIGS["qwen3_5"]()
-    config.vocab_size, config.max_position_embeddings = len(tokenizer), SEQ
-    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-    config.pad_token_id = tokenizer.pad_token_id
-    model = preference_checkpoint(tmp_path / "qwen3_5", config, tokenizer, len(FIRST_STEP_REFERENCE))
-    spawn(dpo_first_steps, 1, model, tmp_path)
+    from tests.test_preference import FIRST_STEP_REFERENCE, LORA_RANK, assert_first_step_matches_trl, \
+        chat_preference_checkpoint
+    model = chat_preference_checkpoint(tmp_path / "qwen3_5", HYBRID_CONFIGS["qwen3_5"](), "qwen3",
+                                       len(FIRST_STEP_REFERENCE))
+    spawn(preference_first_steps, 1, model, tmp_path)
     for case, rank in (("full", 0), ("lora", LORA_RANK)):
         assert_first_step_matches_trl(model, tmp_path, case, 1, 1, lora_rank=rank)
+    assert_first_step_matches_trl(model, tmp_path, "simpo", 1, 1, objective="simpo")
 
 
-def dpo_first_steps(rank, model, root):
+def preference_first_steps(rank, model, root):
     import torch.distributed
     from cluster.distributed import init_distributed
     from tests.test_preference import LORA_RANK, pipeline_first_step
     init_distributed(timeout_minutes=2)
     pipeline_first_step(rank, model, root, "full")
     pipeline_first_step(rank, model, root, "lora", lora_rank=LORA_RANK)
+    pipeline_first_step(rank, model, root, "simpo", objective="simpo")
     torch.distributed.destroy_process_group()
 
 
