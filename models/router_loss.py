@@ -47,10 +47,7 @@ class LoadBalancingLoss:
             self.coef = moe.sequence_aux_loss_coef
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.sparse_layers = [i for i, sparse in enumerate(architecture.sparse_layers) if sparse]
-        self.context = context
-        # the groups whose ranks route shares of the same micro-batch's tokens
-        self.token_groups = [group for group, split in ((parallel.group, parallel.sequence_parallel),
-                                                        (context.group, context.size > 1)) if split]
+        self.parallel, self.context = parallel, context
         self.totals = None  # per layer and expert: top-k counts; then the loss's sum and the micro-batches
         self.counts_step_loads = counts_step_loads
         self.step_loads = None  # the step's counts so far, when counted
@@ -65,9 +62,13 @@ class LoadBalancingLoss:
         Routing: transformers' load-balancing loss, or DeepSeek-V3's sequence-wise one (the sum of the carried
         terms, which each layer made whole over the tensor-parallel and context groups already)."""
         counts, sums = routing.counts, routing.loss_sums
-        if self.token_groups:  # each rank routed its share of the tokens
+        # the groups whose ranks routed shares of the micro-batch's tokens (the tensor-parallel one is the stage's,
+        # made after this loss)
+        token_groups = [group for group, split in ((self.parallel.group, self.parallel.sequence_parallel),
+                                                   (self.context.group, self.context.size > 1)) if split]
+        if token_groups:
             counts = counts.clone()
-        for group in self.token_groups:
+        for group in token_groups:
             collectives.all_reduce(counts, group=group)
             if self.enabled:
                 sums = AllReduce.apply(sums, group)

@@ -112,18 +112,28 @@ def micro_batches(batch, micro_batch_size, gas, dp_size, dp_rank, context=NO_CON
         yield split_micro_batch(context, ((input_ids[rows], attention_mask[rows], position_ids[rows]), labels[rows]))
 
 
-def hf_reference(hf_dir, batch, micro_batch_size, lora=None, adapters=None):
+def hf_reference(hf_dir, batch, micro_batch_size, lora=None, adapters=None, sequence_coef=0.0):
     """transformers' losses and gradients by HF name; with lora (LoraSettings) and adapters ({HF name: value}),
-    peft's model with those adapters and the adapters' gradients."""
+    peft's model with those adapters and the adapters' gradients; with sequence_coef, each micro-batch's loss plus
+    that times DeepSeek-V3's sequence-wise balance loss over its routers' logits and choices (the paper's
+    definition, tests/test_deepseek_balancing.py)."""
+    from tests.test_deepseek_balancing import captured_routing, direct_sequence_loss
     if lora is None:
         model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
     else:
         model = peft_model(hf_dir, lora, adapters)
     input_ids, attention_mask, labels = batch
+    captured = captured_routing(model) if sequence_coef else None
     losses = []
     for start in range(0, input_ids.shape[0], micro_batch_size):
         rows = slice(start, start + micro_batch_size)
-        losses.append(model(input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows]).loss)
+        loss = model(input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows]).loss
+        if sequence_coef:
+            loss = loss + sequence_coef * direct_sequence_loss(captured, attention_mask[rows],
+                                                               model.config.n_routed_experts,
+                                                               model.config.num_experts_per_tok)
+            captured.clear()
+        losses.append(loss)
     torch.stack(losses).mean().backward()
     grads = split_fused({hf_name_of_peft(n): p.grad for n, p in model.named_parameters() if p.requires_grad},
                         model.config)  # Phi-3's fused weights as the pipeline's parts
@@ -225,7 +235,7 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
         lora = LoraSettings(**case["lora"]) if "lora" in case else NO_LORA
         adapters = adapter_values(config, lora, seed=7, nonzero_b=True) if lora.enabled else None
         # DeepSeek-V3's sequence-wise balance loss, as training/config_checks.py sets the run's
-        config.sequence_aux_loss_coef = case.get("sequence_aux_loss_coef", 0.0)
+        sequence_coef = config.sequence_aux_loss_coef = case.get("sequence_aux_loss_coef", 0.0)
         dp_size = torch.distributed.get_world_size() // (num_stages * tensor_parallel)
         replicas = dp_size // case.get("context_parallel", 1)  # the data axis holds the context ranks
         batch = make_batch(micro_batch_size * gas * replicas, seq_len, config.vocab_size, seed=1)
@@ -273,8 +283,9 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
         expert_sums.active = False
         expert_sums.restore()
         ref_losses, ref_grads = shared_reference(
-            references, rank, os.path.join(out_dir, f"{case['name']}-hf.pt"), (case["hf_dir"], lora, replicas),
-            lambda: hf_reference(case["hf_dir"], batch, micro_batch_size, lora if lora.enabled else None, adapters))
+            references, rank, os.path.join(out_dir, f"{case['name']}-hf.pt"), (case["hf_dir"], lora, replicas, sequence_coef),
+            lambda: hf_reference(case["hf_dir"], batch, micro_batch_size, lora if lora.enabled else None, adapters,
+                                 sequence_coef))
         grad_errors = gradient_errors(module, optimizer.recorded, ref_grads, config.num_hidden_layers, engine)
         norms = gradient_norms(module, optimizer.recorded, ref_grads, engine)
         results[case["name"]] = {
