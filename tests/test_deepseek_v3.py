@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from models.architecture import architecture_of
 from tests.test_conversion import assert_bit_identical, load_hf_weights
-from tests.test_moe import assert_parity_across_processes, pipeline_in_one_process
+from tests.test_moe import assert_parity_across_processes, cases_of, pipeline_in_one_process
 from tests.tiny_models import DEEPSEEK_CONFIGS, make_model
 
 FAMILIES = list(DEEPSEEK_CONFIGS)
@@ -74,9 +74,7 @@ def test_loss_and_gradients_equal_transformers_across_processes(tiny_deepseek_ch
     num_stages, world_size, tensor_parallel, variants = LAYOUTS[layout]
     cases = [dict(name=family + suffix, hf_dir=hf, ds_dir=ds, **options)
              for suffix, options in variants.items() for family, (hf, ds) in tiny_deepseek_checkpoints.items()]
-    cases += [dict(name=family + suffix, hf_dir=tiny_deepseek_checkpoints[family][0],
-                   ds_dir=tiny_deepseek_checkpoints[family][1], **options)
-              for family, suffix, options in CONTEXT_IN_LAUNCH.get(layout, ())]
+    cases += cases_of(tiny_deepseek_checkpoints, CONTEXT_IN_LAUNCH.get(layout, ()))
     assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel)
 
 

@@ -706,9 +706,14 @@ def test_loss_and_gradients_equal_transformers_across_processes(tiny_moe_checkpo
              for family, (hf, ds) in tiny_moe_checkpoints.items()]
     cases += [dict(name=family + suffix, hf_dir=tiny_moe_checkpoints[family][0], ds_dir=tiny_moe_checkpoints[family][1],
                    **options) for suffix, options in others for family in VARIANT_FAMILIES]
-    cases += [dict(name=family + suffix, hf_dir=tiny_moe_checkpoints[family][0], ds_dir=tiny_moe_checkpoints[family][1],
-                   **options) for family, suffix, options in CONTEXT_IN_LAUNCH.get(layout, ())]
+    cases += cases_of(tiny_moe_checkpoints, CONTEXT_IN_LAUNCH.get(layout, ()))
     assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel)
+
+
+def cases_of(checkpoints, entries):
+    """The parity cases of (family, case suffix, options) entries on checkpoints ({family: (hf_dir, ds_dir)})."""
+    return [dict(name=family + suffix, hf_dir=checkpoints[family][0], ds_dir=checkpoints[family][1], **options)
+            for family, suffix, options in entries]
 
 
 def assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel, unchecked=()):

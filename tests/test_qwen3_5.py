@@ -131,14 +131,12 @@ def test_loss_and_gradients_equal_transformers_across_processes(tiny_hybrid_chec
     linear attention's projections have their weight gradients computed at W. Context 2's cases (CONTEXT_IN_LAUNCH):
     the group's mean loss and every gradient, the load-balancing loss's included, transformers' on the whole rows."""
     from tests.test_lora import LORA
-    from tests.test_moe import assert_parity_across_processes
+    from tests.test_moe import assert_parity_across_processes, cases_of
     num_stages, world_size, tensor_parallel, variants, families = LAYOUTS[layout]
     cases = [dict(name=family + suffix, hf_dir=tiny_hybrid_checkpoints[family][0],
                   ds_dir=tiny_hybrid_checkpoints[family][1], **options)
              for suffix, options in variants.items() for family in families]
-    cases += [dict(name=family + suffix, hf_dir=tiny_hybrid_checkpoints[family][0],
-                   ds_dir=tiny_hybrid_checkpoints[family][1], **options)
-              for family, suffix, options in CONTEXT_IN_LAUNCH.get(layout, ())]
+    cases += cases_of(tiny_hybrid_checkpoints, CONTEXT_IN_LAUNCH.get(layout, ()))
     adapted = [dict({k: v for k, v in case.items() if k not in ("family", "lora")},
                     hf_dir=tiny_hybrid_checkpoints[case["family"]][0],
                     ds_dir=tiny_hybrid_checkpoints[case["family"]][1], lora=dict(LORA, target_modules=case["lora"]))
