@@ -42,6 +42,7 @@ from torch import nn
 
 import collectives
 from models.attention import StageAttentionInputs, additive_mask
+from models.tensor_parallel import AllReduce
 
 
 class ContextParallel:
@@ -147,6 +148,12 @@ class ContextParallel:
         gradients as data-parallel ones, and each rank's covers only its own tokens: the average of size x each is
         their sum, the whole sequences' gradient."""
         return loss if self.size == 1 else ScaleGradient.apply(loss, float(self.size))
+
+    def whole_rows(self, sums):
+        """Per-row sums of this rank's tokens [rows, F] -> the whole rows' (the group's sum; a mixture's routing
+        statistics per sequence, models/moe.py RoutedTokens). The gradient passes through to this rank's tokens:
+        the loss made of them is whole on every rank (whole_sequence_loss)."""
+        return AllReduce.apply(sums, self.group)
 
     # --- collectives ------------------------------------------------------------------------------------------
     def gather_sequence(self, x, dim):

@@ -8,7 +8,9 @@ block of `size` consecutive data-parallel ranks is an expert-parallel group (ran
 them), over which that slice's gradients are reduced and ZeRO-1 partitions its optimizer state (DeepSpeed's own
 expert groups, deepspeed_internals.access.use_deepspeed_expert_groups). Tensor parallelism keeps every expert whole
 on each rank of its group (models/moe.py MoEBlock), so expert parallelism runs beside it unchanged: a group's ranks
-share one tensor-parallel rank and exchange that rank's tokens.
+share one tensor-parallel rank and exchange that rank's tokens. The data axis holds the context ranks too
+(models/context_parallel.py), so a group may take a context group's ranks: each sends its own tokens, whatever rows
+they belong to, and its experts' gradients are reduced over the data axis as data-parallel ones.
 
 A layer's dispatch, per micro-batch: the T x k choices sorted by expert (as LocalExperts sorts them), the counts of
 what each rank sends each other exchanged by one small all-to-all and read on the host (the split sizes of what
@@ -220,7 +222,8 @@ def build_expert_parallel(topology, size):
 
 
 def expert_parallel_error(size, data_parallel, num_experts):
-    """Why expert_parallel_size cannot split this run (a line naming the value and what to set), or None."""
+    """Why expert_parallel_size cannot split this run (a line naming the value and what to set), or None.
+    data_parallel: the ranks of a stage's data axis (data-parallel x context-parallel ones)."""
     if size == 1:
         return None
     if num_experts is None:

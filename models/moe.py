@@ -42,21 +42,25 @@ from models.sigmoid_router import SigmoidRouter, sequence_balance
 
 class RoutedTokens:
     """The tokens a block routes: which are real (not padding: transformers' attention mask), the row (sequence)
-    each belongs to, and the batch's rows. Statistics per sequence are sums over its tokens (sum_by_row)."""
+    each belongs to, and the batch's rows. Statistics per sequence are sums over its tokens (sum_by_row).
+    whole_rows: None where these are every token of their rows, else what makes their rows' sums [rows, F] the
+    whole rows' (under context parallelism each rank holds a share of every row: ContextParallel.whole_rows)."""
 
-    def __init__(self, real, rows, num_rows):
+    def __init__(self, real, rows, num_rows, whole_rows=None):
         self.real, self.rows, self.num_rows = real, rows, num_rows  # [T] bool, [T] int64, int
+        self.whole_rows = whole_rows
 
     @classmethod
-    def of(cls, document_ids):
+    def of(cls, document_ids, whole_rows=None):
         """The tokens of a batch's rows, from their document ids (batch, seq), 0 on padding."""
         batch, seq = document_ids.shape
         rows = torch.arange(batch * seq, device=document_ids.device) // seq
-        return cls((document_ids != 0).reshape(-1), rows, batch)
+        return cls((document_ids != 0).reshape(-1), rows, batch, whole_rows)
 
     def sum_by_row(self, per_token):
         """[num_rows, F]: per_token [T, F] summed over each row's tokens."""
-        return per_token.new_zeros(self.num_rows, per_token.shape[1]).index_add(0, self.rows, per_token)
+        sums = per_token.new_zeros(self.num_rows, per_token.shape[1]).index_add(0, self.rows, per_token)
+        return sums if self.whole_rows is None else self.whole_rows(sums)
 
 
 def route(logits, moe):

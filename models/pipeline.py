@@ -308,8 +308,8 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     if stage_bounds is None:
         stage_bounds = partition_stages(config, topology.get_dim("pipe"))
     moe = architecture_of(config).moe
-    router, moe_loss_sum = ((LoadBalancingLoss(config, parallel, counts_step_loads), moe.loss_sum) if moe
-                            else (None, False))
+    router, moe_loss_sum = ((LoadBalancingLoss(config, parallel, counts_step_loads, context), moe.loss_sum)
+                            if moe else (None, False))
     logit_cap = architecture_of(config).final_logit_softcapping  # Gemma's, inside the loss
     loss_fn = (PreferenceLoss(objective, parallel, loss_chunk_tokens, context, grad_accum_dtype, router, logit_cap)
                if objective.preference else CausalLMLoss(parallel, loss_chunk_tokens, context, grad_accum_dtype,

@@ -269,13 +269,15 @@ class StageDecoder:
         self.stage = StageTuple(config)
         self.layer_index = layer_index
         self.sparse_row = sum(architecture_of(config).sparse_layers[:layer_index])  # its row of the routing counts
+        # a sparse layer's per-sequence routing sums over the context group's tokens (DeepSeek-V3's sequence-wise loss)
+        self.whole_rows = plan.context.whole_rows if plan.context.size > 1 else None
         self.math = super().forward
 
     def forward(self, inputs):
         stage = self.stage.unpack(inputs, self.layer_index - 1)
         attention_inputs = self.stage_inputs(stage.hidden, stage.document_ids, stage.position_ids,
                                              self.window)
-        tokens = RoutedTokens.of(stage.document_ids) if self.sparse else None
+        tokens = RoutedTokens.of(stage.document_ids, self.whole_rows) if self.sparse else None
         hidden, statistics, stage = self.run(stage, attention_inputs, tokens)
         routing = stage.routing if statistics is None else stage.routing.with_layer(self.sparse_row, statistics)
         return self.stage.pack(stage._replace(hidden=hidden, routing=routing), self.layer_index)

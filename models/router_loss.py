@@ -14,16 +14,22 @@ what the last stage needs (models/pipeline_layers.py Routing), from the embeddin
 DeepSeek-V3's sequence-wise balance loss (models/sigmoid_router.py sequence_balance, the run's
 moe.sequence_aux_loss_coef) is a sum of per-layer terms: the same floating [E] slot carries their running sum instead.
 
-Under tensor parallelism with sequence parallelism each rank's statistics are of its share of the tokens: summed over
-the group at the loss. A micro-batch's loss is transformers' `outputs.loss`, the cross-entropy plus
-router_aux_loss_coef x this loss (CausalLMLoss); DeepSpeed's mean over the global batch's micro-batches
-makes the step's the token-mean cross-entropy plus the coefficient times the mean of the micro-batches' losses.
+Under tensor parallelism with sequence parallelism, and under context parallelism, each rank's statistics are of
+its share of the tokens: summed over the tensor-parallel and the context group at the loss (a sequence-wise term's
+per-sequence sums in each layer already: models/moe.py RoutedTokens). The loss is then whole on every rank of a
+context group, and its gradient scaled as every such loss's (ContextParallel.whole_sequence_loss): DeepSpeed
+averages the group's gradients, each of which reaches only its own tokens.
+
+A micro-batch's loss is transformers' `outputs.loss`, the cross-entropy plus router_aux_loss_coef x this loss
+(CausalLMLoss); DeepSpeed's mean over the global batch's micro-batches makes the step's the token-mean cross-entropy
+plus the coefficient times the mean of the micro-batches' losses.
 """
 import torch
 import torch.distributed as dist
 
 import collectives
 from models.architecture import architecture_of
+from models.context_parallel import NO_CONTEXT_PARALLEL
 from models.tensor_parallel import NO_TENSOR_PARALLEL, AllReduce
 
 
@@ -32,7 +38,7 @@ class LoadBalancingLoss:
     metrics of the micro-batches trained since the last take_metrics (sums kept on the device); with
     counts_step_loads (DeepSeek-V3's bias balancing, training/expert_balance.py) also the loads of the step so far."""
 
-    def __init__(self, config, parallel=NO_TENSOR_PARALLEL, counts_step_loads=False):
+    def __init__(self, config, parallel=NO_TENSOR_PARALLEL, counts_step_loads=False, context=NO_CONTEXT_PARALLEL):
         architecture = architecture_of(config)
         moe = architecture.moe
         self.enabled, self.coef = moe.aux_loss, moe.aux_loss_coef
@@ -41,7 +47,7 @@ class LoadBalancingLoss:
             self.coef = moe.sequence_aux_loss_coef
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.sparse_layers = [i for i, sparse in enumerate(architecture.sparse_layers) if sparse]
-        self.parallel = parallel
+        self.parallel, self.context = parallel, context
         self.totals = None  # per layer and expert: top-k counts; then the loss's sum and the micro-batches
         self.counts_step_loads = counts_step_loads
         self.step_loads = None  # the step's counts so far, when counted
@@ -54,13 +60,18 @@ class LoadBalancingLoss:
     def __call__(self, routing):
         """The auxiliary loss of a micro-batch before its coefficient (0-d fp32, None when it is off) from its
         Routing: transformers' load-balancing loss, or DeepSeek-V3's sequence-wise one (the sum of the carried
-        terms, which each layer made whole over the tensor-parallel group already)."""
+        terms, which each layer made whole over the tensor-parallel and context groups already)."""
         counts, sums = routing.counts, routing.loss_sums
-        if self.parallel.sequence_parallel:  # each rank routed its share of the tokens
+        # the groups whose ranks routed shares of the micro-batch's tokens (the tensor-parallel one is the stage's,
+        # made after this loss)
+        token_groups = [group for group, split in ((self.parallel.group, self.parallel.sequence_parallel),
+                                                   (self.context.group, self.context.size > 1)) if split]
+        if token_groups:
             counts = counts.clone()
-            collectives.all_reduce(counts, group=self.parallel.group)
+        for group in token_groups:
+            collectives.all_reduce(counts, group=group)
             if self.enabled:
-                sums = AllReduce.apply(sums, self.parallel.group)
+                sums = AllReduce.apply(sums, group)
         loss = None
         if self.sequence_wise:
             loss = sums.sum()
@@ -68,6 +79,8 @@ class LoadBalancingLoss:
             chosen = counts.sum(dim=0).float()
             rows = (counts.sum() / self.top_k).float().clamp(min=1)  # layers x real tokens (1: an empty batch's 0)
             loss = torch.sum(chosen / rows * (sums / rows).unsqueeze(0)) * self.num_experts
+        if loss is not None:
+            loss = self.context.whole_sequence_loss(loss)
         if torch.is_grad_enabled():  # a training forward: evaluation's leave the training window's sums alone
             self.add_metrics(counts, loss)
             if self.counts_step_loads:
@@ -82,7 +95,8 @@ class LoadBalancingLoss:
 
     def take_step_loads(self):
         """[sparse layers, E] int64: each sparse layer's top-k counts of the real tokens of the micro-batches trained
-        since the last call (zeros when none; of the whole micro-batches under tensor parallelism), on the device."""
+        since the last call (zeros when none; of the whole micro-batches under tensor and context parallelism), on
+        the device."""
         loads, self.step_loads = self.step_loads, None
         if loads is None:
             return torch.zeros(len(self.sparse_layers), self.num_experts, dtype=torch.int64, device=collectives.device())
@@ -93,7 +107,8 @@ class LoadBalancingLoss:
         layer's largest over its mean tokens per expert, and with experts split over expert_parallel > 1 ranks
         (E / expert_parallel consecutive experts each) expert_rank_load/layer_{i}: the tokens its busiest rank
         received over a rank's mean (summed over the expert-parallel groups)}, on every rank (a collective: only last
-        stages hold nonzero sums; the tensor-parallel ranks of one add the same, which leaves the ratios unchanged);
+        stages hold nonzero sums; the tensor-parallel and context ranks of one add the same, which leaves the ratios
+        unchanged);
         {} when none."""
         size = len(self.sparse_layers) * self.num_experts + 2
         totals = self.totals if self.totals is not None else torch.zeros(size, dtype=torch.float64,

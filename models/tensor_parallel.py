@@ -864,11 +864,11 @@ def shard_parameter(param, parallel, device, fill=0.0, blocks=None):
 
 class TokenShare(RoutedTokens):
     """This rank's share of a block's routed tokens under sequence parallelism; a per-sequence sum is the whole
-    group's."""
+    group's (and, under context parallelism too, the context group's: the tokens' whole_rows)."""
 
     def __init__(self, tokens, parallel):
         real, rows = (t.chunk(parallel.size)[parallel.rank] for t in (tokens.real, tokens.rows))
-        super().__init__(real, rows, tokens.num_rows)
+        super().__init__(real, rows, tokens.num_rows, tokens.whole_rows)
         self.group = parallel.group
 
     def sum_by_row(self, per_token):

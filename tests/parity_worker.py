@@ -13,6 +13,8 @@ import collectives  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from models.layout import hf_name_of_layer_key, per_layer_share, per_layer_shares, split_fused  # noqa: E402
+from models.context_parallel import NO_CONTEXT_PARALLEL  # noqa: E402
+from models.loss import split_micro_batch  # noqa: E402
 from models.lora import NO_LORA, LoraSettings  # noqa: E402
 from checkpoints.layer_files import load_layer_slice  # noqa: E402
 from deepspeed_internals.access import checkpoints_without_expert_files  # noqa: E402
@@ -96,28 +98,42 @@ def gradient_norms(module, recorded, ref_grads, engine):
             for kind, pairs, ref in (("all", params, list(ref_grads.values())), ("experts", experts, ref_experts))}
 
 
-def micro_batches(batch, micro_batch_size, gas, dp_size, dp_rank):
-    """The micro-batches of one data-parallel rank: row block (step * dp_size + dp_rank) for each step."""
+def micro_batches(batch, micro_batch_size, gas, dp_size, dp_rank, context=NO_CONTEXT_PARALLEL):
+    """The micro-batches of one data-parallel rank: row block (step * replicas + replica) for each step, of which
+    a context group's rank takes its tokens (dp_size and dp_rank: DeepSpeed's data axis, which holds the context
+    ranks)."""
     input_ids, attention_mask, labels = batch
     seq = input_ids.shape[1]
     position_ids = torch.arange(seq).expand_as(input_ids)
+    replica, replicas = context.replica(dp_rank, dp_size)
     for step in range(gas):
-        rows = slice((step * dp_size + dp_rank) * micro_batch_size, (step * dp_size + dp_rank + 1) * micro_batch_size)
-        yield (input_ids[rows], attention_mask[rows], position_ids[rows]), labels[rows]
+        rows = slice((step * replicas + replica) * micro_batch_size,
+                     (step * replicas + replica + 1) * micro_batch_size)
+        yield split_micro_batch(context, ((input_ids[rows], attention_mask[rows], position_ids[rows]), labels[rows]))
 
 
-def hf_reference(hf_dir, batch, micro_batch_size, lora=None, adapters=None):
+def hf_reference(hf_dir, batch, micro_batch_size, lora=None, adapters=None, sequence_coef=0.0):
     """transformers' losses and gradients by HF name; with lora (LoraSettings) and adapters ({HF name: value}),
-    peft's model with those adapters and the adapters' gradients."""
+    peft's model with those adapters and the adapters' gradients; with sequence_coef, each micro-batch's loss plus
+    that times DeepSeek-V3's sequence-wise balance loss over its routers' logits and choices (the paper's
+    definition, tests/test_deepseek_balancing.py)."""
+    from tests.test_deepseek_balancing import captured_routing, direct_sequence_loss
     if lora is None:
         model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=torch.float32)
     else:
         model = peft_model(hf_dir, lora, adapters)
     input_ids, attention_mask, labels = batch
+    captured = captured_routing(model) if sequence_coef else None
     losses = []
     for start in range(0, input_ids.shape[0], micro_batch_size):
         rows = slice(start, start + micro_batch_size)
-        losses.append(model(input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows]).loss)
+        loss = model(input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows]).loss
+        if sequence_coef:
+            loss = loss + sequence_coef * direct_sequence_loss(captured, attention_mask[rows],
+                                                               model.config.n_routed_experts,
+                                                               model.config.num_experts_per_tok)
+            captured.clear()
+        losses.append(loss)
     torch.stack(losses).mean().backward()
     grads = split_fused({hf_name_of_peft(n): p.grad for n, p in model.named_parameters() if p.requires_grad},
                         model.config)  # Phi-3's fused weights as the pipeline's parts
@@ -224,8 +240,11 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
         config = AutoConfig.from_pretrained(case["hf_dir"])
         lora = LoraSettings(**case["lora"]) if "lora" in case else NO_LORA
         adapters = adapter_values(config, lora, seed=7, nonzero_b=True) if lora.enabled else None
+        # DeepSeek-V3's sequence-wise balance loss, as training/config_checks.py sets the run's
+        sequence_coef = config.sequence_aux_loss_coef = case.get("sequence_aux_loss_coef", 0.0)
         dp_size = torch.distributed.get_world_size() // (num_stages * tensor_parallel)
-        batch = make_batch(micro_batch_size * gas * dp_size, seq_len, config.vocab_size, seed=1)
+        replicas = dp_size // case.get("context_parallel", 1)  # the data axis holds the context ranks
+        batch = make_batch(micro_batch_size * gas * replicas, seq_len, config.vocab_size, seed=1)
         if config.pad_token_id is not None:  # a real token in every row, as eos is where pad = eos
             for ids in (batch[0], batch[2]):
                 ids[:, 3] = config.pad_token_id
@@ -238,7 +257,8 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
                                        sequence_parallel=case.get("sequence_parallel", True),
                                        recompute_sequence_gather=case.get("recompute_sequence_gather", False),
                                        loss_chunk_tokens=case.get("loss_chunk_tokens", CHUNK_TOKENS), lora=lora,
-                                       expert_parallel_size=case.get("expert_parallel", 1))
+                                       expert_parallel_size=case.get("expert_parallel", 1),
+                                       context_parallel_size=case.get("context_parallel", 1))
         if case.get("compile"):
             module.compile()
         optimizer = GradientRecorder([p for p in module.parameters() if p.requires_grad])
@@ -264,16 +284,19 @@ def run(rank, cases, num_stages, micro_batch_size, gas, seq_len, out_dir, tensor
         module.loss_fn = lambda logits, labels: step_losses.append(loss_fn(logits, labels)) or step_losses[-1]
         expert_sums = ExpertGradientSums(module, engine.grid.get_slice_parallel_group())
         expert_sums.active = True
-        mean_loss = engine.train_batch(micro_batches(batch, micro_batch_size, gas, dp_size, engine.grid.data_parallel_id))
+        mean_loss = engine.train_batch(micro_batches(batch, micro_batch_size, gas, dp_size,
+                                                     engine.grid.data_parallel_id, module.context))
         expert_sums.active = False
         expert_sums.restore()
         ref_losses, ref_grads = shared_reference(
-            references, rank, os.path.join(out_dir, f"{case['name']}-hf.pt"), (case["hf_dir"], lora),  # the batch's
-            lambda: hf_reference(case["hf_dir"], batch, micro_batch_size, lora if lora.enabled else None, adapters))
+            references, rank, os.path.join(out_dir, f"{case['name']}-hf.pt"), (case["hf_dir"], lora, replicas, sequence_coef),
+            lambda: hf_reference(case["hf_dir"], batch, micro_batch_size, lora if lora.enabled else None, adapters,
+                                 sequence_coef))
         grad_errors = gradient_errors(module, optimizer.recorded, ref_grads, config.num_hidden_layers, engine)
         norms = gradient_norms(module, optimizer.recorded, ref_grads, engine)
         results[case["name"]] = {
             "stage": engine.stage_id, "dp_rank": engine.grid.data_parallel_id, "parts": [int(p) for p in module.parts],
+            "context_rank": module.context.rank,
             "layer_files_opened": sorted(set(opens.paths)),
             "losses": [loss.item() for loss in step_losses], "mean_loss": float(mean_loss),
             "ref_losses": ref_losses, "grad_errors": grad_errors, "ref_param_names": sorted(ref_grads),

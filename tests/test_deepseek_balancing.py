@@ -162,8 +162,10 @@ def exported_biases(hf_dir):
 
 BALANCING_LAYOUTS = {"1_process": (1, dict(num_stages=1, gradient_accumulation_steps=4, zero_stage=0)),
                      "2stages_x_2dp": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1)),
-                     "2stages_x_ep2": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1,
-                                               expert_parallel_size=2)),  # the experts split over the 2
+                     # the experts split over the 2 ranks of a context group: each routes its tokens of every
+                     # row, the step's loads given once per group
+                     "2stages_x_ep2_x_cp2": (4, dict(num_stages=2, gradient_accumulation_steps=2, zero_stage=1,
+                                                     expert_parallel_size=2, context_parallel_size=2)),
                      # each rank routing its half of the tokens, every layer's forward run again in backward
                      "2stages_x_tp2_checkpointed": (4, dict(num_stages=2, tensor_parallel_size=2,
                                                             gradient_accumulation_steps=4, zero_stage=0,
@@ -201,8 +203,9 @@ def instruction_overrides(demo_model, model_dirs, train_file, out, settings, **e
 def test_bias_update_equals_transformers_and_resumes_on_another_layout(demo_model, demo_deepseek_mtp, tmp_path,
                                                                        layout):
     """Six steps (padded instruction rows, clipping active) with moe.bias_update_rate, on 1 process, 2 stages x 2
-    data-parallel with the experts replicated and split over the 2 (expert parallelism), and 2 stages x tensor
-    parallel 2 (sequence parallel) with activation checkpointing (the loads counted once): the logged losses and the
+    data-parallel with the experts replicated, 2 stages x context 2 with the experts split over the context group
+    (expert parallelism), and 2 stages x tensor parallel 2 (sequence parallel) with activation checkpointing (the
+    loads counted once): the logged losses and the
     step-1 gradient norm are those of transformers + AdamW applying the same rule after each step (which differ
     from the frozen bias's), and the exported model holds the biases that loop ends with. The checkpoint of step 3
     holds the biases of step 3: 2 stages x 2 data-parallel resumed on 1 stage x 2 data-parallel (the optimizer
@@ -217,7 +220,8 @@ def test_bias_update_equals_transformers_and_resumes_on_another_layout(demo_mode
 
     def batches():
         return global_batches(demo_model, train_file,
-                              procs // settings["num_stages"] // settings.get("tensor_parallel_size", 1),
+                              procs // settings["num_stages"] // settings.get("tensor_parallel_size", 1)
+                              // settings.get("context_parallel_size", 1),
                               settings["gradient_accumulation_steps"], tmp_path / "ref", steps=TRAIN_STEPS)
     losses, norms, biases = transformers_balanced_steps(demo_deepseek_mtp["hf"], batches(), ROWS, RATE)
     frozen, _, _ = transformers_balanced_steps(demo_deepseek_mtp["hf"], batches(), ROWS, 0.0)

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from checkpoints.ds_to_hf import convert_ds_to_hf
 from models.architecture import architecture_of
 from tests.test_conversion import assert_bit_identical, load_hf_weights
-from tests.test_moe import assert_parity_across_processes, pipeline_in_one_process
+from tests.test_moe import assert_parity_across_processes, cases_of, pipeline_in_one_process
 from tests.tiny_models import DEEPSEEK_CONFIGS, make_model
 
 FAMILIES = list(DEEPSEEK_CONFIGS)
@@ -56,6 +56,11 @@ LAYOUTS = {
     "2stages_x_2dp": (2, 4, 1, {"": {}, "+ep2": {"expert_parallel": 2}}),  # and the experts split over the 2
     "2stages_x_tp2": (2, 4, 2, {"+sp": {}, "": {"sequence_parallel": False}}),
 }
+# Context 2 sharing a layout's launch, its group on the data axis: {layout: [(family, case suffix, options)]}. The
+# sequence-wise balance loss (its per-sequence sums over the group's tokens) on, its reference the paper's definition
+# on transformers' routers; the latent attention's gathered latent beside it.
+CONTEXT_IN_LAUNCH = {"2stages_x_2dp": [("deepseek_v3", "+cp2+sequence_loss",
+                                        {"context_parallel": 2, "sequence_aux_loss_coef": 0.5})]}
 
 
 @pytest.mark.slow
@@ -63,10 +68,13 @@ LAYOUTS = {
 def test_loss_and_gradients_equal_transformers_across_processes(tiny_deepseek_checkpoints, tmp_path, layout):
     """One launch per layout runs every family: the per-micro-batch losses (padded rows) and every gradient after
     the data-parallel and tensor-parallel reductions, against transformers; the latent projections', routers' and
-    experts' gradients the same on every rank of a tensor-parallel group; each rank reads only its stage's files."""
+    experts' gradients the same on every rank of a tensor-parallel group; each rank reads only its stage's files.
+    Context 2's cases (CONTEXT_IN_LAUNCH): the group's mean loss and every gradient those of transformers plus the
+    sequence-wise balance loss on the whole rows."""
     num_stages, world_size, tensor_parallel, variants = LAYOUTS[layout]
     cases = [dict(name=family + suffix, hf_dir=hf, ds_dir=ds, **options)
              for suffix, options in variants.items() for family, (hf, ds) in tiny_deepseek_checkpoints.items()]
+    cases += cases_of(tiny_deepseek_checkpoints, CONTEXT_IN_LAUNCH.get(layout, ()))
     assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel)
 
 

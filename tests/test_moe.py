@@ -687,13 +687,23 @@ VARIANT_FAMILIES = ("qwen2_moe", "gpt_oss")  # the variants past the first: a sh
 # MLP, its router and experts whole on every rank beside it) runs too; tests/test_gemma_pipeline.py runs its others.
 GEMMA4_MOE_LAYOUTS = ("2stages_x_tp2", "tp2_x_ep2")
 
+# Context parallelism's cases sharing a layout's launch, its context group on the data axis: {layout: [(family, case
+# suffix, options)]}. Qwen3-MoE's load-balancing loss over the group's tokens (its routing statistics across the
+# stage boundary), GPT-OSS's sinks; under tensor parallel 2 (sequence parallel) the experts split over the context
+# group (its ranks' tokens exchanged as any data-parallel ranks').
+CONTEXT_IN_LAUNCH = {"2stages_x_2dp": [("qwen3_moe", "+cp2", {"context_parallel": 2}),
+                                       ("gpt_oss", "+cp2", {"context_parallel": 2})],
+                     "tp2_x_ep2": [("qwen3_moe", "+ep2+cp2", {"expert_parallel": 2, "context_parallel": 2})]}
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_loss_and_gradients_equal_transformers_across_processes(tiny_moe_checkpoints, tmp_path, layout, request):
     """One launch per layout runs every family: the per-micro-batch losses (padded rows) and every gradient after
     the data-parallel and tensor-parallel reductions, against transformers; the routers' and experts' gradients the
-    same on every rank of a tensor-parallel group; each rank reads only its stage's layer files."""
+    same on every rank of a tensor-parallel group; each rank reads only its stage's layer files. Context 2's cases
+    (CONTEXT_IN_LAUNCH): the group's mean loss and every gradient, the load-balancing loss's included, transformers'
+    on the whole rows."""
     num_stages, world_size, tensor_parallel, variants = LAYOUTS[layout]
     first, *others = variants.items()
     checkpoints = dict(tiny_moe_checkpoints)
@@ -702,7 +712,14 @@ def test_loss_and_gradients_equal_transformers_across_processes(tiny_moe_checkpo
     cases = [dict(name=family + first[0], hf_dir=hf, ds_dir=ds, **first[1]) for family, (hf, ds) in checkpoints.items()]
     cases += [dict(name=family + suffix, hf_dir=tiny_moe_checkpoints[family][0], ds_dir=tiny_moe_checkpoints[family][1],
                    **options) for suffix, options in others for family in VARIANT_FAMILIES]
+    cases += cases_of(tiny_moe_checkpoints, CONTEXT_IN_LAUNCH.get(layout, ()))
     assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel)
+
+
+def cases_of(checkpoints, entries):
+    """The parity cases of (family, case suffix, options) entries on checkpoints ({family: (hf_dir, ds_dir)})."""
+    return [dict(name=family + suffix, hf_dir=checkpoints[family][0], ds_dir=checkpoints[family][1], **options)
+            for family, suffix, options in entries]
 
 
 def assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tensor_parallel, unchecked=()):
@@ -714,13 +731,22 @@ def assert_parity_across_processes(cases, tmp_path, num_stages, world_size, tens
     ranks = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "rank*.json")))]
     dp_size = world_size // (num_stages * tensor_parallel)
     for case in cases:
+        context = case.get("context_parallel", 1)
+        replicas = dp_size // context  # the data axis holds the context ranks
         for rank in ranks:
             result = rank[case["name"]]
             ref = result["ref_losses"]
             assert result["mean_loss"] == pytest.approx(sum(ref) / len(ref), abs=1e-5), case["name"]
             if result["stage"] == num_stages - 1:
-                mine = [ref[step * dp_size + result["dp_rank"]] for step in range(GAS)]
-                assert result["losses"] == pytest.approx(mine, abs=1e-5), case["name"]
+                # a context rank's loss is its tokens' share (ContextParallel.loss_divisor): the group's mean is
+                # the micro-batch's, the auxiliary loss whole on each
+                # (and the same on each tensor-parallel rank)
+                group = [r[case["name"]] for r in ranks if r[case["name"]]["stage"] == num_stages - 1
+                         and r[case["name"]]["dp_rank"] // context == result["dp_rank"] // context]
+                assert sorted(r["context_rank"] for r in group) == sorted(list(range(context)) * tensor_parallel)
+                mine = [ref[step * replicas + result["dp_rank"] // context] for step in range(GAS)]
+                means = [sum(losses) / len(group) for losses in zip(*(r["losses"] for r in group))]
+                assert means == pytest.approx(mine, abs=1e-5), case["name"]
             bad = {n: e for n, e in result["grad_errors"].items() if not e < 1e-4}
             assert not bad, f"{case['name']}: gradients differ from transformers: {bad}"
             assert result["replicated_grad_spread"] == 0.0, case["name"]
@@ -829,8 +855,8 @@ def trained_and_transformers(demo_model, model_dirs, tmp_path, layout, attention
         "lr_scheduler": "constant", "warmup_steps": 0, "max_grad_norm": MAX_GRAD_NORM, "seed": SEED,
         "save_steps": 0})))
     records = [r for r in read_metrics(out) if "loss" in r]
-    # expert parallelism takes ranks of the data axis; tensor parallelism a model axis of its own; a context group's
-    # ranks read the same rows
+    # expert and context parallelism take ranks of the data axis (a context group's ranks read the same rows);
+    # tensor parallelism a model axis of its own
     data_parallel = procs // (settings["num_stages"] * settings.get("tensor_parallel_size", 1)
                               * settings.get("context_parallel_size", 1))
     batches = list(global_batches(demo_model, train_file, data_parallel, settings["gradient_accumulation_steps"],

@@ -109,6 +109,9 @@ LAYOUTS = {  # name: (stages, world size, tensor parallel, {case suffix: options
     "2stages_x_ep2": (2, 4, 1, {"+ep2": {"expert_parallel": 2}}, ("qwen3_5_moe", "qwen3_next")),
     "2stages_x_tp2": (2, 4, 2, {"+sp": {}, "": {"sequence_parallel": False}}, HYBRIDS),
 }
+# Context 2 sharing a layout's launch, its group on the data axis: {layout: [(family, case suffix, options)]}.
+# Qwen3.5-MoE's linear attention (the head all-to-all) beside its experts' load-balancing loss over the group's tokens.
+CONTEXT_IN_LAUNCH = {"2stages_x_2dp": [("qwen3_5_moe", "+cp2", {"context_parallel": 2})]}
 # the linear attention's projections, whose weight gradients a zero-bubble schedule leaves to W
 LINEAR_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
 # LoRA cases sharing a layout's launch, checked against peft: under tensor parallelism in_proj_qkv's adapter's B cut
@@ -125,13 +128,15 @@ def test_loss_and_gradients_equal_transformers_across_processes(tiny_hybrid_chec
     """One launch per layout runs the hybrids, their layer pattern split across the stages wherever the partition
     falls: the per-micro-batch losses (padded rows) and every gradient after the data-parallel (and expert-parallel)
     reductions equal transformers'; each rank reads only its stage's layer files; under the zero-bubble schedule the
-    linear attention's projections have their weight gradients computed at W."""
+    linear attention's projections have their weight gradients computed at W. Context 2's cases (CONTEXT_IN_LAUNCH):
+    the group's mean loss and every gradient, the load-balancing loss's included, transformers' on the whole rows."""
     from tests.test_lora import LORA
-    from tests.test_moe import assert_parity_across_processes
+    from tests.test_moe import assert_parity_across_processes, cases_of
     num_stages, world_size, tensor_parallel, variants, families = LAYOUTS[layout]
     cases = [dict(name=family + suffix, hf_dir=tiny_hybrid_checkpoints[family][0],
                   ds_dir=tiny_hybrid_checkpoints[family][1], **options)
              for suffix, options in variants.items() for family in families]
+    cases += cases_of(tiny_hybrid_checkpoints, CONTEXT_IN_LAUNCH.get(layout, ()))
     adapted = [dict({k: v for k, v in case.items() if k not in ("family", "lora")},
                     hf_dir=tiny_hybrid_checkpoints[case["family"]][0],
                     ds_dir=tiny_hybrid_checkpoints[case["family"]][1], lora=dict(LORA, target_modules=case["lora"]))

@@ -300,8 +300,6 @@ def check_chunk_schedule(cfg):
 # What a mixture-of-experts model is not tested under, or cannot do yet: {key: (whether a value is refused, why and
 # what to set instead)}.
 MOE_REFUSED = {
-    "context_parallel_size": (lambda value: value > 1, "its load-balancing sums would need the whole context "
-                                                       "group's; use context_parallel_size=1"),
     "compile": (lambda value: bool(value), "its data-dependent routing is not compiled yet; use compile=false"),
 }
 

@@ -5,10 +5,10 @@ checkpoint's bias, frozen, as it does.
 
 The loads are what the loss already receives (models/router_loss.py): every sparse layer's top-k counts of the real
 tokens travel in the tuple between stages to the last stage, which adds each training micro-batch's on the device
-(its tensor-parallel group's whole tokens; counted once per micro-batch, whatever activation checkpointing recomputes,
-because the loss runs once). After the step one all-reduce over every rank, to which one rank of each last stage's
-tensor-parallel group gives its sums, hands every rank the global batch's loads of every layer (every data-parallel
-rank, every micro-batch); each rank then moves the biases of its own sparse layers, the same on every replica. No
+(its tensor-parallel and context groups' whole tokens; counted once per micro-batch, whatever activation
+checkpointing recomputes, because the loss runs once). After the step one all-reduce over every rank, to which one
+rank of each last stage's tensor-parallel and context groups gives its sums, hands every rank the global batch's
+loads of every layer (every data-parallel rank, every micro-batch); each rank then moves the biases of its own sparse layers, the same on every replica. No
 host sync: the counts stay on the device, and the update is a device op. The bias is a buffer of its layer, saved,
 resumed and exported with it.
 """
@@ -25,8 +25,9 @@ class CorrectionBiasBalancing:
         self.loss = engine.module.loss_fn.router  # built counting the step's loads (build_engine)
         self.routers = [(layer.sparse_row, layer.mlp.gate) for layer in engine.module.forward_funcs
                         if isinstance(layer, StageDecoder) and layer.sparse]
-        # the loads of a last stage's tensor-parallel group are the whole micro-batches' on each of its ranks
-        self.gives_loads = engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0
+        # the loads of a last stage's tensor-parallel and context groups are the whole micro-batches' on each rank
+        self.gives_loads = engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0 and \
+            engine.module.context.rank == 0
 
     @torch.no_grad()
     def step(self, updated=True):

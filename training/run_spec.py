@@ -221,7 +221,8 @@ def check_layout(cfg, model_config, world_size):
         raise ConfigError(error)
     workload = Workload.from_cfg(cfg, data_axis // cfg.context_parallel_size)
     moe = architecture_of(model_config).moe
-    error = expert_parallel_error(cfg.expert_parallel_size, workload.data_parallel, moe and moe.num_experts)
+    # the expert-parallel groups are cut from the data axis, context ranks included (models/expert_parallel.py)
+    error = expert_parallel_error(cfg.expert_parallel_size, data_axis, moe and moe.num_experts)
     if error:
         raise ConfigError(error)
     check_length_buckets_split(cfg, workload)
