@@ -249,32 +249,15 @@ def run_layers(layers, *inputs):
     return x
 
 
-# {parallelism: what of Gemma's own decoder layers (models/gemma3.py, gemma4.py) has no plan for it yet}, one entry
-# per kind of parallelism, checked only where its size is above 1. Tensor parallelism splits them all
-# (models/tensor_parallel.py: the attention, the MLP, the vocabulary; PLE and Gemma 4's MoE block on each rank's
-# tokens).
-OWN_LAYERS_UNPLANNED = {
-    # context parallelism wraps their attention core (sliding windows across the ranks' chunks); not the MoE block
-    "context_parallel_size": lambda config: "mixture of experts (enable_moe_block)" if getattr(
-        config, "enable_moe_block", False) else None,
-    # expert parallelism splits Gemma 4's MoE block's experts (models/expert_parallel.py); a model without has none
-    "expert_parallel_size": lambda config: None if architecture_of(config).moe else "decoder layers",
-}
-
-
-def check_own_layers_parallelism(config, context_parallel, expert_parallel):
-    """Refuse, in one line, the parallelism Gemma's own decoder layers have no plan for yet (OWN_LAYERS_UNPLANNED).
-    Tensor parallelism, context parallelism (but of Gemma 4's MoE block), expert parallelism of Gemma 4's experts,
+def check_own_layers_parallelism(config, expert_parallel):
+    """Refuse, in one line, expert parallelism for Gemma's own decoder layers (models/gemma3.py, gemma4.py) without
+    experts to split: tensor parallelism (the attention, the MLP, the vocabulary; PLE and Gemma 4's MoE block on each
+    rank's tokens), context parallelism (their attention core wrapped), expert parallelism of Gemma 4's experts,
     pipeline and data parallelism, ZeRO-1, bf16, checkpointing and packing train them."""
-    if architecture_of(config).decoder == COMPOSED:
+    if architecture_of(config).decoder == COMPOSED or architecture_of(config).moe or expert_parallel == 1:
         return
-    sizes = {"context_parallel_size": context_parallel, "expert_parallel_size": expert_parallel}
-    refused = {name: (size, OWN_LAYERS_UNPLANNED[name](config)) for name, size in sizes.items() if size > 1}
-    refused = {name: (size, what) for name, (size, what) in refused.items() if what is not None}
-    if refused:
-        raise ValueError("; ".join(f"{name}={size}: {config.model_type}'s {what} have no "
-                                   f"{name.removesuffix('_parallel_size')} parallel plan yet"
-                                   for name, (size, what) in refused.items()) + "; set them to 1.")
+    raise ValueError(f"expert_parallel_size={expert_parallel}: {config.model_type}'s decoder layers have no experts to "
+                     f"split; set it to 1.")
 
 
 def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,
@@ -299,7 +282,7 @@ def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="s
     checkpoint stores them (models/pipeline_layers.py StagePlan)."""
     check_model_config(config)
     tp_size = max(1, topology.get_dim("model"))
-    check_own_layers_parallelism(config, context_parallel_size, expert_parallel_size)
+    check_own_layers_parallelism(config, expert_parallel_size)
     rank = torch.distributed.get_rank()
     parallel = TensorParallel(tp_size, getattr(topology.get_coord(rank), "model", 0), sequence_parallel,
                               recompute_sequence_gather)

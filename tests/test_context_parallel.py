@@ -45,6 +45,8 @@ CASES = {  # name: (tiny model, stages, tensor parallel, context parallel, optio
     "gemma4_e2b_2stages_x_cp2": ("gemma4_e2b", 2, 1, 2, {"rows": ("packed",)}),
     "gemma4_e2b_cp2_x_tp2_sp": ("gemma4_e2b", 1, 2, 2, {"rows": ("packed",)}),
     "gemma4_31b_cp4": ("gemma4_31b", 1, 1, 4, {"rows": ("packed",)}),
+    # and the 26B-A4B's MoE block beside each dense MLP: each rank routes its own tokens
+    "gemma4_26b_a4b_2stages_x_cp2": ("gemma4_26b_a4b", 2, 1, 2, {"rows": ("packed",)}),
 }
 
 

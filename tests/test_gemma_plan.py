@@ -28,9 +28,7 @@ def tiny(name, tensor_parallel=1):
     return LAYER_TYPE_CONFIGS[name]()
 
 
-# tensor parallelism of Gemma 4's MoE block is refused (models/pipeline.py OWN_LAYERS_UNPLANNED)
-@pytest.mark.parametrize("name,tensor_parallel", [(name, 1) for name in GEMMAS] + [
-    (name, 2) for name in GEMMAS if name != "gemma4_26b_a4b"])
+@pytest.mark.parametrize("name,tensor_parallel", [(name, tensor_parallel) for name in GEMMAS for tensor_parallel in (1, 2)])
 def test_the_planner_prices_the_layers_it_builds(name, tensor_parallel):
     """Every pipeline layer's priced parameters are those of the layer built on the meta device for one
     tensor-parallel rank, layer by layer (full layers' own widths, reusing layers without k/v projections and with

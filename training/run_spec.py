@@ -227,7 +227,7 @@ def check_layout(cfg, model_config, world_size):
         raise ConfigError(error)
     check_length_buckets_split(cfg, workload)
     try:
-        check_own_layers_parallelism(model_config, cfg.context_parallel_size, cfg.expert_parallel_size)
+        check_own_layers_parallelism(model_config, cfg.expert_parallel_size)
         check_tensor_parallel_split(model_config, tp, workload.tokens if workload.splits_sequence else None)
         if workload.lora.enabled:
             check_lora_applies(model_config, workload.lora)
