@@ -260,6 +260,23 @@ def check_own_layers_parallelism(config, expert_parallel):
                      f"split; set it to 1.")
 
 
+# The schedules whose engine (engines/chunked_engine.py) holds several chunks of layers per rank. Gemma 4's stage
+# tuple with per-layer inputs or keys and values carried from a source layer to its reusers is untested there, and
+# E2B's fails: a rank receives a tuple of another size than its peer sent (gloo's "Received data size doesn't match
+# expected size" on interleaved_1f1b and zbv; NCCL would hang), so it is refused until the engine passes it.
+CHUNKED_SCHEDULES = ("interleaved_1f1b", "zbv")
+
+
+def check_stage_tuple_schedule(config, schedule):
+    """Refuse, in one line, a chunked schedule for a model whose stage tuple carries Gemma 4's per-layer inputs or
+    shared keys and values (CHUNKED_SCHEDULES)."""
+    carried = StageTuple(config)
+    if schedule in CHUNKED_SCHEDULES and (carried.per_layer or carried.kv_sources):
+        raise ValueError(f"pipeline_schedule={schedule}: {config.model_type}'s per-layer inputs and shared keys and "
+                         f"values between stages are not carried across several chunks a rank yet; use "
+                         f"pipeline_schedule=1f1b or zero_bubble.")
+
+
 def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,
                           dtype=None, sequence_parallel=True, recompute_sequence_gather=False, layer_loader=None,
                           context_parallel_size=1, loss_chunk_tokens=0, grad_accum_dtype=None, lora=NO_LORA, seed=0,

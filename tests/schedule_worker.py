@@ -82,8 +82,9 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     if chunks is not None and case.get("partition_costs") == "measured":
         units, bounds = measured_bounds(case, schedule, config, micro_batch_size, gas, seq_len)
     elif chunks is not None:
-        num_chunks = sum(map(len, chunks))
-        bounds = partition_stages(config, num_chunks, [config.num_hidden_layers // num_chunks] * num_chunks)
+        num_chunks = sum(map(len, chunks))  # the decoder layers shared out, the first chunks taking one more
+        layers, extra = divmod(config.num_hidden_layers, num_chunks)
+        bounds = partition_stages(config, num_chunks, [layers + (chunk < extra) for chunk in range(num_chunks)])
     module = build_pipeline_module(config, parallel_topology(num_stages, tensor_parallel), layer_loader=load_layer_slice,
                                    stage_bounds=bounds, chunk_ids=chunks,
                                    activation_checkpoint_interval=case.get("checkpoint_interval", 0),
