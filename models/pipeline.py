@@ -25,6 +25,7 @@ from models.pipeline_layers import (DECODER_PIPES, EmbeddingPipe, LMHeadPipe, St
 from models.preference import PreferenceLoss, PreferenceSettings
 from models.router_loss import LoadBalancingLoss
 from models.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel, parallelize_adapters
+from schedules.rules import chunks_per_rank
 
 ATTENTION_IMPLS = ("sdpa", "eager")
 LOSS_IMPLS = ("chunked", "logits")
@@ -260,18 +261,15 @@ def check_own_layers_parallelism(config, expert_parallel):
                      f"split; set it to 1.")
 
 
-# The schedules whose engine (engines/chunked_engine.py) holds several chunks of layers per rank. Gemma 4's stage
-# tuple with per-layer inputs or keys and values carried from a source layer to its reusers is untested there, and
-# E2B's fails: a rank receives a tuple of another size than its peer sent (gloo's "Received data size doesn't match
+# Gemma 4's stage tuple with per-layer inputs or keys and values carried from a source layer to its reusers is
+# untested under the schedules that hold several chunks of layers a rank (engines/chunked_engine.py), and E2B's fails
+# there: a rank receives a tuple of another size than its peer sent (gloo's "Received data size doesn't match
 # expected size" on interleaved_1f1b and zbv; NCCL would hang), so it is refused until the engine passes it.
-CHUNKED_SCHEDULES = ("interleaved_1f1b", "zbv")
-
-
-def check_stage_tuple_schedule(config, schedule):
-    """Refuse, in one line, a chunked schedule for a model whose stage tuple carries Gemma 4's per-layer inputs or
-    shared keys and values (CHUNKED_SCHEDULES)."""
+def check_stage_tuple_schedule(config, schedule, virtual_stages=None):
+    """Refuse, in one line, a schedule of several chunks a rank for a model whose stage tuple carries Gemma 4's
+    per-layer inputs or shared keys and values (above)."""
     carried = StageTuple(config)
-    if schedule in CHUNKED_SCHEDULES and (carried.per_layer or carried.kv_sources):
+    if chunks_per_rank(schedule, virtual_stages) > 1 and (carried.per_layer or carried.kv_sources):
         raise ValueError(f"pipeline_schedule={schedule}: {config.model_type}'s per-layer inputs and shared keys and "
                          f"values between stages are not carried across several chunks a rank yet; use "
                          f"pipeline_schedule=1f1b or zero_bubble.")

@@ -228,7 +228,7 @@ def check_layout(cfg, model_config, world_size):
     check_length_buckets_split(cfg, workload)
     try:
         check_own_layers_parallelism(model_config, cfg.expert_parallel_size)
-        check_stage_tuple_schedule(model_config, cfg.pipeline_schedule)
+        check_stage_tuple_schedule(model_config, cfg.pipeline_schedule, cfg.virtual_stages)
         check_tensor_parallel_split(model_config, tp, workload.tokens if workload.splits_sequence else None)
         if workload.lora.enabled:
             check_lora_applies(model_config, workload.lora)
