@@ -166,10 +166,13 @@ class HangWatchdog:
         return None
 
     def _watch(self):
-        """Wakes at the limit (or within POLL_SECONDS, to see progress and a new limit): a hang is named as the
-        limit passes, not up to a poll later."""
+        """Wakes at the phase's or the running instruction's limit, whichever comes first (or within POLL_SECONDS,
+        to see progress and a new limit): a hang is named as the limit passes, not up to a poll later."""
         while True:
-            remaining = self.limit[0] - (time.monotonic() - self.armed_at)
+            now, instruction_at = time.monotonic(), self.instruction_at
+            remaining = self.limit[0] - (now - self.armed_at)
+            if instruction_at is not None:
+                remaining = min(remaining, self.instruction_limit[0] - (now - instruction_at))
             if self._stopped.wait(min(POLL_SECONDS, max(remaining, 0.0) + 0.01)):
                 return
             expired = self._expired()
