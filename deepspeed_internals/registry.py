@@ -232,10 +232,10 @@ INTERNALS = (
     Internal(f"{PIPELINE_ENGINE}._recv_tensor_meta", "which the zero-bubble receives use", ("self", "send_stage")),
     # The chunked engine (engines/chunked_engine.py).
     *(Unused(PIPELINE_ENGINE, name, "which the chunked engine adds") for name in (
-        "_exec_chunk_forward_pass", "_exec_chunk_backward_pass", "_exec_share_activation_shapes", "_exec_post_transfer",
+        "_exec_chunk_forward_pass", "_exec_chunk_backward_pass", "_received_shapes", "_exec_post_transfer",
         "_exec_wait_transfer", "_runs_or_holds", "_buffer", "_run_chunk", "_give", "pipeline_schedule", "local_chunks",
-        "chunk_owner", "last_chunk", "chunk_program", "running_chunk", "_activation_shapes", "_arrived", "_made",
-        "_posted", "_losses", "chunk_ids", "_buffers_per_chunk")),
+        "chunk_owner", "last_chunk", "chunk_program", "running_chunk", "_shapes_sent", "_input_shapes", "_arrived",
+        "_made", "_posted", "_losses", "chunk_ids", "_buffers_per_chunk")),
     *(Internal(f"{PIPELINE_ENGINE}.{name}", "which the chunked engine overrides (a chunk's first and last stage)",
                ("self",)) for name in ("is_first_stage", "is_last_stage", "_loss_stage_global_rank")),
     self_use(PIPELINE_ENGINE, "_loss_stage_global_rank()", "which the chunked engine overrides"),

@@ -16,10 +16,17 @@ zero-bubble schedule does (models/weight_grads.py: B now, W in the order's place
 chunk's: no rank waits for its input gradient, so its B runs whole and its W is left out (ZB-H1's first stage does
 the same; a split backward computes slower on the CPU, bench/README.md).
 
-Every chunk boundary carries the same shapes: the first step's first forward (chunk 0's, micro-batch 0, on the rank
-of chunk 0, which needs nothing before it) broadcasts them over the pipeline's ranks before any point-to-point
-operation, and every receive is allocated from them (gradients: like the chunk's outputs). A step of another
-sequence length broadcasts them again (reset_activation_shape, engines/sequence_length.py).
+Each chunk boundary carries its own tuple (Gemma 4's keys and values travel only from their source layer to the
+last layer reusing them, models/pipeline_layers.py StageTuple.carried_sources): the count, dtypes and shapes of
+the tensors after chunk g are chunk g's outputs'. They go over the boundary's link once, as a message of
+SHAPES_SIZE integers posted right before the first activations after chunk g, in the link's order on both sides;
+the receiver waits for that message as it posts its first receive of the boundary (its receives are allocated
+from it) and keeps it for the boundary's later receives. That wait cannot hang: the program posts the receive
+where it waits for it, or earlier only ahead of a send of the same link that comes after it in the link's order
+(schedules/p2p.py), which is the order in which the unit-time run of the schedule ends its computations, so whatever
+the sender's forward of chunk g waits for was done before the receiver posts (tests/test_p2p_order.py runs every
+program under its model of NCCL). Gradients are received like the chunk's floating outputs. A step of another
+sequence length sends the shapes again (reset_activation_shape, engines/sequence_length.py).
 """
 import torch
 import torch.distributed as dist
@@ -50,11 +57,6 @@ class ChunkBackwardPass(PipeInstruction):
     previous chunk."""
 
 
-class ShareActivationShapes(PipeInstruction):
-    """The shapes every chunk boundary carries, broadcast from the rank of chunk 0 after its first forward (first
-    step, and the first after a change of sequence length)."""
-
-
 class PostTransfer(PipeInstruction):
     """Post a send or a receive (op: schedules/orders.py's P2POp) without waiting for it."""
 
@@ -76,8 +78,6 @@ class ChunkedSchedule(TrainSchedule):
         return self.num_chunks * self.micro_batches
 
     def steps(self):
-        if not self.holds_first_chunk:
-            yield [ShareActivationShapes()]
         first_chunk = 0 if self.holds_first_chunk else None  # the model's first chunk is local chunk 0 of its rank
         for action, item in self.program:
             if action == "post":
@@ -86,8 +86,6 @@ class ChunkedSchedule(TrainSchedule):
                 yield [WaitTransfer(op=item)]
             elif item[0] == "F":
                 yield [ChunkForwardPass(chunk=item[1], micro_batch=item[2])]
-                if item[1:] == (0, 0) and self.holds_first_chunk:
-                    yield [ShareActivationShapes()]
             elif item[0] == "B":
                 split = self.split and item[1] != first_chunk
                 yield [ChunkBackwardPass(chunk=item[1], micro_batch=item[2], split=split)]
@@ -131,7 +129,7 @@ def pack_shapes(tensors, device):
 
 
 def unpack_shapes(message, device):
-    """Empty tensors of the packed shapes (one host read, once per engine and sequence length)."""
+    """Empty tensors of the packed shapes (one host read, once per boundary and sequence length)."""
     values, tensors, at = message.tolist(), [], 1
     for _ in range(values[0]):
         dtype, ndim = SHAPE_DTYPES[values[at]], values[at + 1]
@@ -224,35 +222,37 @@ class ChunkedPipelineEngine(ZeroBubblePipelineEngine):
         self._arrived[(tensor, self.local_chunks.index(neighbour), micro_batch)] = tensors
 
     def reset_activation_shape(self):
-        """DeepSpeed's, and the shapes between chunks broadcast again by the next step's first forward."""
+        """DeepSpeed's, and each boundary's shapes sent again before its next first activations."""
         super().reset_activation_shape()
-        self._activation_shapes = None
-
-    def _exec_share_activation_shapes(self):
-        if self._activation_shapes is not None:
-            return
-        source = self.chunk_owner[0]
-        if source == self.stage_id:
-            message = pack_shapes(as_tuple(pipe_buffer(self, "outputs", self._buffer(0, 0))), self.device)
-        else:
-            message = torch.empty(SHAPES_SIZE, dtype=torch.int64, device=self.device)
-        collectives.broadcast(message, self.grid.stage_to_global(source), self.grid.get_pipe_parallel_group())
-        self._activation_shapes = unpack_shapes(message, self.device)
+        self._shapes_sent, self._input_shapes = set(), {}
 
     def _exec_post_transfer(self, op):
         key = (op.tensor, op.local_chunk, op.micro_batch)
         peer = self.grid.stage_to_global(op.peer)
         if op.direction == "send":
             tensors = tuple(t.contiguous() for t in self._made.pop(key))  # held until the wait: what is sent
+            if op.tensor == "activation" and op.local_chunk not in self._shapes_sent:  # the boundary's first
+                self._shapes_sent.add(op.local_chunk)
+                tensors = (pack_shapes(tensors, self.device), *tensors)
             self._posted[op] = (tensors, [collectives.isend(t, peer) for t in tensors])
             return
         if op.tensor == "activation":
-            like = self._activation_shapes
+            like = self._received_shapes(op.local_chunk, peer)
         else:  # the gradients of the chunk's floating outputs
             outputs = pipe_buffer(self, "outputs", self._buffer(op.local_chunk, op.micro_batch))
             like = [t for t in as_tuple(outputs) if t.is_floating_point()]
         tensors = tuple(torch.empty_like(t) for t in like)
         self._posted[op] = (tensors, [collectives.irecv(t, peer) for t in tensors])
+
+    def _received_shapes(self, chunk, peer):
+        """Empty tensors of the tuple local chunk `chunk` receives: the boundary's first receive waits for the
+        shapes its sender posts ahead of its first activations (the module's docstring says why this cannot hang),
+        the later ones reuse them."""
+        if chunk not in self._input_shapes:
+            message = torch.empty(SHAPES_SIZE, dtype=torch.int64, device=self.device)
+            collectives.recv(message, peer)
+            self._input_shapes[chunk] = unpack_shapes(message, self.device)
+        return self._input_shapes[chunk]
 
     def _exec_wait_transfer(self, op):
         tensors, works = self._posted.pop(op)
@@ -272,7 +272,6 @@ class ChunkedPipelineEngine(ZeroBubblePipelineEngine):
 add_instruction_handlers(ChunkedPipelineEngine, {
     ChunkForwardPass: ChunkedPipelineEngine._exec_chunk_forward_pass,
     ChunkBackwardPass: ChunkedPipelineEngine._exec_chunk_backward_pass,
-    ShareActivationShapes: ChunkedPipelineEngine._exec_share_activation_shapes,
     PostTransfer: ChunkedPipelineEngine._exec_post_transfer,
     WaitTransfer: ChunkedPipelineEngine._exec_wait_transfer,
     ReduceTiedGrads: ChunkedPipelineEngine._exec_reduce_tied_grads,
@@ -307,7 +306,8 @@ def use_chunked_pipeline(engine, schedule, virtual_stages=None, max_waiting=None
     engine.local_chunks = chunks[engine.stage_id]
     engine.chunk_owner = {chunk: rank for rank, rank_chunks in enumerate(chunks) for chunk in rank_chunks}
     engine.last_chunk = len(engine.chunk_owner) - 1
-    engine.running_chunk = engine._activation_shapes = None
+    engine.running_chunk = None
+    engine._shapes_sent, engine._input_shapes = set(), {}  # per boundary: its shapes sent, its shapes received
     engine._arrived, engine._made, engine._posted, engine._losses = {}, {}, {}, {}
 
     def make_program(times):
@@ -331,14 +331,10 @@ def remake_for_measured_times(engine, times, make_program):
 
 
 def set_chunk_program(engine, program):
-    """The rank's program from the next step on. Ws run oldest first, so they must follow the Bs' order; the rank of
-    chunk 0 must start with its forward of micro-batch 0 (the activation shapes come from it)."""
+    """The rank's program from the next step on. Ws run oldest first, so they must follow the Bs' order."""
     computed = [item for action, item in program if action == "compute"]
     backwards = [(chunk, j) for kind, chunk, j in computed if kind == "B"]
     weights = [(chunk, j) for kind, chunk, j in computed if kind == "W"]
     if weights and weights != backwards:
         raise ValueError(f"{engine.pipeline_schedule}: the order's Ws {weights} do not follow its Bs {backwards}.")
-    if 0 in engine.local_chunks and program[0] != ("compute", ("F", engine.local_chunks.index(0), 0)):
-        raise ValueError(f"{engine.pipeline_schedule}: the program of chunk 0's rank starts with {program[0]}, not its "
-                         f"first forward.")
     engine.chunk_program = program

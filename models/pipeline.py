@@ -25,7 +25,6 @@ from models.pipeline_layers import (DECODER_PIPES, EmbeddingPipe, LMHeadPipe, St
 from models.preference import PreferenceLoss, PreferenceSettings
 from models.router_loss import LoadBalancingLoss
 from models.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel, parallelize_adapters
-from schedules.rules import chunks_per_rank
 
 ATTENTION_IMPLS = ("sdpa", "eager")
 LOSS_IMPLS = ("chunked", "logits")
@@ -259,20 +258,6 @@ def check_own_layers_parallelism(config, expert_parallel):
         return
     raise ValueError(f"expert_parallel_size={expert_parallel}: {config.model_type}'s decoder layers have no experts to "
                      f"split; set it to 1.")
-
-
-# Gemma 4's stage tuple with per-layer inputs or keys and values carried from a source layer to its reusers is
-# untested under the schedules that hold several chunks of layers a rank (engines/chunked_engine.py), and E2B's fails
-# there: a rank receives a tuple of another size than its peer sent (gloo's "Received data size doesn't match
-# expected size" on interleaved_1f1b and zbv; NCCL would hang), so it is refused until the engine passes it.
-def check_stage_tuple_schedule(config, schedule, virtual_stages=None):
-    """Refuse, in one line, a schedule of several chunks a rank for a model whose stage tuple carries Gemma 4's
-    per-layer inputs or shared keys and values (above)."""
-    carried = StageTuple(config)
-    if chunks_per_rank(schedule, virtual_stages) > 1 and (carried.per_layer or carried.kv_sources):
-        raise ValueError(f"pipeline_schedule={schedule}: {config.model_type}'s per-layer inputs and shared keys and "
-                         f"values between stages are not carried across several chunks a rank yet; use "
-                         f"pipeline_schedule=1f1b or zero_bubble.")
 
 
 def build_pipeline_module(config, topology, stage_bounds=None, attention_impl="sdpa", activation_checkpoint_interval=0,

@@ -90,15 +90,6 @@ def test_gemma_refuses_unplanned_parallelism_in_one_line():
         check_own_layers_parallelism(LAYER_TYPE_CONFIGS["gemma3_text"](), 2)
     check_own_layers_parallelism(LAYER_TYPE_CONFIGS["gemma4_26b_a4b"](), 2)  # Gemma 4's experts split
     check_own_layers_parallelism(LAYER_TYPE_CONFIGS["olmo3"](), 2)  # the composed layer's plans
-    # the chunked schedules with Gemma 4's per-layer inputs and shared keys and values in the stage tuple
-    from models.pipeline import check_stage_tuple_schedule
-    for schedule, virtual_stages in (("interleaved_1f1b", 2), ("zbv", None)):
-        with pytest.raises(ValueError, match=rf"^pipeline_schedule={schedule}: gemma4_text's per-layer inputs and "
-                                             r"shared keys and values between stages are not carried across several "
-                                             r"chunks a rank yet; use pipeline_schedule=1f1b or zero_bubble\.$"):
-            check_stage_tuple_schedule(LAYER_TYPE_CONFIGS["gemma4_e2b"](), schedule, virtual_stages)
-        check_stage_tuple_schedule(LAYER_TYPE_CONFIGS["gemma4_31b"](), schedule, virtual_stages)
-    check_stage_tuple_schedule(LAYER_TYPE_CONFIGS["gemma4_e2b"](), "zero_bubble")
     # Gemma 4 31B-like: one key/value head on its full layers
     with pytest.raises(ValueError, match=r"^tensor_parallel_size=2 does not divide num_global_key_value_heads=1; "):
         check_tensor_parallel_split(LAYER_TYPE_CONFIGS["gemma4_31b"](), 2)

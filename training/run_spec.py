@@ -25,7 +25,7 @@ from models.expert_parallel import expert_parallel_error
 from models.layout import layer_file_name, text_config_of
 from models.lora import adapter_parameter_total, check_lora_applies, check_rank_fits
 from models.partition import decoder_counts_of_bounds, decoder_kinds, layer_parameter_counts, timed_kind
-from models.pipeline import check_own_layers_parallelism, check_stage_tuple_schedule, partition_stages
+from models.pipeline import check_own_layers_parallelism, partition_stages
 from models.preference import PreferenceSettings
 from models.tensor_parallel import check_tensor_parallel_split
 from planner.chunk_balance import balanced_chunk_counts
@@ -228,7 +228,6 @@ def check_layout(cfg, model_config, world_size):
     check_length_buckets_split(cfg, workload)
     try:
         check_own_layers_parallelism(model_config, cfg.expert_parallel_size)
-        check_stage_tuple_schedule(model_config, cfg.pipeline_schedule, cfg.virtual_stages)
         check_tensor_parallel_split(model_config, tp, workload.tokens if workload.splits_sequence else None)
         if workload.lora.enabled:
             check_lora_applies(model_config, workload.lora)
