@@ -1,26 +1,27 @@
 """Every pipeline schedule's point-to-point operations, checked against a model of NCCL's semantics: both directions
 of a link share one stream per side, operations run in the order each side issued them, a send completes only when
 the peer's matching receive runs (no buffering, unlike gloo, so the CPU runs cannot show a deadlock), and a
-collective completes once every rank of its group has reached it: the chunked engine's broadcast of the activation
-shapes (the pipeline's ranks), and under expert parallelism the all-to-alls each forward and backward of a stage
-holding experts runs (models/expert_parallel.py; its expert-parallel group: the stage's ranks in the data-parallel
-replicas, each running its stage's program, so each group's ranks must meet at the same all-to-alls in the same
-order). A pair that is not a send facing a receive of the same shape and dtype waits forever or delivers the wrong
-tensor.
+collective completes once every rank of its group has reached it: under expert parallelism the all-to-alls each
+forward and backward of a stage holding experts runs (models/expert_parallel.py; its expert-parallel group: the
+stage's ranks in the data-parallel replicas, each running its stage's program, so each group's ranks must meet at
+the same all-to-alls in the same order). A pair that is not a send facing a receive of the same shape and dtype
+waits forever or delivers the wrong tensor.
 
 The operations are recorded from the engines themselves: each stage's engine (DeepSpeed's PipelineEngine for 1F1B,
 the zero-bubble engine of engines/pipeline_engine.py, the chunked engine of engines/chunked_engine.py for
 interleaved_1f1b and zbv) runs its schedules through DeepSpeed's own instruction loop and its own handlers: sends
 and receives (the chunked engine's per tensor, posted and waited for where its program says), the shapes' exchange
-(DeepSpeed's blocking metadata, the zero-bubble engine's; the chunked engine's broadcast), the chunked engine's
-in-place hand-over between two chunks of one rank, and W. Only what computes is replaced (forward, backward, loading,
-the reductions and the optimizer step: stand-ins that make the tensors a stage or chunk passes on, as the project's
-layers shape them, and check the ones it took), and so is the communication under the handlers (DeepSpeed's
-p2p.send / p2p.recv and torch.distributed's send, recv, isend, irecv and broadcast), by a recorder. Stages run one
+(DeepSpeed's blocking metadata, the zero-bubble engine's; the chunked engine's message ahead of each boundary's
+first activations, its receive waited for where it is posted), the chunked engine's in-place hand-over between two
+chunks of one rank, and W. Only what computes is replaced (forward, backward, loading, the reductions and the
+optimizer step: stand-ins that make the tensors a stage or chunk passes on, as the project's layers shape them, and
+check the ones it took), and so is the communication under the handlers (DeepSpeed's
+p2p.send / p2p.recv and torch.distributed's send, recv, isend and irecv), by a recorder. Stages run one
 after another, first to last; each receive gets what its peer sent over that link before, in order, as both gloo
 and NCCL match them: under one chunk per rank from the stages recorded before (so the activations are checked, the
-gradients not), under several in a second pass, from the first pass's sends, since ranks also receive from ranks
-after them (every activation and gradient checked)."""
+gradients not), under several in passes that each take the previous pass's sends, since ranks also receive from
+ranks after them, until every link's sends keep their shapes, then in a last one that checks every activation and
+gradient."""
 import collections
 import functools
 import itertools
@@ -90,18 +91,17 @@ class Work:
 
 
 class Recorder:
-    """One stage's point-to-point layer and broadcast. Its program: ("post", op) where an operation is issued, ("wait",
-    op) where the stage blocks until it completed, ("collective", op) for a broadcast over the pipeline's ranks; op =
-    (peer stage, "send" | "recv", dtype, shape, number on this stage), a broadcast's (its source stage, "broadcast",
-    ...). neighbours: the stages it may send to and receive from (default: the next and the previous); sent:
-    {(from, to): tensors sent}, which it adds to; inbox: the same for what its receives take, in order (default:
-    sent, which the stages recorded before it filled); broadcasts: the messages broadcast so far, by the stages."""
+    """One stage's point-to-point layer. Its program: ("post", op) where an operation is issued, ("wait", op) where
+    the stage blocks until it completed, ("collective", op) for an expert-parallel all-to-all; op = (peer stage,
+    "send" | "recv", dtype, shape, number on this stage). neighbours: the stages it may send to and receive from
+    (default: the next and the previous); sent: {(from, to): tensors sent}, which it adds to; inbox: the same for
+    what its receives take, in order (default: sent, which the stages recorded before it filled); a receive that
+    finds nothing of its shape there takes zeros (the chunked engine's shapes message: no tensors)."""
 
-    def __init__(self, stage, sent, neighbours=None, inbox=None, broadcasts=None):
+    def __init__(self, stage, sent, neighbours=None, inbox=None):
         self.stage, self.sent, self.program = stage, sent, []
         self.neighbours = {stage - 1, stage + 1} if neighbours is None else neighbours
         self.inbox = sent if inbox is None else inbox
-        self.broadcasts = broadcasts
 
     def post(self, tensor, peer, direction):
         if peer not in self.neighbours:
@@ -110,20 +110,13 @@ class Recorder:
         self.program.append(("post", op))
         if direction == "send":
             self.sent[(self.stage, peer)].append(tensor.detach().clone())
-        elif self.inbox[(peer, self.stage)]:  # the stages recorded before it sent it; later stages' carry no check
-            delivered = self.inbox[(peer, self.stage)].popleft()
-            if delivered.shape == tensor.shape and delivered.dtype == tensor.dtype:
+        else:  # the stages recorded before it sent it; later stages' carry no check
+            delivered = self.inbox[(peer, self.stage)].popleft() if self.inbox[(peer, self.stage)] else None
+            if delivered is not None and delivered.shape == tensor.shape and delivered.dtype == tensor.dtype:
                 tensor.copy_(delivered)
+            else:
+                tensor.zero_()
         return op
-
-    def broadcast(self, tensor, src, group=None, async_op=False):
-        assert group == Grid.PIPE_GROUP and not async_op
-        source, number = self.stage_of(src), sum(action == "collective" for action, _ in self.program)
-        self.program.append(("collective", (source, "broadcast", tensor.dtype, tuple(tensor.shape), len(self.program))))
-        if source == self.stage:
-            self.broadcasts.append(tensor.clone())
-        else:  # the source stage is recorded first (the rank of chunk 0)
-            tensor.copy_(self.broadcasts[number])
 
     def all_to_all(self, identity):
         """An expert-parallel all-to-all (models/expert_parallel.py): a collective over the ranks of this stage's
@@ -247,22 +240,18 @@ def describe(rank, op):
            f"stage {peer})"
 
 
-def collective_members(rank, op, replicas, stages):
-    """The ranks a collective of `rank` waits for: a broadcast, its replica's stages; an all-to-all, its stage's
-    ranks in every replica (the widest expert-parallel group: expert_parallel_size = the data-parallel size)."""
-    stage, replica = rank
-    if op[1] == "all_to_all":
-        return [(stage, other) for other in range(replicas)]
-    return [(other, replica) for other in range(stages)]
+def collective_members(rank, replicas):
+    """The ranks an all-to-all of `rank` waits for: its stage's ranks in every replica (the widest expert-parallel
+    group: expert_parallel_size = the data-parallel size)."""
+    return [(rank[0], other) for other in range(replicas)]
 
 
 def run_on_nccl(*replicas):
     """Execute the programs under the model; raise on a deadlock, a send matched with a receive of another shape or
     dtype, a collective whose ranks meet at different ones, or an operation nobody matched. replicas: each
     data-parallel replica's programs, one per stage: rank (stage, replica) runs its own, its point-to-point
-    operations go to its replica's stages (the pipeline's ranks of a replica), its broadcasts are over them, and its
-    all-to-alls over its stage's ranks of every replica (an expert-parallel group)."""
-    stages = len(replicas[0])
+    operations go to its replica's stages (the pipeline's ranks of a replica), and its all-to-alls over its stage's
+    ranks of every replica (an expert-parallel group)."""
     programs = {(stage, replica): program for replica, stage_programs in enumerate(replicas)
                 for stage, program in enumerate(stage_programs)}
     streams = collections.defaultdict(collections.deque)
@@ -282,7 +271,7 @@ def run_on_nccl(*replicas):
         at_collective = {rank: program[position[rank]][1] for rank, program in programs.items()
                          if position[rank] < len(program) and program[position[rank]][0] == "collective"}
         for rank, op in at_collective.items():  # a collective completes once all its ranks have reached it
-            members = collective_members(rank, op, len(replicas), stages)
+            members = collective_members(rank, len(replicas))
             if (rank, op) in done or not all(at_collective.get(member, (None, None))[1] == op[1] for member in members):
                 continue
             if len({at_collective[member][:4] for member in members}) > 1:
@@ -428,14 +417,24 @@ def ids(value):
     return torch.full((ROWS, SEQUENCE), value, dtype=torch.long)
 
 
+@functools.cache
+def carried(chunk):
+    """The floating tensors after chunk `chunk` beside its hidden states, another count and shape at each boundary
+    (as Gemma 4's keys and values, carried from their source layer to their last reuser): chunk % 3 fp32 tensors
+    saying the chunk, of SEQUENCE + chunk positions."""
+    return tuple(torch.full((ROWS, SEQUENCE + chunk, HIDDEN // 2), float(chunk)) for _ in range(chunk % 3))
+
+
 class ChunkComputation:
     """The chunked engine's computing, replaced: DeepSpeed's forward, backward and loading, which the engine runs for
     each chunk. Every schedule takes each chunk's micro-batches in order, forward and backward: in each batch, a
     chunk's forward k checks that its inputs are the previous chunk's forward k's outputs (received, or handed over
-    in place on its rank) and makes outputs that say (chunk, k); its backward k checks that its outputs' gradient is
-    the next chunk's backward k's (the last chunk's: its own forward k's loss) and gives its inputs a gradient that
-    says (chunk, k). checking=False: nothing checked (a first pass, whose receives may find nothing sent yet).
-    all_to_all: as Computation's, each chunk's forward and backward calling it."""
+    in place on its rank) and makes outputs that say (chunk, k), with the chunk's own carried tensors (carried: the
+    tuple differs by boundary, as Gemma 4's does); its backward k checks that its outputs' gradients are the next
+    chunk's backward k's (the last chunk's: its own forward k's loss), one for each floating output, and gives its
+    inputs' floating tensors a gradient, the hidden states' saying (chunk, k). checking=False: nothing checked (an
+    unchecked pass, whose receives may find nothing sent yet). all_to_all: as Computation's, each chunk's forward
+    and backward calling it."""
 
     def __init__(self, engine, checking, all_to_all=None):
         self.engine, self.checking = engine, checking
@@ -447,15 +446,19 @@ class ChunkComputation:
         j, self.forwards[chunk] = self.forwards[chunk], self.forwards[chunk] + 1
         self.all_to_all(("F", chunk, j))
         if chunk > 0 and self.checking:
-            hidden, document_ids, position_ids = pipe_buffer(engine, "inputs", buffer_id)
+            hidden, *kept, document_ids, position_ids = pipe_buffer(engine, "inputs", buffer_id)
             assert hidden.requires_grad and not document_ids.requires_grad and not position_ids.requires_grad
             assert (hidden.equal(saying("activation", chunk - 1, j)) and document_ids.eq(chunk - 1).all()
                     and position_ids.eq(j).all()), (f"rank {engine.stage_id}'s chunk {chunk}, forward {j}, received "
                                                     f"another chunk's or micro-batch's activations")
+            assert len(kept) == len(carried(chunk - 1)) and all(
+                t.requires_grad and t.equal(c) for t, c in zip(kept, carried(chunk - 1))), (
+                f"rank {engine.stage_id}'s chunk {chunk}, forward {j}, received another boundary's tuple")
         if chunk == engine.last_chunk:
             engine.loss = torch.tensor(float(j))
         else:
-            set_pipe_buffer(engine, "outputs", buffer_id, (saying("activation", chunk, j), ids(chunk), ids(j)))
+            set_pipe_buffer(engine, "outputs", buffer_id,
+                            (saying("activation", chunk, j), *carried(chunk), ids(chunk), ids(j)))
 
     def backward(self, buffer_id):
         engine, chunk = self.engine, self.engine.running_chunk
@@ -464,13 +467,15 @@ class ChunkComputation:
         if self.checking and chunk == engine.last_chunk:
             assert engine.loss.item() == j, f"the last chunk's backward {j} took forward {engine.loss.item()}'s loss"
         elif self.checking:
-            (grad,) = received_gradients(engine)
+            grad, *kept = received_gradients(engine)
             assert grad.equal(saying("gradient", chunk + 1, j)), (
                 f"rank {engine.stage_id}'s chunk {chunk}, backward {j}, received another gradient")
-        if chunk > 0:
-            for tensor in pipe_buffer(engine, "inputs", buffer_id):
-                if tensor.is_floating_point():
-                    tensor.grad = saying("gradient", chunk, j)
+            assert [t.shape for t in kept] == [c.shape for c in carried(chunk)], (
+                f"rank {engine.stage_id}'s chunk {chunk}, backward {j}, received another boundary's gradients")
+        if chunk > 0:  # (an unchecked pass's chunk may have received an empty tuple: no tensors)
+            floating = [t for t in pipe_buffer(engine, "inputs", buffer_id) if t.is_floating_point()]
+            for k, tensor in enumerate(floating):
+                tensor.grad = saying("gradient", chunk, j) if k == 0 else torch.zeros_like(tensor)
 
     @staticmethod
     def load(buffer_id):
@@ -483,41 +488,59 @@ def record_chunked(schedule, stages, micro_batches, batches, virtual_stages=1, m
     ChunkedPipelineEngine runs its schedule (its program, p2p_program's items as instructions) through DeepSpeed's
     instruction loop and its own handlers: the activation-shape broadcast, each tensor's send and receive posted and
     waited for where the program says, the in-place hand-over between chunks of one rank, W. Only DeepSpeed's
-    computing is replaced (ChunkComputation, and no reduction or optimizer step). Two passes: ranks receive from ranks
-    recorded after them (ZB-V's way back up, interleaving's wrap link), so the first collects every link's sends and
-    the second delivers them in order and checks what each chunk took. zbv_times: the durations the V order is made
-    for (set on the engine as zbv_times=auto does); programs: a program per rank to run instead; checked=False: the
-    first pass alone; experts: every chunk runs an expert-parallel all-to-all in each forward and backward."""
-    sent = {}
-    for checking in (False, True)[:1 + checked]:
-        inbox = collections.defaultdict(collections.deque, {link: collections.deque(tensors)
-                                                            for link, tensors in sent.items()})
-        sent, broadcasts, recorded = collections.defaultdict(collections.deque), [], []
-        for rank in range(stages):
-            module = types.SimpleNamespace(parallel=types.SimpleNamespace(), get_tied_weights_and_groups=list,
+    computing is replaced (ChunkComputation, and no reduction or optimizer step). Several passes: ranks receive from
+    ranks recorded after them (ZB-V's way back up, interleaving's wrap link), so each pass delivers the previous
+    pass's sends in order; a receive of a boundary's shapes that finds none takes zeros (no tensors), and the tensors
+    a chunk sends depend on the tuple it received, so unchecked passes run until every link's sends keep their
+    shapes, and a last pass checks what each chunk took. zbv_times: the durations the V order is made for (set on the
+    engine as zbv_times=auto does); programs: a program per rank to run instead; checked=False: the unchecked passes
+    alone; experts: every chunk runs an expert-parallel all-to-all in each forward and backward."""
+    sent, shapes, passes = {}, None, 0
+    while True:
+        sent, recorded = record_chunked_pass(schedule, stages, micro_batches, batches, virtual_stages, max_waiting,
+                                             zbv_times, programs, experts, sent, checking=False)
+        passes, previous = passes + 1, shapes
+        shapes = {link: [(t.dtype, t.shape) for t in tensors] for link, tensors in sent.items()}
+        if shapes == previous:
+            break
+        assert passes <= 2 * stages, "the sends' shapes never settle"
+    if not checked:
+        return recorded
+    return record_chunked_pass(schedule, stages, micro_batches, batches, virtual_stages, max_waiting, zbv_times,
+                               programs, experts, sent, checking=True)[1]
+
+
+def record_chunked_pass(schedule, stages, micro_batches, batches, virtual_stages, max_waiting, zbv_times, programs,
+                        experts, previous_sends, checking):
+    """One pass of record_chunked, its receives taking previous_sends: (this pass's sends, each rank's program)."""
+    inbox = collections.defaultdict(collections.deque, {link: collections.deque(tensors)
+                                                        for link, tensors in previous_sends.items()})
+    sent, recorded = collections.defaultdict(collections.deque), []
+    for rank in range(stages):
+        module = types.SimpleNamespace(parallel=types.SimpleNamespace(), get_tied_weights_and_groups=list,
                                        modules=list)
-            engine = handlers_only_pipeline_engine(Grid(rank, stages), module, micro_batches, torch.device("cpu"))
-            use_chunked_pipeline(engine, schedule, virtual_stages if schedule == "interleaved_1f1b" else None,
-                                 max_waiting)
-            if zbv_times != EQUAL_TIMES or programs:
-                set_chunk_program(engine, programs[rank] if programs else p2p_program(
-                    schedule, stages, micro_batches, rank, virtual_stages, max_waiting, zbv_times))
-            neighbours = {engine.chunk_owner[chunk + step] for chunk in engine.local_chunks for step in (-1, 1)
-                          if chunk + step in engine.chunk_owner} - {rank}
-            recorder = Recorder(rank, sent, neighbours, inbox, broadcasts)
-            computation = ChunkComputation(engine, checking, recorder.all_to_all if experts else None)
-            replace_passes(engine, computation.forward, computation.backward, computation.load)
-            replace_instruction_handlers(engine, {**instruction_handlers(engine), ReduceGrads: Computation.nothing,
-                                                  OptimizerStep: Computation.nothing})
-            with pytest.MonkeyPatch.context() as patch:
-                for name in ("send", "recv", "isend", "irecv", "broadcast"):
-                    patch.setattr(torch.distributed, name, getattr(recorder, name))
-                for batch in batches:
-                    computation.forwards.clear(), computation.backwards.clear()  # each batch's micro-batches from 0
-                    with torch.set_grad_enabled(batch is train):  # eval_batch's forwards run without autograd
-                        run_schedule(engine, batch(engine))
-            recorded.append(recorder.program)
-    return recorded
+        engine = handlers_only_pipeline_engine(Grid(rank, stages), module, micro_batches, torch.device("cpu"))
+        use_chunked_pipeline(engine, schedule, virtual_stages if schedule == "interleaved_1f1b" else None,
+                             max_waiting)
+        if zbv_times != EQUAL_TIMES or programs:
+            set_chunk_program(engine, programs[rank] if programs else p2p_program(
+                schedule, stages, micro_batches, rank, virtual_stages, max_waiting, zbv_times))
+        neighbours = {engine.chunk_owner[chunk + step] for chunk in engine.local_chunks for step in (-1, 1)
+                      if chunk + step in engine.chunk_owner} - {rank}
+        recorder = Recorder(rank, sent, neighbours, inbox)
+        computation = ChunkComputation(engine, checking, recorder.all_to_all if experts else None)
+        replace_passes(engine, computation.forward, computation.backward, computation.load)
+        replace_instruction_handlers(engine, {**instruction_handlers(engine), ReduceGrads: Computation.nothing,
+                                              OptimizerStep: Computation.nothing})
+        with pytest.MonkeyPatch.context() as patch:
+            for name in ("send", "recv", "isend", "irecv"):
+                patch.setattr(torch.distributed, name, getattr(recorder, name))
+            for batch in batches:
+                computation.forwards.clear(), computation.backwards.clear()  # each batch's micro-batches from 0
+                with torch.set_grad_enabled(batch is train):  # eval_batch's forwards run without autograd
+                    run_schedule(engine, batch(engine))
+        recorded.append(recorder.program)
+    return sent, recorded
 
 
 def chunk_runs(schedule, stages, micro_batches):
