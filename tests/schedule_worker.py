@@ -145,6 +145,7 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
     # evaluation: 3 micro-batches (no multiple of the stages), the loss broadcast from the last chunk's rank
     eval_rows = map(functools.partial(split_micro_batch, module.context), rows(3))
     eval_loss = float(engine.eval_batch(eval_rows, num_micro_batches=3))
+    received = getattr(engine, "_input_shapes", {})  # the chunked engine's: each boundary's tuple it receives
     return losses, recorded, weights, {**held, "where": where, "stage": engine.stage_id,
                                        "data_parallel_rank": engine.grid.data_parallel_id,
                                        "waiting": max(waiting, default=0), "read": len(read), "eval_loss": eval_loss,
@@ -153,7 +154,8 @@ def train(case, schedule, steps, micro_batch_size, gas, seq_len):
                                        "measured_times": getattr(engine, "zbv_measured_times", None),
                                        "expert_slices": sorted({tuple(p.expert_slice) for p in module.parameters()
                                                                 if hasattr(p, "expert_slice")}),
-                                       "bounds": bounds, "unit_costs": units and units.numbers()}
+                                       "bounds": bounds, "unit_costs": units and units.numbers(),
+                                       "received_tuples": sorted(map(len, received.values()))}
 
 
 def measured_bounds(case, schedule, config, micro_batch_size, gas, seq_len):
@@ -242,8 +244,16 @@ def all_ranks_gradients(recorded, replica):
              for step in recorded]
     gathered = [None] * torch.distributed.get_world_size()
     collectives.all_gather_object(gathered, (replica, local))
-    return [{f"{where}.{name}": torch.from_numpy(grad) for where, steps in gathered
-             for name, grad in steps[step].items()} for step in range(len(recorded))]
+    return [{f"{where}.{compared_name(name, rank)}": torch.from_numpy(grad) for rank, (where, steps) in
+             enumerate(gathered) for name, grad in steps[step].items()} for step in range(len(recorded))]
+
+
+def compared_name(name, rank):
+    """A parameter's name as runs under different schedules compare it: Gemma 4's per-layer norm is one Parameter
+    a rank, named by the rank's first decoder layer, which the chunked schedules place elsewhere than 1F1B; summed
+    over the stages as a tied weight's, each rank's copy holds the whole gradient, so it goes by the rank."""
+    return f"rank{rank}.per_layer_projection_norm.weight" if name.endswith(".per_layer_projection_norm.weight") \
+        else name
 
 
 def overflow_in_gradient(engine, name, step, at_step):

@@ -218,6 +218,10 @@ def test_chunked_schedules_equal_1f1b(tiny_hybrid_checkpoints, tiny_layer_type_c
         expected = {"in_proj_qkvz", "in_proj_ba", "out_proj"} if "next" in name else \
             {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
         assert deferred == expected, name
+    # Gemma 4's tuple after chunks 0, 1, 2: hidden states, embedded tokens, document ids, positions, token ids (5),
+    # with layers 2's and 3's keys and values (9), with layer 3's (7); ZB-V hands the one after chunk 1 over in place
+    for schedule, boundaries in (("interleaved_1f1b", [5, 7, 9]), ("zbv", [5, 7])):
+        assert sorted(n for rank in ranks for n in rank["gemma4_e2b"][schedule]["received_tuples"]) == boundaries
 
 
 # DPO and SimPO on Qwen3.5 against TRL's DPOTrainer and CPOTrainer (tests/test_preference.py's first step:
