@@ -2,12 +2,12 @@
 
 DeepSpeed's pipeline engine sends the shapes between stages once, before its first activation send, and sizes its
 receive and gradient buffers from them; the zero-bubble engine receives into the same shapes, and the chunked engine
-broadcasts its chunks' shapes once (engines/chunked_engine.py). All of them keep those shapes until told otherwise:
-DeepSpeed's `reset_activation_shape` (its own hook for curriculum learning, which the chunked engine extends) makes
-each send the shapes again at its next first send. Every rank of a pipeline must reset together, so each calls
-`use_sequence_length` with the same length before every train_batch and eval_batch: the training loop with the
-step's (training/token_mean.py step_totals agrees it over the job in the step's one all-reduce), evaluation with
-its rows'. Nothing happens while the length stays, so a run of one length sends its shapes once, as before.
+sends each chunk boundary's shapes once (engines/chunked_engine.py). All of them keep those shapes until told
+otherwise: DeepSpeed's `reset_activation_shape` (its own hook for curriculum learning, which the chunked engine
+extends) makes each send the shapes again at its next first send. Every rank of a pipeline must reset together, so
+each calls `use_sequence_length` with the same length before every train_batch and eval_batch: the training loop
+with the step's (training/token_mean.py step_totals agrees it over the job in the step's one all-reduce), evaluation
+with its rows'. Nothing happens while the length stays, so a run of one length sends its shapes once, as before.
 """
 
 
