@@ -15,13 +15,12 @@ and receives (the chunked engine's per tensor, posted and waited for where its p
 first activations, its receive waited for where it is posted), the chunked engine's in-place hand-over between two
 chunks of one rank, and W. Only what computes is replaced (forward, backward, loading, the reductions and the
 optimizer step: stand-ins that make the tensors a stage or chunk passes on, as the project's layers shape them, and
-check the ones it took), and so is the communication under the handlers (DeepSpeed's
-p2p.send / p2p.recv and torch.distributed's send, recv, isend and irecv), by a recorder. Stages run one
-after another, first to last; each receive gets what its peer sent over that link before, in order, as both gloo
-and NCCL match them: under one chunk per rank from the stages recorded before (so the activations are checked, the
-gradients not), under several in passes that each take the previous pass's sends, since ranks also receive from
-ranks after them, until every link's sends keep their shapes, then in a last one that checks every activation and
-gradient."""
+check the ones it took), and so is the communication under the handlers (DeepSpeed's p2p.send / p2p.recv and
+torch.distributed's send, recv, isend and irecv), by a recorder. Stages run one after another, first to last; each
+receive gets what its peer sent over that link before, in order, as both gloo and NCCL match them: under one chunk
+per rank from the stages recorded before (so the activations are checked, the gradients not), under several in
+passes that each take the previous pass's sends, since ranks also receive from ranks after them, until every link's
+sends keep their shapes, then in a last one that checks every activation and gradient."""
 import collections
 import functools
 import itertools
@@ -110,7 +109,7 @@ class Recorder:
         self.program.append(("post", op))
         if direction == "send":
             self.sent[(self.stage, peer)].append(tensor.detach().clone())
-        else:  # the stages recorded before it sent it; later stages' carry no check
+        else:  # what a stage recorded before it (or, chunked, in the previous pass) sent; zeros if none of its shape
             delivered = self.inbox[(peer, self.stage)].popleft() if self.inbox[(peer, self.stage)] else None
             if delivered is not None and delivered.shape == tensor.shape and delivered.dtype == tensor.dtype:
                 tensor.copy_(delivered)
@@ -486,7 +485,7 @@ def record_chunked(schedule, stages, micro_batches, batches, virtual_stages=1, m
                    zbv_times=EQUAL_TIMES, programs=None, checked=True, experts=False):
     """Each rank's operations over `batches` (as record's), recorded from engines/chunked_engine.py: each rank's
     ChunkedPipelineEngine runs its schedule (its program, p2p_program's items as instructions) through DeepSpeed's
-    instruction loop and its own handlers: the activation-shape broadcast, each tensor's send and receive posted and
+    instruction loop and its own handlers: each boundary's shapes message, each tensor's send and receive posted and
     waited for where the program says, the in-place hand-over between chunks of one rank, W. Only DeepSpeed's
     computing is replaced (ChunkComputation, and no reduction or optimizer step). Several passes: ranks receive from
     ranks recorded after them (ZB-V's way back up, interleaving's wrap link), so each pass delivers the previous
@@ -558,8 +557,9 @@ def test_multi_chunk_schedules_are_matched_on_every_link(stages):
     multiples of p, evaluation's any count: its last chunk may be short) on their engine, from a run's start (and, at
     1, p and p + 1 micro-batches, from a DPO reference pass; the configs' 32 and 64: a training step): both sides of
     every link (the wrap link last rank -> rank 0 of interleaving included; on 2 ranks it is the same pair as the link
-    down) post their operations in one order, no send waits on a send, the shapes' broadcast completes on every rank,
-    and each chunk takes its own micro-batch's activations and gradients."""
+    down) post their operations in one order, no send waits on a send, each boundary's shapes message arrives where
+    its receiver waits for it, and each chunk takes its own micro-batch's activations and gradients (each boundary
+    its own tuple)."""
     for micro_batches in micro_batch_counts(stages):
         edge = micro_batches in (1, stages, stages + 1)
         for schedule, virtual_stages in [("zbv", 1), ("interleaved_1f1b", 2), *([("interleaved_1f1b", 3)] * edge)]:
