@@ -198,8 +198,9 @@ def assert_adapters_match_peft(cases, ranks):
 # chunk 0, layers 2's and 3's after chunk 1, layer 3's after chunk 2: engines/chunked_engine.py sends each
 # boundary's own shapes): its losses equal 1F1B's bit for bit, interleaved's gradients within 1.2e-7, ZB-V's second
 # step's gradient of layer 0's input norm weight 3.4e-6 from 1F1B's, its first step's gradients within 6.3e-8 (sums
-# in another order, the per-layer norm's and the tied embedding's, grown through Adam's first step): 4e-6. Gemma 4 31B-like was once 2.2e-6 and once 1.1e-5 from 1F1B under ZB-V (a layer's MLP weight gradient), not
-# yet explained, so not held here.
+# in another order, the per-layer norm's and the tied embedding's, grown through Adam's first step): 4e-6. Gemma 4
+# 31B-like was once 2.2e-6 and once 1.1e-5 from 1F1B under ZB-V (a layer's MLP weight gradient), not yet explained,
+# so not held here.
 CHUNKED_HYBRIDS = ("qwen3_5_tied", "qwen3_next")
 ZBV_TOLERANCES = {"gemma3_text": 3e-6, "gemma4_e2b": 4e-6}
 SCHEDULE_CASES = {family: (family, dict(stages=2, schedules=("interleaved_1f1b", "zbv"), virtual_stages=2,
