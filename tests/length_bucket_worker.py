@@ -73,8 +73,10 @@ def build_engine(case, schedule, config, micro_batch_size, gas):
                                    loss_chunk_tokens=7, context_parallel_size=case.get("context_parallel", 1),
                                    objective=PreferenceSettings(case.get("objective", "sft")))
     # SGD: a weight moves by its gradient (Adam's normalised step would blow fp32 noise on a near-zero gradient up to
-    # a whole step, which the later steps' comparison would then measure)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
+    # a whole step, which the later steps' comparison would then measure); a case may take a smaller rate
+    # (tests/test_length_buckets.py CASES says why Gemma 4's does)
+    optimizer = torch.optim.SGD(module.parameters(), lr=case.get("learning_rate", 0.1))
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer,
                                            config={"train_micro_batch_size_per_gpu": micro_batch_size,
                                                    "gradient_accumulation_steps": gas, "steps_per_print": 10**9,
                                                    "gradient_clipping": 0.0,

@@ -176,17 +176,34 @@ CASES = {
     # here reach 2.3e-6.
     "2stages_x_2dp_qwen3_5_moe": ("qwen3_5_moe", dict(stages=2, schedule="1f1b", length_buckets=[8, 12], rows=128,
                                                       order_seed=10, grad_tolerance=5e-6)),
+    # Gemma 3 (sliding windows of 4 shorter than the rows, (1 + w) q/k norms, the scaled tied embedding across the
+    # stages, the final soft cap in the chunked loss) on 1F1B: its q/k norms' gradients sum each head's normalised
+    # queries and keys over the tokens, with much cancellation, so fp32's other summation order shows more of the
+    # largest element: transformers' own (SDPA; eager 8.2e-6) move by 1.1e-5 between rows padded to 8 and to 16
+    # over three such steps, ours 1.3e-5 here, and the weights they leave 2.1e-6.
+    "2stages_x_2dp_gemma3": ("gemma3_text", dict(stages=2, schedule="1f1b", length_buckets=[8, 12], rows=128,
+                                                 order_seed=10, grad_tolerance=2e-5, weight_tolerance=3e-6)),
+    # Gemma 4 E2B-like under ZB-H1: per-layer embeddings, layer 4 reusing layer 2's keys and values from the other
+    # stage, both carried in the stage tuple at the step's width, the soft cap. SGD at 1e-3: at 0.1 its tiny model
+    # amplifies fp32's rounding step after step, transformers' own three steps on random rows padded to 8 and to 16
+    # parting from 1e-5 of the largest gradient to 1.1e-3 (SDPA; eager 2.6e-4), a gap ours showed too (3.9e-3 on
+    # these rows); at 1e-3 transformers' stay within the first step's 1e-5, ours within 1.6e-5.
+    "2stages_x_2dp_gemma4_zero_bubble": ("gemma4_e2b", dict(stages=2, schedule="zero_bubble", length_buckets=[8, 12],
+                                                            rows=128, order_seed=10, learning_rate=1e-3,
+                                                            grad_tolerance=3e-5)),
 }
 
 
 @pytest.mark.slow
-def test_bucketed_losses_equal_padded_ones_under_every_schedule(tiny_checkpoints, tiny_hybrid_checkpoints, tmp_path):
+def test_bucketed_losses_equal_padded_ones_under_every_schedule(tiny_checkpoints, tiny_hybrid_checkpoints,
+                                                                tiny_layer_type_checkpoints, tmp_path):
     """Each case trains on the same rows in the same steps with each step padded to its bucket and to seq_length:
     the same loss units (the token mean's denominators), losses within 1e-6, an evaluation at seq_length after step
-    1 alike, every step's gradients within 2e-6 of the largest (the hybrid's within 5e-6) and the weights the steps
-    leave within 1e-6 (fp32 sums over other shapes; under tensor and context parallelism the real tokens sit on
-    other ranks when the rows are shorter, and are summed in another order); DPO's reference pass the same."""
-    checkpoints = {**tiny_checkpoints, **tiny_hybrid_checkpoints}
+    1 alike, every step's gradients within 2e-6 of the largest (the hybrid's within 5e-6, Gemma's within 2e-5 and
+    3e-5: CASES) and the weights the steps leave within 1e-6 (Gemma 3's 3e-6) (fp32 sums over other shapes; under
+    tensor and context parallelism the real tokens sit on other ranks when the rows are shorter, and are summed in
+    another order); DPO's reference pass the same."""
+    checkpoints = {**tiny_checkpoints, **tiny_hybrid_checkpoints, **tiny_layer_type_checkpoints}
     cases = [dict(name=name, hf_dir=checkpoints[model][0], ds_dir=checkpoints[model][1], **settings)
              for name, (model, settings) in CASES.items()]
     spawn(length_bucket_worker.run, 4, cases, STEPS, MICRO_BATCH, GAS, SEQ, str(tmp_path))
@@ -209,7 +226,7 @@ def test_bucketed_losses_equal_padded_ones_under_every_schedule(tiny_checkpoints
         assert result["eval_loss"] == pytest.approx(result["padded_eval_loss"], abs=1e-6, rel=0), name
         assert result["grad_steps"] == [STEPS, STEPS], name
         assert result["max_grad_error"] <= settings.get("grad_tolerance", 2e-6), (name, result["worst_grad"])
-        assert result["max_weight_error"] <= 1e-6, (name, result["worst_weight"])
+        assert result["max_weight_error"] <= settings.get("weight_tolerance", 1e-6), (name, result["worst_weight"])
         if settings.get("objective") == "dpo":
             assert result["reference"] == result["padded_reference"] and result["reference"][0], name
 

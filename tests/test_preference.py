@@ -42,11 +42,12 @@ def preference_model(tmp_path_factory):
     return preference_checkpoint(tmp_path_factory.mktemp("preference"), config, tokenizer, 48)
 
 
-# The other families, each with its own chat tokenizer's special tokens (tests/chat_tokenizers.py); Gemma 4 E2B-like
-# (tests/tiny_models.py LAYER_TYPE_CONFIGS: per-layer embeddings, shared keys/values, the final soft cap, which the
-# log-probabilities take inside the chunked loss) with Gemma's.
-FAMILIES = ("qwen3", "phi3", "olmo2", "granite", "smollm3", "gemma4_e2b")
-FAMILY_TOKENIZERS = {"gemma4_e2b": "gemma"}
+# The other families, each with its own chat tokenizer's special tokens (tests/chat_tokenizers.py); Gemma 3 (sliding
+# and full layers, the scaled embedding, (1 + w) norms) and Gemma 4 E2B-like (tests/tiny_models.py
+# LAYER_TYPE_CONFIGS: per-layer embeddings, shared keys/values), both with the final soft cap, which the
+# log-probabilities take inside the chunked loss, with Gemma's.
+FAMILIES = ("qwen3", "phi3", "olmo2", "granite", "smollm3", "gemma3_text", "gemma4_e2b")
+FAMILY_TOKENIZERS = {"gemma3_text": "gemma", "gemma4_e2b": "gemma"}
 # Gemma 4's first-step gradients are compared within 1e-4 (as tests/test_gemma_pipeline.py's): TRL's own eager and
 # SDPA runs are 2.2e-5 apart on them (the first layer's MLP and per-layer projection), the pipeline (SDPA) 3.9e-5
 # from the eager run; the loss and rewards within 1e-5 (seen 1.4e-8).
@@ -840,9 +841,9 @@ def test_first_step_gradients_equal_trl(preference_model, one_process_runs, two_
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_first_step_gradients_equal_trl_for_each_family(family, family_preference_models, one_process_runs):
-    """Each other family (Qwen3, Phi-3, OLMo 2, Granite 3, SmolLM3, Gemma 4): DPO's first-step loss, rewards and
-    every gradient within 1e-5 of TRL's (Gemma's within 1e-4: FAMILY_GRAD_TOLERANCES) on 1 stage with full
-    weights and with LoRA (Phi's on its fused projections, as peft; Gemma's log-probabilities of its soft-capped
+    """Each other family (Qwen3, Phi-3, OLMo 2, Granite 3, SmolLM3, Gemma 3, Gemma 4): DPO's first-step loss,
+    rewards and every gradient within 1e-5 of TRL's (Gemma 4's within 1e-4: FAMILY_GRAD_TOLERANCES) on 1 stage with
+    full weights and with LoRA (Phi's on its fused projections, as peft; Gemma's log-probabilities of their soft-capped
     logits). DPO under tensor parallelism: LLaMA's (test_first_step_gradients_equal_trl); each family's layers
     under it (Granite's logit scaling in the vocabulary-parallel head, OLMo 2's projection norms across the group):
     tests/test_tensor_parallel.py."""
